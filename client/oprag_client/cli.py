@@ -1,0 +1,348 @@
+"""The ``oprag`` command: serve, ingest, query, delete, stats, eval, health."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+
+from .client import MODES, OpRAGClient
+
+
+def _add_server(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--server", default=os.environ.get("OPRAG_SERVER", "127.0.0.1:50051"), help="HOST:PORT")
+    p.add_argument("--timeout", type=float, default=None, help="per-RPC deadline in seconds")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="oprag", description="OpRAG: multi-stage RAG runtime over gRPC")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("serve", help="run the service")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=50051)
+    s.add_argument("--metrics-host", default=None, help="address of /metrics (default: --host)")
+    s.add_argument("--metrics-port", type=int, default=9464)
+    s.add_argument("--data-dir", default="./oprag-data")
+    s.add_argument("--shards", type=int, default=2)
+    s.add_argument("--embedder", default="minilm", help="'minilm' or a local encoder directory")
+    s.add_argument("--generator", default="smollm2", help="'smollm2', 'none', or a local HF causal LM directory")
+    s.add_argument("--chunk-size", type=int, default=900, help="characters per chunk")
+    s.add_argument("--chunk-overlap", type=int, default=0, help="characters shared by consecutive chunks")
+    s.add_argument("--candidates", type=int, default=128, help="dense candidates N of dense-first hybrid")
+    s.add_argument("--max-batch", type=int, default=8, help="queries per scheduler batch")
+    s.add_argument("--max-wait-ms", type=float, default=4.0, help="how long a batch waits for company")
+    s.add_argument("--queue-capacity", type=int, default=256, help="unfinished queries admitted")
+    s.add_argument("--no-overlap", action="store_true", help="run the stages of a batch strictly in sequence")
+    s.add_argument("--context-tokens", type=int, default=1024, help="prompt token budget")
+    s.add_argument("--max-new-tokens", type=int, default=64, help="default new tokens per answer")
+    s.add_argument("--stem", action="store_true", help="English stemming in the BM25 analyzer (snowballstemmer)")
+    s.add_argument("--log-level", default="INFO")
+
+    i = sub.add_parser("ingest", help="stream documents into the service")
+    _add_server(i)
+    i.add_argument("--format", choices=["text", "jsonl", "beir", "wikitext"], default="text")
+    i.add_argument("--docs-per-stream", type=int, default=256, help="documents per Ingest stream")
+    i.add_argument("--json", action="store_true", help="print a JSON summary object last")
+    i.add_argument("--no-progress", action="store_true")
+    i.add_argument("paths", nargs="+", type=Path)
+
+    q = sub.add_parser("query", help="ask a question")
+    _add_server(q)
+    q.add_argument("--top-k", type=int, default=0)
+    q.add_argument("--mode", choices=list(MODES), default="hybrid")
+    q.add_argument("--session", default="")
+    q.add_argument("--max-new-tokens", type=int, default=0)
+    q.add_argument("--candidates", type=int, default=0)
+    q.add_argument("--no-generate", action="store_true", help="retrieve only")
+    q.add_argument("--json", action="store_true")
+    q.add_argument("question", nargs="+")
+
+    d = sub.add_parser("delete", help="delete documents by id")
+    _add_server(d)
+    d.add_argument("--json", action="store_true")
+    d.add_argument("doc_ids", nargs="+")
+
+    st = sub.add_parser("stats", help="corpus statistics")
+    _add_server(st)
+    st.add_argument("--json", action="store_true")
+
+    e = sub.add_parser("eval", help="evaluate retrieval")
+    esub = e.add_subparsers(dest="suite", required=True)
+    eb = esub.add_parser("beir", help="BEIR queries + qrels: nDCG@10, Recall@100, MRR@10")
+    _add_server(eb)
+    eb.add_argument("--queries", type=Path, required=True)
+    eb.add_argument("--qrels", type=Path, required=True)
+    eb.add_argument("--mode", choices=list(MODES), default="hybrid")
+    eb.add_argument("--top-k", type=int, default=100)
+    eb.add_argument("--concurrency", type=int, default=1)
+    eb.add_argument("--limit", type=int, default=0, help="evaluate only the first N judged queries")
+
+    h = sub.add_parser("health", help="grpc.health.v1 status")
+    _add_server(h)
+    return ap
+
+
+def _fail(msg: str, code: int = 1) -> int:
+    print(f"oprag: {msg}", file=sys.stderr)
+    return code
+
+
+def _rpc_error(exc: grpc.RpcError) -> int:
+    return _fail(f"{exc.code().name}: {exc.details()}")
+
+
+def cmd_serve(a) -> int:
+    import asyncio
+    import logging
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from oprag_server.app import serve
+    from oprag_server.config import (
+        BatchConfig, BM25Config, ChunkingConfig, EmbedConfig, GenerateConfig, RetrievalConfig, ServerConfig,
+    )
+
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = ServerConfig(
+            host=a.host,
+            port=a.port,
+            metrics_host=a.metrics_host,
+            metrics_port=a.metrics_port,
+            data_dir=Path(a.data_dir),
+            shards=a.shards,
+            chunking=ChunkingConfig(size=a.chunk_size, overlap=a.chunk_overlap),
+            bm25=BM25Config(stem=a.stem),
+            retrieval=RetrievalConfig(candidates=a.candidates),
+            embed=EmbedConfig(model=a.embedder),
+            generate=GenerateConfig(model=a.generator, context_tokens=a.context_tokens,
+                                    default_max_new_tokens=a.max_new_tokens),
+            batch=BatchConfig(max_batch=a.max_batch, max_wait_ms=a.max_wait_ms, queue_capacity=a.queue_capacity,
+                              overlap=not a.no_overlap),
+        )
+        asyncio.run(serve(cfg))
+    except (ValueError, RuntimeError, OSError) as exc:
+        return _fail(str(exc), 2)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _batches(it, n):
+    batch = []
+    for x in it:
+        batch.append(x)
+        if len(batch) >= n:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def cmd_ingest(a) -> int:
+    from tqdm import tqdm
+
+    from .loaders import LOADERS
+
+    docs = LOADERS[a.format](a.paths)
+    totals = {"documents": 0, "chunks": 0, "replaced": 0, "rejected": [], "chunks_split": 0, "seq": 0}
+    t0 = time.perf_counter()
+    bar = tqdm(unit="doc", disable=a.no_progress, file=sys.stderr, dynamic_ncols=True)
+    try:
+        with OpRAGClient(a.server, timeout=a.timeout) as c:
+            for batch in _batches(docs, max(1, a.docs_per_stream)):
+                r = c.ingest(batch)
+                offset = totals["documents"] + len(totals["rejected"])
+                totals["documents"] += r.documents_written
+                totals["chunks"] += r.chunks_written
+                totals["replaced"] += r.documents_replaced
+                totals["chunks_split"] += r.chunks_split
+                totals["seq"] = r.seq
+                totals["rejected"] += [{"index": offset + x.index, "id": x.id, "reason": x.reason} for x in r.rejected]
+                bar.update(len(batch))
+                el = time.perf_counter() - t0
+                bar.set_postfix(chunks=totals["chunks"], chunks_per_s=f"{totals['chunks'] / el:.1f}")
+    except grpc.RpcError as exc:
+        bar.close()
+        return _rpc_error(exc)
+    except (ValueError, FileNotFoundError, OSError) as exc:
+        bar.close()
+        return _fail(str(exc))
+    bar.close()
+    el = time.perf_counter() - t0
+    summary = {
+        "documents": totals["documents"],
+        "chunks": totals["chunks"],
+        "replaced": totals["replaced"],
+        "chunks_split": totals["chunks_split"],
+        "rejected": totals["rejected"],
+        "elapsed_s": round(el, 3),
+        "documents_per_s": round(totals["documents"] / el, 2) if el else 0.0,
+        "chunks_per_s": round(totals["chunks"] / el, 2) if el else 0.0,
+        "seq": totals["seq"],
+    }
+    for r in totals["rejected"]:
+        print(f"rejected #{r['index']} {r['id']!r}: {r['reason']}", file=sys.stderr)
+    if a.json:
+        print(json.dumps(summary))
+    else:
+        print(f"ingested {summary['documents']} documents, {summary['chunks']} chunks in {el:.1f} s "
+              f"({summary['chunks_per_s']} chunks/s); {len(summary['rejected'])} rejected")
+    return 0
+
+
+def _hit_json(h) -> dict:
+    return {
+        "chunk_id": h.chunk_id,
+        "doc_id": h.doc_id,
+        "title": h.title,
+        "text": h.text,
+        "score": h.score,
+        "dense_score": h.dense_score,
+        "lexical_score": h.lexical_score,
+        "shard": h.shard,
+    }
+
+
+def cmd_query(a) -> int:
+    question = " ".join(a.question)
+    try:
+        with OpRAGClient(a.server, timeout=a.timeout) as c:
+            kw = dict(top_k=a.top_k, mode=a.mode, session_id=a.session, candidates=a.candidates)
+            if a.no_generate:
+                r = c.retrieve(question, **kw)
+                answer = None
+            else:
+                r = c.query(question, max_new_tokens=a.max_new_tokens, **kw)
+                answer = r.answer
+    except grpc.RpcError as exc:
+        return _rpc_error(exc)
+    if a.json:
+        out = {"answer": answer, "hits": [_hit_json(h) for h in r.hits], "timings_ms": dict(r.timings_ms),
+               "request_id": r.request_id}
+        if answer is not None:
+            out["sources"] = [{"number": s.number, "chunk_id": s.chunk_id, "doc_id": s.doc_id, "title": s.title,
+                               "truncated": s.truncated} for s in r.sources]
+        print(json.dumps(out, ensure_ascii=False))
+        return 0
+    if answer is not None:
+        print(answer.strip() or "(empty answer)")
+        print()
+        print("Sources:")
+        for s in r.sources:
+            print(f"  [{s.number}] {s.title or s.doc_id}  ({s.chunk_id}{', truncated' if s.truncated else ''})")
+    else:
+        for i, h in enumerate(r.hits, 1):
+            snippet = " ".join(h.text.split())[:160]
+            print(f"{i:>2}. {h.score:.4f}  {h.chunk_id}  [{h.title}]  {snippet}")
+    return 0
+
+
+def cmd_delete(a) -> int:
+    try:
+        with OpRAGClient(a.server, timeout=a.timeout) as c:
+            r = c.delete(a.doc_ids)
+    except grpc.RpcError as exc:
+        return _rpc_error(exc)
+    out = {"documents_deleted": r.documents_deleted, "chunks_deleted": r.chunks_deleted, "seq": r.seq}
+    print(json.dumps(out) if a.json else f"deleted {r.documents_deleted} documents ({r.chunks_deleted} chunks)")
+    return 0
+
+
+def cmd_stats(a) -> int:
+    try:
+        with OpRAGClient(a.server, timeout=a.timeout) as c:
+            r = c.stats()
+    except grpc.RpcError as exc:
+        return _rpc_error(exc)
+    out = {
+        "documents": r.documents,
+        "chunks": r.chunks,
+        "memory_records": r.memory_records,
+        "seq": r.seq,
+        "embedder": r.embedder,
+        "generator": r.generator,
+        "shards": [{"shard": s.shard, "documents": s.documents, "chunks": s.chunks,
+                    "memory_records": s.memory_records, "applied_seq": s.applied_seq} for s in r.shards],
+    }
+    print(json.dumps(out, indent=None if a.json else 2))
+    return 0
+
+
+def cmd_eval(a) -> int:
+    from .evaluate import doc_ranking, load_qrels, load_queries, mrr_at_k, ndcg_at_k, percentile, recall_at_k
+
+    try:
+        queries = load_queries(a.queries)
+        qrels = load_qrels(a.qrels)
+    except (OSError, ValueError, KeyError) as exc:
+        return _fail(f"cannot read queries/qrels: {exc}")
+    judged = [qid for qid in qrels if qid in queries and any(r > 0 for r in qrels[qid].values())]
+    if a.limit:
+        judged = judged[: a.limit]
+    if not judged:
+        return _fail("no judged query of the qrels is in the queries file")
+    top_k = max(a.top_k, 100)
+
+    def one(c, qid):
+        t = time.perf_counter()
+        r = c.retrieve(queries[qid], top_k=top_k, mode=a.mode)
+        return qid, [h.doc_id for h in r.hits], (time.perf_counter() - t) * 1000
+
+    try:
+        with OpRAGClient(a.server, timeout=a.timeout) as c, ThreadPoolExecutor(max(1, a.concurrency)) as ex:
+            results = list(ex.map(lambda q: one(c, q), judged))
+    except grpc.RpcError as exc:
+        return _rpc_error(exc)
+    nd, rc, mr, lat = [], [], [], []
+    for qid, docs, ms in results:
+        ranked = doc_ranking(docs)
+        nd.append(ndcg_at_k(ranked, qrels[qid], 10))
+        rc.append(recall_at_k(ranked, qrels[qid], 100))
+        mr.append(mrr_at_k(ranked, qrels[qid], 10))
+        lat.append(ms)
+    n = len(results)
+    print(json.dumps({
+        "ndcg@10": round(sum(nd) / n, 5),
+        "recall@100": round(sum(rc) / n, 5),
+        "mrr@10": round(sum(mr) / n, 5),
+        "n": n,
+        "mode": a.mode,
+        "p50_ms": round(percentile(lat, 50), 3),
+        "p95_ms": round(percentile(lat, 95), 3),
+    }))
+    return 0
+
+
+def cmd_health(a) -> int:
+    try:
+        with OpRAGClient(a.server) as c:
+            status = c.health(timeout=a.timeout or 5.0)
+    except grpc.RpcError as exc:
+        return _rpc_error(exc)
+    print(status)
+    return 0 if status == "SERVING" else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
+    return {
+        "serve": cmd_serve,
+        "ingest": cmd_ingest,
+        "query": cmd_query,
+        "delete": cmd_delete,
+        "stats": cmd_stats,
+        "eval": cmd_eval,
+        "health": cmd_health,
+    }[a.cmd](a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""Typed Python client for the OpRAG service (sync :class:`OpRAGClient`, asyncio
+:class:`AsyncOpRAGClient`).
+
+Both set the same message size limit as the server and split ingest streams into messages that
+stay under it. Errors surface as ``grpc.RpcError`` (sync) / ``grpc.aio.AioRpcError`` (async)
+with the server's status code and message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from oprag.v1 import oprag_pb2, oprag_pb2_grpc
+
+DEFAULT_MAX_MESSAGE_BYTES = 32 * 1024 * 1024
+MODES = {
+    "hybrid": oprag_pb2.HYBRID,
+    "dense": oprag_pb2.DENSE,
+    "lexical": oprag_pb2.LEXICAL,
+    "full_hybrid": oprag_pb2.FULL_HYBRID,
+}
+
+
+@dataclass
+class Doc:
+    """One document to ingest."""
+
+    id: str
+    text: str
+    title: str = ""
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    def to_pb(self) -> oprag_pb2.Document:
+        return oprag_pb2.Document(
+            id=self.id, title=self.title, text=self.text, metadata={str(k): str(v) for k, v in self.metadata.items()}
+        )
+
+
+def _as_pb(d: Any) -> oprag_pb2.Document:
+    if isinstance(d, oprag_pb2.Document):
+        return d
+    if isinstance(d, Doc):
+        return d.to_pb()
+    if isinstance(d, Mapping):
+        return Doc(str(d["id"]), d["text"], d.get("title") or "", dict(d.get("metadata") or {})).to_pb()
+    raise TypeError(f"cannot ingest {type(d).__name__}: pass Doc, oprag_pb2.Document or a dict with id and text")
+
+
+def ingest_messages(docs: Iterable[Any], max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                    max_docs_per_message: int = 64) -> Iterator[oprag_pb2.IngestRequest]:
+    """Pack documents into IngestRequest messages each under ``max_message_bytes`` (with room
+    for framing), then a final message carrying the number of documents sent.
+
+    :raises ValueError: a single document is larger than the message limit.
+    """
+    budget = int(max_message_bytes * 0.9) - 1024
+    batch: list[oprag_pb2.Document] = []
+    size = 0
+    sent = 0
+    for d in docs:
+        pb = _as_pb(d)
+        n = pb.ByteSize() + 8
+        if n > budget:
+            raise ValueError(f"document {pb.id!r} is {n} bytes; messages are limited to {max_message_bytes}: split it")
+        if batch and (size + n > budget or len(batch) >= max_docs_per_message):
+            yield oprag_pb2.IngestRequest(documents=batch)
+            batch, size = [], 0
+        batch.append(pb)
+        size += n
+        sent += 1
+    yield oprag_pb2.IngestRequest(documents=batch, final=True, sent_documents=sent)
+
+
+def query_request(question: str, *, top_k: int = 0, mode: str = "hybrid", session_id: str = "",
+                  max_new_tokens: int = 0, candidates: int = 0, disable_memory: bool = False) -> oprag_pb2.QueryRequest:
+    """Build a QueryRequest. :raises ValueError: unknown ``mode`` (use one of :data:`MODES`)."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
+    return oprag_pb2.QueryRequest(
+        question=question,
+        top_k=top_k,
+        mode=MODES[mode],
+        session_id=session_id,
+        generation=oprag_pb2.GenerationOptions(max_new_tokens=max_new_tokens),
+        candidates=candidates,
+        disable_memory=disable_memory,
+    )
+
+
+def _options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+    ]
+
+
+class OpRAGClient:
+    """Blocking client. Use as a context manager or call :meth:`close`."""
+
+    def __init__(self, target: str = "127.0.0.1:50051", *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 timeout: float | None = None) -> None:
+        self.max_message_bytes = max_message_bytes
+        self.timeout = timeout
+        self.channel = grpc.insecure_channel(target, options=_options(max_message_bytes))
+        self.stub = oprag_pb2_grpc.OpRAGStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+
+    def __enter__(self) -> OpRAGClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        """Block until the channel connects. :raises grpc.FutureTimeoutError: not in time."""
+        grpc.channel_ready_future(self.channel).result(timeout=timeout)
+
+    def ingest(self, docs: Iterable[Any], *, timeout: float | None = None) -> oprag_pb2.IngestResponse:
+        return self.stub.Ingest(ingest_messages(docs, self.max_message_bytes), timeout=timeout or self.timeout)
+
+    def query(self, question: str, *, timeout: float | None = None, **kw) -> oprag_pb2.QueryResponse:
+        return self.stub.Query(query_request(question, **kw), timeout=timeout or self.timeout)
+
+    def retrieve(self, question: str, *, timeout: float | None = None, **kw) -> oprag_pb2.RetrieveResponse:
+        kw.pop("max_new_tokens", None)
+        return self.stub.Retrieve(query_request(question, **kw), timeout=timeout or self.timeout)
+
+    def delete(self, doc_ids: Iterable[str], *, timeout: float | None = None) -> oprag_pb2.DeleteResponse:
+        return self.stub.Delete(oprag_pb2.DeleteRequest(doc_ids=list(doc_ids)), timeout=timeout or self.timeout)
+
+    def stats(self, *, timeout: float | None = None) -> oprag_pb2.StatsResponse:
+        return self.stub.Stats(oprag_pb2.StatsRequest(), timeout=timeout or self.timeout)
+
+    def health(self, service: str = "", *, timeout: float | None = 5.0) -> str:
+        """``"SERVING"``, ``"NOT_SERVING"``, ... of the standard grpc.health.v1 service."""
+        r = self.health_stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+
+
+class AsyncOpRAGClient:
+    """asyncio client (grpc.aio). Use ``async with`` or await :meth:`close`."""
+
+    def __init__(self, target: str = "127.0.0.1:50051", *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 timeout: float | None = None) -> None:
+        self.max_message_bytes = max_message_bytes
+        self.timeout = timeout
+        self.channel = grpc.aio.insecure_channel(target, options=_options(max_message_bytes))
+        self.stub = oprag_pb2_grpc.OpRAGStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+
+    async def __aenter__(self) -> AsyncOpRAGClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def ingest(self, docs: Iterable[Any] | AsyncIterable[Any], *, timeout: float | None = None):
+        if isinstance(docs, AsyncIterable):
+            collected = [d async for d in docs]
+            docs = collected
+        return await self.stub.Ingest(ingest_messages(docs, self.max_message_bytes), timeout=timeout or self.timeout)
+
+    async def query(self, question: str, *, timeout: float | None = None, **kw):
+        return await self.stub.Query(query_request(question, **kw), timeout=timeout or self.timeout)
+
+    async def retrieve(self, question: str, *, timeout: float | None = None, **kw):
+        kw.pop("max_new_tokens", None)
+        return await self.stub.Retrieve(query_request(question, **kw), timeout=timeout or self.timeout)
+
+    async def delete(self, doc_ids: Iterable[str], *, timeout: float | None = None):
+        return await self.stub.Delete(oprag_pb2.DeleteRequest(doc_ids=list(doc_ids)), timeout=timeout or self.timeout)
+
+    async def stats(self, *, timeout: float | None = None):
+        return await self.stub.Stats(oprag_pb2.StatsRequest(), timeout=timeout or self.timeout)
+
+    async def health(self, service: str = "", *, timeout: float | None = 5.0) -> str:
+        r = await self.health_stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)

@@ -1,0 +1,79 @@
+"""Retrieval evaluation on BEIR-format queries and qrels (``oprag eval beir``).
+
+Hits are chunks; they are mapped to documents keeping each document's best (first) rank, as
+BEIR scores documents. Metrics follow the TREC definitions used by BEIR (pytrec_eval):
+
+* nDCG@k = DCG@k / IDCG@k with DCG@k = sum_{i=1..k} rel_i / log2(i + 1) (linear gain).
+* Recall@k = |relevant docs in the top k| / |relevant docs|.
+* MRR@k = 1 / rank of the first relevant doc within the top k (0 if none).
+
+Queries without a positive judgement are skipped, as in BEIR.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+
+def load_queries(path: Path) -> dict[str, str]:
+    """BEIR queries.jsonl -> {query id: text}."""
+    out = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                obj = json.loads(line)
+                out[str(obj["_id"])] = obj["text"]
+    return out
+
+
+def load_qrels(path: Path) -> dict[str, dict[str, int]]:
+    """BEIR qrels TSV (header ``query-id corpus-id score``, any line ending) -> {qid: {docid: rel}}."""
+    out: dict[str, dict[str, int]] = {}
+    with open(path, encoding="utf-8", newline="") as f:
+        rows = csv.reader(f, delimiter="\t")
+        header = next(rows, None)
+        if header is None:
+            return out
+        if not header or header[0].strip().lower() not in ("query-id", "query_id", "qid"):
+            rows = iter([header, *rows])
+        for row in rows:
+            if len(row) < 3 or not row[0].strip():
+                continue
+            out.setdefault(row[0].strip(), {})[row[1].strip()] = int(float(row[2]))
+    return out
+
+
+def doc_ranking(doc_ids: list[str]) -> list[str]:
+    """Documents in order of their first (best-ranked) chunk."""
+    return list(dict.fromkeys(doc_ids))
+
+
+def ndcg_at_k(ranked: list[str], rels: dict[str, int], k: int) -> float:
+    dcg = sum(rels.get(d, 0) / math.log2(i + 2) for i, d in enumerate(ranked[:k]))
+    ideal = sorted((r for r in rels.values() if r > 0), reverse=True)[:k]
+    idcg = sum(r / math.log2(i + 2) for i, r in enumerate(ideal))
+    return dcg / idcg if idcg > 0 else 0.0
+
+
+def recall_at_k(ranked: list[str], rels: dict[str, int], k: int) -> float:
+    relevant = {d for d, r in rels.items() if r > 0}
+    return len(relevant & set(ranked[:k])) / len(relevant) if relevant else 0.0
+
+
+def mrr_at_k(ranked: list[str], rels: dict[str, int], k: int) -> float:
+    for i, d in enumerate(ranked[:k]):
+        if rels.get(d, 0) > 0:
+            return 1.0 / (i + 1)
+    return 0.0
+
+
+def percentile(values: list[float], p: float) -> float:
+    """Nearest-rank percentile (p in [0, 100]); 0.0 for an empty list."""
+    if not values:
+        return 0.0
+    s = sorted(values)
+    idx = max(0, min(len(s) - 1, math.ceil(p / 100 * len(s)) - 1))
+    return s[idx]

@@ -1,0 +1,115 @@
+"""Document loaders for ``oprag ingest --format text|jsonl|beir|wikitext``.
+
+Each loader yields :class:`~oprag_client.client.Doc` lazily, so large files stream.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+from .client import Doc
+
+TEXT_SUFFIXES = {".txt", ".md", ".rst", ".text"}
+_WIKI_TITLE = re.compile(r"^ = ([^=].*?) = $")
+_WIKI_DETOK = [(" @-@ ", "-"), (" @,@ ", ","), (" @.@ ", ".")]
+
+
+def _metadata(m) -> dict[str, str]:
+    if not m:
+        return {}
+    if not isinstance(m, dict):
+        raise ValueError(f"metadata must be a JSON object, got {type(m).__name__}")
+    return {str(k): v if isinstance(v, str) else json.dumps(v, sort_keys=True) for k, v in m.items()}
+
+
+def load_text(paths: list[Path]) -> Iterator[Doc]:
+    """Plain text files (a directory is searched recursively for .txt/.md/.rst files).
+    The id is the path relative to the given directory (or the file name); the title is the
+    file stem."""
+    for p in paths:
+        if p.is_dir():
+            files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES)
+            for f in files:
+                yield Doc(id=str(f.relative_to(p)), title=f.stem, text=f.read_text(encoding="utf-8", errors="replace"))
+        elif p.is_file():
+            yield Doc(id=p.name, title=p.stem, text=p.read_text(encoding="utf-8", errors="replace"))
+        else:
+            raise FileNotFoundError(f"{p}: no such file or directory")
+
+
+def load_jsonl(paths: list[Path]) -> Iterator[Doc]:
+    """JSON lines ``{"id", "text", "title"?, "metadata"?}``.
+
+    :raises ValueError: a line is not JSON or lacks id/text (the message names file and line).
+    """
+    for p in paths:
+        with open(p, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                    yield Doc(id=str(obj["id"]), text=obj["text"], title=obj.get("title") or "",
+                              metadata=_metadata(obj.get("metadata")))
+                except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                    raise ValueError(f"{p}:{n}: expected a JSON object with id and text ({exc})") from exc
+
+
+def load_beir(paths: list[Path]) -> Iterator[Doc]:
+    """BEIR ``corpus.jsonl``: ``{"_id", "title", "text", "metadata"}`` (a directory means its
+    corpus.jsonl)."""
+    for p in paths:
+        if p.is_dir():
+            p = p / "corpus.jsonl"
+        with open(p, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                    yield Doc(id=str(obj["_id"]), text=obj["text"], title=obj.get("title") or "",
+                              metadata=_metadata(obj.get("metadata")))
+                except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                    raise ValueError(f"{p}:{n}: expected a BEIR corpus line with _id and text ({exc})") from exc
+
+
+def wikitext_articles(text: str) -> Iterator[tuple[str, str]]:
+    """Split WikiText into ``(title, body)`` per `` = Title = `` heading. Section headings
+    (`` = = Section = = ``) stay in the body; WikiText's ``@-@``, ``@,@`` and ``@.@`` tokens are
+    joined back."""
+    title, body = None, []
+    for line in text.splitlines():
+        m = _WIKI_TITLE.match(line)
+        if m:
+            if title is not None:
+                yield title, _detok("\n".join(body))
+            title, body = m.group(1).strip(), []
+        elif title is not None and line.strip():
+            body.append(line.strip())
+    if title is not None:
+        yield title, _detok("\n".join(body))
+
+
+def _detok(s: str) -> str:
+    for a, b in _WIKI_DETOK:
+        s = s.replace(a, b)
+    return s
+
+
+def load_wikitext(paths: list[Path]) -> Iterator[Doc]:
+    """One document per WikiText article; id ``<file stem>:<title>`` (a repeated title gets
+    ``#2``, ``#3``...)."""
+    for p in paths:
+        seen: dict[str, int] = {}
+        for title, body in wikitext_articles(p.read_text(encoding="utf-8")):
+            if not body.strip():
+                continue
+            seen[title] = seen.get(title, 0) + 1
+            suffix = f"#{seen[title]}" if seen[title] > 1 else ""
+            yield Doc(id=f"{p.stem}:{title}{suffix}", title=title, text=body, metadata={"source": p.name})
+
+
+LOADERS = {"text": load_text, "jsonl": load_jsonl, "beir": load_beir, "wikitext": load_wikitext}

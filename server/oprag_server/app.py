@@ -1,0 +1,244 @@
+"""Composition root: builds the runtime (models, shard pool, operators, executors) and serves it
+over grpc.aio with health checking, reflection and a Prometheus endpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from oprag.v1 import oprag_pb2, oprag_pb2_grpc
+
+from .config import ServerConfig
+from .engine.ingest import IngestPipeline
+from .engine.query import QueryEngine
+from .engine.rwlock import RWLock
+from .index.analyzer import Analyzer
+from .index.bm25 import CorpusStats
+from .operators.memory import Memory
+from .operators.retrieve import Retriever
+from .service.metrics import Metrics
+from .service.servicer import OpRAGServicer
+from .shards.pool import ShardPool
+
+log = logging.getLogger("oprag")
+SERVICE_NAME = oprag_pb2.DESCRIPTOR.services_by_name["OpRAG"].full_name
+DATA_FORMAT = 1
+
+
+def load_models(cfg: ServerConfig) -> tuple[Any, Any | None]:
+    """Load and warm up the embedder and the generator named in ``cfg`` (blocking)."""
+    from .models.encoder import TransformersEncoder
+    from .models.generator import load_generator
+
+    encoder = TransformersEncoder(cfg.embed.model, device=cfg.embed.device, batch_size=cfg.embed.batch_size,
+                                  max_tokens=cfg.embed.max_tokens)
+    encoder.warm_up()
+    generator = load_generator(cfg.generate.model, device=cfg.generate.device)
+    if generator is not None:
+        generator.warm_up()
+    return encoder, generator
+
+
+def _check_data_dir(cfg: ServerConfig, dim: int, embedder: str) -> None:
+    """Create ``data_dir`` or check that it was written with the same shard count and width.
+
+    :raises RuntimeError: the directory belongs to a differently configured service.
+    """
+    d = cfg.data_dir
+    d.mkdir(parents=True, exist_ok=True)
+    meta_path = d / "oprag.json"
+    meta = {"format": DATA_FORMAT, "shards": cfg.shards, "dim": dim, "embedder": embedder}
+    if meta_path.exists():
+        old = json.loads(meta_path.read_text())
+        if old.get("shards") != cfg.shards:
+            raise RuntimeError(
+                f"{d} holds a corpus split over {old.get('shards')} shards; start with --shards {old.get('shards')} "
+                f"or use another --data-dir"
+            )
+        if old.get("dim") != dim:
+            raise RuntimeError(f"{d} holds {old.get('dim')}-dimensional vectors; the embedder produces {dim}")
+    else:
+        meta_path.write_text(json.dumps(meta))
+
+
+class Runtime:
+    """Everything one server instance owns. Models may be injected (tests use fakes)."""
+
+    def __init__(self, cfg: ServerConfig, encoder: Any, generator: Any | None) -> None:
+        self.cfg = cfg
+        self.encoder = encoder
+        self.generator = generator
+        self.metrics = Metrics()
+        self.pool = ShardPool(cfg.shards, encoder.dim, cfg.data_dir, stem=cfg.bm25.stem)
+        self.stats = CorpusStats()
+        self.analyzer = Analyzer(stem=cfg.bm25.stem)
+        self.lock = RWLock()
+        self.seq = 0
+        self._last_gen = 0
+        self._dirty = False
+        self.embed_executor = ThreadPoolExecutor(1, thread_name_prefix="oprag-embed")
+        self._bg: list[asyncio.Task] = []
+
+    def start_shards(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Spawn shard processes and wait until each has loaded its partition (blocking)."""
+        _check_data_dir(self.cfg, self.encoder.dim, self.encoder.name)
+        ready = self.pool.start(loop)
+        self.stats = CorpusStats.merge_full([r["lexical"] for r in ready])
+        self.seq = max([r["applied_seq"] for r in ready] + [0])
+        self.metrics.shards_up.set(len(ready))
+
+    async def start(self) -> None:
+        self.retriever = Retriever(self.pool, self.stats, self.analyzer, self.cfg.bm25, self.cfg.retrieval)
+        self.memory = Memory(self.pool, self.cfg.memory)
+        self.query = QueryEngine(
+            encoder=self.encoder,
+            generator=self.generator,
+            retriever=self.retriever,
+            memory=self.memory,
+            lock=self.lock,
+            batch=self.cfg.batch,
+            gen_cfg=self.cfg.generate,
+            embed_executor=self.embed_executor,
+            metrics=self.metrics,
+        )
+        self.ingest = IngestPipeline(
+            encoder=self.encoder,
+            pool=self.pool,
+            stats=self.stats,
+            lock=self.lock,
+            chunking=self.cfg.chunking,
+            cfg=self.cfg.ingest,
+            limits=self.cfg.limits,
+            embed_executor=self.embed_executor,
+            metrics=self.metrics,
+            next_seq=self.next_seq,
+            next_generation=self.next_generation,
+            embed_batch=self.cfg.embed.batch_size,
+        )
+        self.query.start()
+        self._bg.append(asyncio.create_task(self._snapshot_loop()))
+        await self.refresh_gauges()
+
+    def next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def next_generation(self) -> int:
+        """A document version id: unique and increasing across restarts (nanosecond clock)."""
+        self._last_gen = max(time.time_ns(), self._last_gen + 1)
+        return self._last_gen
+
+    def mark_dirty(self) -> None:
+        self._dirty = True
+        asyncio.get_running_loop().create_task(self.refresh_gauges())
+
+    async def refresh_gauges(self) -> None:
+        try:
+            st = await self.pool.broadcast("stats", {})
+        except Exception:  # noqa: BLE001 - gauges are best effort
+            return
+        self.metrics.chunks.set(sum(s["chunks"] for s in st))
+        self.metrics.documents.set(sum(s["documents"] for s in st))
+
+    async def delete(self, doc_ids: list[str]) -> tuple[int, int, int]:
+        seq = self.next_seq()
+        async with self.lock.write():
+            replies = await self.pool.broadcast("delete", {"doc_ids": doc_ids, "seq": seq})
+            for r in replies:
+                self.stats.apply_delta(*r["delta"])
+        self.mark_dirty()
+        return sum(r["docs"] for r in replies), sum(r["chunks"] for r in replies), seq
+
+    async def snapshot(self) -> None:
+        async with self.lock.read():
+            await self.pool.broadcast("snapshot", {})
+        self._dirty = False
+
+    async def _snapshot_loop(self, interval_s: float = 30.0) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            if self._dirty:
+                try:
+                    await self.snapshot()
+                except Exception:  # noqa: BLE001
+                    log.exception("periodic snapshot failed")
+
+    async def close(self) -> None:
+        for t in self._bg:
+            t.cancel()
+        await asyncio.gather(*self._bg, return_exceptions=True)
+        if hasattr(self, "query"):
+            await self.query.stop()
+        await self.pool.shutdown(snapshot=True)
+        self.embed_executor.shutdown(wait=False, cancel_futures=True)
+
+
+def grpc_options(cfg: ServerConfig) -> list[tuple[str, int]]:
+    m = cfg.limits.max_message_bytes
+    return [("grpc.max_receive_message_length", m), ("grpc.max_send_message_length", m)]
+
+
+async def serve(cfg: ServerConfig, *, encoder: Any = None, generator: Any = None, stop_event: asyncio.Event | None = None,
+                models_loaded: bool = False) -> None:
+    """Run the service until SIGTERM/SIGINT (or ``stop_event``). Models are loaded from ``cfg``
+    unless given. Prints ``OPRAG READY <host>:<port>`` on stdout once serving."""
+    loop = asyncio.get_running_loop()
+    t0 = time.perf_counter()
+    if not models_loaded:
+        encoder, generator = await loop.run_in_executor(None, load_models, cfg)
+    rt = Runtime(cfg, encoder, generator)
+    await loop.run_in_executor(None, rt.start_shards, loop)
+    await rt.start()
+
+    server = grpc.aio.server(options=grpc_options(cfg))
+    oprag_pb2_grpc.add_OpRAGServicer_to_server(OpRAGServicer(rt), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
+    bound = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    if bound == 0:
+        raise RuntimeError(f"could not bind {cfg.host}:{cfg.port}")
+    rt.metrics.serve(cfg.metrics_port, cfg.metrics_host or cfg.host)
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    stop = stop_event or asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread
+            pass
+
+    async def watch_shards() -> None:
+        while not stop.is_set():
+            up = sum(1 for c in rt.pool.clients if c.alive and c.proc.is_alive())
+            rt.metrics.shards_up.set(up)
+            status = health_pb2.HealthCheckResponse.SERVING if up == rt.pool.n else health_pb2.HealthCheckResponse.NOT_SERVING
+            for name in ("", SERVICE_NAME):
+                await health_servicer.set(name, status)
+            await asyncio.sleep(1.0)
+
+    watcher = asyncio.create_task(watch_shards())
+    log.info("serving on %s:%d (metrics :%d) with %d shards, %d chunks, ready in %.1f s",
+             cfg.host, bound, cfg.metrics_port, cfg.shards, rt.stats.n_docs, time.perf_counter() - t0)
+    print(f"OPRAG READY {cfg.host}:{bound}", flush=True)
+    await stop.wait()
+    log.info("shutting down (grace %.0f s)", cfg.shutdown_grace_s)
+    watcher.cancel()
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(cfg.shutdown_grace_s)
+    await rt.close()
+    log.info("stopped")

@@ -1,0 +1,302 @@
+"""Query executor: batches concurrent queries and overlaps CPU work for batch n+1 (memory,
+embed, retrieve, reason) with generation of batch n.
+
+Two long-lived tasks joined by a bounded queue (capacity 1):
+
+* the *prep* loop asks :class:`BatchPolicy` when to close a batch, then runs memory lookup,
+  embedding, retrieval and context building for the whole batch;
+* the *generate* loop hands prepared batches to the persistent generator worker (one thread
+  that owns the model) and answers the requests.
+
+With ``overlap=False`` the prep loop waits for each batch's generation before forming the next
+one (stages strictly in sequence), which is the baseline the overlap is measured against.
+Admission is bounded: more than ``queue_capacity`` unfinished queries raise :class:`Overloaded`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..config import BatchConfig, GenerateConfig
+from ..operators.memory import Memory, MemoryContext
+from ..operators.reason import ContextPayload, build_context
+from ..operators.retrieve import Hit, Retriever, RetrieveSpec
+from .rwlock import RWLock
+from .scheduler import BatchPolicy, compile_plan
+
+log = logging.getLogger(__name__)
+
+
+class Overloaded(Exception):
+    """A bounded queue is full; the caller should retry after ``retry_after_s``."""
+
+    def __init__(self, queue: str, retry_after_s: float) -> None:
+        super().__init__(f"the {queue} queue is full; retry after {retry_after_s:.2f} s")
+        self.queue = queue
+        self.retry_after_s = retry_after_s
+
+
+@dataclass
+class QueryJob:
+    question: str
+    spec: RetrieveSpec
+    session_id: str = ""
+    use_memory: bool = True
+    generate: bool = True
+    max_new_tokens: int = 64
+    request_id: str = ""
+    enqueued: float = field(default_factory=time.perf_counter)
+    future: asyncio.Future | None = None
+    cancelled: bool = False
+    # filled in by the executor
+    memory: MemoryContext | None = None
+    vector: np.ndarray | None = None
+    hits: list[Hit] = field(default_factory=list)
+    payload: ContextPayload | None = None
+    answer: str = ""
+    completion_tokens: int = 0
+    finish_reason: str = ""
+    timings_ms: dict[str, float] = field(default_factory=dict)
+    batch_id: int = 0
+    plan: tuple = ()
+
+
+class QueryEngine:
+    def __init__(
+        self,
+        *,
+        encoder: Any,
+        generator: Any | None,
+        retriever: Retriever,
+        memory: Memory,
+        lock: RWLock,
+        batch: BatchConfig,
+        gen_cfg: GenerateConfig,
+        embed_executor: ThreadPoolExecutor,
+        metrics: Any,
+    ) -> None:
+        self.encoder = encoder
+        self.generator = generator
+        self.retriever = retriever
+        self.memory = memory
+        self.lock = lock
+        self.cfg = batch
+        self.gen_cfg = gen_cfg
+        self.policy = BatchPolicy(batch.max_batch, batch.max_wait_ms / 1000.0)
+        self.embed_executor = embed_executor
+        self.gen_executor = ThreadPoolExecutor(1, thread_name_prefix="oprag-generate")
+        self.metrics = metrics
+        self._waiting: collections.deque[QueryJob] = collections.deque()
+        self._arrived = asyncio.Event()
+        self._gen_queue: asyncio.Queue = asyncio.Queue(maxsize=1)
+        self._inflight = 0
+        self._batch_ids = 0
+        self._tasks: list[asyncio.Task] = []
+        self._gen_time_ewma = 0.5
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._prep_loop()), asyncio.create_task(self._gen_loop())]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.gen_executor.shutdown(wait=True, cancel_futures=True)
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    async def submit(self, job: QueryJob) -> QueryJob:
+        """Admit, batch and run one query. :raises Overloaded: too many unfinished queries."""
+        if self._inflight >= self.cfg.queue_capacity:
+            self.metrics.rejected_overload.labels(queue="query").inc()
+            raise Overloaded("query", retry_after_s=max(0.05, self._gen_time_ewma))
+        job.future = asyncio.get_running_loop().create_future()
+        job.plan = compile_plan(memory=bool(job.session_id and job.use_memory), generate=job.generate)
+        self._inflight += 1
+        self._waiting.append(job)
+        self.metrics.queue_depth.labels(queue="query").set(len(self._waiting))
+        self._arrived.set()
+        try:
+            return await asyncio.shield(job.future)
+        except asyncio.CancelledError:
+            job.cancelled = True  # the client went away: stop its work, free its slot
+            raise
+        finally:
+            self._inflight -= 1
+
+    # ------------------------------------------------------------------ prep
+    async def _next_batch(self) -> list[QueryJob]:
+        while True:
+            while self._waiting and self._waiting[0].cancelled:
+                self._finish(self._waiting.popleft())
+            age = time.perf_counter() - self._waiting[0].enqueued if self._waiting else 0.0
+            d = self.policy.decide(len(self._waiting), age)
+            if d.take:
+                batch = [self._waiting.popleft() for _ in range(d.take)]
+                self.metrics.queue_depth.labels(queue="query").set(len(self._waiting))
+                return batch
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), None if d.wait_s == float("inf") else d.wait_s)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _prep_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = await self._next_batch()
+            self._batch_ids += 1
+            try:
+                await self._prep(batch, self._batch_ids, loop)
+            except Exception as exc:  # noqa: BLE001 - fail the batch, keep serving
+                log.exception("query batch failed")
+                for j in batch:
+                    self._fail(j, exc)
+                continue
+            gen = [j for j in batch if j.generate and not j.cancelled and j.future and not j.future.done()]
+            for j in batch:
+                if j not in gen:
+                    await self._promote_retrieval_only(j)
+                    self._finish(j)
+            if gen:
+                done = loop.create_future()
+                await self._gen_queue.put((gen, done))
+                if not self.cfg.overlap:
+                    await done
+
+    async def _prep(self, batch: list[QueryJob], batch_id: int, loop) -> None:
+        t0 = time.perf_counter()
+        self.metrics.batch_size.labels(stage="prep").observe(len(batch))
+        for j in batch:
+            j.batch_id = batch_id
+            j.timings_ms["queue"] = (t0 - j.enqueued) * 1000
+            self.metrics.stage_seconds.labels(stage="queue").observe(t0 - j.enqueued)
+        live = [j for j in batch if not j.cancelled]
+        if not live:
+            return
+        # memory (one shard call per shard for the whole batch)
+        t = time.perf_counter()
+        mem = await self.memory.lookup(
+            [j.question for j in live], [j.session_id if j.use_memory else "" for j in live]
+        )
+        self._stage(live, "memory", t)
+        for j, m in zip(live, mem):
+            j.memory = m
+        # embed
+        t = time.perf_counter()
+        texts = [j.memory.retrieval_text for j in live]
+        vecs = await loop.run_in_executor(self.embed_executor, lambda: self.encoder.encode(texts, truncate=True))
+        self._stage(live, "embed", t)
+        for j, v in zip(live, vecs):
+            j.vector = v
+        # retrieve (+ frontend rerank/fusion)
+        t = time.perf_counter()
+        async with self.lock.read():
+            hits, times = await self.retriever.retrieve(vecs, texts, [j.spec for j in live])
+        self._stage(live, "retrieve", t, override=times.get("retrieve"))
+        for j in live:
+            j.timings_ms["rerank"] = times.get("rerank", 0.0) * 1000
+        self.metrics.stage_seconds.labels(stage="rerank").observe(times.get("rerank", 0.0))
+        for j, h in zip(live, hits):
+            j.hits = h
+        # reason
+        t = time.perf_counter()
+        for j in live:
+            if j.generate and self.generator is not None:
+                j.payload = build_context(
+                    j.question,
+                    j.hits,
+                    self.generator,
+                    budget_tokens=self.gen_cfg.context_tokens,
+                    max_new_tokens=j.max_new_tokens,
+                    memory_text=j.memory.memory_text if j.memory else "",
+                )
+        if any(j.generate for j in live):
+            self._stage(live, "context", t)
+
+    def _stage(self, jobs: list[QueryJob], name: str, t0: float, override: float | None = None) -> None:
+        dt = override if override is not None else time.perf_counter() - t0
+        self.metrics.stage_seconds.labels(stage=name).observe(dt)
+        for j in jobs:
+            j.timings_ms[name] = dt * 1000
+
+    # ------------------------------------------------------------------ generate
+    async def _gen_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch, done = await self._gen_queue.get()
+            try:
+                await self._generate(batch, loop)
+            except Exception as exc:  # noqa: BLE001
+                log.exception("generation batch failed")
+                for j in batch:
+                    self._fail(j, exc)
+            finally:
+                if not done.done():
+                    done.set_result(None)
+
+    async def _generate(self, batch: list[QueryJob], loop) -> None:
+        live = [j for j in batch if not j.cancelled]
+        if not live:
+            for j in batch:
+                self._finish(j)
+            return
+        self.metrics.batch_size.labels(stage="generate").observe(len(live))
+        t = time.perf_counter()
+        prompts = [j.payload.prompt for j in live]
+        max_new = [j.max_new_tokens for j in live]
+        results = await loop.run_in_executor(
+            self.gen_executor,
+            lambda: self.generator.generate(prompts, max_new, should_stop=lambda row: live[row].cancelled),
+        )
+        dt = time.perf_counter() - t
+        self._gen_time_ewma = 0.8 * self._gen_time_ewma + 0.2 * dt
+        self._stage(live, "generate", t)
+        for j, r in zip(live, results):
+            j.answer = r.text
+            j.completion_tokens = r.completion_tokens
+            j.finish_reason = r.finish_reason
+            self.metrics.generated_tokens.inc(r.completion_tokens)
+        t = time.perf_counter()
+        await self._promote(live)
+        self._stage(live, "promote", t)
+        for j in batch:
+            self._finish(j)
+
+    async def _promote(self, jobs: list[QueryJob]) -> None:
+        todo = [j for j in jobs if j.session_id and j.use_memory and not j.cancelled and j.vector is not None]
+        await asyncio.gather(
+            *[
+                self.memory.promote(
+                    j.session_id, j.question, j.answer, [h.chunk_id for h in j.hits], [h.title for h in j.hits], j.vector
+                )
+                for j in todo
+            ]
+        )
+
+    async def _promote_retrieval_only(self, j: QueryJob) -> None:
+        if not j.generate:
+            try:
+                await self._promote([j])
+            except Exception:  # noqa: BLE001 - memory is best effort for Retrieve
+                log.exception("memory promotion failed")
+
+    # ------------------------------------------------------------------ completion
+    def _finish(self, j: QueryJob) -> None:
+        j.timings_ms["total"] = (time.perf_counter() - j.enqueued) * 1000
+        if j.future is not None and not j.future.done():
+            j.future.set_result(j)
+
+    def _fail(self, j: QueryJob, exc: BaseException) -> None:
+        if j.future is not None and not j.future.done():
+            j.future.set_exception(exc)

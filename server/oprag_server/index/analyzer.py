@@ -1,0 +1,198 @@
+"""Text analyzer shared by indexing and querying (BM25 lexical side).
+
+One :class:`Analyzer` instance (or two with the same ``stem`` flag) must be used for
+both the documents and the queries: the BM25 score only matches tokens that are equal
+strings, so every normalisation step below applies identically on both sides.
+
+Pipeline of :meth:`Analyzer.tokens`:
+
+1. Unicode normalisation ``NFKC`` (``unicodedata.normalize``), then ``str.casefold``,
+   then ``NFKC`` again (casefolding can produce non-normalised sequences, e.g.
+   ``"İ".casefold() == "i\u0307"``; the second pass makes the result stable).  This is
+   the "NFKC_Casefold" idea of Unicode TR #15 / TR #31, approximated with the standard
+   library.  Consequences: ``"é"`` written as U+00E9 and as ``"e"`` + U+0301 yield the
+   same token (NFKC composes), full-width ``"ＡＢＣ"`` == ``"abc"``, ``"Straße"`` ==
+   ``"strasse"``, half-width katakana == full-width katakana.
+2. Tokenisation.  A *word* token is a maximal run of Unicode letters/digits (Python's
+   ``[^\\W_]``, i.e. ``\\w`` without the underscore) that may also contain combining
+   marks (general category ``M*``, so Devanagari/Thai vowel signs do not split words).
+   Everything else (whitespace, punctuation, symbols, ``_``) separates tokens.
+3. Scripts written without spaces -- Han (CJK ideographs), Hiragana, Katakana and
+   Hangul -- are cut out of the letter runs.  Each maximal run of such characters is
+   emitted as character unigrams AND adjacent-character bigrams, interleaved by
+   position: ``"東京都"`` -> ``["東", "東京", "京", "京都", "都"]``.  A query that is any
+   substring (of length >= 1) of an indexed run therefore shares tokens with it.
+   A letter run that mixes scripts (``"abc東京"``) is split at the script boundary
+   into ``"abc"`` and the CJK run.
+4. Optional English stemming (``stem=True``): word tokens (not the CJK n-grams) go
+   through the Snowball English (Porter2) stemmer of the ``snowballstemmer`` package,
+   imported lazily.  It is an optional dependency: constructing ``Analyzer(stem=True)``
+   without it raises ``ImportError``.
+
+The output is a ``list[str]`` in text order; it is a pure function of ``(text, stem)``
+(deterministic across runs and processes: no hashing, no locale dependence).  The
+length of that list is the BM25 document length ``|D|`` (unit: tokens).
+
+Fast path: pure-ASCII text skips normalisation (NFKC and casefold are the identity /
+``str.lower`` on ASCII) and uses an ASCII-only precompiled regex.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import unicodedata
+
+__all__ = ["Analyzer"]
+
+# Scripts written without spaces between words.  NFKC maps half-width katakana
+# (U+FF66..U+FF9F) and compatibility ideographs to these blocks before matching.
+_CJK_RANGES = (
+    "\u1100-\u11ff"  # Hangul Jamo
+    "\u2e80-\u2fdf"  # CJK radicals supplement, Kangxi radicals (NFKC maps most away)
+    "\u3005\u3007"  # ideographic iteration mark, ideographic number zero
+    "\u3021-\u3029\u3038-\u303b"  # Hangzhou numerals, more iteration marks
+    "\u3040-\u309f"  # Hiragana
+    "\u30a0-\u30ff"  # Katakana (includes prolonged sound mark U+30FC)
+    "\u3130-\u318f"  # Hangul compatibility Jamo
+    "\u31f0-\u31ff"  # Katakana phonetic extensions
+    "\u3400-\u4dbf"  # CJK unified ideographs extension A
+    "\u4e00-\u9fff"  # CJK unified ideographs
+    "\ua960-\ua97f"  # Hangul Jamo extended-A
+    "\uac00-\ud7af"  # Hangul syllables
+    "\ud7b0-\ud7ff"  # Hangul Jamo extended-B
+    "\uf900-\ufaff"  # CJK compatibility ideographs
+    "\uff66-\uff9f"  # half-width katakana (normally removed by NFKC)
+    "\uffa0-\uffdc"  # half-width Hangul (normally removed by NFKC)
+    "\U0001b000-\U0001b16f"  # Kana supplement / extended-A / small kana extension
+    "\U00020000-\U0003134f"  # CJK extensions B..G, compatibility supplement
+)
+
+
+def _mark_class() -> str:
+    """Character-class body listing every combining mark (Unicode category ``M*``).
+
+    Marks only occur in planes 0, 1 and 14 (U+E0100..U+E01EF variation selectors), so
+    only those are scanned (~25 ms once, at import).
+    """
+    parts: list[str] = []
+    start = prev = -1
+    for lo, hi in ((0, 0x20000), (0xE0000, 0xE1000)):
+        for cp in range(lo, min(hi, sys.maxunicode + 1)):
+            if unicodedata.category(chr(cp))[0] == "M":
+                if start < 0:
+                    start = cp
+                prev = cp
+            elif start >= 0:
+                parts.append(_range(start, prev))
+                start = -1
+    if start >= 0:
+        parts.append(_range(start, prev))
+    return "".join(parts)
+
+
+def _range(a: int, b: int) -> str:
+    return re.escape(chr(a)) if a == b else f"{re.escape(chr(a))}-{re.escape(chr(b))}"
+
+
+_MARKS = _mark_class()
+# word = a letter/digit that is not CJK, followed by letters/digits/marks that are not CJK.
+_WORD = rf"[^\W_{_CJK_RANGES}](?:[^\W_{_CJK_RANGES}]|[{_MARKS}])*"
+_CJK = rf"[{_CJK_RANGES}]+"
+_TOKEN_RE = re.compile(rf"(?P<w>{_WORD})|(?P<c>{_CJK})")
+_ASCII_RE = re.compile(r"[a-z0-9]+")
+
+
+def _normalize(text: str) -> str:
+    """NFKC -> casefold -> NFKC (see module docstring). ASCII: ``str.lower``."""
+    if text.isascii():
+        return text.lower()
+    t = unicodedata.normalize("NFKC", text).casefold()
+    return t if t.isascii() else unicodedata.normalize("NFKC", t)
+
+
+class Analyzer:
+    """Deterministic text -> token list converter used for BM25 indexing and querying.
+
+    Args:
+        stem: apply the Snowball English stemmer (``snowballstemmer`` package) to word
+            tokens.  Default ``False``.
+
+    Raises:
+        ImportError: ``stem=True`` and ``snowballstemmer`` is not installed (message
+            says ``pip install snowballstemmer``).
+    """
+
+    __slots__ = ("stem", "_stemmer", "_stem_cache")
+
+    def __init__(self, stem: bool = False) -> None:
+        self.stem = bool(stem)
+        self._stemmer = None
+        self._stem_cache: dict[str, str] = {}
+        if self.stem:
+            try:
+                import snowballstemmer  # optional dependency, imported lazily
+            except ImportError as exc:  # pragma: no cover - depends on environment
+                raise ImportError(
+                    "pip install snowballstemmer  (needed for Analyzer(stem=True); "
+                    "it is an optional dependency of oprag)"
+                ) from exc
+            self._stemmer = snowballstemmer.stemmer("english")
+
+    def __repr__(self) -> str:
+        return f"Analyzer(stem={self.stem})"
+
+    def tokens(self, text: str) -> list[str]:
+        """Analyse ``text`` into a list of tokens (see module docstring).
+
+        Args:
+            text: any ``str`` (may be empty).
+
+        Returns:
+            ``list[str]`` of non-empty tokens in text order; ``[]`` for text without
+            letters/digits.  ``len(result)`` is the BM25 document length.
+
+        Raises:
+            TypeError: ``text`` is not a ``str``.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"Analyzer.tokens expects str, got {type(text).__name__}")
+        norm = _normalize(text)
+        if norm.isascii():
+            words = _ASCII_RE.findall(norm)
+            return self._stem_words(words) if self.stem else words
+        out: list[str] = []
+        for m in _TOKEN_RE.finditer(norm):
+            w = m.group("w")
+            if w is not None:
+                out.append(self._stem_one(w) if self.stem else w)
+                continue
+            run = m.group("c")
+            n = len(run)
+            for i in range(n - 1):
+                out.append(run[i])
+                out.append(run[i : i + 2])
+            out.append(run[n - 1])
+        return out
+
+    __call__ = tokens
+
+    # -- stemming -------------------------------------------------------------------
+    def _stem_one(self, word: str) -> str:
+        s = self._stem_cache.get(word)
+        if s is None:
+            s = self._stemmer.stemWord(word)  # type: ignore[union-attr]
+            if len(self._stem_cache) < 1_000_000:
+                self._stem_cache[word] = s
+        return s
+
+    def _stem_words(self, words: list[str]) -> list[str]:
+        cache = self._stem_cache
+        get = cache.get
+        out = []
+        for w in words:
+            s = get(w)
+            if s is None:
+                s = self._stem_one(w)
+            out.append(s)
+        return out

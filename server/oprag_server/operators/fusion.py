@@ -1,0 +1,69 @@
+"""Score fusion: weighted min-max normalisation and ranking with deterministic tie-breaks.
+
+Min-max normalisation maps a score list to ``(s - min) / (max - min)``. A constant list
+(``max == min``, including a list of one) carries no ranking information: every normalised
+value is defined as 0.0, so that list contributes nothing to the fused score and no NaN or
+division by zero can occur.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def minmax_params(x: np.ndarray) -> tuple[float, float]:
+    """(min, max) of a float array; (0.0, 0.0) for an empty one."""
+    if x.size == 0:
+        return 0.0, 0.0
+    return float(np.min(x)), float(np.max(x))
+
+
+def normalise(x: np.ndarray, lo: float, hi: float) -> np.ndarray:
+    """float64 ``(x - lo) / (hi - lo)``; all zeros when ``hi <= lo`` (constant list)."""
+    x = np.asarray(x, dtype=np.float64)
+    span = hi - lo
+    if not span > 0.0:
+        return np.zeros_like(x)
+    return (x - lo) / span
+
+
+def fuse_minmax(
+    dense: np.ndarray,
+    lexical: np.ndarray,
+    *,
+    dense_range: tuple[float, float],
+    lexical_range: tuple[float, float],
+    dense_weight: float,
+    lexical_weight: float,
+) -> np.ndarray:
+    """Weighted sum of min-max normalised scores.
+
+    :param dense: float[M] dense scores; :param lexical: float[M] BM25 scores.
+    :param dense_range: (min, max) the dense scores are normalised with (over the candidate
+        set in dense-first mode, over every chunk in exact mode).
+    :returns: float64[M] fused scores in [0, dense_weight + lexical_weight].
+    """
+    return dense_weight * normalise(dense, *dense_range) + lexical_weight * normalise(lexical, *lexical_range)
+
+
+def rank_order(scores: np.ndarray, chunk_ids: list[str]) -> list[int]:
+    """Indices ordering ``scores`` descending, ties broken by ascending chunk id."""
+    s = np.asarray(scores, dtype=np.float64).tolist()
+    return sorted(range(len(s)), key=lambda i: (-s[i], chunk_ids[i]))
+
+
+def top_k_order(scores: np.ndarray, chunk_ids: list[str], k: int) -> list[int]:
+    """Top-k indices by (score desc, chunk id asc) using partial selection (argpartition),
+    keeping every element tied with the k-th score so the tie-break stays exact."""
+    n = len(chunk_ids)
+    if k <= 0 or n == 0:
+        return []
+    scores = np.asarray(scores, dtype=np.float64)
+    if n <= k:
+        return rank_order(scores, chunk_ids)
+    part = np.argpartition(-scores, k - 1)[:k]
+    kth = scores[part].min()
+    cand = np.nonzero(scores >= kth)[0]
+    cand_ids = [chunk_ids[i] for i in cand.tolist()]
+    order = rank_order(scores[cand], cand_ids)
+    return [int(cand[i]) for i in order[:k]]

@@ -1,0 +1,114 @@
+"""The ``reason`` operator: a bounded, deterministic context payload with provenance.
+
+Hits are placed in rank order as numbered sources (``[1] Title``) until the token budget is
+spent; a source that does not fit whole is cut at a token boundary (and marked ``truncated``),
+and nothing after it is placed. Same hits, same question, same budget: same prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from .retrieve import Hit
+
+SYSTEM_PROMPT = (
+    "You are a helpful assistant. Answer the question using only the numbered sources. "
+    "Cite the sources you use like [1]. If the sources do not contain the answer, say that you do not know."
+)
+
+
+class PromptModel(Protocol):
+    """What the reason operator needs from a generator's tokenizer."""
+
+    max_context: int
+
+    def chat_prompt(self, system: str, user: str) -> str: ...
+
+    def count_tokens(self, text: str) -> int: ...
+
+    def truncate_to_tokens(self, text: str, n: int) -> str: ...
+
+
+@dataclass
+class SourceRef:
+    number: int
+    chunk_id: str
+    doc_id: str
+    title: str
+    tokens: int
+    truncated: bool
+
+
+@dataclass
+class ContextPayload:
+    """:param prompt: the full model input (chat template applied).
+    :param prompt_tokens: tokens of ``prompt`` (<= the budget).
+    :param sources: provenance of every source placed, in prompt order."""
+
+    prompt: str
+    prompt_tokens: int
+    sources: list[SourceRef] = field(default_factory=list)
+    memory_scope: str = ""
+
+
+def _source_block(n: int, hit: Hit, text: str) -> str:
+    title = f" {hit.title}" if hit.title else ""
+    return f"[{n}]{title}\n{text.strip()}\n\n"
+
+
+def _user(blocks: list[str], question: str, memory: str) -> str:
+    mem = f"Earlier in this conversation:\n{memory}\n\n" if memory else ""
+    return f"Sources:\n\n{''.join(blocks)}{mem}Question: {question}"
+
+
+def build_context(
+    question: str,
+    hits: list[Hit],
+    model: PromptModel,
+    *,
+    budget_tokens: int,
+    max_new_tokens: int,
+    memory_text: str = "",
+) -> ContextPayload:
+    """Build the prompt under ``min(budget_tokens, model.max_context - max_new_tokens)`` tokens.
+
+    :raises ValueError: the question alone does not fit the budget.
+    """
+    budget = min(int(budget_tokens), int(model.max_context) - int(max_new_tokens))
+    base = model.chat_prompt(SYSTEM_PROMPT, _user([], question, memory_text))
+    used = model.count_tokens(base)
+    if used > budget:
+        raise ValueError(f"the question needs {used} prompt tokens; the budget is {budget}: shorten the question")
+    blocks: list[str] = []
+    sources: list[SourceRef] = []
+    margin = 4  # tokenisation across block boundaries may differ by a token or two
+    for hit in hits:
+        n = len(blocks) + 1
+        block = _source_block(n, hit, hit.text)
+        cost = model.count_tokens(block)
+        room = budget - used - margin
+        if cost <= room:
+            blocks.append(block)
+            used += cost
+            sources.append(SourceRef(n, hit.chunk_id, hit.doc_id, hit.title, cost, False))
+            continue
+        header = _source_block(n, hit, "")
+        text_room = room - model.count_tokens(header)
+        if text_room >= 16:
+            cut = model.truncate_to_tokens(hit.text.strip(), text_room)
+            block = _source_block(n, hit, cut)
+            cost = model.count_tokens(block)
+            if cost <= room:
+                blocks.append(block)
+                used += cost
+                sources.append(SourceRef(n, hit.chunk_id, hit.doc_id, hit.title, cost, True))
+        break
+    prompt = model.chat_prompt(SYSTEM_PROMPT, _user(blocks, question, memory_text))
+    total = model.count_tokens(prompt)
+    while total > budget and blocks:  # the margin was not enough: drop sources from the end
+        blocks.pop()
+        sources.pop()
+        prompt = model.chat_prompt(SYSTEM_PROMPT, _user(blocks, question, memory_text))
+        total = model.count_tokens(prompt)
+    return ContextPayload(prompt=prompt, prompt_tokens=total, sources=sources, memory_scope=memory_text)

@@ -1,0 +1,128 @@
+"""Arrow schemas of the data plane and the helpers that move record batches between processes.
+
+Chunks travel from the ingest pipeline to shard processes as Arrow IPC streams (one record
+batch per coalesced bulk commit). The FAISS boundary takes the ``vector`` column as a
+contiguous float32[B, D] buffer without per-row Python objects.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+
+
+def chunk_schema(dim: int) -> pa.Schema:
+    """Schema of chunks sent to a shard for upsert.
+
+    Columns: ``chunk_id`` (``"{doc_id}#{ordinal}"``), ``doc_id``, ``title``, ``text``,
+    ``metadata`` (JSON object of string->string), ``ordinal`` int32 (position in the
+    document), ``generation`` uint64 (write sequence of the document version), ``content_hash``
+    (hex sha256 of the chunk text), ``vector`` fixed_size_list<float32>[dim] (L2-normalised).
+    """
+    return pa.schema(
+        [
+            ("chunk_id", pa.string()),
+            ("doc_id", pa.string()),
+            ("title", pa.string()),
+            ("text", pa.string()),
+            ("metadata", pa.string()),
+            ("ordinal", pa.int32()),
+            ("generation", pa.uint64()),
+            ("content_hash", pa.string()),
+            ("vector", pa.list_(pa.float32(), dim)),
+        ]
+    )
+
+
+def make_chunk_batch(
+    *,
+    chunk_ids: list[str],
+    doc_ids: list[str],
+    titles: list[str],
+    texts: list[str],
+    metadata: list[dict[str, str]],
+    ordinals: list[int],
+    generations: list[int],
+    content_hashes: list[str],
+    vectors: np.ndarray,
+) -> pa.RecordBatch:
+    """Build one chunk record batch.
+
+    :param vectors: float32[B, D] (any float dtype or layout is copied to contiguous float32).
+    :raises ValueError: column lengths differ.
+    """
+    vec = np.ascontiguousarray(vectors, dtype=np.float32)
+    n = len(chunk_ids)
+    if vec.ndim != 2 or vec.shape[0] != n:
+        raise ValueError(f"vectors must be float32[{n}, D], got shape {vec.shape}")
+    dim = vec.shape[1]
+    flat = pa.array(vec.reshape(-1), type=pa.float32())
+    vcol = pa.FixedSizeListArray.from_arrays(flat, dim)
+    return pa.RecordBatch.from_arrays(
+        [
+            pa.array(chunk_ids, pa.string()),
+            pa.array(doc_ids, pa.string()),
+            pa.array(titles, pa.string()),
+            pa.array(texts, pa.string()),
+            pa.array([json.dumps(m, sort_keys=True, ensure_ascii=False) for m in metadata], pa.string()),
+            pa.array(ordinals, pa.int32()),
+            pa.array(generations, pa.uint64()),
+            pa.array(content_hashes, pa.string()),
+            vcol,
+        ],
+        schema=chunk_schema(dim),
+    )
+
+
+def vectors_of(batch: pa.RecordBatch | pa.Table, column: str = "vector") -> np.ndarray:
+    """The fixed-size-list vector column as float32[B, D] (zero-copy when possible)."""
+    col = batch.column(column)
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks()
+    dim = col.type.list_size
+    flat = col.flatten().to_numpy(zero_copy_only=False)
+    return np.ascontiguousarray(flat.reshape(-1, dim), dtype=np.float32)
+
+
+def to_ipc(batch: pa.RecordBatch) -> bytes:
+    """Serialise one record batch as an Arrow IPC stream."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as writer:
+        writer.write_batch(batch)
+    return sink.getvalue().to_pybytes()
+
+
+def from_ipc(data: bytes) -> pa.Table:
+    """Read an Arrow IPC stream written by :func:`to_ipc`."""
+    return pa.ipc.open_stream(pa.py_buffer(data)).read_all()
+
+
+def as_query_matrix(x, dim: int | None = None) -> np.ndarray:
+    """Normalise a query-vector input to a C-contiguous float32[B, D] matrix.
+
+    Accepts numpy arrays of any float dtype or stride (1-D means one query), nested lists,
+    and Arrow list / fixed-size-list arrays (one list per query).
+
+    :raises ValueError: ragged rows, non-finite values, or a width different from ``dim``.
+    """
+    if isinstance(x, (pa.Array, pa.ChunkedArray)):
+        if isinstance(x, pa.ChunkedArray):
+            x = x.combine_chunks()
+        rows = x.to_pylist()
+        arr = np.asarray(rows, dtype=np.float32)
+    else:
+        arr = np.asarray(x)
+        if arr.dtype == object:
+            raise ValueError("query vectors must be numeric (ragged rows?)")
+        arr = arr.astype(np.float32, copy=False)
+    if arr.ndim == 1:
+        arr = arr[None, :]
+    if arr.ndim != 2:
+        raise ValueError(f"query vectors must be 1-D or 2-D, got {arr.ndim}-D")
+    if dim is not None and arr.shape[1] != dim:
+        raise ValueError(f"query vectors must have width {dim}, got {arr.shape[1]}")
+    if not np.isfinite(arr).all():
+        raise ValueError("query vectors contain NaN or infinity")
+    return np.ascontiguousarray(arr, dtype=np.float32)

@@ -1,0 +1,47 @@
+"""Prometheus metrics of one server instance (own registry, served on ``--metrics-port``).
+
+Names follow Prometheus conventions: seconds for durations, ``_total`` for counters.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+STAGES = ("queue", "memory", "embed", "retrieve", "rerank", "context", "generate", "upsert", "transform", "promote")
+_LAT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.stage_seconds = Histogram(
+            "oprag_stage_seconds", "Time spent in one operator stage per batch or request", ["stage"],
+            buckets=_LAT_BUCKETS, registry=r,
+        )
+        self.request_seconds = Histogram(
+            "oprag_request_seconds", "End-to-end RPC latency", ["method"], buckets=_LAT_BUCKETS, registry=r
+        )
+        self.requests = Counter("oprag_requests_total", "RPCs by method and gRPC status code", ["method", "code"], registry=r)
+        self.queue_depth = Gauge("oprag_queue_depth", "Items waiting in a bounded queue", ["queue"], registry=r)
+        self.batch_size = Histogram(
+            "oprag_batch_size", "Requests per scheduler batch", ["stage"], buckets=(1, 2, 4, 8, 16, 32, 64), registry=r
+        )
+        self.documents_ingested = Counter("oprag_documents_ingested_total", "Documents written", registry=r)
+        self.chunks_ingested = Counter("oprag_chunks_ingested_total", "Chunks written", registry=r)
+        self.documents_rejected = Counter("oprag_documents_rejected_total", "Documents rejected at ingest", registry=r)
+        self.chunks_split = Counter(
+            "oprag_chunks_split_total", "Chunks split again because they exceeded the embedder's token limit", registry=r
+        )
+        self.rejected_overload = Counter(
+            "oprag_overload_rejections_total", "Requests refused with RESOURCE_EXHAUSTED", ["queue"], registry=r
+        )
+        self.generated_tokens = Counter("oprag_generated_tokens_total", "Tokens generated", registry=r)
+        self.chunks = Gauge("oprag_chunks", "Live chunks in the index", registry=r)
+        self.documents = Gauge("oprag_documents", "Live documents in the index", registry=r)
+        self.shards_up = Gauge("oprag_shards_up", "Shard processes alive", registry=r)
+        for s in STAGES:
+            self.stage_seconds.labels(stage=s)
+
+    def serve(self, port: int, host: str) -> None:
+        """Start the ``/metrics`` HTTP endpoint (a daemon thread)."""
+        start_http_server(port, addr=host, registry=self.registry)

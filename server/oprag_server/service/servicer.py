@@ -1,0 +1,219 @@
+"""Thin gRPC servicer: validate, convert, call the runtime, map errors to status codes."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+import uuid
+
+import grpc
+
+from oprag.v1 import oprag_pb2, oprag_pb2_grpc
+
+from ..engine.ingest import IngestError
+from ..engine.query import Overloaded, QueryJob
+from ..operators.retrieve import MODES, RetrieveSpec
+
+log = logging.getLogger(__name__)
+
+_MODE_NAMES = {
+    oprag_pb2.RETRIEVAL_MODE_UNSPECIFIED: "hybrid",
+    oprag_pb2.HYBRID: "hybrid",
+    oprag_pb2.DENSE: "dense",
+    oprag_pb2.LEXICAL: "lexical",
+    oprag_pb2.FULL_HYBRID: "full_hybrid",
+}
+assert set(_MODE_NAMES.values()) == set(MODES)
+
+
+class InvalidArgument(ValueError):
+    pass
+
+
+def _observed(method: str):
+    """Count the RPC by status code, time it, and turn exceptions into gRPC statuses."""
+
+    def deco(fn):
+        @functools.wraps(fn)
+        async def wrapper(self, request, context):
+            t = time.perf_counter()
+            code = grpc.StatusCode.OK
+            try:
+                return await fn(self, request, context)
+            except InvalidArgument as exc:
+                code = grpc.StatusCode.INVALID_ARGUMENT
+                await context.abort(code, str(exc))
+            except IngestError as exc:
+                code = grpc.StatusCode.INVALID_ARGUMENT
+                await context.abort(code, str(exc))
+            except Overloaded as exc:
+                code = grpc.StatusCode.RESOURCE_EXHAUSTED
+                context.set_trailing_metadata((("retry-after-ms", str(int(exc.retry_after_s * 1000))),))
+                await context.abort(code, str(exc))
+            except grpc.aio.AbortError:
+                code = context.code() or grpc.StatusCode.UNKNOWN
+                raise
+            except asyncio.CancelledError:
+                code = grpc.StatusCode.CANCELLED
+                raise
+            except Exception as exc:  # noqa: BLE001
+                code = grpc.StatusCode.INTERNAL
+                log.exception("%s failed", method)
+                await context.abort(code, f"internal error: {type(exc).__name__}: {exc}")
+            finally:
+                self.metrics.requests.labels(method=method, code=code.name).inc()
+                self.metrics.request_seconds.labels(method=method).observe(time.perf_counter() - t)
+
+        return wrapper
+
+    return deco
+
+
+class OpRAGServicer(oprag_pb2_grpc.OpRAGServicer):
+    def __init__(self, runtime) -> None:
+        self.rt = runtime
+        self.metrics = runtime.metrics
+        self.cfg = runtime.cfg
+
+    # ------------------------------------------------------------------ validation
+    def _job(self, req, *, generate: bool) -> QueryJob:
+        lim, rcfg, gcfg = self.cfg.limits, self.cfg.retrieval, self.cfg.generate
+        q = req.question
+        if not q or not q.strip():
+            raise InvalidArgument("question is empty: send a non-empty question")
+        if len(q) > lim.max_question_chars:
+            raise InvalidArgument(f"question has {len(q)} characters; the limit is {lim.max_question_chars}: shorten it")
+        top_k = req.top_k or rcfg.default_top_k
+        if not 1 <= top_k <= rcfg.max_top_k:
+            raise InvalidArgument(f"top_k must be in [1, {rcfg.max_top_k}], got {req.top_k}")
+        if req.mode not in _MODE_NAMES:
+            raise InvalidArgument(
+                f"unknown retrieval mode {req.mode}: use HYBRID (1), DENSE (2), LEXICAL (3) or FULL_HYBRID (4)"
+            )
+        mode = _MODE_NAMES[req.mode]
+        cand = req.candidates or rcfg.candidates
+        if not 1 <= cand <= rcfg.max_candidates:
+            raise InvalidArgument(f"candidates must be in [1, {rcfg.max_candidates}], got {req.candidates}")
+        cand = max(cand, top_k)
+        if len(req.session_id.encode()) > lim.max_session_id_bytes:
+            raise InvalidArgument(f"session_id is longer than {lim.max_session_id_bytes} bytes")
+        max_new = 0
+        if generate:
+            max_new = req.generation.max_new_tokens or gcfg.default_max_new_tokens
+            if not 1 <= max_new <= gcfg.max_new_tokens_limit:
+                raise InvalidArgument(
+                    f"max_new_tokens must be in [1, {gcfg.max_new_tokens_limit}], got {req.generation.max_new_tokens}"
+                )
+        return QueryJob(
+            question=q,
+            spec=RetrieveSpec(
+                mode=mode,
+                top_k=top_k,
+                candidates=cand,
+                dense_weight=rcfg.dense_weight,
+                lexical_weight=rcfg.lexical_weight,
+            ),
+            session_id=req.session_id,
+            use_memory=not req.disable_memory,
+            generate=generate and self.rt.generator is not None,
+            max_new_tokens=max_new,
+            request_id=uuid.uuid4().hex,
+        )
+
+    @staticmethod
+    def _hits(job: QueryJob) -> list[oprag_pb2.Hit]:
+        return [
+            oprag_pb2.Hit(
+                chunk_id=h.chunk_id,
+                doc_id=h.doc_id,
+                title=h.title,
+                text=h.text,
+                score=h.score,
+                dense_score=h.dense_score,
+                lexical_score=h.lexical_score,
+                shard=h.shard,
+                metadata=h.metadata,
+            )
+            for h in job.hits
+        ]
+
+    # ------------------------------------------------------------------ RPCs
+    @_observed("Query")
+    async def Query(self, request, context):
+        job = await self.rt.query.submit(self._job(request, generate=True))
+        p = job.payload
+        answer = job.answer
+        if self.rt.generator is None:
+            answer = ""
+        return oprag_pb2.QueryResponse(
+            answer=answer,
+            hits=self._hits(job),
+            timings_ms=job.timings_ms,
+            request_id=job.request_id,
+            sources=[
+                oprag_pb2.Source(
+                    number=s.number, chunk_id=s.chunk_id, doc_id=s.doc_id, title=s.title, tokens=s.tokens, truncated=s.truncated
+                )
+                for s in (p.sources if p else [])
+            ],
+            prompt_tokens=p.prompt_tokens if p else 0,
+            completion_tokens=job.completion_tokens,
+            finish_reason=job.finish_reason,
+            memory_context=job.memory.memory_text if job.memory else "",
+        )
+
+    @_observed("Retrieve")
+    async def Retrieve(self, request, context):
+        job = await self.rt.query.submit(self._job(request, generate=False))
+        return oprag_pb2.RetrieveResponse(
+            hits=self._hits(job),
+            timings_ms=job.timings_ms,
+            request_id=job.request_id,
+            memory_context=job.memory.memory_text if job.memory else "",
+        )
+
+    @_observed("Ingest")
+    async def Ingest(self, request_iterator, context):
+        res = await self.rt.ingest.run(request_iterator)
+        self.rt.mark_dirty()
+        return oprag_pb2.IngestResponse(
+            documents_written=res.documents_written,
+            chunks_written=res.chunks_written,
+            documents_replaced=res.documents_replaced,
+            rejected=[oprag_pb2.RejectedDocument(index=i, id=d, reason=r) for i, d, r in res.rejected],
+            chunks_split=res.chunks_split,
+            seq=res.seq,
+            elapsed_ms=res.elapsed_ms,
+        )
+
+    @_observed("Delete")
+    async def Delete(self, request, context):
+        ids = list(request.doc_ids)
+        if not ids:
+            raise InvalidArgument("doc_ids is empty: name at least one document id")
+        docs, chunks, seq = await self.rt.delete(ids)
+        return oprag_pb2.DeleteResponse(documents_deleted=docs, chunks_deleted=chunks, seq=seq)
+
+    @_observed("Stats")
+    async def Stats(self, request, context):
+        shards = await self.rt.pool.broadcast("stats", {})
+        return oprag_pb2.StatsResponse(
+            documents=sum(s["documents"] for s in shards),
+            chunks=sum(s["chunks"] for s in shards),
+            memory_records=sum(s["memory_records"] for s in shards),
+            seq=self.rt.seq,
+            shards=[
+                oprag_pb2.ShardStats(
+                    shard=s["shard"],
+                    documents=s["documents"],
+                    chunks=s["chunks"],
+                    memory_records=s["memory_records"],
+                    applied_seq=s["applied_seq"],
+                )
+                for s in shards
+            ],
+            embedder=self.rt.encoder.name,
+            generator=self.rt.generator.name if self.rt.generator is not None else "none",
+        )
