@@ -76,12 +76,33 @@ def ingest_messages(docs: Iterable[Any], max_message_bytes: int = DEFAULT_MAX_ME
     yield oprag_pb2.IngestRequest(documents=batch, final=True, sent_documents=sent)
 
 
+FUSIONS = {"minmax": oprag_pb2.WEIGHTED_MINMAX, "rrf": oprag_pb2.RRF}
+
+
 def query_request(question: str, *, top_k: int = 0, mode: str = "hybrid", session_id: str = "",
-                  max_new_tokens: int = 0, candidates: int = 0, disable_memory: bool = False) -> oprag_pb2.QueryRequest:
-    """Build a QueryRequest. :raises ValueError: unknown ``mode`` (use one of :data:`MODES`)."""
+                  max_new_tokens: int = 0, candidates: int = 0, disable_memory: bool = False,
+                  fusion: str = "minmax", dense_weight: float = 0.0, lexical_weight: float = 0.0, rrf_k: int = 0,
+                  filters: Mapping[str, str | list[str]] | None = None,
+                  query_vector=None) -> oprag_pb2.QueryRequest:
+    """Build a QueryRequest.
+
+    :param filters: ``{key: value}`` (equality) or ``{key: [values]}`` (set membership).
+    :param query_vector: optional precomputed query embedding (float sequence, width D).
+    :raises ValueError: unknown ``mode`` or ``fusion``.
+    """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
+    if fusion not in FUSIONS:
+        raise ValueError(f"unknown fusion {fusion!r}: use one of {', '.join(FUSIONS)}")
+    flt = [
+        oprag_pb2.MetadataFilter(key=k, values=[v] if isinstance(v, str) else list(v))
+        for k, v in (filters or {}).items()
+    ]
     return oprag_pb2.QueryRequest(
+        filters=flt,
+        fusion=oprag_pb2.FusionOptions(method=FUSIONS[fusion], dense_weight=dense_weight,
+                                       lexical_weight=lexical_weight, rrf_k=rrf_k),
+        query_vector=[] if query_vector is None else [float(x) for x in query_vector],
         question=question,
         top_k=top_k,
         mode=MODES[mode],

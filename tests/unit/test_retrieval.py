@@ -105,7 +105,7 @@ def test_full_hybrid_equals_reference(seed):
         q = " ".join(rng.choice(VOCAB, size=3).tolist())
         qv = rng.normal(size=DIM)
         qv = (qv / np.linalg.norm(qv)).astype(np.float32)
-        hits, _ = asyncio.run(r.retrieve(qv[None, :], [q], [RetrieveSpec(mode="full_hybrid", top_k=10)]))
+        hits, _, _ = asyncio.run(r.retrieve(qv[None, :], [q], [RetrieveSpec(mode="full_hybrid", top_k=10)]))
         ref_ids, ref_scores, *_ = _reference(docs, Analyzer().tokens(q), qv, 10)
         assert [h.chunk_id for h in hits[0]] == ref_ids
         np.testing.assert_allclose([h.score for h in hits[0]], ref_scores, atol=1e-6)
@@ -121,7 +121,7 @@ def test_lexical_and_dense_modes_equal_reference():
     qv /= np.linalg.norm(qv)
     _, _, dense, lex, ids = _reference(docs, Analyzer().tokens(q), qv, 10)
     specs = [RetrieveSpec(mode="lexical", top_k=7), RetrieveSpec(mode="dense", top_k=7)]
-    hits, _ = asyncio.run(r.retrieve(np.stack([qv, qv]), [q, q], specs))
+    hits, _, _ = asyncio.run(r.retrieve(np.stack([qv, qv]), [q, q], specs))
     lex_ref = [ids[i] for i in sorted(range(len(ids)), key=lambda i: (-lex[i], ids[i])) if lex[i] != 0][:7]
     assert [h.chunk_id for h in hits[0]] == lex_ref
     for h in hits[0]:
@@ -141,7 +141,7 @@ def test_dense_first_hybrid_with_all_candidates_equals_exact():
     qv = rng.normal(size=DIM).astype(np.float32)
     qv /= np.linalg.norm(qv)
     specs = [RetrieveSpec(mode="hybrid", top_k=8, candidates=1000), RetrieveSpec(mode="full_hybrid", top_k=8)]
-    hits, _ = asyncio.run(r.retrieve(np.stack([qv, qv]), [q, q], specs))
+    hits, _, _ = asyncio.run(r.retrieve(np.stack([qv, qv]), [q, q], specs))
     assert [h.chunk_id for h in hits[0]] == [h.chunk_id for h in hits[1]]
     np.testing.assert_allclose([h.score for h in hits[0]], [h.score for h in hits[1]], atol=1e-9)
 
@@ -154,7 +154,7 @@ def test_k_larger_than_corpus_and_empty_shard_leak_no_placeholders():
     r = _retriever(shards, stats)
     qv = np.ones(DIM, np.float32) / np.sqrt(DIM)
     for mode in ("hybrid", "dense", "lexical", "full_hybrid"):
-        hits, _ = asyncio.run(r.retrieve(qv[None, :], ["alpha"], [RetrieveSpec(mode=mode, top_k=50)]))
+        hits, _, _ = asyncio.run(r.retrieve(qv[None, :], ["alpha"], [RetrieveSpec(mode=mode, top_k=50)]))
         assert len(hits[0]) <= len(docs)
         for h in hits[0]:
             assert h.chunk_id.startswith("doc000#")
@@ -166,7 +166,7 @@ def test_empty_corpus_returns_nothing():
     r = _retriever(shards, stats)
     qv = np.ones(DIM, np.float32) / np.sqrt(DIM)
     for mode in ("hybrid", "dense", "lexical", "full_hybrid"):
-        hits, _ = asyncio.run(r.retrieve(qv[None, :], ["alpha"], [RetrieveSpec(mode=mode, top_k=5)]))
+        hits, _, _ = asyncio.run(r.retrieve(qv[None, :], ["alpha"], [RetrieveSpec(mode=mode, top_k=5)]))
         assert hits == [[]]
 
 

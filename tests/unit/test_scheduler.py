@@ -53,7 +53,7 @@ class FakeRetriever:
     async def retrieve(self, vecs, texts, specs):
         self.batches.append(list(texts))
         hits = [[Hit(f"{t}#0", t, "", f"text of {t}", 1.0, 1.0, 0.0, 0)] for t in texts]
-        return hits, {"retrieve": 0.0, "rerank": 0.0}
+        return hits, {"retrieve": 0.0, "rerank": 0.0}, [None] * len(texts)
 
 
 class FakeMemory:

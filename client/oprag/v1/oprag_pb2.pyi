@@ -14,11 +14,20 @@ class RetrievalMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DENSE: _ClassVar[RetrievalMode]
     LEXICAL: _ClassVar[RetrievalMode]
     FULL_HYBRID: _ClassVar[RetrievalMode]
+
+class Fusion(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FUSION_UNSPECIFIED: _ClassVar[Fusion]
+    WEIGHTED_MINMAX: _ClassVar[Fusion]
+    RRF: _ClassVar[Fusion]
 RETRIEVAL_MODE_UNSPECIFIED: RetrievalMode
 HYBRID: RetrievalMode
 DENSE: RetrievalMode
 LEXICAL: RetrievalMode
 FULL_HYBRID: RetrievalMode
+FUSION_UNSPECIFIED: Fusion
+WEIGHTED_MINMAX: Fusion
+RRF: Fusion
 
 class Document(_message.Message):
     __slots__ = ("id", "title", "text", "metadata")
@@ -77,6 +86,26 @@ class IngestResponse(_message.Message):
     elapsed_ms: float
     def __init__(self, documents_written: _Optional[int] = ..., chunks_written: _Optional[int] = ..., documents_replaced: _Optional[int] = ..., rejected: _Optional[_Iterable[_Union[RejectedDocument, _Mapping]]] = ..., chunks_split: _Optional[int] = ..., seq: _Optional[int] = ..., elapsed_ms: _Optional[float] = ...) -> None: ...
 
+class FusionOptions(_message.Message):
+    __slots__ = ("method", "dense_weight", "lexical_weight", "rrf_k")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    DENSE_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    LEXICAL_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    RRF_K_FIELD_NUMBER: _ClassVar[int]
+    method: Fusion
+    dense_weight: float
+    lexical_weight: float
+    rrf_k: int
+    def __init__(self, method: _Optional[_Union[Fusion, str]] = ..., dense_weight: _Optional[float] = ..., lexical_weight: _Optional[float] = ..., rrf_k: _Optional[int] = ...) -> None: ...
+
+class MetadataFilter(_message.Message):
+    __slots__ = ("key", "values")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    values: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, key: _Optional[str] = ..., values: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class GenerationOptions(_message.Message):
     __slots__ = ("max_new_tokens",)
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -84,7 +113,7 @@ class GenerationOptions(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ...) -> None: ...
 
 class QueryRequest(_message.Message):
-    __slots__ = ("question", "top_k", "mode", "session_id", "generation", "candidates", "disable_memory")
+    __slots__ = ("question", "top_k", "mode", "session_id", "generation", "candidates", "disable_memory", "filters", "fusion", "query_vector")
     QUESTION_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +121,9 @@ class QueryRequest(_message.Message):
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     DISABLE_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    FILTERS_FIELD_NUMBER: _ClassVar[int]
+    FUSION_FIELD_NUMBER: _ClassVar[int]
+    QUERY_VECTOR_FIELD_NUMBER: _ClassVar[int]
     question: str
     top_k: int
     mode: RetrievalMode
@@ -99,10 +131,31 @@ class QueryRequest(_message.Message):
     generation: GenerationOptions
     candidates: int
     disable_memory: bool
-    def __init__(self, question: _Optional[str] = ..., top_k: _Optional[int] = ..., mode: _Optional[_Union[RetrievalMode, str]] = ..., session_id: _Optional[str] = ..., generation: _Optional[_Union[GenerationOptions, _Mapping]] = ..., candidates: _Optional[int] = ..., disable_memory: _Optional[bool] = ...) -> None: ...
+    filters: _containers.RepeatedCompositeFieldContainer[MetadataFilter]
+    fusion: FusionOptions
+    query_vector: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, question: _Optional[str] = ..., top_k: _Optional[int] = ..., mode: _Optional[_Union[RetrievalMode, str]] = ..., session_id: _Optional[str] = ..., generation: _Optional[_Union[GenerationOptions, _Mapping]] = ..., candidates: _Optional[int] = ..., disable_memory: _Optional[bool] = ..., filters: _Optional[_Iterable[_Union[MetadataFilter, _Mapping]]] = ..., fusion: _Optional[_Union[FusionOptions, _Mapping]] = ..., query_vector: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class RetrievalInfo(_message.Message):
+    __slots__ = ("mode", "fusion", "dense_weight", "lexical_weight", "rrf_k", "candidates", "chunks_searched")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    FUSION_FIELD_NUMBER: _ClassVar[int]
+    DENSE_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    LEXICAL_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    RRF_K_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_SEARCHED_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    fusion: str
+    dense_weight: float
+    lexical_weight: float
+    rrf_k: int
+    candidates: int
+    chunks_searched: int
+    def __init__(self, mode: _Optional[str] = ..., fusion: _Optional[str] = ..., dense_weight: _Optional[float] = ..., lexical_weight: _Optional[float] = ..., rrf_k: _Optional[int] = ..., candidates: _Optional[int] = ..., chunks_searched: _Optional[int] = ...) -> None: ...
 
 class Hit(_message.Message):
-    __slots__ = ("chunk_id", "doc_id", "title", "text", "score", "dense_score", "lexical_score", "shard", "metadata")
+    __slots__ = ("chunk_id", "doc_id", "title", "text", "score", "dense_score", "lexical_score", "shard", "metadata", "dense_rank", "lexical_rank")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +172,8 @@ class Hit(_message.Message):
     LEXICAL_SCORE_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    DENSE_RANK_FIELD_NUMBER: _ClassVar[int]
+    LEXICAL_RANK_FIELD_NUMBER: _ClassVar[int]
     chunk_id: str
     doc_id: str
     title: str
@@ -128,7 +183,9 @@ class Hit(_message.Message):
     lexical_score: float
     shard: int
     metadata: _containers.ScalarMap[str, str]
-    def __init__(self, chunk_id: _Optional[str] = ..., doc_id: _Optional[str] = ..., title: _Optional[str] = ..., text: _Optional[str] = ..., score: _Optional[float] = ..., dense_score: _Optional[float] = ..., lexical_score: _Optional[float] = ..., shard: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    dense_rank: int
+    lexical_rank: int
+    def __init__(self, chunk_id: _Optional[str] = ..., doc_id: _Optional[str] = ..., title: _Optional[str] = ..., text: _Optional[str] = ..., score: _Optional[float] = ..., dense_score: _Optional[float] = ..., lexical_score: _Optional[float] = ..., shard: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., dense_rank: _Optional[int] = ..., lexical_rank: _Optional[int] = ...) -> None: ...
 
 class Source(_message.Message):
     __slots__ = ("number", "chunk_id", "doc_id", "title", "tokens", "truncated")
@@ -147,7 +204,7 @@ class Source(_message.Message):
     def __init__(self, number: _Optional[int] = ..., chunk_id: _Optional[str] = ..., doc_id: _Optional[str] = ..., title: _Optional[str] = ..., tokens: _Optional[int] = ..., truncated: _Optional[bool] = ...) -> None: ...
 
 class QueryResponse(_message.Message):
-    __slots__ = ("answer", "hits", "timings_ms", "request_id", "sources", "prompt_tokens", "completion_tokens", "finish_reason", "memory_context")
+    __slots__ = ("answer", "hits", "timings_ms", "request_id", "sources", "prompt_tokens", "completion_tokens", "finish_reason", "memory_context", "retrieval")
     class TimingsMsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +221,7 @@ class QueryResponse(_message.Message):
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     MEMORY_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    RETRIEVAL_FIELD_NUMBER: _ClassVar[int]
     answer: str
     hits: _containers.RepeatedCompositeFieldContainer[Hit]
     timings_ms: _containers.ScalarMap[str, float]
@@ -173,10 +231,11 @@ class QueryResponse(_message.Message):
     completion_tokens: int
     finish_reason: str
     memory_context: str
-    def __init__(self, answer: _Optional[str] = ..., hits: _Optional[_Iterable[_Union[Hit, _Mapping]]] = ..., timings_ms: _Optional[_Mapping[str, float]] = ..., request_id: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[Source, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., memory_context: _Optional[str] = ...) -> None: ...
+    retrieval: RetrievalInfo
+    def __init__(self, answer: _Optional[str] = ..., hits: _Optional[_Iterable[_Union[Hit, _Mapping]]] = ..., timings_ms: _Optional[_Mapping[str, float]] = ..., request_id: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[Source, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., memory_context: _Optional[str] = ..., retrieval: _Optional[_Union[RetrievalInfo, _Mapping]] = ...) -> None: ...
 
 class RetrieveResponse(_message.Message):
-    __slots__ = ("hits", "timings_ms", "request_id", "memory_context")
+    __slots__ = ("hits", "timings_ms", "request_id", "memory_context", "retrieval")
     class TimingsMsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -188,11 +247,13 @@ class RetrieveResponse(_message.Message):
     TIMINGS_MS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MEMORY_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    RETRIEVAL_FIELD_NUMBER: _ClassVar[int]
     hits: _containers.RepeatedCompositeFieldContainer[Hit]
     timings_ms: _containers.ScalarMap[str, float]
     request_id: str
     memory_context: str
-    def __init__(self, hits: _Optional[_Iterable[_Union[Hit, _Mapping]]] = ..., timings_ms: _Optional[_Mapping[str, float]] = ..., request_id: _Optional[str] = ..., memory_context: _Optional[str] = ...) -> None: ...
+    retrieval: RetrievalInfo
+    def __init__(self, hits: _Optional[_Iterable[_Union[Hit, _Mapping]]] = ..., timings_ms: _Optional[_Mapping[str, float]] = ..., request_id: _Optional[str] = ..., memory_context: _Optional[str] = ..., retrieval: _Optional[_Union[RetrievalInfo, _Mapping]] = ...) -> None: ...
 
 class DeleteRequest(_message.Message):
     __slots__ = ("doc_ids",)

@@ -53,6 +53,7 @@ class QueryJob:
     generate: bool = True
     max_new_tokens: int = 64
     request_id: str = ""
+    query_vector: np.ndarray | None = None  # float32[D] given by the client: skip embedding
     enqueued: float = field(default_factory=time.perf_counter)
     future: asyncio.Future | None = None
     cancelled: bool = False
@@ -60,6 +61,7 @@ class QueryJob:
     memory: MemoryContext | None = None
     vector: np.ndarray | None = None
     hits: list[Hit] = field(default_factory=list)
+    info: Any = None
     payload: ContextPayload | None = None
     answer: str = ""
     completion_tokens: int = 0
@@ -192,23 +194,32 @@ class QueryEngine:
         self._stage(live, "memory", t)
         for j, m in zip(live, mem):
             j.memory = m
-        # embed
+        # embed (jobs that brought their own query vector skip it)
         t = time.perf_counter()
         texts = [j.memory.retrieval_text for j in live]
-        vecs = await loop.run_in_executor(self.embed_executor, lambda: self.encoder.encode(texts, truncate=True))
+        todo = [i for i, j in enumerate(live) if j.query_vector is None]
+        if todo:
+            emb = await loop.run_in_executor(
+                self.embed_executor, lambda: self.encoder.encode([texts[i] for i in todo], truncate=True)
+            )
+            for i, v in zip(todo, emb):
+                live[i].vector = v
+        for j in live:
+            if j.query_vector is not None:
+                j.vector = j.query_vector
         self._stage(live, "embed", t)
-        for j, v in zip(live, vecs):
-            j.vector = v
+        vecs = np.stack([j.vector for j in live]).astype(np.float32, copy=False)
         # retrieve (+ frontend rerank/fusion)
         t = time.perf_counter()
         async with self.lock.read():
-            hits, times = await self.retriever.retrieve(vecs, texts, [j.spec for j in live])
+            hits, times, infos = await self.retriever.retrieve(vecs, texts, [j.spec for j in live])
         self._stage(live, "retrieve", t, override=times.get("retrieve"))
         for j in live:
             j.timings_ms["rerank"] = times.get("rerank", 0.0) * 1000
         self.metrics.stage_seconds.labels(stage="rerank").observe(times.get("rerank", 0.0))
-        for j, h in zip(live, hits):
+        for j, h, info in zip(live, hits, infos):
             j.hits = h
+            j.info = info
         # reason
         t = time.perf_counter()
         for j in live:

@@ -40,13 +40,25 @@ MODES = ("hybrid", "dense", "lexical", "full_hybrid")
 
 @dataclass(frozen=True)
 class RetrieveSpec:
-    """What one query asks of the retrieve operator."""
+    """What one query asks of the retrieve operator.
+
+    :param fusion: ``"minmax"`` (weighted sum of min-max normalised scores) or ``"rrf"``
+        (reciprocal rank fusion, Cormack et al. 2009: ``sum_l w_l / (rrf_k + rank_l)`` over the
+        lists the chunk appears in).
+    :param candidates: the retrieval window N: dense candidates in ``hybrid`` mode, and the
+        length of each ranked list that ranks and RRF are computed over.
+    :param filters: ``((key, (value, ...)), ...)``: metadata[key] must be one of the values,
+        for every filter.
+    """
 
     mode: str = "hybrid"
     top_k: int = 5
     candidates: int = 128
     dense_weight: float = 0.5
     lexical_weight: float = 0.5
+    fusion: str = "minmax"
+    rrf_k: int = 60
+    filters: tuple = ()
 
 
 @dataclass
@@ -60,6 +72,19 @@ class Hit:
     lexical_score: float
     shard: int
     metadata: dict[str, str] = field(default_factory=dict)
+    dense_rank: int = 0
+    lexical_rank: int = 0
+
+
+@dataclass
+class RetrievalInfo:
+    mode: str
+    fusion: str
+    dense_weight: float
+    lexical_weight: float
+    rrf_k: int
+    candidates: int
+    chunks_searched: int = 0
 
 
 @dataclass
@@ -70,6 +95,61 @@ class _Cand:
     dense: float
     lexical: float
     score: float = 0.0
+    dense_rank: int = 0
+    lexical_rank: int = 0
+
+
+def _cands(reply: dict, shard: int) -> list[_Cand]:
+    return [
+        _Cand(shard, s, cid, d, lx)
+        for s, cid, d, lx in zip(reply["slots"].tolist(), reply["chunk_ids"], reply["dense"].tolist(),
+                                 reply["lexical"].tolist())
+    ]
+
+
+def _ranked(cands: list[_Cand], key: str, n: int, positive_only: bool = False) -> list[_Cand]:
+    """Top-n of ``cands`` by ``key`` desc, ties by chunk id (BM25 lists keep scores > 0 only)."""
+    if positive_only:
+        cands = [c for c in cands if getattr(c, key) > 0]
+    if not cands:
+        return []
+    order = top_k_order(np.array([getattr(c, key) for c in cands]), [c.chunk_id for c in cands], n)
+    return [cands[i] for i in order]
+
+
+def _dedupe(cands: list[_Cand]) -> dict[str, _Cand]:
+    out: dict[str, _Cand] = {}
+    for c in cands:
+        out.setdefault(c.chunk_id, c)
+    return out
+
+
+def _fuse(pool: list[_Cand], dense_list: list[_Cand], lexical_list: list[_Cand], spec: RetrieveSpec) -> list[_Cand]:
+    """Set ranks from the two lists, fuse over ``pool`` and return the top-k."""
+    dr = {c.chunk_id: i + 1 for i, c in enumerate(dense_list)}
+    lr = {c.chunk_id: i + 1 for i, c in enumerate(lexical_list)}
+    for c in pool:
+        c.dense_rank, c.lexical_rank = dr.get(c.chunk_id, 0), lr.get(c.chunk_id, 0)
+    if not pool:
+        return []
+    if spec.fusion == "rrf":
+        k = float(spec.rrf_k)
+        scores = np.array([
+            (spec.dense_weight / (k + c.dense_rank) if c.dense_rank else 0.0)
+            + (spec.lexical_weight / (k + c.lexical_rank) if c.lexical_rank else 0.0)
+            for c in pool
+        ])
+    else:
+        dense = np.array([c.dense for c in pool])
+        lex = np.array([c.lexical for c in pool])
+        scores = fuse_minmax(dense, lex, dense_range=minmax_params(dense), lexical_range=minmax_params(lex),
+                             dense_weight=spec.dense_weight, lexical_weight=spec.lexical_weight)
+    order = top_k_order(scores, [c.chunk_id for c in pool], spec.top_k)
+    out = []
+    for i in order:
+        pool[i].score = float(scores[i])
+        out.append(pool[i])
+    return out
 
 
 class Retriever:
@@ -90,112 +170,130 @@ class Retriever:
         self.cfg = cfg
         self._tokens = itertools.count(1)
 
+    @staticmethod
+    def info(spec: RetrieveSpec, searched: int = 0) -> RetrievalInfo:
+        fusion = spec.fusion if spec.mode in ("hybrid", "full_hybrid") else "none"
+        return RetrievalInfo(spec.mode, "weighted_minmax" if fusion == "minmax" else fusion, spec.dense_weight,
+                             spec.lexical_weight, spec.rrf_k if fusion == "rrf" else 0, spec.candidates, searched)
+
     async def retrieve(
         self, qvecs: np.ndarray, texts: list[str], specs: list[RetrieveSpec]
-    ) -> tuple[list[list[Hit]], dict[str, float]]:
+    ) -> tuple[list[list[Hit]], dict[str, float], list[RetrievalInfo]]:
         """Retrieve for a batch of B queries.
 
         :param qvecs: float32[B, D] L2-normalised query vectors.
         :param texts: B query texts (analysed for BM25).
-        :param specs: B per-query specs; queries sharing a mode are searched as one matrix.
-        :returns: B ranked hit lists (at most ``top_k`` each; fewer when the corpus is smaller),
-            and timings in seconds: ``retrieve`` (shard fan-out and gather, fetch of hit
-            fields) and ``rerank`` (frontend BM25 statistics, global merge and fusion).
+        :param specs: B per-query specs; queries sharing a mode and fusion are searched as one
+            matrix (one message per shard).
+        :returns: B ranked hit lists (at most ``top_k`` each; fewer when fewer chunks are
+            eligible), timings in seconds (``retrieve``: shard fan-out, gather and fetch of hit
+            fields; ``rerank``: frontend BM25 statistics, global merge and fusion), and B
+            :class:`RetrievalInfo`.
         """
         t_start = time.perf_counter()
-        rerank = 0.0
         terms = [self.analyzer.tokens(t) for t in texts]
         idf = [self.stats.query_idf(t, self.bm25.epsilon) for t in terms]
         avgdl = self.stats.avgdl
+        rerank = time.perf_counter() - t_start
         results: list[list[_Cand]] = [[] for _ in specs]
-        by_mode: dict[str, list[int]] = {}
+        infos = [self.info(s) for s in specs]
+        groups: dict[tuple[str, str], list[int]] = {}
         for i, s in enumerate(specs):
-            by_mode.setdefault(s.mode, []).append(i)
-        for mode, idx in by_mode.items():
+            groups.setdefault((s.mode, s.fusion if s.mode == "full_hybrid" else ""), []).append(i)
+        for (mode, fusion), idx in groups.items():
             q = np.ascontiguousarray(qvecs[idx], dtype=np.float32)
             common = {"q": q, "terms": [terms[i] for i in idx], "idf": [idf[i] for i in idx], "avgdl": avgdl,
-                      "k1": self.bm25.k1, "b": self.bm25.b}
+                      "k1": self.bm25.k1, "b": self.bm25.b,
+                      "filters": [list(specs[i].filters) for i in idx] if any(specs[i].filters for i in idx) else None}
+            gspecs = [specs[i] for i in idx]
             if mode == "full_hybrid":
-                merged, dt = await self._full(common, [specs[i] for i in idx])
-                rerank += dt
+                merged, searched, dt = await (self._full_rrf(common, gspecs) if fusion == "rrf"
+                                              else self._full_minmax(common, gspecs))
             else:
-                n = max(specs[i].candidates if mode == "hybrid" else specs[i].top_k for i in idx)
+                n = max(sp.candidates if mode == "hybrid" else sp.top_k for sp in gspecs)
                 replies = await self.pool.broadcast("search", {**common, "mode": mode, "n": n})
                 t = time.perf_counter()
-                merged = [self._merge(replies, j, specs[i]) for j, i in enumerate(idx)]
-                rerank += time.perf_counter() - t
+                merged = [self._merge(replies, j, sp) for j, sp in enumerate(gspecs)]
+                searched = [sum(rep[j]["n"] for rep in replies) for j in range(len(idx))]
+                dt = time.perf_counter() - t
+            rerank += dt
             for j, i in enumerate(idx):
                 results[i] = merged[j]
+                infos[i].chunks_searched = searched[j]
         hits = await self._materialise(results)
         total = time.perf_counter() - t_start
-        return hits, {"retrieve": total - rerank, "rerank": rerank}
+        return hits, {"retrieve": total - rerank, "rerank": rerank}, infos
 
     def _merge(self, replies: list[list[dict]], j: int, spec: RetrieveSpec) -> list[_Cand]:
-        cands: list[_Cand] = []
-        for shard, rep in enumerate(replies):
-            r = rep[j]
-            for s, cid, d, lx in zip(r["slots"].tolist(), r["chunk_ids"], r["dense"].tolist(), r["lexical"].tolist()):
-                cands.append(_Cand(shard, s, cid, d, lx))
-        if not cands:
-            return []
-        ids = [c.chunk_id for c in cands]
-        if spec.mode == "lexical":
-            scores = np.array([c.lexical for c in cands])
-        elif spec.mode == "dense":
-            scores = np.array([c.dense for c in cands])
-        else:  # dense-first hybrid: global dense top-N, then fuse over that candidate set
-            dense = np.array([c.dense for c in cands])
-            keep = top_k_order(dense, ids, spec.candidates)
-            cands = [cands[i] for i in keep]
-            ids = [c.chunk_id for c in cands]
-            dense = np.array([c.dense for c in cands])
-            lex = np.array([c.lexical for c in cands])
-            scores = fuse_minmax(
-                dense,
-                lex,
-                dense_range=minmax_params(dense),
-                lexical_range=minmax_params(lex),
-                dense_weight=spec.dense_weight,
-                lexical_weight=spec.lexical_weight,
-            )
-        order = top_k_order(scores, ids, spec.top_k)
-        out = []
-        for i in order:
-            c = cands[i]
-            c.score = float(scores[i])
-            out.append(c)
-        return out
+        cands = [c for shard, rep in enumerate(replies) for c in _cands(rep[j], shard)]
+        if spec.mode == "hybrid":  # dense-first: global dense top-N, BM25 of those, fused
+            window = _ranked(cands, "dense", spec.candidates)
+            return _fuse(list(window), window, _ranked(window, "lexical", spec.candidates, True), spec)
+        key = "lexical" if spec.mode == "lexical" else "dense"
+        top = _ranked(cands, key, spec.top_k)
+        dl = _ranked(top, "dense", spec.top_k)
+        ll = _ranked(top, "lexical", spec.top_k, True)
+        dr = {c.chunk_id: i + 1 for i, c in enumerate(dl)}
+        lr = {c.chunk_id: i + 1 for i, c in enumerate(ll)}
+        for c in top:
+            c.score = getattr(c, key)
+            c.dense_rank, c.lexical_rank = dr.get(c.chunk_id, 0), lr.get(c.chunk_id, 0)
+        return top
 
-    async def _full(self, common: dict, specs: list[RetrieveSpec]) -> tuple[list[list[_Cand]], float]:
+    def _global_lists(self, replies: list[list[dict]], j: int, n: int) -> tuple[list[_Cand], list[_Cand]]:
+        dense = [c for s, rep in enumerate(replies) for c in _cands(rep[j]["dense_list"], s)]
+        lex = [c for s, rep in enumerate(replies) for c in _cands(rep[j]["lexical_list"], s)]
+        return _ranked(dense, "dense", n), _ranked(lex, "lexical", n, True)
+
+    async def _full_minmax(self, common: dict, specs: list[RetrieveSpec]):
         token = f"full-{next(self._tokens)}"
         r1 = await self.pool.broadcast("full1", {**common, "token": token})
-        dranges, lranges = [], []
+        t = time.perf_counter()
+        dranges, lranges, searched = [], [], []
         for j in range(len(specs)):
             parts = [rep[j] for rep in r1 if rep[j]["n"] > 0]
+            searched.append(sum(p["n"] for p in parts))
             if not parts:
                 dranges.append((0.0, 0.0))
                 lranges.append((0.0, 0.0))
                 continue
             dranges.append((min(p["dmin"] for p in parts), max(p["dmax"] for p in parts)))
             lranges.append((min(p["lmin"] for p in parts), max(p["lmax"] for p in parts)))
-        k = max(s.top_k for s in specs)
+        dt = time.perf_counter() - t
         r2 = await self.pool.broadcast(
             "full2",
-            {"token": token, "dense_range": dranges, "lexical_range": lranges, "k": k,
-             "dense_weight": specs[0].dense_weight, "lexical_weight": specs[0].lexical_weight},
+            {"token": token, "dense_range": dranges, "lexical_range": lranges,
+             "k": max(s.top_k for s in specs), "n": max(s.candidates for s in specs),
+             "dense_weight": [s.dense_weight for s in specs], "lexical_weight": [s.lexical_weight for s in specs]},
         )
         t = time.perf_counter()
         out = []
         for j, spec in enumerate(specs):
             cands = []
             for shard, rep in enumerate(r2):
-                r = rep[j]
-                for s, cid, d, lx, f in zip(r["slots"].tolist(), r["chunk_ids"], r["dense"].tolist(),
-                                            r["lexical"].tolist(), r["fused"].tolist()):
-                    cands.append(_Cand(shard, s, cid, d, lx, f))
-            order = top_k_order(np.array([c.score for c in cands]), [c.chunk_id for c in cands], spec.top_k)
-            out.append([cands[i] for i in order])
-        return out, time.perf_counter() - t
+                for c, f in zip(_cands(rep[j], shard), rep[j]["fused"].tolist()):
+                    c.score = f
+                    cands.append(c)
+            top = _ranked(cands, "score", spec.top_k)
+            dl, ll = self._global_lists(r2, j, spec.candidates)
+            dr = {c.chunk_id: i + 1 for i, c in enumerate(dl)}
+            lr = {c.chunk_id: i + 1 for i, c in enumerate(ll)}
+            for c in top:
+                c.dense_rank, c.lexical_rank = dr.get(c.chunk_id, 0), lr.get(c.chunk_id, 0)
+            out.append(top)
+        return out, searched, dt + time.perf_counter() - t
+
+    async def _full_rrf(self, common: dict, specs: list[RetrieveSpec]):
+        n = max(s.candidates for s in specs)
+        replies = await self.pool.broadcast("full_lists", {**common, "n": n})
+        t = time.perf_counter()
+        out, searched = [], []
+        for j, spec in enumerate(specs):
+            searched.append(sum(rep[j]["n"] for rep in replies))
+            dl, ll = self._global_lists(replies, j, spec.candidates)
+            pool = list(_dedupe(dl + ll).values())
+            out.append(_fuse(pool, dl, ll, spec))
+        return out, searched, time.perf_counter() - t
 
     async def _materialise(self, results: list[list[_Cand]]) -> list[list[Hit]]:
         want: dict[int, list[int]] = {}
@@ -227,6 +325,8 @@ class Retriever:
                         lexical_score=c.lexical,
                         shard=c.shard,
                         metadata=json.loads(rec["metadata"]) if rec["metadata"] else {},
+                        dense_rank=c.dense_rank,
+                        lexical_rank=c.lexical_rank,
                     )
                 )
             out.append(hits)

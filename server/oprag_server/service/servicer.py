@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import logging
 import time
 import uuid
 
 import grpc
+import numpy as np
 
 from oprag.v1 import oprag_pb2, oprag_pb2_grpc
 
@@ -99,6 +101,18 @@ class OpRAGServicer(oprag_pb2_grpc.OpRAGServicer):
         cand = max(cand, top_k)
         if len(req.session_id.encode()) > lim.max_session_id_bytes:
             raise InvalidArgument(f"session_id is longer than {lim.max_session_id_bytes} bytes")
+        fusion, wd, wl, rrf_k = self._fusion(req.fusion)
+        filters = self._filters(req.filters)
+        qvec = None
+        if len(req.query_vector):
+            qvec = np.asarray(req.query_vector, dtype=np.float32)
+            dim = self.rt.encoder.dim
+            if qvec.shape[0] != dim:
+                raise InvalidArgument(f"query_vector has {qvec.shape[0]} values; the embedder produces {dim}")
+            norm = float(np.linalg.norm(qvec))
+            if not np.isfinite(qvec).all() or norm == 0.0:
+                raise InvalidArgument("query_vector must be finite and non-zero")
+            qvec = qvec / norm
         max_new = 0
         if generate:
             max_new = req.generation.max_new_tokens or gcfg.default_max_new_tokens
@@ -112,14 +126,57 @@ class OpRAGServicer(oprag_pb2_grpc.OpRAGServicer):
                 mode=mode,
                 top_k=top_k,
                 candidates=cand,
-                dense_weight=rcfg.dense_weight,
-                lexical_weight=rcfg.lexical_weight,
+                dense_weight=wd,
+                lexical_weight=wl,
+                fusion=fusion,
+                rrf_k=rrf_k,
+                filters=filters,
             ),
+            query_vector=qvec,
             session_id=req.session_id,
             use_memory=not req.disable_memory,
             generate=generate and self.rt.generator is not None,
             max_new_tokens=max_new,
             request_id=uuid.uuid4().hex,
+        )
+
+    def _fusion(self, f) -> tuple[str, float, float, int]:
+        rcfg = self.cfg.retrieval
+        if f.method not in (oprag_pb2.FUSION_UNSPECIFIED, oprag_pb2.WEIGHTED_MINMAX, oprag_pb2.RRF):
+            raise InvalidArgument(f"unknown fusion method {f.method}: use WEIGHTED_MINMAX (1) or RRF (2)")
+        method = "rrf" if f.method == oprag_pb2.RRF else "minmax"
+        wd, wl = f.dense_weight, f.lexical_weight
+        for name, w in (("dense_weight", wd), ("lexical_weight", wl)):
+            if not math.isfinite(w) or w < 0:
+                raise InvalidArgument(f"fusion.{name} must be a finite number >= 0, got {w}")
+        if wd == 0 and wl == 0:
+            wd, wl = rcfg.dense_weight, rcfg.lexical_weight
+        rrf_k = f.rrf_k or 60
+        if rrf_k > 100_000:
+            raise InvalidArgument(f"fusion.rrf_k must be <= 100000, got {rrf_k}")
+        return method, wd, wl, rrf_k
+
+    @staticmethod
+    def _filters(filters) -> tuple:
+        if len(filters) > 16:
+            raise InvalidArgument(f"{len(filters)} metadata filters; the limit is 16")
+        out = []
+        for f in filters:
+            if not f.key:
+                raise InvalidArgument("a metadata filter has an empty key: name the metadata key to match")
+            if not f.values or len(f.values) > 1024:
+                raise InvalidArgument(f"metadata filter {f.key!r} needs between 1 and 1024 values")
+            out.append((f.key, tuple(f.values)))
+        return tuple(out)
+
+    @staticmethod
+    def _info(job: QueryJob) -> oprag_pb2.RetrievalInfo | None:
+        i = job.info
+        if i is None:
+            return None
+        return oprag_pb2.RetrievalInfo(
+            mode=i.mode, fusion=i.fusion, dense_weight=i.dense_weight, lexical_weight=i.lexical_weight,
+            rrf_k=i.rrf_k, candidates=i.candidates, chunks_searched=i.chunks_searched,
         )
 
     @staticmethod
@@ -135,6 +192,8 @@ class OpRAGServicer(oprag_pb2_grpc.OpRAGServicer):
                 lexical_score=h.lexical_score,
                 shard=h.shard,
                 metadata=h.metadata,
+                dense_rank=h.dense_rank,
+                lexical_rank=h.lexical_rank,
             )
             for h in job.hits
         ]
@@ -162,6 +221,7 @@ class OpRAGServicer(oprag_pb2_grpc.OpRAGServicer):
             completion_tokens=job.completion_tokens,
             finish_reason=job.finish_reason,
             memory_context=job.memory.memory_text if job.memory else "",
+            retrieval=self._info(job),
         )
 
     @_observed("Retrieve")
@@ -172,6 +232,7 @@ class OpRAGServicer(oprag_pb2_grpc.OpRAGServicer):
             timings_ms=job.timings_ms,
             request_id=job.request_id,
             memory_context=job.memory.memory_text if job.memory else "",
+            retrieval=self._info(job),
         )
 
     @_observed("Ingest")

@@ -86,7 +86,9 @@ class ShardState:
         self.next_slot = 0
         self.applied_seq = 0
         self.memory: dict[str, list[MemoryRecord]] = {}
-        self._full_cache: dict[str, tuple] = {}
+        self._full_cache: dict[str, list] = {}
+        self.meta_index: dict[str, dict[str, set[int]]] = {}
+        self._row_ids_cache: np.ndarray | None = None
         self.dirty = False
 
     # ------------------------------------------------------------------ writes
@@ -97,8 +99,46 @@ class ShardState:
             self.dense.remove(np.asarray(slots, dtype=np.int64))
             for s in slots:
                 self.postings.remove(s)
-                self.chunks.pop(s, None)
+                rec = self.chunks.pop(s, None)
+                if rec is not None:
+                    self._unindex_metadata(s, rec)
+            self._row_ids_cache = None
         return len(slots)
+
+    def _index_metadata(self, slot: int, rec: ChunkRecord) -> None:
+        for k, v in json.loads(rec.metadata).items():
+            self.meta_index.setdefault(k, {}).setdefault(v, set()).add(slot)
+
+    def _unindex_metadata(self, slot: int, rec: ChunkRecord) -> None:
+        for k, v in json.loads(rec.metadata).items():
+            vals = self.meta_index.get(k, {})
+            vals.get(v, set()).discard(slot)
+            if v in vals and not vals[v]:
+                del vals[v]
+            if k in self.meta_index and not vals:
+                del self.meta_index[k]
+
+    def allowed(self, filters) -> np.ndarray | None:
+        """Sorted int64 slots whose document metadata satisfies every ``(key, values)``
+        filter (set membership; equality with one value); None when there is no filter."""
+        if not filters:
+            return None
+        result: set[int] | None = None
+        for key, values in filters:
+            vals = self.meta_index.get(key, {})
+            match: set[int] = set()
+            for v in values:
+                match |= vals.get(v, set())
+            result = match if result is None else result & match
+            if not result:
+                break
+        return np.asarray(sorted(result or ()), dtype=np.int64)
+
+    def _row_ids(self) -> np.ndarray:
+        """Chunk ids aligned with the dense index's rows (object array, cached until a write)."""
+        if self._row_ids_cache is None or len(self._row_ids_cache) != len(self.dense):
+            self._row_ids_cache = np.asarray([self.chunks[int(s)].chunk_id for s in self.dense.slots], dtype=object)
+        return self._row_ids_cache
 
     def upsert(self, table: pa.Table, seq: int) -> dict:
         """Apply a bulk batch of chunks (schema :func:`records.chunk_schema`).
@@ -133,11 +173,13 @@ class ShardState:
                 content_hash=cols["content_hash"][i] or "",
             )
             self.chunks[slot] = rec
+            self._index_metadata(slot, rec)
             self.doc_slots[doc_id].append(slot)
             self.postings.add(slot, self._index_tokens(rec))
             new_slots.append(slot)
         if new_slots:
             self.dense.add(np.asarray(new_slots, dtype=np.int64), vecs)
+            self._row_ids_cache = None
         self.applied_seq = max(self.applied_seq, int(seq))
         self.dirty = True
         self._full_cache.clear()
@@ -164,98 +206,154 @@ class ShardState:
     def _ids(self, slots) -> list[str]:
         return [self.chunks[int(s)].chunk_id for s in slots]
 
-    def search(self, args: dict) -> list[dict]:
-        """Batched candidate generation for B queries.
+    def _dense_top(self, q: np.ndarray, n: int, allowed: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """Top-n slots by inner product (FAISS, or exact numpy scoring of the allowed slots)."""
+        if allowed is None:
+            ids, scores = self.dense.search(q[None, :], n)
+            return ids[0], scores[0].astype(np.float64)
+        if allowed.size == 0:
+            return allowed, np.zeros(0, np.float64)
+        sc = self.dense.score_slots(q, allowed).astype(np.float64)
+        order = top_k_order(sc, allowed.tolist(), n)  # ties: lower slot first
+        return allowed[order], sc[order]
 
-        ``args``: ``q`` float32[B, D]; ``terms`` list of B token lists; ``idf`` list of B
-        float64[T] arrays (corpus-global, computed by the frontend); ``avgdl``, ``k1``, ``b``;
-        ``mode`` in {"hybrid", "dense", "lexical"}; ``n`` local candidates per query.
-        :returns: per query ``{"slots", "chunk_ids", "dense", "lexical"}`` with float64 scores.
+    def search(self, args: dict) -> list[dict]:
+        """Batched candidate generation for B queries (one FAISS call for the unfiltered ones).
+
+        ``args``: ``q`` float32[B, D]; ``terms`` B token lists; ``idf`` B float64[T] arrays
+        (corpus-global, from the frontend); ``avgdl``, ``k1``, ``b``; ``mode`` in {"hybrid",
+        "dense", "lexical"}; ``n`` local candidates per query; ``filters`` optional B filter
+        lists.
+        :returns: per query ``{"slots", "chunk_ids", "dense", "lexical", "n"}``, float64
+            scores; ``n`` = chunks eligible on this shard.
         """
         q = records.as_query_matrix(args["q"], self.dim)
         mode, n = args["mode"], int(args["n"])
         k1, b, avgdl = args["k1"], args["b"], args["avgdl"]
+        filters = args.get("filters") or [None] * q.shape[0]
+        allowed = [self.allowed(f) for f in filters]
         out = []
         if mode in ("hybrid", "dense"):
-            ids, scores = self.dense.search(q, n)
+            plain = [i for i, a in enumerate(allowed) if a is None]
+            faiss_res = {}
+            if plain:
+                ids, scores = self.dense.search(q[plain], n)
+                faiss_res = {i: (ids[j], scores[j].astype(np.float64)) for j, i in enumerate(plain)}
             for i in range(q.shape[0]):
-                slots = ids[i]
+                slots, dense = faiss_res[i] if i in faiss_res else self._dense_top(q[i], n, allowed[i])
                 lex = self.postings.score(slots, args["terms"][i], args["idf"][i], avgdl, k1, b)
-                out.append(
-                    {"slots": slots, "chunk_ids": self._ids(slots), "dense": scores[i].astype(np.float64), "lexical": lex}
-                )
+                eligible = len(self.dense) if allowed[i] is None else int(allowed[i].size)
+                out.append({"slots": slots, "chunk_ids": self._ids(slots), "dense": dense, "lexical": lex, "n": eligible})
         elif mode == "lexical":
             for i in range(q.shape[0]):
                 slots, lex = self.postings.score_all(args["terms"][i], args["idf"][i], avgdl, k1, b)
+                if allowed[i] is not None:
+                    keep = np.isin(slots, allowed[i], assume_unique=True)
+                    slots, lex = slots[keep], lex[keep]
                 cids = self._ids(slots)
                 order = top_k_order(lex, cids, n)
                 slots = slots[order]
                 dense = self.dense.score_slots(q[i], slots).astype(np.float64)
-                out.append({"slots": slots, "chunk_ids": [cids[j] for j in order], "dense": dense, "lexical": lex[order]})
+                eligible = len(self.dense) if allowed[i] is None else int(allowed[i].size)
+                out.append({"slots": slots, "chunk_ids": [cids[j] for j in order], "dense": dense,
+                            "lexical": lex[order], "n": eligible})
         else:
             raise ValueError(f"unknown search mode {mode!r}")
         return out
 
-    def full_round1(self, args: dict) -> list[dict]:
-        """Exact hybrid, round 1: score every chunk (dense) and every chunk containing a query
-        term (BM25); cache them under ``token``; return local score ranges.
+    def _exact_scores(self, args: dict, q: np.ndarray) -> list[tuple]:
+        """Every eligible chunk's dense and BM25 score, per query.
 
-        :returns: per query ``{"n", "dmin", "dmax", "lmin", "lmax"}`` (``n`` live chunks).
+        :returns: per query ``(rows int64[M], dense float64[M], lexical float64[M])`` where
+            rows index the dense index's row order (see :meth:`_row_ids`).
+        """
+        k1, b, avgdl = args["k1"], args["b"], args["avgdl"]
+        filters = args.get("filters") or [None] * q.shape[0]
+        row_slots = self.dense.slots
+        order = np.argsort(row_slots, kind="stable")
+        sorted_slots = row_slots[order]
+        dense_all = self.dense.score_all(q)
+        out = []
+        for i in range(q.shape[0]):
+            allowed = self.allowed(filters[i])
+            lslots, lex = self.postings.score_all(args["terms"][i], args["idf"][i], avgdl, k1, b)
+            lexical = np.zeros(len(row_slots), dtype=np.float64)
+            if lslots.size:
+                lexical[order[np.searchsorted(sorted_slots, lslots)]] = lex
+            if allowed is None:
+                rows = np.arange(len(row_slots), dtype=np.int64)
+            else:
+                rows = order[np.searchsorted(sorted_slots, allowed)] if allowed.size else np.zeros(0, np.int64)
+            out.append((rows, dense_all[i][rows].astype(np.float64), lexical[rows]))
+        return out
+
+    def _lists(self, rows, d, lx, n: int) -> dict:
+        """Local top-n by dense and top-n by BM25 (> 0 only), each entry with both scores."""
+        ids = self._row_ids()[rows]
+        od = top_k_order(d, ids, n)
+        pos = np.nonzero(lx > 0)[0]
+        ol = pos[top_k_order(lx[pos], ids[pos], n)] if pos.size else pos
+        pick = lambda o: {"rows": rows[o], "chunk_ids": ids[o].tolist(), "dense": d[o], "lexical": lx[o]}  # noqa: E731
+        return {"dense_list": pick(np.asarray(od, dtype=np.int64)), "lexical_list": pick(np.asarray(ol, dtype=np.int64))}
+
+    def full_round1(self, args: dict) -> list[dict]:
+        """Exact hybrid, round 1: score every eligible chunk (dense: one matrix product; BM25:
+        postings of the query terms only, every other chunk scores exactly 0), cache the
+        arrays under ``token`` and return the local score ranges.
+
+        :returns: per query ``{"n", "dmin", "dmax", "lmin", "lmax"}``.
         """
         q = records.as_query_matrix(args["q"], self.dim)
-        k1, b, avgdl = args["k1"], args["b"], args["avgdl"]
-        dense_all = self.dense.score_all(q)
-        row_slots = self.dense.slots
-        out, cache = [], []
-        n = len(row_slots)
-        for i in range(q.shape[0]):
-            d = dense_all[i].astype(np.float64)
-            lslots, lex = self.postings.score_all(args["terms"][i], args["idf"][i], avgdl, k1, b)
-            if n == 0:
+        cache = self._exact_scores(args, q)
+        out = []
+        for rows, d, lx in cache:
+            if rows.size == 0:
                 out.append({"n": 0, "dmin": 0.0, "dmax": 0.0, "lmin": 0.0, "lmax": 0.0})
-                cache.append((d, lslots, lex))
-                continue
-            lmin = float(lex.min()) if lex.size else 0.0
-            lmax = float(lex.max()) if lex.size else 0.0
-            if lex.size < n:  # some chunk contains no query term: its BM25 score is exactly 0
-                lmin, lmax = min(lmin, 0.0), max(lmax, 0.0)
-            out.append({"n": n, "dmin": float(d.min()), "dmax": float(d.max()), "lmin": lmin, "lmax": lmax})
-            cache.append((d, lslots, lex))
+            else:
+                out.append({"n": int(rows.size), "dmin": float(d.min()), "dmax": float(d.max()),
+                            "lmin": float(lx.min()), "lmax": float(lx.max())})
         if len(self._full_cache) > 64:
             self._full_cache.clear()
-        self._full_cache[args["token"]] = (row_slots.copy(), cache)
+        self._full_cache[args["token"]] = cache
         return out
 
     def full_round2(self, args: dict) -> list[dict]:
-        """Exact hybrid, round 2: fuse with the corpus-global ranges and return the local top-k
-        by (fused desc, chunk id asc)."""
-        row_slots, cache = self._full_cache.pop(args["token"])
+        """Exact hybrid, round 2: fuse with the corpus-global ranges; return the local top-k by
+        (fused desc, chunk id asc) and the local top-``n`` dense and BM25 lists (for ranks)."""
+        cache = self._full_cache.pop(args["token"])
         out = []
-        pos = {int(s): r for r, s in enumerate(row_slots.tolist())}
-        cids_all = self._ids(row_slots)
-        for i, (d, lslots, lex) in enumerate(cache):
-            lexical = np.zeros(len(row_slots), dtype=np.float64)
-            if lslots.size:
-                lexical[[pos[int(s)] for s in lslots]] = lex
+        for i, (rows, d, lx) in enumerate(cache):
             fused = fuse_minmax(
                 d,
-                lexical,
+                lx,
                 dense_range=tuple(args["dense_range"][i]),
                 lexical_range=tuple(args["lexical_range"][i]),
-                dense_weight=args["dense_weight"],
-                lexical_weight=args["lexical_weight"],
+                dense_weight=args["dense_weight"][i],
+                lexical_weight=args["lexical_weight"][i],
             )
-            order = top_k_order(fused, cids_all, int(args["k"]))
-            out.append(
-                {
-                    "slots": row_slots[order],
-                    "chunk_ids": [cids_all[j] for j in order],
-                    "dense": d[order],
-                    "lexical": lexical[order],
-                    "fused": fused[order],
-                }
-            )
+            ids = self._row_ids()[rows]
+            order = np.asarray(top_k_order(fused, ids, int(args["k"])), dtype=np.int64)
+            sel = rows[order]
+            out.append({
+                "slots": self.dense.slots[sel], "chunk_ids": ids[order].tolist(), "dense": d[order],
+                "lexical": lx[order], "fused": fused[order],
+                **self._slot_lists(self._lists(rows, d, lx, int(args["n"]))),
+            })
         return out
+
+    def full_lists(self, args: dict) -> list[dict]:
+        """Exact retrieval for rank fusion: the local top-``n`` dense and BM25 lists over every
+        eligible chunk, in one round."""
+        q = records.as_query_matrix(args["q"], self.dim)
+        return [
+            {"n": int(rows.size), **self._slot_lists(self._lists(rows, d, lx, int(args["n"])))}
+            for rows, d, lx in self._exact_scores(args, q)
+        ]
+
+    def _slot_lists(self, lists: dict) -> dict:
+        for v in lists.values():
+            v["slots"] = self.dense.slots[v.pop("rows")]
+        return lists
 
     def fetch(self, slots: list[int]) -> list[dict | None]:
         """Stored fields of the given slots (None for a slot deleted meanwhile)."""
@@ -422,6 +520,8 @@ class ShardState:
             return self.full_round1(args)
         if op == "full2":
             return self.full_round2(args)
+        if op == "full_lists":
+            return self.full_lists(args)
         if op == "fetch":
             return self.fetch(args["slots"])
         if op == "upsert":
