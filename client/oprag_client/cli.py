@@ -36,6 +36,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--chunk-size", type=int, default=900, help="characters per chunk")
     s.add_argument("--chunk-overlap", type=int, default=0, help="characters shared by consecutive chunks")
     s.add_argument("--candidates", type=int, default=128, help="dense candidates N of dense-first hybrid")
+    s.add_argument("--monitor-fraction", type=float, default=0.05,
+                   help="share of dense-first queries re-run in exact mode to export pruning Recall@k")
     s.add_argument("--max-batch", type=int, default=8, help="queries per scheduler batch")
     s.add_argument("--max-wait-ms", type=float, default=4.0, help="how long a batch waits for company")
     s.add_argument("--queue-capacity", type=int, default=256, help="unfinished queries admitted")
@@ -120,7 +122,7 @@ def cmd_serve(a) -> int:
             shards=a.shards,
             chunking=ChunkingConfig(size=a.chunk_size, overlap=a.chunk_overlap),
             bm25=BM25Config(stem=a.stem),
-            retrieval=RetrievalConfig(candidates=a.candidates),
+            retrieval=RetrievalConfig(candidates=a.candidates, monitor_fraction=a.monitor_fraction),
             embed=EmbedConfig(model=a.embedder),
             generate=GenerateConfig(model=a.generator, context_tokens=a.context_tokens,
                                     default_max_new_tokens=a.max_new_tokens),

@@ -101,6 +101,8 @@ class Runtime:
         self.retriever = Retriever(self.pool, self.stats, self.analyzer, self.cfg.bm25, self.cfg.retrieval)
         self.memory = Memory(self.pool, self.cfg.memory)
         self.query = QueryEngine(
+            monitor_fraction=self.cfg.retrieval.monitor_fraction,
+            monitor_max_inflight=self.cfg.retrieval.monitor_max_inflight,
             encoder=self.encoder,
             generator=self.generator,
             retriever=self.retriever,

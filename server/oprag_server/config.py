@@ -54,6 +54,14 @@ class RetrievalConfig:
     max_candidates: int = 4096
     dense_weight: float = 0.5
     lexical_weight: float = 0.5
+    # Pruning-loss monitor: this fraction of live dense-first queries is re-run in exact mode
+    # off the request path; their Recall@k against exact mode is exported to Prometheus.
+    monitor_fraction: float = 0.05
+    monitor_max_inflight: int = 2
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.monitor_fraction <= 1.0:
+            raise ValueError(f"monitor_fraction must be in [0, 1], got {self.monitor_fraction}")
 
 
 @dataclass(frozen=True)

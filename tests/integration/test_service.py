@@ -48,7 +48,8 @@ DOCS = [
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     data = tmp_path_factory.mktemp("oprag-data")
-    srv = ServerProcess(data, free_port(), free_port(), "--shards", "2", "--max-new-tokens", "24").start()
+    srv = ServerProcess(data, free_port(), free_port(), "--shards", "2", "--max-new-tokens", "24",
+                        "--monitor-fraction", "1.0").start()
     yield srv
     srv.stop()
 
@@ -97,6 +98,22 @@ def test_retrieve_finds_the_right_document(client, ingested, mode):
         assert h.shard in (0, 1) and h.text
     assert r.hits[0].lexical_score > 0 and r.hits[0].dense_score > 0.3
     assert r.request_id
+
+
+def test_filters_fusion_and_query_vector(client, ingested):
+    r = client.retrieve("What happens in a volcano or in bread?", top_k=3, filters={"topic": ["food", "games"]})
+    assert r.hits and {h.doc_id for h in r.hits} <= {"sourdough", "chess"}
+    assert r.retrieval.chunks_searched == 2
+    r = client.retrieve("sourdough starter yeast", top_k=3, fusion="rrf", rrf_k=10, mode="full_hybrid")
+    assert r.retrieval.fusion == "rrf" and r.retrieval.rrf_k == 10 and r.retrieval.mode == "full_hybrid"
+    assert r.hits[0].doc_id == "sourdough" and r.hits[0].dense_rank == 1 and r.hits[0].lexical_rank == 1
+    assert r.hits[0].score == pytest.approx(0.5 / 11 + 0.5 / 11)
+    with pytest.raises(grpc.RpcError) as ei:
+        client.retrieve("x", query_vector=[0.1] * 5)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "384" in ei.value.details()
+    with pytest.raises(grpc.RpcError) as ei:
+        client.retrieve("x", dense_weight=-1.0)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_query_answers_with_grounded_sources(client, ingested):
@@ -173,6 +190,19 @@ def test_metrics_endpoint_has_stage_histograms(server, client, ingested):
     assert 'oprag_requests_total{code="OK",method="Retrieve"}' in body
     assert "oprag_chunks_ingested_total" in body
     assert "oprag_batch_size_bucket" in body
+    # --monitor-fraction 1.0: every dense-first query is re-checked in exact mode off the request path
+    import re
+    import time
+
+    count = 0.0
+    for _ in range(50):
+        body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+        m = re.search(r"^oprag_pruning_recall_count (\S+)$", body, re.M)
+        count = float(m.group(1)) if m else 0.0
+        if count > 0:
+            break
+        time.sleep(0.1)
+    assert count > 0
 
 
 def test_cli_ingest_and_query(server, ingested, tmp_path):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -75,6 +76,8 @@ class QueryEngine:
     def __init__(
         self,
         *,
+        monitor_fraction: float = 0.0,
+        monitor_max_inflight: int = 2,
         encoder: Any,
         generator: Any | None,
         retriever: Retriever,
@@ -103,12 +106,16 @@ class QueryEngine:
         self._batch_ids = 0
         self._tasks: list[asyncio.Task] = []
         self._gen_time_ewma = 0.5
+        self.monitor_fraction = monitor_fraction
+        self.monitor_max_inflight = monitor_max_inflight
+        self._monitor_credit = 0.0
+        self._monitor_tasks: set[asyncio.Task] = set()
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._prep_loop()), asyncio.create_task(self._gen_loop())]
 
     async def stop(self) -> None:
-        for t in self._tasks:
+        for t in [*self._tasks, *self._monitor_tasks]:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self.gen_executor.shutdown(wait=True, cancel_futures=True)
@@ -220,6 +227,7 @@ class QueryEngine:
         for j, h, info in zip(live, hits, infos):
             j.hits = h
             j.info = info
+        self._sample_for_monitor(live)
         # reason
         t = time.perf_counter()
         for j in live:
@@ -234,6 +242,43 @@ class QueryEngine:
                 )
         if any(j.generate for j in live):
             self._stage(live, "context", t)
+
+    # ------------------------------------------------------------------ pruning-loss monitor
+    def _sample_for_monitor(self, jobs: list[QueryJob]) -> None:
+        """Pick every (1/fraction)-th dense-first query (deterministic) for an exact re-run."""
+        if self.monitor_fraction <= 0:
+            return
+        picked = []
+        for j in jobs:
+            if j.spec.mode != "hybrid" or not j.hits:
+                continue
+            self._monitor_credit += self.monitor_fraction
+            if self._monitor_credit >= 1.0:
+                self._monitor_credit -= 1.0
+                picked.append(j)
+        if not picked:
+            return
+        if len(self._monitor_tasks) >= self.monitor_max_inflight:
+            self.metrics.pruning_checks_skipped.inc(len(picked))
+            return
+        t = asyncio.create_task(self._monitor(picked))
+        self._monitor_tasks.add(t)
+        t.add_done_callback(self._monitor_tasks.discard)
+
+    async def _monitor(self, jobs: list[QueryJob]) -> None:
+        try:
+            specs = [dataclasses.replace(j.spec, mode="full_hybrid") for j in jobs]
+            vecs = np.stack([j.vector for j in jobs]).astype(np.float32, copy=False)
+            texts = [j.memory.retrieval_text if j.memory else j.question for j in jobs]
+            async with self.lock.read():
+                exact, _, _ = await self.retriever.retrieve(vecs, texts, specs)
+            for j, ex in zip(jobs, exact):
+                if ex:
+                    want = {h.chunk_id for h in ex}
+                    got = {h.chunk_id for h in j.hits[: len(ex)]}
+                    self.metrics.pruning_recall.observe(len(want & got) / len(want))
+        except Exception:  # noqa: BLE001 - the monitor never affects serving
+            log.exception("pruning-loss monitor failed")
 
     def _stage(self, jobs: list[QueryJob], name: str, t0: float, override: float | None = None) -> None:
         dt = override if override is not None else time.perf_counter() - t0

@@ -39,6 +39,14 @@ class Metrics:
         self.chunks = Gauge("oprag_chunks", "Live chunks in the index", registry=r)
         self.documents = Gauge("oprag_documents", "Live documents in the index", registry=r)
         self.shards_up = Gauge("oprag_shards_up", "Shard processes alive", registry=r)
+        self.pruning_recall = Histogram(
+            "oprag_pruning_recall",
+            "Recall@k of sampled dense-first (hybrid) queries against exact (full_hybrid) mode, re-run off the request path",
+            buckets=(0.2, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0), registry=r,
+        )
+        self.pruning_checks_skipped = Counter(
+            "oprag_pruning_checks_skipped_total", "Sampled queries not re-run because the monitor was busy", registry=r
+        )
         for s in STAGES:
             self.stage_seconds.labels(stage=s)
 
