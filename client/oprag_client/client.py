@@ -83,11 +83,12 @@ def query_request(question: str, *, top_k: int = 0, mode: str = "hybrid", sessio
                   max_new_tokens: int = 0, candidates: int = 0, disable_memory: bool = False,
                   fusion: str = "minmax", dense_weight: float = 0.0, lexical_weight: float = 0.0, rrf_k: int = 0,
                   filters: Mapping[str, str | list[str]] | None = None,
-                  query_vector=None) -> oprag_pb2.QueryRequest:
+                  query_vector=None, min_seq: int = 0) -> oprag_pb2.QueryRequest:
     """Build a QueryRequest.
 
     :param filters: ``{key: value}`` (equality) or ``{key: [values]}`` (set membership).
     :param query_vector: optional precomputed query embedding (float sequence, width D).
+    :param min_seq: read-your-writes: wait until this ingest/delete sequence number is applied.
     :raises ValueError: unknown ``mode`` or ``fusion``.
     """
     if mode not in MODES:
@@ -103,6 +104,7 @@ def query_request(question: str, *, top_k: int = 0, mode: str = "hybrid", sessio
         fusion=oprag_pb2.FusionOptions(method=FUSIONS[fusion], dense_weight=dense_weight,
                                        lexical_weight=lexical_weight, rrf_k=rrf_k),
         query_vector=[] if query_vector is None else [float(x) for x in query_vector],
+        min_seq=min_seq,
         question=question,
         top_k=top_k,
         mode=MODES[mode],

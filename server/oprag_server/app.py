@@ -84,6 +84,8 @@ class Runtime:
         self.analyzer = Analyzer(stem=cfg.bm25.stem)
         self.lock = RWLock()
         self.seq = 0
+        self.applied_seq = 0
+        self._applied = asyncio.Condition()
         self._last_gen = 0
         self._dirty = False
         self.embed_executor = ThreadPoolExecutor(1, thread_name_prefix="oprag-embed")
@@ -94,7 +96,7 @@ class Runtime:
         _check_data_dir(self.cfg, self.encoder.dim, self.encoder.name)
         ready = self.pool.start(loop)
         self.stats = CorpusStats.merge_full([r["lexical"] for r in ready])
-        self.seq = max([r["applied_seq"] for r in ready] + [0])
+        self.seq = self.applied_seq = max([r["applied_seq"] for r in ready] + [0])
         self.metrics.shards_up.set(len(ready))
 
     async def start(self) -> None:
@@ -125,6 +127,7 @@ class Runtime:
             metrics=self.metrics,
             next_seq=self.next_seq,
             next_generation=self.next_generation,
+            on_commit=self._committed,
             embed_batch=self.cfg.embed.batch_size,
         )
         self.query.start()
@@ -134,6 +137,33 @@ class Runtime:
     def next_seq(self) -> int:
         self.seq += 1
         return self.seq
+
+    def _committed(self, seq: int) -> None:
+        """Every shard has applied ``seq`` (called under the index write lock)."""
+        self.applied_seq = max(self.applied_seq, seq)
+
+        async def notify() -> None:
+            async with self._applied:
+                self._applied.notify_all()
+
+        asyncio.get_running_loop().create_task(notify())
+
+    async def wait_applied(self, seq: int, timeout: float | None) -> None:
+        """Wait until every shard has applied ``seq``.
+
+        :raises LookupError: ``seq`` was never issued by this service.
+        :raises asyncio.TimeoutError: not applied within ``timeout`` seconds.
+        """
+        if seq <= self.applied_seq:
+            return
+        if seq > self.seq:
+            raise LookupError(f"sequence number {seq} was never issued (the latest is {self.seq})")
+
+        async def wait() -> None:
+            async with self._applied:
+                await self._applied.wait_for(lambda: self.applied_seq >= seq)
+
+        await asyncio.wait_for(wait(), timeout)
 
     def next_generation(self) -> int:
         """A document version id: unique and increasing across restarts (nanosecond clock)."""
@@ -153,11 +183,12 @@ class Runtime:
         self.metrics.documents.set(sum(s["documents"] for s in st))
 
     async def delete(self, doc_ids: list[str]) -> tuple[int, int, int]:
-        seq = self.next_seq()
         async with self.lock.write():
+            seq = self.next_seq()
             replies = await self.pool.broadcast("delete", {"doc_ids": doc_ids, "seq": seq})
             for r in replies:
                 self.stats.apply_delta(*r["delta"])
+            self._committed(seq)
         self.mark_dirty()
         return sum(r["docs"] for r in replies), sum(r["chunks"] for r in replies), seq
 

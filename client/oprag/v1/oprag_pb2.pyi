@@ -69,7 +69,7 @@ class RejectedDocument(_message.Message):
     def __init__(self, index: _Optional[int] = ..., id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class IngestResponse(_message.Message):
-    __slots__ = ("documents_written", "chunks_written", "documents_replaced", "rejected", "chunks_split", "seq", "elapsed_ms")
+    __slots__ = ("documents_written", "chunks_written", "documents_replaced", "rejected", "chunks_split", "seq", "elapsed_ms", "chunks_reused")
     DOCUMENTS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     DOCUMENTS_REPLACED_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,7 @@ class IngestResponse(_message.Message):
     CHUNKS_SPLIT_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_MS_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_REUSED_FIELD_NUMBER: _ClassVar[int]
     documents_written: int
     chunks_written: int
     documents_replaced: int
@@ -84,7 +85,8 @@ class IngestResponse(_message.Message):
     chunks_split: int
     seq: int
     elapsed_ms: float
-    def __init__(self, documents_written: _Optional[int] = ..., chunks_written: _Optional[int] = ..., documents_replaced: _Optional[int] = ..., rejected: _Optional[_Iterable[_Union[RejectedDocument, _Mapping]]] = ..., chunks_split: _Optional[int] = ..., seq: _Optional[int] = ..., elapsed_ms: _Optional[float] = ...) -> None: ...
+    chunks_reused: int
+    def __init__(self, documents_written: _Optional[int] = ..., chunks_written: _Optional[int] = ..., documents_replaced: _Optional[int] = ..., rejected: _Optional[_Iterable[_Union[RejectedDocument, _Mapping]]] = ..., chunks_split: _Optional[int] = ..., seq: _Optional[int] = ..., elapsed_ms: _Optional[float] = ..., chunks_reused: _Optional[int] = ...) -> None: ...
 
 class FusionOptions(_message.Message):
     __slots__ = ("method", "dense_weight", "lexical_weight", "rrf_k")
@@ -113,7 +115,7 @@ class GenerationOptions(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ...) -> None: ...
 
 class QueryRequest(_message.Message):
-    __slots__ = ("question", "top_k", "mode", "session_id", "generation", "candidates", "disable_memory", "filters", "fusion", "query_vector")
+    __slots__ = ("question", "top_k", "mode", "session_id", "generation", "candidates", "disable_memory", "filters", "fusion", "query_vector", "min_seq")
     QUESTION_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +126,7 @@ class QueryRequest(_message.Message):
     FILTERS_FIELD_NUMBER: _ClassVar[int]
     FUSION_FIELD_NUMBER: _ClassVar[int]
     QUERY_VECTOR_FIELD_NUMBER: _ClassVar[int]
+    MIN_SEQ_FIELD_NUMBER: _ClassVar[int]
     question: str
     top_k: int
     mode: RetrievalMode
@@ -134,7 +137,8 @@ class QueryRequest(_message.Message):
     filters: _containers.RepeatedCompositeFieldContainer[MetadataFilter]
     fusion: FusionOptions
     query_vector: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, question: _Optional[str] = ..., top_k: _Optional[int] = ..., mode: _Optional[_Union[RetrievalMode, str]] = ..., session_id: _Optional[str] = ..., generation: _Optional[_Union[GenerationOptions, _Mapping]] = ..., candidates: _Optional[int] = ..., disable_memory: _Optional[bool] = ..., filters: _Optional[_Iterable[_Union[MetadataFilter, _Mapping]]] = ..., fusion: _Optional[_Union[FusionOptions, _Mapping]] = ..., query_vector: _Optional[_Iterable[float]] = ...) -> None: ...
+    min_seq: int
+    def __init__(self, question: _Optional[str] = ..., top_k: _Optional[int] = ..., mode: _Optional[_Union[RetrievalMode, str]] = ..., session_id: _Optional[str] = ..., generation: _Optional[_Union[GenerationOptions, _Mapping]] = ..., candidates: _Optional[int] = ..., disable_memory: _Optional[bool] = ..., filters: _Optional[_Iterable[_Union[MetadataFilter, _Mapping]]] = ..., fusion: _Optional[_Union[FusionOptions, _Mapping]] = ..., query_vector: _Optional[_Iterable[float]] = ..., min_seq: _Optional[int] = ...) -> None: ...
 
 class RetrievalInfo(_message.Message):
     __slots__ = ("mode", "fusion", "dense_weight", "lexical_weight", "rrf_k", "candidates", "chunks_searched")

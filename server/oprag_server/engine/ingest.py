@@ -2,12 +2,18 @@
 queues (backpressure: a slow stage stalls the ones before it, nothing buffers without bound).
 
 * Load: reads the client stream, validates each document (rejections carry a reason).
-* Transform: character chunking, tokenisation on CPU ahead of the model, and a second split
-  of any chunk longer than the embedder's token limit (never silent truncation).
-* Embed: batches chunks across documents, grouped by token length by the encoder.
-* Upsert: routes chunks to shards by the stable hash of their document id and commits
-  coalesced bulk batches of ``upsert_batch`` chunks per shard under the index write lock,
-  keeping the frontend's corpus-global BM25 statistics in step with the shards.
+* Transform: character chunking, tokenisation on CPU ahead of the model, a second split of any
+  chunk longer than the embedder's token limit (never silent truncation), and content hashes:
+  a chunk whose text is unchanged from the stored version of its document reuses its vector.
+* Embed: batches the remaining chunks across documents, grouped by token length.
+* Upsert: routes chunks to shards by the stable hash of their document id and stages coalesced
+  bulk batches of ``upsert_batch`` chunks per shard.
+
+A stream is all-or-nothing: only when the client's final message (with the number of
+documents it sent) has arrived and every stage has finished is the stream committed, on every
+shard under the index write lock, with a new sequence number; the frontend's corpus-global
+BM25 statistics move in the same step. A stream that is cancelled, fails or ends without the
+final message is aborted: the shards drop what they staged and the index is exactly as before.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
+import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -33,7 +40,8 @@ _END = object()
 
 
 class IngestError(ValueError):
-    """The stream as a whole is invalid (for example a wrong ``sent_documents`` count)."""
+    """The stream as a whole is invalid (for example a wrong ``sent_documents`` count, or no
+    final message); nothing of it was stored."""
 
 
 @dataclass
@@ -42,6 +50,7 @@ class IngestResult:
     chunks_written: int = 0
     documents_replaced: int = 0
     chunks_split: int = 0
+    chunks_reused: int = 0
     rejected: list[tuple[int, str, str]] = field(default_factory=list)
     seq: int = 0
     elapsed_ms: float = 0.0
@@ -64,6 +73,8 @@ class _Chunk:
     ordinal: int
     text: str
     ids: list[int]
+    content_hash: str = ""
+    vector: np.ndarray | None = None
 
 
 def validate_document(doc: Any, limits: LimitsConfig) -> str | None:
@@ -102,8 +113,10 @@ class IngestPipeline:
         metrics: Any,
         next_seq,
         next_generation,
+        on_commit=lambda seq: None,
         embed_batch: int = 32,
     ) -> None:
+        self.on_commit = on_commit
         self.encoder = encoder
         self.pool = pool
         self.stats = stats
@@ -127,8 +140,39 @@ class IngestPipeline:
             return await self._run(messages)
 
     async def _run(self, messages: AsyncIterator[Any]) -> IngestResult:
+        txn = uuid.uuid4().hex
+        try:
+            res = await self._pipeline(messages, txn)
+        except BaseException:
+            self.metrics.streams_aborted.inc()
+            await asyncio.shield(self._abort(txn))
+            raise
+        return res
+
+    async def _abort(self, txn: str) -> None:
+        try:
+            await self.pool.broadcast("abort", {"txn": txn})
+        except Exception:  # noqa: BLE001 - a dead shard has nothing staged any more
+            pass
+
+    async def _commit_all(self, txn: str, res: IngestResult) -> None:
+        async with self.lock.write():
+            seq = self.next_seq()
+            replies = await self.pool.broadcast("commit", {"txn": txn, "seq": seq})
+            for out in replies:
+                self.stats.apply_delta(*out["delta"])
+            self.on_commit(seq)
+        res.seq = seq
+        res.documents_written = sum(len(o["docs"]) for o in replies)
+        res.documents_replaced = sum(o["replaced_docs"] for o in replies)
+        res.chunks_written = sum(o["added"] for o in replies)
+        self.metrics.documents_ingested.inc(res.documents_written)
+        self.metrics.chunks_ingested.inc(res.chunks_written)
+
+    async def _pipeline(self, messages: AsyncIterator[Any], txn: str) -> IngestResult:
         t0 = time.perf_counter()
-        res = IngestResult(seq=self.next_seq())
+        res = IngestResult()
+        final_seen = False
         depth = self.cfg.queue_depth
         q_docs: asyncio.Queue = asyncio.Queue(depth * 4)
         q_chunks: asyncio.Queue = asyncio.Queue(depth)
@@ -137,6 +181,7 @@ class IngestPipeline:
         loop = asyncio.get_running_loop()
 
         async def load() -> None:
+            nonlocal final_seen
             n = 0
             try:
                 async for msg in messages:
@@ -150,10 +195,15 @@ class IngestPipeline:
                                 _Doc(n, doc.id, doc.title, doc.text, dict(doc.metadata), self.next_generation())
                             )
                         n += 1
-                    if msg.final and msg.sent_documents != n:
-                        raise IngestError(
-                            f"final message says {msg.sent_documents} documents were sent, but {n} arrived"
-                        )
+                    if final_seen:
+                        raise IngestError("a message arrived after the final message; nothing was stored")
+                    if msg.final:
+                        if msg.sent_documents != n:
+                            raise IngestError(
+                                f"final message says {msg.sent_documents} documents were sent, but {n} arrived; "
+                                "nothing was stored"
+                            )
+                        final_seen = True
             finally:
                 await q_docs.put(_END)
 
@@ -170,6 +220,7 @@ class IngestPipeline:
                     continue
                 t = time.perf_counter()
                 chunks = await loop.run_in_executor(None, self._transform, docs, res)
+                await self._reuse_vectors(chunks, res)
                 busy["transform"] += time.perf_counter() - t
                 if chunks:
                     await q_chunks.put(chunks)
@@ -184,12 +235,14 @@ class IngestPipeline:
                     done = True
                 else:
                     pending.extend(item)
+                ready = [c for c in pending if c.vector is not None]
+                if ready:  # unchanged chunks carry their stored vector: no embedding
+                    pending = [c for c in pending if c.vector is None]
+                    await q_vecs.put((ready, np.stack([c.vector for c in ready])))
                 while len(pending) >= self.embed_batch or (done and pending):
                     take, pending = pending[: self.embed_batch * 4], pending[self.embed_batch * 4 :]
                     t = time.perf_counter()
-                    vecs = await loop.run_in_executor(
-                        self.embed_executor, self.encoder.encode_tokenized, [c.ids for c in take]
-                    )
+                    vecs = await loop.run_in_executor(self.embed_executor, self._embed, [c.ids for c in take])
                     busy["embed"] += time.perf_counter() - t
                     await q_vecs.put((take, vecs))
             await q_vecs.put(_END)
@@ -206,10 +259,10 @@ class IngestPipeline:
                 for shard in list(buffers):
                     while len(buffers[shard]) >= self.cfg.upsert_batch:
                         part, buffers[shard] = buffers[shard][: self.cfg.upsert_batch], buffers[shard][self.cfg.upsert_batch :]
-                        busy["upsert"] += await self._commit(shard, part, res)
+                        busy["upsert"] += await self._stage(shard, part, txn)
             for shard, part in sorted(buffers.items()):
                 if part:
-                    busy["upsert"] += await self._commit(shard, part, res)
+                    busy["upsert"] += await self._stage(shard, part, txn)
 
         tasks = [asyncio.create_task(c()) for c in (load, transform, embed, upsert)]
         try:
@@ -219,6 +272,13 @@ class IngestPipeline:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
+        if not final_seen:
+            raise IngestError(
+                "the stream ended without its final message (final=true with sent_documents); nothing was stored"
+            )
+        t = time.perf_counter()
+        await self._commit_all(txn, res)
+        busy["upsert"] += time.perf_counter() - t
         res.elapsed_ms = (time.perf_counter() - t0) * 1000
         res.stage_seconds = busy
         for stage in ("transform", "embed", "upsert"):
@@ -247,10 +307,37 @@ class IngestPipeline:
             for text, t in parts:
                 o = ordinals.get(d.index, 0)
                 ordinals[d.index] = o + 1
-                out.append(_Chunk(d, o, text, t))
+                out.append(_Chunk(d, o, text, t, hashlib.sha256(text.encode()).hexdigest()))
         return out
 
-    async def _commit(self, shard: int, part: list[tuple[_Chunk, np.ndarray]], res: IngestResult) -> float:
+    async def _reuse_vectors(self, chunks: list[_Chunk], res: IngestResult) -> None:
+        """Give chunks whose text is unchanged from the stored document their stored vector."""
+        by_shard: dict[int, set[str]] = {}
+        for c in chunks:
+            by_shard.setdefault(route(c.doc.doc_id, self.pool.n), set()).add(c.doc.doc_id)
+        shards = sorted(by_shard)
+        replies = await asyncio.gather(*[self.pool.call(s, "reuse", {"doc_ids": sorted(by_shard[s])}) for s in shards])
+        stored: dict[str, dict[str, np.ndarray]] = {}
+        for r in replies:
+            stored.update(r)
+        if not stored:
+            return
+        for c in chunks:
+            v = stored.get(c.doc.doc_id, {}).get(c.content_hash)
+            if v is not None:
+                c.vector = v
+                res.chunks_reused += 1
+                self.metrics.chunks_reused.inc()
+
+    def _embed(self, ids: list[list[int]]) -> np.ndarray:
+        vecs = self.encoder.encode_tokenized(ids)
+        real = sum(len(x) for x in ids)
+        padded = getattr(self.encoder, "last_padded_tokens", real)
+        self.metrics.embed_tokens.labels(kind="real").inc(real)
+        self.metrics.embed_tokens.labels(kind="padded").inc(padded)
+        return vecs
+
+    async def _stage(self, shard: int, part: list[tuple[_Chunk, np.ndarray]], txn: str) -> float:
         t = time.perf_counter()
         chunks = [c for c, _ in part]
         batch = records.make_chunk_batch(
@@ -261,19 +348,10 @@ class IngestPipeline:
             metadata=[c.doc.metadata for c in chunks],
             ordinals=[c.ordinal for c in chunks],
             generations=[c.doc.generation for c in chunks],
-            content_hashes=[hashlib.sha256(c.text.encode()).hexdigest() for c in chunks],
+            content_hashes=[c.content_hash for c in chunks],
             vectors=np.stack([v for _, v in part]),
         )
-        ipc = records.to_ipc(batch)
-        async with self.lock.write():
-            out = await self.pool.call(shard, "upsert", {"ipc": ipc, "seq": res.seq})
-            self.stats.apply_delta(*out["delta"])
-        new_docs = {c.doc.index for c in chunks if c.ordinal == 0}
-        res.documents_written += len(new_docs)
-        res.documents_replaced += out["replaced_docs"]
-        res.chunks_written += out["added"]
-        self.metrics.documents_ingested.inc(len(new_docs))
-        self.metrics.chunks_ingested.inc(out["added"])
+        await self.pool.call(shard, "stage", {"txn": txn, "ipc": records.to_ipc(batch)})
         dt = time.perf_counter() - t
         self.metrics.stage_seconds.labels(stage="upsert").observe(dt)
         return dt

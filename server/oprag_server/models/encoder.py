@@ -279,10 +279,12 @@ class TransformersEncoder:
                 )
         order = sorted(range(len(ids)), key=lambda i: len(ids[i]), reverse=True)
         model = self._model
+        padded = 0
         with torch.inference_mode():
             for b in range(0, len(order), self.batch_size):
                 idx = order[b : b + self.batch_size]
                 width = len(ids[idx[0]])
+                padded += width * len(idx)
                 input_ids = torch.full((len(idx), width), self._pad_id, dtype=torch.long)
                 mask = torch.zeros((len(idx), width), dtype=torch.long)
                 for r, i in enumerate(idx):
@@ -300,6 +302,7 @@ class TransformersEncoder:
                 counts = m.sum(dim=1).clamp(min=1e-9)
                 pooled = torch.nn.functional.normalize(summed / counts, p=2, dim=1)
                 out[idx] = pooled.cpu().numpy().astype(np.float32, copy=False)
+        self.last_padded_tokens = padded  # batch slots computed (real + padding) in this call
         return out
 
 

@@ -32,6 +32,18 @@ class Metrics:
         self.chunks_split = Counter(
             "oprag_chunks_split_total", "Chunks split again because they exceeded the embedder's token limit", registry=r
         )
+        self.chunks_reused = Counter(
+            "oprag_chunks_reused_total", "Chunks of re-ingested documents whose unchanged text reused the stored vector",
+            registry=r,
+        )
+        self.streams_aborted = Counter(
+            "oprag_ingest_streams_aborted_total",
+            "Ingest streams cancelled, failed or ended without their final message (nothing stored)", registry=r,
+        )
+        self.embed_tokens = Counter(
+            "oprag_embed_tokens_total", "Tokens through the ingest embedder: real, and padded (real + padding)",
+            ["kind"], registry=r,
+        )
         self.rejected_overload = Counter(
             "oprag_overload_rejections_total", "Requests refused with RESOURCE_EXHAUSTED", ["queue"], registry=r
         )

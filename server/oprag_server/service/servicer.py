@@ -199,9 +199,21 @@ class OpRAGServicer(oprag_pb2_grpc.OpRAGServicer):
         ]
 
     # ------------------------------------------------------------------ RPCs
+    async def _read_your_writes(self, request, context) -> None:
+        if request.min_seq:
+            try:
+                await self.rt.wait_applied(request.min_seq, context.time_remaining())
+            except LookupError as exc:
+                raise InvalidArgument(str(exc)) from exc
+            except asyncio.TimeoutError:
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"sequence number {request.min_seq} was not applied before the deadline")
+
     @_observed("Query")
     async def Query(self, request, context):
-        job = await self.rt.query.submit(self._job(request, generate=True))
+        job = self._job(request, generate=True)
+        await self._read_your_writes(request, context)
+        job = await self.rt.query.submit(job)
         p = job.payload
         answer = job.answer
         if self.rt.generator is None:
@@ -226,7 +238,9 @@ class OpRAGServicer(oprag_pb2_grpc.OpRAGServicer):
 
     @_observed("Retrieve")
     async def Retrieve(self, request, context):
-        job = await self.rt.query.submit(self._job(request, generate=False))
+        job = self._job(request, generate=False)
+        await self._read_your_writes(request, context)
+        job = await self.rt.query.submit(job)
         return oprag_pb2.RetrieveResponse(
             hits=self._hits(job),
             timings_ms=job.timings_ms,
@@ -245,6 +259,7 @@ class OpRAGServicer(oprag_pb2_grpc.OpRAGServicer):
             documents_replaced=res.documents_replaced,
             rejected=[oprag_pb2.RejectedDocument(index=i, id=d, reason=r) for i, d, r in res.rejected],
             chunks_split=res.chunks_split,
+            chunks_reused=res.chunks_reused,
             seq=res.seq,
             elapsed_ms=res.elapsed_ms,
         )

@@ -88,6 +88,7 @@ class ShardState:
         self.memory: dict[str, list[MemoryRecord]] = {}
         self._full_cache: dict[str, list] = {}
         self.meta_index: dict[str, dict[str, set[int]]] = {}
+        self.staged: dict[str, list[pa.Table]] = {}
         self._row_ids_cache: np.ndarray | None = None
         self.dirty = False
 
@@ -188,6 +189,39 @@ class ShardState:
     def _index_tokens(self, rec: ChunkRecord) -> list[str]:
         # The title is part of what BM25 sees for every chunk of the document.
         return self.analyzer.tokens(f"{rec.title}\n{rec.text}" if rec.title else rec.text)
+
+    # ------------------------------------------------------------------ transactions
+    def stage(self, txn: str, table: pa.Table) -> dict:
+        """Hold a bulk batch of an ingest stream without touching the index."""
+        self.staged.setdefault(txn, []).append(table)
+        return {"staged": sum(t.num_rows for t in self.staged[txn])}
+
+    def commit(self, txn: str, seq: int) -> dict:
+        """Apply every batch staged under ``txn`` as one coalesced upsert (atomic with respect
+        to queries: the shard serves one request at a time). A shard with nothing staged still
+        advances ``applied_seq`` to ``seq``."""
+        tables = self.staged.pop(txn, [])
+        if not tables:
+            self.applied_seq = max(self.applied_seq, int(seq))
+            return {"added": 0, "removed": 0, "replaced_docs": 0, "docs": [], "delta": (0, 0, {})}
+        out = self.upsert(pa.concat_tables(tables), seq)
+        out["docs"] = sorted({d for t in tables for d in t.column("doc_id").to_pylist()})
+        return out
+
+    def abort(self, txn: str) -> dict:
+        return {"dropped": sum(t.num_rows for t in self.staged.pop(txn, []))}
+
+    def reusable_vectors(self, doc_ids: list[str]) -> dict[str, dict[str, np.ndarray]]:
+        """For each stored document: ``{content_hash: vector float32[D]}`` of its chunks, so a
+        re-ingested document only embeds the chunks whose content changed."""
+        out: dict[str, dict[str, np.ndarray]] = {}
+        for d in doc_ids:
+            slots = self.doc_slots.get(d)
+            if not slots:
+                continue
+            vecs = self.dense.vectors_of(np.asarray(slots, dtype=np.int64))
+            out[d] = {self.chunks[s].content_hash: vecs[i].copy() for i, s in enumerate(slots)}
+        return out
 
     def delete(self, doc_ids: list[str], seq: int) -> dict:
         """Remove documents. :returns: ``{"docs", "chunks", "delta"}``."""
@@ -528,6 +562,14 @@ class ShardState:
             return self.upsert(records.from_ipc(args["ipc"]), args["seq"])
         if op == "delete":
             return self.delete(args["doc_ids"], args["seq"])
+        if op == "stage":
+            return self.stage(args["txn"], records.from_ipc(args["ipc"]))
+        if op == "commit":
+            return self.commit(args["txn"], args["seq"])
+        if op == "abort":
+            return self.abort(args["txn"])
+        if op == "reuse":
+            return self.reusable_vectors(args["doc_ids"])
         if op == "memory_upsert":
             return self.memory_upsert(args["record"], args["max_turns"])
         if op == "memory_search":

@@ -1,0 +1,125 @@
+"""Ingest stream semantics on a real server: all-or-nothing streams, sequence numbers and
+read-your-writes, replacement that re-embeds only changed chunks, deletion, no truncation."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+from server_proc import ServerProcess, free_port
+
+from oprag.v1 import oprag_pb2
+from oprag_client.client import Doc, OpRAGClient, ingest_messages
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = ServerProcess(tmp_path_factory.mktemp("ingest-data"), free_port(), free_port(), "--generator", "none",
+                        "--chunk-size", "200").start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with OpRAGClient(server.target, timeout=120) as c:
+        yield c
+
+
+def _metric(server, name: str) -> float:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+    m = re.search(rf"^{re.escape(name)} (\S+)$", body, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def _docs(prefix: str, n: int) -> list[Doc]:
+    return [Doc(f"{prefix}{i}", f"Document {prefix}{i} talks about marmalade number {i}.") for i in range(n)]
+
+
+def test_stream_without_final_message_stores_nothing(server, client):
+    before = client.stats()
+    aborted = _metric(server, "oprag_ingest_streams_aborted_total")
+    msgs = [oprag_pb2.IngestRequest(documents=[d.to_pb() for d in _docs("nofinal", 3)])]
+    with pytest.raises(grpc.RpcError) as ei:
+        client.stub.Ingest(iter(msgs), timeout=60)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "final" in ei.value.details()
+    after = client.stats()
+    assert (after.documents, after.chunks, after.seq) == (before.documents, before.chunks, before.seq)
+    assert _metric(server, "oprag_ingest_streams_aborted_total") == aborted + 1
+    assert not client.retrieve("nofinal0 marmalade", mode="lexical", top_k=5).hits
+
+
+def test_wrong_count_stores_nothing(client):
+    before = client.stats()
+    msgs = list(ingest_messages(_docs("count", 4)))
+    msgs[-1].sent_documents = 5
+    with pytest.raises(grpc.RpcError) as ei:
+        client.stub.Ingest(iter(msgs), timeout=60)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert client.stats().documents == before.documents
+
+
+def test_cancelled_stream_stores_nothing(server, client):
+    before = client.stats()
+    aborted = _metric(server, "oprag_ingest_streams_aborted_total")
+    gate = threading.Event()
+
+    def slow():
+        yield oprag_pb2.IngestRequest(documents=[d.to_pb() for d in _docs("cancel", 20)])
+        gate.wait(30)  # the stream stays open until the client cancels
+        yield oprag_pb2.IngestRequest(final=True, sent_documents=20)
+
+    fut = client.stub.Ingest.future(slow(), timeout=60)
+    time.sleep(3.0)  # documents are chunked, embedded and staged meanwhile
+    fut.cancel()
+    gate.set()
+    for _ in range(100):
+        if _metric(server, "oprag_ingest_streams_aborted_total") > aborted:
+            break
+        time.sleep(0.1)
+    assert _metric(server, "oprag_ingest_streams_aborted_total") == aborted + 1
+    after = client.stats()
+    assert (after.documents, after.chunks) == (before.documents, before.chunks)
+    assert not client.retrieve("cancel3 marmalade", mode="lexical", top_k=5).hits
+
+
+def test_sequence_numbers_grow_and_read_your_writes(client):
+    r1 = client.ingest(_docs("ryw", 5))
+    r2 = client.ingest(_docs("ryw2-", 2))
+    assert r2.seq > r1.seq > 0
+    hits = client.retrieve("Document ryw2-1 marmalade", mode="lexical", top_k=3, min_seq=r2.seq).hits
+    assert hits[0].doc_id == "ryw2-1"
+    with pytest.raises(grpc.RpcError) as ei:
+        client.retrieve("x", min_seq=r2.seq + 1000)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "never issued" in ei.value.details()
+
+
+def test_replacement_reembeds_only_changed_chunks(client):
+    paras = [f"Paragraph {i} of the almanac describes the quince harvest of year {1900 + i} in detail." for i in range(6)]
+    text = " ".join(p.ljust(199) for p in paras)  # 200-character chunks, one per paragraph
+    r = client.ingest([Doc("almanac", text)])
+    assert r.chunks_written == 6 and r.chunks_reused == 0
+    changed = text.replace("year 1903", "year 2103")
+    r = client.ingest([Doc("almanac", changed)])
+    assert r.documents_replaced == 1 and r.chunks_written == 6
+    assert r.chunks_reused == 5  # only the chunk that changed was embedded again
+    hits = client.retrieve("quince harvest 1903", mode="lexical", top_k=10, min_seq=r.seq).hits
+    assert all("1903" not in h.text for h in hits)
+    assert any("2103" in h.text for h in client.retrieve("quince 2103", mode="lexical", top_k=3).hits)
+
+
+def test_delete_removes_chunks_and_statistics(client):
+    client.ingest([Doc("zebra", "The zebrafish regenerates its heart.")])
+    assert client.retrieve("zebrafish", mode="lexical", top_k=3).hits[0].doc_id == "zebra"
+    before = client.stats()
+    r = client.delete(["zebra", "no-such-doc"])
+    assert r.documents_deleted == 1 and r.chunks_deleted == 1 and r.seq > 0
+    after = client.stats()
+    assert after.documents == before.documents - 1
+    assert not client.retrieve("zebrafish", mode="lexical", top_k=3, min_seq=r.seq).hits
