@@ -42,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-wait-ms", type=float, default=4.0, help="how long a batch waits for company")
     s.add_argument("--queue-capacity", type=int, default=256, help="unfinished queries admitted")
     s.add_argument("--no-overlap", action="store_true", help="run the stages of a batch strictly in sequence")
+    s.add_argument("--ingest-barriers", action="store_true",
+                   help="baseline: each ingest stage finishes before the next starts")
+    s.add_argument("--upsert-batch", type=int, default=512, help="chunks per coalesced bulk write to a shard")
     s.add_argument("--context-tokens", type=int, default=1024, help="prompt token budget")
     s.add_argument("--max-new-tokens", type=int, default=64, help="default new tokens per answer")
     s.add_argument("--stem", action="store_true", help="English stemming in the BM25 analyzer (snowballstemmer)")
@@ -108,7 +111,8 @@ def cmd_serve(a) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from oprag_server.app import serve
     from oprag_server.config import (
-        BatchConfig, BM25Config, ChunkingConfig, EmbedConfig, GenerateConfig, RetrievalConfig, ServerConfig,
+        BatchConfig, BM25Config, ChunkingConfig, EmbedConfig, GenerateConfig, IngestConfig, RetrievalConfig,
+        ServerConfig,
     )
 
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -126,6 +130,7 @@ def cmd_serve(a) -> int:
             embed=EmbedConfig(model=a.embedder),
             generate=GenerateConfig(model=a.generator, context_tokens=a.context_tokens,
                                     default_max_new_tokens=a.max_new_tokens),
+            ingest=IngestConfig(barriers=a.ingest_barriers, upsert_batch=a.upsert_batch),
             batch=BatchConfig(max_batch=a.max_batch, max_wait_ms=a.max_wait_ms, queue_capacity=a.queue_capacity,
                               overlap=not a.no_overlap),
         )

@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from oprag.v1 import oprag_pb2, oprag_pb2_grpc
 
 from .config import ServerConfig
+from .engine.embedder import EmbedWorker
 from .engine.ingest import IngestPipeline
 from .engine.query import QueryEngine
 from .engine.rwlock import RWLock
@@ -100,6 +101,8 @@ class Runtime:
         self.metrics.shards_up.set(len(ready))
 
     async def start(self) -> None:
+        self.embedder = EmbedWorker(self.encoder, self.embed_executor, self.metrics, batch_size=self.cfg.embed.batch_size)
+        self.embedder.start()
         self.retriever = Retriever(self.pool, self.stats, self.analyzer, self.cfg.bm25, self.cfg.retrieval)
         self.memory = Memory(self.pool, self.cfg.memory)
         self.query = QueryEngine(
@@ -112,7 +115,7 @@ class Runtime:
             lock=self.lock,
             batch=self.cfg.batch,
             gen_cfg=self.cfg.generate,
-            embed_executor=self.embed_executor,
+            embedder=self.embedder,
             metrics=self.metrics,
         )
         self.ingest = IngestPipeline(
@@ -123,7 +126,7 @@ class Runtime:
             chunking=self.cfg.chunking,
             cfg=self.cfg.ingest,
             limits=self.cfg.limits,
-            embed_executor=self.embed_executor,
+            embedder=self.embedder,
             metrics=self.metrics,
             next_seq=self.next_seq,
             next_generation=self.next_generation,
@@ -212,6 +215,7 @@ class Runtime:
         await asyncio.gather(*self._bg, return_exceptions=True)
         if hasattr(self, "query"):
             await self.query.stop()
+            await self.embedder.stop()
         await self.pool.shutdown(snapshot=True)
         self.embed_executor.shutdown(wait=False, cancel_futures=True)
 

@@ -113,6 +113,7 @@ class IngestConfig:
     upsert_batch: int = 512
     queue_depth: int = 8
     max_concurrent_streams: int = 4
+    barriers: bool = False  # baseline: each stage finishes before the next starts
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ def encoder():
 def _pipeline(encoder, size=900):
     return IngestPipeline(
         encoder=encoder, pool=None, stats=None, lock=None, chunking=ChunkingConfig(size=size), cfg=IngestConfig(),
-        limits=LimitsConfig(), embed_executor=None, metrics=Metrics(), next_seq=lambda: 1, next_generation=lambda: 1,
+        limits=LimitsConfig(), embedder=None, metrics=Metrics(), next_seq=lambda: 1, next_generation=lambda: 1,
     )
 
 

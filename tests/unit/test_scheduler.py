@@ -46,6 +46,11 @@ class FakeEncoder:
         return np.ones((len(texts), self.dim), np.float32) / 2.0
 
 
+class FakeEmbedder:
+    async def embed_queries(self, texts):
+        return FakeEncoder().encode(texts)
+
+
 class FakeRetriever:
     def __init__(self):
         self.batches = []
@@ -98,7 +103,7 @@ def _engine(gen, retriever, overlap=True, capacity=64, max_batch=4):
     return QueryEngine(
         encoder=FakeEncoder(), generator=gen, retriever=retriever, memory=FakeMemory(), lock=RWLock(),
         batch=BatchConfig(max_batch=max_batch, max_wait_ms=2.0, queue_capacity=capacity, overlap=overlap),
-        gen_cfg=GenerateConfig(), embed_executor=ThreadPoolExecutor(1), metrics=Metrics(),
+        gen_cfg=GenerateConfig(), embedder=FakeEmbedder(), metrics=Metrics(),
     )
 
 

@@ -23,7 +23,6 @@ import hashlib
 import time
 import uuid
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,7 +108,7 @@ class IngestPipeline:
         chunking: ChunkingConfig,
         cfg: IngestConfig,
         limits: LimitsConfig,
-        embed_executor: ThreadPoolExecutor,
+        embedder: Any,
         metrics: Any,
         next_seq,
         next_generation,
@@ -124,7 +123,7 @@ class IngestPipeline:
         self.chunking = chunking
         self.cfg = cfg
         self.limits = limits
-        self.embed_executor = embed_executor
+        self.embedder = embedder
         self.metrics = metrics
         self.next_seq = next_seq
         self.next_generation = next_generation
@@ -173,7 +172,9 @@ class IngestPipeline:
         t0 = time.perf_counter()
         res = IngestResult()
         final_seen = False
-        depth = self.cfg.queue_depth
+        # bounded queues give backpressure; the barrier baseline runs each stage to completion
+        # before the next starts, so its queues must hold everything
+        depth = 0 if self.cfg.barriers else self.cfg.queue_depth
         q_docs: asyncio.Queue = asyncio.Queue(depth * 4)
         q_chunks: asyncio.Queue = asyncio.Queue(depth)
         q_vecs: asyncio.Queue = asyncio.Queue(depth)
@@ -242,7 +243,7 @@ class IngestPipeline:
                 while len(pending) >= self.embed_batch or (done and pending):
                     take, pending = pending[: self.embed_batch * 4], pending[self.embed_batch * 4 :]
                     t = time.perf_counter()
-                    vecs = await loop.run_in_executor(self.embed_executor, self._embed, [c.ids for c in take])
+                    vecs = await self.embedder.embed_chunks([c.ids for c in take])
                     busy["embed"] += time.perf_counter() - t
                     await q_vecs.put((take, vecs))
             await q_vecs.put(_END)
@@ -264,7 +265,13 @@ class IngestPipeline:
                 if part:
                     busy["upsert"] += await self._stage(shard, part, txn)
 
-        tasks = [asyncio.create_task(c()) for c in (load, transform, embed, upsert)]
+        stages = (load, transform, embed, upsert)
+        if self.cfg.barriers:
+            for stage in stages:
+                await stage()
+            tasks = []
+        else:
+            tasks = [asyncio.create_task(c()) for c in stages]
         try:
             await asyncio.gather(*tasks)
         except BaseException:
@@ -329,13 +336,6 @@ class IngestPipeline:
                 res.chunks_reused += 1
                 self.metrics.chunks_reused.inc()
 
-    def _embed(self, ids: list[list[int]]) -> np.ndarray:
-        vecs = self.encoder.encode_tokenized(ids)
-        real = sum(len(x) for x in ids)
-        padded = getattr(self.encoder, "last_padded_tokens", real)
-        self.metrics.embed_tokens.labels(kind="real").inc(real)
-        self.metrics.embed_tokens.labels(kind="padded").inc(padded)
-        return vecs
 
     async def _stage(self, shard: int, part: list[tuple[_Chunk, np.ndarray]], txn: str) -> float:
         t = time.perf_counter()

@@ -85,7 +85,7 @@ class QueryEngine:
         lock: RWLock,
         batch: BatchConfig,
         gen_cfg: GenerateConfig,
-        embed_executor: ThreadPoolExecutor,
+        embedder: Any,
         metrics: Any,
     ) -> None:
         self.encoder = encoder
@@ -96,7 +96,7 @@ class QueryEngine:
         self.cfg = batch
         self.gen_cfg = gen_cfg
         self.policy = BatchPolicy(batch.max_batch, batch.max_wait_ms / 1000.0)
-        self.embed_executor = embed_executor
+        self.embedder = embedder
         self.gen_executor = ThreadPoolExecutor(1, thread_name_prefix="oprag-generate")
         self.metrics = metrics
         self._waiting: collections.deque[QueryJob] = collections.deque()
@@ -206,9 +206,7 @@ class QueryEngine:
         texts = [j.memory.retrieval_text for j in live]
         todo = [i for i, j in enumerate(live) if j.query_vector is None]
         if todo:
-            emb = await loop.run_in_executor(
-                self.embed_executor, lambda: self.encoder.encode([texts[i] for i in todo], truncate=True)
-            )
+            emb = await self.embedder.embed_queries([texts[i] for i in todo])
             for i, v in zip(todo, emb):
                 live[i].vector = v
         for j in live:

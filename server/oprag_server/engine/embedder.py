@@ -1,0 +1,143 @@
+"""The embed worker: one persistent thread that owns the encoder, fed by two priority queues.
+
+Query embeddings always go first; ingest chunks from every concurrent stream are pooled and
+cut into batches grouped by token length (across documents and across streams), so padding
+stays small and a query never waits behind more than one ingest batch. While queries are
+arriving, ingest batches shrink to ``small_batch`` chunks, bounding how long a query can wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class _Req:
+    ids: list[list[int]] | None
+    texts: list[str] | None
+    future: asyncio.Future
+    truncate: bool = False
+
+
+class EmbedWorker:
+    """:param batch_size: chunks per ingest forward pass when no query is waiting.
+    :param small_batch: chunks per ingest forward pass while queries are active.
+    :param query_quiet_s: queries count as active for this long after the last one."""
+
+    def __init__(self, encoder: Any, executor, metrics: Any, *, batch_size: int = 32, small_batch: int = 8,
+                 query_quiet_s: float = 0.5) -> None:
+        self.encoder = encoder
+        self.executor = executor
+        self.metrics = metrics
+        self.batch_size = batch_size
+        self.small_batch = small_batch
+        self.query_quiet_s = query_quiet_s
+        self._queries: asyncio.Queue[_Req] = asyncio.Queue()
+        self._ingest: list[tuple[_Req, int]] = []  # (request, next index) pooled across streams
+        self._wake = asyncio.Event()
+        self._last_query = 0.0
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def embed_queries(self, texts: list[str]) -> np.ndarray:
+        """float32[B, D] for query texts (truncated to the embedder's limit), high priority."""
+        fut = asyncio.get_running_loop().create_future()
+        self._last_query = time.perf_counter()
+        await self._queries.put(_Req(None, texts, fut, truncate=True))
+        self._wake.set()
+        return await fut
+
+    async def embed_chunks(self, ids: list[list[int]]) -> np.ndarray:
+        """float32[B, D] for pre-tokenised chunks, pooled with other streams' chunks."""
+        fut = asyncio.get_running_loop().create_future()
+        self._ingest.append((_Req(ids, None, fut), 0))
+        self.metrics.queue_depth.labels(queue="embed_ingest").set(sum(len(r.ids) for r, _ in self._ingest))
+        self._wake.set()
+        return await fut
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if self._queries.empty() and not self._ingest:
+                self._wake.clear()
+                await self._wake.wait()
+            if not self._queries.empty():
+                reqs = []
+                while not self._queries.empty():
+                    reqs.append(self._queries.get_nowait())
+                texts = [t for r in reqs for t in r.texts]
+                try:
+                    vecs = await loop.run_in_executor(self.executor, lambda: self.encoder.encode(texts, truncate=True))
+                except Exception as exc:  # noqa: BLE001
+                    for r in reqs:
+                        if not r.future.done():
+                            r.future.set_exception(exc)
+                    continue
+                o = 0
+                for r in reqs:
+                    if not r.future.done():
+                        r.future.set_result(vecs[o : o + len(r.texts)])
+                    o += len(r.texts)
+                continue
+            await self._ingest_batch(loop)
+
+    async def _ingest_batch(self, loop) -> None:
+        # drop requests whose stream went away
+        self._ingest = [(r, i) for r, i in self._ingest if not r.future.done()]
+        if not self._ingest:
+            return
+        busy = time.perf_counter() - self._last_query < self.query_quiet_s
+        size = self.small_batch if busy else self.batch_size * 4
+        # pool pending chunks of every stream, take the `size` longest-waiting ones, group by length
+        picked: list[tuple[int, int]] = []  # (request index, chunk index)
+        for ri, (r, start) in enumerate(self._ingest):
+            for ci in range(start, len(r.ids)):
+                if len(picked) >= size:
+                    break
+                picked.append((ri, ci))
+            if len(picked) >= size:
+                break
+        ids = [self._ingest[ri][0].ids[ci] for ri, ci in picked]
+        t = time.perf_counter()
+        try:
+            vecs = await loop.run_in_executor(self.executor, self.encoder.encode_tokenized, ids)
+        except Exception as exc:  # noqa: BLE001
+            for ri in {ri for ri, _ in picked}:
+                if not self._ingest[ri][0].future.done():
+                    self._ingest[ri][0].future.set_exception(exc)
+            return
+        self.metrics.stage_seconds.labels(stage="embed").observe(time.perf_counter() - t)
+        self.metrics.batch_size.labels(stage="embed_ingest").observe(len(ids))
+        real = sum(len(x) for x in ids)
+        self.metrics.embed_tokens.labels(kind="real").inc(real)
+        self.metrics.embed_tokens.labels(kind="padded").inc(getattr(self.encoder, "last_padded_tokens", real))
+        for (ri, ci), v in zip(picked, vecs):
+            r, _ = self._ingest[ri]
+            if not hasattr(r, "out"):
+                r.out = np.zeros((len(r.ids), vecs.shape[1]), dtype=np.float32)
+            r.out[ci] = v
+        advanced = {}
+        for ri, ci in picked:
+            advanced[ri] = max(advanced.get(ri, 0), ci + 1)
+        keep = []
+        for ri, (r, start) in enumerate(self._ingest):
+            nxt = advanced.get(ri, start)
+            if nxt >= len(r.ids):
+                if not r.future.done():
+                    r.future.set_result(getattr(r, "out", np.zeros((0, self.encoder.dim), np.float32)))
+            else:
+                keep.append((r, nxt))
+        self._ingest = keep
+        self.metrics.queue_depth.labels(queue="embed_ingest").set(sum(len(r.ids) - i for r, i in self._ingest))
