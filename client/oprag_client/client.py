@@ -83,7 +83,7 @@ def query_request(question: str, *, top_k: int = 0, mode: str = "hybrid", sessio
                   max_new_tokens: int = 0, candidates: int = 0, disable_memory: bool = False,
                   fusion: str = "minmax", dense_weight: float = 0.0, lexical_weight: float = 0.0, rrf_k: int = 0,
                   filters: Mapping[str, str | list[str]] | None = None,
-                  query_vector=None, min_seq: int = 0) -> oprag_pb2.QueryRequest:
+                  query_vector=None, min_seq: int = 0, include_trace: bool = False) -> oprag_pb2.QueryRequest:
     """Build a QueryRequest.
 
     :param filters: ``{key: value}`` (equality) or ``{key: [values]}`` (set membership).
@@ -105,6 +105,7 @@ def query_request(question: str, *, top_k: int = 0, mode: str = "hybrid", sessio
                                        lexical_weight=lexical_weight, rrf_k=rrf_k),
         query_vector=[] if query_vector is None else [float(x) for x in query_vector],
         min_seq=min_seq,
+        include_trace=include_trace,
         question=question,
         top_k=top_k,
         mode=MODES[mode],
@@ -152,6 +153,10 @@ class OpRAGClient:
     def query(self, question: str, *, timeout: float | None = None, **kw) -> oprag_pb2.QueryResponse:
         return self.stub.Query(query_request(question, **kw), timeout=timeout or self.timeout)
 
+    def query_stream(self, question: str, *, timeout: float | None = None, **kw):
+        """Iterate QueryEvents: ``sources`` first, then ``text`` pieces, then ``done``."""
+        return self.stub.QueryStream(query_request(question, **kw), timeout=timeout or self.timeout)
+
     def retrieve(self, question: str, *, timeout: float | None = None, **kw) -> oprag_pb2.RetrieveResponse:
         kw.pop("max_new_tokens", None)
         return self.stub.Retrieve(query_request(question, **kw), timeout=timeout or self.timeout)
@@ -196,6 +201,10 @@ class AsyncOpRAGClient:
 
     async def query(self, question: str, *, timeout: float | None = None, **kw):
         return await self.stub.Query(query_request(question, **kw), timeout=timeout or self.timeout)
+
+    def query_stream(self, question: str, *, timeout: float | None = None, **kw):
+        """Async-iterate QueryEvents: ``sources``, then ``text`` pieces, then ``done``."""
+        return self.stub.QueryStream(query_request(question, **kw), timeout=timeout or self.timeout)
 
     async def retrieve(self, question: str, *, timeout: float | None = None, **kw):
         kw.pop("max_new_tokens", None)

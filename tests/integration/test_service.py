@@ -130,6 +130,31 @@ def test_query_answers_with_grounded_sources(client, ingested):
     assert client.query("In what year was the Varnholm Lighthouse completed?", top_k=3).answer == r.answer
 
 
+def test_query_stream_sources_then_text_then_done(client, ingested):
+    events = list(client.query_stream("What is castling in chess?", top_k=2, max_new_tokens=12, include_trace=True))
+    kinds = [e.WhichOneof("event") for e in events]
+    assert kinds[0] == "sources" and kinds[-1] == "done" and kinds.count("sources") == 1 and kinds.count("done") == 1
+    assert set(kinds[1:-1]) <= {"text"}
+    assert events[0].sources.hits[0].doc_id == "chess"
+    done = events[-1].done
+    assert "".join(e.text for e in events if e.WhichOneof("event") == "text") == done.answer
+    assert done.completion_tokens > 0 and done.ttft_ms > 0
+    assert [s.op for s in done.trace.stages] == ["embed", "retrieve", "reason", "generate"]
+    assert all(s.batch_id == done.trace.stages[0].batch_id for s in done.trace.stages)
+    # same request, same plan, same answer
+    again = client.query("What is castling in chess?", top_k=2, max_new_tokens=12, include_trace=True)
+    assert again.answer == done.answer
+    assert [(s.op, s.domain) for s in again.trace.stages] == [(s.op, s.domain) for s in done.trace.stages]
+
+
+def test_client_deadline_is_honoured(server, client, ingested):
+    with pytest.raises(grpc.RpcError) as ei:
+        client.query("Describe the honey bee waggle dance in detail.", max_new_tokens=200, timeout=0.5)
+    assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert client.health() == "SERVING"
+    assert client.retrieve("waggle dance", top_k=1).hits[0].doc_id == "bees"
+
+
 def test_replacement_never_duplicates(client, ingested):
     before = client.stats()
     r = client.ingest([Doc("volcano", title="Mount Keldur", text="Mount Keldur erupted again in 2031 with glowing obsidian rivers.")])

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14oprag/v1/oprag.proto\x12\x08oprag.v1\"\x98\x01\n\x08\x44ocument\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05title\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x32\n\x08metadata\x18\x04 \x03(\x0b\x32 .oprag.v1.Document.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"]\n\rIngestRequest\x12%\n\tdocuments\x18\x01 \x03(\x0b\x32\x12.oprag.v1.Document\x12\r\n\x05\x66inal\x18\x02 \x01(\x08\x12\x16\n\x0esent_documents\x18\x03 \x01(\x04\"=\n\x10RejectedDocument\x12\r\n\x05index\x18\x01 \x01(\x04\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\xdb\x01\n\x0eIngestResponse\x12\x19\n\x11\x64ocuments_written\x18\x01 \x01(\x04\x12\x16\n\x0e\x63hunks_written\x18\x02 \x01(\x04\x12\x1a\n\x12\x64ocuments_replaced\x18\x03 \x01(\x04\x12,\n\x08rejected\x18\x04 \x03(\x0b\x32\x1a.oprag.v1.RejectedDocument\x12\x14\n\x0c\x63hunks_split\x18\x05 \x01(\x04\x12\x0b\n\x03seq\x18\x06 \x01(\x04\x12\x12\n\nelapsed_ms\x18\x07 \x01(\x01\x12\x15\n\rchunks_reused\x18\x08 \x01(\x04\"n\n\rFusionOptions\x12 \n\x06method\x18\x01 \x01(\x0e\x32\x10.oprag.v1.Fusion\x12\x14\n\x0c\x64\x65nse_weight\x18\x02 \x01(\x01\x12\x16\n\x0elexical_weight\x18\x03 \x01(\x01\x12\r\n\x05rrf_k\x18\x04 \x01(\r\"-\n\x0eMetadataFilter\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06values\x18\x02 \x03(\t\"+\n\x11GenerationOptions\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\"\xc2\x02\n\x0cQueryRequest\x12\x10\n\x08question\x18\x01 \x01(\t\x12\r\n\x05top_k\x18\x02 \x01(\r\x12%\n\x04mode\x18\x03 \x01(\x0e\x32\x17.oprag.v1.RetrievalMode\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12/\n\ngeneration\x18\x05 \x01(\x0b\x32\x1b.oprag.v1.GenerationOptions\x12\x12\n\ncandidates\x18\x06 \x01(\r\x12\x16\n\x0e\x64isable_memory\x18\x07 \x01(\x08\x12)\n\x07\x66ilters\x18\x08 \x03(\x0b\x32\x18.oprag.v1.MetadataFilter\x12\'\n\x06\x66usion\x18\t \x01(\x0b\x32\x17.oprag.v1.FusionOptions\x12\x14\n\x0cquery_vector\x18\n \x03(\x02\x12\x0f\n\x07min_seq\x18\x0b \x01(\x04\"\x97\x01\n\rRetrievalInfo\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x0e\n\x06\x66usion\x18\x02 \x01(\t\x12\x14\n\x0c\x64\x65nse_weight\x18\x03 \x01(\x01\x12\x16\n\x0elexical_weight\x18\x04 \x01(\x01\x12\r\n\x05rrf_k\x18\x05 \x01(\r\x12\x12\n\ncandidates\x18\x06 \x01(\r\x12\x17\n\x0f\x63hunks_searched\x18\x07 \x01(\x04\"\x98\x02\n\x03Hit\x12\x10\n\x08\x63hunk_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64oc_id\x18\x02 \x01(\t\x12\r\n\x05title\x18\x03 \x01(\t\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\r\n\x05score\x18\x05 \x01(\x01\x12\x13\n\x0b\x64\x65nse_score\x18\x06 \x01(\x01\x12\x15\n\rlexical_score\x18\x07 \x01(\x01\x12\r\n\x05shard\x18\x08 \x01(\r\x12-\n\x08metadata\x18\t \x03(\x0b\x32\x1b.oprag.v1.Hit.MetadataEntry\x12\x12\n\ndense_rank\x18\n \x01(\r\x12\x14\n\x0clexical_rank\x18\x0b \x01(\r\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"l\n\x06Source\x12\x0e\n\x06number\x18\x01 \x01(\r\x12\x10\n\x08\x63hunk_id\x18\x02 \x01(\t\x12\x0e\n\x06\x64oc_id\x18\x03 \x01(\t\x12\r\n\x05title\x18\x04 \x01(\t\x12\x0e\n\x06tokens\x18\x05 \x01(\r\x12\x11\n\ttruncated\x18\x06 \x01(\x08\"\xee\x02\n\rQueryResponse\x12\x0e\n\x06\x61nswer\x18\x01 \x01(\t\x12\x1b\n\x04hits\x18\x02 \x03(\x0b\x32\r.oprag.v1.Hit\x12:\n\ntimings_ms\x18\x03 \x03(\x0b\x32&.oprag.v1.QueryResponse.TimingsMsEntry\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12!\n\x07sources\x18\x05 \x03(\x0b\x32\x10.oprag.v1.Source\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\r\x12\x15\n\rfinish_reason\x18\x08 \x01(\t\x12\x16\n\x0ememory_context\x18\t \x01(\t\x12*\n\tretrieval\x18\n \x01(\x0b\x32\x17.oprag.v1.RetrievalInfo\x1a\x30\n\x0eTimingsMsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xf8\x01\n\x10RetrieveResponse\x12\x1b\n\x04hits\x18\x01 \x03(\x0b\x32\r.oprag.v1.Hit\x12=\n\ntimings_ms\x18\x02 \x03(\x0b\x32).oprag.v1.RetrieveResponse.TimingsMsEntry\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x16\n\x0ememory_context\x18\x04 \x01(\t\x12*\n\tretrieval\x18\x05 \x01(\x0b\x32\x17.oprag.v1.RetrievalInfo\x1a\x30\n\x0eTimingsMsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\" \n\rDeleteRequest\x12\x0f\n\x07\x64oc_ids\x18\x01 \x03(\t\"P\n\x0e\x44\x65leteResponse\x12\x19\n\x11\x64ocuments_deleted\x18\x01 \x01(\x04\x12\x16\n\x0e\x63hunks_deleted\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\"\x0e\n\x0cStatsRequest\"k\n\nShardStats\x12\r\n\x05shard\x18\x01 \x01(\r\x12\x11\n\tdocuments\x18\x02 \x01(\x04\x12\x0e\n\x06\x63hunks\x18\x03 \x01(\x04\x12\x16\n\x0ememory_records\x18\x04 \x01(\x04\x12\x13\n\x0b\x61pplied_seq\x18\x05 \x01(\x04\"\xa2\x01\n\rStatsResponse\x12\x11\n\tdocuments\x18\x01 \x01(\x04\x12\x0e\n\x06\x63hunks\x18\x02 \x01(\x04\x12\x16\n\x0ememory_records\x18\x03 \x01(\x04\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12$\n\x06shards\x18\x05 \x03(\x0b\x32\x14.oprag.v1.ShardStats\x12\x10\n\x08\x65mbedder\x18\x06 \x01(\t\x12\x11\n\tgenerator\x18\x07 \x01(\t*d\n\rRetrievalMode\x12\x1e\n\x1aRETRIEVAL_MODE_UNSPECIFIED\x10\x00\x12\n\n\x06HYBRID\x10\x01\x12\t\n\x05\x44\x45NSE\x10\x02\x12\x0b\n\x07LEXICAL\x10\x03\x12\x0f\n\x0b\x46ULL_HYBRID\x10\x04*>\n\x06\x46usion\x12\x16\n\x12\x46USION_UNSPECIFIED\x10\x00\x12\x13\n\x0fWEIGHTED_MINMAX\x10\x01\x12\x07\n\x03RRF\x10\x02\x32\xb7\x02\n\x05OpRAG\x12=\n\x06Ingest\x12\x17.oprag.v1.IngestRequest\x1a\x18.oprag.v1.IngestResponse(\x01\x12\x38\n\x05Query\x12\x16.oprag.v1.QueryRequest\x1a\x17.oprag.v1.QueryResponse\x12>\n\x08Retrieve\x12\x16.oprag.v1.QueryRequest\x1a\x1a.oprag.v1.RetrieveResponse\x12;\n\x06\x44\x65lete\x12\x17.oprag.v1.DeleteRequest\x1a\x18.oprag.v1.DeleteResponse\x12\x38\n\x05Stats\x12\x16.oprag.v1.StatsRequest\x1a\x17.oprag.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14oprag/v1/oprag.proto\x12\x08oprag.v1\"\x98\x01\n\x08\x44ocument\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05title\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x32\n\x08metadata\x18\x04 \x03(\x0b\x32 .oprag.v1.Document.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"]\n\rIngestRequest\x12%\n\tdocuments\x18\x01 \x03(\x0b\x32\x12.oprag.v1.Document\x12\r\n\x05\x66inal\x18\x02 \x01(\x08\x12\x16\n\x0esent_documents\x18\x03 \x01(\x04\"=\n\x10RejectedDocument\x12\r\n\x05index\x18\x01 \x01(\x04\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\xdb\x01\n\x0eIngestResponse\x12\x19\n\x11\x64ocuments_written\x18\x01 \x01(\x04\x12\x16\n\x0e\x63hunks_written\x18\x02 \x01(\x04\x12\x1a\n\x12\x64ocuments_replaced\x18\x03 \x01(\x04\x12,\n\x08rejected\x18\x04 \x03(\x0b\x32\x1a.oprag.v1.RejectedDocument\x12\x14\n\x0c\x63hunks_split\x18\x05 \x01(\x04\x12\x0b\n\x03seq\x18\x06 \x01(\x04\x12\x12\n\nelapsed_ms\x18\x07 \x01(\x01\x12\x15\n\rchunks_reused\x18\x08 \x01(\x04\"n\n\rFusionOptions\x12 \n\x06method\x18\x01 \x01(\x0e\x32\x10.oprag.v1.Fusion\x12\x14\n\x0c\x64\x65nse_weight\x18\x02 \x01(\x01\x12\x16\n\x0elexical_weight\x18\x03 \x01(\x01\x12\r\n\x05rrf_k\x18\x04 \x01(\r\"-\n\x0eMetadataFilter\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06values\x18\x02 \x03(\t\"+\n\x11GenerationOptions\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\"\xd9\x02\n\x0cQueryRequest\x12\x10\n\x08question\x18\x01 \x01(\t\x12\r\n\x05top_k\x18\x02 \x01(\r\x12%\n\x04mode\x18\x03 \x01(\x0e\x32\x17.oprag.v1.RetrievalMode\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12/\n\ngeneration\x18\x05 \x01(\x0b\x32\x1b.oprag.v1.GenerationOptions\x12\x12\n\ncandidates\x18\x06 \x01(\r\x12\x16\n\x0e\x64isable_memory\x18\x07 \x01(\x08\x12)\n\x07\x66ilters\x18\x08 \x03(\x0b\x32\x18.oprag.v1.MetadataFilter\x12\'\n\x06\x66usion\x18\t \x01(\x0b\x32\x17.oprag.v1.FusionOptions\x12\x14\n\x0cquery_vector\x18\n \x03(\x02\x12\x0f\n\x07min_seq\x18\x0b \x01(\x04\x12\x15\n\rinclude_trace\x18\x0c \x01(\x08\"\\\n\nStageTrace\x12\n\n\x02op\x18\x01 \x01(\t\x12\x0e\n\x06\x64omain\x18\x02 \x01(\t\x12\x10\n\x08\x62\x61tch_id\x18\x03 \x01(\x04\x12\x10\n\x08queue_ms\x18\x04 \x01(\x01\x12\x0e\n\x06run_ms\x18\x05 \x01(\x01\"-\n\x05Trace\x12$\n\x06stages\x18\x01 \x03(\x0b\x32\x14.oprag.v1.StageTrace\"\xa6\x01\n\x0cSourcesEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1b\n\x04hits\x18\x02 \x03(\x0b\x32\r.oprag.v1.Hit\x12!\n\x07sources\x18\x03 \x03(\x0b\x32\x10.oprag.v1.Source\x12*\n\tretrieval\x18\x04 \x01(\x0b\x32\x17.oprag.v1.RetrievalInfo\x12\x16\n\x0ememory_context\x18\x05 \x01(\t\"\xff\x01\n\tDoneEvent\x12\x0e\n\x06\x61nswer\x18\x01 \x01(\t\x12\x36\n\ntimings_ms\x18\x02 \x03(\x0b\x32\".oprag.v1.DoneEvent.TimingsMsEntry\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\r\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x0f\n\x07ttft_ms\x18\x06 \x01(\x01\x12\x1e\n\x05trace\x18\x07 \x01(\x0b\x32\x0f.oprag.v1.Trace\x1a\x30\n\x0eTimingsMsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"u\n\nQueryEvent\x12)\n\x07sources\x18\x01 \x01(\x0b\x32\x16.oprag.v1.SourcesEventH\x00\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12#\n\x04\x64one\x18\x03 \x01(\x0b\x32\x13.oprag.v1.DoneEventH\x00\x42\x07\n\x05\x65vent\"\x97\x01\n\rRetrievalInfo\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x0e\n\x06\x66usion\x18\x02 \x01(\t\x12\x14\n\x0c\x64\x65nse_weight\x18\x03 \x01(\x01\x12\x16\n\x0elexical_weight\x18\x04 \x01(\x01\x12\r\n\x05rrf_k\x18\x05 \x01(\r\x12\x12\n\ncandidates\x18\x06 \x01(\r\x12\x17\n\x0f\x63hunks_searched\x18\x07 \x01(\x04\"\x98\x02\n\x03Hit\x12\x10\n\x08\x63hunk_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64oc_id\x18\x02 \x01(\t\x12\r\n\x05title\x18\x03 \x01(\t\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\r\n\x05score\x18\x05 \x01(\x01\x12\x13\n\x0b\x64\x65nse_score\x18\x06 \x01(\x01\x12\x15\n\rlexical_score\x18\x07 \x01(\x01\x12\r\n\x05shard\x18\x08 \x01(\r\x12-\n\x08metadata\x18\t \x03(\x0b\x32\x1b.oprag.v1.Hit.MetadataEntry\x12\x12\n\ndense_rank\x18\n \x01(\r\x12\x14\n\x0clexical_rank\x18\x0b \x01(\r\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"l\n\x06Source\x12\x0e\n\x06number\x18\x01 \x01(\r\x12\x10\n\x08\x63hunk_id\x18\x02 \x01(\t\x12\x0e\n\x06\x64oc_id\x18\x03 \x01(\t\x12\r\n\x05title\x18\x04 \x01(\t\x12\x0e\n\x06tokens\x18\x05 \x01(\r\x12\x11\n\ttruncated\x18\x06 \x01(\x08\"\x9f\x03\n\rQueryResponse\x12\x0e\n\x06\x61nswer\x18\x01 \x01(\t\x12\x1b\n\x04hits\x18\x02 \x03(\x0b\x32\r.oprag.v1.Hit\x12:\n\ntimings_ms\x18\x03 \x03(\x0b\x32&.oprag.v1.QueryResponse.TimingsMsEntry\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12!\n\x07sources\x18\x05 \x03(\x0b\x32\x10.oprag.v1.Source\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\r\x12\x15\n\rfinish_reason\x18\x08 \x01(\t\x12\x16\n\x0ememory_context\x18\t \x01(\t\x12*\n\tretrieval\x18\n \x01(\x0b\x32\x17.oprag.v1.RetrievalInfo\x12\x1e\n\x05trace\x18\x0b \x01(\x0b\x32\x0f.oprag.v1.Trace\x12\x0f\n\x07ttft_ms\x18\x0c \x01(\x01\x1a\x30\n\x0eTimingsMsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x98\x02\n\x10RetrieveResponse\x12\x1b\n\x04hits\x18\x01 \x03(\x0b\x32\r.oprag.v1.Hit\x12=\n\ntimings_ms\x18\x02 \x03(\x0b\x32).oprag.v1.RetrieveResponse.TimingsMsEntry\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x16\n\x0ememory_context\x18\x04 \x01(\t\x12*\n\tretrieval\x18\x05 \x01(\x0b\x32\x17.oprag.v1.RetrievalInfo\x12\x1e\n\x05trace\x18\x06 \x01(\x0b\x32\x0f.oprag.v1.Trace\x1a\x30\n\x0eTimingsMsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\" \n\rDeleteRequest\x12\x0f\n\x07\x64oc_ids\x18\x01 \x03(\t\"P\n\x0e\x44\x65leteResponse\x12\x19\n\x11\x64ocuments_deleted\x18\x01 \x01(\x04\x12\x16\n\x0e\x63hunks_deleted\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\"\x0e\n\x0cStatsRequest\"k\n\nShardStats\x12\r\n\x05shard\x18\x01 \x01(\r\x12\x11\n\tdocuments\x18\x02 \x01(\x04\x12\x0e\n\x06\x63hunks\x18\x03 \x01(\x04\x12\x16\n\x0ememory_records\x18\x04 \x01(\x04\x12\x13\n\x0b\x61pplied_seq\x18\x05 \x01(\x04\"\xa2\x01\n\rStatsResponse\x12\x11\n\tdocuments\x18\x01 \x01(\x04\x12\x0e\n\x06\x63hunks\x18\x02 \x01(\x04\x12\x16\n\x0ememory_records\x18\x03 \x01(\x04\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12$\n\x06shards\x18\x05 \x03(\x0b\x32\x14.oprag.v1.ShardStats\x12\x10\n\x08\x65mbedder\x18\x06 \x01(\t\x12\x11\n\tgenerator\x18\x07 \x01(\t*d\n\rRetrievalMode\x12\x1e\n\x1aRETRIEVAL_MODE_UNSPECIFIED\x10\x00\x12\n\n\x06HYBRID\x10\x01\x12\t\n\x05\x44\x45NSE\x10\x02\x12\x0b\n\x07LEXICAL\x10\x03\x12\x0f\n\x0b\x46ULL_HYBRID\x10\x04*>\n\x06\x46usion\x12\x16\n\x12\x46USION_UNSPECIFIED\x10\x00\x12\x13\n\x0fWEIGHTED_MINMAX\x10\x01\x12\x07\n\x03RRF\x10\x02\x32\xf6\x02\n\x05OpRAG\x12=\n\x06Ingest\x12\x17.oprag.v1.IngestRequest\x1a\x18.oprag.v1.IngestResponse(\x01\x12\x38\n\x05Query\x12\x16.oprag.v1.QueryRequest\x1a\x17.oprag.v1.QueryResponse\x12=\n\x0bQueryStream\x12\x16.oprag.v1.QueryRequest\x1a\x14.oprag.v1.QueryEvent0\x01\x12>\n\x08Retrieve\x12\x16.oprag.v1.QueryRequest\x1a\x1a.oprag.v1.RetrieveResponse\x12;\n\x06\x44\x65lete\x12\x17.oprag.v1.DeleteRequest\x1a\x18.oprag.v1.DeleteResponse\x12\x38\n\x05Stats\x12\x16.oprag.v1.StatsRequest\x1a\x17.oprag.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,16 +33,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DOCUMENT_METADATAENTRY']._loaded_options = None
   _globals['_DOCUMENT_METADATAENTRY']._serialized_options = b'8\001'
+  _globals['_DONEEVENT_TIMINGSMSENTRY']._loaded_options = None
+  _globals['_DONEEVENT_TIMINGSMSENTRY']._serialized_options = b'8\001'
   _globals['_HIT_METADATAENTRY']._loaded_options = None
   _globals['_HIT_METADATAENTRY']._serialized_options = b'8\001'
   _globals['_QUERYRESPONSE_TIMINGSMSENTRY']._loaded_options = None
   _globals['_QUERYRESPONSE_TIMINGSMSENTRY']._serialized_options = b'8\001'
   _globals['_RETRIEVERESPONSE_TIMINGSMSENTRY']._loaded_options = None
   _globals['_RETRIEVERESPONSE_TIMINGSMSENTRY']._serialized_options = b'8\001'
-  _globals['_RETRIEVALMODE']._serialized_start=2671
-  _globals['_RETRIEVALMODE']._serialized_end=2771
-  _globals['_FUSION']._serialized_start=2773
-  _globals['_FUSION']._serialized_end=2835
+  _globals['_RETRIEVALMODE']._serialized_start=3462
+  _globals['_RETRIEVALMODE']._serialized_end=3562
+  _globals['_FUSION']._serialized_start=3564
+  _globals['_FUSION']._serialized_end=3626
   _globals['_DOCUMENT']._serialized_start=35
   _globals['_DOCUMENT']._serialized_end=187
   _globals['_DOCUMENT_METADATAENTRY']._serialized_start=140
@@ -60,33 +62,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATIONOPTIONS']._serialized_start=728
   _globals['_GENERATIONOPTIONS']._serialized_end=771
   _globals['_QUERYREQUEST']._serialized_start=774
-  _globals['_QUERYREQUEST']._serialized_end=1096
-  _globals['_RETRIEVALINFO']._serialized_start=1099
-  _globals['_RETRIEVALINFO']._serialized_end=1250
-  _globals['_HIT']._serialized_start=1253
-  _globals['_HIT']._serialized_end=1533
+  _globals['_QUERYREQUEST']._serialized_end=1119
+  _globals['_STAGETRACE']._serialized_start=1121
+  _globals['_STAGETRACE']._serialized_end=1213
+  _globals['_TRACE']._serialized_start=1215
+  _globals['_TRACE']._serialized_end=1260
+  _globals['_SOURCESEVENT']._serialized_start=1263
+  _globals['_SOURCESEVENT']._serialized_end=1429
+  _globals['_DONEEVENT']._serialized_start=1432
+  _globals['_DONEEVENT']._serialized_end=1687
+  _globals['_DONEEVENT_TIMINGSMSENTRY']._serialized_start=1639
+  _globals['_DONEEVENT_TIMINGSMSENTRY']._serialized_end=1687
+  _globals['_QUERYEVENT']._serialized_start=1689
+  _globals['_QUERYEVENT']._serialized_end=1806
+  _globals['_RETRIEVALINFO']._serialized_start=1809
+  _globals['_RETRIEVALINFO']._serialized_end=1960
+  _globals['_HIT']._serialized_start=1963
+  _globals['_HIT']._serialized_end=2243
   _globals['_HIT_METADATAENTRY']._serialized_start=140
   _globals['_HIT_METADATAENTRY']._serialized_end=187
-  _globals['_SOURCE']._serialized_start=1535
-  _globals['_SOURCE']._serialized_end=1643
-  _globals['_QUERYRESPONSE']._serialized_start=1646
-  _globals['_QUERYRESPONSE']._serialized_end=2012
-  _globals['_QUERYRESPONSE_TIMINGSMSENTRY']._serialized_start=1964
-  _globals['_QUERYRESPONSE_TIMINGSMSENTRY']._serialized_end=2012
-  _globals['_RETRIEVERESPONSE']._serialized_start=2015
-  _globals['_RETRIEVERESPONSE']._serialized_end=2263
-  _globals['_RETRIEVERESPONSE_TIMINGSMSENTRY']._serialized_start=1964
-  _globals['_RETRIEVERESPONSE_TIMINGSMSENTRY']._serialized_end=2012
-  _globals['_DELETEREQUEST']._serialized_start=2265
-  _globals['_DELETEREQUEST']._serialized_end=2297
-  _globals['_DELETERESPONSE']._serialized_start=2299
-  _globals['_DELETERESPONSE']._serialized_end=2379
-  _globals['_STATSREQUEST']._serialized_start=2381
-  _globals['_STATSREQUEST']._serialized_end=2395
-  _globals['_SHARDSTATS']._serialized_start=2397
-  _globals['_SHARDSTATS']._serialized_end=2504
-  _globals['_STATSRESPONSE']._serialized_start=2507
-  _globals['_STATSRESPONSE']._serialized_end=2669
-  _globals['_OPRAG']._serialized_start=2838
-  _globals['_OPRAG']._serialized_end=3149
+  _globals['_SOURCE']._serialized_start=2245
+  _globals['_SOURCE']._serialized_end=2353
+  _globals['_QUERYRESPONSE']._serialized_start=2356
+  _globals['_QUERYRESPONSE']._serialized_end=2771
+  _globals['_QUERYRESPONSE_TIMINGSMSENTRY']._serialized_start=1639
+  _globals['_QUERYRESPONSE_TIMINGSMSENTRY']._serialized_end=1687
+  _globals['_RETRIEVERESPONSE']._serialized_start=2774
+  _globals['_RETRIEVERESPONSE']._serialized_end=3054
+  _globals['_RETRIEVERESPONSE_TIMINGSMSENTRY']._serialized_start=1639
+  _globals['_RETRIEVERESPONSE_TIMINGSMSENTRY']._serialized_end=1687
+  _globals['_DELETEREQUEST']._serialized_start=3056
+  _globals['_DELETEREQUEST']._serialized_end=3088
+  _globals['_DELETERESPONSE']._serialized_start=3090
+  _globals['_DELETERESPONSE']._serialized_end=3170
+  _globals['_STATSREQUEST']._serialized_start=3172
+  _globals['_STATSREQUEST']._serialized_end=3186
+  _globals['_SHARDSTATS']._serialized_start=3188
+  _globals['_SHARDSTATS']._serialized_end=3295
+  _globals['_STATSRESPONSE']._serialized_start=3298
+  _globals['_STATSRESPONSE']._serialized_end=3460
+  _globals['_OPRAG']._serialized_start=3629
+  _globals['_OPRAG']._serialized_end=4003
 # @@protoc_insertion_point(module_scope)

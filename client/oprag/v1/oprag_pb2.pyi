@@ -115,7 +115,7 @@ class GenerationOptions(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ...) -> None: ...
 
 class QueryRequest(_message.Message):
-    __slots__ = ("question", "top_k", "mode", "session_id", "generation", "candidates", "disable_memory", "filters", "fusion", "query_vector", "min_seq")
+    __slots__ = ("question", "top_k", "mode", "session_id", "generation", "candidates", "disable_memory", "filters", "fusion", "query_vector", "min_seq", "include_trace")
     QUESTION_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +127,7 @@ class QueryRequest(_message.Message):
     FUSION_FIELD_NUMBER: _ClassVar[int]
     QUERY_VECTOR_FIELD_NUMBER: _ClassVar[int]
     MIN_SEQ_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_TRACE_FIELD_NUMBER: _ClassVar[int]
     question: str
     top_k: int
     mode: RetrievalMode
@@ -138,7 +139,77 @@ class QueryRequest(_message.Message):
     fusion: FusionOptions
     query_vector: _containers.RepeatedScalarFieldContainer[float]
     min_seq: int
-    def __init__(self, question: _Optional[str] = ..., top_k: _Optional[int] = ..., mode: _Optional[_Union[RetrievalMode, str]] = ..., session_id: _Optional[str] = ..., generation: _Optional[_Union[GenerationOptions, _Mapping]] = ..., candidates: _Optional[int] = ..., disable_memory: _Optional[bool] = ..., filters: _Optional[_Iterable[_Union[MetadataFilter, _Mapping]]] = ..., fusion: _Optional[_Union[FusionOptions, _Mapping]] = ..., query_vector: _Optional[_Iterable[float]] = ..., min_seq: _Optional[int] = ...) -> None: ...
+    include_trace: bool
+    def __init__(self, question: _Optional[str] = ..., top_k: _Optional[int] = ..., mode: _Optional[_Union[RetrievalMode, str]] = ..., session_id: _Optional[str] = ..., generation: _Optional[_Union[GenerationOptions, _Mapping]] = ..., candidates: _Optional[int] = ..., disable_memory: _Optional[bool] = ..., filters: _Optional[_Iterable[_Union[MetadataFilter, _Mapping]]] = ..., fusion: _Optional[_Union[FusionOptions, _Mapping]] = ..., query_vector: _Optional[_Iterable[float]] = ..., min_seq: _Optional[int] = ..., include_trace: _Optional[bool] = ...) -> None: ...
+
+class StageTrace(_message.Message):
+    __slots__ = ("op", "domain", "batch_id", "queue_ms", "run_ms")
+    OP_FIELD_NUMBER: _ClassVar[int]
+    DOMAIN_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    RUN_MS_FIELD_NUMBER: _ClassVar[int]
+    op: str
+    domain: str
+    batch_id: int
+    queue_ms: float
+    run_ms: float
+    def __init__(self, op: _Optional[str] = ..., domain: _Optional[str] = ..., batch_id: _Optional[int] = ..., queue_ms: _Optional[float] = ..., run_ms: _Optional[float] = ...) -> None: ...
+
+class Trace(_message.Message):
+    __slots__ = ("stages",)
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    stages: _containers.RepeatedCompositeFieldContainer[StageTrace]
+    def __init__(self, stages: _Optional[_Iterable[_Union[StageTrace, _Mapping]]] = ...) -> None: ...
+
+class SourcesEvent(_message.Message):
+    __slots__ = ("request_id", "hits", "sources", "retrieval", "memory_context")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    RETRIEVAL_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    hits: _containers.RepeatedCompositeFieldContainer[Hit]
+    sources: _containers.RepeatedCompositeFieldContainer[Source]
+    retrieval: RetrievalInfo
+    memory_context: str
+    def __init__(self, request_id: _Optional[str] = ..., hits: _Optional[_Iterable[_Union[Hit, _Mapping]]] = ..., sources: _Optional[_Iterable[_Union[Source, _Mapping]]] = ..., retrieval: _Optional[_Union[RetrievalInfo, _Mapping]] = ..., memory_context: _Optional[str] = ...) -> None: ...
+
+class DoneEvent(_message.Message):
+    __slots__ = ("answer", "timings_ms", "prompt_tokens", "completion_tokens", "finish_reason", "ttft_ms", "trace")
+    class TimingsMsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    ANSWER_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_MS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_FIELD_NUMBER: _ClassVar[int]
+    answer: str
+    timings_ms: _containers.ScalarMap[str, float]
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str
+    ttft_ms: float
+    trace: Trace
+    def __init__(self, answer: _Optional[str] = ..., timings_ms: _Optional[_Mapping[str, float]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., ttft_ms: _Optional[float] = ..., trace: _Optional[_Union[Trace, _Mapping]] = ...) -> None: ...
+
+class QueryEvent(_message.Message):
+    __slots__ = ("sources", "text", "done")
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    sources: SourcesEvent
+    text: str
+    done: DoneEvent
+    def __init__(self, sources: _Optional[_Union[SourcesEvent, _Mapping]] = ..., text: _Optional[str] = ..., done: _Optional[_Union[DoneEvent, _Mapping]] = ...) -> None: ...
 
 class RetrievalInfo(_message.Message):
     __slots__ = ("mode", "fusion", "dense_weight", "lexical_weight", "rrf_k", "candidates", "chunks_searched")
@@ -208,7 +279,7 @@ class Source(_message.Message):
     def __init__(self, number: _Optional[int] = ..., chunk_id: _Optional[str] = ..., doc_id: _Optional[str] = ..., title: _Optional[str] = ..., tokens: _Optional[int] = ..., truncated: _Optional[bool] = ...) -> None: ...
 
 class QueryResponse(_message.Message):
-    __slots__ = ("answer", "hits", "timings_ms", "request_id", "sources", "prompt_tokens", "completion_tokens", "finish_reason", "memory_context", "retrieval")
+    __slots__ = ("answer", "hits", "timings_ms", "request_id", "sources", "prompt_tokens", "completion_tokens", "finish_reason", "memory_context", "retrieval", "trace", "ttft_ms")
     class TimingsMsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -226,6 +297,8 @@ class QueryResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     MEMORY_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     RETRIEVAL_FIELD_NUMBER: _ClassVar[int]
+    TRACE_FIELD_NUMBER: _ClassVar[int]
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     answer: str
     hits: _containers.RepeatedCompositeFieldContainer[Hit]
     timings_ms: _containers.ScalarMap[str, float]
@@ -236,10 +309,12 @@ class QueryResponse(_message.Message):
     finish_reason: str
     memory_context: str
     retrieval: RetrievalInfo
-    def __init__(self, answer: _Optional[str] = ..., hits: _Optional[_Iterable[_Union[Hit, _Mapping]]] = ..., timings_ms: _Optional[_Mapping[str, float]] = ..., request_id: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[Source, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., memory_context: _Optional[str] = ..., retrieval: _Optional[_Union[RetrievalInfo, _Mapping]] = ...) -> None: ...
+    trace: Trace
+    ttft_ms: float
+    def __init__(self, answer: _Optional[str] = ..., hits: _Optional[_Iterable[_Union[Hit, _Mapping]]] = ..., timings_ms: _Optional[_Mapping[str, float]] = ..., request_id: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[Source, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., memory_context: _Optional[str] = ..., retrieval: _Optional[_Union[RetrievalInfo, _Mapping]] = ..., trace: _Optional[_Union[Trace, _Mapping]] = ..., ttft_ms: _Optional[float] = ...) -> None: ...
 
 class RetrieveResponse(_message.Message):
-    __slots__ = ("hits", "timings_ms", "request_id", "memory_context", "retrieval")
+    __slots__ = ("hits", "timings_ms", "request_id", "memory_context", "retrieval", "trace")
     class TimingsMsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -252,12 +327,14 @@ class RetrieveResponse(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MEMORY_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     RETRIEVAL_FIELD_NUMBER: _ClassVar[int]
+    TRACE_FIELD_NUMBER: _ClassVar[int]
     hits: _containers.RepeatedCompositeFieldContainer[Hit]
     timings_ms: _containers.ScalarMap[str, float]
     request_id: str
     memory_context: str
     retrieval: RetrievalInfo
-    def __init__(self, hits: _Optional[_Iterable[_Union[Hit, _Mapping]]] = ..., timings_ms: _Optional[_Mapping[str, float]] = ..., request_id: _Optional[str] = ..., memory_context: _Optional[str] = ..., retrieval: _Optional[_Union[RetrievalInfo, _Mapping]] = ...) -> None: ...
+    trace: Trace
+    def __init__(self, hits: _Optional[_Iterable[_Union[Hit, _Mapping]]] = ..., timings_ms: _Optional[_Mapping[str, float]] = ..., request_id: _Optional[str] = ..., memory_context: _Optional[str] = ..., retrieval: _Optional[_Union[RetrievalInfo, _Mapping]] = ..., trace: _Optional[_Union[Trace, _Mapping]] = ...) -> None: ...
 
 class DeleteRequest(_message.Message):
     __slots__ = ("doc_ids",)

@@ -44,6 +44,11 @@ class OpRAGStub:
                 request_serializer=oprag_dot_v1_dot_oprag__pb2.QueryRequest.SerializeToString,
                 response_deserializer=oprag_dot_v1_dot_oprag__pb2.QueryResponse.FromString,
                 _registered_method=True)
+        self.QueryStream = channel.unary_stream(
+                '/oprag.v1.OpRAG/QueryStream',
+                request_serializer=oprag_dot_v1_dot_oprag__pb2.QueryRequest.SerializeToString,
+                response_deserializer=oprag_dot_v1_dot_oprag__pb2.QueryEvent.FromString,
+                _registered_method=True)
         self.Retrieve = channel.unary_unary(
                 '/oprag.v1.OpRAG/Retrieve',
                 request_serializer=oprag_dot_v1_dot_oprag__pb2.QueryRequest.SerializeToString,
@@ -75,6 +80,14 @@ class OpRAGServicer:
 
     def Query(self, request, context):
         """Retrieve, build a bounded context and generate a grounded answer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def QueryStream(self, request, context):
+        """Streaming answer: first the retrieved sources, then generated text as it is produced, then a
+        final event with timings and token counts.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -113,6 +126,11 @@ def add_OpRAGServicer_to_server(servicer, server):
                     servicer.Query,
                     request_deserializer=oprag_dot_v1_dot_oprag__pb2.QueryRequest.FromString,
                     response_serializer=oprag_dot_v1_dot_oprag__pb2.QueryResponse.SerializeToString,
+            ),
+            'QueryStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.QueryStream,
+                    request_deserializer=oprag_dot_v1_dot_oprag__pb2.QueryRequest.FromString,
+                    response_serializer=oprag_dot_v1_dot_oprag__pb2.QueryEvent.SerializeToString,
             ),
             'Retrieve': grpc.unary_unary_rpc_method_handler(
                     servicer.Retrieve,
@@ -184,6 +202,33 @@ class OpRAG:
             '/oprag.v1.OpRAG/Query',
             oprag_dot_v1_dot_oprag__pb2.QueryRequest.SerializeToString,
             oprag_dot_v1_dot_oprag__pb2.QueryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def QueryStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/oprag.v1.OpRAG/QueryStream',
+            oprag_dot_v1_dot_oprag__pb2.QueryRequest.SerializeToString,
+            oprag_dot_v1_dot_oprag__pb2.QueryEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -70,6 +70,23 @@ class QueryJob:
     timings_ms: dict[str, float] = field(default_factory=dict)
     batch_id: int = 0
     plan: tuple = ()
+    events: asyncio.Queue | None = None  # QueryStream: ("sources", job) / ("text", str), then the future resolves
+    ttft_ms: float = 0.0
+    marks: dict[str, float] = field(default_factory=dict)  # perf_counter stamps for the trace
+
+    def trace(self) -> list[dict]:
+        """The executed plan: per operator its resource domain, batch, queue wait and run time."""
+        t, m = self.timings_ms, self.marks
+        gen_queue = max(0.0, (m.get("gen_start", 0.0) - m.get("prep_end", 0.0)) * 1000) if "gen_start" in m else 0.0
+        run = {"memory": t.get("memory", 0.0), "embed": t.get("embed", 0.0),
+               "retrieve": t.get("retrieve", 0.0) + t.get("rerank", 0.0), "reason": t.get("context", 0.0),
+               "generate": t.get("generate", 0.0), "upsert": t.get("promote", 0.0)}
+        out = []
+        for i, step in enumerate(self.plan):
+            q = t.get("queue", 0.0) if i == 0 else (gen_queue if step.op == "generate" else 0.0)
+            out.append({"op": step.op, "domain": step.domain, "batch_id": self.batch_id, "queue_ms": q,
+                        "run_ms": run.get(step.op, 0.0)})
+        return out
 
 
 class QueryEngine:
@@ -240,6 +257,11 @@ class QueryEngine:
                 )
         if any(j.generate for j in live):
             self._stage(live, "context", t)
+        now = time.perf_counter()
+        for j in live:
+            j.marks["prep_end"] = now
+            if j.events is not None:
+                j.events.put_nowait(("sources", j))
 
     # ------------------------------------------------------------------ pruning-loss monitor
     def _sample_for_monitor(self, jobs: list[QueryJob]) -> None:
@@ -288,7 +310,10 @@ class QueryEngine:
     async def _gen_loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
+            t_idle = time.perf_counter()
             batch, done = await self._gen_queue.get()
+            idle = time.perf_counter() - t_idle
+            self.metrics.generator_seconds.labels(state="idle").inc(idle)
             try:
                 await self._generate(batch, loop)
             except Exception as exc:  # noqa: BLE001
@@ -306,14 +331,26 @@ class QueryEngine:
                 self._finish(j)
             return
         self.metrics.batch_size.labels(stage="generate").observe(len(live))
+        self.metrics.batch_fill.observe(len(live) / self.cfg.max_batch)
         t = time.perf_counter()
+        for j in live:
+            j.marks["gen_start"] = t
+            self.metrics.stage_seconds.labels(stage="generate_queue").observe(t - j.marks.get("prep_end", t))
         prompts = [j.payload.prompt for j in live]
         max_new = [j.max_new_tokens for j in live]
+
+        def emit(row: int, delta: str) -> None:  # generator thread -> event loop
+            loop.call_soon_threadsafe(self._on_text, live[row], delta)
+
         results = await loop.run_in_executor(
             self.gen_executor,
-            lambda: self.generator.generate(prompts, max_new, should_stop=lambda row: live[row].cancelled),
+            lambda: self.generator.generate(prompts, max_new, on_token=emit, should_stop=lambda row: live[row].cancelled),
         )
         dt = time.perf_counter() - t
+        self.metrics.generator_seconds.labels(state="busy").inc(dt)
+        toks = sum(r.completion_tokens for r in results)
+        if dt > 0:
+            self.metrics.tokens_per_second.set(toks / dt)
         self._gen_time_ewma = 0.8 * self._gen_time_ewma + 0.2 * dt
         self._stage(live, "generate", t)
         for j, r in zip(live, results):
@@ -326,6 +363,13 @@ class QueryEngine:
         self._stage(live, "promote", t)
         for j in batch:
             self._finish(j)
+
+    def _on_text(self, job: QueryJob, delta: str) -> None:
+        if not job.ttft_ms:
+            job.ttft_ms = (time.perf_counter() - job.enqueued) * 1000
+            self.metrics.ttft_seconds.observe(job.ttft_ms / 1000)
+        if job.events is not None and delta:
+            job.events.put_nowait(("text", delta))
 
     async def _promote(self, jobs: list[QueryJob]) -> None:
         todo = [j for j in jobs if j.session_id and j.use_memory and not j.cancelled and j.vector is not None]

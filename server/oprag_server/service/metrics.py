@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-STAGES = ("queue", "memory", "embed", "retrieve", "rerank", "context", "generate", "upsert", "transform", "promote")
+STAGES = ("queue", "generate_queue", "memory", "embed", "retrieve", "rerank", "context", "generate", "upsert", "transform", "promote")
 _LAT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -26,6 +26,19 @@ class Metrics:
         self.batch_size = Histogram(
             "oprag_batch_size", "Requests per scheduler batch", ["stage"], buckets=(1, 2, 4, 8, 16, 32, 64), registry=r
         )
+        self.batch_fill = Histogram(
+            "oprag_batch_fill_ratio", "Generation batch size / max batch size", buckets=(0.125, 0.25, 0.5, 0.75, 1.0),
+            registry=r,
+        )
+        self.ttft_seconds = Histogram(
+            "oprag_ttft_seconds", "Time to first generated token, from admission", buckets=_LAT_BUCKETS, registry=r
+        )
+        self.generator_seconds = Counter(
+            "oprag_generator_seconds_total", "Generator worker time by state (busy decoding, idle waiting for a batch)",
+            ["state"], registry=r,
+        )
+        self.tokens_per_second = Gauge("oprag_generate_tokens_per_second", "Tokens/s of the last generation batch",
+                                       registry=r)
         self.documents_ingested = Counter("oprag_documents_ingested_total", "Documents written", registry=r)
         self.chunks_ingested = Counter("oprag_chunks_ingested_total", "Chunks written", registry=r)
         self.documents_rejected = Counter("oprag_documents_rejected_total", "Documents rejected at ingest", registry=r)

@@ -73,6 +73,43 @@ def _observed(method: str):
     return deco
 
 
+def _observed_stream(method: str):
+    """:func:`_observed` for server-streaming handlers (async generators)."""
+
+    def deco(fn):
+        @functools.wraps(fn)
+        async def wrapper(self, request, context):
+            t = time.perf_counter()
+            code = grpc.StatusCode.OK
+            try:
+                async for item in fn(self, request, context):
+                    yield item
+            except (InvalidArgument, IngestError) as exc:
+                code = grpc.StatusCode.INVALID_ARGUMENT
+                await context.abort(code, str(exc))
+            except Overloaded as exc:
+                code = grpc.StatusCode.RESOURCE_EXHAUSTED
+                context.set_trailing_metadata((("retry-after-ms", str(int(exc.retry_after_s * 1000))),))
+                await context.abort(code, str(exc))
+            except grpc.aio.AbortError:
+                code = context.code() or grpc.StatusCode.UNKNOWN
+                raise
+            except asyncio.CancelledError:
+                code = grpc.StatusCode.CANCELLED
+                raise
+            except Exception as exc:  # noqa: BLE001
+                code = grpc.StatusCode.INTERNAL
+                log.exception("%s failed", method)
+                await context.abort(code, f"internal error: {type(exc).__name__}: {exc}")
+            finally:
+                self.metrics.requests.labels(method=method, code=code.name).inc()
+                self.metrics.request_seconds.labels(method=method).observe(time.perf_counter() - t)
+
+        return wrapper
+
+    return deco
+
+
 class OpRAGServicer(oprag_pb2_grpc.OpRAGServicer):
     def __init__(self, runtime) -> None:
         self.rt = runtime
@@ -209,32 +246,76 @@ class OpRAGServicer(oprag_pb2_grpc.OpRAGServicer):
                 await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                     f"sequence number {request.min_seq} was not applied before the deadline")
 
+    @staticmethod
+    def _sources(job: QueryJob) -> list[oprag_pb2.Source]:
+        p = job.payload
+        return [
+            oprag_pb2.Source(number=s.number, chunk_id=s.chunk_id, doc_id=s.doc_id, title=s.title, tokens=s.tokens,
+                             truncated=s.truncated)
+            for s in (p.sources if p else [])
+        ]
+
+    @staticmethod
+    def _trace(job: QueryJob, request) -> oprag_pb2.Trace | None:
+        if not request.include_trace:
+            return None
+        return oprag_pb2.Trace(stages=[oprag_pb2.StageTrace(**st) for st in job.trace()])
+
     @_observed("Query")
     async def Query(self, request, context):
         job = self._job(request, generate=True)
         await self._read_your_writes(request, context)
         job = await self.rt.query.submit(job)
         p = job.payload
-        answer = job.answer
-        if self.rt.generator is None:
-            answer = ""
         return oprag_pb2.QueryResponse(
-            answer=answer,
+            answer=job.answer if self.rt.generator is not None else "",
             hits=self._hits(job),
             timings_ms=job.timings_ms,
             request_id=job.request_id,
-            sources=[
-                oprag_pb2.Source(
-                    number=s.number, chunk_id=s.chunk_id, doc_id=s.doc_id, title=s.title, tokens=s.tokens, truncated=s.truncated
-                )
-                for s in (p.sources if p else [])
-            ],
+            sources=self._sources(job),
             prompt_tokens=p.prompt_tokens if p else 0,
             completion_tokens=job.completion_tokens,
             finish_reason=job.finish_reason,
             memory_context=job.memory.memory_text if job.memory else "",
             retrieval=self._info(job),
+            trace=self._trace(job, request),
+            ttft_ms=job.ttft_ms,
         )
+
+    @_observed_stream("QueryStream")
+    async def QueryStream(self, request, context):
+        job = self._job(request, generate=True)
+        await self._read_your_writes(request, context)
+        job.events = asyncio.Queue()
+        task = asyncio.create_task(self.rt.query.submit(job))
+        try:
+            while True:
+                get = asyncio.create_task(job.events.get())
+                done, _ = await asyncio.wait({get, task}, return_when=asyncio.FIRST_COMPLETED)
+                if get not in done:
+                    get.cancel()
+                    break
+                yield self._event(*get.result())
+            while not job.events.empty():
+                yield self._event(*job.events.get_nowait())
+            job = task.result()
+            p = job.payload
+            yield oprag_pb2.QueryEvent(done=oprag_pb2.DoneEvent(
+                answer=job.answer, timings_ms=job.timings_ms, prompt_tokens=p.prompt_tokens if p else 0,
+                completion_tokens=job.completion_tokens, finish_reason=job.finish_reason, ttft_ms=job.ttft_ms,
+                trace=self._trace(job, request),
+            ))
+        finally:
+            if not task.done():
+                task.cancel()
+
+    def _event(self, kind: str, val) -> oprag_pb2.QueryEvent:
+        if kind == "text":
+            return oprag_pb2.QueryEvent(text=val)
+        return oprag_pb2.QueryEvent(sources=oprag_pb2.SourcesEvent(
+            request_id=val.request_id, hits=self._hits(val), sources=self._sources(val), retrieval=self._info(val),
+            memory_context=val.memory.memory_text if val.memory else "",
+        ))
 
     @_observed("Retrieve")
     async def Retrieve(self, request, context):
@@ -247,6 +328,7 @@ class OpRAGServicer(oprag_pb2_grpc.OpRAGServicer):
             request_id=job.request_id,
             memory_context=job.memory.memory_text if job.memory else "",
             retrieval=self._info(job),
+            trace=self._trace(job, request),
         )
 
     @_observed("Ingest")
