@@ -41,6 +41,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch", type=int, default=8, help="queries per scheduler batch")
     s.add_argument("--max-wait-ms", type=float, default=4.0, help="how long a batch waits for company")
     s.add_argument("--queue-capacity", type=int, default=256, help="unfinished queries admitted")
+    s.add_argument("--max-queue-delay-ms", type=float, default=0.0,
+                   help="refuse queries (RESOURCE_EXHAUSTED) when the estimated queueing delay exceeds this; 0 = off")
+    s.add_argument("--ingest-embed-slice-ms", type=float, default=50.0,
+                   help="while queries are active, ingest embedding runs in slices of about this long")
     s.add_argument("--no-overlap", action="store_true", help="run the stages of a batch strictly in sequence")
     s.add_argument("--ingest-barriers", action="store_true",
                    help="baseline: each ingest stage finishes before the next starts")
@@ -132,7 +136,8 @@ def cmd_serve(a) -> int:
                                     default_max_new_tokens=a.max_new_tokens),
             ingest=IngestConfig(barriers=a.ingest_barriers, upsert_batch=a.upsert_batch),
             batch=BatchConfig(max_batch=a.max_batch, max_wait_ms=a.max_wait_ms, queue_capacity=a.queue_capacity,
-                              overlap=not a.no_overlap),
+                              overlap=not a.no_overlap, max_queue_delay_ms=a.max_queue_delay_ms,
+                              ingest_embed_slice_ms=a.ingest_embed_slice_ms),
         )
         asyncio.run(serve(cfg))
     except (ValueError, RuntimeError, OSError) as exc:

@@ -101,7 +101,8 @@ class Runtime:
         self.metrics.shards_up.set(len(ready))
 
     async def start(self) -> None:
-        self.embedder = EmbedWorker(self.encoder, self.embed_executor, self.metrics, batch_size=self.cfg.embed.batch_size)
+        self.embedder = EmbedWorker(self.encoder, self.embed_executor, self.metrics, batch_size=self.cfg.embed.batch_size,
+                                    slice_s=self.cfg.batch.ingest_embed_slice_ms / 1000)
         self.embedder.start()
         self.retriever = Retriever(self.pool, self.stats, self.analyzer, self.cfg.bm25, self.cfg.retrieval)
         self.memory = Memory(self.pool, self.cfg.memory)

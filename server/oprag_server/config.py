@@ -100,6 +100,12 @@ class BatchConfig:
     max_wait_ms: float = 4.0
     queue_capacity: int = 256
     overlap: bool = True
+    # Admission by latency: refuse a query when the estimated queueing delay (waiting batches x
+    # recent batch time) exceeds this many ms, so admitted queries keep their latency. 0 = off.
+    max_queue_delay_ms: float = 0.0
+    # While queries are active, ingest embedding runs in batches of about this many ms, which
+    # bounds how long a query embedding can wait behind ingest.
+    ingest_embed_slice_ms: float = 50.0
 
 
 @dataclass(frozen=True)

@@ -193,3 +193,24 @@ def test_retrieve_only_jobs_skip_generation():
 
     j, gen = asyncio.run(run())
     assert j.hits and j.answer == "" and gen.batches == []
+
+
+def test_latency_admission_refuses_when_estimated_delay_exceeds_budget():
+    async def run():
+        gen, ret = FakeGenerator(0.2), FakeRetriever()
+        eng = _engine(gen, ret, capacity=100, max_batch=2)
+        eng.cfg = BatchConfig(max_batch=2, max_wait_ms=2.0, queue_capacity=100, max_queue_delay_ms=300.0)
+        eng._gen_time_ewma = 0.2
+        eng.start()
+        tasks = [asyncio.create_task(eng.submit(_job(f"q{i}"))) for i in range(4)]
+        await asyncio.sleep(0.01)
+        t = time.perf_counter()
+        with pytest.raises(Overloaded):  # 4 in flight = 2 batches x 0.2 s = 400 ms > 300 ms
+            await eng.submit(_job("late"))
+        assert time.perf_counter() - t < 0.05  # refused at once
+        await asyncio.gather(*tasks)
+        ok = await eng.submit(_job("after"))  # queue drained: admitted again
+        await eng.stop()
+        return ok
+
+    assert asyncio.run(run()).answer == "after"

@@ -26,17 +26,20 @@ class _Req:
 
 class EmbedWorker:
     """:param batch_size: chunks per ingest forward pass when no query is waiting.
-    :param small_batch: chunks per ingest forward pass while queries are active.
+    :param small_batch: chunks per ingest forward pass while queries are active (or, with
+        ``slice_s``, as many chunks as take about ``slice_s`` seconds at the measured rate).
     :param query_quiet_s: queries count as active for this long after the last one."""
 
     def __init__(self, encoder: Any, executor, metrics: Any, *, batch_size: int = 32, small_batch: int = 8,
-                 query_quiet_s: float = 0.5) -> None:
+                 query_quiet_s: float = 0.5, slice_s: float | None = None) -> None:
         self.encoder = encoder
         self.executor = executor
         self.metrics = metrics
         self.batch_size = batch_size
         self.small_batch = small_batch
         self.query_quiet_s = query_quiet_s
+        self.slice_s = slice_s  # adapt small batches to this many seconds of work (None: fixed)
+        self._per_chunk_s = 0.0
         self._queries: asyncio.Queue[_Req] = asyncio.Queue()
         self._ingest: list[tuple[_Req, int]] = []  # (request, next index) pooled across streams
         self._wake = asyncio.Event()
@@ -99,7 +102,11 @@ class EmbedWorker:
         if not self._ingest:
             return
         busy = time.perf_counter() - self._last_query < self.query_quiet_s
-        size = self.small_batch if busy else self.batch_size * 4
+        size = self.batch_size * 4
+        if busy:
+            size = self.small_batch
+            if self.slice_s and self._per_chunk_s > 0:
+                size = max(1, int(self.slice_s / self._per_chunk_s))
         # pool pending chunks of every stream, take the `size` longest-waiting ones, group by length
         picked: list[tuple[int, int]] = []  # (request index, chunk index)
         for ri, (r, start) in enumerate(self._ingest):
@@ -118,7 +125,10 @@ class EmbedWorker:
                 if not self._ingest[ri][0].future.done():
                     self._ingest[ri][0].future.set_exception(exc)
             return
-        self.metrics.stage_seconds.labels(stage="embed").observe(time.perf_counter() - t)
+        dt = time.perf_counter() - t
+        per = dt / max(1, len(ids))
+        self._per_chunk_s = per if not self._per_chunk_s else 0.8 * self._per_chunk_s + 0.2 * per
+        self.metrics.stage_seconds.labels(stage="embed").observe(dt)
         self.metrics.batch_size.labels(stage="embed_ingest").observe(len(ids))
         real = sum(len(x) for x in ids)
         self.metrics.embed_tokens.labels(kind="real").inc(real)

@@ -141,11 +141,21 @@ class QueryEngine:
     def inflight(self) -> int:
         return self._inflight
 
+    def estimated_delay_s(self) -> float:
+        """Queueing delay a new query would see: batches ahead of it x recent batch time (s)."""
+        batches_ahead = self._inflight // self.cfg.max_batch
+        return batches_ahead * self._gen_time_ewma
+
     async def submit(self, job: QueryJob) -> QueryJob:
         """Admit, batch and run one query. :raises Overloaded: too many unfinished queries."""
         if self._inflight >= self.cfg.queue_capacity:
             self.metrics.rejected_overload.labels(queue="query").inc()
             raise Overloaded("query", retry_after_s=max(0.05, self._gen_time_ewma))
+        if self.cfg.max_queue_delay_ms > 0 and job.generate:
+            est = self.estimated_delay_s()
+            if est * 1000 > self.cfg.max_queue_delay_ms:
+                self.metrics.rejected_overload.labels(queue="query_latency").inc()
+                raise Overloaded("query", retry_after_s=est)
         job.future = asyncio.get_running_loop().create_future()
         job.plan = compile_plan(memory=bool(job.session_id and job.use_memory), generate=job.generate)
         self._inflight += 1
