@@ -33,6 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--shards", type=int, default=2)
     s.add_argument("--embedder", default="minilm", help="'minilm' or a local encoder directory")
     s.add_argument("--generator", default="smollm2", help="'smollm2', 'none', or a local HF causal LM directory")
+    s.add_argument("--embed-compile", action="store_true",
+                   help="run the embedder through torch.compile with fixed bucket shapes")
     s.add_argument("--chunk-size", type=int, default=900, help="characters per chunk")
     s.add_argument("--chunk-overlap", type=int, default=0, help="characters shared by consecutive chunks")
     s.add_argument("--candidates", type=int, default=128, help="dense candidates N of dense-first hybrid")
@@ -131,7 +133,7 @@ def cmd_serve(a) -> int:
             chunking=ChunkingConfig(size=a.chunk_size, overlap=a.chunk_overlap),
             bm25=BM25Config(stem=a.stem),
             retrieval=RetrievalConfig(candidates=a.candidates, monitor_fraction=a.monitor_fraction),
-            embed=EmbedConfig(model=a.embedder),
+            embed=EmbedConfig(model=a.embedder, compile=a.embed_compile),
             generate=GenerateConfig(model=a.generator, context_tokens=a.context_tokens,
                                     default_max_new_tokens=a.max_new_tokens),
             ingest=IngestConfig(barriers=a.ingest_barriers, upsert_batch=a.upsert_batch),

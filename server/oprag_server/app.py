@@ -42,7 +42,7 @@ def load_models(cfg: ServerConfig) -> tuple[Any, Any | None]:
     from .models.generator import load_generator
 
     encoder = TransformersEncoder(cfg.embed.model, device=cfg.embed.device, batch_size=cfg.embed.batch_size,
-                                  max_tokens=cfg.embed.max_tokens)
+                                  max_tokens=cfg.embed.max_tokens, compile=cfg.embed.compile)
     encoder.warm_up()
     generator = load_generator(cfg.generate.model, device=cfg.generate.device)
     if generator is not None:

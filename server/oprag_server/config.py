@@ -73,6 +73,7 @@ class EmbedConfig:
     batch_size: int = 32
     max_tokens: int = 256
     device: str = "auto"
+    compile: bool = False  # torch.compile with fixed bucket shapes (CUDA graphs on GPU)
 
 
 @dataclass(frozen=True)

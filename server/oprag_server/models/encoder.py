@@ -84,11 +84,16 @@ class TransformersEncoder:
     :param max_tokens: longest accepted input in tokens, special tokens included. Default:
         ``max_seq_length`` from ``sentence_bert_config.json`` (256 for MiniLM) if present, else
         the model's ``max_position_embeddings``. Must not exceed the latter.
+    :param compile: run the forward through ``torch.compile`` with fixed shapes: every batch is
+        padded to ``batch_size`` rows and to a width from :attr:`BUCKETS` (plus CUDA graphs on
+        GPU via mode ``reduce-overhead``). Vectors are unchanged up to float rounding.
     :raises ValueError: bad model name/path, ``batch_size <= 0``, ``max_tokens`` out of range.
 
     Attributes: ``name`` (str), ``dim`` (int, 384 for MiniLM), ``max_tokens`` (int),
     ``device`` (str, resolved at warm-up), ``batch_size`` (int).
     """
+
+    BUCKETS = (32, 64, 128, 192, 256)  # token widths of the compiled (fixed-shape) path
 
     def __init__(
         self,
@@ -96,6 +101,7 @@ class TransformersEncoder:
         device: str = "auto",
         batch_size: int = 32,
         max_tokens: int | None = None,
+        compile: bool = False,
     ) -> None:
         if batch_size <= 0:
             raise ValueError(f"batch_size must be > 0, got {batch_size}")
@@ -118,6 +124,7 @@ class TransformersEncoder:
         if not 2 < max_tokens <= model_max:
             raise ValueError(f"max_tokens must be in (2, {model_max}], got {max_tokens}")
         self.max_tokens = int(max_tokens)
+        self.compile = bool(compile)
         self._lock = threading.Lock()
         self._model: Any = None
         self._tok: Any = None  # backend `tokenizers.Tokenizer`, no truncation / padding
@@ -163,6 +170,9 @@ class TransformersEncoder:
             self.dim = hidden
             self.device = device
             self._tok, self._tok_trunc = backend, trunc
+            if self.compile:
+                model = torch.compile(model, dynamic=False,
+                                      mode="reduce-overhead" if device.startswith("cuda") else None)
             self._model = model
 
     # ------------------------------------------------------------------ tokenization
@@ -284,9 +294,13 @@ class TransformersEncoder:
             for b in range(0, len(order), self.batch_size):
                 idx = order[b : b + self.batch_size]
                 width = len(ids[idx[0]])
-                padded += width * len(idx)
-                input_ids = torch.full((len(idx), width), self._pad_id, dtype=torch.long)
-                mask = torch.zeros((len(idx), width), dtype=torch.long)
+                rows = len(idx)
+                if self.compile:  # fixed shapes: one compiled graph per bucket width
+                    width = next(b for b in self.BUCKETS + (self.max_tokens,) if b >= width)
+                    rows = self.batch_size
+                padded += width * rows
+                input_ids = torch.full((rows, width), self._pad_id, dtype=torch.long)
+                mask = torch.zeros((rows, width), dtype=torch.long)
                 for r, i in enumerate(idx):
                     seq = ids[i]
                     input_ids[r, : len(seq)] = torch.tensor(seq, dtype=torch.long)
@@ -301,7 +315,7 @@ class TransformersEncoder:
                 summed = (hidden * m).sum(dim=1)
                 counts = m.sum(dim=1).clamp(min=1e-9)
                 pooled = torch.nn.functional.normalize(summed / counts, p=2, dim=1)
-                out[idx] = pooled.cpu().numpy().astype(np.float32, copy=False)
+                out[idx] = pooled[: len(idx)].cpu().numpy().astype(np.float32, copy=False)
         self.last_padded_tokens = padded  # batch slots computed (real + padding) in this call
         return out
 

