@@ -238,9 +238,19 @@ def run_oprag(docs: list, *, barriers: bool, per_stream: int, run_dir: Path, kee
 
 # ------------------------------------------------------------------------------ (c) LangChain
 
-class _TimedEmbeddings:
-    """Wraps a LangChain Embeddings object and times embed_documents (the user's code is unchanged)."""
+def _timed_embeddings(inner):
+    """A LangChain ``Embeddings`` that delegates to ``inner`` and times embed_documents (the
+    user's code is unchanged; it must subclass Embeddings or the FAISS store treats it as a
+    per-text function)."""
+    from langchain_core.embeddings import Embeddings
 
+    class _TimedEmbeddings(_TimedMixin, Embeddings):
+        pass
+
+    return _TimedEmbeddings(inner)
+
+
+class _TimedMixin:
     def __init__(self, inner) -> None:
         self.inner = inner
         self.seconds = 0.0
@@ -255,9 +265,6 @@ class _TimedEmbeddings:
 
     def embed_query(self, text):
         return self.inner.embed_query(text)
-
-    def __call__(self, text):  # very old FAISS wrappers call the function
-        return self.embed_query(text)
 
 
 def _lc_embeddings():
@@ -291,7 +298,7 @@ def run_langchain(docs: list, *, streaming: bool, batch_docs: int) -> dict:
     from langchain_community.vectorstores.utils import DistanceStrategy
 
     inner, src = _lc_embeddings()
-    emb = _TimedEmbeddings(inner)
+    emb = _timed_embeddings(inner)
     chunk_s = 0.0
     t0 = time.perf_counter()
     if not streaming:
@@ -410,8 +417,8 @@ def run_ray(docs: list, *, cpus: int) -> dict:
         t0 = time.perf_counter()
         ds = ray.data.from_items(items)
         ds = ds.map_batches(chunk_batch, batch_size=64, batch_format="numpy")
-        ds = ds.map_batches(Embed, fn_constructor_args=(path, cpus), batch_size=EMBED_BATCH, concurrency=1,
-                            num_cpus=1, batch_format="numpy")
+        ds = ds.map_batches(Embed, fn_constructor_args=(path, cpus), batch_size=EMBED_BATCH,
+                            compute=ray.data.ActorPoolStrategy(size=1), num_cpus=1, batch_format="numpy")
         for b in ds.iter_batches(batch_size=None, batch_format="numpy"):
             v = np.ascontiguousarray(np.asarray(b["vector"], dtype=np.float32))
             index.add(v)
@@ -439,10 +446,14 @@ def run_ray(docs: list, *, cpus: int) -> dict:
 
 # ------------------------------------------------------------------------------ (e) Dask
 
-def _dask_model(path: str):
-    from distributed import get_worker
+def _dask_model(path: str, dask_worker=None):
+    """The worker's (tokenizer, model), loaded once per worker process (``client.run`` passes
+    ``dask_worker``; inside a task ``get_worker()`` finds it)."""
+    if dask_worker is None:
+        from distributed import get_worker
 
-    w = get_worker()
+        dask_worker = get_worker()
+    w = dask_worker
     lock = w.__dict__.setdefault("_bench_lock", threading.Lock())
     with lock:
         m = getattr(w, "_bench_model", None)
@@ -450,6 +461,11 @@ def _dask_model(path: str):
             m = _hf_load(path, None)
             w._bench_model = m
     return m
+
+
+def _dask_warm(path: str, dask_worker=None) -> bool:
+    _dask_model(path, dask_worker)
+    return True
 
 
 def _dask_chunk_partition(part):
@@ -479,7 +495,7 @@ def run_dask(docs: list, *, cpus: int, partition_docs: int) -> dict:
                            silence_logs=40)
     client = Client(cluster)
     try:
-        client.run(_dask_model, path)  # warm the worker's model, as a long-running cluster would be
+        client.run(_dask_warm, path)  # warm the worker's model, as a long-running cluster would be
         init_s = time.perf_counter() - t_init
         items = [{"id": d.id, "title": d.title, "text": d.text} for d in docs]
         index = faiss.IndexFlatIP(HIDDEN)

@@ -8,6 +8,7 @@ import json
 import logging
 import signal
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from .engine.query import QueryEngine
 from .engine.rwlock import RWLock
 from .index.analyzer import Analyzer
 from .index.bm25 import CorpusStats
+from .index.wal import WriteAheadLog
 from .operators.memory import Memory
 from .operators.retrieve import Retriever
 from .service.metrics import Metrics
@@ -91,13 +93,22 @@ class Runtime:
         self._dirty = False
         self.embed_executor = ThreadPoolExecutor(1, thread_name_prefix="oprag-embed")
         self._bg: list[asyncio.Task] = []
+        self.commit_log: WriteAheadLog | None = None
+        self.replayed = 0
 
     def start_shards(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Spawn shard processes and wait until each has loaded its partition (blocking)."""
+        """Read the commit log, spawn shard processes and wait until each has loaded its
+        snapshot and replayed its committed write-ahead log records (blocking)."""
         _check_data_dir(self.cfg, self.encoder.dim, self.encoder.name)
-        ready = self.pool.start(loop)
+        self.commit_log = WriteAheadLog(self.cfg.data_dir / "commits.log")
+        logged = self.commit_log.open()
+        committed = {r["txn"] for r in logged}
+        ready = self.pool.start(loop, committed=committed)
         self.stats = CorpusStats.merge_full([r["lexical"] for r in ready])
-        self.seq = self.applied_seq = max([r["applied_seq"] for r in ready] + [0])
+        self.seq = self.applied_seq = max([r["applied_seq"] for r in ready] + [r["seq"] for r in logged] + [0])
+        self.replayed = sum(r.get("replayed", 0) for r in ready)
+        if self.replayed:
+            log.info("recovered %d write-ahead log records", self.replayed)
         self.metrics.shards_up.set(len(ready))
 
     async def start(self) -> None:
@@ -122,16 +133,13 @@ class Runtime:
         self.ingest = IngestPipeline(
             encoder=self.encoder,
             pool=self.pool,
-            stats=self.stats,
-            lock=self.lock,
+            commit=self.commit,
             chunking=self.cfg.chunking,
             cfg=self.cfg.ingest,
             limits=self.cfg.limits,
             embedder=self.embedder,
             metrics=self.metrics,
-            next_seq=self.next_seq,
             next_generation=self.next_generation,
-            on_commit=self._committed,
             embed_batch=self.cfg.embed.batch_size,
         )
         self.query.start()
@@ -186,19 +194,44 @@ class Runtime:
         self.metrics.chunks.set(sum(s["chunks"] for s in st))
         self.metrics.documents.set(sum(s["documents"] for s in st))
 
-    async def delete(self, doc_ids: list[str]) -> tuple[int, int, int]:
+    async def commit(self, txn: str, kind: str, doc_ids: list[str] | None = None) -> tuple[int, list[dict]]:
+        """Two-phase commit of a transaction on every shard, under the index write lock.
+
+        1. every shard writes the transaction to its write-ahead log (fsync) without applying;
+        2. the frontend appends ``(txn, seq)`` to its commit log (fsync): the commit point;
+        3. every shard applies it; the corpus-global BM25 statistics take the deltas.
+        A crash before 2 leaves no trace after recovery; after 2, recovery replays it.
+
+        :returns: the transaction's sequence number and the shards' apply replies.
+        :raises ShardError: a shard failed before the commit point (the transaction is aborted).
+        """
         async with self.lock.write():
             seq = self.next_seq()
-            replies = await self.pool.broadcast("delete", {"doc_ids": doc_ids, "seq": seq})
+            try:
+                await self.pool.broadcast("prepare", {"txn": txn, "seq": seq, "kind": kind, "doc_ids": doc_ids})
+            except Exception:
+                await asyncio.gather(*[c.call("abort", {"txn": txn}) for c in self.pool.clients if c.alive],
+                                     return_exceptions=True)
+                raise
+            if self.commit_log is not None:
+                await asyncio.get_running_loop().run_in_executor(None, self.commit_log.append, {"txn": txn, "seq": seq})
+            replies = await self.pool.broadcast("apply", {"txn": txn})
             for r in replies:
                 self.stats.apply_delta(*r["delta"])
             self._committed(seq)
         self.mark_dirty()
+        return seq, replies
+
+    async def delete(self, doc_ids: list[str]) -> tuple[int, int, int]:
+        seq, replies = await self.commit(uuid.uuid4().hex, "delete", doc_ids)
         return sum(r["docs"] for r in replies), sum(r["chunks"] for r in replies), seq
 
     async def snapshot(self) -> None:
-        async with self.lock.read():
+        """Snapshot every shard; then the commit log is no longer needed for recovery."""
+        async with self.lock.read():  # excludes commits; queries go on
             await self.pool.broadcast("snapshot", {})
+            if self.commit_log is not None:
+                self.commit_log.reset()
         self._dirty = False
 
     async def _snapshot_loop(self, interval_s: float = 30.0) -> None:
@@ -217,7 +250,11 @@ class Runtime:
         if hasattr(self, "query"):
             await self.query.stop()
             await self.embedder.stop()
-        await self.pool.shutdown(snapshot=True)
+        try:
+            await self.snapshot()
+        except Exception:  # noqa: BLE001 - the write-ahead logs still hold everything
+            log.exception("final snapshot failed")
+        await self.pool.shutdown(snapshot=False)
         self.embed_executor.shutdown(wait=False, cancel_futures=True)
 
 

@@ -36,7 +36,8 @@ class ServerProcess:
         self._ready = threading.Event()
         self.lines = []
         self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ}
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ},
+            start_new_session=True,  # its own process group: kill9() takes the shard processes too
         )
         threading.Thread(target=self._pump, daemon=True).start()
         if not self._ready.wait(timeout):
@@ -62,6 +63,12 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return self.proc.wait(10)
+
+    def kill9(self) -> None:
+        """SIGKILL the whole service (frontend and shard processes) at once."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

@@ -20,8 +20,8 @@ def encoder():
 
 def _pipeline(encoder, size=900):
     return IngestPipeline(
-        encoder=encoder, pool=None, stats=None, lock=None, chunking=ChunkingConfig(size=size), cfg=IngestConfig(),
-        limits=LimitsConfig(), embedder=None, metrics=Metrics(), next_seq=lambda: 1, next_generation=lambda: 1,
+        encoder=encoder, pool=None, commit=None, chunking=ChunkingConfig(size=size), cfg=IngestConfig(),
+        limits=LimitsConfig(), embedder=None, metrics=Metrics(), next_generation=lambda: 1,
     )
 
 

@@ -30,10 +30,8 @@ import numpy as np
 
 from .. import records
 from ..config import ChunkingConfig, IngestConfig, LimitsConfig
-from ..index.bm25 import CorpusStats
 from ..operators.chunking import chunk_text
 from ..shards.pool import ShardPool, route
-from .rwlock import RWLock
 
 _END = object()
 
@@ -103,29 +101,23 @@ class IngestPipeline:
         *,
         encoder: Any,
         pool: ShardPool,
-        stats: CorpusStats,
-        lock: RWLock,
+        commit,
         chunking: ChunkingConfig,
         cfg: IngestConfig,
         limits: LimitsConfig,
         embedder: Any,
         metrics: Any,
-        next_seq,
         next_generation,
-        on_commit=lambda seq: None,
         embed_batch: int = 32,
     ) -> None:
-        self.on_commit = on_commit
         self.encoder = encoder
         self.pool = pool
-        self.stats = stats
-        self.lock = lock
+        self.commit = commit  # async (txn, kind) -> (seq, per-shard replies): two-phase commit
         self.chunking = chunking
         self.cfg = cfg
         self.limits = limits
         self.embedder = embedder
         self.metrics = metrics
-        self.next_seq = next_seq
         self.next_generation = next_generation
         self.embed_batch = embed_batch
         self.streams = asyncio.Semaphore(cfg.max_concurrent_streams)
@@ -155,12 +147,7 @@ class IngestPipeline:
             pass
 
     async def _commit_all(self, txn: str, res: IngestResult) -> None:
-        async with self.lock.write():
-            seq = self.next_seq()
-            replies = await self.pool.broadcast("commit", {"txn": txn, "seq": seq})
-            for out in replies:
-                self.stats.apply_delta(*out["delta"])
-            self.on_commit(seq)
+        seq, replies = await self.commit(txn, "upsert")
         res.seq = seq
         res.documents_written = sum(len(o["docs"]) for o in replies)
         res.documents_replaced = sum(o["replaced_docs"] for o in replies)

@@ -102,7 +102,7 @@ class ShardPool:
         self.clients: list[_ShardClient] = []
         self.ready_stats: list[dict] = []
 
-    def start(self, loop: asyncio.AbstractEventLoop, timeout_s: float = 120.0) -> list[dict]:
+    def start(self, loop: asyncio.AbstractEventLoop, timeout_s: float = 120.0, committed: set[str] | None = None) -> list[dict]:
         """Spawn every shard and wait for READY. Blocking; call before serving.
 
         :returns: each shard's initial stats (see ``ShardState.stats``).
@@ -114,7 +114,7 @@ class ShardPool:
             parent, child = ctx.Pipe(duplex=True)
             p = ctx.Process(
                 target=worker.run,
-                args=(i, child, self.dim, str(self.data_dir) if self.data_dir else None, self.stem),
+                args=(i, child, self.dim, str(self.data_dir) if self.data_dir else None, self.stem, committed or set()),
                 name=f"oprag-shard-{i}",
                 daemon=True,
             )

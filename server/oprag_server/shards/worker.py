@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import time
 import traceback
@@ -26,6 +27,7 @@ from .. import records
 from ..index.analyzer import Analyzer
 from ..index.bm25 import PostingsIndex
 from ..index.dense import DenseIndex
+from ..index.wal import WriteAheadLog
 from ..operators.fusion import fuse_minmax, top_k_order
 
 FORMAT_VERSION = 1
@@ -89,6 +91,8 @@ class ShardState:
         self._full_cache: dict[str, list] = {}
         self.meta_index: dict[str, dict[str, set[int]]] = {}
         self.staged: dict[str, list[pa.Table]] = {}
+        self.prepared: dict[str, dict] = {}
+        self.wal: WriteAheadLog | None = None
         self._row_ids_cache: np.ndarray | None = None
         self.dirty = False
 
@@ -184,7 +188,8 @@ class ShardState:
         self.applied_seq = max(self.applied_seq, int(seq))
         self.dirty = True
         self._full_cache.clear()
-        return {"added": len(new_slots), "removed": removed, "replaced_docs": replaced, "delta": self.postings.drain_delta()}
+        return {"added": len(new_slots), "removed": removed, "replaced_docs": replaced,
+                "doc_ids": sorted(set(cols["doc_id"])), "delta": self.postings.drain_delta()}
 
     def _index_tokens(self, rec: ChunkRecord) -> list[str]:
         # The title is part of what BM25 sees for every chunk of the document.
@@ -196,19 +201,9 @@ class ShardState:
         self.staged.setdefault(txn, []).append(table)
         return {"staged": sum(t.num_rows for t in self.staged[txn])}
 
-    def commit(self, txn: str, seq: int) -> dict:
-        """Apply every batch staged under ``txn`` as one coalesced upsert (atomic with respect
-        to queries: the shard serves one request at a time). A shard with nothing staged still
-        advances ``applied_seq`` to ``seq``."""
-        tables = self.staged.pop(txn, [])
-        if not tables:
-            self.applied_seq = max(self.applied_seq, int(seq))
-            return {"added": 0, "removed": 0, "replaced_docs": 0, "docs": [], "delta": (0, 0, {})}
-        out = self.upsert(pa.concat_tables(tables), seq)
-        out["docs"] = sorted({d for t in tables for d in t.column("doc_id").to_pylist()})
-        return out
-
     def abort(self, txn: str) -> dict:
+        """Drop a transaction's staged batches, or its prepared record (never applied)."""
+        self.prepared.pop(txn, None)
         return {"dropped": sum(t.num_rows for t in self.staged.pop(txn, []))}
 
     def reusable_vectors(self, doc_ids: list[str]) -> dict[str, dict[str, np.ndarray]]:
@@ -470,10 +465,14 @@ class ShardState:
         return d
 
     def snapshot(self) -> dict:
-        """Write chunks (with vectors) and memory to ``data_dir/shard-N`` atomically."""
+        """Write chunks (with vectors) and memory into a new snapshot directory, switch the
+        ``CURRENT`` pointer to it atomically (temp file, fsync, rename), then drop older
+        snapshots and the write-ahead log records the snapshot now covers."""
         if self.data_dir is None:
             return {"written": False}
         d = self._dir()
+        snap = d / f"snap-{self.applied_seq:012d}-{time.time_ns()}"
+        snap.mkdir()
         slots = sorted(self.chunks)
         recs = [self.chunks[s] for s in slots]
         vecs = self.dense.vectors_of(np.asarray(slots, dtype=np.int64)) if slots else np.zeros((0, self.dim), np.float32)
@@ -488,7 +487,7 @@ class ShardState:
             content_hashes=[r.content_hash for r in recs],
             vectors=vecs,
         )
-        _fsync_write(d / "chunks.arrow", records.to_ipc(batch))
+        _fsync_write(snap / "chunks.arrow", records.to_ipc(batch))
         mem = [
             {
                 "session_id": r.session_id,
@@ -503,35 +502,45 @@ class ShardState:
             for v in self.memory.values()
             for r in v
         ]
-        _fsync_write(d / "memory.json", json.dumps(mem).encode())
-        meta = {"format_version": FORMAT_VERSION, "applied_seq": self.applied_seq, "dim": self.dim, "next_slot": self.next_slot}
-        _fsync_write(d / "meta.json", json.dumps(meta).encode())
+        _fsync_write(snap / "memory.json", json.dumps(mem).encode())
+        meta = {"format_version": FORMAT_VERSION, "applied_seq": self.applied_seq, "dim": self.dim,
+                "next_slot": self.next_slot, "chunks": len(recs)}
+        _fsync_write(snap / "meta.json", json.dumps(meta).encode())
+        _fsync_write(d / "CURRENT", snap.name.encode())
+        for old in d.glob("snap-*"):
+            if old.name != snap.name:
+                shutil.rmtree(old, ignore_errors=True)
+        if self.wal is not None:  # keep only records of transactions still in flight
+            self.wal.reset([r for r in self.wal if r["txn"] in self.prepared])
         self.dirty = False
         return {"written": True, "chunks": len(recs)}
 
-    def load(self) -> None:
-        """Load a snapshot written by :meth:`snapshot` if one exists.
+    def load(self, committed: set[str] | None = None) -> int:
+        """Load the current snapshot if any, then replay the write-ahead log: records of
+        committed transactions (``committed`` txn ids, from the frontend's commit log) with a
+        sequence number above the snapshot's are applied in order; others are ignored.
 
+        :returns: number of log records replayed.
         :raises RuntimeError: the snapshot's format version or vector width differ.
         """
         if self.data_dir is None:
-            return
-        d = self.data_dir / f"shard-{self.shard_id}"
-        if not (d / "meta.json").exists():
-            return
-        meta = json.loads((d / "meta.json").read_text())
-        if meta.get("format_version") != FORMAT_VERSION:
-            raise RuntimeError(f"{d}: snapshot format {meta.get('format_version')} != {FORMAT_VERSION}")
-        if meta.get("dim") != self.dim:
-            raise RuntimeError(f"{d}: vectors have width {meta.get('dim')}, the embedder produces {self.dim}")
-        table = records.from_ipc((d / "chunks.arrow").read_bytes())
-        if table.num_rows:
-            self.upsert(table, 0)
-            self.postings.drain_delta()
-        self.applied_seq = int(meta.get("applied_seq", 0))
-        self.next_slot = max(self.next_slot, int(meta.get("next_slot", 0)))
-        if (d / "memory.json").exists():
-            for m in json.loads((d / "memory.json").read_text()):
+            return 0
+        d = self._dir()
+        cur = d / "CURRENT"
+        if cur.exists():
+            snap = d / cur.read_text().strip()
+            meta = json.loads((snap / "meta.json").read_text())
+            if meta.get("format_version") != FORMAT_VERSION:
+                raise RuntimeError(f"{snap}: snapshot format {meta.get('format_version')} != {FORMAT_VERSION}")
+            if meta.get("dim") != self.dim:
+                raise RuntimeError(f"{snap}: vectors have width {meta.get('dim')}, the embedder produces {self.dim}")
+            table = records.from_ipc((snap / "chunks.arrow").read_bytes())
+            if table.num_rows:
+                self.upsert(table, 0)
+                self.postings.drain_delta()
+            self.applied_seq = int(meta.get("applied_seq", 0))
+            self.next_slot = max(self.next_slot, int(meta.get("next_slot", 0)))
+            for m in json.loads((snap / "memory.json").read_text()):
                 self.memory.setdefault(m["session_id"], []).append(
                     MemoryRecord(
                         session_id=m["session_id"],
@@ -544,7 +553,49 @@ class ShardState:
                         created=m["created"],
                     )
                 )
-        self.dirty = False
+        self.wal = WriteAheadLog(d / "wal.log")
+        replayed = 0
+        for rec in sorted(self.wal.open(), key=lambda r: r["seq"]):
+            if rec["seq"] <= self.applied_seq or committed is None or rec["txn"] not in committed:
+                continue
+            self._apply_record(rec)
+            replayed += 1
+        self.postings.drain_delta()
+        self.dirty = replayed > 0
+        return replayed
+
+    def _apply_record(self, rec: dict) -> dict:
+        if rec["kind"] == "upsert":
+            if rec["ipc"]:
+                out = self.upsert(records.from_ipc(rec["ipc"]), rec["seq"])
+                out["docs"] = sorted(set(out.pop("doc_ids", [])))
+                return out
+            self.applied_seq = max(self.applied_seq, int(rec["seq"]))
+            return {"added": 0, "removed": 0, "replaced_docs": 0, "docs": [], "delta": self.postings.drain_delta()}
+        out = self.delete(rec["doc_ids"], rec["seq"])
+        return out
+
+    # ------------------------------------------------------------------ two-phase commit
+    def prepare(self, txn: str, seq: int, kind: str, doc_ids: list[str] | None = None) -> dict:
+        """Phase 1: make a transaction durable in this shard's write-ahead log (fsync) without
+        applying it. ``kind`` is ``"upsert"`` (the batches staged under ``txn``) or
+        ``"delete"`` (``doc_ids``)."""
+        if kind == "upsert":
+            tables = self.staged.pop(txn, [])
+            ipc = records.to_ipc(pa.concat_tables(tables).combine_chunks().to_batches()[0]) if tables else b""
+            rec = {"txn": txn, "seq": int(seq), "kind": "upsert", "ipc": ipc}
+        elif kind == "delete":
+            rec = {"txn": txn, "seq": int(seq), "kind": "delete", "doc_ids": list(doc_ids or [])}
+        else:
+            raise ValueError(f"unknown transaction kind {kind!r}")
+        if self.wal is not None:
+            self.wal.append(rec)
+        self.prepared[txn] = rec
+        return {"prepared": True}
+
+    def apply(self, txn: str) -> dict:
+        """Phase 2 (after the frontend logged the commit): apply a prepared transaction."""
+        return self._apply_record(self.prepared.pop(txn))
 
     # ------------------------------------------------------------------ dispatch
     def handle(self, op: str, args: dict):
@@ -564,8 +615,10 @@ class ShardState:
             return self.delete(args["doc_ids"], args["seq"])
         if op == "stage":
             return self.stage(args["txn"], records.from_ipc(args["ipc"]))
-        if op == "commit":
-            return self.commit(args["txn"], args["seq"])
+        if op == "prepare":
+            return self.prepare(args["txn"], args["seq"], args["kind"], args.get("doc_ids"))
+        if op == "apply":
+            return self.apply(args["txn"])
         if op == "abort":
             return self.abort(args["txn"])
         if op == "reuse":
@@ -585,7 +638,7 @@ class ShardState:
         raise ValueError(f"unknown shard op {op!r}")
 
 
-def run(shard_id: int, conn, dim: int, data_dir: str | None, stem: bool) -> None:
+def run(shard_id: int, conn, dim: int, data_dir: str | None, stem: bool, committed: set[str] | None = None) -> None:
     """Process entry point: load the snapshot, report READY with stats, serve requests until
     ``shutdown`` (which snapshots first) or the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend decides when shards stop
@@ -597,8 +650,8 @@ def run(shard_id: int, conn, dim: int, data_dir: str | None, stem: bool) -> None
         pass
     try:
         state = ShardState(shard_id, dim, Path(data_dir) if data_dir else None, stem=stem)
-        state.load()
-        conn.send((0, True, {"ready": True, **state.stats()}))
+        replayed = state.load(committed)
+        conn.send((0, True, {"ready": True, "replayed": replayed, **state.stats()}))
     except Exception as exc:  # noqa: BLE001 - reported to the parent, then exit
         conn.send((0, False, f"{type(exc).__name__}: {exc}"))
         return

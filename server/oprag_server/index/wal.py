@@ -1,0 +1,100 @@
+"""Append-only write-ahead logs with checksummed records.
+
+Record framing: ``u32 length | u32 crc32(payload) | payload`` (little endian); the payload is a
+pickled dict. :meth:`WriteAheadLog.append` returns only after ``fsync``. Reading stops at the
+first torn or corrupt record (a crash mid-append) and :meth:`WriteAheadLog.open` truncates the
+file there, so a partial write never corrupts what was durable before it.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import struct
+import zlib
+from pathlib import Path
+from typing import Any, Iterator
+
+_HEAD = struct.Struct("<II")
+
+
+def read_records(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """All intact records of a log and the byte offset where the intact prefix ends."""
+    out: list[dict[str, Any]] = []
+    if not path.exists():
+        return out, 0
+    data = path.read_bytes()
+    pos = 0
+    while pos + _HEAD.size <= len(data):
+        n, crc = _HEAD.unpack_from(data, pos)
+        end = pos + _HEAD.size + n
+        if end > len(data):
+            break
+        payload = data[pos + _HEAD.size : end]
+        if zlib.crc32(payload) != crc:
+            break
+        try:
+            out.append(pickle.loads(payload))
+        except Exception:  # noqa: BLE001 - a corrupt record ends the intact prefix
+            break
+        pos = end
+    return out, pos
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class WriteAheadLog:
+    """One append-only log file. Not thread-safe (each owner appends from one thread)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._f = None
+
+    def open(self) -> list[dict[str, Any]]:
+        """Open for appending; drop a torn tail. :returns: the intact records."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        records, good = read_records(self.path)
+        if self.path.exists() and self.path.stat().st_size != good:
+            with open(self.path, "r+b") as f:
+                f.truncate(good)
+                f.flush()
+                os.fsync(f.fileno())
+        self._f = open(self.path, "ab")
+        _fsync_dir(self.path.parent)
+        return records
+
+    def append(self, record: dict[str, Any]) -> None:
+        """Append one record durably (written and fsync'ed before returning)."""
+        payload = pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL)
+        self._f.write(_HEAD.pack(len(payload), zlib.crc32(payload)) + payload)
+        self._f.flush()
+        os.fsync(self._f.fileno())
+
+    def reset(self, keep: list[dict[str, Any]] | None = None) -> None:
+        """Atomically replace the log with ``keep`` (default: empty): temp file, fsync, rename."""
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            for r in keep or []:
+                payload = pickle.dumps(r, protocol=pickle.HIGHEST_PROTOCOL)
+                f.write(_HEAD.pack(len(payload), zlib.crc32(payload)) + payload)
+            f.flush()
+            os.fsync(f.fileno())
+        if self._f is not None:
+            self._f.close()
+        os.replace(tmp, self.path)
+        _fsync_dir(self.path.parent)
+        self._f = open(self.path, "ab")
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return iter(read_records(self.path)[0])
