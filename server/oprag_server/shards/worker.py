@@ -527,8 +527,8 @@ class ShardState:
             return 0
         d = self._dir()
         cur = d / "CURRENT"
-        if cur.exists():
-            snap = d / cur.read_text().strip()
+        snap = d / cur.read_text().strip() if cur.exists() else (d if (d / "meta.json").exists() else None)
+        if snap is not None:  # (a snapshot written directly into the shard directory: first layout)
             meta = json.loads((snap / "meta.json").read_text())
             if meta.get("format_version") != FORMAT_VERSION:
                 raise RuntimeError(f"{snap}: snapshot format {meta.get('format_version')} != {FORMAT_VERSION}")
