@@ -201,7 +201,7 @@ def closed_loop(call, questions: list[str], conc: int, *, duration: float, reque
                         if st["warm_done"] >= warm_n:
                             st["t0"] = e
                             win_start.set()
-                    elif not win_end.is_set() and e >= st["t0"]:
+                    elif not win_end.is_set() and e > st["t0"]:
                         st["win_done"] += 1
                         if st["win_done"] >= requests:
                             st["t1"] = e
@@ -248,7 +248,7 @@ def closed_loop(call, questions: list[str], conc: int, *, duration: float, reque
         th.join(level_timeout)
     hung = sum(th.is_alive() for th in threads)
     t0, t1 = st["t0"], st["t1"]
-    win = [r for r in recs if t0 <= r[1] <= t1]
+    win = [r for r in recs if t0 < r[1] <= t1]
     ok = [r for r in win if r[2]]
     lat = [(r[1] - r[0]) * 1000 for r in ok]
     ttft = [r[4] for r in ok if r[4]]
@@ -486,13 +486,23 @@ def run_overload(a, data_dir: Path, log_path: Path, questions, sustainable_rps: 
     cap = a.overload_queue_capacity or 2 * a.max_batch
     extra = server_args(a, ["--queue-capacity", str(cap)])
     rate = max(0.5, a.overload_factor * sustainable_rps)
+    floor = a.overload_min_requests / a.overload_duration if a.overload_min_requests else 0.0
+    if rate < floor:
+        log(f"overload: {a.overload_factor:g} x {sustainable_rps:.2f} req/s = {rate:.2f} req/s would send fewer than "
+            f"{a.overload_min_requests} requests in {a.overload_duration:g} s: offering {floor:.2f} req/s")
+        rate = floor
     srv = Server(data_dir, *extra, log_path=log_path)
     srv.start()
     log(f"overload: server up ({' '.join(extra)}); open loop {rate:.2f} req/s for {a.overload_duration:.0f} s")
     try:
-        with OpRAGClient(srv.target) as c:  # warm-up: a couple of full batches
-            closed_loop(grpc_call(c, a.max_new_tokens, a.rpc_timeout), questions, min(a.max_batch, cap), duration=0,
-                        requests=min(a.max_batch, cap), warmup_s=0)
+        with OpRAGClient(srv.target) as c:  # warm-up: one full batch
+            from concurrent.futures import ThreadPoolExecutor
+
+            call = grpc_call(c, a.max_new_tokens, a.rpc_timeout)
+            n = min(a.max_batch, cap)
+            with ThreadPoolExecutor(n) as ex:
+                warm = list(ex.map(call, questions[:n]))
+            log(f"overload: warm-up {sum(w[0] for w in warm)}/{n} OK")
         time.sleep(1.0)
         rss_before = rss_of(srv.proc.pid)
         m0 = scrape(srv.metrics_port)
@@ -526,6 +536,7 @@ def run_overload(a, data_dir: Path, log_path: Path, questions, sustainable_rps: 
         "server_args": extra,
         "queue_capacity": cap,
         "sustainable_rps": r3(sustainable_rps),
+        "offered_factor": r3(rate / sustainable_rps) if sustainable_rps else None,
         "offered_rps": r3(rate),
         "sent": r["sent"],
         "send_s": r3(r["send_s"]),
@@ -583,6 +594,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--overload-duration", type=float, default=20.0)
     ap.add_argument("--overload-deadline", type=float, default=30.0)
     ap.add_argument("--overload-queue-capacity", type=int, default=0, help="default 2 x --max-batch")
+    ap.add_argument("--overload-min-requests", type=int, default=0,
+                    help="raise the offered rate so that at least this many requests are sent (--quick: 3 x queue capacity)")
     ap.add_argument("--quick", action="store_true", help="300 docs, concurrency 1,4, 8 requests per level, 5 s overload")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON here (default bench/out/serving[-quick].json)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
@@ -592,6 +605,7 @@ def main(argv: list[str] | None = None) -> int:
         a.concurrency = "1,4" if a.concurrency == "1,8,32" else a.concurrency
         a.requests = a.requests or 8
         a.overload_duration = 5.0 if a.overload_duration == 20.0 else a.overload_duration
+        a.overload_min_requests = a.overload_min_requests or 3 * (a.overload_queue_capacity or 2 * a.max_batch)
     levels = [int(x) for x in a.concurrency.split(",") if x.strip()]
     systems = [s.strip() for s in a.systems.split(",") if s.strip()]
     for s in systems:

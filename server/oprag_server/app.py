@@ -194,6 +194,15 @@ class Runtime:
         self.metrics.chunks.set(sum(s["chunks"] for s in st))
         self.metrics.documents.set(sum(s["documents"] for s in st))
 
+    async def restart_shard(self, i: int) -> None:
+        """Respawn shard ``i`` and re-sum the corpus-global BM25 statistics."""
+        loop = asyncio.get_running_loop()
+        committed = {r["txn"] for r in self.commit_log} if self.commit_log is not None else set()
+        await loop.run_in_executor(None, self.pool.restart, i, loop, committed)
+        async with self.lock.write():
+            st = await self.pool.broadcast("stats", {})
+            self.stats.replace_with(CorpusStats.merge_full([s["lexical"] for s in st]))
+
     async def commit(self, txn: str, kind: str, doc_ids: list[str] | None = None) -> tuple[int, list[dict]]:
         """Two-phase commit of a transaction on every shard, under the index write lock.
 
@@ -298,13 +307,26 @@ async def serve(cfg: ServerConfig, *, encoder: Any = None, generator: Any = None
             pass
 
     async def watch_shards() -> None:
+        """Shard supervision: a dead shard turns health NOT_SERVING, is restarted (it reloads
+        its snapshot and replays its committed log), then the corpus statistics are re-summed."""
         while not stop.is_set():
-            up = sum(1 for c in rt.pool.clients if c.alive and c.proc.is_alive())
-            rt.metrics.shards_up.set(up)
-            status = health_pb2.HealthCheckResponse.SERVING if up == rt.pool.n else health_pb2.HealthCheckResponse.NOT_SERVING
+            dead = [c.shard_id for c in rt.pool.clients if not (c.alive and c.proc.is_alive())]
+            rt.metrics.shards_up.set(rt.pool.n - len(dead))
+            status = health_pb2.HealthCheckResponse.NOT_SERVING if dead else health_pb2.HealthCheckResponse.SERVING
             for name in ("", SERVICE_NAME):
                 await health_servicer.set(name, status)
-            await asyncio.sleep(1.0)
+            for i in dead:
+                log.error("shard %d is down; restarting it", i)
+                t = time.perf_counter()
+                try:
+                    await rt.restart_shard(i)
+                except Exception:  # noqa: BLE001 - try again on the next round
+                    log.exception("restart of shard %d failed", i)
+                    continue
+                rt.metrics.shard_restarts.inc()
+                rt.metrics.stage_seconds.labels(stage="shard_recovery").observe(time.perf_counter() - t)
+                log.info("shard %d is back after %.1f s", i, time.perf_counter() - t)
+            await asyncio.sleep(0.25)
 
     watcher = asyncio.create_task(watch_shards())
     log.info("serving on %s:%d (metrics :%d) with %d shards, %d chunks, ready in %.1f s",

@@ -44,6 +44,11 @@ class InProcessPool:
         per = args if isinstance(args, list) else [args] * self.n
         return [s.handle(op, a) for s, a in zip(self.shards, per)]
 
+    async def gather_partial(self, op: str, args, shards=None):
+        targets = list(range(self.n)) if shards is None else shards
+        per = args if isinstance(args, list) else [args] * len(targets)
+        return {t: self.shards[t].handle(op, a) for t, a in zip(targets, per)}, []
+
 
 def _corpus(rng: np.random.Generator, n_docs: int):
     docs = []

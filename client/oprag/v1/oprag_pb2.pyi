@@ -212,7 +212,7 @@ class QueryEvent(_message.Message):
     def __init__(self, sources: _Optional[_Union[SourcesEvent, _Mapping]] = ..., text: _Optional[str] = ..., done: _Optional[_Union[DoneEvent, _Mapping]] = ...) -> None: ...
 
 class RetrievalInfo(_message.Message):
-    __slots__ = ("mode", "fusion", "dense_weight", "lexical_weight", "rrf_k", "candidates", "chunks_searched")
+    __slots__ = ("mode", "fusion", "dense_weight", "lexical_weight", "rrf_k", "candidates", "chunks_searched", "partial", "missing_shards")
     MODE_FIELD_NUMBER: _ClassVar[int]
     FUSION_FIELD_NUMBER: _ClassVar[int]
     DENSE_WEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -220,6 +220,8 @@ class RetrievalInfo(_message.Message):
     RRF_K_FIELD_NUMBER: _ClassVar[int]
     CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_SEARCHED_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    MISSING_SHARDS_FIELD_NUMBER: _ClassVar[int]
     mode: str
     fusion: str
     dense_weight: float
@@ -227,7 +229,9 @@ class RetrievalInfo(_message.Message):
     rrf_k: int
     candidates: int
     chunks_searched: int
-    def __init__(self, mode: _Optional[str] = ..., fusion: _Optional[str] = ..., dense_weight: _Optional[float] = ..., lexical_weight: _Optional[float] = ..., rrf_k: _Optional[int] = ..., candidates: _Optional[int] = ..., chunks_searched: _Optional[int] = ...) -> None: ...
+    partial: bool
+    missing_shards: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, mode: _Optional[str] = ..., fusion: _Optional[str] = ..., dense_weight: _Optional[float] = ..., lexical_weight: _Optional[float] = ..., rrf_k: _Optional[int] = ..., candidates: _Optional[int] = ..., chunks_searched: _Optional[int] = ..., partial: _Optional[bool] = ..., missing_shards: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Hit(_message.Message):
     __slots__ = ("chunk_id", "doc_id", "title", "text", "score", "dense_score", "lexical_score", "shard", "metadata", "dense_rank", "lexical_rank")

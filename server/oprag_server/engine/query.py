@@ -383,21 +383,22 @@ class QueryEngine:
 
     async def _promote(self, jobs: list[QueryJob]) -> None:
         todo = [j for j in jobs if j.session_id and j.use_memory and not j.cancelled and j.vector is not None]
-        await asyncio.gather(
+        outs = await asyncio.gather(
             *[
                 self.memory.promote(
                     j.session_id, j.question, j.answer, [h.chunk_id for h in j.hits], [h.title for h in j.hits], j.vector
                 )
                 for j in todo
-            ]
+            ],
+            return_exceptions=True,
         )
+        for o in outs:  # memory promotion is best effort: a down shard must not fail the answer
+            if isinstance(o, Exception):
+                log.warning("memory promotion failed: %s", o)
 
     async def _promote_retrieval_only(self, j: QueryJob) -> None:
         if not j.generate:
-            try:
-                await self._promote([j])
-            except Exception:  # noqa: BLE001 - memory is best effort for Retrieve
-                log.exception("memory promotion failed")
+            await self._promote([j])
 
     # ------------------------------------------------------------------ completion
     def _finish(self, j: QueryJob) -> None:

@@ -206,6 +206,12 @@ class CorpusStats:
                 df[t] = df.get(t, 0) + int(v)
         return cls(n, tl, df)
 
+    def replace_with(self, other: "CorpusStats") -> None:
+        """Take ``other``'s totals in place (holders of this object see the new state)."""
+        self.n_docs, self.total_len, self.df = other.n_docs, other.total_len, dict(other.df)
+        self.version += 1
+        self._avg_cache = None
+
     def apply_delta(self, n_delta: int, len_delta: int, df_delta: dict[str, int]) -> None:
         """Add a shard's change set (from :meth:`PostingsIndex.drain_delta`).
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import MemoryConfig
-from ..shards.pool import ShardPool, route
+from ..shards.pool import ShardError, ShardPool, route
 
 # Words that make a question depend on an earlier turn (anaphora, demonstratives).
 _FOLLOW_UP = frozenset(
@@ -70,7 +70,7 @@ class Memory:
         if not by_shard:
             return out
         shards = sorted(by_shard)
-        replies = await asyncio.gather(
+        outs = await asyncio.gather(
             *[
                 self.pool.call(
                     s,
@@ -83,9 +83,14 @@ class Memory:
                     },
                 )
                 for s in shards
-            ]
+            ],
+            return_exceptions=True,
         )
-        for s, rep in zip(shards, replies):
+        for s, rep in zip(shards, outs):
+            if isinstance(rep, BaseException):  # the session's shard is down: answer without memory
+                if not isinstance(rep, ShardError):
+                    raise rep
+                continue
             for i, turns in zip(by_shard[s], rep):
                 if not turns:
                     continue

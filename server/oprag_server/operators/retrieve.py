@@ -85,6 +85,7 @@ class RetrievalInfo:
     rrf_k: int
     candidates: int
     chunks_searched: int = 0
+    missing_shards: list[int] = field(default_factory=list)  # non-empty = partial result
 
 
 @dataclass
@@ -207,25 +208,29 @@ class Retriever:
                       "filters": [list(specs[i].filters) for i in idx] if any(specs[i].filters for i in idx) else None}
             gspecs = [specs[i] for i in idx]
             if mode == "full_hybrid":
-                merged, searched, dt = await (self._full_rrf(common, gspecs) if fusion == "rrf"
-                                              else self._full_minmax(common, gspecs))
+                merged, searched, dt, missing = await (self._full_rrf(common, gspecs) if fusion == "rrf"
+                                                       else self._full_minmax(common, gspecs))
             else:
                 n = max(sp.candidates if mode == "hybrid" else sp.top_k for sp in gspecs)
-                replies = await self.pool.broadcast("search", {**common, "mode": mode, "n": n})
+                replies, missing = await self.pool.gather_partial("search", {**common, "mode": mode, "n": n})
                 t = time.perf_counter()
                 merged = [self._merge(replies, j, sp) for j, sp in enumerate(gspecs)]
-                searched = [sum(rep[j]["n"] for rep in replies) for j in range(len(idx))]
+                searched = [sum(rep[j]["n"] for rep in replies.values()) for j in range(len(idx))]
                 dt = time.perf_counter() - t
             rerank += dt
             for j, i in enumerate(idx):
                 results[i] = merged[j]
                 infos[i].chunks_searched = searched[j]
-        hits = await self._materialise(results)
+                infos[i].missing_shards = sorted(missing)
+        hits, lost = await self._materialise(results)
+        for i, lost_i in enumerate(lost):
+            if lost_i:
+                infos[i].missing_shards = sorted(set(infos[i].missing_shards) | lost_i)
         total = time.perf_counter() - t_start
         return hits, {"retrieve": total - rerank, "rerank": rerank}, infos
 
-    def _merge(self, replies: list[list[dict]], j: int, spec: RetrieveSpec) -> list[_Cand]:
-        cands = [c for shard, rep in enumerate(replies) for c in _cands(rep[j], shard)]
+    def _merge(self, replies: dict[int, list[dict]], j: int, spec: RetrieveSpec) -> list[_Cand]:
+        cands = [c for shard, rep in replies.items() for c in _cands(rep[j], shard)]
         if spec.mode == "hybrid":  # dense-first: global dense top-N, BM25 of those, fused
             window = _ranked(cands, "dense", spec.candidates)
             return _fuse(list(window), window, _ranked(window, "lexical", spec.candidates, True), spec)
@@ -240,18 +245,18 @@ class Retriever:
             c.dense_rank, c.lexical_rank = dr.get(c.chunk_id, 0), lr.get(c.chunk_id, 0)
         return top
 
-    def _global_lists(self, replies: list[list[dict]], j: int, n: int) -> tuple[list[_Cand], list[_Cand]]:
-        dense = [c for s, rep in enumerate(replies) for c in _cands(rep[j]["dense_list"], s)]
-        lex = [c for s, rep in enumerate(replies) for c in _cands(rep[j]["lexical_list"], s)]
+    def _global_lists(self, replies: dict[int, list[dict]], j: int, n: int) -> tuple[list[_Cand], list[_Cand]]:
+        dense = [c for s, rep in replies.items() for c in _cands(rep[j]["dense_list"], s)]
+        lex = [c for s, rep in replies.items() for c in _cands(rep[j]["lexical_list"], s)]
         return _ranked(dense, "dense", n), _ranked(lex, "lexical", n, True)
 
     async def _full_minmax(self, common: dict, specs: list[RetrieveSpec]):
         token = f"full-{next(self._tokens)}"
-        r1 = await self.pool.broadcast("full1", {**common, "token": token})
+        r1, missing = await self.pool.gather_partial("full1", {**common, "token": token})
         t = time.perf_counter()
         dranges, lranges, searched = [], [], []
         for j in range(len(specs)):
-            parts = [rep[j] for rep in r1 if rep[j]["n"] > 0]
+            parts = [rep[j] for rep in r1.values() if rep[j]["n"] > 0]
             searched.append(sum(p["n"] for p in parts))
             if not parts:
                 dranges.append((0.0, 0.0))
@@ -260,17 +265,18 @@ class Retriever:
             dranges.append((min(p["dmin"] for p in parts), max(p["dmax"] for p in parts)))
             lranges.append((min(p["lmin"] for p in parts), max(p["lmax"] for p in parts)))
         dt = time.perf_counter() - t
-        r2 = await self.pool.broadcast(
+        r2, missing2 = await self.pool.gather_partial(
             "full2",
             {"token": token, "dense_range": dranges, "lexical_range": lranges,
              "k": max(s.top_k for s in specs), "n": max(s.candidates for s in specs),
              "dense_weight": [s.dense_weight for s in specs], "lexical_weight": [s.lexical_weight for s in specs]},
+            shards=sorted(r1),
         )
         t = time.perf_counter()
         out = []
         for j, spec in enumerate(specs):
             cands = []
-            for shard, rep in enumerate(r2):
+            for shard, rep in r2.items():
                 for c, f in zip(_cands(rep[j], shard), rep[j]["fused"].tolist()):
                     c.score = f
                     cands.append(c)
@@ -281,38 +287,43 @@ class Retriever:
             for c in top:
                 c.dense_rank, c.lexical_rank = dr.get(c.chunk_id, 0), lr.get(c.chunk_id, 0)
             out.append(top)
-        return out, searched, dt + time.perf_counter() - t
+        return out, searched, dt + time.perf_counter() - t, missing + missing2
 
     async def _full_rrf(self, common: dict, specs: list[RetrieveSpec]):
         n = max(s.candidates for s in specs)
-        replies = await self.pool.broadcast("full_lists", {**common, "n": n})
+        replies, missing = await self.pool.gather_partial("full_lists", {**common, "n": n})
         t = time.perf_counter()
         out, searched = [], []
         for j, spec in enumerate(specs):
-            searched.append(sum(rep[j]["n"] for rep in replies))
+            searched.append(sum(rep[j]["n"] for rep in replies.values()))
             dl, ll = self._global_lists(replies, j, spec.candidates)
             pool = list(_dedupe(dl + ll).values())
             out.append(_fuse(pool, dl, ll, spec))
-        return out, searched, time.perf_counter() - t
+        return out, searched, time.perf_counter() - t, missing
 
-    async def _materialise(self, results: list[list[_Cand]]) -> list[list[Hit]]:
+    async def _materialise(self, results: list[list[_Cand]]) -> tuple[list[list[Hit]], list[set[int]]]:
+        """Fetch the stored fields of every hit (one call per shard). :returns: hits and, per
+        query, the shards whose hits could not be fetched (they died meanwhile)."""
         want: dict[int, list[int]] = {}
         for cands in results:
             for c in cands:
                 want.setdefault(c.shard, []).append(c.slot)
         fetched: dict[tuple[int, int], dict | None] = {}
+        failed: list[int] = []
         if want:
             shards = sorted(want)
-            replies = await asyncio.gather(*[self.pool.call(s, "fetch", {"slots": want[s]}) for s in shards])
-            for s, rep in zip(shards, replies):
+            got, failed = await self.pool.gather_partial("fetch", [{"slots": want[s]} for s in shards], shards=shards)
+            for s, rep in got.items():
                 for slot, rec in zip(want[s], rep):
                     fetched[(s, slot)] = rec
-        out = []
+        out, lost = [], []
         for cands in results:
-            hits = []
+            hits, gone = [], set()
             for c in cands:
                 rec = fetched.get((c.shard, c.slot))
                 if rec is None:
+                    if c.shard in failed:
+                        gone.add(c.shard)
                     continue
                 hits.append(
                     Hit(
@@ -330,4 +341,5 @@ class Retriever:
                     )
                 )
             out.append(hits)
-        return out
+            lost.append(gone)
+        return out, lost

@@ -64,6 +64,8 @@ class Metrics:
         self.chunks = Gauge("oprag_chunks", "Live chunks in the index", registry=r)
         self.documents = Gauge("oprag_documents", "Live documents in the index", registry=r)
         self.shards_up = Gauge("oprag_shards_up", "Shard processes alive", registry=r)
+        self.shard_restarts = Counter("oprag_shard_restarts_total", "Shard processes restarted after dying",
+                                      registry=r)
         self.pruning_recall = Histogram(
             "oprag_pruning_recall",
             "Recall@k of sampled dense-first (hybrid) queries against exact (full_hybrid) mode, re-run off the request path",

@@ -17,6 +17,7 @@ from oprag.v1 import oprag_pb2, oprag_pb2_grpc
 from ..engine.ingest import IngestError
 from ..engine.query import Overloaded, QueryJob
 from ..operators.retrieve import MODES, RetrieveSpec
+from ..shards.pool import ShardError
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,9 @@ def _observed(method: str):
             except asyncio.CancelledError:
                 code = grpc.StatusCode.CANCELLED
                 raise
+            except ShardError as exc:
+                code = grpc.StatusCode.UNAVAILABLE
+                await context.abort(code, f"a shard is unavailable (it is being restarted); retry: {exc}")
             except Exception as exc:  # noqa: BLE001
                 code = grpc.StatusCode.INTERNAL
                 log.exception("%s failed", method)
@@ -97,6 +101,9 @@ def _observed_stream(method: str):
             except asyncio.CancelledError:
                 code = grpc.StatusCode.CANCELLED
                 raise
+            except ShardError as exc:
+                code = grpc.StatusCode.UNAVAILABLE
+                await context.abort(code, f"a shard is unavailable (it is being restarted); retry: {exc}")
             except Exception as exc:  # noqa: BLE001
                 code = grpc.StatusCode.INTERNAL
                 log.exception("%s failed", method)
@@ -214,6 +221,7 @@ class OpRAGServicer(oprag_pb2_grpc.OpRAGServicer):
         return oprag_pb2.RetrievalInfo(
             mode=i.mode, fusion=i.fusion, dense_weight=i.dense_weight, lexical_weight=i.lexical_weight,
             rrf_k=i.rrf_k, candidates=i.candidates, chunks_searched=i.chunks_searched,
+            partial=bool(i.missing_shards), missing_shards=i.missing_shards,
         )
 
     @staticmethod
@@ -356,7 +364,8 @@ class OpRAGServicer(oprag_pb2_grpc.OpRAGServicer):
 
     @_observed("Stats")
     async def Stats(self, request, context):
-        shards = await self.rt.pool.broadcast("stats", {})
+        got, _ = await self.rt.pool.gather_partial("stats", {})
+        shards = [got[k] for k in sorted(got)]
         return oprag_pb2.StatsResponse(
             documents=sum(s["documents"] for s in shards),
             chunks=sum(s["chunks"] for s in shards),

@@ -108,30 +108,74 @@ class ShardPool:
         :returns: each shard's initial stats (see ``ShardState.stats``).
         :raises ShardError: a shard failed to load or did not report READY in time.
         """
-        ctx = mp.get_context("spawn")
-        procs = []
-        for i in range(self.n):
-            parent, child = ctx.Pipe(duplex=True)
-            p = ctx.Process(
-                target=worker.run,
-                args=(i, child, self.dim, str(self.data_dir) if self.data_dir else None, self.stem, committed or set()),
-                name=f"oprag-shard-{i}",
-                daemon=True,
-            )
-            p.start()
-            child.close()
-            procs.append((p, parent))
+        procs = [self._spawn(i, committed) for i in range(self.n)]
         stats = []
         for i, (p, parent) in enumerate(procs):
-            if not parent.poll(timeout_s):
-                raise ShardError(f"shard {i} did not report READY within {timeout_s:.0f} s")
-            _, ok, res = parent.recv()
-            if not ok:
-                raise ShardError(f"shard {i} failed to start: {res}")
-            stats.append(res)
+            stats.append(self._await_ready(i, p, parent, timeout_s))
             self.clients.append(_ShardClient(i, p, parent, loop))
         self.ready_stats = stats
         return stats
+
+    def _spawn(self, i: int, committed: set[str] | None):
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe(duplex=True)
+        p = ctx.Process(
+            target=worker.run,
+            args=(i, child, self.dim, str(self.data_dir) if self.data_dir else None, self.stem, committed or set()),
+            name=f"oprag-shard-{i}",
+            daemon=True,
+        )
+        p.start()
+        child.close()
+        return p, parent
+
+    @staticmethod
+    def _await_ready(i: int, p, parent, timeout_s: float) -> dict:
+        if not parent.poll(timeout_s):
+            p.kill()
+            raise ShardError(f"shard {i} did not report READY within {timeout_s:.0f} s")
+        try:
+            _, ok, res = parent.recv()
+        except (EOFError, OSError) as exc:
+            raise ShardError(f"shard {i} exited while starting: {exc}") from exc
+        if not ok:
+            raise ShardError(f"shard {i} failed to start: {res}")
+        return res
+
+    def restart(self, i: int, loop: asyncio.AbstractEventLoop, committed: set[str] | None,
+                timeout_s: float = 120.0) -> dict:
+        """Replace a dead shard process by a new one that reloads its snapshot and replays its
+        committed write-ahead log (blocking; run it in an executor). :returns: READY stats."""
+        old = self.clients[i]
+        old.alive = False
+        if old.proc.is_alive():
+            old.proc.kill()
+        old.proc.join(timeout=5)
+        p, parent = self._spawn(i, committed)
+        res = self._await_ready(i, p, parent, timeout_s)
+        self.clients[i] = _ShardClient(i, p, parent, loop)
+        return res
+
+    def alive_shards(self) -> list[int]:
+        return [c.shard_id for c in self.clients if c.alive and c.proc.is_alive()]
+
+    async def gather_partial(self, op: str, args: dict | list[dict],
+                             shards: list[int] | None = None) -> tuple[dict[int, Any], list[int]]:
+        """Like :meth:`broadcast` but tolerant: :returns: ``({shard: reply}, missing shards)``
+        where a shard that is down or fails is missing instead of failing the call."""
+        targets = list(range(self.n)) if shards is None else shards
+        per = args if isinstance(args, list) else [args] * len(targets)
+        outs = await asyncio.gather(*[self.clients[s].call(op, a) for s, a in zip(targets, per)],
+                                    return_exceptions=True)
+        got, missing = {}, []
+        for s, o in zip(targets, outs):
+            if isinstance(o, BaseException):
+                if not isinstance(o, ShardError):
+                    raise o
+                missing.append(s)
+            else:
+                got[s] = o
+        return got, missing
 
     async def call(self, shard: int, op: str, args: dict) -> Any:
         return await self.clients[shard].call(op, args)

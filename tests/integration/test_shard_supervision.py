@@ -1,0 +1,58 @@
+"""A shard process that dies is detected and restarted; meanwhile results are complete or
+explicitly partial, never silently incomplete."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+from server_proc import ServerProcess, free_port
+
+from oprag_client.client import Doc, OpRAGClient
+
+pytestmark = pytest.mark.integration
+
+
+def _shard_pids(server_pid: int) -> list[int]:
+    kids = psutil.Process(server_pid).children()
+    return [p.pid for p in kids if "spawn_main" in " ".join(p.cmdline()) and "resource_tracker" not in " ".join(p.cmdline())]
+
+
+def test_killed_shard_is_restarted_and_partial_results_are_flagged(tmp_path):
+    srv = ServerProcess(tmp_path, free_port(), free_port(), "--generator", "none", "--shards", "2").start()
+    try:
+        with OpRAGClient(srv.target, timeout=30) as c:
+            r = c.ingest([Doc(f"doc{i}", f"Tide tables for harbour {i} list high water times.") for i in range(20)])
+            before = c.stats()
+            pids = _shard_pids(srv.proc.pid)
+            assert len(pids) == 2
+            os.kill(pids[0], signal.SIGKILL)
+            saw_partial = saw_not_serving = False
+            deadline = time.time() + 60
+            while time.time() < deadline:
+                try:
+                    res = c.retrieve("harbour high water", mode="dense", top_k=20, min_seq=r.seq)
+                except Exception as exc:  # noqa: BLE001 - only explicit statuses are acceptable
+                    assert "UNAVAILABLE" in str(exc), exc
+                    continue
+                if res.retrieval.partial:
+                    saw_partial = True
+                    assert list(res.retrieval.missing_shards) and len(res.hits) < 20
+                else:
+                    assert len(res.hits) == 20, "an incomplete result without the partial flag"
+                status = c.health()
+                saw_not_serving |= status == "NOT_SERVING"
+                if status == "SERVING" and not res.retrieval.partial and len(_shard_pids(srv.proc.pid)) == 2 \
+                        and saw_not_serving:
+                    break
+                time.sleep(0.05)
+            assert saw_not_serving, "health never reported the dead shard"
+            assert c.health() == "SERVING"
+            after = c.stats()
+            assert (after.documents, after.chunks) == (before.documents, before.chunks)
+            assert len(c.retrieve("harbour high water", mode="full_hybrid", top_k=20).hits) == 20
+    finally:
+        srv.stop()
