@@ -279,8 +279,28 @@ def ingest(client, docs: Sequence, per_stream: int = 500, progress: bool = True)
             "seconds": round(time.perf_counter() - t0, 1)}
 
 
+def shard_snapshot_files(data_dir: Path) -> list[tuple[int, Path]]:
+    """``(shard, chunks.arrow)`` per shard directory, following the server's loading rule:
+    ``shard-N/CURRENT`` names the current snapshot directory (``shard-N/snap-*/``); without it a
+    snapshot written directly into ``shard-N/`` (the first on-disk layout) is used.
+    Warns when a shard's write-ahead log is not empty (records newer than the snapshot)."""
+    out = []
+    for d in sorted(Path(data_dir).glob("shard-*"), key=lambda p: int(p.name.split("-")[1])):
+        cur = d / "CURRENT"
+        snap = d / cur.read_text().strip() if cur.exists() else d
+        f = snap / "chunks.arrow"
+        if not f.exists():
+            continue
+        wal = d / "wal.log"
+        if wal.exists() and wal.stat().st_size > 0:
+            log(f"warning: {wal} is not empty: the snapshot may miss records (stop the server cleanly first)")
+        out.append((int(d.name.split("-")[1]), f))
+    return out
+
+
 def read_snapshot(data_dir: Path) -> dict:
-    """Every chunk of ``<data_dir>/shard-*/chunks.arrow`` (Arrow IPC streams).
+    """Every chunk of every shard's current snapshot (``chunks.arrow``, Arrow IPC stream; see
+    :func:`shard_snapshot_files`).
 
     :returns: ``{"chunk_id", "doc_id", "title", "text": list[str], "vectors": float32[N, D],
         "shard": list[int]}`` in shard order, then the snapshot's row order.
@@ -290,13 +310,13 @@ def read_snapshot(data_dir: Path) -> dict:
 
     out: dict = {"chunk_id": [], "doc_id": [], "title": [], "text": [], "shard": []}
     vecs = []
-    files = sorted(Path(data_dir).glob("shard-*/chunks.arrow"), key=lambda p: int(p.parent.name.split("-")[1]))
+    files = shard_snapshot_files(data_dir)
     if not files:
-        raise FileNotFoundError(f"no shard-*/chunks.arrow under {data_dir}")
-    for f in files:
+        raise FileNotFoundError(f"no shard snapshot (shard-*/[snap-*/]chunks.arrow) under {data_dir}")
+    out["files"] = [str(f) for _, f in files]
+    for shard, f in files:
         with pa.OSFile(str(f), "rb") as src:
             table = pa.ipc.open_stream(src).read_all()
-        shard = int(f.parent.name.split("-")[1])
         for col in ("chunk_id", "doc_id", "title", "text"):
             out[col] += [x or "" for x in table.column(col).to_pylist()]
         out["shard"] += [shard] * table.num_rows

@@ -256,7 +256,8 @@ def main(argv=None) -> int:
             raise SystemExit(f"FAIL: snapshot holds {n_chunks} chunks, server reported {server_chunks}")
         if n_chunks < a.min_chunks:
             raise SystemExit(f"FAIL: {n_chunks} chunks < {a.min_chunks}")
-        log(f"snapshot: {n_chunks} chunks, vectors {snap['vectors'].shape} (chunker alone: {expected_chunks})")
+        log(f"snapshot: {n_chunks} chunks, vectors {snap['vectors'].shape} (chunker alone: {expected_chunks}) "
+            f"from {snap['files']}")
         t = time.perf_counter()
         srv = Server(a.data_dir, *server_args, log_path=server_log)
         srv.start()

@@ -18,6 +18,15 @@ from .client import MODES, OpRAGClient
 def _add_server(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server", default=os.environ.get("OPRAG_SERVER", "127.0.0.1:50051"), help="HOST:PORT")
     p.add_argument("--timeout", type=float, default=None, help="per-RPC deadline in seconds")
+    p.add_argument("--token", default=os.environ.get("OPRAG_TOKEN"), help="bearer token (or OPRAG_TOKEN)")
+    p.add_argument("--tls-ca", type=Path, default=None, help="connect with TLS, trusting this CA (PEM)")
+    p.add_argument("--tls-cert", dest="client_cert", type=Path, default=None, help="client certificate (PEM)")
+    p.add_argument("--tls-key", dest="client_key", type=Path, default=None, help="client private key (PEM)")
+
+
+def _client(a, **kw) -> OpRAGClient:
+    return OpRAGClient(a.server, timeout=a.timeout, token=a.token, tls_ca=a.tls_ca, tls_cert=a.client_cert,
+                       tls_key=a.client_key, **kw)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -54,6 +63,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--context-tokens", type=int, default=1024, help="prompt token budget")
     s.add_argument("--max-new-tokens", type=int, default=64, help="default new tokens per answer")
     s.add_argument("--stem", action="store_true", help="English stemming in the BM25 analyzer (snowballstemmer)")
+    s.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate: serve gRPC over TLS")
+    s.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
+    s.add_argument("--tls-client-ca", type=Path, default=None, help="require client certificates signed by this CA")
+    s.add_argument("--tokens-file", type=Path, default=None,
+                   help="bearer tokens, one per line (also OPRAG_TOKENS=tok1,tok2); then every RPC but health needs one")
     s.add_argument("--log-level", default="INFO")
 
     i = sub.add_parser("ingest", help="stream documents into the service")
@@ -118,7 +132,7 @@ def cmd_serve(a) -> int:
     from oprag_server.app import serve
     from oprag_server.config import (
         BatchConfig, BM25Config, ChunkingConfig, EmbedConfig, GenerateConfig, IngestConfig, RetrievalConfig,
-        ServerConfig,
+        SecurityConfig, ServerConfig,
     )
 
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -136,6 +150,8 @@ def cmd_serve(a) -> int:
             embed=EmbedConfig(model=a.embedder, compile=a.embed_compile),
             generate=GenerateConfig(model=a.generator, context_tokens=a.context_tokens,
                                     default_max_new_tokens=a.max_new_tokens),
+            security=SecurityConfig(tls_cert=a.tls_cert, tls_key=a.tls_key, tls_client_ca=a.tls_client_ca,
+                                    tokens_file=a.tokens_file),
             ingest=IngestConfig(barriers=a.ingest_barriers, upsert_batch=a.upsert_batch),
             batch=BatchConfig(max_batch=a.max_batch, max_wait_ms=a.max_wait_ms, queue_capacity=a.queue_capacity,
                               overlap=not a.no_overlap, max_queue_delay_ms=a.max_queue_delay_ms,
@@ -170,7 +186,7 @@ def cmd_ingest(a) -> int:
     t0 = time.perf_counter()
     bar = tqdm(unit="doc", disable=a.no_progress, file=sys.stderr, dynamic_ncols=True)
     try:
-        with OpRAGClient(a.server, timeout=a.timeout) as c:
+        with _client(a) as c:
             for batch in _batches(docs, max(1, a.docs_per_stream)):
                 r = c.ingest(batch)
                 offset = totals["documents"] + len(totals["rejected"])
@@ -228,7 +244,7 @@ def _hit_json(h) -> dict:
 def cmd_query(a) -> int:
     question = " ".join(a.question)
     try:
-        with OpRAGClient(a.server, timeout=a.timeout) as c:
+        with _client(a) as c:
             kw = dict(top_k=a.top_k, mode=a.mode, session_id=a.session, candidates=a.candidates)
             if a.no_generate:
                 r = c.retrieve(question, **kw)
@@ -261,7 +277,7 @@ def cmd_query(a) -> int:
 
 def cmd_delete(a) -> int:
     try:
-        with OpRAGClient(a.server, timeout=a.timeout) as c:
+        with _client(a) as c:
             r = c.delete(a.doc_ids)
     except grpc.RpcError as exc:
         return _rpc_error(exc)
@@ -272,7 +288,7 @@ def cmd_delete(a) -> int:
 
 def cmd_stats(a) -> int:
     try:
-        with OpRAGClient(a.server, timeout=a.timeout) as c:
+        with _client(a) as c:
             r = c.stats()
     except grpc.RpcError as exc:
         return _rpc_error(exc)
@@ -311,7 +327,7 @@ def cmd_eval(a) -> int:
         return qid, [h.doc_id for h in r.hits], (time.perf_counter() - t) * 1000
 
     try:
-        with OpRAGClient(a.server, timeout=a.timeout) as c, ThreadPoolExecutor(max(1, a.concurrency)) as ex:
+        with _client(a) as c, ThreadPoolExecutor(max(1, a.concurrency)) as ex:
             results = list(ex.map(lambda q: one(c, q), judged))
     except grpc.RpcError as exc:
         return _rpc_error(exc)
@@ -337,7 +353,7 @@ def cmd_eval(a) -> int:
 
 def cmd_health(a) -> int:
     try:
-        with OpRAGClient(a.server) as c:
+        with _client(a) as c:
             status = c.health(timeout=a.timeout or 5.0)
     except grpc.RpcError as exc:
         return _rpc_error(exc)

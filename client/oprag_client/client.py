@@ -123,14 +123,40 @@ def _options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
+def _credentials(token: str | None, tls_ca, tls_cert, tls_key) -> grpc.ChannelCredentials | None:
+    """Channel credentials for TLS (trusting ``tls_ca``; optional client certificate) and/or a
+    bearer token. A token without TLS is sent in plain text (for loopback use)."""
+    from pathlib import Path
+
+    if tls_ca is None and tls_cert is None and token is None:
+        return None
+    if tls_ca is None and tls_cert is None:
+        return None  # token only: sent as call metadata on the plain-text channel
+    ssl = grpc.ssl_channel_credentials(
+        root_certificates=Path(tls_ca).read_bytes() if tls_ca else None,
+        private_key=Path(tls_key).read_bytes() if tls_key else None,
+        certificate_chain=Path(tls_cert).read_bytes() if tls_cert else None,
+    )
+    if token is None:
+        return ssl
+    return grpc.composite_channel_credentials(ssl, grpc.access_token_call_credentials(token))
+
+
 class OpRAGClient:
     """Blocking client. Use as a context manager or call :meth:`close`."""
 
     def __init__(self, target: str = "127.0.0.1:50051", *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, token: str | None = None, tls_ca=None, tls_cert=None,
+                 tls_key=None) -> None:
         self.max_message_bytes = max_message_bytes
         self.timeout = timeout
-        self.channel = grpc.insecure_channel(target, options=_options(max_message_bytes))
+        creds = _credentials(token, tls_ca, tls_cert, tls_key)
+        if creds is not None:
+            self.channel = grpc.secure_channel(target, creds, options=_options(max_message_bytes))
+        else:
+            self.channel = grpc.insecure_channel(target, options=_options(max_message_bytes))
+        # call credentials need TLS; on a plain-text channel the token travels as metadata
+        self.md = (("authorization", f"Bearer {token}"),) if token and creds is None else None
         self.stub = oprag_pb2_grpc.OpRAGStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
 
@@ -148,24 +174,24 @@ class OpRAGClient:
         grpc.channel_ready_future(self.channel).result(timeout=timeout)
 
     def ingest(self, docs: Iterable[Any], *, timeout: float | None = None) -> oprag_pb2.IngestResponse:
-        return self.stub.Ingest(ingest_messages(docs, self.max_message_bytes), timeout=timeout or self.timeout)
+        return self.stub.Ingest(ingest_messages(docs, self.max_message_bytes), timeout=timeout or self.timeout, metadata=self.md)
 
     def query(self, question: str, *, timeout: float | None = None, **kw) -> oprag_pb2.QueryResponse:
-        return self.stub.Query(query_request(question, **kw), timeout=timeout or self.timeout)
+        return self.stub.Query(query_request(question, **kw), timeout=timeout or self.timeout, metadata=self.md)
 
     def query_stream(self, question: str, *, timeout: float | None = None, **kw):
         """Iterate QueryEvents: ``sources`` first, then ``text`` pieces, then ``done``."""
-        return self.stub.QueryStream(query_request(question, **kw), timeout=timeout or self.timeout)
+        return self.stub.QueryStream(query_request(question, **kw), timeout=timeout or self.timeout, metadata=self.md)
 
     def retrieve(self, question: str, *, timeout: float | None = None, **kw) -> oprag_pb2.RetrieveResponse:
         kw.pop("max_new_tokens", None)
-        return self.stub.Retrieve(query_request(question, **kw), timeout=timeout or self.timeout)
+        return self.stub.Retrieve(query_request(question, **kw), timeout=timeout or self.timeout, metadata=self.md)
 
     def delete(self, doc_ids: Iterable[str], *, timeout: float | None = None) -> oprag_pb2.DeleteResponse:
-        return self.stub.Delete(oprag_pb2.DeleteRequest(doc_ids=list(doc_ids)), timeout=timeout or self.timeout)
+        return self.stub.Delete(oprag_pb2.DeleteRequest(doc_ids=list(doc_ids)), timeout=timeout or self.timeout, metadata=self.md)
 
     def stats(self, *, timeout: float | None = None) -> oprag_pb2.StatsResponse:
-        return self.stub.Stats(oprag_pb2.StatsRequest(), timeout=timeout or self.timeout)
+        return self.stub.Stats(oprag_pb2.StatsRequest(), timeout=timeout or self.timeout, metadata=self.md)
 
     def health(self, service: str = "", *, timeout: float | None = 5.0) -> str:
         """``"SERVING"``, ``"NOT_SERVING"``, ... of the standard grpc.health.v1 service."""
@@ -177,10 +203,16 @@ class AsyncOpRAGClient:
     """asyncio client (grpc.aio). Use ``async with`` or await :meth:`close`."""
 
     def __init__(self, target: str = "127.0.0.1:50051", *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, token: str | None = None, tls_ca=None, tls_cert=None,
+                 tls_key=None) -> None:
         self.max_message_bytes = max_message_bytes
         self.timeout = timeout
-        self.channel = grpc.aio.insecure_channel(target, options=_options(max_message_bytes))
+        creds = _credentials(token, tls_ca, tls_cert, tls_key)
+        if creds is not None:
+            self.channel = grpc.aio.secure_channel(target, creds, options=_options(max_message_bytes))
+        else:
+            self.channel = grpc.aio.insecure_channel(target, options=_options(max_message_bytes))
+        self.md = (("authorization", f"Bearer {token}"),) if token and creds is None else None
         self.stub = oprag_pb2_grpc.OpRAGStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
 
@@ -197,24 +229,24 @@ class AsyncOpRAGClient:
         if isinstance(docs, AsyncIterable):
             collected = [d async for d in docs]
             docs = collected
-        return await self.stub.Ingest(ingest_messages(docs, self.max_message_bytes), timeout=timeout or self.timeout)
+        return await self.stub.Ingest(ingest_messages(docs, self.max_message_bytes), timeout=timeout or self.timeout, metadata=self.md)
 
     async def query(self, question: str, *, timeout: float | None = None, **kw):
-        return await self.stub.Query(query_request(question, **kw), timeout=timeout or self.timeout)
+        return await self.stub.Query(query_request(question, **kw), timeout=timeout or self.timeout, metadata=self.md)
 
     def query_stream(self, question: str, *, timeout: float | None = None, **kw):
         """Async-iterate QueryEvents: ``sources``, then ``text`` pieces, then ``done``."""
-        return self.stub.QueryStream(query_request(question, **kw), timeout=timeout or self.timeout)
+        return self.stub.QueryStream(query_request(question, **kw), timeout=timeout or self.timeout, metadata=self.md)
 
     async def retrieve(self, question: str, *, timeout: float | None = None, **kw):
         kw.pop("max_new_tokens", None)
-        return await self.stub.Retrieve(query_request(question, **kw), timeout=timeout or self.timeout)
+        return await self.stub.Retrieve(query_request(question, **kw), timeout=timeout or self.timeout, metadata=self.md)
 
     async def delete(self, doc_ids: Iterable[str], *, timeout: float | None = None):
-        return await self.stub.Delete(oprag_pb2.DeleteRequest(doc_ids=list(doc_ids)), timeout=timeout or self.timeout)
+        return await self.stub.Delete(oprag_pb2.DeleteRequest(doc_ids=list(doc_ids)), timeout=timeout or self.timeout, metadata=self.md)
 
     async def stats(self, *, timeout: float | None = None):
-        return await self.stub.Stats(oprag_pb2.StatsRequest(), timeout=timeout or self.timeout)
+        return await self.stub.Stats(oprag_pb2.StatsRequest(), timeout=timeout or self.timeout, metadata=self.md)
 
     async def health(self, service: str = "", *, timeout: float | None = 5.0) -> str:
         r = await self.health_stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)

@@ -29,6 +29,7 @@ from .index.bm25 import CorpusStats
 from .index.wal import WriteAheadLog
 from .operators.memory import Memory
 from .operators.retrieve import Retriever
+from .service.auth import TokenAuthInterceptor, load_tokens, server_credentials
 from .service.metrics import Metrics
 from .service.servicer import OpRAGServicer
 from .shards.pool import ShardPool
@@ -284,14 +285,25 @@ async def serve(cfg: ServerConfig, *, encoder: Any = None, generator: Any = None
     await loop.run_in_executor(None, rt.start_shards, loop)
     await rt.start()
 
-    server = grpc.aio.server(options=grpc_options(cfg))
+    sec = cfg.security
+    tokens = load_tokens(sec.tokens_file)
+    if sec.require_token and not tokens:
+        raise RuntimeError("a token is required but none was given: use --tokens-file or OPRAG_TOKENS")
+    interceptors = [TokenAuthInterceptor(tokens)] if tokens else []
+    server = grpc.aio.server(options=grpc_options(cfg), interceptors=interceptors)
     oprag_pb2_grpc.add_OpRAGServicer_to_server(OpRAGServicer(rt), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
-    bound = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    if (sec.tls_cert is None) != (sec.tls_key is None):
+        raise RuntimeError("TLS needs both --tls-cert and --tls-key")
+    if sec.tls_cert is not None:
+        creds = server_credentials(sec.tls_cert, sec.tls_key, sec.tls_client_ca)
+        bound = server.add_secure_port(f"{cfg.host}:{cfg.port}", creds)
+    else:
+        bound = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
     if bound == 0:
         raise RuntimeError(f"could not bind {cfg.host}:{cfg.port}")
     rt.metrics.serve(cfg.metrics_port, cfg.metrics_host or cfg.host)

@@ -153,6 +153,17 @@ def default_cache_dir() -> Path:
 
 
 @dataclass(frozen=True)
+class SecurityConfig:
+    """TLS on the gRPC port (client certificates optional) and bearer-token authentication."""
+
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None
+    tokens_file: Path | None = None
+    require_token: bool = False  # also true when OPRAG_TOKENS is set or a tokens file is given
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 50051
@@ -169,6 +180,7 @@ class ServerConfig:
     ingest: IngestConfig = field(default_factory=IngestConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
     shutdown_grace_s: float = 10.0
 
     def __post_init__(self) -> None:
