@@ -144,6 +144,9 @@ class LimitsConfig:
     max_metadata_entries: int = 64
     max_metadata_bytes: int = 16 * 1024
     max_session_id_bytes: int = 256
+    max_stream_documents: int = 1_000_000
+    max_stream_bytes: int = 4 * 1024**3
+    max_delete_ids: int = 100_000
 
 
 def default_cache_dir() -> Path:

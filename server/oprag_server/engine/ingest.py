@@ -171,8 +171,15 @@ class IngestPipeline:
         async def load() -> None:
             nonlocal final_seen
             n = 0
+            size = 0
             try:
                 async for msg in messages:
+                    size += msg.ByteSize()
+                    if n + len(msg.documents) > self.limits.max_stream_documents or size > self.limits.max_stream_bytes:
+                        raise IngestError(
+                            f"the stream exceeds {self.limits.max_stream_documents} documents or "
+                            f"{self.limits.max_stream_bytes} bytes: split it into several streams; nothing was stored"
+                        )
                     for doc in msg.documents:
                         reason = validate_document(doc, self.limits)
                         if reason:

@@ -359,6 +359,8 @@ class OpRAGServicer(oprag_pb2_grpc.OpRAGServicer):
         ids = list(request.doc_ids)
         if not ids:
             raise InvalidArgument("doc_ids is empty: name at least one document id")
+        if len(ids) > self.cfg.limits.max_delete_ids:
+            raise InvalidArgument(f"{len(ids)} ids; the limit per Delete is {self.cfg.limits.max_delete_ids}")
         docs, chunks, seq = await self.rt.delete(ids)
         return oprag_pb2.DeleteResponse(documents_deleted=docs, chunks_deleted=chunks, seq=seq)
 
