@@ -190,6 +190,10 @@ class OpRAGClient:
     def delete(self, doc_ids: Iterable[str], *, timeout: float | None = None) -> oprag_pb2.DeleteResponse:
         return self.stub.Delete(oprag_pb2.DeleteRequest(doc_ids=list(doc_ids)), timeout=timeout or self.timeout, metadata=self.md)
 
+    def clear_session(self, session_id: str, *, timeout: float | None = None) -> oprag_pb2.ClearSessionResponse:
+        return self.stub.ClearSession(oprag_pb2.ClearSessionRequest(session_id=session_id),
+                                      timeout=timeout or self.timeout, metadata=self.md)
+
     def stats(self, *, timeout: float | None = None) -> oprag_pb2.StatsResponse:
         return self.stub.Stats(oprag_pb2.StatsRequest(), timeout=timeout or self.timeout, metadata=self.md)
 
@@ -244,6 +248,10 @@ class AsyncOpRAGClient:
 
     async def delete(self, doc_ids: Iterable[str], *, timeout: float | None = None):
         return await self.stub.Delete(oprag_pb2.DeleteRequest(doc_ids=list(doc_ids)), timeout=timeout or self.timeout, metadata=self.md)
+
+    async def clear_session(self, session_id: str, *, timeout: float | None = None):
+        return await self.stub.ClearSession(oprag_pb2.ClearSessionRequest(session_id=session_id),
+                                            timeout=timeout or self.timeout, metadata=self.md)
 
     async def stats(self, *, timeout: float | None = None):
         return await self.stub.Stats(oprag_pb2.StatsRequest(), timeout=timeout or self.timeout, metadata=self.md)

@@ -194,6 +194,7 @@ class Runtime:
             return
         self.metrics.chunks.set(sum(s["chunks"] for s in st))
         self.metrics.documents.set(sum(s["documents"] for s in st))
+        self.metrics.memory_records.set(sum(s["memory_records"] for s in st))
 
     async def restart_shard(self, i: int) -> None:
         """Respawn shard ``i`` and re-sum the corpus-global BM25 statistics."""

@@ -130,7 +130,8 @@ class MemoryConfig:
     max_turns_per_session: int = 32
     lookup_turns: int = 2
     summary_chars: int = 300
-    ttl_s: float = 24 * 3600.0
+    ttl_s: float = 24 * 3600.0  # idle time after which a session's records are dropped
+    max_records_total: int = 200_000  # per shard; the least recently active sessions go first
 
 
 @dataclass(frozen=True)

@@ -204,6 +204,8 @@ def test_session_memory_is_isolated(client, ingested):
     assert r.hits[0].doc_id == "lighthouse"
     other = client.retrieve("Who designed its lantern?", session_id="s2", top_k=3)
     assert other.memory_context == ""
+    assert client.clear_session("s1").records_removed >= 2  # the Query turn and the Retrieve turn
+    assert client.retrieve("Who designed its lantern?", session_id="s1", top_k=3).memory_context == ""
 
 
 def test_metrics_endpoint_has_stage_histograms(server, client, ingested):

@@ -356,6 +356,18 @@ class DeleteResponse(_message.Message):
     seq: int
     def __init__(self, documents_deleted: _Optional[int] = ..., chunks_deleted: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
 
+class ClearSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class ClearSessionResponse(_message.Message):
+    __slots__ = ("records_removed",)
+    RECORDS_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    records_removed: int
+    def __init__(self, records_removed: _Optional[int] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

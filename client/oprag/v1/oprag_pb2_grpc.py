@@ -59,6 +59,11 @@ class OpRAGStub:
                 request_serializer=oprag_dot_v1_dot_oprag__pb2.DeleteRequest.SerializeToString,
                 response_deserializer=oprag_dot_v1_dot_oprag__pb2.DeleteResponse.FromString,
                 _registered_method=True)
+        self.ClearSession = channel.unary_unary(
+                '/oprag.v1.OpRAG/ClearSession',
+                request_serializer=oprag_dot_v1_dot_oprag__pb2.ClearSessionRequest.SerializeToString,
+                response_deserializer=oprag_dot_v1_dot_oprag__pb2.ClearSessionResponse.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/oprag.v1.OpRAG/Stats',
                 request_serializer=oprag_dot_v1_dot_oprag__pb2.StatsRequest.SerializeToString,
@@ -107,6 +112,13 @@ class OpRAGServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ClearSession(self, request, context):
+        """Remove every memory record of a session.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """Corpus and shard statistics.
         """
@@ -141,6 +153,11 @@ def add_OpRAGServicer_to_server(servicer, server):
                     servicer.Delete,
                     request_deserializer=oprag_dot_v1_dot_oprag__pb2.DeleteRequest.FromString,
                     response_serializer=oprag_dot_v1_dot_oprag__pb2.DeleteResponse.SerializeToString,
+            ),
+            'ClearSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClearSession,
+                    request_deserializer=oprag_dot_v1_dot_oprag__pb2.ClearSessionRequest.FromString,
+                    response_serializer=oprag_dot_v1_dot_oprag__pb2.ClearSessionResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -283,6 +300,33 @@ class OpRAG:
             '/oprag.v1.OpRAG/Delete',
             oprag_dot_v1_dot_oprag__pb2.DeleteRequest.SerializeToString,
             oprag_dot_v1_dot_oprag__pb2.DeleteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClearSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/oprag.v1.OpRAG/ClearSession',
+            oprag_dot_v1_dot_oprag__pb2.ClearSessionRequest.SerializeToString,
+            oprag_dot_v1_dot_oprag__pb2.ClearSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -119,7 +119,9 @@ class Memory:
             "vector": np.asarray(vector, dtype=np.float32).reshape(-1),
         }
         await self.pool.call(
-            route(session_id, self.pool.n), "memory_upsert", {"record": rec, "max_turns": self.cfg.max_turns_per_session}
+            route(session_id, self.pool.n), "memory_upsert",
+            {"record": rec, "max_turns": self.cfg.max_turns_per_session, "max_total": self.cfg.max_records_total,
+             "ttl_s": self.cfg.ttl_s},
         )
 
     async def clear(self, session_id: str) -> int:

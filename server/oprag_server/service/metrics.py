@@ -63,6 +63,8 @@ class Metrics:
         self.generated_tokens = Counter("oprag_generated_tokens_total", "Tokens generated", registry=r)
         self.chunks = Gauge("oprag_chunks", "Live chunks in the index", registry=r)
         self.documents = Gauge("oprag_documents", "Live documents in the index", registry=r)
+        self.memory_records = Gauge("oprag_memory_records", "Conversational memory records held by the shards",
+                                    registry=r)
         self.shards_up = Gauge("oprag_shards_up", "Shard processes alive", registry=r)
         self.shard_restarts = Counter("oprag_shard_restarts_total", "Shard processes restarted after dying",
                                       registry=r)

@@ -364,6 +364,14 @@ class OpRAGServicer(oprag_pb2_grpc.OpRAGServicer):
         docs, chunks, seq = await self.rt.delete(ids)
         return oprag_pb2.DeleteResponse(documents_deleted=docs, chunks_deleted=chunks, seq=seq)
 
+    @_observed("ClearSession")
+    async def ClearSession(self, request, context):
+        if not request.session_id:
+            raise InvalidArgument("session_id is empty: name the session to clear")
+        if len(request.session_id.encode()) > self.cfg.limits.max_session_id_bytes:
+            raise InvalidArgument(f"session_id is longer than {self.cfg.limits.max_session_id_bytes} bytes")
+        return oprag_pb2.ClearSessionResponse(records_removed=await self.rt.memory.clear(request.session_id))
+
     @_observed("Stats")
     async def Stats(self, request, context):
         got, _ = await self.rt.pool.gather_partial("stats", {})

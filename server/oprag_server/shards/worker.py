@@ -397,7 +397,10 @@ class ShardState:
         return out
 
     # ------------------------------------------------------------------ memory
-    def memory_upsert(self, rec: dict, max_turns: int) -> dict:
+    def memory_upsert(self, rec: dict, max_turns: int, max_total: int = 0, ttl_s: float = 0.0) -> dict:
+        """Append one turn record; enforce the per-session turn bound, drop sessions idle for
+        longer than ``ttl_s`` and, past ``max_total`` records on this shard, the least recently
+        active sessions' oldest records."""
         recs = self.memory.setdefault(rec["session_id"], [])
         recs.append(
             MemoryRecord(
@@ -413,6 +416,22 @@ class ShardState:
         )
         if len(recs) > max_turns:
             del recs[: len(recs) - max_turns]
+        now = time.time()
+        if ttl_s:
+            for sid in [s for s, v in self.memory.items() if v and now - v[-1].created > ttl_s]:
+                del self.memory[sid]
+        total = sum(len(v) for v in self.memory.values())
+        if max_total and total > max_total:
+            for sid in sorted(self.memory, key=lambda s: self.memory[s][-1].created if self.memory[s] else 0):
+                if total <= max_total:
+                    break
+                if sid == rec["session_id"]:
+                    continue
+                drop = min(len(self.memory[sid]), total - max_total)
+                del self.memory[sid][:drop]
+                total -= drop
+                if not self.memory[sid]:
+                    del self.memory[sid]
         self.dirty = True
         return {"records": len(recs)}
 
@@ -624,7 +643,8 @@ class ShardState:
         if op == "reuse":
             return self.reusable_vectors(args["doc_ids"])
         if op == "memory_upsert":
-            return self.memory_upsert(args["record"], args["max_turns"])
+            return self.memory_upsert(args["record"], args["max_turns"], args.get("max_total", 0),
+                                      args.get("ttl_s", 0.0))
         if op == "memory_search":
             return self.memory_search(args)
         if op == "memory_clear":
