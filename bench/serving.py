@@ -189,12 +189,12 @@ def closed_loop(call, questions: list[str], conc: int, *, duration: float, reque
             q = questions[i % len(questions)]
             t = time.perf_counter()
             try:
-                ok, code, ttft, ntok = call(q)
+                ok, code, ttft, ntok, ptok, nhits = call(q)
             except Exception as exc:  # noqa: BLE001 - a failed request is a data point
-                ok, code, ttft, ntok = False, f"EXC:{type(exc).__name__}:{str(exc)[:120]}", None, 0
+                ok, code, ttft, ntok, ptok, nhits = False, f"EXC:{type(exc).__name__}:{str(exc)[:120]}", None, 0, 0, 0
             e = time.perf_counter()
             with lock:
-                recs.append((t, e, ok, code, ttft, ntok))
+                recs.append((t, e, ok, code, ttft, ntok, ptok, nhits))
                 if requests:
                     if not win_start.is_set():
                         st["warm_done"] += 1
@@ -270,6 +270,8 @@ def closed_loop(call, questions: list[str], conc: int, *, duration: float, reque
         "ttft_p50_ms": r3(percentile(ttft, 50)) if ttft else None,
         "ttft_p95_ms": r3(percentile(ttft, 95)) if ttft else None,
         "mean_completion_tokens": r3(sum(r[5] for r in ok) / len(ok)) if ok else None,
+        "mean_prompt_tokens": r3(sum(r[6] for r in ok) / len(ok)) if ok else None,
+        "mean_hits": r3(sum(r[7] for r in ok) / len(ok)) if ok else None,
         "requests_total": len(recs),
         "errors": errors,
         "warmup_s": r3(t0 - t_begin),
@@ -310,9 +312,9 @@ def grpc_call(client, max_new: int, timeout: float):
     def call(q: str):
         try:
             r = client.query(q, max_new_tokens=max_new, timeout=timeout)
-            return True, "OK", (r.ttft_ms or None), r.completion_tokens
+            return True, "OK", (r.ttft_ms or None), r.completion_tokens, r.prompt_tokens, len(r.sources)
         except grpc.RpcError as e:
-            return False, e.code().name, None, 0
+            return False, e.code().name, None, 0, 0, 0
 
     return call
 
@@ -357,7 +359,16 @@ def prepare_data(a, data_dir: Path, log_path: Path) -> dict:
     return info
 
 
-def run_server_system(name: str, a, data_dir: Path, log_path: Path, questions, levels) -> tuple[dict, list[str]]:
+def check_corpus(c, name: str, expected_docs: int) -> dict:
+    s = c.stats(timeout=60)
+    res = {"documents": s.documents, "chunks": s.chunks, "expected_documents": expected_docs}
+    if s.documents != expected_docs:
+        log(f"WARNING: {name}: server started with {s.documents} documents, expected {expected_docs}")
+    return res
+
+
+def run_server_system(name: str, a, data_dir: Path, log_path: Path, questions, levels,
+                      expected_docs: int) -> tuple[dict, list[str]]:
     from oprag_client.client import OpRAGClient
 
     extra = server_args(a, SERVER_SYSTEMS[name])
@@ -368,12 +379,13 @@ def run_server_system(name: str, a, data_dir: Path, log_path: Path, questions, l
     log(f"{name}: server up in {start_s:.1f} s ({' '.join(extra)})")
     try:
         with OpRAGClient(srv.target) as c:
+            corpus = check_corpus(c, name, expected_docs)
             res = run_levels(name, grpc_call(c, a.max_new_tokens, a.rpc_timeout), questions, levels, a, srv.metrics_port)
             alive = srv.alive() and c.health(timeout=10) == "SERVING"
     finally:
         rc = srv.stop()
-    return ({"server_args": extra, "server_start_s": round(start_s, 1), "alive_at_end": alive, "stop_rc": rc,
-             "levels": res}, server_issues(srv, name))
+    return ({"server_args": extra, "server_start_s": round(start_s, 1), "corpus_at_start": corpus,
+             "alive_at_end": alive, "stop_rc": rc, "levels": res}, server_issues(srv, name))
 
 
 # ------------------------------------------------------------------------------ LangChain
@@ -415,8 +427,10 @@ def run_langchain(a, data_dir: Path, questions, levels) -> dict:
     def to_prompt(x: dict) -> str:
         hits = [Hit(chunk_id=d.metadata["chunk_id"], doc_id=d.metadata["doc_id"], title=d.metadata["title"],
                     text=d.page_content, score=0.0, dense_score=0.0, lexical_score=0.0, shard=0) for d in x["docs"]]
-        return build_context(x["question"], hits, gen, budget_tokens=a.context_tokens,
-                             max_new_tokens=a.max_new_tokens).prompt
+        payload = build_context(x["question"], hits, gen, budget_tokens=a.context_tokens,
+                                max_new_tokens=a.max_new_tokens)
+        tl.nhits = len(payload.sources)
+        return payload.prompt
 
     def llm(prompt: str) -> str:
         def on_token(_row, _delta):
@@ -424,7 +438,7 @@ def run_langchain(a, data_dir: Path, questions, levels) -> dict:
                 tl.first = time.perf_counter()
 
         r = gen.generate([prompt], a.max_new_tokens, on_token=on_token)[0]
-        tl.tokens = r.completion_tokens
+        tl.tokens, tl.ptok = r.completion_tokens, r.prompt_tokens
         return r.text
 
     chain = (RunnableParallel(docs=retriever, question=RunnablePassthrough())
@@ -434,11 +448,11 @@ def run_langchain(a, data_dir: Path, questions, levels) -> dict:
         f"(torch threads {torch.get_num_threads()})")
 
     def call(q: str):
-        tl.first, tl.tokens = None, 0
+        tl.first, tl.tokens, tl.ptok, tl.nhits = None, 0, 0, 0
         t0 = time.perf_counter()
         chain.invoke(q)
         ttft = (tl.first - t0) * 1000 if tl.first else None
-        return True, "OK", ttft, tl.tokens
+        return True, "OK", ttft, tl.tokens, tl.ptok, tl.nhits
 
     res = run_levels("langchain", call, questions, levels, a, None)
     return {"chain": "RunnableParallel(docs=FAISS(MiniLM) retriever k, question) | RunnableLambda(build_context) | "
@@ -624,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
     issues: list[str] = []
     for name in ("oprag", "no_overlap", "no_batching"):
         if name in systems:
-            systems_out[name], iss = run_server_system(name, a, data_dir, log_path, questions, levels)
+            systems_out[name], iss = run_server_system(name, a, data_dir, log_path, questions, levels, data["documents"])
             issues += iss
 
     top = str(max(levels))
@@ -652,6 +666,9 @@ def main(argv: list[str] | None = None) -> int:
     findings: list[str] = []
     for sname, s in systems_out.items():
         for c, L in s.get("levels", {}).items():
+            if L.get("mean_hits") == 0:
+                findings.append(f"{sname} c={c}: answers were generated with no sources in the prompt "
+                                f"(mean prompt tokens {L.get('mean_prompt_tokens')})")
             if L["errors"]:
                 findings.append(f"{sname} c={c}: failed requests {L['errors']}")
             if L["timed_out"] or L["hung_workers"]:
@@ -663,6 +680,10 @@ def main(argv: list[str] | None = None) -> int:
             if idle is not None and int(c) >= 8 and sname != "no_overlap" and idle > 0.10:
                 findings.append(f"{sname} c={c}: generator idle {idle:.1%} of the window while {c} requests were "
                                 f"outstanding (mean generate batch {L.get('mean_generate_batch')})")
+        cs = s.get("corpus_at_start")
+        if cs and cs["documents"] != cs["expected_documents"]:
+            findings.append(f"{sname}: server started with {cs['documents']} documents, {cs['expected_documents']} "
+                            "were ingested into the same data dir")
         if s.get("alive_at_end") is False:
             findings.append(f"{sname}: server not SERVING at the end")
     if overload:

@@ -39,18 +39,64 @@ SERVICE_NAME = oprag_pb2.DESCRIPTOR.services_by_name["OpRAG"].full_name
 DATA_FORMAT = 1
 
 
-def load_models(cfg: ServerConfig) -> tuple[Any, Any | None]:
-    """Load and warm up the embedder and the generator named in ``cfg`` (blocking)."""
+def preflight(cfg: ServerConfig) -> tuple[Any, Any | None]:
+    """Checks that fail fast, before any model loads: the models exist, the data directory
+    fits this configuration and no other server uses it, the ports are free.
+
+    :returns: the (not yet loaded) encoder and generator.
+    :raises RuntimeError | ValueError: with a message that says what to change.
+    """
     from .models.encoder import TransformersEncoder
     from .models.generator import load_generator
 
     encoder = TransformersEncoder(cfg.embed.model, device=cfg.embed.device, batch_size=cfg.embed.batch_size,
                                   max_tokens=cfg.embed.max_tokens, compile=cfg.embed.compile)
-    encoder.warm_up()
     generator = load_generator(cfg.generate.model, device=cfg.generate.device)
+    _check_data_dir(cfg, encoder.dim, encoder.name)
+    _lock_data_dir(cfg.data_dir)
+    _check_port(cfg.host, cfg.port, "gRPC port (--port)")
+    return encoder, generator
+
+
+def load_models(cfg: ServerConfig) -> tuple[Any, Any | None]:
+    """Preflight, then load and warm up the embedder and the generator (blocking)."""
+    encoder, generator = preflight(cfg)
+    encoder.warm_up()
     if generator is not None:
         generator.warm_up()
     return encoder, generator
+
+
+_LOCKS: list = []
+
+
+def _lock_data_dir(d: Path) -> None:
+    """Hold an exclusive lock on ``d/.lock`` for the life of the process.
+
+    :raises RuntimeError: another server uses the directory."""
+    import fcntl
+
+    d.mkdir(parents=True, exist_ok=True)
+    f = open(d / ".lock", "a+")
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        f.close()
+        raise RuntimeError(f"{d} is in use by another OpRAG server: stop it or use another --data-dir") from exc
+    _LOCKS.append(f)
+
+
+def _check_port(host: str, port: int, what: str) -> None:
+    import socket
+
+    if port == 0:
+        return
+    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(fam, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise RuntimeError(f"{what} {host}:{port} is not available ({exc.strerror}): choose another port") from exc
 
 
 def _check_data_dir(cfg: ServerConfig, dim: int, embedder: str) -> None:
@@ -271,7 +317,8 @@ class Runtime:
 
 def grpc_options(cfg: ServerConfig) -> list[tuple[str, int]]:
     m = cfg.limits.max_message_bytes
-    return [("grpc.max_receive_message_length", m), ("grpc.max_send_message_length", m)]
+    # so_reuseport=0: a second server on a taken port fails instead of sharing it
+    return [("grpc.max_receive_message_length", m), ("grpc.max_send_message_length", m), ("grpc.so_reuseport", 0)]
 
 
 async def serve(cfg: ServerConfig, *, encoder: Any = None, generator: Any = None, stop_event: asyncio.Event | None = None,
@@ -281,7 +328,11 @@ async def serve(cfg: ServerConfig, *, encoder: Any = None, generator: Any = None
     loop = asyncio.get_running_loop()
     t0 = time.perf_counter()
     if not models_loaded:
-        encoder, generator = await loop.run_in_executor(None, load_models, cfg)
+        encoder, generator = preflight(cfg)
+        _check_port(cfg.metrics_host or cfg.host, cfg.metrics_port, "metrics port (--metrics-port)")
+        await loop.run_in_executor(None, encoder.warm_up)
+        if generator is not None:
+            await loop.run_in_executor(None, generator.warm_up)
     rt = Runtime(cfg, encoder, generator)
     await loop.run_in_executor(None, rt.start_shards, loop)
     await rt.start()
@@ -306,8 +357,12 @@ async def serve(cfg: ServerConfig, *, encoder: Any = None, generator: Any = None
     else:
         bound = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
     if bound == 0:
-        raise RuntimeError(f"could not bind {cfg.host}:{cfg.port}")
-    rt.metrics.serve(cfg.metrics_port, cfg.metrics_host or cfg.host)
+        raise RuntimeError(f"could not bind the gRPC port {cfg.host}:{cfg.port}: choose another --port")
+    try:
+        rt.metrics.serve(cfg.metrics_port, cfg.metrics_host or cfg.host)
+    except OSError as exc:
+        raise RuntimeError(f"could not bind the metrics port {cfg.metrics_port}: {exc.strerror}; "
+                           "choose another --metrics-port") from exc
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -62,6 +62,12 @@ class RetrievalConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.monitor_fraction <= 1.0:
             raise ValueError(f"monitor_fraction must be in [0, 1], got {self.monitor_fraction}")
+        if not 1 <= self.candidates <= self.max_candidates:
+            raise ValueError(f"candidates must be in [1, {self.max_candidates}], got {self.candidates}")
+        if not 1 <= self.default_top_k <= self.max_top_k:
+            raise ValueError(f"default_top_k must be in [1, {self.max_top_k}], got {self.default_top_k}")
+        if self.dense_weight < 0 or self.lexical_weight < 0 or self.dense_weight + self.lexical_weight == 0:
+            raise ValueError("fusion weights must be >= 0 and not both 0")
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,12 @@ class GenerateConfig:
     max_batch: int = 8
     device: str = "auto"
 
+    def __post_init__(self) -> None:
+        if not 1 <= self.default_max_new_tokens <= self.max_new_tokens_limit:
+            raise ValueError(f"max new tokens must be in [1, {self.max_new_tokens_limit}], got {self.default_max_new_tokens}")
+        if self.context_tokens < 128:
+            raise ValueError(f"context tokens must be >= 128, got {self.context_tokens}")
+
 
 @dataclass(frozen=True)
 class BatchConfig:
@@ -107,6 +119,12 @@ class BatchConfig:
     # While queries are active, ingest embedding runs in batches of about this many ms, which
     # bounds how long a query embedding can wait behind ingest.
     ingest_embed_slice_ms: float = 50.0
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1 or self.queue_capacity < 1:
+            raise ValueError(f"max batch and queue capacity must be >= 1, got {self.max_batch}, {self.queue_capacity}")
+        if self.max_wait_ms < 0 or self.max_queue_delay_ms < 0 or self.ingest_embed_slice_ms <= 0:
+            raise ValueError("batch wait, queue delay and ingest slice times must be >= 0 (slice > 0)")
 
 
 @dataclass(frozen=True)
@@ -190,3 +208,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.shards <= 64:
             raise ValueError(f"shards must be in [1, 64], got {self.shards}")
+        for name, port in (("port", self.port), ("metrics port", self.metrics_port)):
+            if not 0 <= port <= 65535:
+                raise ValueError(f"{name} must be in [0, 65535], got {port}")
+        if self.port == self.metrics_port and self.port != 0:
+            raise ValueError("the gRPC port and the metrics port must differ")

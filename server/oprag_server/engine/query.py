@@ -45,6 +45,11 @@ class Overloaded(Exception):
         self.retry_after_s = retry_after_s
 
 
+class QueryRejected(ValueError):
+    """One request cannot be served as asked (for example its question does not fit the
+    prompt budget); only that request fails."""
+
+
 @dataclass
 class QueryJob:
     question: str
@@ -199,9 +204,10 @@ class QueryEngine:
                 for j in batch:
                     self._fail(j, exc)
                 continue
-            gen = [j for j in batch if j.generate and not j.cancelled and j.future and not j.future.done()]
+            gen = [j for j in batch if j.generate and j.payload is not None and not j.cancelled and j.future
+                   and not j.future.done()]
             for j in batch:
-                if j not in gen:
+                if j not in gen and not (j.future and j.future.done()):
                     await self._promote_retrieval_only(j)
                     self._finish(j)
             if gen:
@@ -257,14 +263,17 @@ class QueryEngine:
         t = time.perf_counter()
         for j in live:
             if j.generate and self.generator is not None:
-                j.payload = build_context(
-                    j.question,
-                    j.hits,
-                    self.generator,
-                    budget_tokens=self.gen_cfg.context_tokens,
-                    max_new_tokens=j.max_new_tokens,
-                    memory_text=j.memory.memory_text if j.memory else "",
-                )
+                try:
+                    j.payload = build_context(
+                        j.question,
+                        j.hits,
+                        self.generator,
+                        budget_tokens=self.gen_cfg.context_tokens,
+                        max_new_tokens=j.max_new_tokens,
+                        memory_text=j.memory.memory_text if j.memory else "",
+                    )
+                except ValueError as exc:  # this request only: the rest of the batch goes on
+                    self._fail(j, QueryRejected(str(exc)))
         if any(j.generate for j in live):
             self._stage(live, "context", t)
         now = time.perf_counter()

@@ -79,7 +79,10 @@ def build_context(
     base = model.chat_prompt(SYSTEM_PROMPT, _user([], question, memory_text))
     used = model.count_tokens(base)
     if used > budget:
-        raise ValueError(f"the question needs {used} prompt tokens; the budget is {budget}: shorten the question")
+        raise ValueError(
+            f"the question needs {used} prompt tokens but the prompt budget is {budget} "
+            f"(context tokens minus max_new_tokens): shorten the question or lower max_new_tokens"
+        )
     blocks: list[str] = []
     sources: list[SourceRef] = []
     margin = 4  # tokenisation across block boundaries may differ by a token or two

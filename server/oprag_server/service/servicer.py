@@ -15,7 +15,7 @@ import numpy as np
 from oprag.v1 import oprag_pb2, oprag_pb2_grpc
 
 from ..engine.ingest import IngestError
-from ..engine.query import Overloaded, QueryJob
+from ..engine.query import Overloaded, QueryJob, QueryRejected
 from ..operators.retrieve import MODES, RetrieveSpec
 from ..shards.pool import ShardError
 
@@ -45,7 +45,7 @@ def _observed(method: str):
             code = grpc.StatusCode.OK
             try:
                 return await fn(self, request, context)
-            except InvalidArgument as exc:
+            except (InvalidArgument, QueryRejected) as exc:
                 code = grpc.StatusCode.INVALID_ARGUMENT
                 await context.abort(code, str(exc))
             except IngestError as exc:
@@ -88,7 +88,7 @@ def _observed_stream(method: str):
             try:
                 async for item in fn(self, request, context):
                     yield item
-            except (InvalidArgument, IngestError) as exc:
+            except (InvalidArgument, IngestError, QueryRejected) as exc:
                 code = grpc.StatusCode.INVALID_ARGUMENT
                 await context.abort(code, str(exc))
             except Overloaded as exc:
@@ -149,14 +149,17 @@ class OpRAGServicer(oprag_pb2_grpc.OpRAGServicer):
         filters = self._filters(req.filters)
         qvec = None
         if len(req.query_vector):
-            qvec = np.asarray(req.query_vector, dtype=np.float32)
+            qvec = np.asarray(req.query_vector, dtype=np.float64)
             dim = self.rt.encoder.dim
             if qvec.shape[0] != dim:
                 raise InvalidArgument(f"query_vector has {qvec.shape[0]} values; the embedder produces {dim}")
-            norm = float(np.linalg.norm(qvec))
-            if not np.isfinite(qvec).all() or norm == 0.0:
-                raise InvalidArgument("query_vector must be finite and non-zero")
-            qvec = qvec / norm
+            if not np.isfinite(qvec).all():
+                raise InvalidArgument("query_vector contains NaN or infinity")
+            scale = float(np.abs(qvec).max())
+            if scale == 0.0:
+                raise InvalidArgument("query_vector is all zeros: send the query embedding")
+            qvec = qvec / scale  # avoids float overflow/underflow in the norm
+            qvec = (qvec / np.linalg.norm(qvec)).astype(np.float32)
         max_new = 0
         if generate:
             max_new = req.generation.max_new_tokens or gcfg.default_max_new_tokens
@@ -191,8 +194,8 @@ class OpRAGServicer(oprag_pb2_grpc.OpRAGServicer):
         method = "rrf" if f.method == oprag_pb2.RRF else "minmax"
         wd, wl = f.dense_weight, f.lexical_weight
         for name, w in (("dense_weight", wd), ("lexical_weight", wl)):
-            if not math.isfinite(w) or w < 0:
-                raise InvalidArgument(f"fusion.{name} must be a finite number >= 0, got {w}")
+            if not math.isfinite(w) or not 0 <= w <= 1e6:
+                raise InvalidArgument(f"fusion.{name} must be a number in [0, 1e6], got {w}")
         if wd == 0 and wl == 0:
             wd, wl = rcfg.dense_weight, rcfg.lexical_weight
         rrf_k = f.rrf_k or 60

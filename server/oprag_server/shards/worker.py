@@ -149,11 +149,20 @@ class ShardState:
         """Apply a bulk batch of chunks (schema :func:`records.chunk_schema`).
 
         A document whose stored generation differs from the batch's generation is replaced:
-        its old chunks leave the dense index and the postings first.
-        :returns: ``{"added", "removed", "replaced_docs", "delta"}``.
+        its old chunks leave the dense index and the postings first. When the batch holds
+        several versions of one document (the same id sent twice), the last version wins and
+        the earlier ones are never indexed.
+        :returns: ``{"added", "removed", "replaced_docs", "doc_ids", "delta"}``.
         """
         cols = {name: table.column(name).to_pylist() for name in table.column_names if name != "vector"}
         vecs = records.vectors_of(table)
+        last_gen: dict[str, int] = {}
+        for doc_id, g in zip(cols["doc_id"], cols["generation"]):
+            last_gen[doc_id] = int(g)
+        keep_rows = [i for i, (d, g) in enumerate(zip(cols["doc_id"], cols["generation"])) if int(g) == last_gen[d]]
+        if len(keep_rows) != len(cols["doc_id"]):
+            cols = {k: [v[i] for i in keep_rows] for k, v in cols.items()}
+            vecs = vecs[keep_rows]
         removed = 0
         replaced = 0
         new_slots = []
@@ -661,7 +670,9 @@ class ShardState:
 def run(shard_id: int, conn, dim: int, data_dir: str | None, stem: bool, committed: set[str] | None = None) -> None:
     """Process entry point: load the snapshot, report READY with stats, serve requests until
     ``shutdown`` (which snapshots first) or the pipe closes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend decides when shards stop
+    # the frontend decides when shards stop (a group SIGINT/SIGTERM must not kill them first)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         import faiss
 
@@ -691,4 +702,5 @@ def run(shard_id: int, conn, dim: int, data_dir: str | None, stem: bool, committ
             res = state.handle(op, args)
             conn.send((req_id, True, res))
         except Exception as exc:  # noqa: BLE001 - never let a bad request kill the shard
-            conn.send((req_id, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}"))
+            traceback.print_exc()  # to the service log; the client gets the message only
+            conn.send((req_id, False, f"{type(exc).__name__}: {exc}"))
