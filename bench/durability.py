@@ -116,9 +116,9 @@ def shard_kill_trials(n: int, docs: int) -> dict:
             st = c.stats()
             if st.documents < docs:
                 log(f"ingesting {docs} short documents for the shard-kill trials")
-                for b in range(st.documents, docs, 2000):
+                for b in range(st.documents, docs, 500):
                     c.ingest([Doc(f"sk{i}", f"Harbour record {i} lists tide {i % 97} and wind {i % 13}.")
-                              for i in range(b, min(docs, b + 2000))])
+                              for i in range(b, min(docs, b + 500))], timeout=900)
                 srv.stop()  # snapshot, so restarts load a snapshot like a long-running shard would
                 srv.start()
             chunks = c.stats().shards[0].chunks

@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="run the embedder through torch.compile with fixed bucket shapes")
     s.add_argument("--chunk-size", type=int, default=900, help="characters per chunk")
     s.add_argument("--chunk-overlap", type=int, default=0, help="characters shared by consecutive chunks")
-    s.add_argument("--candidates", type=int, default=128, help="dense candidates N of dense-first hybrid")
+    s.add_argument("--candidates", type=int, default=256, help="dense candidates N of dense-first hybrid")
     s.add_argument("--monitor-fraction", type=float, default=0.05,
                    help="share of dense-first queries re-run in exact mode to export pruning Recall@k")
     s.add_argument("--max-batch", type=int, default=8, help="queries per scheduler batch")

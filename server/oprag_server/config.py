@@ -50,7 +50,7 @@ class RetrievalConfig:
 
     default_top_k: int = 5
     max_top_k: int = 100
-    candidates: int = 128
+    candidates: int = 256
     max_candidates: int = 4096
     dense_weight: float = 0.5
     lexical_weight: float = 0.5

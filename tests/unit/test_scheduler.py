@@ -26,6 +26,7 @@ def test_policy_waits_then_closes_on_size_or_age():
     assert d.take == 0 and d.wait_s == pytest.approx(0.006)
     assert p.decide(2, 0.01).take == 2
     assert p.decide(9, 0.0).take == 4
+    assert p.decide(2, 0.0, downstream_busy=False).take == 2  # nothing to overlap with: no waiting
     with pytest.raises(ValueError):
         BatchPolicy(0, 0.1)
 

@@ -282,8 +282,9 @@ class IngestPipeline:
         busy["upsert"] += time.perf_counter() - t
         res.elapsed_ms = (time.perf_counter() - t0) * 1000
         res.stage_seconds = busy
-        for stage in ("transform", "embed", "upsert"):
-            self.metrics.stage_seconds.labels(stage=stage).observe(busy[stage])
+        # embed (per forward pass, in the embed worker) and upsert (per staged batch) are observed
+        # where they happen; transform is observed once per stream here
+        self.metrics.stage_seconds.labels(stage="transform").observe(busy["transform"])
         return res
 
     def _transform(self, docs: list[_Doc], res: IngestResult) -> list[_Chunk]:

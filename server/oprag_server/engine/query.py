@@ -128,6 +128,7 @@ class QueryEngine:
         self._batch_ids = 0
         self._tasks: list[asyncio.Task] = []
         self._gen_time_ewma = 0.5
+        self._generating = 0  # batches handed to the generator and not finished
         self.monitor_fraction = monitor_fraction
         self.monitor_max_inflight = monitor_max_inflight
         self._monitor_credit = 0.0
@@ -181,7 +182,7 @@ class QueryEngine:
             while self._waiting and self._waiting[0].cancelled:
                 self._finish(self._waiting.popleft())
             age = time.perf_counter() - self._waiting[0].enqueued if self._waiting else 0.0
-            d = self.policy.decide(len(self._waiting), age)
+            d = self.policy.decide(len(self._waiting), age, downstream_busy=self._generating > 0)
             if d.take:
                 batch = [self._waiting.popleft() for _ in range(d.take)]
                 self.metrics.queue_depth.labels(queue="query").set(len(self._waiting))
@@ -212,6 +213,8 @@ class QueryEngine:
                     self._finish(j)
             if gen:
                 done = loop.create_future()
+                self._generating += 1
+                done.add_done_callback(lambda _: self._dec_generating())
                 await self._gen_queue.put((gen, done))
                 if not self.cfg.overlap:
                     await done
@@ -281,6 +284,10 @@ class QueryEngine:
             j.marks["prep_end"] = now
             if j.events is not None:
                 j.events.put_nowait(("sources", j))
+
+    def _dec_generating(self) -> None:
+        self._generating -= 1
+        self._arrived.set()  # a waiting batch may close now
 
     # ------------------------------------------------------------------ pruning-loss monitor
     def _sample_for_monitor(self, jobs: list[QueryJob]) -> None:

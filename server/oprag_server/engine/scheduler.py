@@ -37,10 +37,12 @@ class BatchPolicy:
         if self.max_wait_s < 0:
             raise ValueError(f"max_wait_s must be >= 0, got {self.max_wait_s}")
 
-    def decide(self, queue_len: int, oldest_age_s: float) -> BatchDecision:
+    def decide(self, queue_len: int, oldest_age_s: float, downstream_busy: bool = True) -> BatchDecision:
+        """:param downstream_busy: whether the generator still works on an earlier batch. When
+            it is idle, waiting for company only adds latency, so a batch closes at once."""
         if queue_len <= 0:
             return BatchDecision(0, math.inf)
-        if queue_len >= self.max_batch or oldest_age_s >= self.max_wait_s:
+        if queue_len >= self.max_batch or oldest_age_s >= self.max_wait_s or not downstream_busy:
             return BatchDecision(min(queue_len, self.max_batch), 0.0)
         return BatchDecision(0, self.max_wait_s - oldest_age_s)
 

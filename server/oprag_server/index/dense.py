@@ -132,7 +132,12 @@ class DenseIndex:
         :returns: float32[B, n] in row order (see :attr:`slots`).
         """
         q = as_query_matrix(queries, self.dim)
-        return q @ self._vecs[: self._n].T if self._n else np.zeros((q.shape[0], 0), np.float32)
+        if not self._n:
+            return np.zeros((q.shape[0], 0), np.float32)
+        live = self._vecs[: self._n]
+        # one matrix-vector product per query: measured several times faster here than one
+        # small-batch matrix product with this OpenBLAS build
+        return np.stack([live @ q[i] for i in range(q.shape[0])])
 
     def score_slots(self, query: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """float32[M]: inner product of one query float32[D] with the given live slots."""

@@ -108,6 +108,76 @@ def _cands(reply: dict, shard: int) -> list[_Cand]:
     ]
 
 
+@dataclass
+class _Cols:
+    """Candidates of several shards as parallel arrays (no per-candidate Python objects)."""
+
+    shard: np.ndarray
+    slot: np.ndarray
+    ids: list[str]
+    dense: np.ndarray
+    lexical: np.ndarray
+
+    @classmethod
+    def of(cls, parts: list[tuple[int, dict]]) -> "_Cols":
+        if not parts:
+            z = np.zeros(0)
+            return cls(z.astype(np.int64), z.astype(np.int64), [], z, z)
+        return cls(
+            np.concatenate([np.full(len(p["slots"]), s, dtype=np.int64) for s, p in parts]),
+            np.concatenate([np.asarray(p["slots"], dtype=np.int64) for _, p in parts]),
+            [cid for _, p in parts for cid in p["chunk_ids"]],
+            np.concatenate([np.asarray(p["dense"], dtype=np.float64) for _, p in parts]),
+            np.concatenate([np.asarray(p["lexical"], dtype=np.float64) for _, p in parts]),
+        )
+
+    def take(self, idx) -> "_Cols":
+        idx = np.asarray(idx, dtype=np.int64)
+        return _Cols(self.shard[idx], self.slot[idx], [self.ids[i] for i in idx.tolist()], self.dense[idx],
+                     self.lexical[idx])
+
+    def cand(self, i: int, score: float, dense_rank: int, lexical_rank: int) -> _Cand:
+        return _Cand(int(self.shard[i]), int(self.slot[i]), self.ids[i], float(self.dense[i]), float(self.lexical[i]),
+                     score, dense_rank, lexical_rank)
+
+
+def _rank_lists(c: _Cols, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Indices of the top-n by dense, and of the top-n by BM25 among positive BM25 scores."""
+    d = np.asarray(top_k_order(c.dense, c.ids, n), dtype=np.int64)
+    pos = np.nonzero(c.lexical > 0)[0]
+    lx = pos[top_k_order(c.lexical[pos], [c.ids[i] for i in pos.tolist()], n)] if pos.size else pos
+    return d, np.asarray(lx, dtype=np.int64)
+
+
+def _fuse_cols(c: _Cols, d_order: np.ndarray, l_order: np.ndarray, spec: RetrieveSpec,
+               dense_range=None, lexical_range=None) -> list[_Cand]:
+    """Fuse every row of ``c`` given its dense and BM25 list orders; return the top-k."""
+    if not c.ids:
+        return []
+    drank = np.zeros(len(c.ids), dtype=np.int64)
+    lrank = np.zeros(len(c.ids), dtype=np.int64)
+    drank[d_order] = np.arange(1, len(d_order) + 1)
+    lrank[l_order] = np.arange(1, len(l_order) + 1)
+    if spec.fusion == "rrf":
+        k = float(spec.rrf_k)
+        scores = np.where(drank > 0, spec.dense_weight / (k + drank), 0.0) + \
+            np.where(lrank > 0, spec.lexical_weight / (k + lrank), 0.0)
+    else:
+        scores = fuse_minmax(c.dense, c.lexical, dense_range=dense_range or minmax_params(c.dense),
+                             lexical_range=lexical_range or minmax_params(c.lexical),
+                             dense_weight=spec.dense_weight, lexical_weight=spec.lexical_weight)
+    return [c.cand(i, float(scores[i]), int(drank[i]), int(lrank[i])) for i in top_k_order(scores, c.ids, spec.top_k)]
+
+
+def _rank_of(score: float, cid: str, scores: np.ndarray, ids: list[str], n: int, positive_only: bool) -> int:
+    """1-based rank of (score, cid) within the top-n of a (score desc, id asc) list; 0 outside."""
+    if positive_only and not score > 0:
+        return 0
+    better = int(np.count_nonzero(scores > score)) + sum(1 for i in np.nonzero(scores == score)[0].tolist()
+                                                         if ids[i] < cid)
+    return better + 1 if better < n else 0
+
+
 def _ranked(cands: list[_Cand], key: str, n: int, positive_only: bool = False) -> list[_Cand]:
     """Top-n of ``cands`` by ``key`` desc, ties by chunk id (BM25 lists keep scores > 0 only)."""
     if positive_only:
@@ -116,41 +186,6 @@ def _ranked(cands: list[_Cand], key: str, n: int, positive_only: bool = False) -
         return []
     order = top_k_order(np.array([getattr(c, key) for c in cands]), [c.chunk_id for c in cands], n)
     return [cands[i] for i in order]
-
-
-def _dedupe(cands: list[_Cand]) -> dict[str, _Cand]:
-    out: dict[str, _Cand] = {}
-    for c in cands:
-        out.setdefault(c.chunk_id, c)
-    return out
-
-
-def _fuse(pool: list[_Cand], dense_list: list[_Cand], lexical_list: list[_Cand], spec: RetrieveSpec) -> list[_Cand]:
-    """Set ranks from the two lists, fuse over ``pool`` and return the top-k."""
-    dr = {c.chunk_id: i + 1 for i, c in enumerate(dense_list)}
-    lr = {c.chunk_id: i + 1 for i, c in enumerate(lexical_list)}
-    for c in pool:
-        c.dense_rank, c.lexical_rank = dr.get(c.chunk_id, 0), lr.get(c.chunk_id, 0)
-    if not pool:
-        return []
-    if spec.fusion == "rrf":
-        k = float(spec.rrf_k)
-        scores = np.array([
-            (spec.dense_weight / (k + c.dense_rank) if c.dense_rank else 0.0)
-            + (spec.lexical_weight / (k + c.lexical_rank) if c.lexical_rank else 0.0)
-            for c in pool
-        ])
-    else:
-        dense = np.array([c.dense for c in pool])
-        lex = np.array([c.lexical for c in pool])
-        scores = fuse_minmax(dense, lex, dense_range=minmax_params(dense), lexical_range=minmax_params(lex),
-                             dense_weight=spec.dense_weight, lexical_weight=spec.lexical_weight)
-    order = top_k_order(scores, [c.chunk_id for c in pool], spec.top_k)
-    out = []
-    for i in order:
-        pool[i].score = float(scores[i])
-        out.append(pool[i])
-    return out
 
 
 class Retriever:
@@ -230,10 +265,14 @@ class Retriever:
         return hits, {"retrieve": total - rerank, "rerank": rerank}, infos
 
     def _merge(self, replies: dict[int, list[dict]], j: int, spec: RetrieveSpec) -> list[_Cand]:
-        cands = [c for shard, rep in replies.items() for c in _cands(rep[j], shard)]
         if spec.mode == "hybrid":  # dense-first: global dense top-N, BM25 of those, fused
-            window = _ranked(cands, "dense", spec.candidates)
-            return _fuse(list(window), window, _ranked(window, "lexical", spec.candidates, True), spec)
+            allc = _Cols.of([(s, rep[j]) for s, rep in replies.items()])
+            win = allc.take(top_k_order(allc.dense, allc.ids, spec.candidates))
+            if not win.ids:
+                return []
+            d_order, l_order = _rank_lists(win, spec.candidates)
+            return _fuse_cols(win, d_order, l_order, spec, *self._dense_first_ranges(replies, j, win))
+        cands = [c for shard, rep in replies.items() for c in _cands(rep[j], shard)]
         key = "lexical" if spec.mode == "lexical" else "dense"
         top = _ranked(cands, key, spec.top_k)
         dl = _ranked(top, "dense", spec.top_k)
@@ -245,10 +284,17 @@ class Retriever:
             c.dense_rank, c.lexical_rank = dr.get(c.chunk_id, 0), lr.get(c.chunk_id, 0)
         return top
 
-    def _global_lists(self, replies: dict[int, list[dict]], j: int, n: int) -> tuple[list[_Cand], list[_Cand]]:
-        dense = [c for s, rep in replies.items() for c in _cands(rep[j]["dense_list"], s)]
-        lex = [c for s, rep in replies.items() for c in _cands(rep[j]["lexical_list"], s)]
-        return _ranked(dense, "dense", n), _ranked(lex, "lexical", n, True)
+    @staticmethod
+    def _dense_first_ranges(replies: dict[int, list[dict]], j: int, window: _Cols):
+        """Normalisation ranges of dense-first fusion, chosen to agree with exact mode:
+        dense ``[corpus minimum estimated from each shard's fixed vector sample, top score]``;
+        BM25 ``[0, best candidate]`` (most chunks contain no query term, so the corpus minimum
+        is 0), or the window's own range when the window is the whole eligible corpus."""
+        est = [rep[j].get("dmin_est", np.inf) for rep in replies.values()]
+        dmin = min([float(window.dense.min()), *est])
+        whole = len(window.ids) >= sum(rep[j]["n"] for rep in replies.values())
+        lmin = float(window.lexical.min()) if whole else min(0.0, float(window.lexical.min()))
+        return (dmin, float(window.dense.max())), (lmin, float(window.lexical.max()))
 
     async def _full_minmax(self, common: dict, specs: list[RetrieveSpec]):
         token = f"full-{next(self._tokens)}"
@@ -281,11 +327,11 @@ class Retriever:
                     c.score = f
                     cands.append(c)
             top = _ranked(cands, "score", spec.top_k)
-            dl, ll = self._global_lists(r2, j, spec.candidates)
-            dr = {c.chunk_id: i + 1 for i, c in enumerate(dl)}
-            lr = {c.chunk_id: i + 1 for i, c in enumerate(ll)}
+            dl = _Cols.of([(s, rep[j]["dense_list"]) for s, rep in r2.items()])
+            ll = _Cols.of([(s, rep[j]["lexical_list"]) for s, rep in r2.items()])
             for c in top:
-                c.dense_rank, c.lexical_rank = dr.get(c.chunk_id, 0), lr.get(c.chunk_id, 0)
+                c.dense_rank = _rank_of(c.dense, c.chunk_id, dl.dense, dl.ids, spec.candidates, False)
+                c.lexical_rank = _rank_of(c.lexical, c.chunk_id, ll.lexical, ll.ids, spec.candidates, True)
             out.append(top)
         return out, searched, dt + time.perf_counter() - t, missing + missing2
 
@@ -296,9 +342,22 @@ class Retriever:
         out, searched = [], []
         for j, spec in enumerate(specs):
             searched.append(sum(rep[j]["n"] for rep in replies.values()))
-            dl, ll = self._global_lists(replies, j, spec.candidates)
-            pool = list(_dedupe(dl + ll).values())
-            out.append(_fuse(pool, dl, ll, spec))
+            dl = _Cols.of([(s, rep[j]["dense_list"]) for s, rep in replies.items()])
+            ll = _Cols.of([(s, rep[j]["lexical_list"]) for s, rep in replies.items()])
+            dl = dl.take(top_k_order(dl.dense, dl.ids, spec.candidates))
+            pos = np.nonzero(ll.lexical > 0)[0]
+            ll = ll.take(pos[top_k_order(ll.lexical[pos], [ll.ids[i] for i in pos.tolist()], spec.candidates)]
+                         if pos.size else pos)
+            both = _Cols(np.concatenate([dl.shard, ll.shard]), np.concatenate([dl.slot, ll.slot]), dl.ids + ll.ids,
+                         np.concatenate([dl.dense, ll.dense]), np.concatenate([dl.lexical, ll.lexical]))
+            first = {}
+            for i, cid in enumerate(both.ids):
+                first.setdefault(cid, i)
+            rows = both.take(list(first.values()))
+            at = {cid: i for i, cid in enumerate(rows.ids)}
+            d_order = np.asarray([at[c] for c in dl.ids], dtype=np.int64)
+            l_order = np.asarray([at[c] for c in ll.ids], dtype=np.int64)
+            out.append(_fuse_cols(rows, d_order, l_order, spec))
         return out, searched, time.perf_counter() - t, missing
 
     async def _materialise(self, results: list[list[_Cand]]) -> tuple[list[list[Hit]], list[set[int]]]:

@@ -272,6 +272,7 @@ class ShardState:
         allowed = [self.allowed(f) for f in filters]
         out = []
         if mode in ("hybrid", "dense"):
+            dmin_est = self._dense_min_estimate(q)
             plain = [i for i, a in enumerate(allowed) if a is None]
             faiss_res = {}
             if plain:
@@ -281,7 +282,8 @@ class ShardState:
                 slots, dense = faiss_res[i] if i in faiss_res else self._dense_top(q[i], n, allowed[i])
                 lex = self.postings.score(slots, args["terms"][i], args["idf"][i], avgdl, k1, b)
                 eligible = len(self.dense) if allowed[i] is None else int(allowed[i].size)
-                out.append({"slots": slots, "chunk_ids": self._ids(slots), "dense": dense, "lexical": lex, "n": eligible})
+                out.append({"slots": slots, "chunk_ids": self._ids(slots), "dense": dense, "lexical": lex, "n": eligible,
+                            "dmin_est": float(dmin_est[i])})
         elif mode == "lexical":
             for i in range(q.shape[0]):
                 slots, lex = self.postings.score_all(args["terms"][i], args["idf"][i], avgdl, k1, b)
@@ -298,6 +300,18 @@ class ShardState:
         else:
             raise ValueError(f"unknown search mode {mode!r}")
         return out
+
+    SAMPLE = 512
+
+    def _dense_min_estimate(self, q: np.ndarray) -> np.ndarray:
+        """float64[B]: the lowest inner product of each query with a fixed strided sample of at
+        most :attr:`SAMPLE` of this shard's vectors (all of them when the shard is smaller): a
+        cheap estimate of the corpus-wide dense minimum that dense-first fusion normalises with."""
+        n = len(self.dense)
+        if n == 0:
+            return np.full(q.shape[0], np.inf)
+        sample = self.dense.vectors[:: max(1, -(-n // self.SAMPLE))]
+        return (q @ sample.T).min(axis=1).astype(np.float64)
 
     def _exact_scores(self, args: dict, q: np.ndarray) -> list[tuple]:
         """Every eligible chunk's dense and BM25 score, per query.
