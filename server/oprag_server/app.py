@@ -93,6 +93,9 @@ def _check_port(host: str, port: int, what: str) -> None:
         return
     fam = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(fam, socket.SOCK_STREAM) as s:
+        # SO_REUSEADDR: a port left in TIME_WAIT by a server that just stopped is free to use;
+        # on Linux a port with a live listener still fails
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as exc:

@@ -40,7 +40,7 @@ class ServerProcess:
             start_new_session=True,  # its own process group: kill9() takes the shard processes too
         )
         threading.Thread(target=self._pump, daemon=True).start()
-        if not self._ready.wait(timeout):
+        if not self._ready.wait(timeout) or self.proc.poll() is not None:
             self.stop()
             raise RuntimeError("server did not become ready:\n" + "".join(self.lines[-50:]))
         return self

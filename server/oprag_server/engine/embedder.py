@@ -1,8 +1,8 @@
 """The embed worker: one persistent thread that owns the encoder, fed by two priority queues.
 
 Query embeddings always go first; ingest chunks from every concurrent stream are pooled and
-cut into batches grouped by token length (across documents and across streams), so padding
-stays small and a query never waits behind more than one ingest batch. While queries are
+cut into batches of similar token length (across documents and across streams: the longest
+pending chunks go first), so padding stays small and a query never waits behind more than one ingest batch. While queries are
 arriving, ingest batches shrink to ``small_batch`` chunks, bounding how long a query can wait.
 """
 
@@ -94,7 +94,13 @@ class EmbedWorker:
                         r.future.set_result(vecs[o : o + len(r.texts)])
                     o += len(r.texts)
                 continue
-            await self._ingest_batch(loop)
+            try:
+                await self._ingest_batch(loop)
+            except Exception as exc:  # noqa: BLE001 - fail the waiting streams, keep the worker alive
+                for r, _ in self._ingest:
+                    if not r.future.done():
+                        r.future.set_exception(exc)
+                self._ingest = []
 
     async def _ingest_batch(self, loop) -> None:
         # drop requests whose stream went away
@@ -107,15 +113,12 @@ class EmbedWorker:
             size = self.small_batch
             if self.slice_s and self._per_chunk_s > 0:
                 size = max(1, int(self.slice_s / self._per_chunk_s))
-        # pool pending chunks of every stream, take the `size` longest-waiting ones, group by length
-        picked: list[tuple[int, int]] = []  # (request index, chunk index)
-        for ri, (r, start) in enumerate(self._ingest):
-            for ci in range(start, len(r.ids)):
-                if len(picked) >= size:
-                    break
-                picked.append((ri, ci))
-            if len(picked) >= size:
-                break
+        # pool the pending chunks of every stream and take `size` of them with similar token
+        # lengths (longest first), so batches carry little padding
+        pending = [(len(r.ids[ci]), ri, ci) for ri, (r, start) in enumerate(self._ingest)
+                   for ci in range(start, len(r.ids)) if getattr(r, "done_mask", None) is None or not r.done_mask[ci]]
+        pending.sort(key=lambda x: (-x[0], x[1], x[2]))
+        picked = [(ri, ci) for _, ri, ci in pending[:size]]
         ids = [self._ingest[ri][0].ids[ci] for ri, ci in picked]
         t = time.perf_counter()
         try:
@@ -137,17 +140,16 @@ class EmbedWorker:
             r, _ = self._ingest[ri]
             if not hasattr(r, "out"):
                 r.out = np.zeros((len(r.ids), vecs.shape[1]), dtype=np.float32)
+                r.done_mask = np.zeros(len(r.ids), dtype=bool)
             r.out[ci] = v
-        advanced = {}
-        for ri, ci in picked:
-            advanced[ri] = max(advanced.get(ri, 0), ci + 1)
+            r.done_mask[ci] = True
         keep = []
-        for ri, (r, start) in enumerate(self._ingest):
-            nxt = advanced.get(ri, start)
-            if nxt >= len(r.ids):
+        for r, start in self._ingest:
+            if getattr(r, "done_mask", None) is not None and r.done_mask.all():
                 if not r.future.done():
-                    r.future.set_result(getattr(r, "out", np.zeros((0, self.encoder.dim), np.float32)))
+                    r.future.set_result(r.out)
             else:
-                keep.append((r, nxt))
+                keep.append((r, start))
         self._ingest = keep
-        self.metrics.queue_depth.labels(queue="embed_ingest").set(sum(len(r.ids) - i for r, i in self._ingest))
+        self.metrics.queue_depth.labels(queue="embed_ingest").set(
+            sum(len(r.ids) - int(r.done_mask.sum()) if hasattr(r, "done_mask") else len(r.ids) for r, _ in self._ingest))

@@ -234,8 +234,9 @@ class IngestPipeline:
                 if ready:  # unchanged chunks carry their stored vector: no embedding
                     pending = [c for c in pending if c.vector is None]
                     await q_vecs.put((ready, np.stack([c.vector for c in ready])))
-                while len(pending) >= self.embed_batch or (done and pending):
-                    take, pending = pending[: self.embed_batch * 4], pending[self.embed_batch * 4 :]
+                # hand the embed worker windows of up to 16 batches: it sorts them by length
+                while len(pending) >= self.embed_batch * 16 or (done and pending):
+                    take, pending = pending[: self.embed_batch * 16], pending[self.embed_batch * 16 :]
                     t = time.perf_counter()
                     vecs = await self.embedder.embed_chunks([c.ids for c in take])
                     busy["embed"] += time.perf_counter() - t
