@@ -29,6 +29,13 @@ def _client(a, **kw) -> OpRAGClient:
                        tls_key=a.client_key, **kw)
 
 
+def _count(text: str) -> int:
+    v = int(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="oprag", description="OpRAG: multi-stage RAG runtime over gRPC")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -68,6 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--tls-client-ca", type=Path, default=None, help="require client certificates signed by this CA")
     s.add_argument("--tokens-file", type=Path, default=None,
                    help="bearer tokens, one per line (also OPRAG_TOKENS=tok1,tok2); then every RPC but health needs one")
+    s.add_argument("--shutdown-grace", type=float, default=10.0, help="seconds SIGTERM waits for in-flight requests")
     s.add_argument("--log-level", default="INFO")
 
     i = sub.add_parser("ingest", help="stream documents into the service")
@@ -80,11 +88,11 @@ def _parser() -> argparse.ArgumentParser:
 
     q = sub.add_parser("query", help="ask a question")
     _add_server(q)
-    q.add_argument("--top-k", type=int, default=0)
+    q.add_argument("--top-k", type=_count, default=0)
     q.add_argument("--mode", choices=list(MODES), default="hybrid")
     q.add_argument("--session", default="")
-    q.add_argument("--max-new-tokens", type=int, default=0)
-    q.add_argument("--candidates", type=int, default=0)
+    q.add_argument("--max-new-tokens", type=_count, default=0)
+    q.add_argument("--candidates", type=_count, default=0)
     q.add_argument("--no-generate", action="store_true", help="retrieve only")
     q.add_argument("--json", action="store_true")
     q.add_argument("question", nargs="+")
@@ -144,6 +152,7 @@ def cmd_serve(a) -> int:
             metrics_port=a.metrics_port,
             data_dir=Path(a.data_dir),
             shards=a.shards,
+            shutdown_grace_s=a.shutdown_grace,
             chunking=ChunkingConfig(size=a.chunk_size, overlap=a.chunk_overlap),
             bm25=BM25Config(stem=a.stem),
             retrieval=RetrievalConfig(candidates=a.candidates, monitor_fraction=a.monitor_fraction),
@@ -202,11 +211,13 @@ def cmd_ingest(a) -> int:
     except grpc.RpcError as exc:
         bar.close()
         return _rpc_error(exc)
-    except (ValueError, FileNotFoundError, OSError) as exc:
+    except (ValueError, TypeError, FileNotFoundError, OSError) as exc:
         bar.close()
         return _fail(str(exc))
     bar.close()
     el = time.perf_counter() - t0
+    if totals["documents"] == 0 and not totals["rejected"]:
+        return _fail(f"no documents found in {' '.join(map(str, a.paths))} with --format {a.format}")
     summary = {
         "documents": totals["documents"],
         "chunks": totals["chunks"],
@@ -363,6 +374,14 @@ def cmd_health(a) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
+    try:
+        return _dispatch(a)
+    except BrokenPipeError:  # e.g. `oprag stats | head`
+        sys.stderr.close()
+        return 0
+
+
+def _dispatch(a) -> int:
     return {
         "serve": cmd_serve,
         "ingest": cmd_ingest,

@@ -37,7 +37,8 @@ class Doc:
 
     def to_pb(self) -> oprag_pb2.Document:
         return oprag_pb2.Document(
-            id=self.id, title=self.title, text=self.text, metadata={str(k): str(v) for k, v in self.metadata.items()}
+            id=self.id, title=self.title, text=self.text,
+            metadata={str(k): str(v) for k, v in self.metadata.items() if v is not None},
         )
 
 
@@ -96,7 +97,7 @@ def query_request(question: str, *, top_k: int = 0, mode: str = "hybrid", sessio
     if fusion not in FUSIONS:
         raise ValueError(f"unknown fusion {fusion!r}: use one of {', '.join(FUSIONS)}")
     flt = [
-        oprag_pb2.MetadataFilter(key=k, values=[v] if isinstance(v, str) else list(v))
+        oprag_pb2.MetadataFilter(key=k, values=[str(x) for x in v] if isinstance(v, (list, tuple, set)) else [str(v)])
         for k, v in (filters or {}).items()
     ]
     return oprag_pb2.QueryRequest(
@@ -174,7 +175,27 @@ class OpRAGClient:
         grpc.channel_ready_future(self.channel).result(timeout=timeout)
 
     def ingest(self, docs: Iterable[Any], *, timeout: float | None = None) -> oprag_pb2.IngestResponse:
-        return self.stub.Ingest(ingest_messages(docs, self.max_message_bytes), timeout=timeout or self.timeout, metadata=self.md)
+        """Stream documents in one all-or-nothing Ingest call.
+
+        :raises ValueError | TypeError: a document is too large or of the wrong type (nothing is
+            stored: the stream ends without its final message).
+        :raises grpc.RpcError: the server's status.
+        """
+        failed: list[BaseException] = []
+
+        def messages():
+            try:
+                yield from ingest_messages(docs, self.max_message_bytes)
+            except Exception as exc:  # noqa: BLE001 - re-raised below with its own type
+                failed.append(exc)
+                raise
+
+        try:
+            return self.stub.Ingest(messages(), timeout=timeout or self.timeout, metadata=self.md)
+        except grpc.RpcError:
+            if failed:
+                raise failed[0] from None
+            raise
 
     def query(self, question: str, *, timeout: float | None = None, **kw) -> oprag_pb2.QueryResponse:
         return self.stub.Query(query_request(question, **kw), timeout=timeout or self.timeout, metadata=self.md)

@@ -25,17 +25,37 @@ def _metadata(m) -> dict[str, str]:
     return {str(k): v if isinstance(v, str) else json.dumps(v, sort_keys=True) for k, v in m.items()}
 
 
+def _read_text(f: Path) -> str | None:
+    """UTF-8 text of a file, or None (with a warning) for binary or non-UTF-8 content."""
+    import sys
+
+    data = f.read_bytes()
+    if b"\x00" in data:
+        print(f"oprag: skipping {f}: binary or UTF-16 content", file=sys.stderr)
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        print(f"oprag: skipping {f}: not UTF-8", file=sys.stderr)
+        return None
+
+
 def load_text(paths: list[Path]) -> Iterator[Doc]:
-    """Plain text files (a directory is searched recursively for .txt/.md/.rst files).
-    The id is the path relative to the given directory (or the file name); the title is the
-    file stem."""
+    """Plain UTF-8 text files (a directory is searched recursively for .txt/.md/.rst files).
+    The id is the path relative to the given directory (or the file name), so two folders with
+    the same relative file names collide (the last one wins); the title is the file stem.
+    Binary and non-UTF-8 files are skipped with a warning."""
     for p in paths:
         if p.is_dir():
             files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES)
             for f in files:
-                yield Doc(id=str(f.relative_to(p)), title=f.stem, text=f.read_text(encoding="utf-8", errors="replace"))
+                text = _read_text(f)
+                if text is not None:
+                    yield Doc(id=str(f.relative_to(p)), title=f.stem, text=text)
         elif p.is_file():
-            yield Doc(id=p.name, title=p.stem, text=p.read_text(encoding="utf-8", errors="replace"))
+            text = _read_text(p)
+            if text is not None:
+                yield Doc(id=p.name, title=p.stem, text=text)
         else:
             raise FileNotFoundError(f"{p}: no such file or directory")
 

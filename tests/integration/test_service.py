@@ -189,6 +189,15 @@ def test_bad_requests_get_invalid_argument(client, ingested, server):
     assert server.alive() and client.health() == "SERVING"
 
 
+def test_client_reports_bad_documents_with_python_errors(client, ingested):
+    before = client.stats().documents
+    with pytest.raises(ValueError, match="split it"):
+        client.ingest([Doc("ok", "fine"), Doc("big", "x" * (40 * 1024 * 1024))])
+    with pytest.raises(TypeError):
+        client.ingest([Doc("ok2", "fine"), 42])
+    assert client.stats().documents == before  # the aborted streams stored nothing
+
+
 def test_oversized_message_is_refused_not_fatal(server, client, ingested):
     with OpRAGClient(server.target, max_message_bytes=64 * 1024 * 1024) as big:
         with pytest.raises(grpc.RpcError) as ei:

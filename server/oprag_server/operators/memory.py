@@ -100,8 +100,10 @@ class Memory:
                 if titles:
                     memory_text += f" (sources: {'; '.join(titles)})"
                 if is_follow_up(questions[i]):
-                    subject = " ".join(titles) if titles else last["question"]
-                    out[i] = MemoryContext(f"{questions[i]} {subject} {last['question']}", memory_text, len(turns))
+                    # name the subject once (the previous turn's top source title, else its
+                    # question): more would drown the detail the follow-up asks about
+                    subject = titles[0] if titles else last["question"]
+                    out[i] = MemoryContext(f"{questions[i]} ({subject})", memory_text, len(turns))
                 else:
                     out[i] = MemoryContext(questions[i], memory_text, len(turns))
         return out

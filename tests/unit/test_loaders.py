@@ -1,0 +1,36 @@
+"""Client-side loaders and evaluation metrics."""
+
+from __future__ import annotations
+
+import math
+
+from oprag_client.evaluate import doc_ranking, mrr_at_k, ndcg_at_k, recall_at_k
+from oprag_client.loaders import load_text, wikitext_articles
+
+
+def test_text_loader_skips_binary_and_non_utf8(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("héllo", encoding="utf-8")
+    (tmp_path / "b.txt").write_bytes(b"\x00\x01binary")
+    (tmp_path / "c.md").write_bytes("caf\xe9".encode("latin-1"))
+    (tmp_path / "d.bin").write_text("ignored suffix")
+    docs = list(load_text([tmp_path]))
+    assert [(d.id, d.text) for d in docs] == [("a.txt", "héllo")]
+    err = capsys.readouterr().err
+    assert "b.txt" in err and "c.md" in err
+
+
+def test_wikitext_articles_split_and_detokenise():
+    text = " = Alpha = \n\n Alpha is a 3 @,@ 000 @-@ year @-@ old city . \n = = History = = \n Old . \n = Beta = \n Beta . \n"
+    arts = list(wikitext_articles(text))
+    assert [t for t, _ in arts] == ["Alpha", "Beta"]
+    assert "3,000-year-old" in arts[0][1] and "= = History = =" in arts[0][1]
+
+
+def test_ir_metrics_follow_their_definitions():
+    ranked = doc_ranking(["d3", "d1", "d3", "d2"])
+    assert ranked == ["d3", "d1", "d2"]
+    rels = {"d1": 1, "d2": 1}
+    assert ndcg_at_k(ranked, rels, 10) == (1 / math.log2(3) + 1 / math.log2(4)) / (1 + 1 / math.log2(3))
+    assert recall_at_k(ranked, rels, 2) == 0.5
+    assert mrr_at_k(ranked, rels, 10) == 0.5
+    assert mrr_at_k(ranked, {"zz": 1}, 10) == 0.0
