@@ -35,42 +35,56 @@ class InvalidArgument(ValueError):
     pass
 
 
-def _observed(method: str):
-    """Count the RPC by status code, time it, and turn exceptions into gRPC statuses."""
+def _status_for(exc: Exception, method: str) -> tuple[grpc.StatusCode, str, tuple]:
+    """gRPC status code, message and trailing metadata for an exception raised by a handler."""
+    if isinstance(exc, (InvalidArgument, IngestError, QueryRejected)):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc), ()
+    if isinstance(exc, Overloaded):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), (("retry-after-ms", str(int(exc.retry_after_s * 1000))),)
+    if isinstance(exc, ShardError):
+        return grpc.StatusCode.UNAVAILABLE, f"a shard is unavailable (it is being restarted); retry: {exc}", ()
+    log.exception("%s failed", method)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}", ()
 
+
+class _Observed:
+    """Counts an RPC by status code, times it, and turns exceptions into gRPC statuses."""
+
+    def __init__(self, servicer, method: str, context) -> None:
+        self.servicer, self.method, self.context = servicer, method, context
+        self.code = grpc.StatusCode.OK
+        self.t = time.perf_counter()
+
+    async def handle(self, exc: BaseException) -> None:
+        """Record and re-raise/abort for ``exc`` (always raises)."""
+        if isinstance(exc, grpc.aio.AbortError):
+            self.code = self.context.code() or grpc.StatusCode.UNKNOWN
+            raise exc
+        if isinstance(exc, asyncio.CancelledError) or not isinstance(exc, Exception):  # also GeneratorExit
+            self.code = grpc.StatusCode.CANCELLED
+            raise exc
+        self.code, msg, trailers = _status_for(exc, self.method)
+        if trailers:
+            self.context.set_trailing_metadata(trailers)
+        await self.context.abort(self.code, msg)
+
+    def done(self) -> None:
+        m = self.servicer.metrics
+        m.requests.labels(method=self.method, code=self.code.name).inc()
+        m.request_seconds.labels(method=self.method).observe(time.perf_counter() - self.t)
+
+
+def _observed(method: str):
     def deco(fn):
         @functools.wraps(fn)
         async def wrapper(self, request, context):
-            t = time.perf_counter()
-            code = grpc.StatusCode.OK
+            obs = _Observed(self, method, context)
             try:
                 return await fn(self, request, context)
-            except (InvalidArgument, QueryRejected) as exc:
-                code = grpc.StatusCode.INVALID_ARGUMENT
-                await context.abort(code, str(exc))
-            except IngestError as exc:
-                code = grpc.StatusCode.INVALID_ARGUMENT
-                await context.abort(code, str(exc))
-            except Overloaded as exc:
-                code = grpc.StatusCode.RESOURCE_EXHAUSTED
-                context.set_trailing_metadata((("retry-after-ms", str(int(exc.retry_after_s * 1000))),))
-                await context.abort(code, str(exc))
-            except grpc.aio.AbortError:
-                code = context.code() or grpc.StatusCode.UNKNOWN
-                raise
-            except asyncio.CancelledError:
-                code = grpc.StatusCode.CANCELLED
-                raise
-            except ShardError as exc:
-                code = grpc.StatusCode.UNAVAILABLE
-                await context.abort(code, f"a shard is unavailable (it is being restarted); retry: {exc}")
-            except Exception as exc:  # noqa: BLE001
-                code = grpc.StatusCode.INTERNAL
-                log.exception("%s failed", method)
-                await context.abort(code, f"internal error: {type(exc).__name__}: {exc}")
+            except BaseException as exc:  # noqa: BLE001 - mapped to a status, re-raised
+                await obs.handle(exc)
             finally:
-                self.metrics.requests.labels(method=method, code=code.name).inc()
-                self.metrics.request_seconds.labels(method=method).observe(time.perf_counter() - t)
+                obs.done()
 
         return wrapper
 
@@ -83,34 +97,14 @@ def _observed_stream(method: str):
     def deco(fn):
         @functools.wraps(fn)
         async def wrapper(self, request, context):
-            t = time.perf_counter()
-            code = grpc.StatusCode.OK
+            obs = _Observed(self, method, context)
             try:
                 async for item in fn(self, request, context):
                     yield item
-            except (InvalidArgument, IngestError, QueryRejected) as exc:
-                code = grpc.StatusCode.INVALID_ARGUMENT
-                await context.abort(code, str(exc))
-            except Overloaded as exc:
-                code = grpc.StatusCode.RESOURCE_EXHAUSTED
-                context.set_trailing_metadata((("retry-after-ms", str(int(exc.retry_after_s * 1000))),))
-                await context.abort(code, str(exc))
-            except grpc.aio.AbortError:
-                code = context.code() or grpc.StatusCode.UNKNOWN
-                raise
-            except asyncio.CancelledError:
-                code = grpc.StatusCode.CANCELLED
-                raise
-            except ShardError as exc:
-                code = grpc.StatusCode.UNAVAILABLE
-                await context.abort(code, f"a shard is unavailable (it is being restarted); retry: {exc}")
-            except Exception as exc:  # noqa: BLE001
-                code = grpc.StatusCode.INTERNAL
-                log.exception("%s failed", method)
-                await context.abort(code, f"internal error: {type(exc).__name__}: {exc}")
+            except BaseException as exc:  # noqa: BLE001 - mapped to a status, re-raised
+                await obs.handle(exc)
             finally:
-                self.metrics.requests.labels(method=method, code=code.name).inc()
-                self.metrics.request_seconds.labels(method=method).observe(time.perf_counter() - t)
+                obs.done()
 
         return wrapper
 
