@@ -114,3 +114,27 @@ def test_plaintext_token_from_environment_sync_and_async(tmp_path, monkeypatch):
         asyncio.run(run())
     finally:
         srv.stop()
+
+
+def test_client_certificates_required_with_client_ca(tmp_path):
+    ca, cert, key, other = _certs(tmp_path)
+
+    def run(*args):
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=tmp_path)
+
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "client.key", "-out", "client.csr", "-subj", "/CN=client")
+    run("x509", "-req", "-in", "client.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out",
+        "client.pem", "-days", "2")
+    srv = ServerProcess(tmp_path / "data", free_port(), free_port(), "--generator", "none", "--tls-cert", str(cert),
+                        "--tls-key", str(key), "--tls-client-ca", str(ca)).start()
+    try:
+        target = f"localhost:{srv.port}"
+        with OpRAGClient(target, tls_ca=ca, tls_cert=tmp_path / "client.pem", tls_key=tmp_path / "client.key",
+                         timeout=30) as c:
+            assert c.stats().documents == 0
+        with OpRAGClient(target, tls_ca=ca, timeout=10) as c:  # no client certificate
+            with pytest.raises(grpc.RpcError) as ei:
+                c.stats()
+            assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        srv.stop()
