@@ -60,40 +60,37 @@ def load_text(paths: list[Path]) -> Iterator[Doc]:
             raise FileNotFoundError(f"{p}: no such file or directory")
 
 
+def _json_lines(path: Path, id_key: str, what: str) -> Iterator[Doc]:
+    """Documents of one JSON-lines file whose id is under ``id_key``.
+
+    :raises ValueError: a line is not JSON or lacks the id or text (file and line named).
+    """
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+                yield Doc(id=str(obj[id_key]), text=obj["text"], title=obj.get("title") or "",
+                          metadata=_metadata(obj.get("metadata")))
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{n}: expected {what} with {id_key} and text ({exc})") from exc
+
+
 def load_jsonl(paths: list[Path]) -> Iterator[Doc]:
     """JSON lines ``{"id", "text", "title"?, "metadata"?}``.
 
     :raises ValueError: a line is not JSON or lacks id/text (the message names file and line).
     """
     for p in paths:
-        with open(p, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                    yield Doc(id=str(obj["id"]), text=obj["text"], title=obj.get("title") or "",
-                              metadata=_metadata(obj.get("metadata")))
-                except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                    raise ValueError(f"{p}:{n}: expected a JSON object with id and text ({exc})") from exc
+        yield from _json_lines(p, "id", "a JSON object")
 
 
 def load_beir(paths: list[Path]) -> Iterator[Doc]:
     """BEIR ``corpus.jsonl``: ``{"_id", "title", "text", "metadata"}`` (a directory means its
     corpus.jsonl)."""
     for p in paths:
-        if p.is_dir():
-            p = p / "corpus.jsonl"
-        with open(p, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                    yield Doc(id=str(obj["_id"]), text=obj["text"], title=obj.get("title") or "",
-                              metadata=_metadata(obj.get("metadata")))
-                except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                    raise ValueError(f"{p}:{n}: expected a BEIR corpus line with _id and text ({exc})") from exc
+        yield from _json_lines(p / "corpus.jsonl" if p.is_dir() else p, "_id", "a BEIR corpus line")
 
 
 def wikitext_articles(text: str) -> Iterator[tuple[str, str]]:

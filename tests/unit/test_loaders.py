@@ -34,3 +34,19 @@ def test_ir_metrics_follow_their_definitions():
     assert recall_at_k(ranked, rels, 2) == 0.5
     assert mrr_at_k(ranked, rels, 10) == 0.5
     assert mrr_at_k(ranked, {"zz": 1}, 10) == 0.0
+
+
+def test_jsonl_and_beir_loaders(tmp_path):
+    import json as _json
+
+    import pytest
+
+    from oprag_client.loaders import load_beir, load_jsonl
+
+    (tmp_path / "a.jsonl").write_text(_json.dumps({"id": 7, "text": "t", "metadata": {"k": 1}}) + "\n\n")
+    (tmp_path / "corpus.jsonl").write_text(_json.dumps({"_id": "d1", "title": "T", "text": "x", "metadata": {}}) + "\n")
+    assert [(d.id, d.metadata) for d in load_jsonl([tmp_path / "a.jsonl"])] == [("7", {"k": "1"})]
+    assert [(d.id, d.title) for d in load_beir([tmp_path])] == [("d1", "T")]
+    (tmp_path / "bad.jsonl").write_text('{"text": "no id"}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        list(load_jsonl([tmp_path / "bad.jsonl"]))
