@@ -99,8 +99,6 @@ class FakeGenerator:
 
 
 def _engine(gen, retriever, overlap=True, capacity=64, max_batch=4):
-    from concurrent.futures import ThreadPoolExecutor
-
     return QueryEngine(
         encoder=FakeEncoder(), generator=gen, retriever=retriever, memory=FakeMemory(), lock=RWLock(),
         batch=BatchConfig(max_batch=max_batch, max_wait_ms=2.0, queue_capacity=capacity, overlap=overlap),

@@ -76,7 +76,6 @@ class Memory:
                     s,
                     "memory_search",
                     {
-                        "q": np.zeros((len(by_shard[s]), self.pool.dim), np.float32),
                         "session_ids": [session_ids[i] for i in by_shard[s]],
                         "k": self.cfg.lookup_turns,
                         "ttl_s": self.cfg.ttl_s,

@@ -21,7 +21,6 @@ frequencies and average length over all shards).
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 import time
@@ -100,14 +99,6 @@ class _Cand:
     lexical_rank: int = 0
 
 
-def _cands(reply: dict, shard: int) -> list[_Cand]:
-    return [
-        _Cand(shard, s, cid, d, lx)
-        for s, cid, d, lx in zip(reply["slots"].tolist(), reply["chunk_ids"], reply["dense"].tolist(),
-                                 reply["lexical"].tolist())
-    ]
-
-
 @dataclass
 class _Cols:
     """Candidates of several shards as parallel arrays (no per-candidate Python objects)."""
@@ -149,15 +140,19 @@ def _rank_lists(c: _Cols, n: int) -> tuple[np.ndarray, np.ndarray]:
     return d, np.asarray(lx, dtype=np.int64)
 
 
+def _ranks(n: int, order: np.ndarray) -> np.ndarray:
+    """int64[n]: 1-based position of each row in ``order``, 0 for rows not in it."""
+    r = np.zeros(n, dtype=np.int64)
+    r[order] = np.arange(1, len(order) + 1)
+    return r
+
+
 def _fuse_cols(c: _Cols, d_order: np.ndarray, l_order: np.ndarray, spec: RetrieveSpec,
                dense_range=None, lexical_range=None) -> list[_Cand]:
     """Fuse every row of ``c`` given its dense and BM25 list orders; return the top-k."""
     if not c.ids:
         return []
-    drank = np.zeros(len(c.ids), dtype=np.int64)
-    lrank = np.zeros(len(c.ids), dtype=np.int64)
-    drank[d_order] = np.arange(1, len(d_order) + 1)
-    lrank[l_order] = np.arange(1, len(l_order) + 1)
+    drank, lrank = _ranks(len(c.ids), d_order), _ranks(len(c.ids), l_order)
     if spec.fusion == "rrf":
         k = float(spec.rrf_k)
         scores = np.where(drank > 0, spec.dense_weight / (k + drank), 0.0) + \
@@ -176,16 +171,6 @@ def _rank_of(score: float, cid: str, scores: np.ndarray, ids: list[str], n: int,
     better = int(np.count_nonzero(scores > score)) + sum(1 for i in np.nonzero(scores == score)[0].tolist()
                                                          if ids[i] < cid)
     return better + 1 if better < n else 0
-
-
-def _ranked(cands: list[_Cand], key: str, n: int, positive_only: bool = False) -> list[_Cand]:
-    """Top-n of ``cands`` by ``key`` desc, ties by chunk id (BM25 lists keep scores > 0 only)."""
-    if positive_only:
-        cands = [c for c in cands if getattr(c, key) > 0]
-    if not cands:
-        return []
-    order = top_k_order(np.array([getattr(c, key) for c in cands]), [c.chunk_id for c in cands], n)
-    return [cands[i] for i in order]
 
 
 class Retriever:
@@ -272,17 +257,14 @@ class Retriever:
                 return []
             d_order, l_order = _rank_lists(win, spec.candidates)
             return _fuse_cols(win, d_order, l_order, spec, *self._dense_first_ranges(replies, j, win))
-        cands = [c for shard, rep in replies.items() for c in _cands(rep[j], shard)]
-        key = "lexical" if spec.mode == "lexical" else "dense"
-        top = _ranked(cands, key, spec.top_k)
-        dl = _ranked(top, "dense", spec.top_k)
-        ll = _ranked(top, "lexical", spec.top_k, True)
-        dr = {c.chunk_id: i + 1 for i, c in enumerate(dl)}
-        lr = {c.chunk_id: i + 1 for i, c in enumerate(ll)}
-        for c in top:
-            c.score = getattr(c, key)
-            c.dense_rank, c.lexical_rank = dr.get(c.chunk_id, 0), lr.get(c.chunk_id, 0)
-        return top
+        # one retriever: rank by its score; ranks in both lists are reported over the top-k
+        allc = _Cols.of([(s, rep[j]) for s, rep in replies.items()])
+        key = allc.lexical if spec.mode == "lexical" else allc.dense
+        top = allc.take(top_k_order(key, allc.ids, spec.top_k))
+        d_order, l_order = _rank_lists(top, spec.top_k)
+        drank, lrank = _ranks(len(top.ids), d_order), _ranks(len(top.ids), l_order)
+        score = top.lexical if spec.mode == "lexical" else top.dense
+        return [top.cand(i, float(score[i]), int(drank[i]), int(lrank[i])) for i in range(len(top.ids))]
 
     @staticmethod
     def _dense_first_ranges(replies: dict[int, list[dict]], j: int, window: _Cols):
@@ -321,18 +303,17 @@ class Retriever:
         t = time.perf_counter()
         out = []
         for j, spec in enumerate(specs):
-            cands = []
-            for shard, rep in r2.items():
-                for c, f in zip(_cands(rep[j], shard), rep[j]["fused"].tolist()):
-                    c.score = f
-                    cands.append(c)
-            top = _ranked(cands, "score", spec.top_k)
+            local = _Cols.of([(s, rep[j]) for s, rep in r2.items()])
+            fused = np.concatenate([np.asarray(rep[j]["fused"], dtype=np.float64) for rep in r2.values()]) \
+                if r2 else np.zeros(0)
             dl = _Cols.of([(s, rep[j]["dense_list"]) for s, rep in r2.items()])
             ll = _Cols.of([(s, rep[j]["lexical_list"]) for s, rep in r2.items()])
-            for c in top:
-                c.dense_rank = _rank_of(c.dense, c.chunk_id, dl.dense, dl.ids, spec.candidates, False)
-                c.lexical_rank = _rank_of(c.lexical, c.chunk_id, ll.lexical, ll.ids, spec.candidates, True)
-            out.append(top)
+            out.append([
+                local.cand(i, float(fused[i]),
+                           _rank_of(local.dense[i], local.ids[i], dl.dense, dl.ids, spec.candidates, False),
+                           _rank_of(local.lexical[i], local.ids[i], ll.lexical, ll.ids, spec.candidates, True))
+                for i in top_k_order(fused, local.ids, spec.top_k)
+            ])
         return out, searched, dt + time.perf_counter() - t, missing + missing2
 
     async def _full_rrf(self, common: dict, specs: list[RetrieveSpec]):

@@ -459,13 +459,12 @@ class ShardState:
         return {"records": len(recs)}
 
     def memory_search(self, args: dict) -> list[list[dict]]:
-        """Per query: the session's most recent ``k`` turns (newest first) with their cosine
-        similarity to the query. Only records of ``session_ids[i]`` are ever visible to query i."""
-        q = records.as_query_matrix(args["q"], self.dim)
+        """Per query: the session's most recent ``k`` turns (newest first), within ``ttl_s``.
+        Only records of ``session_ids[i]`` are ever visible to query i."""
         ttl = float(args.get("ttl_s", 0) or 0)
         now = time.time()
         out = []
-        for i, sid in enumerate(args["session_ids"]):
+        for sid in args["session_ids"]:
             recs = [r for r in self.memory.get(sid, []) if not ttl or now - r.created <= ttl]
             recs = recs[-int(args["k"]) :][::-1]
             out.append(
@@ -476,7 +475,6 @@ class ShardState:
                         "summary": r.summary,
                         "chunk_ids": r.chunk_ids,
                         "titles": r.titles,
-                        "similarity": float(r.vector @ q[i]),
                     }
                     for r in recs
                 ]
