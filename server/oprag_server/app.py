@@ -251,7 +251,7 @@ class Runtime:
         committed = {r["txn"] for r in self.commit_log} if self.commit_log is not None else set()
         await loop.run_in_executor(None, self.pool.restart, i, loop, committed)
         async with self.lock.write():
-            st = await self.pool.broadcast("stats", {})
+            st = await self.pool.broadcast("stats", {"lexical": True})
             self.stats.replace_with(CorpusStats.merge_full([s["lexical"] for s in st]))
 
     async def commit(self, txn: str, kind: str, doc_ids: list[str] | None = None) -> tuple[int, list[dict]]:

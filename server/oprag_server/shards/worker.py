@@ -487,16 +487,19 @@ class ShardState:
         return {"removed": n}
 
     # ------------------------------------------------------------------ stats & persistence
-    def stats(self) -> dict:
-        n, total_len, df = self.postings.full_stats()
-        return {
+    def stats(self, lexical: bool = False) -> dict:
+        """Counts; with ``lexical`` also the full BM25 statistics ``(N, total length, df)``
+        (the whole vocabulary: only for rebuilding the frontend's corpus statistics)."""
+        out = {
             "shard": self.shard_id,
             "documents": len(self.doc_slots),
             "chunks": len(self.chunks),
             "memory_records": sum(len(v) for v in self.memory.values()),
             "applied_seq": self.applied_seq,
-            "lexical": (n, total_len, df),
         }
+        if lexical:
+            out["lexical"] = self.postings.full_stats()
+        return out
 
     def _dir(self) -> Path:
         assert self.data_dir is not None
@@ -671,7 +674,7 @@ class ShardState:
         if op == "memory_clear":
             return self.memory_clear(args["session_id"])
         if op == "stats":
-            return self.stats()
+            return self.stats(bool(args.get("lexical")))
         if op == "snapshot":
             return self.snapshot()
         if op == "ping":
@@ -694,7 +697,7 @@ def run(shard_id: int, conn, dim: int, data_dir: str | None, stem: bool, committ
     try:
         state = ShardState(shard_id, dim, Path(data_dir) if data_dir else None, stem=stem)
         replayed = state.load(committed)
-        conn.send((0, True, {"ready": True, "replayed": replayed, **state.stats()}))
+        conn.send((0, True, {"ready": True, "replayed": replayed, **state.stats(lexical=True)}))
     except Exception as exc:  # noqa: BLE001 - reported to the parent, then exit
         conn.send((0, False, f"{type(exc).__name__}: {exc}"))
         return
