@@ -17,21 +17,30 @@ Input: a WikiText file (default ``../shared/data/wikitext-2/valid.txt``; ``--wik
    contains the word.
 4. Eligible articles, in file order: title contains no ``<unk>``; the title is not repeated in
    the file; >= 3 windows; at least one window other than the first has >= 300 characters
-   (a "candidate window"); the chosen window (5.) has >= 3 keywords (6.).
+   (a "candidate window"); the chosen window (5.) has >= 3 specific keywords and >= 1 shared
+   keyword (6.).
 5. Target window: ``cands[h % len(cands)]`` where ``cands`` are the candidate windows' indices
    (ascending, index 0 never included) and ``h = int(sha256(title.encode("utf-8")).hexdigest(), 16)``.
-6. Keywords: words of the target window that have >= 4 letters, are not in the stop list
-   ``STOPWORDS`` below, are not ``unk``, are not a word of the title, and occur in no other
-   window of the same article; sorted by (df ascending, first position in the window); the
-   first 3 are ``w1 w2 w3``.
-7. Questions (``T`` = title):
+6. Keywords. Candidates: words of the target window that have >= 4 letters, are not in the
+   stop list ``STOPWORDS`` below, are not ``unk``, are not a word of the title, and occur in no
+   other window of the same article (so the word points at the target window *within* its
+   article).
 
-   * first turn:       ``What is T?``
-   * follow-up:        ``What does it say about w1, w2 and w3?``  (pronoun "it", subject implicit)
-   * short follow-up:  ``What about its w1?``                    (pronoun "its", one keyword)
-   * self-contained:   ``What does T say about w1, w2 and w3?``
+   * specific keywords ``r1 r2 r3``: the candidates sorted by (df ascending, first position in
+     the window), first 3. Mostly words of this article alone: they identify the chunk even
+     without the subject.
+   * shared keyword ``w``: the first candidate, in the same order, with df >= ``SHARED_MIN_DF``
+     (3: the word also occurs in at least two other articles). Alone it does not say which
+     article is meant -- the question is underspecified, like "what was its population?".
+7. Questions (``T`` = title; a keyword is written as at its first occurrence in the window):
 
-   The target of the follow-ups and of the self-contained question is the target window as the
+   * first turn:                ``What is T?``
+   * follow-up (the headline):  ``What about its w?``                       (subject implicit)
+   * specific follow-up:        ``What does it say about r1, r2 and r3?``   (subject implicit)
+   * self-contained:            ``What does T say about w?``
+   * specific self-contained:   ``What does T say about r1, r2 and r3?``
+
+   The target of every question but the first is the target window as the
    server stored it: chunk id ``<doc id>#<ordinal>``. The ordinal equals the window index unless
    an earlier window of the article had more than the embedder's 256 tokens (the server splits
    such a window again and numbers every piece), so the benchmark resolves the ids from the
@@ -49,14 +58,14 @@ the gRPC streaming API (``load_wikitext``). Every request is ``Retrieve`` with `
 ``mode=hybrid``, sequential (one request at a time, so a scheduler batch is one request).
 Per pair, with session ids unique to the run (``memb-<run nonce>-<pair>-<variant>``):
 
-* memory ON: a fresh session; the first turn (recorded by the server), then the follow-up in
-  the same session. Likewise (a new session each) for the short follow-up and the
-  self-contained question.
-* memory OFF: the follow-up, the short follow-up and the self-contained question with no
-  session id and ``disable_memory=True``.
+* memory ON: for each of the four questions of 7., a fresh session: the first turn (recorded
+  by the server), then the question in the same session.
+* memory OFF: each of the four questions with no session id and ``disable_memory=True``.
 
-Metrics against the target chunk: Top-1, Hit@5, MRR@10. Overhead: the server-reported
-``memory`` stage (ms) of the memory-on follow-ups (p50, p95), and
+Metrics against the target chunk: Top-1, Hit@5, MRR@10 (``top1_with`` ... are the headline
+follow-up; ``specific_*``, ``selfcontained_*``, ``selfcontained_specific_*`` the others).
+Overhead: the server-reported ``memory`` stage (ms) of the memory-on follow-ups of both kinds
+(p50, p95), and
 ``overhead_fraction_of_retrieval = p50(memory) / p50(embed + retrieve + rerank)`` over the
 same requests. ``bytes_per_turn``: after a clean stop (SIGTERM -> snapshot), the total size of
 ``shard-*/<CURRENT>/memory.json`` divided by the records in it (Stats ``memory_records``
@@ -100,6 +109,7 @@ CHUNK_SIZE = 900
 MIN_WINDOWS = 3
 MIN_WINDOW_CHARS = 300
 N_KEYWORDS = 3
+SHARED_MIN_DF = 3
 MIN_WORD_LEN = 4
 _WORD = re.compile(r"[^\W\d_]+", re.UNICODE)
 
@@ -118,6 +128,14 @@ made make including included include known called would part following early lat
 """.split())
 
 
+# question kinds of a pair (keys of the pair dict) -> label
+VARIANTS = {
+    "followup": "follow-up (shared word)",
+    "specific": "specific follow-up",
+    "selfcontained": "self-contained",
+    "selfcontained_specific": "specific self-contained",
+}
+
 # ------------------------------------------------------------------------------ the set
 
 def _words(text: str) -> list[tuple[str, int, int]]:
@@ -125,10 +143,11 @@ def _words(text: str) -> list[tuple[str, int, int]]:
     return [(m.group(0).casefold(), m.start(), m.end()) for m in _WORD.finditer(text)]
 
 
-def _inner_words(window: str) -> list[str]:
-    """Words of a window in order, without those touching either edge (maybe cut in half)."""
+def _inner_words(window: str) -> list[tuple[str, str]]:
+    """(casefolded word, word as written) of a window in order, without those touching either
+    edge (maybe cut in half)."""
     n = len(window)
-    return [w for w, s, e in _words(window) if s > 0 and e < n]
+    return [(w, window[s:e]) for w, s, e in _words(window) if s > 0 and e < n]
 
 
 def build_pairs(path: Path) -> tuple[list[dict], dict]:
@@ -167,16 +186,21 @@ def build_pairs(path: Path) -> tuple[list[dict], dict]:
         title_words = {w for w, _, _ in _words(d.title)}
         elsewhere = {w for i, win in enumerate(windows) if i != t for w, _, _ in _words(win)}
         seen: dict[str, int] = {}
-        for pos, w in enumerate(_inner_words(windows[t])):
+        surface: dict[str, str] = {}
+        for pos, (w, written) in enumerate(_inner_words(windows[t])):
             if (len(w) < MIN_WORD_LEN or w in STOPWORDS or w == "unk" or w in title_words
                     or w in elsewhere or w in seen):
                 continue
             seen[w] = pos
-        kws = sorted(seen, key=lambda w: (df.get(w, 0), seen[w]))[:N_KEYWORDS]
-        if len(kws) < N_KEYWORDS:
+            surface[w] = written
+        ordered = sorted(seen, key=lambda w: (df.get(w, 0), seen[w]))
+        kws = ordered[:N_KEYWORDS]
+        shared = [w for w in ordered if df.get(w, 0) >= SHARED_MIN_DF][:1]
+        if len(kws) < N_KEYWORDS or not shared:
             skipped["few_keywords"] += 1
             continue
-        w1, w2, w3 = kws
+        w1, w2, w3 = (surface[k] for k in kws)
+        w = surface[shared[0]]
         pairs.append({
             "doc_id": d.id,
             "title": d.title,
@@ -185,11 +209,14 @@ def build_pairs(path: Path) -> tuple[list[dict], dict]:
             "window_text": windows[t],
             "windows": windows,
             "keywords": kws,
-            "keyword_df": [df[w] for w in kws],
+            "keyword_df": [df[k] for k in kws],
+            "shared_keyword": shared[0],
+            "shared_keyword_df": df[shared[0]],
             "first": f"What is {d.title}?",
-            "followup": f"What does it say about {w1}, {w2} and {w3}?",
-            "short": f"What about its {w1}?",
-            "selfcontained": f"What does {d.title} say about {w1}, {w2} and {w3}?",
+            "followup": f"What about its {w}?",
+            "specific": f"What does it say about {w1}, {w2} and {w3}?",
+            "selfcontained": f"What does {d.title} say about {w}?",
+            "selfcontained_specific": f"What does {d.title} say about {w1}, {w2} and {w3}?",
         })
     return pairs, {"articles": len(docs), "skipped": skipped}
 
@@ -345,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
             t_q = time.perf_counter()
             for i, p in enumerate(pairs):
                 rec: dict = {}
-                for variant in ("followup", "short", "selfcontained"):
+                for variant in VARIANTS:
                     sid = f"memb-{nonce}-{i}-{variant}"
                     rec[f"first_{variant}"] = call(p["first"], sid)
                     rec[f"{variant}_on"] = call(p[variant], sid)
@@ -376,13 +403,14 @@ def main(argv: list[str] | None = None) -> int:
     keep = [(p, r) for p, r in zip(pairs, runs) if p["targets"]]
     ranks: dict[str, list[int]] = {}
     for p, r in keep:
-        for key in ("followup_on", "followup_off", "short_on", "short_off", "selfcontained_on", "selfcontained_off"):
-            ranks.setdefault(key, []).append(rank_of(r[key]["hits"], p["targets"]))
+        for v in VARIANTS:
+            for key in (f"{v}_on", f"{v}_off"):
+                ranks.setdefault(key, []).append(rank_of(r[key]["hits"], p["targets"]))
         ranks.setdefault("first_doc_top1", []).append(
             1 if r["first_followup"]["hits"] and r["first_followup"]["hits"][0].rsplit("#", 1)[0] == p["doc_id"] else 0)
     Q = {k: quality(v) for k, v in ranks.items() if k != "first_doc_top1"}
-    on = [r["followup_on"]["t"] for _, r in keep]
-    off = [r["followup_off"]["t"] for _, r in keep]
+    on = [r[f"{v}_on"]["t"] for _, r in keep for v in ("followup", "specific")]
+    off = [r[f"{v}_off"]["t"] for _, r in keep for v in ("followup", "specific")]
     mem_ms = [t["memory"] for t in on]
     path_ms = [t["embed"] + t["retrieve"] + t["rerank"] for t in on]
     path_ms_with_mem = [t["memory"] + t["embed"] + t["retrieve"] + t["rerank"] for t in on]
@@ -405,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
                 "top3_with": r[f"{key}_on"]["hits"][:3], "top3_without": r[f"{key}_off"]["hits"][:3]}
 
     examples = {}
-    for key in ("followup", "short", "selfcontained"):
+    for key in VARIANTS:
         lost = [example(p, r, key) for p, r in keep
                 if rank_of(r[f"{key}_on"]["hits"], p["targets"]) != 1 and rank_of(r[f"{key}_off"]["hits"], p["targets"]) == 1]
         failed = [example(p, r, key) for p, r in keep if rank_of(r[f"{key}_on"]["hits"], p["targets"]) != 1]
@@ -423,9 +451,12 @@ def main(argv: list[str] | None = None) -> int:
         "selfcontained_hit5_without": Q["selfcontained_off"]["hit5"],
         "selfcontained_mrr_with": Q["selfcontained_on"]["mrr"],
         "selfcontained_mrr_without": Q["selfcontained_off"]["mrr"],
-        "short_top1_with": Q["short_on"]["top1"], "short_top1_without": Q["short_off"]["top1"],
-        "short_hit5_with": Q["short_on"]["hit5"], "short_hit5_without": Q["short_off"]["hit5"],
-        "short_mrr_with": Q["short_on"]["mrr"], "short_mrr_without": Q["short_off"]["mrr"],
+        **{f"{v}_{m}_{w}": Q[f"{v}_{o}"][m] for v in ("specific", "selfcontained_specific")
+           for m in ("top1", "hit5", "mrr") for w, o in (("with", "on"), ("without", "off"))},
+        "top1_ratio": round(Q["followup_on"]["top1"] / Q["followup_off"]["top1"], 3)
+        if Q["followup_off"]["top1"] else None,
+        "selfcontained_top1_change_points": round(100 * (Q["selfcontained_on"]["top1"]
+                                                         - Q["selfcontained_off"]["top1"]), 2),
         "first_turn_doc_top1": round(sum(ranks["first_doc_top1"]) / n, 4) if n else 0.0,
         "overhead_ms_p50": round(percentile(mem_ms, 50), 4),
         "overhead_ms_p95": round(percentile(mem_ms, 95), 4),
@@ -440,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         "memory_records_snapshot": mem_records_snapshot,
         "memory_records_stats": mem_after,
         "memory_records_added": mem_after - mem_before,
-        "changes": {k: changed(k) for k in ("followup", "short", "selfcontained")},
+        "changes": {k: changed(k) for k in VARIANTS},
         "set": {"file": str(a.wikitext), **set_info, "pairs": len(pairs)},
         "settings": {"top_k": a.top_k, "mode": a.mode, "shards": a.shards, "server_args": server_args},
         "examples": examples,
@@ -456,8 +487,8 @@ def main(argv: list[str] | None = None) -> int:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
     log(f"n={n} (unresolved {unresolved})")
-    for key, name in (("followup", "follow-up"), ("short", "short follow-up"), ("selfcontained", "self-contained")):
-        log(f"{name:16s} with memory: top1 {Q[key + '_on']['top1']:.3f} hit5 {Q[key + '_on']['hit5']:.3f} "
+    for key, name in VARIANTS.items():
+        log(f"{name:24s} with memory: top1 {Q[key + '_on']['top1']:.3f} hit5 {Q[key + '_on']['hit5']:.3f} "
             f"mrr {Q[key + '_on']['mrr']:.3f} | without: top1 {Q[key + '_off']['top1']:.3f} "
             f"hit5 {Q[key + '_off']['hit5']:.3f} mrr {Q[key + '_off']['mrr']:.3f}")
     log(f"memory stage p50 {result['overhead_ms_p50']} ms p95 {result['overhead_ms_p95']} ms "
