@@ -70,21 +70,21 @@ class Memory:
         if not by_shard:
             return out
         shards = sorted(by_shard)
-        outs = await asyncio.gather(
-            *[
-                self.pool.call(
-                    s,
-                    "memory_search",
-                    {
-                        "session_ids": [session_ids[i] for i in by_shard[s]],
-                        "k": self.cfg.lookup_turns,
-                        "ttl_s": self.cfg.ttl_s,
-                    },
-                )
-                for s in shards
-            ],
-            return_exceptions=True,
-        )
+        futs = [
+            self.pool.clients[s].call(
+                "memory_search",
+                {"session_ids": [session_ids[i] for i in by_shard[s]], "k": self.cfg.lookup_turns,
+                 "ttl_s": self.cfg.ttl_s},
+            )
+            for s in shards
+        ]
+        if len(futs) == 1:  # the common case (one session): no gather wrapper
+            try:
+                outs = [await futs[0]]
+            except ShardError as exc:
+                outs = [exc]
+        else:
+            outs = await asyncio.gather(*futs, return_exceptions=True)
         for s, rep in zip(shards, outs):
             if isinstance(rep, BaseException):  # the session's shard is down: answer without memory
                 if not isinstance(rep, ShardError):
