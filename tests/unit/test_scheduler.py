@@ -27,6 +27,11 @@ def test_policy_waits_then_closes_on_size_or_age():
     assert p.decide(2, 0.01).take == 2
     assert p.decide(9, 0.0).take == 4
     assert p.decide(2, 0.0, downstream_busy=False).take == 2  # nothing to overlap with: no waiting
+    # a batch bound for an idle generator still waits for company (up to max_wait_s)
+    d = p.decide(1, 0.004, downstream_busy=False, will_generate=True)
+    assert d.take == 0 and d.wait_s == pytest.approx(0.006)
+    assert p.decide(1, 0.01, downstream_busy=False, will_generate=True).take == 1
+    assert p.decide(4, 0.0, downstream_busy=False, will_generate=True).take == 4
     with pytest.raises(ValueError):
         BatchPolicy(0, 0.1)
 

@@ -182,7 +182,9 @@ class QueryEngine:
             while self._waiting and self._waiting[0].cancelled:
                 self._finish(self._waiting.popleft())
             age = time.perf_counter() - self._waiting[0].enqueued if self._waiting else 0.0
-            d = self.policy.decide(len(self._waiting), age, downstream_busy=self._generating > 0)
+            d = self.policy.decide(len(self._waiting), age, downstream_busy=self._generating > 0,
+                                   will_generate=bool(self._waiting) and self._waiting[0].generate
+                                   and self.generator is not None)
             if d.take:
                 batch = [self._waiting.popleft() for _ in range(d.take)]
                 self.metrics.queue_depth.labels(queue="query").set(len(self._waiting))

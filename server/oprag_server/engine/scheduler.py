@@ -37,12 +37,22 @@ class BatchPolicy:
         if self.max_wait_s < 0:
             raise ValueError(f"max_wait_s must be >= 0, got {self.max_wait_s}")
 
-    def decide(self, queue_len: int, oldest_age_s: float, downstream_busy: bool = True) -> BatchDecision:
-        """:param downstream_busy: whether the generator still works on an earlier batch. When
-            it is idle, waiting for company only adds latency, so a batch closes at once."""
+    def decide(self, queue_len: int, oldest_age_s: float, downstream_busy: bool = True,
+               will_generate: bool = False) -> BatchDecision:
+        """:param downstream_busy: whether the generator still works on an earlier batch.
+        :param will_generate: whether the oldest waiting request goes on to the generator.
+
+        A retrieval-only batch with an idle generator closes at once: waiting for company would
+        only add latency to a few-millisecond request. A batch that will generate waits up to
+        ``max_wait_s`` even when the generator is idle: a generation step costs the same for
+        one row as for several on a compute-bound device, and closed-loop clients whose answers
+        just finished together resubmit within milliseconds -- closing at once split them into
+        a batch of 1 followed by a batch of the rest.
+        """
         if queue_len <= 0:
             return BatchDecision(0, math.inf)
-        if queue_len >= self.max_batch or oldest_age_s >= self.max_wait_s or not downstream_busy:
+        if (queue_len >= self.max_batch or oldest_age_s >= self.max_wait_s
+                or not (downstream_busy or will_generate)):
             return BatchDecision(min(queue_len, self.max_batch), 0.0)
         return BatchDecision(0, self.max_wait_s - oldest_age_s)
 
