@@ -18,6 +18,14 @@ Systems run one after another in one invocation:
 (e) ``dask``: dask.bag on a ``distributed.LocalCluster`` (1 worker process, 2 threads), chunk and
     embed per partition, partitions added to FAISS as they complete.
 
+(f) ``query_load`` (not a system: the target "ingest in the background raises query p95 by at
+    most 1.5x"): a fresh OpRAG server gets the first third of the documents; then SciFact
+    queries (``Retrieve``, hybrid, top_k 10, one at a time) are timed on the quiet server, then
+    again while a background thread streams the other two thirds at full speed. Reports p50/p95
+    of both phases (client-side, over gRPC), ``query_p95_ratio_under_ingest``, and whether every
+    acknowledged stream was visible to a query carrying its sequence number (``min_seq``;
+    a lexical query filtered to that stream's document ids must return all of them).
+
 Then, in this process: a raw in-process embedding of OpRAG's exact token ids (same grouping as
 the server: windows of 128 chunks sorted by length, batch 32) -- what the gRPC path costs over
 the bare model; a torch.matmul throughput benchmark at the encoder's layer shapes (same thread
@@ -52,9 +60,19 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DEFAULT_SHARED, OUT, Server, emit_json, load_corpus, log, machine_info  # noqa: E402
+from _common import (  # noqa: E402
+    DEFAULT_SHARED,
+    OUT,
+    Server,
+    emit_json,
+    load_corpus,
+    load_queries_qrels,
+    log,
+    machine_info,
+)
 
 SYSTEMS = ("oprag", "barrier", "langchain_bulk", "langchain_streaming", "ray", "dask")
+STEPS = SYSTEMS + ("query_load",)
 CHUNK_SIZE = 900
 EMBED_BATCH = 32
 MAX_TOKENS = 256
@@ -234,6 +252,94 @@ def run_oprag(docs: list, *, barriers: bool, per_stream: int, run_dir: Path, kee
         res["embed_stage_chunks_per_s"] = rnd(chunks / res["stage_seconds"]["embed"], 2)
         res["embed_busy_fraction_of_wall"] = rnd(res["stage_seconds"]["embed"] / wall, 3)
     return res
+
+
+def _percentile(xs: list[float], q: float) -> float | None:
+    return float(np.percentile(np.asarray(xs), q)) if xs else None
+
+
+def run_query_load(docs: list, queries: list[str], *, per_stream: int, run_dir: Path, keep: bool,
+                   quiet_queries: int = 100, pause_s: float = 0.05) -> dict:
+    """Query latency on a quiet server vs while ingest runs in the background (see (f))."""
+    from oprag_client.client import Doc, OpRAGClient
+
+    data = run_dir / "query_load-data"
+    if data.exists():
+        shutil.rmtree(data)
+    srv = Server(data, "--generator", "none", "--shards", "2", log_path=run_dir / "query_load-server.log")
+    srv.start()
+    first, rest = docs[: len(docs) // 3], docs[len(docs) // 3:]
+    q = {"top_k": 10, "mode": "hybrid", "timeout": 120}
+    out: dict = {"documents_before": len(first), "documents_background": len(rest)}
+    try:
+        with OpRAGClient(srv.target, timeout=24 * 3600) as c:
+            c.wait_ready(60)
+            for i in range(0, len(first), per_stream):
+                c.ingest(first[i:i + per_stream])
+            for qq in queries[:10]:  # warm-up
+                c.retrieve(qq, **q)
+            quiet = []
+            for qq in queries[10:10 + quiet_queries]:
+                t = time.perf_counter()
+                c.retrieve(qq, **q)
+                quiet.append((time.perf_counter() - t) * 1000)
+                time.sleep(pause_s)
+            acks: list = []
+            err: list = []
+
+            ryw = {"streams": 0, "checked_docs": 0, "missing_docs": 0}
+
+            def bg() -> None:
+                rng = random.Random(0)
+                try:
+                    with OpRAGClient(srv.target, timeout=24 * 3600) as c2:
+                        for i in range(0, len(rest), per_stream):
+                            part = [Doc(d.id, d.text, title=d.title, metadata={**d.metadata, "bench_doc": d.id})
+                                    for d in rest[i:i + per_stream]]
+                            r = c2.ingest(part)
+                            acks.append((r.seq, r.chunks_written))
+                            # read-your-writes: right after the acknowledgement, with its seq
+                            ryw["streams"] += 1
+                            for d in rng.sample(part, min(5, len(part))):
+                                hits = c2.retrieve("document", mode="dense", top_k=1, min_seq=r.seq,
+                                                   filters={"bench_doc": d.id}, timeout=120).hits
+                                ryw["checked_docs"] += 1
+                                ryw["missing_docs"] += int(not hits or hits[0].doc_id != d.id)
+                except Exception as exc:  # noqa: BLE001
+                    err.append(repr(exc))
+
+            th = threading.Thread(target=bg, daemon=True)
+            t0 = time.perf_counter()
+            th.start()
+            loaded = []
+            k = 10 + quiet_queries
+            while th.is_alive():
+                qq = queries[k % len(queries)]
+                k += 1
+                t = time.perf_counter()
+                c.retrieve(qq, **q)
+                if th.is_alive():  # only requests that ran entirely during ingest
+                    loaded.append((time.perf_counter() - t) * 1000)
+                time.sleep(pause_s)
+            ingest_s = time.perf_counter() - t0
+            out.update({
+                "quiet_n": len(quiet), "loaded_n": len(loaded),
+                "quiet_p50_ms": rnd(_percentile(quiet, 50)), "quiet_p95_ms": rnd(_percentile(quiet, 95)),
+                "loaded_p50_ms": rnd(_percentile(loaded, 50)), "loaded_p95_ms": rnd(_percentile(loaded, 95)),
+                "background_chunks": sum(x[1] for x in acks),
+                "background_ingest_s": rnd(ingest_s),
+                "background_chunks_per_s": rnd(sum(x[1] for x in acks) / ingest_s if ingest_s else None, 2),
+                "read_your_writes": ryw,
+                "errors": err,
+            })
+            if out["quiet_p95_ms"] and out["loaded_p95_ms"]:
+                out["query_p95_ratio_under_ingest"] = rnd(out["loaded_p95_ms"] / out["quiet_p95_ms"], 3)
+                out["query_p50_ratio_under_ingest"] = rnd(out["loaded_p50_ms"] / out["quiet_p50_ms"], 3)
+    finally:
+        srv.stop()
+    if not keep:
+        shutil.rmtree(data, ignore_errors=True)
+    return out
 
 
 # ------------------------------------------------------------------------------ (c) LangChain
@@ -706,7 +812,7 @@ def main() -> None:
     ap.add_argument("--docs", type=int, default=0, help="limit documents (a reproducible sample of both sources)")
     ap.add_argument("--quick", action="store_true", help="smoke run: ~150 documents")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {','.join(SYSTEMS)}")
+    ap.add_argument("--systems", default=",".join(STEPS), help=f"comma list of {','.join(STEPS)}")
     ap.add_argument("--per-stream", type=int, default=500, help="documents per OpRAG ingest stream")
     ap.add_argument("--lc-batch-docs", type=int, default=64, help="documents per LangChain add_documents call")
     ap.add_argument("--dask-partition-docs", type=int, default=64)
@@ -729,9 +835,9 @@ def main() -> None:
 
     torch.set_num_threads(a.cpus)
     systems = [s.strip() for s in a.systems.split(",") if s.strip()]
-    unknown = set(systems) - set(SYSTEMS)
+    unknown = set(systems) - set(STEPS)
     if unknown:
-        ap.error(f"unknown systems {sorted(unknown)}: use {','.join(SYSTEMS)}")
+        ap.error(f"unknown systems {sorted(unknown)}: use {','.join(STEPS)}")
     n_docs = a.docs or (150 if a.quick else 0)
 
     t_all = time.perf_counter()
@@ -777,6 +883,9 @@ def main() -> None:
                 results[s] = run_ray(docs, cpus=a.cpus)
             elif s == "dask":
                 results[s] = run_dask(docs, cpus=a.cpus, partition_docs=a.dask_partition_docs)
+            elif s == "query_load":
+                queries = list(load_queries_qrels(a.shared)[0].values())
+                results[s] = run_query_load(docs, queries, per_stream=a.per_stream, run_dir=run_dir, keep=a.keep)
         except Exception as exc:  # noqa: BLE001 - one system failing must not lose the others
             import traceback
 
@@ -858,6 +967,8 @@ def main() -> None:
         "embed_roofline": roof,
         "matmul": mm,
         "padding_waste": op.get("padding_waste"),
+        "query_p95_ratio_under_ingest": (results.get("query_load") or {}).get("query_p95_ratio_under_ingest"),
+        "read_your_writes": (results.get("query_load") or {}).get("read_your_writes"),
         "padding_waste_expected": {
             "server_grouping_window128_batch32": rnd((padded_calc - real_calc) / real_calc, 4),
             "global_length_sort_batch32": rnd((padded_sorted - real_sorted) / real_sorted, 4),
