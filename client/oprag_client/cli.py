@@ -90,12 +90,18 @@ def _parser() -> argparse.ArgumentParser:
     _add_server(q)
     q.add_argument("--top-k", type=_count, default=0)
     q.add_argument("--mode", choices=list(MODES), default="hybrid")
-    q.add_argument("--session", default="")
+    q.add_argument("--session", default="", help="session id: follow-up questions use this session's earlier turns")
+    q.add_argument("--no-memory", action="store_true", help="with --session: do not use or record memory")
     q.add_argument("--max-new-tokens", type=_count, default=0)
     q.add_argument("--candidates", type=_count, default=0)
     q.add_argument("--no-generate", action="store_true", help="retrieve only")
     q.add_argument("--json", action="store_true")
     q.add_argument("question", nargs="+")
+
+    cs = sub.add_parser("clear-session", help="drop a session's memory records")
+    _add_server(cs)
+    cs.add_argument("--json", action="store_true")
+    cs.add_argument("session")
 
     d = sub.add_parser("delete", help="delete documents by id")
     _add_server(d)
@@ -256,7 +262,8 @@ def cmd_query(a) -> int:
     question = " ".join(a.question)
     try:
         with _client(a) as c:
-            kw = dict(top_k=a.top_k, mode=a.mode, session_id=a.session, candidates=a.candidates)
+            kw = dict(top_k=a.top_k, mode=a.mode, session_id=a.session, candidates=a.candidates,
+                      disable_memory=a.no_memory)
             if a.no_generate:
                 r = c.retrieve(question, **kw)
                 answer = None
@@ -267,12 +274,14 @@ def cmd_query(a) -> int:
         return _rpc_error(exc)
     if a.json:
         out = {"answer": answer, "hits": [_hit_json(h) for h in r.hits], "timings_ms": dict(r.timings_ms),
-               "request_id": r.request_id}
+               "request_id": r.request_id, "memory_context": r.memory_context}
         if answer is not None:
             out["sources"] = [{"number": s.number, "chunk_id": s.chunk_id, "doc_id": s.doc_id, "title": s.title,
                                "truncated": s.truncated} for s in r.sources]
         print(json.dumps(out, ensure_ascii=False))
         return 0
+    if r.memory_context:
+        print(f"(memory: {r.memory_context})")
     if answer is not None:
         print(answer.strip() or "(empty answer)")
         print()
@@ -283,6 +292,17 @@ def cmd_query(a) -> int:
         for i, h in enumerate(r.hits, 1):
             snippet = " ".join(h.text.split())[:160]
             print(f"{i:>2}. {h.score:.4f}  {h.chunk_id}  [{h.title}]  {snippet}")
+    return 0
+
+
+def cmd_clear_session(a) -> int:
+    try:
+        with _client(a) as c:
+            r = c.clear_session(a.session)
+    except grpc.RpcError as exc:
+        return _rpc_error(exc)
+    removed = r.records_removed
+    print(json.dumps({"records_removed": removed}) if a.json else f"removed {removed} memory records")
     return 0
 
 
@@ -387,6 +407,7 @@ def _dispatch(a) -> int:
         "ingest": cmd_ingest,
         "query": cmd_query,
         "delete": cmd_delete,
+        "clear-session": cmd_clear_session,
         "stats": cmd_stats,
         "eval": cmd_eval,
         "health": cmd_health,

@@ -269,6 +269,26 @@ def test_cli_ingest_and_query(server, ingested, tmp_path):
     assert bad.returncode != 0 and "INVALID_ARGUMENT" in bad.stderr
 
 
+def test_cli_session_follow_up_no_memory_and_clear(server, ingested):
+    cli = oprag_cli()
+    base = ["--server", server.target]
+
+    def q(*args: str) -> dict:
+        out = subprocess.run(cli + ["query", *base, "--json", "--no-generate", "--top-k", "3", *args],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    q("--session", "cli-s", "When was the Varnholm Lighthouse completed?")
+    follow = q("--session", "cli-s", "Who designed its lantern?")
+    assert "Varnholm" in follow["memory_context"] and follow["hits"][0]["doc_id"] == "lighthouse"
+    assert q("--session", "cli-s", "--no-memory", "Who designed its lantern?")["memory_context"] == ""
+    out = subprocess.run(cli + ["clear-session", *base, "--json", "cli-s"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["records_removed"] == 2  # the two memory-on turns; --no-memory records nothing
+    assert q("--session", "cli-s", "Who designed its lantern?")["memory_context"] == ""
+
+
 def test_restart_serves_the_same_corpus(server, client, ingested, tmp_path):
     before = client.stats()
     top_before = [h.chunk_id for h in client.retrieve("shield volcano lava", top_k=3).hits]
