@@ -35,15 +35,7 @@ class ShardError(RuntimeError):
 
 
 class _ShardClient:
-    """One pipe to one shard process. Replies are read on the event loop itself
-    (``loop.add_reader`` on the pipe's file descriptor) and resolve asyncio futures directly.
-
-    An earlier version read replies on a thread and handed each one to the loop with
-    ``call_soon_threadsafe``; that hop (thread wake-up, GIL hand-over, the loop's self-pipe)
-    cost more than the shard's own work for small calls such as a memory lookup
-    (bench/RESULTS.md, conversational memory). A reply is written by the shard in one piece
-    after it is pickled, so reading it on the loop blocks only for the copy.
-    """
+    """One pipe to one shard process, with a reader thread resolving asyncio futures."""
 
     def __init__(self, shard_id: int, proc: mp.Process, conn, loop: asyncio.AbstractEventLoop) -> None:
         self.shard_id = shard_id
@@ -54,51 +46,22 @@ class _ShardClient:
         self._ids = itertools.count(1)
         self._send_lock = threading.Lock()
         self.alive = True
-        self._fd = conn.fileno()
-        self._reading = False
-        # add_reader must run on the loop's thread; restart() builds clients from an executor
-        if _on_loop_thread(loop):
-            self._start_reading()
-        else:
-            loop.call_soon_threadsafe(self._start_reading)
+        self._reader = threading.Thread(target=self._read_loop, name=f"shard-{shard_id}-reader", daemon=True)
+        self._reader.start()
 
-    def _start_reading(self) -> None:
-        if self.alive and not self._reading:
-            self.loop.add_reader(self._fd, self._on_readable)
-            self._reading = True
-
-    def _stop_reading(self) -> None:
-        if self._reading:
-            self._reading = False
+    def _read_loop(self) -> None:
+        while True:
             try:
-                self.loop.remove_reader(self._fd)
-            except (ValueError, OSError, RuntimeError):  # loop closed or fd already gone
-                pass
-
-    def _on_readable(self) -> None:
-        try:
-            while self.conn.poll():
                 req_id, ok, res = self.conn.recv()
-                fut = self._pending.pop(req_id, None)
-                if fut is not None:
-                    _resolve(fut, ok, res, self.shard_id)
-        except (EOFError, OSError):
-            self._closed("shard process exited")
-
-    def _closed(self, why: str) -> None:
+            except (EOFError, OSError):
+                break
+            fut = self._pending.pop(req_id, None)
+            if fut is not None:
+                self.loop.call_soon_threadsafe(_resolve, fut, ok, res, self.shard_id)
         self.alive = False
-        self._stop_reading()
-        pending, self._pending = self._pending, {}
-        for fut in pending.values():
-            _resolve(fut, False, why, self.shard_id)
-
-    def close(self) -> None:
-        """Stop reading and close the pipe (on the loop thread); pending calls fail."""
-        self._closed("shard pipe closed")
-        try:
-            self.conn.close()
-        except OSError:
-            pass
+        for fut in list(self._pending.values()):
+            self.loop.call_soon_threadsafe(_resolve, fut, False, "shard process exited", self.shard_id)
+        self._pending.clear()
 
     def call(self, op: str, args: dict) -> asyncio.Future:
         fut = self.loop.create_future()
@@ -114,13 +77,6 @@ class _ShardClient:
             self._pending.pop(req_id, None)
             fut.set_exception(ShardError(f"shard {self.shard_id}: {exc}"))
         return fut
-
-
-def _on_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:
-    try:
-        return asyncio.get_running_loop() is loop
-    except RuntimeError:
-        return False
 
 
 def _resolve(fut: asyncio.Future, ok: bool, res: Any, shard_id: int) -> None:
@@ -211,7 +167,6 @@ class ShardPool:
         if old.proc.is_alive():
             old.proc.kill()
         old.proc.join(timeout=5)
-        loop.call_soon_threadsafe(old.close)  # on the loop: unregister the reader, then close
         p, parent = self._spawn(i, committed)
         res = self._await_ready(i, p, parent, timeout_s)
         self.clients[i] = _ShardClient(i, p, parent, loop)
@@ -266,4 +221,7 @@ class ShardPool:
             if c.proc.is_alive():
                 c.proc.kill()
                 c.proc.join(timeout=5)
-            c.close()
+            try:
+                c.conn.close()
+            except OSError:
+                pass
