@@ -259,18 +259,18 @@ def _percentile(xs: list[float], q: float) -> float | None:
 
 
 def run_query_load(docs: list, queries: list[str], *, per_stream: int, run_dir: Path, keep: bool,
-                   quiet_queries: int = 100, pause_s: float = 0.05) -> dict:
+                   quiet_queries: int = 100, pause_s: float = 0.05, server_args: tuple = ()) -> dict:
     """Query latency on a quiet server vs while ingest runs in the background (see (f))."""
     from oprag_client.client import Doc, OpRAGClient
 
     data = run_dir / "query_load-data"
     if data.exists():
         shutil.rmtree(data)
-    srv = Server(data, "--generator", "none", "--shards", "2", log_path=run_dir / "query_load-server.log")
+    srv = Server(data, "--generator", "none", "--shards", "2", *server_args, log_path=run_dir / "query_load-server.log")
     srv.start()
     first, rest = docs[: len(docs) // 3], docs[len(docs) // 3:]
     q = {"top_k": 10, "mode": "hybrid", "timeout": 120}
-    out: dict = {"documents_before": len(first), "documents_background": len(rest)}
+    out: dict = {"documents_before": len(first), "documents_background": len(rest), "server_args": list(server_args)}
     try:
         with OpRAGClient(srv.target, timeout=24 * 3600) as c:
             c.wait_ready(60)
@@ -823,6 +823,7 @@ def main() -> None:
     ap.add_argument("--compile-mode", default="default", help="'default' or e.g. max-autotune-no-cudagraphs")
     ap.add_argument("--compile-timeout", type=float, default=300.0)
     ap.add_argument("--keep", action="store_true", help="keep the servers' data directories")
+    ap.add_argument("--query-load-arg", action="append", default=[], help="extra server option for query_load (repeatable)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--_compile-worker", dest="compile_worker", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -885,7 +886,8 @@ def main() -> None:
                 results[s] = run_dask(docs, cpus=a.cpus, partition_docs=a.dask_partition_docs)
             elif s == "query_load":
                 queries = list(load_queries_qrels(a.shared)[0].values())
-                results[s] = run_query_load(docs, queries, per_stream=a.per_stream, run_dir=run_dir, keep=a.keep)
+                results[s] = run_query_load(docs, queries, per_stream=a.per_stream, run_dir=run_dir, keep=a.keep,
+                                            server_args=tuple(a.query_load_arg))
         except Exception as exc:  # noqa: BLE001 - one system failing must not lose the others
             import traceback
 
