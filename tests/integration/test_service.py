@@ -217,6 +217,27 @@ def test_session_memory_is_isolated(client, ingested):
     assert client.retrieve("Who designed its lantern?", session_id="s1", top_k=3).memory_context == ""
 
 
+def test_sessions_stay_isolated_under_concurrency(server, ingested):
+    from concurrent.futures import ThreadPoolExecutor
+
+    firsts = {"lighthouse": "When was the Varnholm Lighthouse completed?", "bees": "How do honey bees dance?",
+              "sourdough": "What is a sourdough starter?", "volcano": "When did Mount Keldur last erupt?",
+              "chess": "What is castling in chess?"}
+    topics = list(firsts)
+    sessions = {f"iso-{i}": topics[i % len(topics)] for i in range(20)}
+    with OpRAGClient(server.target, timeout=120) as c, ThreadPoolExecutor(10) as ex:
+        list(ex.map(lambda sid: c.retrieve(firsts[sessions[sid]], session_id=sid, top_k=2), sessions))
+        follow = dict(zip(sessions, ex.map(
+            lambda sid: c.retrieve("Tell me more about it.", session_id=sid, top_k=2), sessions)))
+        for sid, topic in sessions.items():
+            ctx = follow[sid].memory_context
+            assert firsts[topic] in ctx, (sid, ctx)
+            assert not any(q in ctx for t, q in firsts.items() if t != topic), (sid, ctx)
+            assert follow[sid].hits[0].doc_id == topic, (sid, [h.doc_id for h in follow[sid].hits])
+        removed = list(ex.map(lambda sid: c.clear_session(sid).records_removed, sessions))
+    assert removed == [2] * len(sessions)
+
+
 def test_metrics_endpoint_has_stage_histograms(server, client, ingested):
     client.retrieve("sourdough bacteria", top_k=2)
     body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
