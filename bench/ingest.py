@@ -34,7 +34,11 @@ bucket widths (64/128/192/256), in a subprocess with a timeout.
 
 Roofline: FLOPs per chunk of L real tokens = layers * (L * 2 * (4 h^2 + 2 h i) + 2 * 2 * L^2 h)
 (h=384, i=1536, 6 layers), summed over the real tokens embedded, divided by OpRAG's embed stage
-time, against the matmul FLOP/s.
+time, against the matmul FLOP/s measured in the same run at the three linear-layer shapes
+([T,h]x[h,h], [T,h]x[h,i], [T,i]x[i,h], T = 32 x the mean padded width). Headline
+``embed_roofline_fraction``: against the sustained (mean) throughput of the model's own mix of
+those shapes (FLOP-weighted harmonic mean); ``embed_roofline.fraction_vs_best_matmul`` is the
+strictest reading (the single fastest repetition of the fastest shape).
 
 ``--json`` prints ONE JSON object as the last stdout line; progress goes to stderr.
 
@@ -663,9 +667,10 @@ def matmul_bench(rows: int, threads: int, seconds: float = 3.0) -> dict:
 
     torch.set_num_threads(threads)
     out = {}
-    for name, n in (("384x1536", INTER), ("384x384", HIDDEN)):
-        a = torch.randn(rows, HIDDEN, dtype=torch.float32)
-        b = torch.randn(HIDDEN, n, dtype=torch.float32)
+    # the encoder's linear layers: Q/K/V/O projections [T,h]x[h,h], FFN up [T,h]x[h,i], FFN down [T,i]x[i,h]
+    for name, k, n in (("384x1536", HIDDEN, INTER), ("384x384", HIDDEN, HIDDEN), ("1536x384", INTER, HIDDEN)):
+        a = torch.randn(rows, k, dtype=torch.float32)
+        b = torch.randn(k, n, dtype=torch.float32)
         for _ in range(3):
             torch.matmul(a, b)
         reps, t0 = 0, time.perf_counter()
@@ -676,8 +681,8 @@ def matmul_bench(rows: int, threads: int, seconds: float = 3.0) -> dict:
             best = min(best, time.perf_counter() - t)
             reps += 1
         mean = (time.perf_counter() - t0) / reps
-        fl = 2.0 * rows * HIDDEN * n
-        out[name] = {"shape": f"[{rows},{HIDDEN}]x[{HIDDEN},{n}]", "reps": reps,
+        fl = 2.0 * rows * k * n
+        out[name] = {"shape": f"[{rows},{k}]x[{k},{n}]", "reps": reps,
                      "gflops_mean": rnd(fl / mean / 1e9, 2), "gflops_best": rnd(fl / best / 1e9, 2)}
     out["threads"] = threads
     return out
@@ -912,7 +917,13 @@ def main() -> None:
     mm = matmul_bench(int(EMBED_BATCH * round(mean_width)), a.cpus)
     log(f"== matmul {mm}")
     useful_flops = flops_for_lengths(lengths)
-    peak = max(mm["384x1536"]["gflops_best"], mm["384x384"]["gflops_best"]) * 1e9
+    peak = max(mm[k]["gflops_best"] for k in ("384x1536", "384x384", "1536x384")) * 1e9
+    # the model's own mix: per token, the linear layers do 4*2h^2 FLOPs at the [h,h] shape, 2hi at
+    # [h,i] and 2ih at [i,h]; the matmul throughput for that mix is the FLOP-weighted harmonic mean
+    mix = {"384x384": 4 * 2 * HIDDEN * HIDDEN, "384x1536": 2 * HIDDEN * INTER, "1536x384": 2 * INTER * HIDDEN}
+
+    def mix_rate(kind: str) -> float:
+        return sum(mix.values()) / sum(f / (mm[k][kind] * 1e9) for k, f in mix.items())
 
     op = results.get("oprag", {})
     roof = {"flops_per_chunk_mean": rnd(useful_flops / max(len(lengths), 1) / 1e9, 4),
@@ -927,6 +938,10 @@ def main() -> None:
             "fraction_vs_matmul_384x1536": rnd(achieved / (mm["384x1536"]["gflops_best"] * 1e9), 4),
             "fraction_vs_matmul_384x384": rnd(achieved / (mm["384x384"]["gflops_best"] * 1e9), 4),
             "fraction_vs_best_matmul": rnd(achieved / peak, 4),
+            "model_mix_matmul_gflops_mean": rnd(mix_rate("gflops_mean") / 1e9, 2),
+            "model_mix_matmul_gflops_best": rnd(mix_rate("gflops_best") / 1e9, 2),
+            "fraction_vs_model_mix_mean": rnd(achieved / mix_rate("gflops_mean"), 4),
+            "fraction_vs_model_mix_best": rnd(achieved / mix_rate("gflops_best"), 4),
         })
         padded_tok = op.get("embed_tokens_padded") or padded_calc
         real_tok = op.get("embed_tokens_real") or real_calc
@@ -964,7 +979,9 @@ def main() -> None:
         "ratio_vs_dask": ratio("dask"),
         "raw_embed_chunks_per_s": raw["chunks_per_s"] if raw else None,
         "oprag_vs_raw_embed": rnd(cps("oprag") / raw["chunks_per_s"], 3) if raw and cps("oprag") else None,
-        "embed_roofline_fraction": roof.get("fraction_vs_best_matmul"),
+        # headline: achieved FLOP/s of the embed stage over the sustained matmul throughput of the
+        # model's own layer-shape mix (fraction_vs_best_matmul, the strictest, is in embed_roofline)
+        "embed_roofline_fraction": roof.get("fraction_vs_model_mix_mean"),
         "embed_roofline": roof,
         "matmul": mm,
         "padding_waste": op.get("padding_waste"),
