@@ -162,3 +162,19 @@ def test_hashing_encoder() -> None:
         small.encode([long_text])
     pieces = small.split_to_fit(long_text)
     assert "".join(pieces) == long_text and max(small.token_lengths(pieces)) <= 10
+
+
+def test_compiled_path_matches_eager_and_compiles_at_warm_up():
+    """``compile=True``: every bucket is compiled by warm_up; vectors equal the eager ones."""
+
+    class OneBucket(TransformersEncoder):
+        BUCKETS = (32,)  # one graph (max_tokens 32): keeps the compile to seconds
+
+    texts = ["What is the capital of France?", "hello", "batch independence is a correctness property"]
+    eager = TransformersEncoder("minilm", device="cpu", batch_size=4, max_tokens=32)
+    comp = OneBucket("minilm", device="cpu", batch_size=4, max_tokens=32, compile=True)
+    comp.warm_up()
+    assert comp.last_padded_tokens == 4 * 32  # warm-up ran the fixed-shape forward once
+    got = comp.encode(texts)
+    assert comp.last_padded_tokens == 4 * 32  # 3 texts padded to 4 rows x the 32-token bucket
+    np.testing.assert_allclose(got, eager.encode(texts), atol=1e-5)

@@ -86,7 +86,8 @@ class TransformersEncoder:
         the model's ``max_position_embeddings``. Must not exceed the latter.
     :param compile: run the forward through ``torch.compile`` with fixed shapes: every batch is
         padded to ``batch_size`` rows and to a width from :attr:`BUCKETS` (plus CUDA graphs on
-        GPU via mode ``reduce-overhead``). Vectors are unchanged up to float rounding.
+        GPU via mode ``reduce-overhead``); :meth:`warm_up` compiles every width up front.
+        Vectors are unchanged up to float rounding.
     :raises ValueError: bad model name/path, ``batch_size <= 0``, ``max_tokens`` out of range.
 
     Attributes: ``name`` (str), ``dim`` (int, 384 for MiniLM), ``max_tokens`` (int),
@@ -174,6 +175,11 @@ class TransformersEncoder:
                 model = torch.compile(model, dynamic=False,
                                       mode="reduce-overhead" if device.startswith("cuda") else None)
             self._model = model
+            if self.compile:
+                # compile every bucket's graph now (tens of seconds each on CPU), not on the first
+                # request that happens to need it
+                for w in sorted({min(b, self.max_tokens) for b in self.BUCKETS + (self.max_tokens,)}):
+                    self.encode_tokenized([[self._pad_id] * w])
 
     # ------------------------------------------------------------------ tokenization
 
