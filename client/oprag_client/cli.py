@@ -62,7 +62,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queue-delay-ms", type=float, default=0.0,
                    help="refuse queries (RESOURCE_EXHAUSTED) when the estimated queueing delay exceeds this; 0 = off")
     s.add_argument("--ingest-embed-slice-ms", type=float, default=50.0,
-                   help="while queries are active, ingest embedding runs in slices of about this long")
+                   help="with --no-embed-query-thread: while queries are active, ingest embedding runs in "
+                        "slices of about this long")
+    s.add_argument("--no-embed-query-thread", action="store_true",
+                   help="query embeddings wait for the ingest batch in flight instead of running beside it")
     s.add_argument("--no-overlap", action="store_true", help="run the stages of a batch strictly in sequence")
     s.add_argument("--ingest-barriers", action="store_true",
                    help="baseline: each ingest stage finishes before the next starts")
@@ -170,7 +173,8 @@ def cmd_serve(a) -> int:
             ingest=IngestConfig(barriers=a.ingest_barriers, upsert_batch=a.upsert_batch),
             batch=BatchConfig(max_batch=a.max_batch, max_wait_ms=a.max_wait_ms, queue_capacity=a.queue_capacity,
                               overlap=not a.no_overlap, max_queue_delay_ms=a.max_queue_delay_ms,
-                              ingest_embed_slice_ms=a.ingest_embed_slice_ms),
+                              ingest_embed_slice_ms=a.ingest_embed_slice_ms,
+                              embed_query_thread=not a.no_embed_query_thread),
         )
         asyncio.run(serve(cfg))
     except (ValueError, RuntimeError, OSError) as exc:

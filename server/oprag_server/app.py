@@ -162,8 +162,11 @@ class Runtime:
         self.metrics.shards_up.set(len(ready))
 
     async def start(self) -> None:
+        qexec = None
+        if self.cfg.batch.embed_query_thread:
+            qexec = self.embed_query_executor = ThreadPoolExecutor(1, thread_name_prefix="oprag-embed-query")
         self.embedder = EmbedWorker(self.encoder, self.embed_executor, self.metrics, batch_size=self.cfg.embed.batch_size,
-                                    slice_s=self.cfg.batch.ingest_embed_slice_ms / 1000)
+                                    slice_s=self.cfg.batch.ingest_embed_slice_ms / 1000, query_executor=qexec)
         self.embedder.start()
         self.retriever = Retriever(self.pool, self.stats, self.analyzer, self.cfg.bm25, self.cfg.retrieval)
         self.memory = Memory(self.pool, self.cfg.memory)
@@ -316,6 +319,8 @@ class Runtime:
             log.exception("final snapshot failed")
         await self.pool.shutdown(snapshot=False)
         self.embed_executor.shutdown(wait=False, cancel_futures=True)
+        if getattr(self, "embed_query_executor", None) is not None:
+            self.embed_query_executor.shutdown(wait=False, cancel_futures=True)
 
 
 def grpc_options(cfg: ServerConfig) -> list[tuple[str, int]]:

@@ -119,6 +119,10 @@ class BatchConfig:
     # While queries are active, ingest embedding runs in batches of about this many ms, which
     # bounds how long a query embedding can wait behind ingest.
     ingest_embed_slice_ms: float = 50.0
+    # Query embeddings run on their own thread at once, beside an ingest batch in flight (which
+    # keeps its full size). False: they wait for that batch, and ingest batches shrink to
+    # ``ingest_embed_slice_ms`` while queries are active. bench/RESULTS.md (ingest) has the A/B.
+    embed_query_thread: bool = True
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.queue_capacity < 1:

@@ -16,14 +16,15 @@ from oprag_server.service.metrics import Metrics
 class RecordingEncoder:
     dim = 3
 
-    def __init__(self, delay=0.02):
+    def __init__(self, delay=0.02, query_delay=None):
         self.calls = []
         self.delay = delay
+        self.query_delay = delay if query_delay is None else query_delay
         self.lock = threading.Lock()
 
     def encode(self, texts, truncate=False):
         self.calls.append(("query", len(texts)))
-        time.sleep(self.delay)
+        time.sleep(self.query_delay)
         return np.array([[len(t), 0, 1] for t in texts], np.float32)
 
     def encode_tokenized(self, ids):
@@ -70,3 +71,24 @@ def test_queries_jump_ahead_of_ingest_and_shrink_its_batches():
     assert first_query <= 1  # at most one ingest batch ran before the query
     assert waited < 0.2
     assert ("ingest", 2) in enc.calls[first_query:]  # ingest batches shrink while queries are active
+
+
+def test_query_thread_runs_beside_an_ingest_batch_which_keeps_its_size():
+    async def run():
+        enc = RecordingEncoder(delay=0.3, query_delay=0.01)  # long ingest forward passes
+        w = EmbedWorker(enc, ThreadPoolExecutor(1), Metrics(), batch_size=8, small_batch=2,
+                        query_executor=ThreadPoolExecutor(1))
+        w.start()
+        ingest = asyncio.create_task(w.embed_chunks([[i] for i in range(64)]))
+        await asyncio.sleep(0.05)  # the first ingest pass (32 chunks, 0.3 s) is running
+        t = time.perf_counter()
+        q = await w.embed_queries(["hello"])
+        waited = time.perf_counter() - t
+        r = await ingest
+        await w.stop()
+        return enc, q, waited, r
+
+    enc, q, waited, r = asyncio.run(run())
+    assert q[0, 0] == 5 and r[:, 0].tolist() == list(range(64))
+    assert waited < 0.2  # did not wait for the 0.3 s ingest pass in flight
+    assert [c for c in enc.calls if c[0] == "ingest"] == [("ingest", 32), ("ingest", 32)]  # batches not shrunk

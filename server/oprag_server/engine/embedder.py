@@ -31,7 +31,7 @@ class EmbedWorker:
     :param query_quiet_s: queries count as active for this long after the last one."""
 
     def __init__(self, encoder: Any, executor, metrics: Any, *, batch_size: int = 32, small_batch: int = 8,
-                 query_quiet_s: float = 0.5, slice_s: float | None = None) -> None:
+                 query_quiet_s: float = 0.5, slice_s: float | None = None, query_executor=None) -> None:
         self.encoder = encoder
         self.executor = executor
         self.metrics = metrics
@@ -39,27 +39,37 @@ class EmbedWorker:
         self.small_batch = small_batch
         self.query_quiet_s = query_quiet_s
         self.slice_s = slice_s  # adapt small batches to this many seconds of work (None: fixed)
+        # With a query executor, query embeddings run on their own thread at once, beside any
+        # ingest batch (which then keeps its full size); without one they wait for the ingest
+        # batch in flight, and ingest batches shrink while queries are active.
+        self.query_executor = query_executor
         self._per_chunk_s = 0.0
         self._queries: asyncio.Queue[_Req] = asyncio.Queue()
         self._ingest: list[tuple[_Req, int]] = []  # (request, next index) pooled across streams
         self._wake = asyncio.Event()
+        self._qwake = asyncio.Event()
         self._last_query = 0.0
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop())
+        self._qtask = asyncio.create_task(self._query_loop()) if self.query_executor is not None else None
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        tasks = [t for t in (self._task, getattr(self, "_qtask", None)) if t]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def embed_queries(self, texts: list[str]) -> np.ndarray:
         """float32[B, D] for query texts (truncated to the embedder's limit), high priority."""
         fut = asyncio.get_running_loop().create_future()
         self._last_query = time.perf_counter()
         await self._queries.put(_Req(None, texts, fut, truncate=True))
-        self._wake.set()
+        if self.query_executor is not None:
+            self._qwake.set()
+        else:
+            self._wake.set()
         return await fut
 
     async def embed_chunks(self, ids: list[list[int]]) -> np.ndarray:
@@ -70,29 +80,41 @@ class EmbedWorker:
         self._wake.set()
         return await fut
 
-    async def _loop(self) -> None:
+    async def _run_queries(self, loop, executor) -> None:
+        reqs = []
+        while not self._queries.empty():
+            reqs.append(self._queries.get_nowait())
+        texts = [t for r in reqs for t in r.texts]
+        try:
+            vecs = await loop.run_in_executor(executor, lambda: self.encoder.encode(texts, truncate=True))
+        except Exception as exc:  # noqa: BLE001
+            for r in reqs:
+                if not r.future.done():
+                    r.future.set_exception(exc)
+            return
+        o = 0
+        for r in reqs:
+            if not r.future.done():
+                r.future.set_result(vecs[o : o + len(r.texts)])
+            o += len(r.texts)
+
+    async def _query_loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            if self._queries.empty() and not self._ingest:
+            if self._queries.empty():
+                self._qwake.clear()
+                await self._qwake.wait()
+            await self._run_queries(loop, self.query_executor)
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        concurrent = self.query_executor is not None
+        while True:
+            if (concurrent or self._queries.empty()) and not self._ingest:
                 self._wake.clear()
                 await self._wake.wait()
-            if not self._queries.empty():
-                reqs = []
-                while not self._queries.empty():
-                    reqs.append(self._queries.get_nowait())
-                texts = [t for r in reqs for t in r.texts]
-                try:
-                    vecs = await loop.run_in_executor(self.executor, lambda: self.encoder.encode(texts, truncate=True))
-                except Exception as exc:  # noqa: BLE001
-                    for r in reqs:
-                        if not r.future.done():
-                            r.future.set_exception(exc)
-                    continue
-                o = 0
-                for r in reqs:
-                    if not r.future.done():
-                        r.future.set_result(vecs[o : o + len(r.texts)])
-                    o += len(r.texts)
+            if not concurrent and not self._queries.empty():
+                await self._run_queries(loop, self.executor)
                 continue
             try:
                 await self._ingest_batch(loop)
@@ -107,7 +129,7 @@ class EmbedWorker:
         self._ingest = [(r, i) for r, i in self._ingest if not r.future.done()]
         if not self._ingest:
             return
-        busy = time.perf_counter() - self._last_query < self.query_quiet_s
+        busy = self.query_executor is None and time.perf_counter() - self._last_query < self.query_quiet_s
         size = self.batch_size * 4
         if busy:
             size = self.small_batch
