@@ -200,19 +200,25 @@ def cmd_ingest(a) -> int:
 
     from .loaders import LOADERS
 
+    missing = [str(p) for p in a.paths if not Path(p).exists()]
+    if missing:
+        return _fail(f"no such file or directory: {', '.join(missing)}")
     docs = LOADERS[a.format](a.paths)
-    totals = {"documents": 0, "chunks": 0, "replaced": 0, "rejected": [], "chunks_split": 0, "seq": 0}
+    totals = {"documents": 0, "chunks": 0, "replaced": 0, "reused": 0, "rejected": [], "chunks_split": 0, "seq": 0}
     t0 = time.perf_counter()
     bar = tqdm(unit="doc", disable=a.no_progress, file=sys.stderr, dynamic_ncols=True)
     try:
         with _client(a) as c:
-            for batch in _batches(docs, max(1, a.docs_per_stream)):
+            for n, batch in enumerate(_batches(docs, max(1, a.docs_per_stream)), 1):
+                # the bar advances when a stream commits; say what is in flight meanwhile
+                bar.set_postfix_str(f"stream {n}: {len(batch)} documents sent, embedding and committing")
                 r = c.ingest(batch)
                 offset = totals["documents"] + len(totals["rejected"])
                 totals["documents"] += r.documents_written
                 totals["chunks"] += r.chunks_written
                 totals["replaced"] += r.documents_replaced
                 totals["chunks_split"] += r.chunks_split
+                totals["reused"] += r.chunks_reused
                 totals["seq"] = r.seq
                 totals["rejected"] += [{"index": offset + x.index, "id": x.id, "reason": x.reason} for x in r.rejected]
                 bar.update(len(batch))
@@ -233,6 +239,7 @@ def cmd_ingest(a) -> int:
         "chunks": totals["chunks"],
         "replaced": totals["replaced"],
         "chunks_split": totals["chunks_split"],
+        "chunks_reused": totals["reused"],
         "rejected": totals["rejected"],
         "elapsed_s": round(el, 3),
         "documents_per_s": round(totals["documents"] / el, 2) if el else 0.0,

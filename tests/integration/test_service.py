@@ -183,9 +183,10 @@ def test_bad_requests_get_invalid_argument(client, ingested, server):
     with pytest.raises(grpc.RpcError) as ei:
         client.stub.Ingest(iter([oprag_pb2.IngestRequest(final=True, sent_documents=3)]), timeout=30)
     assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    with pytest.raises(grpc.RpcError) as ei:
-        client.delete([])
-    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    for ids in ([], ["volcano", ""]):
+        with pytest.raises(grpc.RpcError) as ei:
+            client.delete(ids)
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert server.alive() and client.health() == "SERVING"
 
 
@@ -276,7 +277,7 @@ def test_cli_ingest_and_query(server, ingested, tmp_path):
                                 str(folder)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     summary = json.loads(out.stdout.strip().splitlines()[-1])
-    assert summary["documents"] == 2 and summary["chunks"] == 2
+    assert summary["documents"] == 2 and summary["chunks"] == 2 and summary["chunks_reused"] == 0
     out = subprocess.run(cli + ["query", "--server", server.target, "--json", "--top-k", "2",
                                 "--max-new-tokens", "16", "Who invented the box kite?"],
                          capture_output=True, text=True, timeout=120)
@@ -288,6 +289,9 @@ def test_cli_ingest_and_query(server, ingested, tmp_path):
     bad = subprocess.run(cli + ["query", "--server", server.target, "--top-k", "500", "hello"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "INVALID_ARGUMENT" in bad.stderr
+    missing = subprocess.run(cli + ["ingest", "--server", server.target, "--format", "text", str(tmp_path / "nope")],
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode != 0 and "no such file" in missing.stderr and "0doc" not in missing.stderr
 
 
 def test_cli_session_follow_up_no_memory_and_clear(server, ingested):

@@ -356,6 +356,8 @@ class OpRAGServicer(oprag_pb2_grpc.OpRAGServicer):
         ids = list(request.doc_ids)
         if not ids:
             raise InvalidArgument("doc_ids is empty: name at least one document id")
+        if any(not i for i in ids):
+            raise InvalidArgument("doc_ids contains an empty id: every id must be non-empty")
         if len(ids) > self.cfg.limits.max_delete_ids:
             raise InvalidArgument(f"{len(ids)} ids; the limit per Delete is {self.cfg.limits.max_delete_ids}")
         docs, chunks, seq = await self.rt.delete(ids)
