@@ -342,36 +342,46 @@ async def serve(cfg: ServerConfig, *, encoder: Any = None, generator: Any = None
         if generator is not None:
             await loop.run_in_executor(None, generator.warm_up)
     rt = Runtime(cfg, encoder, generator)
-    await loop.run_in_executor(None, rt.start_shards, loop)
-    await rt.start()
+    server = None
+    try:  # a failure before serving (e.g. a port taken meanwhile) must not leave shards behind
+        await loop.run_in_executor(None, rt.start_shards, loop)
+        await rt.start()
 
-    sec = cfg.security
-    tokens = load_tokens(sec.tokens_file)
-    if sec.require_token and not tokens:
-        raise RuntimeError("a token is required but none was given: use --tokens-file or OPRAG_TOKENS")
-    interceptors = [TokenAuthInterceptor(tokens)] if tokens else []
-    server = grpc.aio.server(options=grpc_options(cfg), interceptors=interceptors)
-    oprag_pb2_grpc.add_OpRAGServicer_to_server(OpRAGServicer(rt), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
-    )
-    if (sec.tls_cert is None) != (sec.tls_key is None):
-        raise RuntimeError("TLS needs both --tls-cert and --tls-key")
-    if sec.tls_cert is not None:
-        creds = server_credentials(sec.tls_cert, sec.tls_key, sec.tls_client_ca)
-        bound = server.add_secure_port(f"{cfg.host}:{cfg.port}", creds)
-    else:
-        bound = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
-    if bound == 0:
-        raise RuntimeError(f"could not bind the gRPC port {cfg.host}:{cfg.port}: choose another --port")
-    try:
-        rt.metrics.serve(cfg.metrics_port, cfg.metrics_host or cfg.host)
-    except OSError as exc:
-        raise RuntimeError(f"could not bind the metrics port {cfg.metrics_port}: {exc.strerror}; "
-                           "choose another --metrics-port") from exc
-    await server.start()
+        sec = cfg.security
+        tokens = load_tokens(sec.tokens_file)
+        if sec.require_token and not tokens:
+            raise RuntimeError("a token is required but none was given: use --tokens-file or OPRAG_TOKENS")
+        interceptors = [TokenAuthInterceptor(tokens)] if tokens else []
+        server = grpc.aio.server(options=grpc_options(cfg), interceptors=interceptors)
+        oprag_pb2_grpc.add_OpRAGServicer_to_server(OpRAGServicer(rt), server)
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+        )
+        if (sec.tls_cert is None) != (sec.tls_key is None):
+            raise RuntimeError("TLS needs both --tls-cert and --tls-key")
+        if sec.tls_cert is not None:
+            creds = server_credentials(sec.tls_cert, sec.tls_key, sec.tls_client_ca)
+            bound = server.add_secure_port(f"{cfg.host}:{cfg.port}", creds)
+        else:
+            bound = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        if bound == 0:
+            raise RuntimeError(f"could not bind the gRPC port {cfg.host}:{cfg.port}: choose another --port")
+        try:
+            rt.metrics.serve(cfg.metrics_port, cfg.metrics_host or cfg.host)
+        except OSError as exc:
+            raise RuntimeError(f"could not bind the metrics port {cfg.metrics_port}: {exc.strerror}; "
+                               "choose another --metrics-port") from exc
+        await server.start()
+    except BaseException:
+        try:
+            if server is not None:
+                await server.stop(0)
+            await rt.close()
+        except Exception:  # noqa: BLE001 - report the original failure, not the clean-up's
+            log.exception("clean-up after a failed start")
+        raise
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
