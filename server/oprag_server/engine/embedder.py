@@ -50,13 +50,14 @@ class EmbedWorker:
         self._qwake = asyncio.Event()
         self._last_query = 0.0
         self._task: asyncio.Task | None = None
+        self._qtask: asyncio.Task | None = None
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop())
         self._qtask = asyncio.create_task(self._query_loop()) if self.query_executor is not None else None
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._task, getattr(self, "_qtask", None)) if t]
+        tasks = [t for t in (self._task, self._qtask) if t]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -10,14 +10,13 @@ through the shard upsert path. A record is only ever visible to queries of its o
 
 from __future__ import annotations
 
-import asyncio
 import re
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..config import MemoryConfig
-from ..shards.pool import ShardError, ShardPool, route
+from ..shards.pool import ShardPool, route
 
 # Words that make a question depend on an earlier turn (anaphora, demonstratives).
 _FOLLOW_UP = frozenset(
@@ -70,26 +69,14 @@ class Memory:
         if not by_shard:
             return out
         shards = sorted(by_shard)
-        futs = [
-            self.pool.clients[s].call(
-                "memory_search",
-                {"session_ids": [session_ids[i] for i in by_shard[s]], "k": self.cfg.lookup_turns,
-                 "ttl_s": self.cfg.ttl_s},
-            )
-            for s in shards
-        ]
-        if len(futs) == 1:  # the common case (one session): no gather wrapper
-            try:
-                outs = [await futs[0]]
-            except ShardError as exc:
-                outs = [exc]
-        else:
-            outs = await asyncio.gather(*futs, return_exceptions=True)
-        for s, rep in zip(shards, outs):
-            if isinstance(rep, BaseException):  # the session's shard is down: answer without memory
-                if not isinstance(rep, ShardError):
-                    raise rep
-                continue
+        # a shard that is down is left out: its sessions are answered without memory
+        got, _ = await self.pool.gather_partial(
+            "memory_search",
+            [{"session_ids": [session_ids[i] for i in by_shard[s]], "k": self.cfg.lookup_turns,
+              "ttl_s": self.cfg.ttl_s} for s in shards],
+            shards=shards,
+        )
+        for s, rep in got.items():
             for i, turns in zip(by_shard[s], rep):
                 if not turns:
                     continue

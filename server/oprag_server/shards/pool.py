@@ -181,8 +181,14 @@ class ShardPool:
         where a shard that is down or fails is missing instead of failing the call."""
         targets = list(range(self.n)) if shards is None else shards
         per = args if isinstance(args, list) else [args] * len(targets)
-        outs = await asyncio.gather(*[self.clients[s].call(op, a) for s, a in zip(targets, per)],
-                                    return_exceptions=True)
+        futs = [self.clients[s].call(op, a) for s, a in zip(targets, per)]
+        if len(futs) == 1:  # one shard (e.g. a single session's memory): no gather wrapper
+            try:
+                outs = [await futs[0]]
+            except ShardError as exc:
+                outs = [exc]
+        else:
+            outs = await asyncio.gather(*futs, return_exceptions=True)
         got, missing = {}, []
         for s, o in zip(targets, outs):
             if isinstance(o, BaseException):
