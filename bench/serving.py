@@ -402,7 +402,7 @@ def run_langchain(a, data_dir: Path, questions, levels) -> dict:
     from oprag_server.models.encoder import TransformersEncoder
     from oprag_server.models.generator import HFGenerator
     from oprag_server.operators.reason import build_context
-    from oprag_server.operators.retrieve import Hit
+    from oprag_server.domain import Hit
 
     t = time.perf_counter()
     snap = read_snapshot(data_dir)

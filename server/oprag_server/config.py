@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .domain import DEFAULT_CANDIDATES
+
 
 @dataclass(frozen=True)
 class ChunkingConfig:
@@ -50,7 +52,7 @@ class RetrievalConfig:
 
     default_top_k: int = 5
     max_top_k: int = 100
-    candidates: int = 256
+    candidates: int = DEFAULT_CANDIDATES
     max_candidates: int = 4096
     dense_weight: float = 0.5
     lexical_weight: float = 0.5

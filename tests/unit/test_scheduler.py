@@ -14,8 +14,7 @@ from oprag_server.config import BatchConfig, GenerateConfig
 from oprag_server.engine.query import Overloaded, QueryEngine, QueryJob
 from oprag_server.engine.rwlock import RWLock
 from oprag_server.engine.scheduler import BatchPolicy, compile_plan
-from oprag_server.operators.memory import MemoryContext
-from oprag_server.operators.retrieve import Hit, RetrieveSpec
+from oprag_server.domain import Hit, MemoryContext, RetrieveSpec
 from oprag_server.service.metrics import Metrics
 
 

@@ -27,9 +27,10 @@ from typing import Any
 import numpy as np
 
 from ..config import BatchConfig, GenerateConfig
-from ..operators.memory import Memory, MemoryContext
-from ..operators.reason import ContextPayload, build_context
-from ..operators.retrieve import Hit, Retriever, RetrieveSpec
+from ..domain import ContextPayload, Hit, MemoryContext, RetrieveSpec
+from ..operators.memory import Memory
+from ..operators.reason import build_context
+from ..operators.retrieve import Retriever
 from .rwlock import RWLock
 from .scheduler import BatchPolicy, compile_plan
 

@@ -11,11 +11,11 @@ through the shard upsert path. A record is only ever visible to queries of its o
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 import numpy as np
 
 from ..config import MemoryConfig
+from ..domain import MemoryContext
 from ..shards.pool import ShardPool, route
 
 # Words that make a question depend on an earlier turn (anaphora, demonstratives).
@@ -30,15 +30,6 @@ def is_follow_up(question: str) -> bool:
     """True when the question refers back (a pronoun or demonstrative) or is very short."""
     words = [w.casefold() for w in _WORD.findall(question)]
     return bool(words) and (len(words) <= 3 or any(w in _FOLLOW_UP for w in words))
-
-
-@dataclass
-class MemoryContext:
-    """What memory contributed to one query."""
-
-    retrieval_text: str  # the text that is embedded and analysed for retrieval
-    memory_text: str  # prior-turn text shown to the caller (and the prompt), "" if none
-    turns: int
 
 
 def summarise(answer: str, limit: int) -> str:

@@ -7,10 +7,9 @@ and nothing after it is placed. Same hits, same question, same budget: same prom
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Protocol
 
-from .retrieve import Hit
+from ..domain import ContextPayload, Hit, SourceRef
 
 SYSTEM_PROMPT = (
     "You are a helpful assistant. Answer the question using only the numbered sources. "
@@ -28,28 +27,6 @@ class PromptModel(Protocol):
     def count_tokens(self, text: str) -> int: ...
 
     def truncate_to_tokens(self, text: str, n: int) -> str: ...
-
-
-@dataclass
-class SourceRef:
-    number: int
-    chunk_id: str
-    doc_id: str
-    title: str
-    tokens: int
-    truncated: bool
-
-
-@dataclass
-class ContextPayload:
-    """:param prompt: the full model input (chat template applied).
-    :param prompt_tokens: tokens of ``prompt`` (<= the budget).
-    :param sources: provenance of every source placed, in prompt order."""
-
-    prompt: str
-    prompt_tokens: int
-    sources: list[SourceRef] = field(default_factory=list)
-    memory_scope: str = ""
 
 
 def _source_block(n: int, hit: Hit, text: str) -> str:
@@ -114,4 +91,4 @@ def build_context(
         sources.pop()
         prompt = model.chat_prompt(SYSTEM_PROMPT, _user(blocks, question, memory_text))
         total = model.count_tokens(prompt)
-    return ContextPayload(prompt=prompt, prompt_tokens=total, sources=sources, memory_scope=memory_text)
+    return ContextPayload(prompt=prompt, prompt_tokens=total, sources=sources)

@@ -24,68 +24,16 @@ from __future__ import annotations
 import itertools
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..config import BM25Config, RetrievalConfig
+from ..domain import FUSED_MODES, MODES, Hit, RetrievalInfo, RetrieveSpec  # noqa: F401 (re-exported)
 from ..index.analyzer import Analyzer
 from ..index.bm25 import CorpusStats
 from ..shards.pool import ShardPool
 from .fusion import fuse_minmax, minmax_params, top_k_order
-
-MODES = ("hybrid", "dense", "lexical", "full_hybrid")
-
-
-@dataclass(frozen=True)
-class RetrieveSpec:
-    """What one query asks of the retrieve operator.
-
-    :param fusion: ``"minmax"`` (weighted sum of min-max normalised scores) or ``"rrf"``
-        (reciprocal rank fusion, Cormack et al. 2009: ``sum_l w_l / (rrf_k + rank_l)`` over the
-        lists the chunk appears in).
-    :param candidates: the retrieval window N: dense candidates in ``hybrid`` mode, and the
-        length of each ranked list that ranks and RRF are computed over.
-    :param filters: ``((key, (value, ...)), ...)``: metadata[key] must be one of the values,
-        for every filter.
-    """
-
-    mode: str = "hybrid"
-    top_k: int = 5
-    candidates: int = 128
-    dense_weight: float = 0.5
-    lexical_weight: float = 0.5
-    fusion: str = "minmax"
-    rrf_k: int = 60
-    filters: tuple = ()
-
-
-@dataclass
-class Hit:
-    chunk_id: str
-    doc_id: str
-    title: str
-    text: str
-    score: float
-    dense_score: float
-    lexical_score: float
-    shard: int
-    metadata: dict[str, str] = field(default_factory=dict)
-    dense_rank: int = 0
-    lexical_rank: int = 0
-
-
-@dataclass
-class RetrievalInfo:
-    mode: str
-    fusion: str
-    dense_weight: float
-    lexical_weight: float
-    rrf_k: int
-    candidates: int
-    chunks_searched: int = 0
-    missing_shards: list[int] = field(default_factory=list)  # non-empty = partial result
-
 
 @dataclass
 class _Cand:
@@ -193,7 +141,7 @@ class Retriever:
 
     @staticmethod
     def info(spec: RetrieveSpec, searched: int = 0) -> RetrievalInfo:
-        fusion = spec.fusion if spec.mode in ("hybrid", "full_hybrid") else "none"
+        fusion = spec.fusion if spec.mode in FUSED_MODES else "none"
         return RetrievalInfo(spec.mode, "weighted_minmax" if fusion == "minmax" else fusion, spec.dense_weight,
                              spec.lexical_weight, spec.rrf_k if fusion == "rrf" else 0, spec.candidates, searched)
 

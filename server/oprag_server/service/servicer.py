@@ -16,7 +16,7 @@ from oprag.v1 import oprag_pb2, oprag_pb2_grpc
 
 from ..engine.ingest import IngestError
 from ..engine.query import Overloaded, QueryJob, QueryRejected
-from ..operators.retrieve import MODES, RetrieveSpec
+from ..domain import MODES, RetrieveSpec
 from ..shards.pool import ShardError
 
 log = logging.getLogger(__name__)

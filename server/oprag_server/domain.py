@@ -1,0 +1,112 @@
+"""Shared domain types of the query path: one home for what several layers pass around.
+
+Nothing here imports another OpRAG module, so every layer (index, shards, operators, engine,
+service) may import it. The wire contract (``oprag.v1``) is converted to and from these types
+in ``service/convert.py`` only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+#: Retrieval modes, by their wire-independent names (the one mode table of the server).
+#: ``hybrid`` dense-first, ``dense``, ``lexical``, ``full_hybrid`` exact.
+MODES: tuple[str, ...] = ("hybrid", "dense", "lexical", "full_hybrid")
+#: Modes that fuse two ranked lists.
+FUSED_MODES: frozenset[str] = frozenset({"hybrid", "full_hybrid"})
+#: Fusion methods: weighted min-max and reciprocal rank fusion.
+FUSIONS: tuple[str, ...] = ("minmax", "rrf")
+
+#: The dense-first window N when neither the request nor the server configuration sets one.
+DEFAULT_CANDIDATES = 256
+DEFAULT_TOP_K = 5
+DEFAULT_RRF_K = 60
+
+
+@dataclass(frozen=True)
+class RetrieveSpec:
+    """What one query asks of the retrieve operator.
+
+    :param mode: one of :data:`MODES`.
+    :param fusion: ``"minmax"`` (weighted sum of min-max normalised scores) or ``"rrf"``
+        (reciprocal rank fusion, Cormack et al. 2009: ``sum_l w_l / (rrf_k + rank_l)`` over the
+        lists the chunk appears in).
+    :param candidates: the retrieval window N: dense candidates in ``hybrid`` mode, and the
+        length of each ranked list that ranks and RRF are computed over.
+    :param filters: ``((key, (value, ...)), ...)``: metadata[key] must be one of the values,
+        for every filter.
+    """
+
+    mode: str = "hybrid"
+    top_k: int = DEFAULT_TOP_K
+    candidates: int = DEFAULT_CANDIDATES
+    dense_weight: float = 0.5
+    lexical_weight: float = 0.5
+    fusion: str = "minmax"
+    rrf_k: int = DEFAULT_RRF_K
+    filters: tuple = ()
+
+
+@dataclass
+class Hit:
+    """One ranked chunk. Scores are float: ``dense_score`` the inner product of L2-normalised
+    vectors, ``lexical_score`` BM25Okapi (rank_bm25 0.2.2), ``score`` the fused score. Ranks are
+    1-based positions in each list of the window (0 = not in that list)."""
+
+    chunk_id: str
+    doc_id: str
+    title: str
+    text: str
+    score: float
+    dense_score: float
+    lexical_score: float
+    shard: int
+    metadata: dict[str, str] = field(default_factory=dict)
+    dense_rank: int = 0
+    lexical_rank: int = 0
+
+
+@dataclass
+class RetrievalInfo:
+    """What the retriever did for one query (reported in responses)."""
+
+    mode: str
+    fusion: str
+    dense_weight: float
+    lexical_weight: float
+    rrf_k: int
+    candidates: int
+    chunks_searched: int = 0
+    missing_shards: list[int] = field(default_factory=list)  # non-empty = partial result
+
+
+@dataclass
+class MemoryContext:
+    """What the memory operator contributed to one query."""
+
+    retrieval_text: str  # the text that is embedded and analysed for retrieval
+    memory_text: str  # prior-turn text shown to the caller (and the prompt), "" if none
+    turns: int
+
+
+@dataclass
+class SourceRef:
+    """Provenance of one source placed in a prompt (``[number]`` in the prompt text)."""
+
+    number: int
+    chunk_id: str
+    doc_id: str
+    title: str
+    tokens: int
+    truncated: bool
+
+
+@dataclass
+class ContextPayload:
+    """:param prompt: the full model input (chat template applied).
+    :param prompt_tokens: tokens of ``prompt`` (<= the budget).
+    :param sources: provenance of every source placed, in prompt order."""
+
+    prompt: str
+    prompt_tokens: int
+    sources: list[SourceRef] = field(default_factory=list)
