@@ -173,7 +173,6 @@ class Runtime:
         self.query = QueryEngine(
             monitor_fraction=self.cfg.retrieval.monitor_fraction,
             monitor_max_inflight=self.cfg.retrieval.monitor_max_inflight,
-            encoder=self.encoder,
             generator=self.generator,
             retriever=self.retriever,
             memory=self.memory,

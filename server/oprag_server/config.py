@@ -96,7 +96,6 @@ class GenerateConfig:
     default_max_new_tokens: int = 64
     max_new_tokens_limit: int = 512
     context_tokens: int = 1024
-    max_batch: int = 8
     device: str = "auto"
 
     def __post_init__(self) -> None:

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from oprag_server.config import BatchConfig, GenerateConfig
-from oprag_server.engine.query import Overloaded, QueryEngine, QueryJob
+from oprag_server.engine.job import QueryJob
+from oprag_server.engine.query import Overloaded, QueryEngine
 from oprag_server.engine.rwlock import RWLock
-from oprag_server.engine.scheduler import BatchPolicy, compile_plan
+from oprag_server.engine.scheduler import QUERY_OPERATORS, BatchPolicy, batch_steps, compile_plan, split_plan
 from oprag_server.domain import Hit, MemoryContext, RetrieveSpec
 from oprag_server.service.metrics import Metrics
 
@@ -35,11 +36,42 @@ def test_policy_waits_then_closes_on_size_or_age():
         BatchPolicy(0, 0.1)
 
 
+def _ops(plan):
+    return [s.op for s in plan]
+
+
 def test_plan_is_data():
     plan = compile_plan(memory=True, generate=True)
-    assert [s.op for s in plan] == ["memory", "embed", "retrieve", "reason", "generate", "upsert"]
     assert compile_plan(memory=False, generate=False) == compile_plan(memory=False, generate=False)
-    assert [s.op for s in compile_plan(memory=False, generate=False)] == ["embed", "retrieve"]
+    assert all(s.domain for s in plan)
+    assert {s.op for s in QUERY_OPERATORS} == {"memory", "embed", "retrieve", "context", "generate", "promote"}
+
+
+def test_plan_per_request_kind():
+    # retrieve only
+    assert _ops(compile_plan(memory=False, generate=False)) == ["embed", "retrieve"]
+    # retrieve only, the client sent its query vector
+    assert _ops(compile_plan(memory=False, generate=False, embed=False)) == ["retrieve"]
+    # generate
+    assert _ops(compile_plan(memory=False, generate=True)) == ["embed", "retrieve", "context", "generate"]
+    # retrieve only, with session memory: looked up first, the turn promoted last
+    assert _ops(compile_plan(memory=True, generate=False)) == ["memory", "embed", "retrieve", "promote"]
+    # generate with session memory
+    assert _ops(compile_plan(memory=True, generate=True)) == [
+        "memory", "embed", "retrieve", "context", "generate", "promote"]
+
+
+def test_plan_phases_and_batch_steps():
+    full = compile_plan(memory=True, generate=True)
+    prep, answer = split_plan(full)
+    assert _ops(prep) == ["memory", "embed", "retrieve", "context"] and _ops(answer) == ["generate", "promote"]
+    prep, answer = split_plan(compile_plan(memory=True, generate=False))
+    assert _ops(prep) == ["memory", "embed", "retrieve"] and _ops(answer) == ["promote"]
+    assert split_plan(compile_plan(memory=False, generate=False))[1] == ()
+    # a mixed batch runs the union of its plans, in operator order
+    mixed = [compile_plan(memory=False, generate=True), compile_plan(memory=True, generate=False, embed=False)]
+    assert _ops(batch_steps(mixed)) == ["memory", "embed", "retrieve", "context", "generate", "promote"]
+    assert batch_steps([]) == ()
 
 
 class FakeEncoder:
@@ -63,15 +95,18 @@ class FakeRetriever:
     async def retrieve(self, vecs, texts, specs):
         self.batches.append(list(texts))
         hits = [[Hit(f"{t}#0", t, "", f"text of {t}", 1.0, 1.0, 0.0, 0)] for t in texts]
-        return hits, {"retrieve": 0.0, "rerank": 0.0}, [None] * len(texts)
+        return hits, {"retrieve": 0.0, "fusion": 0.0}, [None] * len(texts)
 
 
 class FakeMemory:
+    def __init__(self):
+        self.promoted = []
+
     async def lookup(self, questions, sessions):
         return [MemoryContext(q, "", 0) for q in questions]
 
-    async def promote(self, *a, **k):
-        pass
+    async def promote(self, session_id, question, answer, *a):
+        self.promoted.append((session_id, question, answer))
 
 
 class FakeGenerator:
@@ -102,16 +137,17 @@ class FakeGenerator:
         return [GenerationResult(p.split("Question: ")[-1], [1], 1, 1, "stop") for p in prompts]
 
 
-def _engine(gen, retriever, overlap=True, capacity=64, max_batch=4):
+def _engine(gen, retriever, overlap=True, capacity=64, max_batch=4, memory=None):
     return QueryEngine(
-        encoder=FakeEncoder(), generator=gen, retriever=retriever, memory=FakeMemory(), lock=RWLock(),
+        generator=gen, retriever=retriever, memory=memory or FakeMemory(), lock=RWLock(),
         batch=BatchConfig(max_batch=max_batch, max_wait_ms=2.0, queue_capacity=capacity, overlap=overlap),
         gen_cfg=GenerateConfig(), embedder=FakeEmbedder(), metrics=Metrics(),
     )
 
 
-def _job(q, generate=True):
-    return QueryJob(question=q, spec=RetrieveSpec(top_k=1), generate=generate, max_new_tokens=4)
+def _job(q, generate=True, session_id="", query_vector=None):
+    return QueryJob(question=q, spec=RetrieveSpec(top_k=1), generate=generate, max_new_tokens=4,
+                    session_id=session_id, query_vector=query_vector)
 
 
 def test_concurrent_queries_are_batched_and_answered_in_order():
@@ -217,3 +253,41 @@ def test_latency_admission_refuses_when_estimated_delay_exceeds_budget():
         return ok
 
     assert asyncio.run(run()).answer == "after"
+
+
+def test_executed_trace_equals_compiled_plan():
+    """Every request kind, batched together: each one's trace is its compiled plan, step for step,
+    its timings carry one key per executed operator, and promotion follows the answer."""
+
+    async def run():
+        gen, ret, mem = FakeGenerator(0.01), FakeRetriever(), FakeMemory()
+        eng = _engine(gen, ret, memory=mem)
+        eng.start()
+        jobs = await asyncio.gather(
+            eng.submit(_job("a")),
+            eng.submit(_job("b", generate=False)),
+            eng.submit(_job("c", session_id="s1")),
+            eng.submit(_job("d", generate=False, session_id="s2")),
+            eng.submit(_job("e", generate=False, query_vector=np.ones(4, np.float32) / 2)),
+        )
+        await eng.stop()
+        return jobs, mem
+
+    jobs, mem = asyncio.run(run())
+    for j in jobs:
+        trace = j.trace()
+        assert [(t["op"], t["domain"]) for t in trace] == [(s.op, s.domain) for s in j.plan]
+        assert all(t["batch_id"] == j.batch_id and t["run_ms"] >= 0 and t["queue_ms"] >= 0 for t in trace)
+        assert {s.op for s in j.plan} <= set(j.timings_ms)
+        assert {"queue", "total"} <= set(j.timings_ms)
+    assert _ops(jobs[2].plan) == ["memory", "embed", "retrieve", "context", "generate", "promote"]
+    assert _ops(jobs[4].plan) == ["retrieve"]
+    assert "rerank" in jobs[0].timings_ms and jobs[0].timings_ms["fusion"] == jobs[0].timings_ms["rerank"]
+    assert sorted(mem.promoted) == [("s1", "c", "c"), ("s2", "d", "")]
+
+
+def test_stage_metric_labels_are_the_operator_names():
+    from oprag_server.service.metrics import STAGES
+
+    assert {s.op for s in QUERY_OPERATORS} <= set(STAGES)
+    assert "rerank" not in STAGES and "reason" not in STAGES

@@ -1,12 +1,18 @@
-"""Query executor: batches concurrent queries and overlaps CPU work for batch n+1 (memory,
-embed, retrieve, reason) with generation of batch n.
+"""Query executor: batches concurrent queries, runs each batch's compiled plan one operator at a
+time, and overlaps the prep of batch n+1 (memory, embed, retrieve, context) with generation of
+batch n.
 
 Two long-lived tasks joined by a bounded queue (capacity 1):
 
-* the *prep* loop asks :class:`BatchPolicy` when to close a batch, then runs memory lookup,
-  embedding, retrieval and context building for the whole batch;
+* the *prep* loop asks :class:`BatchPolicy` when to close a batch, then runs the prep steps of
+  the batch's plans (:func:`split_plan`), one operator function per step; requests that do not
+  generate run their remaining steps (memory promotion) right away and are answered;
 * the *generate* loop hands prepared batches to the persistent generator worker (one thread
-  that owns the model) and answers the requests.
+  that owns the model), then runs the remaining steps (promotion) and answers the requests.
+
+Each step runs once per batch, over the requests whose plan lists it, and is recorded on each
+of them (:meth:`QueryJob.record`): the trace, ``timings_ms`` and ``oprag_stage_seconds`` all
+come from the executed steps under the operator's one name (README: operator table).
 
 With ``overlap=False`` the prep loop waits for each batch's generation before forming the next
 one (stages strictly in sequence), which is the baseline the overlap is measured against.
@@ -21,18 +27,20 @@ import dataclasses
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import numpy as np
 
 from ..config import BatchConfig, GenerateConfig
-from ..domain import ContextPayload, Hit, MemoryContext, RetrieveSpec
+from ..operators.context import build_context
 from ..operators.memory import Memory
-from ..operators.reason import build_context
 from ..operators.retrieve import Retriever
+from .job import QueryJob
 from .rwlock import RWLock
-from .scheduler import BatchPolicy, compile_plan
+from .scheduler import (CONTEXT, EMBED, GENERATE, MEMORY, PROMOTE, RETRIEVE, BatchPolicy, batch_steps, compile_plan,
+                        split_plan)
+
+__all__ = ["Overloaded", "QueryEngine", "QueryJob", "QueryRejected"]
 
 log = logging.getLogger(__name__)
 
@@ -51,57 +59,19 @@ class QueryRejected(ValueError):
     prompt budget); only that request fails."""
 
 
-@dataclass
-class QueryJob:
-    question: str
-    spec: RetrieveSpec
-    session_id: str = ""
-    use_memory: bool = True
-    generate: bool = True
-    max_new_tokens: int = 64
-    request_id: str = ""
-    query_vector: np.ndarray | None = None  # float32[D] given by the client: skip embedding
-    enqueued: float = field(default_factory=time.perf_counter)
-    future: asyncio.Future | None = None
-    cancelled: bool = False
-    # filled in by the executor
-    memory: MemoryContext | None = None
-    vector: np.ndarray | None = None
-    hits: list[Hit] = field(default_factory=list)
-    info: Any = None
-    payload: ContextPayload | None = None
-    answer: str = ""
-    completion_tokens: int = 0
-    finish_reason: str = ""
-    timings_ms: dict[str, float] = field(default_factory=dict)
-    batch_id: int = 0
-    plan: tuple = ()
-    events: asyncio.Queue | None = None  # QueryStream: ("sources", job) / ("text", str), then the future resolves
-    ttft_ms: float = 0.0
-    marks: dict[str, float] = field(default_factory=dict)  # perf_counter stamps for the trace
-
-    def trace(self) -> list[dict]:
-        """The executed plan: per operator its resource domain, batch, queue wait and run time."""
-        t, m = self.timings_ms, self.marks
-        gen_queue = max(0.0, (m.get("gen_start", 0.0) - m.get("prep_end", 0.0)) * 1000) if "gen_start" in m else 0.0
-        run = {"memory": t.get("memory", 0.0), "embed": t.get("embed", 0.0),
-               "retrieve": t.get("retrieve", 0.0) + t.get("rerank", 0.0), "reason": t.get("context", 0.0),
-               "generate": t.get("generate", 0.0), "upsert": t.get("promote", 0.0)}
-        out = []
-        for i, step in enumerate(self.plan):
-            q = t.get("queue", 0.0) if i == 0 else (gen_queue if step.op == "generate" else 0.0)
-            out.append({"op": step.op, "domain": step.domain, "batch_id": self.batch_id, "queue_ms": q,
-                        "run_ms": run.get(step.op, 0.0)})
-        return out
+def _alive(j: QueryJob) -> bool:
+    """Not cancelled by its client and not yet answered or failed."""
+    return not j.cancelled and not (j.future is not None and j.future.done())
 
 
 class QueryEngine:
+    """Admission, batching and plan execution of queries (see the module docstring)."""
+
     def __init__(
         self,
         *,
         monitor_fraction: float = 0.0,
         monitor_max_inflight: int = 2,
-        encoder: Any,
         generator: Any | None,
         retriever: Retriever,
         memory: Memory,
@@ -111,7 +81,6 @@ class QueryEngine:
         embedder: Any,
         metrics: Any,
     ) -> None:
-        self.encoder = encoder
         self.generator = generator
         self.retriever = retriever
         self.memory = memory
@@ -134,6 +103,12 @@ class QueryEngine:
         self.monitor_max_inflight = monitor_max_inflight
         self._monitor_credit = 0.0
         self._monitor_tasks: set[asyncio.Task] = set()
+        # one function per operator; each takes the jobs of a batch whose plan lists it and may
+        # return its own run time in seconds (when the wall time includes waiting, e.g. a lock)
+        self._operators: dict[str, Callable[[list[QueryJob]], Awaitable[float | None]]] = {
+            MEMORY: self._memory, EMBED: self._embed, RETRIEVE: self._retrieve, CONTEXT: self._context,
+            GENERATE: self._generate, PROMOTE: self._promote,
+        }
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._prep_loop()), asyncio.create_task(self._gen_loop())]
@@ -164,7 +139,9 @@ class QueryEngine:
                 self.metrics.rejected_overload.labels(queue="query_latency").inc()
                 raise Overloaded("query", retry_after_s=est)
         job.future = asyncio.get_running_loop().create_future()
-        job.plan = compile_plan(memory=bool(job.session_id and job.use_memory), generate=job.generate)
+        job.plan = compile_plan(memory=bool(job.session_id and job.use_memory),
+                                generate=job.generate and self.generator is not None,
+                                embed=job.query_vector is None)
         self._inflight += 1
         self._waiting.append(job)
         self.metrics.queue_depth.labels(queue="query").set(len(self._waiting))
@@ -184,8 +161,7 @@ class QueryEngine:
                 self._finish(self._waiting.popleft())
             age = time.perf_counter() - self._waiting[0].enqueued if self._waiting else 0.0
             d = self.policy.decide(len(self._waiting), age, downstream_busy=self._generating > 0,
-                                   will_generate=bool(self._waiting) and self._waiting[0].generate
-                                   and self.generator is not None)
+                                   will_generate=bool(self._waiting) and self._waiting[0].runs(GENERATE))
             if d.take:
                 batch = [self._waiting.popleft() for _ in range(d.take)]
                 self.metrics.queue_depth.labels(queue="query").set(len(self._waiting))
@@ -197,32 +173,30 @@ class QueryEngine:
                 pass
 
     async def _prep_loop(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             batch = await self._next_batch()
             self._batch_ids += 1
             try:
-                await self._prep(batch, self._batch_ids, loop)
+                await self._prep(batch, self._batch_ids)
+                gen = [j for j in batch if _alive(j) and j.runs(GENERATE)]
+                rest = [j for j in batch if j not in gen]
+                await self._run(rest, answer=True)  # retrieval only: promotion, then the reply
             except Exception as exc:  # noqa: BLE001 - fail the batch, keep serving
                 log.exception("query batch failed")
                 for j in batch:
                     self._fail(j, exc)
                 continue
-            gen = [j for j in batch if j.generate and j.payload is not None and not j.cancelled and j.future
-                   and not j.future.done()]
-            for j in batch:
-                if j not in gen and not (j.future and j.future.done()):
-                    await self._promote_retrieval_only(j)
-                    self._finish(j)
+            for j in rest:
+                self._finish(j)
             if gen:
-                done = loop.create_future()
+                done = asyncio.get_running_loop().create_future()
                 self._generating += 1
                 done.add_done_callback(lambda _: self._dec_generating())
                 await self._gen_queue.put((gen, done))
                 if not self.cfg.overlap:
                     await done
 
-    async def _prep(self, batch: list[QueryJob], batch_id: int, loop) -> None:
+    async def _prep(self, batch: list[QueryJob], batch_id: int) -> None:
         t0 = time.perf_counter()
         self.metrics.batch_size.labels(stage="prep").observe(len(batch))
         for j in batch:
@@ -230,63 +204,71 @@ class QueryEngine:
             j.timings_ms["queue"] = (t0 - j.enqueued) * 1000
             self.metrics.stage_seconds.labels(stage="queue").observe(t0 - j.enqueued)
         live = [j for j in batch if not j.cancelled]
-        if not live:
-            return
-        # memory (one shard call per shard for the whole batch)
-        t = time.perf_counter()
-        mem = await self.memory.lookup(
-            [j.question for j in live], [j.session_id if j.use_memory else "" for j in live]
-        )
-        self._stage(live, "memory", t)
-        for j, m in zip(live, mem):
-            j.memory = m
-        # embed (jobs that brought their own query vector skip it)
-        t = time.perf_counter()
-        texts = [j.memory.retrieval_text for j in live]
-        todo = [i for i, j in enumerate(live) if j.query_vector is None]
-        if todo:
-            emb = await self.embedder.embed_queries([texts[i] for i in todo])
-            for i, v in zip(todo, emb):
-                live[i].vector = v
+        await self._run(live, answer=False)
         for j in live:
-            if j.query_vector is not None:
-                j.vector = j.query_vector
-        self._stage(live, "embed", t)
-        vecs = np.stack([j.vector for j in live]).astype(np.float32, copy=False)
-        # retrieve (+ frontend rerank/fusion)
-        t = time.perf_counter()
-        async with self.lock.read():
-            hits, times, infos = await self.retriever.retrieve(vecs, texts, [j.spec for j in live])
-        self._stage(live, "retrieve", t, override=times.get("retrieve"))
-        for j in live:
-            j.timings_ms["rerank"] = times.get("rerank", 0.0) * 1000
-        self.metrics.stage_seconds.labels(stage="rerank").observe(times.get("rerank", 0.0))
-        for j, h, info in zip(live, hits, infos):
-            j.hits = h
-            j.info = info
-        self._sample_for_monitor(live)
-        # reason
-        t = time.perf_counter()
-        for j in live:
-            if j.generate and self.generator is not None:
-                try:
-                    j.payload = build_context(
-                        j.question,
-                        j.hits,
-                        self.generator,
-                        budget_tokens=self.gen_cfg.context_tokens,
-                        max_new_tokens=j.max_new_tokens,
-                        memory_text=j.memory.memory_text if j.memory else "",
-                    )
-                except ValueError as exc:  # this request only: the rest of the batch goes on
-                    self._fail(j, QueryRejected(str(exc)))
-        if any(j.generate for j in live):
-            self._stage(live, "context", t)
-        now = time.perf_counter()
-        for j in live:
-            j.marks["prep_end"] = now
             if j.events is not None:
                 j.events.put_nowait(("sources", j))
+
+    async def _run(self, jobs: list[QueryJob], *, answer: bool) -> None:
+        """Run one phase of the jobs' plans (:func:`split_plan`: prep, or answer) step by step.
+
+        Each step runs once, over the jobs whose plan lists it and that are still alive, and is
+        recorded on each of them and in ``oprag_stage_seconds{stage=<op>}``.
+        """
+        for step in batch_steps([split_plan(j.plan)[answer] for j in jobs]):
+            todo = [j for j in jobs if step in j.plan and _alive(j)]
+            if not todo:
+                continue
+            t = time.perf_counter()
+            run_s = await self._operators[step.op](todo)
+            end = time.perf_counter()
+            run_s = end - t if run_s is None else run_s
+            self.metrics.stage_seconds.labels(stage=step.op).observe(run_s)
+            for j in todo:
+                j.record(step, end, run_s)
+
+    # ------------------------------------------------------------------ operators
+    async def _memory(self, jobs: list[QueryJob]) -> None:
+        """Session memory lookup (one shard call per shard for the batch)."""
+        for j, m in zip(jobs, await self.memory.lookup([j.question for j in jobs], [j.session_id for j in jobs])):
+            j.memory = m
+
+    async def _embed(self, jobs: list[QueryJob]) -> None:
+        """Query embedding of the (memory-resolved) retrieval text."""
+        for j, v in zip(jobs, await self.embedder.embed_queries([j.retrieval_text for j in jobs])):
+            j.vector = v
+
+    async def _retrieve(self, jobs: list[QueryJob]) -> float:
+        """Shard search, global merge and fusion, hit fields; under the index read lock.
+
+        :returns: its run time in seconds, without the wait for the lock.
+        """
+        vecs = np.stack([j.vector for j in jobs]).astype(np.float32, copy=False)
+        async with self.lock.read():
+            hits, times, infos = await self.retriever.retrieve(vecs, [j.retrieval_text for j in jobs],
+                                                               [j.spec for j in jobs])
+        self.metrics.stage_seconds.labels(stage="fusion").observe(times["fusion"])
+        for j, h, info in zip(jobs, hits, infos):
+            j.hits, j.info = h, info
+            # ``fusion`` is part of ``retrieve``; ``rerank`` is its old name, kept on the wire
+            j.timings_ms["fusion"] = j.timings_ms["rerank"] = times["fusion"] * 1000
+        self._sample_for_monitor(jobs)
+        return times["retrieve"]
+
+    async def _context(self, jobs: list[QueryJob]) -> None:
+        """The prompt of each request; one that does not fit fails alone (:class:`QueryRejected`)."""
+        for j in jobs:
+            try:
+                j.payload = build_context(
+                    j.question,
+                    j.hits,
+                    self.generator,
+                    budget_tokens=self.gen_cfg.context_tokens,
+                    max_new_tokens=j.max_new_tokens,
+                    memory_text=j.memory.memory_text if j.memory else "",
+                )
+            except ValueError as exc:  # this request only: the rest of the batch goes on
+                self._fail(j, QueryRejected(str(exc)))
 
     def _dec_generating(self) -> None:
         self._generating -= 1
@@ -318,7 +300,7 @@ class QueryEngine:
         try:
             specs = [dataclasses.replace(j.spec, mode="full_hybrid") for j in jobs]
             vecs = np.stack([j.vector for j in jobs]).astype(np.float32, copy=False)
-            texts = [j.memory.retrieval_text if j.memory else j.question for j in jobs]
+            texts = [j.retrieval_text for j in jobs]
             async with self.lock.read():
                 exact, _, _ = await self.retriever.retrieve(vecs, texts, specs)
             for j, ex in zip(jobs, exact):
@@ -329,51 +311,45 @@ class QueryEngine:
         except Exception:  # noqa: BLE001 - the monitor never affects serving
             log.exception("pruning-loss monitor failed")
 
-    def _stage(self, jobs: list[QueryJob], name: str, t0: float, override: float | None = None) -> None:
-        dt = override if override is not None else time.perf_counter() - t0
-        self.metrics.stage_seconds.labels(stage=name).observe(dt)
-        for j in jobs:
-            j.timings_ms[name] = dt * 1000
-
     # ------------------------------------------------------------------ generate
     async def _gen_loop(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             t_idle = time.perf_counter()
             batch, done = await self._gen_queue.get()
             idle = time.perf_counter() - t_idle
             self.metrics.generator_seconds.labels(state="idle").inc(idle)
             try:
-                await self._generate(batch, loop)
+                await self._run(batch, answer=True)  # generate, then promotion
             except Exception as exc:  # noqa: BLE001
                 log.exception("generation batch failed")
                 for j in batch:
                     self._fail(j, exc)
             finally:
+                for j in batch:
+                    self._finish(j)
                 if not done.done():
                     done.set_result(None)
 
-    async def _generate(self, batch: list[QueryJob], loop) -> None:
-        live = [j for j in batch if not j.cancelled]
-        if not live:
-            for j in batch:
-                self._finish(j)
-            return
-        self.metrics.batch_size.labels(stage="generate").observe(len(live))
-        self.metrics.batch_fill.observe(len(live) / self.cfg.max_batch)
+    async def _generate(self, jobs: list[QueryJob]) -> float:
+        """Batched decoding on the generator worker thread; text streams to ``job.events``.
+
+        :returns: its run time in seconds (the wait for the generator is the step's queue time).
+        """
+        loop = asyncio.get_running_loop()
+        self.metrics.batch_size.labels(stage="generate").observe(len(jobs))
+        self.metrics.batch_fill.observe(len(jobs) / self.cfg.max_batch)
         t = time.perf_counter()
-        for j in live:
-            j.marks["gen_start"] = t
-            self.metrics.stage_seconds.labels(stage="generate_queue").observe(t - j.marks.get("prep_end", t))
-        prompts = [j.payload.prompt for j in live]
-        max_new = [j.max_new_tokens for j in live]
+        for j in jobs:
+            self.metrics.stage_seconds.labels(stage="generate_queue").observe(t - j.last_end)
+        prompts = [j.payload.prompt for j in jobs]
+        max_new = [j.max_new_tokens for j in jobs]
 
         def emit(row: int, delta: str) -> None:  # generator thread -> event loop
-            loop.call_soon_threadsafe(self._on_text, live[row], delta)
+            loop.call_soon_threadsafe(self._on_text, jobs[row], delta)
 
         results = await loop.run_in_executor(
             self.gen_executor,
-            lambda: self.generator.generate(prompts, max_new, on_token=emit, should_stop=lambda row: live[row].cancelled),
+            lambda: self.generator.generate(prompts, max_new, on_token=emit, should_stop=lambda row: jobs[row].cancelled),
         )
         dt = time.perf_counter() - t
         self.metrics.generator_seconds.labels(state="busy").inc(dt)
@@ -381,17 +357,12 @@ class QueryEngine:
         if dt > 0:
             self.metrics.tokens_per_second.set(toks / dt)
         self._gen_time_ewma = 0.8 * self._gen_time_ewma + 0.2 * dt
-        self._stage(live, "generate", t)
-        for j, r in zip(live, results):
+        for j, r in zip(jobs, results):
             j.answer = r.text
             j.completion_tokens = r.completion_tokens
             j.finish_reason = r.finish_reason
             self.metrics.generated_tokens.inc(r.completion_tokens)
-        t = time.perf_counter()
-        await self._promote(live)
-        self._stage(live, "promote", t)
-        for j in batch:
-            self._finish(j)
+        return dt
 
     def _on_text(self, job: QueryJob, delta: str) -> None:
         if not job.ttft_ms:
@@ -401,23 +372,16 @@ class QueryEngine:
             job.events.put_nowait(("text", delta))
 
     async def _promote(self, jobs: list[QueryJob]) -> None:
-        todo = [j for j in jobs if j.session_id and j.use_memory and not j.cancelled and j.vector is not None]
+        """Write each answered turn into its session's memory (best effort: a shard that is down
+        must not fail the answer)."""
         outs = await asyncio.gather(
-            *[
-                self.memory.promote(
-                    j.session_id, j.question, j.answer, [h.chunk_id for h in j.hits], [h.title for h in j.hits], j.vector
-                )
-                for j in todo
-            ],
+            *[self.memory.promote(j.session_id, j.question, j.answer, [h.chunk_id for h in j.hits],
+                                  [h.title for h in j.hits], j.vector) for j in jobs],
             return_exceptions=True,
         )
-        for o in outs:  # memory promotion is best effort: a down shard must not fail the answer
+        for o in outs:
             if isinstance(o, Exception):
                 log.warning("memory promotion failed: %s", o)
-
-    async def _promote_retrieval_only(self, j: QueryJob) -> None:
-        if not j.generate:
-            await self._promote([j])
 
     # ------------------------------------------------------------------ completion
     def _finish(self, j: QueryJob) -> None:

@@ -59,18 +59,54 @@ class BatchPolicy:
 
 @dataclass(frozen=True)
 class PlanStep:
+    """One operator of a query plan.
+
+    ``op`` is the operator's one name: the plan, the trace, the key in ``timings_ms`` and the
+    ``stage`` label of ``oprag_stage_seconds`` all use it (README: operator table).
+    ``domain`` is the resource the operator runs on (shard processes, a worker thread, the
+    frontend's event loop).
+    """
+
     op: str
     domain: str
 
 
-def compile_plan(*, memory: bool, generate: bool) -> tuple[PlanStep, ...]:
-    """The operator chain of one query request (a workflow segment), in execution order."""
-    steps = []
-    if memory:
-        steps.append(PlanStep("memory", "shard"))
-    steps += [PlanStep("embed", "embed-worker"), PlanStep("retrieve", "shard+frontend")]
-    if generate:
-        steps += [PlanStep("reason", "frontend-cpu"), PlanStep("generate", "generator-worker")]
-    if memory:
-        steps.append(PlanStep("upsert", "shard"))  # promotion of the turn into memory
-    return tuple(steps)
+MEMORY, EMBED, RETRIEVE, CONTEXT, GENERATE, PROMOTE = "memory", "embed", "retrieve", "context", "generate", "promote"
+
+#: Every query operator, in execution order.
+QUERY_OPERATORS: tuple[PlanStep, ...] = (
+    PlanStep(MEMORY, "shard"),  # session memory lookup
+    PlanStep(EMBED, "embed-worker"),  # query embedding
+    PlanStep(RETRIEVE, "shard+frontend"),  # shard search, global merge, fusion, hit fields
+    PlanStep(CONTEXT, "frontend-cpu"),  # the prompt: numbered sources under the token budget
+    PlanStep(GENERATE, "generator-worker"),  # batched decoding
+    PlanStep(PROMOTE, "shard"),  # the answered turn written into session memory
+)
+_ORDER = {s.op: i for i, s in enumerate(QUERY_OPERATORS)}
+
+
+def compile_plan(*, memory: bool, generate: bool, embed: bool = True) -> tuple[PlanStep, ...]:
+    """The operator chain of one query request, in execution order.
+
+    :param memory: the request has a session with memory on: look it up first, promote the
+        turn last.
+    :param generate: the request wants an answer (context + generate).
+    :param embed: the request needs its query embedded (False when it brings its own vector).
+    """
+    want = {MEMORY: memory, EMBED: embed, RETRIEVE: True, CONTEXT: generate, GENERATE: generate, PROMOTE: memory}
+    return tuple(s for s in QUERY_OPERATORS if want[s.op])
+
+
+def split_plan(plan: tuple[PlanStep, ...]) -> tuple[tuple[PlanStep, ...], tuple[PlanStep, ...]]:
+    """``(prep, answer)``: the steps before ``generate`` (run by the prep loop, overlapping the
+    previous batch's generation) and the steps from ``generate`` on (run once the answer exists;
+    for a request that does not generate, right after prep)."""
+    cut = _ORDER[GENERATE]
+    return tuple(s for s in plan if _ORDER[s.op] < cut), tuple(s for s in plan if _ORDER[s.op] >= cut)
+
+
+def batch_steps(plans: list[tuple[PlanStep, ...]]) -> tuple[PlanStep, ...]:
+    """The steps a batch runs: the union of its requests' plans in operator order. Each step
+    runs once for the batch, over the requests whose plan lists it."""
+    ops = {s.op for p in plans for s in p}
+    return tuple(s for s in QUERY_OPERATORS if s.op in ops)

@@ -155,15 +155,15 @@ class Retriever:
         :param specs: B per-query specs; queries sharing a mode and fusion are searched as one
             matrix (one message per shard).
         :returns: B ranked hit lists (at most ``top_k`` each; fewer when fewer chunks are
-            eligible), timings in seconds (``retrieve``: shard fan-out, gather and fetch of hit
-            fields; ``rerank``: frontend BM25 statistics, global merge and fusion), and B
+            eligible), timings in seconds (``retrieve``: all of it; ``fusion``: the frontend part
+            of it, BM25 statistics, global merge and fusion), and B
             :class:`RetrievalInfo`.
         """
         t_start = time.perf_counter()
         terms = [self.analyzer.tokens(t) for t in texts]
         idf = [self.stats.query_idf(t, self.bm25.epsilon) for t in terms]
         avgdl = self.stats.avgdl
-        rerank = time.perf_counter() - t_start
+        fusion_s = time.perf_counter() - t_start
         results: list[list[_Cand]] = [[] for _ in specs]
         infos = [self.info(s) for s in specs]
         groups: dict[tuple[str, str], list[int]] = {}
@@ -185,7 +185,7 @@ class Retriever:
                 merged = [self._merge(replies, j, sp) for j, sp in enumerate(gspecs)]
                 searched = [sum(rep[j]["n"] for rep in replies.values()) for j in range(len(idx))]
                 dt = time.perf_counter() - t
-            rerank += dt
+            fusion_s += dt
             for j, i in enumerate(idx):
                 results[i] = merged[j]
                 infos[i].chunks_searched = searched[j]
@@ -194,8 +194,7 @@ class Retriever:
         for i, lost_i in enumerate(lost):
             if lost_i:
                 infos[i].missing_shards = sorted(set(infos[i].missing_shards) | lost_i)
-        total = time.perf_counter() - t_start
-        return hits, {"retrieve": total - rerank, "rerank": rerank}, infos
+        return hits, {"retrieve": time.perf_counter() - t_start, "fusion": fusion_s}, infos
 
     def _merge(self, replies: dict[int, list[dict]], j: int, spec: RetrieveSpec) -> list[_Cand]:
         if spec.mode == "hybrid":  # dense-first: global dense top-N, BM25 of those, fused

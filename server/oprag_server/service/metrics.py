@@ -7,7 +7,13 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-STAGES = ("queue", "generate_queue", "memory", "embed", "retrieve", "rerank", "context", "generate", "upsert", "transform", "promote")
+from ..engine.scheduler import QUERY_OPERATORS
+
+# ``stage`` labels of oprag_stage_seconds (README: operator table and metrics). Query path: the
+# operators' own names (engine.scheduler.QUERY_OPERATORS), ``fusion`` (the frontend part of
+# ``retrieve``), ``queue`` (admission to batch start) and ``generate_queue`` (prep end to generation
+# start). Ingest: ``transform``, ``embed`` (per forward pass), ``upsert``. Start-up: ``shard_recovery``.
+STAGES = ("queue", "generate_queue", *(s.op for s in QUERY_OPERATORS), "fusion", "transform", "upsert")
 _LAT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 

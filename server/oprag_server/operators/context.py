@@ -1,4 +1,5 @@
-"""The ``reason`` operator: a bounded, deterministic context payload with provenance.
+"""The ``context`` operator: builds the prompt, a bounded, deterministic context payload with
+provenance.
 
 Hits are placed in rank order as numbered sources (``[1] Title``) until the token budget is
 spent; a source that does not fit whole is cut at a token boundary (and marked ``truncated``),
@@ -18,7 +19,7 @@ SYSTEM_PROMPT = (
 
 
 class PromptModel(Protocol):
-    """What the reason operator needs from a generator's tokenizer."""
+    """What the context operator needs from a generator's tokenizer."""
 
     max_context: int
 
