@@ -66,7 +66,7 @@ Metrics against the target chunk: Top-1, Hit@5, MRR@10 (``top1_with`` ... are th
 follow-up; ``specific_*``, ``selfcontained_*``, ``selfcontained_specific_*`` the others).
 Overhead: the server-reported ``memory`` stage (ms) of the memory-on follow-ups of both kinds
 (p50, p95), and
-``overhead_fraction_of_retrieval = p50(memory) / p50(embed + retrieve + rerank)`` over the
+``overhead_fraction_of_retrieval = p50(memory) / p50(embed + retrieve)`` over the
 same requests. ``bytes_per_turn``: after a clean stop (SIGTERM -> snapshot), the total size of
 ``shard-*/<CURRENT>/memory.json`` divided by the records in it (Stats ``memory_records``
 before the stop is reported beside it; the data dir keeps the records of earlier runs, which
@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
                 tm = dict(r.timings_ms)
                 return {"hits": [h.chunk_id for h in r.hits], "titles": [h.title for h in r.hits],
                         "memory_context": r.memory_context,
-                        "t": {k: round(tm.get(k, 0.0), 4) for k in ("memory", "embed", "retrieve", "rerank", "total")}}
+                        "t": {k: round(tm.get(k, 0.0), 4) for k in ("memory", "embed", "retrieve", "total")}}
 
             for i in range(a.warmup):
                 call(pairs[i % len(pairs)]["first"])
@@ -412,9 +412,9 @@ def main(argv: list[str] | None = None) -> int:
     on = [r[f"{v}_on"]["t"] for _, r in keep for v in ("followup", "specific")]
     off = [r[f"{v}_off"]["t"] for _, r in keep for v in ("followup", "specific")]
     mem_ms = [t["memory"] for t in on]
-    path_ms = [t["embed"] + t["retrieve"] + t["rerank"] for t in on]
-    path_ms_with_mem = [t["memory"] + t["embed"] + t["retrieve"] + t["rerank"] for t in on]
-    path_ms_off = [t["memory"] + t["embed"] + t["retrieve"] + t["rerank"] for t in off]
+    path_ms = [t["embed"] + t["retrieve"] for t in on]
+    path_ms_with_mem = [t["memory"] + t["embed"] + t["retrieve"] for t in on]
+    path_ms_off = [t["memory"] + t["embed"] + t["retrieve"] for t in off]
     n = len(keep)
 
     def changed(key: str) -> dict:
@@ -492,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
             f"mrr {Q[key + '_on']['mrr']:.3f} | without: top1 {Q[key + '_off']['top1']:.3f} "
             f"hit5 {Q[key + '_off']['hit5']:.3f} mrr {Q[key + '_off']['mrr']:.3f}")
     log(f"memory stage p50 {result['overhead_ms_p50']} ms p95 {result['overhead_ms_p95']} ms "
-        f"({result['overhead_fraction_of_retrieval']} of embed+retrieve+rerank p50); "
+        f"({result['overhead_fraction_of_retrieval']} of embed+retrieve p50); "
         f"bytes/turn {result['bytes_per_turn']} ({mem_records_snapshot} records, {mem_bytes} bytes)")
     log(f"per-pair details: {a.pairs_out}")
     if a.json:

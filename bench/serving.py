@@ -401,7 +401,7 @@ def run_langchain(a, data_dir: Path, questions, levels) -> dict:
     from langchain_core.runnables import RunnableLambda, RunnableParallel, RunnablePassthrough
     from oprag_server.models.encoder import TransformersEncoder
     from oprag_server.models.generator import HFGenerator
-    from oprag_server.operators.reason import build_context
+    from oprag_server.operators.context import build_context
     from oprag_server.domain import Hit
 
     t = time.perf_counter()
