@@ -12,9 +12,9 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install serve test test-fast proto clean
+.PHONY: install install-client serve test test-fast proto clean
 
-$(VENV)/.installed: pyproject.toml Makefile
+$(VENV)/.installed: pyproject.toml client/pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"
@@ -24,6 +24,11 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 install: $(VENV)/.installed
+
+# The client alone (no torch, no server) in its own environment: .venv-client/bin/oprag
+install-client:
+	test -x .venv-client/bin/python || $(PYTHON) -m venv .venv-client
+	.venv-client/bin/pip install -q ./client
 
 serve: install
 	$(VENV)/bin/oprag serve $(SERVE_ARGS)
@@ -38,4 +43,4 @@ proto: install
 	$(PY) -m grpc_tools.protoc -I proto --python_out=client --pyi_out=client --grpc_python_out=client proto/oprag/v1/oprag.proto
 
 clean:
-	rm -rf $(VENV) build *.egg-info server/*.egg-info client/*.egg-info
+	rm -rf $(VENV) .venv-client build client/build *.egg-info server/*.egg-info client/*.egg-info

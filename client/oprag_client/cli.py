@@ -1,4 +1,9 @@
-"""The ``oprag`` command: serve, ingest, query, delete, stats, eval, health."""
+"""The ``oprag`` command: ingest, query, delete, clear-session, stats, eval, health.
+
+Installed packages add commands through the entry point group ``oprag.commands`` (name ->
+``main(argv) -> int``): the server's distribution adds ``serve`` that way, so ``oprag serve``
+works with the full install while this package imports nothing from the server.
+"""
 
 from __future__ import annotations
 
@@ -36,50 +41,12 @@ def _count(text: str) -> int:
     return v
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(plugins: dict) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="oprag", description="OpRAG: multi-stage RAG runtime over gRPC")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
-    s = sub.add_parser("serve", help="run the service")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=50051)
-    s.add_argument("--metrics-host", default=None, help="address of /metrics (default: --host)")
-    s.add_argument("--metrics-port", type=int, default=9464)
-    s.add_argument("--data-dir", default="./oprag-data")
-    s.add_argument("--shards", type=int, default=2)
-    s.add_argument("--embedder", default="minilm", help="'minilm' or a local encoder directory")
-    s.add_argument("--generator", default="smollm2", help="'smollm2', 'none', or a local HF causal LM directory")
-    s.add_argument("--embed-compile", action="store_true",
-                   help="run the embedder through torch.compile with fixed bucket shapes")
-    s.add_argument("--chunk-size", type=int, default=900, help="characters per chunk")
-    s.add_argument("--chunk-overlap", type=int, default=0, help="characters shared by consecutive chunks")
-    s.add_argument("--candidates", type=int, default=256, help="dense candidates N of dense-first hybrid")
-    s.add_argument("--monitor-fraction", type=float, default=0.05,
-                   help="share of dense-first queries re-run in exact mode to export pruning Recall@k")
-    s.add_argument("--max-batch", type=int, default=8, help="queries per scheduler batch")
-    s.add_argument("--max-wait-ms", type=float, default=4.0, help="how long a batch waits for company")
-    s.add_argument("--queue-capacity", type=int, default=256, help="unfinished queries admitted")
-    s.add_argument("--max-queue-delay-ms", type=float, default=0.0,
-                   help="refuse queries (RESOURCE_EXHAUSTED) when the estimated queueing delay exceeds this; 0 = off")
-    s.add_argument("--ingest-embed-slice-ms", type=float, default=50.0,
-                   help="with --no-embed-query-thread: while queries are active, ingest embedding runs in "
-                        "slices of about this long")
-    s.add_argument("--no-embed-query-thread", action="store_true",
-                   help="query embeddings wait for the ingest batch in flight instead of running beside it")
-    s.add_argument("--no-overlap", action="store_true", help="run the stages of a batch strictly in sequence")
-    s.add_argument("--ingest-barriers", action="store_true",
-                   help="baseline: each ingest stage finishes before the next starts")
-    s.add_argument("--upsert-batch", type=int, default=512, help="chunks per coalesced bulk write to a shard")
-    s.add_argument("--context-tokens", type=int, default=1024, help="prompt token budget")
-    s.add_argument("--max-new-tokens", type=int, default=64, help="default new tokens per answer")
-    s.add_argument("--stem", action="store_true", help="English stemming in the BM25 analyzer (snowballstemmer)")
-    s.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate: serve gRPC over TLS")
-    s.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
-    s.add_argument("--tls-client-ca", type=Path, default=None, help="require client certificates signed by this CA")
-    s.add_argument("--tokens-file", type=Path, default=None,
-                   help="bearer tokens, one per line (also OPRAG_TOKENS=tok1,tok2); then every RPC but health needs one")
-    s.add_argument("--shutdown-grace", type=float, default=10.0, help="seconds SIGTERM waits for in-flight requests")
-    s.add_argument("--log-level", default="INFO")
+    for name in sorted(set(plugins) - set(COMMANDS)):
+        sub.add_parser(name, help=f"see `oprag {name} --help`", add_help=False)
 
     i = sub.add_parser("ingest", help="stream documents into the service")
     _add_server(i)
@@ -138,50 +105,6 @@ def _fail(msg: str, code: int = 1) -> int:
 
 def _rpc_error(exc: grpc.RpcError) -> int:
     return _fail(f"{exc.code().name}: {exc.details()}")
-
-
-def cmd_serve(a) -> int:
-    import asyncio
-    import logging
-
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from oprag_server.app import serve
-    from oprag_server.config import (
-        BatchConfig, BM25Config, ChunkingConfig, EmbedConfig, GenerateConfig, IngestConfig, RetrievalConfig,
-        SecurityConfig, ServerConfig,
-    )
-
-    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        cfg = ServerConfig(
-            host=a.host,
-            port=a.port,
-            metrics_host=a.metrics_host,
-            metrics_port=a.metrics_port,
-            data_dir=Path(a.data_dir),
-            shards=a.shards,
-            shutdown_grace_s=a.shutdown_grace,
-            chunking=ChunkingConfig(size=a.chunk_size, overlap=a.chunk_overlap),
-            bm25=BM25Config(stem=a.stem),
-            retrieval=RetrievalConfig(candidates=a.candidates, monitor_fraction=a.monitor_fraction),
-            embed=EmbedConfig(model=a.embedder, compile=a.embed_compile),
-            generate=GenerateConfig(model=a.generator, context_tokens=a.context_tokens,
-                                    default_max_new_tokens=a.max_new_tokens),
-            security=SecurityConfig(tls_cert=a.tls_cert, tls_key=a.tls_key, tls_client_ca=a.tls_client_ca,
-                                    tokens_file=a.tokens_file),
-            ingest=IngestConfig(barriers=a.ingest_barriers, upsert_batch=a.upsert_batch),
-            batch=BatchConfig(max_batch=a.max_batch, max_wait_ms=a.max_wait_ms, queue_capacity=a.queue_capacity,
-                              overlap=not a.no_overlap, max_queue_delay_ms=a.max_queue_delay_ms,
-                              ingest_embed_slice_ms=a.ingest_embed_slice_ms,
-                              embed_query_thread=not a.no_embed_query_thread),
-        )
-        asyncio.run(serve(cfg))
-    except (ValueError, RuntimeError, OSError) as exc:
-        return _fail(str(exc), 2)
-    except KeyboardInterrupt:
-        pass
-    return 0
 
 
 def _batches(it, n):
@@ -403,26 +326,43 @@ def cmd_health(a) -> int:
     return 0 if status == "SERVING" else 1
 
 
+#: Entry point group of commands that other installed distributions add (``serve``).
+PLUGIN_GROUP = "oprag.commands"
+SERVER_MISSING = ("`oprag serve` comes with the server: install the full package (`make install`, or "
+                  "`pip install .` at the repository root); this client-only install cannot serve")
+
+
+def _plugins() -> dict:
+    """Commands added by other installed distributions: name -> ``importlib.metadata.EntryPoint``."""
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep for ep in entry_points(group=PLUGIN_GROUP)}
+
+
 def main(argv: list[str] | None = None) -> int:
-    a = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    plugins = _plugins()
+    if argv and argv[0] in plugins and argv[0] not in COMMANDS:
+        return plugins[argv[0]].load()(argv[1:])
+    if argv and argv[0] == "serve":
+        return _fail(SERVER_MISSING, 2)
+    a = _parser(plugins).parse_args(argv)
     try:
-        return _dispatch(a)
+        return COMMANDS[a.cmd](a)
     except BrokenPipeError:  # e.g. `oprag stats | head`
         sys.stderr.close()
         return 0
 
 
-def _dispatch(a) -> int:
-    return {
-        "serve": cmd_serve,
-        "ingest": cmd_ingest,
-        "query": cmd_query,
-        "delete": cmd_delete,
-        "clear-session": cmd_clear_session,
-        "stats": cmd_stats,
-        "eval": cmd_eval,
-        "health": cmd_health,
-    }[a.cmd](a)
+COMMANDS = {
+    "ingest": cmd_ingest,
+    "query": cmd_query,
+    "delete": cmd_delete,
+    "clear-session": cmd_clear_session,
+    "stats": cmd_stats,
+    "eval": cmd_eval,
+    "health": cmd_health,
+}
 
 
 if __name__ == "__main__":

@@ -2,6 +2,6 @@
 
 import sys
 
-from oprag_client.cli import main
+from .cli import main
 
-sys.exit(main(["serve", *sys.argv[1:]]))
+sys.exit(main(prog="python -m oprag_server"))

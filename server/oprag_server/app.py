@@ -1,16 +1,18 @@
-"""Composition root: builds the runtime (models, shard pool, operators, executors) and serves it
-over grpc.aio with health checking, reflection and a Prometheus endpoint."""
+"""Composition root: config -> models -> shard pool -> operators -> engines -> servicer -> gRPC
+server (health checking, reflection, a Prometheus endpoint).
+
+Start-up checks live in :mod:`oprag_server.startup`, shard supervision in
+:mod:`oprag_server.supervision`, proto conversion in :mod:`oprag_server.service.convert`.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import signal
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -30,98 +32,15 @@ from .index.wal import WriteAheadLog
 from .operators.memory import Memory
 from .operators.retrieve import Retriever
 from .service.auth import TokenAuthInterceptor, load_tokens, server_credentials
+from .service.interceptors import StatusInterceptor
 from .service.metrics import Metrics
 from .service.servicer import OpRAGServicer
 from .shards.pool import ShardPool
+from .startup import check_data_dir, check_port, check_security, preflight
+from .supervision import ShardSupervisor, restart_shard
 
 log = logging.getLogger("oprag")
 SERVICE_NAME = oprag_pb2.DESCRIPTOR.services_by_name["OpRAG"].full_name
-DATA_FORMAT = 1
-
-
-def preflight(cfg: ServerConfig) -> tuple[Any, Any | None]:
-    """Checks that fail fast, before any model loads: the models exist, the data directory
-    fits this configuration and no other server uses it, the ports are free.
-
-    :returns: the (not yet loaded) encoder and generator.
-    :raises RuntimeError | ValueError: with a message that says what to change.
-    """
-    from .models.encoder import TransformersEncoder
-    from .models.generator import load_generator
-
-    encoder = TransformersEncoder(cfg.embed.model, device=cfg.embed.device, batch_size=cfg.embed.batch_size,
-                                  max_tokens=cfg.embed.max_tokens, compile=cfg.embed.compile)
-    generator = load_generator(cfg.generate.model, device=cfg.generate.device)
-    _check_data_dir(cfg, encoder.dim, encoder.name)
-    _lock_data_dir(cfg.data_dir)
-    _check_port(cfg.host, cfg.port, "gRPC port (--port)")
-    return encoder, generator
-
-
-def load_models(cfg: ServerConfig) -> tuple[Any, Any | None]:
-    """Preflight, then load and warm up the embedder and the generator (blocking)."""
-    encoder, generator = preflight(cfg)
-    encoder.warm_up()
-    if generator is not None:
-        generator.warm_up()
-    return encoder, generator
-
-
-_LOCKS: list = []
-
-
-def _lock_data_dir(d: Path) -> None:
-    """Hold an exclusive lock on ``d/.lock`` for the life of the process.
-
-    :raises RuntimeError: another server uses the directory."""
-    import fcntl
-
-    d.mkdir(parents=True, exist_ok=True)
-    f = open(d / ".lock", "a+")
-    try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        f.close()
-        raise RuntimeError(f"{d} is in use by another OpRAG server: stop it or use another --data-dir") from exc
-    _LOCKS.append(f)
-
-
-def _check_port(host: str, port: int, what: str) -> None:
-    import socket
-
-    if port == 0:
-        return
-    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(fam, socket.SOCK_STREAM) as s:
-        # SO_REUSEADDR: a port left in TIME_WAIT by a server that just stopped is free to use;
-        # on Linux a port with a live listener still fails
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as exc:
-            raise RuntimeError(f"{what} {host}:{port} is not available ({exc.strerror}): choose another port") from exc
-
-
-def _check_data_dir(cfg: ServerConfig, dim: int, embedder: str) -> None:
-    """Create ``data_dir`` or check that it was written with the same shard count and width.
-
-    :raises RuntimeError: the directory belongs to a differently configured service.
-    """
-    d = cfg.data_dir
-    d.mkdir(parents=True, exist_ok=True)
-    meta_path = d / "oprag.json"
-    meta = {"format": DATA_FORMAT, "shards": cfg.shards, "dim": dim, "embedder": embedder}
-    if meta_path.exists():
-        old = json.loads(meta_path.read_text())
-        if old.get("shards") != cfg.shards:
-            raise RuntimeError(
-                f"{d} holds a corpus split over {old.get('shards')} shards; start with --shards {old.get('shards')} "
-                f"or use another --data-dir"
-            )
-        if old.get("dim") != dim:
-            raise RuntimeError(f"{d} holds {old.get('dim')}-dimensional vectors; the embedder produces {dim}")
-    else:
-        meta_path.write_text(json.dumps(meta))
 
 
 class Runtime:
@@ -133,7 +52,7 @@ class Runtime:
         self.generator = generator
         self.metrics = Metrics()
         self.pool = ShardPool(cfg.shards, encoder.dim, cfg.data_dir, stem=cfg.bm25.stem)
-        self.stats = CorpusStats()
+        self.corpus_stats = CorpusStats()
         self.analyzer = Analyzer(stem=cfg.bm25.stem)
         self.lock = RWLock()
         self.seq = 0
@@ -149,12 +68,12 @@ class Runtime:
     def start_shards(self, loop: asyncio.AbstractEventLoop) -> None:
         """Read the commit log, spawn shard processes and wait until each has loaded its
         snapshot and replayed its committed write-ahead log records (blocking)."""
-        _check_data_dir(self.cfg, self.encoder.dim, self.encoder.name)
+        check_data_dir(self.cfg, self.encoder.dim, self.encoder.name)
         self.commit_log = WriteAheadLog(self.cfg.data_dir / "commits.log")
         logged = self.commit_log.open()
         committed = {r["txn"] for r in logged}
         ready = self.pool.start(loop, committed=committed)
-        self.stats = CorpusStats.merge_full([r["lexical"] for r in ready])
+        self.corpus_stats = CorpusStats.merge_full([r["lexical"] for r in ready])
         self.seq = self.applied_seq = max([r["applied_seq"] for r in ready] + [r["seq"] for r in logged] + [0])
         self.replayed = sum(r.get("replayed", 0) for r in ready)
         if self.replayed:
@@ -168,7 +87,7 @@ class Runtime:
         self.embedder = EmbedWorker(self.encoder, self.embed_executor, self.metrics, batch_size=self.cfg.embed.batch_size,
                                     slice_s=self.cfg.batch.ingest_embed_slice_ms / 1000, query_executor=qexec)
         self.embedder.start()
-        self.retriever = Retriever(self.pool, self.stats, self.analyzer, self.cfg.bm25, self.cfg.retrieval)
+        self.retriever = Retriever(self.pool, self.corpus_stats, self.analyzer, self.cfg.bm25, self.cfg.retrieval)
         self.memory = Memory(self.pool, self.cfg.memory)
         self.query = QueryEngine(
             monitor_fraction=self.cfg.retrieval.monitor_fraction,
@@ -249,12 +168,23 @@ class Runtime:
 
     async def restart_shard(self, i: int) -> None:
         """Respawn shard ``i`` and re-sum the corpus-global BM25 statistics."""
-        loop = asyncio.get_running_loop()
         committed = {r["txn"] for r in self.commit_log} if self.commit_log is not None else set()
-        await loop.run_in_executor(None, self.pool.restart, i, loop, committed)
-        async with self.lock.write():
-            st = await self.pool.broadcast("stats", {"lexical": True})
-            self.stats.replace_with(CorpusStats.merge_full([s["lexical"] for s in st]))
+        await restart_shard(self.pool, i, committed=committed, lock=self.lock, stats=self.corpus_stats)
+
+    async def stats(self) -> dict:
+        """Corpus and shard statistics of the shards that answer (a dead shard is left out).
+
+        :returns: ``{"documents", "chunks", "memory_records", "seq", "embedder", "generator",
+            "shards": [{"shard", "documents", "chunks", "memory_records", "applied_seq"}, ...]}``
+            with shards in id order; ``generator`` is ``"none"`` without a generator.
+        """
+        got, _ = await self.pool.gather_partial("stats", {})
+        shards = [got[k] for k in sorted(got)]
+        return {
+            **{k: sum(s[k] for s in shards) for k in ("documents", "chunks", "memory_records")},
+            "seq": self.seq, "shards": shards, "embedder": self.encoder.name,
+            "generator": self.generator.name if self.generator is not None else "none",
+        }
 
     async def commit(self, txn: str, kind: str, doc_ids: list[str] | None = None) -> tuple[int, list[dict]]:
         """Two-phase commit of a transaction on every shard, under the index write lock.
@@ -279,7 +209,7 @@ class Runtime:
                 await asyncio.get_running_loop().run_in_executor(None, self.commit_log.append, {"txn": txn, "seq": seq})
             replies = await self.pool.broadcast("apply", {"txn": txn})
             for r in replies:
-                self.stats.apply_delta(*r["delta"])
+                self.corpus_stats.apply_delta(*r["delta"])
             self._committed(seq)
         self.mark_dirty()
         return seq, replies
@@ -323,50 +253,71 @@ class Runtime:
 
 
 def grpc_options(cfg: ServerConfig) -> list[tuple[str, int]]:
+    """Channel options of the gRPC server: message size limits both ways, no port sharing."""
     m = cfg.limits.max_message_bytes
     # so_reuseport=0: a second server on a taken port fails instead of sharing it
     return [("grpc.max_receive_message_length", m), ("grpc.max_send_message_length", m), ("grpc.so_reuseport", 0)]
 
 
+async def _load_models(cfg: ServerConfig) -> tuple[Any, Any | None]:
+    """Start-up checks (:func:`~oprag_server.startup.preflight`, the metrics port), then warm up
+    the encoder and the generator off the event loop."""
+    loop = asyncio.get_running_loop()
+    encoder, generator = preflight(cfg)
+    check_port(cfg.metrics_host or cfg.host, cfg.metrics_port, "metrics port (--metrics-port)")
+    await loop.run_in_executor(None, encoder.warm_up)
+    if generator is not None:
+        await loop.run_in_executor(None, generator.warm_up)
+    return encoder, generator
+
+
+def build_server(cfg: ServerConfig, rt: Runtime) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
+    """The gRPC server: OpRAG servicer behind the auth and status interceptors, health,
+    reflection, bound to ``cfg.host:cfg.port`` (TLS when configured); not started.
+
+    :returns: the server, its health servicer and the bound port.
+    :raises RuntimeError: security settings incomplete, or the port cannot be bound.
+    """
+    sec = cfg.security
+    tokens = load_tokens(sec.tokens_file)
+    check_security(cfg, tokens)
+    interceptors = [TokenAuthInterceptor(tokens)] if tokens else []
+    interceptors.append(StatusInterceptor(rt.metrics, SERVICE_NAME))  # after auth: denied calls are not counted
+    server = grpc.aio.server(options=grpc_options(cfg), interceptors=interceptors)
+    oprag_pb2_grpc.add_OpRAGServicer_to_server(OpRAGServicer(rt), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
+    if sec.tls_cert is not None:
+        creds = server_credentials(sec.tls_cert, sec.tls_key, sec.tls_client_ca)
+        bound = server.add_secure_port(f"{cfg.host}:{cfg.port}", creds)
+    else:
+        bound = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    if bound == 0:
+        raise RuntimeError(f"could not bind the gRPC port {cfg.host}:{cfg.port}: choose another --port")
+    return server, health_servicer, bound
+
+
 async def serve(cfg: ServerConfig, *, encoder: Any = None, generator: Any = None, stop_event: asyncio.Event | None = None,
                 models_loaded: bool = False) -> None:
     """Run the service until SIGTERM/SIGINT (or ``stop_event``). Models are loaded from ``cfg``
-    unless given. Prints ``OPRAG READY <host>:<port>`` on stdout once serving."""
+    unless given (``models_loaded``). Prints ``OPRAG READY <host>:<port>`` on stdout once serving.
+
+    :raises RuntimeError | ValueError | OSError: a start-up check or start step failed (nothing
+        is left running: shards are stopped, the server is closed).
+    """
     loop = asyncio.get_running_loop()
     t0 = time.perf_counter()
     if not models_loaded:
-        encoder, generator = preflight(cfg)
-        _check_port(cfg.metrics_host or cfg.host, cfg.metrics_port, "metrics port (--metrics-port)")
-        await loop.run_in_executor(None, encoder.warm_up)
-        if generator is not None:
-            await loop.run_in_executor(None, generator.warm_up)
+        encoder, generator = await _load_models(cfg)
     rt = Runtime(cfg, encoder, generator)
     server = None
     try:  # a failure before serving (e.g. a port taken meanwhile) must not leave shards behind
         await loop.run_in_executor(None, rt.start_shards, loop)
         await rt.start()
-
-        sec = cfg.security
-        tokens = load_tokens(sec.tokens_file)
-        if sec.require_token and not tokens:
-            raise RuntimeError("a token is required but none was given: use --tokens-file or OPRAG_TOKENS")
-        interceptors = [TokenAuthInterceptor(tokens)] if tokens else []
-        server = grpc.aio.server(options=grpc_options(cfg), interceptors=interceptors)
-        oprag_pb2_grpc.add_OpRAGServicer_to_server(OpRAGServicer(rt), server)
-        health_servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
-        )
-        if (sec.tls_cert is None) != (sec.tls_key is None):
-            raise RuntimeError("TLS needs both --tls-cert and --tls-key")
-        if sec.tls_cert is not None:
-            creds = server_credentials(sec.tls_cert, sec.tls_key, sec.tls_client_ca)
-            bound = server.add_secure_port(f"{cfg.host}:{cfg.port}", creds)
-        else:
-            bound = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
-        if bound == 0:
-            raise RuntimeError(f"could not bind the gRPC port {cfg.host}:{cfg.port}: choose another --port")
+        server, health_servicer, bound = build_server(cfg, rt)
         try:
             rt.metrics.serve(cfg.metrics_port, cfg.metrics_host or cfg.host)
         except OSError as exc:
@@ -381,8 +332,8 @@ async def serve(cfg: ServerConfig, *, encoder: Any = None, generator: Any = None
         except Exception:  # noqa: BLE001 - report the original failure, not the clean-up's
             log.exception("clean-up after a failed start")
         raise
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    supervisor = ShardSupervisor(rt.pool, rt.restart_shard, health_servicer, ("", SERVICE_NAME), rt.metrics)
+    await supervisor.set_health(True)
 
     stop = stop_event or asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -390,32 +341,9 @@ async def serve(cfg: ServerConfig, *, encoder: Any = None, generator: Any = None
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):  # not the main thread
             pass
-
-    async def watch_shards() -> None:
-        """Shard supervision: a dead shard turns health NOT_SERVING, is restarted (it reloads
-        its snapshot and replays its committed log), then the corpus statistics are re-summed."""
-        while not stop.is_set():
-            dead = [c.shard_id for c in rt.pool.clients if not (c.alive and c.proc.is_alive())]
-            rt.metrics.shards_up.set(rt.pool.n - len(dead))
-            status = health_pb2.HealthCheckResponse.NOT_SERVING if dead else health_pb2.HealthCheckResponse.SERVING
-            for name in ("", SERVICE_NAME):
-                await health_servicer.set(name, status)
-            for i in dead:
-                log.error("shard %d is down; restarting it", i)
-                t = time.perf_counter()
-                try:
-                    await rt.restart_shard(i)
-                except Exception:  # noqa: BLE001 - try again on the next round
-                    log.exception("restart of shard %d failed", i)
-                    continue
-                rt.metrics.shard_restarts.inc()
-                rt.metrics.stage_seconds.labels(stage="shard_recovery").observe(time.perf_counter() - t)
-                log.info("shard %d is back after %.1f s", i, time.perf_counter() - t)
-            await asyncio.sleep(0.25)
-
-    watcher = asyncio.create_task(watch_shards())
+    watcher = asyncio.create_task(supervisor.run(stop))
     log.info("serving on %s:%d (metrics :%d) with %d shards, %d chunks, ready in %.1f s",
-             cfg.host, bound, cfg.metrics_port, cfg.shards, rt.stats.n_docs, time.perf_counter() - t0)
+             cfg.host, bound, cfg.metrics_port, cfg.shards, rt.corpus_stats.n_docs, time.perf_counter() - t0)
     print(f"OPRAG READY {cfg.host}:{bound}", flush=True)
     await stop.wait()
     log.info("shutting down (grace %.0f s)", cfg.shutdown_grace_s)

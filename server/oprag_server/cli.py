@@ -1,0 +1,143 @@
+"""``oprag serve`` / ``python -m oprag_server`` / ``oprag-server``: run the service.
+
+Every option's default is read from the config dataclasses (:mod:`oprag_server.config`), so
+the CLI, the servicer and the tests share one set of numbers. An option's ``dest`` is
+``"<section>.<field>"`` (``ServerConfig`` field, or field of the sub-config ``section``);
+:func:`config_from_args` builds the :class:`ServerConfig` from those alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from .config import ServerConfig
+
+# (flag, section ("" = ServerConfig itself), field, help); the type comes from the default.
+_OPTIONS: tuple[tuple[str, str, str, str], ...] = (
+    ("--host", "", "host", "address of the gRPC port"),
+    ("--port", "", "port", "gRPC port (0 = any free port)"),
+    ("--metrics-host", "", "metrics_host", "address of /metrics (default: --host)"),
+    ("--metrics-port", "", "metrics_port", "Prometheus /metrics port"),
+    ("--data-dir", "", "data_dir", "shard snapshots and write-ahead logs"),
+    ("--shards", "", "shards", "shard processes"),
+    ("--embedder", "embed", "model", "'minilm' or a local encoder directory"),
+    ("--generator", "generate", "model", "'smollm2', 'none', or a local HF causal LM directory"),
+    ("--embed-compile", "embed", "compile", "run the embedder through torch.compile with fixed bucket shapes"),
+    ("--chunk-size", "chunking", "size", "characters per chunk"),
+    ("--chunk-overlap", "chunking", "overlap", "characters shared by consecutive chunks"),
+    ("--candidates", "retrieval", "candidates", "dense candidates N of dense-first hybrid"),
+    ("--monitor-fraction", "retrieval", "monitor_fraction",
+     "share of dense-first queries re-run in exact mode to export pruning Recall@k"),
+    ("--max-batch", "batch", "max_batch", "queries per scheduler batch"),
+    ("--max-wait-ms", "batch", "max_wait_ms", "how long a batch waits for company"),
+    ("--queue-capacity", "batch", "queue_capacity", "unfinished queries admitted"),
+    ("--max-queue-delay-ms", "batch", "max_queue_delay_ms",
+     "refuse queries (RESOURCE_EXHAUSTED) when the estimated queueing delay exceeds this; 0 = off"),
+    ("--ingest-embed-slice-ms", "batch", "ingest_embed_slice_ms",
+     "with --no-embed-query-thread: while queries are active, ingest embedding runs in slices of about this long"),
+    ("--no-embed-query-thread", "batch", "embed_query_thread",
+     "query embeddings wait for the ingest batch in flight instead of running beside it"),
+    ("--no-overlap", "batch", "overlap", "run the stages of a batch strictly in sequence"),
+    ("--ingest-barriers", "ingest", "barriers", "baseline: each ingest stage finishes before the next starts"),
+    ("--upsert-batch", "ingest", "upsert_batch", "chunks per coalesced bulk write to a shard"),
+    ("--context-tokens", "generate", "context_tokens", "prompt token budget"),
+    ("--max-new-tokens", "generate", "default_max_new_tokens", "default new tokens per answer"),
+    ("--stem", "bm25", "stem", "English stemming in the BM25 analyzer (snowballstemmer)"),
+    ("--tls-cert", "security", "tls_cert", "PEM certificate: serve gRPC over TLS"),
+    ("--tls-key", "security", "tls_key", "PEM private key of --tls-cert"),
+    ("--tls-client-ca", "security", "tls_client_ca", "require client certificates signed by this CA"),
+    ("--tokens-file", "security", "tokens_file",
+     "bearer tokens, one per line (also OPRAG_TOKENS=tok1,tok2); then every RPC but health needs one"),
+    ("--shutdown-grace", "", "shutdown_grace_s", "seconds SIGTERM waits for in-flight requests"),
+)
+_PATH_FIELDS = {"data_dir", "tls_cert", "tls_key", "tls_client_ca", "tokens_file"}
+
+
+def _field(section: str, name: str) -> dataclasses.Field:
+    """The dataclass field ``name`` of ``ServerConfig`` (section "") or of its sub-config ``section``."""
+    cls = ServerConfig
+    if section:
+        cls = dataclasses.fields(ServerConfig)[[f.name for f in dataclasses.fields(ServerConfig)].index(section)]
+        cls = cls.default_factory
+    return {f.name: f for f in dataclasses.fields(cls)}[name]
+
+
+def field_default(section: str, name: str) -> Any:
+    """The declared default of a config field (see :func:`_field`)."""
+    f = _field(section, name)
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def _add_option(p: argparse.ArgumentParser, flag: str, section: str, name: str, help_: str) -> None:
+    """Add one option; a flag or an optional value leaves the namespace without it when not
+    given (``argparse.SUPPRESS``), so the config field keeps its own default."""
+    default, kw = field_default(section, name), {"dest": f"{section}.{name}", "help": help_}
+    if isinstance(default, bool):  # --x sets a False default; --no-x clears a True one
+        action = "store_false" if flag.startswith("--no-") else "store_true"
+        assert default == (action == "store_false"), flag
+        p.add_argument(flag, action=action, default=argparse.SUPPRESS, **kw)
+        return
+    kw["metavar"] = flag[2:].upper().replace("-", "_")
+    kw["type"] = Path if name in _PATH_FIELDS else str if default is None else type(default)
+    # an optional value (metrics_host, TLS files) without a default is left out when not given
+    p.add_argument(flag, default=argparse.SUPPRESS if default is None else default, **kw)
+
+
+def build_parser(prog: str = "oprag serve") -> argparse.ArgumentParser:
+    """The ``serve`` options (defaults from the config dataclasses, shown in ``--help``)."""
+    p = argparse.ArgumentParser(prog=prog, description="Run the OpRAG service.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for flag, section, name, help_ in _OPTIONS:
+        _add_option(p, flag, section, name, help_)
+    p.add_argument("--log-level", default="INFO", help="logging level of the server")
+    return p
+
+
+def config_from_args(a: argparse.Namespace) -> ServerConfig:
+    """:class:`ServerConfig` from parsed options: fields without an option keep their defaults.
+
+    :raises ValueError: a value out of range (from the dataclasses' checks).
+    """
+    top: dict[str, Any] = {}
+    sections: dict[str, dict[str, Any]] = {}
+    for dest, value in vars(a).items():
+        if "." not in dest:
+            continue
+        section, name = dest.split(".", 1)
+        (sections.setdefault(section, {}) if section else top)[name] = value
+    for section, kw in sections.items():
+        top[section] = _field("", section).default_factory(**kw)
+    return ServerConfig(**top)
+
+
+def main(argv: list[str] | None = None, prog: str = "oprag serve") -> int:
+    """Parse ``argv``, serve until SIGTERM/SIGINT. :returns: 0, or 2 when the start failed
+    (the reason on stderr)."""
+    import asyncio
+    import logging
+
+    a = build_parser(prog).parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = config_from_args(a)
+        from .app import serve
+
+        asyncio.run(serve(cfg))
+    except (ValueError, RuntimeError, OSError) as exc:
+        print(f"oprag: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def script() -> int:
+    """The ``oprag-server`` console script."""
+    return main(prog="oprag-server")

@@ -1,0 +1,274 @@
+"""Wire <-> domain conversion and request validation: the one place that reads ``oprag.v1``
+messages and builds them. Pure functions; no server, runtime or event loop needed.
+
+Every validation failure raises :class:`InvalidArgument` (the status interceptor maps it to
+``INVALID_ARGUMENT`` with the message as the details) and says what to change.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from typing import Any
+
+import numpy as np
+
+from oprag.v1 import oprag_pb2
+
+from ..config import LimitsConfig, ServerConfig
+from ..domain import DEFAULT_RRF_K, MODES, RetrieveSpec
+from ..engine.query import QueryJob
+
+#: Wire retrieval mode -> domain mode name (UNSPECIFIED means the default, hybrid).
+MODE_NAMES = {
+    oprag_pb2.RETRIEVAL_MODE_UNSPECIFIED: "hybrid",
+    oprag_pb2.HYBRID: "hybrid",
+    oprag_pb2.DENSE: "dense",
+    oprag_pb2.LEXICAL: "lexical",
+    oprag_pb2.FULL_HYBRID: "full_hybrid",
+}
+assert set(MODE_NAMES.values()) == set(MODES)
+MAX_FILTERS = 16
+MAX_FILTER_VALUES = 1024
+MAX_FUSION_WEIGHT = 1e6
+MAX_RRF_K = 100_000
+
+
+class InvalidArgument(ValueError):
+    """A request field is out of range or malformed (-> ``INVALID_ARGUMENT``)."""
+
+
+# ---------------------------------------------------------------------------------- requests
+def query_job(req: Any, cfg: ServerConfig, *, dim: int, generate: bool, can_generate: bool) -> QueryJob:
+    """A validated :class:`QueryJob` from a ``QueryRequest`` (Query, QueryStream, Retrieve).
+
+    :param dim: the embedder's output width D (a ``query_vector`` must have D values).
+    :param generate: the RPC generates an answer (Query, QueryStream; not Retrieve).
+    :param can_generate: the server has a generator (``--generator none`` has not).
+    :raises InvalidArgument: empty or too long question, top_k / candidates / max_new_tokens out
+        of range, unknown mode or fusion, bad weights, rrf_k, filters, session id or query vector.
+    """
+    lim, rcfg, gcfg = cfg.limits, cfg.retrieval, cfg.generate
+    q = req.question
+    if not q or not q.strip():
+        raise InvalidArgument("question is empty: send a non-empty question")
+    if len(q) > lim.max_question_chars:
+        raise InvalidArgument(f"question has {len(q)} characters; the limit is {lim.max_question_chars}: shorten it")
+    top_k = req.top_k or rcfg.default_top_k
+    if not 1 <= top_k <= rcfg.max_top_k:
+        raise InvalidArgument(f"top_k must be in [1, {rcfg.max_top_k}], got {req.top_k}")
+    if req.mode not in MODE_NAMES:
+        raise InvalidArgument(f"unknown retrieval mode {req.mode}: use HYBRID (1), DENSE (2), LEXICAL (3) or FULL_HYBRID (4)")
+    cand = req.candidates or rcfg.candidates
+    if not 1 <= cand <= rcfg.max_candidates:
+        raise InvalidArgument(f"candidates must be in [1, {rcfg.max_candidates}], got {req.candidates}")
+    check_session_id(req.session_id, lim)
+    method, wd, wl, rrf_k = fusion(req.fusion, default_weights=(rcfg.dense_weight, rcfg.lexical_weight))
+    spec = RetrieveSpec(mode=MODE_NAMES[req.mode], top_k=top_k, candidates=max(cand, top_k), dense_weight=wd,
+                        lexical_weight=wl, fusion=method, rrf_k=rrf_k, filters=filters(req.filters))
+    qvec = query_vector(req.query_vector, dim)
+    max_new = 0
+    if generate:
+        max_new = req.generation.max_new_tokens or gcfg.default_max_new_tokens
+        if not 1 <= max_new <= gcfg.max_new_tokens_limit:
+            raise InvalidArgument(
+                f"max_new_tokens must be in [1, {gcfg.max_new_tokens_limit}], got {req.generation.max_new_tokens}"
+            )
+    return QueryJob(question=q, spec=spec, query_vector=qvec, session_id=req.session_id,
+                    use_memory=not req.disable_memory, generate=generate and can_generate, max_new_tokens=max_new,
+                    request_id=uuid.uuid4().hex)
+
+
+def fusion(f: Any, *, default_weights: tuple[float, float]) -> tuple[str, float, float, int]:
+    """``(method, dense_weight, lexical_weight, rrf_k)`` from a ``Fusion`` message.
+
+    Method ``"minmax"`` (UNSPECIFIED, WEIGHTED_MINMAX) or ``"rrf"``; both weights 0 means
+    ``default_weights``; rrf_k 0 means :data:`~oprag_server.domain.DEFAULT_RRF_K`.
+
+    :raises InvalidArgument: unknown method, a weight not finite or outside [0, 1e6], rrf_k > 100000.
+    """
+    if f.method not in (oprag_pb2.FUSION_UNSPECIFIED, oprag_pb2.WEIGHTED_MINMAX, oprag_pb2.RRF):
+        raise InvalidArgument(f"unknown fusion method {f.method}: use WEIGHTED_MINMAX (1) or RRF (2)")
+    method = "rrf" if f.method == oprag_pb2.RRF else "minmax"
+    wd, wl = f.dense_weight, f.lexical_weight
+    for name, w in (("dense_weight", wd), ("lexical_weight", wl)):
+        if not math.isfinite(w) or not 0 <= w <= MAX_FUSION_WEIGHT:
+            raise InvalidArgument(f"fusion.{name} must be a number in [0, 1e6], got {w}")
+    if wd == 0 and wl == 0:
+        wd, wl = default_weights
+    rrf_k = f.rrf_k or DEFAULT_RRF_K
+    if rrf_k > MAX_RRF_K:
+        raise InvalidArgument(f"fusion.rrf_k must be <= 100000, got {rrf_k}")
+    return method, wd, wl, rrf_k
+
+
+def filters(fs: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """``((key, (value, ...)), ...)`` from repeated ``MetadataFilter`` messages.
+
+    :raises InvalidArgument: more than 16 filters, an empty key, no values or more than 1024.
+    """
+    if len(fs) > MAX_FILTERS:
+        raise InvalidArgument(f"{len(fs)} metadata filters; the limit is {MAX_FILTERS}")
+    out = []
+    for f in fs:
+        if not f.key:
+            raise InvalidArgument("a metadata filter has an empty key: name the metadata key to match")
+        if not f.values or len(f.values) > MAX_FILTER_VALUES:
+            raise InvalidArgument(f"metadata filter {f.key!r} needs between 1 and {MAX_FILTER_VALUES} values")
+        out.append((f.key, tuple(f.values)))
+    return tuple(out)
+
+
+def query_vector(values: Any, dim: int) -> np.ndarray | None:
+    """A client-given query embedding as unit-norm float32[dim], or None when none was sent.
+
+    Scaled by its max |value| before the norm so that float overflow and underflow cannot occur.
+
+    :raises InvalidArgument: not ``dim`` values, NaN or infinity, all zeros.
+    """
+    if not len(values):
+        return None
+    v = np.asarray(values, dtype=np.float64)
+    if v.shape[0] != dim:
+        raise InvalidArgument(f"query_vector has {v.shape[0]} values; the embedder produces {dim}")
+    if not np.isfinite(v).all():
+        raise InvalidArgument("query_vector contains NaN or infinity")
+    scale = float(np.abs(v).max())
+    if scale == 0.0:
+        raise InvalidArgument("query_vector is all zeros: send the query embedding")
+    v = v / scale
+    return (v / np.linalg.norm(v)).astype(np.float32)
+
+
+def check_session_id(session_id: str, limits: LimitsConfig, *, required: bool = False) -> str:
+    """:returns: ``session_id``. :raises InvalidArgument: empty (when ``required``) or longer
+    than ``limits.max_session_id_bytes`` UTF-8 bytes."""
+    if required and not session_id:
+        raise InvalidArgument("session_id is empty: name the session to clear")
+    if len(session_id.encode()) > limits.max_session_id_bytes:
+        raise InvalidArgument(f"session_id is longer than {limits.max_session_id_bytes} bytes")
+    return session_id
+
+
+def delete_ids(req: Any, limits: LimitsConfig) -> list[str]:
+    """The document ids of a ``DeleteRequest``.
+
+    :raises InvalidArgument: no id, an empty id, more than ``limits.max_delete_ids`` ids.
+    """
+    ids = list(req.doc_ids)
+    if not ids:
+        raise InvalidArgument("doc_ids is empty: name at least one document id")
+    if any(not i for i in ids):
+        raise InvalidArgument("doc_ids contains an empty id: every id must be non-empty")
+    if len(ids) > limits.max_delete_ids:
+        raise InvalidArgument(f"{len(ids)} ids; the limit per Delete is {limits.max_delete_ids}")
+    return ids
+
+
+# --------------------------------------------------------------------------------- responses
+def info(job: QueryJob) -> oprag_pb2.RetrievalInfo | None:
+    """``RetrievalInfo`` of a finished job (``partial`` when a shard was missing), or None."""
+    i = job.info
+    if i is None:
+        return None
+    return oprag_pb2.RetrievalInfo(
+        mode=i.mode, fusion=i.fusion, dense_weight=i.dense_weight, lexical_weight=i.lexical_weight, rrf_k=i.rrf_k,
+        candidates=i.candidates, chunks_searched=i.chunks_searched, partial=bool(i.missing_shards),
+        missing_shards=i.missing_shards,
+    )
+
+
+def hits(job: QueryJob) -> list[oprag_pb2.Hit]:
+    """The job's ranked hits as wire ``Hit`` messages, in rank order."""
+    return [
+        oprag_pb2.Hit(chunk_id=h.chunk_id, doc_id=h.doc_id, title=h.title, text=h.text, score=h.score,
+                      dense_score=h.dense_score, lexical_score=h.lexical_score, shard=h.shard, metadata=h.metadata,
+                      dense_rank=h.dense_rank, lexical_rank=h.lexical_rank)
+        for h in job.hits
+    ]
+
+
+def sources(job: QueryJob) -> list[oprag_pb2.Source]:
+    """Provenance of the sources placed in the prompt ([] when no prompt was built)."""
+    p = job.payload
+    return [
+        oprag_pb2.Source(number=s.number, chunk_id=s.chunk_id, doc_id=s.doc_id, title=s.title, tokens=s.tokens,
+                         truncated=s.truncated)
+        for s in (p.sources if p else [])
+    ]
+
+
+def trace(job: QueryJob, include: bool) -> oprag_pb2.Trace | None:
+    """The executed plan as a wire ``Trace`` when the request asked for it (``include_trace``)."""
+    if not include:
+        return None
+    return oprag_pb2.Trace(stages=[oprag_pb2.StageTrace(**st) for st in job.trace()])
+
+
+def _memory_text(job: QueryJob) -> str:
+    return job.memory.memory_text if job.memory else ""
+
+
+def _prompt_tokens(job: QueryJob) -> int:
+    return job.payload.prompt_tokens if job.payload else 0
+
+
+def query_response(job: QueryJob, *, include_trace: bool, has_generator: bool) -> oprag_pb2.QueryResponse:
+    """``QueryResponse`` of a finished job (answer "" when the server has no generator)."""
+    return oprag_pb2.QueryResponse(
+        answer=job.answer if has_generator else "", hits=hits(job), timings_ms=job.timings_ms,
+        request_id=job.request_id, sources=sources(job), prompt_tokens=_prompt_tokens(job),
+        completion_tokens=job.completion_tokens, finish_reason=job.finish_reason, memory_context=_memory_text(job),
+        retrieval=info(job), trace=trace(job, include_trace), ttft_ms=job.ttft_ms,
+    )
+
+
+def retrieve_response(job: QueryJob, *, include_trace: bool) -> oprag_pb2.RetrieveResponse:
+    """``RetrieveResponse`` of a finished retrieval-only job."""
+    return oprag_pb2.RetrieveResponse(hits=hits(job), timings_ms=job.timings_ms, request_id=job.request_id,
+                                      memory_context=_memory_text(job), retrieval=info(job),
+                                      trace=trace(job, include_trace))
+
+
+def stream_event(kind: str, val: Any) -> oprag_pb2.QueryEvent:
+    """A ``QueryEvent`` from one item of ``QueryJob.events``: ``("text", str)`` -> text,
+    ``("sources", job)`` -> sources (hits, sources, retrieval info, memory context)."""
+    if kind == "text":
+        return oprag_pb2.QueryEvent(text=val)
+    return oprag_pb2.QueryEvent(sources=oprag_pb2.SourcesEvent(
+        request_id=val.request_id, hits=hits(val), sources=sources(val), retrieval=info(val),
+        memory_context=_memory_text(val),
+    ))
+
+
+def done_event(job: QueryJob, *, include_trace: bool) -> oprag_pb2.QueryEvent:
+    """The last ``QueryEvent`` of a stream: the full answer, timings and token counts."""
+    return oprag_pb2.QueryEvent(done=oprag_pb2.DoneEvent(
+        answer=job.answer, timings_ms=job.timings_ms, prompt_tokens=_prompt_tokens(job),
+        completion_tokens=job.completion_tokens, finish_reason=job.finish_reason, ttft_ms=job.ttft_ms,
+        trace=trace(job, include_trace),
+    ))
+
+
+def ingest_response(res: Any) -> oprag_pb2.IngestResponse:
+    """``IngestResponse`` from an :class:`~oprag_server.engine.ingest.IngestResult`."""
+    return oprag_pb2.IngestResponse(
+        documents_written=res.documents_written, chunks_written=res.chunks_written,
+        documents_replaced=res.documents_replaced,
+        rejected=[oprag_pb2.RejectedDocument(index=i, id=d, reason=r) for i, d, r in res.rejected],
+        chunks_split=res.chunks_split, chunks_reused=res.chunks_reused, seq=res.seq, elapsed_ms=res.elapsed_ms,
+    )
+
+
+_SHARD_FIELDS = ("shard", "documents", "chunks", "memory_records", "applied_seq")
+
+
+def stats_response(st: dict) -> oprag_pb2.StatsResponse:
+    """``StatsResponse`` from ``Runtime.stats()``: a dict with ``documents``, ``chunks``,
+    ``memory_records``, ``seq``, ``embedder``, ``generator`` and ``shards`` (one dict per
+    answering shard with ``shard``, ``documents``, ``chunks``, ``memory_records``, ``applied_seq``)."""
+    return oprag_pb2.StatsResponse(
+        documents=st["documents"], chunks=st["chunks"], memory_records=st["memory_records"], seq=st["seq"],
+        shards=[oprag_pb2.ShardStats(**{k: s[k] for k in _SHARD_FIELDS}) for s in st["shards"]],
+        embedder=st["embedder"], generator=st["generator"],
+    )

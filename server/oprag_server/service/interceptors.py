@@ -1,0 +1,115 @@
+"""One grpc.aio server interceptor for every OpRAG RPC: maps exceptions to gRPC statuses and
+records per-RPC metrics (``oprag_requests_total{method,code}``, ``oprag_request_seconds{method}``).
+
+Covers unary and streaming handlers alike; methods of other services (health, reflection) pass
+through untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import grpc
+
+from ..engine.ingest import IngestError
+from ..engine.query import Overloaded, QueryRejected
+from ..shards.pool import ShardError
+from .convert import InvalidArgument
+
+log = logging.getLogger(__name__)
+
+
+def status_for(exc: Exception, method: str) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
+    """gRPC status code, details message and trailing metadata for an exception a handler raised.
+
+    ``InvalidArgument``, ``IngestError``, ``QueryRejected`` -> INVALID_ARGUMENT;
+    ``Overloaded`` -> RESOURCE_EXHAUSTED with trailer ``retry-after-ms`` (integer milliseconds);
+    ``ShardError`` -> UNAVAILABLE; anything else -> INTERNAL (logged with its traceback).
+    """
+    if isinstance(exc, (InvalidArgument, IngestError, QueryRejected)):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc), ()
+    if isinstance(exc, Overloaded):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), (("retry-after-ms", str(int(exc.retry_after_s * 1000))),)
+    if isinstance(exc, ShardError):
+        return grpc.StatusCode.UNAVAILABLE, f"a shard is unavailable (it is being restarted); retry: {exc}", ()
+    log.exception("%s failed", method)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}", ()
+
+
+class _Call:
+    """One observed RPC: its method label, start time and final status code."""
+
+    def __init__(self, method: str, context: Any) -> None:
+        self.method, self.context = method, context
+        self.code = grpc.StatusCode.OK
+        self.t = time.perf_counter()
+
+    async def fail(self, exc: BaseException) -> None:
+        """Record ``exc``'s status and abort the RPC with it (always raises)."""
+        if isinstance(exc, grpc.aio.AbortError):  # the handler aborted with its own status
+            self.code = self.context.code() or grpc.StatusCode.UNKNOWN
+            raise exc
+        if isinstance(exc, asyncio.CancelledError) or not isinstance(exc, Exception):  # also GeneratorExit
+            self.code = grpc.StatusCode.CANCELLED
+            raise exc
+        self.code, msg, trailers = status_for(exc, self.method)
+        if trailers:
+            self.context.set_trailing_metadata(trailers)
+        await self.context.abort(self.code, msg)
+
+    def record(self, metrics: Any) -> None:
+        metrics.requests.labels(method=self.method, code=self.code.name).inc()
+        metrics.request_seconds.labels(method=self.method).observe(time.perf_counter() - self.t)
+
+
+class StatusInterceptor(grpc.aio.ServerInterceptor):
+    """Wraps the handlers of ``service`` (full name, e.g. ``oprag.v1.OpRAG``).
+
+    :param metrics: a :class:`~oprag_server.service.metrics.Metrics` (``requests``, ``request_seconds``).
+    """
+
+    def __init__(self, metrics: Any, service: str) -> None:
+        self.metrics = metrics
+        self.prefix = f"/{service}/"
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith(self.prefix):
+            return handler
+        method = details.method[len(self.prefix):]
+        kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(self._unary(handler.unary_unary, method), **kw)
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(self._unary(handler.stream_unary, method), **kw)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(self._stream(handler.unary_stream, method), **kw)
+        return grpc.stream_stream_rpc_method_handler(self._stream(handler.stream_stream, method), **kw)
+
+    def _unary(self, fn, method: str):
+        async def observed(request, context):
+            call = _Call(method, context)
+            try:
+                return await fn(request, context)
+            except BaseException as exc:  # noqa: BLE001 - mapped to a status, re-raised
+                await call.fail(exc)
+            finally:
+                call.record(self.metrics)
+
+        return observed
+
+    def _stream(self, fn, method: str):
+        async def observed(request, context):
+            call = _Call(method, context)
+            try:
+                async for item in fn(request, context):
+                    yield item
+            except BaseException as exc:  # noqa: BLE001 - mapped to a status, re-raised
+                await call.fail(exc)
+            finally:
+                call.record(self.metrics)
+
+        return observed

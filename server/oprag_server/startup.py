@@ -1,0 +1,107 @@
+"""Start-up checks that fail fast, before any model loads or shard starts: the models exist,
+the data directory fits this configuration and no other server uses it, the ports are free.
+
+Each raises ``RuntimeError`` (or ``ValueError`` from a model loader) with a message that says
+which option to change; the server CLI prints it and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import socket
+from pathlib import Path
+from typing import IO, Any
+
+from .config import ServerConfig
+
+#: Version of the data directory layout, written to ``<data_dir>/oprag.json``.
+DATA_FORMAT = 1
+_LOCKS: list[IO] = []  # held for the life of the process
+
+
+def preflight(cfg: ServerConfig) -> tuple[Any, Any | None]:
+    """Find the models (not loaded yet), check and lock the data directory, check the gRPC port.
+
+    :returns: the (not yet warmed up) encoder and generator (None for ``--generator none``).
+    :raises RuntimeError | ValueError: with a message that says what to change.
+    """
+    from .models.encoder import TransformersEncoder
+    from .models.generator import load_generator
+
+    encoder = TransformersEncoder(cfg.embed.model, device=cfg.embed.device, batch_size=cfg.embed.batch_size,
+                                  max_tokens=cfg.embed.max_tokens, compile=cfg.embed.compile)
+    generator = load_generator(cfg.generate.model, device=cfg.generate.device)
+    check_data_dir(cfg, encoder.dim, encoder.name)
+    lock_data_dir(cfg.data_dir)
+    check_port(cfg.host, cfg.port, "gRPC port (--port)")
+    return encoder, generator
+
+
+def lock_data_dir(d: Path) -> IO:
+    """Hold an exclusive ``flock`` on ``d/.lock`` for the life of the process (creates ``d``).
+
+    :returns: the open lock file (closing it releases the lock).
+    :raises RuntimeError: another server (or another open lock in this process) holds it.
+    """
+    d.mkdir(parents=True, exist_ok=True)
+    f = open(d / ".lock", "a+")
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        f.close()
+        raise RuntimeError(f"{d} is in use by another OpRAG server: stop it or use another --data-dir") from exc
+    _LOCKS.append(f)
+    return f
+
+
+def check_port(host: str, port: int, what: str) -> None:
+    """Check that a TCP listener could bind ``host:port`` now (port 0 = any, always passes).
+
+    :param what: how the message names the port, e.g. ``"gRPC port (--port)"``.
+    :raises RuntimeError: the port is taken (or the address is not local).
+    """
+    if port == 0:
+        return
+    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(fam, socket.SOCK_STREAM) as s:
+        # SO_REUSEADDR: a port left in TIME_WAIT by a server that just stopped is free to use;
+        # on Linux a port with a live listener still fails
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise RuntimeError(f"{what} {host}:{port} is not available ({exc.strerror}): choose another port") from exc
+
+
+def check_data_dir(cfg: ServerConfig, dim: int, embedder: str) -> None:
+    """Create ``cfg.data_dir`` and record its layout in ``oprag.json``
+    (``{"format", "shards", "dim", "embedder"}``), or check an existing record against it.
+
+    :param dim: the embedder's output width D.
+    :raises RuntimeError: the directory holds a corpus over another shard count or width.
+    """
+    d = cfg.data_dir
+    d.mkdir(parents=True, exist_ok=True)
+    meta_path = d / "oprag.json"
+    if meta_path.exists():
+        old = json.loads(meta_path.read_text())
+        if old.get("shards") != cfg.shards:
+            raise RuntimeError(
+                f"{d} holds a corpus split over {old.get('shards')} shards; start with --shards {old.get('shards')} "
+                f"or use another --data-dir"
+            )
+        if old.get("dim") != dim:
+            raise RuntimeError(f"{d} holds {old.get('dim')}-dimensional vectors; the embedder produces {dim}")
+    else:
+        meta_path.write_text(json.dumps({"format": DATA_FORMAT, "shards": cfg.shards, "dim": dim, "embedder": embedder}))
+
+
+def check_security(cfg: ServerConfig, tokens: set[str]) -> None:
+    """:raises RuntimeError: a token is required but none was loaded, or TLS has only one of
+    certificate and key."""
+    sec = cfg.security
+    if sec.require_token and not tokens:
+        raise RuntimeError("a token is required but none was given: use --tokens-file or OPRAG_TOKENS")
+    if (sec.tls_cert is None) != (sec.tls_key is None):
+        raise RuntimeError("TLS needs both --tls-cert and --tls-key")

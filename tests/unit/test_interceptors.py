@@ -1,0 +1,119 @@
+"""StatusInterceptor: exception -> gRPC status + details + trailers, per-RPC metrics, for unary
+and streaming handlers; other services pass through. No server: fake contexts and handlers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from oprag_server.engine.ingest import IngestError
+from oprag_server.engine.query import Overloaded, QueryRejected
+from oprag_server.service.convert import InvalidArgument
+from oprag_server.service.interceptors import StatusInterceptor, status_for
+from oprag_server.service.metrics import Metrics
+from oprag_server.shards.pool import ShardError
+
+SVC = "oprag.v1.OpRAG"
+
+
+@pytest.mark.parametrize("exc,code,msg,trailers", [
+    (InvalidArgument("bad top_k"), grpc.StatusCode.INVALID_ARGUMENT, "bad top_k", ()),
+    (IngestError("bad doc"), grpc.StatusCode.INVALID_ARGUMENT, "bad doc", ()),
+    (QueryRejected("too long"), grpc.StatusCode.INVALID_ARGUMENT, "too long", ()),
+    (Overloaded("query", 0.25), grpc.StatusCode.RESOURCE_EXHAUSTED, "the query queue is full; retry after 0.25 s",
+     (("retry-after-ms", "250"),)),
+    (ShardError("shard 1 died"), grpc.StatusCode.UNAVAILABLE,
+     "a shard is unavailable (it is being restarted); retry: shard 1 died", ()),
+    (KeyError("x"), grpc.StatusCode.INTERNAL, "internal error: KeyError: 'x'", ()),
+])
+def test_status_for(exc, code, msg, trailers):
+    assert status_for(exc, "Query") == (code, msg, trailers)
+
+
+class Aborted(Exception):
+    pass
+
+
+class Context:
+    def __init__(self):
+        self.trailers, self.aborted = (), None
+
+    def set_trailing_metadata(self, t):
+        self.trailers = t
+
+    async def abort(self, code, msg):
+        self.aborted = (code, msg)
+        raise Aborted
+
+
+class Details:
+    def __init__(self, method):
+        self.method, self.invocation_metadata = method, ()
+
+
+def wrap(handler, method):
+    ic = StatusInterceptor(Metrics(), SVC)
+
+    async def continuation(details):
+        return handler
+
+    return ic, asyncio.run(ic.intercept_service(continuation, Details(method)))
+
+
+def count(ic, method, code):
+    return ic.metrics.requests.labels(method=method, code=code)._value.get()
+
+
+def test_unary_ok_and_error_are_counted_and_mapped():
+    async def ok(req, ctx):
+        return req + 1
+
+    ic, h = wrap(grpc.unary_unary_rpc_method_handler(ok), f"/{SVC}/Stats")
+    assert asyncio.run(h.unary_unary(1, Context())) == 2
+    assert count(ic, "Stats", "OK") == 1
+
+    async def overloaded(req, ctx):
+        raise Overloaded("query", 1.5)
+
+    ic, h = wrap(grpc.unary_unary_rpc_method_handler(overloaded), f"/{SVC}/Query")
+    ctx = Context()
+    with pytest.raises(Aborted):
+        asyncio.run(h.unary_unary(None, ctx))
+    assert ctx.aborted[0] == grpc.StatusCode.RESOURCE_EXHAUSTED and ctx.trailers == (("retry-after-ms", "1500"),)
+    assert count(ic, "Query", "RESOURCE_EXHAUSTED") == 1
+
+
+def test_streaming_handler_error_after_items():
+    async def gen(req, ctx):
+        yield "a"
+        raise InvalidArgument("no")
+
+    ic, h = wrap(grpc.unary_stream_rpc_method_handler(gen), f"/{SVC}/QueryStream")
+    ctx, got = Context(), []
+
+    async def consume():
+        async for x in h.unary_stream(None, ctx):
+            got.append(x)
+
+    with pytest.raises(Aborted):
+        asyncio.run(consume())
+    assert got == ["a"] and ctx.aborted == (grpc.StatusCode.INVALID_ARGUMENT, "no")
+    assert count(ic, "QueryStream", "INVALID_ARGUMENT") == 1
+
+
+def test_stream_unary_cancelled_is_counted_as_cancelled():
+    async def ingest(it, ctx):
+        raise asyncio.CancelledError
+
+    ic, h = wrap(grpc.stream_unary_rpc_method_handler(ingest), f"/{SVC}/Ingest")
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(h.stream_unary(iter(()), Context()))
+    assert count(ic, "Ingest", "CANCELLED") == 1
+
+
+def test_other_services_pass_through():
+    handler = grpc.unary_unary_rpc_method_handler(lambda r, c: r)
+    _, h = wrap(handler, "/grpc.health.v1.Health/Check")
+    assert h is handler

@@ -1,0 +1,53 @@
+"""`oprag serve` options: defaults read from the config dataclasses, values reach the config."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from oprag_server import cli
+from oprag_server.config import ServerConfig
+
+
+def cfg(*argv: str) -> ServerConfig:
+    return cli.config_from_args(cli.build_parser().parse_args(list(argv)))
+
+
+def test_no_option_gives_the_dataclass_defaults():
+    assert cfg() == ServerConfig()
+
+
+def test_help_shows_the_dataclass_defaults():
+    text = cli.build_parser().format_help()
+    d = ServerConfig()
+    for flag, value in (("--candidates", d.retrieval.candidates), ("--chunk-size", d.chunking.size),
+                        ("--port", d.port), ("--queue-capacity", d.batch.queue_capacity)):
+        assert flag in text and f"(default: {value})" in " ".join(text.split())
+
+
+def test_options_reach_their_fields(tmp_path):
+    c = cfg("--host", "0.0.0.0", "--port", "6000", "--metrics-host", "::1", "--data-dir", str(tmp_path), "--shards", "3",
+            "--chunk-size", "100", "--chunk-overlap", "10", "--candidates", "64", "--monitor-fraction", "0.5",
+            "--max-batch", "4", "--max-wait-ms", "2.5", "--no-overlap", "--no-embed-query-thread", "--stem",
+            "--ingest-barriers", "--embed-compile", "--generator", "none", "--max-new-tokens", "32",
+            "--tokens-file", "t.txt", "--shutdown-grace", "1.5")
+    assert (c.host, c.port, c.metrics_host, c.data_dir, c.shards) == ("0.0.0.0", 6000, "::1", tmp_path, 3)
+    assert (c.chunking.size, c.chunking.overlap, c.retrieval.candidates, c.retrieval.monitor_fraction) == (100, 10, 64, 0.5)
+    assert (c.batch.max_batch, c.batch.max_wait_ms, c.batch.overlap, c.batch.embed_query_thread) == (4, 2.5, False, False)
+    assert c.bm25.stem and c.ingest.barriers and c.embed.compile
+    assert (c.generate.model, c.generate.default_max_new_tokens) == ("none", 32)
+    assert c.security.tokens_file == Path("t.txt") and c.shutdown_grace_s == 1.5
+
+
+def test_no_default_literal_is_repeated_in_the_cli():
+    """Option defaults come from the dataclasses: no argument default in cli.py is a literal
+    (but the log level, which is no config field)."""
+    tree = ast.parse(Path(cli.__file__).read_text())
+    literal = [kw.value.value for n in ast.walk(tree) if isinstance(n, ast.Call) for kw in n.keywords
+               if kw.arg == "default" and isinstance(kw.value, ast.Constant)]
+    assert literal == ["INFO"]
+
+
+def test_a_bad_value_fails_with_status_2(capsys):
+    assert cli.main(["--chunk-size", "0"]) == 2
+    assert "chunk size must be > 0" in capsys.readouterr().err

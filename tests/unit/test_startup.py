@@ -1,0 +1,53 @@
+"""Start-up checks (oprag_server.startup) without a server: data-dir layout, lock, ports, security."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+from oprag_server import startup
+from oprag_server.config import SecurityConfig, ServerConfig
+
+
+def test_data_dir_is_recorded_then_checked(tmp_path):
+    cfg = ServerConfig(data_dir=tmp_path / "d", shards=2)
+    startup.check_data_dir(cfg, 384, "minilm")
+    meta = json.loads((tmp_path / "d" / "oprag.json").read_text())
+    assert meta == {"format": startup.DATA_FORMAT, "shards": 2, "dim": 384, "embedder": "minilm"}
+    startup.check_data_dir(cfg, 384, "minilm")  # same layout: fine
+    with pytest.raises(RuntimeError, match="split over 2 shards; start with --shards 2"):
+        startup.check_data_dir(ServerConfig(data_dir=tmp_path / "d", shards=3), 384, "minilm")
+    with pytest.raises(RuntimeError, match="holds 384-dimensional vectors; the embedder produces 16"):
+        startup.check_data_dir(cfg, 16, "hashing")
+
+
+def test_data_dir_lock_is_exclusive(tmp_path):
+    f = startup.lock_data_dir(tmp_path / "d")
+    try:
+        with pytest.raises(RuntimeError, match="in use by another OpRAG server"):
+            startup.lock_data_dir(tmp_path / "d")
+    finally:
+        f.close()
+    startup.lock_data_dir(tmp_path / "d").close()  # free again once closed
+
+
+def test_port_check():
+    startup.check_port("127.0.0.1", 0, "gRPC port (--port)")  # any port: always fine
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(RuntimeError, match=rf"gRPC port \(--port\) 127.0.0.1:{port} is not available"):
+            startup.check_port("127.0.0.1", port, "gRPC port (--port)")
+    startup.check_port("127.0.0.1", port, "gRPC port (--port)")  # closed: free
+
+
+def test_security_checks(tmp_path):
+    startup.check_security(ServerConfig(), set())
+    with pytest.raises(RuntimeError, match="a token is required"):
+        startup.check_security(ServerConfig(security=SecurityConfig(require_token=True)), set())
+    startup.check_security(ServerConfig(security=SecurityConfig(require_token=True)), {"t"})
+    with pytest.raises(RuntimeError, match="TLS needs both --tls-cert and --tls-key"):
+        startup.check_security(ServerConfig(security=SecurityConfig(tls_cert=tmp_path / "c.pem")), set())

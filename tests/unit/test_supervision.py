@@ -1,0 +1,112 @@
+"""Shard supervision (oprag_server.supervision) over fake shards: health, restarts, statistics."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from oprag_server.index.bm25 import CorpusStats
+from oprag_server.engine.rwlock import RWLock
+from oprag_server.service.metrics import Metrics
+from oprag_server.supervision import NOT_SERVING, SERVING, ShardSupervisor, dead_shards, restart_shard
+
+
+class Proc:
+    def __init__(self, alive=True):
+        self.up = alive
+
+    def is_alive(self):
+        return self.up
+
+
+class Pool:
+    def __init__(self, n):
+        self.n = n
+        self.clients = [SimpleNamespace(shard_id=i, alive=True, proc=Proc()) for i in range(n)]
+        self.restarted = []
+
+    def restart(self, i, loop, committed):
+        self.restarted.append((i, committed))
+        self.clients[i] = SimpleNamespace(shard_id=i, alive=True, proc=Proc())
+
+
+class Health:
+    def __init__(self):
+        self.calls = []
+
+    async def set(self, name, status):
+        self.calls.append((name, status))
+
+
+def test_dead_shards_are_found():
+    pool = Pool(3)
+    pool.clients[1].proc.up = False
+    pool.clients[2].alive = False
+    assert dead_shards(pool) == [1, 2]
+
+
+def test_a_dead_shard_turns_health_not_serving_and_is_restarted():
+    pool, health, metrics = Pool(2), Health(), Metrics()
+    restarted = []
+
+    async def restart(i):
+        restarted.append(i)
+        pool.restart(i, None, set())
+
+    sup = ShardSupervisor(pool, restart, health, ("", "oprag.v1.OpRAG"), metrics)
+    pool.clients[1].proc.up = False
+    assert asyncio.run(sup.check()) == [1]
+    assert health.calls == [("", NOT_SERVING), ("oprag.v1.OpRAG", NOT_SERVING)] and restarted == [1]
+    assert metrics.shard_restarts._value.get() == 1 and metrics.shards_up._value.get() == 1
+    health.calls.clear()
+    assert asyncio.run(sup.check()) == []
+    assert health.calls == [("", SERVING), ("oprag.v1.OpRAG", SERVING)]
+    assert metrics.shards_up._value.get() == 2
+
+
+def test_a_failed_restart_is_retried_next_round():
+    pool, metrics = Pool(1), Metrics()
+    pool.clients[0].alive = False
+    tries = []
+
+    async def restart(i):
+        tries.append(i)
+        if len(tries) == 1:
+            raise RuntimeError("spawn failed")
+        pool.restart(i, None, set())
+
+    sup = ShardSupervisor(pool, restart, Health(), ("",), metrics)
+    assert asyncio.run(sup.check()) == []
+    assert asyncio.run(sup.check()) == [0]
+    assert tries == [0, 0] and metrics.shard_restarts._value.get() == 1
+
+
+def test_run_stops_when_told():
+    pool = Pool(1)
+
+    async def main():
+        stop = asyncio.Event()
+        sup = ShardSupervisor(pool, None, Health(), ("",), Metrics(), interval_s=0.01)
+        task = asyncio.create_task(sup.run(stop))
+        await asyncio.sleep(0.05)
+        stop.set()
+        await asyncio.wait_for(task, 1.0)
+
+    asyncio.run(main())
+
+
+def test_restart_shard_respawns_and_resums_statistics():
+    pool, stats = Pool(2), CorpusStats()
+    merged = []
+
+    async def broadcast(op, args):
+        return [{"lexical": "s0"}, {"lexical": "s1"}]
+
+    pool.broadcast = broadcast
+    orig = CorpusStats.merge_full
+    try:
+        CorpusStats.merge_full = staticmethod(lambda parts: merged.append(parts) or CorpusStats())
+        asyncio.run(restart_shard(pool, 1, committed={"t1"}, lock=RWLock(), stats=stats))
+    finally:
+        CorpusStats.merge_full = orig
+    assert pool.restarted == [(1, {"t1"})] and merged == [["s0", "s1"]]
