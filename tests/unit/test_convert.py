@@ -9,7 +9,8 @@ import pytest
 from oprag.v1 import oprag_pb2
 from oprag_server.config import ServerConfig
 from oprag_server.domain import ContextPayload, Hit, MemoryContext, RetrievalInfo, RetrieveSpec, SourceRef
-from oprag_server.engine.query import QueryJob
+from oprag_server.engine.job import QueryJob
+from oprag_server.engine.scheduler import PlanStep
 from oprag_server.service import convert
 from oprag_server.service.convert import InvalidArgument
 
@@ -126,11 +127,6 @@ def test_session_and_delete_ids():
     assert str(e.value) == "3 ids; the limit per Delete is 2"
 
 
-class _Step:
-    def __init__(self, op, domain):
-        self.op, self.domain = op, domain
-
-
 def finished_job() -> QueryJob:
     j = QueryJob(question="q", spec=RetrieveSpec(), request_id="r1")
     j.hits = [Hit("c1", "d1", "T", "text", 0.9, 0.8, 1.5, 1, {"k": "v"}, 1, 2)]
@@ -138,8 +134,10 @@ def finished_job() -> QueryJob:
     j.payload = ContextPayload("prompt", 42, [SourceRef(1, "c1", "d1", "T", 30, True)])
     j.memory = MemoryContext("rq", "earlier turn", 1)
     j.answer, j.completion_tokens, j.finish_reason, j.ttft_ms = "A", 5, "stop", 12.5
-    j.timings_ms = {"queue": 1.0, "embed": 2.0}
-    j.plan = (_Step("embed", "gpu"),)
+    j.timings_ms = {"queue": 1.0}
+    j.plan = (PlanStep("embed", "gpu"),)
+    j.last_end = 10.0
+    j.record(j.plan[0], end=10.003, run_s=0.002)  # ran 2 ms after waiting 1 ms
     return j
 
 
@@ -154,8 +152,9 @@ def test_query_response_converts_every_field():
     assert r.retrieval.partial and list(r.retrieval.missing_shards) == [1] and r.retrieval.chunks_searched == 10
     assert (r.answer, r.prompt_tokens, r.completion_tokens, r.finish_reason, r.memory_context, r.request_id) == \
         ("A", 42, 5, "stop", "earlier turn", "r1")
-    assert dict(r.timings_ms) == {"queue": 1.0, "embed": 2.0} and r.ttft_ms == 12.5
-    assert [(t.op, t.domain, t.queue_ms, t.run_ms) for t in r.trace.stages] == [("embed", "gpu", 1.0, 2.0)]
+    assert dict(r.timings_ms) == pytest.approx({"queue": 1.0, "embed": 2.0}) and r.ttft_ms == 12.5
+    assert [(t.op, t.domain) for t in r.trace.stages] == [("embed", "gpu")]
+    assert [t.queue_ms for t in r.trace.stages] == pytest.approx([1.0]) and r.trace.stages[0].run_ms == pytest.approx(2.0)
 
 
 def test_response_without_trace_generator_payload_or_info():

@@ -17,7 +17,7 @@ from oprag.v1 import oprag_pb2
 
 from ..config import LimitsConfig, ServerConfig
 from ..domain import DEFAULT_RRF_K, MODES, RetrieveSpec
-from ..engine.query import QueryJob
+from ..engine.job import QueryJob
 
 #: Wire retrieval mode -> domain mode name (UNSPECIFIED means the default, hybrid).
 MODE_NAMES = {
