@@ -18,6 +18,7 @@ from ..engine.ingest import IngestError
 from ..engine.query import Overloaded, QueryJob, QueryRejected
 from ..domain import MODES, RetrieveSpec
 from ..shards.pool import ShardError
+from ..shards.protocol import Op, StatsRequest
 
 log = logging.getLogger(__name__)
 
@@ -373,20 +374,20 @@ class OpRAGServicer(oprag_pb2_grpc.OpRAGServicer):
 
     @_observed("Stats")
     async def Stats(self, request, context):
-        got, _ = await self.rt.pool.gather_partial("stats", {})
+        got, _ = await self.rt.pool.gather_partial(Op.STATS, StatsRequest())
         shards = [got[k] for k in sorted(got)]
         return oprag_pb2.StatsResponse(
-            documents=sum(s["documents"] for s in shards),
-            chunks=sum(s["chunks"] for s in shards),
-            memory_records=sum(s["memory_records"] for s in shards),
+            documents=sum(s.documents for s in shards),
+            chunks=sum(s.chunks for s in shards),
+            memory_records=sum(s.memory_records for s in shards),
             seq=self.rt.seq,
             shards=[
                 oprag_pb2.ShardStats(
-                    shard=s["shard"],
-                    documents=s["documents"],
-                    chunks=s["chunks"],
-                    memory_records=s["memory_records"],
-                    applied_seq=s["applied_seq"],
+                    shard=s.shard,
+                    documents=s.documents,
+                    chunks=s.chunks,
+                    memory_records=s.memory_records,
+                    applied_seq=s.applied_seq,
                 )
                 for s in shards
             ],
