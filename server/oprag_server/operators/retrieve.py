@@ -184,7 +184,7 @@ class Retriever:
                 replies, missing = await self.pool.gather_partial(Op.SEARCH, SearchRequest(batch, mode, n))
                 t = time.perf_counter()
                 merged = [self._merge(replies, j, sp) for j, sp in enumerate(gspecs)]
-                searched = [sum(int(rep.eligible[j]) for rep in replies.values()) for j in range(len(idx))]
+                searched = [sum(rep.eligible[j] for rep in replies.values()) for j in range(len(idx))]
                 dt = time.perf_counter() - t
             rerank += dt
             for j, i in enumerate(idx):
@@ -221,9 +221,9 @@ class Retriever:
         dense ``[corpus minimum estimated from each shard's fixed vector sample, top score]``;
         BM25 ``[0, best candidate]`` (most chunks contain no query term, so the corpus minimum
         is 0), or the window's own range when the window is the whole eligible corpus."""
-        est = [float(rep.dense_min[j]) for rep in replies.values()]
+        est = [rep.dense_min[j] for rep in replies.values()]
         dmin = min([float(window.dense.min()), *est])
-        whole = len(window.ids) >= sum(int(rep.eligible[j]) for rep in replies.values())
+        whole = len(window.ids) >= sum(rep.eligible[j] for rep in replies.values())
         lmin = float(window.lexical.min()) if whole else min(0.0, float(window.lexical.min()))
         return (dmin, float(window.dense.max())), (lmin, float(window.lexical.max()))
 
@@ -234,14 +234,14 @@ class Retriever:
         dranges, lranges, searched = [], [], []
         for j in range(len(specs)):
             parts = [rep for rep in r1.values() if rep.eligible[j] > 0]
-            searched.append(sum(int(p.eligible[j]) for p in parts))
+            searched.append(sum(p.eligible[j] for p in parts))
             if not parts:
                 dranges.append((0.0, 0.0))
                 lranges.append((0.0, 0.0))
                 continue
-            dranges.append((min(float(p.dense_min[j]) for p in parts), max(float(p.dense_max[j]) for p in parts)))
-            lranges.append((min(float(p.lexical_min[j]) for p in parts),
-                            max(float(p.lexical_max[j]) for p in parts)))
+            dranges.append((min(p.dense_min[j] for p in parts), max(p.dense_max[j] for p in parts)))
+            lranges.append((min(p.lexical_min[j] for p in parts),
+                            max(p.lexical_max[j] for p in parts)))
         dt = time.perf_counter() - t
         r2, missing2 = await self.pool.gather_partial(
             Op.EXACT_FUSE,
@@ -272,7 +272,7 @@ class Retriever:
         t = time.perf_counter()
         out, searched = [], []
         for j, spec in enumerate(specs):
-            searched.append(sum(int(rep.eligible[j]) for rep in replies.values()))
+            searched.append(sum(rep.eligible[j] for rep in replies.values()))
             dl = _Cols.of([(s, rep.dense_lists[j]) for s, rep in replies.items()])
             ll = _Cols.of([(s, rep.lexical_lists[j]) for s, rep in replies.items()])
             dl = dl.take(top_k_order(dl.dense, dl.ids, spec.candidates))
@@ -297,7 +297,7 @@ class Retriever:
         flat = [c for cands in results for c in cands]
         got, failed = await self.pool.scatter(
             Op.FETCH, flat, lambda c: c.shard,
-            lambda cs: FetchRequest(np.fromiter((c.slot for c in cs), dtype=np.int64, count=len(cs))))
+            lambda cs: FetchRequest([c.slot for c in cs]))
         at: list[tuple[FetchReply, int] | None] = [None] * len(flat)
         for idx, rep in got.values():
             for k, i in enumerate(idx):

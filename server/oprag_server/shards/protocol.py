@@ -14,7 +14,8 @@ This module imports numpy only (shard processes stay small).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+import operator
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -40,8 +41,24 @@ class Op(enum.Enum):
     SHUTDOWN = "shutdown"  # optionally snapshot, then exit the run loop
 
 
+def message(cls):
+    """A protocol type: a ``slots`` dataclass that pickles as ``(cls, field values)`` (half the
+    cost of the generic slots state on the retrieve path)."""
+    cls = dataclass(slots=True)(cls)
+    names = tuple(f.name for f in fields(cls))
+    if not names:
+        cls.__reduce__ = lambda self: (cls, ())
+    elif len(names) == 1:
+        get = operator.attrgetter(names[0])
+        cls.__reduce__ = lambda self: (cls, (get(self),))
+    else:
+        get = operator.attrgetter(*names)
+        cls.__reduce__ = lambda self: (cls, get(self))
+    return cls
+
+
 # ---------------------------------------------------------------------------- shared parts
-@dataclass(slots=True)
+@message
 class QueryBatch:
     """B queries as one shard sees them.
 
@@ -62,7 +79,7 @@ class QueryBatch:
     filters: list | None = None
 
 
-@dataclass(slots=True)
+@message
 class Candidates:
     """One query's candidates on one shard, as parallel arrays of length M.
 
@@ -79,7 +96,7 @@ class Candidates:
 
 
 # ---------------------------------------------------------------------------- search
-@dataclass(slots=True)
+@message
 class SearchRequest:
     """``mode`` in {"hybrid", "dense", "lexical"}; ``n`` local candidates per query."""
 
@@ -88,18 +105,18 @@ class SearchRequest:
     n: int
 
 
-@dataclass(slots=True)
+@message
 class SearchReply:
-    """Per query: ``candidates[i]``; ``eligible`` int64[B] chunks eligible on this shard;
-    ``dense_min`` float64[B] the dense minimum estimated from a fixed vector sample (+inf when
-    not computed: lexical mode or an empty shard)."""
+    """Per query i: ``candidates[i]``; ``eligible[i]`` chunks eligible on this shard;
+    ``dense_min[i]`` the dense minimum estimated from a fixed vector sample (+inf when not
+    computed: lexical mode or an empty shard). Per-query scalars are lists (B is small)."""
 
     candidates: list[Candidates]
-    eligible: np.ndarray
-    dense_min: np.ndarray
+    eligible: list[int]
+    dense_min: list[float]
 
 
-@dataclass(slots=True)
+@message
 class ExactRangesRequest:
     """Round 1 of exact min-max hybrid; the shard caches the scores under ``token``."""
 
@@ -107,19 +124,19 @@ class ExactRangesRequest:
     token: str
 
 
-@dataclass(slots=True)
+@message
 class ExactRangesReply:
-    """Per query (arrays of length B): chunks ``eligible`` (int64) and the local score ranges
-    ``dense_min``, ``dense_max``, ``lexical_min``, ``lexical_max`` (float64; 0 when none)."""
+    """Per query (lists of length B): chunks ``eligible`` and the local score ranges
+    ``dense_min``, ``dense_max``, ``lexical_min``, ``lexical_max`` (0.0 when none eligible)."""
 
-    eligible: np.ndarray
-    dense_min: np.ndarray
-    dense_max: np.ndarray
-    lexical_min: np.ndarray
-    lexical_max: np.ndarray
+    eligible: list[int]
+    dense_min: list[float]
+    dense_max: list[float]
+    lexical_min: list[float]
+    lexical_max: list[float]
 
 
-@dataclass(slots=True)
+@message
 class ExactFuseRequest:
     """Round 2 of exact min-max hybrid: per query the corpus-global ``(min, max)`` ranges and
     weights; ``k`` results and ``n``-long rank lists per query."""
@@ -133,7 +150,7 @@ class ExactFuseRequest:
     n: int
 
 
-@dataclass(slots=True)
+@message
 class ExactFuseReply:
     """Per query: local top-k by (fused desc, chunk id asc) with ``fused`` set, and the local
     top-n dense and BM25 (> 0 only) lists (for ranks)."""
@@ -143,32 +160,32 @@ class ExactFuseReply:
     lexical_lists: list[Candidates]
 
 
-@dataclass(slots=True)
+@message
 class ExactListsRequest:
     batch: QueryBatch
     n: int
 
 
-@dataclass(slots=True)
+@message
 class ExactListsReply:
-    """Per query: ``eligible`` int64[B]; local top-n dense and BM25 (> 0 only) lists."""
+    """Per query: ``eligible`` chunks; local top-n dense and BM25 (> 0 only) lists."""
 
-    eligible: np.ndarray
+    eligible: list[int]
     dense_lists: list[Candidates]
     lexical_lists: list[Candidates]
 
 
-@dataclass(slots=True)
+@message
 class FetchRequest:
-    slots: np.ndarray  # int64[M]
+    slots: list[int]  # M slots (a list: M is top-k sized, and a list pickles faster than an array)
 
 
-@dataclass(slots=True)
+@message
 class FetchReply:
-    """Stored fields aligned with the request's slots; ``found`` bool[M] is False for a slot
+    """Stored fields aligned with the request's slots; ``found[i]`` is False for a slot
     deleted meanwhile (its strings are then empty). ``metadata`` holds JSON objects."""
 
-    found: np.ndarray
+    found: list[bool]
     doc_ids: list[str]
     titles: list[str]
     texts: list[str]
@@ -176,30 +193,30 @@ class FetchReply:
 
 
 # ---------------------------------------------------------------------------- writes
-@dataclass(slots=True)
+@message
 class ReuseRequest:
     doc_ids: list[str]
 
 
-@dataclass(slots=True)
+@message
 class ReuseReply:
     """``{doc_id: {content_hash: float32[D] vector}}`` for each stored document asked for."""
 
     vectors: dict[str, dict[str, np.ndarray]]
 
 
-@dataclass(slots=True)
+@message
 class StageRequest:
     txn: str
     ipc: bytes  # Arrow IPC stream of one batch (schema records.chunk_schema)
 
 
-@dataclass(slots=True)
+@message
 class StageReply:
     staged: int  # rows staged under the transaction so far
 
 
-@dataclass(slots=True)
+@message
 class PrepareRequest:
     """``kind`` "upsert" (the batches staged under ``txn``) or "delete" (``doc_ids``)."""
 
@@ -209,17 +226,17 @@ class PrepareRequest:
     doc_ids: list[str] = field(default_factory=list)
 
 
-@dataclass(slots=True)
+@message
 class PrepareReply:
     prepared: bool = True
 
 
-@dataclass(slots=True)
+@message
 class ApplyRequest:
     txn: str
 
 
-@dataclass(slots=True)
+@message
 class ApplyReply:
     """What applying a transaction changed on one shard.
 
@@ -238,18 +255,18 @@ class ApplyReply:
     delta: tuple = (0, 0, {})
 
 
-@dataclass(slots=True)
+@message
 class AbortRequest:
     txn: str
 
 
-@dataclass(slots=True)
+@message
 class AbortReply:
     dropped: int  # staged rows dropped
 
 
 # ---------------------------------------------------------------------------- memory
-@dataclass(slots=True)
+@message
 class PromoteRequest:
     """One turn record (``vector`` float32[D]) and the retention bounds: ``max_turns`` per
     session, ``max_total`` records per shard (0 = unbounded), idle ``ttl_s`` (0 = none)."""
@@ -265,19 +282,19 @@ class PromoteRequest:
     ttl_s: float = 0.0
 
 
-@dataclass(slots=True)
+@message
 class PromoteReply:
     records: int  # the session's records after the write
 
 
-@dataclass(slots=True)
+@message
 class MemoryLookupRequest:
     session_ids: list[str]
     k: int
     ttl_s: float = 0.0
 
 
-@dataclass(slots=True)
+@message
 class MemoryTurn:
     turn: int
     question: str
@@ -286,30 +303,30 @@ class MemoryTurn:
     titles: list[str]
 
 
-@dataclass(slots=True)
+@message
 class MemoryLookupReply:
     """Per session asked for: its most recent turns, newest first."""
 
     turns: list[list[MemoryTurn]]
 
 
-@dataclass(slots=True)
+@message
 class MemoryClearRequest:
     session_id: str
 
 
-@dataclass(slots=True)
+@message
 class MemoryClearReply:
     removed: int
 
 
 # ---------------------------------------------------------------------------- admin
-@dataclass(slots=True)
+@message
 class StatsRequest:
     lexical: bool = False  # also the full BM25 statistics (whole vocabulary)
 
 
-@dataclass(slots=True)
+@message
 class StatsReply:
     """Counts of one shard; ``lexical`` ``(N, total length, {term: df})`` when asked for;
     ``replayed`` write-ahead log records (READY message only)."""
@@ -323,23 +340,23 @@ class StatsReply:
     replayed: int = 0
 
 
-@dataclass(slots=True)
+@message
 class SnapshotRequest:
     pass
 
 
-@dataclass(slots=True)
+@message
 class SnapshotReply:
     written: bool
     chunks: int = 0
 
 
-@dataclass(slots=True)
+@message
 class ShutdownRequest:
     snapshot: bool = True
 
 
-@dataclass(slots=True)
+@message
 class ShutdownReply:
     snapshot: SnapshotReply | None = None
 

@@ -41,10 +41,10 @@ class Searcher:
         q = records.as_query_matrix(qb.q, st.dim)
         B, n = q.shape[0], int(req.n)
         allowed = [st.allowed(f) for f in (qb.filters or [None] * B)]
-        eligible = np.asarray([len(st.dense) if a is None else int(a.size) for a in allowed], dtype=np.int64)
+        eligible = [len(st.dense) if a is None else int(a.size) for a in allowed]
         cands: list[Candidates] = []
         if req.mode in ("hybrid", "dense"):
-            dense_min = self._dense_min_estimate(q)
+            dense_min = self._dense_min_estimate(q).tolist()
             plain = [i for i, a in enumerate(allowed) if a is None]
             faiss_res = {}
             if plain:
@@ -55,7 +55,7 @@ class Searcher:
                 lex = st.postings.score(slots, qb.terms[i], qb.idf[i], qb.avgdl, qb.k1, qb.b)
                 cands.append(Candidates(slots, st.ids(slots), dense, lex))
         elif req.mode == "lexical":
-            dense_min = np.full(B, np.inf)
+            dense_min = [np.inf] * B
             for i in range(B):
                 slots, lex = st.postings.score_all(qb.terms[i], qb.idf[i], qb.avgdl, qb.k1, qb.b)
                 if allowed[i] is not None:
@@ -136,11 +136,12 @@ class Searcher:
         under ``token`` and return the local score ranges."""
         scores = self._exact_scores(req.batch)
         B = len(scores)
-        eligible = np.asarray([rows.size for rows, _, _ in scores], dtype=np.int64)
+        eligible = [int(rows.size) for rows, _, _ in scores]
         ranges = np.zeros((4, B), dtype=np.float64)
         for i, (rows, d, lx) in enumerate(scores):
             if rows.size:
                 ranges[:, i] = (d.min(), d.max(), lx.min(), lx.max())
+        ranges = ranges.tolist()
         if len(self._rounds) > _MAX_CACHED_ROUNDS:
             self._rounds.clear()
         self._rounds[req.token] = (self.store.version, scores)
@@ -173,7 +174,7 @@ class Searcher:
         eligible chunk, in one round."""
         scores = self._exact_scores(req.batch)
         lists = [self._lists(rows, d, lx, int(req.n)) for rows, d, lx in scores]
-        return ExactListsReply(np.asarray([rows.size for rows, _, _ in scores], dtype=np.int64),
+        return ExactListsReply([int(rows.size) for rows, _, _ in scores],
                                [dl for dl, _ in lists], [ll for _, ll in lists])
 
     # ------------------------------------------------------------------ fetch
@@ -182,7 +183,7 @@ class Searcher:
         chunks = self.store.chunks
         recs = [chunks.get(int(s)) for s in req.slots]
         return FetchReply(
-            found=np.asarray([r is not None for r in recs], dtype=bool),
+            found=[r is not None for r in recs],
             doc_ids=[r.doc_id if r else "" for r in recs],
             titles=[r.title if r else "" for r in recs],
             texts=[r.text if r else "" for r in recs],
