@@ -96,7 +96,7 @@ def run_oprag(stub, reqs, concurrency: int, timeout: float = 120.0) -> dict:
 # ------------------------------------------------------------------------------ reference
 
 def _normalise(x: np.ndarray) -> np.ndarray:
-    """Min-max over the list; a constant list normalises to 0 (see operators/fusion.py)."""
+    """Min-max over the list; a constant list normalises to 0 (see index/fusion.py)."""
     lo, hi = float(x.min()), float(x.max())
     span = hi - lo
     if not span > 0.0:

@@ -343,7 +343,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     plugins = _plugins()
     if argv and argv[0] in plugins and argv[0] not in COMMANDS:
-        return plugins[argv[0]].load()(argv[1:])
+        try:
+            command = plugins[argv[0]].load()
+        except ImportError as exc:  # registered, but its distribution is gone or broken
+            return _fail(f"{SERVER_MISSING} ({exc})", 2)
+        return command(argv[1:])
     if argv and argv[0] == "serve":
         return _fail(SERVER_MISSING, 2)
     a = _parser(plugins).parse_args(argv)

@@ -11,7 +11,6 @@ import asyncio
 import logging
 import signal
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -22,13 +21,13 @@ from grpc_reflection.v1alpha import reflection
 from oprag.v1 import oprag_pb2, oprag_pb2_grpc
 
 from .config import ServerConfig
+from .engine.commit import CommitProtocol
 from .engine.embedder import EmbedWorker
 from .engine.ingest import IngestPipeline
 from .engine.query import QueryEngine
 from .engine.rwlock import RWLock
 from .index.analyzer import Analyzer
 from .index.bm25 import CorpusStats
-from .index.wal import WriteAheadLog
 from .operators.memory import Memory
 from .operators.retrieve import Retriever
 from .service.auth import TokenAuthInterceptor, load_tokens, server_credentials
@@ -38,6 +37,7 @@ from .service.servicer import OpRAGServicer
 from .shards.pool import ShardPool
 from .startup import check_data_dir, check_port, check_security, preflight
 from .supervision import ShardSupervisor, restart_shard
+from .shards.protocol import ApplyReply, Op, SnapshotRequest, StatsRequest
 
 log = logging.getLogger("oprag")
 SERVICE_NAME = oprag_pb2.DESCRIPTOR.services_by_name["OpRAG"].full_name
@@ -55,27 +55,22 @@ class Runtime:
         self.corpus_stats = CorpusStats()
         self.analyzer = Analyzer(stem=cfg.bm25.stem)
         self.lock = RWLock()
-        self.seq = 0
-        self.applied_seq = 0
-        self._applied = asyncio.Condition()
+        self.commits = CommitProtocol(self.pool, self.corpus_stats, self.lock)
         self._last_gen = 0
         self._dirty = False
         self.embed_executor = ThreadPoolExecutor(1, thread_name_prefix="oprag-embed")
         self._bg: list[asyncio.Task] = []
-        self.commit_log: WriteAheadLog | None = None
         self.replayed = 0
 
     def start_shards(self, loop: asyncio.AbstractEventLoop) -> None:
         """Read the commit log, spawn shard processes and wait until each has loaded its
         snapshot and replayed its committed write-ahead log records (blocking)."""
         check_data_dir(self.cfg, self.encoder.dim, self.encoder.name)
-        self.commit_log = WriteAheadLog(self.cfg.data_dir / "commits.log")
-        logged = self.commit_log.open()
-        committed = {r["txn"] for r in logged}
+        committed = self.commits.open_log(self.cfg.data_dir / "commits.log")
         ready = self.pool.start(loop, committed=committed)
-        self.corpus_stats = CorpusStats.merge_full([r["lexical"] for r in ready])
-        self.seq = self.applied_seq = max([r["applied_seq"] for r in ready] + [r["seq"] for r in logged] + [0])
-        self.replayed = sum(r.get("replayed", 0) for r in ready)
+        self.corpus_stats.replace_with(CorpusStats.merge_full([r.lexical for r in ready]))
+        self.commits.recover(r.applied_seq for r in ready)
+        self.replayed = sum(r.replayed for r in ready)
         if self.replayed:
             log.info("recovered %d write-ahead log records", self.replayed)
         self.metrics.shards_up.set(len(ready))
@@ -117,36 +112,18 @@ class Runtime:
         self._bg.append(asyncio.create_task(self._snapshot_loop()))
         await self.refresh_gauges()
 
-    def next_seq(self) -> int:
-        self.seq += 1
-        return self.seq
+    @property
+    def seq(self) -> int:
+        """The last issued sequence number (see :class:`CommitProtocol`)."""
+        return self.commits.seq
 
-    def _committed(self, seq: int) -> None:
-        """Every shard has applied ``seq`` (called under the index write lock)."""
-        self.applied_seq = max(self.applied_seq, seq)
-
-        async def notify() -> None:
-            async with self._applied:
-                self._applied.notify_all()
-
-        asyncio.get_running_loop().create_task(notify())
+    @property
+    def applied_seq(self) -> int:
+        return self.commits.applied_seq
 
     async def wait_applied(self, seq: int, timeout: float | None) -> None:
-        """Wait until every shard has applied ``seq``.
-
-        :raises LookupError: ``seq`` was never issued by this service.
-        :raises asyncio.TimeoutError: not applied within ``timeout`` seconds.
-        """
-        if seq <= self.applied_seq:
-            return
-        if seq > self.seq:
-            raise LookupError(f"sequence number {seq} was never issued (the latest is {self.seq})")
-
-        async def wait() -> None:
-            async with self._applied:
-                await self._applied.wait_for(lambda: self.applied_seq >= seq)
-
-        await asyncio.wait_for(wait(), timeout)
+        """See :meth:`CommitProtocol.wait_applied`."""
+        await self.commits.wait_applied(seq, timeout)
 
     def next_generation(self) -> int:
         """A document version id: unique and increasing across restarts (nanosecond clock)."""
@@ -159,17 +136,17 @@ class Runtime:
 
     async def refresh_gauges(self) -> None:
         try:
-            st = await self.pool.broadcast("stats", {})
+            st = await self.pool.broadcast(Op.STATS, StatsRequest())
         except Exception:  # noqa: BLE001 - gauges are best effort
             return
-        self.metrics.chunks.set(sum(s["chunks"] for s in st))
-        self.metrics.documents.set(sum(s["documents"] for s in st))
-        self.metrics.memory_records.set(sum(s["memory_records"] for s in st))
+        self.metrics.chunks.set(sum(s.chunks for s in st))
+        self.metrics.documents.set(sum(s.documents for s in st))
+        self.metrics.memory_records.set(sum(s.memory_records for s in st))
 
     async def restart_shard(self, i: int) -> None:
         """Respawn shard ``i`` and re-sum the corpus-global BM25 statistics."""
-        committed = {r["txn"] for r in self.commit_log} if self.commit_log is not None else set()
-        await restart_shard(self.pool, i, committed=committed, lock=self.lock, stats=self.corpus_stats)
+        await restart_shard(self.pool, i, committed=self.commits.committed_txns(), lock=self.lock,
+                            stats=self.corpus_stats)
 
     async def stats(self) -> dict:
         """Corpus and shard statistics of the shards that answer (a dead shard is left out).
@@ -178,52 +155,32 @@ class Runtime:
             "shards": [{"shard", "documents", "chunks", "memory_records", "applied_seq"}, ...]}``
             with shards in id order; ``generator`` is ``"none"`` without a generator.
         """
-        got, _ = await self.pool.gather_partial("stats", {})
-        shards = [got[k] for k in sorted(got)]
+        got, _ = await self.pool.gather_partial(Op.STATS, StatsRequest())
+        shards = [{"shard": r.shard, "documents": r.documents, "chunks": r.chunks,
+                   "memory_records": r.memory_records, "applied_seq": r.applied_seq} for _, r in sorted(got.items())]
         return {
             **{k: sum(s[k] for s in shards) for k in ("documents", "chunks", "memory_records")},
             "seq": self.seq, "shards": shards, "embedder": self.encoder.name,
             "generator": self.generator.name if self.generator is not None else "none",
         }
 
-    async def commit(self, txn: str, kind: str, doc_ids: list[str] | None = None) -> tuple[int, list[dict]]:
-        """Two-phase commit of a transaction on every shard, under the index write lock.
-
-        1. every shard writes the transaction to its write-ahead log (fsync) without applying;
-        2. the frontend appends ``(txn, seq)`` to its commit log (fsync): the commit point;
-        3. every shard applies it; the corpus-global BM25 statistics take the deltas.
-        A crash before 2 leaves no trace after recovery; after 2, recovery replays it.
-
-        :returns: the transaction's sequence number and the shards' apply replies.
-        :raises ShardError: a shard failed before the commit point (the transaction is aborted).
-        """
-        async with self.lock.write():
-            seq = self.next_seq()
-            try:
-                await self.pool.broadcast("prepare", {"txn": txn, "seq": seq, "kind": kind, "doc_ids": doc_ids})
-            except Exception:
-                await asyncio.gather(*[c.call("abort", {"txn": txn}) for c in self.pool.clients if c.alive],
-                                     return_exceptions=True)
-                raise
-            if self.commit_log is not None:
-                await asyncio.get_running_loop().run_in_executor(None, self.commit_log.append, {"txn": txn, "seq": seq})
-            replies = await self.pool.broadcast("apply", {"txn": txn})
-            for r in replies:
-                self.corpus_stats.apply_delta(*r["delta"])
-            self._committed(seq)
+    async def commit(self, txn: str, kind: str, doc_ids: list[str] | None = None) -> tuple[int, list[ApplyReply]]:
+        """Two-phase commit on every shard (see :meth:`CommitProtocol.commit`)."""
+        res = await self.commits.commit(txn, kind, doc_ids)
         self.mark_dirty()
-        return seq, replies
+        return res
 
     async def delete(self, doc_ids: list[str]) -> tuple[int, int, int]:
-        seq, replies = await self.commit(uuid.uuid4().hex, "delete", doc_ids)
-        return sum(r["docs"] for r in replies), sum(r["chunks"] for r in replies), seq
+        """:returns: ``(documents deleted, chunks deleted, sequence number)``."""
+        res = await self.commits.delete(doc_ids)
+        self.mark_dirty()
+        return res
 
     async def snapshot(self) -> None:
         """Snapshot every shard; then the commit log is no longer needed for recovery."""
         async with self.lock.read():  # excludes commits; queries go on
-            await self.pool.broadcast("snapshot", {})
-            if self.commit_log is not None:
-                self.commit_log.reset()
+            await self.pool.broadcast(Op.SNAPSHOT, SnapshotRequest())
+            self.commits.reset_log()
         self._dirty = False
 
     async def _snapshot_loop(self, interval_s: float = 30.0) -> None:

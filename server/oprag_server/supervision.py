@@ -14,6 +14,7 @@ from typing import Any
 from grpc_health.v1 import health_pb2
 
 from .index.bm25 import CorpusStats
+from .shards.protocol import Op, StatsRequest
 
 log = logging.getLogger("oprag")
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -22,7 +23,7 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 def dead_shards(pool: Any) -> list[int]:
     """Ids of the shards whose process has died or whose connection is closed."""
-    return [c.shard_id for c in pool.clients if not (c.alive and c.proc.is_alive())]
+    return pool.down_shards()
 
 
 async def restart_shard(pool: Any, i: int, *, committed: set[str], lock: Any, stats: CorpusStats) -> None:
@@ -35,8 +36,8 @@ async def restart_shard(pool: Any, i: int, *, committed: set[str], lock: Any, st
     loop = asyncio.get_running_loop()
     await loop.run_in_executor(None, pool.restart, i, loop, committed)
     async with lock.write():
-        st = await pool.broadcast("stats", {"lexical": True})
-        stats.replace_with(CorpusStats.merge_full([s["lexical"] for s in st]))
+        st = await pool.broadcast(Op.STATS, StatsRequest(lexical=True))
+        stats.replace_with(CorpusStats.merge_full([s.lexical for s in st]))
 
 
 class ShardSupervisor:

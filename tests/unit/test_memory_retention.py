@@ -1,5 +1,6 @@
 """Memory records on a shard: per-session turn bound, shard-wide record budget, idle time to
-live, isolation between sessions, snapshot round trip (ShardState, no processes)."""
+live, isolation between sessions, snapshot round trip (ShardState and the shard protocol
+types, no processes)."""
 
 from __future__ import annotations
 
@@ -9,71 +10,72 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oprag_server.shards.worker import ShardState
+from oprag_server.shards.protocol import MemoryClearRequest, MemoryLookupRequest, MemoryTurn, PromoteRequest
+from oprag_server.shards.state import ShardState
 
 DIM = 8
 
 
-def _rec(sid: str, q: str) -> dict:
-    return {"session_id": sid, "question": q, "summary": f"answer to {q}", "chunk_ids": [f"{sid}#c"],
-            "titles": [f"title {sid}"], "vector": np.ones(DIM, np.float32)}
+def _promote(s: ShardState, sid: str, q: str, max_turns: int, max_total: int = 0, ttl_s: float = 0.0) -> None:
+    s.memory.promote(PromoteRequest(sid, q, f"answer to {q}", [f"{sid}#c"], [f"title {sid}"],
+                                    np.ones(DIM, np.float32), max_turns=max_turns, max_total=max_total, ttl_s=ttl_s))
 
 
-def _search(s: ShardState, sid: str, k: int = 100, ttl_s: float = 0.0) -> list[dict]:
-    return s.memory_search({"session_ids": [sid], "k": k, "ttl_s": ttl_s})[0]
+def _search(s: ShardState, sid: str, k: int = 100, ttl_s: float = 0.0) -> list[MemoryTurn]:
+    return s.memory.lookup(MemoryLookupRequest([sid], k, ttl_s)).turns[0]
 
 
 def test_turn_bound_keeps_the_newest_turns():
     s = ShardState(0, DIM, None)
     for i in range(7):
-        s.memory_upsert(_rec("a", f"q{i}"), max_turns=3)
+        _promote(s, "a", f"q{i}", max_turns=3)
     got = _search(s, "a")
-    assert [r["question"] for r in got] == ["q6", "q5", "q4"]  # newest first
-    assert [r["turn"] for r in got] == [6, 5, 4]
-    assert [r["question"] for r in _search(s, "a", k=2)] == ["q6", "q5"]
-    assert s.stats()["memory_records"] == 3
+    assert [r.question for r in got] == ["q6", "q5", "q4"]  # newest first
+    assert [r.turn for r in got] == [6, 5, 4]
+    assert [r.question for r in _search(s, "a", k=2)] == ["q6", "q5"]
+    assert s.stats().memory_records == 3
 
 
 def test_shard_budget_evicts_least_recently_active_sessions_first():
     s = ShardState(0, DIM, None)
     for sid in ("old", "mid"):
         for i in range(3):
-            s.memory_upsert(_rec(sid, f"{sid}{i}"), max_turns=10, max_total=6)
+            _promote(s, sid, f"{sid}{i}", max_turns=10, max_total=6)
             time.sleep(0.002)
-    s.memory_upsert(_rec("new", "new0"), max_turns=10, max_total=6)
-    assert s.stats()["memory_records"] == 6
-    assert [r["question"] for r in _search(s, "old")] == ["old2", "old1"]  # its oldest record went
+    _promote(s, "new", "new0", max_turns=10, max_total=6)
+    assert s.stats().memory_records == 6
+    assert [r.question for r in _search(s, "old")] == ["old2", "old1"]  # its oldest record went
     assert len(_search(s, "mid")) == 3 and len(_search(s, "new")) == 1
     for i in range(1, 6):
-        s.memory_upsert(_rec("new", f"new{i}"), max_turns=10, max_total=6)
-    assert s.stats()["memory_records"] == 6
-    assert _search(s, "old") == [] and "old" not in s.memory  # emptied sessions disappear
+        _promote(s, "new", f"new{i}", max_turns=10, max_total=6)
+    assert s.stats().memory_records == 6
+    assert _search(s, "old") == [] and "old" not in s.memory.sessions  # emptied sessions disappear
     assert len(_search(s, "new")) == 6  # the writing session is never the one evicted
 
 
 def test_idle_sessions_expire():
     s = ShardState(0, DIM, None)
-    s.memory_upsert(_rec("idle", "q"), max_turns=5)
-    s.memory_upsert(_rec("busy", "q"), max_turns=5)
-    for r in s.memory["idle"]:
+    _promote(s, "idle", "q", max_turns=5)
+    _promote(s, "busy", "q", max_turns=5)
+    for r in s.memory.sessions["idle"]:
         r.created -= 100.0  # idle for 100 s
     assert _search(s, "idle", ttl_s=50) == []  # invisible once past the time to live
     assert len(_search(s, "idle")) == 1  # (no ttl: still stored)
-    s.memory_upsert(_rec("busy", "q2"), max_turns=5, ttl_s=50)  # the next write sweeps it away
-    assert "idle" not in s.memory and len(_search(s, "busy", ttl_s=50)) == 2
+    _promote(s, "busy", "q2", max_turns=5, ttl_s=50)  # the next write sweeps it away
+    assert "idle" not in s.memory.sessions and len(_search(s, "busy", ttl_s=50)) == 2
 
 
 def test_clear_and_snapshot_round_trip(tmp_path):
     s = ShardState(0, DIM, tmp_path)
     for sid in ("a", "b"):
         for i in range(2):
-            s.memory_upsert(_rec(sid, f"{sid}{i}"), max_turns=5)
-    assert s.memory_clear("a") == {"removed": 2}
+            _promote(s, sid, f"{sid}{i}", max_turns=5)
+    assert s.memory.clear(MemoryClearRequest("a")).removed == 2
     assert _search(s, "a") == []
     s.snapshot()
     t = ShardState(0, DIM, tmp_path)
     t.load()
-    assert [r["question"] for r in _search(t, "b")] == ["b1", "b0"] and _search(t, "a") == []
+    assert [r.question for r in _search(t, "b")] == ["b1", "b0"] and _search(t, "a") == []
 
 
 @settings(max_examples=60, deadline=None)
@@ -82,11 +84,11 @@ def test_clear_and_snapshot_round_trip(tmp_path):
 def test_sessions_never_see_each_other(ops, max_turns, max_total):
     s = ShardState(0, DIM, None)
     for sid, n in ops:
-        s.memory_upsert(_rec(sid, f"{sid}-{n}"), max_turns=max_turns, max_total=max_total)
-        total = s.stats()["memory_records"]
-        assert not max_total or total <= max(max_total, len(s.memory[sid]))
-    reply = s.memory_search({"session_ids": ["s1", "s2", "s3", "s4", "nobody"], "k": 100, "ttl_s": 0})
+        _promote(s, sid, f"{sid}-{n}", max_turns=max_turns, max_total=max_total)
+        total = s.stats().memory_records
+        assert not max_total or total <= max(max_total, len(s.memory.sessions[sid]))
+    reply = s.memory.lookup(MemoryLookupRequest(["s1", "s2", "s3", "s4", "nobody"], 100, 0)).turns
     for sid, recs in zip(["s1", "s2", "s3", "s4", "nobody"], reply):
         assert len(recs) <= max_turns
-        assert all(r["question"].startswith(sid + "-") and r["chunk_ids"] == [f"{sid}#c"] for r in recs)
+        assert all(r.question.startswith(sid + "-") and r.chunk_ids == [f"{sid}#c"] for r in recs)
     assert reply[-1] == []

@@ -1,7 +1,8 @@
 """Retrieval against a plain reference: rank_bm25 BM25Okapi over every chunk, dense inner product
 over every chunk, weighted min-max fusion, full sort with ties broken by chunk id.
 
-Shards are real ShardState objects driven in-process (the same code the shard processes run);
+Shards are real ShardState objects driven in-process through shards.inprocess (the same state
+and op table the shard processes run);
 the process boundary is covered by the integration tests.
 """
 
@@ -20,34 +21,14 @@ from oprag_server.config import BM25Config, RetrievalConfig
 from oprag_server.index.analyzer import Analyzer
 from oprag_server.index.bm25 import CorpusStats
 from oprag_server.index.dense import DenseIndex
-from oprag_server.operators.fusion import fuse_minmax, minmax_params, normalise
+from oprag_server.index.fusion import fuse_minmax, minmax_params, normalise
 from oprag_server.operators.retrieve import Retriever, RetrieveSpec
 from oprag_server.shards.pool import route
-from oprag_server.shards.worker import ShardState
+from oprag_server.shards.inprocess import in_process_pool
+from oprag_server.shards.state import ShardState
 
 DIM = 16
 VOCAB = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
-
-
-class InProcessPool:
-    """Deterministic stand-in for ShardPool that calls ShardState directly."""
-
-    def __init__(self, shards: list[ShardState]) -> None:
-        self.shards = shards
-        self.n = len(shards)
-        self.dim = shards[0].dim
-
-    async def call(self, shard: int, op: str, args: dict):
-        return self.shards[shard].handle(op, args)
-
-    async def broadcast(self, op: str, args):
-        per = args if isinstance(args, list) else [args] * self.n
-        return [s.handle(op, a) for s, a in zip(self.shards, per)]
-
-    async def gather_partial(self, op: str, args, shards=None):
-        targets = list(range(self.n)) if shards is None else shards
-        per = args if isinstance(args, list) else [args] * len(targets)
-        return {t: self.shards[t].handle(op, a) for t, a in zip(targets, per)}, []
 
 
 def _corpus(rng: np.random.Generator, n_docs: int):
@@ -79,8 +60,8 @@ def _build(docs, n_shards=2):
             content_hashes=[hashlib.sha256(t.encode()).hexdigest() for _, _, t, _ in rows],
             vectors=np.stack([v for *_, v in rows]),
         )
-        out = shards[s].upsert(pa.Table.from_batches([batch]), 1)
-        stats.apply_delta(*out["delta"])
+        out = shards[s].store.upsert(pa.Table.from_batches([batch]), 1)
+        stats.apply_delta(*out.delta)
     return shards, stats
 
 
@@ -97,7 +78,7 @@ def _reference(docs, question_terms, qvec, k, wd=0.5, wl=0.5):
 
 
 def _retriever(shards, stats):
-    return Retriever(InProcessPool(shards), stats, Analyzer(), BM25Config(), RetrievalConfig())
+    return Retriever(in_process_pool(shards, copy=True), stats, Analyzer(), BM25Config(), RetrievalConfig())
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
@@ -155,7 +136,7 @@ def test_k_larger_than_corpus_and_empty_shard_leak_no_placeholders():
     rng = np.random.default_rng(5)
     docs = _corpus(rng, 1)  # one document: one shard stays empty
     shards, stats = _build(docs, n_shards=3)
-    assert any(len(s.chunks) == 0 for s in shards)
+    assert any(len(s.store.chunks) == 0 for s in shards)
     r = _retriever(shards, stats)
     qv = np.ones(DIM, np.float32) / np.sqrt(DIM)
     for mode in ("hybrid", "dense", "lexical", "full_hybrid"):
@@ -186,13 +167,13 @@ def test_replacement_removes_old_chunks_from_dense_and_bm25():
     batch = records.make_chunk_batch(chunk_ids=["doc000#0"], doc_ids=["doc000"], titles=[""], texts=["omega omega"],
                                      metadata=[{}], ordinals=[0], generations=[2], content_hashes=["x"],
                                      vectors=v[None, :])
-    out = shards[s].upsert(pa.Table.from_batches([batch]), 2)
-    stats.apply_delta(*out["delta"])
-    assert out["replaced_docs"] == 1
+    out = shards[s].store.upsert(pa.Table.from_batches([batch]), 2)
+    stats.apply_delta(*out.delta)
+    assert out.replaced_docs == 1
     live = [d for d in docs if d[0] != "doc000"] + [("doc000", 0, "omega omega", v)]
-    assert sum(len(x.chunks) for x in shards) == len(live)
-    assert sum(len(x.dense) for x in shards) == len(live)
-    ref = CorpusStats.merge_full([x.postings.full_stats() for x in shards])
+    assert sum(len(x.store.chunks) for x in shards) == len(live)
+    assert sum(len(x.store.dense) for x in shards) == len(live)
+    ref = CorpusStats.merge_full([x.store.postings.full_stats() for x in shards])
     assert ref == stats
     bm = BM25Okapi([Analyzer().tokens(t) for _, _, t, _ in live])
     assert stats.n_docs == bm.corpus_size

@@ -1,5 +1,5 @@
 """Incremental exactness (hypothesis), metadata filters and rank fusion, over real ShardState
-objects driven in-process (see test_retrieval.InProcessPool)."""
+objects driven in-process (oprag_server.shards.inprocess)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rank_bm25 import BM25Okapi
-from test_retrieval import DIM, VOCAB, InProcessPool
+from test_retrieval import DIM, VOCAB
 
 from oprag_server import records
 from oprag_server.config import BM25Config, RetrievalConfig
@@ -20,7 +20,8 @@ from oprag_server.index.analyzer import Analyzer
 from oprag_server.index.bm25 import CorpusStats
 from oprag_server.operators.retrieve import Retriever, RetrieveSpec
 from oprag_server.shards.pool import route
-from oprag_server.shards.worker import ShardState
+from oprag_server.shards.inprocess import in_process_pool
+from oprag_server.shards.state import ShardState
 
 
 class Corpus:
@@ -31,7 +32,7 @@ class Corpus:
         self.stats = CorpusStats()
         self.live: dict[str, list[tuple[str, np.ndarray, dict]]] = {}
         self.gen = 0
-        self.retriever = Retriever(InProcessPool(self.shards), self.stats, Analyzer(), BM25Config(), RetrievalConfig())
+        self.retriever = Retriever(in_process_pool(self.shards), self.stats, Analyzer(), BM25Config(), RetrievalConfig())
 
     def put(self, doc_id: str, chunks: list[str], vecs: np.ndarray, meta: dict | None = None) -> None:
         self.gen += 1
@@ -42,14 +43,14 @@ class Corpus:
             generations=[self.gen] * len(chunks), content_hashes=[hashlib.sha256(c.encode()).hexdigest() for c in chunks],
             vectors=vecs,
         )
-        out = self.shards[route(doc_id, len(self.shards))].upsert(pa.Table.from_batches([batch]), self.gen)
-        self.stats.apply_delta(*out["delta"])
+        out = self.shards[route(doc_id, len(self.shards))].store.upsert(pa.Table.from_batches([batch]), self.gen)
+        self.stats.apply_delta(*out.delta)
         self.live[doc_id] = [(c, v, meta) for c, v in zip(chunks, vecs)]
 
     def delete(self, doc_id: str) -> None:
         for s in self.shards:
-            out = s.delete([doc_id], self.gen)
-            self.stats.apply_delta(*out["delta"])
+            out = s.store.delete([doc_id], self.gen)
+            self.stats.apply_delta(*out.delta)
         self.live.pop(doc_id, None)
 
     def rows(self):
@@ -87,8 +88,8 @@ def test_lexical_scores_equal_from_scratch_bm25_after_any_operations(ops, query,
         else:
             c.delete(f"d{d}")
     rows = c.rows()
-    assert c.stats == CorpusStats.merge_full([s.postings.full_stats() for s in c.shards])
-    assert sum(len(s.dense) for s in c.shards) == len(rows)
+    assert c.stats == CorpusStats.merge_full([s.store.postings.full_stats() for s in c.shards])
+    assert sum(len(s.store.dense) for s in c.shards) == len(rows)
     q = " ".join(query)
     hits, _ = c.retrieve(q, _vec(rng, 1)[0], mode="lexical", top_k=100)
     if not rows:
@@ -109,7 +110,7 @@ def test_lexical_scores_equal_from_scratch_bm25_after_any_operations(ops, query,
     qv = _vec(rng, 1)[0]
     ex, _ = c.retrieve(q, qv, mode="full_hybrid", top_k=5)
     dense = np.stack([v for _, _, v, _ in rows]) @ qv
-    from oprag_server.operators.fusion import fuse_minmax, minmax_params
+    from oprag_server.index.fusion import fuse_minmax, minmax_params
 
     fused = fuse_minmax(dense.astype(np.float64), ref, dense_range=minmax_params(dense.astype(np.float64)),
                         lexical_range=minmax_params(ref), dense_weight=0.5, lexical_weight=0.5)

@@ -8,26 +8,34 @@ from types import SimpleNamespace
 from oprag_server.index.bm25 import CorpusStats
 from oprag_server.engine.rwlock import RWLock
 from oprag_server.service.metrics import Metrics
+from oprag_server.shards.protocol import Op
 from oprag_server.supervision import NOT_SERVING, SERVING, ShardSupervisor, dead_shards, restart_shard
 
 
-class Proc:
-    def __init__(self, alive=True):
-        self.up = alive
+class Transport:
+    """Stands in for a shard transport: only whether it is alive matters here."""
+
+    def __init__(self, shard_id, alive=True):
+        self.shard_id, self.up = shard_id, alive
 
     def is_alive(self):
         return self.up
 
 
 class Pool:
+    """A fake pool: ``down_shards`` reads the transports, as ShardPool does."""
+
     def __init__(self, n):
         self.n = n
-        self.clients = [SimpleNamespace(shard_id=i, alive=True, proc=Proc()) for i in range(n)]
+        self.clients = [Transport(i) for i in range(n)]
         self.restarted = []
+
+    def down_shards(self):
+        return [c.shard_id for c in self.clients if not c.is_alive()]
 
     def restart(self, i, loop, committed):
         self.restarted.append((i, committed))
-        self.clients[i] = SimpleNamespace(shard_id=i, alive=True, proc=Proc())
+        self.clients[i] = Transport(i)
 
 
 class Health:
@@ -40,8 +48,8 @@ class Health:
 
 def test_dead_shards_are_found():
     pool = Pool(3)
-    pool.clients[1].proc.up = False
-    pool.clients[2].alive = False
+    pool.clients[1].up = False
+    pool.clients[2].up = False
     assert dead_shards(pool) == [1, 2]
 
 
@@ -54,7 +62,7 @@ def test_a_dead_shard_turns_health_not_serving_and_is_restarted():
         pool.restart(i, None, set())
 
     sup = ShardSupervisor(pool, restart, health, ("", "oprag.v1.OpRAG"), metrics)
-    pool.clients[1].proc.up = False
+    pool.clients[1].up = False
     assert asyncio.run(sup.check()) == [1]
     assert health.calls == [("", NOT_SERVING), ("oprag.v1.OpRAG", NOT_SERVING)] and restarted == [1]
     assert metrics.shard_restarts._value.get() == 1 and metrics.shards_up._value.get() == 1
@@ -66,7 +74,7 @@ def test_a_dead_shard_turns_health_not_serving_and_is_restarted():
 
 def test_a_failed_restart_is_retried_next_round():
     pool, metrics = Pool(1), Metrics()
-    pool.clients[0].alive = False
+    pool.clients[0].up = False
     tries = []
 
     async def restart(i):
@@ -99,8 +107,9 @@ def test_restart_shard_respawns_and_resums_statistics():
     pool, stats = Pool(2), CorpusStats()
     merged = []
 
-    async def broadcast(op, args):
-        return [{"lexical": "s0"}, {"lexical": "s1"}]
+    async def broadcast(op, request):
+        assert op is Op.STATS and request.lexical
+        return [SimpleNamespace(lexical="s0"), SimpleNamespace(lexical="s1")]
 
     pool.broadcast = broadcast
     orig = CorpusStats.merge_full

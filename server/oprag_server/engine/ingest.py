@@ -31,7 +31,8 @@ import numpy as np
 from .. import records
 from ..config import ChunkingConfig, IngestConfig, LimitsConfig
 from ..operators.chunking import chunk_text
-from ..shards.pool import ShardPool, route
+from ..shards.pool import ShardPool
+from ..shards.protocol import AbortRequest, ApplyReply, Op, ReuseRequest, StageRequest
 
 _END = object()
 
@@ -112,7 +113,7 @@ class IngestPipeline:
     ) -> None:
         self.encoder = encoder
         self.pool = pool
-        self.commit = commit  # async (txn, kind) -> (seq, per-shard replies): two-phase commit
+        self.commit = commit  # async (txn, kind) -> (seq, per-shard ApplyReply): two-phase commit
         self.chunking = chunking
         self.cfg = cfg
         self.limits = limits
@@ -141,17 +142,18 @@ class IngestPipeline:
         return res
 
     async def _abort(self, txn: str) -> None:
-        try:
-            await self.pool.broadcast("abort", {"txn": txn})
-        except Exception:  # noqa: BLE001 - a dead shard has nothing staged any more
+        try:  # a shard that is down has nothing staged any more: it is left out
+            await self.pool.gather_partial(Op.ABORT, AbortRequest(txn))
+        except Exception:  # noqa: BLE001 - the stream's own error is the one to report
             pass
 
     async def _commit_all(self, txn: str, res: IngestResult) -> None:
         seq, replies = await self.commit(txn, "upsert")
+        replies: list[ApplyReply]
         res.seq = seq
-        res.documents_written = sum(len(o["docs"]) for o in replies)
-        res.documents_replaced = sum(o["replaced_docs"] for o in replies)
-        res.chunks_written = sum(o["added"] for o in replies)
+        res.documents_written = sum(len(o.doc_ids) for o in replies)
+        res.documents_replaced = sum(o.replaced_docs for o in replies)
+        res.chunks_written = sum(o.added for o in replies)
         self.metrics.documents_ingested.inc(res.documents_written)
         self.metrics.chunks_ingested.inc(res.chunks_written)
 
@@ -252,8 +254,8 @@ class IngestPipeline:
                 if item is _END:
                     break
                 take, vecs = item
-                for c, v in zip(take, vecs):
-                    buffers.setdefault(route(c.doc.doc_id, self.pool.n), []).append((c, v))
+                for shard, idx in self.pool.group(take, lambda c: self.pool.owner(c.doc.doc_id)).items():
+                    buffers.setdefault(shard, []).extend((take[i], vecs[i]) for i in idx)
                 for shard in list(buffers):
                     while len(buffers[shard]) >= self.cfg.upsert_batch:
                         part, buffers[shard] = buffers[shard][: self.cfg.upsert_batch], buffers[shard][self.cfg.upsert_batch :]
@@ -317,14 +319,11 @@ class IngestPipeline:
 
     async def _reuse_vectors(self, chunks: list[_Chunk], res: IngestResult) -> None:
         """Give chunks whose text is unchanged from the stored document their stored vector."""
-        by_shard: dict[int, set[str]] = {}
-        for c in chunks:
-            by_shard.setdefault(route(c.doc.doc_id, self.pool.n), set()).add(c.doc.doc_id)
-        shards = sorted(by_shard)
-        replies = await asyncio.gather(*[self.pool.call(s, "reuse", {"doc_ids": sorted(by_shard[s])}) for s in shards])
+        doc_ids = sorted({c.doc.doc_id for c in chunks})
+        got, _ = await self.pool.scatter(Op.REUSE, doc_ids, self.pool.owner, ReuseRequest, partial=False)
         stored: dict[str, dict[str, np.ndarray]] = {}
-        for r in replies:
-            stored.update(r)
+        for _, r in got.values():
+            stored.update(r.vectors)
         if not stored:
             return
         for c in chunks:
@@ -349,7 +348,7 @@ class IngestPipeline:
             content_hashes=[c.content_hash for c in chunks],
             vectors=np.stack([v for _, v in part]),
         )
-        await self.pool.call(shard, "stage", {"txn": txn, "ipc": records.to_ipc(batch)})
+        await self.pool.call(shard, Op.STAGE, StageRequest(txn, records.to_ipc(batch)))
         dt = time.perf_counter() - t
         self.metrics.stage_seconds.labels(stage="upsert").observe(dt)
         return dt

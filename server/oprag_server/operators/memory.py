@@ -5,7 +5,7 @@ documents). *Lookup* runs before embedding, for all sessions of a scheduler batc
 per shard, and resolves what a follow-up question leaves implicit by appending the previous
 turn's subject (question and source titles) to the retrieval text. *Promotion* after an answer
 writes a compact record (question, answer summary, chunk ids, source titles, embedding)
-through the shard upsert path. A record is only ever visible to queries of its own session.
+through the shard's promote op. A record is only ever visible to queries of its own session.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import numpy as np
 
 from ..config import MemoryConfig
 from ..domain import MemoryContext
-from ..shards.pool import ShardPool, route
+from ..shards.pool import ShardPool
+from ..shards.protocol import MemoryClearRequest, MemoryLookupRequest, MemoryTurn, Op, PromoteRequest
 
 # Words that make a question depend on an earlier turn (anaphora, demonstratives).
 _FOLLOW_UP = frozenset(
@@ -50,59 +51,48 @@ class Memory:
     async def lookup(self, questions: list[str], session_ids: list[str]) -> list[MemoryContext]:
         """Augment a batch of questions with their sessions' recent turns.
 
-        ``session_ids[i] == ""`` means no memory for query i. One shard call per shard.
+        ``session_ids[i] == ""`` means no memory for query i. One shard call per shard; a
+        shard that is down is left out (its sessions are answered without memory).
         """
         out = [MemoryContext(q, "", 0) for q in questions]
-        by_shard: dict[int, list[int]] = {}
-        for i, sid in enumerate(session_ids):
-            if sid:
-                by_shard.setdefault(route(sid, self.pool.n), []).append(i)
-        if not by_shard:
-            return out
-        shards = sorted(by_shard)
-        # a shard that is down is left out: its sessions are answered without memory
-        got, _ = await self.pool.gather_partial(
-            "memory_search",
-            [{"session_ids": [session_ids[i] for i in by_shard[s]], "k": self.cfg.lookup_turns,
-              "ttl_s": self.cfg.ttl_s} for s in shards],
-            shards=shards,
-        )
-        for s, rep in got.items():
-            for i, turns in zip(by_shard[s], rep):
-                if not turns:
-                    continue
-                last = turns[0]
-                titles = list(dict.fromkeys(t for t in last["titles"] if t))[:2]
-                memory_text = f"Previous question: {last['question']}"
-                if titles:
-                    memory_text += f" (sources: {'; '.join(titles)})"
-                if is_follow_up(questions[i]):
-                    # name the subject once (the previous turn's top source title, else its
-                    # question): more would drown the detail the follow-up asks about
-                    subject = titles[0] if titles else last["question"]
-                    out[i] = MemoryContext(f"{questions[i]} ({subject})", memory_text, len(turns))
-                else:
-                    out[i] = MemoryContext(questions[i], memory_text, len(turns))
+        asking = [i for i, sid in enumerate(session_ids) if sid]
+        got, _ = await self.pool.scatter(
+            Op.MEMORY_LOOKUP, asking, lambda i: self.pool.owner(session_ids[i]),
+            lambda idx: MemoryLookupRequest([session_ids[i] for i in idx], self.cfg.lookup_turns, self.cfg.ttl_s))
+        for pos, rep in got.values():
+            for p, turns in zip(pos, rep.turns):
+                if turns:
+                    i = asking[p]
+                    out[i] = self._context(questions[i], turns)
         return out
+
+    @staticmethod
+    def _context(question: str, turns: list[MemoryTurn]) -> MemoryContext:
+        """The retrieval text and memory context of one question given its session's turns
+        (newest first)."""
+        last = turns[0]
+        titles = list(dict.fromkeys(t for t in last.titles if t))[:2]
+        memory_text = f"Previous question: {last.question}"
+        if titles:
+            memory_text += f" (sources: {'; '.join(titles)})"
+        if is_follow_up(question):
+            # name the subject once (the previous turn's top source title, else its question):
+            # more would drown the detail the follow-up asks about
+            subject = titles[0] if titles else last.question
+            return MemoryContext(f"{question} ({subject})", memory_text, len(turns))
+        return MemoryContext(question, memory_text, len(turns))
 
     async def promote(
         self, session_id: str, question: str, answer: str, chunk_ids: list[str], titles: list[str], vector: np.ndarray
     ) -> None:
         """Write one turn record to the session's shard (bounded by ``max_turns_per_session``)."""
-        rec = {
-            "session_id": session_id,
-            "question": question,
-            "summary": summarise(answer, self.cfg.summary_chars),
-            "chunk_ids": chunk_ids,
-            "titles": titles,
-            "vector": np.asarray(vector, dtype=np.float32).reshape(-1),
-        }
-        await self.pool.call(
-            route(session_id, self.pool.n), "memory_upsert",
-            {"record": rec, "max_turns": self.cfg.max_turns_per_session, "max_total": self.cfg.max_records_total,
-             "ttl_s": self.cfg.ttl_s},
-        )
+        req = PromoteRequest(session_id=session_id, question=question, summary=summarise(answer, self.cfg.summary_chars),
+                             chunk_ids=chunk_ids, titles=titles, vector=np.asarray(vector, dtype=np.float32).reshape(-1),
+                             max_turns=self.cfg.max_turns_per_session, max_total=self.cfg.max_records_total,
+                             ttl_s=self.cfg.ttl_s)
+        await self.pool.call(self.pool.owner(session_id), Op.PROMOTE, req)
 
     async def clear(self, session_id: str) -> int:
-        res = await self.pool.call(route(session_id, self.pool.n), "memory_clear", {"session_id": session_id})
-        return int(res["removed"])
+        """Drop a session's records. :returns: records removed."""
+        res = await self.pool.call(self.pool.owner(session_id), Op.MEMORY_CLEAR, MemoryClearRequest(session_id))
+        return int(res.removed)

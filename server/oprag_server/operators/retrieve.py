@@ -32,8 +32,10 @@ from ..config import BM25Config, RetrievalConfig
 from ..domain import FUSED_MODES, MODES, Hit, RetrievalInfo, RetrieveSpec  # noqa: F401 (re-exported)
 from ..index.analyzer import Analyzer
 from ..index.bm25 import CorpusStats
+from ..index.fusion import fuse_minmax, minmax_params, top_k_order
 from ..shards.pool import ShardPool
-from .fusion import fuse_minmax, minmax_params, top_k_order
+from ..shards.protocol import (Candidates, ExactFuseRequest, ExactListsRequest, ExactRangesRequest, FetchReply,
+                               FetchRequest, Op, QueryBatch, SearchReply, SearchRequest)
 
 @dataclass
 class _Cand:
@@ -58,16 +60,16 @@ class _Cols:
     lexical: np.ndarray
 
     @classmethod
-    def of(cls, parts: list[tuple[int, dict]]) -> "_Cols":
+    def of(cls, parts: list[tuple[int, Candidates]]) -> "_Cols":
         if not parts:
             z = np.zeros(0)
             return cls(z.astype(np.int64), z.astype(np.int64), [], z, z)
         return cls(
-            np.concatenate([np.full(len(p["slots"]), s, dtype=np.int64) for s, p in parts]),
-            np.concatenate([np.asarray(p["slots"], dtype=np.int64) for _, p in parts]),
-            [cid for _, p in parts for cid in p["chunk_ids"]],
-            np.concatenate([np.asarray(p["dense"], dtype=np.float64) for _, p in parts]),
-            np.concatenate([np.asarray(p["lexical"], dtype=np.float64) for _, p in parts]),
+            np.concatenate([np.full(len(p.slots), s, dtype=np.int64) for s, p in parts]),
+            np.concatenate([np.asarray(p.slots, dtype=np.int64) for _, p in parts]),
+            [cid for _, p in parts for cid in p.chunk_ids],
+            np.concatenate([np.asarray(p.dense, dtype=np.float64) for _, p in parts]),
+            np.concatenate([np.asarray(p.lexical, dtype=np.float64) for _, p in parts]),
         )
 
     def take(self, idx) -> "_Cols":
@@ -171,19 +173,18 @@ class Retriever:
             groups.setdefault((s.mode, s.fusion if s.mode == "full_hybrid" else ""), []).append(i)
         for (mode, fusion), idx in groups.items():
             q = np.ascontiguousarray(qvecs[idx], dtype=np.float32)
-            common = {"q": q, "terms": [terms[i] for i in idx], "idf": [idf[i] for i in idx], "avgdl": avgdl,
-                      "k1": self.bm25.k1, "b": self.bm25.b,
-                      "filters": [list(specs[i].filters) for i in idx] if any(specs[i].filters for i in idx) else None}
+            batch = QueryBatch(q, [terms[i] for i in idx], [idf[i] for i in idx], avgdl, self.bm25.k1, self.bm25.b,
+                               [list(specs[i].filters) for i in idx] if any(specs[i].filters for i in idx) else None)
             gspecs = [specs[i] for i in idx]
             if mode == "full_hybrid":
-                merged, searched, dt, missing = await (self._full_rrf(common, gspecs) if fusion == "rrf"
-                                                       else self._full_minmax(common, gspecs))
+                merged, searched, dt, missing = await (self._full_rrf(batch, gspecs) if fusion == "rrf"
+                                                       else self._full_minmax(batch, gspecs))
             else:
                 n = max(sp.candidates if mode == "hybrid" else sp.top_k for sp in gspecs)
-                replies, missing = await self.pool.gather_partial("search", {**common, "mode": mode, "n": n})
+                replies, missing = await self.pool.gather_partial(Op.SEARCH, SearchRequest(batch, mode, n))
                 t = time.perf_counter()
                 merged = [self._merge(replies, j, sp) for j, sp in enumerate(gspecs)]
-                searched = [sum(rep[j]["n"] for rep in replies.values()) for j in range(len(idx))]
+                searched = [sum(rep.eligible[j] for rep in replies.values()) for j in range(len(idx))]
                 dt = time.perf_counter() - t
             fusion_s += dt
             for j, i in enumerate(idx):
@@ -196,16 +197,16 @@ class Retriever:
                 infos[i].missing_shards = sorted(set(infos[i].missing_shards) | lost_i)
         return hits, {"retrieve": time.perf_counter() - t_start, "fusion": fusion_s}, infos
 
-    def _merge(self, replies: dict[int, list[dict]], j: int, spec: RetrieveSpec) -> list[_Cand]:
+    def _merge(self, replies: dict[int, SearchReply], j: int, spec: RetrieveSpec) -> list[_Cand]:
         if spec.mode == "hybrid":  # dense-first: global dense top-N, BM25 of those, fused
-            allc = _Cols.of([(s, rep[j]) for s, rep in replies.items()])
+            allc = _Cols.of([(s, rep.candidates[j]) for s, rep in replies.items()])
             win = allc.take(top_k_order(allc.dense, allc.ids, spec.candidates))
             if not win.ids:
                 return []
             d_order, l_order = _rank_lists(win, spec.candidates)
             return _fuse_cols(win, d_order, l_order, spec, *self._dense_first_ranges(replies, j, win))
         # one retriever: rank by its score; ranks in both lists are reported over the top-k
-        allc = _Cols.of([(s, rep[j]) for s, rep in replies.items()])
+        allc = _Cols.of([(s, rep.candidates[j]) for s, rep in replies.items()])
         key = allc.lexical if spec.mode == "lexical" else allc.dense
         top = allc.take(top_k_order(key, allc.ids, spec.top_k))
         d_order, l_order = _rank_lists(top, spec.top_k)
@@ -214,47 +215,48 @@ class Retriever:
         return [top.cand(i, float(score[i]), int(drank[i]), int(lrank[i])) for i in range(len(top.ids))]
 
     @staticmethod
-    def _dense_first_ranges(replies: dict[int, list[dict]], j: int, window: _Cols):
+    def _dense_first_ranges(replies: dict[int, SearchReply], j: int, window: _Cols):
         """Normalisation ranges of dense-first fusion, chosen to agree with exact mode:
         dense ``[corpus minimum estimated from each shard's fixed vector sample, top score]``;
         BM25 ``[0, best candidate]`` (most chunks contain no query term, so the corpus minimum
         is 0), or the window's own range when the window is the whole eligible corpus."""
-        est = [rep[j].get("dmin_est", np.inf) for rep in replies.values()]
+        est = [rep.dense_min[j] for rep in replies.values()]
         dmin = min([float(window.dense.min()), *est])
-        whole = len(window.ids) >= sum(rep[j]["n"] for rep in replies.values())
+        whole = len(window.ids) >= sum(rep.eligible[j] for rep in replies.values())
         lmin = float(window.lexical.min()) if whole else min(0.0, float(window.lexical.min()))
         return (dmin, float(window.dense.max())), (lmin, float(window.lexical.max()))
 
-    async def _full_minmax(self, common: dict, specs: list[RetrieveSpec]):
+    async def _full_minmax(self, batch: QueryBatch, specs: list[RetrieveSpec]):
         token = f"full-{next(self._tokens)}"
-        r1, missing = await self.pool.gather_partial("full1", {**common, "token": token})
+        r1, missing = await self.pool.gather_partial(Op.EXACT_RANGES, ExactRangesRequest(batch, token))
         t = time.perf_counter()
         dranges, lranges, searched = [], [], []
         for j in range(len(specs)):
-            parts = [rep[j] for rep in r1.values() if rep[j]["n"] > 0]
-            searched.append(sum(p["n"] for p in parts))
+            parts = [rep for rep in r1.values() if rep.eligible[j] > 0]
+            searched.append(sum(p.eligible[j] for p in parts))
             if not parts:
                 dranges.append((0.0, 0.0))
                 lranges.append((0.0, 0.0))
                 continue
-            dranges.append((min(p["dmin"] for p in parts), max(p["dmax"] for p in parts)))
-            lranges.append((min(p["lmin"] for p in parts), max(p["lmax"] for p in parts)))
+            dranges.append((min(p.dense_min[j] for p in parts), max(p.dense_max[j] for p in parts)))
+            lranges.append((min(p.lexical_min[j] for p in parts),
+                            max(p.lexical_max[j] for p in parts)))
         dt = time.perf_counter() - t
         r2, missing2 = await self.pool.gather_partial(
-            "full2",
-            {"token": token, "dense_range": dranges, "lexical_range": lranges,
-             "k": max(s.top_k for s in specs), "n": max(s.candidates for s in specs),
-             "dense_weight": [s.dense_weight for s in specs], "lexical_weight": [s.lexical_weight for s in specs]},
+            Op.EXACT_FUSE,
+            ExactFuseRequest(token, dranges, lranges, [s.dense_weight for s in specs],
+                             [s.lexical_weight for s in specs], k=max(s.top_k for s in specs),
+                             n=max(s.candidates for s in specs)),
             shards=sorted(r1),
         )
         t = time.perf_counter()
         out = []
         for j, spec in enumerate(specs):
-            local = _Cols.of([(s, rep[j]) for s, rep in r2.items()])
-            fused = np.concatenate([np.asarray(rep[j]["fused"], dtype=np.float64) for rep in r2.values()]) \
+            local = _Cols.of([(s, rep.top[j]) for s, rep in r2.items()])
+            fused = np.concatenate([np.asarray(rep.top[j].fused, dtype=np.float64) for rep in r2.values()]) \
                 if r2 else np.zeros(0)
-            dl = _Cols.of([(s, rep[j]["dense_list"]) for s, rep in r2.items()])
-            ll = _Cols.of([(s, rep[j]["lexical_list"]) for s, rep in r2.items()])
+            dl = _Cols.of([(s, rep.dense_lists[j]) for s, rep in r2.items()])
+            ll = _Cols.of([(s, rep.lexical_lists[j]) for s, rep in r2.items()])
             out.append([
                 local.cand(i, float(fused[i]),
                            _rank_of(local.dense[i], local.ids[i], dl.dense, dl.ids, spec.candidates, False),
@@ -263,15 +265,15 @@ class Retriever:
             ])
         return out, searched, dt + time.perf_counter() - t, missing + missing2
 
-    async def _full_rrf(self, common: dict, specs: list[RetrieveSpec]):
+    async def _full_rrf(self, batch: QueryBatch, specs: list[RetrieveSpec]):
         n = max(s.candidates for s in specs)
-        replies, missing = await self.pool.gather_partial("full_lists", {**common, "n": n})
+        replies, missing = await self.pool.gather_partial(Op.EXACT_LISTS, ExactListsRequest(batch, n))
         t = time.perf_counter()
         out, searched = [], []
         for j, spec in enumerate(specs):
-            searched.append(sum(rep[j]["n"] for rep in replies.values()))
-            dl = _Cols.of([(s, rep[j]["dense_list"]) for s, rep in replies.items()])
-            ll = _Cols.of([(s, rep[j]["lexical_list"]) for s, rep in replies.items()])
+            searched.append(sum(rep.eligible[j] for rep in replies.values()))
+            dl = _Cols.of([(s, rep.dense_lists[j]) for s, rep in replies.items()])
+            ll = _Cols.of([(s, rep.lexical_lists[j]) for s, rep in replies.items()])
             dl = dl.take(top_k_order(dl.dense, dl.ids, spec.candidates))
             pos = np.nonzero(ll.lexical > 0)[0]
             ll = ll.take(pos[top_k_order(ll.lexical[pos], [ll.ids[i] for i in pos.tolist()], spec.candidates)]
@@ -291,42 +293,29 @@ class Retriever:
     async def _materialise(self, results: list[list[_Cand]]) -> tuple[list[list[Hit]], list[set[int]]]:
         """Fetch the stored fields of every hit (one call per shard). :returns: hits and, per
         query, the shards whose hits could not be fetched (they died meanwhile)."""
-        want: dict[int, list[int]] = {}
-        for cands in results:
-            for c in cands:
-                want.setdefault(c.shard, []).append(c.slot)
-        fetched: dict[tuple[int, int], dict | None] = {}
-        failed: list[int] = []
-        if want:
-            shards = sorted(want)
-            got, failed = await self.pool.gather_partial("fetch", [{"slots": want[s]} for s in shards], shards=shards)
-            for s, rep in got.items():
-                for slot, rec in zip(want[s], rep):
-                    fetched[(s, slot)] = rec
+        flat = [c for cands in results for c in cands]
+        got, failed = await self.pool.scatter(
+            Op.FETCH, flat, lambda c: c.shard,
+            lambda cs: FetchRequest([c.slot for c in cs]))
+        at: list[tuple[FetchReply, int] | None] = [None] * len(flat)
+        for idx, rep in got.values():
+            for k, i in enumerate(idx):
+                at[i] = (rep, k)
         out, lost = [], []
+        pos = 0
         for cands in results:
             hits, gone = [], set()
             for c in cands:
-                rec = fetched.get((c.shard, c.slot))
-                if rec is None:
+                where, pos = at[pos], pos + 1
+                if where is None or not where[0].found[where[1]]:
                     if c.shard in failed:
                         gone.add(c.shard)
                     continue
-                hits.append(
-                    Hit(
-                        chunk_id=c.chunk_id,
-                        doc_id=rec["doc_id"],
-                        title=rec["title"],
-                        text=rec["text"],
-                        score=c.score,
-                        dense_score=c.dense,
-                        lexical_score=c.lexical,
-                        shard=c.shard,
-                        metadata=json.loads(rec["metadata"]) if rec["metadata"] else {},
-                        dense_rank=c.dense_rank,
-                        lexical_rank=c.lexical_rank,
-                    )
-                )
+                rep, k = where
+                hits.append(Hit(chunk_id=c.chunk_id, doc_id=rep.doc_ids[k], title=rep.titles[k], text=rep.texts[k],
+                                score=c.score, dense_score=c.dense, lexical_score=c.lexical, shard=c.shard,
+                                metadata=json.loads(rep.metadata[k]) if rep.metadata[k] else {},
+                                dense_rank=c.dense_rank, lexical_rank=c.lexical_rank))
             out.append(hits)
             lost.append(gone)
         return out, lost

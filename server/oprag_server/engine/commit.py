@@ -1,0 +1,125 @@
+"""The commit protocol: sequence numbers and two-phase commit of writes on every shard.
+
+Every write (an ingest stream, a delete) is one transaction with one sequence number:
+
+1. *prepare*: every shard writes the transaction to its write-ahead log (fsync) without
+   applying it;
+2. the frontend appends ``{"txn", "seq"}`` to its commit log (fsync): the commit point;
+3. *apply*: every shard applies it; the corpus-global BM25 statistics take the shards' deltas.
+
+All three steps run under the index write lock, so queries see a write completely or not at
+all. A crash before 2 leaves no trace after recovery (shards replay only logged transactions);
+after 2, recovery replays it. A failure before 2 aborts the transaction on every shard that is
+up. Sequence numbers only grow: after a restart they continue from the highest one any shard
+applied or the commit log holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Iterable
+from pathlib import Path
+
+from ..index.bm25 import CorpusStats
+from ..index.wal import WriteAheadLog
+from ..shards.pool import ShardPool
+from ..shards.protocol import AbortRequest, ApplyReply, ApplyRequest, Op, PrepareRequest
+from .rwlock import RWLock
+
+
+class CommitProtocol:
+    """Two-phase commit over ``pool``; ``stats`` (the frontend's corpus-global BM25 statistics)
+    take every applied delta; ``lock`` is the index lock (write side held per commit).
+
+    Attributes: ``seq`` the last issued sequence number; ``applied_seq`` the last one every
+    shard applied; ``log`` the commit log (None until :meth:`open_log`: nothing is logged).
+    """
+
+    def __init__(self, pool: ShardPool, stats: CorpusStats, lock: RWLock) -> None:
+        self.pool = pool
+        self.stats = stats
+        self.lock = lock
+        self.seq = 0
+        self.applied_seq = 0
+        self.log: WriteAheadLog | None = None
+        self._logged_seq = 0
+        self._applied = asyncio.Condition()
+
+    # ------------------------------------------------------------------ recovery
+    def open_log(self, path: Path) -> set[str]:
+        """Open (or create) the commit log. :returns: the committed transaction ids in it (the
+        shards replay exactly these from their write-ahead logs)."""
+        self.log = WriteAheadLog(path)
+        logged = self.log.open()
+        self._logged_seq = max([r["seq"] for r in logged] + [0])
+        return {r["txn"] for r in logged}
+
+    def committed_txns(self) -> set[str]:
+        """Transaction ids in the commit log now (for a shard that restarts)."""
+        return {r["txn"] for r in self.log} if self.log is not None else set()
+
+    def recover(self, shard_applied: Iterable[int]) -> None:
+        """Continue numbering after the highest sequence number a shard applied or the commit
+        log holds (call once the shards are up)."""
+        self.seq = self.applied_seq = max([*shard_applied, self._logged_seq, 0])
+
+    def reset_log(self) -> None:
+        """Empty the commit log (after every shard wrote a snapshot covering it)."""
+        if self.log is not None:
+            self.log.reset()
+
+    # ------------------------------------------------------------------ writes
+    def next_seq(self) -> int:
+        """Issue the next sequence number (strictly greater than every earlier one)."""
+        self.seq += 1
+        return self.seq
+
+    async def commit(self, txn: str, kind: str, doc_ids: list[str] | None = None) -> tuple[int, list[ApplyReply]]:
+        """Commit transaction ``txn`` on every shard (steps 1-3 above), under the write lock.
+
+        :param kind: ``"upsert"`` (the batches each shard staged under ``txn``) or ``"delete"``.
+        :returns: the transaction's sequence number and every shard's apply reply.
+        :raises ShardError: a shard failed before the commit point (the transaction is aborted).
+        """
+        async with self.lock.write():
+            seq = self.next_seq()
+            try:
+                await self.pool.broadcast(Op.PREPARE, PrepareRequest(txn, seq, kind, list(doc_ids or [])))
+            except Exception:
+                await self.pool.gather_partial(Op.ABORT, AbortRequest(txn))
+                raise
+            if self.log is not None:
+                await asyncio.get_running_loop().run_in_executor(None, self.log.append, {"txn": txn, "seq": seq})
+            replies = await self.pool.broadcast(Op.APPLY, ApplyRequest(txn))
+            for r in replies:
+                self.stats.apply_delta(*r.delta)
+            self.applied_seq = max(self.applied_seq, seq)
+        async with self._applied:  # wake wait_applied callers
+            self._applied.notify_all()
+        return seq, replies
+
+    async def delete(self, doc_ids: list[str]) -> tuple[int, int, int]:
+        """Delete documents on every shard as one transaction.
+
+        :returns: ``(documents deleted, chunks deleted, sequence number)``.
+        """
+        seq, replies = await self.commit(uuid.uuid4().hex, "delete", doc_ids)
+        return sum(r.deleted_docs for r in replies), sum(r.removed for r in replies), seq
+
+    async def wait_applied(self, seq: int, timeout: float | None) -> None:
+        """Wait until every shard has applied ``seq``.
+
+        :raises LookupError: ``seq`` was never issued by this service.
+        :raises asyncio.TimeoutError: not applied within ``timeout`` seconds.
+        """
+        if seq <= self.applied_seq:
+            return
+        if seq > self.seq:
+            raise LookupError(f"sequence number {seq} was never issued (the latest is {self.seq})")
+
+        async def wait() -> None:
+            async with self._applied:
+                await self._applied.wait_for(lambda: self.applied_seq >= seq)
+
+        await asyncio.wait_for(wait(), timeout)

@@ -1,0 +1,386 @@
+"""The shard protocol: every operation a frontend can ask of a shard, with one typed request and
+one typed reply per operation. Both sides import this module (the shard worker and the
+frontend: ``operators/retrieve.py``, ``operators/memory.py``, ``engine/ingest.py``,
+``engine/commit.py``), so a field is named in one place.
+
+A transport carries ``(request_id, Op, request)`` to a shard and ``(request_id, ok, reply or
+error text)`` back (see :mod:`oprag_server.shards.transport`). Every type is a ``slots``
+dataclass and pickles as its fields; arrays travel as numpy arrays (never one Python object per
+candidate). Scores are float64, slots int64, vectors float32.
+
+This module imports numpy only (shard processes stay small).
+"""
+
+from __future__ import annotations
+
+import enum
+import operator
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+
+
+class Op(enum.Enum):
+    """Shard operations. The value is the name used in logs and errors."""
+
+    SEARCH = "search"  # candidate generation: dense top-n (+ BM25 of those) or BM25 top-n
+    EXACT_RANGES = "exact_ranges"  # exact min-max hybrid, round 1: score every chunk, return ranges
+    EXACT_FUSE = "exact_fuse"  # exact min-max hybrid, round 2: fuse with global ranges, local top-k
+    EXACT_LISTS = "exact_lists"  # exact rank fusion: local dense and BM25 top-n lists, one round
+    FETCH = "fetch"  # stored fields of hit slots
+    REUSE = "reuse"  # stored vectors of documents by content hash (re-ingest embeds only changes)
+    STAGE = "stage"  # hold a bulk batch of an ingest stream
+    PREPARE = "prepare"  # two-phase commit, phase 1: write-ahead log (fsync), do not apply
+    APPLY = "apply"  # two-phase commit, phase 2: apply a prepared transaction
+    ABORT = "abort"  # drop a transaction's staged batches or prepared record
+    PROMOTE = "promote"  # memory: append one turn record of a session
+    MEMORY_LOOKUP = "memory_lookup"  # memory: recent turns of sessions
+    MEMORY_CLEAR = "memory_clear"  # memory: drop a session's records
+    STATS = "stats"  # counts (+ full BM25 statistics on request)
+    SNAPSHOT = "snapshot"  # write a snapshot, truncate the write-ahead log
+    SHUTDOWN = "shutdown"  # optionally snapshot, then exit the run loop
+
+
+def message(cls):
+    """A protocol type: a ``slots`` dataclass that pickles as ``(cls, field values)`` (half the
+    cost of the generic slots state on the retrieve path)."""
+    cls = dataclass(slots=True)(cls)
+    names = tuple(f.name for f in fields(cls))
+    if not names:
+        cls.__reduce__ = lambda self: (cls, ())
+    elif len(names) == 1:
+        get = operator.attrgetter(names[0])
+        cls.__reduce__ = lambda self: (cls, (get(self),))
+    else:
+        get = operator.attrgetter(*names)
+        cls.__reduce__ = lambda self: (cls, get(self))
+    return cls
+
+
+# ---------------------------------------------------------------------------- shared parts
+@message
+class QueryBatch:
+    """B queries as one shard sees them.
+
+    :param q: float32[B, D] L2-normalised query vectors.
+    :param terms: B analysed token lists.
+    :param idf: B float64[T_i] idf arrays aligned with ``terms`` (corpus-global, from the frontend).
+    :param avgdl: corpus-global average document length (tokens).
+    :param k1: BM25 k1; :param b: BM25 b.
+    :param filters: None, or B filter lists of ``(key, values)`` (set membership, all must hold).
+    """
+
+    q: np.ndarray
+    terms: list[list[str]]
+    idf: list[np.ndarray]
+    avgdl: float
+    k1: float
+    b: float
+    filters: list | None = None
+
+
+@message
+class Candidates:
+    """One query's candidates on one shard, as parallel arrays of length M.
+
+    :param slots: int64[M] shard-local slots; :param chunk_ids: M chunk ids.
+    :param dense: float64[M] inner products; :param lexical: float64[M] BM25 scores.
+    :param fused: float64[M] fused scores (exact min-max round 2 only), else None.
+    """
+
+    slots: np.ndarray
+    chunk_ids: list[str]
+    dense: np.ndarray
+    lexical: np.ndarray
+    fused: np.ndarray | None = None
+
+
+# ---------------------------------------------------------------------------- search
+@message
+class SearchRequest:
+    """``mode`` in {"hybrid", "dense", "lexical"}; ``n`` local candidates per query."""
+
+    batch: QueryBatch
+    mode: str
+    n: int
+
+
+@message
+class SearchReply:
+    """Per query i: ``candidates[i]``; ``eligible[i]`` chunks eligible on this shard;
+    ``dense_min[i]`` the dense minimum estimated from a fixed vector sample (+inf when not
+    computed: lexical mode or an empty shard). Per-query scalars are lists (B is small)."""
+
+    candidates: list[Candidates]
+    eligible: list[int]
+    dense_min: list[float]
+
+
+@message
+class ExactRangesRequest:
+    """Round 1 of exact min-max hybrid; the shard caches the scores under ``token``."""
+
+    batch: QueryBatch
+    token: str
+
+
+@message
+class ExactRangesReply:
+    """Per query (lists of length B): chunks ``eligible`` and the local score ranges
+    ``dense_min``, ``dense_max``, ``lexical_min``, ``lexical_max`` (0.0 when none eligible)."""
+
+    eligible: list[int]
+    dense_min: list[float]
+    dense_max: list[float]
+    lexical_min: list[float]
+    lexical_max: list[float]
+
+
+@message
+class ExactFuseRequest:
+    """Round 2 of exact min-max hybrid: per query the corpus-global ``(min, max)`` ranges and
+    weights; ``k`` results and ``n``-long rank lists per query."""
+
+    token: str
+    dense_range: list[tuple[float, float]]
+    lexical_range: list[tuple[float, float]]
+    dense_weight: list[float]
+    lexical_weight: list[float]
+    k: int
+    n: int
+
+
+@message
+class ExactFuseReply:
+    """Per query: local top-k by (fused desc, chunk id asc) with ``fused`` set, and the local
+    top-n dense and BM25 (> 0 only) lists (for ranks)."""
+
+    top: list[Candidates]
+    dense_lists: list[Candidates]
+    lexical_lists: list[Candidates]
+
+
+@message
+class ExactListsRequest:
+    batch: QueryBatch
+    n: int
+
+
+@message
+class ExactListsReply:
+    """Per query: ``eligible`` chunks; local top-n dense and BM25 (> 0 only) lists."""
+
+    eligible: list[int]
+    dense_lists: list[Candidates]
+    lexical_lists: list[Candidates]
+
+
+@message
+class FetchRequest:
+    slots: list[int]  # M slots (a list: M is top-k sized, and a list pickles faster than an array)
+
+
+@message
+class FetchReply:
+    """Stored fields aligned with the request's slots; ``found[i]`` is False for a slot
+    deleted meanwhile (its strings are then empty). ``metadata`` holds JSON objects."""
+
+    found: list[bool]
+    doc_ids: list[str]
+    titles: list[str]
+    texts: list[str]
+    metadata: list[str]
+
+
+# ---------------------------------------------------------------------------- writes
+@message
+class ReuseRequest:
+    doc_ids: list[str]
+
+
+@message
+class ReuseReply:
+    """``{doc_id: {content_hash: float32[D] vector}}`` for each stored document asked for."""
+
+    vectors: dict[str, dict[str, np.ndarray]]
+
+
+@message
+class StageRequest:
+    txn: str
+    ipc: bytes  # Arrow IPC stream of one batch (schema records.chunk_schema)
+
+
+@message
+class StageReply:
+    staged: int  # rows staged under the transaction so far
+
+
+@message
+class PrepareRequest:
+    """``kind`` "upsert" (the batches staged under ``txn``) or "delete" (``doc_ids``)."""
+
+    txn: str
+    seq: int
+    kind: str
+    doc_ids: list[str] = field(default_factory=list)
+
+
+@message
+class PrepareReply:
+    prepared: bool = True
+
+
+@message
+class ApplyRequest:
+    txn: str
+
+
+@message
+class ApplyReply:
+    """What applying a transaction changed on one shard.
+
+    :param doc_ids: documents written (upsert), sorted.
+    :param added: chunks added; :param removed: chunks removed (replaced or deleted).
+    :param replaced_docs: stored documents replaced by a new version (upsert).
+    :param deleted_docs: documents deleted (delete).
+    :param delta: BM25 statistics delta ``(n, total length, {term: df})`` for the frontend.
+    """
+
+    doc_ids: list[str] = field(default_factory=list)
+    added: int = 0
+    removed: int = 0
+    replaced_docs: int = 0
+    deleted_docs: int = 0
+    delta: tuple = (0, 0, {})
+
+
+@message
+class AbortRequest:
+    txn: str
+
+
+@message
+class AbortReply:
+    dropped: int  # staged rows dropped
+
+
+# ---------------------------------------------------------------------------- memory
+@message
+class PromoteRequest:
+    """One turn record (``vector`` float32[D]) and the retention bounds: ``max_turns`` per
+    session, ``max_total`` records per shard (0 = unbounded), idle ``ttl_s`` (0 = none)."""
+
+    session_id: str
+    question: str
+    summary: str
+    chunk_ids: list[str]
+    titles: list[str]
+    vector: np.ndarray
+    max_turns: int
+    max_total: int = 0
+    ttl_s: float = 0.0
+
+
+@message
+class PromoteReply:
+    records: int  # the session's records after the write
+
+
+@message
+class MemoryLookupRequest:
+    session_ids: list[str]
+    k: int
+    ttl_s: float = 0.0
+
+
+@message
+class MemoryTurn:
+    turn: int
+    question: str
+    summary: str
+    chunk_ids: list[str]
+    titles: list[str]
+
+
+@message
+class MemoryLookupReply:
+    """Per session asked for: its most recent turns, newest first."""
+
+    turns: list[list[MemoryTurn]]
+
+
+@message
+class MemoryClearRequest:
+    session_id: str
+
+
+@message
+class MemoryClearReply:
+    removed: int
+
+
+# ---------------------------------------------------------------------------- admin
+@message
+class StatsRequest:
+    lexical: bool = False  # also the full BM25 statistics (whole vocabulary)
+
+
+@message
+class StatsReply:
+    """Counts of one shard; ``lexical`` ``(N, total length, {term: df})`` when asked for;
+    ``replayed`` write-ahead log records (READY message only)."""
+
+    shard: int
+    documents: int
+    chunks: int
+    memory_records: int
+    applied_seq: int
+    lexical: tuple | None = None
+    replayed: int = 0
+
+
+@message
+class SnapshotRequest:
+    pass
+
+
+@message
+class SnapshotReply:
+    written: bool
+    chunks: int = 0
+
+
+@message
+class ShutdownRequest:
+    snapshot: bool = True
+
+
+@message
+class ShutdownReply:
+    snapshot: SnapshotReply | None = None
+
+
+#: The request and reply type of every op (the worker checks requests against it).
+TYPES: dict[Op, tuple[type, type]] = {
+    Op.SEARCH: (SearchRequest, SearchReply),
+    Op.EXACT_RANGES: (ExactRangesRequest, ExactRangesReply),
+    Op.EXACT_FUSE: (ExactFuseRequest, ExactFuseReply),
+    Op.EXACT_LISTS: (ExactListsRequest, ExactListsReply),
+    Op.FETCH: (FetchRequest, FetchReply),
+    Op.REUSE: (ReuseRequest, ReuseReply),
+    Op.STAGE: (StageRequest, StageReply),
+    Op.PREPARE: (PrepareRequest, PrepareReply),
+    Op.APPLY: (ApplyRequest, ApplyReply),
+    Op.ABORT: (AbortRequest, AbortReply),
+    Op.PROMOTE: (PromoteRequest, PromoteReply),
+    Op.MEMORY_LOOKUP: (MemoryLookupRequest, MemoryLookupReply),
+    Op.MEMORY_CLEAR: (MemoryClearRequest, MemoryClearReply),
+    Op.STATS: (StatsRequest, StatsReply),
+    Op.SNAPSHOT: (SnapshotRequest, SnapshotReply),
+    Op.SHUTDOWN: (ShutdownRequest, ShutdownReply),
+}
+
+
+class UnknownOp(ValueError):
+    """A request named an op this shard does not serve (or carried the wrong request type)."""

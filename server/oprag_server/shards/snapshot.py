@@ -1,0 +1,87 @@
+"""Snapshots of one shard and loading them back.
+
+Layout under ``<data_dir>/shard-<i>/``: ``snap-<applied_seq>-<ns>/{chunks.arrow, memory.json,
+meta.json}``, a ``CURRENT`` file naming the live snapshot, and ``wal.log`` (the shard's
+write-ahead log). Every file is written atomically (temporary file, fsync, rename, fsync of
+the directory); ``CURRENT`` switches last, so a crash leaves the previous snapshot live.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+from .. import records
+from ..index.wal import WriteAheadLog
+from .chunks import ChunkStore
+from .memory import MemoryStore
+from .protocol import SnapshotReply
+from .txn import Transactions
+
+FORMAT_VERSION = 1
+
+
+def fsync_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically: temporary file, fsync, rename, fsync dir."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def write(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions) -> SnapshotReply:
+    """Write chunks (with vectors) and memory into a new snapshot directory under ``d``, switch
+    ``CURRENT`` to it, then drop older snapshots and the log records the snapshot now covers
+    (records of transactions still in flight stay)."""
+    snap = d / f"snap-{store.applied_seq:012d}-{time.time_ns()}"
+    snap.mkdir()
+    batch = store.batch()
+    fsync_write(snap / "chunks.arrow", records.to_ipc(batch))
+    fsync_write(snap / "memory.json", json.dumps(memory.to_json()).encode())
+    meta = {"format_version": FORMAT_VERSION, "applied_seq": store.applied_seq, "dim": store.dim,
+            "next_slot": store.next_slot, "chunks": batch.num_rows}
+    fsync_write(snap / "meta.json", json.dumps(meta).encode())
+    fsync_write(d / "CURRENT", snap.name.encode())
+    for old in d.glob("snap-*"):
+        if old.name != snap.name:
+            shutil.rmtree(old, ignore_errors=True)
+    if txns.wal is not None:
+        txns.wal.reset(txns.in_flight())
+    return SnapshotReply(written=True, chunks=batch.num_rows)
+
+
+def load(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions, committed: set[str] | None) -> int:
+    """Load the current snapshot under ``d`` if any, then replay the write-ahead log: records
+    of committed transactions (``committed`` txn ids, from the frontend's commit log) with a
+    sequence number above the snapshot's are applied in order; others are ignored.
+
+    :returns: number of log records replayed.
+    :raises RuntimeError: the snapshot's format version or vector width differ.
+    """
+    cur = d / "CURRENT"
+    snap = d / cur.read_text().strip() if cur.exists() else (d if (d / "meta.json").exists() else None)
+    if snap is not None:  # (a snapshot written directly into the shard directory: first layout)
+        meta = json.loads((snap / "meta.json").read_text())
+        if meta.get("format_version") != FORMAT_VERSION:
+            raise RuntimeError(f"{snap}: snapshot format {meta.get('format_version')} != {FORMAT_VERSION}")
+        if meta.get("dim") != store.dim:
+            raise RuntimeError(f"{snap}: vectors have width {meta.get('dim')}, the embedder produces {store.dim}")
+        table = records.from_ipc((snap / "chunks.arrow").read_bytes())
+        if table.num_rows:
+            store.upsert(table, 0)
+        store.applied_seq = int(meta.get("applied_seq", 0))
+        store.next_slot = max(store.next_slot, int(meta.get("next_slot", 0)))
+        memory.load_json(json.loads((snap / "memory.json").read_text()))
+    replayed = txns.replay(WriteAheadLog(d / "wal.log"), committed)
+    store.postings.drain_delta()
+    return replayed

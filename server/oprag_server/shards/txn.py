@@ -1,0 +1,90 @@
+"""A shard's half of the two-phase commit: staged ingest batches, prepared transactions in the
+shard's write-ahead log, apply, abort, and replay of committed log records at load.
+
+Log record (pickled dict): ``{"txn", "seq", "kind": "upsert", "ipc": Arrow IPC bytes}`` or
+``{"txn", "seq", "kind": "delete", "doc_ids": [...]}``. The frontend's commit log decides
+which prepared transactions count (see :mod:`oprag_server.engine.commit`).
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+from .. import records
+from ..index.wal import WriteAheadLog
+from .chunks import ChunkStore
+from .protocol import (AbortReply, AbortRequest, ApplyReply, ApplyRequest, PrepareReply, PrepareRequest, StageReply,
+                       StageRequest)
+
+
+class Transactions:
+    """Staging and two-phase commit over a :class:`ChunkStore`. ``wal`` is None in memory-only
+    shards (nothing is logged)."""
+
+    def __init__(self, store: ChunkStore) -> None:
+        self.store = store
+        self.staged: dict[str, list[pa.Table]] = {}
+        self.prepared: dict[str, dict] = {}
+        self.wal: WriteAheadLog | None = None
+
+    def stage(self, req: StageRequest) -> StageReply:
+        """Hold a bulk batch of an ingest stream without touching the index."""
+        tables = self.staged.setdefault(req.txn, [])
+        tables.append(records.from_ipc(req.ipc))
+        return StageReply(staged=sum(t.num_rows for t in tables))
+
+    def abort(self, req: AbortRequest) -> AbortReply:
+        """Drop a transaction's staged batches, or its prepared record (never applied)."""
+        self.prepared.pop(req.txn, None)
+        return AbortReply(dropped=sum(t.num_rows for t in self.staged.pop(req.txn, [])))
+
+    def prepare(self, req: PrepareRequest) -> PrepareReply:
+        """Phase 1: make a transaction durable in this shard's write-ahead log (fsync) without
+        applying it.
+
+        :raises ValueError: unknown ``kind``.
+        """
+        if req.kind == "upsert":
+            tables = self.staged.pop(req.txn, [])
+            ipc = records.to_ipc(pa.concat_tables(tables).combine_chunks().to_batches()[0]) if tables else b""
+            rec = {"txn": req.txn, "seq": int(req.seq), "kind": "upsert", "ipc": ipc}
+        elif req.kind == "delete":
+            rec = {"txn": req.txn, "seq": int(req.seq), "kind": "delete", "doc_ids": list(req.doc_ids)}
+        else:
+            raise ValueError(f"unknown transaction kind {req.kind!r}")
+        if self.wal is not None:
+            self.wal.append(rec)
+        self.prepared[req.txn] = rec
+        return PrepareReply()
+
+    def apply(self, req: ApplyRequest) -> ApplyReply:
+        """Phase 2 (after the frontend logged the commit): apply a prepared transaction.
+
+        :raises KeyError: ``txn`` was not prepared here.
+        """
+        return self.apply_record(self.prepared.pop(req.txn))
+
+    def apply_record(self, rec: dict) -> ApplyReply:
+        """Apply one log record to the store."""
+        if rec["kind"] == "upsert":
+            if rec["ipc"]:
+                return self.store.upsert(records.from_ipc(rec["ipc"]), rec["seq"])
+            self.store.applied_seq = max(self.store.applied_seq, int(rec["seq"]))
+            return ApplyReply(delta=self.store.postings.drain_delta())
+        return self.store.delete(rec["doc_ids"], rec["seq"])
+
+    def replay(self, wal: WriteAheadLog, committed: set[str] | None) -> int:
+        """Open ``wal`` for appending, then apply, in sequence order, its records of committed
+        transactions newer than the store. :returns: records applied."""
+        self.wal = wal
+        replayed = 0
+        for rec in sorted(wal.open(), key=lambda r: r["seq"]):
+            if rec["seq"] <= self.store.applied_seq or committed is None or rec["txn"] not in committed:
+                continue
+            self.apply_record(rec)
+            replayed += 1
+        return replayed
+
+    def in_flight(self) -> list[dict]:
+        """Log records of transactions prepared but not yet applied (kept across a snapshot)."""
+        return [r for r in self.wal if r["txn"] in self.prepared] if self.wal is not None else []

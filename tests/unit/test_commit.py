@@ -1,0 +1,142 @@
+"""The commit protocol (engine/commit.py) over in-process shards: sequence numbers only grow,
+wait_applied wakes when a commit lands, a failed prepare aborts everywhere, deletes are counted,
+and the commit log decides what recovery replays."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from oprag_server import records
+from oprag_server.engine.commit import CommitProtocol
+from oprag_server.engine.rwlock import RWLock
+from oprag_server.index.bm25 import CorpusStats
+from oprag_server.shards.inprocess import InProcessTransport, in_process_pool
+from oprag_server.shards.pool import ShardError, ShardPool
+from oprag_server.shards.protocol import Op, StageRequest
+from oprag_server.shards.state import ShardState
+
+DIM = 4
+
+
+def _protocol(n: int = 2) -> CommitProtocol:
+    return CommitProtocol(in_process_pool([ShardState(i, DIM, None) for i in range(n)]), CorpusStats(), RWLock())
+
+
+async def _stage(cp: CommitProtocol, txn: str, docs: dict[str, list[str]]) -> None:
+    """Stage each document's chunks on the shard that owns it."""
+    pool = cp.pool
+    for doc_id, texts in docs.items():
+        n = len(texts)
+        batch = records.make_chunk_batch(
+            chunk_ids=[f"{doc_id}#{i}" for i in range(n)], doc_ids=[doc_id] * n, titles=[""] * n, texts=texts,
+            metadata=[{}] * n, ordinals=list(range(n)), generations=[1] * n, content_hashes=texts,
+            vectors=np.ones((n, DIM), np.float32))
+        await pool.call(pool.owner(doc_id), Op.STAGE, StageRequest(txn, records.to_ipc(batch)))
+
+
+def _shard_stats(cp: CommitProtocol) -> CorpusStats:
+    return CorpusStats.merge_full([c.state.store.postings.full_stats() for c in cp.pool.clients])
+
+
+def test_sequence_numbers_only_grow_and_stats_follow_the_shards():
+    async def go():
+        cp = _protocol()
+        seqs = []
+        for k in range(4):
+            await _stage(cp, f"t{k}", {f"d{k}": ["alpha beta", "gamma"], f"e{k}": ["delta"]})
+            seq, replies = await cp.commit(f"t{k}", "upsert")
+            seqs.append(seq)
+            assert sum(len(r.doc_ids) for r in replies) == 2 and sum(r.added for r in replies) == 3
+        seqs.append((await cp.delete(["d0"]))[2])
+        assert seqs == sorted(set(seqs)) and cp.seq == cp.applied_seq == seqs[-1]
+        assert cp.stats == _shard_stats(cp) and cp.stats.n_docs == 4 * 3 - 2
+
+    asyncio.run(go())
+
+
+def test_wait_applied_wakes_when_the_commit_lands():
+    async def go():
+        cp = _protocol()
+        gate = asyncio.Event()
+        shard0 = cp.pool.clients[0]
+        real_call = shard0.call
+
+        async def slow_apply(op, req):
+            if op is Op.APPLY:
+                await gate.wait()
+            return await real_call(op, req)
+
+        shard0.call = slow_apply
+        await cp.wait_applied(0, timeout=0)  # nothing to wait for
+        with pytest.raises(LookupError, match="never issued"):
+            await cp.wait_applied(1, timeout=0.1)
+        commit = asyncio.create_task(cp.commit("t1", "delete", ["nothing"]))
+        while cp.seq < 1:
+            await asyncio.sleep(0)
+        waiter = asyncio.create_task(cp.wait_applied(1, timeout=5))
+        with pytest.raises(asyncio.TimeoutError):
+            await cp.wait_applied(1, timeout=0.05)
+        assert not waiter.done() and cp.applied_seq == 0
+        gate.set()
+        await waiter
+        assert (await commit)[0] == 1 and cp.applied_seq == 1
+
+    asyncio.run(go())
+
+
+def test_failed_prepare_aborts_on_every_live_shard():
+    async def go():
+        cp = _protocol(3)
+        docs = {f"doc{i}": ["alpha"] for i in range(12)}
+        await _stage(cp, "t1", docs)
+        cp.pool.clients[1].kill()
+        with pytest.raises(ShardError, match="shard 1"):
+            await cp.commit("t1", "upsert")
+        for i in (0, 2):
+            txns = cp.pool.clients[i].state.txns
+            assert "t1" not in txns.staged and "t1" not in txns.prepared
+            assert cp.pool.clients[i].state.store.chunks == {}
+        assert cp.applied_seq == 0 and cp.stats.n_docs == 0
+        # the number was used up: the next transaction gets a greater one
+        cp.pool.clients[1] = InProcessTransport.of(ShardState(1, DIM, None))
+        assert (await cp.delete(["doc0"]))[2] == 2
+
+    asyncio.run(go())
+
+
+def test_delete_counts_documents_and_chunks_over_all_shards():
+    async def go():
+        cp = _protocol(3)
+        await _stage(cp, "t1", {"a": ["one", "two", "three"], "b": ["four"], "c": ["five", "six"]})
+        await cp.commit("t1", "upsert")
+        docs, chunks, seq = await cp.delete(["a", "c", "missing"])
+        assert (docs, chunks, seq) == (2, 5, 2)
+        assert await cp.delete(["a"]) == (0, 0, 3)
+        assert cp.stats == _shard_stats(cp) and cp.stats.n_docs == 1
+
+    asyncio.run(go())
+
+
+def test_commit_log_decides_what_a_restart_replays(tmp_path):
+    async def go():
+        loop = asyncio.get_running_loop()
+        pool = ShardPool(2, DIM, tmp_path, transport=InProcessTransport)
+        cp = CommitProtocol(pool, CorpusStats(), RWLock())
+        committed = cp.open_log(tmp_path / "commits.log")
+        cp.recover(r.applied_seq for r in pool.start(loop, committed=committed))
+        await _stage(cp, "t1", {"a": ["one"], "b": ["two"], "c": ["three"]})
+        await cp.commit("t1", "upsert")
+        assert cp.committed_txns() == {"t1"}
+        # restart from the logs alone (no snapshot): the committed transaction comes back
+        cp2 = CommitProtocol(ShardPool(2, DIM, tmp_path, transport=InProcessTransport), CorpusStats(), RWLock())
+        ready = cp2.pool.start(loop, committed=cp2.open_log(tmp_path / "commits.log"))
+        cp2.recover(r.applied_seq for r in ready)
+        assert sum(r.replayed for r in ready) == 2 and sum(r.chunks for r in ready) == 3 and cp2.seq == 1
+        assert cp2.next_seq() == 2
+        cp2.reset_log()
+        assert cp2.committed_txns() == set()
+
+    asyncio.run(go())
