@@ -30,6 +30,7 @@ import numpy as np
 
 from .. import records
 from ..config import ChunkingConfig, IngestConfig, LimitsConfig
+from ..index.analyzer import has_visible_content
 from ..operators.chunking import chunk_text
 from ..shards.pool import ShardPool, route
 
@@ -75,15 +76,20 @@ class _Chunk:
 
 
 def validate_document(doc: Any, limits: LimitsConfig) -> str | None:
-    """Reason a document cannot be stored, or None. ``doc`` has id, title, text, metadata."""
+    """Reason a document cannot be stored, or None. ``doc`` has id, title, text, metadata.
+
+    A text with no visible character (only whitespace and Unicode Default_Ignorable code
+    points such as U+200B, U+00AD, U+FEFF; :func:`~oprag_server.index.analyzer.has_visible_content`)
+    is empty.
+    """
     if not doc.id:
         return "id is empty: give every document a non-empty id"
     if len(doc.id.encode()) > limits.max_doc_id_bytes:
         return f"id is longer than {limits.max_doc_id_bytes} bytes: use a shorter id"
     if "\x00" in doc.id:
         return "id contains a NUL character"
-    if not doc.text or not doc.text.strip():
-        return "text is empty: send the document's text"
+    if not has_visible_content(doc.text):  # "", whitespace, or only Default_Ignorable code points
+        return "text is empty (nothing but whitespace or invisible characters): send the document's text"
     size = len(doc.text.encode()) + len(doc.title.encode())
     if size > limits.max_document_bytes:
         return f"document is {size} bytes; the limit is {limits.max_document_bytes}: split it into several documents"

@@ -16,6 +16,7 @@ from oprag.v1 import oprag_pb2, oprag_pb2_grpc
 
 from ..engine.ingest import IngestError
 from ..engine.query import Overloaded, QueryJob, QueryRejected
+from ..index.analyzer import has_visible_content
 from ..domain import MODES, RetrieveSpec
 from ..shards.pool import ShardError
 
@@ -121,7 +122,7 @@ class OpRAGServicer(oprag_pb2_grpc.OpRAGServicer):
     def _job(self, req, *, generate: bool) -> QueryJob:
         lim, rcfg, gcfg = self.cfg.limits, self.cfg.retrieval, self.cfg.generate
         q = req.question
-        if not q or not q.strip():
+        if not has_visible_content(q):  # "", whitespace, or only Default_Ignorable code points
             raise InvalidArgument("question is empty: send a non-empty question")
         if len(q) > lim.max_question_chars:
             raise InvalidArgument(f"question has {len(q)} characters; the limit is {lim.max_question_chars}: shorten it")
