@@ -51,8 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--generator", default="smollm2", help="'smollm2', 'none', or a local HF causal LM directory")
     s.add_argument("--embed-compile", action="store_true",
                    help="run the embedder through torch.compile with fixed bucket shapes")
-    s.add_argument("--chunk-size", type=int, default=900, help="characters per chunk")
-    s.add_argument("--chunk-overlap", type=int, default=0, help="characters shared by consecutive chunks")
+    s.add_argument("--chunk-size", type=int, default=256,
+                   help="largest chunk in embedder tokens incl. special tokens (capped at the embedder's window)")
+    s.add_argument("--chunk-overlap", type=int, default=0, help="tokens consecutive chunks may share, at most")
     s.add_argument("--candidates", type=int, default=256, help="dense candidates N of dense-first hybrid")
     s.add_argument("--monitor-fraction", type=float, default=0.05,
                    help="share of dense-first queries re-run in exact mode to export pruning Recall@k")

@@ -2,9 +2,10 @@
 queues (backpressure: a slow stage stalls the ones before it, nothing buffers without bound).
 
 * Load: reads the client stream, validates each document (rejections carry a reason).
-* Transform: character chunking, tokenisation on CPU ahead of the model, a second split of any
-  chunk longer than the embedder's token limit (never silent truncation), and content hashes:
-  a chunk whose text is unchanged from the stored version of its document reuses its vector.
+* Transform: chunking on natural boundaries (paragraph, sentence, word) measured in the
+  embedder's tokens so that every chunk fits its window (:mod:`..operators.chunking`; never
+  truncation), tokenisation on CPU ahead of the model, and content hashes: a chunk whose text
+  is unchanged from the stored version of its document reuses its vector.
 * Embed: batches the remaining chunks across documents, grouped by token length.
 * Upsert: routes chunks to shards by the stable hash of their document id and stages coalesced
   bulk batches of ``upsert_batch`` chunks per shard.
@@ -31,7 +32,7 @@ import numpy as np
 from .. import records
 from ..config import ChunkingConfig, IngestConfig, LimitsConfig
 from ..index.analyzer import has_visible_content
-from ..operators.chunking import chunk_text
+from ..operators.chunking import Chunker
 from ..shards.pool import ShardPool, route
 
 _END = object()
@@ -120,6 +121,8 @@ class IngestPipeline:
         self.pool = pool
         self.commit = commit  # async (txn, kind) -> (seq, per-shard replies): two-phase commit
         self.chunking = chunking
+        # counts with the embedder's own tokenizer; chunks never exceed its window
+        self.chunker = Chunker.for_model(encoder.path, encoder.max_tokens, chunking.size, chunking.overlap)
         self.cfg = cfg
         self.limits = limits
         self.embedder = embedder
@@ -297,12 +300,13 @@ class IngestPipeline:
         return res
 
     def _transform(self, docs: list[_Doc], res: IngestResult) -> list[_Chunk]:
-        """Chunk, tokenise and split over-long chunks (runs in a CPU thread)."""
-        pieces: list[tuple[_Doc, str]] = []
-        for d in docs:
-            for p in chunk_text(d.text, self.chunking.size, self.chunking.overlap):
-                if p.strip():
-                    pieces.append((d, p))
+        """Chunk and tokenise (runs in a CPU thread).
+
+        The chunker already keeps every chunk within the embedder's window; a chunk that still
+        tokenises longer (not expected: the chunker counts with the same tokenizer) is split at
+        token boundaries and counted in ``chunks_split``, never truncated.
+        """
+        pieces = [(d, p) for d in docs for p in self.chunker.chunks(d.text)]
         if not pieces:
             return []
         ids = self.encoder.tokenize([p for _, p in pieces])
