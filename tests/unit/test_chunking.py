@@ -150,6 +150,20 @@ def test_overlap_in_tokens(minilm):
     assert all(i in covered for i, ch in enumerate(text) if not ch.isspace())  # nothing dropped
 
 
+def test_for_encoder_without_a_model_directory():
+    """An encoder without a Hugging Face tokenizer (the hashing fake) is counted through its
+    ``token_lengths``; chunks still fit its window and keep words whole."""
+    from oprag_server.models.encoder import HashingEncoder
+
+    enc = HashingEncoder(dim=16, max_tokens=12)
+    chunker = Chunker.for_encoder(enc, 256)
+    assert (chunker.size, chunker.n_special, chunker.capacity) == (12, 2, 10)
+    text = "a " * 48 + "photosynthesis. Second sentence, with punctuation!"
+    pieces = check_guarantees(chunker, text)
+    assert all(n <= 12 for n in enc.token_lengths(pieces))
+    assert sum(p.split().count("photosynthesis.") for p in pieces) == 1
+
+
 def test_empty_invisible_and_short():
     assert chunk_text("") == []
     assert chunk_text("   \n\n ") == []

@@ -122,7 +122,7 @@ class IngestPipeline:
         self.commit = commit  # async (txn, kind) -> (seq, per-shard replies): two-phase commit
         self.chunking = chunking
         # counts with the embedder's own tokenizer; chunks never exceed its window
-        self.chunker = Chunker.for_model(encoder.path, encoder.max_tokens, chunking.size, chunking.overlap)
+        self.chunker = Chunker.for_encoder(encoder, chunking.size, chunking.overlap)
         self.cfg = cfg
         self.limits = limits
         self.embedder = embedder

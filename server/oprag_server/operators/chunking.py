@@ -27,6 +27,7 @@ a chunk. No chunk is empty.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from semantic_text_splitter import TextSplitter
@@ -40,14 +41,17 @@ class Chunker:
     """Split texts into chunks of at most ``size`` units on natural boundaries (module docstring).
 
     Args:
-        size: maximum chunk size, > 0: tokens including the tokenizer's special tokens (with
-            ``tokenizer``), else code points.
+        size: maximum chunk size, > 0: tokens including the embedder's special tokens (with
+            ``tokenizer`` or ``counter``), else code points.
         overlap: units that consecutive chunks may share (upper bound; the splitter overlaps
             whole units), ``0 <= overlap < size``.
         tokenizer: a ``tokenizers.Tokenizer`` to count with, or None for code points. A copy is
             used, with truncation and padding switched off.
         max_tokens: the embedder's window in tokens, special tokens included; ``size`` above it
-            is lowered to it. Only with ``tokenizer``.
+            is lowered to it. Only with ``tokenizer`` or ``counter``.
+        counter: instead of ``tokenizer``, a function ``str -> int`` giving a text's token count
+            without special tokens (slower: called from the splitter for every candidate).
+        n_special: special tokens the embedder adds to each text, with ``counter``.
 
     Raises:
         TypeError: ``size`` / ``overlap`` / ``max_tokens`` not int.
@@ -55,19 +59,22 @@ class Chunker:
             once the special tokens are counted (``min(size, max_tokens) <= n_special``).
 
     Attributes: ``size`` (int, effective maximum per chunk, special tokens included),
-    ``overlap`` (int), ``n_special`` (int, 0 without a tokenizer), ``capacity`` (int, text units
+    ``overlap`` (int), ``n_special`` (int, 0 when counting code points), ``capacity`` (int, text units
     per chunk: ``size - n_special``).
     """
 
-    def __init__(self, size: int, overlap: int = 0, *, tokenizer: Any = None, max_tokens: int | None = None) -> None:
-        for name, v in (("size", size), ("overlap", overlap), ("max_tokens", max_tokens)):
+    def __init__(self, size: int, overlap: int = 0, *, tokenizer: Any = None, max_tokens: int | None = None,
+                 counter: Callable[[str], int] | None = None, n_special: int = 0) -> None:
+        for name, v in (("size", size), ("overlap", overlap), ("max_tokens", max_tokens), ("n_special", n_special)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
                 raise TypeError(f"{name} must be int, got {type(v).__name__}")
         if size <= 0:
             raise ValueError(f"size must be > 0, got {size}")
         if not 0 <= overlap < size:
             raise ValueError(f"overlap must be in [0, size={size}), got {overlap}")
-        self.n_special = 0
+        self.n_special = n_special if counter is not None else 0
+        if (tokenizer is not None or counter is not None) and max_tokens is not None:
+            size = min(size, max_tokens)
         if tokenizer is not None:
             import copy
 
@@ -75,17 +82,18 @@ class Chunker:
             tokenizer.no_truncation()
             tokenizer.no_padding()
             self.n_special = int(tokenizer.num_special_tokens_to_add(False))
-            if max_tokens is not None:
-                size = min(size, max_tokens)
         self.size = size
         self.capacity = size - self.n_special
         if self.capacity <= 0:
             raise ValueError(f"chunk size {size} leaves no room for text next to {self.n_special} special tokens")
         self.overlap = min(overlap, self.capacity - 1)
-        if tokenizer is None:
-            self._splitter = TextSplitter(self.capacity, self.overlap, trim=True)
-        else:  # counts tokens without special tokens: hence capacity = size - n_special
+        # the splitter counts tokens without special tokens: hence capacity = size - n_special
+        if tokenizer is not None:
             self._splitter = TextSplitter.from_huggingface_tokenizer(tokenizer, self.capacity, self.overlap, trim=True)
+        elif counter is not None:
+            self._splitter = TextSplitter.from_callback(counter, self.capacity, self.overlap, trim=True)
+        else:
+            self._splitter = TextSplitter(self.capacity, self.overlap, trim=True)
 
     @classmethod
     def for_model(cls, path: Any, max_tokens: int, size: int, overlap: int = 0) -> Chunker:
@@ -102,6 +110,22 @@ class Chunker:
         if not getattr(hf_tok, "is_fast", False):
             raise ValueError(f"{path}: no fast tokenizer (tokenizer.json) to count chunk tokens with")
         return cls(size, overlap, tokenizer=hf_tok.backend_tokenizer, max_tokens=max_tokens)
+
+    @classmethod
+    def for_encoder(cls, encoder: Any, size: int, overlap: int = 0) -> Chunker:
+        """Chunker counting as ``encoder`` does: its Hugging Face tokenizer when it has a model
+        directory (``encoder.path``, :meth:`for_model`), else its ``token_lengths`` (e.g.
+        :class:`~oprag_server.models.encoder.HashingEncoder`).
+
+        :param encoder: has ``max_tokens`` and ``path`` or ``token_lengths(list[str]) -> list[int]``
+            (special tokens included).
+        """
+        path = getattr(encoder, "path", None)
+        if path is not None:
+            return cls.for_model(path, encoder.max_tokens, size, overlap)
+        n_special = int(encoder.token_lengths([""])[0])
+        return cls(size, overlap, max_tokens=encoder.max_tokens, n_special=n_special,
+                   counter=lambda text: encoder.token_lengths([text])[0] - n_special)
 
     def __repr__(self) -> str:
         return f"Chunker(size={self.size}, overlap={self.overlap}, n_special={self.n_special})"
