@@ -94,23 +94,33 @@ def load_beir(paths: list[Path]) -> Iterator[Doc]:
 
 
 def wikitext_articles(text: str) -> Iterator[tuple[str, str]]:
-    """Split WikiText into ``(title, body)`` per `` = Title = `` heading. Section headings
-    (`` = = Section = = ``) stay in the body; WikiText's ``@-@``, ``@,@`` and ``@.@`` tokens are
-    joined back."""
+    """Split WikiText into ``(title, body)`` per article.
+
+    An article heading is a line `` = Title = `` (one ``=`` on each side) with a blank line (or
+    the start / end of the file) right before and right after it, as WikiText writes them. A
+    line of that shape inside a paragraph block, such as the formula line
+    `` = 1 <unk> / s and a nominal <unk> k = ``, is body text. Section headings
+    (`` = = Section = = ``) stay in the body. Title and body are detokenised alike
+    (:func:`wikitext_detok`). Text before the first heading is skipped.
+    """
+    lines = text.splitlines()
     title, body = None, []
-    for line in text.splitlines():
+    for i, line in enumerate(lines):
         m = _WIKI_TITLE.match(line)
-        if m:
+        if m and (i == 0 or not lines[i - 1].strip()) and (i + 1 == len(lines) or not lines[i + 1].strip()):
             if title is not None:
-                yield title, _detok("\n".join(body))
-            title, body = m.group(1).strip(), []
+                yield title, wikitext_detok("\n".join(body))
+            title, body = wikitext_detok(m.group(1).strip()), []
         elif title is not None and line.strip():
             body.append(line.strip())
     if title is not None:
-        yield title, _detok("\n".join(body))
+        yield title, wikitext_detok("\n".join(body))
 
 
-def _detok(s: str) -> str:
+def wikitext_detok(s: str) -> str:
+    """Join WikiText's split number and hyphen tokens: `` @-@ `` -> ``-``, `` @,@ `` -> ``,``,
+    `` @.@ `` -> ``.`` (``"M @-@ 82"`` -> ``"M-82"``, ``"1 @,@ 000"`` -> ``"1,000"``). Other
+    tokens, ``<unk>`` included, are kept as they are."""
     for a, b in _WIKI_DETOK:
         s = s.replace(a, b)
     return s

@@ -101,8 +101,10 @@ def test_sequence_numbers_grow_and_read_your_writes(client):
 
 
 def test_replacement_reembeds_only_changed_chunks(client):
-    paras = [f"Paragraph {i} of the almanac describes the quince harvest of year {1900 + i} in detail." for i in range(6)]
-    text = " ".join(p.ljust(199) for p in paras)  # 200-character chunks, one per paragraph
+    # each paragraph ~130 tokens: with --chunk-size 200 (tokens) two never share a chunk
+    paras = [f"Paragraph {i} of the almanac describes the quince harvest of year {1900 + i} in detail. "
+             + "The orchards were picked by hand and the fruit was stored in cool cellars. " * 7 for i in range(6)]
+    text = "\n\n".join(p.strip() for p in paras)  # one chunk per paragraph
     r = client.ingest([Doc("almanac", text)])
     assert r.chunks_written == 6 and r.chunks_reused == 0
     changed = text.replace("year 1903", "year 2103")
@@ -123,3 +125,31 @@ def test_delete_removes_chunks_and_statistics(client):
     after = client.stats()
     assert after.documents == before.documents - 1
     assert not client.retrieve("zebrafish", mode="lexical", top_k=3, min_seq=r.seq).hits
+
+
+def test_invisible_characters_join_words_and_are_not_content(client):
+    """Issue 15 items 1 and 6: format characters do not split words for BM25; input made only of
+    them is empty (question INVALID_ARGUMENT, documents rejected with a reason, nothing stored)."""
+    docs = [Doc("inv-de", "Das Gesamt\u00adkonzept wurde gestern vorgestellt."),
+            Doc("inv-wiki", "Wiki\u200bpedia is a free online encyclopedia."),
+            Doc("inv-intl", "Inter\u2060national shipping rates changed on Tuesday.")]
+    r = client.ingest(docs)
+    for q, want in (("Gesamtkonzept", "inv-de"), ("Wikipedia", "inv-wiki"), ("International", "inv-intl")):
+        hits = client.retrieve(q, mode="lexical", top_k=3, min_seq=r.seq).hits
+        assert hits and hits[0].doc_id == want and hits[0].lexical_score > 0, q
+    before = client.stats()
+    r = client.ingest([Doc("inv-1", "\u200b\u2060"), Doc("inv-2", "\u00ad\ufeff\u200b")])
+    assert r.documents_written == 0 and len(r.rejected) == 2
+    assert all("text is empty" in x.reason for x in r.rejected)
+    assert client.stats().documents == before.documents
+    with pytest.raises(grpc.RpcError) as ei:
+        client.retrieve("\u200b", top_k=3)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "empty" in ei.value.details()
+
+
+def test_words_are_never_cut_between_chunks(client):
+    """Issue 15 item 2: ``"a " * 448 + "photosynthesis"`` keeps its last word whole."""
+    r = client.ingest([Doc("photo", "a " * 448 + "photosynthesis")])
+    assert r.chunks_written >= 2 and r.chunks_split == 0
+    hits = client.retrieve("photosynthesis", mode="lexical", top_k=3, min_seq=r.seq).hits
+    assert hits and hits[0].doc_id == "photo" and hits[0].text.endswith(" photosynthesis")

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import unicodedata
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -16,6 +17,9 @@ try:
 except ImportError:  # package not installed in the venv: import from the source tree
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "server"))
     from oprag_server.index.analyzer import Analyzer
+
+from oprag_server.index import bm25 as B  # noqa: E402
+from oprag_server.index.analyzer import DEFAULT_IGNORABLE, has_visible_content, strip_ignorable  # noqa: E402
 
 SERVER_DIR = str(pathlib.Path(__file__).resolve().parents[2] / "server")
 
@@ -135,3 +139,122 @@ def test_stem_missing_raises(monkeypatch):
     with pytest.raises(ImportError, match="pip install snowballstemmer"):
         Analyzer(stem=True)
     Analyzer(stem=False).tokens("fine")  # no stemming needed: no error
+
+
+# --- Default_Ignorable_Code_Point (issue 15, items 1 and 6) ----------------------------------
+
+# DerivedCoreProperties.txt 15.1.0, "Derived Property: Default_Ignorable_Code_Point", verbatim
+# ranges ("Total code points: 4174"); the analyzer derives its set from the property's
+# definition instead, and must arrive at exactly this list.
+PUBLISHED_DEFAULT_IGNORABLE = (
+    (0x00AD, 0x00AD), (0x034F, 0x034F), (0x061C, 0x061C), (0x115F, 0x1160), (0x17B4, 0x17B5),
+    (0x180B, 0x180D), (0x180E, 0x180E), (0x180F, 0x180F), (0x200B, 0x200F), (0x202A, 0x202E),
+    (0x2060, 0x2064), (0x2065, 0x2065), (0x2066, 0x206F), (0x3164, 0x3164), (0xFE00, 0xFE0F),
+    (0xFEFF, 0xFEFF), (0xFFA0, 0xFFA0), (0xFFF0, 0xFFF8), (0x1BCA0, 0x1BCA3), (0x1D173, 0x1D17A),
+    (0xE0000, 0xE0000), (0xE0001, 0xE0001), (0xE0002, 0xE001F), (0xE0020, 0xE007F),
+    (0xE0080, 0xE00FF), (0xE0100, 0xE01EF), (0xE01F0, 0xE0FFF),
+)
+
+ISSUE_DOCS = [
+    "Das Gesamt\u00adkonzept wurde gestern vorgestellt.",  # soft hyphen
+    "Wiki\u200bpedia is a free online encyclopedia.",  # zero-width space
+    "Inter\u2060national shipping rates changed on Tuesday.",  # word joiner
+    "Please send the con\ufb01rmation letter today.",  # fi ligature (NFKC)
+]
+ISSUE_EXPECTED = {  # query -> (document index, rank_bm25 BM25Okapi score), from the issue
+    "Gesamtkonzept": (0, 0.9001316762),
+    "Wikipedia": (1, 0.8310384132),
+    "International": (2, 0.8310384132),
+}
+
+
+def test_default_ignorable_set_matches_published_property():
+    published = {cp for lo, hi in PUBLISHED_DEFAULT_IGNORABLE for cp in range(lo, hi + 1)}
+    assert len(published) == 4174
+    assert DEFAULT_IGNORABLE == published
+    # the definition's subtractions stay visible: Arabic number sign, interlinear annotations,
+    # Egyptian hieroglyph format controls, and whitespace
+    for cp in (0x0600, 0x06DD, 0xFFF9, 0x13430, 0x0020, 0x00A0, 0x3000):
+        assert cp not in DEFAULT_IGNORABLE
+
+
+def test_issue_case_words_joined_and_scored_like_rank_bm25():
+    from rank_bm25 import BM25Okapi
+
+    a = Analyzer()
+    corpus = [a.tokens(d) for d in ISSUE_DOCS]
+    assert corpus[0][1] == "gesamtkonzept" and corpus[1][0] == "wikipedia"
+    assert corpus[2][0] == "international" and "confirmation" in corpus[3]
+    ref = BM25Okapi(corpus)  # rank_bm25 defaults k1=1.5, b=0.75, epsilon=0.25 = ours
+    index = B.PostingsIndex()
+    for slot, toks in enumerate(corpus):
+        index.add(slot, toks)
+    stats = B.CorpusStats.merge_full([index.full_stats()])
+    slots = np.arange(len(corpus), dtype=np.int64)
+    for q, (doc, want) in ISSUE_EXPECTED.items():
+        qt = a.tokens(q)
+        expected = np.zeros(len(corpus))
+        expected[doc] = want
+        np.testing.assert_allclose(ref.get_scores(qt), expected, rtol=0, atol=1e-10)
+        got = index.score(slots, qt, stats.query_idf(qt, 0.25), stats.avgdl, 1.5, 0.75)
+        np.testing.assert_allclose(got, expected, rtol=0, atol=1e-10)
+
+
+def test_every_ignorable_is_removed_everywhere_in_the_pipeline():
+    a = Analyzer()
+    for cp in sorted(DEFAULT_IGNORABLE):
+        c = chr(cp)
+        assert a.tokens(f"Wiki{c}pedia") == ["wikipedia"], hex(cp)
+        assert a.tokens(f"\u6771{c}\u4eac") == ["\u6771", "\u6771\u4eac", "\u4eac"], hex(cp)
+        assert not has_visible_content(c + " " + c)
+    # a combining mark after an ignorable still composes with the letter before it
+    assert a.tokens("cafe\u200b\u0301") == a.tokens("caf\u00e9") == ["caf\u00e9"]
+    # NFKC maps HALFWIDTH HANGUL FILLER onto HANGUL FILLER: both ignorable
+    assert a.tokens("\uffa0ab\u3164c") == ["abc"]
+
+
+def test_strip_ignorable_and_visible_content():
+    assert strip_ignorable("Gesamt\u00adkonzept\ufe0f") == "Gesamtkonzept"
+    assert strip_ignorable("plain ascii") == "plain ascii"
+    for empty in ("", " \n\t", "\u200b", "\u200b\u2060", "\u00ad\ufeff\u200b", "\U000e0041\ufe0f \u180e"):
+        assert not has_visible_content(empty), ascii(empty)
+    for visible in ("a", "...", "\u200ba", "\u0600", "\U0001f600"):
+        assert has_visible_content(visible), ascii(visible)
+
+
+_IGNORABLES = sorted(DEFAULT_IGNORABLE)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.text(max_size=40), min_size=1, max_size=5),
+    st.text(max_size=20),
+    st.data(),
+)
+def test_property_ignorable_insertions_change_nothing(docs, query, data):
+    """Random text with random Default_Ignorable insertions analyses and scores exactly as
+    without them (documents and query both)."""
+
+    def sprinkle(text: str) -> str:
+        n = data.draw(st.integers(0, 6))
+        out = list(text)
+        for _ in range(n):
+            pos = data.draw(st.integers(0, len(out)))
+            out.insert(pos, chr(data.draw(st.sampled_from(_IGNORABLES))))
+        return "".join(out)
+
+    a = Analyzer()
+    clean = [a.tokens(strip_ignorable(d)) for d in docs]
+    dirty = [a.tokens(sprinkle(d)) for d in docs]
+    assert dirty == clean
+    q_clean, q_dirty = a.tokens(strip_ignorable(query)), a.tokens(sprinkle(query))
+    assert q_dirty == q_clean
+    scores = []
+    for corpus, q in ((clean, q_clean), (dirty, q_dirty)):
+        index = B.PostingsIndex()
+        for slot, toks in enumerate(corpus):
+            index.add(slot, toks)
+        stats = B.CorpusStats.merge_full([index.full_stats()])
+        slots = np.arange(len(corpus), dtype=np.int64)
+        scores.append(index.score(slots, q, stats.query_idf(q, 0.25), stats.avgdl, 1.5, 0.75))
+    assert scores[0].tobytes() == scores[1].tobytes()  # bit-identical

@@ -1,71 +1,185 @@
-"""Tests for oprag_server.operators.chunking.chunk_text."""
+"""Tests for oprag_server.operators.chunking: natural boundaries, sizes in the embedder's tokens.
+
+Guarantees kept from the character chunker: no empty chunk, nothing dropped but whitespace
+between chunks (documented), no code point split, every chunk a substring of the input.
+"""
 
 from __future__ import annotations
 
+import os
 import pathlib
-import sys
+import re
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-try:
-    from oprag_server.operators.chunking import chunk_text
-except ImportError:  # package not installed in the venv: import from the source tree
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "server"))
-    from oprag_server.operators.chunking import chunk_text
+from oprag_server.index import bm25 as B
+from oprag_server.index.analyzer import Analyzer
+from oprag_server.models.encoder import resolve_encoder_path
+from oprag_server.operators.chunking import Chunker, chunk_text
+
+# the project's shared/ folder lies beside the repository (OPRAG_WIKITEXT overrides)
+WIKITEXT = pathlib.Path(os.environ.get("OPRAG_WIKITEXT") or pathlib.Path(__file__).resolve().parents[3]
+                        / "shared" / "data" / "wikitext-2" / "valid.txt")
+_WS = re.compile(r"\s+")
 
 
-def lens(pieces):
-    return [len(p) for p in pieces]
+@pytest.fixture(scope="module")
+def minilm():
+    """The embedder's tokenizer (no truncation) and a Chunker over it at the default size."""
+    from transformers import AutoTokenizer
+
+    path = resolve_encoder_path("minilm")
+    tok = AutoTokenizer.from_pretrained(str(path)).backend_tokenizer
+    tok.no_truncation()
+    tok.no_padding()
+    return tok, Chunker.for_model(path, 256, 256)
 
 
-def test_cjk_903():
-    text = "".join(chr(0x4E00 + i) for i in range(903))
-    pieces = chunk_text(text)
-    assert lens(pieces) == [900, 3]
-    assert "".join(pieces) == text
+def n_tokens(tok, text: str) -> int:
+    """Tokens as the embedder counts them, [CLS] and [SEP] included."""
+    return len(tok.encode(text, add_special_tokens=True).ids)
 
 
-def test_ascii_1801():
-    text = "".join("abcdefghij"[i % 10] for i in range(1801))
-    pieces = chunk_text(text)
-    assert lens(pieces) == [900, 900, 1]
-    assert "".join(pieces) == text
+def check_guarantees(chunker: Chunker, text: str) -> list[str]:
+    spans = chunker.spans(text)
+    pieces = [c for _, c in spans]
+    assert all(p and p == p.strip() for p in pieces)  # none empty, trimmed
+    pos = 0
+    for start, c in spans:
+        assert text[start : start + len(c)] == c  # a substring: no code point split or changed
+        if chunker.overlap == 0:
+            assert start >= pos and not text[pos:start].strip()  # only whitespace between chunks
+            pos = start + len(c)
+    if chunker.overlap == 0:
+        assert not text[pos:].strip()
+        # join == input modulo the whitespace between chunks
+        assert _WS.sub("", "".join(pieces)) == _WS.sub("", text)
+    return pieces
 
 
-def test_ascii_1800():
-    text = "x" * 1800
-    assert lens(chunk_text(text)) == [900, 900]
+def test_issue_case_word_never_cut(minilm):
+    """Issue 15 item 2: ``"a " * 448 + "photosynthesis"`` was cut as ``...a phot | osynthesis``."""
+    tok, chunker = minilm
+    text = "a " * 448 + "photosynthesis"
+    pieces = check_guarantees(chunker, text)
+    assert len(pieces) == 2
+    assert pieces[-1].endswith(" photosynthesis")
+    assert sum(p.split().count("photosynthesis") for p in pieces) == 1
+    assert all(n_tokens(tok, p) <= 256 for p in pieces)
+    # and at the old character size: still whole
+    assert chunk_text(text, 900)[-1].endswith("photosynthesis")
+    assert all("phot" not in p or "photosynthesis" in p for p in chunk_text(text, 900))
 
 
-def test_empty_and_short():
+def test_issue_case_found_by_bm25_over_the_chunks(minilm):
+    _, chunker = minilm
+    a = Analyzer()
+    docs = ["a " * 448 + "photosynthesis", "Plants need light. " * 30, "The river floods every spring."]
+    pieces = [p for d in docs for p in chunker.chunks(d)]
+    corpus = [a.tokens(p) for p in pieces]
+    index = B.PostingsIndex()
+    for slot, toks in enumerate(corpus):
+        index.add(slot, toks)
+    stats = B.CorpusStats.merge_full([index.full_stats()])
+    q = a.tokens("photosynthesis")
+    scores = index.score(np.arange(len(pieces), dtype=np.int64), q, stats.query_idf(q, 0.25), stats.avgdl, 1.5, 0.75)
+    best = int(np.argmax(scores))
+    assert scores[best] > 0 and "photosynthesis" in pieces[best]
+    assert int((scores > 0).sum()) == 1
+    from rank_bm25 import BM25Okapi
+
+    np.testing.assert_allclose(scores, BM25Okapi(corpus).get_scores(q), rtol=0, atol=1e-9)
+    assert not any("osynthesis" in t and t != "photosynthesis" for toks in corpus for t in toks)
+
+
+def test_boundaries_paragraph_then_sentence_then_word():
+    para = "First sentence here. Second sentence here."
+    text = f"{para}\n\n{para}"
+    assert chunk_text(text, 60) == [para, para]  # the paragraph break first
+    assert chunk_text(para, 30) == ["First sentence here.", "Second sentence here."]  # then sentences
+    assert chunk_text("alpha beta gamma delta", 11) == ["alpha beta", "gamma delta"]  # then words
+    # a single word longer than a chunk is the only thing cut inside
+    assert chunk_text("tiny supercalifragilistic end", 10) == ["tiny", "supercalif", "ragilistic", "end"]
+
+
+def test_sizes_in_tokens_never_exceed_the_window(minilm):
+    tok, chunker = minilm
+    assert (chunker.size, chunker.n_special, chunker.capacity) == (256, 2, 254)
+    digits = " ".join(str(i % 10) for i in range(1200))  # 1,200 tokens
+    text = digits + "\n\n" + "Plain English prose about gardens and rivers. " * 80
+    pieces = check_guarantees(chunker, text)
+    lens = [n_tokens(tok, p) for p in pieces]
+    assert max(lens) <= 256 and min(lens) > 2
+    small = Chunker(40, tokenizer=tok, max_tokens=256)
+    assert max(n_tokens(tok, p) for p in check_guarantees(small, text)) <= 40
+    # a size above the window is lowered to it
+    assert Chunker(1000, tokenizer=tok, max_tokens=256).size == 256
+
+
+def test_wikitext_chunks_fit_and_cover(minilm):
+    if not WIKITEXT.is_file():
+        pytest.skip(f"{WIKITEXT} not present")
+    from oprag_client.loaders import load_wikitext
+
+    tok, chunker = minilm
+    docs = list(load_wikitext([WIKITEXT]))[:15]
+    for d in docs:
+        pieces = check_guarantees(chunker, d.text)
+        lens = [n_tokens(tok, p) for p in pieces]
+        assert max(lens) <= 256
+        # no cut inside a word: each chunk starts and ends on a word of the text
+        words = set(d.text.split())
+        assert all(p.split()[0] in words and p.split()[-1] in words for p in pieces)
+
+
+def test_overlap_in_tokens(minilm):
+    tok, _ = minilm
+    text = " ".join(f"w{i}" for i in range(300))
+    chunker = Chunker(60, 20, tokenizer=tok, max_tokens=256)
+    spans = chunker.spans(text)
+    check_guarantees(chunker, text)
+    assert all(n_tokens(tok, c) <= 60 for _, c in spans)
+    ends = [s + len(c) for s, c in spans]
+    assert any(spans[i + 1][0] < ends[i] for i in range(len(spans) - 1))  # they do overlap
+    covered = set()
+    for s, c in spans:
+        covered.update(range(s, s + len(c)))
+    assert all(i in covered for i, ch in enumerate(text) if not ch.isspace())  # nothing dropped
+
+
+def test_for_encoder_without_a_model_directory():
+    """An encoder without a Hugging Face tokenizer (the hashing fake) is counted through its
+    ``token_lengths``; chunks still fit its window and keep words whole."""
+    from oprag_server.models.encoder import HashingEncoder
+
+    enc = HashingEncoder(dim=16, max_tokens=12)
+    chunker = Chunker.for_encoder(enc, 256)
+    assert (chunker.size, chunker.n_special, chunker.capacity) == (12, 2, 10)
+    text = "a " * 48 + "photosynthesis. Second sentence, with punctuation!"
+    pieces = check_guarantees(chunker, text)
+    assert all(n <= 12 for n in enc.token_lengths(pieces))
+    assert sum(p.split().count("photosynthesis.") for p in pieces) == 1
+
+
+def test_empty_invisible_and_short():
     assert chunk_text("") == []
+    assert chunk_text("   \n\n ") == []
+    assert chunk_text("\u200b\u2060 \u00ad\ufeff") == []  # only default-ignorable characters
     assert chunk_text("a") == ["a"]
     assert chunk_text("a" * 900) == ["a" * 900]
 
 
-def test_astral_never_split():
+def test_astral_and_clusters_never_split():
     emoji = "\U0001F600\U0001F680\U00020000"  # 2 emoji + CJK ext-B ideograph
     text = (emoji * 400)[:1000]
-    pieces = chunk_text(text, size=7)
+    pieces = check_guarantees(Chunker(7), text)
     assert "".join(pieces) == text
-    for p in pieces:
-        # every piece is valid UTF-8 without surrogates: no code point was split
-        p.encode("utf-8")
-        assert all(ord(c) >= 0x10000 for c in p)
-    assert lens(pieces)[:-1] == [7] * (len(pieces) - 1)
-
-
-def test_overlap():
-    assert chunk_text("abcdefg", 4, 2) == ["abcd", "cdef", "efg"]
-    assert chunk_text("abcdefgh", 4, 2) == ["abcd", "cdef", "efgh"]  # no tiny "gh" window
-    assert chunk_text("abcde", 4, 3) == ["abcd", "bcde"]
-    text = "".join(chr(0x61 + i % 26) for i in range(2000))
-    pieces = chunk_text(text, 900, 100)
-    assert lens(pieces) == [900, 900, 400]
-    assert pieces[1][:100] == pieces[0][-100:]
-    assert pieces[-1] == text[1600:]
+    assert all(len(p) <= 7 for p in pieces)
+    clusters = "e\u0301" * 20  # grapheme clusters: cut between clusters, never inside
+    assert all(p.startswith("e") and p.endswith("\u0301") for p in chunk_text(clusters, 5))
 
 
 @pytest.mark.parametrize("size,overlap", [(0, 0), (-1, 0), (10, 10), (10, -1), (10, 11)])
@@ -74,35 +188,36 @@ def test_bad_args(size, overlap):
         chunk_text("abc", size, overlap)
 
 
-def test_bad_types():
+def test_bad_types_and_no_room(minilm):
+    tok, _ = minilm
     with pytest.raises(TypeError):
         chunk_text(b"abc")  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         chunk_text("abc", 2.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="special tokens"):
+        Chunker(2, tokenizer=tok, max_tokens=256)
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.text(max_size=300), st.integers(1, 50))
-def test_property_no_overlap(text, size):
-    pieces = chunk_text(text, size)
-    assert all(pieces)
+def test_property_code_points(text, size):
+    chunker = Chunker(size)
+    pieces = check_guarantees(chunker, text)
     assert all(len(p) <= size for p in pieces)
-    assert "".join(pieces) == text
-    assert all(len(p) == size for p in pieces[:-1])
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.text(max_size=300), st.integers(1, 50), st.data())
-def test_property_overlap(text, size, data):
-    overlap = data.draw(st.integers(0, size - 1))
-    pieces = chunk_text(text, size, overlap)
-    assert all(pieces) and all(len(p) <= size for p in pieces)
-    if not text:
-        assert pieces == []
-        return
-    step = size - overlap
-    for i, p in enumerate(pieces):
-        assert p == text[i * step : i * step + size]
-    assert pieces[-1] == text[(len(pieces) - 1) * step :]  # last window ends at len(text)
-    if len(pieces) > 1:  # the last window adds something beyond the previous one
-        assert (len(pieces) - 2) * step + size < len(text)
+_WORDS = st.sampled_from(["a", "the", "photosynthesis", "Wiki\u200bpedia", "東京都", "e\u0301t\u00e9", "42", "x-ray"])
+_SEPS = st.sampled_from([" ", " ", " ", ". ", ", ", "\n", "\n\n", "\t"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(_WORDS, _SEPS), max_size=400), st.integers(8, 256))
+def test_property_tokens_and_whole_words(minilm, parts, size):
+    tok, _ = minilm
+    text = "".join(w + s for w, s in parts)
+    chunker = Chunker(size, tokenizer=tok, max_tokens=256)
+    pieces = check_guarantees(chunker, text)
+    assert all(n_tokens(tok, p) <= size for p in pieces)
+    words = {w for w, _ in parts}
+    # every word fits a chunk at these sizes, so every chunk is made of whole words
+    assert all(set(re.split(r"[\s.,]+", p)) - {""} <= words for p in pieces)

@@ -1,12 +1,16 @@
-"""The ingest Transform stage with the real MiniLM tokenizer: over-long chunks are split again
-at token boundaries, never truncated, and each piece fits the embedder."""
+"""The ingest Transform stage with the real MiniLM tokenizer: chunks end on natural boundaries
+and fit the embedder's window as they come out of the chunker (nothing split again, nothing
+truncated); document validation rejects empty and invisible-only texts."""
 
 from __future__ import annotations
+
+import re
+from types import SimpleNamespace
 
 import pytest
 
 from oprag_server.config import ChunkingConfig, IngestConfig, LimitsConfig
-from oprag_server.engine.ingest import IngestPipeline, IngestResult, _Doc
+from oprag_server.engine.ingest import IngestPipeline, IngestResult, _Doc, validate_document
 from oprag_server.models.encoder import TransformersEncoder
 from oprag_server.service.metrics import Metrics
 
@@ -18,28 +22,70 @@ def encoder():
     return e
 
 
-def _pipeline(encoder, size=900):
+def _pipeline(encoder, size=256, overlap=0):
     return IngestPipeline(
-        encoder=encoder, pool=None, commit=None, chunking=ChunkingConfig(size=size), cfg=IngestConfig(),
-        limits=LimitsConfig(), embedder=None, metrics=Metrics(), next_generation=lambda: 1,
+        encoder=encoder, pool=None, commit=None, chunking=ChunkingConfig(size=size, overlap=overlap),
+        cfg=IngestConfig(), limits=LimitsConfig(), embedder=None, metrics=Metrics(), next_generation=lambda: 1,
     )
 
 
-def test_over_long_chunk_is_split_to_fit(encoder):
+def test_over_long_text_is_chunked_to_fit(encoder):
     text = " ".join(str(i % 10) for i in range(1200))  # 2,399 chars; every digit is a token
     p = _pipeline(encoder)
     res = IngestResult()
     chunks = p._transform([_Doc(0, "digits", "", text, {}, 1)], res)
-    assert res.chunks_split > 0
+    assert res.chunks_split == 0  # the chunker already fits the window: no second split
     assert all(len(c.ids) <= encoder.max_tokens for c in chunks)
-    assert "".join(c.text for c in chunks) == text  # nothing dropped, nothing duplicated
+    assert max(len(c.ids) for c in chunks) == encoder.max_tokens  # filled up to the window
+    assert " ".join(c.text for c in chunks) == text  # nothing dropped, nothing duplicated
     assert [c.ordinal for c in chunks] == list(range(len(chunks)))
-    assert p.metrics.chunks_split._value.get() == res.chunks_split
+    assert all(c.ids == encoder.tokenize([c.text])[0] for c in chunks)
 
 
-def test_ordinary_chunks_are_not_split(encoder):
-    text = "Plain English prose about gardens and rivers. " * 40
+def test_issue_case_photosynthesis_kept_whole(encoder):
+    text = "a " * 448 + "photosynthesis"
     res = IngestResult()
-    chunks = _pipeline(encoder)._transform([_Doc(0, "prose", "", text, {}, 1)], res)
+    chunks = _pipeline(encoder)._transform([_Doc(0, "p", "", text, {}, 1)], res)
     assert res.chunks_split == 0
-    assert [len(c.text) for c in chunks] == [900, 900, len(text) - 1800]
+    assert chunks[-1].text.endswith(" photosynthesis")
+    assert sum(c.text.split().count("photosynthesis") for c in chunks) == 1
+    assert all(len(c.ids) <= encoder.max_tokens for c in chunks)
+
+
+def test_chunk_size_and_overlap_in_tokens(encoder):
+    paras = [f"Paragraph {i} tells of the quince harvest of year {1900 + i}. " * 6 for i in range(5)]
+    text = "\n\n".join(p.strip() for p in paras)
+    res = IngestResult()
+    chunks = _pipeline(encoder, size=100)._transform([_Doc(0, "q", "", text, {}, 1)], res)
+    assert all(len(c.ids) <= 100 for c in chunks)
+    assert re.sub(r"\s+", "", "".join(c.text for c in chunks)) == re.sub(r"\s+", "", text)
+    over = _pipeline(encoder, size=100, overlap=30)._transform([_Doc(0, "q", "", text, {}, 1)], IngestResult())
+    assert len(over) >= len(chunks) and all(len(c.ids) <= 100 for c in over)
+
+
+def test_safety_net_splits_what_still_does_not_fit(encoder):
+    """Should the chunker ever return a piece over the window, it is split, counted, not truncated."""
+    p = _pipeline(encoder)
+    long = " ".join(str(i % 10) for i in range(600))
+    p.chunker = SimpleNamespace(chunks=lambda text: [text])  # a chunker that does not cut
+    res = IngestResult()
+    chunks = p._transform([_Doc(0, "digits", "", long, {}, 1)], res)
+    assert res.chunks_split == len(chunks) > 1 and p.metrics.chunks_split._value.get() == res.chunks_split
+    assert "".join(c.text for c in chunks) == long
+    assert all(len(c.ids) <= encoder.max_tokens for c in chunks)
+
+
+def _doc(text, id="d", title=""):
+    return SimpleNamespace(id=id, title=title, text=text, metadata={})
+
+
+@pytest.mark.parametrize("text", ["", "   \n", "\u200b", "\u200b\u2060", "\u00ad\ufeff\u200b", "\ufe0f \U000e0041\n"])
+def test_empty_and_invisible_documents_rejected(text):
+    """Issue 15 item 6: text made only of whitespace / Default_Ignorable code points is empty."""
+    reason = validate_document(_doc(text), LimitsConfig())
+    assert reason is not None and "text is empty" in reason
+
+
+@pytest.mark.parametrize("text", ["a", "...", "\u200bWiki\u200bpedia", "\u0600"])
+def test_visible_documents_accepted(text):
+    assert validate_document(_doc(text), LimitsConfig()) is None

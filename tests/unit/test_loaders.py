@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from oprag_client.evaluate import doc_ranking, mrr_at_k, ndcg_at_k, recall_at_k
-from oprag_client.loaders import load_text, wikitext_articles
+from oprag_client.loaders import load_text, load_wikitext, wikitext_articles, wikitext_detok
 
 
 def test_text_loader_skips_binary_and_non_utf8(tmp_path, capsys):
@@ -20,10 +20,59 @@ def test_text_loader_skips_binary_and_non_utf8(tmp_path, capsys):
 
 
 def test_wikitext_articles_split_and_detokenise():
-    text = " = Alpha = \n\n Alpha is a 3 @,@ 000 @-@ year @-@ old city . \n = = History = = \n Old . \n = Beta = \n Beta . \n"
+    text = (" \n = Alpha = \n \n Alpha is a 3 @,@ 000 @-@ year @-@ old city . \n \n = = History = = \n \n Old . \n"
+            " \n = Beta = \n \n Beta . \n")
     arts = list(wikitext_articles(text))
     assert [t for t, _ in arts] == ["Alpha", "Beta"]
     assert "3,000-year-old" in arts[0][1] and "= = History = =" in arts[0][1]
+
+
+# WikiText-2/103 raw layout: " = Title = " between blank lines (" " lines), sections " = = S = = ",
+# paragraphs one per line, sometimes with no blank line between them.
+WIKI = (
+    " \n = Homarus gammarus = \n \n"
+    " Homarus gammarus is a lobster . \n \n"
+    " = = Description = = \n \n"
+    " The engine gives a thrust of \n"
+    " = 1 <unk> / s and a nominal <unk> k = \n"
+    " at sea level , 1 @,@ 200 @-@ odd trials . \n"
+    " \n = M @-@ 82 ( Michigan highway ) = \n \n"
+    " M @-@ 82 is a state trunkline highway . \n"
+    " = 3 @.@ 5 x = \n"
+    " \n = <unk> <unk> = \n \n First . \n"
+    " \n = <unk> <unk> = \n \n Second . \n"
+)
+
+
+def test_wikitext_formula_lines_are_not_headings():
+    arts = list(wikitext_articles(WIKI))
+    assert [t for t, _ in arts] == ["Homarus gammarus", "M-82 ( Michigan highway )", "<unk> <unk>", "<unk> <unk>"]
+    lobster = arts[0][1]
+    assert "= 1 <unk> / s and a nominal <unk> k =" in lobster  # the formula stays in its article
+    assert lobster.endswith("at sea level , 1,200-odd trials .")  # and so does the rest of it
+    assert arts[1][1] == "M-82 is a state trunkline highway .\n= 3.5 x ="
+
+
+def test_wikitext_titles_detokenised_like_texts():
+    for raw in ("M @-@ 82", "1 @,@ 000 @.@ 5", "<unk> @-@ <unk>"):
+        title = next(wikitext_articles(f" = {raw} = \n \n Body with {raw} . \n"))[0]
+        assert title == wikitext_detok(raw)
+        assert wikitext_detok(f"Body with {raw} .") == f"Body with {title} ."
+    assert wikitext_detok("M @-@ 82 , 1 @,@ 000 @.@ 5") == "M-82 , 1,000.5"
+
+
+def test_load_wikitext_file(tmp_path):
+    f = tmp_path / "wiki.valid.tokens"
+    f.write_text(WIKI + " \n = Empty = \n \n", encoding="utf-8")
+    docs = list(load_wikitext([f]))
+    assert [d.id for d in docs] == [
+        "wiki.valid:Homarus gammarus", "wiki.valid:M-82 ( Michigan highway )",
+        "wiki.valid:<unk> <unk>", "wiki.valid:<unk> <unk>#2",
+    ]
+    assert [d.title for d in docs][:2] == ["Homarus gammarus", "M-82 ( Michigan highway )"]
+    assert all(d.metadata == {"source": "wiki.valid.tokens"} for d in docs)
+    assert "nominal <unk> k" in docs[0].text and "@" not in docs[0].text
+    assert [d.text for d in docs[2:]] == ["First .", "Second ."]
 
 
 def test_ir_metrics_follow_their_definitions():

@@ -2,9 +2,10 @@
 queues (backpressure: a slow stage stalls the ones before it, nothing buffers without bound).
 
 * Load: reads the client stream, validates each document (rejections carry a reason).
-* Transform: character chunking, tokenisation on CPU ahead of the model, a second split of any
-  chunk longer than the embedder's token limit (never silent truncation), and content hashes:
-  a chunk whose text is unchanged from the stored version of its document reuses its vector.
+* Transform: chunking on natural boundaries (paragraph, sentence, word) measured in the
+  embedder's tokens so that every chunk fits its window (:mod:`..operators.chunking`; never
+  truncation), tokenisation on CPU ahead of the model, and content hashes: a chunk whose text
+  is unchanged from the stored version of its document reuses its vector.
 * Embed: batches the remaining chunks across documents, grouped by token length.
 * Upsert: routes chunks to shards by the stable hash of their document id and stages coalesced
   bulk batches of ``upsert_batch`` chunks per shard.
@@ -30,7 +31,8 @@ import numpy as np
 
 from .. import records
 from ..config import ChunkingConfig, IngestConfig, LimitsConfig
-from ..operators.chunking import chunk_text
+from ..index.analyzer import has_visible_content
+from ..operators.chunking import Chunker
 from ..shards.pool import ShardPool
 from ..shards.protocol import AbortRequest, ApplyReply, Op, ReuseRequest, StageRequest
 
@@ -76,15 +78,20 @@ class _Chunk:
 
 
 def validate_document(doc: Any, limits: LimitsConfig) -> str | None:
-    """Reason a document cannot be stored, or None. ``doc`` has id, title, text, metadata."""
+    """Reason a document cannot be stored, or None. ``doc`` has id, title, text, metadata.
+
+    A text with no visible character (only whitespace and Unicode Default_Ignorable code
+    points such as U+200B, U+00AD, U+FEFF; :func:`~oprag_server.index.analyzer.has_visible_content`)
+    is empty.
+    """
     if not doc.id:
         return "id is empty: give every document a non-empty id"
     if len(doc.id.encode()) > limits.max_doc_id_bytes:
         return f"id is longer than {limits.max_doc_id_bytes} bytes: use a shorter id"
     if "\x00" in doc.id:
         return "id contains a NUL character"
-    if not doc.text or not doc.text.strip():
-        return "text is empty: send the document's text"
+    if not has_visible_content(doc.text):  # "", whitespace, or only Default_Ignorable code points
+        return "text is empty (nothing but whitespace or invisible characters): send the document's text"
     size = len(doc.text.encode()) + len(doc.title.encode())
     if size > limits.max_document_bytes:
         return f"document is {size} bytes; the limit is {limits.max_document_bytes}: split it into several documents"
@@ -115,6 +122,8 @@ class IngestPipeline:
         self.pool = pool
         self.commit = commit  # async (txn, kind) -> (seq, per-shard ApplyReply): two-phase commit
         self.chunking = chunking
+        # counts with the embedder's own tokenizer; chunks never exceed its window
+        self.chunker = Chunker.for_encoder(encoder, chunking.size, chunking.overlap)
         self.cfg = cfg
         self.limits = limits
         self.embedder = embedder
@@ -293,12 +302,13 @@ class IngestPipeline:
         return res
 
     def _transform(self, docs: list[_Doc], res: IngestResult) -> list[_Chunk]:
-        """Chunk, tokenise and split over-long chunks (runs in a CPU thread)."""
-        pieces: list[tuple[_Doc, str]] = []
-        for d in docs:
-            for p in chunk_text(d.text, self.chunking.size, self.chunking.overlap):
-                if p.strip():
-                    pieces.append((d, p))
+        """Chunk and tokenise (runs in a CPU thread).
+
+        The chunker already keeps every chunk within the embedder's window; a chunk that still
+        tokenises longer (not expected: the chunker counts with the same tokenizer) is split at
+        token boundaries and counted in ``chunks_split``, never truncated.
+        """
+        pieces = [(d, p) for d in docs for p in self.chunker.chunks(d.text)]
         if not pieces:
             return []
         ids = self.encoder.tokenize([p for _, p in pieces])

@@ -6,6 +6,12 @@ strings, so every normalisation step below applies identically on both sides.
 
 Pipeline of :meth:`Analyzer.tokens`:
 
+0. Removal of every ``Default_Ignorable_Code_Point`` (Unicode property, UAX #44; see
+   :func:`strip_ignorable`): soft hyphen U+00AD, zero-width space U+200B, ZWNJ/ZWJ, word
+   joiner U+2060, BOM U+FEFF, bidi controls, variation selectors, U+180E, U+034F, tag
+   characters, ...  They are invisible and do not separate words, so ``"Wiki\\u200Bpedia"``
+   analyses as ``["wikipedia"]`` (NFKC_Casefold of UAX #15/#31 also maps them to nothing,
+   and the embedder's tokenizer drops them too).
 1. Unicode normalisation ``NFKC`` (``unicodedata.normalize``), then ``str.casefold``,
    then ``NFKC`` again (casefolding can produce non-normalised sequences, e.g.
    ``"İ".casefold() == "i\u0307"``; the second pass makes the result stable).  This is
@@ -43,7 +49,7 @@ import re
 import sys
 import unicodedata
 
-__all__ = ["Analyzer"]
+__all__ = ["Analyzer", "DEFAULT_IGNORABLE", "has_visible_content", "strip_ignorable"]
 
 # Scripts written without spaces between words.  NFKC maps half-width katakana
 # (U+FF66..U+FF9F) and compatibility ideographs to these blocks before matching.
@@ -75,24 +81,99 @@ def _mark_class() -> str:
     Marks only occur in planes 0, 1 and 14 (U+E0100..U+E01EF variation selectors), so
     only those are scanned (~25 ms once, at import).
     """
-    parts: list[str] = []
-    start = prev = -1
-    for lo, hi in ((0, 0x20000), (0xE0000, 0xE1000)):
-        for cp in range(lo, min(hi, sys.maxunicode + 1)):
-            if unicodedata.category(chr(cp))[0] == "M":
-                if start < 0:
-                    start = cp
-                prev = cp
-            elif start >= 0:
-                parts.append(_range(start, prev))
-                start = -1
-    if start >= 0:
-        parts.append(_range(start, prev))
-    return "".join(parts)
+    return _class_of(
+        cp
+        for lo, hi in ((0, 0x20000), (0xE0000, 0xE1000))
+        for cp in range(lo, min(hi, sys.maxunicode + 1))
+        if unicodedata.category(chr(cp))[0] == "M"
+    )
 
 
 def _range(a: int, b: int) -> str:
     return re.escape(chr(a)) if a == b else f"{re.escape(chr(a))}-{re.escape(chr(b))}"
+
+
+# --- Default_Ignorable_Code_Point -------------------------------------------------------
+# Unicode DerivedCoreProperties.txt (15.0/15.1/16.0) defines the property as
+#   # Derived Property: Default_Ignorable_Code_Point
+#   #  Generated from
+#   #    Other_Default_Ignorable_Code_Point
+#   #  + Cf (Format characters)
+#   #  + Variation_Selector
+#   #  - White_Space
+#   #  - FFF9..FFFB (Interlinear annotation format characters)
+#   #  - 13430..1343F (Egyptian hieroglyph format characters)
+#   #  - Prepended_Concatenation_Mark (Exceptional format characters that should be visible)
+# Python's unicodedata has no property lookup, so the set is built from that definition:
+# Cf comes from unicodedata.category (the interpreter's Unicode version), the contributory
+# properties are copied from PropList.txt (Unicode 15.1, unchanged in 16.0).
+_OTHER_DEFAULT_IGNORABLE = (  # PropList.txt: Other_Default_Ignorable_Code_Point
+    (0x034F, 0x034F), (0x115F, 0x1160), (0x17B4, 0x17B5), (0x2065, 0x2065), (0x3164, 0x3164),
+    (0xFFA0, 0xFFA0), (0xFFF0, 0xFFF8), (0xE0000, 0xE0000), (0xE0002, 0xE001F),
+    (0xE0080, 0xE00FF), (0xE01F0, 0xE0FFF),
+)
+_VARIATION_SELECTOR = (  # PropList.txt: Variation_Selector
+    (0x180B, 0x180D), (0x180F, 0x180F), (0xFE00, 0xFE0F), (0xE0100, 0xE01EF),
+)
+_PREPENDED_CONCATENATION_MARK = (  # PropList.txt: Prepended_Concatenation_Mark
+    (0x0600, 0x0605), (0x06DD, 0x06DD), (0x070F, 0x070F), (0x0890, 0x0891), (0x08E2, 0x08E2),
+    (0x110BD, 0x110BD), (0x110CD, 0x110CD),
+)
+_NOT_IGNORABLE = ((0xFFF9, 0xFFFB), (0x13430, 0x1343F)) + _PREPENDED_CONCATENATION_MARK
+
+
+def _default_ignorable() -> frozenset[int]:
+    """Code points with Default_Ignorable_Code_Point=Yes (definition above; ~4,170 of them)."""
+    cps = {cp for lo, hi in _OTHER_DEFAULT_IGNORABLE + _VARIATION_SELECTOR for cp in range(lo, hi + 1)}
+    # Cf occurs in planes 0, 1 and 14 only
+    for lo, hi in ((0, 0x20000), (0xE0000, 0xE1000)):
+        cps.update(cp for cp in range(lo, hi) if unicodedata.category(chr(cp)) == "Cf")
+    cps.difference_update(cp for cp in list(cps) if chr(cp).isspace())  # - White_Space
+    for lo, hi in _NOT_IGNORABLE:
+        cps.difference_update(range(lo, hi + 1))
+    return frozenset(cps)
+
+
+def _class_of(cps) -> str:
+    """Regex character-class body for a set of code points (merged ranges)."""
+    parts: list[str] = []
+    run: list[int] = []
+    for cp in sorted(cps):
+        if run and cp == run[-1] + 1:
+            run[-1] = cp
+        else:
+            if run:
+                parts.append(_range(*run))
+            run = [cp, cp]
+    if run:
+        parts.append(_range(*run))
+    return "".join(parts)
+
+
+DEFAULT_IGNORABLE: frozenset[int] = _default_ignorable()
+_IGNORABLE_RE = re.compile(f"[{_class_of(DEFAULT_IGNORABLE)}]+")
+
+
+def strip_ignorable(text: str) -> str:
+    """``text`` without its Default_Ignorable_Code_Point characters (see :data:`DEFAULT_IGNORABLE`).
+
+    ASCII text is returned as is (no ASCII code point is default-ignorable).  Nothing else
+    changes: no normalisation, no case folding.
+
+    :param text: any ``str``.
+    :returns: ``str``, ``len(result) <= len(text)``.
+    """
+    return text if text.isascii() else _IGNORABLE_RE.sub("", text)
+
+
+def has_visible_content(text: str) -> bool:
+    r"""True when ``text`` has a character that is neither whitespace nor default-ignorable.
+
+    ``"\u200B"``, ``"\u200B\u2060"``, ``"\u00AD\uFEFF\u200B \n"`` and ``""`` are not
+    content; ``"..."`` is (punctuation is visible even though it yields no BM25 token).
+    Used to reject empty questions and documents.
+    """
+    return bool(strip_ignorable(text).strip())
 
 
 _MARKS = _mark_class()
@@ -104,11 +185,15 @@ _ASCII_RE = re.compile(r"[a-z0-9]+")
 
 
 def _normalize(text: str) -> str:
-    """NFKC -> casefold -> NFKC (see module docstring). ASCII: ``str.lower``."""
+    """Default-ignorables removed -> NFKC -> casefold -> NFKC (see module docstring).
+
+    ASCII: ``str.lower``.  The removal runs again at the end because NFKC maps a few
+    compatibility characters onto default-ignorables (U+FFA0 -> U+3164 HANGUL FILLER).
+    """
     if text.isascii():
         return text.lower()
-    t = unicodedata.normalize("NFKC", text).casefold()
-    return t if t.isascii() else unicodedata.normalize("NFKC", t)
+    t = unicodedata.normalize("NFKC", _IGNORABLE_RE.sub("", text)).casefold()
+    return t if t.isascii() else _IGNORABLE_RE.sub("", unicodedata.normalize("NFKC", t))
 
 
 class Analyzer:

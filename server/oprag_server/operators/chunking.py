@@ -1,58 +1,165 @@
-"""Fixed-size character chunking.
+"""Chunking on natural boundaries, measured in the embedder's tokens.
 
-Units: sizes are counted in Unicode code points (Python ``str`` indexing), so a code
-point -- including astral-plane characters such as emoji or CJK extension B
-ideographs -- is never split.  Grapheme clusters made of several code points (e.g.
-``"e" + U+0301``, ZWJ emoji sequences, flags) *can* be split across two chunks.
+The splitting itself is done by the ``semantic-text-splitter`` package (``TextSplitter``, Rust):
+it cuts at the largest semantic unit that lets a chunk fit, in this order of preference
+
+1. runs of newlines (a longer run is a higher level: ``"\\n\\n"`` paragraphs before ``"\\n"`` lines),
+2. sentence boundaries (Unicode UAX #29),
+3. word boundaries (UAX #29),
+4. grapheme cluster boundaries, then code points -- reached only by a single word longer than
+   a chunk, the one thing ever cut inside,
+
+and merges neighbouring units up to the capacity. So ``"a " * 448 + "photosynthesis"`` keeps
+``photosynthesis`` whole, and a code point (or an ``"e"`` + U+0301 cluster) is never split.
+
+Size unit: with a ``tokenizers.Tokenizer`` (the embedder's, :meth:`Chunker.for_model`) a chunk's
+size is its token count *as the embedder counts it, special tokens included* (``[CLS]``/``[SEP]``
+for MiniLM), and no chunk exceeds ``min(size, max_tokens)``: nothing has to be split again or
+truncated before embedding. Without a tokenizer sizes are Unicode code points.
+
+Whitespace (documented, tested): chunks are trimmed (``chunk == chunk.strip()``), so ``"".join(chunks)`` equals the input
+with the whitespace between chunks removed; every chunk is a substring of the input, and with
+``overlap == 0`` the text between two consecutive chunks (and before the first / after the last)
+is whitespace only. A piece with no visible character (only whitespace and Unicode
+Default_Ignorable code points, :func:`~oprag_server.index.analyzer.has_visible_content`) is not
+a chunk. No chunk is empty.
 """
 
 from __future__ import annotations
 
-__all__ = ["chunk_text"]
+from collections.abc import Callable
+from typing import Any
+
+from semantic_text_splitter import TextSplitter
+
+from ..index.analyzer import has_visible_content
+
+__all__ = ["Chunker", "chunk_text"]
 
 
-def chunk_text(text: str, size: int = 900, overlap: int = 0) -> list[str]:
-    """Split ``text`` into windows of ``size`` code points advancing by ``size - overlap``.
-
-    Window ``i`` is ``text[i*step : i*step + size]`` with ``step = size - overlap``;
-    the last window is the first one that reaches the end of the text and it ends
-    exactly at ``len(text)`` (it may be shorter than ``size``, but always contains at
-    least one code point not in the previous window, so no window lies entirely
-    inside its predecessor).  Nothing is dropped and no chunk is empty.  With
-    ``overlap == 0``, ``"".join(chunk_text(t, s)) == t``.
-
-    Examples: 1,801 characters -> lengths ``[900, 900, 1]``; 1,800 -> ``[900, 900]``;
-    ``chunk_text("abcdefg", 4, 2)`` -> ``["abcd", "cdef", "efg"]``.
+class Chunker:
+    """Split texts into chunks of at most ``size`` units on natural boundaries (module docstring).
 
     Args:
-        text: input ``str``.
-        size: window length in code points, > 0.
-        overlap: code points shared by consecutive windows, ``0 <= overlap < size``.
-
-    Returns:
-        ``list[str]``; ``[]`` for ``""``; ``[text]`` when ``len(text) <= size``.
+        size: maximum chunk size, > 0: tokens including the embedder's special tokens (with
+            ``tokenizer`` or ``counter``), else code points.
+        overlap: units that consecutive chunks may share (upper bound; the splitter overlaps
+            whole units), ``0 <= overlap < size``.
+        tokenizer: a ``tokenizers.Tokenizer`` to count with, or None for code points. A copy is
+            used, with truncation and padding switched off.
+        max_tokens: the embedder's window in tokens, special tokens included; ``size`` above it
+            is lowered to it. Only with ``tokenizer`` or ``counter``.
+        counter: instead of ``tokenizer``, a function ``str -> int`` giving a text's token count
+            without special tokens (slower: called from the splitter for every candidate).
+        n_special: special tokens the embedder adds to each text, with ``counter``.
 
     Raises:
-        TypeError: ``text`` is not a ``str`` or ``size``/``overlap`` are not ints.
-        ValueError: ``size <= 0`` or ``overlap`` not in ``[0, size)``.
+        TypeError: ``size`` / ``overlap`` / ``max_tokens`` not int.
+        ValueError: ``size <= 0``, ``overlap`` not in ``[0, size)``, or no room left for text
+            once the special tokens are counted (``min(size, max_tokens) <= n_special``).
+
+    Attributes: ``size`` (int, effective maximum per chunk, special tokens included),
+    ``overlap`` (int), ``n_special`` (int, 0 when counting code points), ``capacity`` (int, text units
+    per chunk: ``size - n_special``).
     """
-    if not isinstance(text, str):
-        raise TypeError(f"text must be str, got {type(text).__name__}")
-    for name, v in (("size", size), ("overlap", overlap)):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise TypeError(f"{name} must be int, got {type(v).__name__}")
-    if size <= 0:
-        raise ValueError(f"size must be > 0, got {size}")
-    if not 0 <= overlap < size:
-        raise ValueError(f"overlap must be in [0, size={size}), got {overlap}")
-    n = len(text)
-    if n <= size:
-        return [text] if n else []
-    step = size - overlap
-    out: list[str] = []
-    start = 0
-    while start + size < n:
-        out.append(text[start : start + size])
-        start += step
-    out.append(text[start:])
-    return out
+
+    def __init__(self, size: int, overlap: int = 0, *, tokenizer: Any = None, max_tokens: int | None = None,
+                 counter: Callable[[str], int] | None = None, n_special: int = 0) -> None:
+        for name, v in (("size", size), ("overlap", overlap), ("max_tokens", max_tokens), ("n_special", n_special)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+                raise TypeError(f"{name} must be int, got {type(v).__name__}")
+        if size <= 0:
+            raise ValueError(f"size must be > 0, got {size}")
+        if not 0 <= overlap < size:
+            raise ValueError(f"overlap must be in [0, size={size}), got {overlap}")
+        self.n_special = n_special if counter is not None else 0
+        if (tokenizer is not None or counter is not None) and max_tokens is not None:
+            size = min(size, max_tokens)
+        if tokenizer is not None:
+            import copy
+
+            tokenizer = copy.deepcopy(tokenizer)
+            tokenizer.no_truncation()
+            tokenizer.no_padding()
+            self.n_special = int(tokenizer.num_special_tokens_to_add(False))
+        self.size = size
+        self.capacity = size - self.n_special
+        if self.capacity <= 0:
+            raise ValueError(f"chunk size {size} leaves no room for text next to {self.n_special} special tokens")
+        self.overlap = min(overlap, self.capacity - 1)
+        # the splitter counts tokens without special tokens: hence capacity = size - n_special
+        if tokenizer is not None:
+            self._splitter = TextSplitter.from_huggingface_tokenizer(tokenizer, self.capacity, self.overlap, trim=True)
+        elif counter is not None:
+            self._splitter = TextSplitter.from_callback(counter, self.capacity, self.overlap, trim=True)
+        else:
+            self._splitter = TextSplitter(self.capacity, self.overlap, trim=True)
+
+    @classmethod
+    def for_model(cls, path: Any, max_tokens: int, size: int, overlap: int = 0) -> Chunker:
+        """Chunker counting with the fast tokenizer of the Hugging Face model directory ``path``
+        (loaded as :class:`~oprag_server.models.encoder.TransformersEncoder` loads it).
+
+        :param path: model directory (``TransformersEncoder.path``).
+        :param max_tokens: the embedder's window (``TransformersEncoder.max_tokens``).
+        :raises ValueError: the directory has no fast tokenizer, or as :class:`Chunker`.
+        """
+        from transformers import AutoTokenizer
+
+        hf_tok = AutoTokenizer.from_pretrained(str(path))
+        if not getattr(hf_tok, "is_fast", False):
+            raise ValueError(f"{path}: no fast tokenizer (tokenizer.json) to count chunk tokens with")
+        return cls(size, overlap, tokenizer=hf_tok.backend_tokenizer, max_tokens=max_tokens)
+
+    @classmethod
+    def for_encoder(cls, encoder: Any, size: int, overlap: int = 0) -> Chunker:
+        """Chunker counting as ``encoder`` does: its Hugging Face tokenizer when it has a model
+        directory (``encoder.path``, :meth:`for_model`), else its ``token_lengths`` (e.g.
+        :class:`~oprag_server.models.encoder.HashingEncoder`).
+
+        :param encoder: has ``max_tokens`` and ``path`` or ``token_lengths(list[str]) -> list[int]``
+            (special tokens included).
+        """
+        path = getattr(encoder, "path", None)
+        if path is not None:
+            return cls.for_model(path, encoder.max_tokens, size, overlap)
+        n_special = int(encoder.token_lengths([""])[0])
+        return cls(size, overlap, max_tokens=encoder.max_tokens, n_special=n_special,
+                   counter=lambda text: encoder.token_lengths([text])[0] - n_special)
+
+    def __repr__(self) -> str:
+        return f"Chunker(size={self.size}, overlap={self.overlap}, n_special={self.n_special})"
+
+    def spans(self, text: str) -> list[tuple[int, str]]:
+        """``(start, chunk)`` pairs in text order, ``text[start:start + len(chunk)] == chunk``.
+
+        :param text: any ``str``.
+        :returns: ``[]`` when ``text`` has no visible character.
+        :raises TypeError: ``text`` is not a ``str``.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"text must be str, got {type(text).__name__}")
+        out = []
+        for i, c in self._splitter.chunk_indices(text):
+            if has_visible_content(c):
+                # the splitter trims Unicode White_Space; str.strip also takes U+001C..U+001F
+                s = c.strip()
+                out.append((i + len(c) - len(c.lstrip()), s))
+        return out
+
+    def chunks(self, text: str) -> list[str]:
+        """The chunks of ``text`` (see :meth:`spans`), ``list[str]``."""
+        return [c for _, c in self.spans(text)]
+
+    __call__ = chunks
+
+
+def chunk_text(text: str, size: int = 900, overlap: int = 0, tokenizer: Any = None) -> list[str]:
+    """One-off :meth:`Chunker.chunks`: ``Chunker(size, overlap, tokenizer=tokenizer).chunks(text)``.
+
+    With ``tokenizer=None`` sizes are code points (e.g. ``chunk_text("aa bb cc", 5)`` ->
+    ``["aa bb", "cc"]``). Building a :class:`Chunker` once is cheaper for many texts.
+
+    :raises TypeError, ValueError: as :class:`Chunker` and :meth:`Chunker.spans`.
+    """
+    return Chunker(size, overlap, tokenizer=tokenizer).chunks(text)

@@ -16,6 +16,7 @@ import numpy as np
 
 from ..config import MemoryConfig
 from ..domain import MemoryContext
+from ..index.analyzer import strip_ignorable
 from ..shards.pool import ShardPool
 from ..shards.protocol import MemoryClearRequest, MemoryLookupRequest, MemoryTurn, Op, PromoteRequest
 
@@ -29,7 +30,7 @@ _WORD = re.compile(r"[^\W_]+", re.UNICODE)
 
 def is_follow_up(question: str) -> bool:
     """True when the question refers back (a pronoun or demonstrative) or is very short."""
-    words = [w.casefold() for w in _WORD.findall(question)]
+    words = [w.casefold() for w in _WORD.findall(strip_ignorable(question))]
     return bool(words) and (len(words) <= 3 or any(w in _FOLLOW_UP for w in words))
 
 

@@ -18,6 +18,7 @@ from oprag.v1 import oprag_pb2
 from ..config import LimitsConfig, ServerConfig
 from ..domain import DEFAULT_RRF_K, MODES, RetrieveSpec
 from ..engine.job import QueryJob
+from ..index.analyzer import has_visible_content
 
 #: Wire retrieval mode -> domain mode name (UNSPECIFIED means the default, hybrid).
 MODE_NAMES = {
@@ -50,7 +51,7 @@ def query_job(req: Any, cfg: ServerConfig, *, dim: int, generate: bool, can_gene
     """
     lim, rcfg, gcfg = cfg.limits, cfg.retrieval, cfg.generate
     q = req.question
-    if not q or not q.strip():
+    if not has_visible_content(q):  # "", whitespace, or only Default_Ignorable code points
         raise InvalidArgument("question is empty: send a non-empty question")
     if len(q) > lim.max_question_chars:
         raise InvalidArgument(f"question has {len(q)} characters; the limit is {lim.max_question_chars}: shorten it")
