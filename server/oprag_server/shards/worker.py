@@ -28,7 +28,7 @@ from ..index.analyzer import Analyzer
 from ..index.bm25 import PostingsIndex
 from ..index.dense import DenseIndex
 from ..index.wal import WriteAheadLog
-from ..operators.fusion import fuse_minmax, top_k_order
+from ..operators.fusion import fuse_minmax, lexical_listed, top_k_order
 
 FORMAT_VERSION = 1
 
@@ -340,10 +340,11 @@ class ShardState:
         return out
 
     def _lists(self, rows, d, lx, n: int) -> dict:
-        """Local top-n by dense and top-n by BM25 (> 0 only), each entry with both scores."""
+        """Local top-n by dense and top-n by BM25 (non-zero scores only: ``lexical_listed``),
+        each entry with both scores."""
         ids = self._row_ids()[rows]
         od = top_k_order(d, ids, n)
-        pos = np.nonzero(lx > 0)[0]
+        pos = np.nonzero(lexical_listed(lx))[0]
         ol = pos[top_k_order(lx[pos], ids[pos], n)] if pos.size else pos
         pick = lambda o: {"rows": rows[o], "chunk_ids": ids[o].tolist(), "dense": d[o], "lexical": lx[o]}  # noqa: E731
         return {"dense_list": pick(np.asarray(od, dtype=np.int64)), "lexical_list": pick(np.asarray(ol, dtype=np.int64))}
