@@ -14,7 +14,10 @@ The window (in chunks):
     defined over that window (min-max ranges, RRF ranks), so it cannot grow without changing
     them; a document has a score only when one of its chunks is among the N dense candidates.
     Ask for larger ``candidates`` to see more documents.
-``dense``, ``lexical``, ``full_hybrid`` (exact)
+``full_hybrid`` with RRF
+    likewise the fused lists: the chunks in the top-``candidates`` dense or BM25 list (every
+    other chunk has RRF score 0 and is not returned); their RRF ranks depend on ``candidates``.
+``dense``, ``lexical``, ``full_hybrid`` with weighted min-max (exact)
     a chunk's score does not depend on the window. It starts at
     ``W = max(candidates, top_k * chunks_per_document)`` and grows x4 while it holds fewer
     than ``top_k`` documents, came back full (``W`` chunks) and is smaller than the eligible
@@ -42,9 +45,15 @@ RetrieveFn = Callable[[np.ndarray, list[str], list[RetrieveSpec]],
                       Awaitable[tuple[list[list[Hit]], dict[str, float], list[RetrievalInfo]]]]
 
 
+def _fixed(spec: RetrieveSpec) -> bool:
+    """Whether the request's chunk scores are defined over a window of ``candidates`` chunks."""
+    return spec.mode == "hybrid" or (spec.mode == "full_hybrid" and spec.fusion == "rrf")
+
+
 def window(spec: RetrieveSpec) -> int:
     """First chunk window W of a grouped request (module docstring): ``candidates`` in hybrid
-    mode, else ``max(candidates, top_k * chunks_per_document)``."""
+    mode, else ``max(candidates, top_k * chunks_per_document)`` (full_hybrid RRF returns at
+    most its two fused lists of ``candidates`` chunks of it)."""
     if spec.mode == "hybrid":
         return spec.candidates
     return max(spec.candidates, spec.top_k * spec.chunks_per_document)
@@ -76,7 +85,7 @@ def flatten(docs: list[DocumentHit]) -> list[Hit]:
 
 def _grow(spec: RetrieveSpec, w: int, hits: list[Hit], docs: list[DocumentHit], info: RetrievalInfo) -> int:
     """The next window of an exact-mode request, or 0 when the current one answers it."""
-    if spec.mode == "hybrid" or len(docs) >= spec.top_k or len(hits) < w:
+    if _fixed(spec) or len(docs) >= spec.top_k or len(hits) < w:
         return 0
     limit = min(info.chunks_searched, MAX_WINDOW)
     return min(w * GROWTH, limit) if w < limit else 0
