@@ -89,7 +89,9 @@ def _parser(plugins: dict) -> argparse.ArgumentParser:
     eb.add_argument("--queries", type=Path, required=True)
     eb.add_argument("--qrels", type=Path, required=True)
     eb.add_argument("--mode", choices=list(MODES), default="hybrid")
-    eb.add_argument("--top-k", type=int, default=100)
+    eb.add_argument("--top-k", type=int, default=100, help="documents retrieved per query (at least 100)")
+    eb.add_argument("--candidates", type=int, default=0,
+                    help="chunk window N (0 = server default); hybrid mode groups documents from it")
     eb.add_argument("--concurrency", type=int, default=1)
     eb.add_argument("--limit", type=int, default=0, help="evaluate only the first N judged queries")
 
@@ -272,7 +274,7 @@ def cmd_stats(a) -> int:
 
 
 def cmd_eval(a) -> int:
-    from .evaluate import doc_ranking, load_qrels, load_queries, mrr_at_k, ndcg_at_k, percentile, recall_at_k
+    from .evaluate import doc_ranking, load_qrels, load_queries, metrics, percentile
 
     try:
         queries = load_queries(a.queries)
@@ -286,28 +288,21 @@ def cmd_eval(a) -> int:
         return _fail("no judged query of the qrels is in the queries file")
     top_k = max(a.top_k, 100)
 
-    def one(c, qid):
+    def one(c, qid):  # document-level retrieval: the top documents by their best chunk (MaxP)
         t = time.perf_counter()
-        r = c.retrieve(queries[qid], top_k=top_k, mode=a.mode)
-        return qid, [h.doc_id for h in r.hits], (time.perf_counter() - t) * 1000
+        r = c.retrieve(queries[qid], top_k=top_k, mode=a.mode, candidates=a.candidates, group_by_document=True)
+        return qid, [d.doc_id for d in r.documents], (time.perf_counter() - t) * 1000
 
     try:
         with _client(a) as c, ThreadPoolExecutor(max(1, a.concurrency)) as ex:
             results = list(ex.map(lambda q: one(c, q), judged))
     except grpc.RpcError as exc:
         return _rpc_error(exc)
-    nd, rc, mr, lat = [], [], [], []
-    for qid, docs, ms in results:
-        ranked = doc_ranking(docs)
-        nd.append(ndcg_at_k(ranked, qrels[qid], 10))
-        rc.append(recall_at_k(ranked, qrels[qid], 100))
-        mr.append(mrr_at_k(ranked, qrels[qid], 10))
-        lat.append(ms)
+    per = [metrics(doc_ranking(docs), qrels[qid]) for qid, docs, _ in results]
+    lat = [ms for _, _, ms in results]
     n = len(results)
     print(json.dumps({
-        "ndcg@10": round(sum(nd) / n, 5),
-        "recall@100": round(sum(rc) / n, 5),
-        "mrr@10": round(sum(mr) / n, 5),
+        **{m: round(sum(p[m] for p in per) / n, 5) for m in ("ndcg@10", "recall@100", "mrr@10")},
         "n": n,
         "mode": a.mode,
         "p50_ms": round(percentile(lat, 50), 3),

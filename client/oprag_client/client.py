@@ -84,12 +84,18 @@ def query_request(question: str, *, top_k: int = 0, mode: str = "hybrid", sessio
                   max_new_tokens: int = 0, candidates: int = 0, disable_memory: bool = False,
                   fusion: str = "minmax", dense_weight: float = 0.0, lexical_weight: float = 0.0, rrf_k: int = 0,
                   filters: Mapping[str, str | list[str]] | None = None,
-                  query_vector=None, min_seq: int = 0, include_trace: bool = False) -> oprag_pb2.QueryRequest:
-    """Build a QueryRequest.
+                  query_vector=None, min_seq: int = 0, include_trace: bool = False,
+                  group_by_document: bool = False, chunks_per_document: int = 0) -> oprag_pb2.QueryRequest:
+    """Build a QueryRequest (for :meth:`OpRAGClient.query`, ``retrieve``, ``query_stream`` and
+    their :class:`AsyncOpRAGClient` twins, which take the same keyword arguments).
 
     :param filters: ``{key: value}`` (equality) or ``{key: [values]}`` (set membership).
     :param query_vector: optional precomputed query embedding (float sequence, width D).
     :param min_seq: read-your-writes: wait until this ingest/delete sequence number is applied.
+    :param group_by_document: document-level retrieval: ``top_k`` counts documents, each scored
+        by its best chunk (MaxP); the response's ``documents`` lists them (``doc_id``, ``title``,
+        ``score``, ``hits``) and ``hits`` holds their chunks, document by document.
+    :param chunks_per_document: with ``group_by_document``, best chunks kept per document (0 = 1).
     :raises ValueError: unknown ``mode`` or ``fusion``.
     """
     if mode not in MODES:
@@ -114,6 +120,8 @@ def query_request(question: str, *, top_k: int = 0, mode: str = "hybrid", sessio
         generation=oprag_pb2.GenerationOptions(max_new_tokens=max_new_tokens),
         candidates=candidates,
         disable_memory=disable_memory,
+        group_by_document=group_by_document,
+        chunks_per_document=chunks_per_document,
     )
 
 

@@ -1,10 +1,13 @@
 """Retrieval evaluation on BEIR-format queries and qrels (``oprag eval beir``).
 
-Hits are chunks; they are mapped to documents keeping each document's best (first) rank, as
-BEIR scores documents. Metrics follow the TREC definitions used by BEIR (pytrec_eval):
+Documents, not chunks, are judged. The evaluator asks the server for document-level retrieval
+(``group_by_document``): the top 100 documents, each scored by its best chunk (MaxP: Dai &
+Callan, SIGIR 2019), ranked by that score, ties by ascending doc id. Metrics over that document
+ranking follow the TREC definitions used by BEIR (pytrec_eval):
 
-* nDCG@k = DCG@k / IDCG@k with DCG@k = sum_{i=1..k} rel_i / log2(i + 1) (linear gain).
-* Recall@k = |relevant docs in the top k| / |relevant docs|.
+* nDCG@k = DCG@k / IDCG@k with DCG@k = sum_{i=1..k} rel_i / log2(i + 1) (linear gain), IDCG@k
+  the DCG of the judgements sorted by relevance.
+* Recall@k = |relevant docs in the top k| / |relevant docs| (relevant: judgement > 0).
 * MRR@k = 1 / rank of the first relevant doc within the top k (0 if none).
 
 Queries without a positive judgement are skipped, as in BEIR.
@@ -47,11 +50,18 @@ def load_qrels(path: Path) -> dict[str, dict[str, int]]:
 
 
 def doc_ranking(doc_ids: list[str]) -> list[str]:
-    """Documents in order of their first (best-ranked) chunk."""
+    """Documents in order of their first (best-ranked) chunk (duplicates dropped)."""
     return list(dict.fromkeys(doc_ids))
 
 
+def metrics(ranked: list[str], rels: dict[str, int]) -> dict[str, float]:
+    """``{"ndcg@10", "recall@100", "mrr@10"}`` of one query's document ranking (best first)."""
+    return {"ndcg@10": ndcg_at_k(ranked, rels, 10), "recall@100": recall_at_k(ranked, rels, 100),
+            "mrr@10": mrr_at_k(ranked, rels, 10)}
+
+
 def ndcg_at_k(ranked: list[str], rels: dict[str, int], k: int) -> float:
+    """nDCG@k with linear gain (module docstring); 0.0 when no judgement is positive."""
     dcg = sum(rels.get(d, 0) / math.log2(i + 2) for i, d in enumerate(ranked[:k]))
     ideal = sorted((r for r in rels.values() if r > 0), reverse=True)[:k]
     idcg = sum(r / math.log2(i + 2) for i, r in enumerate(ideal))
@@ -59,11 +69,13 @@ def ndcg_at_k(ranked: list[str], rels: dict[str, int], k: int) -> float:
 
 
 def recall_at_k(ranked: list[str], rels: dict[str, int], k: int) -> float:
+    """Share of the relevant documents in the top k; 0.0 when none is relevant."""
     relevant = {d for d, r in rels.items() if r > 0}
     return len(relevant & set(ranked[:k])) / len(relevant) if relevant else 0.0
 
 
 def mrr_at_k(ranked: list[str], rels: dict[str, int], k: int) -> float:
+    """Reciprocal rank of the first relevant document within the top k (0.0 if none)."""
     for i, d in enumerate(ranked[:k]):
         if rels.get(d, 0) > 0:
             return 1.0 / (i + 1)

@@ -35,6 +35,9 @@ class RetrieveSpec:
         length of each ranked list that ranks and RRF are computed over.
     :param filters: ``((key, (value, ...)), ...)``: metadata[key] must be one of the values,
         for every filter.
+    :param group_by_document: document-level retrieval: ``top_k`` counts documents, each
+        scored by its best chunk (MaxP); see :mod:`oprag_server.operators.group`.
+    :param chunks_per_document: with ``group_by_document``, the best chunks kept per document.
     """
 
     mode: str = "hybrid"
@@ -45,6 +48,8 @@ class RetrieveSpec:
     fusion: str = "minmax"
     rrf_k: int = DEFAULT_RRF_K
     filters: tuple = ()
+    group_by_document: bool = False
+    chunks_per_document: int = 1
 
 
 @dataclass
@@ -64,6 +69,18 @@ class Hit:
     metadata: dict[str, str] = field(default_factory=dict)
     dense_rank: int = 0
     lexical_rank: int = 0
+
+
+@dataclass
+class DocumentHit:
+    """One ranked document of a document-level retrieval: ``score`` is the score of its best
+    chunk (MaxP), ``title`` that chunk's title, ``hits`` its best chunks of the retrieval window
+    in rank order (at most ``chunks_per_document``; ``hits[0]`` is the best)."""
+
+    doc_id: str
+    title: str
+    score: float
+    hits: list[Hit] = field(default_factory=list)
 
 
 @dataclass

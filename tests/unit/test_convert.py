@@ -8,7 +8,8 @@ import pytest
 
 from oprag.v1 import oprag_pb2
 from oprag_server.config import ServerConfig
-from oprag_server.domain import ContextPayload, Hit, MemoryContext, RetrievalInfo, RetrieveSpec, SourceRef
+from oprag_server.domain import (ContextPayload, DocumentHit, Hit, MemoryContext, RetrievalInfo, RetrieveSpec,
+                                 SourceRef)
 from oprag_server.engine.job import QueryJob
 from oprag_server.engine.scheduler import PlanStep
 from oprag_server.service import convert
@@ -36,6 +37,24 @@ def test_defaults_come_from_the_config():
 def test_retrieve_and_no_generator_do_not_generate():
     assert job(generate=False).max_new_tokens == 0 and not job(generate=False).generate
     assert not job(can_generate=False).generate
+
+
+def test_no_generator_finish_reason():
+    assert job(can_generate=False).finish_reason == convert.NO_GENERATOR == "no_generator"
+    assert job().finish_reason == "" and job(generate=False, can_generate=False).finish_reason == ""
+
+
+def test_group_by_document_request():
+    assert (job().spec.group_by_document, job().spec.chunks_per_document) == (False, 1)
+    j = job(top_k=20, group_by_document=True)
+    assert (j.spec.group_by_document, j.spec.top_k, j.spec.chunks_per_document) == (True, 20, 1)
+    assert job(top_k=10, group_by_document=True, chunks_per_document=5).spec.chunks_per_document == 5
+    with pytest.raises(InvalidArgument, match="^chunks_per_document needs group_by_document: set it, or send 0$"):
+        job(chunks_per_document=2)
+    with pytest.raises(InvalidArgument) as e:
+        job(top_k=100, group_by_document=True, chunks_per_document=41)
+    assert str(e.value) == (f"top_k x chunks_per_document is 4100; the limit is {R.max_candidates}: "
+                            "ask for fewer documents or chunks")
 
 
 @pytest.mark.parametrize("wire,name", [(oprag_pb2.RETRIEVAL_MODE_UNSPECIFIED, "hybrid"), (oprag_pb2.HYBRID, "hybrid"),
@@ -167,6 +186,18 @@ def test_response_without_trace_generator_payload_or_info():
     r = convert.retrieve_response(j, include_trace=False)
     assert not r.HasField("retrieval") and r.memory_context == "" and len(r.hits) == 1
     assert list(convert.sources(j)) == []
+
+
+def test_documents_in_every_response():
+    j = finished_job()
+    assert list(convert.documents(j)) == [] and not convert.retrieve_response(j, include_trace=False).documents
+    j.documents = [DocumentHit("d1", "T", 0.9, list(j.hits))]
+    for r in (convert.retrieve_response(j, include_trace=False),
+              convert.query_response(j, include_trace=False, has_generator=True),
+              convert.stream_event("sources", j).sources):
+        (d,) = r.documents
+        assert (d.doc_id, d.title, [h.chunk_id for h in d.hits]) == ("d1", "T", ["c1"])
+        assert d.score == pytest.approx(0.9) and d.hits[0] == r.hits[0]
 
 
 def test_stream_events():

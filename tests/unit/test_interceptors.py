@@ -11,7 +11,8 @@ import pytest
 from oprag_server.engine.ingest import IngestError
 from oprag_server.engine.query import Overloaded, QueryRejected
 from oprag_server.service.convert import InvalidArgument
-from oprag_server.service.interceptors import StatusInterceptor, status_for
+from oprag.v1 import oprag_pb2
+from oprag_server.service.interceptors import StatusInterceptor, Undecodable, lenient, status_for
 from oprag_server.service.metrics import Metrics
 from oprag_server.shards.pool import ShardError
 
@@ -117,3 +118,42 @@ def test_other_services_pass_through():
     handler = grpc.unary_unary_rpc_method_handler(lambda r, c: r)
     _, h = wrap(handler, "/grpc.health.v1.Health/Check")
     assert h is handler
+
+
+BAD = bytes.fromhex("0a 04 63 61 66 e9")  # QueryRequest.question = b"caf\xe9": not UTF-8
+
+
+def test_lenient_deserializer_returns_undecodable():
+    dec = lenient(oprag_pb2.QueryRequest.FromString)
+    assert dec(oprag_pb2.QueryRequest(question="café").SerializeToString()).question == "café"
+    assert isinstance(dec(BAD), Undecodable) and lenient(None) is None
+
+
+def test_undecodable_requests_are_invalid_argument_and_counted():
+    seen = []
+
+    async def retrieve(req, ctx):
+        seen.append(req)
+
+    ic, h = wrap(grpc.unary_unary_rpc_method_handler(retrieve, oprag_pb2.QueryRequest.FromString), f"/{SVC}/Retrieve")
+    ctx = Context()
+    with pytest.raises(Aborted):
+        asyncio.run(h.unary_unary(h.request_deserializer(BAD), ctx))
+    assert seen == [] and ctx.aborted[0] == grpc.StatusCode.INVALID_ARGUMENT and "UTF-8" in ctx.aborted[1]
+    assert count(ic, "Retrieve", "INVALID_ARGUMENT") == 1
+
+    async def ingest(requests, ctx):  # a request stream fails when it reaches the bad message
+        async for r in requests:
+            seen.append(r)
+
+    ic, h = wrap(grpc.stream_unary_rpc_method_handler(ingest, oprag_pb2.IngestRequest.FromString), f"/{SVC}/Ingest")
+
+    async def stream():
+        yield h.request_deserializer(oprag_pb2.IngestRequest(final=True).SerializeToString())
+        yield h.request_deserializer(BAD)
+
+    ctx = Context()
+    with pytest.raises(Aborted):
+        asyncio.run(h.stream_unary(stream(), ctx))
+    assert len(seen) == 1 and ctx.aborted[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert count(ic, "Ingest", "INVALID_ARGUMENT") == 1

@@ -172,3 +172,35 @@ def test_weighted_minmax_weights_change_the_ranking():
     dense_only, _ = c.retrieve("alpha", qv, mode="full_hybrid", top_k=5, dense_weight=1.0, lexical_weight=0.0)
     plain_dense, _ = c.retrieve("alpha", qv, mode="dense", top_k=5)
     assert [h.chunk_id for h in dense_only] == [h.chunk_id for h in plain_dense]
+
+
+def test_negative_bm25_scores_keep_a_lexical_rank():
+    """Issue 15 case 8: with a negative average idf rank_bm25 floors the idf of a term in more
+    than half of the chunks to a negative value. Those chunks contain the query term: they rank
+    in the lexical list by score (whatever its sign) and RRF counts them; a chunk without the
+    term (score 0) stays unranked."""
+    texts = ["alpha beta", "alpha beta beta", "alpha alpha beta", "alpha beta beta beta", "alpha gamma", "beta"]
+    ref = BM25Okapi([t.split() for t in texts]).get_scores(["alpha"])
+    assert (ref[:5] < 0).all() and ref[5] == 0
+    rng = np.random.default_rng(3)
+    c = Corpus()
+    for i, t in enumerate(texts):
+        c.put(f"doc{i}", [t], _vec(rng, 1))
+    qv = _vec(rng, 1)[0]
+    ids = [f"doc{i}#0" for i in range(6)]
+    order = sorted(range(5), key=lambda i: (-ref[i], ids[i]))  # score desc, ties by chunk id
+    want = {ids[i]: r + 1 for r, i in enumerate(order)} | {ids[5]: 0}
+    for mode, fusion in [("hybrid", "rrf"), ("full_hybrid", "rrf"), ("hybrid", "minmax"), ("full_hybrid", "minmax")]:
+        hits, _ = c.retrieve("alpha", qv, mode=mode, fusion=fusion, top_k=6, candidates=6)
+        assert {h.chunk_id: h.lexical_rank for h in hits} == want, (mode, fusion)
+        for h in hits:
+            assert h.lexical_score == pytest.approx(ref[ids.index(h.chunk_id)])
+            if fusion == "rrf":
+                assert h.score == pytest.approx(0.5 / (60 + h.dense_rank) + (0.5 / (60 + h.lexical_rank)
+                                                                            if h.lexical_rank else 0.0))
+    # a term in exactly half the chunks has idf 0: scored like a chunk without it, unranked
+    c2 = Corpus()
+    c2.put("x", ["omega"], _vec(rng, 1))
+    c2.put("y", ["sigma"], _vec(rng, 1))
+    hits, _ = c2.retrieve("omega", qv, mode="full_hybrid", fusion="rrf", top_k=2, candidates=2)
+    assert [h.lexical_rank for h in hits] == [0, 0] and all(h.lexical_score == 0 for h in hits)

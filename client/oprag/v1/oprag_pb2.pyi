@@ -115,7 +115,7 @@ class GenerationOptions(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ...) -> None: ...
 
 class QueryRequest(_message.Message):
-    __slots__ = ("question", "top_k", "mode", "session_id", "generation", "candidates", "disable_memory", "filters", "fusion", "query_vector", "min_seq", "include_trace")
+    __slots__ = ("question", "top_k", "mode", "session_id", "generation", "candidates", "disable_memory", "filters", "fusion", "query_vector", "min_seq", "include_trace", "group_by_document", "chunks_per_document")
     QUESTION_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +128,8 @@ class QueryRequest(_message.Message):
     QUERY_VECTOR_FIELD_NUMBER: _ClassVar[int]
     MIN_SEQ_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_TRACE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_BY_DOCUMENT_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_PER_DOCUMENT_FIELD_NUMBER: _ClassVar[int]
     question: str
     top_k: int
     mode: RetrievalMode
@@ -140,7 +142,21 @@ class QueryRequest(_message.Message):
     query_vector: _containers.RepeatedScalarFieldContainer[float]
     min_seq: int
     include_trace: bool
-    def __init__(self, question: _Optional[str] = ..., top_k: _Optional[int] = ..., mode: _Optional[_Union[RetrievalMode, str]] = ..., session_id: _Optional[str] = ..., generation: _Optional[_Union[GenerationOptions, _Mapping]] = ..., candidates: _Optional[int] = ..., disable_memory: _Optional[bool] = ..., filters: _Optional[_Iterable[_Union[MetadataFilter, _Mapping]]] = ..., fusion: _Optional[_Union[FusionOptions, _Mapping]] = ..., query_vector: _Optional[_Iterable[float]] = ..., min_seq: _Optional[int] = ..., include_trace: _Optional[bool] = ...) -> None: ...
+    group_by_document: bool
+    chunks_per_document: int
+    def __init__(self, question: _Optional[str] = ..., top_k: _Optional[int] = ..., mode: _Optional[_Union[RetrievalMode, str]] = ..., session_id: _Optional[str] = ..., generation: _Optional[_Union[GenerationOptions, _Mapping]] = ..., candidates: _Optional[int] = ..., disable_memory: _Optional[bool] = ..., filters: _Optional[_Iterable[_Union[MetadataFilter, _Mapping]]] = ..., fusion: _Optional[_Union[FusionOptions, _Mapping]] = ..., query_vector: _Optional[_Iterable[float]] = ..., min_seq: _Optional[int] = ..., include_trace: _Optional[bool] = ..., group_by_document: _Optional[bool] = ..., chunks_per_document: _Optional[int] = ...) -> None: ...
+
+class DocumentHit(_message.Message):
+    __slots__ = ("doc_id", "title", "score", "hits")
+    DOC_ID_FIELD_NUMBER: _ClassVar[int]
+    TITLE_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    doc_id: str
+    title: str
+    score: float
+    hits: _containers.RepeatedCompositeFieldContainer[Hit]
+    def __init__(self, doc_id: _Optional[str] = ..., title: _Optional[str] = ..., score: _Optional[float] = ..., hits: _Optional[_Iterable[_Union[Hit, _Mapping]]] = ...) -> None: ...
 
 class StageTrace(_message.Message):
     __slots__ = ("op", "domain", "batch_id", "queue_ms", "run_ms")
@@ -163,18 +179,20 @@ class Trace(_message.Message):
     def __init__(self, stages: _Optional[_Iterable[_Union[StageTrace, _Mapping]]] = ...) -> None: ...
 
 class SourcesEvent(_message.Message):
-    __slots__ = ("request_id", "hits", "sources", "retrieval", "memory_context")
+    __slots__ = ("request_id", "hits", "sources", "retrieval", "memory_context", "documents")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     RETRIEVAL_FIELD_NUMBER: _ClassVar[int]
     MEMORY_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     hits: _containers.RepeatedCompositeFieldContainer[Hit]
     sources: _containers.RepeatedCompositeFieldContainer[Source]
     retrieval: RetrievalInfo
     memory_context: str
-    def __init__(self, request_id: _Optional[str] = ..., hits: _Optional[_Iterable[_Union[Hit, _Mapping]]] = ..., sources: _Optional[_Iterable[_Union[Source, _Mapping]]] = ..., retrieval: _Optional[_Union[RetrievalInfo, _Mapping]] = ..., memory_context: _Optional[str] = ...) -> None: ...
+    documents: _containers.RepeatedCompositeFieldContainer[DocumentHit]
+    def __init__(self, request_id: _Optional[str] = ..., hits: _Optional[_Iterable[_Union[Hit, _Mapping]]] = ..., sources: _Optional[_Iterable[_Union[Source, _Mapping]]] = ..., retrieval: _Optional[_Union[RetrievalInfo, _Mapping]] = ..., memory_context: _Optional[str] = ..., documents: _Optional[_Iterable[_Union[DocumentHit, _Mapping]]] = ...) -> None: ...
 
 class DoneEvent(_message.Message):
     __slots__ = ("answer", "timings_ms", "prompt_tokens", "completion_tokens", "finish_reason", "ttft_ms", "trace")
@@ -283,7 +301,7 @@ class Source(_message.Message):
     def __init__(self, number: _Optional[int] = ..., chunk_id: _Optional[str] = ..., doc_id: _Optional[str] = ..., title: _Optional[str] = ..., tokens: _Optional[int] = ..., truncated: _Optional[bool] = ...) -> None: ...
 
 class QueryResponse(_message.Message):
-    __slots__ = ("answer", "hits", "timings_ms", "request_id", "sources", "prompt_tokens", "completion_tokens", "finish_reason", "memory_context", "retrieval", "trace", "ttft_ms")
+    __slots__ = ("answer", "hits", "timings_ms", "request_id", "sources", "prompt_tokens", "completion_tokens", "finish_reason", "memory_context", "retrieval", "trace", "ttft_ms", "documents")
     class TimingsMsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -303,6 +321,7 @@ class QueryResponse(_message.Message):
     RETRIEVAL_FIELD_NUMBER: _ClassVar[int]
     TRACE_FIELD_NUMBER: _ClassVar[int]
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
     answer: str
     hits: _containers.RepeatedCompositeFieldContainer[Hit]
     timings_ms: _containers.ScalarMap[str, float]
@@ -315,10 +334,11 @@ class QueryResponse(_message.Message):
     retrieval: RetrievalInfo
     trace: Trace
     ttft_ms: float
-    def __init__(self, answer: _Optional[str] = ..., hits: _Optional[_Iterable[_Union[Hit, _Mapping]]] = ..., timings_ms: _Optional[_Mapping[str, float]] = ..., request_id: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[Source, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., memory_context: _Optional[str] = ..., retrieval: _Optional[_Union[RetrievalInfo, _Mapping]] = ..., trace: _Optional[_Union[Trace, _Mapping]] = ..., ttft_ms: _Optional[float] = ...) -> None: ...
+    documents: _containers.RepeatedCompositeFieldContainer[DocumentHit]
+    def __init__(self, answer: _Optional[str] = ..., hits: _Optional[_Iterable[_Union[Hit, _Mapping]]] = ..., timings_ms: _Optional[_Mapping[str, float]] = ..., request_id: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[Source, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., memory_context: _Optional[str] = ..., retrieval: _Optional[_Union[RetrievalInfo, _Mapping]] = ..., trace: _Optional[_Union[Trace, _Mapping]] = ..., ttft_ms: _Optional[float] = ..., documents: _Optional[_Iterable[_Union[DocumentHit, _Mapping]]] = ...) -> None: ...
 
 class RetrieveResponse(_message.Message):
-    __slots__ = ("hits", "timings_ms", "request_id", "memory_context", "retrieval", "trace")
+    __slots__ = ("hits", "timings_ms", "request_id", "memory_context", "retrieval", "trace", "documents")
     class TimingsMsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -332,13 +352,15 @@ class RetrieveResponse(_message.Message):
     MEMORY_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     RETRIEVAL_FIELD_NUMBER: _ClassVar[int]
     TRACE_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
     hits: _containers.RepeatedCompositeFieldContainer[Hit]
     timings_ms: _containers.ScalarMap[str, float]
     request_id: str
     memory_context: str
     retrieval: RetrievalInfo
     trace: Trace
-    def __init__(self, hits: _Optional[_Iterable[_Union[Hit, _Mapping]]] = ..., timings_ms: _Optional[_Mapping[str, float]] = ..., request_id: _Optional[str] = ..., memory_context: _Optional[str] = ..., retrieval: _Optional[_Union[RetrievalInfo, _Mapping]] = ..., trace: _Optional[_Union[Trace, _Mapping]] = ...) -> None: ...
+    documents: _containers.RepeatedCompositeFieldContainer[DocumentHit]
+    def __init__(self, hits: _Optional[_Iterable[_Union[Hit, _Mapping]]] = ..., timings_ms: _Optional[_Mapping[str, float]] = ..., request_id: _Optional[str] = ..., memory_context: _Optional[str] = ..., retrieval: _Optional[_Union[RetrievalInfo, _Mapping]] = ..., trace: _Optional[_Union[Trace, _Mapping]] = ..., documents: _Optional[_Iterable[_Union[DocumentHit, _Mapping]]] = ...) -> None: ...
 
 class DeleteRequest(_message.Message):
     __slots__ = ("doc_ids",)

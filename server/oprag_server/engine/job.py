@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ..domain import ContextPayload, Hit, MemoryContext, RetrieveSpec
+from ..domain import ContextPayload, DocumentHit, Hit, MemoryContext, RetrieveSpec
 from .scheduler import PlanStep
 
 
@@ -58,12 +58,13 @@ class QueryJob:
     # ---------------------------------------------------------------- per-operator outputs
     memory: MemoryContext | None = None  # memory: retrieval text and earlier turns
     vector: np.ndarray | None = None  # embed: float32[D], L2-normalised (or query_vector)
-    hits: list[Hit] = field(default_factory=list)  # retrieve: ranked, at most spec.top_k
+    hits: list[Hit] = field(default_factory=list)  # retrieve: ranked, at most spec.top_k (grouped: documents' chunks)
+    documents: list[DocumentHit] | None = None  # retrieve, with spec.group_by_document: ranked documents
     info: Any = None  # retrieve: RetrievalInfo
     payload: ContextPayload | None = None  # context: prompt and its numbered sources
     answer: str = ""  # generate
     completion_tokens: int = 0  # generate
-    finish_reason: str = ""  # generate
+    finish_reason: str = ""  # generate ("no_generator" from the start when the server has none)
 
     # ---------------------------------------------------------------- timing and trace
     enqueued: float = field(default_factory=time.perf_counter)  # admission, perf_counter seconds

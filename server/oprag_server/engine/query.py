@@ -33,6 +33,7 @@ import numpy as np
 
 from ..config import BatchConfig, GenerateConfig
 from ..operators.context import build_context
+from ..operators.group import retrieve_documents
 from ..operators.memory import Memory
 from ..operators.retrieve import Retriever
 from .job import QueryJob
@@ -239,17 +240,18 @@ class QueryEngine:
             j.vector = v
 
     async def _retrieve(self, jobs: list[QueryJob]) -> float:
-        """Shard search, global merge and fusion, hit fields; under the index read lock.
+        """Shard search, global merge and fusion, hit fields, and grouping by document for the
+        requests that ask for it (:mod:`~oprag_server.operators.group`); under the index read lock.
 
         :returns: its run time in seconds, without the wait for the lock.
         """
         vecs = np.stack([j.vector for j in jobs]).astype(np.float32, copy=False)
         async with self.lock.read():
-            hits, times, infos = await self.retriever.retrieve(vecs, [j.retrieval_text for j in jobs],
-                                                               [j.spec for j in jobs])
+            hits, times, infos, docs = await retrieve_documents(
+                self.retriever.retrieve, vecs, [j.retrieval_text for j in jobs], [j.spec for j in jobs])
         self.metrics.stage_seconds.labels(stage="fusion").observe(times["fusion"])
-        for j, h, info in zip(jobs, hits, infos):
-            j.hits, j.info = h, info
+        for j, h, info, d in zip(jobs, hits, infos, docs):
+            j.hits, j.info, j.documents = h, info, d
             # ``fusion`` is part of ``retrieve``; ``rerank`` is its old name, kept on the wire
             j.timings_ms["fusion"] = j.timings_ms["rerank"] = times["fusion"] * 1000
         self._sample_for_monitor(jobs)
@@ -281,8 +283,8 @@ class QueryEngine:
             return
         picked = []
         for j in jobs:
-            if j.spec.mode != "hybrid" or not j.hits:
-                continue
+            if j.spec.mode != "hybrid" or not j.hits or j.spec.group_by_document:
+                continue  # grouped hits are not a chunk top-k: nothing to compare
             self._monitor_credit += self.monitor_fraction
             if self._monitor_credit >= 1.0:
                 self._monitor_credit -= 1.0

@@ -4,6 +4,14 @@ Min-max normalisation maps a score list to ``(s - min) / (max - min)``. A consta
 (``max == min``, including a list of one) carries no ranking information: every normalised
 value is defined as 0.0, so that list contributes nothing to the fused score and no NaN or
 division by zero can occur.
+
+The lexical ranked list (its ranks feed RRF and ``lexical_rank``) holds every chunk whose
+BM25 score is not 0, ranked by score whatever its sign (:func:`lexical_listed`). A score is
+negative when a query term's idf is floored at ``epsilon * average_idf`` and that average is
+negative (a term in more than half of a corpus of very common terms): such a chunk contains a
+query term and still ranks, after every positive one. A chunk that contains no query term
+scores exactly 0 and is not in the list; neither is one whose query terms all have idf exactly
+0 (a term in exactly half the chunks), since BM25 scores it like a chunk without them.
 """
 
 from __future__ import annotations
@@ -44,6 +52,11 @@ def fuse_minmax(
     :returns: float64[M] fused scores in [0, dense_weight + lexical_weight].
     """
     return dense_weight * normalise(dense, *dense_range) + lexical_weight * normalise(lexical, *lexical_range)
+
+
+def lexical_listed(lexical: np.ndarray) -> np.ndarray:
+    """bool[M]: which BM25 scores (float[M]) enter the lexical ranked list: those != 0."""
+    return np.asarray(lexical, dtype=np.float64) != 0.0
 
 
 def rank_order(scores: np.ndarray, chunk_ids: list[str]) -> list[int]:

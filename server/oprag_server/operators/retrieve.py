@@ -32,10 +32,11 @@ from ..config import BM25Config, RetrievalConfig
 from ..domain import FUSED_MODES, MODES, Hit, RetrievalInfo, RetrieveSpec  # noqa: F401 (re-exported)
 from ..index.analyzer import Analyzer
 from ..index.bm25 import CorpusStats
-from ..index.fusion import fuse_minmax, minmax_params, top_k_order
+from ..index.fusion import fuse_minmax, lexical_listed, minmax_params, top_k_order
 from ..shards.pool import ShardPool
 from ..shards.protocol import (Candidates, ExactFuseRequest, ExactListsRequest, ExactRangesRequest, FetchReply,
                                FetchRequest, Op, QueryBatch, SearchReply, SearchRequest)
+
 
 @dataclass
 class _Cand:
@@ -83,9 +84,10 @@ class _Cols:
 
 
 def _rank_lists(c: _Cols, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Indices of the top-n by dense, and of the top-n by BM25 among positive BM25 scores."""
+    """Indices of the top-n by dense, and of the top-n by BM25 among the listed (non-zero) BM25
+    scores (:func:`~oprag_server.index.fusion.lexical_listed`)."""
     d = np.asarray(top_k_order(c.dense, c.ids, n), dtype=np.int64)
-    pos = np.nonzero(c.lexical > 0)[0]
+    pos = np.nonzero(lexical_listed(c.lexical))[0]
     lx = pos[top_k_order(c.lexical[pos], [c.ids[i] for i in pos.tolist()], n)] if pos.size else pos
     return d, np.asarray(lx, dtype=np.int64)
 
@@ -114,9 +116,10 @@ def _fuse_cols(c: _Cols, d_order: np.ndarray, l_order: np.ndarray, spec: Retriev
     return [c.cand(i, float(scores[i]), int(drank[i]), int(lrank[i])) for i in top_k_order(scores, c.ids, spec.top_k)]
 
 
-def _rank_of(score: float, cid: str, scores: np.ndarray, ids: list[str], n: int, positive_only: bool) -> int:
-    """1-based rank of (score, cid) within the top-n of a (score desc, id asc) list; 0 outside."""
-    if positive_only and not score > 0:
+def _rank_of(score: float, cid: str, scores: np.ndarray, ids: list[str], n: int, lexical: bool) -> int:
+    """1-based rank of (score, cid) within the top-n of a (score desc, id asc) list; 0 outside
+    (always 0 for a ``lexical`` score that is not listed: 0)."""
+    if lexical and not lexical_listed(np.float64(score)):
         return 0
     better = int(np.count_nonzero(scores > score)) + sum(1 for i in np.nonzero(scores == score)[0].tolist()
                                                          if ids[i] < cid)
@@ -275,7 +278,7 @@ class Retriever:
             dl = _Cols.of([(s, rep.dense_lists[j]) for s, rep in replies.items()])
             ll = _Cols.of([(s, rep.lexical_lists[j]) for s, rep in replies.items()])
             dl = dl.take(top_k_order(dl.dense, dl.ids, spec.candidates))
-            pos = np.nonzero(ll.lexical > 0)[0]
+            pos = np.nonzero(lexical_listed(ll.lexical))[0]
             ll = ll.take(pos[top_k_order(ll.lexical[pos], [ll.ids[i] for i in pos.tolist()], spec.candidates)]
                          if pos.size else pos)
             both = _Cols(np.concatenate([dl.shard, ll.shard]), np.concatenate([dl.slot, ll.slot]), dl.ids + ll.ids,

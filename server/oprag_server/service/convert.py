@@ -33,6 +33,8 @@ MAX_FILTERS = 16
 MAX_FILTER_VALUES = 1024
 MAX_FUSION_WEIGHT = 1e6
 MAX_RRF_K = 100_000
+#: ``finish_reason`` of a Query/QueryStream answered by a server without a generator.
+NO_GENERATOR = "no_generator"
 
 
 class InvalidArgument(ValueError):
@@ -47,7 +49,10 @@ def query_job(req: Any, cfg: ServerConfig, *, dim: int, generate: bool, can_gene
     :param generate: the RPC generates an answer (Query, QueryStream; not Retrieve).
     :param can_generate: the server has a generator (``--generator none`` has not).
     :raises InvalidArgument: empty or too long question, top_k / candidates / max_new_tokens out
-        of range, unknown mode or fusion, bad weights, rrf_k, filters, session id or query vector.
+        of range, unknown mode or fusion, bad weights, rrf_k, filters, session id, query vector
+        or chunks_per_document.
+
+    A generating RPC on a server without a generator gets ``finish_reason`` :data:`NO_GENERATOR`.
     """
     lim, rcfg, gcfg = cfg.limits, cfg.retrieval, cfg.generate
     q = req.question
@@ -65,8 +70,10 @@ def query_job(req: Any, cfg: ServerConfig, *, dim: int, generate: bool, can_gene
         raise InvalidArgument(f"candidates must be in [1, {rcfg.max_candidates}], got {req.candidates}")
     check_session_id(req.session_id, lim)
     method, wd, wl, rrf_k = fusion(req.fusion, default_weights=(rcfg.dense_weight, rcfg.lexical_weight))
+    per_doc = chunks_per_document(req, top_k, rcfg.max_candidates)
     spec = RetrieveSpec(mode=MODE_NAMES[req.mode], top_k=top_k, candidates=max(cand, top_k), dense_weight=wd,
-                        lexical_weight=wl, fusion=method, rrf_k=rrf_k, filters=filters(req.filters))
+                        lexical_weight=wl, fusion=method, rrf_k=rrf_k, filters=filters(req.filters),
+                        group_by_document=req.group_by_document, chunks_per_document=per_doc)
     qvec = query_vector(req.query_vector, dim)
     max_new = 0
     if generate:
@@ -77,7 +84,25 @@ def query_job(req: Any, cfg: ServerConfig, *, dim: int, generate: bool, can_gene
             )
     return QueryJob(question=q, spec=spec, query_vector=qvec, session_id=req.session_id,
                     use_memory=not req.disable_memory, generate=generate and can_generate, max_new_tokens=max_new,
-                    request_id=uuid.uuid4().hex)
+                    request_id=uuid.uuid4().hex, finish_reason=NO_GENERATOR if generate and not can_generate else "")
+
+
+def chunks_per_document(req: Any, top_k: int, max_chunks: int) -> int:
+    """Chunks kept per document of a ``QueryRequest`` (1 when it is 0).
+
+    :raises InvalidArgument: set without ``group_by_document``, or ``top_k * chunks_per_document``
+        above ``max_chunks`` (the server's maximum candidates).
+    """
+    n = req.chunks_per_document
+    if not req.group_by_document:
+        if n:
+            raise InvalidArgument("chunks_per_document needs group_by_document: set it, or send 0")
+        return 1
+    n = n or 1
+    if top_k * n > max_chunks:
+        raise InvalidArgument(f"top_k x chunks_per_document is {top_k * n}; the limit is {max_chunks}: "
+                              "ask for fewer documents or chunks")
+    return n
 
 
 def fusion(f: Any, *, default_weights: tuple[float, float]) -> tuple[str, float, float, int]:
@@ -181,12 +206,22 @@ def info(job: QueryJob) -> oprag_pb2.RetrievalInfo | None:
 
 def hits(job: QueryJob) -> list[oprag_pb2.Hit]:
     """The job's ranked hits as wire ``Hit`` messages, in rank order."""
+    return _hits(job.hits)
+
+
+def _hits(hs: list) -> list[oprag_pb2.Hit]:
     return [
         oprag_pb2.Hit(chunk_id=h.chunk_id, doc_id=h.doc_id, title=h.title, text=h.text, score=h.score,
                       dense_score=h.dense_score, lexical_score=h.lexical_score, shard=h.shard, metadata=h.metadata,
                       dense_rank=h.dense_rank, lexical_rank=h.lexical_rank)
-        for h in job.hits
+        for h in hs
     ]
+
+
+def documents(job: QueryJob) -> list[oprag_pb2.DocumentHit]:
+    """The job's ranked documents as wire ``DocumentHit`` messages ([] for a chunk-level request)."""
+    return [oprag_pb2.DocumentHit(doc_id=d.doc_id, title=d.title, score=d.score, hits=_hits(d.hits))
+            for d in job.documents or ()]
 
 
 def sources(job: QueryJob) -> list[oprag_pb2.Source]:
@@ -215,12 +250,14 @@ def _prompt_tokens(job: QueryJob) -> int:
 
 
 def query_response(job: QueryJob, *, include_trace: bool, has_generator: bool) -> oprag_pb2.QueryResponse:
-    """``QueryResponse`` of a finished job (answer "" when the server has no generator)."""
+    """``QueryResponse`` of a finished job (answer "" when the server has no generator; the
+    job's ``finish_reason`` is then :data:`NO_GENERATOR`, set by :func:`query_job`)."""
     return oprag_pb2.QueryResponse(
         answer=job.answer if has_generator else "", hits=hits(job), timings_ms=job.timings_ms,
         request_id=job.request_id, sources=sources(job), prompt_tokens=_prompt_tokens(job),
-        completion_tokens=job.completion_tokens, finish_reason=job.finish_reason, memory_context=_memory_text(job),
-        retrieval=info(job), trace=trace(job, include_trace), ttft_ms=job.ttft_ms,
+        completion_tokens=job.completion_tokens,
+        finish_reason=job.finish_reason, memory_context=_memory_text(job),
+        retrieval=info(job), trace=trace(job, include_trace), ttft_ms=job.ttft_ms, documents=documents(job),
     )
 
 
@@ -228,17 +265,17 @@ def retrieve_response(job: QueryJob, *, include_trace: bool) -> oprag_pb2.Retrie
     """``RetrieveResponse`` of a finished retrieval-only job."""
     return oprag_pb2.RetrieveResponse(hits=hits(job), timings_ms=job.timings_ms, request_id=job.request_id,
                                       memory_context=_memory_text(job), retrieval=info(job),
-                                      trace=trace(job, include_trace))
+                                      trace=trace(job, include_trace), documents=documents(job))
 
 
 def stream_event(kind: str, val: Any) -> oprag_pb2.QueryEvent:
     """A ``QueryEvent`` from one item of ``QueryJob.events``: ``("text", str)`` -> text,
-    ``("sources", job)`` -> sources (hits, sources, retrieval info, memory context)."""
+    ``("sources", job)`` -> sources (hits, sources, retrieval info, memory context, documents)."""
     if kind == "text":
         return oprag_pb2.QueryEvent(text=val)
     return oprag_pb2.QueryEvent(sources=oprag_pb2.SourcesEvent(
         request_id=val.request_id, hits=hits(val), sources=sources(val), retrieval=info(val),
-        memory_context=_memory_text(val),
+        memory_context=_memory_text(val), documents=documents(val),
     ))
 
 

@@ -3,6 +3,15 @@ records per-RPC metrics (``oprag_requests_total{method,code}``, ``oprag_request_
 
 Covers unary and streaming handlers alike; methods of other services (health, reflection) pass
 through untouched.
+
+Undecodable requests: grpc deserialises a request before the handler runs, and a deserializer
+that raises ends the call with ``UNKNOWN`` (unary request) or, for a request stream, fails
+inside the handler as an ordinary error. So the wrapped handlers get a deserializer that never
+raises: a message that does not parse (for example a string field that is not valid UTF-8)
+becomes an :class:`Undecodable` value, and the wrapped handler raises
+:class:`~oprag_server.service.convert.InvalidArgument` for it, where it is answered
+``INVALID_ARGUMENT`` and counted like any other failure. In a request stream it is raised when
+the handler reaches that message, so an Ingest stream aborts and stores nothing.
 """
 
 from __future__ import annotations
@@ -37,6 +46,42 @@ def status_for(exc: Exception, method: str) -> tuple[grpc.StatusCode, str, tuple
         return grpc.StatusCode.UNAVAILABLE, f"a shard is unavailable (it is being restarted); retry: {exc}", ()
     log.exception("%s failed", method)
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}", ()
+
+
+class Undecodable:
+    """A request message that did not parse (what :func:`lenient` returns instead of raising)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def lenient(deserializer):
+    """``deserializer`` (bytes -> message) returning :class:`Undecodable` where it would raise."""
+    if deserializer is None:
+        return None
+
+    def decode(raw: bytes):
+        try:
+            return deserializer(raw)
+        except Exception as exc:  # noqa: BLE001 - e.g. protobuf DecodeError; answered by the handler
+            return Undecodable(exc)
+
+    return decode
+
+
+def checked(request: Any, method: str) -> Any:
+    """:returns: ``request``. :raises InvalidArgument: it is :class:`Undecodable`."""
+    if isinstance(request, Undecodable):
+        raise InvalidArgument(f"the {method} request is not a valid protobuf message ({request.error}); "
+                              "send a serialised message whose string fields are valid UTF-8")
+    return request
+
+
+async def _checked_stream(requests, method: str):
+    async for r in requests:
+        yield checked(r, method)
 
 
 class _Call:
@@ -80,19 +125,21 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or not details.method.startswith(self.prefix):
             return handler
         method = details.method[len(self.prefix):]
-        kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
+        kw = {"request_deserializer": lenient(handler.request_deserializer),
+              "response_serializer": handler.response_serializer}
         if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(self._unary(handler.unary_unary, method), **kw)
+            return grpc.unary_unary_rpc_method_handler(self._unary(handler.unary_unary, method, False), **kw)
         if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(self._unary(handler.stream_unary, method), **kw)
+            return grpc.stream_unary_rpc_method_handler(self._unary(handler.stream_unary, method, True), **kw)
         if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(self._stream(handler.unary_stream, method), **kw)
-        return grpc.stream_stream_rpc_method_handler(self._stream(handler.stream_stream, method), **kw)
+            return grpc.unary_stream_rpc_method_handler(self._stream(handler.unary_stream, method, False), **kw)
+        return grpc.stream_stream_rpc_method_handler(self._stream(handler.stream_stream, method, True), **kw)
 
-    def _unary(self, fn, method: str):
+    def _unary(self, fn, method: str, streaming: bool):
         async def observed(request, context):
             call = _Call(method, context)
             try:
+                request = _checked_stream(request, method) if streaming else checked(request, method)
                 return await fn(request, context)
             except BaseException as exc:  # noqa: BLE001 - mapped to a status, re-raised
                 await call.fail(exc)
@@ -101,10 +148,11 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
 
         return observed
 
-    def _stream(self, fn, method: str):
+    def _stream(self, fn, method: str, streaming: bool):
         async def observed(request, context):
             call = _Call(method, context)
             try:
+                request = _checked_stream(request, method) if streaming else checked(request, method)
                 async for item in fn(request, context):
                     yield item
             except BaseException as exc:  # noqa: BLE001 - mapped to a status, re-raised

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import records
-from ..index.fusion import fuse_minmax, top_k_order
+from ..index.fusion import fuse_minmax, lexical_listed, top_k_order
 from .chunks import ChunkStore
 from .protocol import (Candidates, ExactFuseReply, ExactFuseRequest, ExactListsReply, ExactListsRequest,
                        ExactRangesReply, ExactRangesRequest, FetchReply, FetchRequest, QueryBatch, SearchReply,
@@ -122,10 +122,11 @@ class Searcher:
         return out
 
     def _lists(self, rows, d, lx, n: int) -> tuple[Candidates, Candidates]:
-        """Local top-n by dense and top-n by BM25 (> 0 only), each entry with both scores."""
+        """Local top-n by dense and top-n by BM25 (non-zero scores only: ``lexical_listed``), each
+        entry with both scores."""
         ids = self.store.row_ids()[rows]
         od = np.asarray(top_k_order(d, ids, n), dtype=np.int64)
-        pos = np.nonzero(lx > 0)[0]
+        pos = np.nonzero(lexical_listed(lx))[0]
         ol = np.asarray(pos[top_k_order(lx[pos], ids[pos], n)] if pos.size else pos, dtype=np.int64)
         slots = self.store.dense.slots
         return tuple(Candidates(slots[rows[o]], ids[o].tolist(), d[o], lx[o]) for o in (od, ol))  # type: ignore
