@@ -265,6 +265,7 @@ async def _load_models(cfg: ServerConfig) -> tuple[Any, Any | None]:
     loop = asyncio.get_running_loop()
     encoder, generator = preflight(cfg)
     check_port(cfg.metrics_host or cfg.host, cfg.metrics_port, "metrics port (--metrics-port)")
+    check_port(cfg.host, cfg.http_port, "HTTP port (--http-port)")
     await loop.run_in_executor(None, encoder.warm_up)
     if generator is not None:
         await loop.run_in_executor(None, generator.warm_up)
@@ -313,7 +314,7 @@ async def serve(cfg: ServerConfig, *, encoder: Any = None, generator: Any = None
     if not models_loaded:
         encoder, generator = await _load_models(cfg)
     rt = Runtime(cfg, encoder, generator)
-    server = None
+    server = http = http_task = None
     try:  # a failure before serving (e.g. a port taken meanwhile) must not leave shards behind
         await loop.run_in_executor(None, rt.start_shards, loop)
         await rt.start()
@@ -324,8 +325,15 @@ async def serve(cfg: ServerConfig, *, encoder: Any = None, generator: Any = None
             raise RuntimeError(f"could not bind the metrics port {cfg.metrics_port}: {exc.strerror}; "
                                "choose another --metrics-port") from exc
         await server.start()
+        if cfg.http_port:
+            from .service.http import start_http
+
+            http, http_task = await start_http(cfg, rt, load_tokens(cfg.security.tokens_file))
     except BaseException:
         try:
+            if http is not None:
+                http.should_exit = True
+                await http_task
             if server is not None:
                 await server.stop(0)
             await rt.close()
@@ -342,13 +350,17 @@ async def serve(cfg: ServerConfig, *, encoder: Any = None, generator: Any = None
         except (NotImplementedError, RuntimeError):  # not the main thread
             pass
     watcher = asyncio.create_task(supervisor.run(stop))
-    log.info("serving on %s:%d (metrics :%d) with %d shards, %d chunks, ready in %.1f s",
-             cfg.host, bound, cfg.metrics_port, cfg.shards, rt.corpus_stats.n_docs, time.perf_counter() - t0)
+    log.info("serving on %s:%d (metrics :%d, HTTP :%s) with %d shards, %d chunks, ready in %.1f s",
+             cfg.host, bound, cfg.metrics_port, cfg.http_port or "off", cfg.shards, rt.corpus_stats.n_docs, time.perf_counter() - t0)
     print(f"OPRAG READY {cfg.host}:{bound}", flush=True)
     await stop.wait()
     log.info("shutting down (grace %.0f s)", cfg.shutdown_grace_s)
     watcher.cancel()
     await health_servicer.enter_graceful_shutdown()
+    if http is not None:
+        http.should_exit = True
     await server.stop(cfg.shutdown_grace_s)
+    if http_task is not None:
+        await http_task
     await rt.close()
     log.info("stopped")
