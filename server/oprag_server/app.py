@@ -64,6 +64,8 @@ class Runtime:
         self._bg: list[asyncio.Task] = []
         self.commit_log: WriteAheadLog | None = None
         self.replayed = 0
+        # service.tracing.Tracing when --otlp-endpoint is set; None: no tracing object anywhere
+        self.tracing: Any = None
 
     def start_shards(self, loop: asyncio.AbstractEventLoop) -> None:
         """Read the commit log, spawn shard processes and wait until each has loaded its
@@ -113,6 +115,8 @@ class Runtime:
             next_generation=self.next_generation,
             embed_batch=self.cfg.embed.batch_size,
         )
+        if self.tracing is not None:  # each finished query -> one trace of its executed steps
+            self.query.submit = self.tracing.wrap(self.query.submit)
         self.query.start()
         self._bg.append(asyncio.create_task(self._snapshot_loop()))
         await self.refresh_gauges()
@@ -250,6 +254,8 @@ class Runtime:
         self.embed_executor.shutdown(wait=False, cancel_futures=True)
         if getattr(self, "embed_query_executor", None) is not None:
             self.embed_query_executor.shutdown(wait=False, cancel_futures=True)
+        if self.tracing is not None:
+            self.tracing.shutdown()  # flushes the spans not yet exported
 
 
 def grpc_options(cfg: ServerConfig) -> list[tuple[str, int]]:
@@ -284,6 +290,10 @@ def build_server(cfg: ServerConfig, rt: Runtime) -> tuple[grpc.aio.Server, healt
     check_security(cfg, tokens)
     interceptors = [TokenAuthInterceptor(tokens)] if tokens else []
     interceptors.append(StatusInterceptor(rt.metrics, SERVICE_NAME))  # after auth: denied calls are not counted
+    if getattr(rt, "tracing", None) is not None:
+        from .service.tracing import TraceInterceptor
+
+        interceptors.append(TraceInterceptor(SERVICE_NAME))
     server = grpc.aio.server(options=grpc_options(cfg), interceptors=interceptors)
     oprag_pb2_grpc.add_OpRAGServicer_to_server(OpRAGServicer(rt), server)
     health_servicer = health.aio.HealthServicer()
@@ -314,6 +324,10 @@ async def serve(cfg: ServerConfig, *, encoder: Any = None, generator: Any = None
     if not models_loaded:
         encoder, generator = await _load_models(cfg)
     rt = Runtime(cfg, encoder, generator)
+    if cfg.otlp_endpoint:
+        from .service.tracing import Tracing
+
+        rt.tracing = Tracing.otlp(cfg.otlp_endpoint)
     server = http = http_task = None
     try:  # a failure before serving (e.g. a port taken meanwhile) must not leave shards behind
         await loop.run_in_executor(None, rt.start_shards, loop)

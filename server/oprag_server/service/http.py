@@ -36,6 +36,7 @@ from . import openai_api as api
 from .convert import InvalidArgument
 from .interceptors import status_for
 from .stream import job_events
+from .tracing import CARRIER, carrier_of
 
 #: gRPC status of an exception (interceptors.status_for) -> HTTP status and OpenAI error type.
 _HTTP = {
@@ -83,8 +84,8 @@ class Guard:
     """ASGI middleware in front of the app: bearer token (401), body size (413), and per-request
     metrics ``oprag_requests_total{method="HTTP <path>", code}`` / ``oprag_request_seconds``."""
 
-    def __init__(self, app: Any, *, tokens: set[str], max_body: int, metrics: Any) -> None:
-        self.app, self.max_body, self.metrics = app, max_body, metrics
+    def __init__(self, app: Any, *, tokens: set[str], max_body: int, metrics: Any, tracing: bool = False) -> None:
+        self.app, self.max_body, self.metrics, self.tracing = app, max_body, metrics, tracing
         self.tokens = [t.encode() for t in tokens]
 
     def _authorized(self, headers: dict[bytes, bytes]) -> bool:
@@ -105,6 +106,8 @@ class Guard:
                                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
             return await r(scope, receive, send)
         t0, status, started = time.perf_counter(), [500], [False]
+        if self.tracing:  # W3C traceparent -> the query's trace (service/tracing.py)
+            CARRIER.set((f"HTTP {scope['path']}", carrier_of(scope["headers"])))
         try:
             size = int(headers.get(b"content-length", b"0"))
         except ValueError:
@@ -300,7 +303,8 @@ async def start_http(cfg: ServerConfig, rt: Any, tokens: set[str]) -> tuple[_Ser
             import ssl
 
             tls |= {"ssl_ca_certs": str(sec.tls_client_ca), "ssl_cert_reqs": ssl.CERT_REQUIRED}
-    app = Guard(build_app(rt), tokens=tokens, max_body=cfg.limits.max_message_bytes, metrics=rt.metrics)
+    app = Guard(build_app(rt), tokens=tokens, max_body=cfg.limits.max_message_bytes, metrics=rt.metrics,
+                tracing=getattr(rt, "tracing", None) is not None)
     server = _Server(uvicorn.Config(app, host=cfg.host, port=cfg.http_port, log_level="warning", access_log=False,
                                     lifespan="off", timeout_graceful_shutdown=int(cfg.shutdown_grace_s), **tls))
     task = asyncio.create_task(server.serve())
