@@ -7,7 +7,8 @@ PIP := $(VENV)/bin/pip
 # e.g. `make TORCH_SPEC=torch EXTRAS=dev,gpu install`.
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev
-SERVE_ARGS ?=
+# `make serve` also serves the OpenAI-compatible HTTP API on :8000 (README); override to change
+SERVE_ARGS ?= --http-port 8000
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false

@@ -17,6 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from oprag.v1 import oprag_pb2, oprag_pb2_grpc
 
+from .retry import NO_RETRY, RetryPolicy, acall, call
+
 DEFAULT_MAX_MESSAGE_BYTES = 32 * 1024 * 1024
 MODES = {
     "hybrid": oprag_pb2.HYBRID,
@@ -156,7 +158,10 @@ class OpRAGClient:
 
     def __init__(self, target: str = "127.0.0.1:50051", *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  timeout: float | None = None, token: str | None = None, tls_ca=None, tls_cert=None,
-                 tls_key=None) -> None:
+                 tls_key=None, retry: RetryPolicy = NO_RETRY) -> None:
+        """:param retry: retry of the unary RPCs (query, retrieve, delete, clear_session, stats) on
+            UNAVAILABLE / RESOURCE_EXHAUSTED (:mod:`oprag_client.retry`); none by default."""
+        self.retry = retry
         self.max_message_bytes = max_message_bytes
         self.timeout = timeout
         creds = _credentials(token, tls_ca, tls_cert, tls_key)
@@ -206,7 +211,7 @@ class OpRAGClient:
             raise
 
     def query(self, question: str, *, timeout: float | None = None, **kw) -> oprag_pb2.QueryResponse:
-        return self.stub.Query(query_request(question, **kw), timeout=timeout or self.timeout, metadata=self.md)
+        return call(self.retry, lambda: self.stub.Query(query_request(question, **kw), timeout=timeout or self.timeout, metadata=self.md))
 
     def query_stream(self, question: str, *, timeout: float | None = None, **kw):
         """Iterate QueryEvents: ``sources`` first, then ``text`` pieces, then ``done``."""
@@ -214,17 +219,17 @@ class OpRAGClient:
 
     def retrieve(self, question: str, *, timeout: float | None = None, **kw) -> oprag_pb2.RetrieveResponse:
         kw.pop("max_new_tokens", None)
-        return self.stub.Retrieve(query_request(question, **kw), timeout=timeout or self.timeout, metadata=self.md)
+        return call(self.retry, lambda: self.stub.Retrieve(query_request(question, **kw), timeout=timeout or self.timeout, metadata=self.md))
 
     def delete(self, doc_ids: Iterable[str], *, timeout: float | None = None) -> oprag_pb2.DeleteResponse:
-        return self.stub.Delete(oprag_pb2.DeleteRequest(doc_ids=list(doc_ids)), timeout=timeout or self.timeout, metadata=self.md)
+        return call(self.retry, lambda: self.stub.Delete(oprag_pb2.DeleteRequest(doc_ids=list(doc_ids)), timeout=timeout or self.timeout, metadata=self.md))
 
     def clear_session(self, session_id: str, *, timeout: float | None = None) -> oprag_pb2.ClearSessionResponse:
-        return self.stub.ClearSession(oprag_pb2.ClearSessionRequest(session_id=session_id),
-                                      timeout=timeout or self.timeout, metadata=self.md)
+        return call(self.retry, lambda: self.stub.ClearSession(oprag_pb2.ClearSessionRequest(session_id=session_id),
+                                      timeout=timeout or self.timeout, metadata=self.md))
 
     def stats(self, *, timeout: float | None = None) -> oprag_pb2.StatsResponse:
-        return self.stub.Stats(oprag_pb2.StatsRequest(), timeout=timeout or self.timeout, metadata=self.md)
+        return call(self.retry, lambda: self.stub.Stats(oprag_pb2.StatsRequest(), timeout=timeout or self.timeout, metadata=self.md))
 
     def health(self, service: str = "", *, timeout: float | None = 5.0) -> str:
         """``"SERVING"``, ``"NOT_SERVING"``, ... of the standard grpc.health.v1 service."""
@@ -237,7 +242,10 @@ class AsyncOpRAGClient:
 
     def __init__(self, target: str = "127.0.0.1:50051", *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  timeout: float | None = None, token: str | None = None, tls_ca=None, tls_cert=None,
-                 tls_key=None) -> None:
+                 tls_key=None, retry: RetryPolicy = NO_RETRY) -> None:
+        """:param retry: retry of the unary RPCs (query, retrieve, delete, clear_session, stats) on
+            UNAVAILABLE / RESOURCE_EXHAUSTED (:mod:`oprag_client.retry`); none by default."""
+        self.retry = retry
         self.max_message_bytes = max_message_bytes
         self.timeout = timeout
         creds = _credentials(token, tls_ca, tls_cert, tls_key)
@@ -265,7 +273,7 @@ class AsyncOpRAGClient:
         return await self.stub.Ingest(ingest_messages(docs, self.max_message_bytes), timeout=timeout or self.timeout, metadata=self.md)
 
     async def query(self, question: str, *, timeout: float | None = None, **kw):
-        return await self.stub.Query(query_request(question, **kw), timeout=timeout or self.timeout, metadata=self.md)
+        return await acall(self.retry, lambda: self.stub.Query(query_request(question, **kw), timeout=timeout or self.timeout, metadata=self.md))
 
     def query_stream(self, question: str, *, timeout: float | None = None, **kw):
         """Async-iterate QueryEvents: ``sources``, then ``text`` pieces, then ``done``."""
@@ -273,17 +281,17 @@ class AsyncOpRAGClient:
 
     async def retrieve(self, question: str, *, timeout: float | None = None, **kw):
         kw.pop("max_new_tokens", None)
-        return await self.stub.Retrieve(query_request(question, **kw), timeout=timeout or self.timeout, metadata=self.md)
+        return await acall(self.retry, lambda: self.stub.Retrieve(query_request(question, **kw), timeout=timeout or self.timeout, metadata=self.md))
 
     async def delete(self, doc_ids: Iterable[str], *, timeout: float | None = None):
-        return await self.stub.Delete(oprag_pb2.DeleteRequest(doc_ids=list(doc_ids)), timeout=timeout or self.timeout, metadata=self.md)
+        return await acall(self.retry, lambda: self.stub.Delete(oprag_pb2.DeleteRequest(doc_ids=list(doc_ids)), timeout=timeout or self.timeout, metadata=self.md))
 
     async def clear_session(self, session_id: str, *, timeout: float | None = None):
-        return await self.stub.ClearSession(oprag_pb2.ClearSessionRequest(session_id=session_id),
-                                            timeout=timeout or self.timeout, metadata=self.md)
+        return await acall(self.retry, lambda: self.stub.ClearSession(oprag_pb2.ClearSessionRequest(session_id=session_id),
+                                            timeout=timeout or self.timeout, metadata=self.md))
 
     async def stats(self, *, timeout: float | None = None):
-        return await self.stub.Stats(oprag_pb2.StatsRequest(), timeout=timeout or self.timeout, metadata=self.md)
+        return await acall(self.retry, lambda: self.stub.Stats(oprag_pb2.StatsRequest(), timeout=timeout or self.timeout, metadata=self.md))
 
     async def health(self, service: str = "", *, timeout: float | None = 5.0) -> str:
         r = await self.health_stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)

@@ -61,6 +61,8 @@ class Runtime:
         self.embed_executor = ThreadPoolExecutor(1, thread_name_prefix="oprag-embed")
         self._bg: list[asyncio.Task] = []
         self.replayed = 0
+        # service.tracing.Tracing when --otlp-endpoint is set; None: no tracing object anywhere
+        self.tracing: Any = None
 
     def start_shards(self, loop: asyncio.AbstractEventLoop) -> None:
         """Read the commit log, spawn shard processes and wait until each has loaded its
@@ -108,6 +110,8 @@ class Runtime:
             next_generation=self.next_generation,
             embed_batch=self.cfg.embed.batch_size,
         )
+        if self.tracing is not None:  # each finished query -> one trace of its executed steps
+            self.query.submit = self.tracing.wrap(self.query.submit)
         self.query.start()
         self._bg.append(asyncio.create_task(self._snapshot_loop()))
         await self.refresh_gauges()
@@ -207,6 +211,8 @@ class Runtime:
         self.embed_executor.shutdown(wait=False, cancel_futures=True)
         if getattr(self, "embed_query_executor", None) is not None:
             self.embed_query_executor.shutdown(wait=False, cancel_futures=True)
+        if self.tracing is not None:
+            self.tracing.shutdown()  # flushes the spans not yet exported
 
 
 def grpc_options(cfg: ServerConfig) -> list[tuple[str, int]]:
@@ -222,6 +228,7 @@ async def _load_models(cfg: ServerConfig) -> tuple[Any, Any | None]:
     loop = asyncio.get_running_loop()
     encoder, generator = preflight(cfg)
     check_port(cfg.metrics_host or cfg.host, cfg.metrics_port, "metrics port (--metrics-port)")
+    check_port(cfg.host, cfg.http_port, "HTTP port (--http-port)")
     await loop.run_in_executor(None, encoder.warm_up)
     if generator is not None:
         await loop.run_in_executor(None, generator.warm_up)
@@ -240,6 +247,10 @@ def build_server(cfg: ServerConfig, rt: Runtime) -> tuple[grpc.aio.Server, healt
     check_security(cfg, tokens)
     interceptors = [TokenAuthInterceptor(tokens)] if tokens else []
     interceptors.append(StatusInterceptor(rt.metrics, SERVICE_NAME))  # after auth: denied calls are not counted
+    if getattr(rt, "tracing", None) is not None:
+        from .service.tracing import TraceInterceptor
+
+        interceptors.append(TraceInterceptor(SERVICE_NAME))
     server = grpc.aio.server(options=grpc_options(cfg), interceptors=interceptors)
     oprag_pb2_grpc.add_OpRAGServicer_to_server(OpRAGServicer(rt), server)
     health_servicer = health.aio.HealthServicer()
@@ -270,7 +281,11 @@ async def serve(cfg: ServerConfig, *, encoder: Any = None, generator: Any = None
     if not models_loaded:
         encoder, generator = await _load_models(cfg)
     rt = Runtime(cfg, encoder, generator)
-    server = None
+    if cfg.otlp_endpoint:
+        from .service.tracing import Tracing
+
+        rt.tracing = Tracing.otlp(cfg.otlp_endpoint)
+    server = http = http_task = None
     try:  # a failure before serving (e.g. a port taken meanwhile) must not leave shards behind
         await loop.run_in_executor(None, rt.start_shards, loop)
         await rt.start()
@@ -281,8 +296,15 @@ async def serve(cfg: ServerConfig, *, encoder: Any = None, generator: Any = None
             raise RuntimeError(f"could not bind the metrics port {cfg.metrics_port}: {exc.strerror}; "
                                "choose another --metrics-port") from exc
         await server.start()
+        if cfg.http_port:
+            from .service.http import start_http
+
+            http, http_task = await start_http(cfg, rt, load_tokens(cfg.security.tokens_file))
     except BaseException:
         try:
+            if http is not None:
+                http.should_exit = True
+                await http_task
             if server is not None:
                 await server.stop(0)
             await rt.close()
@@ -299,13 +321,17 @@ async def serve(cfg: ServerConfig, *, encoder: Any = None, generator: Any = None
         except (NotImplementedError, RuntimeError):  # not the main thread
             pass
     watcher = asyncio.create_task(supervisor.run(stop))
-    log.info("serving on %s:%d (metrics :%d) with %d shards, %d chunks, ready in %.1f s",
-             cfg.host, bound, cfg.metrics_port, cfg.shards, rt.corpus_stats.n_docs, time.perf_counter() - t0)
+    log.info("serving on %s:%d (metrics :%d, HTTP :%s) with %d shards, %d chunks, ready in %.1f s",
+             cfg.host, bound, cfg.metrics_port, cfg.http_port or "off", cfg.shards, rt.corpus_stats.n_docs, time.perf_counter() - t0)
     print(f"OPRAG READY {cfg.host}:{bound}", flush=True)
     await stop.wait()
     log.info("shutting down (grace %.0f s)", cfg.shutdown_grace_s)
     watcher.cancel()
     await health_servicer.enter_graceful_shutdown()
+    if http is not None:
+        http.should_exit = True
     await server.stop(cfg.shutdown_grace_s)
+    if http_task is not None:
+        await http_task
     await rt.close()
     log.info("stopped")

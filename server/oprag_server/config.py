@@ -200,6 +200,8 @@ class ServerConfig:
     port: int = 50051
     metrics_host: str | None = None  # None = same as host
     metrics_port: int = 9464
+    http_port: int = 0  # OpenAI-compatible HTTP API (service/http.py); 0 = off
+    otlp_endpoint: str | None = None  # OpenTelemetry traces over OTLP/gRPC (service/tracing.py); None = off
     data_dir: Path = Path("./oprag-data")
     shards: int = 2
     chunking: ChunkingConfig = field(default_factory=ChunkingConfig)
@@ -217,8 +219,10 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.shards <= 64:
             raise ValueError(f"shards must be in [1, 64], got {self.shards}")
-        for name, port in (("port", self.port), ("metrics port", self.metrics_port)):
+        for name, port in (("port", self.port), ("metrics port", self.metrics_port), ("HTTP port", self.http_port)):
             if not 0 <= port <= 65535:
                 raise ValueError(f"{name} must be in [0, 65535], got {port}")
         if self.port == self.metrics_port and self.port != 0:
             raise ValueError("the gRPC port and the metrics port must differ")
+        if self.http_port and self.http_port in (self.port, self.metrics_port):
+            raise ValueError("the HTTP port must differ from the gRPC and metrics ports")

@@ -15,6 +15,7 @@ from oprag.v1 import oprag_pb2, oprag_pb2_grpc
 
 from . import convert
 from .convert import InvalidArgument
+from .stream import job_events
 
 
 class OpRAGServicer(oprag_pb2_grpc.OpRAGServicer):
@@ -51,22 +52,15 @@ class OpRAGServicer(oprag_pb2_grpc.OpRAGServicer):
     async def QueryStream(self, request, context):
         job = self._job(request, generate=True)
         await self._read_your_writes(request, context)
-        job.events = asyncio.Queue()
-        task = asyncio.create_task(self.rt.query.submit(job))
+        events = job_events(self.rt.query.submit, job)
         try:
-            while True:
-                get = asyncio.create_task(job.events.get())
-                done, _ = await asyncio.wait({get, task}, return_when=asyncio.FIRST_COMPLETED)
-                if get not in done:
-                    get.cancel()
-                    break
-                yield convert.stream_event(*get.result())
-            while not job.events.empty():
-                yield convert.stream_event(*job.events.get_nowait())
-            yield convert.done_event(task.result(), include_trace=request.include_trace)
+            async for kind, val in events:
+                if kind == "done":
+                    yield convert.done_event(val, include_trace=request.include_trace)
+                else:
+                    yield convert.stream_event(kind, val)
         finally:
-            if not task.done():
-                task.cancel()
+            await events.aclose()
 
     async def Retrieve(self, request, context):
         job = self._job(request, generate=False)

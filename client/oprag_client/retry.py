@@ -1,0 +1,75 @@
+"""Retry with backoff for unary RPCs, the usual gRPC client convention: retry ``UNAVAILABLE`` and
+``RESOURCE_EXHAUSTED`` only, waiting the server's ``retry-after-ms`` trailer when it sent one,
+else an exponential backoff with full jitter (``uniform(0, min(max_backoff_s, initial_backoff_s *
+multiplier**attempt))``, the AWS "full jitter" scheme). Streaming calls (Ingest, QueryStream)
+are never retried: their request stream cannot be replayed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, TypeVar
+
+import grpc
+
+T = TypeVar("T")
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """:param max_attempts: calls in all (1 = no retry). Times in seconds."""
+
+    max_attempts: int = 4
+    initial_backoff_s: float = 0.1
+    max_backoff_s: float = 5.0
+    multiplier: float = 2.0
+
+    def delay(self, exc: Exception, attempt: int) -> float | None:
+        """Seconds to wait before retry number ``attempt + 1`` (0-based ``attempt``), or None when
+        ``exc`` is not retryable or the attempts are spent."""
+        code = exc.code() if isinstance(exc, grpc.RpcError) and hasattr(exc, "code") else None
+        if code not in RETRYABLE or attempt + 1 >= self.max_attempts:
+            return None
+        trailers = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+        for key, value in trailers or ():
+            if key == "retry-after-ms":
+                try:
+                    return min(self.max_backoff_s, int(value) / 1000)
+                except ValueError:
+                    break
+        return random.uniform(0, min(self.max_backoff_s, self.initial_backoff_s * self.multiplier**attempt))
+
+
+NO_RETRY = RetryPolicy(max_attempts=1)
+
+
+def call(policy: RetryPolicy, fn: Callable[[], T], sleep: Callable[[float], Any] = time.sleep) -> T:
+    """``fn()``, retried under ``policy``. :raises grpc.RpcError: the last failure."""
+    attempt = 0
+    while True:
+        try:
+            return fn()
+        except grpc.RpcError as exc:
+            d = policy.delay(exc, attempt)
+            if d is None:
+                raise
+            sleep(d)
+            attempt += 1
+
+
+async def acall(policy: RetryPolicy, fn: Callable[[], Awaitable[T]]) -> T:
+    """``await fn()``, retried under ``policy``. :raises grpc.aio.AioRpcError: the last failure."""
+    attempt = 0
+    while True:
+        try:
+            return await fn()
+        except grpc.RpcError as exc:
+            d = policy.delay(exc, attempt)
+            if d is None:
+                raise
+            await asyncio.sleep(d)
+            attempt += 1

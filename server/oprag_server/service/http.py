@@ -1,0 +1,316 @@
+"""OpenAI-compatible HTTP front door (FastAPI on uvicorn), served in the gRPC server's process and
+event loop (``--http-port``; 0 = off) with the same bearer tokens, TLS files, limits, validation
+and exception mapping as the gRPC RPCs.
+
+Endpoints: ``POST /v1/chat/completions`` (``stream`` as server-sent events), ``GET /v1/models``,
+``GET /v1/models/{id}``, ``POST /v1/embeddings``, ``POST /v1/retrieve``. Request and response
+shapes: :mod:`oprag_server.service.openai_api`. Every error is OpenAI's
+``{"error": {"message", "type", "param", "code"}}`` with status 400 (bad input), 401 (token),
+404 (unknown model or path), 405, 413 (body over ``limits.max_message_bytes``), 429 (overloaded;
+``Retry-After`` in whole seconds), 503 (a shard is down), 500 (a server bug only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import math
+import time
+from typing import Any
+
+import grpc
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from ..config import ServerConfig
+from ..engine.ingest import IngestError
+from ..engine.query import Overloaded, QueryRejected
+from ..shards.pool import ShardError
+from . import convert
+from . import openai_api as api
+from .convert import InvalidArgument
+from .interceptors import status_for
+from .stream import job_events
+from .tracing import CARRIER, carrier_of
+
+#: gRPC status of an exception (interceptors.status_for) -> HTTP status and OpenAI error type.
+_HTTP = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "invalid_request_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "server_error"),
+    grpc.StatusCode.INTERNAL: (500, "server_error"),
+}
+#: HTTP status -> the gRPC code name counted in ``oprag_requests_total{code}``.
+_CODE_NAME = {200: "OK", 400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 405: "UNIMPLEMENTED",
+              413: "RESOURCE_EXHAUSTED", 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE"}
+ALIAS = "oprag"  # a chat model id that always names the configured generator
+
+
+class NotFound(LookupError):
+    """An unknown model id (-> 404, code ``model_not_found``)."""
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                   code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
+
+
+def exception_response(exc: Exception, method: str) -> JSONResponse:
+    """The HTTP error of an exception a handler raised: the gRPC mapping
+    (:func:`~oprag_server.service.interceptors.status_for`) turned into HTTP."""
+    if isinstance(exc, NotFound):
+        return error_response(404, str(exc), param="model", code="model_not_found")
+    code, msg, _ = status_for(exc, method)
+    status, type_ = _HTTP.get(code, (500, "server_error"))
+    headers = None
+    if isinstance(exc, Overloaded):
+        headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))}
+    return error_response(status, msg, type_, code=code.name.lower(), headers=headers)
+
+
+class Guard:
+    """ASGI middleware in front of the app: bearer token (401), body size (413), and per-request
+    metrics ``oprag_requests_total{method="HTTP <path>", code}`` / ``oprag_request_seconds``."""
+
+    def __init__(self, app: Any, *, tokens: set[str], max_body: int, metrics: Any, tracing: bool = False) -> None:
+        self.app, self.max_body, self.metrics, self.tracing = app, max_body, metrics, tracing
+        self.tokens = [t.encode() for t in tokens]
+
+    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
+        if not self.tokens:
+            return True
+        v = headers.get(b"authorization", b"")
+        if v[:7].lower() != b"bearer ":
+            return False
+        got = v[7:].strip()
+        return any(hmac.compare_digest(got, t) for t in self.tokens)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if not self._authorized(headers):
+            r = error_response(401, "missing or invalid bearer token: send 'Authorization: Bearer <token>'",
+                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            return await r(scope, receive, send)
+        t0, status, started = time.perf_counter(), [500], [False]
+        if self.tracing:  # W3C traceparent -> the query's trace (service/tracing.py)
+            CARRIER.set((f"HTTP {scope['path']}", carrier_of(scope["headers"])))
+        try:
+            size = int(headers.get(b"content-length", b"0"))
+        except ValueError:
+            size = 0
+        if size > self.max_body:
+            r = error_response(413, f"request body has {size} bytes; the limit is {self.max_body}", code="body_too_large")
+            return await r(scope, receive, send)
+        seen = 0
+
+        async def limited_receive():  # chunked bodies without a length are counted as they come
+            nonlocal seen
+            msg = await receive()
+            seen += len(msg.get("body", b""))
+            if seen > self.max_body:
+                raise _TooLarge()
+            return msg
+
+        async def observed_send(msg):
+            if msg["type"] == "http.response.start":
+                status[0], started[0] = msg["status"], True
+            await send(msg)
+
+        try:
+            await self.app(scope, limited_receive, observed_send)
+        except _TooLarge:
+            status[0] = 413
+            r = error_response(413, f"request body is over the limit of {self.max_body} bytes", code="body_too_large")
+            await r(scope, receive, observed_send)
+        except Exception as exc:  # noqa: BLE001 - a bug, already logged and answered by the app (500)
+            if not started[0]:
+                await exception_response(exc, scope["path"])(scope, receive, observed_send)
+        finally:
+            method = f"HTTP {scope['path']}" if scope["path"].startswith("/v1/") else "HTTP other"
+            self.metrics.requests.labels(method=method, code=_CODE_NAME.get(status[0], "INTERNAL")).inc()
+            self.metrics.request_seconds.labels(method=method).observe(time.perf_counter() - t0)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def _sse(obj: Any) -> bytes:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
+
+
+def build_app(rt: Any) -> FastAPI:
+    """The FastAPI app over a runtime (``app.Runtime`` or a test double with ``cfg``, ``encoder``,
+    ``generator``, ``query``, ``embedder``); auth and size limits are :class:`Guard`'s."""
+    cfg: ServerConfig = rt.cfg
+    app = FastAPI(title="OpRAG", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errs = exc.errors()
+        e = errs[0] if errs else {"msg": "invalid request", "loc": ()}
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        if e.get("type") == "json_invalid":
+            return error_response(400, f"the body is not valid JSON: {e.get('msg')}", code="invalid_json")
+        param = ".".join(loc) or None
+        return error_response(400, f"{param or 'body'}: {e.get('msg')}", param=param, code="invalid_value")
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
+
+    async def _mapped(request: Request, exc: Exception) -> JSONResponse:
+        return exception_response(exc, f"HTTP {request.url.path}")
+
+    # the exceptions the gRPC interceptor maps; anything else is a bug, answered 500 in the same
+    # shape by the handler for Exception, which then re-raises (to Guard, which ends it there)
+    for cls in (InvalidArgument, QueryRejected, IngestError, Overloaded, ShardError, NotFound, Exception):
+        app.add_exception_handler(cls, _mapped)
+
+    def chat_models() -> list[str]:
+        return [rt.generator.name] if rt.generator is not None else []
+
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "oprag"}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [model_card(m) for m in [*chat_models(), rt.encoder.name]]}
+
+    @app.get("/v1/models/{model_id}")
+    async def model(model_id: str) -> dict:
+        if model_id not in [*chat_models(), rt.encoder.name, ALIAS]:
+            raise NotFound(f"the model {model_id!r} does not exist: GET /v1/models lists them")
+        return model_card(model_id)
+
+    def job_for(question: str, opts: api.RetrievalOptions, *, max_new: int = 0, generate: bool):
+        req = api.query_request(question, opts, max_new)
+        return convert.query_job(req, cfg, dim=rt.encoder.dim, generate=generate,
+                                 can_generate=rt.generator is not None)
+
+    @app.post("/v1/retrieve")
+    async def retrieve(body: api.RetrieveRequest) -> dict:
+        job = await rt.query.submit(job_for(body.query, body, generate=False))
+        ext = api.extension(job, include_trace=body.include_trace)
+        ext.pop("sources")
+        return {"object": "retrieval", **ext}
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: api.EmbeddingsRequest) -> dict:
+        if body.model != rt.encoder.name:
+            raise NotFound(f"the embedding model {body.model!r} does not exist; this server embeds with {rt.encoder.name!r}")
+        texts = [body.input] if isinstance(body.input, str) else body.input
+        if not 1 <= len(texts) <= api.MAX_EMBED_INPUTS:
+            raise InvalidArgument(f"input has {len(texts)} items; send between 1 and {api.MAX_EMBED_INPUTS}")
+        for i, t in enumerate(texts):
+            if not t.strip() or len(t) > cfg.limits.max_question_chars:
+                raise InvalidArgument(f"input[{i}] must be non-empty and at most {cfg.limits.max_question_chars} characters")
+        if body.dimensions is not None and body.dimensions != rt.encoder.dim:
+            raise InvalidArgument(f"dimensions must be {rt.encoder.dim} (the embedder's width), got {body.dimensions}")
+        vecs = await rt.embedder.embed_queries(texts)
+        n = sum(min(n, rt.encoder.max_tokens) for n in rt.encoder.token_lengths(texts))
+        return {"object": "list", "model": rt.encoder.name, "data": api.embedding_data(vecs, body.encoding_format),
+                "usage": {"prompt_tokens": n, "total_tokens": n}}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: api.ChatRequest, request: Request) -> Any:
+        if body.model not in [*chat_models(), ALIAS]:
+            raise NotFound(f"the model {body.model!r} does not exist: use {', '.join([*chat_models(), ALIAS])}")
+        question, memory = api.conversation(body)
+        job = job_for(question, body.oprag, max_new=api.max_new_tokens(body), generate=True)
+        if memory is not None:
+            job.memory = memory  # the plan has no memory step: the conversation is the memory
+        head = {"id": f"chatcmpl-{job.request_id}", "created": int(time.time()), "model": body.model}
+        trace = body.oprag.include_trace
+        if not body.stream:
+            job = await rt.query.submit(job)
+            msg = {"role": "assistant", "content": job.answer if rt.generator is not None else ""}
+            return {**head, "object": "chat.completion", "usage": api.usage(job), "oprag": api.extension(job, include_trace=trace),
+                    "choices": [{"index": 0, "message": msg, "finish_reason": api.finish_reason(job), "logprobs": None}]}
+        events = job_events(rt.query.submit, job)
+        try:
+            first = await events.__anext__()  # refusals and failures before any event: an HTTP status
+        except BaseException:
+            await events.aclose()
+            raise
+        usage = body.stream_options is not None and body.stream_options.include_usage
+
+        def chunk(delta: dict, finish: str | None = None, **extra: Any) -> bytes:
+            return _sse({**head, "object": "chat.completion.chunk", **extra,
+                         "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]})
+
+        async def sse():
+            kind, val = first
+            try:
+                while True:
+                    if kind == "sources":
+                        yield chunk({"role": "assistant", "content": ""},
+                                    oprag=api.extension(val, include_trace=trace, last=False))
+                    elif kind == "text":
+                        yield chunk({"content": val})
+                    else:  # done
+                        yield chunk({}, api.finish_reason(val), oprag=api.extension(val, include_trace=trace, first=False))
+                        if usage:
+                            yield _sse({**head, "object": "chat.completion.chunk", "choices": [], "usage": api.usage(val)})
+                        yield b"data: [DONE]\n\n"
+                        return
+                    kind, val = await events.__anext__()
+            except StopAsyncIteration:
+                return
+            except Exception as exc:  # noqa: BLE001 - after the 200 header: an error event ends the stream
+                yield _sse(json.loads(exception_response(exc, "HTTP /v1/chat/completions").body))
+            finally:
+                await events.aclose()
+
+        return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    return app
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handlers: the gRPC server's loop owns SIGTERM/SIGINT."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # noqa: D102
+        yield
+
+
+async def start_http(cfg: ServerConfig, rt: Any, tokens: set[str]) -> tuple[_Server, asyncio.Task]:
+    """Serve :func:`build_app` behind :class:`Guard` on ``cfg.host:cfg.http_port`` (TLS with the
+    gRPC certificate files) as a task of the running loop; returns once it listens.
+
+    :raises RuntimeError: it could not start (e.g. the port was taken).
+    """
+    sec = cfg.security
+    tls: dict[str, Any] = {}
+    if sec.tls_cert is not None:
+        tls = {"ssl_certfile": str(sec.tls_cert), "ssl_keyfile": str(sec.tls_key)}
+        if sec.tls_client_ca is not None:
+            import ssl
+
+            tls |= {"ssl_ca_certs": str(sec.tls_client_ca), "ssl_cert_reqs": ssl.CERT_REQUIRED}
+    app = Guard(build_app(rt), tokens=tokens, max_body=cfg.limits.max_message_bytes, metrics=rt.metrics,
+                tracing=getattr(rt, "tracing", None) is not None)
+    server = _Server(uvicorn.Config(app, host=cfg.host, port=cfg.http_port, log_level="warning", access_log=False,
+                                    lifespan="off", timeout_graceful_shutdown=int(cfg.shutdown_grace_s), **tls))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            exc = task.exception() if not task.cancelled() else None
+            raise RuntimeError(f"could not start the HTTP port {cfg.host}:{cfg.http_port} (--http-port): {exc!r}")
+        await asyncio.sleep(0.02)
+    return server, task

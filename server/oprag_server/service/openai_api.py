@@ -1,0 +1,194 @@
+"""The OpenAI-compatible HTTP API's request and response shapes (pydantic), and their mapping to
+the gRPC request: an HTTP request becomes an ``oprag.v1.QueryRequest`` and goes through the very
+same validation (:func:`oprag_server.service.convert.query_job`) as the gRPC RPCs.
+
+Extension fields (README: "OpenAI-compatible HTTP API"):
+
+* request ``oprag``: :class:`RetrievalOptions` (mode, top_k, candidates, filters, fusion,
+  session_id, disable_memory, include_trace), sent by the ``openai`` package as
+  ``extra_body={"oprag": {...}}``;
+* response ``oprag``: ``{"request_id", "sources", "hits", "retrieval", "memory_context",
+  "timings_ms", "ttft_ms"[, "trace"]}``; in a stream, on the first chunk (sources, hits,
+  retrieval, memory context) and on the last one (timings, trace).
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+from oprag.v1 import oprag_pb2
+
+from ..domain import MemoryContext
+from ..engine.job import QueryJob
+from ..operators.memory import is_follow_up
+from .convert import MODE_NAMES, InvalidArgument
+
+_U32 = 2**32 - 1
+_WIRE_MODE = {name: wire for wire, name in MODE_NAMES.items() if wire != oprag_pb2.RETRIEVAL_MODE_UNSPECIFIED}
+#: OpenAI's limit on the inputs of one embeddings request.
+MAX_EMBED_INPUTS = 2048
+
+
+class _Strict(BaseModel):
+    # unknown OpenAI fields (tools, top_p, seed, ...) are accepted and ignored, as most
+    # OpenAI-compatible servers do; the types of known fields are checked strictly
+    model_config = ConfigDict(extra="ignore")
+
+
+class Fusion(_Strict):
+    method: Literal["minmax", "rrf"] = "minmax"
+    dense_weight: StrictFloat | StrictInt = 0.0
+    lexical_weight: StrictFloat | StrictInt = 0.0
+    rrf_k: StrictInt = Field(0, ge=0, le=_U32)
+
+
+class RetrievalOptions(_Strict):
+    """Retrieval knobs, the same fields and defaults as ``QueryRequest`` (0 = server default)."""
+
+    mode: Literal["hybrid", "dense", "lexical", "full_hybrid"] = "hybrid"
+    top_k: StrictInt = Field(0, ge=0, le=_U32)
+    candidates: StrictInt = Field(0, ge=0, le=_U32)
+    filters: dict[StrictStr, list[StrictStr]] = Field(default_factory=dict)
+    fusion: Fusion = Field(default_factory=Fusion)
+    session_id: StrictStr = ""
+    disable_memory: StrictBool = False
+    include_trace: StrictBool = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class StreamOptions(_Strict):
+    include_usage: StrictBool = False
+
+
+class ChatRequest(_Strict):
+    """``POST /v1/chat/completions``. ``temperature`` is accepted in [0, 2] and ignored: decoding
+    is greedy (as temperature 0). ``n`` must be 1."""
+
+    model: StrictStr
+    messages: list[Message] = Field(min_length=1)
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: StrictInt | None = Field(None, ge=0, le=_U32)
+    max_completion_tokens: StrictInt | None = Field(None, ge=0, le=_U32)
+    temperature: StrictFloat | StrictInt | None = Field(None, ge=0, le=2)
+    n: StrictInt = Field(1, ge=1, le=1)
+    user: StrictStr | None = None
+    oprag: RetrievalOptions = Field(default_factory=RetrievalOptions)
+
+
+class RetrieveRequest(RetrievalOptions):
+    """``POST /v1/retrieve``: a question and the retrieval knobs (flat)."""
+
+    query: StrictStr
+
+
+class EmbeddingsRequest(_Strict):
+    """``POST /v1/embeddings``: ``input`` a string or a list of strings (token arrays are not
+    accepted), ``encoding_format`` float or base64 (little-endian float32, as OpenAI)."""
+
+    model: StrictStr
+    input: StrictStr | list[StrictStr]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: StrictInt | None = None
+    user: StrictStr | None = None
+
+
+# ---------------------------------------------------------------------------------- requests
+def query_request(question: str, opts: RetrievalOptions, max_new_tokens: int = 0) -> oprag_pb2.QueryRequest:
+    """The ``QueryRequest`` a gRPC client would send for the same question and settings."""
+    return oprag_pb2.QueryRequest(
+        question=question, top_k=opts.top_k, mode=_WIRE_MODE[opts.mode], session_id=opts.session_id,
+        candidates=opts.candidates, disable_memory=opts.disable_memory, include_trace=opts.include_trace,
+        generation=oprag_pb2.GenerationOptions(max_new_tokens=max_new_tokens),
+        filters=[oprag_pb2.MetadataFilter(key=k, values=v) for k, v in opts.filters.items()],
+        fusion=oprag_pb2.FusionOptions(
+            method=oprag_pb2.RRF if opts.fusion.method == "rrf" else oprag_pb2.WEIGHTED_MINMAX,
+            dense_weight=opts.fusion.dense_weight, lexical_weight=opts.fusion.lexical_weight, rrf_k=opts.fusion.rrf_k),
+    )
+
+
+def conversation(req: ChatRequest) -> tuple[str, MemoryContext | None]:
+    """The question (the last message, which must be the user's) and, when the conversation has
+    earlier user turns and no ``oprag.session_id`` is given, the memory context they make: the
+    previous user question is shown as memory, and a follow-up question (README: memory) is
+    retrieved with it appended, as the memory operator does with a stored turn.
+
+    :raises InvalidArgument: the last message is not a user message.
+    """
+    last = req.messages[-1]
+    if last.role != "user":
+        raise InvalidArgument(f"messages[-1] has role {last.role!r}: the last message must be the user's question")
+    question = last.text()
+    earlier = [m.text() for m in req.messages[:-1] if m.role == "user" and m.text().strip()]
+    if not earlier or req.oprag.session_id or req.oprag.disable_memory:
+        return question, None
+    prev = " ".join(earlier[-1].split())
+    retrieval = f"{question} ({prev})" if is_follow_up(question) else question
+    return question, MemoryContext(retrieval, f"Previous question: {prev}", len(earlier))
+
+
+def max_new_tokens(req: ChatRequest) -> int:
+    """``max_completion_tokens``, else ``max_tokens``, else 0 (the server default)."""
+    return req.max_completion_tokens if req.max_completion_tokens is not None else (req.max_tokens or 0)
+
+
+# --------------------------------------------------------------------------------- responses
+def hit_dicts(job: QueryJob) -> list[dict]:
+    """The job's hits in rank order (the fields of the wire ``Hit``)."""
+    return [dataclasses.asdict(h) for h in job.hits]
+
+
+def extension(job: QueryJob, *, include_trace: bool, first: bool = True, last: bool = True) -> dict[str, Any]:
+    """The response's ``oprag`` object; ``first`` carries the sources, ``last`` the timings."""
+    out: dict[str, Any] = {"request_id": job.request_id}
+    if first:
+        p = job.payload
+        out["sources"] = [dataclasses.asdict(s) for s in (p.sources if p else [])]
+        out["hits"] = hit_dicts(job)
+        out["retrieval"] = dataclasses.asdict(job.info) if job.info is not None else None
+        out["memory_context"] = job.memory.memory_text if job.memory else ""
+    if last:
+        out["timings_ms"] = dict(job.timings_ms)
+        out["ttft_ms"] = job.ttft_ms
+        if include_trace:
+            out["trace"] = job.trace()
+    return out
+
+
+def finish_reason(job: QueryJob) -> str:
+    """OpenAI's ``stop`` or ``length``."""
+    return "length" if job.finish_reason == "length" else "stop"
+
+
+def usage(job: QueryJob) -> dict[str, int]:
+    p = job.payload.prompt_tokens if job.payload else 0
+    return {"prompt_tokens": p, "completion_tokens": job.completion_tokens, "total_tokens": p + job.completion_tokens}
+
+
+def embedding_data(vecs: np.ndarray, encoding: str) -> list[dict]:
+    """OpenAI ``embedding`` objects from float32[B, D]: lists of floats, or base64 of the
+    little-endian float32 bytes."""
+    out = []
+    for i, v in enumerate(np.asarray(vecs, dtype="<f4")):
+        emb: Any = base64.b64encode(v.tobytes()).decode() if encoding == "base64" else v.tolist()
+        out.append({"object": "embedding", "index": i, "embedding": emb})
+    return out

@@ -1,0 +1,226 @@
+"""The OpenAI-compatible HTTP front door of a real server (``--http-port``), driven by the official
+``openai`` package (sync, async, streaming) and by ``curl`` (SSE framing, raw bodies); one server
+for the module, with bearer tokens, the tiny default generator and few new tokens. Also checks
+that every metric the Grafana dashboard queries exists on ``/metrics``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import subprocess
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+from server_proc import ServerProcess, free_port
+
+from oprag_client.client import Doc, OpRAGClient
+
+pytestmark = pytest.mark.integration
+TOKEN = "http-test-token"
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "oprag.json"
+DOCS = [
+    Doc("lighthouse", title="Varnholm Lighthouse", metadata={"topic": "buildings"}, text=(
+        "The Varnholm Lighthouse stands on a granite skerry at the mouth of the Varn fjord. It was completed in "
+        "1874 after four summers of work, and its lantern was designed by the engineer Ingrid Solberg.")),
+    Doc("bees", title="Honey bee dances", metadata={"topic": "biology"}, text=(
+        "Honey bee foragers tell their nestmates where food is by dancing on the comb. The angle of the waggle "
+        "run encodes the direction of the flowers relative to the sun; its duration encodes the distance.")),
+    Doc("sourdough", title="Sourdough starter", metadata={"topic": "food"}, text=(
+        "A sourdough starter is a culture of wild yeast and lactic acid bacteria kept in flour and water. Bakers "
+        "feed it every day by discarding part of it and adding fresh flour and water.")),
+]
+QUESTION = "In what year was the Varnholm Lighthouse completed?"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    d = tmp_path_factory.mktemp("oprag-http")
+    (d / "tokens").write_text(TOKEN + "\n")
+    srv = ServerProcess(d / "data", free_port(), free_port(), "--shards", "2", "--max-new-tokens", "12",
+                        "--tokens-file", str(d / "tokens"), "--http-port", str(free_port()),
+                        "--monitor-fraction", "1.0")
+    srv.http_port = int(srv.extra[srv.extra.index("--http-port") + 1])
+    srv.start()
+    with OpRAGClient(srv.target, timeout=120, token=TOKEN) as c:
+        c.ingest(DOCS)
+        srv.grpc = c
+        yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def base_url(server):
+    return f"http://127.0.0.1:{server.http_port}/v1"
+
+
+@pytest.fixture(scope="module")
+def oai(base_url):
+    return openai.OpenAI(base_url=base_url, api_key=TOKEN, max_retries=0, timeout=120)
+
+
+def _model(oai) -> str:
+    return oai.models.list().data[0].id
+
+
+def test_models_lists_generator_and_embedder(oai):
+    ids = [m.id for m in oai.models.list().data]
+    assert len(ids) == 2 and ids[0] != ids[1]
+    assert oai.models.retrieve(ids[0]).id == ids[0]
+
+
+def test_chat_answers_with_sources(oai):
+    r = oai.chat.completions.create(model=_model(oai), messages=[{"role": "user", "content": QUESTION}],
+                                    max_tokens=8, temperature=0, extra_body={"oprag": {"top_k": 2}})
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content and r.choices[0].finish_reason in ("stop", "length")
+    assert 0 < r.usage.completion_tokens <= 8 and r.usage.prompt_tokens > 0
+    ext = r.model_extra["oprag"]
+    assert ext["sources"][0]["doc_id"] == "lighthouse" and ext["sources"][0]["number"] == 1
+    assert [h["doc_id"] for h in ext["hits"]][0] == "lighthouse" and len(ext["hits"]) == 2
+    assert ext["retrieval"]["mode"] == "hybrid" and ext["request_id"] and "retrieve" in ext["timings_ms"]
+
+
+def test_chat_earlier_messages_are_memory(oai):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about honey bee dances."},
+            {"role": "assistant", "content": "Bees dance to show food."}, {"role": "user", "content": "Why do they do it?"}]
+    r = oai.chat.completions.create(model="oprag", messages=msgs, max_tokens=4)
+    ext = r.model_extra["oprag"]
+    assert ext["memory_context"] == "Previous question: Tell me about honey bee dances."
+    assert ext["hits"][0]["doc_id"] == "bees"
+
+
+def test_chat_streaming_sync_and_async(oai, base_url):
+    stream = oai.chat.completions.create(model=_model(oai), messages=[{"role": "user", "content": QUESTION}],
+                                         max_tokens=8, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    first = chunks[0]
+    assert first.choices[0].delta.role == "assistant"
+    assert first.model_extra["oprag"]["sources"][0]["doc_id"] == "lighthouse"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text and chunks[-1].usage.completion_tokens > 0
+    assert [c for c in chunks if c.choices and c.choices[0].finish_reason]
+
+    async def go():
+        a = openai.AsyncOpenAI(base_url=base_url, api_key=TOKEN, max_retries=0, timeout=120)
+        r = await a.chat.completions.create(model="oprag", messages=[{"role": "user", "content": QUESTION}], max_tokens=8)
+        s = await a.chat.completions.create(model="oprag", messages=[{"role": "user", "content": QUESTION}],
+                                            max_tokens=8, stream=True)
+        got = "".join([c.choices[0].delta.content or "" async for c in s if c.choices])
+        await a.close()
+        return r, got
+
+    r, got = asyncio.run(go())
+    assert r.model_extra["oprag"]["sources"] and got == r.choices[0].message.content == text
+
+
+def test_http_and_grpc_give_the_same_hits(oai, server):
+    q = "How do honey bees tell where the flowers are?"
+    for opts in ({"mode": "hybrid", "top_k": 3}, {"mode": "full_hybrid", "top_k": 2, "fusion": {"method": "rrf", "rrf_k": 10}},
+                 {"mode": "lexical", "top_k": 3, "filters": {"topic": ["food", "biology"]}}):
+        h = oai.post("/retrieve", body={"query": q, **opts}, cast_to=object)
+        kw = {k: v for k, v in opts.items() if k not in ("fusion", "filters")}
+        kw |= {"fusion": "rrf", "rrf_k": 10} if "fusion" in opts else {}
+        kw |= {"filters": opts["filters"]} if "filters" in opts else {}
+        g = server.grpc.retrieve(q, **kw)
+        assert [x["chunk_id"] for x in h["hits"]] == [x.chunk_id for x in g.hits]
+        assert [x["score"] for x in h["hits"]] == pytest.approx([x.score for x in g.hits])
+        assert h["retrieval"]["mode"] == g.retrieval.mode
+
+
+def test_embeddings_float_and_base64(oai):
+    import numpy as np
+
+    name = oai.models.list().data[-1].id
+    f = oai.embeddings.create(model=name, input=["honey bees", "a lighthouse"], encoding_format="float")
+    assert len(f.data) == 2 and len(f.data[0].embedding) == 384 and f.usage.prompt_tokens > 0
+    raw = oai.with_options().embeddings.with_raw_response.create(model=name, input="honey bees", encoding_format="base64")
+    b64 = json.loads(raw.text)["data"][0]["embedding"]
+    import base64
+
+    v = np.frombuffer(base64.b64decode(b64), dtype="<f4")
+    assert v == pytest.approx(np.asarray(f.data[0].embedding, dtype=np.float32), abs=1e-5)
+    assert abs(float(np.linalg.norm(v)) - 1) < 1e-4
+
+
+def _err(exc_info) -> dict:
+    body = exc_info.value.response.json()
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+def test_bad_input_gets_openai_errors(oai, base_url):
+    m = _model(oai)
+    user = [{"role": "user", "content": QUESTION}]
+    with pytest.raises(openai.NotFoundError) as ei:
+        oai.chat.completions.create(model="gpt-4o", messages=user)
+    assert _err(ei)["code"] == "model_not_found"
+    with pytest.raises(openai.AuthenticationError) as ei:
+        openai.OpenAI(base_url=base_url, api_key="wrong", max_retries=0).models.list()
+    assert ei.value.status_code == 401 and _err(ei)["code"] == "invalid_api_key"
+    cases = [  # the same validation as gRPC (convert.query_job) and strict JSON types
+        ({"extra_body": {"oprag": {"top_k": 1000}}}, "top_k must be in [1, 100]"),
+        ({"extra_body": {"oprag": {"top_k": "five"}}}, "oprag.top_k"),
+        ({"extra_body": {"oprag": {"mode": "psychic"}}}, "oprag.mode"),
+        ({"extra_body": {"oprag": {"fusion": {"dense_weight": -1}}}}, "fusion.dense_weight"),
+        ({"max_tokens": 100000}, "max_new_tokens must be in"),
+        ({"temperature": 7}, "temperature"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages"),
+        ({"messages": [{"role": "user", "content": "   "}]}, "question is empty"),
+        ({"messages": [{"role": "assistant", "content": "hi"}]}, "last message"),
+        ({"messages": [{"role": "user", "content": "x" * 5000}]}, "the limit is 4096"),
+    ]
+    for kw, want in cases:
+        args = {"model": m, "messages": user, **kw}
+        with pytest.raises(openai.BadRequestError) as ei:
+            oai.chat.completions.create(**args)
+        assert ei.value.status_code == 400 and want in _err(ei)["message"] + str(_err(ei)["param"]), kw
+    with pytest.raises(openai.BadRequestError):
+        oai.embeddings.create(model=oai.models.list().data[-1].id, input=[])
+
+
+def _curl(url: str, *args: str) -> tuple[int, str]:
+    out = subprocess.run(["curl", "-sS", "-N", "-w", "\n%{http_code}", "-H", f"Authorization: Bearer {TOKEN}",
+                          "-H", "Content-Type: application/json", *args, url],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    body, _, code = out.rpartition("\n")
+    return int(code), body
+
+
+def test_curl_sse_framing_and_raw_bodies(base_url, tmp_path):
+    body = json.dumps({"model": "oprag", "stream": True, "max_tokens": 6, "messages": [{"role": "user", "content": QUESTION}]})
+    code, out = _curl(f"{base_url}/chat/completions", "-d", body)
+    assert code == 200
+    events = out.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    assert all(re.fullmatch(r"data: .+", e) for e in events[:-1])  # one data line per event
+    parsed = [json.loads(e[6:]) for e in events[:-2]]
+    assert parsed[0]["oprag"]["sources"] and parsed[0]["object"] == "chat.completion.chunk"
+    assert parsed[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    code, out = _curl(f"{base_url}/chat/completions", "-d", '{"model": "oprag", "messages": [')
+    assert code == 400 and json.loads(out)["error"]["code"] == "invalid_json"
+    big = tmp_path / "big.json"
+    big.write_text(json.dumps({"model": "oprag", "messages": [{"role": "user", "content": "x" * (33 * 1024 * 1024)}]}))
+    code, out = _curl(f"{base_url}/chat/completions", "--data-binary", f"@{big}")
+    assert code == 413 and json.loads(out)["error"]["code"] == "body_too_large"
+    code, out = _curl(f"{base_url}/nowhere")
+    assert code == 404 and "error" in json.loads(out)
+
+
+def test_dashboard_metrics_exist(server, oai):
+    """Every metric name in the dashboard's PromQL is exported by a running server."""
+    names = set()
+    for panel in json.loads(DASHBOARD.read_text())["panels"]:
+        for t in panel.get("targets", []):
+            names |= set(re.findall(r"\b(oprag_[a-z_]+)", t["expr"]))
+    assert names
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+    # a labelled family with no child yet has only its "# TYPE" line
+    def family(n: str) -> str:
+        return re.sub(r"_(total|bucket|sum|count)$", "", n)
+
+    families = {family(n) for n in re.findall(r"^# TYPE (oprag_[a-z_]+) ", text, re.M)}
+    missing = {n for n in names if family(n) not in families}
+    assert not missing, sorted(missing)
