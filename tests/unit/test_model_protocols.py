@@ -33,27 +33,27 @@ def _same_parameters(obj: object, proto: type) -> None:
 
 
 # Constructors only locate files and read small JSON configs: no weights are loaded.
-ENCODERS = [lambda: HashingEncoder(dim=8), lambda: TransformersEncoder("minilm")]
-GENERATORS = [lambda: EchoGenerator(), lambda: HFGenerator("smollm2")]
+IMPLEMENTATIONS = [
+    (lambda: HashingEncoder(dim=8), Encoder, Generator),
+    (lambda: TransformersEncoder("minilm"), Encoder, Generator),
+    (lambda: EchoGenerator(), Generator, Encoder),
+    (lambda: HFGenerator("smollm2"), Generator, Encoder),
+]
 
 
-@pytest.mark.parametrize("make", ENCODERS, ids=["HashingEncoder", "TransformersEncoder"])
-def test_encoders_satisfy_protocol(make) -> None:
-    enc = make()
-    assert isinstance(enc, Encoder)
-    assert not isinstance(enc, Generator)
-    _same_parameters(enc, Encoder)
-    assert isinstance(enc.dim, int) and enc.dim > 0
-    assert isinstance(enc.max_tokens, int) and enc.max_tokens > 2
-
-
-@pytest.mark.parametrize("make", GENERATORS, ids=["EchoGenerator", "HFGenerator"])
-def test_generators_satisfy_protocol(make) -> None:
-    gen = make()
-    assert isinstance(gen, Generator)
-    assert not isinstance(gen, Encoder)
-    _same_parameters(gen, Generator)
-    assert isinstance(gen.name, str)
+@pytest.mark.parametrize(
+    "make, proto, other", IMPLEMENTATIONS,
+    ids=["HashingEncoder", "TransformersEncoder", "EchoGenerator", "HFGenerator"],
+)
+def test_implementations_satisfy_protocol(make, proto, other) -> None:
+    model = make()
+    assert isinstance(model, proto)
+    assert not isinstance(model, other)
+    _same_parameters(model, proto)
+    assert isinstance(model.name, str) and model.name
+    if proto is Encoder:
+        assert isinstance(model.dim, int) and model.dim > 0
+        assert isinstance(model.max_tokens, int) and model.max_tokens > 2
 
 
 def test_fake_encoder_contract() -> None:
