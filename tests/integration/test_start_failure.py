@@ -12,7 +12,7 @@ from server_proc import free_port
 
 from oprag_server.app import serve
 from oprag_server.config import ServerConfig
-from oprag_server.models.encoder import HashingEncoder
+from oprag_server.models.fakes import HashingEncoder
 
 pytestmark = pytest.mark.integration
 

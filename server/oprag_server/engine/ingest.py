@@ -54,7 +54,6 @@ class IngestResult:
     rejected: list[tuple[int, str, str]] = field(default_factory=list)
     seq: int = 0
     elapsed_ms: float = 0.0
-    stage_seconds: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -295,7 +294,6 @@ class IngestPipeline:
         await self._commit_all(txn, res)
         busy["upsert"] += time.perf_counter() - t
         res.elapsed_ms = (time.perf_counter() - t0) * 1000
-        res.stage_seconds = busy
         # embed (per forward pass, in the embed worker) and upsert (per staged batch) are observed
         # where they happen; transform is observed once per stream here
         self.metrics.stage_seconds.labels(stage="transform").observe(busy["transform"])
