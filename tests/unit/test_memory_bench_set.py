@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import memory as mb  # noqa: E402
+from bench import memory as mb  # the repository root is on sys.path under `python -m pytest`
 
 FILLER = "The committee met again and the report was filed in the usual way by the clerk . "
 
