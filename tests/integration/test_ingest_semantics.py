@@ -10,10 +10,10 @@ import urllib.request
 
 import grpc
 import pytest
-from server_proc import ServerProcess, free_port
 
 from oprag.v1 import oprag_pb2
 from oprag_client.client import Doc, OpRAGClient, ingest_messages
+from oprag_client.testing import ServerProcess, free_port
 
 pytestmark = pytest.mark.integration
 
