@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import metadata as md
 from .. import records
 from ..config import ChunkingConfig, IngestConfig, LimitsConfig
 from ..index.analyzer import has_visible_content
@@ -63,7 +64,7 @@ class _Doc:
     doc_id: str
     title: str
     text: str
-    metadata: dict[str, str]
+    metadata: dict[str, md.Value]
     generation: int
 
 
@@ -77,8 +78,18 @@ class _Chunk:
     vector: np.ndarray | None = None
 
 
+def document_metadata(doc: Any) -> dict[str, md.Value]:
+    """A wire document's typed metadata: its ``metadata`` (strings) and ``typed_metadata``
+    (``MetadataValue``, optional attribute) maps, nulls dropped (:func:`..metadata.from_wire`).
+
+    :raises ValueError: a key in both maps, a NaN or infinite float.
+    """
+    return md.from_wire(doc.metadata, getattr(doc, "typed_metadata", {}))
+
+
 def validate_document(doc: Any, limits: LimitsConfig) -> str | None:
-    """Reason a document cannot be stored, or None. ``doc`` has id, title, text, metadata.
+    """Reason a document cannot be stored, or None. ``doc`` has id, title, text, metadata
+    (and optionally typed_metadata).
 
     A text with no visible character (only whitespace and Unicode Default_Ignorable code
     points such as U+200B, U+00AD, U+FEFF; :func:`~oprag_server.index.analyzer.has_visible_content`)
@@ -95,9 +106,13 @@ def validate_document(doc: Any, limits: LimitsConfig) -> str | None:
     size = len(doc.text.encode()) + len(doc.title.encode())
     if size > limits.max_document_bytes:
         return f"document is {size} bytes; the limit is {limits.max_document_bytes}: split it into several documents"
-    if len(doc.metadata) > limits.max_metadata_entries:
-        return f"metadata has {len(doc.metadata)} entries; the limit is {limits.max_metadata_entries}"
-    msize = sum(len(k.encode()) + len(v.encode()) for k, v in doc.metadata.items())
+    try:
+        meta = document_metadata(doc)
+    except ValueError as exc:
+        return str(exc)
+    if len(meta) > limits.max_metadata_entries:
+        return f"metadata has {len(meta)} entries; the limit is {limits.max_metadata_entries}"
+    msize = md.size_bytes(meta)
     if msize > limits.max_metadata_bytes:
         return f"metadata is {msize} bytes; the limit is {limits.max_metadata_bytes}"
     return None
@@ -198,7 +213,7 @@ class IngestPipeline:
                             self.metrics.documents_rejected.inc()
                         else:
                             await q_docs.put(
-                                _Doc(n, doc.id, doc.title, doc.text, dict(doc.metadata), self.next_generation())
+                                _Doc(n, doc.id, doc.title, doc.text, document_metadata(doc), self.next_generation())
                             )
                         n += 1
                     if final_seen:

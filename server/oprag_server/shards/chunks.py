@@ -8,12 +8,12 @@ document's generation; a batch with another generation replaces the stored versi
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 
+from .. import metadata as md
 from .. import records
 from ..index.analyzer import Analyzer
 from ..index.bm25 import PostingsIndex
@@ -27,7 +27,7 @@ class ChunkRecord:
     doc_id: str
     title: str
     text: str
-    metadata: str  # JSON object
+    metadata: str  # JSON object of typed values (:mod:`..metadata`)
     ordinal: int
     generation: int
     content_hash: str
@@ -49,7 +49,7 @@ class ChunkStore:
         self.chunks: dict[int, ChunkRecord] = {}
         self.doc_slots: dict[str, list[int]] = {}
         self.doc_generation: dict[str, int] = {}
-        self.meta_index: dict[str, dict[str, set[int]]] = {}
+        self.meta_index: dict[str, dict[tuple, set[int]]] = {}  # key -> match_key(value) -> slots
         self.next_slot = 0
         self.applied_seq = 0
         self.version = 0
@@ -132,11 +132,12 @@ class ChunkStore:
         return self.analyzer.tokens(f"{rec.title}\n{rec.text}" if rec.title else rec.text)
 
     def _index_metadata(self, slot: int, rec: ChunkRecord) -> None:
-        for k, v in json.loads(rec.metadata).items():
-            self.meta_index.setdefault(k, {}).setdefault(v, set()).add(slot)
+        for k, v in md.loads(rec.metadata).items():
+            self.meta_index.setdefault(k, {}).setdefault(md.match_key(v), set()).add(slot)
 
     def _unindex_metadata(self, slot: int, rec: ChunkRecord) -> None:
-        for k, v in json.loads(rec.metadata).items():
+        for k, v in md.loads(rec.metadata).items():
+            v = md.match_key(v)
             vals = self.meta_index.get(k, {})
             vals.get(v, set()).discard(slot)
             if v in vals and not vals[v]:
@@ -147,7 +148,9 @@ class ChunkStore:
     # ------------------------------------------------------------------ lookups
     def allowed(self, filters) -> np.ndarray | None:
         """Sorted int64 slots whose document metadata satisfies every ``(key, values)``
-        filter (set membership; equality with one value); None when there is no filter."""
+        filter (set membership; equality with one value); None when there is no filter.
+        Values compare as typed values (:func:`..metadata.match_key`: ``True`` matches only
+        boolean true, ``"true"`` only the string, 1 and 1.0 match each other)."""
         if not filters:
             return None
         result: set[int] | None = None
@@ -155,7 +158,7 @@ class ChunkStore:
             vals = self.meta_index.get(key, {})
             match: set[int] = set()
             for v in values:
-                match |= vals.get(v, set())
+                match |= vals.get(md.match_key(v), set())
             result = match if result is None else result & match
             if not result:
                 break
@@ -190,7 +193,7 @@ class ChunkStore:
         vecs = self.dense.vectors_of(np.asarray(slots, dtype=np.int64)) if slots else np.zeros((0, self.dim), np.float32)
         return records.make_chunk_batch(
             chunk_ids=[r.chunk_id for r in recs], doc_ids=[r.doc_id for r in recs], titles=[r.title for r in recs],
-            texts=[r.text for r in recs], metadata=[json.loads(r.metadata) for r in recs],
+            texts=[r.text for r in recs], metadata=[md.loads(r.metadata) for r in recs],
             ordinals=[r.ordinal for r in recs], generations=[r.generation for r in recs],
             content_hashes=[r.content_hash for r in recs], vectors=vecs,
         )
