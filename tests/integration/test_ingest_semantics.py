@@ -153,3 +153,52 @@ def test_words_are_never_cut_between_chunks(client):
     assert r.chunks_written >= 2 and r.chunks_split == 0
     hits = client.retrieve("photosynthesis", mode="lexical", top_k=3, min_seq=r.seq).hits
     assert hits and hits[0].doc_id == "photo" and hits[0].text.endswith(" photosynthesis")
+
+
+def test_typed_metadata_is_the_same_through_every_ingestion_path(server, client, tmp_path):
+    """Issue 15 item 4: JSONL (CLI), the sync and the async Python client and raw gRPC store the
+    same typed values; ``published=True`` matches boolean true only, never the string "true"."""
+    import asyncio
+    import json
+    import subprocess
+
+    from server_proc import oprag_cli
+
+    from oprag_client.client import AsyncOpRAGClient, metadata_of
+
+    meta = {"published": True, "n": 3, "f": 2.5, "s": "x", "gone": None}
+    want = {k: v for k, v in meta.items() if v is not None}
+    text = "The typedmeta quokka document {}."
+    f = tmp_path / "m.jsonl"
+    f.write_text(json.dumps({"id": "tm-cli", "text": text.format("cli"), "metadata": meta}) + "\n")
+    out = subprocess.run(oprag_cli() + ["ingest", "--format", "jsonl", "--server", server.target, "--no-progress", str(f)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    client.ingest([Doc("tm-sync", text.format("sync"), metadata=meta),
+                   Doc("tm-string", text.format("string"), metadata={"published": "true", "n": "3"})])
+
+    async def async_ingest():
+        async with AsyncOpRAGClient(server.target, timeout=120) as ac:
+            await ac.ingest([Doc("tm-async", text.format("async"), metadata=meta)])
+
+    asyncio.run(async_ingest())
+    raw = oprag_pb2.Document(id="tm-raw", text=text.format("raw"), typed_metadata={
+        "published": oprag_pb2.MetadataValue(bool_value=True), "n": oprag_pb2.MetadataValue(int_value=3),
+        "f": oprag_pb2.MetadataValue(float_value=2.5), "s": oprag_pb2.MetadataValue(string_value="x"),
+        "gone": oprag_pb2.MetadataValue()})
+    res = client.stub.Ingest(iter([oprag_pb2.IngestRequest(documents=[raw], final=True, sent_documents=1)]), timeout=120)
+    typed = {"tm-cli", "tm-sync", "tm-async", "tm-raw"}
+
+    def ids(**flt):
+        r = client.retrieve("typedmeta quokka", mode="lexical", top_k=20, filters=flt, min_seq=res.seq)
+        return {h.doc_id for h in r.hits}
+
+    assert ids() == typed | {"tm-string"}
+    assert ids(published=True) == typed
+    assert ids(published="true") == {"tm-string"}
+    assert ids(n=3) == ids(n=3.0) == typed and ids(n="3") == {"tm-string"}
+    assert ids(f=2.5, s="x") == typed
+    for h in client.retrieve("typedmeta quokka", mode="lexical", top_k=20, min_seq=res.seq).hits:
+        assert metadata_of(h) == (want if h.doc_id in typed else {"published": "true", "n": "3"})
+        if h.doc_id in typed:  # the legacy string map renders every value as text
+            assert dict(h.metadata) == {"published": "true", "n": "3", "f": "2.5", "s": "x"}
