@@ -75,6 +75,12 @@ def from_wire(plain: Mapping[str, str], typed: Mapping[str, Any]) -> dict[str, V
     return normalise(out)
 
 
+def of_document(doc: Any) -> dict[str, Value]:
+    """A wire ``Document``'s metadata: its ``metadata`` and (optional attribute)
+    ``typed_metadata`` maps through :func:`from_wire`. :raises ValueError: as ``from_wire``."""
+    return from_wire(doc.metadata, getattr(doc, "typed_metadata", {}))
+
+
 def wire_kind(v: Value) -> dict[str, Value]:
     """Keyword arguments of the wire ``MetadataValue`` holding ``v``."""
     if isinstance(v, bool):

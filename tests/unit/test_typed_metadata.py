@@ -20,7 +20,7 @@ from oprag_client.client import Doc, metadata_of, query_request
 from oprag_client.loaders import load_jsonl
 from oprag_server import metadata as md
 from oprag_server.config import LimitsConfig
-from oprag_server.engine.ingest import document_metadata, validate_document
+from oprag_server.engine.ingest import validate_document
 from oprag_server.service import convert
 from oprag_server.shards.state import ShardState
 
@@ -31,10 +31,10 @@ def _wire(pb):
 
 
 def _store(c: Corpus, doc_id: str, pb_doc, rng) -> None:
-    """Ingest one wire document as the server does: its metadata through document_metadata."""
+    """Ingest one wire document as the server does: its metadata through metadata.of_document."""
     doc = _wire(pb_doc)
     assert validate_document(doc, LimitsConfig()) is None
-    c.put(doc_id, [doc.text], _vec(rng, 1), document_metadata(doc))
+    c.put(doc_id, [doc.text], _vec(rng, 1), md.of_document(doc))
 
 
 def _filtered(c: Corpus, qv, **flt) -> set[str]:
@@ -79,7 +79,7 @@ def test_null_drops_the_key_in_every_path(tmp_path):
     raw = oprag_pb2.Document(id="a", text="t", typed_metadata={"x": oprag_pb2.MetadataValue(),
                                                                "y": oprag_pb2.MetadataValue(int_value=2)})
     for pb in (loaded.to_pb(), Doc("a", "t", metadata={"x": None, "y": 2}).to_pb(), raw):
-        assert document_metadata(_wire(pb)) == {"y": 2}
+        assert md.of_document(_wire(pb)) == {"y": 2}
 
 
 @pytest.mark.parametrize("value, reason", [

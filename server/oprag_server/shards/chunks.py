@@ -49,7 +49,8 @@ class ChunkStore:
         self.chunks: dict[int, ChunkRecord] = {}
         self.doc_slots: dict[str, list[int]] = {}
         self.doc_generation: dict[str, int] = {}
-        self.meta_index: dict[str, dict[tuple, set[int]]] = {}  # key -> match_key(value) -> slots
+        self.meta_index: dict[str, dict[tuple, set[int]]] = {}
+        self.hash_slots: dict[str, set[int]] = {}  # content hash -> slots holding that text  # key -> match_key(value) -> slots
         self.next_slot = 0
         self.applied_seq = 0
         self.version = 0
@@ -91,6 +92,7 @@ class ChunkStore:
                               content_hash=cols["content_hash"][i] or "")
             self.chunks[slot] = rec
             self._index_metadata(slot, rec)
+            self.hash_slots.setdefault(rec.content_hash, set()).add(slot)
             self.doc_slots[doc_id].append(slot)
             self.postings.add(slot, self._index_tokens(rec))
             new_slots.append(slot)
@@ -124,6 +126,11 @@ class ChunkStore:
                 rec = self.chunks.pop(s, None)
                 if rec is not None:
                     self._unindex_metadata(s, rec)
+                    held = self.hash_slots.get(rec.content_hash)
+                    if held is not None:
+                        held.discard(s)
+                        if not held:
+                            del self.hash_slots[rec.content_hash]
             self._row_ids_cache = None
         return len(slots)
 
@@ -176,7 +183,8 @@ class ChunkStore:
 
     def reuse(self, req: ReuseRequest) -> ReuseReply:
         """For each stored document asked for: ``{content_hash: vector float32[D]}`` of its
-        chunks, so a re-ingested document only embeds the chunks whose content changed."""
+        chunks, so a re-ingested document only embeds the chunks whose content changed; and for
+        each content hash asked for that a chunk here has, the vector of its lowest slot."""
         out: dict[str, dict[str, np.ndarray]] = {}
         for d in req.doc_ids:
             slots = self.doc_slots.get(d)
@@ -184,7 +192,12 @@ class ChunkStore:
                 continue
             vecs = self.dense.vectors_of(np.asarray(slots, dtype=np.int64))
             out[d] = {self.chunks[s].content_hash: vecs[i].copy() for i, s in enumerate(slots)}
-        return ReuseReply(out)
+        by_hash = {}
+        for h in req.content_hashes:
+            slots = self.hash_slots.get(h)
+            if slots:
+                by_hash[h] = self.dense.vectors_of(np.asarray([min(slots)], dtype=np.int64))[0].copy()
+        return ReuseReply(out, by_hash)
 
     def batch(self) -> pa.RecordBatch:
         """Every stored chunk with its vector, in slot order (for a snapshot)."""
