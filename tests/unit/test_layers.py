@@ -12,7 +12,7 @@ CLIENT = ROOT / "client" / "oprag_client"
 
 # Lowest first; a module may import from its own layer and the ones below it.
 LAYERS = {
-    "domain": 0, "config": 0, "records": 0,
+    "domain": 0, "config": 0, "records": 0, "metadata": 0,
     "index": 1,
     "shards": 2, "models": 2,
     "operators": 3,

@@ -37,7 +37,7 @@ def _store(c: Corpus, doc_id: str, pb_doc, rng) -> None:
     c.put(doc_id, [doc.text], _vec(rng, 1), md.of_document(doc))
 
 
-def _filtered(c: Corpus, qv, **flt) -> set[str]:
+def _filtered(c: Corpus, qv, flt: dict) -> set[str]:
     """Doc ids of a filtered retrieval, filters built by the Python client and converted by the server."""
     spec_filters = convert.filters(_wire(query_request("q", filters=flt)).filters)
     hits, _ = c.retrieve("alpha", qv, mode="dense", top_k=50, filters=spec_filters)
@@ -62,11 +62,11 @@ def test_issue_case_jsonl_true_and_client_true_both_match_boolean_filter(tmp_pat
     _store(c, "string", Doc("string", "alpha three", metadata={"published": "true"}).to_pb(), rng)
     _store(c, "one", Doc("one", "alpha four", metadata={"published": 1}).to_pb(), rng)
     qv = _vec(rng, 1)[0]
-    assert _filtered(c, qv, published=True) == {"jsonl", "client"}
-    assert _filtered(c, qv, published="true") == {"string"}
-    assert _filtered(c, qv, published=1) == {"one"}  # a bool never equals a number
-    assert _filtered(c, qv, published=1.0) == {"one"}  # numbers compare by numeric value
-    assert _filtered(c, qv, published=[True, "true"]) == {"jsonl", "client", "string"}
+    assert _filtered(c, qv, {"published": True}) == {"jsonl", "client"}
+    assert _filtered(c, qv, {"published": "true"}) == {"string"}
+    assert _filtered(c, qv, {"published": 1}) == {"one"}  # a bool never equals a number
+    assert _filtered(c, qv, {"published": 1.0}) == {"one"}  # numbers compare by numeric value
+    assert _filtered(c, qv, {"published": [True, "true"]}) == {"jsonl", "client", "string"}
     assert _hit_metadata(c, qv, "jsonl") == {"published": True}
     hits, _ = c.retrieve("alpha", qv, mode="dense", top_k=10)
     legacy = {h.doc_id: dict(h.metadata) for h in convert._hits(hits)}
@@ -163,7 +163,7 @@ def test_random_typed_metadata_round_trips_identically_through_every_path(meta, 
         got = _hit_metadata(c, qv, "d")
         assert _same(got, want), (path, got, want)
         for k, v in want.items():  # every stored value is found by a filter for itself
-            assert _filtered(c, qv, **{k: v}) == {"d"}, (path, k, v)
+            assert _filtered(c, qv, {k: v}) == {"d"}, (path, k, v)
         # the store survives a snapshot: its batch reads back with the same types
         batch = c.shards[0].store.batch() if c.shards[0].store.chunks else c.shards[1].store.batch()
         assert _same(md.loads(batch.column("metadata")[0].as_py()), want)
