@@ -163,7 +163,7 @@ def test_typed_metadata_is_the_same_through_every_ingestion_path(server, client,
     import json
     import subprocess
 
-    from server_proc import oprag_cli
+    from oprag_client.testing import oprag_cli
 
     from oprag_client.client import AsyncOpRAGClient, metadata_of
 
