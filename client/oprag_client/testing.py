@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-__all__ = ["READY_PREFIX", "ServerProcess", "free_port", "oprag_cli", "wait_until"]
+__all__ = ["READY_PREFIX", "OtlpSink", "ServerProcess", "free_port", "oprag_cli", "wait_until"]
 
 READY_PREFIX = "OPRAG READY"
 _KEEP_LINES = 2000  # output lines kept in memory (the log file, when given, keeps all)
@@ -204,6 +204,73 @@ class ServerProcess:
             self._log_f = None
 
     def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class OtlpSink:
+    """An OTLP/gRPC trace receiver on ``127.0.0.1`` for tests and benches of ``--otlp-endpoint``:
+    ``opentelemetry-proto``'s ``TraceService`` servicer on a ``grpc`` server in this process.
+
+    :param keep: keep every received span (:meth:`spans`); False only counts them (:attr:`count`),
+        for long benchmark runs.
+
+    Use as a context manager or :meth:`start` / :meth:`stop`; :attr:`endpoint` is the value of
+    ``--otlp-endpoint``. Needs ``opentelemetry-proto`` (the server's ``otel`` extra); the import
+    happens in :meth:`start`, so this module still imports without it.
+    """
+
+    def __init__(self, keep: bool = True) -> None:
+        self.keep = keep
+        self.count = 0
+        self.requests = 0
+        self._spans: list = []
+        self._lock = threading.Lock()
+        self._server = None
+        self.port = 0
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> OtlpSink:
+        """Bind a free port and serve. :raises ImportError: ``opentelemetry-proto`` is missing."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        import grpc
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+        sink = self
+
+        class _Servicer(trace_service_pb2_grpc.TraceServiceServicer):
+            def Export(self, request, context):  # noqa: N802 - the gRPC method name
+                spans = [s for rs in request.resource_spans for ss in rs.scope_spans for s in ss.spans]
+                with sink._lock:
+                    sink.requests += 1
+                    sink.count += len(spans)
+                    if sink.keep:
+                        sink._spans.extend(spans)
+                return trace_service_pb2.ExportTraceServiceResponse()
+
+        self._server = grpc.server(ThreadPoolExecutor(2, thread_name_prefix="otlp-sink"))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_Servicer(), self._server)
+        self.port = self._server.add_insecure_port("127.0.0.1:0")
+        self._server.start()
+        return self
+
+    def spans(self) -> list:
+        """The received ``opentelemetry.proto.trace.v1.Span`` messages, in arrival order."""
+        with self._lock:
+            return list(self._spans)
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop(1).wait()
+            self._server = None
+
+    def __enter__(self) -> OtlpSink:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -108,3 +108,33 @@ def test_off_imports_no_opentelemetry_sdk():
             "print(any(m.startswith('opentelemetry.sdk') for m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "False"
+
+
+def _guard_carrier(tracing: bool):
+    """What the app behind :class:`Guard` sees in CARRIER for one request with a traceparent."""
+    from oprag_server.service.http import Guard
+    from oprag_server.service.metrics import Metrics
+
+    seen = []
+
+    async def app(scope, receive, send):
+        seen.append(CARRIER.get())
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(msg):
+        pass
+
+    scope = {"type": "http", "path": "/v1/retrieve", "headers": [(b"traceparent", PARENT.encode())]}
+    guard = Guard(app, tokens=set(), max_body=1024, metrics=Metrics(), tracing=tracing)
+    asyncio.run(guard(scope, receive, send))
+    return seen
+
+
+def test_http_guard_hands_traceparent_only_when_tracing_is_on():
+    # off: no per-request tracing work on HTTP either (the carrier is never made)
+    assert _guard_carrier(False) == [None]
+    assert _guard_carrier(True) == [("HTTP /v1/retrieve", {"traceparent": PARENT})]

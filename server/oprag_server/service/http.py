@@ -163,7 +163,8 @@ def build_app(rt: Any) -> FastAPI:
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         errs = exc.errors()
         e = errs[0] if errs else {"msg": "invalid request", "loc": ()}
-        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        # (the locations of pydantic's validator functions, e.g. "function-after[_utf8(), str]", are not fields)
+        loc = [str(x) for x in e.get("loc", ()) if x != "body" and not str(x).startswith("function-")]
         if e.get("type") == "json_invalid":
             return error_response(400, f"the body is not valid JSON: {e.get('msg')}", code="invalid_json")
         param = ".".join(loc) or None

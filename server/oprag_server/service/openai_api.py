@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from oprag.v1 import oprag_pb2
 
@@ -32,6 +32,20 @@ _U32 = 2**32 - 1
 _WIRE_MODE = {name: wire for wire, name in MODE_NAMES.items() if wire != oprag_pb2.RETRIEVAL_MODE_UNSPECIFIED}
 #: OpenAI's limit on the inputs of one embeddings request.
 MAX_EMBED_INPUTS = 2048
+
+
+def _utf8(s: str) -> str:
+    """JSON's ``\\ud800`` escapes decode to lone surrogates, which no UTF-8 consumer (tokenizer,
+    protobuf, Arrow) accepts: refuse them here, as a 400 naming the field."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"the string has an unpaired surrogate {s[exc.start]!r} at {exc.start}: send valid Unicode") from None
+    return s
+
+
+#: a string of the request: strictly a JSON string, valid Unicode (no lone surrogates)
+Str = Annotated[StrictStr, AfterValidator(_utf8)]
 
 
 class _Strict(BaseModel):
@@ -54,21 +68,21 @@ class RetrievalOptions(_Strict):
     top_k: StrictInt = Field(0, ge=0, le=_U32)
     candidates: StrictInt = Field(0, ge=0, le=_U32)
     # typed values (README: typed metadata): true matches only boolean true, "true" only the string
-    filters: dict[StrictStr, list[StrictStr | StrictBool | StrictInt | StrictFloat]] = Field(default_factory=dict)
+    filters: dict[Str, list[Str | StrictBool | StrictInt | StrictFloat]] = Field(default_factory=dict)
     fusion: Fusion = Field(default_factory=Fusion)
-    session_id: StrictStr = ""
+    session_id: Str = ""
     disable_memory: StrictBool = False
     include_trace: StrictBool = False
 
 
 class TextPart(_Strict):
     type: Literal["text"]
-    text: StrictStr
+    text: Str
 
 
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[TextPart] | None = None
+    content: Str | list[TextPart] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -84,7 +98,7 @@ class ChatRequest(_Strict):
     """``POST /v1/chat/completions``. ``temperature`` is accepted in [0, 2] and ignored: decoding
     is greedy (as temperature 0). ``n`` must be 1."""
 
-    model: StrictStr
+    model: Str
     messages: list[Message] = Field(min_length=1)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -92,25 +106,25 @@ class ChatRequest(_Strict):
     max_completion_tokens: StrictInt | None = Field(None, ge=0, le=_U32)
     temperature: StrictFloat | StrictInt | None = Field(None, ge=0, le=2)
     n: StrictInt = Field(1, ge=1, le=1)
-    user: StrictStr | None = None
+    user: Str | None = None
     oprag: RetrievalOptions = Field(default_factory=RetrievalOptions)
 
 
 class RetrieveRequest(RetrievalOptions):
     """``POST /v1/retrieve``: a question and the retrieval knobs (flat)."""
 
-    query: StrictStr
+    query: Str
 
 
 class EmbeddingsRequest(_Strict):
     """``POST /v1/embeddings``: ``input`` a string or a list of strings (token arrays are not
     accepted), ``encoding_format`` float or base64 (little-endian float32, as OpenAI)."""
 
-    model: StrictStr
-    input: StrictStr | list[StrictStr]
+    model: Str
+    input: Str | list[Str]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: StrictInt | None = None
-    user: StrictStr | None = None
+    user: Str | None = None
 
 
 # ---------------------------------------------------------------------------------- requests

@@ -1,0 +1,28 @@
+"""Request shapes of the OpenAI-compatible HTTP API (service/openai_api.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from oprag_server.service.openai_api import ChatRequest, EmbeddingsRequest, RetrieveRequest
+
+
+@pytest.mark.parametrize("bad", ["\ud800", "a\udfffb"])
+def test_lone_surrogates_are_refused_in_every_string_field(bad):
+    # JSON may carry them as escapes ("\ud800"); no UTF-8 consumer takes them (found by the HTTP fuzz: a 500)
+    assert json.loads(json.dumps(bad)) == bad
+    for model, body in [(RetrieveRequest, {"query": bad}),
+                        (RetrieveRequest, {"query": "q", "filters": {bad: ["x"]}}),
+                        (RetrieveRequest, {"query": "q", "filters": {"k": [bad]}}),
+                        (ChatRequest, {"model": "m", "messages": [{"role": "user", "content": bad}]}),
+                        (ChatRequest, {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": bad}]}]}),
+                        (EmbeddingsRequest, {"model": "m", "input": ["ok", bad]})]:
+        with pytest.raises(ValidationError, match="unpaired surrogate"):
+            model.model_validate(body)
+
+
+def test_valid_unicode_passes():
+    assert RetrieveRequest.model_validate({"query": "中文 🦀 é"}).query == "中文 🦀 é"
