@@ -5,8 +5,9 @@ Ray cluster (``ray.cluster_utils.Cluster``: separate raylets on this machine).
     python -m bench.cluster --data-plane-only --json
     python -m bench.cluster --kills 1 --json
 
-Data plane: two 2-shard pools side by side, one over pipes (:class:`PipeTransport`), one over
-Ray actors (``--ray-address local``), each holding the same ~12K synthetic chunks (random
+Data plane: three 2-shard pools side by side, over pipes (:class:`PipeTransport`), over Ray
+actor calls (``--ray-channel actor``) and over direct TCP channels to Ray actors
+(``--ray-channel direct``), all with ``--ray-address local``, each holding the same ~12K synthetic chunks (random
 unit vectors, D=384, a small vocabulary); then ``--rounds`` alternating rounds of the shard
 half of a Retrieve (SEARCH hybrid, n=256, B=1 on both shards, then FETCH of the top 5) and a
 null op (STATS), timed at the pool (nearest-rank percentiles). No models are involved.
@@ -100,7 +101,10 @@ async def data_plane(S, rounds: int, chunks: int) -> dict:
     out: dict = {"chunks": chunks, "rounds": rounds}
     pools = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, transport in (("pipe", S.PipeTransport), ("ray", S.RayPlacement(S.RayConfig(address="local"), 2))):
+        ray_cfg = {"address": "local", "shard_cpus": 0.5}  # two Ray pools on this machine's 2 CPUs
+        for name, transport in (("pipe", S.PipeTransport),
+                                ("ray_actor", S.RayPlacement(S.RayConfig(**ray_cfg, channel="actor"), 2)),
+                                ("ray_direct", S.RayPlacement(S.RayConfig(**ray_cfg, channel="direct"), 2))):
             d = Path(tmp) / name
             pool = S.ShardPool(2, DIM, d, transport=transport)
             cp = S.CommitProtocol(pool, S.CorpusStats(), S.RWLock())
@@ -129,7 +133,8 @@ async def data_plane(S, rounds: int, chunks: int) -> dict:
         for k, v in times.items():
             out[f"{k}_p50_ms"] = round(_pct(v, 50), 3)
             out[f"{k}_p99_ms"] = round(_pct(v, 99), 3)
-        out["ray_minus_pipe_retrieve_p50_ms"] = round(out["ray_retrieve_p50_ms"] - out["pipe_retrieve_p50_ms"], 3)
+        for name in ("ray_actor", "ray_direct"):
+            out[f"{name}_minus_pipe_retrieve_p50_ms"] = round(out[f"{name}_retrieve_p50_ms"] - out["pipe_retrieve_p50_ms"], 3)
         for pool in pools.values():
             await pool.shutdown(snapshot=False)
     return out
@@ -173,7 +178,7 @@ def start_cluster(workers: int = 3):
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "include_dashboard": False,
         "_system_config": {"health_check_initial_delay_ms": 0, "health_check_period_ms": 300,
-                           "health_check_failure_threshold": 3}})
+                           "health_check_failure_threshold": 3, "worker_niceness": 0}})
     for _ in range(workers):
         cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()

@@ -190,6 +190,8 @@ class RayConfig:
     :param max_restarts: Ray restarts of a shard actor (-1 = unlimited); tasks are never retried.
     :param shard_cpus: CPUs reserved per shard bundle.
     :param ping_s: seconds between liveness pings of each shard actor.
+    :param channel: ``"direct"``: requests travel over a TCP connection to each actor (the pipe
+        protocol); ``"actor"``: as Ray actor calls (slower, see bench/RESULTS.md).
     """
 
     address: str | None = None
@@ -197,8 +199,11 @@ class RayConfig:
     max_restarts: int = -1
     shard_cpus: float = 1.0
     ping_s: float = 0.5
+    channel: str = "direct"
 
     def __post_init__(self) -> None:
+        if self.channel not in ("direct", "actor"):
+            raise ValueError(f"Ray channel must be 'direct' or 'actor', got {self.channel!r}")
         if self.strategy not in RAY_STRATEGIES:
             raise ValueError(f"Ray placement strategy must be one of {', '.join(RAY_STRATEGIES)}, got {self.strategy!r}")
         if self.max_restarts < -1 or self.shard_cpus <= 0 or self.ping_s <= 0:

@@ -19,7 +19,7 @@ def test_flags_reach_the_ray_config():
     assert config_from_args(build_parser().parse_args([])).ray.address is None
 
 
-@pytest.mark.parametrize("kw", [{"strategy": "EVERYWHERE"}, {"max_restarts": -2}, {"shard_cpus": 0}, {"ping_s": 0}])
+@pytest.mark.parametrize("kw", [{"strategy": "EVERYWHERE"}, {"channel": "grpc"}, {"max_restarts": -2}, {"shard_cpus": 0}, {"ping_s": 0}])
 def test_bad_values_are_refused(kw):
     with pytest.raises(ValueError):
         RayConfig(**kw)

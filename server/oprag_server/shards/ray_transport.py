@@ -1,21 +1,23 @@
 """Shards as Ray actors: the same :class:`~.state.ShardState` and op table as the pipe worker,
 placed by Ray across the nodes of a cluster (``oprag serve --ray-address ADDR|auto|local``).
 
-Ray is an optional extra (``pip install -e ".[ray]"``); this module imports it only when a
-:class:`RayPlacement` connects, so the default path never needs it.
+Ray is an optional extra (``pip install -e ".[ray]"``), imported only once a placement connects.
 
-Placement and restart: one placement group with one bundle of ``shard_cpus`` CPUs per shard
-(strategy ``SPREAD`` by default, see :class:`~oprag_server.config.RayConfig`); each shard is an
-actor in its bundle with ``max_restarts`` set and ``max_task_retries=0``: a call Ray reports
-as failed may have run, so only OpRAG's commit protocol decides what is retried. When Ray
-restarts an actor (a lost node: the bundle is rescheduled elsewhere) it re-runs the constructor,
-which holds no data; the frontend's supervisor then calls :meth:`RayTransport.revive`, which
-loads the shard's snapshot and replays its committed write-ahead log from the data directory.
-That directory must therefore be storage every node reads at the same path (a shared volume).
+Placement and restart: one placement group, one bundle of ``shard_cpus`` CPUs per shard
+(strategy ``SPREAD`` by default: :class:`~oprag_server.config.RayConfig`); each shard is an
+actor in its bundle with ``max_restarts`` set and ``max_task_retries=0`` (a call Ray reports
+failed may have run: OpRAG's commit protocol decides what is retried). Ray restarts an actor
+(a lost node: its bundle is placed elsewhere) by re-running the constructor, which holds no
+data; the supervisor then calls :meth:`RayTransport.revive`, which loads the snapshot and
+replays the committed log from the data directory, so that must be at the same path on every
+node (a shared volume).
 
-Data plane: requests and replies cross as pickle bytes (protocol 5), exactly what the pipe
-transport sends, so replies hold writable numpy arrays (arrays Ray deserialises itself are
-read-only views of its object store) and chunk vectors never leave the actor.
+Data plane (``RayConfig.channel``): ``"direct"`` (default) opens a TCP connection from the
+frontend to each actor carrying the pipe protocol (the actor listens, authenticated by a random
+key it hands over through Ray); ``"actor"`` sends each request as a Ray actor call. Either way
+requests and replies are pickled exactly as over a pipe, so replies hold writable numpy arrays
+(arrays Ray deserialises itself are read-only views of its object store) and chunk vectors
+never leave the actor. bench/RESULTS.md ("Shards on Ray") has the round trips of both.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Any
 
 from .protocol import Op, StatsReply, StatsRequest
 from .state import ShardState, dispatch, op_table
-from .transport import _THREAD_VARS, ShardError, ShardTransport
+from .transport import _THREAD_VARS, PipeTransport, ShardError, ShardTransport
 
 __all__ = ["RayPlacement", "RayTransport", "ShardActor"]
 
@@ -46,17 +48,15 @@ class ShardActor:
     id, so the frontend can tell a restarted actor from the one it loaded."""
 
     def __init__(self, shard_id: int, dim: int, data_dir: str | None, stem: bool) -> None:
-        try:
-            import faiss
+        import faiss
 
-            faiss.omp_set_num_threads(1)
-        except Exception:  # pragma: no cover
-            pass
+        faiss.omp_set_num_threads(1)
         self.shard_id, self.dim, self.stem = shard_id, dim, stem
         self.data_dir = Path(data_dir) if data_dir else None
         self.incarnation = uuid.uuid4().hex
         self.state: ShardState | None = None
         self.table: dict = {}
+        self._lock = threading.Lock()  # Ray's call thread and the direct channel's threads
 
     def load(self, committed: set[str] | None) -> tuple[str, bool, Any]:
         """(Re)build the shard: snapshot + committed log records.
@@ -70,29 +70,61 @@ class ShardActor:
             ready.replayed = replayed
         except Exception as exc:  # noqa: BLE001 - reported to the frontend
             return self.incarnation, False, f"{type(exc).__name__}: {exc}"
-        self.state, self.table = state, op_table(state)
+        with self._lock:
+            self.state, self.table = state, op_table(state)
         return self.incarnation, True, _dumps(ready)
 
     def ping(self) -> tuple[str, bool, str]:
         """``(incarnation, loaded, node id)``."""
-        node = os.environ.get("RAY_NODE_ID", "")
-        try:
-            import ray
+        import ray
 
-            node = ray.get_runtime_context().get_node_id()
-        except Exception:  # pragma: no cover - outside Ray
-            pass
-        return self.incarnation, self.state is not None, node
+        return self.incarnation, self.state is not None, ray.get_runtime_context().get_node_id()
+
+    def _run(self, op: Any, req: Any) -> tuple[bool, Any]:
+        with self._lock:
+            if self.state is None:
+                return False, "shard actor restarted and not loaded yet"
+            try:
+                return True, dispatch(self.table, op, req)
+            except Exception as exc:  # noqa: BLE001 - a bad request never kills the shard
+                return False, f"{type(exc).__name__}: {exc}"
 
     def call(self, blob: bytes) -> tuple[bool, Any]:
         """One pickled ``(Op, request)``. :returns: ``(True, pickled reply)`` or ``(False, error)``."""
-        if self.state is None:
-            return False, "shard actor restarted and not loaded yet"
-        try:
-            op, req = pickle.loads(blob)
-            return True, _dumps(dispatch(self.table, op, req))
-        except Exception as exc:  # noqa: BLE001 - a bad request never kills the shard
-            return False, f"{type(exc).__name__}: {exc}"
+        ok, res = self._run(*pickle.loads(blob))
+        return ok, _dumps(res) if ok else res
+
+    def open_channel(self) -> tuple[str, int, bytes]:
+        """Listen on this node's address for the frontend's direct channel: the pipe
+        protocol (``(request_id, op, request)`` -> ``(request_id, ok, reply)``) over TCP,
+        authenticated with a fresh random key (``multiprocessing.connection``, HMAC).
+
+        :returns: ``(host, port, authkey)``.
+        """
+        from multiprocessing.connection import Listener
+
+        import ray
+
+        key = os.urandom(32)
+        listener = Listener((ray.util.get_node_ip_address(), 0), authkey=key)
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+        return listener.address[0], listener.address[1], key
+
+    def _accept(self, listener: Any) -> None:
+        while True:
+            try:
+                conn = listener.accept()
+            except Exception:  # noqa: BLE001 - a failed handshake: wait for the next
+                continue
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: Any) -> None:
+        while True:
+            try:
+                req_id, op, req = conn.recv()
+            except (EOFError, OSError):
+                return
+            conn.send((req_id, *self._run(op, req)))
 
 
 class RayPlacement:
@@ -106,14 +138,11 @@ class RayPlacement:
     def __init__(self, cfg: Any, n: int) -> None:
         self.cfg, self.n = cfg, n
         self.pg: Any = None
-        self._started_ray = False
         self._lock = threading.Lock()
 
     def connect(self, timeout_s: float = 120.0) -> Any:
-        """``ray.init`` (unless already connected) and the placement group, once (blocking).
-
-        :raises RuntimeError: Ray is not installed, or the bundles cannot be placed in time.
-        """
+        """``ray.init`` (unless connected) and the placement group, once (blocking). :raises
+        RuntimeError: Ray is not installed, or the bundles cannot be placed in time."""
         with self._lock:
             try:
                 import ray
@@ -124,11 +153,13 @@ class RayPlacement:
                 env = {"env_vars": {k: "1" for k in _THREAD_VARS}}
                 if self.cfg.address == "local":
                     cpus = max(os.cpu_count() or 1, int(self.n * self.cfg.shard_cpus + 0.999))
+                    # Ray starts workers at nice 15 by default: behind everything on a busy machine
                     _init_on_keeper_thread(ray, num_cpus=cpus, runtime_env=env, include_dashboard=False,
-                                           log_to_driver=False)
+                                           log_to_driver=False, _system_config={"worker_niceness": 0})
                 else:
                     ray.init(address=self.cfg.address, runtime_env=env, log_to_driver=False)
-                self._started_ray = True
+                _LOCAL.started = self.cfg.address == "local"
+            _LOCAL.users.add(self)
             if self.pg is None:
                 pg = placement_group([{"CPU": self.cfg.shard_cpus}] * self.n, strategy=self.cfg.strategy)
                 if not pg.wait(timeout_s):
@@ -153,29 +184,32 @@ class RayPlacement:
         return RayTransport(shard_id, dim, data_dir, stem, placement=self)
 
     def release(self) -> None:
-        """Remove the placement group (and stop Ray when this process started it)."""
-        if self.pg is None and not self._started_ray:
+        """Remove the placement group; the last placement of a Ray instance this process
+        started (``"local"``) stops it."""
+        if self not in _LOCAL.users:
             return
         import ray
 
-        if self.pg is not None:
+        _LOCAL.users.discard(self)
+        if self.pg is not None and ray.is_initialized():
             from ray.util.placement_group import remove_placement_group
 
-            try:
-                remove_placement_group(self.pg)
-            except Exception:  # noqa: BLE001 - Ray already gone
-                pass
-            self.pg = None
-        if self._started_ray and self.cfg.address == "local":
+            remove_placement_group(self.pg)
+        self.pg = None
+        if _LOCAL.started and not _LOCAL.users:
             ray.shutdown()
-        self._started_ray = False
+            _LOCAL.started = False
+
+
+class _LOCAL:  # placements connected in this process; did one of them start Ray?
+    users: set = set()
+    started = False
 
 
 class RayTransport(ShardTransport):
-    """One shard actor. A monitor thread pings it every ``ping_s``; a failed or timed-out ping,
-    a failed call, or a new incarnation (Ray restarted it) marks the shard down, fails its
-    pending calls with :class:`ShardError` and makes :meth:`is_alive` False, so the supervisor
-    revives it while queries are answered partially and writes get UNAVAILABLE."""
+    """One shard actor. A failed or timed-out ping (every ``ping_s``), a failed call, a closed
+    channel or a new incarnation (Ray restarted it) marks the shard down: its pending calls fail
+    with :class:`ShardError`, :meth:`is_alive` is False and the supervisor revives it."""
 
     def __init__(self, shard_id: int, dim: int, data_dir: Path | None, stem: bool = False, *,
                  placement: RayPlacement) -> None:
@@ -190,6 +224,7 @@ class RayTransport(ShardTransport):
         self._alive = False
         self._closed = threading.Event()
         self._monitor: threading.Thread | None = None
+        self._chan: PipeTransport | None = None  # the direct channel (channel="direct")
 
     # -- life cycle -------------------------------------------------------------------------
     def start(self, committed: set[str] | None) -> None:
@@ -209,6 +244,14 @@ class RayTransport(ShardTransport):
             raise ShardError(f"shard {self.shard_id} failed to start: {res}")
         self.loop, self.incarnation = loop, inc
         self.node_id = ray.get(self.actor.ping.remote(), timeout=timeout_s)[2]
+        if self.placement.cfg.channel == "direct":
+            from multiprocessing.connection import Client
+
+            host, port, key = ray.get(self.actor.open_channel.remote(), timeout=timeout_s)
+            if self._chan is not None:
+                _shutdown(self._chan.conn)
+            self._chan = PipeTransport(self.shard_id, self.dim, None)
+            self._chan.attach(Client((host, port), authkey=key), loop)
         self._alive = True
         if self._monitor is None:
             self._monitor = threading.Thread(target=self._watch, name=f"shard-{self.shard_id}-ray-ping", daemon=True)
@@ -260,6 +303,8 @@ class RayTransport(ShardTransport):
 
     def _mark_down(self, why: str) -> None:
         self._alive = False
+        if self._chan is not None:  # wake its reader (a lost node sends no FIN): it fails its calls
+            _shutdown(self._chan.conn)
         loop = self.loop
         pending, self._pending = self._pending, set()
         if loop is not None and not loop.is_closed():
@@ -268,6 +313,8 @@ class RayTransport(ShardTransport):
 
     # -- calls ------------------------------------------------------------------------------
     def call(self, op: Op, request: Any) -> asyncio.Future:
+        if self._chan is not None and self._alive:
+            return self._chan.call(op, request)
         loop = self.loop or asyncio.get_running_loop()
         fut = loop.create_future()
         if not self._alive:
@@ -298,14 +345,14 @@ class RayTransport(ShardTransport):
             fut.set_exception(ShardError(f"shard {self.shard_id}: {res}"))
 
     def is_alive(self) -> bool:
-        return self._alive
+        return self._alive and (self._chan is None or self._chan.is_alive())
 
     def kill(self) -> None:
         """End the actor for good (no Ray restart)."""
         self._mark_down("killed")
-        if self.actor is not None:
-            import ray
+        import ray
 
+        if self.actor is not None and ray.is_initialized():  # (a Ray API call would start one)
             try:
                 ray.kill(self.actor, no_restart=True)
             except Exception:  # noqa: BLE001
@@ -335,6 +382,17 @@ def _init_on_keeper_thread(ray: Any, **kw: Any) -> None:
     done.wait()
     if err:
         raise err[0]
+
+
+def _shutdown(conn: Any) -> None:
+    """Shut a channel's socket down both ways (wakes a thread blocked reading it), then close."""
+    import socket
+
+    try:
+        socket.socket(fileno=os.dup(conn.fileno())).shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    conn.close()
 
 
 def _fail(fut: asyncio.Future, msg: str) -> None:
