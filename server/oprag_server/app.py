@@ -43,6 +43,15 @@ log = logging.getLogger("oprag")
 SERVICE_NAME = oprag_pb2.DESCRIPTOR.services_by_name["OpRAG"].full_name
 
 
+def _placement(cfg: ServerConfig) -> dict:
+    """``{"transport": RayPlacement}`` with ``--ray-address`` (Ray imported lazily), else ``{}``."""
+    if cfg.ray.address is None:
+        return {}
+    from .shards.ray_transport import RayPlacement
+
+    return {"transport": RayPlacement(cfg.ray, cfg.shards)}
+
+
 class Runtime:
     """Everything one server instance owns. Models may be injected (tests use fakes)."""
 
@@ -51,7 +60,7 @@ class Runtime:
         self.encoder = encoder
         self.generator = generator
         self.metrics = Metrics()
-        self.pool = ShardPool(cfg.shards, encoder.dim, cfg.data_dir, stem=cfg.bm25.stem)
+        self.pool = ShardPool(cfg.shards, encoder.dim, cfg.data_dir, stem=cfg.bm25.stem, **_placement(cfg))
         self.corpus_stats = CorpusStats()
         self.analyzer = Analyzer(stem=cfg.bm25.stem)
         self.lock = RWLock()

@@ -56,6 +56,12 @@ _OPTIONS: tuple[tuple[str, str, str, str], ...] = (
     ("--tls-client-ca", "security", "tls_client_ca", "require client certificates signed by this CA"),
     ("--tokens-file", "security", "tokens_file",
      "bearer tokens, one per line (also OPRAG_TOKENS=tok1,tok2); then every RPC but health needs one"),
+    ("--ray-address", "ray", "address",
+     "place shards as Ray actors: 'local', 'auto' or a cluster address (extra 'ray'); default: local processes"),
+    ("--ray-strategy", "ray", "strategy", "placement group strategy of the shard bundles"),
+    ("--ray-max-restarts", "ray", "max_restarts", "Ray restarts of a shard actor (-1 = unlimited)"),
+    ("--ray-shard-cpus", "ray", "shard_cpus", "CPUs reserved per shard actor"),
+    ("--ray-channel", "ray", "channel", "'direct': a TCP connection to each shard actor; 'actor': Ray actor calls"),
     ("--shutdown-grace", "", "shutdown_grace_s", "seconds SIGTERM waits for in-flight requests"),
 )
 _PATH_FIELDS = {"data_dir", "tls_cert", "tls_key", "tls_client_ca", "tokens_file"}

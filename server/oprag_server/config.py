@@ -177,6 +177,39 @@ class LimitsConfig:
     max_delete_ids: int = 100_000
 
 
+RAY_STRATEGIES = ("SPREAD", "STRICT_SPREAD", "PACK", "STRICT_PACK")
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    """Shards as Ray actors (:mod:`oprag_server.shards.ray_transport`; extra ``ray``).
+
+    :param address: None = local shard processes over pipes (the default); ``"local"`` = start
+        a Ray instance in this process; ``"auto"`` or ``HOST:PORT`` / ``ray://...`` = join a cluster.
+    :param strategy: placement group strategy of the shard bundles (one bundle per shard).
+    :param max_restarts: Ray restarts of a shard actor (-1 = unlimited); tasks are never retried.
+    :param shard_cpus: CPUs reserved per shard bundle.
+    :param ping_s: seconds between liveness pings of each shard actor.
+    :param channel: ``"direct"``: requests travel over a TCP connection to each actor (the pipe
+        protocol); ``"actor"``: as Ray actor calls (slower, see bench/RESULTS.md).
+    """
+
+    address: str | None = None
+    strategy: str = "SPREAD"
+    max_restarts: int = -1
+    shard_cpus: float = 1.0
+    ping_s: float = 0.5
+    channel: str = "direct"
+
+    def __post_init__(self) -> None:
+        if self.channel not in ("direct", "actor"):
+            raise ValueError(f"Ray channel must be 'direct' or 'actor', got {self.channel!r}")
+        if self.strategy not in RAY_STRATEGIES:
+            raise ValueError(f"Ray placement strategy must be one of {', '.join(RAY_STRATEGIES)}, got {self.strategy!r}")
+        if self.max_restarts < -1 or self.shard_cpus <= 0 or self.ping_s <= 0:
+            raise ValueError("Ray max restarts must be >= -1, shard CPUs and ping interval > 0")
+
+
 def default_cache_dir() -> Path:
     """Where converted model weights are cached (``$OPRAG_CACHE_DIR`` or ~/.cache/oprag)."""
     env = os.environ.get("OPRAG_CACHE_DIR")
@@ -214,6 +247,7 @@ class ServerConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
     shutdown_grace_s: float = 10.0
 
     def __post_init__(self) -> None:

@@ -68,7 +68,11 @@ class ShardPool:
     def restart(self, i: int, loop: asyncio.AbstractEventLoop, committed: set[str] | None,
                 timeout_s: float = 120.0) -> StatsReply:
         """Replace shard ``i`` by a new one that reloads its snapshot and replays its committed
-        write-ahead log (blocking; run it in an executor). :returns: READY stats."""
+        write-ahead log (blocking; run it in an executor). A transport with ``revive`` (a Ray
+        actor, which Ray itself restarts) is reloaded in place. :returns: READY stats."""
+        revive = getattr(self.clients[i], "revive", None)
+        if revive is not None:
+            return revive(loop, committed, timeout_s)
         self.clients[i].kill()
         new = self.transport(i, self.dim, self.data_dir, self.stem)
         new.start(committed)
@@ -161,3 +165,6 @@ class ShardPool:
                 log.error("shards did not shut down within %.0f s", timeout_s)
         for c in self.clients:
             c.close()
+        release = getattr(self.transport, "release", None)  # e.g. a Ray placement group
+        if release is not None:
+            release()

@@ -133,10 +133,15 @@ class PipeTransport(ShardTransport):
             raise ShardError(f"shard {i} exited while starting: {exc}") from exc
         if not ok:
             raise ShardError(f"shard {i} failed to start: {res}")
-        self.loop = loop
-        self._alive = True
-        threading.Thread(target=self._read_loop, name=f"shard-{i}-reader", daemon=True).start()
+        self.attach(self.conn, loop)
         return res
+
+    def attach(self, conn: Any, loop: asyncio.AbstractEventLoop) -> None:
+        """Serve calls over ``conn`` (a ``multiprocessing.connection`` end whose peer answers
+        ``(request_id, op, request)`` with ``(request_id, ok, reply)``; the shard's pipe, or a
+        socket to a remote shard) and resolve replies on ``loop``."""
+        self.conn, self.loop, self._alive = conn, loop, True
+        threading.Thread(target=self._read_loop, name=f"shard-{self.shard_id}-reader", daemon=True).start()
 
     def _read_loop(self) -> None:
         loop = self.loop
@@ -171,7 +176,7 @@ class PipeTransport(ShardTransport):
         return fut
 
     def is_alive(self) -> bool:
-        return self._alive and self.proc is not None and self.proc.is_alive()
+        return self._alive and (self.proc is None or self.proc.is_alive())  # no process: attached
 
     def kill(self) -> None:
         self._alive = False
