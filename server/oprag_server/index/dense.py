@@ -66,7 +66,9 @@ class DenseIndex:
         self._vecs = np.zeros((0, self.dim), dtype=np.float32)  # compact rows, capacity >= n
         self._row_slot = np.zeros(0, dtype=np.int64)
         self._n = 0
-        self._slot_row: dict[int, int] = {}
+        self._slot_row = np.full(0, -1, dtype=np.int64)  # slot -> row, -1 when absent
+        self._sample: tuple[int, np.ndarray, np.ndarray] | None = None  # (version, rows, vectors)
+        self._version = 0  # grows on every add and remove
         self._max_norm = 0.0  # an upper bound of the stored vectors' L2 norms (never shrinks)
 
     def __len__(self) -> int:
@@ -95,9 +97,18 @@ class DenseIndex:
             raise ValueError(f"{slots.shape[0]} slots for {vecs.shape[0]} vectors")
         if len(slots) == 0:
             return
-        for s in slots.tolist():
-            if s in self._slot_row:
-                raise ValueError(f"slot {s} already in the dense index")
+        if slots.min() < 0:
+            raise ValueError(f"slot {int(slots.min())} is negative")
+        if np.unique(slots).size != slots.size:
+            raise ValueError("a slot appears twice in one add")
+        present = self._rows_of(slots)
+        if (present >= 0).any():
+            raise ValueError(f"slot {int(slots[np.argmax(present >= 0)])} already in the dense index")
+        top = int(slots.max()) + 1
+        if top > self._slot_row.size:
+            grown_map = np.full(max(top, 2 * self._slot_row.size, 1024), -1, dtype=np.int64)
+            grown_map[: self._slot_row.size] = self._slot_row
+            self._slot_row = grown_map
         need = self._n + len(slots)
         if need > self._vecs.shape[0]:
             cap = max(need, 2 * self._vecs.shape[0], 1024)
@@ -109,21 +120,23 @@ class DenseIndex:
             self._row_slot = rs
         self._vecs[self._n : need] = vecs
         self._row_slot[self._n : need] = slots
-        for i, s in enumerate(slots.tolist()):
-            self._slot_row[s] = self._n + i
+        self._slot_row[slots] = np.arange(self._n, need, dtype=np.int64)
         self._n = need
+        self._version += 1
         self._max_norm = max(self._max_norm, float(np.sqrt(np.einsum("ij,ij->i", vecs, vecs, dtype=np.float64).max())))
         self._index.add_with_ids(vecs, slots)
 
     def remove(self, slots: np.ndarray) -> int:
         """Remove slots (absent slots are ignored). :returns: number removed."""
-        slots = [int(s) for s in np.asarray(slots, dtype=np.int64).reshape(-1) if int(s) in self._slot_row]
+        arr = np.unique(np.asarray(slots, dtype=np.int64).reshape(-1))
+        slots = arr[self._rows_of(arr) >= 0].tolist()
         if not slots:
             return 0
         faiss = _faiss()
         self._index.remove_ids(faiss.IDSelectorBatch(np.asarray(slots, dtype=np.int64)))
         for s in slots:
-            row = self._slot_row.pop(s)
+            row = int(self._slot_row[s])
+            self._slot_row[s] = -1
             last = self._n - 1
             if row != last:
                 moved = int(self._row_slot[last])
@@ -131,12 +144,38 @@ class DenseIndex:
                 self._row_slot[row] = moved
                 self._slot_row[moved] = row
             self._n -= 1
+        self._version += 1
         return len(slots)
+
+    def _rows_of(self, slots: np.ndarray) -> np.ndarray:
+        """int64[M]: row of each slot, -1 where absent."""
+        out = np.full(slots.shape, -1, dtype=np.int64)
+        inside = (slots >= 0) & (slots < self._slot_row.size)
+        out[inside] = self._slot_row[slots[inside]]
+        return out
+
+    def rows(self, slots) -> np.ndarray:
+        """int64[M]: rows (positions in :attr:`slots` order) of the given live slots.
+
+        :raises KeyError: a slot is absent.
+        """
+        s = np.asarray(slots, dtype=np.int64).reshape(-1)
+        r = self._rows_of(s)
+        if s.size and (r < 0).any():
+            raise KeyError(int(s[np.argmax(r < 0)]))
+        return r
 
     def vectors_of(self, slots: np.ndarray) -> np.ndarray:
         """float32[M, D] vectors of the given live slots (KeyError for an absent slot)."""
-        rows = [self._slot_row[int(s)] for s in np.asarray(slots, dtype=np.int64).reshape(-1)]
-        return self._vecs[rows] if rows else np.zeros((0, self.dim), dtype=np.float32)
+        return self._vecs[self.rows(slots)]
+
+    def sample(self, max_rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """A fixed strided sample of at most ``max_rows`` rows: ``(rows int64[S], vectors
+        float32[S, D])``, cached until the next add or remove."""
+        if self._sample is None or self._sample[0] != self._version:
+            rows = np.arange(0, self._n, max(1, -(-self._n // max_rows)), dtype=np.int64)
+            self._sample = (self._version, rows, np.ascontiguousarray(self._vecs[rows]))
+        return self._sample[1], self._sample[2]
 
     def search(self, queries, k: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Top-k by inner product.

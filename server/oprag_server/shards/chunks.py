@@ -55,6 +55,7 @@ class ChunkStore:
         self.applied_seq = 0
         self.version = 0
         self._row_ids_cache: np.ndarray | None = None
+        self._slot_ids = np.empty(0, dtype=object)  # slot -> chunk id (None once removed)
 
     # ------------------------------------------------------------------ writes
     def upsert(self, table: pa.Table, seq: int) -> ApplyReply:
@@ -97,6 +98,11 @@ class ChunkStore:
             self.postings.add(slot, self._index_tokens(rec))
             new_slots.append(slot)
         if new_slots:
+            if self.next_slot > self._slot_ids.size:
+                grown = np.empty(max(self.next_slot, 2 * self._slot_ids.size, 1024), dtype=object)
+                grown[: self._slot_ids.size] = self._slot_ids
+                self._slot_ids = grown
+            self._slot_ids[new_slots] = [self.chunks[s].chunk_id for s in new_slots]
             self.dense.add(np.asarray(new_slots, dtype=np.int64), vecs)
             self._row_ids_cache = None
         self.applied_seq = max(self.applied_seq, int(seq))
@@ -124,6 +130,7 @@ class ChunkStore:
             for s in slots:
                 self.postings.remove(s)
                 rec = self.chunks.pop(s, None)
+                self._slot_ids[s] = None
                 if rec is not None:
                     self._unindex_metadata(s, rec)
                     held = self.hash_slots.get(rec.content_hash)
@@ -174,12 +181,12 @@ class ChunkStore:
     def row_ids(self) -> np.ndarray:
         """Chunk ids aligned with the dense index's rows (object array, cached until a write)."""
         if self._row_ids_cache is None or len(self._row_ids_cache) != len(self.dense):
-            self._row_ids_cache = np.asarray([self.chunks[int(s)].chunk_id for s in self.dense.slots], dtype=object)
+            self._row_ids_cache = self._slot_ids[self.dense.slots]
         return self._row_ids_cache
 
     def ids(self, slots) -> list[str]:
-        """Chunk ids of the given slots."""
-        return [self.chunks[int(s)].chunk_id for s in slots]
+        """Chunk ids of the given live slots (int64[M] or a sequence of ints)."""
+        return self._slot_ids[np.asarray(slots, dtype=np.int64)].tolist()
 
     def reuse(self, req: ReuseRequest) -> ReuseReply:
         """For each stored document asked for: ``{content_hash: vector float32[D]}`` of its

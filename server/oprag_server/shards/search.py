@@ -118,8 +118,8 @@ class Searcher:
         n = len(dense)
         if n == 0:
             return np.full(q.shape[0], np.inf)
-        rows = np.arange(0, n, max(1, -(-n // self.SAMPLE)))
-        approx = q @ dense.vectors[rows].T
+        rows, sample = dense.sample(self.SAMPLE)
+        approx = q @ sample.T
         out = np.empty(q.shape[0], np.float64)
         for i in range(q.shape[0]):
             _, low = refine_top(-approx[i], dense.score_error(q[i]), lambda pos: -dense.exact_rows(q[i], rows[pos]),
