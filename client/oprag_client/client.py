@@ -9,7 +9,7 @@ with the server's status code and message.
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterable, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,9 +71,15 @@ class Doc:
     ``float`` (finite) or ``bool`` and keep their type; a ``None`` value drops the key."""
 
     id: str
-    text: str
+    text: str = ""
     title: str = ""
     metadata: dict[str, MetadataValue | None] = field(default_factory=dict)
+    #: optional embedding of the whole ``text`` (float sequence of the server's width D): the
+    #: document is stored as one chunk and not embedded by the server
+    vector: Sequence[float] | None = None
+    #: optional ``[(chunk text, vector)]``: the document's chunks with their embeddings, stored as
+    #: given (leave ``text`` empty)
+    chunks: Sequence[tuple[str, Sequence[float]]] | None = None
 
     def to_pb(self) -> oprag_pb2.Document:
         """The wire document: strings in ``metadata`` (what servers that predate typed
@@ -89,7 +95,10 @@ class Doc:
                 plain[k] = v
             elif v is not None:
                 typed[k] = metadata_value(k, v)
-        return oprag_pb2.Document(id=self.id, title=self.title, text=self.text, metadata=plain, typed_metadata=typed)
+        return oprag_pb2.Document(
+            id=self.id, title=self.title, text=self.text, metadata=plain, typed_metadata=typed,
+            vector=[] if self.vector is None else [float(x) for x in self.vector],
+            chunks=[oprag_pb2.ChunkVector(text=t, vector=[float(x) for x in v]) for t, v in self.chunks or ()])
 
 
 def _as_pb(d: Any) -> oprag_pb2.Document:
@@ -98,7 +107,8 @@ def _as_pb(d: Any) -> oprag_pb2.Document:
     if isinstance(d, Doc):
         return d.to_pb()
     if isinstance(d, Mapping):
-        return Doc(str(d["id"]), d["text"], d.get("title") or "", dict(d.get("metadata") or {})).to_pb()
+        return Doc(str(d["id"]), d.get("text") or "", d.get("title") or "", dict(d.get("metadata") or {}),
+                   d.get("vector"), [(c["text"], c["vector"]) for c in d["chunks"]] if d.get("chunks") else None).to_pb()
     raise TypeError(f"cannot ingest {type(d).__name__}: pass Doc, oprag_pb2.Document or a dict with id and text")
 
 

@@ -42,7 +42,7 @@ class MetadataValue(_message.Message):
     def __init__(self, string_value: _Optional[str] = ..., int_value: _Optional[int] = ..., float_value: _Optional[float] = ..., bool_value: _Optional[bool] = ...) -> None: ...
 
 class Document(_message.Message):
-    __slots__ = ("id", "title", "text", "metadata", "typed_metadata")
+    __slots__ = ("id", "title", "text", "metadata", "typed_metadata", "vector", "chunks")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -62,12 +62,24 @@ class Document(_message.Message):
     TEXT_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     TYPED_METADATA_FIELD_NUMBER: _ClassVar[int]
+    VECTOR_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
     id: str
     title: str
     text: str
     metadata: _containers.ScalarMap[str, str]
     typed_metadata: _containers.MessageMap[str, MetadataValue]
-    def __init__(self, id: _Optional[str] = ..., title: _Optional[str] = ..., text: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., typed_metadata: _Optional[_Mapping[str, MetadataValue]] = ...) -> None: ...
+    vector: _containers.RepeatedScalarFieldContainer[float]
+    chunks: _containers.RepeatedCompositeFieldContainer[ChunkVector]
+    def __init__(self, id: _Optional[str] = ..., title: _Optional[str] = ..., text: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., typed_metadata: _Optional[_Mapping[str, MetadataValue]] = ..., vector: _Optional[_Iterable[float]] = ..., chunks: _Optional[_Iterable[_Union[ChunkVector, _Mapping]]] = ...) -> None: ...
+
+class ChunkVector(_message.Message):
+    __slots__ = ("text", "vector")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    VECTOR_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    vector: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, text: _Optional[str] = ..., vector: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class IngestRequest(_message.Message):
     __slots__ = ("documents", "final", "sent_documents")
