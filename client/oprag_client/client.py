@@ -145,7 +145,8 @@ def query_request(question: str, *, top_k: int = 0, mode: str = "hybrid", sessio
                   fusion: str = "minmax", dense_weight: float = 0.0, lexical_weight: float = 0.0, rrf_k: int = 0,
                   filters: Mapping[str, MetadataValue | list[MetadataValue]] | None = None,
                   query_vector=None, min_seq: int = 0, include_trace: bool = False,
-                  group_by_document: bool = False, chunks_per_document: int = 0) -> oprag_pb2.QueryRequest:
+                  group_by_document: bool = False, chunks_per_document: int = 0, ef_search: int = 0,
+                  nprobe: int = 0) -> oprag_pb2.QueryRequest:
     """Build a QueryRequest (for :meth:`OpRAGClient.query`, ``retrieve``, ``query_stream`` and
     their :class:`AsyncOpRAGClient` twins, which take the same keyword arguments).
 
@@ -158,6 +159,9 @@ def query_request(question: str, *, top_k: int = 0, mode: str = "hybrid", sessio
         by its best chunk (MaxP); the response's ``documents`` lists them (``doc_id``, ``title``,
         ``score``, ``hits``) and ``hits`` holds their chunks, document by document.
     :param chunks_per_document: with ``group_by_document``, best chunks kept per document (0 = 1).
+    :param ef_search: HNSW search beam, :param nprobe: IVF lists visited, for a server started with
+        ``--dense-index hnsw`` / ``ivf`` (0 = its default; the response's ``retrieval`` reports
+        what was used).
     :raises ValueError: unknown ``mode`` or ``fusion``, a bad filter value (:func:`metadata_value`).
     """
     if mode not in MODES:
@@ -185,6 +189,8 @@ def query_request(question: str, *, top_k: int = 0, mode: str = "hybrid", sessio
         disable_memory=disable_memory,
         group_by_document=group_by_document,
         chunks_per_document=chunks_per_document,
+        ef_search=ef_search,
+        nprobe=nprobe,
     )
 
 

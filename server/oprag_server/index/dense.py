@@ -21,6 +21,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..records import as_query_matrix
+from ..config import DenseConfig
+from .ann import AnnIndex
 
 #: unit roundoff of float32 (2^-24)
 _U32 = 2.0**-24
@@ -54,15 +56,20 @@ def _faiss():
 
 
 class DenseIndex:
-    """Exact inner-product index with removals.
+    """Inner-product index with removals: exact (flat) or approximate candidate search
+    (:mod:`.ann`: HNSW, IVF) over an exact float32 copy of the live vectors.
 
-    :param dim: vector width D.
+    :param dim: vector width D. :param params: index kind and knobs (default: flat).
     """
 
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int, params: DenseConfig | None = None) -> None:
         faiss = _faiss()
         self.dim = int(dim)
-        self._index = faiss.IndexIDMap2(faiss.IndexFlatIP(self.dim))
+        self.params = params or DenseConfig()
+        # flat: FAISS scans its own copy; hnsw / ivf: the ANN structure picks the candidates
+        self._index = faiss.IndexIDMap2(faiss.IndexFlatIP(self.dim)) if self.params.kind == "flat" else None
+        self._ann = AnnIndex(self.dim, self.params) if self.params.kind != "flat" else None
+        self.last_knobs: dict[str, int] = {}  # ef_search / nprobe used by the last search
         self._vecs = np.zeros((0, self.dim), dtype=np.float32)  # compact rows, capacity >= n
         self._row_slot = np.zeros(0, dtype=np.int64)
         self._n = 0
@@ -84,8 +91,9 @@ class DenseIndex:
         """float32[n, D]: live vectors in row order (a view; do not mutate)."""
         return self._vecs[: self._n]
 
-    def add(self, slots: np.ndarray, vectors: np.ndarray) -> None:
-        """Add vectors.
+    def add(self, slots: np.ndarray, vectors: np.ndarray, ann: bool = True) -> None:
+        """Add vectors (``ann=False``: not to the approximate structure, which the caller then
+        loads with :meth:`load_ann` or rebuilds with :meth:`compact_ann`).
 
         :param slots: int64[M], not already present.
         :param vectors: float32[M, D], L2-normalised.
@@ -124,7 +132,10 @@ class DenseIndex:
         self._n = need
         self._version += 1
         self._max_norm = max(self._max_norm, float(np.sqrt(np.einsum("ij,ij->i", vecs, vecs, dtype=np.float64).max())))
-        self._index.add_with_ids(vecs, slots)
+        if self._ann is not None and ann:
+            self._ann.add(slots, vecs, (self.slots, self.vectors))
+        else:
+            self._index.add_with_ids(vecs, slots)
 
     def remove(self, slots: np.ndarray) -> int:
         """Remove slots (absent slots are ignored). :returns: number removed."""
@@ -132,8 +143,10 @@ class DenseIndex:
         slots = arr[self._rows_of(arr) >= 0].tolist()
         if not slots:
             return 0
-        faiss = _faiss()
-        self._index.remove_ids(faiss.IDSelectorBatch(np.asarray(slots, dtype=np.int64)))
+        if self._ann is not None:
+            self._ann.remove(np.asarray(slots, dtype=np.int64))
+        else:
+            self._index.remove_ids(_faiss().IDSelectorBatch(np.asarray(slots, dtype=np.int64)))
         for s in slots:
             row = int(self._slot_row[s])
             self._slot_row[s] = -1
@@ -145,7 +158,34 @@ class DenseIndex:
                 self._slot_row[moved] = row
             self._n -= 1
         self._version += 1
+        if self._ann is not None and self._ann.needs_compaction():
+            self.compact_ann()
         return len(slots)
+
+    def compact_ann(self) -> None:
+        """Rebuild the approximate structure from the live vectors (drops what deletes left)."""
+        if self._ann is not None:
+            self._ann.rebuild(self.slots, self.vectors)
+
+    def ann_state(self) -> dict | None:
+        """What a snapshot keeps of the approximate structure (None for flat): ``{"kind",
+        "faiss": bytes, "ann_slot": int64[A], "trained_at"}``."""
+        if self._ann is None:
+            return None
+        return {"kind": self.params.kind, "faiss": self._ann.to_bytes(), "ann_slot": self._ann.ann_slot,
+                "trained_at": self._ann.trained_at}
+
+    def load_ann(self, state: dict, slot_map) -> bool:
+        """Adopt a saved structure instead of rebuilding it (vectors added with ``ann=False``).
+
+        :param slot_map: old slot int64[A] -> current slot (-1: gone).
+        :returns: False (and nothing changed) when the kind differs: the caller rebuilds.
+        """
+        if self._ann is None or state.get("kind") != self.params.kind:
+            return False
+        self._ann.load(state["faiss"], slot_map(np.asarray(state["ann_slot"], dtype=np.int64)),
+                       int(state.get("trained_at", 0)))
+        return True
 
     def _rows_of(self, slots: np.ndarray) -> np.ndarray:
         """int64[M]: row of each slot, -1 where absent."""
@@ -177,8 +217,10 @@ class DenseIndex:
             self._sample = (self._version, rows, np.ascontiguousarray(self._vecs[rows]))
         return self._sample[1], self._sample[2]
 
-    def search(self, queries, k: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """Top-k by inner product.
+    def search(self, queries, k: int, ef_search: int = 0, nprobe: int = 0) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Top-k by inner product: exact (flat, or an IVF not trained yet) or approximate (HNSW
+        with beam ``ef_search``, IVF visiting ``nprobe`` lists; 0 = the index's default). The
+        values used are left in :attr:`last_knobs`.
 
         :param queries: float32[B, D] (other float dtypes, strided views and Arrow lists are
             accepted and converted, see :func:`as_query_matrix`).
@@ -192,7 +234,20 @@ class DenseIndex:
             empty_s = np.zeros(0, dtype=np.int64)
             empty_f = np.zeros(0, dtype=np.float32)
             return [empty_s] * q.shape[0], [empty_f] * q.shape[0]
-        scores, ids = self._index.search(q, kk)
+        self.last_knobs = {}
+        if self._ann is not None and self._ann.ready:
+            ids, scores, knob = self._ann.search(q, kk, ef_search, nprobe)
+            self.last_knobs = {"ef_search" if self.params.kind == "hnsw" else "nprobe": knob}
+        elif self._ann is not None:  # IVF before training: an exact scan of the copy
+            allv = self.score_all(q)
+            ids = np.empty((q.shape[0], kk), np.int64)
+            scores = np.empty((q.shape[0], kk), np.float32)
+            for i in range(q.shape[0]):
+                top = np.argpartition(-allv[i], kk - 1)[:kk]
+                top = top[np.argsort(-allv[i][top], kind="stable")]
+                ids[i], scores[i] = self.slots[top], allv[i][top]
+        else:
+            scores, ids = self._index.search(q, kk)
         out_ids, out_scores = [], []
         for i in range(q.shape[0]):
             keep = ids[i] >= 0

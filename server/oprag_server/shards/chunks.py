@@ -17,6 +17,7 @@ from .. import metadata as md
 from .. import records
 from ..index.analyzer import Analyzer
 from ..index.bm25 import PostingsIndex
+from ..config import DenseConfig
 from ..index.dense import DenseIndex
 from .protocol import ApplyReply, ReuseReply, ReuseRequest
 
@@ -41,10 +42,10 @@ class ChunkStore:
     ``applied_seq`` the highest applied sequence number; ``version`` grows on every write.
     """
 
-    def __init__(self, dim: int, stem: bool = False) -> None:
+    def __init__(self, dim: int, stem: bool = False, dense: DenseConfig | None = None) -> None:
         self.dim = dim
         self.analyzer = Analyzer(stem=stem)
-        self.dense = DenseIndex(dim)
+        self.dense = DenseIndex(dim, dense)
         self.postings = PostingsIndex()
         self.chunks: dict[int, ChunkRecord] = {}
         self.doc_slots: dict[str, list[int]] = {}
@@ -58,8 +59,9 @@ class ChunkStore:
         self._slot_ids = np.empty(0, dtype=object)  # slot -> chunk id (None once removed)
 
     # ------------------------------------------------------------------ writes
-    def upsert(self, table: pa.Table, seq: int) -> ApplyReply:
-        """Apply a bulk batch of chunks (schema :func:`records.chunk_schema`).
+    def upsert(self, table: pa.Table, seq: int, index_ann: bool = True) -> ApplyReply:
+        """Apply a bulk batch of chunks (schema :func:`records.chunk_schema`); ``index_ann=False``
+        leaves the approximate dense structure to the caller (snapshot load).
 
         A document whose stored generation differs from the batch's generation is replaced:
         its old chunks leave the dense index and the postings first. When the batch holds
@@ -103,7 +105,7 @@ class ChunkStore:
                 grown[: self._slot_ids.size] = self._slot_ids
                 self._slot_ids = grown
             self._slot_ids[new_slots] = [self.chunks[s].chunk_id for s in new_slots]
-            self.dense.add(np.asarray(new_slots, dtype=np.int64), vecs)
+            self.dense.add(np.asarray(new_slots, dtype=np.int64), vecs, ann=index_ann)
             self._row_ids_cache = None
         self.applied_seq = max(self.applied_seq, int(seq))
         self.version += 1
