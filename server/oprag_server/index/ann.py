@@ -17,8 +17,8 @@ Ids: each added vector gets the next *ANN id* (0, 1, 2, ... in insertion order);
 * IVF removes ids from its inverted lists at once.
 
 IVF training: the first ``train_min`` vectors of a shard are searched exactly (flat) while
-they accumulate; the IVF is then trained (k-means, ``nlist = 4 sqrt(n)`` rounded to a power of
-two, at most 65,536, on at most 64 vectors per list) on the vectors held at that moment. It is
+they accumulate; the IVF is then trained (k-means, ``nlist = sqrt(n)`` rounded to a power of
+two, at most 65,536 and at most n / 39, on at most 64 vectors per list) on the vectors held at that moment. It is
 trained again, and every vector re-added, each time the shard has grown 8x since the last
 training (the lists stay balanced as the corpus grows), and on compaction.
 """
@@ -63,8 +63,8 @@ class AnnIndex:
     def _new_ivf(self, train: np.ndarray):
         faiss = _faiss()
         n = train.shape[0]
-        nlist = int(min(65536, max(16, 2 ** round(np.log2(4 * np.sqrt(n))))))
-        nlist = min(nlist, max(1, n // 8))
+        nlist = int(min(65536, max(16, 2 ** round(np.log2(np.sqrt(n))))))
+        nlist = min(nlist, max(1, n // 39))  # FAISS asks for >= 39 training points per list
         quantizer = faiss.IndexFlatIP(self.dim)
         idx = faiss.IndexIVFFlat(quantizer, self.dim, nlist, faiss.METRIC_INNER_PRODUCT)
         step = max(1, n // (64 * nlist))

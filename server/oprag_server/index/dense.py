@@ -132,10 +132,10 @@ class DenseIndex:
         self._n = need
         self._version += 1
         self._max_norm = max(self._max_norm, float(np.sqrt(np.einsum("ij,ij->i", vecs, vecs, dtype=np.float64).max())))
-        if self._ann is not None and ann:
-            self._ann.add(slots, vecs, (self.slots, self.vectors))
-        else:
+        if self._ann is None:
             self._index.add_with_ids(vecs, slots)
+        elif ann:
+            self._ann.add(slots, vecs, (self.slots, self.vectors))
 
     def remove(self, slots: np.ndarray) -> int:
         """Remove slots (absent slots are ignored). :returns: number removed."""
