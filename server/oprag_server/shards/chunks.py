@@ -59,7 +59,15 @@ class ChunkStore:
         self._slot_ids = np.empty(0, dtype=object)  # slot -> chunk id (None once removed)
 
     # ------------------------------------------------------------------ writes
-    def upsert(self, table: pa.Table, seq: int, index_ann: bool = True) -> ApplyReply:
+    def analyse(self, table: pa.Table, out: dict[tuple[str, str], list[str]]) -> None:
+        """BM25 tokens of each chunk of ``table`` into ``out``, keyed by ``(title, text)``."""
+        for title, text in zip(table.column("title").to_pylist(), table.column("text").to_pylist()):
+            title = title or ""
+            if (title, text) not in out:
+                out[(title, text)] = self.analyzer.tokens(f"{title}\n{text}" if title else text)
+
+    def upsert(self, table: pa.Table, seq: int, index_ann: bool = True,
+               tokens: dict[tuple[str, str], list[str]] | None = None) -> ApplyReply:
         """Apply a bulk batch of chunks (schema :func:`records.chunk_schema`); ``index_ann=False``
         leaves the approximate dense structure to the caller (snapshot load).
 
@@ -97,7 +105,8 @@ class ChunkStore:
             self._index_metadata(slot, rec)
             self.hash_slots.setdefault(rec.content_hash, set()).add(slot)
             self.doc_slots[doc_id].append(slot)
-            self.postings.add(slot, self._index_tokens(rec))
+            toks = tokens.get((rec.title, rec.text)) if tokens else None
+            self.postings.add(slot, toks if toks is not None else self._index_tokens(rec))
             new_slots.append(slot)
         if new_slots:
             if self.next_slot > self._slot_ids.size:
