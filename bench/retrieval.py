@@ -83,6 +83,7 @@ def run_oprag(stub, reqs, concurrency: int, timeout: float = 120.0) -> dict:
     lat = [0.0] * n
     hits: list = [None] * n
     srv = [0.0] * n
+    window = [0] * n
 
     def one(i: int) -> None:
         t = time.perf_counter()
@@ -90,6 +91,7 @@ def run_oprag(stub, reqs, concurrency: int, timeout: float = 120.0) -> dict:
         lat[i] = time.perf_counter() - t
         hits[i] = [(h.chunk_id, h.doc_id, h.score, h.dense_score, h.lexical_score) for h in r.hits]
         srv[i] = r.timings_ms.get("retrieve", 0.0)  # the whole retrieve step, frontend fusion included
+        window[i] = r.retrieval.candidates  # the N the server used
 
     t0 = time.perf_counter()
     if concurrency <= 1:
@@ -99,7 +101,7 @@ def run_oprag(stub, reqs, concurrency: int, timeout: float = 120.0) -> dict:
         with ThreadPoolExecutor(concurrency) as ex:
             list(ex.map(one, range(n)))
     wall = time.perf_counter() - t0
-    return {"lat": lat, "wall": wall, "hits": hits, "server_ms": srv}
+    return {"lat": lat, "wall": wall, "hits": hits, "server_ms": srv, "candidates": window}
 
 
 # ------------------------------------------------------------------------------ reference
@@ -206,7 +208,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--concurrency", default="1,16", help="comma-separated client concurrencies")
     ap.add_argument("--top-k", type=int, default=10)
     ap.add_argument("--eval-k", type=int, default=100, help="top-k of the quality runs")
-    ap.add_argument("--candidates", type=int, default=128, help="dense-first N")
+    ap.add_argument("--candidates", type=int, default=0,
+                    help="dense-first N (0 = the server's default, what a client gets without asking)")
     ap.add_argument("--warmup", type=int, default=20, help="untimed requests per mode first")
     ap.add_argument("--per-stream", type=int, default=500, help="documents per Ingest stream")
     ap.add_argument("--shards", type=int, default=2)
@@ -449,7 +452,8 @@ def report(a, oprag: dict, ref: dict, lc: dict | None, agree: dict, qual: dict, 
     ref_sum, n_ident = ref["summary"], ref["n_ident"]
     return {
         "top_k": a.top_k,
-        "candidates": a.candidates,
+        "candidates": max(oprag["hybrid"][1]["candidates"]),  # what the server used (N of dense-first)
+        "candidates_arg": a.candidates,
         "server_args": a.server_args,
         "speedup_exact_vs_reference": round(ref_sum["p50_ms"] / s1["full_hybrid"]["p50_ms"], 2),
         "speedup_densefirst_vs_reference": round(ref_sum["p50_ms"] / s1["hybrid"]["p50_ms"], 2),

@@ -9,7 +9,7 @@ with the server's status code and message.
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterable, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,9 +71,15 @@ class Doc:
     ``float`` (finite) or ``bool`` and keep their type; a ``None`` value drops the key."""
 
     id: str
-    text: str
+    text: str = ""
     title: str = ""
     metadata: dict[str, MetadataValue | None] = field(default_factory=dict)
+    #: optional embedding of the whole ``text`` (float sequence of the server's width D): the
+    #: document is stored as one chunk and not embedded by the server
+    vector: Sequence[float] | None = None
+    #: optional ``[(chunk text, vector)]``: the document's chunks with their embeddings, stored as
+    #: given (leave ``text`` empty)
+    chunks: Sequence[tuple[str, Sequence[float]]] | None = None
 
     def to_pb(self) -> oprag_pb2.Document:
         """The wire document: strings in ``metadata`` (what servers that predate typed
@@ -89,7 +95,10 @@ class Doc:
                 plain[k] = v
             elif v is not None:
                 typed[k] = metadata_value(k, v)
-        return oprag_pb2.Document(id=self.id, title=self.title, text=self.text, metadata=plain, typed_metadata=typed)
+        return oprag_pb2.Document(
+            id=self.id, title=self.title, text=self.text, metadata=plain, typed_metadata=typed,
+            vector=[] if self.vector is None else [float(x) for x in self.vector],
+            chunks=[oprag_pb2.ChunkVector(text=t, vector=[float(x) for x in v]) for t, v in self.chunks or ()])
 
 
 def _as_pb(d: Any) -> oprag_pb2.Document:
@@ -98,7 +107,8 @@ def _as_pb(d: Any) -> oprag_pb2.Document:
     if isinstance(d, Doc):
         return d.to_pb()
     if isinstance(d, Mapping):
-        return Doc(str(d["id"]), d["text"], d.get("title") or "", dict(d.get("metadata") or {})).to_pb()
+        return Doc(str(d["id"]), d.get("text") or "", d.get("title") or "", dict(d.get("metadata") or {}),
+                   d.get("vector"), [(c["text"], c["vector"]) for c in d["chunks"]] if d.get("chunks") else None).to_pb()
     raise TypeError(f"cannot ingest {type(d).__name__}: pass Doc, oprag_pb2.Document or a dict with id and text")
 
 
@@ -135,7 +145,8 @@ def query_request(question: str, *, top_k: int = 0, mode: str = "hybrid", sessio
                   fusion: str = "minmax", dense_weight: float = 0.0, lexical_weight: float = 0.0, rrf_k: int = 0,
                   filters: Mapping[str, MetadataValue | list[MetadataValue]] | None = None,
                   query_vector=None, min_seq: int = 0, include_trace: bool = False,
-                  group_by_document: bool = False, chunks_per_document: int = 0) -> oprag_pb2.QueryRequest:
+                  group_by_document: bool = False, chunks_per_document: int = 0, ef_search: int = 0,
+                  nprobe: int = 0) -> oprag_pb2.QueryRequest:
     """Build a QueryRequest (for :meth:`OpRAGClient.query`, ``retrieve``, ``query_stream`` and
     their :class:`AsyncOpRAGClient` twins, which take the same keyword arguments).
 
@@ -148,6 +159,9 @@ def query_request(question: str, *, top_k: int = 0, mode: str = "hybrid", sessio
         by its best chunk (MaxP); the response's ``documents`` lists them (``doc_id``, ``title``,
         ``score``, ``hits``) and ``hits`` holds their chunks, document by document.
     :param chunks_per_document: with ``group_by_document``, best chunks kept per document (0 = 1).
+    :param ef_search: HNSW search beam, :param nprobe: IVF lists visited, for a server started with
+        ``--dense-index hnsw`` / ``ivf`` (0 = its default; the response's ``retrieval`` reports
+        what was used).
     :raises ValueError: unknown ``mode`` or ``fusion``, a bad filter value (:func:`metadata_value`).
     """
     if mode not in MODES:
@@ -175,6 +189,8 @@ def query_request(question: str, *, top_k: int = 0, mode: str = "hybrid", sessio
         disable_memory=disable_memory,
         group_by_document=group_by_document,
         chunks_per_document=chunks_per_document,
+        ef_search=ef_search,
+        nprobe=nprobe,
     )
 
 

@@ -80,8 +80,11 @@ def _json_lines(path: Path, id_key: str, what: str) -> Iterator[Doc]:
                 continue
             try:
                 obj = json.loads(line)
-                yield Doc(id=str(obj[id_key]), text=obj["text"], title=obj.get("title") or "",
-                          metadata=_metadata(obj.get("metadata")))
+                chunks = obj.get("chunks")
+                yield Doc(id=str(obj[id_key]), text=obj["text"] if not chunks else obj.get("text") or "",
+                          title=obj.get("title") or "", metadata=_metadata(obj.get("metadata")),
+                          vector=obj.get("vector"),
+                          chunks=[(c["text"], c["vector"]) for c in chunks] if chunks else None)
             except (json.JSONDecodeError, KeyError, TypeError) as exc:
                 raise ValueError(f"{path}:{n}: expected {what} with {id_key} and text ({exc})") from exc
             except ValueError as exc:  # a metadata value of no metadata type
@@ -89,7 +92,9 @@ def _json_lines(path: Path, id_key: str, what: str) -> Iterator[Doc]:
 
 
 def load_jsonl(paths: list[Path]) -> Iterator[Doc]:
-    """JSON lines ``{"id", "text", "title"?, "metadata"?}``.
+    """JSON lines ``{"id", "text", "title"?, "metadata"?, "vector"?}`` or, with precomputed chunks,
+    ``{"id", "chunks": [{"text", "vector"}], "title"?, "metadata"?}`` (vectors: lists of floats of
+    the server's width; the server then embeds nothing for that document).
 
     :raises ValueError: a line is not JSON or lacks id/text (the message names file and line).
     """

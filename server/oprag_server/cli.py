@@ -34,6 +34,13 @@ _OPTIONS: tuple[tuple[str, str, str, str], ...] = (
     ("--chunk-size", "chunking", "size", "largest chunk in embedder tokens incl. special tokens (capped at its window)"),
     ("--chunk-overlap", "chunking", "overlap", "tokens consecutive chunks may share, at most"),
     ("--candidates", "retrieval", "candidates", "dense candidates N of dense-first hybrid"),
+    ("--dense-index", "dense", "kind", "dense index of each shard: flat (exact scan), hnsw or ivf (approximate "
+     "candidates; scores stay exact; full_hybrid always scans every chunk)"),
+    ("--hnsw-m", "dense", "hnsw_m", "HNSW graph degree M"),
+    ("--ef-construction", "dense", "ef_construction", "HNSW build beam width"),
+    ("--ef-search", "dense", "ef_search", "default HNSW search beam (a request's ef_search overrides it)"),
+    ("--nprobe", "dense", "nprobe", "default IVF lists visited per query (a request's nprobe overrides it)"),
+    ("--ivf-train-min", "dense", "train_min", "vectors a shard holds before its IVF is trained (exact before)"),
     ("--monitor-fraction", "retrieval", "monitor_fraction",
      "share of dense-first queries re-run in exact mode to export pruning Recall@k"),
     ("--max-batch", "batch", "max_batch", "queries per scheduler batch"),

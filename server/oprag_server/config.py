@@ -45,6 +45,36 @@ class BM25Config:
     stem: bool = False
 
 
+DENSE_INDEX_KINDS = ("flat", "hnsw", "ivf")
+
+
+@dataclass(frozen=True)
+class DenseConfig:
+    """The dense index of every shard (:mod:`oprag_server.index.ann`): build parameters and
+    per-request defaults.
+
+    :param kind: ``flat`` (exact scan), ``hnsw`` or ``ivf``.
+    :param hnsw_m: HNSW graph degree M. :param ef_construction: HNSW build beam width.
+    :param ef_search: default HNSW search beam width (raised to the number of results asked).
+    :param nprobe: default IVF lists visited per query.
+    :param train_min: vectors a shard holds before its IVF is trained (exact search before).
+    """
+
+    kind: str = "flat"
+    hnsw_m: int = 32
+    ef_construction: int = 200
+    ef_search: int = 128
+    nprobe: int = 32
+    train_min: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.kind not in DENSE_INDEX_KINDS:
+            raise ValueError(f"dense index must be one of {', '.join(DENSE_INDEX_KINDS)}, got {self.kind!r}")
+        for name in ("hnsw_m", "ef_construction", "ef_search", "nprobe", "train_min"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
 @dataclass(frozen=True)
 class RetrievalConfig:
     """Retrieval defaults and bounds.
@@ -240,6 +270,7 @@ class ServerConfig:
     chunking: ChunkingConfig = field(default_factory=ChunkingConfig)
     bm25: BM25Config = field(default_factory=BM25Config)
     retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
+    dense: DenseConfig = field(default_factory=DenseConfig)
     embed: EmbedConfig = field(default_factory=EmbedConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)

@@ -51,6 +51,8 @@ class RetrieveSpec:
     filters: tuple = ()
     group_by_document: bool = False
     chunks_per_document: int = 1
+    ef_search: int = 0  # HNSW search beam (0 = the index's default)
+    nprobe: int = 0  # IVF lists visited (0 = the index's default)
 
 
 @dataclass
@@ -96,6 +98,9 @@ class RetrievalInfo:
     candidates: int
     chunks_searched: int = 0
     missing_shards: list[int] = field(default_factory=list)  # non-empty = partial result
+    dense_index: str = ""  # flat | hnsw | ivf ("" = not reported)
+    ef_search: int = 0  # the HNSW beam used (largest over shards; 0 = none)
+    nprobe: int = 0  # the IVF lists visited (largest over shards; 0 = none)
 
 
 @dataclass

@@ -83,7 +83,9 @@ def vectors_of(batch: pa.RecordBatch | pa.Table, column: str = "vector") -> np.n
     if isinstance(col, pa.ChunkedArray):
         col = col.combine_chunks()
     dim = col.type.list_size
-    flat = col.flatten().to_numpy(zero_copy_only=False)
+    # the child values directly when the list array is unsliced and has no nulls (``flatten``
+    # imports pyarrow.compute, about a second in a fresh shard process)
+    flat = (col.values if col.offset == 0 and col.null_count == 0 else col.flatten()).to_numpy(zero_copy_only=False)
     return np.ascontiguousarray(flat.reshape(-1, dim), dtype=np.float32)
 
 
@@ -127,3 +129,26 @@ def as_query_matrix(x, dim: int | None = None) -> np.ndarray:
     if not np.isfinite(arr).all():
         raise ValueError("query vectors contain NaN or infinity")
     return np.ascontiguousarray(arr, dtype=np.float32)
+
+
+def unit_rows(rows, dim: int, what: str = "vector") -> np.ndarray:
+    """Client-given embeddings as unit-norm float32[M, dim] (one row per input sequence).
+
+    Each row is scaled by its max |value| before the L2 norm, so float overflow and underflow
+    cannot occur (the same rule as a client-given query vector).
+
+    :param rows: M float sequences. :param what: the name used in error messages.
+    :raises ValueError: a row with another width than ``dim``, NaN or infinity, or all zeros.
+    """
+    rows = list(rows)
+    for r in rows:
+        if len(r) != dim:
+            raise ValueError(f"{what} has {len(r)} values; the index holds vectors of width {dim}")
+    v = np.asarray(rows, dtype=np.float64).reshape(len(rows), dim)
+    if not np.isfinite(v).all():
+        raise ValueError(f"{what} contains NaN or infinity")
+    scale = np.abs(v).max(axis=1, initial=0.0)
+    if (scale == 0.0).any():
+        raise ValueError(f"{what} is all zeros")
+    v = v / scale[:, None]
+    return (v / np.linalg.norm(v, axis=1, keepdims=True)).astype(np.float32)

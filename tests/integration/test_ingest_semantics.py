@@ -243,3 +243,24 @@ def test_identical_content_gets_identical_scores_over_grpc(client):
     with ThreadPoolExecutor(8) as ex:
         together = list(ex.map(lambda _: run("hybrid", query_vector=vec), range(8)))
     assert all(t == alone for t in together)
+
+
+def test_own_vectors_are_stored_as_given_and_checked(client):
+    rng = np.random.default_rng(7)
+    v1, v2, v3 = (rng.standard_normal(384) for _ in range(3))
+    before = client.stats()
+    client.ingest([Doc("byo-one", "Quince preserves by the kilo.", vector=v1.tolist()),
+                   Doc("byo-chunks", chunks=[("Saffron threads first.", v2.tolist()),
+                                             ("Then cardamom pods.", v3.tolist())])])
+    after = client.stats()
+    assert (after.documents - before.documents, after.chunks - before.chunks) == (2, 3)
+    for v, cid, text in ((v1, "byo-one#0", "Quince preserves by the kilo."),
+                         (v3, "byo-chunks#1", "Then cardamom pods.")):
+        top = client.retrieve("anything", mode="dense", top_k=1, query_vector=v.tolist()).hits[0]
+        assert (top.chunk_id, top.text) == (cid, text)
+        assert top.dense_score == pytest.approx(1.0, abs=1e-5)  # stored normalised, not re-embedded
+    for bad in ([1.0] * 383, [float("nan")] + [1.0] * 383):
+        with pytest.raises(grpc.RpcError) as ei:
+            client.ingest([Doc("byo-ok", "fine text"), Doc("byo-bad", "bad vector", vector=bad)])
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, ei.value.details()
+        assert client.stats().chunks == after.chunks  # nothing of the stream was stored

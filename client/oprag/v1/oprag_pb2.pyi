@@ -42,7 +42,7 @@ class MetadataValue(_message.Message):
     def __init__(self, string_value: _Optional[str] = ..., int_value: _Optional[int] = ..., float_value: _Optional[float] = ..., bool_value: _Optional[bool] = ...) -> None: ...
 
 class Document(_message.Message):
-    __slots__ = ("id", "title", "text", "metadata", "typed_metadata")
+    __slots__ = ("id", "title", "text", "metadata", "typed_metadata", "vector", "chunks")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -62,12 +62,24 @@ class Document(_message.Message):
     TEXT_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     TYPED_METADATA_FIELD_NUMBER: _ClassVar[int]
+    VECTOR_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
     id: str
     title: str
     text: str
     metadata: _containers.ScalarMap[str, str]
     typed_metadata: _containers.MessageMap[str, MetadataValue]
-    def __init__(self, id: _Optional[str] = ..., title: _Optional[str] = ..., text: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., typed_metadata: _Optional[_Mapping[str, MetadataValue]] = ...) -> None: ...
+    vector: _containers.RepeatedScalarFieldContainer[float]
+    chunks: _containers.RepeatedCompositeFieldContainer[ChunkVector]
+    def __init__(self, id: _Optional[str] = ..., title: _Optional[str] = ..., text: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., typed_metadata: _Optional[_Mapping[str, MetadataValue]] = ..., vector: _Optional[_Iterable[float]] = ..., chunks: _Optional[_Iterable[_Union[ChunkVector, _Mapping]]] = ...) -> None: ...
+
+class ChunkVector(_message.Message):
+    __slots__ = ("text", "vector")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    VECTOR_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    vector: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, text: _Optional[str] = ..., vector: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class IngestRequest(_message.Message):
     __slots__ = ("documents", "final", "sent_documents")
@@ -138,7 +150,7 @@ class GenerationOptions(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ...) -> None: ...
 
 class QueryRequest(_message.Message):
-    __slots__ = ("question", "top_k", "mode", "session_id", "generation", "candidates", "disable_memory", "filters", "fusion", "query_vector", "min_seq", "include_trace", "group_by_document", "chunks_per_document")
+    __slots__ = ("question", "top_k", "mode", "session_id", "generation", "candidates", "disable_memory", "filters", "fusion", "query_vector", "min_seq", "include_trace", "group_by_document", "chunks_per_document", "ef_search", "nprobe")
     QUESTION_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +165,8 @@ class QueryRequest(_message.Message):
     INCLUDE_TRACE_FIELD_NUMBER: _ClassVar[int]
     GROUP_BY_DOCUMENT_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_PER_DOCUMENT_FIELD_NUMBER: _ClassVar[int]
+    EF_SEARCH_FIELD_NUMBER: _ClassVar[int]
+    NPROBE_FIELD_NUMBER: _ClassVar[int]
     question: str
     top_k: int
     mode: RetrievalMode
@@ -167,7 +181,9 @@ class QueryRequest(_message.Message):
     include_trace: bool
     group_by_document: bool
     chunks_per_document: int
-    def __init__(self, question: _Optional[str] = ..., top_k: _Optional[int] = ..., mode: _Optional[_Union[RetrievalMode, str]] = ..., session_id: _Optional[str] = ..., generation: _Optional[_Union[GenerationOptions, _Mapping]] = ..., candidates: _Optional[int] = ..., disable_memory: _Optional[bool] = ..., filters: _Optional[_Iterable[_Union[MetadataFilter, _Mapping]]] = ..., fusion: _Optional[_Union[FusionOptions, _Mapping]] = ..., query_vector: _Optional[_Iterable[float]] = ..., min_seq: _Optional[int] = ..., include_trace: _Optional[bool] = ..., group_by_document: _Optional[bool] = ..., chunks_per_document: _Optional[int] = ...) -> None: ...
+    ef_search: int
+    nprobe: int
+    def __init__(self, question: _Optional[str] = ..., top_k: _Optional[int] = ..., mode: _Optional[_Union[RetrievalMode, str]] = ..., session_id: _Optional[str] = ..., generation: _Optional[_Union[GenerationOptions, _Mapping]] = ..., candidates: _Optional[int] = ..., disable_memory: _Optional[bool] = ..., filters: _Optional[_Iterable[_Union[MetadataFilter, _Mapping]]] = ..., fusion: _Optional[_Union[FusionOptions, _Mapping]] = ..., query_vector: _Optional[_Iterable[float]] = ..., min_seq: _Optional[int] = ..., include_trace: _Optional[bool] = ..., group_by_document: _Optional[bool] = ..., chunks_per_document: _Optional[int] = ..., ef_search: _Optional[int] = ..., nprobe: _Optional[int] = ...) -> None: ...
 
 class DocumentHit(_message.Message):
     __slots__ = ("doc_id", "title", "score", "hits")
@@ -253,7 +269,7 @@ class QueryEvent(_message.Message):
     def __init__(self, sources: _Optional[_Union[SourcesEvent, _Mapping]] = ..., text: _Optional[str] = ..., done: _Optional[_Union[DoneEvent, _Mapping]] = ...) -> None: ...
 
 class RetrievalInfo(_message.Message):
-    __slots__ = ("mode", "fusion", "dense_weight", "lexical_weight", "rrf_k", "candidates", "chunks_searched", "partial", "missing_shards")
+    __slots__ = ("mode", "fusion", "dense_weight", "lexical_weight", "rrf_k", "candidates", "chunks_searched", "partial", "missing_shards", "dense_index", "ef_search", "nprobe")
     MODE_FIELD_NUMBER: _ClassVar[int]
     FUSION_FIELD_NUMBER: _ClassVar[int]
     DENSE_WEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -263,6 +279,9 @@ class RetrievalInfo(_message.Message):
     CHUNKS_SEARCHED_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_FIELD_NUMBER: _ClassVar[int]
     MISSING_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    DENSE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    EF_SEARCH_FIELD_NUMBER: _ClassVar[int]
+    NPROBE_FIELD_NUMBER: _ClassVar[int]
     mode: str
     fusion: str
     dense_weight: float
@@ -272,7 +291,10 @@ class RetrievalInfo(_message.Message):
     chunks_searched: int
     partial: bool
     missing_shards: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, mode: _Optional[str] = ..., fusion: _Optional[str] = ..., dense_weight: _Optional[float] = ..., lexical_weight: _Optional[float] = ..., rrf_k: _Optional[int] = ..., candidates: _Optional[int] = ..., chunks_searched: _Optional[int] = ..., partial: _Optional[bool] = ..., missing_shards: _Optional[_Iterable[int]] = ...) -> None: ...
+    dense_index: str
+    ef_search: int
+    nprobe: int
+    def __init__(self, mode: _Optional[str] = ..., fusion: _Optional[str] = ..., dense_weight: _Optional[float] = ..., lexical_weight: _Optional[float] = ..., rrf_k: _Optional[int] = ..., candidates: _Optional[int] = ..., chunks_searched: _Optional[int] = ..., partial: _Optional[bool] = ..., missing_shards: _Optional[_Iterable[int]] = ..., dense_index: _Optional[str] = ..., ef_search: _Optional[int] = ..., nprobe: _Optional[int] = ...) -> None: ...
 
 class Hit(_message.Message):
     __slots__ = ("chunk_id", "doc_id", "title", "text", "score", "dense_score", "lexical_score", "shard", "metadata", "dense_rank", "lexical_rank", "typed_metadata")

@@ -8,7 +8,11 @@ queues (backpressure: a slow stage stalls the ones before it, nothing buffers wi
   is unchanged from the stored version of its document reuses its vector, and so does a chunk
   whose text any stored chunk already has (identical text, identical vector: README).
 * Embed: batches the remaining chunks across documents, grouped by token length; a text that
-  occurs again in the stream takes the vector its first occurrence got.
+  occurs again in the stream takes the vector its first occurrence got. A document that brings
+  its own vectors (``Document.vector``: one chunk, the whole text; ``Document.chunks``: its
+  chunks with their vectors) is neither chunked nor embedded; its vectors are L2-normalised and
+  a wrong width, NaN/infinity or an all-zero vector fails the stream (INVALID_ARGUMENT, nothing
+  stored).
 * Upsert: routes chunks to shards by the stable hash of their document id and stages coalesced
   bulk batches of ``upsert_batch`` chunks per shard.
 
@@ -34,19 +38,14 @@ import numpy as np
 from .. import metadata as md
 from .. import records
 from ..config import ChunkingConfig, IngestConfig, LimitsConfig
-from ..index.analyzer import has_visible_content
 from ..operators.chunking import Chunker
 from ..shards.pool import ShardPool
 from ..shards.protocol import AbortRequest, ApplyReply, Op, ReuseRequest, StageRequest
+from .documents import IngestError, supplied_vectors, validate_document  # noqa: F401 (re-exported)
 
 _END = object()
 #: distinct chunk texts per stream whose vector the embed stage remembers for later repeats
 STREAM_VECTOR_MEMORY = 16384
-
-
-class IngestError(ValueError):
-    """The stream as a whole is invalid (for example a wrong ``sent_documents`` count, or no
-    final message); nothing of it was stored."""
 
 
 @dataclass
@@ -69,6 +68,7 @@ class _Doc:
     text: str
     metadata: dict[str, md.Value]
     generation: int
+    supplied: list[tuple[str, np.ndarray]] | None = None  # (chunk text, unit vector): no embedding
 
 
 @dataclass
@@ -79,37 +79,6 @@ class _Chunk:
     ids: list[int]
     content_hash: str = ""
     vector: np.ndarray | None = None
-
-
-def validate_document(doc: Any, limits: LimitsConfig) -> str | None:
-    """Reason a document cannot be stored, or None. ``doc`` has id, title, text, metadata
-    (and optionally typed_metadata).
-
-    A text with no visible character (only whitespace and Unicode Default_Ignorable code
-    points such as U+200B, U+00AD, U+FEFF; :func:`~oprag_server.index.analyzer.has_visible_content`)
-    is empty.
-    """
-    if not doc.id:
-        return "id is empty: give every document a non-empty id"
-    if len(doc.id.encode()) > limits.max_doc_id_bytes:
-        return f"id is longer than {limits.max_doc_id_bytes} bytes: use a shorter id"
-    if "\x00" in doc.id:
-        return "id contains a NUL character"
-    if not has_visible_content(doc.text):  # "", whitespace, or only Default_Ignorable code points
-        return "text is empty (nothing but whitespace or invisible characters): send the document's text"
-    size = len(doc.text.encode()) + len(doc.title.encode())
-    if size > limits.max_document_bytes:
-        return f"document is {size} bytes; the limit is {limits.max_document_bytes}: split it into several documents"
-    try:
-        meta = md.of_document(doc)
-    except ValueError as exc:
-        return str(exc)
-    if len(meta) > limits.max_metadata_entries:
-        return f"metadata has {len(meta)} entries; the limit is {limits.max_metadata_entries}"
-    msize = md.size_bytes(meta)
-    if msize > limits.max_metadata_bytes:
-        return f"metadata is {msize} bytes; the limit is {limits.max_metadata_bytes}"
-    return None
 
 
 class IngestPipeline:
@@ -207,7 +176,8 @@ class IngestPipeline:
                             self.metrics.documents_rejected.inc()
                         else:
                             await q_docs.put(
-                                _Doc(n, doc.id, doc.title, doc.text, md.of_document(doc), self.next_generation())
+                                _Doc(n, doc.id, doc.title, doc.text, md.of_document(doc), self.next_generation(),
+                                     supplied_vectors(n, doc, self.encoder.dim))
                             )
                         n += 1
                     if final_seen:
@@ -331,11 +301,12 @@ class IngestPipeline:
         tokenises longer (not expected: the chunker counts with the same tokenizer) is split at
         token boundaries and counted in ``chunks_split``, never truncated.
         """
-        pieces = [(d, p) for d in docs for p in self.chunker.chunks(d.text)]
+        out: list[_Chunk] = [_Chunk(d, o, text, [], hashlib.sha256(text.encode()).hexdigest(), v)
+                             for d in docs if d.supplied for o, (text, v) in enumerate(d.supplied)]
+        pieces = [(d, p) for d in docs if not d.supplied for p in self.chunker.chunks(d.text)]
         if not pieces:
-            return []
+            return out
         ids = self.encoder.tokenize([p for _, p in pieces])
-        out: list[_Chunk] = []
         ordinals: dict[int, int] = {}
         for (d, p), tok in zip(pieces, ids):
             parts = [(p, tok)]
@@ -354,6 +325,9 @@ class IngestPipeline:
         """Give chunks whose text is unchanged from the stored document their stored vector
         (counted in ``chunks_reused``), and chunks whose text another stored chunk has that
         chunk's vector (the lowest shard's; not counted): identical text, identical vector."""
+        chunks = [c for c in chunks if c.vector is None]  # brought their own vectors
+        if not chunks:
+            return
         doc_ids = sorted({c.doc.doc_id for c in chunks})
         hashes = sorted({c.content_hash for c in chunks})
         by = self.pool.group(doc_ids, self.pool.owner)

@@ -21,6 +21,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..records import as_query_matrix
+from ..config import DenseConfig
+from .ann import AnnIndex
 
 #: unit roundoff of float32 (2^-24)
 _U32 = 2.0**-24
@@ -54,19 +56,26 @@ def _faiss():
 
 
 class DenseIndex:
-    """Exact inner-product index with removals.
+    """Inner-product index with removals: exact (flat) or approximate candidate search
+    (:mod:`.ann`: HNSW, IVF) over an exact float32 copy of the live vectors.
 
-    :param dim: vector width D.
+    :param dim: vector width D. :param params: index kind and knobs (default: flat).
     """
 
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int, params: DenseConfig | None = None) -> None:
         faiss = _faiss()
         self.dim = int(dim)
-        self._index = faiss.IndexIDMap2(faiss.IndexFlatIP(self.dim))
+        self.params = params or DenseConfig()
+        # flat: FAISS scans its own copy; hnsw / ivf: the ANN structure picks the candidates
+        self._index = faiss.IndexIDMap2(faiss.IndexFlatIP(self.dim)) if self.params.kind == "flat" else None
+        self._ann = AnnIndex(self.dim, self.params) if self.params.kind != "flat" else None
+        self.last_knobs: dict[str, int] = {}  # ef_search / nprobe used by the last search
         self._vecs = np.zeros((0, self.dim), dtype=np.float32)  # compact rows, capacity >= n
         self._row_slot = np.zeros(0, dtype=np.int64)
         self._n = 0
-        self._slot_row: dict[int, int] = {}
+        self._slot_row = np.full(0, -1, dtype=np.int64)  # slot -> row, -1 when absent
+        self._sample: tuple[int, np.ndarray, np.ndarray] | None = None  # (version, rows, vectors)
+        self._version = 0  # grows on every add and remove
         self._max_norm = 0.0  # an upper bound of the stored vectors' L2 norms (never shrinks)
 
     def __len__(self) -> int:
@@ -82,8 +91,9 @@ class DenseIndex:
         """float32[n, D]: live vectors in row order (a view; do not mutate)."""
         return self._vecs[: self._n]
 
-    def add(self, slots: np.ndarray, vectors: np.ndarray) -> None:
-        """Add vectors.
+    def add(self, slots: np.ndarray, vectors: np.ndarray, ann: bool = True) -> None:
+        """Add vectors (``ann=False``: not to the approximate structure, which the caller then
+        loads with :meth:`load_ann` or rebuilds with :meth:`compact_ann`).
 
         :param slots: int64[M], not already present.
         :param vectors: float32[M, D], L2-normalised.
@@ -95,9 +105,18 @@ class DenseIndex:
             raise ValueError(f"{slots.shape[0]} slots for {vecs.shape[0]} vectors")
         if len(slots) == 0:
             return
-        for s in slots.tolist():
-            if s in self._slot_row:
-                raise ValueError(f"slot {s} already in the dense index")
+        if slots.min() < 0:
+            raise ValueError(f"slot {int(slots.min())} is negative")
+        if np.unique(slots).size != slots.size:
+            raise ValueError("a slot appears twice in one add")
+        present = self._rows_of(slots)
+        if (present >= 0).any():
+            raise ValueError(f"slot {int(slots[np.argmax(present >= 0)])} already in the dense index")
+        top = int(slots.max()) + 1
+        if top > self._slot_row.size:
+            grown_map = np.full(max(top, 2 * self._slot_row.size, 1024), -1, dtype=np.int64)
+            grown_map[: self._slot_row.size] = self._slot_row
+            self._slot_row = grown_map
         need = self._n + len(slots)
         if need > self._vecs.shape[0]:
             cap = max(need, 2 * self._vecs.shape[0], 1024)
@@ -109,21 +128,28 @@ class DenseIndex:
             self._row_slot = rs
         self._vecs[self._n : need] = vecs
         self._row_slot[self._n : need] = slots
-        for i, s in enumerate(slots.tolist()):
-            self._slot_row[s] = self._n + i
+        self._slot_row[slots] = np.arange(self._n, need, dtype=np.int64)
         self._n = need
+        self._version += 1
         self._max_norm = max(self._max_norm, float(np.sqrt(np.einsum("ij,ij->i", vecs, vecs, dtype=np.float64).max())))
-        self._index.add_with_ids(vecs, slots)
+        if self._ann is None:
+            self._index.add_with_ids(vecs, slots)
+        elif ann:
+            self._ann.add(slots, vecs, (self.slots, self.vectors))
 
     def remove(self, slots: np.ndarray) -> int:
         """Remove slots (absent slots are ignored). :returns: number removed."""
-        slots = [int(s) for s in np.asarray(slots, dtype=np.int64).reshape(-1) if int(s) in self._slot_row]
+        arr = np.unique(np.asarray(slots, dtype=np.int64).reshape(-1))
+        slots = arr[self._rows_of(arr) >= 0].tolist()
         if not slots:
             return 0
-        faiss = _faiss()
-        self._index.remove_ids(faiss.IDSelectorBatch(np.asarray(slots, dtype=np.int64)))
+        if self._ann is not None:
+            self._ann.remove(np.asarray(slots, dtype=np.int64))
+        else:
+            self._index.remove_ids(_faiss().IDSelectorBatch(np.asarray(slots, dtype=np.int64)))
         for s in slots:
-            row = self._slot_row.pop(s)
+            row = int(self._slot_row[s])
+            self._slot_row[s] = -1
             last = self._n - 1
             if row != last:
                 moved = int(self._row_slot[last])
@@ -131,15 +157,70 @@ class DenseIndex:
                 self._row_slot[row] = moved
                 self._slot_row[moved] = row
             self._n -= 1
+        self._version += 1
+        if self._ann is not None and self._ann.needs_compaction():
+            self.compact_ann()
         return len(slots)
+
+    def compact_ann(self) -> None:
+        """Rebuild the approximate structure from the live vectors (drops what deletes left)."""
+        if self._ann is not None:
+            self._ann.rebuild(self.slots, self.vectors)
+
+    def ann_state(self) -> dict | None:
+        """What a snapshot keeps of the approximate structure (None for flat): ``{"kind",
+        "faiss": bytes, "ann_slot": int64[A], "trained_at"}``."""
+        if self._ann is None:
+            return None
+        return {"kind": self.params.kind, "faiss": self._ann.to_bytes(), "ann_slot": self._ann.ann_slot,
+                "trained_at": self._ann.trained_at}
+
+    def load_ann(self, state: dict, slot_map) -> bool:
+        """Adopt a saved structure instead of rebuilding it (vectors added with ``ann=False``).
+
+        :param slot_map: old slot int64[A] -> current slot (-1: gone).
+        :returns: False (and nothing changed) when the kind differs: the caller rebuilds.
+        """
+        if self._ann is None or state.get("kind") != self.params.kind:
+            return False
+        self._ann.load(state["faiss"], slot_map(np.asarray(state["ann_slot"], dtype=np.int64)),
+                       int(state.get("trained_at", 0)))
+        return True
+
+    def _rows_of(self, slots: np.ndarray) -> np.ndarray:
+        """int64[M]: row of each slot, -1 where absent."""
+        out = np.full(slots.shape, -1, dtype=np.int64)
+        inside = (slots >= 0) & (slots < self._slot_row.size)
+        out[inside] = self._slot_row[slots[inside]]
+        return out
+
+    def rows(self, slots) -> np.ndarray:
+        """int64[M]: rows (positions in :attr:`slots` order) of the given live slots.
+
+        :raises KeyError: a slot is absent.
+        """
+        s = np.asarray(slots, dtype=np.int64).reshape(-1)
+        r = self._rows_of(s)
+        if s.size and (r < 0).any():
+            raise KeyError(int(s[np.argmax(r < 0)]))
+        return r
 
     def vectors_of(self, slots: np.ndarray) -> np.ndarray:
         """float32[M, D] vectors of the given live slots (KeyError for an absent slot)."""
-        rows = [self._slot_row[int(s)] for s in np.asarray(slots, dtype=np.int64).reshape(-1)]
-        return self._vecs[rows] if rows else np.zeros((0, self.dim), dtype=np.float32)
+        return self._vecs[self.rows(slots)]
 
-    def search(self, queries, k: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """Top-k by inner product.
+    def sample(self, max_rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """A fixed strided sample of at most ``max_rows`` rows: ``(rows int64[S], vectors
+        float32[S, D])``, cached until the next add or remove."""
+        if self._sample is None or self._sample[0] != self._version:
+            rows = np.arange(0, self._n, max(1, -(-self._n // max_rows)), dtype=np.int64)
+            self._sample = (self._version, rows, np.ascontiguousarray(self._vecs[rows]))
+        return self._sample[1], self._sample[2]
+
+    def search(self, queries, k: int, ef_search: int = 0, nprobe: int = 0) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Top-k by inner product: exact (flat, or an IVF not trained yet) or approximate (HNSW
+        with beam ``ef_search``, IVF visiting ``nprobe`` lists; 0 = the index's default). The
+        values used are left in :attr:`last_knobs`.
 
         :param queries: float32[B, D] (other float dtypes, strided views and Arrow lists are
             accepted and converted, see :func:`as_query_matrix`).
@@ -153,7 +234,20 @@ class DenseIndex:
             empty_s = np.zeros(0, dtype=np.int64)
             empty_f = np.zeros(0, dtype=np.float32)
             return [empty_s] * q.shape[0], [empty_f] * q.shape[0]
-        scores, ids = self._index.search(q, kk)
+        self.last_knobs = {}
+        if self._ann is not None and self._ann.ready:
+            ids, scores, knob = self._ann.search(q, kk, ef_search, nprobe)
+            self.last_knobs = {"ef_search" if self.params.kind == "hnsw" else "nprobe": knob}
+        elif self._ann is not None:  # IVF before training: an exact scan of the copy
+            allv = self.score_all(q)
+            ids = np.empty((q.shape[0], kk), np.int64)
+            scores = np.empty((q.shape[0], kk), np.float32)
+            for i in range(q.shape[0]):
+                top = np.argpartition(-allv[i], kk - 1)[:kk]
+                top = top[np.argsort(-allv[i][top], kind="stable")]
+                ids[i], scores[i] = self.slots[top], allv[i][top]
+        else:
+            scores, ids = self._index.search(q, kk)
         out_ids, out_scores = [], []
         for i in range(q.shape[0]):
             keep = ids[i] >= 0

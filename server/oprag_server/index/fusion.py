@@ -63,7 +63,12 @@ def lexical_listed(lexical: np.ndarray) -> np.ndarray:
 
 def rank_order(scores: np.ndarray, chunk_ids: list[str]) -> list[int]:
     """Indices ordering ``scores`` descending, ties broken by ascending chunk id."""
-    s = np.asarray(scores, dtype=np.float64).tolist()
+    a = np.asarray(scores, dtype=np.float64)
+    order = np.argsort(-a, kind="stable")
+    ranked = a[order]
+    if not (ranked[1:] == ranked[:-1]).any() and not np.isnan(ranked).any():
+        return order.tolist()  # no ties: the chunk id never decides
+    s = a.tolist()
     return sorted(range(len(s)), key=lambda i: (-s[i], chunk_ids[i]))
 
 

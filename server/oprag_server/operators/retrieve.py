@@ -126,6 +126,15 @@ def _rank_of(score: float, cid: str, scores: np.ndarray, ids: list[str], n: int,
     return better + 1 if better < n else 0
 
 
+def _knobs(replies: dict) -> dict[str, int]:
+    """The largest ef_search / nprobe any shard's candidate search used."""
+    out: dict[str, int] = {}
+    for rep in replies.values():
+        for k, v in (getattr(rep, "knobs", None) or {}).items():
+            out[k] = max(out.get(k, 0), int(v))
+    return out
+
+
 class Retriever:
     """Frontend half of retrieval. Callers hold the index read lock around :meth:`retrieve`."""
 
@@ -143,6 +152,7 @@ class Retriever:
         self.bm25 = bm25
         self.cfg = cfg
         self._tokens = itertools.count(1)
+        self.dense_index = pool.dense.kind if getattr(pool, "dense", None) else "flat"
 
     @staticmethod
     def info(spec: RetrieveSpec, searched: int = 0) -> RetrievalInfo:
@@ -184,16 +194,21 @@ class Retriever:
                                                        else self._full_minmax(batch, gspecs))
             else:
                 n = max(sp.candidates if mode == "hybrid" else sp.top_k for sp in gspecs)
-                replies, missing = await self.pool.gather_partial(Op.SEARCH, SearchRequest(batch, mode, n))
+                replies, missing = await self.pool.gather_partial(
+                    Op.SEARCH, SearchRequest(batch, mode, n, max(sp.ef_search for sp in gspecs),
+                                             max(sp.nprobe for sp in gspecs)))
                 t = time.perf_counter()
                 merged = [self._merge(replies, j, sp) for j, sp in enumerate(gspecs)]
                 searched = [sum(rep.eligible[j] for rep in replies.values()) for j in range(len(idx))]
                 dt = time.perf_counter() - t
             fusion_s += dt
+            knobs = _knobs(replies) if mode != "full_hybrid" else {}
             for j, i in enumerate(idx):
                 results[i] = merged[j]
                 infos[i].chunks_searched = searched[j]
                 infos[i].missing_shards = sorted(missing)
+                infos[i].dense_index = self.dense_index
+                infos[i].ef_search, infos[i].nprobe = knobs.get("ef_search", 0), knobs.get("nprobe", 0)
         hits, lost = await self._materialise(results)
         for i, lost_i in enumerate(lost):
             if lost_i:

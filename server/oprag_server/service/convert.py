@@ -72,9 +72,13 @@ def query_job(req: Any, cfg: ServerConfig, *, dim: int, generate: bool, can_gene
     check_session_id(req.session_id, lim)
     method, wd, wl, rrf_k = fusion(req.fusion, default_weights=(rcfg.dense_weight, rcfg.lexical_weight))
     per_doc = chunks_per_document(req, top_k, rcfg.max_candidates)
+    for name in ("ef_search", "nprobe"):
+        if getattr(req, name, 0) > 65536:
+            raise InvalidArgument(f"{name} must be in [0, 65536], got {getattr(req, name)}")
     spec = RetrieveSpec(mode=MODE_NAMES[req.mode], top_k=top_k, candidates=max(cand, top_k), dense_weight=wd,
                         lexical_weight=wl, fusion=method, rrf_k=rrf_k, filters=filters(req.filters),
-                        group_by_document=req.group_by_document, chunks_per_document=per_doc)
+                        group_by_document=req.group_by_document, chunks_per_document=per_doc,
+                        ef_search=getattr(req, "ef_search", 0), nprobe=getattr(req, "nprobe", 0))
     qvec = query_vector(req.query_vector, dim)
     max_new = 0
     if generate:
@@ -215,7 +219,7 @@ def info(job: QueryJob) -> oprag_pb2.RetrievalInfo | None:
     return oprag_pb2.RetrievalInfo(
         mode=i.mode, fusion=i.fusion, dense_weight=i.dense_weight, lexical_weight=i.lexical_weight, rrf_k=i.rrf_k,
         candidates=i.candidates, chunks_searched=i.chunks_searched, partial=bool(i.missing_shards),
-        missing_shards=i.missing_shards,
+        missing_shards=i.missing_shards, dense_index=i.dense_index, ef_search=i.ef_search, nprobe=i.nprobe,
     )
 
 

@@ -17,6 +17,7 @@ from .. import metadata as md
 from .. import records
 from ..index.analyzer import Analyzer
 from ..index.bm25 import PostingsIndex
+from ..config import DenseConfig
 from ..index.dense import DenseIndex
 from .protocol import ApplyReply, ReuseReply, ReuseRequest
 
@@ -41,10 +42,10 @@ class ChunkStore:
     ``applied_seq`` the highest applied sequence number; ``version`` grows on every write.
     """
 
-    def __init__(self, dim: int, stem: bool = False) -> None:
+    def __init__(self, dim: int, stem: bool = False, dense: DenseConfig | None = None) -> None:
         self.dim = dim
         self.analyzer = Analyzer(stem=stem)
-        self.dense = DenseIndex(dim)
+        self.dense = DenseIndex(dim, dense)
         self.postings = PostingsIndex()
         self.chunks: dict[int, ChunkRecord] = {}
         self.doc_slots: dict[str, list[int]] = {}
@@ -55,10 +56,20 @@ class ChunkStore:
         self.applied_seq = 0
         self.version = 0
         self._row_ids_cache: np.ndarray | None = None
+        self._slot_ids = np.empty(0, dtype=object)  # slot -> chunk id (None once removed)
 
     # ------------------------------------------------------------------ writes
-    def upsert(self, table: pa.Table, seq: int) -> ApplyReply:
-        """Apply a bulk batch of chunks (schema :func:`records.chunk_schema`).
+    def analyse(self, table: pa.Table, out: dict[tuple[str, str], list[str]]) -> None:
+        """BM25 tokens of each chunk of ``table`` into ``out``, keyed by ``(title, text)``."""
+        for title, text in zip(table.column("title").to_pylist(), table.column("text").to_pylist()):
+            title = title or ""
+            if (title, text) not in out:
+                out[(title, text)] = self.analyzer.tokens(f"{title}\n{text}" if title else text)
+
+    def upsert(self, table: pa.Table, seq: int, index_ann: bool = True,
+               tokens: dict[tuple[str, str], list[str]] | None = None) -> ApplyReply:
+        """Apply a bulk batch of chunks (schema :func:`records.chunk_schema`); ``index_ann=False``
+        leaves the approximate dense structure to the caller (snapshot load).
 
         A document whose stored generation differs from the batch's generation is replaced:
         its old chunks leave the dense index and the postings first. When the batch holds
@@ -94,10 +105,16 @@ class ChunkStore:
             self._index_metadata(slot, rec)
             self.hash_slots.setdefault(rec.content_hash, set()).add(slot)
             self.doc_slots[doc_id].append(slot)
-            self.postings.add(slot, self._index_tokens(rec))
+            toks = tokens.get((rec.title, rec.text)) if tokens else None
+            self.postings.add(slot, toks if toks is not None else self._index_tokens(rec))
             new_slots.append(slot)
         if new_slots:
-            self.dense.add(np.asarray(new_slots, dtype=np.int64), vecs)
+            if self.next_slot > self._slot_ids.size:
+                grown = np.empty(max(self.next_slot, 2 * self._slot_ids.size, 1024), dtype=object)
+                grown[: self._slot_ids.size] = self._slot_ids
+                self._slot_ids = grown
+            self._slot_ids[new_slots] = [self.chunks[s].chunk_id for s in new_slots]
+            self.dense.add(np.asarray(new_slots, dtype=np.int64), vecs, ann=index_ann)
             self._row_ids_cache = None
         self.applied_seq = max(self.applied_seq, int(seq))
         self.version += 1
@@ -124,6 +141,7 @@ class ChunkStore:
             for s in slots:
                 self.postings.remove(s)
                 rec = self.chunks.pop(s, None)
+                self._slot_ids[s] = None
                 if rec is not None:
                     self._unindex_metadata(s, rec)
                     held = self.hash_slots.get(rec.content_hash)
@@ -174,12 +192,12 @@ class ChunkStore:
     def row_ids(self) -> np.ndarray:
         """Chunk ids aligned with the dense index's rows (object array, cached until a write)."""
         if self._row_ids_cache is None or len(self._row_ids_cache) != len(self.dense):
-            self._row_ids_cache = np.asarray([self.chunks[int(s)].chunk_id for s in self.dense.slots], dtype=object)
+            self._row_ids_cache = self._slot_ids[self.dense.slots]
         return self._row_ids_cache
 
     def ids(self, slots) -> list[str]:
-        """Chunk ids of the given slots."""
-        return [self.chunks[int(s)].chunk_id for s in slots]
+        """Chunk ids of the given live slots (int64[M] or a sequence of ints)."""
+        return self._slot_ids[np.asarray(slots, dtype=np.int64)].tolist()
 
     def reuse(self, req: ReuseRequest) -> ReuseReply:
         """For each stored document asked for: ``{content_hash: vector float32[D]}`` of its

@@ -42,8 +42,9 @@ class ShardPool:
     """
 
     def __init__(self, n: int, dim: int, data_dir: Path | None, stem: bool = False,
-                 transport: TransportFactory = PipeTransport) -> None:
+                 transport: TransportFactory = PipeTransport, dense: Any = None) -> None:
         self.n = n
+        self.dense = dense  # DenseConfig of every shard (None = flat)
         self.dim = dim
         self.data_dir = data_dir
         self.stem = stem
@@ -60,6 +61,7 @@ class ShardPool:
         """
         clients = [self.transport(i, self.dim, self.data_dir, self.stem) for i in range(self.n)]
         for c in clients:
+            c.dense = self.dense
             c.start(committed)
         stats = [c.ready(loop, timeout_s) for c in clients]
         self.clients = clients
@@ -75,6 +77,7 @@ class ShardPool:
             return revive(loop, committed, timeout_s)
         self.clients[i].kill()
         new = self.transport(i, self.dim, self.data_dir, self.stem)
+        new.dense = self.dense
         new.start(committed)
         res = new.ready(loop, timeout_s)
         self.clients[i] = new

@@ -103,6 +103,8 @@ class SearchRequest:
     batch: QueryBatch
     mode: str
     n: int
+    ef_search: int = 0  # approximate dense search knobs (0 = the index's default)
+    nprobe: int = 0
 
 
 @message
@@ -114,6 +116,8 @@ class SearchReply:
     candidates: list[Candidates]
     eligible: list[int]
     dense_min: list[float]
+    dense_index: str = "flat"  # the shard's dense index kind
+    knobs: dict | None = None  # {"ef_search" | "nprobe": value used}, None when none was
 
 
 @message

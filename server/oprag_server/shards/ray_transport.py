@@ -47,11 +47,11 @@ class ShardActor:
     :meth:`load` builds the shard from storage. Each construction has a fresh ``incarnation``
     id, so the frontend can tell a restarted actor from the one it loaded."""
 
-    def __init__(self, shard_id: int, dim: int, data_dir: str | None, stem: bool) -> None:
+    def __init__(self, shard_id: int, dim: int, data_dir: str | None, stem: bool, dense: Any = None) -> None:
         import faiss
 
         faiss.omp_set_num_threads(1)
-        self.shard_id, self.dim, self.stem = shard_id, dim, stem
+        self.shard_id, self.dim, self.stem, self.dense = shard_id, dim, stem, dense
         self.data_dir = Path(data_dir) if data_dir else None
         self.incarnation = uuid.uuid4().hex
         self.state: ShardState | None = None
@@ -64,7 +64,7 @@ class ShardActor:
         :returns: ``(incarnation, ok, StatsReply with lexical stats and replayed | error text)``.
         """
         try:
-            state = ShardState(self.shard_id, self.dim, self.data_dir, stem=self.stem)
+            state = ShardState(self.shard_id, self.dim, self.data_dir, stem=self.stem, dense=self.dense)
             replayed = state.load(committed)
             ready = state.stats(StatsRequest(lexical=True))
             ready.replayed = replayed
@@ -168,8 +168,8 @@ class RayPlacement:
                 self.pg = pg
             return ray
 
-    def new_actor(self, shard_id: int, dim: int, data_dir: Path | None, stem: bool) -> Any:
-        """A shard actor in bundle ``shard_id`` of the placement group."""
+    def new_actor(self, shard_id: int, dim: int, data_dir: Path | None, stem: bool, dense: Any = None) -> Any:
+        """A shard actor in bundle ``shard_id`` of the placement group (``dense``: its DenseConfig)."""
         ray = self.connect()
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -178,7 +178,7 @@ class RayPlacement:
             max_concurrency=1, name=None,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=shard_id))
         # absolute: an actor does not run in the frontend's working directory
-        return cls.remote(shard_id, dim, str(Path(data_dir).resolve()) if data_dir else None, stem)
+        return cls.remote(shard_id, dim, str(Path(data_dir).resolve()) if data_dir else None, stem, dense)
 
     def __call__(self, shard_id: int, dim: int, data_dir: Path | None, stem: bool = False) -> "RayTransport":
         return RayTransport(shard_id, dim, data_dir, stem, placement=self)
@@ -228,7 +228,7 @@ class RayTransport(ShardTransport):
 
     # -- life cycle -------------------------------------------------------------------------
     def start(self, committed: set[str] | None) -> None:
-        self.actor = self.placement.new_actor(self.shard_id, self.dim, self.data_dir, self.stem)
+        self.actor = self.placement.new_actor(self.shard_id, self.dim, self.data_dir, self.stem, self.dense)
         self._load_ref = self.actor.load.remote(committed or set())
 
     def ready(self, loop: asyncio.AbstractEventLoop, timeout_s: float) -> StatsReply:

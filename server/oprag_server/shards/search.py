@@ -54,7 +54,8 @@ class Searcher:
         if req.mode in ("hybrid", "dense"):
             dense_min = self._dense_min_estimate(q).tolist()
             plain = [i for i, a in enumerate(allowed) if a is None]
-            faiss_res = self._dense_tops(q, plain, n) if plain else {}
+            st.dense.last_knobs = {}
+            faiss_res = self._dense_tops(q, plain, n, req.ef_search, req.nprobe) if plain else {}
             for i in range(B):
                 slots, dense = faiss_res[i] if i in faiss_res else self._dense_top(q[i], n, allowed[i])
                 lex = st.postings.score(slots, qb.terms[i], qb.idf[i], qb.avgdl, qb.k1, qb.b)
@@ -73,7 +74,7 @@ class Searcher:
                 cands.append(Candidates(slots, [cids[j] for j in order], dense, lex[order]))
         else:
             raise ValueError(f"unknown search mode {req.mode!r}")
-        return SearchReply(cands, eligible, dense_min)
+        return SearchReply(cands, eligible, dense_min, st.dense.params.kind, st.dense.last_knobs or None)
 
     def _refine(self, q: np.ndarray, slots: np.ndarray, approx: np.ndarray, n: int,
                 complete: bool = True) -> tuple[np.ndarray, np.ndarray] | None:
@@ -84,15 +85,18 @@ class Searcher:
                        self.store.ids(slots), n, complete=complete)
         return None if r is None else (slots[r[0]], r[1])
 
-    def _dense_tops(self, q: np.ndarray, which: list[int], n: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    def _dense_tops(self, q: np.ndarray, which: list[int], n: int, ef_search: int = 0,
+                    nprobe: int = 0) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """Unfiltered top-n of the queries ``which`` of float32[B, D] ``q``: one FAISS call for a
         few more than n, refined by canonical score; a query whose cut is too close to the last
-        fetched score is asked again with four times as many (rare)."""
+        fetched score is asked again with four times as many (rare). With an approximate index
+        (HNSW ``ef_search``, IVF ``nprobe``) the candidates are what it finds; their scores are
+        still canonical."""
         total = len(self.store.dense)
         fetch = min(total, n + max(16, n // 4))
         out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         while which:
-            ids, scores = self.store.dense.search(q[which], fetch)
+            ids, scores = self.store.dense.search(q[which], fetch, ef_search, nprobe)
             again = []
             for j, i in enumerate(which):
                 got = self._refine(q[i], ids[j], scores[j], n, complete=fetch >= total)
@@ -118,8 +122,8 @@ class Searcher:
         n = len(dense)
         if n == 0:
             return np.full(q.shape[0], np.inf)
-        rows = np.arange(0, n, max(1, -(-n // self.SAMPLE)))
-        approx = q @ dense.vectors[rows].T
+        rows, sample = dense.sample(self.SAMPLE)
+        approx = q @ sample.T
         out = np.empty(q.shape[0], np.float64)
         for i in range(q.shape[0]):
             _, low = refine_top(-approx[i], dense.score_error(q[i]), lambda pos: -dense.exact_rows(q[i], rows[pos]),

@@ -1,18 +1,22 @@
 """Snapshots of one shard and loading them back.
 
 Layout under ``<data_dir>/shard-<i>/``: ``snap-<applied_seq>-<ns>/{chunks.arrow, memory.json,
-meta.json}``, a ``CURRENT`` file naming the live snapshot, and ``wal.log`` (the shard's
+meta.json}`` (plus ``dense.faiss`` and ``dense.npz`` for an HNSW or IVF dense index: the
+structure as FAISS serialised it and its id map, loaded on start instead of rebuilt), a ``CURRENT`` file naming the live snapshot, and ``wal.log`` (the shard's
 write-ahead log). Every file is written atomically (temporary file, fsync, rename, fsync of
 the directory); ``CURRENT`` switches last, so a crash leaves the previous snapshot live.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
 import time
 from pathlib import Path
+
+import numpy as np
 
 from .. import records
 from ..index.wal import WriteAheadLog
@@ -48,6 +52,13 @@ def write(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions) -
     batch = store.batch()
     fsync_write(snap / "chunks.arrow", records.to_ipc(batch))
     fsync_write(snap / "memory.json", json.dumps(memory.to_json()).encode())
+    ann = store.dense.ann_state()
+    if ann is not None:
+        fsync_write(snap / "dense.faiss", ann["faiss"])
+        buf = io.BytesIO()
+        np.savez(buf, ann_slot=ann["ann_slot"], live_slots=np.asarray(sorted(store.chunks), dtype=np.int64),
+                 trained_at=ann["trained_at"], kind=ann["kind"])  # the batch holds the chunks in slot order
+        fsync_write(snap / "dense.npz", buf.getvalue())
     meta = {"format_version": FORMAT_VERSION, "applied_seq": store.applied_seq, "dim": store.dim,
             "next_slot": store.next_slot, "chunks": batch.num_rows}
     fsync_write(snap / "meta.json", json.dumps(meta).encode())
@@ -58,6 +69,34 @@ def write(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions) -
     if txns.wal is not None:
         txns.wal.reset(txns.in_flight())
     return SnapshotReply(written=True, chunks=batch.num_rows)
+
+
+def _load_ann(snap: Path, store: ChunkStore) -> None:
+    """Adopt the snapshot's approximate dense structure, or build one from the vectors (no
+    such file, another index kind, unreadable). Slots were renumbered by the load: the snapshot
+    held its live chunks in slot order, and they now hold slots 0..n-1 in that order."""
+    f, m = snap / "dense.faiss", snap / "dense.npz"
+    if store.dense.ann_state() is None:
+        return
+    if f.exists() and m.exists():
+        try:
+            meta = np.load(m)
+            live = np.asarray(meta["live_slots"], dtype=np.int64)
+            now = np.sort(store.dense.slots)
+            if live.size == now.size:
+                def remap(old: np.ndarray) -> np.ndarray:
+                    if not live.size:
+                        return np.full(old.shape, -1, np.int64)
+                    pos = np.clip(np.searchsorted(live, old), 0, live.size - 1)
+                    return np.where((old >= 0) & (live[pos] == old), now[pos], -1)
+
+                state = {"kind": str(meta["kind"]), "faiss": f.read_bytes(), "ann_slot": meta["ann_slot"],
+                         "trained_at": int(meta["trained_at"])}
+                if store.dense.load_ann(state, remap):
+                    return
+        except (OSError, ValueError, KeyError, RuntimeError):
+            pass  # rebuilt below
+    store.dense.compact_ann()
 
 
 def load(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions, committed: set[str] | None) -> int:
@@ -78,7 +117,8 @@ def load(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions, co
             raise RuntimeError(f"{snap}: vectors have width {meta.get('dim')}, the embedder produces {store.dim}")
         table = records.from_ipc((snap / "chunks.arrow").read_bytes())
         if table.num_rows:
-            store.upsert(table, 0)
+            store.upsert(table, 0, index_ann=False)
+        _load_ann(snap, store)
         store.applied_seq = int(meta.get("applied_seq", 0))
         store.next_slot = max(store.next_slot, int(meta.get("next_slot", 0)))
         memory.load_json(json.loads((snap / "memory.json").read_text()))

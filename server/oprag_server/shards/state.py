@@ -25,11 +25,11 @@ class ShardState:
     :param data_dir: parent directory of the shard's snapshot and log (None = memory only).
     """
 
-    def __init__(self, shard_id: int, dim: int, data_dir: Path | None, stem: bool = False) -> None:
+    def __init__(self, shard_id: int, dim: int, data_dir: Path | None, stem: bool = False, dense=None) -> None:
         self.shard_id = shard_id
         self.dim = dim
         self.data_dir = data_dir
-        self.store = ChunkStore(dim, stem=stem)
+        self.store = ChunkStore(dim, stem=stem, dense=dense)
         self.search = Searcher(self.store)
         self.memory = MemoryStore()
         self.txns = Transactions(self.store)

@@ -36,7 +36,11 @@ class ShardTransport(abc.ABC):
 
     :param shard_id: shard index; :param dim: vector width D; :param data_dir: parent of the
         shard's snapshot and log (None = memory only); :param stem: BM25 stemming.
+    Attribute ``dense``: the shard's dense index settings (a ``DenseConfig``; None = flat), set
+    by the pool before :meth:`start`.
     """
+
+    dense: Any = None
 
     def __init__(self, shard_id: int, dim: int, data_dir: Path | None, stem: bool = False) -> None:
         self.shard_id = shard_id
@@ -108,7 +112,7 @@ class PipeTransport(ShardTransport):
             self.proc = ctx.Process(
                 target=worker.run,
                 args=(self.shard_id, child, self.dim, str(self.data_dir) if self.data_dir else None, self.stem,
-                      committed or set()),
+                      committed or set(), self.dense),
                 name=f"oprag-shard-{self.shard_id}",
                 daemon=True,
             )

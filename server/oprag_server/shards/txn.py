@@ -24,18 +24,23 @@ class Transactions:
     def __init__(self, store: ChunkStore) -> None:
         self.store = store
         self.staged: dict[str, list[pa.Table]] = {}
+        # BM25 tokens of staged chunks, analysed while the stream still runs (not at commit)
+        self.tokens: dict[str, dict[tuple[str, str], list[str]]] = {}
         self.prepared: dict[str, dict] = {}
         self.wal: WriteAheadLog | None = None
 
     def stage(self, req: StageRequest) -> StageReply:
         """Hold a bulk batch of an ingest stream without touching the index."""
         tables = self.staged.setdefault(req.txn, [])
-        tables.append(records.from_ipc(req.ipc))
+        table = records.from_ipc(req.ipc)
+        tables.append(table)
+        self.store.analyse(table, self.tokens.setdefault(req.txn, {}))
         return StageReply(staged=sum(t.num_rows for t in tables))
 
     def abort(self, req: AbortRequest) -> AbortReply:
         """Drop a transaction's staged batches, or its prepared record (never applied)."""
         self.prepared.pop(req.txn, None)
+        self.tokens.pop(req.txn, None)
         return AbortReply(dropped=sum(t.num_rows for t in self.staged.pop(req.txn, [])))
 
     def prepare(self, req: PrepareRequest) -> PrepareReply:
@@ -62,13 +67,14 @@ class Transactions:
 
         :raises KeyError: ``txn`` was not prepared here.
         """
-        return self.apply_record(self.prepared.pop(req.txn))
+        return self.apply_record(self.prepared.pop(req.txn), self.tokens.pop(req.txn, None))
 
-    def apply_record(self, rec: dict) -> ApplyReply:
-        """Apply one log record to the store."""
+    def apply_record(self, rec: dict, tokens: dict | None = None) -> ApplyReply:
+        """Apply one log record to the store (``tokens``: analysed at staging, see
+        :meth:`ChunkStore.analyse`)."""
         if rec["kind"] == "upsert":
             if rec["ipc"]:
-                return self.store.upsert(records.from_ipc(rec["ipc"]), rec["seq"])
+                return self.store.upsert(records.from_ipc(rec["ipc"]), rec["seq"], tokens=tokens)
             self.store.applied_seq = max(self.store.applied_seq, int(rec["seq"]))
             return ApplyReply(delta=self.store.postings.drain_delta())
         return self.store.delete(rec["doc_ids"], rec["seq"])

@@ -253,19 +253,21 @@ class PostingsIndex:
         out = np.zeros(s.shape, dtype=np.float64)
         if s.size == 0 or not go:
             return out
-        dl = self._doc_len[s]
+        # the length part of the denominator, element-wise the same floats rank_bm25 computes
+        norm = k1 * (1 - b + b * self._doc_len[s] / avgdl)
         for i, t in enumerate(terms):
             a = self._term_arrays(t)
             if a is None:
                 continue  # tf == 0 everywhere: rank_bm25 adds exactly 0
             ps, ptf = a
-            pos = np.searchsorted(ps, s)
-            pos[pos == len(ps)] = 0
-            hit = ps[pos] == s
-            if not hit.any():
+            pos = ps.searchsorted(s)
+            np.minimum(pos, len(ps) - 1, out=pos)
+            hit = np.flatnonzero(ps[pos] == s)
+            if not hit.size:
                 continue
-            tf = np.where(hit, ptf[pos], 0.0)
-            out += idf[i] * (tf * (k1 + 1) / (tf + k1 * (1 - b + b * dl / avgdl)))
+            # a chunk without the term gets idf * 0 there, which leaves its sum unchanged
+            tf = ptf[pos[hit]]
+            out[hit] += idf[i] * (tf * (k1 + 1) / (tf + norm[hit]))
         return out
 
     def score_all(

@@ -1,0 +1,89 @@
+"""Retrieve hot path, side by side: the same data dir served by each given source tree in turn
+(interleaved rounds), Retrieve latency over gRPC at c=1 with the query vector supplied, the
+server's own ``retrieve`` timing, and the server process tree's CPU time per request.
+
+Queries are chunk vectors of the snapshot perturbed by Gaussian noise (sigma 0.05 per
+coordinate, renormalised) with the first 200 characters of the same chunk as the text: the
+hot path's cost, not retrieval quality, is measured. Needs a data dir that already holds a
+corpus (for example the one ``bench.retrieval`` builds) and psutil (bench extra).
+
+    python -m bench.hotpath --data-dir bench/out/retrieval-data --tree /path/to/old --tree . --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ._common import emit_json, log, machine_info, percentile, read_snapshot, require
+
+
+def one(tree: Path, a, texts: list[str], Q: np.ndarray) -> dict:
+    """Start a server from ``tree`` on ``a.data_dir``; per mode: p50/p95 wall ms, server
+    ``retrieve`` p50 ms, server CPU ms per request."""
+    import psutil
+    from oprag_client.client import OpRAGClient, query_request
+    from oprag_client.testing import ServerProcess
+
+    env = {"PYTHONPATH": f"{tree}/server:{tree}/client:{tree}"}
+    srv = ServerProcess.on_free_ports(a.data_dir, "--generator", "none", "--shards", str(a.shards), *a.server_arg,
+                                      env=env).start()
+    out = {}
+    try:
+        with OpRAGClient(srv.target) as c:
+            for mode in a.modes.split(","):
+                reqs = [query_request(t, top_k=10, mode=mode, query_vector=q.tolist()) for t, q in zip(texts, Q)]
+                for r in reqs[: a.warmup]:
+                    c.stub.Retrieve(r)
+                tree_p = [psutil.Process(srv.proc.pid), *psutil.Process(srv.proc.pid).children(recursive=True)]
+                cpu = lambda: sum(p.cpu_times().user + p.cpu_times().system for p in tree_p)  # noqa: E731
+                c0, lat, sv = cpu(), [], []
+                for r in reqs:
+                    t = time.perf_counter()
+                    rep = c.stub.Retrieve(r)
+                    lat.append((time.perf_counter() - t) * 1000)
+                    sv.append(rep.timings_ms.get("retrieve", 0.0))
+                out[mode] = {"p50_ms": round(percentile(lat, 50), 2), "p95_ms": round(percentile(lat, 95), 2),
+                             "server_retrieve_p50_ms": round(percentile(sv, 50), 2),
+                             "server_cpu_ms_per_request": round((cpu() - c0) / len(reqs) * 1000, 2),
+                             "load": round(os.getloadavg()[0], 2)}
+                log(f"{tree} {mode}: {out[mode]}")
+    finally:
+        srv.stop()
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data-dir", type=Path, required=True)
+    ap.add_argument("--tree", type=Path, action="append", required=True, help="source tree (repeatable)")
+    ap.add_argument("--queries", type=int, default=400)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--modes", default="hybrid,dense")
+    ap.add_argument("--shards", type=int, default=2)
+    ap.add_argument("--server-arg", action="append", default=[])
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    require("psutil", what="the server CPU measurement")
+    snap = read_snapshot(a.data_dir)
+    rng = np.random.default_rng(0)
+    rows = rng.choice(len(snap["vectors"]), a.queries, replace=False)
+    Q = snap["vectors"][rows] + 0.05 * rng.standard_normal((a.queries, snap["vectors"].shape[1])).astype(np.float32)
+    Q /= np.linalg.norm(Q, axis=1, keepdims=True)
+    texts = [snap["text"][r][:200] for r in rows]
+    result = {"machine": machine_info(), "chunks": len(snap["vectors"]), "runs": []}
+    for r in range(a.rounds):
+        for tree in a.tree:
+            result["runs"].append({"round": r, "tree": str(tree), **one(tree.resolve(), a, texts, Q)})
+    if a.json:
+        emit_json(result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

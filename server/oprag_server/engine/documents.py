@@ -1,0 +1,74 @@
+"""What the ingest stream's Load stage checks in each document: the reasons a document is
+rejected (:func:`validate_document`) and the vectors a document brings (:func:`supplied_vectors`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .. import metadata as md
+from .. import records
+from ..config import LimitsConfig
+from ..index.analyzer import has_visible_content
+
+
+class IngestError(ValueError):
+    """The stream as a whole is invalid (for example a wrong ``sent_documents`` count, or no
+    final message); nothing of it was stored."""
+
+
+def validate_document(doc: Any, limits: LimitsConfig) -> str | None:
+    """Reason a document cannot be stored, or None. ``doc`` has id, title, text, metadata
+    (and optionally typed_metadata).
+
+    A text with no visible character (only whitespace and Unicode Default_Ignorable code
+    points such as U+200B, U+00AD, U+FEFF; :func:`~oprag_server.index.analyzer.has_visible_content`)
+    is empty.
+    """
+    chunks = list(getattr(doc, "chunks", ()))
+    if not doc.id:
+        return "id is empty: give every document a non-empty id"
+    if len(doc.id.encode()) > limits.max_doc_id_bytes:
+        return f"id is longer than {limits.max_doc_id_bytes} bytes: use a shorter id"
+    if "\x00" in doc.id:
+        return "id contains a NUL character"
+    if chunks:
+        if doc.text or len(getattr(doc, "vector", ())):
+            return "a document with chunks carries its text and vectors in them: leave text and vector empty"
+        if not all(has_visible_content(c.text) for c in chunks):
+            return "a chunk's text is empty (nothing but whitespace or invisible characters)"
+    elif not has_visible_content(doc.text):  # "", whitespace, or only Default_Ignorable code points
+        return "text is empty (nothing but whitespace or invisible characters): send the document's text"
+    size = len(doc.text.encode()) + len(doc.title.encode()) + sum(len(c.text.encode()) for c in chunks)
+    if size > limits.max_document_bytes:
+        return f"document is {size} bytes; the limit is {limits.max_document_bytes}: split it into several documents"
+    try:
+        meta = md.of_document(doc)
+    except ValueError as exc:
+        return str(exc)
+    if len(meta) > limits.max_metadata_entries:
+        return f"metadata has {len(meta)} entries; the limit is {limits.max_metadata_entries}"
+    msize = md.size_bytes(meta)
+    if msize > limits.max_metadata_bytes:
+        return f"metadata is {msize} bytes; the limit is {limits.max_metadata_bytes}"
+    return None
+
+
+def supplied_vectors(n: int, doc: Any, dim: int) -> list[tuple[str, np.ndarray]] | None:
+    """Document ``n`` of the stream's own (chunk text, unit vector float32[D]) pairs, or None to embed it.
+
+    :raises IngestError: a vector of another width than the index's, NaN/infinity, all zeros.
+    """
+    chunks = list(getattr(doc, "chunks", ()))
+    one = getattr(doc, "vector", ())
+    if not chunks and not len(one):
+        return None
+    texts, rows = ([c.text for c in chunks], [c.vector for c in chunks]) if chunks else ([doc.text], [one])
+    try:
+        vecs = records.unit_rows(rows, dim, what="a vector")
+    except ValueError as exc:
+        raise IngestError(f"document {n} ({doc.id!r}): {exc}; nothing was stored") from exc
+    return list(zip(texts, vecs))
+
