@@ -14,9 +14,9 @@ from pathlib import Path
 
 import openai
 import pytest
-from server_proc import ServerProcess, free_port
 
 from oprag_client.client import Doc, OpRAGClient
+from oprag_client.testing import ServerProcess, free_port
 
 pytestmark = pytest.mark.integration
 TOKEN = "http-test-token"
