@@ -22,6 +22,8 @@ function here               server part                             why
 :func:`build_context`       the prompt builder                      LangChain baseline sends
                                                                     the same prompt shape
 :func:`hit`                 ``domain.Hit`` (shared type)            input of build_context
+:func:`traced_retrieve_job` ``service.tracing.Tracing``, a          tracing bench: the cost of
+                            ``QueryJob`` with Retrieve's steps      one traced request in process
 ==========================  ======================================  ===========================
 """
 
@@ -109,3 +111,19 @@ def shard_plane():
     from oprag_server.supervision import ShardSupervisor, restart_shard
 
     return SimpleNamespace(**{k: v for k, v in locals().items() if k != "SimpleNamespace"})
+
+
+def traced_retrieve_job(endpoint: str):
+    """``(tracing, job)``: the server's ``Tracing.otlp(endpoint)`` (BatchSpanProcessor + OTLP/gRPC
+    exporter) and a finished ``QueryJob`` holding a Retrieve's two executed steps (embed,
+    retrieve); ``tracing.export(job, carrier=...)`` is what a traced request adds."""
+    from oprag_server.domain import RetrieveSpec
+    from oprag_server.engine.job import QueryJob
+    from oprag_server.engine.scheduler import PlanStep
+    from oprag_server.service.tracing import Tracing
+
+    job = QueryJob(question="q", spec=RetrieveSpec(), request_id="bench")
+    job.batch_id = 1
+    job.record(PlanStep("embed", "embed-worker"), job.enqueued + 0.004, 0.003)
+    job.record(PlanStep("retrieve", "shard"), job.enqueued + 0.006, 0.002)
+    return Tracing.otlp(endpoint), job

@@ -48,6 +48,7 @@ def test_query_becomes_one_trace_under_the_remote_parent():
         return await submit(QueryJob(question="q", spec=RetrieveSpec(), request_id="r1"))
 
     asyncio.run(go())
+    tr.flush()
     spans = {s.name: s for s in exp.get_finished_spans()}
     assert set(spans) == {"oprag Query", "embed", "retrieve"}
     req = spans["oprag Query"]
@@ -75,6 +76,7 @@ def test_failed_query_span_has_error_status_and_a_new_trace_without_parent():
             await tr.wrap(boom)(QueryJob(question="q", spec=RetrieveSpec()))
 
     asyncio.run(go())
+    tr.flush()
     (s,) = exp.get_finished_spans()
     assert s.status.status_code == StatusCode.ERROR and s.parent is None and s.name == "oprag query"
 
