@@ -280,6 +280,9 @@ class PromoteRequest:
     max_turns: int
     max_total: int = 0
     ttl_s: float = 0.0
+    resolved: str = ""  # the retrieval text the turn was answered with (memory-resolved)
+    doc_ids: list[str] = field(default_factory=list)  # the turn's subject: its sources' documents
+    terms: list[str] = field(default_factory=list)  # salient analysed terms of the turn's subject
 
 
 @message
@@ -301,6 +304,9 @@ class MemoryTurn:
     summary: str
     chunk_ids: list[str]
     titles: list[str]
+    resolved: str = ""
+    doc_ids: list[str] = field(default_factory=list)
+    terms: list[str] = field(default_factory=list)
 
 
 @message
