@@ -2,36 +2,39 @@
 
 Records of a session live on the shard its session id routes to (the same stable hash as
 documents). *Lookup* runs before embedding, for all sessions of a scheduler batch in one call
-per shard, and resolves what a follow-up question leaves implicit by appending the previous
-turn's subject (question and source titles) to the retrieval text. *Promotion* after an answer
-writes a compact record (question, answer summary, chunk ids, source titles, embedding)
-through the shard's promote op. A record is only ever visible to queries of its own session.
+per shard, and builds the *session context* of each question: the question followed by the
+resolved subject of the session's recent turns (newest first, a turn ``a`` turns old weighted
+``decay ** a``; subjects under ``min_weight`` are left out). The query is then retrieved twice
+in the same embed and shard calls -- the question alone and the session context, one extra row
+-- and the two ranked lists are fused by reciprocal rank (:func:`fuse_lists`): a chunk both
+lists rank high wins, so a follow-up whose subject is implicit gains from the context row while
+a question that names its own subject keeps the chunks its own list ranks first.
+
+*Promotion* after an answer writes a compact record through the shard's promote op: the
+question, the retrieval text it resolved to, an answer summary, and its *subject* -- the
+documents and titles of its top sources, and (for untitled sources) the salient terms: terms of
+the resolved query found in the top source but not in the best source of another document. A
+chain of follow-ups therefore keeps its subject. No word list takes part in any decision.
 """
 
 from __future__ import annotations
 
-import re
+import dataclasses
 
 import numpy as np
 
 from ..config import MemoryConfig
-from ..domain import MemoryContext
-from ..index.analyzer import strip_ignorable
+from ..domain import Hit, MemoryContext
+from ..index.analyzer import Analyzer
 from ..shards.pool import ShardPool
 from ..shards.protocol import MemoryClearRequest, MemoryLookupRequest, MemoryTurn, Op, PromoteRequest
 
-# Words that make a question depend on an earlier turn (anaphora, demonstratives).
-_FOLLOW_UP = frozenset(
-    "it its it's they them their theirs this that these those he she him his her hers there "
-    "then such former latter".split()
-)
-_WORD = re.compile(r"[^\W_]+", re.UNICODE)
-
-
-def is_follow_up(question: str) -> bool:
-    """True when the question refers back (a pronoun or demonstrative) or is very short."""
-    words = [w.casefold() for w in _WORD.findall(strip_ignorable(question))]
-    return bool(words) and (len(words) <= 3 or any(w in _FOLLOW_UP for w in words))
+DECAY = 0.5  # weight of a turn relative to the next newer one
+MIN_WEIGHT = 0.5  # subjects of turns weighted below this are not added to the context
+RRF_K = 10  # reciprocal-rank constant of the list fusion (small: the heads of the lists decide)
+CONTEXT_WEIGHT = 1.0  # weight of the session-context list in the fusion (question list: 1)
+MEMORY_WINDOW = 20  # depth of each of the two fused lists (at least the request's top_k)
+SUBJECT_TERMS = 3  # salient terms kept for an untitled subject
 
 
 def summarise(answer: str, limit: int) -> str:
@@ -44,13 +47,67 @@ def summarise(answer: str, limit: int) -> str:
     return cut[: dot + 1] if dot > limit // 3 else cut
 
 
+def subject_text(turn: MemoryTurn) -> str:
+    """What a turn was about: its top source's title, else its salient terms, else its question."""
+    titles = [t for t in turn.titles if t]
+    if turn.titles and turn.titles[0]:
+        return turn.titles[0]
+    return " ".join(turn.terms) or (titles[0] if titles else turn.question)
+
+
+def context_text(question: str, turns: list[MemoryTurn], decay: float = DECAY, min_weight: float = MIN_WEIGHT) -> str:
+    """The session context of ``question`` given its session's turns (newest first): the
+    question, then each distinct subject of a turn whose weight ``decay ** age`` is at least
+    ``min_weight``."""
+    subjects: list[str] = []
+    for age, t in enumerate(turns):
+        if decay ** age < min_weight:
+            break
+        s = subject_text(t)
+        if s and s not in subjects:
+            subjects.append(s)
+    return f"{question} {' '.join(subjects)}" if subjects else ""
+
+
+def fuse_lists(own: list[Hit], ctx: list[Hit], top_k: int, rrf_k: float = RRF_K,
+               ctx_weight: float = CONTEXT_WEIGHT) -> list[Hit]:
+    """The question's own list when both lists' top hits are of the same document (the
+    question's subject agrees with the session's, or it names its own and the context does not
+    override it); else reciprocal-rank fusion of the two lists (Cormack et al. 2009): ``score = 1 / (rrf_k + rank_own) + ctx_weight / (rrf_k + rank_ctx)``, 1-based
+    ranks, a list a chunk is absent from adds 0; ties by the better own rank, then chunk id.
+    The returned hits carry the fused score in ``score``; at most ``top_k``."""
+    if own and ctx and own[0].doc_id == ctx[0].doc_id:
+        return own[:top_k]  # both rows agree on the subject: the question's own ranking stands
+    score: dict[str, float] = {}
+    best: dict[str, Hit] = {}
+    own_rank = {h.chunk_id: r for r, h in enumerate(own, 1)}
+    for w, hits in ((1.0, own), (ctx_weight, ctx)):
+        for r, h in enumerate(hits, 1):
+            score[h.chunk_id] = score.get(h.chunk_id, 0.0) + w / (rrf_k + r)
+            best.setdefault(h.chunk_id, h)
+    order = sorted(score, key=lambda c: (-score[c], own_rank.get(c, len(own) + 1), c))[:top_k]
+    return [dataclasses.replace(best[c], score=score[c]) for c in order]
+
+
+def salient_terms(analyzer: Analyzer, resolved: str, hits: list[Hit], n: int = SUBJECT_TERMS) -> list[str]:
+    """Terms of ``resolved`` that occur in the top hit's text but not in the best hit of any
+    other document (what singles out the subject), in query order, at most ``n``."""
+    if not hits:
+        return []
+    top = set(analyzer.tokens(hits[0].text))
+    other = next((h for h in hits[1:] if h.doc_id != hits[0].doc_id), None)
+    rest = set(analyzer.tokens(other.text)) if other is not None else set()
+    return list(dict.fromkeys(t for t in analyzer.tokens(resolved) if t in top and t not in rest))[:n]
+
+
 class Memory:
-    def __init__(self, pool: ShardPool, cfg: MemoryConfig) -> None:
+    def __init__(self, pool: ShardPool, cfg: MemoryConfig, analyzer: Analyzer | None = None) -> None:
         self.pool = pool
         self.cfg = cfg
+        self.analyzer = analyzer or Analyzer()
 
     async def lookup(self, questions: list[str], session_ids: list[str]) -> list[MemoryContext]:
-        """Augment a batch of questions with their sessions' recent turns.
+        """The session context of a batch of questions from their sessions' recent turns.
 
         ``session_ids[i] == ""`` means no memory for query i. One shard call per shard; a
         shard that is down is left out (its sessions are answered without memory).
@@ -69,28 +126,26 @@ class Memory:
 
     @staticmethod
     def _context(question: str, turns: list[MemoryTurn]) -> MemoryContext:
-        """The retrieval text and memory context of one question given its session's turns
-        (newest first)."""
+        """The memory context of one question given its session's turns (newest first)."""
         last = turns[0]
         titles = list(dict.fromkeys(t for t in last.titles if t))[:2]
         memory_text = f"Previous question: {last.question}"
         if titles:
             memory_text += f" (sources: {'; '.join(titles)})"
-        if is_follow_up(question):
-            # name the subject once (the previous turn's top source title, else its question):
-            # more would drown the detail the follow-up asks about
-            subject = titles[0] if titles else last.question
-            return MemoryContext(f"{question} ({subject})", memory_text, len(turns))
-        return MemoryContext(question, memory_text, len(turns))
+        return MemoryContext(question, memory_text, len(turns), context_text=context_text(question, turns))
 
-    async def promote(
-        self, session_id: str, question: str, answer: str, chunk_ids: list[str], titles: list[str], vector: np.ndarray
-    ) -> None:
-        """Write one turn record to the session's shard (bounded by ``max_turns_per_session``)."""
+    async def promote(self, session_id: str, question: str, answer: str, hits: list[Hit], vector: np.ndarray,
+                      resolved: str = "") -> None:
+        """Write one turn record to the session's shard (bounded by ``max_turns_per_session``):
+        the question, what it resolved to (``resolved``, default the question) and its subject
+        from the ranked ``hits`` it was answered with."""
+        resolved = resolved or question
         req = PromoteRequest(session_id=session_id, question=question, summary=summarise(answer, self.cfg.summary_chars),
-                             chunk_ids=chunk_ids, titles=titles, vector=np.asarray(vector, dtype=np.float32).reshape(-1),
+                             chunk_ids=[h.chunk_id for h in hits], titles=[h.title for h in hits],
+                             vector=np.asarray(vector, dtype=np.float32).reshape(-1),
                              max_turns=self.cfg.max_turns_per_session, max_total=self.cfg.max_records_total,
-                             ttl_s=self.cfg.ttl_s)
+                             ttl_s=self.cfg.ttl_s, resolved=resolved, doc_ids=list(dict.fromkeys(h.doc_id for h in hits)),
+                             terms=salient_terms(self.analyzer, resolved, hits))
         await self.pool.call(self.pool.owner(session_id), Op.PROMOTE, req)
 
     async def clear(self, session_id: str) -> int:
