@@ -11,6 +11,7 @@ import asyncio
 import numpy as np
 
 from oprag_server.config import MemoryConfig
+from oprag_server.domain import Hit
 from oprag_server.operators.memory import Memory
 from oprag_server.shards.inprocess import in_process_pool
 from oprag_server.shards.protocol import MemoryClearRequest, MemoryLookupRequest, PromoteRequest
@@ -41,7 +42,8 @@ def test_turns_and_clear_survive_a_crash_through_the_pool(tmp_path):
         mem = Memory(in_process_pool(states), MemoryConfig())
         for sid in ("keep", "gone", "later"):
             for i in range(3):
-                await mem.promote(sid, f"{sid} q{i}", "an answer", [f"d{i}#0"], [f"T{i}"], np.ones(DIM, np.float32))
+                await mem.promote(sid, f"{sid} q{i}", "an answer", [Hit(f"d{i}#0", f"d{i}", f"T{i}", "text", 1.0, 1.0, 0.0, 0)],
+                                 np.ones(DIM, np.float32))
         assert await mem.clear("gone") == 3
         return states
 

@@ -272,7 +272,7 @@ class QueryEngine:
             j.timings_ms["fusion"] = j.timings_ms["rerank"] = times["fusion"] * 1000
         for j, h in zip(ctx, hits[len(jobs):]):
             top = j.hits[: j.spec.top_k]
-            fused = fuse_lists(j.hits, h, j.spec.top_k)
+            fused = fuse_lists(j.hits, h, j.spec.top_k, question=j.question, names=self.retriever.analyzer.tokens)
             j.memory.used = [x.chunk_id for x in fused] != [x.chunk_id for x in top]
             j.hits = fused if j.memory.used else top
         self._sample_for_monitor(jobs)

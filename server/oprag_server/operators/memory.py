@@ -70,14 +70,17 @@ def context_text(question: str, turns: list[MemoryTurn], decay: float = DECAY, m
 
 
 def fuse_lists(own: list[Hit], ctx: list[Hit], top_k: int, rrf_k: float = RRF_K,
-               ctx_weight: float = CONTEXT_WEIGHT) -> list[Hit]:
+               ctx_weight: float = CONTEXT_WEIGHT, question: str = "", names=None) -> list[Hit]:
     """The question's own list when both lists' top hits are of the same document (the
     question's subject agrees with the session's, or it names its own and the context does not
-    override it); else reciprocal-rank fusion of the two lists (Cormack et al. 2009): ``score = 1 / (rrf_k + rank_own) + ctx_weight / (rrf_k + rank_ctx)``, 1-based
+    override it) or when the question contains every analysed term of its own top hit's title
+    (``names``: the analyzer's ``tokens``; it names its subject); else reciprocal-rank fusion of the two lists (Cormack et al. 2009): ``score = 1 / (rrf_k + rank_own) + ctx_weight / (rrf_k + rank_ctx)``, 1-based
     ranks, a list a chunk is absent from adds 0; ties by the better own rank, then chunk id.
     The returned hits carry the fused score in ``score``; at most ``top_k``."""
     if own and ctx and own[0].doc_id == ctx[0].doc_id:
         return own[:top_k]  # both rows agree on the subject: the question's own ranking stands
+    if own and names and own[0].title and set(names(own[0].title)) <= set(names(question)):
+        return own[:top_k]  # the question names the title of its own top document: its subject
     score: dict[str, float] = {}
     best: dict[str, Hit] = {}
     own_rank = {h.chunk_id: r for r, h in enumerate(own, 1)}
