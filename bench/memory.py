@@ -9,10 +9,10 @@ Input: a WikiText file (default ``../shared/data/wikitext-2/valid.txt``; ``--wik
    ``@-@``/``@,@``/``@.@`` joined back, doc id ``<file stem>:<title>``, ``#2``... for a repeated
    title).
 2. Windows: each article body is cut with the server's chunker,
-   ``oprag_server.operators.chunking.chunk_text(body, 900, 0)`` (windows that are only
+   ``bench._internals.chunk_text(body, 256, 0)`` (windows that are only
    whitespace are dropped, as the server does).
 3. Words: ``casefold`` of every maximal run of letters (regex ``[^\\W\\d_]+``). A word touching
-   the start or the end of a window (possibly cut in half by the 900-character boundary) is
+   the start or the end of a window (a chunk boundary) is
    ignored for that window. Document frequency (df) = number of articles of the file whose body
    contains the word.
 4. Eligible articles, in file order: title contains no ``<unk>``; the title is not repeated in
@@ -73,9 +73,10 @@ before the stop is reported beside it; the data dir keeps the records of earlier
 count too: the figure is an average per stored record).
 
 ``--json`` prints one JSON object as the last stdout line; progress goes to stderr; per-pair
-details go to ``bench/out/memory-pairs.jsonl``.
+details go to ``bench/out/memory-pairs.jsonl``. Percentiles are nearest-rank
+(``_common.percentile``). From the repository root:
 
-    HF_HUB_OFFLINE=1 .venv/bin/python bench/memory.py --json
+    HF_HUB_OFFLINE=1 .venv/bin/python -m bench.memory --json
 """
 
 from __future__ import annotations
@@ -86,26 +87,25 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
+from . import _internals
+from ._common import (
     DEFAULT_SHARED,
     OUT,
     REPO,
-    Server,
     emit_json,
     ingest,
     log,
     machine_info,
     percentile,
     shard_snapshot_files,
+    start_server,
 )
 
-CHUNK_SIZE = 900
+CHUNK_SIZE = 256  # tokens: the server default (--chunk-size)
 MIN_WINDOWS = 3
 MIN_WINDOW_CHARS = 300
 N_KEYWORDS = 3
@@ -154,8 +154,8 @@ def build_pairs(path: Path) -> tuple[list[dict], dict]:
     """The evaluation pairs of one WikiText file (see the module docstring) and counts of why
     articles were left out."""
     from oprag_client.loaders import load_wikitext
-    from oprag_server.operators.chunking import chunk_text
 
+    chunk_text = _internals.chunk_text
     docs = list(load_wikitext([Path(path)]))
     title_count: dict[str, int] = {}
     for d in docs:
@@ -285,17 +285,17 @@ def _git_rev() -> dict:
     try:
         out["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
                                        timeout=10).stdout.strip()
-        st = subprocess.run(["git", "status", "--porcelain", "--", "server/oprag_server/operators/memory.py"],
+        st = subprocess.run(["git", "status", "--porcelain", "--", "server/oprag_server"],
                             cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
-        out["memory_operator_modified"] = bool(st)
+        out["server_modified"] = bool(st)
     except Exception:  # noqa: BLE001
         pass
     return out
 
 
-# ------------------------------------------------------------------------------ main
+# ------------------------------------------------------------------------------ steps
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--wikitext", type=Path, default=DEFAULT_SHARED / "data" / "wikitext-2" / "valid.txt",
@@ -312,14 +312,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--examples", type=int, default=6, help="failure examples kept in the JSON")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
     a = ap.parse_args(argv)
+    a.server_args = ["--generator", "none", "--shards", str(a.shards), *a.server_arg]
+    return a
 
-    from oprag_client.client import OpRAGClient
-    from oprag_client.loaders import load_wikitext
 
-    t_start = time.perf_counter()
-    result: dict = {"machine": machine_info(), "git": _git_rev()}
-
-    # 1. the set -------------------------------------------------------------------------
+def build_set(a) -> tuple[list[dict], dict]:
+    """Step 1: the evaluation pairs (module docstring), first ``--limit`` of them."""
     pairs, set_info = build_pairs(a.wikitext)
     if a.limit:
         pairs = pairs[: a.limit]
@@ -327,79 +325,79 @@ def main(argv: list[str] | None = None) -> int:
         f"(left out: {set_info['skipped']})")
     if not pairs:
         raise SystemExit("FAIL: no eligible article")
-    docs = list(load_wikitext([a.wikitext]))
+    return pairs, set_info
 
-    # 2. server + corpus -------------------------------------------------------------------
-    if a.fresh and a.data_dir.exists():
-        shutil.rmtree(a.data_dir)
-    server_args = ["--generator", "none", "--shards", str(a.shards), *a.server_arg]
-    server_log = OUT / "memory-server.log"
-    srv = Server(a.data_dir, *server_args, log_path=server_log)
+
+def ingest_corpus(c, a, docs: list, result: dict) -> int:
+    """Step 2: ingest the WikiText file unless the data dir already holds it; fills
+    ``result["ingest"]`` and ``result["corpus"]``. :returns: memory records before the run."""
+    st = c.stats()
+    if st.documents == len(docs):
+        log(f"data dir already holds {st.documents} documents / {st.chunks} chunks: ingest skipped")
+        result["ingest"] = {"skipped": True}
+    else:
+        if st.documents:
+            raise SystemExit(f"FAIL: {a.data_dir} holds {st.documents} documents, the file has {len(docs)}: "
+                             "use --fresh or another --data-dir")
+        log(f"ingesting {len(docs)} documents")
+        result["ingest"] = ingest(c, docs)
+        log(f"ingest: {result['ingest']}")
+    st = c.stats()
+    if st.documents != len(docs):
+        raise SystemExit(f"FAIL: server holds {st.documents} documents, expected {len(docs)}")
+    result["corpus"] = {"documents": int(st.documents), "chunks": int(st.chunks)}
+    return int(st.memory_records)
+
+
+def ask(c, a, pairs: list[dict], result: dict) -> list[dict]:
+    """Step 3: warm-up, then every question of every pair with memory on (fresh session after
+    the first turn) and off. :returns: per pair ``{request key: {"hits", "titles",
+    "memory_context", "t": {stage: ms}}}``; sets ``result["query_seconds"]``."""
     nonce = uuid.uuid4().hex[:8]
     q = {"top_k": a.top_k, "mode": a.mode}
-    runs: list[dict] = []  # per pair: every request's hit ids, timings, memory context
-    try:
-        t = time.perf_counter()
-        srv.start()
-        log(f"server up on {srv.target} in {time.perf_counter() - t:.1f} s (log: {server_log})")
-        with OpRAGClient(srv.target) as c:  # no deadline: ingest on a busy machine takes minutes
-            st = c.stats()
-            if st.documents == len(docs):
-                log(f"data dir already holds {st.documents} documents / {st.chunks} chunks: ingest skipped")
-                result["ingest"] = {"skipped": True}
-            else:
-                if st.documents:
-                    raise SystemExit(f"FAIL: {a.data_dir} holds {st.documents} documents, the file has {len(docs)}: "
-                                     "use --fresh or another --data-dir")
-                log(f"ingesting {len(docs)} documents")
-                result["ingest"] = ingest(c, docs)
-                log(f"ingest: {result['ingest']}")
-            st = c.stats()
-            if st.documents != len(docs):
-                raise SystemExit(f"FAIL: server holds {st.documents} documents, expected {len(docs)}")
-            mem_before = int(st.memory_records)
-            result["corpus"] = {"documents": int(st.documents), "chunks": int(st.chunks)}
 
-            def call(question: str, sid: str = "") -> dict:
-                r = c.retrieve(question, session_id=sid, disable_memory=not sid, timeout=120, **q)
-                tm = dict(r.timings_ms)
-                return {"hits": [h.chunk_id for h in r.hits], "titles": [h.title for h in r.hits],
-                        "memory_context": r.memory_context,
-                        "t": {k: round(tm.get(k, 0.0), 4) for k in ("memory", "embed", "retrieve", "total")}}
+    def call(question: str, sid: str = "") -> dict:
+        r = c.retrieve(question, session_id=sid, disable_memory=not sid, timeout=120, **q)
+        tm = dict(r.timings_ms)
+        return {"hits": [h.chunk_id for h in r.hits], "titles": [h.title for h in r.hits],
+                "memory_context": r.memory_context,
+                "t": {k: round(tm.get(k, 0.0), 4) for k in ("memory", "embed", "retrieve", "total")}}
 
-            for i in range(a.warmup):
-                call(pairs[i % len(pairs)]["first"])
-            t_q = time.perf_counter()
-            for i, p in enumerate(pairs):
-                rec: dict = {}
-                for variant in VARIANTS:
-                    sid = f"memb-{nonce}-{i}-{variant}"
-                    rec[f"first_{variant}"] = call(p["first"], sid)
-                    rec[f"{variant}_on"] = call(p[variant], sid)
-                    rec[f"{variant}_off"] = call(p[variant])
-                runs.append(rec)
-                if (i + 1) % 10 == 0:
-                    log(f"  {i + 1}/{len(pairs)} pairs, {time.perf_counter() - t_q:.0f} s")
-            result["query_seconds"] = round(time.perf_counter() - t_q, 1)
-            st = c.stats()
-            mem_after = int(st.memory_records)
-        rc = srv.stop()
-        log(f"server stopped (rc={rc})")
-    finally:
-        srv.stop()
+    for i in range(a.warmup):
+        call(pairs[i % len(pairs)]["first"])
+    runs: list[dict] = []
+    t_q = time.perf_counter()
+    for i, p in enumerate(pairs):
+        rec: dict = {}
+        for variant in VARIANTS:
+            sid = f"memb-{nonce}-{i}-{variant}"
+            rec[f"first_{variant}"] = call(p["first"], sid)
+            rec[f"{variant}_on"] = call(p[variant], sid)
+            rec[f"{variant}_off"] = call(p[variant])
+        runs.append(rec)
+        if (i + 1) % 10 == 0:
+            log(f"  {i + 1}/{len(pairs)} pairs, {time.perf_counter() - t_q:.0f} s")
+    result["query_seconds"] = round(time.perf_counter() - t_q, 1)
+    return runs
 
-    # 3. targets from the snapshot, memory bytes ------------------------------------------
-    unresolved = resolve_targets(pairs, a.data_dir)
-    mem_bytes = 0
-    mem_records_snapshot = 0
-    for d in sorted(Path(a.data_dir).glob("shard-*")):
+
+def memory_bytes(data_dir: Path) -> tuple[int, int]:
+    """Step 4: (bytes, records) of every shard's current ``memory.json`` (after a clean stop)."""
+    mem_bytes = mem_records = 0
+    for d in sorted(Path(data_dir).glob("shard-*")):
         cur = d / "CURRENT"
         f = (d / cur.read_text().strip() if cur.exists() else d) / "memory.json"
         if f.exists():
             mem_bytes += f.stat().st_size
-            mem_records_snapshot += len(json.loads(f.read_text()))
+            mem_records += len(json.loads(f.read_text()))
+    return mem_bytes, mem_records
 
-    # 4. metrics ---------------------------------------------------------------------------
+
+def score(a, pairs: list[dict], runs: list[dict]) -> tuple[dict, dict]:
+    """Step 5: quality per request kind, rank changes, failure examples and the memory stage's
+    overhead over the pairs whose target resolved.
+
+    :returns: (result fields, ``{kind: quality}`` for the log)."""
     keep = [(p, r) for p, r in zip(pairs, runs) if p["targets"]]
     ranks: dict[str, list[int]] = {}
     for p, r in keep:
@@ -439,9 +437,8 @@ def main(argv: list[str] | None = None) -> int:
         failed = [example(p, r, key) for p, r in keep if rank_of(r[f"{key}_on"]["hits"], p["targets"]) != 1]
         examples[key] = {"top1_lost_with_memory": lost[: a.examples], "not_top1_with_memory": failed[: a.examples]}
 
-    result.update({
+    fields = {
         "n": n,
-        "unresolved": unresolved,
         "top1_with": Q["followup_on"]["top1"], "top1_without": Q["followup_off"]["top1"],
         "hit5_with": Q["followup_on"]["hit5"], "hit5_without": Q["followup_off"]["hit5"],
         "mrr_with": Q["followup_on"]["mrr"], "mrr_without": Q["followup_off"]["mrr"],
@@ -466,35 +463,83 @@ def main(argv: list[str] | None = None) -> int:
         "retrieval_ms_p50_without": round(percentile(path_ms_off, 50), 3),
         "embed_ms_p50_with": round(percentile([t["embed"] for t in on], 50), 3),
         "embed_ms_p50_without": round(percentile([t["embed"] for t in off], 50), 3),
-        "bytes_per_turn": round(mem_bytes / mem_records_snapshot, 1) if mem_records_snapshot else None,
-        "memory_json_bytes": mem_bytes,
-        "memory_records_snapshot": mem_records_snapshot,
-        "memory_records_stats": mem_after,
-        "memory_records_added": mem_after - mem_before,
         "changes": {k: changed(k) for k in VARIANTS},
-        "set": {"file": str(a.wikitext), **set_info, "pairs": len(pairs)},
-        "settings": {"top_k": a.top_k, "mode": a.mode, "shards": a.shards, "server_args": server_args},
         "examples": examples,
-        "seconds": round(time.perf_counter() - t_start, 1),
-    })
+    }
+    return fields, Q
 
-    a.pairs_out.parent.mkdir(parents=True, exist_ok=True)
-    with open(a.pairs_out, "w", encoding="utf-8") as f:
+
+def write_pairs(path: Path, pairs: list[dict], runs: list[dict]) -> None:
+    """Step 6: one JSON line per pair (its set fields, ranks and every request's outcome)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
         for p, r in zip(pairs, runs):
             row = {k: v for k, v in p.items() if k not in ("windows", "window_text")}
             row["ranks"] = {k: rank_of(r[k]["hits"], p["targets"]) for k in r if not k.startswith("first_")}
             row["runs"] = r
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
-    log(f"n={n} (unresolved {unresolved})")
+
+def log_summary(result: dict, Q: dict, pairs_out: Path) -> None:
+    log(f"n={result['n']} (unresolved {result['unresolved']})")
     for key, name in VARIANTS.items():
         log(f"{name:24s} with memory: top1 {Q[key + '_on']['top1']:.3f} hit5 {Q[key + '_on']['hit5']:.3f} "
             f"mrr {Q[key + '_on']['mrr']:.3f} | without: top1 {Q[key + '_off']['top1']:.3f} "
             f"hit5 {Q[key + '_off']['hit5']:.3f} mrr {Q[key + '_off']['mrr']:.3f}")
     log(f"memory stage p50 {result['overhead_ms_p50']} ms p95 {result['overhead_ms_p95']} ms "
         f"({result['overhead_fraction_of_retrieval']} of embed+retrieve p50); "
-        f"bytes/turn {result['bytes_per_turn']} ({mem_records_snapshot} records, {mem_bytes} bytes)")
-    log(f"per-pair details: {a.pairs_out}")
+        f"bytes/turn {result['bytes_per_turn']} ({result['memory_records_snapshot']} records, "
+        f"{result['memory_json_bytes']} bytes)")
+    log(f"per-pair details: {pairs_out}")
+
+
+# ------------------------------------------------------------------------------ main
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    from oprag_client.client import OpRAGClient
+    from oprag_client.loaders import load_wikitext
+
+    t_start = time.perf_counter()
+    result: dict = {"machine": machine_info(), "git": _git_rev()}
+    pairs, set_info = build_set(a)
+    docs = list(load_wikitext([a.wikitext]))
+    if a.fresh and a.data_dir.exists():
+        shutil.rmtree(a.data_dir)
+    server_log = OUT / "memory-server.log"
+    t = time.perf_counter()
+    srv = start_server(a.data_dir, *a.server_args, log_path=server_log)
+    try:
+        log(f"server up on {srv.target} in {time.perf_counter() - t:.1f} s (log: {server_log})")
+        with OpRAGClient(srv.target) as c:  # no deadline: ingest on a busy machine takes minutes
+            mem_before = ingest_corpus(c, a, docs, result)
+            runs = ask(c, a, pairs, result)
+            mem_after = int(c.stats().memory_records)
+        rc = srv.stop()
+        log(f"server stopped (rc={rc})")
+    finally:
+        srv.stop()
+
+    unresolved = resolve_targets(pairs, a.data_dir)
+    mem_bytes, mem_records_snapshot = memory_bytes(a.data_dir)
+    fields, Q = score(a, pairs, runs)
+    result.update({
+        "n": fields.pop("n"),
+        "unresolved": unresolved,
+        **{k: v for k, v in fields.items() if k not in ("changes", "examples")},
+        "bytes_per_turn": round(mem_bytes / mem_records_snapshot, 1) if mem_records_snapshot else None,
+        "memory_json_bytes": mem_bytes,
+        "memory_records_snapshot": mem_records_snapshot,
+        "memory_records_stats": mem_after,
+        "memory_records_added": mem_after - mem_before,
+        "changes": fields["changes"],
+        "set": {"file": str(a.wikitext), **set_info, "pairs": len(pairs)},
+        "settings": {"top_k": a.top_k, "mode": a.mode, "shards": a.shards, "server_args": a.server_args},
+        "examples": fields["examples"],
+        "seconds": round(time.perf_counter() - t_start, 1),
+    })
+    write_pairs(a.pairs_out, pairs, runs)
+    log_summary(result, Q, a.pairs_out)
     if a.json:
         emit_json(result)
     return 0

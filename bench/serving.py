@@ -31,10 +31,12 @@ One run:
 
 ``--json`` prints one JSON object as the last stdout line (also written to
 ``bench/out/serving[-quick].json``); progress goes to stderr, server output to
-``bench/out/serving-server.log``.
+``bench/out/serving-server.log``. Percentiles are nearest-rank (``_common.percentile``).
+From the repository root; ``psutil`` and the LangChain system need ``pip install -e ".[bench]"``
+(or leave ``langchain`` out of ``--systems``):
 
-    HF_HUB_OFFLINE=1 .venv/bin/python bench/serving.py --json                 # full run
-    HF_HUB_OFFLINE=1 .venv/bin/python bench/serving.py --quick --json         # smoke run
+    HF_HUB_OFFLINE=1 .venv/bin/python -m bench.serving --json                 # full run
+    HF_HUB_OFFLINE=1 .venv/bin/python -m bench.serving --quick --json         # smoke run
 """
 
 from __future__ import annotations
@@ -47,23 +49,27 @@ import re
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
+from . import _internals
+from ._common import (
     DEFAULT_SHARED,
     OUT,
-    Server,
     emit_json,
     ingest,
     load_corpus,
     log,
     machine_info,
+    msum,
+    mval,
     percentile,
     read_snapshot,
+    require,
+    scrape,
+    start_server,
 )
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 MIN_CHUNKS = 5_000
 SERVER_SYSTEMS = {
@@ -79,29 +85,6 @@ _ISSUE_RE = re.compile(r"Traceback|\bERROR\b|\bCRITICAL\b|exception|failed|INTER
 
 def r3(x):
     return None if x is None else round(float(x), 3)
-
-
-def scrape(port: int) -> dict:
-    """``{(sample name, sorted label items): value}`` from the server's /metrics."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as f:
-        txt = f.read().decode("utf-8")
-    out = {}
-    for fam in text_string_to_metric_families(txt):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
-def mval(m: dict, name: str, **labels) -> float:
-    return float(m.get((name, tuple(sorted(labels.items()))), 0.0))
-
-
-def msum(m: dict, name: str, **labels) -> float:
-    """Sum over every sample of ``name`` whose labels include ``labels``."""
-    want = set(labels.items())
-    return float(sum(v for (n, lab), v in m.items() if n == name and want <= set(lab)))
 
 
 def metric_delta(before: dict, after: dict) -> dict:
@@ -330,9 +313,8 @@ def prepare_data(a, data_dir: Path, log_path: Path) -> dict:
     if a.docs:
         docs = docs[: a.docs]
     info: dict = {"data_dir": str(data_dir), "documents_in_corpus": len(docs)}
-    srv = Server(data_dir, "--generator", "none", "--shards", str(a.shards), log_path=log_path)
     t = time.perf_counter()
-    srv.start()
+    srv = start_server(data_dir, "--generator", "none", "--shards", str(a.shards), log_path=log_path)
     try:
         with OpRAGClient(srv.target) as c:
             s = c.stats(timeout=60)
@@ -372,9 +354,8 @@ def run_server_system(name: str, a, data_dir: Path, log_path: Path, questions, l
     from oprag_client.client import OpRAGClient
 
     extra = server_args(a, SERVER_SYSTEMS[name])
-    srv = Server(data_dir, *extra, log_path=log_path)
     t = time.perf_counter()
-    srv.start()
+    srv = start_server(data_dir, *extra, log_path=log_path)
     start_s = time.perf_counter() - t
     log(f"{name}: server up in {start_s:.1f} s ({' '.join(extra)})")
     try:
@@ -399,16 +380,12 @@ def run_langchain(a, data_dir: Path, questions, levels) -> dict:
     from langchain_community.vectorstores.utils import DistanceStrategy
     from langchain_core.embeddings import Embeddings
     from langchain_core.runnables import RunnableLambda, RunnableParallel, RunnablePassthrough
-    from oprag_server.models.encoder import TransformersEncoder
-    from oprag_server.models.generator import HFGenerator
-    from oprag_server.operators.context import build_context
-    from oprag_server.domain import Hit
 
     t = time.perf_counter()
     snap = read_snapshot(data_dir)
-    encoder = TransformersEncoder("minilm")
+    encoder = _internals.encoder("minilm")
     encoder.warm_up()
-    gen = HFGenerator("smollm2")
+    gen = _internals.generator("smollm2")
     gen.warm_up()
 
     class MiniLM(Embeddings):
@@ -425,9 +402,10 @@ def run_langchain(a, data_dir: Path, questions, levels) -> dict:
     tl = threading.local()
 
     def to_prompt(x: dict) -> str:
-        hits = [Hit(chunk_id=d.metadata["chunk_id"], doc_id=d.metadata["doc_id"], title=d.metadata["title"],
-                    text=d.page_content, score=0.0, dense_score=0.0, lexical_score=0.0, shard=0) for d in x["docs"]]
-        payload = build_context(x["question"], hits, gen, budget_tokens=a.context_tokens,
+        hits = [_internals.hit(chunk_id=d.metadata["chunk_id"], doc_id=d.metadata["doc_id"],
+                               title=d.metadata["title"], text=d.page_content, score=0.0, dense_score=0.0,
+                               lexical_score=0.0, shard=0) for d in x["docs"]]
+        payload = _internals.build_context(x["question"], hits, gen, budget_tokens=a.context_tokens,
                                 max_new_tokens=a.max_new_tokens)
         tl.nhits = len(payload.sources)
         return payload.prompt
@@ -505,8 +483,7 @@ def run_overload(a, data_dir: Path, log_path: Path, questions, sustainable_rps: 
         log(f"overload: {a.overload_factor:g} x {sustainable_rps:.2f} req/s = {rate:.2f} req/s would send fewer than "
             f"{a.overload_min_requests} requests in {a.overload_duration:g} s: offering {floor:.2f} req/s")
         rate = floor
-    srv = Server(data_dir, *extra, log_path=log_path)
-    srv.start()
+    srv = start_server(data_dir, *extra, log_path=log_path)
     log(f"overload: server up ({' '.join(extra)}); open loop {rate:.2f} req/s for {a.overload_duration:.0f} s")
     try:
         with OpRAGClient(srv.target) as c:  # warm-up: one full batch
@@ -588,9 +565,9 @@ def run_overload(a, data_dir: Path, log_path: Path, questions, sustainable_rps: 
     return res, server_issues(srv, "overload")
 
 
-# ------------------------------------------------------------------------------ main
+# ------------------------------------------------------------------------------ steps
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shared", type=Path, default=DEFAULT_SHARED, help="folder with data/scifact, data/wikitext-2")
     ap.add_argument("--data-dir", type=Path, default=None, help="server data dir (default bench/out/serving-data[-Ndocs])")
@@ -624,49 +601,57 @@ def main(argv: list[str] | None = None) -> int:
         a.requests = a.requests or 8
         a.overload_duration = 5.0 if a.overload_duration == 20.0 else a.overload_duration
         a.overload_min_requests = a.overload_min_requests or 3 * (a.overload_queue_capacity or 2 * a.max_batch)
-    levels = [int(x) for x in a.concurrency.split(",") if x.strip()]
-    systems = [s.strip() for s in a.systems.split(",") if s.strip()]
-    for s in systems:
+    a.levels = [int(x) for x in a.concurrency.split(",") if x.strip()]
+    a.systems = [s.strip() for s in a.systems.split(",") if s.strip()]
+    for s in a.systems:
         if s not in ALL_SYSTEMS:
             ap.error(f"unknown system {s!r}")
-    data_dir = a.data_dir or (OUT / ("serving-data" if not a.docs else f"serving-data-{a.docs}docs"))
-    log_path = OUT / "serving-server.log"
-    t_all = time.perf_counter()
-    machine = machine_info()
-    questions = load_questions(a.shared)
-    log(f"serving bench: systems {systems}, levels {levels}, "
-        f"{'%d requests' % a.requests if a.requests else '%.0f s' % a.duration} per level, {len(questions)} questions")
+    a.data_dir = a.data_dir or (OUT / ("serving-data" if not a.docs else f"serving-data-{a.docs}docs"))
+    a.log_path = OUT / "serving-server.log"
+    return a
 
-    data = prepare_data(a, data_dir, log_path)
+
+def check_optional(a) -> None:
+    """Before the first step: psutil (server RSS in the overload run) and, when selected, the
+    LangChain system's libraries."""
+    if not a.no_overload:
+        require("psutil", what="the overload run's RSS measurement (or pass --no-overload)")
+    if "langchain" in a.systems:
+        require("langchain_community", "langchain_core", "faiss",
+                what="the langchain system (or leave it out of --systems)")
+
+
+def level(systems_out: dict, sys_name: str, c: str) -> dict | None:
+    """The result of one system at concurrency ``c`` (a string key), or None."""
+    return systems_out.get(sys_name, {}).get("levels", {}).get(c)
+
+
+def run_all(a, questions: list[str], data: dict) -> tuple[dict, dict | None, list[str]]:
+    """Steps 3-5: the server systems, the overload run, the LangChain system.
+
+    :returns: (``{system: result}``, overload result or None, suspicious server log lines)."""
     systems_out: dict = {}
     issues: list[str] = []
     for name in ("oprag", "no_overlap", "no_batching"):
-        if name in systems:
-            systems_out[name], iss = run_server_system(name, a, data_dir, log_path, questions, levels, data["documents"])
+        if name in a.systems:
+            systems_out[name], iss = run_server_system(name, a, a.data_dir, a.log_path, questions, a.levels,
+                                                       data["documents"])
             issues += iss
-
-    top = str(max(levels))
-    low = str(min(levels))
-
-    def lvl(sys_name, c):
-        return systems_out.get(sys_name, {}).get("levels", {}).get(c)
-
+    top, low = str(max(a.levels)), str(min(a.levels))
     overload = None
-    if not a.no_overload and lvl("oprag", top):
-        unloaded = lvl("oprag", low)["p95_ms"] if lvl("oprag", low) and low == "1" else None
-        overload, iss = run_overload(a, data_dir, log_path, questions, lvl("oprag", top)["throughput_rps"], unloaded)
+    head = level(systems_out, "oprag", top)
+    if not a.no_overload and head:
+        lo = level(systems_out, "oprag", low)
+        unloaded = lo["p95_ms"] if lo and low == "1" else None
+        overload, iss = run_overload(a, a.data_dir, a.log_path, questions, head["throughput_rps"], unloaded)
         issues += iss
-    if "langchain" in systems:
-        systems_out["langchain"] = run_langchain(a, data_dir, questions, levels)
+    if "langchain" in a.systems:
+        systems_out["langchain"] = run_langchain(a, a.data_dir, questions, a.levels)
+    return systems_out, overload, issues
 
-    def ratio(other):
-        x, y = lvl("oprag", top), lvl(other, top)
-        if not x or not y or not y["throughput_rps"]:
-            return None
-        return r3(x["throughput_rps"] / y["throughput_rps"])
 
-    head = lvl("oprag", top) or {}
-    # things that look wrong, with evidence
+def findings_of(a, systems_out: dict, overload: dict | None, issues: list[str]) -> list[str]:
+    """Things that look wrong, with evidence (logged and kept in the JSON)."""
     findings: list[str] = []
     for sname, s in systems_out.items():
         for c, L in s.get("levels", {}).items():
@@ -707,8 +692,22 @@ def main(argv: list[str] | None = None) -> int:
         findings.append(f"{len(issues)} suspicious server log lines (see server_log_issues)")
     for f in findings:
         log("FINDING: " + f)
+    return findings
 
-    result = {
+
+def report(a, systems_out: dict, overload: dict | None, findings: list[str], issues: list[str],
+           n_questions: int) -> dict:
+    """Step 6: the headline (oprag at the highest concurrency), ratios, the table, everything."""
+    top = str(max(a.levels))
+
+    def ratio(other):
+        x, y = level(systems_out, "oprag", top), level(systems_out, other, top)
+        if not x or not y or not y["throughput_rps"]:
+            return None
+        return r3(x["throughput_rps"] / y["throughput_rps"])
+
+    head = level(systems_out, "oprag", top) or {}
+    return {
         "benchmark": "serving",
         "quick": a.quick,
         "headline_concurrency": int(top),
@@ -723,7 +722,7 @@ def main(argv: list[str] | None = None) -> int:
         "overload_refused_share": overload["refused_share"] if overload else None,
         "overload_refusal_p95_ms": overload["refusal_p95_ms"] if overload else None,
         "overload_admitted_p95_ms": overload["admitted_p95_ms"] if overload else None,
-        "unloaded_p95_ms": overload["unloaded_p95_ms"] if overload else (lvl("oprag", "1") or {}).get("p95_ms"),
+        "unloaded_p95_ms": overload["unloaded_p95_ms"] if overload else (level(systems_out, "oprag", "1") or {}).get("p95_ms"),
         "overload_admitted_p95_vs_unloaded": overload["admitted_p95_vs_unloaded_p95"] if overload else None,
         "overload_rss_growth_fraction": overload["rss_growth_fraction"] if overload else None,
         "overload_server_alive": overload["alive_after"] if overload else None,
@@ -734,14 +733,28 @@ def main(argv: list[str] | None = None) -> int:
         "overload": overload,
         "findings": findings,
         "server_log_issues": issues[:60],
-        "config": {"levels": levels, "duration_s": None if a.requests else a.duration,
+        "config": {"levels": a.levels, "duration_s": None if a.requests else a.duration,
                    "requests_per_level": a.requests or None, "warmup_s": None if a.requests else a.warmup,
                    "max_new_tokens": a.max_new_tokens, "questions": "scifact queries.jsonl, file order",
-                   "n_questions": len(questions), "systems": systems},
-        "data": data,
-        "machine": machine,
-        "total_s": round(time.perf_counter() - t_all, 1),
+                   "n_questions": n_questions, "systems": a.systems},
     }
+
+
+# ------------------------------------------------------------------------------ main
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    check_optional(a)
+    t_all = time.perf_counter()
+    machine = machine_info()
+    questions = load_questions(a.shared)
+    log(f"serving bench: systems {a.systems}, levels {a.levels}, "
+        f"{'%d requests' % a.requests if a.requests else '%.0f s' % a.duration} per level, {len(questions)} questions")
+    data = prepare_data(a, a.data_dir, a.log_path)
+    systems_out, overload, issues = run_all(a, questions, data)
+    findings = findings_of(a, systems_out, overload, issues)
+    result = report(a, systems_out, overload, findings, issues, len(questions))
+    result.update({"data": data, "machine": machine, "total_s": round(time.perf_counter() - t_all, 1)})
     out = a.out or (OUT / ("serving-quick.json" if a.quick else "serving.json"))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, default=str) + "\n", encoding="utf-8")

@@ -8,6 +8,7 @@ with the server's status code and message.
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,20 +29,67 @@ MODES = {
 }
 
 
+MetadataValue = str | int | float | bool
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def metadata_value(key: str, v: Any) -> oprag_pb2.MetadataValue:
+    """The wire ``MetadataValue`` of a typed metadata value (README: typed metadata).
+
+    :raises ValueError: a type other than str/int/float/bool, an integer outside signed 64-bit,
+        NaN or infinity (the message names the key).
+    """
+    if isinstance(v, bool):
+        return oprag_pb2.MetadataValue(bool_value=v)
+    if isinstance(v, int):
+        if not _INT64[0] <= v <= _INT64[1]:
+            raise ValueError(f"metadata {key!r}: integer {v} is outside signed 64-bit; send it as a string")
+        return oprag_pb2.MetadataValue(int_value=v)
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            raise ValueError(f"metadata {key!r}: {v} is not a finite number; send a finite float or a string")
+        return oprag_pb2.MetadataValue(float_value=v)
+    if isinstance(v, str):
+        return oprag_pb2.MetadataValue(string_value=v)
+    raise ValueError(f"metadata {key!r} is a {type(v).__name__}: values must be string, integer, float or boolean")
+
+
+def metadata_of(pb: Any) -> dict[str, MetadataValue]:
+    """Typed metadata of a wire ``Hit`` or ``Document``: its ``typed_metadata`` over its string
+    ``metadata`` (a server that predates typed metadata sends strings only)."""
+    out: dict[str, MetadataValue] = dict(pb.metadata)
+    for k, mv in pb.typed_metadata.items():
+        kind = mv.WhichOneof("kind")
+        if kind is not None:
+            out[k] = getattr(mv, kind)
+    return out
+
+
 @dataclass
 class Doc:
-    """One document to ingest."""
+    """One document to ingest. ``metadata`` values are ``str``, ``int`` (signed 64-bit),
+    ``float`` (finite) or ``bool`` and keep their type; a ``None`` value drops the key."""
 
     id: str
     text: str
     title: str = ""
-    metadata: dict[str, str] = field(default_factory=dict)
+    metadata: dict[str, MetadataValue | None] = field(default_factory=dict)
 
     def to_pb(self) -> oprag_pb2.Document:
-        return oprag_pb2.Document(
-            id=self.id, title=self.title, text=self.text,
-            metadata={str(k): str(v) for k, v in self.metadata.items() if v is not None},
-        )
+        """The wire document: strings in ``metadata`` (what servers that predate typed
+        metadata read), every other value in ``typed_metadata``.
+
+        :raises ValueError: a key that is not a string or a bad value (:func:`metadata_value`).
+        """
+        plain, typed = {}, {}
+        for k, v in self.metadata.items():
+            if not isinstance(k, str):
+                raise ValueError(f"metadata key {k!r} is not a string")
+            if isinstance(v, str):
+                plain[k] = v
+            elif v is not None:
+                typed[k] = metadata_value(k, v)
+        return oprag_pb2.Document(id=self.id, title=self.title, text=self.text, metadata=plain, typed_metadata=typed)
 
 
 def _as_pb(d: Any) -> oprag_pb2.Document:
@@ -85,29 +133,32 @@ FUSIONS = {"minmax": oprag_pb2.WEIGHTED_MINMAX, "rrf": oprag_pb2.RRF}
 def query_request(question: str, *, top_k: int = 0, mode: str = "hybrid", session_id: str = "",
                   max_new_tokens: int = 0, candidates: int = 0, disable_memory: bool = False,
                   fusion: str = "minmax", dense_weight: float = 0.0, lexical_weight: float = 0.0, rrf_k: int = 0,
-                  filters: Mapping[str, str | list[str]] | None = None,
+                  filters: Mapping[str, MetadataValue | list[MetadataValue]] | None = None,
                   query_vector=None, min_seq: int = 0, include_trace: bool = False,
                   group_by_document: bool = False, chunks_per_document: int = 0) -> oprag_pb2.QueryRequest:
     """Build a QueryRequest (for :meth:`OpRAGClient.query`, ``retrieve``, ``query_stream`` and
     their :class:`AsyncOpRAGClient` twins, which take the same keyword arguments).
 
-    :param filters: ``{key: value}`` (equality) or ``{key: [values]}`` (set membership).
+    :param filters: ``{key: value}`` (equality) or ``{key: [values]}`` (set membership); values
+        are typed: ``True`` matches only boolean true, ``"true"`` only the string, numbers match
+        by numeric value (README: typed metadata).
     :param query_vector: optional precomputed query embedding (float sequence, width D).
     :param min_seq: read-your-writes: wait until this ingest/delete sequence number is applied.
     :param group_by_document: document-level retrieval: ``top_k`` counts documents, each scored
         by its best chunk (MaxP); the response's ``documents`` lists them (``doc_id``, ``title``,
         ``score``, ``hits``) and ``hits`` holds their chunks, document by document.
     :param chunks_per_document: with ``group_by_document``, best chunks kept per document (0 = 1).
-    :raises ValueError: unknown ``mode`` or ``fusion``.
+    :raises ValueError: unknown ``mode`` or ``fusion``, a bad filter value (:func:`metadata_value`).
     """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
     if fusion not in FUSIONS:
         raise ValueError(f"unknown fusion {fusion!r}: use one of {', '.join(FUSIONS)}")
-    flt = [
-        oprag_pb2.MetadataFilter(key=k, values=[str(x) for x in v] if isinstance(v, (list, tuple, set)) else [str(v)])
-        for k, v in (filters or {}).items()
-    ]
+    flt = []
+    for k, v in (filters or {}).items():
+        vals = list(v) if isinstance(v, (list, tuple, set, frozenset)) else [v]
+        flt.append(oprag_pb2.MetadataFilter(key=k, values=[x for x in vals if isinstance(x, str)],
+                                            typed_values=[metadata_value(k, x) for x in vals if not isinstance(x, str)]))
     return oprag_pb2.QueryRequest(
         filters=flt,
         fusion=oprag_pb2.FusionOptions(method=FUSIONS[fusion], dense_weight=dense_weight,

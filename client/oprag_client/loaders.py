@@ -10,19 +10,28 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from .client import Doc
+from .client import Doc, metadata_value
 
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".text"}
 _WIKI_TITLE = re.compile(r"^ = ([^=].*?) = $")
 _WIKI_DETOK = [(" @-@ ", "-"), (" @,@ ", ","), (" @.@ ", ".")]
 
 
-def _metadata(m) -> dict[str, str]:
+def _metadata(m) -> dict:
+    """A JSON ``metadata`` object as typed metadata (README: typed metadata): strings, integers,
+    floats and booleans keep their JSON type, null drops the key.
+
+    :raises ValueError: not an object, or a value that is an array, an object, NaN, infinity or
+        an integer outside signed 64-bit.
+    """
     if not m:
         return {}
     if not isinstance(m, dict):
         raise ValueError(f"metadata must be a JSON object, got {type(m).__name__}")
-    return {str(k): v if isinstance(v, str) else json.dumps(v, sort_keys=True) for k, v in m.items()}
+    for k, v in m.items():
+        if v is not None:
+            metadata_value(k, v)
+    return {k: v for k, v in m.items() if v is not None}
 
 
 def _read_text(f: Path) -> str | None:
@@ -75,6 +84,8 @@ def _json_lines(path: Path, id_key: str, what: str) -> Iterator[Doc]:
                           metadata=_metadata(obj.get("metadata")))
             except (json.JSONDecodeError, KeyError, TypeError) as exc:
                 raise ValueError(f"{path}:{n}: expected {what} with {id_key} and text ({exc})") from exc
+            except ValueError as exc:  # a metadata value of no metadata type
+                raise ValueError(f"{path}:{n}: {exc}") from exc
 
 
 def load_jsonl(paths: list[Path]) -> Iterator[Doc]:

@@ -34,7 +34,8 @@ class RetrieveSpec:
     :param candidates: the retrieval window N: dense candidates in ``hybrid`` mode, and the
         length of each ranked list that ranks and RRF are computed over.
     :param filters: ``((key, (value, ...)), ...)``: metadata[key] must be one of the values,
-        for every filter.
+        for every filter; values are typed (str, int, float, bool) and compare as
+        :func:`oprag_server.metadata.match_key` says.
     :param group_by_document: document-level retrieval: ``top_k`` counts documents, each
         scored by its best chunk (MaxP); see :mod:`oprag_server.operators.group`.
     :param chunks_per_document: with ``group_by_document``, the best chunks kept per document.
@@ -66,7 +67,7 @@ class Hit:
     dense_score: float
     lexical_score: float
     shard: int
-    metadata: dict[str, str] = field(default_factory=dict)
+    metadata: dict[str, str | int | float | bool] = field(default_factory=dict)  # typed (README)
     dense_rank: int = 0
     lexical_rank: int = 0
 

@@ -17,7 +17,8 @@ def chunk_schema(dim: int) -> pa.Schema:
     """Schema of chunks sent to a shard for upsert.
 
     Columns: ``chunk_id`` (``"{doc_id}#{ordinal}"``), ``doc_id``, ``title``, ``text``,
-    ``metadata`` (JSON object of string->string), ``ordinal`` int32 (position in the
+    ``metadata`` (JSON object of typed values: string, integer, float, boolean;
+    :mod:`.metadata`; batches written before typed metadata hold strings only), ``ordinal`` int32 (position in the
     document), ``generation`` uint64 (write sequence of the document version), ``content_hash``
     (hex sha256 of the chunk text), ``vector`` fixed_size_list<float32>[dim] (L2-normalised).
     """
@@ -42,7 +43,7 @@ def make_chunk_batch(
     doc_ids: list[str],
     titles: list[str],
     texts: list[str],
-    metadata: list[dict[str, str]],
+    metadata: list[dict],
     ordinals: list[int],
     generations: list[int],
     content_hashes: list[str],

@@ -11,7 +11,7 @@ import urllib.request
 
 import grpc
 import pytest
-from server_proc import ServerProcess, free_port, oprag_cli
+from oprag_client.testing import ServerProcess, free_port, oprag_cli
 
 from oprag.v1 import oprag_pb2
 from oprag_client.client import Doc, OpRAGClient

@@ -8,10 +8,10 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from server_proc import ServerProcess, free_port
 
 from oprag.v1 import oprag_pb2
 from oprag_client.client import Doc, OpRAGClient
+from oprag_client.testing import ServerProcess, free_port
 
 pytestmark = pytest.mark.integration
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from server_proc import ServerProcess, free_port
+from oprag_client.testing import ServerProcess, free_port
 
 from oprag_client.client import Doc, OpRAGClient
 

@@ -9,11 +9,12 @@ import time
 import urllib.request
 
 import grpc
+import numpy as np
 import pytest
-from server_proc import ServerProcess, free_port
 
 from oprag.v1 import oprag_pb2
 from oprag_client.client import Doc, OpRAGClient, ingest_messages
+from oprag_client.testing import ServerProcess, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -153,3 +154,92 @@ def test_words_are_never_cut_between_chunks(client):
     assert r.chunks_written >= 2 and r.chunks_split == 0
     hits = client.retrieve("photosynthesis", mode="lexical", top_k=3, min_seq=r.seq).hits
     assert hits and hits[0].doc_id == "photo" and hits[0].text.endswith(" photosynthesis")
+
+
+def test_typed_metadata_is_the_same_through_every_ingestion_path(server, client, tmp_path):
+    """Issue 15 item 4: JSONL (CLI), the sync and the async Python client and raw gRPC store the
+    same typed values; ``published=True`` matches boolean true only, never the string "true"."""
+    import asyncio
+    import json
+    import subprocess
+
+    from oprag_client.testing import oprag_cli
+
+    from oprag_client.client import AsyncOpRAGClient, metadata_of
+
+    meta = {"published": True, "n": 3, "f": 2.5, "s": "x", "gone": None}
+    want = {k: v for k, v in meta.items() if v is not None}
+    text = "The typedmeta quokka document {}."
+    f = tmp_path / "m.jsonl"
+    f.write_text(json.dumps({"id": "tm-cli", "text": text.format("cli"), "metadata": meta}) + "\n")
+    out = subprocess.run(oprag_cli() + ["ingest", "--format", "jsonl", "--server", server.target, "--no-progress", str(f)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    client.ingest([Doc("tm-sync", text.format("sync"), metadata=meta),
+                   Doc("tm-string", text.format("string"), metadata={"published": "true", "n": "3"})])
+
+    async def async_ingest():
+        async with AsyncOpRAGClient(server.target, timeout=120) as ac:
+            await ac.ingest([Doc("tm-async", text.format("async"), metadata=meta)])
+
+    asyncio.run(async_ingest())
+    raw = oprag_pb2.Document(id="tm-raw", text=text.format("raw"), typed_metadata={
+        "published": oprag_pb2.MetadataValue(bool_value=True), "n": oprag_pb2.MetadataValue(int_value=3),
+        "f": oprag_pb2.MetadataValue(float_value=2.5), "s": oprag_pb2.MetadataValue(string_value="x"),
+        "gone": oprag_pb2.MetadataValue()})
+    res = client.stub.Ingest(iter([oprag_pb2.IngestRequest(documents=[raw], final=True, sent_documents=1)]), timeout=120)
+    typed = {"tm-cli", "tm-sync", "tm-async", "tm-raw"}
+
+    def ids(**flt):
+        r = client.retrieve("typedmeta quokka", mode="lexical", top_k=20, filters=flt, min_seq=res.seq)
+        return {h.doc_id for h in r.hits}
+
+    assert ids() == typed | {"tm-string"}
+    assert ids(published=True) == typed
+    assert ids(published="true") == {"tm-string"}
+    assert ids(n=3) == ids(n=3.0) == typed and ids(n="3") == {"tm-string"}
+    assert ids(f=2.5, s="x") == typed
+    for h in client.retrieve("typedmeta quokka", mode="lexical", top_k=20, min_seq=res.seq).hits:
+        assert metadata_of(h) == (want if h.doc_id in typed else {"published": "true", "n": "3"})
+        if h.doc_id in typed:  # the legacy string map renders every value as text
+            assert dict(h.metadata) == {"published": "true", "n": "3", "f": "2.5", "s": "x"}
+
+
+def test_identical_content_gets_identical_scores_over_grpc(client):
+    """Issue 15: the same chunk text in several documents (two streams, several shards) scores
+    bit-identically in every mode, with and without filters, alone or among concurrent queries,
+    and ties are ordered by chunk id."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    text = "The heliotrope lantern festival floats paper boats down the river at dusk."
+    r1 = client.ingest([Doc(f"same-{i}", text, metadata={"batch": 1}) for i in range(6)]
+                       + [Doc(f"other-{i}", f"Heliotrope notes number {i} about river boats.") for i in range(10)])
+    r2 = client.ingest([Doc(f"same-{i}", text, metadata={"batch": 2}) for i in range(6, 9)])
+    dups = {f"same-{i}" for i in range(9)}
+    q = "heliotrope lantern festival boats"
+    assert r1.documents_written == 16
+
+    def run(mode, fusion="minmax", **kw):
+        r = client.retrieve(q, mode=mode, fusion=fusion, top_k=20, min_seq=r2.seq, **kw)
+        return [(h.chunk_id, h.score, h.dense_score, h.lexical_score, h.dense_rank, h.lexical_rank) for h in r.hits]
+
+    for mode in ("hybrid", "dense", "lexical", "full_hybrid"):
+        for fusion in ("minmax", "rrf"):
+            hits = run(mode, fusion)
+            same = [h for h in hits if h[0].split("#")[0] in dups]
+            assert len(same) == 9 and len({h[2:4] for h in same}) == 1, (mode, fusion, same)
+            assert [h[0] for h in same] == sorted(h[0] for h in same)  # ties by chunk id
+            if fusion == "minmax":
+                assert len({h[1] for h in same}) == 1
+            filtered = run(mode, fusion, filters={"batch": [1, 2]})
+            assert {h[2:4] for h in filtered} == {same[0][2:4]}
+    shards = {h.shard for h in client.retrieve(q, mode="lexical", top_k=20, min_seq=r2.seq).hits
+              if h.doc_id in dups}
+    assert len(shards) > 1
+    # with a fixed query vector, 8 concurrent requests (batched together by the server) score
+    # exactly like one alone
+    vec = np.random.default_rng(0).normal(size=384).tolist()  # all-MiniLM-L6-v2 width
+    alone = run("hybrid", query_vector=vec)
+    with ThreadPoolExecutor(8) as ex:
+        together = list(ex.map(lambda _: run("hybrid", query_vector=vec), range(8)))
+    assert all(t == alone for t in together)

@@ -7,9 +7,9 @@ import subprocess
 
 import grpc
 import pytest
-from server_proc import ServerProcess, free_port, oprag_cli
 
 from oprag_client.client import Doc, OpRAGClient
+from oprag_client.testing import ServerProcess, free_port, oprag_cli
 
 pytestmark = pytest.mark.integration
 

@@ -10,10 +10,10 @@ import urllib.request
 import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from server_proc import ServerProcess, free_port, oprag_cli
 
 from oprag.v1 import oprag_pb2
 from oprag_client.client import Doc, OpRAGClient, ingest_messages
+from oprag_client.testing import ServerProcess, free_port, oprag_cli
 
 pytestmark = pytest.mark.integration
 

@@ -9,9 +9,9 @@ import time
 
 import psutil
 import pytest
-from server_proc import ServerProcess, free_port
 
 from oprag_client.client import Doc, OpRAGClient
+from oprag_client.testing import ServerProcess, free_port
 
 pytestmark = pytest.mark.integration
 

@@ -8,11 +8,11 @@ import socket
 
 import psutil
 import pytest
-from server_proc import free_port
 
+from oprag_client.testing import free_port
 from oprag_server.app import serve
 from oprag_server.config import ServerConfig
-from oprag_server.models.encoder import HashingEncoder
+from oprag_server.models.fakes import HashingEncoder
 
 pytestmark = pytest.mark.integration
 

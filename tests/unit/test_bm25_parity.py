@@ -269,7 +269,9 @@ def test_postings_api_errors_and_deletes():
     s, _ = ix.score_all(["a"], idf, 2.0)
     assert s.tolist() == [3]
     ix.remove(3)
-    assert not ix.discard(3)
+    assert not ix.has_slot(3)
+    with pytest.raises(KeyError):
+        ix.remove(3)  # already removed
     s, _ = ix.score_all(["a"], idf, 2.0)
     assert s.size == 0  # deleted slot never appears (cached arrays invalidated)
     s, _ = ix.score_all(["b"], idf, 2.0)

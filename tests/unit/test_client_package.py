@@ -62,7 +62,7 @@ def test_serve_is_found_through_the_entry_point_group(tmp_path):
     assert "serve" in h.stdout
     s = _run(code.format(argv=["serve", "--help"]), [tmp_path, ROOT / "server", CLIENT])
     assert s.returncode == 0, s.stderr  # the serve options need no torch either
-    assert s.stdout.startswith("usage: oprag serve") and "--chunk-size" in s.stdout and "(default: 900)" in s.stdout
+    assert s.stdout.startswith("usage: oprag serve") and "--chunk-size" in s.stdout and "(default: 256)" in s.stdout
 
 
 def test_client_wheel_holds_only_the_client_and_installs_without_torch(tmp_path):

@@ -11,10 +11,10 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from oprag_server.models.encoder import (  # noqa: E402
-    HashingEncoder,
     TransformersEncoder,
     resolve_encoder_path,
 )
+from oprag_server.models.fakes import HashingEncoder  # noqa: E402
 
 LONG = (
     "Retrieval-augmented generation combines a retriever, which finds passages relevant to a "

@@ -10,8 +10,8 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from oprag_server.models.fakes import EchoGenerator  # noqa: E402
 from oprag_server.models.generator import (  # noqa: E402
-    EchoGenerator,
     GenerationResult,
     HFGenerator,
     load_generator,

@@ -94,7 +94,7 @@ def test_jsonl_and_beir_loaders(tmp_path):
 
     (tmp_path / "a.jsonl").write_text(_json.dumps({"id": 7, "text": "t", "metadata": {"k": 1}}) + "\n\n")
     (tmp_path / "corpus.jsonl").write_text(_json.dumps({"_id": "d1", "title": "T", "text": "x", "metadata": {}}) + "\n")
-    assert [(d.id, d.metadata) for d in load_jsonl([tmp_path / "a.jsonl"])] == [("7", {"k": "1"})]
+    assert [(d.id, d.metadata) for d in load_jsonl([tmp_path / "a.jsonl"])] == [("7", {"k": 1})]  # typed metadata: a JSON number stays a number
     assert [(d.id, d.title) for d in load_beir([tmp_path])] == [("d1", "T")]
     (tmp_path / "bad.jsonl").write_text('{"text": "no id"}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1"):

@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import memory as mb  # noqa: E402
+from bench import memory as mb  # the repository root is on sys.path under `python -m pytest`
 
 FILLER = "The committee met again and the report was filed in the usual way by the clerk . "
 
 
 def _article(title: str, detail: str) -> str:
-    # window 0: filler; window 1: the detail (the only window of >= 300 characters after the
-    # first, so it is the target); window 2: short
-    body = [FILLER * 12, detail + " " + FILLER * 11]
+    # paragraphs sized in MiniLM tokens so that each is one chunk (window) of the server's
+    # 256-token chunker: window 0 filler (~205 tokens); window 1 the detail (~240 tokens, the
+    # only window of >= 300 characters after the first, so it is the target); window 2 a short
+    # coda (~30 tokens: too big to join window 1)
+    body = [FILLER * 12, detail + " " + FILLER * 13, "The record ends here for now . " * 5]
     return f" = {title} = \n\n" + "\n\n".join(" " + p for p in body) + "\n\n"
 
 

@@ -29,8 +29,20 @@ FUSION_UNSPECIFIED: Fusion
 WEIGHTED_MINMAX: Fusion
 RRF: Fusion
 
+class MetadataValue(_message.Message):
+    __slots__ = ("string_value", "int_value", "float_value", "bool_value")
+    STRING_VALUE_FIELD_NUMBER: _ClassVar[int]
+    INT_VALUE_FIELD_NUMBER: _ClassVar[int]
+    FLOAT_VALUE_FIELD_NUMBER: _ClassVar[int]
+    BOOL_VALUE_FIELD_NUMBER: _ClassVar[int]
+    string_value: str
+    int_value: int
+    float_value: float
+    bool_value: bool
+    def __init__(self, string_value: _Optional[str] = ..., int_value: _Optional[int] = ..., float_value: _Optional[float] = ..., bool_value: _Optional[bool] = ...) -> None: ...
+
 class Document(_message.Message):
-    __slots__ = ("id", "title", "text", "metadata")
+    __slots__ = ("id", "title", "text", "metadata", "typed_metadata")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -38,15 +50,24 @@ class Document(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class TypedMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: MetadataValue
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[MetadataValue, _Mapping]] = ...) -> None: ...
     ID_FIELD_NUMBER: _ClassVar[int]
     TITLE_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    TYPED_METADATA_FIELD_NUMBER: _ClassVar[int]
     id: str
     title: str
     text: str
     metadata: _containers.ScalarMap[str, str]
-    def __init__(self, id: _Optional[str] = ..., title: _Optional[str] = ..., text: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    typed_metadata: _containers.MessageMap[str, MetadataValue]
+    def __init__(self, id: _Optional[str] = ..., title: _Optional[str] = ..., text: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., typed_metadata: _Optional[_Mapping[str, MetadataValue]] = ...) -> None: ...
 
 class IngestRequest(_message.Message):
     __slots__ = ("documents", "final", "sent_documents")
@@ -101,12 +122,14 @@ class FusionOptions(_message.Message):
     def __init__(self, method: _Optional[_Union[Fusion, str]] = ..., dense_weight: _Optional[float] = ..., lexical_weight: _Optional[float] = ..., rrf_k: _Optional[int] = ...) -> None: ...
 
 class MetadataFilter(_message.Message):
-    __slots__ = ("key", "values")
+    __slots__ = ("key", "values", "typed_values")
     KEY_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
+    TYPED_VALUES_FIELD_NUMBER: _ClassVar[int]
     key: str
     values: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, key: _Optional[str] = ..., values: _Optional[_Iterable[str]] = ...) -> None: ...
+    typed_values: _containers.RepeatedCompositeFieldContainer[MetadataValue]
+    def __init__(self, key: _Optional[str] = ..., values: _Optional[_Iterable[str]] = ..., typed_values: _Optional[_Iterable[_Union[MetadataValue, _Mapping]]] = ...) -> None: ...
 
 class GenerationOptions(_message.Message):
     __slots__ = ("max_new_tokens",)
@@ -256,7 +279,7 @@ class RetrievalInfo(_message.Message):
     def __init__(self, mode: _Optional[str] = ..., fusion: _Optional[str] = ..., dense_weight: _Optional[float] = ..., lexical_weight: _Optional[float] = ..., rrf_k: _Optional[int] = ..., candidates: _Optional[int] = ..., chunks_searched: _Optional[int] = ..., partial: _Optional[bool] = ..., missing_shards: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Hit(_message.Message):
-    __slots__ = ("chunk_id", "doc_id", "title", "text", "score", "dense_score", "lexical_score", "shard", "metadata", "dense_rank", "lexical_rank")
+    __slots__ = ("chunk_id", "doc_id", "title", "text", "score", "dense_score", "lexical_score", "shard", "metadata", "dense_rank", "lexical_rank", "typed_metadata")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -264,6 +287,13 @@ class Hit(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class TypedMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: MetadataValue
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[MetadataValue, _Mapping]] = ...) -> None: ...
     CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
     DOC_ID_FIELD_NUMBER: _ClassVar[int]
     TITLE_FIELD_NUMBER: _ClassVar[int]
@@ -275,6 +305,7 @@ class Hit(_message.Message):
     METADATA_FIELD_NUMBER: _ClassVar[int]
     DENSE_RANK_FIELD_NUMBER: _ClassVar[int]
     LEXICAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    TYPED_METADATA_FIELD_NUMBER: _ClassVar[int]
     chunk_id: str
     doc_id: str
     title: str
@@ -286,7 +317,8 @@ class Hit(_message.Message):
     metadata: _containers.ScalarMap[str, str]
     dense_rank: int
     lexical_rank: int
-    def __init__(self, chunk_id: _Optional[str] = ..., doc_id: _Optional[str] = ..., title: _Optional[str] = ..., text: _Optional[str] = ..., score: _Optional[float] = ..., dense_score: _Optional[float] = ..., lexical_score: _Optional[float] = ..., shard: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., dense_rank: _Optional[int] = ..., lexical_rank: _Optional[int] = ...) -> None: ...
+    typed_metadata: _containers.MessageMap[str, MetadataValue]
+    def __init__(self, chunk_id: _Optional[str] = ..., doc_id: _Optional[str] = ..., title: _Optional[str] = ..., text: _Optional[str] = ..., score: _Optional[float] = ..., dense_score: _Optional[float] = ..., lexical_score: _Optional[float] = ..., shard: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., dense_rank: _Optional[int] = ..., lexical_rank: _Optional[int] = ..., typed_metadata: _Optional[_Mapping[str, MetadataValue]] = ...) -> None: ...
 
 class Source(_message.Message):
     __slots__ = ("number", "chunk_id", "doc_id", "title", "tokens", "truncated")

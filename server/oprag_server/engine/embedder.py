@@ -15,22 +15,33 @@ from typing import Any
 
 import numpy as np
 
+from ..models.protocols import Encoder
+
 
 @dataclass
 class _Req:
+    """One caller's texts (query) or token ids (ingest chunks) and the future for its vectors.
+
+    For ingest requests ``out`` (float32 ``[len(ids), dim]``) and ``done_mask`` (bool
+    ``[len(ids)]``) collect the rows as the batches that hold them finish."""
+
     ids: list[list[int]] | None
     texts: list[str] | None
     future: asyncio.Future
     truncate: bool = False
+    out: np.ndarray | None = None
+    done_mask: np.ndarray | None = None
 
 
 class EmbedWorker:
-    """:param batch_size: chunks per ingest forward pass when no query is waiting.
+    """:param encoder: the model (:class:`~oprag_server.models.protocols.Encoder`); only this
+        worker's threads call it.
+    :param batch_size: chunks per ingest forward pass when no query is waiting.
     :param small_batch: chunks per ingest forward pass while queries are active (or, with
         ``slice_s``, as many chunks as take about ``slice_s`` seconds at the measured rate).
     :param query_quiet_s: queries count as active for this long after the last one."""
 
-    def __init__(self, encoder: Any, executor, metrics: Any, *, batch_size: int = 32, small_batch: int = 8,
+    def __init__(self, encoder: Encoder, executor, metrics: Any, *, batch_size: int = 32, small_batch: int = 8,
                  query_quiet_s: float = 0.5, slice_s: float | None = None, query_executor=None) -> None:
         self.encoder = encoder
         self.executor = executor
@@ -139,7 +150,7 @@ class EmbedWorker:
         # pool the pending chunks of every stream and take `size` of them with similar token
         # lengths (longest first), so batches carry little padding
         pending = [(len(r.ids[ci]), ri, ci) for ri, (r, start) in enumerate(self._ingest)
-                   for ci in range(start, len(r.ids)) if getattr(r, "done_mask", None) is None or not r.done_mask[ci]]
+                   for ci in range(start, len(r.ids)) if r.done_mask is None or not r.done_mask[ci]]
         pending.sort(key=lambda x: (-x[0], x[1], x[2]))
         picked = [(ri, ci) for _, ri, ci in pending[:size]]
         ids = [self._ingest[ri][0].ids[ci] for ri, ci in picked]
@@ -161,18 +172,18 @@ class EmbedWorker:
         self.metrics.embed_tokens.labels(kind="padded").inc(getattr(self.encoder, "last_padded_tokens", real))
         for (ri, ci), v in zip(picked, vecs):
             r, _ = self._ingest[ri]
-            if not hasattr(r, "out"):
+            if r.out is None:
                 r.out = np.zeros((len(r.ids), vecs.shape[1]), dtype=np.float32)
                 r.done_mask = np.zeros(len(r.ids), dtype=bool)
             r.out[ci] = v
             r.done_mask[ci] = True
         keep = []
         for r, start in self._ingest:
-            if getattr(r, "done_mask", None) is not None and r.done_mask.all():
+            if r.done_mask is not None and r.done_mask.all():
                 if not r.future.done():
                     r.future.set_result(r.out)
             else:
                 keep.append((r, start))
         self._ingest = keep
         self.metrics.queue_depth.labels(queue="embed_ingest").set(
-            sum(len(r.ids) - int(r.done_mask.sum()) if hasattr(r, "done_mask") else len(r.ids) for r, _ in self._ingest))
+            sum(len(r.ids) - int(r.done_mask.sum()) if r.done_mask is not None else len(r.ids) for r, _ in self._ingest))

@@ -5,8 +5,10 @@ queues (backpressure: a slow stage stalls the ones before it, nothing buffers wi
 * Transform: chunking on natural boundaries (paragraph, sentence, word) measured in the
   embedder's tokens so that every chunk fits its window (:mod:`..operators.chunking`; never
   truncation), tokenisation on CPU ahead of the model, and content hashes: a chunk whose text
-  is unchanged from the stored version of its document reuses its vector.
-* Embed: batches the remaining chunks across documents, grouped by token length.
+  is unchanged from the stored version of its document reuses its vector, and so does a chunk
+  whose text any stored chunk already has (identical text, identical vector: README).
+* Embed: batches the remaining chunks across documents, grouped by token length; a text that
+  occurs again in the stream takes the vector its first occurrence got.
 * Upsert: routes chunks to shards by the stable hash of their document id and stages coalesced
   bulk batches of ``upsert_batch`` chunks per shard.
 
@@ -29,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import metadata as md
 from .. import records
 from ..config import ChunkingConfig, IngestConfig, LimitsConfig
 from ..index.analyzer import has_visible_content
@@ -37,6 +40,8 @@ from ..shards.pool import ShardPool
 from ..shards.protocol import AbortRequest, ApplyReply, Op, ReuseRequest, StageRequest
 
 _END = object()
+#: distinct chunk texts per stream whose vector the embed stage remembers for later repeats
+STREAM_VECTOR_MEMORY = 16384
 
 
 class IngestError(ValueError):
@@ -54,7 +59,6 @@ class IngestResult:
     rejected: list[tuple[int, str, str]] = field(default_factory=list)
     seq: int = 0
     elapsed_ms: float = 0.0
-    stage_seconds: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -63,7 +67,7 @@ class _Doc:
     doc_id: str
     title: str
     text: str
-    metadata: dict[str, str]
+    metadata: dict[str, md.Value]
     generation: int
 
 
@@ -78,7 +82,8 @@ class _Chunk:
 
 
 def validate_document(doc: Any, limits: LimitsConfig) -> str | None:
-    """Reason a document cannot be stored, or None. ``doc`` has id, title, text, metadata.
+    """Reason a document cannot be stored, or None. ``doc`` has id, title, text, metadata
+    (and optionally typed_metadata).
 
     A text with no visible character (only whitespace and Unicode Default_Ignorable code
     points such as U+200B, U+00AD, U+FEFF; :func:`~oprag_server.index.analyzer.has_visible_content`)
@@ -95,9 +100,13 @@ def validate_document(doc: Any, limits: LimitsConfig) -> str | None:
     size = len(doc.text.encode()) + len(doc.title.encode())
     if size > limits.max_document_bytes:
         return f"document is {size} bytes; the limit is {limits.max_document_bytes}: split it into several documents"
-    if len(doc.metadata) > limits.max_metadata_entries:
-        return f"metadata has {len(doc.metadata)} entries; the limit is {limits.max_metadata_entries}"
-    msize = sum(len(k.encode()) + len(v.encode()) for k, v in doc.metadata.items())
+    try:
+        meta = md.of_document(doc)
+    except ValueError as exc:
+        return str(exc)
+    if len(meta) > limits.max_metadata_entries:
+        return f"metadata has {len(meta)} entries; the limit is {limits.max_metadata_entries}"
+    msize = md.size_bytes(meta)
     if msize > limits.max_metadata_bytes:
         return f"metadata is {msize} bytes; the limit is {limits.max_metadata_bytes}"
     return None
@@ -198,7 +207,7 @@ class IngestPipeline:
                             self.metrics.documents_rejected.inc()
                         else:
                             await q_docs.put(
-                                _Doc(n, doc.id, doc.title, doc.text, dict(doc.metadata), self.next_generation())
+                                _Doc(n, doc.id, doc.title, doc.text, md.of_document(doc), self.next_generation())
                             )
                         n += 1
                     if final_seen:
@@ -232,6 +241,8 @@ class IngestPipeline:
                     await q_chunks.put(chunks)
             await q_chunks.put(_END)
 
+        seen: dict[str, np.ndarray] = {}  # content hash -> vector, this stream (bounded, oldest out)
+
         async def embed() -> None:
             pending: list[_Chunk] = []
             done = False
@@ -241,6 +252,9 @@ class IngestPipeline:
                     done = True
                 else:
                     pending.extend(item)
+                for c in pending:
+                    if c.vector is None and c.content_hash in seen:
+                        c.vector = seen[c.content_hash]
                 ready = [c for c in pending if c.vector is not None]
                 if ready:  # unchanged chunks carry their stored vector: no embedding
                     pending = [c for c in pending if c.vector is None]
@@ -250,10 +264,20 @@ class IngestPipeline:
                 # 2.6% with 1,024
                 while len(pending) >= self.embed_batch * 32 or (done and pending):
                     take, pending = pending[: self.embed_batch * 32], pending[self.embed_batch * 32 :]
+                    first: dict[str, int] = {}  # one forward pass per distinct text
+                    reps: list[_Chunk] = []
+                    for c in take:
+                        if c.content_hash not in first:
+                            first[c.content_hash] = len(reps)
+                            reps.append(c)
                     t = time.perf_counter()
-                    vecs = await self.embedder.embed_chunks([c.ids for c in take])
+                    vecs = await self.embedder.embed_chunks([c.ids for c in reps])
                     busy["embed"] += time.perf_counter() - t
-                    await q_vecs.put((take, vecs))
+                    for h, i in first.items():
+                        seen[h] = vecs[i]
+                    while len(seen) > STREAM_VECTOR_MEMORY:
+                        del seen[next(iter(seen))]
+                    await q_vecs.put((take, vecs[[first[c.content_hash] for c in take]]))
             await q_vecs.put(_END)
 
         async def upsert() -> None:
@@ -295,7 +319,6 @@ class IngestPipeline:
         await self._commit_all(txn, res)
         busy["upsert"] += time.perf_counter() - t
         res.elapsed_ms = (time.perf_counter() - t0) * 1000
-        res.stage_seconds = busy
         # embed (per forward pass, in the embed worker) and upsert (per staged batch) are observed
         # where they happen; transform is observed once per stream here
         self.metrics.stage_seconds.labels(stage="transform").observe(busy["transform"])
@@ -328,20 +351,29 @@ class IngestPipeline:
         return out
 
     async def _reuse_vectors(self, chunks: list[_Chunk], res: IngestResult) -> None:
-        """Give chunks whose text is unchanged from the stored document their stored vector."""
+        """Give chunks whose text is unchanged from the stored document their stored vector
+        (counted in ``chunks_reused``), and chunks whose text another stored chunk has that
+        chunk's vector (the lowest shard's; not counted): identical text, identical vector."""
         doc_ids = sorted({c.doc.doc_id for c in chunks})
-        got, _ = await self.pool.scatter(Op.REUSE, doc_ids, self.pool.owner, ReuseRequest, partial=False)
+        hashes = sorted({c.content_hash for c in chunks})
+        by = self.pool.group(doc_ids, self.pool.owner)
+        replies = await asyncio.gather(*[
+            self.pool.call(s, Op.REUSE, ReuseRequest([doc_ids[i] for i in by.get(s, [])], hashes))
+            for s in range(len(self.pool.clients))])
         stored: dict[str, dict[str, np.ndarray]] = {}
-        for _, r in got.values():
+        same_text: dict[str, np.ndarray] = {}
+        for r in replies:
             stored.update(r.vectors)
-        if not stored:
-            return
+            for h, v in r.by_hash.items():
+                same_text.setdefault(h, v)
         for c in chunks:
             v = stored.get(c.doc.doc_id, {}).get(c.content_hash)
             if v is not None:
                 c.vector = v
                 res.chunks_reused += 1
                 self.metrics.chunks_reused.inc()
+            elif c.content_hash in same_text:
+                c.vector = same_text[c.content_hash]
 
 
     async def _stage(self, shard: int, part: list[tuple[_Chunk, np.ndarray]], txn: str) -> float:

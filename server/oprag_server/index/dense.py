@@ -3,6 +3,17 @@
 Chunks are identified by an int64 *slot* (unique within the shard, never reused). FAISS
 (``IndexIDMap2(IndexFlatIP)``) answers top-k searches; a compact float32 copy of the live
 vectors serves exact scoring of every chunk (``score_all``) and snapshots.
+
+Two kinds of scores (README: identical content, identical score):
+
+* *approximate*: float32 BLAS / FAISS inner products (``search``, ``score_all``,
+  ``score_slots``). Fast, but the float32 accumulation order depends on the kernel (matrix-vector
+  or matrix-matrix), the batch and the row's position, so the same vector can score differently
+  in the last bits. They are within :meth:`DenseIndex.score_error` of the canonical score.
+* *canonical*: :func:`fixed_order_dot` (``exact_rows``, ``exact_slots``): the float32 products
+  taken exactly in float64 and summed in a fixed pairwise order that depends only on D, so a
+  vector's score with a query is a pure function of the two. Every score a shard returns is
+  canonical; approximate scores only choose the candidates to compute it for.
 """
 
 from __future__ import annotations
@@ -10,6 +21,28 @@ from __future__ import annotations
 import numpy as np
 
 from ..records import as_query_matrix
+
+#: unit roundoff of float32 (2^-24)
+_U32 = 2.0**-24
+
+
+def fixed_order_dot(vectors: np.ndarray, query: np.ndarray) -> np.ndarray:
+    """Canonical inner products: float64[M] of float32[M, D] ``vectors`` with float32[D] ``query``.
+
+    Each float32 x float32 product is exact in float64 (48 significant bits <= 53); the D
+    products of a row are then added pairwise in a fixed order (columns ``[0, h)`` += columns
+    ``[w-h, w)``, ``h = w // 2``, until one column is left), element-wise, so a row's result
+    depends only on that row and the query: not on M, the row's position or any BLAS kernel.
+    """
+    p = np.asarray(vectors, dtype=np.float32).astype(np.float64) * np.asarray(query, dtype=np.float32).astype(np.float64)
+    w = p.shape[1]
+    if w == 0:
+        return np.zeros(p.shape[0], np.float64)
+    while w > 1:
+        h = w // 2
+        np.add(p[:, :h], p[:, w - h : w], out=p[:, :h])
+        w -= h
+    return p[:, 0].copy()
 
 
 def _faiss():
@@ -34,6 +67,7 @@ class DenseIndex:
         self._row_slot = np.zeros(0, dtype=np.int64)
         self._n = 0
         self._slot_row: dict[int, int] = {}
+        self._max_norm = 0.0  # an upper bound of the stored vectors' L2 norms (never shrinks)
 
     def __len__(self) -> int:
         return self._n
@@ -78,6 +112,7 @@ class DenseIndex:
         for i, s in enumerate(slots.tolist()):
             self._slot_row[s] = self._n + i
         self._n = need
+        self._max_norm = max(self._max_norm, float(np.sqrt(np.einsum("ij,ij->i", vecs, vecs, dtype=np.float64).max())))
         self._index.add_with_ids(vecs, slots)
 
     def remove(self, slots: np.ndarray) -> int:
@@ -140,6 +175,28 @@ class DenseIndex:
         return np.stack([live @ q[i] for i in range(q.shape[0])])
 
     def score_slots(self, query: np.ndarray, slots: np.ndarray) -> np.ndarray:
-        """float32[M]: inner product of one query float32[D] with the given live slots."""
+        """float32[M]: approximate inner product of one query float32[D] with the given live slots."""
         v = self.vectors_of(slots)
         return v @ np.asarray(query, dtype=np.float32).reshape(-1)
+
+    def exact_rows(self, query: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """float64[M]: canonical inner products (:func:`fixed_order_dot`) of one query float32[D]
+        with the live vectors at the given rows (positions in :attr:`slots` order)."""
+        return fixed_order_dot(self._vecs[: self._n][np.asarray(rows, dtype=np.int64)], query)
+
+    def exact_slots(self, query: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """float64[M]: canonical inner products of one query float32[D] with the given live slots
+        (KeyError for an absent slot)."""
+        return fixed_order_dot(self.vectors_of(slots), query)
+
+    def score_error(self, query: np.ndarray) -> float:
+        """An upper bound of ``|approximate - canonical|`` for any stored vector and ``query``.
+
+        Any float32 summation order of D products errs by at most
+        ``gamma_D * sum|v_i q_i| <= gamma_D * |v| |q|``, ``gamma_D = D u / (1 - D u)``,
+        ``u = 2^-24`` (Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed., §3.1);
+        the canonical sum errs far less (float64). Doubled for safety.
+        """
+        d = self.dim * _U32
+        qn = float(np.linalg.norm(np.asarray(query, dtype=np.float64)))
+        return 2.0 * d / (1.0 - d) * qn * max(self._max_norm, 1.0) + 1e-12

@@ -16,6 +16,8 @@ scores exactly 0 and is not in the list; neither is one whose query terms all ha
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 
@@ -80,3 +82,34 @@ def top_k_order(scores: np.ndarray, chunk_ids: list[str], k: int) -> list[int]:
     cand_ids = [chunk_ids[i] for i in cand.tolist()]
     order = rank_order(scores[cand], cand_ids)
     return [int(cand[i]) for i in order[:k]]
+
+
+def refine_top(approx: np.ndarray, err: float, exact: Callable[[np.ndarray], np.ndarray], chunk_ids, k: int,
+               *, complete: bool = True) -> tuple[np.ndarray, np.ndarray] | None:
+    """Top-k by *exact* score (desc, chunk id asc) computing the exact score of a shortlist only.
+
+    :param approx: float[M] approximate scores, each within ``err`` of its exact score.
+    :param exact: positions int64[S] -> float64[S] exact scores.
+    :param chunk_ids: M chunk ids (list or object array) for the tie-break.
+    :param complete: False when ``approx`` is only the top of a longer list (scores sorted
+        descending, e.g. a FAISS top-n): None is then returned when an element outside it could
+        still belong to the top-k (ask for more).
+    :returns: ``(positions int64[k'], exact float64[k'])``, k' = min(k, M), ranked.
+
+    Exact: with ``t`` the k-th largest approximate score, the k elements at or above ``t`` have
+    exact scores >= ``t - err``, while any element with approximate score < ``t - 2 err`` has an
+    exact score < ``t - err``: it cannot be in the top-k, so only the rest is scored exactly.
+    """
+    m = int(np.asarray(approx).size)
+    kk = min(int(k), m)
+    if kk <= 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.float64)
+    a = np.asarray(approx, dtype=np.float64)
+    t = float(np.partition(a, m - kk)[m - kk])
+    if not complete and not a[-1] < t - 2.0 * err:
+        return None
+    short = np.flatnonzero(a >= t - 2.0 * err)
+    ex = np.asarray(exact(short), dtype=np.float64)
+    ids = [chunk_ids[i] for i in short.tolist()]
+    order = np.asarray(top_k_order(ex, ids, kk), dtype=np.int64)
+    return short[order], ex[order]

@@ -7,8 +7,8 @@ normalize_embeddings=True)`` to within 1e-5 (max abs diff) for texts within ``ma
 A text's vector does not depend on the other texts in its batch beyond float32 rounding
 (measured <= 1e-6).
 
-:class:`HashingEncoder` is a deterministic, dependency-free fake with the same interface, for
-unit tests of components that only need *some* encoder.
+The interface it implements is :class:`oprag_server.models.protocols.Encoder`; a
+deterministic fake lives in :mod:`oprag_server.models.fakes`.
 
 Nothing heavy is imported at module import time: ``torch``/``transformers`` are imported in
 :meth:`TransformersEncoder.warm_up`.
@@ -17,11 +17,9 @@ Nothing heavy is imported at module import time: ``torch``/``transformers`` are 
 from __future__ import annotations
 
 import copy
-import hashlib
 import importlib.util
 import inspect
 import json
-import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -323,85 +321,4 @@ class TransformersEncoder:
                 pooled = torch.nn.functional.normalize(summed / counts, p=2, dim=1)
                 out[idx] = pooled[: len(idx)].cpu().numpy().astype(np.float32, copy=False)
         self.last_padded_tokens = padded  # batch slots computed (real + padding) in this call
-        return out
-
-
-_WORD_RE = re.compile(r"\w+|[^\w\s]", re.UNICODE)
-
-
-class HashingEncoder:
-    """Deterministic fake encoder: lower-cased word/punctuation tokens hashed (blake2b) into
-    ``dim`` signed buckets, L2-normalised. Same interface as :class:`TransformersEncoder`.
-
-    Token ids are ``[1] + [hash(tok) % 30000 + 2 ...] + [1]`` (1 plays both CLS and SEP), so
-    ``token_lengths`` counts 2 special tokens like BERT.
-
-    :param dim: vector dimension (> 0).
-    :param max_tokens: limit in tokens, special tokens included (> 2).
-    """
-
-    name = "hashing"
-
-    def __init__(self, dim: int = 64, max_tokens: int = 256) -> None:
-        if dim <= 0:
-            raise ValueError(f"dim must be > 0, got {dim}")
-        if max_tokens <= 2:
-            raise ValueError(f"max_tokens must be > 2, got {max_tokens}")
-        self.dim = int(dim)
-        self.max_tokens = int(max_tokens)
-        self.batch_size = 32
-        self.device = "cpu"
-
-    def warm_up(self) -> None:
-        """No-op."""
-
-    @staticmethod
-    def _h(token: str) -> int:
-        digest = hashlib.blake2b(token.encode("utf-8"), digest_size=8).digest()
-        return int.from_bytes(digest, "little")
-
-    def tokenize(self, texts: list[str], truncate: bool = False) -> list[list[int]]:
-        """Ids per text (specials included); ``truncate`` cuts to ``max_tokens``."""
-        out = []
-        for t in texts:
-            body = [self._h(w) % 30000 + 2 for w in _WORD_RE.findall(t.lower())]
-            if truncate:
-                body = body[: self.max_tokens - 2]
-            out.append([1] + body + [1])
-        return out
-
-    def token_lengths(self, texts: list[str]) -> list[int]:
-        """Tokens per text, 2 special tokens included."""
-        return [len(x) for x in self.tokenize(texts)]
-
-    def split_to_fit(self, text: str) -> list[str]:
-        """Consecutive non-empty pieces, each within ``max_tokens``; joined == text."""
-        budget = self.max_tokens - 2
-        spans = [m.start() for m in _WORD_RE.finditer(text)]
-        if len(spans) <= budget:
-            return [text]
-        cuts = [spans[k] for k in range(budget, len(spans), budget)]
-        bounds = [0] + cuts + [len(text)]
-        return [text[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
-
-    def encode(self, texts: list[str], truncate: bool = False) -> np.ndarray:
-        """``float32[len(texts), dim]``, L2-normalised; ValueError (index named) if too long."""
-        return self.encode_tokenized(self.tokenize(texts, truncate=truncate))
-
-    def encode_tokenized(self, ids: list[list[int]]) -> np.ndarray:
-        """``float32[len(ids), dim]`` from ids of :meth:`tokenize`."""
-        out = np.zeros((len(ids), self.dim), dtype=np.float32)
-        for i, seq in enumerate(ids):
-            if len(seq) > self.max_tokens:
-                raise ValueError(
-                    f"text {i} has {len(seq)} tokens > max_tokens={self.max_tokens}"
-                )
-            for t in seq[1:-1]:
-                h = self._h(str(t))
-                out[i, h % self.dim] += 1.0 if (h >> 32) & 1 else -1.0
-            norm = float(np.linalg.norm(out[i]))
-            if norm > 0:
-                out[i] /= norm
-            else:
-                out[i, 0] = 1.0
         return out

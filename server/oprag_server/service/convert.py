@@ -15,6 +15,7 @@ import numpy as np
 
 from oprag.v1 import oprag_pb2
 
+from .. import metadata as md
 from ..config import LimitsConfig, ServerConfig
 from ..domain import DEFAULT_RRF_K, MODES, RetrieveSpec
 from ..engine.job import QueryJob
@@ -128,10 +129,12 @@ def fusion(f: Any, *, default_weights: tuple[float, float]) -> tuple[str, float,
     return method, wd, wl, rrf_k
 
 
-def filters(fs: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    """``((key, (value, ...)), ...)`` from repeated ``MetadataFilter`` messages.
+def filters(fs: Any) -> tuple[tuple[str, tuple[md.Value, ...]], ...]:
+    """``((key, (value, ...)), ...)`` from repeated ``MetadataFilter`` messages: its string
+    ``values`` then its ``typed_values`` (str, int, float or bool; README: typed metadata).
 
-    :raises InvalidArgument: more than 16 filters, an empty key, no values or more than 1024.
+    :raises InvalidArgument: more than 16 filters, an empty key, no values or more than 1024, a
+        null (no kind set), NaN or infinite typed value.
     """
     if len(fs) > MAX_FILTERS:
         raise InvalidArgument(f"{len(fs)} metadata filters; the limit is {MAX_FILTERS}")
@@ -139,9 +142,21 @@ def filters(fs: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
     for f in fs:
         if not f.key:
             raise InvalidArgument("a metadata filter has an empty key: name the metadata key to match")
-        if not f.values or len(f.values) > MAX_FILTER_VALUES:
+        typed = getattr(f, "typed_values", ())
+        n = len(f.values) + len(typed)
+        if not n or n > MAX_FILTER_VALUES:
             raise InvalidArgument(f"metadata filter {f.key!r} needs between 1 and {MAX_FILTER_VALUES} values")
-        out.append((f.key, tuple(f.values)))
+        values = list(f.values)
+        for tv in typed:
+            v = md.wire_value(tv)
+            if v is None:
+                raise InvalidArgument(f"metadata filter {f.key!r} has a null value (no kind set): "
+                                      "send a string, integer, float or boolean")
+            try:
+                values.append(md.check_value(f.key, v))
+            except ValueError as exc:
+                raise InvalidArgument(f"metadata filter {exc}") from exc
+        out.append((f.key, tuple(values)))
     return tuple(out)
 
 
@@ -212,10 +227,24 @@ def hits(job: QueryJob) -> list[oprag_pb2.Hit]:
 def _hits(hs: list) -> list[oprag_pb2.Hit]:
     return [
         oprag_pb2.Hit(chunk_id=h.chunk_id, doc_id=h.doc_id, title=h.title, text=h.text, score=h.score,
-                      dense_score=h.dense_score, lexical_score=h.lexical_score, shard=h.shard, metadata=h.metadata,
+                      dense_score=h.dense_score, lexical_score=h.lexical_score, shard=h.shard,
+                      metadata={k: md.as_text(v) for k, v in h.metadata.items()},
+                      typed_metadata={k: metadata_value(v) for k, v in h.metadata.items()},
                       dense_rank=h.dense_rank, lexical_rank=h.lexical_rank)
         for h in hs
     ]
+
+
+def metadata_value(v: md.Value, key: str = "") -> oprag_pb2.MetadataValue:
+    """The wire ``MetadataValue`` of one typed metadata value.
+
+    :raises InvalidArgument: not a str/int/float/bool, an integer outside signed 64-bit, NaN
+        or infinity (:func:`..metadata.check_value`).
+    """
+    try:
+        return oprag_pb2.MetadataValue(**md.wire_kind(md.check_value(key, v)))
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from exc
 
 
 def documents(job: QueryJob) -> list[oprag_pb2.DocumentHit]:

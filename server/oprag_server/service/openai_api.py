@@ -25,7 +25,7 @@ from oprag.v1 import oprag_pb2
 
 from ..domain import MemoryContext
 from ..engine.job import QueryJob
-from .convert import MODE_NAMES, InvalidArgument
+from .convert import MODE_NAMES, InvalidArgument, metadata_value
 
 _U32 = 2**32 - 1
 _WIRE_MODE = {name: wire for wire, name in MODE_NAMES.items() if wire != oprag_pb2.RETRIEVAL_MODE_UNSPECIFIED}
@@ -52,7 +52,8 @@ class RetrievalOptions(_Strict):
     mode: Literal["hybrid", "dense", "lexical", "full_hybrid"] = "hybrid"
     top_k: StrictInt = Field(0, ge=0, le=_U32)
     candidates: StrictInt = Field(0, ge=0, le=_U32)
-    filters: dict[StrictStr, list[StrictStr]] = Field(default_factory=dict)
+    # typed values (README: typed metadata): true matches only boolean true, "true" only the string
+    filters: dict[StrictStr, list[StrictStr | StrictBool | StrictInt | StrictFloat]] = Field(default_factory=dict)
     fusion: Fusion = Field(default_factory=Fusion)
     session_id: StrictStr = ""
     disable_memory: StrictBool = False
@@ -118,7 +119,8 @@ def query_request(question: str, opts: RetrievalOptions, max_new_tokens: int = 0
         question=question, top_k=opts.top_k, mode=_WIRE_MODE[opts.mode], session_id=opts.session_id,
         candidates=opts.candidates, disable_memory=opts.disable_memory, include_trace=opts.include_trace,
         generation=oprag_pb2.GenerationOptions(max_new_tokens=max_new_tokens),
-        filters=[oprag_pb2.MetadataFilter(key=k, values=v) for k, v in opts.filters.items()],
+        filters=[oprag_pb2.MetadataFilter(key=k, typed_values=[metadata_value(x, k) for x in v])
+                 for k, v in opts.filters.items()],
         fusion=oprag_pb2.FusionOptions(
             method=oprag_pb2.RRF if opts.fusion.method == "rrf" else oprag_pb2.WEIGHTED_MINMAX,
             dense_weight=opts.fusion.dense_weight, lexical_weight=opts.fusion.lexical_weight, rrf_k=opts.fusion.rrf_k),

@@ -8,12 +8,12 @@ document's generation; a batch with another generation replaces the stored versi
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 
+from .. import metadata as md
 from .. import records
 from ..index.analyzer import Analyzer
 from ..index.bm25 import PostingsIndex
@@ -27,7 +27,7 @@ class ChunkRecord:
     doc_id: str
     title: str
     text: str
-    metadata: str  # JSON object
+    metadata: str  # JSON object of typed values (:mod:`..metadata`)
     ordinal: int
     generation: int
     content_hash: str
@@ -49,7 +49,8 @@ class ChunkStore:
         self.chunks: dict[int, ChunkRecord] = {}
         self.doc_slots: dict[str, list[int]] = {}
         self.doc_generation: dict[str, int] = {}
-        self.meta_index: dict[str, dict[str, set[int]]] = {}
+        self.meta_index: dict[str, dict[tuple, set[int]]] = {}
+        self.hash_slots: dict[str, set[int]] = {}  # content hash -> slots holding that text  # key -> match_key(value) -> slots
         self.next_slot = 0
         self.applied_seq = 0
         self.version = 0
@@ -91,6 +92,7 @@ class ChunkStore:
                               content_hash=cols["content_hash"][i] or "")
             self.chunks[slot] = rec
             self._index_metadata(slot, rec)
+            self.hash_slots.setdefault(rec.content_hash, set()).add(slot)
             self.doc_slots[doc_id].append(slot)
             self.postings.add(slot, self._index_tokens(rec))
             new_slots.append(slot)
@@ -124,6 +126,11 @@ class ChunkStore:
                 rec = self.chunks.pop(s, None)
                 if rec is not None:
                     self._unindex_metadata(s, rec)
+                    held = self.hash_slots.get(rec.content_hash)
+                    if held is not None:
+                        held.discard(s)
+                        if not held:
+                            del self.hash_slots[rec.content_hash]
             self._row_ids_cache = None
         return len(slots)
 
@@ -132,11 +139,12 @@ class ChunkStore:
         return self.analyzer.tokens(f"{rec.title}\n{rec.text}" if rec.title else rec.text)
 
     def _index_metadata(self, slot: int, rec: ChunkRecord) -> None:
-        for k, v in json.loads(rec.metadata).items():
-            self.meta_index.setdefault(k, {}).setdefault(v, set()).add(slot)
+        for k, v in md.loads(rec.metadata).items():
+            self.meta_index.setdefault(k, {}).setdefault(md.match_key(v), set()).add(slot)
 
     def _unindex_metadata(self, slot: int, rec: ChunkRecord) -> None:
-        for k, v in json.loads(rec.metadata).items():
+        for k, v in md.loads(rec.metadata).items():
+            v = md.match_key(v)
             vals = self.meta_index.get(k, {})
             vals.get(v, set()).discard(slot)
             if v in vals and not vals[v]:
@@ -147,7 +155,9 @@ class ChunkStore:
     # ------------------------------------------------------------------ lookups
     def allowed(self, filters) -> np.ndarray | None:
         """Sorted int64 slots whose document metadata satisfies every ``(key, values)``
-        filter (set membership; equality with one value); None when there is no filter."""
+        filter (set membership; equality with one value); None when there is no filter.
+        Values compare as typed values (:func:`..metadata.match_key`: ``True`` matches only
+        boolean true, ``"true"`` only the string, 1 and 1.0 match each other)."""
         if not filters:
             return None
         result: set[int] | None = None
@@ -155,7 +165,7 @@ class ChunkStore:
             vals = self.meta_index.get(key, {})
             match: set[int] = set()
             for v in values:
-                match |= vals.get(v, set())
+                match |= vals.get(md.match_key(v), set())
             result = match if result is None else result & match
             if not result:
                 break
@@ -173,7 +183,8 @@ class ChunkStore:
 
     def reuse(self, req: ReuseRequest) -> ReuseReply:
         """For each stored document asked for: ``{content_hash: vector float32[D]}`` of its
-        chunks, so a re-ingested document only embeds the chunks whose content changed."""
+        chunks, so a re-ingested document only embeds the chunks whose content changed; and for
+        each content hash asked for that a chunk here has, the vector of its lowest slot."""
         out: dict[str, dict[str, np.ndarray]] = {}
         for d in req.doc_ids:
             slots = self.doc_slots.get(d)
@@ -181,7 +192,12 @@ class ChunkStore:
                 continue
             vecs = self.dense.vectors_of(np.asarray(slots, dtype=np.int64))
             out[d] = {self.chunks[s].content_hash: vecs[i].copy() for i, s in enumerate(slots)}
-        return ReuseReply(out)
+        by_hash = {}
+        for h in req.content_hashes:
+            slots = self.hash_slots.get(h)
+            if slots:
+                by_hash[h] = self.dense.vectors_of(np.asarray([min(slots)], dtype=np.int64))[0].copy()
+        return ReuseReply(out, by_hash)
 
     def batch(self) -> pa.RecordBatch:
         """Every stored chunk with its vector, in slot order (for a snapshot)."""
@@ -190,7 +206,7 @@ class ChunkStore:
         vecs = self.dense.vectors_of(np.asarray(slots, dtype=np.int64)) if slots else np.zeros((0, self.dim), np.float32)
         return records.make_chunk_batch(
             chunk_ids=[r.chunk_id for r in recs], doc_ids=[r.doc_id for r in recs], titles=[r.title for r in recs],
-            texts=[r.text for r in recs], metadata=[json.loads(r.metadata) for r in recs],
+            texts=[r.text for r in recs], metadata=[md.loads(r.metadata) for r in recs],
             ordinals=[r.ordinal for r in recs], generations=[r.generation for r in recs],
             content_hashes=[r.content_hash for r in recs], vectors=vecs,
         )

@@ -195,7 +195,11 @@ class FetchReply:
 # ---------------------------------------------------------------------------- writes
 @message
 class ReuseRequest:
+    """Stored vectors of the documents ``doc_ids`` (this shard owns them), and of any chunk
+    here whose content hash is in ``content_hashes`` (identical text, identical vector)."""
+
     doc_ids: list[str]
+    content_hashes: list[str] = field(default_factory=list)
 
 
 @message
@@ -203,6 +207,7 @@ class ReuseReply:
     """``{doc_id: {content_hash: float32[D] vector}}`` for each stored document asked for."""
 
     vectors: dict[str, dict[str, np.ndarray]]
+    by_hash: dict[str, np.ndarray] = field(default_factory=dict)  # content hash -> float32[D]
 
 
 @message

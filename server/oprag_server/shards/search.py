@@ -5,14 +5,22 @@ eligible chunk scored; min-max in two rounds, rank lists in one) and fetching st
 Scores are float64; ties are broken by ascending chunk id (see
 :func:`oprag_server.index.fusion.top_k_order`). BM25 uses the corpus-global idf and average
 length sent by the frontend.
+
+Identical content, identical score: every dense score returned is canonical
+(:func:`oprag_server.index.dense.fixed_order_dot`), whatever the batch, the shard, the filter
+or the mode. The fast float32 scores (FAISS, BLAS) only pick the candidates: each top-n is
+refined exactly (:func:`oprag_server.index.fusion.refine_top`), computing the canonical score
+of the few candidates near the cut only, so a chunk left out can never outrank one kept.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from .. import records
-from ..index.fusion import fuse_minmax, lexical_listed, top_k_order
+from ..index.fusion import fuse_minmax, lexical_listed, refine_top, top_k_order
 from .chunks import ChunkStore
 from .protocol import (Candidates, ExactFuseReply, ExactFuseRequest, ExactListsReply, ExactListsRequest,
                        ExactRangesReply, ExactRangesRequest, FetchReply, FetchRequest, QueryBatch, SearchReply,
@@ -46,10 +54,7 @@ class Searcher:
         if req.mode in ("hybrid", "dense"):
             dense_min = self._dense_min_estimate(q).tolist()
             plain = [i for i, a in enumerate(allowed) if a is None]
-            faiss_res = {}
-            if plain:
-                ids, scores = st.dense.search(q[plain], n)
-                faiss_res = {i: (ids[j], scores[j].astype(np.float64)) for j, i in enumerate(plain)}
+            faiss_res = self._dense_tops(q, plain, n) if plain else {}
             for i in range(B):
                 slots, dense = faiss_res[i] if i in faiss_res else self._dense_top(q[i], n, allowed[i])
                 lex = st.postings.score(slots, qb.terms[i], qb.idf[i], qb.avgdl, qb.k1, qb.b)
@@ -64,41 +69,72 @@ class Searcher:
                 cids = st.ids(slots)
                 order = top_k_order(lex, cids, n)
                 slots = slots[order]
-                dense = st.dense.score_slots(q[i], slots).astype(np.float64)
+                dense = st.dense.exact_slots(q[i], slots)
                 cands.append(Candidates(slots, [cids[j] for j in order], dense, lex[order]))
         else:
             raise ValueError(f"unknown search mode {req.mode!r}")
         return SearchReply(cands, eligible, dense_min)
 
-    def _dense_top(self, q: np.ndarray, n: int, allowed: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-        """Top-n slots by inner product (FAISS, or exact numpy scoring of the allowed slots)."""
+    def _refine(self, q: np.ndarray, slots: np.ndarray, approx: np.ndarray, n: int,
+                complete: bool = True) -> tuple[np.ndarray, np.ndarray] | None:
+        """Top-n of ``slots`` by canonical score (ties: chunk id), from approximate scores
+        float[M] (see :func:`refine_top`; None: ``approx`` was a partial list that must grow)."""
         dense = self.store.dense
-        if allowed is None:
-            ids, scores = dense.search(q[None, :], n)
-            return ids[0], scores[0].astype(np.float64)
+        r = refine_top(approx, dense.score_error(q), lambda pos: dense.exact_slots(q, slots[pos]),
+                       self.store.ids(slots), n, complete=complete)
+        return None if r is None else (slots[r[0]], r[1])
+
+    def _dense_tops(self, q: np.ndarray, which: list[int], n: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """Unfiltered top-n of the queries ``which`` of float32[B, D] ``q``: one FAISS call for a
+        few more than n, refined by canonical score; a query whose cut is too close to the last
+        fetched score is asked again with four times as many (rare)."""
+        total = len(self.store.dense)
+        fetch = min(total, n + max(16, n // 4))
+        out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        while which:
+            ids, scores = self.store.dense.search(q[which], fetch)
+            again = []
+            for j, i in enumerate(which):
+                got = self._refine(q[i], ids[j], scores[j], n, complete=fetch >= total)
+                if got is None:
+                    again.append(i)
+                else:
+                    out[i] = got
+            which, fetch = again, min(total, fetch * 4)
+        return out
+
+    def _dense_top(self, q: np.ndarray, n: int, allowed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Top-n of the allowed slots int64[M] by canonical score (ties: chunk id)."""
         if allowed.size == 0:
             return allowed, np.zeros(0, np.float64)
-        sc = dense.score_slots(q, allowed).astype(np.float64)
-        order = top_k_order(sc, allowed.tolist(), n)  # ties: lower slot first
-        return allowed[order], sc[order]
+        return self._refine(q, allowed, self.store.dense.score_slots(q, allowed), n)  # type: ignore[return-value]
 
     def _dense_min_estimate(self, q: np.ndarray) -> np.ndarray:
-        """float64[B]: the lowest inner product of each query with a fixed strided sample of at
-        most :attr:`SAMPLE` of this shard's vectors (all of them when the shard is smaller): a
-        cheap estimate of the corpus-wide dense minimum that dense-first fusion normalises with."""
+        """float64[B]: the lowest canonical inner product of each query with a fixed strided
+        sample of at most :attr:`SAMPLE` of this shard's vectors (all of them when the shard is
+        smaller): a cheap estimate of the corpus-wide dense minimum that dense-first fusion
+        normalises with."""
         dense = self.store.dense
         n = len(dense)
         if n == 0:
             return np.full(q.shape[0], np.inf)
-        sample = dense.vectors[:: max(1, -(-n // self.SAMPLE))]
-        return (q @ sample.T).min(axis=1).astype(np.float64)
+        rows = np.arange(0, n, max(1, -(-n // self.SAMPLE)))
+        approx = q @ dense.vectors[rows].T
+        out = np.empty(q.shape[0], np.float64)
+        for i in range(q.shape[0]):
+            _, low = refine_top(-approx[i], dense.score_error(q[i]), lambda pos: -dense.exact_rows(q[i], rows[pos]),
+                                range(rows.size), 1)
+            out[i] = -low[0]
+        return out
 
     # ------------------------------------------------------------------ exact hybrid
     def _exact_scores(self, qb: QueryBatch) -> list[tuple]:
         """Every eligible chunk's dense and BM25 score, per query.
 
-        :returns: per query ``(rows int64[M], dense float64[M], lexical float64[M])`` where
-            rows index the dense index's row order (see :meth:`ChunkStore.row_ids`).
+        :returns: per query ``(rows int64[M], dense float64[M], lexical float64[M], q float32[D])``
+            where rows index the dense index's row order (see :meth:`ChunkStore.row_ids`);
+            ``dense`` is approximate (one BLAS product), refined where it is ranked
+            (:meth:`_dense_exact`).
         """
         st = self.store
         q = records.as_query_matrix(qb.q, st.dim)
@@ -118,18 +154,31 @@ class Searcher:
                 rows = np.arange(len(row_slots), dtype=np.int64)
             else:
                 rows = order[np.searchsorted(sorted_slots, allowed)] if allowed.size else np.zeros(0, np.int64)
-            out.append((rows, dense_all[i][rows].astype(np.float64), lexical[rows]))
+            out.append((rows, dense_all[i][rows].astype(np.float64), lexical[rows], q[i]))
         return out
 
-    def _lists(self, rows, d, lx, n: int) -> tuple[Candidates, Candidates]:
-        """Local top-n by dense and top-n by BM25 (non-zero scores only: ``lexical_listed``), each
-        entry with both scores."""
+    def _dense_exact(self, q: np.ndarray, rows: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
+        """positions int64[S] into ``rows`` -> their canonical dense scores float64[S]."""
+        return lambda pos: self.store.dense.exact_rows(q, rows[pos])
+
+    def _dense_range(self, rows, d, q) -> tuple[float, float]:
+        """Canonical (min, max) dense score over the rows (approximate scores ``d``)."""
+        exact, err = self._dense_exact(q, rows), self.store.dense.score_error(q)
+        _, hi = refine_top(d, err, exact, range(d.size), 1)
+        _, lo = refine_top(-d, err, lambda pos: -exact(pos), range(d.size), 1)
+        return float(-lo[0]), float(hi[0])
+
+    def _lists(self, rows, d, lx, q, n: int) -> tuple[Candidates, Candidates]:
+        """Local top-n by canonical dense score and top-n by BM25 (non-zero scores only:
+        ``lexical_listed``), each entry with both scores."""
         ids = self.store.row_ids()[rows]
-        od = np.asarray(top_k_order(d, ids, n), dtype=np.int64)
+        exact = self._dense_exact(q, rows)
+        od, dd = refine_top(d, self.store.dense.score_error(q), exact, ids, n)
         pos = np.nonzero(lexical_listed(lx))[0]
         ol = np.asarray(pos[top_k_order(lx[pos], ids[pos], n)] if pos.size else pos, dtype=np.int64)
         slots = self.store.dense.slots
-        return tuple(Candidates(slots[rows[o]], ids[o].tolist(), d[o], lx[o]) for o in (od, ol))  # type: ignore
+        return tuple(Candidates(slots[rows[o]], ids[o].tolist(), de, lx[o])  # type: ignore
+                     for o, de in ((od, dd), (ol, exact(ol))))
 
     def exact_ranges(self, req: ExactRangesRequest) -> ExactRangesReply:
         """Exact hybrid, round 1: score every eligible chunk (dense: one matrix product; BM25:
@@ -137,11 +186,11 @@ class Searcher:
         under ``token`` and return the local score ranges."""
         scores = self._exact_scores(req.batch)
         B = len(scores)
-        eligible = [int(rows.size) for rows, _, _ in scores]
+        eligible = [int(rows.size) for rows, *_ in scores]
         ranges = np.zeros((4, B), dtype=np.float64)
-        for i, (rows, d, lx) in enumerate(scores):
+        for i, (rows, d, lx, q) in enumerate(scores):
             if rows.size:
-                ranges[:, i] = (d.min(), d.max(), lx.min(), lx.max())
+                ranges[:, i] = (*self._dense_range(rows, d, q), lx.min(), lx.max())
         ranges = ranges.tolist()
         if len(self._rounds) > _MAX_CACHED_ROUNDS:
             self._rounds.clear()
@@ -159,13 +208,21 @@ class Searcher:
             raise RuntimeError("the index changed between the two rounds of an exact query")
         slots, row_ids = self.store.dense.slots, self.store.row_ids()
         top, dls, lls = [], [], []
-        for i, (rows, d, lx) in enumerate(scores):
-            fused = fuse_minmax(d, lx, dense_range=tuple(req.dense_range[i]), lexical_range=tuple(req.lexical_range[i]),
-                                dense_weight=req.dense_weight[i], lexical_weight=req.lexical_weight[i])
+        for i, (rows, d, lx, q) in enumerate(scores):
+            dr, wd = tuple(req.dense_range[i]), req.dense_weight[i]
+
+            def fuse(dense, lexical):
+                return fuse_minmax(dense, lexical, dense_range=dr, lexical_range=tuple(req.lexical_range[i]),
+                                   dense_weight=wd, lexical_weight=req.lexical_weight[i])
+
+            exact = self._dense_exact(q, rows)
+            span = dr[1] - dr[0]
+            # the fused score moves by at most wd / span times the dense error (plus rounding)
+            err = (wd / span if span > 0 else 0.0) * self.store.dense.score_error(q) * 1.001 + 1e-9
             ids = row_ids[rows]
-            order = np.asarray(top_k_order(fused, ids, int(req.k)), dtype=np.int64)
-            top.append(Candidates(slots[rows[order]], ids[order].tolist(), d[order], lx[order], fused[order]))
-            dl, ll = self._lists(rows, d, lx, int(req.n))
+            order, fused = refine_top(fuse(d, lx), err, lambda pos: fuse(exact(pos), lx[pos]), ids, int(req.k))
+            top.append(Candidates(slots[rows[order]], ids[order].tolist(), exact(order), lx[order], fused))
+            dl, ll = self._lists(rows, d, lx, q, int(req.n))
             dls.append(dl)
             lls.append(ll)
         return ExactFuseReply(top, dls, lls)
@@ -174,8 +231,8 @@ class Searcher:
         """Exact retrieval for rank fusion: the local top-``n`` dense and BM25 lists over every
         eligible chunk, in one round."""
         scores = self._exact_scores(req.batch)
-        lists = [self._lists(rows, d, lx, int(req.n)) for rows, d, lx in scores]
-        return ExactListsReply([int(rows.size) for rows, _, _ in scores],
+        lists = [self._lists(rows, d, lx, q, int(req.n)) for rows, d, lx, q in scores]
+        return ExactListsReply([int(rows.size) for rows, *_ in scores],
                                [dl for dl, _ in lists], [ll for _, ll in lists])
 
     # ------------------------------------------------------------------ fetch
