@@ -3,14 +3,15 @@ synthetic WikiText file, and the memory operator's list fusion."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.memory_sets import KINDS, TEMPLATES, build, wikitext_articles, words  # noqa: E402
+from bench.memory_sets import KINDS, ROWS, TEMPLATES, build, headline, wikitext_articles, words  # noqa: E402
 from oprag_server.domain import Hit  # noqa: E402
-from oprag_server.operators.memory import context_text, fuse_lists  # noqa: E402
+from oprag_server.operators.memory import context_text, fuse_lists, row_weights  # noqa: E402
 from oprag_server.shards.protocol import MemoryTurn  # noqa: E402
 
 SHARED = ["harbour", "granite", "festival", "railway", "orchard", "lantern", "meadow", "quarry", "glacier", "vineyard"]
@@ -70,3 +71,40 @@ def test_context_keeps_the_resolved_subject_and_decays_old_turns():
     assert context_text("q", [t("a", "Du Fu"), t("b", "Du Fu"), t("c", "Wang Wei")]) == "q Du Fu"  # distinct
     assert context_text("q", [t("a", "Du Fu"), t("b", "Li Bai"), t("c", "Wang Wei")]) == "q Du Fu Li Bai"  # 0.25 < 0.5
     assert context_text("q", []) == ""
+
+
+def _scored(cid: str, dense: float) -> Hit:
+    return Hit(cid, cid.split("#")[0], "", "", 0.0, dense, 0.0, 0)
+
+
+def test_a_question_without_evidence_defers_to_its_session_and_one_with_evidence_keeps_its_list():
+    # "Tell me more about it." over five one-chunk documents: cosine ~0.1 to every chunk, its
+    # own list a near-tie that happens to start with b; the session context finds a at 0.7
+    ctx = [_scored("a#0", 0.70), _scored("b#0", 0.04), _scored("c#0", 0.20), _scored("d#0", 0.03), _scored("e#0", 0.03)]
+    weak = [_scored("b#0", 0.11), _scored("d#0", 0.08), _scored("c#0", 0.03), _scored("e#0", 0.03), _scored("a#0", 0.00)]
+    assert row_weights(weak, ctx) == (0.11 / 0.70, 1.0)
+    assert [h.chunk_id for h in fuse_lists(weak, ctx, 2)] == ["a#0", "b#0"]
+    # the same lists with equal evidence: the head of the question's own list stays first
+    strong = [dataclasses.replace(h, dense_score=0.70 if h.chunk_id == "b#0" else h.dense_score) for h in weak]
+    assert row_weights(strong, ctx) == (1.0, 1.0)
+    assert fuse_lists(strong, ctx, 1)[0].chunk_id == "b#0"
+    assert row_weights([], []) == (1.0, 1.0) and row_weights(weak, [_scored("a#0", -0.2)]) == (1.0, 0.0)
+
+
+def test_headline_pools_kinds_and_a_custom_split_names_the_targets(tmp_path):
+    f = tmp_path / "wiki.txt"
+    f.write_text("".join(_article(k) for k in range(30)), encoding="utf-8")
+    arts = wikitext_articles(f)
+    halves = lambda body: [p for p in body.split("\n") if p.strip()]  # noqa: E731 - one window per paragraph
+    convs = build(arts, 0, split=halves)
+    bodies = {d: b for d, _, b in arts}
+    for c in convs:
+        assert c.target in {f"{c.doc_id}#{i}" for i in range(1, len(halves(bodies[c.doc_id])))}
+    res = {k: {r: [] for r in ROWS} for k in KINDS}
+    for k, hit in (("pronoun", True), ("chain", False), ("selfcontained", True), ("switch", False)):
+        for r in ROWS:
+            res[k][r].append(hit if r != "oracle" else True)
+    out = headline(res, [True])
+    assert out["followup_top1_with"] == 0.5 and out["followup_top1_oracle"] == 1.0
+    assert out["chain_turn3_top1_with"] == 0.0 and out["chain_turn2_top1_with"] == 1.0
+    assert out["selfcontained_top1_with"] == 0.5 and out["per_kind"]["nopronoun"]["n"] == 0

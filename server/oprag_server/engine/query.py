@@ -34,7 +34,7 @@ import numpy as np
 from ..config import BatchConfig, GenerateConfig
 from ..operators.context import build_context
 from ..operators.group import retrieve_documents
-from ..operators.memory import MEMORY_WINDOW, Memory, fuse_lists
+from ..operators.memory import Memory, fuse_session, session_rows
 from ..operators.retrieve import Retriever
 from .job import QueryJob
 from .rwlock import RWLock
@@ -211,12 +211,9 @@ class QueryEngine:
                 j.events.put_nowait(("sources", j))
 
     async def _run(self, jobs: list[QueryJob], *, answer: bool) -> None:
-        """Run one phase of the jobs' plans (:func:`split_plan`: prep, or answer) step by step.
-
-        Each step runs once, over the jobs whose plan lists it and that are still alive, and is
-        recorded on each of them and in ``oprag_stage_seconds{stage=<op>}`` (one observation per
-        request, so the histogram's count is the number of requests that ran the step).
-        """
+        """Run one phase of the jobs' plans (:func:`split_plan`: prep, or answer) step by step:
+        each step once, over the live jobs whose plan lists it; recorded on each of them and once
+        per request in ``oprag_stage_seconds{stage=<op>}`` (its count = requests that ran it)."""
         for step in batch_steps([split_plan(j.plan)[answer] for j in jobs]):
             todo = [j for j in jobs if step in j.plan and _alive(j)]
             if not todo:
@@ -237,8 +234,7 @@ class QueryEngine:
             j.memory = m
 
     async def _embed(self, jobs: list[QueryJob]) -> None:
-        """Query embedding of each question and, for a request with a session context, of that
-        context too (one extra row in the same call)."""
+        """Query embedding of each question and of its session context if any (same call)."""
         ctx = [j for j in jobs if j.memory is not None and j.memory.context_text]
         vecs = await self.embedder.embed_queries([j.question for j in jobs] + [j.memory.context_text for j in ctx])
         for j, v in zip(jobs, vecs):
@@ -249,19 +245,10 @@ class QueryEngine:
     async def _retrieve(self, jobs: list[QueryJob]) -> float:
         """Shard search, global merge and fusion, hit fields, and grouping by document for the
         requests that ask for it (:mod:`~oprag_server.operators.group`); under the index read lock.
-        A chunk-level request with a session context is searched twice in the same shard calls
-        (question row and context row, each ``memory_window`` deep) and its two lists are fused
-        (:func:`~oprag_server.operators.memory.fuse_lists`).
-
-        :returns: its run time in seconds, without the wait for the lock.
+        A request with a session context gets a second row, fused with its own
+        (:func:`~oprag_server.operators.memory.session_rows`). :returns: run time (s), lock wait excluded.
         """
-        ctx = [j for j in jobs if j.context_vector is not None and not j.spec.group_by_document]
-        deep = {id(j) for j in ctx}
-        specs = [dataclasses.replace(j.spec, top_k=max(j.spec.top_k, MEMORY_WINDOW)) if id(j) in deep else j.spec
-                 for j in jobs]
-        specs += [dataclasses.replace(j.spec, top_k=max(j.spec.top_k, MEMORY_WINDOW)) for j in ctx]
-        vecs = np.stack([j.vector for j in jobs] + [j.context_vector for j in ctx]).astype(np.float32, copy=False)
-        texts = [j.question for j in jobs] + [j.memory.context_text for j in ctx]
+        ctx, vecs, texts, specs = session_rows(jobs)
         async with self.lock.read():
             hits, times, infos, docs = await retrieve_documents(self.retriever.retrieve, vecs, texts, specs)
         fusion_hist = self.metrics.stage_seconds.labels(stage="fusion")
@@ -271,10 +258,7 @@ class QueryEngine:
             # ``fusion`` is part of ``retrieve``; ``rerank`` is its old name, kept on the wire
             j.timings_ms["fusion"] = j.timings_ms["rerank"] = times["fusion"] * 1000
         for j, h in zip(ctx, hits[len(jobs):]):
-            top = j.hits[: j.spec.top_k]
-            fused = fuse_lists(j.hits, h, j.spec.top_k, question=j.question, names=self.retriever.analyzer.tokens)
-            j.memory.used = [x.chunk_id for x in fused] != [x.chunk_id for x in top]
-            j.hits = fused if j.memory.used else top
+            j.hits = fuse_session(j.hits, h, j.spec.top_k, j.memory, j.question, self.retriever.analyzer.tokens)
         self._sample_for_monitor(jobs)
         return times["retrieve"]
 
@@ -304,8 +288,8 @@ class QueryEngine:
             return
         picked = []
         for j in jobs:
-            if j.spec.mode != "hybrid" or not j.hits or j.spec.group_by_document:
-                continue  # grouped hits are not a chunk top-k: nothing to compare
+            if j.spec.mode != "hybrid" or not j.hits or j.spec.group_by_document or (j.memory and j.memory.used):
+                continue  # grouped or memory-fused hits are not the question's chunk top-k: nothing to compare
             self._monitor_credit += self.monitor_fraction
             if self._monitor_credit >= 1.0:
                 self._monitor_credit -= 1.0
@@ -395,8 +379,7 @@ class QueryEngine:
             job.events.put_nowait(("text", delta))
 
     async def _promote(self, jobs: list[QueryJob]) -> None:
-        """Write each answered turn into its session's memory (best effort: a shard that is down
-        must not fail the answer)."""
+        """Write each answered turn into its session's memory (best effort: a shard down never fails it)."""
         outs = await asyncio.gather(
             *[self.memory.promote(j.session_id, j.question, j.answer, j.hits, j.vector, j.resolved_query or j.question)
               for j in jobs],

@@ -32,7 +32,6 @@ from ..shards.protocol import MemoryClearRequest, MemoryLookupRequest, MemoryTur
 DECAY = 0.5  # weight of a turn relative to the next newer one
 MIN_WEIGHT = 0.5  # subjects of turns weighted below this are not added to the context
 RRF_K = 10  # reciprocal-rank constant of the list fusion (small: the heads of the lists decide)
-CONTEXT_WEIGHT = 1.0  # weight of the session-context list in the fusion (question list: 1)
 MEMORY_WINDOW = 20  # depth of each of the two fused lists (at least the request's top_k)
 SUBJECT_TERMS = 3  # salient terms kept for an untitled subject
 
@@ -69,14 +68,29 @@ def context_text(question: str, turns: list[MemoryTurn], decay: float = DECAY, m
     return f"{question} {' '.join(subjects)}" if subjects else ""
 
 
+def row_weights(own: list[Hit], ctx: list[Hit]) -> tuple[float, float]:
+    """Weights of the question's list and of the session-context list in the fusion: each row's
+    evidence is the dense score (cosine of L2-normalised vectors, one embedding space for both
+    rows, so the two are comparable) of its own top hit, floored at 0; the row with more
+    evidence weighs 1, the other ``its evidence / the larger``. A question with no retrieval
+    evidence of its own ("Tell me more about it.": cosine ~0.1 to every chunk) so defers to its
+    session, one that finds its subject alone keeps it. ``(1.0, 1.0)`` when neither has any."""
+    e_own = max(own[0].dense_score, 0.0) if own else 0.0
+    e_ctx = max(ctx[0].dense_score, 0.0) if ctx else 0.0
+    m = max(e_own, e_ctx)
+    return (e_own / m, e_ctx / m) if m > 0 else (1.0, 1.0)
+
+
 def fuse_lists(own: list[Hit], ctx: list[Hit], top_k: int, rrf_k: float = RRF_K,
-               ctx_weight: float = CONTEXT_WEIGHT, question: str = "", names=None) -> list[Hit]:
+               question: str = "", names=None) -> list[Hit]:
     """The question's own list when both lists' top hits are of the same document (the
     question's subject agrees with the session's, or it names its own and the context does not
     override it) or when the question contains every analysed term of its own top hit's title
-    (``names``: the analyzer's ``tokens``; it names its subject); else reciprocal-rank fusion of the two lists (Cormack et al. 2009): ``score = 1 / (rrf_k + rank_own) + ctx_weight / (rrf_k + rank_ctx)``, 1-based
-    ranks, a list a chunk is absent from adds 0; ties by the better own rank, then chunk id.
-    The returned hits carry the fused score in ``score``; at most ``top_k``."""
+    (``names``: the analyzer's ``tokens``; it names its subject); else weighted reciprocal-rank
+    fusion of the two lists (Cormack et al. 2009, weights :func:`row_weights`):
+    ``score = w_own / (rrf_k + rank_own) + w_ctx / (rrf_k + rank_ctx)``, 1-based ranks, a list
+    a chunk is absent from adds 0; ties by the better own rank, then chunk id. The returned hits
+    carry the fused score in ``score``; at most ``top_k``."""
     if own and ctx and own[0].doc_id == ctx[0].doc_id:
         return own[:top_k]  # both rows agree on the subject: the question's own ranking stands
     if own and names and own[0].title and set(names(own[0].title)) <= set(names(question)):
@@ -84,12 +98,43 @@ def fuse_lists(own: list[Hit], ctx: list[Hit], top_k: int, rrf_k: float = RRF_K,
     score: dict[str, float] = {}
     best: dict[str, Hit] = {}
     own_rank = {h.chunk_id: r for r, h in enumerate(own, 1)}
-    for w, hits in ((1.0, own), (ctx_weight, ctx)):
+    for w, hits in zip(row_weights(own, ctx), (own, ctx)):
         for r, h in enumerate(hits, 1):
             score[h.chunk_id] = score.get(h.chunk_id, 0.0) + w / (rrf_k + r)
             best.setdefault(h.chunk_id, h)
     order = sorted(score, key=lambda c: (-score[c], own_rank.get(c, len(own) + 1), c))[:top_k]
     return [dataclasses.replace(best[c], score=score[c]) for c in order]
+
+
+def session_rows(jobs: list) -> tuple[list, np.ndarray, list[str], list]:
+    """The retrieval rows of a batch of requests (objects with ``spec``, ``vector``,
+    ``context_vector``, ``question``, ``memory``): one per request (its question), then one per
+    chunk-level request with a session context (the context text and vector). A request with a
+    context row is searched :data:`MEMORY_WINDOW` deep in both rows (the depth of the fused lists).
+
+    :returns: ``(ctx, vecs, texts, specs)``: the requests with a context row, float32
+        ``[len(jobs) + len(ctx), D]``, the texts and the specs of the rows.
+    """
+    ctx = [j for j in jobs if j.context_vector is not None and not j.spec.group_by_document]
+    deep = {id(j) for j in ctx}
+
+    def widened(spec):
+        return dataclasses.replace(spec, top_k=max(spec.top_k, MEMORY_WINDOW))
+
+    specs = [widened(j.spec) if id(j) in deep else j.spec for j in jobs] + [widened(j.spec) for j in ctx]
+    vecs = np.stack([j.vector for j in jobs] + [j.context_vector for j in ctx]).astype(np.float32, copy=False)
+    return ctx, vecs, [j.question for j in jobs] + [j.memory.context_text for j in ctx], specs
+
+
+def fuse_session(own: list[Hit], ctx: list[Hit], top_k: int, memory: MemoryContext, question: str,
+                 names=None) -> list[Hit]:
+    """The hits of a request searched with a session-context row: :func:`fuse_lists` of its two
+    lists; sets ``memory.used`` when the result differs from the question's own top ``top_k``
+    (then the fused list is returned, else the question's own)."""
+    top = own[:top_k]
+    fused = fuse_lists(own, ctx, top_k, question=question, names=names)
+    memory.used = [x.chunk_id for x in fused] != [x.chunk_id for x in top]
+    return fused if memory.used else top
 
 
 def salient_terms(analyzer: Analyzer, resolved: str, hits: list[Hit], n: int = SUBJECT_TERMS) -> list[str]:
