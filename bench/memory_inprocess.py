@@ -28,7 +28,7 @@ import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.memory_sets import KINDS, build, wikitext_articles, windows  # noqa: E402
+from bench.memory_sets import KINDS, build, headline, wikitext_articles, windows  # noqa: E402
 from oprag_server import records  # noqa: E402
 from oprag_server.config import BatchConfig, BM25Config, GenerateConfig, MemoryConfig, RetrievalConfig  # noqa: E402
 from oprag_server.domain import RetrieveSpec  # noqa: E402
@@ -94,7 +94,7 @@ def index(articles, enc, n_shards=2, cache: Path | None = None):
     return shards, stats, len(rows)
 
 
-async def evaluate(convs, shards, stats, enc, top_k=5):
+async def evaluate(convs, shards, stats, enc, top_k=5, details=None):
     pool = in_process_pool(shards)
     retriever = Retriever(pool, stats, Analyzer(), BM25Config(), RetrievalConfig())
     memory = Memory(in_process_pool(shards), MemoryConfig())
@@ -116,8 +116,11 @@ async def evaluate(convs, shards, stats, enc, top_k=5):
 
     for n, c in enumerate(convs):
         sid = f"s{nonce}-{n}"
+        trace = []
         for t, q in enumerate(c.turns):
             j, dt = await ask(q, sid)
+            trace.append({"q": q, "top": [h.chunk_id for h in j.hits[:3]], "used": bool(j.memory and j.memory.used),
+                          "ctx": j.memory.context_text if j.memory else ""})
             if t == len(c.turns) - 1 or t > 0:
                 lat_with.append(dt)
             if c.kind == "chain" and t == 1:
@@ -129,22 +132,15 @@ async def evaluate(convs, shards, stats, enc, top_k=5):
             if row == "without":
                 lat_without.append(dt)
             res[c.kind][row].append(bool(j.hits) and j.hits[0].chunk_id == c.target)
+            trace.append({"row": row, "q": q, "top": [h.chunk_id for h in j.hits[:3]]})
+        if details is not None:
+            details.append({"kind": c.kind, "targets": c.targets, "target": c.target, "trace": trace})
     await eng.stop()
-    mean = lambda xs: round(sum(xs) / len(xs), 3) if xs else None  # noqa: E731
-    per = {k: {r: mean(v) for r, v in rows.items()} | {"n": len(rows["with"])} for k, rows in res.items()}
-    fu = [k for k in ("pronoun", "nopronoun", "chain")]
-    allf = lambda r: mean([x for k in fu for x in res[k][r]])  # noqa: E731
-    sc = lambda r: mean([x for k in ("selfcontained", "switch") for x in res[k][r]])  # noqa: E731
-    return {
-        "followup_top1_with": allf("with"), "followup_top1_without": allf("without"),
-        "followup_top1_oracle": allf("oracle"), "followup_top1_naive": allf("naive"),
-        "chain_turn2_top1_with": mean(chain2), "chain_turn3_top1_with": per["chain"]["with"],
-        "selfcontained_top1_with": sc("with"), "selfcontained_top1_without": sc("without"),
-        "selfcontained_top1_naive": sc("naive"),
+    return headline(res, chain2) | {
         "session_latency_ratio_p50": round(statistics.median(lat_with) / statistics.median(lat_without), 3),
         "retrieve_p50_ms_with": round(statistics.median(lat_with) * 1000, 2),
         "retrieve_p50_ms_without": round(statistics.median(lat_without) * 1000, 2),
-        "memory_used_fraction": round(used / len(convs), 3), "per_kind": per,
+        "memory_used_fraction": round(used / len(convs), 3),
     }
 
 
@@ -155,15 +151,20 @@ def main() -> None:
     ap.add_argument("--limit-docs", type=int, default=1500)
     ap.add_argument("--family", type=int, default=0)
     ap.add_argument("--max-convs", type=int, default=0)
+    ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated kinds to run (default all)")
+    ap.add_argument("--details", type=Path, help="write one JSON line per conversation (every request's top 3)")
     a = ap.parse_args()
     arts = wikitext_articles(a.wikitext) if a.wikitext else scifact_articles(a.scifact, a.limit_docs)
-    convs = build(arts, a.family)
+    convs = [c for c in build(arts, a.family) if c.kind in a.kinds.split(",")]
     if a.max_convs:
         convs = convs[: a.max_convs]
     enc = TransformersEncoder("minilm", device="cpu")
     shards, stats, n = index(arts, enc, cache=OUT / "memcache")
     print(f"{len(arts)} articles, {n} chunks, {len(convs)} conversations", file=sys.stderr)
-    out = asyncio.run(evaluate(convs, shards, stats, enc))
+    details = [] if a.details else None
+    out = asyncio.run(evaluate(convs, shards, stats, enc, details=details))
+    if a.details:
+        a.details.write_text("".join(json.dumps(d) + "\n" for d in details), encoding="utf-8")
     out["conversations"] = len(convs)
     print(json.dumps(out))
 

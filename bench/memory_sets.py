@@ -5,7 +5,8 @@ Rules (deterministic)
 ---------------------
 1. Articles: ``(title, body)`` pairs (``oprag_client.loaders.load_wikitext`` for a WikiText
    file). Windows: ``chunk_text(body, 900)`` (character windows; a window that is only
-   whitespace is dropped). The chunk id of window ``i`` of document ``d`` is ``d#i``.
+   whitespace is dropped), or any ``split`` given to :func:`build` (bench/memory.py passes the
+   server's chunker, 256 MiniLM tokens). The chunk id of window ``i`` of document ``d`` is ``d#i``.
 2. Words: casefolded letter runs (``[^\\W\\d_]+``) of >= 4 letters; a word touching a window's
    start or end is ignored for that window. ``df`` = articles whose body has the word. Words in
    more than ``COMMON_DF`` of the articles are never keywords (a frequency rule, no stop list);
@@ -46,7 +47,7 @@ import hashlib
 import re
 from dataclasses import dataclass, field
 
-from oprag_server.operators.chunking import chunk_text
+from . import _internals
 
 WINDOW_CHARS = 900
 MIN_TARGET_CHARS = 300
@@ -93,11 +94,13 @@ def _window_words(win: str) -> list[str]:
 
 
 def windows(body: str) -> list[str]:
-    return [w for w in chunk_text(body, WINDOW_CHARS, 0) if w.strip()]
+    return [w for w in _internals.chunk_chars(body, WINDOW_CHARS, 0) if w.strip()]
 
 
-def build(articles: list[tuple[str, str, str]], family: int = 0) -> list[Conversation]:
+def build(articles: list[tuple[str, str, str]], family: int = 0, split=None) -> list[Conversation]:
     """Conversations over ``articles`` ``[(doc_id, title, body)]`` (rules in the module doc).
+    ``split(body) -> [window]`` cuts the windows (default :func:`windows`, 900 characters;
+    over gRPC the server's own chunker, so that window ``i`` is stored chunk ``d#i``).
 
     :raises KeyError: unknown template ``family``.
     """
@@ -114,7 +117,7 @@ def build(articles: list[tuple[str, str, str]], family: int = 0) -> list[Convers
     for doc_id, title, body in articles:
         if "<unk>" in title or counts[title] > 1:
             continue
-        wins = windows(body)
+        wins = (split or windows)(body)
         per = [set(w.casefold() for w in _window_words(x)) for x in wins]
         tw = set(words(title))
         cands = []
@@ -167,3 +170,31 @@ def wikitext_articles(path) -> list[tuple[str, str, str]]:
     from oprag_client.loaders import load_wikitext
 
     return [(d.id, d.title, d.text) for d in load_wikitext([Path(path)])]
+
+
+FOLLOWUP_KINDS = ("pronoun", "nopronoun", "chain")
+SELF_KINDS = ("selfcontained", "switch")
+ROWS = ("with", "without", "oracle", "naive")
+
+
+def headline(res: dict[str, dict[str, list[bool]]], chain2: list[bool]) -> dict:
+    """The issue's figures from per-kind Top-1 outcomes ``res[kind][row]`` (rows :data:`ROWS`:
+    memory on, memory off, oracle, naive prepend) and the chain's turn-2 outcomes: means over
+    the follow-up kinds (:data:`FOLLOWUP_KINDS`, chain scored at turn 3) and over the
+    self-contained kinds (:data:`SELF_KINDS`), 3 decimals; ``per_kind`` every row of every kind
+    (``n`` conversations) and ``oracle_ratio``/``without_ratio`` of each follow-up kind."""
+    mean = lambda xs: round(sum(xs) / len(xs), 3) if xs else None  # noqa: E731
+    per = {k: {r: mean(res[k][r]) for r in ROWS} | {"n": len(res[k]["with"])} for k in res}
+    for k in FOLLOWUP_KINDS:
+        p = per.get(k)
+        if p and p["with"] is not None:
+            p["oracle_ratio"] = round(p["with"] / p["oracle"], 3) if p["oracle"] else None
+            p["without_ratio"] = round(p["with"] / p["without"], 3) if p["without"] else None
+    pool = lambda kinds, r: mean([x for k in kinds if k in res for x in res[k][r]])  # noqa: E731
+    return {
+        "followup_top1_with": pool(FOLLOWUP_KINDS, "with"), "followup_top1_without": pool(FOLLOWUP_KINDS, "without"),
+        "followup_top1_oracle": pool(FOLLOWUP_KINDS, "oracle"), "followup_top1_naive": pool(FOLLOWUP_KINDS, "naive"),
+        "chain_turn2_top1_with": mean(chain2), "chain_turn3_top1_with": per.get("chain", {}).get("with"),
+        "selfcontained_top1_with": pool(SELF_KINDS, "with"), "selfcontained_top1_without": pool(SELF_KINDS, "without"),
+        "selfcontained_top1_naive": pool(SELF_KINDS, "naive"), "per_kind": per,
+    }
