@@ -11,6 +11,8 @@ function here               server part                             why
 ==========================  ======================================  ===========================
 :func:`chunk_text`          the server's chunker (MiniLM tokens)    baselines and evaluation
                                                                     sets cut the same chunks
+:func:`chunk_chars`         the same chunker on code points         the memory sets' default
+                                                                    900-character windows
 :func:`analyzer`            the BM25 analyzer                       reference / LangChain BM25
                                                                     over the same tokens
 :func:`encoder`             ``TransformersEncoder`` (MiniLM)        same query vectors, same
@@ -43,6 +45,13 @@ def chunk_text(text: str, size: int = 256, overlap: int = 0) -> list[str]:
     if key not in _CHUNKERS:
         _CHUNKERS[key] = Chunker.for_model(resolve_encoder_path("minilm"), 256, size, overlap)
     return _CHUNKERS[key].chunks(text)
+
+
+def chunk_chars(text: str, size: int = 900, overlap: int = 0) -> list[str]:
+    """The server's chunker with sizes in code points (no tokenizer), e.g. 900-character windows."""
+    from oprag_server.operators.chunking import chunk_text
+
+    return chunk_text(text, size, overlap)
 
 
 def analyzer():

@@ -1,5 +1,14 @@
 """Conversational-memory benchmark: does the ``memory`` operator resolve implicit follow-ups?
 
+Two sets. The default, ``--set conversations``, runs the conversation sets of
+:mod:`bench.memory_sets` (follow-ups with and without a pronoun, chains of three turns,
+self-contained questions that contain "it"/"they" but name their subject, a topic switch inside
+a session; template family ``--family 0|1``) over gRPC as :mod:`bench.memory_conv` describes,
+with the oracle and naive-prepend rows, and prints the issue's keys (``followup_top1_with``,
+``followup_top1_without``, ``followup_top1_oracle``, ``chain_turn3_top1_with``,
+``selfcontained_top1_with``, ``selfcontained_top1_without``, ``session_latency_ratio_p50``,
+``memory_stage_ms_p95``, ``per_kind``). ``--set pairs`` runs the original pairs described below.
+
 The evaluation set (deterministic; regenerable from any WikiText file)
 ---------------------------------------------------------------------
 
@@ -305,7 +314,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--shards", type=int, default=2)
     ap.add_argument("--top-k", type=int, default=10)
     ap.add_argument("--mode", default="hybrid")
-    ap.add_argument("--limit", type=int, default=0, help="use only the first N pairs (smoke tests)")
+    ap.add_argument("--set", choices=("conversations", "pairs"), default="conversations",
+                    help="conversations: the sets of bench/memory_sets.py (five kinds, the issue's JSON keys); "
+                         "pairs: the original follow-up/self-contained pairs below")
+    ap.add_argument("--family", type=int, default=0, help="template family of the conversations (0 or 1)")
+    ap.add_argument("--limit", type=int, default=0,
+                    help="use only the first N pairs (conversations: N of each kind) -- a --quick subset")
     ap.add_argument("--warmup", type=int, default=5, help="untimed requests first")
     ap.add_argument("--server-arg", action="append", default=[], help="extra server argument (repeatable)")
     ap.add_argument("--pairs-out", type=Path, default=OUT / "memory-pairs.jsonl")
@@ -502,6 +516,8 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.perf_counter()
     result: dict = {"machine": machine_info(), "git": _git_rev()}
+    if a.set == "conversations":
+        return run_conversations(a, result, t_start)
     pairs, set_info = build_set(a)
     docs = list(load_wikitext([a.wikitext]))
     if a.fresh and a.data_dir.exists():
@@ -540,6 +556,38 @@ def main(argv: list[str] | None = None) -> int:
     })
     write_pairs(a.pairs_out, pairs, runs)
     log_summary(result, Q, a.pairs_out)
+    if a.json:
+        emit_json(result)
+    return 0
+
+
+def run_conversations(a, result: dict, t_start: float) -> int:
+    """``--set conversations``: :mod:`bench.memory_conv` against a real server."""
+    from oprag_client.client import OpRAGClient
+    from oprag_client.loaders import load_wikitext
+
+    from . import memory_conv
+
+    convs, bodies = memory_conv.conversations(a.wikitext, a.family, a.limit)
+    log(f"set: {len(convs)} conversations (family {a.family}) from {a.wikitext}")
+    docs = list(load_wikitext([a.wikitext]))
+    if a.fresh and a.data_dir.exists():
+        shutil.rmtree(a.data_dir)
+    srv = start_server(a.data_dir, *a.server_args, log_path=OUT / "memory-server.log")
+    try:
+        with OpRAGClient(srv.target) as c:
+            ingest_corpus(c, a, docs, result)
+            t = time.perf_counter()
+            runs = memory_conv.ask(c, convs, a.top_k, a.mode, a.warmup)
+            result["query_seconds"] = round(time.perf_counter() - t, 1)
+        srv.stop()
+    finally:
+        srv.stop()
+    out = memory_conv.score(convs, runs, memory_conv.resolve(convs, bodies, a.data_dir))
+    memory_conv.log_summary(out)
+    result.update(out, set={"file": str(a.wikitext), "family": a.family, "limit_per_kind": a.limit},
+                  settings={"top_k": a.top_k, "mode": a.mode, "shards": a.shards, "server_args": a.server_args},
+                  seconds=round(time.perf_counter() - t_start, 1))
     if a.json:
         emit_json(result)
     return 0

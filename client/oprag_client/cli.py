@@ -210,7 +210,8 @@ def cmd_query(a) -> int:
         return _rpc_error(exc)
     if a.json:
         out = {"answer": answer, "hits": [_hit_json(h) for h in r.hits], "timings_ms": dict(r.timings_ms),
-               "request_id": r.request_id, "memory_context": r.memory_context}
+               "request_id": r.request_id, "memory_context": r.memory_context, "memory_used": r.memory_used,
+               "resolved_query": r.resolved_query}
         if answer is not None:
             out["sources"] = [{"number": s.number, "chunk_id": s.chunk_id, "doc_id": s.doc_id, "title": s.title,
                                "truncated": s.truncated} for s in r.sources]

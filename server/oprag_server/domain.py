@@ -110,6 +110,8 @@ class MemoryContext:
     retrieval_text: str  # the text that is embedded and analysed for retrieval
     memory_text: str  # prior-turn text shown to the caller (and the prompt), "" if none
     turns: int
+    context_text: str = ""  # the question with the session's subject: a second retrieval row ("" = none)
+    used: bool = False  # memory changed the retrieval (the fused ranking differs from the question's)
 
 
 @dataclass

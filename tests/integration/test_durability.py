@@ -69,3 +69,31 @@ def test_kill9_during_ingest_loses_nothing_acknowledged(tmp_path_factory, trial)
             assert st.documents >= sum(n for _, n in acked)
     finally:
         srv.stop()
+
+
+def test_kill9_keeps_recorded_turns_and_cleared_sessions_stay_cleared(tmp_path_factory):
+    """Session memory is as durable as documents: turns recorded by Retrieve with a session and
+    a ClearSession, all acknowledged, survive kill -9 of the whole service; the cleared session
+    does not come back."""
+    data = tmp_path_factory.mktemp("memcrash")
+    srv = ServerProcess(data, free_port(), free_port(), "--generator", "none").start()
+    try:
+        with OpRAGClient(srv.target, timeout=60) as c:
+            c.ingest([Doc("m1", "The Z900 warranty lasts 36 months."), Doc("m2", "The X100 warranty lasts 24 months.")])
+            for sid, n in (("keep", 3), ("gone", 2), ("other", 1)):
+                for i in range(n):
+                    c.retrieve(f"What is the Z900 warranty? ({i})", session_id=sid, top_k=2)
+            assert c.clear_session("gone").records_removed == 2
+            before = c.stats().memory_records
+    finally:
+        srv.kill9()
+    assert before == 4
+    srv.start()
+    try:
+        with OpRAGClient(srv.target, timeout=60) as c:
+            assert c.stats().memory_records == 4
+            assert c.clear_session("gone").records_removed == 0  # never resurrected
+            assert c.clear_session("keep").records_removed == 3
+            assert c.clear_session("other").records_removed == 1
+    finally:
+        srv.stop()

@@ -208,15 +208,23 @@ def test_oversized_message_is_refused_not_fatal(server, client, ingested):
     assert server.alive() and client.stats().documents == len(DOCS)
 
 
+FOLLOW_UP = "Tell me more about it."  # no evidence of its own in DOCS: only the session says what "it" is
+
+
 def test_session_memory_is_isolated(client, ingested):
+    alone = client.retrieve(FOLLOW_UP, top_k=3)
+    assert alone.hits[0].doc_id != "lighthouse" and not alone.memory_used  # ambiguous without a session
     client.query("When was the Varnholm Lighthouse completed?", session_id="s1", max_new_tokens=8)
-    r = client.retrieve("Who designed its lantern?", session_id="s1", top_k=3)
-    assert "Varnholm" in r.memory_context
-    assert r.hits[0].doc_id == "lighthouse"
-    other = client.retrieve("Who designed its lantern?", session_id="s2", top_k=3)
-    assert other.memory_context == ""
+    r = client.retrieve(FOLLOW_UP, session_id="s1", top_k=3)
+    assert r.memory_used and r.hits[0].doc_id == "lighthouse"
+    assert "Varnholm" in r.memory_context and "Varnholm Lighthouse" in r.resolved_query
+    other = client.retrieve(FOLLOW_UP, session_id="s2", top_k=3)  # a session with no turns
+    assert not other.memory_used and other.memory_context == "" and other.resolved_query == ""
+    assert [h.chunk_id for h in other.hits] == [h.chunk_id for h in alone.hits]
     assert client.clear_session("s1").records_removed >= 2  # the Query turn and the Retrieve turn
-    assert client.retrieve("Who designed its lantern?", session_id="s1", top_k=3).memory_context == ""
+    cleared = client.retrieve(FOLLOW_UP, session_id="s1", top_k=3)
+    assert not cleared.memory_used and cleared.memory_context == ""
+    assert [h.chunk_id for h in cleared.hits] == [h.chunk_id for h in alone.hits]
 
 
 def test_sessions_stay_isolated_under_concurrency(server, ingested):
@@ -229,13 +237,22 @@ def test_sessions_stay_isolated_under_concurrency(server, ingested):
     sessions = {f"iso-{i}": topics[i % len(topics)] for i in range(20)}
     with OpRAGClient(server.target, timeout=120) as c, ThreadPoolExecutor(10) as ex:
         list(ex.map(lambda sid: c.retrieve(firsts[sessions[sid]], session_id=sid, top_k=2), sessions))
-        follow = dict(zip(sessions, ex.map(
-            lambda sid: c.retrieve("Tell me more about it.", session_id=sid, top_k=2), sessions)))
+        alone = c.retrieve(FOLLOW_UP, top_k=2).hits[0].doc_id  # the question's own top document
+        follow = dict(zip(sessions, ex.map(lambda sid: c.retrieve(FOLLOW_UP, session_id=sid, top_k=2), sessions)))
+        titles = {d.id: d.title for d in DOCS}
         for sid, topic in sessions.items():
-            ctx = follow[sid].memory_context
-            assert firsts[topic] in ctx, (sid, ctx)
+            r = follow[sid]
+            assert r.hits[0].doc_id == topic, (sid, [h.doc_id for h in r.hits])
+            # memory reports itself exactly when it changed the ranking: every session but the
+            # ones whose subject the question's own list already puts first
+            assert r.memory_used == (topic != alone), sid
+            if r.memory_used:
+                assert firsts[topic] in r.memory_context and titles[topic] in r.resolved_query, (sid, r.memory_context)
+            else:
+                assert r.memory_context == "" and r.resolved_query == "", sid
+            ctx = r.memory_context + r.resolved_query
             assert not any(q in ctx for t, q in firsts.items() if t != topic), (sid, ctx)
-            assert follow[sid].hits[0].doc_id == topic, (sid, [h.doc_id for h in follow[sid].hits])
+            assert not any(ti in r.resolved_query for t, ti in titles.items() if t != topic), (sid, r.resolved_query)
         removed = list(ex.map(lambda sid: c.clear_session(sid).records_removed, sessions))
     assert removed == [2] * len(sessions)
 
@@ -305,14 +322,21 @@ def test_cli_session_follow_up_no_memory_and_clear(server, ingested):
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout)
 
+    alone = q(FOLLOW_UP)
+    assert alone["hits"][0]["doc_id"] != "lighthouse" and not alone["memory_used"]
     q("--session", "cli-s", "When was the Varnholm Lighthouse completed?")
-    follow = q("--session", "cli-s", "Who designed its lantern?")
-    assert "Varnholm" in follow["memory_context"] and follow["hits"][0]["doc_id"] == "lighthouse"
-    assert q("--session", "cli-s", "--no-memory", "Who designed its lantern?")["memory_context"] == ""
+    follow = q("--session", "cli-s", FOLLOW_UP)
+    assert follow["memory_used"] and "Varnholm" in follow["memory_context"]
+    assert "Varnholm Lighthouse" in follow["resolved_query"] and follow["hits"][0]["doc_id"] == "lighthouse"
+    off = q("--session", "cli-s", "--no-memory", FOLLOW_UP)
+    assert not off["memory_used"] and off["memory_context"] == "" and off["resolved_query"] == ""
+    assert [h["chunk_id"] for h in off["hits"]] == [h["chunk_id"] for h in alone["hits"]]
     out = subprocess.run(cli + ["clear-session", *base, "--json", "cli-s"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["records_removed"] == 2  # the two memory-on turns; --no-memory records nothing
-    assert q("--session", "cli-s", "Who designed its lantern?")["memory_context"] == ""
+    cleared = q("--session", "cli-s", FOLLOW_UP)
+    assert not cleared["memory_used"] and cleared["memory_context"] == ""
+    assert cleared["hits"][0]["doc_id"] == alone["hits"][0]["doc_id"]
 
 
 def test_restart_serves_the_same_corpus(server, client, ingested, tmp_path):

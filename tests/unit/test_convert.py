@@ -153,7 +153,7 @@ def finished_job() -> QueryJob:
     j.hits = [Hit("c1", "d1", "T", "text", 0.9, 0.8, 1.5, 1, {"k": "v"}, 1, 2)]
     j.info = RetrievalInfo("hybrid", "minmax", 0.5, 0.5, 60, 256, chunks_searched=10, missing_shards=[1])
     j.payload = ContextPayload("prompt", 42, [SourceRef(1, "c1", "d1", "T", 30, True)])
-    j.memory = MemoryContext("rq", "earlier turn", 1)
+    j.memory = MemoryContext("rq", "earlier turn", 1, context_text="rq subject", used=True)
     j.answer, j.completion_tokens, j.finish_reason, j.ttft_ms = "A", 5, "stop", 12.5
     j.timings_ms = {"queue": 1.0}
     j.plan = (PlanStep("embed", "gpu"),)
@@ -176,6 +176,19 @@ def test_query_response_converts_every_field():
     assert dict(r.timings_ms) == pytest.approx({"queue": 1.0, "embed": 2.0}) and r.ttft_ms == 12.5
     assert [(t.op, t.domain) for t in r.trace.stages] == [("embed", "gpu")]
     assert [t.queue_ms for t in r.trace.stages] == pytest.approx([1.0]) and r.trace.stages[0].run_ms == pytest.approx(2.0)
+
+
+def test_memory_context_only_when_memory_changed_the_retrieval():
+    j = finished_job()
+    for r in (convert.retrieve_response(j, include_trace=False),
+              convert.query_response(j, include_trace=False, has_generator=True),
+              convert.stream_event("sources", j).sources):
+        assert (r.memory_context, r.memory_used, r.resolved_query) == ("earlier turn", True, "rq subject")
+    j.memory.used = False  # looked up, but the fused ranking equals the question's own
+    for r in (convert.retrieve_response(j, include_trace=False),
+              convert.query_response(j, include_trace=False, has_generator=True),
+              convert.stream_event("sources", j).sources):
+        assert (r.memory_context, r.memory_used, r.resolved_query) == ("", False, "")
 
 
 def test_response_without_trace_generator_payload_or_info():

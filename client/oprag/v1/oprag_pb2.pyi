@@ -218,20 +218,24 @@ class Trace(_message.Message):
     def __init__(self, stages: _Optional[_Iterable[_Union[StageTrace, _Mapping]]] = ...) -> None: ...
 
 class SourcesEvent(_message.Message):
-    __slots__ = ("request_id", "hits", "sources", "retrieval", "memory_context", "documents")
+    __slots__ = ("request_id", "hits", "sources", "retrieval", "memory_context", "documents", "memory_used", "resolved_query")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     RETRIEVAL_FIELD_NUMBER: _ClassVar[int]
     MEMORY_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_FIELD_NUMBER: _ClassVar[int]
+    RESOLVED_QUERY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     hits: _containers.RepeatedCompositeFieldContainer[Hit]
     sources: _containers.RepeatedCompositeFieldContainer[Source]
     retrieval: RetrievalInfo
     memory_context: str
     documents: _containers.RepeatedCompositeFieldContainer[DocumentHit]
-    def __init__(self, request_id: _Optional[str] = ..., hits: _Optional[_Iterable[_Union[Hit, _Mapping]]] = ..., sources: _Optional[_Iterable[_Union[Source, _Mapping]]] = ..., retrieval: _Optional[_Union[RetrievalInfo, _Mapping]] = ..., memory_context: _Optional[str] = ..., documents: _Optional[_Iterable[_Union[DocumentHit, _Mapping]]] = ...) -> None: ...
+    memory_used: bool
+    resolved_query: str
+    def __init__(self, request_id: _Optional[str] = ..., hits: _Optional[_Iterable[_Union[Hit, _Mapping]]] = ..., sources: _Optional[_Iterable[_Union[Source, _Mapping]]] = ..., retrieval: _Optional[_Union[RetrievalInfo, _Mapping]] = ..., memory_context: _Optional[str] = ..., documents: _Optional[_Iterable[_Union[DocumentHit, _Mapping]]] = ..., memory_used: _Optional[bool] = ..., resolved_query: _Optional[str] = ...) -> None: ...
 
 class DoneEvent(_message.Message):
     __slots__ = ("answer", "timings_ms", "prompt_tokens", "completion_tokens", "finish_reason", "ttft_ms", "trace")
@@ -355,7 +359,7 @@ class Source(_message.Message):
     def __init__(self, number: _Optional[int] = ..., chunk_id: _Optional[str] = ..., doc_id: _Optional[str] = ..., title: _Optional[str] = ..., tokens: _Optional[int] = ..., truncated: _Optional[bool] = ...) -> None: ...
 
 class QueryResponse(_message.Message):
-    __slots__ = ("answer", "hits", "timings_ms", "request_id", "sources", "prompt_tokens", "completion_tokens", "finish_reason", "memory_context", "retrieval", "trace", "ttft_ms", "documents")
+    __slots__ = ("answer", "hits", "timings_ms", "request_id", "sources", "prompt_tokens", "completion_tokens", "finish_reason", "memory_context", "retrieval", "trace", "ttft_ms", "documents", "memory_used", "resolved_query")
     class TimingsMsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -376,6 +380,8 @@ class QueryResponse(_message.Message):
     TRACE_FIELD_NUMBER: _ClassVar[int]
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_FIELD_NUMBER: _ClassVar[int]
+    RESOLVED_QUERY_FIELD_NUMBER: _ClassVar[int]
     answer: str
     hits: _containers.RepeatedCompositeFieldContainer[Hit]
     timings_ms: _containers.ScalarMap[str, float]
@@ -389,10 +395,12 @@ class QueryResponse(_message.Message):
     trace: Trace
     ttft_ms: float
     documents: _containers.RepeatedCompositeFieldContainer[DocumentHit]
-    def __init__(self, answer: _Optional[str] = ..., hits: _Optional[_Iterable[_Union[Hit, _Mapping]]] = ..., timings_ms: _Optional[_Mapping[str, float]] = ..., request_id: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[Source, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., memory_context: _Optional[str] = ..., retrieval: _Optional[_Union[RetrievalInfo, _Mapping]] = ..., trace: _Optional[_Union[Trace, _Mapping]] = ..., ttft_ms: _Optional[float] = ..., documents: _Optional[_Iterable[_Union[DocumentHit, _Mapping]]] = ...) -> None: ...
+    memory_used: bool
+    resolved_query: str
+    def __init__(self, answer: _Optional[str] = ..., hits: _Optional[_Iterable[_Union[Hit, _Mapping]]] = ..., timings_ms: _Optional[_Mapping[str, float]] = ..., request_id: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[Source, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., memory_context: _Optional[str] = ..., retrieval: _Optional[_Union[RetrievalInfo, _Mapping]] = ..., trace: _Optional[_Union[Trace, _Mapping]] = ..., ttft_ms: _Optional[float] = ..., documents: _Optional[_Iterable[_Union[DocumentHit, _Mapping]]] = ..., memory_used: _Optional[bool] = ..., resolved_query: _Optional[str] = ...) -> None: ...
 
 class RetrieveResponse(_message.Message):
-    __slots__ = ("hits", "timings_ms", "request_id", "memory_context", "retrieval", "trace", "documents")
+    __slots__ = ("hits", "timings_ms", "request_id", "memory_context", "retrieval", "trace", "documents", "memory_used", "resolved_query")
     class TimingsMsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -407,6 +415,8 @@ class RetrieveResponse(_message.Message):
     RETRIEVAL_FIELD_NUMBER: _ClassVar[int]
     TRACE_FIELD_NUMBER: _ClassVar[int]
     DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_FIELD_NUMBER: _ClassVar[int]
+    RESOLVED_QUERY_FIELD_NUMBER: _ClassVar[int]
     hits: _containers.RepeatedCompositeFieldContainer[Hit]
     timings_ms: _containers.ScalarMap[str, float]
     request_id: str
@@ -414,7 +424,9 @@ class RetrieveResponse(_message.Message):
     retrieval: RetrievalInfo
     trace: Trace
     documents: _containers.RepeatedCompositeFieldContainer[DocumentHit]
-    def __init__(self, hits: _Optional[_Iterable[_Union[Hit, _Mapping]]] = ..., timings_ms: _Optional[_Mapping[str, float]] = ..., request_id: _Optional[str] = ..., memory_context: _Optional[str] = ..., retrieval: _Optional[_Union[RetrievalInfo, _Mapping]] = ..., trace: _Optional[_Union[Trace, _Mapping]] = ..., documents: _Optional[_Iterable[_Union[DocumentHit, _Mapping]]] = ...) -> None: ...
+    memory_used: bool
+    resolved_query: str
+    def __init__(self, hits: _Optional[_Iterable[_Union[Hit, _Mapping]]] = ..., timings_ms: _Optional[_Mapping[str, float]] = ..., request_id: _Optional[str] = ..., memory_context: _Optional[str] = ..., retrieval: _Optional[_Union[RetrievalInfo, _Mapping]] = ..., trace: _Optional[_Union[Trace, _Mapping]] = ..., documents: _Optional[_Iterable[_Union[DocumentHit, _Mapping]]] = ..., memory_used: _Optional[bool] = ..., resolved_query: _Optional[str] = ...) -> None: ...
 
 class DeleteRequest(_message.Message):
     __slots__ = ("doc_ids",)

@@ -58,6 +58,7 @@ class QueryJob:
     # ---------------------------------------------------------------- per-operator outputs
     memory: MemoryContext | None = None  # memory: retrieval text and earlier turns
     vector: np.ndarray | None = None  # embed: float32[D], L2-normalised (or query_vector)
+    context_vector: np.ndarray | None = None  # embed: float32[D] of memory.context_text (None: no context row)
     hits: list[Hit] = field(default_factory=list)  # retrieve: ranked, at most spec.top_k (grouped: documents' chunks)
     documents: list[DocumentHit] | None = None  # retrieve, with spec.group_by_document: ranked documents
     info: Any = None  # retrieve: RetrievalInfo
@@ -84,8 +85,13 @@ class QueryJob:
 
     @property
     def retrieval_text(self) -> str:
-        """What is embedded and BM25-scored: the question, resolved by memory when it ran."""
+        """What is embedded and BM25-scored for the question's own row."""
         return self.memory.retrieval_text if self.memory is not None else self.question
+
+    @property
+    def resolved_query(self) -> str:
+        """The session context when memory changed the retrieval, else ""."""
+        return self.memory.context_text if self.memory is not None and self.memory.used else ""
 
     def record(self, step: PlanStep, end: float, run_s: float) -> None:
         """Note that ``step`` ran for this job for ``run_s`` seconds, ending at ``end``

@@ -34,7 +34,7 @@ import numpy as np
 from ..config import BatchConfig, GenerateConfig
 from ..operators.context import build_context
 from ..operators.group import retrieve_documents
-from ..operators.memory import Memory
+from ..operators.memory import Memory, fuse_session, session_rows
 from ..operators.retrieve import Retriever
 from .job import QueryJob
 from .rwlock import RWLock
@@ -211,11 +211,9 @@ class QueryEngine:
                 j.events.put_nowait(("sources", j))
 
     async def _run(self, jobs: list[QueryJob], *, answer: bool) -> None:
-        """Run one phase of the jobs' plans (:func:`split_plan`: prep, or answer) step by step.
-
-        Each step runs once, over the jobs whose plan lists it and that are still alive, and is
-        recorded on each of them and in ``oprag_stage_seconds{stage=<op>}``.
-        """
+        """Run one phase of the jobs' plans (:func:`split_plan`: prep, or answer) step by step:
+        each step once, over the live jobs whose plan lists it; recorded on each of them and once
+        per request in ``oprag_stage_seconds{stage=<op>}`` (its count = requests that ran it)."""
         for step in batch_steps([split_plan(j.plan)[answer] for j in jobs]):
             todo = [j for j in jobs if step in j.plan and _alive(j)]
             if not todo:
@@ -224,36 +222,43 @@ class QueryEngine:
             run_s = await self._operators[step.op](todo)
             end = time.perf_counter()
             run_s = end - t if run_s is None else run_s
-            self.metrics.stage_seconds.labels(stage=step.op).observe(run_s)
-            for j in todo:
+            hist = self.metrics.stage_seconds.labels(stage=step.op)
+            for j in todo:  # one observation per request (a batch's run time, seen by each of them)
+                hist.observe(run_s)
                 j.record(step, end, run_s)
 
     # ------------------------------------------------------------------ operators
     async def _memory(self, jobs: list[QueryJob]) -> None:
-        """Session memory lookup (one shard call per shard for the batch)."""
+        """Session memory lookup (one shard call per shard for the batch): the session context."""
         for j, m in zip(jobs, await self.memory.lookup([j.question for j in jobs], [j.session_id for j in jobs])):
             j.memory = m
 
     async def _embed(self, jobs: list[QueryJob]) -> None:
-        """Query embedding of the (memory-resolved) retrieval text."""
-        for j, v in zip(jobs, await self.embedder.embed_queries([j.retrieval_text for j in jobs])):
+        """Query embedding of each question and of its session context if any (same call)."""
+        ctx = [j for j in jobs if j.memory is not None and j.memory.context_text]
+        vecs = await self.embedder.embed_queries([j.question for j in jobs] + [j.memory.context_text for j in ctx])
+        for j, v in zip(jobs, vecs):
             j.vector = v
+        for j, v in zip(ctx, vecs[len(jobs):]):
+            j.context_vector = v
 
     async def _retrieve(self, jobs: list[QueryJob]) -> float:
         """Shard search, global merge and fusion, hit fields, and grouping by document for the
         requests that ask for it (:mod:`~oprag_server.operators.group`); under the index read lock.
-
-        :returns: its run time in seconds, without the wait for the lock.
+        A request with a session context gets a second row, fused with its own
+        (:func:`~oprag_server.operators.memory.session_rows`). :returns: run time (s), lock wait excluded.
         """
-        vecs = np.stack([j.vector for j in jobs]).astype(np.float32, copy=False)
+        ctx, vecs, texts, specs = session_rows(jobs)
         async with self.lock.read():
-            hits, times, infos, docs = await retrieve_documents(
-                self.retriever.retrieve, vecs, [j.retrieval_text for j in jobs], [j.spec for j in jobs])
-        self.metrics.stage_seconds.labels(stage="fusion").observe(times["fusion"])
+            hits, times, infos, docs = await retrieve_documents(self.retriever.retrieve, vecs, texts, specs)
+        fusion_hist = self.metrics.stage_seconds.labels(stage="fusion")
         for j, h, info, d in zip(jobs, hits, infos, docs):
+            fusion_hist.observe(times["fusion"])
             j.hits, j.info, j.documents = h, info, d
             # ``fusion`` is part of ``retrieve``; ``rerank`` is its old name, kept on the wire
             j.timings_ms["fusion"] = j.timings_ms["rerank"] = times["fusion"] * 1000
+        for j, h in zip(ctx, hits[len(jobs):]):
+            j.hits = fuse_session(j.hits, h, j.spec.top_k, j.memory, j.question, self.retriever.analyzer.tokens)
         self._sample_for_monitor(jobs)
         return times["retrieve"]
 
@@ -283,8 +288,8 @@ class QueryEngine:
             return
         picked = []
         for j in jobs:
-            if j.spec.mode != "hybrid" or not j.hits or j.spec.group_by_document:
-                continue  # grouped hits are not a chunk top-k: nothing to compare
+            if j.spec.mode != "hybrid" or not j.hits or j.spec.group_by_document or (j.memory and j.memory.used):
+                continue  # grouped or memory-fused hits are not the question's chunk top-k: nothing to compare
             self._monitor_credit += self.monitor_fraction
             if self._monitor_credit >= 1.0:
                 self._monitor_credit -= 1.0
@@ -374,11 +379,10 @@ class QueryEngine:
             job.events.put_nowait(("text", delta))
 
     async def _promote(self, jobs: list[QueryJob]) -> None:
-        """Write each answered turn into its session's memory (best effort: a shard that is down
-        must not fail the answer)."""
+        """Write each answered turn into its session's memory (best effort: a shard down never fails it)."""
         outs = await asyncio.gather(
-            *[self.memory.promote(j.session_id, j.question, j.answer, [h.chunk_id for h in j.hits],
-                                  [h.title for h in j.hits], j.vector) for j in jobs],
+            *[self.memory.promote(j.session_id, j.question, j.answer, j.hits, j.vector, j.resolved_query or j.question)
+              for j in jobs],
             return_exceptions=True,
         )
         for o in outs:

@@ -2,36 +2,38 @@
 
 Records of a session live on the shard its session id routes to (the same stable hash as
 documents). *Lookup* runs before embedding, for all sessions of a scheduler batch in one call
-per shard, and resolves what a follow-up question leaves implicit by appending the previous
-turn's subject (question and source titles) to the retrieval text. *Promotion* after an answer
-writes a compact record (question, answer summary, chunk ids, source titles, embedding)
-through the shard's promote op. A record is only ever visible to queries of its own session.
+per shard, and builds the *session context* of each question: the question followed by the
+resolved subject of the session's recent turns (newest first, a turn ``a`` turns old weighted
+``decay ** a``; subjects under ``min_weight`` are left out). The query is then retrieved twice
+in the same embed and shard calls -- the question alone and the session context, one extra row
+-- and the two ranked lists are fused by reciprocal rank (:func:`fuse_lists`): a chunk both
+lists rank high wins, so a follow-up whose subject is implicit gains from the context row while
+a question that names its own subject keeps the chunks its own list ranks first.
+
+*Promotion* after an answer writes a compact record through the shard's promote op: the
+question, the retrieval text it resolved to, an answer summary, and its *subject* -- the
+documents and titles of its top sources, and (for untitled sources) the salient terms: terms of
+the resolved query found in the top source but not in the best source of another document. A
+chain of follow-ups therefore keeps its subject. No word list takes part in any decision.
 """
 
 from __future__ import annotations
 
-import re
+import dataclasses
 
 import numpy as np
 
 from ..config import MemoryConfig
-from ..domain import MemoryContext
-from ..index.analyzer import strip_ignorable
+from ..domain import Hit, MemoryContext
+from ..index.analyzer import Analyzer
 from ..shards.pool import ShardPool
 from ..shards.protocol import MemoryClearRequest, MemoryLookupRequest, MemoryTurn, Op, PromoteRequest
 
-# Words that make a question depend on an earlier turn (anaphora, demonstratives).
-_FOLLOW_UP = frozenset(
-    "it its it's they them their theirs this that these those he she him his her hers there "
-    "then such former latter".split()
-)
-_WORD = re.compile(r"[^\W_]+", re.UNICODE)
-
-
-def is_follow_up(question: str) -> bool:
-    """True when the question refers back (a pronoun or demonstrative) or is very short."""
-    words = [w.casefold() for w in _WORD.findall(strip_ignorable(question))]
-    return bool(words) and (len(words) <= 3 or any(w in _FOLLOW_UP for w in words))
+DECAY = 0.5  # weight of a turn relative to the next newer one
+MIN_WEIGHT = 0.5  # subjects of turns weighted below this are not added to the context
+RRF_K = 10  # reciprocal-rank constant of the list fusion (small: the heads of the lists decide)
+MEMORY_WINDOW = 20  # depth of each of the two fused lists (at least the request's top_k)
+SUBJECT_TERMS = 3  # salient terms kept for an untitled subject
 
 
 def summarise(answer: str, limit: int) -> str:
@@ -44,13 +46,116 @@ def summarise(answer: str, limit: int) -> str:
     return cut[: dot + 1] if dot > limit // 3 else cut
 
 
+def subject_text(turn: MemoryTurn) -> str:
+    """What a turn was about: its top source's title, else its salient terms, else its question."""
+    titles = [t for t in turn.titles if t]
+    if turn.titles and turn.titles[0]:
+        return turn.titles[0]
+    return " ".join(turn.terms) or (titles[0] if titles else turn.question)
+
+
+def context_text(question: str, turns: list[MemoryTurn], decay: float = DECAY, min_weight: float = MIN_WEIGHT) -> str:
+    """The session context of ``question`` given its session's turns (newest first): the
+    question, then each distinct subject of a turn whose weight ``decay ** age`` is at least
+    ``min_weight``."""
+    subjects: list[str] = []
+    for age, t in enumerate(turns):
+        if decay ** age < min_weight:
+            break
+        s = subject_text(t)
+        if s and s not in subjects:
+            subjects.append(s)
+    return f"{question} {' '.join(subjects)}" if subjects else ""
+
+
+def row_weights(own: list[Hit], ctx: list[Hit]) -> tuple[float, float]:
+    """Weights of the question's list and of the session-context list in the fusion: each row's
+    evidence is the dense score (cosine of L2-normalised vectors, one embedding space for both
+    rows, so the two are comparable) of its own top hit, floored at 0; the row with more
+    evidence weighs 1, the other ``its evidence / the larger``. A question with no retrieval
+    evidence of its own ("Tell me more about it.": cosine ~0.1 to every chunk) so defers to its
+    session, one that finds its subject alone keeps it. ``(1.0, 1.0)`` when neither has any."""
+    e_own = max(own[0].dense_score, 0.0) if own else 0.0
+    e_ctx = max(ctx[0].dense_score, 0.0) if ctx else 0.0
+    m = max(e_own, e_ctx)
+    return (e_own / m, e_ctx / m) if m > 0 else (1.0, 1.0)
+
+
+def fuse_lists(own: list[Hit], ctx: list[Hit], top_k: int, rrf_k: float = RRF_K,
+               question: str = "", names=None) -> list[Hit]:
+    """The question's own list when both lists' top hits are of the same document (the
+    question's subject agrees with the session's, or it names its own and the context does not
+    override it) or when the question contains every analysed term of its own top hit's title
+    (``names``: the analyzer's ``tokens``; it names its subject); else weighted reciprocal-rank
+    fusion of the two lists (Cormack et al. 2009, weights :func:`row_weights`):
+    ``score = w_own / (rrf_k + rank_own) + w_ctx / (rrf_k + rank_ctx)``, 1-based ranks, a list
+    a chunk is absent from adds 0; ties by the better own rank, then chunk id. The returned hits
+    carry the fused score in ``score``; at most ``top_k``."""
+    if own and ctx and own[0].doc_id == ctx[0].doc_id:
+        return own[:top_k]  # both rows agree on the subject: the question's own ranking stands
+    if own and names and own[0].title and set(names(own[0].title)) <= set(names(question)):
+        return own[:top_k]  # the question names the title of its own top document: its subject
+    score: dict[str, float] = {}
+    best: dict[str, Hit] = {}
+    own_rank = {h.chunk_id: r for r, h in enumerate(own, 1)}
+    for w, hits in zip(row_weights(own, ctx), (own, ctx)):
+        for r, h in enumerate(hits, 1):
+            score[h.chunk_id] = score.get(h.chunk_id, 0.0) + w / (rrf_k + r)
+            best.setdefault(h.chunk_id, h)
+    order = sorted(score, key=lambda c: (-score[c], own_rank.get(c, len(own) + 1), c))[:top_k]
+    return [dataclasses.replace(best[c], score=score[c]) for c in order]
+
+
+def session_rows(jobs: list) -> tuple[list, np.ndarray, list[str], list]:
+    """The retrieval rows of a batch of requests (objects with ``spec``, ``vector``,
+    ``context_vector``, ``question``, ``memory``): one per request (its question), then one per
+    chunk-level request with a session context (the context text and vector). A request with a
+    context row is searched :data:`MEMORY_WINDOW` deep in both rows (the depth of the fused lists).
+
+    :returns: ``(ctx, vecs, texts, specs)``: the requests with a context row, float32
+        ``[len(jobs) + len(ctx), D]``, the texts and the specs of the rows.
+    """
+    ctx = [j for j in jobs if j.context_vector is not None and not j.spec.group_by_document]
+    deep = {id(j) for j in ctx}
+
+    def widened(spec):
+        return dataclasses.replace(spec, top_k=max(spec.top_k, MEMORY_WINDOW))
+
+    specs = [widened(j.spec) if id(j) in deep else j.spec for j in jobs] + [widened(j.spec) for j in ctx]
+    vecs = np.stack([j.vector for j in jobs] + [j.context_vector for j in ctx]).astype(np.float32, copy=False)
+    return ctx, vecs, [j.question for j in jobs] + [j.memory.context_text for j in ctx], specs
+
+
+def fuse_session(own: list[Hit], ctx: list[Hit], top_k: int, memory: MemoryContext, question: str,
+                 names=None) -> list[Hit]:
+    """The hits of a request searched with a session-context row: :func:`fuse_lists` of its two
+    lists; sets ``memory.used`` when the result differs from the question's own top ``top_k``
+    (then the fused list is returned, else the question's own)."""
+    top = own[:top_k]
+    fused = fuse_lists(own, ctx, top_k, question=question, names=names)
+    memory.used = [x.chunk_id for x in fused] != [x.chunk_id for x in top]
+    return fused if memory.used else top
+
+
+def salient_terms(analyzer: Analyzer, resolved: str, hits: list[Hit], n: int = SUBJECT_TERMS) -> list[str]:
+    """Terms of ``resolved`` that occur in the top hit's text but not in the best hit of any
+    other document (what singles out the subject), in query order, at most ``n``."""
+    if not hits:
+        return []
+    top = set(analyzer.tokens(hits[0].text))
+    other = next((h for h in hits[1:] if h.doc_id != hits[0].doc_id), None)
+    rest = set(analyzer.tokens(other.text)) if other is not None else set()
+    return list(dict.fromkeys(t for t in analyzer.tokens(resolved) if t in top and t not in rest))[:n]
+
+
 class Memory:
-    def __init__(self, pool: ShardPool, cfg: MemoryConfig) -> None:
+    def __init__(self, pool: ShardPool, cfg: MemoryConfig, analyzer: Analyzer | None = None) -> None:
         self.pool = pool
         self.cfg = cfg
+        self.analyzer = analyzer or Analyzer()
 
     async def lookup(self, questions: list[str], session_ids: list[str]) -> list[MemoryContext]:
-        """Augment a batch of questions with their sessions' recent turns.
+        """The session context of a batch of questions from their sessions' recent turns.
 
         ``session_ids[i] == ""`` means no memory for query i. One shard call per shard; a
         shard that is down is left out (its sessions are answered without memory).
@@ -69,28 +174,26 @@ class Memory:
 
     @staticmethod
     def _context(question: str, turns: list[MemoryTurn]) -> MemoryContext:
-        """The retrieval text and memory context of one question given its session's turns
-        (newest first)."""
+        """The memory context of one question given its session's turns (newest first)."""
         last = turns[0]
         titles = list(dict.fromkeys(t for t in last.titles if t))[:2]
         memory_text = f"Previous question: {last.question}"
         if titles:
             memory_text += f" (sources: {'; '.join(titles)})"
-        if is_follow_up(question):
-            # name the subject once (the previous turn's top source title, else its question):
-            # more would drown the detail the follow-up asks about
-            subject = titles[0] if titles else last.question
-            return MemoryContext(f"{question} ({subject})", memory_text, len(turns))
-        return MemoryContext(question, memory_text, len(turns))
+        return MemoryContext(question, memory_text, len(turns), context_text=context_text(question, turns))
 
-    async def promote(
-        self, session_id: str, question: str, answer: str, chunk_ids: list[str], titles: list[str], vector: np.ndarray
-    ) -> None:
-        """Write one turn record to the session's shard (bounded by ``max_turns_per_session``)."""
+    async def promote(self, session_id: str, question: str, answer: str, hits: list[Hit], vector: np.ndarray,
+                      resolved: str = "") -> None:
+        """Write one turn record to the session's shard (bounded by ``max_turns_per_session``):
+        the question, what it resolved to (``resolved``, default the question) and its subject
+        from the ranked ``hits`` it was answered with."""
+        resolved = resolved or question
         req = PromoteRequest(session_id=session_id, question=question, summary=summarise(answer, self.cfg.summary_chars),
-                             chunk_ids=chunk_ids, titles=titles, vector=np.asarray(vector, dtype=np.float32).reshape(-1),
+                             chunk_ids=[h.chunk_id for h in hits], titles=[h.title for h in hits],
+                             vector=np.asarray(vector, dtype=np.float32).reshape(-1),
                              max_turns=self.cfg.max_turns_per_session, max_total=self.cfg.max_records_total,
-                             ttl_s=self.cfg.ttl_s)
+                             ttl_s=self.cfg.ttl_s, resolved=resolved, doc_ids=list(dict.fromkeys(h.doc_id for h in hits)),
+                             terms=salient_terms(self.analyzer, resolved, hits))
         await self.pool.call(self.pool.owner(session_id), Op.PROMOTE, req)
 
     async def clear(self, session_id: str) -> int:

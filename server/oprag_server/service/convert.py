@@ -275,7 +275,14 @@ def trace(job: QueryJob, include: bool) -> oprag_pb2.Trace | None:
 
 
 def _memory_text(job: QueryJob) -> str:
-    return job.memory.memory_text if job.memory else ""
+    """The memory context shown to the caller: only when memory changed the retrieval."""
+    return job.memory.memory_text if job.memory and job.memory.used else ""
+
+
+def _memory_fields(job: QueryJob) -> dict:
+    """``memory_context``, ``memory_used`` and ``resolved_query`` of a response."""
+    return {"memory_context": _memory_text(job), "memory_used": bool(job.memory and job.memory.used),
+            "resolved_query": job.resolved_query}
 
 
 def _prompt_tokens(job: QueryJob) -> int:
@@ -289,7 +296,7 @@ def query_response(job: QueryJob, *, include_trace: bool, has_generator: bool) -
         answer=job.answer if has_generator else "", hits=hits(job), timings_ms=job.timings_ms,
         request_id=job.request_id, sources=sources(job), prompt_tokens=_prompt_tokens(job),
         completion_tokens=job.completion_tokens,
-        finish_reason=job.finish_reason, memory_context=_memory_text(job),
+        finish_reason=job.finish_reason, **_memory_fields(job),
         retrieval=info(job), trace=trace(job, include_trace), ttft_ms=job.ttft_ms, documents=documents(job),
     )
 
@@ -297,7 +304,7 @@ def query_response(job: QueryJob, *, include_trace: bool, has_generator: bool) -
 def retrieve_response(job: QueryJob, *, include_trace: bool) -> oprag_pb2.RetrieveResponse:
     """``RetrieveResponse`` of a finished retrieval-only job."""
     return oprag_pb2.RetrieveResponse(hits=hits(job), timings_ms=job.timings_ms, request_id=job.request_id,
-                                      memory_context=_memory_text(job), retrieval=info(job),
+                                      **_memory_fields(job), retrieval=info(job),
                                       trace=trace(job, include_trace), documents=documents(job))
 
 
@@ -308,7 +315,7 @@ def stream_event(kind: str, val: Any) -> oprag_pb2.QueryEvent:
         return oprag_pb2.QueryEvent(text=val)
     return oprag_pb2.QueryEvent(sources=oprag_pb2.SourcesEvent(
         request_id=val.request_id, hits=hits(val), sources=sources(val), retrieval=info(val),
-        memory_context=_memory_text(val), documents=documents(val),
+        **_memory_fields(val), documents=documents(val),
     ))
 
 

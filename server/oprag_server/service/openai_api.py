@@ -25,7 +25,6 @@ from oprag.v1 import oprag_pb2
 
 from ..domain import MemoryContext
 from ..engine.job import QueryJob
-from ..operators.memory import is_follow_up
 from .convert import MODE_NAMES, InvalidArgument, metadata_value
 
 _U32 = 2**32 - 1
@@ -145,8 +144,9 @@ def query_request(question: str, opts: RetrievalOptions, max_new_tokens: int = 0
 def conversation(req: ChatRequest) -> tuple[str, MemoryContext | None]:
     """The question (the last message, which must be the user's) and, when the conversation has
     earlier user turns and no ``oprag.session_id`` is given, the memory context they make: the
-    previous user question is shown as memory, and a follow-up question (README: memory) is
-    retrieved with it appended, as the memory operator does with a stored turn.
+    previous user question is shown as memory and is the session context of a second retrieval
+    row, fused with the question's own list as the memory operator does with stored turns
+    (README: memory).
 
     :raises InvalidArgument: the last message is not a user message.
     """
@@ -158,8 +158,8 @@ def conversation(req: ChatRequest) -> tuple[str, MemoryContext | None]:
     if not earlier or req.oprag.session_id or req.oprag.disable_memory:
         return question, None
     prev = " ".join(earlier[-1].split())
-    retrieval = f"{question} ({prev})" if is_follow_up(question) else question
-    return question, MemoryContext(retrieval, f"Previous question: {prev}", len(earlier))
+    return question, MemoryContext(question, f"Previous question: {prev}", len(earlier),
+                                   context_text=f"{question} {prev}")
 
 
 def max_new_tokens(req: ChatRequest) -> int:

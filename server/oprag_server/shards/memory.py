@@ -2,14 +2,26 @@
 per session (``max_turns``), per shard (``max_total``, least recently active sessions lose their
 oldest records first) and in idle time (``ttl_s``). A record is only ever visible to lookups of
 its own session.
+
+Durability: with a write-ahead log attached (``wal``, set when the shard loads from its data
+directory) every change -- a promoted turn with the retention it applied (turn bound, budget,
+idle expiry, evaluated at the logged time ``now``), and a clear -- is appended and fsync'ed
+*before* it is applied, so an acknowledged change survives kill -9 and a cleared session never
+comes back. :meth:`MemoryStore.replay` re-applies the log's memory records, in log order, over
+the snapshot (whose ``memory.json`` holds everything before the log was last reset).
+Log records: ``{"kind": "memory_promote", "req": {PromoteRequest fields}, "now": float}`` and
+``{"kind": "memory_clear", "session_id": str}``.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from typing import Iterable
 
 import numpy as np
+
+from ..index.wal import WriteAheadLog
 
 from .protocol import (MemoryClearReply, MemoryClearRequest, MemoryLookupReply, MemoryLookupRequest, MemoryTurn,
                        PromoteReply, PromoteRequest)
@@ -25,6 +37,16 @@ class MemoryRecord:
     titles: list[str]
     vector: np.ndarray  # float32[D]
     created: float  # time.time() seconds
+    resolved: str = ""
+    doc_ids: list[str] = field(default_factory=list)
+    terms: list[str] = field(default_factory=list)
+
+    def as_turn(self) -> MemoryTurn:
+        return MemoryTurn(self.turn, self.question, self.summary, self.chunk_ids, self.titles, self.resolved,
+                          self.doc_ids, self.terms)
+
+
+MEMORY_KINDS = ("memory_promote", "memory_clear")
 
 
 class MemoryStore:
@@ -32,23 +54,33 @@ class MemoryStore:
 
     def __init__(self) -> None:
         self.sessions: dict[str, list[MemoryRecord]] = {}
+        self.wal: WriteAheadLog | None = None  # attached by the shard's load; None: not logged
+
+    def _log(self, rec: dict) -> None:
+        if self.wal is not None:
+            self.wal.append(rec)
 
     def __len__(self) -> int:
         """Records held, over every session."""
         return sum(len(v) for v in self.sessions.values())
 
     def promote(self, req: PromoteRequest) -> PromoteReply:
-        """Append one turn record; enforce the per-session turn bound, drop sessions idle for
-        longer than ``ttl_s`` and, past ``max_total`` records on this shard, the least recently
-        active sessions' oldest records (never the writing session's)."""
+        """Log, then append one turn record; enforce the per-session turn bound, drop sessions
+        idle for longer than ``ttl_s`` and, past ``max_total`` records on this shard, the least
+        recently active sessions' oldest records (never the writing session's)."""
+        now = time.time()
+        self._log({"kind": "memory_promote", "req": {f.name: getattr(req, f.name) for f in fields(req)}, "now": now})
+        return self._promote(req, now)
+
+    def _promote(self, req: PromoteRequest, now: float) -> PromoteReply:
+        """:meth:`promote` at time ``now`` (time.time() seconds), without logging."""
         recs = self.sessions.setdefault(req.session_id, [])
         recs.append(MemoryRecord(session_id=req.session_id, turn=len(recs) and recs[-1].turn + 1,
                                  question=req.question, summary=req.summary, chunk_ids=list(req.chunk_ids),
                                  titles=list(req.titles), vector=np.asarray(req.vector, dtype=np.float32).reshape(-1),
-                                 created=time.time()))
+                                 created=now, resolved=req.resolved, doc_ids=list(req.doc_ids), terms=list(req.terms)))
         if len(recs) > req.max_turns:
             del recs[: len(recs) - req.max_turns]
-        now = time.time()
         if req.ttl_s:
             for sid in [s for s, v in self.sessions.items() if v and now - v[-1].created > req.ttl_s]:
                 del self.sessions[sid]
@@ -73,18 +105,36 @@ class MemoryStore:
         out = []
         for sid in req.session_ids:
             recs = [r for r in self.sessions.get(sid, []) if not ttl or now - r.created <= ttl]
-            out.append([MemoryTurn(r.turn, r.question, r.summary, r.chunk_ids, r.titles)
-                        for r in recs[-int(req.k):][::-1]])
+            out.append([r.as_turn() for r in recs[-int(req.k):][::-1]])
         return MemoryLookupReply(out)
 
     def clear(self, req: MemoryClearRequest) -> MemoryClearReply:
+        """Log, then drop the session's records. :returns: records removed."""
+        self._log({"kind": "memory_clear", "session_id": req.session_id})
         return MemoryClearReply(removed=len(self.sessions.pop(req.session_id, [])))
+
+    def replay(self, wal: WriteAheadLog, records: Iterable[dict] | None = None) -> int:
+        """Re-apply the memory records of ``wal`` (``records``: its intact records when already
+        read) in log order, then attach it for logging. :returns: records applied."""
+        n = 0
+        for rec in wal if records is None else records:
+            kind = rec.get("kind")
+            if kind == "memory_promote":
+                self._promote(PromoteRequest(**rec["req"]), float(rec["now"]))
+            elif kind == "memory_clear":
+                self.sessions.pop(rec["session_id"], None)
+            else:
+                continue
+            n += 1
+        self.wal = wal
+        return n
 
     # ------------------------------------------------------------------ persistence
     def to_json(self) -> list[dict]:
         """Every record as a JSON-ready dict (vector as a list of floats)."""
         return [{"session_id": r.session_id, "turn": r.turn, "question": r.question, "summary": r.summary,
-                 "chunk_ids": r.chunk_ids, "titles": r.titles, "vector": r.vector.tolist(), "created": r.created}
+                 "chunk_ids": r.chunk_ids, "titles": r.titles, "vector": r.vector.tolist(), "created": r.created,
+                 "resolved": r.resolved, "doc_ids": r.doc_ids, "terms": r.terms}
                 for v in self.sessions.values() for r in v]
 
     def load_json(self, items: list[dict]) -> None:
@@ -93,4 +143,5 @@ class MemoryStore:
             self.sessions.setdefault(m["session_id"], []).append(
                 MemoryRecord(session_id=m["session_id"], turn=m["turn"], question=m["question"], summary=m["summary"],
                              chunk_ids=m["chunk_ids"], titles=m["titles"],
-                             vector=np.asarray(m["vector"], dtype=np.float32), created=m["created"]))
+                             vector=np.asarray(m["vector"], dtype=np.float32), created=m["created"],
+                             resolved=m.get("resolved", ""), doc_ids=m.get("doc_ids", []), terms=m.get("terms", [])))

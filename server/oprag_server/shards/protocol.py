@@ -6,9 +6,7 @@ frontend: ``operators/retrieve.py``, ``operators/memory.py``, ``engine/ingest.py
 A transport carries ``(request_id, Op, request)`` to a shard and ``(request_id, ok, reply or
 error text)`` back (see :mod:`oprag_server.shards.transport`). Every type is a ``slots``
 dataclass and pickles as its fields; arrays travel as numpy arrays (never one Python object per
-candidate). Scores are float64, slots int64, vectors float32.
-
-This module imports numpy only (shard processes stay small).
+candidate). Scores are float64, slots int64, vectors float32. Imports numpy only.
 """
 
 from __future__ import annotations
@@ -289,6 +287,9 @@ class PromoteRequest:
     max_turns: int
     max_total: int = 0
     ttl_s: float = 0.0
+    resolved: str = ""  # the retrieval text the turn was answered with (memory-resolved)
+    doc_ids: list[str] = field(default_factory=list)  # the turn's subject: its sources' documents
+    terms: list[str] = field(default_factory=list)  # salient analysed terms of the turn's subject
 
 
 @message
@@ -310,6 +311,9 @@ class MemoryTurn:
     summary: str
     chunk_ids: list[str]
     titles: list[str]
+    resolved: str = ""
+    doc_ids: list[str] = field(default_factory=list)
+    terms: list[str] = field(default_factory=list)
 
 
 @message

@@ -100,11 +100,11 @@ def _load_ann(snap: Path, store: ChunkStore) -> None:
 
 
 def load(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions, committed: set[str] | None) -> int:
-    """Load the current snapshot under ``d`` if any, then replay the write-ahead log: records
-    of committed transactions (``committed`` txn ids, from the frontend's commit log) with a
+    """Load the current snapshot under ``d`` if any, then replay the write-ahead log: memory
+    records in log order (:meth:`.memory.MemoryStore.replay`) and records of committed transactions (``committed`` txn ids, from the frontend's commit log) with a
     sequence number above the snapshot's are applied in order; others are ignored.
 
-    :returns: number of log records replayed.
+    :returns: number of log records replayed (transactions and memory records).
     :raises RuntimeError: the snapshot's format version or vector width differ.
     """
     cur = d / "CURRENT"
@@ -122,6 +122,8 @@ def load(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions, co
         store.applied_seq = int(meta.get("applied_seq", 0))
         store.next_slot = max(store.next_slot, int(meta.get("next_slot", 0)))
         memory.load_json(json.loads((snap / "memory.json").read_text()))
-    replayed = txns.replay(WriteAheadLog(d / "wal.log"), committed)
+    wal = WriteAheadLog(d / "wal.log")
+    replayed = txns.replay(wal, committed)
+    replayed += memory.replay(wal)
     store.postings.drain_delta()
     return replayed

@@ -2,7 +2,8 @@
 shard's write-ahead log, apply, abort, and replay of committed log records at load.
 
 Log record (pickled dict): ``{"txn", "seq", "kind": "upsert", "ipc": Arrow IPC bytes}`` or
-``{"txn", "seq", "kind": "delete", "doc_ids": [...]}``. The frontend's commit log decides
+``{"txn", "seq", "kind": "delete", "doc_ids": [...]}``; the same log also holds the shard's
+memory records (:mod:`.memory`), which :meth:`Transactions.replay` leaves alone. The frontend's commit log decides
 which prepared transactions count (see :mod:`oprag_server.engine.commit`).
 """
 
@@ -84,7 +85,7 @@ class Transactions:
         transactions newer than the store. :returns: records applied."""
         self.wal = wal
         replayed = 0
-        for rec in sorted(wal.open(), key=lambda r: r["seq"]):
+        for rec in sorted((r for r in wal.open() if r.get("kind") in ("upsert", "delete")), key=lambda r: r["seq"]):
             if rec["seq"] <= self.store.applied_seq or committed is None or rec["txn"] not in committed:
                 continue
             self.apply_record(rec)
@@ -93,4 +94,4 @@ class Transactions:
 
     def in_flight(self) -> list[dict]:
         """Log records of transactions prepared but not yet applied (kept across a snapshot)."""
-        return [r for r in self.wal if r["txn"] in self.prepared] if self.wal is not None else []
+        return [r for r in self.wal if r.get("txn") in self.prepared] if self.wal is not None else []

@@ -1,0 +1,110 @@
+"""Rules of the memory benchmark's conversation sets (bench/memory_sets.py) on a small
+synthetic WikiText file, and the memory operator's list fusion."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.memory_sets import KINDS, ROWS, TEMPLATES, build, headline, wikitext_articles, words  # noqa: E402
+from oprag_server.domain import Hit  # noqa: E402
+from oprag_server.operators.memory import context_text, fuse_lists, row_weights  # noqa: E402
+from oprag_server.shards.protocol import MemoryTurn  # noqa: E402
+
+SHARED = ["harbour", "granite", "festival", "railway", "orchard", "lantern", "meadow", "quarry", "glacier", "vineyard"]
+
+
+def _article(k: int) -> str:
+    paras = []
+    for p in range(4):
+        own = " ".join(f"uniq{chr(97 + k)}{chr(97 + p)}{chr(97 + i)}word" for i in range(6))
+        filler = " ".join(["lorem ipsum dolor sit amet"] * 14)
+        shared = SHARED[(k + p) % len(SHARED)] if p else ""
+        paras.append(f" {filler} {own} the {shared} stands here . {filler} \n")
+    return f" = {chr(65 + k % 26)}{chr(97 + k // 26)}vania = \n\n" + "\n".join(paras) + "\n"
+
+
+def test_every_kind_follows_its_rules(tmp_path):
+    f = tmp_path / "wiki.txt"
+    f.write_text("".join(_article(k) for k in range(30)), encoding="utf-8")
+    arts = wikitext_articles(f)
+    for family in TEMPLATES:
+        convs = build(arts, family)
+        assert {c.kind for c in convs} == set(KINDS)
+        for c in convs:
+            title = next(t for d, t, _ in arts if d == c.doc_id)
+            tw = set(words(title))
+            last = set(words(c.turns[-1]))
+            assert c.target.startswith(c.doc_id + "#") and not c.target.endswith("#0")
+            assert tw <= set(words(c.oracle))  # the oracle writes the subject out
+            if c.kind in ("pronoun", "nopronoun", "chain"):
+                assert not tw & last and tw <= set(words(c.turns[0]))  # subject only in turn 1
+            if c.kind == "nopronoun":
+                assert not last & {"it", "its", "they", "them", "their", "this", "that"}
+            if c.kind == "chain":
+                assert len(c.turns) == 3 and c.targets[1] != c.targets[2] and not tw & set(words(c.turns[1]))
+            if c.kind == "selfcontained":
+                assert tw <= last and last & {"it", "they"} and not tw & set(words(c.turns[0]))
+            if c.kind == "switch":
+                assert len(c.turns) == 3 and tw <= last and c.targets[1].split("#")[0] != c.doc_id
+
+
+def _hit(cid: str) -> Hit:
+    return Hit(cid, cid.split("#")[0], "", "", 0.0, 0.0, 0.0, 0)
+
+
+def test_fusion_prefers_what_both_lists_rank_and_keeps_agreeing_questions():
+    own = [_hit(c) for c in ("x#1", "z#2", "y#0")]
+    ctx = [_hit(c) for c in ("z#2", "z#1", "x#1")]
+    assert [h.chunk_id for h in fuse_lists(own, ctx, 2)] == ["z#2", "x#1"]
+    agree = [_hit(c) for c in ("x#2", "x#1")]
+    assert [h.chunk_id for h in fuse_lists(own, agree, 3)] == ["x#1", "z#2", "y#0"]  # same top document
+
+
+def test_context_keeps_the_resolved_subject_and_decays_old_turns():
+    t = lambda q, title, terms=(): MemoryTurn(0, q, "", ["c#0"], [title], q, ["c"], list(terms))  # noqa: E731
+    turns = [t("And for its battery?", "", ["z900"]), t("What is the Z900 warranty?", "", ["z900", "warranty"])]
+    assert context_text("And for its battery?", turns) == "And for its battery? z900 z900 warranty"
+    assert context_text("q", [t("a", "Du Fu"), t("b", "Du Fu"), t("c", "Wang Wei")]) == "q Du Fu"  # distinct
+    assert context_text("q", [t("a", "Du Fu"), t("b", "Li Bai"), t("c", "Wang Wei")]) == "q Du Fu Li Bai"  # 0.25 < 0.5
+    assert context_text("q", []) == ""
+
+
+def _scored(cid: str, dense: float) -> Hit:
+    return Hit(cid, cid.split("#")[0], "", "", 0.0, dense, 0.0, 0)
+
+
+def test_a_question_without_evidence_defers_to_its_session_and_one_with_evidence_keeps_its_list():
+    # "Tell me more about it." over five one-chunk documents: cosine ~0.1 to every chunk, its
+    # own list a near-tie that happens to start with b; the session context finds a at 0.7
+    ctx = [_scored("a#0", 0.70), _scored("b#0", 0.04), _scored("c#0", 0.20), _scored("d#0", 0.03), _scored("e#0", 0.03)]
+    weak = [_scored("b#0", 0.11), _scored("d#0", 0.08), _scored("c#0", 0.03), _scored("e#0", 0.03), _scored("a#0", 0.00)]
+    assert row_weights(weak, ctx) == (0.11 / 0.70, 1.0)
+    assert [h.chunk_id for h in fuse_lists(weak, ctx, 2)] == ["a#0", "b#0"]
+    # the same lists with equal evidence: the head of the question's own list stays first
+    strong = [dataclasses.replace(h, dense_score=0.70 if h.chunk_id == "b#0" else h.dense_score) for h in weak]
+    assert row_weights(strong, ctx) == (1.0, 1.0)
+    assert fuse_lists(strong, ctx, 1)[0].chunk_id == "b#0"
+    assert row_weights([], []) == (1.0, 1.0) and row_weights(weak, [_scored("a#0", -0.2)]) == (1.0, 0.0)
+
+
+def test_headline_pools_kinds_and_a_custom_split_names_the_targets(tmp_path):
+    f = tmp_path / "wiki.txt"
+    f.write_text("".join(_article(k) for k in range(30)), encoding="utf-8")
+    arts = wikitext_articles(f)
+    halves = lambda body: [p for p in body.split("\n") if p.strip()]  # noqa: E731 - one window per paragraph
+    convs = build(arts, 0, split=halves)
+    bodies = {d: b for d, _, b in arts}
+    for c in convs:
+        assert c.target in {f"{c.doc_id}#{i}" for i in range(1, len(halves(bodies[c.doc_id])))}
+    res = {k: {r: [] for r in ROWS} for k in KINDS}
+    for k, hit in (("pronoun", True), ("chain", False), ("selfcontained", True), ("switch", False)):
+        for r in ROWS:
+            res[k][r].append(hit if r != "oracle" else True)
+    out = headline(res, [True])
+    assert out["followup_top1_with"] == 0.5 and out["followup_top1_oracle"] == 1.0
+    assert out["chain_turn3_top1_with"] == 0.0 and out["chain_turn2_top1_with"] == 1.0
+    assert out["selfcontained_top1_with"] == 0.5 and out["per_kind"]["nopronoun"]["n"] == 0
