@@ -22,6 +22,9 @@ function here               server part                             why
 :func:`build_context`       the prompt builder                      LangChain baseline sends
                                                                     the same prompt shape
 :func:`hit`                 ``domain.Hit`` (shared type)            input of build_context
+:func:`managed_engine`,     ``ManagedEngine``, ``OpenAIGenerator``   engine_backends bench runs
+:func:`openai_generator`,   (transformers serve, openai backend)    the server's backends alone
+:func:`engine_usage`
 ==========================  ======================================  ===========================
 """
 
@@ -84,3 +87,24 @@ def hit(**fields):
     from oprag_server.domain import Hit
 
     return Hit(**fields)
+
+
+def managed_engine(model_dir, **kw):
+    """``ManagedEngine``: ``transformers serve`` as a supervised child process (engine bench)."""
+    from oprag_server.models.managed_engine import ManagedEngine
+
+    return ManagedEngine(model_dir, **kw)
+
+
+def openai_generator(url: str, model: str, **kw):
+    """``OpenAIGenerator``: the server's openai backend (engine bench streams through it)."""
+    from oprag_server.models.openai_engine import OpenAIGenerator
+
+    return OpenAIGenerator(url, model, **kw)
+
+
+def engine_usage():
+    """A fresh ``EngineUsage`` (filled in by ``OpenAIGenerator.stream``)."""
+    from oprag_server.models.protocols import EngineUsage
+
+    return EngineUsage()

@@ -25,6 +25,7 @@ from oprag_server.models.managed_engine import transformers_cli
 
 pytestmark = [
     pytest.mark.integration,
+    pytest.mark.timeout(1200),  # an engine (re)start on a loaded 2-core machine can take minutes
     pytest.mark.skipif(transformers_cli() is None,
                        reason="`transformers serve` is not installed: pip install 'transformers[serving]' (extra engine)"),
 ]
