@@ -57,7 +57,7 @@ class EngineDispatch:
         """Run ``run(job)`` (the answer phase of its plan: generate, promote, reply) as its own task."""
         t = asyncio.create_task(run(job))
         self._tasks[id(job)] = t
-        t.add_done_callback(lambda _: self._tasks.pop(id(job), None))
+        t.add_done_callback(lambda _: (self._tasks.pop(id(job), None), self._cancelled_at.pop(id(job), None)))
 
     def cancel(self, job: Any) -> None:
         """The client went away: cancel the job's engine request (closes its HTTP stream)."""
