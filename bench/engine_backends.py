@@ -92,7 +92,8 @@ def bench_engine(model_dir: Path, system: str, user: str, max_new: int, c1_runs:
     eng.start()
     start_s = time.perf_counter() - t
     try:
-        gen = _internals.openai_generator(eng.url, str(model_dir), tokenizer_dir=model_dir, max_inflight=4)
+        gen = _internals.openai_generator(eng.url, str(model_dir), tokenizer_dir=model_dir, max_inflight=4,
+                                         timeout_s=1800.0)
         out = asyncio.run(_engine_runs(gen, system, user, max_new, c1_runs))
     finally:
         eng.stop()
