@@ -26,6 +26,9 @@ function here               server part                             why
 :func:`hit`                 ``domain.Hit`` (shared type)            input of build_context
 :func:`traced_retrieve_job` ``service.tracing.Tracing``, a          tracing bench: the cost of
                             ``QueryJob`` with Retrieve's steps      one traced request in process
+:func:`managed_engine`,     ``ManagedEngine``, ``OpenAIGenerator``   engine_backends bench runs
+:func:`openai_generator`,   (transformers serve, openai backend)    the server's backends alone
+:func:`engine_usage`
 ==========================  ======================================  ===========================
 """
 
@@ -136,3 +139,24 @@ def traced_retrieve_job(endpoint: str):
     job.record(PlanStep("embed", "embed-worker"), job.enqueued + 0.004, 0.003)
     job.record(PlanStep("retrieve", "shard"), job.enqueued + 0.006, 0.002)
     return Tracing.otlp(endpoint), job
+
+
+def managed_engine(model_dir, **kw):
+    """``ManagedEngine``: ``transformers serve`` as a supervised child process (engine bench)."""
+    from oprag_server.models.managed_engine import ManagedEngine
+
+    return ManagedEngine(model_dir, **kw)
+
+
+def openai_generator(url: str, model: str, **kw):
+    """``OpenAIGenerator``: the server's openai backend (engine bench streams through it)."""
+    from oprag_server.models.openai_engine import OpenAIGenerator
+
+    return OpenAIGenerator(url, model, **kw)
+
+
+def engine_usage():
+    """A fresh ``EngineUsage`` (filled in by ``OpenAIGenerator.stream``)."""
+    from oprag_server.models.protocols import EngineUsage
+
+    return EngineUsage()

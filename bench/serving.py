@@ -51,6 +51,8 @@ import threading
 import time
 from pathlib import Path
 
+from oprag_client.testing import ServerProcess
+
 from . import _internals
 from ._common import (
     DEFAULT_SHARED,
@@ -133,7 +135,7 @@ def rss_of(pid: int) -> dict:
     return {"main_mb": round(main / 2**20, 1), "with_children_mb": round((main + kids) / 2**20, 1)}
 
 
-def server_issues(srv: Server, name: str) -> list[str]:
+def server_issues(srv: ServerProcess, name: str) -> list[str]:
     return [f"[{name}] {ln.rstrip()}" for ln in srv.lines if _ISSUE_RE.search(ln)][:40]
 
 

@@ -36,7 +36,7 @@ from .service.metrics import Metrics
 from .service.servicer import OpRAGServicer
 from .shards.pool import ShardPool
 from .startup import check_data_dir, check_port, check_security, preflight
-from .supervision import ShardSupervisor, restart_shard
+from .supervision import QUERY_HEALTH, SERVING, EngineHealth, ShardSupervisor, restart_shard
 from .shards.protocol import ApplyReply, Op, SnapshotRequest, StatsRequest
 
 log = logging.getLogger("oprag")
@@ -213,6 +213,8 @@ class Runtime:
         if hasattr(self, "query"):
             await self.query.stop()
             await self.embedder.stop()
+        elif getattr(self.generator, "is_engine", False):  # started, but the engine never ran
+            await self.generator.aclose()
         try:
             await self.snapshot()
         except Exception:  # noqa: BLE001 - the write-ahead logs still hold everything
@@ -323,6 +325,7 @@ async def serve(cfg: ServerConfig, *, encoder: Any = None, generator: Any = None
         raise
     supervisor = ShardSupervisor(rt.pool, rt.restart_shard, health_servicer, ("", SERVICE_NAME), rt.metrics)
     await supervisor.set_health(True)
+    await health_servicer.set(QUERY_HEALTH, SERVING)
 
     stop = stop_event or asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -331,12 +334,16 @@ async def serve(cfg: ServerConfig, *, encoder: Any = None, generator: Any = None
         except (NotImplementedError, RuntimeError):  # not the main thread
             pass
     watcher = asyncio.create_task(supervisor.run(stop))
+    if getattr(generator, "is_engine", False):  # Query follows the engine; Retrieve does not
+        engine_watch = asyncio.create_task(EngineHealth(generator, health_servicer).run(stop))
     log.info("serving on %s:%d (metrics :%d, HTTP :%s) with %d shards, %d chunks, ready in %.1f s",
              cfg.host, bound, cfg.metrics_port, cfg.http_port or "off", cfg.shards, rt.corpus_stats.n_docs, time.perf_counter() - t0)
     print(f"OPRAG READY {cfg.host}:{bound}", flush=True)
     await stop.wait()
     log.info("shutting down (grace %.0f s)", cfg.shutdown_grace_s)
     watcher.cancel()
+    if getattr(generator, "is_engine", False):
+        engine_watch.cancel()
     await health_servicer.enter_graceful_shutdown()
     if http is not None:
         http.should_exit = True

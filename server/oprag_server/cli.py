@@ -29,7 +29,18 @@ _OPTIONS: tuple[tuple[str, str, str, str], ...] = (
     ("--data-dir", "", "data_dir", "shard snapshots and write-ahead logs"),
     ("--shards", "", "shards", "shard processes"),
     ("--embedder", "embed", "model", "'minilm' or a local encoder directory"),
-    ("--generator", "generate", "model", "'smollm2', 'none', or a local HF causal LM directory"),
+    ("--generator", "generate", "model",
+     "'smollm2' (= 'builtin'), a local HF causal LM directory, 'none', 'openai' (an OpenAI-compatible engine), "
+     "or 'transformers-serve' (a managed local engine; extra 'engine')"),
+    ("--generator-url", "generate", "url", "OpenAI-compatible engine base URL, e.g. http://HOST:PORT/v1"),
+    ("--generator-model", "generate", "engine_model", "the engine's model name (a local directory: exact token counts)"),
+    ("--generator-api-key-file", "generate", "api_key_file", "engine API key file (else env OPRAG_GENERATOR_API_KEY)"),
+    ("--generator-tls-verify", "generate", "tls_verify", "'true', 'false' or a CA bundle path for https engines"),
+    ("--generator-timeout-s", "generate", "timeout_s", "per-request engine limit (DEADLINE_EXCEEDED beyond)"),
+    ("--generator-max-inflight", "generate", "max_inflight", "requests given to the engine at once"),
+    ("--generator-continuous-batching", "generate", "continuous_batching",
+     "transformers-serve: run the engine with --continuous-batching"),
+    ("--generator-start-timeout-s", "generate", "engine_start_timeout_s", "transformers-serve: wait for /health"),
     ("--embed-compile", "embed", "compile", "run the embedder through torch.compile with fixed bucket shapes"),
     ("--chunk-size", "chunking", "size", "largest chunk in embedder tokens incl. special tokens (capped at its window)"),
     ("--chunk-overlap", "chunking", "overlap", "tokens consecutive chunks may share, at most"),
@@ -71,7 +82,7 @@ _OPTIONS: tuple[tuple[str, str, str, str], ...] = (
     ("--ray-channel", "ray", "channel", "'direct': a TCP connection to each shard actor; 'actor': Ray actor calls"),
     ("--shutdown-grace", "", "shutdown_grace_s", "seconds SIGTERM waits for in-flight requests"),
 )
-_PATH_FIELDS = {"data_dir", "tls_cert", "tls_key", "tls_client_ca", "tokens_file"}
+_PATH_FIELDS = {"data_dir", "tls_cert", "tls_key", "tls_client_ca", "tokens_file", "api_key_file"}
 
 
 def _field(section: str, name: str) -> dataclasses.Field:

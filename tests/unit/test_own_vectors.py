@@ -5,7 +5,6 @@ and the JSON-lines loader carry them."""
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import numpy as np
 import pytest

@@ -23,20 +23,19 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Callable
-
-import numpy as np
 
 from ..config import BatchConfig, GenerateConfig
 from ..operators.context import build_context
 from ..operators.group import retrieve_documents
 from ..operators.memory import Memory, fuse_session, session_rows
 from ..operators.retrieve import Retriever
+from .dispatch import EngineDispatch
 from .job import QueryJob
+from .monitor import PruningMonitor
 from .rwlock import RWLock
 from .scheduler import (CONTEXT, EMBED, GENERATE, MEMORY, PROMOTE, RETRIEVE, BatchPolicy, batch_steps, compile_plan,
                         split_plan)
@@ -100,10 +99,9 @@ class QueryEngine:
         self._tasks: list[asyncio.Task] = []
         self._gen_time_ewma = 0.5
         self._generating = 0  # batches handed to the generator and not finished
-        self.monitor_fraction = monitor_fraction
-        self.monitor_max_inflight = monitor_max_inflight
-        self._monitor_credit = 0.0
-        self._monitor_tasks: set[asyncio.Task] = set()
+        self.monitor = PruningMonitor(retriever, lock, metrics, monitor_fraction, monitor_max_inflight)
+        # an engine that batches by itself gets each request as soon as its prompt exists
+        self.dispatch = EngineDispatch(generator, metrics, self._on_text) if getattr(generator, "is_engine", False) else None
         # one function per operator; each takes the jobs of a batch whose plan lists it and may
         # return its own run time in seconds (when the wall time includes waiting, e.g. a lock)
         self._operators: dict[str, Callable[[list[QueryJob]], Awaitable[float | None]]] = {
@@ -115,9 +113,11 @@ class QueryEngine:
         self._tasks = [asyncio.create_task(self._prep_loop()), asyncio.create_task(self._gen_loop())]
 
     async def stop(self) -> None:
-        for t in [*self._tasks, *self._monitor_tasks]:
+        for t in [*self._tasks, *self.monitor.tasks]:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.dispatch is not None:
+            await self.dispatch.stop()
         self.gen_executor.shutdown(wait=True, cancel_futures=True)
 
     @property
@@ -125,7 +125,10 @@ class QueryEngine:
         return self._inflight
 
     def estimated_delay_s(self) -> float:
-        """Queueing delay a new query would see: batches ahead of it x recent batch time (s)."""
+        """Queueing delay a new query would see: batches ahead of it x recent batch time (s);
+        with an engine backend :meth:`EngineDispatch.estimated_delay_s`."""
+        if self.dispatch is not None:
+            return self.dispatch.estimated_delay_s(len(self._waiting))
         batches_ahead = self._inflight // self.cfg.max_batch
         return batches_ahead * self._gen_time_ewma
 
@@ -151,6 +154,8 @@ class QueryEngine:
             return await asyncio.shield(job.future)
         except asyncio.CancelledError:
             job.cancelled = True  # the client went away: stop its work, free its slot
+            if self.dispatch is not None:
+                self.dispatch.cancel(job)
             raise
         finally:
             self._inflight -= 1
@@ -161,8 +166,9 @@ class QueryEngine:
             while self._waiting and self._waiting[0].cancelled:
                 self._finish(self._waiting.popleft())
             age = time.perf_counter() - self._waiting[0].enqueued if self._waiting else 0.0
-            d = self.policy.decide(len(self._waiting), age, downstream_busy=self._generating > 0,
-                                   will_generate=bool(self._waiting) and self._waiting[0].runs(GENERATE))
+            engine = self.dispatch is not None  # no generation batches to form: prep closes at once
+            d = self.policy.decide(len(self._waiting), age, downstream_busy=self._generating > 0 and not engine,
+                                   will_generate=not engine and bool(self._waiting) and self._waiting[0].runs(GENERATE))
             if d.take:
                 batch = [self._waiting.popleft() for _ in range(d.take)]
                 self.metrics.queue_depth.labels(queue="query").set(len(self._waiting))
@@ -189,7 +195,10 @@ class QueryEngine:
                 continue
             for j in rest:
                 self._finish(j)
-            if gen:
+            if gen and self.dispatch is not None:
+                for j in gen:
+                    self.dispatch.spawn(j, self._answer)
+            elif gen:
                 done = asyncio.get_running_loop().create_future()
                 self._generating += 1
                 done.add_done_callback(lambda _: self._dec_generating())
@@ -259,7 +268,7 @@ class QueryEngine:
             j.timings_ms["fusion"] = j.timings_ms["rerank"] = times["fusion"] * 1000
         for j, h in zip(ctx, hits[len(jobs):]):
             j.hits = fuse_session(j.hits, h, j.spec.top_k, j.memory, j.question, self.retriever.analyzer.tokens)
-        self._sample_for_monitor(jobs)
+        self.monitor.sample(jobs)
         return times["retrieve"]
 
     async def _context(self, jobs: list[QueryJob]) -> None:
@@ -281,43 +290,6 @@ class QueryEngine:
         self._generating -= 1
         self._arrived.set()  # a waiting batch may close now
 
-    # ------------------------------------------------------------------ pruning-loss monitor
-    def _sample_for_monitor(self, jobs: list[QueryJob]) -> None:
-        """Pick every (1/fraction)-th dense-first query (deterministic) for an exact re-run."""
-        if self.monitor_fraction <= 0:
-            return
-        picked = []
-        for j in jobs:
-            if j.spec.mode != "hybrid" or not j.hits or j.spec.group_by_document or (j.memory and j.memory.used):
-                continue  # grouped or memory-fused hits are not the question's chunk top-k: nothing to compare
-            self._monitor_credit += self.monitor_fraction
-            if self._monitor_credit >= 1.0:
-                self._monitor_credit -= 1.0
-                picked.append(j)
-        if not picked:
-            return
-        if len(self._monitor_tasks) >= self.monitor_max_inflight:
-            self.metrics.pruning_checks_skipped.inc(len(picked))
-            return
-        t = asyncio.create_task(self._monitor(picked))
-        self._monitor_tasks.add(t)
-        t.add_done_callback(self._monitor_tasks.discard)
-
-    async def _monitor(self, jobs: list[QueryJob]) -> None:
-        try:
-            specs = [dataclasses.replace(j.spec, mode="full_hybrid") for j in jobs]
-            vecs = np.stack([j.vector for j in jobs]).astype(np.float32, copy=False)
-            texts = [j.retrieval_text for j in jobs]
-            async with self.lock.read():
-                exact, _, _ = await self.retriever.retrieve(vecs, texts, specs)
-            for j, ex in zip(jobs, exact):
-                if ex:
-                    want = {h.chunk_id for h in ex}
-                    got = {h.chunk_id for h in j.hits[: len(ex)]}
-                    self.metrics.pruning_recall.observe(len(want & got) / len(want))
-        except Exception:  # noqa: BLE001 - the monitor never affects serving
-            log.exception("pruning-loss monitor failed")
-
     # ------------------------------------------------------------------ generate
     async def _gen_loop(self) -> None:
         while True:
@@ -337,11 +309,23 @@ class QueryEngine:
                 if not done.done():
                     done.set_result(None)
 
+    async def _answer(self, job: QueryJob) -> None:
+        """Engine backend: one request's answer phase (generate, promote), then its reply."""
+        try:
+            await self._run([job], answer=True)
+        except Exception as exc:  # noqa: BLE001 - this request only
+            self._fail(job, exc)
+        finally:
+            self._finish(job)
+
     async def _generate(self, jobs: list[QueryJob]) -> float:
-        """Batched decoding on the generator worker thread; text streams to ``job.events``.
+        """Batched decoding on the generator worker thread, or one request streamed from the
+        engine (:class:`EngineDispatch`); text streams to ``job.events``.
 
         :returns: its run time in seconds (the wait for the generator is the step's queue time).
         """
+        if self.dispatch is not None:
+            return await self.dispatch.generate(jobs[0])
         loop = asyncio.get_running_loop()
         self.metrics.batch_size.labels(stage="generate").observe(len(jobs))
         self.metrics.batch_fill.observe(len(jobs) / self.cfg.max_batch)

@@ -20,7 +20,7 @@ This module imports nothing heavy (no torch, no transformers).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, runtime_checkable
+from typing import AsyncIterator, Callable, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -167,5 +167,67 @@ class Generator(Protocol):
         :returns: one :class:`GenerationResult` per prompt, in order.
         :raises ValueError: an empty prompt, a bad budget, or prompt + budget over
             ``max_context``.
+        """
+        ...
+
+
+class EngineUnavailable(Exception):
+    """The inference engine is down, unreachable or overloaded; retry after ``retry_after_s``
+    seconds (gRPC ``UNAVAILABLE`` with trailer ``retry-after-ms``)."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class EngineRejected(ValueError):
+    """The inference engine refused this request (HTTP 400/413/422: e.g. the prompt is too long
+    for it); only this request fails (``INVALID_ARGUMENT``)."""
+
+
+class EngineTimeout(Exception):
+    """The inference engine did not finish within the per-request limit (``DEADLINE_EXCEEDED``)."""
+
+
+@dataclass
+class EngineUsage:
+    """What an engine reported for one request (OpenAI ``usage``), in tokens.
+
+    :param cached_tokens: prompt tokens the engine served from its prefix cache
+        (``usage.prompt_tokens_details.cached_tokens``; 0 when it does not say).
+    :param finish_reason: ``"stop"`` or ``"length"`` (``""`` until the engine said).
+    :param attempts: HTTP requests made (> 1 when retried before the first token).
+    """
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    finish_reason: str = ""
+    attempts: int = 0
+
+
+@runtime_checkable
+class EngineGenerator(Protocol):
+    """A generator backed by an inference engine that batches by itself (continuous batching):
+    requests are streamed one by one (:meth:`stream`), at most ``max_inflight`` at once.
+
+    Besides the text helpers of :class:`Generator` (``warm_up``, ``chat_prompt``,
+    ``count_tokens``, ``truncate_to_tokens``, ``name``, ``max_context``) it has
+    ``chat_messages(system, user) -> list[dict]`` (what is sent), ``healthy`` (bool),
+    ``async probe() -> bool``, ``async aclose()`` and ``is_engine = True``.
+    Implemented by :class:`~oprag_server.models.openai_engine.OpenAIGenerator` and
+    :class:`~oprag_server.models.managed_engine.TransformersServeGenerator`.
+    """
+
+    name: str
+    max_context: int
+    max_inflight: int
+    is_engine: bool
+
+    def stream(self, messages: list[dict[str, str]], max_new_tokens: int, usage: EngineUsage) -> AsyncIterator[str]:
+        """Text deltas as the engine produces them; ``usage`` filled in on the way.
+
+        :raises EngineUnavailable | EngineTimeout | ValueError: engine down or overloaded,
+            too slow, or the request refused.
         """
         ...

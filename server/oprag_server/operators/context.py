@@ -4,6 +4,12 @@ provenance.
 Hits are placed in rank order as numbered sources (``[1] Title``) until the token budget is
 spent; a source that does not fit whole is cut at a token boundary (and marked ``truncated``),
 and nothing after it is placed. Same hits, same question, same budget: same prompt.
+
+Layout for engine prefix caches (vLLM, SGLang): the most stable parts come first -- the system
+prompt (the same for every request), then the session's memory (grows turn by turn, its older
+part unchanged), then the sources in rank order, then the question -- rendered with the
+generator's chat template. Two requests share the engine's cached prefix up to their first
+difference.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ def _source_block(n: int, hit: Hit, text: str) -> str:
 
 def _user(blocks: list[str], question: str, memory: str) -> str:
     mem = f"Earlier in this conversation:\n{memory}\n\n" if memory else ""
-    return f"Sources:\n\n{''.join(blocks)}{mem}Question: {question}"
+    return f"{mem}Sources:\n\n{''.join(blocks)}Question: {question}"
 
 
 def build_context(
@@ -79,4 +85,5 @@ def build_context(
         sources.pop()
         prompt = model.chat_prompt(SYSTEM_PROMPT, _user(blocks, question, memory_text))
         total = model.count_tokens(prompt)
-    return ContextPayload(prompt=prompt, prompt_tokens=total, sources=sources)
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": _user(blocks, question, memory_text)}]
+    return ContextPayload(prompt=prompt, prompt_tokens=total, sources=sources, messages=messages)

@@ -25,6 +25,7 @@ import grpc
 
 from ..engine.ingest import IngestError
 from ..engine.query import Overloaded, QueryRejected
+from ..models.protocols import EngineRejected, EngineTimeout, EngineUnavailable
 from ..shards.pool import ShardError
 from .convert import InvalidArgument
 
@@ -36,12 +37,18 @@ def status_for(exc: Exception, method: str) -> tuple[grpc.StatusCode, str, tuple
 
     ``InvalidArgument``, ``IngestError``, ``QueryRejected`` -> INVALID_ARGUMENT;
     ``Overloaded`` -> RESOURCE_EXHAUSTED with trailer ``retry-after-ms`` (integer milliseconds);
-    ``ShardError`` -> UNAVAILABLE; anything else -> INTERNAL (logged with its traceback).
+    ``ShardError`` -> UNAVAILABLE; ``EngineUnavailable`` (inference engine down or overloaded) ->
+    UNAVAILABLE with ``retry-after-ms``; ``EngineTimeout`` -> DEADLINE_EXCEEDED;
+    ``EngineRejected`` -> INVALID_ARGUMENT; anything else -> INTERNAL (logged with its traceback).
     """
-    if isinstance(exc, (InvalidArgument, IngestError, QueryRejected)):
+    if isinstance(exc, (InvalidArgument, IngestError, QueryRejected, EngineRejected)):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc), ()
     if isinstance(exc, Overloaded):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), (("retry-after-ms", str(int(exc.retry_after_s * 1000))),)
+    if isinstance(exc, EngineUnavailable):
+        return grpc.StatusCode.UNAVAILABLE, str(exc), (("retry-after-ms", str(int(exc.retry_after_s * 1000))),)
+    if isinstance(exc, EngineTimeout):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc), ()
     if isinstance(exc, ShardError):
         return grpc.StatusCode.UNAVAILABLE, f"a shard is unavailable (it is being restarted); retry: {exc}", ()
     log.exception("%s failed", method)

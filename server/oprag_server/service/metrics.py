@@ -82,6 +82,14 @@ class Metrics:
         self.pruning_checks_skipped = Counter(
             "oprag_pruning_checks_skipped_total", "Sampled queries not re-run because the monitor was busy", registry=r
         )
+        self.engine_inflight = Gauge("oprag_engine_inflight", "Requests streaming from the inference engine now",
+                                     registry=r)
+        self.engine_tokens = Counter(
+            "oprag_engine_tokens_total", "Tokens the inference engine reported: prompt, cached (prefix cache hits, "
+            "usage.prompt_tokens_details.cached_tokens), completion", ["kind"], registry=r)
+        self.engine_cancel_release_seconds = Histogram(
+            "oprag_engine_cancel_release_seconds", "Cancel of a request to its engine HTTP stream closed",
+            buckets=_LAT_BUCKETS, registry=r)
         for s in STAGES:
             self.stage_seconds.labels(stage=s)
 

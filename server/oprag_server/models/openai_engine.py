@@ -1,0 +1,244 @@
+"""Generation on an inference engine that speaks the OpenAI HTTP API (vLLM, SGLang, TGI,
+llama.cpp's server, ``transformers serve``): :class:`OpenAIGenerator`.
+
+It implements :class:`~oprag_server.models.protocols.EngineGenerator`: the text helpers the
+context operator needs (chat template, token counting, truncation) and :meth:`stream`, one
+chat completion streamed through the official ``openai`` package's ``AsyncOpenAI`` client
+(extra ``engine``). The engine batches by itself (continuous batching), so requests are sent
+one by one as soon as their prompt exists (:mod:`oprag_server.engine.dispatch`).
+
+Token counting: with a local tokenizer (``tokenizer_dir``, e.g. the directory the engine
+serves), exact, with the tokenizer's chat template. Without one, an estimate:
+``ceil(utf8_bytes / 3) + 8`` per text. English BPE tokenizers (GPT-2, Llama, SmolLM2) average
+about 4 bytes per token on prose, so 3 bytes per token over-counts by about a third -- the
+safety margin that keeps the prompt under the engine's window; 8 tokens cover a chat turn's
+role markers.
+
+Errors: :class:`~oprag_server.models.protocols.EngineUnavailable` (engine unreachable, 5xx,
+429, or the connection broke mid-stream; ``retry_after_s`` from the engine's ``Retry-After``
+when given), :class:`~oprag_server.models.protocols.EngineTimeout` (``timeout_s`` passed),
+:class:`~oprag_server.models.protocols.EngineRejected` (HTTP 400/413/422; other 4xx such as
+401/404 mean a misconfigured engine: ``EngineUnavailable``). A request is retried only before
+its first token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from .protocols import EngineRejected, EngineTimeout, EngineUnavailable, EngineUsage
+
+log = logging.getLogger(__name__)
+
+#: Bytes per token of the estimate without a local tokenizer (see the module docstring).
+EST_BYTES_PER_TOKEN = 3
+#: Tokens added per text by the estimate (chat role markers).
+EST_OVERHEAD_TOKENS = 8
+#: Context length assumed for a remote model without a local config.
+DEFAULT_REMOTE_CONTEXT = 8192
+
+
+class OpenAIGenerator:
+    """Chat completions on an OpenAI-compatible engine.
+
+    :param url: base URL including ``/v1``, e.g. ``http://127.0.0.1:8000/v1``.
+    :param model: the engine's model name (for ``transformers serve``: the served directory).
+    :param api_key: bearer token sent to the engine (``"none"`` when it needs none).
+    :param tokenizer_dir: local directory with the engine's tokenizer (exact counting), or None
+        (estimate; see the module docstring).
+    :param tls_verify: ``True``, ``False`` or a CA bundle path (for ``https://`` URLs).
+    :param timeout_s: per-request limit in seconds (connect to last token).
+    :param max_inflight: requests the engine is given at once (the dispatcher enforces it).
+    :param retries: extra attempts before the first token on a connection error, 429 or 5xx.
+    """
+
+    is_engine = True
+
+    def __init__(self, url: str, model: str, *, api_key: str = "none", tokenizer_dir: Path | None = None,
+                 tls_verify: bool | str = True, timeout_s: float = 120.0, max_inflight: int = 16,
+                 retries: int = 2) -> None:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"--generator-url must be an http(s) URL ending in /v1, got {url!r}")
+        if not model:
+            raise ValueError("--generator-model is required with --generator openai")
+        if max_inflight < 1 or timeout_s <= 0:
+            raise ValueError("--generator-max-inflight must be >= 1 and --generator-timeout-s > 0")
+        self.url, self.model, self.name = url.rstrip("/"), model, f"openai:{model}"
+        self.api_key, self.tokenizer_dir = api_key or "none", tokenizer_dir
+        self.tls_verify, self.timeout_s = tls_verify, float(timeout_s)
+        self.max_inflight, self.retries = int(max_inflight), int(retries)
+        self.max_context = DEFAULT_REMOTE_CONTEXT
+        self.tokenizer: Any = None
+        self.down_since: float | None = None  # perf_counter of the first failure in a row
+        self._client: Any = None
+        self._lock = threading.Lock()
+        self._warm = False
+
+    # ------------------------------------------------------------------ set-up
+    def warm_up(self) -> None:
+        """Load the local tokenizer and context length (if ``tokenizer_dir``). Idempotent."""
+        if self._warm:
+            return
+        with self._lock:
+            if self._warm:
+                return
+            if self.tokenizer_dir is not None:
+                from transformers import AutoConfig, AutoTokenizer
+
+                self.tokenizer = AutoTokenizer.from_pretrained(str(self.tokenizer_dir))
+                cfg = AutoConfig.from_pretrained(str(self.tokenizer_dir))
+                self.max_context = int(getattr(cfg, "max_position_embeddings", DEFAULT_REMOTE_CONTEXT))
+            self._warm = True
+
+    def client(self) -> Any:
+        """The ``AsyncOpenAI`` client (created on first use, in the running event loop)."""
+        if self._client is None:
+            import openai
+
+            http = openai.DefaultAsyncHttpxClient(verify=self.tls_verify)  # the HTTP client openai ships with
+            self._client = openai.AsyncOpenAI(base_url=self.url, api_key=self.api_key, max_retries=0, http_client=http,
+                                              timeout=openai.Timeout(self.timeout_s, connect=5.0))
+        return self._client
+
+    async def aclose(self) -> None:
+        """Close the HTTP connections."""
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+    # ------------------------------------------------------------------ text helpers
+    @staticmethod
+    def chat_messages(system: str, user: str) -> list[dict[str, str]]:
+        """The chat turns sent to the engine: ``[{"role": "system", ...}, {"role": "user", ...}]``."""
+        return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+
+    def chat_prompt(self, system: str, user: str) -> str:
+        """The prompt as the engine will see it: the local tokenizer's chat template when there
+        is one, else ``"<system>\\n\\n<user>"`` (only counted, never sent)."""
+        self.warm_up()
+        if self.tokenizer is not None and getattr(self.tokenizer, "chat_template", None):
+            return self.tokenizer.apply_chat_template(self.chat_messages(system, user), tokenize=False,
+                                                      add_generation_prompt=True)
+        return f"{system}\n\n{user}" if system else user
+
+    def count_tokens(self, text: str) -> int:
+        """Exact with a local tokenizer, else ``ceil(utf8_bytes / 3) + 8`` (an over-estimate)."""
+        self.warm_up()
+        if self.tokenizer is not None:
+            return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return math.ceil(len(text.encode("utf-8")) / EST_BYTES_PER_TOKEN) + EST_OVERHEAD_TOKENS
+
+    def truncate_to_tokens(self, text: str, n: int) -> str:
+        """Longest prefix of ``text`` with at most ``n`` tokens as :meth:`count_tokens` counts."""
+        if n <= 0:
+            return ""
+        out = text
+        if self.count_tokens(out) <= n:
+            return out
+        if self.tokenizer is None:
+            out = text.encode("utf-8")[: max(0, (n - EST_OVERHEAD_TOKENS) * EST_BYTES_PER_TOKEN)].decode("utf-8", "ignore")
+        else:
+            enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            out = text[: enc["offset_mapping"][n][0]]
+        while out and self.count_tokens(out) > n:
+            out = out[:-1]
+        return out
+
+    # ------------------------------------------------------------------ generation
+    @property
+    def healthy(self) -> bool:
+        """False from a failed request (or probe) until the next one succeeds."""
+        return self.down_since is None
+
+    def _mark(self, ok: bool) -> None:
+        if ok:
+            self.down_since = None
+        elif self.down_since is None:
+            self.down_since = time.perf_counter()
+
+    async def probe(self) -> bool:
+        """One ``GET /models`` (5 s limit); updates :attr:`healthy`. :returns: whether it answered."""
+        try:
+            await asyncio.wait_for(self.client().models.list(), 5.0)
+            ok = True
+        except Exception:  # noqa: BLE001 - any failure means not serving
+            ok = False
+        self._mark(ok)
+        return ok
+
+    def _map_error(self, exc: BaseException) -> Exception:
+        import openai
+
+        if isinstance(exc, (openai.APITimeoutError, asyncio.TimeoutError)):
+            return EngineTimeout(f"the generation engine did not finish within {self.timeout_s:.0f} s")
+        if isinstance(exc, openai.APIStatusError):
+            code = exc.status_code
+            if code in (400, 413, 422):
+                return EngineRejected(f"the generation engine refused the request: HTTP {code}: {exc.message}")
+            ra = exc.response.headers.get("retry-after", "")
+            wait = float(ra) if ra.replace(".", "", 1).isdigit() else (1.0 if code == 429 or code >= 500 else 5.0)
+            return EngineUnavailable(f"the generation engine answered HTTP {code} "
+                                     f"({'overloaded or down' if code == 429 or code >= 500 else 'misconfigured'})", wait)
+        return EngineUnavailable(f"the generation engine is unreachable: {type(exc).__name__}: {exc}", 1.0)
+
+    async def stream(self, messages: list[dict[str, str]], max_new_tokens: int,
+                     usage: EngineUsage) -> AsyncIterator[str]:
+        """Greedy (temperature 0) chat completion; yields text deltas as the engine sends them.
+
+        ``usage`` is filled in as the engine reports it (``prompt_tokens``,
+        ``completion_tokens``, ``cached_tokens`` from ``usage.prompt_tokens_details``,
+        ``finish_reason``, ``attempts``). Closing the iterator (``aclose``, or cancelling the
+        task that iterates) closes the HTTP stream, so the engine frees the request's slot.
+
+        :raises EngineUnavailable | EngineTimeout | EngineRejected: see the module docstring.
+        """
+        got_token = False
+        for attempt in range(self.retries + 1):
+            usage.attempts = attempt + 1
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    resp = await self.client().chat.completions.create(
+                        model=self.model, messages=messages, max_tokens=int(max_new_tokens), temperature=0.0,
+                        stream=True, stream_options={"include_usage": True})
+                    try:
+                        async for chunk in resp:
+                            self._mark(True)
+                            _take_usage(chunk, usage)
+                            for ch in chunk.choices or ():
+                                if ch.finish_reason:
+                                    usage.finish_reason = "length" if ch.finish_reason == "length" else "stop"
+                                delta = ch.delta.content if ch.delta is not None else None
+                                if delta:
+                                    got_token = True
+                                    yield delta
+                    finally:
+                        await resp.close()  # also on cancellation: frees the engine's slot
+                return
+            except (GeneratorExit, asyncio.CancelledError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - mapped below
+                err = self._map_error(exc)
+                if isinstance(err, EngineUnavailable):
+                    self._mark(False)
+                if got_token or not isinstance(err, EngineUnavailable) or attempt == self.retries:
+                    raise err from exc
+                log.warning("engine request failed before its first token (%s); retrying", err)
+                await asyncio.sleep(0.2 * (attempt + 1))
+
+
+def _take_usage(chunk: Any, usage: EngineUsage) -> None:
+    u = getattr(chunk, "usage", None)
+    if u is None:
+        return
+    usage.prompt_tokens = int(u.prompt_tokens or 0)
+    usage.completion_tokens = int(u.completion_tokens or 0)
+    details = getattr(u, "prompt_tokens_details", None)
+    if details is not None and getattr(details, "cached_tokens", None) is not None:
+        usage.cached_tokens = int(details.cached_tokens)
