@@ -219,6 +219,9 @@ def cmd_query(a) -> int:
         return 0
     if r.memory_context:
         print(f"(memory: {r.memory_context})")
+    if answer is not None and getattr(r, "finish_reason", "") == "no_generator":
+        print("(no answer: the server runs without a generator, --generator none; the hits follow)")
+        answer = None
     if answer is not None:
         print(answer.strip() or "(empty answer)")
         print()

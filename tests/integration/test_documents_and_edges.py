@@ -42,7 +42,10 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def zebra(client):
-    docs = [Doc(f"D{i}", BLOCK * 25, title=f"Herd notes {i}") for i in range(1, 5)]
+    # the case used 25 blocks per document, which filled the top-100 chunks at the old
+    # 900-character chunking; the token chunker cuts fewer, longer chunks (about 22 from 25
+    # blocks), so 32 blocks keep the case's point: D1-D4 alone fill every top-100 chunk slot
+    docs = [Doc(f"D{i}", BLOCK * 32, title=f"Herd notes {i}") for i in range(1, 5)]
     docs.append(Doc("D5", "Minutes of the budget meeting: parking permits, a new printer for the second floor, the "
                           "cafeteria menu and the holiday rota; someone left a zebra mug in the kitchen.",
                     title="Meeting minutes"))

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from oprag_server.index import bm25 as B
 from oprag_server.index.analyzer import Analyzer, strip_ignorable
 from oprag_server.models.encoder import resolve_encoder_path
-from oprag_server.operators.chunking import Chunker, chunk_text
+from oprag_server.operators.chunking import CHARS_PER_TOKEN_CAP, Chunker, chunk_text
 
 # the project's shared/ folder lies beside the repository (OPRAG_WIKITEXT overrides)
 WIKITEXT = pathlib.Path(os.environ.get("OPRAG_WIKITEXT") or pathlib.Path(__file__).resolve().parents[3]
@@ -220,5 +220,20 @@ def test_property_tokens_and_whole_words(minilm, parts, size):
     pieces = check_guarantees(chunker, text)
     assert all(n_tokens(tok, p) <= size for p in pieces)
     words = {w for w, _ in parts}
-    # every word fits a chunk at these sizes, so every chunk is made of whole words
-    assert all(set(re.split(r"[\s.,]+", p)) - {""} <= words for p in pieces)
+    # every word fits a chunk at these sizes, so every chunk is made of whole words; CJK text has
+    # a word boundary between ideographs (Unicode UAX #29), so a CJK run may be cut between them
+    def whole(t: str) -> bool:
+        return t in words or any(t in w for w in words if all("\u3400" <= ch <= "\u9fff" for ch in w))
+
+    assert all(whole(t) for p in pieces for t in set(re.split(r"[\s.,]+", p)) - {""})
+
+
+def test_a_run_the_tokenizer_counts_as_one_token_is_still_cut(minilm):
+    """WordPiece maps a word over 100 characters to one [UNK]: such runs (base64, minified code)
+    must not make a megabyte chunk; counted chunks are capped at CHARS_PER_TOKEN_CAP per token."""
+    _, chunker = minilm
+    blob = "QUJD" * 10_000  # 40,000 characters without a space
+    text = f"Intro sentence. {blob} end."
+    pieces = check_guarantees(chunker, text)
+    assert len(pieces) >= 40_000 // chunker.max_chars
+    assert max(map(len, pieces)) <= chunker.max_chars == max(chunker.capacity * CHARS_PER_TOKEN_CAP, 2048)

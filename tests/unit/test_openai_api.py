@@ -26,3 +26,12 @@ def test_lone_surrogates_are_refused_in_every_string_field(bad):
 
 def test_valid_unicode_passes():
     assert RetrieveRequest.model_validate({"query": "中文 🦀 é"}).query == "中文 🦀 é"
+
+
+def test_http_metric_labels_stay_bounded():
+    from oprag_server.service.http import _metric_method
+
+    assert _metric_method("/v1/chat/completions") == "HTTP /v1/chat/completions"
+    assert _metric_method("/v1/models/oprag") == "HTTP /v1/models"
+    for path in ("/v1/x1", "/v1/x2", "/v1/models/a/b", "/", "/v1/chat/completions/x"):
+        assert _metric_method(path) == "HTTP other"

@@ -37,6 +37,12 @@ from ..index.analyzer import has_visible_content
 __all__ = ["Chunker", "chunk_text"]
 
 
+#: Counted chunks hold at most this many characters per token of capacity (see Chunker).
+CHARS_PER_TOKEN_CAP = 16
+#: ... and never capped below this many characters (small chunk sizes keep whole words).
+MIN_CHAR_CAP = 2048
+
+
 class Chunker:
     """Split texts into chunks of at most ``size`` units on natural boundaries (module docstring).
 
@@ -94,6 +100,14 @@ class Chunker:
             self._splitter = TextSplitter.from_callback(counter, self.capacity, self.overlap, trim=True)
         else:
             self._splitter = TextSplitter(self.capacity, self.overlap, trim=True)
+        # A token counter can see a long run of characters as one token (WordPiece maps a word
+        # over 100 characters, e.g. base64 or a minified line, to a single [UNK]), so a chunk
+        # could hold megabytes while counting a few tokens. Counted chunks are therefore also
+        # capped at CHARS_PER_TOKEN_CAP characters per token of capacity (at least MIN_CHAR_CAP), far above natural text
+        # (English runs about 4-5 characters per MiniLM token), and cut again on boundaries.
+        self.max_chars = (max(self.capacity * CHARS_PER_TOKEN_CAP, MIN_CHAR_CAP)
+                          if (tokenizer is not None or counter is not None) else 0)
+        self._char_splitter = TextSplitter(self.max_chars, trim=True) if self.max_chars else None
 
     @classmethod
     def for_model(cls, path: Any, max_tokens: int, size: int, overlap: int = 0) -> Chunker:
@@ -141,10 +155,14 @@ class Chunker:
             raise TypeError(f"text must be str, got {type(text).__name__}")
         out = []
         for i, c in self._splitter.chunk_indices(text):
-            if has_visible_content(c):
-                # the splitter trims Unicode White_Space; str.strip also takes U+001C..U+001F
-                s = c.strip()
-                out.append((i + len(c) - len(c.lstrip()), s))
+            if self._char_splitter is not None and len(c) > self.max_chars:
+                pieces = [(i + j, p) for j, p in self._char_splitter.chunk_indices(c)]
+            else:
+                pieces = [(i, c)]
+            for k, p in pieces:
+                if has_visible_content(p):
+                    # the splitter trims Unicode White_Space; str.strip also takes U+001C..U+001F
+                    out.append((k + len(p) - len(p.lstrip()), p.strip()))
         return out
 
     def chunks(self, text: str) -> list[str]:

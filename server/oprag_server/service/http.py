@@ -53,6 +53,19 @@ _CODE_NAME = {200: "OK", 400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "
 ALIAS = "oprag"  # a chat model id that always names the configured generator
 
 
+#: the API's routes by metric label; any other path counts as "HTTP other" (a bounded label set)
+_ROUTES = ("/v1/chat/completions", "/v1/embeddings", "/v1/retrieve", "/v1/models")
+
+
+def _metric_method(path: str) -> str:
+    """``HTTP <route>`` for the API's routes (``/v1/models/{id}`` counts as ``/v1/models``),
+    ``HTTP other`` for every other path, so a client cannot grow the metric's label set."""
+    for route in _ROUTES:
+        if path == route or (route == "/v1/models" and path.startswith("/v1/models/") and path.count("/") == 3):
+            return f"HTTP {route}"
+    return "HTTP other"
+
+
 class NotFound(LookupError):
     """An unknown model id (-> 404, code ``model_not_found``)."""
 
@@ -140,7 +153,7 @@ class Guard:
             if not started[0]:
                 await exception_response(exc, scope["path"])(scope, receive, observed_send)
         finally:
-            method = f"HTTP {scope['path']}" if scope["path"].startswith("/v1/") else "HTTP other"
+            method = _metric_method(scope["path"])
             self.metrics.requests.labels(method=method, code=_CODE_NAME.get(status[0], "INTERNAL")).inc()
             self.metrics.request_seconds.labels(method=method).observe(time.perf_counter() - t0)
 
