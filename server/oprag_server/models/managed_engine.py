@@ -34,10 +34,10 @@ log = logging.getLogger(__name__)
 
 def transformers_cli() -> str | None:
     """Path of the ``transformers`` command next to this Python (or on PATH), None if absent
-    or if its ``serve`` extra (fastapi, uvicorn) is missing."""
+    or if its ``serving`` extra (fastapi, uvicorn, openai, rich) is missing."""
     import importlib.util
 
-    if importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None:
+    if any(importlib.util.find_spec(m) is None for m in ("fastapi", "uvicorn", "openai", "rich")):
         return None
     cand = Path(sys.executable).with_name("transformers")
     return str(cand) if cand.is_file() else shutil.which("transformers")
