@@ -14,7 +14,7 @@ import pytest
 from oprag_client.testing import ServerProcess, free_port, oprag_cli
 
 from oprag.v1 import oprag_pb2
-from oprag_client.client import Doc, OpRAGClient
+from oprag_client.client import Doc
 
 pytestmark = pytest.mark.integration
 
@@ -32,12 +32,6 @@ def server(tmp_path_factory):
                         "--shards", "2").start()
     yield srv
     srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with OpRAGClient(server.target, timeout=120) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from oprag.v1 import oprag_pb2
-from oprag_client.client import Doc, OpRAGClient, ingest_messages
+from oprag_client.client import Doc, ingest_messages
 from oprag_client.testing import ServerProcess, free_port
 
 pytestmark = pytest.mark.integration
@@ -25,12 +25,6 @@ def server(tmp_path_factory):
                         "--chunk-size", "200").start()
     yield srv
     srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with OpRAGClient(server.target, timeout=120) as c:
-        yield c
 
 
 def _metric(server, name: str) -> float:

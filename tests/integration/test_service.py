@@ -55,12 +55,6 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    with OpRAGClient(server.target, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def ingested(client):
     docs = DOCS + [Doc("empty", text="   "), Doc("", text="no id")]
     # several messages in one stream: the client splits by count and size
