@@ -178,3 +178,17 @@ def test_compiled_path_matches_eager_and_compiles_at_warm_up():
     got = comp.encode(texts)
     assert comp.last_padded_tokens == 4 * 32  # 3 texts padded to 4 rows x the 32-token bucket
     np.testing.assert_allclose(got, eager.encode(texts), atol=1e-5)
+
+
+def test_dtype_choice(encoder, st_model) -> None:
+    """dtype="auto" is float32 on CPU; bfloat16 vectors stay float32 and close to the reference."""
+    assert encoder.dtype == "float32"
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        TransformersEncoder("minilm", dtype="int8")
+    bf = TransformersEncoder("minilm", device="cpu", dtype="bfloat16")
+    ours = bf.encode(TEXTS)
+    assert bf.dtype == "bfloat16" and ours.dtype == np.float32
+    ref = st_model.encode(TEXTS, normalize_embeddings=True, convert_to_numpy=True)
+    cos = (ours * ref).sum(axis=1)
+    assert cos.min() > 0.99  # bfloat16 rounding only
+    assert np.abs(ours - ref).max() > 1e-6  # it really ran in bfloat16

