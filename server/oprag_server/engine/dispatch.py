@@ -53,11 +53,13 @@ class EngineDispatch:
         ahead = max(0, self.waiting + queued + self.in_engine - self.max_inflight + 1)
         return ahead * self.request_s_ewma / self.max_inflight
 
-    def spawn(self, job: Any, run: Callable[[Any], Awaitable[None]]) -> None:
-        """Run ``run(job)`` (the answer phase of its plan: generate, promote, reply) as its own task."""
+    def spawn(self, job: Any, run: Callable[[Any], Awaitable[None]]) -> asyncio.Task:
+        """Run ``run(job)`` (the answer phase of its plan: generate, promote, reply) as its own task
+        (returned)."""
         t = asyncio.create_task(run(job))
         self._tasks[id(job)] = t
         t.add_done_callback(lambda _: (self._tasks.pop(id(job), None), self._cancelled_at.pop(id(job), None)))
+        return t
 
     def cancel(self, job: Any) -> None:
         """The client went away: cancel the job's engine request (closes its HTTP stream)."""

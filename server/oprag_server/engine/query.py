@@ -166,7 +166,9 @@ class QueryEngine:
             while self._waiting and self._waiting[0].cancelled:
                 self._finish(self._waiting.popleft())
             age = time.perf_counter() - self._waiting[0].enqueued if self._waiting else 0.0
-            engine = self.dispatch is not None  # no generation batches to form: prep closes at once
+            # an engine forms no generation batches: prep closes at once (with overlap off the
+            # batch forms as for the builtin: it is prepared, then generated, as one)
+            engine = self.dispatch is not None and self.cfg.overlap
             d = self.policy.decide(len(self._waiting), age, downstream_busy=self._generating > 0 and not engine,
                                    will_generate=not engine and bool(self._waiting) and self._waiting[0].runs(GENERATE))
             if d.take:
@@ -196,8 +198,9 @@ class QueryEngine:
             for j in rest:
                 self._finish(j)
             if gen and self.dispatch is not None:
-                for j in gen:
-                    self.dispatch.spawn(j, self._answer)
+                tasks = [self.dispatch.spawn(j, self._answer) for j in gen]
+                if not self.cfg.overlap:  # the engine stage empties before the next prep
+                    await asyncio.wait(tasks)
             elif gen:
                 done = asyncio.get_running_loop().create_future()
                 self._generating += 1

@@ -1,0 +1,652 @@
+"""``python -m bench.serving --engine-url URL --engine-model NAME [--standin]``: serving with
+generation on an inference engine (issue 12): where the prep/generation overlap exists.
+
+OpRAG runs with ``--generator openai --generator-url URL --generator-model NAME`` in front of
+any OpenAI-compatible engine; with ``--standin`` the bench starts the GPU-timed stand-in
+(:mod:`bench.standin_engine`, SIMULATED timing) at URL itself.
+
+1. Corpus: ``--chunks N`` synthetic chunks (deterministic Zipf-distributed words from this
+   repository's docs, ~180 words each, 10 per document) with random unit vectors of width
+   ``--dim`` supplied by the bench (bring-your-own vectors), so nothing is embedded; reused
+   from ``bench/out/serving-engine-data-<N>``. Questions: 12 words from the same distribution;
+   each brings its query vector (a chunk's vector plus noise), so queries are not embedded
+   either. Prep = memory-less retrieve (hybrid, top 5) + context.
+2. Systems, each closed-loop at every ``--concurrency`` level (window ``--duration`` s after
+   ``--warmup`` s):
+   * ``overlap``: ``--max-batch 8`` (prep batches of at most 8; each request goes to the
+     engine as soon as its prompt exists, the prep loop goes on with newer arrivals);
+   * ``no_overlap``: ``--no-overlap --max-batch 64``: the best serial schedule. The requests
+     waiting (up to 64, closed after ``--max-wait-ms``) are prepared as one batch, then all of
+     them generate on the engine at once (one engine batch), and the next prep starts only when
+     the engine stage is empty. Prep and generation never overlap; the engine still sees the
+     whole cohort, so the comparison isolates the overlap from continuous batching's batch-size
+     gain;
+   * ``sequential_client``: the bench itself does ``Retrieve`` over gRPC, builds the same prompt
+     with the server's prompt builder, then streams it from the engine directly (one after the
+     other per client).
+3. Figures at the headline level (32, else the highest): per-request prep (the reply's
+   ``timings_ms``: memory+embed+retrieve+context) and gen (``generate``: time in the engine),
+   measured in the ``no_overlap`` run (stages in series, nothing hidden):
+   ``prep_to_gen_ratio`` = prep / gen; ``S`` = overlap throughput / no_overlap throughput;
+   ``S_ideal`` = (prep + gen) / max(prep, gen) (two stages); ``overlap_fraction_of_ideal`` =
+   (S - 1) / (S_ideal - 1) (issue 12). Setting ``A``: ``--max-new-tokens``, chosen so prep / gen
+   is in [0.5, 2]; setting ``B``: ``--max-new-tokens-b`` (generation-dominated), same figures.
+4. ``engine_idle_fraction``: the stand-in's ``/stats`` idle seconds (no running request) over
+   the window of the overlap run at the headline level, where all C requests are always in the
+   system (closed loop): the engine idles while OpRAG holds requests. ``null`` for an engine
+   without ``/stats``.
+5. Overload: a fresh server with ``--generator-max-inflight M`` (``--overload-inflight``, the
+   engine batch at which latency stays near the unloaded one), ``--max-queue-delay-ms`` (the
+   latency admission) and capacity = overlap throughput at concurrency M (measured first);
+   open loop at 2 x capacity for ``--overload-duration`` s with a deadline. Reports admitted
+   p95 / unloaded p95 (overlap at concurrency 1), RESOURCE_EXHAUSTED refusals and their p95
+   latency, RSS (``/proc``) before/after.
+6. Cancel: ``--cancels`` sequential QueryStreams cancelled after their first text event;
+   ``cancel_release_ms_p95`` = client cancel -> the stand-in removed the request from its
+   running batch (``/stats`` ``released_at``, both CLOCK_MONOTONIC); without ``/stats`` the
+   server's ``oprag_engine_cancel_release_seconds`` (server cancel -> HTTP stream closed),
+   p95 as the upper bound of its histogram bucket.
+
+``--json`` prints one JSON object as the last stdout line (also written to
+``bench/out/serving-engine[-quick].json``).
+"""
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from urllib.parse import urlparse
+
+from oprag_client.testing import ServerProcess
+
+from . import _internals
+from ._common import OUT, REPO, emit_json, log, machine_info, mval, percentile, scrape, start_server
+
+HEADLINE = 32
+
+
+def r3(x):
+    return None if x is None else round(float(x), 3)
+
+
+# ------------------------------------------------------------------------------ args
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description="serving bench, engine mode (see bench/serving_engine.py)")
+    ap.add_argument("--engine-url", default="", help="OpenAI-compatible engine base URL with /v1")
+    ap.add_argument("--engine-model", default="standin", help="the engine's model name (a local dir: exact token counts)")
+    ap.add_argument("--standin", action="store_true", help="start bench.standin_engine at --engine-url (SIMULATED)")
+    ap.add_argument("--decode-base-ms", type=float, default=None, help="stand-in a (default: its own)")
+    ap.add_argument("--decode-per-seq-ms", type=float, default=None, help="stand-in b")
+    ap.add_argument("--prefill-ms-per-token", type=float, default=None, help="stand-in c")
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="stand-in running batch limit")
+    ap.add_argument("--chunks", type=int, default=0, help="corpus chunks (default 20000; --quick 2000)")
+    ap.add_argument("--dim", type=int, default=384, help="vector width (the server's embedder: MiniLM 384)")
+    ap.add_argument("--data-dir", type=Path, default=None)
+    ap.add_argument("--shards", type=int, default=2)
+    ap.add_argument("--concurrency", default="1,8,32,64")
+    ap.add_argument("--duration", type=float, default=8.0, help="measured seconds per level")
+    ap.add_argument("--warmup", type=float, default=3.0, help="warm-up seconds per level")
+    ap.add_argument("--max-new-tokens", type=int, default=16, help="setting A (prep/gen near 1 on the stand-in)")
+    ap.add_argument("--max-new-tokens-b", type=int, default=128, help="setting B (generation-dominated); 0 = skip")
+    ap.add_argument("--context-tokens", type=int, default=1024, help="the server's prompt budget")
+    ap.add_argument("--max-wait-ms", type=float, default=25.0, help="server --max-wait-ms (no_overlap cohorts)")
+    ap.add_argument("--max-inflight", type=int, default=128, help="server --generator-max-inflight")
+    ap.add_argument("--overload-inflight", type=int, default=8)
+    ap.add_argument("--overload-factor", type=float, default=2.0)
+    ap.add_argument("--overload-duration", type=float, default=15.0)
+    ap.add_argument("--overload-deadline", type=float, default=10.0)
+    ap.add_argument("--overload-delay-fraction", type=float, default=0.5,
+                    help="--max-queue-delay-ms = this x the unloaded p95")
+    ap.add_argument("--cancels", type=int, default=20)
+    ap.add_argument("--no-overload", action="store_true")
+    ap.add_argument("--server-arg", action="append", default=[], help="extra option for every server (repeatable)")
+    ap.add_argument("--quick", action="store_true", help="2000 chunks, concurrency 1,8, 2 s windows")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    if not a.engine_url and not a.standin:
+        ap.error("--engine-url is required (or --standin)")
+    if a.quick:
+        a.chunks = a.chunks or 2000
+        a.concurrency = "1,8" if a.concurrency == "1,8,32,64" else a.concurrency
+        a.duration, a.warmup = min(a.duration, 2.0), min(a.warmup, 1.0)
+        a.overload_duration = min(a.overload_duration, 4.0)
+        a.cancels = min(a.cancels, 5)
+    a.chunks = a.chunks or 20000
+    a.levels = [int(x) for x in a.concurrency.split(",") if x.strip()]
+    a.data_dir = a.data_dir or OUT / f"serving-engine-data-{a.chunks}-{a.dim}"
+    a.log_path = OUT / "serving-engine-server.log"
+    return a
+
+
+# ------------------------------------------------------------------------------ corpus
+
+def _vocab() -> list[str]:
+    import re
+
+    words: dict[str, int] = {}
+    for p in sorted((REPO / "docs").glob("*.md")) + [REPO / "README.md"]:
+        for w in re.findall(r"[a-z]{3,}", p.read_text(encoding="utf-8", errors="ignore").lower()):
+            words[w] = words.get(w, 0) + 1
+    return sorted(words, key=lambda w: (-words[w], w))[:5000]
+
+
+class Corpus:
+    """Deterministic synthetic chunks, vectors and questions (seeded numpy)."""
+
+    def __init__(self, chunks: int, dim: int, seed: int = 12) -> None:
+        import numpy as np
+
+        self.np, self.n, self.dim = np, chunks, dim
+        self.vocab = _vocab()
+        ranks = np.arange(1, len(self.vocab) + 1)
+        self.p = (1.0 / ranks) / (1.0 / ranks).sum()  # Zipf, s = 1
+        self.rng = np.random.default_rng(seed)
+
+    def words(self, n: int) -> str:
+        return " ".join(self.vocab[i] for i in self.rng.choice(len(self.vocab), n, p=self.p))
+
+    def unit(self, rows: int):
+        v = self.rng.standard_normal((rows, self.dim)).astype("float32")
+        return v / self.np.linalg.norm(v, axis=1, keepdims=True)
+
+    def documents(self, per_doc: int = 10):
+        from oprag_client.client import Doc
+
+        for d in range(math.ceil(self.n / per_doc)):
+            k = min(per_doc, self.n - d * per_doc)
+            vecs = self.unit(k)
+            yield Doc(f"syn-{d:06d}", title=f"Synthetic {d}",
+                      chunks=[(self.words(180), vecs[i].tolist()) for i in range(k)])
+
+    def questions(self, n: int = 512) -> list[tuple[str, list[float]]]:
+        qs = self.unit(n) * 0.3 + self.unit(n)  # unit noise around random directions
+        qs /= self.np.linalg.norm(qs, axis=1, keepdims=True)
+        return [(self.words(12) + "?", qs[i].tolist()) for i in range(n)]
+
+
+def prepare_data(a) -> dict:
+    from oprag_client.client import OpRAGClient
+
+    t = time.perf_counter()
+    srv = start_server(a.data_dir, "--generator", "none", "--shards", str(a.shards), log_path=a.log_path)
+    try:
+        with OpRAGClient(srv.target) as c:
+            s = c.stats(timeout=60)
+            ingested = s.chunks == 0
+            if ingested:
+                log(f"ingesting {a.chunks} synthetic chunks (own vectors, width {a.dim}) into {a.data_dir}")
+                corpus, batch, n = Corpus(a.chunks, a.dim), [], 0
+                for doc in corpus.documents():
+                    batch.append(doc)
+                    if len(batch) == 200:
+                        n += c.ingest(batch, timeout=600).chunks_written
+                        batch = []
+                if batch:
+                    n += c.ingest(batch, timeout=600).chunks_written
+                s = c.stats(timeout=60)
+            elif s.chunks != a.chunks:
+                raise SystemExit(f"{a.data_dir} holds {s.chunks} chunks, not {a.chunks}: remove it to re-ingest")
+    finally:
+        srv.stop()
+    log(f"data: {s.documents} documents, {s.chunks} chunks ({'ingested' if ingested else 'reused'}) "
+        f"in {time.perf_counter() - t:.0f} s")
+    return {"data_dir": str(a.data_dir), "documents": s.documents, "chunks": s.chunks, "ingested": ingested,
+            "prepare_s": round(time.perf_counter() - t, 1), "vectors": f"supplied by the bench, width {a.dim}"}
+
+
+# ------------------------------------------------------------------------------ engine
+
+def get_json(url: str, timeout: float = 5.0):
+    with urllib.request.urlopen(url, timeout=timeout) as f:
+        return json.loads(f.read())
+
+
+class EngineSide:
+    """The engine URL, the stand-in process when the bench started it, and ``/stats``."""
+
+    def __init__(self, a) -> None:
+        self.url, self.model, self.proc = a.engine_url.rstrip("/"), a.engine_model, None
+        if a.standin:
+            import subprocess
+
+            from oprag_client.testing import free_port
+
+            if not self.url:
+                self.url = f"http://127.0.0.1:{free_port()}/v1"
+            port = urlparse(self.url).port
+            cmd = [sys.executable, "-m", "bench.standin_engine", "--port", str(port), "--model-name", self.model]
+            for flag in ("decode_base_ms", "decode_per_seq_ms", "prefill_ms_per_token", "max_num_seqs"):
+                if getattr(a, flag) is not None:
+                    cmd += ["--" + flag.replace("_", "-"), str(getattr(a, flag))]
+            self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=open(OUT / "standin-engine.log", "w"),
+                                         stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+            self.wait_health()
+        self.root = self.url[: -len("/v1")] if self.url.endswith("/v1") else self.url
+        self.has_stats = self.stats() is not None
+        self.params = (self.stats() or {}).get("params")
+
+    def wait_health(self, timeout: float = 60.0) -> None:
+        t = time.monotonic()
+        while time.monotonic() - t < timeout:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise SystemExit(f"the stand-in engine exited ({self.proc.returncode}); see bench/out/standin-engine.log")
+            try:
+                get_json(self.url.rsplit("/v1", 1)[0] + "/health", 2.0)
+                return
+            except OSError:
+                time.sleep(0.2)
+        raise SystemExit(f"engine at {self.url} did not answer /health within {timeout:.0f} s")
+
+    def stats(self) -> dict | None:
+        try:
+            return get_json(self.root + "/stats", 5.0)
+        except (OSError, ValueError):
+            return None
+
+    def label(self) -> str:
+        return (f"standin (SIMULATED GPU timing: {self.params})" if self.proc is not None or self.params
+                else f"real engine at {self.url}, model {self.model}")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
+# ------------------------------------------------------------------------------ closed loops
+
+def closed_loop(call, questions, conc: int, duration: float, warmup: float, mark) -> dict:
+    """``conc`` threads calling ``call((q, vec)) -> dict`` (``ok``, ``code``, ``prep_ms``,
+    ``gen_ms``) in a loop; the window is ``duration`` s after ``warmup`` s."""
+    lock, stop, recs, nxt = threading.Lock(), threading.Event(), [], [0]
+
+    def worker():
+        while not stop.is_set():
+            with lock:
+                i = nxt[0]
+                nxt[0] += 1
+            t = time.perf_counter()
+            try:
+                r = call(questions[i % len(questions)])
+            except Exception as exc:  # noqa: BLE001 - a failed request is a data point
+                r = {"ok": False, "code": f"EXC:{type(exc).__name__}:{str(exc)[:100]}"}
+            with lock:
+                recs.append((t, time.perf_counter(), r))
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(conc)]
+    for th in threads:
+        th.start()
+    time.sleep(warmup)
+    t0 = time.perf_counter()
+    mark("start")
+    time.sleep(duration)
+    t1 = time.perf_counter()
+    mark("end")
+    stop.set()
+    for th in threads:
+        th.join(120)
+    win = [(s, e, r) for s, e, r in recs if t0 < e <= t1]
+    ok = [(s, e, r) for s, e, r in win if r.get("ok")]
+    lat = [(e - s) * 1000 for s, e, _ in ok]
+    errors: dict[str, int] = {}
+    for _, _, r in recs:
+        if not r.get("ok"):
+            errors[r["code"]] = errors.get(r["code"], 0) + 1
+
+    def mean(key):
+        xs = [r[key] for _, _, r in ok if r.get(key) is not None]
+        return r3(sum(xs) / len(xs)) if xs else None
+
+    return {"concurrency": conc, "window_s": r3(t1 - t0), "completed": len(ok),
+            "throughput_rps": r3(len(ok) / (t1 - t0)), "p50_ms": r3(percentile(lat, 50)) if lat else None,
+            "p95_ms": r3(percentile(lat, 95)) if lat else None, "prep_ms": mean("prep_ms"), "gen_ms": mean("gen_ms"),
+            "queue_ms": mean("queue_ms"), "completion_tokens": mean("tokens"), "errors": errors,
+            "hung_workers": sum(th.is_alive() for th in threads)}
+
+
+def run_level(call, questions, conc: int, a, engine: EngineSide, metrics_port: int | None) -> dict:
+    snaps: dict = {}
+
+    def mark(edge):
+        snaps[edge] = (time.perf_counter(), engine.stats())
+
+    res = closed_loop(call, questions, conc, a.duration, a.warmup, mark)
+    (t0, s0), (t1, s1) = snaps["start"], snaps["end"]
+    if s0 and s1:
+        steps = s1["steps"] - s0["steps"]
+        res["engine_idle_fraction"] = r3((s1["idle_s"] - s0["idle_s"]) / (t1 - t0))
+        res["engine_busy_fraction"] = r3((s1["busy_s"] - s0["busy_s"]) / (t1 - t0))
+        res["engine_mean_running"] = r3((s1["seq_steps"] - s0["seq_steps"]) / steps) if steps else None
+    return res
+
+
+def oprag_call(client, max_new: int, timeout: float = 120.0):
+    import grpc
+
+    prep_keys = ("memory", "embed", "retrieve", "context")
+
+    def call(qv):
+        q, v = qv
+        try:
+            r = client.query(q, query_vector=v, max_new_tokens=max_new, timeout=timeout)
+        except grpc.RpcError as e:
+            return {"ok": False, "code": e.code().name}
+        tm = r.timings_ms
+        return {"ok": True, "code": "OK", "prep_ms": sum(tm.get(k, 0.0) for k in prep_keys),
+                "gen_ms": tm.get("generate"), "queue_ms": tm.get("queue"), "tokens": r.completion_tokens}
+
+    return call
+
+
+def sequential_call(client, engine: EngineSide, a, max_new: int):
+    """Retrieve over gRPC, the server's prompt builder, then the engine directly (streamed)."""
+    import openai
+
+    model = _internals.openai_generator(engine.url, engine.model,
+                                        tokenizer_dir=Path(engine.model) if Path(engine.model).is_dir() else None)
+    oai = openai.OpenAI(base_url=engine.url, api_key="none", max_retries=0, timeout=120.0)
+
+    def call(qv):
+        q, v = qv
+        t = time.perf_counter()
+        rr = client.retrieve(q, query_vector=v, timeout=120)
+        hits = [_internals.hit(chunk_id=h.chunk_id, doc_id=h.doc_id, title=h.title, text=h.text, score=h.score,
+                               dense_score=h.dense_score, lexical_score=h.lexical_score, shard=h.shard) for h in rr.hits]
+        payload = _internals.build_context(q, hits, model, budget_tokens=a.context_tokens, max_new_tokens=max_new)
+        t_gen = time.perf_counter()
+        n = 0
+        stream = oai.chat.completions.create(model=engine.model, messages=payload.messages, max_tokens=max_new,
+                                             temperature=0.0, stream=True, stream_options={"include_usage": True})
+        for ch in stream:
+            if ch.usage is not None:
+                n = ch.usage.completion_tokens
+        e = time.perf_counter()
+        return {"ok": True, "code": "OK", "prep_ms": (t_gen - t) * 1000, "gen_ms": (e - t_gen) * 1000, "tokens": n}
+
+    return call
+
+
+# ------------------------------------------------------------------------------ servers
+
+def engine_server_args(a, engine: EngineSide, *extra: str) -> list[str]:
+    return ["--shards", str(a.shards), "--generator", "openai", "--generator-url", engine.url,
+            "--generator-model", engine.model, "--generator-max-inflight", str(a.max_inflight),
+            "--context-tokens", str(a.context_tokens), "--max-wait-ms", str(a.max_wait_ms),
+            "--max-new-tokens", str(a.max_new_tokens), *extra, *a.server_arg]
+
+
+SYSTEMS = {"overlap": ["--max-batch", "8"], "no_overlap": ["--no-overlap", "--max-batch", "64"]}
+
+
+def run_system(name: str, a, engine: EngineSide, questions, settings: dict[str, int]) -> dict:
+    """One server, every level of setting A, and the headline level of setting B."""
+    from oprag_client.client import OpRAGClient
+
+    extra = engine_server_args(a, engine, *SYSTEMS.get(name, SYSTEMS["overlap"]))
+    srv = start_server(a.data_dir, *extra, log_path=a.log_path)
+    out: dict = {"server_args": extra, "settings": {}}
+    try:
+        with OpRAGClient(srv.target) as c:
+            for sname, max_new in settings.items():
+                call = (sequential_call(c, engine, a, max_new) if name == "sequential_client"
+                        else oprag_call(c, max_new))
+                levels = a.levels if sname == "A" else [headline(a)]
+                for qv in questions[:2]:  # warm-up: the server's first engine request opens its client
+                    call(qv)
+                res = {}
+                for conc in levels:
+                    L = run_level(call, questions, conc, a, engine, srv.metrics_port)
+                    res[str(conc)] = L
+                    log(f"  {name:17s} {sname} c={conc:<3d} {L['throughput_rps']:8.2f} req/s  p50 {L['p50_ms']} "
+                        f"p95 {L['p95_ms']} ms  prep {L['prep_ms']} gen {L['gen_ms']} ms  idle "
+                        f"{L.get('engine_idle_fraction')}  running {L.get('engine_mean_running')}  "
+                        f"errors {L['errors'] or '-'}")
+                out["settings"][sname] = {"max_new_tokens": max_new, "levels": res}
+            out["alive_at_end"] = srv.alive() and c.health(timeout=10) == "SERVING"
+    finally:
+        out["stop_rc"] = srv.stop()
+    return out
+
+
+def headline(a) -> int:
+    return HEADLINE if HEADLINE in a.levels else max(a.levels)
+
+
+# ------------------------------------------------------------------------------ overload, cancel
+
+def rss_mb(pid: int) -> float:
+    """Resident set size of ``pid`` (``/proc/PID/status`` VmRSS) in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    return 0.0
+
+
+async def _open_loop(target: str, questions, rate: float, duration: float, deadline: float, max_new: int) -> list:
+    import grpc
+    from oprag_client.client import AsyncOpRAGClient
+
+    recs: list[tuple[str, float]] = []
+    async with AsyncOpRAGClient(target) as c:
+        async def one(qv):
+            t = time.perf_counter()
+            try:
+                await c.query(qv[0], query_vector=qv[1], max_new_tokens=max_new, timeout=deadline)
+                recs.append(("OK", time.perf_counter() - t))
+            except grpc.aio.AioRpcError as e:
+                recs.append((e.code().name, time.perf_counter() - t))
+
+        tasks, t0 = [], time.perf_counter()
+        for i in range(max(1, int(rate * duration))):
+            d = t0 + i / rate - time.perf_counter()
+            if d > 0:
+                await asyncio.sleep(d)
+            tasks.append(asyncio.create_task(one(questions[i % len(questions)])))
+        await asyncio.gather(*tasks)
+    return recs
+
+
+def run_overload(a, engine: EngineSide, questions, unloaded_p95: float) -> dict:
+    """Capacity at ``--overload-inflight`` engine slots, then 2x that offered, open loop."""
+    from oprag_client.client import OpRAGClient
+
+    m = a.overload_inflight
+    delay_ms = max(20.0, a.overload_delay_fraction * unloaded_p95)
+    extra = engine_server_args(a, engine, *SYSTEMS["overlap"], "--max-queue-delay-ms", f"{delay_ms:.0f}")
+    extra[extra.index("--generator-max-inflight") + 1] = str(m)
+    srv = start_server(a.data_dir, *extra, log_path=a.log_path)
+    try:
+        with OpRAGClient(srv.target) as c:
+            cap = run_level(oprag_call(c, a.max_new_tokens), questions, m, a, engine, srv.metrics_port)
+        rate = a.overload_factor * cap["throughput_rps"]
+        log(f"overload: capacity {cap['throughput_rps']} req/s at {m} engine slots; offering {rate:.1f} req/s for "
+            f"{a.overload_duration:g} s, deadline {a.overload_deadline:g} s, --max-queue-delay-ms {delay_ms:.0f}")
+        rss0 = rss_mb(srv.proc.pid)
+        recs = asyncio.run(_open_loop(srv.target, questions, rate, a.overload_duration, a.overload_deadline,
+                                      a.max_new_tokens))
+        time.sleep(1.0)
+        rss1 = rss_mb(srv.proc.pid)
+        with OpRAGClient(srv.target) as c:
+            alive = c.health(timeout=10) == "SERVING"
+    finally:
+        rc = srv.stop()
+    refused = [t * 1000 for code, t in recs if code == "RESOURCE_EXHAUSTED"]
+    admitted = [t * 1000 for code, t in recs if code != "RESOURCE_EXHAUSTED"]
+    codes: dict[str, int] = {}
+    for code, _ in recs:
+        codes[code] = codes.get(code, 0) + 1
+    adm95 = percentile(admitted, 95) if admitted else None
+    res = {"server_args": extra, "capacity": cap, "offered_rps": r3(rate), "sent": len(recs), "codes": codes,
+           "admitted_p95_ms": r3(adm95), "unloaded_p95_ms": r3(unloaded_p95),
+           "admitted_p95_ratio_overload": r3(adm95 / unloaded_p95) if adm95 and unloaded_p95 else None,
+           "refused": len(refused), "refusal_p95_ms": r3(percentile(refused, 95)) if refused else None,
+           "rss_mb_before": rss0, "rss_mb_after": rss1, "alive_after": alive, "stop_rc": rc}
+    log(f"overload: {codes}, admitted p95 {res['admitted_p95_ms']} ms (ratio {res['admitted_p95_ratio_overload']}), "
+        f"refusal p95 {res['refusal_p95_ms']} ms, RSS {rss0} -> {rss1} MiB")
+    return res
+
+
+def hist_p95_ms(before: dict, after: dict, name: str) -> float | None:
+    """p95 of a Prometheus histogram's growth between two scrapes: the upper bound of the bucket
+    holding the 95th percent (ms)."""
+    rows = sorted((float(dict(lab)["le"]), v - before.get((n, lab), 0.0)) for (n, lab), v in after.items()
+                  if n == name + "_bucket")
+    if not rows or rows[-1][1] <= 0:
+        return None
+    total = rows[-1][1]
+    return next(le * 1000 for le, cnt in rows if cnt >= 0.95 * total)
+
+
+def run_cancel(a, engine: EngineSide, questions) -> dict:
+    """``--cancels`` QueryStreams, one at a time, each cancelled after its first text event."""
+    from oprag_client.client import OpRAGClient
+
+    extra = engine_server_args(a, engine, *SYSTEMS["overlap"])
+    srv = start_server(a.data_dir, *extra, log_path=a.log_path)
+    client_ms, codes = [], {}
+    try:
+        m0 = scrape(srv.metrics_port)
+        with OpRAGClient(srv.target) as c:
+            for i in range(a.cancels):
+                q, v = questions[i % len(questions)]
+                call = c.query_stream(q, query_vector=v, max_new_tokens=400, timeout=120)
+                for ev in call:
+                    if ev.WhichOneof("event") == "text":
+                        break
+                t_cancel = time.monotonic()
+                call.cancel()
+                if engine.has_stats:
+                    deadline = time.monotonic() + 5
+                    while time.monotonic() < deadline:
+                        st = engine.stats()
+                        after = [at for _, at in st["released_at"] if at >= t_cancel]
+                        if after:
+                            client_ms.append((min(after) - t_cancel) * 1000)
+                            break
+                        time.sleep(0.01)
+                time.sleep(0.2)
+            m1 = scrape(srv.metrics_port)
+    finally:
+        rc = srv.stop()
+    name = "oprag_engine_cancel_release_seconds"
+    n = mval(m1, name + "_count") - mval(m0, name + "_count")
+    res = {"cancels": a.cancels, "released_seen_by_engine": len(client_ms),
+           "client_cancel_to_engine_release_ms_p95": r3(percentile(client_ms, 95)) if client_ms else None,
+           "client_cancel_to_engine_release_ms_max": r3(max(client_ms)) if client_ms else None,
+           "server_cancel_release_count": int(n),
+           "server_cancel_release_ms_mean": r3((mval(m1, name + "_sum") - mval(m0, name + "_sum")) / n * 1000) if n else None,
+           "server_cancel_release_ms_p95_bucket": r3(hist_p95_ms(m0, m1, name)), "stop_rc": rc, "codes": codes}
+    log(f"cancel: {res}")
+    return res
+
+
+# ------------------------------------------------------------------------------ report
+
+def overlap_figures(on: dict | None, off: dict | None, seq: dict | None) -> dict:
+    """The issue's overlap figures from one level of each system (see the module docstring)."""
+    if not on or not off or not off.get("prep_ms") or not off.get("gen_ms") or not off["throughput_rps"]:
+        return {}
+    prep, gen = off["prep_ms"], off["gen_ms"]
+    s = on["throughput_rps"] / off["throughput_rps"]
+    s_ideal = (prep + gen) / max(prep, gen)
+    return {"prep_ms": prep, "gen_ms": gen, "prep_to_gen_ratio": r3(prep / gen), "S": r3(s), "S_ideal": r3(s_ideal),
+            "overlap_fraction_of_ideal": r3((s - 1) / (s_ideal - 1)) if s_ideal > 1.0001 else None,
+            "prep_to_gen_ratio_overlap_run": r3(on["prep_ms"] / on["gen_ms"]) if on.get("prep_ms") and on.get("gen_ms") else None,
+            "throughput_ratio_vs_sequential_client": r3(on["throughput_rps"] / seq["throughput_rps"])
+            if seq and seq["throughput_rps"] else None}
+
+
+def report(a, engine: EngineSide, systems: dict, overload: dict | None, cancel: dict | None) -> dict:
+    h = str(headline(a))
+
+    def lvl(sys_name, setting, c=h):
+        return systems.get(sys_name, {}).get("settings", {}).get(setting, {}).get("levels", {}).get(c)
+
+    settings = {}
+    for sname in systems.get("overlap", {}).get("settings", {}):
+        per_c = {c: overlap_figures(lvl("overlap", sname, c), lvl("no_overlap", sname, c), lvl("sequential_client", sname, c))
+                 for c in systems["overlap"]["settings"][sname]["levels"]}
+        settings[sname] = {"max_new_tokens": systems["overlap"]["settings"][sname]["max_new_tokens"],
+                           "headline": per_c.get(h, {}), "per_concurrency": per_c}
+    A = settings.get("A", {}).get("headline", {})
+    head_on = lvl("overlap", "A") or {}
+    src = engine.label()
+    cancel_p95 = None
+    if cancel:
+        cancel_p95 = cancel["client_cancel_to_engine_release_ms_p95"]
+        if cancel_p95 is None:
+            cancel_p95 = cancel["server_cancel_release_ms_p95_bucket"]
+    return {
+        "benchmark": "serving-engine",
+        "quick": a.quick,
+        "headline_concurrency": int(h),
+        "overlap_fraction_of_ideal": A.get("overlap_fraction_of_ideal"),
+        "prep_to_gen_ratio": A.get("prep_to_gen_ratio"),
+        "admitted_p95_ratio_overload": overload["admitted_p95_ratio_overload"] if overload else None,
+        "engine_idle_fraction": head_on.get("engine_idle_fraction") if engine.has_stats else "not measurable (no /stats)",
+        "cancel_release_ms_p95": cancel_p95,
+        "throughput_ratio_vs_sequential_client": A.get("throughput_ratio_vs_sequential_client"),
+        "engine": {
+            "overlap_fraction_of_ideal": src, "prep_to_gen_ratio": src, "admitted_p95_ratio_overload": src,
+            "engine_idle_fraction": (src + ", /stats idle seconds") if engine.has_stats else None,
+            "cancel_release_ms_p95": src + (", client cancel -> engine released (/stats)" if cancel and
+                                            cancel["client_cancel_to_engine_release_ms_p95"] is not None else
+                                            ", server metric oprag_engine_cancel_release_seconds (bucket bound)"),
+            "throughput_ratio_vs_sequential_client": src,
+            "simulated": engine.params is not None, "url": engine.url, "model": engine.model, "params": engine.params,
+        },
+        "refusal_p95_ms": overload["refusal_p95_ms"] if overload else None,
+        "overload_refused": overload["refused"] if overload else None,
+        "settings": settings,
+        "systems": systems,
+        "overload": overload,
+        "cancel": cancel,
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    OUT.mkdir(parents=True, exist_ok=True)
+    t_all = time.perf_counter()
+    machine = machine_info()
+    data = prepare_data(a)
+    questions = Corpus(a.chunks, a.dim, seed=99).questions()
+    engine = EngineSide(a)
+    log(f"engine: {engine.label()}")
+    settings = {"A": a.max_new_tokens, **({"B": a.max_new_tokens_b} if a.max_new_tokens_b else {})}
+    systems, overload, cancel = {}, None, None
+    try:
+        for name in ("overlap", "no_overlap", "sequential_client"):
+            systems[name] = run_system(name, a, engine, questions, settings)
+        lo = systems["overlap"]["settings"]["A"]["levels"].get(str(min(a.levels)))
+        if not a.no_overload and lo and lo["p95_ms"]:
+            overload = run_overload(a, engine, questions, lo["p95_ms"])
+        if a.cancels:
+            cancel = run_cancel(a, engine, questions)
+    finally:
+        engine.stop()
+    result = report(a, engine, systems, overload, cancel)
+    try:
+        load_end = [round(x, 2) for x in os.getloadavg()]
+    except OSError:  # pragma: no cover
+        load_end = None
+    result.update({"data": data, "machine": {**machine, "loadavg_at_end": load_end},
+                   "total_s": round(time.perf_counter() - t_all, 1)})
+    out = a.out or OUT / ("serving-engine-quick.json" if a.quick else "serving-engine.json")
+    out.write_text(json.dumps(result, indent=1, default=str) + "\n", encoding="utf-8")
+    log(f"done in {result['total_s']:.0f} s; written {out}")
+    for k in ("overlap_fraction_of_ideal", "prep_to_gen_ratio", "admitted_p95_ratio_overload", "engine_idle_fraction",
+              "cancel_release_ms_p95", "throughput_ratio_vs_sequential_client"):
+        log(f"  {k}: {result[k]}")
+    if a.json:
+        emit_json(result)
+    return 0
