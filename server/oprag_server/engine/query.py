@@ -15,7 +15,9 @@ of them (:meth:`QueryJob.record`): the trace, ``timings_ms`` and ``oprag_stage_s
 come from the executed steps under the operator's one name (README: operator table).
 
 With ``overlap=False`` the prep loop waits for each batch's generation before forming the next
-one (stages strictly in sequence), which is the baseline the overlap is measured against.
+one (stages strictly in sequence), which is the baseline the overlap is measured against; with
+an engine backend too (the batch forms as for the builtin, all of it goes to the engine, and the
+next prep starts once every request of it has left the engine).
 Admission is bounded: more than ``queue_capacity`` unfinished queries raise :class:`Overloaded`.
 """
 
