@@ -13,14 +13,16 @@ any OpenAI-compatible engine; with ``--standin`` the bench starts the GPU-timed 
    either. Prep = memory-less retrieve (hybrid, top 5) + context.
 2. Systems, each closed-loop at every ``--concurrency`` level (window ``--duration`` s after
    ``--warmup`` s):
-   * ``overlap``: ``--max-batch 8`` (prep batches of at most 8; each request goes to the
-     engine as soon as its prompt exists, the prep loop goes on with newer arrivals);
-   * ``no_overlap``: ``--no-overlap --max-batch 64``: the best serial schedule. The requests
-     waiting (up to 64, closed after ``--max-wait-ms``) are prepared as one batch, then all of
-     them generate on the engine at once (one engine batch), and the next prep starts only when
-     the engine stage is empty. Prep and generation never overlap; the engine still sees the
-     whole cohort, so the comparison isolates the overlap from continuous batching's batch-size
-     gain;
+   * ``overlap`` (the server's defaults, ``--max-batch 64``): a prep batch closes at once with
+     the requests waiting (up to 64); each request goes to the engine as soon as its prompt
+     exists while the prep loop goes on with newer arrivals, so under load prep batches grow
+     with what arrived during the previous prep;
+   * ``no_overlap`` (the same plus ``--no-overlap``): the best serial schedule. The requests
+     waiting (up to 64, the batch closed after ``--max-wait-ms``) are prepared as one batch,
+     then all of them generate on the engine at once (one engine batch), and the next prep
+     starts only when the engine stage is empty. Prep and generation never overlap; the engine
+     still sees the whole cohort, so the comparison isolates the overlap from continuous
+     batching's batch-size gain;
    * ``sequential_client``: the bench itself does ``Retrieve`` over gRPC, builds the same prompt
      with the server's prompt builder, then streams it from the engine directly (one after the
      other per client).
@@ -31,10 +33,11 @@ any OpenAI-compatible engine; with ``--standin`` the bench starts the GPU-timed 
    ``S_ideal`` = (prep + gen) / max(prep, gen) (two stages); ``overlap_fraction_of_ideal`` =
    (S - 1) / (S_ideal - 1) (issue 12). Setting ``A``: ``--max-new-tokens``, chosen so prep / gen
    is in [0.5, 2]; setting ``B``: ``--max-new-tokens-b`` (generation-dominated), same figures.
-4. ``engine_idle_fraction``: the stand-in's ``/stats`` idle seconds (no running request) over
-   the window of the overlap run at the headline level, where all C requests are always in the
-   system (closed loop): the engine idles while OpRAG holds requests. ``null`` for an engine
-   without ``/stats``.
+4. ``engine_idle_fraction`` (overlap run, headline level): of the time at least one request was
+   waiting in OpRAG (from its client send to the end of its prep: ``send + queue + prep``), the
+   fraction during which the engine had no running request (the stand-in's ``/stats`` idle
+   intervals; both clocks CLOCK_MONOTONIC). Per level also ``engine_idle_fraction`` of the whole
+   window (idle seconds / window). Not measurable for an engine without ``/stats``.
 5. Overload: a fresh server with ``--generator-max-inflight M`` (``--overload-inflight``, the
    engine batch at which latency stays near the unloaded one), ``--max-queue-delay-ms`` (the
    latency admission) and capacity = overlap throughput at concurrency M (measured first);
@@ -63,7 +66,6 @@ import urllib.request
 from pathlib import Path
 from urllib.parse import urlparse
 
-from oprag_client.testing import ServerProcess
 
 from . import _internals
 from ._common import OUT, REPO, emit_json, log, machine_info, mval, percentile, scrape, start_server
@@ -93,9 +95,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--concurrency", default="1,8,32,64")
     ap.add_argument("--duration", type=float, default=8.0, help="measured seconds per level")
     ap.add_argument("--warmup", type=float, default=3.0, help="warm-up seconds per level")
-    ap.add_argument("--max-new-tokens", type=int, default=16, help="setting A (prep/gen near 1 on the stand-in)")
+    ap.add_argument("--max-new-tokens", type=int, default=8, help="setting A (prep/gen near 1 on the stand-in)")
     ap.add_argument("--max-new-tokens-b", type=int, default=128, help="setting B (generation-dominated); 0 = skip")
-    ap.add_argument("--context-tokens", type=int, default=1024, help="the server's prompt budget")
+    ap.add_argument("--context-tokens", type=int, default=768, help="the server's prompt budget")
+    ap.add_argument("--max-batch", type=int, default=64, help="server --max-batch (prep batches), both systems")
     ap.add_argument("--max-wait-ms", type=float, default=25.0, help="server --max-wait-ms (no_overlap cohorts)")
     ap.add_argument("--max-inflight", type=int, default=128, help="server --generator-max-inflight")
     ap.add_argument("--overload-inflight", type=int, default=8)
@@ -172,34 +175,28 @@ class Corpus:
         return [(self.words(12) + "?", qs[i].tolist()) for i in range(n)]
 
 
-def prepare_data(a) -> dict:
-    from oprag_client.client import OpRAGClient
-
+def ensure_data(c, a) -> dict:
+    """Ingest the corpus through client ``c`` when the server's data dir is empty (first server)."""
     t = time.perf_counter()
-    srv = start_server(a.data_dir, "--generator", "none", "--shards", str(a.shards), log_path=a.log_path)
-    try:
-        with OpRAGClient(srv.target) as c:
-            s = c.stats(timeout=60)
-            ingested = s.chunks == 0
-            if ingested:
-                log(f"ingesting {a.chunks} synthetic chunks (own vectors, width {a.dim}) into {a.data_dir}")
-                corpus, batch, n = Corpus(a.chunks, a.dim), [], 0
-                for doc in corpus.documents():
-                    batch.append(doc)
-                    if len(batch) == 200:
-                        n += c.ingest(batch, timeout=600).chunks_written
-                        batch = []
-                if batch:
-                    n += c.ingest(batch, timeout=600).chunks_written
-                s = c.stats(timeout=60)
-            elif s.chunks != a.chunks:
-                raise SystemExit(f"{a.data_dir} holds {s.chunks} chunks, not {a.chunks}: remove it to re-ingest")
-    finally:
-        srv.stop()
+    s = c.stats(timeout=60)
+    ingested = s.chunks == 0
+    if ingested:
+        log(f"ingesting {a.chunks} synthetic chunks (own vectors, width {a.dim}) into {a.data_dir}")
+        batch, n = [], 0
+        for doc in Corpus(a.chunks, a.dim).documents():
+            batch.append(doc)
+            if len(batch) == 200:
+                n += c.ingest(batch, timeout=600).chunks_written
+                batch = []
+        if batch:
+            n += c.ingest(batch, timeout=600).chunks_written
+        s = c.stats(timeout=60)
+    if s.chunks != a.chunks:
+        raise SystemExit(f"{a.data_dir} holds {s.chunks} chunks, not {a.chunks}: remove it to re-ingest")
     log(f"data: {s.documents} documents, {s.chunks} chunks ({'ingested' if ingested else 'reused'}) "
         f"in {time.perf_counter() - t:.0f} s")
     return {"data_dir": str(a.data_dir), "documents": s.documents, "chunks": s.chunks, "ingested": ingested,
-            "prepare_s": round(time.perf_counter() - t, 1), "vectors": f"supplied by the bench, width {a.dim}"}
+            "ingest_s": round(time.perf_counter() - t, 1), "vectors": f"supplied by the bench, width {a.dim}"}
 
 
 # ------------------------------------------------------------------------------ engine
@@ -245,9 +242,9 @@ class EngineSide:
                 time.sleep(0.2)
         raise SystemExit(f"engine at {self.url} did not answer /health within {timeout:.0f} s")
 
-    def stats(self) -> dict | None:
+    def stats(self, since: float | None = None) -> dict | None:
         try:
-            return get_json(self.root + "/stats", 5.0)
+            return get_json(self.root + "/stats" + (f"?since={since!r}" if since is not None else ""), 5.0)
         except (OSError, ValueError):
             return None
 
@@ -293,6 +290,8 @@ def closed_loop(call, questions, conc: int, duration: float, warmup: float, mark
     stop.set()
     for th in threads:
         th.join(120)
+    waiting = [(s, s + (r.get("queue_ms") or 0.0) / 1000 + (r.get("prep_ms") or 0.0) / 1000)
+               for s, _, r in recs if r.get("ok") and r.get("queue_ms") is not None]
     win = [(s, e, r) for s, e, r in recs if t0 < e <= t1]
     ok = [(s, e, r) for s, e, r in win if r.get("ok")]
     lat = [(e - s) * 1000 for s, e, _ in ok]
@@ -308,18 +307,62 @@ def closed_loop(call, questions, conc: int, duration: float, warmup: float, mark
     return {"concurrency": conc, "window_s": r3(t1 - t0), "completed": len(ok),
             "throughput_rps": r3(len(ok) / (t1 - t0)), "p50_ms": r3(percentile(lat, 50)) if lat else None,
             "p95_ms": r3(percentile(lat, 95)) if lat else None, "prep_ms": mean("prep_ms"), "gen_ms": mean("gen_ms"),
-            "queue_ms": mean("queue_ms"), "completion_tokens": mean("tokens"), "errors": errors,
-            "hung_workers": sum(th.is_alive() for th in threads)}
+            "queue_ms": mean("queue_ms"), "server_total_ms": mean("server_total_ms"),
+            "completion_tokens": mean("tokens"), "errors": errors,
+            "hung_workers": sum(th.is_alive() for th in threads), "_waiting": waiting, "_t0": t0, "_t1": t1}
 
 
-def run_level(call, questions, conc: int, a, engine: EngineSide, metrics_port: int | None) -> dict:
+def _union(ivs: list[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted((max(a, lo), min(b, hi)) for a, b in ivs):
+        if b <= a:
+            continue
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def idle_while_waiting(waiting, idle, lo: float, hi: float) -> float | None:
+    """Fraction of the time in [lo, hi] with at least one request waiting in OpRAG (sent by the
+    client, not yet prepared: ``[send, send + queue + prep]``) during which the engine had no
+    running request (the stand-in's idle intervals). Both on CLOCK_MONOTONIC
+    (``time.perf_counter`` and ``time.monotonic`` on Linux)."""
+    w, i = _union(waiting, lo, hi), _union(idle, lo, hi)
+    total = sum(b - a for a, b in w)
+    if total <= 0:
+        return None
+    both = 0.0
+    for a, b in w:
+        for c, d in i:
+            both += max(0.0, min(b, d) - max(a, c))
+    return both / total
+
+
+def cpu_s(pid: int | None) -> float:
+    """User + system CPU seconds of process ``pid`` so far (``/proc/PID/stat``), 0.0 without one."""
+    if not pid:
+        return 0.0
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_level(call, questions, conc: int, a, engine: EngineSide, server_pid: int | None = None) -> dict:
+    """One closed-loop level, with the engine's ``/stats`` and the server's main-process CPU
+    (``server_cpu_fraction``: CPU seconds / window; 1.0 = one core busy) over the window."""
     snaps: dict = {}
 
     def mark(edge):
-        snaps[edge] = (time.perf_counter(), engine.stats())
+        snaps[edge] = (time.perf_counter(), engine.stats(), cpu_s(server_pid))
 
     res = closed_loop(call, questions, conc, a.duration, a.warmup, mark)
-    (t0, s0), (t1, s1) = snaps["start"], snaps["end"]
+    (t0, s0, c0), (t1, s1, c1) = snaps["start"], snaps["end"]
+    res["server_cpu_fraction"] = r3((c1 - c0) / (t1 - t0)) if server_pid else None
+    waiting, w0, w1 = res.pop("_waiting"), res.pop("_t0"), res.pop("_t1")
+    if s1 and waiting:
+        st = engine.stats(since=w0)
+        res["engine_idle_while_waiting"] = r3(idle_while_waiting(waiting, st.get("idle_intervals", []), w0, w1))
     if s0 and s1:
         steps = s1["steps"] - s0["steps"]
         res["engine_idle_fraction"] = r3((s1["idle_s"] - s0["idle_s"]) / (t1 - t0))
@@ -341,7 +384,8 @@ def oprag_call(client, max_new: int, timeout: float = 120.0):
             return {"ok": False, "code": e.code().name}
         tm = r.timings_ms
         return {"ok": True, "code": "OK", "prep_ms": sum(tm.get(k, 0.0) for k in prep_keys),
-                "gen_ms": tm.get("generate"), "queue_ms": tm.get("queue"), "tokens": r.completion_tokens}
+                "gen_ms": tm.get("generate"), "queue_ms": tm.get("queue"), "server_total_ms": tm.get("total"),
+                "tokens": r.completion_tokens}
 
     return call
 
@@ -380,40 +424,52 @@ def engine_server_args(a, engine: EngineSide, *extra: str) -> list[str]:
     return ["--shards", str(a.shards), "--generator", "openai", "--generator-url", engine.url,
             "--generator-model", engine.model, "--generator-max-inflight", str(a.max_inflight),
             "--context-tokens", str(a.context_tokens), "--max-wait-ms", str(a.max_wait_ms),
-            "--max-new-tokens", str(a.max_new_tokens), *extra, *a.server_arg]
+            "--max-new-tokens", str(a.max_new_tokens), "--max-batch", str(a.max_batch), *extra, *a.server_arg]
 
 
-SYSTEMS = {"overlap": ["--max-batch", "8"], "no_overlap": ["--no-overlap", "--max-batch", "64"]}
+SYSTEMS = {"overlap": [], "no_overlap": ["--no-overlap"]}
 
 
-def run_system(name: str, a, engine: EngineSide, questions, settings: dict[str, int]) -> dict:
-    """One server, every level of setting A, and the headline level of setting B."""
+def run_systems(names: list[str], extra: list[str], a, engine: EngineSide, questions, settings: dict[str, int],
+                cancel: bool = False) -> tuple[dict, dict | None]:
+    """One server (``extra``); for each system in ``names`` every level of setting A and the
+    headline level of setting B (``sequential_client`` uses the server's Retrieve only); then,
+    with ``cancel``, the cancel run. :returns: ``({system: result}, cancel result or None)``."""
     from oprag_client.client import OpRAGClient
 
-    extra = engine_server_args(a, engine, *SYSTEMS.get(name, SYSTEMS["overlap"]))
     srv = start_server(a.data_dir, *extra, log_path=a.log_path)
-    out: dict = {"server_args": extra, "settings": {}}
+    out: dict = {}
+    cancelled = None
     try:
         with OpRAGClient(srv.target) as c:
-            for sname, max_new in settings.items():
-                call = (sequential_call(c, engine, a, max_new) if name == "sequential_client"
-                        else oprag_call(c, max_new))
-                levels = a.levels if sname == "A" else [headline(a)]
-                for qv in questions[:2]:  # warm-up: the server's first engine request opens its client
-                    call(qv)
-                res = {}
-                for conc in levels:
-                    L = run_level(call, questions, conc, a, engine, srv.metrics_port)
-                    res[str(conc)] = L
-                    log(f"  {name:17s} {sname} c={conc:<3d} {L['throughput_rps']:8.2f} req/s  p50 {L['p50_ms']} "
-                        f"p95 {L['p95_ms']} ms  prep {L['prep_ms']} gen {L['gen_ms']} ms  idle "
-                        f"{L.get('engine_idle_fraction')}  running {L.get('engine_mean_running')}  "
-                        f"errors {L['errors'] or '-'}")
-                out["settings"][sname] = {"max_new_tokens": max_new, "levels": res}
-            out["alive_at_end"] = srv.alive() and c.health(timeout=10) == "SERVING"
+            if a.data is None:
+                a.data = ensure_data(c, a)
+            for name in names:
+                out[name] = {"server_args": extra, "settings": {}}
+                for sname, max_new in settings.items():
+                    call = (sequential_call(c, engine, a, max_new) if name == "sequential_client"
+                            else oprag_call(c, max_new))
+                    for qv in questions[:2]:  # warm-up: the server's first engine request opens its client
+                        call(qv)
+                    res = {}
+                    for conc in (a.levels if sname == "A" else [headline(a)]):
+                        L = run_level(call, questions, conc, a, engine, srv.proc.pid)
+                        res[str(conc)] = L
+                        log(f"  {name:17s} {sname} c={conc:<3d} {L['throughput_rps']:8.2f} req/s  p50 {L['p50_ms']} "
+                            f"p95 {L['p95_ms']} ms  prep {L['prep_ms']} gen {L['gen_ms']} queue {L['queue_ms']} ms  "
+                            f"total {L['server_total_ms']} ms  idle {L.get('engine_idle_fraction')}/"
+                            f"{L.get('engine_idle_while_waiting')}  running "
+                            f"{L.get('engine_mean_running')}  server cpu {L['server_cpu_fraction']}  "
+                            f"errors {L['errors'] or '-'}")
+                    out[name]["settings"][sname] = {"max_new_tokens": max_new, "levels": res}
+            if cancel:
+                cancelled = run_cancel(a, engine, questions, c, srv.metrics_port)
+            alive = srv.alive() and c.health(timeout=10) == "SERVING"
     finally:
-        out["stop_rc"] = srv.stop()
-    return out
+        rc = srv.stop()
+    for v in out.values():
+        v.update(alive_at_end=alive, stop_rc=rc)
+    return out, cancelled
 
 
 def headline(a) -> int:
@@ -465,7 +521,7 @@ def run_overload(a, engine: EngineSide, questions, unloaded_p95: float) -> dict:
     srv = start_server(a.data_dir, *extra, log_path=a.log_path)
     try:
         with OpRAGClient(srv.target) as c:
-            cap = run_level(oprag_call(c, a.max_new_tokens), questions, m, a, engine, srv.metrics_port)
+            cap = run_level(oprag_call(c, a.max_new_tokens), questions, m, a, engine, srv.proc.pid)
         rate = a.overload_factor * cap["throughput_rps"]
         log(f"overload: capacity {cap['throughput_rps']} req/s at {m} engine slots; offering {rate:.1f} req/s for "
             f"{a.overload_duration:g} s, deadline {a.overload_deadline:g} s, --max-queue-delay-ms {delay_ms:.0f}")
@@ -505,37 +561,30 @@ def hist_p95_ms(before: dict, after: dict, name: str) -> float | None:
     return next(le * 1000 for le, cnt in rows if cnt >= 0.95 * total)
 
 
-def run_cancel(a, engine: EngineSide, questions) -> dict:
-    """``--cancels`` QueryStreams, one at a time, each cancelled after its first text event."""
-    from oprag_client.client import OpRAGClient
-
-    extra = engine_server_args(a, engine, *SYSTEMS["overlap"])
-    srv = start_server(a.data_dir, *extra, log_path=a.log_path)
-    client_ms, codes = [], {}
-    try:
-        m0 = scrape(srv.metrics_port)
-        with OpRAGClient(srv.target) as c:
-            for i in range(a.cancels):
-                q, v = questions[i % len(questions)]
-                call = c.query_stream(q, query_vector=v, max_new_tokens=400, timeout=120)
-                for ev in call:
-                    if ev.WhichOneof("event") == "text":
-                        break
-                t_cancel = time.monotonic()
-                call.cancel()
-                if engine.has_stats:
-                    deadline = time.monotonic() + 5
-                    while time.monotonic() < deadline:
-                        st = engine.stats()
-                        after = [at for _, at in st["released_at"] if at >= t_cancel]
-                        if after:
-                            client_ms.append((min(after) - t_cancel) * 1000)
-                            break
-                        time.sleep(0.01)
-                time.sleep(0.2)
-            m1 = scrape(srv.metrics_port)
-    finally:
-        rc = srv.stop()
+def run_cancel(a, engine: EngineSide, questions, c, metrics_port: int) -> dict:
+    """``--cancels`` QueryStreams on client ``c``, one at a time, each cancelled after its first
+    text event."""
+    client_ms: list[float] = []
+    m0 = scrape(metrics_port)
+    for i in range(a.cancels):
+        q, v = questions[i % len(questions)]
+        call = c.query_stream(q, query_vector=v, max_new_tokens=400, timeout=120)
+        for ev in call:
+            if ev.WhichOneof("event") == "text":
+                break
+        t_cancel = time.monotonic()
+        call.cancel()
+        if engine.has_stats:
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                st = engine.stats()
+                after = [at for _, at in st["released_at"] if at >= t_cancel]
+                if after:
+                    client_ms.append((min(after) - t_cancel) * 1000)
+                    break
+                time.sleep(0.01)
+        time.sleep(0.2)
+    m1 = scrape(metrics_port)
     name = "oprag_engine_cancel_release_seconds"
     n = mval(m1, name + "_count") - mval(m0, name + "_count")
     res = {"cancels": a.cancels, "released_seen_by_engine": len(client_ms),
@@ -543,7 +592,7 @@ def run_cancel(a, engine: EngineSide, questions) -> dict:
            "client_cancel_to_engine_release_ms_max": r3(max(client_ms)) if client_ms else None,
            "server_cancel_release_count": int(n),
            "server_cancel_release_ms_mean": r3((mval(m1, name + "_sum") - mval(m0, name + "_sum")) / n * 1000) if n else None,
-           "server_cancel_release_ms_p95_bucket": r3(hist_p95_ms(m0, m1, name)), "stop_rc": rc, "codes": codes}
+           "server_cancel_release_ms_p95_bucket": r3(hist_p95_ms(m0, m1, name))}
     log(f"cancel: {res}")
     return res
 
@@ -591,7 +640,8 @@ def report(a, engine: EngineSide, systems: dict, overload: dict | None, cancel: 
         "overlap_fraction_of_ideal": A.get("overlap_fraction_of_ideal"),
         "prep_to_gen_ratio": A.get("prep_to_gen_ratio"),
         "admitted_p95_ratio_overload": overload["admitted_p95_ratio_overload"] if overload else None,
-        "engine_idle_fraction": head_on.get("engine_idle_fraction") if engine.has_stats else "not measurable (no /stats)",
+        "engine_idle_fraction": head_on.get("engine_idle_while_waiting") if engine.has_stats else "not measurable (no /stats)",
+        "engine_idle_fraction_of_window": head_on.get("engine_idle_fraction"),
         "cancel_release_ms_p95": cancel_p95,
         "throughput_ratio_vs_sequential_client": A.get("throughput_ratio_vs_sequential_client"),
         "engine": {
@@ -609,7 +659,7 @@ def report(a, engine: EngineSide, systems: dict, overload: dict | None, cancel: 
         "systems": systems,
         "overload": overload,
         "cancel": cancel,
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items() if k != "data"},
     }
 
 
@@ -618,15 +668,18 @@ def main(argv: list[str] | None = None) -> int:
     OUT.mkdir(parents=True, exist_ok=True)
     t_all = time.perf_counter()
     machine = machine_info()
-    data = prepare_data(a)
+    a.data = None
     questions = Corpus(a.chunks, a.dim, seed=99).questions()
     engine = EngineSide(a)
     log(f"engine: {engine.label()}")
     settings = {"A": a.max_new_tokens, **({"B": a.max_new_tokens_b} if a.max_new_tokens_b else {})}
-    systems, overload, cancel = {}, None, None
+    systems, overload = {}, None
     try:
-        for name in ("overlap", "no_overlap", "sequential_client"):
-            systems[name] = run_system(name, a, engine, questions, settings)
+        on, cancel = run_systems(["overlap", "sequential_client"], engine_server_args(a, engine, *SYSTEMS["overlap"]),
+                                 a, engine, questions, settings, cancel=a.cancels > 0)
+        off, _ = run_systems(["no_overlap"], engine_server_args(a, engine, *SYSTEMS["no_overlap"]), a, engine,
+                             questions, settings)
+        systems = {"overlap": on["overlap"], "no_overlap": off["no_overlap"], "sequential_client": on["sequential_client"]}
         lo = systems["overlap"]["settings"]["A"]["levels"].get(str(min(a.levels)))
         if not a.no_overload and lo and lo["p95_ms"]:
             overload = run_overload(a, engine, questions, lo["p95_ms"])
@@ -639,7 +692,7 @@ def main(argv: list[str] | None = None) -> int:
         load_end = [round(x, 2) for x in os.getloadavg()]
     except OSError:  # pragma: no cover
         load_end = None
-    result.update({"data": data, "machine": {**machine, "loadavg_at_end": load_end},
+    result.update({"data": a.data, "machine": {**machine, "loadavg_at_end": load_end},
                    "total_s": round(time.perf_counter() - t_all, 1)})
     out = a.out or OUT / ("serving-engine-quick.json" if a.quick else "serving-engine.json")
     out.write_text(json.dumps(result, indent=1, default=str) + "\n", encoding="utf-8")

@@ -22,7 +22,9 @@ Timing model (one engine loop, a running batch, vLLM-style continuous batching):
   ends on the model's timeline (a late event loop delivers tokens late but does not stretch the
   simulated GPU time);
 * closing the HTTP stream removes the request from the running batch at once (its slot is
-  free for the next step); the time is logged in ``/stats`` (``released``).
+  free for the next step); the time is logged in ``/stats`` (``released_at``);
+* ``GET /stats[?since=T]``: busy/idle seconds, steps, tokens, and (with ``since``) the idle
+  intervals (no running request), in ``time.monotonic()`` seconds.
 
 Default parameters: Llama-3.1-8B-Instruct, bf16, vLLM 0.21, one H100-80GB-HBM3, measured
 concurrency sweep (InferenceBench recipe "concurrency sweep", yobitelcomm.github.io/bench,
@@ -128,6 +130,7 @@ class Engine:
         self.acc = {"busy_s": 0.0, "idle_s": 0.0, "steps": 0, "seq_steps": 0, "tokens": 0, "prompt_tokens": 0,
                     "admitted": 0, "completed": 0, "released": 0, "max_running": 0}
         self.released: collections.deque[tuple[int, float]] = collections.deque(maxlen=10_000)
+        self.idle_log: collections.deque[tuple[float, float]] = collections.deque(maxlen=100_000)  # (start, end)
         self._idle_since: float | None = time.monotonic()
 
     def submit(self, messages: list[dict], max_tokens: int) -> Request:
@@ -153,13 +156,19 @@ class Engine:
         if not self.running and self._idle_since is None:
             self._idle_since = time.monotonic()
 
-    def stats(self) -> dict:
+    def stats(self, since: float | None = None) -> dict:
+        """Counters; ``released_at`` = the last 200 ``(request id, time)`` releases; with
+        ``since`` (a monotonic time) also ``idle_intervals``: ``[start, end]`` of every stretch
+        with no running request that ended after ``since`` (the one in progress ends now)."""
         now = time.monotonic()
         out = dict(self.acc)
         if self._idle_since is not None:  # the idle stretch in progress
             out["idle_s"] += now - self._idle_since
         out.update(now=now, uptime_s=now - self.started, running=len(self.running), waiting=len(self.pending),
                    params=asdict(self.p), released_at=list(self.released)[-200:])
+        if since is not None:
+            out["idle_intervals"] = [iv for iv in self.idle_log if iv[1] > since] + (
+                [(self._idle_since, now)] if self._idle_since is not None else [])
         return out
 
     async def loop(self) -> None:
@@ -168,7 +177,9 @@ class Engine:
                 self.wake.clear()
                 await self.wake.wait()
             if self._idle_since is not None:
-                self.acc["idle_s"] += time.monotonic() - self._idle_since
+                now = time.monotonic()
+                self.acc["idle_s"] += now - self._idle_since
+                self.idle_log.append((self._idle_since, now))
                 self._idle_since = None
             new = []
             while self.pending and len(self.running) + len(new) < self.p.max_num_seqs:
@@ -226,8 +237,8 @@ def make_app(params: Params, model_name: str = "standin") -> Any:
         return {"status": "ok", "simulated": True}
 
     @app.get("/stats")
-    async def stats():
-        return engine.stats()
+    async def stats(since: float | None = None):
+        return engine.stats(since)
 
     @app.get("/v1/models")
     async def models():
