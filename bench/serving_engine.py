@@ -60,7 +60,6 @@ import json
 import math
 import os
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -112,7 +111,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--server-arg", action="append", default=[], help="extra option for every server (repeatable)")
     ap.add_argument("--quick", action="store_true", help="2000 chunks, concurrency 1,8, 2 s windows")
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json", nargs="?", const="", default=None, metavar="OUT",
+                    help="print one JSON line last; with OUT also write the JSON there")
     a = ap.parse_args(argv)
     if not a.engine_url and not a.standin:
         ap.error("--engine-url is required (or --standin)")
@@ -260,36 +260,46 @@ class EngineSide:
 
 # ------------------------------------------------------------------------------ closed loops
 
-def closed_loop(call, questions, conc: int, duration: float, warmup: float, mark) -> dict:
-    """``conc`` threads calling ``call((q, vec)) -> dict`` (``ok``, ``code``, ``prep_ms``,
-    ``gen_ms``) in a loop; the window is ``duration`` s after ``warmup`` s."""
-    lock, stop, recs, nxt = threading.Lock(), threading.Event(), [], [0]
+def closed_loop(make_call, questions, conc: int, duration: float, warmup: float, mark, prewarm: int = 2) -> dict:
+    """``conc`` asyncio workers in one event loop (no client threads: on a loaded 2-core machine
+    a thread per client added hundreds of ms of client-side delay) awaiting
+    ``call((q, vec)) -> dict`` (``ok``, ``code``, ``prep_ms``, ``gen_ms``, ...) in a loop, where
+    ``(call, aclose) = await make_call()``; ``prewarm`` calls one after another first (the
+    server's first engine request opens its HTTP client). The window is ``duration`` s after
+    ``warmup`` s; ``mark("start"|"end")`` runs at its edges."""
 
-    def worker():
-        while not stop.is_set():
-            with lock:
+    async def main():
+        call, aclose = await make_call()
+        for qv in questions[:prewarm]:
+            await call(qv)
+        recs, stop, nxt = [], asyncio.Event(), [0]
+
+        async def worker():
+            while not stop.is_set():
                 i = nxt[0]
                 nxt[0] += 1
-            t = time.perf_counter()
-            try:
-                r = call(questions[i % len(questions)])
-            except Exception as exc:  # noqa: BLE001 - a failed request is a data point
-                r = {"ok": False, "code": f"EXC:{type(exc).__name__}:{str(exc)[:100]}"}
-            with lock:
+                t = time.perf_counter()
+                try:
+                    r = await call(questions[i % len(questions)])
+                except Exception as exc:  # noqa: BLE001 - a failed request is a data point
+                    r = {"ok": False, "code": f"EXC:{type(exc).__name__}:{str(exc)[:100]}"}
                 recs.append((t, time.perf_counter(), r))
 
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(conc)]
-    for th in threads:
-        th.start()
-    time.sleep(warmup)
-    t0 = time.perf_counter()
-    mark("start")
-    time.sleep(duration)
-    t1 = time.perf_counter()
-    mark("end")
-    stop.set()
-    for th in threads:
-        th.join(120)
+        tasks = [asyncio.create_task(worker()) for _ in range(conc)]
+        await asyncio.sleep(warmup)
+        t0 = time.perf_counter()
+        await asyncio.to_thread(mark, "start")
+        await asyncio.sleep(max(0.0, duration - (time.perf_counter() - t0)))
+        t1 = time.perf_counter()
+        await asyncio.to_thread(mark, "end")
+        stop.set()
+        _, pending = await asyncio.wait(tasks, timeout=120)
+        for tk in pending:
+            tk.cancel()
+        await aclose()
+        return recs, t0, t1, len(pending)
+
+    recs, t0, t1, hung = asyncio.run(main())
     waiting = [(s, s + (r.get("queue_ms") or 0.0) / 1000 + (r.get("prep_ms") or 0.0) / 1000)
                for s, _, r in recs if r.get("ok") and r.get("queue_ms") is not None]
     win = [(s, e, r) for s, e, r in recs if t0 < e <= t1]
@@ -309,7 +319,7 @@ def closed_loop(call, questions, conc: int, duration: float, warmup: float, mark
             "p95_ms": r3(percentile(lat, 95)) if lat else None, "prep_ms": mean("prep_ms"), "gen_ms": mean("gen_ms"),
             "queue_ms": mean("queue_ms"), "server_total_ms": mean("server_total_ms"),
             "completion_tokens": mean("tokens"), "errors": errors,
-            "hung_workers": sum(th.is_alive() for th in threads), "_waiting": waiting, "_t0": t0, "_t1": t1}
+            "hung_workers": hung, "_waiting": waiting, "_t0": t0, "_t1": t1}
 
 
 def _union(ivs: list[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
@@ -371,51 +381,72 @@ def run_level(call, questions, conc: int, a, engine: EngineSide, server_pid: int
     return res
 
 
-def oprag_call(client, max_new: int, timeout: float = 120.0):
-    import grpc
-
+def oprag_call(target: str, max_new: int, timeout: float = 120.0):
+    """``make_call`` for :func:`closed_loop`: ``Query`` over gRPC (async client) with the
+    question's own vector; prep/gen/queue/total from the reply's ``timings_ms``."""
     prep_keys = ("memory", "embed", "retrieve", "context")
 
-    def call(qv):
-        q, v = qv
-        try:
-            r = client.query(q, query_vector=v, max_new_tokens=max_new, timeout=timeout)
-        except grpc.RpcError as e:
-            return {"ok": False, "code": e.code().name}
-        tm = r.timings_ms
-        return {"ok": True, "code": "OK", "prep_ms": sum(tm.get(k, 0.0) for k in prep_keys),
-                "gen_ms": tm.get("generate"), "queue_ms": tm.get("queue"), "server_total_ms": tm.get("total"),
-                "tokens": r.completion_tokens}
+    async def make():
+        import grpc
+        from oprag_client.client import AsyncOpRAGClient
 
-    return call
+        c = AsyncOpRAGClient(target)
+
+        async def call(qv):
+            q, v = qv
+            try:
+                r = await c.query(q, query_vector=v, max_new_tokens=max_new, timeout=timeout)
+            except grpc.aio.AioRpcError as e:
+                return {"ok": False, "code": e.code().name}
+            tm = r.timings_ms
+            return {"ok": True, "code": "OK", "prep_ms": sum(tm.get(k, 0.0) for k in prep_keys),
+                    "gen_ms": tm.get("generate"), "queue_ms": tm.get("queue"), "server_total_ms": tm.get("total"),
+                    "tokens": r.completion_tokens}
+
+        return call, c.close
+
+    return make
 
 
-def sequential_call(client, engine: EngineSide, a, max_new: int):
-    """Retrieve over gRPC, the server's prompt builder, then the engine directly (streamed)."""
-    import openai
-
+def sequential_call(target: str, engine: EngineSide, a, max_new: int):
+    """``make_call``: ``Retrieve`` over gRPC, the server's prompt builder, then the engine
+    directly (streamed, the official ``openai`` async client), one after the other."""
     model = _internals.openai_generator(engine.url, engine.model,
                                         tokenizer_dir=Path(engine.model) if Path(engine.model).is_dir() else None)
-    oai = openai.OpenAI(base_url=engine.url, api_key="none", max_retries=0, timeout=120.0)
 
-    def call(qv):
-        q, v = qv
-        t = time.perf_counter()
-        rr = client.retrieve(q, query_vector=v, timeout=120)
-        hits = [_internals.hit(chunk_id=h.chunk_id, doc_id=h.doc_id, title=h.title, text=h.text, score=h.score,
-                               dense_score=h.dense_score, lexical_score=h.lexical_score, shard=h.shard) for h in rr.hits]
-        payload = _internals.build_context(q, hits, model, budget_tokens=a.context_tokens, max_new_tokens=max_new)
-        t_gen = time.perf_counter()
-        n = 0
-        stream = oai.chat.completions.create(model=engine.model, messages=payload.messages, max_tokens=max_new,
-                                             temperature=0.0, stream=True, stream_options={"include_usage": True})
-        for ch in stream:
-            if ch.usage is not None:
-                n = ch.usage.completion_tokens
-        e = time.perf_counter()
-        return {"ok": True, "code": "OK", "prep_ms": (t_gen - t) * 1000, "gen_ms": (e - t_gen) * 1000, "tokens": n}
+    async def make():
+        import openai
+        from oprag_client.client import AsyncOpRAGClient
 
-    return call
+        c = AsyncOpRAGClient(target)
+        oai = openai.AsyncOpenAI(base_url=engine.url, api_key="none", max_retries=0, timeout=120.0)
+
+        async def call(qv):
+            q, v = qv
+            t = time.perf_counter()
+            rr = await c.retrieve(q, query_vector=v, timeout=120)
+            hits = [_internals.hit(chunk_id=h.chunk_id, doc_id=h.doc_id, title=h.title, text=h.text, score=h.score,
+                                   dense_score=h.dense_score, lexical_score=h.lexical_score, shard=h.shard)
+                    for h in rr.hits]
+            payload = _internals.build_context(q, hits, model, budget_tokens=a.context_tokens, max_new_tokens=max_new)
+            t_gen = time.perf_counter()
+            n = 0
+            stream = await oai.chat.completions.create(model=engine.model, messages=payload.messages,
+                                                       max_tokens=max_new, temperature=0.0, stream=True,
+                                                       stream_options={"include_usage": True})
+            async for ch in stream:
+                if ch.usage is not None:
+                    n = ch.usage.completion_tokens
+            e = time.perf_counter()
+            return {"ok": True, "code": "OK", "prep_ms": (t_gen - t) * 1000, "gen_ms": (e - t_gen) * 1000, "tokens": n}
+
+        async def aclose():
+            await oai.close()
+            await c.close()
+
+        return call, aclose
+
+    return make
 
 
 # ------------------------------------------------------------------------------ servers
@@ -427,7 +458,7 @@ def engine_server_args(a, engine: EngineSide, *extra: str) -> list[str]:
             "--max-new-tokens", str(a.max_new_tokens), "--max-batch", str(a.max_batch), *extra, *a.server_arg]
 
 
-SYSTEMS = {"overlap": [], "no_overlap": ["--no-overlap"]}
+SYSTEMS = {"overlap": [], "no_overlap": ["--no-overlap"]}  # + --max-batch: see engine_server_args
 
 
 def run_systems(names: list[str], extra: list[str], a, engine: EngineSide, questions, settings: dict[str, int],
@@ -447,10 +478,8 @@ def run_systems(names: list[str], extra: list[str], a, engine: EngineSide, quest
             for name in names:
                 out[name] = {"server_args": extra, "settings": {}}
                 for sname, max_new in settings.items():
-                    call = (sequential_call(c, engine, a, max_new) if name == "sequential_client"
-                            else oprag_call(c, max_new))
-                    for qv in questions[:2]:  # warm-up: the server's first engine request opens its client
-                        call(qv)
+                    call = (sequential_call(srv.target, engine, a, max_new) if name == "sequential_client"
+                            else oprag_call(srv.target, max_new))
                     res = {}
                     for conc in (a.levels if sname == "A" else [headline(a)]):
                         L = run_level(call, questions, conc, a, engine, srv.proc.pid)
@@ -520,8 +549,7 @@ def run_overload(a, engine: EngineSide, questions, unloaded_p95: float) -> dict:
     extra[extra.index("--generator-max-inflight") + 1] = str(m)
     srv = start_server(a.data_dir, *extra, log_path=a.log_path)
     try:
-        with OpRAGClient(srv.target) as c:
-            cap = run_level(oprag_call(c, a.max_new_tokens), questions, m, a, engine, srv.proc.pid)
+        cap = run_level(oprag_call(srv.target, a.max_new_tokens), questions, m, a, engine, srv.proc.pid)
         rate = a.overload_factor * cap["throughput_rps"]
         log(f"overload: capacity {cap['throughput_rps']} req/s at {m} engine slots; offering {rate:.1f} req/s for "
             f"{a.overload_duration:g} s, deadline {a.overload_deadline:g} s, --max-queue-delay-ms {delay_ms:.0f}")
@@ -683,8 +711,6 @@ def main(argv: list[str] | None = None) -> int:
         lo = systems["overlap"]["settings"]["A"]["levels"].get(str(min(a.levels)))
         if not a.no_overload and lo and lo["p95_ms"]:
             overload = run_overload(a, engine, questions, lo["p95_ms"])
-        if a.cancels:
-            cancel = run_cancel(a, engine, questions)
     finally:
         engine.stop()
     result = report(a, engine, systems, overload, cancel)
@@ -694,12 +720,13 @@ def main(argv: list[str] | None = None) -> int:
         load_end = None
     result.update({"data": a.data, "machine": {**machine, "loadavg_at_end": load_end},
                    "total_s": round(time.perf_counter() - t_all, 1)})
-    out = a.out or OUT / ("serving-engine-quick.json" if a.quick else "serving-engine.json")
+    out = a.out or (Path(a.json) if a.json else OUT / ("serving-engine-quick.json" if a.quick else "serving-engine.json"))
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, default=str) + "\n", encoding="utf-8")
     log(f"done in {result['total_s']:.0f} s; written {out}")
     for k in ("overlap_fraction_of_ideal", "prep_to_gen_ratio", "admitted_p95_ratio_overload", "engine_idle_fraction",
               "cancel_release_ms_p95", "throughput_ratio_vs_sequential_client"):
         log(f"  {k}: {result[k]}")
-    if a.json:
+    if a.json is not None:
         emit_json(result)
     return 0
