@@ -353,3 +353,22 @@ def test_engine_backend_overlap_off_prepares_only_with_the_engine_stage_empty(ov
         assert during > 0 and len(ret.times) >= 3
     else:
         assert during == 0
+
+
+def test_engine_backend_empty_engine_gets_a_small_first_slice():
+    """16 requests at once with the engine empty: a quarter is prepared first and is in the
+    engine while the rest are prepared (without the slice all 16 were one prep batch)."""
+
+    async def run():
+        gen, ret = FakeEngineGenerator(0.1), TimedRetriever()
+        eng = _engine(gen, ret, max_batch=16)
+        eng.start()
+        jobs = await asyncio.gather(*[eng.submit(_job(f"q{i}")) for i in range(16)])
+        await eng.stop()
+        return jobs, gen, ret
+
+    jobs, gen, ret = asyncio.run(run())
+    assert [j.answer for j in jobs] == [f"q{i}" for i in range(16)]
+    assert [len(b) for b in ret.batches] == [4, 12]
+    first_stream = min(s for s, _ in gen.streams)
+    assert first_stream < ret.times[1] + 0.01  # the engine started before the second prep finished

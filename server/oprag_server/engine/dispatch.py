@@ -3,7 +3,11 @@
 With such a backend the query executor forms no generation batches: each request goes to the
 engine as soon as its prompt is built (:meth:`EngineDispatch.spawn`), at most ``max_inflight``
 at once (the rest wait for a slot in arrival order), while the prep loop goes on preparing newer
-arrivals. The engine's continuous batching merges them into its running batch.
+arrivals. The engine's continuous batching merges them into its running batch. When the engine
+stage is empty (:attr:`EngineDispatch.active` = 0) the prep loop takes only a quarter of the
+waiting requests (at least one), so the engine gets work after a short prep instead of after the
+whole queue's (closed-loop clients whose answers ended together otherwise stay one cohort that
+alternates between prep and engine, the engine idle during each prep).
 
 Admission: :meth:`EngineDispatch.estimated_delay_s` = requests ahead of a new one (waiting for a
 slot or for prep) / measured engine throughput, where throughput = ``max_inflight`` / EWMA of
@@ -44,6 +48,11 @@ class EngineDispatch:
         self.request_s_ewma = 2.0  # seconds one request spends in the engine (start value)
         self._tasks: dict[int, asyncio.Task] = {}
         self._cancelled_at: dict[int, float] = {}
+
+    @property
+    def active(self) -> int:
+        """Requests handed to the engine stage (spawned) and not finished."""
+        return len(self._tasks)
 
     def estimated_delay_s(self, queued: int) -> float:
         """Seconds a new request would wait for an engine slot.
