@@ -96,11 +96,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=float, default=3.0, help="warm-up seconds per level")
     ap.add_argument("--max-new-tokens", type=int, default=8, help="setting A (prep/gen near 1 on the stand-in)")
     ap.add_argument("--max-new-tokens-b", type=int, default=128, help="setting B (generation-dominated); 0 = skip")
-    ap.add_argument("--context-tokens", type=int, default=768, help="the server's prompt budget")
+    ap.add_argument("--context-tokens", type=int, default=384,
+                    help="the server's prompt budget (384: prep / gen in [0.5, 2] at c=32 on the stand-in on 2 cores)")
     ap.add_argument("--max-batch", type=int, default=64, help="server --max-batch (prep batches), both systems")
     ap.add_argument("--max-wait-ms", type=float, default=25.0, help="server --max-wait-ms (no_overlap cohorts)")
     ap.add_argument("--max-inflight", type=int, default=128, help="server --generator-max-inflight")
-    ap.add_argument("--overload-inflight", type=int, default=8)
+    ap.add_argument("--overload-inflight", type=int, default=2,
+                    help="engine slots of the overload server: an engine's latency grows with its batch, so "
+                         "admitted p95 within 2x of the unloaded one needs a small batch")
     ap.add_argument("--overload-factor", type=float, default=2.0)
     ap.add_argument("--overload-duration", type=float, default=15.0)
     ap.add_argument("--overload-deadline", type=float, default=10.0)
