@@ -37,6 +37,9 @@ From the repository root; ``psutil`` and the LangChain system need ``pip install
 
     HF_HUB_OFFLINE=1 .venv/bin/python -m bench.serving --json                 # full run
     HF_HUB_OFFLINE=1 .venv/bin/python -m bench.serving --quick --json         # smoke run
+
+With ``--engine-url URL --engine-model NAME`` (and ``--standin`` to start the GPU-timed stand-in
+engine there) generation runs on an OpenAI-compatible engine: :mod:`bench.serving_engine`.
 """
 
 from __future__ import annotations
@@ -745,6 +748,11 @@ def report(a, systems_out: dict, overload: dict | None, findings: list[str], iss
 # ------------------------------------------------------------------------------ main
 
 def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if any(x.split("=")[0] in ("--engine-url", "--standin") for x in args):  # engine mode (issue 12)
+        from . import serving_engine
+
+        return serving_engine.main(args)
     a = parse_args(argv)
     check_optional(a)
     t_all = time.perf_counter()

@@ -291,3 +291,84 @@ def test_stage_metric_labels_are_the_operator_names():
 
     assert {s.op for s in QUERY_OPERATORS} <= set(STAGES)
     assert "rerank" not in STAGES and "reason" not in STAGES
+
+
+class FakeEngineGenerator(FakeGenerator):
+    """An engine backend (``is_engine``): each request streams for ``delay`` seconds; records
+    the [start, end] of every stream."""
+
+    is_engine = True
+    max_inflight = 16
+
+    def __init__(self, delay=0.05):
+        super().__init__(delay)
+        self.streams = []
+
+    def chat_messages(self, system, user):
+        return [{"role": "user", "content": user}]
+
+    async def stream(self, messages, max_new_tokens, usage):
+        t = time.perf_counter()
+        await asyncio.sleep(self.delay)
+        yield messages[-1]["content"].split("Question: ")[-1]
+        self.streams.append((t, time.perf_counter()))
+
+    async def aclose(self):
+        pass
+
+
+class TimedRetriever(FakeRetriever):
+    def __init__(self):
+        super().__init__()
+        self.times = []
+
+    async def retrieve(self, vecs, texts, specs):
+        self.times.append(time.perf_counter())
+        await asyncio.sleep(0.01)
+        return await super().retrieve(vecs, texts, specs)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_engine_backend_overlap_off_prepares_only_with_the_engine_stage_empty(overlap):
+    """Engine backend: with overlap the prep of newer arrivals runs while older requests stream
+    from the engine; with ``overlap=False`` no prep starts while a request is in the engine."""
+
+    async def run():
+        gen, ret = FakeEngineGenerator(0.08), TimedRetriever()
+        eng = _engine(gen, ret, overlap=overlap, max_batch=8)
+        eng.start()
+
+        async def later(i):
+            await asyncio.sleep(0.02 * i)  # staggered arrivals
+            return await eng.submit(_job(f"q{i}"))
+
+        jobs = await asyncio.gather(*[later(i) for i in range(6)])
+        await eng.stop()
+        return jobs, gen, ret
+
+    jobs, gen, ret = asyncio.run(run())
+    assert [j.answer for j in jobs] == [f"q{i}" for i in range(6)]
+    during = sum(1 for t in ret.times for s, e in gen.streams if s < t < e)
+    if overlap:
+        assert during > 0 and len(ret.times) >= 3
+    else:
+        assert during == 0
+
+
+def test_engine_backend_empty_engine_gets_a_small_first_slice():
+    """16 requests at once with the engine empty: a quarter is prepared first and is in the
+    engine while the rest are prepared (without the slice all 16 were one prep batch)."""
+
+    async def run():
+        gen, ret = FakeEngineGenerator(0.1), TimedRetriever()
+        eng = _engine(gen, ret, max_batch=16)
+        eng.start()
+        jobs = await asyncio.gather(*[eng.submit(_job(f"q{i}")) for i in range(16)])
+        await eng.stop()
+        return jobs, gen, ret
+
+    jobs, gen, ret = asyncio.run(run())
+    assert [j.answer for j in jobs] == [f"q{i}" for i in range(16)]
+    assert [len(b) for b in ret.batches] == [4, 12]
+    first_stream = min(s for s, _ in gen.streams)
+    assert first_stream < ret.times[1] + 0.01  # the engine started before the second prep finished

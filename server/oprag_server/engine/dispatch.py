@@ -3,7 +3,11 @@
 With such a backend the query executor forms no generation batches: each request goes to the
 engine as soon as its prompt is built (:meth:`EngineDispatch.spawn`), at most ``max_inflight``
 at once (the rest wait for a slot in arrival order), while the prep loop goes on preparing newer
-arrivals. The engine's continuous batching merges them into its running batch.
+arrivals. The engine's continuous batching merges them into its running batch. When the engine
+stage is empty (:attr:`EngineDispatch.active` = 0) the prep loop takes only a quarter of the
+waiting requests (at least one), so the engine gets work after a short prep instead of after the
+whole queue's (closed-loop clients whose answers ended together otherwise stay one cohort that
+alternates between prep and engine, the engine idle during each prep).
 
 Admission: :meth:`EngineDispatch.estimated_delay_s` = requests ahead of a new one (waiting for a
 slot or for prep) / measured engine throughput, where throughput = ``max_inflight`` / EWMA of
@@ -45,6 +49,11 @@ class EngineDispatch:
         self._tasks: dict[int, asyncio.Task] = {}
         self._cancelled_at: dict[int, float] = {}
 
+    @property
+    def active(self) -> int:
+        """Requests handed to the engine stage (spawned) and not finished."""
+        return len(self._tasks)
+
     def estimated_delay_s(self, queued: int) -> float:
         """Seconds a new request would wait for an engine slot.
 
@@ -53,11 +62,13 @@ class EngineDispatch:
         ahead = max(0, self.waiting + queued + self.in_engine - self.max_inflight + 1)
         return ahead * self.request_s_ewma / self.max_inflight
 
-    def spawn(self, job: Any, run: Callable[[Any], Awaitable[None]]) -> None:
-        """Run ``run(job)`` (the answer phase of its plan: generate, promote, reply) as its own task."""
+    def spawn(self, job: Any, run: Callable[[Any], Awaitable[None]]) -> asyncio.Task:
+        """Run ``run(job)`` (the answer phase of its plan: generate, promote, reply) as its own task
+        (returned)."""
         t = asyncio.create_task(run(job))
         self._tasks[id(job)] = t
         t.add_done_callback(lambda _: (self._tasks.pop(id(job), None), self._cancelled_at.pop(id(job), None)))
+        return t
 
     def cancel(self, job: Any) -> None:
         """The client went away: cancel the job's engine request (closes its HTTP stream)."""

@@ -15,7 +15,9 @@ of them (:meth:`QueryJob.record`): the trace, ``timings_ms`` and ``oprag_stage_s
 come from the executed steps under the operator's one name (README: operator table).
 
 With ``overlap=False`` the prep loop waits for each batch's generation before forming the next
-one (stages strictly in sequence), which is the baseline the overlap is measured against.
+one (stages strictly in sequence), which is the baseline the overlap is measured against; with
+an engine backend too (the batch forms as for the builtin, all of it goes to the engine, and the
+next prep starts once every request of it has left the engine).
 Admission is bounded: more than ``queue_capacity`` unfinished queries raise :class:`Overloaded`.
 """
 
@@ -166,11 +168,16 @@ class QueryEngine:
             while self._waiting and self._waiting[0].cancelled:
                 self._finish(self._waiting.popleft())
             age = time.perf_counter() - self._waiting[0].enqueued if self._waiting else 0.0
-            engine = self.dispatch is not None  # no generation batches to form: prep closes at once
+            # an engine forms no generation batches: prep closes at once (with overlap off the
+            # batch forms as for the builtin: it is prepared, then generated, as one)
+            engine = self.dispatch is not None and self.cfg.overlap
             d = self.policy.decide(len(self._waiting), age, downstream_busy=self._generating > 0 and not engine,
                                    will_generate=not engine and bool(self._waiting) and self._waiting[0].runs(GENERATE))
             if d.take:
-                batch = [self._waiting.popleft() for _ in range(d.take)]
+                take = d.take
+                if engine and not self.dispatch.active:  # engine empty: a quarter first, so it starts sooner
+                    take = max(1, take // 4)
+                batch = [self._waiting.popleft() for _ in range(take)]
                 self.metrics.queue_depth.labels(queue="query").set(len(self._waiting))
                 return batch
             self._arrived.clear()
@@ -196,8 +203,9 @@ class QueryEngine:
             for j in rest:
                 self._finish(j)
             if gen and self.dispatch is not None:
-                for j in gen:
-                    self.dispatch.spawn(j, self._answer)
+                tasks = [self.dispatch.spawn(j, self._answer) for j in gen]
+                if not self.cfg.overlap:  # the engine stage empties before the next prep
+                    await asyncio.wait(tasks)
             elif gen:
                 done = asyncio.get_running_loop().create_future()
                 self._generating += 1
