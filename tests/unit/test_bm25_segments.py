@@ -215,3 +215,72 @@ def test_property_random_updates_with_merges(ops, query):
             synced.apply_delta(*sh.drain_delta())
     assert synced == B.CorpusStats.merge_full(sh.full_stats() for sh in shards)
     check(shards, live, query)
+
+
+# ---------------------------------------------------------------------------------
+# Through a shard: snapshot with mapped postings, older snapshots, analyzer changes
+# ---------------------------------------------------------------------------------
+def _shard(data_dir, n=300, stem=False):
+    import hashlib
+    import pyarrow as pa
+    from oprag_server import records
+    from oprag_server.shards.state import ShardState
+
+    st = ShardState(0, 4, data_dir, stem=stem)
+    st.load(set())
+    texts = [f"chunk {i} about topics {i % 7} and Straße {i % 3} 東京" for i in range(n)]
+    vecs = np.random.default_rng(0).standard_normal((n, 4)).astype(np.float32)
+    batch = records.make_chunk_batch(
+        chunk_ids=[f"d{i}#0" for i in range(n)], doc_ids=[f"d{i}" for i in range(n)], titles=["T"] * n, texts=texts,
+        metadata=[{}] * n, ordinals=[0] * n, generations=[1] * n,
+        content_hashes=[hashlib.sha256(t.encode()).hexdigest() for t in texts], vectors=vecs)
+    st.store.upsert(pa.Table.from_batches([batch]), 1)
+    st.store.delete([f"d{i}" for i in range(0, n, 5)], 2)
+    return st
+
+
+def _lexical(st, terms, stats=None):
+    # (one CorpusStats for both sides: average_idf's pairwise sum depends on the df dict's order)
+    stats = stats or B.CorpusStats.merge_full([st.store.postings.full_stats()])
+    s, v = st.store.postings.score_all(terms, stats.query_idf(terms, EPS), stats.avgdl)
+    return dict(zip(st.store.ids(s), v.tolist()))
+
+
+@pytest.mark.parametrize("old_format", [False, True])
+def test_shard_snapshot_maps_postings_or_reanalyses(tmp_path, old_format):
+    import json
+    import shutil
+    from oprag_server.shards.state import ShardState
+
+    st = _shard(tmp_path)
+    terms = ["topics", "3", "strasse", "東京", "chunk"]
+    stats = B.CorpusStats.merge_full([st.store.postings.full_stats()])
+    before = _lexical(st, terms, stats)
+    assert len(before) == 240
+    st.snapshot()
+    snap = next((tmp_path / "shard-0").glob("snap-*"))
+    assert (snap / "postings" / "slots.npy").exists()
+    if old_format:  # a format-1 snapshot: no postings files
+        shutil.rmtree(snap / "postings")
+        meta = json.loads((snap / "meta.json").read_text())
+        meta["format_version"] = 1
+        meta.pop("analyzer")
+        (snap / "meta.json").write_text(json.dumps(meta))
+    again = ShardState(0, 4, tmp_path)
+    again.load(set())
+    assert isinstance(again.store.postings.segment.slots, np.memmap) is not old_format
+    assert _lexical(again, terms, stats) == before
+    assert again.store.postings.full_stats() == st.store.postings.full_stats()
+    again.store.delete(["d1"], 3)  # writes after the load keep the statistics right
+    assert "d1#0" not in _lexical(again, terms)
+
+
+def test_shard_snapshot_with_other_analyzer_reanalyses(tmp_path):
+    pytest.importorskip("snowballstemmer")
+    from oprag_server.shards.state import ShardState
+
+    _shard(tmp_path).snapshot()
+    stemmed = ShardState(0, 4, tmp_path, stem=True)
+    stemmed.load(set())
+    assert not isinstance(stemmed.store.postings.segment.slots, np.memmap)
+    assert "topic" in stemmed.store.postings.full_stats()[2]

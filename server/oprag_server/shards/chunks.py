@@ -67,9 +67,10 @@ class ChunkStore:
                 out[(title, text)] = self.analyzer.tokens(f"{title}\n{text}" if title else text)
 
     def upsert(self, table: pa.Table, seq: int, index_ann: bool = True,
-               tokens: dict[tuple[str, str], list[str]] | None = None) -> ApplyReply:
+               tokens: dict[tuple[str, str], list[str]] | None = None, index_lexical: bool = True) -> ApplyReply:
         """Apply a bulk batch of chunks (schema :func:`records.chunk_schema`); ``index_ann=False``
-        leaves the approximate dense structure to the caller (snapshot load).
+        leaves the approximate dense structure to the caller (snapshot load), and so does
+        ``index_lexical=False`` the BM25 postings (a snapshot load that maps stored postings).
 
         A document whose stored generation differs from the batch's generation is replaced:
         its old chunks leave the dense index and the postings first. When the batch holds
@@ -106,7 +107,8 @@ class ChunkStore:
             self.hash_slots.setdefault(rec.content_hash, set()).add(slot)
             self.doc_slots[doc_id].append(slot)
             toks = tokens.get((rec.title, rec.text)) if tokens else None
-            self.postings.add(slot, toks if toks is not None else self._index_tokens(rec))
+            if index_lexical:
+                self.postings.add(slot, toks if toks is not None else self._index_tokens(rec))
             new_slots.append(slot)
         if new_slots:
             if self.next_slot > self._slot_ids.size:
@@ -118,6 +120,7 @@ class ChunkStore:
             self._row_ids_cache = None
         self.applied_seq = max(self.applied_seq, int(seq))
         self.version += 1
+        self.postings.maybe_merge()
         return ApplyReply(doc_ids=sorted(set(cols["doc_id"])), added=len(new_slots), removed=removed,
                           replaced_docs=replaced, delta=self.postings.drain_delta())
 
@@ -131,6 +134,7 @@ class ChunkStore:
         self.applied_seq = max(self.applied_seq, int(seq))
         if docs:
             self.version += 1
+            self.postings.maybe_merge()
         return ApplyReply(deleted_docs=docs, removed=chunks, delta=self.postings.drain_delta())
 
     def _remove_doc(self, doc_id: str) -> int:

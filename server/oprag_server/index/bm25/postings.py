@@ -7,14 +7,15 @@ See :mod:`oprag_server.index.bm25` for the reference computation.
 
 from __future__ import annotations
 
-import sys
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
-from .okapi import check_avgdl
+from .delta import Delta, accumulate
+from .okapi import as_slot as _as_slot, check_avgdl, check_query, check_slots
 from .segment import MAX_SLOT, Segment, merge
 
 _EMPTY_I64 = np.zeros(0, dtype=np.int64)
@@ -41,9 +42,8 @@ class PostingsIndex:
     eighth of the segment's, or dead postings are a quarter of it, so the total merge work
     stays proportional to the postings written.
 
-    Scoring takes the *global* idf vector and avgdl (from :class:`CorpusStats`) so that
-    scores from different shards are comparable and equal the single-index rank_bm25
-    scores.  Not thread-safe: guard with a lock if mutated and queried concurrently.
+    Scoring takes the *global* idf and avgdl (:class:`CorpusStats`): scores equal the
+    single-index rank_bm25 ones on every shard. Not thread-safe (one shard loop drives it).
     """
 
     #: ``score_all`` uses a dense accumulator when the number of postings visited is at
@@ -57,10 +57,7 @@ class PostingsIndex:
         self._seg_df = np.zeros(0, np.int32)  # live postings per segment term
         self._seg_live = np.zeros(0, dtype=bool)
         self._seg_dead = 0  # dead postings in the segment
-        self._delta: dict[str, dict[int, int]] = {}
-        self._delta_docs: dict[int, dict[str, int]] = {}
-        self._delta_n = 0  # postings in the delta
-        self._arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._delta = Delta()
         self._doc_len = np.zeros(0, dtype=np.float64)
         self._live = np.zeros(0, dtype=bool)
         self._n_live = 0
@@ -102,19 +99,10 @@ class PostingsIndex:
         counts = dict(Counter(tokens))
         n_tok = len(tokens)
         self._grow(slot)
-        delta = self._delta
-        arrays = self._arrays
+        self._delta.add(slot, counts)
         d_df = self._d_df
-        for t, c in counts.items():
-            p = delta.get(t)
-            if p is None:
-                delta[t] = {slot: c}
-            else:
-                p[slot] = c
-                arrays.pop(t, None)
+        for t in counts:
             d_df[t] = d_df.get(t, 0) + 1
-        self._delta_docs[slot] = counts
-        self._delta_n += len(counts)
         self._doc_len[slot] = n_tok
         self._live[slot] = True
         self._n_live += 1
@@ -133,17 +121,10 @@ class PostingsIndex:
         if not self.has_slot(slot):
             raise KeyError(slot)
         d_df = self._d_df
-        counts = self._delta_docs.pop(slot, None)
+        counts = self._delta.remove(slot)
         if counts is not None:
-            delta, arrays = self._delta, self._arrays
             for t in counts:
-                p = delta[t]
-                del p[slot]
-                if not p:
-                    del delta[t]
-                arrays.pop(t, None)
                 d_df[t] = d_df.get(t, 0) - 1
-            self._delta_n -= len(counts)
         else:
             tids = self._seg.doc_term_ids(slot)
             assert tids is not None and self._seg_live[slot]
@@ -162,17 +143,15 @@ class PostingsIndex:
         self._d_n -= 1
         self._d_len -= n_tok
 
-    # -- merge ----------------------------------------------------------------------
     def merge(self) -> None:
         """Fold the delta into a new segment without the dead postings, then swap it in.
         Scores are unchanged (same postings, same summation order)."""
-        import time
         t0 = time.perf_counter()
-        new = merge(self._seg, self._seg_live, self._delta_docs)
+        new = merge(self._seg, self._seg_live, self._delta.docs)
         seg_live = self._live.copy()
         self._seg, self._seg_df, self._seg_live = new, new.df(), seg_live
         self._seg_dead = 0
-        self._delta, self._delta_docs, self._delta_n, self._arrays = {}, {}, 0, {}
+        self._delta = Delta()
         self.merges += 1
         self.last_merge_s = time.perf_counter() - t0
 
@@ -180,12 +159,11 @@ class PostingsIndex:
         """Merge when the delta or the dead postings pass their thresholds (see the class
         docstring). :returns: True if it merged."""
         p = self._seg.n_postings
-        if self._delta_n >= max(self.MERGE_MIN, p // 8) or self._seg_dead >= max(self.MERGE_MIN, p // 4):
+        if self._delta.n >= max(self.MERGE_MIN, p // 8) or self._seg_dead >= max(self.MERGE_MIN, p // 4):
             self.merge()
             return True
         return False
 
-    # -- inspection -----------------------------------------------------------------
     def __len__(self) -> int:
         """Number of live chunks."""
         return self._n_live
@@ -209,13 +187,13 @@ class PostingsIndex:
         Raises:
             KeyError: some slot is not live.
         """
-        s = self._check_slots(slots)
+        s = check_slots(slots, self._live)
         return self._doc_len[s]
 
     def df(self, term: str) -> int:
         """Number of live chunks of this shard containing ``term``."""
         tid = self._seg.vocab.get(term)
-        return (int(self._seg_df[tid]) if tid is not None else 0) + len(self._delta.get(term, ()))
+        return (int(self._seg_df[tid]) if tid is not None else 0) + self._delta.df(term)
 
     def drain_delta(self) -> tuple[int, int, dict[str, int]]:
         """Changes since the previous call: ``(n_delta, total_len_delta, df_delta)``.
@@ -234,7 +212,7 @@ class PostingsIndex:
         terms = self._seg.terms
         df = {terms[i]: int(v) for i, v in zip(np.flatnonzero(self._seg_df).tolist(),
                                                 self._seg_df[self._seg_df > 0].tolist())}
-        for t, p in self._delta.items():
+        for t, p in self._delta.postings.items():
             df[t] = df.get(t, 0) + len(p)
         return self._n_live, self._total_len, df
 
@@ -245,27 +223,21 @@ class PostingsIndex:
         arrays count in full although the OS pages them in on demand."""
         arrays, terms = self._seg.nbytes()
         per_slot = self._doc_len.nbytes + self._live.nbytes + self._seg_live.nbytes + self._seg_df.nbytes
-        return {"postings": int(arrays + per_slot + 100 * self._delta_n), "terms": int(terms)}
+        return {"postings": int(arrays + per_slot + 100 * self._delta.n), "terms": int(terms)}
 
     @property
     def segment(self) -> Segment:
         """The current immutable segment (the delta is not in it until :meth:`merge`)."""
         return self._seg
 
-    # -- snapshots ------------------------------------------------------------------
     def save(self, d: Path) -> list[Path]:
         """Merge, then write the segment under ``d`` with slots renumbered ``0..n-1`` in slot
         order (what a snapshot load assigns), and the chunk lengths as ``doc_len.npy``.
         :returns: the files written (the caller makes them durable)."""
         self.merge()
-        seg = self._seg
-        live = seg.doc_slots
-        ren = Segment(seg.terms, seg.offsets, np.searchsorted(live, seg.slots).astype(np.int32), seg.tf,
-                      np.arange(live.size, dtype=np.int32), seg.doc_off, seg.doc_terms, seg.vocab)
-        files = ren.save(d)
-        p = d / "doc_len.npy"
-        np.save(p, self._doc_len[live.astype(np.int64)].astype(np.int64))
-        return [*files, p]
+        files = self._seg.renumbered().save(d)
+        np.save(d / "doc_len.npy", self._doc_len[self._seg.doc_slots.astype(np.int64)].astype(np.int64))
+        return [*files, d / "doc_len.npy"]
 
     @classmethod
     def load(cls, d: Path, mmap: bool = True) -> "PostingsIndex":
@@ -279,30 +251,13 @@ class PostingsIndex:
         if doc_len.shape != (n,) or (n and int(seg.doc_slots[-1]) != n - 1):
             raise ValueError("postings snapshot: chunk lengths do not match the segment")
         ix = cls()
-        ix._grow(n - 1) if n else None
-        ix._seg, ix._seg_df = seg, seg.df()
-        ix._live[:n] = True
-        ix._seg_live[:n] = True
+        ix._grow(max(n - 1, 0))
+        ix._seg, ix._seg_df, ix._n_live, ix._total_len = seg, seg.df(), n, int(doc_len.sum())
+        ix._live[:n] = ix._seg_live[:n] = True
         ix._doc_len[:n] = doc_len
-        ix._n_live, ix._total_len = n, int(doc_len.sum())
         return ix
 
     # -- scoring --------------------------------------------------------------------
-    def _delta_arrays(self, term: str) -> tuple[np.ndarray, np.ndarray] | None:
-        a = self._arrays.get(term)
-        if a is not None:
-            return a
-        p = self._delta.get(term)
-        if not p:
-            return None
-        n = len(p)
-        s = np.fromiter(p.keys(), dtype=np.int64, count=n)
-        tf = np.fromiter(p.values(), dtype=np.float64, count=n)
-        order = np.argsort(s, kind="stable")
-        a = (s[order], tf[order])
-        self._arrays[term] = a
-        return a
-
     def _term_arrays(self, term: str) -> tuple[np.ndarray, np.ndarray] | None:
         """All live postings of ``term``: ``(slots int64 ascending, tf float64)``."""
         parts = []
@@ -313,7 +268,7 @@ class PostingsIndex:
                 m = self._seg_live[ps]
                 ps, ptf = ps[m], ptf[m]
             parts.append((ps.astype(np.int64), ptf.astype(np.float64)))
-        a = self._delta_arrays(term)
+        a = self._delta.arrays(term)
         if a is not None:
             parts.append(a)
         if not parts:
@@ -326,28 +281,6 @@ class PostingsIndex:
             order = np.argsort(s, kind="stable")
             s, tf = s[order], tf[order]
         return s, tf
-
-    def _check_slots(self, slots: np.ndarray) -> np.ndarray:
-        s = np.asarray(slots)
-        if s.size == 0:
-            return s.astype(np.int64, copy=False)
-        if s.dtype.kind not in "iu":
-            raise TypeError(f"slots must be an integer array, got dtype {s.dtype}")
-        s = s.astype(np.int64, copy=False)
-        cap = len(self._live)
-        bad = (s < 0) | (s >= cap)
-        if not bad.any():
-            bad = ~self._live[s]
-        if bad.any():
-            raise KeyError(f"slot {int(s[np.argmax(bad)])} is not live")
-        return s
-
-    @staticmethod
-    def _check_query(terms: Sequence[str], idf: np.ndarray) -> np.ndarray:
-        idf = np.asarray(idf, dtype=np.float64)
-        if idf.ndim != 1 or len(idf) != len(terms):
-            raise ValueError(f"idf must have shape [{len(terms)}], got {idf.shape}")
-        return idf
 
     def score(
         self,
@@ -381,8 +314,8 @@ class PostingsIndex:
             ValueError: ``len(idf) != len(terms)``; ``avgdl`` negative/NaN/inf.
             TypeError: ``slots`` is not an integer array.
         """
-        s = self._check_slots(slots)
-        idf = self._check_query(terms, idf)
+        s = check_slots(slots, self._live)
+        idf = check_query(terms, idf)
         go = check_avgdl(avgdl)
         out = np.zeros(s.shape, dtype=np.float64)
         if s.size == 0 or not go:
@@ -404,7 +337,7 @@ class PostingsIndex:
                 if hit.size:
                     tf = ptf[pos[hit]].astype(np.float64)
                     out[hit] += idf[i] * (tf * (k1 + 1) / (tf + norm[hit]))
-            a = self._delta_arrays(t)
+            a = self._delta.arrays(t)
             if a is not None:
                 ps, ptf = a
                 pos = ps.searchsorted(s)
@@ -442,11 +375,10 @@ class PostingsIndex:
         Raises:
             ValueError: ``len(idf) != len(terms)``; ``avgdl`` negative/NaN/inf.
         """
-        idf = self._check_query(terms, idf)
+        idf = check_query(terms, idf)
         if not check_avgdl(avgdl):
             return _EMPTY_I64.copy(), _EMPTY_F64.copy()
         parts: list[tuple[np.ndarray, np.ndarray]] = []
-        total = 0
         for i, t in enumerate(terms):
             a = self._term_arrays(t)
             if a is None:
@@ -456,33 +388,12 @@ class PostingsIndex:
                 ptf * (k1 + 1) / (ptf + k1 * (1 - b + b * self._doc_len[ps] / avgdl))
             )
             parts.append((ps, contrib))
-            total += len(ps)
         if not parts:
             return _EMPTY_I64.copy(), _EMPTY_F64.copy()
         if len(parts) == 1:
             return parts[0][0].copy(), parts[0][1]
-        cap = len(self._live)
-        if total * self._DENSE_RATIO >= cap:
-            acc = np.zeros(cap, dtype=np.float64)
-            touched = np.zeros(cap, dtype=bool)
-            for ps, c in parts:  # slots unique within one term: fancy += is safe
-                acc[ps] += c
-                touched[ps] = True
-            out_s = np.flatnonzero(touched).astype(np.int64, copy=False)
-            return out_s, acc[out_s]
-        all_s = np.concatenate([p[0] for p in parts])
-        all_c = np.concatenate([p[1] for p in parts])
-        uniq, inv = np.unique(all_s, return_inverse=True)
-        # bincount adds weights in input order (query-term order) starting from 0.0,
-        # i.e. the same summation order as rank_bm25.
-        scores = np.bincount(inv.reshape(-1), weights=all_c, minlength=len(uniq))
-        return uniq.astype(np.int64, copy=False), scores
+        return accumulate(parts, len(self._live), self._DENSE_RATIO)
 
     def __repr__(self) -> str:
-        return f"PostingsIndex(chunks={len(self)}, segment_terms={len(self._seg.terms)}, delta_terms={len(self._delta)})"
+        return f"PostingsIndex(chunks={len(self)}, segment_terms={len(self._seg.terms)}, delta_terms={len(self._delta.postings)})"
 
-
-def _as_slot(slot: int) -> int:
-    if isinstance(slot, (bool, np.bool_)) or not isinstance(slot, (int, np.integer)):
-        raise TypeError(f"slot must be an int, got {type(slot).__name__}")
-    return int(slot)

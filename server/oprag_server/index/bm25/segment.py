@@ -73,6 +73,13 @@ class Segment:
             return None
         return self.doc_terms[int(self.doc_off[d]):int(self.doc_off[d + 1])]
 
+    def renumbered(self) -> "Segment":
+        """The same postings with chunk ``doc_slots[i]`` moved to slot ``i`` (the order a
+        snapshot load assigns slots in)."""
+        slots = np.searchsorted(self.doc_slots, self.slots).astype(np.int32)
+        return Segment(self.terms, self.offsets, slots, self.tf, np.arange(self.doc_slots.size, dtype=np.int32),
+                       self.doc_off, self.doc_terms, self.vocab)
+
     def nbytes(self) -> tuple[int, int]:
         """``(array bytes, term dictionary bytes)``; the dictionary is estimated as the dict's
         and list's own size plus ``sys.getsizeof`` of every term string and id int."""
