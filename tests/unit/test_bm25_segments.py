@@ -284,3 +284,26 @@ def test_shard_snapshot_with_other_analyzer_reanalyses(tmp_path):
     stemmed.load(set())
     assert not isinstance(stemmed.store.postings.segment.slots, np.memmap)
     assert "topic" in stemmed.store.postings.full_stats()[2]
+
+
+def test_shard_stats_report_bytes_by_component():
+    from oprag_server.service import convert
+    from oprag_server.shards.protocol import StatsRequest
+
+    st = _shard(None, n=400)
+    b = st.stats(StatsRequest()).nbytes
+    assert set(b) == {"postings", "terms", "vectors", "ann", "chunks"}
+    assert b["vectors"] >= 320 * 4 * 4 * 2 and b["ann"] == 0  # flat: our copy and FAISS's
+    assert b["chunks"] > 320 * 50 and b["terms"] > 0 and b["postings"] > 0
+    st.store.postings.merge()
+    merged = st.stats(StatsRequest()).nbytes
+    assert merged["postings"] < b["postings"]  # delta estimate (100 B/posting) -> arrays (10 B)
+    st.store.delete([f"d{i}" for i in range(400)], 3)
+    assert st.stats(StatsRequest()).nbytes["chunks"] == 0
+    st.store.postings.merge()
+    assert st.stats(StatsRequest()).nbytes["postings"] < merged["postings"]  # dead postings dropped
+    resp = convert.stats_response({"documents": 0, "chunks": 0, "memory_records": 0, "seq": 3, "embedder": "e",
+                                   "generator": "none", "shards": [{"shard": 0, "documents": 0, "chunks": 0,
+                                                                    "memory_records": 0, "applied_seq": 3,
+                                                                    "bytes": merged}]})
+    assert resp.shards[0].postings_bytes == merged["postings"] and resp.shards[0].chunks_bytes == merged["chunks"]

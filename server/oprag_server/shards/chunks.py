@@ -8,6 +8,7 @@ document's generation; a batch with another generation replaces the stored versi
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,6 +21,11 @@ from ..index.bm25 import PostingsIndex
 from ..config import DenseConfig
 from ..index.dense import DenseIndex
 from .protocol import ApplyReply, ReuseReply, ReuseRequest
+
+
+def _record_bytes(rec: "ChunkRecord") -> int:
+    return (sys.getsizeof(rec) + 200 + sum(map(sys.getsizeof, (rec.chunk_id, rec.doc_id, rec.title, rec.text,
+                                                              rec.metadata, rec.content_hash))))
 
 
 @dataclass(slots=True)
@@ -57,6 +63,7 @@ class ChunkStore:
         self.version = 0
         self._row_ids_cache: np.ndarray | None = None
         self._slot_ids = np.empty(0, dtype=object)  # slot -> chunk id (None once removed)
+        self._chunk_bytes = 0  # estimate of the stored fields (see nbytes)
 
     # ------------------------------------------------------------------ writes
     def analyse(self, table: pa.Table, out: dict[tuple[str, str], list[str]]) -> None:
@@ -103,6 +110,7 @@ class ChunkStore:
                               ordinal=int(cols["ordinal"][i]), generation=gen,
                               content_hash=cols["content_hash"][i] or "")
             self.chunks[slot] = rec
+            self._chunk_bytes += _record_bytes(rec)
             self._index_metadata(slot, rec)
             self.hash_slots.setdefault(rec.content_hash, set()).add(slot)
             self.doc_slots[doc_id].append(slot)
@@ -147,6 +155,7 @@ class ChunkStore:
                 rec = self.chunks.pop(s, None)
                 self._slot_ids[s] = None
                 if rec is not None:
+                    self._chunk_bytes -= _record_bytes(rec)
                     self._unindex_metadata(s, rec)
                     held = self.hash_slots.get(rec.content_hash)
                     if held is not None:
@@ -173,6 +182,14 @@ class ChunkStore:
                 del vals[v]
             if k in self.meta_index and not vals:
                 del self.meta_index[k]
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held by component: ``postings`` and ``terms`` (BM25, :meth:`PostingsIndex.nbytes`),
+        ``vectors`` and ``ann`` (:meth:`DenseIndex.nbytes`), and ``chunks``: the stored fields,
+        estimated per chunk as ``sys.getsizeof`` of the record and of its six strings (id,
+        document id, title, text, metadata JSON, content hash) plus 200 bytes for its entries
+        in the slot, document, hash and metadata maps."""
+        return {**self.postings.nbytes(), **self.dense.nbytes(), "chunks": int(self._chunk_bytes)}
 
     # ------------------------------------------------------------------ lookups
     def allowed(self, filters) -> np.ndarray | None:

@@ -20,7 +20,9 @@ read-only memory map (:meth:`Segment.load` with ``mmap=True``); nothing here wri
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Mapping
 
@@ -81,13 +83,16 @@ class Segment:
                        self.doc_off, self.doc_terms, self.vocab)
 
     def nbytes(self) -> tuple[int, int]:
-        """``(array bytes, term dictionary bytes)``; the dictionary is estimated as the dict's
-        and list's own size plus ``sys.getsizeof`` of every term string and id int."""
-        import sys
-        arrays = sum(int(getattr(self, n).nbytes) for n in _ARRAYS)
-        terms = sys.getsizeof(self.vocab) + sys.getsizeof(self.terms)
-        terms += sum(sys.getsizeof(t) for t in self.terms) + 28 * max(0, len(self.terms) - 256)
-        return arrays, terms
+        """``(array bytes, term dictionary bytes)``; see :attr:`terms_nbytes`."""
+        return sum(int(getattr(self, n).nbytes) for n in _ARRAYS), self.terms_nbytes
+
+    @cached_property
+    def terms_nbytes(self) -> int:
+        """Term dictionary bytes: ``sys.getsizeof`` of the dict, the list, every term string
+        and every id int above 256 (CPython caches the small ones). Computed once."""
+        n = len(self.terms)
+        return (sys.getsizeof(self.vocab) + sys.getsizeof(self.terms) + sum(map(sys.getsizeof, self.terms))
+                + 28 * max(0, n - 257))
 
     # ------------------------------------------------------------------ files
     def save(self, d: Path) -> list[Path]:
