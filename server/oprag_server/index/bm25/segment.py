@@ -144,25 +144,23 @@ def merge(seg: Segment, seg_live: np.ndarray, delta: Mapping[int, Mapping[str, i
     Cost: O(P + T + delta) numpy work, plus a Python loop over the delta's postings. Chunks
     and postings keep ascending slot order (the delta may hold slots below the segment's).
     """
-    # live part of the old segment
-    keep = seg_live[seg.slots] if seg.n_postings else np.ones(0, bool)
-    if not keep.all():
-        ck = np.zeros(keep.size + 1, np.int64)
-        np.cumsum(keep, out=ck[1:])
-        old_counts = np.diff(ck[seg.offsets])
-        o_slots, o_tf = seg.slots[keep], seg.tf[keep]
-    else:
-        old_counts, o_slots, o_tf = np.diff(seg.offsets), seg.slots, seg.tf
+    # live part of the old segment; the dead chunks' terms (forward index) give each term's
+    # dead postings without a pass over all postings
+    old_counts, o_slots, o_tf = np.diff(seg.offsets), seg.slots, seg.tf
     o_doc_len = np.diff(seg.doc_off)
-    dkeep = seg_live[seg.doc_slots] if seg.doc_slots.size else np.ones(0, bool)
-    if not dkeep.all():  # (a removed chunk without terms has no posting to show it)
-        o_doc_slots, o_doc_terms = seg.doc_slots[dkeep], seg.doc_terms[np.repeat(dkeep, o_doc_len)]
-        o_doc_len = o_doc_len[dkeep]
-    else:
-        o_doc_slots, o_doc_terms = seg.doc_slots, seg.doc_terms
+    o_doc_slots, o_doc_terms = seg.doc_slots, seg.doc_terms
+    dkeep = seg_live[seg.doc_slots]
+    if not dkeep.all():
+        dead_terms = seg.doc_terms[np.repeat(~dkeep, o_doc_len)]
+        if dead_terms.size:
+            old_counts = old_counts - np.bincount(dead_terms, minlength=old_counts.size)
+            keep = seg_live[seg.slots]
+            o_slots, o_tf = o_slots[keep], o_tf[keep]
+            o_doc_terms = o_doc_terms[np.repeat(dkeep, o_doc_len)]
+        o_doc_slots, o_doc_len = o_doc_slots[dkeep], o_doc_len[dkeep]
     kept = old_counts > 0
-    old2new = np.cumsum(kept) - 1  # old term id -> new term id (where kept)
-    terms = [t for t, k in zip(seg.terms, kept.tolist()) if k]
+    all_kept = bool(kept.all())
+    terms = list(seg.terms) if all_kept else [t for t, k in zip(seg.terms, kept.tolist()) if k]
     vocab = dict(zip(terms, range(len(terms))))
     # the delta as flat arrays ordered by (term id, slot)
     d_doc_slots = np.asarray(sorted(delta), dtype=np.int64)
@@ -206,21 +204,23 @@ def merge(seg: Segment, seg_live: np.ndarray, delta: Mapping[int, Mapping[str, i
     tf = _interleave(P, dest, o_tf, dtf, tf_dtype)
     # forward index: chunks in slot order, old term ids renumbered
     d_doc_terms_by_doc = np.asarray(d_tid, dtype=np.int64)  # per chunk, in chunk order
+    if not all_kept:
+        old2new = (np.cumsum(kept) - 1).astype(np.int32)  # old term id -> new term id (where kept)
+        o_doc_terms = old2new[o_doc_terms]
     ddest = np.searchsorted(o_doc_slots, d_doc_slots) + np.arange(d_doc_slots.size)
     D = o_doc_slots.size + d_doc_slots.size
     doc_slots = _interleave(D, ddest, o_doc_slots, d_doc_slots, np.int32)
     doc_len = _interleave(D, ddest, o_doc_len, np.asarray(d_doc_len, np.int64), np.int64)
     doc_off = np.zeros(D + 1, np.int64)
     np.cumsum(doc_len, out=doc_off[1:])
-    if d_doc_slots.size:
+    if not d_doc_slots.size or not o_doc_slots.size or int(o_doc_slots[-1]) < int(d_doc_slots[0]):
+        doc_terms = np.concatenate([o_doc_terms.astype(np.int32, copy=False), d_doc_terms_by_doc.astype(np.int32)])
+    else:  # a delta chunk below a segment chunk: place its terms between
         starts = doc_off[ddest]
         d_len = np.asarray(d_doc_len, np.int64)
         first = np.repeat(np.cumsum(d_len) - d_len, d_len)
         edest = np.repeat(starts, d_len) + (np.arange(d_len.sum()) - first)
-    else:
-        edest = np.zeros(0, np.int64)
-    doc_terms = _interleave(P, edest, old2new[o_doc_terms].astype(np.int32) if o_doc_terms.size
-                            else np.zeros(0, np.int32), d_doc_terms_by_doc, np.int32)
+        doc_terms = _interleave(P, edest, o_doc_terms, d_doc_terms_by_doc, np.int32)
     return Segment(terms, offsets, slots, tf, doc_slots, doc_off, doc_terms, vocab)
 
 
