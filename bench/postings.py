@@ -161,17 +161,19 @@ def main() -> None:
     ap.add_argument("--queries", type=int, default=300)
     ap.add_argument("--shared", type=Path, default=C.DEFAULT_SHARED)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--no-trace", action="store_true", help="build without tracemalloc (build time as served)")
     ap.add_argument("--worker", nargs=2, metavar=("LAYOUT", "N"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
-        print(json.dumps(worker(a.worker[0], int(a.worker[1]), a.shared, a.queries)))
+        print(json.dumps(worker(a.worker[0], int(a.worker[1]), a.shared, a.queries, not a.no_trace)))
         return
     real_tokens(a.shared)  # cache once
     rows = []
     for n in [int(x) for x in a.sizes.split(",")]:
         for layout in a.layouts.split(","):
             r = subprocess.run([sys.executable, "-m", "bench.postings", "--worker", layout, str(n),
-                                "--queries", str(a.queries), "--shared", str(a.shared)],
+                                "--queries", str(a.queries), "--shared", str(a.shared)]
+                               + (["--no-trace"] if a.no_trace else []),
                                check=True, capture_output=True, text=True, cwd=C.REPO)
             row = json.loads(r.stdout.strip().splitlines()[-1])
             C.log(json.dumps(row))

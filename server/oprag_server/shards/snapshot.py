@@ -24,6 +24,7 @@ import numpy as np
 from .. import records
 from ..index.bm25 import PostingsIndex
 from ..index.wal import WriteAheadLog
+from ..index.wal import _fsync_dir as _fsync_file  # (any path: file or directory)
 from .chunks import ChunkStore
 from .memory import MemoryStore
 from .protocol import SnapshotReply
@@ -106,14 +107,6 @@ def _load_ann(snap: Path, store: ChunkStore) -> None:
         except (OSError, ValueError, KeyError, RuntimeError):
             pass  # rebuilt below
     store.dense.compact_ann()
-
-
-def _fsync_file(p: Path) -> None:
-    fd = os.open(p, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _load_postings(snap: Path, meta: dict, store: ChunkStore, rows: int) -> PostingsIndex | None:
