@@ -154,6 +154,46 @@ def worker(layout: str, n: int, shared: Path, n_queries: int, traced: bool = Tru
     return out
 
 
+def ab(n: int, shared: Path, n_queries: int) -> dict:
+    """Both layouts in one process, timed alternately per query (dict, csr, dict, csr): a
+    latency comparison that a loaded machine disturbs equally on both sides."""
+    from ._dict_postings import DictPostingsIndex
+    bm25 = _internals.bm25()
+    chunks = corpus(real_tokens(shared), n)
+    queries, _ = C.load_queries_qrels(shared)
+    an = _internals.analyzer()
+    qterms = [an.tokens(q) for q in list(queries.values())[:n_queries]]
+    old, new = DictPostingsIndex(), bm25.PostingsIndex()
+    for slot, toks in enumerate(chunks):
+        old.add(slot, toks)
+        new.add(slot, toks)
+        if slot % 256 == 255:
+            new.maybe_merge()
+    new.merge()
+    stats = bm25.CorpusStats.merge_full([new.full_stats()])
+    rng = np.random.default_rng(1)
+    t: dict[str, list[float]] = {k: [] for k in ("dict_score256", "csr_score256", "dict_score_all", "csr_score_all")}
+    for terms in qterms:
+        idf = stats.query_idf(terms, 0.25)
+        cand = np.sort(rng.choice(n, size=min(256, n), replace=False)).astype(np.int64)
+        for name, ix in (("dict", old), ("csr", new)):
+            t0 = time.perf_counter()
+            a = ix.score(cand, terms, idf, stats.avgdl)
+            t1 = time.perf_counter()
+            s_all, v_all = ix.score_all(terms, idf, stats.avgdl)
+            t2 = time.perf_counter()
+            t[f"{name}_score256"].append((t1 - t0) * 1e3)
+            t[f"{name}_score_all"].append((t2 - t1) * 1e3)
+            if name == "dict":
+                ref = (a, s_all, v_all)
+            else:
+                assert np.array_equal(a, ref[0]) and np.array_equal(s_all, ref[1]) and np.array_equal(v_all, ref[2])
+    out: dict = {"chunks": n, "queries": len(qterms)}
+    for k, v in t.items():
+        out[f"{k}_p50_ms"], out[f"{k}_p95_ms"] = round(C.percentile(v, 50), 3), round(C.percentile(v, 95), 3)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="12348,200000", help="chunk counts, comma-separated")
@@ -162,12 +202,20 @@ def main() -> None:
     ap.add_argument("--shared", type=Path, default=C.DEFAULT_SHARED)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--no-trace", action="store_true", help="build without tracemalloc (build time as served)")
+    ap.add_argument("--ab", action="store_true", help="latency only: both layouts in one process, alternating")
     ap.add_argument("--worker", nargs=2, metavar=("LAYOUT", "N"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
         print(json.dumps(worker(a.worker[0], int(a.worker[1]), a.shared, a.queries, not a.no_trace)))
         return
     real_tokens(a.shared)  # cache once
+    if a.ab:
+        rows = [ab(int(n), a.shared, a.queries) for n in a.sizes.split(",")]
+        for r in rows:
+            C.log(json.dumps(r))
+        if a.json:
+            C.emit_json({"ab": rows, "machine": C.machine_info()})
+        return
     rows = []
     for n in [int(x) for x in a.sizes.split(",")]:
         for layout in a.layouts.split(","):

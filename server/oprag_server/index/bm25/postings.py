@@ -259,8 +259,9 @@ class PostingsIndex:
 
     # -- scoring --------------------------------------------------------------------
     def _term_arrays(self, term: str) -> tuple[np.ndarray, np.ndarray] | None:
-        """All live postings of ``term``: ``(slots int32/int64 ascending, tf uint/float64)``
-        (segment-only postings keep the segment's dtypes: no copy when nothing is dead)."""
+        """All live postings of ``term``: ``(slots int64 ascending, tf uint16/uint32/float64)``
+        (the tf of segment-only postings keeps the segment's dtype; arithmetic on it gives the
+        same float64 values)."""
         parts = []
         tid = self._seg.vocab.get(term)
         if tid is not None and self._seg_df[tid]:
@@ -268,7 +269,7 @@ class PostingsIndex:
             if self._seg_dead:
                 m = self._seg_live[ps]
                 ps, ptf = ps[m], ptf[m]
-            parts.append((ps, ptf))
+            parts.append((ps.astype(np.int64), ptf))  # (int32 fancy indexes convert on every use)
         a = self._delta.arrays(term)
         if a is not None:
             parts.append(a)
@@ -392,7 +393,7 @@ class PostingsIndex:
         if not parts:
             return _EMPTY_I64.copy(), _EMPTY_F64.copy()
         if len(parts) == 1:
-            return parts[0][0].astype(np.int64), parts[0][1]
+            return parts[0][0].copy(), parts[0][1]
         return accumulate(parts, len(self._live), self._DENSE_RATIO)
 
     def __repr__(self) -> str:
