@@ -7,6 +7,7 @@ See :mod:`oprag_server.index.bm25` for the reference computation.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -69,7 +70,6 @@ class PostingsIndex:
         self.merges = 0
         self.last_merge_s = 0.0
 
-    # -- mutation -------------------------------------------------------------------
     def _grow(self, slot: int) -> None:
         cap = len(self._live)
         if slot < cap:
@@ -217,12 +217,13 @@ class PostingsIndex:
         return self._n_live, self._total_len, df
 
     def nbytes(self) -> dict[str, int]:
-        """Bytes held, by component: ``postings`` (segment arrays, per-slot arrays, and the
-        delta estimated at 100 bytes per posting, a dict entry in a dict of dicts) and
-        ``terms`` (the term dictionary, see :meth:`.segment.Segment.nbytes`). Memory-mapped
-        arrays count in full although the OS pages them in on demand."""
+        """Bytes held: ``postings`` (segment and per-slot arrays, the delta at an estimated 100
+        bytes per posting) and ``terms`` (:meth:`.segment.Segment.nbytes`, plus the delta's dict
+        and term strings); docs/architecture.md "Memory accounting"."""
         arrays, terms = self._seg.nbytes()
         per_slot = self._doc_len.nbytes + self._live.nbytes + self._seg_live.nbytes + self._seg_df.nbytes
+        dp = self._delta.postings
+        terms += sys.getsizeof(dp) + sum(map(sys.getsizeof, dp))
         return {"postings": int(arrays + per_slot + 100 * self._delta.n), "terms": int(terms)}
 
     @property
@@ -259,9 +260,7 @@ class PostingsIndex:
 
     # -- scoring --------------------------------------------------------------------
     def _term_arrays(self, term: str) -> tuple[np.ndarray, np.ndarray] | None:
-        """All live postings of ``term``: ``(slots int64 ascending, tf uint16/uint32/float64)``
-        (the tf of segment-only postings keeps the segment's dtype; arithmetic on it gives the
-        same float64 values)."""
+        """Live postings of ``term``: ``(slots int64 ascending, tf uint16/uint32/float64)``."""
         parts = []
         tid = self._seg.vocab.get(term)
         if tid is not None and self._seg_df[tid]:
