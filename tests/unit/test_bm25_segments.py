@@ -307,3 +307,18 @@ def test_shard_stats_report_bytes_by_component():
                                                                     "memory_records": 0, "applied_seq": 3,
                                                                     "bytes": merged}]})
     assert resp.shards[0].postings_bytes == merged["postings"] and resp.shards[0].chunks_bytes == merged["chunks"]
+
+
+@pytest.mark.parametrize("kind", ["hnsw", "ivf"])
+def test_dense_bytes_by_index_kind(kind):
+    from oprag_server.config import DenseConfig
+    from oprag_server.index.dense import DenseIndex
+
+    n, d = 500, 8
+    idx = DenseIndex(d, DenseConfig(kind=kind, hnsw_m=16, train_min=100))
+    v = np.random.default_rng(0).standard_normal((n, d)).astype(np.float32)
+    idx.add(np.arange(n, dtype=np.int64), v / np.linalg.norm(v, axis=1, keepdims=True))
+    b = idx.nbytes()
+    assert b["vectors"] >= n * d * 4  # the exact copy; no FAISS flat copy for an ANN index
+    per = 4 * d + (4 * 33 + 12 if kind == "hnsw" else 8)
+    assert b["ann"] >= n * per and b["ann"] < n * per * 2 + 4 * d * 1024
