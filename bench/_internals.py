@@ -15,6 +15,8 @@ function here               server part                             why
                                                                     900-character windows
 :func:`analyzer`            the BM25 analyzer                       reference / LangChain BM25
                                                                     over the same tokens
+:func:`bm25`                ``index.bm25`` (PostingsIndex,          postings microbench: the
+                            CorpusStats)                            shard's index in process
 :func:`encoder`             ``TransformersEncoder`` (MiniLM)        same query vectors, same
                                                                     token ids for baselines
 :func:`encoder_path`        where the encoder's weights live        baselines load the same
@@ -62,6 +64,13 @@ def analyzer():
     from oprag_server.index.analyzer import Analyzer
 
     return Analyzer()
+
+
+def bm25():
+    """The server's ``oprag_server.index.bm25`` package (``PostingsIndex``, ``CorpusStats``)."""
+    from oprag_server.index import bm25 as mod
+
+    return mod
 
 
 def encoder(name: str = "minilm", **kw):

@@ -156,6 +156,9 @@ class Runtime:
         self.metrics.chunks.set(sum(s.chunks for s in st))
         self.metrics.documents.set(sum(s.documents for s in st))
         self.metrics.memory_records.set(sum(s.memory_records for s in st))
+        for s in st:
+            for component, n in (s.nbytes or {}).items():
+                self.metrics.shard_bytes.labels(shard=str(s.shard), component=component).set(n)
 
     async def restart_shard(self, i: int) -> None:
         """Respawn shard ``i`` and re-sum the corpus-global BM25 statistics."""
@@ -166,12 +169,14 @@ class Runtime:
         """Corpus and shard statistics of the shards that answer (a dead shard is left out).
 
         :returns: ``{"documents", "chunks", "memory_records", "seq", "embedder", "generator",
-            "shards": [{"shard", "documents", "chunks", "memory_records", "applied_seq"}, ...]}``
+            "shards": [{"shard", "documents", "chunks", "memory_records", "applied_seq", "bytes"}, ...]}``
+            (``bytes``: ``{component: bytes}``, :meth:`.shards.chunks.ChunkStore.nbytes`)
             with shards in id order; ``generator`` is ``"none"`` without a generator.
         """
         got, _ = await self.pool.gather_partial(Op.STATS, StatsRequest())
         shards = [{"shard": r.shard, "documents": r.documents, "chunks": r.chunks,
-                   "memory_records": r.memory_records, "applied_seq": r.applied_seq} for _, r in sorted(got.items())]
+                   "memory_records": r.memory_records, "applied_seq": r.applied_seq, "bytes": r.nbytes or {}}
+                  for _, r in sorted(got.items())]
         return {
             **{k: sum(s[k] for s in shards) for k in ("documents", "chunks", "memory_records")},
             "seq": self.seq, "shards": shards, "embedder": self.encoder.name,

@@ -136,3 +136,26 @@ def test_query_without_generator_says_so(client, zebra):
     events = list(client.query_stream("zebra", top_k=2))
     assert events[0].WhichOneof("event") == "sources" and events[-1].done.finish_reason == "no_generator"
     assert client.retrieve("zebra", top_k=2).hits  # Retrieve is unaffected
+
+
+# ------------------------------------------------------------------ issue 13: memory by component
+def test_stats_and_gauges_report_shard_bytes_by_component(server, client, zebra):
+    import time
+
+    st = client.stats()
+    assert len(st.shards) == 2
+    for s in st.shards:
+        assert s.chunks > 0 and s.postings_bytes > 0 and s.terms_bytes > 0 and s.chunks_bytes > 0
+        assert s.vectors_bytes >= s.chunks * 384 * 4 * 2  # flat: our exact copy and FAISS's
+        assert s.ann_bytes == 0
+    want = {(str(s.shard), c): getattr(s, f"{c}_bytes") for s in st.shards
+            for c in ("postings", "terms", "vectors", "ann", "chunks")}
+    got: dict = {}
+    for _ in range(50):  # the gauges refresh after each write, off the request path
+        body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+        got = {(m.group(2), m.group(1)): float(m.group(3)) for m in
+               re.finditer(r'^oprag_shard_bytes{component="(\w+)",shard="(\d+)"} (\S+)$', body, re.M)}
+        if got == want:
+            break
+        time.sleep(0.1)
+    assert got == want

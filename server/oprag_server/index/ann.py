@@ -111,6 +111,20 @@ class AnnIndex:
         if self.params.kind == "ivf" and self._index is not None:
             self._index.remove_ids(_faiss().IDSelectorBatch(ids))
 
+    def nbytes(self) -> int:
+        """Estimated bytes of the structure: HNSW ``n * (4*D + 4*(2*M + 1) + 12)`` (stored
+        vectors; level-0 links 2M int32 plus the upper levels' ~M/(M-1) expected; offsets and
+        levels), IVF ``n * (4*D + 8) + nlist * 4*D`` (list codes and ids, centroids); plus the
+        8-byte id map. From FAISS's ``IndexHNSWFlat`` / ``IndexIVFFlat`` layouts."""
+        n, d = (int(self._index.ntotal) if self._index is not None else 0), self.dim
+        if self._index is None:
+            body = 0
+        elif self.params.kind == "hnsw":
+            body = n * (4 * d + 4 * (2 * self.params.hnsw_m + 1) + 12)
+        else:
+            body = n * (4 * d + 8) + int(self._index.nlist) * 4 * d
+        return body + int(self.ann_slot.nbytes)
+
     def needs_compaction(self) -> bool:
         """True once a quarter of an HNSW graph is dead (IVF removes at once: never)."""
         return self.params.kind == "hnsw" and self.dead * 4 > max(self.ann_slot.size, 1)

@@ -162,6 +162,16 @@ class DenseIndex:
             self.compact_ann()
         return len(slots)
 
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held: ``vectors`` (the exact float32 copy at its capacity, the slot/row maps,
+        and for flat FAISS's own copy with its id maps: an int64 vector and an
+        ``unordered_map`` reverse map, ~48 bytes per id) and ``ann`` (the
+        approximate structure, :meth:`.ann.AnnIndex.nbytes`; 0 for flat)."""
+        own = self._vecs.nbytes + self._row_slot.nbytes + self._slot_row.nbytes
+        if self._index is not None:
+            own += int(self._index.ntotal) * (4 * self.dim + 48)
+        return {"vectors": int(own), "ann": self._ann.nbytes() if self._ann is not None else 0}
+
     def compact_ann(self) -> None:
         """Rebuild the approximate structure from the live vectors (drops what deletes left)."""
         if self._ann is not None:

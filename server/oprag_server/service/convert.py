@@ -339,14 +339,20 @@ def ingest_response(res: Any) -> oprag_pb2.IngestResponse:
 
 
 _SHARD_FIELDS = ("shard", "documents", "chunks", "memory_records", "applied_seq")
+#: ``ShardStats`` byte fields and the shard's ``nbytes`` component each one reports
+BYTE_FIELDS = {"postings_bytes": "postings", "terms_bytes": "terms", "vectors_bytes": "vectors",
+               "ann_bytes": "ann", "chunks_bytes": "chunks"}
 
 
 def stats_response(st: dict) -> oprag_pb2.StatsResponse:
     """``StatsResponse`` from ``Runtime.stats()``: a dict with ``documents``, ``chunks``,
     ``memory_records``, ``seq``, ``embedder``, ``generator`` and ``shards`` (one dict per
-    answering shard with ``shard``, ``documents``, ``chunks``, ``memory_records``, ``applied_seq``)."""
+    answering shard with ``shard``, ``documents``, ``chunks``, ``memory_records``, ``applied_seq``
+    and ``bytes``, ``{component: bytes}``, see :data:`BYTE_FIELDS`)."""
     return oprag_pb2.StatsResponse(
         documents=st["documents"], chunks=st["chunks"], memory_records=st["memory_records"], seq=st["seq"],
-        shards=[oprag_pb2.ShardStats(**{k: s[k] for k in _SHARD_FIELDS}) for s in st["shards"]],
+        shards=[oprag_pb2.ShardStats(**{k: s[k] for k in _SHARD_FIELDS},
+                                     **{f: int(s.get("bytes", {}).get(c, 0)) for f, c in BYTE_FIELDS.items()})
+                for s in st["shards"]],
         embedder=st["embedder"], generator=st["generator"],
     )

@@ -71,6 +71,9 @@ class Metrics:
         self.documents = Gauge("oprag_documents", "Live documents in the index", registry=r)
         self.memory_records = Gauge("oprag_memory_records", "Conversational memory records held by the shards",
                                     registry=r)
+        self.shard_bytes = Gauge(
+            "oprag_shard_bytes", "Bytes a shard holds by component (postings, terms, vectors, ann, chunks; "
+            "estimates, see ShardStats)", ["shard", "component"], registry=r)
         self.shards_up = Gauge("oprag_shards_up", "Shard processes alive", registry=r)
         self.shard_restarts = Counter("oprag_shard_restarts_total", "Shard processes restarted after dying",
                                       registry=r)

@@ -8,6 +8,7 @@ document's generation; a batch with another generation replaces the stored versi
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,6 +21,11 @@ from ..index.bm25 import PostingsIndex
 from ..config import DenseConfig
 from ..index.dense import DenseIndex
 from .protocol import ApplyReply, ReuseReply, ReuseRequest
+
+
+def _record_bytes(rec: "ChunkRecord") -> int:
+    return (sys.getsizeof(rec) + 200 + sum(map(sys.getsizeof, (rec.chunk_id, rec.doc_id, rec.title, rec.text,
+                                                              rec.metadata, rec.content_hash))))
 
 
 @dataclass(slots=True)
@@ -57,6 +63,7 @@ class ChunkStore:
         self.version = 0
         self._row_ids_cache: np.ndarray | None = None
         self._slot_ids = np.empty(0, dtype=object)  # slot -> chunk id (None once removed)
+        self._chunk_bytes = 0  # estimate of the stored fields (see nbytes)
 
     # ------------------------------------------------------------------ writes
     def analyse(self, table: pa.Table, out: dict[tuple[str, str], list[str]]) -> None:
@@ -67,9 +74,10 @@ class ChunkStore:
                 out[(title, text)] = self.analyzer.tokens(f"{title}\n{text}" if title else text)
 
     def upsert(self, table: pa.Table, seq: int, index_ann: bool = True,
-               tokens: dict[tuple[str, str], list[str]] | None = None) -> ApplyReply:
+               tokens: dict[tuple[str, str], list[str]] | None = None, index_lexical: bool = True) -> ApplyReply:
         """Apply a bulk batch of chunks (schema :func:`records.chunk_schema`); ``index_ann=False``
-        leaves the approximate dense structure to the caller (snapshot load).
+        leaves the approximate dense structure to the caller (snapshot load), and so does
+        ``index_lexical=False`` the BM25 postings (a snapshot load that maps stored postings).
 
         A document whose stored generation differs from the batch's generation is replaced:
         its old chunks leave the dense index and the postings first. When the batch holds
@@ -102,11 +110,13 @@ class ChunkStore:
                               ordinal=int(cols["ordinal"][i]), generation=gen,
                               content_hash=cols["content_hash"][i] or "")
             self.chunks[slot] = rec
+            self._chunk_bytes += _record_bytes(rec)
             self._index_metadata(slot, rec)
             self.hash_slots.setdefault(rec.content_hash, set()).add(slot)
             self.doc_slots[doc_id].append(slot)
             toks = tokens.get((rec.title, rec.text)) if tokens else None
-            self.postings.add(slot, toks if toks is not None else self._index_tokens(rec))
+            if index_lexical:
+                self.postings.add(slot, toks if toks is not None else self._index_tokens(rec))
             new_slots.append(slot)
         if new_slots:
             if self.next_slot > self._slot_ids.size:
@@ -118,6 +128,7 @@ class ChunkStore:
             self._row_ids_cache = None
         self.applied_seq = max(self.applied_seq, int(seq))
         self.version += 1
+        self.postings.maybe_merge()
         return ApplyReply(doc_ids=sorted(set(cols["doc_id"])), added=len(new_slots), removed=removed,
                           replaced_docs=replaced, delta=self.postings.drain_delta())
 
@@ -131,6 +142,7 @@ class ChunkStore:
         self.applied_seq = max(self.applied_seq, int(seq))
         if docs:
             self.version += 1
+            self.postings.maybe_merge()
         return ApplyReply(deleted_docs=docs, removed=chunks, delta=self.postings.drain_delta())
 
     def _remove_doc(self, doc_id: str) -> int:
@@ -143,6 +155,7 @@ class ChunkStore:
                 rec = self.chunks.pop(s, None)
                 self._slot_ids[s] = None
                 if rec is not None:
+                    self._chunk_bytes -= _record_bytes(rec)
                     self._unindex_metadata(s, rec)
                     held = self.hash_slots.get(rec.content_hash)
                     if held is not None:
@@ -169,6 +182,14 @@ class ChunkStore:
                 del vals[v]
             if k in self.meta_index and not vals:
                 del self.meta_index[k]
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held by component: ``postings`` and ``terms`` (BM25, :meth:`PostingsIndex.nbytes`),
+        ``vectors`` and ``ann`` (:meth:`DenseIndex.nbytes`), and ``chunks``: the stored fields,
+        estimated per chunk as ``sys.getsizeof`` of the record and of its six strings (id,
+        document id, title, text, metadata JSON, content hash) plus 200 bytes for its entries
+        in the slot, document, hash and metadata maps."""
+        return {**self.postings.nbytes(), **self.dense.nbytes(), "chunks": int(self._chunk_bytes)}
 
     # ------------------------------------------------------------------ lookups
     def allowed(self, filters) -> np.ndarray | None:

@@ -342,7 +342,7 @@ class StatsRequest:
 @message
 class StatsReply:
     """Counts of one shard; ``lexical`` ``(N, total length, {term: df})`` when asked for;
-    ``replayed`` write-ahead log records (READY message only)."""
+    ``replayed`` write-ahead log records (READY message only); ``nbytes`` {component: bytes}."""
 
     shard: int
     documents: int
@@ -351,6 +351,7 @@ class StatsReply:
     applied_seq: int
     lexical: tuple | None = None
     replayed: int = 0
+    nbytes: dict | None = None
 
 
 @message

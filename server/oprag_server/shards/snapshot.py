@@ -3,7 +3,10 @@
 Layout under ``<data_dir>/shard-<i>/``: ``snap-<applied_seq>-<ns>/{chunks.arrow, memory.json,
 meta.json}`` (plus ``dense.faiss`` and ``dense.npz`` for an HNSW or IVF dense index: the
 structure as FAISS serialised it and its id map, loaded on start instead of rebuilt), a ``CURRENT`` file naming the live snapshot, and ``wal.log`` (the shard's
-write-ahead log). Every file is written atomically (temporary file, fsync, rename, fsync of
+write-ahead log). Format 2 adds ``postings/`` (the BM25 segment as ``.npy`` arrays and
+``terms.json``, :meth:`PostingsIndex.save`), memory-mapped on load instead of re-analysing
+every chunk's text; a format-1 snapshot, or one whose analyzer settings differ, is loaded by
+re-analysing the texts (and written as format 2 by the next snapshot). Every file is written atomically (temporary file, fsync, rename, fsync of
 the directory); ``CURRENT`` switches last, so a crash leaves the previous snapshot live.
 """
 
@@ -19,13 +22,17 @@ from pathlib import Path
 import numpy as np
 
 from .. import records
+from ..index.bm25 import PostingsIndex
 from ..index.wal import WriteAheadLog
+from ..index.wal import _fsync_dir as _fsync_file  # (any path: file or directory)
 from .chunks import ChunkStore
 from .memory import MemoryStore
 from .protocol import SnapshotReply
 from .txn import Transactions
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: formats :func:`load` reads
+READABLE_FORMATS = (1, 2)
 
 
 def fsync_write(path: Path, data: bytes) -> None:
@@ -52,6 +59,9 @@ def write(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions) -
     batch = store.batch()
     fsync_write(snap / "chunks.arrow", records.to_ipc(batch))
     fsync_write(snap / "memory.json", json.dumps(memory.to_json()).encode())
+    for p in store.postings.save(snap / "postings"):
+        _fsync_file(p)
+    _fsync_file(snap / "postings")
     ann = store.dense.ann_state()
     if ann is not None:
         fsync_write(snap / "dense.faiss", ann["faiss"])
@@ -60,7 +70,7 @@ def write(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions) -
                  trained_at=ann["trained_at"], kind=ann["kind"])  # the batch holds the chunks in slot order
         fsync_write(snap / "dense.npz", buf.getvalue())
     meta = {"format_version": FORMAT_VERSION, "applied_seq": store.applied_seq, "dim": store.dim,
-            "next_slot": store.next_slot, "chunks": batch.num_rows}
+            "next_slot": store.next_slot, "chunks": batch.num_rows, "analyzer": {"stem": store.analyzer.stem}}
     fsync_write(snap / "meta.json", json.dumps(meta).encode())
     fsync_write(d / "CURRENT", snap.name.encode())
     for old in d.glob("snap-*"):
@@ -99,6 +109,18 @@ def _load_ann(snap: Path, store: ChunkStore) -> None:
     store.dense.compact_ann()
 
 
+def _load_postings(snap: Path, meta: dict, store: ChunkStore, rows: int) -> PostingsIndex | None:
+    """The snapshot's BM25 postings, memory-mapped, when it has them for this analyzer and they
+    cover its ``rows`` chunks; None otherwise (the caller re-analyses the texts)."""
+    if meta.get("analyzer") != {"stem": store.analyzer.stem} or not (snap / "postings").is_dir():
+        return None
+    try:
+        ix = PostingsIndex.load(snap / "postings", mmap=True)
+    except (OSError, ValueError):
+        return None
+    return ix if len(ix) == rows else None
+
+
 def load(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions, committed: set[str] | None) -> int:
     """Load the current snapshot under ``d`` if any, then replay the write-ahead log: memory
     records in log order (:meth:`.memory.MemoryStore.replay`) and records of committed transactions (``committed`` txn ids, from the frontend's commit log) with a
@@ -111,13 +133,16 @@ def load(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions, co
     snap = d / cur.read_text().strip() if cur.exists() else (d if (d / "meta.json").exists() else None)
     if snap is not None:  # (a snapshot written directly into the shard directory: first layout)
         meta = json.loads((snap / "meta.json").read_text())
-        if meta.get("format_version") != FORMAT_VERSION:
-            raise RuntimeError(f"{snap}: snapshot format {meta.get('format_version')} != {FORMAT_VERSION}")
+        if meta.get("format_version") not in READABLE_FORMATS:
+            raise RuntimeError(f"{snap}: snapshot format {meta.get('format_version')} is not one of {READABLE_FORMATS}")
         if meta.get("dim") != store.dim:
             raise RuntimeError(f"{snap}: vectors have width {meta.get('dim')}, the embedder produces {store.dim}")
         table = records.from_ipc((snap / "chunks.arrow").read_bytes())
+        postings = _load_postings(snap, meta, store, table.num_rows)
         if table.num_rows:
-            store.upsert(table, 0, index_ann=False)
+            store.upsert(table, 0, index_ann=False, index_lexical=postings is None)
+        if postings is not None:
+            store.postings = postings
         _load_ann(snap, store)
         store.applied_seq = int(meta.get("applied_seq", 0))
         store.next_slot = max(store.next_slot, int(meta.get("next_slot", 0)))

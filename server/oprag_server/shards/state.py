@@ -39,7 +39,7 @@ class ShardState:
         (the whole vocabulary: only for rebuilding the frontend's corpus statistics)."""
         st = self.store
         return StatsReply(shard=self.shard_id, documents=len(st.doc_slots), chunks=len(st.chunks),
-                          memory_records=len(self.memory), applied_seq=st.applied_seq,
+                          memory_records=len(self.memory), applied_seq=st.applied_seq, nbytes=st.nbytes(),
                           lexical=st.postings.full_stats() if req is not None and req.lexical else None)
 
     def _dir(self) -> Path:

@@ -24,8 +24,10 @@ This package splits that computation:
 * :mod:`.corpus_stats` -- :class:`CorpusStats`, the frontend's corpus-global view (``N``,
   total length, document frequencies), aggregated over shards, producing
   :meth:`CorpusStats.query_idf` and :attr:`CorpusStats.avgdl`.
-* :mod:`.postings` -- :class:`PostingsIndex`, one per shard; term -> (slot, tf) postings
-  plus document lengths; scores chunks given the global idf vector and avgdl.
+* :mod:`.postings` -- :class:`PostingsIndex`, one per shard: an immutable CSR segment
+  (:mod:`.segment`: term dictionary, int32 slots and uint16 tf per term) plus a delta of
+  recent writes (:mod:`.delta`), deletes as a live mask, merges that fold the delta and drop
+  dead postings; document lengths; scores chunks given the global idf vector and avgdl.
 
 With the same corpus, ``PostingsIndex.score`` reproduces ``get_scores`` bit-for-bit in
 practice (same operation order; the only difference is ``average_idf`` being summed with

@@ -6,6 +6,7 @@ See :mod:`oprag_server.index.bm25` for the reference computation they reproduce.
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import numpy as np
 
@@ -94,3 +95,35 @@ def check_avgdl(avgdl: float) -> bool:
         raise ValueError(f"avgdl must be finite and >= 0, got {avgdl}")
     return True
 
+
+
+def check_query(terms: Sequence[str], idf: np.ndarray) -> np.ndarray:
+    """``idf`` as float64 ``[T]``. :raises ValueError: its shape is not ``[len(terms)]``."""
+    idf = np.asarray(idf, dtype=np.float64)
+    if idf.ndim != 1 or len(idf) != len(terms):
+        raise ValueError(f"idf must have shape [{len(terms)}], got {idf.shape}")
+    return idf
+
+
+def check_slots(slots: np.ndarray, live: np.ndarray) -> np.ndarray:
+    """``slots`` as int64. :raises TypeError: not integers. :raises KeyError: some slot is not
+    live (``live`` bool ``[capacity]``)."""
+    s = np.asarray(slots)
+    if s.size == 0:
+        return s.astype(np.int64, copy=False)
+    if s.dtype.kind not in "iu":
+        raise TypeError(f"slots must be an integer array, got dtype {s.dtype}")
+    s = s.astype(np.int64, copy=False)
+    bad = (s < 0) | (s >= live.size)
+    if not bad.any():
+        bad = ~live[s]
+    if bad.any():
+        raise KeyError(f"slot {int(s[np.argmax(bad)])} is not live")
+    return s
+
+
+def as_slot(slot: int) -> int:
+    """``slot`` as a Python int. :raises TypeError: not an integer (bools are refused)."""
+    if isinstance(slot, (bool, np.bool_)) or not isinstance(slot, (int, np.integer)):
+        raise TypeError(f"slot must be an int, got {type(slot).__name__}")
+    return int(slot)

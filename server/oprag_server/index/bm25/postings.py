@@ -1,17 +1,23 @@
-"""Per-shard BM25 postings: term -> (slot, tf), chunk lengths, and scoring of chunks given
-the corpus-global idf vector and avgdl.
+"""Per-shard BM25 postings: an immutable CSR segment (:mod:`.segment`) plus a small mutable
+delta of recent writes, chunk lengths, and scoring of chunks given the corpus-global idf
+vector and avgdl.
 
 See :mod:`oprag_server.index.bm25` for the reference computation.
 """
 
 from __future__ import annotations
 
+import sys
+import time
 from collections import Counter
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
-from .okapi import check_avgdl
+from .delta import Delta, accumulate
+from .okapi import as_slot as _as_slot, check_avgdl, check_query, check_slots
+from .segment import MAX_SLOT, Segment, merge
 
 _EMPTY_I64 = np.zeros(0, dtype=np.int64)
 _EMPTY_F64 = np.zeros(0, dtype=np.float64)
@@ -21,47 +27,59 @@ class PostingsIndex:
     """Mutable inverted index of one shard; chunks are identified by int *slots*.
 
     Storage:
-        * ``term -> {slot: tf}`` dicts (O(1) add/remove),
-        * per term, a lazily built cache of numpy arrays ``(slots int64 sorted
-          ascending, tf float64)``, dropped whenever that term's postings change, so
-          deleted slots never appear in results (no tombstones; nothing to compact),
+        * a :class:`~.segment.Segment`: term dictionary and CSR postings arrays (int32 slots,
+          uint16/uint32 tf), immutable, possibly memory-mapped from a snapshot;
+        * ``seg_live`` bool per slot: the chunk's postings in the segment are live (a removal
+          clears it: deletes are a live mask, the postings stay until the next merge);
+        * the *delta*: ``term -> {slot: tf}`` and ``slot -> {term: tf}`` dicts of the chunks
+          added since the last merge (O(1) add/remove), with a per-term cache of its numpy
+          arrays dropped whenever that term's delta changes;
         * dense per-slot arrays ``doc_len float64[capacity]`` and ``live bool[capacity]``
           where ``capacity > max slot ever added`` (slots should therefore be small,
-          densely allocated non-negative ints; memory is 9 bytes per slot of capacity).
+          densely allocated non-negative ints below 2**31; 10 bytes per slot of capacity).
 
-    Scoring takes the *global* idf vector and avgdl (from :class:`CorpusStats`) so that
-    scores from different shards are comparable and equal the single-index rank_bm25
-    scores.  Not thread-safe: guard with a lock if mutated and queried concurrently.
+    :meth:`merge` folds the delta into a new segment and drops dead postings (build, then
+    swap); :meth:`maybe_merge` does it once the delta holds :attr:`MERGE_MIN` postings and an
+    eighth of the segment's, or dead postings are a quarter of it, so the total merge work
+    stays proportional to the postings written.
+
+    Scoring takes the *global* idf and avgdl (:class:`CorpusStats`): scores equal the
+    single-index rank_bm25 ones on every shard. Not thread-safe (one shard loop drives it).
     """
 
     #: ``score_all`` uses a dense accumulator when the number of postings visited is at
     #: least ``capacity / _DENSE_RATIO``, else a sort-based sparse one.
     _DENSE_RATIO = 16
+    #: the delta is merged once it holds this many postings (and 1/8 of the segment's)
+    MERGE_MIN = 65536
 
     def __init__(self) -> None:
-        self._postings: dict[str, dict[int, int]] = {}
-        self._arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        self._doc_terms: dict[int, tuple[str, ...]] = {}
+        self._seg = Segment.empty()
+        self._seg_df = np.zeros(0, np.int32)  # live postings per segment term
+        self._seg_live = np.zeros(0, dtype=bool)
+        self._seg_dead = 0  # dead postings in the segment
+        self._delta = Delta()
         self._doc_len = np.zeros(0, dtype=np.float64)
         self._live = np.zeros(0, dtype=bool)
+        self._n_live = 0
         self._total_len = 0
-        # pending delta since the last drain_delta()
+        # pending statistics delta since the last drain_delta()
         self._d_n = 0
         self._d_len = 0
         self._d_df: dict[str, int] = {}
+        self.merges = 0
+        self.last_merge_s = 0.0
 
-    # -- mutation -------------------------------------------------------------------
     def _grow(self, slot: int) -> None:
         cap = len(self._live)
         if slot < cap:
             return
         new_cap = max(slot + 1, 2 * cap, 64)
-        dl = np.zeros(new_cap, dtype=np.float64)
-        dl[:cap] = self._doc_len
-        lv = np.zeros(new_cap, dtype=bool)
-        lv[:cap] = self._live
-        self._doc_len = dl
-        self._live = lv
+        for name, dt in (("_doc_len", np.float64), ("_live", bool), ("_seg_live", bool)):
+            a = np.zeros(new_cap, dtype=dt)
+            old = getattr(self, name)
+            a[: old.size] = old
+            setattr(self, name, a)
 
     def add(self, slot: int, tokens: Sequence[str]) -> None:
         """Index chunk ``slot`` with analysed ``tokens`` (its length is ``len(tokens)``).
@@ -70,31 +88,24 @@ class PostingsIndex:
         counted in ``N`` and avgdl like rank_bm25's empty documents).
 
         Raises:
-            ValueError: ``slot < 0`` or ``slot`` already live (remove it first).
+            ValueError: ``slot`` outside ``[0, 2**31-1]`` or already live (remove it first).
             TypeError: ``slot`` is not an int.
         """
         slot = _as_slot(slot)
-        if slot < 0:
-            raise ValueError(f"slot must be >= 0, got {slot}")
-        if slot in self._doc_terms:
+        if slot < 0 or slot > MAX_SLOT:
+            raise ValueError(f"slot must lie in [0, {MAX_SLOT}], got {slot}")
+        if self.has_slot(slot):
             raise ValueError(f"slot {slot} is already indexed; remove() it first")
-        counts = Counter(tokens)
+        counts = dict(Counter(tokens))
         n_tok = len(tokens)
         self._grow(slot)
-        postings = self._postings
-        arrays = self._arrays
+        self._delta.add(slot, counts)
         d_df = self._d_df
-        for t, c in counts.items():
-            p = postings.get(t)
-            if p is None:
-                postings[t] = {slot: c}
-            else:
-                p[slot] = c
-                arrays.pop(t, None)
+        for t in counts:
             d_df[t] = d_df.get(t, 0) + 1
-        self._doc_terms[slot] = tuple(counts)
         self._doc_len[slot] = n_tok
         self._live[slot] = True
+        self._n_live += 1
         self._total_len += n_tok
         self._d_n += 1
         self._d_len += n_tok
@@ -107,32 +118,59 @@ class PostingsIndex:
                 :meth:`has_slot` first for a no-op instead.
         """
         slot = _as_slot(slot)
-        terms = self._doc_terms.pop(slot)  # KeyError if absent
-        postings = self._postings
-        arrays = self._arrays
+        if not self.has_slot(slot):
+            raise KeyError(slot)
         d_df = self._d_df
-        for t in terms:
-            p = postings[t]
-            del p[slot]
-            if not p:
-                del postings[t]
-            arrays.pop(t, None)
-            d_df[t] = d_df.get(t, 0) - 1
+        counts = self._delta.remove(slot)
+        if counts is not None:
+            for t in counts:
+                d_df[t] = d_df.get(t, 0) - 1
+        else:
+            tids = self._seg.doc_term_ids(slot)
+            assert tids is not None and self._seg_live[slot]
+            self._seg_live[slot] = False
+            self._seg_df[tids] -= 1
+            self._seg_dead += int(tids.size)
+            terms = self._seg.terms
+            for i in tids.tolist():
+                t = terms[i]
+                d_df[t] = d_df.get(t, 0) - 1
         n_tok = int(self._doc_len[slot])
         self._doc_len[slot] = 0.0
         self._live[slot] = False
+        self._n_live -= 1
         self._total_len -= n_tok
         self._d_n -= 1
         self._d_len -= n_tok
 
-    # -- inspection -----------------------------------------------------------------
+    def merge(self) -> None:
+        """Fold the delta into a new segment without the dead postings, then swap it in.
+        Scores are unchanged (same postings, same summation order)."""
+        t0 = time.perf_counter()
+        new = merge(self._seg, self._seg_live, self._delta.docs)
+        seg_live = self._live.copy()
+        self._seg, self._seg_df, self._seg_live = new, new.df(), seg_live
+        self._seg_dead = 0
+        self._delta = Delta()
+        self.merges += 1
+        self.last_merge_s = time.perf_counter() - t0
+
+    def maybe_merge(self) -> bool:
+        """Merge when the delta or the dead postings pass their thresholds (see the class
+        docstring). :returns: True if it merged."""
+        p = self._seg.n_postings
+        if self._delta.n >= max(self.MERGE_MIN, p // 8) or self._seg_dead >= max(self.MERGE_MIN, p // 4):
+            self.merge()
+            return True
+        return False
+
     def __len__(self) -> int:
         """Number of live chunks."""
-        return len(self._doc_terms)
+        return self._n_live
 
     def has_slot(self, slot: int) -> bool:
         """True if ``slot`` is live."""
-        return slot in self._doc_terms
+        return 0 <= slot < self._live.size and bool(self._live[slot])
 
     @property
     def total_len(self) -> int:
@@ -149,13 +187,13 @@ class PostingsIndex:
         Raises:
             KeyError: some slot is not live.
         """
-        s = self._check_slots(slots)
+        s = check_slots(slots, self._live)
         return self._doc_len[s]
 
     def df(self, term: str) -> int:
         """Number of live chunks of this shard containing ``term``."""
-        p = self._postings.get(term)
-        return len(p) if p else 0
+        tid = self._seg.vocab.get(term)
+        return (int(self._seg_df[tid]) if tid is not None else 0) + self._delta.df(term)
 
     def drain_delta(self) -> tuple[int, int, dict[str, int]]:
         """Changes since the previous call: ``(n_delta, total_len_delta, df_delta)``.
@@ -171,49 +209,79 @@ class PostingsIndex:
 
     def full_stats(self) -> tuple[int, int, dict[str, int]]:
         """Current totals ``(n_docs, total_len, df)`` (does not touch the pending delta)."""
-        return (
-            len(self._doc_terms),
-            self._total_len,
-            {t: len(p) for t, p in self._postings.items()},
-        )
+        terms = self._seg.terms
+        df = {terms[i]: int(v) for i, v in zip(np.flatnonzero(self._seg_df).tolist(),
+                                                self._seg_df[self._seg_df > 0].tolist())}
+        for t, p in self._delta.postings.items():
+            df[t] = df.get(t, 0) + len(p)
+        return self._n_live, self._total_len, df
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held: ``postings`` (segment and per-slot arrays, the delta at an estimated 100
+        bytes per posting) and ``terms`` (:meth:`.segment.Segment.nbytes`, plus the delta's dict
+        and term strings); docs/architecture.md "Memory accounting"."""
+        arrays, terms = self._seg.nbytes()
+        per_slot = self._doc_len.nbytes + self._live.nbytes + self._seg_live.nbytes + self._seg_df.nbytes
+        dp = self._delta.postings
+        terms += sys.getsizeof(dp) + sum(map(sys.getsizeof, dp))
+        return {"postings": int(arrays + per_slot + 100 * self._delta.n), "terms": int(terms)}
+
+    @property
+    def segment(self) -> Segment:
+        """The current immutable segment (the delta is not in it until :meth:`merge`)."""
+        return self._seg
+
+    def save(self, d: Path) -> list[Path]:
+        """Merge, then write the segment under ``d`` with slots renumbered ``0..n-1`` in slot
+        order (what a snapshot load assigns), and the chunk lengths as ``doc_len.npy``.
+        :returns: the files written (the caller makes them durable)."""
+        self.merge()
+        files = self._seg.renumbered().save(d)
+        np.save(d / "doc_len.npy", self._doc_len[self._seg.doc_slots.astype(np.int64)].astype(np.int64))
+        return [*files, d / "doc_len.npy"]
+
+    @classmethod
+    def load(cls, d: Path, mmap: bool = True) -> "PostingsIndex":
+        """An index holding a segment written by :meth:`save` (chunks at slots ``0..n-1``).
+
+        :raises ValueError: inconsistent arrays. :raises OSError: a missing file.
+        """
+        seg = Segment.load(d, mmap=mmap)
+        doc_len = np.load(d / "doc_len.npy")
+        n = int(seg.doc_slots.size)
+        if doc_len.shape != (n,) or (n and int(seg.doc_slots[-1]) != n - 1):
+            raise ValueError("postings snapshot: chunk lengths do not match the segment")
+        ix = cls()
+        ix._grow(max(n - 1, 0))
+        ix._seg, ix._seg_df, ix._n_live, ix._total_len = seg, seg.df(), n, int(doc_len.sum())
+        ix._live[:n] = ix._seg_live[:n] = True
+        ix._doc_len[:n] = doc_len
+        return ix
 
     # -- scoring --------------------------------------------------------------------
     def _term_arrays(self, term: str) -> tuple[np.ndarray, np.ndarray] | None:
-        a = self._arrays.get(term)
+        """Live postings of ``term``: ``(slots int64 ascending, tf uint16/uint32/float64)``."""
+        parts = []
+        tid = self._seg.vocab.get(term)
+        if tid is not None and self._seg_df[tid]:
+            ps, ptf = self._seg.postings(tid)
+            if self._seg_dead:
+                m = self._seg_live[ps]
+                ps, ptf = ps[m], ptf[m]
+            parts.append((ps.astype(np.int64), ptf))  # (int32 fancy indexes convert on every use)
+        a = self._delta.arrays(term)
         if a is not None:
-            return a
-        p = self._postings.get(term)
-        if not p:
+            parts.append(a)
+        if not parts:
             return None
-        n = len(p)
-        s = np.fromiter(p.keys(), dtype=np.int64, count=n)
-        tf = np.fromiter(p.values(), dtype=np.float64, count=n)
-        order = np.argsort(s, kind="stable")
-        a = (s[order], tf[order])
-        self._arrays[term] = a
-        return a
-
-    def _check_slots(self, slots: np.ndarray) -> np.ndarray:
-        s = np.asarray(slots)
-        if s.size == 0:
-            return s.astype(np.int64, copy=False)
-        if s.dtype.kind not in "iu":
-            raise TypeError(f"slots must be an integer array, got dtype {s.dtype}")
-        s = s.astype(np.int64, copy=False)
-        cap = len(self._live)
-        bad = (s < 0) | (s >= cap)
-        if not bad.any():
-            bad = ~self._live[s]
-        if bad.any():
-            raise KeyError(f"slot {int(s[np.argmax(bad)])} is not live")
-        return s
-
-    @staticmethod
-    def _check_query(terms: Sequence[str], idf: np.ndarray) -> np.ndarray:
-        idf = np.asarray(idf, dtype=np.float64)
-        if idf.ndim != 1 or len(idf) != len(terms):
-            raise ValueError(f"idf must have shape [{len(terms)}], got {idf.shape}")
-        return idf
+        if len(parts) == 1:
+            return parts[0]
+        s = np.concatenate([parts[0][0], parts[1][0]])
+        tf = np.concatenate([parts[0][1], parts[1][1]])
+        if parts[0][0][-1] > parts[1][0][0]:  # a delta slot below a segment slot
+            order = np.argsort(s, kind="stable")
+            s, tf = s[order], tf[order]
+        return s, tf
 
     def score(
         self,
@@ -247,27 +315,38 @@ class PostingsIndex:
             ValueError: ``len(idf) != len(terms)``; ``avgdl`` negative/NaN/inf.
             TypeError: ``slots`` is not an integer array.
         """
-        s = self._check_slots(slots)
-        idf = self._check_query(terms, idf)
+        s = check_slots(slots, self._live)
+        idf = check_query(terms, idf)
         go = check_avgdl(avgdl)
         out = np.zeros(s.shape, dtype=np.float64)
         if s.size == 0 or not go:
             return out
         # the length part of the denominator, element-wise the same floats rank_bm25 computes
         norm = k1 * (1 - b + b * self._doc_len[s] / avgdl)
+        s32 = s.astype(np.int32)
+        in_seg = self._seg_live[s]
+        vocab, seg_df = self._seg.vocab, self._seg_df
         for i, t in enumerate(terms):
-            a = self._term_arrays(t)
-            if a is None:
-                continue  # tf == 0 everywhere: rank_bm25 adds exactly 0
-            ps, ptf = a
-            pos = ps.searchsorted(s)
-            np.minimum(pos, len(ps) - 1, out=pos)
-            hit = np.flatnonzero(ps[pos] == s)
-            if not hit.size:
-                continue
-            # a chunk without the term gets idf * 0 there, which leaves its sum unchanged
-            tf = ptf[pos[hit]]
-            out[hit] += idf[i] * (tf * (k1 + 1) / (tf + norm[hit]))
+            # a chunk without the term gets idf * 0 there, which leaves its sum unchanged;
+            # a chunk is in the segment or in the delta, so it gets one addition per term
+            tid = vocab.get(t)
+            if tid is not None and seg_df[tid]:
+                ps, ptf = self._seg.postings(tid)
+                pos = ps.searchsorted(s32)
+                np.minimum(pos, len(ps) - 1, out=pos)
+                hit = np.flatnonzero((ps[pos] == s32) & in_seg)
+                if hit.size:
+                    tf = ptf[pos[hit]].astype(np.float64)
+                    out[hit] += idf[i] * (tf * (k1 + 1) / (tf + norm[hit]))
+            a = self._delta.arrays(t)
+            if a is not None:
+                ps, ptf = a
+                pos = ps.searchsorted(s)
+                np.minimum(pos, len(ps) - 1, out=pos)
+                hit = np.flatnonzero(ps[pos] == s)
+                if hit.size:
+                    tf = ptf[pos[hit]]
+                    out[hit] += idf[i] * (tf * (k1 + 1) / (tf + norm[hit]))
         return out
 
     def score_all(
@@ -297,11 +376,10 @@ class PostingsIndex:
         Raises:
             ValueError: ``len(idf) != len(terms)``; ``avgdl`` negative/NaN/inf.
         """
-        idf = self._check_query(terms, idf)
+        idf = check_query(terms, idf)
         if not check_avgdl(avgdl):
             return _EMPTY_I64.copy(), _EMPTY_F64.copy()
         parts: list[tuple[np.ndarray, np.ndarray]] = []
-        total = 0
         for i, t in enumerate(terms):
             a = self._term_arrays(t)
             if a is None:
@@ -311,33 +389,12 @@ class PostingsIndex:
                 ptf * (k1 + 1) / (ptf + k1 * (1 - b + b * self._doc_len[ps] / avgdl))
             )
             parts.append((ps, contrib))
-            total += len(ps)
         if not parts:
             return _EMPTY_I64.copy(), _EMPTY_F64.copy()
         if len(parts) == 1:
             return parts[0][0].copy(), parts[0][1]
-        cap = len(self._live)
-        if total * self._DENSE_RATIO >= cap:
-            acc = np.zeros(cap, dtype=np.float64)
-            touched = np.zeros(cap, dtype=bool)
-            for ps, c in parts:  # slots unique within one term: fancy += is safe
-                acc[ps] += c
-                touched[ps] = True
-            out_s = np.flatnonzero(touched).astype(np.int64, copy=False)
-            return out_s, acc[out_s]
-        all_s = np.concatenate([p[0] for p in parts])
-        all_c = np.concatenate([p[1] for p in parts])
-        uniq, inv = np.unique(all_s, return_inverse=True)
-        # bincount adds weights in input order (query-term order) starting from 0.0,
-        # i.e. the same summation order as rank_bm25.
-        scores = np.bincount(inv.reshape(-1), weights=all_c, minlength=len(uniq))
-        return uniq.astype(np.int64, copy=False), scores
+        return accumulate(parts, len(self._live), self._DENSE_RATIO)
 
     def __repr__(self) -> str:
-        return f"PostingsIndex(chunks={len(self)}, terms={len(self._postings)})"
+        return f"PostingsIndex(chunks={len(self)}, segment_terms={len(self._seg.terms)}, delta_terms={len(self._delta.postings)})"
 
-
-def _as_slot(slot: int) -> int:
-    if isinstance(slot, (bool, np.bool_)) or not isinstance(slot, (int, np.integer)):
-        raise TypeError(f"slot must be an int, got {type(slot).__name__}")
-    return int(slot)

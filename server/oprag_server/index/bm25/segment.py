@@ -1,0 +1,237 @@
+"""Immutable BM25 postings segment (CSR by term, with a forward index by chunk) and the merge
+that folds a delta of recent writes into a new segment while dropping dead postings.
+
+A :class:`Segment` holds, for ``T`` terms, ``D`` chunks and ``P`` postings:
+
+* ``terms``: ``list[str]`` ``[T]`` term id -> term, and ``vocab``: ``dict[str, int]`` its
+  inverse (the term dictionary);
+* ``offsets`` int64 ``[T+1]``: the postings of term id ``t`` are positions
+  ``offsets[t]:offsets[t+1]`` of ``slots`` (int32 ``[P]``, ascending within a term) and
+  ``tf`` (uint16 ``[P]``, or uint32 when some term frequency exceeds 65,535);
+* the forward index: ``doc_slots`` int32 ``[D]`` ascending, ``doc_off`` int64 ``[D+1]`` and
+  ``doc_terms`` int32 ``[P]`` (the term ids of chunk ``doc_slots[d]`` are
+  ``doc_terms[doc_off[d]:doc_off[d+1]]``), used to find a removed chunk's terms.
+
+Memory: 10 bytes per posting with uint16 tf (4 slot + 2 tf + 4 forward term id), plus 12
+bytes per term and 12 per chunk of offsets, plus the term dictionary. Every array may be a
+read-only memory map (:meth:`Segment.load` with ``mmap=True``); nothing here writes to them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+
+_ARRAYS = ("offsets", "slots", "tf", "doc_slots", "doc_off", "doc_terms")
+#: largest slot a segment can hold (slots are stored as int32)
+MAX_SLOT = np.iinfo(np.int32).max
+
+
+@dataclass(eq=False)
+class Segment:
+    """One immutable postings segment (see the module docstring for shapes and dtypes)."""
+
+    terms: list[str]
+    offsets: np.ndarray
+    slots: np.ndarray
+    tf: np.ndarray
+    doc_slots: np.ndarray
+    doc_off: np.ndarray
+    doc_terms: np.ndarray
+    vocab: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.vocab and self.terms:
+            self.vocab = dict(zip(self.terms, range(len(self.terms))))
+
+    @classmethod
+    def empty(cls) -> "Segment":
+        z32, z64 = np.zeros(0, np.int32), np.zeros(1, np.int64)
+        return cls([], z64, z32, np.zeros(0, np.uint16), z32, z64.copy(), z32.copy())
+
+    @property
+    def n_postings(self) -> int:
+        return int(self.slots.size)
+
+    def df(self) -> np.ndarray:
+        """int32 ``[T]``: postings per term (dead ones included)."""
+        return np.diff(self.offsets).astype(np.int32)
+
+    def postings(self, tid: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(slots int32 [n], tf uint [n])`` of term id ``tid`` (views, not copies)."""
+        a, b = int(self.offsets[tid]), int(self.offsets[tid + 1])
+        return self.slots[a:b], self.tf[a:b]
+
+    def doc_term_ids(self, slot: int) -> np.ndarray | None:
+        """int32 term ids of chunk ``slot``, or None when the segment does not hold it."""
+        d = int(np.searchsorted(self.doc_slots, slot))
+        if d >= self.doc_slots.size or int(self.doc_slots[d]) != slot:
+            return None
+        return self.doc_terms[int(self.doc_off[d]):int(self.doc_off[d + 1])]
+
+    def renumbered(self) -> "Segment":
+        """The same postings with chunk ``doc_slots[i]`` moved to slot ``i`` (the order a
+        snapshot load assigns slots in)."""
+        slots = np.searchsorted(self.doc_slots, self.slots).astype(np.int32)
+        return Segment(self.terms, self.offsets, slots, self.tf, np.arange(self.doc_slots.size, dtype=np.int32),
+                       self.doc_off, self.doc_terms, self.vocab)
+
+    def nbytes(self) -> tuple[int, int]:
+        """``(array bytes, term dictionary bytes)``; see :attr:`terms_nbytes`."""
+        return sum(int(getattr(self, n).nbytes) for n in _ARRAYS), self.terms_nbytes
+
+    @cached_property
+    def terms_nbytes(self) -> int:
+        """Term dictionary bytes: ``sys.getsizeof`` of the dict, the list, every term string
+        and every id int above 256 (CPython caches the small ones). Computed once."""
+        n = len(self.terms)
+        return (sys.getsizeof(self.vocab) + sys.getsizeof(self.terms) + sum(map(sys.getsizeof, self.terms))
+                + 28 * max(0, n - 257))
+
+    # ------------------------------------------------------------------ files
+    def save(self, d: Path) -> list[Path]:
+        """Write every array as ``<name>.npy`` and the terms as ``terms.json`` under ``d``
+        (the caller makes them durable). :returns: the files written."""
+        d.mkdir(parents=True, exist_ok=True)
+        out = []
+        for n in _ARRAYS:
+            p = d / f"{n}.npy"
+            np.save(p, np.ascontiguousarray(getattr(self, n)))
+            out.append(p)
+        p = d / "terms.json"
+        p.write_text(json.dumps(self.terms), encoding="ascii")  # \u escapes: any str survives
+        out.append(p)
+        return out
+
+    @classmethod
+    def load(cls, d: Path, mmap: bool = True) -> "Segment":
+        """Read a segment written by :meth:`save` (arrays memory-mapped read-only when ``mmap``).
+
+        :raises ValueError: the arrays are inconsistent. :raises OSError: a file is missing.
+        """
+        arrs = {n: np.load(d / f"{n}.npy", mmap_mode="r" if mmap else None) for n in _ARRAYS}
+        terms = json.loads((d / "terms.json").read_text(encoding="ascii"))
+        seg = cls(terms, **arrs)
+        seg.check()
+        return seg
+
+    def check(self) -> None:
+        """:raises ValueError: shapes or offsets do not fit together."""
+        T, P, D = len(self.terms), self.slots.size, self.doc_slots.size
+        ok = (self.offsets.shape == (T + 1,) and self.tf.shape == (P,) and self.doc_terms.shape == (P,)
+              and self.doc_off.shape == (D + 1,) and int(self.offsets[0]) == 0 and int(self.offsets[-1]) == P
+              and int(self.doc_off[0]) == 0 and int(self.doc_off[-1]) == P and len(self.vocab) == T)
+        if not ok:
+            raise ValueError("postings segment arrays are inconsistent")
+
+
+def merge(seg: Segment, seg_live: np.ndarray, delta: Mapping[int, Mapping[str, int]]) -> Segment:
+    """A new segment: the postings of ``seg`` whose chunk is live plus those of ``delta``.
+
+    :param seg: the current segment (not modified).
+    :param seg_live: bool ``[>= max slot + 1]``: True where the chunk's postings in ``seg`` are
+        live (a removed chunk is False).
+    :param delta: ``{slot: {term: tf}}`` chunks to add (none of them live in ``seg``).
+    :returns: the new segment; a term without live postings leaves the dictionary.
+    :raises ValueError: a slot above :data:`MAX_SLOT`.
+
+    Cost: O(P + T + delta) numpy work, plus a Python loop over the delta's postings. Chunks
+    and postings keep ascending slot order (the delta may hold slots below the segment's).
+    """
+    # live part of the old segment; the dead chunks' terms (forward index) give each term's
+    # dead postings without a pass over all postings
+    old_counts, o_slots, o_tf = np.diff(seg.offsets), seg.slots, seg.tf
+    o_doc_len = np.diff(seg.doc_off)
+    o_doc_slots, o_doc_terms = seg.doc_slots, seg.doc_terms
+    dkeep = seg_live[seg.doc_slots]
+    if not dkeep.all():
+        dead_terms = seg.doc_terms[np.repeat(~dkeep, o_doc_len)]
+        if dead_terms.size:
+            old_counts = old_counts - np.bincount(dead_terms, minlength=old_counts.size)
+            keep = seg_live[seg.slots]
+            o_slots, o_tf = o_slots[keep], o_tf[keep]
+            o_doc_terms = o_doc_terms[np.repeat(dkeep, o_doc_len)]
+        o_doc_slots, o_doc_len = o_doc_slots[dkeep], o_doc_len[dkeep]
+    kept = old_counts > 0
+    all_kept = bool(kept.all())
+    terms = list(seg.terms) if all_kept else [t for t, k in zip(seg.terms, kept.tolist()) if k]
+    vocab = dict(zip(terms, range(len(terms))))
+    # the delta as flat arrays ordered by (term id, slot)
+    d_doc_slots = np.asarray(sorted(delta), dtype=np.int64)
+    if d_doc_slots.size and (d_doc_slots.min() < 0 or d_doc_slots.max() > MAX_SLOT):
+        raise ValueError(f"postings slots must lie in [0, {MAX_SLOT}]")
+    d_tid, d_tf, d_doc_len = [], [], []
+    for s in d_doc_slots.tolist():
+        counts = delta[s]
+        d_doc_len.append(len(counts))
+        for t, c in counts.items():
+            i = vocab.get(t)
+            if i is None:
+                i = vocab[t] = len(terms)
+                terms.append(t)
+            d_tid.append(i)
+            d_tf.append(c)
+    T = len(terms)
+    dt = np.asarray(d_tid, dtype=np.int64)
+    dtf = np.asarray(d_tf, dtype=np.int64)
+    ds = np.repeat(d_doc_slots, d_doc_len)
+    order = np.lexsort((ds, dt))
+    dt, ds, dtf = dt[order], ds[order], dtf[order]
+    new_counts = np.zeros(T, np.int64)
+    new_counts[: kept.sum()] = old_counts[kept]
+    delta_counts = np.bincount(dt, minlength=T)
+    offsets = np.zeros(T + 1, np.int64)
+    np.cumsum(new_counts + delta_counts, out=offsets[1:])
+    # destination of each delta posting: old postings with a smaller (term, slot) key plus
+    # the delta postings before it
+    old_cum = np.zeros(T + 1, np.int64)
+    np.cumsum(new_counts, out=old_cum[1:])
+    if not o_slots.size or not ds.size or int(o_slots.max()) < int(ds.min()):
+        before_old = old_cum[dt + 1]  # every old posting of the term has a smaller slot
+    else:
+        o_tid = np.repeat(np.arange(T, dtype=np.int64), new_counts)
+        before_old = np.searchsorted((o_tid << 32) | o_slots.astype(np.int64), (dt << 32) | ds)
+    dest = before_old + np.arange(dt.size)
+    P = int(offsets[-1])
+    tf_dtype = np.uint16 if (not dtf.size or dtf.max() <= 65535) and o_tf.dtype == np.uint16 else np.uint32
+    slots = _interleave(P, dest, o_slots, ds, np.int32)
+    tf = _interleave(P, dest, o_tf, dtf, tf_dtype)
+    # forward index: chunks in slot order, old term ids renumbered
+    d_doc_terms_by_doc = np.asarray(d_tid, dtype=np.int64)  # per chunk, in chunk order
+    if not all_kept:
+        old2new = (np.cumsum(kept) - 1).astype(np.int32)  # old term id -> new term id (where kept)
+        o_doc_terms = old2new[o_doc_terms]
+    ddest = np.searchsorted(o_doc_slots, d_doc_slots) + np.arange(d_doc_slots.size)
+    D = o_doc_slots.size + d_doc_slots.size
+    doc_slots = _interleave(D, ddest, o_doc_slots, d_doc_slots, np.int32)
+    doc_len = _interleave(D, ddest, o_doc_len, np.asarray(d_doc_len, np.int64), np.int64)
+    doc_off = np.zeros(D + 1, np.int64)
+    np.cumsum(doc_len, out=doc_off[1:])
+    if not d_doc_slots.size or not o_doc_slots.size or int(o_doc_slots[-1]) < int(d_doc_slots[0]):
+        doc_terms = np.concatenate([o_doc_terms.astype(np.int32, copy=False), d_doc_terms_by_doc.astype(np.int32)])
+    else:  # a delta chunk below a segment chunk: place its terms between
+        starts = doc_off[ddest]
+        d_len = np.asarray(d_doc_len, np.int64)
+        first = np.repeat(np.cumsum(d_len) - d_len, d_len)
+        edest = np.repeat(starts, d_len) + (np.arange(d_len.sum()) - first)
+        doc_terms = _interleave(P, edest, o_doc_terms, d_doc_terms_by_doc, np.int32)
+    return Segment(terms, offsets, slots, tf, doc_slots, doc_off, doc_terms, vocab)
+
+
+def _interleave(n: int, dest: np.ndarray, old: np.ndarray, new: np.ndarray, dtype) -> np.ndarray:
+    """An array of ``n`` values: ``new`` at positions ``dest``, ``old`` in order elsewhere."""
+    out = np.empty(n, dtype=dtype)
+    if dest.size == 0:
+        out[:] = old
+        return out
+    taken = np.zeros(n, dtype=bool)
+    taken[dest] = True
+    out[~taken] = old
+    out[dest] = new
+    return out
