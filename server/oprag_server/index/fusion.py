@@ -130,7 +130,7 @@ def skyband(dense: np.ndarray, lexical: np.ndarray, k: int, block: int = 512) ->
     ``lexical[q] != 0`` (a chunk outside the lexical list never outranks a listed one in rank
     fusion, :func:`lexical_listed`). Weighted min-max with positive weights and RRF both rank
     such a ``q`` above ``p``; ties and zero weights are not covered (callers fetch what is
-    missing). O(M^2 / block) memory-bounded comparisons; M = len(dense).
+    missing). Pairwise comparisons among the listed chunks only (block rows at a time).
     """
     d = np.asarray(dense, dtype=np.float64)
     lx = np.asarray(lexical, dtype=np.float64)
@@ -140,8 +140,15 @@ def skyband(dense: np.ndarray, lexical: np.ndarray, k: int, block: int = 512) ->
     if m <= k:
         return np.arange(m, dtype=np.int64)
     listed = lx != 0.0
-    beaten = np.empty(m, np.int64)
-    for s in range(0, m, block):
-        e = min(m, s + block)
-        beaten[s:e] = ((d[None, :] > d[s:e, None]) & (lx[None, :] > lx[s:e, None]) & listed[None, :]).sum(axis=1)
-    return np.flatnonzero(beaten < k).astype(np.int64)
+    keep = np.zeros(m, bool)
+    # a chunk outside the list (BM25 0) is beaten by exactly the chunks with a higher dense
+    # score and BM25 > 0: counted by binary search, no pairwise comparison
+    above = np.sort(d[lx > 0.0])
+    keep[~listed] = above.size - np.searchsorted(above, d[~listed], side="right") < k
+    # a listed chunk can only be beaten by listed ones: pairwise among those
+    rows = np.flatnonzero(listed)
+    dl, ll = d[rows], lx[rows]
+    for s in range(0, rows.size, block):
+        e = min(rows.size, s + block)
+        keep[rows[s:e]] = ((dl[None, :] > dl[s:e, None]) & (ll[None, :] > ll[s:e, None])).sum(axis=1) < k
+    return np.flatnonzero(keep).astype(np.int64)
