@@ -8,6 +8,7 @@ hot path's cost, not retrieval quality, is measured. Needs a data dir that alrea
 corpus (for example the one ``bench.retrieval`` builds) and psutil (bench extra).
 
     python -m bench.hotpath --data-dir bench/out/retrieval-data --tree /path/to/old --tree . --json
+    python -m bench.hotpath --data-dir bench/out/retrieval-data --tree /path/to/old --tree . --modes "" --ingest
 """
 
 from __future__ import annotations
@@ -57,6 +58,41 @@ def one(tree: Path, a, texts: list[str], Q: np.ndarray) -> dict:
     return out
 
 
+def ingest(tree: Path, a, snap: dict) -> dict:
+    """Ingest every chunk of the snapshot with its own vector (documents as in the snapshot,
+    ``--per-stream`` documents per stream, one stream at a time) into a fresh data dir served
+    from ``tree``: chunks/s (wall) and server CPU seconds per process (frontend, shards)."""
+    import shutil
+
+    import psutil
+    from oprag_client.client import Doc, OpRAGClient
+    from oprag_client.testing import ServerProcess
+
+    by_doc: dict[str, list[int]] = {}
+    for i, d in enumerate(snap["doc_id"]):
+        by_doc.setdefault(d, []).append(i)
+    docs = [Doc(d, title=snap["title"][rows[0]], chunks=[(snap["text"][r], snap["vectors"][r]) for r in rows])
+            for d, rows in by_doc.items()]
+    data = a.data_dir.parent / "hotpath-ingest"
+    shutil.rmtree(data, ignore_errors=True)
+    env = {"PYTHONPATH": f"{tree}/server:{tree}/client:{tree}"}
+    srv = ServerProcess.on_free_ports(data, "--generator", "none", "--shards", str(a.shards), env=env).start()
+    try:
+        procs = [psutil.Process(srv.proc.pid), *psutil.Process(srv.proc.pid).children(recursive=True)]
+        cpu = lambda: [p.cpu_times().user + p.cpu_times().system for p in procs]  # noqa: E731
+        with OpRAGClient(srv.target, timeout=3600) as c:
+            c0, t = cpu(), time.perf_counter()
+            n = sum(c.ingest(docs[i:i + a.per_stream]).chunks_written for i in range(0, len(docs), a.per_stream))
+            wall, c1 = time.perf_counter() - t, cpu()
+    finally:
+        srv.stop()
+        shutil.rmtree(data, ignore_errors=True)
+    out = {"chunks": n, "chunks_per_s": round(n / wall), "server_cpu_s": [round(y - x, 2) for x, y in zip(c0, c1)],
+           "chunks_per_server_cpu_s": round(n / max(1e-9, sum(c1) - sum(c0))), "load": round(os.getloadavg()[0], 2)}
+    log(f"{tree} ingest: {out}")
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data-dir", type=Path, required=True)
@@ -67,6 +103,8 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default="hybrid,dense")
     ap.add_argument("--shards", type=int, default=2)
     ap.add_argument("--server-arg", action="append", default=[])
+    ap.add_argument("--ingest", action="store_true", help="also own-vector ingest per tree and round")
+    ap.add_argument("--per-stream", type=int, default=500, help="documents per ingest stream")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     require("psutil", what="the server CPU measurement")
@@ -79,7 +117,10 @@ def main(argv=None) -> int:
     result = {"machine": machine_info(), "chunks": len(snap["vectors"]), "runs": []}
     for r in range(a.rounds):
         for tree in a.tree:
-            result["runs"].append({"round": r, "tree": str(tree), **one(tree.resolve(), a, texts, Q)})
+            run = {"round": r, "tree": str(tree), **(one(tree.resolve(), a, texts, Q) if a.modes else {})}
+            if a.ingest:
+                run["ingest"] = ingest(tree.resolve(), a, snap)
+            result["runs"].append(run)
     if a.json:
         emit_json(result)
     return 0

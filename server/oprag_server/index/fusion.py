@@ -118,3 +118,37 @@ def refine_top(approx: np.ndarray, err: float, exact: Callable[[np.ndarray], np.
     ids = [chunk_ids[i] for i in short.tolist()]
     order = np.asarray(top_k_order(ex, ids, kk), dtype=np.int64)
     return short[order], ex[order]
+
+
+def skyband(dense: np.ndarray, lexical: np.ndarray, k: int, block: int = 512) -> np.ndarray:
+    """Positions (ascending int64) of the candidates beaten on both scores by fewer than ``k``
+    others: the only ones that can be in a top-k of any fusion that ranks a candidate above one
+    it beats on both (the 2-D k-skyband; Papadias et al., "Progressive skyline computation in
+    database systems", TODS 2005, section 6).
+
+    ``q`` beats ``p`` when ``dense[q] > dense[p]`` and ``lexical[q] > lexical[p]`` with
+    ``lexical[q] != 0`` (a chunk outside the lexical list never outranks a listed one in rank
+    fusion, :func:`lexical_listed`). Weighted min-max with positive weights and RRF both rank
+    such a ``q`` above ``p``; ties and zero weights are not covered (callers fetch what is
+    missing). Pairwise comparisons among the listed chunks only (block rows at a time).
+    """
+    d = np.asarray(dense, dtype=np.float64)
+    lx = np.asarray(lexical, dtype=np.float64)
+    m = d.size
+    if k <= 0:
+        return np.zeros(0, np.int64)
+    if m <= k:
+        return np.arange(m, dtype=np.int64)
+    listed = lx != 0.0
+    keep = np.zeros(m, bool)
+    # a chunk outside the list (BM25 0) is beaten by exactly the chunks with a higher dense
+    # score and BM25 > 0: counted by binary search, no pairwise comparison
+    above = np.sort(d[lx > 0.0])
+    keep[~listed] = above.size - np.searchsorted(above, d[~listed], side="right") < k
+    # a listed chunk can only be beaten by listed ones: pairwise among those
+    rows = np.flatnonzero(listed)
+    dl, ll = d[rows], lx[rows]
+    for s in range(0, rows.size, block):
+        e = min(rows.size, s + block)
+        keep[rows[s:e]] = ((dl[None, :] > dl[s:e, None]) & (ll[None, :] > ll[s:e, None])).sum(axis=1) < k
+    return np.flatnonzero(keep).astype(np.int64)

@@ -126,6 +126,15 @@ def _rank_of(score: float, cid: str, scores: np.ndarray, ids: list[str], n: int,
     return better + 1 if better < n else 0
 
 
+def _collect(into: dict, replies: dict, attr: str) -> None:
+    """``(shard, slot) -> (FetchReply, position)`` of the fields each shard's reply carried in
+    ``attr`` (a list of :class:`FetchReply` with ``slots``, or None)."""
+    for s, rep in replies.items():
+        for f in getattr(rep, attr, None) or ():
+            for k, slot in enumerate(f.slots or ()):
+                into[(s, slot)] = (f, k)
+
+
 def _knobs(replies: dict) -> dict[str, int]:
     """The largest ef_search / nprobe any shard's candidate search used."""
     out: dict[str, int] = {}
@@ -181,6 +190,7 @@ class Retriever:
         fusion_s = time.perf_counter() - t_start
         results: list[list[_Cand]] = [[] for _ in specs]
         infos = [self.info(s) for s in specs]
+        fetched: dict[tuple[int, int], tuple[FetchReply, int]] = {}  # (shard, slot) -> fields carried by a reply
         groups: dict[tuple[str, str], list[int]] = {}
         for i, s in enumerate(specs):
             groups.setdefault((s.mode, s.fusion if s.mode == "full_hybrid" else ""), []).append(i)
@@ -191,13 +201,14 @@ class Retriever:
             gspecs = [specs[i] for i in idx]
             if mode == "full_hybrid":
                 merged, searched, dt, missing = await (self._full_rrf(batch, gspecs) if fusion == "rrf"
-                                                       else self._full_minmax(batch, gspecs))
+                                                       else self._full_minmax(batch, gspecs, fetched))
             else:
                 n = max(sp.candidates if mode == "hybrid" else sp.top_k for sp in gspecs)
                 replies, missing = await self.pool.gather_partial(
                     Op.SEARCH, SearchRequest(batch, mode, n, max(sp.ef_search for sp in gspecs),
-                                             max(sp.nprobe for sp in gspecs)))
+                                             max(sp.nprobe for sp in gspecs), max(sp.top_k for sp in gspecs)))
                 t = time.perf_counter()
+                _collect(fetched, replies, "fields")
                 merged = [self._merge(replies, j, sp) for j, sp in enumerate(gspecs)]
                 searched = [sum(rep.eligible[j] for rep in replies.values()) for j in range(len(idx))]
                 dt = time.perf_counter() - t
@@ -209,7 +220,7 @@ class Retriever:
                 infos[i].missing_shards = sorted(missing)
                 infos[i].dense_index = self.dense_index
                 infos[i].ef_search, infos[i].nprobe = knobs.get("ef_search", 0), knobs.get("nprobe", 0)
-        hits, lost = await self._materialise(results)
+        hits, lost = await self._materialise(results, fetched)
         for i, lost_i in enumerate(lost):
             if lost_i:
                 infos[i].missing_shards = sorted(set(infos[i].missing_shards) | lost_i)
@@ -244,7 +255,7 @@ class Retriever:
         lmin = float(window.lexical.min()) if whole else min(0.0, float(window.lexical.min()))
         return (dmin, float(window.dense.max())), (lmin, float(window.lexical.max()))
 
-    async def _full_minmax(self, batch: QueryBatch, specs: list[RetrieveSpec]):
+    async def _full_minmax(self, batch: QueryBatch, specs: list[RetrieveSpec], fetched: dict):
         token = f"full-{next(self._tokens)}"
         r1, missing = await self.pool.gather_partial(Op.EXACT_RANGES, ExactRangesRequest(batch, token))
         t = time.perf_counter()
@@ -268,6 +279,7 @@ class Retriever:
             shards=sorted(r1),
         )
         t = time.perf_counter()
+        _collect(fetched, r2, "fields")
         out = []
         for j, spec in enumerate(specs):
             local = _Cols.of([(s, rep.top[j]) for s, rep in r2.items()])
@@ -308,17 +320,24 @@ class Retriever:
             out.append(_fuse_cols(rows, d_order, l_order, spec))
         return out, searched, time.perf_counter() - t, missing
 
-    async def _materialise(self, results: list[list[_Cand]]) -> tuple[list[list[Hit]], list[set[int]]]:
-        """Fetch the stored fields of every hit (one call per shard). :returns: hits and, per
-        query, the shards whose hits could not be fetched (they died meanwhile)."""
+    async def _materialise(self, results: list[list[_Cand]], fetched: dict | None = None
+                           ) -> tuple[list[list[Hit]], list[set[int]]]:
+        """The stored fields of every hit: those the search replies carried (``fetched``,
+        ``(shard, slot) -> (reply, position)``), the rest fetched (one call per shard).
+        :returns: hits and, per query, the shards whose hits could not be fetched (they died
+        meanwhile)."""
+        fetched = fetched or {}
         flat = [c for cands in results for c in cands]
-        got, failed = await self.pool.scatter(
-            Op.FETCH, flat, lambda c: c.shard,
-            lambda cs: FetchRequest([c.slot for c in cs]))
-        at: list[tuple[FetchReply, int] | None] = [None] * len(flat)
-        for idx, rep in got.values():
-            for k, i in enumerate(idx):
-                at[i] = (rep, k)
+        at: list[tuple[FetchReply, int] | None] = [fetched.get((c.shard, c.slot)) for c in flat]
+        todo = [i for i, a in enumerate(at) if a is None]
+        failed: list[int] = []
+        if todo:
+            got, failed = await self.pool.scatter(
+                Op.FETCH, todo, lambda i: flat[i].shard,
+                lambda idx: FetchRequest([flat[i].slot for i in idx]))
+            for idx, rep in got.values():
+                for k, i in enumerate(idx):
+                    at[todo[i]] = (rep, k)
         out, lost = [], []
         pos = 0
         for cands in results:

@@ -44,14 +44,10 @@ def message(cls):
     cost of the generic slots state on the retrieve path)."""
     cls = dataclass(slots=True)(cls)
     names = tuple(f.name for f in fields(cls))
-    if not names:
-        cls.__reduce__ = lambda self: (cls, ())
-    elif len(names) == 1:
-        get = operator.attrgetter(names[0])
-        cls.__reduce__ = lambda self: (cls, (get(self),))
-    else:
-        get = operator.attrgetter(*names)
-        cls.__reduce__ = lambda self: (cls, get(self))
+    get = operator.attrgetter(*names) if len(names) > 1 else None
+    one = operator.attrgetter(names[0]) if len(names) == 1 else None
+    cls.__reduce__ = (lambda self: (cls, get(self))) if get else (lambda self: (cls, (one(self),))) if one else \
+        (lambda self: (cls, ()))
     return cls
 
 
@@ -95,14 +91,34 @@ class Candidates:
 
 # ---------------------------------------------------------------------------- search
 @message
+class FetchRequest:
+    slots: list[int]  # M slots (a list: M is top-k sized, and a list pickles faster than an array)
+
+
+@message
+class FetchReply:
+    """Stored fields aligned with the slots; ``found[i]`` False: deleted (strings empty)."""
+
+    found: list[bool]
+    doc_ids: list[str]
+    titles: list[str]
+    texts: list[str]
+    metadata: list[str]
+    slots: list[int] | None = None  # the slots (set when carried by a search or fuse reply)
+
+
+@message
 class SearchRequest:
-    """``mode`` in {"hybrid", "dense", "lexical"}; ``n`` local candidates per query."""
+    """``mode`` in {"hybrid", "dense", "lexical"}; ``n`` local candidates per query;
+    ``fetch_k`` > 0: the reply carries the fields of the candidates that can be in a top-k
+    (:func:`~oprag_server.index.fusion.skyband`): usually no FETCH round trip follows."""
 
     batch: QueryBatch
     mode: str
     n: int
     ef_search: int = 0  # approximate dense search knobs (0 = the index's default)
     nprobe: int = 0
+    fetch_k: int = 0
 
 
 @message
@@ -116,6 +132,7 @@ class SearchReply:
     dense_min: list[float]
     dense_index: str = "flat"  # the shard's dense index kind
     knobs: dict | None = None  # {"ef_search" | "nprobe": value used}, None when none was
+    fields: list[FetchReply] | None = None  # fetch_k > 0: per query, fields of some candidates
 
 
 @message
@@ -160,6 +177,7 @@ class ExactFuseReply:
     top: list[Candidates]
     dense_lists: list[Candidates]
     lexical_lists: list[Candidates]
+    fields: list[FetchReply] | None = None  # per query: stored fields of ``top[i]``'s slots
 
 
 @message
@@ -175,23 +193,6 @@ class ExactListsReply:
     eligible: list[int]
     dense_lists: list[Candidates]
     lexical_lists: list[Candidates]
-
-
-@message
-class FetchRequest:
-    slots: list[int]  # M slots (a list: M is top-k sized, and a list pickles faster than an array)
-
-
-@message
-class FetchReply:
-    """Stored fields aligned with the request's slots; ``found[i]`` is False for a slot
-    deleted meanwhile (its strings are then empty). ``metadata`` holds JSON objects."""
-
-    found: list[bool]
-    doc_ids: list[str]
-    titles: list[str]
-    texts: list[str]
-    metadata: list[str]
 
 
 # ---------------------------------------------------------------------------- writes

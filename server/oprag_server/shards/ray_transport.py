@@ -249,7 +249,7 @@ class RayTransport(ShardTransport):
 
             host, port, key = ray.get(self.actor.open_channel.remote(), timeout=timeout_s)
             if self._chan is not None:
-                _shutdown(self._chan.conn)
+                self._chan.hangup()
             self._chan = PipeTransport(self.shard_id, self.dim, None)
             self._chan.attach(Client((host, port), authkey=key), loop)
         self._alive = True
@@ -304,7 +304,7 @@ class RayTransport(ShardTransport):
     def _mark_down(self, why: str) -> None:
         self._alive = False
         if self._chan is not None:  # wake its reader (a lost node sends no FIN): it fails its calls
-            _shutdown(self._chan.conn)
+            self._chan.hangup()
         loop = self.loop
         pending, self._pending = self._pending, set()
         if loop is not None and not loop.is_closed():
@@ -382,17 +382,6 @@ def _init_on_keeper_thread(ray: Any, **kw: Any) -> None:
     done.wait()
     if err:
         raise err[0]
-
-
-def _shutdown(conn: Any) -> None:
-    """Shut a channel's socket down both ways (wakes a thread blocked reading it), then close."""
-    import socket
-
-    try:
-        socket.socket(fileno=os.dup(conn.fileno())).shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    conn.close()
 
 
 def _fail(fut: asyncio.Future, msg: str) -> None:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import numpy as np
 
 from .. import records
-from ..index.fusion import fuse_minmax, lexical_listed, refine_top, top_k_order
+from ..index.fusion import fuse_minmax, lexical_listed, refine_top, skyband, top_k_order
 from .chunks import ChunkStore
 from .protocol import (Candidates, ExactFuseReply, ExactFuseRequest, ExactListsReply, ExactListsRequest,
                        ExactRangesReply, ExactRangesRequest, FetchReply, FetchRequest, QueryBatch, SearchReply,
@@ -74,7 +74,13 @@ class Searcher:
                 cands.append(Candidates(slots, [cids[j] for j in order], dense, lex[order]))
         else:
             raise ValueError(f"unknown search mode {req.mode!r}")
-        return SearchReply(cands, eligible, dense_min, st.dense.params.kind, st.dense.last_knobs or None)
+        fields = None
+        if req.fetch_k > 0:  # the hits' fields now, so that no FETCH round trip follows
+            k = int(req.fetch_k)
+            # one score ranks (candidates come ranked by it): its top-k; hybrid: the k-skyband
+            fields = [self._fields(c.slots[:k] if req.mode != "hybrid" else c.slots[skyband(c.dense, c.lexical, k)])
+                      for c in cands]
+        return SearchReply(cands, eligible, dense_min, st.dense.params.kind, st.dense.last_knobs or None, fields)
 
     def _refine(self, q: np.ndarray, slots: np.ndarray, approx: np.ndarray, n: int,
                 complete: bool = True) -> tuple[np.ndarray, np.ndarray] | None:
@@ -211,7 +217,7 @@ class Searcher:
         if version != self.store.version:
             raise RuntimeError("the index changed between the two rounds of an exact query")
         slots, row_ids = self.store.dense.slots, self.store.row_ids()
-        top, dls, lls = [], [], []
+        top, dls, lls, fields = [], [], [], []
         for i, (rows, d, lx, q) in enumerate(scores):
             dr, wd = tuple(req.dense_range[i]), req.dense_weight[i]
 
@@ -226,10 +232,11 @@ class Searcher:
             ids = row_ids[rows]
             order, fused = refine_top(fuse(d, lx), err, lambda pos: fuse(exact(pos), lx[pos]), ids, int(req.k))
             top.append(Candidates(slots[rows[order]], ids[order].tolist(), exact(order), lx[order], fused))
+            fields.append(self._fields(top[-1].slots))
             dl, ll = self._lists(rows, d, lx, q, int(req.n))
             dls.append(dl)
             lls.append(ll)
-        return ExactFuseReply(top, dls, lls)
+        return ExactFuseReply(top, dls, lls, fields)
 
     def exact_lists(self, req: ExactListsRequest) -> ExactListsReply:
         """Exact retrieval for rank fusion: the local top-``n`` dense and BM25 lists over every
@@ -251,3 +258,9 @@ class Searcher:
             texts=[r.text if r else "" for r in recs],
             metadata=[r.metadata if r else "" for r in recs],
         )
+
+    def _fields(self, slots: np.ndarray) -> FetchReply:
+        """:meth:`fetch` of live slots int64[M], with ``slots`` set (carried by a search reply)."""
+        rep = self.fetch(FetchRequest(slots.tolist()))
+        rep.slots = slots.tolist()
+        return rep

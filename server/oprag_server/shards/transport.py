@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import collections
 import itertools
 import multiprocessing as mp
 import os
-import threading
+import pickle
+import socket
 from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
@@ -89,7 +91,11 @@ def _resolve(fut: asyncio.Future, ok: bool, res: Any, shard_id: int) -> None:
 
 
 class PipeTransport(ShardTransport):
-    """The shard in a spawned process; one duplex pipe, a reader thread resolving futures."""
+    """The shard in a spawned process behind one duplex pipe (a socket pair), read and written
+    by the event loop itself: replies resolve their futures in the loop's reader callback, with
+    no reader thread and no cross-thread hand-off. Frames are those of
+    ``multiprocessing.connection`` (a 4-byte big-endian signed length, -1 then an 8-byte length
+    for larger ones, then a pickle), so the peer uses a plain ``Connection``."""
 
     def __init__(self, shard_id: int, dim: int, data_dir: Path | None, stem: bool = False) -> None:
         super().__init__(shard_id, dim, data_dir, stem)
@@ -98,8 +104,11 @@ class PipeTransport(ShardTransport):
         self.loop: asyncio.AbstractEventLoop | None = None
         self._pending: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
-        self._send_lock = threading.Lock()
         self._alive = False
+        self._fd = -1
+        self._rbuf = bytearray()
+        self._need = 0  # bytes still missing of the frame being read
+        self._wq: collections.deque[memoryview] = collections.deque()  # unsent output
 
     def start(self, committed: set[str] | None) -> None:
         ctx = mp.get_context("spawn")
@@ -143,25 +152,107 @@ class PipeTransport(ShardTransport):
     def attach(self, conn: Any, loop: asyncio.AbstractEventLoop) -> None:
         """Serve calls over ``conn`` (a ``multiprocessing.connection`` end whose peer answers
         ``(request_id, op, request)`` with ``(request_id, ok, reply)``; the shard's pipe, or a
-        socket to a remote shard) and resolve replies on ``loop``."""
+        socket to a remote shard) on ``loop``; callable from any thread. The end is switched to
+        non-blocking mode: from now on only this object reads and writes it."""
         self.conn, self.loop, self._alive = conn, loop, True
-        threading.Thread(target=self._read_loop, name=f"shard-{self.shard_id}-reader", daemon=True).start()
+        self._fd = conn.fileno()
+        os.set_blocking(self._fd, False)
+        self._on_loop(self._install)
 
-    def _read_loop(self) -> None:
+    def _on_loop(self, fn, *args) -> None:
+        """Run ``fn(*args)`` on the loop's thread: now when this is it, else soon."""
         loop = self.loop
         assert loop is not None
-        while True:
+        try:
+            here = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            here = False
+        if here:
+            fn(*args)
+        elif not loop.is_closed():
+            loop.call_soon_threadsafe(fn, *args)
+        else:
+            fn(*args)  # no loop will run it: close what needs closing now
+
+    def _install(self) -> None:
+        if self._alive and self._fd >= 0:
+            self.loop.add_reader(self._fd, self._on_readable)
+
+    def _on_readable(self) -> None:
+        try:
+            data = os.read(self._fd, max(1 << 16, self._need))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._hang_up("shard process exited")
+            return
+        buf = self._rbuf
+        buf += data
+        while len(buf) >= 4:
+            size, hdr = int.from_bytes(buf[:4], "big", signed=True), 4
+            if size == -1:
+                if len(buf) < 12:
+                    break
+                size, hdr = int.from_bytes(buf[4:12], "big"), 12
+            if len(buf) < hdr + size:
+                self._need = hdr + size - len(buf)
+                return
             try:
-                req_id, ok, res = self.conn.recv()
-            except (EOFError, OSError):
-                break
+                req_id, ok, res = pickle.loads(buf[hdr:hdr + size])
+            except Exception as exc:  # noqa: BLE001 - a corrupt stream: nothing after it can be trusted
+                self._hang_up(f"unreadable reply: {type(exc).__name__}: {exc}")
+                return
+            del buf[:hdr + size]
             fut = self._pending.pop(req_id, None)
             if fut is not None:
-                loop.call_soon_threadsafe(_resolve, fut, ok, res, self.shard_id)
+                _resolve(fut, ok, res, self.shard_id)
+        self._need = 0
+
+    def _hang_up(self, why: str) -> None:
+        """(On the loop) stop reading and writing; every pending call fails with ``why``."""
         self._alive = False
-        for fut in list(self._pending.values()):
-            loop.call_soon_threadsafe(_resolve, fut, False, "shard process exited", self.shard_id)
-        self._pending.clear()
+        if self._fd >= 0 and self.loop is not None and not self.loop.is_closed():
+            self.loop.remove_reader(self._fd)
+            self.loop.remove_writer(self._fd)
+        self._wq.clear()
+        pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            _resolve(fut, False, why, self.shard_id)
+
+    def _write(self, data: bytes) -> None:
+        if not self._alive:
+            return  # hung up: the call already failed
+        if not self._wq:
+            try:
+                n = os.write(self._fd, data)
+            except (BlockingIOError, InterruptedError):
+                n = 0
+            except OSError as exc:
+                self._hang_up(f"write failed: {exc}")
+                return
+            if n == len(data):
+                return
+            self.loop.add_writer(self._fd, self._flush)
+            data = memoryview(data)[n:]
+        self._wq.append(memoryview(data))
+
+    def _flush(self) -> None:
+        while self._wq:
+            head = self._wq[0]
+            try:
+                n = os.write(self._fd, head)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                self._hang_up(f"write failed: {exc}")
+                return
+            if n < len(head):
+                self._wq[0] = head[n:]
+                return
+            self._wq.popleft()
+        self.loop.remove_writer(self._fd)
 
     def call(self, op: Op, request: Any) -> asyncio.Future:
         loop = self.loop or asyncio.get_running_loop()
@@ -170,14 +261,34 @@ class PipeTransport(ShardTransport):
             fut.set_exception(ShardError(f"shard {self.shard_id} is not running"))
             return fut
         req_id = next(self._ids)
-        self._pending[req_id] = fut
         try:
-            with self._send_lock:
-                self.conn.send((req_id, op, request))
-        except (OSError, ValueError) as exc:
-            self._pending.pop(req_id, None)
-            fut.set_exception(ShardError(f"shard {self.shard_id}: {exc}"))
+            body = pickle.dumps((req_id, op, request), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # noqa: BLE001 - a request that cannot cross the pipe
+            fut.set_exception(ShardError(f"shard {self.shard_id}: {type(exc).__name__}: {exc}"))
+            return fut
+        n = len(body)
+        head = n.to_bytes(4, "big", signed=True) if n <= 0x7FFFFFFF else b"\xff\xff\xff\xff" + n.to_bytes(8, "big")
+        self._pending[req_id] = fut
+        self._on_loop(self._write, head + body)
         return fut
+
+    def hangup(self) -> None:
+        """Shut the connection down both ways and close it (any thread): pending calls fail.
+        For a peer that may never answer (a lost node sends no FIN)."""
+        try:
+            socket.socket(fileno=os.dup(self._fd)).shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._on_loop(self._detach, "connection shut down")
+
+    def _detach(self, why: str) -> None:
+        self._hang_up(why)
+        self._fd = -1
+        try:
+            if self.conn is not None:
+                self.conn.close()
+        except OSError:
+            pass
 
     def is_alive(self) -> bool:
         return self._alive and (self.proc is None or self.proc.is_alive())  # no process: attached
@@ -193,8 +304,10 @@ class PipeTransport(ShardTransport):
         if self.proc is not None:
             self.proc.join(timeout=5)
         self.kill()
-        try:
-            if self.conn is not None:
+        if self.loop is not None and self._fd >= 0:
+            self._on_loop(self._detach, "shard closed")
+        elif self.conn is not None:
+            try:
                 self.conn.close()
-        except OSError:
-            pass
+            except OSError:
+                pass
