@@ -11,8 +11,7 @@ candidate). Scores are float64, slots int64, vectors float32. Imports numpy only
 
 from __future__ import annotations
 
-import enum
-import operator
+import enum, operator  # noqa: E401
 from dataclasses import dataclass, field, fields
 
 import numpy as np
