@@ -91,6 +91,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dim", type=int, default=384, help="vector width (the server's embedder: MiniLM 384)")
     ap.add_argument("--data-dir", type=Path, default=None)
     ap.add_argument("--shards", type=int, default=2)
+    ap.add_argument("--ingest-streams", type=int, default=2, help="concurrent Ingest calls while loading the corpus")
+    ap.add_argument("--ingest-only", action="store_true",
+                    help="load the corpus into --data-dir (a server with --generator none) and exit; the "
+                         "device script runs this while the engine loads")
     ap.add_argument("--concurrency", default="1,8,32,64")
     ap.add_argument("--duration", type=float, default=8.0, help="measured seconds per level")
     ap.add_argument("--warmup", type=float, default=3.0, help="warm-up seconds per level")
@@ -188,14 +192,14 @@ def ensure_data(c, a) -> dict:
     ingested = s.chunks == 0
     if ingested:
         log(f"ingesting {a.chunks} synthetic chunks (own vectors, width {a.dim}) into {a.data_dir}")
-        batch, n = [], 0
-        for doc in Corpus(a.chunks, a.dim).documents():
-            batch.append(doc)
-            if len(batch) == 200:
-                n += c.ingest(batch, timeout=600).chunks_written
-                batch = []
-        if batch:
-            n += c.ingest(batch, timeout=600).chunks_written
+        from concurrent.futures import ThreadPoolExecutor
+
+        docs = list(Corpus(a.chunks, a.dim).documents())
+        batches = [docs[i:i + 200] for i in range(0, len(docs), 200)]
+        # a few Ingest streams at once: the server's stages run concurrently across streams
+        with ThreadPoolExecutor(max(1, a.ingest_streams)) as pool:
+            n = sum(pool.map(lambda b: c.ingest(b, timeout=600).chunks_written, batches))
+        log(f"ingested {n} chunks over {a.ingest_streams} streams in {time.perf_counter() - t:.0f} s")
         s = c.stats(timeout=60)
     if s.chunks != a.chunks:
         raise SystemExit(f"{a.data_dir} holds {s.chunks} chunks, not {a.chunks}: remove it to re-ingest")
@@ -713,9 +717,27 @@ def report(a, engine: EngineSide, systems: dict, overload: dict | None, cancel: 
     }
 
 
+def ingest_only(a) -> int:
+    """``--ingest-only``: fill ``a.data_dir`` and exit (JSON line with the ingest figures)."""
+    from oprag_client.client import OpRAGClient
+
+    srv = start_server(a.data_dir, "--shards", str(a.shards), "--generator", "none", *a.server_arg,
+                       log_path=a.log_path)
+    try:
+        with OpRAGClient(srv.target) as c:
+            data = ensure_data(c, a)
+    finally:
+        srv.stop()
+    data["chunks_per_s"] = round(a.chunks / data["ingest_s"], 1) if data["ingested"] and data["ingest_s"] else None
+    print(json.dumps(data))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
+    if a.ingest_only:
+        return ingest_only(a)
     t_all = time.perf_counter()
     machine = machine_info()
     a.data = None

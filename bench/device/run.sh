@@ -32,10 +32,11 @@ WORK=${WORK:-/tmp/oprag-device-work}
 mkdir -p "$WORK"
 if [ "$TINY" = 1 ]; then
   DEVICE=cpu; CHUNKS=${CHUNKS:-3000}; EMBED_CHUNKS=40; EMBED_ARGS="--dtypes float32 --batches 8 --rounds 1"; CONC=${CONC:-1,4}; TINYFLAG=--tiny
-  SERVING_EXTRA=${SERVING_EXTRA:---quick}
+  SHARDS=2; SERVING_EXTRA=${SERVING_EXTRA:---quick --settings A=8,C=2}
 else
   DEVICE=cuda; CHUNKS=${CHUNKS:-100000}; EMBED_CHUNKS=20000; EMBED_ARGS=; CONC=${CONC:-1,8,32,64}; TINYFLAG=
-  SERVING_EXTRA=${SERVING_EXTRA:-}
+  SHARDS=4
+  SERVING_EXTRA=${SERVING_EXTRA:---settings A=8,B=64,C=1 --duration 6 --warmup 2 --overload-duration 10 --cancels 10}
 fi
 log() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/steps.log"; }
 left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
@@ -58,6 +59,17 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTH
 log "env: $(tail -1 "$OUT/env.txt")"
 command -v transformers >/dev/null || { log "no 'transformers' command (transformers[serving] missing)"; exit 2; }
 
+# OpRAG's corpus is loaded in the background (CPU) while the models are written and the engine
+# loads (GPU, disk); bench.serving below finds the data dir full and reuses it.
+ENGINE_PORT=${ENGINE_PORT:-8765}
+log "loading $CHUNKS chunks into OpRAG in the background ($SHARDS shards)"
+$PY -m bench.serving --engine-url "http://127.0.0.1:$ENGINE_PORT/v1" --ingest-only --chunks $CHUNKS \
+  --shards $SHARDS --ingest-streams 4 > "$OUT/ingest.json" 2> "$OUT/ingest.log" &
+INGEST_PID=$!
+ENGINE_PID=
+cleanup() { kill $INGEST_PID 2>/dev/null; [ -n "$ENGINE_PID" ] && { kill -- -$ENGINE_PID 2>/dev/null; kill $ENGINE_PID 2>/dev/null; }; }
+trap cleanup EXIT
+
 # 2. models
 LLM=$WORK/llm; ENC=$WORK/encoder
 if [ ! -f "$LLM/config.json" ] || [ ! -f "$ENC/config.json" ]; then
@@ -77,13 +89,11 @@ timeout 120 $PY -m bench.device.embed_gpu --encoder "$ENC" --device "$DEVICE" --
 log "embed: $(grep -o '"embed_forward_chunks_per_s_best".*' "$OUT/embed.json" 2>/dev/null | head -c 200)"
 
 # 4. the engine
-ENGINE_PORT=${ENGINE_PORT:-8765}
 log "starting transformers serve --continuous-batching on $DEVICE"
 DEV_ARG=cuda:0; [ "$DEVICE" = cpu ] && DEV_ARG=cpu
 setsid transformers serve "$LLM" --host 127.0.0.1 --port $ENGINE_PORT --device $DEV_ARG --dtype bfloat16 \
   --continuous-batching --model-timeout 3600 --log-level warning > "$OUT/engine.log" 2>&1 &
 ENGINE_PID=$!
-trap 'kill -- -$ENGINE_PID 2>/dev/null; kill $ENGINE_PID 2>/dev/null' EXIT
 for i in $(seq 1 120); do
   curl -s -m 2 "http://127.0.0.1:$ENGINE_PORT/health" >/dev/null && break
   kill -0 $ENGINE_PID 2>/dev/null || { log "engine exited"; tail -30 "$OUT/engine.log"; exit 4; }
@@ -96,10 +106,12 @@ curl -s -m 240 "http://127.0.0.1:$ENGINE_PORT/v1/chat/completions" -H 'content-t
 log "engine warm in $(( $(date +%s) - T )) s: $(head -c 200 "$OUT/engine_warm.json")"
 
 # 5. OpRAG in front of the engine
+wait $INGEST_PID || log "background ingest failed (see ingest.log)"
+log "ingest: $(tail -c 300 "$OUT/ingest.json")"
 LIMIT=$(( $(left) - 15 ))
 log "bench.serving --engine-url ($CHUNKS chunks, concurrency $CONC, limit ${LIMIT} s)"
 timeout $LIMIT $PY -m bench.serving --engine-url "http://127.0.0.1:$ENGINE_PORT/v1" --engine-model "$LLM" \
-  --chunks $CHUNKS --concurrency $CONC --json "$OUT/serving.json" $SERVING_EXTRA \
+  --chunks $CHUNKS --shards $SHARDS --concurrency $CONC --json "$OUT/serving.json" $SERVING_EXTRA \
   > "$OUT/serving.log" 2>&1 || log "bench.serving failed or timed out (rc $?; see serving.log)"
 nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv >> "$OUT/env.txt" 2>/dev/null
 
@@ -109,10 +121,11 @@ import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
 res = {"env": (out / "env.txt").read_text(errors="replace").splitlines()}
-for name in ("models", "embed", "serving", "engine_warm"):
+for name in ("models", "embed", "ingest", "serving", "engine_warm"):
     p = out / f"{name}.json"
     try:
-        res[name] = json.loads(p.read_text())
+        txt = p.read_text().strip()
+        res[name] = json.loads(txt.splitlines()[-1] if name == "ingest" else txt)
     except Exception as e:  # noqa: BLE001 - a missing step is reported, not fatal
         res[name] = {"error": f"{type(e).__name__}: {e}"}
 res["steps"] = (out / "steps.log").read_text().splitlines()
