@@ -19,7 +19,9 @@ chain of follow-ups therefore keeps its subject. No word list takes part in any 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import logging
 
 import numpy as np
 
@@ -34,6 +36,8 @@ MIN_WEIGHT = 0.5  # subjects of turns weighted below this are not added to the c
 RRF_K = 10  # reciprocal-rank constant of the list fusion (small: the heads of the lists decide)
 MEMORY_WINDOW = 20  # depth of each of the two fused lists (at least the request's top_k)
 SUBJECT_TERMS = 3  # salient terms kept for an untitled subject
+
+log = logging.getLogger(__name__)
 
 
 def summarise(answer: str, limit: int) -> str:
@@ -148,11 +152,41 @@ def salient_terms(analyzer: Analyzer, resolved: str, hits: list[Hit], n: int = S
     return list(dict.fromkeys(t for t in analyzer.tokens(resolved) if t in top and t not in rest))[:n]
 
 
+CONDENSE_SYSTEM = ("Rewrite the follow-up question as one standalone question that names its subject, using the "
+                   "conversation. Reply with the question only.")
+
+
+def condense_messages(question: str, turns: list[MemoryTurn]) -> list[dict[str, str]]:
+    """Chat messages of the condense-question step (the "condense question" prompt of
+    conversational RAG stacks, e.g. LlamaIndex's CondenseQuestionChatEngine): the session's
+    turns oldest first, each with its subject (:func:`subject_text`), then the follow-up."""
+    hist = "\n".join(f"User: {t.question} (about: {subject_text(t)})" for t in reversed(turns))
+    return [{"role": "system", "content": CONDENSE_SYSTEM},
+            {"role": "user", "content": f"Conversation:\n{hist}\nFollow-up question: {question}\nStandalone question:"}]
+
+
+def condensed_text(text: str, limit: int = 400) -> str:
+    """The first non-empty line of a condense generation, without quotes or a ``Standalone
+    question:`` echo, at most ``limit`` characters ("" when nothing is left)."""
+    line = next((x.strip() for x in text.splitlines() if x.strip()), "")
+    if ":" in line and line.split(":", 1)[0].strip().lower().startswith("standalone"):
+        line = line.split(":", 1)[1].strip()
+    return line.strip("\"'` ")[:limit]
+
+
 class Memory:
-    def __init__(self, pool: ShardPool, cfg: MemoryConfig, analyzer: Analyzer | None = None) -> None:
+    def __init__(self, pool: ShardPool, cfg: MemoryConfig, analyzer: Analyzer | None = None,
+                 rewriter=None) -> None:
+        """``rewriter``: an engine generator (``is_engine``, :class:`~oprag_server.models.protocols`
+        ``stream``/``chat_messages``) that condenses follow-ups (``cfg.condense``), or None.
+
+        :raises ValueError: ``rewriter`` is not an engine."""
+        if rewriter is not None and not getattr(rewriter, "is_engine", False):
+            raise ValueError("--memory-condense needs an engine generator (--generator openai or transformers-serve)")
         self.pool = pool
         self.cfg = cfg
         self.analyzer = analyzer or Analyzer()
+        self.rewriter = rewriter
 
     async def lookup(self, questions: list[str], session_ids: list[str]) -> list[MemoryContext]:
         """The session context of a batch of questions from their sessions' recent turns.
@@ -165,12 +199,33 @@ class Memory:
         got, _ = await self.pool.scatter(
             Op.MEMORY_LOOKUP, asking, lambda i: self.pool.owner(session_ids[i]),
             lambda idx: MemoryLookupRequest([session_ids[i] for i in idx], self.cfg.lookup_turns, self.cfg.ttl_s))
-        for pos, rep in got.values():
-            for p, turns in zip(pos, rep.turns):
-                if turns:
-                    i = asking[p]
-                    out[i] = self._context(questions[i], turns)
+        found = [(asking[p], turns) for pos, rep in got.values() for p, turns in zip(pos, rep.turns) if turns]
+        for i, turns in found:
+            out[i] = self._context(questions[i], turns)
+        if self.rewriter is not None and found:
+            rewritten = await asyncio.gather(*[self.condense(questions[i], turns) for i, turns in found])
+            for (i, _), text in zip(found, rewritten):
+                if text:
+                    out[i].context_text = text
         return out
+
+    async def condense(self, question: str, turns: list[MemoryTurn]) -> str:
+        """One short greedy generation (``cfg.condense_tokens``) that rewrites ``question`` into
+        a standalone question from its session's ``turns`` (:func:`condense_messages`); "" when
+        the engine fails or takes longer than ``cfg.condense_timeout_s`` (the follow-up keeps
+        the default session context)."""
+        from ..models.protocols import EngineUsage
+
+        parts: list[str] = []
+        try:
+            async with asyncio.timeout(self.cfg.condense_timeout_s):
+                async for delta in self.rewriter.stream(condense_messages(question, turns), self.cfg.condense_tokens,
+                                                        EngineUsage()):
+                    parts.append(delta)
+        except Exception as exc:  # noqa: BLE001 - best effort: the default context stands
+            log.warning("condense-question step failed (%s: %s); default session context used", type(exc).__name__, exc)
+            return ""
+        return condensed_text("".join(parts))
 
     @staticmethod
     def _context(question: str, turns: list[MemoryTurn]) -> MemoryContext:
