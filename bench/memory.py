@@ -607,7 +607,12 @@ def run_conversations(a, result: dict, t_start: float) -> int:
         srv.stop()
     fams = {}
     for f, (convs, bodies) in sets.items():
-        fams[f] = memory_conv.score(convs, runs[f], memory_conv.resolve(convs, bodies, a.data_dir))
+        targets = memory_conv.resolve(convs, bodies, a.data_dir)
+        fams[f] = memory_conv.score(convs, runs[f], targets)
+        with open(OUT / f"memory-conv-f{f}.jsonl", "w", encoding="utf-8") as fh:  # every request's hits
+            for cv, r in zip(convs, runs[f]):
+                fh.write(json.dumps({"kind": cv.kind, "turns": cv.turns, "targets": [targets.get(t, []) for t in
+                                     cv.targets], "oracle": cv.oracle, "runs": r}, ensure_ascii=False) + "\n")
         log(f"family {f}:")
         memory_conv.log_summary(fams[f])
     if "latency_abab" in result:

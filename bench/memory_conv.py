@@ -70,6 +70,9 @@ def ask(c, convs: list[Conversation], top_k: int, mode: str, warmup: int = 5) ->
     return runs
 
 
+ABAB_STAGES = ("queue", "memory", "embed", "retrieve", "fusion", "promote", "total")
+
+
 def latency_abab(c, convs: list[Conversation], top_k: int, mode: str, rounds: int, n: int = 40) -> dict:
     """Retrieve latency with a session vs without, in ABAB rounds: per round, per conversation
     of the first ``n`` follow-up conversations (kinds ``pronoun``/``nopronoun``), A = its last
@@ -78,15 +81,20 @@ def latency_abab(c, convs: list[Conversation], top_k: int, mode: str, rounds: in
     hits both arms alike). Client wall time (ms), nearest-rank p50/p95.
 
     :returns: ``{"ratio_p50", "with_ms_p50", "without_ms_p50", "with_ms_p95", "without_ms_p95",
-        "memory_stage_ms_p50", "memory_stage_ms_p95", "requests_per_arm", "rounds"}``."""
+        "memory_stage_ms_p50", "memory_stage_ms_p95", "requests_per_arm", "rounds",
+        "server_stage_ms_p50": {stage: {"with", "without"}}}`` (server-reported ``timings_ms``)."""
     nonce = uuid.uuid4().hex[:8]
     sub = [cv for cv in convs if cv.kind in ("pronoun", "nopronoun")][:n]
     with_ms, without_ms, mem = [], [], []
+    stages: dict[str, tuple[list, list]] = {s: ([], []) for s in ABAB_STAGES}
 
     def timed(question: str, sid: str = "") -> tuple[float, float]:
         t = time.perf_counter()
         r = c.retrieve(question, session_id=sid, disable_memory=not sid, timeout=120, top_k=top_k, mode=mode)
-        return (time.perf_counter() - t) * 1000, dict(r.timings_ms).get("memory", 0.0)
+        ms, tm = (time.perf_counter() - t) * 1000, dict(r.timings_ms)
+        for s, arms in stages.items():
+            arms[0 if sid else 1].append(tm.get(s, 0.0))
+        return ms, tm.get("memory", 0.0)
 
     for rnd in range(rounds):
         for k, cv in enumerate(sub):
@@ -104,7 +112,8 @@ def latency_abab(c, convs: list[Conversation], top_k: int, mode: str, rounds: in
             "with_ms_p50": p(with_ms, 50), "without_ms_p50": p(without_ms, 50),
             "with_ms_p95": p(with_ms, 95), "without_ms_p95": p(without_ms, 95),
             "memory_stage_ms_p50": p(mem, 50), "memory_stage_ms_p95": p(mem, 95),
-            "requests_per_arm": len(with_ms), "rounds": rounds}
+            "requests_per_arm": len(with_ms), "rounds": rounds,
+            "server_stage_ms_p50": {s: {"with": p(a, 50), "without": p(b, 50)} for s, (a, b) in stages.items()}}
 
 
 def resolve(convs: list[Conversation], bodies: dict[str, str], data_dir) -> dict[str, list[str]]:

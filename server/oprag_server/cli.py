@@ -72,6 +72,8 @@ _OPTIONS: tuple[tuple[str, str, str, str], ...] = (
      "with an engine generator (openai, transformers-serve): one short generation rewrites a session's follow-up "
      "into a standalone question, which becomes its session-context retrieval row"),
     ("--memory-condense-tokens", "memory", "condense_tokens", "new tokens of the condense generation"),
+    ("--memory-condense-timeout-s", "memory", "condense_timeout_s",
+     "past this the follow-up keeps the default session context (the engine's answer is dropped)"),
     ("--stem", "bm25", "stem", "English stemming in the BM25 analyzer (snowballstemmer)"),
     ("--tls-cert", "security", "tls_cert", "PEM certificate: serve gRPC over TLS"),
     ("--tls-key", "security", "tls_key", "PEM private key of --tls-cert"),

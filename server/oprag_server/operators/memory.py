@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 
 import numpy as np
 
@@ -93,8 +94,9 @@ def fuse_lists(own: list[Hit], ctx: list[Hit], top_k: int, rrf_k: float = RRF_K,
     (``names``: the analyzer's ``tokens``; it names its subject); else weighted reciprocal-rank
     fusion of the two lists (Cormack et al. 2009, weights :func:`row_weights`):
     ``score = w_own / (rrf_k + rank_own) + w_ctx / (rrf_k + rank_ctx)``, 1-based ranks, a list
-    a chunk is absent from adds 0; ties by the better own rank, then chunk id. The returned hits
-    carry the fused score in ``score``; at most ``top_k``."""
+    a chunk is absent from adds 0; ties by the better own rank, then chunk id; with ``names``
+    the top document's passages are then ordered by the question (:func:`passage_order`). The
+    returned hits carry the fused score in ``score``; at most ``top_k``."""
     if own and ctx and own[0].doc_id == ctx[0].doc_id:
         return own[:top_k]  # both rows agree on the subject: the question's own ranking stands
     if own and names and own[0].title and set(names(own[0].title)) <= set(names(question)):
@@ -106,8 +108,35 @@ def fuse_lists(own: list[Hit], ctx: list[Hit], top_k: int, rrf_k: float = RRF_K,
         for r, h in enumerate(hits, 1):
             score[h.chunk_id] = score.get(h.chunk_id, 0.0) + w / (rrf_k + r)
             best.setdefault(h.chunk_id, h)
-    order = sorted(score, key=lambda c: (-score[c], own_rank.get(c, len(own) + 1), c))[:top_k]
-    return [dataclasses.replace(best[c], score=score[c]) for c in order]
+    order = sorted(score, key=lambda c: (-score[c], own_rank.get(c, len(own) + 1), c))
+    fused = [dataclasses.replace(best[c], score=score[c]) for c in order]
+    return (passage_order(fused, question, names) if names else fused)[:top_k]
+
+
+def passage_order(fused: list[Hit], question: str, names) -> list[Hit]:
+    """The fused list with the chunks of its top document reordered by the question's own terms:
+    the fusion decides the subject, the question decides the passage. Over the top document's
+    chunks in the list (``n``), each analysed term ``t`` of the question that is not a term of the
+    document's title weighs ``log((n + 1) / (df_t + 0.5))`` (``df_t``: those chunks whose text
+    has it; a local BM25-style idf, so a term every passage of the subject has counts ~0); a
+    chunk scores the sum over the terms it contains; ties keep the fused order. The chunks keep
+    the positions the document held; other documents' hits do not move. Needed because the
+    session-context row is dominated by the subject's name: it finds the right document but
+    ranks its passages mostly by that name, not by the detail the follow-up asks about."""
+    if not fused:
+        return fused
+    doc = fused[0].doc_id
+    pos = [i for i, h in enumerate(fused) if h.doc_id == doc]
+    sub = [fused[i] for i in pos]
+    terms = set(names(question)) - set(names(sub[0].title or ""))
+    has = [set(names(h.text)) & terms for h in sub]
+    n = len(sub)
+    idf = {t: math.log((n + 1) / (sum(t in x for x in has) + 0.5)) for t in terms}
+    rank = sorted(range(n), key=lambda i: (-sum(idf[t] for t in has[i]), i))
+    out = list(fused)
+    for p, i in zip(pos, rank):
+        out[p] = sub[i]
+    return out
 
 
 def session_rows(jobs: list) -> tuple[list, np.ndarray, list[str], list]:
