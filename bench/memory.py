@@ -329,6 +329,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=5, help="untimed requests first")
     ap.add_argument("--server-arg", action="append", default=[], help="extra server argument (repeatable)")
     ap.add_argument("--pairs-out", type=Path, default=OUT / "memory-pairs.jsonl")
+    ap.add_argument("--details-prefix", default="memory-conv",
+                    help="conversations: every request's hits go to bench/out/<prefix>-f<family>.jsonl")
     ap.add_argument("--examples", type=int, default=6, help="failure examples kept in the JSON")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
     a = ap.parse_args(argv)
@@ -609,7 +611,7 @@ def run_conversations(a, result: dict, t_start: float) -> int:
     for f, (convs, bodies) in sets.items():
         targets = memory_conv.resolve(convs, bodies, a.data_dir)
         fams[f] = memory_conv.score(convs, runs[f], targets)
-        with open(OUT / f"memory-conv-f{f}.jsonl", "w", encoding="utf-8") as fh:  # every request's hits
+        with open(OUT / f"{a.details_prefix}-f{f}.jsonl", "w", encoding="utf-8") as fh:  # every request's hits
             for cv, r in zip(convs, runs[f]):
                 fh.write(json.dumps({"kind": cv.kind, "turns": cv.turns, "targets": [targets.get(t, []) for t in
                                      cv.targets], "oracle": cv.oracle, "runs": r}, ensure_ascii=False) + "\n")

@@ -115,11 +115,12 @@ def fuse_lists(own: list[Hit], ctx: list[Hit], top_k: int, rrf_k: float = RRF_K,
 
 def passage_order(fused: list[Hit], question: str, names) -> list[Hit]:
     """The fused list with the chunks of its top document reordered by the question's own terms:
-    the fusion decides the subject, the question decides the passage. Over the top document's
-    chunks in the list (``n``), each analysed term ``t`` of the question that is not a term of the
-    document's title weighs ``log((n + 1) / (df_t + 0.5))`` (``df_t``: those chunks whose text
-    has it; a local BM25-style idf, so a term every passage of the subject has counts ~0); a
-    chunk scores the sum over the terms it contains; ties keep the fused order. The chunks keep
+    the fusion decides the subject, the question decides the passage. Each analysed term ``t``
+    of the question that is not a term of the document's title weighs ``log((n + 1) / (df_t +
+    0.5))`` over the whole fused list (both rows' candidates, ``n`` chunks; ``df_t`` those whose
+    text has it: a BM25-style idf over the candidate pool, so a word that pulled the question's
+    own list to many documents, or that every passage of the subject has, counts little); a
+    chunk of the top document scores the sum over the terms it contains; ties keep the fused order. The chunks keep
     the positions the document held; other documents' hits do not move. Needed because the
     session-context row is dominated by the subject's name: it finds the right document but
     ranks its passages mostly by that name, not by the detail the follow-up asks about."""
@@ -129,10 +130,10 @@ def passage_order(fused: list[Hit], question: str, names) -> list[Hit]:
     pos = [i for i, h in enumerate(fused) if h.doc_id == doc]
     sub = [fused[i] for i in pos]
     terms = set(names(question)) - set(names(sub[0].title or ""))
-    has = [set(names(h.text)) & terms for h in sub]
-    n = len(sub)
+    has = [set(names(h.text)) & terms for h in fused]
+    n = len(fused)
     idf = {t: math.log((n + 1) / (sum(t in x for x in has) + 0.5)) for t in terms}
-    rank = sorted(range(n), key=lambda i: (-sum(idf[t] for t in has[i]), i))
+    rank = sorted(range(len(sub)), key=lambda i: (-sum(idf[t] for t in has[pos[i]]), i))
     out = list(fused)
     for p, i in zip(pos, rank):
         out[p] = sub[i]
