@@ -8,7 +8,11 @@ resolved subject of the session's recent turns (newest first, a turn ``a`` turns
 in the same embed and shard calls -- the question alone and the session context, one extra row
 -- and the two ranked lists are fused by reciprocal rank (:func:`fuse_lists`): a chunk both
 lists rank high wins, so a follow-up whose subject is implicit gains from the context row while
-a question that names its own subject keeps the chunks its own list ranks first.
+a question that names its own subject keeps the chunks its own list ranks first. When the
+fusion changed the ranking, the chunks of its top document are put in the order of the
+question's own terms (:func:`passage_order`): the session finds the subject, the question the
+passage. With ``cfg.condense`` and an engine generator, one short generation rewrites the
+follow-up into a standalone question that replaces the session context (:meth:`Memory.condense`).
 
 *Promotion* after an answer writes a compact record through the shard's promote op: the
 question, the retrieval text it resolved to, an answer summary, and its *subject* -- the
