@@ -3,11 +3,13 @@
 Two sets. The default, ``--set conversations``, runs the conversation sets of
 :mod:`bench.memory_sets` (follow-ups with and without a pronoun, chains of three turns,
 self-contained questions that contain "it"/"they" but name their subject, a topic switch inside
-a session; template family ``--family 0|1``) over gRPC as :mod:`bench.memory_conv` describes,
+a session; template families ``--family 0,1,2``, several in one run) over gRPC as :mod:`bench.memory_conv` describes,
 with the oracle and naive-prepend rows, and prints the issue's keys (``followup_top1_with``,
 ``followup_top1_without``, ``followup_top1_oracle``, ``chain_turn3_top1_with``,
 ``selfcontained_top1_with``, ``selfcontained_top1_without``, ``session_latency_ratio_p50``,
-``memory_stage_ms_p95``, ``per_kind``). ``--set pairs`` runs the original pairs described below.
+``memory_stage_ms_p95``, ``per_kind``; ``families`` holds every family's figures, the top
+level the first family's; ``latency_abab`` the ABAB latency rounds (``--latency-rounds``) with
+the server's stage p50s per arm; ``load_average`` the load after each phase). ``--set pairs`` runs the original pairs described below.
 
 The evaluation set (deterministic; regenerable from any WikiText file)
 ---------------------------------------------------------------------
