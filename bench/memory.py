@@ -3,11 +3,13 @@
 Two sets. The default, ``--set conversations``, runs the conversation sets of
 :mod:`bench.memory_sets` (follow-ups with and without a pronoun, chains of three turns,
 self-contained questions that contain "it"/"they" but name their subject, a topic switch inside
-a session; template family ``--family 0|1``) over gRPC as :mod:`bench.memory_conv` describes,
+a session; template families ``--family 0,1,2``, several in one run) over gRPC as :mod:`bench.memory_conv` describes,
 with the oracle and naive-prepend rows, and prints the issue's keys (``followup_top1_with``,
 ``followup_top1_without``, ``followup_top1_oracle``, ``chain_turn3_top1_with``,
 ``selfcontained_top1_with``, ``selfcontained_top1_without``, ``session_latency_ratio_p50``,
-``memory_stage_ms_p95``, ``per_kind``). ``--set pairs`` runs the original pairs described below.
+``memory_stage_ms_p95``, ``per_kind``; ``families`` holds every family's figures, the top
+level the first family's; ``latency_abab`` the ABAB latency rounds (``--latency-rounds``) with
+the server's stage p50s per arm; ``load_average`` the load after each phase). ``--set pairs`` runs the original pairs described below.
 
 The evaluation set (deterministic; regenerable from any WikiText file)
 ---------------------------------------------------------------------
@@ -317,12 +319,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--set", choices=("conversations", "pairs"), default="conversations",
                     help="conversations: the sets of bench/memory_sets.py (five kinds, the issue's JSON keys); "
                          "pairs: the original follow-up/self-contained pairs below")
-    ap.add_argument("--family", type=int, default=0, help="template family of the conversations (0 or 1)")
+    ap.add_argument("--family", default="0",
+                    help="template families of the conversations, comma-separated (0, 1, 2; e.g. 0,1,2: one "
+                         "server and ingest, each family in turn, ``families`` in the JSON)")
+    ap.add_argument("--latency-rounds", type=int, default=4,
+                    help="ABAB latency rounds after the quality runs (0: none): per round, per conversation of "
+                         "a subset, a session follow-up (A) and the same question without memory (B), the order "
+                         "alternating per round")
     ap.add_argument("--limit", type=int, default=0,
                     help="use only the first N pairs (conversations: N of each kind) -- a --quick subset")
     ap.add_argument("--warmup", type=int, default=5, help="untimed requests first")
     ap.add_argument("--server-arg", action="append", default=[], help="extra server argument (repeatable)")
     ap.add_argument("--pairs-out", type=Path, default=OUT / "memory-pairs.jsonl")
+    ap.add_argument("--details-prefix", default="memory-conv",
+                    help="conversations: every request's hits go to bench/out/<prefix>-f<family>.jsonl")
     ap.add_argument("--examples", type=int, default=6, help="failure examples kept in the JSON")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
     a = ap.parse_args(argv)
@@ -561,6 +571,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def machine_load() -> list[float]:
+    """The 1/5/15-minute load averages (``os.getloadavg``)."""
+    import os
+
+    return [round(x, 2) for x in os.getloadavg()]
+
+
 def run_conversations(a, result: dict, t_start: float) -> int:
     """``--set conversations``: :mod:`bench.memory_conv` against a real server."""
     from oprag_client.client import OpRAGClient
@@ -568,24 +585,45 @@ def run_conversations(a, result: dict, t_start: float) -> int:
 
     from . import memory_conv
 
-    convs, bodies = memory_conv.conversations(a.wikitext, a.family, a.limit)
-    log(f"set: {len(convs)} conversations (family {a.family}) from {a.wikitext}")
+    families = [int(f) for f in str(a.family).split(",")]
+    sets = {f: memory_conv.conversations(a.wikitext, f, a.limit) for f in families}
+    for f, (convs, _) in sets.items():
+        log(f"set: {len(convs)} conversations (family {f}) from {a.wikitext}")
     docs = list(load_wikitext([a.wikitext]))
     if a.fresh and a.data_dir.exists():
         shutil.rmtree(a.data_dir)
     srv = start_server(a.data_dir, *a.server_args, log_path=OUT / "memory-server.log")
+    runs, load = {}, {"before": machine_load()}
     try:
         with OpRAGClient(srv.target) as c:
             ingest_corpus(c, a, docs, result)
             t = time.perf_counter()
-            runs = memory_conv.ask(c, convs, a.top_k, a.mode, a.warmup)
+            for f, (convs, _) in sets.items():
+                runs[f] = memory_conv.ask(c, convs, a.top_k, a.mode, a.warmup)
+                load[f"after_family_{f}"] = machine_load()
             result["query_seconds"] = round(time.perf_counter() - t, 1)
+            if a.latency_rounds:
+                convs = sets[families[0]][0]
+                result["latency_abab"] = memory_conv.latency_abab(c, convs, a.top_k, a.mode, a.latency_rounds)
+                load["after_latency"] = machine_load()
         srv.stop()
     finally:
         srv.stop()
-    out = memory_conv.score(convs, runs, memory_conv.resolve(convs, bodies, a.data_dir))
-    memory_conv.log_summary(out)
-    result.update(out, set={"file": str(a.wikitext), "family": a.family, "limit_per_kind": a.limit},
+    fams = {}
+    for f, (convs, bodies) in sets.items():
+        targets = memory_conv.resolve(convs, bodies, a.data_dir)
+        fams[f] = memory_conv.score(convs, runs[f], targets)
+        with open(OUT / f"{a.details_prefix}-f{f}.jsonl", "w", encoding="utf-8") as fh:  # every request's hits
+            for cv, r in zip(convs, runs[f]):
+                fh.write(json.dumps({"kind": cv.kind, "turns": cv.turns, "targets": [targets.get(t, []) for t in
+                                     cv.targets], "oracle": cv.oracle, "runs": r}, ensure_ascii=False) + "\n")
+        log(f"family {f}:")
+        memory_conv.log_summary(fams[f])
+    if "latency_abab" in result:
+        log(f"ABAB latency: {result['latency_abab']}")
+        result["session_latency_ratio_p50_abab"] = result["latency_abab"]["ratio_p50"]
+    result.update(fams[families[0]], families=fams, load_average=load,
+                  set={"file": str(a.wikitext), "families": families, "limit_per_kind": a.limit},
                   settings={"top_k": a.top_k, "mode": a.mode, "shards": a.shards, "server_args": a.server_args},
                   seconds=round(time.perf_counter() - t_start, 1))
     if a.json:

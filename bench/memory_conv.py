@@ -70,6 +70,52 @@ def ask(c, convs: list[Conversation], top_k: int, mode: str, warmup: int = 5) ->
     return runs
 
 
+ABAB_STAGES = ("queue", "memory", "embed", "retrieve", "fusion", "promote", "total")
+
+
+def latency_abab(c, convs: list[Conversation], top_k: int, mode: str, rounds: int, n: int = 40) -> dict:
+    """Retrieve latency with a session vs without, in ABAB rounds: per round, per conversation
+    of the first ``n`` follow-up conversations (kinds ``pronoun``/``nopronoun``), A = its last
+    question in a fresh session after its first turn (untimed), B = the same question with no
+    session and ``disable_memory``; A first in even rounds, B first in odd ones (a load drift
+    hits both arms alike). Client wall time (ms), nearest-rank p50/p95.
+
+    :returns: ``{"ratio_p50", "with_ms_p50", "without_ms_p50", "with_ms_p95", "without_ms_p95",
+        "memory_stage_ms_p50", "memory_stage_ms_p95", "requests_per_arm", "rounds",
+        "server_stage_ms_p50": {stage: {"with", "without"}}}`` (server-reported ``timings_ms``)."""
+    nonce = uuid.uuid4().hex[:8]
+    sub = [cv for cv in convs if cv.kind in ("pronoun", "nopronoun")][:n]
+    with_ms, without_ms, mem = [], [], []
+    stages: dict[str, tuple[list, list]] = {s: ([], []) for s in ABAB_STAGES}
+
+    def timed(question: str, sid: str = "") -> tuple[float, float]:
+        t = time.perf_counter()
+        r = c.retrieve(question, session_id=sid, disable_memory=not sid, timeout=120, top_k=top_k, mode=mode)
+        ms, tm = (time.perf_counter() - t) * 1000, dict(r.timings_ms)
+        for s, arms in stages.items():
+            arms[0 if sid else 1].append(tm.get(s, 0.0))
+        return ms, tm.get("memory", 0.0)
+
+    for rnd in range(rounds):
+        for k, cv in enumerate(sub):
+            sid = f"meml-{nonce}-{rnd}-{k}"
+            for arm in ((0, 1) if rnd % 2 == 0 else (1, 0)):
+                if arm == 0:
+                    c.retrieve(cv.turns[0], session_id=sid, timeout=120, top_k=top_k, mode=mode)
+                    ms, m = timed(cv.turns[-1], sid)
+                    with_ms.append(ms)
+                    mem.append(m)
+                else:
+                    without_ms.append(timed(cv.turns[-1])[0])
+    p = lambda xs, q: round(percentile(xs, q), 3) if xs else 0.0  # noqa: E731
+    return {"ratio_p50": round(p(with_ms, 50) / p(without_ms, 50), 3) if without_ms else None,
+            "with_ms_p50": p(with_ms, 50), "without_ms_p50": p(without_ms, 50),
+            "with_ms_p95": p(with_ms, 95), "without_ms_p95": p(without_ms, 95),
+            "memory_stage_ms_p50": p(mem, 50), "memory_stage_ms_p95": p(mem, 95),
+            "requests_per_arm": len(with_ms), "rounds": rounds,
+            "server_stage_ms_p50": {s: {"with": p(a, 50), "without": p(b, 50)} for s, (a, b) in stages.items()}}
+
+
 def resolve(convs: list[Conversation], bodies: dict[str, str], data_dir) -> dict[str, list[str]]:
     """``{window chunk id: stored chunk ids}`` of every target, from the server's snapshot (an
     id that does not resolve maps to ``[]``)."""

@@ -15,13 +15,18 @@ Rules (deterministic)
    ``(df ascending, first position)``. Its *shared keyword* ``w`` is the first with
    ``df >= SHARED_MIN_DF`` (it also occurs in other articles: alone it does not say which
    article is meant, so the question is underspecified without its subject).
+   3b. Family 2 asks instead about the shared keyword with the *highest* df (the last one in
+   that order): the most ambiguous word alone.
 4. An article is eligible when its title has no ``<unk>``, is not repeated, and it has at least
    two windows other than the first with >= 300 characters and a shared keyword: targets ``A``
    and ``B`` are the first two such windows after rotating the list by ``sha256(title) %
    len``.  Every eligible article gets a *partner*: the next eligible article in file order
-   (cyclic), used for the self-contained and topic-switch sessions.
+   (cyclic), used for the self-contained and topic-switch sessions. With ``roles=2`` (the
+   default) every article gives each kind two conversations, the second with ``A`` and ``B``
+   swapped (twice the conversations per kind: a 27-conversation kind moves 3.7 points per
+   conversation).
 5. Conversations (``T`` title, ``P`` the partner's title, ``wA``/``wB`` the shared keywords of
-   A/B, ``wP`` the partner's ``wA``); template family ``0`` or ``1`` (``--family``) picks the
+   A/B, ``wP`` the partner's ``wA``); template family ``0``, ``1`` or ``2`` (``--family``) picks the
    wording, each kind keeps its defining property in both:
 
    ===================  ====================================  ===================================
@@ -65,7 +70,17 @@ TEMPLATES = {
         "nopronoun": "Tell me more about {w}.", "chain3": "Anything on {w} too?",
         "self": "How do they describe {w} in {T}?", "switch": "Now about {T}: what of {w}?",
         "oracle": "Tell me more about {w} in {T}."},
+    # family 2: other rules as well as other words -- the keyword is the shared one with the
+    # highest df (the most ambiguous alone, rule 3b), imperative and long first turns, a
+    # two-word imperative follow-up, a long chain turn, the subject named mid-sentence
+    2: {"first": "Summarize the article on {T} for me, please.",
+        "pronoun": "Can you find the part where it talks about {w}?",
+        "nopronoun": "Explain {w}.", "chain3": "Next I would like the passage that covers {w}, if there is one.",
+        "self": "Explain what {T} says about {w}; is it important there?",
+        "switch": "Different topic: describe {w} in the article on {T}.", "oracle": "Explain {w} in {T}."},
 }
+# family -> which shared keyword of a window is asked about (rule 3 / 3b)
+KEYWORD_PICK = {0: 0, 1: 0, 2: -1}
 
 
 @dataclass
@@ -97,14 +112,15 @@ def windows(body: str) -> list[str]:
     return [w for w in _internals.chunk_chars(body, WINDOW_CHARS, 0) if w.strip()]
 
 
-def build(articles: list[tuple[str, str, str]], family: int = 0, split=None) -> list[Conversation]:
+def build(articles: list[tuple[str, str, str]], family: int = 0, split=None, roles: int = 2) -> list[Conversation]:
     """Conversations over ``articles`` ``[(doc_id, title, body)]`` (rules in the module doc).
     ``split(body) -> [window]`` cuts the windows (default :func:`windows`, 900 characters;
-    over gRPC the server's own chunker, so that window ``i`` is stored chunk ``d#i``).
+    over gRPC the server's own chunker, so that window ``i`` is stored chunk ``d#i``);
+    ``roles`` 1 (targets ``A``, ``B``) or 2 (also ``B``, ``A``) conversations per article and kind.
 
     :raises KeyError: unknown template ``family``.
     """
-    tpl = TEMPLATES[family]
+    tpl, pick = TEMPLATES[family], KEYWORD_PICK[family]
     n = len(articles)
     df: dict[str, int] = {}
     for _, _, body in articles:
@@ -134,15 +150,18 @@ def build(articles: list[tuple[str, str, str]], family: int = 0, split=None) -> 
                 kws.append((df.get(k, 0), pos, shown))
             shared = [s for d, _, s in sorted(kws) if d >= SHARED_MIN_DF]
             if shared:
-                cands.append((i, shared[0]))
+                cands.append((i, shared[pick]))
         if len(cands) < 2:
             continue
         h = int(hashlib.sha256(title.encode("utf-8")).hexdigest(), 16) % len(cands)
         rot = cands[h:] + cands[:h]
         picked.append((doc_id, title, rot[:2]))
     out: list[Conversation] = []
-    for k, (doc_id, title, ((ia, wa), (ib, wb))) in enumerate(picked):
-        pdoc, ptitle, ((ipa, wpa), _) = picked[(k + 1) % len(picked)]
+    for role, k in ((r, k) for r in range(roles) for k in range(len(picked))):
+        doc_id, title, ab = picked[k]
+        pdoc, ptitle, pab = picked[(k + 1) % len(picked)]
+        (ia, wa), (ib, wb) = ab if role == 0 else ab[::-1]
+        ipa, wpa = pab[role]
         if pdoc == doc_id:
             continue
         ta, tb, tpa = f"{doc_id}#{ia}", f"{doc_id}#{ib}", f"{pdoc}#{ipa}"

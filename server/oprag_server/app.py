@@ -95,7 +95,7 @@ class Runtime:
                                     slice_s=self.cfg.batch.ingest_embed_slice_ms / 1000, query_executor=qexec)
         self.embedder.start()
         self.retriever = Retriever(self.pool, self.corpus_stats, self.analyzer, self.cfg.bm25, self.cfg.retrieval)
-        self.memory = Memory(self.pool, self.cfg.memory)
+        self.memory = Memory(self.pool, self.cfg.memory, rewriter=self.generator if self.cfg.memory.condense else None)
         self.query = QueryEngine(
             monitor_fraction=self.cfg.retrieval.monitor_fraction,
             monitor_max_inflight=self.cfg.retrieval.monitor_max_inflight,

@@ -68,6 +68,12 @@ _OPTIONS: tuple[tuple[str, str, str, str], ...] = (
     ("--upsert-batch", "ingest", "upsert_batch", "chunks per coalesced bulk write to a shard"),
     ("--context-tokens", "generate", "context_tokens", "prompt token budget"),
     ("--max-new-tokens", "generate", "default_max_new_tokens", "default new tokens per answer"),
+    ("--memory-condense", "memory", "condense",
+     "with an engine generator (openai, transformers-serve): one short generation rewrites a session's follow-up "
+     "into a standalone question, which becomes its session-context retrieval row"),
+    ("--memory-condense-tokens", "memory", "condense_tokens", "new tokens of the condense generation"),
+    ("--memory-condense-timeout-s", "memory", "condense_timeout_s",
+     "past this the follow-up keeps the default session context (the engine's answer is dropped)"),
     ("--stem", "bm25", "stem", "English stemming in the BM25 analyzer (snowballstemmer)"),
     ("--tls-cert", "security", "tls_cert", "PEM certificate: serve gRPC over TLS"),
     ("--tls-key", "security", "tls_key", "PEM private key of --tls-cert"),

@@ -224,6 +224,9 @@ class MemoryConfig:
     summary_chars: int = 300
     ttl_s: float = 24 * 3600.0  # idle time after which a session's records are dropped
     max_records_total: int = 200_000  # per shard; the least recently active sessions go first
+    condense: bool = False  # with an engine generator: rewrite a follow-up into a standalone question
+    condense_tokens: int = 48  # new tokens of the condense generation
+    condense_timeout_s: float = 10.0  # past it the follow-up keeps the default session context
 
 
 @dataclass(frozen=True)

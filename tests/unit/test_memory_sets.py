@@ -108,3 +108,24 @@ def test_headline_pools_kinds_and_a_custom_split_names_the_targets(tmp_path):
     assert out["followup_top1_with"] == 0.5 and out["followup_top1_oracle"] == 1.0
     assert out["chain_turn3_top1_with"] == 0.0 and out["chain_turn2_top1_with"] == 1.0
     assert out["selfcontained_top1_with"] == 0.5 and out["per_kind"]["nopronoun"]["n"] == 0
+
+
+def test_the_fusion_picks_the_subject_and_the_question_picks_its_passage():
+    from oprag_server.index.analyzer import Analyzer
+
+    names = Analyzer().tokens
+
+    def hit(cid, title, text, dense):
+        return Hit(cid, cid.split("#")[0], title, text, 0.0, dense, 0.0, 0)
+
+    # "Explain the battery." after a turn about the Z900: the context row finds the Z900 manual but
+    # ranks its overview first; the question's own list is a weak tie elsewhere
+    ctx = [hit("z#0", "Z900 manual", "Z900 overview: warranty, price.", 0.6),
+           hit("z#2", "Z900 manual", "Z900 battery: 12 months.", 0.5), hit("z#1", "Z900 manual", "Z900 price.", 0.5)]
+    own = [hit("x#3", "X100 manual", "Garden hose price.", 0.2), hit("x#4", "X100 manual", "Hose reel.", 0.2)]
+    assert [h.chunk_id for h in fuse_lists(own, ctx, 3)] == ["z#0", "z#2", "z#1"]  # the name decides
+    got = fuse_lists(own, ctx, 3, question="Explain the battery.", names=names)
+    assert [h.chunk_id for h in got] == ["z#2", "z#0", "z#1"]  # same positions, the question's passage first
+    # the title's own terms do not count (every passage of the subject has them); other documents stay put
+    got = fuse_lists(own, ctx[::2], 3, question="Explain the Z900.", names=names)
+    assert [h.chunk_id for h in got] == [h.chunk_id for h in fuse_lists(own, ctx[::2], 3)]

@@ -8,7 +8,11 @@ resolved subject of the session's recent turns (newest first, a turn ``a`` turns
 in the same embed and shard calls -- the question alone and the session context, one extra row
 -- and the two ranked lists are fused by reciprocal rank (:func:`fuse_lists`): a chunk both
 lists rank high wins, so a follow-up whose subject is implicit gains from the context row while
-a question that names its own subject keeps the chunks its own list ranks first.
+a question that names its own subject keeps the chunks its own list ranks first. When the
+fusion changed the ranking, the chunks of its top document are put in the order of the
+question's own terms (:func:`passage_order`): the session finds the subject, the question the
+passage. With ``cfg.condense`` and an engine generator, one short generation rewrites the
+follow-up into a standalone question that replaces the session context (:meth:`Memory.condense`).
 
 *Promotion* after an answer writes a compact record through the shard's promote op: the
 question, the retrieval text it resolved to, an answer summary, and its *subject* -- the
@@ -19,7 +23,10 @@ chain of follow-ups therefore keeps its subject. No word list takes part in any 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import logging
+import math
 
 import numpy as np
 
@@ -34,6 +41,8 @@ MIN_WEIGHT = 0.5  # subjects of turns weighted below this are not added to the c
 RRF_K = 10  # reciprocal-rank constant of the list fusion (small: the heads of the lists decide)
 MEMORY_WINDOW = 20  # depth of each of the two fused lists (at least the request's top_k)
 SUBJECT_TERMS = 3  # salient terms kept for an untitled subject
+
+log = logging.getLogger(__name__)
 
 
 def summarise(answer: str, limit: int) -> str:
@@ -89,8 +98,9 @@ def fuse_lists(own: list[Hit], ctx: list[Hit], top_k: int, rrf_k: float = RRF_K,
     (``names``: the analyzer's ``tokens``; it names its subject); else weighted reciprocal-rank
     fusion of the two lists (Cormack et al. 2009, weights :func:`row_weights`):
     ``score = w_own / (rrf_k + rank_own) + w_ctx / (rrf_k + rank_ctx)``, 1-based ranks, a list
-    a chunk is absent from adds 0; ties by the better own rank, then chunk id. The returned hits
-    carry the fused score in ``score``; at most ``top_k``."""
+    a chunk is absent from adds 0; ties by the better own rank, then chunk id; with ``names``
+    the top document's passages are then ordered by the question (:func:`passage_order`). The
+    returned hits carry the fused score in ``score``; at most ``top_k``."""
     if own and ctx and own[0].doc_id == ctx[0].doc_id:
         return own[:top_k]  # both rows agree on the subject: the question's own ranking stands
     if own and names and own[0].title and set(names(own[0].title)) <= set(names(question)):
@@ -102,8 +112,36 @@ def fuse_lists(own: list[Hit], ctx: list[Hit], top_k: int, rrf_k: float = RRF_K,
         for r, h in enumerate(hits, 1):
             score[h.chunk_id] = score.get(h.chunk_id, 0.0) + w / (rrf_k + r)
             best.setdefault(h.chunk_id, h)
-    order = sorted(score, key=lambda c: (-score[c], own_rank.get(c, len(own) + 1), c))[:top_k]
-    return [dataclasses.replace(best[c], score=score[c]) for c in order]
+    order = sorted(score, key=lambda c: (-score[c], own_rank.get(c, len(own) + 1), c))
+    fused = [dataclasses.replace(best[c], score=score[c]) for c in order]
+    return (passage_order(fused, question, names) if names else fused)[:top_k]
+
+
+def passage_order(fused: list[Hit], question: str, names) -> list[Hit]:
+    """The fused list with the chunks of its top document reordered by the question's own terms:
+    the fusion decides the subject, the question decides the passage. Each analysed term ``t``
+    of the question that is not a term of the document's title weighs ``log((n + 1) / (df_t +
+    0.5))`` over the whole fused list (both rows' candidates, ``n`` chunks; ``df_t`` those whose
+    text has it: a BM25-style idf over the candidate pool, so a word that pulled the question's
+    own list to many documents, or that every passage of the subject has, counts little); a
+    chunk of the top document scores the sum over the terms it contains; ties keep the fused order. The chunks keep
+    the positions the document held; other documents' hits do not move. Needed because the
+    session-context row is dominated by the subject's name: it finds the right document but
+    ranks its passages mostly by that name, not by the detail the follow-up asks about."""
+    if not fused:
+        return fused
+    doc = fused[0].doc_id
+    pos = [i for i, h in enumerate(fused) if h.doc_id == doc]
+    sub = [fused[i] for i in pos]
+    terms = set(names(question)) - set(names(sub[0].title or ""))
+    has = [set(names(h.text)) & terms for h in fused]
+    n = len(fused)
+    idf = {t: math.log((n + 1) / (sum(t in x for x in has) + 0.5)) for t in terms}
+    rank = sorted(range(len(sub)), key=lambda i: (-sum(idf[t] for t in has[pos[i]]), i))
+    out = list(fused)
+    for p, i in zip(pos, rank):
+        out[p] = sub[i]
+    return out
 
 
 def session_rows(jobs: list) -> tuple[list, np.ndarray, list[str], list]:
@@ -148,11 +186,41 @@ def salient_terms(analyzer: Analyzer, resolved: str, hits: list[Hit], n: int = S
     return list(dict.fromkeys(t for t in analyzer.tokens(resolved) if t in top and t not in rest))[:n]
 
 
+CONDENSE_SYSTEM = ("Rewrite the follow-up question as one standalone question that names its subject, using the "
+                   "conversation. Reply with the question only.")
+
+
+def condense_messages(question: str, turns: list[MemoryTurn]) -> list[dict[str, str]]:
+    """Chat messages of the condense-question step (the "condense question" prompt of
+    conversational RAG stacks, e.g. LlamaIndex's CondenseQuestionChatEngine): the session's
+    turns oldest first, each with its subject (:func:`subject_text`), then the follow-up."""
+    hist = "\n".join(f"User: {t.question} (about: {subject_text(t)})" for t in reversed(turns))
+    return [{"role": "system", "content": CONDENSE_SYSTEM},
+            {"role": "user", "content": f"Conversation:\n{hist}\nFollow-up question: {question}\nStandalone question:"}]
+
+
+def condensed_text(text: str, limit: int = 400) -> str:
+    """The first non-empty line of a condense generation, without quotes or a ``Standalone
+    question:`` echo, at most ``limit`` characters ("" when nothing is left)."""
+    line = next((x.strip() for x in text.splitlines() if x.strip()), "")
+    if ":" in line and line.split(":", 1)[0].strip().lower().startswith("standalone"):
+        line = line.split(":", 1)[1].strip()
+    return line.strip("\"'` ")[:limit]
+
+
 class Memory:
-    def __init__(self, pool: ShardPool, cfg: MemoryConfig, analyzer: Analyzer | None = None) -> None:
+    def __init__(self, pool: ShardPool, cfg: MemoryConfig, analyzer: Analyzer | None = None,
+                 rewriter=None) -> None:
+        """``rewriter``: an engine generator (``is_engine``, :class:`~oprag_server.models.protocols`
+        ``stream``/``chat_messages``) that condenses follow-ups (``cfg.condense``), or None.
+
+        :raises ValueError: ``rewriter`` is not an engine."""
+        if rewriter is not None and not getattr(rewriter, "is_engine", False):
+            raise ValueError("--memory-condense needs an engine generator (--generator openai or transformers-serve)")
         self.pool = pool
         self.cfg = cfg
         self.analyzer = analyzer or Analyzer()
+        self.rewriter = rewriter
 
     async def lookup(self, questions: list[str], session_ids: list[str]) -> list[MemoryContext]:
         """The session context of a batch of questions from their sessions' recent turns.
@@ -165,12 +233,33 @@ class Memory:
         got, _ = await self.pool.scatter(
             Op.MEMORY_LOOKUP, asking, lambda i: self.pool.owner(session_ids[i]),
             lambda idx: MemoryLookupRequest([session_ids[i] for i in idx], self.cfg.lookup_turns, self.cfg.ttl_s))
-        for pos, rep in got.values():
-            for p, turns in zip(pos, rep.turns):
-                if turns:
-                    i = asking[p]
-                    out[i] = self._context(questions[i], turns)
+        found = [(asking[p], turns) for pos, rep in got.values() for p, turns in zip(pos, rep.turns) if turns]
+        for i, turns in found:
+            out[i] = self._context(questions[i], turns)
+        if self.rewriter is not None and found:
+            rewritten = await asyncio.gather(*[self.condense(questions[i], turns) for i, turns in found])
+            for (i, _), text in zip(found, rewritten):
+                if text:
+                    out[i].context_text = text
         return out
+
+    async def condense(self, question: str, turns: list[MemoryTurn]) -> str:
+        """One short greedy generation (``cfg.condense_tokens``) that rewrites ``question`` into
+        a standalone question from its session's ``turns`` (:func:`condense_messages`); "" when
+        the engine fails or takes longer than ``cfg.condense_timeout_s`` (the follow-up keeps
+        the default session context)."""
+        from ..models.protocols import EngineUsage
+
+        parts: list[str] = []
+        try:
+            async with asyncio.timeout(self.cfg.condense_timeout_s):
+                async for delta in self.rewriter.stream(condense_messages(question, turns), self.cfg.condense_tokens,
+                                                        EngineUsage()):
+                    parts.append(delta)
+        except Exception as exc:  # noqa: BLE001 - best effort: the default context stands
+            log.warning("condense-question step failed (%s: %s); default session context used", type(exc).__name__, exc)
+            return ""
+        return condensed_text("".join(parts))
 
     @staticmethod
     def _context(question: str, turns: list[MemoryTurn]) -> MemoryContext:
