@@ -12,12 +12,13 @@
 #  1. install the carried wheels into /tmp/site (skipped when .whl/ is absent or NO_WHEELS=1)
 #  2. write random weights: Llama-3-8B dimensions with SmolLM2's vocabulary, MiniLM-shaped encoder
 #     (bench/device/make_models.py)
-#  3. ingest-embedding throughput of the server's encoder, float32 vs bfloat16 (SDPA)
-#     (python -m bench.device.embed_gpu)
+#     (meanwhile OpRAG's corpus is loaded in the background: bench.serving --ingest-only)
 #  4. start `transformers serve --continuous-batching --dtype bfloat16` on the model, wait for
 #     /health, warm it with one request
 #  5. python -m bench.serving --engine-url ... (OpRAG started by the bench with
 #     --generator openai, >= 100K chunks with vectors supplied by the bench)
+#  3. (last, engine stopped) ingest-embedding throughput of the server's encoder, float32 vs
+#     bfloat16 (SDPA) (python -m bench.device.embed_gpu)
 #  6. merge everything into $OUT/gpu.json (one file; the step logs are next to it)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -34,7 +35,7 @@ if [ "$TINY" = 1 ]; then
   DEVICE=cpu; CHUNKS=${CHUNKS:-3000}; EMBED_CHUNKS=40; EMBED_ARGS="--dtypes float32 --batches 8 --rounds 1"; CONC=${CONC:-1,4}; TINYFLAG=--tiny
   SHARDS=2; SERVING_EXTRA=${SERVING_EXTRA:---quick --settings A=8,C=2}
 else
-  DEVICE=cuda; CHUNKS=${CHUNKS:-100000}; EMBED_CHUNKS=20000; EMBED_ARGS=; CONC=${CONC:-1,8,32,64}; TINYFLAG=
+  DEVICE=cuda; CHUNKS=${CHUNKS:-100000}; EMBED_CHUNKS=10000; EMBED_ARGS="--rounds 2"; CONC=${CONC:-1,8,32,64}; TINYFLAG=
   SHARDS=4
   SERVING_EXTRA=${SERVING_EXTRA:---settings A=8,B=64,C=1 --duration 6 --warmup 2 --overload-duration 10 --cancels 10}
 fi
@@ -82,12 +83,6 @@ else
 fi
 log "models: $(cat "$OUT/models.json" | head -c 300)"
 
-# 3. ingest embedding on the device
-log "embedding throughput ($EMBED_CHUNKS chunks)"
-timeout 120 $PY -m bench.device.embed_gpu --encoder "$ENC" --device "$DEVICE" --chunks $EMBED_CHUNKS $EMBED_ARGS \
-  --json "$OUT/embed.json" > "$OUT/embed.log" 2>&1 || log "embed_gpu failed or timed out (see embed.log)"
-log "embed: $(grep -o '"embed_forward_chunks_per_s_best".*' "$OUT/embed.json" 2>/dev/null | head -c 200)"
-
 # 4. the engine
 log "starting transformers serve --continuous-batching on $DEVICE"
 DEV_ARG=cuda:0; [ "$DEVICE" = cpu ] && DEV_ARG=cpu
@@ -109,23 +104,34 @@ log "engine warm in $(( $(date +%s) - T )) s: $(head -c 200 "$OUT/engine_warm.js
 T=$(date +%s)
 LONG=$(printf 'retrieved passage text about the subject %.0s' $(seq 1 60))
 for burst in 64 8; do
+  PIDS=
   for i in $(seq 1 $burst); do
     curl -s -m 120 "http://127.0.0.1:$ENGINE_PORT/v1/chat/completions" -H 'content-type: application/json' \
       -d "{\"model\":\"$LLM\",\"messages\":[{\"role\":\"user\",\"content\":\"$i $LONG\"}],\"max_tokens\":8}" >/dev/null &
+    PIDS="$PIDS $!"
   done
-  wait
+  wait $PIDS  # only the curls: the engine and the ingest are background jobs too
 done
 log "engine burst warm-up in $(( $(date +%s) - T )) s"
 
 # 5. OpRAG in front of the engine
 wait $INGEST_PID || log "background ingest failed (see ingest.log)"
 log "ingest: $(tail -c 300 "$OUT/ingest.json")"
-LIMIT=$(( $(left) - 15 ))
+LIMIT=$(( $(left) - 60 ))  # leaves ~45 s for the embedding figure and the JSON
 log "bench.serving --engine-url ($CHUNKS chunks, concurrency $CONC, limit ${LIMIT} s)"
 timeout $LIMIT $PY -m bench.serving --engine-url "http://127.0.0.1:$ENGINE_PORT/v1" --engine-model "$LLM" \
   --chunks $CHUNKS --shards $SHARDS --concurrency $CONC --json "$OUT/serving.json" $SERVING_EXTRA \
   > "$OUT/serving.log" 2>&1 || log "bench.serving failed or timed out (rc $?; see serving.log)"
 nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv >> "$OUT/env.txt" 2>/dev/null
+
+# 3. ingest embedding on the device (after the serving run: the engine is stopped first, and
+#    the serving figures come first if time runs short)
+log "embedding throughput ($EMBED_CHUNKS chunks)"
+EMBED_LIMIT=$(( $(left) > 100 ? 100 : $(left) ))
+kill -- -$ENGINE_PID 2>/dev/null; kill $ENGINE_PID 2>/dev/null; ENGINE_PID=; sleep 3
+timeout $EMBED_LIMIT $PY -m bench.device.embed_gpu --encoder "$ENC" --device "$DEVICE" --chunks $EMBED_CHUNKS $EMBED_ARGS \
+  --json "$OUT/embed.json" > "$OUT/embed.log" 2>&1 || log "embed_gpu failed or timed out (see embed.log)"
+log "embed: $(grep -o '"embed_forward_chunks_per_s_best".*' "$OUT/embed.json" 2>/dev/null | head -c 200)"
 
 # 6. one JSON
 $PY - "$OUT" <<'PY'
