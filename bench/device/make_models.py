@@ -93,9 +93,11 @@ def main() -> None:
     ap.add_argument("--encoder", type=Path, required=True)
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--only", choices=("both", "encoder", "llm"), default="both")
     a = ap.parse_args()
-    info = make_encoder(a.encoder_src, a.encoder)
-    info.update(make_llm(a.tokenizer, a.llm, a.tiny, a.device))
+    info = make_encoder(a.encoder_src, a.encoder) if a.only != "llm" else {}
+    if a.only != "encoder":
+        info.update(make_llm(a.tokenizer, a.llm, a.tiny, a.device))
     print(json.dumps(info))
 
 

@@ -60,24 +60,27 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTH
 log "env: $(tail -1 "$OUT/env.txt")"
 command -v transformers >/dev/null || { log "no 'transformers' command (transformers[serving] missing)"; exit 2; }
 
+# 2. models: the encoder first (OpRAG's servers load it at start), then the LLM
+LLM=$WORK/llm; ENC=$WORK/encoder
+MM="$PY bench/device/make_models.py --tokenizer .devcarry/llm-tokenizer --llm $LLM --encoder-src .devcarry/encoder --encoder $ENC $TINYFLAG --device $DEVICE"
+[ -f "$ENC/config.json" ] || timeout 60 $MM --only encoder > "$OUT/models_encoder.json" 2> "$OUT/models.log" \
+  || { log "encoder weights failed"; tail -20 "$OUT/models.log"; exit 3; }
+SRV_ARGS="--server-arg=--embedder --server-arg=$ENC"
 # OpRAG's corpus is loaded in the background (CPU) while the models are written and the engine
 # loads (GPU, disk); bench.serving below finds the data dir full and reuses it.
 ENGINE_PORT=${ENGINE_PORT:-8765}
 log "loading $CHUNKS chunks into OpRAG in the background ($SHARDS shards)"
 $PY -m bench.serving --engine-url "http://127.0.0.1:$ENGINE_PORT/v1" --ingest-only --chunks $CHUNKS \
-  --shards $SHARDS --ingest-streams 4 > "$OUT/ingest.json" 2> "$OUT/ingest.log" &
+  --shards $SHARDS --ingest-streams 4 $SRV_ARGS > "$OUT/ingest.json" 2> "$OUT/ingest.log" &
 INGEST_PID=$!
 ENGINE_PID=
 cleanup() { kill $INGEST_PID 2>/dev/null; [ -n "$ENGINE_PID" ] && { kill -- -$ENGINE_PID 2>/dev/null; kill $ENGINE_PID 2>/dev/null; }; }
 trap cleanup EXIT
 
-# 2. models
-LLM=$WORK/llm; ENC=$WORK/encoder
-if [ ! -f "$LLM/config.json" ] || [ ! -f "$ENC/config.json" ]; then
+if [ ! -f "$LLM/config.json" ]; then
   log "writing random-weight models"
-  timeout 240 $PY bench/device/make_models.py --tokenizer .devcarry/llm-tokenizer --llm "$LLM" \
-    --encoder-src .devcarry/encoder --encoder "$ENC" $TINYFLAG --device "$DEVICE" \
-    > "$OUT/models.json" 2> "$OUT/models.log" || { log "make_models failed"; tail -20 "$OUT/models.log"; exit 3; }
+  timeout 240 $MM --only llm > "$OUT/models.json" 2>> "$OUT/models.log" \
+    || { log "make_models failed"; tail -20 "$OUT/models.log"; exit 3; }
 else
   echo '{"reused": true}' > "$OUT/models.json"
 fi
@@ -120,7 +123,7 @@ log "ingest: $(tail -c 300 "$OUT/ingest.json")"
 LIMIT=$(( $(left) - 60 ))  # leaves ~45 s for the embedding figure and the JSON
 log "bench.serving --engine-url ($CHUNKS chunks, concurrency $CONC, limit ${LIMIT} s)"
 timeout $LIMIT $PY -m bench.serving --engine-url "http://127.0.0.1:$ENGINE_PORT/v1" --engine-model "$LLM" \
-  --chunks $CHUNKS --shards $SHARDS --concurrency $CONC --json "$OUT/serving.json" $SERVING_EXTRA \
+  --chunks $CHUNKS --shards $SHARDS --concurrency $CONC --json "$OUT/serving.json" $SERVING_EXTRA $SRV_ARGS \
   > "$OUT/serving.log" 2>&1 || log "bench.serving failed or timed out (rc $?; see serving.log)"
 nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv >> "$OUT/env.txt" 2>/dev/null
 
