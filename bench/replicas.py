@@ -31,11 +31,15 @@ from .cluster import DIM, _Health, _Metrics, _pct, ingest, search_request, top_c
 
 
 async def replica_loss(S, data_dir: Path, *, kills: int = 5, chunks_per_doc: int = 5, docs_per_txn: int = 20,
-                       warm_txns: int = 5, timeout_s: float = 60.0) -> dict:
-    """See the module doc. :returns: counts and times."""
+                       warm_txns: int = 5, timeout_s: float = 60.0, cluster=None) -> dict:
+    """See the module doc; with ``cluster`` (a ``ray.cluster_utils.Cluster``) the replicas are
+    Ray actors (one bundle each, SPREAD) and a kill removes the node holding the replica (a
+    fresh node joins as the spare). :returns: counts and times."""
     loop = asyncio.get_running_loop()
     P = S.protocol
-    pool = S.ShardPool(2, DIM, data_dir, replicas=2)
+    transport = S.PipeTransport if cluster is None else \
+        S.RayPlacement(S.RayConfig(address=cluster.address, ping_s=0.25), 2, 2)
+    pool = S.ShardPool(2, DIM, data_dir, replicas=2, transport=transport)
     lock = S.RWLock()
     cp = S.CommitProtocol(pool, S.CorpusStats(), lock)
     cp.open_log(data_dir / "commits.log")
@@ -79,11 +83,17 @@ async def replica_loss(S, data_dir: Path, *, kills: int = 5, chunks_per_doc: int
     while len(acked) < warm_txns:
         await asyncio.sleep(0.05)
     shard = pool.clients[0]
-    serving_s = []
+    serving_s, nodes = [], []
     for k in range(kills):
         r = k % 2
         old = shard.reps[r]
-        old.proc.kill()  # SIGKILL
+        if cluster is None:
+            old.proc.kill()  # SIGKILL
+        else:
+            nodes.append([t.node_id for t in shard.reps])
+            node = next(n for n in cluster.worker_nodes if n.node_id == old.node_id)
+            cluster.remove_node(node, allow_graceful=False)
+            cluster.add_node(num_cpus=1)
         t0 = time.perf_counter()
         while shard.reps[r] is old or not shard.serving[r]:
             if time.perf_counter() - t0 > timeout_s:
@@ -119,17 +129,33 @@ async def replica_loss(S, data_dir: Path, *, kills: int = 5, chunks_per_doc: int
             "acked_docs_lost": sum(d not in present for docs in acked.values() for d in docs),
             "documents_after": docs, "identical_results": bool(identical),
             "catch_up_s": [round(x, 2) for x in rec], "catch_up_p50_s": round(_pct(rec, 50), 2) if rec else None,
-            "kill_to_serving_s": [round(x, 2) for x in serving_s]}
+            "kill_to_serving_s": [round(x, 2) for x in serving_s],
+            **({"replicas_on_distinct_nodes": all(len(set(n)) == 2 for n in nodes)} if cluster is not None else {})}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.replicas", description=__doc__.split("\n\n")[0])
     ap.add_argument("--kills", type=int, default=5)
+    ap.add_argument("--ray", action="store_true", help="replicas as Ray actors on a 5-node local Ray cluster")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     res: dict = {"load_before": os.getloadavg()}
-    with tempfile.TemporaryDirectory() as tmp:
-        res["replica_loss"] = asyncio.run(replica_loss(_internals.shard_plane(), Path(tmp), kills=a.kills))
+    cluster = None
+    if a.ray:
+        from .cluster import start_cluster
+
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        cluster = start_cluster(workers=5)  # 4 bundles + a spare
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            res["replica_loss"] = asyncio.run(replica_loss(_internals.shard_plane(), Path(tmp), kills=a.kills,
+                                                           cluster=cluster))
+    finally:
+        if cluster is not None:
+            import ray
+
+            ray.shutdown()
+            cluster.shutdown()
     res["load_after"] = os.getloadavg()
     print(json.dumps(res) if a.json else json.dumps(res, indent=1))
     return 0

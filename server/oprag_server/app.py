@@ -49,7 +49,7 @@ def _placement(cfg: ServerConfig) -> dict:
         return {}
     from .shards.ray_transport import RayPlacement
 
-    return {"transport": RayPlacement(cfg.ray, cfg.shards)}
+    return {"transport": RayPlacement(cfg.ray, cfg.shards, cfg.replicas)}
 
 
 class Runtime:

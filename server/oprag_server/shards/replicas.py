@@ -69,7 +69,7 @@ class ReplicaSet(ShardTransport):
 
     def _make(self, r: int) -> ShardTransport:
         t = self.factory(self.shard_id, self.dim, replica_dir(self.data_dir, r), self.stem)
-        t.dense = self.dense
+        t.dense, t.replica = self.dense, r
         return t
 
     def _stale(self, r: int, on: bool) -> None:
@@ -229,6 +229,7 @@ class ReplicaSet(ShardTransport):
         if not self.is_alive():
             for r in range(self.r):
                 self.reps[r].kill()
+                self.reps[r].close()
                 self.reps[r] = self._make(r)
             self.start(committed)
             return self.ready(loop, timeout_s)
@@ -263,6 +264,7 @@ class ReplicaSet(ShardTransport):
             except BaseException:
                 self.backlog.pop(r, None)
                 raise
+        await loop.run_in_executor(None, self.reps[r].close)  # (killed: at once) its threads, its channel
         new = self._make(r)
         self.reps[r] = new
         try:
