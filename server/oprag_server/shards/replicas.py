@@ -233,13 +233,17 @@ class ReplicaSet(ShardTransport):
                 self.reps[r] = self._make(r)
             self.start(committed)
             return self.ready(loop, timeout_s)
+        failed = []
         for r in range(self.r):
-            if not self.serving[r] and r not in self.backlog:
+            if r not in self.backlog and not (self.serving[r] and self.reps[r].is_alive()):
                 try:
                     asyncio.run_coroutine_threadsafe(self.catch_up(r, committed, timeout_s), loop).result()
-                except Exception:  # noqa: BLE001 - retried on the supervisor's next round
-                    log.exception("shard %d replica %d did not catch up", self.shard_id, r)
-        src = next(r for r in range(self.r) if self.serving[r])
+                except Exception as exc:  # noqa: BLE001 - the others still try; raised below
+                    failed.append(f"replica {r}: {type(exc).__name__}: {exc}")
+        up = [r for r in range(self.r) if self.serving[r] and self.reps[r].is_alive()]
+        if failed or not up:  # the supervisor retries on its next round
+            raise ShardError(f"shard {self.shard_id}: {'; '.join(failed) or 'no replica serving'}")
+        src = up[0]
 
         async def stats() -> StatsReply:
             return await self._one(src, Op.STATS, StatsRequest(lexical=True))
@@ -253,7 +257,8 @@ class ReplicaSet(ShardTransport):
         if self.data_dir is None:
             raise ShardError(f"shard {self.shard_id}: a memory-only replica cannot catch up")
         self._down(r, "catching up")
-        src = min((s for s in range(self.r) if self.serving[s]), key=lambda s: self.outstanding[s])
+        src = min((s for s in range(self.r) if s != r and self.serving[s] and self.reps[s].is_alive()),
+                  key=lambda s: self.outstanding[s])
         loop = asyncio.get_running_loop()
         async with self._snap:
             snap = self._one(src, Op.SNAPSHOT, SnapshotRequest())  # sent now, the cut: later writes go to the backlog
