@@ -63,7 +63,8 @@ def test_replica_killed_under_load_fails_nothing_and_catches_up(tmp_path):
             def writer():
                 n = 0
                 while not stop.is_set():
-                    docs = [Doc(f"w{n}-{j}", f"Ferry timetable {n} winter sailing {j} from the harbour.") for j in range(2)]
+                    docs = [Doc(f"w{n}-{j}", f"Ferry timetable {n} winter sailing {j} from the harbour.")
+                            for j in range(2)]
                     try:
                         c.ingest(docs)
                         acked.extend(d.id for d in docs)

@@ -163,9 +163,10 @@ class RayPlacement:
                 _LOCAL.started = self.cfg.address == "local"
             _LOCAL.users.add(self)
             if self.pg is None:
-                pg = placement_group([{"CPU": self.cfg.shard_cpus}] * (self.n * self.replicas), strategy=self.cfg.strategy)
+                nb = self.n * self.replicas
+                pg = placement_group([{"CPU": self.cfg.shard_cpus}] * nb, strategy=self.cfg.strategy)
                 if not pg.wait(timeout_s):
-                    raise RuntimeError(f"Ray could not place {self.n * self.replicas} shard bundles of {self.cfg.shard_cpus} CPU "
+                    raise RuntimeError(f"Ray could not place {nb} shard bundles of {self.cfg.shard_cpus} CPU "
                                        f"({self.cfg.strategy}) within {timeout_s:.0f} s")
                 self.pg = pg
             return ray
@@ -180,7 +181,8 @@ class RayPlacement:
         cls = ray.remote(ShardActor).options(
             num_cpus=self.cfg.shard_cpus, max_restarts=self.cfg.max_restarts, max_task_retries=0,
             max_concurrency=1, name=None,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=replica * self.n + shard_id))
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.pg, placement_group_bundle_index=replica * self.n + shard_id))
         # absolute: an actor does not run in the frontend's working directory
         return cls.remote(shard_id, dim, str(Path(data_dir).resolve()) if data_dir else None, stem, dense)
 
@@ -232,7 +234,8 @@ class RayTransport(ShardTransport):
 
     # -- life cycle -------------------------------------------------------------------------
     def start(self, committed: set[str] | None) -> None:
-        self.actor = self.placement.new_actor(self.shard_id, self.dim, self.data_dir, self.stem, self.dense, self.replica)
+        self.actor = self.placement.new_actor(self.shard_id, self.dim, self.data_dir, self.stem, self.dense,
+                                              self.replica)
         self._load_ref = self.actor.load.remote(committed or set())
 
     def ready(self, loop: asyncio.AbstractEventLoop, timeout_s: float) -> StatsReply:
