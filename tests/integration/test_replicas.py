@@ -1,6 +1,7 @@
 """``--shards 2 --replicas 2``: a replica process SIGKILLed under mixed ingest + query load fails
 no request and loses no acknowledged document; it comes back with every acknowledged write
-(proved by killing its sibling once it serves: the shard then answers from it alone)."""
+(proved by killing its sibling once it serves: the shard then answers from it alone), and after
+a clean restart every replica serves the same corpus."""
 
 from __future__ import annotations
 
@@ -113,5 +114,10 @@ def test_replica_killed_under_load_fails_nothing_and_catches_up(tmp_path):
                 assert time.time() < deadline, "replica 1 of shard 0 did not serve again"
                 time.sleep(0.1)
             assert _snapshot(c) == before and c.health() == "SERVING"
+        srv.stop()  # a clean restart: every replica loads its own directory and serves
+        srv.start()
+        with OpRAGClient(srv.target, timeout=30) as c:
+            assert c.stats().documents == 20 + len(acked) and _snapshot(c) == before
+            assert len(_replicas(srv.proc.pid, data)) == 4 and not list(data.rglob("STALE"))
     finally:
         srv.stop()
