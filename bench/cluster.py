@@ -23,6 +23,11 @@ no shard reported missing), ``partial_results``, ``failed_writes`` (UNAVAILABLE 
 ``kill_to_serving_s`` (node kill until the shard serves on another node), and whether results equal those of an in-process reference fed the
 same committed transactions (``identical_results``).
 
+Replicas (R = 2, :func:`bench.replicas.replica_loss`): ``replica_loss_pipes`` SIGKILLs a
+replica process of shard 0 ``--kills`` times (alternately replica 0 and 1, each once its
+sibling serves again), ``replica_loss_ray`` removes the node holding it (5 one-CPU workers):
+``failed_requests`` (writes + queries), ``acked_docs_lost``, ``identical_results``, ``catch_up_s``.
+
 Server internals come through ``bench/_internals.py`` (:func:`~bench._internals.shard_plane`).
 """
 
@@ -297,13 +302,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunks", type=int, default=12_000)
     ap.add_argument("--kills", type=int, default=5)
     ap.add_argument("--data-plane-only", action="store_true")
+    ap.add_argument("--replicas-only", action="store_true", help="only the R = 2 replica-loss runs")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     S = _internals.shard_plane()
     res: dict = {"load_before": os.getloadavg()}
-    res["data_plane"] = asyncio.run(data_plane(S, a.rounds, a.chunks))
-    if not a.data_plane_only:
+    if not a.replicas_only:
+        res["data_plane"] = asyncio.run(data_plane(S, a.rounds, a.chunks))
+    if not (a.data_plane_only or a.replicas_only):
         import ray
 
         ray.shutdown()
@@ -311,6 +318,21 @@ def main(argv: list[str] | None = None) -> int:
         try:
             with tempfile.TemporaryDirectory() as tmp:
                 res["node_loss"] = asyncio.run(node_loss(S, cluster, Path(tmp), kills=a.kills))
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+    if not a.data_plane_only:  # R = 2 (bench/replicas.py): replica processes SIGKILLed, then Ray nodes removed
+        import ray
+
+        from .replicas import replica_loss
+
+        with tempfile.TemporaryDirectory() as tmp:
+            res["replica_loss_pipes"] = asyncio.run(replica_loss(S, Path(tmp), kills=a.kills))
+        ray.shutdown()
+        cluster = start_cluster(workers=5)  # 4 replica bundles + a spare
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                res["replica_loss_ray"] = asyncio.run(replica_loss(S, Path(tmp), kills=a.kills, cluster=cluster))
         finally:
             ray.shutdown()
             cluster.shutdown()

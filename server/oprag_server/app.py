@@ -49,7 +49,7 @@ def _placement(cfg: ServerConfig) -> dict:
         return {}
     from .shards.ray_transport import RayPlacement
 
-    return {"transport": RayPlacement(cfg.ray, cfg.shards)}
+    return {"transport": RayPlacement(cfg.ray, cfg.shards, cfg.replicas)}
 
 
 class Runtime:
@@ -61,7 +61,7 @@ class Runtime:
         self.generator = generator
         self.metrics = Metrics()
         self.pool = ShardPool(cfg.shards, encoder.dim, cfg.data_dir, stem=cfg.bm25.stem, dense=cfg.dense,
-                              **_placement(cfg))
+                              replicas=cfg.replicas, **_placement(cfg))
         self.corpus_stats = CorpusStats()
         self.analyzer = Analyzer(stem=cfg.bm25.stem)
         self.lock = RWLock()

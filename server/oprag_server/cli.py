@@ -28,6 +28,9 @@ _OPTIONS: tuple[tuple[str, str, str, str], ...] = (
      "export each request's executed plan as OpenTelemetry spans to this OTLP/gRPC endpoint (extra 'otel')"),
     ("--data-dir", "", "data_dir", "shard snapshots and write-ahead logs"),
     ("--shards", "", "shards", "shard processes"),
+    ("--replicas", "", "replicas",
+     "processes per shard: writes go to every live replica, reads to the least busy; with 2+ one replica down "
+     "fails no request"),
     ("--embedder", "embed", "model", "'minilm' or a local encoder directory"),
     ("--generator", "generate", "model",
      "'smollm2' (= 'builtin'), a local HF causal LM directory, 'none', 'openai' (an OpenAI-compatible engine), "

@@ -305,6 +305,7 @@ class ServerConfig:
     otlp_endpoint: str | None = None  # OpenTelemetry traces over OTLP/gRPC (service/tracing.py); None = off
     data_dir: Path = Path("./oprag-data")
     shards: int = 2
+    replicas: int = 1  # processes (or Ray actors) per shard, see shards/replicas.py
     chunking: ChunkingConfig = field(default_factory=ChunkingConfig)
     bm25: BM25Config = field(default_factory=BM25Config)
     retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
@@ -322,6 +323,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.shards <= 64:
             raise ValueError(f"shards must be in [1, 64], got {self.shards}")
+        if not 1 <= self.replicas <= 8:
+            raise ValueError(f"replicas must be in [1, 8], got {self.replicas}")
         for name, port in (("port", self.port), ("metrics port", self.metrics_port), ("HTTP port", self.http_port)):
             if not 0 <= port <= 65535:
                 raise ValueError(f"{name} must be in [0, 65535], got {port}")

@@ -93,6 +93,10 @@ def check_data_dir(cfg: ServerConfig, dim: int, embedder: str) -> None:
             )
         if old.get("dim") != dim:
             raise RuntimeError(f"{d} holds {old.get('dim')}-dimensional vectors; the embedder produces {dim}")
+        stale = sorted(str(p.parent.relative_to(d)) for p in d.glob("shard-*/STALE"))
+        if stale and cfg.replicas == 1:  # replica 0 missed writes its siblings hold (shards/replicas.py)
+            raise RuntimeError(f"{d}: replica 0 of {', '.join(stale)} is behind its siblings; start with the "
+                               f"--replicas the corpus ran with (it catches up), then lower it")
     else:
         meta_path.write_text(json.dumps({"format": DATA_FORMAT, "shards": cfg.shards, "dim": dim, "embedder": embedder}))
 

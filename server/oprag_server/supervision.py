@@ -72,8 +72,10 @@ class ShardSupervisor:
         self.metrics.shards_up.set(self.pool.n - len(dead))
         await self.set_health(not dead)
         back = []
-        for i in dead:
-            log.error("shard %d is down; restarting it", i)
+        # a shard with R >= 2 that serves with a replica down: revive the replica (health stays SERVING)
+        degraded = [i for i in getattr(self.pool, "degraded_shards", list)() if i not in dead]
+        for i in dead + degraded:
+            log.error("shard %d is down; restarting it" if i in dead else "shard %d: a replica is down; reviving it", i)
             t = time.perf_counter()
             try:
                 await self.restart(i)

@@ -5,7 +5,8 @@ incomplete result as partial, and the shard serves again on another node with th
 in-process reference gives for the same committed transactions. And ``oprag serve
 --ray-address local`` serves end to end.
 
-Skipped without the 'ray' extra; about 1.5 minutes on 2 cores. ``-m "not ray"`` leaves it
+Skipped without the 'ray' extra; about 1.5 minutes on 2 cores (plus about 1 minute for the
+replica test, marked ``slow``). ``-m "not ray"`` leaves it
 out; ``python -m bench.cluster`` runs the 5-kill version with the data-plane figures.
 """
 
@@ -45,6 +46,25 @@ def test_node_loss_loses_no_acknowledged_document_and_flags_partial_results(thre
     assert res["partial_results"] > 0 and res["silent_partial_results"] == 0 and res["failed_queries"] == 0, res
     assert res["failed_writes"] > 0, res  # writes were refused (UNAVAILABLE) while the shard was down
     assert res["identical_results"], res
+
+
+@pytest.mark.slow
+def test_replicas_on_ray_a_node_loss_fails_no_request(tmp_path):
+    """``--replicas 2`` as Ray actors (4 bundles, SPREAD over 5 one-CPU nodes): the node holding
+    a replica of shard 0 is removed under load, then (once it serves again) the node holding its
+    sibling: no request fails, no acknowledged document is lost, results are unchanged."""
+    from bench.replicas import replica_loss
+
+    c = harness.start_cluster(workers=5)
+    try:
+        res = asyncio.run(replica_loss(_internals.shard_plane(), tmp_path, kills=2, cluster=c))
+    finally:
+        ray.shutdown()
+        c.shutdown()
+    assert res["replicas_on_distinct_nodes"], res
+    assert res["failed_requests"] == 0 and res["partial_results"] == 0 and res["queries"] > 0, res
+    assert res["acked_docs"] > 0 and res["acked_docs_lost"] == 0, res
+    assert res["documents_after"] == res["acked_docs"] and res["identical_results"], res
 
 
 def test_serve_with_ray_address_local(tmp_path):

@@ -51,3 +51,9 @@ def test_no_default_literal_is_repeated_in_the_cli():
 def test_a_bad_value_fails_with_status_2(capsys):
     assert cli.main(["--chunk-size", "0"]) == 2
     assert "chunk size must be > 0" in capsys.readouterr().err
+
+
+def test_replicas_reach_the_config_and_are_bounded(capsys):
+    assert cfg().replicas == 1 and cfg("--replicas", "2").replicas == 2
+    assert cli.main(["--replicas", "0"]) == 2
+    assert "replicas must be in [1, 8]" in capsys.readouterr().err

@@ -23,6 +23,16 @@ def test_data_dir_is_recorded_then_checked(tmp_path):
         startup.check_data_dir(cfg, 16, "hashing")
 
 
+def test_a_stale_replica_zero_refuses_a_single_replica_start(tmp_path):
+    cfg = ServerConfig(data_dir=tmp_path / "d", shards=2)
+    startup.check_data_dir(cfg, 384, "minilm")
+    (tmp_path / "d" / "shard-1").mkdir()
+    (tmp_path / "d" / "shard-1" / "STALE").write_bytes(b"")
+    with pytest.raises(RuntimeError, match="replica 0 of shard-1 is behind its siblings"):
+        startup.check_data_dir(cfg, 384, "minilm")
+    startup.check_data_dir(ServerConfig(data_dir=tmp_path / "d", shards=2, replicas=2), 384, "minilm")
+
+
 def test_data_dir_lock_is_exclusive(tmp_path):
     f = startup.lock_data_dir(tmp_path / "d")
     try:

@@ -119,3 +119,18 @@ def test_restart_shard_respawns_and_resums_statistics():
     finally:
         CorpusStats.merge_full = orig
     assert pool.restarted == [(1, {"t1"})] and merged == [["s0", "s1"]]
+
+
+def test_a_shard_serving_with_a_replica_down_stays_serving_and_the_replica_is_revived():
+    pool, health, metrics = Pool(2), Health(), Metrics()
+    pool.degraded_shards = lambda: [0] if not pool.restarted else []
+    restarted = []
+
+    async def restart(i):
+        restarted.append(i)
+        pool.restart(i, None, set())
+
+    sup = ShardSupervisor(pool, restart, health, ("",), metrics)
+    assert asyncio.run(sup.check()) == [0]
+    assert health.calls == [("", SERVING)] and restarted == [0] and metrics.shards_up._value.get() == 2
+    assert asyncio.run(sup.check()) == [] and restarted == [0]

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .protocol import Op, ShutdownRequest, StatsReply
+from .replicas import ReplicaSet
 from .transport import PipeTransport, ShardError, ShardTransport
 
 __all__ = ["ShardError", "ShardPool", "route"]
@@ -39,10 +40,13 @@ class ShardPool:
     :param data_dir: parent directory of the shards' snapshots (None = in memory only).
     :param transport: ``(shard_id, dim, data_dir, stem) -> ShardTransport`` (default: a
         process per shard).
+    :param replicas: transports per shard; above 1 each shard is a :class:`~.replicas.ReplicaSet`
+        (writes to every live replica, reads to the least busy one).
     """
 
     def __init__(self, n: int, dim: int, data_dir: Path | None, stem: bool = False,
-                 transport: TransportFactory = PipeTransport, dense: Any = None) -> None:
+                 transport: TransportFactory = PipeTransport, dense: Any = None, replicas: int = 1) -> None:
+        self.replicas = replicas
         self.n = n
         self.dense = dense  # DenseConfig of every shard (None = flat)
         self.dim = dim
@@ -59,7 +63,7 @@ class ShardPool:
         :returns: each shard's READY stats (full BM25 statistics, ``replayed``).
         :raises ShardError: a shard failed to load or did not report READY in time.
         """
-        clients = [self.transport(i, self.dim, self.data_dir, self.stem) for i in range(self.n)]
+        clients = [self._make(i) for i in range(self.n)]
         for c in clients:
             c.dense = self.dense
             c.start(committed)
@@ -76,12 +80,21 @@ class ShardPool:
         if revive is not None:
             return revive(loop, committed, timeout_s)
         self.clients[i].kill()
-        new = self.transport(i, self.dim, self.data_dir, self.stem)
+        new = self._make(i)
         new.dense = self.dense
         new.start(committed)
         res = new.ready(loop, timeout_s)
         self.clients[i] = new
         return res
+
+    def _make(self, i: int) -> ShardTransport:
+        if self.replicas > 1:
+            return ReplicaSet(i, self.dim, self.data_dir, self.stem, self.replicas, self.transport)
+        return self.transport(i, self.dim, self.data_dir, self.stem)
+
+    def degraded_shards(self) -> list[int]:
+        """Shards that serve with a replica down (for supervision: revive the replica)."""
+        return [c.shard_id for c in self.clients if getattr(c, "degraded", bool)()]
 
     def down_shards(self) -> list[int]:
         """Shards known to be down (for supervision)."""

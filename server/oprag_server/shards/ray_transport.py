@@ -132,11 +132,13 @@ class RayPlacement:
     (it is the ``transport`` factory of :class:`~.pool.ShardPool`).
 
     :param cfg: a :class:`~oprag_server.config.RayConfig` (address, strategy, max_restarts,
-        shard_cpus, ping_s). :param n: shards (one bundle each).
+        shard_cpus, ping_s). :param n: shards. :param replicas: replicas per shard (one bundle
+        each; replica ``r`` of shard ``i`` in bundle ``r * n + i``, so SPREAD puts a shard's
+        replicas on different nodes when there are enough, STRICT_SPREAD always).
     """
 
-    def __init__(self, cfg: Any, n: int) -> None:
-        self.cfg, self.n = cfg, n
+    def __init__(self, cfg: Any, n: int, replicas: int = 1) -> None:
+        self.cfg, self.n, self.replicas = cfg, n, replicas
         self.pg: Any = None
         self._lock = threading.Lock()
 
@@ -161,22 +163,26 @@ class RayPlacement:
                 _LOCAL.started = self.cfg.address == "local"
             _LOCAL.users.add(self)
             if self.pg is None:
-                pg = placement_group([{"CPU": self.cfg.shard_cpus}] * self.n, strategy=self.cfg.strategy)
+                nb = self.n * self.replicas
+                pg = placement_group([{"CPU": self.cfg.shard_cpus}] * nb, strategy=self.cfg.strategy)
                 if not pg.wait(timeout_s):
-                    raise RuntimeError(f"Ray could not place {self.n} shard bundles of {self.cfg.shard_cpus} CPU "
+                    raise RuntimeError(f"Ray could not place {nb} shard bundles of {self.cfg.shard_cpus} CPU "
                                        f"({self.cfg.strategy}) within {timeout_s:.0f} s")
                 self.pg = pg
             return ray
 
-    def new_actor(self, shard_id: int, dim: int, data_dir: Path | None, stem: bool, dense: Any = None) -> Any:
-        """A shard actor in bundle ``shard_id`` of the placement group (``dense``: its DenseConfig)."""
+    def new_actor(self, shard_id: int, dim: int, data_dir: Path | None, stem: bool, dense: Any = None,
+                  replica: int = 0) -> Any:
+        """A shard actor in bundle ``replica * n + shard_id`` of the placement group (``dense``:
+        its DenseConfig)."""
         ray = self.connect()
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         cls = ray.remote(ShardActor).options(
             num_cpus=self.cfg.shard_cpus, max_restarts=self.cfg.max_restarts, max_task_retries=0,
             max_concurrency=1, name=None,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=shard_id))
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.pg, placement_group_bundle_index=replica * self.n + shard_id))
         # absolute: an actor does not run in the frontend's working directory
         return cls.remote(shard_id, dim, str(Path(data_dir).resolve()) if data_dir else None, stem, dense)
 
@@ -228,7 +234,8 @@ class RayTransport(ShardTransport):
 
     # -- life cycle -------------------------------------------------------------------------
     def start(self, committed: set[str] | None) -> None:
-        self.actor = self.placement.new_actor(self.shard_id, self.dim, self.data_dir, self.stem, self.dense)
+        self.actor = self.placement.new_actor(self.shard_id, self.dim, self.data_dir, self.stem, self.dense,
+                                              self.replica)
         self._load_ref = self.actor.load.remote(committed or set())
 
     def ready(self, loop: asyncio.AbstractEventLoop, timeout_s: float) -> StatsReply:

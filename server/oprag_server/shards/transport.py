@@ -43,6 +43,7 @@ class ShardTransport(abc.ABC):
     """
 
     dense: Any = None
+    replica: int = 0  # which of the shard's replicas (set by a ReplicaSet before start)
 
     def __init__(self, shard_id: int, dim: int, data_dir: Path | None, stem: bool = False) -> None:
         self.shard_id = shard_id
