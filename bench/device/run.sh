@@ -5,6 +5,9 @@
 # On a GPU machine without network (torch, transformers, grpcio present; the rest carried as
 # wheels in .whl/, tokenizers in .devcarry/, both made by bench/device/prepare.sh):
 #     OUT=/some/dir bash bench/device/run.sh
+# A short re-measure of one setting (about 2.5 minutes):
+#     OUT=/some/dir BUDGET_S=180 SKIP_EMBED=1 CONC=32 SERVING_EXTRA="--settings C=1 --duration 5
+#       --warmup 2 --no-overload --cancels 0" bash bench/device/run.sh
 # CPU smoke run of the same path (tiny 2-layer model, few chunks, short sweeps):
 #     TINY=1 OUT=/tmp/oprag-dev bash bench/device/run.sh
 #
@@ -129,12 +132,14 @@ nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv >> "$OUT/env.txt
 
 # 3. ingest embedding on the device (after the serving run: the engine is stopped first, and
 #    the serving figures come first if time runs short)
+if [ "${SKIP_EMBED:-0}" != 1 ]; then
 log "embedding throughput ($EMBED_CHUNKS chunks)"
 EMBED_LIMIT=$(( $(left) > 100 ? 100 : $(left) ))
 kill -- -$ENGINE_PID 2>/dev/null; kill $ENGINE_PID 2>/dev/null; ENGINE_PID=; sleep 3
 timeout $EMBED_LIMIT $PY -m bench.device.embed_gpu --encoder "$ENC" --device "$DEVICE" --chunks $EMBED_CHUNKS $EMBED_ARGS \
   --json "$OUT/embed.json" > "$OUT/embed.log" 2>&1 || log "embed_gpu failed or timed out (see embed.log)"
 log "embed: $(grep -o '"embed_forward_chunks_per_s_best".*' "$OUT/embed.json" 2>/dev/null | head -c 200)"
+fi
 
 # 6. one JSON
 $PY - "$OUT" <<'PY'
