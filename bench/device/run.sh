@@ -123,7 +123,8 @@ log "engine burst warm-up in $(( $(date +%s) - T )) s"
 # 5. OpRAG in front of the engine
 wait $INGEST_PID || log "background ingest failed (see ingest.log)"
 log "ingest: $(tail -c 300 "$OUT/ingest.json")"
-LIMIT=$(( $(left) - 60 ))  # leaves ~45 s for the embedding figure and the JSON
+RESERVE=60; [ "${SKIP_EMBED:-0}" = 1 ] && RESERVE=8
+LIMIT=$(( $(left) - RESERVE ))  # leaves ~45 s for the embedding figure (unless skipped) and the JSON
 log "bench.serving --engine-url ($CHUNKS chunks, concurrency $CONC, limit ${LIMIT} s)"
 timeout $LIMIT $PY -m bench.serving --engine-url "http://127.0.0.1:$ENGINE_PORT/v1" --engine-model "$LLM" \
   --chunks $CHUNKS --shards $SHARDS --concurrency $CONC --json "$OUT/serving.json" $SERVING_EXTRA $SRV_ARGS \
