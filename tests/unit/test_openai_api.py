@@ -35,3 +35,23 @@ def test_http_metric_labels_stay_bounded():
     assert _metric_method("/v1/models/oprag") == "HTTP /v1/models"
     for path in ("/v1/x1", "/v1/x2", "/v1/models/a/b", "/", "/v1/chat/completions/x"):
         assert _metric_method(path) == "HTTP other"
+
+
+
+def _job(reason: str):
+    from oprag_server.domain import RetrieveSpec
+    from oprag_server.engine.job import QueryJob
+
+    job = QueryJob(question="q", spec=RetrieveSpec(), generate=False)
+    job.finish_reason = reason
+    return job
+
+
+def test_finish_reason_no_generator_is_reported_in_the_extension():
+    from oprag_server.service import openai_api as api
+
+    job = _job("no_generator")
+    assert api.finish_reason(job) == "stop"  # OpenAI's enum has nothing closer
+    assert api.extension(job, include_trace=False)["finish_reason"] == "no_generator"
+    assert api.extension(_job("length"), include_trace=False)["finish_reason"] == "length"
+    assert api.finish_reason(_job("length")) == "length"
