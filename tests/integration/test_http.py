@@ -165,7 +165,7 @@ def test_bad_input_gets_openai_errors(oai, base_url):
         ({"extra_body": {"oprag": {"top_k": "five"}}}, "oprag.top_k"),
         ({"extra_body": {"oprag": {"mode": "psychic"}}}, "oprag.mode"),
         ({"extra_body": {"oprag": {"fusion": {"dense_weight": -1}}}}, "fusion.dense_weight"),
-        ({"max_tokens": 100000}, "max_new_tokens must be in"),
+        ({"max_tokens": 100000}, "max_tokens must be at most"),
         ({"temperature": 7}, "temperature"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages"),
         ({"messages": [{"role": "user", "content": "   "}]}, "question is empty"),

@@ -55,3 +55,14 @@ def test_finish_reason_no_generator_is_reported_in_the_extension():
     assert api.extension(job, include_trace=False)["finish_reason"] == "no_generator"
     assert api.extension(_job("length"), include_trace=False)["finish_reason"] == "length"
     assert api.finish_reason(_job("length")) == "length"
+
+
+def test_filters_take_a_single_value_or_a_list():
+    from oprag_server.service.openai_api import query_request
+
+    one = RetrieveRequest.model_validate({"query": "q", "filters": {"lang": "en", "year": 2020}})
+    many = RetrieveRequest.model_validate({"query": "q", "filters": {"lang": ["en"], "year": [2020]}})
+    a, b = query_request("q", one).filters, query_request("q", many).filters
+    assert a == b and len(a) == 2 and all(len(f.typed_values) == 1 for f in a)
+    with pytest.raises(ValidationError):
+        RetrieveRequest.model_validate({"query": "q", "filters": {"lang": {"nested": 1}}})

@@ -245,7 +245,11 @@ def build_app(rt: Any) -> FastAPI:
         if body.model not in [*chat_models(), ALIAS]:
             raise NotFound(f"the model {body.model!r} does not exist: use {', '.join([*chat_models(), ALIAS])}")
         question, memory = api.conversation(body)
-        job = job_for(question, body.oprag, max_new=api.max_new_tokens(body), generate=True)
+        max_new, limit = api.max_new_tokens(body), cfg.generate.max_new_tokens_limit
+        if max_new > limit:  # name the HTTP field, not the gRPC one
+            field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+            raise InvalidArgument(f"{field} must be at most {limit} on this server, got {max_new}")
+        job = job_for(question, body.oprag, max_new=max_new, generate=True)
         if memory is not None:
             job.memory = memory  # the plan has no memory step: the conversation is the memory
         head = {"id": f"chatcmpl-{job.request_id}", "created": int(time.time()), "model": body.model}

@@ -67,7 +67,9 @@ class RetrievalOptions(_Strict):
     top_k: StrictInt = Field(0, ge=0, le=_U32)
     candidates: StrictInt = Field(0, ge=0, le=_U32)
     # typed values (README: typed metadata): true matches only boolean true, "true" only the string
-    filters: dict[Str, list[Str | StrictBool | StrictInt | StrictFloat]] = Field(default_factory=dict)
+    # {key: [values]} (any value matches) or {key: value} (shorthand for a one-value list)
+    filters: dict[Str, list[Str | StrictBool | StrictInt | StrictFloat] | Str | StrictBool | StrictInt | StrictFloat] = \
+        Field(default_factory=dict)
     fusion: Fusion = Field(default_factory=Fusion)
     session_id: Str = ""
     disable_memory: StrictBool = False
@@ -133,7 +135,8 @@ def query_request(question: str, opts: RetrievalOptions, max_new_tokens: int = 0
         question=question, top_k=opts.top_k, mode=_WIRE_MODE[opts.mode], session_id=opts.session_id,
         candidates=opts.candidates, disable_memory=opts.disable_memory, include_trace=opts.include_trace,
         generation=oprag_pb2.GenerationOptions(max_new_tokens=max_new_tokens),
-        filters=[oprag_pb2.MetadataFilter(key=k, typed_values=[metadata_value(x, k) for x in v])
+        filters=[oprag_pb2.MetadataFilter(key=k, typed_values=[metadata_value(x, k)
+                                                               for x in (v if isinstance(v, list) else [v])])
                  for k, v in opts.filters.items()],
         fusion=oprag_pb2.FusionOptions(
             method=oprag_pb2.RRF if opts.fusion.method == "rrf" else oprag_pb2.WEIGHTED_MINMAX,
