@@ -43,7 +43,7 @@ def _read_text(f: Path) -> str | None:
         print(f"oprag: skipping {f}: binary or UTF-16 content", file=sys.stderr)
         return None
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig")  # a leading byte-order mark is not text
     except UnicodeDecodeError:
         print(f"oprag: skipping {f}: not UTF-8", file=sys.stderr)
         return None
@@ -51,19 +51,35 @@ def _read_text(f: Path) -> str | None:
 
 def load_text(paths: list[Path]) -> Iterator[Doc]:
     """Plain UTF-8 text files (a directory is searched recursively for .txt/.md/.rst files).
-    The id is the path relative to the given directory (or the file name), so two folders with
-    the same relative file names collide (the last one wins); the title is the file stem.
-    Binary and non-UTF-8 files are skipped with a warning."""
+    The id is the path relative to the given directory (or the file name); the title is the file
+    stem. A leading UTF-8 byte-order mark is dropped. Binary and non-UTF-8 files are skipped with
+    a warning.
+
+    :raises ValueError: two of the given paths yield the same id (e.g. ``a/x.txt`` and
+        ``b/x.txt`` given as folders ``a`` and ``b``): one would silently replace the other, so
+        ingest them in separate calls or from their common parent folder.
+    """
+    seen: dict[str, Path] = {}
+
+    def check(doc_id: str, f: Path) -> None:
+        if doc_id in seen:
+            raise ValueError(f"{f} and {seen[doc_id]} both get the document id {doc_id!r}; "
+                             "ingest them from their common parent folder (ids are relative paths) "
+                             "or in separate calls")
+        seen[doc_id] = f
+
     for p in paths:
         if p.is_dir():
             files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES)
             for f in files:
                 text = _read_text(f)
                 if text is not None:
+                    check(str(f.relative_to(p)), f)
                     yield Doc(id=str(f.relative_to(p)), title=f.stem, text=text)
         elif p.is_file():
             text = _read_text(p)
             if text is not None:
+                check(p.name, p)
                 yield Doc(id=p.name, title=p.stem, text=text)
         else:
             raise FileNotFoundError(f"{p}: no such file or directory")
@@ -72,14 +88,18 @@ def load_text(paths: list[Path]) -> Iterator[Doc]:
 def _json_lines(path: Path, id_key: str, what: str) -> Iterator[Doc]:
     """Documents of one JSON-lines file whose id is under ``id_key``.
 
-    :raises ValueError: a line is not JSON or lacks the id or text (file and line named).
+    :raises ValueError: a line is not JSON, lacks the id or text, or has a field of the wrong
+        type (file and line named).
     """
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
                 obj = json.loads(line)
+                if not isinstance(obj, dict):
+                    raise TypeError(f"a line must be a JSON object, got {type(obj).__name__}")
+                _check_types(obj, id_key)
                 chunks = obj.get("chunks")
                 yield Doc(id=str(obj[id_key]), text=obj["text"] if not chunks else obj.get("text") or "",
                           title=obj.get("title") or "", metadata=_metadata(obj.get("metadata")),
@@ -89,6 +109,16 @@ def _json_lines(path: Path, id_key: str, what: str) -> Iterator[Doc]:
                 raise ValueError(f"{path}:{n}: expected {what} with {id_key} and text ({exc})") from exc
             except ValueError as exc:  # a metadata value of no metadata type
                 raise ValueError(f"{path}:{n}: {exc}") from exc
+
+
+def _check_types(obj: dict, id_key: str) -> None:
+    """:raises TypeError: id not a string or integer, text/title not strings (null title allowed)."""
+    if id_key in obj and (isinstance(obj[id_key], bool) or not isinstance(obj[id_key], (str, int))):
+        raise TypeError(f"{id_key} must be a string or an integer, got {type(obj[id_key]).__name__}")
+    if "text" in obj and obj["text"] is not None and not isinstance(obj["text"], str):
+        raise TypeError(f"text must be a string, got {type(obj['text']).__name__}")
+    if obj.get("title") is not None and not isinstance(obj["title"], str):
+        raise TypeError(f"title must be a string, got {type(obj['title']).__name__}")
 
 
 def load_jsonl(paths: list[Path]) -> Iterator[Doc]:
@@ -144,14 +174,14 @@ def wikitext_detok(s: str) -> str:
 
 def load_wikitext(paths: list[Path]) -> Iterator[Doc]:
     """One document per WikiText article; id ``<file stem>:<title>`` (a repeated title gets
-    ``#2``, ``#3``...)."""
+    `` (2)``, `` (3)``...; not ``#n``, which reads like a chunk number)."""
     for p in paths:
         seen: dict[str, int] = {}
         for title, body in wikitext_articles(p.read_text(encoding="utf-8")):
             if not body.strip():
                 continue
             seen[title] = seen.get(title, 0) + 1
-            suffix = f"#{seen[title]}" if seen[title] > 1 else ""
+            suffix = f" ({seen[title]})" if seen[title] > 1 else ""
             yield Doc(id=f"{p.stem}:{title}{suffix}", title=title, text=body, metadata={"source": p.name})
 
 

@@ -67,7 +67,7 @@ def test_load_wikitext_file(tmp_path):
     docs = list(load_wikitext([f]))
     assert [d.id for d in docs] == [
         "wiki.valid:Homarus gammarus", "wiki.valid:M-82 ( Michigan highway )",
-        "wiki.valid:<unk> <unk>", "wiki.valid:<unk> <unk>#2",
+        "wiki.valid:<unk> <unk>", "wiki.valid:<unk> <unk> (2)",
     ]
     assert [d.title for d in docs][:2] == ["Homarus gammarus", "M-82 ( Michigan highway )"]
     assert all(d.metadata == {"source": "wiki.valid.tokens"} for d in docs)
@@ -99,3 +99,42 @@ def test_jsonl_and_beir_loaders(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"text": "no id"}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1"):
         list(load_jsonl([tmp_path / "bad.jsonl"]))
+
+
+def test_byte_order_mark_is_not_text(tmp_path):
+    import json as _json
+
+    from oprag_client.loaders import load_jsonl
+
+    (tmp_path / "bom.txt").write_bytes("\ufeffhello".encode("utf-8"))
+    assert [d.text for d in load_text([tmp_path / "bom.txt"])] == ["hello"]
+    (tmp_path / "bom.jsonl").write_bytes(("\ufeff" + _json.dumps({"id": "a", "text": "x"}) + "\n").encode("utf-8"))
+    assert [(d.id, d.text) for d in load_jsonl([tmp_path / "bom.jsonl"])] == [("a", "x")]
+
+
+def test_text_folders_with_the_same_relative_names_are_refused(tmp_path):
+    import pytest
+
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "x.txt").write_text(f"from {folder}")
+    with pytest.raises(ValueError, match="both get the document id 'x.txt'"):
+        list(load_text([tmp_path / "a", tmp_path / "b"]))
+    assert sorted(d.id for d in load_text([tmp_path])) == ["a/x.txt", "b/x.txt"]  # from the parent: distinct
+
+
+def test_jsonl_wrong_field_types_name_file_and_line(tmp_path):
+    import json as _json
+
+    import pytest
+
+    from oprag_client.loaders import load_jsonl
+
+    for n, (obj, want) in enumerate([({"id": "a", "text": 5}, "text must be a string"),
+                                     ({"id": "a", "text": "t", "title": ["x"]}, "title must be a string"),
+                                     ({"id": {"x": 1}, "text": "t"}, "id must be a string or an integer"),
+                                     ([1, 2], "must be a JSON object")]):
+        p = tmp_path / f"bad{n}.jsonl"
+        p.write_text(_json.dumps({"id": "ok", "text": "fine"}) + "\n" + _json.dumps(obj) + "\n")
+        with pytest.raises(ValueError, match=f"bad{n}.jsonl:2: .*{want}"):
+            list(load_jsonl([p]))
