@@ -71,7 +71,10 @@ def ingest(tree: Path, a, snap: dict) -> dict:
     by_doc: dict[str, list[int]] = {}
     for i, d in enumerate(snap["doc_id"]):
         by_doc.setdefault(d, []).append(i)
-    docs = [Doc(d, title=snap["title"][rows[0]], chunks=[(snap["text"][r], snap["vectors"][r]) for r in rows])
+    # a tree whose proto predates Document.vectors_f32 gets the float form (what its client sent)
+    packed = "vectors_f32" in (tree / "proto/oprag/v1/oprag.proto").read_text()
+    vec = (lambda v: v) if packed else (lambda v: v.tolist())  # noqa: E731
+    docs = [Doc(d, title=snap["title"][rows[0]], chunks=[(snap["text"][r], vec(snap["vectors"][r])) for r in rows])
             for d, rows in by_doc.items()]
     data = a.data_dir.parent / "hotpath-ingest"
     shutil.rmtree(data, ignore_errors=True)

@@ -56,12 +56,13 @@ class MergeMixin:
             s, tf = s[order], tf[order]
         return s, tf
 
-    def merge(self) -> None:
+    def merge(self, background: bool = False) -> None:
         """Fold the delta into a new segment without the dead postings, then swap it in,
-        waiting for it (a background merge under way finishes first). Scores are unchanged
-        (same postings, same summation order)."""
+        waiting for it (a background merge under way finishes first); with ``background`` only
+        start it in a thread (see :meth:`maybe_merge`). Scores are unchanged (same postings,
+        same summation order)."""
         self.wait_merge()
-        self._start_merge(background=False)
+        self._start_merge(background=background)
 
     def maybe_merge(self, background: bool = False) -> bool:
         """Install a finished background merge, then merge when the delta or the dead
