@@ -105,6 +105,13 @@ def test_failed_background_merge_keeps_serving(monkeypatch):
         ix.poll_merge()
     assert not ix.merging
     _check_all([ix], live)
+    ix.add_batch([9], [["cat", "mat"]])
+    live[9] = (["cat", "mat"], 0)
+    assert ix.maybe_merge(background=True)  # fails again: kept, not raised, serving goes on
+    ix._pending[0].join()
+    assert not ix.poll_merge(raise_errors=False) and not ix.merging
+    assert isinstance(ix.last_merge_error, MemoryError)
+    _check_all([ix], live)
     monkeypatch.undo()
     ix.merge()
     _check_all([ix], live)

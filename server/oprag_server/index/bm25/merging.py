@@ -72,7 +72,7 @@ class MergeMixin:
         new delta); a later call installs it (:meth:`poll_merge`).
 
         :returns: True if it merged or started a merge."""
-        self.poll_merge()
+        self.poll_merge(raise_errors=False)
         if self._pending is not None:
             return False
         p = self._seg.n_postings
@@ -86,12 +86,21 @@ class MergeMixin:
         """True while a background merge is under way or waiting to be installed."""
         return self._pending is not None
 
-    def poll_merge(self) -> bool:
+    def poll_merge(self, raise_errors: bool = True) -> bool:
         """Install a finished background merge. :returns: True if one was installed.
-        :raises Exception: what the merge thread raised."""
+
+        A merge that failed leaves the index serving from its delta (nothing is lost); its
+        exception is kept in ``last_merge_error`` and raised here when ``raise_errors``.
+        """
         if self._pending is None or self._pending[0].is_alive():
             return False
-        self._finish()
+        try:
+            self._finish()
+        except Exception as exc:
+            self.last_merge_error = exc
+            if raise_errors:
+                raise
+            return False
         return True
 
     def wait_merge(self) -> None:

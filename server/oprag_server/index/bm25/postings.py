@@ -76,6 +76,7 @@ class PostingsIndex(MergeMixin):
         self.merges = 0
         self.last_merge_s = 0.0  # build time of the last merge (background or not)
         self.last_swap_s = 0.0  # time the caller's thread spent installing it
+        self.last_merge_error: Exception | None = None  # of a background merge that failed
 
     @property
     def _seg_live(self) -> np.ndarray:
