@@ -22,6 +22,7 @@ save / memory-mapped load times. A checksum of every score lets the parent check
 return identical floats.
 
     python -m bench.postings --sizes 12348,200000 --json
+    python -m bench.postings --pause --sizes 12348,200000 --json   # a query's wait during a merge
 
 Prints a table to stderr and, with ``--json``, one JSON line.
 """
