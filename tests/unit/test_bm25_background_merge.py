@@ -167,3 +167,14 @@ def test_property_background_merges_match_rank_bm25(ops):
     ix.merge()
     check([ix], live, ["a", "b", "c", "d", "e", "f"])
     assert sorted(ix.segment.doc_slots.tolist()) == sorted(live)
+
+
+def test_apply_delta_fast_path_for_additions_matches_the_checked_path():
+    base = {"a": 2, "b": 1}
+    fast, slow = B.CorpusStats(3, 10, dict(base)), B.CorpusStats(3, 10, dict(base))
+    fast.apply_delta(2, 5, {"a": 1, "c": 2})  # additions only: the C-level update
+    slow.apply_delta(2, 5, {"a": 1, "c": 2, "zz": 0})  # a zero entry: the checked loop
+    assert fast == slow and fast.df == {"a": 3, "b": 1, "c": 2} and fast.version == 1
+    with pytest.raises(ValueError):
+        fast.apply_delta(0, 0, {"b": -2, "a": 1})  # negative: checked, nothing changed
+    assert fast.df == {"a": 3, "b": 1, "c": 2} and fast.version == 1
