@@ -71,7 +71,10 @@ def ingest(tree: Path, a, snap: dict) -> dict:
     by_doc: dict[str, list[int]] = {}
     for i, d in enumerate(snap["doc_id"]):
         by_doc.setdefault(d, []).append(i)
-    docs = [Doc(d, title=snap["title"][rows[0]], chunks=[(snap["text"][r], snap["vectors"][r]) for r in rows])
+    # a tree whose proto predates Document.vectors_f32 gets the float form (what its client sent)
+    packed = "vectors_f32" in (tree / "proto/oprag/v1/oprag.proto").read_text()
+    vec = (lambda v: v) if packed else (lambda v: v.tolist())  # noqa: E731
+    docs = [Doc(d, title=snap["title"][rows[0]], chunks=[(snap["text"][r], vec(snap["vectors"][r])) for r in rows])
             for d, rows in by_doc.items()]
     data = a.data_dir.parent / "hotpath-ingest"
     shutil.rmtree(data, ignore_errors=True)
@@ -82,13 +85,19 @@ def ingest(tree: Path, a, snap: dict) -> dict:
         cpu = lambda: [p.cpu_times().user + p.cpu_times().system for p in procs]  # noqa: E731
         with OpRAGClient(srv.target, timeout=3600) as c:
             c0, t = cpu(), time.perf_counter()
-            n = sum(c.ingest(docs[i:i + a.per_stream]).chunks_written for i in range(0, len(docs), a.per_stream))
+            parts = [docs[i:i + a.per_stream] for i in range(0, len(docs), a.per_stream)]
+            if a.ingest_streams > 1:  # K streams at once (thread pool over the parts)
+                from concurrent.futures import ThreadPoolExecutor
+                with ThreadPoolExecutor(a.ingest_streams) as ex:
+                    n = sum(r.chunks_written for r in ex.map(c.ingest, parts))
+            else:
+                n = sum(c.ingest(p).chunks_written for p in parts)
             wall, c1 = time.perf_counter() - t, cpu()
     finally:
         srv.stop()
         shutil.rmtree(data, ignore_errors=True)
     out = {"chunks": n, "chunks_per_s": round(n / wall), "server_cpu_s": [round(y - x, 2) for x, y in zip(c0, c1)],
-           "chunks_per_server_cpu_s": round(n / max(1e-9, sum(c1) - sum(c0))), "load": round(os.getloadavg()[0], 2)}
+           "chunks_per_server_cpu_s": round(n / max(1e-9, sum(c1) - sum(c0))), "streams": a.ingest_streams, "load": round(os.getloadavg()[0], 2)}
     log(f"{tree} ingest: {out}")
     return out
 
@@ -105,6 +114,7 @@ def main(argv=None) -> int:
     ap.add_argument("--server-arg", action="append", default=[])
     ap.add_argument("--ingest", action="store_true", help="also own-vector ingest per tree and round")
     ap.add_argument("--per-stream", type=int, default=500, help="documents per ingest stream")
+    ap.add_argument("--ingest-streams", type=int, default=1, help="concurrent ingest streams")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     require("psutil", what="the server CPU measurement")

@@ -22,6 +22,7 @@ save / memory-mapped load times. A checksum of every score lets the parent check
 return identical floats.
 
     python -m bench.postings --sizes 12348,200000 --json
+    python -m bench.postings --pause --sizes 12348,200000 --json   # a query's wait during a merge
 
 Prints a table to stderr and, with ``--json``, one JSON line.
 """
@@ -99,10 +100,9 @@ def worker(layout: str, n: int, shared: Path, n_queries: int, traced: bool = Tru
             ix.add(slot, toks)
     else:
         ix = bm25.PostingsIndex()
-        for slot, toks in enumerate(chunks):
-            ix.add(slot, toks)
-            if slot % 256 == 255:
-                ix.maybe_merge()
+        for i in range(0, len(chunks), 256):  # batches of 256 chunks, as a shard applies them
+            ix.add_batch(range(i, min(i + 256, len(chunks))), chunks[i:i + 256])
+            ix.maybe_merge()
         ix.merge()
     build_s = time.perf_counter() - t0
     gc.collect()
@@ -194,6 +194,72 @@ def ab(n: int, shared: Path, n_queries: int) -> dict:
     return out
 
 
+def pause(n: int, shared: Path, n_queries: int) -> dict:
+    """What a query sees during a merge at ``n`` chunks: the index is built (batches of 256,
+    merged), 1% more chunks are added, then the same merge runs twice: blocking (the former
+    shard behaviour: a query waits for all of it) and in the background while queries (BM25
+    of 256 candidates, as hybrid mode) run back to back; the install (swap) runs in the
+    query thread between two queries. Then the same with 1% of the chunks deleted."""
+    bm25 = _internals.bm25()
+    chunks = corpus(real_tokens(shared), n)
+    queries, _ = C.load_queries_qrels(shared)
+    an = _internals.analyzer()
+    qterms = [an.tokens(q) for q in list(queries.values())[:n_queries]]
+    ix = bm25.PostingsIndex()
+    for i in range(0, n, 256):
+        ix.add_batch(range(i, min(i + 256, n)), chunks[i:i + 256])
+        ix.maybe_merge()
+    ix.merge()
+    stats = bm25.CorpusStats.merge_full([ix.full_stats()])
+    rng = np.random.default_rng(2)
+    live = ix.slots()
+
+    def query(k: int, pool: np.ndarray = live) -> float:
+        terms = qterms[k % len(qterms)]
+        cand = np.sort(rng.choice(pool, size=256, replace=False))
+        t = time.perf_counter()
+        ix.score(cand, terms, stats.query_idf(terms, 0.25), stats.avgdl)
+        return (time.perf_counter() - t) * 1e3
+
+    base = [query(k) for k in range(n_queries)]
+    out: dict = {"chunks": n, "postings": ix.segment.n_postings, "idle_query_p50_ms": C.percentile(base, 50),
+                 "idle_query_p99_ms": C.percentile(base, 99)}
+    extra = corpus(real_tokens(shared), n + n // 100, seed=7)[n:]
+    for what in ("add1pct", "del1pct"):
+        res = {}
+        for mode in ("blocking", "background"):
+            # the same delta both times: a fresh copy of the state before the merge
+            if what == "add1pct":
+                ix.add_batch(range(n, n + len(extra)), extra)
+            else:
+                for s in live[::100].tolist():
+                    ix.remove(s)
+            t0 = time.perf_counter()
+            if mode == "blocking":
+                ix.merge()
+                res["blocking_pause_s"] = round(time.perf_counter() - t0, 3)
+            else:
+                pool = ix.slots()
+                ix.merge(background=True)
+                lat = []
+                while ix.merging:
+                    lat.append(query(len(lat), pool))
+                    if ix.poll_merge():
+                        res["swap_ms"] = round(ix.last_swap_s * 1e3, 2)
+                res.update(background_build_s=round(ix.last_merge_s, 3), queries_during=len(lat),
+                           during_p50_ms=C.percentile(lat, 50) if lat else None,
+                           during_max_ms=round(max(lat), 2) if lat else None)
+            # undo, so both modes merge the same delta
+            if what == "add1pct":
+                for s in range(n, n + len(extra)):
+                    ix.remove(s)
+            else:
+                ix.add_batch(live[::100].tolist(), [chunks[s] for s in live[::100].tolist()])
+            ix.merge()
+        out[what] = res
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="12348,200000", help="chunk counts, comma-separated")
@@ -203,12 +269,20 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--no-trace", action="store_true", help="build without tracemalloc (build time as served)")
     ap.add_argument("--ab", action="store_true", help="latency only: both layouts in one process, alternating")
+    ap.add_argument("--pause", action="store_true", help="query latency during a merge, blocking vs background")
     ap.add_argument("--worker", nargs=2, metavar=("LAYOUT", "N"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
         print(json.dumps(worker(a.worker[0], int(a.worker[1]), a.shared, a.queries, not a.no_trace)))
         return
     real_tokens(a.shared)  # cache once
+    if a.pause:
+        rows = [pause(int(n), a.shared, a.queries) for n in a.sizes.split(",")]
+        for r in rows:
+            C.log(json.dumps(r))
+        if a.json:
+            C.emit_json({"pause": rows, "machine": C.machine_info()})
+        return
     if a.ab:
         rows = [ab(int(n), a.shared, a.queries) for n in a.sizes.split(",")]
         for r in rows:

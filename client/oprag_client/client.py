@@ -9,6 +9,7 @@ with the server's status code and message.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import AsyncIterable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -95,10 +96,39 @@ class Doc:
                 plain[k] = v
             elif v is not None:
                 typed[k] = metadata_value(k, v)
+        packed = _pack(self)
+        if packed is not None:
+            return oprag_pb2.Document(
+                id=self.id, title=self.title, text=self.text, metadata=plain, typed_metadata=typed,
+                chunks=[oprag_pb2.ChunkVector(text=t) for t, _ in self.chunks or ()],
+                vectors_f32=packed[0], vector_dim=packed[1])
         return oprag_pb2.Document(
             id=self.id, title=self.title, text=self.text, metadata=plain, typed_metadata=typed,
             vector=[] if self.vector is None else [float(x) for x in self.vector],
             chunks=[oprag_pb2.ChunkVector(text=t, vector=[float(x) for x in v]) for t, v in self.chunks or ()])
+
+
+def _pack(doc: Doc) -> tuple[bytes, int] | None:
+    """``(little-endian float32 rows, width)`` when the document's vectors are numpy arrays (the
+    packed ``Document.vectors_f32`` form: one buffer instead of a float per value), else None.
+
+    :raises ValueError: a vector that is not 1-D, or chunk vectors of different widths.
+    """
+    np = sys.modules.get("numpy")  # numpy vectors imply numpy is loaded; the client needs none
+    if np is None:
+        return None
+    if doc.chunks:
+        rows = [v for _, v in doc.chunks]
+        if doc.vector is not None or not all(isinstance(v, np.ndarray) for v in rows):
+            return None
+    elif isinstance(doc.vector, np.ndarray):
+        rows = [doc.vector]
+    else:
+        return None
+    if any(v.ndim != 1 for v in rows) or len({v.shape[0] for v in rows}) != 1:
+        raise ValueError(f"document {doc.id!r}: vectors must be 1-D arrays of one width")
+    m = np.ascontiguousarray(np.stack(rows) if len(rows) > 1 else rows[0][None, :], dtype="<f4")
+    return m.tobytes(), int(m.shape[1])
 
 
 def _as_pb(d: Any) -> oprag_pb2.Document:

@@ -144,11 +144,35 @@ def unit_rows(rows, dim: int, what: str = "vector") -> np.ndarray:
     for r in rows:
         if len(r) != dim:
             raise ValueError(f"{what} has {len(r)} values; the index holds vectors of width {dim}")
-    v = np.asarray(rows, dtype=np.float64).reshape(len(rows), dim)
-    if not np.isfinite(v).all():
+    return unit_matrix(np.asarray(rows, dtype=np.float64).reshape(len(rows), dim), what)
+
+
+def unit_matrix(v: np.ndarray, what: str = "vector") -> np.ndarray:
+    """:func:`unit_rows` of a float matrix ``[M, D]`` (any float dtype; not modified).
+
+    :raises ValueError: NaN or infinity, or an all-zero row.
+    """
+    v = np.asarray(v, dtype=np.float64)
+    scale = np.abs(v).max(axis=1, initial=0.0)  # NaN and infinity propagate into the row max
+    if not np.isfinite(scale).all():
         raise ValueError(f"{what} contains NaN or infinity")
-    scale = np.abs(v).max(axis=1, initial=0.0)
     if (scale == 0.0).any():
         raise ValueError(f"{what} is all zeros")
     v = v / scale[:, None]
-    return (v / np.linalg.norm(v, axis=1, keepdims=True)).astype(np.float32)
+    # the sum of squares as np.linalg.norm(v, axis=1) computes it (same floats), without its overhead
+    return (v / np.sqrt(np.add.reduce(v * v, axis=1))[:, None]).astype(np.float32)
+
+
+def packed_rows(data: bytes, rows: int, dim: int, index_dim: int, what: str = "vectors_f32") -> np.ndarray:
+    """Unit-norm float32 ``[rows, dim]`` from ``rows * dim`` little-endian float32 values
+    packed in ``data`` (one ``np.frombuffer``, no per-value work), as :func:`unit_rows`.
+
+    :param index_dim: the index's width D; ``dim`` must equal it.
+    :raises ValueError: ``dim != index_dim`` (or 0), ``len(data) != rows * dim * 4``, NaN or
+        infinity, an all-zero row.
+    """
+    if dim != index_dim:
+        raise ValueError(f"{what}: vector_dim is {dim}; the index holds vectors of width {index_dim}")
+    if len(data) != rows * dim * 4:
+        raise ValueError(f"{what} is {len(data)} bytes; {rows} row(s) of {dim} float32 values take {rows * dim * 4}")
+    return unit_matrix(np.frombuffer(data, dtype="<f4").reshape(rows, dim), what)

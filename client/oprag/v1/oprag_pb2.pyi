@@ -42,7 +42,7 @@ class MetadataValue(_message.Message):
     def __init__(self, string_value: _Optional[str] = ..., int_value: _Optional[int] = ..., float_value: _Optional[float] = ..., bool_value: _Optional[bool] = ...) -> None: ...
 
 class Document(_message.Message):
-    __slots__ = ("id", "title", "text", "metadata", "typed_metadata", "vector", "chunks")
+    __slots__ = ("id", "title", "text", "metadata", "typed_metadata", "vector", "chunks", "vectors_f32", "vector_dim")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,8 @@ class Document(_message.Message):
     TYPED_METADATA_FIELD_NUMBER: _ClassVar[int]
     VECTOR_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    VECTORS_F32_FIELD_NUMBER: _ClassVar[int]
+    VECTOR_DIM_FIELD_NUMBER: _ClassVar[int]
     id: str
     title: str
     text: str
@@ -71,7 +73,9 @@ class Document(_message.Message):
     typed_metadata: _containers.MessageMap[str, MetadataValue]
     vector: _containers.RepeatedScalarFieldContainer[float]
     chunks: _containers.RepeatedCompositeFieldContainer[ChunkVector]
-    def __init__(self, id: _Optional[str] = ..., title: _Optional[str] = ..., text: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., typed_metadata: _Optional[_Mapping[str, MetadataValue]] = ..., vector: _Optional[_Iterable[float]] = ..., chunks: _Optional[_Iterable[_Union[ChunkVector, _Mapping]]] = ...) -> None: ...
+    vectors_f32: bytes
+    vector_dim: int
+    def __init__(self, id: _Optional[str] = ..., title: _Optional[str] = ..., text: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., typed_metadata: _Optional[_Mapping[str, MetadataValue]] = ..., vector: _Optional[_Iterable[float]] = ..., chunks: _Optional[_Iterable[_Union[ChunkVector, _Mapping]]] = ..., vectors_f32: _Optional[bytes] = ..., vector_dim: _Optional[int] = ...) -> None: ...
 
 class ChunkVector(_message.Message):
     __slots__ = ("text", "vector")

@@ -59,15 +59,26 @@ def validate_document(doc: Any, limits: LimitsConfig) -> str | None:
 def supplied_vectors(n: int, doc: Any, dim: int) -> list[tuple[str, np.ndarray]] | None:
     """Document ``n`` of the stream's own (chunk text, unit vector float32[D]) pairs, or None to embed it.
 
-    :raises IngestError: a vector of another width than the index's, NaN/infinity, all zeros.
+    The vectors come as repeated floats (``vector`` / ``ChunkVector.vector``) or packed
+    (``vectors_f32`` + ``vector_dim``: one ``np.frombuffer``, :func:`records.packed_rows`).
+
+    :raises IngestError: a vector of another width than the index's, NaN/infinity, all zeros;
+        packed bytes of the wrong length or a ``vector_dim`` other than the index's; both forms
+        in one document.
     """
     chunks = list(getattr(doc, "chunks", ()))
     one = getattr(doc, "vector", ())
-    if not chunks and not len(one):
+    packed, pdim = getattr(doc, "vectors_f32", b""), getattr(doc, "vector_dim", 0)
+    if not chunks and not len(one) and not packed and not pdim:
         return None
     texts, rows = ([c.text for c in chunks], [c.vector for c in chunks]) if chunks else ([doc.text], [one])
     try:
-        vecs = records.unit_rows(rows, dim, what="a vector")
+        if packed or pdim:
+            if any(len(r) for r in rows):
+                raise ValueError("vectors_f32 and repeated float vectors in one document: send one form")
+            vecs = records.packed_rows(packed, len(rows), pdim, dim)
+        else:
+            vecs = records.unit_rows(rows, dim, what="a vector")
     except ValueError as exc:
         raise IngestError(f"document {n} ({doc.id!r}): {exc}; nothing was stored") from exc
     return list(zip(texts, vecs))

@@ -94,7 +94,8 @@ class ChunkStore:
             cols = {k: [v[i] for i in keep_rows] for k, v in cols.items()}
             vecs = vecs[keep_rows]
         removed = replaced = 0
-        new_slots = []
+        new_slots: list[int] = []
+        new_tokens: list[list[str]] = []
         for i, doc_id in enumerate(cols["doc_id"]):
             gen = int(cols["generation"][i])
             if self.doc_generation.get(doc_id) != gen:
@@ -116,8 +117,10 @@ class ChunkStore:
             self.doc_slots[doc_id].append(slot)
             toks = tokens.get((rec.title, rec.text)) if tokens else None
             if index_lexical:
-                self.postings.add(slot, toks if toks is not None else self._index_tokens(rec))
+                new_tokens.append(toks if toks is not None else self._index_tokens(rec))
             new_slots.append(slot)
+        if index_lexical:
+            self.postings.add_batch(new_slots, new_tokens)
         if new_slots:
             if self.next_slot > self._slot_ids.size:
                 grown = np.empty(max(self.next_slot, 2 * self._slot_ids.size, 1024), dtype=object)
@@ -128,7 +131,7 @@ class ChunkStore:
             self._row_ids_cache = None
         self.applied_seq = max(self.applied_seq, int(seq))
         self.version += 1
-        self.postings.maybe_merge()
+        self.postings.maybe_merge(background=True)
         return ApplyReply(doc_ids=sorted(set(cols["doc_id"])), added=len(new_slots), removed=removed,
                           replaced_docs=replaced, delta=self.postings.drain_delta())
 
@@ -142,7 +145,7 @@ class ChunkStore:
         self.applied_seq = max(self.applied_seq, int(seq))
         if docs:
             self.version += 1
-            self.postings.maybe_merge()
+            self.postings.maybe_merge(background=True)
         return ApplyReply(deleted_docs=docs, removed=chunks, delta=self.postings.drain_delta())
 
     def _remove_doc(self, doc_id: str) -> int:

@@ -46,6 +46,7 @@ class Searcher:
         :raises ValueError: unknown mode, or query vectors of the wrong width.
         """
         st, qb = self.store, req.batch
+        st.postings.poll_merge(raise_errors=False)  # install a finished background merge
         q = records.as_query_matrix(qb.q, st.dim)
         B, n = q.shape[0], int(req.n)
         allowed = [st.allowed(f) for f in (qb.filters or [None] * B)]

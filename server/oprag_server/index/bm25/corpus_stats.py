@@ -7,6 +7,8 @@ See :mod:`oprag_server.index.bm25` for the reference computation.
 from __future__ import annotations
 
 import math
+from itertools import repeat
+from operator import add
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -97,6 +99,12 @@ class CorpusStats:
         if new_n < 0 or new_len < 0:
             raise ValueError("delta makes n_docs or total_len negative")
         df = self.df
+        if df_delta and min(df_delta.values()) > 0:  # only additions (a bulk load): nothing can
+            get = df.get                             # go negative or reach 0; C-level iteration
+            df.update(zip(df_delta, map(add, map(get, df_delta, repeat(0)), df_delta.values())))
+            self.n_docs, self.total_len = new_n, new_len
+            self.version += 1
+            return
         updates: list[tuple[str, int]] = []
         for t, d in df_delta.items():
             if not d:

@@ -1,74 +1,176 @@
 """The mutable part of a shard's BM25 postings (chunks added since the last merge) and the
 per-chunk summation of term contributions shared by the segment and the delta.
 
+The delta holds its postings as sorted numpy *runs* (one per added batch, merged pairwise
+like a binary counter so there are O(log n) of them), with its own append-only term
+dictionary: a term gets its delta term id when a batch is added, not during the merge.
+
 See :mod:`oprag_server.index.bm25` for the reference computation.
 """
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
+
+_SHIFT = np.int64(32)
+_LOW = np.int64(0xFFFFFFFF)
 
 
 class Delta:
-    """Chunks added since the last merge: ``postings`` ``{term: {slot: tf}}`` and ``docs``
-    ``{slot: {term: tf}}`` (O(1) add/remove), with a per-term cache of its numpy arrays that
-    is dropped whenever the term's postings change. ``n`` counts its postings."""
+    """Chunks added since the last merge.
 
-    __slots__ = ("postings", "docs", "n", "_arrays")
+    * ``vocab`` ``{term: tid}`` / ``terms`` ``[tid] -> term``: the delta's own term ids;
+    * ``runs``: list of ``(key int64 [n] ascending, tf int64 [n])`` with
+      ``key = tid << 32 | slot`` (postings of removed chunks stay until runs merge; the
+      caller filters them with its per-slot location array);
+    * ``docs`` ``{slot: tids int64 [k]}``: the live chunks and their distinct term ids;
+    * ``df_arr`` int64 ``[>= len(terms)]``: live chunks per term id; ``n``: live postings.
+
+    Runs are immutable once built, so a frozen delta can be read by a merge thread while the
+    owner keeps removing chunks (``docs``, ``df_arr``, ``n`` change; ``runs`` do not).
+    """
+
+    __slots__ = ("vocab", "terms", "runs", "docs", "df_arr", "n", "dead", "_cache")
 
     def __init__(self) -> None:
-        self.postings: dict[str, dict[int, int]] = {}
-        self.docs: dict[int, dict[str, int]] = {}
+        self.vocab: dict[str, int] = {}
+        self.terms: list[str] = []
+        self.runs: list[tuple[np.ndarray, np.ndarray]] = []
+        self.docs: dict[int, np.ndarray] = {}
+        self.df_arr = np.zeros(64, np.int64)
         self.n = 0
-        self._arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self.dead: set[int] = set()  # removed slots whose postings are still in a run
+        self._cache: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
-    def add(self, slot: int, counts: dict[str, int]) -> None:
-        """Add chunk ``slot`` with its term frequencies (the caller checks it is new)."""
-        postings, arrays = self.postings, self._arrays
-        for t, c in counts.items():
-            p = postings.get(t)
-            if p is None:
-                postings[t] = {slot: c}
-            else:
-                p[slot] = c
-                arrays.pop(t, None)
-        self.docs[slot] = counts
-        self.n += len(counts)
+    def add_batch(self, slots: Sequence[int], token_lists: Sequence[Sequence[str]]) -> tuple[np.ndarray, np.ndarray]:
+        """Add chunks (the caller checks they are new and their slots < 2**31).
 
-    def remove(self, slot: int) -> dict[str, int] | None:
-        """Remove chunk ``slot``. :returns: its term frequencies, None if it is not here."""
-        counts = self.docs.pop(slot, None)
-        if counts is None:
+        :param slots: ``[B]`` slots. :param token_lists: ``[B]`` analysed tokens per chunk.
+        :returns: ``(tids int64 [U], df int64 [U])``: the batch's distinct term ids and how
+            many of its chunks hold each (for the caller's corpus statistics).
+        """
+        if self.dead and not self.dead.isdisjoint(slots):
+            self._purge(self.dead.intersection(slots))
+        vocab = self.vocab
+        sd = vocab.setdefault
+        flat = [sd(t, len(vocab)) for toks in token_lists for t in toks]
+        if len(vocab) > len(self.terms):
+            self.terms.extend(list(vocab)[len(self.terms):])
+        lens = np.fromiter(map(len, token_lists), np.int64, count=len(token_lists))
+        s = np.asarray(slots, np.int64)
+        key = (np.asarray(flat, np.int64) << _SHIFT) | np.repeat(s, lens)
+        ukey, tf = np.unique(key, return_counts=True)  # sorted by (tid, slot)
+        self._push(ukey, tf.astype(np.int64))
+        utid = ukey >> _SHIFT
+        uslot = ukey & _LOW
+        # per chunk: its distinct term ids (chunk order = slot order of a stable sort)
+        order = np.argsort(uslot, kind="stable")
+        by_slot = uslot[order]
+        cut = np.flatnonzero(np.diff(by_slot)) + 1
+        starts = np.concatenate([[0], cut]) if by_slot.size else np.zeros(0, np.int64)
+        held = by_slot[starts].tolist()
+        docs = self.docs
+        for sl, part in zip(held, np.split(utid[order], cut) if by_slot.size else ()):
+            docs[sl] = part
+        empty = np.zeros(0, np.int64)
+        for sl in s.tolist():
+            if sl not in docs:
+                docs[sl] = empty
+        T = len(self.terms)
+        if self.df_arr.size < T:
+            grown = np.zeros(max(T, 2 * self.df_arr.size), np.int64)
+            grown[: self.df_arr.size] = self.df_arr
+            self.df_arr = grown
+        u, c = np.unique(utid, return_counts=True)
+        self.df_arr[u] += c
+        self.n += int(ukey.size)
+        self._cache.clear()
+        return u, c
+
+    def _push(self, key: np.ndarray, tf: np.ndarray) -> None:
+        runs = self.runs
+        runs.append((key, tf))
+        while len(runs) >= 2 and runs[-1][0].size * 2 >= runs[-2][0].size:
+            (k2, t2), (k1, t1) = runs.pop(), runs.pop()
+            runs.append(_merge_runs(k1, t1, k2, t2))
+
+    def _purge(self, slots: set[int]) -> None:
+        """Drop the stale postings of ``slots`` from every run (a slot re-added in this delta)."""
+        sl = np.fromiter(slots, np.int64, count=len(slots))
+        self.runs = [(k[m], t[m]) for k, t in self.runs for m in [~np.isin(k & _LOW, sl)]]
+        self.dead -= slots
+
+    def remove(self, slot: int) -> np.ndarray | None:
+        """Remove chunk ``slot``. :returns: its distinct term ids, None if it is not here."""
+        tids = self.docs.pop(slot, None)
+        if tids is None:
             return None
-        postings, arrays = self.postings, self._arrays
-        for t in counts:
-            p = postings[t]
-            del p[slot]
-            if not p:
-                del postings[t]
-            arrays.pop(t, None)
-        self.n -= len(counts)
-        return counts
+        self.df_arr[tids] -= 1
+        self.n -= int(tids.size)
+        self.dead.add(slot)
+        self._cache.clear()
+        return tids
+
+    def nbytes(self) -> int:
+        """Bytes of the runs, the per-term df and the per-chunk term ids (arrays only, plus
+        ~100 bytes per chunk entry)."""
+        return (sum(k.nbytes + t.nbytes for k, t in self.runs) + self.df_arr.nbytes
+                + sum(a.nbytes + 100 for a in self.docs.values()))
 
     def df(self, term: str) -> int:
-        """Chunks of the delta containing ``term``."""
-        return len(self.postings.get(term, ()))
+        """Live chunks of the delta containing ``term``."""
+        tid = self.vocab.get(term)
+        return 0 if tid is None else int(self.df_arr[tid])
 
-    def arrays(self, term: str) -> tuple[np.ndarray, np.ndarray] | None:
-        """``(slots int64 ascending, tf float64)`` of ``term``; None when no chunk has it."""
-        a = self._arrays.get(term)
+    def df_items(self):
+        """``(term, df)`` for every term with live postings here."""
+        nz = np.flatnonzero(self.df_arr[: len(self.terms)])
+        terms = self.terms
+        return [(terms[i], c) for i, c in zip(nz.tolist(), self.df_arr[nz].tolist())]
+
+    def consolidated(self) -> tuple[np.ndarray, np.ndarray]:
+        """All postings of every run (dead ones included) as one ``(key, tf)`` sorted by key."""
+        if not self.runs:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        k, t = self.runs[0]
+        for k2, t2 in self.runs[1:]:
+            k, t = _merge_runs(k, t, k2, t2)
+        return k, t
+
+    def arrays(self, term: str, where: np.ndarray, layer: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """``(slots int64 ascending, tf float64)`` of ``term``'s live postings (those whose
+        slot has ``where[slot] == layer``); None when no live chunk has it."""
+        a = self._cache.get(term)
         if a is not None:
-            return a
-        p = self.postings.get(term)
-        if not p:
+            return a if a[0].size else None
+        tid = self.vocab.get(term)
+        if tid is None or not self.df_arr[tid]:
             return None
-        n = len(p)
-        s = np.fromiter(p.keys(), dtype=np.int64, count=n)
-        tf = np.fromiter(p.values(), dtype=np.float64, count=n)
-        order = np.argsort(s, kind="stable")
-        a = (s[order], tf[order])
-        self._arrays[term] = a
-        return a
+        lo_k, hi_k = np.int64(tid) << _SHIFT, np.int64(tid + 1) << _SHIFT
+        ss, ts = [], []
+        for k, t in self.runs:
+            lo, hi = k.searchsorted(lo_k), k.searchsorted(hi_k)
+            if hi > lo:
+                ss.append(k[lo:hi] & _LOW)
+                ts.append(t[lo:hi])
+        s = np.concatenate(ss) if len(ss) > 1 else ss[0]
+        tf = np.concatenate(ts) if len(ts) > 1 else ts[0]
+        m = where[s] == layer
+        s, tf = s[m], tf[m].astype(np.float64)
+        if len(ss) > 1:
+            order = np.argsort(s, kind="stable")
+            s, tf = s[order], tf[order]
+        self._cache[term] = (s, tf)
+        return (s, tf) if s.size else None
+
+
+def _merge_runs(k1, t1, k2, t2):
+    k = np.concatenate([k1, k2])
+    t = np.concatenate([t1, t2])
+    order = np.argsort(k, kind="stable")
+    return k[order], t[order]
 
 
 def accumulate(parts: list[tuple[np.ndarray, np.ndarray]], cap: int, dense_ratio: int) -> tuple[np.ndarray, np.ndarray]:

@@ -8,43 +8,46 @@ See :mod:`oprag_server.index.bm25` for the reference computation.
 from __future__ import annotations
 
 import sys
-import time
-from collections import Counter
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
 from .delta import Delta, accumulate
+from .merging import _DELTA, _NONE, _SEG, MergeMixin
 from .okapi import as_slot as _as_slot, check_avgdl, check_query, check_slots
-from .segment import MAX_SLOT, Segment, merge
+from .segment import MAX_SLOT, Segment
 
 _EMPTY_I64 = np.zeros(0, dtype=np.int64)
 _EMPTY_F64 = np.zeros(0, dtype=np.float64)
 
 
-class PostingsIndex:
+class PostingsIndex(MergeMixin):
     """Mutable inverted index of one shard; chunks are identified by int *slots*.
 
     Storage:
         * a :class:`~.segment.Segment`: term dictionary and CSR postings arrays (int32 slots,
           uint16/uint32 tf), immutable, possibly memory-mapped from a snapshot;
-        * ``seg_live`` bool per slot: the chunk's postings in the segment are live (a removal
-          clears it: deletes are a live mask, the postings stay until the next merge);
-        * the *delta*: ``term -> {slot: tf}`` and ``slot -> {term: tf}`` dicts of the chunks
-          added since the last merge (O(1) add/remove), with a per-term cache of its numpy
-          arrays dropped whenever that term's delta changes;
+        * deletes as a live mask (``_where`` below): a removed chunk's postings stay in the
+          segment until the next merge;
+        * the *delta* (:class:`~.delta.Delta`): the chunks added since the last merge as
+          sorted numpy runs with the delta's own term ids, assigned when a batch is added
+          (:meth:`add_batch` builds a batch's postings with numpy, no per-posting Python);
+        * ``_where`` int8 per slot: the layer holding the chunk's live postings (segment,
+          frozen delta of a background merge, delta, none);
         * dense per-slot arrays ``doc_len float64[capacity]`` and ``live bool[capacity]``
           where ``capacity > max slot ever added`` (slots should therefore be small,
           densely allocated non-negative ints below 2**31; 10 bytes per slot of capacity).
 
     :meth:`merge` folds the delta into a new segment and drops dead postings (build, then
-    swap); :meth:`maybe_merge` does it once the delta holds :attr:`MERGE_MIN` postings and an
+    swap); :meth:`maybe_merge` does it (with ``background=True`` in a thread, see
+    :mod:`.merging`) once the delta holds :attr:`MERGE_MIN` postings and an
     eighth of the segment's, or dead postings are a quarter of it, so the total merge work
     stays proportional to the postings written.
 
     Scoring takes the *global* idf and avgdl (:class:`CorpusStats`): scores equal the
-    single-index rank_bm25 ones on every shard. Not thread-safe (one shard loop drives it).
+    single-index rank_bm25 ones on every shard. Not thread-safe (one shard loop drives it; a
+    background merge thread reads only immutable inputs).
     """
 
     #: ``score_all`` uses a dense accumulator when the number of postings visited is at
@@ -56,9 +59,12 @@ class PostingsIndex:
     def __init__(self) -> None:
         self._seg = Segment.empty()
         self._seg_df = np.zeros(0, np.int32)  # live postings per segment term
-        self._seg_live = np.zeros(0, dtype=bool)
         self._seg_dead = 0  # dead postings in the segment
         self._delta = Delta()
+        self._frozen: Delta | None = None  # the delta a background merge is folding in
+        self._pending: list | None = None  # [thread, result segment | exception, build s]
+        # per slot: where its live postings are (_NONE, _SEG, _FROZEN, _DELTA)
+        self._where = np.zeros(0, dtype=np.int8)
         self._doc_len = np.zeros(0, dtype=np.float64)
         self._live = np.zeros(0, dtype=bool)
         self._n_live = 0
@@ -68,14 +74,20 @@ class PostingsIndex:
         self._d_len = 0
         self._d_df: dict[str, int] = {}
         self.merges = 0
-        self.last_merge_s = 0.0
+        self.last_merge_s = 0.0  # build time of the last merge (background or not)
+        self.last_swap_s = 0.0  # time the caller's thread spent installing it
+        self.last_merge_error: Exception | None = None  # of a background merge that failed
+
+    @property
+    def _seg_live(self) -> np.ndarray:
+        return self._where == _SEG
 
     def _grow(self, slot: int) -> None:
         cap = len(self._live)
         if slot < cap:
             return
         new_cap = max(slot + 1, 2 * cap, 64)
-        for name, dt in (("_doc_len", np.float64), ("_live", bool), ("_seg_live", bool)):
+        for name, dt in (("_doc_len", np.float64), ("_live", bool), ("_where", np.int8)):
             a = np.zeros(new_cap, dtype=dt)
             old = getattr(self, name)
             a[: old.size] = old
@@ -91,23 +103,45 @@ class PostingsIndex:
             ValueError: ``slot`` outside ``[0, 2**31-1]`` or already live (remove it first).
             TypeError: ``slot`` is not an int.
         """
-        slot = _as_slot(slot)
-        if slot < 0 or slot > MAX_SLOT:
-            raise ValueError(f"slot must lie in [0, {MAX_SLOT}], got {slot}")
-        if self.has_slot(slot):
-            raise ValueError(f"slot {slot} is already indexed; remove() it first")
-        counts = dict(Counter(tokens))
-        n_tok = len(tokens)
-        self._grow(slot)
-        self._delta.add(slot, counts)
-        d_df = self._d_df
-        for t in counts:
-            d_df[t] = d_df.get(t, 0) + 1
-        self._doc_len[slot] = n_tok
-        self._live[slot] = True
-        self._n_live += 1
+        self.add_batch([slot], [tokens])
+
+    def add_batch(self, slots: Sequence[int], token_lists: Sequence[Sequence[str]]) -> None:
+        """Index chunks ``slots[i]`` with analysed tokens ``token_lists[i]`` at once: term ids
+        are assigned and the postings built with numpy for the whole batch (see :meth:`add`).
+
+        Raises:
+            ValueError: a slot outside ``[0, 2**31-1]``, already live, or twice in the batch;
+                ``len(slots) != len(token_lists)``. Nothing is added then.
+            TypeError: a slot is not an int.
+        """
+        slots = [_as_slot(s) for s in slots]
+        if len(slots) != len(token_lists):
+            raise ValueError("add_batch: slots and token_lists differ in length")
+        if not slots:
+            return
+        for s in slots:
+            if s < 0 or s > MAX_SLOT:
+                raise ValueError(f"slot must lie in [0, {MAX_SLOT}], got {s}")
+            if self.has_slot(s):
+                raise ValueError(f"slot {s} is already indexed; remove() it first")
+        if len(set(slots)) != len(slots):
+            raise ValueError("add_batch: a slot appears twice")
+        self._grow(max(slots))
+        delta = self._delta
+        u, c = delta.add_batch(slots, token_lists)
+        d_df, terms = self._d_df, delta.terms
+        for i, n in zip(u.tolist(), c.tolist()):
+            t = terms[i]
+            d_df[t] = d_df.get(t, 0) + n
+        s = np.asarray(slots, np.int64)
+        lens = np.fromiter(map(len, token_lists), np.int64, count=len(slots))
+        self._doc_len[s] = lens
+        self._live[s] = True
+        self._where[s] = _DELTA
+        n_tok = int(lens.sum())
+        self._n_live += len(slots)
         self._total_len += n_tok
-        self._d_n += 1
+        self._d_n += len(slots)
         self._d_len += n_tok
 
     def remove(self, slot: int) -> None:
@@ -120,49 +154,29 @@ class PostingsIndex:
         slot = _as_slot(slot)
         if not self.has_slot(slot):
             raise KeyError(slot)
-        d_df = self._d_df
-        counts = self._delta.remove(slot)
-        if counts is not None:
-            for t in counts:
-                d_df[t] = d_df.get(t, 0) - 1
-        else:
+        w = int(self._where[slot])
+        if w == _SEG:
             tids = self._seg.doc_term_ids(slot)
-            assert tids is not None and self._seg_live[slot]
-            self._seg_live[slot] = False
+            assert tids is not None
             self._seg_df[tids] -= 1
             self._seg_dead += int(tids.size)
             terms = self._seg.terms
-            for i in tids.tolist():
-                t = terms[i]
-                d_df[t] = d_df.get(t, 0) - 1
+        else:
+            layer = self._delta if w == _DELTA else self._frozen
+            tids = layer.remove(slot)
+            terms = layer.terms
+        d_df = self._d_df
+        for i in tids.tolist():
+            t = terms[i]
+            d_df[t] = d_df.get(t, 0) - 1
         n_tok = int(self._doc_len[slot])
         self._doc_len[slot] = 0.0
         self._live[slot] = False
+        self._where[slot] = _NONE
         self._n_live -= 1
         self._total_len -= n_tok
         self._d_n -= 1
         self._d_len -= n_tok
-
-    def merge(self) -> None:
-        """Fold the delta into a new segment without the dead postings, then swap it in.
-        Scores are unchanged (same postings, same summation order)."""
-        t0 = time.perf_counter()
-        new = merge(self._seg, self._seg_live, self._delta.docs)
-        seg_live = self._live.copy()
-        self._seg, self._seg_df, self._seg_live = new, new.df(), seg_live
-        self._seg_dead = 0
-        self._delta = Delta()
-        self.merges += 1
-        self.last_merge_s = time.perf_counter() - t0
-
-    def maybe_merge(self) -> bool:
-        """Merge when the delta or the dead postings pass their thresholds (see the class
-        docstring). :returns: True if it merged."""
-        p = self._seg.n_postings
-        if self._delta.n >= max(self.MERGE_MIN, p // 8) or self._seg_dead >= max(self.MERGE_MIN, p // 4):
-            self.merge()
-            return True
-        return False
 
     def __len__(self) -> int:
         """Number of live chunks."""
@@ -193,7 +207,8 @@ class PostingsIndex:
     def df(self, term: str) -> int:
         """Number of live chunks of this shard containing ``term``."""
         tid = self._seg.vocab.get(term)
-        return (int(self._seg_df[tid]) if tid is not None else 0) + self._delta.df(term)
+        n = (int(self._seg_df[tid]) if tid is not None else 0) + self._delta.df(term)
+        return n + self._frozen.df(term) if self._frozen is not None else n
 
     def drain_delta(self) -> tuple[int, int, dict[str, int]]:
         """Changes since the previous call: ``(n_delta, total_len_delta, df_delta)``.
@@ -212,8 +227,9 @@ class PostingsIndex:
         terms = self._seg.terms
         df = {terms[i]: int(v) for i, v in zip(np.flatnonzero(self._seg_df).tolist(),
                                                 self._seg_df[self._seg_df > 0].tolist())}
-        for t, p in self._delta.postings.items():
-            df[t] = df.get(t, 0) + len(p)
+        for layer in self._layers():
+            for t, n in layer.df_items():
+                df[t] = df.get(t, 0) + n
         return self._n_live, self._total_len, df
 
     def nbytes(self) -> dict[str, int]:
@@ -221,10 +237,11 @@ class PostingsIndex:
         bytes per posting) and ``terms`` (:meth:`.segment.Segment.nbytes`, plus the delta's dict
         and term strings); docs/architecture.md "Memory accounting"."""
         arrays, terms = self._seg.nbytes()
-        per_slot = self._doc_len.nbytes + self._live.nbytes + self._seg_live.nbytes + self._seg_df.nbytes
-        dp = self._delta.postings
-        terms += sys.getsizeof(dp) + sum(map(sys.getsizeof, dp))
-        return {"postings": int(arrays + per_slot + 100 * self._delta.n), "terms": int(terms)}
+        per_slot = self._doc_len.nbytes + self._live.nbytes + self._where.nbytes + self._seg_df.nbytes
+        for layer in self._layers():
+            arrays += layer.nbytes()
+            terms += sys.getsizeof(layer.vocab) + sys.getsizeof(layer.terms) + sum(map(sys.getsizeof, layer.terms))
+        return {"postings": int(arrays + per_slot), "terms": int(terms)}
 
     @property
     def segment(self) -> Segment:
@@ -254,35 +271,12 @@ class PostingsIndex:
         ix = cls()
         ix._grow(max(n - 1, 0))
         ix._seg, ix._seg_df, ix._n_live, ix._total_len = seg, seg.df(), n, int(doc_len.sum())
-        ix._live[:n] = ix._seg_live[:n] = True
+        ix._live[:n] = True
+        ix._where[:n] = _SEG
         ix._doc_len[:n] = doc_len
         return ix
 
     # -- scoring --------------------------------------------------------------------
-    def _term_arrays(self, term: str) -> tuple[np.ndarray, np.ndarray] | None:
-        """Live postings of ``term``: ``(slots int64 ascending, tf uint16/uint32/float64)``."""
-        parts = []
-        tid = self._seg.vocab.get(term)
-        if tid is not None and self._seg_df[tid]:
-            ps, ptf = self._seg.postings(tid)
-            if self._seg_dead:
-                m = self._seg_live[ps]
-                ps, ptf = ps[m], ptf[m]
-            parts.append((ps.astype(np.int64), ptf))  # (int32 fancy indexes convert on every use)
-        a = self._delta.arrays(term)
-        if a is not None:
-            parts.append(a)
-        if not parts:
-            return None
-        if len(parts) == 1:
-            return parts[0]
-        s = np.concatenate([parts[0][0], parts[1][0]])
-        tf = np.concatenate([parts[0][1], parts[1][1]])
-        if parts[0][0][-1] > parts[1][0][0]:  # a delta slot below a segment slot
-            order = np.argsort(s, kind="stable")
-            s, tf = s[order], tf[order]
-        return s, tf
-
     def score(
         self,
         slots: np.ndarray,
@@ -324,7 +318,8 @@ class PostingsIndex:
         # the length part of the denominator, element-wise the same floats rank_bm25 computes
         norm = k1 * (1 - b + b * self._doc_len[s] / avgdl)
         s32 = s.astype(np.int32)
-        in_seg = self._seg_live[s]
+        in_seg = self._where[s] == _SEG
+        layers = self._delta_layers()
         vocab, seg_df = self._seg.vocab, self._seg_df
         for i, t in enumerate(terms):
             # a chunk without the term gets idf * 0 there, which leaves its sum unchanged;
@@ -338,8 +333,10 @@ class PostingsIndex:
                 if hit.size:
                     tf = ptf[pos[hit]].astype(np.float64)
                     out[hit] += idf[i] * (tf * (k1 + 1) / (tf + norm[hit]))
-            a = self._delta.arrays(t)
-            if a is not None:
+            for layer, code in layers:
+                a = layer.arrays(t, self._where, code)
+                if a is None:
+                    continue
                 ps, ptf = a
                 pos = ps.searchsorted(s)
                 np.minimum(pos, len(ps) - 1, out=pos)
@@ -396,5 +393,5 @@ class PostingsIndex:
         return accumulate(parts, len(self._live), self._DENSE_RATIO)
 
     def __repr__(self) -> str:
-        return f"PostingsIndex(chunks={len(self)}, segment_terms={len(self._seg.terms)}, delta_terms={len(self._delta.postings)})"
+        return f"PostingsIndex(chunks={len(self)}, segment_terms={len(self._seg.terms)}, delta_terms={len(self._delta.terms)})"
 

@@ -24,7 +24,6 @@ import sys
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Mapping
 
 import numpy as np
 
@@ -131,18 +130,24 @@ class Segment:
             raise ValueError("postings segment arrays are inconsistent")
 
 
-def merge(seg: Segment, seg_live: np.ndarray, delta: Mapping[int, Mapping[str, int]]) -> Segment:
-    """A new segment: the postings of ``seg`` whose chunk is live plus those of ``delta``.
+def merge(seg: Segment, seg_live: np.ndarray, d_terms: list[str], d_key: np.ndarray, d_tf: np.ndarray,
+          d_doc_slots: np.ndarray) -> Segment:
+    """A new segment: the postings of ``seg`` whose chunk is live plus the delta's.
 
     :param seg: the current segment (not modified).
     :param seg_live: bool ``[>= max slot + 1]``: True where the chunk's postings in ``seg`` are
         live (a removed chunk is False).
-    :param delta: ``{slot: {term: tf}}`` chunks to add (none of them live in ``seg``).
+    :param d_terms: the delta's term dictionary (delta term id -> term).
+    :param d_key: int64 ``[Pd]`` ascending, ``delta term id << 32 | slot`` of the delta's live
+        postings; :param d_tf: int ``[Pd]`` their term frequencies.
+    :param d_doc_slots: int64 ``[Dd]`` ascending: every live delta chunk (also those without
+        tokens); none of them live in ``seg``.
     :returns: the new segment; a term without live postings leaves the dictionary.
     :raises ValueError: a slot above :data:`MAX_SLOT`.
 
-    Cost: O(P + T + delta) numpy work, plus a Python loop over the delta's postings. Chunks
-    and postings keep ascending slot order (the delta may hold slots below the segment's).
+    Cost: O(P + T) numpy work plus one dictionary look-up per delta term (no per-posting
+    Python). Chunks and postings keep ascending slot order (the delta may hold slots below
+    the segment's).
     """
     # live part of the old segment; the dead chunks' terms (forward index) give each term's
     # dead postings without a pass over all postings
@@ -162,27 +167,29 @@ def merge(seg: Segment, seg_live: np.ndarray, delta: Mapping[int, Mapping[str, i
     all_kept = bool(kept.all())
     terms = list(seg.terms) if all_kept else [t for t, k in zip(seg.terms, kept.tolist()) if k]
     vocab = dict(zip(terms, range(len(terms))))
-    # the delta as flat arrays ordered by (term id, slot)
-    d_doc_slots = np.asarray(sorted(delta), dtype=np.int64)
+    d_doc_slots = np.asarray(d_doc_slots, dtype=np.int64)
     if d_doc_slots.size and (d_doc_slots.min() < 0 or d_doc_slots.max() > MAX_SLOT):
         raise ValueError(f"postings slots must lie in [0, {MAX_SLOT}]")
-    d_tid, d_tf, d_doc_len = [], [], []
-    for s in d_doc_slots.tolist():
-        counts = delta[s]
-        d_doc_len.append(len(counts))
-        for t, c in counts.items():
-            i = vocab.get(t)
-            if i is None:
-                i = vocab[t] = len(terms)
-                terms.append(t)
-            d_tid.append(i)
-            d_tf.append(c)
-    T = len(terms)
-    dt = np.asarray(d_tid, dtype=np.int64)
-    dtf = np.asarray(d_tf, dtype=np.int64)
-    ds = np.repeat(d_doc_slots, d_doc_len)
+    # delta term ids -> new term ids (one look-up per distinct delta term)
+    d_key = np.asarray(d_key, np.int64)
+    dtid = d_key >> 32
+    ds = d_key & 0xFFFFFFFF
+    remap = np.zeros(len(d_terms), np.int64)
+    for i in np.unique(dtid).tolist():
+        t = d_terms[i]
+        j = vocab.get(t)
+        if j is None:
+            j = vocab[t] = len(terms)
+            terms.append(t)
+        remap[i] = j
+    dt = remap[dtid]
+    dtf = np.asarray(d_tf, np.int64)
+    by_doc = np.lexsort((dt, ds))  # chunk order, for the forward index
+    d_doc_terms_by_doc = dt[by_doc]
+    d_doc_len = np.bincount(np.searchsorted(d_doc_slots, ds), minlength=d_doc_slots.size).astype(np.int64)
     order = np.lexsort((ds, dt))
     dt, ds, dtf = dt[order], ds[order], dtf[order]
+    T = len(terms)
     new_counts = np.zeros(T, np.int64)
     new_counts[: kept.sum()] = old_counts[kept]
     delta_counts = np.bincount(dt, minlength=T)
@@ -203,7 +210,6 @@ def merge(seg: Segment, seg_live: np.ndarray, delta: Mapping[int, Mapping[str, i
     slots = _interleave(P, dest, o_slots, ds, np.int32)
     tf = _interleave(P, dest, o_tf, dtf, tf_dtype)
     # forward index: chunks in slot order, old term ids renumbered
-    d_doc_terms_by_doc = np.asarray(d_tid, dtype=np.int64)  # per chunk, in chunk order
     if not all_kept:
         old2new = (np.cumsum(kept) - 1).astype(np.int32)  # old term id -> new term id (where kept)
         o_doc_terms = old2new[o_doc_terms]

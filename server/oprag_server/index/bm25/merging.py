@@ -1,0 +1,185 @@
+"""Merges of a shard's BM25 postings (:class:`~.postings.PostingsIndex`): fold the delta into
+a new immutable segment, either in the caller's thread or in a background thread that builds
+from an immutable view (the segment, copies of the live masks, the frozen delta) while the
+index keeps serving queries and taking writes into a fresh delta; the owner installs the
+result between operations (:meth:`MergeMixin.poll_merge`), marking dead whatever was removed
+meanwhile.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+from .delta import Delta
+from .segment import merge
+
+#: where a slot's live postings are (``PostingsIndex._where``, int8 per slot)
+_NONE, _SEG, _FROZEN, _DELTA = 0, 1, 2, 3
+
+
+class MergeMixin:
+    """Layers (segment, frozen delta, delta) and the merge life cycle of
+    :class:`~.postings.PostingsIndex` (uses its private state)."""
+
+    def _layers(self) -> list[Delta]:
+        return [self._delta] if self._frozen is None else [self._frozen, self._delta]
+
+    def _delta_layers(self) -> list[tuple[Delta, int]]:
+        d = [(self._delta, _DELTA)]
+        return d if self._frozen is None else [(self._frozen, _FROZEN), *d]
+
+    def _term_arrays(self, term: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """Live postings of ``term``: ``(slots int64 ascending, tf uint16/uint32/float64)``."""
+        parts = []
+        tid = self._seg.vocab.get(term)
+        if tid is not None and self._seg_df[tid]:
+            ps, ptf = self._seg.postings(tid)
+            if self._seg_dead:
+                m = self._where[ps] == _SEG
+                ps, ptf = ps[m], ptf[m]
+            parts.append((ps.astype(np.int64), ptf))  # (int32 fancy indexes convert on every use)
+        for layer, code in self._delta_layers():
+            a = layer.arrays(term, self._where, code)
+            if a is not None:
+                parts.append(a)
+        if not parts:
+            return None
+        if len(parts) == 1:
+            return parts[0]
+        s = np.concatenate([p[0] for p in parts])
+        tf = np.concatenate([p[1] for p in parts])
+        if np.any(s[1:] < s[:-1]):  # a delta slot below a segment slot
+            order = np.argsort(s, kind="stable")
+            s, tf = s[order], tf[order]
+        return s, tf
+
+    def merge(self, background: bool = False) -> None:
+        """Fold the delta into a new segment without the dead postings, then swap it in,
+        waiting for it (a background merge under way finishes first); with ``background`` only
+        start it in a thread (see :meth:`maybe_merge`). Scores are unchanged (same postings,
+        same summation order)."""
+        self.wait_merge()
+        self._start_merge(background=background)
+
+    def maybe_merge(self, background: bool = False) -> bool:
+        """Install a finished background merge, then merge when the delta or the dead
+        postings pass their thresholds (see the class docstring). With ``background`` the new
+        segment is built in a thread from an immutable view (the segment, a copy of the live
+        mask and the frozen delta) while this index keeps serving and taking writes (into a
+        new delta); a later call installs it (:meth:`poll_merge`).
+
+        :returns: True if it merged or started a merge."""
+        self.poll_merge(raise_errors=False)
+        if self._pending is not None:
+            return False
+        p = self._seg.n_postings
+        if self._delta.n >= max(self.MERGE_MIN, p // 8) or self._seg_dead >= max(self.MERGE_MIN, p // 4):
+            self._start_merge(background)
+            return True
+        return False
+
+    @property
+    def merging(self) -> bool:
+        """True while a background merge is under way or waiting to be installed."""
+        return self._pending is not None
+
+    def poll_merge(self, raise_errors: bool = True) -> bool:
+        """Install a finished background merge. :returns: True if one was installed.
+
+        A merge that failed leaves the index serving from its delta (nothing is lost); its
+        exception is kept in ``last_merge_error`` and raised here when ``raise_errors``.
+        """
+        if self._pending is None or self._pending[0].is_alive():
+            return False
+        try:
+            self._finish()
+        except Exception as exc:
+            self.last_merge_error = exc
+            if raise_errors:
+                raise
+            return False
+        return True
+
+    def wait_merge(self) -> None:
+        """Wait for a background merge under way and install it."""
+        if self._pending is not None:
+            self._pending[0].join()
+            self._finish()
+
+    def _start_merge(self, background: bool) -> None:
+        frozen = self._delta
+        self._delta = Delta()
+        self._frozen = frozen
+        frozen._cache.clear()
+        where = self._where
+        where[where == _DELTA] = _FROZEN
+        seg_live = where == _SEG
+        frz_live = where == _FROZEN
+        d_doc_slots = np.fromiter(sorted(frozen.docs), np.int64, count=len(frozen.docs))
+        seg, d_terms = self._seg, list(frozen.terms)
+        pending: list = [None, None, 0.0]
+
+        def build() -> None:
+            t0 = time.perf_counter()
+            try:
+                key, tf = frozen.consolidated()
+                m = frz_live[key & 0xFFFFFFFF]
+                pending[1] = merge(seg, seg_live, d_terms, key[m], tf[m], d_doc_slots)
+            except BaseException as e:  # re-raised by _finish in the owner's thread
+                pending[1] = e
+            pending[2] = time.perf_counter() - t0
+
+        if background:
+            pending[0] = threading.Thread(target=build, name="bm25-merge", daemon=True)
+            self._pending = pending
+            pending[0].start()
+        else:
+            build()
+            self._pending = pending
+            self._finish()
+
+    def _finish(self) -> None:
+        """Install the merged segment: chunks removed (or re-added elsewhere) since the merge
+        started are dead in it."""
+        t0 = time.perf_counter()
+        _, new, build_s = self._pending
+        self._pending = None
+        if isinstance(new, BaseException):
+            # keep serving from the frozen delta: fold it back into the current one's layer
+            self._frozen_back()
+            raise new
+        ns = new.doc_slots.astype(np.int64)
+        cur = self._where[ns]
+        still = (cur == _SEG) | (cur == _FROZEN)
+        self._where[ns[still]] = _SEG
+        seg_df = new.df()
+        dead_terms = new.doc_terms[np.repeat(~still, np.diff(new.doc_off))] if not still.all() else None
+        if dead_terms is not None and dead_terms.size:
+            seg_df -= np.bincount(dead_terms, minlength=seg_df.size).astype(np.int32)
+        self._seg, self._seg_df, self._frozen = new, seg_df, None
+        self._seg_dead = 0 if dead_terms is None else int(dead_terms.size)
+        self.merges += 1
+        self.last_merge_s = build_s
+        self.last_swap_s = time.perf_counter() - t0
+
+    def _frozen_back(self) -> None:
+        frozen = self._frozen
+        self._frozen = None
+        if frozen is None or not frozen.docs:
+            return
+        slots = sorted(frozen.docs)
+        # re-add the frozen chunks' postings to the current delta (rare: a failed merge)
+        key, tf = frozen.consolidated()
+        live = frozen.docs
+        toks: list[list[str]] = [[] for _ in slots]
+        pos = {s: i for i, s in enumerate(slots)}
+        for k, c in zip(key.tolist(), tf.tolist()):
+            s = k & 0xFFFFFFFF
+            if s in live and self._where[s] == _FROZEN:
+                toks[pos[s]].extend([frozen.terms[k >> 32]] * c)
+        self._delta.add_batch(slots, toks)
+        self._where[np.asarray(slots, np.int64)] = _DELTA
+

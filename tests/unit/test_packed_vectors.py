@@ -1,0 +1,69 @@
+"""Packed own vectors (``Document.vectors_f32`` + ``vector_dim``): the client packs numpy
+vectors, the server unpacks them with one ``np.frombuffer`` to the same unit vectors as the
+repeated-float form, and a wrong byte length, width or a mix of both forms fails the stream
+(IngestError -> INVALID_ARGUMENT, nothing stored)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from oprag.v1 import oprag_pb2
+from oprag_client.client import Doc
+from oprag_server import records
+from oprag_server.engine.documents import IngestError, supplied_vectors
+
+D = 8
+RNG = np.random.default_rng(5)
+V = RNG.standard_normal((3, D))
+
+
+def test_client_packs_numpy_vectors_and_server_matches_the_float_form():
+    one = Doc("a", "whole text", vector=V[0]).to_pb()
+    assert one.vector_dim == D and len(one.vectors_f32) == D * 4 and not one.vector
+    assert np.frombuffer(one.vectors_f32, "<f4").tolist() == V[0].astype(np.float32).tolist()
+    as_floats = Doc("a", "whole text", vector=V[0].astype(np.float32).tolist()).to_pb()
+    assert not as_floats.vectors_f32 and len(as_floats.vector) == D  # lists keep the old form
+    a, b = supplied_vectors(0, one, D), supplied_vectors(0, as_floats, D)
+    assert [t for t, _ in a] == ["whole text"] and np.array_equal(a[0][1], b[0][1])
+    many = Doc("b", chunks=[("first", V[1]), ("second", V[2].astype(np.float32))]).to_pb()
+    assert [c.text for c in many.chunks] == ["first", "second"] and not any(c.vector for c in many.chunks)
+    got = supplied_vectors(0, many, D)
+    ref = records.unit_rows([V[1].astype(np.float32), V[2].astype(np.float32)], D)
+    assert [t for t, _ in got] == ["first", "second"]
+    np.testing.assert_array_equal(np.stack([v for _, v in got]), ref)
+    assert got[0][1].dtype == np.float32
+
+
+def test_client_rejects_bad_numpy_vectors():
+    with pytest.raises(ValueError, match="1-D"):
+        Doc("a", "t", vector=V[:2]).to_pb()
+    with pytest.raises(ValueError, match="one width"):
+        Doc("a", chunks=[("x", V[0]), ("y", V[1][:4])]).to_pb()
+
+
+def _doc(data: bytes, dim: int, chunks=0, **kw) -> oprag_pb2.Document:
+    return oprag_pb2.Document(id="p", text="" if chunks else "t", vectors_f32=data, vector_dim=dim,
+                              chunks=[oprag_pb2.ChunkVector(text=f"c{i}") for i in range(chunks)], **kw)
+
+
+@pytest.mark.parametrize("doc, msg", [
+    (_doc(V[0].astype("<f4").tobytes()[:-4], D), "28 bytes; 1 row"),  # one value short
+    (_doc(V[:2].astype("<f4").tobytes(), D), "64 bytes"),  # two rows for a one-chunk document
+    (_doc(V[:2].astype("<f4").tobytes(), D, chunks=3), "3 row"),  # fewer rows than chunks
+    (_doc(V[0].astype("<f4").tobytes(), D // 2, chunks=2), "vector_dim is 4"),  # right bytes, wrong width
+    (_doc(V[0].astype("<f4").tobytes(), 0), "vector_dim is 0"),
+    (_doc(b"", D), "0 bytes"),
+    (_doc(V[0].astype("<f4").tobytes(), D, vector=[1.0] * D), "one form"),
+    (_doc(np.full(D, np.nan, "<f4").tobytes(), D), "NaN"),
+    (_doc(np.zeros(D, "<f4").tobytes(), D), "all zeros"),
+])
+def test_bad_packed_vectors_fail_the_stream(doc, msg):
+    with pytest.raises(IngestError, match=f"document 4 .*{msg}.*nothing was stored"):
+        supplied_vectors(4, doc, D)
+
+
+def test_packed_rows_is_little_endian_and_copies_nothing_wrong():
+    data = np.arange(1, D + 1, dtype=">f4").astype("<f4").tobytes()
+    v = records.packed_rows(data, 1, D, D)
+    np.testing.assert_allclose(v[0] * np.linalg.norm(np.arange(1, D + 1)), np.arange(1, D + 1), rtol=1e-6)
