@@ -232,9 +232,9 @@ class OpenAIGenerator:
                             if not line.startswith(b"data:"):
                                 continue
                             data = line[5:].strip()
-                            if data == b"[DONE]":
+                            if data == b"[DONE]":  # the body ends next: read to its end, so the connection is reused
                                 done = True
-                                break
+                                continue
                             chunk = json.loads(data)
                             if "error" in chunk:  # an error event mid-stream (vLLM, SGLang)
                                 raise EngineUnavailable(f"the generation engine failed the request: {chunk['error']}", 1.0)
@@ -248,8 +248,8 @@ class OpenAIGenerator:
                                     got_token = True
                                     yield delta
                     finally:
-                        if done:
-                            resp.release()  # the stream ended: the connection can be reused
+                        if done and resp.content.at_eof():
+                            resp.release()  # the stream ended: the connection goes back to the pool
                         else:
                             resp.close()  # also on cancellation: the engine sees the stream close and frees the slot
                 return
