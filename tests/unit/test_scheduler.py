@@ -357,7 +357,9 @@ def test_engine_backend_overlap_off_prepares_only_with_the_engine_stage_empty(ov
 
 def test_engine_backend_empty_engine_gets_a_small_first_slice():
     """16 requests at once with the engine empty: a quarter is prepared first and is in the
-    engine while the rest are prepared (without the slice all 16 were one prep batch)."""
+    engine while the rest are prepared; slices go on while the engine holds fewer requests than
+    wait (4 of 16, 3 of 12, 2 of 9, then all 7 with 9 in the engine). Without the slices all 16
+    were one prep batch."""
 
     async def run():
         gen, ret = FakeEngineGenerator(0.1), TimedRetriever()
@@ -369,6 +371,39 @@ def test_engine_backend_empty_engine_gets_a_small_first_slice():
 
     jobs, gen, ret = asyncio.run(run())
     assert [j.answer for j in jobs] == [f"q{i}" for i in range(16)]
-    assert [len(b) for b in ret.batches] == [4, 12]
+    assert [len(b) for b in ret.batches] == [4, 3, 2, 7]
     first_stream = min(s for s, _ in gen.streams)
     assert first_stream < ret.times[1] + 0.01  # the engine started before the second prep finished
+
+
+def test_engine_backend_admission_counts_requests_in_prep():
+    """The estimated delay counts the requests the prep loop holds (they will need engine slots
+    too): with 2 slots, 0.1 s per request and 8 requests in prep or waiting for it (0.35 s ahead)
+    a new request is refused by
+    ``max_queue_delay_ms``; once they drained it is admitted."""
+
+    class SlowPrep(TimedRetriever):
+        async def retrieve(self, vecs, texts, specs):
+            await asyncio.sleep(0.2)
+            return await super().retrieve(vecs, texts, specs)
+
+    async def run():
+        gen = FakeEngineGenerator(0.1)
+        gen.max_inflight = 2
+        eng = QueryEngine(
+            generator=gen, retriever=SlowPrep(), memory=FakeMemory(), lock=RWLock(),
+            batch=BatchConfig(max_batch=8, max_wait_ms=2.0, queue_capacity=64, max_queue_delay_ms=320.0),
+            gen_cfg=GenerateConfig(), embedder=FakeEmbedder(), metrics=Metrics())
+        eng.dispatch.request_s_ewma = 0.1
+        eng.start()
+        first = [asyncio.create_task(eng.submit(_job(f"q{i}"))) for i in range(8)]
+        await asyncio.sleep(0.05)  # the prep loop holds the first slice of them now
+        assert eng.estimated_delay_s() > eng.dispatch.estimated_delay_s(len(eng._waiting)) > 0.05
+        with pytest.raises(Overloaded):
+            await eng.submit(_job("late"))
+        await asyncio.gather(*first)
+        ok = await eng.submit(_job("after"))
+        await eng.stop()
+        return ok
+
+    assert asyncio.run(run()).answer == "after"

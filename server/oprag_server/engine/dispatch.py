@@ -3,15 +3,17 @@
 With such a backend the query executor forms no generation batches: each request goes to the
 engine as soon as its prompt is built (:meth:`EngineDispatch.spawn`), at most ``max_inflight``
 at once (the rest wait for a slot in arrival order), while the prep loop goes on preparing newer
-arrivals. The engine's continuous batching merges them into its running batch. When the engine
-stage is empty (:attr:`EngineDispatch.active` = 0) the prep loop takes only a quarter of the
-waiting requests (at least one), so the engine gets work after a short prep instead of after the
-whole queue's (closed-loop clients whose answers ended together otherwise stay one cohort that
-alternates between prep and engine, the engine idle during each prep).
+arrivals. The engine's continuous batching merges them into its running batch. While the engine
+stage holds fewer requests than wait for prep (:attr:`EngineDispatch.active` < queue) the prep
+loop takes only a quarter of the waiting requests (at least one), so the engine gets work after
+a short prep instead of after the whole queue's (closed-loop clients whose answers ended together
+otherwise stay one cohort that alternates between prep and engine, the engine idle during each
+prep).
 
 Admission: :meth:`EngineDispatch.estimated_delay_s` = requests ahead of a new one (waiting for a
-slot or for prep) / measured engine throughput, where throughput = ``max_inflight`` / EWMA of
-one request's time in the engine (requests per second with all slots busy).
+slot, in prep, or waiting for prep) / measured engine throughput, where throughput =
+``max_inflight`` / EWMA of one request's time in the engine (requests per second with all slots
+busy).
 
 Cancellation (client gone, gRPC deadline): :meth:`EngineDispatch.cancel` cancels the request's
 task, which closes its HTTP stream so the engine frees the slot; the time from the cancel to the
@@ -57,7 +59,8 @@ class EngineDispatch:
     def estimated_delay_s(self, queued: int) -> float:
         """Seconds a new request would wait for an engine slot.
 
-        :param queued: admitted requests not yet prepared (they will also need a slot).
+        :param queued: admitted requests not yet handed to the engine stage (waiting for prep or
+            in prep; they will also need a slot).
         """
         ahead = max(0, self.waiting + queued + self.in_engine - self.max_inflight + 1)
         return ahead * self.request_s_ewma / self.max_inflight

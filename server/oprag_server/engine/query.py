@@ -101,6 +101,7 @@ class QueryEngine:
         self._tasks: list[asyncio.Task] = []
         self._gen_time_ewma = 0.5
         self._generating = 0  # batches handed to the generator and not finished
+        self._preparing = 0  # requests in the prep loop's current batch
         self.monitor = PruningMonitor(retriever, lock, metrics, monitor_fraction, monitor_max_inflight)
         # an engine that batches by itself gets each request as soon as its prompt exists
         self.dispatch = EngineDispatch(generator, metrics, self._on_text) if getattr(generator, "is_engine", False) else None
@@ -130,7 +131,7 @@ class QueryEngine:
         """Queueing delay a new query would see: batches ahead of it x recent batch time (s);
         with an engine backend :meth:`EngineDispatch.estimated_delay_s`."""
         if self.dispatch is not None:
-            return self.dispatch.estimated_delay_s(len(self._waiting))
+            return self.dispatch.estimated_delay_s(len(self._waiting) + self._preparing)
         batches_ahead = self._inflight // self.cfg.max_batch
         return batches_ahead * self._gen_time_ewma
 
@@ -175,9 +176,10 @@ class QueryEngine:
                                    will_generate=not engine and bool(self._waiting) and self._waiting[0].runs(GENERATE))
             if d.take:
                 take = d.take
-                if engine and not self.dispatch.active:  # engine empty: a quarter first, so it starts sooner
-                    take = max(1, take // 4)
+                if engine and self.dispatch.active < len(self._waiting):
+                    take = max(1, take // 4)  # the engine holds fewer than wait: a quarter first, so it is fed sooner
                 batch = [self._waiting.popleft() for _ in range(take)]
+                self._preparing = take
                 self.metrics.queue_depth.labels(queue="query").set(len(self._waiting))
                 return batch
             self._arrived.clear()
@@ -197,11 +199,13 @@ class QueryEngine:
                 await self._run(rest, answer=True)  # retrieval only: promotion, then the reply
             except Exception as exc:  # noqa: BLE001 - fail the batch, keep serving
                 log.exception("query batch failed")
+                self._preparing = 0
                 for j in batch:
                     self._fail(j, exc)
                 continue
             for j in rest:
                 self._finish(j)
+            self._preparing = 0
             if gen and self.dispatch is not None:
                 tasks = [self.dispatch.spawn(j, self._answer) for j in gen]
                 if not self.cfg.overlap:  # the engine stage empties before the next prep

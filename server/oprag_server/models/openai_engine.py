@@ -3,8 +3,11 @@ llama.cpp's server, ``transformers serve``): :class:`OpenAIGenerator`.
 
 It implements :class:`~oprag_server.models.protocols.EngineGenerator`: the text helpers the
 context operator needs (chat template, token counting, truncation) and :meth:`stream`, one
-chat completion streamed through the official ``openai`` package's ``AsyncOpenAI`` client
-(extra ``engine``). The engine batches by itself (continuous batching), so requests are sent
+chat completion streamed over HTTP with ``aiohttp`` (extra ``engine``), the server-sent events
+parsed line by line (``data: {json}``, ending with ``data: [DONE]``). The official ``openai``
+client cost about 0.3 ms of CPU per streamed chunk in the server's event loop (request
+transformation and a pydantic object per chunk; bench/RESULTS.md, Serving), which with
+many short answers in flight was the frontend's largest cost. The engine batches by itself (continuous batching), so requests are sent
 one by one as soon as their prompt exists (:mod:`oprag_server.engine.dispatch`).
 
 Token counting: with a local tokenizer (``tokenizer_dir``, e.g. the directory the engine
@@ -25,12 +28,14 @@ its first token.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from .protocols import EngineRejected, EngineTimeout, EngineUnavailable, EngineUsage
@@ -41,6 +46,8 @@ log = logging.getLogger(__name__)
 EST_BYTES_PER_TOKEN = 3
 #: Tokens added per text by the estimate (chat role markers).
 EST_OVERHEAD_TOKENS = 8
+#: Texts whose exact token counts are kept (source blocks recur across requests).
+COUNT_CACHE_SIZE = 8192
 #: Context length assumed for a remote model without a local config.
 DEFAULT_REMOTE_CONTEXT = 8192
 
@@ -80,6 +87,7 @@ class OpenAIGenerator:
         self._client: Any = None
         self._lock = threading.Lock()
         self._warm = False
+        self._counts: dict[str, int] = {}  # text -> exact token count (insertion order: oldest first)
 
     # ------------------------------------------------------------------ set-up
     def warm_up(self) -> None:
@@ -98,13 +106,20 @@ class OpenAIGenerator:
             self._warm = True
 
     def client(self) -> Any:
-        """The ``AsyncOpenAI`` client (created on first use, in the running event loop)."""
-        if self._client is None:
-            import openai
+        """The ``aiohttp.ClientSession`` (created on first use, in the running event loop; no limit
+        on connections: the dispatcher bounds the requests in flight)."""
+        if self._client is None or self._client.closed:
+            import aiohttp
 
-            http = openai.DefaultAsyncHttpxClient(verify=self.tls_verify)  # the HTTP client openai ships with
-            self._client = openai.AsyncOpenAI(base_url=self.url, api_key=self.api_key, max_retries=0, http_client=http,
-                                              timeout=openai.Timeout(self.timeout_s, connect=5.0))
+            ssl: Any = None if self.tls_verify is True else self.tls_verify
+            if isinstance(self.tls_verify, str):
+                import ssl as _ssl
+
+                ssl = _ssl.create_default_context(cafile=self.tls_verify)
+            self._client = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, ssl=ssl if ssl is not None else True),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
+                headers={"Authorization": f"Bearer {self.api_key}", "Accept": "text/event-stream"})
         return self._client
 
     async def aclose(self) -> None:
@@ -128,12 +143,28 @@ class OpenAIGenerator:
                                                       add_generation_prompt=True)
         return f"{system}\n\n{user}" if system else user
 
+    def _encode(self, text: str) -> Any:
+        """The fast tokenizer's encoding of ``text`` without special tokens (``ids``, ``offsets``);
+        the ``tokenizers`` backend directly: the ``transformers`` call around it cost ~0.5 ms a call."""
+        fast = getattr(self.tokenizer, "backend_tokenizer", None)
+        if fast is not None:
+            return fast.encode(text, add_special_tokens=False)
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return SimpleNamespace(ids=enc["input_ids"], offsets=enc["offset_mapping"])
+
     def count_tokens(self, text: str) -> int:
-        """Exact with a local tokenizer, else ``ceil(utf8_bytes / 3) + 8`` (an over-estimate)."""
+        """Exact with a local tokenizer (the counts of recent texts cached: a source chunk recurs
+        across requests), else ``ceil(utf8_bytes / 3) + 8`` (an over-estimate)."""
         self.warm_up()
-        if self.tokenizer is not None:
-            return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        return math.ceil(len(text.encode("utf-8")) / EST_BYTES_PER_TOKEN) + EST_OVERHEAD_TOKENS
+        if self.tokenizer is None:
+            return math.ceil(len(text.encode("utf-8")) / EST_BYTES_PER_TOKEN) + EST_OVERHEAD_TOKENS
+        n = self._counts.get(text)
+        if n is None:
+            n = len(self._encode(text).ids)
+            if len(self._counts) >= COUNT_CACHE_SIZE:
+                self._counts.pop(next(iter(self._counts)))  # the oldest entry
+            self._counts[text] = n
+        return n
 
     def truncate_to_tokens(self, text: str, n: int) -> str:
         """Longest prefix of ``text`` with at most ``n`` tokens as :meth:`count_tokens` counts."""
@@ -145,8 +176,7 @@ class OpenAIGenerator:
         if self.tokenizer is None:
             out = text.encode("utf-8")[: max(0, (n - EST_OVERHEAD_TOKENS) * EST_BYTES_PER_TOKEN)].decode("utf-8", "ignore")
         else:
-            enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-            out = text[: enc["offset_mapping"][n][0]]
+            out = text[: self._encode(text).offsets[n][0]]
         while out and self.count_tokens(out) > n:
             out = out[:-1]
         return out
@@ -166,27 +196,32 @@ class OpenAIGenerator:
     async def probe(self) -> bool:
         """One ``GET /models`` (5 s limit); updates :attr:`healthy`. :returns: whether it answered."""
         try:
-            await asyncio.wait_for(self.client().models.list(), 5.0)
-            ok = True
+            async with asyncio.timeout(5.0):
+                async with self.client().get(f"{self.url}/models") as resp:
+                    await resp.read()
+                    ok = resp.status == 200
         except Exception:  # noqa: BLE001 - any failure means not serving
             ok = False
         self._mark(ok)
         return ok
 
     def _map_error(self, exc: BaseException) -> Exception:
-        import openai
-
-        if isinstance(exc, (openai.APITimeoutError, asyncio.TimeoutError)):
+        if isinstance(exc, (EngineUnavailable, EngineTimeout, EngineRejected)):
+            return exc
+        if isinstance(exc, TimeoutError):  # asyncio.timeout, or aiohttp's connect timeout
             return EngineTimeout(f"the generation engine did not finish within {self.timeout_s:.0f} s")
-        if isinstance(exc, openai.APIStatusError):
-            code = exc.status_code
-            if code in (400, 413, 422):
-                return EngineRejected(f"the generation engine refused the request: HTTP {code}: {exc.message}")
-            ra = exc.response.headers.get("retry-after", "")
-            wait = float(ra) if ra.replace(".", "", 1).isdigit() else (1.0 if code == 429 or code >= 500 else 5.0)
-            return EngineUnavailable(f"the generation engine answered HTTP {code} "
-                                     f"({'overloaded or down' if code == 429 or code >= 500 else 'misconfigured'})", wait)
         return EngineUnavailable(f"the generation engine is unreachable: {type(exc).__name__}: {exc}", 1.0)
+
+    @staticmethod
+    def _status_error(code: int, body: bytes, retry_after: str) -> Exception:
+        """The error for an HTTP status other than 200 (see the module docstring)."""
+        msg = body[:300].decode("utf-8", "replace")
+        if code in (400, 413, 422):
+            return EngineRejected(f"the generation engine refused the request: HTTP {code}: {msg}")
+        wait = float(retry_after) if retry_after.replace(".", "", 1).isdigit() else (
+            1.0 if code == 429 or code >= 500 else 5.0)
+        return EngineUnavailable(f"the generation engine answered HTTP {code} "
+                                 f"({'overloaded or down' if code == 429 or code >= 500 else 'misconfigured'})", wait)
 
     async def stream(self, messages: list[dict[str, str]], max_new_tokens: int,
                      usage: EngineUsage) -> AsyncIterator[str]:
@@ -200,26 +235,42 @@ class OpenAIGenerator:
         :raises EngineUnavailable | EngineTimeout | EngineRejected: see the module docstring.
         """
         got_token = False
+        body = {"model": self.model, "messages": messages, "max_tokens": int(max_new_tokens), "temperature": 0.0,
+                "stream": True, "stream_options": {"include_usage": True}}
         for attempt in range(self.retries + 1):
             usage.attempts = attempt + 1
             try:
                 async with asyncio.timeout(self.timeout_s):
-                    resp = await self.client().chat.completions.create(
-                        model=self.model, messages=messages, max_tokens=int(max_new_tokens), temperature=0.0,
-                        stream=True, stream_options={"include_usage": True})
+                    resp = await self.client().post(f"{self.url}/chat/completions", json=body)
+                    done = False
                     try:
-                        async for chunk in resp:
-                            self._mark(True)
-                            _take_usage(chunk, usage)
-                            for ch in chunk.choices or ():
-                                if ch.finish_reason:
-                                    usage.finish_reason = "length" if ch.finish_reason == "length" else "stop"
-                                delta = ch.delta.content if ch.delta is not None else None
+                        if resp.status != 200:
+                            raise self._status_error(resp.status, await resp.read(), resp.headers.get("retry-after", ""))
+                        self._mark(True)
+                        async for line in resp.content:  # one server-sent-event line at a time
+                            if not line.startswith(b"data:"):
+                                continue
+                            data = line[5:].strip()
+                            if data == b"[DONE]":  # the body ends next: read to its end, so the connection is reused
+                                done = True
+                                continue
+                            chunk = json.loads(data)
+                            if "error" in chunk:  # an error event mid-stream (vLLM, SGLang)
+                                raise EngineUnavailable(f"the generation engine failed the request: {chunk['error']}", 1.0)
+                            if chunk.get("usage"):
+                                _take_usage(chunk["usage"], usage)
+                            for ch in chunk.get("choices") or ():
+                                if ch.get("finish_reason"):
+                                    usage.finish_reason = "length" if ch["finish_reason"] == "length" else "stop"
+                                delta = (ch.get("delta") or {}).get("content")
                                 if delta:
                                     got_token = True
                                     yield delta
                     finally:
-                        await resp.close()  # also on cancellation: frees the engine's slot
+                        if done and resp.content.at_eof():
+                            resp.release()  # the stream ended: the connection goes back to the pool
+                        else:
+                            resp.close()  # also on cancellation: the engine sees the stream close and frees the slot
                 return
             except (GeneratorExit, asyncio.CancelledError):
                 raise
@@ -228,17 +279,14 @@ class OpenAIGenerator:
                 if isinstance(err, EngineUnavailable):
                     self._mark(False)
                 if got_token or not isinstance(err, EngineUnavailable) or attempt == self.retries:
-                    raise err from exc
+                    raise err from (None if err is exc else exc)
                 log.warning("engine request failed before its first token (%s); retrying", err)
                 await asyncio.sleep(0.2 * (attempt + 1))
 
 
-def _take_usage(chunk: Any, usage: EngineUsage) -> None:
-    u = getattr(chunk, "usage", None)
-    if u is None:
-        return
-    usage.prompt_tokens = int(u.prompt_tokens or 0)
-    usage.completion_tokens = int(u.completion_tokens or 0)
-    details = getattr(u, "prompt_tokens_details", None)
-    if details is not None and getattr(details, "cached_tokens", None) is not None:
-        usage.cached_tokens = int(details.cached_tokens)
+def _take_usage(u: dict, usage: EngineUsage) -> None:
+    usage.prompt_tokens = int(u.get("prompt_tokens") or 0)
+    usage.completion_tokens = int(u.get("completion_tokens") or 0)
+    details = u.get("prompt_tokens_details")
+    if details and details.get("cached_tokens") is not None:
+        usage.cached_tokens = int(details["cached_tokens"])
