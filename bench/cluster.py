@@ -192,12 +192,13 @@ def start_cluster(workers: int = 3):
 
 
 async def node_loss(S, cluster, data_dir: Path, *, kills: int = 1, chunks_per_doc: int = 5, docs_per_txn: int = 20,
-                    warm_txns: int = 5, recovery_timeout_s: float = 60.0, preload_chunks: int = 0) -> dict:
+                    warm_txns: int = 5, recovery_timeout_s: float = 60.0, preload_chunks: int = 0,
+                    preload_snapshot: bool = True) -> dict:
     """Kill the node holding shard 0 ``kills`` times under concurrent commits and queries
     (see the module doc). ``preload_chunks``: first commit that many chunks (10 per document,
     1,000 per transaction, supplied vectors) and snapshot every shard, as the server's periodic
     snapshot does, so shard 0 recovers from a snapshot of about half of them plus the log of
-    the writes under load. :returns: the counts and recovery times."""
+    the writes under load (``preload_snapshot=False``: no snapshot, the whole log is replayed). :returns: the counts and recovery times."""
     loop = asyncio.get_running_loop()
     P = S.protocol
     pool = S.ShardPool(2, DIM, data_dir, transport=S.RayPlacement(S.RayConfig(address=cluster.address, ping_s=0.25), 2))
@@ -207,7 +208,7 @@ async def node_loss(S, cluster, data_dir: Path, *, kills: int = 1, chunks_per_do
     await loop.run_in_executor(None, lambda: pool.start(loop, committed=set()))
     for t in range(preload_chunks // 1000):
         await ingest(S, cp, f"pre{t}", [f"pre{t}-{i}" for i in range(100)], 10, seed=100_000 + t)
-    if preload_chunks:
+    if preload_chunks and preload_snapshot:
         await pool.broadcast(P.Op.SNAPSHOT, P.SnapshotRequest())
         cp.reset_log()
     preloaded = [st.chunks for st in await pool.broadcast(P.Op.STATS, P.StatsRequest())]
@@ -300,7 +301,7 @@ async def node_loss(S, cluster, data_dir: Path, *, kills: int = 1, chunks_per_do
     rec = metrics.recovery_s
     return {**counts, "kills": kills, "acked_txns": len(acked), "acked_docs": sum(map(len, acked.values())),
             "acked_docs_lost": sum(d not in present for docs in acked.values() for d in docs),
-            "documents_after": docs, "landed_docs": sum(map(len, landed.values())),
+            "documents_after": docs, "landed_docs": sum(map(len, landed.values())) + preload_chunks // 1000 * 100,
             "identical_results": bool(identical), "shard_nodes_distinct": len(set(nodes0)) == 2,
             "moved_to_other_node": all(a != b for a, b in moves),
             "shard_recovery_s": [round(x, 2) for x in rec],
@@ -320,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="only node loss with --preload-chunks committed first (the 10K-chunk shard recovery)")
     ap.add_argument("--preload-chunks", type=int, default=0,
                     help="node loss: commit this many chunks (both shards) and snapshot before the kills")
+    ap.add_argument("--no-preload-snapshot", action="store_true",
+                    help="no snapshot after the preload: a revived shard replays its whole log")
     ap.add_argument("--embed-only", action="store_true",
                     help="only ingest embedding over 1 vs 2 Ray embedding actors (bench/embed_actors.py)")
     ap.add_argument("--embed-chunks", type=int, default=4096, help="chunks embedded per setting (--embed-only)")
@@ -346,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             with tempfile.TemporaryDirectory() as tmp:
                 res["node_loss"] = asyncio.run(node_loss(S, cluster, Path(tmp), kills=a.kills,
-                                                         preload_chunks=a.preload_chunks))
+                                                         preload_chunks=a.preload_chunks,
+                                                         preload_snapshot=not a.no_preload_snapshot))
         finally:
             ray.shutdown()
             cluster.shutdown()
