@@ -18,13 +18,15 @@ actors") has the rates.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from typing import Any
 
 import numpy as np
 
-__all__ = ["EmbedActor", "RayEmbedPool", "plan_batches"]
+__all__ = ["EmbedActor", "RayEmbedPool", "plan_batches", "start_embed_pool"]
+log = logging.getLogger("oprag")
 
 
 class EmbedActor:
@@ -103,16 +105,23 @@ class RayEmbedPool:
         self.actors = [cls.remote(model, int(cpus) or 1, kw) for _ in range(n)]
         self.retried = 0  # parts sent again after their actor was lost
 
-    def ready(self, timeout_s: float = 300.0) -> list[dict]:
-        """Wait until every actor has loaded its model (blocking). :returns: each actor's
-        :meth:`EmbedActor.usage`. :raises RuntimeError: not placed and loaded in time."""
+    def ready(self, timeout_s: float = 300.0, keep_placed: bool = False) -> list[dict]:
+        """Wait until every actor has loaded its model (blocking). With ``keep_placed``, the
+        actors not placed and loaded within ``timeout_s`` are dropped instead (no free CPUs on
+        their node) as long as one is. :returns: each kept actor's :meth:`EmbedActor.usage`.
+        :raises RuntimeError: not placed and loaded in time (with ``keep_placed``: none was)."""
         import ray
 
-        try:
-            return ray.get([a.usage.remote() for a in self.actors], timeout=timeout_s)
-        except ray.exceptions.GetTimeoutError as exc:
-            raise RuntimeError(f"{self.n} Ray embedding actors were not placed and loaded within {timeout_s:.0f} s "
-                               "(free CPUs? see --ray-embed-actors / --ray-embed-cpus)") from exc
+        refs = [a.usage.remote() for a in self.actors]
+        done, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if pending and not (keep_placed and done):
+            raise RuntimeError(f"{len(pending)} of {self.n} Ray embedding actors were not placed and loaded within "
+                               f"{timeout_s:.0f} s (free CPUs? see --ray-embed-actors / --ray-embed-cpus)")
+        kept = [i for i, r in enumerate(refs) if r in done]
+        for i in set(range(self.n)) - set(kept):
+            ray.kill(self.actors[i], no_restart=True)
+        self.actors, self.n = [self.actors[i] for i in kept], len(kept)
+        return ray.get([refs[i] for i in kept])
 
     def usage(self) -> list[dict]:
         """Every live actor's :meth:`EmbedActor.usage` (blocking)."""
@@ -167,5 +176,14 @@ def start_embed_pool(cfg: Any, encoder: Any, metrics: Any = None, timeout_s: flo
     kw = {"device": cfg.embed.device, "max_tokens": encoder.max_tokens, "compile": cfg.embed.compile}
     pool = RayEmbedPool(str(encoder.path), kw, n=cfg.ray.embed_actors, cpus=cfg.ray.embed_cpus,
                         batch_size=cfg.embed.batch_size, metrics=metrics)
-    pool.ready(timeout_s)
+    if cfg.ray.embed_actors > 0:  # asked for N: all of them, or a start-up error
+        pool.ready(timeout_s)
+        return pool
+    try:  # one per node: the nodes whose CPUs the shards left free
+        pool.ready(min(timeout_s, 60.0), keep_placed=True)
+    except RuntimeError:
+        log.warning("no Ray embedding actor could be placed (no free CPUs): ingest embeds in the frontend")
+        pool.close()
+        return None
+    log.info("%d Ray embedding actors for ingest", pool.n)
     return pool
