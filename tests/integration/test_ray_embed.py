@@ -3,7 +3,7 @@ real Runtime (MiniLM, shards as Ray actors, two embedding actors each loading th
 a stream through :class:`IngestPipeline`; the vectors the shards stored equal what the
 in-process encoder computes for the same chunks, and the actors did the embedding.
 
-Skipped without the 'ray' extra; about 50 s on 2 cores at load average 8 (Ray start, 3 actors).
+Skipped without the 'ray' extra; about 40 s on 2 cores at load average 2.5, 50 s at 8 (Ray start, 3 actors).
 """
 
 from __future__ import annotations
