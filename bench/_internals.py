@@ -115,12 +115,14 @@ def shard_plane():
     public API exposes): a namespace of ``records``, ``protocol``, ``ShardPool``,
     ``PipeTransport``, ``ShardError``, ``ShardState``, ``in_process_pool``, ``CommitProtocol``,
     ``RWLock``, ``CorpusStats``, ``RayConfig``, ``RayPlacement`` (needs the 'ray' extra when
-    used), ``ShardSupervisor`` and ``restart_shard``."""
+    used), ``ShardSupervisor``, ``restart_shard`` and ``RayEmbedPool`` (the ingest embedding
+    actors, ``bench.embed_actors``)."""
     from types import SimpleNamespace
 
     from oprag_server import records
     from oprag_server.config import RayConfig
     from oprag_server.engine.commit import CommitProtocol
+    from oprag_server.engine.ray_embed import RayEmbedPool
     from oprag_server.engine.rwlock import RWLock
     from oprag_server.index.bm25 import CorpusStats
     from oprag_server.shards import protocol

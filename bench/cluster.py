@@ -192,9 +192,13 @@ def start_cluster(workers: int = 3):
 
 
 async def node_loss(S, cluster, data_dir: Path, *, kills: int = 1, chunks_per_doc: int = 5, docs_per_txn: int = 20,
-                    warm_txns: int = 5, recovery_timeout_s: float = 60.0) -> dict:
+                    warm_txns: int = 5, recovery_timeout_s: float = 60.0, preload_chunks: int = 0,
+                    preload_snapshot: bool = True) -> dict:
     """Kill the node holding shard 0 ``kills`` times under concurrent commits and queries
-    (see the module doc). :returns: the counts and recovery times."""
+    (see the module doc). ``preload_chunks``: first commit that many chunks (10 per document,
+    1,000 per transaction, supplied vectors) and snapshot every shard, as the server's periodic
+    snapshot does, so shard 0 recovers from a snapshot of about half of them plus the log of
+    the writes under load (``preload_snapshot=False``: no snapshot, the whole log is replayed). :returns: the counts and recovery times."""
     loop = asyncio.get_running_loop()
     P = S.protocol
     pool = S.ShardPool(2, DIM, data_dir, transport=S.RayPlacement(S.RayConfig(address=cluster.address, ping_s=0.25), 2))
@@ -202,6 +206,12 @@ async def node_loss(S, cluster, data_dir: Path, *, kills: int = 1, chunks_per_do
     cp = S.CommitProtocol(pool, S.CorpusStats(), lock)
     cp.open_log(data_dir / "commits.log")
     await loop.run_in_executor(None, lambda: pool.start(loop, committed=set()))
+    for t in range(preload_chunks // 1000):
+        await ingest(S, cp, f"pre{t}", [f"pre{t}-{i}" for i in range(100)], 10, seed=100_000 + t)
+    if preload_chunks and preload_snapshot:
+        await pool.broadcast(P.Op.SNAPSHOT, P.SnapshotRequest())
+        cp.reset_log()
+    preloaded = [st.chunks for st in await pool.broadcast(P.Op.STATS, P.StatsRequest())]
     nodes0 = [c.node_id for c in pool.clients]
     metrics = _Metrics()
     sup = S.ShardSupervisor(pool, lambda i: S.restart_shard(pool, i, committed=cp.committed_txns(), lock=lock,
@@ -276,6 +286,8 @@ async def node_loss(S, cluster, data_dir: Path, *, kills: int = 1, chunks_per_do
         present |= set(rep.vectors)
     ref = S.in_process_pool([S.ShardState(i, DIM, None) for i in range(2)])
     rcp = S.CommitProtocol(ref, S.CorpusStats(), S.RWLock())
+    for t in range(preload_chunks // 1000):
+        await ingest(S, rcp, f"pre{t}", [f"pre{t}-{i}" for i in range(100)], 10, seed=100_000 + t)
     for txn in sorted(landed, key=lambda t: seeds[t]):
         await ingest(S, rcp, txn, landed[txn], chunks_per_doc, seed=seeds[txn])
     identical = True
@@ -283,17 +295,19 @@ async def node_loss(S, cluster, data_dir: Path, *, kills: int = 1, chunks_per_do
         a, _ = await pool.gather_partial(P.Op.SEARCH, search_request(S, 10_000 + r))
         b, _ = await ref.gather_partial(P.Op.SEARCH, search_request(S, 10_000 + r))
         identical &= top_chunks(a) == top_chunks(b)
-    docs = sum(st.documents for st in await pool.broadcast(P.Op.STATS, P.StatsRequest()))
+    after = await pool.broadcast(P.Op.STATS, P.StatsRequest())
+    docs, chunks_after = sum(st.documents for st in after), [st.chunks for st in after]
     await pool.shutdown(snapshot=False)
     rec = metrics.recovery_s
     return {**counts, "kills": kills, "acked_txns": len(acked), "acked_docs": sum(map(len, acked.values())),
             "acked_docs_lost": sum(d not in present for docs in acked.values() for d in docs),
-            "documents_after": docs, "landed_docs": sum(map(len, landed.values())),
+            "documents_after": docs, "landed_docs": sum(map(len, landed.values())) + preload_chunks // 1000 * 100,
             "identical_results": bool(identical), "shard_nodes_distinct": len(set(nodes0)) == 2,
             "moved_to_other_node": all(a != b for a, b in moves),
             "shard_recovery_s": [round(x, 2) for x in rec],
             "shard_recovery_p50_s": round(_pct(rec, 50), 2) if rec else None,
-            "kill_to_serving_s": [round(x, 2) for x in serving_s]}
+            "kill_to_serving_s": [round(x, 2) for x in serving_s], "preloaded_chunks_per_shard": preloaded,
+            "shard_chunks_after": chunks_after}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -303,12 +317,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kills", type=int, default=5)
     ap.add_argument("--data-plane-only", action="store_true")
     ap.add_argument("--replicas-only", action="store_true", help="only the R = 2 replica-loss runs")
+    ap.add_argument("--recovery-only", action="store_true",
+                    help="only node loss with --preload-chunks committed first (the 10K-chunk shard recovery)")
+    ap.add_argument("--preload-chunks", type=int, default=0,
+                    help="node loss: commit this many chunks (both shards) and snapshot before the kills")
+    ap.add_argument("--no-preload-snapshot", action="store_true",
+                    help="no snapshot after the preload: a revived shard replays its whole log")
+    ap.add_argument("--embed-only", action="store_true",
+                    help="only ingest embedding over 1 vs 2 Ray embedding actors (bench/embed_actors.py)")
+    ap.add_argument("--embed-chunks", type=int, default=4096, help="chunks embedded per setting (--embed-only)")
+    ap.add_argument("--shared", type=Path, default=None, help="folder with data/ (the bench corpus; --embed-only)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     S = _internals.shard_plane()
     res: dict = {"load_before": os.getloadavg()}
-    if not a.replicas_only:
+    if a.embed_only:
+        from .embed_actors import measure
+
+        res["embed_actors"] = measure(a.embed_chunks, shared=a.shared)
+        res["load_after"] = os.getloadavg()
+        print(json.dumps(res) if a.json else json.dumps(res, indent=1))
+        return 0
+    if not (a.replicas_only or a.recovery_only):
         res["data_plane"] = asyncio.run(data_plane(S, a.rounds, a.chunks))
     if not (a.data_plane_only or a.replicas_only):
         import ray
@@ -317,11 +348,13 @@ def main(argv: list[str] | None = None) -> int:
         cluster = start_cluster()
         try:
             with tempfile.TemporaryDirectory() as tmp:
-                res["node_loss"] = asyncio.run(node_loss(S, cluster, Path(tmp), kills=a.kills))
+                res["node_loss"] = asyncio.run(node_loss(S, cluster, Path(tmp), kills=a.kills,
+                                                         preload_chunks=a.preload_chunks,
+                                                         preload_snapshot=not a.no_preload_snapshot))
         finally:
             ray.shutdown()
             cluster.shutdown()
-    if not a.data_plane_only:  # R = 2 (bench/replicas.py): replica processes SIGKILLed, then Ray nodes removed
+    if not (a.data_plane_only or a.recovery_only):  # R = 2 (bench/replicas.py): replica processes SIGKILLed, then Ray nodes removed
         import ray
 
         from .replicas import replica_loss

@@ -25,6 +25,7 @@ from .engine.commit import CommitProtocol
 from .engine.embedder import EmbedWorker
 from .engine.ingest import IngestPipeline
 from .engine.query import QueryEngine
+from .engine.ray_embed import start_embed_pool
 from .engine.rwlock import RWLock
 from .index.analyzer import Analyzer
 from .index.bm25 import CorpusStats
@@ -73,6 +74,7 @@ class Runtime:
         self.replayed = 0
         # service.tracing.Tracing when --otlp-endpoint is set; None: no tracing object anywhere
         self.tracing: Any = None
+        self.embed_pool: Any = None  # Ray embedding actors for bulk ingest (--ray-embed-actors)
 
     def start_shards(self, loop: asyncio.AbstractEventLoop) -> None:
         """Read the commit log, spawn shard processes and wait until each has loaded its
@@ -86,6 +88,7 @@ class Runtime:
         if self.replayed:
             log.info("recovered %d write-ahead log records", self.replayed)
         self.metrics.shards_up.set(len(ready))
+        self.embed_pool = start_embed_pool(self.cfg, self.encoder, self.metrics)
 
     async def start(self) -> None:
         qexec = None
@@ -115,7 +118,7 @@ class Runtime:
             chunking=self.cfg.chunking,
             cfg=self.cfg.ingest,
             limits=self.cfg.limits,
-            embedder=self.embedder,
+            embedder=self.embed_pool or self.embedder,  # only its embed_chunks: ingest vectors
             metrics=self.metrics,
             next_generation=self.next_generation,
             embed_batch=self.cfg.embed.batch_size,
@@ -224,6 +227,8 @@ class Runtime:
             await self.snapshot()
         except Exception:  # noqa: BLE001 - the write-ahead logs still hold everything
             log.exception("final snapshot failed")
+        if self.embed_pool is not None:
+            self.embed_pool.close()
         await self.pool.shutdown(snapshot=False)
         self.embed_executor.shutdown(wait=False, cancel_futures=True)
         if getattr(self, "embed_query_executor", None) is not None:

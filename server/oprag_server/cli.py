@@ -89,6 +89,9 @@ _OPTIONS: tuple[tuple[str, str, str, str], ...] = (
     ("--ray-max-restarts", "ray", "max_restarts", "Ray restarts of a shard actor (-1 = unlimited)"),
     ("--ray-shard-cpus", "ray", "shard_cpus", "CPUs reserved per shard actor"),
     ("--ray-channel", "ray", "channel", "'direct': a TCP connection to each shard actor; 'actor': Ray actor calls"),
+    ("--ray-embed-actors", "ray", "embed_actors",
+     "embedding workers for bulk ingest as Ray actors: -1 = one per node, 0 = embed in the frontend"),
+    ("--ray-embed-cpus", "ray", "embed_cpus", "CPUs reserved per embedding actor"),
     ("--shutdown-grace", "", "shutdown_grace_s", "seconds SIGTERM waits for in-flight requests"),
 )
 _PATH_FIELDS = {"data_dir", "tls_cert", "tls_key", "tls_client_ca", "tokens_file", "api_key_file"}

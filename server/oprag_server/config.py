@@ -260,6 +260,11 @@ class RayConfig:
     :param ping_s: seconds between liveness pings of each shard actor.
     :param channel: ``"direct"``: requests travel over a TCP connection to each actor (the pipe
         protocol); ``"actor"``: as Ray actor calls (slower, see bench/RESULTS.md).
+    :param embed_actors: embedding workers for bulk ingest as Ray actors
+        (:mod:`oprag_server.engine.ray_embed`): -1 = one per node with CPUs (counted at start),
+        0 = none (ingest embeds in the frontend), N = N actors spread over the nodes. Query
+        embedding always stays in the frontend.
+    :param embed_cpus: CPUs reserved per embedding actor (also its torch threads, at least 1).
     """
 
     address: str | None = None
@@ -268,6 +273,8 @@ class RayConfig:
     shard_cpus: float = 1.0
     ping_s: float = 0.5
     channel: str = "direct"
+    embed_actors: int = -1
+    embed_cpus: float = 1.0
 
     def __post_init__(self) -> None:
         if self.channel not in ("direct", "actor"):
@@ -276,6 +283,8 @@ class RayConfig:
             raise ValueError(f"Ray placement strategy must be one of {', '.join(RAY_STRATEGIES)}, got {self.strategy!r}")
         if self.max_restarts < -1 or self.shard_cpus <= 0 or self.ping_s <= 0:
             raise ValueError("Ray max restarts must be >= -1, shard CPUs and ping interval > 0")
+        if self.embed_actors < -1 or self.embed_cpus <= 0:
+            raise ValueError("Ray embedding actors must be >= -1 (-1 = one per node) and their CPUs > 0")
 
 
 def default_cache_dir() -> Path:

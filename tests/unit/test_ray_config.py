@@ -38,3 +38,12 @@ def test_ray_address_selects_the_ray_placement():
 
     p = _placement(ServerConfig(ray=RayConfig(address="local"), shards=3))["transport"]
     assert isinstance(p, RayPlacement) and p.n == 3 and p.pg is None  # nothing started before the pool starts
+
+
+def test_embedding_actor_flags_reach_the_ray_config():
+    cfg = config_from_args(build_parser().parse_args(["--ray-embed-actors", "3", "--ray-embed-cpus", "0.5"]))
+    assert cfg.ray.embed_actors == 3 and cfg.ray.embed_cpus == 0.5
+    assert RayConfig().embed_actors == -1  # with Ray on: one embedding actor per node
+    for kw in ({"embed_actors": -2}, {"embed_cpus": 0}):
+        with pytest.raises(ValueError):
+            RayConfig(**kw)

@@ -154,7 +154,8 @@ class RayPlacement:
             if not ray.is_initialized():
                 env = {"env_vars": {k: "1" for k in _THREAD_VARS}}
                 if self.cfg.address == "local":
-                    cpus = max(os.cpu_count() or 1, int(self.n * self.cfg.shard_cpus + 0.999))
+                    embed = self.cfg.embed_cpus * (1 if self.cfg.embed_actors < 0 else self.cfg.embed_actors)
+                    cpus = max(os.cpu_count() or 1, int(self.n * self.replicas * self.cfg.shard_cpus + embed + 0.999))
                     # Ray starts workers at nice 15 by default: behind everything on a busy machine
                     _init_on_keeper_thread(ray, num_cpus=cpus, runtime_env=env, include_dashboard=False,
                                            log_to_driver=False, _system_config={"worker_niceness": 0})
