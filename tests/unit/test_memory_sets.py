@@ -129,3 +129,18 @@ def test_the_fusion_picks_the_subject_and_the_question_picks_its_passage():
     # the title's own terms do not count (every passage of the subject has them); other documents stay put
     got = fuse_lists(own, ctx[::2], 3, question="Explain the Z900.", names=names)
     assert [h.chunk_id for h in got] == [h.chunk_id for h in fuse_lists(own, ctx[::2], 3)]
+
+
+def test_the_context_row_reuses_the_stored_turn_vectors_instead_of_a_second_encoder_row():
+    import numpy as np
+
+    from oprag_server.operators.memory import context_vector, session_vector
+
+    e = np.eye(4, dtype=np.float32)
+    t = lambda v: MemoryTurn(0, "q", "", ["c#0"], ["T"], "q", ["c"], [], v)  # noqa: E731
+    # newest first, weight 0.5 ** age, turns under 0.5 left out (as their subjects are)
+    s = session_vector([t(e[0]), t(e[1]), t(e[2])])
+    assert np.allclose(s, (e[0] + 0.5 * e[1]) / np.linalg.norm(e[0] + 0.5 * e[1])) and s.dtype == np.float32
+    assert session_vector([t(e[0]), t(None)]) is None and session_vector([]) is None  # old record: embed the text
+    v = context_vector(e[3], s)
+    assert np.isclose(np.linalg.norm(v), 1.0) and np.isclose(v @ e[3], v @ s)  # halfway between question and session

@@ -77,6 +77,39 @@ def context_text(question: str, turns: list[MemoryTurn], decay: float = DECAY, m
     return f"{question} {' '.join(subjects)}" if subjects else ""
 
 
+def session_vector(turns: list[MemoryTurn], decay: float = DECAY, min_weight: float = MIN_WEIGHT) -> np.ndarray | None:
+    """The session's side of the context row's dense vector, from the stored vectors of the
+    same turns :func:`context_text` takes subjects from (newest first, weight ``decay ** age``
+    at least ``min_weight``): ``sum(w_a * v_a)``, L2-normalised; float32 ``[D]``, or None when
+    a turn in that window has no vector (a record written before vectors were returned).
+    Each stored vector is what its turn was retrieved with (its context row when memory changed
+    its retrieval), so a chain carries its subject. Used by :func:`context_vector`."""
+    vecs = []
+    for age, t in enumerate(turns):
+        w = decay ** age
+        if w < min_weight:
+            break
+        if t.vector is None or not np.size(t.vector):
+            return None
+        vecs.append(w * np.asarray(t.vector, dtype=np.float32).reshape(-1))
+    if not vecs:
+        return None
+    v = np.sum(vecs, axis=0)
+    n = float(np.linalg.norm(v))
+    return (v / n).astype(np.float32) if n > 0 else None
+
+
+def context_vector(question_vector: np.ndarray, session: np.ndarray) -> np.ndarray:
+    """The dense vector of the session-context row without a second encoder row: the
+    question's unit vector plus the session's (:func:`session_vector`), L2-normalised (float32
+    ``[D]``): halfway between the two on the unit sphere, the vector-space counterpart of the
+    context text "question + subject" (whose lexical row still uses that text). Saves the
+    encoder the second row, the whole of memory's extra embedding cost."""
+    v = np.asarray(question_vector, dtype=np.float32).reshape(-1) + session
+    n = float(np.linalg.norm(v))
+    return (v / n).astype(np.float32) if n > 0 else np.asarray(question_vector, dtype=np.float32)
+
+
 def row_weights(own: list[Hit], ctx: list[Hit]) -> tuple[float, float]:
     """Weights of the question's list and of the session-context list in the fusion: each row's
     evidence is the dense score (cosine of L2-normalised vectors, one embedding space for both
@@ -241,6 +274,7 @@ class Memory:
             for (i, _), text in zip(found, rewritten):
                 if text:
                     out[i].context_text = text
+                    out[i].session_vector = None  # the rewrite is embedded as a text
         return out
 
     async def condense(self, question: str, turns: list[MemoryTurn]) -> str:
@@ -269,7 +303,8 @@ class Memory:
         memory_text = f"Previous question: {last.question}"
         if titles:
             memory_text += f" (sources: {'; '.join(titles)})"
-        return MemoryContext(question, memory_text, len(turns), context_text=context_text(question, turns))
+        return MemoryContext(question, memory_text, len(turns), context_text=context_text(question, turns),
+                             session_vector=session_vector(turns))
 
     async def promote(self, session_id: str, question: str, answer: str, hits: list[Hit], vector: np.ndarray,
                       resolved: str = "") -> None:
