@@ -144,3 +144,23 @@ def test_the_context_row_reuses_the_stored_turn_vectors_instead_of_a_second_enco
     assert session_vector([t(e[0]), t(None)]) is None and session_vector([]) is None  # old record: embed the text
     v = context_vector(e[3], s)
     assert np.isclose(np.linalg.norm(v), 1.0) and np.isclose(v @ e[3], v @ s)  # halfway between question and session
+
+
+def test_a_filler_word_common_in_the_corpus_does_not_outweigh_the_asked_about_word():
+    from oprag_server.index.analyzer import Analyzer
+
+    names = Analyzer().tokens
+
+    def hit(cid, text):
+        return Hit(cid, cid.split("#")[0], "Lobster", text, 0.0, 0.5, 0.0, 0)
+
+    # "Can you find the part where it talks about direction?": among the candidates "part" and
+    # "find" are as rare as "direction", so the passage with both filler words would win; in the
+    # corpus they are common (low idf) and "direction" is rare
+    ctx = [hit("l#0", "Lobster overview."), hit("l#1", "Find the part on claws."), hit("l#2", "The direction of travel.")]
+    own = [dataclasses.replace(hit("s#0", "A song."), title="Song", dense_score=0.2)]  # no evidence: defers
+    q = "Can you find the part where it talks about direction?"
+    assert fuse_lists(own, ctx, 3, question=q, names=names)[0].chunk_id == "l#1"  # candidates alone
+    corpus = {"find": 0.2, "part": 0.2, "the": 0.1, "direction": 3.0}
+    got = fuse_lists(own, ctx, 3, question=q, names=names, corpus_idf=lambda ts: [corpus.get(t, 1.0) for t in ts])
+    assert got[0].chunk_id == "l#2"

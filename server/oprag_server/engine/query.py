@@ -281,7 +281,8 @@ class QueryEngine:
             # ``fusion`` is part of ``retrieve``; ``rerank`` is its old name, kept on the wire
             j.timings_ms["fusion"] = j.timings_ms["rerank"] = times["fusion"] * 1000
         for j, h in zip(ctx, hits[len(jobs):]):
-            j.hits = fuse_session(j.hits, h, j.spec.top_k, j.memory, j.question, self.retriever.analyzer.tokens)
+            j.hits = fuse_session(j.hits, h, j.spec.top_k, j.memory, j.question, self.retriever.analyzer.tokens,
+                                  lambda ts: self.retriever.stats.query_idf(ts, self.retriever.bm25.epsilon))
         self.monitor.sample(jobs)
         return times["retrieve"]
 

@@ -124,7 +124,7 @@ def row_weights(own: list[Hit], ctx: list[Hit]) -> tuple[float, float]:
 
 
 def fuse_lists(own: list[Hit], ctx: list[Hit], top_k: int, rrf_k: float = RRF_K,
-               question: str = "", names=None) -> list[Hit]:
+               question: str = "", names=None, corpus_idf=None) -> list[Hit]:
     """The question's own list when both lists' top hits are of the same document (the
     question's subject agrees with the session's, or it names its own and the context does not
     override it) or when the question contains every analysed term of its own top hit's title
@@ -132,7 +132,8 @@ def fuse_lists(own: list[Hit], ctx: list[Hit], top_k: int, rrf_k: float = RRF_K,
     fusion of the two lists (Cormack et al. 2009, weights :func:`row_weights`):
     ``score = w_own / (rrf_k + rank_own) + w_ctx / (rrf_k + rank_ctx)``, 1-based ranks, a list
     a chunk is absent from adds 0; ties by the better own rank, then chunk id; with ``names``
-    the top document's passages are then ordered by the question (:func:`passage_order`). The
+    the top document's passages are then ordered by the question (:func:`passage_order`, with
+    ``corpus_idf``). The
     returned hits carry the fused score in ``score``; at most ``top_k``."""
     if own and ctx and own[0].doc_id == ctx[0].doc_id:
         return own[:top_k]  # both rows agree on the subject: the question's own ranking stands
@@ -147,17 +148,24 @@ def fuse_lists(own: list[Hit], ctx: list[Hit], top_k: int, rrf_k: float = RRF_K,
             best.setdefault(h.chunk_id, h)
     order = sorted(score, key=lambda c: (-score[c], own_rank.get(c, len(own) + 1), c))
     fused = [dataclasses.replace(best[c], score=score[c]) for c in order]
-    return (passage_order(fused, question, names) if names else fused)[:top_k]
+    return (passage_order(fused, question, names, corpus_idf) if names else fused)[:top_k]
 
 
-def passage_order(fused: list[Hit], question: str, names) -> list[Hit]:
+def passage_order(fused: list[Hit], question: str, names, corpus_idf=None) -> list[Hit]:
     """The fused list with the chunks of its top document reordered by the question's own terms:
     the fusion decides the subject, the question decides the passage. Each analysed term ``t``
     of the question that is not a term of the document's title weighs ``log((n + 1) / (df_t +
     0.5))`` over the whole fused list (both rows' candidates, ``n`` chunks; ``df_t`` those whose
     text has it: a BM25-style idf over the candidate pool, so a word that pulled the question's
     own list to many documents, or that every passage of the subject has, counts little); a
-    chunk of the top document scores the sum over the terms it contains; ties keep the fused order. The chunks keep
+    chunk of the top document scores the sum over the terms it contains; ties keep the fused order.
+    With ``corpus_idf`` (terms -> the corpus BM25 idf of each, ``CorpusStats.query_idf``) a term
+    weighs the product of the two idfs, the query-side weight from the candidates and the
+    document-side weight from the corpus, as the tf-idf dot product weighs a shared term by
+    ``idf ** 2`` (Salton & Buckley 1988): a filler word of a long question ("part", "find") is
+    common in the corpus though rare among the candidates, and no longer outweighs the rare word
+    the question asks about (with the server's 256-token chunks, family 2's long pronoun
+    question lost the passage to filler words: bench/RESULTS.md, third pass). The chunks keep
     the positions the document held; other documents' hits do not move. Needed because the
     session-context row is dominated by the subject's name: it finds the right document but
     ranks its passages mostly by that name, not by the detail the follow-up asks about."""
@@ -170,6 +178,9 @@ def passage_order(fused: list[Hit], question: str, names) -> list[Hit]:
     has = [set(names(h.text)) & terms for h in fused]
     n = len(fused)
     idf = {t: math.log((n + 1) / (sum(t in x for x in has) + 0.5)) for t in terms}
+    if corpus_idf is not None and terms:
+        order = sorted(terms)
+        idf = {t: idf[t] * float(g) for t, g in zip(order, corpus_idf(order))}
     rank = sorted(range(len(sub)), key=lambda i: (-sum(idf[t] for t in has[pos[i]]), i))
     out = list(fused)
     for p, i in zip(pos, rank):
@@ -198,12 +209,12 @@ def session_rows(jobs: list) -> tuple[list, np.ndarray, list[str], list]:
 
 
 def fuse_session(own: list[Hit], ctx: list[Hit], top_k: int, memory: MemoryContext, question: str,
-                 names=None) -> list[Hit]:
+                 names=None, corpus_idf=None) -> list[Hit]:
     """The hits of a request searched with a session-context row: :func:`fuse_lists` of its two
     lists; sets ``memory.used`` when the result differs from the question's own top ``top_k``
     (then the fused list is returned, else the question's own)."""
     top = own[:top_k]
-    fused = fuse_lists(own, ctx, top_k, question=question, names=names)
+    fused = fuse_lists(own, ctx, top_k, question=question, names=names, corpus_idf=corpus_idf)
     memory.used = [x.chunk_id for x in fused] != [x.chunk_id for x in top]
     return fused if memory.used else top
 
