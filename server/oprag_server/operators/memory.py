@@ -280,6 +280,8 @@ class Memory:
         found = [(asking[p], turns) for pos, rep in got.values() for p, turns in zip(pos, rep.turns) if turns]
         for i, turns in found:
             out[i] = self._context(questions[i], turns)
+            if self.cfg.encode_context:
+                out[i].session_vector = None  # the context text gets its own encoder row
         if self.rewriter is not None and found:
             rewritten = await asyncio.gather(*[self.condense(questions[i], turns) for i, turns in found])
             for (i, _), text in zip(found, rewritten):
