@@ -4,9 +4,10 @@ Records of a session live on the shard its session id routes to (the same stable
 documents). *Lookup* runs before embedding, for all sessions of a scheduler batch in one call
 per shard, and builds the *session context* of each question: the question followed by the
 resolved subject of the session's recent turns (newest first, a turn ``a`` turns old weighted
-``decay ** a``; subjects under ``min_weight`` are left out). The query is then retrieved twice
-in the same embed and shard calls -- the question alone and the session context, one extra row
--- and the two ranked lists are fused by reciprocal rank (:func:`fuse_lists`): a chunk both
+``decay ** a``; subjects under ``min_weight`` are left out) and its dense vector, the question's
+plus the same turns' stored vectors (:func:`context_vector`; no second encoder row). The query
+is then retrieved twice in the same shard calls -- the question alone and the session context,
+one extra row -- and the two ranked lists are fused by reciprocal rank (:func:`fuse_lists`): a chunk both
 lists rank high wins, so a follow-up whose subject is implicit gains from the context row while
 a question that names its own subject keeps the chunks its own list ranks first. When the
 fusion changed the ranking, the chunks of its top document are put in the order of the
