@@ -77,6 +77,8 @@ _OPTIONS: tuple[tuple[str, str, str, str], ...] = (
     ("--memory-condense-tokens", "memory", "condense_tokens", "new tokens of the condense generation"),
     ("--memory-condense-timeout-s", "memory", "condense_timeout_s",
      "past this the follow-up keeps the default session context (the engine's answer is dropped)"),
+    ("--memory-encode-context", "memory", "encode_context",
+     "embed the session-context text as a second encoder row instead of reusing the stored turn vectors"),
     ("--stem", "bm25", "stem", "English stemming in the BM25 analyzer (snowballstemmer)"),
     ("--tls-cert", "security", "tls_cert", "PEM certificate: serve gRPC over TLS"),
     ("--tls-key", "security", "tls_key", "PEM private key of --tls-cert"),

@@ -227,6 +227,7 @@ class MemoryConfig:
     condense: bool = False  # with an engine generator: rewrite a follow-up into a standalone question
     condense_tokens: int = 48  # new tokens of the condense generation
     condense_timeout_s: float = 10.0  # past it the follow-up keeps the default session context
+    encode_context: bool = False  # embed the session-context text (a second encoder row), not the stored turn vectors
 
 
 @dataclass(frozen=True)

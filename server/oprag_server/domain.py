@@ -112,6 +112,7 @@ class MemoryContext:
     turns: int
     context_text: str = ""  # the question with the session's subject: a second retrieval row ("" = none)
     used: bool = False  # memory changed the retrieval (the fused ranking differs from the question's)
+    session_vector: object = None  # float32[D] unit: the session's stored turn vectors, decayed (None = embed context_text)
 
 
 @dataclass

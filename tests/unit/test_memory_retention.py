@@ -34,6 +34,7 @@ def test_turn_bound_keeps_the_newest_turns():
     assert [r.turn for r in got] == [6, 5, 4]
     assert [r.question for r in _search(s, "a", k=2)] == ["q6", "q5"]
     assert s.stats().memory_records == 3
+    assert all(np.array_equal(r.vector, np.ones(DIM, np.float32)) for r in got)  # the context row reuses them
 
 
 def test_shard_budget_evicts_least_recently_active_sessions_first():

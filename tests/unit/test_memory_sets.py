@@ -129,3 +129,38 @@ def test_the_fusion_picks_the_subject_and_the_question_picks_its_passage():
     # the title's own terms do not count (every passage of the subject has them); other documents stay put
     got = fuse_lists(own, ctx[::2], 3, question="Explain the Z900.", names=names)
     assert [h.chunk_id for h in got] == [h.chunk_id for h in fuse_lists(own, ctx[::2], 3)]
+
+
+def test_the_context_row_reuses_the_stored_turn_vectors_instead_of_a_second_encoder_row():
+    import numpy as np
+
+    from oprag_server.operators.memory import context_vector, session_vector
+
+    e = np.eye(4, dtype=np.float32)
+    t = lambda v: MemoryTurn(0, "q", "", ["c#0"], ["T"], "q", ["c"], [], v)  # noqa: E731
+    # newest first, weight 0.5 ** age, turns under 0.5 left out (as their subjects are)
+    s = session_vector([t(e[0]), t(e[1]), t(e[2])])
+    assert np.allclose(s, (e[0] + 0.5 * e[1]) / np.linalg.norm(e[0] + 0.5 * e[1])) and s.dtype == np.float32
+    assert session_vector([t(e[0]), t(None)]) is None and session_vector([]) is None  # old record: embed the text
+    v = context_vector(e[3], s)
+    assert np.isclose(np.linalg.norm(v), 1.0) and np.isclose(v @ e[3], v @ s)  # halfway between question and session
+
+
+def test_a_filler_word_common_in_the_corpus_does_not_outweigh_the_asked_about_word():
+    from oprag_server.index.analyzer import Analyzer
+
+    names = Analyzer().tokens
+
+    def hit(cid, text):
+        return Hit(cid, cid.split("#")[0], "Lobster", text, 0.0, 0.5, 0.0, 0)
+
+    # "Can you find the part where it talks about direction?": among the candidates "part" and
+    # "find" are as rare as "direction", so the passage with both filler words would win; in the
+    # corpus they are common (low idf) and "direction" is rare
+    ctx = [hit("l#0", "Lobster overview."), hit("l#1", "Find the part on claws."), hit("l#2", "The direction of travel.")]
+    own = [dataclasses.replace(hit("s#0", "A song."), title="Song", dense_score=0.2)]  # no evidence: defers
+    q = "Can you find the part where it talks about direction?"
+    assert fuse_lists(own, ctx, 3, question=q, names=names)[0].chunk_id == "l#1"  # candidates alone
+    corpus = {"find": 0.2, "part": 0.2, "the": 0.1, "direction": 3.0}
+    got = fuse_lists(own, ctx, 3, question=q, names=names, corpus_idf=lambda ts: [corpus.get(t, 1.0) for t in ts])
+    assert got[0].chunk_id == "l#2"

@@ -93,6 +93,12 @@ class QueryJob:
         """The session context when memory changed the retrieval, else ""."""
         return self.memory.context_text if self.memory is not None and self.memory.used else ""
 
+    @property
+    def resolved_vector(self) -> np.ndarray | None:
+        """float32[D] the turn was retrieved with: the context row's vector when memory changed
+        the retrieval, else the question's (what its memory record stores)."""
+        return self.context_vector if self.resolved_query and self.context_vector is not None else self.vector
+
     def record(self, step: PlanStep, end: float, run_s: float) -> None:
         """Note that ``step`` ran for this job for ``run_s`` seconds, ending at ``end``
         (perf_counter seconds): one trace entry and the ``timings_ms[step.op]`` key."""

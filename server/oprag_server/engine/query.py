@@ -33,7 +33,7 @@ from typing import Any, Awaitable, Callable
 from ..config import BatchConfig, GenerateConfig
 from ..operators.context import build_context
 from ..operators.group import retrieve_documents
-from ..operators.memory import Memory, fuse_session, session_rows
+from ..operators.memory import Memory, context_vector, fuse_session, session_rows
 from ..operators.retrieve import Retriever
 from .dispatch import EngineDispatch
 from .job import QueryJob
@@ -255,13 +255,19 @@ class QueryEngine:
             j.memory = m
 
     async def _embed(self, jobs: list[QueryJob]) -> None:
-        """Query embedding of each question and of its session context if any (same call)."""
+        """Query embedding of each question and, in the same call, of a session context that has
+        no stored session vector (a condensed rewrite, old records); a context row with one gets
+        :func:`~oprag_server.operators.memory.context_vector` (no encoder row)."""
         ctx = [j for j in jobs if j.memory is not None and j.memory.context_text]
-        vecs = await self.embedder.embed_queries([j.question for j in jobs] + [j.memory.context_text for j in ctx])
+        text = [j for j in ctx if j.memory.session_vector is None]
+        vecs = await self.embedder.embed_queries([j.question for j in jobs] + [j.memory.context_text for j in text])
         for j, v in zip(jobs, vecs):
             j.vector = v
-        for j, v in zip(ctx, vecs[len(jobs):]):
+        for j, v in zip(text, vecs[len(jobs):]):
             j.context_vector = v
+        for j in ctx:
+            if j.memory.session_vector is not None:
+                j.context_vector = context_vector(j.vector, j.memory.session_vector)
 
     async def _retrieve(self, jobs: list[QueryJob]) -> float:
         """Shard search, global merge and fusion, hit fields, and grouping by document for the
@@ -279,7 +285,8 @@ class QueryEngine:
             # ``fusion`` is part of ``retrieve``; ``rerank`` is its old name, kept on the wire
             j.timings_ms["fusion"] = j.timings_ms["rerank"] = times["fusion"] * 1000
         for j, h in zip(ctx, hits[len(jobs):]):
-            j.hits = fuse_session(j.hits, h, j.spec.top_k, j.memory, j.question, self.retriever.analyzer.tokens)
+            j.hits = fuse_session(j.hits, h, j.spec.top_k, j.memory, j.question, self.retriever.analyzer.tokens,
+                                  lambda ts: self.retriever.stats.query_idf(ts, self.retriever.bm25.epsilon))
         self.monitor.sample(jobs)
         return times["retrieve"]
 
@@ -377,7 +384,7 @@ class QueryEngine:
     async def _promote(self, jobs: list[QueryJob]) -> None:
         """Write each answered turn into its session's memory (best effort: a shard down never fails it)."""
         outs = await asyncio.gather(
-            *[self.memory.promote(j.session_id, j.question, j.answer, j.hits, j.vector, j.resolved_query or j.question)
+            *[self.memory.promote(j.session_id, j.question, j.answer, j.hits, j.resolved_vector, j.resolved_query or j.question)
               for j in jobs],
             return_exceptions=True,
         )

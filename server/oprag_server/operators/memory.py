@@ -4,9 +4,10 @@ Records of a session live on the shard its session id routes to (the same stable
 documents). *Lookup* runs before embedding, for all sessions of a scheduler batch in one call
 per shard, and builds the *session context* of each question: the question followed by the
 resolved subject of the session's recent turns (newest first, a turn ``a`` turns old weighted
-``decay ** a``; subjects under ``min_weight`` are left out). The query is then retrieved twice
-in the same embed and shard calls -- the question alone and the session context, one extra row
--- and the two ranked lists are fused by reciprocal rank (:func:`fuse_lists`): a chunk both
+``decay ** a``; subjects under ``min_weight`` are left out) and its dense vector, the question's
+plus the same turns' stored vectors (:func:`context_vector`; no second encoder row). The query
+is then retrieved twice in the same shard calls -- the question alone and the session context,
+one extra row -- and the two ranked lists are fused by reciprocal rank (:func:`fuse_lists`): a chunk both
 lists rank high wins, so a follow-up whose subject is implicit gains from the context row while
 a question that names its own subject keeps the chunks its own list ranks first. When the
 fusion changed the ranking, the chunks of its top document are put in the order of the
@@ -77,6 +78,39 @@ def context_text(question: str, turns: list[MemoryTurn], decay: float = DECAY, m
     return f"{question} {' '.join(subjects)}" if subjects else ""
 
 
+def session_vector(turns: list[MemoryTurn], decay: float = DECAY, min_weight: float = MIN_WEIGHT) -> np.ndarray | None:
+    """The session's side of the context row's dense vector, from the stored vectors of the
+    same turns :func:`context_text` takes subjects from (newest first, weight ``decay ** age``
+    at least ``min_weight``): ``sum(w_a * v_a)``, L2-normalised; float32 ``[D]``, or None when
+    a turn in that window has no vector (a record written before vectors were returned).
+    Each stored vector is what its turn was retrieved with (its context row when memory changed
+    its retrieval), so a chain carries its subject. Used by :func:`context_vector`."""
+    vecs = []
+    for age, t in enumerate(turns):
+        w = decay ** age
+        if w < min_weight:
+            break
+        if t.vector is None or not np.size(t.vector):
+            return None
+        vecs.append(w * np.asarray(t.vector, dtype=np.float32).reshape(-1))
+    if not vecs:
+        return None
+    v = np.sum(vecs, axis=0)
+    n = float(np.linalg.norm(v))
+    return (v / n).astype(np.float32) if n > 0 else None
+
+
+def context_vector(question_vector: np.ndarray, session: np.ndarray) -> np.ndarray:
+    """The dense vector of the session-context row without a second encoder row: the
+    question's unit vector plus the session's (:func:`session_vector`), L2-normalised (float32
+    ``[D]``): halfway between the two on the unit sphere, the vector-space counterpart of the
+    context text "question + subject" (whose lexical row still uses that text). Saves the
+    encoder the second row, the whole of memory's extra embedding cost."""
+    v = np.asarray(question_vector, dtype=np.float32).reshape(-1) + session
+    n = float(np.linalg.norm(v))
+    return (v / n).astype(np.float32) if n > 0 else np.asarray(question_vector, dtype=np.float32)
+
+
 def row_weights(own: list[Hit], ctx: list[Hit]) -> tuple[float, float]:
     """Weights of the question's list and of the session-context list in the fusion: each row's
     evidence is the dense score (cosine of L2-normalised vectors, one embedding space for both
@@ -91,7 +125,7 @@ def row_weights(own: list[Hit], ctx: list[Hit]) -> tuple[float, float]:
 
 
 def fuse_lists(own: list[Hit], ctx: list[Hit], top_k: int, rrf_k: float = RRF_K,
-               question: str = "", names=None) -> list[Hit]:
+               question: str = "", names=None, corpus_idf=None) -> list[Hit]:
     """The question's own list when both lists' top hits are of the same document (the
     question's subject agrees with the session's, or it names its own and the context does not
     override it) or when the question contains every analysed term of its own top hit's title
@@ -99,7 +133,8 @@ def fuse_lists(own: list[Hit], ctx: list[Hit], top_k: int, rrf_k: float = RRF_K,
     fusion of the two lists (Cormack et al. 2009, weights :func:`row_weights`):
     ``score = w_own / (rrf_k + rank_own) + w_ctx / (rrf_k + rank_ctx)``, 1-based ranks, a list
     a chunk is absent from adds 0; ties by the better own rank, then chunk id; with ``names``
-    the top document's passages are then ordered by the question (:func:`passage_order`). The
+    the top document's passages are then ordered by the question (:func:`passage_order`, with
+    ``corpus_idf``). The
     returned hits carry the fused score in ``score``; at most ``top_k``."""
     if own and ctx and own[0].doc_id == ctx[0].doc_id:
         return own[:top_k]  # both rows agree on the subject: the question's own ranking stands
@@ -114,17 +149,24 @@ def fuse_lists(own: list[Hit], ctx: list[Hit], top_k: int, rrf_k: float = RRF_K,
             best.setdefault(h.chunk_id, h)
     order = sorted(score, key=lambda c: (-score[c], own_rank.get(c, len(own) + 1), c))
     fused = [dataclasses.replace(best[c], score=score[c]) for c in order]
-    return (passage_order(fused, question, names) if names else fused)[:top_k]
+    return (passage_order(fused, question, names, corpus_idf) if names else fused)[:top_k]
 
 
-def passage_order(fused: list[Hit], question: str, names) -> list[Hit]:
+def passage_order(fused: list[Hit], question: str, names, corpus_idf=None) -> list[Hit]:
     """The fused list with the chunks of its top document reordered by the question's own terms:
     the fusion decides the subject, the question decides the passage. Each analysed term ``t``
     of the question that is not a term of the document's title weighs ``log((n + 1) / (df_t +
     0.5))`` over the whole fused list (both rows' candidates, ``n`` chunks; ``df_t`` those whose
     text has it: a BM25-style idf over the candidate pool, so a word that pulled the question's
     own list to many documents, or that every passage of the subject has, counts little); a
-    chunk of the top document scores the sum over the terms it contains; ties keep the fused order. The chunks keep
+    chunk of the top document scores the sum over the terms it contains; ties keep the fused order.
+    With ``corpus_idf`` (terms -> the corpus BM25 idf of each, ``CorpusStats.query_idf``) a term
+    weighs the product of the two idfs, the query-side weight from the candidates and the
+    document-side weight from the corpus, as the tf-idf dot product weighs a shared term by
+    ``idf ** 2`` (Salton & Buckley 1988): a filler word of a long question ("part", "find") is
+    common in the corpus though rare among the candidates, and no longer outweighs the rare word
+    the question asks about (with the server's 256-token chunks, family 2's long pronoun
+    question lost the passage to filler words: bench/RESULTS.md, third pass). The chunks keep
     the positions the document held; other documents' hits do not move. Needed because the
     session-context row is dominated by the subject's name: it finds the right document but
     ranks its passages mostly by that name, not by the detail the follow-up asks about."""
@@ -137,6 +179,9 @@ def passage_order(fused: list[Hit], question: str, names) -> list[Hit]:
     has = [set(names(h.text)) & terms for h in fused]
     n = len(fused)
     idf = {t: math.log((n + 1) / (sum(t in x for x in has) + 0.5)) for t in terms}
+    if corpus_idf is not None and terms:
+        order = sorted(terms)
+        idf = {t: idf[t] * float(g) for t, g in zip(order, corpus_idf(order))}
     rank = sorted(range(len(sub)), key=lambda i: (-sum(idf[t] for t in has[pos[i]]), i))
     out = list(fused)
     for p, i in zip(pos, rank):
@@ -165,12 +210,12 @@ def session_rows(jobs: list) -> tuple[list, np.ndarray, list[str], list]:
 
 
 def fuse_session(own: list[Hit], ctx: list[Hit], top_k: int, memory: MemoryContext, question: str,
-                 names=None) -> list[Hit]:
+                 names=None, corpus_idf=None) -> list[Hit]:
     """The hits of a request searched with a session-context row: :func:`fuse_lists` of its two
     lists; sets ``memory.used`` when the result differs from the question's own top ``top_k``
     (then the fused list is returned, else the question's own)."""
     top = own[:top_k]
-    fused = fuse_lists(own, ctx, top_k, question=question, names=names)
+    fused = fuse_lists(own, ctx, top_k, question=question, names=names, corpus_idf=corpus_idf)
     memory.used = [x.chunk_id for x in fused] != [x.chunk_id for x in top]
     return fused if memory.used else top
 
@@ -236,11 +281,14 @@ class Memory:
         found = [(asking[p], turns) for pos, rep in got.values() for p, turns in zip(pos, rep.turns) if turns]
         for i, turns in found:
             out[i] = self._context(questions[i], turns)
+            if self.cfg.encode_context:
+                out[i].session_vector = None  # the context text gets its own encoder row
         if self.rewriter is not None and found:
             rewritten = await asyncio.gather(*[self.condense(questions[i], turns) for i, turns in found])
             for (i, _), text in zip(found, rewritten):
                 if text:
                     out[i].context_text = text
+                    out[i].session_vector = None  # the rewrite is embedded as a text
         return out
 
     async def condense(self, question: str, turns: list[MemoryTurn]) -> str:
@@ -269,7 +317,8 @@ class Memory:
         memory_text = f"Previous question: {last.question}"
         if titles:
             memory_text += f" (sources: {'; '.join(titles)})"
-        return MemoryContext(question, memory_text, len(turns), context_text=context_text(question, turns))
+        return MemoryContext(question, memory_text, len(turns), context_text=context_text(question, turns),
+                             session_vector=session_vector(turns))
 
     async def promote(self, session_id: str, question: str, answer: str, hits: list[Hit], vector: np.ndarray,
                       resolved: str = "") -> None:

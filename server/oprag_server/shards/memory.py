@@ -43,7 +43,7 @@ class MemoryRecord:
 
     def as_turn(self) -> MemoryTurn:
         return MemoryTurn(self.turn, self.question, self.summary, self.chunk_ids, self.titles, self.resolved,
-                          self.doc_ids, self.terms)
+                          self.doc_ids, self.terms, self.vector)
 
 
 MEMORY_KINDS = ("memory_promote", "memory_clear")

@@ -275,8 +275,7 @@ class AbortReply:
 # ---------------------------------------------------------------------------- memory
 @message
 class PromoteRequest:
-    """One turn record (``vector`` float32[D]) and the retention bounds: ``max_turns`` per
-    session, ``max_total`` records per shard (0 = unbounded), idle ``ttl_s`` (0 = none)."""
+    """A turn record (``vector`` f32[D]), bounds ``max_turns``/session, ``max_total``/shard, idle ``ttl_s`` (0: none)."""
 
     session_id: str
     question: str
@@ -314,6 +313,7 @@ class MemoryTurn:
     resolved: str = ""
     doc_ids: list[str] = field(default_factory=list)
     terms: list[str] = field(default_factory=list)
+    vector: np.ndarray | None = None  # float32[D]: the vector the turn was retrieved with (its resolved query)
 
 
 @message
