@@ -35,6 +35,9 @@ serve: install
 	$(VENV)/bin/oprag serve $(SERVE_ARGS)
 
 test: install
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests
+
+test-all: install
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 test-fast: install

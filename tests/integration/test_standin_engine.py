@@ -139,6 +139,7 @@ KEYS = ("overlap_fraction_of_ideal", "prep_to_gen_ratio", "admitted_p95_ratio_ov
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_serving_bench_engine_mode_smoke(tmp_path):
     """The smallest engine-mode run: real OpRAG servers in front of the stand-in, every step."""

@@ -15,9 +15,8 @@ of them (:meth:`QueryJob.record`): the trace, ``timings_ms`` and ``oprag_stage_s
 come from the executed steps under the operator's one name (README: operator table).
 
 With ``overlap=False`` the prep loop waits for each batch's generation before forming the next
-one (stages strictly in sequence), which is the baseline the overlap is measured against; with
-an engine backend too (the batch forms as for the builtin, all of it goes to the engine, and the
-next prep starts once every request of it has left the engine).
+(the baseline the overlap is measured against); with an engine backend the batch forms as for
+the builtin, all of it goes to the engine, and the next prep starts once all of it has left.
 Admission is bounded: more than ``queue_capacity`` unfinished queries raise :class:`Overloaded`.
 """
 
@@ -52,13 +51,11 @@ class Overloaded(Exception):
 
     def __init__(self, queue: str, retry_after_s: float) -> None:
         super().__init__(f"the {queue} queue is full; retry after {retry_after_s:.2f} s")
-        self.queue = queue
-        self.retry_after_s = retry_after_s
+        self.queue, self.retry_after_s = queue, retry_after_s
 
 
 class QueryRejected(ValueError):
-    """One request cannot be served as asked (for example its question does not fit the
-    prompt budget); only that request fails."""
+    """One request cannot be served as asked (e.g. its question exceeds the prompt budget)."""
 
 
 def _alive(j: QueryJob) -> bool:
