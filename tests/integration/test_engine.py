@@ -162,6 +162,7 @@ def test_engine_killed_mid_stream_gives_unavailable_and_recovers(client, server)
     assert client.retrieve("lighthouse lantern", top_k=1).hits[0].doc_id == "lighthouse"
     # the supervisor restarts the engine; the query path comes back
     assert wait_until(lambda: query_health(server) == health_pb2.HealthCheckResponse.SERVING, 900, 1.0)
-    assert engine_proc(server)[1] != pid
+    # the restart's log line reaches server.lines through the log pipe, not with the health answer
+    assert wait_until(lambda: engine_proc(server)[1] != pid, 30, 0.2)
     r = client.query("When was the lighthouse completed?", top_k=1, max_new_tokens=4)
     assert r.completion_tokens > 0
