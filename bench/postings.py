@@ -276,20 +276,14 @@ def main() -> None:
         print(json.dumps(worker(a.worker[0], int(a.worker[1]), a.shared, a.queries, not a.no_trace)))
         return
     real_tokens(a.shared)  # cache once
-    if a.pause:
-        rows = [pause(int(n), a.shared, a.queries) for n in a.sizes.split(",")]
-        for r in rows:
-            C.log(json.dumps(r))
-        if a.json:
-            C.emit_json({"pause": rows, "machine": C.machine_info()})
-        return
-    if a.ab:
-        rows = [ab(int(n), a.shared, a.queries) for n in a.sizes.split(",")]
-        for r in rows:
-            C.log(json.dumps(r))
-        if a.json:
-            C.emit_json({"ab": rows, "machine": C.machine_info()})
-        return
+    for key, enabled, run in (("pause", a.pause, pause), ("ab", a.ab, ab)):
+        if enabled:  # one measurement mode per call, its rows under its own key
+            rows = [run(int(n), a.shared, a.queries) for n in a.sizes.split(",")]
+            for r in rows:
+                C.log(json.dumps(r))
+            if a.json:
+                C.emit_json({key: rows, "machine": C.machine_info()})
+            return
     rows = []
     for n in [int(x) for x in a.sizes.split(",")]:
         for layout in a.layouts.split(","):
