@@ -62,7 +62,7 @@ class Runtime:
         self.generator = generator
         self.metrics = Metrics()
         self.pool = ShardPool(cfg.shards, encoder.dim, cfg.data_dir, stem=cfg.bm25.stem, dense=cfg.dense,
-                              replicas=cfg.replicas, **_placement(cfg))
+                              replicas=cfg.replicas, storage=cfg.storage_uri, **_placement(cfg))
         self.corpus_stats = CorpusStats()
         self.analyzer = Analyzer(stem=cfg.bm25.stem)
         self.lock = RWLock()

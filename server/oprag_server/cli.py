@@ -27,6 +27,9 @@ _OPTIONS: tuple[tuple[str, str, str, str], ...] = (
     ("--otlp-endpoint", "", "otlp_endpoint",
      "export each request's executed plan as OpenTelemetry spans to this OTLP/gRPC endpoint (extra 'otel')"),
     ("--data-dir", "", "data_dir", "shard snapshots and write-ahead logs"),
+    ("--storage-uri", "", "storage_uri",
+     "also keep shard snapshots and write-ahead logs as objects here (s3://bucket/prefix, gs://bucket/prefix, "
+     "file:///abs/path; pyarrow.fs): a shard starting on a node with an empty --data-dir recovers from it"),
     ("--shards", "", "shards", "shard processes"),
     ("--replicas", "", "replicas",
      "processes per shard: writes go to every live replica, reads to the least busy; with 2+ one replica down "

@@ -314,6 +314,8 @@ class ServerConfig:
     http_port: int = 0  # OpenAI-compatible HTTP API (service/http.py); 0 = off
     otlp_endpoint: str | None = None  # OpenTelemetry traces over OTLP/gRPC (service/tracing.py); None = off
     data_dir: Path = Path("./oprag-data")
+    # shard snapshots and logs also as objects (s3://, gs://, file:///; shards/storage.py); None = data_dir only
+    storage_uri: str | None = None
     shards: int = 2
     replicas: int = 1  # processes (or Ray actors) per shard, see shards/replicas.py
     chunking: ChunkingConfig = field(default_factory=ChunkingConfig)

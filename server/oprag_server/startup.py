@@ -34,6 +34,7 @@ def preflight(cfg: ServerConfig) -> tuple[Any, Any | None]:
     generator = load_backend(cfg.generate)
     check_data_dir(cfg, encoder.dim, encoder.name)
     lock_data_dir(cfg.data_dir)
+    check_storage(cfg.storage_uri)
     check_port(cfg.host, cfg.port, "gRPC port (--port)")
     return encoder, generator
 
@@ -99,6 +100,25 @@ def check_data_dir(cfg: ServerConfig, dim: int, embedder: str) -> None:
                                f"--replicas the corpus ran with (it catches up), then lower it")
     else:
         meta_path.write_text(json.dumps({"format": DATA_FORMAT, "shards": cfg.shards, "dim": dim, "embedder": embedder}))
+
+
+def check_storage(uri: str | None) -> None:
+    """Open ``--storage-uri`` and write, list, read and delete a probe object there.
+
+    :raises RuntimeError: not a storage URI, or the storage refused one of those (message names
+        the flag).
+    """
+    if uri is None:
+        return
+    from .index.objstore import ObjectStore
+
+    try:
+        ObjectStore.from_uri(uri).probe()
+    except ValueError as exc:
+        raise RuntimeError(f"--storage-uri: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - OSError, ArrowInvalid, a cloud SDK's error
+        raise RuntimeError(f"--storage-uri {uri!r}: objects cannot be written and read there "
+                           f"({type(exc).__name__}: {exc})") from exc
 
 
 def check_security(cfg: ServerConfig, tokens: set[str]) -> None:
