@@ -191,15 +191,17 @@ class MirroredLog(WriteAheadLog):
         self.store, self.pos, self.first = store, next_pos, first
         self.puts = 0  # objects put (for tests and benches)
 
-    def _put(self, record: dict) -> None:
-        self.store.put(record_key(self.pos), encode_record(record))
+    def _put(self, record: dict | bytes) -> None:
+        data = record if isinstance(record, bytes) else encode_record(record)
+        self.store.put(record_key(self.pos), data)
         self.pos += 1
         self.puts += 1
 
     def append(self, record: dict[str, Any]) -> None:
         """Append locally (fsync), then put the record as one object (durable when this returns)."""
-        super().append(record)
-        self._put(record)
+        data = encode_record(record)  # pickled once for both copies
+        self.append_framed(data)
+        self._put(data)
 
     def reset(self, keep: list[dict[str, Any]] | None = None) -> None:
         """Replace the local log with ``keep`` and put ``keep`` again at new positions, which

@@ -81,7 +81,11 @@ class WriteAheadLog:
 
     def append(self, record: dict[str, Any]) -> None:
         """Append one record durably (written and fsync'ed before returning)."""
-        self._f.write(encode_record(record))
+        self.append_framed(encode_record(record))
+
+    def append_framed(self, data: bytes) -> None:
+        """Append records already framed by :func:`encode_record` durably."""
+        self._f.write(data)
         self._f.flush()
         os.fsync(self._f.fileno())
 
