@@ -165,7 +165,7 @@ class Runtime:
 
     async def restart_shard(self, i: int) -> None:
         """Respawn shard ``i`` and re-sum the corpus-global BM25 statistics."""
-        await restart_shard(self.pool, i, committed=self.commits.committed_txns(), lock=self.lock,
+        await restart_shard(self.pool, i, committed=self.commits.committed_txns, lock=self.lock,
                             stats=self.corpus_stats)
 
     async def stats(self) -> dict:

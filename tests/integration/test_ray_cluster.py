@@ -49,6 +49,19 @@ def test_node_loss_loses_no_acknowledged_document_and_flags_partial_results(thre
 
 
 @pytest.mark.slow
+def test_node_loss_with_object_storage_recovers_on_a_node_with_nothing(three_nodes, tmp_path):
+    """``--storage-uri`` (file://): the node holding shard 0 is removed and shard 0's local
+    directory deleted with it; the shard comes back on another node from the object store."""
+    uri = (tmp_path / "bucket").as_uri()
+    res = asyncio.run(harness.node_loss(_internals.shard_plane(), three_nodes, tmp_path / "local", kills=1,
+                                        storage=uri))
+    assert res["moved_to_other_node"] and res["acked_docs"] > 0 and res["acked_docs_lost"] == 0, res
+    assert res["documents_after"] == res["landed_docs"] and res["identical_results"], res
+    assert res["silent_partial_results"] == 0 and res["failed_queries"] == 0, res
+    assert (tmp_path / "bucket" / "shard-0" / "CURRENT").exists()
+
+
+@pytest.mark.slow
 def test_replicas_on_ray_a_node_loss_fails_no_request(tmp_path):
     """``--replicas 2`` as Ray actors (4 bundles, SPREAD over 5 one-CPU nodes): the node holding
     a replica of shard 0 is removed under load, then (once it serves again) the node holding its
