@@ -82,6 +82,15 @@ def test_a_bad_uri_is_a_start_up_error_naming_the_flag(bad):
         check_storage(bad)
 
 
+def test_the_storage_records_its_layout_and_refuses_another(uri):
+    check_storage(uri, 2, 384)
+    check_storage(uri, 2, 384)
+    with pytest.raises(RuntimeError, match="--storage-uri .*shards = 2.*--shards 2"):
+        check_storage(uri, 3, 384)
+    with pytest.raises(RuntimeError, match="dim = 384"):
+        check_storage(uri, 2, 16)
+
+
 def test_log_objects_are_read_in_order_and_a_torn_one_is_skipped(tmp_path, uri):
     store = ObjectStore.from_uri(uri).sub("wal")
     log = MirroredLog(tmp_path / "wal.log", store, next_pos=0)
