@@ -80,7 +80,7 @@ class Runtime:
         """Read the commit log, spawn shard processes and wait until each has loaded its
         snapshot and replayed its committed write-ahead log records (blocking)."""
         check_data_dir(self.cfg, self.encoder.dim, self.encoder.name)
-        committed = self.commits.open_log(self.cfg.data_dir / "commits.log")
+        committed = self.commits.open_log(self.cfg.data_dir / "commits.log", self.cfg.storage_uri)
         ready = self.pool.start(loop, committed=committed)
         self.corpus_stats.replace_with(CorpusStats.merge_full([r.lexical for r in ready]))
         self.commits.recover(r.applied_seq for r in ready)

@@ -1,8 +1,9 @@
 """``--storage-uri``: shard snapshots and logs on object storage (here ``file://``, the same
 ``pyarrow.fs`` path an ``s3://`` URI takes). A shard process killed with SIGKILL *and* its local
 directory deleted (a new node has nothing) comes back from the storage alone, with every
-acknowledged document and identical Retrieve results; a bad URI stops the start with an error
-that names the flag."""
+acknowledged document and identical Retrieve results; so does the whole service started on an
+empty data directory after a SIGKILL; a bad URI stops the start with an error that names the
+flag."""
 
 from __future__ import annotations
 
@@ -126,6 +127,15 @@ def test_a_shard_whose_node_is_lost_comes_back_from_object_storage(tmp_path):
             assert (after.documents, after.chunks) == (stats.documents, stats.chunks)
             assert _results(c) == before
             assert "Storm surge" in c.retrieve("storm surge record", mode="lexical", top_k=1).hits[0].text
+        # the frontend's node too: SIGKILL everything, delete the whole data directory, start
+        # on an empty one (the commit log comes back from the storage as well)
+        srv.kill9()
+        shutil.rmtree(srv.data_dir)
+        srv.start()
+        with OpRAGClient(srv.target, timeout=30) as c:
+            again = c.stats()
+            assert (again.documents, again.chunks) == (stats.documents, stats.chunks)
+            assert _results(c) == before
     finally:
         srv.stop()
 

@@ -200,7 +200,7 @@ def test_a_replica_catches_up_through_storage_with_its_local_directory_gone(tmp_
     from oprag_server.index.bm25 import CorpusStats
     from oprag_server.shards.inprocess import InProcessTransport
     from oprag_server.shards.pool import ShardPool
-    from oprag_server.shards.protocol import Op
+    from oprag_server.shards.protocol import Op, SnapshotRequest
 
     async def main():
         loop = asyncio.get_running_loop()
@@ -225,5 +225,41 @@ def test_a_replica_catches_up_through_storage_with_its_local_directory_gone(tmp_
         await write("t3", ["d"])
         views = [_view(rs.reps[r].state)[:3] for r in range(2)]
         assert views[0] == views[1] and views[0][0] == ["a", "b", "c", "d"]
+
+    asyncio.run(main())
+
+
+def test_the_commit_log_is_mirrored_and_a_new_frontend_finds_every_commit(tmp_path, uri):
+    import asyncio
+
+    from oprag_server.engine.commit import CommitProtocol
+    from oprag_server.engine.rwlock import RWLock
+    from oprag_server.index.bm25 import CorpusStats
+    from oprag_server.shards.inprocess import InProcessTransport
+    from oprag_server.shards.pool import ShardPool
+    from oprag_server.shards.protocol import Op, SnapshotRequest
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        pool = ShardPool(2, DIM, tmp_path / "a", transport=InProcessTransport, storage=uri)
+        cp = CommitProtocol(pool, CorpusStats(), RWLock())
+        pool.start(loop, committed=cp.open_log(tmp_path / "a" / "commits.log", uri))
+        for t in ("t1", "t2"):
+            for s in range(2):
+                await pool.call(s, Op.STAGE, StageRequest(t, records.to_ipc(_batch([f"{t}-{s}"]))))
+            await cp.commit(t, "upsert")
+        commits = ObjectStore.from_uri(uri).sub("commits")
+        assert len(commits.list()) == 2
+        want = [_view(c.state)[:4] for c in pool.clients]
+        # a new frontend node: its data directory and every shard's are empty
+        cp2 = CommitProtocol(pool, CorpusStats(), RWLock())
+        committed = cp2.open_log(tmp_path / "b" / "commits.log", uri)
+        assert committed == {"t1", "t2"}
+        pool2 = ShardPool(2, DIM, tmp_path / "b", transport=InProcessTransport, storage=uri)
+        pool2.start(loop, committed=committed)
+        assert [_view(c.state)[:4] for c in pool2.clients] == want
+        await pool2.broadcast(Op.SNAPSHOT, SnapshotRequest())
+        cp2.reset_log()
+        assert commits.list() == [] and cp2.committed_txns() == set()
 
     asyncio.run(main())

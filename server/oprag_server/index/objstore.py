@@ -101,6 +101,15 @@ class ObjectStore:
         except FileNotFoundError:
             return None
 
+    def get_many(self, keys: list[str], threads: int = 16) -> list[bytes | None]:
+        """:meth:`get` of each key, ``threads`` at a time (an object store's GETs are round trips)."""
+        if len(keys) < 2:
+            return [self.get(k) for k in keys]
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(min(threads, len(keys))) as ex:
+            return list(ex.map(self.get, keys))
+
     def list(self, prefix: str = "") -> list[str]:
         """Keys of every object under ``prefix`` (recursive), sorted; ``[]`` when none."""
         import pyarrow.fs as pafs
@@ -163,18 +172,37 @@ def read_log_objects(store: ObjectStore, first: int = 0) -> tuple[list[dict], in
     """The intact records of the log objects at positions >= ``first``, in position order, and
     the next free position (after every record object present, intact or not). A torn object
     (a local crash mid-put: never acknowledged) is skipped."""
-    out, nxt = [], first
+    keys, nxt = [], first
     for key in store.list():
         pos = record_pos(key)
         if pos is None:
             continue
         nxt = max(nxt, pos + 1)
-        if pos < first:
-            continue
-        data = store.get(key)
-        recs = parse_records(data)[0] if data is not None else []
-        out.extend(recs[:1])
+        if pos >= first:
+            keys.append(key)
+    out = []
+    for data in store.get_many(keys):  # (in key order = position order)
+        out.extend(parse_records(data)[0][:1] if data is not None else [])
     return out, nxt
+
+
+def open_mirrored(path: Any, store: ObjectStore) -> "MirroredLog":
+    """A :class:`MirroredLog` over ``store`` whose local file ``path`` is first rewritten from
+    the record objects there, in position order; a store holding none is seeded from the local
+    file (moving an existing log onto storage). For a log whose records stay valid until the
+    owner deletes them all at once (the frontend's commit log): no snapshot pointer."""
+    recs, nxt = read_log_objects(store, 0)
+    if nxt == 0:
+        from .wal import read_records
+
+        recs = read_records(path)[0]
+        for pos, rec in enumerate(recs):
+            store.put(record_key(pos), encode_record(rec))
+        nxt = len(recs)
+    local = WriteAheadLog(path)
+    local.reset(recs)
+    local.close()
+    return MirroredLog(path, store, nxt)
 
 
 class MirroredLog(WriteAheadLog):

@@ -20,7 +20,8 @@ downloaded unless the local directory already holds it, and the local log is rew
 log objects from ``wal_from`` on; then the shard loads as from a local directory. A storage
 prefix holding nothing while the local directory holds a shard is seeded from it (moving an
 existing data directory onto storage). Replicas catching up copy a sibling's current snapshot
-inside the storage (:func:`copy_current`).
+inside the storage (:func:`copy_current`). The frontend's commit log is mirrored beside them
+(``<uri>/commits/``, :meth:`oprag_server.engine.commit.CommitProtocol.open_log`).
 """
 
 from __future__ import annotations
@@ -98,8 +99,8 @@ class ShardStorage:
         part = d / f"{name}.part"
         shutil.rmtree(part, ignore_errors=True)
         pre = f"snap/{name}/"
-        for key in self.store.list(pre):
-            data = self.store.get(key)
+        keys = self.store.list(pre)
+        for key, data in zip(keys, self.store.get_many(keys)):
             if data is None:
                 raise RuntimeError(f"{self.store.uri}/{key} vanished while the snapshot was read")
             _write_local(part / key[len(pre):], data)
