@@ -6,7 +6,7 @@ in-process reference gives for the same committed transactions. And ``oprag serv
 --ray-address local`` serves end to end.
 
 Skipped without the 'ray' extra; about 1.5 minutes on 2 cores (plus about 1 minute for the
-replica test, marked ``slow``). ``-m "not ray"`` leaves it
+replica test and 45 s for the object-storage node loss, both marked ``slow``). ``-m "not ray"`` leaves it
 out; ``python -m bench.cluster`` runs the 5-kill version with the data-plane figures.
 """
 
