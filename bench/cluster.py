@@ -329,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="node loss: commit this many chunks (both shards) and snapshot before the kills")
     ap.add_argument("--no-preload-snapshot", action="store_true",
                     help="no snapshot after the preload: a revived shard replays its whole log")
+    ap.add_argument("--object-storage", action="store_true",
+                    help="node loss with --storage-uri file://TMP/bucket: the lost node's shard directory is "
+                         "deleted, the shard recovers from the store")
     ap.add_argument("--embed-only", action="store_true",
                     help="only ingest embedding over 1 vs 2 Ray embedding actors (bench/embed_actors.py)")
     ap.add_argument("--embed-chunks", type=int, default=4096, help="chunks embedded per setting (--embed-only)")
@@ -354,9 +357,11 @@ def main(argv: list[str] | None = None) -> int:
         cluster = start_cluster()
         try:
             with tempfile.TemporaryDirectory() as tmp:
-                res["node_loss"] = asyncio.run(node_loss(S, cluster, Path(tmp), kills=a.kills,
+                uri = (Path(tmp) / "bucket").as_uri() if a.object_storage else None
+                res["node_loss"] = asyncio.run(node_loss(S, cluster, Path(tmp) / "local", kills=a.kills,
                                                          preload_chunks=a.preload_chunks,
-                                                         preload_snapshot=not a.no_preload_snapshot))
+                                                         preload_snapshot=not a.no_preload_snapshot, storage=uri))
+                res["node_loss"]["storage"] = uri
         finally:
             ray.shutdown()
             cluster.shutdown()
