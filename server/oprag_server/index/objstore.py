@@ -18,7 +18,7 @@ import os
 import uuid
 from typing import Any
 
-from .wal import WriteAheadLog, encode_record, parse_records
+from .wal import WriteAheadLog, encode_record, parse_records, read_records
 
 #: URI forms the message of a bad ``--storage-uri`` suggests
 URI_FORMS = "s3://bucket/prefix, gs://bucket/prefix or file:///absolute/path"
@@ -193,8 +193,6 @@ def open_mirrored(path: Any, store: ObjectStore) -> "MirroredLog":
     owner deletes them all at once (the frontend's commit log): no snapshot pointer."""
     recs, nxt = read_log_objects(store, 0)
     if nxt == 0:
-        from .wal import read_records
-
         recs = read_records(path)[0]
         for pos, rec in enumerate(recs):
             store.put(record_key(pos), encode_record(rec))
