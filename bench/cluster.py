@@ -37,6 +37,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -193,15 +194,18 @@ def start_cluster(workers: int = 3):
 
 async def node_loss(S, cluster, data_dir: Path, *, kills: int = 1, chunks_per_doc: int = 5, docs_per_txn: int = 20,
                     warm_txns: int = 5, recovery_timeout_s: float = 60.0, preload_chunks: int = 0,
-                    preload_snapshot: bool = True) -> dict:
+                    preload_snapshot: bool = True, storage: str | None = None) -> dict:
     """Kill the node holding shard 0 ``kills`` times under concurrent commits and queries
     (see the module doc). ``preload_chunks``: first commit that many chunks (10 per document,
     1,000 per transaction, supplied vectors) and snapshot every shard, as the server's periodic
     snapshot does, so shard 0 recovers from a snapshot of about half of them plus the log of
-    the writes under load (``preload_snapshot=False``: no snapshot, the whole log is replayed). :returns: the counts and recovery times."""
+    the writes under load (``preload_snapshot=False``: no snapshot, the whole log is replayed).
+    ``storage``: a ``--storage-uri``; then shard 0's local directory is deleted with its node
+    (the next node has nothing) and it recovers from the store. :returns: the counts and recovery times."""
     loop = asyncio.get_running_loop()
     P = S.protocol
-    pool = S.ShardPool(2, DIM, data_dir, transport=S.RayPlacement(S.RayConfig(address=cluster.address, ping_s=0.25), 2))
+    pool = S.ShardPool(2, DIM, data_dir, transport=S.RayPlacement(S.RayConfig(address=cluster.address, ping_s=0.25), 2),
+                       storage=storage)
     lock = S.RWLock()
     cp = S.CommitProtocol(pool, S.CorpusStats(), lock)
     cp.open_log(data_dir / "commits.log")
@@ -214,7 +218,7 @@ async def node_loss(S, cluster, data_dir: Path, *, kills: int = 1, chunks_per_do
     preloaded = [st.chunks for st in await pool.broadcast(P.Op.STATS, P.StatsRequest())]
     nodes0 = [c.node_id for c in pool.clients]
     metrics = _Metrics()
-    sup = S.ShardSupervisor(pool, lambda i: S.restart_shard(pool, i, committed=cp.committed_txns(), lock=lock,
+    sup = S.ShardSupervisor(pool, lambda i: S.restart_shard(pool, i, committed=cp.committed_txns, lock=lock,
                                                             stats=cp.stats), _Health(), ("",), metrics)
     acked: dict[str, list[str]] = {}
     failed: dict[str, list[str]] = {}
@@ -261,6 +265,8 @@ async def node_loss(S, cluster, data_dir: Path, *, kills: int = 1, chunks_per_do
         victim = pool.clients[0].node_id
         node = next(n for n in cluster.worker_nodes if n.node_id == victim)
         cluster.remove_node(node, allow_graceful=False)
+        if storage is not None:  # its disk went with it
+            shutil.rmtree(data_dir / "shard-0", ignore_errors=True)
         cluster.add_node(num_cpus=1)  # a spare for the next kill
         t0 = time.perf_counter()
         while pool.clients[0].node_id == victim or not pool.clients[0].is_alive():
@@ -323,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="node loss: commit this many chunks (both shards) and snapshot before the kills")
     ap.add_argument("--no-preload-snapshot", action="store_true",
                     help="no snapshot after the preload: a revived shard replays its whole log")
+    ap.add_argument("--object-storage", action="store_true",
+                    help="node loss with --storage-uri file://TMP/bucket: the lost node's shard directory is "
+                         "deleted, the shard recovers from the store")
     ap.add_argument("--embed-only", action="store_true",
                     help="only ingest embedding over 1 vs 2 Ray embedding actors (bench/embed_actors.py)")
     ap.add_argument("--embed-chunks", type=int, default=4096, help="chunks embedded per setting (--embed-only)")
@@ -348,9 +357,11 @@ def main(argv: list[str] | None = None) -> int:
         cluster = start_cluster()
         try:
             with tempfile.TemporaryDirectory() as tmp:
-                res["node_loss"] = asyncio.run(node_loss(S, cluster, Path(tmp), kills=a.kills,
+                uri = (Path(tmp) / "bucket").as_uri() if a.object_storage else None
+                res["node_loss"] = asyncio.run(node_loss(S, cluster, Path(tmp) / "local", kills=a.kills,
                                                          preload_chunks=a.preload_chunks,
-                                                         preload_snapshot=not a.no_preload_snapshot))
+                                                         preload_snapshot=not a.no_preload_snapshot, storage=uri))
+                res["node_loss"]["storage"] = uri
         finally:
             ray.shutdown()
             cluster.shutdown()

@@ -45,7 +45,7 @@ async def replica_loss(S, data_dir: Path, *, kills: int = 5, chunks_per_doc: int
     cp.open_log(data_dir / "commits.log")
     await loop.run_in_executor(None, lambda: pool.start(loop, committed=set()))
     metrics = _Metrics()
-    sup = S.ShardSupervisor(pool, lambda i: S.restart_shard(pool, i, committed=cp.committed_txns(), lock=lock,
+    sup = S.ShardSupervisor(pool, lambda i: S.restart_shard(pool, i, committed=cp.committed_txns, lock=lock,
                                                             stats=cp.stats), _Health(), ("",), metrics, interval_s=0.1)
     acked: dict[str, list[str]] = {}
     seeds: dict[str, int] = {}

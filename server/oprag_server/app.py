@@ -62,7 +62,7 @@ class Runtime:
         self.generator = generator
         self.metrics = Metrics()
         self.pool = ShardPool(cfg.shards, encoder.dim, cfg.data_dir, stem=cfg.bm25.stem, dense=cfg.dense,
-                              replicas=cfg.replicas, **_placement(cfg))
+                              replicas=cfg.replicas, storage=cfg.storage_uri, **_placement(cfg))
         self.corpus_stats = CorpusStats()
         self.analyzer = Analyzer(stem=cfg.bm25.stem)
         self.lock = RWLock()
@@ -80,7 +80,7 @@ class Runtime:
         """Read the commit log, spawn shard processes and wait until each has loaded its
         snapshot and replayed its committed write-ahead log records (blocking)."""
         check_data_dir(self.cfg, self.encoder.dim, self.encoder.name)
-        committed = self.commits.open_log(self.cfg.data_dir / "commits.log")
+        committed = self.commits.open_log(self.cfg.data_dir / "commits.log", self.cfg.storage_uri)
         ready = self.pool.start(loop, committed=committed)
         self.corpus_stats.replace_with(CorpusStats.merge_full([r.lexical for r in ready]))
         self.commits.recover(r.applied_seq for r in ready)
@@ -165,7 +165,7 @@ class Runtime:
 
     async def restart_shard(self, i: int) -> None:
         """Respawn shard ``i`` and re-sum the corpus-global BM25 statistics."""
-        await restart_shard(self.pool, i, committed=self.commits.committed_txns(), lock=self.lock,
+        await restart_shard(self.pool, i, committed=self.commits.committed_txns, lock=self.lock,
                             stats=self.corpus_stats)
 
     async def stats(self) -> dict:

@@ -27,6 +27,9 @@ _OPTIONS: tuple[tuple[str, str, str, str], ...] = (
     ("--otlp-endpoint", "", "otlp_endpoint",
      "export each request's executed plan as OpenTelemetry spans to this OTLP/gRPC endpoint (extra 'otel')"),
     ("--data-dir", "", "data_dir", "shard snapshots and write-ahead logs"),
+    ("--storage-uri", "", "storage_uri",
+     "also keep shard snapshots and write-ahead logs as objects here (s3://bucket/prefix, gs://bucket/prefix, "
+     "file:///abs/path; pyarrow.fs): a shard starting on a node with an empty --data-dir recovers from it"),
     ("--shards", "", "shards", "shard processes"),
     ("--replicas", "", "replicas",
      "processes per shard: writes go to every live replica, reads to the least busy; with 2+ one replica down "
@@ -94,6 +97,9 @@ _OPTIONS: tuple[tuple[str, str, str, str], ...] = (
     ("--ray-embed-actors", "ray", "embed_actors",
      "embedding workers for bulk ingest as Ray actors: -1 = one per node, 0 = embed in the frontend"),
     ("--ray-embed-cpus", "ray", "embed_cpus", "CPUs reserved per embedding actor"),
+    ("--ray-embed-gpus", "ray", "embed_gpus",
+     "'auto': one embedding actor per GPU the Ray cluster reports (encoder on cuda, bfloat16), CPU actors when "
+     "there is none; 0 = CPU actors only; N = N actors with one GPU each"),
     ("--shutdown-grace", "", "shutdown_grace_s", "seconds SIGTERM waits for in-flight requests"),
 )
 _PATH_FIELDS = {"data_dir", "tls_cert", "tls_key", "tls_client_ca", "tokens_file", "api_key_file"}

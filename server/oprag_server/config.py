@@ -266,6 +266,10 @@ class RayConfig:
         0 = none (ingest embeds in the frontend), N = N actors spread over the nodes. Query
         embedding always stays in the frontend.
     :param embed_cpus: CPUs reserved per embedding actor (also its torch threads, at least 1).
+    :param embed_gpus: ``"auto"``: when the Ray cluster reports GPUs, one embedding actor per
+        GPU (``num_gpus=1``, the encoder on ``cuda``: bfloat16 + SDPA) instead of CPU actors;
+        ``"0"``: CPU actors only; ``"N"``: N GPU actors (all placed, or a start-up error).
+        ``embed_actors`` N > 0 sets the GPU actors' count too (one GPU each).
     """
 
     address: str | None = None
@@ -276,6 +280,7 @@ class RayConfig:
     channel: str = "direct"
     embed_actors: int = -1
     embed_cpus: float = 1.0
+    embed_gpus: str = "auto"
 
     def __post_init__(self) -> None:
         if self.channel not in ("direct", "actor"):
@@ -286,6 +291,8 @@ class RayConfig:
             raise ValueError("Ray max restarts must be >= -1, shard CPUs and ping interval > 0")
         if self.embed_actors < -1 or self.embed_cpus <= 0:
             raise ValueError("Ray embedding actors must be >= -1 (-1 = one per node) and their CPUs > 0")
+        if self.embed_gpus != "auto" and not self.embed_gpus.isdigit():
+            raise ValueError(f"Ray embedding GPUs must be 'auto' or a count >= 0, got {self.embed_gpus!r}")
 
 
 def default_cache_dir() -> Path:
@@ -314,6 +321,8 @@ class ServerConfig:
     http_port: int = 0  # OpenAI-compatible HTTP API (service/http.py); 0 = off
     otlp_endpoint: str | None = None  # OpenTelemetry traces over OTLP/gRPC (service/tracing.py); None = off
     data_dir: Path = Path("./oprag-data")
+    # shard snapshots and logs also as objects (s3://, gs://, file:///; shards/storage.py); None = data_dir only
+    storage_uri: str | None = None
     shards: int = 2
     replicas: int = 1  # processes (or Ray actors) per shard, see shards/replicas.py
     chunking: ChunkingConfig = field(default_factory=ChunkingConfig)

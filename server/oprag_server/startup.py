@@ -34,6 +34,7 @@ def preflight(cfg: ServerConfig) -> tuple[Any, Any | None]:
     generator = load_backend(cfg.generate)
     check_data_dir(cfg, encoder.dim, encoder.name)
     lock_data_dir(cfg.data_dir)
+    check_storage(cfg.storage_uri, cfg.shards, encoder.dim)
     check_port(cfg.host, cfg.port, "gRPC port (--port)")
     return encoder, generator
 
@@ -99,6 +100,35 @@ def check_data_dir(cfg: ServerConfig, dim: int, embedder: str) -> None:
                                f"--replicas the corpus ran with (it catches up), then lower it")
     else:
         meta_path.write_text(json.dumps({"format": DATA_FORMAT, "shards": cfg.shards, "dim": dim, "embedder": embedder}))
+
+
+def check_storage(uri: str | None, shards: int | None = None, dim: int | None = None) -> None:
+    """Open ``--storage-uri`` and write, list, read and delete a probe object there; record the
+    layout (``oprag.json``: shards, vector width) there or check the one recorded.
+
+    :raises RuntimeError: not a storage URI, the storage refused one of those, or it holds a
+        corpus over another shard count or width (messages name the flag).
+    """
+    if uri is None:
+        return
+    from .index.objstore import ObjectStore
+
+    try:
+        store = ObjectStore.from_uri(uri)
+        store.probe()
+        raw = store.get("oprag.json")
+        if raw is None and shards is not None:
+            store.put_atomic("oprag.json", json.dumps({"format": DATA_FORMAT, "shards": shards, "dim": dim}).encode())
+    except ValueError as exc:
+        raise RuntimeError(f"--storage-uri: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - OSError, ArrowInvalid, a cloud SDK's error
+        raise RuntimeError(f"--storage-uri {uri!r}: objects cannot be written and read there "
+                           f"({type(exc).__name__}: {exc})") from exc
+    old = json.loads(raw) if raw is not None else {}
+    for key, want, flag in (("shards", shards, "--shards"), ("dim", dim, "an embedder of that width")):
+        if raw is not None and want is not None and old.get(key) != want:
+            raise RuntimeError(f"--storage-uri {uri!r} holds a corpus with {key} = {old.get(key)} (this start: "
+                               f"{want}); use {flag} {old.get(key)} or another --storage-uri")
 
 
 def check_security(cfg: ServerConfig, tokens: set[str]) -> None:

@@ -30,14 +30,22 @@ def dead_shards(pool: Any) -> list[int]:
     return pool.down_shards()
 
 
-async def restart_shard(pool: Any, i: int, *, committed: set[str], lock: Any, stats: CorpusStats) -> None:
+async def restart_shard(pool: Any, i: int, *, committed: set[str] | Callable[[], set[str]], lock: Any,
+                        stats: CorpusStats) -> None:
     """Respawn shard ``i`` (blocking spawn in the default executor), then, under the index
     write lock, replace ``stats`` with the merge of every shard's lexical statistics.
 
-    :param committed: transaction ids in the frontend's commit log (the shard replays those).
+    :param committed: transaction ids in the frontend's commit log (the shard replays those), or
+        a function returning them (e.g. ``CommitProtocol.committed_txns``): then it is read
+        under the write lock, i.e. after a commit in progress logged its commit point or failed
+        (a transaction prepared on the lost shard and logged just after a plain read would not
+        be replayed).
     :raises ShardError | RuntimeError: the shard did not come back.
     """
     loop = asyncio.get_running_loop()
+    if callable(committed):
+        async with lock.write():
+            committed = set(committed())
     await loop.run_in_executor(None, pool.restart, i, loop, committed)
     async with lock.write():
         st = await pool.broadcast(Op.STATS, StatsRequest(lexical=True))

@@ -6,7 +6,7 @@ in-process reference gives for the same committed transactions. And ``oprag serv
 --ray-address local`` serves end to end.
 
 Skipped without the 'ray' extra; about 1.5 minutes on 2 cores (plus about 1 minute for the
-replica test, marked ``slow``). ``-m "not ray"`` leaves it
+replica test and 45 s for the object-storage node loss, both marked ``slow``). ``-m "not ray"`` leaves it
 out; ``python -m bench.cluster`` runs the 5-kill version with the data-plane figures.
 """
 
@@ -46,6 +46,19 @@ def test_node_loss_loses_no_acknowledged_document_and_flags_partial_results(thre
     assert res["partial_results"] > 0 and res["silent_partial_results"] == 0 and res["failed_queries"] == 0, res
     assert res["failed_writes"] > 0, res  # writes were refused (UNAVAILABLE) while the shard was down
     assert res["identical_results"], res
+
+
+@pytest.mark.slow
+def test_node_loss_with_object_storage_recovers_on_a_node_with_nothing(three_nodes, tmp_path):
+    """``--storage-uri`` (file://): the node holding shard 0 is removed and shard 0's local
+    directory deleted with it; the shard comes back on another node from the object store."""
+    uri = (tmp_path / "bucket").as_uri()
+    res = asyncio.run(harness.node_loss(_internals.shard_plane(), three_nodes, tmp_path / "local", kills=1,
+                                        storage=uri))
+    assert res["moved_to_other_node"] and res["acked_docs"] > 0 and res["acked_docs_lost"] == 0, res
+    assert res["documents_after"] == res["landed_docs"] and res["identical_results"], res
+    assert res["silent_partial_results"] == 0 and res["failed_queries"] == 0, res
+    assert (tmp_path / "bucket" / "shard-0" / "CURRENT").exists()
 
 
 @pytest.mark.slow

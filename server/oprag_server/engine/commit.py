@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ..index.bm25 import CorpusStats
+from ..index.objstore import MirroredLog, ObjectStore, open_mirrored
 from ..index.wal import WriteAheadLog
 from ..shards.pool import ShardPool
 from ..shards.protocol import AbortRequest, ApplyReply, ApplyRequest, Op, PrepareRequest
@@ -47,10 +48,19 @@ class CommitProtocol:
         self._applied = asyncio.Condition()
 
     # ------------------------------------------------------------------ recovery
-    def open_log(self, path: Path) -> set[str]:
-        """Open (or create) the commit log. :returns: the committed transaction ids in it (the
-        shards replay exactly these from their write-ahead logs)."""
-        self.log = WriteAheadLog(path)
+    def open_log(self, path: Path, storage: str | None = None) -> set[str]:
+        """Open (or create) the commit log. With ``storage`` (``--storage-uri``) every commit
+        record is also one object under ``<storage>/commits/``, put before the commit point
+        passes, and the local file is rebuilt from those objects first (a frontend on a new
+        node with an empty data directory finds every commit; :func:`~..index.objstore.open_mirrored`).
+
+        :returns: the committed transaction ids in it (the shards replay exactly these from
+            their write-ahead logs)."""
+        if storage is None:
+            self.log = WriteAheadLog(path)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.log = open_mirrored(path, ObjectStore.from_uri(storage).sub("commits"))
         logged = self.log.open()
         self._logged_seq = max([r["seq"] for r in logged] + [0])
         return {r["txn"] for r in logged}
@@ -68,6 +78,8 @@ class CommitProtocol:
         """Empty the commit log (after every shard wrote a snapshot covering it)."""
         if self.log is not None:
             self.log.reset()
+            if isinstance(self.log, MirroredLog):  # (an id left by a crash here is harmless:
+                self.log.store.delete(self.log.older_keys())  # shards skip records they applied)
 
     # ------------------------------------------------------------------ writes
     def next_seq(self) -> int:

@@ -9,6 +9,11 @@ vectors back in input order. It has the ``embed_chunks`` method of
 the in-process worker; query embedding stays in the frontend. The actors only compute vectors:
 staging and the all-or-nothing commit of a stream are unchanged.
 
+Placement (:func:`plan_actors`): on a cluster that reports GPUs, one actor per GPU
+(``num_gpus=1``; Ray sets the actor's ``CUDA_VISIBLE_DEVICES``, the encoder runs on ``cuda``
+with its ``dtype`` option, ``"auto"`` = bfloat16 + SDPA there); otherwise one CPU actor per node
+(``--ray-embed-gpus``, ``--ray-embed-actors``, ``--ray-embed-cpus``).
+
 Embedding is a pure function, so a batch whose actor fails (node lost, Ray restarting it) is
 sent again to another live actor; only when every actor fails does the call raise, and the
 stream is aborted as for any other embedding error. bench/RESULTS.md ("Ingest over embedding
@@ -21,11 +26,12 @@ import asyncio
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-__all__ = ["EmbedActor", "RayEmbedPool", "plan_batches", "start_embed_pool"]
+__all__ = ["ActorPlan", "EmbedActor", "RayEmbedPool", "plan_actors", "plan_batches", "start_embed_pool"]
 log = logging.getLogger("oprag")
 
 
@@ -82,6 +88,41 @@ def plan_batches(ids: list[list[int]], batch_size: int, workers: int) -> list[li
     return plan
 
 
+@dataclass(frozen=True)
+class ActorPlan:
+    """How many embedding actors, with what each reserves and where its encoder runs.
+
+    ``n``: actors (-1 = one per node with CPUs, counted by :class:`RayEmbedPool`); ``cpus``,
+    ``gpus``: Ray resources per actor; ``device``: the encoder's device inside the actor;
+    ``keep_placed``: keep the actors placed within a minute and drop the rest (counted, not
+    asked for) instead of failing the start."""
+
+    n: int
+    cpus: float
+    gpus: float
+    device: str
+    keep_placed: bool
+
+
+def plan_actors(embed_actors: int, embed_gpus: str, cpus: float, device: str, cluster_gpus: float) -> ActorPlan | None:
+    """The embedding actors for ``--ray-embed-actors`` / ``--ray-embed-gpus`` / ``--ray-embed-cpus``
+    (:class:`~oprag_server.config.RayConfig`) on a cluster with ``cluster_gpus`` GPUs in all
+    (``ray.cluster_resources()["GPU"]``). ``device`` is the frontend's ``--embed`` device
+    setting (kept for CPU actors: Ray hides GPUs from an actor that reserved none).
+
+    :returns: None for ``embed_actors == 0`` (ingest embeds in the frontend). GPUs (``"auto"``
+        and ``cluster_gpus >= 1``, or an explicit count > 0): ``embed_actors`` actors if > 0 else
+        one per GPU, one GPU each, on ``cuda``. Otherwise CPU actors exactly as without GPUs.
+    """
+    if embed_actors == 0:
+        return None
+    gpus = int(cluster_gpus) if embed_gpus == "auto" else int(embed_gpus)
+    if gpus > 0:
+        n = embed_actors if embed_actors > 0 else gpus
+        return ActorPlan(n=n, cpus=cpus, gpus=1.0, device="cuda", keep_placed=embed_actors < 0 and embed_gpus == "auto")
+    return ActorPlan(n=embed_actors, cpus=cpus, gpus=0.0, device=device, keep_placed=embed_actors < 0)
+
+
 class RayEmbedPool:
     """``n`` :class:`EmbedActor` s spread over the nodes (scheduling strategy ``SPREAD``,
     ``cpus`` CPUs each, restarted by Ray without task retries). Ray must be connected.
@@ -89,18 +130,21 @@ class RayEmbedPool:
     :param model: the encoder's model directory (as the frontend resolved it: every node must
         read it, e.g. the same image) and ``encoder_kw`` its other arguments.
     :param n: actors; -1 = one per alive node with CPUs.
+    :param gpus: GPUs reserved per actor (0: a CPU actor; Ray then hides every GPU from it).
     :param batch_size: rows per forward pass (the frontend encoder's ``batch_size``).
     """
 
     def __init__(self, model: str, encoder_kw: dict, *, n: int = -1, cpus: float = 1.0, batch_size: int = 32,
-                 metrics: Any = None) -> None:
+                 metrics: Any = None, gpus: float = 0.0) -> None:
         import ray
 
         if n < 0:
             n = max(1, sum(1 for node in ray.nodes() if node.get("Alive") and node["Resources"].get("CPU", 0) > 0))
         self.n, self.batch_size, self.metrics = n, batch_size, metrics
-        cls = ray.remote(EmbedActor).options(num_cpus=cpus, max_restarts=-1, max_task_retries=0,
-                                             scheduling_strategy="SPREAD")
+        self.options = {"num_cpus": cpus, "max_restarts": -1, "max_task_retries": 0, "scheduling_strategy": "SPREAD"}
+        if gpus:
+            self.options["num_gpus"] = gpus
+        cls = ray.remote(EmbedActor).options(**self.options)
         kw = {**encoder_kw, "batch_size": batch_size}
         self.actors = [cls.remote(model, int(cpus) or 1, kw) for _ in range(n)]
         self.retried = 0  # parts sent again after their actor was lost
@@ -171,19 +215,27 @@ def start_embed_pool(cfg: Any, encoder: Any, metrics: Any = None, timeout_s: flo
     Ray connected: call after the shard pool started), or None without ``--ray-address`` or
     with ``--ray-embed-actors 0``. The actors load ``encoder``'s model directory with its
     settings. :raises RuntimeError: not placed and loaded within ``timeout_s``."""
-    if cfg.ray.address is None or cfg.ray.embed_actors == 0:
+    r = cfg.ray
+    if r.address is None or r.embed_actors == 0:
         return None
-    kw = {"device": cfg.embed.device, "max_tokens": encoder.max_tokens, "compile": cfg.embed.compile}
-    pool = RayEmbedPool(str(encoder.path), kw, n=cfg.ray.embed_actors, cpus=cfg.ray.embed_cpus,
+    import ray
+
+    gpus = float(ray.cluster_resources().get("GPU", 0)) if r.embed_gpus == "auto" else 0.0
+    plan = plan_actors(r.embed_actors, r.embed_gpus, r.embed_cpus, cfg.embed.device, gpus)
+    kw = {"device": plan.device, "max_tokens": encoder.max_tokens, "compile": cfg.embed.compile,
+          "dtype": getattr(encoder, "_requested_dtype", "auto")}  # the frontend's setting, not its CPU resolution
+    pool = RayEmbedPool(str(encoder.path), kw, n=plan.n, cpus=plan.cpus, gpus=plan.gpus,
                         batch_size=cfg.embed.batch_size, metrics=metrics)
-    if cfg.ray.embed_actors > 0:  # asked for N: all of them, or a start-up error
+    what = "one GPU each, encoder on cuda" if plan.gpus else "CPU"
+    if not plan.keep_placed:  # asked for N: all of them, or a start-up error
         pool.ready(timeout_s)
-        return pool
-    try:  # one per node: the nodes whose CPUs the shards left free
-        pool.ready(min(timeout_s, 60.0), keep_placed=True)
-    except RuntimeError:
-        log.warning("no Ray embedding actor could be placed (no free CPUs): ingest embeds in the frontend")
-        pool.close()
-        return None
-    log.info("%d Ray embedding actors for ingest", pool.n)
+    else:
+        try:  # one per node (or GPU): the ones placed with what the shards left free
+            pool.ready(min(timeout_s, 60.0), keep_placed=True)
+        except RuntimeError:
+            log.warning("no Ray embedding actor could be placed (no free %s): ingest embeds in the frontend",
+                        "GPUs" if plan.gpus else "CPUs")
+            pool.close()
+            return None
+    log.info("%d Ray embedding actors for ingest (%s)", pool.n, what)
     return pool

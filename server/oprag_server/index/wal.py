@@ -18,12 +18,15 @@ from typing import Any, Iterator
 _HEAD = struct.Struct("<II")
 
 
-def read_records(path: Path) -> tuple[list[dict[str, Any]], int]:
-    """All intact records of a log and the byte offset where the intact prefix ends."""
+def encode_record(record: dict[str, Any]) -> bytes:
+    """One framed record: ``u32 length | u32 crc32(payload) | pickle payload``."""
+    payload = pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL)
+    return _HEAD.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+def parse_records(data: bytes) -> tuple[list[dict[str, Any]], int]:
+    """The intact records framed in ``data`` and the byte offset where the intact prefix ends."""
     out: list[dict[str, Any]] = []
-    if not path.exists():
-        return out, 0
-    data = path.read_bytes()
     pos = 0
     while pos + _HEAD.size <= len(data):
         n, crc = _HEAD.unpack_from(data, pos)
@@ -39,6 +42,13 @@ def read_records(path: Path) -> tuple[list[dict[str, Any]], int]:
             break
         pos = end
     return out, pos
+
+
+def read_records(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """All intact records of a log and the byte offset where the intact prefix ends."""
+    if not path.exists():
+        return [], 0
+    return parse_records(path.read_bytes())
 
 
 def _fsync_dir(path: Path) -> None:
@@ -71,8 +81,11 @@ class WriteAheadLog:
 
     def append(self, record: dict[str, Any]) -> None:
         """Append one record durably (written and fsync'ed before returning)."""
-        payload = pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL)
-        self._f.write(_HEAD.pack(len(payload), zlib.crc32(payload)) + payload)
+        self.append_framed(encode_record(record))
+
+    def append_framed(self, data: bytes) -> None:
+        """Append records already framed by :func:`encode_record` durably."""
+        self._f.write(data)
         self._f.flush()
         os.fsync(self._f.fileno())
 
@@ -81,8 +94,7 @@ class WriteAheadLog:
         tmp = self.path.with_name(self.path.name + ".tmp")
         with open(tmp, "wb") as f:
             for r in keep or []:
-                payload = pickle.dumps(r, protocol=pickle.HIGHEST_PROTOCOL)
-                f.write(_HEAD.pack(len(payload), zlib.crc32(payload)) + payload)
+                f.write(encode_record(r))
             f.flush()
             os.fsync(f.fileno())
         if self._f is not None:

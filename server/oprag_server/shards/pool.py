@@ -42,11 +42,14 @@ class ShardPool:
         process per shard).
     :param replicas: transports per shard; above 1 each shard is a :class:`~.replicas.ReplicaSet`
         (writes to every live replica, reads to the least busy one).
+    :param storage: storage URI holding every shard's snapshot and log as objects too (:mod:`.storage`).
     """
 
     def __init__(self, n: int, dim: int, data_dir: Path | None, stem: bool = False,
-                 transport: TransportFactory = PipeTransport, dense: Any = None, replicas: int = 1) -> None:
+                 transport: TransportFactory = PipeTransport, dense: Any = None, replicas: int = 1,
+                 storage: str | None = None) -> None:
         self.replicas = replicas
+        self.storage = storage  # --storage-uri of every shard (None: the data directory only)
         self.n = n
         self.dense = dense  # DenseConfig of every shard (None = flat)
         self.dim = dim
@@ -65,7 +68,7 @@ class ShardPool:
         """
         clients = [self._make(i) for i in range(self.n)]
         for c in clients:
-            c.dense = self.dense
+            c.dense, c.storage = self.dense, self.storage
             c.start(committed)
         stats = [c.ready(loop, timeout_s) for c in clients]
         self.clients = clients
@@ -81,7 +84,7 @@ class ShardPool:
             return revive(loop, committed, timeout_s)
         self.clients[i].kill()
         new = self._make(i)
-        new.dense = self.dense
+        new.dense, new.storage = self.dense, self.storage
         new.start(committed)
         res = new.ready(loop, timeout_s)
         self.clients[i] = new

@@ -10,7 +10,8 @@ failed may have run: OpRAG's commit protocol decides what is retried). Ray resta
 (a lost node: its bundle is placed elsewhere) by re-running the constructor, which holds no
 data; the supervisor then calls :meth:`RayTransport.revive`, which loads the snapshot and
 replays the committed log from the data directory, so that must be at the same path on every
-node (a shared volume).
+node (a shared volume), or from ``--storage-uri`` (object storage; the data directory is then
+each node's local working copy, :mod:`.storage`).
 
 Data plane (``RayConfig.channel``): ``"direct"`` (default) opens a TCP connection from the
 frontend to each actor carrying the pipe protocol (the actor listens, authenticated by a random
@@ -47,11 +48,12 @@ class ShardActor:
     :meth:`load` builds the shard from storage. Each construction has a fresh ``incarnation``
     id, so the frontend can tell a restarted actor from the one it loaded."""
 
-    def __init__(self, shard_id: int, dim: int, data_dir: str | None, stem: bool, dense: Any = None) -> None:
+    def __init__(self, shard_id: int, dim: int, data_dir: str | None, stem: bool, dense: Any = None,
+                 storage: str | None = None) -> None:
         import faiss
 
         faiss.omp_set_num_threads(1)
-        self.shard_id, self.dim, self.stem, self.dense = shard_id, dim, stem, dense
+        self.shard_id, self.dim, self.stem, self.dense, self.storage = shard_id, dim, stem, dense, storage
         self.data_dir = Path(data_dir) if data_dir else None
         self.incarnation = uuid.uuid4().hex
         self.state: ShardState | None = None
@@ -64,7 +66,8 @@ class ShardActor:
         :returns: ``(incarnation, ok, StatsReply with lexical stats and replayed | error text)``.
         """
         try:
-            state = ShardState(self.shard_id, self.dim, self.data_dir, stem=self.stem, dense=self.dense)
+            state = ShardState(self.shard_id, self.dim, self.data_dir, stem=self.stem, dense=self.dense,
+                               storage=self.storage)
             replayed = state.load(committed)
             ready = state.stats(StatsRequest(lexical=True))
             ready.replayed = replayed
@@ -173,7 +176,7 @@ class RayPlacement:
             return ray
 
     def new_actor(self, shard_id: int, dim: int, data_dir: Path | None, stem: bool, dense: Any = None,
-                  replica: int = 0) -> Any:
+                  replica: int = 0, storage: str | None = None) -> Any:
         """A shard actor in bundle ``replica * n + shard_id`` of the placement group (``dense``:
         its DenseConfig)."""
         ray = self.connect()
@@ -185,7 +188,7 @@ class RayPlacement:
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self.pg, placement_group_bundle_index=replica * self.n + shard_id))
         # absolute: an actor does not run in the frontend's working directory
-        return cls.remote(shard_id, dim, str(Path(data_dir).resolve()) if data_dir else None, stem, dense)
+        return cls.remote(shard_id, dim, str(Path(data_dir).resolve()) if data_dir else None, stem, dense, storage)
 
     def __call__(self, shard_id: int, dim: int, data_dir: Path | None, stem: bool = False) -> "RayTransport":
         return RayTransport(shard_id, dim, data_dir, stem, placement=self)
@@ -236,7 +239,7 @@ class RayTransport(ShardTransport):
     # -- life cycle -------------------------------------------------------------------------
     def start(self, committed: set[str] | None) -> None:
         self.actor = self.placement.new_actor(self.shard_id, self.dim, self.data_dir, self.stem, self.dense,
-                                              self.replica)
+                                              self.replica, self.storage)
         self._load_ref = self.actor.load.remote(committed or set())
 
     def ready(self, loop: asyncio.AbstractEventLoop, timeout_s: float) -> StatsReply:

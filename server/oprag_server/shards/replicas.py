@@ -22,6 +22,8 @@ commit protocol and every operator are unchanged. Rules:
 
 Replica ``r``'s directory is ``data_dir`` for ``r = 0`` (the single-replica layout) and
 ``data_dir/replica-r`` otherwise; each holds its own ``shard-i/`` snapshot and write-ahead log.
+With ``--storage-uri`` the same layout is under the URI, and catch-up copies the sibling's
+current snapshot there (:func:`.storage.copy_current`); the replica downloads it wherever it starts.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from .protocol import Op, SnapshotRequest, StatsReply, StatsRequest
+from .storage import copy_current, replica_uri
 from .transport import ShardError, ShardTransport
 
 log = logging.getLogger(__name__)
@@ -69,7 +72,7 @@ class ReplicaSet(ShardTransport):
 
     def _make(self, r: int) -> ShardTransport:
         t = self.factory(self.shard_id, self.dim, replica_dir(self.data_dir, r), self.stem)
-        t.dense, t.replica = self.dense, r
+        t.dense, t.replica, t.storage = self.dense, r, replica_uri(self.storage, r)
         return t
 
     def _stale(self, r: int, on: bool) -> None:
@@ -85,8 +88,8 @@ class ReplicaSet(ShardTransport):
 
     # ------------------------------------------------------------------ life cycle
     def start(self, committed: set[str] | None) -> None:
-        for t in self.reps:
-            t.dense = self.dense
+        for r, t in enumerate(self.reps):
+            t.dense, t.storage = self.dense, replica_uri(self.storage, r)
             t.start(committed)
 
     def ready(self, loop: asyncio.AbstractEventLoop, timeout_s: float) -> StatsReply:
@@ -298,9 +301,14 @@ class ReplicaSet(ShardTransport):
         it serves."""
         s = replica_dir(self.data_dir, src) / f"shard-{self.shard_id}"
         d = replica_dir(self.data_dir, dst) / f"shard-{self.shard_id}"
-        name = (s / "CURRENT").read_text().strip()
-        shutil.rmtree(d, ignore_errors=True)
-        shutil.copytree(s / name, d / name)
-        (d / "CURRENT").write_text(name)
+        if self.storage is not None:  # inside the storage; the replica downloads it where it starts
+            shutil.rmtree(d, ignore_errors=True)
+            copy_current(replica_uri(self.storage, dst), replica_uri(self.storage, src), self.shard_id)
+        else:
+            name = (s / "CURRENT").read_text().strip()
+            shutil.rmtree(d, ignore_errors=True)
+            shutil.copytree(s / name, d / name)
+            (d / "CURRENT").write_text(name)
+        d.mkdir(parents=True, exist_ok=True)
         (d / "STALE").write_bytes(b"")
 

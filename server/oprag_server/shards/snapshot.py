@@ -8,6 +8,7 @@ write-ahead log). Format 2 adds ``postings/`` (the BM25 segment as ``.npy`` arra
 every chunk's text; a format-1 snapshot, or one whose analyzer settings differ, is loaded by
 re-analysing the texts (and written as format 2 by the next snapshot). Every file is written atomically (temporary file, fsync, rename, fsync of
 the directory); ``CURRENT`` switches last, so a crash leaves the previous snapshot live.
+With ``--storage-uri`` every log record and snapshot is also on object storage (:mod:`.storage`).
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ import numpy as np
 
 from .. import records
 from ..index.bm25 import PostingsIndex
+from ..index.objstore import MirroredLog
 from ..index.wal import WriteAheadLog
 from ..index.wal import _fsync_dir as _fsync_file  # (any path: file or directory)
 from .chunks import ChunkStore
 from .memory import MemoryStore
 from .protocol import SnapshotReply
+from .storage import ShardStorage
 from .txn import Transactions
 
 FORMAT_VERSION = 2
@@ -50,10 +53,12 @@ def fsync_write(path: Path, data: bytes) -> None:
         os.close(dfd)
 
 
-def write(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions) -> SnapshotReply:
+def write(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions,
+          storage: ShardStorage | None = None) -> SnapshotReply:
     """Write chunks (with vectors) and memory into a new snapshot directory under ``d``, switch
     ``CURRENT`` to it, then drop older snapshots and the log records the snapshot now covers
-    (records of transactions still in flight stay)."""
+    (records of transactions still in flight stay). With ``storage`` the snapshot is then
+    published there (:meth:`.storage.ShardStorage.publish`) before this returns."""
     snap = d / f"snap-{store.applied_seq:012d}-{time.time_ns()}"
     snap.mkdir()
     batch = store.batch()
@@ -78,6 +83,8 @@ def write(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions) -
             shutil.rmtree(old, ignore_errors=True)
     if txns.wal is not None:
         txns.wal.reset(txns.in_flight())
+    if storage is not None and isinstance(txns.wal, MirroredLog):
+        storage.publish(snap, txns.wal)
     return SnapshotReply(written=True, chunks=batch.num_rows)
 
 
@@ -121,14 +128,19 @@ def _load_postings(snap: Path, meta: dict, store: ChunkStore, rows: int) -> Post
     return ix if len(ix) == rows else None
 
 
-def load(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions, committed: set[str] | None) -> int:
+def load(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions, committed: set[str] | None,
+         storage: ShardStorage | None = None) -> int:
     """Load the current snapshot under ``d`` if any, then replay the write-ahead log: memory
     records in log order (:meth:`.memory.MemoryStore.replay`) and records of committed transactions (``committed`` txn ids, from the frontend's commit log) with a
     sequence number above the snapshot's are applied in order; others are ignored.
 
     :returns: number of log records replayed (transactions and memory records).
+    With ``storage``, ``d`` is first brought to the storage's current snapshot and log
+    (:meth:`.storage.ShardStorage.open_log`; a new node's empty directory downloads them).
+
     :raises RuntimeError: the snapshot's format version or vector width differ.
     """
+    wal = storage.open_log(d) if storage is not None else WriteAheadLog(d / "wal.log")
     cur = d / "CURRENT"
     snap = d / cur.read_text().strip() if cur.exists() else (d if (d / "meta.json").exists() else None)
     if snap is not None:  # (a snapshot written directly into the shard directory: first layout)
@@ -147,7 +159,6 @@ def load(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions, co
         store.applied_seq = int(meta.get("applied_seq", 0))
         store.next_slot = max(store.next_slot, int(meta.get("next_slot", 0)))
         memory.load_json(json.loads((snap / "memory.json").read_text()))
-    wal = WriteAheadLog(d / "wal.log")
     replayed = txns.replay(wal, committed)
     replayed += memory.replay(wal)
     store.postings.drain_delta()

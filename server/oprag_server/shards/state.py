@@ -16,6 +16,7 @@ from .chunks import ChunkStore
 from .memory import MemoryStore
 from .protocol import TYPES, Op, ShutdownReply, ShutdownRequest, SnapshotReply, StatsReply, StatsRequest, UnknownOp
 from .search import Searcher
+from .storage import ShardStorage
 from .txn import Transactions
 
 
@@ -23,9 +24,16 @@ class ShardState:
     """One shard: ``store`` (chunks, dense index, postings), ``search``, ``memory``, ``txns``.
 
     :param data_dir: parent directory of the shard's snapshot and log (None = memory only).
+    :param storage: a storage URI (``--storage-uri``) holding the snapshot and log as objects
+        too (:mod:`.storage`); ``data_dir`` is then the local working copy.
+    :raises ValueError: ``storage`` without ``data_dir``, or not a storage URI.
     """
 
-    def __init__(self, shard_id: int, dim: int, data_dir: Path | None, stem: bool = False, dense=None) -> None:
+    def __init__(self, shard_id: int, dim: int, data_dir: Path | None, stem: bool = False, dense=None,
+                 storage: str | None = None) -> None:
+        if storage and data_dir is None:
+            raise ValueError("a shard on object storage needs a local working directory (data_dir)")
+        self.storage = ShardStorage(storage, shard_id) if storage else None
         self.shard_id = shard_id
         self.dim = dim
         self.data_dir = data_dir
@@ -52,7 +60,7 @@ class ShardState:
         """Write a snapshot (see :func:`.snapshot.write`); nothing in a memory-only shard."""
         if self.data_dir is None:
             return SnapshotReply(written=False)
-        return snapshots.write(self._dir(), self.store, self.memory, self.txns)
+        return snapshots.write(self._dir(), self.store, self.memory, self.txns, self.storage)
 
     def load(self, committed: set[str] | None = None) -> int:
         """Load the snapshot and replay committed log records (see :func:`.snapshot.load`).
@@ -61,7 +69,7 @@ class ShardState:
         """
         if self.data_dir is None:
             return 0
-        return snapshots.load(self._dir(), self.store, self.memory, self.txns, committed)
+        return snapshots.load(self._dir(), self.store, self.memory, self.txns, committed, self.storage)
 
     def shutdown(self, req: ShutdownRequest) -> ShutdownReply:
         """Snapshot when asked; the run loop exits after replying."""

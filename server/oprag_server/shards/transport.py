@@ -39,10 +39,13 @@ class ShardTransport(abc.ABC):
     :param shard_id: shard index; :param dim: vector width D; :param data_dir: parent of the
         shard's snapshot and log (None = memory only); :param stem: BM25 stemming.
     Attribute ``dense``: the shard's dense index settings (a ``DenseConfig``; None = flat), set
-    by the pool before :meth:`start`.
+    by the pool before :meth:`start`; ``storage``: the storage URI holding the shard's
+    snapshot and log as objects too (``--storage-uri``, :mod:`.storage`; None = the data
+    directory only), set likewise.
     """
 
     dense: Any = None
+    storage: str | None = None
     replica: int = 0  # which of the shard's replicas (set by a ReplicaSet before start)
 
     def __init__(self, shard_id: int, dim: int, data_dir: Path | None, stem: bool = False) -> None:
@@ -122,7 +125,7 @@ class PipeTransport(ShardTransport):
             self.proc = ctx.Process(
                 target=worker.run,
                 args=(self.shard_id, child, self.dim, str(self.data_dir) if self.data_dir else None, self.stem,
-                      committed or set(), self.dense),
+                      committed or set(), self.dense, self.storage),
                 name=f"oprag-shard-{self.shard_id}",
                 daemon=True,
             )

@@ -21,7 +21,7 @@ from .state import ShardState, dispatch, op_table
 
 
 def run(shard_id: int, conn, dim: int, data_dir: str | None, stem: bool, committed: set[str] | None = None,
-        dense=None) -> None:
+        dense=None, storage: str | None = None) -> None:
     """Process entry point: load the snapshot, report READY with stats, serve requests until
     :attr:`Op.SHUTDOWN` or the pipe closes. A failing request is answered with its error and
     never stops the loop."""
@@ -35,7 +35,7 @@ def run(shard_id: int, conn, dim: int, data_dir: str | None, stem: bool, committ
     except Exception:  # pragma: no cover
         pass
     try:
-        state = ShardState(shard_id, dim, Path(data_dir) if data_dir else None, stem=stem, dense=dense)
+        state = ShardState(shard_id, dim, Path(data_dir) if data_dir else None, stem=stem, dense=dense, storage=storage)
         replayed = state.load(committed)
         ready = state.stats(StatsRequest(lexical=True))
         ready.replayed = replayed

@@ -1,0 +1,152 @@
+"""A shard's snapshot and write-ahead log on storage every node reads (``--storage-uri``: S3,
+GCS or a shared path, through ``pyarrow.fs``; :mod:`oprag_server.index.objstore`).
+
+The shard keeps working in its local directory exactly as without a URI (``snap-*/``,
+``CURRENT``, ``wal.log``, :mod:`.snapshot`); the storage holds what a shard starting on a node
+with an empty directory needs. Layout under ``<uri>/[replica-r/]shard-<i>/``:
+
+* ``wal/<pos:020d>.rec``: every log record (prepared transaction, memory record) as one object,
+  put before the shard answers the request that wrote it. A transaction is acknowledged only
+  after every shard prepared it, so every acknowledged write is in storage: one PUT per shard
+  per transaction (and per memory record).
+* ``snap/<name>/...``: each snapshot's files, uploaded after it was written locally;
+* ``CURRENT``: ``{"snapshot": name | null, "wal_from": pos}``, replaced atomically *after* the
+  snapshot's files are all uploaded (a reader never sees a half-written snapshot: a crash
+  before the switch leaves the previous snapshot current, and its log objects are still there).
+  Then log objects before ``wal_from`` and other snapshots are deleted.
+
+Starting (:meth:`ShardStorage.open_log`), storage is the authority: the current snapshot is
+downloaded unless the local directory already holds it, and the local log is rewritten from the
+log objects from ``wal_from`` on; then the shard loads as from a local directory. A storage
+prefix holding nothing while the local directory holds a shard is seeded from it (moving an
+existing data directory onto storage). Replicas catching up copy a sibling's current snapshot
+inside the storage (:func:`copy_current`). The frontend's commit log is mirrored beside them
+(``<uri>/commits/``, :meth:`oprag_server.engine.commit.CommitProtocol.open_log`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from ..index.objstore import MirroredLog, ObjectStore, read_log_objects, record_key
+from ..index.wal import WriteAheadLog, encode_record
+
+
+def replica_uri(uri: str | None, r: int) -> str | None:
+    """Storage URI of replica ``r`` (replica 0: ``uri`` itself; the local layout's ``replica-r``)."""
+    if uri is None or r == 0:
+        return uri
+    return f"{uri.rstrip('/')}/replica-{r}"
+
+
+def _write_local(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class ShardStorage:
+    """Shard ``shard_id``'s objects under ``uri`` (``<uri>/shard-<i>/``).
+
+    :raises ValueError: ``uri`` is not a storage URI (:meth:`ObjectStore.from_uri`).
+    """
+
+    def __init__(self, uri: str, shard_id: int) -> None:
+        self.store = ObjectStore.from_uri(uri).sub(f"shard-{shard_id}")
+        self.wal = self.store.sub("wal")
+        self.downloaded = False  # the last open_log fetched the snapshot (for tests and logs)
+
+    def current(self) -> dict | None:
+        """The ``CURRENT`` pointer, or None when there is none yet."""
+        data = self.store.get("CURRENT")
+        return None if data is None else json.loads(data)
+
+    # ------------------------------------------------------------------ start
+    def open_log(self, d: Path) -> MirroredLog:
+        """Make the local directory ``d`` hold the storage's current snapshot and log, then
+        return the shard's log (its appends go to storage too)."""
+        cur = self.current()
+        if cur is None:
+            if not self.store.list():
+                self._seed(d)
+            cur = self.current() or {"snapshot": None, "wal_from": 0}
+        name, first = cur["snapshot"], int(cur["wal_from"])
+        local = d / "CURRENT"
+        have = local.read_text().strip() if local.exists() else None
+        self.downloaded = False
+        if name is None or have != name or not (d / name / "meta.json").exists():
+            for old in d.glob("snap-*"):
+                shutil.rmtree(old, ignore_errors=True)
+            local.unlink(missing_ok=True)
+            if name is not None:
+                self._download(name, d)
+                _write_local(local, name.encode())
+                self.downloaded = True
+        records, nxt = read_log_objects(self.wal, first)
+        log = WriteAheadLog(d / "wal.log")
+        log.reset(records)
+        log.close()
+        return MirroredLog(d / "wal.log", self.wal, nxt, first)
+
+    def _download(self, name: str, d: Path) -> None:
+        part = d / f"{name}.part"
+        shutil.rmtree(part, ignore_errors=True)
+        pre = f"snap/{name}/"
+        keys = self.store.list(pre)
+        for key, data in zip(keys, self.store.get_many(keys)):
+            if data is None:
+                raise RuntimeError(f"{self.store.uri}/{key} vanished while the snapshot was read")
+            _write_local(part / key[len(pre):], data)
+        os.replace(part, d / name)
+
+    def _seed(self, d: Path) -> None:
+        """Upload the shard ``d`` holds (snapshot and log) to an empty storage prefix."""
+        local = d / "CURRENT"
+        name = local.read_text().strip() if local.exists() else None
+        if name is not None and (d / name / "meta.json").exists():
+            self._upload(d / name)
+        else:
+            name = None
+        records = list(WriteAheadLog(d / "wal.log"))
+        for pos, rec in enumerate(records):
+            self.wal.put(record_key(pos), encode_record(rec))
+        self.store.put_atomic("CURRENT", json.dumps({"snapshot": name, "wal_from": 0}).encode())
+
+    # ------------------------------------------------------------------ snapshot
+    def _upload(self, snap: Path) -> None:
+        for p in sorted(snap.rglob("*")):
+            if p.is_file() and not p.name.endswith(".tmp"):
+                self.store.put(f"snap/{snap.name}/{p.relative_to(snap).as_posix()}", p.read_bytes())
+
+    def publish(self, snap: Path, log: MirroredLog) -> None:
+        """After the snapshot ``snap`` was written locally and ``log`` reset (its kept records
+        put again from ``log.first`` on): upload the snapshot, switch ``CURRENT`` to it, delete
+        the log objects and snapshots it replaces."""
+        self._upload(snap)
+        self.store.put_atomic("CURRENT", json.dumps({"snapshot": snap.name, "wal_from": log.first}).encode())
+        self.wal.delete(log.older_keys())
+        keep = f"snap/{snap.name}/"
+        self.store.delete([k for k in self.store.list("snap") if not k.startswith(keep)])
+
+
+def copy_current(uri: str, src_uri: str, shard_id: int) -> str | None:
+    """Replace shard ``shard_id``'s objects under ``uri`` by the current snapshot under
+    ``src_uri`` (a sibling replica's), with an empty log (a catching-up replica replays the
+    rest). :returns: the snapshot's name (None: the sibling has none)."""
+    src, dst = ShardStorage(src_uri, shard_id), ShardStorage(uri, shard_id)
+    cur = src.current()
+    name = cur["snapshot"] if cur else None
+    dst.store.delete_prefix("")
+    if name is not None:
+        pre = f"snap/{name}/"
+        for key in src.store.list(pre):
+            dst.store.copy_in(src.store, key)
+    dst.store.put_atomic("CURRENT", json.dumps({"snapshot": name, "wal_from": 0}).encode())
+    return name

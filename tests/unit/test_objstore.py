@@ -1,0 +1,265 @@
+"""Shard snapshots and logs on object storage (``--storage-uri``), through ``file://`` URIs: the
+same ``pyarrow.fs`` calls an S3 or GCS URI makes (a ``SubTreeFileSystem`` over the URI's
+filesystem). A shard whose local directory is gone comes back from the storage alone."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from oprag_server import records
+from oprag_server.index.objstore import MirroredLog, ObjectStore, read_log_objects, record_key
+from oprag_server.shards.protocol import (ApplyRequest, MemoryClearRequest, MemoryLookupRequest, PrepareRequest,
+                                          PromoteRequest, ReuseRequest, StageRequest, StatsRequest)
+from oprag_server.shards.state import ShardState
+from oprag_server.shards.storage import ShardStorage, copy_current, replica_uri
+from oprag_server.startup import check_storage
+
+DIM = 4
+
+
+def _batch(doc_ids: list[str]):
+    n = len(doc_ids)
+    texts = [f"tide table {d}" for d in doc_ids]
+    vecs = np.random.default_rng(len(doc_ids)).standard_normal((n, DIM)).astype(np.float32)
+    return records.make_chunk_batch(
+        chunk_ids=[f"{d}#0" for d in doc_ids], doc_ids=doc_ids, titles=[""] * n, texts=texts, metadata=[{}] * n,
+        ordinals=[0] * n, generations=[1] * n, content_hashes=texts, vectors=vecs)
+
+
+def _commit(s: ShardState, txn: str, seq: int, docs: list[str], committed: set[str]) -> None:
+    s.txns.stage(StageRequest(txn, records.to_ipc(_batch(docs))))
+    s.txns.prepare(PrepareRequest(txn, seq, "upsert", []))
+    committed.add(txn)  # the frontend's commit point
+    s.txns.apply(ApplyRequest(txn))
+
+
+def _promote(s: ShardState, sid: str, q: str) -> None:
+    s.memory.promote(PromoteRequest(sid, q, "s", [], [], np.ones(DIM, np.float32), max_turns=10))
+
+
+def _view(s: ShardState) -> tuple:
+    """Everything a reader can see: the stored chunks (with vectors), counts, memory."""
+    ids = sorted(s.store.doc_slots)
+    vec = s.store.reuse(ReuseRequest(ids)).vectors
+    st = s.stats(StatsRequest())
+    mem = s.memory.lookup(MemoryLookupRequest(["u1", "u2"], 10)).turns
+    return (ids, {k: {h: np.asarray(x).tolist() for h, x in v.items()} for k, v in vec.items()}, st.chunks, st.applied_seq,
+            [[t.question for t in ts] for ts in mem])
+
+
+def _state(d, uri, committed=None) -> ShardState:
+    s = ShardState(0, DIM, d, storage=uri)
+    s.load(committed if committed is not None else set())
+    return s
+
+
+@pytest.fixture()
+def uri(tmp_path):
+    return (tmp_path / "bucket" / "oprag").as_uri()  # file:///.../bucket/oprag
+
+
+def test_object_store_keys_order_atomic_replace_and_probe(tmp_path, uri):
+    st = ObjectStore.from_uri(uri)
+    st.probe()
+    for pos in (10, 2, 1000, 0):
+        st.sub("wal").put(record_key(pos), b"x")
+    assert st.list("wal") == [f"wal/{record_key(p)}" for p in (0, 2, 10, 1000)]  # key order = position order
+    st.put_atomic("CURRENT", b"old")
+    st.put_atomic("CURRENT", b"new")
+    assert st.get("CURRENT") == b"new" and st.get("missing") is None
+    assert not [k for k in st.list() if ".tmp-" in k] and not list((tmp_path / "bucket").rglob("*.tmp-*"))
+    st.delete_prefix("wal")
+    assert st.list() == ["CURRENT"]
+
+
+@pytest.mark.parametrize("bad", ["relative/path", "nosuch://bucket/x", "file://host/x", ""])
+def test_a_bad_uri_is_a_start_up_error_naming_the_flag(bad):
+    with pytest.raises(RuntimeError, match="--storage-uri"):
+        check_storage(bad)
+
+
+def test_the_storage_records_its_layout_and_refuses_another(uri):
+    check_storage(uri, 2, 384)
+    check_storage(uri, 2, 384)
+    with pytest.raises(RuntimeError, match="--storage-uri .*shards = 2.*--shards 2"):
+        check_storage(uri, 3, 384)
+    with pytest.raises(RuntimeError, match="dim = 384"):
+        check_storage(uri, 2, 16)
+
+
+def test_log_objects_are_read_in_order_and_a_torn_one_is_skipped(tmp_path, uri):
+    store = ObjectStore.from_uri(uri).sub("wal")
+    log = MirroredLog(tmp_path / "wal.log", store, next_pos=0)
+    log.open()
+    for i in range(12):
+        log.append({"kind": "memory_clear", "session_id": f"s{i}"})
+    assert log.puts == 12 and len(store.list()) == 12
+    (tmp_path / "bucket" / "oprag" / "wal" / record_key(5)).write_bytes(b"\x40\x00\x00\x00\x01")  # torn
+    recs, nxt = read_log_objects(store, 3)
+    assert [r["session_id"] for r in recs] == [f"s{i}" for i in range(3, 12) if i != 5] and nxt == 12
+
+
+def test_a_shard_with_an_empty_directory_comes_back_from_storage(tmp_path, uri):
+    committed: set[str] = set()
+    a = _state(tmp_path / "node-a", uri)
+    _commit(a, "t1", 1, ["d1", "d2"], committed)
+    _promote(a, "u1", "q1")
+    a.snapshot()
+    _commit(a, "t2", 2, ["d3"], committed)
+    _promote(a, "u2", "q2")
+    a.memory.clear(MemoryClearRequest("u1"))
+    a.txns.stage(StageRequest("t3", records.to_ipc(_batch(["d4"]))))
+    a.txns.prepare(PrepareRequest("t3", 3, "upsert", []))  # prepared, never committed: must not appear
+    want = _view(a)
+    b = _state(tmp_path / "node-b", uri, set(committed))  # a new node: nothing local
+    assert b.storage.downloaded
+    assert _view(b) == want and want[0] == ["d1", "d2", "d3"] and want[4] == [[], ["q2"]]
+
+
+def test_snapshot_switches_current_last_and_collects_garbage(tmp_path, uri):
+    committed: set[str] = set()
+    a = _state(tmp_path / "a", uri)
+    for i in range(3):
+        _commit(a, f"t{i}", i + 1, [f"d{i}"], committed)
+    st = a.storage.store
+    assert len(st.list("wal")) == 3 and json.loads(st.get("CURRENT"))["snapshot"] is None
+    a.snapshot()
+    cur = json.loads(st.get("CURRENT"))
+    assert cur["snapshot"] and cur["wal_from"] == 3
+    assert st.list("wal") == []  # covered by the snapshot: deleted after the switch
+    _commit(a, "t9", 9, ["d9"], committed)
+    a.snapshot()
+    cur2 = json.loads(st.get("CURRENT"))
+    assert cur2["snapshot"] != cur["snapshot"]
+    assert {k.split("/")[1] for k in st.list("snap")} == {cur2["snapshot"]}  # the old snapshot is gone
+
+
+def test_a_crash_between_upload_and_switch_leaves_the_old_snapshot_readable(tmp_path, uri, monkeypatch):
+    committed: set[str] = set()
+    a = _state(tmp_path / "a", uri)
+    _commit(a, "t1", 1, ["d1"], committed)
+    a.snapshot()
+    _commit(a, "t2", 2, ["d2"], committed)
+    _promote(a, "u2", "q")
+    want = _view(a)
+    before = a.storage.store.get("CURRENT")
+
+    def crash(key, data, real=a.storage.store.put_atomic):
+        if key == "CURRENT":
+            raise OSError("node lost")
+        real(key, data)
+
+    monkeypatch.setattr(a.storage.store, "put_atomic", crash)
+    with pytest.raises(OSError):
+        a.snapshot()  # every file of the new snapshot is uploaded, CURRENT is not switched
+    st = ObjectStore.from_uri(uri).sub("shard-0")
+    assert st.get("CURRENT") == before and len({k.split("/")[1] for k in st.list("snap")}) == 2
+    b = _state(tmp_path / "b", uri, set(committed))
+    assert _view(b) == want
+    b.snapshot()  # the next snapshot collects the orphan
+    assert len({k.split("/")[1] for k in st.list("snap")}) == 1
+
+
+def test_a_local_directory_seeds_empty_storage(tmp_path, uri):
+    committed: set[str] = set()
+    a = ShardState(0, DIM, tmp_path / "a")
+    a.load(set())
+    _commit(a, "t1", 1, ["d1"], committed)
+    a.snapshot()
+    _commit(a, "t2", 2, ["d2"], committed)
+    want = _view(a)
+    a.txns.wal.close()
+    moved = _state(tmp_path / "a", uri, set(committed))  # the same directory, now with a URI
+    assert _view(moved) == want
+    assert _view(_state(tmp_path / "b", uri, set(committed))) == want
+
+
+def test_a_replica_copy_and_replica_uris(tmp_path, uri):
+    committed: set[str] = set()
+    a = _state(tmp_path / "a", uri)
+    _commit(a, "t1", 1, ["d1", "d2"], committed)
+    a.snapshot()
+    r1 = replica_uri(uri, 1)
+    assert r1 == uri + "/replica-1" and replica_uri(uri, 0) == uri and replica_uri(None, 3) is None
+    ShardStorage(r1, 0).store.put("wal/" + record_key(0), b"stale")
+    assert copy_current(r1, uri, 0) == json.loads(a.storage.store.get("CURRENT"))["snapshot"]
+    b = _state(tmp_path / "b", r1, set(committed))
+    assert _view(b)[:4] == _view(a)[:4]
+    shutil.rmtree(tmp_path / "b")
+
+
+def test_a_replica_catches_up_through_storage_with_its_local_directory_gone(tmp_path, uri):
+    import asyncio
+
+    from oprag_server.engine.commit import CommitProtocol
+    from oprag_server.engine.rwlock import RWLock
+    from oprag_server.index.bm25 import CorpusStats
+    from oprag_server.shards.inprocess import InProcessTransport
+    from oprag_server.shards.pool import ShardPool
+    from oprag_server.shards.protocol import Op, SnapshotRequest
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        pool = ShardPool(1, DIM, tmp_path / "local", transport=InProcessTransport, replicas=2, storage=uri)
+        pool.start(loop, committed=set())
+        cp = CommitProtocol(pool, CorpusStats(), RWLock())
+        cp.open_log(tmp_path / "commits.log")
+
+        async def write(txn, docs):
+            await pool.call(0, Op.STAGE, StageRequest(txn, records.to_ipc(_batch(docs))))
+            await cp.commit(txn, "upsert")
+
+        rs = pool.clients[0]
+        await write("t1", ["a", "b"])
+        assert ShardStorage(replica_uri(uri, 1), 0).wal.list()  # replica 1 logs under its own prefix
+        rs.reps[1].kill()
+        shutil.rmtree(tmp_path / "local" / "replica-1")  # its node is gone
+        await write("t2", ["c"])
+        await loop.run_in_executor(None, pool.restart, 0, loop, cp.committed_txns())
+        assert rs.serving == [True, True]
+        assert rs.reps[1].state.storage.downloaded  # from the sibling's snapshot, copied in storage
+        await write("t3", ["d"])
+        views = [_view(rs.reps[r].state)[:3] for r in range(2)]
+        assert views[0] == views[1] and views[0][0] == ["a", "b", "c", "d"]
+
+    asyncio.run(main())
+
+
+def test_the_commit_log_is_mirrored_and_a_new_frontend_finds_every_commit(tmp_path, uri):
+    import asyncio
+
+    from oprag_server.engine.commit import CommitProtocol
+    from oprag_server.engine.rwlock import RWLock
+    from oprag_server.index.bm25 import CorpusStats
+    from oprag_server.shards.inprocess import InProcessTransport
+    from oprag_server.shards.pool import ShardPool
+    from oprag_server.shards.protocol import Op, SnapshotRequest
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        pool = ShardPool(2, DIM, tmp_path / "a", transport=InProcessTransport, storage=uri)
+        cp = CommitProtocol(pool, CorpusStats(), RWLock())
+        pool.start(loop, committed=cp.open_log(tmp_path / "a" / "commits.log", uri))
+        for t in ("t1", "t2"):
+            for s in range(2):
+                await pool.call(s, Op.STAGE, StageRequest(t, records.to_ipc(_batch([f"{t}-{s}"]))))
+            await cp.commit(t, "upsert")
+        commits = ObjectStore.from_uri(uri).sub("commits")
+        assert len(commits.list()) == 2
+        want = [_view(c.state)[:4] for c in pool.clients]
+        # a new frontend node: its data directory and every shard's are empty
+        cp2 = CommitProtocol(pool, CorpusStats(), RWLock())
+        committed = cp2.open_log(tmp_path / "b" / "commits.log", uri)
+        assert committed == {"t1", "t2"}
+        pool2 = ShardPool(2, DIM, tmp_path / "b", transport=InProcessTransport, storage=uri)
+        pool2.start(loop, committed=committed)
+        assert [_view(c.state)[:4] for c in pool2.clients] == want
+        await pool2.broadcast(Op.SNAPSHOT, SnapshotRequest())
+        cp2.reset_log()
+        assert commits.list() == [] and cp2.committed_txns() == set()
+
+    asyncio.run(main())
