@@ -37,16 +37,20 @@ def fixed_order_dot(vectors: np.ndarray, query: np.ndarray) -> np.ndarray:
     products of a row are then added pairwise in a fixed order (columns ``[0, h)`` += columns
     ``[w-h, w)``, ``h = w // 2``, until one column is left), element-wise, so a row's result
     depends only on that row and the query: not on M, the row's position or any BLAS kernel.
+    The products are laid out transposed (D x M, C order) so that each pairwise step adds two
+    contiguous blocks; the additions, and so the results, are the same as column-wise.
     """
-    p = np.asarray(vectors, dtype=np.float32).astype(np.float64) * np.asarray(query, dtype=np.float32).astype(np.float64)
-    w = p.shape[1]
+    v = np.asarray(vectors, dtype=np.float32)
+    m, w = v.shape
     if w == 0:
-        return np.zeros(p.shape[0], np.float64)
+        return np.zeros(m, np.float64)
+    p = np.empty((w, m), np.float64)
+    np.multiply(v.T, np.asarray(query, dtype=np.float32).astype(np.float64)[:, None], out=p)
     while w > 1:
         h = w // 2
-        np.add(p[:, :h], p[:, w - h : w], out=p[:, :h])
+        np.add(p[:h], p[w - h : w], out=p[:h])
         w -= h
-    return p[:, 0].copy()
+    return p[0].copy()
 
 
 def _faiss():
