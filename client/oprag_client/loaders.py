@@ -275,9 +275,10 @@ def columnar_docs(path: Path, schema, batches, vector_column: str = "vector") ->
 
     :param batches: ``batches(columns=None)`` -> iterator of ``pyarrow.RecordBatch`` (read
         twice when the vector widths must be checked first).
-    :raises ValueError: a missing column, a vector column that is not a list of numbers, two
-        widths, a null vector in chunk rows, a document's rows not contiguous -- all before any
-        document is yielded, except the last, found while reading (file and row named).
+    :raises ValueError: (file and row named) a missing column, a vector column that is not a
+        list of numbers, two widths in the file -- checked before the first document is yielded
+        -- or, found as the rows are read, a bad id, text or metadata, a null vector in chunk
+        rows, a document's rows not contiguous.
     """
     import numpy as np  # noqa: PLC0415
     import pyarrow as pa  # noqa: PLC0415
