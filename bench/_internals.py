@@ -28,6 +28,8 @@ function here               server part                             why
 :func:`hit`                 ``domain.Hit`` (shared type)            input of build_context
 :func:`traced_retrieve_job` ``service.tracing.Tracing``, a          tracing bench: the cost of
                             ``QueryJob`` with Retrieve's steps      one traced request in process
+:func:`shard_plane`         the shard layer (pool, transports,      cluster / hotpath_parts
+                            state, search, commit protocol)         benches: below gRPC
 :func:`managed_engine`,     ``ManagedEngine``, ``OpenAIGenerator``   engine_backends bench runs
 :func:`openai_generator`,   (transformers serve, openai backend)    the server's backends alone
 :func:`engine_usage`
@@ -116,7 +118,8 @@ def shard_plane():
     ``PipeTransport``, ``ShardError``, ``ShardState``, ``in_process_pool``, ``CommitProtocol``,
     ``RWLock``, ``CorpusStats``, ``RayConfig``, ``RayPlacement`` (needs the 'ray' extra when
     used), ``ShardSupervisor``, ``restart_shard`` and ``RayEmbedPool`` (the ingest embedding
-    actors, ``bench.embed_actors``)."""
+    actors, ``bench.embed_actors``); ``search`` (the shard search module, whose phases
+    ``bench.hotpath_parts`` times one by one)."""
     from types import SimpleNamespace
 
     from oprag_server import records
@@ -128,6 +131,7 @@ def shard_plane():
     from oprag_server.shards import protocol
     from oprag_server.shards.inprocess import in_process_pool
     from oprag_server.shards.pool import ShardPool
+    from oprag_server.shards import search
     from oprag_server.shards.ray_transport import RayPlacement
     from oprag_server.shards.state import ShardState
     from oprag_server.shards.transport import PipeTransport, ShardError

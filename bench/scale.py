@@ -13,7 +13,9 @@ the real vectors' cluster structure. Never uniform random vectors.
 Per size (and ``--dense-index``): ingest rate with supplied vectors, Retrieve p50/p95 of hybrid
 and full_hybrid (SciFact train queries, MiniLM query vectors sent as ``query_vector``),
 Recall@10 of hybrid vs full_hybrid, SciFact nDCG@10 (documents ranked by their best chunk),
-RSS of the server process tree, snapshot bytes, restart-to-READY seconds.
+RSS of the server process tree (after the queries, and again after the restart: the latter
+without what ingest left allocated), the shards' bytes by component (``Stats``), snapshot bytes,
+restart-to-READY seconds, and the seconds spent deriving the corpus and in the whole size.
 
     python -m bench.scale --source bench/out/retrieval-data --sizes 20000,100000 --json
 """
@@ -65,7 +67,9 @@ def run_size(a, size: int, kind: str, snap: dict, q) -> dict:
         by_doc.setdefault(d, []).append(i)
     docs = [Doc(d, title=snap["title"][rows[0]], chunks=[(snap["text"][r], snap["vectors"][r]) for r in rows])
             for d, rows in by_doc.items()]
+    t_all = time.perf_counter()
     extra_t, extra_v = derived(snap, max(0, size - real), a.sigma)
+    derive_s = time.perf_counter() - t_all
     docs += [Doc(f"syn:{i}", t, vector=v) for i, (t, v) in enumerate(zip(extra_t, extra_v))]
     data = OUT / f"scale-{size}-{kind}"
     shutil.rmtree(data, ignore_errors=True)
@@ -96,6 +100,12 @@ def run_size(a, size: int, kind: str, snap: dict, q) -> dict:
         t = time.perf_counter()
         srv.start()
         restart_s = time.perf_counter() - t
+        rss_restarted = tree_rss(srv.proc.pid)  # served from the snapshot: no ingest buffers
+        with OpRAGClient(srv.target) as c:
+            comp: dict[str, int] = {}
+            for sh in c.stats().shards:
+                for k in ("postings_bytes", "terms_bytes", "vectors_bytes", "ann_bytes", "chunks_bytes"):
+                    comp[k] = comp.get(k, 0) + int(getattr(sh, k, 0))
     finally:
         srv.stop()
     recall = [len(set(h) & set(f)) / max(1, len(f)) for h, f in zip(tops["hybrid"], tops["full_hybrid"])]
@@ -107,7 +117,9 @@ def run_size(a, size: int, kind: str, snap: dict, q) -> dict:
             "ndcg10_scifact": round(float(np.mean(ndcg)), 4),
             "rss_bytes": rss, "bytes_per_chunk": round(rss / max(chunks, 1)),
             "snapshot_bytes": snap_bytes, "ingest_chunks_per_s": round(chunks / ingest_s),
-            "restart_s": round(restart_s, 2)}
+            "restart_s": round(restart_s, 2), "rss_after_restart_bytes": rss_restarted,
+            "shard_bytes_by_component": comp, "derive_s": round(derive_s, 1),
+            "wall_s": round(time.perf_counter() - t_all, 1)}
 
 
 def main(argv=None) -> int:

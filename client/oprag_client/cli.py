@@ -50,7 +50,10 @@ def _parser(plugins: dict) -> argparse.ArgumentParser:
 
     i = sub.add_parser("ingest", help="stream documents into the service")
     _add_server(i)
-    i.add_argument("--format", choices=["text", "jsonl", "beir", "wikitext"], default="text")
+    i.add_argument("--format", choices=["text", "jsonl", "beir", "wikitext", "parquet", "arrow"], default="text",
+                   help="parquet / arrow: columns id, text, title?, metadata?, vector? (or chunk rows with "
+                        "doc_id); needs pyarrow (pip install 'oprag-client[arrow]')")
+    i.add_argument("--vector-column", default="vector", help="parquet / arrow: the column of precomputed vectors")
     i.add_argument("--docs-per-stream", type=int, default=256, help="documents per Ingest stream")
     i.add_argument("--json", action="store_true", help="print a JSON summary object last")
     i.add_argument("--no-progress", action="store_true")
@@ -128,7 +131,7 @@ def cmd_ingest(a) -> int:
     missing = [str(p) for p in a.paths if not Path(p).exists()]
     if missing:
         return _fail(f"no such file or directory: {', '.join(missing)}")
-    docs = LOADERS[a.format](a.paths)
+    docs = LOADERS[a.format](a.paths, a.vector_column) if a.format in ("parquet", "arrow") else LOADERS[a.format](a.paths)
     totals = {"documents": 0, "chunks": 0, "replaced": 0, "reused": 0, "rejected": [], "chunks_split": 0, "seq": 0}
     t0 = time.perf_counter()
     bar = tqdm(unit="doc", disable=a.no_progress, file=sys.stderr, dynamic_ncols=True)
@@ -152,7 +155,7 @@ def cmd_ingest(a) -> int:
     except grpc.RpcError as exc:
         bar.close()
         return _rpc_error(exc)
-    except (ValueError, TypeError, FileNotFoundError, OSError) as exc:
+    except (ValueError, TypeError, FileNotFoundError, OSError, ImportError) as exc:
         bar.close()
         return _fail(str(exc))
     bar.close()

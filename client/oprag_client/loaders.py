@@ -1,6 +1,8 @@
-"""Document loaders for ``oprag ingest --format text|jsonl|beir|wikitext``.
+"""Document loaders for ``oprag ingest --format text|jsonl|beir|wikitext|parquet|arrow``.
 
 Each loader yields :class:`~oprag_client.client.Doc` lazily, so large files stream.
+The columnar formats (:func:`load_parquet`, :func:`load_arrow`) need ``pyarrow`` and ``numpy``
+(the client's ``arrow`` extra); they are imported only when used.
 """
 
 from __future__ import annotations
@@ -185,4 +187,180 @@ def load_wikitext(paths: list[Path]) -> Iterator[Doc]:
             yield Doc(id=f"{p.stem}:{title}{suffix}", title=title, text=body, metadata={"source": p.name})
 
 
-LOADERS = {"text": load_text, "jsonl": load_jsonl, "beir": load_beir, "wikitext": load_wikitext}
+def _files(paths: list[Path], suffixes: tuple[str, ...]) -> list[Path]:
+    """The given files, and the files with one of ``suffixes`` in a given directory (sorted)."""
+    out = []
+    for p in paths:
+        if p.is_dir():
+            out += sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in suffixes)
+        elif p.is_file():
+            out.append(p)
+        else:
+            raise FileNotFoundError(f"{p}: no such file or directory")
+    return out
+
+
+def load_parquet(paths: list[Path], vector_column: str = "vector") -> Iterator[Doc]:
+    """Parquet files (a directory: its ``*.parquet`` files), streamed in record batches; the
+    columns are read as :func:`columnar_docs` describes.
+
+    :raises ValueError: a missing column, vectors of more than one width, a null vector in
+        chunk rows (file and row named); checked before the first document is yielded.
+    :raises ImportError: pyarrow or numpy missing (``pip install 'oprag-client[arrow]'``).
+    """
+    pq = _pyarrow("parquet")
+    for f in _files(paths, (".parquet", ".pq")):
+        pf = pq.ParquetFile(f)
+        yield from columnar_docs(f, pf.schema_arrow, lambda cols=None, pf=pf: pf.iter_batches(4096, columns=cols),
+                                 vector_column)
+
+
+def load_arrow(paths: list[Path], vector_column: str = "vector") -> Iterator[Doc]:
+    """Arrow IPC files (the file format, ``.arrow`` / ``.feather`` v2, or the stream format; a
+    directory: its ``*.arrow``, ``*.feather``, ``*.arrows`` files), read batch by batch; columns as
+    :func:`columnar_docs` describes.
+
+    :raises ValueError: as :func:`load_parquet`, or a file that is not Arrow IPC.
+    """
+    pa = _pyarrow()
+
+    def reader(f: Path):
+        try:
+            return pa.ipc.open_file(f)
+        except pa.ArrowInvalid:
+            try:
+                return pa.ipc.open_stream(f)
+            except pa.ArrowInvalid as exc:
+                raise ValueError(f"{f}: not an Arrow IPC file or stream ({exc})") from exc
+
+    def batches(f: Path):
+        def read(cols=None):
+            r = reader(f)
+            it = (r.get_batch(i) for i in range(r.num_record_batches)) if hasattr(r, "num_record_batches") else r
+            for b in it:
+                yield b.select(cols) if cols else b
+        return read
+
+    for f in _files(paths, (".arrow", ".feather", ".arrows", ".ipc")):
+        yield from columnar_docs(f, reader(f).schema, batches(f), vector_column)
+
+
+def _pyarrow(sub: str = ""):
+    try:
+        import numpy  # noqa: F401, PLC0415
+        import pyarrow  # noqa: PLC0415
+        if sub:
+            import importlib  # noqa: PLC0415
+            return importlib.import_module(f"pyarrow.{sub}")
+        import pyarrow.ipc  # noqa: F401, PLC0415
+        return pyarrow
+    except ImportError as exc:
+        raise ImportError("reading Parquet / Arrow needs pyarrow and numpy: pip install 'oprag-client[arrow]'") from exc
+
+
+def columnar_docs(path: Path, schema, batches, vector_column: str = "vector") -> Iterator[Doc]:
+    """Documents of one columnar file.
+
+    Columns: ``id`` (string or integer), ``text`` (string), optional ``title`` (string),
+    ``metadata`` (a JSON object as a string, or a struct: :func:`_metadata` rules) and the
+    vector column (default ``vector``: a list or fixed-size list of floats, one width for the
+    whole file; float32 on the wire). Two layouts:
+
+    * one row per document (no ``doc_id`` column): a row with a vector is stored as one chunk
+      with that vector, a row whose vector is null (or a file without the column) is chunked
+      and embedded by the server;
+    * one row per chunk (a ``doc_id`` column): consecutive rows with the same ``doc_id`` are
+      one document's chunks in row order (``text`` each chunk's text, ``vector`` required);
+      title and metadata come from the document's first row, ``id`` is not needed.
+
+    :param batches: ``batches(columns=None)`` -> iterator of ``pyarrow.RecordBatch`` (read
+        twice when the vector widths must be checked first).
+    :raises ValueError: (file and row named) a missing column, a vector column that is not a
+        list of numbers, two widths in the file -- checked before the first document is yielded
+        -- or, found as the rows are read, a bad id, text or metadata, a null vector in chunk
+        rows, a document's rows not contiguous.
+    """
+    import numpy as np  # noqa: PLC0415
+    import pyarrow as pa  # noqa: PLC0415
+    import pyarrow.compute as pc  # noqa: PLC0415
+
+    names = set(schema.names)
+    chunk_rows = "doc_id" in names
+    need = ["doc_id" if chunk_rows else "id", "text"] + ([vector_column] if chunk_rows else [])
+    missing = [c for c in need if c not in names]
+    if missing:
+        raise ValueError(f"{path}: no column {', '.join(map(repr, missing))} (columns: {', '.join(schema.names)})")
+    has_vec = vector_column in names
+    if has_vec:
+        vt = schema.field(vector_column).type
+        if not (pa.types.is_list(vt) or pa.types.is_large_list(vt) or pa.types.is_fixed_size_list(vt)) \
+                or not (pa.types.is_floating(vt.value_type) or pa.types.is_integer(vt.value_type)):
+            raise ValueError(f"{path}: column {vector_column!r} must hold lists of numbers, got {vt}")
+        if not pa.types.is_fixed_size_list(vt):  # one width for the whole file, before sending any
+            widths: set[int] = set()
+            row = 0
+            for b in batches([vector_column]):
+                col = b.column(0)
+                lens = pc.list_value_length(col)
+                if chunk_rows and col.null_count:
+                    raise ValueError(f"{path}: row {row + int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])}:"
+                                     f" chunk rows need a vector")
+                widths |= set(np.unique(lens.drop_null().to_numpy()).tolist())
+                row += b.num_rows
+            if len(widths) > 1:
+                raise ValueError(f"{path}: column {vector_column!r} holds vectors of {len(widths)} widths "
+                                 f"({', '.join(map(str, sorted(widths)[:5]))}): one width per file")
+    row, cur, done = 0, None, set()
+    for b in batches():
+        cols = {n: b.column(n) for n in b.schema.names}
+        vecs, valid = (_matrix(cols[vector_column], np, pa, pc) if has_vec else (None, None))
+        text = cols["text"].to_pylist()
+        title = cols["title"].to_pylist() if "title" in cols else [None] * b.num_rows
+        meta = cols["metadata"].to_pylist() if "metadata" in cols else [None] * b.num_rows
+        ids = cols["doc_id" if chunk_rows else "id"].to_pylist()
+        for i in range(b.num_rows):
+            where = f"{path}: row {row + i}"
+            try:
+                if ids[i] is None or isinstance(ids[i], (bytes, float)):
+                    raise ValueError(f"{'doc_id' if chunk_rows else 'id'} must be a string or an integer, got {ids[i]!r}")
+                if text[i] is not None and not isinstance(text[i], str):
+                    raise ValueError(f"text must be a string, got {type(text[i]).__name__}")
+                m = json.loads(meta[i]) if isinstance(meta[i], str) else meta[i]
+                if not chunk_rows:
+                    yield Doc(id=str(ids[i]), text=text[i] or "", title=title[i] or "", metadata=_metadata(m),
+                              vector=vecs[i] if has_vec and valid[i] else None)
+                    continue
+                if not valid[i]:
+                    raise ValueError("chunk rows need a vector")
+                did = str(ids[i])
+                if cur is not None and cur.id == did:
+                    cur.chunks.append((text[i] or "", vecs[i]))
+                    continue
+                if did in done:
+                    raise ValueError(f"the rows of document {did!r} are not contiguous")
+                if cur is not None:
+                    done.add(cur.id)
+                    yield cur
+                cur = Doc(id=did, title=title[i] or "", metadata=_metadata(m), chunks=[(text[i] or "", vecs[i])])
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"{where}: {exc}") from exc
+        row += b.num_rows
+    if cur is not None:
+        yield cur
+
+
+def _matrix(col, np, pa, pc):
+    """``(float32[R, D] rows, bool[R] valid)`` of a list column of one width (null rows: zeros)."""
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks()
+    valid = ~col.is_null().to_numpy(zero_copy_only=False)
+    flat = pc.list_flatten(col).to_numpy(zero_copy_only=False).astype(np.float32)
+    n = int(valid.sum())
+    d = flat.size // n if n else 0
+    out = np.zeros((len(col), d), np.float32)
+    out[valid] = flat.reshape(n, d)
+    return out, valid
+
+
+LOADERS = {"text": load_text, "jsonl": load_jsonl, "beir": load_beir, "wikitext": load_wikitext,
+           "parquet": load_parquet, "arrow": load_arrow}

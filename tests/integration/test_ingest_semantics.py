@@ -3,6 +3,7 @@ read-your-writes, replacement that re-embeds only changed chunks, deletion, no t
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -258,3 +259,34 @@ def test_own_vectors_are_stored_as_given_and_checked(client):
             client.ingest([Doc("byo-ok", "fine text"), Doc("byo-bad", "bad vector", vector=bad)])
         assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, ei.value.details()
         assert client.stats().chunks == after.chunks  # nothing of the stream was stored
+
+
+def test_cli_ingests_parquet_with_vectors_and_rejects_a_wrong_width(server, client, tmp_path):
+    import subprocess
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from oprag_client.testing import oprag_cli
+
+    rng = np.random.default_rng(11)
+    v = rng.standard_normal((3, 384)).astype(np.float32)
+    pq.write_table(pa.table({"id": ["pq-a", "pq-b", "pq-c"], "text": ["Rowan jelly.", "Sloe gin.", "Elder syrup."],
+                             "vector": pa.array(list(v), pa.list_(pa.float32()))}), tmp_path / "good.parquet")
+    before = client.stats()
+    cli = [*oprag_cli(), "ingest", "--server", server.target, "--format", "parquet", "--json", "--no-progress"]
+    out = subprocess.run([*cli, str(tmp_path / "good.parquet")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1])["chunks"] == 3
+    top = client.retrieve("anything", mode="dense", top_k=1, query_vector=v[1].tolist()).hits[0]
+    assert (top.chunk_id, top.text) == ("pq-b#0", "Sloe gin.")
+    assert top.dense_score == pytest.approx(1.0, abs=1e-5)  # the file's vector, not re-embedded
+    after = client.stats()
+    assert after.chunks - before.chunks == 3
+    pq.write_table(pa.table({"id": ["pq-x", "pq-y"], "text": ["a", "b"],
+                             "vector": pa.array([[1.0] * 8, [0.5] * 8], pa.list_(pa.float32()))}),
+                   tmp_path / "narrow.parquet")
+    bad = subprocess.run([*cli, str(tmp_path / "narrow.parquet")], capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0
+    assert "INVALID_ARGUMENT" in bad.stderr and "384" in bad.stderr and "8" in bad.stderr, bad.stderr
+    assert (client.stats().chunks, client.stats().documents) == (after.chunks, after.documents)  # nothing stored

@@ -135,3 +135,23 @@ def test_refine_top_equals_exact_ranking_and_asks_for_more_when_the_cut_is_close
     assert refine_top(np.array([3.0, 2.0, 1.0]), 0.1, lambda p: np.array([3.0, 2.0, 1.0])[p], ["a", "b", "c"], 1,
                       complete=False)[0].tolist() == [0]
     assert refine_top(np.array([3.0, 2.95]), 0.1, lambda p: p, ["a", "b"], 1, complete=False) is None
+
+
+def _fold_by_columns(v: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """The documented order, spelled out on the (M, D) layout."""
+    p = v.astype(np.float64) * q.astype(np.float64)
+    w = p.shape[1]
+    while w > 1:
+        h = w // 2
+        p[:, :h] = p[:, :h] + p[:, w - h : w]
+        w -= h
+    return p[:, 0]
+
+
+@pytest.mark.parametrize("d", [1, 2, 3, 5, 7, 64, 100, 383, 384])
+def test_fixed_order_dot_is_the_documented_pairwise_fold(d):
+    rng = np.random.default_rng(d)
+    for m in (1, 2, 37):
+        v, q = rng.standard_normal((m, d)).astype(np.float32), rng.standard_normal(d).astype(np.float32)
+        assert np.array_equal(fixed_order_dot(v, q), _fold_by_columns(v, q))
+    assert fixed_order_dot(np.zeros((3, 0), np.float32), np.zeros(0, np.float32)).tolist() == [0.0, 0.0, 0.0]

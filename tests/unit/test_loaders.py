@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import re
+
+import pytest
 
 from oprag_client.evaluate import doc_ranking, mrr_at_k, ndcg_at_k, recall_at_k
 from oprag_client.loaders import load_text, load_wikitext, wikitext_articles, wikitext_detok
@@ -138,3 +141,99 @@ def test_jsonl_wrong_field_types_name_file_and_line(tmp_path):
         p.write_text(_json.dumps({"id": "ok", "text": "fine"}) + "\n" + _json.dumps(obj) + "\n")
         with pytest.raises(ValueError, match=f"bad{n}.jsonl:2: .*{want}"):
             list(load_jsonl([p]))
+
+
+# ---------------------------------------------------------------- Parquet / Arrow (pyarrow writes them)
+def _table(**cols):
+    import pyarrow as pa
+
+    return pa.table(cols)
+
+
+def _write(tmp_path, table, kind: str):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    p = tmp_path / f"docs.{ {'parquet': 'parquet', 'arrow': 'arrow', 'stream': 'arrows'}[kind] }"
+    if kind == "parquet":
+        pq.write_table(table, p, row_group_size=2)  # several batches
+    elif kind == "arrow":
+        with pa.ipc.new_file(p, table.schema) as w:
+            for b in table.to_batches(max_chunksize=2):
+                w.write_batch(b)
+    else:
+        with pa.ipc.new_stream(p, table.schema) as w:
+            w.write_table(table)
+    return p
+
+
+@pytest.mark.parametrize("kind", ["parquet", "arrow", "stream"])
+def test_columnar_one_row_per_document(tmp_path, kind):
+    import numpy as np
+    import pyarrow as pa
+
+    from oprag_client.loaders import LOADERS
+
+    t = _table(id=pa.array(["a", "b", "c"]), text=["alpha", "beta", "gamma"], title=["A", None, "C"],
+               metadata=pa.array(['{"year": 2020, "tag": "x"}', None, '{"ok": true}']),
+               vector=pa.array([[1.0, 0.0, 0.5], None, [0.0, 2.0, 0.0]], pa.list_(pa.float64())))
+    docs = list(LOADERS["arrow" if kind == "stream" else kind]([_write(tmp_path, t, kind)]))
+    assert [(d.id, d.text, d.title) for d in docs] == [("a", "alpha", "A"), ("b", "beta", ""), ("c", "gamma", "C")]
+    assert docs[0].metadata == {"year": 2020, "tag": "x"} and docs[2].metadata == {"ok": True}
+    assert docs[0].vector.dtype == np.float32 and docs[0].vector.tolist() == [1.0, 0.0, 0.5]
+    assert docs[1].vector is None  # null vector: the server embeds that one
+    pb = docs[2].to_pb()  # numpy vectors go out in the packed form
+    assert pb.vector_dim == 3 and np.frombuffer(pb.vectors_f32, "<f4").tolist() == [0.0, 2.0, 0.0]
+
+
+def test_columnar_chunk_rows_group_by_doc_id(tmp_path):
+    import pyarrow as pa
+
+    from oprag_client.loaders import load_parquet
+
+    vec = pa.array([[float(i), 1.0] for i in range(5)], pa.list_(pa.float32(), 2))  # fixed-size list
+    t = _table(doc_id=pa.array([7, 7, 7, 8, 9]), text=["p1", "p2", "p3", "q1", "r1"], title=["T7", "x", "x", "T8", "T9"],
+               metadata=pa.array([{"n": 1}, {"n": 2}, {"n": 3}, {"n": None}, {"n": 5}]), vector=vec)
+    docs = list(load_parquet([_write(tmp_path, t, "parquet")]))
+    assert [d.id for d in docs] == ["7", "8", "9"]
+    assert [c[0] for c in docs[0].chunks] == ["p1", "p2", "p3"] and docs[0].title == "T7"
+    assert [c[1].tolist() for c in docs[0].chunks] == [[0.0, 1.0], [1.0, 1.0], [2.0, 1.0]]
+    assert docs[0].metadata == {"n": 1} and docs[1].metadata == {}
+    assert docs[0].to_pb().vector_dim == 2 and len(docs[0].to_pb().chunks) == 3
+
+
+@pytest.mark.parametrize("table, message", [
+    ("widths", "2 widths"),
+    ("no_text", "no column 'text'"),
+    ("null_chunk_vector", "row 1: chunk rows need a vector"),
+    ("split_doc", "row 2: the rows of document 'a' are not contiguous"),
+    ("strings", "must hold lists of numbers"),
+    ("bad_metadata", "row 0"),
+])
+def test_columnar_errors_name_the_file_and_row(tmp_path, table, message):
+    import pyarrow as pa
+
+    from oprag_client.loaders import load_parquet
+
+    tables = {
+        "widths": dict(id=["a", "b", "c"], text=["x", "y", "z"], vector=[[1.0, 2.0], [1.0, 2.0], [1.0, 2.0, 3.0]]),
+        "no_text": dict(id=["a"], vector=[[1.0]]),
+        "null_chunk_vector": dict(doc_id=["a", "a"], text=["x", "y"], vector=pa.array([[1.0], None])),
+        "split_doc": dict(doc_id=["a", "b", "a"], text=["x", "y", "z"], vector=[[1.0], [1.0], [1.0]]),
+        "strings": dict(id=["a"], text=["x"], vector=[["1"]]),
+        "bad_metadata": dict(id=["a"], text=["x"], metadata=["[1, 2]"]),
+    }
+    p = _write(tmp_path, _table(**tables[table]), "parquet")
+    docs = load_parquet([p])
+    with pytest.raises(ValueError, match=re.escape(message)) as ei:
+        list(docs)
+    assert str(p) in str(ei.value)
+
+
+def test_columnar_width_check_comes_before_the_first_document(tmp_path):
+    from oprag_client.loaders import load_parquet
+
+    t = _table(id=[str(i) for i in range(6)], text=["x"] * 6, vector=[[1.0, 2.0]] * 5 + [[1.0]])
+    it = load_parquet([_write(tmp_path, t, "parquet")])
+    with pytest.raises(ValueError, match="2 widths"):
+        next(it)  # nothing was handed out (so nothing can have been sent)

@@ -1,8 +1,10 @@
 """Dense partition of one shard: a FAISS inner-product index over L2-normalised float32 vectors.
 
-Chunks are identified by an int64 *slot* (unique within the shard, never reused). FAISS
-(``IndexIDMap2(IndexFlatIP)``) answers top-k searches; a compact float32 copy of the live
-vectors serves exact scoring of every chunk (``score_all``) and snapshots.
+Chunks are identified by an int64 *slot* (unique within the shard, never reused). One compact
+float32 copy of the live vectors serves everything: flat top-k searches (FAISS's brute-force
+``faiss.knn`` inner-product kernel run over that copy, the same kernel and the same scores as an
+``IndexFlatIP`` holding its own second copy), exact scoring of every chunk (``score_all``) and
+snapshots; an approximate index (:mod:`.ann`) keeps its own structure besides.
 
 Two kinds of scores (README: identical content, identical score):
 
@@ -35,16 +37,20 @@ def fixed_order_dot(vectors: np.ndarray, query: np.ndarray) -> np.ndarray:
     products of a row are then added pairwise in a fixed order (columns ``[0, h)`` += columns
     ``[w-h, w)``, ``h = w // 2``, until one column is left), element-wise, so a row's result
     depends only on that row and the query: not on M, the row's position or any BLAS kernel.
+    The products are laid out transposed (D x M, C order) so that each pairwise step adds two
+    contiguous blocks; the additions, and so the results, are the same as column-wise.
     """
-    p = np.asarray(vectors, dtype=np.float32).astype(np.float64) * np.asarray(query, dtype=np.float32).astype(np.float64)
-    w = p.shape[1]
+    v = np.asarray(vectors, dtype=np.float32)
+    m, w = v.shape
     if w == 0:
-        return np.zeros(p.shape[0], np.float64)
+        return np.zeros(m, np.float64)
+    p = np.empty((w, m), np.float64)
+    np.multiply(v.T, np.asarray(query, dtype=np.float32).astype(np.float64)[:, None], out=p)
     while w > 1:
         h = w // 2
-        np.add(p[:, :h], p[:, w - h : w], out=p[:, :h])
+        np.add(p[:h], p[w - h : w], out=p[:h])
         w -= h
-    return p[:, 0].copy()
+    return p[0].copy()
 
 
 def _faiss():
@@ -63,11 +69,11 @@ class DenseIndex:
     """
 
     def __init__(self, dim: int, params: DenseConfig | None = None) -> None:
-        faiss = _faiss()
+        _faiss()  # fail early, with the install hint, when FAISS is missing
         self.dim = int(dim)
         self.params = params or DenseConfig()
-        # flat: FAISS scans its own copy; hnsw / ivf: the ANN structure picks the candidates
-        self._index = faiss.IndexIDMap2(faiss.IndexFlatIP(self.dim)) if self.params.kind == "flat" else None
+        # flat: FAISS's brute-force kernel scans the copy below; hnsw / ivf: the ANN structure
+        # picks the candidates
         self._ann = AnnIndex(self.dim, self.params) if self.params.kind != "flat" else None
         self.last_knobs: dict[str, int] = {}  # ef_search / nprobe used by the last search
         self._vecs = np.zeros((0, self.dim), dtype=np.float32)  # compact rows, capacity >= n
@@ -132,9 +138,7 @@ class DenseIndex:
         self._n = need
         self._version += 1
         self._max_norm = max(self._max_norm, float(np.sqrt(np.einsum("ij,ij->i", vecs, vecs, dtype=np.float64).max())))
-        if self._ann is None:
-            self._index.add_with_ids(vecs, slots)
-        elif ann:
+        if self._ann is not None and ann:
             self._ann.add(slots, vecs, (self.slots, self.vectors))
 
     def remove(self, slots: np.ndarray) -> int:
@@ -145,8 +149,6 @@ class DenseIndex:
             return 0
         if self._ann is not None:
             self._ann.remove(np.asarray(slots, dtype=np.int64))
-        else:
-            self._index.remove_ids(_faiss().IDSelectorBatch(np.asarray(slots, dtype=np.int64)))
         for s in slots:
             row = int(self._slot_row[s])
             self._slot_row[s] = -1
@@ -163,13 +165,10 @@ class DenseIndex:
         return len(slots)
 
     def nbytes(self) -> dict[str, int]:
-        """Bytes held: ``vectors`` (the exact float32 copy at its capacity, the slot/row maps,
-        and for flat FAISS's own copy with its id maps: an int64 vector and an
-        ``unordered_map`` reverse map, ~48 bytes per id) and ``ann`` (the
-        approximate structure, :meth:`.ann.AnnIndex.nbytes`; 0 for flat)."""
+        """Bytes held: ``vectors`` (the float32 copy at its capacity and the slot/row maps; a
+        flat index holds nothing else) and ``ann`` (the approximate structure,
+        :meth:`.ann.AnnIndex.nbytes`; 0 for flat)."""
         own = self._vecs.nbytes + self._row_slot.nbytes + self._slot_row.nbytes
-        if self._index is not None:
-            own += int(self._index.ntotal) * (4 * self.dim + 48)
         return {"vectors": int(own), "ann": self._ann.nbytes() if self._ann is not None else 0}
 
     def compact_ann(self) -> None:
@@ -256,8 +255,9 @@ class DenseIndex:
                 top = np.argpartition(-allv[i], kk - 1)[:kk]
                 top = top[np.argsort(-allv[i][top], kind="stable")]
                 ids[i], scores[i] = self.slots[top], allv[i][top]
-        else:
-            scores, ids = self._index.search(q, kk)
+        else:  # flat: the brute-force kernel of IndexFlatIP over the live rows, rows -> slots
+            scores, rows = _faiss().knn(q, self._vecs[: self._n], kk, metric=_faiss().METRIC_INNER_PRODUCT)
+            ids = np.where(rows >= 0, self._row_slot[np.maximum(rows, 0)], -1)
         out_ids, out_scores = [], []
         for i in range(q.shape[0]):
             keep = ids[i] >= 0

@@ -114,7 +114,9 @@ class Segment:
 
         :raises ValueError: the arrays are inconsistent. :raises OSError: a file is missing.
         """
-        arrs = {n: np.load(d / f"{n}.npy", mmap_mode="r" if mmap else None) for n in _ARRAYS}
+        # a plain ndarray view of each map: same pages, but slicing it on the query path does not
+        # go through np.memmap's Python-level __array_finalize__ / __getitem__ (~2 us per slice)
+        arrs = {n: np.load(d / f"{n}.npy", mmap_mode="r" if mmap else None).view(np.ndarray) for n in _ARRAYS}
         terms = json.loads((d / "terms.json").read_text(encoding="ascii"))
         seg = cls(terms, **arrs)
         seg.check()

@@ -1,0 +1,247 @@
+"""Where a Retrieve's CPU goes at c=1 (issue 13 hot path): three measurements on one data dir.
+
+``--part threads``: a server (``--generator none``, 2 shards) on ``--data-dir``; over
+``--queries`` Retrieves with the query vector supplied, CPU time per request of every thread of
+the frontend and of each shard process (``/proc/<pid>/task/*/stat``, utime + stime).
+
+``--part phases``: one shard's snapshot loaded in this process (single-threaded BLAS and FAISS,
+as in a shard process); CPU per hybrid ``search`` (N = 256, fetch_k 10) split by phase
+(thread CPU time around each method: FAISS top-n, canonical refine, dense-minimum estimate,
+BM25 of the candidates, k-skyband, stored fields, chunk ids; the rest is glue), and the pickle /
+unpickle of the reply.
+
+``--part grpc-floor``: a ``grpc.aio`` server whose ``Retrieve`` returns a prebuilt 10-hit
+response (900-character texts): what the gRPC round trip alone costs here (p50, server and
+client CPU per call).
+
+Queries: chunk vectors of the snapshot perturbed by Gaussian noise (sigma 0.05 per
+coordinate, renormalised), with four fixed English questions as the BM25 text. Needs psutil
+(bench extra) for ``threads``.
+
+    python -m bench.hotpath_parts --data-dir bench/out/retrieval-data --part threads,phases,grpc-floor --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from . import _internals
+from ._common import emit_json, log, machine_info, percentile, read_snapshot, require
+
+TEXTS = ["effects of vitamin D on bone density in older adults", "protein folding and the role of chaperones",
+         "the history of the roman empire", "insulin resistance and type 2 diabetes risk"]
+
+
+def _queries(V: np.ndarray, n: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    q = V[rng.integers(0, len(V), n)] + rng.normal(0, 0.05, (n, V.shape[1])).astype(np.float32)
+    return (q / np.linalg.norm(q, axis=1, keepdims=True)).astype(np.float32)
+
+
+def _thread_cpu(pid: int) -> dict[tuple[str, str], float]:
+    out = {}
+    for t in os.listdir(f"/proc/{pid}/task"):
+        try:
+            st = open(f"/proc/{pid}/task/{t}/stat").read()
+        except FileNotFoundError:
+            continue
+        f = st[st.rindex(")") + 2:].split()
+        out[(t, st[st.index("(") + 1:st.rindex(")")])] = (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
+def threads(a, V: np.ndarray) -> dict:
+    """CPU ms per request by process and thread name (threads under 0.01 ms left out)."""
+    import psutil
+    from oprag_client.client import OpRAGClient, query_request
+    from oprag_client.testing import ServerProcess
+
+    srv = ServerProcess.on_free_ports(a.data_dir, "--generator", "none", "--shards", "2").start()
+    try:
+        pids = {"frontend": srv.proc.pid} | {f"shard process {i}": p.pid for i, p in
+                                             enumerate(psutil.Process(srv.proc.pid).children(recursive=True))}
+        Q = _queries(V, a.queries)
+        with OpRAGClient(srv.target) as c:
+            reqs = [query_request(TEXTS[i % 4], top_k=10, mode=a.mode, query_vector=q.tolist()) for i, q in enumerate(Q)]
+            for r in reqs[:50]:
+                c.stub.Retrieve(r)
+            before = {k: _thread_cpu(p) for k, p in pids.items()}
+            lat = []
+            for r in reqs:
+                t = time.perf_counter()
+                c.stub.Retrieve(r)
+                lat.append((time.perf_counter() - t) * 1000)
+            after = {k: _thread_cpu(p) for k, p in pids.items()}
+    finally:
+        srv.stop()
+    rows: dict[str, float] = collections.Counter()
+    for k in after:
+        for (tid, name), v in after[k].items():
+            ms = (v - before[k].get((tid, name), 0.0)) / len(reqs) * 1000
+            if ms >= 0.01:
+                rows[f"{k}: {name}"] += round(ms, 3)
+    return {"mode": a.mode, "cpu_ms_per_request": dict(rows), "total_cpu_ms": round(sum(rows.values()), 3),
+            "p50_ms": round(percentile(lat, 50), 2), "load": round(os.getloadavg()[0], 2)}
+
+
+def phases(a, V: np.ndarray) -> dict:
+    """One shard's hybrid search in process, CPU ms per query by phase."""
+    os.environ.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    import faiss
+
+    faiss.omp_set_num_threads(1)
+    sp = _internals.shard_plane()
+    tmp = Path(tempfile.mkdtemp())
+    try:
+        shutil.copytree(a.data_dir / "shard-0", tmp / "shard-0")
+        st = sp.ShardState(0, V.shape[1], tmp)
+        st.load()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    acc: collections.Counter = collections.Counter()
+    depth = [0]
+
+    def wrap(obj, name: str, label: str) -> None:
+        f = getattr(obj, name)
+
+        def timed(*args, **kw):
+            if depth[0]:
+                return f(*args, **kw)
+            depth[0] += 1
+            t = time.thread_time_ns()
+            try:
+                return f(*args, **kw)
+            finally:
+                acc[label] += time.thread_time_ns() - t
+                depth[0] -= 1
+        setattr(obj, name, timed)
+
+    wrap(st.store.dense, "search", "dense top-n (FAISS)")
+    wrap(st.search, "_refine", "canonical refine of the top-n")
+    wrap(st.search, "_dense_min_estimate", "dense-minimum estimate (sample)")
+    wrap(st.store.postings, "score", "BM25 of the candidates")
+    wrap(sp.search, "skyband", "k-skyband")
+    wrap(st.search, "_fields", "stored fields of the skyband")
+    wrap(st.store, "ids", "chunk ids")
+    an = _internals.analyzer()
+    Q = _queries(st.store.dense.vectors, a.queries, seed=1)
+    reqs = []
+    for i, q in enumerate(Q):
+        terms = an.tokens(TEXTS[i % 4])
+        batch = sp.protocol.QueryBatch(q[None], [terms], [np.ones(len(terms))], 80.0, 1.5, 0.75, None)
+        reqs.append(sp.protocol.SearchRequest(batch, "hybrid", 256, 0, 0, 10))
+    for r in reqs[:50]:
+        st.search.search(r)
+    acc.clear()
+    tot = pk = up = size = 0
+    for r in reqs:
+        t = time.thread_time_ns()
+        rep = st.search.search(r)
+        tot += time.thread_time_ns() - t
+        t = time.thread_time_ns()
+        b = pickle.dumps((1, True, rep), protocol=pickle.HIGHEST_PROTOCOL)
+        pk += time.thread_time_ns() - t
+        t = time.thread_time_ns()
+        pickle.loads(b)
+        up += time.thread_time_ns() - t
+        size += len(b)
+    n = len(reqs)
+    parts = {k: round(v / n / 1e6, 3) for k, v in acc.most_common()}
+    parts["rest (glue)"] = round((tot - sum(acc.values())) / n / 1e6, 3)
+    return {"chunks": len(st.store.dense), "search_cpu_ms": round(tot / n / 1e6, 3), "parts_ms": parts,
+            "reply_bytes": size // n, "pickle_ms": round(pk / n / 1e6, 3), "unpickle_ms": round(up / n / 1e6, 3),
+            "load": round(os.getloadavg()[0], 2)}
+
+
+def _floor_server(port: int, ready) -> None:  # a spawned process
+    import grpc
+    from oprag.v1 import oprag_pb2, oprag_pb2_grpc
+
+    resp = oprag_pb2.RetrieveResponse(hits=[oprag_pb2.Hit(chunk_id=f"c{i}", doc_id="d", text="x" * 900, score=1.0)
+                                            for i in range(10)])
+
+    class Servicer(oprag_pb2_grpc.OpRAGServicer):
+        async def Retrieve(self, request, context):  # noqa: N802 - the gRPC method name
+            return resp
+
+    async def main() -> None:
+        s = grpc.aio.server()
+        oprag_pb2_grpc.add_OpRAGServicer_to_server(Servicer(), s)
+        s.add_insecure_port(f"127.0.0.1:{port}")
+        await s.start()
+        ready.set()
+        await s.wait_for_termination()
+
+    asyncio.run(main())
+
+
+def grpc_floor(a) -> dict:
+    """p50 and CPU per call of a Retrieve answered with a prebuilt response."""
+    import grpc
+    from oprag.v1 import oprag_pb2, oprag_pb2_grpc
+    from oprag_client.testing import free_port
+
+    ctx = mp.get_context("spawn")
+    port, ready = free_port(), ctx.Event()
+    p = ctx.Process(target=_floor_server, args=(port, ready), daemon=True)
+    p.start()
+    try:
+        ready.wait(60)
+        stub = oprag_pb2_grpc.OpRAGStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        req = oprag_pb2.QueryRequest(question=TEXTS[0], query_vector=[0.05] * 384, top_k=10)
+        for _ in range(200):
+            stub.Retrieve(req)
+        s0, c0, lat = _proc_cpu(p.pid), time.process_time(), []
+        for _ in range(a.queries):
+            t = time.perf_counter()
+            stub.Retrieve(req)
+            lat.append((time.perf_counter() - t) * 1000)
+        n = a.queries
+        return {"p50_ms": round(percentile(lat, 50), 3), "server_cpu_ms": round((_proc_cpu(p.pid) - s0) / n * 1000, 3),
+                "client_cpu_ms": round((time.process_time() - c0) / n * 1000, 3), "load": round(os.getloadavg()[0], 2)}
+    finally:
+        p.terminate()
+        p.join(10)
+
+
+def _proc_cpu(pid: int) -> float:
+    f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data-dir", type=Path, required=True, help="a data dir holding a 2-shard corpus")
+    ap.add_argument("--part", default="threads,phases,grpc-floor")
+    ap.add_argument("--mode", default="hybrid", help="threads: the retrieval mode")
+    ap.add_argument("--queries", type=int, default=1000)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    parts = a.part.split(",")
+    if "threads" in parts:
+        require("psutil", what="the per-thread CPU of the server tree")
+    V = read_snapshot(a.data_dir)["vectors"]
+    out: dict = {"machine": machine_info(), "chunks": len(V)}
+    for name, fn in (("threads", lambda: threads(a, V)), ("phases", lambda: phases(a, V)),
+                     ("grpc-floor", lambda: grpc_floor(a))):
+        if name in parts:
+            out[name] = fn()
+            log(f"{name}: {out[name]}")
+    if a.json:
+        emit_json(out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
