@@ -368,17 +368,30 @@ def cpu_s(pid: int | None) -> float:
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run_level(call, questions, conc: int, a, engine: EngineSide, server_pid: int | None = None) -> dict:
-    """One closed-loop level, with the engine's ``/stats`` and the server's main-process CPU
-    (``server_cpu_fraction``: CPU seconds / window; 1.0 = one core busy) over the window."""
+LAG = "oprag_event_loop_lag_seconds"
+
+
+def run_level(call, questions, conc: int, a, engine: EngineSide, server_pid: int | None = None,
+              metrics_port: int | None = None) -> dict:
+    """One closed-loop level, with the engine's ``/stats``, the server's main-process CPU
+    (``server_cpu_fraction``: CPU seconds / window; 1.0 = one core busy) and, with
+    ``metrics_port``, its event loops' lag (``oprag_event_loop_lag_seconds``: mean and p95 as the
+    bucket bound, per loop: ``frontend`` and ``engine``) over the window."""
     snaps: dict = {}
 
     def mark(edge):
-        snaps[edge] = (time.perf_counter(), engine.stats(), cpu_s(server_pid))
+        snaps[edge] = (time.perf_counter(), engine.stats(), cpu_s(server_pid),
+                       scrape(metrics_port) if metrics_port else {})
 
     res = closed_loop(call, questions, conc, a.duration, a.warmup, mark)
-    (t0, s0, c0), (t1, s1, c1) = snaps["start"], snaps["end"]
+    (t0, s0, c0, m0), (t1, s1, c1, m1) = snaps["start"], snaps["end"]
     res["server_cpu_fraction"] = r3((c1 - c0) / (t1 - t0)) if server_pid else None
+    for loop in ("frontend", "engine"):
+        n = mval(m1, LAG + "_count", loop=loop) - mval(m0, LAG + "_count", loop=loop)
+        if n > 0:
+            res[f"{loop}_loop_lag_ms_mean"] = r3((mval(m1, LAG + "_sum", loop=loop) - mval(m0, LAG + "_sum", loop=loop)) / n * 1000)
+            res[f"{loop}_loop_lag_ms_p95"] = r3(hist_p95_ms({k: v for k, v in m0.items() if ("loop", loop) in k[1]},
+                                                            {k: v for k, v in m1.items() if ("loop", loop) in k[1]}, LAG))
     waiting, w0, w1 = res.pop("_waiting"), res.pop("_t0"), res.pop("_t1")
     if s1 and waiting:
         st = engine.stats(since=w0)
@@ -492,13 +505,15 @@ def run_systems(names: list[str], extra: list[str], a, engine: EngineSide, quest
                             else oprag_call(srv.target, max_new))
                     res = {}
                     for conc in (a.levels if sname == next(iter(settings)) else [headline(a)]):
-                        L = run_level(call, questions, conc, a, engine, srv.proc.pid)
+                        L = run_level(call, questions, conc, a, engine, srv.proc.pid, srv.metrics_port)
                         res[str(conc)] = L
                         log(f"  {name:17s} {sname} c={conc:<3d} {L['throughput_rps']:8.2f} req/s  p50 {L['p50_ms']} "
                             f"p95 {L['p95_ms']} ms  prep {L['prep_ms']} gen {L['gen_ms']} queue {L['queue_ms']} ms  "
                             f"total {L['server_total_ms']} ms  idle {L.get('engine_idle_fraction')}/"
                             f"{L.get('engine_idle_while_waiting')}  running "
-                            f"{L.get('engine_mean_running')}  server cpu {L['server_cpu_fraction']}  "
+                            f"{L.get('engine_mean_running')}  server cpu {L['server_cpu_fraction']}  loop lag ms (mean/p95) frontend "
+                            f"{L.get('frontend_loop_lag_ms_mean')}/{L.get('frontend_loop_lag_ms_p95')} engine "
+                            f"{L.get('engine_loop_lag_ms_mean')}/{L.get('engine_loop_lag_ms_p95')}  "
                             f"errors {L['errors'] or '-'}")
                     out[name]["settings"][sname] = {"max_new_tokens": max_new, "levels": res}
             if cancel:

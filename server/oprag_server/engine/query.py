@@ -15,9 +15,10 @@ of them (:meth:`QueryJob.record`): the trace, ``timings_ms`` and ``oprag_stage_s
 come from the executed steps under the operator's one name (README: operator table).
 
 With ``overlap=False`` the prep loop waits for each batch's generation before forming the next
-(the baseline the overlap is measured against); with an engine backend the batch forms as for
-the builtin, all of it goes to the engine, and the next prep starts once all of it has left.
-Admission is bounded: more than ``queue_capacity`` unfinished queries raise :class:`Overloaded`.
+(the overlap's baseline; with an engine backend all of the batch goes to the engine once it is
+prepared, and the next prep starts once all of it has left; with overlap each request goes as
+soon as its prompt exists). Admission is bounded: more than ``queue_capacity`` unfinished
+queries raise :class:`Overloaded`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from ..operators.group import retrieve_documents
 from ..operators.memory import Memory, context_vector, fuse_session, session_rows
 from ..operators.retrieve import Retriever
 from .dispatch import EngineDispatch
+from .errors import Overloaded, QueryRejected
 from .job import QueryJob
 from .monitor import PruningMonitor
 from .rwlock import RWLock
@@ -44,18 +46,6 @@ from .scheduler import (CONTEXT, EMBED, GENERATE, MEMORY, PROMOTE, RETRIEVE, Bat
 __all__ = ["Overloaded", "QueryEngine", "QueryJob", "QueryRejected"]
 
 log = logging.getLogger(__name__)
-
-
-class Overloaded(Exception):
-    """A bounded queue is full; the caller should retry after ``retry_after_s``."""
-
-    def __init__(self, queue: str, retry_after_s: float) -> None:
-        super().__init__(f"the {queue} queue is full; retry after {retry_after_s:.2f} s")
-        self.queue, self.retry_after_s = queue, retry_after_s
-
-
-class QueryRejected(ValueError):
-    """One request cannot be served as asked (e.g. its question exceeds the prompt budget)."""
 
 
 def _alive(j: QueryJob) -> bool:
@@ -101,7 +91,8 @@ class QueryEngine:
         self._preparing = 0  # requests in the prep loop's current batch
         self.monitor = PruningMonitor(retriever, lock, metrics, monitor_fraction, monitor_max_inflight)
         # an engine that batches by itself gets each request as soon as its prompt exists
-        self.dispatch = EngineDispatch(generator, metrics, self._on_text) if getattr(generator, "is_engine", False) else None
+        self.dispatch = (EngineDispatch(generator, metrics, self._on_text, io_thread=gen_cfg.io_thread)
+                         if getattr(generator, "is_engine", False) else None)
         # one function per operator; each takes the jobs of a batch whose plan lists it and may
         # return its own run time in seconds (when the wall time includes waiting, e.g. a lock)
         self._operators: dict[str, Callable[[list[QueryJob]], Awaitable[float | None]]] = {
@@ -199,6 +190,8 @@ class QueryEngine:
                 self._preparing = 0
                 for j in batch:
                     self._fail(j, exc)
+                    if self.dispatch is not None:
+                        self.dispatch.forget(j)  # its engine request, if the context step started one
                 continue
             for j in rest:
                 self._finish(j)
@@ -301,6 +294,9 @@ class QueryEngine:
                 )
             except ValueError as exc:  # this request only: the rest of the batch goes on
                 self._fail(j, QueryRejected(str(exc)))
+                continue
+            if self.dispatch is not None and self.cfg.overlap and j.runs(GENERATE):  # to the engine now,
+                self.dispatch.handoff(j)  # not when the whole batch is prepared
 
     def _dec_generating(self) -> None:
         self._generating -= 1
