@@ -179,7 +179,7 @@ class EngineDispatch:
         except asyncio.CancelledError:
             if w.done() and not w.cancelled():
                 self._release()  # it was handed over just now: pass it on
-            else:
+            elif w in self._slot_waiters:  # (a release may have dropped it already)
                 self._slot_waiters.remove(w)
             raise
 
