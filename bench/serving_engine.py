@@ -12,7 +12,9 @@ any OpenAI-compatible engine; with ``--standin`` the bench starts the GPU-timed 
    each brings its query vector (a chunk's vector plus noise), so queries are not embedded
    either. Prep = memory-less retrieve (hybrid, top 5) + context.
 2. Systems, each closed-loop at every ``--concurrency`` level (window ``--duration`` s after
-   ``--warmup`` s):
+   ``--warmup`` s); two servers run at once (``no_overlap`` on a copy of the corpus) and at each
+   level the three systems are measured back to back, so S and the ratio to the sequential
+   client divide figures from adjacent windows (:func:`run_systems`):
    * ``overlap`` (the server's defaults, ``--max-batch 64``): a prep batch closes at once with
      the requests waiting (up to 64); each request goes to the engine as soon as its prompt
      exists while the prep loop goes on with newer arrivals, so under load prep batches grow
@@ -368,17 +370,30 @@ def cpu_s(pid: int | None) -> float:
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run_level(call, questions, conc: int, a, engine: EngineSide, server_pid: int | None = None) -> dict:
-    """One closed-loop level, with the engine's ``/stats`` and the server's main-process CPU
-    (``server_cpu_fraction``: CPU seconds / window; 1.0 = one core busy) over the window."""
+LAG = "oprag_event_loop_lag_seconds"
+
+
+def run_level(call, questions, conc: int, a, engine: EngineSide, server_pid: int | None = None,
+              metrics_port: int | None = None) -> dict:
+    """One closed-loop level, with the engine's ``/stats``, the server's main-process CPU
+    (``server_cpu_fraction``: CPU seconds / window; 1.0 = one core busy) and, with
+    ``metrics_port``, its event loops' lag (``oprag_event_loop_lag_seconds``: mean and p95 as the
+    bucket bound, per loop: ``frontend`` and ``engine``) over the window."""
     snaps: dict = {}
 
     def mark(edge):
-        snaps[edge] = (time.perf_counter(), engine.stats(), cpu_s(server_pid))
+        snaps[edge] = (time.perf_counter(), engine.stats(), cpu_s(server_pid),
+                       scrape(metrics_port) if metrics_port else {})
 
     res = closed_loop(call, questions, conc, a.duration, a.warmup, mark)
-    (t0, s0, c0), (t1, s1, c1) = snaps["start"], snaps["end"]
+    (t0, s0, c0, m0), (t1, s1, c1, m1) = snaps["start"], snaps["end"]
     res["server_cpu_fraction"] = r3((c1 - c0) / (t1 - t0)) if server_pid else None
+    for loop in ("frontend", "engine"):
+        n = mval(m1, LAG + "_count", loop=loop) - mval(m0, LAG + "_count", loop=loop)
+        if n > 0:
+            res[f"{loop}_loop_lag_ms_mean"] = r3((mval(m1, LAG + "_sum", loop=loop) - mval(m0, LAG + "_sum", loop=loop)) / n * 1000)
+            res[f"{loop}_loop_lag_ms_p95"] = r3(hist_p95_ms({k: v for k, v in m0.items() if ("loop", loop) in k[1]},
+                                                            {k: v for k, v in m1.items() if ("loop", loop) in k[1]}, LAG))
     waiting, w0, w1 = res.pop("_waiting"), res.pop("_t0"), res.pop("_t1")
     if s1 and waiting:
         st = engine.stats(since=w0)
@@ -471,43 +486,76 @@ def engine_server_args(a, engine: EngineSide, *extra: str) -> list[str]:
 SYSTEMS = {"overlap": [], "no_overlap": ["--no-overlap"]}  # + --max-batch: see engine_server_args
 
 
-def run_systems(names: list[str], extra: list[str], a, engine: EngineSide, questions, settings: dict[str, int],
+def copy_data(a) -> Path:
+    """A copy of the loaded corpus for the second server (``<data dir>-copy``; two servers may
+    not share a data directory); made once, refreshed when the original changed."""
+    import shutil
+
+    src, dst = Path(a.data_dir), Path(f"{a.data_dir}-copy")
+    stamp = max(p.stat().st_mtime for p in src.rglob("*"))
+    if dst.exists() and (dst / ".copied").exists() and float((dst / ".copied").read_text()) >= stamp:
+        return dst
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst)
+    (dst / ".copied").write_text(repr(stamp))
+    return dst
+
+
+def log_level(name: str, sname: str, conc: int, L: dict) -> None:
+    log(f"  {name:17s} {sname} c={conc:<3d} {L['throughput_rps']:8.2f} req/s  p50 {L['p50_ms']} "
+        f"p95 {L['p95_ms']} ms  prep {L['prep_ms']} gen {L['gen_ms']} queue {L['queue_ms']} ms  "
+        f"total {L['server_total_ms']} ms  idle {L.get('engine_idle_fraction')}/{L.get('engine_idle_while_waiting')}  "
+        f"running {L.get('engine_mean_running')}  server cpu {L['server_cpu_fraction']}  loop lag ms (mean/p95) "
+        f"frontend {L.get('frontend_loop_lag_ms_mean')}/{L.get('frontend_loop_lag_ms_p95')} engine "
+        f"{L.get('engine_loop_lag_ms_mean')}/{L.get('engine_loop_lag_ms_p95')}  errors {L['errors'] or '-'}")
+
+
+def run_systems(a, engine: EngineSide, questions, settings: dict[str, int],
                 cancel: bool = False) -> tuple[dict, dict | None]:
-    """One server (``extra``); for each system in ``names`` every level of setting A and the
-    headline level of setting B (``sequential_client`` uses the server's Retrieve only); then,
-    with ``cancel``, the cancel run. :returns: ``({system: result}, cancel result or None)``."""
+    """Two servers at once, ``overlap`` (on the corpus) and ``no_overlap`` (on a copy of it);
+    for every level of the first setting and the headline level of the others, the three
+    systems back to back (``overlap``, ``no_overlap``, ``sequential_client``: the overlap
+    server's Retrieve only), so the figures that are divided by each other (S, the ratio to the
+    sequential client) come from adjacent windows and a load change on a shared machine between
+    them is as short as it can be (before: all levels of one server, then all of the other,
+    minutes apart). The idle server costs nothing measurable (no requests; a 20 ms lag-probe
+    timer). Then, with ``cancel``, the cancel run on the overlap server.
+    :returns: ``({system: result}, cancel result or None)``."""
     from oprag_client.client import OpRAGClient
 
-    srv = start_server(a.data_dir, *extra, log_path=a.log_path)
-    out: dict = {}
-    cancelled = None
+    args = {n: engine_server_args(a, engine, *SYSTEMS[n]) for n in ("overlap", "no_overlap")}
+    srv = {"overlap": start_server(a.data_dir, *args["overlap"], log_path=a.log_path)}
+    out: dict = {n: {"server_args": args[n if n != "sequential_client" else "overlap"], "settings": {}}
+                 for n in ("overlap", "no_overlap", "sequential_client")}
+    cancelled, alive, rc = None, {}, {}
     try:
-        with OpRAGClient(srv.target) as c:
+        with OpRAGClient(srv["overlap"].target) as c:
             if a.data is None:
                 a.data = ensure_data(c, a)
-            for name in names:
-                out[name] = {"server_args": extra, "settings": {}}
-                for sname, max_new in settings.items():
-                    call = (sequential_call(srv.target, engine, a, max_new) if name == "sequential_client"
-                            else oprag_call(srv.target, max_new))
-                    res = {}
-                    for conc in (a.levels if sname == next(iter(settings)) else [headline(a)]):
-                        L = run_level(call, questions, conc, a, engine, srv.proc.pid)
-                        res[str(conc)] = L
-                        log(f"  {name:17s} {sname} c={conc:<3d} {L['throughput_rps']:8.2f} req/s  p50 {L['p50_ms']} "
-                            f"p95 {L['p95_ms']} ms  prep {L['prep_ms']} gen {L['gen_ms']} queue {L['queue_ms']} ms  "
-                            f"total {L['server_total_ms']} ms  idle {L.get('engine_idle_fraction')}/"
-                            f"{L.get('engine_idle_while_waiting')}  running "
-                            f"{L.get('engine_mean_running')}  server cpu {L['server_cpu_fraction']}  "
-                            f"errors {L['errors'] or '-'}")
-                    out[name]["settings"][sname] = {"max_new_tokens": max_new, "levels": res}
+        srv["no_overlap"] = start_server(copy_data(a), *args["no_overlap"], log_path=a.log_path)
+        for sname, max_new in settings.items():
+            res: dict = {n: {} for n in out}
+            for conc in (a.levels if sname == next(iter(settings)) else [headline(a)]):
+                for name in ("overlap", "no_overlap", "sequential_client"):
+                    s = srv["overlap" if name == "sequential_client" else name]
+                    call = (sequential_call(s.target, engine, a, max_new) if name == "sequential_client"
+                            else oprag_call(s.target, max_new))
+                    L = res[name][str(conc)] = run_level(call, questions, conc, a, engine, s.proc.pid, s.metrics_port)
+                    log_level(name, sname, conc, L)
+            for n in out:
+                out[n]["settings"][sname] = {"max_new_tokens": max_new, "levels": res[n]}
+        with OpRAGClient(srv["overlap"].target) as c:
             if cancel:
-                cancelled = run_cancel(a, engine, questions, c, srv.metrics_port)
-            alive = srv.alive() and c.health(timeout=10) == "SERVING"
+                cancelled = run_cancel(a, engine, questions, c, srv["overlap"].metrics_port)
+        for n, s in srv.items():
+            with OpRAGClient(s.target) as c:
+                alive[n] = s.alive() and c.health(timeout=10) == "SERVING"
     finally:
-        rc = srv.stop()
-    for v in out.values():
-        v.update(alive_at_end=alive, stop_rc=rc)
+        for n, s in srv.items():
+            rc[n] = s.stop()
+    for n, v in out.items():
+        k = "overlap" if n == "sequential_client" else n
+        v.update(alive_at_end=alive.get(k, False), stop_rc=rc.get(k))
     return out, cancelled
 
 
@@ -752,11 +800,7 @@ def main(argv: list[str] | None = None) -> int:
     a.max_new_tokens = settings[first]  # the server default and the overload/cancel runs use the first setting
     systems, overload = {}, None
     try:
-        on, cancel = run_systems(["overlap", "sequential_client"], engine_server_args(a, engine, *SYSTEMS["overlap"]),
-                                 a, engine, questions, settings, cancel=a.cancels > 0)
-        off, _ = run_systems(["no_overlap"], engine_server_args(a, engine, *SYSTEMS["no_overlap"]), a, engine,
-                             questions, settings)
-        systems = {"overlap": on["overlap"], "no_overlap": off["no_overlap"], "sequential_client": on["sequential_client"]}
+        systems, cancel = run_systems(a, engine, questions, settings, cancel=a.cancels > 0)
         lo = systems["overlap"]["settings"][first]["levels"].get(str(min(a.levels)))
         if not a.no_overload and lo and lo["p95_ms"]:
             overload = run_overload(a, engine, questions, lo["p95_ms"])

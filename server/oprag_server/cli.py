@@ -47,6 +47,8 @@ _OPTIONS: tuple[tuple[str, str, str, str], ...] = (
     ("--generator-continuous-batching", "generate", "continuous_batching",
      "transformers-serve: run the engine with --continuous-batching"),
     ("--generator-start-timeout-s", "generate", "engine_start_timeout_s", "transformers-serve: wait for /health"),
+    ("--no-generator-io-thread", "generate", "io_thread",
+     "baseline: the engine's HTTP streams on the frontend's event loop instead of their own thread"),
     ("--embed-compile", "embed", "compile", "run the embedder through torch.compile with fixed bucket shapes"),
     ("--chunk-size", "chunking", "size", "largest chunk in embedder tokens incl. special tokens (capped at its window)"),
     ("--chunk-overlap", "chunking", "overlap", "tokens consecutive chunks may share, at most"),

@@ -142,6 +142,8 @@ class GenerateConfig:
     :param max_inflight: requests given to the engine at once.
     :param continuous_batching: transformers-serve: run it with ``--continuous-batching``.
     :param engine_start_timeout_s: transformers-serve: seconds to wait for its ``/health``.
+    :param io_thread: the engine's HTTP streams on their own event loop in a thread
+        (:class:`~oprag_server.engine.dispatch.EngineIO`); False: on the frontend's loop (baseline).
     """
 
     model: str = "smollm2"
@@ -157,6 +159,7 @@ class GenerateConfig:
     max_inflight: int = 16
     continuous_batching: bool = False
     engine_start_timeout_s: float = 300.0
+    io_thread: bool = True
 
     @property
     def engine(self) -> bool:

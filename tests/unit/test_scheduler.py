@@ -359,7 +359,8 @@ def test_engine_backend_empty_engine_gets_a_small_first_slice():
     """16 requests at once with the engine empty: a quarter is prepared first and is in the
     engine while the rest are prepared; slices go on while the engine holds fewer requests than
     wait (4 of 16, 3 of 12, 2 of 9, then all 7 with 9 in the engine). Without the slices all 16
-    were one prep batch."""
+    were one prep batch. Two prep batches run at once (``PREP_INFLIGHT``): the second starts
+    while the first waits for its retrieval (10 ms here)."""
 
     async def run():
         gen, ret = FakeEngineGenerator(0.1), TimedRetriever()
@@ -373,7 +374,8 @@ def test_engine_backend_empty_engine_gets_a_small_first_slice():
     assert [j.answer for j in jobs] == [f"q{i}" for i in range(16)]
     assert [len(b) for b in ret.batches] == [4, 3, 2, 7]
     first_stream = min(s for s, _ in gen.streams)
-    assert first_stream < ret.times[1] + 0.01  # the engine started before the second prep finished
+    assert first_stream < ret.times[-1] + 0.01  # the engine started before the last prep finished
+    assert ret.times[1] - ret.times[0] < 0.01  # the second prep began before the first one's retrieval ended
 
 
 def test_engine_backend_admission_counts_requests_in_prep():
@@ -407,3 +409,66 @@ def test_engine_backend_admission_counts_requests_in_prep():
         return ok
 
     assert asyncio.run(run()).answer == "after"
+
+
+class SlowPromptEngine(FakeEngineGenerator):
+    """An engine backend whose prompt building takes 30 ms of blocking work per request (the
+    frontend's CPU); records when each prompt was built and which thread streamed."""
+
+    def __init__(self, delay=0.05):
+        super().__init__(delay)
+        self.prompts, self.threads = {}, set()
+
+    def chat_prompt(self, system, user):
+        time.sleep(0.03)
+        self.prompts[user.split("Question: ")[-1]] = time.perf_counter()
+        return super().chat_prompt(system, user)
+
+    async def stream(self, messages, max_new_tokens, usage):
+        self.threads.add(threading.get_ident())
+        async for d in super().stream(messages, max_new_tokens, usage):
+            yield d
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_engine_request_leaves_as_soon_as_its_prompt_is_built(overlap):
+    """With overlap a request streams from the engine before the next prompt of its own prep
+    batch is built (the context step hands each one over, and the stream runs on the engine
+    thread while the frontend's loop is busy); with overlap off the batch goes only once all of
+    its prompts exist. Either way the streams run on the engine thread, not the frontend's."""
+
+    async def run():
+        gen = SlowPromptEngine(0.05)
+        eng = _engine(gen, TimedRetriever(), overlap=overlap, max_batch=8)
+        eng.start()
+        jobs = await asyncio.gather(*[eng.submit(_job(f"q{i}")) for i in range(8)])
+        await eng.stop()
+        return jobs, gen
+
+    jobs, gen = asyncio.run(run())
+    assert [j.answer for j in jobs] == [f"q{i}" for i in range(8)]
+    assert threading.get_ident() not in gen.threads and len(gen.threads) == 1
+    first_stream = min(s for s, _ in gen.streams)
+    same_batch = [gen.prompts[j.question] for j in jobs if j.batch_id == jobs[0].batch_id]
+    assert len(same_batch) >= 2
+    if overlap:
+        assert first_stream < max(same_batch)
+    else:
+        assert first_stream > max(same_batch)
+
+
+def test_engine_streams_on_the_frontend_loop_without_the_io_thread():
+    """``io_thread=False`` (``--no-generator-io-thread``): the baseline streams on the caller's loop."""
+
+    async def run():
+        gen = SlowPromptEngine(0.01)
+        eng = QueryEngine(generator=gen, retriever=TimedRetriever(), memory=FakeMemory(), lock=RWLock(),
+                          batch=BatchConfig(max_batch=4, max_wait_ms=2.0), gen_cfg=GenerateConfig(io_thread=False),
+                          embedder=FakeEmbedder(), metrics=Metrics())
+        eng.start()
+        jobs = await asyncio.gather(*[eng.submit(_job(f"q{i}")) for i in range(3)])
+        await eng.stop()
+        return jobs, gen
+
+    jobs, gen = asyncio.run(run())
+    assert [j.answer for j in jobs] == ["q0", "q1", "q2"] and gen.threads == {threading.get_ident()}

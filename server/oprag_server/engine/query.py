@@ -15,9 +15,10 @@ of them (:meth:`QueryJob.record`): the trace, ``timings_ms`` and ``oprag_stage_s
 come from the executed steps under the operator's one name (README: operator table).
 
 With ``overlap=False`` the prep loop waits for each batch's generation before forming the next
-(the baseline the overlap is measured against); with an engine backend the batch forms as for
-the builtin, all of it goes to the engine, and the next prep starts once all of it has left.
-Admission is bounded: more than ``queue_capacity`` unfinished queries raise :class:`Overloaded`.
+(the baseline; with an engine, all of the batch goes once prepared and the next prep starts once
+all of it has left; with overlap each request goes as soon as its prompt exists, and up to
+``PREP_INFLIGHT`` prep batches run at once). More than ``queue_capacity`` unfinished queries
+raise :class:`Overloaded`.
 """
 
 from __future__ import annotations
@@ -35,27 +36,16 @@ from ..operators.group import retrieve_documents
 from ..operators.memory import Memory, context_vector, fuse_session, session_rows
 from ..operators.retrieve import Retriever
 from .dispatch import EngineDispatch
+from .errors import Overloaded, QueryRejected
 from .job import QueryJob
 from .monitor import PruningMonitor
 from .rwlock import RWLock
-from .scheduler import (CONTEXT, EMBED, GENERATE, MEMORY, PROMOTE, RETRIEVE, BatchPolicy, batch_steps, compile_plan,
-                        split_plan)
+from .scheduler import (CONTEXT, EMBED, GENERATE, MEMORY, PREP_INFLIGHT, PROMOTE, RETRIEVE, BatchPolicy, batch_steps,
+                        compile_plan, split_plan)
 
 __all__ = ["Overloaded", "QueryEngine", "QueryJob", "QueryRejected"]
 
 log = logging.getLogger(__name__)
-
-
-class Overloaded(Exception):
-    """A bounded queue is full; the caller should retry after ``retry_after_s``."""
-
-    def __init__(self, queue: str, retry_after_s: float) -> None:
-        super().__init__(f"the {queue} queue is full; retry after {retry_after_s:.2f} s")
-        self.queue, self.retry_after_s = queue, retry_after_s
-
-
-class QueryRejected(ValueError):
-    """One request cannot be served as asked (e.g. its question exceeds the prompt budget)."""
 
 
 def _alive(j: QueryJob) -> bool:
@@ -98,10 +88,12 @@ class QueryEngine:
         self._tasks: list[asyncio.Task] = []
         self._gen_time_ewma = 0.5
         self._generating = 0  # batches handed to the generator and not finished
-        self._preparing = 0  # requests in the prep loop's current batch
+        self._preparing = 0  # requests in the prep loop's batches
+        self._prep_tasks: set[asyncio.Task] = set()
         self.monitor = PruningMonitor(retriever, lock, metrics, monitor_fraction, monitor_max_inflight)
         # an engine that batches by itself gets each request as soon as its prompt exists
-        self.dispatch = EngineDispatch(generator, metrics, self._on_text) if getattr(generator, "is_engine", False) else None
+        self.dispatch = (EngineDispatch(generator, metrics, self._on_text, io_thread=gen_cfg.io_thread)
+                         if getattr(generator, "is_engine", False) else None)
         # one function per operator; each takes the jobs of a batch whose plan lists it and may
         # return its own run time in seconds (when the wall time includes waiting, e.g. a lock)
         self._operators: dict[str, Callable[[list[QueryJob]], Awaitable[float | None]]] = {
@@ -113,9 +105,9 @@ class QueryEngine:
         self._tasks = [asyncio.create_task(self._prep_loop()), asyncio.create_task(self._gen_loop())]
 
     async def stop(self) -> None:
-        for t in [*self._tasks, *self.monitor.tasks]:
+        for t in [*self._tasks, *self._prep_tasks, *self.monitor.tasks]:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._prep_tasks, return_exceptions=True)
         if self.dispatch is not None:
             await self.dispatch.stop()
         self.gen_executor.shutdown(wait=True, cancel_futures=True)
@@ -176,7 +168,7 @@ class QueryEngine:
                 if engine and self.dispatch.active < len(self._waiting):
                     take = max(1, take // 4)  # the engine holds fewer than wait: a quarter first, so it is fed sooner
                 batch = [self._waiting.popleft() for _ in range(take)]
-                self._preparing = take
+                self._preparing += take
                 self.metrics.queue_depth.labels(queue="query").set(len(self._waiting))
                 return batch
             self._arrived.clear()
@@ -186,34 +178,44 @@ class QueryEngine:
                 pass
 
     async def _prep_loop(self) -> None:
+        """Takes batches and preps them, ``PREP_INFLIGHT`` at once with an engine and overlap, else 1."""
+        slots = asyncio.Semaphore(PREP_INFLIGHT if self.dispatch is not None and self.cfg.overlap else 1)
         while True:
+            await slots.acquire()
             batch = await self._next_batch()
             self._batch_ids += 1
-            try:
-                await self._prep(batch, self._batch_ids)
-                gen = [j for j in batch if _alive(j) and j.runs(GENERATE)]
-                rest = [j for j in batch if j not in gen]
-                await self._run(rest, answer=True)  # retrieval only: promotion, then the reply
-            except Exception as exc:  # noqa: BLE001 - fail the batch, keep serving
-                log.exception("query batch failed")
-                self._preparing = 0
-                for j in batch:
-                    self._fail(j, exc)
-                continue
-            for j in rest:
-                self._finish(j)
-            self._preparing = 0
-            if gen and self.dispatch is not None:
-                tasks = [self.dispatch.spawn(j, self._answer) for j in gen]
-                if not self.cfg.overlap:  # the engine stage empties before the next prep
-                    await asyncio.wait(tasks)
-            elif gen:
-                done = asyncio.get_running_loop().create_future()
-                self._generating += 1
-                done.add_done_callback(lambda _: self._dec_generating())
-                await self._gen_queue.put((gen, done))
-                if not self.cfg.overlap:
-                    await done
+            t = asyncio.create_task(self._prep_batch(batch, self._batch_ids))
+            self._prep_tasks.add(t)
+            t.add_done_callback(lambda t: (slots.release(), self._prep_tasks.discard(t)))
+
+    async def _prep_batch(self, batch: list[QueryJob], batch_id: int) -> None:
+        try:
+            await self._prep(batch, batch_id)
+            gen = [j for j in batch if _alive(j) and j.runs(GENERATE)]
+            rest = [j for j in batch if j not in gen]
+            await self._run(rest, answer=True)  # retrieval only: promotion, then the reply
+        except Exception as exc:  # noqa: BLE001 - fail the batch, keep serving
+            log.exception("query batch failed")
+            for j in batch:
+                self._fail(j, exc)
+                if self.dispatch is not None:
+                    self.dispatch.forget(j)  # its engine request, if the context step started one
+            return
+        finally:
+            self._preparing -= len(batch)
+        for j in rest:
+            self._finish(j)
+        if gen and self.dispatch is not None:
+            tasks = [self.dispatch.spawn(j, self._answer) for j in gen]
+            if not self.cfg.overlap:  # the engine stage empties before the next prep
+                await asyncio.wait(tasks)
+        elif gen:
+            done = asyncio.get_running_loop().create_future()
+            self._generating += 1
+            done.add_done_callback(lambda _: self._dec_generating())
+            await self._gen_queue.put((gen, done))
+            if not self.cfg.overlap:
+                await done
 
     async def _prep(self, batch: list[QueryJob], batch_id: int) -> None:
         t0 = time.perf_counter()
@@ -291,16 +293,14 @@ class QueryEngine:
         """The prompt of each request; one that does not fit fails alone (:class:`QueryRejected`)."""
         for j in jobs:
             try:
-                j.payload = build_context(
-                    j.question,
-                    j.hits,
-                    self.generator,
-                    budget_tokens=self.gen_cfg.context_tokens,
-                    max_new_tokens=j.max_new_tokens,
-                    memory_text=j.memory.memory_text if j.memory else "",
-                )
+                j.payload = build_context(j.question, j.hits, self.generator, budget_tokens=self.gen_cfg.context_tokens,
+                                          max_new_tokens=j.max_new_tokens,
+                                          memory_text=j.memory.memory_text if j.memory else "")
             except ValueError as exc:  # this request only: the rest of the batch goes on
                 self._fail(j, QueryRejected(str(exc)))
+                continue
+            if self.dispatch is not None and self.cfg.overlap and j.runs(GENERATE):  # to the engine now,
+                self.dispatch.handoff(j)  # not when the whole batch is prepared
 
     def _dec_generating(self) -> None:
         self._generating -= 1

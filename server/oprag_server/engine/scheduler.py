@@ -71,6 +71,11 @@ class PlanStep:
     domain: str
 
 
+#: Prep batches in flight at once with an engine backend and overlap (1 otherwise): while one
+#: waits for the shards the next builds its prompts on the frontend, so a slow shard round
+#: trip does not leave the engine without prepared requests.
+PREP_INFLIGHT = 2
+
 MEMORY, EMBED, RETRIEVE, CONTEXT, GENERATE, PROMOTE = "memory", "embed", "retrieve", "context", "generate", "promote"
 
 #: Every query operator, in execution order.

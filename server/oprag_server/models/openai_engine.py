@@ -84,7 +84,7 @@ class OpenAIGenerator:
         self.max_context = DEFAULT_REMOTE_CONTEXT
         self.tokenizer: Any = None
         self.down_since: float | None = None  # perf_counter of the first failure in a row
-        self._client: Any = None
+        self._clients: dict[Any, Any] = {}  # event loop -> its aiohttp.ClientSession
         self._lock = threading.Lock()
         self._warm = False
         self._counts: dict[str, int] = {}  # text -> exact token count (insertion order: oldest first)
@@ -106,9 +106,12 @@ class OpenAIGenerator:
             self._warm = True
 
     def client(self) -> Any:
-        """The ``aiohttp.ClientSession`` (created on first use, in the running event loop; no limit
+        """The running event loop's ``aiohttp.ClientSession`` (created on first use; one per loop:
+        the streams run on the dispatcher's engine thread, probes on the frontend's loop; no limit
         on connections: the dispatcher bounds the requests in flight)."""
-        if self._client is None or self._client.closed:
+        loop = asyncio.get_running_loop()
+        session = self._clients.get(loop)
+        if session is None or session.closed:
             import aiohttp
 
             ssl: Any = None if self.tls_verify is True else self.tls_verify
@@ -116,17 +119,22 @@ class OpenAIGenerator:
                 import ssl as _ssl
 
                 ssl = _ssl.create_default_context(cafile=self.tls_verify)
-            self._client = aiohttp.ClientSession(
+            session = self._clients[loop] = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0, ssl=ssl if ssl is not None else True),
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
                 headers={"Authorization": f"Bearer {self.api_key}", "Accept": "text/event-stream"})
-        return self._client
+        return session
+
+    async def aclose_client(self) -> None:
+        """Close the running event loop's HTTP connections."""
+        session = self._clients.pop(asyncio.get_running_loop(), None)
+        if session is not None:
+            await session.close()
 
     async def aclose(self) -> None:
-        """Close the HTTP connections."""
-        if self._client is not None:
-            await self._client.close()
-            self._client = None
+        """Close the HTTP connections (of the running loop; other loops close theirs with
+        :meth:`aclose_client`)."""
+        await self.aclose_client()
 
     # ------------------------------------------------------------------ text helpers
     @staticmethod

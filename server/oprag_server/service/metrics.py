@@ -93,6 +93,10 @@ class Metrics:
         self.engine_cancel_release_seconds = Histogram(
             "oprag_engine_cancel_release_seconds", "Cancel of a request to its engine HTTP stream closed",
             buckets=_LAT_BUCKETS, registry=r)
+        self.event_loop_lag_seconds = Histogram(
+            "oprag_event_loop_lag_seconds", "How late a 20 ms timer fires on an event loop (frontend: gRPC, prep; "
+            "engine: the engine's HTTP streams): how long ready work waits for the loop", ["loop"],
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0), registry=r)
         for s in STAGES:
             self.stage_seconds.labels(stage=s)
 
