@@ -227,3 +227,32 @@ def headline(res: dict[str, dict[str, list[bool]]], chain2: list[bool]) -> dict:
         "selfcontained_top1_with": pool(SELF_KINDS, "with"), "selfcontained_top1_without": pool(SELF_KINDS, "without"),
         "selfcontained_top1_naive": pool(SELF_KINDS, "naive"), "per_kind": per,
     }
+
+
+def scifact_wikitext(corpus, out, min_chars: int = 2400, fillers: int = 300) -> int:
+    """A second corpus for the sets, in WikiText form: the SciFact abstracts (``corpus.jsonl``,
+    ``{"title", "text"}``) of at least ``min_chars`` characters (long enough for three server
+    chunks, so they can give conversations), then the first ``fillers`` shorter ones (distractors
+    only), in file order, each as `` = title = `` and one paragraph (a title without its final
+    dot; a ``=`` in it becomes ``-``). :returns: the number of articles written."""
+    import json
+    from pathlib import Path
+
+    rows = [json.loads(x) for x in Path(corpus).read_text(encoding="utf-8").splitlines() if x.strip()]
+    long = [r for r in rows if len(r["text"]) >= min_chars]
+    short = [r for r in rows if len(r["text"]) < min_chars][:fillers]
+    lines = []
+    for r in long + short:
+        title = r["title"].rstrip(".").replace("=", "-").strip()
+        lines += ["", f" = {title} = ", "", f" {' '.join(r['text'].split())} ", ""]
+    Path(out).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return len(long) + len(short)
+
+
+if __name__ == "__main__":  # python -m bench.memory_sets --scifact CORPUS OUT
+    import sys
+
+    if len(sys.argv) == 4 and sys.argv[1] == "--scifact":
+        print(scifact_wikitext(sys.argv[2], sys.argv[3]), "articles written to", sys.argv[3])
+    else:
+        raise SystemExit("usage: python -m bench.memory_sets --scifact CORPUS.jsonl OUT.txt")
