@@ -145,6 +145,8 @@ def fuse_lists(own: list[Hit], ctx: list[Hit], top_k: int, rrf_k: float = RRF_K,
     if own and names and own[0].title and set(names(own[0].title)) <= set(names(question)):
         return own[:top_k]  # the question names the title of its own top document: its subject
     weights = row_weights(own, ctx)
+    if names:  # each candidate's text analysed once, for subject_support and passage_order
+        names = _memo_text_tokens(names)
     if own and ctx and names and subject_support(own, ctx, question, names, corpus_idf):
         weights = (0.0, 1.0)  # the session's subject explains the question as well as its own top hit
     score: dict[str, float] = {}
@@ -159,6 +161,20 @@ def fuse_lists(own: list[Hit], ctx: list[Hit], top_k: int, rrf_k: float = RRF_K,
     return (passage_order(fused, question, names, corpus_idf) if names else fused)[:top_k]
 
 
+def _memo_text_tokens(names):
+    """``names`` with each distinct text's token set computed once (the same candidate texts
+    are analysed by :func:`subject_support` and :func:`passage_order`)."""
+    memo: dict[str, frozenset] = {}
+
+    def tokens(text: str) -> frozenset:
+        got = memo.get(text)
+        if got is None:
+            got = memo[text] = frozenset(names(text))
+        return got
+
+    return tokens
+
+
 def subject_support(own: list[Hit], ctx: list[Hit], question: str, names, corpus_idf=None) -> bool:
     """Whether the session's subject (the document of the context list's top hit) has a
     candidate passage that covers at least as much of the question's term weight as the
@@ -171,7 +187,7 @@ def subject_support(own: list[Hit], ctx: list[Hit], question: str, names, corpus
     subject's passages lack) keeps its own ranking."""
     pool = list({h.chunk_id: h for h in [*own, *ctx]}.values())
     terms = set(names(question))
-    has = [set(names(f"{h.title or ''} {h.text}")) & terms for h in pool]
+    has = [(set(names(h.text)) | set(names(h.title or ""))) & terms for h in pool]
     n = len(pool)
     idf = {t: math.log((n + 1) / (sum(t in x for x in has) + 0.5)) for t in terms}
     if corpus_idf is not None and terms:
