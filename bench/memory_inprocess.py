@@ -28,6 +28,7 @@ import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.memory_conv import server_windows  # noqa: E402
 from bench.memory_sets import KINDS, build, headline, wikitext_articles, windows  # noqa: E402
 from oprag_server import records  # noqa: E402
 from oprag_server.config import BatchConfig, BM25Config, GenerateConfig, MemoryConfig, RetrievalConfig  # noqa: E402
@@ -64,10 +65,10 @@ def scifact_articles(path: Path, limit: int) -> list[tuple[str, str, str]]:
     return out
 
 
-def index(articles, enc, n_shards=2, cache: Path | None = None):
+def index(articles, enc, n_shards=2, cache: Path | None = None, split=windows):
     rows = []
     for doc_id, title, body in articles:
-        for i, w in enumerate(windows(body)):
+        for i, w in enumerate(split(body)):
             rows.append((doc_id, title, i, w))
     key = hashlib.sha256("\x00".join(f"{d}|{i}|{w}" for d, _, i, w in rows).encode()).hexdigest()[:16]
     f = cache / f"vecs-{key}.npy" if cache else None
@@ -152,14 +153,17 @@ def main() -> None:
     ap.add_argument("--family", type=int, default=0)
     ap.add_argument("--max-convs", type=int, default=0)
     ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated kinds to run (default all)")
+    ap.add_argument("--server-windows", action="store_true",
+                    help="cut windows with the server's chunker (256 MiniLM tokens) instead of 900 characters")
     ap.add_argument("--details", type=Path, help="write one JSON line per conversation (every request's top 3)")
     a = ap.parse_args()
     arts = wikitext_articles(a.wikitext) if a.wikitext else scifact_articles(a.scifact, a.limit_docs)
-    convs = [c for c in build(arts, a.family) if c.kind in a.kinds.split(",")]
+    split = server_windows if a.server_windows else windows
+    convs = [c for c in build(arts, a.family, split=split) if c.kind in a.kinds.split(",")]
     if a.max_convs:
         convs = convs[: a.max_convs]
     enc = TransformersEncoder("minilm", device="cpu")
-    shards, stats, n = index(arts, enc, cache=OUT / "memcache")
+    shards, stats, n = index(arts, enc, cache=OUT / "memcache", split=split)
     print(f"{len(arts)} articles, {n} chunks, {len(convs)} conversations", file=sys.stderr)
     details = [] if a.details else None
     out = asyncio.run(evaluate(convs, shards, stats, enc, details=details))

@@ -17,6 +17,7 @@ Rules (deterministic)
    article is meant, so the question is underspecified without its subject).
    3b. Family 2 asks instead about the shared keyword with the *highest* df (the last one in
    that order): the most ambiguous word alone.
+   3c. Family 3 (the hold-out family) asks about the middle one of that order (index ``len // 2``).
 4. An article is eligible when its title has no ``<unk>``, is not repeated, and it has at least
    two windows other than the first with >= 300 characters and a shared keyword: targets ``A``
    and ``B`` are the first two such windows after rotating the list by ``sha256(title) %
@@ -26,7 +27,7 @@ Rules (deterministic)
    swapped (twice the conversations per kind: a 27-conversation kind moves 3.7 points per
    conversation).
 5. Conversations (``T`` title, ``P`` the partner's title, ``wA``/``wB`` the shared keywords of
-   A/B, ``wP`` the partner's ``wA``); template family ``0``, ``1`` or ``2`` (``--family``) picks the
+   A/B, ``wP`` the partner's ``wA``); template family ``0``-``3`` (``--family``) picks the
    wording, each kind keeps its defining property in both:
 
    ===================  ====================================  ===================================
@@ -78,9 +79,18 @@ TEMPLATES = {
         "nopronoun": "Explain {w}.", "chain3": "Next I would like the passage that covers {w}, if there is one.",
         "self": "Explain what {T} says about {w}; is it important there?",
         "switch": "Different topic: describe {w} in the article on {T}.", "oracle": "Explain {w} in {T}."},
+    # family 3: the hold-out family, written before the fourth pass's mechanism was chosen and run
+    # once after it (bench/RESULTS.md): the keyword is the *median*-df shared word (rule 3c),
+    # questions phrased unlike 0-2 (a bare noun phrase, "mention", a subject in a subordinate clause)
+    3: {"first": "I am reading up on {T}.", "pronoun": "Where does it mention {w}?",
+        "nopronoun": "Any details on {w}?", "chain3": "Also {w}.",
+        "self": "Since {T} is my subject, what is said about {w} and does it matter?",
+        "switch": "Switching subjects: how does the {T} article treat {w}?",
+        "oracle": "{w} in {T}"},
 }
-# family -> which shared keyword of a window is asked about (rule 3 / 3b)
-KEYWORD_PICK = {0: 0, 1: 0, 2: -1}
+# family -> which shared keyword of a window is asked about (rule 3 / 3b; "mid": rule 3c, the
+# middle one of the df-ascending order)
+KEYWORD_PICK = {0: 0, 1: 0, 2: -1, 3: "mid"}
 
 
 @dataclass
@@ -150,7 +160,7 @@ def build(articles: list[tuple[str, str, str]], family: int = 0, split=None, rol
                 kws.append((df.get(k, 0), pos, shown))
             shared = [s for d, _, s in sorted(kws) if d >= SHARED_MIN_DF]
             if shared:
-                cands.append((i, shared[pick]))
+                cands.append((i, shared[len(shared) // 2] if pick == "mid" else shared[pick]))
         if len(cands) < 2:
             continue
         h = int(hashlib.sha256(title.encode("utf-8")).hexdigest(), 16) % len(cands)
@@ -217,3 +227,32 @@ def headline(res: dict[str, dict[str, list[bool]]], chain2: list[bool]) -> dict:
         "selfcontained_top1_with": pool(SELF_KINDS, "with"), "selfcontained_top1_without": pool(SELF_KINDS, "without"),
         "selfcontained_top1_naive": pool(SELF_KINDS, "naive"), "per_kind": per,
     }
+
+
+def scifact_wikitext(corpus, out, min_chars: int = 2400, fillers: int = 300) -> int:
+    """A second corpus for the sets, in WikiText form: the SciFact abstracts (``corpus.jsonl``,
+    ``{"title", "text"}``) of at least ``min_chars`` characters (long enough for three server
+    chunks, so they can give conversations), then the first ``fillers`` shorter ones (distractors
+    only), in file order, each as `` = title = `` and one paragraph (a title without its final
+    dot; a ``=`` in it becomes ``-``). :returns: the number of articles written."""
+    import json
+    from pathlib import Path
+
+    rows = [json.loads(x) for x in Path(corpus).read_text(encoding="utf-8").splitlines() if x.strip()]
+    long = [r for r in rows if len(r["text"]) >= min_chars]
+    short = [r for r in rows if len(r["text"]) < min_chars][:fillers]
+    lines = []
+    for r in long + short:
+        title = r["title"].rstrip(".").replace("=", "-").strip()
+        lines += ["", f" = {title} = ", "", f" {' '.join(r['text'].split())} ", ""]
+    Path(out).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return len(long) + len(short)
+
+
+if __name__ == "__main__":  # python -m bench.memory_sets --scifact CORPUS OUT
+    import sys
+
+    if len(sys.argv) == 4 and sys.argv[1] == "--scifact":
+        print(scifact_wikitext(sys.argv[2], sys.argv[3]), "articles written to", sys.argv[3])
+    else:
+        raise SystemExit("usage: python -m bench.memory_sets --scifact CORPUS.jsonl OUT.txt")

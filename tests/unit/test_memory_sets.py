@@ -56,10 +56,17 @@ def _hit(cid: str) -> Hit:
     return Hit(cid, cid.split("#")[0], "", "", 0.0, 0.0, 0.0, 0)
 
 
-def test_fusion_prefers_what_both_lists_rank_and_keeps_agreeing_questions():
+def test_fusion_combines_by_max_and_keeps_agreeing_questions():
+    # CombMAX: x#1 (own rank 1, context rank 3) is not counted twice; equal evidence, so own rank 1
+    # ties with context rank 1 and the better own rank wins
     own = [_hit(c) for c in ("x#1", "z#2", "y#0")]
     ctx = [_hit(c) for c in ("z#2", "z#1", "x#1")]
-    assert [h.chunk_id for h in fuse_lists(own, ctx, 2)] == ["z#2", "x#1"]
+    assert [h.chunk_id for h in fuse_lists(own, ctx, 2)] == ["x#1", "z#2"]
+    # the context row has more evidence: its top hit leads although the own top hit is in both lists
+    # (a sum would give x#1 0.875/11 + 1/12 > z#2's 1/11)
+    strong = [dataclasses.replace(_hit(c), dense_score=0.8) for c in ("z#2", "x#1", "z#1")]
+    weak = [dataclasses.replace(_hit(c), dense_score=0.7) for c in ("x#1", "y#0", "y#1")]
+    assert fuse_lists(weak, strong, 2)[0].chunk_id == "z#2"
     agree = [_hit(c) for c in ("x#2", "x#1")]
     assert [h.chunk_id for h in fuse_lists(own, agree, 3)] == ["x#1", "z#2", "y#0"]  # same top document
 

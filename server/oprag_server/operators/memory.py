@@ -130,9 +130,13 @@ def fuse_lists(own: list[Hit], ctx: list[Hit], top_k: int, rrf_k: float = RRF_K,
     question's subject agrees with the session's, or it names its own and the context does not
     override it) or when the question contains every analysed term of its own top hit's title
     (``names``: the analyzer's ``tokens``; it names its subject); else weighted reciprocal-rank
-    fusion of the two lists (Cormack et al. 2009, weights :func:`row_weights`):
-    ``score = w_own / (rrf_k + rank_own) + w_ctx / (rrf_k + rank_ctx)``, 1-based ranks, a list
-    a chunk is absent from adds 0; ties by the better own rank, then chunk id; with ``names``
+    fusion of the two lists (Cormack et al. 2009, weights :func:`row_weights`) combined by
+    maximum, not sum (CombMAX, Fox & Shaw 1994): ``score = max(w_own / (rrf_k + rank_own),
+    w_ctx / (rrf_k + rank_ctx))``, 1-based ranks, a list a chunk is absent from gives 0. Not the
+    sum: the context row's text *contains the question*, so a chunk that the question's own words
+    match (filler words of a long question too) is in both lists for the same reason, and a sum
+    counted those words twice -- it outranked the session's subject although the context row had
+    more evidence (bench/RESULTS.md, fourth pass). Ties by the better own rank, then chunk id; with ``names``
     the top document's passages are then ordered by the question (:func:`passage_order`, with
     ``corpus_idf``). The
     returned hits carry the fused score in ``score``; at most ``top_k``."""
@@ -140,16 +144,58 @@ def fuse_lists(own: list[Hit], ctx: list[Hit], top_k: int, rrf_k: float = RRF_K,
         return own[:top_k]  # both rows agree on the subject: the question's own ranking stands
     if own and names and own[0].title and set(names(own[0].title)) <= set(names(question)):
         return own[:top_k]  # the question names the title of its own top document: its subject
+    weights = row_weights(own, ctx)
+    if names:  # each candidate's text analysed once, for subject_support and passage_order
+        names = _memo_text_tokens(names)
+    if own and ctx and names and subject_support(own, ctx, question, names, corpus_idf):
+        weights = (0.0, 1.0)  # the session's subject explains the question as well as its own top hit
     score: dict[str, float] = {}
     best: dict[str, Hit] = {}
     own_rank = {h.chunk_id: r for r, h in enumerate(own, 1)}
-    for w, hits in zip(row_weights(own, ctx), (own, ctx)):
+    for w, hits in zip(weights, (own, ctx)):
         for r, h in enumerate(hits, 1):
-            score[h.chunk_id] = score.get(h.chunk_id, 0.0) + w / (rrf_k + r)
+            score[h.chunk_id] = max(score.get(h.chunk_id, 0.0), w / (rrf_k + r))
             best.setdefault(h.chunk_id, h)
     order = sorted(score, key=lambda c: (-score[c], own_rank.get(c, len(own) + 1), c))
     fused = [dataclasses.replace(best[c], score=score[c]) for c in order]
     return (passage_order(fused, question, names, corpus_idf) if names else fused)[:top_k]
+
+
+def _memo_text_tokens(names):
+    """``names`` with each distinct text's token set computed once (the same candidate texts
+    are analysed by :func:`subject_support` and :func:`passage_order`)."""
+    memo: dict[str, frozenset] = {}
+
+    def tokens(text: str) -> frozenset:
+        got = memo.get(text)
+        if got is None:
+            got = memo[text] = frozenset(names(text))
+        return got
+
+    return tokens
+
+
+def subject_support(own: list[Hit], ctx: list[Hit], question: str, names, corpus_idf=None) -> bool:
+    """Whether the session's subject (the document of the context list's top hit) has a
+    candidate passage that covers at least as much of the question's term weight as the
+    question's own top hit does. Each analysed term of the question weighs as in
+    :func:`passage_order` (its idf over both lists' candidates, times the corpus BM25 idf with
+    ``corpus_idf``), so a word common in the corpus or among the candidates counts little; a
+    passage covers the terms its title or text has. Then what the question's words match in its
+    own top hit the subject matches as well, and nothing in the question points away from the
+    session; a question that names another subject (a term its own top hit has and the
+    subject's passages lack) keeps its own ranking."""
+    pool = list({h.chunk_id: h for h in [*own, *ctx]}.values())
+    terms = set(names(question))
+    has = [(set(names(h.text)) | set(names(h.title or ""))) & terms for h in pool]
+    n = len(pool)
+    idf = {t: math.log((n + 1) / (sum(t in x for x in has) + 0.5)) for t in terms}
+    if corpus_idf is not None and terms:
+        order = sorted(terms)
+        idf = {t: idf[t] * float(g) for t, g in zip(order, corpus_idf(order))}
+    cover = {h.chunk_id: sum(idf[t] for t in x) for h, x in zip(pool, has)}
+    subj = max(cover[h.chunk_id] for h in pool if h.doc_id == ctx[0].doc_id)
+    return subj > 0 and subj >= cover[own[0].chunk_id]
 
 
 def passage_order(fused: list[Hit], question: str, names, corpus_idf=None) -> list[Hit]:
