@@ -62,9 +62,11 @@ class ShardSupervisor:
     """
 
     def __init__(self, pool: Any, restart: Callable[[int], Awaitable[None]], health: Any, names: Sequence[str],
-                 metrics: Any, interval_s: float = 0.25) -> None:
+                 metrics: Any, interval_s: float = 0.25, fenced: Callable[[], Any] = lambda: None,
+                 backoff: tuple[float, float] = (1.0, 30.0)) -> None:
         self.pool, self.restart, self.health, self.names = pool, restart, health, tuple(names)
-        self.metrics, self.interval_s = metrics, interval_s
+        self.metrics, self.interval_s, self.fenced, self.backoff = metrics, interval_s, fenced, backoff
+        self._failures: dict[int, tuple[int, float]] = {}  # shard -> (failed restarts in a row, next try at)
 
     async def set_health(self, serving: bool) -> None:
         for name in self.names:
@@ -78,18 +80,28 @@ class ShardSupervisor:
         """
         dead = dead_shards(self.pool)
         self.metrics.shards_up.set(self.pool.n - len(dead))
-        await self.set_health(not dead)
+        await self.set_health(not dead and not self.fenced())  # fenced: lost the storage's owner lease
         back = []
         # a shard with R >= 2 that serves with a replica down: revive the replica (health stays SERVING)
         degraded = [i for i in getattr(self.pool, "degraded_shards", list)() if i not in dead]
         for i in dead + degraded:
-            log.error("shard %d is down; restarting it" if i in dead else "shard %d: a replica is down; reviving it", i)
+            n, at = self._failures.get(i, (0, 0.0))
+            if time.monotonic() < at:
+                continue  # backing off after failed restarts
+            if not n:
+                log.error("shard %d is down; restarting it" if i in dead else "shard %d: a replica is down; reviving it", i)
             t = time.perf_counter()
             try:
                 await self.restart(i)
-            except Exception:  # noqa: BLE001 - try again on the next round
-                log.exception("restart of shard %d failed", i)
+            except Exception as exc:  # noqa: BLE001 - try again after a back-off (1 s, 2 s, 4 s, ... capped)
+                wait = min(self.backoff[0] * 2 ** n, self.backoff[1])
+                self._failures[i] = (n + 1, time.monotonic() + wait)
+                if n:  # the traceback once; then one line per try
+                    log.error("restart of shard %d failed again (%d in a row): %s; next try in %.0f s", i, n + 1, exc, wait)
+                else:
+                    log.exception("restart of shard %d failed; next try in %.0f s", i, wait)
                 continue
+            self._failures.pop(i, None)
             self.metrics.shard_restarts.inc()
             self.metrics.stage_seconds.labels(stage="shard_recovery").observe(time.perf_counter() - t)
             log.info("shard %d is back after %.1f s", i, time.perf_counter() - t)
@@ -101,6 +113,35 @@ class ShardSupervisor:
         while not stop.is_set():
             await self.check()
             await asyncio.sleep(self.interval_s)
+
+
+async def keep_lease(lease: Any, on_wiped: Callable[[], Awaitable[None]], stop: asyncio.Event) -> None:
+    """Renew the storage owner ``lease`` (:mod:`.index.lease`) every ``lease.renew_s`` seconds
+    until ``stop``: a lease taken by another server fences this one (logged; the commit
+    protocol then refuses writes, the supervisor turns health NOT_SERVING); a lease found gone
+    (the storage was wiped) is put back and ``await on_wiped()`` re-establishes the storage
+    (a full snapshot). A renewal the storage refuses is logged once per change and retried."""
+    failing = None
+    while not stop.is_set():
+        await asyncio.sleep(lease.renew_s)
+        try:
+            got = await asyncio.get_running_loop().run_in_executor(None, lease.renew)
+        except Exception as exc:  # noqa: BLE001 - the storage refused: try again next round
+            if str(exc) != failing:
+                log.error("renewing the --storage-uri owner lease failed: %s", exc)
+            failing = str(exc)
+            continue
+        failing = None
+        if got == "taken":
+            log.error("%s", lease.fenced)
+            return
+        if got == "gone":
+            log.error("the --storage-uri owner lease is gone (the storage was wiped?): put it back; taking a "
+                      "full snapshot to re-establish the storage")
+            try:
+                await on_wiped()
+            except Exception:  # noqa: BLE001
+                log.exception("re-establishing the storage failed (the next renewal tries again)")
 
 
 #: Health service name of the generating query path (Query, QueryStream).

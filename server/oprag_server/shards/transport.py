@@ -33,6 +33,11 @@ class ShardError(RuntimeError):
     """A shard answered with an error or is unavailable."""
 
 
+class StorageUnavailable(ShardError):
+    """Writes cannot be stored on ``--storage-uri`` (a write failed there, or this server lost
+    its owner lease); the message says which. Nothing was stored."""
+
+
 class ShardTransport(abc.ABC):
     """One shard as the frontend sees it.
 
