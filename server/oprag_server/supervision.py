@@ -31,7 +31,7 @@ def dead_shards(pool: Any) -> list[int]:
 
 
 async def restart_shard(pool: Any, i: int, *, committed: set[str] | Callable[[], set[str]], lock: Any,
-                        stats: CorpusStats) -> None:
+                        stats: CorpusStats, check: Callable[[dict[int, int]], None] | None = None) -> None:
     """Respawn shard ``i`` (blocking spawn in the default executor), then, under the index
     write lock, replace ``stats`` with the merge of every shard's lexical statistics.
 
@@ -40,13 +40,22 @@ async def restart_shard(pool: Any, i: int, *, committed: set[str] | Callable[[],
         under the write lock, i.e. after a commit in progress logged its commit point or failed
         (a transaction prepared on the lost shard and logged just after a plain read would not
         be replayed).
+    :param check: ``check({i: applied_seq})`` raises when the shard came back without writes
+        it must hold (:meth:`~.engine.commit.CommitProtocol.check_recovered`): it is then
+        stopped again (left down: partial results, retried with back-off).
     :raises ShardError | RuntimeError: the shard did not come back.
     """
     loop = asyncio.get_running_loop()
     if callable(committed):
         async with lock.write():
             committed = set(committed())
-    await loop.run_in_executor(None, pool.restart, i, loop, committed)
+    ready = await loop.run_in_executor(None, pool.restart, i, loop, committed)
+    if check is not None:
+        try:
+            check({i: ready.applied_seq})
+        except Exception:
+            pool.clients[i].kill()
+            raise
     async with lock.write():
         st = await pool.broadcast(Op.STATS, StatsRequest(lexical=True))
         stats.replace_with(CorpusStats.merge_full([s.lexical for s in st]))

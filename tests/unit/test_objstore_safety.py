@@ -186,3 +186,42 @@ def test_a_bare_absolute_path_and_a_percent_encoded_space_work(tmp_path):
     check_storage(str(d), 1, 4)
     check_storage(d.as_uri(), 1, 4)  # file:///.../a%20b
     assert json.loads((d / "oprag.json").read_text())["shards"] == 1
+
+
+def test_a_shard_missing_tail_records_the_commit_log_holds_is_refused(tmp_path, uri):
+    from oprag_server.shards.state import ShardState
+
+    cp = CommitProtocol(pool=None, stats=None, lock=None)
+    committed = cp.open_log(tmp_path / "commits.log", uri)
+    s0, s1 = (ShardState(i, 4, tmp_path / "a", storage=uri) for i in (0, 1))
+    for s in (s0, s1):
+        s.load(committed)
+    for s in (s0, s1):  # one transaction, prepared on both shards, committed, applied
+        _commit(s, "t1", 1, [f"d{s.shard_id}"], committed)
+    cp.log.append({"txn": "t1", "seq": 1})
+    s1.storage.wal.delete(s1.storage.wal.list())  # shard 1's prepare record is lost
+    got = {}
+    for i in (0, 1):
+        s = ShardState(i, 4, tmp_path / "b", storage=uri)
+        s.load(cp.committed_txns())
+        got[i] = s.store.applied_seq
+    assert got == {0: 1, 1: 0}
+    with pytest.raises(RuntimeError, match=r"shard 1 recovered up to sequence 0, but the commit log \(.*commits\) "
+                                           r"holds committed transactions up to 1"):
+        cp.check_recovered(got)
+    cp.check_recovered({0: 1, 1: 1})
+
+
+def test_a_restarted_shard_that_lost_records_is_stopped_again():
+    from oprag_server.supervision import restart_shard
+
+    killed = []
+    client = types.SimpleNamespace(kill=lambda: killed.append(1))
+    pool = types.SimpleNamespace(restart=lambda i, loop, c: types.SimpleNamespace(applied_seq=0), clients=[client])
+
+    def check(applied):
+        raise RuntimeError(f"behind: {applied}")
+
+    with pytest.raises(RuntimeError, match=r"behind: \{0: 0\}"):
+        asyncio.run(restart_shard(pool, 0, committed=set(), lock=None, stats=None, check=check))
+    assert killed == [1]

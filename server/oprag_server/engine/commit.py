@@ -77,6 +77,23 @@ class CommitProtocol:
         """Transaction ids in the commit log now (for a shard that restarts)."""
         return {r["txn"] for r in self.log} if self.log is not None else set()
 
+    def check_recovered(self, applied: dict[int, int]) -> None:
+        """Check that every shard recovered every transaction the commit log holds (each shard
+        prepares and applies every transaction, so its ``applied_seq`` after replay reaches the
+        log's highest sequence number; one below it lost log records).
+
+        :param applied: shard id -> its ``applied_seq`` after loading.
+        :raises RuntimeError: naming the shards behind, their sequence number and the log's."""
+        want = max([r["seq"] for r in self.log] + [0]) if self.log is not None else 0
+        behind = {i: s for i, s in sorted(applied.items()) if s < want}
+        if behind:
+            where = f" ({self.log.store.uri})" if isinstance(self.log, MirroredLog) else ""
+            raise RuntimeError(
+                "; ".join(f"shard {i} recovered up to sequence {s}" for i, s in behind.items())
+                + f", but the commit log{where} holds committed transactions up to {want}: the shard's log records "
+                "of those (prepare records) are missing, so it is not served without them (restore its log "
+                "objects, or restore the storage from a backup)")
+
     def recover(self, shard_applied: Iterable[int]) -> None:
         """Continue numbering after the highest sequence number a shard applied or the commit
         log holds (call once the shards are up)."""
