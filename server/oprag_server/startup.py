@@ -34,6 +34,11 @@ def preflight(cfg: ServerConfig) -> tuple[Any, Any | None]:
     generator = load_backend(cfg.generate)
     # the storage first, writing nothing: a refused start leaves no oprag.json in an empty --data-dir
     check_storage(cfg.storage_uri, cfg.shards, encoder.dim, record=False)
+    if cfg.storage_uri is not None and not cfg.storage_takeover:  # (taken later: Runtime.start_shards)
+        from .index.lease import OwnerLease
+        from .index.objstore import ObjectStore
+
+        OwnerLease(ObjectStore.from_uri(cfg.storage_uri)).acquire(check_only=True)
     check_data_dir(cfg, encoder.dim, encoder.name)
     lock_data_dir(cfg.data_dir)
     check_port(cfg.host, cfg.port, "gRPC port (--port)")

@@ -61,9 +61,10 @@ class OwnerLease:
         return (f"server {other.get('id')} on host {other.get('host')} (pid {other.get('pid')}), "
                 f"last heartbeat {age:.0f} s ago")
 
-    def acquire(self, takeover: bool = False) -> dict | None:
-        """Take the lease. :returns: the previous holder's lease when one was replaced (taken
-        over or expired), else None.
+    def acquire(self, takeover: bool = False, check_only: bool = False) -> dict | None:
+        """Take the lease (``check_only``: only check that it could be taken, put nothing).
+        :returns: the previous holder's lease when one was replaced (taken over or expired),
+            else None.
 
         :raises LeaseHeld: another server's lease is live and ``takeover`` is False."""
         other = self.read()
@@ -73,6 +74,8 @@ class OwnerLease:
                 f"--storage-uri {self.store.uri} is in use by {self.describe(other)}: stop that server (its lease "
                 f"expires {self.ttl_s:.0f} s after its last heartbeat), or start with --storage-takeover to fence it "
                 "(it then refuses writes)")
+        if check_only:
+            return None
         self._put()
         now = self.read()
         if now is None or now.get("id") != self.me["id"]:
