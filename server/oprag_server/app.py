@@ -79,7 +79,9 @@ class Runtime:
     def start_shards(self, loop: asyncio.AbstractEventLoop) -> None:
         """Read the commit log, spawn shard processes and wait until each has loaded its
         snapshot and replayed its committed write-ahead log records (blocking)."""
-        self.commits.lease = acquire_storage(self.cfg, self.encoder.dim)  # before anything local is written
+        lease = self.commits.lease = acquire_storage(self.cfg, self.encoder.dim)  # before anything local
+        if lease is not None:
+            self.pool.fenced = lambda: lease.fenced  # no shard writes to the storage once fenced
         check_data_dir(self.cfg, self.encoder.dim, self.encoder.name)
         committed = self.commits.open_log(self.cfg.data_dir / "commits.log", self.cfg.storage_uri)
         ready = self.pool.start(loop, committed=committed)
@@ -208,12 +210,8 @@ class Runtime:
     async def snapshot(self) -> None:
         """Snapshot every shard; then the commit log is no longer needed for recovery.
 
-        :raises StorageUnavailable: this server lost the storage's owner lease (it must not
-            replace the new owner's snapshot)."""
-        if self.commits.lease is not None and self.commits.lease.fenced:
-            from .shards.transport import StorageUnavailable
-
-            raise StorageUnavailable(self.commits.lease.fenced)
+        :raises StorageUnavailable: this server lost the storage's owner lease (the pool refuses:
+            it must not replace the new owner's snapshot)."""
         async with self.lock.read():  # excludes commits; queries go on
             await self.pool.broadcast(Op.SNAPSHOT, SnapshotRequest())
             self.commits.reset_log()

@@ -225,3 +225,31 @@ def test_a_restarted_shard_that_lost_records_is_stopped_again():
     with pytest.raises(RuntimeError, match=r"behind: \{0: 0\}"):
         asyncio.run(restart_shard(pool, 0, committed=set(), lock=None, stats=None, check=check))
     assert killed == [1]
+
+
+def test_a_fenced_pool_refuses_every_storage_write_but_serves_reads():
+    from oprag_server.shards.pool import ShardPool
+    from oprag_server.shards.protocol import Op, PromoteRequest, SnapshotRequest, StatsRequest
+
+    calls = []
+
+    async def call(op, req):
+        calls.append(op)
+        return op
+
+    pool = ShardPool(2, 4, None)
+    pool.clients = [types.SimpleNamespace(call=call, shard_id=i) for i in range(2)]
+    pool.fenced = lambda: "this server no longer owns --storage-uri X"
+
+    async def run():
+        assert await pool.broadcast(Op.STATS, StatsRequest()) == [Op.STATS, Op.STATS]
+        for coro in (lambda: pool.broadcast(Op.SNAPSHOT, SnapshotRequest()),
+                     lambda: pool.gather_partial(Op.PROMOTE, None, shards=[0]),
+                     lambda: pool.scatter(Op.MEMORY_CLEAR, ["s"], lambda s: 0, lambda xs: None)):
+            with pytest.raises(StorageUnavailable, match="no longer owns"):
+                await coro()
+        with pytest.raises(StorageUnavailable):
+            pool.call(0, Op.PREPARE, None)
+
+    asyncio.run(run())
+    assert calls == [Op.STATS, Op.STATS]
