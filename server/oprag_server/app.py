@@ -37,7 +37,7 @@ from .service.metrics import Metrics
 from .service.servicer import OpRAGServicer
 from .shards.pool import ShardPool
 from .startup import acquire_storage, check_data_dir, check_storage, check_port, check_security, preflight
-from .supervision import QUERY_HEALTH, SERVING, EngineHealth, ShardSupervisor, keep_lease, restart_shard
+from .supervision import INGEST_HEALTH, QUERY_HEALTH, SERVING, EngineHealth, ShardSupervisor, keep_lease, restart_shard
 from .shards.protocol import ApplyReply, Op, SnapshotRequest, StatsRequest
 
 log = logging.getLogger("oprag")
@@ -365,9 +365,11 @@ async def serve(cfg: ServerConfig, *, encoder: Any = None, generator: Any = None
             log.exception("clean-up after a failed start")
         raise
     supervisor = ShardSupervisor(rt.pool, rt.restart_shard, health_servicer, ("", SERVICE_NAME), rt.metrics,
-                                 fenced=lambda: rt.commits.lease is not None and rt.commits.lease.fenced)
+                                 fenced=lambda: rt.commits.lease is not None and rt.commits.lease.fenced,
+                                 write_error=lambda: rt.commits.write_error)
     await supervisor.set_health(True)
     await health_servicer.set(QUERY_HEALTH, SERVING)
+    await health_servicer.set(INGEST_HEALTH, SERVING)
 
     stop = stop_event or asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -72,9 +72,10 @@ class ShardSupervisor:
 
     def __init__(self, pool: Any, restart: Callable[[int], Awaitable[None]], health: Any, names: Sequence[str],
                  metrics: Any, interval_s: float = 0.25, fenced: Callable[[], Any] = lambda: None,
-                 backoff: tuple[float, float] = (1.0, 30.0)) -> None:
+                 backoff: tuple[float, float] = (1.0, 30.0), write_error: Callable[[], Any] = lambda: None) -> None:
         self.pool, self.restart, self.health, self.names = pool, restart, health, tuple(names)
         self.metrics, self.interval_s, self.fenced, self.backoff = metrics, interval_s, fenced, backoff
+        self.write_error, self._writes_ok = write_error, True  # (serve() publishes SERVING first)
         self._failures: dict[int, tuple[int, float]] = {}  # shard -> (failed restarts in a row, next try at)
 
     async def set_health(self, serving: bool) -> None:
@@ -90,6 +91,10 @@ class ShardSupervisor:
         dead = dead_shards(self.pool)
         self.metrics.shards_up.set(self.pool.n - len(dead))
         await self.set_health(not dead and not self.fenced())  # fenced: lost the storage's owner lease
+        ok = not self.write_error() and not self.fenced()
+        if ok != self._writes_ok:  # writes alone: the ingest path's health name (reads go on)
+            await self.health.set(INGEST_HEALTH, SERVING if ok else NOT_SERVING)
+            self._writes_ok = ok
         back = []
         # a shard with R >= 2 that serves with a replica down: revive the replica (health stays SERVING)
         degraded = [i for i in getattr(self.pool, "degraded_shards", list)() if i not in dead]
@@ -153,6 +158,8 @@ async def keep_lease(lease: Any, on_wiped: Callable[[], Awaitable[None]], stop: 
                 log.exception("re-establishing the storage failed (the next renewal tries again)")
 
 
+#: Health service name of the write path (Ingest, Delete): NOT_SERVING while storage writes fail.
+INGEST_HEALTH = "oprag.v1.OpRAG.Ingest"
 #: Health service name of the generating query path (Query, QueryStream).
 QUERY_HEALTH = "oprag.v1.OpRAG.Query"
 

@@ -253,3 +253,47 @@ def test_a_fenced_pool_refuses_every_storage_write_but_serves_reads():
 
     asyncio.run(run())
     assert calls == [Op.STATS, Op.STATS]
+
+
+def test_keep_lease_puts_a_wiped_lease_back_and_stops_when_fenced(uri):
+    from oprag_server.supervision import keep_lease
+
+    a = OwnerLease(ObjectStore.from_uri(uri), renew_s=0.01)
+    a.acquire()
+    wiped = []
+
+    async def on_wiped():
+        wiped.append(1)
+        OwnerLease(ObjectStore.from_uri(uri)).acquire(takeover=True)  # then another server takes it
+
+    async def run():
+        a.store.delete(["owner"])
+        await asyncio.wait_for(keep_lease(a, on_wiped, asyncio.Event()), 5)  # returns: fenced
+
+    asyncio.run(run())
+    assert wiped == [1] and a.fenced and "took it over" in a.fenced
+
+
+def test_the_ingest_health_name_follows_storage_write_failures():
+    from oprag_server.supervision import INGEST_HEALTH, NOT_SERVING, SERVING
+
+    calls, err = [], [None]
+
+    async def hset(name, st):
+        calls.append((name, st))
+
+    pool = types.SimpleNamespace(n=1, down_shards=lambda: [])
+    metrics = types.SimpleNamespace(shards_up=types.SimpleNamespace(set=lambda n: None))
+    sup = ShardSupervisor(pool, None, types.SimpleNamespace(set=hset), ("",), metrics, write_error=lambda: err[0])
+
+    async def run():
+        await sup.check()
+        err[0] = "object storage write failed: x; nothing was stored"
+        await sup.check()
+        await sup.check()
+        err[0] = None
+        await sup.check()
+
+    asyncio.run(run())
+    assert [c for c in calls if c[0] == INGEST_HEALTH] == [(INGEST_HEALTH, NOT_SERVING), (INGEST_HEALTH, SERVING)]
+    assert ("", NOT_SERVING) not in calls  # reads go on: the server as a whole stays SERVING
