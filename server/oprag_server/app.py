@@ -36,8 +36,8 @@ from .service.interceptors import StatusInterceptor
 from .service.metrics import Metrics
 from .service.servicer import OpRAGServicer
 from .shards.pool import ShardPool
-from .startup import check_data_dir, check_port, check_security, preflight
-from .supervision import QUERY_HEALTH, SERVING, EngineHealth, ShardSupervisor, restart_shard
+from .startup import acquire_storage, check_data_dir, check_storage, check_port, check_security, preflight
+from .supervision import INGEST_HEALTH, QUERY_HEALTH, SERVING, EngineHealth, ShardSupervisor, keep_lease, restart_shard
 from .shards.protocol import ApplyReply, Op, SnapshotRequest, StatsRequest
 
 log = logging.getLogger("oprag")
@@ -79,9 +79,16 @@ class Runtime:
     def start_shards(self, loop: asyncio.AbstractEventLoop) -> None:
         """Read the commit log, spawn shard processes and wait until each has loaded its
         snapshot and replayed its committed write-ahead log records (blocking)."""
+        lease = self.commits.lease = acquire_storage(self.cfg, self.encoder.dim)  # before anything local
+        if lease is not None:
+            self.pool.fenced = lambda: lease.fenced  # no shard writes to the storage once fenced
         check_data_dir(self.cfg, self.encoder.dim, self.encoder.name)
         committed = self.commits.open_log(self.cfg.data_dir / "commits.log", self.cfg.storage_uri)
         ready = self.pool.start(loop, committed=committed)
+        if self.cfg.storage_uri is not None:  # (raises: close() then writes no snapshot over the loss)
+            self._recovery_failed = True
+            self.commits.check_recovered({r.shard: r.applied_seq for r in ready})
+            self._recovery_failed = False
         self.corpus_stats.replace_with(CorpusStats.merge_full([r.lexical for r in ready]))
         self.commits.recover(r.applied_seq for r in ready)
         self.replayed = sum(r.replayed for r in ready)
@@ -127,6 +134,8 @@ class Runtime:
             self.query.submit = self.tracing.wrap(self.query.submit)
         self.query.start()
         self._bg.append(asyncio.create_task(self._snapshot_loop()))
+        if self.commits.lease is not None:
+            self._bg.append(asyncio.create_task(keep_lease(self.commits.lease, self._reestablish, asyncio.Event())))
         await self.refresh_gauges()
 
     @property
@@ -165,8 +174,8 @@ class Runtime:
 
     async def restart_shard(self, i: int) -> None:
         """Respawn shard ``i`` and re-sum the corpus-global BM25 statistics."""
-        await restart_shard(self.pool, i, committed=self.commits.committed_txns, lock=self.lock,
-                            stats=self.corpus_stats)
+        await restart_shard(self.pool, i, committed=self.commits.committed_txns, lock=self.lock, stats=self.corpus_stats,
+                            check=self.commits.check_recovered if self.cfg.storage_uri else None)
 
     async def stats(self) -> dict:
         """Corpus and shard statistics of the shards that answer (a dead shard is left out).
@@ -199,20 +208,36 @@ class Runtime:
         return res
 
     async def snapshot(self) -> None:
-        """Snapshot every shard; then the commit log is no longer needed for recovery."""
+        """Snapshot every shard; then the commit log is no longer needed for recovery.
+
+        :raises StorageUnavailable: this server lost the storage's owner lease (the pool refuses:
+            it must not replace the new owner's snapshot)."""
         async with self.lock.read():  # excludes commits; queries go on
             await self.pool.broadcast(Op.SNAPSHOT, SnapshotRequest())
             self.commits.reset_log()
         self._dirty = False
 
+    async def _reestablish(self) -> None:
+        """The storage lost its objects while serving: record the layout, snapshot every shard."""
+        check_storage(self.cfg.storage_uri, self.cfg.shards, self.encoder.dim)
+        await self.snapshot()
+        log.warning("re-established --storage-uri %s from a full snapshot", self.cfg.storage_uri)
+
     async def _snapshot_loop(self, interval_s: float = 30.0) -> None:
+        failing = None  # the last failure's text: logged once per change, not every round
         while True:
             await asyncio.sleep(interval_s)
-            if self._dirty:
+            if self._dirty and not (self.commits.lease is not None and self.commits.lease.fenced):
                 try:
                     await self.snapshot()
-                except Exception:  # noqa: BLE001
-                    log.exception("periodic snapshot failed")
+                except Exception as exc:  # noqa: BLE001
+                    if str(exc) != failing:
+                        log.exception("periodic snapshot failed (logged again only when the failure changes)")
+                    failing = str(exc)
+                    continue
+                if failing is not None:
+                    log.warning("periodic snapshots succeed again")
+                failing = None
 
     async def close(self) -> None:
         for t in self._bg:
@@ -224,12 +249,18 @@ class Runtime:
         elif getattr(self.generator, "is_engine", False):  # started, but the engine never ran
             await self.generator.aclose()
         try:
-            await self.snapshot()
+            if not getattr(self, "_recovery_failed", False):
+                await self.snapshot()
         except Exception:  # noqa: BLE001 - the write-ahead logs still hold everything
             log.exception("final snapshot failed")
         if self.embed_pool is not None:
             self.embed_pool.close()
         await self.pool.shutdown(snapshot=False)
+        if self.commits.lease is not None and not self.commits.lease.fenced:
+            try:
+                self.commits.lease.release()
+            except Exception:  # noqa: BLE001 - it expires anyway
+                log.exception("releasing the --storage-uri owner lease failed")
         self.embed_executor.shutdown(wait=False, cancel_futures=True)
         if getattr(self, "embed_query_executor", None) is not None:
             self.embed_query_executor.shutdown(wait=False, cancel_futures=True)
@@ -333,9 +364,12 @@ async def serve(cfg: ServerConfig, *, encoder: Any = None, generator: Any = None
         except Exception:  # noqa: BLE001 - report the original failure, not the clean-up's
             log.exception("clean-up after a failed start")
         raise
-    supervisor = ShardSupervisor(rt.pool, rt.restart_shard, health_servicer, ("", SERVICE_NAME), rt.metrics)
+    supervisor = ShardSupervisor(rt.pool, rt.restart_shard, health_servicer, ("", SERVICE_NAME), rt.metrics,
+                                 fenced=lambda: rt.commits.lease is not None and rt.commits.lease.fenced,
+                                 write_error=lambda: rt.commits.write_error)
     await supervisor.set_health(True)
     await health_servicer.set(QUERY_HEALTH, SERVING)
+    await health_servicer.set(INGEST_HEALTH, SERVING)
 
     stop = stop_event or asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

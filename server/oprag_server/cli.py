@@ -30,6 +30,9 @@ _OPTIONS: tuple[tuple[str, str, str, str], ...] = (
     ("--storage-uri", "", "storage_uri",
      "also keep shard snapshots and write-ahead logs as objects here (s3://bucket/prefix, gs://bucket/prefix, "
      "file:///abs/path; pyarrow.fs): a shard starting on a node with an empty --data-dir recovers from it"),
+    ("--storage-takeover", "", "storage_takeover",
+     "start even though another server holds the --storage-uri owner lease (that server is fenced: it refuses "
+     "writes from its next renewal on)"),
     ("--shards", "", "shards", "shard processes"),
     ("--replicas", "", "replicas",
      "processes per shard: writes go to every live replica, reads to the least busy; with 2+ one replica down "

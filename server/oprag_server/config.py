@@ -326,6 +326,7 @@ class ServerConfig:
     data_dir: Path = Path("./oprag-data")
     # shard snapshots and logs also as objects (s3://, gs://, file:///; shards/storage.py); None = data_dir only
     storage_uri: str | None = None
+    storage_takeover: bool = False  # take the storage's owner lease from a live server (index/lease.py)
     shards: int = 2
     replicas: int = 1  # processes (or Ray actors) per shard, see shards/replicas.py
     chunking: ChunkingConfig = field(default_factory=ChunkingConfig)

@@ -32,9 +32,15 @@ def preflight(cfg: ServerConfig) -> tuple[Any, Any | None]:
     encoder = TransformersEncoder(cfg.embed.model, device=cfg.embed.device, batch_size=cfg.embed.batch_size,
                                   max_tokens=cfg.embed.max_tokens, compile=cfg.embed.compile)
     generator = load_backend(cfg.generate)
+    # the storage first, writing nothing: a refused start leaves no oprag.json in an empty --data-dir
+    check_storage(cfg.storage_uri, cfg.shards, encoder.dim, record=False)
+    if cfg.storage_uri is not None and not cfg.storage_takeover:  # (taken later: Runtime.start_shards)
+        from .index.lease import OwnerLease
+        from .index.objstore import ObjectStore
+
+        OwnerLease(ObjectStore.from_uri(cfg.storage_uri)).acquire(check_only=True)
     check_data_dir(cfg, encoder.dim, encoder.name)
     lock_data_dir(cfg.data_dir)
-    check_storage(cfg.storage_uri, cfg.shards, encoder.dim)
     check_port(cfg.host, cfg.port, "gRPC port (--port)")
     return encoder, generator
 
@@ -102,9 +108,9 @@ def check_data_dir(cfg: ServerConfig, dim: int, embedder: str) -> None:
         meta_path.write_text(json.dumps({"format": DATA_FORMAT, "shards": cfg.shards, "dim": dim, "embedder": embedder}))
 
 
-def check_storage(uri: str | None, shards: int | None = None, dim: int | None = None) -> None:
-    """Open ``--storage-uri`` and write, list, read and delete a probe object there; record the
-    layout (``oprag.json``: shards, vector width) there or check the one recorded.
+def check_storage(uri: str | None, shards: int | None = None, dim: int | None = None, record: bool = True) -> None:
+    """Open ``--storage-uri`` and write, list, read and delete a probe object there; check the
+    layout recorded there (``oprag.json``: shards, vector width), or record it (``record``).
 
     :raises RuntimeError: not a storage URI, the storage refused one of those, or it holds a
         corpus over another shard count or width (messages name the flag).
@@ -117,7 +123,7 @@ def check_storage(uri: str | None, shards: int | None = None, dim: int | None = 
         store = ObjectStore.from_uri(uri)
         store.probe()
         raw = store.get("oprag.json")
-        if raw is None and shards is not None:
+        if raw is None and shards is not None and record:
             store.put_atomic("oprag.json", json.dumps({"format": DATA_FORMAT, "shards": shards, "dim": dim}).encode())
     except ValueError as exc:
         raise RuntimeError(f"--storage-uri: {exc}") from exc
@@ -129,6 +135,29 @@ def check_storage(uri: str | None, shards: int | None = None, dim: int | None = 
         if raw is not None and want is not None and old.get(key) != want:
             raise RuntimeError(f"--storage-uri {uri!r} holds a corpus with {key} = {old.get(key)} (this start: "
                                f"{want}); use {flag} {old.get(key)} or another --storage-uri")
+
+
+def acquire_storage(cfg: ServerConfig, dim: int) -> Any:
+    """Check ``--storage-uri`` (:func:`check_storage`, nothing written), take its owner lease
+    (:mod:`.index.lease`; ``--storage-takeover`` from a live holder), then record the layout.
+
+    :returns: the held :class:`~.index.lease.OwnerLease` (None without a storage URI).
+    :raises RuntimeError: as :func:`check_storage`; another live server holds the lease.
+    """
+    if cfg.storage_uri is None:
+        return None
+    import logging
+
+    from .index.lease import OwnerLease
+    from .index.objstore import ObjectStore
+
+    check_storage(cfg.storage_uri, cfg.shards, dim, record=False)
+    lease = OwnerLease(ObjectStore.from_uri(cfg.storage_uri))
+    old = lease.acquire(cfg.storage_takeover)
+    if old is not None:
+        logging.getLogger("oprag").warning("took the --storage-uri owner lease from %s", lease.describe(old))
+    check_storage(cfg.storage_uri, cfg.shards, dim)
+    return lease
 
 
 def check_security(cfg: ServerConfig, tokens: set[str]) -> None:

@@ -31,7 +31,7 @@ def dead_shards(pool: Any) -> list[int]:
 
 
 async def restart_shard(pool: Any, i: int, *, committed: set[str] | Callable[[], set[str]], lock: Any,
-                        stats: CorpusStats) -> None:
+                        stats: CorpusStats, check: Callable[[dict[int, int]], None] | None = None) -> None:
     """Respawn shard ``i`` (blocking spawn in the default executor), then, under the index
     write lock, replace ``stats`` with the merge of every shard's lexical statistics.
 
@@ -40,13 +40,22 @@ async def restart_shard(pool: Any, i: int, *, committed: set[str] | Callable[[],
         under the write lock, i.e. after a commit in progress logged its commit point or failed
         (a transaction prepared on the lost shard and logged just after a plain read would not
         be replayed).
+    :param check: ``check({i: applied_seq})`` raises when the shard came back without writes
+        it must hold (:meth:`~.engine.commit.CommitProtocol.check_recovered`): it is then
+        stopped again (left down: partial results, retried with back-off).
     :raises ShardError | RuntimeError: the shard did not come back.
     """
     loop = asyncio.get_running_loop()
     if callable(committed):
         async with lock.write():
             committed = set(committed())
-    await loop.run_in_executor(None, pool.restart, i, loop, committed)
+    ready = await loop.run_in_executor(None, pool.restart, i, loop, committed)
+    if check is not None:
+        try:
+            check({i: ready.applied_seq})
+        except Exception:
+            pool.clients[i].kill()
+            raise
     async with lock.write():
         st = await pool.broadcast(Op.STATS, StatsRequest(lexical=True))
         stats.replace_with(CorpusStats.merge_full([s.lexical for s in st]))
@@ -62,9 +71,12 @@ class ShardSupervisor:
     """
 
     def __init__(self, pool: Any, restart: Callable[[int], Awaitable[None]], health: Any, names: Sequence[str],
-                 metrics: Any, interval_s: float = 0.25) -> None:
+                 metrics: Any, interval_s: float = 0.25, fenced: Callable[[], Any] = lambda: None,
+                 backoff: tuple[float, float] = (1.0, 30.0), write_error: Callable[[], Any] = lambda: None) -> None:
         self.pool, self.restart, self.health, self.names = pool, restart, health, tuple(names)
-        self.metrics, self.interval_s = metrics, interval_s
+        self.metrics, self.interval_s, self.fenced, self.backoff = metrics, interval_s, fenced, backoff
+        self.write_error, self._writes_ok = write_error, True  # (serve() publishes SERVING first)
+        self._failures: dict[int, tuple[int, float]] = {}  # shard -> (failed restarts in a row, next try at)
 
     async def set_health(self, serving: bool) -> None:
         for name in self.names:
@@ -78,18 +90,32 @@ class ShardSupervisor:
         """
         dead = dead_shards(self.pool)
         self.metrics.shards_up.set(self.pool.n - len(dead))
-        await self.set_health(not dead)
+        await self.set_health(not dead and not self.fenced())  # fenced: lost the storage's owner lease
+        ok = not self.write_error() and not self.fenced()
+        if ok != self._writes_ok:  # writes alone: the ingest path's health name (reads go on)
+            await self.health.set(INGEST_HEALTH, SERVING if ok else NOT_SERVING)
+            self._writes_ok = ok
         back = []
         # a shard with R >= 2 that serves with a replica down: revive the replica (health stays SERVING)
         degraded = [i for i in getattr(self.pool, "degraded_shards", list)() if i not in dead]
         for i in dead + degraded:
-            log.error("shard %d is down; restarting it" if i in dead else "shard %d: a replica is down; reviving it", i)
+            n, at = self._failures.get(i, (0, 0.0))
+            if time.monotonic() < at:
+                continue  # backing off after failed restarts
+            if not n:
+                log.error("shard %d is down; restarting it" if i in dead else "shard %d: a replica is down; reviving it", i)
             t = time.perf_counter()
             try:
                 await self.restart(i)
-            except Exception:  # noqa: BLE001 - try again on the next round
-                log.exception("restart of shard %d failed", i)
+            except Exception as exc:  # noqa: BLE001 - try again after a back-off (1 s, 2 s, 4 s, ... capped)
+                wait = min(self.backoff[0] * 2 ** n, self.backoff[1])
+                self._failures[i] = (n + 1, time.monotonic() + wait)
+                if n:  # the traceback once; then one line per try
+                    log.error("restart of shard %d failed again (%d in a row): %s; next try in %.0f s", i, n + 1, exc, wait)
+                else:
+                    log.exception("restart of shard %d failed; next try in %.0f s", i, wait)
                 continue
+            self._failures.pop(i, None)
             self.metrics.shard_restarts.inc()
             self.metrics.stage_seconds.labels(stage="shard_recovery").observe(time.perf_counter() - t)
             log.info("shard %d is back after %.1f s", i, time.perf_counter() - t)
@@ -103,6 +129,37 @@ class ShardSupervisor:
             await asyncio.sleep(self.interval_s)
 
 
+async def keep_lease(lease: Any, on_wiped: Callable[[], Awaitable[None]], stop: asyncio.Event) -> None:
+    """Renew the storage owner ``lease`` (:mod:`.index.lease`) every ``lease.renew_s`` seconds
+    until ``stop``: a lease taken by another server fences this one (logged; the commit
+    protocol then refuses writes, the supervisor turns health NOT_SERVING); a lease found gone
+    (the storage was wiped) is put back and ``await on_wiped()`` re-establishes the storage
+    (a full snapshot). A renewal the storage refuses is logged once per change and retried."""
+    failing = None
+    while not stop.is_set():
+        await asyncio.sleep(lease.renew_s)
+        try:
+            got = await asyncio.get_running_loop().run_in_executor(None, lease.renew)
+        except Exception as exc:  # noqa: BLE001 - the storage refused: try again next round
+            if str(exc) != failing:
+                log.error("renewing the --storage-uri owner lease failed: %s", exc)
+            failing = str(exc)
+            continue
+        failing = None
+        if got == "taken":
+            log.error("%s", lease.fenced)
+            return
+        if got == "gone":
+            log.error("the --storage-uri owner lease is gone (the storage was wiped?): put it back; taking a "
+                      "full snapshot to re-establish the storage")
+            try:
+                await on_wiped()
+            except Exception:  # noqa: BLE001
+                log.exception("re-establishing the storage failed (the next renewal tries again)")
+
+
+#: Health service name of the write path (Ingest, Delete): NOT_SERVING while storage writes fail.
+INGEST_HEALTH = "oprag.v1.OpRAG.Ingest"
 #: Health service name of the generating query path (Query, QueryStream).
 QUERY_HEALTH = "oprag.v1.OpRAG.Query"
 

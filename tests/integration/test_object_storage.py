@@ -128,10 +128,18 @@ def test_a_shard_whose_node_is_lost_comes_back_from_object_storage(tmp_path):
             assert (after.documents, after.chunks) == (stats.documents, stats.chunks)
             assert _results(c) == before
             assert "Storm surge" in c.retrieve("storm surge record", mode="lexical", top_k=1).hits[0].text
+        # a second server on the same storage is refused (the owner lease), writing nothing local
+        other = tmp_path / "other"
+        p = subprocess.run(_cmd(other, uri), capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        assert p.returncode == 2 and "is in use by server" in p.stderr and "--storage-takeover" in p.stderr, p.stderr[-2000:]
+        assert not (other / "oprag.json").exists()
         # the frontend's node too: SIGKILL everything, delete the whole data directory, start
-        # on an empty one (the commit log comes back from the storage as well)
+        # on an empty one (the commit log comes back from the storage as well); the dead
+        # server's lease is still live: take it over
         srv.kill9()
         shutil.rmtree(srv.data_dir)
+        srv.extra += ("--storage-takeover",)
         srv.start()
         with OpRAGClient(srv.target, timeout=30) as c:
             again = c.stats()
@@ -141,10 +149,13 @@ def test_a_shard_whose_node_is_lost_comes_back_from_object_storage(tmp_path):
         srv.stop()
 
 
+def _cmd(data_dir, uri: str) -> list[str]:
+    return [sys.executable, "-m", "oprag_server", "--port", str(free_port()), "--metrics-port", str(free_port()),
+            "--data-dir", str(data_dir), "--generator", "none", "--storage-uri", uri]
+
+
 def test_a_bad_storage_uri_stops_the_start_naming_the_flag(tmp_path):
     uri = "nosuch://bucket/prefix"  # (the other bad forms: tests/unit/test_objstore.py)
-    cmd = [sys.executable, "-m", "oprag_server", "--port", str(free_port()), "--metrics-port", str(free_port()),
-           "--data-dir", str(tmp_path), "--generator", "none", "--storage-uri", uri]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    p = subprocess.run(_cmd(tmp_path, uri), capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert p.returncode == 2, p.stderr[-2000:]
     assert "--storage-uri" in p.stderr and uri in p.stderr

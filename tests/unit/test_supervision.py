@@ -83,7 +83,7 @@ def test_a_failed_restart_is_retried_next_round():
             raise RuntimeError("spawn failed")
         pool.restart(i, None, set())
 
-    sup = ShardSupervisor(pool, restart, Health(), ("",), metrics)
+    sup = ShardSupervisor(pool, restart, Health(), ("",), metrics, backoff=(0.0, 30.0))  # (no back-off wait)
     assert asyncio.run(sup.check()) == []
     assert asyncio.run(sup.check()) == [0]
     assert tries == [0, 0] and metrics.shard_restarts._value.get() == 1

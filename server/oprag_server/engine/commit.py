@@ -17,6 +17,7 @@ applied or the commit log holds.
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
@@ -26,7 +27,12 @@ from ..index.objstore import MirroredLog, ObjectStore, open_mirrored
 from ..index.wal import WriteAheadLog
 from ..shards.pool import ShardPool
 from ..shards.protocol import AbortRequest, ApplyReply, ApplyRequest, Op, PrepareRequest
+from ..shards.transport import StorageUnavailable
 from .rwlock import RWLock
+
+log = logging.getLogger("oprag")
+#: what a shard's (or the commit log's) failed object write says (:class:`~..index.objstore.StorageWriteError`)
+WRITE_FAILED = "object storage write failed"
 
 
 class CommitProtocol:
@@ -46,6 +52,8 @@ class CommitProtocol:
         self.log: WriteAheadLog | None = None
         self._logged_seq = 0
         self._applied = asyncio.Condition()
+        self.lease = None  # the --storage-uri owner lease (index/lease.py): fenced -> writes refused
+        self.write_error: str | None = None  # the last storage write failure, until a write succeeds
 
     # ------------------------------------------------------------------ recovery
     def open_log(self, path: Path, storage: str | None = None) -> set[str]:
@@ -68,6 +76,23 @@ class CommitProtocol:
     def committed_txns(self) -> set[str]:
         """Transaction ids in the commit log now (for a shard that restarts)."""
         return {r["txn"] for r in self.log} if self.log is not None else set()
+
+    def check_recovered(self, applied: dict[int, int]) -> None:
+        """Check that every shard recovered every transaction the commit log holds (each shard
+        prepares and applies every transaction, so its ``applied_seq`` after replay reaches the
+        log's highest sequence number; one below it lost log records).
+
+        :param applied: shard id -> its ``applied_seq`` after loading.
+        :raises RuntimeError: naming the shards behind, their sequence number and the log's."""
+        want = max([r["seq"] for r in self.log] + [0]) if self.log is not None else 0
+        behind = {i: s for i, s in sorted(applied.items()) if s < want}
+        if behind:
+            where = f" ({self.log.store.uri})" if isinstance(self.log, MirroredLog) else ""
+            raise RuntimeError(
+                "; ".join(f"shard {i} recovered up to sequence {s}" for i, s in behind.items())
+                + f", but the commit log{where} holds committed transactions up to {want}: the shard's log records "
+                "of those (prepare records) are missing, so it is not served without them (restore its log "
+                "objects, or restore the storage from a backup)")
 
     def recover(self, shard_applied: Iterable[int]) -> None:
         """Continue numbering after the highest sequence number a shard applied or the commit
@@ -93,16 +118,24 @@ class CommitProtocol:
         :param kind: ``"upsert"`` (the batches each shard staged under ``txn``) or ``"delete"``.
         :returns: the transaction's sequence number and every shard's apply reply.
         :raises ShardError: a shard failed before the commit point (the transaction is aborted).
+        :raises StorageUnavailable: this server lost the storage's owner lease, or a write to
+            the storage failed (aborted; the message says which).
         """
+        if self.lease is not None and self.lease.fenced:
+            raise StorageUnavailable(self.lease.fenced)
         async with self.lock.write():
             seq = self.next_seq()
             try:
                 await self.pool.broadcast(Op.PREPARE, PrepareRequest(txn, seq, kind, list(doc_ids or [])))
-            except Exception:
+                if self.log is not None:
+                    await asyncio.get_running_loop().run_in_executor(None, self.log.append, {"txn": txn, "seq": seq})
+            except Exception as exc:
                 await self.pool.gather_partial(Op.ABORT, AbortRequest(txn))
+                self._storage_failed(exc)
                 raise
-            if self.log is not None:
-                await asyncio.get_running_loop().run_in_executor(None, self.log.append, {"txn": txn, "seq": seq})
+            if self.write_error is not None:
+                log.warning("object storage writes succeed again")
+                self.write_error = None
             replies = await self.pool.broadcast(Op.APPLY, ApplyRequest(txn))
             for r in replies:
                 self.stats.apply_delta(*r.delta)
@@ -110,6 +143,18 @@ class CommitProtocol:
         async with self._applied:  # wake wait_applied callers
             self._applied.notify_all()
         return seq, replies
+
+    def _storage_failed(self, exc: Exception) -> None:
+        """:raises StorageUnavailable: ``exc`` is a failed storage write (logged when the failure
+        is new: once per change, not per request)."""
+        msg = str(exc)
+        if WRITE_FAILED not in msg:
+            return
+        msg = msg[msg.index(WRITE_FAILED):]
+        if self.write_error is None:
+            log.error("%s (writes are refused with UNAVAILABLE until the storage takes them again)", msg)
+        self.write_error = msg
+        raise StorageUnavailable(msg) from exc
 
     async def delete(self, doc_ids: list[str]) -> tuple[int, int, int]:
         """Delete documents on every shard as one transaction.

@@ -21,7 +21,19 @@ from typing import Any
 from .wal import WriteAheadLog, encode_record, parse_records, read_records
 
 #: URI forms the message of a bad ``--storage-uri`` suggests
-URI_FORMS = "s3://bucket/prefix, gs://bucket/prefix or file:///absolute/path"
+URI_FORMS = "s3://bucket/prefix, gs://bucket/prefix, file:///absolute/path or /absolute/path"
+
+
+class StorageWriteError(OSError):
+    """An object could not be written (the store refused it, or a log object already exists at
+    that position: another server writes to the same storage). Nothing was stored."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(f"object storage write failed: {what}; nothing was stored")
+
+
+class LogGapError(RuntimeError):
+    """Log objects are missing between the snapshot's first position and the last one present."""
 
 
 def _fsync(path: str) -> None:
@@ -54,10 +66,13 @@ class ObjectStore:
         try:
             fs, root = pafs.FileSystem.from_uri(uri)
         except Exception as exc:  # noqa: BLE001 - ArrowInvalid, OSError (e.g. an unknown bucket region)
-            raise ValueError(f"{uri!r} is not a storage URI pyarrow can open ({type(exc).__name__}: {exc}); "
+            hint = " (percent-encode spaces and other special characters: a space is %20)" if " " in uri else ""
+            raise ValueError(f"{uri!r} is not a storage URI pyarrow can open ({type(exc).__name__}: {exc}){hint}; "
                              f"use {URI_FORMS}") from exc
         if isinstance(fs, pafs.LocalFileSystem) and not root.startswith("/"):
             raise ValueError(f"{uri!r}: a local storage path must be absolute (file:///absolute/path)")
+        if isinstance(fs, pafs.LocalFileSystem) and not root.strip("/"):
+            raise ValueError(f"{uri!r} names the filesystem root: use a directory of its own, e.g. file:///srv/oprag")
         return cls(fs, root, uri)
 
     def sub(self, prefix: str) -> "ObjectStore":
@@ -82,6 +97,35 @@ class ObjectStore:
             path = self._local_path(key)
             _fsync(path)
             _fsync(os.path.dirname(path))
+
+    def put_new(self, key: str, data: bytes) -> None:
+        """:meth:`put` only if there is no object ``key`` yet (write-if-absent: locally an
+        ``O_EXCL`` create; on an object store a metadata check just before the PUT, which a
+        concurrent writer can still race -- the owner lease, :mod:`.lease`, excludes those).
+
+        :raises StorageWriteError: the object exists, or the store refused the write."""
+        import pyarrow.fs as pafs
+
+        try:
+            if self.local:
+                self._mkparent(key)
+                path = self._local_path(key)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                try:
+                    os.write(fd, data)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                _fsync(os.path.dirname(path))
+                return
+            if self.fs.get_file_info(key).type != pafs.FileType.NotFound:
+                raise FileExistsError(key)
+            self.put(key, data)
+        except FileExistsError as exc:
+            raise StorageWriteError(f"{self.uri}/{key} already exists (is another server writing to this "
+                                    "storage?)") from exc
+        except OSError as exc:
+            raise StorageWriteError(f"{self.uri}/{key}: {exc}") from exc
 
     def put_atomic(self, key: str, data: bytes) -> None:
         """Replace ``key`` by ``data``; a reader sees the old or the new object whole."""
@@ -168,22 +212,47 @@ def record_pos(key: str) -> int | None:
     return int(stem) if stem.isdigit() else None
 
 
-def read_log_objects(store: ObjectStore, first: int = 0) -> tuple[list[dict], int]:
+def read_log_objects(store: ObjectStore, first: int | None = 0) -> tuple[list[dict], int]:
     """The intact records of the log objects at positions >= ``first``, in position order, and
     the next free position (after every record object present, intact or not). A torn object
-    (a local crash mid-put: never acknowledged) is skipped."""
+    (a local crash mid-put: never acknowledged) is skipped.
+
+    :raises LogGapError: a position between ``first`` and the last one present has no object
+        (records were lost: serving without them would silently drop acknowledged writes).
+        ``first`` None: from the lowest position present (a log with no snapshot pointer)."""
+    listed = store.list()
+    if first is None:
+        first = min((p for k in listed if (p := record_pos(k)) is not None), default=0)
     keys, nxt = [], first
-    for key in store.list():
+    for key in listed:
         pos = record_pos(key)
         if pos is None:
             continue
         nxt = max(nxt, pos + 1)
         if pos >= first:
             keys.append(key)
+    if len(keys) != nxt - first:
+        have = {record_pos(k) for k in keys}
+        gone = [p for p in range(first, nxt) if p not in have]
+        raise LogGapError(f"{store.uri}: log objects {_ranges(gone)} are missing (the log must be contiguous "
+                          f"from position {first}, where the current snapshot ends, to {nxt - 1}); records there "
+                          "were lost, so the shard is not served")
     out = []
     for data in store.get_many(keys):  # (in key order = position order)
         out.extend(parse_records(data)[0][:1] if data is not None else [])
     return out, nxt
+
+
+def _ranges(ps: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"`` (at most 5 ranges shown)."""
+    out: list[list[int]] = []
+    for p in ps:
+        if out and out[-1][1] == p - 1:
+            out[-1][1] = p
+        else:
+            out.append([p, p])
+    txt = [f"{a}-{b}" if a != b else f"{a}" for a, b in out[:5]]
+    return ", ".join(txt) + (f" and {len(out) - 5} more ranges" if len(out) > 5 else "")
 
 
 def open_mirrored(path: Any, store: ObjectStore) -> "MirroredLog":
@@ -191,7 +260,7 @@ def open_mirrored(path: Any, store: ObjectStore) -> "MirroredLog":
     the record objects there, in position order; a store holding none is seeded from the local
     file (moving an existing log onto storage). For a log whose records stay valid until the
     owner deletes them all at once (the frontend's commit log): no snapshot pointer."""
-    recs, nxt = read_log_objects(store, 0)
+    recs, nxt = read_log_objects(store, None)
     if nxt == 0:
         recs = read_records(path)[0]
         for pos, rec in enumerate(recs):
@@ -219,12 +288,14 @@ class MirroredLog(WriteAheadLog):
 
     def _put(self, record: dict | bytes) -> None:
         data = record if isinstance(record, bytes) else encode_record(record)
-        self.store.put(record_key(self.pos), data)
+        self.store.put_new(record_key(self.pos), data)  # never over a record already there
         self.pos += 1
         self.puts += 1
 
     def append(self, record: dict[str, Any]) -> None:
-        """Append locally (fsync), then put the record as one object (durable when this returns)."""
+        """Append locally (fsync), then put the record as one object (durable when this returns).
+
+        :raises StorageWriteError: the object was not stored (the caller must not acknowledge)."""
         data = encode_record(record)  # pickled once for both copies
         self.append_framed(data)
         self._put(data)

@@ -27,6 +27,7 @@ from ..engine.ingest import IngestError
 from ..engine.query import Overloaded, QueryRejected
 from ..models.protocols import EngineRejected, EngineTimeout, EngineUnavailable
 from ..shards.pool import ShardError
+from ..shards.transport import StorageUnavailable
 from .convert import InvalidArgument
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ def status_for(exc: Exception, method: str) -> tuple[grpc.StatusCode, str, tuple
 
     ``InvalidArgument``, ``IngestError``, ``QueryRejected`` -> INVALID_ARGUMENT;
     ``Overloaded`` -> RESOURCE_EXHAUSTED with trailer ``retry-after-ms`` (integer milliseconds);
-    ``ShardError`` -> UNAVAILABLE; ``EngineUnavailable`` (inference engine down or overloaded) ->
+    ``ShardError`` -> UNAVAILABLE (``StorageUnavailable``: its own message); ``EngineUnavailable`` (inference engine down or overloaded) ->
     UNAVAILABLE with ``retry-after-ms``; ``EngineTimeout`` -> DEADLINE_EXCEEDED;
     ``EngineRejected`` -> INVALID_ARGUMENT; anything else -> INTERNAL (logged with its traceback).
     """
@@ -49,6 +50,8 @@ def status_for(exc: Exception, method: str) -> tuple[grpc.StatusCode, str, tuple
         return grpc.StatusCode.UNAVAILABLE, str(exc), (("retry-after-ms", str(int(exc.retry_after_s * 1000))),)
     if isinstance(exc, EngineTimeout):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc), ()
+    if isinstance(exc, StorageUnavailable):
+        return grpc.StatusCode.UNAVAILABLE, str(exc), ()
     if isinstance(exc, ShardError):
         return grpc.StatusCode.UNAVAILABLE, f"a shard is unavailable (it is being restarted); retry: {exc}", ()
     log.exception("%s failed", method)

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from .protocol import Op, ShutdownRequest, StatsReply
 from .replicas import ReplicaSet
-from .transport import PipeTransport, ShardError, ShardTransport
+from .transport import PipeTransport, ShardError, ShardTransport, StorageUnavailable
 
 __all__ = ["ShardError", "ShardPool", "route"]
 
@@ -50,6 +50,8 @@ class ShardPool:
                  storage: str | None = None) -> None:
         self.replicas = replicas
         self.storage = storage  # --storage-uri of every shard (None: the data directory only)
+        # why shards may not write to the storage now (the owner lease was lost; None: they may)
+        self.fenced: Callable[[], str | None] = lambda: None
         self.n = n
         self.dense = dense  # DenseConfig of every shard (None = flat)
         self.dim = dim
@@ -107,13 +109,24 @@ class ShardPool:
         """The shard that owns a routing key (document id or session id)."""
         return route(key, self.n)
 
+    #: ops that write log records or snapshots to storage (refused while :attr:`fenced`)
+    WRITES = frozenset({Op.PREPARE, Op.PROMOTE, Op.MEMORY_CLEAR, Op.SNAPSHOT})
+
+    def _guard(self, op: Op) -> None:
+        why = self.fenced() if op in self.WRITES else None
+        if why:
+            raise StorageUnavailable(why)
+
     def call(self, shard: int, op: Op, request: Any):
-        """One request to one shard (awaitable; :raises ShardError:)."""
+        """One request to one shard (awaitable; :raises ShardError:; ``StorageUnavailable``
+        at once for a write while :attr:`fenced`)."""
+        self._guard(op)
         return self.clients[shard].call(op, request)
 
     async def broadcast(self, op: Op, request: Any) -> list[Any]:
         """Send ``op`` to every shard (one request for all, or a list with one per shard) and
         gather. :raises ShardError: any shard failed."""
+        self._guard(op)
         per = request if isinstance(request, list) else [request] * self.n
         return list(await asyncio.gather(*[c.call(op, r) for c, r in zip(self.clients, per)]))
 
@@ -122,7 +135,9 @@ class ShardPool:
         """Like :meth:`broadcast` (to ``shards``, default all) but tolerant.
 
         :returns: ``({shard: reply}, missing shards)``: a shard that is down or fails is missing.
+        :raises StorageUnavailable: a write while :attr:`fenced`.
         """
+        self._guard(op)
         targets = list(range(self.n)) if shards is None else shards
         per = request if isinstance(request, list) else [request] * len(targets)
         futs = [self.clients[s].call(op, r) for s, r in zip(targets, per)]
@@ -162,6 +177,7 @@ class ShardPool:
         :returns: ``({shard: (indices of its items, reply)}, missing shards)``.
         :raises ShardError: a shard failed and ``partial`` is False.
         """
+        self._guard(op)
         by = self.group(items, shard_of)
         if not by:
             return {}, []

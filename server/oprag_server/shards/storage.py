@@ -27,12 +27,15 @@ inside the storage (:func:`copy_current`). The frontend's commit log is mirrored
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
 
 from ..index.objstore import MirroredLog, ObjectStore, read_log_objects, record_key
 from ..index.wal import WriteAheadLog, encode_record
+
+logger = logging.getLogger("oprag")
 
 
 def replica_uri(uri: str | None, r: int) -> str | None:
@@ -82,6 +85,9 @@ class ShardStorage:
         have = local.read_text().strip() if local.exists() else None
         self.downloaded = False
         if name is None or have != name or not (d / name / "meta.json").exists():
+            if have is not None and have != name:
+                logger.warning("shard directory %s holds snapshot %s, the storage %s holds %s: replacing the local copy "
+                            "with the storage's", d, have, self.store.uri, name or "no snapshot (log only)")
             for old in d.glob("snap-*"):
                 shutil.rmtree(old, ignore_errors=True)
             local.unlink(missing_ok=True)
@@ -100,6 +106,10 @@ class ShardStorage:
         shutil.rmtree(part, ignore_errors=True)
         pre = f"snap/{name}/"
         keys = self.store.list(pre)
+        if f"{pre}meta.json" not in keys:
+            raise RuntimeError(f"{self.store.uri}/CURRENT names snapshot {name}, which is not in the store (no "
+                               f"{pre}meta.json at {self.store.uri}): the shard cannot be loaded; restore the "
+                               "snapshot's objects or point CURRENT at one that exists")
         for key, data in zip(keys, self.store.get_many(keys)):
             if data is None:
                 raise RuntimeError(f"{self.store.uri}/{key} vanished while the snapshot was read")
@@ -128,7 +138,11 @@ class ShardStorage:
     def publish(self, snap: Path, log: MirroredLog) -> None:
         """After the snapshot ``snap`` was written locally and ``log`` reset (its kept records
         put again from ``log.first`` on): upload the snapshot, switch ``CURRENT`` to it, delete
-        the log objects and snapshots it replaces."""
+        the log objects and snapshots it replaces. A storage that lost ``CURRENT`` (wiped while
+        the shard ran) is re-established by this full snapshot (logged)."""
+        if self.store.get("CURRENT") is None:
+            logger.error("%s/CURRENT is gone (the storage was wiped or lost objects while the shard ran): "
+                      "re-establishing it from this shard's full snapshot %s", self.store.uri, snap.name)
         self._upload(snap)
         self.store.put_atomic("CURRENT", json.dumps({"snapshot": snap.name, "wal_from": log.first}).encode())
         self.wal.delete(log.older_keys())

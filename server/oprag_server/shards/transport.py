@@ -15,6 +15,7 @@ import abc
 import asyncio
 import collections
 import itertools
+import logging
 import multiprocessing as mp
 import os
 import pickle
@@ -26,11 +27,17 @@ from typing import Any
 from . import worker
 from .protocol import Op, StatsReply
 
+log = logging.getLogger("oprag")
 _THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 class ShardError(RuntimeError):
     """A shard answered with an error or is unavailable."""
+
+
+class StorageUnavailable(ShardError):
+    """Writes cannot be stored on ``--storage-uri`` (a write failed there, or this server lost
+    its owner lease); the message says which. Nothing was stored."""
 
 
 class ShardTransport(abc.ABC):
@@ -130,6 +137,7 @@ class PipeTransport(ShardTransport):
                 daemon=True,
             )
             self.proc.start()
+            log.info("shard %d: process pid %d", self.shard_id, self.proc.pid)  # (which process is which shard)
             child.close()
             self.conn = parent
         finally:

@@ -16,6 +16,7 @@ import signal
 import traceback
 from pathlib import Path
 
+from ..index.objstore import StorageWriteError
 from .protocol import Op, StatsRequest
 from .state import ShardState, dispatch, op_table
 
@@ -52,7 +53,8 @@ def run(shard_id: int, conn, dim: int, data_dir: str | None, stem: bool, committ
         try:
             conn.send((req_id, True, dispatch(table, op, req)))
         except Exception as exc:  # noqa: BLE001 - never let a bad request kill the shard
-            traceback.print_exc()  # to the service log; the client gets the message only
+            if not isinstance(exc, StorageWriteError):  # (that one: the frontend logs it, once per change)
+                traceback.print_exc()  # to the service log; the client gets the message only
             conn.send((req_id, False, f"{type(exc).__name__}: {exc}"))
         if op is Op.SHUTDOWN:
             break

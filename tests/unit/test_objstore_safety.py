@@ -1,0 +1,299 @@
+"""``--storage-uri`` against misuse: two servers on one storage (owner lease, write-if-absent log
+objects), lost log objects and snapshots (refused, never served silently), a read-only store
+(a clear UNAVAILABLE), refused starts that leave nothing local, odd URIs. ``file://`` stores."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import types
+
+import grpc
+import pytest
+
+from oprag_server.config import ServerConfig
+from oprag_server.engine.commit import CommitProtocol
+from oprag_server.index.lease import LeaseHeld, OwnerLease
+from oprag_server.index.objstore import LogGapError, MirroredLog, ObjectStore, StorageWriteError, record_key
+from oprag_server.service.interceptors import status_for
+from oprag_server.shards.transport import StorageUnavailable
+from oprag_server.startup import acquire_storage, check_storage
+from oprag_server.supervision import ShardSupervisor
+
+from test_objstore import _commit, _state, uri  # noqa: F401 - the fixture
+
+
+def test_a_second_server_is_refused_naming_the_holder_and_a_takeover_fences_the_first(uri):
+    a, b = OwnerLease(ObjectStore.from_uri(uri)), OwnerLease(ObjectStore.from_uri(uri))
+    assert a.acquire() is None and a.renew() == "ok"
+    with pytest.raises(LeaseHeld, match=rf"in use by server {a.me['id']} on host .* \(pid \d+\).*--storage-takeover"):
+        b.acquire()
+    assert b.acquire(takeover=True)["id"] == a.me["id"]
+    assert a.renew() == "taken" and "no longer owns" in a.fenced and b.renew() == "ok"
+    b.store.delete(["owner"])  # the storage wiped
+    assert b.renew() == "gone" and b.read()["id"] == b.me["id"]
+
+
+def test_an_expired_lease_is_taken_without_takeover(uri):
+    a, b = OwnerLease(ObjectStore.from_uri(uri), ttl_s=0.0), OwnerLease(ObjectStore.from_uri(uri), ttl_s=0.0)
+    a.acquire()
+    assert b.acquire()["id"] == a.me["id"]
+
+
+def test_a_fenced_server_refuses_writes_with_a_clear_unavailable(uri):
+    cp = CommitProtocol(pool=None, stats=None, lock=None)
+    cp.lease = types.SimpleNamespace(fenced="this server no longer owns --storage-uri X")
+    with pytest.raises(StorageUnavailable) as e:
+        asyncio.run(cp.commit("t", "upsert"))
+    assert status_for(e.value, "Ingest") == (grpc.StatusCode.UNAVAILABLE, "this server no longer owns --storage-uri X", ())
+
+
+def test_a_log_object_is_never_overwritten(tmp_path, uri):
+    store = ObjectStore.from_uri(uri).sub("wal")
+    a = MirroredLog(tmp_path / "a.log", store, next_pos=0)
+    b = MirroredLog(tmp_path / "b.log", store, next_pos=0)  # a second server at the same position
+    a.open(), b.open()
+    a.append({"kind": "memory_clear", "session_id": "a"})
+    with pytest.raises(StorageWriteError, match="object storage write failed: .*already exists.*nothing was stored"):
+        b.append({"kind": "memory_clear", "session_id": "b"})
+    assert store.get(record_key(0)) == ObjectStore.from_uri(uri).sub("wal").get(record_key(0))
+    from oprag_server.index.objstore import read_log_objects
+    assert [r["session_id"] for r in read_log_objects(store)[0]] == ["a"] and b.pos == 0
+
+
+def test_a_storage_write_failure_is_unavailable_with_its_own_message_logged_once(caplog):
+    cp = CommitProtocol(pool=None, stats=None, lock=None)
+    err = RuntimeError("shard 1: StorageWriteError: object storage write failed: file:///x/wal/1.rec: "
+                       "read-only file system; nothing was stored")
+    with caplog.at_level(logging.ERROR, "oprag"):
+        for _ in range(3):
+            with pytest.raises(StorageUnavailable) as e:
+                cp._storage_failed(err)
+    assert str(e.value).startswith("object storage write failed: ") and "being restarted" not in str(e.value)
+    assert status_for(e.value, "Ingest")[0] == grpc.StatusCode.UNAVAILABLE
+    assert len([r for r in caplog.records if "object storage write failed" in r.getMessage()]) == 1
+    cp._storage_failed(RuntimeError("shard 0 died"))  # not a storage failure: left to the caller
+
+
+def test_a_gap_in_the_log_objects_is_refused_naming_the_positions(tmp_path, uri):
+    committed: set[str] = set()
+    a = _state(tmp_path / "a", uri)
+    for i in range(4):
+        _commit(a, f"t{i}", i + 1, [f"d{i}"], committed)
+    a.storage.wal.delete([record_key(1), record_key(2)])
+    with pytest.raises(LogGapError, match=r"log objects 1-2 are missing.*from position 0.*to 3"):
+        _state(tmp_path / "b", uri, set(committed))
+
+
+def test_a_log_without_current_that_starts_after_position_0_is_refused(tmp_path, uri):
+    committed: set[str] = set()
+    a = _state(tmp_path / "a", uri)
+    _commit(a, "t1", 1, ["d1"], committed)
+    a.snapshot()  # CURRENT -> snapshot, wal_from 1
+    _commit(a, "t2", 2, ["d2"], committed)
+    a.storage.store.delete(["CURRENT"] + a.storage.store.list("snap"))  # wiped except the newest log object
+    with pytest.raises(LogGapError, match="log objects 0 are missing"):
+        _state(tmp_path / "b", uri, set(committed))
+
+
+def test_a_wiped_store_is_re_established_by_the_next_snapshot(tmp_path, uri, caplog):
+    committed: set[str] = set()
+    a = _state(tmp_path / "a", uri)
+    _commit(a, "t1", 1, ["d1"], committed)
+    a.storage.store.delete_prefix("")
+    _commit(a, "t2", 2, ["d2"], committed)
+    with caplog.at_level(logging.ERROR, "oprag"):
+        a.snapshot()
+    assert any("CURRENT is gone" in r.getMessage() for r in caplog.records)
+    b = _state(tmp_path / "b", uri, set(committed))
+    assert sorted(b.store.doc_slots) == ["d1", "d2"]
+
+
+def test_current_naming_a_missing_snapshot_says_so(tmp_path, uri):
+    committed: set[str] = set()
+    a = _state(tmp_path / "a", uri)
+    _commit(a, "t1", 1, ["d1"], committed)
+    a.snapshot()
+    name = json.loads(a.storage.store.get("CURRENT"))["snapshot"]
+    a.storage.store.delete_prefix("snap")
+    with pytest.raises(RuntimeError, match=rf"CURRENT names snapshot {name}, which is not in the store"):
+        _state(tmp_path / "b", uri, set(committed))
+
+
+def test_failed_restarts_back_off_exponentially_with_a_cap(monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr("oprag_server.supervision.time.monotonic", lambda: now[0])
+    tries = []
+
+    async def restart(i):
+        tries.append(now[0])
+        raise RuntimeError("CURRENT names snapshot X, which is not in the store")
+
+    async def hset(*a):
+        pass
+
+    pool = types.SimpleNamespace(n=2, down_shards=lambda: [1])
+    metrics = types.SimpleNamespace(shards_up=types.SimpleNamespace(set=lambda n: None))
+    sup = ShardSupervisor(pool, restart, types.SimpleNamespace(set=hset), ("",), metrics, backoff=(1.0, 4.0))
+
+    async def run():
+        for _ in range(400):
+            await sup.check()
+            now[0] += 0.25
+
+    asyncio.run(run())
+    gaps = [b - a for a, b in zip(tries, tries[1:])]
+    assert gaps[:4] == [1.0, 2.0, 4.0, 4.0] and max(gaps) == 4.0
+
+
+def test_a_replaced_local_snapshot_is_logged(tmp_path, uri, caplog):
+    committed: set[str] = set()
+    a = _state(tmp_path / "a", uri)
+    _commit(a, "t1", 1, ["d1"], committed)
+    a.snapshot()
+    (tmp_path / "a" / "shard-0" / "CURRENT").write_text("snap-000000000000-1")  # a local corpus of its own
+    with caplog.at_level(logging.WARNING, "oprag"):
+        _state(tmp_path / "a", uri, set(committed))
+    assert any("holds snapshot snap-000000000000-1" in r.getMessage() and "replacing" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_a_refused_start_writes_nothing_local(tmp_path, uri):
+    from oprag_server.app import Runtime
+
+    check_storage(uri, 2, 4)
+    cfg = ServerConfig(data_dir=tmp_path / "data", storage_uri=uri, shards=3)
+    rt = Runtime(cfg, types.SimpleNamespace(dim=4, name="fake"), None)
+    with pytest.raises(RuntimeError, match="--shards 2"):
+        rt.start_shards(None)
+    assert not (tmp_path / "data" / "oprag.json").exists()
+    assert OwnerLease(ObjectStore.from_uri(uri)).read() is None  # refused before taking the lease
+    cfg2 = ServerConfig(data_dir=tmp_path / "data", storage_uri=uri, shards=2)
+    lease = acquire_storage(cfg2, 4)
+    assert lease.read()["id"] == lease.me["id"]
+
+
+@pytest.mark.parametrize("bad,want", [("file:///", "filesystem root"), ("/", "filesystem root"),
+                                      ("file:///tmp/a b", "%20")])
+def test_odd_uris_are_refused_clearly(bad, want):
+    with pytest.raises(RuntimeError, match=want):
+        check_storage(bad)
+
+
+def test_a_bare_absolute_path_and_a_percent_encoded_space_work(tmp_path):
+    d = tmp_path / "a b"
+    check_storage(str(d), 1, 4)
+    check_storage(d.as_uri(), 1, 4)  # file:///.../a%20b
+    assert json.loads((d / "oprag.json").read_text())["shards"] == 1
+
+
+def test_a_shard_missing_tail_records_the_commit_log_holds_is_refused(tmp_path, uri):
+    from oprag_server.shards.state import ShardState
+
+    cp = CommitProtocol(pool=None, stats=None, lock=None)
+    committed = cp.open_log(tmp_path / "commits.log", uri)
+    s0, s1 = (ShardState(i, 4, tmp_path / "a", storage=uri) for i in (0, 1))
+    for s in (s0, s1):
+        s.load(committed)
+    for s in (s0, s1):  # one transaction, prepared on both shards, committed, applied
+        _commit(s, "t1", 1, [f"d{s.shard_id}"], committed)
+    cp.log.append({"txn": "t1", "seq": 1})
+    s1.storage.wal.delete(s1.storage.wal.list())  # shard 1's prepare record is lost
+    got = {}
+    for i in (0, 1):
+        s = ShardState(i, 4, tmp_path / "b", storage=uri)
+        s.load(cp.committed_txns())
+        got[i] = s.store.applied_seq
+    assert got == {0: 1, 1: 0}
+    with pytest.raises(RuntimeError, match=r"shard 1 recovered up to sequence 0, but the commit log \(.*commits\) "
+                                           r"holds committed transactions up to 1"):
+        cp.check_recovered(got)
+    cp.check_recovered({0: 1, 1: 1})
+
+
+def test_a_restarted_shard_that_lost_records_is_stopped_again():
+    from oprag_server.supervision import restart_shard
+
+    killed = []
+    client = types.SimpleNamespace(kill=lambda: killed.append(1))
+    pool = types.SimpleNamespace(restart=lambda i, loop, c: types.SimpleNamespace(applied_seq=0), clients=[client])
+
+    def check(applied):
+        raise RuntimeError(f"behind: {applied}")
+
+    with pytest.raises(RuntimeError, match=r"behind: \{0: 0\}"):
+        asyncio.run(restart_shard(pool, 0, committed=set(), lock=None, stats=None, check=check))
+    assert killed == [1]
+
+
+def test_a_fenced_pool_refuses_every_storage_write_but_serves_reads():
+    from oprag_server.shards.pool import ShardPool
+    from oprag_server.shards.protocol import Op, PromoteRequest, SnapshotRequest, StatsRequest
+
+    calls = []
+
+    async def call(op, req):
+        calls.append(op)
+        return op
+
+    pool = ShardPool(2, 4, None)
+    pool.clients = [types.SimpleNamespace(call=call, shard_id=i) for i in range(2)]
+    pool.fenced = lambda: "this server no longer owns --storage-uri X"
+
+    async def run():
+        assert await pool.broadcast(Op.STATS, StatsRequest()) == [Op.STATS, Op.STATS]
+        for coro in (lambda: pool.broadcast(Op.SNAPSHOT, SnapshotRequest()),
+                     lambda: pool.gather_partial(Op.PROMOTE, None, shards=[0]),
+                     lambda: pool.scatter(Op.MEMORY_CLEAR, ["s"], lambda s: 0, lambda xs: None)):
+            with pytest.raises(StorageUnavailable, match="no longer owns"):
+                await coro()
+        with pytest.raises(StorageUnavailable):
+            pool.call(0, Op.PREPARE, None)
+
+    asyncio.run(run())
+    assert calls == [Op.STATS, Op.STATS]
+
+
+def test_keep_lease_puts_a_wiped_lease_back_and_stops_when_fenced(uri):
+    from oprag_server.supervision import keep_lease
+
+    a = OwnerLease(ObjectStore.from_uri(uri), renew_s=0.01)
+    a.acquire()
+    wiped = []
+
+    async def on_wiped():
+        wiped.append(1)
+        OwnerLease(ObjectStore.from_uri(uri)).acquire(takeover=True)  # then another server takes it
+
+    async def run():
+        a.store.delete(["owner"])
+        await asyncio.wait_for(keep_lease(a, on_wiped, asyncio.Event()), 5)  # returns: fenced
+
+    asyncio.run(run())
+    assert wiped == [1] and a.fenced and "took it over" in a.fenced
+
+
+def test_the_ingest_health_name_follows_storage_write_failures():
+    from oprag_server.supervision import INGEST_HEALTH, NOT_SERVING, SERVING
+
+    calls, err = [], [None]
+
+    async def hset(name, st):
+        calls.append((name, st))
+
+    pool = types.SimpleNamespace(n=1, down_shards=lambda: [])
+    metrics = types.SimpleNamespace(shards_up=types.SimpleNamespace(set=lambda n: None))
+    sup = ShardSupervisor(pool, None, types.SimpleNamespace(set=hset), ("",), metrics, write_error=lambda: err[0])
+
+    async def run():
+        await sup.check()
+        err[0] = "object storage write failed: x; nothing was stored"
+        await sup.check()
+        await sup.check()
+        err[0] = None
+        await sup.check()
+
+    asyncio.run(run())
+    assert [c for c in calls if c[0] == INGEST_HEALTH] == [(INGEST_HEALTH, NOT_SERVING), (INGEST_HEALTH, SERVING)]
+    assert ("", NOT_SERVING) not in calls  # reads go on: the server as a whole stays SERVING
