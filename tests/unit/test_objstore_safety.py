@@ -41,6 +41,24 @@ def test_an_expired_lease_is_taken_without_takeover(uri):
     assert b.acquire()["id"] == a.me["id"]
 
 
+def test_a_lease_of_a_gone_process_on_this_host_is_taken_live_one_refused(uri):
+    import subprocess
+    import sys
+    store = ObjectStore.from_uri(uri)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        held = OwnerLease(store)
+        held.me = {**held.me, "pid": other.pid}  # a live server process of this host
+        held.acquire()
+        with pytest.raises(LeaseHeld, match="is in use by"):
+            OwnerLease(store).acquire()
+    finally:
+        other.kill()
+        other.wait()
+    # the holder was SIGKILLed: its lease is stale at once, no --storage-takeover needed
+    assert OwnerLease(store).acquire()["pid"] == other.pid
+
+
 def test_a_fenced_server_refuses_writes_with_a_clear_unavailable(uri):
     cp = CommitProtocol(pool=None, stats=None, lock=None)
     cp.lease = types.SimpleNamespace(fenced="this server no longer owns --storage-uri X")

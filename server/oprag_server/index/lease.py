@@ -5,7 +5,8 @@ positions, each losing the other's documents. The lease is the object ``owner`` 
 storage's root: ``{"id", "host", "pid", "heartbeat"}`` (``heartbeat``: Unix time, seconds),
 put again by its holder every ``renew_s`` seconds. A start that finds a lease of another
 server whose heartbeat is younger than ``ttl_s`` is refused (the message names the holder);
-``--storage-takeover`` takes it anyway. A holder that finds on renewal that another server
+``--storage-takeover`` takes it anyway. A lease held by a process of this host that no longer
+exists (a server SIGKILLed and started again on the same machine) counts as expired at once. A holder that finds on renewal that another server
 holds the lease is *fenced*: it stops acknowledging writes (UNAVAILABLE) and turns health
 NOT_SERVING instead of writing over the new owner's objects. A lease found missing on renewal
 (the storage was wiped) is put back.
@@ -61,6 +62,20 @@ class OwnerLease:
         return (f"server {other.get('id')} on host {other.get('host')} (pid {other.get('pid')}), "
                 f"last heartbeat {age:.0f} s ago")
 
+    def _dead_here(self, other: dict) -> bool:
+        """Whether ``other`` names a process of this host that is gone (its lease is stale)."""
+        if other.get("host") != self.me["host"] or not isinstance(other.get("pid"), int):
+            return False
+        if other["pid"] == self.me["pid"]:
+            return False
+        try:
+            os.kill(other["pid"], 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            return False  # exists, owned by another user
+        return False
+
     def acquire(self, takeover: bool = False, check_only: bool = False) -> dict | None:
         """Take the lease (``check_only``: only check that it could be taken, put nothing).
         :returns: the previous holder's lease when one was replaced (taken over or expired),
@@ -68,7 +83,8 @@ class OwnerLease:
 
         :raises LeaseHeld: another server's lease is live and ``takeover`` is False."""
         other = self.read()
-        live = other is not None and time.time() - float(other.get("heartbeat", 0)) < self.ttl_s
+        live = (other is not None and time.time() - float(other.get("heartbeat", 0)) < self.ttl_s
+                and not self._dead_here(other))
         if live and not takeover:
             raise LeaseHeld(
                 f"--storage-uri {self.store.uri} is in use by {self.describe(other)}: stop that server (its lease "
