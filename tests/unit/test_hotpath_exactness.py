@@ -1,5 +1,6 @@
-"""Ranking with tie-breaks (issue 13 hot path): ``rank_order`` / ``top_k_order`` sort only the
-runs of equal scores by chunk id; the result must equal one sort on (score desc, id asc)."""
+"""Exactness of the issue 13 hot-path shortcuts: ``rank_order`` / ``top_k_order`` sort only the runs
+of equal scores by chunk id (the same order as one sort on (score desc, id asc)); the shard keeps
+its dense-minimum estimate per query vector until the next write."""
 
 from __future__ import annotations
 
@@ -36,3 +37,24 @@ def test_no_ties_never_reads_an_id():
             raise AssertionError("an id was read although no two scores tie")
 
     assert rank_order(np.array([0.1, 0.3, 0.2]), Boom(["x", "y", "z"])) == [1, 2, 0]
+
+
+def test_dense_minimum_estimate_is_kept_per_query_until_a_write():
+    from test_retrieval_ops import Corpus, _vec
+
+    from oprag_server.index.dense import fixed_order_dot
+
+    rng = np.random.default_rng(3)
+    c = Corpus(1)
+    c.put("a", ["alpha beta", "gamma"], _vec(rng, 2))
+    search = c.shards[0].search
+    q = _vec(rng, 2)
+
+    def lowest(qv):  # canonical minimum over every stored vector (the shard is under the sample size)
+        return min(fixed_order_dot(v[None], qv)[0] for _, _, v, _ in c.rows())
+
+    first = search._dense_min_estimate(q)
+    assert first.tolist() == [lowest(q[0]), lowest(q[1])]
+    assert search._dense_min_estimate(q[::-1].copy()).tolist() == first[::-1].tolist()  # from the memo
+    c.put("b", ["delta"], -q[:1])  # a write: the memo is dropped, the new vector is the minimum
+    assert search._dense_min_estimate(q[:1]).tolist() == [lowest(q[0])] == [fixed_order_dot(-q[:1], q[0])[0]]
