@@ -28,6 +28,7 @@ function here               server part                             why
 :func:`hit`                 ``domain.Hit`` (shared type)            input of build_context
 :func:`traced_retrieve_job` ``service.tracing.Tracing``, a          tracing bench: the cost of
                             ``QueryJob`` with Retrieve's steps      one traced request in process
+:func:`retrieve_merge`      the frontend's merge of replies         hotpath_parts: its CPU
 :func:`shard_plane`         the shard layer (pool, transports,      cluster / hotpath_parts
                             state, search, commit protocol)         benches: below gRPC
 :func:`managed_engine`,     ``ManagedEngine``, ``OpenAIGenerator``   engine_backends bench runs
@@ -109,6 +110,16 @@ def hit(**fields):
     from oprag_server.domain import Hit
 
     return Hit(**fields)
+
+
+def retrieve_merge():
+    """The frontend's merge of shard search replies, for ``bench.hotpath_parts --part merge``:
+    ``(merge(replies, j, spec), _collect, RetrieveSpec)`` of ``operators.retrieve`` (collect
+    the carried fields; global top-N and fusion, ``Retriever._merge``, which uses no instance
+    state; no public API runs them without the transport)."""
+    from oprag_server.operators.retrieve import Retriever, RetrieveSpec, _collect
+
+    return (lambda replies, j, spec: Retriever._merge(Retriever, replies, j, spec)), _collect, RetrieveSpec
 
 
 def shard_plane():

@@ -10,6 +10,11 @@ as in a shard process); CPU per hybrid ``search`` (N = 256, fetch_k 10) split by
 BM25 of the candidates, k-skyband, stored fields, chunk ids; the rest is glue), and the pickle /
 unpickle of the reply.
 
+``--part merge``: both shards' snapshots loaded in this process; their real replies to hybrid
+queries (N = 256, fetch_k 10) pickled as the shards send them; CPU per query of the frontend's
+unpickle of the two replies, and of collecting the carried fields plus the global merge and
+fusion (``Retriever._merge``), each the best of three passes.
+
 ``--part grpc-floor``: a ``grpc.aio`` server whose ``Retrieve`` returns a prebuilt 10-hit
 response (900-character texts): what the gRPC round trip alone costs here (p50, server and
 client CPU per call).
@@ -102,13 +107,7 @@ def phases(a, V: np.ndarray) -> dict:
 
     faiss.omp_set_num_threads(1)
     sp = _internals.shard_plane()
-    tmp = Path(tempfile.mkdtemp())
-    try:
-        shutil.copytree(a.data_dir / "shard-0", tmp / "shard-0")
-        st = sp.ShardState(0, V.shape[1], tmp)
-        st.load()
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    st = _load_shard(sp, a.data_dir, 0, V.shape[1])
     acc: collections.Counter = collections.Counter()
     depth = [0]
 
@@ -161,6 +160,48 @@ def phases(a, V: np.ndarray) -> dict:
     parts["rest (glue)"] = round((tot - sum(acc.values())) / n / 1e6, 3)
     return {"chunks": len(st.store.dense), "search_cpu_ms": round(tot / n / 1e6, 3), "parts_ms": parts,
             "reply_bytes": size // n, "pickle_ms": round(pk / n / 1e6, 3), "unpickle_ms": round(up / n / 1e6, 3),
+            "load": round(os.getloadavg()[0], 2)}
+
+
+def _load_shard(sp, data_dir: Path, i: int, dim: int):
+    """Shard ``i``'s snapshot loaded in this process (from a copy: loading may write)."""
+    tmp = Path(tempfile.mkdtemp())
+    try:
+        shutil.copytree(data_dir / f"shard-{i}", tmp / f"shard-{i}")
+        st = sp.ShardState(i, dim, tmp)
+        st.load()
+        return st
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def merge(a, V: np.ndarray) -> dict:
+    """The frontend's CPU per hybrid query on two shards' real replies (no transport)."""
+    os.environ.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    sp = _internals.shard_plane()
+    merge_fn, collect, spec_cls = _internals.retrieve_merge()
+    shards = [_load_shard(sp, a.data_dir, i, V.shape[1]) for i in (0, 1)]
+    an, spec = _internals.analyzer(), spec_cls(mode="hybrid", top_k=10, candidates=256)
+    blobs = []
+    for i, q in enumerate(_queries(V, a.queries, seed=1)):
+        terms = an.tokens(TEXTS[i % 4])
+        r = sp.protocol.SearchRequest(sp.protocol.QueryBatch(q[None], [terms], [np.ones(len(terms))], 80.0, 1.5,
+                                                             0.75, None), "hybrid", 256, 0, 0, 10)
+        blobs.append([pickle.dumps((1, True, st.search.search(r)), protocol=pickle.HIGHEST_PROTOCOL) for st in shards])
+    replies = [{s: pickle.loads(b)[2] for s, b in enumerate(bl)} for bl in blobs]
+
+    def best(f) -> float:
+        runs = []
+        for _ in range(3):
+            t = time.thread_time_ns()
+            for i in range(len(blobs)):
+                f(i)
+            runs.append((time.thread_time_ns() - t) / len(blobs) / 1e3)
+        return round(min(runs), 1)
+
+    return {"unpickle_two_replies_us": best(lambda i: [pickle.loads(b) for b in blobs[i]]),
+            "collect_and_merge_us": best(lambda i: (collect({}, replies[i], "fields"),
+                                                    merge_fn(replies[i], 0, spec))),
             "load": round(os.getloadavg()[0], 2)}
 
 
@@ -234,7 +275,7 @@ def main(argv=None) -> int:
     V = read_snapshot(a.data_dir)["vectors"]
     out: dict = {"machine": machine_info(), "chunks": len(V)}
     for name, fn in (("threads", lambda: threads(a, V)), ("phases", lambda: phases(a, V)),
-                     ("grpc-floor", lambda: grpc_floor(a))):
+                     ("merge", lambda: merge(a, V)), ("grpc-floor", lambda: grpc_floor(a))):
         if name in parts:
             out[name] = fn()
             log(f"{name}: {out[name]}")

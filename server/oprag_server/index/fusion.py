@@ -61,32 +61,70 @@ def lexical_listed(lexical: np.ndarray) -> np.ndarray:
     return np.asarray(lexical, dtype=np.float64) != 0.0
 
 
-def rank_order(scores: np.ndarray, chunk_ids: list[str]) -> list[int]:
-    """Indices ordering ``scores`` descending, ties broken by ascending chunk id."""
+def rank_order(scores: np.ndarray, chunk_ids, rows=None) -> list[int]:
+    """Indices ordering ``scores`` descending, ties broken by ascending chunk id.
+
+    :param chunk_ids: the ids (list, or anything indexable by int); with ``rows`` (int64[M]),
+        element ``i`` of ``scores`` has id ``chunk_ids[rows[i]]``. Ids are read only for the
+        elements in a run of equal scores: a stable argsort orders the rest, and each tied run
+        is then sorted by id (the same order as one sort on (score desc, id asc)).
+    """
+    return _order(scores, chunk_ids if rows is None else _Take(chunk_ids, rows)).tolist()
+
+
+def _order(scores, ids) -> np.ndarray:
+    """:func:`rank_order` as int64[M]."""
     a = np.asarray(scores, dtype=np.float64)
     order = np.argsort(-a, kind="stable")
     ranked = a[order]
-    if not (ranked[1:] == ranked[:-1]).any() and not np.isnan(ranked).any():
-        return order.tolist()  # no ties: the chunk id never decides
-    s = a.tolist()
-    return sorted(range(len(s)), key=lambda i: (-s[i], chunk_ids[i]))
+    tied = np.flatnonzero(ranked[1:] == ranked[:-1])
+    nan = np.isnan(ranked).any()
+    if not tied.size and not nan:
+        return order  # no ties: the chunk id never decides
+    if nan:
+        s = a.tolist()
+        return np.asarray(sorted(range(len(s)), key=lambda i: (-s[i], ids[i])), dtype=np.int64)
+    out = order.tolist()
+    start = np.ones(tied.size, bool)  # a tied run starts where the previous pair was not tied
+    start[1:] = tied[1:] != tied[:-1] + 1
+    end = np.ones(tied.size, bool)
+    end[:-1] = start[1:]
+    for s, e in zip(tied[start].tolist(), (tied[end] + 2).tolist()):
+        out[s:e] = sorted(out[s:e], key=ids.__getitem__)  # out[s:e] is ascending: stable as before
+    return np.asarray(out, dtype=np.int64)
 
 
-def top_k_order(scores: np.ndarray, chunk_ids: list[str], k: int) -> list[int]:
+class _Take:
+    """``chunk_ids[rows[i]]`` without building the list."""
+
+    __slots__ = ("ids", "rows")
+
+    def __init__(self, ids, rows) -> None:
+        self.ids, self.rows = ids, rows
+
+    def __getitem__(self, i: int):
+        return self.ids[int(self.rows[i])]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+def top_k_order(scores: np.ndarray, chunk_ids, k: int, rows=None) -> list[int]:
     """Top-k indices by (score desc, chunk id asc) using partial selection (argpartition),
-    keeping every element tied with the k-th score so the tie-break stays exact."""
+    keeping every element tied with the k-th score so the tie-break stays exact (``rows``: as
+    in :func:`rank_order`)."""
+    if rows is not None:
+        chunk_ids = _Take(chunk_ids, rows)
     n = len(chunk_ids)
     if k <= 0 or n == 0:
         return []
     scores = np.asarray(scores, dtype=np.float64)
     if n <= k:
-        return rank_order(scores, chunk_ids)
+        return _order(scores, chunk_ids).tolist()
     part = np.argpartition(-scores, k - 1)[:k]
     kth = scores[part].min()
     cand = np.nonzero(scores >= kth)[0]
-    cand_ids = [chunk_ids[i] for i in cand.tolist()]
-    order = rank_order(scores[cand], cand_ids)
-    return [int(cand[i]) for i in order[:k]]
+    return cand[_order(scores[cand], _Take(chunk_ids, cand))[:k]].tolist()
 
 
 def refine_top(approx: np.ndarray, err: float, exact: Callable[[np.ndarray], np.ndarray], chunk_ids, k: int,
@@ -115,8 +153,7 @@ def refine_top(approx: np.ndarray, err: float, exact: Callable[[np.ndarray], np.
         return None
     short = np.flatnonzero(a >= t - 2.0 * err)
     ex = np.asarray(exact(short), dtype=np.float64)
-    ids = [chunk_ids[i] for i in short.tolist()]
-    order = np.asarray(top_k_order(ex, ids, kk), dtype=np.int64)
+    order = np.asarray(top_k_order(ex, _Take(chunk_ids, short), kk), dtype=np.int64)
     return short[order], ex[order]
 
 

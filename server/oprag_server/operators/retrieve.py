@@ -56,7 +56,7 @@ class _Cols:
 
     shard: np.ndarray
     slot: np.ndarray
-    ids: list[str]
+    ids: np.ndarray  # object[M] of str
     dense: np.ndarray
     lexical: np.ndarray
 
@@ -64,18 +64,18 @@ class _Cols:
     def of(cls, parts: list[tuple[int, Candidates]]) -> "_Cols":
         if not parts:
             z = np.zeros(0)
-            return cls(z.astype(np.int64), z.astype(np.int64), [], z, z)
+            return cls(z.astype(np.int64), z.astype(np.int64), z.astype(object), z, z)
         return cls(
             np.concatenate([np.full(len(p.slots), s, dtype=np.int64) for s, p in parts]),
             np.concatenate([np.asarray(p.slots, dtype=np.int64) for _, p in parts]),
-            [cid for _, p in parts for cid in p.chunk_ids],
+            np.concatenate([np.asarray(p.chunk_ids, dtype=object) for _, p in parts]),
             np.concatenate([np.asarray(p.dense, dtype=np.float64) for _, p in parts]),
             np.concatenate([np.asarray(p.lexical, dtype=np.float64) for _, p in parts]),
         )
 
     def take(self, idx) -> "_Cols":
         idx = np.asarray(idx, dtype=np.int64)
-        return _Cols(self.shard[idx], self.slot[idx], [self.ids[i] for i in idx.tolist()], self.dense[idx],
+        return _Cols(self.shard[idx], self.slot[idx], self.ids[idx], self.dense[idx],
                      self.lexical[idx])
 
     def cand(self, i: int, score: float, dense_rank: int, lexical_rank: int) -> _Cand:
@@ -88,7 +88,7 @@ def _rank_lists(c: _Cols, n: int) -> tuple[np.ndarray, np.ndarray]:
     scores (:func:`~oprag_server.index.fusion.lexical_listed`)."""
     d = np.asarray(top_k_order(c.dense, c.ids, n), dtype=np.int64)
     pos = np.nonzero(lexical_listed(c.lexical))[0]
-    lx = pos[top_k_order(c.lexical[pos], [c.ids[i] for i in pos.tolist()], n)] if pos.size else pos
+    lx = pos[top_k_order(c.lexical[pos], c.ids, n, pos)] if pos.size else pos
     return d, np.asarray(lx, dtype=np.int64)
 
 
@@ -102,7 +102,7 @@ def _ranks(n: int, order: np.ndarray) -> np.ndarray:
 def _fuse_cols(c: _Cols, d_order: np.ndarray, l_order: np.ndarray, spec: RetrieveSpec,
                dense_range=None, lexical_range=None) -> list[_Cand]:
     """Fuse every row of ``c`` given its dense and BM25 list orders; return the top-k."""
-    if not c.ids:
+    if not len(c.ids):
         return []
     drank, lrank = _ranks(len(c.ids), d_order), _ranks(len(c.ids), l_order)
     if spec.fusion == "rrf":
@@ -230,7 +230,7 @@ class Retriever:
         if spec.mode == "hybrid":  # dense-first: global dense top-N, BM25 of those, fused
             allc = _Cols.of([(s, rep.candidates[j]) for s, rep in replies.items()])
             win = allc.take(top_k_order(allc.dense, allc.ids, spec.candidates))
-            if not win.ids:
+            if not len(win.ids):
                 return []
             d_order, l_order = _rank_lists(win, spec.candidates)
             return _fuse_cols(win, d_order, l_order, spec, *self._dense_first_ranges(replies, j, win))
@@ -306,9 +306,9 @@ class Retriever:
             ll = _Cols.of([(s, rep.lexical_lists[j]) for s, rep in replies.items()])
             dl = dl.take(top_k_order(dl.dense, dl.ids, spec.candidates))
             pos = np.nonzero(lexical_listed(ll.lexical))[0]
-            ll = ll.take(pos[top_k_order(ll.lexical[pos], [ll.ids[i] for i in pos.tolist()], spec.candidates)]
+            ll = ll.take(pos[top_k_order(ll.lexical[pos], ll.ids, spec.candidates, pos)]
                          if pos.size else pos)
-            both = _Cols(np.concatenate([dl.shard, ll.shard]), np.concatenate([dl.slot, ll.slot]), dl.ids + ll.ids,
+            both = _Cols(np.concatenate([dl.shard, ll.shard]), np.concatenate([dl.slot, ll.slot]), np.concatenate([dl.ids, ll.ids]),
                          np.concatenate([dl.dense, ll.dense]), np.concatenate([dl.lexical, ll.lexical]))
             first = {}
             for i, cid in enumerate(both.ids):

@@ -38,6 +38,7 @@ class Searcher:
     def __init__(self, store: ChunkStore) -> None:
         self.store = store
         self._rounds: dict[str, tuple[int, list[tuple]]] = {}
+        self._dmin: tuple[int, dict[bytes, float]] = (-1, {})  # (store version, query bytes -> estimate)
 
     # ------------------------------------------------------------------ candidates
     def search(self, req: SearchRequest) -> SearchReply:
@@ -124,19 +125,27 @@ class Searcher:
         """float64[B]: the lowest canonical inner product of each query with a fixed strided
         sample of at most :attr:`SAMPLE` of this shard's vectors (all of them when the shard is
         smaller): a cheap estimate of the corpus-wide dense minimum that dense-first fusion
-        normalises with."""
+        normalises with. Kept per query vector until the next write (a repeated query costs a
+        lookup)."""
         dense = self.store.dense
         n = len(dense)
         if n == 0:
             return np.full(q.shape[0], np.inf)
-        rows, sample = dense.sample(self.SAMPLE)
-        approx = q @ sample.T
-        out = np.empty(q.shape[0], np.float64)
-        for i in range(q.shape[0]):
-            _, low = refine_top(-approx[i], dense.score_error(q[i]), lambda pos: -dense.exact_rows(q[i], rows[pos]),
-                                range(rows.size), 1)
-            out[i] = -low[0]
-        return out
+        if self._dmin[0] != self.store.version or len(self._dmin[1]) >= 4096:
+            self._dmin = (self.store.version, {})
+        memo = self._dmin[1]
+        keys = [row.tobytes() for row in q]
+        todo = [i for i, key in enumerate(keys) if key not in memo]
+        if todo:
+            rows, sample = dense.sample(self.SAMPLE)
+            approx = q[todo] @ sample.T
+            low = approx.min(axis=1)
+            for j, i in enumerate(todo):
+                # only a sample within twice the error bound of the lowest FAISS-kernel score
+                # can hold the lowest canonical one (the argument of refine_top, for k = 1)
+                near = rows[approx[j] <= low[j] + 2.0 * dense.score_error(q[i])]
+                memo[keys[i]] = float(dense.exact_rows(q[i], near).min())
+        return np.array([memo[key] for key in keys], np.float64)
 
     # ------------------------------------------------------------------ exact hybrid
     def _exact_scores(self, qb: QueryBatch) -> list[tuple]:
