@@ -171,3 +171,35 @@ def test_a_filler_word_common_in_the_corpus_does_not_outweigh_the_asked_about_wo
     corpus = {"find": 0.2, "part": 0.2, "the": 0.1, "direction": 3.0}
     got = fuse_lists(own, ctx, 3, question=q, names=names, corpus_idf=lambda ts: [corpus.get(t, 1.0) for t in ts])
     assert got[0].chunk_id == "l#2"
+
+
+def test_the_kept_analysis_leaves_every_fused_ranking_unchanged():
+    """Replay of 400 generated fusion cases (random lists over a shared vocabulary, an idf that
+    varies by term): the cached analysis (cold and then warm, one cache across all cases, 64
+    texts so it also evicts) gives the very lists (ids, order, scores) of the uncached one."""
+    import random
+
+    from oprag_server.index.analyzer import Analyzer
+    from oprag_server.operators import memory
+
+    names, rng = Analyzer().tokens, random.Random(17)
+    vocab = [f"w{i}" for i in range(40)] + SHARED
+    idf = lambda ts: [1.0 + (sum(map(ord, t)) % 7) / 3 for t in ts]  # noqa: E731
+    texts = [" ".join(rng.sample(vocab, 8)) for _ in range(120)]
+
+    def row(n):
+        return [Hit(f"d{d}#{c}", f"d{d}", f"Title {vocab[d]}" if d % 3 else "", texts[(d * 7 + c) % len(texts)],
+                    0.0, rng.random(), 0.0, 0) for d, c in ((rng.randrange(12), rng.randrange(6)) for _ in range(n))]
+
+    memory._token_caches.clear()
+    cases = [(list({h.chunk_id: h for h in row(20)}.values()), list({h.chunk_id: h for h in row(20)}.values()),
+              " ".join(rng.sample(vocab, 5))) for _ in range(400)]
+    fused = 0
+    for own, ctx, q in cases:
+        ref = fuse_lists(own, ctx, 5, question=q, names=names, corpus_idf=idf, cache=0)
+        for _ in range(2):  # cold, then warm
+            got = fuse_lists(own, ctx, 5, question=q, names=names, corpus_idf=idf, cache=64)
+            assert [(h.chunk_id, h.score) for h in got] == [(h.chunk_id, h.score) for h in ref]
+        fused += ref[0].chunk_id != own[0].chunk_id
+    assert fused > 50  # the cases exercise the fusion, not only the agreeing shortcut
+    assert 0 < len(memory._token_caches[names]) <= 64

@@ -25,6 +25,7 @@ chain of follow-ups therefore keeps its subject. No word list takes part in any 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import math
@@ -42,6 +43,7 @@ MIN_WEIGHT = 0.5  # subjects of turns weighted below this are not added to the c
 RRF_K = 10  # reciprocal-rank constant of the list fusion (small: the heads of the lists decide)
 MEMORY_WINDOW = 20  # depth of each of the two fused lists (at least the request's top_k)
 SUBJECT_TERMS = 3  # salient terms kept for an untitled subject
+TOKEN_CACHE = 4096  # analysed texts kept across requests per analyzer (LRU)
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +127,7 @@ def row_weights(own: list[Hit], ctx: list[Hit]) -> tuple[float, float]:
 
 
 def fuse_lists(own: list[Hit], ctx: list[Hit], top_k: int, rrf_k: float = RRF_K,
-               question: str = "", names=None, corpus_idf=None) -> list[Hit]:
+               question: str = "", names=None, corpus_idf=None, cache: int = TOKEN_CACHE) -> list[Hit]:
     """The question's own list when both lists' top hits are of the same document (the
     question's subject agrees with the session's, or it names its own and the context does not
     override it) or when the question contains every analysed term of its own top hit's title
@@ -138,15 +140,15 @@ def fuse_lists(own: list[Hit], ctx: list[Hit], top_k: int, rrf_k: float = RRF_K,
     counted those words twice -- it outranked the session's subject although the context row had
     more evidence (bench/RESULTS.md, fourth pass). Ties by the better own rank, then chunk id; with ``names``
     the top document's passages are then ordered by the question (:func:`passage_order`, with
-    ``corpus_idf``). The
+    ``corpus_idf``). Analysed texts are kept across calls (``cache``: :func:`_memo_text_tokens`). The
     returned hits carry the fused score in ``score``; at most ``top_k``."""
     if own and ctx and own[0].doc_id == ctx[0].doc_id:
         return own[:top_k]  # both rows agree on the subject: the question's own ranking stands
+    if names:  # each candidate's text analysed once (and kept), for subject_support and passage_order
+        names = _memo_text_tokens(names, cache)
     if own and names and own[0].title and set(names(own[0].title)) <= set(names(question)):
         return own[:top_k]  # the question names the title of its own top document: its subject
     weights = row_weights(own, ctx)
-    if names:  # each candidate's text analysed once, for subject_support and passage_order
-        names = _memo_text_tokens(names)
     if own and ctx and names and subject_support(own, ctx, question, names, corpus_idf):
         weights = (0.0, 1.0)  # the session's subject explains the question as well as its own top hit
     score: dict[str, float] = {}
@@ -161,15 +163,27 @@ def fuse_lists(own: list[Hit], ctx: list[Hit], top_k: int, rrf_k: float = RRF_K,
     return (passage_order(fused, question, names, corpus_idf) if names else fused)[:top_k]
 
 
-def _memo_text_tokens(names):
-    """``names`` with each distinct text's token set computed once (the same candidate texts
-    are analysed by :func:`subject_support` and :func:`passage_order`)."""
-    memo: dict[str, frozenset] = {}
+_token_caches: dict = {}  # an analyzer's bound ``tokens`` -> OrderedDict text -> frozenset
+
+
+def _memo_text_tokens(names, size: int = TOKEN_CACHE):
+    """``names`` with each text's token set kept across requests in an LRU of ``size`` texts per
+    analyzer, keyed by the text (an edited chunk is analysed again); ``size`` 0: no cache."""
+    if size <= 0:
+        return lambda text: frozenset(names(text))
+    memo = _token_caches.get(names)
+    if memo is None:
+        _token_caches.clear() if len(_token_caches) >= 8 else None  # analyzers come and go in tests
+        memo = _token_caches[names] = collections.OrderedDict()
 
     def tokens(text: str) -> frozenset:
         got = memo.get(text)
         if got is None:
             got = memo[text] = frozenset(names(text))
+            if len(memo) > size:
+                memo.popitem(last=False)
+        else:
+            memo.move_to_end(text)
         return got
 
     return tokens
