@@ -19,6 +19,7 @@ import uuid
 from typing import Any
 
 from .wal import WriteAheadLog, encode_record, parse_records, read_records
+from .wal import _fsync_dir as _fsync  # (any path: file or directory)
 
 #: URI forms the message of a bad ``--storage-uri`` suggests
 URI_FORMS = "s3://bucket/prefix, gs://bucket/prefix, file:///absolute/path or /absolute/path"
@@ -34,14 +35,6 @@ class StorageWriteError(OSError):
 
 class LogGapError(RuntimeError):
     """Log objects are missing between the snapshot's first position and the last one present."""
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class ObjectStore:

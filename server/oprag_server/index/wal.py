@@ -59,6 +59,19 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def fsync_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically: temporary file, fsync, rename, fsync dir; creates
+    the parent directory. :raises OSError: the write, rename or fsync failed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
 class WriteAheadLog:
     """One append-only log file. Not thread-safe (each owner appends from one thread)."""
 

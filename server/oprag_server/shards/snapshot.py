@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ import numpy as np
 from .. import records
 from ..index.bm25 import PostingsIndex
 from ..index.objstore import MirroredLog
-from ..index.wal import WriteAheadLog
+from ..index.wal import WriteAheadLog, fsync_write
 from ..index.wal import _fsync_dir as _fsync_file  # (any path: file or directory)
 from .chunks import ChunkStore
 from .memory import MemoryStore
@@ -36,21 +35,6 @@ from .txn import Transactions
 FORMAT_VERSION = 2
 #: formats :func:`load` reads
 READABLE_FORMATS = (1, 2)
-
-
-def fsync_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically: temporary file, fsync, rename, fsync dir."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
 
 
 def write(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions,

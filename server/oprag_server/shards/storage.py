@@ -33,7 +33,7 @@ import shutil
 from pathlib import Path
 
 from ..index.objstore import MirroredLog, ObjectStore, read_log_objects, record_key
-from ..index.wal import WriteAheadLog, encode_record
+from ..index.wal import WriteAheadLog, encode_record, fsync_write
 
 logger = logging.getLogger("oprag")
 
@@ -43,16 +43,6 @@ def replica_uri(uri: str | None, r: int) -> str | None:
     if uri is None or r == 0:
         return uri
     return f"{uri.rstrip('/')}/replica-{r}"
-
-
-def _write_local(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 class ShardStorage:
@@ -93,7 +83,7 @@ class ShardStorage:
             local.unlink(missing_ok=True)
             if name is not None:
                 self._download(name, d)
-                _write_local(local, name.encode())
+                fsync_write(local, name.encode())
                 self.downloaded = True
         records, nxt = read_log_objects(self.wal, first)
         log = WriteAheadLog(d / "wal.log")
@@ -113,7 +103,7 @@ class ShardStorage:
         for key, data in zip(keys, self.store.get_many(keys)):
             if data is None:
                 raise RuntimeError(f"{self.store.uri}/{key} vanished while the snapshot was read")
-            _write_local(part / key[len(pre):], data)
+            fsync_write(part / key[len(pre):], data)
         os.replace(part, d / name)
 
     def _seed(self, d: Path) -> None:
