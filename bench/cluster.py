@@ -100,6 +100,47 @@ def top_chunks(replies: dict, k: int = 10) -> list[tuple[str, float, float]]:
     return sorted(rows, key=lambda t: (-t[1], t[0]))[:k]
 
 
+class WriteLoad:
+    """Commits transactions ``t0, t1, ...`` of ``docs_per_txn`` documents (``chunks_per_doc``
+    chunks each, seed = the transaction's number) until ``stop`` is set, as the node-loss and
+    replica-loss runs' writer. ``acked``: transaction -> document ids acknowledged; ``failed``:
+    those whose commit raised ``ShardError`` (aborted on the shards that answer; it may still have
+    landed if it failed after the commit point); ``pause_s`` after a failure."""
+
+    def __init__(self, S, cp, docs_per_txn: int, chunks_per_doc: int, pause_s: float = 0.0) -> None:
+        self.S, self.cp, self.docs_per_txn, self.chunks_per_doc, self.pause_s = S, cp, docs_per_txn, chunks_per_doc, pause_s
+        self.acked: dict[str, list[str]] = {}
+        self.failed: dict[str, list[str]] = {}
+        self.seeds: dict[str, int] = {}
+        self.writes = self.failed_writes = 0
+
+    async def run(self, stop: asyncio.Event) -> None:
+        S, P, t = self.S, self.S.protocol, 0
+        while not stop.is_set():
+            txn, docs = f"t{t}", [f"d{t}-{i}" for i in range(self.docs_per_txn)]
+            self.seeds[txn] = t
+            try:
+                await ingest(S, self.cp, txn, docs, self.chunks_per_doc, seed=t)
+                self.acked[txn] = docs
+                self.writes += 1
+            except S.ShardError:
+                self.failed[txn] = docs
+                self.failed_writes += 1
+                await self.cp.pool.gather_partial(P.Op.ABORT, P.AbortRequest(txn))
+                if self.pause_s:
+                    await asyncio.sleep(self.pause_s)
+            t += 1
+
+
+async def acked_docs_lost(S, pool, acked: dict[str, list[str]]) -> int:
+    """How many acknowledged document ids no shard holds (asked with REUSE per owner shard)."""
+    P, present = S.protocol, set()
+    for s in range(pool.n):
+        ids = [d for docs in acked.values() for d in docs if pool.owner(d) == s]
+        present |= set((await pool.call(s, P.Op.REUSE, P.ReuseRequest(ids))).vectors)
+    return sum(d not in present for docs in acked.values() for d in docs)
+
+
 # ------------------------------------------------------------------------------ data plane
 async def data_plane(S, rounds: int, chunks: int) -> dict:
     """Pipe vs Ray actor round trips on identical 2-shard pools (see the module doc)."""
@@ -220,27 +261,10 @@ async def node_loss(S, cluster, data_dir: Path, *, kills: int = 1, chunks_per_do
     metrics = _Metrics()
     sup = S.ShardSupervisor(pool, lambda i: S.restart_shard(pool, i, committed=cp.committed_txns, lock=lock,
                                                             stats=cp.stats), _Health(), ("",), metrics)
-    acked: dict[str, list[str]] = {}
-    failed: dict[str, list[str]] = {}
-    seeds: dict[str, int] = {}
-    counts = {"queries": 0, "partial_results": 0, "silent_partial_results": 0, "failed_writes": 0,
-              "failed_queries": 0}
+    load = WriteLoad(S, cp, docs_per_txn, chunks_per_doc, pause_s=0.05)
+    acked, failed, seeds = load.acked, load.failed, load.seeds
+    counts = {"queries": 0, "partial_results": 0, "silent_partial_results": 0, "failed_queries": 0}
     stop = asyncio.Event()
-
-    async def writer():
-        t = 0
-        while not stop.is_set():
-            txn, docs = f"t{t}", [f"d{t}-{i}" for i in range(docs_per_txn)]
-            seeds[txn] = t
-            try:
-                await ingest(S, cp, txn, docs, chunks_per_doc, seed=t)
-                acked[txn] = docs
-            except S.ShardError:
-                failed[txn] = docs
-                counts["failed_writes"] += 1
-                await pool.gather_partial(P.Op.ABORT, P.AbortRequest(txn))
-                await asyncio.sleep(0.05)
-            t += 1
 
     async def reader():
         r = 0
@@ -257,7 +281,8 @@ async def node_loss(S, cluster, data_dir: Path, *, kills: int = 1, chunks_per_do
             await asyncio.sleep(0.01)
 
     sup_stop = asyncio.Event()
-    tasks = [asyncio.create_task(sup.run(sup_stop)), asyncio.create_task(writer()), asyncio.create_task(reader())]
+    tasks = [asyncio.create_task(sup.run(sup_stop)), asyncio.create_task(load.run(stop)),
+             asyncio.create_task(reader())]
     while len(acked) < warm_txns:
         await asyncio.sleep(0.05)
     moves, serving_s = [], []
@@ -285,11 +310,7 @@ async def node_loss(S, cluster, data_dir: Path, *, kills: int = 1, chunks_per_do
     # landed = acknowledged + failed after the commit point (in the commit log: replayed)
     committed = cp.committed_txns()
     landed = {t: d for t, d in {**failed, **acked}.items() if t in acked or t in committed}
-    present = set()
-    for s in range(pool.n):
-        ids = [d for docs in acked.values() for d in docs if pool.owner(d) == s]
-        rep = await pool.call(s, P.Op.REUSE, P.ReuseRequest(ids))
-        present |= set(rep.vectors)
+    lost = await acked_docs_lost(S, pool, acked)
     ref = S.in_process_pool([S.ShardState(i, DIM, None) for i in range(2)])
     rcp = S.CommitProtocol(ref, S.CorpusStats(), S.RWLock())
     for t in range(preload_chunks // 1000):
@@ -305,8 +326,8 @@ async def node_loss(S, cluster, data_dir: Path, *, kills: int = 1, chunks_per_do
     docs, chunks_after = sum(st.documents for st in after), [st.chunks for st in after]
     await pool.shutdown(snapshot=False)
     rec = metrics.recovery_s
-    return {**counts, "kills": kills, "acked_txns": len(acked), "acked_docs": sum(map(len, acked.values())),
-            "acked_docs_lost": sum(d not in present for docs in acked.values() for d in docs),
+    return {**counts, "failed_writes": load.failed_writes, "kills": kills, "acked_txns": len(acked),
+            "acked_docs": sum(map(len, acked.values())), "acked_docs_lost": lost,
             "documents_after": docs, "landed_docs": sum(map(len, landed.values())) + preload_chunks // 1000 * 100,
             "identical_results": bool(identical), "shard_nodes_distinct": len(set(nodes0)) == 2,
             "moved_to_other_node": all(a != b for a, b in moves),

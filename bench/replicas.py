@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from . import _internals
-from .cluster import DIM, _Health, _Metrics, _pct, ingest, search_request, top_chunks
+from .cluster import DIM, WriteLoad, _Health, _Metrics, _pct, acked_docs_lost, ingest, search_request, top_chunks
 
 
 async def replica_loss(S, data_dir: Path, *, kills: int = 5, chunks_per_doc: int = 5, docs_per_txn: int = 20,
@@ -47,24 +47,10 @@ async def replica_loss(S, data_dir: Path, *, kills: int = 5, chunks_per_doc: int
     metrics = _Metrics()
     sup = S.ShardSupervisor(pool, lambda i: S.restart_shard(pool, i, committed=cp.committed_txns, lock=lock,
                                                             stats=cp.stats), _Health(), ("",), metrics, interval_s=0.1)
-    acked: dict[str, list[str]] = {}
-    seeds: dict[str, int] = {}
-    counts = {"queries": 0, "writes": 0, "failed_writes": 0, "failed_queries": 0, "partial_results": 0}
+    load = WriteLoad(S, cp, docs_per_txn, chunks_per_doc)
+    acked, seeds = load.acked, load.seeds
+    counts = {"queries": 0, "failed_queries": 0, "partial_results": 0}
     stop = asyncio.Event()
-
-    async def writer():
-        t = 0
-        while not stop.is_set():
-            txn, docs = f"t{t}", [f"d{t}-{i}" for i in range(docs_per_txn)]
-            seeds[txn] = t
-            try:
-                await ingest(S, cp, txn, docs, chunks_per_doc, seed=t)
-                acked[txn] = docs
-                counts["writes"] += 1
-            except S.ShardError:
-                counts["failed_writes"] += 1
-                await pool.gather_partial(P.Op.ABORT, P.AbortRequest(txn))
-            t += 1
 
     async def reader():
         r = 0
@@ -79,7 +65,8 @@ async def replica_loss(S, data_dir: Path, *, kills: int = 5, chunks_per_doc: int
             await asyncio.sleep(0.01)
 
     sup_stop = asyncio.Event()
-    tasks = [asyncio.create_task(sup.run(sup_stop)), asyncio.create_task(writer()), asyncio.create_task(reader())]
+    tasks = [asyncio.create_task(sup.run(sup_stop)), asyncio.create_task(load.run(stop)),
+             asyncio.create_task(reader())]
     while len(acked) < warm_txns:
         await asyncio.sleep(0.05)
     shard = pool.clients[0]
@@ -107,10 +94,7 @@ async def replica_loss(S, data_dir: Path, *, kills: int = 5, chunks_per_doc: int
     await asyncio.gather(*tasks[1:])
     sup_stop.set()
     tasks[0].cancel()
-    present = set()
-    for s in range(pool.n):
-        ids = [d for docs in acked.values() for d in docs if pool.owner(d) == s]
-        present |= set((await pool.call(s, P.Op.REUSE, P.ReuseRequest(ids))).vectors)
+    lost = await acked_docs_lost(S, pool, acked)
     ref = S.in_process_pool([S.ShardState(i, DIM, None) for i in range(2)])
     rcp = S.CommitProtocol(ref, S.CorpusStats(), S.RWLock())
     for txn in sorted(acked, key=lambda t: seeds[t]):
@@ -124,9 +108,9 @@ async def replica_loss(S, data_dir: Path, *, kills: int = 5, chunks_per_doc: int
     docs = sum(st.documents for st in await pool.broadcast(P.Op.STATS, P.StatsRequest()))
     await pool.shutdown(snapshot=False)
     rec = metrics.recovery_s
+    counts.update(writes=load.writes, failed_writes=load.failed_writes)
     return {**counts, "failed_requests": counts["failed_writes"] + counts["failed_queries"], "kills": kills,
-            "acked_txns": len(acked), "acked_docs": sum(map(len, acked.values())),
-            "acked_docs_lost": sum(d not in present for docs in acked.values() for d in docs),
+            "acked_txns": len(acked), "acked_docs": sum(map(len, acked.values())), "acked_docs_lost": lost,
             "documents_after": docs, "identical_results": bool(identical),
             "catch_up_s": [round(x, 2) for x in rec], "catch_up_p50_s": round(_pct(rec, 50), 2) if rec else None,
             "kill_to_serving_s": [round(x, 2) for x in serving_s],
