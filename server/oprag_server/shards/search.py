@@ -15,11 +15,13 @@ of the few candidates near the cut only, so a chunk left out can never outrank o
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import numpy as np
 
 from .. import records
+from ..index import kernels
 from ..index.fusion import fuse_minmax, lexical_listed, refine_top, skyband, top_k_order
 from .chunks import ChunkStore
 from .protocol import (Candidates, ExactFuseReply, ExactFuseRequest, ExactListsReply, ExactListsRequest,
@@ -27,6 +29,7 @@ from .protocol import (Candidates, ExactFuseReply, ExactFuseRequest, ExactListsR
                        SearchRequest)
 
 _MAX_CACHED_ROUNDS = 64
+_NO_ROWS = np.zeros(0, np.int64)
 
 
 class Searcher:
@@ -54,12 +57,16 @@ class Searcher:
         eligible = [len(st.dense) if a is None else int(a.size) for a in allowed]
         cands: list[Candidates] = []
         if req.mode in ("hybrid", "dense"):
-            dense_min = self._dense_min_estimate(q).tolist()
-            plain = [i for i, a in enumerate(allowed) if a is None]
             st.dense.last_knobs = {}
-            faiss_res = self._dense_tops(q, plain, n, req.ef_search, req.nprobe) if plain else {}
+            if st.dense.params.kind == "flat":  # compiled: every row scanned, the exact top-n
+                tops = self._kernel_tops(q, allowed, n)
+            else:
+                plain = [i for i, a in enumerate(allowed) if a is None]
+                faiss_res = self._dense_tops(q, plain, n, req.ef_search, req.nprobe) if plain else {}
+                tops = [faiss_res[i] if i in faiss_res else self._dense_top(q[i], n, allowed[i]) for i in range(B)]
+            dense_min = self._dense_min_estimate(q).tolist()
             for i in range(B):
-                slots, dense = faiss_res[i] if i in faiss_res else self._dense_top(q[i], n, allowed[i])
+                slots, dense = tops[i]
                 lex = st.postings.score(slots, qb.terms[i], qb.idf[i], qb.avgdl, qb.k1, qb.b)
                 cands.append(Candidates(slots, st.ids(slots), dense, lex))
         elif req.mode == "lexical":
@@ -83,6 +90,54 @@ class Searcher:
             fields = [self._fields(c.slots[:k] if req.mode != "hybrid" else c.slots[skyband(c.dense, c.lexical, k)])
                       for c in cands]
         return SearchReply(cands, eligible, dense_min, st.dense.params.kind, st.dense.last_knobs or None, fields)
+
+    def warm(self) -> float:
+        """Compile (or load from numba's cache) the kernels of the candidate step for this
+        shard's own arrays (:func:`.kernels.warm`, then one candidate step and one BM25 scoring
+        of the first chunk), so that the first query is not slow. :returns: seconds taken."""
+        t = kernels.warm()
+        st, t0 = self.store, time.perf_counter()
+        if len(st.dense) and st.dense.params.kind == "flat":
+            slots, _ = self._kernel_tops(st.dense.vectors[:1].copy(), [None], 1)[0]
+            st.postings.score(slots, [], np.zeros(0), 1.0)
+        return t + time.perf_counter() - t0
+
+    def _kernel_tops(self, q: np.ndarray, allowed: list, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per query of float32[B, D] ``q``: the exact top-n ``(slots int64[n'], canonical
+        float64[n'])`` (ties: chunk id) of the allowed rows (None: all), from one BLAS scan and
+        :func:`.kernels.dense_step`; the same result as :meth:`_dense_tops` / :meth:`_dense_top`
+        over a flat index (their numpy path, used here when a score is not finite). An
+        unfiltered query also leaves its dense-minimum estimate in the memo of
+        :meth:`_dense_min_estimate` (the kernel computes it from the same scan)."""
+        dense = self.store.dense
+        vecs, row_slot = dense.vectors, dense.slots
+        sample = dense.sample(self.SAMPLE)[0]
+        memo = self._dmin_memo()
+        out = []
+        for i in range(q.shape[0]):
+            qi, every = q[i], allowed[i] is None
+            key = qi.tobytes() if every else b""
+            rows = _NO_ROWS if every else dense.rows(allowed[i])
+            approx = (vecs if every else vecs[rows]) @ qi
+            short, ex, order, ties, low, status = kernels.dense_step(
+                vecs, rows, every, approx, qi, dense.score_error(qi), n,
+                sample if every and key not in memo else _NO_ROWS)
+            if status != kernels.OK:
+                out.append(self._dense_tops(q, [i], n)[i] if every else self._dense_top(qi, n, allowed[i]))
+                continue
+            if every and key not in memo:
+                memo[key] = float(low)
+            r = short if every else rows[short]
+            kk = min(n, approx.size)
+            order = np.asarray(top_k_order(ex, self.store.row_ids(), kk, rows=r), np.int64) if ties else order[:kk]
+            out.append((row_slot[r[order]], ex[order]))
+        return out
+
+    def _dmin_memo(self) -> dict[bytes, float]:
+        """Dense-minimum estimates by query bytes, dropped on a write (at most 4,096 kept)."""
+        if self._dmin[0] != self.store.version or len(self._dmin[1]) >= 4096:
+            self._dmin = (self.store.version, {})
+        return self._dmin[1]
 
     def _refine(self, q: np.ndarray, slots: np.ndarray, approx: np.ndarray, n: int,
                 complete: bool = True) -> tuple[np.ndarray, np.ndarray] | None:
@@ -131,9 +186,7 @@ class Searcher:
         n = len(dense)
         if n == 0:
             return np.full(q.shape[0], np.inf)
-        if self._dmin[0] != self.store.version or len(self._dmin[1]) >= 4096:
-            self._dmin = (self.store.version, {})
-        memo = self._dmin[1]
+        memo = self._dmin_memo()
         keys = [row.tobytes() for row in q]
         todo = [i for i, key in enumerate(keys) if key not in memo]
         if todo:
