@@ -6,7 +6,8 @@ the frontend and of each shard process (``/proc/<pid>/task/*/stat``, utime + sti
 
 ``--part phases``: one shard's snapshot loaded in this process (single-threaded BLAS and FAISS,
 as in a shard process); CPU per hybrid ``search`` (N = 256, fetch_k 10) split by phase
-(thread CPU time around each method: FAISS top-n, canonical refine, dense-minimum estimate,
+(thread CPU time around each method: FAISS top-n, canonical refine, dense-minimum estimate, or
+the compiled dense step of a tree that has it (``Searcher._kernel_tops``),
 BM25 of the candidates, k-skyband, stored fields, chunk ids; the rest is glue), and the pickle /
 unpickle of the reply.
 
@@ -106,13 +107,20 @@ def phases(a, V: np.ndarray) -> dict:
     import faiss
 
     faiss.omp_set_num_threads(1)
+    try:  # numpy's BLAS was loaded before the variables above were set: limit it now
+        from threadpoolctl import threadpool_limits
+        threadpool_limits(1)
+    except ImportError:
+        log("threadpoolctl missing: run with OPENBLAS_NUM_THREADS=1 for single-threaded BLAS")
     sp = _internals.shard_plane()
     st = _load_shard(sp, a.data_dir, 0, V.shape[1])
     acc: collections.Counter = collections.Counter()
     depth = [0]
 
     def wrap(obj, name: str, label: str) -> None:
-        f = getattr(obj, name)
+        f = getattr(obj, name, None)
+        if f is None:  # a tree without that step
+            return
 
         def timed(*args, **kw):
             if depth[0]:
@@ -128,6 +136,7 @@ def phases(a, V: np.ndarray) -> dict:
 
     wrap(st.store.dense, "search", "dense top-n (FAISS)")
     wrap(st.search, "_refine", "canonical refine of the top-n")
+    wrap(st.search, "_kernel_tops", "dense top-n: BLAS scan + compiled refine and sample minimum")
     wrap(st.search, "_dense_min_estimate", "dense-minimum estimate (sample)")
     wrap(st.store.postings, "score", "BM25 of the candidates")
     wrap(sp.search, "skyband", "k-skyband")

@@ -242,26 +242,34 @@ def bm25_segment(s, where, seg_code, doc_len, tids, idf, offsets, pslots, ptf, a
     one_b, k1p = 1.0 - b, k1 + 1.0
     for j in range(m):
         norm[j] = k1 * (one_b + b * doc_len[s[j]] / avgdl)
+    # candidates in ascending slot order: each term's postings are then searched forward from
+    # where the previous candidate was found (galloping), not from the start
+    order = _argsort_desc(-s, np.arange(m))
     for i in range(tids.size):
         t = tids[i]
         if t < 0:
             continue
-        lo0, hi0 = offsets[t], offsets[t + 1]
-        if hi0 <= lo0:
-            continue
+        lo, end = offsets[t], offsets[t + 1]
         w = idf[i]
-        for j in range(m):
+        for j in order:
             x = s[j]
+            if lo >= end:
+                break
             if where[x] != seg_code:
                 continue
-            lo, hi = lo0, hi0
-            while lo < hi:  # leftmost position with pslots[pos] >= x
+            step, hi = 1, lo
+            while hi < end and pslots[hi] < x:  # pslots[lo - 1] < x: gallop to a bracket
+                lo = hi + 1
+                hi = lo + step
+                step *= 2
+            hi = min(hi, end)
+            while lo < hi:  # leftmost position in [lo, hi) with pslots[pos] >= x
                 mid = (lo + hi) >> 1
                 if pslots[mid] < x:
                     lo = mid + 1
                 else:
                     hi = mid
-            if lo < hi0 and pslots[lo] == x:
+            if lo < end and pslots[lo] == x:
                 tf = np.float64(ptf[lo])
                 out[j] += w * (tf * k1p / (tf + norm[j]))
     return out, norm
@@ -284,17 +292,20 @@ def skyband(d, lx, k):
     if m <= k:
         return np.arange(m), True
     order = _argsort_desc(d, np.arange(m))
+    ds, ls = d[order], lx[order]  # contiguous, by dense score descending
     keep = np.zeros(m, np.bool_)
     for a in range(m):
-        p = order[a]
+        dp, lp = ds[a], ls[a]
+        thr = lp if lp != 0.0 else 0.0  # unlisted: beaten by a higher dense score with lx > 0
         beaten = 0
-        for c in range(a):
-            q = order[c]
-            if d[q] > d[p] and (lx[q] > lx[p] and lx[q] != 0.0 if lx[p] != 0.0 else lx[q] > 0.0):
-                beaten += 1
-                if beaten >= k:
-                    break
-        keep[p] = beaten < k
+        for c0 in range(0, a, 64):  # branch-free blocks (vectorised), stopping at k beaters
+            blk = 0
+            for c in range(c0, min(a, c0 + 64)):
+                blk += (ds[c] > dp) & (ls[c] > thr) & (ls[c] != 0.0)
+            beaten += blk
+            if beaten >= k:
+                break
+        keep[order[a]] = beaten < k
     return np.flatnonzero(keep), True
 
 

@@ -79,7 +79,7 @@ class Searcher:
                 cids = st.ids(slots)
                 order = top_k_order(lex, cids, n)
                 slots = slots[order]
-                dense = st.dense.exact_slots(q[i], slots)
+                dense = self._canonical(q[i], st.dense.rows(slots))
                 cands.append(Candidates(slots, [cids[j] for j in order], dense, lex[order]))
         else:
             raise ValueError(f"unknown search mode {req.mode!r}")
@@ -133,6 +133,12 @@ class Searcher:
             out.append((row_slot[r[order]], ex[order]))
         return out
 
+    def _canonical(self, q: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """float64[M]: canonical scores of float32[D] ``q`` with the rows int64[M] (compiled
+        :func:`.kernels.canonical_rows`, the values of ``DenseIndex.exact_rows``)."""
+        return kernels.canonical_rows(self.store.dense.vectors, np.asarray(rows, np.int64),
+                                       np.ascontiguousarray(q, dtype=np.float32))
+
     def _dmin_memo(self) -> dict[bytes, float]:
         """Dense-minimum estimates by query bytes, dropped on a write (at most 4,096 kept)."""
         if self._dmin[0] != self.store.version or len(self._dmin[1]) >= 4096:
@@ -144,7 +150,7 @@ class Searcher:
         """Top-n of ``slots`` by canonical score (ties: chunk id), from approximate scores
         float[M] (see :func:`refine_top`; None: ``approx`` was a partial list that must grow)."""
         dense = self.store.dense
-        r = refine_top(approx, dense.score_error(q), lambda pos: dense.exact_slots(q, slots[pos]),
+        r = refine_top(approx, dense.score_error(q), lambda pos: self._canonical(q, dense.rows(slots[pos])),
                        self.store.ids(slots), n, complete=complete)
         return None if r is None else (slots[r[0]], r[1])
 
@@ -197,7 +203,7 @@ class Searcher:
                 # only a sample within twice the error bound of the lowest FAISS-kernel score
                 # can hold the lowest canonical one (the argument of refine_top, for k = 1)
                 near = rows[approx[j] <= low[j] + 2.0 * dense.score_error(q[i])]
-                memo[keys[i]] = float(dense.exact_rows(q[i], near).min())
+                memo[keys[i]] = float(self._canonical(q[i], near).min())
         return np.array([memo[key] for key in keys], np.float64)
 
     # ------------------------------------------------------------------ exact hybrid
@@ -232,7 +238,7 @@ class Searcher:
 
     def _dense_exact(self, q: np.ndarray, rows: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
         """positions int64[S] into ``rows`` -> their canonical dense scores float64[S]."""
-        return lambda pos: self.store.dense.exact_rows(q, rows[pos])
+        return lambda pos: self._canonical(q, rows[pos])
 
     def _dense_range(self, rows, d, q) -> tuple[float, float]:
         """Canonical (min, max) dense score over the rows (approximate scores ``d``)."""
