@@ -16,6 +16,9 @@ queries (N = 256, fetch_k 10) pickled as the shards send them; CPU per query of 
 unpickle of the two replies, and of collecting the carried fields plus the global merge and
 fusion (``Retriever._merge``), each the best of three passes.
 
+``--part warm``: one shard's start-up in a fresh process, snapshot load and kernel warm-up, with
+numba's cache empty and then filled (:func:`warm_start`).
+
 ``--part grpc-floor``: a ``grpc.aio`` server whose ``Retrieve`` returns a prebuilt 10-hit
 response (900-character texts): what the gRPC round trip alone costs here (p50, server and
 client CPU per call).
@@ -265,6 +268,39 @@ def grpc_floor(a) -> dict:
         p.join(10)
 
 
+_WARM = """import sys, time
+t0, c0 = time.perf_counter(), time.process_time()
+from pathlib import Path
+from bench import _internals
+from bench.hotpath_parts import _load_shard
+st = _load_shard(_internals.shard_plane(), Path(sys.argv[1]), 0, int(sys.argv[2]))
+t1, c1 = time.perf_counter(), time.process_time()
+warm = getattr(st.search, "warm", None)
+if warm is not None:
+    warm()
+t2, c2 = time.perf_counter(), time.process_time()
+print(round(t1 - t0, 3), round(c1 - c0, 3), round(t2 - t1, 3), round(c2 - c1, 3))
+"""
+
+
+def warm_start(a, V: np.ndarray) -> dict:
+    """Shard start-up in a fresh process (imports + snapshot load, then ``Searcher.warm``, the
+    compiled kernels of a tree that has them), wall / CPU s: once with numba's cache emptied
+    (a temporary ``NUMBA_CACHE_DIR``: the first start after an install), then twice from it."""
+    import subprocess
+    import sys
+
+    out = []
+    with tempfile.TemporaryDirectory() as cache:
+        for run in ("cold", "cached", "cached"):
+            r = subprocess.run([sys.executable, "-c", _WARM, str(a.data_dir), str(V.shape[1])], check=True,
+                               capture_output=True, text=True, env={**os.environ, "NUMBA_CACHE_DIR": cache})
+            w = [float(x) for x in r.stdout.split()[-4:]]
+            out.append({"run": run, "load_s": w[0], "load_cpu_s": w[1], "warm_s": w[2], "warm_cpu_s": w[3],
+                        "loadavg": round(os.getloadavg()[0], 2)})
+    return {"starts": out}
+
+
 def _proc_cpu(pid: int) -> float:
     f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
@@ -284,7 +320,8 @@ def main(argv=None) -> int:
     V = read_snapshot(a.data_dir)["vectors"]
     out: dict = {"machine": machine_info(), "chunks": len(V)}
     for name, fn in (("threads", lambda: threads(a, V)), ("phases", lambda: phases(a, V)),
-                     ("merge", lambda: merge(a, V)), ("grpc-floor", lambda: grpc_floor(a))):
+                     ("merge", lambda: merge(a, V)), ("grpc-floor", lambda: grpc_floor(a)),
+                     ("warm", lambda: warm_start(a, V))):
         if name in parts:
             out[name] = fn()
             log(f"{name}: {out[name]}")
