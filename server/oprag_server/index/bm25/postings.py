@@ -321,7 +321,7 @@ class PostingsIndex(MergeMixin):
         tids = np.array([-1 if t is None or not seg_df[t] else t for t in map(vocab.get, terms)], np.int64)
         out, norm = kernels.bm25_segment(s.reshape(-1), self._where, _SEG, self._doc_len, tids, idf, seg.offsets,
                                          seg.slots, seg.tf, float(avgdl), float(k1), float(b))
-        out, layers = out.reshape(s.shape), self._delta_layers()
+        out, layers = out.reshape(s.shape), [(d, c) for d, c in self._delta_layers() if d.n]  # live postings
         for i, t in enumerate(terms):
             # a chunk is in the segment or in a delta layer, so it gets one addition per term
             for layer, code in layers:
