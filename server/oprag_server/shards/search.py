@@ -21,7 +21,6 @@ from collections.abc import Callable
 import numpy as np
 
 from .. import records
-from ..index import kernels
 from ..index.fusion import fuse_minmax, lexical_listed, refine_top, skyband, top_k_order
 from .chunks import ChunkStore
 from .protocol import (Candidates, ExactFuseReply, ExactFuseRequest, ExactListsReply, ExactListsRequest,
@@ -30,6 +29,14 @@ from .protocol import (Candidates, ExactFuseReply, ExactFuseRequest, ExactListsR
 
 _MAX_CACHED_ROUNDS = 64
 _NO_ROWS = np.zeros(0, np.int64)
+
+
+def _kernels():
+    """:mod:`..index.kernels`, imported on first use: numba costs ~170 MB resident per process,
+    and the frontend imports this module (the shard process entry point) without searching."""
+    from ..index import kernels  # noqa: PLC0415
+
+    return kernels
 
 
 class Searcher:
@@ -95,7 +102,7 @@ class Searcher:
         """Compile (or load from numba's cache) the kernels of the candidate step for this
         shard's own arrays (:func:`.kernels.warm`, then one candidate step and one BM25 scoring
         of the first chunk), so that the first query is not slow. :returns: seconds taken."""
-        t = kernels.warm()
+        t = _kernels().warm()
         st, t0 = self.store, time.perf_counter()
         if len(st.dense) and st.dense.params.kind == "flat":
             slots, _ = self._kernel_tops(st.dense.vectors[:1].copy(), [None], 1)[0]
@@ -109,7 +116,7 @@ class Searcher:
         over a flat index (their numpy path, used here when a score is not finite). An
         unfiltered query also leaves its dense-minimum estimate in the memo of
         :meth:`_dense_min_estimate` (the kernel computes it from the same scan)."""
-        dense = self.store.dense
+        dense, kernels = self.store.dense, _kernels()
         vecs, row_slot = dense.vectors, dense.slots
         sample = dense.sample(self.SAMPLE)[0]
         memo = self._dmin_memo()
@@ -136,7 +143,7 @@ class Searcher:
     def _canonical(self, q: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """float64[M]: canonical scores of float32[D] ``q`` with the rows int64[M] (compiled
         :func:`.kernels.canonical_rows`, the values of ``DenseIndex.exact_rows``)."""
-        return kernels.canonical_rows(self.store.dense.vectors, np.asarray(rows, np.int64),
+        return _kernels().canonical_rows(self.store.dense.vectors, np.asarray(rows, np.int64),
                                        np.ascontiguousarray(q, dtype=np.float32))
 
     def _dmin_memo(self) -> dict[bytes, float]:

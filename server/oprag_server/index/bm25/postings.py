@@ -13,7 +13,6 @@ from typing import Sequence
 
 import numpy as np
 
-from .. import kernels
 from .delta import Delta, accumulate
 from .merging import _DELTA, _NONE, _SEG, MergeMixin
 from .okapi import as_slot as _as_slot, check_avgdl, check_query, check_slots
@@ -317,6 +316,8 @@ class PostingsIndex(MergeMixin):
         # the segment's postings in one compiled pass (kernels.bm25_segment: per chunk the same
         # additions in the same order as rank_bm25); the length part of the denominator,
         # element-wise the same floats rank_bm25 computes, comes back for the delta layers
+        from .. import kernels  # noqa: PLC0415 - numba (~170 MB resident) only in processes that score
+
         vocab, seg_df, seg = self._seg.vocab, self._seg_df, self._seg
         tids = np.array([-1 if t is None or not seg_df[t] else t for t in map(vocab.get, terms)], np.int64)
         out, norm = kernels.bm25_segment(s.reshape(-1), self._where, _SEG, self._doc_len, tids, idf, seg.offsets,
