@@ -318,7 +318,7 @@ def warm(d: int = 8) -> float:
         on this 2-core machine, then cached on disk).
     """
     t0 = time.perf_counter()
-    vecs = np.ones((4, d), np.float32) / np.sqrt(d)
+    vecs = np.full((4, d), 1.0 / np.sqrt(d), np.float32)  # float32, as the shard passes
     q = vecs[0].copy()
     rows = np.arange(4, dtype=np.int64)
     dense_step(vecs, rows, True, vecs @ q, q, 1e-6, 2, rows)
