@@ -6,7 +6,8 @@ the frontend and of each shard process (``/proc/<pid>/task/*/stat``, utime + sti
 
 ``--part phases``: one shard's snapshot loaded in this process (single-threaded BLAS and FAISS,
 as in a shard process); CPU per hybrid ``search`` (N = 256, fetch_k 10) split by phase
-(thread CPU time around each method: FAISS top-n, canonical refine, dense-minimum estimate,
+(thread CPU time around each method: FAISS top-n, canonical refine, dense-minimum estimate, or
+the compiled dense step of a tree that has it (``Searcher._kernel_tops``),
 BM25 of the candidates, k-skyband, stored fields, chunk ids; the rest is glue), and the pickle /
 unpickle of the reply.
 
@@ -14,6 +15,9 @@ unpickle of the reply.
 queries (N = 256, fetch_k 10) pickled as the shards send them; CPU per query of the frontend's
 unpickle of the two replies, and of collecting the carried fields plus the global merge and
 fusion (``Retriever._merge``), each the best of three passes.
+
+``--part warm``: one shard's start-up in a fresh process, snapshot load and kernel warm-up, with
+numba's cache empty and then filled (:func:`warm_start`).
 
 ``--part grpc-floor``: a ``grpc.aio`` server whose ``Retrieve`` returns a prebuilt 10-hit
 response (900-character texts): what the gRPC round trip alone costs here (p50, server and
@@ -106,13 +110,20 @@ def phases(a, V: np.ndarray) -> dict:
     import faiss
 
     faiss.omp_set_num_threads(1)
+    try:  # numpy's BLAS was loaded before the variables above were set: limit it now
+        from threadpoolctl import threadpool_limits
+        threadpool_limits(1)
+    except ImportError:
+        log("threadpoolctl missing: run with OPENBLAS_NUM_THREADS=1 for single-threaded BLAS")
     sp = _internals.shard_plane()
     st = _load_shard(sp, a.data_dir, 0, V.shape[1])
     acc: collections.Counter = collections.Counter()
     depth = [0]
 
     def wrap(obj, name: str, label: str) -> None:
-        f = getattr(obj, name)
+        f = getattr(obj, name, None)
+        if f is None:  # a tree without that step
+            return
 
         def timed(*args, **kw):
             if depth[0]:
@@ -128,6 +139,7 @@ def phases(a, V: np.ndarray) -> dict:
 
     wrap(st.store.dense, "search", "dense top-n (FAISS)")
     wrap(st.search, "_refine", "canonical refine of the top-n")
+    wrap(st.search, "_kernel_tops", "dense top-n: BLAS scan + compiled refine and sample minimum")
     wrap(st.search, "_dense_min_estimate", "dense-minimum estimate (sample)")
     wrap(st.store.postings, "score", "BM25 of the candidates")
     wrap(sp.search, "skyband", "k-skyband")
@@ -256,6 +268,39 @@ def grpc_floor(a) -> dict:
         p.join(10)
 
 
+_WARM = """import sys, time
+t0, c0 = time.perf_counter(), time.process_time()
+from pathlib import Path
+from bench import _internals
+from bench.hotpath_parts import _load_shard
+st = _load_shard(_internals.shard_plane(), Path(sys.argv[1]), 0, int(sys.argv[2]))
+t1, c1 = time.perf_counter(), time.process_time()
+warm = getattr(st.search, "warm", None)
+if warm is not None:
+    warm()
+t2, c2 = time.perf_counter(), time.process_time()
+print(round(t1 - t0, 3), round(c1 - c0, 3), round(t2 - t1, 3), round(c2 - c1, 3))
+"""
+
+
+def warm_start(a, V: np.ndarray) -> dict:
+    """Shard start-up in a fresh process (imports + snapshot load, then ``Searcher.warm``, the
+    compiled kernels of a tree that has them), wall / CPU s: once with numba's cache emptied
+    (a temporary ``NUMBA_CACHE_DIR``: the first start after an install), then twice from it."""
+    import subprocess
+    import sys
+
+    out = []
+    with tempfile.TemporaryDirectory() as cache:
+        for run in ("cold", "cached", "cached"):
+            r = subprocess.run([sys.executable, "-c", _WARM, str(a.data_dir), str(V.shape[1])], check=True,
+                               capture_output=True, text=True, env={**os.environ, "NUMBA_CACHE_DIR": cache})
+            w = [float(x) for x in r.stdout.split()[-4:]]
+            out.append({"run": run, "load_s": w[0], "load_cpu_s": w[1], "warm_s": w[2], "warm_cpu_s": w[3],
+                        "loadavg": round(os.getloadavg()[0], 2)})
+    return {"starts": out}
+
+
 def _proc_cpu(pid: int) -> float:
     f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
@@ -275,7 +320,8 @@ def main(argv=None) -> int:
     V = read_snapshot(a.data_dir)["vectors"]
     out: dict = {"machine": machine_info(), "chunks": len(V)}
     for name, fn in (("threads", lambda: threads(a, V)), ("phases", lambda: phases(a, V)),
-                     ("merge", lambda: merge(a, V)), ("grpc-floor", lambda: grpc_floor(a))):
+                     ("merge", lambda: merge(a, V)), ("grpc-floor", lambda: grpc_floor(a)),
+                     ("warm", lambda: warm_start(a, V))):
         if name in parts:
             out[name] = fn()
             log(f"{name}: {out[name]}")

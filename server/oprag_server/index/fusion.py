@@ -157,7 +157,22 @@ def refine_top(approx: np.ndarray, err: float, exact: Callable[[np.ndarray], np.
     return short[order], ex[order]
 
 
-def skyband(dense: np.ndarray, lexical: np.ndarray, k: int, block: int = 512) -> np.ndarray:
+def skyband(dense: np.ndarray, lexical: np.ndarray, k: int) -> np.ndarray:
+    """:func:`skyband_reference`, compiled (:func:`.kernels.skyband`) when every score is finite.
+
+    :param dense: float[M]; :param lexical: float[M]. :returns: int64 positions, ascending.
+    """
+    d = np.ascontiguousarray(dense, dtype=np.float64)
+    lx = np.ascontiguousarray(lexical, dtype=np.float64)
+    if d.shape != lx.shape or d.ndim != 1:
+        return skyband_reference(d, lx, k)
+    from . import kernels  # noqa: PLC0415 - numba only where a skyband is computed (shards)
+
+    pos, finite = kernels.skyband(d, lx, int(k))
+    return pos if finite else skyband_reference(d, lx, k)
+
+
+def skyband_reference(dense: np.ndarray, lexical: np.ndarray, k: int, block: int = 512) -> np.ndarray:
     """Positions (ascending int64) of the candidates beaten on both scores by fewer than ``k``
     others: the only ones that can be in a top-k of any fusion that ranks a candidate above one
     it beats on both (the 2-D k-skyband; Papadias et al., "Progressive skyline computation in

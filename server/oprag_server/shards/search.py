@@ -15,6 +15,7 @@ of the few candidates near the cut only, so a chunk left out can never outrank o
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -27,6 +28,15 @@ from .protocol import (Candidates, ExactFuseReply, ExactFuseRequest, ExactListsR
                        SearchRequest)
 
 _MAX_CACHED_ROUNDS = 64
+_NO_ROWS = np.zeros(0, np.int64)
+
+
+def _kernels():
+    """:mod:`..index.kernels`, imported on first use: numba costs ~170 MB resident per process,
+    and the frontend imports this module (the shard process entry point) without searching."""
+    from ..index import kernels  # noqa: PLC0415
+
+    return kernels
 
 
 class Searcher:
@@ -54,12 +64,16 @@ class Searcher:
         eligible = [len(st.dense) if a is None else int(a.size) for a in allowed]
         cands: list[Candidates] = []
         if req.mode in ("hybrid", "dense"):
-            dense_min = self._dense_min_estimate(q).tolist()
-            plain = [i for i, a in enumerate(allowed) if a is None]
             st.dense.last_knobs = {}
-            faiss_res = self._dense_tops(q, plain, n, req.ef_search, req.nprobe) if plain else {}
+            if st.dense.params.kind == "flat":  # compiled: every row scanned, the exact top-n
+                tops = self._kernel_tops(q, allowed, n)
+            else:
+                plain = [i for i, a in enumerate(allowed) if a is None]
+                faiss_res = self._dense_tops(q, plain, n, req.ef_search, req.nprobe) if plain else {}
+                tops = [faiss_res[i] if i in faiss_res else self._dense_top(q[i], n, allowed[i]) for i in range(B)]
+            dense_min = self._dense_min_estimate(q).tolist()
             for i in range(B):
-                slots, dense = faiss_res[i] if i in faiss_res else self._dense_top(q[i], n, allowed[i])
+                slots, dense = tops[i]
                 lex = st.postings.score(slots, qb.terms[i], qb.idf[i], qb.avgdl, qb.k1, qb.b)
                 cands.append(Candidates(slots, st.ids(slots), dense, lex))
         elif req.mode == "lexical":
@@ -72,7 +86,7 @@ class Searcher:
                 cids = st.ids(slots)
                 order = top_k_order(lex, cids, n)
                 slots = slots[order]
-                dense = st.dense.exact_slots(q[i], slots)
+                dense = self._canonical(q[i], st.dense.rows(slots))
                 cands.append(Candidates(slots, [cids[j] for j in order], dense, lex[order]))
         else:
             raise ValueError(f"unknown search mode {req.mode!r}")
@@ -84,12 +98,66 @@ class Searcher:
                       for c in cands]
         return SearchReply(cands, eligible, dense_min, st.dense.params.kind, st.dense.last_knobs or None, fields)
 
+    def warm(self) -> float:
+        """Compile (or load from numba's cache) the kernels of the candidate step for this
+        shard's own arrays (:func:`.kernels.warm`, then one candidate step and one BM25 scoring
+        of the first chunk), so that the first query is not slow. :returns: seconds taken."""
+        t = _kernels().warm()
+        st, t0 = self.store, time.perf_counter()
+        if len(st.dense) and st.dense.params.kind == "flat":
+            slots, _ = self._kernel_tops(st.dense.vectors[:1].copy(), [None], 1)[0]
+            st.postings.score(slots, [], np.zeros(0), 1.0)
+        return t + time.perf_counter() - t0
+
+    def _kernel_tops(self, q: np.ndarray, allowed: list, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per query of float32[B, D] ``q``: the exact top-n ``(slots int64[n'], canonical
+        float64[n'])`` (ties: chunk id) of the allowed rows (None: all), from one BLAS scan and
+        :func:`.kernels.dense_step`; the same result as :meth:`_dense_tops` / :meth:`_dense_top`
+        over a flat index (their numpy path, used here when a score is not finite). An
+        unfiltered query also leaves its dense-minimum estimate in the memo of
+        :meth:`_dense_min_estimate` (the kernel computes it from the same scan)."""
+        dense, kernels = self.store.dense, _kernels()
+        vecs, row_slot = dense.vectors, dense.slots
+        sample = dense.sample(self.SAMPLE)[0]
+        memo = self._dmin_memo()
+        out = []
+        for i in range(q.shape[0]):
+            qi, every = q[i], allowed[i] is None
+            key = qi.tobytes() if every else b""
+            rows = _NO_ROWS if every else dense.rows(allowed[i])
+            approx = (vecs if every else vecs[rows]) @ qi
+            short, ex, order, ties, low, status = kernels.dense_step(
+                vecs, rows, every, approx, qi, dense.score_error(qi), n,
+                sample if every and key not in memo else _NO_ROWS)
+            if status != kernels.OK:
+                out.append(self._dense_tops(q, [i], n)[i] if every else self._dense_top(qi, n, allowed[i]))
+                continue
+            if every and key not in memo:
+                memo[key] = float(low)
+            r = short if every else rows[short]
+            kk = min(n, approx.size)
+            order = np.asarray(top_k_order(ex, self.store.row_ids(), kk, rows=r), np.int64) if ties else order[:kk]
+            out.append((row_slot[r[order]], ex[order]))
+        return out
+
+    def _canonical(self, q: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """float64[M]: canonical scores of float32[D] ``q`` with the rows int64[M] (compiled
+        :func:`.kernels.canonical_rows`, the values of ``DenseIndex.exact_rows``)."""
+        return _kernels().canonical_rows(self.store.dense.vectors, np.asarray(rows, np.int64),
+                                       np.ascontiguousarray(q, dtype=np.float32))
+
+    def _dmin_memo(self) -> dict[bytes, float]:
+        """Dense-minimum estimates by query bytes, dropped on a write (at most 4,096 kept)."""
+        if self._dmin[0] != self.store.version or len(self._dmin[1]) >= 4096:
+            self._dmin = (self.store.version, {})
+        return self._dmin[1]
+
     def _refine(self, q: np.ndarray, slots: np.ndarray, approx: np.ndarray, n: int,
                 complete: bool = True) -> tuple[np.ndarray, np.ndarray] | None:
         """Top-n of ``slots`` by canonical score (ties: chunk id), from approximate scores
         float[M] (see :func:`refine_top`; None: ``approx`` was a partial list that must grow)."""
         dense = self.store.dense
-        r = refine_top(approx, dense.score_error(q), lambda pos: dense.exact_slots(q, slots[pos]),
+        r = refine_top(approx, dense.score_error(q), lambda pos: self._canonical(q, dense.rows(slots[pos])),
                        self.store.ids(slots), n, complete=complete)
         return None if r is None else (slots[r[0]], r[1])
 
@@ -131,9 +199,7 @@ class Searcher:
         n = len(dense)
         if n == 0:
             return np.full(q.shape[0], np.inf)
-        if self._dmin[0] != self.store.version or len(self._dmin[1]) >= 4096:
-            self._dmin = (self.store.version, {})
-        memo = self._dmin[1]
+        memo = self._dmin_memo()
         keys = [row.tobytes() for row in q]
         todo = [i for i, key in enumerate(keys) if key not in memo]
         if todo:
@@ -144,7 +210,7 @@ class Searcher:
                 # only a sample within twice the error bound of the lowest FAISS-kernel score
                 # can hold the lowest canonical one (the argument of refine_top, for k = 1)
                 near = rows[approx[j] <= low[j] + 2.0 * dense.score_error(q[i])]
-                memo[keys[i]] = float(dense.exact_rows(q[i], near).min())
+                memo[keys[i]] = float(self._canonical(q[i], near).min())
         return np.array([memo[key] for key in keys], np.float64)
 
     # ------------------------------------------------------------------ exact hybrid
@@ -179,7 +245,7 @@ class Searcher:
 
     def _dense_exact(self, q: np.ndarray, rows: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
         """positions int64[S] into ``rows`` -> their canonical dense scores float64[S]."""
-        return lambda pos: self.store.dense.exact_rows(q, rows[pos])
+        return lambda pos: self._canonical(q, rows[pos])
 
     def _dense_range(self, rows, d, q) -> tuple[float, float]:
         """Canonical (min, max) dense score over the rows (approximate scores ``d``)."""

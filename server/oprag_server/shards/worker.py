@@ -13,6 +13,7 @@ This module imports neither torch nor grpc: shard processes stay small.
 from __future__ import annotations
 
 import signal
+import sys
 import traceback
 from pathlib import Path
 
@@ -38,6 +39,10 @@ def run(shard_id: int, conn, dim: int, data_dir: str | None, stem: bool, committ
     try:
         state = ShardState(shard_id, dim, Path(data_dir) if data_dir else None, stem=stem, dense=dense, storage=storage)
         replayed = state.load(committed)
+        warm_s = state.search.warm()  # compiled kernels ready before the first query
+        if warm_s > 1.0:
+            print(f"shard {shard_id}: search kernels compiled in {warm_s:.1f} s (cached for the next start)",
+                  file=sys.stderr)
         ready = state.stats(StatsRequest(lexical=True))
         ready.replayed = replayed
         conn.send((0, True, ready))

@@ -311,28 +311,20 @@ class PostingsIndex(MergeMixin):
         """
         s = check_slots(slots, self._live)
         idf = check_query(terms, idf)
-        go = check_avgdl(avgdl)
-        out = np.zeros(s.shape, dtype=np.float64)
-        if s.size == 0 or not go:
-            return out
-        # the length part of the denominator, element-wise the same floats rank_bm25 computes
-        norm = k1 * (1 - b + b * self._doc_len[s] / avgdl)
-        s32 = s.astype(np.int32)
-        in_seg = self._where[s] == _SEG
-        layers = self._delta_layers()
-        vocab, seg_df = self._seg.vocab, self._seg_df
+        if s.size == 0 or not check_avgdl(avgdl):
+            return np.zeros(s.shape, dtype=np.float64)
+        # the segment's postings in one compiled pass (kernels.bm25_segment: per chunk the same
+        # additions in the same order as rank_bm25); the length part of the denominator,
+        # element-wise the same floats rank_bm25 computes, comes back for the delta layers
+        from .. import kernels  # noqa: PLC0415 - numba (~170 MB resident) only in processes that score
+
+        vocab, seg_df, seg = self._seg.vocab, self._seg_df, self._seg
+        tids = np.array([-1 if t is None or not seg_df[t] else t for t in map(vocab.get, terms)], np.int64)
+        out, norm = kernels.bm25_segment(s.reshape(-1), self._where, _SEG, self._doc_len, tids, idf, seg.offsets,
+                                         seg.slots, seg.tf, float(avgdl), float(k1), float(b))
+        out, layers = out.reshape(s.shape), [(d, c) for d, c in self._delta_layers() if d.n]  # live postings
         for i, t in enumerate(terms):
-            # a chunk without the term gets idf * 0 there, which leaves its sum unchanged;
-            # a chunk is in the segment or in the delta, so it gets one addition per term
-            tid = vocab.get(t)
-            if tid is not None and seg_df[tid]:
-                ps, ptf = self._seg.postings(tid)
-                pos = ps.searchsorted(s32)
-                np.minimum(pos, len(ps) - 1, out=pos)
-                hit = np.flatnonzero((ps[pos] == s32) & in_seg)
-                if hit.size:
-                    tf = ptf[pos[hit]].astype(np.float64)
-                    out[hit] += idf[i] * (tf * (k1 + 1) / (tf + norm[hit]))
+            # a chunk is in the segment or in a delta layer, so it gets one addition per term
             for layer, code in layers:
                 a = layer.arrays(t, self._where, code)
                 if a is None:

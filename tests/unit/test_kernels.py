@@ -1,0 +1,203 @@
+"""The compiled candidate step (``index/kernels.py``, issue 13) against its numpy references, bit
+for bit: canonical dot products (``fixed_order_dot``), selection and stable ordering, the exact
+dense top-n (``refine_top`` over FAISS / BLAS scores), BM25 of candidates from the CSR segment
+(the numpy loop it replaced, kept below) and the k-skyband (``skyband_reference``); then whole
+shard searches, kernels vs the numpy path, on real shard states with random vectors, duplicate
+vectors (ties), scores of exactly +-0, filters, deleted chunks, a merged segment plus a delta,
+and shards smaller than n."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from oprag_server import records
+from oprag_server.index import kernels
+from oprag_server.index.bm25.merging import _SEG
+from oprag_server.index.dense import fixed_order_dot
+from oprag_server.index.fusion import skyband, skyband_reference
+from oprag_server.shards import search as search_mod
+from oprag_server.shards.protocol import QueryBatch, SearchRequest
+from oprag_server.shards.state import ShardState
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+
+
+def _unit(x):
+    return (x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(np.float32)
+
+
+def _vectors(rng, kind: str, m: int, d: int) -> np.ndarray:
+    if kind == "random":
+        return _unit(rng.normal(size=(m, d)))
+    if kind == "dups":  # few distinct vectors: many equal canonical scores
+        return _unit(rng.normal(size=(4, d)))[rng.integers(0, 4, m)]
+    # sparse, one-hot-like rows: many scores exactly 0.0 or -0.0 for a sparse query
+    v = np.zeros((m, d), np.float32)
+    v[np.arange(m), rng.integers(0, d, m)] = rng.choice([-1.0, 1.0], m)
+    return v
+
+
+@pytest.mark.parametrize("d", [0, 1, 2, 3, 5, 37, 64, 384, 385])
+def test_canonical_rows_is_fixed_order_dot(d):
+    rng = np.random.default_rng(d)
+    v = rng.normal(size=(50, d)).astype(np.float32)
+    v[3] = -0.0
+    v[4] = v[5]
+    v[6, : d // 2] = 1e-40  # subnormal float32
+    q = rng.normal(size=d).astype(np.float32)
+    rows = rng.integers(0, 50, 70).astype(np.int64)
+    assert kernels.canonical_rows(v, rows, q).tobytes() == fixed_order_dot(v[rows], q).tobytes()
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_selection_and_stable_order_match_numpy(seed):
+    rng = np.random.default_rng(seed)
+    m = int(rng.integers(1, 3000))
+    a = rng.choice([0.0, -0.0, 1.0, 2.0], m) if seed % 2 else rng.normal(size=m)
+    a = a.astype(np.float32 if seed % 3 else np.float64)
+    for k in {1, 2, m // 3 + 1, m // 8 + 1, m}:
+        assert kernels._kth_largest(a, k) == np.partition(a, m - k)[m - k]
+    idx = np.sort(rng.choice(m, min(m, 300), replace=False)).astype(np.int64)
+    keys = a.astype(np.float64)
+    assert kernels._argsort_desc(keys, idx).tolist() == idx[np.argsort(-keys[idx], kind="stable")].tolist()
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_skyband_kernel_is_the_reference(seed):
+    rng = np.random.default_rng(seed)
+    m = int(rng.integers(0, 300))
+    d = rng.choice([0.1, 0.2, -0.0, 0.0, 0.3], m) if seed % 2 else rng.normal(size=m)
+    lx = rng.choice([0.0, 0.0, -0.0, 1.5, -0.7, 2.0], m) if seed % 3 else np.abs(rng.normal(size=m)) * (rng.random(m) < 0.8)
+    for k in (0, 1, 3, 10, m, m + 1):
+        assert skyband(d, lx, k).tolist() == skyband_reference(d, lx, k).tolist()
+    if m > 2:  # not finite: the reference answers
+        d[1] = np.nan
+        assert skyband(d, lx, 2).tolist() == skyband_reference(d, lx, 2).tolist()
+
+
+def _bm25_reference(ix, slots, terms, idf, avgdl, k1=1.5, b=0.75):
+    """PostingsIndex.score before the kernel (its segment loop in numpy), verbatim."""
+    s = np.asarray(slots, dtype=np.int64)
+    idf = np.asarray(idf, dtype=np.float64)
+    out = np.zeros(s.shape, dtype=np.float64)
+    if s.size == 0 or avgdl == 0:
+        return out
+    norm = k1 * (1 - b + b * ix._doc_len[s] / avgdl)
+    s32 = s.astype(np.int32)
+    in_seg = ix._where[s] == _SEG
+    layers = ix._delta_layers()
+    vocab, seg_df = ix._seg.vocab, ix._seg_df
+    for i, t in enumerate(terms):
+        tid = vocab.get(t)
+        if tid is not None and seg_df[tid]:
+            ps, ptf = ix._seg.postings(tid)
+            pos = ps.searchsorted(s32)
+            np.minimum(pos, len(ps) - 1, out=pos)
+            hit = np.flatnonzero((ps[pos] == s32) & in_seg)
+            if hit.size:
+                tf = ptf[pos[hit]].astype(np.float64)
+                out[hit] += idf[i] * (tf * (k1 + 1) / (tf + norm[hit]))
+        for layer, code in layers:
+            a = layer.arrays(t, ix._where, code)
+            if a is None:
+                continue
+            ps, ptf = a
+            pos = ps.searchsorted(s)
+            np.minimum(pos, len(ps) - 1, out=pos)
+            hit = np.flatnonzero(ps[pos] == s)
+            if hit.size:
+                tf = ptf[pos[hit]]
+                out[hit] += idf[i] * (tf * (k1 + 1) / (tf + norm[hit]))
+    return out
+
+
+def _shard(rng, kind: str, m: int, d: int, merge_at: int | None) -> ShardState:
+    """One shard of m chunks (documents of 1-3 chunks); the postings merged into a segment after
+    ``merge_at`` chunks (None: all in the delta); then a fifth of the documents deleted."""
+    sh = ShardState(0, d, None)
+    vecs = _vectors(rng, kind, m, d)
+    done, doc = 0, 0
+    while done < m:
+        c = min(m - done, int(rng.integers(1, 4)))
+        texts = [" ".join(rng.choice(WORDS, int(rng.integers(0, 9)))) for _ in range(c)]
+        ids = [f"d{doc:04d}#{i}" for i in range(c)]
+        batch = records.make_chunk_batch(
+            chunk_ids=ids, doc_ids=[f"d{doc:04d}"] * c, titles=[""] * c, texts=texts, metadata=[{"g": doc % 3}] * c,
+            ordinals=list(range(c)), generations=[1] * c, vectors=vecs[done:done + c],
+            content_hashes=[hashlib.sha256(f"{doc}{t}".encode()).hexdigest() for t in texts])
+        sh.store.upsert(pa.Table.from_batches([batch]), 1)
+        done, doc = done + c, doc + 1
+        if merge_at is not None and done >= merge_at and not sh.store.postings.merges:
+            sh.store.postings.merge()
+    gone = [f"d{i:04d}" for i in rng.choice(doc, doc // 5, replace=False)]
+    sh.store.delete(gone, 2)
+    return sh
+
+
+def _reference_path(monkeypatch, searcher):
+    """The numpy path of Searcher.search: FAISS / BLAS + refine_top, the BM25 loop, the reference skyband."""
+    def tops(q, allowed, n):
+        plain = [i for i, a in enumerate(allowed) if a is None]
+        res = searcher._dense_tops(q, plain, n) if plain else {}
+        return [res[i] if i in res else searcher._dense_top(q[i], n, allowed[i]) for i in range(q.shape[0])]
+
+    monkeypatch.setattr(searcher, "_kernel_tops", tops)
+    monkeypatch.setattr(searcher.store.postings, "score",
+                        lambda *a, **kw: _bm25_reference(searcher.store.postings, *a, **kw))
+    monkeypatch.setattr(search_mod, "skyband", skyband_reference)
+
+
+def _key(rep):
+    c = [(x.slots.tobytes(), x.chunk_ids, x.dense.tobytes(), x.lexical.tobytes()) for x in rep.candidates]
+    f = [(x.slots, x.doc_ids, x.texts) for x in rep.fields or []]
+    return c, rep.eligible, np.asarray(rep.dense_min).tobytes(), f
+
+
+CASES = [("random", 300, 48, 120), ("random", 40, 37, 20), ("dups", 250, 16, 100), ("zeros", 200, 32, 60),
+         ("random", 9, 8, None), ("dups", 150, 5, None), ("zeros", 120, 64, 0)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_shard_search_with_kernels_is_bit_identical_to_numpy(case, monkeypatch):
+    kind, m, d, merge_at = case
+    rng = np.random.default_rng(m * d)
+    sh = _shard(rng, kind, m, d, merge_at)
+    q = _vectors(rng, kind, 6, d)
+    q[5] = q[0]  # a repeated query vector (the dense-minimum memo)
+    terms = [list(rng.choice(WORDS + ["absent"], int(rng.integers(0, 5)))) for _ in range(6)]
+    idf = [rng.normal(1.0, 0.8, len(t)) for t in terms]  # negative idf too
+    filters = [None, [("g", [0])], None, [("g", [1, 2])], [("g", [7])], None]
+    reqs = [SearchRequest(QueryBatch(q, terms, idf, 5.5, k1, b, fl), mode, n, fetch_k=fk)
+            for mode in ("hybrid", "dense") for n in (1, 10, 64, m + 5) for fk in (0, 10)
+            for fl in (None, filters) for k1, b in ((1.5, 0.75), (1.2, 0.3))][:: 3 if m > 100 else 1]
+    got = [_key(sh.search.search(r)) for r in reqs]
+    sh.search._dmin = (-1, {})
+    _reference_path(monkeypatch, sh.search)
+    assert [_key(sh.search.search(r)) for r in reqs] == got
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_bm25_kernel_is_the_numpy_loop(seed):
+    rng = np.random.default_rng(seed)
+    sh = _shard(rng, "random", 200, 8, merge_at=int(rng.integers(0, 200)))
+    ix = sh.store.postings
+    live = ix.slots()
+    for _ in range(10):
+        slots = rng.choice(live, int(rng.integers(0, 80)))  # duplicates, any order
+        t = list(rng.choice(WORDS + ["absent"], int(rng.integers(0, 7))))
+        idf = rng.normal(0.5, 1.0, len(t))
+        k1, b, avgdl = float(rng.uniform(0.1, 3)), float(rng.uniform(0, 1)), float(rng.uniform(0.5, 9))
+        assert ix.score(slots, t, idf, avgdl, k1, b).tobytes() == _bm25_reference(ix, slots, t, idf, avgdl, k1, b).tobytes()
+    with pytest.raises(KeyError):
+        ix.score(np.array([10_000]), ["alpha"], np.ones(1), 3.0)
+
+
+def test_warm_compiles_every_kernel_and_a_shard_warms_on_its_arrays():
+    assert kernels.warm() >= 0.0
+    sh = _shard(np.random.default_rng(1), "random", 30, 8, 10)
+    assert sh.search.warm() >= 0.0
+    assert ShardState(1, 8, None).search.warm() >= 0.0  # empty shard
