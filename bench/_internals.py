@@ -114,12 +114,13 @@ def hit(**fields):
 
 def retrieve_merge():
     """The frontend's merge of shard search replies, for ``bench.hotpath_parts --part merge``:
-    ``(merge(replies, j, spec), _collect, RetrieveSpec)`` of ``operators.retrieve`` (collect
+    ``(merge(replies, j, spec), collect(into, replies, attr), RetrieveSpec)`` of ``operators.retrieve`` (collect
     the carried fields; global top-N and fusion, ``Retriever._merge``, which uses no instance
     state; no public API runs them without the transport)."""
-    from oprag_server.operators.retrieve import Retriever, RetrieveSpec, _collect
+    from oprag_server.operators.retrieve import Retriever, RetrieveSpec, _Carried
 
-    return (lambda replies, j, spec: Retriever._merge(Retriever, replies, j, spec)), _collect, RetrieveSpec
+    return ((lambda replies, j, spec: Retriever._merge(Retriever, replies, j, spec)),
+            (lambda into, replies, attr: _Carried().add(replies)), RetrieveSpec)
 
 
 def shard_plane():
