@@ -88,7 +88,7 @@ def _rank_lists(c: _Cols, n: int) -> tuple[np.ndarray, np.ndarray]:
     scores (:func:`~oprag_server.index.fusion.lexical_listed`)."""
     d = np.asarray(top_k_order(c.dense, c.ids, n), dtype=np.int64)
     pos = np.nonzero(lexical_listed(c.lexical))[0]
-    lx = pos[top_k_order(c.lexical[pos], c.ids, n, pos)] if pos.size else pos
+    lx = pos[top_k_order(c.lexical[pos], c.ids[pos], n)] if pos.size else pos
     return d, np.asarray(lx, dtype=np.int64)
 
 
@@ -321,7 +321,7 @@ class Retriever:
             ll = _Cols.of([(s, rep.lexical_lists[j]) for s, rep in replies.items()])
             dl = dl.take(top_k_order(dl.dense, dl.ids, spec.candidates))
             pos = np.nonzero(lexical_listed(ll.lexical))[0]
-            ll = ll.take(pos[top_k_order(ll.lexical[pos], ll.ids, spec.candidates, pos)]
+            ll = ll.take(pos[top_k_order(ll.lexical[pos], ll.ids[pos], spec.candidates)]
                          if pos.size else pos)
             both = _Cols(np.concatenate([dl.shard, ll.shard]), np.concatenate([dl.slot, ll.slot]), np.concatenate([dl.ids, ll.ids]),
                          np.concatenate([dl.dense, ll.dense]), np.concatenate([dl.lexical, ll.lexical]))
