@@ -82,3 +82,39 @@ def test_memoised_metric_children_are_prometheus_children():
     text = __import__("prometheus_client").generate_latest(m.registry).decode()
     assert 'oprag_requests_total{code="OK",method="Retrieve"} 1.0' in text
     assert 'oprag_stage_seconds_count{stage="retrieve"} 1.0' in text
+
+
+def _old_hits(hs):  # service.convert._hits before the metadata maps were merged from cached bytes
+    from oprag.v1 import oprag_pb2
+    from oprag_server import metadata as md
+    from oprag_server.service.convert import metadata_value
+
+    return [oprag_pb2.Hit(chunk_id=h.chunk_id, doc_id=h.doc_id, title=h.title, text=h.text, score=h.score,
+                          dense_score=h.dense_score, lexical_score=h.lexical_score, shard=h.shard,
+                          metadata={k: md.as_text(v) for k, v in h.metadata.items()},
+                          typed_metadata={k: metadata_value(v) for k, v in h.metadata.items()},
+                          dense_rank=h.dense_rank, lexical_rank=h.lexical_rank) for h in hs]
+
+
+def test_hit_messages_with_cached_metadata_bytes_equal_the_old_ones():
+    import pytest
+
+    from oprag_server.domain import Hit
+    from oprag_server.service import convert
+
+    metas = [{}, {"source": "valid.txt"}, {"a": 1}, {"a": True}, {"a": 1.0}, {"a": 0.0}, {"a": -0.0},
+             {"a": 2 ** 62, "b": -(2 ** 63), "c": False, "d": "Zürich ✓", "e": 1e-300},
+             {"source": "valid.txt"}, {"a": True}, {"a": 1}]  # the last three again: from the cache
+    hits = [Hit(f"d{i}#0", f"d{i}", "title", "text " * i, 0.5 - i, -0.0 if i % 2 else 0.25, 0.0, i % 2, m, i, 0)
+            for i, m in enumerate(metas)]
+    old, new = _old_hits(hits), convert._hits(hits)
+    assert old == new
+    assert [m.SerializeToString(deterministic=True) for m in old] == \
+        [m.SerializeToString(deterministic=True) for m in new]
+    assert [new[i].typed_metadata["a"].WhichOneof("kind") for i in (2, 3, 4, 9, 10)] == \
+        ["int_value", "bool_value", "float_value", "bool_value", "int_value"]
+    bad = [Hit("x#0", "x", "", "", 1.0, 1.0, 0.0, 0, {"a": float("nan")})]
+    with pytest.raises(convert.InvalidArgument):
+        _old_hits(bad)
+    with pytest.raises(convert.InvalidArgument):
+        convert._hits(bad)
