@@ -118,3 +118,20 @@ def test_hit_messages_with_cached_metadata_bytes_equal_the_old_ones():
         _old_hits(bad)
     with pytest.raises(convert.InvalidArgument):
         convert._hits(bad)
+
+
+def test_a_retrieve_response_built_in_place_equals_the_old_one():
+    from types import SimpleNamespace
+
+    from oprag.v1 import oprag_pb2
+    from oprag_server.domain import Hit
+    from oprag_server.service import convert
+
+    hits = [Hit(f"d{i}#0", f"d{i}", "t", "text", 1.0 - i, 0.5, 0.25 * i, i % 2, {"k": i, "s": "v"} if i % 2 else {}, i + 1, i)
+            for i in range(10)]
+    job = SimpleNamespace(hits=hits, timings_ms={"queue": 0.1, "retrieve": 5.0}, request_id="r1", info=None,
+                          documents=[], memory=None, resolved_query="", trace=[], trace_spans=[])
+    new = convert.retrieve_response(job, include_trace=False)
+    old = oprag_pb2.RetrieveResponse(hits=_old_hits(hits), timings_ms=job.timings_ms, request_id="r1",
+                                     **convert._memory_fields(job), retrieval=None, documents=[])
+    assert new == old and new.SerializeToString(deterministic=True) == old.SerializeToString(deterministic=True)

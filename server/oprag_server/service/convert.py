@@ -228,12 +228,15 @@ def hits(job: QueryJob) -> list[oprag_pb2.Hit]:
     return _hits(job.hits)
 
 
-def _hits(hs: list) -> list[oprag_pb2.Hit]:
+def _hits(hs: list, into: Any = None) -> list[oprag_pb2.Hit]:
+    """Wire ``Hit`` messages of ``hs``; built in place in ``into`` (a repeated ``Hit`` field of
+    a response: no copy of each message into it) when given."""
     out = []
     for h in hs:
-        m = oprag_pb2.Hit(chunk_id=h.chunk_id, doc_id=h.doc_id, title=h.title, text=h.text, score=h.score,
-                          dense_score=h.dense_score, lexical_score=h.lexical_score, shard=h.shard,
-                          dense_rank=h.dense_rank, lexical_rank=h.lexical_rank)
+        kw = dict(chunk_id=h.chunk_id, doc_id=h.doc_id, title=h.title, text=h.text, score=h.score,
+                  dense_score=h.dense_score, lexical_score=h.lexical_score, shard=h.shard,
+                  dense_rank=h.dense_rank, lexical_rank=h.lexical_rank)
+        m = oprag_pb2.Hit(**kw) if into is None else into.add(**kw)
         if h.metadata:
             m.MergeFromString(_metadata_bytes(h.metadata))
         out.append(m)
@@ -324,9 +327,10 @@ def query_response(job: QueryJob, *, include_trace: bool, has_generator: bool) -
 
 def retrieve_response(job: QueryJob, *, include_trace: bool) -> oprag_pb2.RetrieveResponse:
     """``RetrieveResponse`` of a finished retrieval-only job."""
-    return oprag_pb2.RetrieveResponse(hits=hits(job), timings_ms=job.timings_ms, request_id=job.request_id,
-                                      **_memory_fields(job), retrieval=info(job),
-                                      trace=trace(job, include_trace), documents=documents(job))
+    resp = oprag_pb2.RetrieveResponse(timings_ms=job.timings_ms, request_id=job.request_id, **_memory_fields(job),
+                                      retrieval=info(job), trace=trace(job, include_trace), documents=documents(job))
+    _hits(job.hits, resp.hits)
+    return resp
 
 
 def stream_event(kind: str, val: Any) -> oprag_pb2.QueryEvent:
