@@ -114,12 +114,16 @@ def hit(**fields):
 
 def retrieve_merge():
     """The frontend's merge of shard search replies, for ``bench.hotpath_parts --part merge``:
-    ``(merge(replies, j, spec), _collect, RetrieveSpec)`` of ``operators.retrieve`` (collect
+    ``(merge(replies, j, spec), collect(into, replies, attr), RetrieveSpec)`` of ``operators.retrieve`` (collect
     the carried fields; global top-N and fusion, ``Retriever._merge``, which uses no instance
     state; no public API runs them without the transport)."""
-    from oprag_server.operators.retrieve import Retriever, RetrieveSpec, _collect
+    from oprag_server.operators import retrieve as r
 
-    return (lambda replies, j, spec: Retriever._merge(Retriever, replies, j, spec)), _collect, RetrieveSpec
+    if hasattr(r, "_Carried"):  # (a tree before the lookup per hit kept a dict: _collect)
+        collect = lambda into, replies, attr: r._Carried().add(replies)  # noqa: E731
+    else:
+        collect = r._collect
+    return (lambda replies, j, spec: r.Retriever._merge(r.Retriever, replies, j, spec)), collect, r.RetrieveSpec
 
 
 def shard_plane():

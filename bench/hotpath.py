@@ -41,8 +41,10 @@ def one(tree: Path, a, texts: list[str], Q: np.ndarray) -> dict:
                 for r in reqs[: a.warmup]:
                     c.stub.Retrieve(r)
                 tree_p = [psutil.Process(srv.proc.pid), *psutil.Process(srv.proc.pid).children(recursive=True)]
-                cpu = lambda: sum(p.cpu_times().user + p.cpu_times().system for p in tree_p)  # noqa: E731
-                c0, lat, sv = cpu(), [], []
+                each = lambda: [p.cpu_times().user + p.cpu_times().system for p in tree_p]  # noqa: E731
+                cpu = lambda: sum(each())  # noqa: E731
+                e0 = each()
+                c0, lat, sv = sum(e0), [], []
                 for r in reqs:
                     t = time.perf_counter()
                     rep = c.stub.Retrieve(r)
@@ -51,6 +53,9 @@ def one(tree: Path, a, texts: list[str], Q: np.ndarray) -> dict:
                 out[mode] = {"p50_ms": round(percentile(lat, 50), 2), "p95_ms": round(percentile(lat, 95), 2),
                              "server_retrieve_p50_ms": round(percentile(sv, 50), 2),
                              "server_cpu_ms_per_request": round((cpu() - c0) / len(reqs) * 1000, 2),
+                             # frontend first, then its child processes (shards; a helper process ~0)
+                             "process_cpu_ms_per_request": [round((b - a) / len(reqs) * 1000, 2)
+                                                            for a, b in zip(e0, each())],
                              "load": round(os.getloadavg()[0], 2)}
                 log(f"{tree} {mode}: {out[mode]}")
     finally:

@@ -56,40 +56,21 @@ def _alive(j: QueryJob) -> bool:
 class QueryEngine:
     """Admission, batching and plan execution of queries (see the module docstring)."""
 
-    def __init__(
-        self,
-        *,
-        monitor_fraction: float = 0.0,
-        monitor_max_inflight: int = 2,
-        generator: Any | None,
-        retriever: Retriever,
-        memory: Memory,
-        lock: RWLock,
-        batch: BatchConfig,
-        gen_cfg: GenerateConfig,
-        embedder: Any,
-        metrics: Any,
-    ) -> None:
-        self.generator = generator
-        self.retriever = retriever
-        self.memory = memory
-        self.lock = lock
-        self.cfg = batch
-        self.gen_cfg = gen_cfg
+    def __init__(self, *, monitor_fraction: float = 0.0, monitor_max_inflight: int = 2, generator: Any | None,
+                 retriever: Retriever, memory: Memory, lock: RWLock, batch: BatchConfig, gen_cfg: GenerateConfig,
+                 embedder: Any, metrics: Any) -> None:
+        self.generator, self.retriever, self.memory, self.lock, self.cfg = generator, retriever, memory, lock, batch
+        self.gen_cfg, self.embedder, self.metrics = gen_cfg, embedder, metrics
         self.policy = BatchPolicy(batch.max_batch, batch.max_wait_ms / 1000.0)
-        self.embedder = embedder
         self.gen_executor = ThreadPoolExecutor(1, thread_name_prefix="oprag-generate")
-        self.metrics = metrics
         self._waiting: collections.deque[QueryJob] = collections.deque()
-        self._arrived = asyncio.Event()
+        self._arrived = asyncio.Event()  # a request or a free generator: a batch may close
         self._gen_queue: asyncio.Queue = asyncio.Queue(maxsize=1)
-        self._inflight = 0
-        self._batch_ids = 0
-        self._tasks: list[asyncio.Task] = []
-        self._gen_time_ewma = 0.5
-        self._generating = 0  # batches handed to the generator and not finished
-        self._preparing = 0  # requests in the prep loop's batches
+        self._inflight = self._batch_ids = 0
         self._prep_tasks: set[asyncio.Task] = set()
+        self._tasks, self._gen_time_ewma = [], 0.5  # the two loops; recent generation batch time (s)
+        self._generating = 0  # batches handed to the generator and not finished
+        self._preparing, self._busy = 0, False  # requests being prepared; one runs in its caller's task (_direct)
         self.monitor = PruningMonitor(retriever, lock, metrics, monitor_fraction, monitor_max_inflight)
         # an engine that batches by itself gets each request as soon as its prompt exists
         self.dispatch = (EngineDispatch(generator, metrics, self._on_text, io_thread=gen_cfg.io_thread)
@@ -112,9 +93,7 @@ class QueryEngine:
             await self.dispatch.stop()
         self.gen_executor.shutdown(wait=True, cancel_futures=True)
 
-    @property
-    def inflight(self) -> int:
-        return self._inflight
+    inflight = property(lambda self: self._inflight)
 
     def estimated_delay_s(self) -> float:
         """Queueing delay a new query would see: batches ahead of it x recent batch time (s);
@@ -139,10 +118,14 @@ class QueryEngine:
                                 generate=job.generate and self.generator is not None,
                                 embed=job.query_vector is None)
         self._inflight += 1
-        self._waiting.append(job)
-        self.metrics.queue_depth.labels(queue="query").set(len(self._waiting))
-        self._arrived.set()
+        direct = self._direct(job)
+        if not direct:
+            self._waiting.append(job)
+            self.metrics.queue_depth.labels(queue="query").set(len(self._waiting))
+            self._arrived.set()
         try:
+            if direct:  # the batch of one the prep loop would form, run by this task
+                await self._prep_batch([job], self._batch_ids)
             return await asyncio.shield(job.future)
         except asyncio.CancelledError:
             job.cancelled = True  # the client went away: stop its work, free its slot
@@ -151,10 +134,27 @@ class QueryEngine:
             raise
         finally:
             self._inflight -= 1
+            if direct:
+                self._busy = False
+                self._arrived.set()  # requests that came meanwhile form the next batch
+
+    def _direct(self, job: QueryJob) -> bool:
+        """Whether ``job`` runs in its caller's task: it does not generate and the prep loop
+        would take it alone at once (nothing waits or is prepared, the generator is idle, one
+        prep batch at a time). Same steps and results; fewer event-loop hand-offs."""
+        if (self._waiting or self._preparing or self._busy or job.runs(GENERATE)
+                or (self.dispatch is not None and self.cfg.overlap)
+                or not self.policy.decide(1, 0.0, downstream_busy=self._generating > 0).take):
+            return False
+        self._busy, self._batch_ids, self._preparing = True, self._batch_ids + 1, 1
+        return True
 
     # ------------------------------------------------------------------ prep
     async def _next_batch(self) -> list[QueryJob]:
         while True:
+            while self._busy:  # a request runs directly (:meth:`_direct`): batch what comes after it
+                self._arrived.clear()
+                await self._arrived.wait()
             while self._waiting and self._waiting[0].cancelled:
                 self._finish(self._waiting.popleft())
             age = time.perf_counter() - self._waiting[0].enqueued if self._waiting else 0.0

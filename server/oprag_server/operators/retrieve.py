@@ -88,7 +88,7 @@ def _rank_lists(c: _Cols, n: int) -> tuple[np.ndarray, np.ndarray]:
     scores (:func:`~oprag_server.index.fusion.lexical_listed`)."""
     d = np.asarray(top_k_order(c.dense, c.ids, n), dtype=np.int64)
     pos = np.nonzero(lexical_listed(c.lexical))[0]
-    lx = pos[top_k_order(c.lexical[pos], c.ids, n, pos)] if pos.size else pos
+    lx = pos[top_k_order(c.lexical[pos], c.ids[pos], n)] if pos.size else pos
     return d, np.asarray(lx, dtype=np.int64)
 
 
@@ -126,13 +126,28 @@ def _rank_of(score: float, cid: str, scores: np.ndarray, ids: list[str], n: int,
     return better + 1 if better < n else 0
 
 
-def _collect(into: dict, replies: dict, attr: str) -> None:
-    """``(shard, slot) -> (FetchReply, position)`` of the fields each shard's reply carried in
-    ``attr`` (a list of :class:`FetchReply` with ``slots``, or None)."""
-    for s, rep in replies.items():
-        for f in getattr(rep, attr, None) or ():
-            for k, slot in enumerate(f.slots or ()):
-                into[(s, slot)] = (f, k)
+class _Carried:
+    """The stored fields the shards' replies carried (``fields``: per query a :class:`FetchReply`
+    with ``slots``), looked up by ``(shard, slot)`` when a hit needs them: no index is built over
+    the ~40 carried per query and shard, of which a top-k uses a few."""
+
+    __slots__ = ("by",)
+
+    def __init__(self) -> None:
+        self.by: dict[int, list[FetchReply]] = {}
+
+    def add(self, replies: dict) -> None:
+        for s, rep in replies.items():
+            self.by.setdefault(s, []).extend(f for f in getattr(rep, "fields", None) or () if f.slots)
+
+    def get(self, key: tuple[int, int]) -> tuple[FetchReply, int] | None:
+        """``(reply, position)`` of the fields of slot ``key[1]`` of shard ``key[0]``, or None."""
+        for f in self.by.get(key[0], ()):
+            try:
+                return f, f.slots.index(key[1])
+            except ValueError:
+                continue
+        return None
 
 
 def _knobs(replies: dict) -> dict[str, int]:
@@ -190,7 +205,7 @@ class Retriever:
         fusion_s = time.perf_counter() - t_start
         results: list[list[_Cand]] = [[] for _ in specs]
         infos = [self.info(s) for s in specs]
-        fetched: dict[tuple[int, int], tuple[FetchReply, int]] = {}  # (shard, slot) -> fields carried by a reply
+        fetched = _Carried()  # the fields the replies carried
         groups: dict[tuple[str, str], list[int]] = {}
         for i, s in enumerate(specs):
             groups.setdefault((s.mode, s.fusion if s.mode == "full_hybrid" else ""), []).append(i)
@@ -208,7 +223,7 @@ class Retriever:
                     Op.SEARCH, SearchRequest(batch, mode, n, max(sp.ef_search for sp in gspecs),
                                              max(sp.nprobe for sp in gspecs), max(sp.top_k for sp in gspecs)))
                 t = time.perf_counter()
-                _collect(fetched, replies, "fields")
+                fetched.add(replies)
                 merged = [self._merge(replies, j, sp) for j, sp in enumerate(gspecs)]
                 searched = [sum(rep.eligible[j] for rep in replies.values()) for j in range(len(idx))]
                 dt = time.perf_counter() - t
@@ -255,7 +270,7 @@ class Retriever:
         lmin = float(window.lexical.min()) if whole else min(0.0, float(window.lexical.min()))
         return (dmin, float(window.dense.max())), (lmin, float(window.lexical.max()))
 
-    async def _full_minmax(self, batch: QueryBatch, specs: list[RetrieveSpec], fetched: dict):
+    async def _full_minmax(self, batch: QueryBatch, specs: list[RetrieveSpec], fetched: _Carried):
         token = f"full-{next(self._tokens)}"
         r1, missing = await self.pool.gather_partial(Op.EXACT_RANGES, ExactRangesRequest(batch, token))
         t = time.perf_counter()
@@ -279,7 +294,7 @@ class Retriever:
             shards=sorted(r1),
         )
         t = time.perf_counter()
-        _collect(fetched, r2, "fields")
+        fetched.add(r2)
         out = []
         for j, spec in enumerate(specs):
             local = _Cols.of([(s, rep.top[j]) for s, rep in r2.items()])
@@ -306,7 +321,7 @@ class Retriever:
             ll = _Cols.of([(s, rep.lexical_lists[j]) for s, rep in replies.items()])
             dl = dl.take(top_k_order(dl.dense, dl.ids, spec.candidates))
             pos = np.nonzero(lexical_listed(ll.lexical))[0]
-            ll = ll.take(pos[top_k_order(ll.lexical[pos], ll.ids, spec.candidates, pos)]
+            ll = ll.take(pos[top_k_order(ll.lexical[pos], ll.ids[pos], spec.candidates)]
                          if pos.size else pos)
             both = _Cols(np.concatenate([dl.shard, ll.shard]), np.concatenate([dl.slot, ll.slot]), np.concatenate([dl.ids, ll.ids]),
                          np.concatenate([dl.dense, ll.dense]), np.concatenate([dl.lexical, ll.lexical]))
@@ -320,13 +335,13 @@ class Retriever:
             out.append(_fuse_cols(rows, d_order, l_order, spec))
         return out, searched, time.perf_counter() - t, missing
 
-    async def _materialise(self, results: list[list[_Cand]], fetched: dict | None = None
+    async def _materialise(self, results: list[list[_Cand]], fetched: _Carried | None = None
                            ) -> tuple[list[list[Hit]], list[set[int]]]:
-        """The stored fields of every hit: those the search replies carried (``fetched``,
-        ``(shard, slot) -> (reply, position)``), the rest fetched (one call per shard).
+        """The stored fields of every hit: those the search replies carried (``fetched``), the
+        rest fetched (one call per shard).
         :returns: hits and, per query, the shards whose hits could not be fetched (they died
         meanwhile)."""
-        fetched = fetched or {}
+        fetched = fetched or _Carried()
         flat = [c for cands in results for c in cands]
         at: list[tuple[FetchReply, int] | None] = [fetched.get((c.shard, c.slot)) for c in flat]
         todo = [i for i, a in enumerate(at) if a is None]

@@ -17,6 +17,24 @@ STAGES = ("queue", "generate_queue", *(s.op for s in QUERY_OPERATORS), "fusion",
 _LAT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+def _memo_labels(metric):
+    """``metric.labels(...)`` answered from a dict after the first call with the same label
+    values (prometheus_client validates and locks on every call: ~4 us, several per request).
+    Only for metrics whose children are never removed."""
+    cache: dict = {}
+    make = metric.labels
+
+    def labels(*values, **kw):
+        key = (values, *kw.items())
+        child = cache.get(key)
+        if child is None:
+            child = cache[key] = make(*values, **kw)
+        return child
+
+    metric.labels = labels
+    return metric
+
+
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
@@ -99,6 +117,10 @@ class Metrics:
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0), registry=r)
         for s in STAGES:
             self.stage_seconds.labels(stage=s)
+        # the per-request ones (hot path); shard_bytes is not among them (its children are replaced)
+        for m in (self.stage_seconds, self.request_seconds, self.requests, self.queue_depth, self.batch_size,
+                  self.rejected_overload, self.generator_seconds):
+            _memo_labels(m)
 
     def serve(self, port: int, host: str) -> None:
         """Start the ``/metrics`` HTTP endpoint (a daemon thread)."""

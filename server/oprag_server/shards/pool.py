@@ -141,13 +141,12 @@ class ShardPool:
         targets = list(range(self.n)) if shards is None else shards
         per = request if isinstance(request, list) else [request] * len(targets)
         futs = [self.clients[s].call(op, r) for s, r in zip(targets, per)]
-        if len(futs) == 1:  # one shard (e.g. a single session's memory): no gather wrapper
+        outs: list[Any] = []
+        for fut in futs:  # every request is sent already: awaiting them in turn costs no gather wrapper
             try:
-                outs = [await futs[0]]
+                outs.append(await fut)
             except ShardError as exc:
-                outs = [exc]
-        else:
-            outs = await asyncio.gather(*futs, return_exceptions=True)
+                outs.append(exc)
         got, missing = {}, []
         for s, o in zip(targets, outs):
             if isinstance(o, BaseException):

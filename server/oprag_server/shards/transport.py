@@ -92,6 +92,35 @@ class ShardTransport(abc.ABC):
         """Release the shard after it was asked to shut down (blocking, a few seconds at most)."""
 
 
+class _Pickled:
+    """A request pickled once for every shard it goes to (a broadcast sends one object to each):
+    it unpickles on the shard as the request itself (``pickle.loads`` of the bytes)."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def __reduce__(self):
+        return pickle.loads, (self.data,)
+
+
+#: ops whose request goes to several shards at once (query path; small requests)
+_SHARED_OPS = frozenset({Op.SEARCH, Op.EXACT_RANGES, Op.EXACT_FUSE, Op.EXACT_LISTS})
+_last: tuple = (None, None)  # (the last shared request object, its _Pickled); replaced whole (threads)
+
+
+def _shared(request: Any) -> "_Pickled":
+    """The request pickled once: the same object sent again (to the next shard) reuses it."""
+    global _last
+    last = _last
+    if last[0] is request:
+        return last[1]
+    p = _Pickled(pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL))
+    _last = (request, p)
+    return p
+
+
 def _resolve(fut: asyncio.Future, ok: bool, res: Any, shard_id: int) -> None:
     if fut.done():
         return
@@ -274,7 +303,8 @@ class PipeTransport(ShardTransport):
             return fut
         req_id = next(self._ids)
         try:
-            body = pickle.dumps((req_id, op, request), protocol=pickle.HIGHEST_PROTOCOL)
+            body = pickle.dumps((req_id, op, _shared(request) if op in _SHARED_OPS else request),
+                                protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:  # noqa: BLE001 - a request that cannot cross the pipe
             fut.set_exception(ShardError(f"shard {self.shard_id}: {type(exc).__name__}: {exc}"))
             return fut
