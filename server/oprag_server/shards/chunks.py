@@ -85,14 +85,15 @@ class ChunkStore:
         the earlier ones are never indexed.
         """
         cols = {name: table.column(name).to_pylist() for name in table.column_names if name != "vector"}
-        vecs = records.vectors_of(table)
+        # a snapshot written with HNSW keeps its vectors in the structure only (DenseIndex.load_ann)
+        vecs = records.vectors_of(table) if "vector" in table.column_names else None
         last_gen: dict[str, int] = {}
         for doc_id, g in zip(cols["doc_id"], cols["generation"]):
             last_gen[doc_id] = int(g)
         keep_rows = [i for i, (d, g) in enumerate(zip(cols["doc_id"], cols["generation"])) if int(g) == last_gen[d]]
         if len(keep_rows) != len(cols["doc_id"]):
             cols = {k: [v[i] for i in keep_rows] for k, v in cols.items()}
-            vecs = vecs[keep_rows]
+            vecs = vecs[keep_rows] if vecs is not None else None
         removed = replaced = 0
         new_slots: list[int] = []
         new_tokens: list[list[str]] = []
@@ -127,7 +128,10 @@ class ChunkStore:
                 grown[: self._slot_ids.size] = self._slot_ids
                 self._slot_ids = grown
             self._slot_ids[new_slots] = [self.chunks[s].chunk_id for s in new_slots]
-            self.dense.add(np.asarray(new_slots, dtype=np.int64), vecs, ann=index_ann)
+            if vecs is None:
+                self.dense.add_pending(np.asarray(new_slots, dtype=np.int64))
+            else:
+                self.dense.add(np.asarray(new_slots, dtype=np.int64), vecs, ann=index_ann)
             self._row_ids_cache = None
         self.applied_seq = max(self.applied_seq, int(seq))
         self.version += 1
@@ -241,14 +245,19 @@ class ChunkStore:
                 by_hash[h] = self.dense.vectors_of(np.asarray([min(slots)], dtype=np.int64))[0].copy()
         return ReuseReply(out, by_hash)
 
-    def batch(self) -> pa.RecordBatch:
-        """Every stored chunk with its vector, in slot order (for a snapshot)."""
+    def batch(self, vectors: bool = True) -> pa.RecordBatch:
+        """Every stored chunk with its vector (``vectors=False``: without the ``vector``
+        column), in slot order (for a snapshot)."""
         slots = sorted(self.chunks)
         recs = [self.chunks[s] for s in slots]
-        vecs = self.dense.vectors_of(np.asarray(slots, dtype=np.int64)) if slots else np.zeros((0, self.dim), np.float32)
-        return records.make_chunk_batch(
+        if not vectors:
+            vecs = np.zeros((len(slots), self.dim), np.float32)
+        else:
+            vecs = self.dense.vectors_of(np.asarray(slots, dtype=np.int64)) if slots else np.zeros((0, self.dim), np.float32)
+        out = records.make_chunk_batch(
             chunk_ids=[r.chunk_id for r in recs], doc_ids=[r.doc_id for r in recs], titles=[r.title for r in recs],
             texts=[r.text for r in recs], metadata=[md.loads(r.metadata) for r in recs],
             ordinals=[r.ordinal for r in recs], generations=[r.generation for r in recs],
             content_hashes=[r.content_hash for r in recs], vectors=vecs,
         )
+        return out if vectors else out.drop_columns(["vector"])
