@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import json
+import mmap
 import shutil
 import time
 from pathlib import Path
@@ -67,6 +68,11 @@ def write(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions,
             "next_slot": store.next_slot, "chunks": batch.num_rows, "analyzer": {"stem": store.analyzer.stem}}
     fsync_write(snap / "meta.json", json.dumps(meta).encode())
     fsync_write(d / "CURRENT", snap.name.encode())
+    # the stored fields are now served from the file just written (memory-mapped): what the
+    # batches since the last snapshot held in memory is freed
+    table, mapped = map_chunks(snap / "chunks.arrow")
+    store.fields.adopt(table, store.fields.slots())
+    mapped.madvise(mmap.MADV_DONTNEED)
     for old in d.glob("snap-*"):
         if old.name != snap.name:
             shutil.rmtree(old, ignore_errors=True)
@@ -103,6 +109,17 @@ def _load_ann(snap: Path, store: ChunkStore) -> None:
         except (OSError, ValueError, KeyError, RuntimeError):
             pass  # rebuilt below
     store.dense.compact_ann()
+
+
+def map_chunks(path: Path):
+    """A snapshot's ``chunks.arrow`` memory-mapped: ``(table, mmap)``, the table's buffers
+    zero-copy views of the file (pages resident only while read; the caller may drop them from
+    its RSS with ``madvise(MADV_DONTNEED)``, they come back from the page cache when read)."""
+    import pyarrow as pa  # noqa: PLC0415
+
+    with open(path, "rb") as fh:
+        mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    return pa.ipc.open_stream(pa.py_buffer(mapped)).read_all(), mapped
 
 
 def _with_vectors(snap: Path, table, dim: int):
@@ -157,12 +174,13 @@ def load(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions, co
             raise RuntimeError(f"{snap}: snapshot format {meta.get('format_version')} is not one of {READABLE_FORMATS}")
         if meta.get("dim") != store.dim:
             raise RuntimeError(f"{snap}: vectors have width {meta.get('dim')}, the embedder produces {store.dim}")
-        table = records.from_ipc((snap / "chunks.arrow").read_bytes())
+        table, mapped = map_chunks(snap / "chunks.arrow")
         if "vector" not in table.column_names and not store.dense.one_copy:
             table = _with_vectors(snap, table, store.dim)  # written with HNSW, read by another kind
         postings = _load_postings(snap, meta, store, table.num_rows)
         if table.num_rows:
-            store.upsert(table, 0, index_ann=False, index_lexical=postings is None)
+            store.upsert(table, 0, index_ann=False, index_lexical=postings is None, copy_fields=False)
+        mapped.madvise(mmap.MADV_DONTNEED)  # what the load read (vectors copied out, ids) leaves RSS
         if postings is not None:
             store.postings = postings
         _load_ann(snap, store)
