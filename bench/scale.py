@@ -62,6 +62,26 @@ def derived(snap: dict, n: int, sigma: float, seed: int = 13, block: int = 2000)
         yield out, (vec / np.linalg.norm(vec, axis=1, keepdims=True)).astype(np.float32)
 
 
+def rss_by_process(pid: int) -> dict[str, int]:
+    """RSS bytes of ``pid`` (``frontend``) and of its descendants together (``children``: the
+    shard processes)."""
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        kids = p.children(recursive=True)
+        front = p.memory_info().rss
+    except psutil.Error:
+        return {}
+    rest = 0
+    for q in kids:
+        try:
+            rest += q.memory_info().rss
+        except psutil.Error:
+            pass
+    return {"frontend": front, "children": rest}
+
+
 def tree_rss(pid: int) -> int:
     """RSS bytes of process ``pid`` and all its descendants (0 once it is gone)."""
     import psutil
@@ -210,6 +230,7 @@ def run_size(a, size: int, kind: str, snap: dict, q, save) -> dict:
         time.sleep(1.0)  # one more RSS sample after the first query
         # served from the snapshot: no ingest buffers
         res.update(rss_after_restart_bytes=tree_rss(srv.proc.pid), rss_peak_restart_bytes=peak.peak,
+                   rss_after_restart_by_process=rss_by_process(srv.proc.pid),
                    shard_bytes_by_component=comp,
                    shard_bytes_per_chunk={k.removesuffix("_bytes"): round(v / max(chunks, 1)) for k, v in comp.items()},
                    rss_after_restart_per_chunk=round(tree_rss(srv.proc.pid) / max(chunks, 1)), step="done")
