@@ -5,8 +5,8 @@ Each applied batch adds a *part*: its fields columns (``chunk_id``, ``doc_id``, 
 (``take``: fresh buffers, so the message and its vectors are freed), or the columns of a
 snapshot's memory-mapped ``chunks.arrow`` as they are (file-backed pages: resident only once
 read). A slot maps to ``(part, row)``; a removed slot maps to nothing and its row stays in its
-part until :meth:`StoredFields.maybe_compact` rewrites the parts (when dead rows outnumber live
-ones). Fields are read for the final hits only (:meth:`StoredFields.records`), a few ``take``
+part until :meth:`StoredFields.maybe_compact` rewrites the parts (once dead rows are half the
+live ones). Fields are read for the final hits only (:meth:`StoredFields.records`), a few ``take``
 calls per request.
 """
 
@@ -135,12 +135,13 @@ class StoredFields:
         self._rows = self._live
 
     def maybe_compact(self) -> None:
-        """Rewrite the parts as one, live rows only, once dead rows outnumber live ones (or
-        drop them all when nothing is live)."""
+        """Rewrite the parts as one, live rows only, once dead rows are half the live ones and
+        at least 1,024 (so dead rows never hold more than ~half again the live fields; each
+        rewrite is paid for by as many removals), or drop them all when nothing is live."""
         if not self._live:
             self._parts, self._rows = [], 0
             return
-        if self._rows - self._live <= max(self._live, 1024):
+        if self._rows - self._live < max(self._live // 2, 1024):
             return
         slots = self.slots()
         table = self.table(slots)
