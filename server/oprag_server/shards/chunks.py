@@ -101,36 +101,10 @@ class ChunkStore:
             cols = {k: [v[i] for i in keep_rows] for k, v in cols.items()}
             vecs = vecs[keep_rows] if vecs is not None else None
         removed = replaced = 0
-        new_slots: list[int] = []
-        new_tokens: list[list[str]] = []
-        seen: set[str] = set()  # documents of this batch (one generation each, kept above)
-        for i, doc_id in enumerate(cols["doc_id"]):
-            gen = int(cols["generation"][i])
-            if doc_id not in seen and self.doc_generation(doc_id) != gen:
-                if doc_id in self.doc_slots:
-                    replaced += 1
-                removed += self._remove_doc(doc_id)
-            seen.add(doc_id)
-            slot = self.next_slot
-            self.next_slot += 1
-            held = self.doc_slots.get(doc_id)
-            if held is None:
-                self.doc_slots[doc_id] = slot  # one-chunk documents (most at scale): no list
-            elif isinstance(held, int):
-                self.doc_slots[doc_id] = [held, slot]
-            else:
-                held.append(slot)
-            h = cols["content_hash"][i] or ""
-            meta = cols["metadata"][i] or "{}"
-            if meta != "{}":
-                self._index_metadata(slot, meta)
-            self._hash_add(h, slot)
-            self._key_bytes += sum(map(sys.getsizeof, (cols["chunk_id"][i], doc_id, h)))
-            if index_lexical:
-                title, text = cols["title"][i] or "", cols["text"][i]
-                toks = tokens.get((title, text)) if tokens else None
-                new_tokens.append(toks if toks is not None else self._tokens(title, text))
-            new_slots.append(slot)
+        if self.doc_slots.keys().isdisjoint(cols["doc_id"]):  # every document new here (a load)
+            new_slots, new_tokens = self._add_new(cols, tokens, index_lexical)
+        else:
+            new_slots, new_tokens, removed, replaced = self._add_rows(cols, tokens, index_lexical)
         self.fields.add(table, new_slots, keep_rows, copy=copy_fields)
         if removed:
             self.fields.maybe_compact()
@@ -166,6 +140,71 @@ class ChunkStore:
             self.version += 1
             self.postings.maybe_merge(background=True)
         return ApplyReply(deleted_docs=docs, removed=chunks, delta=self.postings.drain_delta())
+
+    def _add_new(self, cols: dict, tokens, index_lexical: bool) -> tuple[list[int], list[list[str]]]:
+        """The maps of rows whose documents are all new here, in bulk (C-level dict updates:
+        a snapshot load's 500K rows take ~1 s, not ~10 s row by row)."""
+        docs, n = cols["doc_id"], len(cols["doc_id"])
+        new_slots = list(range(self.next_slot, self.next_slot + n))
+        self.next_slot += n
+        if len(set(docs)) == n:
+            self.doc_slots.update(zip(docs, new_slots))
+        else:
+            for d, slot in zip(docs, new_slots):
+                held = self.doc_slots.get(d)
+                self.doc_slots[d] = slot if held is None else ([held, slot] if isinstance(held, int) else [*held, slot])
+        hashes = [h or "" for h in cols["content_hash"]]
+        if len(set(hashes)) == n and self.hash_slots.keys().isdisjoint(hashes):
+            self.hash_slots.update(zip(hashes, new_slots))
+        else:
+            for h, slot in zip(hashes, new_slots):
+                self._hash_add(h, slot)
+        for i, meta in enumerate(cols["metadata"]):
+            if meta and meta != "{}":
+                self._index_metadata(new_slots[i], meta)
+        self._key_bytes += sum(map(sys.getsizeof, cols["chunk_id"])) + sum(map(sys.getsizeof, docs)) + sum(
+            map(sys.getsizeof, hashes))
+        new_tokens = []
+        if index_lexical:
+            for title, text in zip(cols["title"], cols["text"]):
+                title = title or ""
+                toks = tokens.get((title, text)) if tokens else None
+                new_tokens.append(toks if toks is not None else self._tokens(title, text))
+        return new_slots, new_tokens
+
+    def _add_rows(self, cols: dict, tokens, index_lexical: bool) -> tuple[list[int], list[list[str]], int, int]:
+        """The maps of rows one by one (documents replaced or extended)."""
+        removed = replaced = 0
+        new_slots: list[int] = []
+        new_tokens: list[list[str]] = []
+        seen: set[str] = set()  # documents of this batch (one generation each, kept above)
+        for i, doc_id in enumerate(cols["doc_id"]):
+            gen = int(cols["generation"][i])
+            if doc_id not in seen and doc_id in self.doc_slots and self.doc_generation(doc_id) != gen:
+                replaced += 1
+                removed += self._remove_doc(doc_id)
+            seen.add(doc_id)
+            slot = self.next_slot
+            self.next_slot += 1
+            held = self.doc_slots.get(doc_id)
+            if held is None:
+                self.doc_slots[doc_id] = slot  # one-chunk documents (most at scale): no list
+            elif isinstance(held, int):
+                self.doc_slots[doc_id] = [held, slot]
+            else:
+                held.append(slot)
+            h = cols["content_hash"][i] or ""
+            meta = cols["metadata"][i] or "{}"
+            if meta != "{}":
+                self._index_metadata(slot, meta)
+            self._hash_add(h, slot)
+            self._key_bytes += sum(map(sys.getsizeof, (cols["chunk_id"][i], doc_id, h)))
+            if index_lexical:
+                title, text = cols["title"][i] or "", cols["text"][i]
+                toks = tokens.get((title, text)) if tokens else None
+                new_tokens.append(toks if toks is not None else self._tokens(title, text))
+            new_slots.append(slot)
+        return new_slots, new_tokens, removed, replaced
 
     def doc_generation(self, doc_id: str) -> int | None:
         """The stored generation of a document (None when it is not stored)."""
