@@ -109,17 +109,20 @@ class RssPeak:
         import threading
 
         self.pid, self.peak, self.interval = 0, 0, interval
+        self.peak_by: dict[str, int] = {}  # frontend / shard processes at the tree's peak
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
         self._t.start()
 
     def watch(self, pid: int) -> None:
-        self.pid, self.peak = pid, 0
+        self.pid, self.peak, self.peak_by = pid, 0, {}
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             if self.pid:
-                self.peak = max(self.peak, tree_rss(self.pid))
+                by = rss_by_process(self.pid)
+                if sum(by.values()) > self.peak:
+                    self.peak, self.peak_by = sum(by.values()), by
 
     def close(self) -> None:
         self._stop.set()
@@ -212,7 +215,7 @@ def run_size(a, size: int, kind: str, snap: dict, q, save) -> dict:
                     "recall10_vs_exact": round(float(np.mean(recall)), 4),
                     "ndcg10_scifact": round(float(np.mean(ndcg)), 4),
                     "rss_bytes": rss, "bytes_per_chunk": round(rss / max(chunks, 1)),
-                    "rss_peak_bytes": peak.peak, "step": "restart"})
+                    "rss_peak_bytes": peak.peak, "rss_peak_by_process": peak.peak_by, "step": "restart"})
         save(res)
         peak.watch(0)
         srv.stop(timeout=1800)

