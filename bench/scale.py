@@ -13,16 +13,23 @@ the real vectors' cluster structure. Never uniform random vectors.
 Per size (and ``--dense-index``): ingest rate with supplied vectors, Retrieve p50/p95 of hybrid
 and full_hybrid (SciFact train queries, MiniLM query vectors sent as ``query_vector``),
 Recall@10 of hybrid vs full_hybrid, SciFact nDCG@10 (documents ranked by their best chunk),
-RSS of the server process tree (after the queries, and again after the restart: the latter
-without what ingest left allocated), the shards' bytes by component (``Stats``), snapshot bytes,
-restart-to-READY seconds, and the seconds spent deriving the corpus and in the whole size.
+RSS of the server process tree (sampled every 0.5 s on a thread: the high-water mark during
+ingest and queries, ``rss_peak_bytes``; after the queries; and after the restart, without what
+ingest left allocated), the shards' bytes by component (``Stats``) in total and per chunk,
+snapshot bytes, restart-to-READY seconds, and the seconds spent deriving the corpus and in the
+whole size. Derived chunks are generated one stream at a time as the ingest consumes them. The
+figures so far are rewritten to ``--out`` (default ``bench/out/scale.json``) after every step and
+every ``--log-every`` chunks, so a run cut short leaves them.
 
     python -m bench.scale --source bench/out/retrieval-data --sizes 20000,100000 --json
+    python -m bench.scale --source bench/out/retrieval-data --sizes 1000000 --dense-index hnsw --queries 100 --json
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
 import re
 import shutil
 import time
@@ -35,52 +42,158 @@ from ._common import (DEFAULT_SHARED, OUT, emit_json, load_queries_qrels, log, m
                       read_snapshot, require, start_server)
 
 
-def derived(snap: dict, n: int, sigma: float, seed: int = 13) -> tuple[list[str], np.ndarray]:
-    """``n`` derived chunk texts and unit float32[n, D] vectors (see the module docstring)."""
+def derived(snap: dict, n: int, sigma: float, seed: int = 13, block: int = 2000):
+    """``n`` derived chunks (see the module docstring), yielded in blocks of ``block``:
+    ``(texts list[str], unit float32[m, D] vectors)``. Generated lazily, so a 1M corpus never
+    holds more than one block besides the real chunks (the whole set at once would take ~6 GB
+    of float64 intermediates in the bench process)."""
     rng = np.random.default_rng(seed)
     V, texts = snap["vectors"], snap["text"]
-    base = rng.integers(0, len(texts), n)
-    other = rng.integers(0, len(texts), n)
-    out = []
-    for b, o in zip(base.tolist(), other.tolist()):
-        sents = [s for s in re.split(r"(?<=[.!?])\s+", texts[b] + " " + texts[o]) if s.strip()]
-        rng.shuffle(sents)
-        out.append(" ".join(sents))
-    vec = V[base] + rng.standard_normal((n, V.shape[1])).astype(np.float32) * (sigma / np.sqrt(V.shape[1]))
-    return out, (vec / np.linalg.norm(vec, axis=1, keepdims=True)).astype(np.float32)
+    for start in range(0, n, block):
+        m = min(block, n - start)
+        base = rng.integers(0, len(texts), m)
+        other = rng.integers(0, len(texts), m)
+        out = []
+        for b, o in zip(base.tolist(), other.tolist()):
+            sents = [s for s in re.split(r"(?<=[.!?])\s+", texts[b] + " " + texts[o]) if s.strip()]
+            rng.shuffle(sents)
+            out.append(" ".join(sents))
+        vec = V[base] + rng.standard_normal((m, V.shape[1]), dtype=np.float32) * np.float32(sigma / np.sqrt(V.shape[1]))
+        yield out, (vec / np.linalg.norm(vec, axis=1, keepdims=True)).astype(np.float32)
+
+
+def rss_by_process(pid: int) -> dict[str, int]:
+    """RSS bytes of ``pid`` (``frontend``) and of its descendants together (``children``: the
+    shard processes)."""
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        kids = p.children(recursive=True)
+        front = p.memory_info().rss
+    except psutil.Error:
+        return {}
+    rest = 0
+    for q in kids:
+        try:
+            rest += q.memory_info().rss
+        except psutil.Error:
+            pass
+    return {"frontend": front, "children": rest}
 
 
 def tree_rss(pid: int) -> int:
+    """RSS bytes of process ``pid`` and all its descendants (0 once it is gone)."""
     import psutil
 
-    p = psutil.Process(pid)
-    return sum(q.memory_info().rss for q in [p, *p.children(recursive=True)])
+    try:
+        p = psutil.Process(pid)
+        procs = [p, *p.children(recursive=True)]
+    except psutil.Error:
+        return 0
+    total = 0
+    for q in procs:
+        try:
+            total += q.memory_info().rss
+        except psutil.Error:  # a child that exited between the listing and the read
+            pass
+    return total
 
 
-def run_size(a, size: int, kind: str, snap: dict, q) -> dict:
-    from oprag_client.client import Doc, OpRAGClient, query_request
-    from oprag_client.evaluate import ndcg_at_k
+class RssPeak:
+    """Samples :func:`tree_rss` of a server every ``interval`` s on a thread; ``peak`` is the
+    high-water mark of the whole tree since the last :meth:`reset` (ingest buffers, merges and
+    snapshot writes included, which an RSS read after the fact misses)."""
 
-    real = len(snap["text"])
+    def __init__(self, interval: float = 0.5) -> None:
+        import threading
+
+        self.pid, self.peak, self.interval = 0, 0, interval
+        self.peak_by: dict[str, int] = {}  # frontend / shard processes at the tree's peak
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def watch(self, pid: int) -> None:
+        self.pid, self.peak, self.peak_by = pid, 0, {}
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            if self.pid:
+                by = rss_by_process(self.pid)
+                if sum(by.values()) > self.peak:
+                    self.peak, self.peak_by = sum(by.values()), by
+
+    def close(self) -> None:
+        self._stop.set()
+        self._t.join()
+
+
+def _docs(a, size: int, snap: dict, timing: dict):
+    """The corpus of ``size`` chunks as ``Doc`` objects: the real documents first, then the
+    derived ones, generated as the ingest consumes them (``timing["derive_s"]`` adds up the
+    time spent deriving)."""
+    from oprag_client.client import Doc
+
     by_doc: dict[str, list[int]] = {}
     for i, d in enumerate(snap["doc_id"]):
         by_doc.setdefault(d, []).append(i)
-    docs = [Doc(d, title=snap["title"][rows[0]], chunks=[(snap["text"][r], snap["vectors"][r]) for r in rows])
-            for d, rows in by_doc.items()]
+    for d, rows in by_doc.items():
+        yield Doc(d, title=snap["title"][rows[0]], chunks=[(snap["text"][r], snap["vectors"][r]) for r in rows])
+    i = 0
+    blocks = derived(snap, max(0, size - len(snap["text"])), a.sigma, block=a.per_stream)
+    while True:
+        t = time.perf_counter()
+        block = next(blocks, None)
+        timing["derive_s"] += time.perf_counter() - t
+        if block is None:
+            return
+        for text, v in zip(*block):
+            yield Doc(f"syn:{i}", text, vector=v)
+            i += 1
+
+
+def _batches(it, n: int):
+    while True:
+        batch = list(itertools.islice(it, n))
+        if not batch:
+            return
+        yield batch
+
+
+def run_size(a, size: int, kind: str, snap: dict, q, save) -> dict:
+    """One corpus size with one dense index kind; ``save(res)`` is called with the figures so
+    far after every step (ingest, queries, restart), so a run cut short leaves them."""
+    from oprag_client.client import OpRAGClient, query_request
+    from oprag_client.evaluate import ndcg_at_k
+
     t_all = time.perf_counter()
-    extra_t, extra_v = derived(snap, max(0, size - real), a.sigma)
-    derive_s = time.perf_counter() - t_all
-    docs += [Doc(f"syn:{i}", t, vector=v) for i, (t, v) in enumerate(zip(extra_t, extra_v))]
+    res: dict = {"size": size, "dense_index": kind, "step": "ingest"}
+    timing = {"derive_s": 0.0}
     data = OUT / f"scale-{size}-{kind}"
     shutil.rmtree(data, ignore_errors=True)
     args = ["--generator", "none", "--shards", str(a.shards), "--dense-index", kind, "--monitor-fraction", "0"]
+    peak = RssPeak()
     srv = start_server(data, *args, log_path=OUT / "scale-server.log")
     try:
+        peak.watch(srv.proc.pid)
         with OpRAGClient(srv.target, timeout=3600) as c:
-            t = time.perf_counter()
-            chunks = sum(c.ingest(docs[i:i + a.per_stream]).chunks_written for i in range(0, len(docs), a.per_stream))
-            ingest_s = time.perf_counter() - t
-            log(f"{size} {kind}: {chunks} chunks ingested in {ingest_s:.1f} s")
+            t, chunks, next_log = time.perf_counter(), 0, a.log_every
+            for batch in _batches(_docs(a, size, snap, timing), a.per_stream):
+                chunks += c.ingest(batch).chunks_written
+                if chunks >= next_log:
+                    el = time.perf_counter() - t
+                    res.update(chunks=chunks, ingest_s=round(el, 1), ingest_chunks_per_s=round(chunks / el),
+                               rss_peak_ingest_bytes=peak.peak, derive_s=round(timing["derive_s"], 1))
+                    log(f"{size} {kind}: {chunks} chunks, {el:.0f} s, tree RSS peak {peak.peak / 2**30:.2f} GiB")
+                    save(res)
+                    next_log += a.log_every
+            ingest_s = time.perf_counter() - t - timing["derive_s"]  # the derivation runs between streams
+            res.update(chunks=chunks, ingest_s=round(ingest_s, 1), ingest_chunks_per_s=round(chunks / ingest_s),
+                       rss_peak_ingest_bytes=peak.peak, rss_after_ingest_bytes=tree_rss(srv.proc.pid),
+                       derive_s=round(timing["derive_s"], 1), step="queries")
+            log(f"{size} {kind}: {chunks} chunks ingested in {ingest_s:.1f} s (+{timing['derive_s']:.1f} s deriving)")
+            save(res)
             lat: dict[str, list[float]] = {"hybrid": [], "full_hybrid": []}
             tops: dict[str, list[list[str]]] = {"hybrid": [], "full_hybrid": []}
             ndcg = []
@@ -95,31 +208,41 @@ def run_size(a, size: int, kind: str, snap: dict, q) -> dict:
                         ranked = list(dict.fromkeys(h.doc_id for h in r.hits))
                         ndcg.append(ndcg_at_k(ranked, q["qrels"][qid], 10))
             rss = tree_rss(srv.proc.pid)
-        srv.stop()
-        snap_bytes = sum(f.stat().st_size for f in data.rglob("*") if f.is_file())
+        recall = [len(set(h) & set(f)) / max(1, len(f)) for h, f in zip(tops["hybrid"], tops["full_hybrid"])]
+        res.update({"retrieve_p50_ms": round(percentile(lat["hybrid"], 50), 2),
+                    "retrieve_p95_ms": round(percentile(lat["hybrid"], 95), 2),
+                    "full_p50_ms": round(percentile(lat["full_hybrid"], 50), 2),
+                    "recall10_vs_exact": round(float(np.mean(recall)), 4),
+                    "ndcg10_scifact": round(float(np.mean(ndcg)), 4),
+                    "rss_bytes": rss, "bytes_per_chunk": round(rss / max(chunks, 1)),
+                    "rss_peak_bytes": peak.peak, "rss_peak_by_process": peak.peak_by, "step": "restart"})
+        save(res)
+        peak.watch(0)
+        srv.stop(timeout=1800)
+        res["snapshot_bytes"] = sum(f.stat().st_size for f in data.rglob("*") if f.is_file())
         t = time.perf_counter()
-        srv.start()
-        restart_s = time.perf_counter() - t
-        rss_restarted = tree_rss(srv.proc.pid)  # served from the snapshot: no ingest buffers
+        srv.start(timeout=1800)
+        res["restart_s"] = round(time.perf_counter() - t, 2)
+        peak.watch(srv.proc.pid)
         with OpRAGClient(srv.target) as c:
             comp: dict[str, int] = {}
             for sh in c.stats().shards:
                 for k in ("postings_bytes", "terms_bytes", "vectors_bytes", "ann_bytes", "chunks_bytes"):
                     comp[k] = comp.get(k, 0) + int(getattr(sh, k, 0))
+            c.stub.Retrieve(query_request(q["texts"][0], top_k=10, query_vector=q["vecs"][0].tolist()))
+        time.sleep(1.0)  # one more RSS sample after the first query
+        # served from the snapshot: no ingest buffers
+        res.update(rss_after_restart_bytes=tree_rss(srv.proc.pid), rss_peak_restart_bytes=peak.peak,
+                   rss_after_restart_by_process=rss_by_process(srv.proc.pid),
+                   shard_bytes_by_component=comp,
+                   shard_bytes_per_chunk={k.removesuffix("_bytes"): round(v / max(chunks, 1)) for k, v in comp.items()},
+                   rss_after_restart_per_chunk=round(tree_rss(srv.proc.pid) / max(chunks, 1)), step="done")
     finally:
+        peak.close()
         srv.stop()
-    recall = [len(set(h) & set(f)) / max(1, len(f)) for h, f in zip(tops["hybrid"], tops["full_hybrid"])]
-    return {"chunks": chunks, "dense_index": kind,
-            "retrieve_p50_ms": round(percentile(lat["hybrid"], 50), 2),
-            "retrieve_p95_ms": round(percentile(lat["hybrid"], 95), 2),
-            "full_p50_ms": round(percentile(lat["full_hybrid"], 50), 2),
-            "recall10_vs_exact": round(float(np.mean(recall)), 4),
-            "ndcg10_scifact": round(float(np.mean(ndcg)), 4),
-            "rss_bytes": rss, "bytes_per_chunk": round(rss / max(chunks, 1)),
-            "snapshot_bytes": snap_bytes, "ingest_chunks_per_s": round(chunks / ingest_s),
-            "restart_s": round(restart_s, 2), "rss_after_restart_bytes": rss_restarted,
-            "shard_bytes_by_component": comp, "derive_s": round(derive_s, 1),
-            "wall_s": round(time.perf_counter() - t_all, 1)}
+    res["wall_s"] = round(time.perf_counter() - t_all, 1)
+    save(res)
+    return res
 
 
 def main(argv=None) -> int:
@@ -133,6 +256,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sigma", type=float, default=0.5, help="noise of derived vectors (see module docstring)")
     ap.add_argument("--per-stream", type=int, default=2000)
     ap.add_argument("--shards", type=int, default=2)
+    ap.add_argument("--log-every", type=int, default=100_000, help="log and save progress every N chunks ingested")
+    ap.add_argument("--out", type=Path, default=OUT / "scale.json",
+                    help="JSON file rewritten after every step (a partial run leaves its figures)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     require("psutil", what="the RSS measurement")
@@ -142,14 +268,28 @@ def main(argv=None) -> int:
     vecs = _internals.encoder("minilm", device="cpu").encode([judged[x] for x in qids], truncate=True)
     q = {"qids": qids, "texts": [judged[x] for x in qids], "vecs": vecs, "qrels": qrels}
     result: dict = {"machine": machine_info(), "sizes": {}}
+
+    def save_to(key):
+        def save(res):
+            result["sizes"][key] = res
+            a.out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = a.out.with_suffix(".tmp")
+            tmp.write_text(json.dumps(result, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
+            tmp.replace(a.out)
+        return save
+
     for kind in a.dense_index.split(","):
         for size in [int(s) for s in a.sizes.split(",")]:
-            result["sizes"][f"{size}/{kind}"] = run_size(a, size, kind, snap, q)
+            key = f"{size}/{kind}"
+            result["sizes"][key] = run_size(a, size, kind, snap, q, save_to(key))
             log(result["sizes"][f"{size}/{kind}"])
         ks = [k for k in result["sizes"] if k.endswith(f"/{kind}")]
         if len(ks) > 1:
             lo, hi = result["sizes"][ks[0]], result["sizes"][ks[-1]]
             result[f"p50_growth_{kind}"] = round(hi["retrieve_p50_ms"] / lo["retrieve_p50_ms"], 2)
+            if ks[0].startswith("10000/") and ks[-1].startswith("1000000/"):
+                result.setdefault("p50_growth_10k_to_1m", result[f"p50_growth_{kind}"])
+        save_to(ks[-1])(result["sizes"][ks[-1]])
     if a.json:
         emit_json(result)
     return 0

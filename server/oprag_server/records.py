@@ -80,8 +80,8 @@ def make_chunk_batch(
 def vectors_of(batch: pa.RecordBatch | pa.Table, column: str = "vector") -> np.ndarray:
     """The fixed-size-list vector column as float32[B, D] (zero-copy when possible)."""
     col = batch.column(column)
-    if isinstance(col, pa.ChunkedArray):
-        col = col.combine_chunks()
+    if isinstance(col, pa.ChunkedArray):  # one chunk (a snapshot's, memory-mapped): not copied
+        col = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
     dim = col.type.list_size
     # the child values directly when the list array is unsliced and has no nulls (``flatten``
     # imports pyarrow.compute, about a second in a fresh shard process)

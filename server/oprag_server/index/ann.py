@@ -1,6 +1,11 @@
 """Approximate nearest-neighbour search for the dense side: FAISS HNSW or IVF over the same
-L2-normalised float32 vectors as the exact copy in :class:`~oprag_server.index.dense.DenseIndex`
-(inner product, ``METRIC_INNER_PRODUCT``).
+L2-normalised float32 vectors as :class:`~oprag_server.index.dense.DenseIndex` (inner product,
+``METRIC_INNER_PRODUCT``).
+
+One copy with HNSW: ``IndexHNSWFlat`` keeps the vectors in its flat storage, in ANN-id order;
+:meth:`AnnIndex.storage` is a zero-copy numpy view of it, and the dense index reads its exact
+scores from there instead of keeping a second float32 copy. IVF keeps its vectors in its
+inverted lists (by list, not by id), so the dense index keeps its own copy besides.
 
 The ANN structure only *picks candidates*; every score a shard returns is still canonical
 (:func:`~oprag_server.index.dense.fixed_order_dot`), so identical content scores identically
@@ -129,16 +134,23 @@ class AnnIndex:
         """True once a quarter of an HNSW graph is dead (IVF removes at once: never)."""
         return self.params.kind == "hnsw" and self.dead * 4 > max(self.ann_slot.size, 1)
 
-    def rebuild(self, slots: np.ndarray, vectors: np.ndarray) -> None:
-        """A fresh structure over exactly these live vectors (compaction; IVF: retraining)."""
+    def rebuild(self, slots: np.ndarray, vectors) -> None:
+        """A fresh structure over exactly these live vectors (compaction; IVF: retraining).
+
+        :param vectors: float32[n, D], or any object whose slices ``vectors[a:b]`` give them
+            (HNSW adds them in blocks of 65,536: a lazy gather from the old structure's storage
+            then never holds a third full copy).
+        """
         slots = np.asarray(slots, dtype=np.int64)
-        vecs = np.ascontiguousarray(vectors, dtype=np.float32)
         self.ann_slot, self.dead, self._selector = slots.copy(), 0, None
         if self.params.kind == "hnsw":
-            self._index = self._new_hnsw()
-            if slots.size:
-                self._index.add(vecs)
-        elif slots.size >= self.params.train_min:
+            index = self._new_hnsw()  # the old one stays alive meanwhile: ``vectors`` may read it
+            for a in range(0, slots.size, 65536):
+                index.add(np.ascontiguousarray(vectors[a:a + 65536], dtype=np.float32))
+            self._index = index
+            return
+        vecs = np.ascontiguousarray(vectors, dtype=np.float32)
+        if slots.size >= self.params.train_min:
             self._index = self._new_ivf(vecs)
             self._index.add_with_ids(vecs, np.arange(slots.size, dtype=np.int64))
         else:
@@ -173,16 +185,86 @@ class AnnIndex:
         slots = np.where(ids >= 0, self.ann_slot[np.maximum(ids, 0)], -1)
         return slots, np.where(slots >= 0, scores, -np.inf).astype(np.float32), knob
 
+    # ------------------------------------------------------------------ storage (HNSW)
+    def storage(self) -> np.ndarray:
+        """float32[A, D]: HNSW's stored vectors by ANN id, a zero-copy view of FAISS's memory.
+
+        Valid until the next :meth:`add`, :meth:`rebuild` or :meth:`load` (an add may move the
+        buffer): take it anew for each use, never keep it. Read-only by contract.
+        """
+        if self.params.kind != "hnsw":
+            raise ValueError("only an HNSW index stores its vectors by id")
+        n = int(self._index.ntotal)
+        if n == 0:
+            return np.zeros((0, self.dim), np.float32)
+        faiss = _faiss()
+        flat = faiss.downcast_index(self._index.storage)
+        return faiss.rev_swig_ptr(flat.get_xb(), n * self.dim).reshape(n, self.dim)
+
+    def graph_nbytes(self) -> int:
+        """Bytes of the structure besides the stored vectors (HNSW: links, offsets, levels,
+        ``n * (4*(2*M + 1) + 12)``; IVF: all of :meth:`nbytes`) plus the 8-byte id map."""
+        if self.params.kind == "hnsw":
+            n = int(self._index.ntotal) if self._index is not None else 0
+            return n * (4 * (2 * self.params.hnsw_m + 1) + 12) + int(self.ann_slot.nbytes)
+        return self.nbytes()
+
     # ------------------------------------------------------------------ persistence
     def to_bytes(self) -> bytes:
         """The FAISS structure (``faiss.serialize_index``); empty while an IVF is untrained."""
         return b"" if self._index is None else _faiss().serialize_index(self._index).tobytes()
 
-    def load(self, data: bytes, ann_slot: np.ndarray, trained_at: int) -> None:
-        """Restore :meth:`to_bytes` output with its ``ann_slot`` map (slots already remapped)."""
-        self._index = _faiss().deserialize_index(np.frombuffer(data, dtype=np.uint8)) if data else None
+    def write(self, path) -> None:
+        """Write the FAISS structure (with HNSW's stored vectors) to ``path`` (not fsynced);
+        nothing is written while an IVF is untrained."""
+        if self._index is not None:
+            _faiss().write_index(self._index, str(path))
+
+    def load(self, data, ann_slot: np.ndarray, trained_at: int) -> None:
+        """Restore :meth:`to_bytes` output (``bytes``), a file :meth:`write` wrote (a path: read
+        straight into FAISS's memory, no intermediate copy) or an index FAISS already read, with
+        its ``ann_slot`` map (slots already remapped).
+
+        :raises ValueError: the structure's vector count differs from ``ann_slot``'s.
+        """
+        faiss = _faiss()
+        if hasattr(data, "stat") and data.stat().st_size == 0:  # an untrained IVF's empty file
+            data = b""
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            index = faiss.deserialize_index(np.frombuffer(data, dtype=np.uint8)) if len(data) else None
+        elif data is None or hasattr(data, "ntotal"):
+            index = data
+        else:
+            index = faiss.read_index(str(data))
+        if self.params.kind == "hnsw" and index is not None and int(index.ntotal) != int(np.asarray(ann_slot).size):
+            raise ValueError(f"the saved structure holds {index.ntotal} vectors, its id map {np.asarray(ann_slot).size}")
+        self._index = index
         self.ann_slot = np.asarray(ann_slot, dtype=np.int64).copy()
         self.dead = int((self.ann_slot < 0).sum())
         self.trained_at, self._selector = int(trained_at), None
         if self.params.kind == "hnsw" and self._index is None:
             self._index = self._new_hnsw()
+
+
+def read_vectors(path, ann_slot: np.ndarray, slots: np.ndarray) -> np.ndarray:
+    """float32[M, D]: the vectors of ``slots`` (int64[M], each live in ``ann_slot``) out of an
+    HNSW structure file (:meth:`AnnIndex.write`): what a shard whose index kind changed needs
+    from a snapshot written with HNSW, whose vectors are only there.
+
+    :raises ValueError: not an HNSW file, or a slot not in ``ann_slot``.
+    """
+    faiss = _faiss()
+    index = faiss.read_index(str(path))
+    if not hasattr(index, "hnsw"):
+        raise ValueError(f"{path}: not an HNSW structure")
+    ann_slot = np.asarray(ann_slot, dtype=np.int64)
+    live = np.flatnonzero(ann_slot >= 0)
+    order = np.argsort(ann_slot[live], kind="stable")
+    by_slot = ann_slot[live][order]
+    slots = np.asarray(slots, dtype=np.int64)
+    pos = np.clip(np.searchsorted(by_slot, slots), 0, max(by_slot.size - 1, 0))
+    if slots.size and (not by_slot.size or (by_slot[pos] != slots).any()):
+        raise ValueError(f"{path}: a slot has no vector in the structure")
+    flat = faiss.downcast_index(index.storage)
+    st = faiss.rev_swig_ptr(flat.get_xb(), int(index.ntotal) * index.d).reshape(-1, index.d)
+    return st[live[order][pos]]  # a gather: a copy, made while the index is alive

@@ -1,10 +1,15 @@
 """Dense partition of one shard: a FAISS inner-product index over L2-normalised float32 vectors.
 
-Chunks are identified by an int64 *slot* (unique within the shard, never reused). One compact
-float32 copy of the live vectors serves everything: flat top-k searches (FAISS's brute-force
-``faiss.knn`` inner-product kernel run over that copy, the same kernel and the same scores as an
-``IndexFlatIP`` holding its own second copy), exact scoring of every chunk (``score_all``) and
-snapshots; an approximate index (:mod:`.ann`) keeps its own structure besides.
+Chunks are identified by an int64 *slot* (unique within the shard, never reused). One float32
+copy of the vectors serves everything:
+
+* flat and IVF: a compact copy of the live vectors here (flat top-k searches run FAISS's
+  brute-force ``faiss.knn`` inner-product kernel over it, the same kernel and scores as an
+  ``IndexFlatIP`` holding a second copy); an IVF keeps its inverted lists besides.
+* HNSW: the vectors ``IndexHNSWFlat`` stores for its graph, by ANN id (dead ones included until
+  compaction), read through a zero-copy view (:meth:`.ann.AnnIndex.storage`); the live rows are
+  the live ANN ids in ascending order. Exact scoring, canonical scores and snapshots read them
+  there: no second copy.
 
 Two kinds of scores (README: identical content, identical score):
 
@@ -25,6 +30,7 @@ import numpy as np
 from ..records import as_query_matrix
 from ..config import DenseConfig
 from .ann import AnnIndex
+from .graph_rows import GraphRows
 
 #: unit roundoff of float32 (2^-24)
 _U32 = 2.0**-24
@@ -61,7 +67,7 @@ def _faiss():
     return faiss
 
 
-class DenseIndex:
+class DenseIndex(GraphRows):
     """Inner-product index with removals: exact (flat) or approximate candidate search
     (:mod:`.ann`: HNSW, IVF) over an exact float32 copy of the live vectors.
 
@@ -83,18 +89,38 @@ class DenseIndex:
         self._sample: tuple[int, np.ndarray, np.ndarray] | None = None  # (version, rows, vectors)
         self._version = 0  # grows on every add and remove
         self._max_norm = 0.0  # an upper bound of the stored vectors' L2 norms (never shrinks)
+        # HNSW: the vectors live in the graph's storage; _slot_row maps slot -> ANN id there
+        self._one = self.params.kind == "hnsw"
+        self._live_cache: tuple[int, np.ndarray, np.ndarray] | None = None  # (version, ann ids, slots)
+        # HNSW, added with ann=False (snapshot load) until load_ann / compact_ann: (slots, vectors
+        # or None when they come with the saved structure)
+        self._pending: list[tuple[np.ndarray, np.ndarray | None]] | None = None
 
     def __len__(self) -> int:
         return self._n
 
+    def _gather(self, rows: np.ndarray) -> np.ndarray:
+        """float32[M, D] vectors of live rows (positions in :attr:`slots` order), a copy."""
+        if self._one:
+            return self._ann.storage()[self._live()[0][rows]]
+        return self._vecs[: self._n][rows]
+
     @property
     def slots(self) -> np.ndarray:
         """int64[n]: live slots in row order."""
+        if self._one:
+            if self._pending is not None:
+                return np.concatenate([s for s, _ in self._pending]) if self._pending else np.zeros(0, np.int64)
+            return self._live()[1]
         return self._row_slot[: self._n]
 
     @property
     def vectors(self) -> np.ndarray:
-        """float32[n, D]: live vectors in row order (a view; do not mutate)."""
+        """float32[n, D]: live vectors in row order (flat, IVF, HNSW without dead ids: a view,
+        valid until the next add or remove, do not mutate; HNSW with dead ids: a copy)."""
+        if self._one:
+            live, st = self._live()[0], self._ann.storage()
+            return st if live.size == st.shape[0] else st[live]
         return self._vecs[: self._n]
 
     def add(self, slots: np.ndarray, vectors: np.ndarray, ann: bool = True) -> None:
@@ -116,13 +142,12 @@ class DenseIndex:
         if np.unique(slots).size != slots.size:
             raise ValueError("a slot appears twice in one add")
         present = self._rows_of(slots)
-        if (present >= 0).any():
+        if (present >= 0).any() or (self._pending and np.isin(slots, self.slots).any()):
             raise ValueError(f"slot {int(slots[np.argmax(present >= 0)])} already in the dense index")
-        top = int(slots.max()) + 1
-        if top > self._slot_row.size:
-            grown_map = np.full(max(top, 2 * self._slot_row.size, 1024), -1, dtype=np.int64)
-            grown_map[: self._slot_row.size] = self._slot_row
-            self._slot_row = grown_map
+        self._grow_map(int(slots.max()) + 1)
+        if self._one:
+            self._add_one(slots, vecs, ann)
+            return
         need = self._n + len(slots)
         if need > self._vecs.shape[0]:
             cap = max(need, 2 * self._vecs.shape[0], 1024)
@@ -141,12 +166,22 @@ class DenseIndex:
         if self._ann is not None and ann:
             self._ann.add(slots, vecs, (self.slots, self.vectors))
 
+    def _grow_map(self, top: int) -> None:
+        if top > self._slot_row.size:
+            grown_map = np.full(max(top, 2 * self._slot_row.size, 1024), -1, dtype=np.int64)
+            grown_map[: self._slot_row.size] = self._slot_row
+            self._slot_row = grown_map
+
     def remove(self, slots: np.ndarray) -> int:
         """Remove slots (absent slots are ignored). :returns: number removed."""
+        if self._pending is not None:
+            self.compact_ann()
         arr = np.unique(np.asarray(slots, dtype=np.int64).reshape(-1))
         slots = arr[self._rows_of(arr) >= 0].tolist()
         if not slots:
             return 0
+        if self._one:
+            return self._remove_one(np.asarray(slots, dtype=np.int64))
         if self._ann is not None:
             self._ann.remove(np.asarray(slots, dtype=np.int64))
         for s in slots:
@@ -169,35 +204,68 @@ class DenseIndex:
         flat index holds nothing else) and ``ann`` (the approximate structure,
         :meth:`.ann.AnnIndex.nbytes`; 0 for flat)."""
         own = self._vecs.nbytes + self._row_slot.nbytes + self._slot_row.nbytes
+        if self._one:  # the graph's stored vectors are the copy; the graph itself is "ann"
+            cache = self._live_cache
+            own += int(self._ann.ann_slot.size) * 4 * self.dim + (cache[1].nbytes + cache[2].nbytes if cache else 0)
+            return {"vectors": int(own), "ann": self._ann.graph_nbytes()}
         return {"vectors": int(own), "ann": self._ann.nbytes() if self._ann is not None else 0}
 
     def compact_ann(self) -> None:
-        """Rebuild the approximate structure from the live vectors (drops what deletes left)."""
-        if self._ann is not None:
-            self._ann.rebuild(self.slots, self.vectors)
+        """Rebuild the approximate structure from the live vectors (drops what deletes left).
 
-    def ann_state(self) -> dict | None:
+        :raises RuntimeError: HNSW slots registered by :meth:`add_pending` whose saved
+            structure was never loaded (their vectors are nowhere else).
+        """
+        if self._ann is None:
+            return
+        if not self._one:
+            self._ann.rebuild(self.slots, self.vectors)
+            return
+        self._compact_one()
+
+    @property
+    def one_copy(self) -> bool:
+        """True when the approximate structure holds the only copy of the vectors (HNSW): a
+        snapshot then keeps them in the structure's file only (:meth:`write_ann`)."""
+        return self._one
+
+    def ann_state(self, with_bytes: bool = True) -> dict | None:
         """What a snapshot keeps of the approximate structure (None for flat): ``{"kind",
-        "faiss": bytes, "ann_slot": int64[A], "trained_at"}``."""
+        "faiss": bytes (only ``with_bytes``), "ann_slot": int64[A], "trained_at"}``."""
         if self._ann is None:
             return None
-        return {"kind": self.params.kind, "faiss": self._ann.to_bytes(), "ann_slot": self._ann.ann_slot,
-                "trained_at": self._ann.trained_at}
+        out = {"kind": self.params.kind, "ann_slot": self._ann.ann_slot, "trained_at": self._ann.trained_at}
+        if with_bytes:
+            out["faiss"] = self._ann.to_bytes()
+        return out
+
+    def write_ann(self, path) -> None:
+        """Write the approximate structure to ``path`` straight from FAISS (no serialised copy
+        in memory; an empty file while an IVF is untrained). Not fsynced."""
+        if self._pending is not None:
+            self.compact_ann()
+        if self._ann is not None and self._ann.ready:
+            self._ann.write(path)
+        else:
+            open(path, "wb").close()
 
     def load_ann(self, state: dict, slot_map) -> bool:
         """Adopt a saved structure instead of rebuilding it (vectors added with ``ann=False``).
 
+        :param state: as :meth:`ann_state`, ``faiss`` bytes or the path of a :meth:`write_ann` file.
         :param slot_map: old slot int64[A] -> current slot (-1: gone).
         :returns: False (and nothing changed) when the kind differs: the caller rebuilds.
         """
         if self._ann is None or state.get("kind") != self.params.kind:
             return False
-        self._ann.load(state["faiss"], slot_map(np.asarray(state["ann_slot"], dtype=np.int64)),
-                       int(state.get("trained_at", 0)))
-        return True
+        ann_slot = slot_map(np.asarray(state["ann_slot"], dtype=np.int64))
+        if not self._one:
+            self._ann.load(state["faiss"], ann_slot, int(state.get("trained_at", 0)))
+            return True
+        return self._load_one(state, ann_slot)
 
     def _rows_of(self, slots: np.ndarray) -> np.ndarray:
-        """int64[M]: row of each slot, -1 where absent."""
+        """int64[M]: row of each slot (HNSW: its ANN id), -1 where absent."""
         out = np.full(slots.shape, -1, dtype=np.int64)
         inside = (slots >= 0) & (slots < self._slot_row.size)
         out[inside] = self._slot_row[slots[inside]]
@@ -209,13 +277,22 @@ class DenseIndex:
         :raises KeyError: a slot is absent.
         """
         s = np.asarray(slots, dtype=np.int64).reshape(-1)
+        if self._pending is not None:
+            self.compact_ann()
         r = self._rows_of(s)
         if s.size and (r < 0).any():
             raise KeyError(int(s[np.argmax(r < 0)]))
+        if self._one:  # ANN ids -> positions among the live ids
+            live = self._live()[0]
+            return np.searchsorted(live, r) if live.size != self._ann.ann_slot.size else r
         return r
 
     def vectors_of(self, slots: np.ndarray) -> np.ndarray:
         """float32[M, D] vectors of the given live slots (KeyError for an absent slot)."""
+        if self._one:
+            s = np.asarray(slots, dtype=np.int64).reshape(-1)
+            self.rows(s)  # raises KeyError for an absent slot
+            return self._ann.storage()[self._slot_row[s]]
         return self._vecs[self.rows(slots)]
 
     def sample(self, max_rows: int) -> tuple[np.ndarray, np.ndarray]:
@@ -223,7 +300,7 @@ class DenseIndex:
         float32[S, D])``, cached until the next add or remove."""
         if self._sample is None or self._sample[0] != self._version:
             rows = np.arange(0, self._n, max(1, -(-self._n // max_rows)), dtype=np.int64)
-            self._sample = (self._version, rows, np.ascontiguousarray(self._vecs[rows]))
+            self._sample = (self._version, rows, np.ascontiguousarray(self._gather(rows)))
         return self._sample[1], self._sample[2]
 
     def search(self, queries, k: int, ef_search: int = 0, nprobe: int = 0) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -238,6 +315,8 @@ class DenseIndex:
             k' = min(k, len(self)); FAISS's -1 placeholders never appear.
         """
         q = as_query_matrix(queries, self.dim)
+        if self._pending is not None:
+            self.compact_ann()
         kk = min(int(k), self._n)
         if kk <= 0:
             empty_s = np.zeros(0, dtype=np.int64)
@@ -273,6 +352,10 @@ class DenseIndex:
         q = as_query_matrix(queries, self.dim)
         if not self._n:
             return np.zeros((q.shape[0], 0), np.float32)
+        if self._one:  # every stored vector (dead ones too: cheaper than gathering), live columns
+            live_ids, st = self._live()[0], self._ann.storage()
+            out = np.stack([st @ q[i] for i in range(q.shape[0])])
+            return out if live_ids.size == st.shape[0] else out[:, live_ids]
         live = self._vecs[: self._n]
         # one matrix-vector product per query: measured several times faster here than one
         # small-batch matrix product with this OpenBLAS build
@@ -286,7 +369,7 @@ class DenseIndex:
     def exact_rows(self, query: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """float64[M]: canonical inner products (:func:`fixed_order_dot`) of one query float32[D]
         with the live vectors at the given rows (positions in :attr:`slots` order)."""
-        return fixed_order_dot(self._vecs[: self._n][np.asarray(rows, dtype=np.int64)], query)
+        return fixed_order_dot(self._gather(np.asarray(rows, dtype=np.int64)), query)
 
     def exact_slots(self, query: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """float64[M]: canonical inner products of one query float32[D] with the given live slots

@@ -4,12 +4,15 @@ documents). Reads live in :mod:`oprag_server.shards.search`.
 
 Every chunk has a shard-local *slot* (int64, never reused). A document's chunks carry the
 document's generation; a batch with another generation replaces the stored version.
+
+Stored fields stay in Arrow (:mod:`.fields`): each applied batch's columns (copied out of the
+message) or the snapshot's ``chunks.arrow`` memory-mapped, never one Python object per field;
+only chunk ids, document ids and content hashes are Python strings (the maps that need them).
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -20,32 +23,27 @@ from ..index.analyzer import Analyzer
 from ..index.bm25 import PostingsIndex
 from ..config import DenseConfig
 from ..index.dense import DenseIndex
+from .fields import ChunkRecord, StoredFields
 from .protocol import ApplyReply, ReuseReply, ReuseRequest
 
+__all__ = ["ChunkRecord", "ChunkStore"]
 
-def _record_bytes(rec: "ChunkRecord") -> int:
-    return (sys.getsizeof(rec) + 200 + sum(map(sys.getsizeof, (rec.chunk_id, rec.doc_id, rec.title, rec.text,
-                                                              rec.metadata, rec.content_hash))))
+#: per chunk besides its strings: a dict entry in the document and hash maps (~2 x 40 bytes with
+#: the index table), an object-array slot for its id, a list slot and a small int object
+_MAP_ENTRY_BYTES = 120
 
 
-@dataclass(slots=True)
-class ChunkRecord:
-    chunk_id: str
-    doc_id: str
-    title: str
-    text: str
-    metadata: str  # JSON object of typed values (:mod:`..metadata`)
-    ordinal: int
-    generation: int
-    content_hash: str
+def _slots_of(v) -> list[int]:
+    return [v] if isinstance(v, int) else v
 
 
 class ChunkStore:
     """Chunks of one shard (pure in-process object).
 
     :param dim: vector width D. :param stem: BM25 analyser stemming.
-    Attributes: ``chunks`` {slot: ChunkRecord}; ``doc_slots`` {doc_id: [slot]};
-    ``applied_seq`` the highest applied sequence number; ``version`` grows on every write.
+    Attributes: ``chunks`` a read-only mapping {slot: ChunkRecord} over the stored fields;
+    ``doc_slots`` {doc_id: slot, or [slot, ...] for several chunks}; ``applied_seq`` the highest applied sequence number;
+    ``version`` grows on every write.
     """
 
     def __init__(self, dim: int, stem: bool = False, dense: DenseConfig | None = None) -> None:
@@ -53,17 +51,18 @@ class ChunkStore:
         self.analyzer = Analyzer(stem=stem)
         self.dense = DenseIndex(dim, dense)
         self.postings = PostingsIndex()
-        self.chunks: dict[int, ChunkRecord] = {}
-        self.doc_slots: dict[str, list[int]] = {}
-        self.doc_generation: dict[str, int] = {}
-        self.meta_index: dict[str, dict[tuple, set[int]]] = {}
-        self.hash_slots: dict[str, set[int]] = {}  # content hash -> slots holding that text  # key -> match_key(value) -> slots
+        self.fields = StoredFields()
+        self.chunks = self.fields.view()
+        self.doc_slots: dict[str, int | list[int]] = {}
+        self.meta_index: dict[str, dict[tuple, set[int]]] = {}  # key -> match_key(value) -> slots
+        # content hash -> the slot holding that text, or the set of them when several do
+        self.hash_slots: dict[str, int | set[int]] = {}
         self.next_slot = 0
         self.applied_seq = 0
         self.version = 0
         self._row_ids_cache: np.ndarray | None = None
         self._slot_ids = np.empty(0, dtype=object)  # slot -> chunk id (None once removed)
-        self._chunk_bytes = 0  # estimate of the stored fields (see nbytes)
+        self._key_bytes = 0  # sys.getsizeof of the id, document id and hash strings held
 
     # ------------------------------------------------------------------ writes
     def analyse(self, table: pa.Table, out: dict[tuple[str, str], list[str]]) -> None:
@@ -74,51 +73,41 @@ class ChunkStore:
                 out[(title, text)] = self.analyzer.tokens(f"{title}\n{text}" if title else text)
 
     def upsert(self, table: pa.Table, seq: int, index_ann: bool = True,
-               tokens: dict[tuple[str, str], list[str]] | None = None, index_lexical: bool = True) -> ApplyReply:
+               tokens: dict[tuple[str, str], list[str]] | None = None, index_lexical: bool = True,
+               copy_fields: bool = True) -> ApplyReply:
         """Apply a bulk batch of chunks (schema :func:`records.chunk_schema`); ``index_ann=False``
         leaves the approximate dense structure to the caller (snapshot load), and so does
         ``index_lexical=False`` the BM25 postings (a snapshot load that maps stored postings).
+        ``copy_fields=False`` keeps the table's own buffers for the stored fields (a snapshot's
+        memory-mapped file; a message's buffers would keep its vectors alive too: copied).
 
         A document whose stored generation differs from the batch's generation is replaced:
         its old chunks leave the dense index and the postings first. When the batch holds
         several versions of one document (the same id sent twice), the last version wins and
         the earlier ones are never indexed.
         """
-        cols = {name: table.column(name).to_pylist() for name in table.column_names if name != "vector"}
-        vecs = records.vectors_of(table)
+        # Python objects only for what the maps need; title and text only to analyse them
+        need = ["chunk_id", "doc_id", "generation", "content_hash", "metadata"]
+        if index_lexical:
+            need += ["title", "text"]
+        cols = {name: table.column(name).to_pylist() for name in need}
+        # a snapshot written with HNSW keeps its vectors in the structure only (DenseIndex.load_ann)
+        vecs = records.vectors_of(table) if "vector" in table.column_names else None
         last_gen: dict[str, int] = {}
         for doc_id, g in zip(cols["doc_id"], cols["generation"]):
             last_gen[doc_id] = int(g)
         keep_rows = [i for i, (d, g) in enumerate(zip(cols["doc_id"], cols["generation"])) if int(g) == last_gen[d]]
         if len(keep_rows) != len(cols["doc_id"]):
             cols = {k: [v[i] for i in keep_rows] for k, v in cols.items()}
-            vecs = vecs[keep_rows]
+            vecs = vecs[keep_rows] if vecs is not None else None
         removed = replaced = 0
-        new_slots: list[int] = []
-        new_tokens: list[list[str]] = []
-        for i, doc_id in enumerate(cols["doc_id"]):
-            gen = int(cols["generation"][i])
-            if self.doc_generation.get(doc_id) != gen:
-                if doc_id in self.doc_slots:
-                    replaced += 1
-                removed += self._remove_doc(doc_id)
-                self.doc_generation[doc_id] = gen
-                self.doc_slots[doc_id] = []
-            slot = self.next_slot
-            self.next_slot += 1
-            rec = ChunkRecord(chunk_id=cols["chunk_id"][i], doc_id=doc_id, title=cols["title"][i] or "",
-                              text=cols["text"][i], metadata=cols["metadata"][i] or "{}",
-                              ordinal=int(cols["ordinal"][i]), generation=gen,
-                              content_hash=cols["content_hash"][i] or "")
-            self.chunks[slot] = rec
-            self._chunk_bytes += _record_bytes(rec)
-            self._index_metadata(slot, rec)
-            self.hash_slots.setdefault(rec.content_hash, set()).add(slot)
-            self.doc_slots[doc_id].append(slot)
-            toks = tokens.get((rec.title, rec.text)) if tokens else None
-            if index_lexical:
-                new_tokens.append(toks if toks is not None else self._index_tokens(rec))
-            new_slots.append(slot)
+        if self.doc_slots.keys().isdisjoint(cols["doc_id"]):  # every document new here (a load)
+            new_slots, new_tokens = self._add_new(cols, tokens, index_lexical)
+        else:
+            new_slots, new_tokens, removed, replaced = self._add_rows(cols, tokens, index_lexical)
+        self.fields.add(table, new_slots, keep_rows, copy=copy_fields)
+        if removed:
+            self.fields.maybe_compact()
         if index_lexical:
             self.postings.add_batch(new_slots, new_tokens)
         if new_slots:
@@ -126,8 +115,11 @@ class ChunkStore:
                 grown = np.empty(max(self.next_slot, 2 * self._slot_ids.size, 1024), dtype=object)
                 grown[: self._slot_ids.size] = self._slot_ids
                 self._slot_ids = grown
-            self._slot_ids[new_slots] = [self.chunks[s].chunk_id for s in new_slots]
-            self.dense.add(np.asarray(new_slots, dtype=np.int64), vecs, ann=index_ann)
+            self._slot_ids[new_slots] = cols["chunk_id"]
+            if vecs is None:
+                self.dense.add_pending(np.asarray(new_slots, dtype=np.int64))
+            else:
+                self.dense.add(np.asarray(new_slots, dtype=np.int64), vecs, ann=index_ann)
             self._row_ids_cache = None
         self.applied_seq = max(self.applied_seq, int(seq))
         self.version += 1
@@ -142,42 +134,121 @@ class ChunkStore:
             if d in self.doc_slots:
                 docs += 1
                 chunks += self._remove_doc(d)
+        self.fields.maybe_compact()
         self.applied_seq = max(self.applied_seq, int(seq))
         if docs:
             self.version += 1
             self.postings.maybe_merge(background=True)
         return ApplyReply(deleted_docs=docs, removed=chunks, delta=self.postings.drain_delta())
 
+    def _add_new(self, cols: dict, tokens, index_lexical: bool) -> tuple[list[int], list[list[str]]]:
+        """The maps of rows whose documents are all new here, in bulk (C-level dict updates:
+        a snapshot load's 500K rows take ~1 s, not ~10 s row by row)."""
+        docs, n = cols["doc_id"], len(cols["doc_id"])
+        new_slots = list(range(self.next_slot, self.next_slot + n))
+        self.next_slot += n
+        if len(set(docs)) == n:
+            self.doc_slots.update(zip(docs, new_slots))
+        else:
+            for d, slot in zip(docs, new_slots):
+                held = self.doc_slots.get(d)
+                self.doc_slots[d] = slot if held is None else ([held, slot] if isinstance(held, int) else [*held, slot])
+        hashes = [h or "" for h in cols["content_hash"]]
+        if len(set(hashes)) == n and self.hash_slots.keys().isdisjoint(hashes):
+            self.hash_slots.update(zip(hashes, new_slots))
+        else:
+            for h, slot in zip(hashes, new_slots):
+                self._hash_add(h, slot)
+        for i, meta in enumerate(cols["metadata"]):
+            if meta and meta != "{}":
+                self._index_metadata(new_slots[i], meta)
+        self._key_bytes += sum(map(sys.getsizeof, cols["chunk_id"])) + sum(map(sys.getsizeof, docs)) + sum(
+            map(sys.getsizeof, hashes))
+        new_tokens = []
+        if index_lexical:
+            for title, text in zip(cols["title"], cols["text"]):
+                title = title or ""
+                toks = tokens.get((title, text)) if tokens else None
+                new_tokens.append(toks if toks is not None else self._tokens(title, text))
+        return new_slots, new_tokens
+
+    def _add_rows(self, cols: dict, tokens, index_lexical: bool) -> tuple[list[int], list[list[str]], int, int]:
+        """The maps of rows one by one (documents replaced or extended)."""
+        removed = replaced = 0
+        new_slots: list[int] = []
+        new_tokens: list[list[str]] = []
+        seen: set[str] = set()  # documents of this batch (one generation each, kept above)
+        for i, doc_id in enumerate(cols["doc_id"]):
+            gen = int(cols["generation"][i])
+            if doc_id not in seen and doc_id in self.doc_slots and self.doc_generation(doc_id) != gen:
+                replaced += 1
+                removed += self._remove_doc(doc_id)
+            seen.add(doc_id)
+            slot = self.next_slot
+            self.next_slot += 1
+            held = self.doc_slots.get(doc_id)
+            if held is None:
+                self.doc_slots[doc_id] = slot  # one-chunk documents (most at scale): no list
+            elif isinstance(held, int):
+                self.doc_slots[doc_id] = [held, slot]
+            else:
+                held.append(slot)
+            h = cols["content_hash"][i] or ""
+            meta = cols["metadata"][i] or "{}"
+            if meta != "{}":
+                self._index_metadata(slot, meta)
+            self._hash_add(h, slot)
+            self._key_bytes += sum(map(sys.getsizeof, (cols["chunk_id"][i], doc_id, h)))
+            if index_lexical:
+                title, text = cols["title"][i] or "", cols["text"][i]
+                toks = tokens.get((title, text)) if tokens else None
+                new_tokens.append(toks if toks is not None else self._tokens(title, text))
+            new_slots.append(slot)
+        return new_slots, new_tokens, removed, replaced
+
+    def doc_generation(self, doc_id: str) -> int | None:
+        """The stored generation of a document (None when it is not stored)."""
+        held = self.doc_slots.get(doc_id)
+        return None if held is None else self.fields.generation(_slots_of(held)[0])
+
+    def _hash_add(self, h: str, slot: int) -> None:
+        held = self.hash_slots.get(h)
+        self.hash_slots[h] = slot if held is None else ({held, slot} if isinstance(held, int) else held | {slot})
+
+    def _hash_discard(self, h: str, slot: int) -> None:
+        held = self.hash_slots.get(h)
+        if held is None or held == slot:
+            self.hash_slots.pop(h, None)
+        elif not isinstance(held, int):
+            held.discard(slot)
+            if len(held) == 1:
+                self.hash_slots[h] = next(iter(held))
+
     def _remove_doc(self, doc_id: str) -> int:
-        slots = self.doc_slots.pop(doc_id, [])
-        self.doc_generation.pop(doc_id, None)
+        slots = _slots_of(self.doc_slots.pop(doc_id, []))
         if slots:
             self.dense.remove(np.asarray(slots, dtype=np.int64))
-            for s in slots:
+            recs = self.fields.pop(slots)
+            for s, rec in zip(slots, recs):
                 self.postings.remove(s)
-                rec = self.chunks.pop(s, None)
                 self._slot_ids[s] = None
-                if rec is not None:
-                    self._chunk_bytes -= _record_bytes(rec)
-                    self._unindex_metadata(s, rec)
-                    held = self.hash_slots.get(rec.content_hash)
-                    if held is not None:
-                        held.discard(s)
-                        if not held:
-                            del self.hash_slots[rec.content_hash]
+                self._key_bytes -= sum(map(sys.getsizeof, (rec.chunk_id, rec.doc_id, rec.content_hash)))
+                if rec.metadata and rec.metadata != "{}":
+                    self._unindex_metadata(s, rec.metadata)
+                self._hash_discard(rec.content_hash, s)
             self._row_ids_cache = None
         return len(slots)
 
-    def _index_tokens(self, rec: ChunkRecord) -> list[str]:
+    def _tokens(self, title: str, text: str) -> list[str]:
         # The title is part of what BM25 sees for every chunk of the document.
-        return self.analyzer.tokens(f"{rec.title}\n{rec.text}" if rec.title else rec.text)
+        return self.analyzer.tokens(f"{title}\n{text}" if title else text)
 
-    def _index_metadata(self, slot: int, rec: ChunkRecord) -> None:
-        for k, v in md.loads(rec.metadata).items():
+    def _index_metadata(self, slot: int, metadata: str) -> None:
+        for k, v in md.loads(metadata).items():
             self.meta_index.setdefault(k, {}).setdefault(md.match_key(v), set()).add(slot)
 
-    def _unindex_metadata(self, slot: int, rec: ChunkRecord) -> None:
-        for k, v in md.loads(rec.metadata).items():
+    def _unindex_metadata(self, slot: int, metadata: str) -> None:
+        for k, v in md.loads(metadata).items():
             v = md.match_key(v)
             vals = self.meta_index.get(k, {})
             vals.get(v, set()).discard(slot)
@@ -188,11 +259,14 @@ class ChunkStore:
 
     def nbytes(self) -> dict[str, int]:
         """Bytes held by component: ``postings`` and ``terms`` (BM25, :meth:`PostingsIndex.nbytes`),
-        ``vectors`` and ``ann`` (:meth:`DenseIndex.nbytes`), and ``chunks``: the stored fields,
-        estimated per chunk as ``sys.getsizeof`` of the record and of its six strings (id,
-        document id, title, text, metadata JSON, content hash) plus 200 bytes for its entries
-        in the slot, document, hash and metadata maps."""
-        return {**self.postings.nbytes(), **self.dense.nbytes(), "chunks": int(self._chunk_bytes)}
+        ``vectors`` and ``ann`` (:meth:`DenseIndex.nbytes`), and ``chunks``: the stored fields'
+        Arrow buffers and per-slot arrays (:meth:`.fields.StoredFields.nbytes`; a memory-mapped
+        snapshot file counts in full, though only the pages read are resident), plus
+        ``sys.getsizeof`` of the chunk id, document id and content hash strings the maps hold,
+        8 bytes per chunk of the slot-to-id array and ~120 of map entries (per live chunk)."""
+        n = len(self.fields)
+        maps = self._key_bytes + (8 + _MAP_ENTRY_BYTES) * n
+        return {**self.postings.nbytes(), **self.dense.nbytes(), "chunks": int(self.fields.nbytes() + maps)}
 
     # ------------------------------------------------------------------ lookups
     def allowed(self, filters) -> np.ndarray | None:
@@ -230,25 +304,28 @@ class ChunkStore:
         out: dict[str, dict[str, np.ndarray]] = {}
         for d in req.doc_ids:
             slots = self.doc_slots.get(d)
-            if not slots:
+            if slots is None:  # (a one-chunk document's value is its slot: 0 is a slot)
                 continue
+            slots = _slots_of(slots)
             vecs = self.dense.vectors_of(np.asarray(slots, dtype=np.int64))
-            out[d] = {self.chunks[s].content_hash: vecs[i].copy() for i, s in enumerate(slots)}
+            hashes = self.fields.column(slots, "content_hash")
+            out[d] = {h: vecs[i].copy() for i, h in enumerate(hashes)}
         by_hash = {}
         for h in req.content_hashes:
             slots = self.hash_slots.get(h)
-            if slots:
-                by_hash[h] = self.dense.vectors_of(np.asarray([min(slots)], dtype=np.int64))[0].copy()
+            if slots is not None:
+                low = slots if isinstance(slots, int) else min(slots)
+                by_hash[h] = self.dense.vectors_of(np.asarray([low], dtype=np.int64))[0].copy()
         return ReuseReply(out, by_hash)
 
-    def batch(self) -> pa.RecordBatch:
-        """Every stored chunk with its vector, in slot order (for a snapshot)."""
-        slots = sorted(self.chunks)
-        recs = [self.chunks[s] for s in slots]
-        vecs = self.dense.vectors_of(np.asarray(slots, dtype=np.int64)) if slots else np.zeros((0, self.dim), np.float32)
-        return records.make_chunk_batch(
-            chunk_ids=[r.chunk_id for r in recs], doc_ids=[r.doc_id for r in recs], titles=[r.title for r in recs],
-            texts=[r.text for r in recs], metadata=[md.loads(r.metadata) for r in recs],
-            ordinals=[r.ordinal for r in recs], generations=[r.generation for r in recs],
-            content_hashes=[r.content_hash for r in recs], vectors=vecs,
-        )
+    def batch(self, vectors: bool = True) -> pa.RecordBatch:
+        """Every stored chunk with its vector (``vectors=False``: without the ``vector``
+        column), in slot order (for a snapshot); built from the Arrow columns, not per row."""
+        slots = self.fields.slots()
+        t = self.fields.table(slots, records.chunk_schema(self.dim))
+        out = pa.RecordBatch.from_arrays([c.combine_chunks() for c in t.columns], schema=t.schema)
+        if vectors:
+            vecs = self.dense.vectors_of(slots) if slots.size else np.zeros((0, self.dim), np.float32)
+            col = pa.FixedSizeListArray.from_arrays(pa.array(np.ascontiguousarray(vecs, np.float32).reshape(-1)), self.dim)
+            out = pa.RecordBatch.from_arrays([*out.columns, col], schema=records.chunk_schema(self.dim))
+        return out

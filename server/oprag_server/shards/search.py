@@ -325,8 +325,7 @@ class Searcher:
     # ------------------------------------------------------------------ fetch
     def fetch(self, req: FetchRequest) -> FetchReply:
         """Stored fields of the given slots (``found`` False for a slot deleted meanwhile)."""
-        chunks = self.store.chunks
-        recs = [chunks.get(int(s)) for s in req.slots]
+        recs = self.store.fields.records(req.slots)
         return FetchReply(
             found=[r is not None for r in recs],
             doc_ids=[r.doc_id if r else "" for r in recs],

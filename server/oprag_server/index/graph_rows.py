@@ -1,0 +1,127 @@
+"""HNSW rows of :class:`~oprag_server.index.dense.DenseIndex`: with HNSW the dense index keeps
+no float32 copy of its own; its vectors are the ones ``IndexHNSWFlat`` stores for the graph, by
+ANN id (dead ids included until compaction), read through a zero-copy view
+(:meth:`.ann.AnnIndex.storage`). Row ``r`` of the dense index is the ``r``-th live ANN id in
+ascending order, so rows stay positions in ``DenseIndex.slots`` order as for flat.
+
+A snapshot load registers the chunks first (``add_pending``, or ``add(..., ann=False)`` when the
+snapshot still carries vectors) and then adopts the saved graph with its storage
+(``load_ann``), or builds one from the staged vectors (``compact_ann``): the vectors are never
+held twice.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class GraphRows:
+    """The HNSW half of :class:`~oprag_server.index.dense.DenseIndex` (a mixin: it uses the
+    dense index's ``_ann``, ``_slot_row``, ``_n``, ``_version``, ``_max_norm``, ``_pending``,
+    ``_live_cache``, ``_one`` and ``_grow_map``)."""
+
+    def _live(self) -> tuple[np.ndarray, np.ndarray]:
+        """HNSW: ``(ANN ids, slots)`` int64[n] of the live rows, in row order (ascending id)."""
+        if self._pending is not None:
+            self.compact_ann()
+        if self._live_cache is None or self._live_cache[0] != self._version:
+            ann = np.flatnonzero(self._ann.ann_slot >= 0)
+            self._live_cache = (self._version, ann, self._ann.ann_slot[ann])
+        return self._live_cache[1], self._live_cache[2]
+
+    def add_pending(self, slots: np.ndarray) -> None:
+        """HNSW: register slots whose vectors come with the saved structure (:meth:`load_ann`);
+        a snapshot written with HNSW keeps its vectors only there.
+
+        :raises ValueError: not an HNSW index.
+        """
+        if not self._one:
+            raise ValueError("only an HNSW index takes its vectors from its saved structure")
+        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        if slots.size:
+            self._grow_map(int(slots.max()) + 1)
+        self._pending = (self._pending or []) + [(slots, None)]
+        self._n += slots.size
+        self._version += 1
+
+    def _add_one(self, slots: np.ndarray, vecs: np.ndarray, ann: bool) -> None:
+        """HNSW: append to the graph (its storage is the one copy), or stage until load_ann."""
+        self._n += slots.size
+        self._version += 1
+        self._max_norm = max(self._max_norm, float(np.sqrt(np.einsum("ij,ij->i", vecs, vecs, dtype=np.float64).max())))
+        if not ann or self._pending is not None:
+            self._pending = (self._pending or []) + [(slots, vecs)]  # a view of the caller's rows
+            return
+        first = self._ann.ann_slot.size
+        self._ann.add(slots, vecs, (slots, vecs))
+        self._slot_row[slots] = np.arange(first, first + slots.size, dtype=np.int64)
+
+    def _remove_one(self, slots: np.ndarray) -> int:
+        """HNSW: mark live slots int64[M] dead in the graph (compacted past a quarter dead)."""
+        self._ann.remove(slots)
+        self._slot_row[slots] = -1
+        self._n -= len(slots)
+        self._version += 1
+        if self._ann.needs_compaction():
+            self.compact_ann()
+        return len(slots)
+
+    def _compact_one(self) -> None:
+        """HNSW: a new graph over the staged vectors (snapshot load) or the live stored ones,
+        added a block at a time (the old graph's storage, read lazily, is the only other copy).
+
+        :raises RuntimeError: staged slots whose vectors were to come with a saved graph.
+        """
+        if self._pending is not None:
+            pend, self._pending = self._pending, None
+            if any(v is None for _, v in pend):
+                raise RuntimeError("the HNSW structure holding these vectors was not loaded: nothing to rebuild from")
+            slots = np.concatenate([s for s, _ in pend]) if pend else np.zeros(0, np.int64)
+            self._ann.rebuild(slots, _Chain([v for _, v in pend]))
+        else:
+            live, slots = self._live()
+            self._ann.rebuild(slots, _Rows(self._ann.storage(), live))
+        self._slot_row[slots] = np.arange(slots.size, dtype=np.int64)
+        self._version += 1
+
+    def _load_one(self, state: dict, ann_slot: np.ndarray) -> bool:
+        """HNSW: adopt a saved graph (``state["faiss"]``) whose live slots (``ann_slot``,
+        already remapped) are exactly the staged ones; False (nothing changed) otherwise."""
+        # the structure's storage becomes the one copy
+        staged = np.sort(self.slots)
+        live = np.flatnonzero(ann_slot >= 0)
+        if not np.array_equal(np.sort(ann_slot[live]), staged):
+            return False
+        self._ann.load(state["faiss"], ann_slot, int(state.get("trained_at", 0)))
+        self._pending = None
+        self._slot_row[ann_slot[live]] = live
+        st = self._ann.storage()
+        for a in range(0, live.size, 65536):
+            v = st[live[a:a + 65536]]
+            self._max_norm = max(self._max_norm, float(np.sqrt(np.einsum("ij,ij->i", v, v, dtype=np.float64).max())))
+        self._version += 1
+        return True
+
+
+class _Rows:
+    """``storage[ids[a:b]]`` on slicing: live rows gathered one block at a time."""
+
+    def __init__(self, storage: np.ndarray, ids: np.ndarray) -> None:
+        self.storage, self.ids = storage, ids
+
+    def __getitem__(self, sl: slice) -> np.ndarray:
+        return self.storage[self.ids[sl]]
+
+
+class _Chain:
+    """Row slices across a list of float32[m_i, D] arrays, as if concatenated."""
+
+    def __init__(self, parts: list[np.ndarray]) -> None:
+        self.parts = parts
+        self.starts = np.cumsum([0] + [p.shape[0] for p in parts])
+
+    def __getitem__(self, sl: slice) -> np.ndarray:
+        a, b = sl.start or 0, min(sl.stop, int(self.starts[-1]))
+        got = [p[max(a - s, 0):b - s] for p, s in zip(self.parts, self.starts[:-1].tolist()) if s < b and s + p.shape[0] > a]
+    
+        return np.concatenate(got) if len(got) != 1 else got[0]

@@ -1,0 +1,208 @@
+"""Stored chunk fields of one shard in Arrow, not as Python objects (issue 13).
+
+Each applied batch adds a *part*: its fields columns (``chunk_id``, ``doc_id``, ``title``,
+``text``, ``metadata``, ``ordinal``, ``generation``, ``content_hash``) copied out of the message
+(``take``: fresh buffers, so the message and its vectors are freed), or the columns of a
+snapshot's memory-mapped ``chunks.arrow`` as they are (file-backed pages: resident only once
+read). A slot maps to ``(part, row)``; a removed slot maps to nothing and its row stays in its
+part until :meth:`StoredFields.maybe_compact` rewrites the parts (once dead rows are half the
+live ones). Fields are read for the final hits only (:meth:`StoredFields.records`), a few ``take``
+calls per request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+FIELDS = ("chunk_id", "doc_id", "title", "text", "metadata", "ordinal", "generation", "content_hash")
+
+
+@dataclass(slots=True)
+class ChunkRecord:
+    chunk_id: str
+    doc_id: str
+    title: str
+    text: str
+    metadata: str  # JSON object of typed values (:mod:`..metadata`)
+    ordinal: int
+    generation: int
+    content_hash: str
+
+
+class StoredFields:
+    """Slot -> stored fields (see the module docstring). Not thread-safe."""
+
+    def __init__(self) -> None:
+        self._parts: list[pa.Table] = []
+        self._part = np.full(0, -1, dtype=np.int32)  # slot -> part, -1 when absent
+        self._row = np.zeros(0, dtype=np.int32)  # slot -> row in its part
+        self._gen = np.zeros(0, dtype=np.uint64)  # slot -> document generation
+        self._live = 0
+        self._rows = 0  # rows held in parts, dead ones included
+
+    def __len__(self) -> int:
+        return self._live
+
+    def add(self, table: pa.Table, slots: list[int], rows: list[int], copy: bool = True) -> None:
+        """Store rows ``rows`` of ``table`` (schema :func:`..records.chunk_schema`, the vector
+        column ignored) under ``slots`` (int, ascending, new).
+
+        :param copy: False keeps the table's buffers (a memory-mapped snapshot file); True
+            copies the rows out (``take``), so nothing else of the table stays alive.
+        """
+        if not slots:
+            return
+        part = table.select(list(FIELDS))
+        if copy or len(rows) != table.num_rows:
+            part = part.take(pa.array(rows, type=pa.int64()))
+        top = slots[-1] + 1
+        if top > self._part.size:
+            cap = max(top, 2 * self._part.size, 1024)
+            self._part = np.concatenate([self._part, np.full(cap - self._part.size, -1, np.int32)])
+            self._row = np.concatenate([self._row, np.zeros(cap - self._row.size, np.int32)])
+            self._gen = np.concatenate([self._gen, np.zeros(cap - self._gen.size, np.uint64)])
+        s = np.asarray(slots, dtype=np.int64)
+        self._part[s] = len(self._parts)
+        self._row[s] = np.arange(len(slots), dtype=np.int32)
+        self._gen[s] = part.column("generation").to_numpy()
+        self._parts.append(part)
+        self._live += len(slots)
+        self._rows += len(slots)
+
+    def generation(self, slot: int) -> int:
+        return int(self._gen[slot])
+
+    def __contains__(self, slot: int) -> bool:
+        return 0 <= slot < self._part.size and self._part[slot] >= 0
+
+    def slots(self) -> np.ndarray:
+        """int64[n]: the live slots, ascending."""
+        return np.flatnonzero(self._part >= 0).astype(np.int64)
+
+    def _gather(self, slots, names) -> dict[str, list]:
+        s = np.asarray(slots, dtype=np.int64).reshape(-1)
+        out: dict[str, list] = {n: [None] * s.size for n in names}
+        if not s.size:
+            return out
+        parts = self._part[s]
+        for p in np.unique(parts).tolist():
+            pos = np.flatnonzero(parts == p)
+            got = self._parts[p].take(pa.array(self._row[s[pos]].astype(np.int64)))
+            for n in names:
+                vals = got.column(n).to_pylist()
+                col = out[n]
+                for j, v in zip(pos.tolist(), vals):
+                    col[j] = v
+        return out
+
+    def column(self, slots, name: str) -> list:
+        """One field of live slots (a sequence of ints), in order."""
+        return self._gather(slots, (name,))[name]
+
+    def records(self, slots) -> list[ChunkRecord | None]:
+        """The records of the given slots, None for one not stored."""
+        s = np.asarray(slots, dtype=np.int64).reshape(-1)
+        ok = (s >= 0) & (s < self._part.size)
+        ok[ok] = self._part[s[ok]] >= 0
+        got = self._gather(s[ok], FIELDS)
+        recs = [ChunkRecord(*(got[n][j] for n in FIELDS)) for j in range(int(ok.sum()))]
+        it = iter(recs)
+        return [_clean(next(it)) if k else None for k in ok.tolist()]
+
+    def pop(self, slots: list[int]) -> list[ChunkRecord]:
+        """Remove live slots; returns their records (what the maps need to forget them)."""
+        recs = self.records(slots)
+        s = np.asarray(slots, dtype=np.int64)
+        self._part[s] = -1
+        self._live -= len(slots)
+        return [r for r in recs if r is not None]
+
+    def adopt(self, table: pa.Table, slots: np.ndarray) -> None:
+        """Serve the live ``slots`` (int64[n], ascending) from ``table``, row i for slot i:
+        a snapshot just written, memory-mapped; the parts held so far are dropped.
+
+        :raises ValueError: the row count differs from the live slots'.
+        """
+        if table.num_rows != slots.size or slots.size != self._live:
+            raise ValueError(f"{table.num_rows} rows for {slots.size} slots ({self._live} live)")
+        self._parts = [table.select(list(FIELDS))]
+        self._part[slots] = 0
+        self._row[slots] = np.arange(slots.size, dtype=np.int32)
+        self._rows = self._live
+
+    def maybe_compact(self) -> None:
+        """Rewrite the parts as one, live rows only, once dead rows are half the live ones and
+        at least 1,024 (so dead rows never hold more than ~half again the live fields; each
+        rewrite is paid for by as many removals), or drop them all when nothing is live."""
+        if not self._live:
+            self._parts, self._rows = [], 0
+            return
+        if self._rows - self._live < max(self._live // 2, 1024):
+            return
+        slots = self.slots()
+        table = self.table(slots)
+        self._parts = [table]
+        self._part[slots] = 0
+        self._row[slots] = np.arange(slots.size, dtype=np.int32)
+        self._rows = self._live
+
+    def table(self, slots: np.ndarray, schema: pa.Schema | None = None) -> pa.Table:
+        """The fields of live slots int64[n], in that order, as one table (fresh buffers)."""
+        names = list(FIELDS)
+        if not slots.size:
+            sch = pa.schema([schema.field(n) for n in names]) if schema is not None else None
+            return pa.table({n: [] for n in names}, schema=sch) if sch is not None else pa.table({n: [] for n in names})
+        parts = self._part[slots]
+        pieces, order = [], []
+        for p in np.unique(parts).tolist():
+            pos = np.flatnonzero(parts == p)
+            pieces.append(self._parts[p].take(pa.array(self._row[slots[pos]].astype(np.int64))))
+            order.append(pos)
+        t = pa.concat_tables(pieces)
+        inv = np.empty(slots.size, np.int64)
+        inv[np.concatenate(order)] = np.arange(slots.size)
+        t = t.take(pa.array(inv)) if len(pieces) > 1 else t
+        if schema is not None:
+            t = t.cast(pa.schema([schema.field(n) for n in names]))
+        return t.combine_chunks()
+
+    def nbytes(self) -> int:
+        """Arrow buffers of every part (a memory-mapped part counts in full; dead rows count
+        until :meth:`maybe_compact`) and the per-slot arrays (part, row, generation: 16 bytes
+        per live slot; their capacity, sized by the highest slot, is not counted)."""
+        return int(sum(p.get_total_buffer_size() for p in self._parts) + 16 * self._live)
+
+    def view(self) -> "FieldsView":
+        return FieldsView(self)
+
+
+def _clean(r: ChunkRecord) -> ChunkRecord:
+    r.title, r.metadata, r.content_hash = r.title or "", r.metadata or "{}", r.content_hash or ""
+    r.ordinal, r.generation = int(r.ordinal), int(r.generation)
+    return r
+
+
+class FieldsView(Mapping):
+    """Read-only ``{slot: ChunkRecord}`` over :class:`StoredFields` (records built on access)."""
+
+    def __init__(self, fields: StoredFields) -> None:
+        self._f = fields
+
+    def __getitem__(self, slot: int) -> ChunkRecord:
+        rec = self._f.records([slot])[0] if isinstance(slot, (int, np.integer)) else None
+        if rec is None:
+            raise KeyError(slot)
+        return rec
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._f.slots().tolist())
+
+    def __len__(self) -> int:
+        return len(self._f)
+
+    def __contains__(self, slot) -> bool:
+        return isinstance(slot, (int, np.integer)) and int(slot) in self._f
