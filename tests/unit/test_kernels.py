@@ -80,7 +80,9 @@ def test_skyband_kernel_is_the_reference(seed):
 
 
 def _bm25_reference(ix, slots, terms, idf, avgdl, k1=1.5, b=0.75):
-    """PostingsIndex.score before the kernel (its segment loop in numpy), verbatim."""
+    """PostingsIndex.score before the kernel: its segment loop in numpy, verbatim; the delta
+    layers through the index's own delta scoring (a chunk is in the segment or in one layer, so
+    per chunk the additions are in the same order as the old interleaved loop)."""
     s = np.asarray(slots, dtype=np.int64)
     idf = np.asarray(idf, dtype=np.float64)
     out = np.zeros(s.shape, dtype=np.float64)
@@ -89,7 +91,6 @@ def _bm25_reference(ix, slots, terms, idf, avgdl, k1=1.5, b=0.75):
     norm = k1 * (1 - b + b * ix._doc_len[s] / avgdl)
     s32 = s.astype(np.int32)
     in_seg = ix._where[s] == _SEG
-    layers = ix._delta_layers()
     vocab, seg_df = ix._seg.vocab, ix._seg_df
     for i, t in enumerate(terms):
         tid = vocab.get(t)
@@ -101,17 +102,7 @@ def _bm25_reference(ix, slots, terms, idf, avgdl, k1=1.5, b=0.75):
             if hit.size:
                 tf = ptf[pos[hit]].astype(np.float64)
                 out[hit] += idf[i] * (tf * (k1 + 1) / (tf + norm[hit]))
-        for layer, code in layers:
-            a = layer.arrays(t, ix._where, code)
-            if a is None:
-                continue
-            ps, ptf = a
-            pos = ps.searchsorted(s)
-            np.minimum(pos, len(ps) - 1, out=pos)
-            hit = np.flatnonzero(ps[pos] == s)
-            if hit.size:
-                tf = ptf[pos[hit]]
-                out[hit] += idf[i] * (tf * (k1 + 1) / (tf + norm[hit]))
+    ix._add_delta_scores(out, s, terms, idf, k1, norm)
     return out
 
 

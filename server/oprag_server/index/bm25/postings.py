@@ -322,9 +322,17 @@ class PostingsIndex(MergeMixin):
         tids = np.array([-1 if t is None or not seg_df[t] else t for t in map(vocab.get, terms)], np.int64)
         out, norm = kernels.bm25_segment(s.reshape(-1), self._where, _SEG, self._doc_len, tids, idf, seg.offsets,
                                          seg.slots, seg.tf, float(avgdl), float(k1), float(b))
-        out, layers = out.reshape(s.shape), [(d, c) for d, c in self._delta_layers() if d.n]  # live postings
+        out = out.reshape(s.shape)
+        self._add_delta_scores(out, s, terms, idf, k1, norm)
+        return out
+
+    def _add_delta_scores(self, out: np.ndarray, s: np.ndarray, terms: Sequence[str], idf: np.ndarray,
+                          k1: float, norm: np.ndarray) -> None:
+        """Add the delta layers' BM25 terms to float64[M] ``out`` for slots int64[M] ``s`` in place
+        (``norm``: float64[M], the length part of each chunk's denominator). A chunk is in the
+        segment or in one delta layer, so each gets one addition per term, in term order."""
+        layers = [(d, c) for d, c in self._delta_layers() if d.n]  # live postings
         for i, t in enumerate(terms):
-            # a chunk is in the segment or in a delta layer, so it gets one addition per term
             for layer, code in layers:
                 a = layer.arrays(t, self._where, code)
                 if a is None:
@@ -336,7 +344,6 @@ class PostingsIndex(MergeMixin):
                 if hit.size:
                     tf = ptf[pos[hit]]
                     out[hit] += idf[i] * (tf * (k1 + 1) / (tf + norm[hit]))
-        return out
 
     def score_all(
         self,
