@@ -141,12 +141,13 @@ class ShardPool:
         targets = list(range(self.n)) if shards is None else shards
         per = request if isinstance(request, list) else [request] * len(targets)
         futs = [self.clients[s].call(op, r) for s, r in zip(targets, per)]
-        outs: list[Any] = []
-        for fut in futs:  # every request is sent already: awaiting them in turn costs no gather wrapper
+        if len(futs) == 1:  # one shard (e.g. a single session's memory): no gather wrapper
             try:
-                outs.append(await fut)
+                outs = [await futs[0]]
             except ShardError as exc:
-                outs.append(exc)
+                outs = [exc]
+        else:  # gather starts a call that is a coroutine (a replica set's read) before awaiting any
+            outs = await asyncio.gather(*futs, return_exceptions=True)
         got, missing = {}, []
         for s, o in zip(targets, outs):
             if isinstance(o, BaseException):
