@@ -134,7 +134,10 @@ def _reference_path(monkeypatch, searcher):
     def tops(q, allowed, n):
         plain = [i for i, a in enumerate(allowed) if a is None]
         res = searcher._dense_tops(q, plain, n) if plain else {}
-        return [res[i] if i in res else searcher._dense_top(q[i], n, allowed[i]) for i in range(q.shape[0])]
+        dense = searcher.store.dense
+        rows = [np.arange(len(dense)) if a is None else dense.rows(a) for a in allowed]  # exact minimum: every row
+        lows = [float(fixed_order_dot(dense.vectors[r], q[i]).min()) if r.size else np.inf for i, r in enumerate(rows)]
+        return [res[i] if i in res else searcher._dense_top(q[i], n, allowed[i]) for i in range(q.shape[0])], lows
 
     monkeypatch.setattr(searcher, "_kernel_tops", tops)
     monkeypatch.setattr(searcher.store.postings, "score",
@@ -145,7 +148,8 @@ def _reference_path(monkeypatch, searcher):
 def _key(rep):
     c = [(x.slots.tobytes(), x.chunk_ids, x.dense.tobytes(), x.lexical.tobytes()) for x in rep.candidates]
     f = [(x.slots, x.doc_ids, x.texts) for x in rep.fields or []]
-    return c, rep.eligible, np.asarray(rep.dense_min).tobytes(), f
+    lx = [(x.slots.tobytes(), x.chunk_ids, x.dense.tobytes(), x.lexical.tobytes()) for x in rep.lexical or []]
+    return c, rep.eligible, np.asarray(rep.dense_min).tobytes(), f, lx, rep.listed
 
 
 CASES = [("random", 300, 48, 120), ("random", 40, 37, 20), ("dups", 250, 16, 100), ("zeros", 200, 32, 60),
@@ -162,7 +166,7 @@ def test_shard_search_with_kernels_is_bit_identical_to_numpy(case, monkeypatch):
     terms = [list(rng.choice(WORDS + ["absent"], int(rng.integers(0, 5)))) for _ in range(6)]
     idf = [rng.normal(1.0, 0.8, len(t)) for t in terms]  # negative idf too
     filters = [None, [("g", [0])], None, [("g", [1, 2])], [("g", [7])], None]
-    reqs = [SearchRequest(QueryBatch(q, terms, idf, 5.5, k1, b, fl), mode, n, fetch_k=fk)
+    reqs = [SearchRequest(QueryBatch(q, terms, idf, 5.5, k1, b, fl), mode, n, fetch_k=fk, m=(n * 7) % 13 if mode == "hybrid" else 0)
             for mode in ("hybrid", "dense") for n in (1, 10, 64, m + 5) for fk in (0, 10)
             for fl in (None, filters) for k1, b in ((1.5, 0.75), (1.2, 0.3))][:: 3 if m > 100 else 1]
     got = [_key(sh.search.search(r)) for r in reqs]

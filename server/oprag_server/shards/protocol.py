@@ -11,10 +11,12 @@ candidate). Scores are float64, slots int64, vectors float32. Imports numpy only
 
 from __future__ import annotations
 
-import enum, operator  # noqa: E401
-from dataclasses import dataclass, field, fields
+import enum
+from dataclasses import field
 
 import numpy as np
+
+from .message import message
 
 
 class Op(enum.Enum):
@@ -36,18 +38,6 @@ class Op(enum.Enum):
     STATS = "stats"  # counts (+ full BM25 statistics on request)
     SNAPSHOT = "snapshot"  # write a snapshot, truncate the write-ahead log
     SHUTDOWN = "shutdown"  # optionally snapshot, then exit the run loop
-
-
-def message(cls):
-    """A protocol type: a ``slots`` dataclass that pickles as ``(cls, field values)`` (half the
-    cost of the generic slots state on the retrieve path)."""
-    cls = dataclass(slots=True)(cls)
-    names = tuple(f.name for f in fields(cls))
-    get = operator.attrgetter(*names) if len(names) > 1 else None
-    one = operator.attrgetter(names[0]) if len(names) == 1 else None
-    cls.__reduce__ = (lambda self: (cls, get(self))) if get else (lambda self: (cls, (one(self),))) if one else \
-        (lambda self: (cls, ()))
-    return cls
 
 
 # ---------------------------------------------------------------------------- shared parts
@@ -110,7 +100,8 @@ class FetchReply:
 class SearchRequest:
     """``mode`` in {"hybrid", "dense", "lexical"}; ``n`` local candidates per query;
     ``fetch_k`` > 0: the reply carries the fields of the candidates that can be in a top-k
-    (:func:`~oprag_server.index.fusion.skyband`): usually no FETCH round trip follows."""
+    (:func:`~oprag_server.index.fusion.skyband`): usually no FETCH round trip follows;
+    ``m`` > 0 (hybrid): also the exact BM25 top-m (the threshold bound, operators/retrieve.py)."""
 
     batch: QueryBatch
     mode: str
@@ -118,13 +109,16 @@ class SearchRequest:
     ef_search: int = 0  # approximate dense search knobs (0 = the index's default)
     nprobe: int = 0
     fetch_k: int = 0
+    m: int = 0
 
 
 @message
 class SearchReply:
     """Per query i: ``candidates[i]``; ``eligible[i]`` chunks eligible on this shard;
     ``dense_min[i]`` the dense minimum estimated from a fixed vector sample (+inf when not
-    computed: lexical mode or an empty shard). Per-query scalars are lists (B is small)."""
+    computed: lexical mode or an empty shard; exact over the eligible rows with a flat index).
+    Per-query scalars are lists (B is small). ``m`` > 0: ``lexical[i]`` the BM25 top-m of the
+    eligible chunks with a BM25 score != 0 (ties: chunk id) and ``listed[i]`` how many there are."""
 
     candidates: list[Candidates]
     eligible: list[int]
@@ -132,6 +126,8 @@ class SearchReply:
     dense_index: str = "flat"  # the shard's dense index kind
     knobs: dict | None = None  # {"ef_search" | "nprobe": value used}, None when none was
     fields: list[FetchReply] | None = None  # fetch_k > 0: per query, fields of some candidates
+    lexical: list[Candidates] | None = None
+    listed: list[int] | None = None
 
 
 @message

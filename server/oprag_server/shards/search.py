@@ -63,19 +63,27 @@ class Searcher:
         allowed = [st.allowed(f) for f in (qb.filters or [None] * B)]
         eligible = [len(st.dense) if a is None else int(a.size) for a in allowed]
         cands: list[Candidates] = []
+        lexical = listed = None
         if req.mode in ("hybrid", "dense"):
             st.dense.last_knobs = {}
             if st.dense.params.kind == "flat":  # compiled: every row scanned, the exact top-n
-                tops = self._kernel_tops(q, allowed, n)
+                tops, lows = self._kernel_tops(q, allowed, n)
             else:
                 plain = [i for i, a in enumerate(allowed) if a is None]
                 faiss_res = self._dense_tops(q, plain, n, req.ef_search, req.nprobe) if plain else {}
                 tops = [faiss_res[i] if i in faiss_res else self._dense_top(q[i], n, allowed[i]) for i in range(B)]
-            dense_min = self._dense_min_estimate(q).tolist()
+                lows = [None] * B
+            if any(low is None for low in lows):
+                est = self._dense_min_estimate(q).tolist()
+                lows = [est[i] if low is None else low for i, low in enumerate(lows)]
+            dense_min = lows
             for i in range(B):
                 slots, dense = tops[i]
                 lex = st.postings.score(slots, qb.terms[i], qb.idf[i], qb.avgdl, qb.k1, qb.b)
                 cands.append(Candidates(slots, st.ids(slots), dense, lex))
+            if req.mode == "hybrid" and req.m > 0:
+                tops_l = [self._lexical_top(q[i], qb, i, allowed[i], int(req.m)) for i in range(B)]
+                lexical, listed = [c for c, _ in tops_l], [k for _, k in tops_l]
         elif req.mode == "lexical":
             dense_min = [np.inf] * B
             for i in range(B):
@@ -94,9 +102,43 @@ class Searcher:
         if req.fetch_k > 0:  # the hits' fields now, so that no FETCH round trip follows
             k = int(req.fetch_k)
             # one score ranks (candidates come ranked by it): its top-k; hybrid: the k-skyband
-            fields = [self._fields(c.slots[:k] if req.mode != "hybrid" else c.slots[skyband(c.dense, c.lexical, k)])
-                      for c in cands]
-        return SearchReply(cands, eligible, dense_min, st.dense.params.kind, st.dense.last_knobs or None, fields)
+            fields = [self._fields(c.slots[:k] if req.mode != "hybrid" else
+                                   self._skyband_slots(c, lexical[i] if lexical else None, k))
+                      for i, c in enumerate(cands)]
+        return SearchReply(cands, eligible, dense_min, st.dense.params.kind, st.dense.last_knobs or None, fields,
+                           lexical, listed)
+
+    def _lexical_top(self, q: np.ndarray, qb: QueryBatch, i: int, allowed: np.ndarray | None,
+                     m: int) -> tuple[Candidates, int]:
+        """Query ``i``'s exact BM25 top-m over the allowed live chunks whose BM25 score is not 0
+        (the lexical ranked list, :func:`.fusion.lexical_listed`), by (score desc, chunk id asc),
+        each with its canonical dense score; and how many such chunks there are (the list is
+        complete when that is <= m). BM25 visits only the query terms' postings
+        (:meth:`.bm25.postings.PostingsIndex.score_all`: rank_bm25's values).
+
+        :returns: ``(Candidates, listed)``."""
+        st = self.store
+        slots, lex = st.postings.score_all(qb.terms[i], qb.idf[i], qb.avgdl, qb.k1, qb.b)
+        keep = lexical_listed(lex)
+        if allowed is not None:
+            keep &= np.isin(slots, allowed)
+        slots, lex = slots[keep], lex[keep]
+        # ids are read only for ties (the slot-indexed id array of the store)
+        order = np.asarray(top_k_order(lex, st._slot_ids, m, rows=slots), np.int64)  # noqa: SLF001
+        top = slots[order]
+        return Candidates(top, st.ids(top), self._canonical(q, st.dense.rows(top)), lex[order]), int(slots.size)
+
+    @staticmethod
+    def _skyband_slots(c: Candidates, lex: Candidates | None, k: int) -> np.ndarray:
+        """Slots of the k-skyband (:func:`.fusion.skyband`) of the dense candidates ``c`` and,
+        when given, the BM25 list ``lex`` (deduplicated): every chunk of this shard that can be
+        in a monotone fusion's top-k of the two lists."""
+        if lex is None or not len(lex.slots):
+            return c.slots[skyband(c.dense, c.lexical, k)]
+        extra = ~np.isin(lex.slots, c.slots)
+        slots = np.concatenate([c.slots, lex.slots[extra]])
+        return slots[skyband(np.concatenate([c.dense, lex.dense[extra]]),
+                             np.concatenate([c.lexical, lex.lexical[extra]]), k)]
 
     def warm(self) -> float:
         """Compile (or load from numba's cache) the kernels of the candidate step for this
@@ -105,40 +147,45 @@ class Searcher:
         t = _kernels().warm()
         st, t0 = self.store, time.perf_counter()
         if len(st.dense) and st.dense.params.kind == "flat":
-            slots, _ = self._kernel_tops(st.dense.vectors[:1].copy(), [None], 1)[0]
+            slots, _ = self._kernel_tops(st.dense.vectors[:1].copy(), [None], 1)[0][0]
             st.postings.score(slots, [], np.zeros(0), 1.0)
         return t + time.perf_counter() - t0
 
-    def _kernel_tops(self, q: np.ndarray, allowed: list, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    def _kernel_tops(self, q: np.ndarray, allowed: list, n: int) -> tuple[list[tuple[np.ndarray, np.ndarray]], list]:
         """Per query of float32[B, D] ``q``: the exact top-n ``(slots int64[n'], canonical
         float64[n'])`` (ties: chunk id) of the allowed rows (None: all), from one BLAS scan and
         :func:`.kernels.dense_step`; the same result as :meth:`_dense_tops` / :meth:`_dense_top`
-        over a flat index (their numpy path, used here when a score is not finite). An
-        unfiltered query also leaves its dense-minimum estimate in the memo of
-        :meth:`_dense_min_estimate` (the kernel computes it from the same scan)."""
+        over a flat index (their numpy path, used here when a score is not finite).
+
+        :returns: the tops and, per query, the *exact* lowest canonical score over the allowed
+            rows (from the same scan: only rows within twice the error bound of the lowest
+            approximate score are scored canonically, the k = 1 argument of ``refine_top``;
+            ``inf`` when none is allowed), or None where the numpy path ran. It is the minimum
+            exact mode normalises with, so dense-first ranges equal exact mode's with a flat
+            index."""
         dense, kernels = self.store.dense, _kernels()
         vecs, row_slot = dense.vectors, dense.slots
-        sample = dense.sample(self.SAMPLE)[0]
-        memo = self._dmin_memo()
-        out = []
+        out, lows = [], []
         for i in range(q.shape[0]):
             qi, every = q[i], allowed[i] is None
-            key = qi.tobytes() if every else b""
             rows = _NO_ROWS if every else dense.rows(allowed[i])
             approx = (vecs if every else vecs[rows]) @ qi
-            short, ex, order, ties, low, status = kernels.dense_step(
-                vecs, rows, every, approx, qi, dense.score_error(qi), n,
-                sample if every and key not in memo else _NO_ROWS)
+            err = dense.score_error(qi)
+            short, ex, order, ties, _, status = kernels.dense_step(vecs, rows, every, approx, qi, err, n, _NO_ROWS)
             if status != kernels.OK:
                 out.append(self._dense_tops(q, [i], n)[i] if every else self._dense_top(qi, n, allowed[i]))
+                lows.append(None)
                 continue
-            if every and key not in memo:
-                memo[key] = float(low)
+            if approx.size:
+                near = np.flatnonzero(approx <= np.float64(approx.min()) + 2.0 * err)
+                lows.append(float(self._canonical(qi, near if every else rows[near]).min()))
+            else:
+                lows.append(np.inf)
             r = short if every else rows[short]
             kk = min(n, approx.size)
             order = np.asarray(top_k_order(ex, self.store.row_ids(), kk, rows=r), np.int64) if ties else order[:kk]
             out.append((row_slot[r[order]], ex[order]))
-        return out
+        return out, lows
 
     def _canonical(self, q: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """float64[M]: canonical scores of float32[D] ``q`` with the rows int64[M] (compiled
