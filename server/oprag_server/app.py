@@ -105,6 +105,8 @@ class Runtime:
                                     slice_s=self.cfg.batch.ingest_embed_slice_ms / 1000, query_executor=qexec)
         self.embedder.start()
         self.retriever = Retriever(self.pool, self.corpus_stats, self.analyzer, self.cfg.bm25, self.cfg.retrieval)
+        self.retriever.on_widen = lambda widened, uncertified: (self.metrics.retrieval_widened.inc(widened),
+                                                                self.metrics.retrieval_uncertified.inc(uncertified))
         self.memory = Memory(self.pool, self.cfg.memory, rewriter=self.generator if self.cfg.memory.condense else None)
         self.query = QueryEngine(
             monitor_fraction=self.cfg.retrieval.monitor_fraction,

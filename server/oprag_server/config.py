@@ -94,6 +94,10 @@ class RetrievalConfig:
     # off the request path; their Recall@k against exact mode is exported to Prometheus.
     monitor_fraction: float = 0.05
     monitor_max_inflight: int = 2
+    # Dense-first hybrid (min-max): each shard's exact BM25 top-M joins its dense top-N, and the
+    # threshold bound certifies the fused top-k or widens N and M (operators/hybrid.py).
+    lexical_candidates: int = 0  # M of the first round; 0: max(4 * top_k, 64)
+    widen_rounds: int = 3  # rounds of N, M x 4 at most (0: never widen)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.monitor_fraction <= 1.0:
@@ -102,6 +106,8 @@ class RetrievalConfig:
             raise ValueError(f"candidates must be in [1, {self.max_candidates}], got {self.candidates}")
         if not 1 <= self.default_top_k <= self.max_top_k:
             raise ValueError(f"default_top_k must be in [1, {self.max_top_k}], got {self.default_top_k}")
+        if self.lexical_candidates < 0 or self.widen_rounds < 0:
+            raise ValueError("lexical_candidates and widen_rounds must be >= 0")
         if self.dense_weight < 0 or self.lexical_weight < 0 or self.dense_weight + self.lexical_weight == 0:
             raise ValueError("fusion weights must be >= 0 and not both 0")
 

@@ -101,6 +101,11 @@ class RetrievalInfo:
     dense_index: str = ""  # flat | hnsw | ivf ("" = not reported)
     ef_search: int = 0  # the HNSW beam used (largest over shards; 0 = none)
     nprobe: int = 0  # the IVF lists visited (largest over shards; 0 = none)
+    # dense-first hybrid, min-max (operators/hybrid.py): the BM25 list length per shard of the
+    # last round, whether the threshold bound certified the top-k, and the widening rounds
+    lexical_candidates: int = 0
+    certified: bool = False
+    widen_rounds: int = 0
 
 
 @dataclass

@@ -5,8 +5,10 @@ Modes (per query):
 
 ``hybrid`` (dense-first)
     every shard returns its dense top-N (N = ``candidates``) with exact BM25Okapi scores of
-    those candidates; the frontend keeps the global dense top-N, min-max normalises dense and
-    BM25 scores over that candidate set and ranks by the weighted sum.
+    those candidates, and (min-max fusion) its exact BM25 top-M with the dense scores of those;
+    the frontend fuses the union of the lists and certifies the top-k with the threshold bound
+    of Fagin et al. (widening N and M until it holds: :mod:`.hybrid`). With rank
+    fusion (rrf) it keeps the global dense top-N and fuses over that window.
 ``full_hybrid`` (exact)
     every chunk is scored dense and BM25 (postings lists: only chunks containing a query term
     are visited; the others score exactly 0). Round 1 gathers corpus-wide score ranges, round 2
@@ -33,70 +35,10 @@ from ..domain import FUSED_MODES, MODES, Hit, RetrievalInfo, RetrieveSpec  # noq
 from ..index.analyzer import Analyzer
 from ..index.bm25 import CorpusStats
 from ..index.fusion import fuse_minmax, lexical_listed, minmax_params, top_k_order
+from .hybrid import _Cand, _Cols, _rank_lists, _ranks, Widening, merge_union  # noqa: F401 (re-exported)
 from ..shards.pool import ShardPool
 from ..shards.protocol import (Candidates, ExactFuseRequest, ExactListsRequest, ExactRangesRequest, FetchReply,
                                FetchRequest, Op, QueryBatch, SearchReply, SearchRequest)
-
-
-@dataclass
-class _Cand:
-    shard: int
-    slot: int
-    chunk_id: str
-    dense: float
-    lexical: float
-    score: float = 0.0
-    dense_rank: int = 0
-    lexical_rank: int = 0
-
-
-@dataclass
-class _Cols:
-    """Candidates of several shards as parallel arrays (no per-candidate Python objects)."""
-
-    shard: np.ndarray
-    slot: np.ndarray
-    ids: np.ndarray  # object[M] of str
-    dense: np.ndarray
-    lexical: np.ndarray
-
-    @classmethod
-    def of(cls, parts: list[tuple[int, Candidates]]) -> "_Cols":
-        if not parts:
-            z = np.zeros(0)
-            return cls(z.astype(np.int64), z.astype(np.int64), z.astype(object), z, z)
-        return cls(
-            np.concatenate([np.full(len(p.slots), s, dtype=np.int64) for s, p in parts]),
-            np.concatenate([np.asarray(p.slots, dtype=np.int64) for _, p in parts]),
-            np.concatenate([np.asarray(p.chunk_ids, dtype=object) for _, p in parts]),
-            np.concatenate([np.asarray(p.dense, dtype=np.float64) for _, p in parts]),
-            np.concatenate([np.asarray(p.lexical, dtype=np.float64) for _, p in parts]),
-        )
-
-    def take(self, idx) -> "_Cols":
-        idx = np.asarray(idx, dtype=np.int64)
-        return _Cols(self.shard[idx], self.slot[idx], self.ids[idx], self.dense[idx],
-                     self.lexical[idx])
-
-    def cand(self, i: int, score: float, dense_rank: int, lexical_rank: int) -> _Cand:
-        return _Cand(int(self.shard[i]), int(self.slot[i]), self.ids[i], float(self.dense[i]), float(self.lexical[i]),
-                     score, dense_rank, lexical_rank)
-
-
-def _rank_lists(c: _Cols, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Indices of the top-n by dense, and of the top-n by BM25 among the listed (non-zero) BM25
-    scores (:func:`~oprag_server.index.fusion.lexical_listed`)."""
-    d = np.asarray(top_k_order(c.dense, c.ids, n), dtype=np.int64)
-    pos = np.nonzero(lexical_listed(c.lexical))[0]
-    lx = pos[top_k_order(c.lexical[pos], c.ids[pos], n)] if pos.size else pos
-    return d, np.asarray(lx, dtype=np.int64)
-
-
-def _ranks(n: int, order: np.ndarray) -> np.ndarray:
-    """int64[n]: 1-based position of each row in ``order``, 0 for rows not in it."""
-    r = np.zeros(n, dtype=np.int64)
-    r[order] = np.arange(1, len(order) + 1)
-    return r
 
 
 def _fuse_cols(c: _Cols, d_order: np.ndarray, l_order: np.ndarray, spec: RetrieveSpec,
@@ -177,6 +119,8 @@ class Retriever:
         self.cfg = cfg
         self._tokens = itertools.count(1)
         self.dense_index = pool.dense.kind if getattr(pool, "dense", None) else "flat"
+        #: called with (widened, uncertified) query counts of each dense-first batch (metrics)
+        self.on_widen = None
 
     @staticmethod
     def info(spec: RetrieveSpec, searched: int = 0) -> RetrievalInfo:
@@ -219,18 +163,31 @@ class Retriever:
                                                        else self._full_minmax(batch, gspecs, fetched))
             else:
                 n = max(sp.candidates if mode == "hybrid" else sp.top_k for sp in gspecs)
-                replies, missing = await self.pool.gather_partial(
-                    Op.SEARCH, SearchRequest(batch, mode, n, max(sp.ef_search for sp in gspecs),
-                                             max(sp.nprobe for sp in gspecs), max(sp.top_k for sp in gspecs)))
+                wid = Widening(self.cfg, gspecs, mode == "hybrid")
+                req = SearchRequest(batch, mode, n, max(sp.ef_search for sp in gspecs),
+                                    max(sp.nprobe for sp in gspecs), max(sp.top_k for sp in gspecs), wid.m)
+                replies, missing = await self.pool.gather_partial(Op.SEARCH, req)
                 t = time.perf_counter()
                 fetched.add(replies)
-                merged = [self._merge(replies, j, sp) for j, sp in enumerate(gspecs)]
+                merged = [wid.merge(self._merge_certified, replies, j, j) for j in range(len(idx))]
                 searched = [sum(rep.eligible[j] for rep in replies.values()) for j in range(len(idx))]
                 dt = time.perf_counter() - t
+                while (todo := wid.next_round(req)) is not None:  # the bound did not hold: ask again, wider
+                    more, miss = await self.pool.gather_partial(Op.SEARCH, todo[1])
+                    t = time.perf_counter()
+                    fetched.add(more)
+                    missing = sorted(set(missing) | set(miss))
+                    for jj, j in enumerate(todo[0]):
+                        merged[j] = wid.merge(self._merge_certified, more, jj, j)
+                    dt += time.perf_counter() - t
+                if wid.m and self.on_widen is not None:
+                    self.on_widen(*wid.counts())
             fusion_s += dt
             knobs = _knobs(replies) if mode != "full_hybrid" else {}
             for j, i in enumerate(idx):
                 results[i] = merged[j]
+                if mode == "hybrid":
+                    wid.report(j, infos[i])
                 infos[i].chunks_searched = searched[j]
                 infos[i].missing_shards = sorted(missing)
                 infos[i].dense_index = self.dense_index
@@ -242,13 +199,24 @@ class Retriever:
         return hits, {"retrieve": time.perf_counter() - t_start, "fusion": fusion_s}, infos
 
     def _merge(self, replies: dict[int, SearchReply], j: int, spec: RetrieveSpec) -> list[_Cand]:
-        if spec.mode == "hybrid":  # dense-first: global dense top-N, BM25 of those, fused
+        """Query ``j``'s top-k from the shards' search replies (no instance state is used)."""
+        return Retriever._merge_certified(replies, j, spec)[0]
+
+    @staticmethod
+    def _merge_certified(replies: dict[int, SearchReply], j: int, spec: RetrieveSpec
+                         ) -> tuple[list[_Cand], bool | None]:
+        """:meth:`_merge`, and whether the threshold bound certifies the hybrid min-max top-k
+        (None: no bound, another mode or fusion, or the shards sent no BM25 lists)."""
+        if spec.mode == "hybrid" and spec.fusion == "minmax" and all(rep.lexical for rep in replies.values()) \
+                and replies:
+            return merge_union(replies, j, spec)
+        if spec.mode == "hybrid":  # rrf: the global dense top-N, BM25 of those, fused
             allc = _Cols.of([(s, rep.candidates[j]) for s, rep in replies.items()])
             win = allc.take(top_k_order(allc.dense, allc.ids, spec.candidates))
             if not len(win.ids):
                 return []
             d_order, l_order = _rank_lists(win, spec.candidates)
-            return _fuse_cols(win, d_order, l_order, spec, *self._dense_first_ranges(replies, j, win))
+            return _fuse_cols(win, d_order, l_order, spec, *Retriever._dense_first_ranges(replies, j, win)), None
         # one retriever: rank by its score; ranks in both lists are reported over the top-k
         allc = _Cols.of([(s, rep.candidates[j]) for s, rep in replies.items()])
         key = allc.lexical if spec.mode == "lexical" else allc.dense
@@ -256,7 +224,7 @@ class Retriever:
         d_order, l_order = _rank_lists(top, spec.top_k)
         drank, lrank = _ranks(len(top.ids), d_order), _ranks(len(top.ids), l_order)
         score = top.lexical if spec.mode == "lexical" else top.dense
-        return [top.cand(i, float(score[i]), int(drank[i]), int(lrank[i])) for i in range(len(top.ids))]
+        return [top.cand(i, float(score[i]), int(drank[i]), int(lrank[i])) for i in range(len(top.ids))], None
 
     @staticmethod
     def _dense_first_ranges(replies: dict[int, SearchReply], j: int, window: _Cols):

@@ -220,6 +220,7 @@ def info(job: QueryJob) -> oprag_pb2.RetrievalInfo | None:
         mode=i.mode, fusion=i.fusion, dense_weight=i.dense_weight, lexical_weight=i.lexical_weight, rrf_k=i.rrf_k,
         candidates=i.candidates, chunks_searched=i.chunks_searched, partial=bool(i.missing_shards),
         missing_shards=i.missing_shards, dense_index=i.dense_index, ef_search=i.ef_search, nprobe=i.nprobe,
+        lexical_candidates=i.lexical_candidates, certified=i.certified, widen_rounds=i.widen_rounds,
     )
 
 

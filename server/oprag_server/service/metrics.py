@@ -100,6 +100,12 @@ class Metrics:
             "Recall@k of sampled dense-first (hybrid) queries against exact (full_hybrid) mode, re-run off the request path",
             buckets=(0.2, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0), registry=r,
         )
+        self.retrieval_widened = Counter(
+            "oprag_retrieval_widened_total", "Dense-first (hybrid) queries asked again with wider candidate lists "
+            "because the threshold bound did not certify their top-k", registry=r)
+        self.retrieval_uncertified = Counter(
+            "oprag_retrieval_uncertified_total", "Dense-first (hybrid) queries whose top-k the threshold bound did not "
+            "certify after every widening round", registry=r)
         self.pruning_checks_skipped = Counter(
             "oprag_pruning_checks_skipped_total", "Sampled queries not re-run because the monitor was busy", registry=r
         )
