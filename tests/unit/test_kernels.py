@@ -16,7 +16,9 @@ import pytest
 
 from oprag_server import records
 from oprag_server.index import kernels
+from oprag_server.index.bm25.listed_top import listed_top, listed_top_reference
 from oprag_server.index.bm25.merging import _SEG
+from oprag_server.index.fusion import top_k_order
 from oprag_server.index.dense import fixed_order_dot
 from oprag_server.index.fusion import skyband, skyband_reference
 from oprag_server.shards import search as search_mod
@@ -143,6 +145,7 @@ def _reference_path(monkeypatch, searcher):
     monkeypatch.setattr(searcher.store.postings, "score",
                         lambda *a, **kw: _bm25_reference(searcher.store.postings, *a, **kw))
     monkeypatch.setattr(search_mod, "skyband", skyband_reference)
+    monkeypatch.setattr(search_mod, "listed_top", listed_top_reference)
 
 
 def _key(rep):
@@ -189,6 +192,32 @@ def test_bm25_kernel_is_the_numpy_loop(seed):
         assert ix.score(slots, t, idf, avgdl, k1, b).tobytes() == _bm25_reference(ix, slots, t, idf, avgdl, k1, b).tobytes()
     with pytest.raises(KeyError):
         ix.score(np.array([10_000]), ["alpha"], np.ones(1), 3.0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_bm25_top_m_kernel_is_score_all(seed):
+    """The compiled BM25 top-m (segment + delta + deletes, filters, negative idf, repeated
+    terms) returns score_all's listed scores bit for bit, every chunk that can be in the top-m,
+    and the listed count; the top-m by (score desc, id asc) is the reference's."""
+    rng = np.random.default_rng(100 + seed)
+    sh = _shard(rng, "random", 220, 8, merge_at=[None, 0, 60, 150][seed % 4])
+    ix, ids = sh.store.postings, sh.store._slot_ids
+    live = ix.slots()
+    for _ in range(12):
+        t = list(rng.choice(WORDS + ["absent"], int(rng.integers(0, 6))))
+        idf = rng.normal(0.7, 1.0, len(t))
+        k1, b, avgdl = float(rng.uniform(0.1, 3)), float(rng.uniform(0, 1)), float(rng.uniform(0.5, 9))
+        allowed = None if rng.random() < 0.5 else np.sort(rng.choice(live, int(rng.integers(0, live.size)), replace=False))
+        m = int(rng.integers(1, 40))
+        s, sc, listed = listed_top(ix, t, idf, avgdl, k1, b, m, allowed)
+        rs, rsc, rlisted = listed_top_reference(ix, t, idf, avgdl, k1, b, m, allowed)
+        assert listed == rlisted and s.size >= min(m, listed)
+        ref = dict(zip(rs.tolist(), rsc.tolist()))
+        assert all(ref[x] == y for x, y in zip(s.tolist(), sc.tolist()))  # score_all's values, bit for bit
+        got = [(int(s[i]), sc[i].tobytes()) for i in top_k_order(sc, ids, m, rows=s)]
+        assert got == [(int(rs[i]), rsc[i].tobytes()) for i in top_k_order(rsc, ids, m, rows=rs)]
+    with pytest.raises(ValueError):
+        listed_top(ix, ["alpha"], np.ones(1), 3.0, 1.5, 0.75, 0)
 
 
 def test_warm_compiles_every_kernel_and_a_shard_warms_on_its_arrays():

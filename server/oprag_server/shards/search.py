@@ -21,6 +21,7 @@ from collections.abc import Callable
 import numpy as np
 
 from .. import records
+from ..index.bm25.listed_top import listed_top
 from ..index.fusion import fuse_minmax, lexical_listed, refine_top, skyband, top_k_order
 from .chunks import ChunkStore
 from .protocol import (Candidates, ExactFuseReply, ExactFuseRequest, ExactListsReply, ExactListsRequest,
@@ -113,20 +114,16 @@ class Searcher:
         """Query ``i``'s exact BM25 top-m over the allowed live chunks whose BM25 score is not 0
         (the lexical ranked list, :func:`.fusion.lexical_listed`), by (score desc, chunk id asc),
         each with its canonical dense score; and how many such chunks there are (the list is
-        complete when that is <= m). BM25 visits only the query terms' postings
-        (:meth:`.bm25.postings.PostingsIndex.score_all`: rank_bm25's values).
+        complete when that is <= m). BM25 visits only the query terms' postings, compiled
+        (:func:`.bm25.listed_top.listed_top`: ``PostingsIndex.score_all``'s values, rank_bm25's).
 
         :returns: ``(Candidates, listed)``."""
         st = self.store
-        slots, lex = st.postings.score_all(qb.terms[i], qb.idf[i], qb.avgdl, qb.k1, qb.b)
-        keep = lexical_listed(lex)
-        if allowed is not None:
-            keep &= np.isin(slots, allowed)
-        slots, lex = slots[keep], lex[keep]
+        slots, lex, listed = listed_top(st.postings, qb.terms[i], qb.idf[i], qb.avgdl, qb.k1, qb.b, m, allowed)
         # ids are read only for ties (the slot-indexed id array of the store)
         order = np.asarray(top_k_order(lex, st._slot_ids, m, rows=slots), np.int64)  # noqa: SLF001
         top = slots[order]
-        return Candidates(top, st.ids(top), self._canonical(q, st.dense.rows(top)), lex[order]), int(slots.size)
+        return Candidates(top, st.ids(top), self._canonical(q, st.dense.rows(top)), lex[order]), listed
 
     @staticmethod
     def _skyband_slots(c: Candidates, lex: Candidates | None, k: int) -> np.ndarray:
