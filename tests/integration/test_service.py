@@ -251,6 +251,18 @@ def test_sessions_stay_isolated_under_concurrency(server, ingested):
     assert removed == [2] * len(sessions)
 
 
+def test_dense_first_certified_equals_exact(client, ingested):
+    """A dense-first window of one chunk per shard: the shards' BM25 lists and the threshold bound
+    (widening where it does not hold) still give exact mode's top-k, over gRPC, reported."""
+    for q, filters in (("sourdough bacteria lactic acid", None), ("granite tower lava ash", {"topic": ["geology", "buildings"]})):
+        hyb = client.retrieve(q, top_k=3, candidates=1, filters=filters)
+        exact = client.retrieve(q, top_k=3, candidates=1, mode="full_hybrid", filters=filters)
+        assert [(h.chunk_id, h.score, h.dense_score, h.lexical_score) for h in hyb.hits] == \
+            [(h.chunk_id, h.score, h.dense_score, h.lexical_score) for h in exact.hits]
+        assert hyb.retrieval.certified and hyb.retrieval.lexical_candidates >= 64
+        assert not exact.retrieval.certified and exact.retrieval.lexical_candidates == 0
+
+
 def test_metrics_endpoint_has_stage_histograms(server, client, ingested):
     client.retrieve("sourdough bacteria", top_k=2)
     body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
@@ -260,6 +272,7 @@ def test_metrics_endpoint_has_stage_histograms(server, client, ingested):
     assert 'oprag_requests_total{code="OK",method="Retrieve"}' in body
     assert "oprag_chunks_ingested_total" in body
     assert "oprag_batch_size_bucket" in body
+    assert "oprag_retrieval_widened_total" in body and "oprag_retrieval_uncertified_total 0.0" in body
     # --monitor-fraction 1.0: every dense-first query is re-checked in exact mode off the request path
     import re
     import time

@@ -28,8 +28,9 @@ certified top-k equal ``full_hybrid``'s bit for bit) and an HNSW / IVF shard's i
 a fixed vector sample; BM25 ``[min, max]`` of the union and 0 when some eligible chunk has no
 listed score, which is exact except for negative BM25 scores (negative idf floor) below a
 truncated BM25 list. With HNSW / IVF the dense list is approximate, so the bound is a heuristic
-there (an ANN miss above the N-th score is not covered). Rank fusion (rrf) keeps the dense
-window of N (no bound; its analogue would be ``w_d / (k + N + 1) + w_l / (k + M + 1)``, not built).
+there (an ANN miss above the N-th score is not covered). Rank fusion (rrf) and requests grouped
+by document keep the dense window of N, fused over that window (no bound; rrf's analogue would be
+``w_d / (k + N + 1) + w_l / (k + M + 1)`` with ranks over the whole lists, not built).
 
 ``dense_rank`` / ``lexical_rank`` keep their meaning: the rank in the top ``candidates`` of
 the union by dense score, and among its listed BM25 scores.
@@ -108,6 +109,12 @@ def _ranks(n: int, order: np.ndarray) -> np.ndarray:
     return r
 
 
+def bounded(spec: RetrieveSpec) -> bool:
+    """Whether a hybrid spec gets the BM25 lists and the bound: min-max fusion, not grouped by
+    document (a grouped request's window is the N dense-first chunks, operators/group.py)."""
+    return spec.fusion == "minmax" and not spec.group_by_document
+
+
 def lexical_candidates(cfg: RetrievalConfig, spec: RetrieveSpec) -> int:
     """M, the BM25 list length per shard in the first round: ``cfg.lexical_candidates``, or
     when that is 0, ``max(4 * top_k, 64)``."""
@@ -168,7 +175,7 @@ class Widening:
     def __init__(self, cfg: RetrievalConfig, specs: list[RetrieveSpec], bound: bool) -> None:
         """:param specs: the group's specs; :param bound: dense-first mode (else no BM25 lists)."""
         self.specs, self.cap = specs, cfg.widen_rounds
-        self.m = max((lexical_candidates(cfg, s) for s in specs if s.fusion == "minmax"), default=0) if bound else 0
+        self.m = max((lexical_candidates(cfg, s) for s in specs if bounded(s)), default=0) if bound else 0
         self.state: list[bool | None] = [None] * len(specs)
         self.rounds, self.round_of = 0, [0] * len(specs)
 

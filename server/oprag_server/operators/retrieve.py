@@ -35,7 +35,7 @@ from ..domain import FUSED_MODES, MODES, Hit, RetrievalInfo, RetrieveSpec  # noq
 from ..index.analyzer import Analyzer
 from ..index.bm25 import CorpusStats
 from ..index.fusion import fuse_minmax, lexical_listed, minmax_params, top_k_order
-from .hybrid import _Cand, _Cols, _rank_lists, _ranks, Widening, merge_union  # noqa: F401 (re-exported)
+from .hybrid import _Cand, _Cols, _rank_lists, _ranks, Widening, bounded, merge_union  # noqa: F401 (re-exported)
 from ..shards.pool import ShardPool
 from ..shards.protocol import (Candidates, ExactFuseRequest, ExactListsRequest, ExactRangesRequest, FetchReply,
                                FetchRequest, Op, QueryBatch, SearchReply, SearchRequest)
@@ -207,8 +207,7 @@ class Retriever:
                          ) -> tuple[list[_Cand], bool | None]:
         """:meth:`_merge`, and whether the threshold bound certifies the hybrid min-max top-k
         (None: no bound, another mode or fusion, or the shards sent no BM25 lists)."""
-        if spec.mode == "hybrid" and spec.fusion == "minmax" and all(rep.lexical for rep in replies.values()) \
-                and replies:
+        if spec.mode == "hybrid" and bounded(spec) and all(rep.lexical for rep in replies.values()) and replies:
             return merge_union(replies, j, spec)
         if spec.mode == "hybrid":  # rrf: the global dense top-N, BM25 of those, fused
             allc = _Cols.of([(s, rep.candidates[j]) for s, rep in replies.items()])
