@@ -12,7 +12,8 @@ the real vectors' cluster structure. Never uniform random vectors.
 
 Per size (and ``--dense-index``): ingest rate with supplied vectors, Retrieve p50/p95 of hybrid
 and full_hybrid (SciFact train queries, MiniLM query vectors sent as ``query_vector``),
-Recall@10 of hybrid vs full_hybrid, SciFact nDCG@10 (documents ranked by their best chunk),
+Recall@10 of hybrid vs full_hybrid, the share of hybrid queries whose top-k the threshold bound
+certified and that were widened (0 for a server without it), SciFact nDCG@10 (documents ranked by their best chunk),
 RSS of the server process tree (sampled every 0.5 s on a thread: the high-water mark during
 ingest and queries, ``rss_peak_bytes``; after the queries; and after the restart, without what
 ingest left allocated), the shards' bytes by component (``Stats``) in total and per chunk,
@@ -196,7 +197,7 @@ def run_size(a, size: int, kind: str, snap: dict, q, save) -> dict:
             save(res)
             lat: dict[str, list[float]] = {"hybrid": [], "full_hybrid": []}
             tops: dict[str, list[list[str]]] = {"hybrid": [], "full_hybrid": []}
-            ndcg = []
+            ndcg, bound = [], []  # (certified, widen rounds) of each hybrid query (servers with the bound)
             for text, v, qid in zip(q["texts"], q["vecs"], q["qids"]):
                 for mode in lat:
                     req = query_request(text, top_k=10, mode=mode, query_vector=v.tolist())
@@ -205,6 +206,7 @@ def run_size(a, size: int, kind: str, snap: dict, q, save) -> dict:
                     lat[mode].append((time.perf_counter() - t) * 1000)
                     tops[mode].append([h.chunk_id for h in r.hits])
                     if mode == "hybrid":
+                        bound.append((getattr(r.retrieval, "certified", False), getattr(r.retrieval, "widen_rounds", 0)))
                         ranked = list(dict.fromkeys(h.doc_id for h in r.hits))
                         ndcg.append(ndcg_at_k(ranked, q["qrels"][qid], 10))
             rss = tree_rss(srv.proc.pid)
@@ -214,6 +216,8 @@ def run_size(a, size: int, kind: str, snap: dict, q, save) -> dict:
                     "full_p50_ms": round(percentile(lat["full_hybrid"], 50), 2),
                     "recall10_vs_exact": round(float(np.mean(recall)), 4),
                     "ndcg10_scifact": round(float(np.mean(ndcg)), 4),
+                    "hybrid_certified_share": round(float(np.mean([c for c, _ in bound])), 4),
+                    "hybrid_widened_share": round(float(np.mean([w > 0 for _, w in bound])), 4),
                     "rss_bytes": rss, "bytes_per_chunk": round(rss / max(chunks, 1)),
                     "rss_peak_bytes": peak.peak, "rss_peak_by_process": peak.peak_by, "step": "restart"})
         save(res)
