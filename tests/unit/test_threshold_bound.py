@@ -180,3 +180,42 @@ def test_rrf_and_single_retriever_modes_report_no_bound():
              RetrieveSpec(mode="lexical", top_k=5)]
     _, _, infos = _run(r, qv, ["w001 w002"] * 3, specs)
     assert [(i.certified, i.lexical_candidates, i.widen_rounds) for i in infos] == [(False, 0, 0)] * 3
+
+
+@pytest.mark.parametrize("kind", ["hnsw", "ivf"])
+def test_approximate_index_dense_minimum_comes_from_the_index(kind):
+    """HNSW / IVF: the dense minimum a hybrid search reports is the canonical score of the chunk
+    the index finds nearest to -q (a 512-vector sample rarely holds the minimum of 1,500); a
+    filtered query's is exact over its allowed chunks. Then hybrid equals full_hybrid here."""
+    from oprag_server.config import DenseConfig
+    from oprag_server.index.dense import fixed_order_dot
+    from oprag_server.shards.protocol import QueryBatch, SearchRequest
+
+    rng = np.random.default_rng(21)
+    docs = [(f"doc{d:04d}", 0, _zipf_text(rng, 8), _unit(rng.normal(size=DIM)), d % 3) for d in range(1500)]
+    sh = ShardState(0, DIM, None, dense=DenseConfig(kind=kind, hnsw_m=16, train_min=200))
+    shards, stats = [sh], CorpusStats()
+    batch = records.make_chunk_batch(
+        chunk_ids=[f"{d}#0" for d, *_ in docs], doc_ids=[d[0] for d in docs], titles=[""] * len(docs),
+        texts=[d[2] for d in docs], metadata=[{"g": d[4]} for d in docs], ordinals=[0] * len(docs),
+        generations=[1] * len(docs), content_hashes=[hashlib.sha256(d[0].encode()).hexdigest() for d in docs],
+        vectors=np.stack([d[3] for d in docs]))
+    stats.apply_delta(*sh.store.upsert(pa.Table.from_batches([batch]), 1).delta)
+    V = sh.store.dense.vectors
+    qv = _unit(rng.normal(size=(8, DIM)))
+    exact = [float(fixed_order_dot(V, x).min()) for x in qv]
+    rep = sh.search.search(SearchRequest(QueryBatch(qv, [["w001"]] * 8, [np.ones(1)] * 8, 8.0, 1.5, 0.75), "hybrid",
+                                         16, 400, 64, 0, 8))
+    assert rep.dense_min == exact
+    sample = sh.search._dense_min_estimate(qv).tolist()
+    assert sum(s > e for s, e in zip(sample, exact)) >= 4  # what the sample alone gave
+    rep = sh.search.search(SearchRequest(QueryBatch(qv[:2], [["w001"]] * 2, [np.ones(1)] * 2, 8.0, 1.5, 0.75,
+                                                    [[("g", [1])]] * 2), "hybrid", 16, 0, 0, 0, 8))
+    allowed = sh.store.allowed([("g", [1])])
+    assert rep.dense_min == [float(fixed_order_dot(V[sh.store.dense.rows(allowed)], x).min()) for x in qv[:2]]
+    r = _retriever(shards, stats)
+    spec = RetrieveSpec(mode="hybrid", top_k=5, candidates=8, ef_search=400, nprobe=64)
+    for x in qv:
+        hits, _, infos = _run(r, np.stack([x, x]), ["w001 w003"] * 2,
+                              [spec, RetrieveSpec(mode="full_hybrid", top_k=5, candidates=8)])
+        assert infos[0].certified and _key(hits[0]) == _key(hits[1])

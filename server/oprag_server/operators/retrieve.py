@@ -26,7 +26,6 @@ from __future__ import annotations
 import itertools
 import json
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -35,10 +34,10 @@ from ..domain import FUSED_MODES, MODES, Hit, RetrievalInfo, RetrieveSpec  # noq
 from ..index.analyzer import Analyzer
 from ..index.bm25 import CorpusStats
 from ..index.fusion import fuse_minmax, lexical_listed, minmax_params, top_k_order
-from .hybrid import _Cand, _Cols, _rank_lists, _ranks, Widening, bounded, merge_union  # noqa: F401 (re-exported)
 from ..shards.pool import ShardPool
-from ..shards.protocol import (Candidates, ExactFuseRequest, ExactListsRequest, ExactRangesRequest, FetchReply,
+from ..shards.protocol import (ExactFuseRequest, ExactListsRequest, ExactRangesRequest, FetchReply,
                                FetchRequest, Op, QueryBatch, SearchReply, SearchRequest)
+from .hybrid import _Cand, _Cols, _rank_lists, _ranks, Widening, bounded, merge_union  # noqa: F401 (re-exported)
 
 
 def _fuse_cols(c: _Cols, d_order: np.ndarray, l_order: np.ndarray, spec: RetrieveSpec,

@@ -16,19 +16,16 @@ of the few candidates near the cut only, so a chunk left out can never outrank o
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import numpy as np
 
 from .. import records
 from ..index.bm25.listed_top import listed_top
-from ..index.fusion import fuse_minmax, lexical_listed, refine_top, skyband, top_k_order
+from ..index.fusion import refine_top, skyband, top_k_order
 from .chunks import ChunkStore
-from .protocol import (Candidates, ExactFuseReply, ExactFuseRequest, ExactListsReply, ExactListsRequest,
-                       ExactRangesReply, ExactRangesRequest, FetchReply, FetchRequest, QueryBatch, SearchReply,
-                       SearchRequest)
+from .exact import ExactMixin
+from .protocol import Candidates, FetchReply, FetchRequest, QueryBatch, SearchReply, SearchRequest
 
-_MAX_CACHED_ROUNDS = 64
 _NO_ROWS = np.zeros(0, np.int64)
 
 
@@ -40,8 +37,9 @@ def _kernels():
     return kernels
 
 
-class Searcher:
-    """Read side of one shard. Holds the exact-mode round-1 scores until round 2."""
+class Searcher(ExactMixin):
+    """Read side of one shard. Holds the exact-mode round-1 scores until round 2 (exact mode:
+    :class:`.exact.ExactMixin`)."""
 
     #: vectors sampled (strided) to estimate the corpus-wide dense minimum
     SAMPLE = 512
@@ -72,8 +70,11 @@ class Searcher:
             else:
                 plain = [i for i, a in enumerate(allowed) if a is None]
                 faiss_res = self._dense_tops(q, plain, n, req.ef_search, req.nprobe) if plain else {}
-                tops = [faiss_res[i] if i in faiss_res else self._dense_top(q[i], n, allowed[i]) for i in range(B)]
-                lows = [None] * B
+                lows = self._ann_lows(q, plain, req.ef_search, req.nprobe)
+                tops = [faiss_res.get(i) for i in range(B)]
+                for i in range(B):
+                    if tops[i] is None:
+                        tops[i], lows[i] = self._dense_top(q[i], n, allowed[i], low=True)
             if any(low is None for low in lows):
                 est = self._dense_min_estimate(q).tolist()
                 lows = [est[i] if low is None else low for i, low in enumerate(lows)]
@@ -227,11 +228,37 @@ class Searcher:
             which, fetch = again, min(total, fetch * 4)
         return out
 
-    def _dense_top(self, q: np.ndarray, n: int, allowed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Top-n of the allowed slots int64[M] by canonical score (ties: chunk id)."""
+    def _dense_top(self, q: np.ndarray, n: int, allowed: np.ndarray, low: bool = False):
+        """Top-n of the allowed slots int64[M] by canonical score (ties: chunk id); with ``low``
+        ``(top, lowest canonical score of the allowed slots)`` from the same scores (the k = 1
+        argument of ``refine_top``; ``inf`` when none is allowed)."""
         if allowed.size == 0:
-            return allowed, np.zeros(0, np.float64)
-        return self._refine(q, allowed, self.store.dense.score_slots(q, allowed), n)  # type: ignore[return-value]
+            return ((allowed, np.zeros(0, np.float64)), np.inf) if low else (allowed, np.zeros(0, np.float64))
+        dense = self.store.dense
+        approx = dense.score_slots(q, allowed)
+        top = self._refine(q, allowed, approx, n)
+        if not low:
+            return top
+        near = allowed[approx <= np.float64(approx.min()) + 2.0 * dense.score_error(q)]
+        return top, float(self._canonical(q, dense.rows(near)).min())
+
+    def _ann_lows(self, q: np.ndarray, plain: list[int], ef_search: int, nprobe: int) -> list:
+        """Per query of float32[B, D] ``q``: for the unfiltered ones (``plain``), the dense
+        minimum for an approximate index: the lower of the sample estimate
+        (:meth:`_dense_min_estimate`) and the canonical score of the chunk the index finds
+        nearest to ``-q`` (the inner-product minimum is the maximum of ``-q``: one more ANN
+        search, k = 1). Both are scores of real chunks, so the result lies between the exact
+        minimum and the estimate; with an exact search it is the exact minimum. None elsewhere."""
+        out: list = [None] * q.shape[0]
+        if not plain:
+            return out
+        dense, est = self.store.dense, self._dense_min_estimate(q[plain])
+        slots, _ = dense.search(-q[plain], 1, ef_search, nprobe)
+        for j, i in enumerate(plain):
+            s = np.asarray(slots[j], np.int64)
+            found = float(self._canonical(q[i], dense.rows(s)).min()) if s.size else np.inf
+            out[i] = min(float(est[j]), found)
+        return out
 
     def _dense_min_estimate(self, q: np.ndarray) -> np.ndarray:
         """float64[B]: the lowest canonical inner product of each query with a fixed strided
@@ -256,115 +283,6 @@ class Searcher:
                 near = rows[approx[j] <= low[j] + 2.0 * dense.score_error(q[i])]
                 memo[keys[i]] = float(self._canonical(q[i], near).min())
         return np.array([memo[key] for key in keys], np.float64)
-
-    # ------------------------------------------------------------------ exact hybrid
-    def _exact_scores(self, qb: QueryBatch) -> list[tuple]:
-        """Every eligible chunk's dense and BM25 score, per query.
-
-        :returns: per query ``(rows int64[M], dense float64[M], lexical float64[M], q float32[D])``
-            where rows index the dense index's row order (see :meth:`ChunkStore.row_ids`);
-            ``dense`` is approximate (one BLAS product), refined where it is ranked
-            (:meth:`_dense_exact`).
-        """
-        st = self.store
-        q = records.as_query_matrix(qb.q, st.dim)
-        filters = qb.filters or [None] * q.shape[0]
-        row_slots = st.dense.slots
-        order = np.argsort(row_slots, kind="stable")
-        sorted_slots = row_slots[order]
-        dense_all = st.dense.score_all(q)
-        out = []
-        for i in range(q.shape[0]):
-            allowed = st.allowed(filters[i])
-            lslots, lex = st.postings.score_all(qb.terms[i], qb.idf[i], qb.avgdl, qb.k1, qb.b)
-            lexical = np.zeros(len(row_slots), dtype=np.float64)
-            if lslots.size:
-                lexical[order[np.searchsorted(sorted_slots, lslots)]] = lex
-            if allowed is None:
-                rows = np.arange(len(row_slots), dtype=np.int64)
-            else:
-                rows = order[np.searchsorted(sorted_slots, allowed)] if allowed.size else np.zeros(0, np.int64)
-            out.append((rows, dense_all[i][rows].astype(np.float64), lexical[rows], q[i]))
-        return out
-
-    def _dense_exact(self, q: np.ndarray, rows: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
-        """positions int64[S] into ``rows`` -> their canonical dense scores float64[S]."""
-        return lambda pos: self._canonical(q, rows[pos])
-
-    def _dense_range(self, rows, d, q) -> tuple[float, float]:
-        """Canonical (min, max) dense score over the rows (approximate scores ``d``)."""
-        exact, err = self._dense_exact(q, rows), self.store.dense.score_error(q)
-        _, hi = refine_top(d, err, exact, range(d.size), 1)
-        _, lo = refine_top(-d, err, lambda pos: -exact(pos), range(d.size), 1)
-        return float(-lo[0]), float(hi[0])
-
-    def _lists(self, rows, d, lx, q, n: int) -> tuple[Candidates, Candidates]:
-        """Local top-n by canonical dense score and top-n by BM25 (non-zero scores only:
-        ``lexical_listed``), each entry with both scores."""
-        ids = self.store.row_ids()[rows]
-        exact = self._dense_exact(q, rows)
-        od, dd = refine_top(d, self.store.dense.score_error(q), exact, ids, n)
-        pos = np.nonzero(lexical_listed(lx))[0]
-        ol = np.asarray(pos[top_k_order(lx[pos], ids[pos], n)] if pos.size else pos, dtype=np.int64)
-        slots = self.store.dense.slots
-        return tuple(Candidates(slots[rows[o]], ids[o].tolist(), de, lx[o])  # type: ignore
-                     for o, de in ((od, dd), (ol, exact(ol))))
-
-    def exact_ranges(self, req: ExactRangesRequest) -> ExactRangesReply:
-        """Exact hybrid, round 1: score every eligible chunk (dense: one matrix product; BM25:
-        postings of the query terms only, every other chunk scores exactly 0), keep the arrays
-        under ``token`` and return the local score ranges."""
-        scores = self._exact_scores(req.batch)
-        B = len(scores)
-        eligible = [int(rows.size) for rows, *_ in scores]
-        ranges = np.zeros((4, B), dtype=np.float64)
-        for i, (rows, d, lx, q) in enumerate(scores):
-            if rows.size:
-                ranges[:, i] = (*self._dense_range(rows, d, q), lx.min(), lx.max())
-        ranges = ranges.tolist()
-        if len(self._rounds) > _MAX_CACHED_ROUNDS:
-            self._rounds.clear()
-        self._rounds[req.token] = (self.store.version, scores)
-        return ExactRangesReply(eligible, ranges[0], ranges[1], ranges[2], ranges[3])
-
-    def exact_fuse(self, req: ExactFuseRequest) -> ExactFuseReply:
-        """Exact hybrid, round 2: fuse with the corpus-global ranges; return the local top-k by
-        (fused desc, chunk id asc) and the local top-``n`` dense and BM25 lists (for ranks).
-
-        :raises KeyError: no round 1 under ``token``. :raises RuntimeError: a write came between.
-        """
-        version, scores = self._rounds.pop(req.token)
-        if version != self.store.version:
-            raise RuntimeError("the index changed between the two rounds of an exact query")
-        slots, row_ids = self.store.dense.slots, self.store.row_ids()
-        top, dls, lls, fields = [], [], [], []
-        for i, (rows, d, lx, q) in enumerate(scores):
-            dr, wd = tuple(req.dense_range[i]), req.dense_weight[i]
-
-            def fuse(dense, lexical):
-                return fuse_minmax(dense, lexical, dense_range=dr, lexical_range=tuple(req.lexical_range[i]),
-                                   dense_weight=wd, lexical_weight=req.lexical_weight[i])
-
-            exact = self._dense_exact(q, rows)
-            span = dr[1] - dr[0]
-            # the fused score moves by at most wd / span times the dense error (plus rounding)
-            err = (wd / span if span > 0 else 0.0) * self.store.dense.score_error(q) * 1.001 + 1e-9
-            ids = row_ids[rows]
-            order, fused = refine_top(fuse(d, lx), err, lambda pos: fuse(exact(pos), lx[pos]), ids, int(req.k))
-            top.append(Candidates(slots[rows[order]], ids[order].tolist(), exact(order), lx[order], fused))
-            fields.append(self._fields(top[-1].slots))
-            dl, ll = self._lists(rows, d, lx, q, int(req.n))
-            dls.append(dl)
-            lls.append(ll)
-        return ExactFuseReply(top, dls, lls, fields)
-
-    def exact_lists(self, req: ExactListsRequest) -> ExactListsReply:
-        """Exact retrieval for rank fusion: the local top-``n`` dense and BM25 lists over every
-        eligible chunk, in one round."""
-        scores = self._exact_scores(req.batch)
-        lists = [self._lists(rows, d, lx, q, int(req.n)) for rows, d, lx, q in scores]
-        return ExactListsReply([int(rows.size) for rows, *_ in scores],
-                               [dl for dl, _ in lists], [ll for _, ll in lists])
 
     # ------------------------------------------------------------------ fetch
     def fetch(self, req: FetchRequest) -> FetchReply:
