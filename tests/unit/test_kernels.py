@@ -16,6 +16,7 @@ import pytest
 
 from oprag_server import records
 from oprag_server.index import kernels
+from oprag_server.index.bm25 import listed_top as listed_top_mod
 from oprag_server.index.bm25.listed_top import listed_top, listed_top_reference
 from oprag_server.index.bm25.merging import _SEG
 from oprag_server.index.fusion import top_k_order
@@ -161,6 +162,9 @@ CASES = [("random", 300, 48, 120), ("random", 40, 37, 20), ("dups", 250, 16, 100
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_shard_search_with_kernels_is_bit_identical_to_numpy(case, monkeypatch):
+    # the kernel that reads every list; its MaxScore path reports a lower-bound listed count
+    # and is checked against this one in test_topm_pruned.py
+    monkeypatch.setattr(listed_top_mod, "_PRUNE", False)
     kind, m, d, merge_at = case
     rng = np.random.default_rng(m * d)
     sh = _shard(rng, kind, m, d, merge_at)
@@ -195,10 +199,11 @@ def test_bm25_kernel_is_the_numpy_loop(seed):
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_bm25_top_m_kernel_is_score_all(seed):
+def test_bm25_top_m_kernel_is_score_all(seed, monkeypatch):
     """The compiled BM25 top-m (segment + delta + deletes, filters, negative idf, repeated
     terms) returns score_all's listed scores bit for bit, every chunk that can be in the top-m,
     and the listed count; the top-m by (score desc, id asc) is the reference's."""
+    monkeypatch.setattr(listed_top_mod, "_PRUNE", False)  # the pruned path: test_topm_pruned.py
     rng = np.random.default_rng(100 + seed)
     sh = _shard(rng, "random", 220, 8, merge_at=[None, 0, 60, 150][seed % 4])
     ix, ids = sh.store.postings, sh.store._slot_ids

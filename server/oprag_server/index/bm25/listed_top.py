@@ -6,6 +6,7 @@ against (``tests/unit/test_kernels.py``)."""
 
 from __future__ import annotations
 
+import threading
 from typing import Sequence
 
 import numpy as np
@@ -40,19 +41,70 @@ def listed_top(ix: PostingsIndex, terms: Sequence[str], idf: np.ndarray, avgdl: 
     tids = np.array([-1 if t is None or not seg_df[t] else t for t in map(vocab.get, terms)], np.int64)
     d_slots, d_tf, d_off = [], [], [0]
     for t in terms:
-        for layer, code in ix._delta_layers():  # noqa: SLF001
-            a = layer.arrays(t, ix._where, code)  # noqa: SLF001
-            if a is not None:
-                d_slots.append(a[0])
-                d_tf.append(a[1])
+        got = [a for layer, code in ix._delta_layers()  # noqa: SLF001
+               if (a := layer.arrays(t, ix._where, code)) is not None]  # noqa: SLF001
+        if len(got) > 1:  # ascending slots per position (the MaxScore path searches them)
+            s_, f_ = np.concatenate([a[0] for a in got]), np.concatenate([a[1] for a in got])
+            o = np.argsort(s_, kind="stable")
+            got = [(s_[o], f_[o])]
+        for a in got:
+            d_slots.append(a[0])
+            d_tf.append(a[1])
         d_off.append(sum(map(len, d_slots)))
     ds = np.concatenate(d_slots).astype(np.int64, copy=False) if d_slots else np.zeros(0, np.int64)
     dt = np.concatenate(d_tf).astype(np.float64, copy=False) if d_tf else np.zeros(0, np.float64)
     every = allowed is None
+    if every and bool(np.all(idf >= 0.0)) and _PRUNE:
+        return _pruned(ix, seg, seg_df, tids, idf, np.asarray(d_off, np.int64), ds, dt, m, avgdl, k1, b)
     al = np.zeros(0, np.int64) if every else np.ascontiguousarray(allowed, dtype=np.int64)
     return kernels.bm25_listed_top(ix._where, _SEG, ix._doc_len, tids, idf, seg.offsets, seg.slots, seg.tf,  # noqa: SLF001
                                    np.asarray(d_off, np.int64), ds, dt, al, every, int(m), float(avgdl),
                                    float(k1), float(b))
+
+
+#: the MaxScore path (:mod:`..kernels_topm`) for unfiltered queries; False: always read every list
+_PRUNE = True
+
+
+class _Scratch:
+    """One shard's per-slot scratch of :func:`..kernels_topm.bm25_top_pruned` and the term
+    bounds of its current segment (recomputed when the segment object changes)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.acc = np.zeros(0, np.float64)
+        self.seen = np.zeros(0, np.uint8)
+        self.seg: object = None
+        self.bounds: tuple[np.ndarray, np.ndarray] | None = None
+
+    def fit(self, cap: int) -> None:
+        if self.acc.size < cap:
+            cap = max(cap, self.acc.size * 5 // 4)
+            self.acc, self.seen = np.zeros(cap), np.zeros(cap, np.uint8)
+
+
+def _pruned(ix: PostingsIndex, seg, seg_df, tids, idf, d_off, ds, dt, m, avgdl, k1, b):
+    from .. import kernels_topm  # noqa: PLC0415
+
+    sc = ix.__dict__.get("_topm_scratch")
+    if sc is None:
+        sc = ix.__dict__.setdefault("_topm_scratch", _Scratch())
+    if not sc.lock.acquire(blocking=False):  # another thread is scoring on this shard: a fresh scratch
+        sc = _Scratch()
+        sc.lock.acquire()
+    try:
+        where, doc_len = ix._where, ix._doc_len  # noqa: SLF001
+        if sc.seg is not seg or sc.bounds is None:  # filled term by term as queries use them
+            v = max(seg.offsets.size - 1, 0)
+            sc.bounds = (np.full(v, np.nan), np.full(v, np.nan))
+            sc.seg = seg
+        sc.fit(doc_len.size)
+        slots, scores, listed, _ = kernels_topm.bm25_top_pruned(
+            where, _SEG, doc_len, tids, idf, seg.offsets, seg.slots, seg.tf, d_off, ds, dt, sc.bounds[0],
+            sc.bounds[1], seg_df, int(m), float(avgdl), float(k1), float(b), sc.acc, sc.seen)
+        return slots, scores, int(listed)
+    finally:
+        sc.lock.release()
 
 
 def listed_top_reference(ix: PostingsIndex, terms: Sequence[str], idf: np.ndarray, avgdl: float, k1: float,
