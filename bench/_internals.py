@@ -17,6 +17,9 @@ function here               server part                             why
                                                                     over the same tokens
 :func:`bm25`                ``index.bm25`` (PostingsIndex,          postings microbench: the
                             CorpusStats)                            shard's index in process
+:func:`bm25_top_m`          ``index.bm25.listed_top`` and a         topm_probe: the BM25 top-m
+                            snapshot's ``ShardState``               of a loaded shard, pruned
+                                                                    and full, in process
 :func:`encoder`             ``TransformersEncoder`` (MiniLM)        same query vectors, same
                                                                     token ids for baselines
 :func:`encoder_path`        where the encoder's weights live        baselines load the same
@@ -74,6 +77,17 @@ def bm25():
     from oprag_server.index import bm25 as mod
 
     return mod
+
+
+def bm25_top_m(data_dir, dense_kind: str):
+    """``(listed_top module, ShardState of shard 0 of data_dir loaded from its snapshot)``."""
+    from oprag_server.config import DenseConfig
+    from oprag_server.index.bm25 import listed_top
+    from oprag_server.shards.state import ShardState
+
+    st = ShardState(0, 384, data_dir, dense=DenseConfig(kind=dense_kind))
+    st.load(None)
+    return listed_top, st
 
 
 def encoder(name: str = "minilm", **kw):

@@ -1,0 +1,74 @@
+"""The BM25 top-m of one shard (dense-first hybrid's BM25 list), MaxScore-pruned against
+reading every query term's list, in process on a data dir that ``bench.scale`` left
+(``bench/out/scale-<size>-<kind>``): shard 0 is loaded from its snapshot, SciFact queries are
+analysed, idf is rank_bm25's formula with this shard's document frequencies (epsilon 0.25), and
+both paths run per query; their top-m must agree (asserted), the pruned path's time is reported
+next to the full one's.
+
+    python -m bench.topm_probe --data-dir bench/out/scale-1000000-hnsw --dense-index hnsw --m 64,16 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from . import _internals
+from ._common import DEFAULT_SHARED, emit_json, log, machine_info, percentile, scifact_dir
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data-dir", type=Path, required=True)
+    ap.add_argument("--dense-index", default="hnsw")
+    ap.add_argument("--shared", type=Path, default=DEFAULT_SHARED)
+    ap.add_argument("--m", default="64")
+    ap.add_argument("--queries", type=int, default=200)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    lt, st = _internals.bm25_top_m(a.data_dir, a.dense_index)
+    ix = st.store.postings
+    log(f"loaded shard 0 ({len(ix)} chunks) in {time.perf_counter() - t0:.1f} s")
+    an = _internals.analyzer()
+    with open(scifact_dir(a.shared) / "queries.jsonl") as f:
+        texts = [json.loads(line)["text"] for line in f][: a.queries]
+    n = len(ix)
+    avgdl = float(np.asarray(ix._doc_len).sum() / max(n, 1))  # noqa: SLF001 - this shard's average length
+    queries = []
+    for text in texts:
+        terms = an.tokens(text)
+        if not terms:
+            continue
+        df = np.array([ix.df(t) for t in terms], np.float64)
+        idf = np.log((n - df + 0.5) / (df + 0.5))
+        idf = np.where(idf < 0, 0.25 * max(float(idf.mean()), 0.0), idf)  # rank_bm25's epsilon floor
+        queries.append((terms, idf))
+    lt.listed_top(ix, queries[0][0], queries[0][1], avgdl, 1.5, 0.75, 1)  # compile / warm
+    out = {"chunks": n, "queries": len(queries), "by_m": {}, "machine": machine_info()}
+    for m in [int(x) for x in a.m.split(",")]:
+        ms = {"pruned": [], "full": []}
+        for terms, idf in queries:
+            got = {}
+            for path in ("pruned", "full"):
+                lt._PRUNE = path == "pruned"  # noqa: SLF001
+                t = time.perf_counter()
+                s, sc, _ = lt.listed_top(ix, terms, idf, avgdl, 1.5, 0.75, m)
+                ms[path].append((time.perf_counter() - t) * 1e3)
+                got[path] = sorted(sc.tolist(), reverse=True)[:m]
+            assert got["pruned"] == got["full"], "pruned and full top-m differ"
+        lt._PRUNE = True  # noqa: SLF001
+        out["by_m"][m] = {p: {"p50_ms": round(percentile(v[5:], 50), 3), "p95_ms": round(percentile(v[5:], 95), 3)}
+                          for p, v in ms.items()}
+        log(f"m {m}: {out['by_m'][m]}")
+    if a.json:
+        emit_json(out)
+    return out
+
+
+if __name__ == "__main__":
+    main()
