@@ -51,9 +51,8 @@ def _placement(cfg: ServerConfig) -> dict:
     if cfg.ray.address is None:
         return {"transport": import_module(".shards.threaded", __package__).ThreadTransport} \
             if cfg.shard_workers == "thread" else {}
-    from .shards.ray_transport import RayPlacement
-
-    return {"transport": RayPlacement(cfg.ray, cfg.shards, cfg.replicas)}
+    return {"transport": import_module(".shards.ray_transport", __package__).RayPlacement(cfg.ray, cfg.shards,
+                                                                                          cfg.replicas)}
 
 
 class Runtime:

@@ -94,6 +94,15 @@ class ThreadTransport(ShardTransport):
         self._alive = False
         self._pending: set[asyncio.Future] = set()
 
+    @classmethod
+    def of(cls, state: ShardState) -> "ThreadTransport":
+        """Serve a state built by the caller (tests, benches); ready at once, on the loop of
+        the first call."""
+        t = cls(state.shard_id, state.dim, state.data_dir)
+        t.state, t._table, t._alive = state, op_table(state), True
+        t._exec = ThreadPoolExecutor(1, thread_name_prefix=f"oprag-shard-{state.shard_id}")
+        return t
+
     def start(self, committed: set[str] | None) -> None:
         one_blas_thread()
         self._exec = ThreadPoolExecutor(1, thread_name_prefix=f"oprag-shard-{self.shard_id}")
@@ -138,7 +147,7 @@ class ThreadTransport(ShardTransport):
             return False, f"{type(exc).__name__}: {exc}"
 
     def call(self, op: Op, request: Any) -> asyncio.Future:
-        loop = self.loop or asyncio.get_running_loop()
+        loop = self.loop = self.loop or asyncio.get_running_loop()
         fut = loop.create_future()
         if not self._alive or self._exec is None:
             fut.set_exception(ShardError(f"shard {self.shard_id} is not running"))
