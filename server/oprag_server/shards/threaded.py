@@ -80,6 +80,23 @@ def one_blas_thread() -> None:
             pass
 
 
+def _name_os_thread(name: str) -> None:
+    """Give the calling thread an OS-level name (``top -H``, ``/proc/<pid>/task/*/comm``; Linux,
+    best effort: 15 bytes at most)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except Exception:  # noqa: BLE001 - a name is a convenience
+        pass
+
+
+def _executor(shard_id: int) -> ThreadPoolExecutor:
+    """The one thread serving shard ``shard_id`` (named ``oprag-shard-<id>`` for the OS too)."""
+    name = f"oprag-shard-{shard_id}"
+    return ThreadPoolExecutor(1, thread_name_prefix=name, initializer=_name_os_thread, initargs=(name,))
+
+
 class ThreadTransport(ShardTransport):
     """One shard served by a thread of this process (same arguments as
     :class:`~.transport.PipeTransport`)."""
@@ -100,12 +117,12 @@ class ThreadTransport(ShardTransport):
         the first call."""
         t = cls(state.shard_id, state.dim, state.data_dir)
         t.state, t._table, t._alive = state, op_table(state), True
-        t._exec = ThreadPoolExecutor(1, thread_name_prefix=f"oprag-shard-{state.shard_id}")
+        t._exec = _executor(state.shard_id)
         return t
 
     def start(self, committed: set[str] | None) -> None:
         one_blas_thread()
-        self._exec = ThreadPoolExecutor(1, thread_name_prefix=f"oprag-shard-{self.shard_id}")
+        self._exec = _executor(self.shard_id)
         self._starting = self._exec.submit(self._load, committed or set())
 
     def _load(self, committed: set[str]) -> StatsReply:
