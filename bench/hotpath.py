@@ -23,16 +23,18 @@ import numpy as np
 from ._common import emit_json, log, machine_info, percentile, read_snapshot, require
 
 
-def one(tree: Path, a, texts: list[str], Q: np.ndarray) -> dict:
-    """Start a server from ``tree`` on ``a.data_dir``; per mode: p50/p95 wall ms, server
-    ``retrieve`` p50 ms, server CPU ms per request."""
+def one(tree: Path, a, texts: list[str], Q: np.ndarray, arm: str = "", hits: dict | None = None) -> dict:
+    """Start a server from ``tree`` on ``a.data_dir`` (with the extra server arguments ``arm``,
+    space-separated); per mode: p50/p95 wall ms, server ``retrieve`` p50 ms, server CPU ms per
+    request. ``hits``: ``{mode: [serialised hits per query]}`` of an earlier arm, filled by the
+    first; ``identical_hits`` says whether this arm's equal it."""
     import psutil
     from oprag_client.client import OpRAGClient, query_request
     from oprag_client.testing import ServerProcess
 
     env = {"PYTHONPATH": f"{tree}/server:{tree}/client:{tree}"}
     srv = ServerProcess.on_free_ports(a.data_dir, "--generator", "none", "--shards", str(a.shards), *a.server_arg,
-                                      env=env).start()
+                                      *arm.split(), env=env).start()
     out = {}
     try:
         with OpRAGClient(srv.target) as c:
@@ -44,12 +46,13 @@ def one(tree: Path, a, texts: list[str], Q: np.ndarray) -> dict:
                 each = lambda: [p.cpu_times().user + p.cpu_times().system for p in tree_p]  # noqa: E731
                 cpu = lambda: sum(each())  # noqa: E731
                 e0 = each()
-                c0, lat, sv = sum(e0), [], []
+                c0, lat, sv, got = sum(e0), [], [], []
                 for r in reqs:
                     t = time.perf_counter()
                     rep = c.stub.Retrieve(r)
                     lat.append((time.perf_counter() - t) * 1000)
                     sv.append(rep.timings_ms.get("retrieve", 0.0))
+                    got.append(b"".join(h.SerializeToString(deterministic=True) for h in rep.hits))
                 out[mode] = {"p50_ms": round(percentile(lat, 50), 2), "p95_ms": round(percentile(lat, 95), 2),
                              "server_retrieve_p50_ms": round(percentile(sv, 50), 2),
                              "server_cpu_ms_per_request": round((cpu() - c0) / len(reqs) * 1000, 2),
@@ -57,7 +60,9 @@ def one(tree: Path, a, texts: list[str], Q: np.ndarray) -> dict:
                              "process_cpu_ms_per_request": [round((b - a) / len(reqs) * 1000, 2)
                                                             for a, b in zip(e0, each())],
                              "load": round(os.getloadavg()[0], 2)}
-                log(f"{tree} {mode}: {out[mode]}")
+                if hits is not None:
+                    out[mode]["identical_hits"] = hits.setdefault(mode, got) == got
+                log(f"{tree} {arm} {mode}: {out[mode]}")
     finally:
         srv.stop()
     return out
@@ -117,6 +122,9 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default="hybrid,dense")
     ap.add_argument("--shards", type=int, default=2)
     ap.add_argument("--server-arg", action="append", default=[])
+    ap.add_argument("--arm", action="append", default=None,
+                    help="extra server arguments of one arm, space-separated (repeatable; each tree runs every arm "
+                         "per round, and every arm's hits must equal the first's), e.g. --arm='--shard-workers thread'")
     ap.add_argument("--ingest", action="store_true", help="also own-vector ingest per tree and round")
     ap.add_argument("--per-stream", type=int, default=500, help="documents per ingest stream")
     ap.add_argument("--ingest-streams", type=int, default=1, help="concurrent ingest streams")
@@ -130,14 +138,21 @@ def main(argv=None) -> int:
     Q /= np.linalg.norm(Q, axis=1, keepdims=True)
     texts = [snap["text"][r][:200] for r in rows]
     result = {"machine": machine_info(), "chunks": len(snap["vectors"]), "runs": []}
+    arms, hits, same = a.arm or [""], {}, True
     for r in range(a.rounds):
         for tree in a.tree:
-            run = {"round": r, "tree": str(tree), **(one(tree.resolve(), a, texts, Q) if a.modes else {})}
-            if a.ingest:
-                run["ingest"] = ingest(tree.resolve(), a, snap)
-            result["runs"].append(run)
+            for arm in arms:
+                run = {"round": r, "tree": str(tree), "arm": arm,
+                       **(one(tree.resolve(), a, texts, Q, arm, hits if a.arm else None) if a.modes else {})}
+                same &= all(v.get("identical_hits", True) for v in run.values() if isinstance(v, dict))
+                if a.ingest:
+                    run["ingest"] = ingest(tree.resolve(), a, snap)
+                result["runs"].append(run)
     if a.json:
         emit_json(result)
+    if not same:
+        log("the arms' hits differ (identical_hits false above)")
+        return 1
     return 0
 
 

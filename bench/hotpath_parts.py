@@ -76,7 +76,7 @@ def threads(a, V: np.ndarray) -> dict:
     from oprag_client.client import OpRAGClient, query_request
     from oprag_client.testing import ServerProcess
 
-    srv = ServerProcess.on_free_ports(a.data_dir, "--generator", "none", "--shards", "2").start()
+    srv = ServerProcess.on_free_ports(a.data_dir, "--generator", "none", "--shards", "2", *a.server_arg).start()
     try:
         pids = {"frontend": srv.proc.pid} | {f"shard process {i}": p.pid for i, p in
                                              enumerate(psutil.Process(srv.proc.pid).children(recursive=True))}
@@ -312,6 +312,7 @@ def main(argv=None) -> int:
     ap.add_argument("--part", default="threads,phases,grpc-floor")
     ap.add_argument("--mode", default="hybrid", help="threads: the retrieval mode")
     ap.add_argument("--queries", type=int, default=1000)
+    ap.add_argument("--server-arg", action="append", default=[], help="threads: an extra server argument (repeatable)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     parts = a.part.split(",")

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import signal
 import time
+from importlib import import_module
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -45,12 +46,13 @@ SERVICE_NAME = oprag_pb2.DESCRIPTOR.services_by_name["OpRAG"].full_name
 
 
 def _placement(cfg: ServerConfig) -> dict:
-    """``{"transport": RayPlacement}`` with ``--ray-address`` (Ray imported lazily), else ``{}``."""
+    """``{"transport": RayPlacement}`` with ``--ray-address`` (Ray imported lazily),
+    ``{"transport": ThreadTransport}`` with ``--shard-workers thread``, else ``{}`` (processes)."""
     if cfg.ray.address is None:
-        return {}
-    from .shards.ray_transport import RayPlacement
-
-    return {"transport": RayPlacement(cfg.ray, cfg.shards, cfg.replicas)}
+        return {"transport": import_module(".shards.threaded", __package__).ThreadTransport} \
+            if cfg.shard_workers == "thread" else {}
+    return {"transport": import_module(".shards.ray_transport", __package__).RayPlacement(cfg.ray, cfg.shards,
+                                                                                          cfg.replicas)}
 
 
 class Runtime:

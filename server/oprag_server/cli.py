@@ -37,6 +37,10 @@ _OPTIONS: tuple[tuple[str, str, str, str], ...] = (
     ("--replicas", "", "replicas",
      "processes per shard: writes go to every live replica, reads to the least busy; with 2+ one replica down "
      "fails no request"),
+    ("--shard-workers", "", "shard_workers",
+     "'process': each shard in a process of its own (a shard that dies is restarted alone); 'thread': shards "
+     "on threads of the server process (no pickling or pipes: lower latency for small deployments; a shard "
+     "fault ends the whole server; no --replicas or --ray-address)"),
     ("--embedder", "embed", "model", "'minilm' or a local encoder directory"),
     ("--generator", "generate", "model",
      "'smollm2' (= 'builtin'), a local HF causal LM directory, 'none', 'openai' (an OpenAI-compatible engine), "

@@ -335,6 +335,9 @@ class ServerConfig:
     storage_takeover: bool = False  # take the storage's owner lease from a live server (index/lease.py)
     shards: int = 2
     replicas: int = 1  # processes (or Ray actors) per shard, see shards/replicas.py
+    # where shards run: "process" (one process each, shards/transport.py) or "thread" (threads of
+    # the frontend process, shards/threaded.py: no pickling or pipes; small deployments)
+    shard_workers: str = "process"
     chunking: ChunkingConfig = field(default_factory=ChunkingConfig)
     bm25: BM25Config = field(default_factory=BM25Config)
     retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
@@ -354,6 +357,11 @@ class ServerConfig:
             raise ValueError(f"shards must be in [1, 64], got {self.shards}")
         if not 1 <= self.replicas <= 8:
             raise ValueError(f"replicas must be in [1, 8], got {self.replicas}")
+        if self.shard_workers not in ("process", "thread"):
+            raise ValueError(f"shard workers must be 'process' or 'thread', got {self.shard_workers!r}")
+        if self.shard_workers == "thread" and (self.replicas > 1 or self.ray.address is not None):
+            raise ValueError("--shard-workers thread serves each shard once in this process: "
+                             "it takes neither --replicas above 1 nor --ray-address")
         for name, port in (("port", self.port), ("metrics port", self.metrics_port), ("HTTP port", self.http_port)):
             if not 0 <= port <= 65535:
                 raise ValueError(f"{name} must be in [0, 65535], got {port}")

@@ -26,10 +26,11 @@ assert len(BLOCK) == 900 and BLOCK.count("zebra") == 10
 FILLER_TOPICS = ["tea harvest", "river ferry", "mountain pass", "copper mine", "harbour crane", "violin repair"]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+@pytest.fixture(scope="module", params=["process", "thread"])
+def server(tmp_path_factory, request):
+    """The server with its shards in processes, then on threads (``--shard-workers``)."""
     srv = ServerProcess(tmp_path_factory.mktemp("docs-data"), free_port(), free_port(), "--generator", "none",
-                        "--shards", "2").start()
+                        "--shards", "2", "--shard-workers", request.param).start()
     yield srv
     srv.stop()
 

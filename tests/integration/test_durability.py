@@ -39,12 +39,14 @@ def _count(c: OpRAGClient, sid: str) -> int:
     return len({h.doc_id for h in hits})
 
 
-# one trial in the default suite (under its 10-minute budget); all three with -m slow / make test-all
-@pytest.mark.parametrize("trial", [0, *(pytest.param(i, marks=pytest.mark.slow) for i in (1, 2))])
-def test_kill9_during_ingest_loses_nothing_acknowledged(tmp_path_factory, trial):
+# one trial per shard placement in the default suite (under its 10-minute budget); all with -m slow
+@pytest.mark.parametrize("trial,workers", [(0, "process"), (0, "thread"),
+                                           *(pytest.param(i, w, marks=pytest.mark.slow)
+                                             for i in (1, 2) for w in ("process", "thread"))])
+def test_kill9_during_ingest_loses_nothing_acknowledged(tmp_path_factory, trial, workers):
     rng = random.Random(1000 + trial)
-    data = tmp_path_factory.mktemp(f"crash{trial}")
-    srv = ServerProcess(data, free_port(), free_port(), "--generator", "none").start()
+    data = tmp_path_factory.mktemp(f"crash{trial}{workers}")
+    srv = ServerProcess(data, free_port(), free_port(), "--generator", "none", "--shard-workers", workers).start()
     acked, attempted = [], []
     stop = threading.Event()
     t = threading.Thread(target=_ingest_until_killed, args=(srv.target, trial, acked, attempted, stop, rng))

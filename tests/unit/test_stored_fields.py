@@ -76,3 +76,22 @@ def test_snapshot_load_maps_the_fields(tmp_path):
     assert pa.total_allocated_bytes() - before < 2000 * 500  # the 4 MB of texts are not read in
     assert again.store.chunks[1234].text == f"chunk 1234 " + "z" * 2000
     assert again.search.fetch(FetchRequest([5])).texts == ["chunk 5 " + "z" * 2000]
+
+
+def test_hit_fields_equal_the_records_over_parts_deletes_and_missing_slots():
+    """What a search reply carries (``fetch`` -> ``hit_fields``, four columns) equals what the
+    full records give, over several parts, deleted slots, unknown slots, repeats and any order."""
+    st = ShardState(0, D, None)
+    st.store.upsert(_table(300), 1)
+    st.store.upsert(_table(200, gen=2, prefix="e"), 2)  # a second part
+    st.store.delete([f"d{i}" for i in range(0, 300, 7)], 3)
+    f = st.store.fields
+    rng = np.random.default_rng(0)
+    for slots in ([], [5], f.slots()[::-1].tolist(), rng.integers(-3, 600, 80).tolist(), [1, 1, 402, 1]):
+        recs = f.records(slots)
+        rep = st.search.fetch(FetchRequest(slots))
+        assert rep.found == [r is not None for r in recs]
+        assert rep.doc_ids == [r.doc_id if r else "" for r in recs]
+        assert rep.titles == [r.title if r else "" for r in recs]
+        assert rep.texts == [r.text if r else "" for r in recs]
+        assert rep.metadata == [r.metadata if r else "" for r in recs]

@@ -85,19 +85,36 @@ class StoredFields:
 
     def _gather(self, slots, names) -> dict[str, list]:
         s = np.asarray(slots, dtype=np.int64).reshape(-1)
-        out: dict[str, list] = {n: [None] * s.size for n in names}
         if not s.size:
-            return out
+            return {n: [] for n in names}
         parts = self._part[s]
+        if parts.size and parts[0] == parts[-1] and (parts == parts[0]).all():  # one part (a snapshot): in order
+            return self._parts[int(parts[0])].select(list(names)).take(pa.array(self._row[s].astype(np.int64))).to_pydict()
+        out: dict[str, list] = {n: [None] * s.size for n in names}
         for p in np.unique(parts).tolist():
             pos = np.flatnonzero(parts == p)
-            got = self._parts[p].take(pa.array(self._row[s[pos]].astype(np.int64)))
+            got = self._parts[p].select(list(names)).take(pa.array(self._row[s[pos]].astype(np.int64))).to_pydict()
             for n in names:
-                vals = got.column(n).to_pylist()
                 col = out[n]
-                for j, v in zip(pos.tolist(), vals):
+                for j, v in zip(pos.tolist(), got[n]):
                     col[j] = v
         return out
+
+    def hit_fields(self, slots) -> tuple[list[bool], list[str], list[str], list[str], list[str]]:
+        """What a hit carries of each slot (a sequence of ints): ``(found, doc_ids, titles, texts,
+        metadata)``, ``""`` for a slot not stored; the values :meth:`records` gives (a missing
+        title ``""``, missing metadata ``"{}"``) without building the records' other fields."""
+        s = np.asarray(slots, dtype=np.int64).reshape(-1)
+        ok = (s >= 0) & (s < self._part.size)
+        ok[ok] = self._part[s[ok]] >= 0
+        got = self._gather(s[ok], ("doc_id", "title", "text", "metadata"))
+        d, t, x, m = got["doc_id"], [v or "" for v in got["title"]], got["text"], [v or "{}" for v in got["metadata"]]
+        if ok.all():
+            return [True] * s.size, d, t, x, m
+        found, it = ok.tolist(), iter(range(len(d)))
+        idx = [next(it) if k else -1 for k in found]
+        pick = lambda col: [col[i] if i >= 0 else "" for i in idx]  # noqa: E731
+        return found, pick(d), pick(t), pick(x), pick(m)
 
     def column(self, slots, name: str) -> list:
         """One field of live slots (a sequence of ints), in order."""

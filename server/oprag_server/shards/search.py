@@ -292,14 +292,8 @@ class Searcher(ExactMixin):
     # ------------------------------------------------------------------ fetch
     def fetch(self, req: FetchRequest) -> FetchReply:
         """Stored fields of the given slots (``found`` False for a slot deleted meanwhile)."""
-        recs = self.store.fields.records(req.slots)
-        return FetchReply(
-            found=[r is not None for r in recs],
-            doc_ids=[r.doc_id if r else "" for r in recs],
-            titles=[r.title if r else "" for r in recs],
-            texts=[r.text if r else "" for r in recs],
-            metadata=[r.metadata if r else "" for r in recs],
-        )
+        found, doc_ids, titles, texts, metadata = self.store.fields.hit_fields(req.slots)
+        return FetchReply(found=found, doc_ids=doc_ids, titles=titles, texts=texts, metadata=metadata)
 
     def _fields(self, slots: np.ndarray) -> FetchReply:
         """:meth:`fetch` of live slots int64[M], with ``slots`` set (carried by a search reply)."""

@@ -1,0 +1,245 @@
+"""Shards on threads of the frontend process (``--shard-workers thread``): for small
+deployments, where a shard's query work (~1 ms) is of the order of what a process boundary
+costs (pickling the request and the ~45 KB reply, two pipe wake-ups, three processes taking
+turns on a few cores).
+
+Each shard is the same :class:`~.state.ShardState` and op table a shard process runs, served by
+one thread of its own: requests run one at a time in the order they were sent, exactly as a
+shard process reads its pipe, so every operation stays atomic with respect to queries and
+writes keep today's durability (the same write-ahead log code: a write is acknowledged after
+the shard's log record is on disk) and ordering. The shards' threads run in parallel with each
+other and with the event loop wherever the work leaves the GIL: the compiled candidate kernels
+(numba, ``nogil``), the BLAS scan and FAISS. The shard's BLAS runs on one thread (as in a
+shard process: ``threadpoolctl`` limits numpy's OpenBLAS in this process), and the kernels are
+warmed before READY (:meth:`~.search.Searcher.warm`), as a shard process does.
+
+Query requests (search, the exact rounds, fetch) and their replies are passed as objects, with
+no pickling: a reply is read-only to the frontend. Every other request and reply goes through
+a pickle round trip, so writes see exactly what a pipe would deliver.
+
+Failure semantics differ from processes: a thread cannot be killed. :meth:`ThreadTransport.kill`
+marks the shard down (pending calls fail with :class:`~.transport.ShardError`) and waits for
+the operation in progress to end before a replacement loads the snapshot and log; a fault
+that ends the process (a native crash, an out-of-memory kill) ends the whole server, where in
+process mode the supervisor restarts only that shard. An exception inside an operation is
+answered as an error, as a shard process answers it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import pickle
+import sys
+import threading
+import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
+from typing import Any
+
+from ..index.objstore import StorageWriteError
+from .protocol import Op, StatsReply, StatsRequest
+from .state import ShardState, dispatch, op_table
+from .transport import ShardError, ShardTransport
+
+log = logging.getLogger("oprag")
+
+#: ops whose request and reply cross without a copy (reads; the reply is read-only)
+ZERO_COPY = frozenset({Op.SEARCH, Op.EXACT_RANGES, Op.EXACT_FUSE, Op.EXACT_LISTS, Op.FETCH})
+_limits_set = threading.Lock()
+_limited: list[Any] = []  # the threadpoolctl limiter, kept alive (process-wide, set once)
+
+
+def one_blas_thread() -> None:
+    """Limit numpy's OpenBLAS (not torch's libraries) and FAISS's OpenMP in this process to one
+    thread, as a shard process runs them: two shards scanning at once on two cores must not
+    each start a second BLAS thread (oversubscribed, a multi-threaded matrix-vector product
+    was 30x slower here than a single-threaded one)."""
+    with _limits_set:
+        if _limited:
+            return
+        try:
+            import numpy as np
+            from threadpoolctl import ThreadpoolController
+
+            ctl = ThreadpoolController()
+            numpy_dir = str(Path(np.__file__).parent.parent)
+            mine = [lib for lib in ctl.lib_controllers if str(lib.filepath).startswith(numpy_dir)]
+            for lib in mine:
+                lib.set_num_threads(1)
+            _limited.append(mine)
+        except Exception as exc:  # noqa: BLE001 - a missing limiter costs speed, not results
+            log.warning("could not limit BLAS to one thread for thread shards: %s", exc)
+            _limited.append(None)
+        try:
+            import faiss
+
+            faiss.omp_set_num_threads(1)
+        except Exception:  # pragma: no cover
+            pass
+
+
+def _name_os_thread(name: str) -> None:
+    """Give the calling thread an OS-level name (``top -H``, ``/proc/<pid>/task/*/comm``; Linux,
+    best effort: 15 bytes at most)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except Exception:  # noqa: BLE001 - a name is a convenience
+        pass
+
+
+def _executor(shard_id: int) -> ThreadPoolExecutor:
+    """The one thread serving shard ``shard_id`` (named ``oprag-shard-<id>`` for the OS too)."""
+    name = f"oprag-shard-{shard_id}"
+    return ThreadPoolExecutor(1, thread_name_prefix=name, initializer=_name_os_thread, initargs=(name,))
+
+
+class ThreadTransport(ShardTransport):
+    """One shard served by a thread of this process (same arguments as
+    :class:`~.transport.PipeTransport`)."""
+
+    def __init__(self, shard_id: int, dim: int, data_dir: Path | None, stem: bool = False) -> None:
+        super().__init__(shard_id, dim, data_dir, stem)
+        self.state: ShardState | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._exec: ThreadPoolExecutor | None = None
+        self._starting: Future | None = None
+        self._table: dict | None = None
+        self._alive = False
+        self._pending: set[asyncio.Future] = set()
+
+    @classmethod
+    def of(cls, state: ShardState) -> "ThreadTransport":
+        """Serve a state built by the caller (tests, benches); ready at once, on the loop of
+        the first call."""
+        t = cls(state.shard_id, state.dim, state.data_dir)
+        t.state, t._table, t._alive = state, op_table(state), True
+        t._exec = _executor(state.shard_id)
+        return t
+
+    def start(self, committed: set[str] | None) -> None:
+        one_blas_thread()
+        self._exec = _executor(self.shard_id)
+        self._starting = self._exec.submit(self._load, committed or set())
+
+    def _load(self, committed: set[str]) -> StatsReply:
+        state = ShardState(self.shard_id, self.dim, self.data_dir, stem=self.stem, dense=self.dense,
+                           storage=self.storage)
+        replayed = state.load(committed)
+        warm_s = state.search.warm()  # compiled kernels ready before the first query (as worker.run)
+        if warm_s > 1.0:
+            print(f"shard {self.shard_id}: search kernels compiled in {warm_s:.1f} s (cached for the next start)",
+                  file=sys.stderr)
+        ready = state.stats(StatsRequest(lexical=True))
+        ready.replayed = replayed
+        self.state, self._table = state, op_table(state)
+        return ready
+
+    def ready(self, loop: asyncio.AbstractEventLoop, timeout_s: float) -> StatsReply:
+        assert self._starting is not None, "start() first"
+        try:
+            res = self._starting.result(timeout_s)
+        except FutureTimeout as exc:
+            raise ShardError(f"shard {self.shard_id} did not report READY within {timeout_s:.0f} s") from exc
+        except Exception as exc:  # noqa: BLE001 - as a shard process reports a failed start
+            raise ShardError(f"shard {self.shard_id} failed to start: {type(exc).__name__}: {exc}") from exc
+        self.loop, self._alive = loop, True
+        return res
+
+    def _run(self, op: Op, request: Any) -> tuple[bool, Any]:
+        """(On the shard's thread) one operation: ``(True, reply)`` or ``(False, error text)``."""
+        try:
+            if op not in ZERO_COPY:
+                request = pickle.loads(pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL))
+            reply = dispatch(self._table, op, request)
+            if op not in ZERO_COPY:
+                reply = pickle.loads(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+            return True, reply
+        except Exception as exc:  # noqa: BLE001 - never let a bad request stop the shard
+            if not isinstance(exc, StorageWriteError):
+                traceback.print_exc()
+            return False, f"{type(exc).__name__}: {exc}"
+
+    def call(self, op: Op, request: Any) -> asyncio.Future:
+        loop = self.loop = self.loop or asyncio.get_running_loop()
+        fut = loop.create_future()
+        if not self._alive or self._exec is None:
+            fut.set_exception(ShardError(f"shard {self.shard_id} is not running"))
+            return fut
+        if op is Op.SHUTDOWN:
+            self._alive = False  # nothing after it is served (a shard process exits)
+        try:
+            cf = self._exec.submit(self._run, op, request)
+        except RuntimeError as exc:  # executor shut down
+            fut.set_exception(ShardError(f"shard {self.shard_id} is not running: {exc}"))
+            return fut
+        self._pending.add(fut)
+        cf.add_done_callback(lambda f: self._done(fut, f))
+        return fut
+
+    def _done(self, fut: asyncio.Future, cf: Future) -> None:
+        """(On the shard's thread) hand the outcome to the loop."""
+        loop = self.loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(self._resolve, fut, cf)
+        except RuntimeError:  # the loop closed meanwhile
+            pass
+
+    def _resolve(self, fut: asyncio.Future, cf: Future) -> None:
+        self._pending.discard(fut)
+        if fut.done():
+            return
+        if cf.cancelled():
+            fut.set_exception(ShardError(f"shard {self.shard_id} is not running"))
+            return
+        ok, res = cf.result()
+        if ok:
+            fut.set_result(res)
+        else:
+            fut.set_exception(ShardError(f"shard {self.shard_id}: {res}"))
+
+    def is_alive(self) -> bool:
+        return self._alive
+
+    def kill(self) -> None:
+        """Mark the shard down: queued calls are dropped and every pending call fails; the
+        operation in progress (if any) runs to its end first (a thread cannot be stopped), so
+        that a replacement never shares the shard's log with it. Blocking."""
+        self._alive = False
+        self._on_loop(self._fail_pending)
+        if self._exec is not None:
+            self._exec.shutdown(wait=True, cancel_futures=True)
+
+    def _fail_pending(self) -> None:
+        pending, self._pending = self._pending, set()
+        for fut in pending:
+            if not fut.done():
+                fut.set_exception(ShardError(f"shard {self.shard_id} is not running"))
+
+    def _on_loop(self, fn) -> None:
+        """Run ``fn()`` on the loop's thread: now when this is it, else soon (nothing when the
+        loop is gone)."""
+        loop = self.loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            here = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            here = False
+        if here:
+            fn()
+        else:
+            try:
+                loop.call_soon_threadsafe(fn)
+            except RuntimeError:
+                pass
+
+    def close(self) -> None:
+        self._alive = False
+        if self._exec is not None:
+            self._exec.shutdown(wait=True, cancel_futures=False)
