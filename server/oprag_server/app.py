@@ -46,11 +46,9 @@ SERVICE_NAME = oprag_pb2.DESCRIPTOR.services_by_name["OpRAG"].full_name
 
 
 def _placement(cfg: ServerConfig) -> dict:
-    """``{"transport": RayPlacement}`` with ``--ray-address`` (Ray imported lazily),
-    ``{"transport": ThreadTransport}`` with ``--shard-workers thread``, else ``{}`` (processes)."""
+    """``{"transport": RayPlacement | ThreadTransport}`` (``--ray-address`` | ``--shard-workers thread``) or ``{}``."""
     if cfg.ray.address is None:
-        return {"transport": import_module(".shards.threaded", __package__).ThreadTransport} \
-            if cfg.shard_workers == "thread" else {}
+        return {"transport": import_module(".shards.threaded", __package__).ThreadTransport} if cfg.shard_workers == "thread" else {}
     return {"transport": import_module(".shards.ray_transport", __package__).RayPlacement(cfg.ray, cfg.shards,
                                                                                           cfg.replicas)}
 
