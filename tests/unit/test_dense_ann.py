@@ -121,3 +121,52 @@ def test_snapshot_keeps_the_structure_and_scores_stay_canonical(kind, tmp_path):
     _, after = _search(again, q)
     assert after == before  # same candidates, same scores, after the slots were renumbered
     assert not any(c in ("d3#0", "d10#0") for ids, _ in after for c in ids)
+
+
+def test_hnsw_add_in_background_equals_a_synchronous_build():
+    """An HNSW add returns while FAISS inserts on a thread (issue 13): Stats do not wait for it,
+    every read of the graph does, and the graph equals one built with synchronous adds (same
+    order, one thread: FAISS's build is deterministic), so searches, vectors and removals match."""
+    import faiss
+
+    V = _clustered(2400, seed=3)
+    cfg = DenseConfig(kind="hnsw", hnsw_m=16, ef_construction=40, ef_search=64)
+    idx = DenseIndex(D, cfg)
+    ref = faiss.IndexHNSWFlat(D, 16, faiss.METRIC_INNER_PRODUCT)
+    ref.hnsw.efConstruction = 40
+    prev = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(1)  # (the background insert takes the caller's setting)
+    try:
+        for b in range(6):
+            rows = np.arange(b * 400, (b + 1) * 400)
+            idx.add(rows.astype(np.int64) * 2, V[rows])
+            ref.add(V[rows])
+            assert idx._ann._adding is not None  # the insert runs on
+            assert idx.nbytes()["ann"] > 0 and idx._ann._adding is not None  # Stats do not wait
+            got, _ = idx.search(V[rows[:5]], 1)  # waits: the chunks just added are found
+            assert idx._ann._adding is None and [int(g[0]) for g in got] == (rows[:5] * 2).tolist()
+        q = _clustered(20, seed=9)
+        got, _ = idx.search(q, 10)
+        _, want = ref.search(q, 10, params=faiss.SearchParametersHNSW(efSearch=64))
+        assert [g.tolist() for g in got] == [(w * 2).tolist() for w in want]
+        assert np.array_equal(idx.vectors_of(np.asarray([0, 4798])), V[[0, 2399]])
+        idx.remove(np.asarray([0]))
+        assert 0 not in idx.search(V[:1], 5)[0][0].tolist()
+    finally:
+        faiss.omp_set_num_threads(prev)
+
+
+def test_hnsw_background_add_failure_is_raised_by_the_next_use():
+    idx = DenseIndex(D, DenseConfig(kind="hnsw", hnsw_m=8, ef_construction=16))
+    idx.add(np.arange(10, dtype=np.int64), _clustered(10))
+
+    class Broken:
+        def add(self, x):
+            raise MemoryError("no room")
+
+    idx._ann.finish_add()
+    good, idx._ann._idx = idx._ann._idx, Broken()
+    idx._ann._add_in_background(_clustered(3))
+    with pytest.raises(RuntimeError, match="HNSW add failed: no room"):
+        idx._ann.finish_add()
+    idx._ann._idx = good
