@@ -210,4 +210,5 @@ def load(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions, co
     replayed = txns.replay(wal, committed)
     replayed += memory.replay(wal)
     store.postings.drain_delta()
-    return replayed
+    release_memory()  # what the load's temporaries left in the allocators (a file of several batches
+    return replayed   # has its vector column combined once for a flat index's copy)
