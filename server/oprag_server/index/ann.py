@@ -21,10 +21,6 @@ Ids: each added vector gets the next *ANN id* (0, 1, 2, ... in insertion order);
   (:meth:`DenseIndex.compact_ann`: on snapshot, or on a write that crosses the threshold).
 * IVF removes ids from its inverted lists at once.
 
-HNSW inserts run on a thread (:meth:`AnnIndex.add`; FAISS releases the GIL): the shard answers
-the apply and stages the next stream while the graph grows; every use of the FAISS index waits
-for the insert in flight first (:attr:`AnnIndex._index`), byte counts (Stats) do not.
-
 IVF training: the first ``train_min`` vectors of a shard are searched exactly (flat) while
 they accumulate; the IVF is then trained (k-means, ``nlist = sqrt(n)`` rounded to a power of
 two, at most 65,536 and at most n / 39, on at most 64 vectors per list) on the vectors held at that moment. It is
@@ -33,8 +29,6 @@ training (the lists stay balanced as the corpus grows), and on compaction.
 """
 
 from __future__ import annotations
-
-import threading
 
 import numpy as np
 
@@ -59,58 +53,12 @@ class AnnIndex:
         self.ann_slot = np.zeros(0, dtype=np.int64)  # ann id -> slot, -1 when dead
         self.dead = 0
         self.trained_at = 0  # vectors held when the IVF was last trained (0: not trained)
-        self._adding: tuple[threading.Thread, list] | None = None  # an HNSW add in flight
-        self._idx = None
+        self._index = None
         self._selector = None  # (dead count, selector) for HNSW searches
         if params.kind == "hnsw":
             self._index = self._new_hnsw()
 
     # ------------------------------------------------------------------ build
-    @property
-    def _index(self):
-        """The FAISS index, once an HNSW add in flight has finished (every use of the index,
-        and so of its storage, waits for it). :raises: what that add raised."""
-        if self._adding is not None:
-            self.finish_add()
-        return self._idx
-
-    @_index.setter
-    def _index(self, idx) -> None:
-        if self._adding is not None:
-            self.finish_add()
-        self._idx = idx
-
-    def finish_add(self) -> None:
-        """Wait for the HNSW add in flight, if any (see :meth:`add`).
-
-        :raises: what FAISS raised in it (the index then holds fewer vectors than ids)."""
-        if self._adding is None:
-            return
-        thread, failed = self._adding
-        thread.join()
-        self._adding = None
-        if failed:
-            raise RuntimeError(f"HNSW add failed: {failed[0]}") from failed[0]
-
-    def _add_in_background(self, vecs: np.ndarray) -> None:
-        """Insert ``vecs`` into the HNSW graph on a thread (FAISS releases the GIL): the shard
-        answers the apply and takes the next ingest stream's batches meanwhile, and the graph
-        build (most of an HNSW ingest's time) overlaps the frontend's work on that stream. The
-        ids are assigned already; the next use of the index waits (:attr:`_index`)."""
-        idx, failed = self._index, []
-        threads = _faiss().omp_get_max_threads()  # OpenMP's setting is per thread: the shard's (1) holds
-
-        def run() -> None:
-            try:
-                _faiss().omp_set_num_threads(threads)
-                idx.add(vecs)
-            except Exception as exc:  # noqa: BLE001 - re-raised by finish_add
-                failed.append(exc)
-
-        thread = threading.Thread(target=run, name="hnsw-add", daemon=True)
-        thread.start()
-        self._adding = (thread, failed)
-
     def _new_hnsw(self):
         faiss = _faiss()
         idx = faiss.IndexHNSWFlat(self.dim, self.params.hnsw_m, faiss.METRIC_INNER_PRODUCT)
@@ -153,7 +101,7 @@ class AnnIndex:
         if self.params.kind == "ivf":
             self._index.add_with_ids(np.ascontiguousarray(vectors, dtype=np.float32), ids)
         else:
-            self._add_in_background(np.array(vectors, dtype=np.float32, order="C"))  # (a copy the caller cannot change)
+            self._index.add(np.ascontiguousarray(vectors, dtype=np.float32))
 
     def _append_ids(self, slots: np.ndarray) -> None:
         self.ann_slot = np.concatenate([self.ann_slot, np.asarray(slots, dtype=np.int64)])
@@ -173,8 +121,6 @@ class AnnIndex:
         vectors; level-0 links 2M int32 plus the upper levels' ~M/(M-1) expected; offsets and
         levels), IVF ``n * (4*D + 8) + nlist * 4*D`` (list codes and ids, centroids); plus the
         8-byte id map. From FAISS's ``IndexHNSWFlat`` / ``IndexIVFFlat`` layouts."""
-        if self.params.kind == "hnsw":  # ids are assigned when an add starts: no wait for one in flight
-            return self.graph_nbytes() + 4 * self.dim * (int(self.ann_slot.size) if self._idx is not None else 0)
         n, d = (int(self._index.ntotal) if self._index is not None else 0), self.dim
         if self._index is None:
             body = 0
@@ -259,7 +205,7 @@ class AnnIndex:
         """Bytes of the structure besides the stored vectors (HNSW: links, offsets, levels,
         ``n * (4*(2*M + 1) + 12)``; IVF: all of :meth:`nbytes`) plus the 8-byte id map."""
         if self.params.kind == "hnsw":
-            n = int(self.ann_slot.size) if self._idx is not None else 0  # (= ntotal once an add finished)
+            n = int(self._index.ntotal) if self._index is not None else 0
             return n * (4 * (2 * self.params.hnsw_m + 1) + 12) + int(self.ann_slot.nbytes)
         return self.nbytes()
 
