@@ -91,36 +91,3 @@ def test_table_of_several_parts_is_in_slot_order_with_or_without_reordering():
     assert ids == [f"p{k}-{i}#0" for k in range(3) for i in range(50)]
     mixed = np.asarray([120, 3, 75, 4, 149], np.int64)
     assert f.table(mixed).column("chunk_id").to_pylist() == ["p2-20#0", "p0-3#0", "p1-25#0", "p0-4#0", "p2-49#0"]
-
-
-def test_snapshot_written_in_several_record_batches_loads_back(tmp_path, monkeypatch):
-    """A snapshot's chunks.arrow is written block by block (``ChunkStore.batches``); a file of
-    several record batches loads back with every field, vector and BM25 posting (flat and HNSW,
-    whose vectors live in dense.faiss), after replaces, deletes and a second snapshot."""
-    import functools
-
-    from oprag_server.config import DenseConfig
-    from oprag_server.shards.chunks import ChunkStore
-
-    monkeypatch.setattr(ChunkStore, "batches", functools.partialmethod(ChunkStore.batches, rows=7))
-    for kind in ("flat", "hnsw"):
-        d = tmp_path / kind
-        st = ShardState(0, D, d, dense=DenseConfig(kind=kind))
-        st.load(set())
-        st.store.upsert(_table(40), 1)
-        st.snapshot()
-        st.store.upsert(_table(10, gen=2, text=lambda i: f"replaced {i} alpha"), 2)  # d0..d9 replaced
-        st.store.delete(["d20", "d21"], 3)
-        st.snapshot()
-        again = ShardState(0, D, d, dense=DenseConfig(kind=kind))
-        again.load(set())
-        assert len(again.store.chunks) == 38 and again.store.applied_seq == 3
-        assert sorted(again.store.doc_slots) == sorted(st.store.doc_slots)
-        for doc in ("d3", "d25", "d39"):
-            a, b = st.store.doc_slots[doc], again.store.doc_slots[doc]
-            assert again.store.chunks[b].text == st.store.chunks[a].text
-            assert np.array_equal(again.store.dense.vectors_of(np.asarray([b])), st.store.dense.vectors_of(np.asarray([a])))
-        q = st.store.dense.vectors_of(np.asarray([st.store.doc_slots["d30"]]))
-        ids = [again.store.ids(s) for s in again.store.dense.search(q, 5)[0]]
-        assert ids == [st.store.ids(s) for s in st.store.dense.search(q, 5)[0]] and ids[0][0] == "d30#0"
-        assert again.store.postings.full_stats() == st.store.postings.full_stats()

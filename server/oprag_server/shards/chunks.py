@@ -13,7 +13,6 @@ only chunk ids, document ids and content hashes are Python strings (the maps tha
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -323,14 +322,6 @@ class ChunkStore:
         """Every stored chunk with its vector (``vectors=False``: without the ``vector``
         column), in slot order; built from the Arrow columns, not per row."""
         return self._block(self.fields.slots(), vectors)
-
-    def batches(self, vectors: bool = True, rows: int = 16384) -> Iterator[pa.RecordBatch]:
-        """:meth:`batch` in record batches of at most ``rows`` chunks, slot order, built one at
-        a time (a snapshot writes them as they come: at 500K chunks a shard's fields and vectors
-        in one batch were ~3 GB of transient copies; issue 13). At least one batch."""
-        slots = self.fields.slots()
-        for s in range(0, max(slots.size, 1), rows):
-            yield self._block(slots[s : s + rows], vectors)
 
     def _block(self, slots: np.ndarray, vectors: bool) -> pa.RecordBatch:
         t = self.fields.table(slots, records.chunk_schema(self.dim))
