@@ -1,9 +1,6 @@
 """Composition root: config -> models -> shard pool -> operators -> engines -> servicer -> gRPC
-server (health checking, reflection, a Prometheus endpoint).
-
-Start-up checks live in :mod:`oprag_server.startup`, shard supervision in
-:mod:`oprag_server.supervision`, proto conversion in :mod:`oprag_server.service.convert`.
-"""
+server (health checks, reflection, Prometheus). Start-up checks: :mod:`oprag_server.startup`;
+shard supervision: :mod:`oprag_server.supervision`."""
 
 from __future__ import annotations
 
@@ -225,13 +222,16 @@ class Runtime:
         await self.snapshot()
         log.warning("re-established --storage-uri %s from a full snapshot", self.cfg.storage_uri)
 
-    async def _snapshot_loop(self, interval_s: float = 30.0) -> None:
-        failing = None  # the last failure's text: logged once per change, not every round
+    async def _snapshot_loop(self, interval_s: float = 30.0, max_share: float = 0.2) -> None:
+        # at most max_share of the time (a snapshot blocks commits, 10-20 s at 1M chunks); failing: the
+        failing, wait = None, interval_s  # last failure's text, logged once per change
         while True:
-            await asyncio.sleep(interval_s)
+            await asyncio.sleep(wait)
+            t, wait = time.perf_counter(), interval_s
             if self._dirty and not (self.commits.lease is not None and self.commits.lease.fenced):
                 try:
                     await self.snapshot()
+                    wait = max(interval_s, (time.perf_counter() - t) * (1 / max_share - 1))
                 except Exception as exc:  # noqa: BLE001
                     if str(exc) != failing:
                         log.exception("periodic snapshot failed (logged again only when the failure changes)")

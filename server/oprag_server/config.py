@@ -58,12 +58,22 @@ class DenseConfig:
     :param ef_search: default HNSW search beam width (raised to the number of results asked).
     :param nprobe: default IVF lists visited per query.
     :param train_min: vectors a shard holds before its IVF is trained (exact search before).
+
+    HNSW defaults (issue 13, ``bench/hnsw_params.py``, bench/RESULTS.md): one shard of MiniLM
+    vectors (real + derived as ``bench/scale.py`` makes them), M 32, recall of the exact top-256
+    (the dense-first window) at ef_search 256 / 384 / 512: efConstruction 200 (the former
+    default) 0.971 / 0.990 / 0.995 at 100K vectors, building 1,500 vectors/s on one core;
+    efConstruction 80: 0.955 / 0.979 / 0.990 at 100K and 0.948 / 0.972 / 0.983 at 200K, building
+    3,950 / 3,600 per s; efConstruction 40: 0.988 at 100K but 0.979 at 200K (ef_search 512).
+    M 16 stays below 0.96 at ef_search 256 whatever efConstruction. So efConstruction 80 (2.6x
+    the former build rate) with ef_search 512 (recall >= 0.98 up to 200K per shard; ~1.3-1.5 ms
+    a query there on one core, 0.7-0.9 at 256). A larger shard needs a larger ef_search.
     """
 
     kind: str = "flat"
     hnsw_m: int = 32
-    ef_construction: int = 200
-    ef_search: int = 128
+    ef_construction: int = 80
+    ef_search: int = 512
     nprobe: int = 32
     train_min: int = 4096
 

@@ -7,7 +7,9 @@ contiguous float32[B, D] buffer without per-row Python objects.
 
 from __future__ import annotations
 
+import itertools
 import json
+from collections.abc import Iterable
 
 import numpy as np
 import pyarrow as pa
@@ -95,6 +97,19 @@ def to_ipc(batch: pa.RecordBatch) -> bytes:
     with pa.ipc.new_stream(sink, batch.schema) as writer:
         writer.write_batch(batch)
     return sink.getvalue().to_pybytes()
+
+
+def write_ipc(sink, batches: Iterable[pa.RecordBatch]) -> int:
+    """Write record batches of one schema (the first's) as an Arrow IPC stream to ``sink`` (a
+    binary file object) as they come: no serialised copy in memory. :returns: rows written."""
+    it = iter(batches)
+    first = next(it)
+    n = 0
+    with pa.ipc.new_stream(sink, first.schema) as writer:
+        for b in itertools.chain([first], it):
+            writer.write_batch(b)
+            n += b.num_rows
+    return n
 
 
 def from_ipc(data: bytes) -> pa.Table:

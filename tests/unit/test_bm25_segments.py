@@ -327,3 +327,23 @@ def test_dense_bytes_by_index_kind(kind):
     assert b["vectors"] >= n * d * 4  # the one exact copy (HNSW: the graph's own storage, issue 13)
     per = 4 * 33 + 12 if kind == "hnsw" else 4 * d + 8  # HNSW: the graph only; IVF: its lists' copy
     assert b["ann"] >= n * per and b["ann"] < n * per * 2 + 4 * d * 1024
+
+
+def test_delta_terms_nbytes_counts_new_terms_incrementally():
+    """``Delta.terms_nbytes`` (Stats after every commit) adds only the terms added since the
+    last call and equals a full recount."""
+    import sys
+
+    from oprag_server.index.bm25.delta import Delta
+
+    d = Delta()
+
+    def full() -> int:
+        return sys.getsizeof(d.vocab) + sys.getsizeof(d.terms) + sum(map(sys.getsizeof, d.terms))
+
+    d.add_batch([0, 1], [["alpha", "beta"], ["beta", "gamma"]])
+    assert d.terms_nbytes() == full()
+    d.add_batch([2], [["delta" * 40, "alpha", "épsilon"]])
+    assert d.terms_nbytes() == full() and d._terms_bytes[0] == 5
+    d.remove(2)
+    assert d.terms_nbytes() == full()

@@ -67,3 +67,32 @@ def test_packed_rows_is_little_endian_and_copies_nothing_wrong():
     data = np.arange(1, D + 1, dtype=">f4").astype("<f4").tobytes()
     v = records.packed_rows(data, 1, D, D)
     np.testing.assert_allclose(v[0] * np.linalg.norm(np.arange(1, D + 1)), np.arange(1, D + 1), rtol=1e-6)
+
+
+def test_one_matrix_per_message_gives_each_document_its_own_unit_vectors():
+    """``supplied_vectors_many`` (the ingest load stage, per message) returns exactly what
+    ``supplied_vectors`` returns per document, bit for bit, for packed one-vector documents
+    (normalised together), chunked and float-form documents and documents without vectors;
+    a bad packed row fails with the error naming that document."""
+    from oprag_server.engine.documents import supplied_vectors_many
+
+    rng = np.random.default_rng(11)
+    W = rng.standard_normal((40, D)) * rng.uniform(1e-3, 1e3, (40, 1))  # widely varying norms
+    docs = [Doc(f"p{i}", f"text {i}", vector=W[i]).to_pb() for i in range(30)]
+    docs[4] = Doc("c", chunks=[("x", W[30]), ("y", W[31])]).to_pb()
+    docs[9] = Doc("f", "floats", vector=W[32].tolist()).to_pb()
+    docs[17] = Doc("e", "embed me").to_pb()
+    numbered = [(100 + 2 * i, d) for i, d in enumerate(docs)]  # (numbers need not be consecutive)
+    got = supplied_vectors_many(numbered, D)
+    want = [supplied_vectors(n, d, D) for n, d in numbered]
+    assert got[17] is None and want[17] is None
+    for g, w in zip(got, want):
+        if w is not None:
+            assert [t for t, _ in g] == [t for t, _ in w]
+            assert all(np.array_equal(a, b) and a.dtype == np.float32 for (_, a), (_, b) in zip(g, w))
+    bad = list(numbered)
+    zero = Doc("z", "zeros", vector=np.zeros(D)).to_pb()
+    bad[21] = (142, zero)
+    with pytest.raises(IngestError, match=r"document 142 \('z'\).*all zeros"):
+        supplied_vectors_many(bad, D)
+    assert supplied_vectors_many([], D) == []

@@ -95,3 +95,18 @@ def test_hit_fields_equal_the_records_over_parts_deletes_and_missing_slots():
         assert rep.titles == [r.title if r else "" for r in recs]
         assert rep.texts == [r.text if r else "" for r in recs]
         assert rep.metadata == [r.metadata if r else "" for r in recs]
+
+
+def test_table_of_several_parts_is_in_slot_order_with_or_without_reordering():
+    """``StoredFields.table`` skips the reordering take when the parts hold ascending slots;
+    slots asked for out of order still come back in the order asked."""
+    st = ShardState(0, D, None)
+    for k in range(3):
+        st.store.upsert(_table(50, gen=k + 1, prefix=f"p{k}-"), k + 1)
+    f = st.store.fields
+    slots = f.slots()
+    assert len(f._parts) == 3 and slots.size == 150
+    ids = f.table(slots).column("chunk_id").to_pylist()
+    assert ids == [f"p{k}-{i}#0" for k in range(3) for i in range(50)]
+    mixed = np.asarray([120, 3, 75, 4, 149], np.int64)
+    assert f.table(mixed).column("chunk_id").to_pylist() == ["p2-20#0", "p0-3#0", "p1-25#0", "p0-4#0", "p2-49#0"]

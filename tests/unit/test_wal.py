@@ -55,3 +55,22 @@ def test_reset_keeps_only_given_records(tmp_path):
     w.append({"txn": "t3", "seq": 3})
     w.close()
     assert [r["txn"] for r in read_records(tmp_path / "wal.log")[0]] == ["t2", "t3"]
+
+
+def test_fsync_write_with_streams_the_file_and_leaves_nothing_on_failure(tmp_path):
+    import pytest
+
+    from oprag_server.index.wal import fsync_write_with
+
+    p = tmp_path / "sub" / "f.bin"
+    fsync_write_with(p, lambda f: [f.write(bytes([i]) * 1000) for i in range(3)])
+    assert p.read_bytes() == b"\x00" * 1000 + b"\x01" * 1000 + b"\x02" * 1000
+
+    def fail(f):
+        f.write(b"partial")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        fsync_write_with(p, fail)
+    assert p.read_bytes()[:1000] == b"\x00" * 1000  # the old file stays; no temporary is left
+    assert sorted(x.name for x in p.parent.iterdir()) == ["f.bin"]

@@ -83,3 +83,28 @@ def supplied_vectors(n: int, doc: Any, dim: int) -> list[tuple[str, np.ndarray]]
         raise IngestError(f"document {n} ({doc.id!r}): {exc}; nothing was stored") from exc
     return list(zip(texts, vecs))
 
+
+
+def supplied_vectors_many(docs: list[tuple[int, Any]], dim: int) -> list[list[tuple[str, np.ndarray]] | None]:
+    """:func:`supplied_vectors` of ``(n, document)`` pairs (one message's valid documents, in
+    order), the same values: the one-vector documents in the packed form (what the client sends
+    for numpy vectors, and bulk loads use) are unpacked and normalised as one matrix (row-wise:
+    each row's floats are those of its own call); per-document numpy calls took 8% of the
+    frontend's ingest time at 60K chunks (issue 13).
+
+    :raises IngestError: as :func:`supplied_vectors`, for the first such document in order.
+    """
+    one = [i for i, (_, d) in enumerate(docs)
+           if getattr(d, "vector_dim", 0) == dim and len(getattr(d, "vectors_f32", b"")) == 4 * dim
+           and not len(getattr(d, "chunks", ())) and not len(getattr(d, "vector", ()))]
+    out: list = [None] * len(docs)
+    if len(one) > 1:
+        try:
+            mat = records.packed_rows(b"".join([docs[i][1].vectors_f32 for i in one]), len(one), dim, dim)
+        except ValueError:  # a bad row: the per-document calls below name its document
+            one = []
+        else:
+            for r, i in enumerate(one):
+                out[i] = [(docs[i][1].text, mat[r])]
+    done = set(one) if len(one) > 1 else set()
+    return [out[i] if i in done else supplied_vectors(n, d, dim) for i, (n, d) in enumerate(docs)]

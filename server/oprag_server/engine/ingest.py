@@ -41,7 +41,7 @@ from ..config import ChunkingConfig, IngestConfig, LimitsConfig
 from ..operators.chunking import Chunker
 from ..shards.pool import ShardPool
 from ..shards.protocol import AbortRequest, ApplyReply, Op, ReuseRequest, StageRequest
-from .documents import IngestError, supplied_vectors, validate_document  # noqa: F401 (re-exported)
+from .documents import IngestError, supplied_vectors, supplied_vectors_many, validate_document  # noqa: F401
 
 _END = object()
 #: distinct chunk texts per stream whose vector the embed stage remembers for later repeats
@@ -169,16 +169,16 @@ class IngestPipeline:
                             f"the stream exceeds {self.limits.max_stream_documents} documents or "
                             f"{self.limits.max_stream_bytes} bytes: split it into several streams; nothing was stored"
                         )
-                    for doc in msg.documents:
-                        reason = validate_document(doc, self.limits)
+                    reasons = [validate_document(doc, self.limits) for doc in msg.documents]
+                    vecs = iter(supplied_vectors_many(  # (one matrix for the message's packed vectors)
+                        [(n + i, d) for i, (d, r) in enumerate(zip(msg.documents, reasons)) if not r], self.encoder.dim))
+                    for doc, reason in zip(msg.documents, reasons):
                         if reason:
                             res.rejected.append((n, doc.id, reason))
                             self.metrics.documents_rejected.inc()
                         else:
-                            await q_docs.put(
-                                _Doc(n, doc.id, doc.title, doc.text, md.of_document(doc), self.next_generation(),
-                                     supplied_vectors(n, doc, self.encoder.dim))
-                            )
+                            await q_docs.put(_Doc(n, doc.id, doc.title, doc.text, md.of_document(doc),
+                                                  self.next_generation(), next(vecs)))
                         n += 1
                     if final_seen:
                         raise IngestError("a message arrived after the final message; nothing was stored")

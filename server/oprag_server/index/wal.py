@@ -13,7 +13,7 @@ import pickle
 import struct
 import zlib
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, BinaryIO, Callable, Iterator
 
 _HEAD = struct.Struct("<II")
 
@@ -62,12 +62,23 @@ def _fsync_dir(path: Path) -> None:
 def fsync_write(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically: temporary file, fsync, rename, fsync dir; creates
     the parent directory. :raises OSError: the write, rename or fsync failed."""
+    fsync_write_with(path, lambda f: f.write(data))
+
+
+def fsync_write_with(path: Path, write: Callable[[BinaryIO], Any]) -> None:
+    """As :func:`fsync_write`, the contents written by ``write(file)`` (a binary file object):
+    a large file is streamed to disk without a copy of it in memory. :raises OSError: as
+    :func:`fsync_write`, or what ``write`` raises (the temporary file is then removed)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
     _fsync_dir(path.parent)
 

@@ -320,8 +320,10 @@ class ChunkStore:
 
     def batch(self, vectors: bool = True) -> pa.RecordBatch:
         """Every stored chunk with its vector (``vectors=False``: without the ``vector``
-        column), in slot order (for a snapshot); built from the Arrow columns, not per row."""
-        slots = self.fields.slots()
+        column), in slot order; built from the Arrow columns, not per row."""
+        return self._block(self.fields.slots(), vectors)
+
+    def _block(self, slots: np.ndarray, vectors: bool) -> pa.RecordBatch:
         t = self.fields.table(slots, records.chunk_schema(self.dim))
         out = pa.RecordBatch.from_arrays([c.combine_chunks() for c in t.columns], schema=t.schema)
         if vectors:

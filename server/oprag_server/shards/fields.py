@@ -180,9 +180,11 @@ class StoredFields:
             pieces.append(self._parts[p].take(pa.array(self._row[slots[pos]].astype(np.int64))))
             order.append(pos)
         t = pa.concat_tables(pieces)
-        inv = np.empty(slots.size, np.int64)
-        inv[np.concatenate(order)] = np.arange(slots.size)
-        t = t.take(pa.array(inv)) if len(pieces) > 1 else t
+        cat = np.concatenate(order)
+        if len(pieces) > 1 and (np.diff(cat) < 0).any():  # parts hold ascending slots: usually in order
+            inv = np.empty(slots.size, np.int64)
+            inv[cat] = np.arange(slots.size)
+            t = t.take(pa.array(inv))
         if schema is not None:
             t = t.cast(pa.schema([schema.field(n) for n in names]))
         return t.combine_chunks()

@@ -27,7 +27,7 @@ import numpy as np
 from .. import records
 from ..index.bm25 import PostingsIndex
 from ..index.objstore import MirroredLog
-from ..index.wal import WriteAheadLog, fsync_write
+from ..index.wal import WriteAheadLog, fsync_write, fsync_write_with
 from ..index.wal import _fsync_dir as _fsync_file  # (any path: file or directory)
 from .chunks import ChunkStore
 from .memory import MemoryStore
@@ -50,8 +50,10 @@ def write(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions,
     snap = d / f"snap-{store.applied_seq:012d}-{time.time_ns()}"
     snap.mkdir()
     one = store.dense.one_copy  # HNSW: the vectors are saved once, in dense.faiss
-    batch = store.batch(vectors=not one)
-    fsync_write(snap / "chunks.arrow", records.to_ipc(batch))
+    # one record batch (reads take from one chunk), streamed to the file: its serialised copies
+    # (BufferOutputStream, to_pybytes) doubled the snapshot's memory peak (issue 13)
+    rows = []
+    fsync_write_with(snap / "chunks.arrow", lambda f: rows.append(records.write_ipc(f, [store.batch(vectors=not one)])))
     fsync_write(snap / "memory.json", json.dumps(memory.to_json()).encode())
     for p in store.postings.save(snap / "postings"):
         _fsync_file(p)
@@ -65,7 +67,7 @@ def write(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions,
                  trained_at=ann["trained_at"], kind=ann["kind"])  # the batch holds the chunks in slot order
         fsync_write(snap / "dense.npz", buf.getvalue())
     meta = {"format_version": FORMAT_VERSION, "applied_seq": store.applied_seq, "dim": store.dim,
-            "next_slot": store.next_slot, "chunks": batch.num_rows, "analyzer": {"stem": store.analyzer.stem}}
+            "next_slot": store.next_slot, "chunks": rows[0], "analyzer": {"stem": store.analyzer.stem}}
     fsync_write(snap / "meta.json", json.dumps(meta).encode())
     fsync_write(d / "CURRENT", snap.name.encode())
     # the stored fields are now served from the file just written (memory-mapped): what the
@@ -80,8 +82,8 @@ def write(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions,
         txns.wal.reset(txns.in_flight())
     if storage is not None and isinstance(txns.wal, MirroredLog):
         storage.publish(snap, txns.wal)
-    n = batch.num_rows
-    del batch, table
+    n = rows[0]
+    del table
     release_memory()
     return SnapshotReply(written=True, chunks=n)
 
@@ -208,4 +210,5 @@ def load(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions, co
     replayed = txns.replay(wal, committed)
     replayed += memory.replay(wal)
     store.postings.drain_delta()
-    return replayed
+    release_memory()  # what the load's temporaries left in the allocators (a file of several batches
+    return replayed   # has its vector column combined once for a flat index's copy)

@@ -10,6 +10,8 @@ See :mod:`oprag_server.index.bm25` for the reference computation.
 
 from __future__ import annotations
 
+import itertools
+import sys
 from typing import Sequence
 
 import numpy as np
@@ -32,7 +34,7 @@ class Delta:
     owner keeps removing chunks (``docs``, ``df_arr``, ``n`` change; ``runs`` do not).
     """
 
-    __slots__ = ("vocab", "terms", "runs", "docs", "df_arr", "n", "dead", "_cache")
+    __slots__ = ("vocab", "terms", "runs", "docs", "df_arr", "n", "dead", "_cache", "_terms_bytes")
 
     def __init__(self) -> None:
         self.vocab: dict[str, int] = {}
@@ -43,6 +45,7 @@ class Delta:
         self.n = 0
         self.dead: set[int] = set()  # removed slots whose postings are still in a run
         self._cache: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._terms_bytes = (0, 0)  # (terms counted, sys.getsizeof of them): terms only grow
 
     def add_batch(self, slots: Sequence[int], token_lists: Sequence[Sequence[str]]) -> tuple[np.ndarray, np.ndarray]:
         """Add chunks (the caller checks they are new and their slots < 2**31).
@@ -118,6 +121,16 @@ class Delta:
         ~100 bytes per chunk entry)."""
         return (sum(k.nbytes + t.nbytes for k, t in self.runs) + self.df_arr.nbytes
                 + sum(a.nbytes + 100 for a in self.docs.values()))
+
+    def terms_nbytes(self) -> int:
+        """``sys.getsizeof`` of the vocabulary dict, the term list and every term string;
+        counted incrementally (Stats after every commit summed every term anew: 5% of a shard's
+        ingest time at 60K chunks, issue 13)."""
+        done, total = self._terms_bytes
+        if done < len(self.terms):
+            total += sum(map(sys.getsizeof, itertools.islice(self.terms, done, None)))
+            self._terms_bytes = done, total = len(self.terms), total
+        return sys.getsizeof(self.vocab) + sys.getsizeof(self.terms) + total
 
     def df(self, term: str) -> int:
         """Live chunks of the delta containing ``term``."""

@@ -7,7 +7,6 @@ See :mod:`oprag_server.index.bm25` for the reference computation.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Sequence
 
@@ -240,7 +239,7 @@ class PostingsIndex(MergeMixin):
         per_slot = self._doc_len.nbytes + self._live.nbytes + self._where.nbytes + self._seg_df.nbytes
         for layer in self._layers():
             arrays += layer.nbytes()
-            terms += sys.getsizeof(layer.vocab) + sys.getsizeof(layer.terms) + sum(map(sys.getsizeof, layer.terms))
+            terms += layer.terms_nbytes()
         return {"postings": int(arrays + per_slot), "terms": int(terms)}
 
     @property
