@@ -26,9 +26,11 @@ assert len(BLOCK) == 900 and BLOCK.count("zebra") == 10
 FILLER_TOPICS = ["tea harvest", "river ferry", "mountain pass", "copper mine", "harbour crane", "violin repair"]
 
 
-@pytest.fixture(scope="module", params=["process", "thread"])
+@pytest.fixture(scope="module", params=["process", pytest.param("thread", marks=pytest.mark.slow)])
 def server(tmp_path_factory, request):
-    """The server with its shards in processes, then on threads (``--shard-workers``)."""
+    """The server with its shards in processes, then on threads (``--shard-workers``; with
+    ``-m slow``: the default suite keeps to its 10 minutes, and thread shards are covered there by
+    tests/unit/test_thread_shards.py and the kill -9 trial)."""
     srv = ServerProcess(tmp_path_factory.mktemp("docs-data"), free_port(), free_port(), "--generator", "none",
                         "--shards", "2", "--shard-workers", request.param).start()
     yield srv

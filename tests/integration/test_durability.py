@@ -39,8 +39,9 @@ def _count(c: OpRAGClient, sid: str) -> int:
     return len({h.doc_id for h in hits})
 
 
-# one trial per shard placement in the default suite (under its 10-minute budget); all with -m slow
-@pytest.mark.parametrize("trial,workers", [(0, "process"), (0, "thread"),
+# one trial in the default suite (under its 10-minute budget; processes, the default placement);
+# thread shards and the other trials with -m slow (make test-all)
+@pytest.mark.parametrize("trial,workers", [(0, "process"), pytest.param(0, "thread", marks=pytest.mark.slow),
                                            *(pytest.param(i, w, marks=pytest.mark.slow)
                                              for i in (1, 2) for w in ("process", "thread"))])
 def test_kill9_during_ingest_loses_nothing_acknowledged(tmp_path_factory, trial, workers):
