@@ -84,8 +84,9 @@ def rss_by_process(pid: int) -> dict[str, int]:
     return {"frontend": front, "children": rest}
 
 
-def tree_rss(pid: int) -> int:
-    """RSS bytes of process ``pid`` and all its descendants (0 once it is gone)."""
+def _tree_sum(pid: int, of) -> float:
+    """Sum of ``of(process)`` over process ``pid`` and its live descendants (0 once it is gone;
+    a child that exits between the listing and the read counts 0)."""
     import psutil
 
     try:
@@ -96,30 +97,21 @@ def tree_rss(pid: int) -> int:
     total = 0
     for q in procs:
         try:
-            total += q.memory_info().rss
-        except psutil.Error:  # a child that exited between the listing and the read
+            total += of(q)
+        except psutil.Error:
             pass
     return total
+
+
+def tree_rss(pid: int) -> int:
+    """RSS bytes of process ``pid`` and all its descendants (0 once it is gone)."""
+    return int(_tree_sum(pid, lambda q: q.memory_info().rss))
 
 
 def tree_cpu(pid: int) -> float:
     """CPU seconds (user + system) used so far by process ``pid`` and its live descendants
     (the server and its shard processes; a timing independent of what else runs)."""
-    import psutil
-
-    try:
-        p = psutil.Process(pid)
-        procs = [p, *p.children(recursive=True)]
-    except psutil.Error:
-        return 0.0
-    total = 0.0
-    for q in procs:
-        try:
-            t = q.cpu_times()
-            total += t.user + t.system
-        except psutil.Error:
-            pass
-    return total
+    return float(_tree_sum(pid, lambda q: sum(q.cpu_times()[:2])))
 
 
 class RssPeak:

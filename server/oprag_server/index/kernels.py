@@ -38,6 +38,8 @@ if "NUMBA_CACHE_DIR" not in os.environ and not os.access(os.path.dirname(os.path
 import numba  # noqa: E402
 from numba import njit  # noqa: E402
 
+from .warm_inputs import postings_variants  # noqa: E402
+
 if os.environ.get("NUMBA_CACHE_DIR"):  # numba imported earlier reads the variable only at import
     numba.config.CACHE_DIR = os.environ["NUMBA_CACHE_DIR"]
 
@@ -387,12 +389,7 @@ def warm(d: int = 8) -> float:
     dense_step(vecs, rows, True, vecs @ q, q, 1e-6, 2, rows)
     canonical_rows(vecs, rows, q)
     s = np.arange(3, dtype=np.int64)
-    for ro in (False, True):
-        arrs = [np.ones(3, np.int8), np.ones(3, np.float64), np.array([0, 3], np.int64),
-                np.arange(3, dtype=np.int32), np.ones(3, np.uint16)]
-        for a in arrs[2:] if ro else ():
-            a.flags.writeable = False
-        where, doc_len, off, ps, tf = arrs
+    for ro, (where, doc_len, off, ps, tf) in postings_variants():
         bm25_segment(s, where, 1, doc_len, np.zeros(1, np.int64), np.ones(1), off, ps, tf, 1.0, 1.5, 0.75)
         bm25_listed_top(where, 1, doc_len, np.zeros(1, np.int64), np.ones(1), off, ps, tf, np.zeros(2, np.int64),
                         s, doc_len, s, ro, 2, 1.0, 1.5, 0.75)

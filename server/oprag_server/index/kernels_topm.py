@@ -38,6 +38,7 @@ import numpy as np
 from numba import njit
 
 from .kernels import _JIT, _kth_largest
+from .warm_inputs import postings_variants
 
 #: relative slack on bounds and thresholds, far above float64 rounding of a sum of <= 10^3 terms
 _SLACK = 1e-9
@@ -256,12 +257,7 @@ def warm() -> None:
     """Compile (or load from numba's cache) the signatures a shard passes (writable and
     read-only postings, uint16 term frequencies)."""
     s = np.arange(3, dtype=np.int64)
-    for ro in (False, True):
-        arrs = [np.ones(3, np.int8), np.ones(3, np.float64), np.array([0, 3], np.int64),
-                np.arange(3, dtype=np.int32), np.ones(3, np.uint16)]
-        for a in arrs[2:] if ro else ():
-            a.flags.writeable = False
-        where, doc_len, off, ps, tf = arrs
+    for _, (where, doc_len, off, ps, tf) in postings_variants():
         mt, md = np.full(1, np.nan), np.full(1, np.nan)
         bm25_top_pruned(where, 1, doc_len, np.zeros(1, np.int64), np.ones(1), off, ps, tf, np.zeros(2, np.int64),
                         s, doc_len, mt, md, np.ones(1, np.int32), 2, 1.0, 1.5, 0.75, np.zeros(3), np.zeros(3, np.uint8))
