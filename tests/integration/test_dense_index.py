@@ -12,6 +12,10 @@ from oprag_client.testing import ServerProcess
 pytestmark = pytest.mark.integration
 
 
+# 57 s on this machine since the HNSW defaults changed (efConstruction 80 / ef_search 512, the
+# -q search of dense-first hybrid): with -m slow until that is understood; the default suite
+# keeps HNSW covered in process (test_dense_ann.py, test_threshold_bound.py)
+@pytest.mark.slow
 def test_hnsw_server_round_trip(tmp_path):
     rng = np.random.default_rng(3)
     V = rng.standard_normal((300, 384))
