@@ -1,10 +1,9 @@
-"""The BM25 top-m of one shard (dense-first hybrid's BM25 list), pruned (block-max tables at
-each ``--shifts`` block size, and MaxScore) against reading every query term's list, in process on a data dir that ``bench.scale`` left
+"""The BM25 top-m of one shard (dense-first hybrid's BM25 list), MaxScore-pruned against
+reading every query term's list, in process on a data dir that ``bench.scale`` left
 (``bench/out/scale-<size>-<kind>``): shard 0 is loaded from its snapshot, SciFact queries are
 analysed, idf is rank_bm25's formula with this shard's document frequencies (epsilon 0.25), and
-every path runs per query; their top-m must agree (asserted), the pruned paths' times are
-reported next to the full one's (the first query of each path builds its tables: the first 5
-queries are left out of the percentiles).
+both paths run per query; their top-m must agree (asserted), the pruned path's time is reported
+next to the full one's.
 
     python -m bench.topm_probe --data-dir bench/out/scale-1000000-hnsw --dense-index hnsw --m 64,16 --json
 """
@@ -29,7 +28,6 @@ def main(argv=None) -> dict:
     ap.add_argument("--shared", type=Path, default=DEFAULT_SHARED)
     ap.add_argument("--m", default="64")
     ap.add_argument("--queries", type=int, default=200)
-    ap.add_argument("--shifts", default="7", help="block-max block sizes, log2 slots (comma-separated)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
@@ -52,20 +50,18 @@ def main(argv=None) -> dict:
         queries.append((terms, idf))
     lt.listed_top(ix, queries[0][0], queries[0][1], avgdl, 1.5, 0.75, 1)  # compile / warm
     out = {"chunks": n, "queries": len(queries), "by_m": {}, "machine": machine_info()}
-    paths = {f"blockmax{sh}": (True, "blockmax", sh) for sh in map(int, a.shifts.split(","))}
-    paths.update(maxscore=(True, "maxscore", 7), full=(False, "maxscore", 7))
     for m in [int(x) for x in a.m.split(",")]:
-        ms = {p: [] for p in paths}
+        ms = {"pruned": [], "full": []}
         for terms, idf in queries:
             got = {}
-            for path, (prune, method, shift) in paths.items():
-                lt._PRUNE, lt._METHOD, lt._SHIFT = prune, method, shift  # noqa: SLF001
+            for path in ("pruned", "full"):
+                lt._PRUNE = path == "pruned"  # noqa: SLF001
                 t = time.perf_counter()
                 s, sc, _ = lt.listed_top(ix, terms, idf, avgdl, 1.5, 0.75, m)
                 ms[path].append((time.perf_counter() - t) * 1e3)
                 got[path] = sorted(sc.tolist(), reverse=True)[:m]
-            assert all(v == got["full"] for v in got.values()), "pruned and full top-m differ"
-        lt._PRUNE, lt._METHOD, lt._SHIFT = True, "blockmax", 7  # noqa: SLF001
+            assert got["pruned"] == got["full"], "pruned and full top-m differ"
+        lt._PRUNE = True  # noqa: SLF001
         out["by_m"][m] = {p: {"p50_ms": round(percentile(v[5:], 50), 3), "p95_ms": round(percentile(v[5:], 95), 3)}
                           for p, v in ms.items()}
         log(f"m {m}: {out['by_m'][m]}")

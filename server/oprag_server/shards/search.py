@@ -141,13 +141,12 @@ class Searcher(ExactMixin):
     def warm(self) -> float:
         """Compile (or load from numba's cache) the kernels of the candidate step for this
         shard's own arrays (:func:`.kernels.warm`, then one candidate step and one BM25 scoring
-        of the first chunk; the pruned BM25 top-m kernels (block-max, MaxScore)), so
+        of the first chunk; the MaxScore kernel and the segment's term bounds of the BM25 top-m), so
         that the first query is not slow. :returns: seconds taken."""
         t = _kernels().warm()
         st, t0 = self.store, time.perf_counter()
-        from ..index import kernels_blockmax, kernels_topm  # noqa: PLC0415 - numba only in processes that search
+        from ..index import kernels_topm  # noqa: PLC0415 - numba only in processes that search
 
-        kernels_blockmax.warm()
         kernels_topm.warm()
         listed_top(st.postings, ["\x00"], np.ones(1), 1.0, 1.5, 0.75, 1)  # the segment's term bounds
         if len(st.dense) and st.dense.params.kind == "flat":

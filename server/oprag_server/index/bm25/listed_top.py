@@ -62,57 +62,13 @@ def listed_top(ix: PostingsIndex, terms: Sequence[str], idf: np.ndarray, avgdl: 
                                    float(k1), float(b))
 
 
-#: the pruned path for unfiltered queries; False: always read every list
+#: the MaxScore path (:mod:`..kernels_topm`) for unfiltered queries; False: always read every list
 _PRUNE = True
-#: which pruned kernel: "blockmax" (:mod:`..kernels_blockmax`) or "maxscore" (:mod:`..kernels_topm`)
-_METHOD = "blockmax"
-#: block size of the block-max tables, log2 slots
-_SHIFT = 7
-#: bytes of block tables kept per shard (when full the tables are dropped and rebuilt on use)
-_TABLE_BYTES = 64 << 20
-
-
-class _Blocks:
-    """One segment's block-max tables (:func:`..kernels_blockmax.block_bounds`) of the long
-    lists queries used, for one ``(k1, b)`` and reference average length ``ref`` (valid for any
-    ``avgdl <= ref``; rebuilt when ``avgdl`` leaves ``(ref / 1.3, ref]``)."""
-
-    def __init__(self, seg, k1: float, b: float, avgdl: float) -> None:
-        self.seg, self.key, self.ref, self.shift = seg, (k1, b), avgdl * 1.1, _SHIFT
-        top = int(seg.slots.max()) if seg.slots.size else -1
-        self.width = (top >> _SHIFT) + 1
-        self.rows: dict[int, int] = {}
-        self.cap = max(1, min(1024, _TABLE_BYTES // max(16 * self.width + 8, 1)))
-        self.starts = np.zeros((0, self.width + 1), np.int64)
-        self.g = np.zeros((0, self.width), np.float64)
-
-    def fits(self, seg, k1: float, b: float, avgdl: float) -> bool:
-        return (seg is self.seg and self.key == (k1, b) and self.ref / 1.3 < avgdl <= self.ref
-                and self.shift == _SHIFT)
-
-    def row(self, t: int, ix: PostingsIndex, kb) -> int:
-        """The table row of segment term ``t``, built on first use (-1: no room left)."""
-        r = self.rows.get(t)
-        if r is not None:
-            return r
-        r = len(self.rows)
-        if r >= self.cap:
-            return -1
-        if r >= self.g.shape[0]:
-            n = min(self.cap, max(8, 2 * self.g.shape[0]))
-            self.starts = np.concatenate([self.starts, np.zeros((n - self.starts.shape[0], self.width + 1), np.int64)])
-            self.g = np.concatenate([self.g, np.zeros((n - self.g.shape[0], self.width))])
-        seg = self.seg
-        kb.block_bounds(t, seg.offsets, seg.slots, seg.tf, ix._where, _SEG, ix._doc_len, self.shift,  # noqa: SLF001
-                        self.ref, self.key[0], self.key[1], self.starts[r], self.g[r])
-        self.rows[t] = r
-        return r
 
 
 class _Scratch:
     """One shard's per-slot scratch of :func:`..kernels_topm.bm25_top_pruned` and the term
-    bounds of its current segment (recomputed when the segment object changes), and its
-    block-max tables."""
+    bounds of its current segment (recomputed when the segment object changes)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -120,7 +76,6 @@ class _Scratch:
         self.seen = np.zeros(0, np.uint8)
         self.seg: object = None
         self.bounds: tuple[np.ndarray, np.ndarray] | None = None
-        self.blocks: _Blocks | None = None
 
     def fit(self, cap: int) -> None:
         if self.acc.size < cap:
@@ -129,6 +84,8 @@ class _Scratch:
 
 
 def _pruned(ix: PostingsIndex, seg, seg_df, tids, idf, d_off, ds, dt, m, avgdl, k1, b):
+    from .. import kernels_topm  # noqa: PLC0415
+
     sc = ix.__dict__.get("_topm_scratch")
     if sc is None:
         sc = ix.__dict__.setdefault("_topm_scratch", _Scratch())
@@ -137,10 +94,6 @@ def _pruned(ix: PostingsIndex, seg, seg_df, tids, idf, d_off, ds, dt, m, avgdl, 
         sc.lock.acquire()
     try:
         where, doc_len = ix._where, ix._doc_len  # noqa: SLF001
-        if _METHOD == "blockmax":
-            return _blockmax(ix, sc, seg, seg_df, tids, idf, d_off, ds, dt, m, avgdl, k1, b)
-        from .. import kernels_topm  # noqa: PLC0415
-
         if sc.seg is not seg or sc.bounds is None:  # filled term by term as queries use them
             v = max(seg.offsets.size - 1, 0)
             sc.bounds = (np.full(v, np.nan), np.full(v, np.nan))
@@ -152,29 +105,6 @@ def _pruned(ix: PostingsIndex, seg, seg_df, tids, idf, d_off, ds, dt, m, avgdl, 
         return slots, scores, int(listed)
     finally:
         sc.lock.release()
-
-
-def _blockmax(ix: PostingsIndex, sc: _Scratch, seg, seg_df, tids, idf, d_off, ds, dt, m, avgdl, k1, b):
-    """:func:`..kernels_blockmax.bm25_top_blockmax` with this shard's tables: a list is long
-    (bounded by its table) when it holds at least half as many postings as the segment has
-    blocks."""
-    from .. import kernels_blockmax as kb  # noqa: PLC0415
-
-    avgdl, k1, b = float(avgdl), float(k1), float(b)
-    bl = sc.blocks
-    if bl is None or not bl.fits(seg, k1, b, avgdl):
-        bl = sc.blocks = _Blocks(seg, k1, b, avgdl)
-    if len(bl.rows) + tids.size > bl.cap:  # full: start again with the terms in use now
-        bl.rows.clear()
-    off = seg.offsets
-    long_pos = np.full(tids.size, -1, np.int64)
-    for i, t in enumerate(tids.tolist()):
-        if t >= 0 and 2 * (int(off[t + 1]) - int(off[t])) >= bl.width:
-            long_pos[i] = bl.row(t, ix, kb)
-    slots, scores, listed, _ = kb.bm25_top_blockmax(
-        ix._where, _SEG, ix._doc_len, tids, idf, off, seg.slots, seg.tf, d_off, ds, dt, seg_df,  # noqa: SLF001
-        long_pos, bl.starts, bl.g, bl.shift, int(m), avgdl, k1, b)
-    return slots, scores, int(listed)
 
 
 def listed_top_reference(ix: PostingsIndex, terms: Sequence[str], idf: np.ndarray, avgdl: float, k1: float,
