@@ -133,7 +133,8 @@ class Searcher(ExactMixin):
         in a monotone fusion's top-k of the two lists."""
         if lex is None or not len(lex.slots):
             return c.slots[skyband(c.dense, c.lexical, k)]
-        extra = ~np.isin(lex.slots, c.slots)
+        seen = set(c.slots.tolist())  # (np.isin costs ~30-60 us on 256 x 64 slots; a set ~10)
+        extra = np.asarray([x not in seen for x in lex.slots.tolist()], dtype=bool)
         slots = np.concatenate([c.slots, lex.slots[extra]])
         return slots[skyband(np.concatenate([c.dense, lex.dense[extra]]),
                              np.concatenate([c.lexical, lex.lexical[extra]]), k)]
