@@ -58,6 +58,7 @@ class Searcher(ExactMixin):
     def __init__(self, store: ChunkStore) -> None:
         self.store = store
         self._i8 = None  # the int8 copy of the vectors (created on the first flat scan)
+        self._rows_n = _NO_ROWS
         self._rounds: dict[str, tuple[int, list[tuple]]] = {}
         self._dmin: tuple[int, dict[bytes, float]] = (-1, {})  # (store version, query bytes -> estimate)
 
@@ -193,21 +194,29 @@ class Searcher(ExactMixin):
                 approx, err = i8.scores(qi, None if every else rows), i8.error(qi)
             else:
                 approx, err = (vecs if every else vecs[rows]) @ qi, dense.score_error(qi)
-            short, ex, order, ties, _, status = kernels.dense_step(vecs, rows, every, approx, qi, err, n, _NO_ROWS)
+            # unfiltered: the kernel also takes the minimum (its sample argument: every row)
+            sample = self._every(approx.size) if every else _NO_ROWS
+            short, ex, order, ties, low, status = kernels.dense_step(vecs, rows, every, approx, qi, err, n, sample)
             if status != kernels.OK:
                 out.append(self._dense_tops(q, [i], n)[i] if every else self._dense_top(qi, n, allowed[i]))
                 lows.append(None)
                 continue
-            if approx.size:
-                near = np.flatnonzero(approx <= np.float64(approx.min()) + 2.0 * err)
-                lows.append(float(self._canonical(qi, near if every else rows[near]).min()))
+            if every or not approx.size:
+                lows.append(float(low))
             else:
-                lows.append(np.inf)
+                near = np.flatnonzero(approx <= np.float64(approx.min()) + 2.0 * err)
+                lows.append(float(self._canonical(qi, rows[near]).min()))
             r = short if every else rows[short]
             kk = min(n, approx.size)
             order = np.asarray(top_k_order(ex, self.store.row_ids(), kk, rows=r), np.int64) if ties else order[:kk]
             out.append((row_slot[r[order]], ex[order]))
         return out, lows
+
+    def _every(self, n: int) -> np.ndarray:
+        """int64[n]: 0 .. n-1 (kept until n changes)."""
+        if self._rows_n.size != n:
+            self._rows_n = np.arange(n, dtype=np.int64)
+        return self._rows_n
 
     def _canonical(self, q: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """float64[M]: canonical scores of float32[D] ``q`` with the rows int64[M] (compiled
