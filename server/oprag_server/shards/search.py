@@ -8,9 +8,11 @@ length sent by the frontend.
 
 Identical content, identical score: every dense score returned is canonical
 (:func:`oprag_server.index.dense.fixed_order_dot`), whatever the batch, the shard, the filter
-or the mode. The fast float32 scores (FAISS, BLAS) only pick the candidates: each top-n is
-refined exactly (:func:`oprag_server.index.fusion.refine_top`), computing the canonical score
-of the few candidates near the cut only, so a chunk left out can never outrank one kept.
+or the mode. The fast approximate scores (FAISS, BLAS, or a flat index's int8 copy:
+:mod:`oprag_server.index.kernels_scan`) only pick the candidates: each top-n is refined exactly
+(:func:`oprag_server.index.fusion.refine_top`), computing the canonical score of the few
+candidates within the approximation's error bound of the cut only, so a chunk left out can never
+outrank one kept.
 """
 
 from __future__ import annotations
@@ -171,7 +173,7 @@ class Searcher(ExactMixin):
 
     def _kernel_tops(self, q: np.ndarray, allowed: list, n: int) -> tuple[list[tuple[np.ndarray, np.ndarray]], list]:
         """Per query of float32[B, D] ``q``: the exact top-n ``(slots int64[n'], canonical
-        float64[n'])`` (ties: chunk id) of the allowed rows (None: all), from one BLAS scan and
+        float64[n'])`` (ties: chunk id) of the allowed rows (None: all), from one scan (the int8 copy, else BLAS) and
         :func:`.kernels.dense_step`; the same result as :meth:`_dense_tops` / :meth:`_dense_top`
         over a flat index (their numpy path, used here when a score is not finite).
 
