@@ -52,6 +52,12 @@ TEXTS = ["effects of vitamin D on bone density in older adults", "protein foldin
          "the history of the roman empire", "insulin resistance and type 2 diabetes risk"]
 
 
+def _m(sp) -> tuple:
+    """The BM25 top-m of a default hybrid request (``max(4 * top_k, 64)``) as the request's last
+    argument; none for a tree without it."""
+    return (64,) if "m" in getattr(sp.protocol.SearchRequest, "__dataclass_fields__", {}) else ()
+
+
 def _queries(V: np.ndarray, n: int, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     q = V[rng.integers(0, len(V), n)] + rng.normal(0, 0.05, (n, V.shape[1])).astype(np.float32)
@@ -145,13 +151,15 @@ def phases(a, V: np.ndarray) -> dict:
     wrap(sp.search, "skyband", "k-skyband")
     wrap(st.search, "_fields", "stored fields of the skyband")
     wrap(st.store, "ids", "chunk ids")
+    wrap(st.search, "_lexical_top", "BM25 top-m list (with its canonical dense scores)")
+    wrap(st.search, "_skyband_slots", "k-skyband")
     an = _internals.analyzer()
     Q = _queries(st.store.dense.vectors, a.queries, seed=1)
     reqs = []
     for i, q in enumerate(Q):
         terms = an.tokens(TEXTS[i % 4])
         batch = sp.protocol.QueryBatch(q[None], [terms], [np.ones(len(terms))], 80.0, 1.5, 0.75, None)
-        reqs.append(sp.protocol.SearchRequest(batch, "hybrid", 256, 0, 0, 10))
+        reqs.append(sp.protocol.SearchRequest(batch, "hybrid", 256, 0, 0, 10, *_m(sp)))
     for r in reqs[:50]:
         st.search.search(r)
     acc.clear()
@@ -198,7 +206,7 @@ def merge(a, V: np.ndarray) -> dict:
     for i, q in enumerate(_queries(V, a.queries, seed=1)):
         terms = an.tokens(TEXTS[i % 4])
         r = sp.protocol.SearchRequest(sp.protocol.QueryBatch(q[None], [terms], [np.ones(len(terms))], 80.0, 1.5,
-                                                             0.75, None), "hybrid", 256, 0, 0, 10)
+                                                             0.75, None), "hybrid", 256, 0, 0, 10, *_m(sp))
         blobs.append([pickle.dumps((1, True, st.search.search(r)), protocol=pickle.HIGHEST_PROTOCOL) for st in shards])
     replies = [{s: pickle.loads(b)[2] for s, b in enumerate(bl)} for bl in blobs]
 

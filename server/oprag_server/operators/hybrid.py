@@ -125,29 +125,51 @@ def merge_union(replies: dict[int, SearchReply], j: int, spec: RetrieveSpec) -> 
     """Query ``j``'s fused top-k over the union of every shard's dense and BM25 lists, and
     whether the threshold bound certifies it (module docstring).
 
+    The union holds, per shard in reply order, the dense list and then the BM25 list's chunks
+    that are not in it (a shard's lists have distinct slots). ``dense_rank`` / ``lexical_rank``
+    are computed for the k hits only (:func:`_hit_ranks`): the same positions as ordering the
+    whole union (:func:`_rank_lists`), which a NaN score still does.
+
     :param replies: shard -> reply of a hybrid search with ``m`` > 0 (``lexical``, ``listed`` set).
     :returns: ``(top-k candidates, certified)``.
     """
-    parts = [p for s, rep in replies.items() for p in ((s, rep.candidates[j]), (s, rep.lexical[j]))]
-    allc = _Cols.of(parts)
-    _, first = np.unique(allc.shard * (1 << 32) + allc.slot, return_index=True)  # dedupe (shard, slot)
-    u = allc.take(np.sort(first))
-    bounds, unlisted = [], False
-    for rep in replies.values():
-        eligible, d, lx, listed = rep.eligible[j], rep.candidates[j], rep.lexical[j], rep.listed[j]
+    shard, slot, ids, dense, lexical = [], [], [], [], []
+    bounds, unlisted, dmins = [], False, []
+    for s, rep in replies.items():
+        d, lx = rep.candidates[j], rep.lexical[j]
+        eligible, listed = rep.eligible[j], rep.listed[j]
+        ds = np.asarray(d.slots, dtype=np.int64)
+        ls = np.asarray(lx.slots, dtype=np.int64)
+        if ls.size:  # the BM25 list's chunks not in the dense list (a set: np.isin costs ~60 us here)
+            seen = set(ds.tolist())
+            extra = np.asarray([i for i, x in enumerate(ls.tolist()) if x not in seen], dtype=np.int64)
+        else:
+            extra = ls
+        n_s = ds.size + extra.size
+        shard.append(np.full(n_s, s, dtype=np.int64))
+        slot += (ds, ls[extra])
+        did = np.asarray(d.chunk_ids, dtype=object) if len(d.chunk_ids) else np.zeros(0, object)
+        lid = np.asarray(lx.chunk_ids, dtype=object) if len(lx.chunk_ids) else np.zeros(0, object)
+        ids += (did, lid[extra])
+        dd, ld = np.asarray(d.dense, dtype=np.float64), np.asarray(lx.dense, dtype=np.float64)
+        dl, ll = np.asarray(d.lexical, dtype=np.float64), np.asarray(lx.lexical, dtype=np.float64)
+        dense += (dd, ld[extra])
+        lexical += (dl, ll[extra])
         if eligible <= 0:
             continue
+        dmins.append(rep.dense_min[j])
         unlisted |= listed < eligible  # some chunk scores BM25 exactly 0
-        if len(d.slots) >= eligible:  # the dense list is the whole shard
+        if ds.size >= eligible:  # the dense list is the whole shard
             continue
-        if not len(d.slots):
+        if not ds.size:
             bounds.append((np.inf, np.inf))  # nothing to bound with (an ANN found nothing)
             continue
-        lb = 0.0 if len(lx.slots) >= listed else max(float(np.min(lx.lexical)), 0.0)
-        bounds.append((float(np.min(d.dense)), lb))
+        lb = 0.0 if ls.size >= listed else max(float(ll.min()), 0.0)
+        bounds.append((float(dd.min()), lb))
+    u = _Cols(np.concatenate(shard), np.concatenate(slot), np.concatenate(ids), np.concatenate(dense),
+              np.concatenate(lexical)) if shard else _Cols.of([])
     if not len(u.ids):
         return [], not bounds
-    dmins = [rep.dense_min[j] for rep in replies.values() if rep.eligible[j] > 0]
     dr = (min(float(u.dense.min()), *dmins), float(u.dense.max()))
     lr = (min(float(u.lexical.min()), 0.0 if unlisted else np.inf), max(float(u.lexical.max()), 0.0 if unlisted else -np.inf))
     w = {"dense_range": dr, "lexical_range": lr, "dense_weight": spec.dense_weight,
@@ -160,9 +182,44 @@ def merge_union(replies: dict[int, SearchReply], j: int, spec: RetrieveSpec) -> 
         finite = np.isfinite(b).all()
         ub = float(fuse_minmax(b[:, 0], b[:, 1], **w).max()) if finite else np.inf
         certified = finite and len(top) >= spec.top_k and float(scores[top[-1]]) > ub
-    d_order, l_order = _rank_lists(u, spec.candidates)
-    drank, lrank = _ranks(len(u.ids), d_order), _ranks(len(u.ids), l_order)
-    return [u.cand(i, float(scores[i]), int(drank[i]), int(lrank[i])) for i in top], certified
+    if np.isnan(u.dense).any() or np.isnan(u.lexical).any():  # no total order: as before, by sorting
+        d_order, l_order = _rank_lists(u, spec.candidates)
+        drank, lrank = _ranks(len(u.ids), d_order), _ranks(len(u.ids), l_order)
+        drank, lrank = drank[top], lrank[top]
+    else:
+        drank = _hit_ranks(u.dense, u.ids, top, spec.candidates, False)
+        lrank = _hit_ranks(u.lexical, u.ids, top, spec.candidates, True)
+    return [u.cand(i, float(scores[i]), int(dr_), int(lr_)) for i, dr_, lr_ in zip(top, drank.tolist(),
+                                                                                    lrank.tolist())], certified
+
+
+def _hit_ranks(vals: np.ndarray, ids: np.ndarray, rows: list[int], n: int, lexical: bool) -> np.ndarray:
+    """int64[len(rows)]: the 1-based rank of each of ``rows`` in the top-n of float64[M] ``vals``
+    ordered by (score desc, chunk id asc, position asc), 0 outside it; with ``lexical`` over the
+    listed scores only (:func:`~oprag_server.index.fusion.lexical_listed`; 0 for a row not
+    listed). The position of row r in :func:`_rank_lists`'s order is the number of elements
+    ahead of it in that total order: the larger scores (listed ones for ``lexical``), plus the
+    equal scores with a smaller id (or the same id earlier). Needs no NaN in ``vals``."""
+    r = np.asarray(rows, dtype=np.int64)
+    if not r.size:
+        return np.zeros(0, np.int64)
+    v = vals[r]
+    gt = vals[None, :] > v[:, None]
+    if lexical:
+        gt &= (vals != 0.0)[None, :]
+    ahead = gt.sum(axis=1)
+    eq = vals[None, :] == v[:, None]
+    tied = eq.sum(axis=1) > 1
+    tied &= ahead < n
+    if lexical:
+        tied &= v != 0.0  # not listed: rank 0 whatever its ties
+    for q in np.flatnonzero(tied).tolist():  # ties: by id, then position
+        me, p = ids[r[q]], int(r[q])
+        ahead[q] += sum(1 for t in np.flatnonzero(eq[q]).tolist() if ids[t] < me or (t < p and ids[t] == me))
+    out = np.where(ahead < n, ahead + 1, 0)
+    if lexical:
+        out[v == 0.0] = 0
+    return out.astype(np.int64)
 
 
 class Widening:

@@ -8,9 +8,11 @@ length sent by the frontend.
 
 Identical content, identical score: every dense score returned is canonical
 (:func:`oprag_server.index.dense.fixed_order_dot`), whatever the batch, the shard, the filter
-or the mode. The fast float32 scores (FAISS, BLAS) only pick the candidates: each top-n is
-refined exactly (:func:`oprag_server.index.fusion.refine_top`), computing the canonical score
-of the few candidates near the cut only, so a chunk left out can never outrank one kept.
+or the mode. The fast approximate scores (FAISS, BLAS, or a flat index's int8 copy:
+:mod:`oprag_server.index.kernels_scan`) only pick the candidates: each top-n is refined exactly
+(:func:`oprag_server.index.fusion.refine_top`), computing the canonical score of the few
+candidates within the approximation's error bound of the cut only, so a chunk left out can never
+outrank one kept.
 """
 
 from __future__ import annotations
@@ -37,6 +39,13 @@ def _kernels():
     return kernels
 
 
+def _kernels_scan():
+    """:mod:`..index.kernels_scan` (numba: imported on first use, as :func:`_kernels`)."""
+    from ..index import kernels_scan  # noqa: PLC0415
+
+    return kernels_scan
+
+
 class Searcher(ExactMixin):
     """Read side of one shard. Holds the exact-mode round-1 scores until round 2 (exact mode:
     :class:`.exact.ExactMixin`)."""
@@ -44,8 +53,14 @@ class Searcher(ExactMixin):
     #: vectors sampled (strided) to estimate the corpus-wide dense minimum
     SAMPLE = 512
 
+    #: approximate scores of a flat index from its int8 copy (:mod:`..index.kernels_scan`);
+    #: False: the float32 BLAS scan (the same results, tested)
+    int8_scan = True
+
     def __init__(self, store: ChunkStore) -> None:
         self.store = store
+        self._i8 = None  # the int8 copy of the vectors (created on the first flat scan)
+        self._rows_n = _NO_ROWS
         self._rounds: dict[str, tuple[int, list[tuple]]] = {}
         self._dmin: tuple[int, dict[bytes, float]] = (-1, {})  # (store version, query bytes -> estimate)
 
@@ -133,7 +148,8 @@ class Searcher(ExactMixin):
         in a monotone fusion's top-k of the two lists."""
         if lex is None or not len(lex.slots):
             return c.slots[skyband(c.dense, c.lexical, k)]
-        extra = ~np.isin(lex.slots, c.slots)
+        seen = set(c.slots.tolist())  # (np.isin costs ~30-60 us on 256 x 64 slots; a set ~10)
+        extra = np.asarray([x not in seen for x in lex.slots.tolist()], dtype=bool)
         slots = np.concatenate([c.slots, lex.slots[extra]])
         return slots[skyband(np.concatenate([c.dense, lex.dense[extra]]),
                              np.concatenate([c.lexical, lex.lexical[extra]]), k)]
@@ -148,6 +164,7 @@ class Searcher(ExactMixin):
         from ..index import kernels_topm  # noqa: PLC0415 - numba only in processes that search
 
         kernels_topm.warm()
+        _kernels_scan().warm()
         listed_top(st.postings, ["\x00"], np.ones(1), 1.0, 1.5, 0.75, 1)  # the segment's term bounds
         if len(st.dense) and st.dense.params.kind == "flat":
             slots, _ = self._kernel_tops(st.dense.vectors[:1].copy(), [None], 1)[0][0]
@@ -156,7 +173,7 @@ class Searcher(ExactMixin):
 
     def _kernel_tops(self, q: np.ndarray, allowed: list, n: int) -> tuple[list[tuple[np.ndarray, np.ndarray]], list]:
         """Per query of float32[B, D] ``q``: the exact top-n ``(slots int64[n'], canonical
-        float64[n'])`` (ties: chunk id) of the allowed rows (None: all), from one BLAS scan and
+        float64[n'])`` (ties: chunk id) of the allowed rows (None: all), from one scan (the int8 copy, else BLAS) and
         :func:`.kernels.dense_step`; the same result as :meth:`_dense_tops` / :meth:`_dense_top`
         over a flat index (their numpy path, used here when a score is not finite).
 
@@ -168,27 +185,40 @@ class Searcher(ExactMixin):
             index."""
         dense, kernels = self.store.dense, _kernels()
         vecs, row_slot = dense.vectors, dense.slots
+        if self.int8_scan and self._i8 is None:
+            self._i8 = _kernels_scan().Int8Rows()
+        i8 = self._i8.of(vecs, self.store.version) if self.int8_scan else None
         out, lows = [], []
         for i in range(q.shape[0]):
             qi, every = q[i], allowed[i] is None
             rows = _NO_ROWS if every else dense.rows(allowed[i])
-            approx = (vecs if every else vecs[rows]) @ qi
-            err = dense.score_error(qi)
-            short, ex, order, ties, _, status = kernels.dense_step(vecs, rows, every, approx, qi, err, n, _NO_ROWS)
+            if i8 is not None and np.isfinite(qi).all():  # a quarter of the bytes read (kernels_scan)
+                approx, err = i8.scores(qi, None if every else rows), i8.error(qi)
+            else:
+                approx, err = (vecs if every else vecs[rows]) @ qi, dense.score_error(qi)
+            # unfiltered: the kernel also takes the minimum (its sample argument: every row)
+            sample = self._every(approx.size) if every else _NO_ROWS
+            short, ex, order, ties, low, status = kernels.dense_step(vecs, rows, every, approx, qi, err, n, sample)
             if status != kernels.OK:
                 out.append(self._dense_tops(q, [i], n)[i] if every else self._dense_top(qi, n, allowed[i]))
                 lows.append(None)
                 continue
-            if approx.size:
-                near = np.flatnonzero(approx <= np.float64(approx.min()) + 2.0 * err)
-                lows.append(float(self._canonical(qi, near if every else rows[near]).min()))
+            if every or not approx.size:
+                lows.append(float(low))
             else:
-                lows.append(np.inf)
+                near = np.flatnonzero(approx <= np.float64(approx.min()) + 2.0 * err)
+                lows.append(float(self._canonical(qi, rows[near]).min()))
             r = short if every else rows[short]
             kk = min(n, approx.size)
             order = np.asarray(top_k_order(ex, self.store.row_ids(), kk, rows=r), np.int64) if ties else order[:kk]
             out.append((row_slot[r[order]], ex[order]))
         return out, lows
+
+    def _every(self, n: int) -> np.ndarray:
+        """int64[n]: 0 .. n-1 (kept until n changes)."""
+        if self._rows_n.size != n:
+            self._rows_n = np.arange(n, dtype=np.int64)
+        return self._rows_n
 
     def _canonical(self, q: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """float64[M]: canonical scores of float32[D] ``q`` with the rows int64[M] (compiled
