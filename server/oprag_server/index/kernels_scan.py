@@ -105,11 +105,11 @@ def error_bound(e: float, c: float, d: int, q: np.ndarray) -> float:
 class Int8Rows:
     """The int8 copy of a flat :class:`.dense.DenseIndex`'s rows, rebuilt (:func:`quantize`,
     ~1 ms per 5K x 384 rows) when the store's write version, the row count or the vectors'
-    buffer changes; None above :attr:`MAX_ROWS` rows (a rebuild per write would cost too much
-    there; the BLAS scan serves). Costs a quarter of the float32 vectors' memory plus 4 bytes
+    buffer changes; None above :attr:`MAX_ROWS` rows (a whole rebuild on the first query after
+    each write would cost a query ~6 ms at that size while ingest runs; the BLAS scan serves). Costs a quarter of the float32 vectors' memory plus 4 bytes
     a row."""
 
-    MAX_ROWS = 262_144
+    MAX_ROWS = 32_768
 
     def __init__(self) -> None:
         self.key: tuple | None = None
