@@ -20,6 +20,8 @@ function here               server part                             why
 :func:`bm25_top_m`          ``index.bm25.listed_top`` and a         topm_probe: the BM25 top-m
                             snapshot's ``ShardState``               of a loaded shard, pruned
                                                                     and full, in process
+:func:`shard_state`         a snapshot's ``ShardState``             shard_parts: one shard's
+                                                                    hybrid search by part
 :func:`encoder`             ``TransformersEncoder`` (MiniLM)        same query vectors, same
                                                                     token ids for baselines
 :func:`encoder_path`        where the encoder's weights live        baselines load the same
@@ -88,6 +90,17 @@ def bm25_top_m(data_dir, dense_kind: str):
     st = ShardState(0, 384, data_dir, dense=DenseConfig(kind=dense_kind))
     st.load(None)
     return listed_top, st
+
+
+def shard_state(data_dir, i: int, dense_kind: str):
+    """Shard ``i`` of ``data_dir`` as a ``ShardState`` loaded from its snapshot in this process,
+    its log not replayed (``bench.shard_parts``: one shard's search, part by part)."""
+    from oprag_server.config import DenseConfig
+    from oprag_server.shards.state import ShardState
+
+    st = ShardState(i, 384, data_dir, dense=DenseConfig(kind=dense_kind))
+    st.load(None)
+    return st
 
 
 def encoder(name: str = "minilm", **kw):

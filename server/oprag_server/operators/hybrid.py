@@ -121,12 +121,13 @@ def lexical_candidates(cfg: RetrievalConfig, spec: RetrieveSpec) -> int:
     return cfg.lexical_candidates or max(4 * spec.top_k, 64)
 
 
-def merge_union(replies: dict[int, SearchReply], j: int, spec: RetrieveSpec) -> tuple[list[_Cand], bool]:
-    """Query ``j``'s fused top-k over the union of every shard's dense and BM25 lists, and
-    whether the threshold bound certifies it (module docstring).
+def merge_union(replies: dict[int, SearchReply], j: int, spec: RetrieveSpec) -> tuple[list[_Cand], bool, str]:
+    """Query ``j``'s fused top-k over the union of every shard's dense and BM25 lists, whether
+    the threshold bound certifies it (module docstring), and which lists to widen if not.
 
     :param replies: shard -> reply of a hybrid search with ``m`` > 0 (``lexical``, ``listed`` set).
-    :returns: ``(top-k candidates, certified)``.
+    :returns: ``(top-k candidates, certified, sides)``: ``sides`` (:func:`_sides`) is ``""``
+        when certified, else ``"dense"``, ``"lexical"`` or ``"both"``.
     """
     parts = [p for s, rep in replies.items() for p in ((s, rep.candidates[j]), (s, rep.lexical[j]))]
     allc = _Cols.of(parts)
@@ -146,7 +147,7 @@ def merge_union(replies: dict[int, SearchReply], j: int, spec: RetrieveSpec) -> 
         lb = 0.0 if len(lx.slots) >= listed else max(float(np.min(lx.lexical)), 0.0)
         bounds.append((float(np.min(d.dense)), lb))
     if not len(u.ids):
-        return [], not bounds
+        return [], not bounds, "" if not bounds else "both"
     dmins = [rep.dense_min[j] for rep in replies.values() if rep.eligible[j] > 0]
     dr = (min(float(u.dense.min()), *dmins), float(u.dense.max()))
     lr = (min(float(u.lexical.min()), 0.0 if unlisted else np.inf), max(float(u.lexical.max()), 0.0 if unlisted else -np.inf))
@@ -154,20 +155,45 @@ def merge_union(replies: dict[int, SearchReply], j: int, spec: RetrieveSpec) -> 
          "lexical_weight": spec.lexical_weight}
     scores = fuse_minmax(u.dense, u.lexical, **w)
     top = top_k_order(scores, u.ids, spec.top_k)
-    certified = True
+    certified, sides = True, ""
     if bounds:
         b = np.asarray(bounds, dtype=np.float64)
         finite = np.isfinite(b).all()
         ub = float(fuse_minmax(b[:, 0], b[:, 1], **w).max()) if finite else np.inf
         certified = finite and len(top) >= spec.top_k and float(scores[top[-1]]) > ub
+        if not certified:
+            sides = _sides(b, float(scores[top[-1]]) if finite and len(top) >= spec.top_k else None, w)
     d_order, l_order = _rank_lists(u, spec.candidates)
     drank, lrank = _ranks(len(u.ids), d_order), _ranks(len(u.ids), l_order)
-    return [u.cand(i, float(scores[i]), int(drank[i]), int(lrank[i])) for i in top], certified
+    return [u.cand(i, float(scores[i]), int(drank[i]), int(lrank[i])) for i in top], certified, sides
+
+
+def _sides(b: np.ndarray, kth: float | None, w: dict) -> str:
+    """Which lists an uncertified query widens, from the shards' bounds float64[S, 2] (N-th
+    dense score, BM25 bound ``l``), the k-th fused score (None: fewer than k, or an infinite
+    bound) and the fusion's ranges and weights ``w``. Widening the BM25 list alone can at best
+    lower ``l`` to 0 (the list complete), the dense list alone its N-th score to the dense
+    minimum (``w["dense_range"][0]``). ``"lexical"``: for every shard whose bound fails, 0 in
+    place of its ``l`` would pass and its dense minimum in place of its N-th score would not;
+    ``"dense"`` the converse; else ``"both"`` (either alone might do, or neither would: N and
+    M grow together, as before this rule)."""
+    if kth is None:
+        return "both"
+    fail = fuse_minmax(b[:, 0], b[:, 1], **w) >= kth
+    d, lx = b[fail, 0], b[fail, 1]
+    lex_ok = bool((fuse_minmax(d, np.zeros_like(lx), **w) < kth).all())
+    dense_ok = bool((fuse_minmax(np.full_like(d, w["dense_range"][0]), lx, **w) < kth).all())
+    return "lexical" if lex_ok and not dense_ok else "dense" if dense_ok and not lex_ok else "both"
 
 
 class Widening:
     """The rounds of one dense-first query group: the first round's M, which queries the bound
-    did not certify, and the next, wider request for those (module docstring)."""
+    did not certify, and the next, wider requests for those (module docstring).
+
+    Only the lists the bound needs grow (:func:`_sides`): a query whose BM25 side failed asks
+    the shards for the BM25 list alone (N = 0: no dense search), one whose dense side failed
+    for the dense list alone (M = 0), and each round's lists are joined with the lists of the
+    same query kept from the earlier rounds before the merge."""
 
     #: N and M grow by this factor per round
     FACTOR = 4
@@ -177,27 +203,67 @@ class Widening:
         self.specs, self.cap = specs, cfg.widen_rounds
         self.m = max((lexical_candidates(cfg, s) for s in specs if bounded(s)), default=0) if bound else 0
         self.state: list[bool | None] = [None] * len(specs)
+        self.sides = [""] * len(specs)
         self.rounds, self.round_of = 0, [0] * len(specs)
+        self.nf, self.mf = [1] * len(specs), [1] * len(specs)  # N and M factors reached per query
+        self.kept: list[dict | None] = [None] * len(specs)  # per query: shard -> (reply, index) of its lists
+        self._asked: dict[int, tuple[bool, bool]] = {}  # query -> (dense, BM25) asked this time
 
     def merge(self, merge_certified, replies: dict, jj: int, j: int) -> list:
         """Merge reply query ``jj`` as group query ``j`` with ``merge_certified`` (the
-        retriever's: ``(replies, j, spec) -> (top-k, certified or None)``), recording whether
-        it is certified; returns the top-k."""
-        top, self.state[j] = merge_certified(replies, jj, self.specs[j])
-        self.round_of[j] = self.rounds
+        retriever's: ``(replies, j, spec) -> (top-k, certified or None[, sides])``), joined
+        with the lists of the earlier rounds of ``j``; records whether it is certified and
+        which sides to widen; returns the top-k."""
+        if self.m:
+            replies, jj = self._join(replies, jj, j)
+        got = merge_certified(replies, jj, self.specs[j])
+        top, self.state[j] = got[0], got[1]
+        self.sides[j] = got[2] if len(got) > 2 else "both"
         return top
 
+    def _join(self, replies: dict, jj: int, j: int) -> tuple[dict, int]:
+        """``(replies, index)`` to merge for query ``j``: this round's as they are when both
+        lists were asked, else per shard a one-query reply of this round's lists where asked
+        and the kept ones elsewhere. Keeps the result's lists (references, no copies)."""
+        dense, lex = self._asked.pop(j, (True, True))
+        kept = self.kept[j]
+        if (dense and lex) or kept is None or any(s not in kept for s in replies):
+            self.kept[j] = {s: (rep, jj) for s, rep in replies.items()}
+            return replies, jj
+        out = {}
+        for s, rep in replies.items():
+            old, oj = kept[s]
+            c = rep.candidates[jj] if dense else old.candidates[oj]
+            lx, n_l = (rep.lexical[jj], rep.listed[jj]) if lex else (old.lexical[oj], old.listed[oj])
+            dmin = min(rep.dense_min[jj], old.dense_min[oj])
+            out[s] = SearchReply([c], [rep.eligible[jj]], [dmin], rep.dense_index, rep.knobs, None, [lx], [n_l])
+        self.kept[j] = {s: (rep, 0) for s, rep in out.items()}
+        return out, 0
+
     def next_round(self, req: SearchRequest) -> tuple[list[int], SearchRequest] | None:
-        """The group queries to ask again and the request (N and M times ``FACTOR`` per round
-        so far), or None: every query is certified or has no bound, or the rounds are spent."""
-        todo = [j for j, c in enumerate(self.state) if c is False]
-        if not todo or not self.m or self.rounds >= self.cap:
+        """The group queries to ask again and the request, or None: every query is certified
+        or has no bound, or its rounds are spent. Each query asks for N times its dense factor
+        (0 when its dense list does not grow) and M times its BM25 factor (0 likewise), each
+        factor ``FACTOR`` times the last when it grows; queries asking the same go together."""
+        todo = [j for j, c in enumerate(self.state) if c is False and self.round_of[j] < self.cap] if self.m else []
+        if not todo:
             return None
-        self.rounds += 1
-        f, b = self.FACTOR ** self.rounds, req.batch
+        want = {}
+        for j in todo:
+            dense, lex = self.sides[j] in ("dense", "both"), self.sides[j] in ("lexical", "both")
+            want[j] = (dense, lex, self.nf[j] * (self.FACTOR if dense else 1), self.mf[j] * (self.FACTOR if lex else 1))
+        key = want[todo[0]]
+        todo = [j for j in todo if want[j] == key]
+        dense, lex, nf, mf = key
+        for j in todo:
+            self.nf[j], self.mf[j], self._asked[j] = nf, mf, (dense, lex)
+            self.round_of[j] += 1
+        self.rounds = max(self.rounds, max(self.round_of[j] for j in todo))
+        b = req.batch
         sub = QueryBatch(b.q[todo], [b.terms[i] for i in todo], [b.idf[i] for i in todo], b.avgdl, b.k1, b.b,
                          [b.filters[i] for i in todo] if b.filters else None)
-        return todo, SearchRequest(sub, req.mode, req.n * f, req.ef_search, req.nprobe, req.fetch_k, self.m * f)
+        return todo, SearchRequest(sub, req.mode, req.n * nf if dense else 0, req.ef_search, req.nprobe, req.fetch_k,
+                                   self.m * mf if lex else 0)
 
     def counts(self) -> tuple[int, int]:
         """``(widened, uncertified)``: queries asked again at least once; queries the bound
@@ -207,5 +273,5 @@ class Widening:
     def report(self, j: int, info: RetrievalInfo) -> None:
         """Set ``lexical_candidates``, ``certified`` and ``widen_rounds`` of group query ``j``."""
         if self.state[j] is not None:
-            info.lexical_candidates = self.m * self.FACTOR ** self.round_of[j]
+            info.lexical_candidates = self.m * self.mf[j]
             info.certified, info.widen_rounds = bool(self.state[j]), self.round_of[j]
