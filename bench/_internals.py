@@ -22,6 +22,8 @@ function here               server part                             why
                                                                     and full, in process
 :func:`shard_state`         a snapshot's ``ShardState``             shard_parts: one shard's
                                                                     hybrid search by part
+:func:`in_process_retriever` ``Retriever`` over snapshots' shards   hybrid_probe: recall vs
+                            (``in_process_pool``)                   exact and widening, by knob
 :func:`encoder`             ``TransformersEncoder`` (MiniLM)        same query vectors, same
                                                                     token ids for baselines
 :func:`encoder_path`        where the encoder's weights live        baselines load the same
@@ -101,6 +103,23 @@ def shard_state(data_dir, i: int, dense_kind: str):
     st = ShardState(i, 384, data_dir, dense=DenseConfig(kind=dense_kind))
     st.load(None)
     return st
+
+
+def in_process_retriever(data_dir, n_shards: int, dense_kind: str, **cfg):
+    """``(Retriever, RetrieveSpec, states)``: the frontend's retriever over every shard of
+    ``data_dir`` loaded in this process from its snapshot (log not replayed), corpus statistics
+    summed from the shards as a starting server does, ``RetrievalConfig(**cfg)``
+    (``bench.hybrid_probe``: dense-first recall vs exact mode and widening, in process)."""
+    from oprag_server.config import BM25Config, RetrievalConfig
+    from oprag_server.index.analyzer import Analyzer
+    from oprag_server.index.bm25 import CorpusStats
+    from oprag_server.operators.retrieve import Retriever, RetrieveSpec
+    from oprag_server.shards.inprocess import in_process_pool
+
+    states = [shard_state(data_dir, i, dense_kind) for i in range(n_shards)]
+    stats = CorpusStats.merge_full([s.store.postings.full_stats() for s in states])
+    return (Retriever(in_process_pool(states), stats, Analyzer(), BM25Config(), RetrievalConfig(**cfg)),
+            RetrieveSpec, states)
 
 
 def encoder(name: str = "minilm", **kw):

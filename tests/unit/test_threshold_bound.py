@@ -221,13 +221,16 @@ def test_approximate_index_dense_minimum_comes_from_the_index(kind):
         assert infos[0].certified and _key(hits[0]) == _key(hits[1])
 
 
-@pytest.mark.parametrize("family,seed", [("clustered", 7), ("adversarial", 8)])
-def test_one_sided_widening_rounds_stay_exact(family, seed, monkeypatch):
+@pytest.mark.parametrize("family,seed,either", [("clustered", 7, "both"), ("adversarial", 8, "both"),
+                                                ("clustered", 9, "lexical"), ("adversarial", 10, "dense")])
+def test_one_sided_widening_rounds_stay_exact(family, seed, either, monkeypatch):
     """Widening grows only the list whose side of the bound failed (a round with N = 0 asks for
     the BM25 list alone, M = 0 for the dense list alone) and joins it with the kept lists: the
     certified top-k is still full_hybrid's, and both kinds of one-sided rounds occur here."""
+    from oprag_server.operators import hybrid
     from oprag_server.operators.hybrid import Widening
 
+    monkeypatch.setattr(hybrid, "EITHER", either)  # the side grown when either alone could certify
     asked = []
     real = Widening.next_round
 

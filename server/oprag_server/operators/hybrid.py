@@ -175,15 +175,22 @@ def _sides(b: np.ndarray, kth: float | None, w: dict) -> str:
     lower ``l`` to 0 (the list complete), the dense list alone its N-th score to the dense
     minimum (``w["dense_range"][0]``). ``"lexical"``: for every shard whose bound fails, 0 in
     place of its ``l`` would pass and its dense minimum in place of its N-th score would not;
-    ``"dense"`` the converse; else ``"both"`` (either alone might do, or neither would: N and
-    M grow together, as before this rule)."""
+    ``"dense"`` the converse; :data:`EITHER` when both would; ``"both"`` when neither alone
+    would (N and M grow together, as before this rule)."""
     if kth is None:
         return "both"
     fail = fuse_minmax(b[:, 0], b[:, 1], **w) >= kth
     d, lx = b[fail, 0], b[fail, 1]
     lex_ok = bool((fuse_minmax(d, np.zeros_like(lx), **w) < kth).all())
     dense_ok = bool((fuse_minmax(np.full_like(d, w["dense_range"][0]), lx, **w) < kth).all())
-    return "lexical" if lex_ok and not dense_ok else "dense" if dense_ok and not lex_ok else "both"
+    if lex_ok and dense_ok:
+        return EITHER
+    return "lexical" if lex_ok else "dense" if dense_ok else "both"
+
+
+#: the list :func:`_sides` widens when growing either alone could certify (measured in
+#: bench/RESULTS.md, "one-sided widening")
+EITHER = "both"
 
 
 class Widening:
