@@ -127,7 +127,7 @@ def merge_union(replies: dict[int, SearchReply], j: int, spec: RetrieveSpec) -> 
 
     :param replies: shard -> reply of a hybrid search with ``m`` > 0 (``lexical``, ``listed`` set).
     :returns: ``(top-k candidates, certified, sides)``: ``sides`` (:func:`_sides`) is ``""``
-        when certified, else ``"dense"``, ``"lexical"`` or ``"both"``.
+        when certified, else ``"dense"``, ``"lexical"``, ``"either"`` or ``"both"``.
     """
     parts = [p for s, rep in replies.items() for p in ((s, rep.candidates[j]), (s, rep.lexical[j]))]
     allc = _Cols.of(parts)
@@ -175,8 +175,9 @@ def _sides(b: np.ndarray, kth: float | None, w: dict) -> str:
     lower ``l`` to 0 (the list complete), the dense list alone its N-th score to the dense
     minimum (``w["dense_range"][0]``). ``"lexical"``: for every shard whose bound fails, 0 in
     place of its ``l`` would pass and its dense minimum in place of its N-th score would not;
-    ``"dense"`` the converse; :data:`EITHER` when both would; ``"both"`` when neither alone
-    would (N and M grow together, as before this rule)."""
+    ``"dense"`` the converse; ``"either"`` when both would (:class:`Widening` grows
+    :data:`EITHER` in a query's first widening round, both lists after); ``"both"`` when
+    neither alone would (N and M grow together, as before this rule)."""
     if kth is None:
         return "both"
     fail = fuse_minmax(b[:, 0], b[:, 1], **w) >= kth
@@ -184,12 +185,12 @@ def _sides(b: np.ndarray, kth: float | None, w: dict) -> str:
     lex_ok = bool((fuse_minmax(d, np.zeros_like(lx), **w) < kth).all())
     dense_ok = bool((fuse_minmax(np.full_like(d, w["dense_range"][0]), lx, **w) < kth).all())
     if lex_ok and dense_ok:
-        return EITHER
+        return "either"
     return "lexical" if lex_ok else "dense" if dense_ok else "both"
 
 
-#: the list :func:`_sides` widens when growing either alone could certify (measured in
-#: bench/RESULTS.md, "one-sided widening")
+#: the list a query's first widening round grows when either alone could certify (``"both"``,
+#: ``"lexical"`` or ``"dense"``; measured in bench/RESULTS.md, "one-sided widening")
 EITHER = "both"
 
 
@@ -257,7 +258,8 @@ class Widening:
             return None
         want = {}
         for j in todo:
-            dense, lex = self.sides[j] in ("dense", "both"), self.sides[j] in ("lexical", "both")
+            side = self.sides[j] if self.sides[j] != "either" else EITHER if self.round_of[j] == 0 else "both"
+            dense, lex = side in ("dense", "both"), side in ("lexical", "both")
             want[j] = (dense, lex, self.nf[j] * (self.FACTOR if dense else 1), self.mf[j] * (self.FACTOR if lex else 1))
         key = want[todo[0]]
         todo = [j for j in todo if want[j] == key]
