@@ -9,8 +9,8 @@ ef_search 512 (~2 ms). Instead, each shard keeps :class:`LowSeeds`, a small set 
 are extreme in some direction: for ``PROBES`` directions (spherical k-means centroids of the
 vectors, FAISS ``Kmeans``), the ``PER_PROBE`` vectors with the lowest inner product with each
 (a "reverse" top-T, FAISS ``knn`` with ``-probe``). A query scores the seed set exactly (a small
-matrix product), and a beam search for ``-q`` on the graph's bottom layer (width: an eighth of
-the request's ``ef_search``, at least 16; 64 at the default 512) starts
+matrix product), and a beam search for ``-q`` on the graph's bottom layer (width: a sixteenth
+of the request's ``ef_search``, at least 16; 32 at the default 512) starts
 from the ``ENTRIES`` lowest seeds (:meth:`.ann.AnnIndex.search_from`). Every value it returns is
 the score of a real live chunk, so it is never below the true minimum (like the sample estimate
 and the ``-q`` search); measured accuracy and cost are in bench/RESULTS.md ("dense minimum").
@@ -36,8 +36,9 @@ class LowSeeds:
     """Seeds of the lowest-inner-product search of one HNSW index (module docstring). Not
     thread-safe (one shard's searches are serial)."""
 
-    #: probe directions, lowest vectors kept per probe, search entries
-    PROBES, PER_PROBE, ENTRIES = 256, 16, 16
+    #: probe directions, lowest vectors kept per probe, search entries; the beam is the
+    #: request's ef_search / BEAM_DIV, at least MIN_BEAM; rows per block of the build
+    PROBES, PER_PROBE, ENTRIES, BEAM_DIV, MIN_BEAM, BLOCK = 256, 16, 16, 16, 16, 32768
 
     def __init__(self) -> None:
         self._index = None  # the FAISS index the seeds were built for
@@ -63,9 +64,19 @@ class LowSeeds:
         probes = km.centroids / np.maximum(np.linalg.norm(km.centroids, axis=1, keepdims=True), 1e-12)
         probes = np.ascontiguousarray(probes, dtype=np.float32)
         t = min(self.PER_PROBE, a)
-        d, i = faiss.knn(np.ascontiguousarray(-probes), st, t, metric=faiss.METRIC_INNER_PRODUCT)
-        self._probes, self._thresh = probes, (-d[:, -1]).astype(np.float32)
-        self._ids = np.unique(i[i >= 0]).astype(np.int64)
+        # per probe, the t lowest scores: blocks of rows times the probes (one BLAS product each),
+        # the t lowest of each block joined with the t lowest so far
+        best_s, best_i = np.full((p, t), np.inf, np.float32), np.full((p, t), -1, np.int64)
+        for lo in range(0, a, self.BLOCK):
+            sc = probes @ st[lo:lo + self.BLOCK].T  # float32[P, rows]
+            k = min(t, sc.shape[1])
+            part = np.argpartition(sc, k - 1, axis=1)[:, :k] if k < sc.shape[1] else np.tile(np.arange(k), (p, 1))
+            cs = np.concatenate([best_s, np.take_along_axis(sc, part, 1)], axis=1)
+            ci = np.concatenate([best_i, part + lo], axis=1)
+            keep = np.argpartition(cs, t - 1, axis=1)[:, :t]
+            best_s, best_i = np.take_along_axis(cs, keep, 1), np.take_along_axis(ci, keep, 1)
+        self._probes, self._thresh = probes, best_s.max(axis=1)
+        self._ids = np.unique(best_i[best_i >= 0]).astype(np.int64)
         self._vecs = np.ascontiguousarray(st[self._ids])
 
     def _update(self, ann) -> None:
@@ -90,8 +101,8 @@ class LowSeeds:
 
         :param ann: the shard's :class:`.ann.AnnIndex` (HNSW). :param err: float64[B] bound of
             ``|float32 score - canonical|`` per query (``DenseIndex.score_error``).
-        :param ef: the request's HNSW beam (0: the index default); this search's beam is an
-            eighth of it, at least 16 (64 at the default 512).
+        :param ef: the request's HNSW beam (0: the index default); this search's beam is a
+            sixteenth of it, at least 16 (32 at the default 512).
         """
         self._update(ann)
         b = q.shape[0]
@@ -103,7 +114,7 @@ class LowSeeds:
             s[:, ~live] = np.inf  # dead seeds: never an entry, never the minimum
         e = min(self.ENTRIES, int(live.sum()))
         part = np.argpartition(s, e - 1, axis=1)[:, :e]
-        beam = max(16, int(ef or ann.params.ef_search) // 8)
+        beam = max(self.MIN_BEAM, int(ef or ann.params.ef_search) // self.BEAM_DIV)
         found = ann.search_from(-q, ids[part], -np.take_along_axis(s, part, 1), beam)
         out = []
         for j in range(b):
