@@ -18,14 +18,18 @@ with no query term). A shard whose dense list is complete has no chunk outside i
 k-th fused score of the union is strictly above ``max_s UB_s`` (or no shard has an outside
 chunk), no chunk outside the union can enter the top-k nor tie into it: the top-k is
 *certified* equal to fusing every chunk with the same ranges. Otherwise the uncertified
-queries are asked again with N and M times :attr:`Widening.FACTOR` (at most
-``RetrievalConfig.widen_rounds`` times; lists that reach every eligible chunk end it); a query
-still uncertified keeps the last union's top-k and reports ``certified`` false.
+queries are asked again (at most ``RetrievalConfig.widen_rounds`` times; lists that reach every
+eligible chunk end it), growing by :attr:`Widening.FACTOR` only the list whose side of the
+bound failed (:func:`_sides`: the BM25 list alone when 0 in place of ``l(s)`` would pass and
+the dense minimum in place of ``d_N(s)`` would not, or when either would, in the first round,
+:data:`EITHER`; the dense list alone in the converse case; else both); a one-sided round's
+lists are joined with the other list kept from the earlier round. A query still uncertified
+keeps the last union's top-k and reports ``certified`` false.
 
 Ranges (chosen to equal exact mode's): dense ``[min(union, each shard's minimum), union max]``
 where a flat shard's minimum is exact over its eligible rows (so ranges, fused scores and the
-certified top-k equal ``full_hybrid``'s bit for bit) and an HNSW / IVF shard's is estimated from
-a fixed vector sample; BM25 ``[min, max]`` of the union and 0 when some eligible chunk has no
+certified top-k equal ``full_hybrid``'s bit for bit) and an HNSW / IVF shard's is the lowest
+score its index finds (:meth:`..shards.search.Searcher._ann_lows`: never below the exact one); BM25 ``[min, max]`` of the union and 0 when some eligible chunk has no
 listed score, which is exact except for negative BM25 scores (negative idf floor) below a
 truncated BM25 list. With HNSW / IVF the dense list is approximate, so the bound is a heuristic
 there (an ANN miss above the N-th score is not covered). Rank fusion (rrf) and requests grouped
