@@ -24,6 +24,8 @@ function here               server part                             why
                                                                     hybrid search by part
 :func:`in_process_retriever` ``Retriever`` over snapshots' shards   hybrid_probe: recall vs
                             (``in_process_pool``)                   exact and widening, by knob
+:func:`hybrid_module`       ``operators.hybrid`` (Widening, EITHER) hybrid_probe: which lists
+                                                                    the widening grew
 :func:`encoder`             ``TransformersEncoder`` (MiniLM)        same query vectors, same
                                                                     token ids for baselines
 :func:`encoder_path`        where the encoder's weights live        baselines load the same
@@ -120,6 +122,14 @@ def in_process_retriever(data_dir, n_shards: int, dense_kind: str, **cfg):
     stats = CorpusStats.merge_full([s.store.postings.full_stats() for s in states])
     return (Retriever(in_process_pool(states), stats, Analyzer(), BM25Config(), RetrievalConfig(**cfg)),
             RetrieveSpec, states)
+
+
+def hybrid_module():
+    """``oprag_server.operators.hybrid`` (``bench.hybrid_probe`` counts the widening requests of
+    ``Widening.next_round`` and sets ``EITHER``, which no public API exposes)."""
+    from oprag_server.operators import hybrid
+
+    return hybrid
 
 
 def encoder(name: str = "minilm", **kw):

@@ -63,7 +63,8 @@ def main(argv=None) -> dict:
         st.search.warm()
     log(f"loaded {a.shards} shards ({sum(len(s.store.dense) for s in states)} chunks) in {time.perf_counter() - t0:.1f} s")
     asked: list[tuple[int, int]] = []
-    wid = __import__("oprag_server.operators.hybrid", fromlist=["Widening"]).Widening
+    hyb = _internals.hybrid_module()
+    wid = hyb.Widening
     real = wid.next_round
 
     def spy(self, req):
@@ -78,30 +79,28 @@ def main(argv=None) -> dict:
         exact.append({h.chunk_id for h in hits[0]})
     out = {"chunks": sum(len(s.store.dense) for s in states), "queries": len(texts), "runs": [],
            "machine": machine_info()}
-    hyb = __import__("oprag_server.operators.hybrid", fromlist=["EITHER"])
     grid = [(ef, n, e) for ef in a.ef_search.split(",") for n in a.n.split(",") for e in (a.either.split(",") if a.either else [""])]
     for ef, n, either in [(int(ef), int(n), e) for ef, n, e in grid]:
         if either:
             hyb.EITHER = either
-        if True:
-            spec = Spec(mode="hybrid", top_k=10, candidates=n, ef_search=ef)
-            asked.clear()
-            rec, cpu, cert, widened = [], [], [], []
-            for v, text, want in zip(vecs, texts, exact):
-                t = time.thread_time_ns()
-                hits, _, infos = asyncio.run(r.retrieve(v[None], [text], [spec]))
-                cpu.append((time.thread_time_ns() - t) / 1e6)
-                rec.append(len(want & {h.chunk_id for h in hits[0]}) / max(1, len(want)))
-                cert.append(infos[0].certified)
-                widened.append(infos[0].widen_rounds > 0)
-            run = {"ef_search": ef, "n": n, "either": either, "recall10_vs_exact": round(float(np.mean(rec)), 4),
-                   "certified_share": round(float(np.mean(cert)), 4), "widened_share": round(float(np.mean(widened)), 4),
-                   "rounds_both": sum(1 for x, y in asked if x and y), "rounds_bm25_only": sum(1 for x, _ in asked if not x),
-                   "rounds_dense_only": sum(1 for _, y in asked if not y),
-                   "cpu_p50_ms": round(percentile(cpu, 50), 3), "cpu_p95_ms": round(percentile(cpu, 95), 3),
-                   "cpu_mean_ms": round(float(np.mean(cpu)), 3), "load": round(os.getloadavg()[0], 2)}
-            out["runs"].append(run)
-            log(run)
+        spec = Spec(mode="hybrid", top_k=10, candidates=n, ef_search=ef)
+        asked.clear()
+        rec, cpu, cert, widened = [], [], [], []
+        for v, text, want in zip(vecs, texts, exact):
+            t = time.thread_time_ns()
+            hits, _, infos = asyncio.run(r.retrieve(v[None], [text], [spec]))
+            cpu.append((time.thread_time_ns() - t) / 1e6)
+            rec.append(len(want & {h.chunk_id for h in hits[0]}) / max(1, len(want)))
+            cert.append(infos[0].certified)
+            widened.append(infos[0].widen_rounds > 0)
+        run = {"ef_search": ef, "n": n, "either": either, "recall10_vs_exact": round(float(np.mean(rec)), 4),
+               "certified_share": round(float(np.mean(cert)), 4), "widened_share": round(float(np.mean(widened)), 4),
+               "rounds_both": sum(1 for x, y in asked if x and y), "rounds_bm25_only": sum(1 for x, _ in asked if not x),
+               "rounds_dense_only": sum(1 for _, y in asked if not y),
+               "cpu_p50_ms": round(percentile(cpu, 50), 3), "cpu_p95_ms": round(percentile(cpu, 95), 3),
+               "cpu_mean_ms": round(float(np.mean(cpu)), 3), "load": round(os.getloadavg()[0], 2)}
+        out["runs"].append(run)
+        log(run)
     wid.next_round = real
     if a.json:
         emit_json(out)
