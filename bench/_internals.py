@@ -20,6 +20,12 @@ function here               server part                             why
 :func:`bm25_top_m`          ``index.bm25.listed_top`` and a         topm_probe: the BM25 top-m
                             snapshot's ``ShardState``               of a loaded shard, pruned
                                                                     and full, in process
+:func:`shard_state`         a snapshot's ``ShardState``             shard_parts: one shard's
+                                                                    hybrid search by part
+:func:`in_process_retriever` ``Retriever`` over snapshots' shards   hybrid_probe: recall vs
+                            (``in_process_pool``)                   exact and widening, by knob
+:func:`hybrid_module`       ``operators.hybrid`` (Widening, EITHER) hybrid_probe: which lists
+                                                                    the widening grew
 :func:`encoder`             ``TransformersEncoder`` (MiniLM)        same query vectors, same
                                                                     token ids for baselines
 :func:`encoder_path`        where the encoder's weights live        baselines load the same
@@ -88,6 +94,42 @@ def bm25_top_m(data_dir, dense_kind: str):
     st = ShardState(0, 384, data_dir, dense=DenseConfig(kind=dense_kind))
     st.load(None)
     return listed_top, st
+
+
+def shard_state(data_dir, i: int, dense_kind: str):
+    """Shard ``i`` of ``data_dir`` as a ``ShardState`` loaded from its snapshot in this process,
+    its log not replayed (``bench.shard_parts``: one shard's search, part by part)."""
+    from oprag_server.config import DenseConfig
+    from oprag_server.shards.state import ShardState
+
+    st = ShardState(i, 384, data_dir, dense=DenseConfig(kind=dense_kind))
+    st.load(None)
+    return st
+
+
+def in_process_retriever(data_dir, n_shards: int, dense_kind: str, **cfg):
+    """``(Retriever, RetrieveSpec, states)``: the frontend's retriever over every shard of
+    ``data_dir`` loaded in this process from its snapshot (log not replayed), corpus statistics
+    summed from the shards as a starting server does, ``RetrievalConfig(**cfg)``
+    (``bench.hybrid_probe``: dense-first recall vs exact mode and widening, in process)."""
+    from oprag_server.config import BM25Config, RetrievalConfig
+    from oprag_server.index.analyzer import Analyzer
+    from oprag_server.index.bm25 import CorpusStats
+    from oprag_server.operators.retrieve import Retriever, RetrieveSpec
+    from oprag_server.shards.inprocess import in_process_pool
+
+    states = [shard_state(data_dir, i, dense_kind) for i in range(n_shards)]
+    stats = CorpusStats.merge_full([s.store.postings.full_stats() for s in states])
+    return (Retriever(in_process_pool(states), stats, Analyzer(), BM25Config(), RetrievalConfig(**cfg)),
+            RetrieveSpec, states)
+
+
+def hybrid_module():
+    """``oprag_server.operators.hybrid`` (``bench.hybrid_probe`` counts the widening requests of
+    ``Widening.next_round`` and sets ``EITHER``, which no public API exposes)."""
+    from oprag_server.operators import hybrid
+
+    return hybrid
 
 
 def encoder(name: str = "minilm", **kw):

@@ -57,7 +57,7 @@ def merge_union_reference(replies, j, spec):
 
 
 def _key(res):
-    cands, cert = res
+    cands, cert = res[:2]  # (merge_union also says which lists an uncertified query widens)
     return [(c.shard, c.slot, c.chunk_id, np.float64(c.dense).tobytes(), np.float64(c.lexical).tobytes(),
              np.float64(c.score).tobytes(), c.dense_rank, c.lexical_rank) for c in cands], cert
 

@@ -219,3 +219,44 @@ def test_approximate_index_dense_minimum_comes_from_the_index(kind):
         hits, _, infos = _run(r, np.stack([x, x]), ["w001 w003"] * 2,
                               [spec, RetrieveSpec(mode="full_hybrid", top_k=5, candidates=8)])
         assert infos[0].certified and _key(hits[0]) == _key(hits[1])
+
+
+@pytest.mark.parametrize("family,seed,either", [("clustered", 7, "both"), ("adversarial", 8, "both"),
+                                                ("clustered", 9, "lexical"), ("adversarial", 10, "dense")])
+def test_one_sided_widening_rounds_stay_exact(family, seed, either, monkeypatch):
+    """Widening grows only the list whose side of the bound failed (a round with N = 0 asks for
+    the BM25 list alone, M = 0 for the dense list alone) and joins it with the kept lists: the
+    certified top-k is still full_hybrid's, and both kinds of one-sided rounds occur here."""
+    from oprag_server.operators import hybrid
+    from oprag_server.operators.hybrid import Widening
+
+    monkeypatch.setattr(hybrid, "EITHER", either)  # the side grown when either alone could certify
+    asked = []
+    real = Widening.next_round
+
+    def spy(self, req):
+        got = real(self, req)
+        if got is not None:
+            asked.append((got[1].n, got[1].m))
+        return got
+    monkeypatch.setattr(Widening, "next_round", spy)
+    rng = np.random.default_rng(seed)
+    if family == "clustered":
+        docs = clustered(rng)
+        qv = _unit(np.stack([d[3] for d in docs])[rng.integers(len(docs), size=30)] + 0.3 * rng.normal(size=(30, DIM)))
+        texts = [_zipf_text(rng, int(rng.integers(1, 6))) for _ in range(30)]
+    else:
+        docs, a = adversarial(rng)
+        qv = _unit(a + 0.2 * rng.normal(size=(30, DIM)))
+        texts = [" ".join(rng.choice(["w390", "w391", "w392", "w001", "w002"], size=int(rng.integers(1, 4))))
+                 for _ in range(30)]
+    shards, stats = _build(docs, 2)
+    r = _retriever(shards, stats, lexical_candidates=2)
+    for i in range(len(texts)):
+        for wd in (0.9, 0.5, 0.1):
+            specs = [RetrieveSpec(mode="hybrid", top_k=5, candidates=4, dense_weight=wd, lexical_weight=1 - wd),
+                     RetrieveSpec(mode="full_hybrid", top_k=5, candidates=4, dense_weight=wd, lexical_weight=1 - wd)]
+            hits, _, infos = _run(r, np.repeat(qv[i:i + 1], 2, axis=0), [texts[i]] * 2, specs)
+            assert infos[0].certified, (i, wd)
+            assert _key(hits[0]) == _key(hits[1]), (i, wd)
+    assert any(n == 0 for n, _ in asked) and any(m == 0 for _, m in asked), asked

@@ -171,19 +171,45 @@ class AnnIndex:
         faiss = _faiss()
         if self.params.kind == "hnsw":
             knob = max(int(ef_search or self.params.ef_search), k)
-            params = faiss.SearchParametersHNSW(efSearch=knob)
-            if self.dead:
-                if self._selector is None or self._selector[0] != self.dead:
-                    dead_ids = np.flatnonzero(self.ann_slot < 0).astype(np.int64)
-                    batch = faiss.IDSelectorBatch(dead_ids)
-                    self._selector = (self.dead, faiss.IDSelectorNot(batch), batch)
-                params.sel = self._selector[1]
+            params = self._hnsw_params(knob)
         else:
             knob = min(int(nprobe or self.params.nprobe), self._index.nlist)
             params = faiss.SearchParametersIVF(nprobe=knob)
         scores, ids = self._index.search(np.ascontiguousarray(q, dtype=np.float32), int(k), params=params)
         slots = np.where(ids >= 0, self.ann_slot[np.maximum(ids, 0)], -1)
         return slots, np.where(slots >= 0, scores, -np.inf).astype(np.float32), knob
+
+    def _hnsw_params(self, ef: int):
+        """FAISS HNSW search parameters: beam ``ef``, dead ids excluded."""
+        faiss = _faiss()
+        params = faiss.SearchParametersHNSW(efSearch=int(ef))
+        if self.dead:
+            if self._selector is None or self._selector[0] != self.dead:
+                dead_ids = np.flatnonzero(self.ann_slot < 0).astype(np.int64)
+                batch = faiss.IDSelectorBatch(dead_ids)
+                self._selector = (self.dead, faiss.IDSelectorNot(batch), batch)
+            params.sel = self._selector[1]
+        return params
+
+    def search_from(self, q: np.ndarray, entries: np.ndarray, entry_scores: np.ndarray, ef: int) -> np.ndarray:
+        """HNSW only: the best live vector for float32[B, D] ``q`` (largest inner product) found
+        by a beam search of width ``ef`` on the graph's bottom layer that starts from the given
+        ANN ids int[B, E] (FAISS ``IndexHNSW.search_level_0``, all entries at once), instead of
+        descending from the graph's entry point.
+
+        :param entry_scores: float[B, E]: ``q . v`` of each entry vector.
+        :returns: int64[B] ANN ids (-1 where nothing live was found).
+        """
+        faiss = _faiss()
+        q = np.ascontiguousarray(q, dtype=np.float32)
+        b, e = entries.shape
+        ent = np.ascontiguousarray(entries, dtype=np.int32)
+        # FAISS's HNSW works on distances; for inner product the distance is -(q . v)
+        dist = np.ascontiguousarray(-np.asarray(entry_scores, dtype=np.float32))
+        out_d, out_i = np.empty((b, 1), np.float32), np.full((b, 1), -1, np.int64)
+        self._index.search_level_0(b, faiss.swig_ptr(q), 1, faiss.swig_ptr(ent), faiss.swig_ptr(dist),
+                                   faiss.swig_ptr(out_d), faiss.swig_ptr(out_i), e, 1, self._hnsw_params(ef))
+        return out_i[:, 0]
 
     # ------------------------------------------------------------------ storage (HNSW)
     def storage(self) -> np.ndarray:

@@ -224,6 +224,12 @@ class DenseIndex(GraphRows):
         self._compact_one()
 
     @property
+    def ann(self):
+        """The :class:`.ann.AnnIndex` (HNSW / IVF), or None (flat); None too while an HNSW
+        structure is pending (snapshot load before :meth:`load_ann`)."""
+        return self._ann if self._pending is None else None
+
+    @property
     def one_copy(self) -> bool:
         """True when the approximate structure holds the only copy of the vectors (HNSW): a
         snapshot then keeps them in the structure's file only (:meth:`write_ann`)."""

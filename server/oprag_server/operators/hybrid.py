@@ -18,14 +18,18 @@ with no query term). A shard whose dense list is complete has no chunk outside i
 k-th fused score of the union is strictly above ``max_s UB_s`` (or no shard has an outside
 chunk), no chunk outside the union can enter the top-k nor tie into it: the top-k is
 *certified* equal to fusing every chunk with the same ranges. Otherwise the uncertified
-queries are asked again with N and M times :attr:`Widening.FACTOR` (at most
-``RetrievalConfig.widen_rounds`` times; lists that reach every eligible chunk end it); a query
-still uncertified keeps the last union's top-k and reports ``certified`` false.
+queries are asked again (at most ``RetrievalConfig.widen_rounds`` times; lists that reach every
+eligible chunk end it), growing by :attr:`Widening.FACTOR` only the list whose side of the
+bound failed (:func:`_sides`: the BM25 list alone when 0 in place of ``l(s)`` would pass and
+the dense minimum in place of ``d_N(s)`` would not, or when either would, in the first round,
+:data:`EITHER`; the dense list alone in the converse case; else both); a one-sided round's
+lists are joined with the other list kept from the earlier round. A query still uncertified
+keeps the last union's top-k and reports ``certified`` false.
 
 Ranges (chosen to equal exact mode's): dense ``[min(union, each shard's minimum), union max]``
 where a flat shard's minimum is exact over its eligible rows (so ranges, fused scores and the
-certified top-k equal ``full_hybrid``'s bit for bit) and an HNSW / IVF shard's is estimated from
-a fixed vector sample; BM25 ``[min, max]`` of the union and 0 when some eligible chunk has no
+certified top-k equal ``full_hybrid``'s bit for bit) and an HNSW / IVF shard's is the lowest
+score its index finds (:meth:`..shards.search.Searcher._ann_lows`: never below the exact one); BM25 ``[min, max]`` of the union and 0 when some eligible chunk has no
 listed score, which is exact except for negative BM25 scores (negative idf floor) below a
 truncated BM25 list. With HNSW / IVF the dense list is approximate, so the bound is a heuristic
 there (an ANN miss above the N-th score is not covered). Rank fusion (rrf) and requests grouped
@@ -121,9 +125,9 @@ def lexical_candidates(cfg: RetrievalConfig, spec: RetrieveSpec) -> int:
     return cfg.lexical_candidates or max(4 * spec.top_k, 64)
 
 
-def merge_union(replies: dict[int, SearchReply], j: int, spec: RetrieveSpec) -> tuple[list[_Cand], bool]:
-    """Query ``j``'s fused top-k over the union of every shard's dense and BM25 lists, and
-    whether the threshold bound certifies it (module docstring).
+def merge_union(replies: dict[int, SearchReply], j: int, spec: RetrieveSpec) -> tuple[list[_Cand], bool, str]:
+    """Query ``j``'s fused top-k over the union of every shard's dense and BM25 lists, whether
+    the threshold bound certifies it (module docstring), and which lists to widen if not.
 
     The union holds, per shard in reply order, the dense list and then the BM25 list's chunks
     that are not in it (a shard's lists have distinct slots). ``dense_rank`` / ``lexical_rank``
@@ -131,7 +135,8 @@ def merge_union(replies: dict[int, SearchReply], j: int, spec: RetrieveSpec) -> 
     whole union (:func:`_rank_lists`), which a NaN score still does.
 
     :param replies: shard -> reply of a hybrid search with ``m`` > 0 (``lexical``, ``listed`` set).
-    :returns: ``(top-k candidates, certified)``.
+    :returns: ``(top-k candidates, certified, sides)``: ``sides`` (:func:`_sides`) is ``""``
+        when certified, else ``"dense"``, ``"lexical"``, ``"either"`` or ``"both"``.
     """
     shard, slot, ids, dense, lexical = [], [], [], [], []
     bounds, unlisted, dmins = [], False, []
@@ -169,19 +174,21 @@ def merge_union(replies: dict[int, SearchReply], j: int, spec: RetrieveSpec) -> 
     u = _Cols(np.concatenate(shard), np.concatenate(slot), np.concatenate(ids), np.concatenate(dense),
               np.concatenate(lexical)) if shard else _Cols.of([])
     if not len(u.ids):
-        return [], not bounds
+        return [], not bounds, "" if not bounds else "both"
     dr = (min(float(u.dense.min()), *dmins), float(u.dense.max()))
     lr = (min(float(u.lexical.min()), 0.0 if unlisted else np.inf), max(float(u.lexical.max()), 0.0 if unlisted else -np.inf))
     w = {"dense_range": dr, "lexical_range": lr, "dense_weight": spec.dense_weight,
          "lexical_weight": spec.lexical_weight}
     scores = fuse_minmax(u.dense, u.lexical, **w)
     top = top_k_order(scores, u.ids, spec.top_k)
-    certified = True
+    certified, sides = True, ""
     if bounds:
         b = np.asarray(bounds, dtype=np.float64)
         finite = np.isfinite(b).all()
         ub = float(fuse_minmax(b[:, 0], b[:, 1], **w).max()) if finite else np.inf
         certified = finite and len(top) >= spec.top_k and float(scores[top[-1]]) > ub
+        if not certified:
+            sides = _sides(b, float(scores[top[-1]]) if finite and len(top) >= spec.top_k else None, w)
     if np.isnan(u.dense).any() or np.isnan(u.lexical).any():  # no total order: as before, by sorting
         d_order, l_order = _rank_lists(u, spec.candidates)
         drank, lrank = _ranks(len(u.ids), d_order), _ranks(len(u.ids), l_order)
@@ -190,7 +197,7 @@ def merge_union(replies: dict[int, SearchReply], j: int, spec: RetrieveSpec) -> 
         drank = _hit_ranks(u.dense, u.ids, top, spec.candidates, False)
         lrank = _hit_ranks(u.lexical, u.ids, top, spec.candidates, True)
     return [u.cand(i, float(scores[i]), int(dr_), int(lr_)) for i, dr_, lr_ in zip(top, drank.tolist(),
-                                                                                    lrank.tolist())], certified
+                                                                                    lrank.tolist())], certified, sides
 
 
 def _hit_ranks(vals: np.ndarray, ids: np.ndarray, rows: list[int], n: int, lexical: bool) -> np.ndarray:
@@ -222,9 +229,40 @@ def _hit_ranks(vals: np.ndarray, ids: np.ndarray, rows: list[int], n: int, lexic
     return out.astype(np.int64)
 
 
+def _sides(b: np.ndarray, kth: float | None, w: dict) -> str:
+    """Which lists an uncertified query widens, from the shards' bounds float64[S, 2] (N-th
+    dense score, BM25 bound ``l``), the k-th fused score (None: fewer than k, or an infinite
+    bound) and the fusion's ranges and weights ``w``. Widening the BM25 list alone can at best
+    lower ``l`` to 0 (the list complete), the dense list alone its N-th score to the dense
+    minimum (``w["dense_range"][0]``). ``"lexical"``: for every shard whose bound fails, 0 in
+    place of its ``l`` would pass and its dense minimum in place of its N-th score would not;
+    ``"dense"`` the converse; ``"either"`` when both would (:class:`Widening` grows
+    :data:`EITHER` in a query's first widening round, both lists after); ``"both"`` when
+    neither alone would (N and M grow together, as before this rule)."""
+    if kth is None:
+        return "both"
+    fail = fuse_minmax(b[:, 0], b[:, 1], **w) >= kth
+    d, lx = b[fail, 0], b[fail, 1]
+    lex_ok = bool((fuse_minmax(d, np.zeros_like(lx), **w) < kth).all())
+    dense_ok = bool((fuse_minmax(np.full_like(d, w["dense_range"][0]), lx, **w) < kth).all())
+    if lex_ok and dense_ok:
+        return "either"
+    return "lexical" if lex_ok else "dense" if dense_ok else "both"
+
+
+#: the list a query's first widening round grows when either alone could certify (``"both"``,
+#: ``"lexical"`` or ``"dense"``; measured in bench/RESULTS.md, "one-sided widening")
+EITHER = "lexical"
+
+
 class Widening:
     """The rounds of one dense-first query group: the first round's M, which queries the bound
-    did not certify, and the next, wider request for those (module docstring)."""
+    did not certify, and the next, wider requests for those (module docstring).
+
+    Only the lists the bound needs grow (:func:`_sides`): a query whose BM25 side failed asks
+    the shards for the BM25 list alone (N = 0: no dense search), one whose dense side failed
+    for the dense list alone (M = 0), and each round's lists are joined with the lists of the
+    same query kept from the earlier rounds before the merge."""
 
     #: N and M grow by this factor per round
     FACTOR = 4
@@ -234,27 +272,68 @@ class Widening:
         self.specs, self.cap = specs, cfg.widen_rounds
         self.m = max((lexical_candidates(cfg, s) for s in specs if bounded(s)), default=0) if bound else 0
         self.state: list[bool | None] = [None] * len(specs)
+        self.sides = [""] * len(specs)
         self.rounds, self.round_of = 0, [0] * len(specs)
+        self.nf, self.mf = [1] * len(specs), [1] * len(specs)  # N and M factors reached per query
+        self.kept: list[dict | None] = [None] * len(specs)  # per query: shard -> (reply, index) of its lists
+        self._asked: dict[int, tuple[bool, bool]] = {}  # query -> (dense, BM25) asked this time
 
     def merge(self, merge_certified, replies: dict, jj: int, j: int) -> list:
         """Merge reply query ``jj`` as group query ``j`` with ``merge_certified`` (the
-        retriever's: ``(replies, j, spec) -> (top-k, certified or None)``), recording whether
-        it is certified; returns the top-k."""
-        top, self.state[j] = merge_certified(replies, jj, self.specs[j])
-        self.round_of[j] = self.rounds
+        retriever's: ``(replies, j, spec) -> (top-k, certified or None[, sides])``), joined
+        with the lists of the earlier rounds of ``j``; records whether it is certified and
+        which sides to widen; returns the top-k."""
+        if self.m:
+            replies, jj = self._join(replies, jj, j)
+        got = merge_certified(replies, jj, self.specs[j])
+        top, self.state[j] = got[0], got[1]
+        self.sides[j] = got[2] if len(got) > 2 else "both"
         return top
 
+    def _join(self, replies: dict, jj: int, j: int) -> tuple[dict, int]:
+        """``(replies, index)`` to merge for query ``j``: this round's as they are when both
+        lists were asked, else per shard a one-query reply of this round's lists where asked
+        and the kept ones elsewhere. Keeps the result's lists (references, no copies)."""
+        dense, lex = self._asked.pop(j, (True, True))
+        kept = self.kept[j]
+        if (dense and lex) or kept is None or any(s not in kept for s in replies):
+            self.kept[j] = {s: (rep, jj) for s, rep in replies.items()}
+            return replies, jj
+        out = {}
+        for s, rep in replies.items():
+            old, oj = kept[s]
+            c = rep.candidates[jj] if dense else old.candidates[oj]
+            lx, n_l = (rep.lexical[jj], rep.listed[jj]) if lex else (old.lexical[oj], old.listed[oj])
+            dmin = min(rep.dense_min[jj], old.dense_min[oj])
+            out[s] = SearchReply([c], [rep.eligible[jj]], [dmin], rep.dense_index, rep.knobs, None, [lx], [n_l])
+        self.kept[j] = {s: (rep, 0) for s, rep in out.items()}
+        return out, 0
+
     def next_round(self, req: SearchRequest) -> tuple[list[int], SearchRequest] | None:
-        """The group queries to ask again and the request (N and M times ``FACTOR`` per round
-        so far), or None: every query is certified or has no bound, or the rounds are spent."""
-        todo = [j for j, c in enumerate(self.state) if c is False]
-        if not todo or not self.m or self.rounds >= self.cap:
+        """The group queries to ask again and the request, or None: every query is certified
+        or has no bound, or its rounds are spent. Each query asks for N times its dense factor
+        (0 when its dense list does not grow) and M times its BM25 factor (0 likewise), each
+        factor ``FACTOR`` times the last when it grows; queries asking the same go together."""
+        todo = [j for j, c in enumerate(self.state) if c is False and self.round_of[j] < self.cap] if self.m else []
+        if not todo:
             return None
-        self.rounds += 1
-        f, b = self.FACTOR ** self.rounds, req.batch
+        want = {}
+        for j in todo:
+            side = self.sides[j] if self.sides[j] != "either" else EITHER if self.round_of[j] == 0 else "both"
+            dense, lex = side in ("dense", "both"), side in ("lexical", "both")
+            want[j] = (dense, lex, self.nf[j] * (self.FACTOR if dense else 1), self.mf[j] * (self.FACTOR if lex else 1))
+        key = want[todo[0]]
+        todo = [j for j in todo if want[j] == key]
+        dense, lex, nf, mf = key
+        for j in todo:
+            self.nf[j], self.mf[j], self._asked[j] = nf, mf, (dense, lex)
+            self.round_of[j] += 1
+        self.rounds = max(self.rounds, max(self.round_of[j] for j in todo))
+        b = req.batch
         sub = QueryBatch(b.q[todo], [b.terms[i] for i in todo], [b.idf[i] for i in todo], b.avgdl, b.k1, b.b,
                          [b.filters[i] for i in todo] if b.filters else None)
-        return todo, SearchRequest(sub, req.mode, req.n * f, req.ef_search, req.nprobe, req.fetch_k, self.m * f)
+        return todo, SearchRequest(sub, req.mode, req.n * nf if dense else 0, req.ef_search, req.nprobe, req.fetch_k,
+                                   self.m * mf if lex else 0)
 
     def counts(self) -> tuple[int, int]:
         """``(widened, uncertified)``: queries asked again at least once; queries the bound
@@ -264,5 +343,5 @@ class Widening:
     def report(self, j: int, info: RetrievalInfo) -> None:
         """Set ``lexical_candidates``, ``certified`` and ``widen_rounds`` of group query ``j``."""
         if self.state[j] is not None:
-            info.lexical_candidates = self.m * self.FACTOR ** self.round_of[j]
+            info.lexical_candidates = self.m * self.mf[j]
             info.certified, info.widen_rounds = bool(self.state[j]), self.round_of[j]

@@ -23,6 +23,7 @@ import numpy as np
 
 from .. import records
 from ..index.bm25.listed_top import listed_top
+from ..index.dense_low import LowSeeds
 from ..index.fusion import refine_top, skyband, top_k_order
 from .chunks import ChunkStore
 from .exact import ExactMixin
@@ -63,6 +64,7 @@ class Searcher(ExactMixin):
         self._rows_n = _NO_ROWS
         self._rounds: dict[str, tuple[int, list[tuple]]] = {}
         self._dmin: tuple[int, dict[bytes, float]] = (-1, {})  # (store version, query bytes -> estimate)
+        self._low = LowSeeds()  # HNSW: seeds of the dense-minimum search
 
     # ------------------------------------------------------------------ candidates
     def search(self, req: SearchRequest) -> SearchReply:
@@ -80,7 +82,9 @@ class Searcher(ExactMixin):
         lexical = listed = None
         if req.mode in ("hybrid", "dense"):
             st.dense.last_knobs = {}
-            if st.dense.params.kind == "flat":  # compiled: every row scanned, the exact top-n
+            if n == 0:  # a widening round for the BM25 list alone (operators/hybrid.py): no dense search
+                tops, lows = [(_NO_ROWS, np.zeros(0, np.float64))] * B, [np.inf] * B
+            elif st.dense.params.kind == "flat":  # compiled: every row scanned, the exact top-n
                 tops, lows = self._kernel_tops(q, allowed, n)
             else:
                 plain = [i for i, a in enumerate(allowed) if a is None]
@@ -157,7 +161,8 @@ class Searcher(ExactMixin):
     def warm(self) -> float:
         """Compile (or load from numba's cache) the kernels of the candidate step for this
         shard's own arrays (:func:`.kernels.warm`, then one candidate step and one BM25 scoring
-        of the first chunk; the MaxScore kernel and the segment's term bounds of the BM25 top-m), so
+        of the first chunk; the MaxScore kernel and the segment's term bounds of the BM25 top-m; the
+        HNSW dense-minimum seeds, :class:`..index.dense_low.LowSeeds`), so
         that the first query is not slow. :returns: seconds taken."""
         t = _kernels().warm()
         st, t0 = self.store, time.perf_counter()
@@ -166,6 +171,8 @@ class Searcher(ExactMixin):
         kernels_topm.warm()
         _kernels_scan().warm()
         listed_top(st.postings, ["\x00"], np.ones(1), 1.0, 1.5, 0.75, 1)  # the segment's term bounds
+        if st.dense.params.kind == "hnsw" and st.dense.ann is not None:
+            self._low.candidates(st.dense.ann, np.zeros((0, st.dim), np.float32), np.zeros(0))  # build the seeds
         if len(st.dense) and st.dense.params.kind == "flat":
             slots, _ = self._kernel_tops(st.dense.vectors[:1].copy(), [None], 1)[0][0]
             st.postings.score(slots, [], np.zeros(0), 1.0)
@@ -279,15 +286,26 @@ class Searcher(ExactMixin):
 
     def _ann_lows(self, q: np.ndarray, plain: list[int], ef_search: int, nprobe: int) -> list:
         """Per query of float32[B, D] ``q``: for the unfiltered ones (``plain``), the dense
-        minimum for an approximate index: the lower of the sample estimate
-        (:meth:`_dense_min_estimate`) and the canonical score of the chunk the index finds
-        nearest to ``-q`` (the inner-product minimum is the maximum of ``-q``: one more ANN
-        search, k = 1). Both are scores of real chunks, so the result lies between the exact
-        minimum and the estimate; with an exact search it is the exact minimum. None elsewhere."""
+        minimum for an approximate index. HNSW: the lowest canonical score among the shard's
+        extreme seeds and the chunk a bottom-layer search for ``-q`` from the lowest seeds finds
+        (:class:`..index.dense_low.LowSeeds`; None when no vector is live). IVF: the lower of
+        the sample estimate (:meth:`_dense_min_estimate`) and the canonical score of the chunk
+        the index finds nearest to ``-q`` (the inner-product minimum is the maximum of ``-q``:
+        one more ANN search, k = 1). All are scores of real chunks, so the result is never
+        below the exact minimum; with an exact search it is the exact minimum. None elsewhere."""
         out: list = [None] * q.shape[0]
         if not plain:
             return out
-        dense, est = self.store.dense, self._dense_min_estimate(q[plain])
+        dense = self.store.dense
+        if dense.params.kind == "hnsw" and dense.ann is not None:  # from the seeds (index/dense_low.py)
+            ann, qp = dense.ann, q[plain]
+            cands = self._low.candidates(ann, qp, np.array([dense.score_error(x) for x in qp]), ef_search)
+            st = ann.storage()
+            for j, i in enumerate(plain):
+                c = cands[j]
+                out[i] = float(_kernels().canonical_rows(st, c, q[i]).min()) if c.size else None
+            return out
+        est = self._dense_min_estimate(q[plain])
         slots, _ = dense.search(-q[plain], 1, ef_search, nprobe)
         for j, i in enumerate(plain):
             s = np.asarray(slots[j], np.int64)

@@ -1,0 +1,111 @@
+"""Dense-first hybrid vs exact ``full_hybrid`` by ANN knob, in process (issue 13): every shard of
+a data dir that ``bench.scale`` left is loaded read-only from its snapshot, the frontend's
+``Retriever`` runs over them in this process (``bench._internals.in_process_retriever``: the
+same merge, threshold bound and widening as a server, no transport), and SciFact train
+queries (MiniLM vectors) are retrieved in hybrid and full_hybrid mode, top_k 10.
+
+Per (``ef_search``, N): Recall@10 of hybrid vs full_hybrid, how often the dense minimum the
+shards reported equals exact mode's, the shares certified and widened, the one-sided widening
+rounds, and the thread CPU ms of one hybrid Retrieve (all shards searched one after the other
+on this thread: the sum of the shards' work plus the merge, not a served latency).
+
+    python -m bench.hybrid_probe --data-dir bench/out/scale-1000000-hnsw --ef-search 512,256 --n 256,128 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from . import _internals
+from ._common import DEFAULT_SHARED, emit_json, load_queries_qrels, log, machine_info, percentile
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data-dir", type=Path, required=True, help="bench.scale data dir (read, never written)")
+    ap.add_argument("--dense-index", default="hnsw")
+    ap.add_argument("--shards", type=int, default=2)
+    ap.add_argument("--shared", type=Path, default=DEFAULT_SHARED)
+    ap.add_argument("--queries", type=int, default=100)
+    ap.add_argument("--vectors", default="", help="cache file of the query vectors (.npy)")
+    ap.add_argument("--ef-search", default="0", help="comma-separated (0: the index default)")
+    ap.add_argument("--n", default="256", help="comma-separated dense-first windows N (candidates)")
+    ap.add_argument("--either", default="", help="comma-separated hybrid.EITHER values to compare (a tree with it)")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    os.environ.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    import faiss
+
+    faiss.omp_set_num_threads(1)
+    try:
+        from threadpoolctl import threadpool_limits
+        threadpool_limits(1)
+    except ImportError:
+        log("threadpoolctl missing: BLAS may use several threads")
+    judged, _ = load_queries_qrels(a.shared, "train")
+    texts = list(judged.values())[: a.queries]
+    cache = Path(a.vectors) if a.vectors else None
+    if cache is not None and cache.exists():
+        vecs = np.load(cache)[: len(texts)]
+    else:
+        vecs = _internals.encoder("minilm", device="cpu").encode(texts, truncate=True).astype(np.float32)
+        if cache is not None:
+            np.save(cache, vecs)
+    t0 = time.perf_counter()
+    r, Spec, states = _internals.in_process_retriever(a.data_dir, a.shards, a.dense_index)
+    for st in states:
+        st.search.warm()
+    log(f"loaded {a.shards} shards ({sum(len(s.store.dense) for s in states)} chunks) in {time.perf_counter() - t0:.1f} s")
+    asked: list[tuple[int, int]] = []
+    hyb = _internals.hybrid_module()
+    wid = hyb.Widening
+    real = wid.next_round
+
+    def spy(self, req):
+        got = real(self, req)
+        if got is not None:
+            asked.append((got[1].n, got[1].m))
+        return got
+    wid.next_round = spy
+    exact = []
+    for v, text in zip(vecs, texts):
+        hits, _, _ = asyncio.run(r.retrieve(v[None], [text], [Spec(mode="full_hybrid", top_k=10)]))
+        exact.append({h.chunk_id for h in hits[0]})
+    out = {"chunks": sum(len(s.store.dense) for s in states), "queries": len(texts), "runs": [],
+           "machine": machine_info()}
+    grid = [(ef, n, e) for ef in a.ef_search.split(",") for n in a.n.split(",") for e in (a.either.split(",") if a.either else [""])]
+    for ef, n, either in [(int(ef), int(n), e) for ef, n, e in grid]:
+        if either:
+            hyb.EITHER = either
+        spec = Spec(mode="hybrid", top_k=10, candidates=n, ef_search=ef)
+        asked.clear()
+        rec, cpu, cert, widened = [], [], [], []
+        for v, text, want in zip(vecs, texts, exact):
+            t = time.thread_time_ns()
+            hits, _, infos = asyncio.run(r.retrieve(v[None], [text], [spec]))
+            cpu.append((time.thread_time_ns() - t) / 1e6)
+            rec.append(len(want & {h.chunk_id for h in hits[0]}) / max(1, len(want)))
+            cert.append(infos[0].certified)
+            widened.append(infos[0].widen_rounds > 0)
+        run = {"ef_search": ef, "n": n, "either": either, "recall10_vs_exact": round(float(np.mean(rec)), 4),
+               "certified_share": round(float(np.mean(cert)), 4), "widened_share": round(float(np.mean(widened)), 4),
+               "rounds_both": sum(1 for x, y in asked if x and y), "rounds_bm25_only": sum(1 for x, _ in asked if not x),
+               "rounds_dense_only": sum(1 for _, y in asked if not y),
+               "cpu_p50_ms": round(percentile(cpu, 50), 3), "cpu_p95_ms": round(percentile(cpu, 95), 3),
+               "cpu_mean_ms": round(float(np.mean(cpu)), 3), "load": round(os.getloadavg()[0], 2)}
+        out["runs"].append(run)
+        log(run)
+    wid.next_round = real
+    if a.json:
+        emit_json(out)
+    return out
+
+
+if __name__ == "__main__":
+    main()
