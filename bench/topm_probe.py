@@ -1,7 +1,10 @@
 """The BM25 top-m of one shard (dense-first hybrid's BM25 list), MaxScore-pruned against
 reading every query term's list, in process on a data dir that ``bench.scale`` left
 (``bench/out/scale-<size>-<kind>``): shard 0 is loaded from its snapshot, SciFact queries are
-analysed, idf is rank_bm25's formula with this shard's document frequencies (epsilon 0.25), and
+analysed, idf is rank_bm25's formula with this shard's document frequencies (epsilon 0.25: a
+negative idf becomes 0.25 x the average idf over the shard's whole vocabulary, as the server's
+``CorpusStats.query_idf`` does over the corpus; until 2026-12-01 this probe averaged over the
+query's own terms, a floor ~10x lower that let the pruning skip the stop words), and
 each path runs over all the queries in its own pass (so one path's reads do not warm the
 caches for the other); their top-m must agree (asserted), the pruned path's time is reported
 next to the full one's.
@@ -40,6 +43,9 @@ def main(argv=None) -> dict:
         texts = [json.loads(line)["text"] for line in f][: a.queries]
     n = len(ix)
     avgdl = float(np.asarray(ix._doc_len).sum() / max(n, 1))  # noqa: SLF001 - this shard's average length
+    sdf = np.asarray(ix._seg_df, np.float64)  # noqa: SLF001 - every term of the (merged) shard
+    sdf = sdf[sdf > 0]
+    avg_idf = float(np.log((n - sdf + 0.5) / (sdf + 0.5)).mean()) if sdf.size else 0.0
     queries = []
     for text in texts:
         terms = an.tokens(text)
@@ -47,10 +53,11 @@ def main(argv=None) -> dict:
             continue
         df = np.array([ix.df(t) for t in terms], np.float64)
         idf = np.log((n - df + 0.5) / (df + 0.5))
-        idf = np.where(idf < 0, 0.25 * max(float(idf.mean()), 0.0), idf)  # rank_bm25's epsilon floor
+        idf = np.where(df == 0, 0.0, np.where(idf < 0, 0.25 * avg_idf, idf))  # rank_bm25's epsilon floor
         queries.append((terms, idf))
     lt.listed_top(ix, queries[0][0], queries[0][1], avgdl, 1.5, 0.75, 1)  # compile / warm
-    out = {"chunks": n, "queries": len(queries), "by_m": {}, "machine": machine_info()}
+    out = {"chunks": n, "queries": len(queries), "average_idf": round(avg_idf, 3), "by_m": {}, "machine": machine_info()}
+    log(f"average idf {avg_idf:.3f}: idf floor {0.25 * avg_idf:.3f}")
     for m in [int(x) for x in a.m.split(",")]:
         # one pass per path: interleaving them per query let the full path's reads of the
         # common terms' lists warm the caches for the pruned path's probes (4.5 ms p50 at 500K
