@@ -170,17 +170,23 @@ def bm25_top_pruned(where, seg_code, doc_len, tids, idf, offsets, pslots, ptf, d
     nt, best, read = 0, 0.0, n_pos
     cand = np.empty(0, np.int64)
     part = np.empty(0, np.float64)
+    # theta_up bounds the m-th largest partial score: the last one computed plus the bounds of
+    # the lists read since (a chunk's partial score grows by at most ub[i] per list), so the
+    # O(touched) selection is skipped while no cut is possible (common lists, low idf floor)
+    theta_up = np.inf
     for k in range(n_pos):
         i = order[k]
         nt, bk = _read(i, idf[i], tids[i], offsets, pslots, ptf, d_off, d_slots, d_tf, where, seg_code, doc_len,
                        avgdl, k1, b, acc, seen, touched, nt)
         best = max(best, bk)
+        theta_up += ub[i]
         r = rest[k + 1]
-        if k + 1 < n_pos and nt >= m and r * (1.0 + _SLACK) < best:
+        if k + 1 < n_pos and nt >= m and r * (1.0 + _SLACK) < best and theta_up * (1.0 + _SLACK) > r:
             vals = np.empty(nt, np.float64)
             for j in range(nt):
                 vals[j] = acc[touched[j]]
             theta = _kth_largest(vals, m)
+            theta_up = theta
             floor = theta - _SLACK * (theta + r) - r
             if theta <= 0.0 or r * (1.0 + _SLACK) >= theta * (1.0 - _SLACK):
                 continue
