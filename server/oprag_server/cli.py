@@ -67,6 +67,8 @@ _OPTIONS: tuple[tuple[str, str, str, str], ...] = (
     ("--ef-search", "dense", "ef_search", "default HNSW search beam (a request's ef_search overrides it)"),
     ("--nprobe", "dense", "nprobe", "default IVF lists visited per query (a request's nprobe overrides it)"),
     ("--ivf-train-min", "dense", "train_min", "vectors a shard holds before its IVF is trained (exact before)"),
+    ("--ann-tail", "dense", "ann_tail", "HNSW: acknowledged vectors a shard may hold outside the graph (found by an "
+     "exact scan meanwhile; inserted between requests); past it an ingest inserts them itself. 0: at every ingest"),
     ("--lexical-candidates", "retrieval", "lexical_candidates",
      "BM25 top-M per shard beside the dense top-N in dense-first hybrid (0: max(4 * top_k, 64))"),
     ("--widen-rounds", "retrieval", "widen_rounds",

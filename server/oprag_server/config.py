@@ -58,6 +58,9 @@ class DenseConfig:
     :param ef_search: default HNSW search beam width (raised to the number of results asked).
     :param nprobe: default IVF lists visited per query.
     :param train_min: vectors a shard holds before its IVF is trained (exact search before).
+    :param ann_tail: HNSW: vectors an ingest may leave outside the graph (searched by an exact
+        scan meanwhile, inserted by the shard between requests); past it an apply inserts the
+        oldest itself. 0: every apply inserts its vectors before it answers.
 
     HNSW defaults (issue 13, ``bench/hnsw_params.py``, bench/RESULTS.md): one shard of MiniLM
     vectors (real + derived as ``bench/scale.py`` makes them), M 32, recall of the exact top-256
@@ -76,10 +79,13 @@ class DenseConfig:
     ef_search: int = 512
     nprobe: int = 32
     train_min: int = 4096
+    ann_tail: int = 131072
 
     def __post_init__(self) -> None:
         if self.kind not in DENSE_INDEX_KINDS:
             raise ValueError(f"dense index must be one of {', '.join(DENSE_INDEX_KINDS)}, got {self.kind!r}")
+        if self.ann_tail < 0:
+            raise ValueError(f"ann_tail must be >= 0, got {self.ann_tail}")
         for name in ("hnsw_m", "ef_construction", "ef_search", "nprobe", "train_min"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -258,3 +258,23 @@ def test_property_ignorable_insertions_change_nothing(docs, query, data):
         slots = np.arange(len(corpus), dtype=np.int64)
         scores.append(index.score(slots, q, stats.query_idf(q, 0.25), stats.avgdl, 1.5, 0.75))
     assert scores[0].tobytes() == scores[1].tobytes()  # bit-identical
+
+
+def test_visible_content_stops_early_but_means_strip_then_strip():
+    """``has_visible_content`` (an early-exit scan) equals its definition
+    ``bool(strip_ignorable(text).strip())`` on every code point alone, and on random mixes of
+    whitespace, ignorables and visible characters (ASCII and not)."""
+    import random
+
+    ref = lambda t: bool(strip_ignorable(t).strip())  # noqa: E731
+    for c in map(chr, range(0x110000)):
+        assert has_visible_content(c) == ref(c), hex(ord(c))
+    spaces = [c for c in map(chr, range(0x3001)) if c.isspace()]
+    pool = spaces + [chr(x) for x in sorted(DEFAULT_IGNORABLE)[:300]] + list("ab.é字") + ["\uffa0", "\u3164"]
+    rng = random.Random(13)
+    seen = set()
+    for _ in range(50_000):
+        t = "".join(rng.choice(pool) for _ in range(rng.randint(0, 6)))
+        assert has_visible_content(t) == ref(t), repr(t)
+        seen.add(ref(t))
+    assert seen == {True, False}

@@ -42,8 +42,11 @@ def cone(rng, n):
     return _unit(v), a
 
 
-def _shard(vecs, start=0, sh=None):
-    sh = sh or ShardState(0, DIM, None, dense=DenseConfig(kind="hnsw", hnsw_m=16, ef_construction=40))
+def _shard(vecs, start=0, sh=None, ann_tail=DenseConfig.ann_tail):
+    """A shard holding ``vecs``; with the default ``ann_tail`` an upsert leaves its vectors in the
+    tail outside the graph (the seeds' minimum then comes with the tail's exact one)."""
+    sh = sh or ShardState(0, DIM, None, dense=DenseConfig(kind="hnsw", hnsw_m=16, ef_construction=40,
+                                                           ann_tail=ann_tail))
     n = len(vecs)
     ids = [f"d{start + i:05d}" for i in range(n)]
     batch = records.make_chunk_batch(
@@ -71,10 +74,13 @@ def _minus_q(sh, qv, ef):
     return [float(sh.store.dense.exact_slots(x, s).min()) for x, s in zip(qv, slots)]
 
 
+@pytest.mark.parametrize("ann_tail", [0, 2000])
 @pytest.mark.parametrize("family,seed", [("clustered", 0), ("cone", 1), ("cone", 2)])
-def test_minimum_is_a_real_score_and_as_good_as_the_minus_q_search(family, seed):
+def test_minimum_is_a_real_score_and_as_good_as_the_minus_q_search(family, seed, ann_tail):
     """Never below the exact minimum, a real chunk's score, exact at least as often as a plain
-    -q search of the same beam width, and for >= 80% of queries."""
+    -q search of the same beam width, and for >= 80% of queries; with every vector in the graph
+    (``ann_tail`` 0) and with the last ones still waiting outside it (the tail's exact minimum
+    joins the seeds')."""
     rng = np.random.default_rng(seed)
     if family == "clustered":
         vecs = clustered(rng, 6000)
@@ -82,7 +88,9 @@ def test_minimum_is_a_real_score_and_as_good_as_the_minus_q_search(family, seed)
     else:
         vecs, a = cone(rng, 6000)
         qv = _unit(a + 0.3 * rng.normal(size=(60, DIM)))
-    sh = _shard(vecs)
+    sh = _shard(vecs[:4000], ann_tail=ann_tail)
+    _shard(vecs[4000:], start=4000, sh=sh)
+    assert (sh.store.dense.ann.pending > 0) == (ann_tail > 0)
     got, exact = _mins(sh, qv, ef=64), _exact(sh, qv)
     canon = {float(v) for x in qv for v in fixed_order_dot(sh.store.dense.vectors, x)}
     assert all(g >= e for g, e in zip(got, exact))
@@ -95,7 +103,7 @@ def test_minimum_is_a_real_score_and_as_good_as_the_minus_q_search(family, seed)
 def test_seeds_follow_adds_deletes_and_compaction():
     rng = np.random.default_rng(3)
     vecs, a = cone(rng, 3000)
-    sh = _shard(vecs)
+    sh = _shard(vecs, ann_tail=0)  # every add goes into the graph: the seeds' own upkeep
     qv = _unit(a + 0.2 * rng.normal(size=(10, DIM)))
     sh.search.warm()
     built = sh.search._low._ids.size

@@ -14,7 +14,8 @@ queues (backpressure: a slow stage stalls the ones before it, nothing buffers wi
   a wrong width, NaN/infinity or an all-zero vector fails the stream (INVALID_ARGUMENT, nothing
   stored).
 * Upsert: routes chunks to shards by the stable hash of their document id and stages coalesced
-  bulk batches of ``upsert_batch`` chunks per shard.
+  bulk batches of ``upsert_batch`` chunks per shard, without waiting for each reply (at most
+  ``STAGES_IN_FLIGHT`` per shard): the shards analyse their batches at the same time.
 
 A stream is all-or-nothing: only when the client's final message (with the number of
 documents it sent) has arrived and every stage has finished is the stream committed, on every
@@ -46,6 +47,9 @@ from .documents import IngestError, supplied_vectors, supplied_vectors_many, val
 _END = object()
 #: distinct chunk texts per stream whose vector the embed stage remembers for later repeats
 STREAM_VECTOR_MEMORY = 16384
+#: staged batches per shard sent and not yet answered (the shard analyses one while the next
+#: is on its way; more only queue in the pipe)
+STAGES_IN_FLIGHT = 2
 
 
 @dataclass
@@ -251,21 +255,36 @@ class IngestPipeline:
             await q_vecs.put(_END)
 
         async def upsert() -> None:
+            # staged batches are sent without waiting for the reply (at most STAGES_IN_FLIGHT per
+            # shard unanswered): the shards analyse them in parallel, with each other and with
+            # the stages above; every reply is awaited before the commit
             buffers: dict[int, list[tuple[_Chunk, np.ndarray]]] = {}
-            while True:
-                item = await q_vecs.get()
-                if item is _END:
-                    break
-                take, vecs = item
-                for shard, idx in self.pool.group(take, lambda c: self.pool.owner(c.doc.doc_id)).items():
-                    buffers.setdefault(shard, []).extend((take[i], vecs[i]) for i in idx)
-                for shard in list(buffers):
-                    while len(buffers[shard]) >= self.cfg.upsert_batch:
-                        part, buffers[shard] = buffers[shard][: self.cfg.upsert_batch], buffers[shard][self.cfg.upsert_batch :]
-                        busy["upsert"] += await self._stage(shard, part, txn)
-            for shard, part in sorted(buffers.items()):
-                if part:
-                    busy["upsert"] += await self._stage(shard, part, txn)
+            flying: dict[int, list[asyncio.Future]] = {}
+
+            async def send(shard: int, part: list[tuple[_Chunk, np.ndarray]]) -> None:
+                held = flying.setdefault(shard, [])
+                while len(held) >= STAGES_IN_FLIGHT:
+                    await held.pop(0)
+                held.append(self._stage(shard, part, txn, busy))
+
+            try:
+                while True:
+                    item = await q_vecs.get()
+                    if item is _END:
+                        break
+                    take, vecs = item
+                    for shard, idx in self.pool.group(take, lambda c: self.pool.owner(c.doc.doc_id)).items():
+                        buffers.setdefault(shard, []).extend((take[i], vecs[i]) for i in idx)
+                    for shard in list(buffers):
+                        while len(buffers[shard]) >= self.cfg.upsert_batch:
+                            part, buffers[shard] = buffers[shard][: self.cfg.upsert_batch], buffers[shard][self.cfg.upsert_batch :]
+                            await send(shard, part)
+                for shard, part in sorted(buffers.items()):
+                    if part:
+                        await send(shard, part)
+                await asyncio.gather(*[f for held in flying.values() for f in held])
+            finally:  # (a failed stream: collect what is still in flight; the abort drops it)
+                await asyncio.gather(*[f for held in flying.values() for f in held], return_exceptions=True)
 
         stages = (load, transform, embed, upsert)
         if self.cfg.barriers:
@@ -350,7 +369,9 @@ class IngestPipeline:
                 c.vector = same_text[c.content_hash]
 
 
-    async def _stage(self, shard: int, part: list[tuple[_Chunk, np.ndarray]], txn: str) -> float:
+    def _stage(self, shard: int, part: list[tuple[_Chunk, np.ndarray]], txn: str, busy: dict) -> asyncio.Future:
+        """Send one staged batch to ``shard`` (returned at once: the future of its reply; the
+        time to the reply is added to ``busy["upsert"]`` and observed as the upsert stage)."""
         t = time.perf_counter()
         chunks = [c for c, _ in part]
         batch = records.make_chunk_batch(
@@ -364,7 +385,12 @@ class IngestPipeline:
             content_hashes=[c.content_hash for c in chunks],
             vectors=np.stack([v for _, v in part]),
         )
-        await self.pool.call(shard, Op.STAGE, StageRequest(txn, records.to_ipc(batch)))
-        dt = time.perf_counter() - t
-        self.metrics.stage_seconds.labels(stage="upsert").observe(dt)
-        return dt
+        fut = asyncio.ensure_future(self.pool.call(shard, Op.STAGE, StageRequest(txn, records.to_ipc(batch))))
+
+        def done(_f) -> None:
+            dt = time.perf_counter() - t
+            busy["upsert"] += dt
+            self.metrics.stage_seconds.labels(stage="upsert").observe(dt)
+
+        fut.add_done_callback(done)
+        return fut

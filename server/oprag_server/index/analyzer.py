@@ -171,9 +171,17 @@ def has_visible_content(text: str) -> bool:
 
     ``"\u200B"``, ``"\u200B\u2060"``, ``"\u00AD\uFEFF\u200B \n"`` and ``""`` are not
     content; ``"..."`` is (punctuation is visible even though it yields no BM25 token).
-    Used to reject empty questions and documents.
+    Used to reject empty questions and documents. Stops at the first visible character
+    (usually the first one), instead of stripping the whole text (``str.strip`` removes exactly
+    the characters ``str.isspace`` accepts, so this is ``bool(strip_ignorable(text).strip())``).
     """
-    return bool(strip_ignorable(text).strip())
+    if text.isascii():
+        return not text.isspace() and bool(text)
+    ignorable = DEFAULT_IGNORABLE
+    for c in text:
+        if not c.isspace() and ord(c) not in ignorable:
+            return True
+    return False
 
 
 _MARKS = _mark_class()

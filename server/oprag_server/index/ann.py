@@ -21,6 +21,18 @@ Ids: each added vector gets the next *ANN id* (0, 1, 2, ... in insertion order);
   (:meth:`DenseIndex.compact_ann`: on snapshot, or on a write that crosses the threshold).
 * IVF removes ids from its inverted lists at once.
 
+Deferred HNSW inserts (:meth:`AnnIndex.defer`, issue 13): an ingest may register vectors
+without inserting them into the graph. They get their ANN ids at once (the next ones, in
+order) and wait in a *tail* (float32 rows, ids ``[ntotal, ann_slot.size)``) until
+:meth:`AnnIndex.insert_pending` puts them into the graph in id order (the shard does it
+between requests, and an add past its tail bound does it at once). Every read covers the tail:
+:meth:`AnnIndex.gather` and :meth:`AnnIndex.matvec` read its rows, and :meth:`AnnIndex.search`
+adds an exact scan of its live rows to the graph's candidates (a tail row found that way has
+its exact score, so a query sees every vector added, indexed or not). Serialising the
+structure (:meth:`AnnIndex.to_bytes`) inserts the whole tail first and a rebuild absorbs it; a
+snapshot writes the graph (:meth:`AnnIndex.write`) and the tail's rows (:meth:`AnnIndex.tail`)
+apart, and :meth:`AnnIndex.load` takes both back.
+
 IVF training: the first ``train_min`` vectors of a shard are searched exactly (flat) while
 they accumulate; the IVF is then trained (k-means, ``nlist = sqrt(n)`` rounded to a power of
 two, at most 65,536 and at most n / 39, on at most 64 vectors per list) on the vectors held at that moment. It is
@@ -55,6 +67,9 @@ class AnnIndex:
         self.trained_at = 0  # vectors held when the IVF was last trained (0: not trained)
         self._index = None
         self._selector = None  # (dead count, selector) for HNSW searches
+        # HNSW: deferred vectors of ANN ids [ntotal, ann_slot.size) are _tail[_tail_at:_tail_n]
+        self._tail = np.zeros((0, self.dim), dtype=np.float32)
+        self._tail_at = self._tail_n = 0
         if params.kind == "hnsw":
             self._index = self._new_hnsw()
 
@@ -95,6 +110,7 @@ class AnnIndex:
             if self._index is None or total >= 8 * self.trained_at:
                 self.rebuild(*all_live)
                 return
+        self.insert_pending()  # (ids stay in insertion order)
         first = self.ann_slot.size
         self._append_ids(slots)
         ids = np.arange(first, first + slots.size, dtype=np.int64)
@@ -102,6 +118,66 @@ class AnnIndex:
             self._index.add_with_ids(np.ascontiguousarray(vectors, dtype=np.float32), ids)
         else:
             self._index.add(np.ascontiguousarray(vectors, dtype=np.float32))
+
+    @property
+    def pending(self) -> int:
+        """Deferred vectors not in the HNSW graph yet (0 for IVF)."""
+        return self._tail_n - self._tail_at
+
+    def _tail_rows(self) -> np.ndarray:
+        return self._tail[self._tail_at:self._tail_n]
+
+    def tail(self) -> np.ndarray:
+        """float32[pending, D]: the deferred vectors, ANN ids ``ntotal...`` in order (a view, valid
+        until the next add, defer, insert or load)."""
+        return self._tail_rows()
+
+    def defer(self, slots: np.ndarray, vectors: np.ndarray) -> None:
+        """HNSW: give float32[M, D] ``vectors`` of int64[M] ``slots`` the next ANN ids without
+        inserting them (see the module docstring); IVF: :meth:`add` at once."""
+        vectors = np.asarray(vectors, dtype=np.float32)
+        if self.params.kind != "hnsw":
+            self.add(slots, vectors, (slots, vectors))
+            return
+        m, live = vectors.shape[0], self.pending
+        if self._tail_n + m > self._tail.shape[0]:  # grow, moving the live rows to the front
+            grown = np.empty((max(int(1.5 * (live + m)), 4096), self.dim), dtype=np.float32)
+            grown[:live] = self._tail_rows()
+            self._tail, self._tail_at, self._tail_n = grown, 0, live
+        self._tail[self._tail_n:self._tail_n + m] = vectors
+        self._tail_n += m
+        self._append_ids(slots)
+
+    def insert_pending(self, n: int | None = None) -> int:
+        """Insert the oldest ``n`` (None: all) deferred vectors into the HNSW graph, in ANN-id
+        order. :returns: how many were inserted."""
+        n = self.pending if n is None else min(int(n), self.pending)
+        if n <= 0:
+            return 0
+        self._index.add(np.ascontiguousarray(self._tail[self._tail_at:self._tail_at + n]))
+        self._tail_at += n
+        if self._tail_at == self._tail_n:  # empty: give the buffer back
+            self._tail, self._tail_at, self._tail_n = np.zeros((0, self.dim), dtype=np.float32), 0, 0
+        return n
+
+    def gather(self, ids: np.ndarray) -> np.ndarray:
+        """float32[M, D]: HNSW's vectors of ANN ids int64[M], in the graph or deferred (a copy)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if not self.pending:
+            return self.storage()[ids]
+        n = int(self._index.ntotal)
+        out = np.empty((ids.size, self.dim), dtype=np.float32)
+        old = ids < n
+        if old.any():
+            out[old] = self.storage()[ids[old]]
+        out[~old] = self._tail_rows()[ids[~old] - n]
+        return out
+
+    def matvec(self, q: np.ndarray) -> np.ndarray:
+        """float32[A]: inner products of one float32[D] query with every stored vector by ANN id
+        (graph and deferred, dead ones included)."""
+        out = self.storage() @ q
+        return np.concatenate([out, self._tail_rows() @ q]) if self.pending else out
 
     def _append_ids(self, slots: np.ndarray) -> None:
         self.ann_slot = np.concatenate([self.ann_slot, np.asarray(slots, dtype=np.int64)])
@@ -147,7 +223,8 @@ class AnnIndex:
             index = self._new_hnsw()  # the old one stays alive meanwhile: ``vectors`` may read it
             for a in range(0, slots.size, 65536):
                 index.add(np.ascontiguousarray(vectors[a:a + 65536], dtype=np.float32))
-            self._index = index
+            self._index = index  # (the deferred rows were among ``vectors``)
+            self._tail, self._tail_at, self._tail_n = np.zeros((0, self.dim), dtype=np.float32), 0, 0
             return
         vecs = np.ascontiguousarray(vectors, dtype=np.float32)
         if slots.size >= self.params.train_min:
@@ -175,7 +252,13 @@ class AnnIndex:
         else:
             knob = min(int(nprobe or self.params.nprobe), self._index.nlist)
             params = faiss.SearchParametersIVF(nprobe=knob)
-        scores, ids = self._index.search(np.ascontiguousarray(q, dtype=np.float32), int(k), params=params)
+        q = np.ascontiguousarray(q, dtype=np.float32)
+        if self.pending and not self._index.ntotal:
+            scores, ids = np.full((q.shape[0], 0), -np.inf, np.float32), np.zeros((q.shape[0], 0), np.int64)
+        else:
+            scores, ids = self._index.search(q, int(k), params=params)
+        if self.pending:
+            scores, ids = self._with_tail(q, int(k), scores, ids)
         slots = np.where(ids >= 0, self.ann_slot[np.maximum(ids, 0)], -1)
         return slots, np.where(slots >= 0, scores, -np.inf).astype(np.float32), knob
 
@@ -191,25 +274,20 @@ class AnnIndex:
             params.sel = self._selector[1]
         return params
 
-    def search_from(self, q: np.ndarray, entries: np.ndarray, entry_scores: np.ndarray, ef: int) -> np.ndarray:
-        """HNSW only: the best live vector for float32[B, D] ``q`` (largest inner product) found
-        by a beam search of width ``ef`` on the graph's bottom layer that starts from the given
-        ANN ids int[B, E] (FAISS ``IndexHNSW.search_level_0``, all entries at once), instead of
-        descending from the graph's entry point.
-
-        :param entry_scores: float[B, E]: ``q . v`` of each entry vector.
-        :returns: int64[B] ANN ids (-1 where nothing live was found).
-        """
-        faiss = _faiss()
-        q = np.ascontiguousarray(q, dtype=np.float32)
-        b, e = entries.shape
-        ent = np.ascontiguousarray(entries, dtype=np.int32)
-        # FAISS's HNSW works on distances; for inner product the distance is -(q . v)
-        dist = np.ascontiguousarray(-np.asarray(entry_scores, dtype=np.float32))
-        out_d, out_i = np.empty((b, 1), np.float32), np.full((b, 1), -1, np.int64)
-        self._index.search_level_0(b, faiss.swig_ptr(q), 1, faiss.swig_ptr(ent), faiss.swig_ptr(dist),
-                                   faiss.swig_ptr(out_d), faiss.swig_ptr(out_i), e, 1, self._hnsw_params(ef))
-        return out_i[:, 0]
+    def _with_tail(self, q: np.ndarray, k: int, scores: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The graph's top-k ``(scores, ids)`` float32/int64[B, k'] merged with an exact scan of
+        the live deferred rows: the best k of both, descending (-1 ids pad)."""
+        n = int(self._index.ntotal)
+        tail = self._tail_rows()
+        t_scores = (q @ tail.T).astype(np.float32)  # [B, P]
+        t_scores[:, self.ann_slot[n:] < 0] = -np.inf  # dead deferred rows
+        kk = min(k, tail.shape[0])
+        top = np.argpartition(-t_scores, kk - 1, axis=1)[:, :kk]
+        all_s = np.concatenate([np.where(ids >= 0, scores, -np.inf), np.take_along_axis(t_scores, top, 1)], axis=1)
+        all_i = np.concatenate([ids, top + n], axis=1)
+        order = np.argsort(-all_s, axis=1, kind="stable")[:, :k]
+        s, i = np.take_along_axis(all_s, order, 1), np.take_along_axis(all_i, order, 1)
+        return s, np.where(np.isfinite(s), i, -1)
 
     # ------------------------------------------------------------------ storage (HNSW)
     def storage(self) -> np.ndarray:
@@ -238,20 +316,22 @@ class AnnIndex:
     # ------------------------------------------------------------------ persistence
     def to_bytes(self) -> bytes:
         """The FAISS structure (``faiss.serialize_index``); empty while an IVF is untrained."""
+        self.insert_pending()
         return b"" if self._index is None else _faiss().serialize_index(self._index).tobytes()
 
     def write(self, path) -> None:
         """Write the FAISS structure (with HNSW's stored vectors) to ``path`` (not fsynced);
-        nothing is written while an IVF is untrained."""
+        nothing is written while an IVF is untrained. Deferred vectors are not in it (:meth:`tail`)."""
         if self._index is not None:
             _faiss().write_index(self._index, str(path))
 
-    def load(self, data, ann_slot: np.ndarray, trained_at: int) -> None:
+    def load(self, data, ann_slot: np.ndarray, trained_at: int, tail: np.ndarray | None = None) -> None:
         """Restore :meth:`to_bytes` output (``bytes``), a file :meth:`write` wrote (a path: read
         straight into FAISS's memory, no intermediate copy) or an index FAISS already read, with
-        its ``ann_slot`` map (slots already remapped).
+        its ``ann_slot`` map (slots already remapped), and HNSW's deferred vectors float32[P, D]
+        (``tail``: what :meth:`tail` held; their ANN ids follow the graph's).
 
-        :raises ValueError: the structure's vector count differs from ``ann_slot``'s.
+        :raises ValueError: the structure's vector count plus the tail's differs from ``ann_slot``'s.
         """
         faiss = _faiss()
         if hasattr(data, "stat") and data.stat().st_size == 0:  # an untrained IVF's empty file
@@ -262,9 +342,13 @@ class AnnIndex:
             index = data
         else:
             index = faiss.read_index(str(data))
-        if self.params.kind == "hnsw" and index is not None and int(index.ntotal) != int(np.asarray(ann_slot).size):
-            raise ValueError(f"the saved structure holds {index.ntotal} vectors, its id map {np.asarray(ann_slot).size}")
+        p = 0 if tail is None else int(tail.shape[0])
+        if self.params.kind == "hnsw" and index is not None and int(index.ntotal) + p != int(np.asarray(ann_slot).size):
+            raise ValueError(f"the saved structure holds {index.ntotal} vectors and {p} deferred ones, its id map "
+                             f"{np.asarray(ann_slot).size}")
         self._index = index
+        self._tail = np.zeros((0, self.dim), dtype=np.float32) if not p else np.asarray(tail, dtype=np.float32)
+        self._tail_at, self._tail_n = 0, p
         self.ann_slot = np.asarray(ann_slot, dtype=np.int64).copy()
         self.dead = int((self.ann_slot < 0).sum())
         self.trained_at, self._selector = int(trained_at), None
@@ -272,10 +356,11 @@ class AnnIndex:
             self._index = self._new_hnsw()
 
 
-def read_vectors(path, ann_slot: np.ndarray, slots: np.ndarray) -> np.ndarray:
+def read_vectors(path, ann_slot: np.ndarray, slots: np.ndarray, tail: np.ndarray | None = None) -> np.ndarray:
     """float32[M, D]: the vectors of ``slots`` (int64[M], each live in ``ann_slot``) out of an
-    HNSW structure file (:meth:`AnnIndex.write`): what a shard whose index kind changed needs
-    from a snapshot written with HNSW, whose vectors are only there.
+    HNSW structure file (:meth:`AnnIndex.write`) and its deferred rows ``tail`` (ANN ids after the
+    file's): what a shard whose index kind changed needs from a snapshot written with HNSW,
+    whose vectors are only there.
 
     :raises ValueError: not an HNSW file, or a slot not in ``ann_slot``.
     """
@@ -293,4 +378,6 @@ def read_vectors(path, ann_slot: np.ndarray, slots: np.ndarray) -> np.ndarray:
         raise ValueError(f"{path}: a slot has no vector in the structure")
     flat = faiss.downcast_index(index.storage)
     st = faiss.rev_swig_ptr(flat.get_xb(), int(index.ntotal) * index.d).reshape(-1, index.d)
+    if tail is not None and len(tail):
+        st = np.concatenate([st, np.asarray(tail, dtype=np.float32)])
     return st[live[order][pos]]  # a gather: a copy, made while the index is alive

@@ -102,7 +102,7 @@ class DenseIndex(GraphRows):
     def _gather(self, rows: np.ndarray) -> np.ndarray:
         """float32[M, D] vectors of live rows (positions in :attr:`slots` order), a copy."""
         if self._one:
-            return self._ann.storage()[self._live()[0][rows]]
+            return self._ann.gather(self._live()[0][rows])
         return self._vecs[: self._n][rows]
 
     @property
@@ -119,13 +119,18 @@ class DenseIndex(GraphRows):
         """float32[n, D]: live vectors in row order (flat, IVF, HNSW without dead ids: a view,
         valid until the next add or remove, do not mutate; HNSW with dead ids: a copy)."""
         if self._one:
-            live, st = self._live()[0], self._ann.storage()
+            live = self._live()[0]
+            if self._ann.pending:
+                return self._ann.gather(live)
+            st = self._ann.storage()
             return st if live.size == st.shape[0] else st[live]
         return self._vecs[: self._n]
 
-    def add(self, slots: np.ndarray, vectors: np.ndarray, ann: bool = True) -> None:
+    def add(self, slots: np.ndarray, vectors: np.ndarray, ann: bool = True, defer: bool = False) -> None:
         """Add vectors (``ann=False``: not to the approximate structure, which the caller then
-        loads with :meth:`load_ann` or rebuilds with :meth:`compact_ann`).
+        loads with :meth:`load_ann` or rebuilds with :meth:`compact_ann`). ``defer=True`` with
+        HNSW: searchable at once, but inserted into the graph later (:meth:`insert_pending`, or
+        here once more than ``params.ann_tail`` wait; :mod:`.ann`).
 
         :param slots: int64[M], not already present.
         :param vectors: float32[M, D], L2-normalised.
@@ -146,7 +151,7 @@ class DenseIndex(GraphRows):
             raise ValueError(f"slot {int(slots[np.argmax(present >= 0)])} already in the dense index")
         self._grow_map(int(slots.max()) + 1)
         if self._one:
-            self._add_one(slots, vecs, ann)
+            self._add_one(slots, vecs, ann, defer and self.params.ann_tail > 0)
             return
         need = self._n + len(slots)
         if need > self._vecs.shape[0]:
@@ -298,7 +303,7 @@ class DenseIndex(GraphRows):
         if self._one:
             s = np.asarray(slots, dtype=np.int64).reshape(-1)
             self.rows(s)  # raises KeyError for an absent slot
-            return self._ann.storage()[self._slot_row[s]]
+            return self._ann.gather(self._slot_row[s])
         return self._vecs[self.rows(slots)]
 
     def sample(self, max_rows: int) -> tuple[np.ndarray, np.ndarray]:
@@ -359,9 +364,9 @@ class DenseIndex(GraphRows):
         if not self._n:
             return np.zeros((q.shape[0], 0), np.float32)
         if self._one:  # every stored vector (dead ones too: cheaper than gathering), live columns
-            live_ids, st = self._live()[0], self._ann.storage()
-            out = np.stack([st @ q[i] for i in range(q.shape[0])])
-            return out if live_ids.size == st.shape[0] else out[:, live_ids]
+            live_ids = self._live()[0]
+            out = np.stack([self._ann.matvec(q[i]) for i in range(q.shape[0])])
+            return out if live_ids.size == out.shape[1] else out[:, live_ids]
         live = self._vecs[: self._n]
         # one matrix-vector product per query: measured several times faster here than one
         # small-batch matrix product with this OpenBLAS build

@@ -11,7 +11,7 @@ vectors, FAISS ``Kmeans``), the ``PER_PROBE`` vectors with the lowest inner prod
 (a "reverse" top-T, FAISS ``knn`` with ``-probe``). A query scores the seed set exactly (a small
 matrix product), and a beam search for ``-q`` on the graph's bottom layer (width: a sixteenth
 of the request's ``ef_search``, at least 16; 32 at the default 512) starts
-from the ``ENTRIES`` lowest seeds (:meth:`.ann.AnnIndex.search_from`). Every value it returns is
+from the ``ENTRIES`` lowest seeds (:func:`search_from`). Every value it returns is
 the score of a real live chunk, so it is never below the true minimum (like the sample estimate
 and the ``-q`` search); measured accuracy and cost are in bench/RESULTS.md ("dense minimum").
 
@@ -30,6 +30,28 @@ def _faiss():
     import faiss  # noqa: PLC0415 - a declared dependency; imported where used
 
     return faiss
+
+
+def search_from(ann, q: np.ndarray, entries: np.ndarray, entry_scores: np.ndarray, ef: int) -> np.ndarray:
+    """The best live vector of the HNSW :class:`.ann.AnnIndex` ``ann`` for float32[B, D] ``q``
+    (largest inner product) found by a beam search of width ``ef`` on the graph's bottom layer
+    that starts from the given ANN ids int[B, E] (FAISS ``IndexHNSW.search_level_0``, all
+    entries at once), instead of descending from the graph's entry point.
+
+    :param entry_scores: float[B, E]: ``q . v`` of each entry vector.
+    :returns: int64[B] ANN ids (-1 where nothing live was found).
+    """
+    faiss = _faiss()
+    q = np.ascontiguousarray(q, dtype=np.float32)
+    b, e = entries.shape
+    ent = np.ascontiguousarray(entries, dtype=np.int32)
+    # FAISS's HNSW works on distances; for inner product the distance is -(q . v)
+    dist = np.ascontiguousarray(-np.asarray(entry_scores, dtype=np.float32))
+    out_d, out_i = np.empty((b, 1), np.float32), np.full((b, 1), -1, np.int64)
+    params = ann._hnsw_params(ef)  # noqa: SLF001 - the index package's own
+    ann._index.search_level_0(b, faiss.swig_ptr(q), 1, faiss.swig_ptr(ent), faiss.swig_ptr(dist),  # noqa: SLF001
+                              faiss.swig_ptr(out_d), faiss.swig_ptr(out_i), e, 1, params)
+    return out_i[:, 0]
 
 
 class LowSeeds:
@@ -115,7 +137,7 @@ class LowSeeds:
         e = min(self.ENTRIES, int(live.sum()))
         part = np.argpartition(s, e - 1, axis=1)[:, :e]
         beam = max(self.MIN_BEAM, int(ef or ann.params.ef_search) // self.BEAM_DIV)
-        found = ann.search_from(-q, ids[part], -np.take_along_axis(s, part, 1), beam)
+        found = search_from(ann, -q, ids[part], -np.take_along_axis(s, part, 1), beam)
         out = []
         for j in range(b):
             near = ids[s[j] <= np.float64(s[j].min()) + 2.0 * float(err[j])]

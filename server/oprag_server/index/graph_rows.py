@@ -29,6 +29,25 @@ class GraphRows:
             self._live_cache = (self._version, ann, self._ann.ann_slot[ann])
         return self._live_cache[1], self._live_cache[2]
 
+    @property
+    def pending(self) -> int:
+        """HNSW vectors added with ``defer`` and not in the graph yet (0 for other kinds)."""
+        return self._ann.pending if self._one else 0
+
+    def insert_pending(self, n: int | None = None) -> int:
+        """Insert the oldest ``n`` (None: all) deferred vectors into the HNSW graph.
+        :returns: how many (0 when none wait or the index is not HNSW)."""
+        if not self._one or self._pending is not None:
+            return 0
+        return self._ann.insert_pending(n)
+
+    def deferred_vectors(self) -> np.ndarray:
+        """float32[P, D]: HNSW vectors added with ``defer`` and not in the graph yet, in ANN-id
+        order after the graph's (what a snapshot saves beside the graph; empty otherwise; a view)."""
+        if not self._one or self._pending is not None:
+            return np.zeros((0, self.dim), np.float32)
+        return self._ann.tail()
+
     def add_pending(self, slots: np.ndarray) -> None:
         """HNSW: register slots whose vectors come with the saved structure (:meth:`load_ann`);
         a snapshot written with HNSW keeps its vectors only there.
@@ -44,8 +63,10 @@ class GraphRows:
         self._n += slots.size
         self._version += 1
 
-    def _add_one(self, slots: np.ndarray, vecs: np.ndarray, ann: bool) -> None:
-        """HNSW: append to the graph (its storage is the one copy), or stage until load_ann."""
+    def _add_one(self, slots: np.ndarray, vecs: np.ndarray, ann: bool, defer: bool = False) -> None:
+        """HNSW: append to the graph (its storage is the one copy), or stage until load_ann;
+        ``defer``: to the graph's tail of deferred inserts (:mod:`.ann`), inserting the oldest
+        at once past ``params.ann_tail`` waiting."""
         self._n += slots.size
         self._version += 1
         self._max_norm = max(self._max_norm, float(np.sqrt(np.einsum("ij,ij->i", vecs, vecs, dtype=np.float64).max())))
@@ -53,7 +74,11 @@ class GraphRows:
             self._pending = (self._pending or []) + [(slots, vecs)]  # a view of the caller's rows
             return
         first = self._ann.ann_slot.size
-        self._ann.add(slots, vecs, (slots, vecs))
+        if defer:
+            self._ann.defer(slots, vecs)
+            self._ann.insert_pending(self._ann.pending - self.params.ann_tail)
+        else:
+            self._ann.add(slots, vecs, (slots, vecs))
         self._slot_row[slots] = np.arange(first, first + slots.size, dtype=np.int64)
 
     def _remove_one(self, slots: np.ndarray) -> int:
@@ -80,37 +105,38 @@ class GraphRows:
             self._ann.rebuild(slots, _Chain([v for _, v in pend]))
         else:
             live, slots = self._live()
-            self._ann.rebuild(slots, _Rows(self._ann.storage(), live))
+            self._ann.rebuild(slots, _Rows(self._ann, live))
         self._slot_row[slots] = np.arange(slots.size, dtype=np.int64)
         self._version += 1
 
     def _load_one(self, state: dict, ann_slot: np.ndarray) -> bool:
-        """HNSW: adopt a saved graph (``state["faiss"]``) whose live slots (``ann_slot``,
-        already remapped) are exactly the staged ones; False (nothing changed) otherwise."""
+        """HNSW: adopt a saved graph (``state["faiss"]``, with its deferred vectors
+        ``state["tail"]`` when it had some) whose live slots (``ann_slot``, already remapped) are
+        exactly the staged ones; False (nothing changed) otherwise."""
         # the structure's storage becomes the one copy
         staged = np.sort(self.slots)
         live = np.flatnonzero(ann_slot >= 0)
         if not np.array_equal(np.sort(ann_slot[live]), staged):
             return False
-        self._ann.load(state["faiss"], ann_slot, int(state.get("trained_at", 0)))
+        self._ann.load(state["faiss"], ann_slot, int(state.get("trained_at", 0)), state.get("tail"))
         self._pending = None
         self._slot_row[ann_slot[live]] = live
-        st = self._ann.storage()
         for a in range(0, live.size, 65536):
-            v = st[live[a:a + 65536]]
+            v = self._ann.gather(live[a:a + 65536])
             self._max_norm = max(self._max_norm, float(np.sqrt(np.einsum("ij,ij->i", v, v, dtype=np.float64).max())))
         self._version += 1
         return True
 
 
 class _Rows:
-    """``storage[ids[a:b]]`` on slicing: live rows gathered one block at a time."""
+    """``ann.gather(ids[a:b])`` on slicing: live rows (in the graph or deferred) gathered one
+    block at a time."""
 
-    def __init__(self, storage: np.ndarray, ids: np.ndarray) -> None:
-        self.storage, self.ids = storage, ids
+    def __init__(self, ann, ids: np.ndarray) -> None:
+        self.ann, self.ids = ann, ids
 
     def __getitem__(self, sl: slice) -> np.ndarray:
-        return self.storage[self.ids[sl]]
+        return self.ann.gather(self.ids[sl])
 
 
 class _Chain:

@@ -119,7 +119,8 @@ class ChunkStore:
             if vecs is None:
                 self.dense.add_pending(np.asarray(new_slots, dtype=np.int64))
             else:
-                self.dense.add(np.asarray(new_slots, dtype=np.int64), vecs, ann=index_ann)
+                # HNSW: into the graph between requests (ShardState.background_step), not here
+                self.dense.add(np.asarray(new_slots, dtype=np.int64), vecs, ann=index_ann, defer=True)
             self._row_ids_cache = None
         self.applied_seq = max(self.applied_seq, int(seq))
         self.version += 1

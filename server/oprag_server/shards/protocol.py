@@ -348,6 +348,7 @@ class StatsReply:
     lexical: tuple | None = None
     replayed: int = 0
     nbytes: dict | None = None
+    ann_pending: int = 0  # HNSW vectors searchable but not in the graph yet (deferred inserts)
 
 
 @message

@@ -304,6 +304,8 @@ class Searcher(ExactMixin):
             for j, i in enumerate(plain):
                 c = cands[j]
                 out[i] = float(_kernels().canonical_rows(st, c, q[i]).min()) if c.size else None
+                low = self._tail_low(ann, q[i], dense.score_error(q[i]))
+                out[i] = low if out[i] is None else min(out[i], low)
             return out
         est = self._dense_min_estimate(q[plain])
         slots, _ = dense.search(-q[plain], 1, ef_search, nprobe)
@@ -312,6 +314,22 @@ class Searcher(ExactMixin):
             found = float(self._canonical(q[i], dense.rows(s)).min()) if s.size else np.inf
             out[i] = min(float(est[j]), found)
         return out
+
+    @staticmethod
+    def _tail_low(ann, q: np.ndarray, err: float) -> float:
+        """The exact lowest canonical score of float32[D] ``q`` over the live vectors waiting
+        outside the HNSW graph (:attr:`.ann.AnnIndex.pending`; ``inf`` when none), which the
+        seeds do not cover: one scan of the tail, canonical scores within ``2 * err`` of its
+        lowest float32 score (the k = 1 argument of ``refine_top``)."""
+        if not ann.pending:
+            return np.inf
+        tail = ann.tail()
+        live = np.flatnonzero(ann.ann_slot[int(ann._index.ntotal):] >= 0)  # noqa: SLF001
+        if not live.size:
+            return np.inf
+        approx = tail[live] @ q
+        near = live[approx <= np.float64(approx.min()) + 2.0 * err]
+        return float(_kernels().canonical_rows(np.ascontiguousarray(tail), near, q).min())
 
     def _dense_min_estimate(self, q: np.ndarray) -> np.ndarray:
         """float64[B]: the lowest canonical inner product of each query with a fixed strided

@@ -8,7 +8,9 @@ write-ahead log). Format 2 adds ``postings/`` (the BM25 segment as ``.npy`` arra
 every chunk's text; a format-1 snapshot, or one whose analyzer settings differ, is loaded by
 re-analysing the texts (and written anew by the next snapshot). Format 3: with HNSW the vectors
 are saved once, in ``dense.faiss`` (the graph's own storage), and ``chunks.arrow`` has no
-``vector`` column; a shard of another index kind reads them out of that file. Every file is written atomically (temporary file, fsync, rename, fsync of
+``vector`` column; a shard of another index kind reads them out of that file. Format 4 (only
+when the shard has some): ``dense_tail.npy``, the HNSW vectors acknowledged but not inserted into
+the graph yet (deferred inserts, :mod:`..index.ann`), loaded back as such. Every file is written atomically (temporary file, fsync, rename, fsync of
 the directory); ``CURRENT`` switches last, so a crash leaves the previous snapshot live.
 With ``--storage-uri`` every log record and snapshot is also on object storage (:mod:`.storage`).
 """
@@ -37,8 +39,9 @@ from .txn import Transactions
 
 FORMAT_VERSION = 3
 #: formats :func:`load` reads (3: with HNSW, ``chunks.arrow`` has no ``vector`` column, the
-#: vectors are in ``dense.faiss`` only)
-READABLE_FORMATS = (1, 2, 3)
+#: vectors are in ``dense.faiss`` only; 4: format 3 plus ``dense_tail.npy``, the HNSW vectors
+#: acknowledged but not inserted into the graph yet, written only when there are some)
+READABLE_FORMATS = (1, 2, 3, 4)
 
 
 def write(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions,
@@ -61,12 +64,16 @@ def write(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions,
     if store.dense.ann_state(with_bytes=False) is not None:
         store.dense.write_ann(snap / "dense.faiss")  # written by FAISS, no serialised copy in memory
         _fsync_file(snap / "dense.faiss")
+        tail = store.dense.deferred_vectors()  # (ANN ids after the graph's; still deferred on load)
+        if tail.shape[0]:
+            fsync_write_with(snap / "dense_tail.npy", lambda f: np.save(f, tail))
         ann = store.dense.ann_state(with_bytes=False)
         buf = io.BytesIO()
         np.savez(buf, ann_slot=ann["ann_slot"], live_slots=np.asarray(sorted(store.chunks), dtype=np.int64),
                  trained_at=ann["trained_at"], kind=ann["kind"])  # the batch holds the chunks in slot order
         fsync_write(snap / "dense.npz", buf.getvalue())
-    meta = {"format_version": FORMAT_VERSION, "applied_seq": store.applied_seq, "dim": store.dim,
+    meta = {"format_version": 4 if (snap / "dense_tail.npy").exists() else FORMAT_VERSION,
+            "applied_seq": store.applied_seq, "dim": store.dim,
             "next_slot": store.next_slot, "chunks": rows[0], "analyzer": {"stem": store.analyzer.stem}}
     fsync_write(snap / "meta.json", json.dumps(meta).encode())
     fsync_write(d / "CURRENT", snap.name.encode())
@@ -123,12 +130,18 @@ def _load_ann(snap: Path, store: ChunkStore) -> None:
                     return np.where((old >= 0) & (live[pos] == old), now[pos], -1)
 
                 state = {"kind": str(meta["kind"]), "faiss": f, "ann_slot": meta["ann_slot"],
-                         "trained_at": int(meta["trained_at"])}
+                         "trained_at": int(meta["trained_at"]), "tail": _tail(snap)}
                 if store.dense.load_ann(state, remap):
                     return
         except (OSError, ValueError, KeyError, RuntimeError):
             pass  # rebuilt below
     store.dense.compact_ann()
+
+
+def _tail(snap: Path) -> np.ndarray | None:
+    """The snapshot's deferred HNSW vectors float32[P, D] (``dense_tail.npy``, memory-mapped), or None."""
+    p = snap / "dense_tail.npy"
+    return np.load(p, mmap_mode="r") if p.exists() else None
 
 
 def map_chunks(path: Path):
@@ -154,7 +167,8 @@ def _with_vectors(snap: Path, table, dim: int):
 
     try:
         m = np.load(snap / "dense.npz")
-        vecs = read_vectors(snap / "dense.faiss", m["ann_slot"], np.asarray(m["live_slots"], dtype=np.int64))
+        vecs = read_vectors(snap / "dense.faiss", m["ann_slot"], np.asarray(m["live_slots"], dtype=np.int64),
+                            _tail(snap))
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise RuntimeError(f"{snap}: the chunks' vectors are in dense.faiss, which cannot be read: {exc}") from exc
     col = pa.FixedSizeListArray.from_arrays(pa.array(np.ascontiguousarray(vecs, np.float32).reshape(-1)), dim)

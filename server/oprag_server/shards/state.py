@@ -48,6 +48,7 @@ class ShardState:
         st = self.store
         return StatsReply(shard=self.shard_id, documents=len(st.doc_slots), chunks=len(st.chunks),
                           memory_records=len(self.memory), applied_seq=st.applied_seq, nbytes=st.nbytes(),
+                          ann_pending=st.dense.pending,
                           lexical=st.postings.full_stats() if req is not None and req.lexical else None)
 
     def _dir(self) -> Path:
@@ -70,6 +71,22 @@ class ShardState:
         if self.data_dir is None:
             return 0
         return snapshots.load(self._dir(), self.store, self.memory, self.txns, committed, self.storage)
+
+    #: deferred HNSW inserts per background step: ~40-60 ms at efConstruction 80 (a request that
+    #: arrives meanwhile waits at most that long; FAISS's add costs O(graph size) per call besides
+    #: O(batch), so much smaller steps cost more per vector)
+    BACKGROUND_STEP = 192
+
+    def background_step(self) -> bool:
+        """Do a little deferred work (insert the oldest :attr:`BACKGROUND_STEP` deferred HNSW
+        vectors into the graph) between requests, unless a prepared transaction waits for its
+        apply (the commit is waiting for this shard: it comes first).
+
+        :returns: whether deferred work waits that a step may do now."""
+        if self.txns.prepared:
+            return False
+        self.store.dense.insert_pending(self.BACKGROUND_STEP)
+        return self.store.dense.pending > 0
 
     def shutdown(self, req: ShutdownRequest) -> ShutdownReply:
         """Snapshot when asked; the run loop exits after replying."""

@@ -4,7 +4,9 @@ memory records of the sessions routed to it (a :class:`~oprag_server.shards.stat
 Spawned by :class:`~oprag_server.shards.transport.PipeTransport`. It answers requests
 ``(request_id, Op, request)`` with ``(request_id, ok, reply or error text)`` (types in
 :mod:`oprag_server.shards.protocol`), one at a time, so every operation is atomic with respect
-to queries. The first message is READY: ``(0, True, StatsReply)`` with the full BM25
+to queries. Between requests it does deferred work in small steps
+(:meth:`~oprag_server.shards.state.ShardState.background_step`: HNSW inserts an ingest left for
+later), looking for a request after each step. The first message is READY: ``(0, True, StatsReply)`` with the full BM25
 statistics, or ``(0, False, error)``.
 
 This module imports neither torch nor grpc: shard processes stay small.
@@ -50,7 +52,11 @@ def run(shard_id: int, conn, dim: int, data_dir: str | None, stem: bool, committ
         conn.send((0, False, f"{type(exc).__name__}: {exc}"))
         return
     table = op_table(state)
+    busy = state.store.dense.pending > 0  # deferred work waits (HNSW inserts a replay left)
     while True:
+        if busy and not conn.poll(0):  # nothing asked: do some of it, then look again
+            busy = state.background_step()
+            continue
         try:
             req_id, op, req = conn.recv()
         except (EOFError, OSError):
@@ -63,3 +69,4 @@ def run(shard_id: int, conn, dim: int, data_dir: str | None, stem: bool, committ
             conn.send((req_id, False, f"{type(exc).__name__}: {exc}"))
         if op is Op.SHUTDOWN:
             break
+        busy = state.store.dense.pending > 0 and not state.txns.prepared
