@@ -246,3 +246,56 @@ def engine_usage():
     from oprag_server.models.protocols import EngineUsage
 
     return EngineUsage()
+
+
+def one_thread() -> None:
+    """Limit BLAS and FAISS's OpenMP in this process to one thread, as a shard process runs them."""
+    import os
+
+    os.environ.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    import faiss
+
+    faiss.omp_set_num_threads(1)
+    try:
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(1)
+    except ImportError:
+        import sys
+
+        print("threadpoolctl missing: BLAS may use several threads", file=sys.stderr)
+
+
+def query_vectors(texts: list[str], cache: str = ""):
+    """float32[len(texts), 384] MiniLM vectors of ``texts``, read from / saved to the ``.npy``
+    file ``cache`` when one is named."""
+    import numpy as np
+    from pathlib import Path
+
+    path = Path(cache) if cache else None
+    if path is not None and path.exists():
+        return np.load(path)[: len(texts)]
+    vecs = encoder("minilm", device="cpu").encode(texts, truncate=True).astype(np.float32)
+    if path is not None:
+        np.save(path, vecs)
+    return vecs
+
+
+def shard_idf(ix):
+    """``(terms -> float64[T] idf, average idf)``: rank_bm25's Okapi idf with one shard's
+    document frequencies (``PostingsIndex`` ``ix``, merged), a negative idf floored at 0.25 x the
+    average idf over the shard's whole vocabulary (as ``CorpusStats.query_idf`` does over the
+    corpus), 0 for a term it does not hold."""
+    import numpy as np
+
+    n = len(ix)
+    sdf = np.asarray(ix._seg_df, np.float64)  # noqa: SLF001 - every term of the (merged) shard
+    sdf = sdf[sdf > 0]
+    avg = float(np.log((n - sdf + 0.5) / (sdf + 0.5)).mean()) if sdf.size else 0.0
+
+    def idf(terms):
+        df = np.array([ix.df(t) for t in terms], np.float64)
+        raw = np.log((n - df + 0.5) / (df + 0.5))
+        return np.where(df == 0, 0.0, np.where(raw < 0, 0.25 * avg, raw))
+
+    return idf, avg

@@ -39,24 +39,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--either", default="", help="comma-separated hybrid.EITHER values to compare (a tree with it)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    os.environ.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
-    import faiss
-
-    faiss.omp_set_num_threads(1)
-    try:
-        from threadpoolctl import threadpool_limits
-        threadpool_limits(1)
-    except ImportError:
-        log("threadpoolctl missing: BLAS may use several threads")
+    _internals.one_thread()
     judged, _ = load_queries_qrels(a.shared, "train")
     texts = list(judged.values())[: a.queries]
-    cache = Path(a.vectors) if a.vectors else None
-    if cache is not None and cache.exists():
-        vecs = np.load(cache)[: len(texts)]
-    else:
-        vecs = _internals.encoder("minilm", device="cpu").encode(texts, truncate=True).astype(np.float32)
-        if cache is not None:
-            np.save(cache, vecs)
+    vecs = _internals.query_vectors(texts, a.vectors)
     t0 = time.perf_counter()
     r, Spec, states = _internals.in_process_retriever(a.data_dir, a.shards, a.dense_index)
     for st in states:

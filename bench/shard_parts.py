@@ -78,22 +78,13 @@ def _queries(a, st) -> list[tuple]:
     """(vector float32[D], terms, idf float64[T]) of the first ``a.queries`` judged train queries."""
     judged, _ = load_queries_qrels(a.shared, "train")
     texts = list(judged.values())[: a.queries]
-    cache = Path(a.vectors) if a.vectors else None
-    if cache is not None and cache.exists():
-        vecs = np.load(cache)[: len(texts)]
-    else:
-        vecs = _internals.encoder("minilm", device="cpu").encode(texts, truncate=True).astype(np.float32)
-        if cache is not None:
-            np.save(cache, vecs)
+    vecs = _internals.query_vectors(texts, a.vectors)
     an, ix = _internals.analyzer(), st.store.postings
-    n = len(ix)
+    query_idf, _ = _internals.shard_idf(ix)  # the server's floor (the query terms' mean is ~10x lower)
     out = []
     for text, v in zip(texts, vecs):
         terms = an.tokens(text)
-        df = np.array([ix.df(t) for t in terms], np.float64)
-        idf = np.log((n - df + 0.5) / (df + 0.5))
-        idf = np.where(idf < 0, 0.25 * max(float(idf.mean()), 0.0) if idf.size else 0.0, idf)
-        out.append((np.ascontiguousarray(v, np.float32), terms, idf))
+        out.append((np.ascontiguousarray(v, np.float32), terms, query_idf(terms)))
     return out
 
 
@@ -123,15 +114,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--accuracy", action="store_true", help="also the dense minimum and ANN recall vs exact")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    os.environ.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
-    import faiss
-
-    faiss.omp_set_num_threads(1)
-    try:
-        from threadpoolctl import threadpool_limits
-        threadpool_limits(1)
-    except ImportError:
-        log("threadpoolctl missing: BLAS may use several threads")
+    _internals.one_thread()
     t0 = time.perf_counter()
     sp = _internals.shard_plane()
     st = _internals.shard_state(a.data_dir, a.shard, a.dense_index)

@@ -43,17 +43,13 @@ def main(argv=None) -> dict:
         texts = [json.loads(line)["text"] for line in f][: a.queries]
     n = len(ix)
     avgdl = float(np.asarray(ix._doc_len).sum() / max(n, 1))  # noqa: SLF001 - this shard's average length
-    sdf = np.asarray(ix._seg_df, np.float64)  # noqa: SLF001 - every term of the (merged) shard
-    sdf = sdf[sdf > 0]
-    avg_idf = float(np.log((n - sdf + 0.5) / (sdf + 0.5)).mean()) if sdf.size else 0.0
+    query_idf, avg_idf = _internals.shard_idf(ix)
     queries = []
     for text in texts:
         terms = an.tokens(text)
         if not terms:
             continue
-        df = np.array([ix.df(t) for t in terms], np.float64)
-        idf = np.log((n - df + 0.5) / (df + 0.5))
-        idf = np.where(df == 0, 0.0, np.where(idf < 0, 0.25 * avg_idf, idf))  # rank_bm25's epsilon floor
+        idf = query_idf(terms)  # rank_bm25's epsilon floor over the vocabulary
         queries.append((terms, idf))
     lt.listed_top(ix, queries[0][0], queries[0][1], avgdl, 1.5, 0.75, 1)  # compile / warm
     out = {"chunks": n, "queries": len(queries), "average_idf": round(avg_idf, 3), "by_m": {}, "machine": machine_info()}
