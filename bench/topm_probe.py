@@ -1,5 +1,6 @@
-"""The BM25 top-m of one shard (dense-first hybrid's BM25 list), MaxScore-pruned against
-reading every query term's list, in process on a data dir that ``bench.scale`` left
+"""The BM25 top-m of one shard (dense-first hybrid's BM25 list): the wide-term path
+(:mod:`oprag_server.index.kernels_wide`, the server's default), MaxScore alone and reading every
+query term's list, in process on a data dir that ``bench.scale`` left
 (``bench/out/scale-<size>-<kind>``): shard 0 is loaded from its snapshot, SciFact queries are
 analysed, idf is rank_bm25's formula with this shard's document frequencies (epsilon 0.25: a
 negative idf becomes 0.25 x the average idf over the shard's whole vocabulary, as the server's
@@ -58,17 +59,19 @@ def main(argv=None) -> dict:
         # one pass per path: interleaving them per query let the full path's reads of the
         # common terms' lists warm the caches for the pruned path's probes (4.5 ms p50 at 500K
         # chunks per shard that way, 11-13 ms in separate passes and in a served shard)
-        ms = {"pruned": [], "full": []}
-        got: dict[str, list] = {"pruned": [], "full": []}
-        for path in ("pruned", "full"):
-            lt._PRUNE = path == "pruned"  # noqa: SLF001
+        paths = ("wide", "pruned", "full")
+        ms: dict[str, list] = {p: [] for p in paths}
+        got: dict[str, list] = {p: [] for p in paths}
+        for path in paths:
+            lt._PRUNE = path != "full"  # noqa: SLF001
+            lt._WIDE = path == "wide"  # noqa: SLF001
             for terms, idf in queries:
                 t = time.perf_counter()
                 s, sc, _ = lt.listed_top(ix, terms, idf, avgdl, 1.5, 0.75, m)
                 ms[path].append((time.perf_counter() - t) * 1e3)
                 got[path].append(sorted(sc.tolist(), reverse=True)[:m])
-        assert got["pruned"] == got["full"], "pruned and full top-m differ"
-        lt._PRUNE = True  # noqa: SLF001
+        assert got["pruned"] == got["full"] == got["wide"], "the paths' top-m differ"
+        lt._PRUNE = lt._WIDE = True  # noqa: SLF001
         out["by_m"][m] = {p: {"p50_ms": round(percentile(v[5:], 50), 3), "p95_ms": round(percentile(v[5:], 95), 3)}
                           for p, v in ms.items()}
         log(f"m {m}: {out['by_m'][m]}")

@@ -166,9 +166,10 @@ class Searcher(ExactMixin):
         that the first query is not slow. :returns: seconds taken."""
         t = _kernels().warm()
         st, t0 = self.store, time.perf_counter()
-        from ..index import kernels_topm  # noqa: PLC0415 - numba only in processes that search
+        from ..index import kernels_topm, kernels_wide  # noqa: PLC0415 - numba only in processes that search
 
         kernels_topm.warm()
+        kernels_wide.warm()
         _kernels_scan().warm()
         listed_top(st.postings, ["\x00"], np.ones(1), 1.0, 1.5, 0.75, 1)  # the segment's term bounds
         if st.dense.params.kind == "hnsw" and st.dense.ann is not None:

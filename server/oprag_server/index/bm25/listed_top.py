@@ -64,6 +64,10 @@ def listed_top(ix: PostingsIndex, terms: Sequence[str], idf: np.ndarray, avgdl: 
 
 #: the MaxScore path (:mod:`..kernels_topm`) for unfiltered queries; False: always read every list
 _PRUNE = True
+#: the wide-term path (:mod:`..kernels_wide`) when its rows hold at least span / _WIDE_GAIN of
+#: the query's postings (a pass over the span costs about as much as reading that many postings)
+_WIDE = True
+_WIDE_GAIN = 4
 
 
 class _Scratch:
@@ -76,6 +80,7 @@ class _Scratch:
         self.seen = np.zeros(0, np.uint8)
         self.seg: object = None
         self.bounds: tuple[np.ndarray, np.ndarray] | None = None
+        self.wide: _Wide | None = None
 
     def fit(self, cap: int) -> None:
         if self.acc.size < cap:
@@ -83,8 +88,43 @@ class _Scratch:
             self.acc, self.seen = np.zeros(cap), np.zeros(cap, np.uint8)
 
 
+class _Wide:
+    """One segment's dense tf rows of its wide terms (:mod:`..kernels_wide`): ``row_of[t]`` is
+    term t's row (-1: not wide), ``state[r]`` 0 unbuilt / 1 built / 2 unusable (a tf > 255)."""
+
+    def __init__(self, seg, seg_df) -> None:
+        from .. import kernels_wide  # noqa: PLC0415
+
+        self.seg = seg
+        self.span = int(seg.doc_slots[-1]) + 1 if seg.doc_slots.size else 0
+        lens = np.diff(np.asarray(seg.offsets, np.int64))
+        ids = np.flatnonzero(lens >= max(self.span // kernels_wide.WIDE_DIV, 1))
+        self.row_of = np.full(lens.size, -1, np.int64)
+        self.row_of[ids] = np.arange(ids.size)
+        self.rows = np.zeros((ids.size, self.span), np.uint8)  # calloc'd: untouched rows cost nothing
+        self.state = np.zeros(ids.size, np.int8)
+
+    def positions(self, seg, tids, idf) -> tuple[np.ndarray, np.ndarray, int]:
+        """``(is_wide bool[P], row int64[P], wide postings)`` of a query, building rows first used."""
+        from .. import kernels_wide  # noqa: PLC0415
+
+        is_wide, row = np.zeros(tids.size, np.bool_), np.zeros(tids.size, np.int64)
+        n = 0
+        for i, t in enumerate(tids.tolist()):
+            r = int(self.row_of[t]) if t >= 0 else -1
+            if r < 0 or not (idf[i] == 0.0 or idf[i] > 1e-30):
+                continue
+            if self.state[r] == 0:
+                ok = kernels_wide.fill_row(self.rows, r, t, seg.offsets, seg.slots, seg.tf)
+                self.state[r] = 1 if ok else 2
+            if self.state[r] == 1:
+                is_wide[i], row[i] = True, r
+                n += int(seg.offsets[t + 1] - seg.offsets[t])
+        return is_wide, row, n
+
+
 def _pruned(ix: PostingsIndex, seg, seg_df, tids, idf, d_off, ds, dt, m, avgdl, k1, b):
-    from .. import kernels_topm  # noqa: PLC0415
+    from .. import kernels_topm, kernels_wide  # noqa: PLC0415
 
     sc = ix.__dict__.get("_topm_scratch")
     if sc is None:
@@ -99,6 +139,16 @@ def _pruned(ix: PostingsIndex, seg, seg_df, tids, idf, d_off, ds, dt, m, avgdl, 
             sc.bounds = (np.full(v, np.nan), np.full(v, np.nan))
             sc.seg = seg
         sc.fit(doc_len.size)
+        if _WIDE:
+            if sc.wide is None or sc.wide.seg is not seg:
+                sc.wide = _Wide(seg, seg_df)
+            w = sc.wide
+            is_wide, row, n_wide = w.positions(seg, tids, idf)
+            if n_wide * _WIDE_GAIN >= w.span and w.span <= min(where.size, doc_len.size):
+                slots, scores, listed = kernels_wide.bm25_top_wide(
+                    where, _SEG, doc_len, tids, idf, seg.offsets, seg.slots, seg.tf, d_off, ds, dt, is_wide, row,
+                    w.rows, w.span, int(m), float(avgdl), float(k1), float(b), sc.acc, sc.seen)
+                return slots, scores, int(listed)
         slots, scores, listed, _ = kernels_topm.bm25_top_pruned(
             where, _SEG, doc_len, tids, idf, seg.offsets, seg.slots, seg.tf, d_off, ds, dt, sc.bounds[0],
             sc.bounds[1], seg_df, int(m), float(avgdl), float(k1), float(b), sc.acc, sc.seen)

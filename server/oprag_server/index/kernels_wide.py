@@ -1,0 +1,215 @@
+"""A shard's BM25 top-m when some query terms are in a large part of the segment (rank_bm25's
+idf floor gives every term with df > N/2 the same positive weight, ~1.8 on SciFact + WikiText,
+so "the", "of", "in" can no longer be left unread by MaxScore, :mod:`.kernels_topm`): the same
+result as :func:`.kernels.bm25_listed_top` for an unfiltered query whose idf are all >= 0.
+
+Layout: a *wide* term (``df >= span / WIDE_DIV`` in the segment, max tf <= 255) gets a dense
+``uint8[span]`` row of its term frequencies by slot (0 where absent), built from its postings
+the first time a query uses it and kept until the segment is replaced
+(:class:`.bm25.listed_top._Scratch`); the rows live in one ``calloc``'d ``uint8[R, span]`` array,
+so rows never used cost no memory. ``span`` is the segment's last slot + 1.
+
+Query: (1) the other ("narrow") lists and the delta layers' postings of every term are read
+into the per-slot scratch ``acc`` as in :mod:`.kernels_topm`; (2) the touched chunks' totals add
+their wide terms' contributions from the rows (float64), and their m-th largest is a first
+threshold; (3) one pass over the segment's slots in blocks computes the wide terms' sum for
+every chunk in float32 (contiguous rows: vectorised, no per-posting branches), keeps the chunks
+not touched in (1) whose sum reaches the threshold, raising it to the m-th largest of what it
+kept whenever its buffer fills, and counts the chunks with a non-zero score; (4) every kept
+chunk whose approximate score reaches the final threshold (relative slack :data:`_APPROX`, far
+above float32 rounding of a sum of a few hundred terms) is scored again from 0.0 in query-term
+order with the operations of ``PostingsIndex.score_all`` (rank_bm25's values, bit for bit), and
+the top-m of those exact scores is returned. Every list is in effect read, so ``listed`` (the
+chunks with a non-zero score) is exact.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from .kernels import _JIT, _kth_largest
+from .kernels_topm import _f, _probe, _read
+from .warm_inputs import postings_variants
+
+#: a term is wide when its segment list holds at least span / WIDE_DIV postings
+WIDE_DIV = 16
+#: relative slack between float32 approximations and float64 thresholds
+_APPROX = 1e-4
+_BLOCK = 2048
+
+
+@njit(**_JIT)
+def fill_row(rows, r, t, offsets, pslots, ptf):
+    """Write term ``t``'s segment term frequencies into ``rows[r]`` (all zero on entry).
+    :returns: False (row left zero) when a tf exceeds 255."""
+    lo, hi = offsets[t], offsets[t + 1]
+    for p in range(lo, hi):
+        if ptf[p] > 255:
+            for q in range(lo, p):
+                rows[r, np.int64(pslots[q])] = 0
+            return False
+        rows[r, np.int64(pslots[p])] = np.uint8(ptf[p])
+    return True
+
+
+@njit(**_JIT)
+def _wide_part(x, wide_pos, wide_row, idf, rows, doc_len, avgdl, k1, b):
+    """Float64 sum of the wide positions' contributions to segment chunk ``x``."""
+    s = 0.0
+    for j in range(wide_pos.size):
+        tf = rows[wide_row[j], x]
+        if tf > 0:
+            s += _f(idf[wide_pos[j]], np.float64(tf), doc_len[x], avgdl, k1, b, 1.0 - b, k1 + 1.0)
+    return s
+
+
+@njit(**_JIT)
+def _compact(bx, bv, nb, m, thr):
+    """Raise ``thr`` to the m-th largest of ``bv[:nb]`` (less the slack) and keep the entries
+    at or above it; returns ``(nb, thr)``."""
+    if nb >= m:
+        th = _kth_largest(bv[:nb], m) * (1.0 - _APPROX)
+        if th > thr:
+            thr = th
+    c = 0
+    for j in range(nb):
+        if bv[j] >= thr:
+            bx[c], bv[c] = bx[j], bv[j]
+            c += 1
+    return c, thr
+
+
+@njit(**_JIT)
+def bm25_top_wide(where, seg_code, doc_len, tids, idf, offsets, pslots, ptf, d_off, d_slots, d_tf,
+                  is_wide, wide_row, rows, span, m, avgdl, k1, b, acc, seen):
+    """The BM25 top-m of an unfiltered query with every ``idf >= 0`` (module docstring).
+
+    Arguments as :func:`.kernels_topm.bm25_top_pruned`, plus ``is_wide`` (bool[P]: position i's
+    segment list is read from ``rows[wide_row[i]]``, uint8[R, span], not its postings) and
+    ``span`` (the segment's last slot + 1). Scratch ``acc`` / ``seen`` zero on entry and return.
+
+    :returns: ``(slots int64[C], scores float64[C], listed)``: every chunk with a non-zero
+        score at least the m-th largest (C >= min(m, listed)), and the exact listed count.
+    """
+    n_pos = tids.size
+    one_b, k1p = 1.0 - b, k1 + 1.0
+    total = 0
+    for i in range(n_pos):
+        if tids[i] >= 0 and not is_wide[i]:
+            total += offsets[tids[i] + 1] - offsets[tids[i]]
+        total += d_off[i + 1] - d_off[i]
+    touched = np.empty(total, np.int64)
+    nt = 0
+    nw = 0
+    for i in range(n_pos):
+        nw += is_wide[i]
+    wide_pos, wrow = np.empty(nw, np.int64), np.empty(nw, np.int64)
+    c = 0
+    for i in range(n_pos):
+        t = tids[i]
+        if is_wide[i]:
+            wide_pos[c], wrow[c] = i, wide_row[i]
+            c += 1
+            t = -1  # its delta postings only
+        nt, _ = _read(i, idf[i], t, offsets, pslots, ptf, d_off, d_slots, d_tf, where, seg_code, doc_len, avgdl,
+                      k1, b, acc, seen, touched, nt)
+    # (2) touched chunks: exact-order-free float64 totals, and what the pass double counts
+    tot = np.empty(nt, np.float64)
+    listed_adj = 0
+    for j in range(nt):
+        x = touched[j]
+        v = acc[x]
+        if x < span and where[x] == seg_code:
+            wv = _wide_part(x, wide_pos, wrow, idf, rows, doc_len, avgdl, k1, b)
+            listed_adj -= wv > 0.0
+            v += wv
+        tot[j] = v
+        listed_adj += v != 0.0
+    thr = 0.0
+    if nt >= m:
+        thr = _kth_largest(tot, m) * (1.0 - _APPROX)
+    # (3) the pass over the segment's slots, float32
+    cap = max(8 * m, 4096)
+    bx, bv = np.empty(cap, np.int64), np.empty(cap, np.float64)
+    nb = 0
+    n_nonzero = 0
+    a0, a1 = k1 * one_b, k1 * b / avgdl
+    w32 = np.empty(nw, np.float32)
+    for j in range(nw):
+        w32[j] = np.float32(idf[wide_pos[j]])
+    k1p32 = np.float32(k1p)
+    s = np.empty(_BLOCK, np.float32)
+    nrm = np.empty(_BLOCK, np.float32)
+    for base in range(0, span, _BLOCK):
+        n = min(_BLOCK, span - base)
+        sv, nv = s[:n], nrm[:n]
+        dl = doc_len[base:base + n]
+        for q in range(n):
+            nv[q] = np.float32(a0 + a1 * dl[q])
+            sv[q] = np.float32(0.0)
+        for j in range(nw):
+            row = rows[wrow[j], base:base + n]
+            w = w32[j]
+            for q in range(n):
+                t = np.float32(row[q])
+                sv[q] += w * (t * k1p32 / (t + nv[q]))
+        wh = where[base:base + n]
+        for q in range(n):
+            if wh[q] == seg_code and sv[q] > 0.0:
+                n_nonzero += 1
+                if sv[q] >= thr:
+                    x = base + q
+                    if seen[x] == 0:
+                        if nb == bx.size:
+                            nb, thr = _compact(bx, bv, nb, m, thr)
+                            if nb * 2 > bx.size:  # ties at the threshold: grow
+                                bx2, bv2 = np.empty(bx.size * 2, np.int64), np.empty(bx.size * 2, np.float64)
+                                bx2[:nb], bv2[:nb] = bx[:nb], bv[:nb]
+                                bx, bv = bx2, bv2
+                        bx[nb], bv[nb] = x, np.float64(sv[q])
+                        nb += 1
+    listed = n_nonzero + listed_adj
+    # (4) candidates: the kept chunks and the touched ones at or above the final threshold
+    nc = nb
+    for j in range(nt):
+        nc += tot[j] != 0.0
+    cx, cv = np.empty(nc, np.int64), np.empty(nc, np.float64)
+    c = 0
+    for j in range(nb):
+        cx[c], cv[c] = bx[j], bv[j]
+        c += 1
+    for j in range(nt):
+        if tot[j] != 0.0:
+            cx[c], cv[c] = touched[j], tot[j]
+            c += 1
+    for j in range(nt):
+        acc[touched[j]], seen[touched[j]] = 0.0, 0
+    if c > m:
+        th = _kth_largest(cv, m) * (1.0 - _APPROX)
+        keep = np.flatnonzero(cv >= th)
+        cx = cx[keep]
+    ex = np.zeros(cx.size, np.float64)
+    for i in range(n_pos):
+        for j in range(cx.size):
+            v, hit = _probe(i, idf[i], tids[i], cx[j], offsets, pslots, ptf, d_off, d_slots, d_tf, where, seg_code,
+                            doc_len, avgdl, k1, b)
+            if hit:
+                ex[j] += v
+    keep = np.flatnonzero(ex != 0.0)
+    cx, ex = cx[keep], ex[keep]
+    if cx.size <= m:
+        return cx, ex, listed
+    sel = np.flatnonzero(ex >= _kth_largest(ex, m))
+    return cx[sel], ex[sel], listed
+
+
+def warm() -> None:
+    """Compile (or load from numba's cache) the signatures a shard passes."""
+    s = np.arange(3, dtype=np.int64)
+    for _, (where, doc_len, off, ps, tf) in postings_variants():
+        rows = np.zeros((1, 3), np.uint8)
+        fill_row(rows, 0, 0, off, ps, tf)
+        bm25_top_wide(where, 1, doc_len, np.zeros(1, np.int64), np.ones(1), off, ps, tf, np.zeros(2, np.int64), s,
+                      doc_len, np.ones(1, np.bool_), np.zeros(1, np.int64), rows, 3, 2, 1.0, 1.5, 0.75,
+                      np.zeros(3), np.zeros(3, np.uint8))
