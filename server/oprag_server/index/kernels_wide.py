@@ -69,7 +69,7 @@ def _block(rows, base, wrow, w32, k1p32, dl, wh, a, seg_code, a0, a1, thr, sv, n
     length normalisation is floored at 1e-30, a tf is >= 0)."""
     n = sv.size
     for q in range(n):
-        nv[q] = max(np.float32(a0 + a1 * dl[q]), np.float32(1e-30))
+        nv[q] = max(np.float32(a0) + np.float32(a1) * dl[q], np.float32(1e-30))
         sv[q] = np.float32(0.0)
     for j in range(wrow.size):
         row = rows[wrow[j], base:base + n]
@@ -108,13 +108,15 @@ def _compact(bx, bv, nb, m, thr):
 
 
 @njit(**_JIT)
-def bm25_top_wide(where, seg_code, doc_len, tids, idf, offsets, pslots, ptf, d_off, d_slots, d_tf,
+def bm25_top_wide(where, seg_code, doc_len, dl32, tids, idf, offsets, pslots, ptf, d_off, d_slots, d_tf,
                   is_wide, wide_row, rows, span, m, avgdl, k1, b, acc, seen):
     """The BM25 top-m of an unfiltered query with every ``idf >= 0`` (module docstring).
 
-    Arguments as :func:`.kernels_topm.bm25_top_pruned`, plus ``is_wide`` (bool[P]: position i's
-    segment list is read from ``rows[wide_row[i]]``, uint8[R, span], not its postings) and
-    ``span`` (the segment's last slot + 1). Scratch ``acc`` / ``seen`` zero on entry and return.
+    Arguments as :func:`.kernels_topm.bm25_top_pruned`, plus ``dl32`` (float32[span]: the
+    segment chunks' lengths), ``is_wide`` (bool[P]: position i's segment list is read from
+    ``rows[wide_row[i]]``, uint8[R, span], not its postings) and ``span`` (the segment's last
+    slot + 1). Scratch ``acc`` (float32[S]: partial scores, approximate) / ``seen`` zero on
+    entry and return.
 
     :returns: ``(slots int64[C], scores float64[C], listed)``: every chunk with a non-zero
         score at least the m-th largest (C >= min(m, listed)), and the exact listed count.
@@ -146,7 +148,7 @@ def bm25_top_wide(where, seg_code, doc_len, tids, idf, offsets, pslots, ptf, d_o
     if nt >= m:
         part = np.empty(nt, np.float64)
         for j in range(nt):
-            part[j] = acc[touched[j]]
+            part[j] = np.float64(acc[touched[j]])
         thr = _kth_largest(part, m) * (1.0 - _APPROX)
     # (3) the pass over the slots below span: wide sums (float32) plus the partial scores
     cap = max(8 * m, 4096)
@@ -164,7 +166,7 @@ def bm25_top_wide(where, seg_code, doc_len, tids, idf, offsets, pslots, ptf, d_o
     for base in range(0, span, _BLOCK):
         n = min(_BLOCK, span - base)
         a = acc[base:base + n]
-        cnt, k = _block(rows, base, wrow, w32, k1p32, doc_len[base:base + n], where[base:base + n], a, seg_code,
+        cnt, k = _block(rows, base, wrow, w32, k1p32, dl32[base:base + n], where[base:base + n], a, seg_code,
                         a0, a1, thr, s[:n], nrm[:n], bq)
         listed += cnt
         for j in range(k):  # appended (the hot loops are in _block: no array reassigned there)
@@ -191,7 +193,7 @@ def bm25_top_wide(where, seg_code, doc_len, tids, idf, offsets, pslots, ptf, d_o
     for j in range(nt):
         x = touched[j]
         if x >= span and acc[x] != 0.0:
-            cx[c], cv[c] = x, acc[x]
+            cx[c], cv[c] = x, np.float64(acc[x])
             c += 1
     listed += c - nb
     for j in range(nt):
@@ -221,6 +223,6 @@ def warm() -> None:
     for _, (where, doc_len, off, ps, tf) in postings_variants():
         rows = np.zeros((1, 3), np.uint8)
         fill_row(rows, 0, 0, off, ps, tf)
-        bm25_top_wide(where, 1, doc_len, np.zeros(1, np.int64), np.ones(1), off, ps, tf, np.zeros(2, np.int64), s,
+        bm25_top_wide(where, 1, doc_len, doc_len.astype(np.float32), np.zeros(1, np.int64), np.ones(1), off, ps, tf, np.zeros(2, np.int64), s,
                       doc_len, np.ones(1, np.bool_), np.zeros(1, np.int64), rows, 3, 2, 1.0, 1.5, 0.75,
-                      np.zeros(3), np.zeros(3, np.uint8))
+                      np.zeros(3, np.float32), np.zeros(3, np.uint8))

@@ -77,6 +77,7 @@ class _Scratch:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.acc = np.zeros(0, np.float64)
+        self.acc32 = np.zeros(0, np.float32)
         self.seen = np.zeros(0, np.uint8)
         self.seg: object = None
         self.bounds: tuple[np.ndarray, np.ndarray] | None = None
@@ -86,13 +87,14 @@ class _Scratch:
         if self.acc.size < cap:
             cap = max(cap, self.acc.size * 5 // 4)
             self.acc, self.seen = np.zeros(cap), np.zeros(cap, np.uint8)
+            self.acc32 = np.zeros(cap, np.float32)  # the wide path's partial scores (approximate)
 
 
 class _Wide:
     """One segment's dense tf rows of its wide terms (:mod:`..kernels_wide`): ``row_of[t]`` is
     term t's row (-1: not wide), ``state[r]`` 0 unbuilt / 1 built / 2 unusable (a tf > 255)."""
 
-    def __init__(self, seg, seg_df) -> None:
+    def __init__(self, seg, doc_len) -> None:
         from .. import kernels_wide  # noqa: PLC0415
 
         self.seg = seg
@@ -103,6 +105,8 @@ class _Wide:
         self.row_of[ids] = np.arange(ids.size)
         self.rows = np.zeros((ids.size, self.span), np.uint8)  # calloc'd: untouched rows cost nothing
         self.state = np.zeros(ids.size, np.int8)
+        # the segment chunks' lengths (fixed while they are in it), float32: half the bytes per pass
+        self.dl32 = np.asarray(doc_len[: self.span], np.float32)
 
     def positions(self, seg, tids, idf) -> tuple[np.ndarray, np.ndarray, int]:
         """``(is_wide bool[P], row int64[P], wide postings)`` of a query, building rows first used."""
@@ -112,7 +116,7 @@ class _Wide:
         n = 0
         for i, t in enumerate(tids.tolist()):
             r = int(self.row_of[t]) if t >= 0 else -1
-            if r < 0 or not (idf[i] == 0.0 or idf[i] > 1e-30):
+            if r < 0:
                 continue
             if self.state[r] == 0:
                 ok = kernels_wide.fill_row(self.rows, r, t, seg.offsets, seg.slots, seg.tf)
@@ -139,15 +143,15 @@ def _pruned(ix: PostingsIndex, seg, seg_df, tids, idf, d_off, ds, dt, m, avgdl, 
             sc.bounds = (np.full(v, np.nan), np.full(v, np.nan))
             sc.seg = seg
         sc.fit(doc_len.size)
-        if _WIDE:
+        if _WIDE and not np.any((idf > 0.0) & (idf < 1e-30)):  # float32 partial scores stay non-zero
             if sc.wide is None or sc.wide.seg is not seg:
-                sc.wide = _Wide(seg, seg_df)
+                sc.wide = _Wide(seg, doc_len)
             w = sc.wide
             is_wide, row, n_wide = w.positions(seg, tids, idf)
             if n_wide * _WIDE_GAIN >= w.span and w.span <= min(where.size, doc_len.size):
                 slots, scores, listed = kernels_wide.bm25_top_wide(
-                    where, _SEG, doc_len, tids, idf, seg.offsets, seg.slots, seg.tf, d_off, ds, dt, is_wide, row,
-                    w.rows, w.span, int(m), float(avgdl), float(k1), float(b), sc.acc, sc.seen)
+                    where, _SEG, doc_len, w.dl32, tids, idf, seg.offsets, seg.slots, seg.tf, d_off, ds, dt, is_wide,
+                    row, w.rows, w.span, int(m), float(avgdl), float(k1), float(b), sc.acc32, sc.seen)
                 return slots, scores, int(listed)
         slots, scores, listed, _ = kernels_topm.bm25_top_pruned(
             where, _SEG, doc_len, tids, idf, seg.offsets, seg.slots, seg.tf, d_off, ds, dt, sc.bounds[0],
