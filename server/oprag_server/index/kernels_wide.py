@@ -35,7 +35,7 @@ import numpy as np
 from numba import njit
 
 from .kernels import _JIT, _kth_largest
-from .kernels_topm import _f, _probe, _read
+from .kernels_topm import _f, _probe, _read  # noqa: F401
 from .warm_inputs import postings_variants
 
 #: a term is wide when its segment list holds at least span / WIDE_DIV postings
@@ -205,8 +205,17 @@ def bm25_top_wide(where, seg_code, doc_len, dl32, tids, idf, offsets, pslots, pt
     ex = np.zeros(cx.size, np.float64)
     for i in range(n_pos):
         for j in range(cx.size):
-            v, hit = _probe(i, idf[i], tids[i], cx[j], offsets, pslots, ptf, d_off, d_slots, d_tf, where, seg_code,
-                            doc_len, avgdl, k1, b)
+            x = cx[j]
+            if is_wide[i]:  # the row holds the segment posting's tf (a binary search of a long list costs ~20 misses)
+                tf = rows[wide_row[i], x] if x < span and where[x] == seg_code else 0
+                if tf > 0:
+                    ex[j] += _f(idf[i], np.float64(tf), doc_len[x], avgdl, k1, b, one_b, k1p)
+                    continue
+                v, hit = _probe(i, idf[i], -1, x, offsets, pslots, ptf, d_off, d_slots, d_tf, where, seg_code,
+                                doc_len, avgdl, k1, b)
+            else:
+                v, hit = _probe(i, idf[i], tids[i], x, offsets, pslots, ptf, d_off, d_slots, d_tf, where, seg_code,
+                                doc_len, avgdl, k1, b)
             if hit:
                 ex[j] += v
     keep = np.flatnonzero(ex != 0.0)
