@@ -105,3 +105,14 @@ def test_row_with_tf_above_255_is_not_used(monkeypatch):
     w = ix.__dict__["_topm_scratch"].wide
     assert w.state[w.row_of[ix._seg.vocab["t0"]]] == 2 and w.state[w.row_of[ix._seg.vocab["t1"]]] == 1
     assert not w.rows[w.row_of[ix._seg.vocab["t0"]]].any()
+
+
+def test_built_rows_count_in_postings_bytes():
+    rng = np.random.default_rng(9)
+    ix = _index(rng, _stop_words(rng, 600), 599, 0, 0)
+    before = ix.nbytes()["postings"]
+    lt.listed_top(ix, ["t0", "t1", "t2"], np.array([1.0, 1.0, 1.0]), 8.0, 1.5, 0.75, 10)
+    w = ix.__dict__["_topm_scratch"].wide
+    built = int((w.state == 1).sum())
+    assert built == 3
+    assert ix.nbytes()["postings"] >= before + built * w.span + w.dl32.nbytes

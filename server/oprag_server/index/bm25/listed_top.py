@@ -83,6 +83,13 @@ class _Scratch:
         self.bounds: tuple[np.ndarray, np.ndarray] | None = None
         self.wide: _Wide | None = None
 
+    def nbytes(self) -> int:
+        """Bytes held: the scratch arrays, the term bounds and the wide rows built (resident)."""
+        n = self.acc.nbytes + self.seen.nbytes + self.acc32.nbytes
+        n += sum(a.nbytes for a in self.bounds) if self.bounds is not None else 0
+        w = self.wide
+        return n + (int((w.state == 1).sum()) * w.span + w.dl32.nbytes if w is not None else 0)
+
     def fit(self, cap: int) -> None:
         if self.acc.size < cap:
             cap = max(cap, self.acc.size * 5 // 4)

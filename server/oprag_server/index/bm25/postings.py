@@ -232,11 +232,13 @@ class PostingsIndex(MergeMixin):
         return self._n_live, self._total_len, df
 
     def nbytes(self) -> dict[str, int]:
-        """Bytes held: ``postings`` (segment and per-slot arrays, the delta at an estimated 100
-        bytes per posting) and ``terms`` (:meth:`.segment.Segment.nbytes`, plus the delta's dict
+        """Bytes held: ``postings`` (segment and per-slot arrays, the BM25 top-m's scratch and
+        wide-term rows, the delta at an estimated 100 bytes per posting) and ``terms`` (:meth:`.segment.Segment.nbytes`, plus the delta's dict
         and term strings); docs/architecture.md "Memory accounting"."""
         arrays, terms = self._seg.nbytes()
         per_slot = self._doc_len.nbytes + self._live.nbytes + self._where.nbytes + self._seg_df.nbytes
+        sc = self.__dict__.get("_topm_scratch")  # the BM25 top-m's scratch and built wide rows (listed_top)
+        per_slot += sc.nbytes() if sc is not None else 0
         for layer in self._layers():
             arrays += layer.nbytes()
             terms += layer.terms_nbytes()
