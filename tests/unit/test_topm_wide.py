@@ -116,3 +116,26 @@ def test_built_rows_count_in_postings_bytes():
     built = int((w.state == 1).sum())
     assert built == 3
     assert ix.nbytes()["postings"] >= before + built * w.span + w.dl32.nbytes
+
+
+@pytest.mark.parametrize("seed", [11, 12])
+def test_candidate_scores_from_rows_equal_the_postings_path(seed):
+    """PostingsIndex.score (BM25 of the dense candidates) reads a built wide row instead of
+    searching the long list: the same floats, bit for bit, with deletes and delta chunks."""
+    rng = np.random.default_rng(seed)
+    docs = _stop_words(rng, 900)
+    ix = _index(rng, docs, 899, 40, 60)
+    terms = ["t0", "t1", "t7", "t2", "t0", "t33"]
+    idf = np.array([1.7, 1.7, 5.0, 1.7, 1.7, 6.0])
+    lt.listed_top(ix, terms, idf, 9.0, 1.2, 0.75, 20)  # builds the rows of t0, t1, t2
+    tids = np.array([ix._seg.vocab.get(t, -1) for t in terms], np.int64)
+    rowmap, _, _ = lt.wide_rows(ix, tids)
+    assert (rowmap >= 0).sum() >= 4
+    live = np.array([s for s in range(len(docs)) if ix.has_slot(s)], np.int64)
+    slots = rng.choice(live, 300, replace=True)
+    with_rows = ix.score(slots, terms, idf, 9.0, 1.2, 0.75)
+    ix.__dict__["_topm_scratch"].wide = None
+    assert (lt.wide_rows(ix, tids)[0] < 0).all()
+    without = ix.score(slots, terms, idf, 9.0, 1.2, 0.75)
+    assert with_rows.tobytes() == without.tobytes()
+    assert (with_rows > 0).mean() > 0.5

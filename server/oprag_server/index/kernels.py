@@ -14,14 +14,12 @@ candidate chunks from a CSR postings segment (:func:`bm25_segment`), a shard's B
   most :meth:`.dense.DenseIndex.score_error`, so the shortlist argument of ``refine_top``
   holds and the result, the exact top-n by (canonical score desc, chunk id asc), is the same;
   ties of canonical scores are left to the caller (chunk ids are Python strings);
-* BM25 of given chunks: :meth:`.bm25.postings.PostingsIndex.score` (the segment part, the same
-  operations in the same order per chunk);
-* skyband: :func:`.fusion.skyband_reference` (finite scores; the caller falls back otherwise).
+* BM25 of given chunks: :meth:`.bm25.postings.PostingsIndex.score` (its segment part, the same
+  operations in the same order per chunk); skyband: :func:`.fusion.skyband_reference`.
 
-No fast-math anywhere: every float operation is the IEEE one numpy performs. Compiled once and
-cached on disk (``cache=True``) next to this file, or under ``$NUMBA_CACHE_DIR``, which is set to
-a directory under the system temp dir when this package's directory is not writable;
-:func:`warm` compiles (or loads) every signature a shard uses, at shard start.
+No fast-math anywhere: every float operation is the IEEE one numpy performs. Cached on disk next
+to this file, or under ``$NUMBA_CACHE_DIR`` (set under the temp dir when this directory is not
+writable); :func:`warm` compiles (or loads) every signature a shard uses, at shard start.
 """
 
 from __future__ import annotations
@@ -37,7 +35,6 @@ if "NUMBA_CACHE_DIR" not in os.environ and not os.access(os.path.dirname(os.path
 
 import numba  # noqa: E402
 from numba import njit  # noqa: E402
-
 from .warm_inputs import postings_variants  # noqa: E402
 
 if os.environ.get("NUMBA_CACHE_DIR"):  # numba imported earlier reads the variable only at import
@@ -229,13 +226,13 @@ def dense_step(vecs, rows, all_rows, approx, q, err, n, sample):
 
 
 @njit(**_JIT)
-def bm25_segment(s, where, seg_code, doc_len, tids, idf, offsets, pslots, ptf, avgdl, k1, b):
+def bm25_segment(s, where, seg_code, doc_len, tids, idf, offsets, pslots, ptf, avgdl, k1, b, rowmap, rows, span):
     """BM25 of the chunks int64[M] ``s`` from one CSR segment (``offsets`` int64[T+1],
     ``pslots`` int32[P] ascending per term, ``ptf`` uint16/uint32[P]): for each query
     position ``i`` in order with segment term id ``tids[i]`` (-1: absent or no live posting),
     ``out += idf[i] * (tf * (k1 + 1) / (tf + norm))`` where the chunk's postings are in the
-    segment (``where[s] == seg_code``) and it has the term.
-
+    segment (``where[s] == seg_code``) and it has the term; the tf of a position with
+    ``rowmap[i] >= 0`` is read from ``rows[rowmap[i]]`` (uint8[R, span], :mod:`.kernels_wide`).
     :returns: ``(out float64[M], norm float64[M])`` with ``norm = k1 * (1 - b + b * doc_len[s]
         / avgdl)`` (the delta layers' additions use it).
     """
@@ -245,8 +242,7 @@ def bm25_segment(s, where, seg_code, doc_len, tids, idf, offsets, pslots, ptf, a
     one_b, k1p = 1.0 - b, k1 + 1.0
     for j in range(m):
         norm[j] = k1 * (one_b + b * doc_len[s[j]] / avgdl)
-    # candidates in ascending slot order: each term's postings are then searched forward from
-    # where the previous candidate was found (galloping), not from the start
+    # candidates in ascending slot order: each list searched forward from the last hit (galloping)
     order = _argsort_desc(-s, np.arange(m))
     for i in range(tids.size):
         t = tids[i]
@@ -254,6 +250,12 @@ def bm25_segment(s, where, seg_code, doc_len, tids, idf, offsets, pslots, ptf, a
             continue
         lo, end = offsets[t], offsets[t + 1]
         w = idf[i]
+        if rowmap[i] >= 0:  # one read per chunk instead of a search of a long list
+            for j in range(m):
+                tf = np.float64(rows[rowmap[i], s[j]]) if s[j] < span and where[s[j]] == seg_code else 0.0
+                if tf > 0.0:
+                    out[j] += w * (tf * k1p / (tf + norm[j]))
+            continue
         for j in order:
             x = s[j]
             if lo >= end:
@@ -390,7 +392,8 @@ def warm(d: int = 8) -> float:
     canonical_rows(vecs, rows, q)
     s = np.arange(3, dtype=np.int64)
     for ro, (where, doc_len, off, ps, tf) in postings_variants():
-        bm25_segment(s, where, 1, doc_len, np.zeros(1, np.int64), np.ones(1), off, ps, tf, 1.0, 1.5, 0.75)
+        bm25_segment(s, where, 1, doc_len, np.zeros(1, np.int64), np.ones(1), off, ps, tf, 1.0, 1.5, 0.75,
+                     np.zeros(1, np.int64), np.ones((1, 3), np.uint8), 3)
         bm25_listed_top(where, 1, doc_len, np.zeros(1, np.int64), np.ones(1), off, ps, tf, np.zeros(2, np.int64),
                         s, doc_len, s, ro, 2, 1.0, 1.5, 0.75)
     skyband(np.arange(3.0), np.arange(3.0), 1)

@@ -134,6 +134,22 @@ class _Wide:
         return is_wide, row, n
 
 
+_NO_ROWS = np.zeros((1, 1), np.uint8)
+
+
+def wide_rows(ix: PostingsIndex, tids: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """``(rowmap int64[T], rows uint8[R, span], span)`` for :func:`..kernels.bm25_segment`: per
+    query position the built wide row of its segment term (-1: none) in this shard's scratch,
+    when the scratch's rows belong to the current segment; else all -1."""
+    sc = ix.__dict__.get("_topm_scratch")
+    w = sc.wide if sc is not None else None
+    if w is None or w.seg is not ix._seg:  # noqa: SLF001
+        return np.full(tids.size, -1, np.int64), _NO_ROWS, 0
+    r = np.where(tids >= 0, w.row_of[np.maximum(tids, 0)], -1)
+    r[r >= 0] = np.where(w.state[r[r >= 0]] == 1, r[r >= 0], -1)
+    return r.astype(np.int64), w.rows, w.span
+
+
 def _pruned(ix: PostingsIndex, seg, seg_df, tids, idf, d_off, ds, dt, m, avgdl, k1, b):
     from .. import kernels_topm, kernels_wide  # noqa: PLC0415
 

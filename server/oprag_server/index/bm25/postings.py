@@ -318,11 +318,11 @@ class PostingsIndex(MergeMixin):
         # additions in the same order as rank_bm25); the length part of the denominator,
         # element-wise the same floats rank_bm25 computes, comes back for the delta layers
         from .. import kernels  # noqa: PLC0415 - numba (~170 MB resident) only in processes that score
-
+        from .listed_top import wide_rows  # noqa: PLC0415 - it imports this module
         vocab, seg_df, seg = self._seg.vocab, self._seg_df, self._seg
         tids = np.array([-1 if t is None or not seg_df[t] else t for t in map(vocab.get, terms)], np.int64)
         out, norm = kernels.bm25_segment(s.reshape(-1), self._where, _SEG, self._doc_len, tids, idf, seg.offsets,
-                                         seg.slots, seg.tf, float(avgdl), float(k1), float(b))
+                                         seg.slots, seg.tf, float(avgdl), float(k1), float(b), *wide_rows(self, tids))
         out = out.reshape(s.shape)
         self._add_delta_scores(out, s, terms, idf, k1, norm)
         return out
