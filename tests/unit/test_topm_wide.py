@@ -69,6 +69,7 @@ def test_wide_top_m_equals_the_full_kernel(make, seed, deletes, late, monkeypatc
     rng = np.random.default_rng(seed)
     docs = make(rng, 1500)
     ix = _index(rng, docs, len(docs) - 1, deletes, late)
+    monkeypatch.setattr(lt, "_FULL_BELOW", 0)  # small corpora: the pruned paths all the same
     calls = []
     real = kernels_wide.bm25_top_wide
     monkeypatch.setattr(kernels_wide, "bm25_top_wide", lambda *a: calls.append(1) or real(*a))
@@ -94,6 +95,7 @@ def test_wide_top_m_equals_the_full_kernel(make, seed, deletes, late, monkeypatc
 
 
 def test_row_with_tf_above_255_is_not_used(monkeypatch):
+    monkeypatch.setattr(lt, "_FULL_BELOW", 0)
     rng = np.random.default_rng(5)
     docs = _stop_words(rng, 400)
     docs[3] = ["t0"] * 300 + ["t7"]
@@ -107,7 +109,8 @@ def test_row_with_tf_above_255_is_not_used(monkeypatch):
     assert not w.rows[w.row_of[ix._seg.vocab["t0"]]].any()
 
 
-def test_built_rows_count_in_postings_bytes():
+def test_built_rows_count_in_postings_bytes(monkeypatch):
+    monkeypatch.setattr(lt, "_FULL_BELOW", 0)
     rng = np.random.default_rng(9)
     ix = _index(rng, _stop_words(rng, 600), 599, 0, 0)
     before = ix.nbytes()["postings"]
@@ -119,9 +122,10 @@ def test_built_rows_count_in_postings_bytes():
 
 
 @pytest.mark.parametrize("seed", [11, 12])
-def test_candidate_scores_from_rows_equal_the_postings_path(seed):
+def test_candidate_scores_from_rows_equal_the_postings_path(seed, monkeypatch):
     """PostingsIndex.score (BM25 of the dense candidates) reads a built wide row instead of
     searching the long list: the same floats, bit for bit, with deletes and delta chunks."""
+    monkeypatch.setattr(lt, "_FULL_BELOW", 0)
     rng = np.random.default_rng(seed)
     docs = _stop_words(rng, 900)
     ix = _index(rng, docs, 899, 40, 60)

@@ -54,7 +54,7 @@ def listed_top(ix: PostingsIndex, terms: Sequence[str], idf: np.ndarray, avgdl: 
     ds = np.concatenate(d_slots).astype(np.int64, copy=False) if d_slots else np.zeros(0, np.int64)
     dt = np.concatenate(d_tf).astype(np.float64, copy=False) if d_tf else np.zeros(0, np.float64)
     every = allowed is None
-    if every and bool(np.all(idf >= 0.0)) and _PRUNE:
+    if every and bool(np.all(idf >= 0.0)) and _PRUNE and _postings(seg, tids) + ds.size >= _FULL_BELOW:
         return _pruned(ix, seg, seg_df, tids, idf, np.asarray(d_off, np.int64), ds, dt, m, avgdl, k1, b)
     al = np.zeros(0, np.int64) if every else np.ascontiguousarray(allowed, dtype=np.int64)
     return kernels.bm25_listed_top(ix._where, _SEG, ix._doc_len, tids, idf, seg.offsets, seg.slots, seg.tf,  # noqa: SLF001
@@ -64,6 +64,18 @@ def listed_top(ix: PostingsIndex, terms: Sequence[str], idf: np.ndarray, avgdl: 
 
 #: the MaxScore path (:mod:`..kernels_topm`) for unfiltered queries; False: always read every list
 _PRUNE = True
+#: queries with fewer postings than this read every list (the full kernel): below it the pruned
+#: paths' fixed costs (term bounds, rows, rescoring) exceed what they save (at 5K chunks per shard
+#: 0.19 ms full vs 0.39 wide / 0.47 MaxScore p50 for SciFact queries; bench/RESULTS.md)
+_FULL_BELOW = 65536
+
+
+def _postings(seg, tids: np.ndarray) -> int:
+    """Segment postings of the query positions (repeats count again)."""
+    t = tids[tids >= 0]
+    return int((seg.offsets[t + 1] - seg.offsets[t]).sum()) if t.size else 0
+
+
 #: the wide-term path (:mod:`..kernels_wide`) when its rows hold at least span / _WIDE_GAIN of
 #: the query's postings (a pass over the span costs about as much as reading that many postings)
 _WIDE = True
@@ -143,11 +155,13 @@ def wide_rows(ix: PostingsIndex, tids: np.ndarray) -> tuple[np.ndarray, np.ndarr
     when the scratch's rows belong to the current segment; else all -1."""
     sc = ix.__dict__.get("_topm_scratch")
     w = sc.wide if sc is not None else None
-    if w is None or w.seg is not ix._seg:  # noqa: SLF001
-        return np.full(tids.size, -1, np.int64), _NO_ROWS, 0
-    r = np.where(tids >= 0, w.row_of[np.maximum(tids, 0)], -1)
+    r = np.full(tids.size, -1, np.int64)
+    if w is None or w.seg is not ix._seg or not w.row_of.size:  # noqa: SLF001
+        return r, _NO_ROWS, 0
+    on = (tids >= 0) & (tids < w.row_of.size)
+    r[on] = w.row_of[tids[on]]
     r[r >= 0] = np.where(w.state[r[r >= 0]] == 1, r[r >= 0], -1)
-    return r.astype(np.int64), w.rows, w.span
+    return r, w.rows, w.span
 
 
 def _pruned(ix: PostingsIndex, seg, seg_df, tids, idf, d_off, ds, dt, m, avgdl, k1, b):
