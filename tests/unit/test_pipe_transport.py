@@ -105,22 +105,3 @@ def test_a_request_that_cannot_be_pickled_fails_alone():
         assert (await t.call(Op.STATS, 1))[1] == 1
 
     asyncio.run(go())
-
-
-@pytest.mark.skipif(not hasattr(__import__("os"), "SCHED_BATCH"), reason="Linux scheduling policies")
-def test_the_shard_process_runs_under_sched_batch():
-    """Its wake-ups do not preempt the frontend (shards/worker.py ``SCHED_BATCH``)."""
-    import os
-
-    async def go():
-        t = PipeTransport(0, 4, None)
-        t.start(set())
-        try:
-            t.ready(asyncio.get_running_loop(), 120)
-            assert os.sched_getscheduler(t.proc.pid) == os.SCHED_BATCH
-            assert os.sched_getscheduler(0) != os.SCHED_BATCH  # the frontend keeps its policy
-        finally:
-            t.close()
-            t.proc.join(30)
-
-    asyncio.run(go())

@@ -14,7 +14,6 @@ This module imports neither torch nor grpc: shard processes stay small.
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import traceback
@@ -25,13 +24,6 @@ from .protocol import Op, StatsRequest
 from .state import ShardState, dispatch, op_table
 
 
-#: run the shard process under ``SCHED_BATCH`` (Linux): same share of the CPU, but its wake-ups
-#: do not preempt the running task. On a 2-core machine the frontend's write of a search request
-#: to shard 0 woke it onto the frontend's core, which then lost its core (~1.3 ms of wall per
-#: write) before writing to shard 1 (RESULTS.md, hot path, eighth pass).
-SCHED_BATCH = True
-
-
 def run(shard_id: int, conn, dim: int, data_dir: str | None, stem: bool, committed: set[str] | None = None,
         dense=None, storage: str | None = None) -> None:
     """Process entry point: load the snapshot, report READY with stats, serve requests until
@@ -40,11 +32,6 @@ def run(shard_id: int, conn, dim: int, data_dir: str | None, stem: bool, committ
     # the frontend decides when shards stop (a group SIGINT/SIGTERM must not kill them first)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if SCHED_BATCH:
-        try:  # a woken shard then waits for the core instead of preempting the frontend mid-dispatch
-            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
-        except (AttributeError, OSError):  # not Linux, or refused: the default policy
-            pass
     try:
         import faiss
 
