@@ -97,3 +97,77 @@ def test_hits_whose_fields_did_not_come_along_are_fetched():
     r._materialise = lambda results, fetched=None: orig(results, {})
     again, _ = c.retrieve("alpha beta", qv, mode="hybrid", top_k=7, candidates=30)
     assert again == want and Op.FETCH in count.ops
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_cone_keeps_every_top_k_of_the_allowed_fusions(seed):
+    """kernels_cone.cone_keep: for every rho >= rho_lo the top-k of d + rho l (ties: any order)
+    lies in what it keeps, and it keeps less than the skyband when rho_lo is large enough."""
+    from oprag_server.index.kernels_cone import cone_keep
+
+    rng = np.random.default_rng(seed)
+    s, k = int(rng.integers(1, 80)), int(rng.integers(1, 12))
+    d = np.round(rng.normal(size=s), int(rng.integers(1, 4)))  # ties at 1-3 decimals
+    lx = np.where(rng.random(s) < 0.3, 0.0, np.round(rng.gamma(2, 3, size=s), int(rng.integers(0, 3))))
+    rho_lo = float(rng.choice([0.0, 1e-3, 0.05, 0.3, 2.0]))
+    keep = cone_keep(d, lx, k, rho_lo)
+    ahead = lambda f, x: int(np.count_nonzero(f > f[x]))  # noqa: E731
+    rhos = [rho_lo, rho_lo * 1.0001 + 1e-9, 1e6] + list(rho_lo + rng.exponential(1.0, size=40))
+    for rho in rhos:
+        f = d + rho * lx
+        for x in range(s):
+            if ahead(f, x) < k:  # x can be in the top-k (after ties broken its way)
+                assert keep[x], (rho, x)
+    assert cone_keep(d, lx, s + 1, rho_lo).all()
+
+
+def test_cone_is_narrower_than_the_skyband():
+    from oprag_server.index.kernels_cone import cone_keep
+
+    rng = np.random.default_rng(7)
+    d, lx = rng.normal(size=200), rng.gamma(2, 3, size=200)
+    band = skyband(d, lx, 5)
+    wide, narrow = cone_keep(d[band], lx[band], 5, 0.0), cone_keep(d[band], lx[band], 5, 0.5)
+    assert (wide >= narrow).all() and narrow.sum() < wide.sum() <= band.size  # linear fusions: fewer still
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_hybrid_carries_fewer_fields_and_still_needs_no_fetch(seed):
+    """With the fusion's weights in the request the shards carry only the skyband chunks that can
+    be in its top-k: over queries and weights no FETCH follows, the hits equal those of a search
+    carrying the whole skyband, and fewer fields come along in all."""
+    from types import SimpleNamespace
+
+    from oprag_server.index import kernels_cone
+    from oprag_server.shards import search as search_mod
+
+    c, _ = _corpus(seed, n=150)
+    rng = np.random.default_rng(seed)
+    count, carried = _Counting(c.retriever.pool), {True: 0, False: 0}
+    orig_fields, orig_cone = search_mod.Searcher._fields, search_mod._kernels_cone
+    narrow = [True]
+
+    def fields(self, slots):
+        carried[narrow[0]] += len(slots)
+        return orig_fields(self, slots)
+
+    search_mod.Searcher._fields = fields
+    off = SimpleNamespace(rho_floor=lambda *a: 0.0, cone_keep=kernels_cone.cone_keep, warm=kernels_cone.warm)
+    try:
+        for _ in range(15):
+            qv = _vec(rng, 1)[0]
+            q = " ".join(rng.choice(VOCAB[:8], size=int(rng.integers(1, 4))).tolist())
+            wd, wl = (float(x) for x in rng.uniform(0.05, 2, size=2))
+            kw = dict(mode="hybrid", top_k=int(rng.integers(1, 9)), candidates=int(rng.integers(8, 40)),
+                      dense_weight=wd, lexical_weight=wl)
+            del count.ops[:]
+            narrow[0] = True
+            search_mod._kernels_cone = orig_cone
+            hits, _ = c.retrieve(q, qv, **kw)
+            assert Op.FETCH not in count.ops
+            narrow[0] = False
+            search_mod._kernels_cone = lambda: off
+            assert c.retrieve(q, qv, **kw)[0] == hits
+    finally:
+        search_mod.Searcher._fields, search_mod._kernels_cone = orig_fields, orig_cone
+    assert 0 < carried[True] < carried[False], carried

@@ -164,7 +164,9 @@ class Retriever:
                 n = max(sp.candidates if mode == "hybrid" else sp.top_k for sp in gspecs)
                 wid = Widening(self.cfg, gspecs, mode == "hybrid")
                 req = SearchRequest(batch, mode, n, max(sp.ef_search for sp in gspecs),
-                                    max(sp.nprobe for sp in gspecs), max(sp.top_k for sp in gspecs), wid.m)
+                                    max(sp.nprobe for sp in gspecs), max(sp.top_k for sp in gspecs), wid.m,
+                                    [(sp.dense_weight, sp.lexical_weight) if wid.m and bounded(sp) else None
+                                     for sp in gspecs] if mode == "hybrid" else None)
                 replies, missing = await self.pool.gather_partial(Op.SEARCH, req)
                 t = time.perf_counter()
                 fetched.add(replies)

@@ -101,7 +101,8 @@ class SearchRequest:
     """``mode`` in {"hybrid", "dense", "lexical"}; ``n`` local candidates per query;
     ``fetch_k`` > 0: the reply carries the fields of the candidates that can be in a top-k
     (:func:`~oprag_server.index.fusion.skyband`): usually no FETCH round trip follows;
-    ``m`` > 0 (hybrid): also the exact BM25 top-m (the threshold bound, operators/retrieve.py)."""
+    ``m`` > 0 (hybrid): also the exact BM25 top-m (the threshold bound, operators/retrieve.py);
+    ``weights``: per query ``(dense, lexical)`` of its min-max fusion or None (fewer fields carried)."""
 
     batch: QueryBatch
     mode: str
@@ -110,6 +111,7 @@ class SearchRequest:
     nprobe: int = 0
     fetch_k: int = 0
     m: int = 0
+    weights: list | None = None
 
 
 @message

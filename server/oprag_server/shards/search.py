@@ -47,6 +47,13 @@ def _kernels_scan():
     return kernels_scan
 
 
+def _kernels_cone():
+    """:mod:`..index.kernels_cone` (numba: imported on first use, as :func:`_kernels`)."""
+    from ..index import kernels_cone  # noqa: PLC0415
+
+    return kernels_cone
+
+
 class Searcher(ExactMixin):
     """Read side of one shard. Holds the exact-mode round-1 scores until round 2 (exact mode:
     :class:`.exact.ExactMixin`)."""
@@ -123,8 +130,10 @@ class Searcher(ExactMixin):
         if req.fetch_k > 0:  # the hits' fields now, so that no FETCH round trip follows
             k = int(req.fetch_k)
             # one score ranks (candidates come ranked by it): its top-k; hybrid: the k-skyband
+            w = req.weights or [None] * B
             fields = [self._fields(c.slots[:k] if req.mode != "hybrid" else
-                                   self._skyband_slots(c, lexical[i] if lexical else None, k))
+                                   self._skyband_slots(c, lexical[i] if lexical else None, k,
+                                                       w[i] and (w[i], dense_min[i], qb.idf[i], qb.k1)))
                       for i, c in enumerate(cands)]
         return SearchReply(cands, eligible, dense_min, st.dense.params.kind, st.dense.last_knobs or None, fields,
                            lexical, listed)
@@ -146,17 +155,27 @@ class Searcher(ExactMixin):
         return Candidates(top, st.ids(top), self._canonical(q, st.dense.rows(top)), lex[order]), listed
 
     @staticmethod
-    def _skyband_slots(c: Candidates, lex: Candidates | None, k: int) -> np.ndarray:
+    def _skyband_slots(c: Candidates, lex: Candidates | None, k: int, cone=None) -> np.ndarray:
         """Slots of the k-skyband (:func:`.fusion.skyband`) of the dense candidates ``c`` and,
         when given, the BM25 list ``lex`` (deduplicated): every chunk of this shard that can be
-        in a monotone fusion's top-k of the two lists."""
+        in a monotone fusion's top-k of the two lists. ``cone``: ``(weights, dense minimum, idf,
+        k1)`` of a min-max fusion, which keeps only the skyband's chunks that can be in its top-k
+        (:mod:`..index.kernels_cone`; about half of them)."""
         if lex is None or not len(lex.slots):
-            return c.slots[skyband(c.dense, c.lexical, k)]
-        seen = set(c.slots.tolist())  # (np.isin costs ~30-60 us on 256 x 64 slots; a set ~10)
-        extra = np.asarray([x not in seen for x in lex.slots.tolist()], dtype=bool)
-        slots = np.concatenate([c.slots, lex.slots[extra]])
-        return slots[skyband(np.concatenate([c.dense, lex.dense[extra]]),
-                             np.concatenate([c.lexical, lex.lexical[extra]]), k)]
+            slots, d, lx = c.slots, c.dense, c.lexical
+        else:
+            seen = set(c.slots.tolist())  # (np.isin costs ~30-60 us on 256 x 64 slots; a set ~10)
+            extra = np.asarray([x not in seen for x in lex.slots.tolist()], dtype=bool)
+            slots = np.concatenate([c.slots, lex.slots[extra]])
+            d, lx = np.concatenate([c.dense, lex.dense[extra]]), np.concatenate([c.lexical, lex.lexical[extra]])
+        band = skyband(d, lx, k)
+        if cone and band.size > k:
+            kc = _kernels_cone()
+            rho = kc.rho_floor(cone[0], d, cone[1], cone[2], cone[3])
+            if rho > 0.0:
+                band = band[kc.cone_keep(np.ascontiguousarray(d[band], np.float64),
+                                         np.ascontiguousarray(lx[band], np.float64), k, rho)]
+        return slots[band]
 
     def warm(self) -> float:
         """Compile (or load from numba's cache) the kernels of the candidate step for this
@@ -171,6 +190,7 @@ class Searcher(ExactMixin):
         kernels_topm.warm()
         kernels_wide.warm()
         _kernels_scan().warm()
+        _kernels_cone().warm()
         listed_top(st.postings, ["\x00"], np.ones(1), 1.0, 1.5, 0.75, 1)  # the segment's term bounds
         if st.dense.params.kind == "hnsw" and st.dense.ann is not None:
             self._low.candidates(st.dense.ann, np.zeros((0, st.dim), np.float32), np.zeros(0))  # build the seeds
