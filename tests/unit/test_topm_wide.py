@@ -143,3 +143,16 @@ def test_candidate_scores_from_rows_equal_the_postings_path(seed, monkeypatch):
     without = ix.score(slots, terms, idf, 9.0, 1.2, 0.75)
     assert with_rows.tobytes() == without.tobytes()
     assert (with_rows > 0).mean() > 0.5
+
+
+def test_lengths_above_uint16_use_float32(monkeypatch):
+    monkeypatch.setattr(lt, "_FULL_BELOW", 0)
+    rng = np.random.default_rng(21)
+    docs = _stop_words(rng, 300)
+    docs[5] = [f"u{j}" for j in range(66000)] + ["t0", "t1"]  # one chunk longer than 65,535 tokens
+    ix = _index(rng, docs, len(docs) - 1, 0, 0)
+    terms, idf = ["t0", "t1", "t2", "t9"], np.array([1.5, 1.5, 1.5, 4.0])
+    s, sc, listed = lt.listed_top(ix, terms, idf, 250.0, 1.2, 0.75, 7)
+    fs, fsc, flisted = _full(ix, terms, idf, 250.0, 1.2, 0.75, 7)
+    assert ix.__dict__["_topm_scratch"].wide.dl32.dtype == np.float32
+    assert sorted(zip(sc.tolist(), s.tolist())) == sorted(zip(fsc.tolist(), fs.tolist())) and listed == flisted

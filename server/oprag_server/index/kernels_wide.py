@@ -69,7 +69,7 @@ def _block(rows, base, wrow, w32, k1p32, dl, wh, a, seg_code, a0, a1, thr, sv, n
     length normalisation is floored at 1e-30, a tf is >= 0)."""
     n = sv.size
     for q in range(n):
-        nv[q] = max(np.float32(a0) + np.float32(a1) * dl[q], np.float32(1e-30))
+        nv[q] = max(np.float32(a0) + np.float32(a1) * np.float32(dl[q]), np.float32(1e-30))
         sv[q] = np.float32(0.0)
     for j in range(wrow.size):
         row = rows[wrow[j], base:base + n]
@@ -112,8 +112,8 @@ def bm25_top_wide(where, seg_code, doc_len, dl32, tids, idf, offsets, pslots, pt
                   is_wide, wide_row, rows, span, m, avgdl, k1, b, acc, seen):
     """The BM25 top-m of an unfiltered query with every ``idf >= 0`` (module docstring).
 
-    Arguments as :func:`.kernels_topm.bm25_top_pruned`, plus ``dl32`` (float32[span]: the
-    segment chunks' lengths), ``is_wide`` (bool[P]: position i's segment list is read from
+    Arguments as :func:`.kernels_topm.bm25_top_pruned`, plus ``dl32`` (uint16 or float32[span]:
+    the segment chunks' lengths), ``is_wide`` (bool[P]: position i's segment list is read from
     ``rows[wide_row[i]]``, uint8[R, span], not its postings) and ``span`` (the segment's last
     slot + 1). Scratch ``acc`` (float32[S]: partial scores, approximate) / ``seen`` zero on
     entry and return.
@@ -232,6 +232,7 @@ def warm() -> None:
     for _, (where, doc_len, off, ps, tf) in postings_variants():
         rows = np.zeros((1, 3), np.uint8)
         fill_row(rows, 0, 0, off, ps, tf)
-        bm25_top_wide(where, 1, doc_len, doc_len.astype(np.float32), np.zeros(1, np.int64), np.ones(1), off, ps, tf, np.zeros(2, np.int64), s,
-                      doc_len, np.ones(1, np.bool_), np.zeros(1, np.int64), rows, 3, 2, 1.0, 1.5, 0.75,
-                      np.zeros(3, np.float32), np.zeros(3, np.uint8))
+        for dl in (doc_len.astype(np.float32), doc_len.astype(np.uint16)):
+            bm25_top_wide(where, 1, doc_len, dl, np.zeros(1, np.int64), np.ones(1), off, ps, tf, np.zeros(2, np.int64),
+                          s, doc_len, np.ones(1, np.bool_), np.zeros(1, np.int64), rows, 3, 2, 1.0, 1.5, 0.75,
+                          np.zeros(3, np.float32), np.zeros(3, np.uint8))

@@ -124,8 +124,11 @@ class _Wide:
         self.row_of[ids] = np.arange(ids.size)
         self.rows = np.zeros((ids.size, self.span), np.uint8)  # calloc'd: untouched rows cost nothing
         self.state = np.zeros(ids.size, np.int8)
-        # the segment chunks' lengths (fixed while they are in it), float32: half the bytes per pass
-        self.dl32 = np.asarray(doc_len[: self.span], np.float32)
+        # the segment chunks' lengths (fixed while they are in it): uint16 when every one is an
+        # integer below 65,536 (a quarter of the bytes the pass streams), else float32
+        dl = np.asarray(doc_len[: self.span])
+        small = bool(dl.size == 0 or (dl.max() < 65536 and np.array_equal(dl, np.floor(dl))))
+        self.dl32 = dl.astype(np.uint16) if small else dl.astype(np.float32)
 
     def positions(self, seg, tids, idf) -> tuple[np.ndarray, np.ndarray, int]:
         """``(is_wide bool[P], row int64[P], wide postings)`` of a query, building rows first used."""
