@@ -232,7 +232,7 @@ def warm() -> None:
     for _, (where, doc_len, off, ps, tf) in postings_variants():
         rows = np.zeros((1, 3), np.uint8)
         fill_row(rows, 0, 0, off, ps, tf)
-        for dl in (doc_len.astype(np.float32), doc_len.astype(np.uint16)):
+        for dl in (doc_len.astype(np.uint16),):  # (float32 lengths, above 65,535 tokens: compiled when met)
             bm25_top_wide(where, 1, doc_len, dl, np.zeros(1, np.int64), np.ones(1), off, ps, tf, np.zeros(2, np.int64),
                           s, doc_len, np.ones(1, np.bool_), np.zeros(1, np.int64), rows, 3, 2, 1.0, 1.5, 0.75,
                           np.zeros(3, np.float32), np.zeros(3, np.uint8))

@@ -10,6 +10,7 @@ process and every run. The pool talks only to :class:`~.transport.ShardTransport
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 from collections.abc import Callable, Sequence
@@ -19,6 +20,10 @@ from typing import Any, TypeVar
 from .protocol import Op, ShutdownRequest, StatsReply
 from .replicas import ReplicaSet
 from .transport import PipeTransport, ShardError, ShardTransport, StorageUnavailable
+
+#: seconds a shard may take to report READY: the first start after an install compiles the
+#: search kernels (numba; 30 s on a quiet 2-core machine, over 2 minutes on a busy one)
+START_TIMEOUT_S = 600.0
 
 __all__ = ["ShardError", "ShardPool", "route"]
 
@@ -60,7 +65,7 @@ class ShardPool:
         self.transport = transport
         self.clients: list[ShardTransport] = []
 
-    def start(self, loop: asyncio.AbstractEventLoop, timeout_s: float = 120.0,
+    def start(self, loop: asyncio.AbstractEventLoop, timeout_s: float = START_TIMEOUT_S,
               committed: set[str] | None = None) -> list[StatsReply]:
         """Start every shard and wait for READY (they load in parallel). Blocking; call before
         serving.
@@ -69,15 +74,21 @@ class ShardPool:
         :raises ShardError: a shard failed to load or did not report READY in time.
         """
         clients = [self._make(i) for i in range(self.n)]
-        for c in clients:
-            c.dense, c.storage = self.dense, self.storage
-            c.start(committed)
-        stats = [c.ready(loop, timeout_s) for c in clients]
+        try:
+            for c in clients:
+                c.dense, c.storage = self.dense, self.storage
+                c.start(committed)
+            stats = [c.ready(loop, timeout_s) for c in clients]
+        except BaseException:  # the shards already started must not keep the process alive
+            for c in clients:
+                with contextlib.suppress(Exception):
+                    c.kill()
+            raise
         self.clients = clients
         return stats
 
     def restart(self, i: int, loop: asyncio.AbstractEventLoop, committed: set[str] | None,
-                timeout_s: float = 120.0) -> StatsReply:
+                timeout_s: float = START_TIMEOUT_S) -> StatsReply:
         """Replace shard ``i`` by a new one that reloads its snapshot and replays its committed
         write-ahead log (blocking; run it in an executor). A transport with ``revive`` (a Ray
         actor, which Ray itself restarts) is reloaded in place. :returns: READY stats."""

@@ -180,7 +180,8 @@ class PipeTransport(ShardTransport):
         i = self.shard_id
         if not self.conn.poll(timeout_s):
             self.proc.kill()
-            raise ShardError(f"shard {i} did not report READY within {timeout_s:.0f} s")
+            raise ShardError(f"shard {i} did not report READY within {timeout_s:.0f} s (the first start after an "
+                             "install compiles the search kernels; its log says how far it got)")
         try:
             _, ok, res = self.conn.recv()
         except (EOFError, OSError) as exc:
