@@ -97,3 +97,13 @@ def test_ignorable_check_is_exact_on_every_code_point():
     assert A._drop_ignorable(every) == A._IGNORABLE_RE.sub("", every)
     missed = [c for c in A.DEFAULT_IGNORABLE if not A._MAYBE_IGNORABLE_RE.search(chr(c))]
     assert not missed
+
+
+def test_ascii_translate_split_equals_the_regex():
+    rng = random.Random(11)
+    a = Analyzer()
+    every = "".join(chr(c) for c in range(128))
+    texts = [every, every[::-1], "", " ", "_a_b_", "ABC-def GHI\tjkl\x00mno\x7f9"]
+    texts += ["".join(rng.choice(every) for _ in range(rng.randint(0, 80))) for _ in range(20000)]
+    for t in texts:
+        assert a.tokens(t) == A._ASCII_RE.findall(t.lower()) == reference(t), ascii(t)

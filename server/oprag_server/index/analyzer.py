@@ -210,6 +210,11 @@ _WORD = rf"[^\W_{_CJK_RANGES}](?:[^\W_{_CJK_RANGES}]|[{_MARKS}])*"
 _CJK = rf"[{_CJK_RANGES}]+"
 _TOKEN_RE = re.compile(rf"(?P<w>{_WORD})|(?P<c>{_CJK})")
 _ASCII_RE = re.compile(r"[a-z0-9]+")
+# ASCII text: upper case to lower, every other character that is not [a-z0-9] to a space; then
+# ``str.split()`` gives the maximal runs of [a-z0-9], i.e. ``_ASCII_RE.findall(text.lower())``
+# (both C loops, no regex engine: ~2x faster)
+_ASCII_SPLIT = str.maketrans({c: (chr(c).lower() if chr(c).isalnum() else " ") for c in range(128)
+                              if not ("a" <= chr(c) <= "z" or "0" <= chr(c) <= "9")})
 # Normalised text with no CJK character, no combining mark and no astral character (most
 # non-ASCII text: accents are composed by NFKC, Greek letters, dashes, quotes): on it
 # ``_TOKEN_RE`` matches only its ``w`` group, whose classes reduce to ``[^\W_]``, so its tokens
@@ -278,6 +283,9 @@ class Analyzer:
         """
         if not isinstance(text, str):
             raise TypeError(f"Analyzer.tokens expects str, got {type(text).__name__}")
+        if text.isascii():
+            words = text.translate(_ASCII_SPLIT).split()
+            return self._stem_words(words) if self.stem else words
         norm = _normalize(text)
         if norm.isascii() or not _NOT_WORDS_ONLY_RE.search(norm):
             words = (_ASCII_RE if norm.isascii() else _WORDS_RE).findall(norm)
