@@ -76,7 +76,11 @@ class Segment:
 
     def renumbered(self) -> "Segment":
         """The same postings with chunk ``doc_slots[i]`` moved to slot ``i`` (the order a
-        snapshot load assigns slots in)."""
+        snapshot load assigns slots in); the segment itself when they are ``0..D-1`` already (a
+        bulk load into a fresh or just loaded shard: no O(P log D) search per snapshot)."""
+        D = self.doc_slots.size
+        if not D or (int(self.doc_slots[0]) == 0 and int(self.doc_slots[-1]) == D - 1):  # ascending, unique
+            return self
         slots = np.searchsorted(self.doc_slots, self.slots).astype(np.int32)
         return Segment(self.terms, self.offsets, slots, self.tf, np.arange(self.doc_slots.size, dtype=np.int32),
                        self.doc_off, self.doc_terms, self.vocab)
