@@ -94,4 +94,6 @@ class Transactions:
 
     def in_flight(self) -> list[dict]:
         """Log records of transactions prepared but not yet applied (kept across a snapshot)."""
-        return [r for r in self.wal if r.get("txn") in self.prepared] if self.wal is not None else []
+        if self.wal is None or not self.prepared:  # (none: the log is not read back, ~MBs per snapshot)
+            return []
+        return [r for r in self.wal if r.get("txn") in self.prepared]

@@ -76,7 +76,11 @@ class Segment:
 
     def renumbered(self) -> "Segment":
         """The same postings with chunk ``doc_slots[i]`` moved to slot ``i`` (the order a
-        snapshot load assigns slots in)."""
+        snapshot load assigns slots in); the segment itself when they are ``0..D-1`` already (a
+        bulk load into a fresh or just loaded shard: no O(P log D) search per snapshot)."""
+        D = self.doc_slots.size
+        if not D or (int(self.doc_slots[0]) == 0 and int(self.doc_slots[-1]) == D - 1):  # ascending, unique
+            return self
         slots = np.searchsorted(self.doc_slots, self.slots).astype(np.int32)
         return Segment(self.terms, self.offsets, slots, self.tf, np.arange(self.doc_slots.size, dtype=np.int32),
                        self.doc_off, self.doc_terms, self.vocab)
@@ -176,8 +180,16 @@ def merge(seg: Segment, seg_live: np.ndarray, d_terms: list[str], d_key: np.ndar
     d_key = np.asarray(d_key, np.int64)
     dtid = d_key >> 32
     ds = d_key & 0xFFFFFFFF
+    # keys strictly ascending (as documented: what a delta gives): grouped by delta term id, slots
+    # ascending within a group, no pair twice; the sorts below then take linear shortcuts
+    strict = bool(np.all(d_key[1:] > d_key[:-1]))
+    if strict:
+        gstart = np.flatnonzero(np.diff(dtid, prepend=-1))  # first posting of each delta term
+        gids = dtid[gstart]  # == np.unique(dtid)
+    else:
+        gids = np.unique(dtid)
     remap = np.zeros(len(d_terms), np.int64)
-    for i in np.unique(dtid).tolist():
+    for i in gids.tolist():
         t = d_terms[i]
         j = vocab.get(t)
         if j is None:
@@ -186,10 +198,23 @@ def merge(seg: Segment, seg_live: np.ndarray, d_terms: list[str], d_key: np.ndar
         remap[i] = j
     dt = remap[dtid]
     dtf = np.asarray(d_tf, np.int64)
-    by_doc = np.lexsort((dt, ds))  # chunk order, for the forward index
+    d_pos = np.searchsorted(d_doc_slots, ds)  # each posting's chunk, as a position in d_doc_slots
+    d_doc_len = np.bincount(d_pos, minlength=d_doc_slots.size).astype(np.int64)
+    if strict:
+        # order by (new term id, slot) = the delta terms' groups in new-id order (a sort of the
+        # distinct terms only; the same permutation as np.lexsort((ds, dt)), keys being unique)
+        glen = np.diff(np.append(gstart, dtid.size))
+        go = np.argsort(remap[gids])
+        glen_o = glen[go]
+        order = np.repeat(gstart[go] - (np.cumsum(glen_o) - glen_o), glen_o) + np.arange(dtid.size)
+        # chunk order for the forward index (np.lexsort((dt, ds))): a stable sort of the
+        # (term, slot)-ordered postings by chunk position (radix sort when it fits in 16 bits)
+        p = d_pos[order]
+        by_doc = order[np.argsort(p.astype(np.uint16) if d_doc_slots.size < 65536 else p, kind="stable")]
+    else:
+        by_doc = np.lexsort((dt, ds))
+        order = np.lexsort((ds, dt))
     d_doc_terms_by_doc = dt[by_doc]
-    d_doc_len = np.bincount(np.searchsorted(d_doc_slots, ds), minlength=d_doc_slots.size).astype(np.int64)
-    order = np.lexsort((ds, dt))
     dt, ds, dtf = dt[order], ds[order], dtf[order]
     T = len(terms)
     new_counts = np.zeros(T, np.int64)

@@ -1,0 +1,49 @@
+"""Shortcuts on the snapshot path (issue 13): a segment whose chunks already hold slots 0..D-1 is
+saved as is (no renumbering search), and a snapshot with no prepared transaction does not read
+the write-ahead log back to find the in-flight ones."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from oprag_server.index.bm25 import PostingsIndex
+from oprag_server.shards.chunks import ChunkStore
+from oprag_server.shards.txn import Transactions
+
+
+def test_renumbered_is_the_segment_itself_for_slots_0_to_d_minus_1(tmp_path):
+    ix = PostingsIndex()
+    ix.add_batch([0, 1, 2, 3], [["a", "b"], ["b"], ["c", "a", "a"], []])
+    ix.merge()
+    assert ix.segment.renumbered() is ix.segment
+    ix.remove(1)
+    ix.merge()
+    seg = ix.segment
+    r = seg.renumbered()
+    assert r is not seg and seg.doc_slots.tolist() == [0, 2, 3] and r.doc_slots.tolist() == [0, 1, 2]
+    a = r.postings(r.vocab["a"])
+    assert a[0].tolist() == [0, 1] and a[1].tolist() == [1, 2]
+    # what a snapshot writes and a load reads back: the same scores as the live index
+    ix.save(tmp_path / "p")
+    back = PostingsIndex.load(tmp_path / "p")
+    idf = np.array([1.0, 0.5])
+    s1, v1 = ix.score_all(["a", "c"], idf, 1.5)
+    s2, v2 = back.score_all(["a", "c"], idf, 1.5)
+    assert np.searchsorted(ix.slots(), s1).tolist() == s2.tolist() and np.array_equal(v1, v2)
+
+
+class _Log:
+    def __init__(self, records):
+        self.records, self.reads = records, 0
+
+    def __iter__(self):
+        self.reads += 1
+        return iter(self.records)
+
+
+def test_in_flight_reads_the_log_only_when_a_transaction_is_prepared():
+    t = Transactions(ChunkStore(4))
+    t.wal = _Log([{"txn": "a", "seq": 1}, {"txn": "b", "seq": 2}])
+    assert t.in_flight() == [] and t.wal.reads == 0
+    t.prepared["b"] = {"txn": "b", "seq": 2}
+    assert t.in_flight() == [{"txn": "b", "seq": 2}] and t.wal.reads == 1
