@@ -111,7 +111,9 @@ def _fail(msg: str, code: int = 1) -> int:
 
 
 def _rpc_error(exc: grpc.RpcError) -> int:
-    return _fail(f"{exc.code().name}: {exc.details()}")
+    hint = (" (give the server's token with --token TOKEN or the OPRAG_TOKEN environment variable)"
+            if exc.code() == grpc.StatusCode.UNAUTHENTICATED else "")
+    return _fail(f"{exc.code().name}: {exc.details()}{hint}")
 
 
 def _batches(it, n):
