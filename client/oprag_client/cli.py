@@ -53,7 +53,9 @@ def _parser(plugins: dict) -> argparse.ArgumentParser:
     i.add_argument("--format", choices=["text", "jsonl", "beir", "wikitext", "parquet", "arrow"], default="text",
                    help="parquet / arrow: columns id, text, title?, metadata?, vector? (or chunk rows with "
                         "doc_id); needs pyarrow (pip install 'oprag-client[arrow]')")
-    i.add_argument("--vector-column", default="vector", help="parquet / arrow: the column of precomputed vectors")
+    i.add_argument("--vector-column", default=None,
+                   help="parquet / arrow: the column of precomputed vectors, which the file must then have "
+                        "(default: 'vector' when the file has it)")
     i.add_argument("--docs-per-stream", type=int, default=256, help="documents per Ingest stream")
     i.add_argument("--json", action="store_true", help="print a JSON summary object last")
     i.add_argument("--no-progress", action="store_true")
@@ -109,7 +111,9 @@ def _fail(msg: str, code: int = 1) -> int:
 
 
 def _rpc_error(exc: grpc.RpcError) -> int:
-    return _fail(f"{exc.code().name}: {exc.details()}")
+    hint = (" (give the server's token with --token TOKEN or the OPRAG_TOKEN environment variable)"
+            if exc.code() == grpc.StatusCode.UNAUTHENTICATED else "")
+    return _fail(f"{exc.code().name}: {exc.details()}{hint}")
 
 
 def _batches(it, n):
@@ -131,6 +135,8 @@ def cmd_ingest(a) -> int:
     missing = [str(p) for p in a.paths if not Path(p).exists()]
     if missing:
         return _fail(f"no such file or directory: {', '.join(missing)}")
+    if a.vector_column is not None and a.format not in ("parquet", "arrow"):
+        return _fail(f"--vector-column is for --format parquet or arrow, not {a.format}")
     docs = LOADERS[a.format](a.paths, a.vector_column) if a.format in ("parquet", "arrow") else LOADERS[a.format](a.paths)
     totals = {"documents": 0, "chunks": 0, "replaced": 0, "reused": 0, "rejected": [], "chunks_split": 0, "seq": 0}
     t0 = time.perf_counter()

@@ -192,8 +192,12 @@ def query_request(question: str, *, top_k: int = 0, mode: str = "hybrid", sessio
     :param ef_search: HNSW search beam, :param nprobe: IVF lists visited, for a server started with
         ``--dense-index hnsw`` / ``ivf`` (0 = its default; the response's ``retrieval`` reports
         what was used).
-    :raises ValueError: unknown ``mode`` or ``fusion``, a bad filter value (:func:`metadata_value`).
+    :raises ValueError: unknown ``mode`` / ``fusion``, a bad filter (:func:`metadata_value`), a count out of range.
     """
+    for name, v in dict(top_k=top_k, max_new_tokens=max_new_tokens, candidates=candidates, rrf_k=rrf_k, nprobe=nprobe,
+                        chunks_per_document=chunks_per_document, ef_search=ef_search, min_seq=min_seq).items():
+        if isinstance(v, int) and v not in range(hi := 2**64 if name == "min_seq" else 2**32):
+            raise ValueError(f"{name} must be between 0 and {hi - 1} (0 = the server's default), got {v}")
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
     if fusion not in FUSIONS:

@@ -200,7 +200,7 @@ def _files(paths: list[Path], suffixes: tuple[str, ...]) -> list[Path]:
     return out
 
 
-def load_parquet(paths: list[Path], vector_column: str = "vector") -> Iterator[Doc]:
+def load_parquet(paths: list[Path], vector_column: str | None = None) -> Iterator[Doc]:
     """Parquet files (a directory: its ``*.parquet`` files), streamed in record batches; the
     columns are read as :func:`columnar_docs` describes.
 
@@ -215,7 +215,7 @@ def load_parquet(paths: list[Path], vector_column: str = "vector") -> Iterator[D
                                  vector_column)
 
 
-def load_arrow(paths: list[Path], vector_column: str = "vector") -> Iterator[Doc]:
+def load_arrow(paths: list[Path], vector_column: str | None = None) -> Iterator[Doc]:
     """Arrow IPC files (the file format, ``.arrow`` / ``.feather`` v2, or the stream format; a
     directory: its ``*.arrow``, ``*.feather``, ``*.arrows`` files), read batch by batch; columns as
     :func:`columnar_docs` describes.
@@ -258,13 +258,14 @@ def _pyarrow(sub: str = ""):
         raise ImportError("reading Parquet / Arrow needs pyarrow and numpy: pip install 'oprag-client[arrow]'") from exc
 
 
-def columnar_docs(path: Path, schema, batches, vector_column: str = "vector") -> Iterator[Doc]:
+def columnar_docs(path: Path, schema, batches, vector_column: str | None = None) -> Iterator[Doc]:
     """Documents of one columnar file.
 
     Columns: ``id`` (string or integer), ``text`` (string), optional ``title`` (string),
     ``metadata`` (a JSON object as a string, or a struct: :func:`_metadata` rules) and the
-    vector column (default ``vector``: a list or fixed-size list of floats, one width for the
-    whole file; float32 on the wire). Two layouts:
+    vector column (a list or fixed-size list of floats, one width for the whole file; float32 on
+    the wire): ``vector_column`` when given (then the file must have it), else ``vector`` if the
+    file has one. Two layouts:
 
     * one row per document (no ``doc_id`` column): a row with a vector is stored as one chunk
       with that vector, a row whose vector is null (or a file without the column) is chunked
@@ -286,7 +287,8 @@ def columnar_docs(path: Path, schema, batches, vector_column: str = "vector") ->
 
     names = set(schema.names)
     chunk_rows = "doc_id" in names
-    need = ["doc_id" if chunk_rows else "id", "text"] + ([vector_column] if chunk_rows else [])
+    named, vector_column = vector_column is not None, vector_column or "vector"
+    need = ["doc_id" if chunk_rows else "id", "text"] + ([vector_column] if chunk_rows or named else [])
     missing = [c for c in need if c not in names]
     if missing:
         raise ValueError(f"{path}: no column {', '.join(map(repr, missing))} (columns: {', '.join(schema.names)})")

@@ -34,7 +34,7 @@ from .service.interceptors import StatusInterceptor
 from .service.metrics import Metrics
 from .service.servicer import OpRAGServicer
 from .shards.pool import ShardPool
-from .startup import acquire_storage, check_data_dir, check_storage, check_port, check_security, preflight
+from .startup import acquire_storage, check_data_dir, check_storage, check_security, preflight
 from .supervision import INGEST_HEALTH, QUERY_HEALTH, SERVING, EngineHealth, ShardSupervisor, keep_lease, restart_shard
 from .shards.protocol import ApplyReply, Op, SnapshotRequest, StatsRequest
 
@@ -278,12 +278,10 @@ def grpc_options(cfg: ServerConfig) -> list[tuple[str, int]]:
 
 
 async def _load_models(cfg: ServerConfig) -> tuple[Any, Any | None]:
-    """Start-up checks (:func:`~oprag_server.startup.preflight`, the metrics port), then warm up
-    the encoder and the generator off the event loop."""
+    """Start-up checks (:func:`~oprag_server.startup.preflight`: models, ports, data dir), then
+    warm up the encoder and the generator off the event loop."""
     loop = asyncio.get_running_loop()
     encoder, generator = preflight(cfg)
-    check_port(cfg.metrics_host or cfg.host, cfg.metrics_port, "metrics port (--metrics-port)")
-    check_port(cfg.host, cfg.http_port, "HTTP port (--http-port)")
     await loop.run_in_executor(None, encoder.warm_up)
     if generator is not None:
         await loop.run_in_executor(None, generator.warm_up)

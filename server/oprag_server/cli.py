@@ -87,7 +87,7 @@ _OPTIONS: tuple[tuple[str, str, str, str], ...] = (
     ("--no-overlap", "batch", "overlap", "run the stages of a batch strictly in sequence"),
     ("--ingest-barriers", "ingest", "barriers", "baseline: each ingest stage finishes before the next starts"),
     ("--upsert-batch", "ingest", "upsert_batch", "chunks per coalesced bulk write to a shard"),
-    ("--context-tokens", "generate", "context_tokens", "prompt token budget"),
+    ("--context-tokens", "generate", "context_tokens", "prompt + answer tokens (prompt budget = this minus max_new_tokens)"),
     ("--max-new-tokens", "generate", "default_max_new_tokens", "default new tokens per answer"),
     ("--memory-condense", "memory", "condense",
      "with an engine generator (openai, transformers-serve): one short generation rewrites a session's follow-up "

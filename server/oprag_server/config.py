@@ -154,7 +154,8 @@ class GenerateConfig:
     managed local ``transformers serve`` on the converted SmolLM2, or on ``engine_model`` when
     that is a local directory).
 
-    :param context_tokens: prompt budget (system + sources + question), in model tokens.
+    :param context_tokens: prompt and answer together, in model tokens: the prompt (system +
+        memory + sources + question) gets ``min(context_tokens, model context) - max_new_tokens``.
     :param url: engine base URL with ``/v1`` (openai).
     :param engine_model: the engine's model name (openai; a local directory also gives exact
         token counting with its tokenizer).

@@ -43,12 +43,14 @@ def check_value(key: str, v: Any) -> Value | None:
 def normalise(m: Mapping[str, Any] | None) -> dict[str, Value]:
     """Checked copy of a metadata mapping with the ``None`` values dropped.
 
-    :raises ValueError: a key that is not a string, or a bad value (:func:`check_value`).
+    :raises ValueError: a key that is not a string or is empty, or a bad value (:func:`check_value`).
     """
     out: dict[str, Value] = {}
     for k, v in (m or {}).items():
         if not isinstance(k, str):
             raise ValueError(f"metadata key {k!r} is not a string")
+        if not k:
+            raise ValueError("a metadata key is empty: name every metadata key (a filter cannot match an empty key)")
         cv = check_value(k, v)
         if cv is not None:
             out[k] = cv

@@ -21,7 +21,8 @@ _LOCKS: list[IO] = []  # held for the life of the process
 
 
 def preflight(cfg: ServerConfig) -> tuple[Any, Any | None]:
-    """Find the models (not loaded yet), check and lock the data directory, check the gRPC port.
+    """Find the models (not loaded yet), check the gRPC, metrics and HTTP ports, then check and
+    lock the data directory (a start refused for a taken port writes nothing there).
 
     :returns: the (not yet warmed up) encoder and generator (None for ``--generator none``).
     :raises RuntimeError | ValueError: with a message that says what to change.
@@ -39,9 +40,11 @@ def preflight(cfg: ServerConfig) -> tuple[Any, Any | None]:
         from .index.objstore import ObjectStore
 
         OwnerLease(ObjectStore.from_uri(cfg.storage_uri)).acquire(check_only=True)
+    check_port(cfg.host, cfg.port, "gRPC port (--port)")
+    check_port(cfg.metrics_host or cfg.host, cfg.metrics_port, "metrics port (--metrics-port)")
+    check_port(cfg.host, cfg.http_port, "HTTP port (--http-port)")
     check_data_dir(cfg, encoder.dim, encoder.name)
     lock_data_dir(cfg.data_dir)
-    check_port(cfg.host, cfg.port, "gRPC port (--port)")
     return encoder, generator
 
 

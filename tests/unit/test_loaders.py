@@ -237,3 +237,26 @@ def test_columnar_width_check_comes_before_the_first_document(tmp_path):
     it = load_parquet([_write(tmp_path, t, "parquet")])
     with pytest.raises(ValueError, match="2 widths"):
         next(it)  # nothing was handed out (so nothing can have been sent)
+
+
+@pytest.mark.parametrize("rows", ["documents", "chunks"])
+def test_a_named_vector_column_the_file_lacks_is_an_error_naming_the_columns(tmp_path, rows):
+    from oprag_client.loaders import load_parquet
+
+    key = "id" if rows == "documents" else "doc_id"
+    p = _write(tmp_path, _table(**{key: ["a"], "text": ["x"], "vector": [[1.0, 2.0]]}), "parquet")
+    with pytest.raises(ValueError, match=r"no column 'emb' \(columns: .*vector") as ei:
+        list(load_parquet([p], "emb"))
+    assert str(p) in str(ei.value)
+    assert list(load_parquet([p]))[0].to_pb().vector_dim == 2  # unnamed: the file's 'vector' column
+
+
+def test_cli_ingest_vector_column_missing_fails_before_connecting(tmp_path, capsys):
+    from oprag_client import cli
+
+    p = _write(tmp_path, _table(id=["a"], text=["x"], vector=[[1.0, 2.0]]), "parquet")
+    rc = cli.main(["ingest", "--server", "127.0.0.1:1", "--format", "parquet", "--vector-column", "emb", str(p)])
+    err = capsys.readouterr().err
+    assert rc != 0 and "no column 'emb'" in err and "vector" in err
+    assert cli.main(["ingest", "--server", "127.0.0.1:1", "--vector-column", "emb", str(p)]) != 0
+    assert "--vector-column is for --format parquet or arrow" in capsys.readouterr().err

@@ -61,3 +61,22 @@ def test_security_checks(tmp_path):
     startup.check_security(ServerConfig(security=SecurityConfig(require_token=True)), {"t"})
     with pytest.raises(RuntimeError, match="TLS needs both --tls-cert and --tls-key"):
         startup.check_security(ServerConfig(security=SecurityConfig(tls_cert=tmp_path / "c.pem")), set())
+
+
+@pytest.mark.parametrize("which", ["port", "metrics_port", "http_port"])
+def test_a_taken_port_refuses_the_start_before_the_data_dir_is_written(tmp_path, monkeypatch, which):
+    from types import SimpleNamespace
+
+    import oprag_server.models.backends as backends
+    import oprag_server.models.encoder as enc
+
+    monkeypatch.setattr(enc, "TransformersEncoder", lambda *a, **k: SimpleNamespace(dim=4, name="fake"))
+    monkeypatch.setattr(backends, "load_backend", lambda cfg: None)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        ports = {"port": 0, "metrics_port": 0, "http_port": 0, which: s.getsockname()[1]}
+        cfg = ServerConfig(host="127.0.0.1", data_dir=tmp_path / "d", **ports)
+        with pytest.raises(RuntimeError, match="is not available"):
+            startup.preflight(cfg)
+    assert not (tmp_path / "d").exists()  # no oprag.json, no .lock

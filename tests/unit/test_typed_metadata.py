@@ -107,6 +107,16 @@ def test_raw_wire_nan_and_duplicate_keys_are_rejected_with_a_reason():
     assert validate_document(both, lim) == "metadata key 'k' is in both metadata and typed_metadata: send it once"
 
 
+def test_an_empty_metadata_key_rejects_the_document_like_an_empty_filter_key():
+    lim = LimitsConfig()
+    for doc in (oprag_pb2.Document(id="mk", text="t", metadata={"": "v"}),
+                oprag_pb2.Document(id="mk", text="t", typed_metadata={"": oprag_pb2.MetadataValue(int_value=1)})):
+        reason = validate_document(_wire(doc), lim)
+        assert reason is not None and "empty" in reason and "metadata key" in reason
+    with pytest.raises(convert.InvalidArgument, match="empty key"):  # the filter side already refused it
+        convert.filters(_wire(query_request("q", filters={"": "v"})).filters)
+
+
 def test_filter_values_are_checked():
     with pytest.raises(convert.InvalidArgument, match="has a null value"):
         convert.filters([oprag_pb2.MetadataFilter(key="k", typed_values=[oprag_pb2.MetadataValue()])])

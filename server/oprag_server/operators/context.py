@@ -42,17 +42,20 @@ def build_context(
     max_new_tokens: int,
     memory_text: str = "",
 ) -> ContextPayload:
-    """Build the prompt under ``min(budget_tokens, model.max_context - max_new_tokens)`` tokens.
+    """Build the prompt under ``min(budget_tokens, model.max_context) - max_new_tokens`` tokens:
+    ``budget_tokens`` (``--context-tokens``) holds the prompt and the answer together.
 
     :raises ValueError: the question alone does not fit the budget.
     """
-    budget = min(int(budget_tokens), int(model.max_context) - int(max_new_tokens))
+    window = min(int(budget_tokens), int(model.max_context))
+    budget = window - int(max_new_tokens)
     base = model.chat_prompt(SYSTEM_PROMPT, _user([], question, memory_text))
     used = model.count_tokens(base)
     if used > budget:
         raise ValueError(
-            f"the question needs {used} prompt tokens but the prompt budget is {budget} "
-            f"(context tokens minus max_new_tokens): shorten the question or lower max_new_tokens"
+            f"the question needs {used} prompt tokens (system prompt and chat template included) "
+            f"but the prompt budget is {budget} (context tokens {window} minus max_new_tokens "
+            f"{int(max_new_tokens)}): shorten the question or lower max_new_tokens"
         )
     blocks: list[str] = []
     sources: list[SourceRef] = []

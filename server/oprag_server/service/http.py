@@ -118,6 +118,10 @@ class Guard:
             r = error_response(401, "missing or invalid bearer token: send 'Authorization: Bearer <token>'",
                                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
             return await r(scope, receive, send)
+        if scope.get("method") == "POST" and b"json" not in headers.get(b"content-type", b"").lower():
+            # every POST body is JSON: read it as such whatever its type (curl -d says form-urlencoded)
+            scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
+                     + [(b"content-type", b"application/json")]}
         t0, status, started = time.perf_counter(), [500], [False]
         if self.tracing:  # W3C traceparent -> the query's trace (service/tracing.py)
             CARRIER.set((f"HTTP {scope['path']}", carrier_of(scope["headers"])))
@@ -179,7 +183,8 @@ def build_app(rt: Any) -> FastAPI:
         # (the locations of pydantic's validator functions, e.g. "function-after[_utf8(), str]", are not fields)
         loc = [str(x) for x in e.get("loc", ()) if x != "body" and not str(x).startswith("function-")]
         if e.get("type") == "json_invalid":
-            return error_response(400, f"the body is not valid JSON: {e.get('msg')}", code="invalid_json")
+            return error_response(400, f"the body is not valid JSON ({e.get('msg')}): send a JSON object "
+                                  "(Content-Type: application/json)", code="invalid_json")
         param = ".".join(loc) or None
         return error_response(400, f"{param or 'body'}: {e.get('msg')}", param=param, code="invalid_value")
 
