@@ -42,10 +42,11 @@ def test_fast_orderings_equal_the_lexsort_path(n_docs):
     # against a dict reference: every live chunk's term frequencies and its forward index
     ref = {s: t for s, t in toks0.items() if live[s]} | toks1
     assert fast.doc_slots.tolist() == sorted(ref)
-    for i, s in enumerate(fast.doc_slots.tolist()):
+    step = max(1, len(ref) // 3000)  # (every chunk at 300; a spread of 3,000 at 70,000: the lexsort check covers all)
+    for i, s in list(enumerate(fast.doc_slots.tolist()))[::step]:
         tids = fast.doc_terms[fast.doc_off[i]:fast.doc_off[i + 1]]
         assert sorted(fast.terms[t] for t in tids) == sorted(set(ref[s]))
-    for tid, term in enumerate(fast.terms[:40]):
+    for tid, term in enumerate(fast.terms[: 40 if step == 1 else 6]):
         ps, ptf = fast.postings(tid)
         want = sorted((s, t.count(term)) for s, t in ref.items() if term in t)
         assert list(zip(ps.tolist(), ptf.tolist())) == want
