@@ -14,6 +14,7 @@ from oprag_server.index import kernels_wide
 from oprag_server.index.bm25 import listed_top as lt
 from oprag_server.index.bm25.postings import PostingsIndex
 from oprag_server.index.fusion import top_k_order
+from test_topm_pruned import _full  # every list read: the reference path
 
 
 def _zipf(rng, n):
@@ -52,15 +53,6 @@ def _index(rng, docs, merge_at, deletes, late):
             ix.remove(int(s))
         ix.add(int(s), docs[(int(s) + j + 1) % len(docs)])
     return ix
-
-
-def _full(ix, terms, idf, avgdl, k1, b, m):
-    old = lt._PRUNE
-    lt._PRUNE = False
-    try:
-        return lt.listed_top(ix, terms, idf, avgdl, k1, b, m)
-    finally:
-        lt._PRUNE = old
 
 
 @pytest.mark.parametrize("make,seed,deletes,late", [(_zipf, 0, 80, 40), (_stop_words, 1, 50, 100), (_ties, 2, 30, 20),
@@ -118,7 +110,7 @@ def test_built_rows_count_in_postings_bytes(monkeypatch):
     w = ix.__dict__["_topm_scratch"].wide
     built = int((w.state == 1).sum())
     assert built == 3
-    assert ix.nbytes()["postings"] >= before + built * w.span + w.dl32.nbytes
+    assert ix.nbytes()["postings"] >= before + built * w.span + w.seg_len.nbytes
 
 
 @pytest.mark.parametrize("seed", [11, 12])
@@ -154,5 +146,5 @@ def test_lengths_above_uint16_use_float32(monkeypatch):
     terms, idf = ["t0", "t1", "t2", "t9"], np.array([1.5, 1.5, 1.5, 4.0])
     s, sc, listed = lt.listed_top(ix, terms, idf, 250.0, 1.2, 0.75, 7)
     fs, fsc, flisted = _full(ix, terms, idf, 250.0, 1.2, 0.75, 7)
-    assert ix.__dict__["_topm_scratch"].wide.dl32.dtype == np.float32
+    assert ix.__dict__["_topm_scratch"].wide.seg_len.dtype == np.float32
     assert sorted(zip(sc.tolist(), s.tolist())) == sorted(zip(fsc.tolist(), fs.tolist())) and listed == flisted

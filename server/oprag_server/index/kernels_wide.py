@@ -35,7 +35,7 @@ import numpy as np
 from numba import njit
 
 from .kernels import _JIT, _kth_largest
-from .kernels_topm import _f, _probe, _read  # noqa: F401
+from .kernels_topm import _f, _probe, _read
 from .warm_inputs import postings_variants
 
 #: a term is wide when its segment list holds at least span / WIDE_DIV postings
@@ -108,11 +108,11 @@ def _compact(bx, bv, nb, m, thr):
 
 
 @njit(**_JIT)
-def bm25_top_wide(where, seg_code, doc_len, dl32, tids, idf, offsets, pslots, ptf, d_off, d_slots, d_tf,
+def bm25_top_wide(where, seg_code, doc_len, seg_len, tids, idf, offsets, pslots, ptf, d_off, d_slots, d_tf,
                   is_wide, wide_row, rows, span, m, avgdl, k1, b, acc, seen):
     """The BM25 top-m of an unfiltered query with every ``idf >= 0`` (module docstring).
 
-    Arguments as :func:`.kernels_topm.bm25_top_pruned`, plus ``dl32`` (uint16 or float32[span]:
+    Arguments as :func:`.kernels_topm.bm25_top_pruned`, plus ``seg_len`` (uint16 or float32[span]:
     the segment chunks' lengths), ``is_wide`` (bool[P]: position i's segment list is read from
     ``rows[wide_row[i]]``, uint8[R, span], not its postings) and ``span`` (the segment's last
     slot + 1). Scratch ``acc`` (float32[S]: partial scores, approximate) / ``seen`` zero on
@@ -166,7 +166,7 @@ def bm25_top_wide(where, seg_code, doc_len, dl32, tids, idf, offsets, pslots, pt
     for base in range(0, span, _BLOCK):
         n = min(_BLOCK, span - base)
         a = acc[base:base + n]
-        cnt, k = _block(rows, base, wrow, w32, k1p32, dl32[base:base + n], where[base:base + n], a, seg_code,
+        cnt, k = _block(rows, base, wrow, w32, k1p32, seg_len[base:base + n], where[base:base + n], a, seg_code,
                         a0, a1, thr, s[:n], nrm[:n], bq)
         listed += cnt
         for j in range(k):  # appended (the hot loops are in _block: no array reassigned there)

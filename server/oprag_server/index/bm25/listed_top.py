@@ -100,7 +100,7 @@ class _Scratch:
         n = self.acc.nbytes + self.seen.nbytes + self.acc32.nbytes
         n += sum(a.nbytes for a in self.bounds) if self.bounds is not None else 0
         w = self.wide
-        return n + (int((w.state == 1).sum()) * w.span + w.dl32.nbytes if w is not None else 0)
+        return n + (int((w.state == 1).sum()) * w.span + w.seg_len.nbytes if w is not None else 0)
 
     def fit(self, cap: int) -> None:
         if self.acc.size < cap:
@@ -128,25 +128,29 @@ class _Wide:
         # integer below 65,536 (a quarter of the bytes the pass streams), else float32
         dl = np.asarray(doc_len[: self.span])
         small = bool(dl.size == 0 or (dl.max() < 65536 and np.array_equal(dl, np.floor(dl))))
-        self.dl32 = dl.astype(np.uint16) if small else dl.astype(np.float32)
+        self.seg_len = dl.astype(np.uint16) if small else dl.astype(np.float32)
 
-    def positions(self, seg, tids, idf) -> tuple[np.ndarray, np.ndarray, int]:
+    def lookup(self, tids: np.ndarray) -> np.ndarray:
+        """int64[P]: the row of each query position's segment term (-1: not wide, or no term)."""
+        r = np.full(tids.size, -1, np.int64)
+        on = (tids >= 0) & (tids < self.row_of.size)
+        r[on] = self.row_of[tids[on]]
+        return r
+
+    def positions(self, tids: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
         """``(is_wide bool[P], row int64[P], wide postings)`` of a query, building rows first used."""
         from .. import kernels_wide  # noqa: PLC0415
 
-        is_wide, row = np.zeros(tids.size, np.bool_), np.zeros(tids.size, np.int64)
-        n = 0
-        for i, t in enumerate(tids.tolist()):
-            r = int(self.row_of[t]) if t >= 0 else -1
-            if r < 0:
-                continue
+        row = self.lookup(tids)
+        for i in np.flatnonzero(row >= 0).tolist():
+            r = int(row[i])
             if self.state[r] == 0:
-                ok = kernels_wide.fill_row(self.rows, r, t, seg.offsets, seg.slots, seg.tf)
+                ok = kernels_wide.fill_row(self.rows, r, int(tids[i]), self.seg.offsets, self.seg.slots, self.seg.tf)
                 self.state[r] = 1 if ok else 2
-            if self.state[r] == 1:
-                is_wide[i], row[i] = True, r
-                n += int(seg.offsets[t + 1] - seg.offsets[t])
-        return is_wide, row, n
+        is_wide = row >= 0
+        is_wide[is_wide] = self.state[row[is_wide]] == 1
+        t = tids[is_wide]
+        return is_wide, row, int((self.seg.offsets[t + 1] - self.seg.offsets[t]).sum())
 
 
 _NO_ROWS = np.zeros((1, 1), np.uint8)
@@ -158,11 +162,9 @@ def wide_rows(ix: PostingsIndex, tids: np.ndarray) -> tuple[np.ndarray, np.ndarr
     when the scratch's rows belong to the current segment; else all -1."""
     sc = ix.__dict__.get("_topm_scratch")
     w = sc.wide if sc is not None else None
-    r = np.full(tids.size, -1, np.int64)
-    if w is None or w.seg is not ix._seg or not w.row_of.size:  # noqa: SLF001
-        return r, _NO_ROWS, 0
-    on = (tids >= 0) & (tids < w.row_of.size)
-    r[on] = w.row_of[tids[on]]
+    if w is None or w.seg is not ix._seg:  # noqa: SLF001
+        return np.full(tids.size, -1, np.int64), _NO_ROWS, 0
+    r = w.lookup(tids)
     r[r >= 0] = np.where(w.state[r[r >= 0]] == 1, r[r >= 0], -1)
     return r, w.rows, w.span
 
@@ -187,10 +189,10 @@ def _pruned(ix: PostingsIndex, seg, seg_df, tids, idf, d_off, ds, dt, m, avgdl, 
             if sc.wide is None or sc.wide.seg is not seg:
                 sc.wide = _Wide(seg, doc_len)
             w = sc.wide
-            is_wide, row, n_wide = w.positions(seg, tids, idf)
+            is_wide, row, n_wide = w.positions(tids)
             if n_wide * _WIDE_GAIN >= w.span and w.span <= min(where.size, doc_len.size):
                 slots, scores, listed = kernels_wide.bm25_top_wide(
-                    where, _SEG, doc_len, w.dl32, tids, idf, seg.offsets, seg.slots, seg.tf, d_off, ds, dt, is_wide,
+                    where, _SEG, doc_len, w.seg_len, tids, idf, seg.offsets, seg.slots, seg.tf, d_off, ds, dt, is_wide,
                     row, w.rows, w.span, int(m), float(avgdl), float(k1), float(b), sc.acc32, sc.seen)
                 return slots, scores, int(listed)
         slots, scores, listed, _ = kernels_topm.bm25_top_pruned(
