@@ -233,7 +233,8 @@ class PostingsIndex(MergeMixin):
 
     def nbytes(self) -> dict[str, int]:
         """Bytes held: ``postings`` (segment and per-slot arrays, the BM25 top-m's scratch and
-        wide-term rows, the delta at an estimated 100 bytes per posting) and ``terms`` (:meth:`.segment.Segment.nbytes`, plus the delta's dict
+        wide-term rows, the delta at an estimated 100 bytes per posting) and ``terms``
+        (:meth:`.segment.Segment.nbytes`, plus the delta's dict
         and term strings); docs/architecture.md "Memory accounting"."""
         arrays, terms = self._seg.nbytes()
         per_slot = self._doc_len.nbytes + self._live.nbytes + self._where.nbytes + self._seg_df.nbytes
