@@ -9,21 +9,22 @@ the first time a query uses it and kept until the segment is replaced
 (:class:`.bm25.listed_top._Scratch`); the rows live in one ``calloc``'d ``uint8[R, span]`` array,
 so rows never used cost no memory. ``span`` is the segment's last slot + 1.
 
-Query: (1) the other ("narrow") lists and the delta layers' postings of every term are read
-into the per-slot scratch ``acc`` as in :mod:`.kernels_topm`, and the m-th largest of those
-partial scores (each a lower bound of its chunk's score) is a first threshold; (2) one pass over
-the slots below ``span`` in blocks computes, for every slot, the wide terms' sum in float32
+Query: (1) the other ("narrow") lists' segment postings are added to the per-slot float32
+scratch ``acc`` with the pass's float32 operations (the lengths from the uint16 segment copy, a
+quarter of the bytes to read at random), and every term's delta-layer postings with
+``score_all``'s; no per-chunk bookkeeping, except for delta chunks past ``span``; (2) one pass
+over the slots below ``span`` in blocks computes, for every slot, the wide terms' sum in float32
 (contiguous rows, vectorised: numpy's error model, no per-posting branches) plus its partial
-score, counts the non-zero scores, and keeps the slots whose approximate score reaches the
-threshold, raising it to the m-th largest of what it kept whenever its buffer fills. The
-partial scores are streamed with the rows rather than looked up per touched chunk (a random
-read of each wide row per chunk cost ~10x the pass at 500K chunks); (3) chunks touched past
-``span`` (delta chunks added since the segment) join the candidates; every candidate whose
-approximate score reaches the final threshold (relative slack :data:`_APPROX`, far above float32
-rounding of a sum of a few hundred terms) is scored again from 0.0 in query-term order with the
-operations of ``PostingsIndex.score_all`` (rank_bm25's values, bit for bit), and the top-m of
-those exact scores is returned. Every list is in effect read, so ``listed`` (the chunks with a
-non-zero score) is exact.
+score, clears the partial score, counts the non-zero scores, and keeps the slots whose
+approximate score reaches the threshold, raising it to the m-th largest of what it kept whenever
+its buffer fills. The partial scores are streamed with the rows rather than looked up per
+touched chunk (a random read of each wide row per chunk cost ~10x the pass at 500K chunks);
+(3) the delta chunks past ``span`` (added since the segment) join the candidates; every
+candidate whose approximate score reaches the final threshold (relative slack :data:`_APPROX`,
+far above float32 rounding of a sum of a few hundred terms) is scored again from 0.0 in
+query-term order with the operations of ``PostingsIndex.score_all`` (rank_bm25's values, bit
+for bit), and the top-m of those exact scores is returned. Every list is in effect read, so
+``listed`` (the chunks with a non-zero score) is exact.
 
 Measured at 500K chunks per shard (``bench.topm_probe``; bench/RESULTS.md): the BM25 top-64 of
 SciFact queries under rank_bm25's idf floor in ~1/3 of MaxScore's time at p50 and ~1/6 at p95.
@@ -35,7 +36,7 @@ import numpy as np
 from numba import njit
 
 from .kernels import _JIT, _kth_largest
-from .kernels_topm import _f, _probe, _read
+from .kernels_topm import _f, _probe
 from .warm_inputs import postings_variants
 
 #: a term is wide when its segment list holds at least span / WIDE_DIV postings
@@ -60,13 +61,14 @@ def fill_row(rows, r, t, offsets, pslots, ptf):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def _block(rows, base, wrow, w32, k1p32, dl, wh, a, seg_code, a0, a1, thr, sv, nv, bq):
+def _block(rows, base, wrow, w32, k1p32, dl, wh, a, seg_code, a0, a1, thr32, sv, nv, bq):
     """One block of the pass (slots ``base`` on; ``dl``, ``wh``, ``a`` are that block's lengths,
-    layer codes and partial scores): ``sv`` = the wide terms' float32 sum per slot (0 outside
-    the segment) plus the partial score; returns the count of non-zero scores and ``k``, with
-    ``bq[:k]`` the slots whose score reaches ``thr``. numpy's error model (no
-    ZeroDivisionError check) lets LLVM vectorise the divisions; a denominator is never 0 (the
-    length normalisation is floored at 1e-30, a tf is >= 0)."""
+    layer codes and partial scores, all >= 0): ``sv`` = the wide terms' float32 sum per slot (0
+    outside the segment) plus the partial score, and ``a`` zeroed; returns the count of non-zero
+    scores and ``k``, with ``bq[:k]`` the slots whose score reaches ``thr32`` (float32, at most
+    the float64 threshold). numpy's error model (no ZeroDivisionError check) lets LLVM vectorise
+    the divisions; a denominator is never 0 (the length normalisation is floored at 1e-30, a tf
+    is >= 0)."""
     n = sv.size
     for q in range(n):
         nv[q] = max(np.float32(a0) + np.float32(a1) * np.float32(dl[q]), np.float32(1e-30))
@@ -77,18 +79,32 @@ def _block(rows, base, wrow, w32, k1p32, dl, wh, a, seg_code, a0, a1, thr, sv, n
         for q in range(n):
             t = np.float32(row[q])
             sv[q] += w * (t * k1p32 / (t + nv[q]))
+    # branch-free from here on: a slot's non-zero score is a coin toss the branch predictor
+    # loses (~1.5 ms of a 500K-slot pass with branches)
     cnt = 0
     for q in range(n):
-        on = (wh[q] == seg_code) & (sv[q] > 0.0)
-        nz = on | (a[q] != 0.0)
-        sv[q] = (sv[q] if on else np.float32(0.0)) + np.float32(a[q])
-        cnt += nz
+        v = sv[q] * np.float32(wh[q] == seg_code) + a[q]  # wide terms: segment chunks only
+        sv[q] = v
+        a[q] = np.float32(0.0)  # the scratch is zero again once the pass is by
+        cnt += np.int32(v > np.float32(0.0))
     k = 0
-    for q in range(n):
-        if sv[q] >= thr and (sv[q] > 0.0 or a[q] != 0.0):
-            bq[k] = q
-            k += 1
+    for q in range(n):  # bq has n + 1 entries
+        bq[k] = q
+        k += (sv[q] >= thr32) & (sv[q] > np.float32(0.0))
     return cnt, k
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _narrow(lo, hi, pslots, ptf, where, seg_code, seg_len, w, k1p, a0, a1, acc):
+    """Add segment postings ``lo:hi`` of one term (weight ``w``) to the float32 partial scores:
+    the pass's float32 operations, with the segment length copy (1/4 of ``doc_len``'s bytes to
+    read at random)."""
+    for p in range(lo, hi):
+        x = np.int64(pslots[p])
+        if where[x] == seg_code:
+            t = np.float32(ptf[p])
+            nv = max(a0 + a1 * np.float32(seg_len[x]), np.float32(1e-30))
+            acc[x] += w * (t * k1p / (t + nv))
 
 
 @njit(**_JIT)
@@ -123,51 +139,54 @@ def bm25_top_wide(where, seg_code, doc_len, seg_len, tids, idf, offsets, pslots,
     """
     n_pos = tids.size
     one_b, k1p = 1.0 - b, k1 + 1.0
+    a0, a1 = k1 * one_b, k1 * b / avgdl
+    k1p32, a032, a132 = np.float32(k1p), np.float32(a0), np.float32(a1)
     total = 0
-    for i in range(n_pos):
-        if tids[i] >= 0 and not is_wide[i]:
-            total += offsets[tids[i] + 1] - offsets[tids[i]]
-        total += d_off[i + 1] - d_off[i]
-    touched = np.empty(total, np.int64)
-    nt = 0
     nw = 0
     for i in range(n_pos):
+        total += d_off[i + 1] - d_off[i]
         nw += is_wide[i]
     wide_pos, wrow = np.empty(nw, np.int64), np.empty(nw, np.int64)
+    # (1) the narrow lists' segment postings into the float32 partial scores (float32 operations,
+    # no per-chunk bookkeeping: the pass below reads and clears every slot under span), then the
+    # delta postings (float64 operations; the chunks they touch past span are noted)
+    past = np.empty(total, np.int64)
+    npast = 0
     c = 0
     for i in range(n_pos):
         t = tids[i]
         if is_wide[i]:
             wide_pos[c], wrow[c] = i, wide_row[i]
             c += 1
-            t = -1  # its delta postings only
-        nt, _ = _read(i, idf[i], t, offsets, pslots, ptf, d_off, d_slots, d_tf, where, seg_code, doc_len, avgdl,
-                      k1, b, acc, seen, touched, nt)
-    # (2) a first threshold: the m-th largest partial score (each a lower bound of its total)
+        elif t >= 0:
+            _narrow(offsets[t], offsets[t + 1], pslots, ptf, where, seg_code, seg_len, np.float32(idf[i]), k1p32,
+                    a032, a132, acc)
+        for p in range(d_off[i], d_off[i + 1]):
+            x = d_slots[p]
+            acc[x] += _f(idf[i], d_tf[p], doc_len[x], avgdl, k1, b, one_b, k1p)
+            if x >= span and seen[x] == 0:
+                seen[x] = 1
+                past[npast] = x
+                npast += 1
+    # (2) the pass over the slots below span: wide sums (float32) plus the partial scores; the
+    # threshold rises to the m-th largest kept approximation whenever the buffer fills
     thr = 0.0
-    if nt >= m:
-        part = np.empty(nt, np.float64)
-        for j in range(nt):
-            part[j] = np.float64(acc[touched[j]])
-        thr = _kth_largest(part, m) * (1.0 - _APPROX)
-    # (3) the pass over the slots below span: wide sums (float32) plus the partial scores
     cap = max(8 * m, 4096)
     bx, bv = np.empty(cap, np.int64), np.empty(cap, np.float64)
     nb = 0
     listed = 0
-    a0, a1 = k1 * one_b, k1 * b / avgdl
     w32 = np.empty(nw, np.float32)
     for j in range(nw):
         w32[j] = np.float32(idf[wide_pos[j]])
-    k1p32 = np.float32(k1p)
     s = np.empty(_BLOCK, np.float32)
     nrm = np.empty(_BLOCK, np.float32)
-    bq = np.empty(_BLOCK, np.int64)
+    bq = np.empty(_BLOCK + 1, np.int64)
     for base in range(0, span, _BLOCK):
         n = min(_BLOCK, span - base)
         a = acc[base:base + n]
+        thr32 = np.float32(thr * (1.0 - 1e-7))  # rounded to float32 (<= 6e-8 up): still <= thr
         cnt, k = _block(rows, base, wrow, w32, k1p32, seg_len[base:base + n], where[base:base + n], a, seg_code,
-                        a0, a1, thr, s[:n], nrm[:n], bq)
+                        a0, a1, thr32, s[:n], nrm[:n], bq)
         listed += cnt
         for j in range(k):  # appended (the hot loops are in _block: no array reassigned there)
             q = bq[j]
@@ -181,23 +200,22 @@ def bm25_top_wide(where, seg_code, doc_len, seg_len, tids, idf, offsets, pslots,
                     bx, bv = bx2, bv2
             bx[nb], bv[nb] = base + q, np.float64(s[q])
             nb += 1
-    # (4) candidates: the kept chunks and the touched ones past span (delta chunks added since)
+    # (3) candidates: the kept chunks and the delta chunks past span
     nc = nb
-    for j in range(nt):
-        nc += touched[j] >= span and acc[touched[j]] != 0.0
+    for j in range(npast):
+        nc += acc[past[j]] != 0.0
     cx, cv = np.empty(nc, np.int64), np.empty(nc, np.float64)
     c = 0
     for j in range(nb):
         cx[c], cv[c] = bx[j], bv[j]
         c += 1
-    for j in range(nt):
-        x = touched[j]
-        if x >= span and acc[x] != 0.0:
+    for j in range(npast):
+        x = past[j]
+        if acc[x] != 0.0:
             cx[c], cv[c] = x, np.float64(acc[x])
             c += 1
+        acc[x], seen[x] = 0.0, 0
     listed += c - nb
-    for j in range(nt):
-        acc[touched[j]], seen[touched[j]] = 0.0, 0
     if c > m:
         th = _kth_largest(cv, m) * (1.0 - _APPROX)
         keep = np.flatnonzero(cv >= th)
