@@ -68,14 +68,16 @@ class DenseConfig:
     default) 0.971 / 0.990 / 0.995 at 100K vectors, building 1,500 vectors/s on one core;
     efConstruction 80: 0.955 / 0.979 / 0.990 at 100K and 0.948 / 0.972 / 0.983 at 200K, building
     3,950 / 3,600 per s; efConstruction 40: 0.988 at 100K but 0.979 at 200K (ef_search 512).
-    M 16 stays below 0.96 at ef_search 256 whatever efConstruction. So efConstruction 80 (2.6x
-    the former build rate) with ef_search 512 (recall >= 0.98 up to 200K per shard; ~1.3-1.5 ms
-    a query there on one core, 0.7-0.9 at 256). A larger shard needs a larger ef_search.
+    M 16 stays below 0.96 at ef_search 256 whatever efConstruction. At 500K vectors per shard (the
+    1M bench), ef_search 512: efConstruction 40 / 48 / 56 / 80 give 0.944 / 0.956 / 0.9645 /
+    0.9643 (ingest8, bench/RESULTS.md): past 56 the build costs more for no recall, so
+    efConstruction 56 (the graph build is the largest CPU part of a supplied-vector ingest) with
+    ef_search 512 (~1-1.5 ms a query on one core). A larger shard needs a larger ef_search.
     """
 
     kind: str = "flat"
     hnsw_m: int = 32
-    ef_construction: int = 80
+    ef_construction: int = 56
     ef_search: int = 512
     nprobe: int = 32
     train_min: int = 4096
