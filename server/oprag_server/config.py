@@ -70,14 +70,15 @@ class DenseConfig:
     3,950 / 3,600 per s; efConstruction 40: 0.988 at 100K but 0.979 at 200K (ef_search 512).
     M 16 stays below 0.96 at ef_search 256 whatever efConstruction. At 500K vectors per shard (the
     1M bench), ef_search 512: efConstruction 40 / 48 / 56 / 80 give 0.944 / 0.956 / 0.9645 /
-    0.9643 (ingest8, bench/RESULTS.md): past 56 the build costs more for no recall, so
-    efConstruction 56 (the graph build is the largest CPU part of a supplied-vector ingest) with
-    ef_search 512 (~1-1.5 ms a query on one core). A larger shard needs a larger ef_search.
+    0.9643 (ingest8, bench/RESULTS.md), but the build's CPU time is the same at 56 and 80 (200K
+    vectors, 1,000 a batch: 48.1 / 51.2 s vs 50.2 / 47.1 s alternating): FAISS's insert cost here is
+    the neighbour-list upkeep of M 32, not the beam, so efConstruction stays 80 with ef_search 512
+    (~1-1.5 ms a query on one core; M 24 at 500K: 0.83). A larger shard needs a larger ef_search.
     """
 
     kind: str = "flat"
     hnsw_m: int = 32
-    ef_construction: int = 56
+    ef_construction: int = 80
     ef_search: int = 512
     nprobe: int = 32
     train_min: int = 4096
