@@ -222,8 +222,9 @@ class Runtime:
         await self.snapshot()
         log.warning("re-established --storage-uri %s from a full snapshot", self.cfg.storage_uri)
 
-    async def _snapshot_loop(self, interval_s: float = 30.0, max_share: float = 0.2) -> None:
-        # at most max_share of the time (a snapshot blocks commits, 10-20 s at 1M chunks); failing: the
+    async def _snapshot_loop(self, interval_s: float = 30.0, max_share: float = 0.1) -> None:
+        # at most max_share of the time (a snapshot blocks commits, 10-20 s at 1M chunks; 0.2 took ~17% of a 1M
+        # ingest's wall, ingest8); the log replayed after a crash is then up to 9x a snapshot's time; failing: the
         failing, wait = None, interval_s  # last failure's text, logged once per change
         while True:
             await asyncio.sleep(wait)

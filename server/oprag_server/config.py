@@ -68,9 +68,12 @@ class DenseConfig:
     default) 0.971 / 0.990 / 0.995 at 100K vectors, building 1,500 vectors/s on one core;
     efConstruction 80: 0.955 / 0.979 / 0.990 at 100K and 0.948 / 0.972 / 0.983 at 200K, building
     3,950 / 3,600 per s; efConstruction 40: 0.988 at 100K but 0.979 at 200K (ef_search 512).
-    M 16 stays below 0.96 at ef_search 256 whatever efConstruction. So efConstruction 80 (2.6x
-    the former build rate) with ef_search 512 (recall >= 0.98 up to 200K per shard; ~1.3-1.5 ms
-    a query there on one core, 0.7-0.9 at 256). A larger shard needs a larger ef_search.
+    M 16 stays below 0.96 at ef_search 256 whatever efConstruction. At 500K vectors per shard (the
+    1M bench), ef_search 512: efConstruction 40 / 48 / 56 / 80 give 0.944 / 0.956 / 0.9645 /
+    0.9643 (ingest8, bench/RESULTS.md), but the build's CPU time is the same at 56 and 80 (200K
+    vectors, 1,000 a batch: 48.1 / 51.2 s vs 50.2 / 47.1 s alternating): FAISS's insert cost here is
+    the neighbour-list upkeep of M 32, not the beam, so efConstruction stays 80 with ef_search 512
+    (~1-1.5 ms a query on one core; M 24 at 500K: 0.83). A larger shard needs a larger ef_search.
     """
 
     kind: str = "flat"

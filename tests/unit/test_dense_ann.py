@@ -121,3 +121,23 @@ def test_snapshot_keeps_the_structure_and_scores_stay_canonical(kind, tmp_path):
     _, after = _search(again, q)
     assert after == before  # same candidates, same scores, after the slots were renumbered
     assert not any(c in ("d3#0", "d10#0") for ids, _ in after for c in ids)
+
+
+def test_hnsw_default_build_parameters_are_used_and_beat_a_narrow_build():
+    """The defaults (M 32, efConstruction 80, ef_search 512, config.DenseConfig) are what the FAISS
+    graph is built with; on hard clustered vectors (32-wide, much noise) the default build finds
+    >= 0.8 of the exact top-50 where efConstruction 16 stays below 0.75 (measured at 56: 0.84 vs
+    0.69; efConstruction 4: 0.37)."""
+    cfg = DenseConfig(kind="hnsw")
+    assert (cfg.hnsw_m, cfg.ef_construction, cfg.ef_search) == (32, 80, 512)
+    V, q = _clustered(20000, seed=5), _clustered(40, seed=6)
+    flat = DenseIndex(D)
+    flat.add(np.arange(20000), V)
+    got = {}
+    for efc in (80, 16):
+        idx = DenseIndex(D, DenseConfig(kind="hnsw", ef_construction=efc) if efc != 80 else cfg)
+        for part in np.array_split(np.arange(20000), 10):
+            idx.add(part, V[part])
+        assert idx._ann._index.hnsw.efConstruction == efc
+        got[efc] = _recall(idx, flat, q, 50)
+    assert got[80] >= 0.8 and got[16] < 0.75

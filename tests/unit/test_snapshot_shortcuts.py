@@ -5,6 +5,7 @@ the write-ahead log back to find the in-flight ones."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from oprag_server.index.bm25 import PostingsIndex
 from oprag_server.shards.chunks import ChunkStore
@@ -47,3 +48,33 @@ def test_in_flight_reads_the_log_only_when_a_transaction_is_prepared():
     assert t.in_flight() == [] and t.wal.reads == 0
     t.prepared["b"] = {"txn": "b", "seq": 2}
     assert t.in_flight() == [{"txn": "b", "seq": 2}] and t.wal.reads == 1
+
+
+def test_periodic_snapshots_take_at_most_a_tenth_of_the_time(monkeypatch):
+    """``Runtime._snapshot_loop``: the wait after a snapshot that took s seconds is
+    max(30 s, 9 s), so snapshots (which block commits) take at most a tenth of the time of a
+    long bulk load; nothing is written while nothing changed."""
+    import asyncio
+
+    from oprag_server import app
+
+    clock, waits, took = [0.0], [], iter([2.0, 10.0, 50.0])
+
+    class Fake:
+        _dirty, commits = True, type("C", (), {"lease": None})()
+
+        async def snapshot(self):
+            clock[0] += next(took)
+            self._dirty = len(waits) < 3
+
+    async def sleep(s):
+        waits.append(s)
+        clock[0] += s
+        if len(waits) == 5:
+            raise asyncio.CancelledError
+
+    monkeypatch.setattr(app.asyncio, "sleep", sleep)
+    monkeypatch.setattr(app.time, "perf_counter", lambda: clock[0])
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(app.Runtime._snapshot_loop(Fake()))
+    assert waits == [30.0, 30.0, 90.0, 450.0, 30.0]  # 2 s -> 30 (the floor), 10 s -> 90, 50 s -> 450; then clean

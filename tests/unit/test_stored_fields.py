@@ -110,3 +110,29 @@ def test_table_of_several_parts_is_in_slot_order_with_or_without_reordering():
     assert ids == [f"p{k}-{i}#0" for k in range(3) for i in range(50)]
     mixed = np.asarray([120, 3, 75, 4, 149], np.int64)
     assert f.table(mixed).column("chunk_id").to_pylist() == ["p2-20#0", "p0-3#0", "p1-25#0", "p0-4#0", "p2-49#0"]
+
+
+def test_table_not_fresh_slices_consecutive_rows_and_equals_the_fresh_table(tmp_path):
+    """``table(fresh=False)`` (what a snapshot writes) equals ``table()`` over parts with and
+    without deleted rows, a memory-mapped part and any order asked; consecutive rows of a part
+    are sliced (the part's buffer), others gathered; ``table()`` never shares a part's buffers."""
+    st = ShardState(0, D, tmp_path)
+    st.load(set())
+    st.store.upsert(_table(300), 1)
+    st.snapshot()  # part 0: the memory-mapped snapshot file
+    st.store.upsert(_table(200, gen=2, prefix="e"), 2)
+    st.store.upsert(_table(100, gen=3, prefix="g"), 3)
+    f = st.store.fields
+    rng = np.random.default_rng(1)
+    for _ in range(3):
+        for slots in (f.slots(), f.slots()[::-1].copy(), np.sort(rng.choice(f.slots(), 77, replace=False))):
+            assert f.table(slots, fresh=False).equals(f.table(slots))
+        st.store.delete([f"e{i}" for i in rng.integers(0, 200, 15)] + [f"d{i}" for i in rng.integers(0, 300, 5)],
+                        st.store.applied_seq + 1)
+    part0 = f._parts[0].column("text").chunks[0].buffers()[2].address
+    one = f.slots()[:40]  # consecutive rows of the mapped part (before the first deleted one)
+    one = one[one < f._parts[0].num_rows][:10]
+    assert (np.diff(f._row[one]) == 1).all()
+    assert f.table(one, fresh=False).column("text").chunks[0].buffers()[2].address == part0  # sliced
+    assert f.table(one).column("text").chunks[0].buffers()[2].address != part0  # a copy
+    assert st.store.batch(vectors=False).num_rows == len(st.store.chunks)

@@ -325,7 +325,7 @@ class ChunkStore:
         return self._block(self.fields.slots(), vectors)
 
     def _block(self, slots: np.ndarray, vectors: bool) -> pa.RecordBatch:
-        t = self.fields.table(slots, records.chunk_schema(self.dim))
+        t = self.fields.table(slots, records.chunk_schema(self.dim), fresh=False)  # written out, then dropped
         out = pa.RecordBatch.from_arrays([c.combine_chunks() for c in t.columns], schema=t.schema)
         if vectors:
             vecs = self.dense.vectors_of(slots) if slots.size else np.zeros((0, self.dim), np.float32)

@@ -167,8 +167,10 @@ class StoredFields:
         self._row[slots] = np.arange(slots.size, dtype=np.int32)
         self._rows = self._live
 
-    def table(self, slots: np.ndarray, schema: pa.Schema | None = None) -> pa.Table:
-        """The fields of live slots int64[n], in that order, as one table (fresh buffers)."""
+    def table(self, slots: np.ndarray, schema: pa.Schema | None = None, fresh: bool = True) -> pa.Table:
+        """The fields of live slots int64[n], in that order, as one table: fresh buffers, or
+        with ``fresh=False`` (a caller that writes it out and drops it: a snapshot) consecutive
+        rows of a part sliced, not gathered (the table may then share a part's buffers)."""
         names = list(FIELDS)
         if not slots.size:
             sch = pa.schema([schema.field(n) for n in names]) if schema is not None else None
@@ -177,7 +179,8 @@ class StoredFields:
         pieces, order = [], []
         for p in np.unique(parts).tolist():
             pos = np.flatnonzero(parts == p)
-            pieces.append(self._parts[p].take(pa.array(self._row[slots[pos]].astype(np.int64))))
+            rows = self._row[slots[pos]].astype(np.int64)
+            pieces.append(self._parts[p].take(pa.array(rows)) if fresh else _rows_of(self._parts[p], rows))
             order.append(pos)
         t = pa.concat_tables(pieces)
         cat = np.concatenate(order)
@@ -197,6 +200,16 @@ class StoredFields:
 
     def view(self) -> "FieldsView":
         return FieldsView(self)
+
+
+def _rows_of(part: pa.Table, rows: np.ndarray) -> pa.Table:
+    """Rows int64[n] of ``part``: a zero-copy slice when they are consecutive (a bulk load's
+    parts and a snapshot's file hold their live rows in order: the caller's ``combine_chunks``
+    is then the only copy; a ``take`` gathered them first, ~2-3% of a shard's samples in a 1M
+    ingest, its snapshots), else a ``take``."""
+    if rows.size and int(rows[-1]) - int(rows[0]) == rows.size - 1 and (rows.size == 1 or (np.diff(rows) == 1).all()):
+        return part.slice(int(rows[0]), int(rows.size))
+    return part.take(pa.array(rows))
 
 
 def _clean(r: ChunkRecord) -> ChunkRecord:
