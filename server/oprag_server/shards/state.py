@@ -7,7 +7,6 @@ through :func:`op_table`.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -42,7 +41,6 @@ class ShardState:
         self.search = Searcher(self.store)
         self.memory = MemoryStore()
         self.txns = Transactions(self.store)
-        self._idle_ver, self._quiet_since = -1, 0.0  # (idle_step) store version seen, since when
 
     def stats(self, req: StatsRequest | None = None) -> StatsReply:
         """Counts; with ``req.lexical`` also the full BM25 statistics ``(N, total length, df)``
@@ -89,33 +87,6 @@ class ShardState:
             return False
         self.store.dense.insert_pending(self.BACKGROUND_STEP)
         return self.store.dense.pending > 0
-
-    #: seconds without a write before an idle shard folds its BM25 delta into the segment;
-    #: while a background merge runs, how often the run loop looks whether it can install it
-    IDLE_MERGE_S, MERGE_POLL_S = 1.0, 0.05
-
-    def idle_step(self) -> float | None:
-        """BM25 upkeep between requests (:mod:`.worker` calls it after each request and when
-        its wait for one times out): install a finished background merge; once no write came
-        for :attr:`IDLE_MERGE_S`, start a background merge of the delta the last writes left
-        (:meth:`~..index.bm25.postings.PostingsIndex.idle_merge`), so that queries after an
-        ingest are as fast as after a restart. Never blocks on the merge itself.
-
-        :returns: seconds after which it wants to be called again without a request; None:
-            only after the next request."""
-        p, now = self.store.postings, time.monotonic()
-        if self.store.version != self._idle_ver:  # a write: the quiet period starts again
-            self._idle_ver, self._quiet_since = self.store.version, now
-        p.poll_merge(raise_errors=False)
-        if p.merging:
-            return self.MERGE_POLL_S
-        if not p.idle_merge_due():
-            return None
-        left = self._quiet_since + self.IDLE_MERGE_S - now
-        if left > 0:
-            return left
-        p.idle_merge()
-        return self.MERGE_POLL_S
 
     def shutdown(self, req: ShutdownRequest) -> ShutdownReply:
         """Snapshot when asked; the run loop exits after replying."""

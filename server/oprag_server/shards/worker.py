@@ -6,9 +6,7 @@ Spawned by :class:`~oprag_server.shards.transport.PipeTransport`. It answers req
 :mod:`oprag_server.shards.protocol`), one at a time, so every operation is atomic with respect
 to queries. Between requests it does deferred work in small steps
 (:meth:`~oprag_server.shards.state.ShardState.background_step`: HNSW inserts an ingest left for
-later), looking for a request after each step; and, once no write came for a second, starts
-a background merge of the BM25 delta the writes left and installs it when done
-(:meth:`~oprag_server.shards.state.ShardState.idle_step`). The first message is READY: ``(0, True, StatsReply)`` with the full BM25
+later), looking for a request after each step. The first message is READY: ``(0, True, StatsReply)`` with the full BM25
 statistics, or ``(0, False, error)``.
 
 This module imports neither torch nor grpc: shard processes stay small.
@@ -55,13 +53,9 @@ def run(shard_id: int, conn, dim: int, data_dir: str | None, stem: bool, committ
         return
     table = op_table(state)
     busy = state.store.dense.pending > 0  # deferred work waits (HNSW inserts a replay left)
-    wait = state.idle_step()  # seconds until the BM25 upkeep wants a look (None: never)
     while True:
         if busy and not conn.poll(0):  # nothing asked: do some of it, then look again
             busy = state.background_step()
-            continue
-        if wait is not None and not conn.poll(wait):  # nothing asked meanwhile: BM25 upkeep
-            wait = state.idle_step()
             continue
         try:
             req_id, op, req = conn.recv()
@@ -76,4 +70,3 @@ def run(shard_id: int, conn, dim: int, data_dir: str | None, stem: bool, committ
         if op is Op.SHUTDOWN:
             break
         busy = state.store.dense.pending > 0 and not state.txns.prepared
-        wait = state.idle_step()

@@ -81,31 +81,6 @@ class MergeMixin:
             return True
         return False
 
-    #: an idle shard (:meth:`idle_merge`) folds a delta of at least this many postings and
-    #: 1/64 of the segment's: 1/8 of :meth:`maybe_merge`'s thresholds
-    IDLE_MERGE_MIN = 8192
-
-    def idle_merge_due(self) -> bool:
-        """Whether :meth:`idle_merge` would start a merge now (no merge under way, and the delta
-        or the dead postings pass the idle thresholds)."""
-        if self._pending is not None:
-            return False
-        p = self._seg.n_postings
-        return (self._delta.n >= max(self.IDLE_MERGE_MIN, p // 64)
-                or self._seg_dead >= max(self.IDLE_MERGE_MIN, p // 32))
-
-    def idle_merge(self) -> bool:
-        """Start a background merge (:meth:`maybe_merge` with ``background``) at lower thresholds
-        (:meth:`idle_merge_due`), for a shard that took no write for a while: the delta is read
-        posting by posting at query time (the segment's compact paths do not cover it), so a
-        delta left by the last ingest slows every query until a merge folds it in. Scores are
-        unchanged (same postings, same summation order). :returns: True if it started one."""
-        self.poll_merge(raise_errors=False)
-        if not self.idle_merge_due():
-            return False
-        self._start_merge(background=True)
-        return True
-
     @property
     def merging(self) -> bool:
         """True while a background merge is under way or waiting to be installed."""
