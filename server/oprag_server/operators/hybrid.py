@@ -211,17 +211,18 @@ def _hit_ranks(vals: np.ndarray, ids: np.ndarray, rows: list[int], n: int, lexic
     if not r.size:
         return np.zeros(0, np.int64)
     v = vals[r]
-    # counts by binary search in the sorted scores (listed ones for lexical), not a k x M matrix
-    srt = np.sort(vals[vals != 0.0] if lexical else vals)
-    hi = np.searchsorted(srt, v, side="right")
-    ahead = srt.size - hi
-    tied = hi - np.searchsorted(srt, v, side="left") > 1
+    gt = vals[None, :] > v[:, None]
+    if lexical:
+        gt &= (vals != 0.0)[None, :]
+    ahead = gt.sum(axis=1)
+    eq = vals[None, :] == v[:, None]
+    tied = eq.sum(axis=1) > 1
     tied &= ahead < n
     if lexical:
         tied &= v != 0.0  # not listed: rank 0 whatever its ties
     for q in np.flatnonzero(tied).tolist():  # ties: by id, then position
         me, p = ids[r[q]], int(r[q])
-        ahead[q] += sum(1 for t in np.flatnonzero(vals == v[q]).tolist() if ids[t] < me or (t < p and ids[t] == me))
+        ahead[q] += sum(1 for t in np.flatnonzero(eq[q]).tolist() if ids[t] < me or (t < p and ids[t] == me))
     out = np.where(ahead < n, ahead + 1, 0)
     if lexical:
         out[v == 0.0] = 0
