@@ -6,6 +6,13 @@ interleaves hybrid with full_hybrid per query, as ``bench.scale`` does, to show 
 mode's full scans do to the next hybrid query's caches.
 
     python -m bench.serve_passes --data-dir bench/out/scale-1000000-hnsw --dense-index hnsw --json
+
+``--ingest N`` then adds N derived one-chunk documents with supplied vectors (``bench.scale``'s
+derivation from ``--source``, other seed and ids ``more:<i>``), times a hybrid pass at once
+(``after_ingest``) and two more after ``--settle`` seconds (``settled1/2``), before the
+interleaved pass: the same server before an ingest, straight after it (its shards' BM25 deltas,
+deferred HNSW inserts) and a while later. The data dir is
+changed by it (copy it first).
 """
 
 from __future__ import annotations
@@ -27,6 +34,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--passes", type=int, default=3, help="hybrid-only passes (the first is reported as warm-up)")
     ap.add_argument("--shared", type=Path, default=DEFAULT_SHARED)
     ap.add_argument("--server-arg", action="append", default=[], help="extra server argument (repeatable)")
+    ap.add_argument("--ingest", type=int, default=0, help="derived chunks to ingest before the passes")
+    ap.add_argument("--source", type=Path, default=Path("bench/out/retrieval-data"),
+                    help="bench.retrieval data dir whose chunks --ingest derives from (bench.scale's --source)")
+    ap.add_argument("--settle", type=float, default=30.0, help="seconds between the after_ingest pass and the others")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     from oprag_client.client import OpRAGClient, query_request
@@ -47,8 +58,18 @@ def main(argv=None) -> dict:
                 return (time.perf_counter() - t) * 1e3
 
             plans = [("warmup" if p == 0 else f"pass{p}", ("hybrid",)) for p in range(a.passes)]
+            if a.ingest:  # the passes before, the ingest, a pass at once, the settling time, two passes
+                plans += [("ingest", ()), ("after_ingest", ("hybrid",)), ("settle", ()),
+                                ("settled1", ("hybrid",)), ("settled2", ("hybrid",))]
             plans.append(("interleaved", ("hybrid", "full_hybrid")))
             for label, modes in plans:
+                if label == "settle":
+                    time.sleep(a.settle)
+                    continue
+                if label == "ingest":
+                    out["ingest"] = _ingest(c, a)
+                    log(str(out["ingest"]))
+                    continue
                 lat: dict[str, list[float]] = {m: [] for m in modes}
                 tim: dict[str, list[float]] = {}
                 for text, v in zip(texts, vecs):
@@ -66,6 +87,20 @@ def main(argv=None) -> dict:
     if a.json:
         emit_json(out)
     return out
+
+
+def _ingest(c, a) -> dict:
+    """Ingest ``a.ingest`` derived one-chunk documents (supplied vectors) in streams of 2,000."""
+    from oprag_client.client import Doc
+
+    from ._common import read_snapshot
+    from .scale import derived
+
+    t, n = time.perf_counter(), 0
+    for texts, vecs in derived(read_snapshot(a.source), a.ingest, 0.5, seed=29):
+        n += c.ingest([Doc(f"more:{n + i}", x, vector=v) for i, (x, v) in enumerate(zip(texts, vecs))]).chunks_written
+    el = time.perf_counter() - t
+    return {"chunks": n, "ingest_s": round(el, 1), "chunks_per_s": round(n / el)}
 
 
 if __name__ == "__main__":
