@@ -148,3 +148,30 @@ def test_lengths_above_uint16_use_float32(monkeypatch):
     fs, fsc, flisted = _full(ix, terms, idf, 250.0, 1.2, 0.75, 7)
     assert ix.__dict__["_topm_scratch"].wide.seg_len.dtype == np.float32
     assert sorted(zip(sc.tolist(), s.tolist())) == sorted(zip(fsc.tolist(), fs.tolist())) and listed == flisted
+
+
+@pytest.mark.parametrize("make,seed", [(_stop_words, 11), (_ties, 12)])
+def test_threshold_raised_by_the_buffer_keeps_the_top_m(make, seed, monkeypatch):
+    """More listed chunks than the pass's buffer (max(8m, 4096)): the threshold then comes only from
+    compactions of what the pass kept (with ties at it on the ties corpus), and the top-m must
+    still be the full kernel's."""
+    rng = np.random.default_rng(seed)
+    docs = make(rng, 10_000)
+    ix = _index(rng, docs, len(docs) - 1, 200, 50)
+    monkeypatch.setattr(lt, "_FULL_BELOW", 0)
+    calls = []
+    real = kernels_wide.bm25_top_wide
+    monkeypatch.setattr(kernels_wide, "bm25_top_wide", lambda *a: calls.append(1) or real(*a))
+    ids = np.array([f"c{s:05d}" for s in range(len(docs))], dtype=object)
+    for q in range(12):
+        terms = [f"t{j}" for j in rng.integers(0, 12, int(rng.integers(2, 6)))] + ["t0"]
+        df = np.array([max(ix.df(t), 1) for t in terms], np.float64)
+        idf = np.log((len(docs) - df + 0.5) / (df + 0.5))
+        idf = np.where(idf < 0, 0.25 * float(rng.uniform(1, 4)), idf)
+        m = int((1, 5, 64)[q % 3])
+        s, sc, listed = lt.listed_top(ix, terms, idf, 12.0, 1.5, 0.75, m)
+        fs, fsc, flisted = _full(ix, terms, idf, 12.0, 1.5, 0.75, m)
+        assert listed == flisted > 4096 + 8 * m  # the buffer filled: compactions set the threshold
+        got = [(int(s[i]), sc[i].tobytes()) for i in top_k_order(sc, ids, m, rows=s)]
+        assert got == [(int(fs[i]), fsc[i].tobytes()) for i in top_k_order(fsc, ids, m, rows=fs)]
+    assert len(calls) == 12
