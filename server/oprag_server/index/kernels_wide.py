@@ -60,6 +60,19 @@ def fill_row(rows, r, t, offsets, pslots, ptf):
     return True
 
 
+@njit(inline="always", error_model="numpy")
+def _norm32(a0, a1, dl):
+    """The float32 length normalisation ``k1 * (1 - b + b * dl / avgdl)`` as ``a0 + a1 * dl``,
+    floored at 1e-30 (never a 0 denominator)."""
+    return max(a0 + a1 * np.float32(dl), np.float32(1e-30))
+
+
+@njit(inline="always", error_model="numpy")
+def _term32(w, t, k1p, nv):
+    """One posting's float32 contribution (``t`` its tf as float32, ``nv`` :func:`_norm32`)."""
+    return w * (t * k1p / (t + nv))
+
+
 @njit(cache=True, nogil=True, error_model="numpy")
 def _block(rows, base, wrow, w32, k1p32, dl, wh, a, seg_code, a0, a1, thr32, sv, nv, bq):
     """One block of the pass (slots ``base`` on; ``dl``, ``wh``, ``a`` are that block's lengths,
@@ -67,18 +80,16 @@ def _block(rows, base, wrow, w32, k1p32, dl, wh, a, seg_code, a0, a1, thr32, sv,
     outside the segment) plus the partial score, and ``a`` zeroed; returns the count of non-zero
     scores and ``k``, with ``bq[:k]`` the slots whose score reaches ``thr32`` (float32, at most
     the float64 threshold). numpy's error model (no ZeroDivisionError check) lets LLVM vectorise
-    the divisions; a denominator is never 0 (the length normalisation is floored at 1e-30, a tf
-    is >= 0)."""
+    the divisions; a denominator is never 0 (:func:`_norm32` is floored at 1e-30, a tf is >= 0)."""
     n = sv.size
     for q in range(n):
-        nv[q] = max(np.float32(a0) + np.float32(a1) * np.float32(dl[q]), np.float32(1e-30))
+        nv[q] = _norm32(np.float32(a0), np.float32(a1), dl[q])
         sv[q] = np.float32(0.0)
     for j in range(wrow.size):
         row = rows[wrow[j], base:base + n]
         w = w32[j]
         for q in range(n):
-            t = np.float32(row[q])
-            sv[q] += w * (t * k1p32 / (t + nv[q]))
+            sv[q] += _term32(w, np.float32(row[q]), k1p32, nv[q])
     # branch-free from here on: a slot's non-zero score is a coin toss the branch predictor
     # loses (~1.5 ms of a 500K-slot pass with branches)
     cnt = 0
@@ -97,14 +108,12 @@ def _block(rows, base, wrow, w32, k1p32, dl, wh, a, seg_code, a0, a1, thr32, sv,
 @njit(cache=True, nogil=True, error_model="numpy")
 def _narrow(lo, hi, pslots, ptf, where, seg_code, seg_len, w, k1p, a0, a1, acc):
     """Add segment postings ``lo:hi`` of one term (weight ``w``) to the float32 partial scores:
-    the pass's float32 operations, with the segment length copy (1/4 of ``doc_len``'s bytes to
-    read at random)."""
+    the pass's float32 operations (:func:`_norm32`, :func:`_term32`), with the segment length
+    copy (1/4 of ``doc_len``'s bytes to read at random)."""
     for p in range(lo, hi):
         x = np.int64(pslots[p])
         if where[x] == seg_code:
-            t = np.float32(ptf[p])
-            nv = max(a0 + a1 * np.float32(seg_len[x]), np.float32(1e-30))
-            acc[x] += w * (t * k1p / (t + nv))
+            acc[x] += _term32(w, np.float32(ptf[p]), k1p, _norm32(a0, a1, seg_len[x]))
 
 
 @njit(**_JIT)
