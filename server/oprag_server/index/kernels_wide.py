@@ -96,12 +96,16 @@ def _block(rows, base, wrow, w32, k1p32, dl, wh, a, seg_code, a0, a1, thr32, sv,
     # branch-free from here on: a slot's non-zero score is a coin toss the branch predictor
     # loses (~1.5 ms of a 500K-slot pass with branches)
     cnt = 0
+    hit = 0
     for q in range(n):
         v = sv[q] * np.float32(wh[q] == seg_code) + a[q]  # wide terms: segment chunks only
         sv[q] = v
         a[q] = np.float32(0.0)  # the scratch is zero again once the pass is by
         cnt += np.int32(v > np.float32(0.0))
+        hit += np.int32(v >= thr32)  # a count, not a running maximum: the loop stays vectorised
     k = 0
+    if hit == 0:  # most blocks once the threshold has risen: nothing to pick
+        return cnt, k
     for q in range(n):  # bq has n + 1 entries
         bq[k] = q
         k += (sv[q] >= thr32) & (sv[q] > np.float32(0.0))
@@ -184,6 +188,7 @@ def bm25_top_wide(where, seg_code, doc_len, seg_len, tids, idf, offsets, pslots,
     cap = max(8 * m, 4096)
     bx, bv = np.empty(cap, np.int64), np.empty(cap, np.float64)
     nb = 0
+    lim = 4 * m
     listed = 0
     w32 = np.empty(nw, np.float32)
     for j in range(nw):
@@ -219,6 +224,9 @@ def bm25_top_wide(where, seg_code, doc_len, seg_len, tids, idf, offsets, pslots,
                     bx, bv = bx2, bv2
             bx[nb], bv[nb] = base + q, np.float64(s[q])
             nb += 1
+        if nb >= lim:  # keep the threshold near the m-th largest so far: most blocks then pick nothing
+            nb, thr = _compact(bx, bv, nb, m, thr)
+            lim = max(4 * m, 2 * nb)
     # the delta postings past span (chunks added since the segment) into ``acc``, those chunks noted
     past = np.empty(total, np.int64)
     npast = 0
