@@ -9,17 +9,20 @@ the first time a query uses it and kept until the segment is replaced
 (:class:`.bm25.listed_top._Scratch`); the rows live in one ``calloc``'d ``uint8[R, span]`` array,
 so rows never used cost no memory. ``span`` is the segment's last slot + 1.
 
-Query: (1) the other ("narrow") lists' segment postings are added to the per-slot float32
-scratch ``acc`` with the pass's float32 operations (the lengths from the uint16 segment copy, a
-quarter of the bytes to read at random), and every term's delta-layer postings with
-``score_all``'s; no per-chunk bookkeeping, except for delta chunks past ``span``; (2) one pass
-over the slots below ``span`` in blocks computes, for every slot, the wide terms' sum in float32
+Query: one pass over the slots below ``span`` in blocks of :data:`_BLOCK`. For each block, (1) the
+other ("narrow") lists' segment postings in the block (each list is ascending by slot: one
+cursor per list) are added to a block-sized float32 scratch with the pass's float32 operations
+(the lengths from the uint16 segment copy), and every term's delta-layer postings in the block
+with ``score_all``'s; (2) the block computes, for every slot, the wide terms' sum in float32
 (contiguous rows, vectorised: numpy's error model, no per-posting branches) plus its partial
 score, clears the partial score, counts the non-zero scores, and keeps the slots whose
 approximate score reaches the threshold, raising it to the m-th largest of what it kept whenever
 its buffer fills. The partial scores are streamed with the rows rather than looked up per
-touched chunk (a random read of each wide row per chunk cost ~10x the pass at 500K chunks);
-(3) the delta chunks past ``span`` (added since the segment) join the candidates; every
+touched chunk (a random read of each wide row per chunk cost ~10x the pass at 500K chunks), and
+they never leave the cache (a per-slot scratch over the whole segment, written at random and
+read back by the pass, cost ~5% more at 500K chunks); only delta postings past ``span`` go to
+the per-slot scratch ``acc``. After the pass,
+the delta chunks past ``span`` (added since the segment) join the candidates; every
 candidate whose approximate score reaches the final threshold (relative slack :data:`_APPROX`,
 far above float32 rounding of a sum of a few hundred terms) is scored again from 0.0 in
 query-term order with the operations of ``PostingsIndex.score_all`` (rank_bm25's values, bit
@@ -93,12 +96,16 @@ def _block(rows, base, wrow, w32, k1p32, dl, wh, a, seg_code, a0, a1, thr32, sv,
     # branch-free from here on: a slot's non-zero score is a coin toss the branch predictor
     # loses (~1.5 ms of a 500K-slot pass with branches)
     cnt = 0
+    hit = 0
     for q in range(n):
         v = sv[q] * np.float32(wh[q] == seg_code) + a[q]  # wide terms: segment chunks only
         sv[q] = v
         a[q] = np.float32(0.0)  # the scratch is zero again once the pass is by
         cnt += np.int32(v > np.float32(0.0))
+        hit += np.int32(v >= thr32)  # a count, not a running maximum: the loop stays vectorised
     k = 0
+    if hit == 0:  # most blocks once the threshold has risen: nothing to pick
+        return cnt, k
     for q in range(n):  # bq has n + 1 entries
         bq[k] = q
         k += (sv[q] >= thr32) & (sv[q] > np.float32(0.0))
@@ -106,14 +113,17 @@ def _block(rows, base, wrow, w32, k1p32, dl, wh, a, seg_code, a0, a1, thr32, sv,
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def _narrow(lo, hi, pslots, ptf, where, seg_code, seg_len, w, k1p, a0, a1, acc):
-    """Add segment postings ``lo:hi`` of one term (weight ``w``) to the float32 partial scores:
-    the pass's float32 operations (:func:`_norm32`, :func:`_term32`), with the segment length
-    copy (1/4 of ``doc_len``'s bytes to read at random)."""
-    for p in range(lo, hi):
+def _narrow(p, hi, stop, base, pslots, ptf, where, seg_code, seg_len, w, k1p, a0, a1, la):
+    """Add one term's (weight ``w``) segment postings from ``p`` on, below ``hi`` and at slots below
+    ``stop``, to the block scratch ``la`` (slot ``base`` at 0), with the pass's float32
+    operations (:func:`_norm32`, :func:`_term32`) and the segment length copy; returns the next
+    posting."""
+    while p < hi and pslots[p] < stop:
         x = np.int64(pslots[p])
         if where[x] == seg_code:
-            acc[x] += _term32(w, np.float32(ptf[p]), k1p, _norm32(a0, a1, seg_len[x]))
+            la[x - base] += _term32(w, np.float32(ptf[p]), k1p, _norm32(a0, a1, seg_len[x]))
+        p += 1
+    return p
 
 
 @njit(**_JIT)
@@ -140,7 +150,7 @@ def bm25_top_wide(where, seg_code, doc_len, seg_len, tids, idf, offsets, pslots,
     Arguments as :func:`.kernels_topm.bm25_top_pruned`, plus ``seg_len`` (uint16 or float32[span]:
     the segment chunks' lengths), ``is_wide`` (bool[P]: position i's segment list is read from
     ``rows[wide_row[i]]``, uint8[R, span], not its postings) and ``span`` (the segment's last
-    slot + 1). Scratch ``acc`` (float32[S]: partial scores, approximate) / ``seen`` zero on
+    slot + 1). Scratch ``acc`` (float32[S]: partial scores of delta chunks past ``span``) / ``seen`` zero on
     entry and return.
 
     :returns: ``(slots int64[C], scores float64[C], listed)``: every chunk with a non-zero
@@ -156,45 +166,50 @@ def bm25_top_wide(where, seg_code, doc_len, seg_len, tids, idf, offsets, pslots,
         total += d_off[i + 1] - d_off[i]
         nw += is_wide[i]
     wide_pos, wrow = np.empty(nw, np.int64), np.empty(nw, np.int64)
-    # (1) the narrow lists' segment postings into the float32 partial scores (float32 operations,
-    # no per-chunk bookkeeping: the pass below reads and clears every slot under span), then the
-    # delta postings (float64 operations; the chunks they touch past span are noted)
-    past = np.empty(total, np.int64)
-    npast = 0
+    # (1) cursors into the narrow lists' segment postings and every term's delta postings (both
+    # ascending by slot): the pass below adds each block's share to a block-sized scratch
     c = 0
+    cur_s, cur_d = np.empty(n_pos, np.int64), np.empty(n_pos, np.int64)
+    end_s = np.empty(n_pos, np.int64)
+    w32n = np.empty(n_pos, np.float32)
     for i in range(n_pos):
         t = tids[i]
         if is_wide[i]:
             wide_pos[c], wrow[c] = i, wide_row[i]
             c += 1
-        elif t >= 0:
-            _narrow(offsets[t], offsets[t + 1], pslots, ptf, where, seg_code, seg_len, np.float32(idf[i]), k1p32,
-                    a032, a132, acc)
-        for p in range(d_off[i], d_off[i + 1]):
-            x = d_slots[p]
-            acc[x] += _f(idf[i], d_tf[p], doc_len[x], avgdl, k1, b, one_b, k1p)
-            if x >= span and seen[x] == 0:
-                seen[x] = 1
-                past[npast] = x
-                npast += 1
-    # (2) the pass over the slots below span: wide sums (float32) plus the partial scores; the
-    # threshold rises to the m-th largest kept approximation whenever the buffer fills
+        cur_s[i], end_s[i] = (offsets[t], offsets[t + 1]) if t >= 0 and not is_wide[i] else (0, 0)
+        cur_d[i] = d_off[i]
+        w32n[i] = np.float32(idf[i])
+    # (2) the pass over the slots below span, block by block: the block's partial scores (the
+    # narrow postings with the pass's float32 operations and the segment length copy, the delta
+    # postings with score_all's), then the wide sums (float32) plus those; the threshold rises to
+    # the m-th largest kept approximation whenever the buffer fills
     thr = 0.0
     cap = max(8 * m, 4096)
     bx, bv = np.empty(cap, np.int64), np.empty(cap, np.float64)
     nb = 0
+    lim = 4 * m
     listed = 0
     w32 = np.empty(nw, np.float32)
     for j in range(nw):
         w32[j] = np.float32(idf[wide_pos[j]])
     s = np.empty(_BLOCK, np.float32)
     nrm = np.empty(_BLOCK, np.float32)
+    la = np.zeros(_BLOCK, np.float32)
     bq = np.empty(_BLOCK + 1, np.int64)
     for base in range(0, span, _BLOCK):
         n = min(_BLOCK, span - base)
-        a = acc[base:base + n]
+        for i in range(n_pos):
+            cur_s[i] = _narrow(cur_s[i], end_s[i], base + n, base, pslots, ptf, where, seg_code, seg_len, w32n[i],
+                               k1p32, a032, a132, la)
+            p = cur_d[i]
+            while p < d_off[i + 1] and d_slots[p] < base + n:
+                x = d_slots[p]
+                la[x - base] += _f(idf[i], d_tf[p], doc_len[x], avgdl, k1, b, one_b, k1p)
+                p += 1
+            cur_d[i] = p
         thr32 = np.float32(thr * (1.0 - 1e-7))  # rounded to float32 (<= 6e-8 up): still <= thr
-        cnt, k = _block(rows, base, wrow, w32, k1p32, seg_len[base:base + n], where[base:base + n], a, seg_code,
+        cnt, k = _block(rows, base, wrow, w32, k1p32, seg_len[base:base + n], where[base:base + n], la[:n], seg_code,
                         a0, a1, thr32, s[:n], nrm[:n], bq)
         listed += cnt
         for j in range(k):  # appended (the hot loops are in _block: no array reassigned there)
@@ -209,6 +224,20 @@ def bm25_top_wide(where, seg_code, doc_len, seg_len, tids, idf, offsets, pslots,
                     bx, bv = bx2, bv2
             bx[nb], bv[nb] = base + q, np.float64(s[q])
             nb += 1
+        if nb >= lim:  # keep the threshold near the m-th largest so far: most blocks then pick nothing
+            nb, thr = _compact(bx, bv, nb, m, thr)
+            lim = max(4 * m, 2 * nb)
+    # the delta postings past span (chunks added since the segment) into ``acc``, those chunks noted
+    past = np.empty(total, np.int64)
+    npast = 0
+    for i in range(n_pos):
+        for p in range(cur_d[i], d_off[i + 1]):
+            x = d_slots[p]
+            acc[x] += _f(idf[i], d_tf[p], doc_len[x], avgdl, k1, b, one_b, k1p)
+            if seen[x] == 0:
+                seen[x] = 1
+                past[npast] = x
+                npast += 1
     # (3) candidates: the kept chunks and the delta chunks past span
     nc = nb
     for j in range(npast):
