@@ -136,3 +136,107 @@ def warm() -> None:
     low_search(nbr, np.array([0, 2, 4, 6], np.int64), 2, codes, scale, np.arange(3, dtype=np.int64),
                np.ones(4, np.float32), np.zeros(1, np.int64), 2, np.zeros(3, np.int32), 1,
                np.empty(2, np.int64), np.empty(2, np.float32))
+
+
+# ---------------------------------------------------------------- the top-n search (int8 walk)
+@njit(cache=True, nogil=True, inline="always")
+def _sift_up(hd, hi, i, sign):
+    """Restore a binary heap (``sign`` 1: min-heap, -1: max-heap) after setting slot i."""
+    d, r = hd[i], hi[i]
+    while i > 0:
+        p = (i - 1) >> 1
+        if sign * hd[p] <= sign * d:
+            break
+        hd[i], hi[i] = hd[p], hi[p]
+        i = p
+    hd[i], hi[i] = d, r
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _sift_down(hd, hi, n, sign):
+    """Restore a binary heap of n entries after setting its root."""
+    d, r = hd[0], hi[0]
+    i = 0
+    while True:
+        c = 2 * i + 1
+        if c >= n:
+            break
+        if c + 1 < n and sign * hd[c + 1] < sign * hd[c]:
+            c += 1
+        if sign * hd[c] >= sign * d:
+            break
+        hd[i], hi[i] = hd[c], hi[c]
+        i = c
+    hd[i], hi[i] = d, r
+
+
+@njit(cache=True, nogil=True, fastmath=_FM)
+def top_search(nbr, offsets, cum, levels, entry, max_level, codes, scale, ann_slot, q, ef, stamp, mark,
+               cd, ci, out_i, out_d):
+    """HNSW search for the *largest* approximate scores of float32[D] ``q`` on the int8 copy: a
+    greedy descent of the upper levels from ``entry`` (FAISS's ``greedy_update_nearest``), then the
+    level-0 search with an unbounded candidate heap and a result heap of the ``ef`` best live
+    vectors (FAISS's ``search_from_candidate_unbounded``; Malkov and Yashunin, Algorithm 2).
+
+    :param cum: int64[L + 2] FAISS's ``cum_nneighbor_per_level``. :param levels: int32[A] each
+        vector's level count. :param cd: float32[C] and ``ci`` int64[C] the candidate heap's
+        storage (a candidate that would not fit is dropped). :param out_i: int64[ef] and
+        ``out_d`` float32[ef]: the kept vectors and their scores (a heap, not sorted).
+    :returns: how many were kept.
+    """
+    c = entry
+    dc = _score(codes, scale, c, q)
+    for lev in range(max_level, 0, -1):
+        if levels[c] <= lev:
+            continue
+        moved = True
+        while moved:
+            moved = False
+            base = offsets[c]
+            for t in range(cum[lev], cum[lev + 1]):
+                r = nbr[base + t]
+                if r < 0:
+                    break
+                d = _score(codes, scale, r, q)
+                if d > dc:
+                    c, dc, moved = r, d, True
+    cap = cd.size
+    stamp[c] = mark
+    cd[0], ci[0] = dc, c
+    nc = 1
+    nr = 0
+    if ann_slot[c] >= 0:
+        out_d[0], out_i[0] = dc, c
+        nr = 1
+    w0, w1 = cum[0], cum[1]
+    while nc > 0:
+        d0, c = cd[0], ci[0]  # the best candidate (max-heap on the score)
+        nc -= 1
+        if nc > 0:
+            cd[0], ci[0] = cd[nc], ci[nc]
+            _sift_down(cd, ci, nc, -1)
+        if nr == ef and d0 < out_d[0]:
+            break
+        base = offsets[c]
+        for t in range(w0, w1):
+            r = nbr[base + t]
+            if r < 0:
+                break
+            if stamp[r] == mark:
+                continue
+            stamp[r] = mark
+            d = _score(codes, scale, r, q)
+            if nr < ef or d > out_d[0]:
+                if nc < cap:
+                    cd[nc], ci[nc] = d, r
+                    _sift_up(cd, ci, nc, -1)
+                    nc += 1
+                if ann_slot[r] >= 0:  # results: a min-heap of the ef best (root: the worst kept)
+                    if nr < ef:
+                        out_d[nr], out_i[nr] = d, r
+                        _sift_up(out_d, out_i, nr, 1)
+                        nr += 1
+                    else:
+                        out_d[0], out_i[0] = d, r
+                        _sift_down(out_d, out_i, nr, 1)
+    return nr
