@@ -19,14 +19,18 @@ vectors whose int8 score is within ``2 err`` of the lowest one, so the lowest ca
 among them is exactly the lowest over the seeds and the vectors the search kept. Every value is
 the score of a real live chunk, so it is never below the true minimum (like the sample estimate
 and the ``-q`` search); measured accuracy and cost are in bench/RESULTS.md ("dense minimum";
-"the dense minimum on an int8 copy" for this form).
+"the dense side on an int8 copy" for this form).
 
 Upkeep: built on first use (``Searcher.warm`` builds it at start); vectors added since are
 tested against the probes (a vector whose score with some probe is below that probe's
 ``PER_PROBE``-th lowest at build time joins the seeds); dead ids are skipped at query time; the
 set is rebuilt when the graph was rebuilt (compaction) or has doubled since the build. The int8
 copy follows the graph the same way (rows quantised as they enter it; requantised on a rebuild).
-Memory: the int8 copy is ``D + 4`` bytes per vector (~194 MB per 500K-vector shard at D 384).
+Memory: the int8 copy is ``D + 8`` bytes per vector (~196 MB per 500K-vector shard at D 384).
+
+The same copy serves the dense top-n (:meth:`LowSeeds.top`, ``Searcher.int8_walk``): FAISS's HNSW
+search walked on int8 scores (:func:`.kernels_low.top_search`), the ``ef`` best it keeps rescored
+in float32, a quarter of the bytes FAISS's float32 walk reads.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Compiled bottom-layer HNSW search for the dense minimum over an int8 copy of the graph's
-vectors (issue 13, :class:`.dense_low.LowSeeds`).
+"""Compiled HNSW searches over an int8 copy of the graph's vectors (issue 13,
+:class:`.dense_low.LowSeeds`): the dense minimum's bottom-layer search and the dense top-n's.
 
 FAISS's ``IndexHNSW.search_level_0`` reads every vector it scores as D float32 (1.5 KB at D 384;
 ~0.9 ms per query at 500K vectors a shard, most of it memory traffic). :func:`low_search` walks the
@@ -19,6 +19,15 @@ that one's place) and stops when ``ef`` of the pool's scores are below the one j
 pool has nothing left to expand. The live vectors scored (``ann_slot`` >= 0; dead ones are walked
 through, never kept) go to a result pool of the ``ef`` lowest. Linear scans instead of heaps:
 ``ef`` is 16-64 here. ``stamp`` marks visited vectors with the call's ``mark`` (never cleared).
+
+:func:`top_search` is the dense top-n's graph search on the same int8 copy (FAISS's
+``IndexHNSW.search`` with an unbounded candidate queue: greedy descent of the upper levels, then a
+level-0 search keeping the ``ef`` best live vectors, binary heaps). Its scores only steer the walk
+and choose the ``ef`` vectors kept: the caller rescores those in float32
+(:meth:`.dense_low.LowSeeds.top`), so what leaves it is FAISS's contract (float32 scores of real
+live vectors, descending), and each top-n is still refined canonically by the shard. Which
+vectors it finds differs from FAISS's walk on float32 scores by the int8 rounding (the recall of
+the exact top-N is measured: bench/RESULTS.md, "the dense side on an int8 copy").
 """
 
 from __future__ import annotations
