@@ -239,13 +239,9 @@ class AnnIndex:
         """False while an IVF is untrained (the caller searches exactly)."""
         return self._index is not None
 
-    def search(self, q: np.ndarray, k: int, ef_search: int = 0, nprobe: int = 0,
-               walk=None) -> tuple[np.ndarray, np.ndarray, int]:
+    def search(self, q: np.ndarray, k: int, ef_search: int = 0, nprobe: int = 0) -> tuple[np.ndarray, np.ndarray, int]:
         """Approximate top-k of float32[B, D] ``q`` among live vectors.
 
-        :param walk: HNSW: ``(q, k, ef) -> (scores float32[B, k], ids int64[B, k])``, FAISS's
-            ``search`` contract (descending, -1 pads), run in its place over the graph's vectors
-            (:meth:`.dense_low.LowSeeds.top`: the int8 walk); the tail is merged after it alike.
         :returns: ``(slots int64[B, k], scores float32[B, k], knob)``: slot -1 (score -inf)
             pads a row with fewer results; ``knob`` is the ef_search or nprobe used.
         """
@@ -259,8 +255,6 @@ class AnnIndex:
         q = np.ascontiguousarray(q, dtype=np.float32)
         if self.pending and not self._index.ntotal:
             scores, ids = np.full((q.shape[0], 0), -np.inf, np.float32), np.zeros((q.shape[0], 0), np.int64)
-        elif walk is not None and self.params.kind == "hnsw":
-            scores, ids = walk(q, int(k), knob)
         else:
             scores, ids = self._index.search(q, int(k), params=params)
         if self.pending:

@@ -314,14 +314,14 @@ class DenseIndex(GraphRows):
             self._sample = (self._version, rows, np.ascontiguousarray(self._gather(rows)))
         return self._sample[1], self._sample[2]
 
-    def search(self, queries, k: int, ef_search: int = 0, nprobe: int = 0, walk=None) -> tuple[list, list]:
+    def search(self, queries, k: int, ef_search: int = 0, nprobe: int = 0) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Top-k by inner product: exact (flat, or an IVF not trained yet) or approximate (HNSW
         with beam ``ef_search``, IVF visiting ``nprobe`` lists; 0 = the index's default). The
         values used are left in :attr:`last_knobs`.
 
-        :param queries: float32[B, D] (other float dtypes, strided views, Arrow lists: :func:`as_query_matrix`).
+        :param queries: float32[B, D] (other float dtypes, strided views and Arrow lists are
+            accepted and converted, see :func:`as_query_matrix`).
         :param k: requested hits per query (>= 1); fewer come back when the shard holds fewer.
-        :param walk: HNSW: run in place of FAISS's graph search (:meth:`.ann.AnnIndex.search`).
         :returns: per query, ``slots`` int64[k'] and ``scores`` float32[k'], descending, with
             k' = min(k, len(self)); FAISS's -1 placeholders never appear.
         """
@@ -335,7 +335,7 @@ class DenseIndex(GraphRows):
             return [empty_s] * q.shape[0], [empty_f] * q.shape[0]
         self.last_knobs = {}
         if self._ann is not None and self._ann.ready:
-            ids, scores, knob = self._ann.search(q, kk, ef_search, nprobe, walk)
+            ids, scores, knob = self._ann.search(q, kk, ef_search, nprobe)
             self.last_knobs = {"ef_search" if self.params.kind == "hnsw" else "nprobe": knob}
         elif self._ann is not None:  # IVF before training: an exact scan of the copy
             allv = self.score_all(q)

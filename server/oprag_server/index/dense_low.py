@@ -8,8 +8,7 @@ minimise ``q . v``: at 500K vectors per shard it found the true minimum for ~72%
 ef_search 512 (~2 ms). Instead, each shard keeps :class:`LowSeeds`, a small set of vectors that
 are extreme in some direction: for ``PROBES`` directions (spherical k-means centroids of the
 vectors, FAISS ``Kmeans``), the ``PER_PROBE`` vectors with the lowest inner product with each
-(a "reverse" top-T, FAISS ``knn`` with ``-probe``). A query scores the seed set exactly (a small
-product), and a search for ``-q`` on the graph's bottom layer (beam: a sixteenth of the
+(a "reverse" top-T, FAISS ``knn`` with ``-probe``). A query scores the seed set, and a search for ``-q`` on the graph's bottom layer (beam: a sixteenth of the
 request's ``ef_search``, at least 16; 32 at the default 512) starts from the ``ENTRIES`` lowest
 seeds. Both read an int8 copy of the graph's vectors (:class:`Int8Graph`: per-row scale,
 :func:`.kernels_scan.quantize`; a quarter of the float32 bytes) with a proven error bound ``err``
@@ -27,10 +26,6 @@ tested against the probes (a vector whose score with some probe is below that pr
 set is rebuilt when the graph was rebuilt (compaction) or has doubled since the build. The int8
 copy follows the graph the same way (rows quantised as they enter it; requantised on a rebuild).
 Memory: the int8 copy is ``D + 8`` bytes per vector (~196 MB per 500K-vector shard at D 384).
-
-The same copy serves the dense top-n (:meth:`LowSeeds.top`, ``Searcher.int8_walk``): FAISS's HNSW
-search walked on int8 scores (:func:`.kernels_low.top_search`), the ``ef`` best it keeps rescored
-in float32, a quarter of the bytes FAISS's float32 walk reads.
 """
 
 from __future__ import annotations
@@ -118,7 +113,6 @@ class LowSeeds:
         self._thresh = np.zeros(0, np.float32)  # per probe: the PER_PROBE-th lowest score at build
         self._g = Int8Graph()
         self._l0 = None  # (index, ntotal, graph arrays): _graph's, kept while the graph is unchanged
-        self._heap = (np.empty(0, np.float32), np.empty(0, np.int64))  # top_search's candidate heap
 
     def _set_ids(self, ids: np.ndarray) -> None:
         self._ids = np.asarray(ids, np.int64)
@@ -186,7 +180,7 @@ class LowSeeds:
             return [np.zeros(0, np.int64)] * b
         ids, e = self._ids, min(self.ENTRIES, int(live.sum()))
         beam = max(self.MIN_BEAM, int(ef or ann.params.ef_search) // self.BEAM_DIV)
-        nbr, off, width = self._graph(ann)[:3]
+        nbr, off, width = self._graph(ann)
         got_i, got_d = np.empty(beam, np.int64), np.empty(beam, np.float32)
         out = []
         for j in range(b):
@@ -205,43 +199,11 @@ class LowSeeds:
         return out
 
     def _graph(self, ann) -> tuple:
-        """``(neighbours, offsets, width, cum_nneighbor_per_level int64, levels int32)`` of the
-        graph (:func:`_level0`; the last two copied), kept while it is unchanged."""
+        """:func:`_level0` of the graph, kept while it is unchanged."""
         index, a = ann._index, int(ann._index.ntotal)  # noqa: SLF001
         if self._l0 is None or self._l0[0] is not index or self._l0[1] != a:
-            faiss, h = _faiss(), index.hnsw
-            self._l0 = (index, a, (*_level0(index), faiss.vector_to_array(h.cum_nneighbor_per_level).astype(np.int64),
-                                   faiss.vector_to_array(h.levels).astype(np.int32)))
+            self._l0 = (index, a, _level0(index))
         return self._l0[2]
-
-    def top(self, ann, q: np.ndarray, k: int, ef: int) -> tuple[np.ndarray, np.ndarray]:
-        """FAISS's ``IndexHNSW.search`` contract over the int8 copy (``AnnIndex.search``'s
-        ``walk``): per query of float32[B, D] ``q``, the ``ef`` best live vectors the HNSW search
-        on the int8 scores keeps (:func:`.kernels_low.top_search`), rescored in float32 (one
-        gather and product; within ``DenseIndex.score_error`` of canonical, as FAISS's scores)
-        and the k best of those. :returns: ``(scores float32[B, k], ids int64[B, k])``,
-        descending, -1 / -inf pads."""
-        self._update(ann)
-        g, index = self._g, ann._index  # noqa: SLF001
-        b, ef = q.shape[0], max(int(ef), int(k))
-        scores, ids = np.full((b, k), -np.inf, np.float32), np.full((b, k), -1, np.int64)
-        if not g.n or not b:
-            return scores, ids
-        nbr, off, _, cum, levels = self._graph(ann)
-        if self._heap[0].size < 64 * ef:
-            self._heap = (np.empty(64 * ef, np.float32), np.empty(64 * ef, np.int64))
-        got_i, got_d = np.empty(ef, np.int64), np.empty(ef, np.float32)
-        st, h = ann.storage(), index.hnsw
-        for j in range(b):
-            qj = np.ascontiguousarray(q[j], dtype=np.float32)
-            n = kernels_low.top_search(nbr, off, cum, levels, int(h.entry_point), int(h.max_level), g.codes, g.scale,
-                                       ann.ann_slot, qj, ef, g.stamp, g.next_mark(), *self._heap, got_i, got_d)
-            f = st[got_i[:n]] @ qj
-            kk = min(k, n)
-            sel = np.argpartition(-f, kk - 1)[:kk] if kk < n else np.arange(n)
-            sel = sel[np.argsort(-f[sel], kind="stable")]
-            scores[j, :kk], ids[j, :kk] = f[sel], got_i[:n][sel]
-        return scores, ids
 
     def nbytes(self) -> int:
         """Bytes held: the int8 copy of the graph, the seeds' ids and rows, the probes and their

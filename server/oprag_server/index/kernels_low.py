@@ -1,5 +1,5 @@
-"""Compiled HNSW searches over an int8 copy of the graph's vectors (issue 13,
-:class:`.dense_low.LowSeeds`): the dense minimum's bottom-layer search and the dense top-n's.
+"""Compiled bottom-layer HNSW search for the dense minimum over an int8 copy of the graph's
+vectors (issue 13, :class:`.dense_low.LowSeeds`).
 
 FAISS's ``IndexHNSW.search_level_0`` reads every vector it scores as D float32 (1.5 KB at D 384;
 ~0.9 ms per query at 500K vectors a shard, most of it memory traffic). :func:`low_search` walks the
@@ -19,15 +19,8 @@ that one's place) and stops when ``ef`` of the pool's scores are below the one j
 pool has nothing left to expand. The live vectors scored (``ann_slot`` >= 0; dead ones are walked
 through, never kept) go to a result pool of the ``ef`` lowest. Linear scans instead of heaps:
 ``ef`` is 16-64 here. ``stamp`` marks visited vectors with the call's ``mark`` (never cleared).
-
-:func:`top_search` is the dense top-n's graph search on the same int8 copy (FAISS's
-``IndexHNSW.search`` with an unbounded candidate queue: greedy descent of the upper levels, then a
-level-0 search keeping the ``ef`` best live vectors, binary heaps). Its scores only steer the walk
-and choose the ``ef`` vectors kept: the caller rescores those in float32
-(:meth:`.dense_low.LowSeeds.top`), so what leaves it is FAISS's contract (float32 scores of real
-live vectors, descending), and each top-n is still refined canonically by the shard. Which
-vectors it finds differs from FAISS's walk on float32 scores by the int8 rounding (the recall of
-the exact top-N is measured: bench/RESULTS.md, "the dense side on an int8 copy").
+The int8 rows of a vector's unvisited neighbours are prefetched before they are scored (as FAISS
+prefetches before its batched distances: the walk waits on memory, not arithmetic).
 """
 
 from __future__ import annotations
@@ -35,9 +28,50 @@ from __future__ import annotations
 import numpy as np
 
 from . import kernels  # noqa: F401 - sets numba's cache directory before the first njit
-from numba import njit  # noqa: E402
+from llvmlite import ir  # noqa: E402
+from numba import njit, types  # noqa: E402
+from numba.core import cgutils  # noqa: E402
+from numba.extending import intrinsic  # noqa: E402
 
 _FM = {"reassoc", "contract", "nsz"}  # as kernels_scan.scan: the sum in any order (its bound)
+
+
+@intrinsic
+def _prefetch(typingctx, arr, r, j):
+    """Prefetch (into all cache levels, for reading) the cache line holding ``arr[r, j]`` of a
+    2-D array: LLVM's ``llvm.prefetch``, which never faults."""
+    def codegen(context, builder, sig, args):
+        aryty = sig.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer2(context, builder, data=ary.data, shape=cgutils.unpack_tuple(builder, ary.shape),
+                                        strides=cgutils.unpack_tuple(builder, ary.strides), layout=aryty.layout,
+                                        inds=[args[1], args[2]])
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                            "llvm.prefetch.p0")
+        builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+    return types.void(arr, r, j), codegen
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _unvisited(nbr, lo, hi, stamp, mark, codes, buf):
+    """The vectors of ``nbr[lo:hi]`` (up to the first -1) not marked yet: marked, their int8 rows
+    prefetched, listed in ``buf``. :returns: how many."""
+    m = 0
+    d = codes.shape[1]
+    for t in range(lo, hi):
+        r = nbr[t]
+        if r < 0:
+            break
+        if stamp[r] == mark:
+            continue
+        stamp[r] = mark
+        for j in range(0, d, 64):
+            _prefetch(codes, np.int64(r), np.int64(j))
+        buf[m] = r
+        m += 1
+    return m
 
 
 @njit(cache=True, nogil=True, fastmath=_FM, inline="always")
@@ -99,6 +133,7 @@ def low_search(nbr, offsets, width, codes, scale, ann_slot, q, entries, ef, stam
     cd = np.empty(ef, np.float32)
     ci = np.empty(ef, np.int64)
     cv = np.zeros(ef, np.bool_)
+    buf = np.empty(width, np.int64)
     nr = 0
     for e in range(entries.size):
         r = entries[e]
@@ -123,14 +158,9 @@ def low_search(nbr, offsets, width, codes, scale, ann_slot, q, entries, ef, stam
                     below += 1
             if below >= ef:
                 break
-            base = offsets[c]
-            for t in range(width):
-                r = nbr[base + t]
-                if r < 0:
-                    break
-                if stamp[r] == mark:
-                    continue
-                stamp[r] = mark
+            m = _unvisited(nbr, offsets[c], offsets[c] + width, stamp, mark, codes, buf)
+            for t in range(m):
+                r = buf[t]
                 d = _score(codes, scale, r, q)
                 if ann_slot[r] >= 0:
                     nr = _keep(r, d, out_i, out_d, nr, ef)
@@ -145,107 +175,3 @@ def warm() -> None:
     low_search(nbr, np.array([0, 2, 4, 6], np.int64), 2, codes, scale, np.arange(3, dtype=np.int64),
                np.ones(4, np.float32), np.zeros(1, np.int64), 2, np.zeros(3, np.int32), 1,
                np.empty(2, np.int64), np.empty(2, np.float32))
-
-
-# ---------------------------------------------------------------- the top-n search (int8 walk)
-@njit(cache=True, nogil=True, inline="always")
-def _sift_up(hd, hi, i, sign):
-    """Restore a binary heap (``sign`` 1: min-heap, -1: max-heap) after setting slot i."""
-    d, r = hd[i], hi[i]
-    while i > 0:
-        p = (i - 1) >> 1
-        if sign * hd[p] <= sign * d:
-            break
-        hd[i], hi[i] = hd[p], hi[p]
-        i = p
-    hd[i], hi[i] = d, r
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _sift_down(hd, hi, n, sign):
-    """Restore a binary heap of n entries after setting its root."""
-    d, r = hd[0], hi[0]
-    i = 0
-    while True:
-        c = 2 * i + 1
-        if c >= n:
-            break
-        if c + 1 < n and sign * hd[c + 1] < sign * hd[c]:
-            c += 1
-        if sign * hd[c] >= sign * d:
-            break
-        hd[i], hi[i] = hd[c], hi[c]
-        i = c
-    hd[i], hi[i] = d, r
-
-
-@njit(cache=True, nogil=True, fastmath=_FM)
-def top_search(nbr, offsets, cum, levels, entry, max_level, codes, scale, ann_slot, q, ef, stamp, mark,
-               cd, ci, out_i, out_d):
-    """HNSW search for the *largest* approximate scores of float32[D] ``q`` on the int8 copy: a
-    greedy descent of the upper levels from ``entry`` (FAISS's ``greedy_update_nearest``), then the
-    level-0 search with an unbounded candidate heap and a result heap of the ``ef`` best live
-    vectors (FAISS's ``search_from_candidate_unbounded``; Malkov and Yashunin, Algorithm 2).
-
-    :param cum: int64[L + 2] FAISS's ``cum_nneighbor_per_level``. :param levels: int32[A] each
-        vector's level count. :param cd: float32[C] and ``ci`` int64[C] the candidate heap's
-        storage (a candidate that would not fit is dropped). :param out_i: int64[ef] and
-        ``out_d`` float32[ef]: the kept vectors and their scores (a heap, not sorted).
-    :returns: how many were kept.
-    """
-    c = entry
-    dc = _score(codes, scale, c, q)
-    for lev in range(max_level, 0, -1):
-        if levels[c] <= lev:
-            continue
-        moved = True
-        while moved:
-            moved = False
-            base = offsets[c]
-            for t in range(cum[lev], cum[lev + 1]):
-                r = nbr[base + t]
-                if r < 0:
-                    break
-                d = _score(codes, scale, r, q)
-                if d > dc:
-                    c, dc, moved = r, d, True
-    cap = cd.size
-    stamp[c] = mark
-    cd[0], ci[0] = dc, c
-    nc = 1
-    nr = 0
-    if ann_slot[c] >= 0:
-        out_d[0], out_i[0] = dc, c
-        nr = 1
-    w0, w1 = cum[0], cum[1]
-    while nc > 0:
-        d0, c = cd[0], ci[0]  # the best candidate (max-heap on the score)
-        nc -= 1
-        if nc > 0:
-            cd[0], ci[0] = cd[nc], ci[nc]
-            _sift_down(cd, ci, nc, -1)
-        if nr == ef and d0 < out_d[0]:
-            break
-        base = offsets[c]
-        for t in range(w0, w1):
-            r = nbr[base + t]
-            if r < 0:
-                break
-            if stamp[r] == mark:
-                continue
-            stamp[r] = mark
-            d = _score(codes, scale, r, q)
-            if nr < ef or d > out_d[0]:
-                if nc < cap:
-                    cd[nc], ci[nc] = d, r
-                    _sift_up(cd, ci, nc, -1)
-                    nc += 1
-                if ann_slot[r] >= 0:  # results: a min-heap of the ef best (root: the worst kept)
-                    if nr < ef:
-                        out_d[nr], out_i[nr] = d, r
-                        _sift_up(out_d, out_i, nr, 1)
-                        nr += 1
-                    else:
-                        out_d[0], out_i[0] = d, r
-                        _sift_down(out_d, out_i, nr, 1)
-    return nr

@@ -64,9 +64,6 @@ class Searcher(ExactMixin):
     #: approximate scores of a flat index from its int8 copy (:mod:`..index.kernels_scan`);
     #: False: the float32 BLAS scan (the same results, tested)
     int8_scan = True
-    #: HNSW top-n from the graph search on the int8 copy of the vectors (``LowSeeds.top``, the
-    #: float32 scores of the ef best it keeps); False: FAISS's search
-    int8_walk = True
 
     def __init__(self, store: ChunkStore) -> None:
         self.store = store
@@ -284,7 +281,7 @@ class Searcher(ExactMixin):
         fetch = min(total, n + max(16, n // 4))
         out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         while which:
-            ids, scores = self.store.dense.search(q[which], fetch, ef_search, nprobe, self._walk())
+            ids, scores = self.store.dense.search(q[which], fetch, ef_search, nprobe)
             again = []
             for j, i in enumerate(which):
                 got = self._refine(q[i], ids[j], scores[j], n, complete=fetch >= total)
@@ -294,11 +291,6 @@ class Searcher(ExactMixin):
                     out[i] = got
             which, fetch = again, min(total, fetch * 4)
         return out
-
-    def _walk(self):
-        """HNSW with :attr:`int8_walk`: the graph search on the int8 copy (``LowSeeds.top``)."""
-        ann = self.store.dense.ann if self.int8_walk and self.store.dense.params.kind == "hnsw" else None
-        return None if ann is None else (lambda q, k, ef: self._low.top(ann, q, k, ef))
 
     def _dense_top(self, q: np.ndarray, n: int, allowed: np.ndarray, low: bool = False):
         """Top-n of the allowed slots int64[M] by canonical score (ties: chunk id); with ``low``
