@@ -126,3 +126,29 @@ def test_int8_copy_followed_in_blocks_equals_one_quantisation():
     g.follow(vecs[:2000], rebuild=True)  # a new graph: requantised from scratch
     assert g.n == 2000 and g.codes.shape[0] == 2000 and np.array_equal(g.codes, whole_c[:2000])
 
+
+
+def test_visited_marks_wrap_without_changing_results():
+    """The byte-wide visited marks are cleared every 255 walks: 600 walks (different queries and
+    entries) sharing the marks keep the same vectors as each walk on fresh marks (a stale mark
+    would hide vectors from a later walk)."""
+    rng = np.random.default_rng(5)
+    vecs = _clustered(rng, 3000)
+    ann = _ann(vecs)
+    g = Int8Graph()
+    g.follow(ann.storage(), rebuild=True)
+    nbr, off, width = _level0(ann._index)
+
+    def walk(q, ent, stamp, mark):
+        oi, od = np.empty(32, np.int64), np.empty(32, np.float32)
+        k = kernels_low.low_search(nbr, off, width, g.codes, g.scale, ann.ann_slot, q, ent, 32, stamp, mark, oi, od)
+        return sorted(oi[:k].tolist())
+
+    for i in range(600):
+        q, ent = vecs[rng.integers(3000)].copy(), rng.integers(3000, size=4).astype(np.int64)
+        assert walk(q, ent, g.stamp, g.next_mark()) == walk(q, ent, np.zeros(3000, np.uint8), 1), i
+    assert 1 <= g.mark <= 255
+    g.stamp[:] = np.arange(3000) % 256  # every mark in use: the next wrap must clear them all
+    while g.mark != 255:
+        g.next_mark()
+    assert g.next_mark() == 1 and not g.stamp.any()

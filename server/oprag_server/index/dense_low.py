@@ -50,7 +50,7 @@ class Int8Graph:
         self.n = 0  # rows quantised (graph ids [0, n))
         self.codes = np.zeros((0, 0), np.int8)  # int8[capacity, D]
         self.scale = np.zeros(0, np.float32)
-        self.stamp = np.zeros(0, np.int32)
+        self.stamp = np.zeros(0, np.uint8)  # visited marks (a byte: FAISS's VisitedTable)
         self.mark = 0
         self.e = self.c = 0.0
 
@@ -66,7 +66,7 @@ class Int8Graph:
             if self.n:
                 codes[:self.n], scale[:self.n] = self.codes[:self.n], self.scale[:self.n]
             self.codes, self.scale = codes, scale
-            self.stamp, self.mark = np.zeros(cap, np.int32), 0
+            self.stamp, self.mark = np.zeros(cap, np.uint8), 0
         if a > self.n:
             e, c = kernels_scan.quantize(np.ascontiguousarray(st[self.n:a]), self.codes[self.n:a], self.scale[self.n:a])
             self.e, self.c, self.n = max(self.e, e), max(self.c, c), a
@@ -77,7 +77,7 @@ class Int8Graph:
 
     def next_mark(self) -> int:
         self.mark += 1
-        if self.mark >= 2**31 - 1:
+        if self.mark > 255:  # every 255 walks: clear the marks
             self.stamp[:], self.mark = 0, 1
         return self.mark
 

@@ -18,7 +18,7 @@ their score (FAISS's ``MinimaxHeap``: a new score enters a full pool only below 
 that one's place) and stops when ``ef`` of the pool's scores are below the one just taken, or the
 pool has nothing left to expand. The live vectors scored (``ann_slot`` >= 0; dead ones are walked
 through, never kept) go to a result pool of the ``ef`` lowest. Linear scans instead of heaps:
-``ef`` is 16-64 here. ``stamp`` marks visited vectors with the call's ``mark`` (never cleared).
+``ef`` is 16-64 here. ``stamp`` marks visited vectors with the call's ``mark`` (a byte; cleared every 255 calls).
 The int8 rows of a vector's unvisited neighbours are prefetched before they are scored (as FAISS
 prefetches before its batched distances: the walk waits on memory, not arithmetic).
 """
@@ -125,8 +125,8 @@ def low_search(nbr, offsets, width, codes, scale, ann_slot, q, entries, ef, stam
         offsets[r] + width]``, -1 padded; ``offsets`` int64[A + 1] (FAISS's ``size_t`` offsets viewed as
         int64). :param codes: int8[>= A, D] and ``scale`` float32[>= A]:
         the int8 copy of the graph's A vectors. :param ann_slot: int64[>= A] (< 0: dead).
-    :param entries: int64[E] start vectors (graph ids < A). :param stamp: int32[>= A] visited
-        marks; ``mark`` this call's. :param out_i: int64[ef] and ``out_d`` float32[ef]: filled
+    :param entries: int64[E] start vectors (graph ids < A). :param stamp: uint8[>= A] visited
+        marks; ``mark`` this call's (1-255). :param out_i: int64[ef] and ``out_d`` float32[ef]: filled
         with the live vectors kept and their approximate scores.
     :returns: how many were kept (the first that many of ``out_i`` / ``out_d``).
     """
@@ -173,5 +173,5 @@ def warm() -> None:
     codes, scale = np.ones((3, 4), np.int8), np.ones(3, np.float32)
     nbr = np.array([1, 2, 0, 2, 0, 1], np.int32)
     low_search(nbr, np.array([0, 2, 4, 6], np.int64), 2, codes, scale, np.arange(3, dtype=np.int64),
-               np.ones(4, np.float32), np.zeros(1, np.int64), 2, np.zeros(3, np.int32), 1,
+               np.ones(4, np.float32), np.zeros(1, np.int64), 2, np.zeros(3, np.uint8), 1,
                np.empty(2, np.int64), np.empty(2, np.float32))
