@@ -41,6 +41,28 @@ def _faiss():
     return faiss
 
 
+def search_from(ann, q: np.ndarray, entries: np.ndarray, entry_scores: np.ndarray, ef: int) -> np.ndarray:
+    """The best live vector of the HNSW :class:`.ann.AnnIndex` ``ann`` for float32[B, D] ``q``
+    (largest inner product) found by a beam search of width ``ef`` on the graph's bottom layer
+    that starts from the given ANN ids int[B, E] (FAISS ``IndexHNSW.search_level_0``, all
+    entries at once), instead of descending from the graph's entry point.
+
+    :param entry_scores: float[B, E]: ``q . v`` of each entry vector.
+    :returns: int64[B] ANN ids (-1 where nothing live was found).
+    """
+    faiss = _faiss()
+    q = np.ascontiguousarray(q, dtype=np.float32)
+    b, e = entries.shape
+    ent = np.ascontiguousarray(entries, dtype=np.int32)
+    # FAISS's HNSW works on distances; for inner product the distance is -(q . v)
+    dist = np.ascontiguousarray(-np.asarray(entry_scores, dtype=np.float32))
+    out_d, out_i = np.empty((b, 1), np.float32), np.full((b, 1), -1, np.int64)
+    params = ann._hnsw_params(ef)  # noqa: SLF001 - the index package's own
+    ann._index.search_level_0(b, faiss.swig_ptr(q), 1, faiss.swig_ptr(ent), faiss.swig_ptr(dist),  # noqa: SLF001
+                              faiss.swig_ptr(out_d), faiss.swig_ptr(out_i), e, 1, params)
+    return out_i[:, 0]
+
+
 class Int8Graph:
     """The int8 copy of an HNSW graph's stored vectors by ANN id (rows quantised as the graph
     grows; per-row scale and the error constants of :func:`.kernels_scan.quantize`), the visited
@@ -101,6 +123,9 @@ class LowSeeds:
     #: probe directions, lowest vectors kept per probe, search entries; the beam is the
     #: request's ef_search / BEAM_DIV, at least MIN_BEAM; rows per block of the build
     PROBES, PER_PROBE, ENTRIES, BEAM_DIV, MIN_BEAM, BLOCK = 256, 16, 16, 16, 16, 32768
+    #: the walk on the int8 copy of the graph (:func:`.kernels_low.low_search`); False: FAISS's
+    #: ``search_level_0`` in float32 from the same entries, no copy of the graph
+    INT8_WALK = True
 
     def __init__(self) -> None:
         self._index = None  # the FAISS index the seeds were built for
@@ -109,22 +134,26 @@ class LowSeeds:
         self._ids = np.zeros(0, np.int64)  # ANN ids of the seeds
         self._codes = np.zeros((0, 0), np.int8)  # their int8 rows (a contiguous copy) and scales
         self._scale = np.zeros(0, np.float32)
+        self._se = (0.0, 0.0)  # the seeds' error constants (kernels_scan.quantize)
         self._probes = np.zeros((0, 0), np.float32)
         self._thresh = np.zeros(0, np.float32)  # per probe: the PER_PROBE-th lowest score at build
         self._g = Int8Graph()
         self._l0 = None  # (index, ntotal, graph arrays): _graph's, kept while the graph is unchanged
 
-    def _set_ids(self, ids: np.ndarray) -> None:
+    def _set_ids(self, ids: np.ndarray, st: np.ndarray) -> None:
+        """The seeds: ANN ids and their int8 rows (quantised alone: their own error constants)."""
         self._ids = np.asarray(ids, np.int64)
-        self._codes, self._scale = np.ascontiguousarray(self._g.codes[self._ids]), self._g.scale[self._ids]
+        self._codes, self._scale = np.empty((ids.size, st.shape[1]), np.int8), np.empty(ids.size, np.float32)
+        self._se = kernels_scan.quantize(np.ascontiguousarray(st[self._ids]), self._codes, self._scale)
 
     def _build(self, ann) -> None:
         faiss, st = _faiss(), ann.storage()
         a = st.shape[0]
         self._index, self._built_at, self._seen = ann._index, a, a  # noqa: SLF001
-        self._g.follow(st, rebuild=True)
+        if self.INT8_WALK:
+            self._g.follow(st, rebuild=True)
         if a == 0:
-            self._set_ids(np.zeros(0, np.int64))
+            self._set_ids(np.zeros(0, np.int64), st)
             self._probes, self._thresh = np.zeros((0, ann.dim), np.float32), np.zeros(0, np.float32)
             return
         p = int(min(self.PROBES, max(1, a // 64)))
@@ -146,7 +175,7 @@ class LowSeeds:
             keep = np.argpartition(cs, t - 1, axis=1)[:, :t]
             best_s, best_i = np.take_along_axis(cs, keep, 1), np.take_along_axis(ci, keep, 1)
         self._probes, self._thresh = probes, best_s.max(axis=1)
-        self._set_ids(np.unique(best_i[best_i >= 0]))
+        self._set_ids(np.unique(best_i[best_i >= 0]), st)
 
     def _update(self, ann) -> None:
         a = int(ann._index.ntotal)  # noqa: SLF001
@@ -155,10 +184,11 @@ class LowSeeds:
             return
         if a > self._seen:  # new vectors: quantised; those extreme for some probe join the seeds
             st = ann.storage()
-            self._g.follow(st, rebuild=False)
+            if self.INT8_WALK:
+                self._g.follow(st, rebuild=False)
             low = ((st[self._seen:a] @ self._probes.T) <= self._thresh).any(axis=1)
             if low.any():
-                self._set_ids(np.concatenate([self._ids, self._seen + np.flatnonzero(low)]))
+                self._set_ids(np.concatenate([self._ids, self._seen + np.flatnonzero(low)]), st)
             self._seen = a
 
     def candidates(self, ann, q: np.ndarray, ef: int = 0) -> list[np.ndarray]:
@@ -180,7 +210,8 @@ class LowSeeds:
             return [np.zeros(0, np.int64)] * b
         ids, e = self._ids, min(self.ENTRIES, int(live.sum()))
         beam = max(self.MIN_BEAM, int(ef or ann.params.ef_search) // self.BEAM_DIV)
-        nbr, off, width = self._graph(ann)
+        nbr, off, width = self._graph(ann) if self.INT8_WALK else (None, None, 0)
+        st = ann.storage()
         got_i, got_d = np.empty(beam, np.int64), np.empty(beam, np.float32)
         out = []
         for j in range(b):
@@ -192,6 +223,12 @@ class LowSeeds:
             s[~live] = np.inf  # dead seeds: never an entry, never the minimum
             part = np.argpartition(s, e - 1)[:e]
             part = part[np.argsort(s[part], kind="stable")]  # the lowest first
+            if not self.INT8_WALK:  # FAISS's walk in float32 from the same entries: the vector it finds
+                ent = ids[part]
+                f = int(search_from(ann, -qj[None], ent[None], -(st[ent] @ qj)[None], beam)[0])
+                near = ids[s <= np.float64(s.min()) + 2.0 * kernels_scan.error_bound(*self._se, qj.size, qj)]
+                out.append(near if f < 0 or ann.ann_slot[f] < 0 else np.append(near, f))
+                continue
             k = kernels_low.low_search(nbr, off, width, g.codes, g.scale, ann.ann_slot, qj, ids[part], beam,
                                        g.stamp, g.next_mark(), got_i, got_d)
             lim = np.float64(min(float(s.min()), float(got_d[:k].min()) if k else np.inf)) + 2.0 * g.error(qj)
