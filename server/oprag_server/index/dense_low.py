@@ -211,7 +211,7 @@ class LowSeeds:
         ids, e = self._ids, min(self.ENTRIES, int(live.sum()))
         beam = max(self.MIN_BEAM, int(ef or ann.params.ef_search) // self.BEAM_DIV)
         nbr, off, width = self._graph(ann) if self.INT8_WALK else (None, None, 0)
-        st = ann.storage()
+        st, every = (None if self.INT8_WALK else ann.storage()), bool(live.all())
         got_i, got_d = np.empty(beam, np.int64), np.empty(beam, np.float32)
         out = []
         for j in range(b):
@@ -220,7 +220,8 @@ class LowSeeds:
                 out.append(np.zeros(0, np.int64))
                 continue
             s = kernels_scan.scan(self._codes, self._scale, qj, np.empty(ids.size, np.float32))
-            s[~live] = np.inf  # dead seeds: never an entry, never the minimum
+            if not every:
+                s[~live] = np.inf  # dead seeds: never an entry, never the minimum
             part = np.argpartition(s, e - 1)[:e]
             part = part[np.argsort(s[part], kind="stable")]  # the lowest first
             if not self.INT8_WALK:  # FAISS's walk in float32 from the same entries: the vector it finds
