@@ -152,3 +152,16 @@ def test_visited_marks_wrap_without_changing_results():
     while g.mark != 255:
         g.next_mark()
     assert g.next_mark() == 1 and not g.stamp.any()
+
+
+@pytest.mark.parametrize("dim", [1, 33, 384])
+def test_prefetching_canonical_rows_equals_the_canonical_scores(dim):
+    """``kernels_low.canonical_rows`` (the next row prefetched) gives ``fixed_order_dot``'s values
+    bit for bit, rows in any order and repeated."""
+    rng = np.random.default_rng(dim)
+    v = rng.normal(size=(500, dim)).astype(np.float32)
+    q = rng.normal(size=dim).astype(np.float32)
+    rows = np.concatenate([rng.permutation(500), [7, 7, 499, 0]]).astype(np.int64)
+    got = kernels_low.canonical_rows(v, rows, q)
+    assert np.array_equal(got, fixed_order_dot(v[rows], q))
+    assert kernels_low.canonical_rows(v, np.zeros(0, np.int64), q).size == 0

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import kernels  # noqa: F401 - sets numba's cache directory before the first njit
+from . import kernels  # sets numba's cache directory before the first njit; _canonical
 from llvmlite import ir  # noqa: E402
 from numba import njit, types  # noqa: E402
 from numba.core import cgutils  # noqa: E402
@@ -168,6 +168,23 @@ def low_search(nbr, offsets, width, codes, scale, ann_slot, q, entries, ef, stam
     return nr
 
 
+@njit(cache=True, nogil=True)
+def canonical_rows(vecs, rows, q):
+    """:func:`.kernels.canonical_rows` (the same values: its ``_canonical`` per row) with the next
+    row's cache lines prefetched while one row is scored: the rows are scattered over a shard's
+    vectors (a dense top-n, the BM25 list), each a run of misses otherwise."""
+    q64 = q.astype(np.float64)
+    buf = np.empty(max(q.size, 1), np.float64)
+    out = np.empty(rows.size, np.float64)
+    d = vecs.shape[1]
+    for i in range(rows.size):
+        if i + 1 < rows.size:
+            for j in range(0, d, 16):
+                _prefetch(vecs, rows[i + 1], np.int64(j))
+        out[i] = kernels._canonical(vecs[rows[i]], q64, buf)
+    return out
+
+
 def warm() -> None:
     """Compile (or load from numba's cache) :func:`low_search` for the types a shard passes."""
     codes, scale = np.ones((3, 4), np.int8), np.ones(3, np.float32)
@@ -175,3 +192,4 @@ def warm() -> None:
     low_search(nbr, np.array([0, 2, 4, 6], np.int64), 2, codes, scale, np.arange(3, dtype=np.int64),
                np.ones(4, np.float32), np.zeros(1, np.int64), 2, np.zeros(3, np.uint8), 1,
                np.empty(2, np.int64), np.empty(2, np.float32))
+    canonical_rows(np.ones((3, 4), np.float32), np.arange(3, dtype=np.int64), np.ones(4, np.float32))

@@ -47,6 +47,13 @@ def _kernels_scan():
     return kernels_scan
 
 
+def _kernels_low():
+    """:mod:`..index.kernels_low` (numba: imported on first use, as :func:`_kernels`)."""
+    from ..index import kernels_low  # noqa: PLC0415
+
+    return kernels_low
+
+
 def _kernels_cone():
     """:mod:`..index.kernels_cone` (numba: imported on first use, as :func:`_kernels`)."""
     from ..index import kernels_cone  # noqa: PLC0415
@@ -185,9 +192,9 @@ class Searcher(ExactMixin):
         that the first query is not slow. :returns: seconds taken."""
         t = _kernels().warm()
         st, t0 = self.store, time.perf_counter()
-        from ..index import kernels_low, kernels_topm, kernels_wide  # noqa: PLC0415 - numba only in processes that search
+        from ..index import kernels_topm, kernels_wide  # noqa: PLC0415 - numba only in processes that search
 
-        kernels_low.warm()
+        _kernels_low().warm()
         kernels_topm.warm()
         kernels_wide.warm()
         _kernels_scan().warm()
@@ -251,9 +258,9 @@ class Searcher(ExactMixin):
 
     def _canonical(self, q: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """float64[M]: canonical scores of float32[D] ``q`` with the rows int64[M] (compiled
-        :func:`.kernels.canonical_rows`, the values of ``DenseIndex.exact_rows``)."""
-        return _kernels().canonical_rows(self.store.dense.vectors, np.asarray(rows, np.int64),
-                                       np.ascontiguousarray(q, dtype=np.float32))
+        :func:`.kernels_low.canonical_rows`, the values of ``DenseIndex.exact_rows``)."""
+        return _kernels_low().canonical_rows(self.store.dense.vectors, np.asarray(rows, np.int64),
+                                           np.ascontiguousarray(q, dtype=np.float32))
 
     def _dmin_memo(self) -> dict[bytes, float]:
         """Dense-minimum estimates by query bytes, dropped on a write (at most 4,096 kept)."""
@@ -327,7 +334,7 @@ class Searcher(ExactMixin):
             st = ann.storage()
             for j, i in enumerate(plain):
                 c = cands[j]
-                out[i] = float(_kernels().canonical_rows(st, c, q[i]).min()) if c.size else None
+                out[i] = float(_kernels_low().canonical_rows(st, c, q[i]).min()) if c.size else None
                 low = self._tail_low(ann, q[i], dense.score_error(q[i]))
                 out[i] = low if out[i] is None else min(out[i], low)
             return out
