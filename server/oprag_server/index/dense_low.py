@@ -8,22 +8,31 @@ minimise ``q . v``: at 500K vectors per shard it found the true minimum for ~72%
 ef_search 512 (~2 ms). Instead, each shard keeps :class:`LowSeeds`, a small set of vectors that
 are extreme in some direction: for ``PROBES`` directions (spherical k-means centroids of the
 vectors, FAISS ``Kmeans``), the ``PER_PROBE`` vectors with the lowest inner product with each
-(a "reverse" top-T, FAISS ``knn`` with ``-probe``). A query scores the seed set exactly (a small
-matrix product), and a beam search for ``-q`` on the graph's bottom layer (width: a sixteenth
-of the request's ``ef_search``, at least 16; 32 at the default 512) starts
-from the ``ENTRIES`` lowest seeds (:func:`search_from`). Every value it returns is
+(a "reverse" top-T, FAISS ``knn`` with ``-probe``). A query scores the seed set, and a search for ``-q`` on the graph's bottom layer (beam: a sixteenth of the
+request's ``ef_search``, at least 16; 32 at the default 512) starts from the ``ENTRIES`` lowest
+seeds. Both read an int8 copy of the graph's vectors (:class:`Int8Graph`: per-row scale,
+:func:`.kernels_scan.quantize`; a quarter of the float32 bytes) with a proven error bound ``err``
+(:func:`.kernels_scan.error_bound`): the search is FAISS's ``search_level_0`` walk over those
+scores (:func:`.kernels_low.low_search`), and the candidates returned are the seeds and searched
+vectors whose int8 score is within ``2 err`` of the lowest one, so the lowest canonical score
+among them is exactly the lowest over the seeds and the vectors the search kept. Every value is
 the score of a real live chunk, so it is never below the true minimum (like the sample estimate
-and the ``-q`` search); measured accuracy and cost are in bench/RESULTS.md ("dense minimum").
+and the ``-q`` search); measured accuracy and cost are in bench/RESULTS.md ("dense minimum";
+"the dense side on an int8 copy" for this form).
 
 Upkeep: built on first use (``Searcher.warm`` builds it at start); vectors added since are
 tested against the probes (a vector whose score with some probe is below that probe's
 ``PER_PROBE``-th lowest at build time joins the seeds); dead ids are skipped at query time; the
-set is rebuilt when the graph was rebuilt (compaction) or has doubled since the build.
+set is rebuilt when the graph was rebuilt (compaction) or has doubled since the build. The int8
+copy follows the graph the same way (rows quantised as they enter it; requantised on a rebuild).
+Memory: the int8 copy is ``D + 8`` bytes per vector (~196 MB per 500K-vector shard at D 384).
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from . import kernels_low, kernels_scan
 
 
 def _faiss():
@@ -54,6 +63,59 @@ def search_from(ann, q: np.ndarray, entries: np.ndarray, entry_scores: np.ndarra
     return out_i[:, 0]
 
 
+class Int8Graph:
+    """The int8 copy of an HNSW graph's stored vectors by ANN id (rows quantised as the graph
+    grows; per-row scale and the error constants of :func:`.kernels_scan.quantize`), the visited
+    marks of :func:`.kernels_low.low_search` and zero-copy views of FAISS's level-0 lists."""
+
+    def __init__(self) -> None:
+        self.n = 0  # rows quantised (graph ids [0, n))
+        self.codes = np.zeros((0, 0), np.int8)  # int8[capacity, D]
+        self.scale = np.zeros(0, np.float32)
+        self.stamp = np.zeros(0, np.uint8)  # visited marks (a byte: FAISS's VisitedTable)
+        self.mark = 0
+        self.e = self.c = 0.0
+
+    def follow(self, st: np.ndarray, rebuild: bool) -> None:
+        """Quantise the rows of float32[A, D] ``st`` (the graph's storage) not quantised yet; all
+        of them with ``rebuild`` (a new graph)."""
+        a, d = st.shape
+        if rebuild:
+            self.n, self.e, self.c = 0, 0.0, 0.0
+        if (rebuild and a != self.codes.shape[0]) or a > self.codes.shape[0] or self.codes.shape[1] != d:
+            cap = a if rebuild else int(a * 1.25) + 1024  # growing: 25% headroom
+            codes, scale = np.empty((cap, d), np.int8), np.empty(cap, np.float32)
+            if self.n:
+                codes[:self.n], scale[:self.n] = self.codes[:self.n], self.scale[:self.n]
+            self.codes, self.scale = codes, scale
+            self.stamp, self.mark = np.zeros(cap, np.uint8), 0
+        if a > self.n:
+            e, c = kernels_scan.quantize(np.ascontiguousarray(st[self.n:a]), self.codes[self.n:a], self.scale[self.n:a])
+            self.e, self.c, self.n = max(self.e, e), max(self.c, c), a
+
+    def error(self, q: np.ndarray) -> float:
+        """Bound of ``|int8 score - canonical score|`` of float32[D] ``q`` for every row."""
+        return kernels_scan.error_bound(self.e, self.c, self.codes.shape[1], q)
+
+    def next_mark(self) -> int:
+        self.mark += 1
+        if self.mark > 255:  # every 255 walks: clear the marks
+            self.stamp[:], self.mark = 0, 1
+        return self.mark
+
+    def nbytes(self) -> int:
+        return int(self.codes.nbytes + self.scale.nbytes + self.stamp.nbytes)
+
+
+def _level0(index) -> tuple[np.ndarray, np.ndarray, int]:
+    """``(neighbours int32[*], offsets int64[A + 1], width)``: zero-copy views of FAISS's HNSW
+    neighbour lists (valid until the graph changes) and the level-0 list width (2 M)."""
+    faiss, h = _faiss(), index.hnsw
+    nbr = faiss.rev_swig_ptr(h.neighbors.data(), h.neighbors.size())
+    off = faiss.rev_swig_ptr(h.offsets.data(), h.offsets.size()).view(np.int64)
+    return nbr, off, int(h.cum_nneighbor_per_level.at(1) - h.cum_nneighbor_per_level.at(0))
+
+
 class LowSeeds:
     """Seeds of the lowest-inner-product search of one HNSW index (module docstring). Not
     thread-safe (one shard's searches are serial)."""
@@ -61,22 +123,37 @@ class LowSeeds:
     #: probe directions, lowest vectors kept per probe, search entries; the beam is the
     #: request's ef_search / BEAM_DIV, at least MIN_BEAM; rows per block of the build
     PROBES, PER_PROBE, ENTRIES, BEAM_DIV, MIN_BEAM, BLOCK = 256, 16, 16, 16, 16, 32768
+    #: the walk on the int8 copy of the graph (:func:`.kernels_low.low_search`); False: FAISS's
+    #: ``search_level_0`` in float32 from the same entries, no copy of the graph
+    INT8_WALK = True
 
     def __init__(self) -> None:
         self._index = None  # the FAISS index the seeds were built for
         self._built_at = 0  # vectors in the graph at the build
         self._seen = 0  # vectors in the graph already tested against the probes
         self._ids = np.zeros(0, np.int64)  # ANN ids of the seeds
-        self._vecs = np.zeros((0, 0), np.float32)  # their vectors
+        self._codes = np.zeros((0, 0), np.int8)  # their int8 rows (a contiguous copy) and scales
+        self._scale = np.zeros(0, np.float32)
+        self._se = (0.0, 0.0)  # the seeds' error constants (kernels_scan.quantize)
         self._probes = np.zeros((0, 0), np.float32)
         self._thresh = np.zeros(0, np.float32)  # per probe: the PER_PROBE-th lowest score at build
+        self._g = Int8Graph()
+        self._l0 = None  # (index, ntotal, graph arrays): _graph's, kept while the graph is unchanged
+
+    def _set_ids(self, ids: np.ndarray, st: np.ndarray) -> None:
+        """The seeds: ANN ids and their int8 rows (quantised alone: their own error constants)."""
+        self._ids = np.asarray(ids, np.int64)
+        self._codes, self._scale = np.empty((ids.size, st.shape[1]), np.int8), np.empty(ids.size, np.float32)
+        self._se = kernels_scan.quantize(np.ascontiguousarray(st[self._ids]), self._codes, self._scale)
 
     def _build(self, ann) -> None:
         faiss, st = _faiss(), ann.storage()
         a = st.shape[0]
         self._index, self._built_at, self._seen = ann._index, a, a  # noqa: SLF001
+        if self.INT8_WALK:
+            self._g.follow(st, rebuild=True)
         if a == 0:
-            self._ids, self._vecs = np.zeros(0, np.int64), np.zeros((0, ann.dim), np.float32)
+            self._set_ids(np.zeros(0, np.int64), st)
             self._probes, self._thresh = np.zeros((0, ann.dim), np.float32), np.zeros(0, np.float32)
             return
         p = int(min(self.PROBES, max(1, a // 64)))
@@ -98,53 +175,76 @@ class LowSeeds:
             keep = np.argpartition(cs, t - 1, axis=1)[:, :t]
             best_s, best_i = np.take_along_axis(cs, keep, 1), np.take_along_axis(ci, keep, 1)
         self._probes, self._thresh = probes, best_s.max(axis=1)
-        self._ids = np.unique(best_i[best_i >= 0]).astype(np.int64)
-        self._vecs = np.ascontiguousarray(st[self._ids])
+        self._set_ids(np.unique(best_i[best_i >= 0]), st)
 
     def _update(self, ann) -> None:
         a = int(ann._index.ntotal)  # noqa: SLF001
         if ann._index is not self._index or a < self._seen or a >= 2 * max(self._built_at, 8):  # noqa: SLF001
             self._build(ann)
             return
-        if a > self._seen:  # new vectors: those extreme for some probe join the seeds
-            new = ann.storage()[self._seen:a]
-            low = ((new @ self._probes.T) <= self._thresh).any(axis=1)
+        if a > self._seen:  # new vectors: quantised; those extreme for some probe join the seeds
+            st = ann.storage()
+            if self.INT8_WALK:
+                self._g.follow(st, rebuild=False)
+            low = ((st[self._seen:a] @ self._probes.T) <= self._thresh).any(axis=1)
             if low.any():
-                self._ids = np.concatenate([self._ids, self._seen + np.flatnonzero(low)])
-                self._vecs = np.ascontiguousarray(np.concatenate([self._vecs, new[low]]))
+                self._set_ids(np.concatenate([self._ids, self._seen + np.flatnonzero(low)]), st)
             self._seen = a
 
-    def candidates(self, ann, q: np.ndarray, err: np.ndarray, ef: int = 0) -> list[np.ndarray]:
+    def candidates(self, ann, q: np.ndarray, ef: int = 0) -> list[np.ndarray]:
         """Per query of float32[B, D] ``q``: ANN ids int64[C] of live vectors among which the
-        lowest canonical score found lies: the seeds whose float32 score is within
-        ``2 * err[b]`` of the lowest seed score (the k = 1 argument of ``refine_top``: the
-        float32 scores err by at most ``err``), and the vector the bottom-layer search for
-        ``-q`` from the lowest seeds found. Empty when the index holds no live vector.
+        lowest canonical score found lies: the seeds and the vectors the bottom-layer search for
+        ``-q`` from the lowest seeds kept whose int8 score is within ``2 * err`` of the lowest
+        int8 score among them (the k = 1 argument of ``refine_top``: the int8 scores err by at
+        most ``err``, :meth:`Int8Graph.error`). Empty when the index holds no live vector or the
+        query is not finite.
 
-        :param ann: the shard's :class:`.ann.AnnIndex` (HNSW). :param err: float64[B] bound of
-            ``|float32 score - canonical|`` per query (``DenseIndex.score_error``).
-        :param ef: the request's HNSW beam (0: the index default); this search's beam is a
-            sixteenth of it, at least 16 (32 at the default 512).
+        :param ann: the shard's :class:`.ann.AnnIndex` (HNSW). :param ef: the request's HNSW
+            beam (0: the index default); this search's beam is a sixteenth of it, at least 16
+            (32 at the default 512).
         """
         self._update(ann)
-        b = q.shape[0]
+        b, g = q.shape[0], self._g
         live = ann.ann_slot[self._ids] >= 0
         if not b or not live.any():
             return [np.zeros(0, np.int64)] * b
-        ids, s = self._ids, np.ascontiguousarray((self._vecs @ q.T).T)  # float32[B, S]
-        if not live.all():
-            s[:, ~live] = np.inf  # dead seeds: never an entry, never the minimum
-        e = min(self.ENTRIES, int(live.sum()))
-        part = np.argpartition(s, e - 1, axis=1)[:, :e]
+        ids, e = self._ids, min(self.ENTRIES, int(live.sum()))
         beam = max(self.MIN_BEAM, int(ef or ann.params.ef_search) // self.BEAM_DIV)
-        found = search_from(ann, -q, ids[part], -np.take_along_axis(s, part, 1), beam)
+        nbr, off, width = self._graph(ann) if self.INT8_WALK else (None, None, 0)
+        st, every = (None if self.INT8_WALK else ann.storage()), bool(live.all())
+        got_i, got_d = np.empty(beam, np.int64), np.empty(beam, np.float32)
         out = []
         for j in range(b):
-            near = ids[s[j] <= np.float64(s[j].min()) + 2.0 * float(err[j])]
-            f = found[j]
-            out.append(near if f < 0 or ann.ann_slot[f] < 0 else np.append(near, f))
+            qj = np.ascontiguousarray(q[j], dtype=np.float32)
+            if not np.isfinite(qj).all():
+                out.append(np.zeros(0, np.int64))
+                continue
+            s = kernels_scan.scan(self._codes, self._scale, qj, np.empty(ids.size, np.float32))
+            if not every:
+                s[~live] = np.inf  # dead seeds: never an entry, never the minimum
+            part = np.argpartition(s, e - 1)[:e]
+            part = part[np.argsort(s[part], kind="stable")]  # the lowest first
+            if not self.INT8_WALK:  # FAISS's walk in float32 from the same entries: the vector it finds
+                ent = ids[part]
+                f = int(search_from(ann, -qj[None], ent[None], -(st[ent] @ qj)[None], beam)[0])
+                near = ids[s <= np.float64(s.min()) + 2.0 * kernels_scan.error_bound(*self._se, qj.size, qj)]
+                out.append(near if f < 0 or ann.ann_slot[f] < 0 else np.append(near, f))
+                continue
+            k = kernels_low.low_search(nbr, off, width, g.codes, g.scale, ann.ann_slot, qj, ids[part], beam,
+                                       g.stamp, g.next_mark(), got_i, got_d)
+            lim = np.float64(min(float(s.min()), float(got_d[:k].min()) if k else np.inf)) + 2.0 * g.error(qj)
+            out.append(np.concatenate([ids[s <= lim], got_i[:k][got_d[:k] <= lim]]))
         return out
 
+    def _graph(self, ann) -> tuple:
+        """:func:`_level0` of the graph, kept while it is unchanged."""
+        index, a = ann._index, int(ann._index.ntotal)  # noqa: SLF001
+        if self._l0 is None or self._l0[0] is not index or self._l0[1] != a:
+            self._l0 = (index, a, _level0(index))
+        return self._l0[2]
+
     def nbytes(self) -> int:
-        """Bytes held: the seeds' ids and vectors, the probes and their thresholds."""
-        return int(self._ids.nbytes + self._vecs.nbytes + self._probes.nbytes + self._thresh.nbytes)
+        """Bytes held: the int8 copy of the graph, the seeds' ids and rows, the probes and their
+        thresholds."""
+        return int(self._g.nbytes() + self._ids.nbytes + self._codes.nbytes + self._scale.nbytes
+                   + self._probes.nbytes + self._thresh.nbytes)

@@ -47,6 +47,13 @@ def _kernels_scan():
     return kernels_scan
 
 
+def _kernels_low():
+    """:mod:`..index.kernels_low` (numba: imported on first use, as :func:`_kernels`)."""
+    from ..index import kernels_low  # noqa: PLC0415
+
+    return kernels_low
+
+
 def _kernels_cone():
     """:mod:`..index.kernels_cone` (numba: imported on first use, as :func:`_kernels`)."""
     from ..index import kernels_cone  # noqa: PLC0415
@@ -187,13 +194,14 @@ class Searcher(ExactMixin):
         st, t0 = self.store, time.perf_counter()
         from ..index import kernels_topm, kernels_wide  # noqa: PLC0415 - numba only in processes that search
 
+        _kernels_low().warm()
         kernels_topm.warm()
         kernels_wide.warm()
         _kernels_scan().warm()
         _kernels_cone().warm()
         listed_top(st.postings, ["\x00"], np.ones(1), 1.0, 1.5, 0.75, 1)  # the segment's term bounds
         if st.dense.params.kind == "hnsw" and st.dense.ann is not None:
-            self._low.candidates(st.dense.ann, np.zeros((0, st.dim), np.float32), np.zeros(0))  # build the seeds
+            self._low.candidates(st.dense.ann, np.zeros((0, st.dim), np.float32))  # build the seeds
         if len(st.dense) and st.dense.params.kind == "flat":
             slots, _ = self._kernel_tops(st.dense.vectors[:1].copy(), [None], 1)[0][0]
             st.postings.score(slots, [], np.zeros(0), 1.0)
@@ -250,9 +258,9 @@ class Searcher(ExactMixin):
 
     def _canonical(self, q: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """float64[M]: canonical scores of float32[D] ``q`` with the rows int64[M] (compiled
-        :func:`.kernels.canonical_rows`, the values of ``DenseIndex.exact_rows``)."""
-        return _kernels().canonical_rows(self.store.dense.vectors, np.asarray(rows, np.int64),
-                                       np.ascontiguousarray(q, dtype=np.float32))
+        :func:`.kernels_low.canonical_rows`, the values of ``DenseIndex.exact_rows``)."""
+        return _kernels_low().canonical_rows(self.store.dense.vectors, np.asarray(rows, np.int64),
+                                           np.ascontiguousarray(q, dtype=np.float32))
 
     def _dmin_memo(self) -> dict[bytes, float]:
         """Dense-minimum estimates by query bytes, dropped on a write (at most 4,096 kept)."""
@@ -308,8 +316,10 @@ class Searcher(ExactMixin):
     def _ann_lows(self, q: np.ndarray, plain: list[int], ef_search: int, nprobe: int) -> list:
         """Per query of float32[B, D] ``q``: for the unfiltered ones (``plain``), the dense
         minimum for an approximate index. HNSW: the lowest canonical score among the shard's
-        extreme seeds and the chunk a bottom-layer search for ``-q`` from the lowest seeds finds
-        (:class:`..index.dense_low.LowSeeds`; None when no vector is live). IVF: the lower of
+        extreme seeds and the chunks a bottom-layer search for ``-q`` from the lowest seeds keeps
+        (:class:`..index.dense_low.LowSeeds`, over an int8 copy of the vectors; only those within
+        twice its error bound of the lowest int8 score are scored canonically; None when no
+        vector is live). IVF: the lower of
         the sample estimate (:meth:`_dense_min_estimate`) and the canonical score of the chunk
         the index finds nearest to ``-q`` (the inner-product minimum is the maximum of ``-q``:
         one more ANN search, k = 1). All are scores of real chunks, so the result is never
@@ -320,11 +330,11 @@ class Searcher(ExactMixin):
         dense = self.store.dense
         if dense.params.kind == "hnsw" and dense.ann is not None:  # from the seeds (index/dense_low.py)
             ann, qp = dense.ann, q[plain]
-            cands = self._low.candidates(ann, qp, np.array([dense.score_error(x) for x in qp]), ef_search)
+            cands = self._low.candidates(ann, qp, ef_search)
             st = ann.storage()
             for j, i in enumerate(plain):
                 c = cands[j]
-                out[i] = float(_kernels().canonical_rows(st, c, q[i]).min()) if c.size else None
+                out[i] = float(_kernels_low().canonical_rows(st, c, q[i]).min()) if c.size else None
                 low = self._tail_low(ann, q[i], dense.score_error(q[i]))
                 out[i] = low if out[i] is None else min(out[i], low)
             return out
