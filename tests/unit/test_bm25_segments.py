@@ -347,3 +347,21 @@ def test_delta_terms_nbytes_counts_new_terms_incrementally():
     assert d.terms_nbytes() == full() and d._terms_bytes[0] == 5
     d.remove(2)
     assert d.terms_nbytes() == full()
+
+
+def test_shard_stats_count_the_dense_minimum_int8_graph():
+    """An HNSW shard's ``ann`` bytes include the dense-minimum search's int8 copy of the graph
+    (``LowSeeds``: one byte per coordinate per vector), once a query has built it."""
+    from oprag_server.config import DenseConfig
+    from oprag_server.shards.protocol import StatsRequest
+    from oprag_server.shards.state import ShardState
+
+    n, d = 600, 16
+    st = ShardState(0, d, None, dense=DenseConfig(kind="hnsw", hnsw_m=16))
+    v = np.random.default_rng(3).standard_normal((n, d)).astype(np.float32)
+    st.store.dense.add(np.arange(n, dtype=np.int64), v / np.linalg.norm(v, axis=1, keepdims=True))
+    before = st.stats(StatsRequest()).nbytes["ann"]
+    q = v[:2] / np.linalg.norm(v[:2], axis=1, keepdims=True)
+    st.search._ann_lows(q, [0, 1], 64, 0)  # builds the seeds and the int8 copy
+    after = st.stats(StatsRequest()).nbytes["ann"]
+    assert after - before >= n * d  # the int8 rows alone

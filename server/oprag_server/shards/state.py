@@ -47,9 +47,16 @@ class ShardState:
         (the whole vocabulary: only for rebuilding the frontend's corpus statistics)."""
         st = self.store
         return StatsReply(shard=self.shard_id, documents=len(st.doc_slots), chunks=len(st.chunks),
-                          memory_records=len(self.memory), applied_seq=st.applied_seq, nbytes=st.nbytes(),
+                          memory_records=len(self.memory), applied_seq=st.applied_seq, nbytes=self._nbytes(),
                           ann_pending=st.dense.pending,
                           lexical=st.postings.full_stats() if req is not None and req.lexical else None)
+
+    def _nbytes(self) -> dict[str, int]:
+        """:meth:`.chunks.ChunkStore.nbytes`, with the dense-minimum search's int8 copy of the
+        graph and its seeds (:meth:`..index.dense_low.LowSeeds.nbytes`) counted in ``ann``."""
+        n = self.store.nbytes()
+        n["ann"] = n.get("ann", 0) + self.search._low.nbytes()  # noqa: SLF001
+        return n
 
     def _dir(self) -> Path:
         assert self.data_dir is not None
