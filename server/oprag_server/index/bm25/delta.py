@@ -24,7 +24,7 @@ class Delta:
     """Chunks added since the last merge.
 
     * ``vocab`` ``{term: tid}`` / ``terms`` ``[tid] -> term``: the delta's own term ids;
-    * ``runs``: list of ``(key int64 [n] ascending, tf int64 [n])`` with
+    * ``runs``: list of ``(key int64 [n] ascending, tf int32 [n])`` (12 bytes a posting) with
       ``key = tid << 32 | slot`` (postings of removed chunks stay until runs merge; the
       caller filters them with its per-slot location array);
     * ``docs`` ``{slot: tids int64 [k]}``: the live chunks and their distinct term ids;
@@ -66,7 +66,7 @@ class Delta:
         s = np.asarray(slots, np.int64)
         key = (np.asarray(flat, np.int64) << _SHIFT) | np.repeat(s, lens)
         ukey, tf = np.unique(key, return_counts=True)  # sorted by (tid, slot)
-        self._push(ukey, tf.astype(np.int64))
+        self._push(ukey, tf.astype(np.int32))
         utid = ukey >> _SHIFT
         uslot = ukey & _LOW
         # per chunk: its distinct term ids (chunk order = slot order of a stable sort)
@@ -149,7 +149,7 @@ class Delta:
     def consolidated(self) -> tuple[np.ndarray, np.ndarray]:
         """All postings of every run (dead ones included) as one ``(key, tf)`` sorted by key."""
         if not self.runs:
-            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+            return np.zeros(0, np.int64), np.zeros(0, np.int32)
         k, t = self.runs[0]
         for k2, t2 in self.runs[1:]:
             k, t = _merge_runs(k, t, k2, t2)
