@@ -69,6 +69,8 @@ def from_wire(plain: Mapping[str, str], typed: Mapping[str, Any]) -> dict[str, V
 
     :raises ValueError: a key in both maps, a NaN or infinite float.
     """
+    if not plain and not typed:  # (most documents of a bulk load: nothing to check or copy)
+        return {}
     both = sorted(set(plain) & set(typed))
     if both:
         raise ValueError(f"metadata key {both[0]!r} is in both metadata and typed_metadata: send it once")

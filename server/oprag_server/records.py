@@ -69,7 +69,7 @@ def make_chunk_batch(
             pa.array(doc_ids, pa.string()),
             pa.array(titles, pa.string()),
             pa.array(texts, pa.string()),
-            pa.array([json.dumps(m, sort_keys=True, ensure_ascii=False) for m in metadata], pa.string()),
+            pa.array([json.dumps(m, sort_keys=True, ensure_ascii=False) if m else "{}" for m in metadata], pa.string()),
             pa.array(ordinals, pa.int32()),
             pa.array(generations, pa.uint64()),
             pa.array(content_hashes, pa.string()),
@@ -167,15 +167,16 @@ def unit_matrix(v: np.ndarray, what: str = "vector") -> np.ndarray:
 
     :raises ValueError: NaN or infinity, or an all-zero row.
     """
-    v = np.asarray(v, dtype=np.float64)
+    v = np.array(v, dtype=np.float64)  # (a copy, divided in place below: the same floats, fewer temporaries)
     scale = np.abs(v).max(axis=1, initial=0.0)  # NaN and infinity propagate into the row max
     if not np.isfinite(scale).all():
         raise ValueError(f"{what} contains NaN or infinity")
     if (scale == 0.0).any():
         raise ValueError(f"{what} is all zeros")
-    v = v / scale[:, None]
+    v /= scale[:, None]
     # the sum of squares as np.linalg.norm(v, axis=1) computes it (same floats), without its overhead
-    return (v / np.sqrt(np.add.reduce(v * v, axis=1))[:, None]).astype(np.float32)
+    v /= np.sqrt(np.add.reduce(v * v, axis=1))[:, None]
+    return v.astype(np.float32)
 
 
 def packed_rows(data: bytes, rows: int, dim: int, index_dim: int, what: str = "vectors_f32") -> np.ndarray:

@@ -98,7 +98,7 @@ def test_failed_background_merge_keeps_serving(monkeypatch):
     ix.add_batch([7, 8], [["cat", "dog", "pets"], ["log", "log"]])
     live.update({7: (["cat", "dog", "pets"], 0), 8: (["log", "log"], 0)})
     monkeypatch.setattr(merging, "merge", broken)
-    ix.MERGE_MIN = 1
+    ix.MERGE_MIN, ix.MERGE_DIV = 1, 8  # (the 4-posting delta is an eighth of this segment, not a quarter)
     assert ix.maybe_merge(background=True)
     ix._pending[0].join()
     with pytest.raises(MemoryError):

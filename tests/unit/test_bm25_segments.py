@@ -134,6 +134,49 @@ def test_maybe_merge_thresholds(monkeypatch):
     assert ix.maybe_merge() and ix.segment.n_postings == 0 and len(ix) == 0
 
 
+def test_delta_merges_at_a_quarter_of_the_segment(monkeypatch):
+    """The delta merges once it holds 1/MERGE_DIV (4) of the segment's postings, not before (at
+    the old 1/8 the first check below would merge); scores stay rank_bm25's."""
+    monkeypatch.setattr(B.PostingsIndex, "MERGE_MIN", 4)
+    assert B.PostingsIndex.MERGE_DIV == 4
+    ix, live = B.PostingsIndex(), {}
+    for s in range(20):
+        live[s] = ([f"w{s}", "common"], 0)
+    ix.add_batch(list(live), [t for t, _ in live.values()])
+    ix.merge()
+    assert ix.segment.n_postings == 40
+    for s in range(20, 24):  # 8 postings: under 40 // 4, over 40 // 8
+        live[s] = ([f"w{s}", "common"], 0)
+        ix.add(s, live[s][0])
+    assert not ix.maybe_merge() and ix.merges == 1
+    live[24] = (["w24", "common"], 0)
+    ix.add(24, live[24][0])
+    assert ix.maybe_merge() and ix.merges == 2 and ix.segment.n_postings == 50
+    check([ix], live, ["common", "w3", "w24"])
+
+
+def test_delta_nbytes_kept_as_the_sum_of_its_entries():
+    """Delta.nbytes keeps the per-chunk entries' bytes as they change (adds, removes, a slot
+    re-added after its removal): equal to summing them anew."""
+    from oprag_server.index.bm25.delta import Delta
+
+    d, rng = Delta(), np.random.default_rng(3)
+
+    def summed() -> int:
+        return (sum(k.nbytes + t.nbytes for k, t in d.runs) + d.df_arr.nbytes
+                + sum(a.nbytes + 100 for a in d.docs.values()))
+
+    live: set[int] = set()
+    for step in range(40):
+        new = [s for s in rng.choice(60, 5, replace=False).tolist() if s not in live]
+        d.add_batch(new, [[f"t{x}" for x in rng.integers(0, 9, rng.integers(0, 6))] for _ in new])
+        live.update(new)
+        for s in rng.choice(sorted(live), min(2, len(live)), replace=False).tolist():
+            d.remove(s)
+            live.discard(s)
+        assert d.nbytes() == summed(), step
+
+
 def test_nbytes_components():
     ix = B.PostingsIndex()
     for s in range(100):

@@ -76,7 +76,7 @@ class MergeMixin:
         if self._pending is not None:
             return False
         p = self._seg.n_postings
-        if self._delta.n >= max(self.MERGE_MIN, p // 8) or self._seg_dead >= max(self.MERGE_MIN, p // 4):
+        if self._delta.n >= max(self.MERGE_MIN, p // self.MERGE_DIV) or self._seg_dead >= max(self.MERGE_MIN, p // 4):
             self._start_merge(background)
             return True
         return False

@@ -40,9 +40,9 @@ class PostingsIndex(MergeMixin):
 
     :meth:`merge` folds the delta into a new segment and drops dead postings (build, then
     swap); :meth:`maybe_merge` does it (with ``background=True`` in a thread, see
-    :mod:`.merging`) once the delta holds :attr:`MERGE_MIN` postings and an
-    eighth of the segment's, or dead postings are a quarter of it, so the total merge work
-    stays proportional to the postings written.
+    :mod:`.merging`) once the delta holds :attr:`MERGE_MIN` postings and a
+    :attr:`MERGE_DIV`-th of the segment's, or dead postings are a quarter of it, so the total
+    merge work stays proportional to the postings written.
 
     Scoring takes the *global* idf and avgdl (:class:`CorpusStats`): scores equal the
     single-index rank_bm25 ones on every shard. Not thread-safe (one shard loop drives it; a
@@ -52,8 +52,9 @@ class PostingsIndex(MergeMixin):
     #: ``score_all`` uses a dense accumulator when the number of postings visited is at
     #: least ``capacity / _DENSE_RATIO``, else a sort-based sparse one.
     _DENSE_RATIO = 16
-    #: the delta is merged once it holds this many postings (and 1/8 of the segment's)
-    MERGE_MIN = 65536
+    #: the delta is merged once it holds this many postings and 1/MERGE_DIV of the segment's (a
+    #: bulk load rewrites each posting ~1 + MERGE_DIV times: 4, not 8, since issue 13's ingest9)
+    MERGE_MIN, MERGE_DIV = 65536, 4
 
     def __init__(self) -> None:
         self._seg = Segment.empty()
