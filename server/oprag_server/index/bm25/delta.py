@@ -60,8 +60,8 @@ class Delta:
         vocab = self.vocab
         sd = vocab.setdefault
         flat = [sd(t, len(vocab)) for toks in token_lists for t in toks]
-        if len(vocab) > len(self.terms):
-            self.terms.extend(list(vocab)[len(self.terms):])
+        if len(vocab) > len(self.terms):  # the new terms are the dict's last keys: O(new), not O(vocabulary)
+            self.terms.extend(list(itertools.islice(reversed(vocab), len(vocab) - len(self.terms)))[::-1])
         lens = np.fromiter(map(len, token_lists), np.int64, count=len(token_lists))
         s = np.asarray(slots, np.int64)
         key = (np.asarray(flat, np.int64) << _SHIFT) | np.repeat(s, lens)
