@@ -15,7 +15,7 @@ import pyarrow as pa
 import pytest
 
 from oprag_server import records
-from oprag_server.index import kernels
+from oprag_server.index import kernels, kernels_low
 from oprag_server.index.bm25 import listed_top as listed_top_mod
 from oprag_server.index.bm25.listed_top import listed_top, listed_top_reference
 from oprag_server.index.bm25.merging import _SEG
@@ -53,7 +53,7 @@ def test_canonical_rows_is_fixed_order_dot(d):
     v[6, : d // 2] = 1e-40  # subnormal float32
     q = rng.normal(size=d).astype(np.float32)
     rows = rng.integers(0, 50, 70).astype(np.int64)
-    assert kernels.canonical_rows(v, rows, q).tobytes() == fixed_order_dot(v[rows], q).tobytes()
+    assert kernels_low.canonical_rows(v, rows, q).tobytes() == fixed_order_dot(v[rows], q).tobytes()
 
 
 @pytest.mark.parametrize("seed", range(12))

@@ -154,18 +154,6 @@ def _argsort_desc(keys, idx):
 
 
 @njit(**_JIT)
-def canonical_rows(vecs, rows, q):
-    """float64[M]: canonical inner products of the rows int64[M] of float32[N, D] ``vecs`` with
-    float32[D] ``q`` (the same values as ``fixed_order_dot(vecs[rows], q)``)."""
-    q64 = q.astype(np.float64)
-    buf = np.empty(max(q.size, 1), np.float64)
-    out = np.empty(rows.size, np.float64)
-    for i in range(rows.size):
-        out[i] = _canonical(vecs[rows[i]], q64, buf)
-    return out
-
-
-@njit(**_JIT)
 def dense_step(vecs, rows, all_rows, approx, q, err, n, sample):
     """One query's exact dense top-n, and the canonical minimum over a sample of rows.
 
@@ -389,7 +377,6 @@ def warm(d: int = 8) -> float:
     q = vecs[0].copy()
     rows = np.arange(4, dtype=np.int64)
     dense_step(vecs, rows, True, vecs @ q, q, 1e-6, 2, rows)
-    canonical_rows(vecs, rows, q)
     s = np.arange(3, dtype=np.int64)
     for ro, (where, doc_len, off, ps, tf) in postings_variants():
         bm25_segment(s, where, 1, doc_len, np.zeros(1, np.int64), np.ones(1), off, ps, tf, 1.0, 1.5, 0.75,

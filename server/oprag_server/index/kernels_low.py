@@ -170,9 +170,10 @@ def low_search(nbr, offsets, width, codes, scale, ann_slot, q, entries, ef, stam
 
 @njit(cache=True, nogil=True)
 def canonical_rows(vecs, rows, q):
-    """:func:`.kernels.canonical_rows` (the same values: its ``_canonical`` per row) with the next
-    row's cache lines prefetched while one row is scored: the rows are scattered over a shard's
-    vectors (a dense top-n, the BM25 list), each a run of misses otherwise."""
+    """float64[M]: canonical inner products of the rows int64[M] of float32[N, D] ``vecs`` with
+    float32[D] ``q`` (the same values as ``fixed_order_dot(vecs[rows], q)``: :func:`.kernels._canonical`
+    per row), the next row's cache lines prefetched while one row is scored: the rows are
+    scattered over a shard's vectors (a dense top-n, the BM25 list), each a run of misses otherwise."""
     q64 = q.astype(np.float64)
     buf = np.empty(max(q.size, 1), np.float64)
     out = np.empty(rows.size, np.float64)

@@ -360,7 +360,7 @@ class Searcher(ExactMixin):
             return np.inf
         approx = tail[live] @ q
         near = live[approx <= np.float64(approx.min()) + 2.0 * err]
-        return float(_kernels().canonical_rows(np.ascontiguousarray(tail), near, q).min())
+        return float(_kernels_low().canonical_rows(np.ascontiguousarray(tail), near, q).min())
 
     def _dense_min_estimate(self, q: np.ndarray) -> np.ndarray:
         """float64[B]: the lowest canonical inner product of each query with a fixed strided
