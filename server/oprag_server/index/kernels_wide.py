@@ -169,8 +169,8 @@ def bm25_top_wide(where, seg_code, doc_len, seg_len, tids, idf, offsets, pslots,
     # (1) cursors into the narrow lists' segment postings and every term's delta postings (both
     # ascending by slot): the pass below adds each block's share to a block-sized scratch
     c = 0
-    cur_s, cur_d = np.empty(n_pos, np.int64), np.empty(n_pos, np.int64)
-    end_s = np.empty(n_pos, np.int64)
+    cur_s, end_s = np.empty(n_pos, np.int64), np.empty(n_pos, np.int64)
+    cur_d = d_off[:n_pos].copy()
     w32n = np.empty(n_pos, np.float32)
     for i in range(n_pos):
         t = tids[i]
@@ -178,7 +178,6 @@ def bm25_top_wide(where, seg_code, doc_len, seg_len, tids, idf, offsets, pslots,
             wide_pos[c], wrow[c] = i, wide_row[i]
             c += 1
         cur_s[i], end_s[i] = (offsets[t], offsets[t + 1]) if t >= 0 and not is_wide[i] else (0, 0)
-        cur_d[i] = d_off[i]
         w32n[i] = np.float32(idf[i])
     # (2) the pass over the slots below span, block by block: the block's partial scores (the
     # narrow postings with the pass's float32 operations and the segment length copy, the delta
@@ -190,9 +189,7 @@ def bm25_top_wide(where, seg_code, doc_len, seg_len, tids, idf, offsets, pslots,
     nb = 0
     lim = 4 * m
     listed = 0
-    w32 = np.empty(nw, np.float32)
-    for j in range(nw):
-        w32[j] = np.float32(idf[wide_pos[j]])
+    w32 = w32n[wide_pos]
     s = np.empty(_BLOCK, np.float32)
     nrm = np.empty(_BLOCK, np.float32)
     la = np.zeros(_BLOCK, np.float32)
