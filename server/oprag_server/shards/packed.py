@@ -1,0 +1,129 @@
+"""The compact pickled form of the query path's per-candidate payloads (:mod:`.protocol`'s
+``Candidates`` and ``FetchReply``): a shard's hybrid reply carries ~320 chunk ids and ~20 hit
+texts per query, and pickling them one Python object each (plus numpy's per-array reduce) was
+most of the frontend's reply unpickling.
+
+``Candidates`` pickles as its numeric columns in one ``bytearray`` (slots int64, dense,
+lexical and fused float64, back to back) and its chunk ids as one string joined by NUL;
+``FetchReply`` as its string columns joined likewise. The other side gets numpy views of the
+buffer (writable, no copy) and :class:`PackedStrs` for the strings: a read-only sequence that
+splits the joined string the first time an element is read (the frontend reads the ids of a
+top-k and of score ties only). A string list with a NUL in one of its strings, or arrays of
+another dtype or shape, pickle as before (the same values come back either way).
+Imports numpy only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+SEP = "\x00"
+
+
+class PackedStrs(Sequence):
+    """``n`` strings joined by NUL (``blob``), read like a list (indexing, slices, iteration,
+    ``len``, equality with a list); pickles as the joined string."""
+
+    __slots__ = ("blob", "n", "_items")
+
+    def __init__(self, blob: str, n: int) -> None:
+        self.blob, self.n, self._items = blob, n, None
+
+    def tolist(self) -> list[str]:
+        """The strings as a list (split once, then kept)."""
+        items = self._items
+        if items is None:
+            items = self._items = self.blob.split(SEP) if self.n else []
+        return items
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        items = self._items
+        return (items if items is not None else self.tolist())[i]
+
+    def __iter__(self):
+        return iter(self.tolist())
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, PackedStrs):
+            return self.n == other.n and self.blob == other.blob
+        if isinstance(other, (list, tuple)):
+            return self.tolist() == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  (a sequence that compares equal to a list)
+
+    def __repr__(self) -> str:
+        return f"PackedStrs({self.tolist()!r})"
+
+    def __reduce__(self):
+        return PackedStrs, (self.blob, self.n)
+
+
+def pack_strs(items) -> tuple[str, int] | None:
+    """``(joined, n)`` of a sequence of str, or None when one of them holds a NUL (or is not a
+    str): the caller pickles the list itself."""
+    if isinstance(items, PackedStrs):
+        return items.blob, items.n
+    n = len(items)
+    try:
+        blob = SEP.join(items)
+    except TypeError:
+        return None
+    return (blob, n) if blob.count(SEP) == max(n - 1, 0) else None
+
+
+def _col(a, dtype, n: int) -> np.ndarray | None:
+    """``a`` when it is a 1-D ndarray of ``dtype`` and length ``n`` (else None: not packed)."""
+    return a if isinstance(a, np.ndarray) and a.dtype == dtype and a.ndim == 1 and a.shape[0] == n else None
+
+
+_I8, _F8 = np.dtype(np.int64), np.dtype(np.float64)
+
+
+def reduce_candidates(c):
+    """``Candidates.__reduce__``: the compact form, or the plain ``(cls, fields)`` one."""
+    ids = pack_strs(c.chunk_ids)
+    n = len(c.chunk_ids)
+    cols = (_col(c.slots, _I8, n), _col(c.dense, _F8, n), _col(c.lexical, _F8, n))
+    fused = c.fused
+    if fused is not None:
+        cols += (_col(fused, _F8, n),)
+    if ids is None or any(x is None for x in cols):
+        return type(c), (c.slots, c.chunk_ids, c.dense, c.lexical, fused)
+    buf = bytearray(8 * n * len(cols))
+    out = np.frombuffer(buf, np.uint8)
+    for j, a in enumerate(cols):
+        out[8 * n * j:8 * n * (j + 1)] = np.ascontiguousarray(a).view(np.uint8)
+    return candidates, (buf, ids[0], n, fused is not None)
+
+
+def candidates(buf: bytearray, blob: str, n: int, has_fused: bool):
+    """The ``Candidates`` of :func:`reduce_candidates`'s compact form (views of ``buf``)."""
+    return Candidates(np.frombuffer(buf, np.int64, n, 0), PackedStrs(blob, n), np.frombuffer(buf, np.float64, n, 8 * n),
+                      np.frombuffer(buf, np.float64, n, 16 * n),
+                      np.frombuffer(buf, np.float64, n, 24 * n) if has_fused else None)
+
+
+def reduce_fetch(f):
+    """``FetchReply.__reduce__``: its four string columns joined (when none holds a NUL)."""
+    cols = [pack_strs(x) for x in (f.doc_ids, f.titles, f.texts, f.metadata)]
+    n = len(f.found)
+    if any(c is None or c[1] != n for c in cols):
+        return type(f), (f.found, f.doc_ids, f.titles, f.texts, f.metadata, f.slots)
+    return fetch_reply, (f.found, n, *(c[0] for c in cols), f.slots)
+
+
+def fetch_reply(found, n: int, doc_ids: str, titles: str, texts: str, metadata: str, slots):
+    return FetchReply(found, PackedStrs(doc_ids, n), PackedStrs(titles, n), PackedStrs(texts, n),
+                      PackedStrs(metadata, n), slots)
+
+
+# (protocol imports this module after defining its types: they exist by now)
+from .protocol import Candidates, FetchReply  # noqa: E402
+
+Candidates.__reduce__, FetchReply.__reduce__ = reduce_candidates, reduce_fetch
