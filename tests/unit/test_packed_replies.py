@@ -142,3 +142,19 @@ def test_merge_over_packed_replies_equals_the_merge_over_plain_ones(ties):
         spec = RetrieveSpec(mode="hybrid", top_k=int(rng.integers(1, 15)), candidates=int(rng.integers(5, 60)))
         a, b = merge_union(plain, 0, spec), merge_union({s: _rt(r) for s, r in plain.items()}, 0, spec)
         assert a[1:] == b[1:] and [vars(x) for x in a[0]] == [vars(x) for x in b[0]]
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 16, 17, 18, 40, 257])
+def test_packed_strings_read_in_any_order_equal_the_list(n):
+    ids = [f"{i * 7919}#{'é' if i % 4 == 0 else ''}{i % 5}" for i in range(n)]
+    blob = packed.SEP.join(ids)
+    rng = np.random.default_rng(n)
+    for order in (range(n), list(reversed(range(n))), rng.permutation(n).tolist(), [n // 2, 0, n - 1] if n else []):
+        p = packed.PackedStrs(blob, n)
+        assert [p[int(i)] for i in order] == [ids[int(i)] for i in order]
+        assert list(p) == ids and p == ids and len(p) == n
+    p = packed.PackedStrs(blob, n)
+    if n:
+        assert p[-1] == ids[-1] and p[1:3] == ids[1:3] and p[np.int64(n - 1)] == ids[n - 1]
+    with pytest.raises(IndexError):
+        p[n]

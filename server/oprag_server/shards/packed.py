@@ -24,12 +24,14 @@ SEP = "\x00"
 
 class PackedStrs(Sequence):
     """``n`` strings joined by NUL (``blob``), read like a list (indexing, slices, iteration,
-    ``len``, equality with a list); pickles as the joined string."""
+    ``len``, equality with a list); pickles as the joined string. Reading string i splits the
+    first ``max(2 i + 2, 16)`` strings only (kept; a merge reads a top-k, which sits near the
+    start of a ranked list)."""
 
-    __slots__ = ("blob", "n", "_items")
+    __slots__ = ("blob", "n", "_items", "_head")
 
     def __init__(self, blob: str, n: int) -> None:
-        self.blob, self.n, self._items = blob, n, None
+        self.blob, self.n, self._items, self._head = blob, n, None, ()
 
     def tolist(self) -> list[str]:
         """The strings as a list (split once, then kept)."""
@@ -43,7 +45,17 @@ class PackedStrs(Sequence):
 
     def __getitem__(self, i):
         items = self._items
-        return (items if items is not None else self.tolist())[i]
+        if items is not None:
+            return items[i]
+        if type(i) is int and 0 <= i < self.n:
+            head = self._head
+            if i >= len(head):  # split up to past i; the last piece is the unsplit rest
+                cut = max(2 * i + 2, 16)
+                if cut >= self.n - 1:
+                    return self.tolist()[i]
+                head = self._head = self.blob.split(SEP, cut)[:-1]
+            return head[i]
+        return self.tolist()[i]
 
     def __iter__(self):
         return iter(self.tolist())
@@ -104,9 +116,8 @@ def reduce_candidates(c):
 
 def candidates(buf: bytearray, blob: str, n: int, has_fused: bool):
     """The ``Candidates`` of :func:`reduce_candidates`'s compact form (views of ``buf``)."""
-    return Candidates(np.frombuffer(buf, np.int64, n, 0), PackedStrs(blob, n), np.frombuffer(buf, np.float64, n, 8 * n),
-                      np.frombuffer(buf, np.float64, n, 16 * n),
-                      np.frombuffer(buf, np.float64, n, 24 * n) if has_fused else None)
+    a = np.frombuffer(buf, np.float64).reshape(4 if has_fused else 3, n)  # (views: one buffer export)
+    return Candidates(a[0].view(np.int64), PackedStrs(blob, n), a[1], a[2], a[3] if has_fused else None)
 
 
 def reduce_fetch(f):
