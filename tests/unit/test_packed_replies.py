@@ -60,19 +60,32 @@ def test_empty_and_nul_holding_ids_and_other_dtypes_fall_back_to_the_plain_form(
     assert _rt(listed).slots == [1, 2]
 
 
-def test_fetch_replies_pack_their_strings_and_fall_back_on_a_nul():
+def test_fetch_replies_pack_their_strings_and_fall_back_on_a_surrogate():
     f = FetchReply([True, False, True], ["d1", "", "d3"], ["T", "", "Tïtle"], ["x" * 900, "", "line\nnext"],
                    ['{"a": 1}', "", "{}"], [4, 5, 6])
     assert f.__reduce__()[0] is packed.fetch_reply
     back = _rt(f)
     assert back.found == f.found and back.slots == f.slots
     for name in ("doc_ids", "titles", "texts", "metadata"):
-        assert isinstance(getattr(back, name), packed.PackedStrs) and list(getattr(back, name)) == getattr(f, name)
-    assert back.texts[2] == "line\nnext" and back.texts[0] == "x" * 900
+        col = getattr(back, name)
+        assert isinstance(col, packed.FieldColumn) and list(col) == getattr(f, name) and col == getattr(f, name)
+        assert [col[i] for i in (2, 0, -1, 1)] == [getattr(f, name)[i] for i in (2, 0, -1, 1)]
+        assert col[1:] == getattr(f, name)[1:] and len(col) == 3
+        with pytest.raises(IndexError):
+            col[3]
+    assert back.texts[2] == "line\nnext" and back.texts[0] == "x" * 900 and back.titles[2] == "Tïtle"
+    again = _rt(back)
+    assert again.texts == f.texts and again.metadata == f.metadata and again.found == f.found
     empty = _rt(FetchReply([], [], [], [], []))
     assert len(empty.texts) == 0 and list(empty.doc_ids) == []
-    nul = FetchReply([True], ["d"], ["t"], ["a\x00b"], ["{}"])
-    assert nul.__reduce__()[0] is FetchReply and _rt(nul).texts == ["a\x00b"]
+    blank = _rt(FetchReply([False, False], ["", ""], ["", ""], ["", ""], ["", ""], [1, 2]))
+    assert list(blank.texts) == ["", ""] and list(blank.metadata) == ["", ""]
+    nul = FetchReply([True], ["d\x00"], ["t"], ["a\x00b"], ["{}"])  # (lengths, no separator: NULs are fine)
+    assert nul.__reduce__()[0] is packed.fetch_reply and _rt(nul).texts == ["a\x00b"] and _rt(nul).doc_ids == ["d\x00"]
+    lone = FetchReply([True], ["d"], ["t"], ["a\ud800b"], ["{}"])  # not UTF-8 encodable: as before
+    assert lone.__reduce__()[0] is FetchReply and _rt(lone).texts == ["a\ud800b"]
+    short = FetchReply([True, True], ["d", "e"], ["t"], ["x", "y"], ["{}", "{}"])  # a column too short
+    assert short.__reduce__()[0] is FetchReply and _rt(short).titles == ["t"]
 
 
 def test_fused_scores_and_top_k_equal_numpy_bit_for_bit():

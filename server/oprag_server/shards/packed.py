@@ -5,16 +5,18 @@ most of the frontend's reply unpickling.
 
 ``Candidates`` pickles as its numeric columns in one ``bytearray`` (slots int64, dense,
 lexical and fused float64, back to back) and its chunk ids as one string joined by NUL;
-``FetchReply`` as its string columns joined likewise. The other side gets numpy views of the
-buffer (writable, no copy) and :class:`PackedStrs` for the strings: a read-only sequence that
-splits the joined string the first time an element is read (the frontend reads the ids of a
-top-k and of score ties only). A string list with a NUL in one of its strings, or arrays of
-another dtype or shape, pickle as before (the same values come back either way).
-Imports numpy only.
+``FetchReply`` as its four string columns in one UTF-8 ``bytes`` with their lengths. The other side
+gets numpy views of the buffer (writable, no copy), :class:`PackedStrs` for the ids (a
+read-only sequence that splits the joined string as far as an element read needs: the frontend
+reads the ids of a top-k and of score ties only) and :class:`FieldColumn` for the fields (a
+string decoded when read: most texts a reply carries are not hits). Ids with a NUL in one of
+them, fields with a lone surrogate, or arrays of another dtype or shape, pickle as before (the
+same values come back either way). Imports numpy only.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -121,17 +123,77 @@ def candidates(buf: bytearray, blob: str, n: int, has_fused: bool):
 
 
 def reduce_fetch(f):
-    """``FetchReply.__reduce__``: its four string columns joined (when none holds a NUL)."""
-    cols = [pack_strs(x) for x in (f.doc_ids, f.titles, f.texts, f.metadata)]
+    """``FetchReply.__reduce__``: its four string columns as one UTF-8 blob and the byte length
+    of each string (when every column has one string per slot)."""
     n = len(f.found)
-    if any(c is None or c[1] != n for c in cols):
+    cols = (f.doc_ids, f.titles, f.texts, f.metadata)
+    try:
+        enc = [x.encode() for x in itertools.chain(*cols)] if all(len(c) == n for c in cols) else None
+    except (AttributeError, UnicodeEncodeError):  # not str, or a lone surrogate: as before
+        enc = None
+    if enc is None:
         return type(f), (f.found, f.doc_ids, f.titles, f.texts, f.metadata, f.slots)
-    return fetch_reply, (f.found, n, *(c[0] for c in cols), f.slots)
+    return fetch_reply, (f.found, n, b"".join(enc), list(map(len, enc)), f.slots)
 
 
-def fetch_reply(found, n: int, doc_ids: str, titles: str, texts: str, metadata: str, slots):
-    return FetchReply(found, PackedStrs(doc_ids, n), PackedStrs(titles, n), PackedStrs(texts, n),
-                      PackedStrs(metadata, n), slots)
+class _Utf8Rows:
+    """``4 n`` UTF-8 strings back to back (a FetchReply's columns) and their byte lengths."""
+
+    __slots__ = ("blob", "n", "lens", "_at")
+
+    def __init__(self, blob: bytes, n: int, lens: list[int]) -> None:
+        self.blob, self.n, self.lens, self._at = blob, n, lens, None
+
+    def get(self, k: int) -> str:
+        """String ``k`` (column-major: column c, row i is ``c n + i``), decoded."""
+        at = self._at
+        if at is None:
+            at = self._at = list(itertools.accumulate(self.lens, initial=0))
+        return self.blob[at[k]:at[k + 1]].decode()
+
+
+class FieldColumn(Sequence):
+    """Column ``c`` of a :class:`_Utf8Rows`, read like a list of str: a string is decoded when
+    read (a reply's merge reads a top-k's few of the ~20 texts carried)."""
+
+    __slots__ = ("rows", "c")
+
+    def __init__(self, rows: _Utf8Rows, c: int) -> None:
+        self.rows, self.c = rows, c
+
+    def __len__(self) -> int:
+        return self.rows.n
+
+    def __getitem__(self, i):
+        n = self.rows.n
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(n))]
+        i = int(i)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(i)
+        return self.rows.get(self.c * n + i)
+
+    def tolist(self) -> list[str]:
+        return [self[i] for i in range(self.rows.n)]
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (list, tuple, Sequence)) and not isinstance(other, (str, bytes)):
+            return self.tolist() == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"FieldColumn({self.tolist()!r})"
+
+
+def fetch_reply(found, n: int, blob: bytes, lens: list[int], slots):
+    """The ``FetchReply`` of :func:`reduce_fetch`'s compact form."""
+    rows = _Utf8Rows(blob, n, lens)
+    return FetchReply(found, FieldColumn(rows, 0), FieldColumn(rows, 1), FieldColumn(rows, 2), FieldColumn(rows, 3),
+                      slots)
 
 
 # (protocol imports this module after defining its types: they exist by now)
