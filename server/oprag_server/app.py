@@ -34,7 +34,7 @@ from .service.interceptors import StatusInterceptor
 from .service.metrics import Metrics
 from .service.servicer import OpRAGServicer
 from .shards.pool import ShardPool
-from .startup import acquire_storage, check_data_dir, check_storage, check_security, preflight
+from .startup import acquire_storage, announce_ready, check_data_dir, check_storage, check_security, preflight
 from .supervision import INGEST_HEALTH, QUERY_HEALTH, SERVING, EngineHealth, ShardSupervisor, keep_lease, restart_shard
 from .shards.protocol import ApplyReply, Op, SnapshotRequest, StatsRequest
 
@@ -383,7 +383,7 @@ async def serve(cfg: ServerConfig, *, encoder: Any = None, generator: Any = None
         engine_watch = asyncio.create_task(EngineHealth(generator, health_servicer).run(stop))
     log.info("serving on %s:%d (metrics :%d, HTTP :%s) with %d shards, %d chunks, ready in %.1f s",
              cfg.host, bound, cfg.metrics_port, cfg.http_port or "off", cfg.shards, rt.corpus_stats.n_docs, time.perf_counter() - t0)
-    print(f"OPRAG READY {cfg.host}:{bound}", flush=True)
+    announce_ready(cfg.host, bound)
     await stop.wait()
     log.info("shutting down (grace %.0f s)", cfg.shutdown_grace_s)
     watcher.cancel()

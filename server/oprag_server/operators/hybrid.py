@@ -42,12 +42,15 @@ the union by dense score, and among its listed BM25 scores.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..config import RetrievalConfig
 from ..domain import RetrievalInfo, RetrieveSpec
+from ..index import kernels_merge
 from ..index.fusion import fuse_minmax, lexical_listed, top_k_order
 from ..shards.protocol import Candidates, QueryBatch, SearchReply, SearchRequest
 
@@ -70,7 +73,7 @@ class _Cols:
 
     shard: np.ndarray
     slot: np.ndarray
-    ids: np.ndarray  # object[M] of str
+    ids: np.ndarray  # object[M] of str (merge_union: a _UnionIds, read like one)
     dense: np.ndarray
     lexical: np.ndarray
 
@@ -82,7 +85,7 @@ class _Cols:
         return cls(
             np.concatenate([np.full(len(p.slots), s, dtype=np.int64) for s, p in parts]),
             np.concatenate([np.asarray(p.slots, dtype=np.int64) for _, p in parts]),
-            np.concatenate([np.asarray(p.chunk_ids, dtype=object) for _, p in parts]),
+            np.concatenate([_objects(p.chunk_ids) for _, p in parts]),
             np.concatenate([np.asarray(p.dense, dtype=np.float64) for _, p in parts]),
             np.concatenate([np.asarray(p.lexical, dtype=np.float64) for _, p in parts]),
         )
@@ -95,6 +98,42 @@ class _Cols:
     def cand(self, i: int, score: float, dense_rank: int, lexical_rank: int) -> _Cand:
         return _Cand(int(self.shard[i]), int(self.slot[i]), self.ids[i], float(self.dense[i]), float(self.lexical[i]),
                      score, dense_rank, lexical_rank)
+
+
+def _objects(ids) -> np.ndarray:
+    """object[M] array of a sequence of chunk ids (a list, or the packed ids of a reply)."""
+    return np.asarray(ids if isinstance(ids, list) else list(ids), dtype=object) if len(ids) else np.zeros(0, object)
+
+
+class _UnionIds:
+    """The chunk ids of a union of lists without building them: segment j holds rows
+    ``[starts[j], starts[j + 1])``, row r of it the id ``ids[r]`` or ``ids[rows[r]]`` of its
+    ``(ids, rows)`` (rows None: all of ``ids``). The merge reads the ids of its top-k and of
+    tied scores only; an array index (the NaN fallback) builds the object array."""
+
+    __slots__ = ("segs", "starts", "_all")
+
+    def __init__(self, segs: list[tuple]) -> None:
+        self.segs = segs
+        self.starts = list(itertools.accumulate((len(i) if r is None else len(r) for i, r in segs), initial=0))
+        self._all = None
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def __getitem__(self, i):
+        if isinstance(i, (int, np.integer)):
+            i = int(i) if i >= 0 else int(i) + self.starts[-1]
+            if not 0 <= i < self.starts[-1]:
+                raise IndexError(i)
+            j = bisect.bisect_right(self.starts, i) - 1
+            ids, rows = self.segs[j]
+            r = i - self.starts[j]
+            return ids[r if rows is None else int(rows[r])]
+        if self._all is None:
+            self._all = np.concatenate([_objects(ids) if rows is None else _objects(ids)[rows]
+                                        for ids, rows in self.segs]) if self.segs else np.zeros(0, object)
+        return self._all[i]
 
 
 def _rank_lists(c: _Cols, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -153,9 +192,7 @@ def merge_union(replies: dict[int, SearchReply], j: int, spec: RetrieveSpec) -> 
         n_s = ds.size + extra.size
         shard.append(np.full(n_s, s, dtype=np.int64))
         slot += (ds, ls[extra])
-        did = np.asarray(d.chunk_ids, dtype=object) if len(d.chunk_ids) else np.zeros(0, object)
-        lid = np.asarray(lx.chunk_ids, dtype=object) if len(lx.chunk_ids) else np.zeros(0, object)
-        ids += (did, lid[extra])
+        ids += ((d.chunk_ids, None), (lx.chunk_ids, extra))
         dd, ld = np.asarray(d.dense, dtype=np.float64), np.asarray(lx.dense, dtype=np.float64)
         dl, ll = np.asarray(d.lexical, dtype=np.float64), np.asarray(lx.lexical, dtype=np.float64)
         dense += (dd, ld[extra])
@@ -171,7 +208,7 @@ def merge_union(replies: dict[int, SearchReply], j: int, spec: RetrieveSpec) -> 
             continue
         lb = 0.0 if ls.size >= listed else max(float(ll.min()), 0.0)
         bounds.append((float(dd.min()), lb))
-    u = _Cols(np.concatenate(shard), np.concatenate(slot), np.concatenate(ids), np.concatenate(dense),
+    u = _Cols(np.concatenate(shard), np.concatenate(slot), _UnionIds(ids), np.concatenate(dense),
               np.concatenate(lexical)) if shard else _Cols.of([])
     if not len(u.ids):
         return [], not bounds, "" if not bounds else "both"
@@ -179,8 +216,11 @@ def merge_union(replies: dict[int, SearchReply], j: int, spec: RetrieveSpec) -> 
     lr = (min(float(u.lexical.min()), 0.0 if unlisted else np.inf), max(float(u.lexical.max()), 0.0 if unlisted else -np.inf))
     w = {"dense_range": dr, "lexical_range": lr, "dense_weight": spec.dense_weight,
          "lexical_weight": spec.lexical_weight}
-    scores = fuse_minmax(u.dense, u.lexical, **w)
-    top = top_k_order(scores, u.ids, spec.top_k)
+    # compiled: scores, top-k and (below) ranks; the numpy path with ids where ties or NaNs need it
+    scores, top, strict = kernels_merge.fuse_top(u.dense, u.lexical, float(dr[0]), float(dr[1]), float(lr[0]),
+                                                 float(lr[1]), float(spec.dense_weight), float(spec.lexical_weight),
+                                                 int(spec.top_k))
+    top = top.tolist() if strict else top_k_order(scores, u.ids, spec.top_k)
     certified, sides = True, ""
     if bounds:
         b = np.asarray(bounds, dtype=np.float64)
@@ -189,11 +229,16 @@ def merge_union(replies: dict[int, SearchReply], j: int, spec: RetrieveSpec) -> 
         certified = finite and len(top) >= spec.top_k and float(scores[top[-1]]) > ub
         if not certified:
             sides = _sides(b, float(scores[top[-1]]) if finite and len(top) >= spec.top_k else None, w)
-    if np.isnan(u.dense).any() or np.isnan(u.lexical).any():  # no total order: as before, by sorting
+    rows = np.asarray(top, dtype=np.int64)
+    drank, ok_d = kernels_merge.hit_ranks(u.dense, rows, int(spec.candidates), False)
+    lrank, ok_l = kernels_merge.hit_ranks(u.lexical, rows, int(spec.candidates), True)
+    if ok_d and ok_l:
+        pass
+    elif np.isnan(u.dense).any() or np.isnan(u.lexical).any():  # no total order: as before, by sorting
         d_order, l_order = _rank_lists(u, spec.candidates)
         drank, lrank = _ranks(len(u.ids), d_order), _ranks(len(u.ids), l_order)
         drank, lrank = drank[top], lrank[top]
-    else:
+    else:  # ties inside the rank window: by id
         drank = _hit_ranks(u.dense, u.ids, top, spec.candidates, False)
         lrank = _hit_ranks(u.lexical, u.ids, top, spec.candidates, True)
     return [u.cand(i, float(scores[i]), int(dr_), int(lr_)) for i, dr_, lr_ in zip(top, drank.tolist(),

@@ -31,6 +31,7 @@ import numpy as np
 
 from ..config import BM25Config, RetrievalConfig
 from ..domain import FUSED_MODES, MODES, Hit, RetrievalInfo, RetrieveSpec  # noqa: F401 (re-exported)
+from ..index import kernels_merge
 from ..index.analyzer import Analyzer
 from ..index.bm25 import CorpusStats
 from ..index.fusion import fuse_minmax, lexical_listed, minmax_params, top_k_order
@@ -120,6 +121,7 @@ class Retriever:
         self.dense_index = pool.dense.kind if getattr(pool, "dense", None) else "flat"
         #: called with (widened, uncertified) query counts of each dense-first batch (metrics)
         self.on_widen = None
+        kernels_merge.warm()  # the compiled merge core (numba's cache), before the first query
 
     @staticmethod
     def info(spec: RetrieveSpec, searched: int = 0) -> RetrievalInfo:

@@ -157,6 +157,13 @@ class ShardPool:
                 outs = [await futs[0]]
             except ShardError as exc:
                 outs = [exc]
+        elif all(isinstance(f, asyncio.Future) for f in futs):  # all sent already: await in turn (no gather)
+            outs = []
+            for f in futs:
+                try:
+                    outs.append(await f)
+                except Exception as exc:  # noqa: BLE001 - as gather(return_exceptions=True): sorted below
+                    outs.append(exc)
         else:  # gather starts a call that is a coroutine (a replica set's read) before awaiting any
             outs = await asyncio.gather(*futs, return_exceptions=True)
         got, missing = {}, []

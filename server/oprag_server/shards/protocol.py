@@ -5,8 +5,8 @@ frontend: ``operators/retrieve.py``, ``operators/memory.py``, ``engine/ingest.py
 
 A transport carries ``(request_id, Op, request)`` to a shard and ``(request_id, ok, reply or
 error text)`` back (see :mod:`oprag_server.shards.transport`). Every type is a ``slots``
-dataclass and pickles as its fields; arrays travel as numpy arrays (never one Python object per
-candidate). Scores are float64, slots int64, vectors float32. Imports numpy only.
+dataclass and pickles as its fields, except ``Candidates`` and ``FetchReply``: one buffer and
+joined strings (:mod:`.packed`). Scores are float64, slots int64, vectors float32. Imports numpy only.
 """
 
 from __future__ import annotations
@@ -64,12 +64,9 @@ class QueryBatch:
 
 @message
 class Candidates:
-    """One query's candidates on one shard, as parallel arrays of length M.
-
-    :param slots: int64[M] shard-local slots; :param chunk_ids: M chunk ids.
-    :param dense: float64[M] inner products; :param lexical: float64[M] BM25 scores.
-    :param fused: float64[M] fused scores (exact min-max round 2 only), else None.
-    """
+    """One query's candidates on one shard, as parallel arrays of length M: ``slots`` int64 (shard-local),
+    ``chunk_ids`` (a list, or a :class:`.packed.PackedStrs` once pickled), ``dense`` float64 inner products,
+    ``lexical`` float64 BM25 scores, ``fused`` float64 fused scores (exact min-max round 2 only) or None."""
 
     slots: np.ndarray
     chunk_ids: list[str]
@@ -397,3 +394,6 @@ TYPES: dict[Op, tuple[type, type]] = {
 
 class UnknownOp(ValueError):
     """A request named an op this shard does not serve (or carried the wrong request type)."""
+
+
+from . import packed  # noqa: E402,F401 - installs the compact pickled form of Candidates and FetchReply
