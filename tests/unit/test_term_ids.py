@@ -194,3 +194,29 @@ def test_postings_add_ids_checks_slots():
     with pytest.raises(ValueError):
         p.add_ids([1, 2], gids, lens, tt)
     assert len(p) == 2 and p.df("a") == 1 and p.df("c") == 1
+
+
+def test_drained_statistics_add_up_to_the_index():
+    """drain_delta after adds only (built in one step, no filtering) and after removes and re-adds
+    (zero net counts dropped): never a zero count, and the drains add up to full_stats."""
+    rng = random.Random(5)
+    tt, p = TermTable(), PostingsIndex()
+    total, live, slot = {}, [], 0
+    n = length = 0
+    for step in range(12):
+        titles, texts = _rows(rng, 40, 0.1)
+        gids, lens = tt.rows(pa.table({"title": pa.array(titles, pa.string()), "text": pa.array(texts, pa.string())}))
+        if step % 3 == 2:
+            for s in rng.sample(live, 15):
+                p.remove(s)
+                live.remove(s)
+        p.add_ids(list(range(slot, slot + 40)), gids, lens, tt)
+        live += range(slot, slot + 40)
+        slot += 40
+        dn, dl, df = p.drain_delta()
+        assert 0 not in df.values()
+        n, length = n + dn, length + dl
+        for t, d in df.items():
+            total[t] = total.get(t, 0) + d
+        assert p.drain_delta() == (0, 0, {})
+    assert (n, length, {t: v for t, v in total.items() if v}) == p.full_stats()

@@ -202,6 +202,7 @@ class TermTable:
         self._off = np.zeros((1 << 14) + 1, np.int64)  # gid -> offset of its bytes in _pool
         self._pool = np.zeros(1 << 20, np.uint8)
         self._low = np.zeros(64, np.uint8)
+        self._strs: list[str | None] = []  # gid -> its term as a str, once asked for
 
     def __len__(self) -> int:
         return self.n
@@ -230,8 +231,14 @@ class TermTable:
             self._low = np.zeros(max(longest, 2 * self._low.size), np.uint8)
 
     def term(self, gid: int) -> str:
-        """The term of ``gid`` (UTF-8)."""
-        return self._pool[self._off[gid]: self._off[gid + 1]].tobytes().decode("utf-8")
+        """The term of ``gid`` (UTF-8; decoded once, then kept: a delta asks again after each merge)."""
+        strs = self._strs
+        if gid >= len(strs):
+            strs.extend([None] * (self.n - len(strs)))
+        t = strs[gid]
+        if t is None:
+            t = strs[gid] = self._pool[self._off[gid]: self._off[gid + 1]].tobytes().decode("utf-8")
+        return t
 
     def ids_of(self, tokens: list[str]) -> np.ndarray:
         """gids of analysed tokens (int64[len(tokens)]; no token holds a space), new terms added."""

@@ -73,6 +73,7 @@ class PostingsIndex(MergeMixin):
         self._d_n = 0
         self._d_len = 0
         self._d_df: dict[str, int] = {}
+        self._d_removed = False  # a remove() since the last drain_delta() (zero counts possible)
         self.merges = 0
         self.last_merge_s = 0.0  # build time of the last merge (background or not)
         self.last_swap_s = 0.0  # time the caller's thread spent installing it
@@ -144,9 +145,10 @@ class PostingsIndex(MergeMixin):
 
     def _added(self, slots: list[int], lens: np.ndarray, uc: tuple[np.ndarray, np.ndarray]) -> None:
         d_df, terms = self._d_df, self._delta.terms
-        for i, n in zip(uc[0].tolist(), uc[1].tolist()):
-            t = terms[i]
-            d_df[t] = d_df.get(t, 0) + n
+        if not d_df:  # (the usual case: one batch per commit, drained after it) one C-level build
+            self._d_df = dict(zip(map(terms.__getitem__, uc[0].tolist()), uc[1].tolist()))
+        for i, n in zip(uc[0].tolist(), uc[1].tolist()) if d_df else ():
+            d_df[terms[i]] = d_df.get(terms[i], 0) + n
         s = np.asarray(slots, np.int64)
         self._doc_len[s] = lens
         self._live[s] = True
@@ -158,12 +160,8 @@ class PostingsIndex(MergeMixin):
         self._d_len += n_tok
 
     def remove(self, slot: int) -> None:
-        """Remove chunk ``slot``.
-
-        Raises:
-            KeyError: ``slot`` is not live (never added or already removed); check
-                :meth:`has_slot` first for a no-op instead.
-        """
+        """Remove chunk ``slot``. :raises KeyError: ``slot`` is not live (never added or already removed;
+        check :meth:`has_slot` first for a no-op instead)."""
         slot = _as_slot(slot)
         if not self.has_slot(slot):
             raise KeyError(slot)
@@ -179,6 +177,7 @@ class PostingsIndex(MergeMixin):
             tids = layer.remove(slot)
             terms = layer.terms
         d_df = self._d_df
+        self._d_removed = True
         for i in tids.tolist():
             t = terms[i]
             d_df[t] = d_df.get(t, 0) - 1
@@ -222,7 +221,9 @@ class PostingsIndex(MergeMixin):
     def drain_delta(self) -> tuple[int, int, dict[str, int]]:
         """Changes since the previous call: ``(n_delta, total_len_delta, df_delta)`` (``df_delta`` omits terms
         whose net change is 0; for :meth:`CorpusStats.apply_delta`). Resets the pending delta."""
-        out = (self._d_n, self._d_len, {t: d for t, d in self._d_df.items() if d})
+        # only additions since the last call: every count is positive already
+        out = (self._d_n, self._d_len, {t: d for t, d in self._d_df.items() if d} if self._d_removed else self._d_df)
+        self._d_removed = False
         self._d_n = 0
         self._d_len = 0
         self._d_df = {}
