@@ -20,6 +20,8 @@ import pyarrow as pa
 from .. import metadata as md
 from .. import records
 from ..index.analyzer import Analyzer
+from ..index import term_ids
+from ..index.term_ids import TermTable, take_rows
 from ..index.bm25 import PostingsIndex
 from ..config import DenseConfig
 from ..index.dense import DenseIndex
@@ -49,6 +51,8 @@ class ChunkStore:
     def __init__(self, dim: int, stem: bool = False, dense: DenseConfig | None = None) -> None:
         self.dim = dim
         self.analyzer = Analyzer(stem=stem)
+        self.terms = TermTable(stem=stem)  # BM25 tokens as shard-wide term ids (..index.term_ids)
+        term_ids.warm()
         self.dense = DenseIndex(dim, dense)
         self.postings = PostingsIndex()
         self.fields = StoredFields()
@@ -65,15 +69,13 @@ class ChunkStore:
         self._key_bytes = 0  # sys.getsizeof of the id, document id and hash strings held
 
     # ------------------------------------------------------------------ writes
-    def analyse(self, table: pa.Table, out: dict[tuple[str, str], list[str]]) -> None:
-        """BM25 tokens of each chunk of ``table`` into ``out``, keyed by ``(title, text)``."""
-        for title, text in zip(table.column("title").to_pylist(), table.column("text").to_pylist()):
-            title = title or ""
-            if (title, text) not in out:
-                out[(title, text)] = self.analyzer.tokens(f"{title}\n{text}" if title else text)
+    def analyse(self, table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+        """BM25 tokens of every row of ``table`` as term ids: ``(gids int64, lens int64 [rows])``
+        (:meth:`..index.term_ids.TermTable.rows`: the analyser's tokens of ``title\ntext``)."""
+        return self.terms.rows(table)
 
     def upsert(self, table: pa.Table, seq: int, index_ann: bool = True,
-               tokens: dict[tuple[str, str], list[str]] | None = None, index_lexical: bool = True,
+               tokens: tuple[np.ndarray, np.ndarray] | None = None, index_lexical: bool = True,
                copy_fields: bool = True) -> ApplyReply:
         """Apply a bulk batch of chunks (schema :func:`records.chunk_schema`); ``index_ann=False``
         leaves the approximate dense structure to the caller (snapshot load), and so does
@@ -81,16 +83,17 @@ class ChunkStore:
         ``copy_fields=False`` keeps the table's own buffers for the stored fields (a snapshot's
         memory-mapped file; a message's buffers would keep its vectors alive too: copied).
 
+        ``tokens``: :meth:`analyse` of ``table`` when the caller has it (analysed at staging).
         A document whose stored generation differs from the batch's generation is replaced:
         its old chunks leave the dense index and the postings first. When the batch holds
         several versions of one document (the same id sent twice), the last version wins and
         the earlier ones are never indexed.
         """
-        # Python objects only for what the maps need; title and text only to analyse them
-        need = ["chunk_id", "doc_id", "generation", "content_hash", "metadata"]
+        # Python objects only for what the maps need (titles and texts are analysed from Arrow)
+        cols = {name: table.column(name).to_pylist() for name in ("chunk_id", "doc_id", "generation", "content_hash",
+                                                                   "metadata")}
         if index_lexical:
-            need += ["title", "text"]
-        cols = {name: table.column(name).to_pylist() for name in need}
+            tokens = tokens if tokens is not None else self.analyse(table)
         # a snapshot written with HNSW keeps its vectors in the structure only (DenseIndex.load_ann)
         vecs = records.vectors_of(table) if "vector" in table.column_names else None
         last_gen: dict[str, int] = {}
@@ -100,16 +103,17 @@ class ChunkStore:
         if len(keep_rows) != len(cols["doc_id"]):
             cols = {k: [v[i] for i in keep_rows] for k, v in cols.items()}
             vecs = vecs[keep_rows] if vecs is not None else None
+            tokens = take_rows(*tokens, keep_rows) if index_lexical else None
         removed = replaced = 0
         if self.doc_slots.keys().isdisjoint(cols["doc_id"]):  # every document new here (a load)
-            new_slots, new_tokens = self._add_new(cols, tokens, index_lexical)
+            new_slots = self._add_new(cols)
         else:
-            new_slots, new_tokens, removed, replaced = self._add_rows(cols, tokens, index_lexical)
+            new_slots, removed, replaced = self._add_rows(cols)
         self.fields.add(table, new_slots, keep_rows, copy=copy_fields)
         if removed:
             self.fields.maybe_compact()
         if index_lexical:
-            self.postings.add_batch(new_slots, new_tokens)
+            self.postings.add_ids(new_slots, tokens[0], tokens[1], self.terms)
         if new_slots:
             if self.next_slot > self._slot_ids.size:
                 grown = np.empty(max(self.next_slot, 2 * self._slot_ids.size, 1024), dtype=object)
@@ -142,7 +146,7 @@ class ChunkStore:
             self.postings.maybe_merge(background=True)
         return ApplyReply(deleted_docs=docs, removed=chunks, delta=self.postings.drain_delta())
 
-    def _add_new(self, cols: dict, tokens, index_lexical: bool) -> tuple[list[int], list[list[str]]]:
+    def _add_new(self, cols: dict) -> list[int]:
         """The maps of rows whose documents are all new here, in bulk (C-level dict updates:
         a snapshot load's 500K rows take ~1 s, not ~10 s row by row)."""
         docs, n = cols["doc_id"], len(cols["doc_id"])
@@ -165,19 +169,12 @@ class ChunkStore:
                 self._index_metadata(new_slots[i], meta)
         self._key_bytes += sum(map(sys.getsizeof, cols["chunk_id"])) + sum(map(sys.getsizeof, docs)) + sum(
             map(sys.getsizeof, hashes))
-        new_tokens = []
-        if index_lexical:
-            for title, text in zip(cols["title"], cols["text"]):
-                title = title or ""
-                toks = tokens.get((title, text)) if tokens else None
-                new_tokens.append(toks if toks is not None else self._tokens(title, text))
-        return new_slots, new_tokens
+        return new_slots
 
-    def _add_rows(self, cols: dict, tokens, index_lexical: bool) -> tuple[list[int], list[list[str]], int, int]:
+    def _add_rows(self, cols: dict) -> tuple[list[int], int, int]:
         """The maps of rows one by one (documents replaced or extended)."""
         removed = replaced = 0
         new_slots: list[int] = []
-        new_tokens: list[list[str]] = []
         seen: set[str] = set()  # documents of this batch (one generation each, kept above)
         for i, doc_id in enumerate(cols["doc_id"]):
             gen = int(cols["generation"][i])
@@ -200,12 +197,8 @@ class ChunkStore:
                 self._index_metadata(slot, meta)
             self._hash_add(h, slot)
             self._key_bytes += sum(map(sys.getsizeof, (cols["chunk_id"][i], doc_id, h)))
-            if index_lexical:
-                title, text = cols["title"][i] or "", cols["text"][i]
-                toks = tokens.get((title, text)) if tokens else None
-                new_tokens.append(toks if toks is not None else self._tokens(title, text))
             new_slots.append(slot)
-        return new_slots, new_tokens, removed, replaced
+        return new_slots, removed, replaced
 
     def doc_generation(self, doc_id: str) -> int | None:
         """The stored generation of a document (None when it is not stored)."""
@@ -240,10 +233,6 @@ class ChunkStore:
             self._row_ids_cache = None
         return len(slots)
 
-    def _tokens(self, title: str, text: str) -> list[str]:
-        # The title is part of what BM25 sees for every chunk of the document.
-        return self.analyzer.tokens(f"{title}\n{text}" if title else text)
-
     def _index_metadata(self, slot: int, metadata: str) -> None:
         for k, v in md.loads(metadata).items():
             self.meta_index.setdefault(k, {}).setdefault(md.match_key(v), set()).add(slot)
@@ -259,7 +248,8 @@ class ChunkStore:
                 del self.meta_index[k]
 
     def nbytes(self) -> dict[str, int]:
-        """Bytes held by component: ``postings`` and ``terms`` (BM25, :meth:`PostingsIndex.nbytes`),
+        """Bytes held by component: ``postings`` and ``terms`` (BM25, :meth:`PostingsIndex.nbytes`, and the
+        term-id table of :mod:`..index.term_ids`),
         ``vectors`` and ``ann`` (:meth:`DenseIndex.nbytes`), and ``chunks``: the stored fields'
         Arrow buffers and per-slot arrays (:meth:`.fields.StoredFields.nbytes`; a memory-mapped
         snapshot file counts in full, though only the pages read are resident), plus
@@ -267,7 +257,9 @@ class ChunkStore:
         8 bytes per chunk of the slot-to-id array and ~120 of map entries (per live chunk)."""
         n = len(self.fields)
         maps = self._key_bytes + (8 + _MAP_ENTRY_BYTES) * n
-        return {**self.postings.nbytes(), **self.dense.nbytes(), "chunks": int(self.fields.nbytes() + maps)}
+        out = {**self.postings.nbytes(), **self.dense.nbytes(), "chunks": int(self.fields.nbytes() + maps)}
+        out["terms"] += self.terms.nbytes()  # the staging's term-id table (..index.term_ids)
+        return out
 
     # ------------------------------------------------------------------ lookups
     def allowed(self, filters) -> np.ndarray | None:

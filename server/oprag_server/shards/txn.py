@@ -9,6 +9,7 @@ which prepared transactions count (see :mod:`oprag_server.engine.commit`).
 
 from __future__ import annotations
 
+import numpy as np
 import pyarrow as pa
 
 from .. import records
@@ -25,8 +26,8 @@ class Transactions:
     def __init__(self, store: ChunkStore) -> None:
         self.store = store
         self.staged: dict[str, list[pa.Table]] = {}
-        # BM25 tokens of staged chunks, analysed while the stream still runs (not at commit)
-        self.tokens: dict[str, dict[tuple[str, str], list[str]]] = {}
+        # BM25 term ids of staged batches (ChunkStore.analyse), analysed while the stream still runs
+        self.tokens: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
         self.prepared: dict[str, dict] = {}
         self.wal: WriteAheadLog | None = None
 
@@ -35,7 +36,7 @@ class Transactions:
         tables = self.staged.setdefault(req.txn, [])
         table = records.from_ipc(req.ipc)
         tables.append(table)
-        self.store.analyse(table, self.tokens.setdefault(req.txn, {}))
+        self.tokens.setdefault(req.txn, []).append(self.store.analyse(table))
         return StageReply(staged=sum(t.num_rows for t in tables))
 
     def abort(self, req: AbortRequest) -> AbortReply:
@@ -68,10 +69,13 @@ class Transactions:
 
         :raises KeyError: ``txn`` was not prepared here.
         """
-        return self.apply_record(self.prepared.pop(req.txn), self.tokens.pop(req.txn, None))
+        parts = self.tokens.pop(req.txn, None)
+        tokens = (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])) if parts else None
+        return self.apply_record(self.prepared.pop(req.txn), tokens)
 
-    def apply_record(self, rec: dict, tokens: dict | None = None) -> ApplyReply:
-        """Apply one log record to the store (``tokens``: analysed at staging, see
+    def apply_record(self, rec: dict, tokens: tuple[np.ndarray, np.ndarray] | None = None) -> ApplyReply:
+        """Apply one log record to the store (``tokens``: its rows' term ids analysed at staging,
+        in the order of the staged batches, which ``prepare`` concatenated in that order; see
         :meth:`ChunkStore.analyse`)."""
         if rec["kind"] == "upsert":
             if rec["ipc"]:

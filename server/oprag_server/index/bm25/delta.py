@@ -34,7 +34,8 @@ class Delta:
     owner keeps removing chunks (``docs``, ``df_arr``, ``n`` change; ``runs`` do not).
     """
 
-    __slots__ = ("vocab", "terms", "runs", "docs", "df_arr", "n", "dead", "_cache", "_terms_bytes", "_docs_bytes")
+    __slots__ = ("vocab", "terms", "runs", "docs", "df_arr", "n", "dead", "_cache", "_terms_bytes", "_docs_bytes",
+                 "_g2d")
 
     def __init__(self) -> None:
         self.vocab: dict[str, int] = {}
@@ -47,6 +48,7 @@ class Delta:
         self._cache: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._terms_bytes = (0, 0)  # (terms counted, sys.getsizeof of them): terms only grow
         self._docs_bytes = 0  # sum of docs' array bytes + 100 per entry, kept as they change
+        self._g2d = np.zeros(0, np.int64)  # shard-wide term id (..term_ids.TermTable) -> delta tid, -1 unknown
 
     def add_batch(self, slots: Sequence[int], token_lists: Sequence[Sequence[str]]) -> tuple[np.ndarray, np.ndarray]:
         """Add chunks (the caller checks they are new and their slots < 2**31).
@@ -55,16 +57,42 @@ class Delta:
         :returns: ``(tids int64 [U], df int64 [U])``: the batch's distinct term ids and how
             many of its chunks hold each (for the caller's corpus statistics).
         """
-        if self.dead and not self.dead.isdisjoint(slots):
-            self._purge(self.dead.intersection(slots))
         vocab = self.vocab
         sd = vocab.setdefault
         flat = [sd(t, len(vocab)) for toks in token_lists for t in toks]
         if len(vocab) > len(self.terms):  # the new terms are the dict's last keys: O(new), not O(vocabulary)
             self.terms.extend(list(itertools.islice(reversed(vocab), len(vocab) - len(self.terms)))[::-1])
         lens = np.fromiter(map(len, token_lists), np.int64, count=len(token_lists))
+        return self._add_tids(slots, np.asarray(flat, np.int64), lens)
+
+    def add_ids(self, slots: Sequence[int], gids: np.ndarray, lens: np.ndarray, table) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`add_batch` with the tokens as shard-wide term ids: ``gids`` int64 ``[sum(lens)]``
+        of :class:`..term_ids.TermTable` ``table``, row after row, ``lens`` int64 ``[B]``. The delta
+        term ids are the ones :meth:`add_batch` gives the same tokens (new terms numbered in the
+        order of their first occurrence), so both build the same delta."""
+        g2d = self._g2d
+        if g2d.size < len(table):
+            g2d = self._g2d = np.concatenate([g2d, np.full(max(len(table), 2 * g2d.size) - g2d.size, -1, np.int64)])
+        tids = g2d[gids]
+        miss = tids < 0
+        if miss.any():
+            u, first = np.unique(gids[miss], return_index=True)
+            vocab, terms = self.vocab, self.terms
+            for g in u[np.argsort(first, kind="stable")].tolist():
+                t = table.term(g)
+                tid = vocab.get(t)
+                if tid is None:
+                    tid = vocab[t] = len(terms)
+                    terms.append(t)
+                g2d[g] = tid
+            tids = g2d[gids]
+        return self._add_tids(slots, tids, np.asarray(lens, np.int64))
+
+    def _add_tids(self, slots: Sequence[int], flat: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if self.dead and not self.dead.isdisjoint(slots):
+            self._purge(self.dead.intersection(slots))
         s = np.asarray(slots, np.int64)
-        key = (np.asarray(flat, np.int64) << _SHIFT) | np.repeat(s, lens)
+        key = (flat << _SHIFT) | np.repeat(s, lens)
         ukey, tf = np.unique(key, return_counts=True)  # sorted by (tid, slot)
         self._push(ukey, tf.astype(np.int32))
         utid = ukey >> _SHIFT

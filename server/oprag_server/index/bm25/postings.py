@@ -73,6 +73,7 @@ class PostingsIndex(MergeMixin):
         self._d_n = 0
         self._d_len = 0
         self._d_df: dict[str, int] = {}
+        self._d_removed = False  # a remove() since the last drain_delta() (zero counts possible)
         self.merges = 0
         self.last_merge_s = 0.0  # build time of the last merge (background or not)
         self.last_swap_s = 0.0  # time the caller's thread spent installing it
@@ -114,11 +115,23 @@ class PostingsIndex(MergeMixin):
                 ``len(slots) != len(token_lists)``. Nothing is added then.
             TypeError: a slot is not an int.
         """
+        slots = self._new_slots(slots, len(token_lists))
+        if slots:
+            self._added(slots, np.fromiter(map(len, token_lists), np.int64, count=len(slots)),
+                        self._delta.add_batch(slots, token_lists))
+
+    def add_ids(self, slots: Sequence[int], gids: np.ndarray, lens: np.ndarray, table) -> None:
+        """:meth:`add_batch` of the tokens that shard-wide term ids stand for (``gids`` int64 row after row,
+        ``lens`` int64 per row, of :class:`...term_ids.TermTable` ``table``): the same state; raises as it."""
+        slots = self._new_slots(slots, len(lens))
+        if slots:
+            lens = np.asarray(lens, np.int64)
+            self._added(slots, lens, self._delta.add_ids(slots, gids, lens, table))
+
+    def _new_slots(self, slots: Sequence[int], n: int) -> list[int]:
         slots = [_as_slot(s) for s in slots]
-        if len(slots) != len(token_lists):
+        if len(slots) != n:
             raise ValueError("add_batch: slots and token_lists differ in length")
-        if not slots:
-            return
         for s in slots:
             if s < 0 or s > MAX_SLOT:
                 raise ValueError(f"slot must lie in [0, {MAX_SLOT}], got {s}")
@@ -126,15 +139,17 @@ class PostingsIndex(MergeMixin):
                 raise ValueError(f"slot {s} is already indexed; remove() it first")
         if len(set(slots)) != len(slots):
             raise ValueError("add_batch: a slot appears twice")
-        self._grow(max(slots))
-        delta = self._delta
-        u, c = delta.add_batch(slots, token_lists)
-        d_df, terms = self._d_df, delta.terms
-        for i, n in zip(u.tolist(), c.tolist()):
-            t = terms[i]
-            d_df[t] = d_df.get(t, 0) + n
+        if slots:
+            self._grow(max(slots))
+        return slots
+
+    def _added(self, slots: list[int], lens: np.ndarray, uc: tuple[np.ndarray, np.ndarray]) -> None:
+        d_df, terms = self._d_df, self._delta.terms
+        if not d_df:  # (the usual case: one batch per commit, drained after it) one C-level build
+            self._d_df = dict(zip(map(terms.__getitem__, uc[0].tolist()), uc[1].tolist()))
+        for i, n in zip(uc[0].tolist(), uc[1].tolist()) if d_df else ():
+            d_df[terms[i]] = d_df.get(terms[i], 0) + n
         s = np.asarray(slots, np.int64)
-        lens = np.fromiter(map(len, token_lists), np.int64, count=len(slots))
         self._doc_len[s] = lens
         self._live[s] = True
         self._where[s] = _DELTA
@@ -145,12 +160,8 @@ class PostingsIndex(MergeMixin):
         self._d_len += n_tok
 
     def remove(self, slot: int) -> None:
-        """Remove chunk ``slot``.
-
-        Raises:
-            KeyError: ``slot`` is not live (never added or already removed); check
-                :meth:`has_slot` first for a no-op instead.
-        """
+        """Remove chunk ``slot``. :raises KeyError: ``slot`` is not live (never added or already removed;
+        check :meth:`has_slot` first for a no-op instead)."""
         slot = _as_slot(slot)
         if not self.has_slot(slot):
             raise KeyError(slot)
@@ -166,6 +177,7 @@ class PostingsIndex(MergeMixin):
             tids = layer.remove(slot)
             terms = layer.terms
         d_df = self._d_df
+        self._d_removed = True
         for i in tids.tolist():
             t = terms[i]
             d_df[t] = d_df.get(t, 0) - 1
@@ -196,11 +208,7 @@ class PostingsIndex(MergeMixin):
         return np.flatnonzero(self._live).astype(np.int64, copy=False)
 
     def doc_len(self, slots: np.ndarray) -> np.ndarray:
-        """Lengths (tokens) of live chunks, float64 with the shape of ``slots``.
-
-        Raises:
-            KeyError: some slot is not live.
-        """
+        """Lengths (tokens) of live chunks, float64, shaped as ``slots``. :raises KeyError: a slot is not live."""
         s = check_slots(slots, self._live)
         return self._doc_len[s]
 
@@ -211,12 +219,11 @@ class PostingsIndex(MergeMixin):
         return n + self._frozen.df(term) if self._frozen is not None else n
 
     def drain_delta(self) -> tuple[int, int, dict[str, int]]:
-        """Changes since the previous call: ``(n_delta, total_len_delta, df_delta)``.
-
-        ``df_delta`` omits terms whose net change is 0.  Feed it to
-        :meth:`CorpusStats.apply_delta`.  Resets the pending delta.
-        """
-        out = (self._d_n, self._d_len, {t: d for t, d in self._d_df.items() if d})
+        """Changes since the previous call: ``(n_delta, total_len_delta, df_delta)`` (``df_delta`` omits terms
+        whose net change is 0; for :meth:`CorpusStats.apply_delta`). Resets the pending delta."""
+        # only additions since the last call: every count is positive already
+        out = (self._d_n, self._d_len, {t: d for t, d in self._d_df.items() if d} if self._d_removed else self._d_df)
+        self._d_removed = False
         self._d_n = 0
         self._d_len = 0
         self._d_df = {}
@@ -280,15 +287,8 @@ class PostingsIndex(MergeMixin):
         return ix
 
     # -- scoring --------------------------------------------------------------------
-    def score(
-        self,
-        slots: np.ndarray,
-        terms: Sequence[str],
-        idf: np.ndarray,
-        avgdl: float,
-        k1: float = 1.5,
-        b: float = 0.75,
-    ) -> np.ndarray:
+    def score(self, slots: np.ndarray, terms: Sequence[str], idf: np.ndarray, avgdl: float, k1: float = 1.5,
+              b: float = 0.75) -> np.ndarray:
         """BM25 scores of exactly the given chunks.
 
         Per query term position ``i`` in order (repeats count again), as

@@ -1,0 +1,222 @@
+"""BM25 term ids from Arrow columns (:mod:`oprag_server.index.term_ids`): the compiled ASCII pass
+and the analyser path give exactly :meth:`Analyzer.tokens` of ``title\\ntext`` on varied text
+(ASCII punctuation and control characters, Unicode letters, marks, CJK, default-ignorables,
+full-width forms, nulls, sliced and chunked columns, blocks, table growth); the delta and the
+postings built from the ids equal the ones built from the strings, and score as rank_bm25."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from rank_bm25 import BM25Okapi
+
+from oprag_server.index.analyzer import Analyzer
+from oprag_server.index.bm25 import CorpusStats, PostingsIndex
+from oprag_server.index.bm25.delta import Delta
+from oprag_server.index.term_ids import TermTable, take_rows
+
+_ASCII = [chr(c) for c in range(128)]
+_UNI = list("éÉßİıﬁＡＢｃ１２ΩωЖж東京都ひらがなカタカナ한국어ｶﾀ\u0301\u0308\u200b\u00ad\u2060\ufeff\u0915\u093f"
+            "\U0001f600\U00020000_-–—’“”\u3000\u00a0")
+_WORDS = ["the", "Quick", "BROWN", "fox", "a1b2", "x" * 70, "Zebra", "9", "über", "naïve"]
+
+
+def _text(rng: random.Random, uni: float) -> str:
+    parts = []
+    for _ in range(rng.randint(0, 40)):
+        r = rng.random()
+        if r < 0.5:
+            parts.append(rng.choice(_WORDS))
+        elif r < 0.5 + uni:
+            parts.append("".join(rng.choice(_UNI) for _ in range(rng.randint(1, 4))))
+        else:
+            parts.append("".join(rng.choice(_ASCII) for _ in range(rng.randint(1, 6))))
+    return "".join(p + rng.choice([" ", "", ".", "\n", "\t", "_", "\x1f"]) for p in parts)
+
+
+def _rows(rng: random.Random, n: int, uni: float):
+    titles = [rng.choice([None, "", _text(rng, uni)[:30]]) for _ in range(n)]
+    texts = [_text(rng, uni) for _ in range(n)]
+    return titles, texts
+
+
+def _expected(titles, texts, an):
+    return [an.tokens(f"{t}\n{x}" if t else x) for t, x in zip(titles, texts)]
+
+
+def _decode(tt: TermTable, gids, lens):
+    out, k = [], 0
+    for n in lens.tolist():
+        out.append([tt.term(g) for g in gids[k:k + n].tolist()])
+        k += n
+    return out
+
+
+@pytest.mark.parametrize("uni", [0.0, 0.05, 0.4])
+@pytest.mark.parametrize("stem", [False, True])
+def test_tokens_equal_the_analyzer(uni, stem):
+    rng = random.Random(int(uni * 100) + stem)
+    tt, an = TermTable(stem=stem), Analyzer(stem=stem)
+    for _ in range(6):
+        titles, texts = _rows(rng, 300, uni)
+        gids, lens = tt.rows(pa.table({"title": pa.array(titles, pa.string()), "text": pa.array(texts, pa.string())}))
+        assert gids.dtype == np.int64 and lens.dtype == np.int64 and lens.size == 300
+        assert int(lens.sum()) == gids.size
+        assert _decode(tt, gids, lens) == _expected(titles, texts, an)
+
+
+def test_one_term_one_gid_whichever_path():
+    tt = TermTable()
+    t = pa.table({"title": ["", "x é"], "text": ["Fox fox THE", "the fox"]})
+    gids, lens = tt.rows(t)
+    assert lens.tolist() == [3, 4]
+    fox, the = gids[0], gids[2]
+    assert gids[1] == fox and gids.tolist()[3:] == [gids[3], gids[4], the, fox]
+    assert tt.term(gids[4]) == "é" and len(tt) == 4 and len(set(gids.tolist())) == 4
+    # new terms from the analyser path, then met by the compiled pass
+    g2, _ = tt.rows(pa.table({"title": ["é"], "text": ["ünïcode word"]}))
+    g3, _ = tt.rows(pa.table({"title": [None], "text": ["word Word WORD"]}))
+    assert g3.tolist() == [g2[-1]] * 3
+
+
+def test_sliced_chunked_blocks_and_growth():
+    rng = random.Random(7)
+    titles, texts = _rows(rng, 3000, 0.02)
+    texts[5] = "y" * 5000 + " " + " ".join(f"w{i}" for i in range(40000))  # growth: terms, pool, table
+    full = pa.table({"title": pa.array(titles, pa.string()), "text": pa.array(texts, pa.string())})
+    chunked = pa.concat_tables([full.slice(0, 1000), full.slice(1000, 1500), full.slice(2500)])
+    want = _expected(titles, texts, Analyzer())
+    for table, rows in ((full, want), (full.slice(17, 900), want[17:917]), (chunked, want)):
+        tt = TermTable()
+        tt.BLOCK = 4096  # many compiled passes, rows longer than a pass
+        gids, lens = tt.rows(table)
+        assert _decode(tt, gids, lens) == rows
+
+
+def test_a_pass_stops_when_the_table_is_half_full_and_goes_on():
+    """Many new terms in short rows: the compiled pass stops before a row that could fill the
+    table past half (or its gid arrays), the table grows, the pass goes on from that row."""
+    texts = [" ".join(f"t{r}x{k}" for k in range(30)) for r in range(3000)]  # 90,000 new terms
+    tt = TermTable()
+    sizes = []
+    grow = tt._room
+
+    def spy(*a):
+        grow(*a)
+        sizes.append(tt._ent.shape[0])
+    tt._room = spy
+    gids, lens = tt.rows(pa.table({"title": pa.array([None] * 3000, pa.string()), "text": texts}))
+    assert len(tt) == 90_000 and 2 * len(tt) <= tt._ent.shape[0] and len(set(sizes)) > 2
+    assert lens.tolist() == [30] * 3000 and gids.tolist() == list(range(90_000))
+    assert tt.term(89_999) == "t2999x29"
+
+
+def test_empty_table_and_empty_rows():
+    tt = TermTable()
+    g, n = tt.rows(pa.table({"title": pa.array([], pa.string()), "text": pa.array([], pa.string())}))
+    assert g.size == 0 and n.size == 0
+    g, n = tt.rows(pa.table({"title": [None, "", "..."], "text": ["", "!!", "\u200b"]}))
+    assert g.size == 0 and n.tolist() == [0, 0, 0]
+
+
+def test_take_rows():
+    gids, lens = np.arange(10, dtype=np.int64), np.array([3, 0, 4, 3], np.int64)
+    g, n = take_rows(gids, lens, [0, 2])
+    assert g.tolist() == [0, 1, 2, 3, 4, 5, 6] and n.tolist() == [3, 4]
+    g, n = take_rows(gids, lens, [1, 3])
+    assert g.tolist() == [7, 8, 9] and n.tolist() == [0, 3]
+
+
+def _same_delta(a: Delta, b: Delta):
+    assert a.vocab == b.vocab and a.terms == b.terms and list(a.vocab) == list(b.vocab)
+    assert len(a.runs) == len(b.runs)
+    for (k1, t1), (k2, t2) in zip(a.runs, b.runs):
+        assert np.array_equal(k1, k2) and np.array_equal(t1, t2) and t1.dtype == t2.dtype
+    assert a.docs.keys() == b.docs.keys() and all(np.array_equal(a.docs[s], b.docs[s]) for s in a.docs)
+    assert np.array_equal(a.df_arr[: len(a.terms)], b.df_arr[: len(b.terms)]) and a.n == b.n
+
+
+def test_delta_from_ids_equals_delta_from_strings():
+    rng = random.Random(3)
+    tt, an = TermTable(), Analyzer()
+    by_str, by_id = Delta(), Delta()
+    slot = 0
+    for i in range(8):
+        titles, texts = _rows(rng, 120, 0.1)
+        gids, lens = tt.rows(pa.table({"title": pa.array(titles, pa.string()), "text": pa.array(texts, pa.string())}))
+        slots = list(range(slot, slot + 120))
+        slot += 120
+        if i == 3:  # a mix: some batches by strings into the id-built delta too
+            u1, c1 = by_id.add_batch(slots, _expected(titles, texts, an))
+        else:
+            u1, c1 = by_id.add_ids(slots, gids, lens, tt)
+        u2, c2 = by_str.add_batch(slots, _expected(titles, texts, an))
+        assert np.array_equal(u1, u2) and np.array_equal(c1, c2)
+        for s in slots[::17]:
+            by_id.remove(s)
+            by_str.remove(s)
+        _same_delta(by_id, by_str)
+
+
+def test_postings_from_ids_score_as_rank_bm25():
+    rng = random.Random(11)
+    titles, texts = _rows(rng, 400, 0.2)
+    an, tt = Analyzer(), TermTable()
+    corpus = _expected(titles, texts, an)
+    gids, lens = tt.rows(pa.table({"title": pa.array(titles, pa.string()), "text": pa.array(texts, pa.string())}))
+    ours, ref = PostingsIndex(), PostingsIndex()
+    ours.add_ids(list(range(400)), gids, lens, tt)
+    ref.add_batch(list(range(400)), corpus)
+    assert ours.drain_delta() == ref.drain_delta()
+    ours.merge()
+    stats = CorpusStats(*ours.full_stats())
+    bm = BM25Okapi(corpus)
+    slots = np.arange(400, dtype=np.int64)
+    for q in (["the", "fox"], ["quick", "über", "東京"], ["zebra", "9", "nothing"]):
+        if not any(q_t in stats.df for q_t in q):
+            continue
+        idf = stats.query_idf(q)
+        got = ours.score(slots, q, idf, stats.avgdl)
+        want = bm.get_scores(q)
+        assert np.allclose(got, want, rtol=1e-12, atol=1e-12), q
+
+
+def test_postings_add_ids_checks_slots():
+    tt = TermTable()
+    gids, lens = tt.rows(pa.table({"title": [None, None], "text": ["a b", "c"]}))
+    p = PostingsIndex()
+    with pytest.raises(ValueError):
+        p.add_ids([0], gids, lens, tt)
+    p.add_ids([0, 1], gids, lens, tt)
+    with pytest.raises(ValueError):
+        p.add_ids([1, 2], gids, lens, tt)
+    assert len(p) == 2 and p.df("a") == 1 and p.df("c") == 1
+
+
+def test_drained_statistics_add_up_to_the_index():
+    """drain_delta after adds only (built in one step, no filtering) and after removes and re-adds
+    (zero net counts dropped): never a zero count, and the drains add up to full_stats."""
+    rng = random.Random(5)
+    tt, p = TermTable(), PostingsIndex()
+    total, live, slot = {}, [], 0
+    n = length = 0
+    for step in range(12):
+        titles, texts = _rows(rng, 40, 0.1)
+        gids, lens = tt.rows(pa.table({"title": pa.array(titles, pa.string()), "text": pa.array(texts, pa.string())}))
+        if step % 3 == 2:
+            for s in rng.sample(live, 15):
+                p.remove(s)
+                live.remove(s)
+        p.add_ids(list(range(slot, slot + 40)), gids, lens, tt)
+        live += range(slot, slot + 40)
+        slot += 40
+        dn, dl, df = p.drain_delta()
+        assert 0 not in df.values()
+        n, length = n + dn, length + dl
+        for t, d in df.items():
+            total[t] = total.get(t, 0) + d
+        assert p.drain_delta() == (0, 0, {})
+    assert (n, length, {t: v for t, v in total.items() if v}) == p.full_stats()
