@@ -13,13 +13,11 @@ zeros).
 
 Dense scores may be approximate (within ``err`` of the canonical ones): "y has at least x's
 score" is then only taken when ``d_y - d_x >= e2`` (``e2`` covers twice ``err`` and the rounding of
-the difference), so the kept set is a superset of the canonical one; the caller refines the kept
-chunks to canonical scores and calls :func:`band` again on them with ``e2 = 0``.
+the difference), so the kept set is a superset of the one the canonical scores give.
 
-Cost: the chunks below a block of the highest first scores are first tested against the block's
-chunks alone (O(n) at the lowest second score, where most chunks are: a chunk there is kept only
-when fewer than k chunks of the block have a smaller id rank); the block and the chunks that
-pass go through the sweep (sorted, O(C log C)). At 500K chunks, 10 ms (50K with a BM25 score).
+Cost: a chunk below a block of the highest first scores is first tested against the block's
+chunks alone (O(n log m)); the block and the chunks that pass (at 12K chunks about a tenth) are
+sorted by the first score and swept (O(C log C), a few steps per chunk).
 """
 
 from __future__ import annotations
@@ -31,14 +29,28 @@ from numba import njit  # noqa: E402
 
 
 @njit(cache=True, nogil=True)
+def _insert(ks, vs, nw, key, val, up):
+    """Insert ``(key, val)`` into the first ``nw`` entries of ``ks``/``vs``, sorted by ``ks``
+    ascending (``up``) or descending."""
+    at = nw
+    while at > 0 and ((ks[at - 1] > key) if up else (ks[at - 1] < key)):
+        ks[at], vs[at] = ks[at - 1], vs[at - 1]
+        at -= 1
+    ks[at], vs[at] = key, val
+
+
+@njit(cache=True, nogil=True)
 def _sweep(order, p1, p2, r, k, e2):
-    """bool[N]: ``keep`` of the positions in ``order`` (sorted by ``p1`` desc, ``p2`` desc, ``r``
-    asc): fewer than k earlier kept positions y with ``p1[y] - p1[x] >= e2`` (every earlier
-    one when ``e2`` is 0), ``p2[y] >= p2[x]`` and ``r[y] < r[x]``. A chunk not kept is left out
-    of the witnesses: whatever it would count, the k chunks that outrank it count too."""
+    """bool[N]: ``keep`` of the positions in ``order`` (sorted by ``p1`` desc; with ``e2`` 0 then
+    by ``p2`` desc, ``r`` asc): fewer than k earlier kept positions y with ``p1[y] - p1[x] >= e2``
+    (every earlier one when ``e2`` is 0), ``p2[y] >= p2[x]`` and ``r[y] < r[x]``. A chunk not
+    kept is left out of the witnesses: whatever it would count, the k chunks that outrank it
+    count too. The witnesses are held twice, by id rank ascending and by ``p2`` descending, and
+    scanned in both orders in turn: the first to run out of candidates gives the exact count
+    (a chunk with a small id rank, or a high ``p2``, is decided in a few steps)."""
     keep = np.zeros(p1.size, np.bool_)
-    wr = np.empty(order.size, np.int64)  # witnesses (kept, inserted) by id rank ascending
-    w2 = np.empty(order.size, np.float64)
+    ar, a2 = np.empty(order.size, np.int64), np.empty(order.size, np.float64)  # by id rank
+    b2, br = np.empty(order.size, np.float64), np.empty(order.size, np.int64)  # by p2 desc
     nw, j = 0, 0
     for i in range(order.size):
         x = order[i]
@@ -46,59 +58,54 @@ def _sweep(order, p1, p2, r, k, e2):
             y = order[j]
             j += 1
             if keep[y]:
-                at = nw
-                while at > 0 and wr[at - 1] > r[y]:
-                    wr[at], w2[at] = wr[at - 1], w2[at - 1]
-                    at -= 1
-                wr[at], w2[at] = r[y], p2[y]
+                _insert(ar, a2, nw, r[y], p2[y], True)
+                _insert(b2, br, nw, p2[y], r[y], False)
                 nw += 1
-        c = 0
-        for w in range(nw):
-            if wr[w] >= r[x] or c >= k:
+        rx, px = r[x], p2[x]
+        ca = cb = ia = ib = 0
+        while True:
+            if ia == nw or ar[ia] >= rx:
+                keep[x] = True  # every witness with a smaller id rank seen: fewer than k
                 break
-            if w2[w] >= p2[x]:
-                c += 1
-        keep[x] = c < k
+            ca += a2[ia] >= px
+            ia += 1
+            if ca >= k:
+                break
+            if ib == nw or b2[ib] < px:
+                keep[x] = True  # every witness with at least its p2 seen: fewer than k
+                break
+            cb += br[ib] < rx
+            ib += 1
+            if cb >= k:
+                break
     return keep
 
 
 @njit(cache=True, nogil=True)
-def _outranked(br, b2, r, p2, k):
-    """bool[N]: which of the chunks (id ranks ``r``, second scores ``p2``) have k block chunks
-    (id ranks ``br`` ascending, second scores ``b2``) with a smaller id rank and ``b2 >= p2``."""
-    out = np.zeros(r.size, np.bool_)
-    for i in range(r.size):
-        c = 0
-        for w in range(br.size):
-            if br[w] >= r[i]:
-                break
-            if b2[w] >= p2[i]:
-                c += 1
-                if c >= k:
-                    out[i] = True
-                    break
-    return out
-
-
-@njit(cache=True, nogil=True)
-def _split(p1, p2, r, t, low, rk):
-    """One pass over the chunks: ``(keep bool[N], inside int64[], rest int64[])``: first score
-    ``>= t`` (the block and its e2 margin) inside; below it at the lowest second score ``low``,
-    kept when the id rank is ``<= rk``; the others left to test (``rest``)."""
-    keep = np.zeros(p1.size, np.bool_)
-    inside = np.empty(p1.size, np.int64)
-    rest = np.empty(p1.size, np.int64)
-    ni = nr = 0
+def _split(p1, p2, r, t, br, b2, k):
+    """Positions int64[] left to sweep: first score ``>= t`` (the block and its e2 margin), or
+    fewer than k block chunks (id ranks ``br`` ascending, second scores ``b2``) with a smaller
+    id rank and at least its second score. ``kth[j]``: the k-th highest ``b2`` of the first j."""
+    m = br.size
+    kth = np.full(m + 1, -np.inf)
+    best = np.full(k, -np.inf)  # the k highest so far, descending
+    for j in range(m):
+        v = b2[j]
+        if v > best[k - 1]:
+            at = k - 1
+            while at > 0 and best[at - 1] < v:
+                best[at] = best[at - 1]
+                at -= 1
+            best[at] = v
+        kth[j + 1] = best[k - 1]
+    out = np.empty(p1.size, np.int64)
+    n = 0
     for i in range(p1.size):
-        if p1[i] >= t:
-            inside[ni] = i
-            ni += 1
-        elif p2[i] == low:
-            keep[i] = r[i] <= rk
-        else:
-            rest[nr] = i
-            nr += 1
-    return keep, inside[:ni], rest[:nr]
+        if p1[i] < t and kth[np.searchsorted(br, r[i])] >= p2[i]:
+            continue
+        out[n] = i
+        n += 1
+    return out[:n]
 
 
 def _top(p1: np.ndarray, m: int) -> float:
@@ -121,30 +128,18 @@ def band(p1: np.ndarray, p2: np.ndarray, r: np.ndarray, k: int, e2: float = 0.0)
         return np.zeros(0, np.int64)
     if n <= k or not (np.isfinite(p1).all() and np.isfinite(p2).all()):
         return np.arange(n, dtype=np.int64)
-    m = min(n, max(8 * k, 256))
-    # below the block of the m highest first scores by >= e2: outranked by every block chunk
-    # with a smaller id rank and at least its second score. At the lowest second score (most
-    # chunks) that is every block chunk with a smaller id rank; the others are tested against
-    # the block of the chunks above that score (_outranked), and those left go through the sweep
-    t = _top(p1, m)
-    keep, inside, rest = _split(p1, p2, r, t - e2, p2.min(), np.partition(r[p1 >= t], k - 1)[k - 1])
-    if rest.size > m:
-        up = np.flatnonzero(p2 > p2.min())
-        tu = _top(p1[up], m)
-        bo = up[p1[up] >= tu]
-        bo = bo[np.argsort(r[bo], kind="stable")]
-        rest = rest[p1[rest] < tu - e2]
-        out = _outranked(r[bo], p2[bo], r[rest], p2[rest], k)
-        pos = np.union1d(np.union1d(inside, up[p1[up] >= tu - e2]), rest[~out])
-    else:
-        pos = np.union1d(inside, rest)
+    # below the block of the m highest first scores by >= e2: outranked by the block's chunks
+    # with a smaller id rank and at least its second score (most chunks at scale, those without
+    # a query term); the block and the others are swept
+    t = _top(p1, min(n, max(8 * k, 256)))
+    blk = np.flatnonzero(p1 >= t)
+    blk = blk[np.argsort(r[blk])]
+    pos = _split(p1, p2, r, t - e2, r[blk], p2[blk], k)
     # ties of the first score need the full order only when they count (e2 = 0)
     order = pos[np.lexsort((r[pos], -p2[pos], -p1[pos]))] if e2 == 0.0 else pos[np.argsort(-p1[pos])]
-    keep |= _sweep(order, p1, p2, r, k, float(e2))
-    return np.flatnonzero(keep)
+    return np.flatnonzero(_sweep(order, p1, p2, r, k, float(e2)))
 
 
 def warm() -> None:
-    """Compile (or load from the cache) the kernels (:func:`_split`, :func:`_outranked`, :func:`_sweep`)."""
+    """Compile (or load from the cache) the kernels (:func:`_split`, :func:`_sweep`)."""
     band(np.arange(4.0), np.arange(4.0)[::-1].copy(), np.arange(4), 1, 0.0)
-    _outranked(np.arange(2), np.ones(2), np.arange(2), np.ones(2), 1)

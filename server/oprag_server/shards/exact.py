@@ -102,23 +102,19 @@ class ExactMixin:
 
     def _band(self, rows, d, lx, q, k: int, weights) -> tuple[np.ndarray, np.ndarray]:
         """The chunks that can be in the top-k of a min-max fusion with these weights, whatever the
-        corpus-wide ranges (:func:`..index.kernels_band.band`: from the approximate dense scores
-        with their error bound, then again on the kept chunks' canonical scores).
+        corpus-wide ranges (:func:`..index.kernels_band.band`, from the approximate dense scores
+        and their error bound: a superset of the band of the canonical scores).
 
         :returns: positions into ``rows`` and their canonical dense scores."""
         kb, r = _kernels_band(), self._id_ranks()[rows]
         wd, wl = weights
-        zeros = np.zeros(d.size)
         if wd > 0:
             err = self.store.dense.score_error(q)
             e2 = 2.000001 * err + 4.0 * _EPS * float(np.abs(d).max(initial=0.0))
-            pos = kb.band(d, lx if wl > 0 else zeros, r, k, e2)
+            pos = kb.band(d, lx if wl > 0 else np.zeros(d.size), r, k, e2)
         else:
-            pos = kb.band(lx, zeros, r, k)
-        dc = self._canonical(q, rows[pos])
-        keep = kb.band(dc, lx[pos] if wl > 0 else zeros[pos], r[pos], k) if wd > 0 else \
-            np.arange(pos.size, dtype=np.int64)
-        return pos[keep], dc[keep]
+            pos = kb.band(lx, np.zeros(d.size), r, k)
+        return pos, self._canonical(q, rows[pos])
 
     def exact_minmax(self, req: ExactMinmaxRequest) -> ExactMinmaxReply:
         """Exact min-max hybrid in one round: score every eligible chunk (dense: one matrix
