@@ -155,9 +155,9 @@ def test_one_round_stays_exact_when_approximate_scores_err(noise):
 def _mutant(monkeypatch, **how):
     orig = kernels_band.band
 
-    def band(p1, p2, r, k, e2=0.0):
+    def band(p1, p2, r, k, e2=0.0, tol=np.inf):
         return orig(p1, p2, -np.asarray(r) if how.get("flip") else r, k + how.get("dk", 0),
-                    0.0 if how.get("no_err") else e2)
+                    0.0 if how.get("no_err") else e2, tol)
 
     monkeypatch.setattr(kernels_band, "band", band)
 
@@ -173,9 +173,10 @@ def test_ignoring_the_error_bound_fails(noise, monkeypatch):
     assert _mismatches(**NOISY) > 0
 
 
-def _brute_keep(p1, p2, r, k):
-    """bool[N]: fewer than k others with p1 >=, p2 >= and a smaller id rank."""
-    ahead = (p1[None, :] >= p1[:, None]) & (p2[None, :] >= p2[:, None]) & (r[None, :] < r[:, None])
+def _brute_keep(p1, p2, r, k, tol=np.inf):
+    """bool[N]: fewer than k others with p1 >=, p2 >= and a smaller id rank or p2 > by tol."""
+    ahead = (p1[None, :] >= p1[:, None]) & (p2[None, :] >= p2[:, None]) & \
+        ((r[None, :] < r[:, None]) | (p2[None, :] - p2[:, None] > tol))
     return ahead.sum(axis=1) < k
 
 
@@ -188,13 +189,41 @@ def test_band_keeps_every_chunk_fewer_than_k_certainly_outrank(seed):
     p1 = np.round(rng.normal(size=n), int(rng.integers(1, 4)))
     p2 = np.where(rng.random(n) < rng.uniform(0.0, 0.9), 0.0, np.round(rng.gamma(2.0, size=n), int(rng.integers(0, 3))))
     r = rng.permutation(n)
-    want = _brute_keep(p1, p2, r, k)
+    tol = [np.inf, 0.0, 0.05][seed % 3]
+    want = _brute_keep(p1, p2, r, k, tol)
     got = np.zeros(n, bool)
-    got[kernels_band.band(p1, p2, r, k)] = True
+    got[kernels_band.band(p1, p2, r, k, 0.0, tol)] = True
     assert not (want & ~got).any()
     assert got.sum() <= want.sum() + 4 * k + 64  # a superset, not much larger
     err = 1e-3
     approx = p1 + rng.uniform(-err, err, n)
     got[:] = False
-    got[kernels_band.band(approx, p2, r, k, 2.000001 * err + 1e-12)] = True
+    got[kernels_band.band(approx, p2, r, k, 2.000001 * err + 1e-12, tol)] = True
     assert not (want & ~got).any()
+
+
+def _margin_violations(scale: float, n: int = 20000) -> int:
+    """Pairs whose BM25 scores differ by more than ``scale`` times :func:`second_margin` (dense
+    not lower) and still fuse lower or equal, over random weights (BM25 weight down to 1e-12 of
+    the dense one), ranges and scores a few ulps from the margin."""
+    rng = np.random.default_rng(3)
+    bad = 0
+    for _ in range(n):
+        wd, wl = rng.uniform(0, 2), rng.uniform(0, 2) * 10.0 ** -rng.integers(0, 13)
+        lspan_max = rng.uniform(1, 50)
+        llo = rng.uniform(-lspan_max / 4, 0)
+        lhi = llo + lspan_max * rng.uniform(0.5, 1.0)
+        lp = rng.uniform(llo, lhi)
+        lq = min(lhi, lp + scale * kernels_band.second_margin(wd, wl, lspan_max))
+        dlo, dhi = np.sort(rng.uniform(-1, 1, 2))
+        dp = rng.uniform(dlo, dhi)
+        dq = dp if rng.random() < 0.5 else np.nextafter(dp, 2.0)
+        f = fuse_minmax(np.array([dp, min(dq, dhi)]), np.array([lp, lq]), dense_range=(dlo, dhi),
+                        lexical_range=(llo, lhi), dense_weight=wd, lexical_weight=wl)
+        bad += lq > lp and lq - lp > scale * kernels_band.second_margin(wd, wl, lspan_max) and not f[1] > f[0]
+    return bad
+
+
+def test_a_bm25_gap_above_the_margin_fuses_strictly_higher():
+    assert _margin_violations(1.0) == 0
+    assert _margin_violations(1e-3) > 0  # a thousand times smaller is not enough

@@ -100,18 +100,19 @@ class ExactMixin:
             self._ranks = (self.store.version, id_ranks(self.store.row_ids()))
         return self._ranks[1]
 
-    def _band(self, rows, d, lx, q, k: int, weights) -> tuple[np.ndarray, np.ndarray]:
+    def _band(self, rows, d, lx, q, k: int, weights, lspan_max: float = np.inf) -> tuple[np.ndarray, np.ndarray]:
         """The chunks that can be in the top-k of a min-max fusion with these weights, whatever the
         corpus-wide ranges (:func:`..index.kernels_band.band`, from the approximate dense scores
         and their error bound: a superset of the band of the canonical scores).
 
+        ``lspan_max``: an upper bound of the corpus-wide BM25 span.
         :returns: positions into ``rows`` and their canonical dense scores."""
         kb, r = _kernels_band(), self._id_ranks()[rows]
         wd, wl = weights
         if wd > 0:
             err = self.store.dense.score_error(q)
             e2 = 2.000001 * err + 4.0 * _EPS * float(np.abs(d).max(initial=0.0))
-            pos = kb.band(d, lx if wl > 0 else np.zeros(d.size), r, k, e2)
+            pos = kb.band(d, lx if wl > 0 else np.zeros(d.size), r, k, e2, kb.second_margin(wd, wl, lspan_max))
         else:
             pos = kb.band(lx, np.zeros(d.size), r, k)
         return pos, self._canonical(q, rows[pos])
@@ -131,7 +132,10 @@ class ExactMixin:
         for i, (rows, d, lx, q) in enumerate(scores):
             if rows.size:
                 ranges[:, i] = (*self._dense_range(rows, d, q), lx.min(), lx.max())
-            pos, dc = self._band(rows, d, lx, q, int(req.k[i]), req.weights[i]) if rows.size else \
+            # every BM25 score lies in an interval of width sum |idf| (k1 + 1) (each term adds
+            # idf tf (k1 + 1) / (tf + norm), between min(0, idf) and max(0, idf) times k1 + 1)
+            lspan = float(np.abs(np.asarray(req.batch.idf[i], np.float64)).sum()) * (req.batch.k1 + 1.0)
+            pos, dc = self._band(rows, d, lx, q, int(req.k[i]), req.weights[i], lspan) if rows.size else \
                 (np.zeros(0, np.int64), np.zeros(0))
             ids = row_ids[rows[pos]]
             bands.append(Candidates(slots[rows[pos]], ids.tolist(), dc, lx[pos]))
