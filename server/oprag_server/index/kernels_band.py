@@ -4,14 +4,13 @@ ranges (exact mode in one round, ``ExactMixin.exact_minmax``).
 Weighted min-max fusion with weights >= 0 is non-decreasing in each score, also in float64 (every
 IEEE operation it performs is monotone), and ranks equal fused scores by chunk id. So a chunk y
 *certainly* ranks ahead of x, whatever ranges and weights the frontend fuses with, when
-``d_y >= d_x``, ``l_y >= l_x`` and ``id_y < id_x``, or ``l_y > l_x + tol`` (:func:`second_margin`:
-a BM25 gap that fuses strictly higher whatever the ranges). (A y better on both scores by less
-with a larger id is not counted: rounding, or a zero weight, can make both fuse equal, and then x
-wins the tie.) A
-chunk with k such chunks on its shard is not in the top-k; :func:`band` keeps a superset of the
-others (the k-skyband of (dense, BM25, -id rank), Papadias et al., TODS 2005, section 6), from
-which the frontend fuses the top-k exactly. With one weight 0 that score is left out (passed as
-zeros).
+``d_y >= d_x``, ``l_y >= l_x`` and either ``id_y < id_x`` or ``l_y > l_x + tol``
+(:func:`second_margin`: a BM25 gap that fuses strictly higher whatever the ranges). A y better on
+both scores by less, with a larger id, is not counted: rounding, or a zero weight, can make both
+fuse equal, and then x wins the tie. A chunk with k such chunks on its shard is not in the top-k;
+:func:`band` keeps a superset of the others (a k-skyband, Papadias et al., TODS 2005, section 6),
+from which the frontend fuses the top-k exactly. With one weight 0 that score is left out
+(passed as zeros).
 
 Dense scores may be approximate (within ``err`` of the canonical ones): "y has at least x's
 score" is then only taken when ``d_y - d_x >= e2`` (``e2`` covers twice ``err`` and the rounding of
