@@ -22,16 +22,15 @@ def _rt(obj):
     return pickle.loads(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
 
 
-def _cands(m: int, fused: bool = False, ids=None) -> Candidates:
+def _cands(m: int, ids=None) -> Candidates:
     rng = np.random.default_rng(m)
     return Candidates(rng.integers(0, 1 << 40, m), ids if ids is not None else [f"doc{i}#é{i % 3}" for i in range(m)],
-                      rng.standard_normal(m), rng.standard_normal(m), rng.standard_normal(m) if fused else None)
+                      rng.standard_normal(m), rng.standard_normal(m))
 
 
 @pytest.mark.parametrize("m", [0, 1, 5, 300])
-@pytest.mark.parametrize("fused", [False, True])
-def test_candidates_come_back_with_the_same_values_dtypes_and_writable_arrays(m, fused):
-    c = _cands(m, fused)
+def test_candidates_come_back_with_the_same_values_dtypes_and_writable_arrays(m):
+    c = _cands(m)
     assert c.__reduce__()[0] is packed.candidates  # the compact form is used
     back = _rt(c)
     assert isinstance(back.chunk_ids, packed.PackedStrs) and len(back.chunk_ids) == m
@@ -39,8 +38,7 @@ def test_candidates_come_back_with_the_same_values_dtypes_and_writable_arrays(m,
     assert [back.chunk_ids[i] for i in range(m)] == c.chunk_ids and back.chunk_ids[-1:] == c.chunk_ids[-1:]
     again = _rt(back)  # packed ids pickle as they are
     assert again.chunk_ids == c.chunk_ids and again.slots.tobytes() == c.slots.tobytes()
-    assert back.fused is None if not fused else back.fused is not None
-    for name in ("slots", "dense", "lexical") + (("fused",) if fused else ()):
+    for name in ("slots", "dense", "lexical"):
         a, b = getattr(c, name), getattr(back, name)
         assert b.dtype == a.dtype and b.shape == a.shape and a.tobytes() == b.tobytes(), name
         b[:1] = 7  # writable (a view of the unpickled buffer)

@@ -121,24 +121,19 @@ def test_a_stale_replica_does_not_serve_after_a_restart(tmp_path):
     asyncio.run(main())
 
 
-def test_round_two_of_exact_hybrid_follows_round_one_or_reruns_both_on_a_sibling(tmp_path):
-    from oprag_server.shards.protocol import ExactFuseRequest, ExactRangesRequest, QueryBatch
+def test_exact_hybrid_is_one_read_that_a_sibling_answers_when_its_replica_dies(tmp_path):
+    from oprag_server.shards.protocol import ExactMinmaxRequest, QueryBatch
 
     async def main():
         pool, cp = await _pool(tmp_path)
         rs = pool.clients[0]
         await _write(pool, cp, "t1", ["a", "b", "c"])
         q = np.full((1, DIM), 0.5, np.float32)
-        batch = QueryBatch(q, [["tide"]], [np.ones(1)], 3.0, 1.2, 0.75)
-        fuse = ExactFuseRequest("k1", [(0.0, 1.0)], [(0.0, 1.0)], [0.5], [0.5], k=2, n=3)
-        await pool.call(0, Op.EXACT_RANGES, ExactRangesRequest(batch, "k1"))
-        first = rs._rounds["k1"][0]
-        want = await pool.call(0, Op.EXACT_FUSE, fuse)  # would fail on the other replica (no round 1 there)
-        await pool.call(0, Op.EXACT_RANGES, ExactRangesRequest(batch, "k1"))
-        dead = rs._rounds["k1"][0]
-        rs.reps[dead].kill()  # the replica holding round 1 dies between the rounds
-        got = await pool.call(0, Op.EXACT_FUSE, fuse)
-        assert got.top[0].chunk_ids == want.top[0].chunk_ids and len(want.top[0].chunk_ids) == 2
-        assert first in (0, 1) and pool.degraded_shards() == [0] and pool.down_shards() == []
+        req = ExactMinmaxRequest(QueryBatch(q, [["tide"]], [np.ones(1)], 3.0, 1.2, 0.75), [2], 3, [(0.5, 0.5)])
+        want = await pool.call(0, Op.EXACT_MINMAX, req)
+        rs.reps[0].kill()
+        got = await pool.call(0, Op.EXACT_MINMAX, req)
+        assert got.band[0].chunk_ids == want.band[0].chunk_ids and len(want.band[0].chunk_ids) >= 2
+        assert got.eligible == want.eligible == [3] and pool.degraded_shards() == [0]
 
     asyncio.run(main())

@@ -18,9 +18,9 @@ from oprag_server.shards.state import ShardState, dispatch, op_table
 DIM = 4
 
 
-def _cands(m: int = 3, fused: bool = False) -> P.Candidates:
+def _cands(m: int = 3) -> P.Candidates:
     return P.Candidates(np.arange(m, dtype=np.int64), [f"d#{i}" for i in range(m)], np.linspace(0, 1, m),
-                        np.linspace(1, 2, m), np.ones(m) if fused else None)
+                        np.linspace(1, 2, m))
 
 
 def _batch() -> P.QueryBatch:
@@ -31,10 +31,9 @@ def _batch() -> P.QueryBatch:
 SAMPLES = {
     P.Op.SEARCH: (P.SearchRequest(_batch(), "hybrid", 8),
                   P.SearchReply([_cands(), _cands(0)], [3, 0], [0.1, np.inf])),
-    P.Op.EXACT_RANGES: (P.ExactRangesRequest(_batch(), "full-1"),
-                        P.ExactRangesReply([3, 0], [0.1, 0.0], [0.9, 0.0], [0.0, 0.0], [2.5, 0.0])),
-    P.Op.EXACT_FUSE: (P.ExactFuseRequest("full-1", [(0.0, 1.0)], [(0.0, 2.0)], [0.5], [0.5], 10, 20),
-                      P.ExactFuseReply([_cands(fused=True)], [_cands()], [_cands(1)])),
+    P.Op.EXACT_MINMAX: (P.ExactMinmaxRequest(_batch(), [10, 3], 20, [(0.5, 0.5), (0.0, 1.0)]),
+                        P.ExactMinmaxReply([3, 0], [0.1, 0.0], [0.9, 0.0], [0.0, 0.0], [2.5, 0.0], [_cands(), _cands(0)],
+                                           [_cands(), _cands(0)], [_cands(1), _cands(0)])),
     P.Op.EXACT_LISTS: (P.ExactListsRequest(_batch(), 20), P.ExactListsReply([3], [_cands()], [_cands()])),
     P.Op.FETCH: (P.FetchRequest([1, 2]),
                  P.FetchReply([True, False], ["d", ""], ["t", ""], ["x", ""], ["{}", ""])),

@@ -11,8 +11,9 @@ Modes (per query):
     fusion (rrf) it keeps the global dense top-N and fuses over that window.
 ``full_hybrid`` (exact)
     every chunk is scored dense and BM25 (postings lists: only chunks containing a query term
-    are visited; the others score exactly 0). Round 1 gathers corpus-wide score ranges, round 2
-    fuses with them on each shard and returns local top-k; the frontend merges.
+    are visited; the others score exactly 0). In one round each shard returns its score ranges,
+    its rank lists and (min-max) every chunk that can be in the top-k whatever the corpus-wide
+    ranges (:mod:`..index.kernels_band`); the frontend takes the global ranges and fuses those.
 ``dense`` / ``lexical``
     one retriever; the other score is still reported for each hit.
 
@@ -23,7 +24,6 @@ frequencies and average length over all shards).
 
 from __future__ import annotations
 
-import itertools
 import json
 import time
 
@@ -36,8 +36,8 @@ from ..index.analyzer import Analyzer
 from ..index.bm25 import CorpusStats
 from ..index.fusion import fuse_minmax, lexical_listed, minmax_params, top_k_order
 from ..shards.pool import ShardPool
-from ..shards.protocol import (ExactFuseRequest, ExactListsRequest, ExactRangesRequest, FetchReply,
-                               FetchRequest, Op, QueryBatch, SearchReply, SearchRequest)
+from ..shards.protocol import (ExactListsRequest, ExactMinmaxRequest, FetchReply, FetchRequest, Op, QueryBatch,
+                               SearchReply, SearchRequest)
 from .hybrid import _Cand, _Cols, _rank_lists, _ranks, Widening, bounded, merge_union  # noqa: F401 (re-exported)
 
 
@@ -117,7 +117,6 @@ class Retriever:
         self.analyzer = analyzer
         self.bm25 = bm25
         self.cfg = cfg
-        self._tokens = itertools.count(1)
         self.dense_index = pool.dense.kind if getattr(pool, "dense", None) else "flat"
         #: called with (widened, uncertified) query counts of each dense-first batch (metrics)
         self.on_widen = None
@@ -241,44 +240,36 @@ class Retriever:
         return (dmin, float(window.dense.max())), (lmin, float(window.lexical.max()))
 
     async def _full_minmax(self, batch: QueryBatch, specs: list[RetrieveSpec], fetched: _Carried):
-        token = f"full-{next(self._tokens)}"
-        r1, missing = await self.pool.gather_partial(Op.EXACT_RANGES, ExactRangesRequest(batch, token))
+        """Exact min-max hybrid in one round (``EXACT_MINMAX``): the corpus-wide ranges from the
+        shards' local ones, then the top-k of the union of the shards' bands fused with them (it
+        holds the global top-k: :mod:`..index.kernels_band`)."""
+        req = ExactMinmaxRequest(batch, [s.top_k for s in specs], max(s.candidates for s in specs),
+                                 [(s.dense_weight, s.lexical_weight) for s in specs])
+        replies, missing = await self.pool.gather_partial(Op.EXACT_MINMAX, req)
         t = time.perf_counter()
-        dranges, lranges, searched = [], [], []
-        for j in range(len(specs)):
-            parts = [rep for rep in r1.values() if rep.eligible[j] > 0]
+        fetched.add(replies)
+        out, searched = [], []
+        for j, spec in enumerate(specs):
+            parts = [rep for rep in replies.values() if rep.eligible[j] > 0]
             searched.append(sum(p.eligible[j] for p in parts))
             if not parts:
-                dranges.append((0.0, 0.0))
-                lranges.append((0.0, 0.0))
+                out.append([])
                 continue
-            dranges.append((min(p.dense_min[j] for p in parts), max(p.dense_max[j] for p in parts)))
-            lranges.append((min(p.lexical_min[j] for p in parts),
-                            max(p.lexical_max[j] for p in parts)))
-        dt = time.perf_counter() - t
-        r2, missing2 = await self.pool.gather_partial(
-            Op.EXACT_FUSE,
-            ExactFuseRequest(token, dranges, lranges, [s.dense_weight for s in specs],
-                             [s.lexical_weight for s in specs], k=max(s.top_k for s in specs),
-                             n=max(s.candidates for s in specs)),
-            shards=sorted(r1),
-        )
-        t = time.perf_counter()
-        fetched.add(r2)
-        out = []
-        for j, spec in enumerate(specs):
-            local = _Cols.of([(s, rep.top[j]) for s, rep in r2.items()])
-            fused = np.concatenate([np.asarray(rep.top[j].fused, dtype=np.float64) for rep in r2.values()]) \
-                if r2 else np.zeros(0)
-            dl = _Cols.of([(s, rep.dense_lists[j]) for s, rep in r2.items()])
-            ll = _Cols.of([(s, rep.lexical_lists[j]) for s, rep in r2.items()])
+            band = _Cols.of([(s, rep.band[j]) for s, rep in replies.items()])
+            fused = fuse_minmax(band.dense, band.lexical,
+                                dense_range=(min(p.dense_min[j] for p in parts), max(p.dense_max[j] for p in parts)),
+                                lexical_range=(min(p.lexical_min[j] for p in parts),
+                                               max(p.lexical_max[j] for p in parts)),
+                                dense_weight=spec.dense_weight, lexical_weight=spec.lexical_weight)
+            dl = _Cols.of([(s, rep.dense_lists[j]) for s, rep in replies.items()])
+            ll = _Cols.of([(s, rep.lexical_lists[j]) for s, rep in replies.items()])
             out.append([
-                local.cand(i, float(fused[i]),
-                           _rank_of(local.dense[i], local.ids[i], dl.dense, dl.ids, spec.candidates, False),
-                           _rank_of(local.lexical[i], local.ids[i], ll.lexical, ll.ids, spec.candidates, True))
-                for i in top_k_order(fused, local.ids, spec.top_k)
+                band.cand(i, float(fused[i]),
+                          _rank_of(band.dense[i], band.ids[i], dl.dense, dl.ids, spec.candidates, False),
+                          _rank_of(band.lexical[i], band.ids[i], ll.lexical, ll.ids, spec.candidates, True))
+                for i in top_k_order(fused, band.ids, spec.top_k)
             ])
-        return out, searched, dt + time.perf_counter() - t, missing + missing2
+        return out, searched, time.perf_counter() - t, missing
 
     async def _full_rrf(self, batch: QueryBatch, specs: list[RetrieveSpec]):
         n = max(s.candidates for s in specs)

@@ -1,7 +1,7 @@
-"""Exact hybrid on a shard (``full_hybrid``): every eligible chunk scored, min-max in two
-rounds (:meth:`ExactMixin.exact_ranges`, :meth:`ExactMixin.exact_fuse`), rank lists in one
-(:meth:`ExactMixin.exact_lists`). A mixin of :class:`.search.Searcher` (moved out of it
-unchanged), which provides ``store``, ``_rounds``, ``_canonical`` and ``_fields``."""
+"""Exact hybrid on a shard (``full_hybrid``): every eligible chunk scored, in one round for both
+fusions: min-max (:meth:`ExactMixin.exact_minmax`: score ranges, rank lists and the chunks that
+can be in the top-k whatever the corpus-wide ranges) and rank fusion (:meth:`ExactMixin.exact_lists`).
+A mixin of :class:`.search.Searcher`, which provides ``store``, ``_canonical`` and ``_fields``."""
 
 from __future__ import annotations
 
@@ -11,14 +11,36 @@ import numpy as np
 
 from .. import records
 from ..index.fusion import fuse_minmax, lexical_listed, refine_top, top_k_order
-from .protocol import (Candidates, ExactFuseReply, ExactFuseRequest, ExactListsReply, ExactListsRequest,
-                       ExactRangesReply, ExactRangesRequest, QueryBatch)
+from .protocol import (Candidates, ExactListsReply, ExactListsRequest, ExactMinmaxReply, ExactMinmaxRequest,
+                       QueryBatch)
 
-_MAX_CACHED_ROUNDS = 64
+_EPS = np.finfo(np.float64).eps
+
+
+def _kernels_band():
+    """:mod:`..index.kernels_band` (numba: imported on first use, as ``search._kernels``)."""
+    from ..index import kernels_band  # noqa: PLC0415
+
+    return kernels_band
+
+
+def id_ranks(ids: np.ndarray) -> np.ndarray:
+    """int64[N]: each of the distinct chunk ids' position in ascending (Python ``str``) order.
+    A fixed-width unicode sort (code points, as ``str``); ``sorted`` when that cannot tell two
+    ids apart (numpy drops trailing NULs)."""
+    u = ids.astype(str) if ids.size else np.zeros(0, "U1")
+    order = np.argsort(u, kind="stable")
+    if order.size > 1 and (u[order[1:]] == u[order[:-1]]).any():
+        order = np.asarray(sorted(range(ids.size), key=ids.__getitem__), dtype=np.int64)
+    rank = np.empty(ids.size, np.int64)
+    rank[order] = np.arange(ids.size)
+    return rank
 
 
 class ExactMixin:
     """The exact-mode operations of a shard's searcher."""
+
+    _ranks: tuple[int, np.ndarray] = (-1, np.zeros(0, np.int64))
 
     def _exact_scores(self, qb: QueryBatch) -> list[tuple]:
         """Every eligible chunk's dense and BM25 score, per query.
@@ -72,53 +94,60 @@ class ExactMixin:
         return tuple(Candidates(slots[rows[o]], ids[o].tolist(), de, lx[o])  # type: ignore
                      for o, de in ((od, dd), (ol, exact(ol))))
 
-    def exact_ranges(self, req: ExactRangesRequest) -> ExactRangesReply:
-        """Exact hybrid, round 1: score every eligible chunk (dense: one matrix product; BM25:
-        postings of the query terms only, every other chunk scores exactly 0), keep the arrays
-        under ``token`` and return the local score ranges."""
+    def _id_ranks(self) -> np.ndarray:
+        """:func:`id_ranks` of every row (dense index order), kept until the next write."""
+        if self._ranks[0] != self.store.version or self._ranks[1].size != len(self.store.dense):
+            self._ranks = (self.store.version, id_ranks(self.store.row_ids()))
+        return self._ranks[1]
+
+    def _band(self, rows, d, lx, q, k: int, weights, lspan_max: float = np.inf) -> tuple[np.ndarray, np.ndarray]:
+        """The chunks that can be in the top-k of a min-max fusion with these weights, whatever the
+        corpus-wide ranges (:func:`..index.kernels_band.band`, from the approximate dense scores
+        and their error bound: a superset of the band of the canonical scores).
+
+        ``lspan_max``: an upper bound of the corpus-wide BM25 span.
+        :returns: positions into ``rows`` and their canonical dense scores."""
+        kb, r = _kernels_band(), self._id_ranks()[rows]
+        wd, wl = weights
+        if wd > 0:
+            err = self.store.dense.score_error(q)
+            e2 = 2.000001 * err + 4.0 * _EPS * float(np.abs(d).max(initial=0.0))
+            pos = kb.band(d, lx if wl > 0 else np.zeros(d.size), r, k, e2, kb.second_margin(wd, wl, lspan_max))
+        else:
+            pos = kb.band(lx, np.zeros(d.size), r, k)
+        return pos, self._canonical(q, rows[pos])
+
+    def exact_minmax(self, req: ExactMinmaxRequest) -> ExactMinmaxReply:
+        """Exact min-max hybrid in one round: score every eligible chunk (dense: one matrix
+        product; BM25: postings of the query terms only, every other chunk scores exactly 0) and
+        return per query the local score ranges (canonical dense), the local top-``n`` dense and
+        BM25 lists (for ranks), the chunks that can be in the top-``k[i]`` whatever the ranges
+        (:meth:`_band`, canonical dense scores) and the stored fields of the top-k fused with the
+        local ranges (usually the global top-k's: no FETCH follows)."""
         scores = self._exact_scores(req.batch)
         B = len(scores)
-        eligible = [int(rows.size) for rows, *_ in scores]
         ranges = np.zeros((4, B), dtype=np.float64)
+        slots, row_ids = self.store.dense.slots, self.store.row_ids()
+        bands, dls, lls, fields = [], [], [], []
         for i, (rows, d, lx, q) in enumerate(scores):
             if rows.size:
                 ranges[:, i] = (*self._dense_range(rows, d, q), lx.min(), lx.max())
-        ranges = ranges.tolist()
-        if len(self._rounds) > _MAX_CACHED_ROUNDS:
-            self._rounds.clear()
-        self._rounds[req.token] = (self.store.version, scores)
-        return ExactRangesReply(eligible, ranges[0], ranges[1], ranges[2], ranges[3])
-
-    def exact_fuse(self, req: ExactFuseRequest) -> ExactFuseReply:
-        """Exact hybrid, round 2: fuse with the corpus-global ranges; return the local top-k by
-        (fused desc, chunk id asc) and the local top-``n`` dense and BM25 lists (for ranks).
-
-        :raises KeyError: no round 1 under ``token``. :raises RuntimeError: a write came between.
-        """
-        version, scores = self._rounds.pop(req.token)
-        if version != self.store.version:
-            raise RuntimeError("the index changed between the two rounds of an exact query")
-        slots, row_ids = self.store.dense.slots, self.store.row_ids()
-        top, dls, lls, fields = [], [], [], []
-        for i, (rows, d, lx, q) in enumerate(scores):
-            dr, wd = tuple(req.dense_range[i]), req.dense_weight[i]
-
-            def fuse(dense, lexical):
-                return fuse_minmax(dense, lexical, dense_range=dr, lexical_range=tuple(req.lexical_range[i]),
-                                   dense_weight=wd, lexical_weight=req.lexical_weight[i])
-
-            exact = self._dense_exact(q, rows)
-            span = dr[1] - dr[0]
-            # the fused score moves by at most wd / span times the dense error (plus rounding)
-            err = (wd / span if span > 0 else 0.0) * self.store.dense.score_error(q) * 1.001 + 1e-9
-            ids = row_ids[rows]
-            order, fused = refine_top(fuse(d, lx), err, lambda pos: fuse(exact(pos), lx[pos]), ids, int(req.k))
-            top.append(Candidates(slots[rows[order]], ids[order].tolist(), exact(order), lx[order], fused))
-            fields.append(self._fields(top[-1].slots))
+            # every BM25 score lies in an interval of width sum |idf| (k1 + 1) (each term adds
+            # idf tf (k1 + 1) / (tf + norm), between min(0, idf) and max(0, idf) times k1 + 1)
+            lspan = float(np.abs(np.asarray(req.batch.idf[i], np.float64)).sum()) * (req.batch.k1 + 1.0)
+            pos, dc = self._band(rows, d, lx, q, int(req.k[i]), req.weights[i], lspan) if rows.size else \
+                (np.zeros(0, np.int64), np.zeros(0))
+            ids = row_ids[rows[pos]]
+            bands.append(Candidates(slots[rows[pos]], ids.tolist(), dc, lx[pos]))
+            fused = fuse_minmax(dc, lx[pos], dense_range=tuple(ranges[:2, i]), lexical_range=tuple(ranges[2:, i]),
+                                dense_weight=req.weights[i][0], lexical_weight=req.weights[i][1])
+            fields.append(self._fields(bands[-1].slots[top_k_order(fused, ids, int(req.k[i]))]))
             dl, ll = self._lists(rows, d, lx, q, int(req.n))
             dls.append(dl)
             lls.append(ll)
-        return ExactFuseReply(top, dls, lls, fields)
+        ranges = ranges.tolist()
+        return ExactMinmaxReply([int(rows.size) for rows, *_ in scores], ranges[0], ranges[1], ranges[2], ranges[3],
+                                bands, dls, lls, fields)
 
     def exact_lists(self, req: ExactListsRequest) -> ExactListsReply:
         """Exact retrieval for rank fusion: the local top-``n`` dense and BM25 lists over every

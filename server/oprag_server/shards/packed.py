@@ -4,7 +4,7 @@ texts per query, and pickling them one Python object each (plus numpy's per-arra
 most of the frontend's reply unpickling.
 
 ``Candidates`` pickles as its numeric columns in one ``bytearray`` (slots int64, dense,
-lexical and fused float64, back to back) and its chunk ids as one string joined by NUL;
+lexical float64, back to back) and its chunk ids as one string joined by NUL;
 ``FetchReply`` as its four string columns in one UTF-8 ``bytes`` with their lengths. The other side
 gets numpy views of the buffer (writable, no copy), :class:`PackedStrs` for the ids (a
 read-only sequence that splits the joined string as far as an element read needs: the frontend
@@ -104,22 +104,19 @@ def reduce_candidates(c):
     ids = pack_strs(c.chunk_ids)
     n = len(c.chunk_ids)
     cols = (_col(c.slots, _I8, n), _col(c.dense, _F8, n), _col(c.lexical, _F8, n))
-    fused = c.fused
-    if fused is not None:
-        cols += (_col(fused, _F8, n),)
     if ids is None or any(x is None for x in cols):
-        return type(c), (c.slots, c.chunk_ids, c.dense, c.lexical, fused)
+        return type(c), (c.slots, c.chunk_ids, c.dense, c.lexical)
     buf = bytearray(8 * n * len(cols))
     out = np.frombuffer(buf, np.uint8)
     for j, a in enumerate(cols):
         out[8 * n * j:8 * n * (j + 1)] = np.ascontiguousarray(a).view(np.uint8)
-    return candidates, (buf, ids[0], n, fused is not None)
+    return candidates, (buf, ids[0], n)
 
 
-def candidates(buf: bytearray, blob: str, n: int, has_fused: bool):
+def candidates(buf: bytearray, blob: str, n: int):
     """The ``Candidates`` of :func:`reduce_candidates`'s compact form (views of ``buf``)."""
-    a = np.frombuffer(buf, np.float64).reshape(4 if has_fused else 3, n)  # (views: one buffer export)
-    return Candidates(a[0].view(np.int64), PackedStrs(blob, n), a[1], a[2], a[3] if has_fused else None)
+    a = np.frombuffer(buf, np.float64).reshape(3, n)  # (views: one buffer export)
+    return Candidates(a[0].view(np.int64), PackedStrs(blob, n), a[1], a[2])
 
 
 def reduce_fetch(f):

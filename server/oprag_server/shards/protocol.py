@@ -23,8 +23,7 @@ class Op(enum.Enum):
     """Shard operations. The value is the name used in logs and errors."""
 
     SEARCH = "search"  # candidate generation: dense top-n (+ BM25 of those) or BM25 top-n
-    EXACT_RANGES = "exact_ranges"  # exact min-max hybrid, round 1: score every chunk, return ranges
-    EXACT_FUSE = "exact_fuse"  # exact min-max hybrid, round 2: fuse with global ranges, local top-k
+    EXACT_MINMAX = "exact_minmax"  # exact min-max hybrid: ranges, rank lists, the chunks that can be top-k
     EXACT_LISTS = "exact_lists"  # exact rank fusion: local dense and BM25 top-n lists, one round
     FETCH = "fetch"  # stored fields of hit slots
     REUSE = "reuse"  # stored vectors of documents by content hash (re-ingest embeds only changes)
@@ -66,13 +65,12 @@ class QueryBatch:
 class Candidates:
     """One query's candidates on one shard, as parallel arrays of length M: ``slots`` int64 (shard-local),
     ``chunk_ids`` (a list, or a :class:`.packed.PackedStrs` once pickled), ``dense`` float64 inner products,
-    ``lexical`` float64 BM25 scores, ``fused`` float64 fused scores (exact min-max round 2 only) or None."""
+    ``lexical`` float64 BM25 scores."""
 
     slots: np.ndarray
     chunk_ids: list[str]
     dense: np.ndarray
     lexical: np.ndarray
-    fused: np.ndarray | None = None
 
 
 # ---------------------------------------------------------------------------- search
@@ -130,48 +128,33 @@ class SearchReply:
 
 
 @message
-class ExactRangesRequest:
-    """Round 1 of exact min-max hybrid; the shard caches the scores under ``token``."""
+class ExactMinmaxRequest:
+    """Exact min-max hybrid (one round): per query ``k[i]`` results and the fusion's
+    ``weights[i] = (dense, lexical)``; ``n``-long rank lists."""
 
     batch: QueryBatch
-    token: str
+    k: list[int]
+    n: int
+    weights: list[tuple[float, float]]
 
 
 @message
-class ExactRangesReply:
-    """Per query (lists of length B): chunks ``eligible`` and the local score ranges
-    ``dense_min``, ``dense_max``, ``lexical_min``, ``lexical_max`` (0.0 when none eligible)."""
+class ExactMinmaxReply:
+    """Per query (lists of length B): chunks ``eligible``; the local score ranges ``dense_min``,
+    ``dense_max`` (canonical), ``lexical_min``, ``lexical_max`` (0.0 when none eligible);
+    ``band``: every local chunk that can be in the top-k whatever the corpus-wide ranges, with
+    canonical dense scores (``ExactMixin._band``); the local top-n dense and BM25 (!= 0 only)
+    lists (for ranks); ``fields``: stored fields of the band's top-k fused with the local ranges."""
 
     eligible: list[int]
     dense_min: list[float]
     dense_max: list[float]
     lexical_min: list[float]
     lexical_max: list[float]
-
-
-@message
-class ExactFuseRequest:
-    """Round 2 of exact min-max hybrid: per query the corpus-global ``(min, max)`` ranges and
-    weights; ``k`` results and ``n``-long rank lists per query."""
-
-    token: str
-    dense_range: list[tuple[float, float]]
-    lexical_range: list[tuple[float, float]]
-    dense_weight: list[float]
-    lexical_weight: list[float]
-    k: int
-    n: int
-
-
-@message
-class ExactFuseReply:
-    """Per query: local top-k by (fused desc, chunk id asc) with ``fused`` set, and the local
-    top-n dense and BM25 (> 0 only) lists (for ranks)."""
-
-    top: list[Candidates]
+    band: list[Candidates]
     dense_lists: list[Candidates]
     lexical_lists: list[Candidates]
-    fields: list[FetchReply] | None = None  # per query: stored fields of ``top[i]``'s slots
+    fields: list[FetchReply] | None = None
 
 
 @message
@@ -374,8 +357,7 @@ class ShutdownReply:
 #: The request and reply type of every op (the worker checks requests against it).
 TYPES: dict[Op, tuple[type, type]] = {
     Op.SEARCH: (SearchRequest, SearchReply),
-    Op.EXACT_RANGES: (ExactRangesRequest, ExactRangesReply),
-    Op.EXACT_FUSE: (ExactFuseRequest, ExactFuseReply),
+    Op.EXACT_MINMAX: (ExactMinmaxRequest, ExactMinmaxReply),
     Op.EXACT_LISTS: (ExactListsRequest, ExactListsReply),
     Op.FETCH: (FetchRequest, FetchReply),
     Op.REUSE: (ReuseRequest, ReuseReply),

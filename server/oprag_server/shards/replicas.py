@@ -11,8 +11,6 @@ commit protocol and every operator are unchanged. Rules:
   replica of every shard did.
 * **Reads** go to the serving replica with the fewest outstanding requests (ties rotate); a read
   that fails because its replica went down is retried on another one (reads change nothing).
-  The second round of an exact min-max hybrid (``EXACT_FUSE``) goes to the replica that ran its
-  first round (``EXACT_RANGES``, same token), or both rounds run again on a sibling.
 * **Catch-up.** A replica that comes back never serves before it holds every acknowledged write:
   a live sibling writes a snapshot (:attr:`Op.SNAPSHOT`), the snapshot directory is copied into
   the replica's own directory, a fresh process loads it; the writes sent after the snapshot
@@ -68,7 +66,6 @@ class ReplicaSet(ShardTransport):
         self.loop: asyncio.AbstractEventLoop | None = None
         self._snap = asyncio.Lock()
         self._rr = 0
-        self._rounds: dict[str, tuple[int, Any]] = {}  # EXACT_RANGES token -> (replica, request)
 
     def _make(self, r: int) -> ShardTransport:
         t = self.factory(self.shard_id, self.dim, replica_dir(self.data_dir, r), self.stem)
@@ -156,8 +153,6 @@ class ReplicaSet(ShardTransport):
         return fut
 
     async def _read(self, op: Op, request: Any) -> Any:
-        if op is Op.EXACT_FUSE:
-            return await self._fuse(request)
         tried: set[int] = set()
         while True:
             ok = [r for r in range(self.r) if self.serving[r] and r not in tried and self.reps[r].is_alive()]
@@ -165,10 +160,6 @@ class ReplicaSet(ShardTransport):
                 raise ShardError(f"shard {self.shard_id}: no replica is serving")
             self._rr += 1  # ties (e.g. one request at a time) rotate over the replicas
             r = min(ok, key=lambda r: (self.outstanding[r], (r - self._rr) % self.r))
-            if op is Op.EXACT_RANGES:  # round 2 (EXACT_FUSE) must reach the replica holding round 1
-                self._rounds[request.token] = (r, request)
-                while len(self._rounds) > 1024:
-                    self._rounds.pop(next(iter(self._rounds)))
             try:
                 return await self._one(r, op, request)
             except ShardError:
@@ -176,23 +167,6 @@ class ReplicaSet(ShardTransport):
                     raise  # the shard's own answer (e.g. a bad request): the same on every replica
                 self._down(r, "failed a read")
                 tried.add(r)
-
-    async def _fuse(self, request: Any) -> Any:
-        """Round 2 of exact min-max hybrid on the replica that ran round 1; when that one went
-        down, round 1 runs again on another replica (same data, same local scores), then round 2."""
-        r, ranges = self._rounds.pop(request.token, (None, None))
-        if r is not None and self.serving[r] and self.reps[r].is_alive():
-            try:
-                return await self._one(r, Op.EXACT_FUSE, request)
-            except ShardError:
-                if self.reps[r].is_alive() or ranges is None:
-                    raise
-                self._down(r, "failed a read")
-        if ranges is None:
-            raise ShardError(f"shard {self.shard_id}: no round 1 under {request.token!r}")
-        await self._read(Op.EXACT_RANGES, ranges)
-        r, _ = self._rounds.pop(request.token)
-        return await self._one(r, Op.EXACT_FUSE, request)
 
     async def _write(self, op: Op, request: Any) -> Any:
         if op is Op.SNAPSHOT:

@@ -1,6 +1,6 @@
 """Shard-side search over a :class:`~oprag_server.shards.chunks.ChunkStore`: candidate
-generation (dense top-n with BM25 of those, or BM25 top-n), the exact hybrid rounds (every
-eligible chunk scored; min-max in two rounds, rank lists in one) and fetching stored fields.
+generation (dense top-n with BM25 of those, or BM25 top-n), exact hybrid (every eligible chunk
+scored, one round: :mod:`.exact`) and fetching stored fields.
 
 Scores are float64; ties are broken by ascending chunk id (see
 :func:`oprag_server.index.fusion.top_k_order`). BM25 uses the corpus-global idf and average
@@ -62,8 +62,7 @@ def _kernels_cone():
 
 
 class Searcher(ExactMixin):
-    """Read side of one shard. Holds the exact-mode round-1 scores until round 2 (exact mode:
-    :class:`.exact.ExactMixin`)."""
+    """Read side of one shard (exact mode: :class:`.exact.ExactMixin`)."""
 
     #: vectors sampled (strided) to estimate the corpus-wide dense minimum
     SAMPLE = 512
@@ -76,7 +75,6 @@ class Searcher(ExactMixin):
         self.store = store
         self._i8 = None  # the int8 copy of the vectors (created on the first flat scan)
         self._rows_n = _NO_ROWS
-        self._rounds: dict[str, tuple[int, list[tuple]]] = {}
         self._dmin: tuple[int, dict[bytes, float]] = (-1, {})  # (store version, query bytes -> estimate)
         self._low = LowSeeds()  # HNSW: seeds of the dense-minimum search
 
@@ -192,13 +190,14 @@ class Searcher(ExactMixin):
         that the first query is not slow. :returns: seconds taken."""
         t = _kernels().warm()
         st, t0 = self.store, time.perf_counter()
-        from ..index import kernels_topm, kernels_wide  # noqa: PLC0415 - numba only in processes that search
+        from ..index import kernels_band, kernels_topm, kernels_wide  # noqa: PLC0415 - numba only in processes that search
 
         _kernels_low().warm()
         kernels_topm.warm()
         kernels_wide.warm()
         _kernels_scan().warm()
         _kernels_cone().warm()
+        kernels_band.warm()
         listed_top(st.postings, ["\x00"], np.ones(1), 1.0, 1.5, 0.75, 1)  # the segment's term bounds
         if st.dense.params.kind == "hnsw" and st.dense.ann is not None:
             self._low.candidates(st.dense.ann, np.zeros((0, st.dim), np.float32))  # build the seeds

@@ -107,8 +107,7 @@ def op_table(state: ShardState) -> dict[Op, Handler]:
     """The handler of every :class:`Op` on ``state`` (each takes the op's request type)."""
     return {
         Op.SEARCH: state.search.search,
-        Op.EXACT_RANGES: state.search.exact_ranges,
-        Op.EXACT_FUSE: state.search.exact_fuse,
+        Op.EXACT_MINMAX: state.search.exact_minmax,
         Op.EXACT_LISTS: state.search.exact_lists,
         Op.FETCH: state.search.fetch,
         Op.REUSE: state.store.reuse,

@@ -46,7 +46,7 @@ from .transport import ShardError, ShardTransport
 log = logging.getLogger("oprag")
 
 #: ops whose request and reply cross without a copy (reads; the reply is read-only)
-ZERO_COPY = frozenset({Op.SEARCH, Op.EXACT_RANGES, Op.EXACT_FUSE, Op.EXACT_LISTS, Op.FETCH})
+ZERO_COPY = frozenset({Op.SEARCH, Op.EXACT_MINMAX, Op.EXACT_LISTS, Op.FETCH})
 _limits_set = threading.Lock()
 _limited: list[Any] = []  # the threadpoolctl limiter, kept alive (process-wide, set once)
 

@@ -106,7 +106,7 @@ class _Pickled:
 
 
 #: ops whose request goes to several shards at once (query path; small requests)
-_SHARED_OPS = frozenset({Op.SEARCH, Op.EXACT_RANGES, Op.EXACT_FUSE, Op.EXACT_LISTS})
+_SHARED_OPS = frozenset({Op.SEARCH, Op.EXACT_MINMAX, Op.EXACT_LISTS})
 _last: tuple = (None, None)  # (the last shared request object, its _Pickled); replaced whole (threads)
 
 
