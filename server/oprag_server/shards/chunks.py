@@ -19,7 +19,6 @@ import pyarrow as pa
 
 from .. import metadata as md
 from .. import records
-from ..index.analyzer import Analyzer
 from ..index import term_ids
 from ..index.term_ids import TermTable, take_rows
 from ..index.bm25 import PostingsIndex
@@ -50,8 +49,8 @@ class ChunkStore:
 
     def __init__(self, dim: int, stem: bool = False, dense: DenseConfig | None = None) -> None:
         self.dim = dim
-        self.analyzer = Analyzer(stem=stem)
         self.terms = TermTable(stem=stem)  # BM25 tokens as shard-wide term ids (..index.term_ids)
+        self.analyzer = self.terms.analyzer  # the one analyser (its ``stem`` goes into snapshots)
         term_ids.warm()
         self.dense = DenseIndex(dim, dense)
         self.postings = PostingsIndex()
