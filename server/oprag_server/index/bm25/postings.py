@@ -147,8 +147,9 @@ class PostingsIndex(MergeMixin):
         d_df, terms = self._d_df, self._delta.terms
         if not d_df:  # (the usual case: one batch per commit, drained after it) one C-level build
             self._d_df = dict(zip(map(terms.__getitem__, uc[0].tolist()), uc[1].tolist()))
-        for i, n in zip(uc[0].tolist(), uc[1].tolist()) if d_df else ():
-            d_df[terms[i]] = d_df.get(terms[i], 0) + n
+        else:
+            for i, n in zip(uc[0].tolist(), uc[1].tolist()):
+                d_df[terms[i]] = d_df.get(terms[i], 0) + n
         s = np.asarray(slots, np.int64)
         self._doc_len[s] = lens
         self._live[s] = True
