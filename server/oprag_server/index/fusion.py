@@ -61,6 +61,13 @@ def lexical_listed(lexical: np.ndarray) -> np.ndarray:
     return np.asarray(lexical, dtype=np.float64) != 0.0
 
 
+def lexical_span_bound(idf, k1: float) -> float:
+    """``sum_t |idf_t| (k1 + 1)``: the width of an interval that holds every BM25Okapi score of a
+    query with idf float[T] and 0 (rank_bm25's term ``idf tf (k1 + 1) / (tf + norm)`` lies between
+    ``min(0, idf) (k1 + 1)`` and ``max(0, idf) (k1 + 1)``), so an upper bound of any BM25 span."""
+    return float(np.abs(np.asarray(idf, np.float64)).sum()) * (float(k1) + 1.0)
+
+
 def rank_order(scores: np.ndarray, chunk_ids, rows=None) -> list[int]:
     """Indices ordering ``scores`` descending, ties broken by ascending chunk id.
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import kernels  # noqa: F401 - sets numba's cache directory before the first njit
+from .fusion import lexical_span_bound
 from numba import njit  # noqa: E402
 
 #: relative tolerance of "ahead": float64 fused scores err by ~1e-15 relative
@@ -97,7 +98,7 @@ def rho_floor(weights, d_all: np.ndarray, dense_min: float, idf: np.ndarray, k1:
         return 0.0
     lo = min(float(d_all.min()), float(dense_min))
     dspan = float(d_all.max()) - lo
-    lspan = float(np.abs(np.asarray(idf, np.float64)).sum()) * (float(k1) + 1.0)
+    lspan = lexical_span_bound(idf, k1)
     if not (np.isfinite(dspan) and np.isfinite(lspan) and dspan > 0.0 and lspan > 0.0):
         return 0.0
     return (wl / wd) * dspan / lspan * (1.0 - 1e-6)

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import numpy as np
 
 from .. import records
-from ..index.fusion import fuse_minmax, lexical_listed, refine_top, top_k_order
+from ..index.fusion import fuse_minmax, lexical_listed, lexical_span_bound, refine_top, top_k_order
 from .protocol import (Candidates, ExactListsReply, ExactListsRequest, ExactMinmaxReply, ExactMinmaxRequest,
                        QueryBatch)
 
@@ -132,9 +132,7 @@ class ExactMixin:
         for i, (rows, d, lx, q) in enumerate(scores):
             if rows.size:
                 ranges[:, i] = (*self._dense_range(rows, d, q), lx.min(), lx.max())
-            # every BM25 score lies in an interval of width sum |idf| (k1 + 1) (each term adds
-            # idf tf (k1 + 1) / (tf + norm), between min(0, idf) and max(0, idf) times k1 + 1)
-            lspan = float(np.abs(np.asarray(req.batch.idf[i], np.float64)).sum()) * (req.batch.k1 + 1.0)
+            lspan = lexical_span_bound(req.batch.idf[i], req.batch.k1)
             pos, dc = self._band(rows, d, lx, q, int(req.k[i]), req.weights[i], lspan) if rows.size else \
                 (np.zeros(0, np.int64), np.zeros(0))
             ids = row_ids[rows[pos]]
