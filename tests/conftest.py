@@ -9,6 +9,11 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# torch's OpenMP threads spin while they wait by default; on a 2-core machine shared with shard
+# processes (and other jobs) a spinning thread holds the core its partner needs, and a 16-token
+# SmolLM2 batch took 19-26 s instead of 2-4 s (load ~5). Sleeping waits keep the tests' time
+# independent of the machine's load. Set before torch is imported; servers the tests start inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # One converted-model cache for the whole test session (GGUF conversion takes ~20 s once).
 os.environ.setdefault("OPRAG_CACHE_DIR", str(Path(tempfile.gettempdir()) / "oprag-test-cache"))
 
