@@ -34,7 +34,8 @@ from .service.interceptors import StatusInterceptor
 from .service.metrics import Metrics
 from .service.servicer import OpRAGServicer
 from .shards.pool import ShardPool
-from .startup import acquire_storage, announce_ready, check_data_dir, check_storage, check_security, preflight
+from .startup import (acquire_storage, announce_ready, check_data_dir, check_security, check_storage, preflight,
+                      warm_beside)
 from .supervision import INGEST_HEALTH, QUERY_HEALTH, SERVING, EngineHealth, ShardSupervisor, keep_lease, restart_shard
 from .shards.protocol import ApplyReply, Op, SnapshotRequest, StatsRequest
 
@@ -278,17 +279,6 @@ def grpc_options(cfg: ServerConfig) -> list[tuple[str, int]]:
     return [("grpc.max_receive_message_length", m), ("grpc.max_send_message_length", m), ("grpc.so_reuseport", 0)]
 
 
-async def _load_models(cfg: ServerConfig) -> tuple[Any, Any | None]:
-    """Start-up checks (:func:`~oprag_server.startup.preflight`: models, ports, data dir), then
-    warm up the encoder and the generator off the event loop."""
-    loop = asyncio.get_running_loop()
-    encoder, generator = preflight(cfg)
-    await loop.run_in_executor(None, encoder.warm_up)
-    if generator is not None:
-        await loop.run_in_executor(None, generator.warm_up)
-    return encoder, generator
-
-
 def build_server(cfg: ServerConfig, rt: Runtime) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
     """The gRPC server: OpRAG servicer behind the auth and status interceptors, health,
     reflection, bound to ``cfg.host:cfg.port`` (TLS when configured); not started.
@@ -332,8 +322,8 @@ async def serve(cfg: ServerConfig, *, encoder: Any = None, generator: Any = None
     """
     loop = asyncio.get_running_loop()
     t0 = time.perf_counter()
-    if not models_loaded:
-        encoder, generator = await _load_models(cfg)
+    if not models_loaded:  # start-up checks (models found, ports, data dir); warm-up below
+        encoder, generator = preflight(cfg)
     rt = Runtime(cfg, encoder, generator)
     if cfg.otlp_endpoint:
         from .service.tracing import Tracing
@@ -341,7 +331,8 @@ async def serve(cfg: ServerConfig, *, encoder: Any = None, generator: Any = None
         rt.tracing = Tracing.otlp(cfg.otlp_endpoint)
     server = http = http_task = None
     try:  # a failure before serving (e.g. a port taken meanwhile) must not leave shards behind
-        await loop.run_in_executor(None, rt.start_shards, loop)
+        shards = loop.run_in_executor(None, rt.start_shards, loop)
+        await (shards if models_loaded else warm_beside(encoder, generator, shards))
         await rt.start()
         server, health_servicer, bound = build_server(cfg, rt)
         try:

@@ -7,6 +7,7 @@ which option to change; the server CLI prints it and exits with status 2.
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import json
 import socket
@@ -183,3 +184,19 @@ def announce_ready(host: str, port: int) -> None:
     gc.collect()
     gc.freeze()
     print(f"OPRAG READY {host}:{port}", flush=True)
+
+
+async def warm_beside(encoder: Any, generator: Any | None, start: Any) -> None:
+    """Warm up the encoder, then the generator, off the event loop while ``start`` (the shard
+    processes' start) runs: a warm-up is mostly importing transformers' model modules (~5 s on 2
+    cores). Awaits both to the end, then raises the first failure, so that ``serve``'s clean-up
+    never meets a half-started shard pool."""
+    async def warm() -> None:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, encoder.warm_up)
+        if generator is not None:
+            await loop.run_in_executor(None, generator.warm_up)
+
+    for r in await asyncio.gather(warm(), start, return_exceptions=True):
+        if isinstance(r, BaseException):
+            raise r
