@@ -99,3 +99,22 @@ def test_a_quiet_shard_merges_its_delta_in_the_background(monkeypatch):
     live = {s: (t, 0) for s, t in toks.items()}
     for q in (["the", "topic3"], ["chunk105", "chunk112", "topic1"], ["chunk5", "topic0"]):
         check([p], live, q)
+
+
+def test_the_idle_merge_waits_for_the_hnsw_catch_up(monkeypatch):
+    from oprag_server.config import DenseConfig
+
+    monkeypatch.setattr(B.PostingsIndex, "MERGE_MIN", 4)
+    monkeypatch.setattr(ShardState, "IDLE_QUIET_S", 0.0)
+    st = ShardState(0, D, None, dense=DenseConfig(kind="hnsw", hnsw_m=8))
+    _upsert(st, 0, 100, 1)
+    st.store.postings.merge()
+    _upsert(st, 100, 110, 2)  # deferred HNSW inserts and an idle merge due
+    assert st.store.dense.pending and st.store.postings.idle_merge_due()
+    assert st.idle_wait() is None and st.stats().merge_pending == 30
+    while st.background_step():
+        pass
+    assert st.idle_wait() == 0.0
+    st.idle_step()
+    st.store.postings.wait_merge()
+    assert st.stats().merge_pending == 0

@@ -109,11 +109,13 @@ class ShardState:
 
     def idle_wait(self) -> float | None:
         """Seconds the shard loop may wait for a request before :meth:`idle_step` has work (0:
-        now); None when there is none. A write (a new store version) restarts the quiet time."""
+        now); None when there is none (also while deferred HNSW inserts wait: they go first, so
+        the two do not compete for the CPU with the queries at once). A write (a new store
+        version) restarts the quiet time."""
         p = self.store.postings
         if p.merging:
             return 0.0 if not p._pending[0].is_alive() else self.MERGE_POLL_S  # noqa: SLF001
-        if not p.idle_merge_due():
+        if not p.idle_merge_due() or self.store.dense.pending:  # (the HNSW catch-up first: one at a time)
             return None
         now = time.monotonic()
         if self._seen[0] != self.store.version:
