@@ -1,5 +1,5 @@
 """The idle BM25 merge (issue 13, settle11): a shard whose writes have gone quiet folds a delta of
-1/IDLE_DIV of its segment in the background, below the write-time rule's 1/MERGE_DIV, and Stats
+1/IDLE_DIV (64) of its segment in the background, below the write-time rule's 1/MERGE_DIV, and Stats
 report it as ``merge_pending`` until it is installed. Scores are checked against rank_bm25 0.2.2
 (the ``check`` helper of test_bm25_segments: every expected score comes from ``get_scores``)."""
 
@@ -20,36 +20,36 @@ from test_bm25_segments import check
 D = 8
 
 
-def test_idle_merge_due_at_a_sixteenth_of_the_segment(monkeypatch):
+def test_idle_merge_due_at_a_sixty_fourth_of_the_segment(monkeypatch):
     monkeypatch.setattr(B.PostingsIndex, "MERGE_MIN", 4)
-    assert B.PostingsIndex.IDLE_DIV == 16 and B.PostingsIndex.MERGE_DIV == 4
+    assert B.PostingsIndex.IDLE_DIV == 64 and B.PostingsIndex.MERGE_DIV == 4
     ix, live = B.PostingsIndex(), {}
-    for s in range(80):
+    for s in range(320):
         live[s] = ([f"w{s}", "common"], 0)
     ix.add_batch(list(live), [t for t, _ in live.values()])
     ix.merge()
-    assert ix.segment.n_postings == 160 and not ix.idle_merge_due() and ix.merge_pending() == 0
-    for s in range(80, 84):  # 8 postings: under 160 // 16 = 10
+    assert ix.segment.n_postings == 640 and not ix.idle_merge_due() and ix.merge_pending() == 0
+    for s in range(320, 324):  # 8 postings: under 640 // 64 = 10
         live[s] = ([f"w{s}", "common"], 0)
         ix.add(s, live[s][0])
     assert not ix.idle_merge_due() and ix.merge_pending() == 0
-    live[84] = (["w84", "common"], 0)
-    ix.add(84, live[84][0])  # 10 postings: an idle merge is due, the write-time rule (40) is not
+    live[324] = (["w324", "common"], 0)
+    ix.add(324, live[324][0])  # 10 postings: an idle merge is due, the write-time rule (160) is not
     assert ix.idle_merge_due() and ix.merge_pending() == 10 and not ix.maybe_merge()
     ix.merge(background=True)
     assert ix.merge_pending() > 0 and not ix.idle_merge_due()
     ix.wait_merge()
-    assert ix.merge_pending() == 0 and ix.segment.n_postings == 170
-    check([ix], live, ["common", "w3", "w84"])
+    assert ix.merge_pending() == 0 and ix.segment.n_postings == 650
+    check([ix], live, ["common", "w3", "w324"])
     merges = ix.merges
     ix.merge()  # nothing to fold: the segment is not rebuilt
     assert ix.merges == merges
-    check([ix], live, ["common", "w84"])
-    ix.remove(84)  # a dead posting: merge() rebuilds
-    del live[84]
+    check([ix], live, ["common", "w324"])
+    ix.remove(324)  # a dead posting: merge() rebuilds
+    del live[324]
     ix.merge()
-    assert ix.merges == merges + 1 and ix.segment.n_postings == 168
-    check([ix], live, ["common", "w84", "w0"])
+    assert ix.merges == merges + 1 and ix.segment.n_postings == 648
+    check([ix], live, ["common", "w324", "w0"])
 
 
 def _upsert(st: ShardState, lo: int, hi: int, seq: int) -> dict[int, list[str]]:
@@ -70,7 +70,7 @@ def test_a_quiet_shard_merges_its_delta_in_the_background(monkeypatch):
     toks = _upsert(st, 0, 100, 1)
     st.store.postings.merge()
     assert st.idle_wait() is None and st.stats().merge_pending == 0
-    toks.update(_upsert(st, 100, 110, 2))  # 30 postings: over 300 // 16, under 300 // 4
+    toks.update(_upsert(st, 100, 110, 2))  # 30 postings: over 300 // 64, under 300 // 4
     p = st.store.postings
     assert not p.merging and st.stats().merge_pending == 30
     assert 0.1 < st.idle_wait() <= 0.2

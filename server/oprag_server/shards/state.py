@@ -103,7 +103,7 @@ class ShardState:
 
     #: seconds without a write before an idle merge starts (a trickle of writes closer together
     #: than this merges at the write-time rule only, 1/MERGE_DIV)
-    IDLE_QUIET_S = 2.0
+    IDLE_QUIET_S = 5.0
     #: how often the loop looks whether a background merge finished, to install it between requests
     MERGE_POLL_S = 0.05
 

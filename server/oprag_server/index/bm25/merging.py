@@ -25,8 +25,10 @@ class MergeMixin:
     :class:`~.postings.PostingsIndex` (uses its private state)."""
 
     #: a shard whose writes went quiet merges a delta of 1/IDLE_DIV of the segment's postings
-    #: (:meth:`idle_merge_due`; issue 13, settle11: the delta's per-query cost, bench/RESULTS.md)
-    IDLE_DIV = 16
+    #: (:meth:`idle_merge_due`). Issue 13, settle11 (bench.delta_cost, 1M): a 3-6% delta costs a
+    #: shard's BM25 part of a query 1.4-2.4 ms more (+40-70%), 12-25% ~4.2 ms; a merge at 1M is
+    #: ~2-3 s of one core, the work the next periodic snapshot would do in the foreground anyway
+    IDLE_DIV = 64
 
     def _layers(self) -> list[Delta]:
         return [self._delta] if self._frozen is None else [self._frozen, self._delta]
