@@ -110,13 +110,13 @@ class ShardState:
     def idle_wait(self) -> float | None:
         """Seconds the shard loop may wait for a request before :meth:`idle_step` has work (0:
         now); None when there is none (also while deferred HNSW inserts wait: they go first, so
-        the two do not compete for the CPU with the queries at once). A write (a new store
-        version) restarts the quiet time."""
+        the two do not compete for the CPU with the queries at once; and while a prepared
+        transaction waits for its apply). A write (a new store version) restarts the quiet time."""
         p = self.store.postings
         if p.merging:
             return 0.0 if not p._pending[0].is_alive() else self.MERGE_POLL_S  # noqa: SLF001
-        if not p.idle_merge_due() or self.store.dense.pending:  # (the HNSW catch-up first: one at a time)
-            return None
+        if not p.idle_merge_due() or self.store.dense.pending or self.txns.prepared:
+            return None  # (the HNSW catch-up first, one at a time; a prepared transaction's apply first)
         now = time.monotonic()
         if self._seen[0] != self.store.version:
             self._seen = (self.store.version, now, *self._seen[2:])
@@ -130,7 +130,7 @@ class ShardState:
         p = self.store.postings
         if p.merging:
             p.poll_merge(raise_errors=False)
-        elif not self.txns.prepared and self.idle_wait() == 0.0:
+        elif self.idle_wait() == 0.0:
             p.merge(background=True)
         self.note()
 
