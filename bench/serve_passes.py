@@ -12,7 +12,10 @@ derivation from ``--source``, other seed and ids ``more:<i>``), times a hybrid p
 (``after_ingest``) and two more after ``--settle`` seconds (``settled1/2``), before the
 interleaved pass: the same server before an ingest, straight after it (its shards' BM25 deltas,
 deferred HNSW inserts) and a while later. The data dir is
-changed by it (copy it first).
+changed by it (copy it first). Every pass records its wall-clock start and end (``t0``, ``t1``:
+to line up with the server log's timestamped merges and snapshots) and, at its start, the shards'
+``ann_pending`` and ``merge_pending`` summed (Stats; ``--wait-settled`` also waits after the
+settling time until both are 0, ``settle_wait_s``).
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--source", type=Path, default=Path("bench/out/retrieval-data"),
                     help="bench.retrieval data dir whose chunks --ingest derives from (bench.scale's --source)")
     ap.add_argument("--settle", type=float, default=30.0, help="seconds between the after_ingest pass and the others")
+    ap.add_argument("--wait-settled", action="store_true",
+                    help="after --settle, also wait until no shard has deferred HNSW inserts or a BM25 merge pending")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     from oprag_client.client import OpRAGClient, query_request
@@ -65,6 +70,8 @@ def main(argv=None) -> dict:
             for label, modes in plans:
                 if label == "settle":
                     time.sleep(a.settle)
+                    if a.wait_settled:
+                        out["settle_wait_s"] = round(_settled(c), 1)
                     continue
                 if label == "ingest":
                     out["ingest"] = _ingest(c, a)
@@ -72,12 +79,19 @@ def main(argv=None) -> dict:
                     continue
                 lat: dict[str, list[float]] = {m: [] for m in modes}
                 tim: dict[str, list[float]] = {}
+                t0, pending = time.strftime("%H:%M:%S"), _pending(c)
+                slow = []  # hybrid queries over SLOW_MS: when (to line up with the server log) and how long
                 for text, v in zip(texts, vecs):
                     for mode in modes:
                         lat[mode].append(one(text, v, mode, tim if mode == "hybrid" else {}))
-                row = {"label": label, "hybrid_p50_ms": round(percentile(lat["hybrid"], 50), 2),
+                        if mode == "hybrid" and lat[mode][-1] > SLOW_MS:
+                            slow.append((time.strftime("%H:%M:%S"), round(lat[mode][-1])))
+                row = {"label": label, "t0": t0, "t1": time.strftime("%H:%M:%S"), **pending,
+                       "hybrid_p50_ms": round(percentile(lat["hybrid"], 50), 2),
                        "hybrid_p95_ms": round(percentile(lat["hybrid"], 95), 2),
                        "server_timings_p50_ms": {k: round(percentile(x, 50), 2) for k, x in tim.items()}}
+                if slow:
+                    row["slow"] = slow
                 if "full_hybrid" in lat:
                     row["full_p50_ms"] = round(percentile(lat["full_hybrid"], 50), 2)
                 out["passes"].append(row)
@@ -89,6 +103,24 @@ def main(argv=None) -> dict:
     return out
 
 
+#: a hybrid query slower than this is listed with its end time in its pass's row (``slow``)
+SLOW_MS = 250.0
+
+
+def _pending(c) -> dict:
+    """The shards' deferred HNSW inserts and pending BM25 merge postings, summed (Stats)."""
+    sh = c.stats().shards
+    return {k: sum(int(getattr(s, k, 0)) for s in sh) for k in ("ann_pending", "merge_pending")}
+
+
+def _settled(c, poll_s: float = 0.5, limit_s: float = 600.0) -> float:
+    """Seconds until :func:`_pending` is all 0 (at most ``limit_s``)."""
+    t = time.perf_counter()
+    while any(_pending(c).values()) and time.perf_counter() - t < limit_s:
+        time.sleep(poll_s)
+    return time.perf_counter() - t
+
+
 def _ingest(c, a) -> dict:
     """Ingest ``a.ingest`` derived one-chunk documents (supplied vectors) in streams of 2,000."""
     from oprag_client.client import Doc
@@ -96,11 +128,11 @@ def _ingest(c, a) -> dict:
     from ._common import read_snapshot
     from .scale import derived
 
-    t, n = time.perf_counter(), 0
+    t, n, t0 = time.perf_counter(), 0, time.strftime("%H:%M:%S")
     for texts, vecs in derived(read_snapshot(a.source), a.ingest, 0.5, seed=29):
         n += c.ingest([Doc(f"more:{n + i}", x, vector=v) for i, (x, v) in enumerate(zip(texts, vecs))]).chunks_written
     el = time.perf_counter() - t
-    return {"chunks": n, "ingest_s": round(el, 1), "chunks_per_s": round(n / el)}
+    return {"chunks": n, "ingest_s": round(el, 1), "chunks_per_s": round(n / el), "t0": t0, "t1": time.strftime("%H:%M:%S")}
 
 
 if __name__ == "__main__":

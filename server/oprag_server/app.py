@@ -181,13 +181,14 @@ class Runtime:
         """Corpus and shard statistics of the shards that answer (a dead shard is left out).
 
         :returns: ``{"documents", "chunks", "memory_records", "seq", "embedder", "generator",
-            "shards": [{"shard", "documents", "chunks", "memory_records", "applied_seq", "bytes", "ann_pending"}, ...]}``
+            "shards": [{"shard", "documents", "chunks", "memory_records", "applied_seq", "bytes", "ann_pending", "merge_pending"}, ...]}``
             (``bytes``: ``{component: bytes}``, :meth:`.shards.chunks.ChunkStore.nbytes`)
             with shards in id order; ``generator`` is ``"none"`` without a generator.
         """
         got, _ = await self.pool.gather_partial(Op.STATS, StatsRequest())
         shards = [{"shard": r.shard, "documents": r.documents, "chunks": r.chunks,
-                   "memory_records": r.memory_records, "applied_seq": r.applied_seq, "bytes": r.nbytes or {}, "ann_pending": getattr(r, "ann_pending", 0)}
+                   "memory_records": r.memory_records, "applied_seq": r.applied_seq, "bytes": r.nbytes or {}, "ann_pending": getattr(r, "ann_pending", 0),
+                   "merge_pending": getattr(r, "merge_pending", 0)}
                   for _, r in sorted(got.items())]
         return {
             **{k: sum(s[k] for s in shards) for k in ("documents", "chunks", "memory_records")},

@@ -153,3 +153,30 @@ def test_a_shard_defers_its_ingest_inserts_and_drains_them_between_requests(tmp_
     st.snapshot()  # nothing deferred: a format-3 snapshot
     snap = next((tmp_path / "shard-0").glob("snap-*"))
     assert not (snap / "dense_tail.npy").exists()
+
+
+def test_canonical_scores_with_deferred_and_dead_rows_read_only_those_rows():
+    """While HNSW inserts are deferred (or ids dead), a query's canonical scores gather only the
+    rows they need (``DenseIndex.vectors`` would copy every live vector: seconds a query at 1M,
+    issue 13 settle11), with the same values as fixed_order_dot over the full copy."""
+    from oprag_server.index.dense import fixed_order_dot
+
+    V = _clustered(400, seed=7)
+    st = ShardState(0, D, None, dense=DenseConfig(kind="hnsw", hnsw_m=8))
+    _upsert(st, 0, 300, 1, V)
+    while st.background_step():
+        pass
+    d, q = st.store.dense, V[11] + 0.1 * V[350]
+    rows = np.array([0, 5, 250, 299, 7], np.int64)
+    mat, pos = d.vectors_for(rows)
+    assert mat.shape[0] == 300 and np.array_equal(pos, rows)  # nothing deferred or dead: the view
+    _upsert(st, 300, 400, 2, V)  # deferred
+    st.store.delete(["d3"], 3)  # and a dead id
+    assert d.pending == 100 and len(d) == 399
+    rows = np.array([0, 5, 298, 350, 398, 2], np.int64)
+    mat, pos = d.vectors_for(rows)
+    assert mat.shape == (rows.size, D) and np.array_equal(mat[pos], d.vectors[rows])
+    np.testing.assert_array_equal(st.search._canonical(q, rows), fixed_order_dot(d.vectors[rows], q))
+    while st.background_step():
+        pass
+    assert d.pending == 0 and d.vectors_for(rows)[0].shape == (rows.size, D)  # the dead id remains

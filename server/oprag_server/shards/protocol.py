@@ -331,6 +331,7 @@ class StatsReply:
     replayed: int = 0
     nbytes: dict | None = None
     ann_pending: int = 0  # HNSW vectors searchable but not in the graph yet (deferred inserts)
+    merge_pending: int = 0  # BM25 delta postings a merge folds or an idle merge will (PostingsIndex.merge_pending)
 
 
 @message

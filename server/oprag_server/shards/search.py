@@ -258,8 +258,8 @@ class Searcher(ExactMixin):
     def _canonical(self, q: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """float64[M]: canonical scores of float32[D] ``q`` with the rows int64[M] (compiled
         :func:`.kernels_low.canonical_rows`, the values of ``DenseIndex.exact_rows``)."""
-        return _kernels_low().canonical_rows(self.store.dense.vectors, np.asarray(rows, np.int64),
-                                           np.ascontiguousarray(q, dtype=np.float32))
+        vecs, pos = self.store.dense.vectors_for(np.asarray(rows, np.int64))  # (no copy of every vector)
+        return _kernels_low().canonical_rows(vecs, pos, np.ascontiguousarray(q, dtype=np.float32))
 
     def _dmin_memo(self) -> dict[bytes, float]:
         """Dense-minimum estimates by query bytes, dropped on a write (at most 4,096 kept)."""

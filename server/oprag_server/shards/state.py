@@ -7,6 +7,8 @@ through :func:`op_table`.
 
 from __future__ import annotations
 
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,6 +43,7 @@ class ShardState:
         self.search = Searcher(self.store)
         self.memory = MemoryStore()
         self.txns = Transactions(self.store)
+        self._seen = (-1, 0.0, False, 0)  # (store version, when it was seen, merging, merges): idle_wait, note
 
     def stats(self, req: StatsRequest | None = None) -> StatsReply:
         """Counts; with ``req.lexical`` also the full BM25 statistics ``(N, total length, df)``
@@ -48,7 +51,7 @@ class ShardState:
         st = self.store
         return StatsReply(shard=self.shard_id, documents=len(st.doc_slots), chunks=len(st.chunks),
                           memory_records=len(self.memory), applied_seq=st.applied_seq, nbytes=self._nbytes(),
-                          ann_pending=st.dense.pending,
+                          ann_pending=st.dense.pending, merge_pending=st.postings.merge_pending(),
                           lexical=st.postings.full_stats() if req is not None and req.lexical else None)
 
     def _nbytes(self) -> dict[str, int]:
@@ -68,7 +71,10 @@ class ShardState:
         """Write a snapshot (see :func:`.snapshot.write`); nothing in a memory-only shard."""
         if self.data_dir is None:
             return SnapshotReply(written=False)
-        return snapshots.write(self._dir(), self.store, self.memory, self.txns, self.storage)
+        t = time.perf_counter()
+        out = snapshots.write(self._dir(), self.store, self.memory, self.txns, self.storage)
+        self.note(f"snapshot written in {time.perf_counter() - t:.2f} s")
+        return out
 
     def load(self, committed: set[str] | None = None) -> int:
         """Load the snapshot and replay committed log records (see :func:`.snapshot.load`).
@@ -94,6 +100,56 @@ class ShardState:
             return False
         self.store.dense.insert_pending(self.BACKGROUND_STEP)
         return self.store.dense.pending > 0
+
+    #: seconds without a write before an idle merge starts (a trickle of writes closer together
+    #: than this merges at the write-time rule only, 1/MERGE_DIV)
+    IDLE_QUIET_S = 5.0
+    #: how often the loop looks whether a background merge finished, to install it between requests
+    MERGE_POLL_S = 0.05
+
+    def idle_wait(self) -> float | None:
+        """Seconds the shard loop may wait for a request before :meth:`idle_step` has work (0:
+        now); None when there is none (also while deferred HNSW inserts wait: they go first, so
+        the two do not compete for the CPU with the queries at once; and while a prepared
+        transaction waits for its apply). A write (a new store version) restarts the quiet time."""
+        p = self.store.postings
+        if p.merging:
+            return 0.0 if not p._pending[0].is_alive() else self.MERGE_POLL_S  # noqa: SLF001
+        if not p.idle_merge_due() or self.store.dense.pending or self.txns.prepared:
+            return None  # (the HNSW catch-up first, one at a time; a prepared transaction's apply first)
+        now = time.monotonic()
+        if self._seen[0] != self.store.version:
+            self._seen = (self.store.version, now, *self._seen[2:])
+        return max(0.0, self._seen[1] + self.IDLE_QUIET_S - now)
+
+    def idle_step(self) -> None:
+        """Idle maintenance: install a finished background merge; start one in the background
+        (:meth:`..index.bm25.PostingsIndex.merge`) once no write came for :attr:`IDLE_QUIET_S`
+        and :meth:`..index.bm25.PostingsIndex.idle_merge_due` (none while a prepared transaction
+        waits for its apply). Queries and writes go on meanwhile, as during a write-time merge."""
+        p = self.store.postings
+        if p.merging:
+            p.poll_merge(raise_errors=False)
+        elif self.idle_wait() == 0.0:
+            p.merge(background=True)
+        self.note()
+
+    def note(self, msg: str | None = None) -> None:
+        """Log (stderr, the service log) ``msg`` and the merges that started or were installed
+        since the last call, with a wall-clock timestamp (issue 13, settle11: what overlaps queries)."""
+        p, (v, seen_t, was, n) = self.store.postings, self._seen
+        lines = [msg] if msg else []
+        if p.merges != n:
+            lines.append(f"BM25 merge installed: build {p.last_merge_s:.2f} s, swap {p.last_swap_s * 1e3:.1f} ms, "
+                         f"segment {p.segment.n_postings} postings, delta {p._delta.n}")  # noqa: SLF001
+        if p.merging and (not was or p.merges != n):
+            lines.append(f"BM25 merge started: {p._frozen.n if p._frozen is not None else 0} delta postings into a "  # noqa: SLF001
+                         f"segment of {p.segment.n_postings}")
+        self._seen = (v, seen_t, p.merging, p.merges)
+        for line in lines:
+            t = time.time()
+            print(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(t))},{int(t * 1000) % 1000:03d} "
+                  f"shard {self.shard_id}: {line}", file=sys.stderr, flush=True)
 
     def shutdown(self, req: ShutdownRequest) -> ShutdownReply:
         """Snapshot when asked; the run loop exits after replying."""

@@ -54,9 +54,16 @@ def run(shard_id: int, conn, dim: int, data_dir: str | None, stem: bool, committ
     table = op_table(state)
     busy = state.store.dense.pending > 0  # deferred work waits (HNSW inserts a replay left)
     while True:
-        if busy and not conn.poll(0):  # nothing asked: do some of it, then look again
-            busy = state.background_step()
-            continue
+        if not conn.poll(0):  # nothing asked
+            wait = state.idle_wait()  # idle maintenance (BM25 merges once writes are quiet)
+            if wait == 0.0:
+                state.idle_step()
+                continue
+            if busy:  # do some of the deferred work, then look again
+                busy = state.background_step()
+                continue
+            if wait is not None and not conn.poll(wait):
+                continue
         try:
             req_id, op, req = conn.recv()
         except (EOFError, OSError):
@@ -69,4 +76,5 @@ def run(shard_id: int, conn, dim: int, data_dir: str | None, stem: bool, committ
             conn.send((req_id, False, f"{type(exc).__name__}: {exc}"))
         if op is Op.SHUTDOWN:
             break
+        state.note()  # (a write-time merge started or installed: logged with its time)
         busy = state.store.dense.pending > 0 and not state.txns.prepared

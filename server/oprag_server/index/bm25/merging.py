@@ -24,6 +24,12 @@ class MergeMixin:
     """Layers (segment, frozen delta, delta) and the merge life cycle of
     :class:`~.postings.PostingsIndex` (uses its private state)."""
 
+    #: a shard whose writes went quiet merges a delta of 1/IDLE_DIV of the segment's postings
+    #: (:meth:`idle_merge_due`). Issue 13, settle11 (bench.delta_cost, 1M): a 3-6% delta costs a
+    #: shard's BM25 part of a query 1.4-2.4 ms more (+40-70%), 12-25% ~4.2 ms; a merge at 1M is
+    #: ~2-3 s of one core, the work the next periodic snapshot would do in the foreground anyway
+    IDLE_DIV = 64
+
     def _layers(self) -> list[Delta]:
         return [self._delta] if self._frozen is None else [self._frozen, self._delta]
 
@@ -62,6 +68,14 @@ class MergeMixin:
         start it in a thread (see :meth:`maybe_merge`). Scores are unchanged (same postings,
         same summation order)."""
         self.wait_merge()
+        if (self._frozen is None and not self._delta.docs and not self._seg_dead
+                and int(np.count_nonzero(self._where == _SEG)) == self._seg.doc_slots.size):
+            # nothing to fold (an idle merge ran since the last write): the segment holds exactly
+            # the live chunks and postings (a removed empty chunk has no dead postings, hence the
+            # count), and rebuilding it would cost a 1M shard ~5 s (a snapshot merges)
+            if self._delta.runs:  # only removed chunks' postings left: drop them
+                self._delta = Delta()
+            return
         self._start_merge(background=background)
 
     def maybe_merge(self, background: bool = False) -> bool:
@@ -80,6 +94,23 @@ class MergeMixin:
             self._start_merge(background)
             return True
         return False
+
+    def idle_merge_due(self) -> bool:
+        """True when no merge is under way and the delta holds at least :attr:`MERGE_MIN`
+        postings and 1/:attr:`IDLE_DIV` of the segment's (or dead postings reach that share):
+        a shard whose writes have gone quiet then merges (:meth:`..shards.state.ShardState.idle_step`),
+        below the write-time rule's 1/:attr:`MERGE_DIV`."""
+        if self._pending is not None:
+            return False
+        least = max(self.MERGE_MIN, self._seg.n_postings // self.IDLE_DIV)
+        return self._delta.n >= least or self._seg_dead >= least
+
+    def merge_pending(self) -> int:
+        """Delta postings a merge is folding in (a background merge under way or not installed
+        yet) or that an idle merge will fold (:meth:`idle_merge_due`); 0 when neither."""
+        if self._pending is not None:
+            return max(1, (self._frozen.n if self._frozen is not None else 0) + self._delta.n)
+        return max(1, self._delta.n) if self.idle_merge_due() else 0
 
     @property
     def merging(self) -> bool:
