@@ -7,6 +7,7 @@ postings built from the ids equal the ones built from the strings, and score as 
 from __future__ import annotations
 
 import random
+import re
 
 import numpy as np
 import pyarrow as pa
@@ -220,3 +221,45 @@ def test_drained_statistics_add_up_to_the_index():
             total[t] = total.get(t, 0) + d
         assert p.drain_delta() == (0, 0, {})
     assert (n, length, {t: v for t, v in total.items() if v}) == p.full_stats()
+
+
+class _Counting:
+    """An analyser that records the texts it is asked for."""
+
+    def __init__(self) -> None:
+        self.inner, self.stem, self.asked = Analyzer(), False, []
+
+    def tokens(self, text):
+        self.asked.append(text)
+        return self.inner.tokens(text)
+
+
+def test_non_ascii_rows_go_word_by_word():
+    """A row with non-ASCII bytes: only its words (runs between ASCII whitespace) that hold such a
+    byte reach the analyser, once per distinct word while the cache holds it; the tokens are the
+    whole row's analysis, also where NFKC composes (a combining mark after an ASCII letter), a
+    default-ignorable joins two ASCII halves, a mark follows whitespace, or a non-ASCII space or
+    punctuation splits a word."""
+    titles = ["Café x", None, "", "ΣΑΣ title", "a"]
+    texts = ["the Cafe\u0301 and naïve\tcafé\ncafe", "wiki\u200bpedia wiki pedia \u0301x y\u0301",
+             "a\u00a0b c\u3000d e—f g.h ＡＢＣ abc 東京都 東京", "İstanbul ﬁsh fish x_y", "plain ascii row"]
+    table = pa.table({"title": pa.array(titles, pa.string()), "text": pa.array(texts, pa.string())})
+    tt = TermTable()
+    tt.analyzer = counting = _Counting()
+    gids, lens = tt.rows(table)
+    assert _decode(tt, gids, lens) == _expected(titles, texts, Analyzer())
+    words = {w for t, x in zip(titles, texts) for w in re.split(r"[ \t\n\v\f\r]+", f"{t or ''} {x}")
+             if not w.isascii()}  # (not str.split: U+00A0 and U+3000 stay inside a word)
+    assert sorted(counting.asked) == sorted(words)  # word by word, each once
+    assert "plain" not in " ".join(counting.asked) and "the" not in counting.asked
+    counting.asked.clear()
+    g2, l2 = tt.rows(table)  # the same words again: from the cache, the same gids
+    assert counting.asked == [] and g2.tolist() == gids.tolist() and l2.tolist() == lens.tolist()
+    # a batch that would fill the cache clears it: its words (new ones and cached ones) analysed
+    # anew, the same gids as the whole rows' analysis
+    tt.WORD_CACHE = len(words) + 1
+    more = pa.table({"title": ["Ünïcode"], "text": ["naïve x café ünïcode\u0301 ｆｕｌｌ"]})
+    g3, l3 = tt.rows(more)
+    assert _decode(tt, g3, l3) == [Analyzer().tokens("Ünïcode\nnaïve x café ünïcode\u0301 ｆｕｌｌ")]
+    assert sorted(tt._word_gids) == sorted(w.encode() for w in ["Ünïcode", "naïve", "café", "ünïcode\u0301", "ｆｕｌｌ"])
+    assert tt.rows(table)[0].tolist() == gids.tolist()
