@@ -263,3 +263,52 @@ def test_non_ascii_rows_go_word_by_word():
     assert _decode(tt, g3, l3) == [Analyzer().tokens("Ünïcode\nnaïve x café ünïcode\u0301 ｆｕｌｌ")]
     assert sorted(tt._word_gids) == sorted(w.encode() for w in ["Ünïcode", "naïve", "café", "ünïcode\u0301", "ｆｕｌｌ"])
     assert tt.rows(table)[0].tolist() == gids.tolist()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_compiled_batch_add_equals_the_numpy_path(seed):
+    """Delta._add_rows (compiled: a sort per chunk, a counting sort by term id) builds exactly the
+    runs, per-chunk term lists, df and return value of the numpy path (_add_np), batch after
+    batch, with empty chunks, repeated tokens and gaps in the slots; slots that do not ascend take
+    the numpy path."""
+    rng = np.random.default_rng(seed)
+    a, b = Delta(), Delta()
+    slot = 0
+    for _ in range(6):
+        B = int(rng.integers(1, 60))
+        lens = rng.integers(0, 40, B).astype(np.int64)
+        T = len(a.terms) + int(rng.integers(0, 30))
+        for d in (a, b):
+            d.terms.extend(f"t{i}" for i in range(len(d.terms), T))
+        flat = (rng.zipf(1.5, int(lens.sum())) % max(T, 1)).astype(np.int64)
+        slots = slot + np.cumsum(rng.integers(1, 4, B)).astype(np.int64)
+        slot = int(slots[-1])
+        ua, ca = a._add_tids(slots.tolist(), flat, lens)
+        ub, cb = b._add_np(slots, flat, lens)
+        assert ua.tolist() == ub.tolist() and ca.tolist() == cb.tolist()
+        assert len(a.runs) == len(b.runs)
+        for (ka, ta), (kb, tb) in zip(a.runs, b.runs):
+            assert ka.tolist() == kb.tolist() and ta.tolist() == tb.tolist() and ta.dtype == tb.dtype
+        assert sorted(a.docs) == sorted(b.docs)
+        assert all(a.docs[s].tolist() == b.docs[s].tolist() for s in a.docs)
+        assert a.df_arr[:T].tolist() == b.df_arr[:T].tolist() and a.n == b.n and a.nbytes() == b.nbytes()
+    c = Delta()
+    c.terms.extend(["x", "y"])
+    c._add_tids([5, 3], np.array([1, 0, 1], np.int64), np.array([2, 1], np.int64))  # not ascending
+    assert c.docs[5].tolist() == [0, 1] and c.docs[3].tolist() == [1]
+    assert c.runs[0][0].tolist() == [5, (1 << 32) | 3, (1 << 32) | 5]
+
+
+def test_merged_runs_equal_a_stable_argsort():
+    """Two runs merged in one pass: the stable argsort of their concatenation (equal keys: the
+    first run's first), tf of either width."""
+    from oprag_server.index.bm25.delta import _merge_runs
+
+    rng = np.random.default_rng(5)
+    for n1, n2 in ((0, 0), (0, 5), (7, 0), (50, 30), (1000, 3)):
+        k1, k2 = np.sort(rng.integers(0, 40, n1)), np.sort(rng.integers(0, 40, n2))
+        t1, t2 = rng.integers(0, 9, n1).astype(np.int32), rng.integers(10, 19, n2).astype(np.int64)
+        k, t = _merge_runs(k1, t1, k2, t2)
+        order = np.argsort(np.concatenate([k1, k2]), kind="stable")
+        assert k.tolist() == np.concatenate([k1, k2])[order].tolist()
+        assert t.tolist() == np.concatenate([t1, t2])[order].tolist() and t.dtype == np.int64
