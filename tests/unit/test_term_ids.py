@@ -312,3 +312,16 @@ def test_merged_runs_equal_a_stable_argsort():
         order = np.argsort(np.concatenate([k1, k2]), kind="stable")
         assert k.tolist() == np.concatenate([k1, k2])[order].tolist()
         assert t.tolist() == np.concatenate([t1, t2])[order].tolist() and t.dtype == np.int64
+
+
+def test_merge_positions_equal_searchsorted():
+    """segment._positions (the merge's chunk position of each delta posting): a table over a
+    dense slot range, the binary search over a sparse one; both equal np.searchsorted."""
+    from oprag_server.index.bm25.segment import _positions
+
+    rng = np.random.default_rng(9)
+    for n, spread in ((1, 1), (500, 1), (500, 3), (300, 10_000), (2000, 2)):
+        slots = np.unique(rng.integers(0, n * spread, n) + 7 * spread).astype(np.int64)
+        probe = rng.choice(slots, 3 * n)
+        assert _positions(slots, probe).tolist() == np.searchsorted(slots, probe).tolist()
+    assert _positions(np.zeros(0, np.int64), np.zeros(0, np.int64)).size == 0
