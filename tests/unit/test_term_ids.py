@@ -255,6 +255,7 @@ def test_non_ascii_rows_go_word_by_word():
     counting.asked.clear()
     g2, l2 = tt.rows(table)  # the same words again: from the cache, the same gids
     assert counting.asked == [] and g2.tolist() == gids.tolist() and l2.tolist() == lens.tolist()
+    assert _kept_bytes(tt) == sum(len(k) + 8 * v.size + 180 for k, v in tt._word_gids.items()) > 0  # counted
     # a batch that would fill the cache clears it: its words (new ones and cached ones) analysed
     # anew, the same gids as the whole rows' analysis
     tt.WORD_CACHE = len(words) + 1
@@ -263,6 +264,11 @@ def test_non_ascii_rows_go_word_by_word():
     assert _decode(tt, g3, l3) == [Analyzer().tokens("Ünïcode\nnaïve x café ünïcode\u0301 ｆｕｌｌ")]
     assert sorted(tt._word_gids) == sorted(w.encode() for w in ["Ünïcode", "naïve", "café", "ünïcode\u0301", "ｆｕｌｌ"])
     assert tt.rows(table)[0].tolist() == gids.tolist()
+    assert _kept_bytes(tt) == sum(len(k) + 8 * v.size + 180 for k, v in tt._word_gids.items())  # after a clear
+
+
+def _kept_bytes(tt: TermTable) -> int:
+    return tt.nbytes() - int(tt._ent.nbytes + tt._off.nbytes + tt._pool.nbytes + tt._low.nbytes)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

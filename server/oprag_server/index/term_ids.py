@@ -242,13 +242,13 @@ class TermTable:
         self._pool = np.zeros(1 << 20, np.uint8)
         self._low = np.zeros(64, np.uint8)
         self._strs: list[str | None] = []  # gid -> its term as a str, once asked for
-        self._word_gids: dict[bytes, np.ndarray] = {}  # a non-ASCII word's UTF-8 -> its tokens' gids
+        self._word_gids, self._word_bytes = {}, 0  # a non-ASCII word's UTF-8 -> its tokens' gids; ~bytes
 
     def __len__(self) -> int:
         return self.n
 
     def nbytes(self) -> int:
-        return int(self._ent.nbytes + self._off.nbytes + self._pool.nbytes + self._low.nbytes)
+        return int(self._ent.nbytes + self._off.nbytes + self._pool.nbytes + self._low.nbytes + self._word_bytes)
 
     def _room(self, terms: int, nbytes: int, longest: int) -> None:
         """Make room for ``terms`` more terms of ``nbytes`` more bytes, tokens of ``longest`` bytes."""
@@ -352,13 +352,12 @@ class TermTable:
         if miss:
             if len(cache) + len(miss) > self.WORD_CACHE:  # cleared: this batch's words anew
                 cache.clear()
-                miss = list(dict.fromkeys(keys))
+                miss, self._word_bytes = list(dict.fromkeys(keys)), 0
             toks = [self.analyzer.tokens(k.decode("utf-8")) for k in miss]
             ids = self._split(" ".join(" ".join(t) for t in toks if t))
-            at = 0
-            for k, t in zip(miss, toks):
-                cache[k] = ids[at:at + len(t)]
-                at += len(t)
+            at = np.cumsum([0] + [len(t) for t in toks]).tolist()
+            cache.update((k, ids[a:b]) for k, a, b in zip(miss, at, at[1:]))
+            self._word_bytes += sum(len(k) + 8 * len(t) + 180 for k, t in zip(miss, toks))  # (key, view, entry)
         got = [cache[k] for k in keys]
         neg = flat < 0
         cnt = np.ones(flat.size, np.int64)
