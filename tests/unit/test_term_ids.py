@@ -331,3 +331,5 @@ def test_merge_positions_equal_searchsorted():
         probe = rng.choice(slots, 3 * n)
         assert _positions(slots, probe).tolist() == np.searchsorted(slots, probe).tolist()
     assert _positions(np.zeros(0, np.int64), np.zeros(0, np.int64)).size == 0
+    dense, out = np.arange(10, 20, dtype=np.int64), np.array([12, 3, 25, 19], np.int64)  # outside: the search
+    assert _positions(dense, out).tolist() == np.searchsorted(dense, out).tolist()

@@ -264,7 +264,7 @@ def _positions(sorted_slots: np.ndarray, slots: np.ndarray) -> np.ndarray:
     if not sorted_slots.size or not slots.size:
         return np.searchsorted(sorted_slots, slots)
     lo, span = int(sorted_slots[0]), int(sorted_slots[-1]) - int(sorted_slots[0]) + 1
-    if span > 4 * sorted_slots.size + 4096:
+    if span > 4 * sorted_slots.size + 4096 or int(slots.min()) < lo or int(slots.max()) >= lo + span:
         return np.searchsorted(sorted_slots, slots)
     table = np.empty(span, np.int64)
     table[sorted_slots - lo] = np.arange(sorted_slots.size)
