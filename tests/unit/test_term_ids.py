@@ -7,6 +7,7 @@ postings built from the ids equal the ones built from the strings, and score as 
 from __future__ import annotations
 
 import random
+import re
 
 import numpy as np
 import pyarrow as pa
@@ -220,3 +221,115 @@ def test_drained_statistics_add_up_to_the_index():
             total[t] = total.get(t, 0) + d
         assert p.drain_delta() == (0, 0, {})
     assert (n, length, {t: v for t, v in total.items() if v}) == p.full_stats()
+
+
+class _Counting:
+    """An analyser that records the texts it is asked for."""
+
+    def __init__(self) -> None:
+        self.inner, self.stem, self.asked = Analyzer(), False, []
+
+    def tokens(self, text):
+        self.asked.append(text)
+        return self.inner.tokens(text)
+
+
+def test_non_ascii_rows_go_word_by_word():
+    """A row with non-ASCII bytes: only its words (runs between ASCII whitespace) that hold such a
+    byte reach the analyser, once per distinct word while the cache holds it; the tokens are the
+    whole row's analysis, also where NFKC composes (a combining mark after an ASCII letter), a
+    default-ignorable joins two ASCII halves, a mark follows whitespace, or a non-ASCII space or
+    punctuation splits a word."""
+    titles = ["Café x", None, "", "ΣΑΣ title", "a"]
+    texts = ["the Cafe\u0301 and naïve\tcafé\ncafe", "wiki\u200bpedia wiki pedia \u0301x y\u0301",
+             "a\u00a0b c\u3000d e—f g.h ＡＢＣ abc 東京都 東京", "İstanbul ﬁsh fish x_y", "plain ascii row"]
+    table = pa.table({"title": pa.array(titles, pa.string()), "text": pa.array(texts, pa.string())})
+    tt = TermTable()
+    tt.analyzer = counting = _Counting()
+    gids, lens = tt.rows(table)
+    assert _decode(tt, gids, lens) == _expected(titles, texts, Analyzer())
+    words = {w for t, x in zip(titles, texts) for w in re.split(r"[ \t\n\v\f\r]+", f"{t or ''} {x}")
+             if not w.isascii()}  # (not str.split: U+00A0 and U+3000 stay inside a word)
+    assert sorted(counting.asked) == sorted(words)  # word by word, each once
+    assert "plain" not in " ".join(counting.asked) and "the" not in counting.asked
+    counting.asked.clear()
+    g2, l2 = tt.rows(table)  # the same words again: from the cache, the same gids
+    assert counting.asked == [] and g2.tolist() == gids.tolist() and l2.tolist() == lens.tolist()
+    assert _kept_bytes(tt) == sum(len(k) + 8 * v.size + 180 for k, v in tt._word_gids.items()) > 0  # counted
+    # a batch that would fill the cache clears it: its words (new ones and cached ones) analysed
+    # anew, the same gids as the whole rows' analysis
+    tt.WORD_CACHE = len(words) + 1
+    more = pa.table({"title": ["Ünïcode"], "text": ["naïve x café ünïcode\u0301 ｆｕｌｌ"]})
+    g3, l3 = tt.rows(more)
+    assert _decode(tt, g3, l3) == [Analyzer().tokens("Ünïcode\nnaïve x café ünïcode\u0301 ｆｕｌｌ")]
+    assert sorted(tt._word_gids) == sorted(w.encode() for w in ["Ünïcode", "naïve", "café", "ünïcode\u0301", "ｆｕｌｌ"])
+    assert tt.rows(table)[0].tolist() == gids.tolist()
+    assert _kept_bytes(tt) == sum(len(k) + 8 * v.size + 180 for k, v in tt._word_gids.items())  # after a clear
+
+
+def _kept_bytes(tt: TermTable) -> int:
+    return tt.nbytes() - int(tt._ent.nbytes + tt._off.nbytes + tt._pool.nbytes + tt._low.nbytes)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_compiled_batch_add_equals_the_numpy_path(seed):
+    """Delta._add_rows (compiled: a sort per chunk, a counting sort by term id) builds exactly the
+    runs, per-chunk term lists, df and return value of the numpy path (_add_np), batch after
+    batch, with empty chunks, repeated tokens and gaps in the slots; slots that do not ascend take
+    the numpy path."""
+    rng = np.random.default_rng(seed)
+    a, b = Delta(), Delta()
+    slot = 0
+    for _ in range(6):
+        B = int(rng.integers(1, 60))
+        lens = rng.integers(0, 40, B).astype(np.int64)
+        T = len(a.terms) + int(rng.integers(0, 30))
+        for d in (a, b):
+            d.terms.extend(f"t{i}" for i in range(len(d.terms), T))
+        flat = (rng.zipf(1.5, int(lens.sum())) % max(T, 1)).astype(np.int64)
+        slots = slot + np.cumsum(rng.integers(1, 4, B)).astype(np.int64)
+        slot = int(slots[-1])
+        ua, ca = a._add_tids(slots.tolist(), flat, lens)
+        ub, cb = b._add_np(slots, flat, lens)
+        assert ua.tolist() == ub.tolist() and ca.tolist() == cb.tolist()
+        assert len(a.runs) == len(b.runs)
+        for (ka, ta), (kb, tb) in zip(a.runs, b.runs):
+            assert ka.tolist() == kb.tolist() and ta.tolist() == tb.tolist() and ta.dtype == tb.dtype
+        assert sorted(a.docs) == sorted(b.docs)
+        assert all(a.docs[s].tolist() == b.docs[s].tolist() for s in a.docs)
+        assert a.df_arr[:T].tolist() == b.df_arr[:T].tolist() and a.n == b.n and a.nbytes() == b.nbytes()
+    c = Delta()
+    c.terms.extend(["x", "y"])
+    c._add_tids([5, 3], np.array([1, 0, 1], np.int64), np.array([2, 1], np.int64))  # not ascending
+    assert c.docs[5].tolist() == [0, 1] and c.docs[3].tolist() == [1]
+    assert c.runs[0][0].tolist() == [5, (1 << 32) | 3, (1 << 32) | 5]
+
+
+def test_merged_runs_equal_a_stable_argsort():
+    """Two runs merged in one pass: the stable argsort of their concatenation (equal keys: the
+    first run's first), tf of either width."""
+    from oprag_server.index.bm25.delta import _merge_runs
+
+    rng = np.random.default_rng(5)
+    for n1, n2 in ((0, 0), (0, 5), (7, 0), (50, 30), (1000, 3)):
+        k1, k2 = np.sort(rng.integers(0, 40, n1)), np.sort(rng.integers(0, 40, n2))
+        t1, t2 = rng.integers(0, 9, n1).astype(np.int32), rng.integers(10, 19, n2).astype(np.int64)
+        k, t = _merge_runs(k1, t1, k2, t2)
+        order = np.argsort(np.concatenate([k1, k2]), kind="stable")
+        assert k.tolist() == np.concatenate([k1, k2])[order].tolist()
+        assert t.tolist() == np.concatenate([t1, t2])[order].tolist() and t.dtype == np.int64
+
+
+def test_merge_positions_equal_searchsorted():
+    """segment._positions (the merge's chunk position of each delta posting): a table over a
+    dense slot range, the binary search over a sparse one; both equal np.searchsorted."""
+    from oprag_server.index.bm25.segment import _positions
+
+    rng = np.random.default_rng(9)
+    for n, spread in ((1, 1), (500, 1), (500, 3), (300, 10_000), (2000, 2)):
+        slots = np.unique(rng.integers(0, n * spread, n) + 7 * spread).astype(np.int64)
+        probe = rng.choice(slots, 3 * n)
+        assert _positions(slots, probe).tolist() == np.searchsorted(slots, probe).tolist()
+    assert _positions(np.zeros(0, np.int64), np.zeros(0, np.int64)).size == 0
+    dense, out = np.arange(10, 20, dtype=np.int64), np.array([12, 3, 25, 19], np.int64)  # outside: the search
+    assert _positions(dense, out).tolist() == np.searchsorted(dense, out).tolist()

@@ -7,14 +7,17 @@ BM25 length). The tokens are exactly :meth:`.analyzer.Analyzer.tokens` of ``f"{t
 (``text`` alone when the title is empty or null), so the postings built from the ids are the
 ones built from the strings.
 
-Rows whose title and text are pure ASCII are tokenised by one compiled pass over the column's
-bytes (numba): the maximal runs of ``[A-Za-z0-9]``, lower-cased, which is what the analyser's
-ASCII path gives (its ``translate`` maps every other ASCII character to a space before
-``str.split``); each token is hashed (FNV-1a, 64 bit) and looked up in an open-addressing table
-of the terms' bytes, so no Python string is made per token. Other rows (non-ASCII, or every row
-with ``stem=True``) go through the analyser; their tokens, joined by spaces (a token never holds
-one), are looked up by their UTF-8 bytes in the same table by one compiled pass, so one term has
-one gid whichever path met it.
+Rows are tokenised by one compiled pass over the columns' bytes (numba). ASCII text: the maximal
+runs of ``[A-Za-z0-9]``, lower-cased, which is what the analyser's ASCII path gives (its
+``translate`` maps every other ASCII character to a space before ``str.split``); each token is
+hashed (FNV-1a, 64 bit) and looked up in an open-addressing table of the terms' bytes, so no
+Python string is made per token. A row with non-ASCII bytes goes word by word (a word: a maximal
+run of bytes other than ASCII whitespace): its ASCII words as above, its words holding a byte >=
+0x80 through the analyser (the analyser's steps do not reach across ASCII whitespace, see
+:meth:`TermTable._words`), kept by their bytes so a recurring word is analysed once. With
+``stem=True`` every row goes through the analyser. The analyser's tokens, joined by spaces (a
+token never holds one), are looked up by their UTF-8 bytes in the same table by one compiled
+pass, so one term has one gid whichever path met it.
 
 The table only grows (a term that no live chunk holds any more keeps its gid): a few tens of
 bytes per distinct term ever seen by the shard.
@@ -110,35 +113,69 @@ def _scan(cls, data, start, end, out, n_out, ent, off, pool, n_terms, low):
 
 
 @njit(**_JIT)
-def _rows(cls, t_off, t_data, x_off, x_data, r0, out, lens, ent, off, pool, n_terms, low, max_terms):
-    """The tokens of rows ``r0..`` (title then text) into ``out``; ``lens[r] = -1`` for a row with
-    a non-ASCII byte (no tokens emitted for it). Stops before a row that could take the table
+def _words(cls, data, start, end, col, out, n_out, ent, off, pool, n_terms, low, seg, n_seg):
+    """Tokens of ``data[start:end]`` (UTF-8) appended to ``out`` from ``n_out``, word by word (a
+    word: a maximal run of bytes other than ASCII whitespace, 9-13 and 32): a word without a byte
+    >= 0x80 is tokenised here (:func:`_scan`), a word with one is left to the analyser: ``out``
+    gets ``-1 - j`` and ``seg[j] = (col, a, b)``. :returns: (n_out, n_terms, n_seg)."""
+    i = start
+    while i < end:
+        b = data[i]
+        if b == 32 or (b >= 9 and b <= 13):
+            i += 1
+            continue
+        a = i
+        high = False
+        while i < end:
+            b = data[i]
+            if b == 32 or (b >= 9 and b <= 13):
+                break
+            if b >= 128:
+                high = True
+            i += 1
+        if high:
+            seg[n_seg, 0] = col
+            seg[n_seg, 1] = a
+            seg[n_seg, 2] = i
+            out[n_out] = -1 - n_seg
+            n_out += 1
+            n_seg += 1
+        else:
+            n_out, n_terms = _scan(cls, data, a, i, out, n_out, ent, off, pool, n_terms, low)
+    return n_out, n_terms, n_seg
+
+
+@njit(**_JIT)
+def _rows(cls, t_off, t_data, x_off, x_data, r0, out, lens, ent, off, pool, n_terms, low, max_terms, seg):
+    """The tokens of rows ``r0..`` (title then text) into ``out``, ``lens[r]`` the entries of row
+    ``r``. A row with a byte >= 0x80 goes word by word (:func:`_words`): its non-ASCII words are
+    entries ``-1 - j`` of ``seg`` for the analyser. Stops before a row that could take the table
     past ``max_terms`` terms or ``out`` past its end (a row of ``n`` bytes has at most
-    ``n // 2 + 2`` tokens). :returns: (tokens written, terms after, next row)."""
+    ``n // 2 + 2`` tokens and words). :returns: (entries written, terms after, next row, words in
+    ``seg``)."""
     n_out = 0
+    n_seg = 0
     for r in range(r0, lens.size):
         most = (t_off[r + 1] - t_off[r] + x_off[r + 1] - x_off[r]) // 2 + 2
         if n_terms + most > max_terms or n_out + most > out.size:
-            return n_out, n_terms, r
-        high = np.uint8(0)  # a byte >= 0x80 anywhere: the analyser's row (no wasted interning)
+            return n_out, n_terms, r, n_seg
+        high = np.uint8(0)  # a byte >= 0x80 anywhere: word by word
         for j in range(t_off[r], t_off[r + 1]):
             high |= t_data[j]
         for j in range(x_off[r], x_off[r + 1]):
             high |= x_data[j]
-        if high >= 128:
-            lens[r] = -1
-            continue
         k0 = n_out
-        k, n_terms = _scan(cls, t_data, t_off[r], t_off[r + 1], out, n_out, ent, off, pool, n_terms, low)
-        if k >= 0:
-            k, n_terms = _scan(cls, x_data, x_off[r], x_off[r + 1], out, k, ent, off, pool, n_terms, low)
-        if k < 0:
-            lens[r] = -1
-            n_out = k0
+        if high >= 128:
+            k, n_terms, n_seg = _words(cls, t_data, t_off[r], t_off[r + 1], 0, out, n_out, ent, off, pool, n_terms,
+                                       low, seg, n_seg)
+            k, n_terms, n_seg = _words(cls, x_data, x_off[r], x_off[r + 1], 1, out, k, ent, off, pool, n_terms,
+                                       low, seg, n_seg)
         else:
-            lens[r] = k - k0
-            n_out = k
-    return n_out, n_terms, lens.size
+            k, n_terms = _scan(cls, t_data, t_off[r], t_off[r + 1], out, n_out, ent, off, pool, n_terms, low)
+            k, n_terms = _scan(cls, x_data, x_off[r], x_off[r + 1], out, k, ent, off, pool, n_terms, low)
+        lens[r] = k - k0
+        n_out = k
+    return n_out, n_terms, lens.size, n_seg
 
 
 @njit(**_JIT)
@@ -194,6 +231,8 @@ class TermTable:
 
     #: tokens per compiled pass at most (its output buffer: 8 bytes each)
     BLOCK = 1 << 18
+    #: non-ASCII words whose gids are kept (the cache is cleared when it would grow past this)
+    WORD_CACHE = 1 << 17
 
     def __init__(self, stem: bool = False) -> None:
         self.analyzer = Analyzer(stem=stem)
@@ -203,12 +242,13 @@ class TermTable:
         self._pool = np.zeros(1 << 20, np.uint8)
         self._low = np.zeros(64, np.uint8)
         self._strs: list[str | None] = []  # gid -> its term as a str, once asked for
+        self._word_gids, self._word_bytes = {}, 0  # a non-ASCII word's UTF-8 -> its tokens' gids; ~bytes
 
     def __len__(self) -> int:
         return self.n
 
     def nbytes(self) -> int:
-        return int(self._ent.nbytes + self._off.nbytes + self._pool.nbytes + self._low.nbytes)
+        return int(self._ent.nbytes + self._off.nbytes + self._pool.nbytes + self._low.nbytes + self._word_bytes)
 
     def _room(self, terms: int, nbytes: int, longest: int) -> None:
         """Make room for ``terms`` more terms of ``nbytes`` more bytes, tokens of ``longest`` bytes."""
@@ -257,10 +297,12 @@ class TermTable:
         ``text``), in row order: row ``r``'s tokens are ``gids[sum(lens[:r]):][:lens[r]]``."""
         R = table.num_rows
         lens = np.full(R, -1, np.int64)
-        parts = []
+        parts, segs = [], []
+        cols = None
         if R and not self.analyzer.stem:
             t_off, t_data = _column(table, "title")
             x_off, x_data = _column(table, "text")
+            cols = (t_data, x_data)
             size = np.diff(t_off) + np.diff(x_off)
             self._room(0, int(size.sum()), int(size.max()))  # the pool: every byte could be a new term's
             r = 0
@@ -268,14 +310,24 @@ class TermTable:
                 most = int(size[r]) // 2 + 2
                 self._room(max(most, 1 << 14), 0, 0)
                 out = np.empty(max(self.BLOCK, most), np.int64)
-                k, self.n, r = _rows(_CLASS, t_off, t_data, x_off, x_data, r, out, lens, self._ent, self._off,
-                                     self._pool, self.n, self._low, min(self._ent.shape[0] // 2, self._off.size - 1))
-                parts.append(out[:k])
+                seg = np.empty((out.size, 3), np.int64)
+                k, self.n, r, n_seg = _rows(_CLASS, t_off, t_data, x_off, x_data, r, out, lens, self._ent, self._off,
+                                            self._pool, self.n, self._low,
+                                            min(self._ent.shape[0] // 2, self._off.size - 1), seg)
+                out = out[:k]
+                if n_seg:
+                    base = sum(s.shape[0] for s in segs)
+                    if base:
+                        out[out < 0] -= base
+                    segs.append(seg[:n_seg])
+                parts.append(out)
         flat = parts[0] if len(parts) == 1 else (np.concatenate(parts) if parts else np.zeros(0, np.int64))
+        if segs:
+            flat, lens = self._words(flat, lens, np.concatenate(segs), cols)
         bad = np.flatnonzero(lens < 0)
         if not bad.size:
             return flat, lens
-        # the analyser's tokens of those rows, joined by spaces (no token holds one), one pass
+        # stem=True: the analyser's tokens of every row, joined by spaces (no token holds one), one pass
         titles, texts = table.column("title").take(bad).to_pylist(), table.column("text").take(bad).to_pylist()
         tokens = self.analyzer.tokens
         joined = []
@@ -283,16 +335,44 @@ class TermTable:
             toks = tokens(f"{title}\n{text}" if title else text)
             lens[r] = len(toks)
             joined.append(" ".join(toks))
-        slow = self._split(" ".join(joined))
-        if slow.size == 0 or bad.size == R:
-            return (slow if bad.size == R else flat), lens
-        mine = np.zeros(R, bool)
-        mine[bad] = True
-        at = np.repeat(mine, lens)
-        out = np.empty(at.size, np.int64)
-        out[at] = slow
-        out[~at] = flat
-        return out, lens
+        return self._split(" ".join(joined)), lens
+
+    def _words(self, flat: np.ndarray, lens: np.ndarray, seg: np.ndarray, cols) -> tuple[np.ndarray, np.ndarray]:
+        """Replace each entry ``-1 - j`` of ``flat`` by the gids of the analyser's tokens of word
+        ``seg[j]`` (column, start, end); ``lens`` become token counts.
+
+        The analyser's steps do not reach across ASCII whitespace (default-ignorable removal and
+        case folding are per character; NFKC neither composes nor reorders across a space, tab or
+        line break, which are starters that nothing composes with; tokens and CJK runs never hold
+        whitespace), so a row's tokens are its words' tokens in order (tested against the whole
+        row's analysis). A word's gids are kept by its bytes (gids are never reused)."""
+        cache = self._word_gids
+        keys = [cols[c][a:b].tobytes() for c, a, b in seg.tolist()]
+        miss = list({k: None for k in keys if k not in cache})
+        if miss:
+            if len(cache) + len(miss) > self.WORD_CACHE:  # cleared: this batch's words anew
+                cache.clear()
+                miss, self._word_bytes = list(dict.fromkeys(keys)), 0
+            toks = [self.analyzer.tokens(k.decode("utf-8")) for k in miss]
+            ids = self._split(" ".join(" ".join(t) for t in toks if t))
+            at = np.cumsum([0] + [len(t) for t in toks]).tolist()
+            cache.update((k, ids[a:b]) for k, a, b in zip(miss, at, at[1:]))
+            self._word_bytes += sum(len(k) + 8 * len(t) + 180 for k, t in zip(miss, toks))  # (key, view, entry)
+        got = [cache[k] for k in keys]
+        neg = flat < 0
+        cnt = np.ones(flat.size, np.int64)
+        cnt[neg] = np.fromiter((g.size for g in got), np.int64, len(got))[-1 - flat[neg]]
+        row = np.repeat(np.arange(lens.size), lens)
+        lens = np.bincount(row, weights=cnt, minlength=lens.size).astype(np.int64)
+        start = np.cumsum(cnt) - cnt
+        res = np.empty(int(cnt.sum()), np.int64)
+        res[start[~neg]] = flat[~neg]
+        sub = [got[j] for j in (-1 - flat[neg]).tolist()]  # the words in entry order
+        if sub:
+            n = cnt[neg]
+            pos = np.repeat(start[neg], n) + (np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n))
+            res[pos] = np.concatenate(sub)
+        return res, lens
 
 
 def take_rows(gids: np.ndarray, lens: np.ndarray, rows) -> tuple[np.ndarray, np.ndarray]:

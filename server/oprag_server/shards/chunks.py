@@ -19,7 +19,7 @@ import pyarrow as pa
 
 from .. import metadata as md
 from .. import records
-from ..index import term_ids
+from ..index import kernels_delta, term_ids
 from ..index.term_ids import TermTable, take_rows
 from ..index.bm25 import PostingsIndex
 from ..config import DenseConfig
@@ -52,6 +52,7 @@ class ChunkStore:
         self.terms = TermTable(stem=stem)  # BM25 tokens as shard-wide term ids (..index.term_ids)
         self.analyzer = self.terms.analyzer  # the one analyser (its ``stem`` goes into snapshots)
         term_ids.warm()
+        kernels_delta.warm()
         self.dense = DenseIndex(dim, dense)
         self.postings = PostingsIndex()
         self.fields = StoredFields()

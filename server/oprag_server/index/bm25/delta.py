@@ -16,6 +16,8 @@ from typing import Sequence
 
 import numpy as np
 
+from ..kernels_delta import batch_postings, first_missing, merge_runs
+
 _SHIFT = np.int64(32)
 _LOW = np.int64(0xFFFFFFFF)
 
@@ -74,11 +76,9 @@ class Delta:
         if g2d.size < len(table):
             g2d = self._g2d = np.concatenate([g2d, np.full(max(len(table), 2 * g2d.size) - g2d.size, -1, np.int64)])
         tids = g2d[gids]
-        miss = tids < 0
-        if miss.any():
-            u, first = np.unique(gids[miss], return_index=True)
+        if (tids < 0).any():
             vocab, terms = self.vocab, self.terms
-            for g in u[np.argsort(first, kind="stable")].tolist():
+            for g in first_missing(g2d, gids).tolist():  # in order of first occurrence
                 t = table.term(g)
                 tid = vocab.get(t)
                 if tid is None:
@@ -92,6 +92,11 @@ class Delta:
         if self.dead and not self.dead.isdisjoint(slots):
             self._purge(self.dead.intersection(slots))
         s = np.asarray(slots, np.int64)
+        if s.size and bool(np.all(s[1:] > s[:-1])) and (flat.size == 0 or int(flat.max()) < len(self.terms)):
+            return self._add_rows(s, flat, lens)  # (compiled: the same runs, docs and df)
+        return self._add_np(s, flat, lens)
+
+    def _add_np(self, s: np.ndarray, flat: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         key = (flat << _SHIFT) | np.repeat(s, lens)
         ukey, tf = np.unique(key, return_counts=True)  # sorted by (tid, slot)
         self._push(ukey, tf.astype(np.int32))
@@ -119,6 +124,26 @@ class Delta:
         self.df_arr[u] += c
         self.n += int(ukey.size)
         self._docs_bytes += 8 * int(ukey.size) + 100 * int(s.size)  # (the slots are new here)
+        self._cache.clear()
+        return u, c
+
+    def _add_rows(self, s: np.ndarray, flat: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`_add_tids` for strictly ascending slots, by :func:`..kernels_delta.batch_postings`."""
+        T = len(self.terms)
+        row_off, row_tid, key, tf, df = batch_postings(flat, lens, s, T)
+        self._push(key, tf)
+        docs = self.docs
+        for sl, a, b in zip(s.tolist(), row_off[:-1].tolist(), row_off[1:].tolist()):
+            docs[sl] = row_tid[a:b]
+        if self.df_arr.size < T:
+            grown = np.zeros(max(T, 2 * self.df_arr.size), np.int64)
+            grown[: self.df_arr.size] = self.df_arr
+            self.df_arr = grown
+        u = np.flatnonzero(df)
+        c = df[u]
+        self.df_arr[u] += c
+        self.n += int(key.size)
+        self._docs_bytes += 8 * int(key.size) + 100 * int(s.size)  # (the slots are new here)
         self._cache.clear()
         return u, c
 
@@ -211,10 +236,10 @@ class Delta:
 
 
 def _merge_runs(k1, t1, k2, t2):
-    k = np.concatenate([k1, k2])
-    t = np.concatenate([t1, t2])
-    order = np.argsort(k, kind="stable")
-    return k[order], t[order]
+    """One run of two (:func:`..kernels_delta.merge_runs`: a stable argsort's order, linear)."""
+    dt = np.result_type(t1, t2)  # (the concatenation's type)
+    return merge_runs(np.asarray(k1, np.int64), t1.astype(dt, copy=False), np.asarray(k2, np.int64),
+                      t2.astype(dt, copy=False))
 
 
 def accumulate(parts: list[tuple[np.ndarray, np.ndarray]], cap: int, dense_ratio: int) -> tuple[np.ndarray, np.ndarray]:

@@ -198,7 +198,7 @@ def merge(seg: Segment, seg_live: np.ndarray, d_terms: list[str], d_key: np.ndar
         remap[i] = j
     dt = remap[dtid]
     dtf = np.asarray(d_tf, np.int64)
-    d_pos = np.searchsorted(d_doc_slots, ds)  # each posting's chunk, as a position in d_doc_slots
+    d_pos = _positions(d_doc_slots, ds)  # each posting's chunk, as a position in d_doc_slots
     d_doc_len = np.bincount(d_pos, minlength=d_doc_slots.size).astype(np.int64)
     if strict:
         # order by (new term id, slot) = the delta terms' groups in new-id order (a sort of the
@@ -255,6 +255,20 @@ def merge(seg: Segment, seg_live: np.ndarray, d_terms: list[str], d_key: np.ndar
         edest = np.repeat(starts, d_len) + (np.arange(d_len.sum()) - first)
         doc_terms = _interleave(P, edest, o_doc_terms, d_doc_terms_by_doc, np.int32)
     return Segment(terms, offsets, slots, tf, doc_slots, doc_off, doc_terms, vocab)
+
+
+def _positions(sorted_slots: np.ndarray, slots: np.ndarray) -> np.ndarray:
+    """``np.searchsorted(sorted_slots, slots)`` for ``slots`` that all occur in ``sorted_slots``
+    (ascending, distinct): a look-up table over their range when it is at most 4x their number
+    plus 4,096 (a bulk load's consecutive slots), else the binary search."""
+    if not sorted_slots.size or not slots.size:
+        return np.searchsorted(sorted_slots, slots)
+    lo, span = int(sorted_slots[0]), int(sorted_slots[-1]) - int(sorted_slots[0]) + 1
+    if span > 4 * sorted_slots.size + 4096 or int(slots.min()) < lo or int(slots.max()) >= lo + span:
+        return np.searchsorted(sorted_slots, slots)
+    table = np.empty(span, np.int64)
+    table[sorted_slots - lo] = np.arange(sorted_slots.size)
+    return table[slots - lo]
 
 
 def _interleave(n: int, dest: np.ndarray, old: np.ndarray, new: np.ndarray, dtype) -> np.ndarray:
