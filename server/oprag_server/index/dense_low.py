@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import kernels_low, kernels_scan
+from . import hugepages, kernels_low, kernels_scan
 
 
 def _faiss():
@@ -116,6 +116,16 @@ def _level0(index) -> tuple[np.ndarray, np.ndarray, int]:
     return nbr, off, int(h.cum_nneighbor_per_level.at(1) - h.cum_nneighbor_per_level.at(0))
 
 
+def huge_pages(ann, collapse: bool) -> bool:
+    """Huge pages (:func:`.hugepages.advise`) under FAISS's HNSW storage and neighbour lists,
+    which the graph walks, the ANN search and the canonical rows read at random; with
+    ``collapse`` folded now (at a build: ~1 s per 768 MB). :returns: True when both took."""
+    if int(ann._index.ntotal) == 0:  # noqa: SLF001
+        return False
+    ok = hugepages.advise(ann.storage(), collapse)
+    return hugepages.advise(_level0(ann._index)[0], collapse) and ok  # noqa: SLF001
+
+
 class LowSeeds:
     """Seeds of the lowest-inner-product search of one HNSW index (module docstring). Not
     thread-safe (one shard's searches are serial)."""
@@ -149,6 +159,7 @@ class LowSeeds:
     def _build(self, ann) -> None:
         faiss, st = _faiss(), ann.storage()
         a = st.shape[0]
+        huge_pages(ann, collapse=True)
         self._index, self._built_at, self._seen = ann._index, a, a  # noqa: SLF001
         if self.INT8_WALK:
             self._g.follow(st, rebuild=True)
@@ -184,6 +195,7 @@ class LowSeeds:
             return
         if a > self._seen:  # new vectors: quantised; those extreme for some probe join the seeds
             st = ann.storage()
+            huge_pages(ann, collapse=False)  # an add may have moved the buffers
             if self.INT8_WALK:
                 self._g.follow(st, rebuild=False)
             low = ((st[self._seen:a] @ self._probes.T) <= self._thresh).any(axis=1)

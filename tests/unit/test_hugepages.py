@@ -1,0 +1,107 @@
+"""Huge pages under FAISS's HNSW buffers (:mod:`oprag_server.index.hugepages`,
+:func:`oprag_server.index.dense_low.huge_pages`): the 2 MB-aligned span, that the kernel's
+pages under the buffer really become huge ones (read back from ``/proc/self/smaps``), and that
+the index answers the same afterwards."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from oprag_server.config import DenseConfig
+from oprag_server.index import hugepages
+from oprag_server.index.ann import AnnIndex
+from oprag_server.index.dense_low import LowSeeds, _level0, huge_pages
+
+MB2 = 1 << 21
+
+
+def test_span_is_the_whole_huge_pages_inside():
+    assert hugepages.span(0, 3 * MB2) == (0, 3 * MB2)
+    assert hugepages.span(1, 3 * MB2) == (MB2, 2 * MB2)  # [1, 3 MB2 + 1) holds pages 1 and 2 whole
+    assert hugepages.span(MB2 - 1, MB2 + 1) == (MB2, MB2)
+    assert hugepages.span(5, MB2) == (MB2, 0)
+    assert hugepages.span(7 * MB2 + 3, 4 * MB2) == (8 * MB2, 3 * MB2)
+
+
+def _thp_mode() -> str:
+    p = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not sys.platform.startswith("linux") or not p.exists():
+        return "none"
+    return p.read_text().split("[")[1].split("]")[0]
+
+
+def _smaps(a: np.ndarray) -> tuple[int, bool]:
+    """``(AnonHugePages kB, every one marked MADV_HUGEPAGE)`` of the mappings overlapping the
+    whole 2 MB pages of ``a``'s buffer."""
+    lo, n = hugepages.span(int(a.ctypes.data), a.nbytes)
+    tot, on, flagged = 0, False, True
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(" ", 1)[0]
+        if "-" in head and ":" not in head:
+            s, e = (int(v, 16) for v in head.split("-"))
+            on = s < lo + n and e > lo
+        elif on and line.startswith("AnonHugePages:"):
+            tot += int(line.split()[1])
+        elif on and line.startswith("VmFlags:"):
+            flagged &= " hg" in line
+    return tot, flagged
+
+
+def _huge_kb(a: np.ndarray) -> int:
+    return _smaps(a)[0]
+
+
+needs_thp = pytest.mark.skipif(_thp_mode() not in ("always", "madvise"), reason="no transparent huge pages")
+
+
+def _ann(n: int, dim: int = 96, m: int = 16) -> tuple[AnnIndex, np.ndarray]:
+    rng = np.random.default_rng(3)
+    vecs = rng.standard_normal((n, dim)).astype(np.float32)
+    vecs /= np.linalg.norm(vecs, axis=1, keepdims=True)
+    ann = AnnIndex(dim, DenseConfig(kind="hnsw", hnsw_m=m, ef_construction=40))
+    slots = np.arange(n, dtype=np.int64)
+    ann.add(slots, vecs, (slots, vecs))
+    return ann, vecs
+
+
+@needs_thp
+def test_seeds_build_collapses_the_graph_it_walks():
+    # first in this file: glibc may hand a later test a buffer in memory an earlier one advised
+    ann, vecs = _ann(30_000)
+    low = LowSeeds()
+    low.candidates(ann, np.zeros((0, vecs.shape[1]), np.float32))  # the build, as Searcher.warm
+    st = ann.storage()
+    assert _smaps(st)[1] and _smaps(_level0(ann._index)[0])[1]  # noqa: SLF001
+    if not _huge_kb(st):
+        pytest.skip("the kernel could not collapse the pages now")
+    assert _huge_kb(st) >= hugepages.span(int(st.ctypes.data), st.nbytes)[1] // 1024 > 0
+
+
+@needs_thp
+def test_collapse_puts_huge_pages_under_the_hnsw_buffers():
+    ann, vecs = _ann(30_000)  # storage 11.5 MB, level-0 lists 3.8 MB
+    st, nbr = ann.storage(), _level0(ann._index)[0]  # noqa: SLF001
+    q = vecs[:20] + np.float32(0.01)
+    before = ann.search(q, 10, 64)
+    took = huge_pages(ann, collapse=True)
+    assert _smaps(st)[1] and _smaps(nbr)[1]  # MADV_HUGEPAGE on both
+    if not took:  # MADV_COLLAPSE needs free huge pages now (EAGAIN retried; ENOMEM under pressure)
+        pytest.skip("the kernel could not collapse the pages now")
+    # every whole 2 MB page of the storage is huge now (a malloc'd C++ buffer gets none unasked)
+    assert _huge_kb(st) >= hugepages.span(int(st.ctypes.data), st.nbytes)[1] // 1024
+    assert _huge_kb(nbr) >= hugepages.span(int(nbr.ctypes.data), nbr.nbytes)[1] // 1024 > 0
+    after = ann.search(q, 10, 64)
+    for x, y in zip(before, after):
+        assert np.array_equal(x, y)
+    np.testing.assert_array_equal(ann.storage(), vecs)
+
+
+def test_small_buffers_and_empty_index_are_left_alone():
+    assert not hugepages.advise(np.zeros(1000, np.float32))  # no whole 2 MB page in it
+    assert not hugepages.advise(np.zeros((64, 64), np.float32)[:, ::2])  # not contiguous
+    ann = AnnIndex(8, DenseConfig(kind="hnsw", hnsw_m=8, ef_construction=40))
+    assert not huge_pages(ann, collapse=True)
