@@ -89,6 +89,21 @@ def require(*modules: str, extra: str = "bench", what: str = "this benchmark") -
 
 # ------------------------------------------------------------------------------ stats
 
+def shard_probe_args(ap, *, queries: int, shards: bool = False) -> None:
+    """The options every in-process probe of a ``bench.scale`` data dir shares (shard_parts,
+    delta_cost, hybrid_probe): the data dir, its dense index, one shard (or ``--shards``), the
+    shared data, the query count and a cache file of their vectors."""
+    ap.add_argument("--data-dir", type=Path, required=True, help="bench.scale data dir (read, never written)")
+    ap.add_argument("--dense-index", default="hnsw")
+    if shards:
+        ap.add_argument("--shards", type=int, default=2)
+    else:
+        ap.add_argument("--shard", type=int, default=0)
+    ap.add_argument("--shared", type=Path, default=DEFAULT_SHARED)
+    ap.add_argument("--queries", type=int, default=queries)
+    ap.add_argument("--vectors", default="", help="cache file of the query vectors (.npy)")
+
+
 def percentile(values: Sequence[float], p: float) -> float:
     """THE percentile of every benchmark: nearest rank (``oprag_client.evaluate.percentile``).
 

@@ -24,18 +24,13 @@ from pathlib import Path
 import numpy as np
 
 from . import _internals
-from ._common import DEFAULT_SHARED, emit_json, log, machine_info, percentile, read_snapshot
+from ._common import emit_json, log, machine_info, percentile, read_snapshot, shard_probe_args
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--data-dir", type=Path, required=True, help="bench.scale data dir (read, never written)")
-    ap.add_argument("--dense-index", default="hnsw")
-    ap.add_argument("--shard", type=int, default=0)
-    ap.add_argument("--shared", type=Path, default=DEFAULT_SHARED)
+    shard_probe_args(ap, queries=100)
     ap.add_argument("--source", type=Path, default=Path("bench/out/retrieval-data"))
-    ap.add_argument("--queries", type=int, default=100)
-    ap.add_argument("--vectors", default="", help="cache file of the query vectors (.npy)")
     ap.add_argument("--n", type=int, default=256)
     ap.add_argument("--shares", default="0.03125,0.0625,0.125,0.25")
     ap.add_argument("--json", action="store_true")

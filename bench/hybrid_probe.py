@@ -23,17 +23,12 @@ from pathlib import Path
 import numpy as np
 
 from . import _internals
-from ._common import DEFAULT_SHARED, emit_json, load_queries_qrels, log, machine_info, percentile
+from ._common import emit_json, load_queries_qrels, log, machine_info, percentile, shard_probe_args
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--data-dir", type=Path, required=True, help="bench.scale data dir (read, never written)")
-    ap.add_argument("--dense-index", default="hnsw")
-    ap.add_argument("--shards", type=int, default=2)
-    ap.add_argument("--shared", type=Path, default=DEFAULT_SHARED)
-    ap.add_argument("--queries", type=int, default=100)
-    ap.add_argument("--vectors", default="", help="cache file of the query vectors (.npy)")
+    shard_probe_args(ap, queries=100, shards=True)
     ap.add_argument("--ef-search", default="0", help="comma-separated (0: the index default)")
     ap.add_argument("--n", default="256", help="comma-separated dense-first windows N (candidates)")
     ap.add_argument("--either", default="", help="comma-separated hybrid.EITHER values to compare (a tree with it)")

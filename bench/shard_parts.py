@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from . import _internals
-from ._common import DEFAULT_SHARED, emit_json, load_queries_qrels, log, machine_info, percentile
+from ._common import emit_json, load_queries_qrels, log, machine_info, percentile, shard_probe_args
 
 #: (object attribute path, method, label); objects: "st" ShardState, "dense", "postings", "mod"
 PARTS = [
@@ -102,12 +102,7 @@ def _exact(st, q: np.ndarray, n: int) -> tuple[float, set]:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--data-dir", type=Path, required=True, help="bench.scale data dir (read, never written)")
-    ap.add_argument("--dense-index", default="hnsw")
-    ap.add_argument("--shard", type=int, default=0)
-    ap.add_argument("--shared", type=Path, default=DEFAULT_SHARED)
-    ap.add_argument("--queries", type=int, default=200)
-    ap.add_argument("--vectors", default="", help="cache file of the query vectors (.npy)")
+    shard_probe_args(ap, queries=200)
     ap.add_argument("--n", type=int, default=256)
     ap.add_argument("--m", default="64", help="comma-separated BM25 list lengths (0: none)")
     ap.add_argument("--ef-search", default="0", help="comma-separated (0: the index default)")
