@@ -654,7 +654,8 @@ def run_cancel(a, engine: EngineSide, questions, c, metrics_port: int) -> dict:
     m0 = scrape(metrics_port)
     for i in range(a.cancels):
         q, v = questions[i % len(questions)]
-        call = c.query_stream(q, query_vector=v, max_new_tokens=400, timeout=120)
+        # a long answer (still streaming at the cancel) that leaves the prompt half the server's budget
+        call = c.query_stream(q, query_vector=v, max_new_tokens=max(16, a.context_tokens // 2), timeout=120)
         for ev in call:
             if ev.WhichOneof("event") == "text":
                 break
