@@ -115,17 +115,8 @@ class Delta:
         for sl in s.tolist():
             if sl not in docs:
                 docs[sl] = empty
-        T = len(self.terms)
-        if self.df_arr.size < T:
-            grown = np.zeros(max(T, 2 * self.df_arr.size), np.int64)
-            grown[: self.df_arr.size] = self.df_arr
-            self.df_arr = grown
         u, c = np.unique(utid, return_counts=True)
-        self.df_arr[u] += c
-        self.n += int(ukey.size)
-        self._docs_bytes += 8 * int(ukey.size) + 100 * int(s.size)  # (the slots are new here)
-        self._cache.clear()
-        return u, c
+        return self._counted(u, c, int(ukey.size), int(s.size))
 
     def _add_rows(self, s: np.ndarray, flat: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`_add_tids` for strictly ascending slots, by :func:`..kernels_delta.batch_postings`."""
@@ -135,15 +126,21 @@ class Delta:
         docs = self.docs
         for sl, a, b in zip(s.tolist(), row_off[:-1].tolist(), row_off[1:].tolist()):
             docs[sl] = row_tid[a:b]
+        u = np.flatnonzero(df)
+        return self._counted(u, df[u], int(key.size), int(s.size))
+
+    def _counted(self, u: np.ndarray, c: np.ndarray, postings: int, slots: int) -> tuple[np.ndarray, np.ndarray]:
+        """A batch's bookkeeping, shared by both add paths: document frequencies (delta term ids
+        ``u`` held by ``c`` more chunks), posting count, bytes, and the per-term lists' cache
+        dropped. :returns: ``(u, c)``."""
+        T = len(self.terms)
         if self.df_arr.size < T:
             grown = np.zeros(max(T, 2 * self.df_arr.size), np.int64)
             grown[: self.df_arr.size] = self.df_arr
             self.df_arr = grown
-        u = np.flatnonzero(df)
-        c = df[u]
         self.df_arr[u] += c
-        self.n += int(key.size)
-        self._docs_bytes += 8 * int(key.size) + 100 * int(s.size)  # (the slots are new here)
+        self.n += postings
+        self._docs_bytes += 8 * postings + 100 * slots  # (the slots are new here)
         self._cache.clear()
         return u, c
 
