@@ -43,7 +43,8 @@ class ShardState:
         self.search = Searcher(self.store)
         self.memory = MemoryStore()
         self.txns = Transactions(self.store)
-        self._seen = (-1, 0.0, False, 0)  # (store version, when it was seen, merging, merges): idle_wait, note
+        self._quiet = (-1, 0.0)  # (store version, when idle_wait first saw it): the quiet time
+        self._logged = (False, 0)  # (merging, merges) at the last note
 
     def stats(self, req: StatsRequest | None = None) -> StatsReply:
         """Counts; with ``req.lexical`` also the full BM25 statistics ``(N, total length, df)``
@@ -118,9 +119,9 @@ class ShardState:
         if not p.idle_merge_due() or self.store.dense.pending or self.txns.prepared:
             return None  # (the HNSW catch-up first, one at a time; a prepared transaction's apply first)
         now = time.monotonic()
-        if self._seen[0] != self.store.version:
-            self._seen = (self.store.version, now, *self._seen[2:])
-        return max(0.0, self._seen[1] + self.IDLE_QUIET_S - now)
+        if self._quiet[0] != self.store.version:
+            self._quiet = (self.store.version, now)
+        return max(0.0, self._quiet[1] + self.IDLE_QUIET_S - now)
 
     def idle_step(self) -> None:
         """Idle maintenance: install a finished background merge; start one in the background
@@ -137,7 +138,7 @@ class ShardState:
     def note(self, msg: str | None = None) -> None:
         """Log (stderr, the service log) ``msg`` and the merges that started or were installed
         since the last call, with a wall-clock timestamp (issue 13, settle11: what overlaps queries)."""
-        p, (v, seen_t, was, n) = self.store.postings, self._seen
+        p, (was, n) = self.store.postings, self._logged
         lines = [msg] if msg else []
         if p.merges != n:
             lines.append(f"BM25 merge installed: build {p.last_merge_s:.2f} s, swap {p.last_swap_s * 1e3:.1f} ms, "
@@ -145,7 +146,7 @@ class ShardState:
         if p.merging and (not was or p.merges != n):
             lines.append(f"BM25 merge started: {p._frozen.n if p._frozen is not None else 0} delta postings into a "  # noqa: SLF001
                          f"segment of {p.segment.n_postings}")
-        self._seen = (v, seen_t, p.merging, p.merges)
+        self._logged = (p.merging, p.merges)
         for line in lines:
             t = time.time()
             print(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(t))},{int(t * 1000) % 1000:03d} "
