@@ -26,6 +26,7 @@ from ..index.bm25.listed_top import listed_top
 from ..index.dense_low import LowSeeds
 from ..index.fusion import refine_top, skyband, top_k_order
 from .chunks import ChunkStore
+from .carried import CarriedFields
 from .exact import ExactMixin
 from .protocol import Candidates, FetchReply, FetchRequest, QueryBatch, SearchReply, SearchRequest
 
@@ -392,7 +393,12 @@ class Searcher(ExactMixin):
         return FetchReply(found=found, doc_ids=doc_ids, titles=titles, texts=texts, metadata=metadata)
 
     def _fields(self, slots: np.ndarray) -> FetchReply:
-        """:meth:`fetch` of live slots int64[M], with ``slots`` set (carried by a search reply)."""
-        rep = self.fetch(FetchRequest(slots.tolist()))
-        rep.slots = slots.tolist()
-        return rep
+        """:meth:`fetch` of live slots int64[M], with ``slots`` set (carried by a search reply):
+        from the stored UTF-8 bytes as they are where it can (:class:`CarriedFields`)."""
+        raw = self.store.fields.hit_utf8(slots)
+        if raw is None:
+            rep = self.fetch(FetchRequest(slots.tolist()))
+            rep.slots = slots.tolist()
+            return rep
+        return CarriedFields.of(slots.tolist(), *raw)
+
