@@ -24,7 +24,7 @@ import numpy as np
 from .. import records
 from ..index.bm25.listed_top import listed_top
 from ..index.dense_low import LowSeeds
-from ..index.fusion import refine_top, skyband, top_k_order
+from ..index.fusion import refine_top, top_k_order
 from .chunks import ChunkStore
 from .carried import CarriedFields
 from .exact import ExactMixin
@@ -166,22 +166,10 @@ class Searcher(ExactMixin):
         when given, the BM25 list ``lex`` (deduplicated): every chunk of this shard that can be
         in a monotone fusion's top-k of the two lists. ``cone``: ``(weights, dense minimum, idf,
         k1)`` of a min-max fusion, which keeps only the skyband's chunks that can be in its top-k
-        (:mod:`..index.kernels_cone`; about half of them)."""
-        if lex is None or not len(lex.slots):
-            slots, d, lx = c.slots, c.dense, c.lexical
-        else:
-            seen = set(c.slots.tolist())  # (np.isin costs ~30-60 us on 256 x 64 slots; a set ~10)
-            extra = np.asarray([x not in seen for x in lex.slots.tolist()], dtype=bool)
-            slots = np.concatenate([c.slots, lex.slots[extra]])
-            d, lx = np.concatenate([c.dense, lex.dense[extra]]), np.concatenate([c.lexical, lex.lexical[extra]])
-        band = skyband(d, lx, k)
-        if cone and band.size > k:
-            kc = _kernels_cone()
-            rho = kc.rho_floor(cone[0], d, cone[1], cone[2], cone[3])
-            if rho > 0.0:
-                band = band[kc.cone_keep(np.ascontiguousarray(d[band], np.float64),
-                                         np.ascontiguousarray(lx[band], np.float64), k, rho)]
-        return slots[band]
+        (:mod:`..index.kernels_cone`; about half of them). :func:`..index.kernels_carry.band_slots`."""
+        from ..index.kernels_carry import band_slots  # noqa: PLC0415 - numba only in processes that search
+
+        return band_slots(c, lex, k, cone)
 
     def warm(self) -> float:
         """Compile (or load from numba's cache) the kernels of the candidate step for this
@@ -198,6 +186,9 @@ class Searcher(ExactMixin):
         kernels_wide.warm()
         _kernels_scan().warm()
         _kernels_cone().warm()
+        from ..index import kernels_carry  # noqa: PLC0415
+
+        kernels_carry.warm()
         kernels_band.warm()
         listed_top(st.postings, ["\x00"], np.ones(1), 1.0, 1.5, 0.75, 1)  # the segment's term bounds
         if st.dense.params.kind == "hnsw" and st.dense.ann is not None:
