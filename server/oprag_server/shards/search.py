@@ -55,11 +55,11 @@ def _kernels_low():
     return kernels_low
 
 
-def _kernels_cone():
-    """:mod:`..index.kernels_cone` (numba: imported on first use, as :func:`_kernels`)."""
-    from ..index import kernels_cone  # noqa: PLC0415
+def _kernels_refine():
+    """:mod:`..index.kernels_refine` (numba: imported on first use, as :func:`_kernels`)."""
+    from ..index import kernels_refine  # noqa: PLC0415
 
-    return kernels_cone
+    return kernels_refine
 
 
 class Searcher(ExactMixin):
@@ -179,16 +179,15 @@ class Searcher(ExactMixin):
         that the first query is not slow. :returns: seconds taken."""
         t = _kernels().warm()
         st, t0 = self.store, time.perf_counter()
-        from ..index import kernels_band, kernels_topm, kernels_wide  # noqa: PLC0415 - numba only in processes that search
+        from ..index import kernels_band, kernels_carry, kernels_cone, kernels_topm, kernels_wide  # noqa: PLC0415
 
         _kernels_low().warm()
         kernels_topm.warm()
         kernels_wide.warm()
         _kernels_scan().warm()
-        _kernels_cone().warm()
-        from ..index import kernels_carry  # noqa: PLC0415
-
+        kernels_cone.warm()
         kernels_carry.warm()
+        _kernels_refine().warm()
         kernels_band.warm()
         listed_top(st.postings, ["\x00"], np.ones(1), 1.0, 1.5, 0.75, 1)  # the segment's term bounds
         if st.dense.params.kind == "hnsw" and st.dense.ann is not None:
@@ -219,13 +218,16 @@ class Searcher(ExactMixin):
         for i in range(q.shape[0]):
             qi, every = q[i], allowed[i] is None
             rows = _NO_ROWS if every else dense.rows(allowed[i])
+            # unfiltered: the kernel also takes the minimum (its sample argument: every row)
             if i8 is not None and np.isfinite(qi).all():  # a quarter of the bytes read (kernels_scan)
                 approx, err = i8.scores(qi, None if every else rows), i8.error(qi)
+                sample = self._every(approx.size) if every else _NO_ROWS
+                short, ex, order, ties, low, status = _kernels_refine().dense_step_fast(
+                    vecs, rows, every, approx, qi, err, n, sample, _kernels_refine().fast_error(i8.c + i8.e, vecs.shape[1], qi))
             else:
                 approx, err = (vecs if every else vecs[rows]) @ qi, dense.score_error(qi)
-            # unfiltered: the kernel also takes the minimum (its sample argument: every row)
-            sample = self._every(approx.size) if every else _NO_ROWS
-            short, ex, order, ties, low, status = kernels.dense_step(vecs, rows, every, approx, qi, err, n, sample)
+                sample = self._every(approx.size) if every else _NO_ROWS
+                short, ex, order, ties, low, status = kernels.dense_step(vecs, rows, every, approx, qi, err, n, sample)
             if status != kernels.OK:
                 out.append(self._dense_tops(q, [i], n)[i] if every else self._dense_top(qi, n, allowed[i]))
                 lows.append(None)
