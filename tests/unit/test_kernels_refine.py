@@ -79,3 +79,33 @@ def test_no_allowance_for_the_fast_sums_changes_the_result():
         a, b, kk = _both(v, q, 50, np.zeros(0, np.int64), True)
         assert _top(a, kk)[:5] == _top(b, kk)[:5]
     assert differ > 0
+
+
+def test_rank_top_is_top_k_order():
+    """With and without ties (at the edge, inside, all equal), NaN, k past the length, rows."""
+    from oprag_server.index.fusion import top_k_order
+
+    rng = np.random.default_rng(3)
+    fast = 0
+    for trial in range(600):
+        n = int(rng.integers(0, 90))
+        s = np.round(rng.standard_normal(n) * 3, int(rng.integers(0, 4)))
+        if trial % 17 == 0 and n:
+            s[rng.integers(n)] = np.nan
+        ids = np.array([f"c{x:04d}" for x in rng.permutation(200)], dtype=object)
+        rows = rng.choice(200, n, replace=False)
+        m = int(rng.integers(0, 80))
+        got = kernels_refine.rank_top(s, ids, m, rows=rows)
+        assert got.dtype == np.int64
+        assert got.tolist() == list(top_k_order(s, ids, m, rows=rows)), (trial, n, m)
+        fast += n > m > 0 and len(set(s.tolist())) == n
+    assert fast > 50  # (many took the path without ids)
+
+
+def test_rank_top_without_the_tie_check_would_differ():
+    from oprag_server.index.fusion import top_k_order
+
+    s = np.array([1.0, 2.0, 2.0, 0.5])
+    ids = np.array(["b", "z", "a", "c"], dtype=object)
+    assert kernels_refine.rank_top(s, ids, 2).tolist() == list(top_k_order(s, ids, 2)) == [2, 1]
+    assert np.argsort(-s, kind="stable")[:2].tolist() == [1, 2]  # (what no tie check would give)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import kernels
+from .fusion import top_k_order
 from .kernels import NOT_FINITE, OK, _argsort_desc, _canonical, _kth_largest
 from numba import njit  # noqa: E402
 
@@ -109,3 +110,18 @@ def warm(d: int = 8) -> None:
     dense_step_fast(vecs, rows, True, vecs @ q, q, 1e-6, 2, rows, 1e-12)
     dense_step_fast(vecs, rows, False, vecs @ q, q, 1e-6, 2, rows[:0], 1e-12)
     _ = kernels
+
+
+def rank_top(scores: np.ndarray, chunk_ids, m: int, rows=None) -> np.ndarray:
+    """:func:`.fusion.top_k_order` (indices of the top-m by score desc, chunk id asc; ``rows``
+    as there) as int64, reading no chunk id when no two scores among the top-m and the first
+    one after it are equal (then the stable descending order is that order); else
+    ``top_k_order`` itself."""
+    s = np.asarray(scores, dtype=np.float64)
+    kk = min(int(m), s.size)
+    if kk > 0:
+        o = np.argsort(-s, kind="stable")
+        edge = s[o[:kk + 1]]
+        if not np.isnan(edge).any() and not (edge[1:] == edge[:-1]).any():
+            return o[:kk].astype(np.int64, copy=False)
+    return np.asarray(top_k_order(s, chunk_ids, m, rows=rows), np.int64)

@@ -156,7 +156,7 @@ class Searcher(ExactMixin):
         st = self.store
         slots, lex, listed = listed_top(st.postings, qb.terms[i], qb.idf[i], qb.avgdl, qb.k1, qb.b, m, allowed)
         # ids are read only for ties (the slot-indexed id array of the store)
-        order = np.asarray(top_k_order(lex, st._slot_ids, m, rows=slots), np.int64)  # noqa: SLF001
+        order = _kernels_refine().rank_top(lex, st._slot_ids, m, rows=slots)  # noqa: SLF001
         top = slots[order]
         return Candidates(top, st.ids(top), self._canonical(q, st.dense.rows(top)), lex[order]), listed
 
