@@ -33,13 +33,15 @@ def _top(res, kk):
     return short[o].tolist(), ex[o].tobytes(), bool(ties), float(low), int(status), sorted(short[order].tolist())
 
 
-def _both(v, q, n, rows, every, err2=None):
+def _both(v, q, n, rows, every, err2=None, per_row=True, rf=None):
     i8 = kernels_scan.Int8Rows().of(v, 0)
     approx, err = i8.scores(q, None if every else rows), i8.error(q)
     sample = np.arange(v.shape[0], dtype=np.int64) if every else np.zeros(0, np.int64)
     e2 = kernels_refine.fast_error(i8.c + i8.e, v.shape[1], q) if err2 is None else err2
+    rb = i8.rb if per_row else np.zeros(0)
     a = kernels.dense_step(v, rows, every, approx, q, err, n, sample)
-    b = kernels_refine.dense_step_fast(v, rows, every, approx, q, err, n, sample, e2)
+    b = kernels_refine.dense_step_fast(v, rows, every, approx, q, err, n, sample, e2, rb,
+                                       i8.row_scale(q) if rf is None else rf)
     return a, b, min(n, approx.size)
 
 
@@ -56,11 +58,12 @@ def test_dense_step_fast_is_dense_step(kind, d):
         for n in (1, 10, 256, m + 3):
             every = trial % 2 == 0
             rows = np.zeros(0, np.int64) if every else np.sort(rng.choice(m, 400, replace=False)).astype(np.int64)
-            a, b, kk = _both(v, q, n, rows, every)
-            ta, tb = _top(a, kk), _top(b, kk)
-            assert ta[:5] == tb[:5], (kind, d, n, trial)
-            assert set(tb[5]) >= set(ta[0]) and b[0].size <= a[0].size
-            narrowed += b[0].size < a[0].size
+            for per_row in (True, False):
+                a, b, kk = _both(v, q, n, rows, every, per_row=per_row)
+                ta, tb = _top(a, kk), _top(b, kk)
+                assert ta[:5] == tb[:5], (kind, d, n, trial, per_row)
+                assert set(tb[5]) >= set(ta[0]) and b[0].size <= a[0].size
+                narrowed += b[0].size < a[0].size
     assert narrowed > 0
 
 
@@ -109,3 +112,32 @@ def test_rank_top_without_the_tie_check_would_differ():
     ids = np.array(["b", "z", "a", "c"], dtype=object)
     assert kernels_refine.rank_top(s, ids, 2).tolist() == list(top_k_order(s, ids, 2)) == [2, 1]
     assert np.argsort(-s, kind="stable")[:2].tolist() == [1, 2]  # (what no tie check would give)
+
+
+@pytest.mark.parametrize("d", [7, 64, 384])
+def test_the_per_row_bounds_hold_and_are_tighter(d):
+    rng = np.random.default_rng(d + 1)
+    for kind in ("random", "clustered", "dups"):
+        v = _vecs(rng, kind, 500, d)
+        i8 = kernels_scan.Int8Rows().of(v, 0)
+        from oprag_server.index.dense import fixed_order_dot
+
+        for q in list(v[:5]) + [rng.normal(size=d).astype(np.float32) * 30]:
+            q = np.ascontiguousarray(q, np.float32)
+            got = i8.scores(q, None).astype(np.float64)
+            e = i8.row_scale(q) * i8.rb + 1e-12
+            assert np.all(np.abs(got - fixed_order_dot(v, q)) <= e)
+            assert np.all(e <= i8.error(q)) and e.mean() < 0.9 * i8.error(q)
+
+
+def test_per_row_bounds_too_small_change_the_result():
+    """The per-row filter's argument needs the bound: a hundredth of it drops true top rows."""
+    differ = 0
+    for seed in range(10):
+        rng = np.random.default_rng(seed)
+        v = _vecs(rng, "clustered", 700, 64)
+        q = np.ascontiguousarray(v[0] + 0.3 * rng.normal(size=64).astype(np.float32))
+        i8 = kernels_scan.Int8Rows().of(v, 0)
+        a, b, kk = _both(v, q, 100, np.zeros(0, np.int64), True, rf=i8.row_scale(q) / 100)
+        differ += _top(a, kk)[:2] != _top(b, kk)[:2]
+    assert differ > 0

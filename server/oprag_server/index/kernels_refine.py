@@ -13,6 +13,12 @@ float64 products of float32 values, each erring by at most ``gamma_D sum |v_j q_
 the n-th largest canonical score of the kept rows (at least n of them are within ``err2`` of a
 fast score >= the n-th fast one), so the top-n by (canonical score desc, chunk id asc), its
 scores and the ties reported are those of :func:`.kernels.dense_step` (tested against it).
+
+The first filter can also take each row's own int8 bound (:func:`.kernels_scan.row_bounds`:
+its own residual and quantised norms instead of the largest ones): a row is kept when its upper
+bound reaches the n-th largest lower bound (at least n rows have canonical scores at or above
+that lower bound, so a row below it cannot be in the top-n). Fewer float32 rows are then read
+for the second filter (what costs most once other processes have evicted the caches).
 """
 
 from __future__ import annotations
@@ -48,10 +54,13 @@ def fast_error(vmax: float, d: int, q: np.ndarray) -> float:
 
 
 @njit(cache=True, nogil=True)
-def dense_step_fast(vecs, rows, all_rows, approx, q, err, n, sample, err2):
+def dense_step_fast(vecs, rows, all_rows, approx, q, err, n, sample, err2, rb, rf):
     """:func:`.kernels.dense_step` (same arguments and results) with the second filter of the
     module docstring (``err2``: :func:`fast_error`): ``short`` / ``exact`` then hold only the
-    rows that passed both filters."""
+    rows that passed both filters. ``rb`` float64[N] (may be empty: ``err`` for every row):
+    per-row bounds, row r's approximate score within ``rf rb[r] + 1e-12`` (<= ``err``) of its
+    canonical one (``Int8Rows.rb``, ``row_scale``); the first filter then keeps the rows whose
+    upper bound reaches the n-th largest lower bound (the same argument per row)."""
     m = approx.size
     q64 = q.astype(np.float64)
     buf64 = np.empty(max(q.size, 1), np.float64)
@@ -70,15 +79,28 @@ def dense_step_fast(vecs, rows, all_rows, approx, q, err, n, sample, err2):
     kk = min(n, m)
     if kk <= 0:
         return empty_i, empty_f, empty_i, False, low, OK
-    cut = _kth_largest(approx, kk) - 2.0 * err
+    if rb.size:  # per-row bounds: U_i >= the kk-th largest L_j
+        e = np.empty(m, np.float64)
+        lo_b = np.empty(m, np.float64)
+        for i in range(m):
+            e[i] = min(rf * rb[i if all_rows else rows[i]] + 1e-12, err)
+            lo_b[i] = np.float64(approx[i]) - e[i]
+        lam = _kth_largest(lo_b, kk)
+        for i in range(m):
+            lo_b[i] = np.float64(approx[i]) + e[i] - lam  # >= 0: kept
+    else:
+        cut = _kth_largest(approx, kk) - 2.0 * err
+        lo_b = np.empty(m, np.float64)
+        for i in range(m):
+            lo_b[i] = np.float64(approx[i]) - cut
     p = 0
     for i in range(m):
-        if np.float64(approx[i]) >= cut:
+        if lo_b[i] >= 0.0:
             p += 1
     short = np.empty(p, np.int64)
     p = 0
     for i in range(m):
-        if np.float64(approx[i]) >= cut:
+        if lo_b[i] >= 0.0:
             short[p] = i
             p += 1
     if p > kk:  # the second filter
@@ -107,8 +129,9 @@ def warm(d: int = 8) -> None:
     vecs = np.full((4, d), 1.0 / np.sqrt(d), np.float32)
     q = vecs[0].copy()
     rows = np.arange(4, dtype=np.int64)
-    dense_step_fast(vecs, rows, True, vecs @ q, q, 1e-6, 2, rows, 1e-12)
-    dense_step_fast(vecs, rows, False, vecs @ q, q, 1e-6, 2, rows[:0], 1e-12)
+    rb = np.full(4, 1e-7)
+    dense_step_fast(vecs, rows, True, vecs @ q, q, 1e-6, 2, rows, 1e-12, rb, 2.0)
+    dense_step_fast(vecs, rows, False, vecs @ q, q, 1e-6, 2, rows[:0], 1e-12, rb[:0], 2.0)
     _ = kernels
 
 

@@ -222,8 +222,10 @@ class Searcher(ExactMixin):
             if i8 is not None and np.isfinite(qi).all():  # a quarter of the bytes read (kernels_scan)
                 approx, err = i8.scores(qi, None if every else rows), i8.error(qi)
                 sample = self._every(approx.size) if every else _NO_ROWS
-                short, ex, order, ties, low, status = _kernels_refine().dense_step_fast(
-                    vecs, rows, every, approx, qi, err, n, sample, _kernels_refine().fast_error(i8.c + i8.e, vecs.shape[1], qi))
+                kr = _kernels_refine()
+                short, ex, order, ties, low, status = kr.dense_step_fast(
+                    vecs, rows, every, approx, qi, err, n, sample, kr.fast_error(i8.c + i8.e, vecs.shape[1], qi),
+                    i8.rb, i8.row_scale(qi))
             else:
                 approx, err = (vecs if every else vecs[rows]) @ qi, dense.score_error(qi)
                 sample = self._every(approx.size) if every else _NO_ROWS
