@@ -145,7 +145,10 @@ def _reference_path(monkeypatch, searcher):
     monkeypatch.setattr(searcher, "_kernel_tops", tops)
     monkeypatch.setattr(searcher.store.postings, "score",
                         lambda *a, **kw: _bm25_reference(searcher.store.postings, *a, **kw))
-    monkeypatch.setattr(search_mod, "skyband", skyband_reference)
+    from oprag_server.index import kernels_carry  # (the carried chunks: its numpy steps, the reference skyband)
+
+    monkeypatch.setattr(kernels_carry, "band_slots", kernels_carry.band_slots_reference)
+    monkeypatch.setattr(kernels_carry, "skyband", skyband_reference)
     monkeypatch.setattr(search_mod, "listed_top", listed_top_reference)
 
 

@@ -136,15 +136,13 @@ def test_hybrid_carries_fewer_fields_and_still_needs_no_fetch(seed):
     """With the fusion's weights in the request the shards carry only the skyband chunks that can
     be in its top-k: over queries and weights no FETCH follows, the hits equal those of a search
     carrying the whole skyband, and fewer fields come along in all."""
-    from types import SimpleNamespace
-
-    from oprag_server.index import kernels_cone
     from oprag_server.shards import search as search_mod
 
     c, _ = _corpus(seed, n=150)
     rng = np.random.default_rng(seed)
     count, carried = _Counting(c.retriever.pool), {True: 0, False: 0}
-    orig_fields, orig_cone = search_mod.Searcher._fields, search_mod._kernels_cone
+    orig_fields, orig_band = search_mod.Searcher._fields, search_mod.Searcher.__dict__["_skyband_slots"]
+    whole = staticmethod(lambda c, lex, k, cone=None: orig_band.__func__(c, lex, k, None))  # the whole skyband
     narrow = [True]
 
     def fields(self, slots):
@@ -152,7 +150,6 @@ def test_hybrid_carries_fewer_fields_and_still_needs_no_fetch(seed):
         return orig_fields(self, slots)
 
     search_mod.Searcher._fields = fields
-    off = SimpleNamespace(rho_floor=lambda *a: 0.0, cone_keep=kernels_cone.cone_keep, warm=kernels_cone.warm)
     try:
         for _ in range(15):
             qv = _vec(rng, 1)[0]
@@ -162,12 +159,12 @@ def test_hybrid_carries_fewer_fields_and_still_needs_no_fetch(seed):
                       dense_weight=wd, lexical_weight=wl)
             del count.ops[:]
             narrow[0] = True
-            search_mod._kernels_cone = orig_cone
+            search_mod.Searcher._skyband_slots = orig_band
             hits, _ = c.retrieve(q, qv, **kw)
             assert Op.FETCH not in count.ops
             narrow[0] = False
-            search_mod._kernels_cone = lambda: off
+            search_mod.Searcher._skyband_slots = whole
             assert c.retrieve(q, qv, **kw)[0] == hits
     finally:
-        search_mod.Searcher._fields, search_mod._kernels_cone = orig_fields, orig_cone
+        search_mod.Searcher._fields, search_mod.Searcher._skyband_slots = orig_fields, orig_band
     assert 0 < carried[True] < carried[False], carried

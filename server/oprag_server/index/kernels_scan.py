@@ -93,6 +93,29 @@ def scan_rows(codes, scale, rows, q, out):
     return out
 
 
+@njit(**_JIT)
+def row_bounds(vecs, codes, scale, out):
+    """float64[N] ``out``: per row r, ``b_r = E_r + gamma_{D+1} C_r + gamma64_D (C_r + E_r)``
+    with the row's own residual and quantised norms (:func:`quantize`'s E and C for that row,
+    the same ulp margins): ``2 b_r |q|`` bounds that row's scan error as :func:`error_bound`
+    does every row's (``Int8Rows.row_errors``)."""
+    n, d = vecs.shape
+    g32 = (d + 1) * _U32 / (1.0 - (d + 1) * _U32)
+    g64 = max(d, 1) * _U64 / (1.0 - max(d, 1) * _U64)
+    for r in range(n):
+        s = np.float64(scale[r])
+        e2, c2 = 0.0, 0.0
+        for j in range(d):
+            v = np.float64(vecs[r, j])
+            w = np.float64(codes[r, j]) * s
+            e2 += (w - v) * (w - v)
+            c2 += w * w
+        e = np.sqrt(e2) * (1.0 + 2.0 * d * _U64) + 1e-30
+        c = np.sqrt(c2) * (1.0 + 2.0 * d * _U64)
+        out[r] = e + g32 * c + g64 * (c + e)
+    return out
+
+
 def error_bound(e: float, c: float, d: int, q: np.ndarray) -> float:
     """Bound of ``|scan score - canonical score|`` for every row (module docstring), given
     ``(E, C)`` of :func:`quantize`, the width D and the float32[D] query ``q``."""
@@ -106,8 +129,8 @@ class Int8Rows:
     """The int8 copy of a flat :class:`.dense.DenseIndex`'s rows, rebuilt (:func:`quantize`,
     ~1 ms per 5K x 384 rows) when the store's write version, the row count or the vectors'
     buffer changes; None above :attr:`MAX_ROWS` rows (a whole rebuild on the first query after
-    each write would cost a query ~6 ms at that size while ingest runs; the BLAS scan serves). Costs a quarter of the float32 vectors' memory plus 4 bytes
-    a row."""
+    each write would cost a query ~6 ms at that size while ingest runs; the BLAS scan serves). Costs a quarter of the float32 vectors' memory plus 12 bytes
+    a row (the scale and :func:`row_bounds`)."""
 
     MAX_ROWS = 32_768
 
@@ -116,6 +139,7 @@ class Int8Rows:
         self.codes = np.zeros((0, 0), np.int8)
         self.scale = np.zeros(0, np.float32)
         self.e = self.c = 0.0
+        self.rb = np.zeros(0, np.float64)  # per-row bounds (row_bounds)
 
     def of(self, vecs: np.ndarray, version: int) -> "Int8Rows | None":
         """Self, current for float32[N, D] ``vecs`` at store ``version``; None when N is 0 or
@@ -131,6 +155,7 @@ class Int8Rows:
             self.codes = np.empty(vecs.shape, np.int8)
             self.scale = np.empty(n, np.float32)
             self.e, self.c = quantize(np.ascontiguousarray(vecs), self.codes, self.scale)
+            self.rb = row_bounds(np.ascontiguousarray(vecs), self.codes, self.scale, np.empty(n, np.float64))
             self.key = key
         return self
 
@@ -139,6 +164,11 @@ class Int8Rows:
         if rows is None:
             return scan(self.codes, self.scale, q, np.empty(self.codes.shape[0], np.float32))
         return scan_rows(self.codes, self.scale, rows, q, np.empty(rows.size, np.float32))
+
+    def row_scale(self, q: np.ndarray) -> float:
+        """The factor ``f`` of this query's per-row bounds: row r's scan score is within
+        ``f rb[r] + 1e-12`` of its canonical one (``2 |q|`` with :func:`error_bound`'s margin)."""
+        return 2.0 * float(np.linalg.norm(np.asarray(q, dtype=np.float64))) * (1.0 + 1e-6)
 
     def error(self, q: np.ndarray) -> float:
         """:func:`error_bound` for ``q``."""
@@ -151,3 +181,4 @@ def warm() -> None:
     r = Int8Rows().of(v, 0)
     r.scores(v[0].copy(), None)
     r.scores(v[0].copy(), np.arange(2, dtype=np.int64))
+    row_bounds(v, r.codes, r.scale, np.empty(4, np.float64))

@@ -24,8 +24,9 @@ import numpy as np
 from .. import records
 from ..index.bm25.listed_top import listed_top
 from ..index.dense_low import LowSeeds
-from ..index.fusion import refine_top, skyband, top_k_order
+from ..index.fusion import refine_top, top_k_order
 from .chunks import ChunkStore
+from .carried import CarriedFields
 from .exact import ExactMixin
 from .protocol import Candidates, FetchReply, FetchRequest, QueryBatch, SearchReply, SearchRequest
 
@@ -54,11 +55,11 @@ def _kernels_low():
     return kernels_low
 
 
-def _kernels_cone():
-    """:mod:`..index.kernels_cone` (numba: imported on first use, as :func:`_kernels`)."""
-    from ..index import kernels_cone  # noqa: PLC0415
+def _kernels_refine():
+    """:mod:`..index.kernels_refine` (numba: imported on first use, as :func:`_kernels`)."""
+    from ..index import kernels_refine  # noqa: PLC0415
 
-    return kernels_cone
+    return kernels_refine
 
 
 class Searcher(ExactMixin):
@@ -155,7 +156,7 @@ class Searcher(ExactMixin):
         st = self.store
         slots, lex, listed = listed_top(st.postings, qb.terms[i], qb.idf[i], qb.avgdl, qb.k1, qb.b, m, allowed)
         # ids are read only for ties (the slot-indexed id array of the store)
-        order = np.asarray(top_k_order(lex, st._slot_ids, m, rows=slots), np.int64)  # noqa: SLF001
+        order = _kernels_refine().rank_top(lex, st._slot_ids, m, rows=slots)  # noqa: SLF001
         top = slots[order]
         return Candidates(top, st.ids(top), self._canonical(q, st.dense.rows(top)), lex[order]), listed
 
@@ -165,22 +166,10 @@ class Searcher(ExactMixin):
         when given, the BM25 list ``lex`` (deduplicated): every chunk of this shard that can be
         in a monotone fusion's top-k of the two lists. ``cone``: ``(weights, dense minimum, idf,
         k1)`` of a min-max fusion, which keeps only the skyband's chunks that can be in its top-k
-        (:mod:`..index.kernels_cone`; about half of them)."""
-        if lex is None or not len(lex.slots):
-            slots, d, lx = c.slots, c.dense, c.lexical
-        else:
-            seen = set(c.slots.tolist())  # (np.isin costs ~30-60 us on 256 x 64 slots; a set ~10)
-            extra = np.asarray([x not in seen for x in lex.slots.tolist()], dtype=bool)
-            slots = np.concatenate([c.slots, lex.slots[extra]])
-            d, lx = np.concatenate([c.dense, lex.dense[extra]]), np.concatenate([c.lexical, lex.lexical[extra]])
-        band = skyband(d, lx, k)
-        if cone and band.size > k:
-            kc = _kernels_cone()
-            rho = kc.rho_floor(cone[0], d, cone[1], cone[2], cone[3])
-            if rho > 0.0:
-                band = band[kc.cone_keep(np.ascontiguousarray(d[band], np.float64),
-                                         np.ascontiguousarray(lx[band], np.float64), k, rho)]
-        return slots[band]
+        (:mod:`..index.kernels_cone`; about half of them). :func:`..index.kernels_carry.band_slots`."""
+        from ..index.kernels_carry import band_slots  # noqa: PLC0415 - numba only in processes that search
+
+        return band_slots(c, lex, k, cone)
 
     def warm(self) -> float:
         """Compile (or load from numba's cache) the kernels of the candidate step for this
@@ -190,13 +179,15 @@ class Searcher(ExactMixin):
         that the first query is not slow. :returns: seconds taken."""
         t = _kernels().warm()
         st, t0 = self.store, time.perf_counter()
-        from ..index import kernels_band, kernels_topm, kernels_wide  # noqa: PLC0415 - numba only in processes that search
+        from ..index import kernels_band, kernels_carry, kernels_cone, kernels_topm, kernels_wide  # noqa: PLC0415
 
         _kernels_low().warm()
         kernels_topm.warm()
         kernels_wide.warm()
         _kernels_scan().warm()
-        _kernels_cone().warm()
+        kernels_cone.warm()
+        kernels_carry.warm()
+        _kernels_refine().warm()
         kernels_band.warm()
         listed_top(st.postings, ["\x00"], np.ones(1), 1.0, 1.5, 0.75, 1)  # the segment's term bounds
         if st.dense.params.kind == "hnsw" and st.dense.ann is not None:
@@ -227,13 +218,18 @@ class Searcher(ExactMixin):
         for i in range(q.shape[0]):
             qi, every = q[i], allowed[i] is None
             rows = _NO_ROWS if every else dense.rows(allowed[i])
+            # unfiltered: the kernel also takes the minimum (its sample argument: every row)
             if i8 is not None and np.isfinite(qi).all():  # a quarter of the bytes read (kernels_scan)
                 approx, err = i8.scores(qi, None if every else rows), i8.error(qi)
+                sample = self._every(approx.size) if every else _NO_ROWS
+                kr = _kernels_refine()
+                short, ex, order, ties, low, status = kr.dense_step_fast(
+                    vecs, rows, every, approx, qi, err, n, sample, kr.fast_error(i8.c + i8.e, vecs.shape[1], qi),
+                    i8.rb, i8.row_scale(qi))
             else:
                 approx, err = (vecs if every else vecs[rows]) @ qi, dense.score_error(qi)
-            # unfiltered: the kernel also takes the minimum (its sample argument: every row)
-            sample = self._every(approx.size) if every else _NO_ROWS
-            short, ex, order, ties, low, status = kernels.dense_step(vecs, rows, every, approx, qi, err, n, sample)
+                sample = self._every(approx.size) if every else _NO_ROWS
+                short, ex, order, ties, low, status = kernels.dense_step(vecs, rows, every, approx, qi, err, n, sample)
             if status != kernels.OK:
                 out.append(self._dense_tops(q, [i], n)[i] if every else self._dense_top(qi, n, allowed[i]))
                 lows.append(None)
@@ -392,7 +388,12 @@ class Searcher(ExactMixin):
         return FetchReply(found=found, doc_ids=doc_ids, titles=titles, texts=texts, metadata=metadata)
 
     def _fields(self, slots: np.ndarray) -> FetchReply:
-        """:meth:`fetch` of live slots int64[M], with ``slots`` set (carried by a search reply)."""
-        rep = self.fetch(FetchRequest(slots.tolist()))
-        rep.slots = slots.tolist()
-        return rep
+        """:meth:`fetch` of live slots int64[M], with ``slots`` set (carried by a search reply):
+        from the stored UTF-8 bytes as they are where it can (:class:`CarriedFields`)."""
+        raw = self.store.fields.hit_utf8(slots)
+        if raw is None:
+            rep = self.fetch(FetchRequest(slots.tolist()))
+            rep.slots = slots.tolist()
+            return rep
+        return CarriedFields.of(slots.tolist(), *raw)
+
