@@ -38,6 +38,7 @@ from ..index.fusion import fuse_minmax, lexical_listed, minmax_params, top_k_ord
 from ..shards.pool import ShardPool
 from ..shards.protocol import (ExactListsRequest, ExactMinmaxRequest, FetchReply, FetchRequest, Op, QueryBatch,
                                SearchReply, SearchRequest)
+from . import union
 from .hybrid import _Cand, _Cols, _rank_lists, _ranks, Widening, bounded, merge_union  # noqa: F401 (re-exported)
 
 
@@ -121,6 +122,7 @@ class Retriever:
         #: called with (widened, uncertified) query counts of each dense-first batch (metrics)
         self.on_widen = None
         kernels_merge.warm()  # the compiled merge core (numba's cache), before the first query
+        union.warm()
 
     @staticmethod
     def info(spec: RetrieveSpec, searched: int = 0) -> RetrievalInfo:

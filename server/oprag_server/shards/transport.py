@@ -146,7 +146,8 @@ class PipeTransport(ShardTransport):
         self._ids = itertools.count(1)
         self._alive = False
         self._fd = -1
-        self._rbuf = bytearray()
+        self._rbuf = bytearray(1 << 16)  # read into in place: bytes [0, _rlen) are unparsed input
+        self._rlen = 0
         self._need = 0  # bytes still missing of the frame being read
         self._wq: collections.deque[memoryview] = collections.deque()  # unsent output
 
@@ -221,36 +222,51 @@ class PipeTransport(ShardTransport):
             self.loop.add_reader(self._fd, self._on_readable)
 
     def _on_readable(self) -> None:
+        """Read what the pipe holds into ``_rbuf`` (in place: no bytes object per read, no copy
+        per frame) and resolve the call of every complete frame in it."""
+        want, held = max(1 << 16, self._need), self._rlen
+        if len(self._rbuf) < held + want:  # (no view of it is alive here: it may grow)
+            self._rbuf.extend(bytes(held + want - len(self._rbuf)))
         try:
-            data = os.read(self._fd, max(1 << 16, self._need))
+            with memoryview(self._rbuf) as mv:
+                got = os.readv(self._fd, [mv[held:held + want]])
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
-            data = b""
-        if not data:
+            got = 0
+        if not got:
             self._hang_up("shard process exited")
             return
-        buf = self._rbuf
-        buf += data
-        while len(buf) >= 4:
-            size, hdr = int.from_bytes(buf[:4], "big", signed=True), 4
-            if size == -1:
-                if len(buf) < 12:
+        end, pos, frames, bad = held + got, 0, [], ""
+        with memoryview(self._rbuf) as mv:
+            while end - pos >= 4:
+                size, hdr = int.from_bytes(mv[pos:pos + 4], "big", signed=True), 4
+                if size == -1:
+                    if end - pos < 12:
+                        break
+                    size, hdr = int.from_bytes(mv[pos + 4:pos + 12], "big"), 12
+                if end - pos < hdr + size:
                     break
-                size, hdr = int.from_bytes(buf[4:12], "big"), 12
-            if len(buf) < hdr + size:
-                self._need = hdr + size - len(buf)
-                return
-            try:
-                req_id, ok, res = pickle.loads(buf[hdr:hdr + size])
-            except Exception as exc:  # noqa: BLE001 - a corrupt stream: nothing after it can be trusted
-                self._hang_up(f"unreadable reply: {type(exc).__name__}: {exc}")
-                return
-            del buf[:hdr + size]
+                try:  # (a reply holds copies: nothing unpickled refers to the buffer)
+                    req_id, ok, res = pickle.loads(mv[pos + hdr:pos + hdr + size])
+                    frames.append((req_id, ok, res))
+                except Exception as exc:  # noqa: BLE001 - a corrupt stream: nothing after it can be trusted
+                    bad = f"unreadable reply: {type(exc).__name__}: {exc}"
+                    break
+                pos += hdr + size
+        rest = 0 if bad else end - pos
+        if rest and pos:
+            self._rbuf[:rest] = self._rbuf[pos:end]  # (same length: no resize)
+        self._rlen = rest
+        if not rest and len(self._rbuf) > 1 << 22:  # after a large reply: back to 64 KiB
+            self._rbuf = bytearray(1 << 16)
+        self._need = (hdr + size - rest) if rest >= 4 and rest < hdr + size else 0
+        for req_id, ok, res in frames:
             fut = self._pending.pop(req_id, None)
             if fut is not None:
                 _resolve(fut, ok, res, self.shard_id)
-        self._need = 0
+        if bad:
+            self._hang_up(bad)
 
     def _hang_up(self, why: str) -> None:
         """(On the loop) stop reading and writing; every pending call fails with ``why``."""
