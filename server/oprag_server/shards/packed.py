@@ -186,6 +186,20 @@ class FieldColumn(Sequence):
         return f"FieldColumn({self.tolist()!r})"
 
 
+def row_fields(f, k: int) -> tuple[str, str, str, str]:
+    """``(doc_id, title, text, metadata)`` of row ``k`` of a ``FetchReply`` (0 <= k < its
+    length): decoded straight from the blob of a compact one, indexed from the lists of a plain one."""
+    col = f.doc_ids
+    if type(col) is FieldColumn:
+        rows = col.rows
+        if f.titles.rows is rows and f.texts.rows is rows and f.metadata.rows is rows:
+            at, blob, n = rows._at, rows.blob, rows.n
+            if at is None:
+                at = rows._at = list(itertools.accumulate(rows.lens, initial=0))
+            return tuple(blob[at[i]:at[i + 1]].decode() for i in (k, n + k, 2 * n + k, 3 * n + k))
+    return f.doc_ids[k], f.titles[k], f.texts[k], f.metadata[k]
+
+
 def fetch_reply(found, n: int, blob: bytes, lens: list[int], slots):
     """The ``FetchReply`` of :func:`reduce_fetch`'s compact form."""
     rows = _Utf8Rows(blob, n, lens)
