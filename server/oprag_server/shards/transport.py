@@ -92,33 +92,34 @@ class ShardTransport(abc.ABC):
         """Release the shard after it was asked to shut down (blocking, a few seconds at most)."""
 
 
-class _Pickled:
-    """A request pickled once for every shard it goes to (a broadcast sends one object to each):
-    it unpickles on the shard as the request itself (``pickle.loads`` of the bytes)."""
-
-    __slots__ = ("data",)
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-
-    def __reduce__(self):
-        return pickle.loads, (self.data,)
-
-
 #: ops whose request goes to several shards at once (query path; small requests)
 _SHARED_OPS = frozenset({Op.SEARCH, Op.EXACT_MINMAX, Op.EXACT_LISTS})
-_last: tuple = (None, None)  # (the last shared request object, its _Pickled); replaced whole (threads)
+_ids = itertools.count(1)  # request ids, unique over every transport: a broadcast's frame is one byte string
+# (the last shared request, its op, request id, frame, and the transports it went to); replaced whole (threads)
+_last: tuple = (None, None, 0, b"", frozenset())
 
 
-def _shared(request: Any) -> "_Pickled":
-    """The request pickled once: the same object sent again (to the next shard) reuses it."""
+def _frame(op: Op, request: Any) -> tuple[int, bytes]:
+    """``(request id, op, request)`` pickled behind its length header."""
+    req_id = next(_ids)
+    body = pickle.dumps((req_id, op, request), protocol=pickle.HIGHEST_PROTOCOL)
+    n = len(body)
+    head = n.to_bytes(4, "big", signed=True) if n <= 0x7FFFFFFF else b"\xff\xff\xff\xff" + n.to_bytes(8, "big")
+    return req_id, head + body
+
+
+def _shared_frame(op: Op, request: Any, to: Any) -> tuple[int, bytes]:
+    """The frame of a broadcast request, pickled once: the same request object sent with the
+    same op to another transport reuses the last frame (its request id too: ids need only be
+    unique per transport); sent to the same transport again, it gets a new frame."""
     global _last
     last = _last
-    if last[0] is request:
-        return last[1]
-    p = _Pickled(pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL))
-    _last = (request, p)
-    return p
+    if last[0] is request and last[1] is op and to not in last[4]:
+        _last = (*last[:4], last[4] | {to})
+        return last[2], last[3]
+    req_id, frame = _frame(op, request)
+    _last = (request, op, req_id, frame, frozenset((to,)))
+    return req_id, frame
 
 
 def _resolve(fut: asyncio.Future, ok: bool, res: Any, shard_id: int) -> None:
@@ -143,7 +144,6 @@ class PipeTransport(ShardTransport):
         self.conn: Any = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self._pending: dict[int, asyncio.Future] = {}
-        self._ids = itertools.count(1)
         self._alive = False
         self._fd = -1
         self._rbuf = bytearray(1 << 16)  # read into in place: bytes [0, _rlen) are unparsed input
@@ -318,17 +318,13 @@ class PipeTransport(ShardTransport):
         if not self._alive:
             fut.set_exception(ShardError(f"shard {self.shard_id} is not running"))
             return fut
-        req_id = next(self._ids)
         try:
-            body = pickle.dumps((req_id, op, _shared(request) if op in _SHARED_OPS else request),
-                                protocol=pickle.HIGHEST_PROTOCOL)
+            req_id, frame = _shared_frame(op, request, self) if op in _SHARED_OPS else _frame(op, request)
         except Exception as exc:  # noqa: BLE001 - a request that cannot cross the pipe
             fut.set_exception(ShardError(f"shard {self.shard_id}: {type(exc).__name__}: {exc}"))
             return fut
-        n = len(body)
-        head = n.to_bytes(4, "big", signed=True) if n <= 0x7FFFFFFF else b"\xff\xff\xff\xff" + n.to_bytes(8, "big")
         self._pending[req_id] = fut
-        self._on_loop(self._write, head + body)
+        self._on_loop(self._write, frame)
         return fut
 
     def hangup(self) -> None:
