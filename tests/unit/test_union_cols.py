@@ -66,3 +66,32 @@ def test_not_in_keeps_order_and_duplicates_of_the_dense_side():
     ls = np.asarray([9, 1, 3, 7, 5, 2], dtype=np.int64)
     assert not_in(ds, ls).tolist() == [1, 3, 5]
     assert not_in(np.zeros(0, np.int64), ls).tolist() == list(range(6))
+
+
+def test_fuse_rank_is_fuse_top_then_hit_ranks():
+    from oprag_server.index.kernels_merge import fuse_top, hit_ranks
+    from oprag_server.operators.union import fuse_rank
+
+    rng = np.random.default_rng(5)
+    seen_strict = seen_loose = 0
+    for t in range(400):
+        m = int(rng.integers(0, 50))
+        pick = [0.0, 0.25, 0.5, 1.0] if t % 3 == 0 else None
+        d = rng.choice(pick, m) if pick else rng.standard_normal(m)
+        lx = rng.choice(pick, m) if pick else np.where(rng.random(m) < 0.3, 0.0, rng.standard_normal(m))
+        if t % 17 == 0 and m:
+            d[0] = np.nan
+        args = (d, lx, -1.0, 2.0, -0.5, 3.0, 0.6, 0.4, int(rng.integers(1, 12)))
+        n = int(rng.integers(1, 40))
+        s, top, strict, dr, okd, lr, okl = fuse_rank(*args, n)
+        s0, top0, strict0 = fuse_top(*args)
+        assert s.tobytes() == s0.tobytes() and strict == strict0
+        if strict:
+            seen_strict += 1
+            assert top.tolist() == top0.tolist()
+            for got, ok, ref in ((dr, okd, hit_ranks(d, top0, n, False)), (lr, okl, hit_ranks(lx, top0, n, True))):
+                assert ok == ref[1] and got.tolist() == ref[0].tolist()
+        else:
+            seen_loose += 1
+            assert not okd and not okl
+    assert seen_strict > 50 and seen_loose > 50

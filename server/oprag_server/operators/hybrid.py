@@ -53,7 +53,7 @@ from ..domain import RetrievalInfo, RetrieveSpec
 from ..index import kernels_merge
 from ..index.fusion import fuse_minmax, lexical_listed, top_k_order
 from ..shards.protocol import Candidates, QueryBatch, SearchReply, SearchRequest
-from .union import union_cols
+from .union import fuse_rank, union_cols
 
 
 @dataclass
@@ -215,9 +215,9 @@ def merge_union(replies: dict[int, SearchReply], j: int, spec: RetrieveSpec) -> 
     w = {"dense_range": dr, "lexical_range": lr, "dense_weight": spec.dense_weight,
          "lexical_weight": spec.lexical_weight}
     # compiled: scores, top-k and (below) ranks; the numpy path with ids where ties or NaNs need it
-    scores, top, strict = kernels_merge.fuse_top(u.dense, u.lexical, float(dr[0]), float(dr[1]), float(lr[0]),
-                                                 float(lr[1]), float(spec.dense_weight), float(spec.lexical_weight),
-                                                 int(spec.top_k))
+    scores, top, strict, drank, ok_d, lrank, ok_l = fuse_rank(
+        u.dense, u.lexical, float(dr[0]), float(dr[1]), float(lr[0]), float(lr[1]), float(spec.dense_weight),
+        float(spec.lexical_weight), int(spec.top_k), int(spec.candidates))
     top = top.tolist() if strict else top_k_order(scores, u.ids, spec.top_k)
     certified, sides = True, ""
     if bounds:
@@ -231,8 +231,9 @@ def merge_union(replies: dict[int, SearchReply], j: int, spec: RetrieveSpec) -> 
         if not certified:
             sides = _sides(b, float(scores[top[-1]]) if finite and len(top) >= spec.top_k else None, w)
     rows = np.asarray(top, dtype=np.int64)
-    drank, ok_d = kernels_merge.hit_ranks(u.dense, rows, int(spec.candidates), False)
-    lrank, ok_l = kernels_merge.hit_ranks(u.lexical, rows, int(spec.candidates), True)
+    if not strict:  # (the kernel ranked the strict top-k only)
+        drank, ok_d = kernels_merge.hit_ranks(u.dense, rows, int(spec.candidates), False)
+        lrank, ok_l = kernels_merge.hit_ranks(u.lexical, rows, int(spec.candidates), True)
     if ok_d and ok_l:
         pass
     elif np.isnan(u.dense).any() or np.isnan(u.lexical).any():  # no total order: as before, by sorting
@@ -242,8 +243,9 @@ def merge_union(replies: dict[int, SearchReply], j: int, spec: RetrieveSpec) -> 
     else:  # ties inside the rank window: by id
         drank = _hit_ranks(u.dense, u.ids, top, spec.candidates, False)
         lrank = _hit_ranks(u.lexical, u.ids, top, spec.candidates, True)
-    return [u.cand(i, float(scores[i]), int(dr_), int(lr_)) for i, dr_, lr_ in zip(top, drank.tolist(),
-                                                                                    lrank.tolist())], certified, sides
+    cols = (u.shard[rows].tolist(), u.slot[rows].tolist(), [u.ids[i] for i in top], u.dense[rows].tolist(),
+            u.lexical[rows].tolist(), scores[rows].tolist(), drank.tolist(), lrank.tolist())  # (u.cand's values)
+    return [_Cand(*c) for c in zip(*cols)], certified, sides
 
 
 def _hit_ranks(vals: np.ndarray, ids: np.ndarray, rows: list[int], n: int, lexical: bool) -> np.ndarray:

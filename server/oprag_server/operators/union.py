@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..index import kernels  # noqa: F401 - sets numba's cache directory before the first njit
+from ..index.kernels_merge import fuse_top, hit_ranks  # noqa: E402
 from numba import njit  # noqa: E402
 
 
@@ -98,10 +99,27 @@ def union_cols(shards, ds, dd, dl, ls, ld, ll):
     return shard, slot, dense, lexical, extra, offsets, dmin, lmin
 
 
+@njit(cache=True, nogil=True)
+def fuse_rank(d, lx, dlo, dhi, llo, lhi, dw, lw, k, n):
+    """:func:`..index.kernels_merge.fuse_top` and, when its top-k is strict, the two
+    :func:`..index.kernels_merge.hit_ranks` of those rows (dense, then BM25), in one call:
+    ``(scores, top, strict, dense ranks, dense exact, BM25 ranks, BM25 exact)`` (the ranks are
+    empty and not exact when the top-k is not strict: the caller orders it with ids first)."""
+    scores, top, strict = fuse_top(d, lx, dlo, dhi, llo, lhi, dw, lw, k)
+    if not strict:
+        z = np.zeros(0, np.int64)
+        return scores, top, False, z, False, z, False
+    dr, ok_d = hit_ranks(d, top, n, False)
+    lr, ok_l = hit_ranks(lx, top, n, True)
+    return scores, top, True, dr, ok_d, lr, ok_l
+
+
 def warm() -> None:
     """Compile (or load from numba's cache) :func:`not_in` for the merge's argument types."""
     z = np.zeros(1, np.int64)
     not_in(z, z)
+    f = np.zeros(2, np.float64)
+    fuse_rank(f, f, 0.0, 1.0, 0.0, 1.0, 0.5, 0.5, 1, 1)
     for n in (1, 2):
         warm_shards(n)
 
