@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from oprag.v1 import oprag_pb2, oprag_pb2_grpc
 
 from .retry import NO_RETRY, RetryPolicy, acall, call
+from .vectors import floats as _floats
 
 DEFAULT_MAX_MESSAGE_BYTES = 32 * 1024 * 1024
 MODES = {
@@ -211,7 +212,7 @@ def query_request(question: str, *, top_k: int = 0, mode: str = "hybrid", sessio
         filters=flt,
         fusion=oprag_pb2.FusionOptions(method=FUSIONS[fusion], dense_weight=dense_weight,
                                        lexical_weight=lexical_weight, rrf_k=rrf_k),
-        query_vector=[] if query_vector is None else [float(x) for x in query_vector],
+        query_vector=_floats(query_vector),
         min_seq=min_seq,
         include_trace=include_trace,
         question=question,

@@ -1,5 +1,5 @@
 """The frontend's hot-path shortcuts keep what crosses the pipe and what the caller sees
-unchanged: a broadcast request is pickled once and unpickles on the shard as the request itself;
+unchanged: a broadcast request's frame is pickled once and unpickles on the shard as the request;
 hit fields carried by search replies are found per hit as the old dict over all of them found
 them; memoised metric children are the ones prometheus_client returns."""
 
@@ -27,11 +27,18 @@ def _fields(a, b) -> tuple:
     return tuple(np.asarray(x).tolist() if isinstance(x, np.ndarray) else x for x in (a, b))
 
 
-def test_a_shared_request_unpickles_as_the_request_itself():
+def _unframe(frame: bytes):
+    n = int.from_bytes(frame[:4], "big", signed=True)
+    assert n == len(frame) - 4
+    return pickle.loads(frame[4:])
+
+
+def test_a_shared_request_frame_unpickles_as_the_request_itself():
     req = _req(0)
     old = pickle.loads(pickle.dumps((7, Op.SEARCH, req), protocol=pickle.HIGHEST_PROTOCOL))
-    new = pickle.loads(pickle.dumps((7, Op.SEARCH, transport._shared(req)), protocol=pickle.HIGHEST_PROTOCOL))
-    assert old[:2] == new[:2] and type(new[2]) is SearchRequest
+    req_id, frame = transport._shared_frame(Op.SEARCH, req, object())
+    new = _unframe(frame)
+    assert new[0] == req_id and new[1] is old[1] and type(new[2]) is SearchRequest
     for name in ("mode", "n", "ef_search", "nprobe", "fetch_k"):
         assert getattr(old[2], name) == getattr(new[2], name)
     ob, nb = old[2].batch, new[2].batch
@@ -40,11 +47,18 @@ def test_a_shared_request_unpickles_as_the_request_itself():
     assert all(x.tobytes() == y.tobytes() for x, y in zip(ob.idf, nb.idf))
 
 
-def test_the_same_object_is_pickled_once_and_another_one_again():
+def test_a_broadcast_is_pickled_once_per_request_and_never_twice_to_one_transport():
     a, b = _req(1), _req(2)
-    assert transport._shared(a) is transport._shared(a)
-    pb = transport._shared(b)
-    assert pb is not transport._shared(a) and pickle.loads(pb.data).batch.q.tobytes() == b.batch.q.tobytes()
+    t0, t1 = object(), object()
+    ia, fa = transport._shared_frame(Op.SEARCH, a, t0)
+    assert transport._shared_frame(Op.SEARCH, a, t1) == (ia, fa)  # the other shard: the same bytes
+    ia2, fa2 = transport._shared_frame(Op.SEARCH, a, t0)  # the same transport again: a new id
+    assert ia2 != ia and _unframe(fa2)[0] == ia2
+    ib, fb = transport._shared_frame(Op.SEARCH, b, t1)
+    assert ib not in (ia, ia2) and _unframe(fb)[2].batch.q.tobytes() == b.batch.q.tobytes()
+    ic, _ = transport._shared_frame(Op.EXACT_LISTS, b, t0)  # another op: its own frame
+    assert ic != ib
+    assert len({transport._frame(Op.STATS, None)[0] for _ in range(5)}) == 5
 
 
 def _old_collect(replies: dict) -> dict:  # the dict the frontend built before _Carried

@@ -157,3 +157,27 @@ def test_undecodable_requests_are_invalid_argument_and_counted():
         asyncio.run(h.stream_unary(stream(), ctx))
     assert len(seen) == 1 and ctx.aborted[0] == grpc.StatusCode.INVALID_ARGUMENT
     assert count(ic, "Ingest", "INVALID_ARGUMENT") == 1
+
+
+def test_a_handler_is_wrapped_once_per_method_and_again_when_it_changes():
+    async def ok(req, ctx):
+        return req
+
+    h1, h2 = grpc.unary_unary_rpc_method_handler(ok), grpc.unary_unary_rpc_method_handler(ok)
+    ic = StatusInterceptor(Metrics(), SVC)
+    current = {"h": h1}
+
+    async def continuation(details):
+        return current["h"]
+
+    async def go():
+        a = await ic.intercept_service(continuation, Details(f"/{SVC}/Retrieve"))
+        b = await ic.intercept_service(continuation, Details(f"/{SVC}/Retrieve"))
+        c = await ic.intercept_service(continuation, Details(f"/{SVC}/Query"))
+        current["h"] = h2
+        d = await ic.intercept_service(continuation, Details(f"/{SVC}/Retrieve"))
+        return a, b, c, d, await a.unary_unary("x", Context()), await d.unary_unary("y", Context())
+
+    a, b, c, d, ra, rd = asyncio.run(go())
+    assert a is b and c is not a and d is not a and (ra, rd) == ("x", "y")
+    assert count(ic, "Retrieve", "OK") == 2 and count(ic, "Query", "OK") == 0

@@ -169,3 +169,20 @@ def test_packed_strings_read_in_any_order_equal_the_list(n):
         assert p[-1] == ids[-1] and p[1:3] == ids[1:3] and p[np.int64(n - 1)] == ids[n - 1]
     with pytest.raises(IndexError):
         p[n]
+
+
+def test_row_fields_equal_the_columns_of_compact_and_plain_replies():
+    import pickle
+
+    from oprag_server.shards.packed import row_fields
+    from oprag_server.shards.protocol import FetchReply
+
+    cols = (["d1", "d\u00e92", ""], ["T", "", "t\u4e2d"], ["x" * 900, "y\u00e9" * 300, ""], ['{"a": 1}', "{}", ""])
+    plain = FetchReply([True, True, False], *[list(c) for c in cols], [4, 9, 2])
+    packed = pickle.loads(pickle.dumps(plain, protocol=pickle.HIGHEST_PROTOCOL))
+    assert type(packed.doc_ids) is not list  # the compact form
+    for f in (plain, packed):
+        for k in range(3):
+            assert row_fields(f, k) == tuple(c[k] for c in cols)
+    for k in (2, 0, 1):  # any order, before and after a column read
+        assert row_fields(packed, k) == tuple(c[k] for c in cols)

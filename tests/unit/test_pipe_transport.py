@@ -105,3 +105,92 @@ def test_a_request_that_cannot_be_pickled_fails_alone():
         assert (await t.call(Op.STATS, 1))[1] == 1
 
     asyncio.run(go())
+
+
+def _raw_peer(sock, plan):
+    """Reads the requests' frames, then writes the replies as one byte stream cut by ``plan``
+    (a list of chunk sizes, the rest in one): frames split inside headers and bodies, several
+    frames per write."""
+    import pickle
+    import struct
+    import time
+
+    from multiprocessing.connection import Connection
+
+    c = Connection(sock.detach())
+    reqs = [c.recv() for _ in range(plan["n"])]
+    stream = b""
+    for req_id, _op, req in reqs:
+        body = pickle.dumps((req_id, True, req), protocol=pickle.HIGHEST_PROTOCOL)
+        stream += struct.pack("!i", len(body)) + body
+    stream += plan.get("tail", b"")
+    pos = 0
+    for n in plan["cuts"]:
+        c._send(stream[pos:pos + n])
+        pos += n
+        time.sleep(0.01)  # the reader sees each piece alone
+    if stream[pos:]:
+        c._send(stream[pos:])
+    time.sleep(0.5)
+
+
+@pytest.mark.parametrize("cuts", [[1], [3, 2, 5], [7, 100_000], [70_000, 1, 1, 1], []])
+def test_frames_split_anywhere_and_several_per_read_resolve_in_order(cuts):
+    import socket
+
+    async def go():
+        a, b = socket.socketpair()
+        payloads = ["x" * 10, b"y" * 90_000, {"k": list(range(1000))}, "z"]
+        th = threading.Thread(target=_raw_peer, args=(b, {"n": len(payloads), "cuts": cuts}), daemon=True)
+        th.start()
+        from multiprocessing.connection import Connection
+
+        t = PipeTransport(0, 4, None)
+        t.attach(Connection(a.detach()), asyncio.get_running_loop())
+        got = await asyncio.wait_for(asyncio.gather(*[t.call(Op.STATS, p) for p in payloads]), 10)
+        assert got == payloads
+        assert t._rlen == 0 and t._need == 0 and t.is_alive()
+        t.close()
+
+    asyncio.run(go())
+
+
+def test_a_corrupt_frame_fails_pending_calls_after_the_good_ones_resolve():
+    import socket
+
+    async def go():
+        a, b = socket.socketpair()
+        bad = (8).to_bytes(4, "big") + b"\x80\x05notpkl"
+        th = threading.Thread(target=_raw_peer, args=(b, {"n": 2, "cuts": [], "tail": bad}), daemon=True)
+        th.start()
+        from multiprocessing.connection import Connection
+
+        t = PipeTransport(0, 4, None)
+        t.attach(Connection(a.detach()), asyncio.get_running_loop())
+        first = await asyncio.wait_for(asyncio.gather(t.call(Op.STATS, 1), t.call(Op.STATS, 2)), 10)
+        assert first == [1, 2]
+        late = t.call(Op.STATS, 3)
+        with pytest.raises(ShardError, match="unreadable reply|not running"):
+            await asyncio.wait_for(late, 10)
+        assert not t.is_alive()
+        t.close()
+
+    asyncio.run(go())
+
+
+def test_the_shard_end_sends_each_message_in_one_write_with_the_same_frames():
+    from multiprocessing.connection import Connection
+
+    from oprag_server.shards.transport import _OneWrite
+
+    front, back = mp.Pipe(duplex=True)
+    back.__class__ = _OneWrite
+    writes = []
+    real = back._send
+    back._send = lambda buf: (writes.append(bytes(buf)), real(buf))[1]
+    for obj in (b"x" * 10, b"y" * 100_000, {"k": list(range(20_000))}):
+        writes.clear()
+        back.send(obj)
+        assert len(writes) == 1 and int.from_bytes(writes[0][:4], "big") == len(writes[0]) - 4
+        assert front.recv() == obj
+    assert isinstance(back, Connection)

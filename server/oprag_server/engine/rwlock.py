@@ -19,17 +19,20 @@ class RWLock:
         self._writers_waiting = 0
         self._cond = asyncio.Condition()
 
-    @contextlib.asynccontextmanager
-    async def read(self):
+    def read(self) -> "_Read":
+        """The read side, ``async with lock.read():``. Taken at once (no wait, no condition
+        round trip) when no writer holds or waits for the lock and nobody holds its condition."""
+        return _Read(self)
+
+    async def _read_slow(self) -> None:
         async with self._cond:
             await self._cond.wait_for(lambda: not self._writer and self._writers_waiting == 0)
             self._readers += 1
-        try:
-            yield
-        finally:
-            async with self._cond:
-                self._readers -= 1
-                self._cond.notify_all()
+
+    async def _unread_slow(self) -> None:
+        async with self._cond:
+            self._readers -= 1
+            self._cond.notify_all()
 
     @contextlib.asynccontextmanager
     async def write(self):
@@ -46,3 +49,28 @@ class RWLock:
             async with self._cond:
                 self._writer = False
                 self._cond.notify_all()
+
+
+class _Read:
+    """``RWLock.read()``: a reader that finds the lock free enters without awaiting; one that
+    leaves while nobody waits on the condition leaves without it (a waiter checks its predicate
+    before waiting, and the loop is single-threaded: nothing can start waiting in between)."""
+
+    __slots__ = ("lock",)
+
+    def __init__(self, lock: RWLock) -> None:
+        self.lock = lock
+
+    async def __aenter__(self) -> None:
+        lk = self.lock
+        if not lk._writer and lk._writers_waiting == 0 and not lk._cond.locked():
+            lk._readers += 1
+            return
+        await lk._read_slow()
+
+    async def __aexit__(self, *exc) -> None:
+        lk = self.lock
+        if not lk._cond.locked() and not lk._cond._waiters:  # noqa: SLF001 - asyncio.Condition's waiter deque
+            lk._readers -= 1
+            return
+        await lk._unread_slow()

@@ -53,6 +53,7 @@ from ..domain import RetrievalInfo, RetrieveSpec
 from ..index import kernels_merge
 from ..index.fusion import fuse_minmax, lexical_listed, top_k_order
 from ..shards.protocol import Candidates, QueryBatch, SearchReply, SearchRequest
+from .union import fuse_rank, union_cols
 
 
 @dataclass
@@ -177,39 +178,36 @@ def merge_union(replies: dict[int, SearchReply], j: int, spec: RetrieveSpec) -> 
     :returns: ``(top-k candidates, certified, sides)``: ``sides`` (:func:`_sides`) is ``""``
         when certified, else ``"dense"``, ``"lexical"``, ``"either"`` or ``"both"``.
     """
-    shard, slot, ids, dense, lexical = [], [], [], [], []
-    bounds, unlisted, dmins = [], False, []
-    for s, rep in replies.items():
-        d, lx = rep.candidates[j], rep.lexical[j]
-        eligible, listed = rep.eligible[j], rep.listed[j]
-        ds = np.asarray(d.slots, dtype=np.int64)
-        ls = np.asarray(lx.slots, dtype=np.int64)
-        if ls.size:  # the BM25 list's chunks not in the dense list (a set: np.isin costs ~60 us here)
-            seen = set(ds.tolist())
-            extra = np.asarray([i for i, x in enumerate(ls.tolist()) if x not in seen], dtype=np.int64)
-        else:
-            extra = ls
-        n_s = ds.size + extra.size
-        shard.append(np.full(n_s, s, dtype=np.int64))
-        slot += (ds, ls[extra])
-        ids += ((d.chunk_ids, None), (lx.chunk_ids, extra))
-        dd, ld = np.asarray(d.dense, dtype=np.float64), np.asarray(lx.dense, dtype=np.float64)
-        dl, ll = np.asarray(d.lexical, dtype=np.float64), np.asarray(lx.lexical, dtype=np.float64)
-        dense += (dd, ld[extra])
-        lexical += (dl, ll[extra])
+    reps = list(replies.items())
+    if not reps:
+        return [], True, ""
+    i8, f8 = np.int64, np.float64
+    cd = [rep.candidates[j] for _, rep in reps]
+    cl = [rep.lexical[j] for _, rep in reps]
+    ls = tuple(np.ascontiguousarray(c.slots, dtype=i8) for c in cl)
+    shard, slot, dense, lexical, extra, off, dmn, lmn = union_cols(
+        np.asarray([s for s, _ in reps], dtype=i8), tuple(np.ascontiguousarray(c.slots, dtype=i8) for c in cd),
+        tuple(np.ascontiguousarray(c.dense, dtype=f8) for c in cd),
+        tuple(np.ascontiguousarray(c.lexical, dtype=f8) for c in cd), ls,
+        tuple(np.ascontiguousarray(c.dense, dtype=f8) for c in cl),
+        tuple(np.ascontiguousarray(c.lexical, dtype=f8) for c in cl))
+    ids, bounds, unlisted, dmins = [], [], False, []
+    off = off.tolist()
+    for k, (s, rep) in enumerate(reps):
+        ids += ((cd[k].chunk_ids, None), (cl[k].chunk_ids, extra[off[k]:off[k + 1]]))
+        eligible, listed, nd, nl = rep.eligible[j], rep.listed[j], len(cd[k].slots), ls[k].size
         if eligible <= 0:
             continue
         dmins.append(rep.dense_min[j])
         unlisted |= listed < eligible  # some chunk scores BM25 exactly 0
-        if ds.size >= eligible:  # the dense list is the whole shard
+        if nd >= eligible:  # the dense list is the whole shard
             continue
-        if not ds.size:
+        if not nd:
             bounds.append((np.inf, np.inf))  # nothing to bound with (an ANN found nothing)
             continue
-        lb = 0.0 if ls.size >= listed else max(float(ll.min()), 0.0)
-        bounds.append((float(dd.min()), lb))
-    u = _Cols(np.concatenate(shard), np.concatenate(slot), _UnionIds(ids), np.concatenate(dense),
-              np.concatenate(lexical)) if shard else _Cols.of([])
+        lb = 0.0 if nl >= listed else max(float(lmn[k]) if nl else float(np.asarray(cl[k].lexical).min()), 0.0)
+        bounds.append((float(dmn[k]), lb))
+    u = _Cols(shard, slot, _UnionIds(ids), dense, lexical)
     if not len(u.ids):
         return [], not bounds, "" if not bounds else "both"
     dr = (min(float(u.dense.min()), *dmins), float(u.dense.max()))
@@ -217,21 +215,25 @@ def merge_union(replies: dict[int, SearchReply], j: int, spec: RetrieveSpec) -> 
     w = {"dense_range": dr, "lexical_range": lr, "dense_weight": spec.dense_weight,
          "lexical_weight": spec.lexical_weight}
     # compiled: scores, top-k and (below) ranks; the numpy path with ids where ties or NaNs need it
-    scores, top, strict = kernels_merge.fuse_top(u.dense, u.lexical, float(dr[0]), float(dr[1]), float(lr[0]),
-                                                 float(lr[1]), float(spec.dense_weight), float(spec.lexical_weight),
-                                                 int(spec.top_k))
+    scores, top, strict, drank, ok_d, lrank, ok_l = fuse_rank(
+        u.dense, u.lexical, float(dr[0]), float(dr[1]), float(lr[0]), float(lr[1]), float(spec.dense_weight),
+        float(spec.lexical_weight), int(spec.top_k), int(spec.candidates))
     top = top.tolist() if strict else top_k_order(scores, u.ids, spec.top_k)
     certified, sides = True, ""
     if bounds:
         b = np.asarray(bounds, dtype=np.float64)
         finite = np.isfinite(b).all()
-        ub = float(fuse_minmax(b[:, 0], b[:, 1], **w).max()) if finite else np.inf
+        # fuse_top's scores are fuse_minmax's bit for bit (one compiled call instead of ~10)
+        ub = float(kernels_merge.fuse_top(np.ascontiguousarray(b[:, 0]), np.ascontiguousarray(b[:, 1]), float(dr[0]),
+                                          float(dr[1]), float(lr[0]), float(lr[1]), float(spec.dense_weight),
+                                          float(spec.lexical_weight), 0)[0].max()) if finite else np.inf
         certified = finite and len(top) >= spec.top_k and float(scores[top[-1]]) > ub
         if not certified:
             sides = _sides(b, float(scores[top[-1]]) if finite and len(top) >= spec.top_k else None, w)
     rows = np.asarray(top, dtype=np.int64)
-    drank, ok_d = kernels_merge.hit_ranks(u.dense, rows, int(spec.candidates), False)
-    lrank, ok_l = kernels_merge.hit_ranks(u.lexical, rows, int(spec.candidates), True)
+    if not strict:  # (the kernel ranked the strict top-k only)
+        drank, ok_d = kernels_merge.hit_ranks(u.dense, rows, int(spec.candidates), False)
+        lrank, ok_l = kernels_merge.hit_ranks(u.lexical, rows, int(spec.candidates), True)
     if ok_d and ok_l:
         pass
     elif np.isnan(u.dense).any() or np.isnan(u.lexical).any():  # no total order: as before, by sorting
@@ -241,8 +243,9 @@ def merge_union(replies: dict[int, SearchReply], j: int, spec: RetrieveSpec) -> 
     else:  # ties inside the rank window: by id
         drank = _hit_ranks(u.dense, u.ids, top, spec.candidates, False)
         lrank = _hit_ranks(u.lexical, u.ids, top, spec.candidates, True)
-    return [u.cand(i, float(scores[i]), int(dr_), int(lr_)) for i, dr_, lr_ in zip(top, drank.tolist(),
-                                                                                    lrank.tolist())], certified, sides
+    cols = (u.shard[rows].tolist(), u.slot[rows].tolist(), [u.ids[i] for i in top], u.dense[rows].tolist(),
+            u.lexical[rows].tolist(), scores[rows].tolist(), drank.tolist(), lrank.tolist())  # (u.cand's values)
+    return [_Cand(*c) for c in zip(*cols)], certified, sides
 
 
 def _hit_ranks(vals: np.ndarray, ids: np.ndarray, rows: list[int], n: int, lexical: bool) -> np.ndarray:

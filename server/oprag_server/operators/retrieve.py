@@ -35,9 +35,11 @@ from ..index import kernels_merge
 from ..index.analyzer import Analyzer
 from ..index.bm25 import CorpusStats
 from ..index.fusion import fuse_minmax, lexical_listed, minmax_params, top_k_order
+from ..shards.packed import row_fields
 from ..shards.pool import ShardPool
 from ..shards.protocol import (ExactListsRequest, ExactMinmaxRequest, FetchReply, FetchRequest, Op, QueryBatch,
                                SearchReply, SearchRequest)
+from . import union
 from .hybrid import _Cand, _Cols, _rank_lists, _ranks, Widening, bounded, merge_union  # noqa: F401 (re-exported)
 
 
@@ -121,6 +123,7 @@ class Retriever:
         #: called with (widened, uncertified) query counts of each dense-first batch (metrics)
         self.on_widen = None
         kernels_merge.warm()  # the compiled merge core (numba's cache), before the first query
+        union.warm()
 
     @staticmethod
     def info(spec: RetrieveSpec, searched: int = 0) -> RetrievalInfo:
@@ -324,10 +327,10 @@ class Retriever:
                     if c.shard in failed:
                         gone.add(c.shard)
                     continue
-                rep, k = where
-                hits.append(Hit(chunk_id=c.chunk_id, doc_id=rep.doc_ids[k], title=rep.titles[k], text=rep.texts[k],
+                doc_id, title, text, meta = row_fields(*where)
+                hits.append(Hit(chunk_id=c.chunk_id, doc_id=doc_id, title=title, text=text,
                                 score=c.score, dense_score=c.dense, lexical_score=c.lexical, shard=c.shard,
-                                metadata=json.loads(rep.metadata[k]) if rep.metadata[k] else {},
+                                metadata=json.loads(meta) if meta and meta != "{}" else {},
                                 dense_rank=c.dense_rank, lexical_rank=c.lexical_rank))
             out.append(hits)
             lost.append(gone)

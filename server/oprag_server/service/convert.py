@@ -8,7 +8,7 @@ Every validation failure raises :class:`InvalidArgument` (the status interceptor
 from __future__ import annotations
 
 import math
-import uuid
+import os
 from typing import Any
 
 import numpy as np
@@ -89,7 +89,7 @@ def query_job(req: Any, cfg: ServerConfig, *, dim: int, generate: bool, can_gene
             )
     return QueryJob(question=q, spec=spec, query_vector=qvec, session_id=req.session_id,
                     use_memory=not req.disable_memory, generate=generate and can_generate, max_new_tokens=max_new,
-                    request_id=uuid.uuid4().hex, finish_reason=NO_GENERATOR if generate and not can_generate else "")
+                    request_id=request_id(), finish_reason=NO_GENERATOR if generate and not can_generate else "")
 
 
 def chunks_per_document(req: Any, top_k: int, max_chunks: int) -> int:
@@ -173,16 +173,25 @@ def query_vector(values: Any, dim: int) -> np.ndarray | None:
     """
     if not len(values):
         return None
-    v = np.asarray(values, dtype=np.float64)
+    v = np.asarray(values, dtype=np.float64)  # (a new array: divided in place below)
     if v.shape[0] != dim:
         raise InvalidArgument(f"query_vector has {v.shape[0]} values; the embedder produces {dim}")
-    if not np.isfinite(v).all():
+    scale = float(np.abs(v).max())  # NaN when any value is NaN, inf when one is infinite
+    if not math.isfinite(scale):
         raise InvalidArgument("query_vector contains NaN or infinity")
-    scale = float(np.abs(v).max())
     if scale == 0.0:
         raise InvalidArgument("query_vector is all zeros: send the query embedding")
-    v = v / scale
-    return (v / np.linalg.norm(v)).astype(np.float32)
+    v /= scale
+    v /= math.sqrt(v.dot(v))  # (np.linalg.norm of a 1-D float64 array: sqrt of its dot with itself)
+    return v.astype(np.float32)
+
+
+def request_id() -> str:
+    """A random request id, as ``uuid.uuid4().hex`` (32 hex digits, version 4, RFC 4122 variant)."""
+    b = bytearray(os.urandom(16))
+    b[6] = (b[6] & 0x0F) | 0x40
+    b[8] = (b[8] & 0x3F) | 0x80
+    return b.hex()
 
 
 def check_session_id(session_id: str, limits: LimitsConfig, *, required: bool = False) -> str:

@@ -129,12 +129,20 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, metrics: Any, service: str) -> None:
         self.metrics = metrics
         self.prefix = f"/{service}/"
+        self._wrapped: dict[str, tuple[Any, Any]] = {}  # method path -> (its handler, the wrapped one)
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         if handler is None or not details.method.startswith(self.prefix):
             return handler
-        method = details.method[len(self.prefix):]
+        got = self._wrapped.get(details.method)
+        if got is not None and got[0] is handler:  # the service's handlers are built once: wrap each once
+            return got[1]
+        wrapped = self._wrap(handler, details.method[len(self.prefix):])
+        self._wrapped[details.method] = (handler, wrapped)
+        return wrapped
+
+    def _wrap(self, handler, method: str):
         kw = {"request_deserializer": lenient(handler.request_deserializer),
               "response_serializer": handler.response_serializer}
         if handler.unary_unary:

@@ -186,6 +186,20 @@ class FieldColumn(Sequence):
         return f"FieldColumn({self.tolist()!r})"
 
 
+def row_fields(f, k: int) -> tuple[str, str, str, str]:
+    """``(doc_id, title, text, metadata)`` of row ``k`` of a ``FetchReply`` (0 <= k < its
+    length): decoded straight from the blob of a compact one, indexed from the lists of a plain one."""
+    col = f.doc_ids
+    if type(col) is FieldColumn:
+        rows = col.rows
+        if f.titles.rows is rows and f.texts.rows is rows and f.metadata.rows is rows:
+            at, blob, n = rows._at, rows.blob, rows.n
+            if at is None:
+                at = rows._at = list(itertools.accumulate(rows.lens, initial=0))
+            return tuple(blob[at[i]:at[i + 1]].decode() for i in (k, n + k, 2 * n + k, 3 * n + k))
+    return f.doc_ids[k], f.titles[k], f.texts[k], f.metadata[k]
+
+
 def fetch_reply(found, n: int, blob: bytes, lens: list[int], slots):
     """The ``FetchReply`` of :func:`reduce_fetch`'s compact form."""
     rows = _Utf8Rows(blob, n, lens)
@@ -193,7 +207,40 @@ def fetch_reply(found, n: int, blob: bytes, lens: list[int], slots):
                       slots)
 
 
-# (protocol imports this module after defining its types: they exist by now)
-from .protocol import Candidates, FetchReply  # noqa: E402
+_F4 = np.dtype(np.float32)
 
-Candidates.__reduce__, FetchReply.__reduce__ = reduce_candidates, reduce_fetch
+
+def reduce_batch(b):
+    """``QueryBatch.__reduce__``: the idf arrays and the query matrix in one ``bytearray``
+    (idf first: every array stays aligned), when ``q`` is a C-contiguous float32[B, D] and every
+    idf a float64[T_i]; else the plain form. (Numpy's reduce of each array was most of a query
+    request's pickling on the frontend and its unpickling on each shard.)"""
+    q, idf = b.q, b.idf
+    if not (isinstance(q, np.ndarray) and q.dtype == _F4 and q.ndim == 2 and q.flags.c_contiguous
+            and type(idf) is list and all(isinstance(x, np.ndarray) and _col(x, _F8, x.shape[0] if x.ndim == 1 else -1)
+                                          is not None for x in idf)):
+        return type(b), (b.q, b.terms, b.idf, b.avgdl, b.k1, b.b, b.filters)
+    lens = [x.shape[0] for x in idf]
+    buf = bytearray(8 * sum(lens) + q.nbytes)
+    out, at = np.frombuffer(buf, np.uint8), 0
+    for x in idf:
+        out[at:at + 8 * x.shape[0]] = np.ascontiguousarray(x).view(np.uint8)
+        at += 8 * x.shape[0]
+    out[at:] = q.reshape(-1).view(np.uint8)
+    return query_batch, (buf, q.shape[0], q.shape[1], lens, b.terms, b.avgdl, b.k1, b.b, b.filters)
+
+
+def query_batch(buf: bytearray, n: int, dim: int, lens: list[int], terms, avgdl, k1, b, filters):
+    """The ``QueryBatch`` of :func:`reduce_batch`'s compact form (writable views of ``buf``)."""
+    idf, at = [], 0
+    for t in lens:
+        idf.append(np.frombuffer(buf, np.float64, t, at) if t else np.zeros(0, np.float64))
+        at += 8 * t
+    q = np.frombuffer(buf, np.float32, n * dim, at).reshape(n, dim) if n * dim else np.zeros((n, dim), np.float32)
+    return QueryBatch(q, terms, idf, avgdl, k1, b, filters)
+
+
+# (protocol imports this module after defining its types: they exist by now)
+from .protocol import Candidates, FetchReply, QueryBatch  # noqa: E402
+
+Candidates.__reduce__, FetchReply.__reduce__, QueryBatch.__reduce__ = reduce_candidates, reduce_fetch, reduce_batch

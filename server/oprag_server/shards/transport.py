@@ -17,6 +17,7 @@ import collections
 import itertools
 import logging
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import pickle
 import socket
@@ -92,33 +93,54 @@ class ShardTransport(abc.ABC):
         """Release the shard after it was asked to shut down (blocking, a few seconds at most)."""
 
 
-class _Pickled:
-    """A request pickled once for every shard it goes to (a broadcast sends one object to each):
-    it unpickles on the shard as the request itself (``pickle.loads`` of the bytes)."""
-
-    __slots__ = ("data",)
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-
-    def __reduce__(self):
-        return pickle.loads, (self.data,)
-
-
 #: ops whose request goes to several shards at once (query path; small requests)
 _SHARED_OPS = frozenset({Op.SEARCH, Op.EXACT_MINMAX, Op.EXACT_LISTS})
-_last: tuple = (None, None)  # (the last shared request object, its _Pickled); replaced whole (threads)
+_ids = itertools.count(1)  # request ids, unique over every transport: a broadcast's frame is one byte string
+# (the last shared request, its op, request id, frame, and the transports it went to); replaced whole (threads)
+_last: tuple = (None, None, 0, b"", frozenset())
 
 
-def _shared(request: Any) -> "_Pickled":
-    """The request pickled once: the same object sent again (to the next shard) reuses it."""
+def _frame(op: Op, request: Any) -> tuple[int, bytes]:
+    """``(request id, op, request)`` pickled behind its length header."""
+    req_id = next(_ids)
+    body = pickle.dumps((req_id, op, request), protocol=pickle.HIGHEST_PROTOCOL)
+    n = len(body)
+    head = n.to_bytes(4, "big", signed=True) if n <= 0x7FFFFFFF else b"\xff\xff\xff\xff" + n.to_bytes(8, "big")
+    return req_id, head + body
+
+
+def _shared_frame(op: Op, request: Any, to: Any) -> tuple[int, bytes]:
+    """The frame of a broadcast request, pickled once: the same request object sent with the
+    same op to another transport reuses the last frame (its request id too: ids need only be
+    unique per transport); sent to the same transport again, it gets a new frame."""
     global _last
     last = _last
-    if last[0] is request:
-        return last[1]
-    p = _Pickled(pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL))
-    _last = (request, p)
-    return p
+    if last[0] is request and last[1] is op and to not in last[4]:
+        _last = (*last[:4], last[4] | {to})
+        return last[2], last[3]
+    req_id, frame = _frame(op, request)
+    _last = (request, op, req_id, frame, frozenset((to,)))
+    return req_id, frame
+
+
+class _OneWrite(mp.connection.Connection):
+    """The shard's end of its pipe: each message goes out in one write, its length header
+    joined to the body (``Connection`` writes a message over 16 KiB as two: the frontend's
+    reader woke on the 4-byte header alone, then again for the body). The same frames."""
+
+    def _send_bytes(self, buf) -> None:
+        n = len(buf)
+        if n > 0x7FFFFFFF:
+            super()._send_bytes(buf)
+            return
+        self._send(n.to_bytes(4, "big", signed=True) + buf)
+
+
+def _shard_main(run, shard_id: int, conn, *args) -> None:
+    """A shard process's entry point: ``run`` (:func:`.worker.run`) over ``conn`` sending in one write."""
+    if type(conn) is mp.connection.Connection:
+        conn.__class__ = _OneWrite
+    run(shard_id, conn, *args)
 
 
 def _resolve(fut: asyncio.Future, ok: bool, res: Any, shard_id: int) -> None:
@@ -143,10 +165,10 @@ class PipeTransport(ShardTransport):
         self.conn: Any = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self._pending: dict[int, asyncio.Future] = {}
-        self._ids = itertools.count(1)
         self._alive = False
         self._fd = -1
-        self._rbuf = bytearray()
+        self._rbuf = bytearray(1 << 16)  # read into in place: bytes [0, _rlen) are unparsed input
+        self._rlen = 0
         self._need = 0  # bytes still missing of the frame being read
         self._wq: collections.deque[memoryview] = collections.deque()  # unsent output
 
@@ -159,8 +181,8 @@ class PipeTransport(ShardTransport):
         try:
             parent, child = ctx.Pipe(duplex=True)
             self.proc = ctx.Process(
-                target=worker.run,
-                args=(self.shard_id, child, self.dim, str(self.data_dir) if self.data_dir else None, self.stem,
+                target=_shard_main,  # (worker.run as it is now: a bench may have wrapped it)
+                args=(worker.run, self.shard_id, child, self.dim, str(self.data_dir) if self.data_dir else None, self.stem,
                       committed or set(), self.dense, self.storage),
                 name=f"oprag-shard-{self.shard_id}",
                 daemon=True,
@@ -221,36 +243,51 @@ class PipeTransport(ShardTransport):
             self.loop.add_reader(self._fd, self._on_readable)
 
     def _on_readable(self) -> None:
+        """Read what the pipe holds into ``_rbuf`` (in place: no bytes object per read, no copy
+        per frame) and resolve the call of every complete frame in it."""
+        want, held = max(1 << 16, self._need), self._rlen
+        if len(self._rbuf) < held + want:  # (no view of it is alive here: it may grow)
+            self._rbuf.extend(bytes(held + want - len(self._rbuf)))
         try:
-            data = os.read(self._fd, max(1 << 16, self._need))
+            with memoryview(self._rbuf) as mv:
+                got = os.readv(self._fd, [mv[held:held + want]])
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
-            data = b""
-        if not data:
+            got = 0
+        if not got:
             self._hang_up("shard process exited")
             return
-        buf = self._rbuf
-        buf += data
-        while len(buf) >= 4:
-            size, hdr = int.from_bytes(buf[:4], "big", signed=True), 4
-            if size == -1:
-                if len(buf) < 12:
+        end, pos, frames, bad = held + got, 0, [], ""
+        with memoryview(self._rbuf) as mv:
+            while end - pos >= 4:
+                size, hdr = int.from_bytes(mv[pos:pos + 4], "big", signed=True), 4
+                if size == -1:
+                    if end - pos < 12:
+                        break
+                    size, hdr = int.from_bytes(mv[pos + 4:pos + 12], "big"), 12
+                if end - pos < hdr + size:
                     break
-                size, hdr = int.from_bytes(buf[4:12], "big"), 12
-            if len(buf) < hdr + size:
-                self._need = hdr + size - len(buf)
-                return
-            try:
-                req_id, ok, res = pickle.loads(buf[hdr:hdr + size])
-            except Exception as exc:  # noqa: BLE001 - a corrupt stream: nothing after it can be trusted
-                self._hang_up(f"unreadable reply: {type(exc).__name__}: {exc}")
-                return
-            del buf[:hdr + size]
+                try:  # (a reply holds copies: nothing unpickled refers to the buffer)
+                    req_id, ok, res = pickle.loads(mv[pos + hdr:pos + hdr + size])
+                    frames.append((req_id, ok, res))
+                except Exception as exc:  # noqa: BLE001 - a corrupt stream: nothing after it can be trusted
+                    bad = f"unreadable reply: {type(exc).__name__}: {exc}"
+                    break
+                pos += hdr + size
+        rest = 0 if bad else end - pos
+        if rest and pos:
+            self._rbuf[:rest] = self._rbuf[pos:end]  # (same length: no resize)
+        self._rlen = rest
+        if not rest and len(self._rbuf) > 1 << 22:  # after a large reply: back to 64 KiB
+            self._rbuf = bytearray(1 << 16)
+        self._need = (hdr + size - rest) if rest >= 4 and rest < hdr + size else 0
+        for req_id, ok, res in frames:
             fut = self._pending.pop(req_id, None)
             if fut is not None:
                 _resolve(fut, ok, res, self.shard_id)
-        self._need = 0
+        if bad:
+            self._hang_up(bad)
 
     def _hang_up(self, why: str) -> None:
         """(On the loop) stop reading and writing; every pending call fails with ``why``."""
@@ -302,17 +339,13 @@ class PipeTransport(ShardTransport):
         if not self._alive:
             fut.set_exception(ShardError(f"shard {self.shard_id} is not running"))
             return fut
-        req_id = next(self._ids)
         try:
-            body = pickle.dumps((req_id, op, _shared(request) if op in _SHARED_OPS else request),
-                                protocol=pickle.HIGHEST_PROTOCOL)
+            req_id, frame = _shared_frame(op, request, self) if op in _SHARED_OPS else _frame(op, request)
         except Exception as exc:  # noqa: BLE001 - a request that cannot cross the pipe
             fut.set_exception(ShardError(f"shard {self.shard_id}: {type(exc).__name__}: {exc}"))
             return fut
-        n = len(body)
-        head = n.to_bytes(4, "big", signed=True) if n <= 0x7FFFFFFF else b"\xff\xff\xff\xff" + n.to_bytes(8, "big")
         self._pending[req_id] = fut
-        self._on_loop(self._write, head + body)
+        self._on_loop(self._write, frame)
         return fut
 
     def hangup(self) -> None:
