@@ -177,20 +177,3 @@ def test_a_corrupt_frame_fails_pending_calls_after_the_good_ones_resolve():
 
     asyncio.run(go())
 
-
-def test_the_shard_end_sends_each_message_in_one_write_with_the_same_frames():
-    from multiprocessing.connection import Connection
-
-    from oprag_server.shards.transport import _OneWrite
-
-    front, back = mp.Pipe(duplex=True)
-    back.__class__ = _OneWrite
-    writes = []
-    real = back._send
-    back._send = lambda buf: (writes.append(bytes(buf)), real(buf))[1]
-    for obj in (b"x" * 10, b"y" * 100_000, {"k": list(range(20_000))}):
-        writes.clear()
-        back.send(obj)
-        assert len(writes) == 1 and int.from_bytes(writes[0][:4], "big") == len(writes[0]) - 4
-        assert front.recv() == obj
-    assert isinstance(back, Connection)

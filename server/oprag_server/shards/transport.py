@@ -17,7 +17,6 @@ import collections
 import itertools
 import logging
 import multiprocessing as mp
-import multiprocessing.connection
 import os
 import pickle
 import socket
@@ -123,26 +122,6 @@ def _shared_frame(op: Op, request: Any, to: Any) -> tuple[int, bytes]:
     return req_id, frame
 
 
-class _OneWrite(mp.connection.Connection):
-    """The shard's end of its pipe: each message goes out in one write, its length header
-    joined to the body (``Connection`` writes a message over 16 KiB as two: the frontend's
-    reader woke on the 4-byte header alone, then again for the body). The same frames."""
-
-    def _send_bytes(self, buf) -> None:
-        n = len(buf)
-        if n > 0x7FFFFFFF:
-            super()._send_bytes(buf)
-            return
-        self._send(n.to_bytes(4, "big", signed=True) + buf)
-
-
-def _shard_main(run, shard_id: int, conn, *args) -> None:
-    """A shard process's entry point: ``run`` (:func:`.worker.run`) over ``conn`` sending in one write."""
-    if type(conn) is mp.connection.Connection:
-        conn.__class__ = _OneWrite
-    run(shard_id, conn, *args)
-
-
 def _resolve(fut: asyncio.Future, ok: bool, res: Any, shard_id: int) -> None:
     if fut.done():
         return
@@ -181,8 +160,8 @@ class PipeTransport(ShardTransport):
         try:
             parent, child = ctx.Pipe(duplex=True)
             self.proc = ctx.Process(
-                target=_shard_main,  # (worker.run as it is now: a bench may have wrapped it)
-                args=(worker.run, self.shard_id, child, self.dim, str(self.data_dir) if self.data_dir else None, self.stem,
+                target=worker.run,
+                args=(self.shard_id, child, self.dim, str(self.data_dir) if self.data_dir else None, self.stem,
                       committed or set(), self.dense, self.storage),
                 name=f"oprag-shard-{self.shard_id}",
                 daemon=True,
