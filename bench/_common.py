@@ -309,3 +309,16 @@ def read_snapshot(data_dir: Path) -> dict:
         vecs.append(np.asarray(col.flatten().to_numpy(zero_copy_only=False), dtype=np.float32).reshape(-1, dim))
     out["vectors"] = np.ascontiguousarray(np.concatenate(vecs), dtype=np.float32)
     return out
+
+
+def hotpath_queries(snap: dict, n: int, seed: int = 0) -> tuple:
+    """``bench.hotpath``'s queries from a :func:`read_snapshot` dict: ``n`` distinct stored
+    chunks (seeded choice), each vector plus N(0, 0.05^2) noise renormalised (float32[n, D])
+    and the chunk's first 200 characters as the query text."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    rows = rng.choice(len(snap["vectors"]), n, replace=False)
+    Q = snap["vectors"][rows] + 0.05 * rng.standard_normal((n, snap["vectors"].shape[1])).astype(np.float32)
+    Q /= np.linalg.norm(Q, axis=1, keepdims=True)
+    return Q, [snap["text"][r][:200] for r in rows]

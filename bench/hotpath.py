@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._common import emit_json, log, machine_info, percentile, read_snapshot, require
+from ._common import emit_json, hotpath_queries, log, machine_info, percentile, read_snapshot, require
 
 
 def one(tree: Path, a, texts: list[str], Q: np.ndarray, arm: str = "", hits: dict | None = None) -> dict:
@@ -132,11 +132,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     require("psutil", what="the server CPU measurement")
     snap = read_snapshot(a.data_dir)
-    rng = np.random.default_rng(0)
-    rows = rng.choice(len(snap["vectors"]), a.queries, replace=False)
-    Q = snap["vectors"][rows] + 0.05 * rng.standard_normal((a.queries, snap["vectors"].shape[1])).astype(np.float32)
-    Q /= np.linalg.norm(Q, axis=1, keepdims=True)
-    texts = [snap["text"][r][:200] for r in rows]
+    Q, texts = hotpath_queries(snap, a.queries)
     result = {"machine": machine_info(), "chunks": len(snap["vectors"]), "runs": []}
     arms, hits, same = a.arm or [""], {}, True
     for r in range(a.rounds):

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._common import emit_json, log, read_snapshot
+from ._common import emit_json, hotpath_queries, log, read_snapshot
 
 _SITE = textwrap.dedent('''
     import os, pickle
@@ -64,11 +64,7 @@ def capture(a) -> dict:
     from oprag_client.testing import ServerProcess
 
     snap = read_snapshot(a.data_dir)
-    rng = np.random.default_rng(0)
-    rows = rng.choice(len(snap["vectors"]), a.queries, replace=False)
-    Q = snap["vectors"][rows] + 0.05 * rng.standard_normal((a.queries, snap["vectors"].shape[1])).astype(np.float32)
-    Q /= np.linalg.norm(Q, axis=1, keepdims=True)
-    texts = [snap["text"][r][:200] for r in rows]
+    Q, texts = hotpath_queries(snap, a.queries)
     a.out.mkdir(parents=True, exist_ok=True)
     site = Path(tempfile.mkdtemp())
     data = Path(tempfile.mkdtemp()) / "data"

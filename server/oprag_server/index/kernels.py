@@ -154,6 +154,25 @@ def _argsort_desc(keys, idx):
 
 
 @njit(**_JIT)
+def _sample_low(vecs, all_rows, approx, err, sample, q64, buf64):
+    """The dense steps' prologue: ``(False, inf)`` when an approximate score is not finite,
+    else ``(True, the sample's canonical minimum)`` (``inf`` without an unfiltered sample):
+    refine_top's argument for k = 1 on the lowest score, every row within ``2 err`` of it."""
+    for i in range(approx.size):
+        if not np.isfinite(approx[i]):
+            return False, np.inf
+    low = np.inf
+    if all_rows and sample.size:
+        lo = np.float64(np.inf)
+        for r in sample:
+            lo = min(lo, np.float64(approx[r]))
+        for r in sample:
+            if np.float64(approx[r]) <= lo + 2.0 * err:
+                low = min(low, _canonical(vecs[r], q64, buf64))
+    return True, low
+
+
+@njit(**_JIT)
 def dense_step(vecs, rows, all_rows, approx, q, err, n, sample):
     """One query's exact dense top-n, and the canonical minimum over a sample of rows.
 
@@ -176,17 +195,9 @@ def dense_step(vecs, rows, all_rows, approx, q, err, n, sample):
     q64 = q.astype(np.float64)
     buf64 = np.empty(max(q.size, 1), np.float64)
     empty_i, empty_f = np.zeros(0, np.int64), np.zeros(0, np.float64)
-    for i in range(m):
-        if not np.isfinite(approx[i]):
-            return empty_i, empty_f, empty_i, False, np.inf, NOT_FINITE
-    low = np.inf
-    if all_rows and sample.size:  # refine_top's argument for k = 1, on the lowest score
-        lo = np.float64(np.inf)
-        for r in sample:
-            lo = min(lo, np.float64(approx[r]))
-        for r in sample:
-            if np.float64(approx[r]) <= lo + 2.0 * err:
-                low = min(low, _canonical(vecs[r], q64, buf64))
+    finite, low = _sample_low(vecs, all_rows, approx, err, sample, q64, buf64)
+    if not finite:
+        return empty_i, empty_f, empty_i, False, np.inf, NOT_FINITE
     kk = min(n, m)
     if kk <= 0:
         return empty_i, empty_f, empty_i, False, low, OK

@@ -27,7 +27,7 @@ import numpy as np
 
 from . import kernels
 from .fusion import top_k_order
-from .kernels import NOT_FINITE, OK, _argsort_desc, _canonical, _kth_largest
+from .kernels import NOT_FINITE, OK, _argsort_desc, _canonical, _kth_largest, _sample_low
 from numba import njit  # noqa: E402
 
 _U64 = 2.0 ** -53
@@ -65,17 +65,9 @@ def dense_step_fast(vecs, rows, all_rows, approx, q, err, n, sample, err2, rb, r
     q64 = q.astype(np.float64)
     buf64 = np.empty(max(q.size, 1), np.float64)
     empty_i, empty_f = np.zeros(0, np.int64), np.zeros(0, np.float64)
-    for i in range(m):
-        if not np.isfinite(approx[i]):
-            return empty_i, empty_f, empty_i, False, np.inf, NOT_FINITE
-    low = np.inf
-    if all_rows and sample.size:
-        lo = np.float64(np.inf)
-        for r in sample:
-            lo = min(lo, np.float64(approx[r]))
-        for r in sample:
-            if np.float64(approx[r]) <= lo + 2.0 * err:
-                low = min(low, _canonical(vecs[r], q64, buf64))
+    finite, low = _sample_low(vecs, all_rows, approx, err, sample, q64, buf64)
+    if not finite:
+        return empty_i, empty_f, empty_i, False, np.inf, NOT_FINITE
     kk = min(n, m)
     if kk <= 0:
         return empty_i, empty_f, empty_i, False, low, OK
