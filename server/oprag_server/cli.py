@@ -41,6 +41,9 @@ _OPTIONS: tuple[tuple[str, str, str, str], ...] = (
      "'process': each shard in a process of its own (a shard that dies is restarted alone); 'thread': shards "
      "on threads of the server process (no pickling or pipes: lower latency for small deployments; a shard "
      "fault ends the whole server; no --replicas or --ray-address)"),
+    ("--event-loop", "", "event_loop",
+     "the frontend's event loop: 'asyncio' (the standard library's) or 'uvloop' (libuv, extra 'uvloop': the same "
+     "replies, ~0.3 ms less frontend CPU per Retrieve in bench/RESULTS.md)"),
     ("--embedder", "embed", "model", "'minilm' or a local encoder directory"),
     ("--generator", "generate", "model",
      "'smollm2' (= 'builtin'), a local HF causal LM directory, 'none', 'openai' (an OpenAI-compatible engine), "
@@ -157,9 +160,6 @@ def build_parser(prog: str = "oprag serve") -> argparse.ArgumentParser:
     for flag, section, name, help_ in _OPTIONS:
         _add_option(p, flag, section, name, help_)
     p.add_argument("--log-level", default="INFO", help="logging level of the server")
-    p.add_argument("--event-loop", choices=("asyncio", "uvloop"), default="asyncio",
-                   help="the frontend's event loop: asyncio's own, or uvloop (libuv, extra 'uvloop'): the same "
-                        "replies, ~0.3 ms less frontend CPU per Retrieve in bench/RESULTS.md")
     return p
 
 
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None, prog: str = "oprag serve") -> int:
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = config_from_args(a)
-        if a.event_loop == "uvloop":
+        if cfg.event_loop == "uvloop":
             try:
                 import uvloop
             except ImportError:

@@ -358,6 +358,8 @@ class ServerConfig:
     # where shards run: "process" (one process each, shards/transport.py) or "thread" (threads of
     # the frontend process, shards/threaded.py: no pickling or pipes; small deployments)
     shard_workers: str = "process"
+    # the frontend's event loop: "asyncio" (the standard library's) or "uvloop" (extra 'uvloop')
+    event_loop: str = "asyncio"
     chunking: ChunkingConfig = field(default_factory=ChunkingConfig)
     bm25: BM25Config = field(default_factory=BM25Config)
     retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
@@ -379,6 +381,8 @@ class ServerConfig:
             raise ValueError(f"replicas must be in [1, 8], got {self.replicas}")
         if self.shard_workers not in ("process", "thread"):
             raise ValueError(f"shard workers must be 'process' or 'thread', got {self.shard_workers!r}")
+        if self.event_loop not in ("asyncio", "uvloop"):
+            raise ValueError(f"event loop must be 'asyncio' or 'uvloop', got {self.event_loop!r}")
         if self.shard_workers == "thread" and (self.replicas > 1 or self.ray.address is not None):
             raise ValueError("--shard-workers thread serves each shard once in this process: "
                              "it takes neither --replicas above 1 nor --ray-address")

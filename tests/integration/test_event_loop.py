@@ -1,6 +1,6 @@
 """``oprag serve --event-loop uvloop`` (a real server, 2 shard processes): the frontend on
 libuv's loop answers Ingest, Retrieve and Stats with the same hits as asyncio's loop, and
-``--event-loop`` refuses an unknown loop at parse time."""
+``--event-loop`` refuses an unknown loop (a ValueError from the config: exit 2 with the message)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from oprag_client.client import Doc, OpRAGClient
 from oprag_client.testing import ServerProcess
-from oprag_server.cli import build_parser
+from oprag_server.cli import build_parser, config_from_args
 
 pytestmark = pytest.mark.integration
 
@@ -50,6 +50,7 @@ def test_uvloop_frontend_gives_the_same_hits_as_asyncio(tmp_path):
 
 
 def test_unknown_event_loop_is_refused():
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["--event-loop", "trio"])
-    assert build_parser().parse_args([]).event_loop == "asyncio"
+    with pytest.raises(ValueError, match="event loop must be 'asyncio' or 'uvloop'"):
+        config_from_args(build_parser().parse_args(["--event-loop", "trio"]))
+    assert config_from_args(build_parser().parse_args([])).event_loop == "asyncio"
+    assert config_from_args(build_parser().parse_args(["--event-loop", "uvloop"])).event_loop == "uvloop"
