@@ -269,6 +269,7 @@ class LimitsConfig:
     max_document_bytes: int = 8 * 1024 * 1024
     max_metadata_entries: int = 64
     max_metadata_bytes: int = 16 * 1024
+    max_title_bytes: int = 4 * 1024  # a title is stored and returned with every chunk of its document
     max_session_id_bytes: int = 256
     max_stream_documents: int = 1_000_000
     max_stream_bytes: int = 4 * 1024**3

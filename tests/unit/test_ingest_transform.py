@@ -89,3 +89,14 @@ def test_empty_and_invisible_documents_rejected(text):
 @pytest.mark.parametrize("text", ["a", "...", "\u200bWiki\u200bpedia", "\u0600"])
 def test_visible_documents_accepted(text):
     assert validate_document(_doc(text), LimitsConfig()) is None
+
+
+def test_title_over_its_limit_is_rejected_with_what_to_change():
+    """A title travels with every chunk of its document (stored and in every hit): it has its own
+    limit, counted in UTF-8 bytes, so a 4-byte character counts 4."""
+    lim = LimitsConfig()
+    assert validate_document(_doc("body", title="t" * lim.max_title_bytes), lim) is None
+    assert validate_document(_doc("body", title="\U0001f993" * (lim.max_title_bytes // 4)), lim) is None
+    for title in ("t" * (lim.max_title_bytes + 1), "\U0001f993" * (lim.max_title_bytes // 4 + 1)):
+        reason = validate_document(_doc("body", title=title), lim)
+        assert reason is not None and f"the limit is {lim.max_title_bytes}" in reason and "shorten the title" in reason

@@ -41,7 +41,11 @@ def validate_document(doc: Any, limits: LimitsConfig) -> str | None:
             return "a chunk's text is empty (nothing but whitespace or invisible characters)"
     elif not has_visible_content(doc.text):  # "", whitespace, or only Default_Ignorable code points
         return "text is empty (nothing but whitespace or invisible characters): send the document's text"
-    size = len(doc.text.encode()) + len(doc.title.encode()) + sum(len(c.text.encode()) for c in chunks)
+    tsize = len(doc.title.encode())
+    if tsize > limits.max_title_bytes:
+        return (f"title is {tsize} bytes; the limit is {limits.max_title_bytes} (it is stored and returned with every "
+                "chunk): shorten the title and put longer text in the document's text or metadata")
+    size = len(doc.text.encode()) + tsize + sum(len(c.text.encode()) for c in chunks)
     if size > limits.max_document_bytes:
         return f"document is {size} bytes; the limit is {limits.max_document_bytes}: split it into several documents"
     try:

@@ -42,12 +42,24 @@ class OpRAGServicer(oprag_pb2_grpc.OpRAGServicer):
                 await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                     f"sequence number {request.min_seq} was not applied before the deadline")
 
+    def _fits(self, msg, request):
+        """``msg``, or :class:`InvalidArgument` when it would exceed the server's message limit
+        (``--max-message-bytes``): gRPC would fail it on the way out after the work was done, as
+        RESOURCE_EXHAUSTED, which says nothing of the cause and which clients retry."""
+        n = msg.ByteSize()
+        limit = self.cfg.limits.max_message_bytes
+        if n > limit:
+            raise InvalidArgument(f"the reply would be {n} bytes, over the server's {limit}-byte message limit "
+                                  f"(top_k {request.top_k or self.cfg.retrieval.default_top_k}): ask for fewer hits "
+                                  "(top_k, chunks_per_document) or drop include_trace")
+        return msg
+
     async def Query(self, request, context):
         job = self._job(request, generate=True)
         await self._read_your_writes(request, context)
         job = await self.rt.query.submit(job)
-        return convert.query_response(job, include_trace=request.include_trace,
-                                      has_generator=self.rt.generator is not None)
+        return self._fits(convert.query_response(job, include_trace=request.include_trace,
+                                                 has_generator=self.rt.generator is not None), request)
 
     async def QueryStream(self, request, context):
         job = self._job(request, generate=True)
@@ -56,7 +68,7 @@ class OpRAGServicer(oprag_pb2_grpc.OpRAGServicer):
         try:
             async for kind, val in events:
                 if kind == "done":
-                    yield convert.done_event(val, include_trace=request.include_trace)
+                    yield self._fits(convert.done_event(val, include_trace=request.include_trace), request)
                 else:
                     yield convert.stream_event(kind, val)
         finally:
@@ -66,7 +78,7 @@ class OpRAGServicer(oprag_pb2_grpc.OpRAGServicer):
         job = self._job(request, generate=False)
         await self._read_your_writes(request, context)
         job = await self.rt.query.submit(job)
-        return convert.retrieve_response(job, include_trace=request.include_trace)
+        return self._fits(convert.retrieve_response(job, include_trace=request.include_trace), request)
 
     async def Ingest(self, request_iterator, context):
         res = await self.rt.ingest.run(request_iterator)
