@@ -23,7 +23,8 @@ def test_numpy_vectors_give_the_same_request_as_float_lists(dtype):
 def test_other_inputs_convert_element_by_element():
     assert floats(None) == [] and floats([1, 2.5]) == [1.0, 2.5] and floats((np.float32(0.5),)) == [0.5]
     assert floats(np.arange(3)) == [0.0, 1.0, 2.0]  # ints: float(x) each
-    with pytest.raises(TypeError):
-        floats(np.ones((2, 2), np.float32))  # 2-D: float() of a row fails, as before
+    for bad in (np.ones((2, 384), np.float32), np.ones((1, 384)), np.float32(1.0)):  # a matrix, a row matrix, a 0-d
+        with pytest.raises(ValueError, match=r"one vector \(shape \(D,\)\)"):
+            floats(bad)
     with pytest.raises(ValueError):
         floats(["x"])
