@@ -45,8 +45,17 @@ def _results(c: OpRAGClient) -> list:
         for mode in ("full_hybrid", "dense", "lexical"):
             r = c.retrieve(q, mode=mode, top_k=20)
             assert not r.retrieval.partial
-            out.append([(h.chunk_id, round(h.score, 6)) for h in r.hits])
+            out.append([(h.chunk_id, h.score) for h in r.hits])
     return out
+
+
+def _same(got: list, want: list) -> bool:
+    """The same hits in the same order, scores within 1e-5: the question is embedded again by a
+    restarted server, and its vector may differ in the last float32 bits (a score then moves by
+    ~1e-7, which rounding to 6 digits turned into a flaky failure at a rounding boundary)."""
+    return len(got) == len(want) and all(
+        [i for i, _ in g] == [i for i, _ in w] and all(abs(a - b) <= 1e-5 for (_, a), (_, b) in zip(g, w))
+        for g, w in zip(got, want))
 
 
 def _lose_node(srv: ServerProcess, shard: int) -> None:
@@ -126,7 +135,7 @@ def test_a_shard_whose_node_is_lost_comes_back_from_object_storage(tmp_path):
             _wait_back(c, srv, 1, old)
             after = c.stats()
             assert (after.documents, after.chunks) == (stats.documents, stats.chunks)
-            assert _results(c) == before
+            assert _same(_results(c), before)
             assert "Storm surge" in c.retrieve("storm surge record", mode="lexical", top_k=1).hits[0].text
         # a second server on the same storage is refused (the owner lease), writing nothing local
         other = tmp_path / "other"
@@ -144,7 +153,7 @@ def test_a_shard_whose_node_is_lost_comes_back_from_object_storage(tmp_path):
         with OpRAGClient(srv.target, timeout=30) as c:
             again = c.stats()
             assert (again.documents, again.chunks) == (stats.documents, stats.chunks)
-            assert _results(c) == before
+            assert _same(_results(c), before)
     finally:
         srv.stop()
 
