@@ -103,9 +103,7 @@ def _frame(op: Op, request: Any) -> tuple[int, bytes]:
     """``(request id, op, request)`` pickled behind its length header."""
     req_id = next(_ids)
     body = pickle.dumps((req_id, op, request), protocol=pickle.HIGHEST_PROTOCOL)
-    n = len(body)
-    head = n.to_bytes(4, "big", signed=True) if n <= 0x7FFFFFFF else b"\xff\xff\xff\xff" + n.to_bytes(8, "big")
-    return req_id, head + body
+    return req_id, worker.frame_head(len(body)) + body
 
 
 def _shared_frame(op: Op, request: Any, to: Any) -> tuple[int, bytes]:

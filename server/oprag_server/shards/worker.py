@@ -27,6 +27,12 @@ from .protocol import Op, StatsRequest
 from .state import ShardState, dispatch, op_table
 
 
+def frame_head(n: int) -> bytes:
+    """The length header of an ``n``-byte frame, as :class:`multiprocessing.connection.Connection`
+    writes it: 4 bytes big-endian signed, or -1 then 8 bytes for a body over 2 GiB - 1."""
+    return n.to_bytes(4, "big", signed=True) if n <= 0x7FFFFFFF else b"\xff\xff\xff\xff" + n.to_bytes(8, "big")
+
+
 class Pipe:
     """The shard's end of the pipe, framed as :class:`multiprocessing.connection.Connection`
     frames (a 4-byte big-endian length, or -1 and an 8-byte one, then the pickle), read and
@@ -91,8 +97,7 @@ class Pipe:
     def send(self, obj) -> None:
         body = ForkingPickler.dumps(obj)  # (what Connection.send pickles with)
         n = len(body)
-        head = n.to_bytes(4, "big", signed=True) if n <= 0x7FFFFFFF else b"\xff\xff\xff\xff" + n.to_bytes(8, "big")
-        parts = [memoryview(head), memoryview(body).cast("B")]
+        parts = [memoryview(frame_head(n)), memoryview(body).cast("B")]
         while parts:
             done = os.writev(self.fd, parts)
             while parts and done >= len(parts[0]):
