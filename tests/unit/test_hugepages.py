@@ -71,7 +71,7 @@ def _ann(n: int, dim: int = 96, m: int = 16) -> tuple[AnnIndex, np.ndarray]:
 @needs_thp
 def test_seeds_build_collapses_the_graph_it_walks():
     # first in this file: glibc may hand a later test a buffer in memory an earlier one advised
-    ann, vecs = _ann(30_000)
+    ann, vecs = _ann(36_000)  # level-0 lists >= 4 MB, so they hold a whole 2 MB page wherever they lie
     low = LowSeeds()
     low.candidates(ann, np.zeros((0, vecs.shape[1]), np.float32))  # the build, as Searcher.warm
     st = ann.storage()
@@ -83,7 +83,7 @@ def test_seeds_build_collapses_the_graph_it_walks():
 
 @needs_thp
 def test_collapse_puts_huge_pages_under_the_hnsw_buffers():
-    ann, vecs = _ann(30_000)  # storage 11.5 MB, level-0 lists 3.8 MB
+    ann, vecs = _ann(36_000)  # storage 13.8 MB, level-0 lists 4.6 MB (>= 4 MB: a whole 2 MB page wherever malloc puts it)
     st, nbr = ann.storage(), _level0(ann._index)[0]  # noqa: SLF001
     q = vecs[:20] + np.float32(0.01)
     before = ann.search(q, 10, 64)
