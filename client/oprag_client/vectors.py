@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import sys
+from array import array
 from typing import Any
+
+from oprag.v1 import oprag_pb2
 
 
 def floats(v, field: str = "query_vector", *, empty_ok: bool = False) -> list[float]:
-    """A vector as a list of Python floats (``[]`` for None): a 1-D float numpy array through
-    ``tolist`` (the same values as ``float(x)`` of each element, ~2.5x faster for 384 values),
-    anything else element by element (numbers only: a string such as ``"0.1"`` is refused, not
-    parsed).
+    """A vector as a list protobuf takes (``[]`` for None): a 1-D float numpy array through
+    ``tolist`` (the same values as ``float(x)`` of each element, ~2.5x faster for 384 values); a
+    list as it is (tuple: as a list) once protobuf accepted it; any other iterable as ``float(x)``
+    of each element. Real numbers only, as protobuf: a string such as ``"0.1"`` is refused, not
+    parsed.
 
     :param field: how messages name the vector (e.g. ``document 'd1' vector``).
     :param empty_ok: accept an empty sequence (else a ValueError: on the wire an empty vector
@@ -30,12 +34,18 @@ def floats(v, field: str = "query_vector", *, empty_ok: bool = False) -> list[fl
         raise ValueError(f"{field} has dtype {dt}, not numbers: pass a float array or a sequence of floats")
     if kind == "f" and getattr(v, "ndim", 0) == 1:
         out = v.tolist()
+    elif type(v) is list or type(v) is tuple:  # protobuf's own check (its float(x) of each real number)
+        try:
+            oprag_pb2.ChunkVector(vector=v)  # ~7 us for 384 values; the list is then sent as it is
+        except (TypeError, ValueError, OverflowError):
+            raise ValueError(_bad_element(v, field)) from None
+        out = v if type(v) is list else list(v)
     else:
         if not hasattr(v, "__len__"):
             v = list(v)
-        try:
-            out = [x.__float__() for x in v]  # (str and bytes have no __float__: refused, not parsed)
-        except (AttributeError, TypeError, ValueError, OverflowError):
+        try:  # array('d'): float(x) of each real number in one C loop; a string is refused, not parsed
+            out = array("d", v).tolist()
+        except (TypeError, ValueError, OverflowError):
             raise ValueError(_bad_element(v, field)) from None
     if not out and not empty_ok:
         raise ValueError(f"{field} is empty: pass the embedding (D floats), or None to let the server embed the text")
@@ -45,8 +55,8 @@ def floats(v, field: str = "query_vector", *, empty_ok: bool = False) -> list[fl
 def _bad_element(v, field: str) -> str:
     for i, x in enumerate(v):
         try:
-            x.__float__()
-        except (AttributeError, TypeError, ValueError, OverflowError):
+            array("d", [x])
+        except (TypeError, ValueError, OverflowError):
             return (f"{field}[{i}] is {x!r} ({type(x).__name__}), not a number: pass floats, e.g. [0.12, -0.03, ...]"
                     + (" (convert strings with float() first)" if isinstance(x, str) else ""))
     return f"{field} holds a value that is not a number: pass floats"
