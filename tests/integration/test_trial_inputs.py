@@ -133,3 +133,10 @@ def test_http_reply_over_the_message_limit_is_refused_like_grpc(server):
     assert f"over the server's {LIMIT}-byte message limit" in msg and "fewer hits" in msg and "top_k 2" in msg, msg
     code, out = _post(server, {"query": "crustacean", "mode": "lexical", "top_k": 1})  # ~21 MB: fits
     assert code == 200 and len(out["hits"]) == 1 and out["hits"][0]["text"].endswith("\x01")
+    for stream in (False, True):  # chat carries the hits too: in its reply, or in the stream's first chunk
+        chat = {"model": "oprag", "messages": [{"role": "user", "content": "crustacean"}], "stream": stream,
+                "oprag": {"mode": "lexical", "top_k": 2}}
+        code, out = _post(server, chat, "/chat/completions")
+        assert code == 400 and "over the server's" in out["error"]["message"], (stream, code, str(out)[:300])
+    r = requests.post(server.url + "/chat/completions", json={**chat, "oprag": {"mode": "lexical", "top_k": 1}}, timeout=120)
+    assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")

@@ -229,11 +229,14 @@ def build_app(rt: Any) -> FastAPI:
             r = JSONResponse(obj)
         except TypeError:  # a value json cannot encode as is (what FastAPI's encoder did for a returned dict)
             r = JSONResponse(jsonable_encoder(obj))
+        return too_big(len(r.body), job) or r
+
+    def too_big(n: int, job: Any) -> None:
+        """:raises InvalidArgument: ``n`` bytes of reply exceed the message limit."""
         limit = cfg.limits.max_message_bytes
-        if len(r.body) > limit:
-            raise InvalidArgument(f"the reply would be {len(r.body)} bytes of JSON, over the server's {limit}-byte "
+        if n > limit:
+            raise InvalidArgument(f"the reply would be {n} bytes of JSON, over the server's {limit}-byte "
                                   f"message limit (top_k {job.spec.top_k}): ask for fewer hits (top_k) or drop include_trace")
-        return r
 
     @app.post("/v1/retrieve")
     async def retrieve(body: api.RetrieveRequest) -> Any:
@@ -290,13 +293,22 @@ def build_app(rt: Any) -> FastAPI:
             return _sse({**head, "object": "chat.completion.chunk", **extra,
                          "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]})
 
+        kind, val = first
+        opening = None  # the sources chunk (hits): over the message limit it is a 400, before the stream starts
+        if kind == "sources":
+            opening = chunk({"role": "assistant", "content": ""}, oprag=api.extension(val, include_trace=trace, last=False))
+            try:
+                too_big(len(opening), val)
+            except InvalidArgument:
+                await events.aclose()
+                raise
+
         async def sse():
             kind, val = first
             try:
                 while True:
                     if kind == "sources":
-                        yield chunk({"role": "assistant", "content": ""},
-                                    oprag=api.extension(val, include_trace=trace, last=False))
+                        yield opening
                     elif kind == "text":
                         yield chunk({"content": val})
                     else:  # done
