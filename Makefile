@@ -7,8 +7,10 @@ PIP := $(VENV)/bin/pip
 # e.g. `make TORCH_SPEC=torch EXTRAS=dev,gpu install`.
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev
-# `make serve` also serves the OpenAI-compatible HTTP API on :8000 (README); override to change
-SERVE_ARGS ?= --http-port 8000
+# `make serve` also serves the OpenAI-compatible HTTP API on HTTP_PORT (README; 0 = off). SERVE_ARGS
+# adds server options and keeps that port, e.g. `make serve SERVE_ARGS="--shards 4"`.
+HTTP_PORT ?= 8000
+SERVE_ARGS ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
@@ -32,7 +34,7 @@ install-client:
 	.venv-client/bin/pip install -q ./client
 
 serve: install
-	$(VENV)/bin/oprag serve $(SERVE_ARGS)
+	$(VENV)/bin/oprag serve --http-port $(HTTP_PORT) $(SERVE_ARGS)
 
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests

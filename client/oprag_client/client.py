@@ -19,8 +19,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from oprag.v1 import oprag_pb2, oprag_pb2_grpc
 
+from .inputs import bad_text, clear_session_request, delete_request, names_bad_text
 from .retry import NO_RETRY, RetryPolicy, acall, call
 from .vectors import floats as _floats
+from .vectors import pack as _pack
 
 DEFAULT_MAX_MESSAGE_BYTES = 32 * 1024 * 1024
 MODES = {
@@ -87,8 +89,16 @@ class Doc:
         """The wire document: strings in ``metadata`` (what servers that predate typed
         metadata read), every other value in ``typed_metadata``.
 
-        :raises ValueError: a key that is not a string or a bad value (:func:`metadata_value`).
+        :raises ValueError: a key that is not a string or a bad value (:func:`metadata_value`), a
+            text that is not valid Unicode (a lone surrogate), a vector element that is not a number.
         """
+        try:
+            return self._to_pb()
+        except UnicodeEncodeError:
+            raise bad_text({"id": self.id, "title": self.title, "text": self.text, "metadata": self.metadata,
+                            "chunks": [t for t, _ in self.chunks or ()]}, f"document {self.id!r}: ") from None
+
+    def _to_pb(self) -> oprag_pb2.Document:
         plain, typed = {}, {}
         for k, v in self.metadata.items():
             if not isinstance(k, str):
@@ -105,31 +115,9 @@ class Doc:
                 vectors_f32=packed[0], vector_dim=packed[1])
         return oprag_pb2.Document(
             id=self.id, title=self.title, text=self.text, metadata=plain, typed_metadata=typed,
-            vector=[] if self.vector is None else [float(x) for x in self.vector],
-            chunks=[oprag_pb2.ChunkVector(text=t, vector=[float(x) for x in v]) for t, v in self.chunks or ()])
-
-
-def _pack(doc: Doc) -> tuple[bytes, int] | None:
-    """``(little-endian float32 rows, width)`` when the document's vectors are numpy arrays (the
-    packed ``Document.vectors_f32`` form: one buffer instead of a float per value), else None.
-
-    :raises ValueError: a vector that is not 1-D, or chunk vectors of different widths.
-    """
-    np = sys.modules.get("numpy")  # numpy vectors imply numpy is loaded; the client needs none
-    if np is None:
-        return None
-    if doc.chunks:
-        rows = [v for _, v in doc.chunks]
-        if doc.vector is not None or not all(isinstance(v, np.ndarray) for v in rows):
-            return None
-    elif isinstance(doc.vector, np.ndarray):
-        rows = [doc.vector]
-    else:
-        return None
-    if any(v.ndim != 1 for v in rows) or len({v.shape[0] for v in rows}) != 1:
-        raise ValueError(f"document {doc.id!r}: vectors must be 1-D arrays of one width")
-    m = np.ascontiguousarray(np.stack(rows) if len(rows) > 1 else rows[0][None, :], dtype="<f4")
-    return m.tobytes(), int(m.shape[1])
+            vector=_floats(self.vector, f"document {self.id!r}: vector", empty_ok=True),
+            chunks=[oprag_pb2.ChunkVector(text=t, vector=_floats(v, f"document {self.id!r}: chunks[{i}] vector"))
+                    for i, (t, v) in enumerate(self.chunks or ())])
 
 
 def _as_pb(d: Any) -> oprag_pb2.Document:
@@ -171,6 +159,7 @@ def ingest_messages(docs: Iterable[Any], max_message_bytes: int = DEFAULT_MAX_ME
 FUSIONS = {"minmax": oprag_pb2.WEIGHTED_MINMAX, "rrf": oprag_pb2.RRF}
 
 
+@names_bad_text("question", "session_id", "filters")
 def query_request(question: str, *, top_k: int = 0, mode: str = "hybrid", session_id: str = "",
                   max_new_tokens: int = 0, candidates: int = 0, disable_memory: bool = False,
                   fusion: str = "minmax", dense_weight: float = 0.0, lexical_weight: float = 0.0, rrf_k: int = 0,
@@ -184,7 +173,9 @@ def query_request(question: str, *, top_k: int = 0, mode: str = "hybrid", sessio
     :param filters: ``{key: value}`` (equality) or ``{key: [values]}`` (set membership); values
         are typed: ``True`` matches only boolean true, ``"true"`` only the string, numbers match
         by numeric value (README: typed metadata).
-    :param query_vector: optional precomputed query embedding (float sequence, width D).
+    :param query_vector: optional precomputed query embedding (float sequence or 1-D array, width
+        D); None (the default) lets the server embed the question. An empty sequence is a
+        ValueError (on the wire it would read as "no vector"), as is an element that is not a number.
     :param min_seq: read-your-writes: wait until this ingest/delete sequence number is applied.
     :param group_by_document: document-level retrieval: ``top_k`` counts documents, each scored
         by its best chunk (MaxP); the response's ``documents`` lists them (``doc_id``, ``title``,
@@ -193,7 +184,8 @@ def query_request(question: str, *, top_k: int = 0, mode: str = "hybrid", sessio
     :param ef_search: HNSW search beam, :param nprobe: IVF lists visited, for a server started with
         ``--dense-index hnsw`` / ``ivf`` (0 = its default; the response's ``retrieval`` reports
         what was used).
-    :raises ValueError: unknown ``mode`` / ``fusion``, a bad filter (:func:`metadata_value`), a count out of range.
+    :raises ValueError: unknown ``mode`` / ``fusion``, a bad filter (:func:`metadata_value`), a count out of range,
+        a bad ``query_vector``, a text (question, session_id, filter) that is not valid Unicode (the message names it).
     """
     for name, v in dict(top_k=top_k, max_new_tokens=max_new_tokens, candidates=candidates, rrf_k=rrf_k, nprobe=nprobe,
                         chunks_per_document=chunks_per_document, ef_search=ef_search, min_seq=min_seq).items():
@@ -324,10 +316,11 @@ class OpRAGClient:
         return call(self.retry, lambda: self.stub.Retrieve(query_request(question, **kw), timeout=timeout or self.timeout, metadata=self.md))
 
     def delete(self, doc_ids: Iterable[str], *, timeout: float | None = None) -> oprag_pb2.DeleteResponse:
-        return call(self.retry, lambda: self.stub.Delete(oprag_pb2.DeleteRequest(doc_ids=list(doc_ids)), timeout=timeout or self.timeout, metadata=self.md))
+        req = delete_request(doc_ids)  # once: a retry resends it (ids from a generator included)
+        return call(self.retry, lambda: self.stub.Delete(req, timeout=timeout or self.timeout, metadata=self.md))
 
     def clear_session(self, session_id: str, *, timeout: float | None = None) -> oprag_pb2.ClearSessionResponse:
-        return call(self.retry, lambda: self.stub.ClearSession(oprag_pb2.ClearSessionRequest(session_id=session_id),
+        return call(self.retry, lambda: self.stub.ClearSession(clear_session_request(session_id),
                                       timeout=timeout or self.timeout, metadata=self.md))
 
     def stats(self, *, timeout: float | None = None) -> oprag_pb2.StatsResponse:
@@ -386,10 +379,11 @@ class AsyncOpRAGClient:
         return await acall(self.retry, lambda: self.stub.Retrieve(query_request(question, **kw), timeout=timeout or self.timeout, metadata=self.md))
 
     async def delete(self, doc_ids: Iterable[str], *, timeout: float | None = None):
-        return await acall(self.retry, lambda: self.stub.Delete(oprag_pb2.DeleteRequest(doc_ids=list(doc_ids)), timeout=timeout or self.timeout, metadata=self.md))
+        req = delete_request(doc_ids)
+        return await acall(self.retry, lambda: self.stub.Delete(req, timeout=timeout or self.timeout, metadata=self.md))
 
     async def clear_session(self, session_id: str, *, timeout: float | None = None):
-        return await acall(self.retry, lambda: self.stub.ClearSession(oprag_pb2.ClearSessionRequest(session_id=session_id),
+        return await acall(self.retry, lambda: self.stub.ClearSession(clear_session_request(session_id),
                                             timeout=timeout or self.timeout, metadata=self.md))
 
     async def stats(self, *, timeout: float | None = None):

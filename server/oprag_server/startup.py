@@ -10,7 +10,10 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import json
+import logging
+import os
 import socket
+import time
 from pathlib import Path
 from typing import IO, Any
 
@@ -19,6 +22,7 @@ from .config import ServerConfig
 #: Version of the data directory layout, written to ``<data_dir>/oprag.json``.
 DATA_FORMAT = 1
 _LOCKS: list[IO] = []  # held for the life of the process
+log = logging.getLogger("oprag")
 
 
 def preflight(cfg: ServerConfig) -> tuple[Any, Any | None]:
@@ -46,6 +50,7 @@ def preflight(cfg: ServerConfig) -> tuple[Any, Any | None]:
     check_port(cfg.host, cfg.http_port, "HTTP port (--http-port)")
     check_data_dir(cfg, encoder.dim, encoder.name)
     lock_data_dir(cfg.data_dir)
+    note_compile()  # before the shards start: they compile the kernels
     return encoder, generator
 
 
@@ -186,17 +191,69 @@ def announce_ready(host: str, port: int) -> None:
     print(f"OPRAG READY {host}:{port}", flush=True)
 
 
+#: the modules with numba kernels (``cache=True``), relative to the package
+JIT_MODULES = ("index/kernels*.py", "index/term_ids.py", "operators/union.py")
+#: seconds the first start spends compiling them all (measured: 2 cores, 1-2 shards; the trial saw ~95 s)
+COMPILE_ESTIMATE_S = 95
+
+
+def uncached_kernels(package: Path | None = None, env: dict | None = None) -> tuple[list[Path], int]:
+    """``(modules whose kernels numba has not cached, all kernel modules)``: a module counts as
+    cached when an index file of it (``<module>.<function>-<line>.pyXY.nbi``) at least as new as
+    its source is where numba keeps it: under ``$NUMBA_CACHE_DIR`` when set (only there), else
+    in its ``__pycache__`` or the user-wide cache (``~/.cache/numba``, for a read-only install);
+    those two under the source folder's absolute path."""
+    package = package or Path(__file__).resolve().parent
+    env = os.environ if env is None else env
+    sources = sorted(p for pattern in JIT_MODULES for p in package.glob(pattern))
+    user = env.get("NUMBA_CACHE_DIR")
+    root = Path(user) if user else Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "numba"
+    cold = []
+    for src in sources:
+        dirs = [] if user else [src.parent / "__pycache__"]
+        dirs.append(root / str(src.parent.resolve()).lstrip(os.sep))
+        newest = max((f.stat().st_mtime for d in dirs if d.is_dir() for f in d.glob(f"{src.stem}.*.nbi")), default=None)
+        if newest is None or newest < src.stat().st_mtime:
+            cold.append(src)
+    return cold, len(sources)
+
+
+_COMPILING: list[float] = []  # when a start that compiles began (note_compile -> warm_beside)
+
+
+def note_compile() -> bool:
+    """Log one line when the search kernels are not compiled yet (the first start after an
+    install or an upgrade, :func:`uncached_kernels`), with an estimate: the start is otherwise
+    silent for a minute or two. :func:`warm_beside` then logs the time taken.
+    :returns: whether they will be compiled."""
+    cold, total = uncached_kernels()
+    if not cold:
+        return False
+    est = max(10, round(COMPILE_ESTIMATE_S * len(cold) / max(total, 1) / 5) * 5)
+    log.info("compiling search kernels, first start only, ~%d s (%d of %d kernel modules not in numba's cache; "
+             "cached for the next start)", est, len(cold), total)
+    _COMPILING[:] = [time.perf_counter()]
+    return True
+
+
 async def warm_beside(encoder: Any, generator: Any | None, start: Any) -> None:
     """Warm up the encoder, then the generator, off the event loop while ``start`` (the shard
     processes' start) runs: a warm-up is mostly importing transformers' model modules (~5 s on 2
     cores). Awaits both to the end, then raises the first failure, so that ``serve``'s clean-up
-    never meets a half-started shard pool."""
+    never meets a half-started shard pool. After a :func:`note_compile` that logged a compile,
+    logs the time taken (from that line)."""
+    t0 = _COMPILING.pop() if _COMPILING else None
+
     async def warm() -> None:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, encoder.warm_up)
         if generator is not None:
             await loop.run_in_executor(None, generator.warm_up)
 
-    for r in await asyncio.gather(warm(), start, return_exceptions=True):
+    results = await asyncio.gather(warm(), start, return_exceptions=True)
+    if t0 is not None and not any(isinstance(r, BaseException) for r in results):
+        log.info("search kernels compiled and models warmed up in %.1f s (the shards'; the frontend's merge "
+                 "kernels follow, a few seconds)", time.perf_counter() - t0)
+    for r in results:
         if isinstance(r, BaseException):
             raise r

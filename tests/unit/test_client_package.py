@@ -78,6 +78,7 @@ def test_client_wheel_holds_only_the_client_and_installs_without_torch(tmp_path)
     names = zipfile.ZipFile(whl).namelist()
     assert {n.split("/")[0] for n in names} == {"oprag", "oprag_client", whl.name.split("-py3")[0] + ".dist-info"}
     meta = zipfile.ZipFile(whl).read(next(n for n in names if n.endswith("METADATA"))).decode()
+    assert "License-Expression: Apache-2.0" in meta.splitlines()  # the SPDX form (the table form is deprecated)
     deps = [ln.split(":", 1)[1].strip() for ln in meta.splitlines() if ln.startswith("Requires-Dist:")]
     name = lambda d: d.split(">")[0].split("<")[0].split(";")[0].strip()  # noqa: E731
     assert sorted(name(d) for d in deps if "extra ==" not in d) == ["grpcio", "grpcio-health-checking", "protobuf", "tqdm"]

@@ -23,6 +23,7 @@ from typing import Any
 import grpc
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
@@ -53,6 +54,9 @@ _CODE_NAME = {200: "OK", 400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "
 ALIAS = "oprag"  # a chat model id that always names the configured generator
 
 
+#: the request model of each POST route (validation messages list its fields)
+_MODELS = {"/v1/retrieve": api.RetrieveRequest, "/v1/chat/completions": api.ChatRequest,
+           "/v1/embeddings": api.EmbeddingsRequest}
 #: the API's routes by metric label; any other path counts as "HTTP other" (a bounded label set)
 _ROUTES = ("/v1/chat/completions", "/v1/embeddings", "/v1/retrieve", "/v1/models")
 
@@ -178,15 +182,12 @@ def build_app(rt: Any) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errs = exc.errors()
-        e = errs[0] if errs else {"msg": "invalid request", "loc": ()}
-        # (the locations of pydantic's validator functions, e.g. "function-after[_utf8(), str]", are not fields)
-        loc = [str(x) for x in e.get("loc", ()) if x != "body" and not str(x).startswith("function-")]
-        if e.get("type") == "json_invalid":
-            return error_response(400, f"the body is not valid JSON ({e.get('msg')}): send a JSON object "
+        errs = list(exc.errors())
+        if errs and errs[0].get("type") == "json_invalid":
+            return error_response(400, f"the body is not valid JSON ({errs[0].get('msg')}): send a JSON object "
                                   "(Content-Type: application/json)", code="invalid_json")
-        param = ".".join(loc) or None
-        return error_response(400, f"{param or 'body'}: {e.get('msg')}", param=param, code="invalid_value")
+        param, msg = api.validation_message(errs, exc.body, _MODELS.get(request.url.path))
+        return error_response(400, msg, param=param, code="invalid_value")
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:
@@ -221,12 +222,28 @@ def build_app(rt: Any) -> FastAPI:
         return convert.query_job(req, cfg, dim=rt.encoder.dim, generate=generate,
                                  can_generate=rt.generator is not None)
 
+    def fits(obj: dict, job: Any) -> JSONResponse:
+        """``obj`` rendered, or InvalidArgument when its JSON exceeds the message limit (as the
+        gRPC replies, ``OpRAGServicer._fits``; JSON escapes can make it several times the protobuf)."""
+        try:
+            r = JSONResponse(obj)
+        except TypeError:  # a value json cannot encode as is (what FastAPI's encoder did for a returned dict)
+            r = JSONResponse(jsonable_encoder(obj))
+        return too_big(len(r.body), job) or r
+
+    def too_big(n: int, job: Any) -> None:
+        """:raises InvalidArgument: ``n`` bytes of reply exceed the message limit."""
+        limit = cfg.limits.max_message_bytes
+        if n > limit:
+            raise InvalidArgument(f"the reply would be {n} bytes of JSON, over the server's {limit}-byte "
+                                  f"message limit (top_k {job.spec.top_k}): ask for fewer hits (top_k) or drop include_trace")
+
     @app.post("/v1/retrieve")
-    async def retrieve(body: api.RetrieveRequest) -> dict:
+    async def retrieve(body: api.RetrieveRequest) -> Any:
         job = await rt.query.submit(job_for(body.query, body, generate=False))
         ext = api.extension(job, include_trace=body.include_trace)
         ext.pop("sources")
-        return {"object": "retrieval", **ext}
+        return fits({"object": "retrieval", **ext}, job)
 
     @app.post("/v1/embeddings")
     async def embeddings(body: api.EmbeddingsRequest) -> dict:
@@ -262,8 +279,8 @@ def build_app(rt: Any) -> FastAPI:
         if not body.stream:
             job = await rt.query.submit(job)
             msg = {"role": "assistant", "content": job.answer if rt.generator is not None else ""}
-            return {**head, "object": "chat.completion", "usage": api.usage(job), "oprag": api.extension(job, include_trace=trace),
-                    "choices": [{"index": 0, "message": msg, "finish_reason": api.finish_reason(job), "logprobs": None}]}
+            return fits({**head, "object": "chat.completion", "usage": api.usage(job), "oprag": api.extension(job, include_trace=trace),
+                         "choices": [{"index": 0, "message": msg, "finish_reason": api.finish_reason(job), "logprobs": None}]}, job)
         events = job_events(rt.query.submit, job)
         try:
             first = await events.__anext__()  # refusals and failures before any event: an HTTP status
@@ -276,13 +293,22 @@ def build_app(rt: Any) -> FastAPI:
             return _sse({**head, "object": "chat.completion.chunk", **extra,
                          "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]})
 
+        kind, val = first
+        opening = None  # the sources chunk (hits): over the message limit it is a 400, before the stream starts
+        if kind == "sources":
+            opening = chunk({"role": "assistant", "content": ""}, oprag=api.extension(val, include_trace=trace, last=False))
+            try:
+                too_big(len(opening), val)
+            except InvalidArgument:
+                await events.aclose()
+                raise
+
         async def sse():
             kind, val = first
             try:
                 while True:
                     if kind == "sources":
-                        yield chunk({"role": "assistant", "content": ""},
-                                    oprag=api.extension(val, include_trace=trace, last=False))
+                        yield opening
                     elif kind == "text":
                         yield chunk({"content": val})
                     else:  # done

@@ -84,8 +84,9 @@ def lenient(deserializer):
 def checked(request: Any, method: str) -> Any:
     """:returns: ``request``. :raises InvalidArgument: it is :class:`Undecodable`."""
     if isinstance(request, Undecodable):
-        raise InvalidArgument(f"the {method} request is not a valid protobuf message ({request.error}); "
-                              "send a serialised message whose string fields are valid UTF-8")
+        raise InvalidArgument(f"the {method} request could not be parsed ({request.error}): it is truncated or "
+                              "corrupt, another message type, or has a string that is not valid UTF-8; send the "
+                              f"serialised oprag.v1 request message of {method}")
     return request
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import difflib
+import json
 from typing import Annotated, Any, Literal
 
 import numpy as np
@@ -53,14 +55,20 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-class Fusion(_Strict):
+class _Own(BaseModel):
+    # OpRAG's own shapes (/v1/retrieve, the "oprag" extension, its fusion): an unknown field is a
+    # typo ("topk") that would silently fall back to a default, so it is refused, named
+    model_config = ConfigDict(extra="forbid")
+
+
+class Fusion(_Own):
     method: Literal["minmax", "rrf"] = "minmax"
     dense_weight: StrictFloat | StrictInt = 0.0
     lexical_weight: StrictFloat | StrictInt = 0.0
     rrf_k: StrictInt = Field(0, ge=0, le=_U32)
 
 
-class RetrievalOptions(_Strict):
+class RetrievalOptions(_Own):
     """Retrieval knobs, the same fields and defaults as ``QueryRequest`` (0 = server default)."""
 
     mode: Literal["hybrid", "dense", "lexical", "full_hybrid"] = "hybrid"
@@ -126,6 +134,112 @@ class EmbeddingsRequest(_Strict):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: StrictInt | None = None
     user: Str | None = None
+
+
+# ------------------------------------------------------------------------- validation errors
+#: pydantic type errors -> what the field must be
+_KINDS = {"string_type": "a string", "bool_type": "a boolean", "int_type": "an integer", "int_parsing": "an integer",
+          "int_from_float": "an integer", "float_type": "a number", "float_parsing": "a number", "list_type": "a list",
+          "dict_type": "an object", "model_type": "an object", "model_attributes_type": "an object", "none_required": "null"}
+
+
+def _path(e: dict, body: Any) -> tuple[list, bool]:
+    """The error's path in the body (keys and list indexes; pydantic's union-branch and validator
+    tags dropped) and whether it is about a mapping key ("[key]")."""
+    path, cur, key = [], body, False
+    loc = list(e.get("loc", ()))
+    if loc[:1] == ["body"]:
+        loc = loc[1:]
+    for i, x in enumerate(loc):
+        if x == "[key]":
+            key = True
+        elif isinstance(cur, dict) and isinstance(x, str) and x in cur:
+            path.append(x)
+            cur = cur[x]
+        elif isinstance(cur, list) and isinstance(x, int) and 0 <= x < len(cur):
+            path.append(x)
+            cur = cur[x]
+        elif i == len(loc) - 1 and e.get("type") == "missing" and isinstance(x, str):
+            path.append(x)
+    return path, key
+
+
+def _name(path: list) -> str:
+    return "".join(f"[{x}]" if isinstance(x, int) else ("." if i else "") + x for i, x in enumerate(path))
+
+
+def _shown(v: Any) -> str:
+    try:
+        t = json.dumps(v, ensure_ascii=False)
+    except (TypeError, ValueError):
+        t = repr(v)
+    return t if len(t) <= 60 else t[:57] + "..."
+
+
+def _fields_at(model: Any, path: list) -> list[str]:
+    """Field names of the model at ``path`` (the parent of an unknown field), [] when not a model."""
+    for x in path:
+        if isinstance(x, int):
+            continue
+        f = getattr(model, "model_fields", {}).get(x)
+        ann = getattr(f, "annotation", None)
+        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+    return list(getattr(model, "model_fields", {}))
+
+
+def validation_message(errors: list[dict], body: Any, model: Any = None) -> tuple[str | None, str]:
+    """As :func:`_message`, with lone surrogates (JSON ``\\ud800`` escapes in a key or value) escaped:
+    the error body must encode as UTF-8."""
+    param, msg = _message(errors, body, model)
+    safe = lambda t: t.encode("utf-8", "backslashreplace").decode("utf-8")  # noqa: E731
+    return (None if param is None else safe(param)), safe(msg)
+
+
+def _message(errors: list[dict], body: Any, model: Any = None) -> tuple[str | None, str]:
+    """``(param, message)`` of a request that failed validation: the first error's field (a path
+    such as ``messages[0].content`` or ``oprag.top_k``), what it must be, what was sent; a union's
+    alternatives in one sentence; an unknown field with the known ones (``model``: the request's
+    pydantic class)."""
+    # an unknown field first: a typo ("qury") also makes its field missing, and the typo is the cause
+    errors = sorted(errors, key=lambda x: x.get("type") != "extra_forbidden")
+    e = errors[0] if errors else {"type": "", "msg": "invalid request", "loc": ()}
+    path, key = _path(e, body)
+    param = _name(path) or None
+    what = f"a key of {param or 'the body'}" if key else param or "the body"
+    t, ctx, got = e.get("type", ""), e.get("ctx") or {}, _shown(e.get("input"))
+    if t == "extra_forbidden":
+        known = _fields_at(model, path[:-1])
+        near = difflib.get_close_matches(str(path[-1]) if path else "", known, n=1)
+        hint = f"did you mean {near[0]!r}? " if near else ""
+        return param, (f"unknown field {param!r}: {hint}the fields here are {', '.join(known)}" if known
+                       else f"unknown field {param!r}: remove it")
+    if t == "missing":
+        return param, f"{what} is required: add it"
+    deeper = [x for x in errors if len(p := _path(x, body)[0]) > len(path) and p[:len(path)] == path]
+    if t in _KINDS and deeper:  # a list alternative failed inside: its element is what to fix
+        return _message(deeper, body, model)
+    if t in _KINDS:  # a union fails once per alternative: name them all
+        kinds = []
+        for x in errors:
+            if x.get("type") in _KINDS and _path(x, body)[0] == path and _KINDS[x["type"]] not in kinds:
+                kinds.append(_KINDS[x["type"]])
+        if "a number" in kinds and "an integer" in kinds:
+            kinds.remove("an integer")
+        one = kinds[0] if len(kinds) == 1 else ", ".join(kinds[:-1]) + " or " + kinds[-1]
+        return param, f"{what} must be {one}, got {got}"
+    if t == "literal_error":
+        return param, f"{what} must be one of {ctx.get('expected')}, got {got}"
+    bounds = {"greater_than_equal": ("at least", "ge"), "less_than_equal": ("at most", "le"),
+              "greater_than": ("more than", "gt"), "less_than": ("less than", "lt")}
+    if t in bounds:
+        return param, f"{what} must be {bounds[t][0]} {ctx.get(bounds[t][1])}, got {got}"
+    if t == "too_short":
+        return param, f"{what} needs at least {ctx.get('min_length')} item(s), got {got}"
+    if t == "string_unicode":
+        return param, f"{what} is not valid Unicode (an unpaired surrogate), got {got}: send valid Unicode"
+    if t == "value_error":
+        return param, f"{what}: {ctx.get('error', e.get('msg'))}"
+    return param, f"{what}: {e.get('msg')}, got {got}"
 
 
 # ---------------------------------------------------------------------------------- requests

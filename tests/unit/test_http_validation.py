@@ -1,0 +1,61 @@
+"""HTTP validation messages name the field (a path: ``messages[0].content``, ``oprag.top_k``),
+what it must be and what was sent (service/openai_api.validation_message); pydantic's own
+wording (union tags such as ``list[union[function-after[_utf8(), str],bool,int,float]]``, "Input
+should be a valid integer") never reaches the client. No server: the app over a stand-in runtime."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_http_content_type import _post  # noqa: E402
+
+MSG = [{"role": "user", "content": "q"}]
+
+
+@pytest.mark.parametrize("path, body, param, message", [
+    ("/v1/retrieve", {"query": "q", "topk": 5}, "topk",
+     "unknown field 'topk': did you mean 'top_k'? the fields here are mode, top_k, candidates, filters, fusion, "
+     "session_id, disable_memory, include_trace, query"),
+    ("/v1/retrieve", {"qury": "q"}, "qury", "unknown field 'qury': did you mean 'query'?"),
+    ("/v1/retrieve", {"query": "q", "top_k": 1.5}, "top_k", "top_k must be an integer, got 1.5"),
+    ("/v1/retrieve", {"query": "q", "top_k": -1}, "top_k", "top_k must be at least 0, got -1"),
+    ("/v1/retrieve", {"query": "q", "filters": {"k": None}}, "filters.k",
+     "filters.k must be a list, a string, a boolean or a number, got null"),
+    ("/v1/retrieve", {"query": "q", "fusion": {"dense_weight": "x"}}, "fusion.dense_weight",
+     'fusion.dense_weight must be a number, got "x"'),
+    ("/v1/retrieve", {"query": "q", "disable_memory": "yes"}, "disable_memory", 'disable_memory must be a boolean, got "yes"'),
+    ("/v1/retrieve", [1, 2], None, "the body must be an object, got [1, 2]"),
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+     "messages[0].content[0].text", "messages[0].content[0].text must be a string, got 5"),
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": 5}]},
+     "messages[0].content", "messages[0].content must be a string or a list, got 5"),
+    ("/v1/chat/completions", {"model": "m", "messages": MSG, "oprag": {"fusion": {"methd": "rrf"}}}, "oprag.fusion.methd",
+     "unknown field 'oprag.fusion.methd': did you mean 'method'?"),
+    ("/v1/chat/completions", {"model": "m", "messages": []}, "messages", "messages needs at least 1 item(s), got []"),
+    ("/v1/embeddings", {"model": "enc", "input": ["a", None]}, "input[1]", "input[1] must be a string, got null"),
+])
+def test_validation_messages_name_the_field_and_what_to_send(path, body, param, message):
+    status, out = _post(path, json.dumps(body).encode(), b"application/json")
+    assert status == 400 and out["error"]["param"] == param and out["error"]["code"] == "invalid_value", out
+    assert out["error"]["message"].startswith(message), out
+    assert "Input should" not in out["error"]["message"] and "function-after" not in out["error"]["message"]
+
+
+def test_unknown_openai_fields_are_still_accepted():
+    body = {"model": "m", "messages": MSG, "top_p": 0.5, "tools": [], "seed": 3}
+    status, out = _post("/v1/chat/completions", json.dumps(body).encode(), b"application/json")
+    assert status == 404 and out["error"]["code"] == "model_not_found"  # past validation: the model is unknown
+
+
+@pytest.mark.parametrize("path, body", [("/v1/embeddings", {"model": {"\ud800": None}, "input": "x"}),
+                                        ("/v1/retrieve", {"query": "q", "\ud800": 1}),
+                                        ("/v1/retrieve", {"query": "q", "filters": {"\ud800": [None]}})])
+def test_a_lone_surrogate_shown_in_a_message_is_escaped(path, body):
+    # (found by test_http_fuzz: the message quoted the value, and the error body could not be encoded: a 500)
+    status, out = _post(path, json.dumps(body).encode(), b"application/json")
+    assert status == 400 and "\\ud800" in out["error"]["message"], out

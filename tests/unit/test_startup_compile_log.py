@@ -1,0 +1,106 @@
+"""The first start compiles the search kernels for a minute or two (numba; cached afterwards): the
+server says so before it starts, with an estimate, and after, with the time taken
+(startup.warm_beside, startup.uncached_kernels). No server: a stand-in package tree and models."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+import pytest
+
+from oprag_server import startup
+
+
+def _tree(tmp_path):
+    pkg = tmp_path / "pkg"
+    for rel in ("index/kernels.py", "index/kernels_scan.py", "index/term_ids.py", "operators/union.py", "index/dense.py"):
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / rel).write_text("# numba kernels\n")
+        os.utime(pkg / rel, (1000, 1000))
+    return pkg
+
+
+def _nbi(d, stem, mtime):
+    d.mkdir(parents=True, exist_ok=True)
+    f = d / f"{stem}.fn-12.py311.nbi"
+    f.write_bytes(b"")
+    os.utime(f, (mtime, mtime))
+
+
+def test_uncached_kernels_finds_the_modules_numba_has_not_compiled(tmp_path):
+    pkg, env = _tree(tmp_path), {"XDG_CACHE_HOME": str(tmp_path / "nocache")}
+    cold, total = startup.uncached_kernels(pkg, env)
+    assert total == 4 and sorted(p.name for p in cold) == ["kernels.py", "kernels_scan.py", "term_ids.py", "union.py"]
+    _nbi(pkg / "index" / "__pycache__", "kernels", 2000)  # in-tree cache, newer than the source
+    _nbi(pkg / "index" / "__pycache__", "kernels_scan", 500)  # older than the source: stale
+    _nbi(pkg / "operators" / "__pycache__", "term_ids", 2000)  # another module's folder
+    user = tmp_path / "numba-cache"  # NUMBA_CACHE_DIR: under the source folder's absolute path
+    _nbi(user / str((pkg / "index").resolve()).lstrip(os.sep), "term_ids", 2000)
+    cold, _ = startup.uncached_kernels(pkg, env)
+    assert sorted(p.name for p in cold) == ["kernels_scan.py", "term_ids.py", "union.py"]
+    cold, _ = startup.uncached_kernels(pkg, {**env, "NUMBA_CACHE_DIR": str(user)})  # numba then looks only there
+    assert sorted(p.name for p in cold) == ["kernels.py", "kernels_scan.py", "union.py"]
+    _nbi(tmp_path / "nocache" / "numba" / str((pkg / "operators").resolve()).lstrip(os.sep), "union", 2000)
+    cold, _ = startup.uncached_kernels(pkg, env)  # the user-wide cache (a read-only install)
+    assert sorted(p.name for p in cold) == ["kernels_scan.py", "term_ids.py"]
+
+
+def test_the_real_package_lists_its_kernel_modules():
+    cold, total = startup.uncached_kernels()
+    assert total >= 10 and len(cold) <= total
+
+
+class _Model:
+    def warm_up(self) -> None:
+        time.sleep(0.05)
+
+
+def _start(caplog, cold: int, total: int = 4, fail: bool = False):
+    seen = []
+
+    def start():
+        seen.append([r.getMessage() for r in caplog.records])  # what was logged before the compile began
+        time.sleep(0.2)
+        if fail:
+            raise RuntimeError("shard failed")
+
+    async def main():  # as serve: preflight (which notes the compile), then the shard start beside the warm-up
+        assert startup.note_compile() == bool(cold)
+        loop = asyncio.get_running_loop()
+        await startup.warm_beside(_Model(), None, loop.run_in_executor(None, start))
+
+    with caplog.at_level(logging.INFO, logger="oprag"):
+        try:
+            asyncio.run(main())
+        except RuntimeError:
+            pass
+    return seen[0], [r.getMessage() for r in caplog.records]
+
+
+def test_a_cold_start_logs_a_line_before_the_compile_and_one_after_with_the_time(caplog, monkeypatch):
+    monkeypatch.setattr(startup, "uncached_kernels", lambda: ([object()] * 13, 13))
+    before, lines = _start(caplog, 13)
+    assert before == ["compiling search kernels, first start only, ~95 s (13 of 13 kernel modules not in numba's "
+                      "cache; cached for the next start)"]
+    (after,) = [ln for ln in lines if ln not in before]
+    took = float(after.split(" in ")[1].split(" s ")[0])
+    assert after.startswith("search kernels compiled and models warmed up in ") and 0.2 <= took < 5
+
+
+@pytest.mark.parametrize("cold, want", [(0, None), (1, "~10 s"), (6, "~45 s")])
+def test_a_cached_start_is_silent_and_a_partial_one_estimates_less(caplog, monkeypatch, cold, want):
+    monkeypatch.setattr(startup, "uncached_kernels", lambda: ([object()] * cold, 13))
+    _, lines = _start(caplog, cold)
+    if want is None:
+        assert lines == []
+    else:
+        assert want in lines[0] and len(lines) == 2
+
+
+def test_a_failed_start_logs_no_time(caplog, monkeypatch):
+    monkeypatch.setattr(startup, "uncached_kernels", lambda: ([object()] * 13, 13))
+    _, lines = _start(caplog, 13, fail=True)
+    assert len(lines) == 1 and lines[0].startswith("compiling search kernels")
