@@ -103,8 +103,7 @@ class Runtime:
                                     slice_s=self.cfg.batch.ingest_embed_slice_ms / 1000, query_executor=qexec)
         self.embedder.start()
         self.retriever = Retriever(self.pool, self.corpus_stats, self.analyzer, self.cfg.bm25, self.cfg.retrieval)
-        self.retriever.on_widen = lambda widened, uncertified: (self.metrics.retrieval_widened.inc(widened),
-                                                                self.metrics.retrieval_uncertified.inc(uncertified))
+        self.retriever.on_widen = self._on_widen
         self.memory = Memory(self.pool, self.cfg.memory, rewriter=self.generator if self.cfg.memory.condense else None)
         self.query = QueryEngine(
             monitor_fraction=self.cfg.retrieval.monitor_fraction,
@@ -137,6 +136,14 @@ class Runtime:
         if self.commits.lease is not None:
             self._bg.append(asyncio.create_task(keep_lease(self.commits.lease, self._reestablish, asyncio.Event())))
         await self.refresh_gauges()
+
+    def _on_widen(self, widened: int, uncertified: int) -> None:
+        """Count a dense-first batch's widened and uncertified queries (most batches have none:
+        no counter's lock is taken for them)."""
+        if widened:
+            self.metrics.retrieval_widened.inc(widened)
+        if uncertified:
+            self.metrics.retrieval_uncertified.inc(uncertified)
 
     @property
     def seq(self) -> int:

@@ -95,3 +95,27 @@ def test_fuse_rank_is_fuse_top_then_hit_ranks():
             seen_loose += 1
             assert not okd and not okl
     assert seen_strict > 50 and seen_loose > 50
+
+
+def test_hit_ranks_fast_equals_hit_ranks():
+    """The branch-free scan gives hit_ranks' ranks and flag, also with NaN anywhere, -0.0, ties,
+    rows scoring 0 in the BM25 list and windows shorter than the ties."""
+    from oprag_server.index.kernels_merge import hit_ranks
+    from oprag_server.operators.union import hit_ranks_fast
+
+    rng = np.random.default_rng(11)
+    flags = set()
+    for t in range(3000):
+        m = int(rng.integers(1, 80))
+        pool = [0.0, -0.0, 0.25, 0.5, 1.0, -1.0, np.inf, -np.inf]
+        vals = rng.choice(pool, m) if t % 2 else np.where(rng.random(m) < 0.3, 0.0, rng.standard_normal(m))
+        if t % 5 == 0:
+            vals[int(rng.integers(0, m))] = np.nan
+        rows = rng.choice(m, int(rng.integers(0, min(m, 12) + 1)), replace=False).astype(np.int64)
+        n = int(rng.integers(1, 90))
+        for lexical in (False, True):
+            got, ok = hit_ranks_fast(vals, rows, n, lexical)
+            ref, ok0 = hit_ranks(vals, rows, n, lexical)
+            assert ok == ok0 and got.tolist() == ref.tolist(), (t, lexical)
+            flags.add(ok)
+    assert flags == {True, False}

@@ -134,9 +134,10 @@ class QueryEngine:
             raise
         finally:
             self._inflight -= 1
-            if direct:
+            if direct:  # requests that came meanwhile form the next batch (with none, the prep loop sleeps on)
                 self._busy = False
-                self._arrived.set()  # requests that came meanwhile form the next batch
+                if self._waiting:
+                    self._arrived.set()
 
     def _direct(self, job: QueryJob) -> bool:
         """Whether ``job`` runs in its caller's task: it does not generate and the prep loop
@@ -272,8 +273,7 @@ class QueryEngine:
         """Shard search, global merge and fusion, hit fields, and grouping by document for the
         requests that ask for it (:mod:`~oprag_server.operators.group`); under the index read lock.
         A request with a session context gets a second row, fused with its own
-        (:func:`~oprag_server.operators.memory.session_rows`). :returns: run time (s), lock wait excluded.
-        """
+        (:func:`~oprag_server.operators.memory.session_rows`). :returns: run time (s), lock wait excluded."""
         ctx, vecs, texts, specs = session_rows(jobs)
         async with self.lock.read():
             hits, times, infos, docs = await retrieve_documents(self.retriever.retrieve, vecs, texts, specs)

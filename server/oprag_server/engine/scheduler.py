@@ -8,6 +8,7 @@ domain, as plain data that can be logged, traced and compared.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -90,6 +91,7 @@ QUERY_OPERATORS: tuple[PlanStep, ...] = (
 _ORDER = {s.op: i for i, s in enumerate(QUERY_OPERATORS)}
 
 
+@functools.lru_cache(maxsize=None)  # (8 argument combinations: the plans are built once)
 def compile_plan(*, memory: bool, generate: bool, embed: bool = True) -> tuple[PlanStep, ...]:
     """The operator chain of one query request, in execution order.
 
@@ -102,6 +104,7 @@ def compile_plan(*, memory: bool, generate: bool, embed: bool = True) -> tuple[P
     return tuple(s for s in QUERY_OPERATORS if want[s.op])
 
 
+@functools.lru_cache(maxsize=64)  # (a plan is one of compile_plan's few)
 def split_plan(plan: tuple[PlanStep, ...]) -> tuple[tuple[PlanStep, ...], tuple[PlanStep, ...]]:
     """``(prep, answer)``: the steps before ``generate`` (run by the prep loop, overlapping the
     previous batch's generation) and the steps from ``generate`` on (run once the answer exists;
@@ -113,5 +116,10 @@ def split_plan(plan: tuple[PlanStep, ...]) -> tuple[tuple[PlanStep, ...], tuple[
 def batch_steps(plans: list[tuple[PlanStep, ...]]) -> tuple[PlanStep, ...]:
     """The steps a batch runs: the union of its requests' plans in operator order. Each step
     runs once for the batch, over the requests whose plan lists it."""
+    return _union_steps(frozenset(plans))
+
+
+@functools.lru_cache(maxsize=256)
+def _union_steps(plans: frozenset) -> tuple[PlanStep, ...]:
     ops = {s.op for p in plans for s in p}
     return tuple(s for s in QUERY_OPERATORS if s.op in ops)

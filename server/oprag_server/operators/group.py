@@ -105,6 +105,9 @@ async def retrieve_documents(
         a chunk-level request).
     """
     n = len(specs)
+    if not any(s.group_by_document for s in specs):  # chunk-level only: one call, no window to grow
+        hits, times, infos = await retrieve(qvecs, texts, specs)
+        return hits, dict(times), infos, [None] * n
     wins = [window(s) if s.group_by_document else s.top_k for s in specs]
     hits: list[list[Hit]] = [[] for _ in range(n)]
     infos: list[RetrievalInfo | None] = [None] * n

@@ -254,10 +254,10 @@ def session_rows(jobs: list) -> tuple[list, np.ndarray, list[str], list]:
     ``context_vector``, ``question``, ``memory``): one per request (its question), then one per
     chunk-level request with a session context (the context text and vector). A request with a
     context row is searched :data:`MEMORY_WINDOW` deep in both rows (the depth of the fused lists).
-
     :returns: ``(ctx, vecs, texts, specs)``: the requests with a context row, float32
-        ``[len(jobs) + len(ctx), D]``, the texts and the specs of the rows.
-    """
+        ``[len(jobs) + len(ctx), D]``, the texts and the specs of the rows."""
+    if len(jobs) == 1 and jobs[0].context_vector is None:  # one row: a view (the retriever copies what it sends)
+        return [], np.asarray(jobs[0].vector, dtype=np.float32)[None], [jobs[0].question], [jobs[0].spec]
     ctx = [j for j in jobs if j.context_vector is not None and not j.spec.group_by_document]
     deep = {id(j) for j in ctx}
 
@@ -331,8 +331,7 @@ class Memory:
         """The session context of a batch of questions from their sessions' recent turns.
 
         ``session_ids[i] == ""`` means no memory for query i. One shard call per shard; a
-        shard that is down is left out (its sessions are answered without memory).
-        """
+        shard that is down is left out (its sessions are answered without memory)."""
         out = [MemoryContext(q, "", 0) for q in questions]
         asking = [i for i, sid in enumerate(session_ids) if sid]
         got, _ = await self.pool.scatter(

@@ -70,6 +70,34 @@ def _rank_of(score: float, cid: str, scores: np.ndarray, ids: list[str], n: int,
     return better + 1 if better < n else 0
 
 
+#: most candidates (all shards) a one-retriever merge orders in Python (:func:`_merge_small`)
+_SMALL = 64
+
+
+def _merge_small(replies: dict, j: int, lexical: bool, k: int) -> list[_Cand] | None:
+    """The one-retriever (dense or lexical mode) top-k of query ``j`` over every shard's few
+    candidates, ordered by Python sorts instead of ~30 numpy calls on arrays of a few elements:
+    the same order as :func:`top_k_order` (score desc, chunk id asc, position asc over the
+    shards' lists in reply order) and the same ranks as :func:`_rank_lists` over the top-k.
+    None when a score is NaN (no total order: the numpy path decides as before)."""
+    sh, sl, ids, d, lx = [], [], [], [], []
+    for s, rep in replies.items():
+        c = rep.candidates[j]
+        n = len(c.slots)
+        sh += [s] * n
+        sl += np.asarray(c.slots, dtype=np.int64).tolist()
+        ids.extend(c.chunk_ids)
+        d += np.asarray(c.dense, dtype=np.float64).tolist()
+        lx += np.asarray(c.lexical, dtype=np.float64).tolist()
+    if any(x != x for x in d) or any(x != x for x in lx):
+        return None
+    key = lx if lexical else d
+    top = sorted(range(len(key)), key=lambda i: (-key[i], ids[i]))[:k]  # stable: position breaks id ties
+    drank = {i: r for r, i in enumerate(sorted(top, key=lambda i: (-d[i], ids[i])), 1)}
+    lrank = {i: r for r, i in enumerate(sorted((i for i in top if lx[i] != 0.0), key=lambda i: (-lx[i], ids[i])), 1)}
+    return [_Cand(int(sh[i]), sl[i], ids[i], d[i], lx[i], key[i], drank[i], lrank.get(i, 0)) for i in top]
+
+
 class _Carried:
     """The stored fields the shards' replies carried (``fields``: per query a :class:`FetchReply`
     with ``slots``), looked up by ``(shard, slot)`` when a hit needs them: no index is built over
@@ -222,6 +250,10 @@ class Retriever:
             d_order, l_order = _rank_lists(win, spec.candidates)
             return _fuse_cols(win, d_order, l_order, spec, *Retriever._dense_first_ranges(replies, j, win)), None
         # one retriever: rank by its score; ranks in both lists are reported over the top-k
+        if sum(len(rep.candidates[j].slots) for rep in replies.values()) <= _SMALL:
+            top = _merge_small(replies, j, spec.mode == "lexical", spec.top_k)
+            if top is not None:
+                return top, None
         allc = _Cols.of([(s, rep.candidates[j]) for s, rep in replies.items()])
         key = allc.lexical if spec.mode == "lexical" else allc.dense
         top = allc.take(top_k_order(key, allc.ids, spec.top_k))
