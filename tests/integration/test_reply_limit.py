@@ -32,7 +32,9 @@ def test_a_reply_over_the_message_limit_is_invalid_argument(tmp_path):
             assert c.stats().chunks == 6
             calls = [lambda: c.retrieve("lobster", mode="lexical", top_k=6),
                      lambda: c.stub.Query(oprag_pb2.QueryRequest(question="lobster", mode=oprag_pb2.LEXICAL, top_k=6),
-                                          timeout=300)]
+                                          timeout=300),
+                     lambda: list(c.stub.QueryStream(oprag_pb2.QueryRequest(question="lobster", mode=oprag_pb2.LEXICAL,
+                                                                            top_k=6), timeout=300))]
             for call in calls:
                 with pytest.raises(grpc.RpcError) as err:
                     call()

@@ -69,6 +69,8 @@ class OpRAGServicer(oprag_pb2_grpc.OpRAGServicer):
             async for kind, val in events:
                 if kind == "done":
                     yield self._fits(convert.done_event(val, include_trace=request.include_trace), request)
+                elif kind == "sources":  # the hits: the event that can be over the limit
+                    yield self._fits(convert.stream_event(kind, val), request)
                 else:
                     yield convert.stream_event(kind, val)
         finally:
