@@ -318,13 +318,14 @@ class FakeEngineGenerator(FakeGenerator):
 
 
 class TimedRetriever(FakeRetriever):
-    def __init__(self):
+    def __init__(self, delay=0.01):
         super().__init__()
-        self.times = []
+        self.delay, self.times, self.ends = delay, [], []
 
     async def retrieve(self, vecs, texts, specs):
         self.times.append(time.perf_counter())
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(self.delay)
+        self.ends.append(time.perf_counter())
         return await super().retrieve(vecs, texts, specs)
 
 
@@ -360,10 +361,11 @@ def test_engine_backend_empty_engine_gets_a_small_first_slice():
     engine while the rest are prepared; slices go on while the engine holds fewer requests than
     wait (4 of 16, 3 of 12, 2 of 9, then all 7 with 9 in the engine). Without the slices all 16
     were one prep batch. Two prep batches run at once (``PREP_INFLIGHT``): the second starts
-    while the first waits for its retrieval (10 ms here)."""
+    while the first waits for its retrieval (40 ms here, so a loaded machine's
+    late timers do not reorder the two)."""
 
     async def run():
-        gen, ret = FakeEngineGenerator(0.1), TimedRetriever()
+        gen, ret = FakeEngineGenerator(0.1), TimedRetriever(0.04)
         eng = _engine(gen, ret, max_batch=16)
         eng.start()
         jobs = await asyncio.gather(*[eng.submit(_job(f"q{i}")) for i in range(16)])
@@ -374,7 +376,7 @@ def test_engine_backend_empty_engine_gets_a_small_first_slice():
     assert [j.answer for j in jobs] == [f"q{i}" for i in range(16)]
     assert [len(b) for b in ret.batches] == [4, 3, 2, 7]
     first_stream = min(s for s, _ in gen.streams)
-    assert first_stream < ret.times[-1] + 0.01  # the engine started before the last prep finished
+    assert first_stream < ret.ends[-1]  # the engine started before the last prep's retrieval returned
     assert ret.times[1] - ret.times[0] < 0.01  # the second prep began before the first one's retrieval ended
 
 
