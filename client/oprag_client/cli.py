@@ -22,7 +22,7 @@ from .client import MODES, OpRAGClient
 
 def _add_server(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server", default=os.environ.get("OPRAG_SERVER", "127.0.0.1:50051"), help="HOST:PORT")
-    p.add_argument("--timeout", type=float, default=None, help="per-RPC deadline in seconds")
+    p.add_argument("--timeout", type=_seconds, default=None, help="per-RPC deadline in seconds (> 0)")
     p.add_argument("--token", default=os.environ.get("OPRAG_TOKEN"), help="bearer token (or OPRAG_TOKEN)")
     p.add_argument("--tls-ca", type=Path, default=None, help="connect with TLS, trusting this CA (PEM)")
     p.add_argument("--tls-cert", dest="client_cert", type=Path, default=None, help="client certificate (PEM)")
@@ -41,6 +41,21 @@ def _count(text: str) -> int:
     return v
 
 
+def _positive(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _seconds(text: str) -> float:
+    """A deadline: a finite number of seconds above 0 (0 or less expired before the call was sent)."""
+    v = float(text)
+    if not (0 < v < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, got {text}")
+    return v
+
+
 def _parser(plugins: dict) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="oprag", description="OpRAG: multi-stage RAG runtime over gRPC")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -56,7 +71,7 @@ def _parser(plugins: dict) -> argparse.ArgumentParser:
     i.add_argument("--vector-column", default=None,
                    help="parquet / arrow: the column of precomputed vectors, which the file must then have "
                         "(default: 'vector' when the file has it)")
-    i.add_argument("--docs-per-stream", type=int, default=256, help="documents per Ingest stream")
+    i.add_argument("--docs-per-stream", type=_positive, default=256, help="documents per Ingest stream")
     i.add_argument("--json", action="store_true", help="print a JSON summary object last")
     i.add_argument("--no-progress", action="store_true")
     i.add_argument("paths", nargs="+", type=Path)
@@ -94,11 +109,11 @@ def _parser(plugins: dict) -> argparse.ArgumentParser:
     eb.add_argument("--queries", type=Path, required=True)
     eb.add_argument("--qrels", type=Path, required=True)
     eb.add_argument("--mode", choices=list(MODES), default="hybrid")
-    eb.add_argument("--top-k", type=int, default=100, help="documents retrieved per query (at least 100)")
-    eb.add_argument("--candidates", type=int, default=0,
+    eb.add_argument("--top-k", type=_count, default=100, help="documents retrieved per query (at least 100)")
+    eb.add_argument("--candidates", type=_count, default=0,
                     help="chunk window N (0 = server default); hybrid mode groups documents from it")
-    eb.add_argument("--concurrency", type=int, default=1)
-    eb.add_argument("--limit", type=int, default=0, help="evaluate only the first N judged queries")
+    eb.add_argument("--concurrency", type=_positive, default=1)
+    eb.add_argument("--limit", type=_count, default=0, help="evaluate only the first N judged queries (0: all)")
 
     h = sub.add_parser("health", help="grpc.health.v1 status")
     _add_server(h)
