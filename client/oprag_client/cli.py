@@ -296,8 +296,13 @@ def cmd_stats(a) -> int:
         "generator": r.generator,
         "shards": [{"shard": s.shard, "documents": s.documents, "chunks": s.chunks,
                     "memory_records": s.memory_records, "applied_seq": s.applied_seq} for s in r.shards],
+        "missing_shards": list(r.missing_shards),
     }
     print(json.dumps(out, indent=None if a.json else 2))
+    if r.missing_shards:  # the totals are then those of the answering shards only
+        print(f"oprag: shard(s) {', '.join(map(str, r.missing_shards))} did not answer (down, being restarted): "
+              "the totals count the other shards only", file=sys.stderr)
+        return 1
     return 0
 
 
