@@ -140,3 +140,20 @@ def test_http_reply_over_the_message_limit_is_refused_like_grpc(server):
         assert code == 400 and "over the server's" in out["error"]["message"], (stream, code, str(out)[:300])
     r = requests.post(server.url + "/chat/completions", json={**chat, "oprag": {"mode": "lexical", "top_k": 1}}, timeout=120)
     assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+
+
+def test_delete_of_one_string_is_refused_not_read_as_one_id_per_character(server):
+    """``c.delete("xyz")`` deleted the documents "x", "y" and "z" (a str is an iterable of ids)
+    and not "xyz"; the clients now refuse a lone string before sending, and nothing is deleted."""
+    c = server.client
+    V = np.random.default_rng(7).standard_normal((4, 384)).astype(np.float32)
+    ids = ["x", "y", "z", "xyz"]
+    c.ingest([Doc(i, f"per-character delete check {i}", vector=V[k], metadata={"dc": i}) for k, i in enumerate(ids)])
+    try:
+        with pytest.raises(TypeError, match=r"doc_ids must be a list of ids.*pass \['xyz'\]"):
+            c.delete("xyz")
+        for i in ids:
+            assert c.retrieve("check", mode="dense", top_k=1, filters={"dc": i}).hits, f"{i} was deleted"
+        assert c.delete(["xyz"]).documents_deleted == 1
+    finally:
+        c.delete(ids)
