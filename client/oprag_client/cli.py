@@ -142,6 +142,15 @@ def _batches(it, n):
         yield batch
 
 
+def _committed_before_failure(n: int, sent: int, seq: int) -> None:
+    """Say what a failed ``oprag ingest`` stored: the streams before stream ``n`` committed (``sent``
+    documents of the input), stream ``n`` stored nothing (an ingest stream is all-or-nothing)."""
+    if n > 1:
+        done = "stream 1 was" if n == 2 else f"streams 1-{n - 1} were"
+        print(f"oprag: {done} committed (the first {sent} documents of the input, seq {seq}); stream {n} "
+              f"(its document 0 is input document #{sent}) and the rest stored nothing", file=sys.stderr)
+
+
 def cmd_ingest(a) -> int:
     from tqdm import tqdm
 
@@ -156,13 +165,14 @@ def cmd_ingest(a) -> int:
     totals = {"documents": 0, "chunks": 0, "replaced": 0, "reused": 0, "rejected": [], "chunks_split": 0, "seq": 0}
     t0 = time.perf_counter()
     bar = tqdm(unit="doc", disable=a.no_progress, file=sys.stderr, dynamic_ncols=True)
+    sent, n = 0, 0  # documents of the input in the committed streams (a rejection's index is its position)
     try:
         with _client(a) as c:
             for n, batch in enumerate(_batches(docs, max(1, a.docs_per_stream)), 1):
                 # the bar advances when a stream commits; say what is in flight meanwhile
                 bar.set_postfix_str(f"stream {n}: {len(batch)} documents sent, embedding and committing")
                 r = c.ingest(batch)
-                offset = totals["documents"] + len(totals["rejected"])
+                offset, sent = sent, sent + len(batch)
                 totals["documents"] += r.documents_written
                 totals["chunks"] += r.chunks_written
                 totals["replaced"] += r.documents_replaced
@@ -175,9 +185,11 @@ def cmd_ingest(a) -> int:
                 bar.set_postfix(chunks=totals["chunks"], chunks_per_s=f"{totals['chunks'] / el:.1f}")
     except grpc.RpcError as exc:
         bar.close()
+        _committed_before_failure(n, sent, totals["seq"])
         return _rpc_error(exc)
     except (ValueError, TypeError, FileNotFoundError, OSError, ImportError) as exc:
         bar.close()
+        _committed_before_failure(n, sent, totals["seq"])
         return _fail(str(exc))
     bar.close()
     el = time.perf_counter() - t0
