@@ -97,13 +97,25 @@ def check_data_dir(cfg: ServerConfig, dim: int, embedder: str) -> None:
     (``{"format", "shards", "dim", "embedder"}``), or check an existing record against it.
 
     :param dim: the embedder's output width D.
-    :raises RuntimeError: the directory holds a corpus over another shard count or width.
+    :raises RuntimeError: the directory holds a corpus over another shard count or width, is a
+        file or cannot be created, or its ``oprag.json`` is not a layout record.
     """
     d = cfg.data_dir
-    d.mkdir(parents=True, exist_ok=True)
+    if d.exists() and not d.is_dir():
+        raise RuntimeError(f"--data-dir {d} is a file, not a directory: name a directory (it is created if missing)")
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RuntimeError(f"--data-dir {d} cannot be created ({exc.strerror}): name a writable directory") from exc
     meta_path = d / "oprag.json"
     if meta_path.exists():
-        old = json.loads(meta_path.read_text())
+        try:
+            old = json.loads(meta_path.read_text())
+            if not isinstance(old, dict):
+                raise ValueError(f"a JSON {type(old).__name__}, not an object")
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise RuntimeError(f"{meta_path} is not the layout record OpRAG writes ({exc}): restore it, or start "
+                               f"on another --data-dir") from exc
         if old.get("shards") != cfg.shards:
             raise RuntimeError(
                 f"{d} holds a corpus split over {old.get('shards')} shards; start with --shards {old.get('shards')} "
