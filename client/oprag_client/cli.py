@@ -22,7 +22,7 @@ from .client import MODES, OpRAGClient
 
 def _add_server(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server", default=os.environ.get("OPRAG_SERVER", "127.0.0.1:50051"), help="HOST:PORT")
-    p.add_argument("--timeout", type=float, default=None, help="per-RPC deadline in seconds")
+    p.add_argument("--timeout", type=_seconds, default=None, help="per-RPC deadline in seconds (> 0)")
     p.add_argument("--token", default=os.environ.get("OPRAG_TOKEN"), help="bearer token (or OPRAG_TOKEN)")
     p.add_argument("--tls-ca", type=Path, default=None, help="connect with TLS, trusting this CA (PEM)")
     p.add_argument("--tls-cert", dest="client_cert", type=Path, default=None, help="client certificate (PEM)")
@@ -41,6 +41,21 @@ def _count(text: str) -> int:
     return v
 
 
+def _positive(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _seconds(text: str) -> float:
+    """A deadline: a finite number of seconds above 0 (0 or less expired before the call was sent)."""
+    v = float(text)
+    if not (0 < v < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, got {text}")
+    return v
+
+
 def _parser(plugins: dict) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="oprag", description="OpRAG: multi-stage RAG runtime over gRPC")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -56,7 +71,7 @@ def _parser(plugins: dict) -> argparse.ArgumentParser:
     i.add_argument("--vector-column", default=None,
                    help="parquet / arrow: the column of precomputed vectors, which the file must then have "
                         "(default: 'vector' when the file has it)")
-    i.add_argument("--docs-per-stream", type=int, default=256, help="documents per Ingest stream")
+    i.add_argument("--docs-per-stream", type=_positive, default=256, help="documents per Ingest stream")
     i.add_argument("--json", action="store_true", help="print a JSON summary object last")
     i.add_argument("--no-progress", action="store_true")
     i.add_argument("paths", nargs="+", type=Path)
@@ -94,11 +109,11 @@ def _parser(plugins: dict) -> argparse.ArgumentParser:
     eb.add_argument("--queries", type=Path, required=True)
     eb.add_argument("--qrels", type=Path, required=True)
     eb.add_argument("--mode", choices=list(MODES), default="hybrid")
-    eb.add_argument("--top-k", type=int, default=100, help="documents retrieved per query (at least 100)")
-    eb.add_argument("--candidates", type=int, default=0,
+    eb.add_argument("--top-k", type=_count, default=100, help="documents retrieved per query (at least 100)")
+    eb.add_argument("--candidates", type=_count, default=0,
                     help="chunk window N (0 = server default); hybrid mode groups documents from it")
-    eb.add_argument("--concurrency", type=int, default=1)
-    eb.add_argument("--limit", type=int, default=0, help="evaluate only the first N judged queries")
+    eb.add_argument("--concurrency", type=_positive, default=1)
+    eb.add_argument("--limit", type=_count, default=0, help="evaluate only the first N judged queries (0: all)")
 
     h = sub.add_parser("health", help="grpc.health.v1 status")
     _add_server(h)
@@ -127,6 +142,15 @@ def _batches(it, n):
         yield batch
 
 
+def _committed_before_failure(n: int, sent: int, seq: int) -> None:
+    """Say what a failed ``oprag ingest`` stored: the streams before stream ``n`` committed (``sent``
+    documents of the input), stream ``n`` stored nothing (an ingest stream is all-or-nothing)."""
+    if n > 1:
+        done = "stream 1 was" if n == 2 else f"streams 1-{n - 1} were"
+        print(f"oprag: {done} committed (the first {sent} documents of the input, seq {seq}); stream {n} "
+              f"(its document 0 is input document #{sent}) and the rest stored nothing", file=sys.stderr)
+
+
 def cmd_ingest(a) -> int:
     from tqdm import tqdm
 
@@ -141,13 +165,14 @@ def cmd_ingest(a) -> int:
     totals = {"documents": 0, "chunks": 0, "replaced": 0, "reused": 0, "rejected": [], "chunks_split": 0, "seq": 0}
     t0 = time.perf_counter()
     bar = tqdm(unit="doc", disable=a.no_progress, file=sys.stderr, dynamic_ncols=True)
+    sent, n = 0, 0  # documents of the input in the committed streams (a rejection's index is its position)
     try:
         with _client(a) as c:
             for n, batch in enumerate(_batches(docs, max(1, a.docs_per_stream)), 1):
                 # the bar advances when a stream commits; say what is in flight meanwhile
                 bar.set_postfix_str(f"stream {n}: {len(batch)} documents sent, embedding and committing")
                 r = c.ingest(batch)
-                offset = totals["documents"] + len(totals["rejected"])
+                offset, sent = sent, sent + len(batch)
                 totals["documents"] += r.documents_written
                 totals["chunks"] += r.chunks_written
                 totals["replaced"] += r.documents_replaced
@@ -160,9 +185,11 @@ def cmd_ingest(a) -> int:
                 bar.set_postfix(chunks=totals["chunks"], chunks_per_s=f"{totals['chunks'] / el:.1f}")
     except grpc.RpcError as exc:
         bar.close()
+        _committed_before_failure(n, sent, totals["seq"])
         return _rpc_error(exc)
     except (ValueError, TypeError, FileNotFoundError, OSError, ImportError) as exc:
         bar.close()
+        _committed_before_failure(n, sent, totals["seq"])
         return _fail(str(exc))
     bar.close()
     el = time.perf_counter() - t0
@@ -281,8 +308,13 @@ def cmd_stats(a) -> int:
         "generator": r.generator,
         "shards": [{"shard": s.shard, "documents": s.documents, "chunks": s.chunks,
                     "memory_records": s.memory_records, "applied_seq": s.applied_seq} for s in r.shards],
+        "missing_shards": list(r.missing_shards),
     }
     print(json.dumps(out, indent=None if a.json else 2))
+    if r.missing_shards:  # the totals are then those of the answering shards only
+        print(f"oprag: shard(s) {', '.join(map(str, r.missing_shards))} did not answer (down, being restarted): "
+              "the totals count the other shards only", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -99,6 +99,11 @@ class Doc:
                             "chunks": [t for t, _ in self.chunks or ()]}, f"document {self.id!r}: ") from None
 
     def _to_pb(self) -> oprag_pb2.Document:
+        for name in ("id", "text", "title"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, (str, bytes)):
+                raise TypeError(f"document {name} must be a string, got {type(v).__name__} {v!r}"
+                                + (f": pass str({v!r})" if name == "id" and isinstance(v, int) else ""))
         plain, typed = {}, {}
         for k, v in self.metadata.items():
             if not isinstance(k, str):
@@ -191,6 +196,11 @@ def query_request(question: str, *, top_k: int = 0, mode: str = "hybrid", sessio
                         chunks_per_document=chunks_per_document, ef_search=ef_search, min_seq=min_seq).items():
         if isinstance(v, int) and v not in range(hi := 2**64 if name == "min_seq" else 2**32):
             raise ValueError(f"{name} must be between 0 and {hi - 1} (0 = the server's default), got {v}")
+    for name, v in (("question", question), ("session_id", session_id)):
+        if v is not None and not isinstance(v, (str, bytes)):
+            raise TypeError(f"{name} must be a string, got {type(v).__name__} {v!r}")
+    if filters is not None and not isinstance(filters, Mapping):
+        raise TypeError(f"filters must be a dict {{key: value or [values]}}, got {type(filters).__name__} {filters!r}")
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
     if fusion not in FUSIONS:

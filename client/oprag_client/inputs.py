@@ -60,7 +60,11 @@ def names_bad_text(*names: str):
 
 @names_bad_text("doc_ids")
 def delete_request(doc_ids: Iterable[str]) -> oprag_pb2.DeleteRequest:
-    """:raises ValueError: an id that is not valid Unicode."""
+    """:raises ValueError: an id that is not valid Unicode.
+    :raises TypeError: ``doc_ids`` is one string (iterated, it would name one document per character)."""
+    if isinstance(doc_ids, (str, bytes)):
+        raise TypeError(f"doc_ids must be a list of ids, got the {type(doc_ids).__name__} {doc_ids!r} "
+                        f"(read as one id per character): pass [{doc_ids!r}]")
     return oprag_pb2.DeleteRequest(doc_ids=list(doc_ids))
 
 

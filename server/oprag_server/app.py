@@ -185,21 +185,22 @@ class Runtime:
                             check=self.commits.check_recovered if self.cfg.storage_uri else None)
 
     async def stats(self) -> dict:
-        """Corpus and shard statistics of the shards that answer (a dead shard is left out).
+        """Corpus and shard statistics of the shards that answer (a dead shard is left out of the
+        totals and ``shards``, and listed in ``missing_shards``).
 
-        :returns: ``{"documents", "chunks", "memory_records", "seq", "embedder", "generator",
+        :returns: ``{"documents", "chunks", "memory_records", "seq", "embedder", "generator", "missing_shards",
             "shards": [{"shard", "documents", "chunks", "memory_records", "applied_seq", "bytes", "ann_pending", "merge_pending"}, ...]}``
             (``bytes``: ``{component: bytes}``, :meth:`.shards.chunks.ChunkStore.nbytes`)
             with shards in id order; ``generator`` is ``"none"`` without a generator.
         """
-        got, _ = await self.pool.gather_partial(Op.STATS, StatsRequest())
+        got, missing = await self.pool.gather_partial(Op.STATS, StatsRequest())
         shards = [{"shard": r.shard, "documents": r.documents, "chunks": r.chunks,
                    "memory_records": r.memory_records, "applied_seq": r.applied_seq, "bytes": r.nbytes or {}, "ann_pending": getattr(r, "ann_pending", 0),
                    "merge_pending": getattr(r, "merge_pending", 0)}
                   for _, r in sorted(got.items())]
         return {
             **{k: sum(s[k] for s in shards) for k in ("documents", "chunks", "memory_records")},
-            "seq": self.seq, "shards": shards, "embedder": self.encoder.name,
+            "seq": self.seq, "shards": shards, "missing_shards": sorted(missing), "embedder": self.encoder.name,
             "generator": self.generator.name if self.generator is not None else "none",
         }
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import hashlib
 import json
 import logging
 import os
 import socket
+import tempfile
 import time
 from pathlib import Path
 from typing import IO, Any
@@ -95,13 +97,25 @@ def check_data_dir(cfg: ServerConfig, dim: int, embedder: str) -> None:
     (``{"format", "shards", "dim", "embedder"}``), or check an existing record against it.
 
     :param dim: the embedder's output width D.
-    :raises RuntimeError: the directory holds a corpus over another shard count or width.
+    :raises RuntimeError: the directory holds a corpus over another shard count or width, is a
+        file or cannot be created, or its ``oprag.json`` is not a layout record.
     """
     d = cfg.data_dir
-    d.mkdir(parents=True, exist_ok=True)
+    if d.exists() and not d.is_dir():
+        raise RuntimeError(f"--data-dir {d} is a file, not a directory: name a directory (it is created if missing)")
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RuntimeError(f"--data-dir {d} cannot be created ({exc.strerror}): name a writable directory") from exc
     meta_path = d / "oprag.json"
     if meta_path.exists():
-        old = json.loads(meta_path.read_text())
+        try:
+            old = json.loads(meta_path.read_text())
+            if not isinstance(old, dict):
+                raise ValueError(f"a JSON {type(old).__name__}, not an object")
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise RuntimeError(f"{meta_path} is not the layout record OpRAG writes ({exc}): restore it, or start "
+                               f"on another --data-dir") from exc
         if old.get("shards") != cfg.shards:
             raise RuntimeError(
                 f"{d} holds a corpus split over {old.get('shards')} shards; start with --shards {old.get('shards')} "
@@ -200,18 +214,23 @@ COMPILE_ESTIMATE_S = 95
 def uncached_kernels(package: Path | None = None, env: dict | None = None) -> tuple[list[Path], int]:
     """``(modules whose kernels numba has not cached, all kernel modules)``: a module counts as
     cached when an index file of it (``<module>.<function>-<line>.pyXY.nbi``) at least as new as
-    its source is where numba keeps it: under ``$NUMBA_CACHE_DIR`` when set (only there), else
-    in its ``__pycache__`` or the user-wide cache (``~/.cache/numba``, for a read-only install);
-    those two under the source folder's absolute path."""
-    package = package or Path(__file__).resolve().parent
+    its source is where numba keeps it: under ``$NUMBA_CACHE_DIR`` when set (only there; the
+    kernel modules set it under the temp dir when their folder is not writable, see
+    index/kernels.py), else in its ``__pycache__`` or the user-wide cache (``~/.cache/numba``);
+    under a cache root numba names the folder ``<source folder name>_<sha1 of its absolute
+    path>`` (``numba.core.caching._CacheLocator.get_suitable_cache_subpath``)."""
+    package = package or Path(os.path.abspath(__file__)).parent  # the path numba hashes (not symlink-resolved)
     env = os.environ if env is None else env
     sources = sorted(p for pattern in JIT_MODULES for p in package.glob(pattern))
     user = env.get("NUMBA_CACHE_DIR")
+    if not user and not os.access(package / "index", os.W_OK):  # as index/kernels.py sets it
+        user = os.path.join(tempfile.gettempdir(), f"oprag-numba-{os.getuid()}")
     root = Path(user) if user else Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "numba"
     cold = []
     for src in sources:
         dirs = [] if user else [src.parent / "__pycache__"]
-        dirs.append(root / str(src.parent.resolve()).lstrip(os.sep))
+        folder = os.path.dirname(os.path.abspath(src))
+        dirs.append(root / f"{os.path.basename(folder)}_{hashlib.sha1(folder.encode()).hexdigest()}")
         newest = max((f.stat().st_mtime for d in dirs if d.is_dir() for f in d.glob(f"{src.stem}.*.nbi")), default=None)
         if newest is None or newest < src.stat().st_mtime:
             cold.append(src)

@@ -30,7 +30,7 @@ def test_killed_shard_is_restarted_and_partial_results_are_flagged(tmp_path):
             pids = _shard_pids(srv.proc.pid)
             assert len(pids) == 2
             os.kill(pids[0], signal.SIGKILL)
-            saw_not_serving = False
+            saw_not_serving = saw_stats_missing = False
             deadline = time.time() + 60
             while time.time() < deadline:
                 try:
@@ -42,6 +42,14 @@ def test_killed_shard_is_restarted_and_partial_results_are_flagged(tmp_path):
                     assert list(res.retrieval.missing_shards) and len(res.hits) < 20
                 else:
                     assert len(res.hits) == 20, "an incomplete result without the partial flag"
+                st = c.stats()  # Stats too: the totals are complete or the missing shards are named
+                if st.missing_shards:
+                    saw_stats_missing = True
+                    assert st.documents < before.documents and len(st.shards) == 1
+                    assert [s.shard for s in st.shards] == [i for i in (0, 1) if i not in st.missing_shards]
+                else:
+                    assert (st.documents, st.chunks) == (before.documents, before.chunks), \
+                        "Stats counted the answering shards only, without naming the missing one"
                 status = c.health()
                 saw_not_serving |= status == "NOT_SERVING"
                 if status == "SERVING" and not res.retrieval.partial and len(_shard_pids(srv.proc.pid)) == 2 \
@@ -49,6 +57,7 @@ def test_killed_shard_is_restarted_and_partial_results_are_flagged(tmp_path):
                     break
                 time.sleep(0.05)
             assert saw_not_serving, "health never reported the dead shard"
+            assert saw_stats_missing, "Stats never named the dead shard in missing_shards"
             assert c.health() == "SERVING"
             after = c.stats()
             assert (after.documents, after.chunks) == (before.documents, before.chunks)

@@ -140,3 +140,46 @@ def test_http_reply_over_the_message_limit_is_refused_like_grpc(server):
         assert code == 400 and "over the server's" in out["error"]["message"], (stream, code, str(out)[:300])
     r = requests.post(server.url + "/chat/completions", json={**chat, "oprag": {"mode": "lexical", "top_k": 1}}, timeout=120)
     assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+
+
+def test_delete_of_one_string_is_refused_not_read_as_one_id_per_character(server):
+    """``c.delete("xyz")`` deleted the documents "x", "y" and "z" (a str is an iterable of ids)
+    and not "xyz"; the clients now refuse a lone string before sending, and nothing is deleted."""
+    c = server.client
+    V = np.random.default_rng(7).standard_normal((4, 384)).astype(np.float32)
+    ids = ["x", "y", "z", "xyz"]
+    c.ingest([Doc(i, f"per-character delete check {i}", vector=V[k], metadata={"dc": i}) for k, i in enumerate(ids)])
+    try:
+        with pytest.raises(TypeError, match=r"doc_ids must be a list of ids.*pass \['xyz'\]"):
+            c.delete("xyz")
+        for i in ids:
+            assert c.retrieve("check", mode="dense", top_k=1, filters={"dc": i}).hits, f"{i} was deleted"
+        assert c.delete(["xyz"]).documents_deleted == 1
+    finally:
+        c.delete(ids)
+
+
+def test_cli_ingest_reports_input_positions_across_streams_and_what_a_failure_left(server, tmp_path, capsys):
+    """``oprag ingest --docs-per-stream 2``: a rejection's index is the document's position in the
+    input also after a stream that repeated an id (it was offset by the documents written, so one
+    position short), and a failing later stream says which streams were committed before it."""
+    from oprag_client import cli
+
+    f = tmp_path / "docs.jsonl"
+    f.write_text("\n".join(json.dumps(d) for d in [
+        {"id": "dupx", "text": "first version"}, {"id": "dupx", "text": "second version"},
+        {"id": "okx", "text": "fine"}, {"id": "emptyx", "text": " "}]) + "\n")
+    try:
+        args = ["ingest", "--server", server.target, "--no-progress", "--docs-per-stream", "2", "--format", "jsonl"]
+        assert cli.main(args + ["--json", str(f)]) == 0
+        out = capsys.readouterr()
+        assert [r["index"] for r in json.loads(out.out)["rejected"]] == [3] and "rejected #3 'emptyx'" in out.err
+        bad = tmp_path / "bad.jsonl"  # stream 2 is refused whole: a vector of the wrong width
+        bad.write_text('{"id": "p1", "text": "fine"}\n{"id": "p2", "text": "fine"}\n{"id": "p3", "text": "x", "vector": [0.1]}\n')
+        assert cli.main(args + [str(bad)]) == 1
+        err = capsys.readouterr().err
+        assert "stream 1 was committed (the first 2 documents of the input" in err
+        assert "stream 2 (its document 0 is input document #2) and the rest stored nothing" in err
+        assert "INVALID_ARGUMENT" in err
+    finally:
+        server.client.delete(["dupx", "okx", "p1", "p2"])

@@ -34,3 +34,26 @@ def test_cli_unauthenticated_points_to_token_flag_and_env(capsys):
     assert "UNAUTHENTICATED" in err and "--token" in err and "OPRAG_TOKEN" in err
     cli._rpc_error(_Err(grpc.StatusCode.NOT_FOUND, "no such document"))
     assert "--token" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["eval", "beir", "--limit", "-1"], "--limit: must be >= 0, got -1"),  # judged[:-1]: all but the last, silently
+    (["eval", "beir", "--concurrency", "0"], "--concurrency: must be >= 1, got 0"),
+    (["eval", "beir", "--candidates", "-3"], "--candidates: must be >= 0, got -3"),
+    (["query", "--timeout", "0", "q"], "--timeout: must be a number of seconds above 0, got 0"),  # was DEADLINE_EXCEEDED
+    (["stats", "--timeout", "-1"], "--timeout: must be a number of seconds above 0, got -1"),
+    (["query", "--timeout", "nan", "q"], "--timeout: must be a number of seconds above 0, got nan"),
+    (["ingest", "--docs-per-stream", "0", "x.jsonl"], "--docs-per-stream: must be >= 1, got 0"),
+])
+def test_cli_refuses_counts_and_deadlines_out_of_range_before_sending(tmp_path, capsys, argv, words):
+    """A negative --limit evaluated all but the last N queries and a --timeout of 0 or less failed
+    every call with DEADLINE_EXCEEDED; now argparse refuses them (exit status 2) naming the flag."""
+    (tmp_path / "q.jsonl").write_text('{"_id": "1", "text": "q"}\n')
+    (tmp_path / "qrels.tsv").write_text("query-id\tcorpus-id\tscore\n1\td\t1\n")
+    if argv[0] == "eval":
+        argv = argv + ["--queries", str(tmp_path / "q.jsonl"), "--qrels", str(tmp_path / "qrels.tsv")]
+    with pytest.raises(SystemExit) as ei:
+        cli.main(argv + ["--server", "127.0.0.1:1"] if argv[0] != "query" else
+                 argv[:-1] + ["--server", "127.0.0.1:1", argv[-1]])
+    assert ei.value.code == 2
+    assert words in capsys.readouterr().err

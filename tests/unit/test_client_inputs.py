@@ -88,3 +88,20 @@ def test_numbers_still_convert_as_before():
     assert list(Doc("d1", "t", vector=[]).to_pb().vector) == []  # a document's empty vector: embedded as before
     pb = Doc("d1", chunks=[("a", np.array([1, 2], np.int32)), ("b", np.array([3, 4], np.int32))]).to_pb()
     assert pb.vector_dim == 2 and np.frombuffer(pb.vectors_f32, "<f4").tolist() == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda: query_request(123), "question must be a string, got int 123"),
+    (lambda: query_request("q", session_id=5), "session_id must be a string, got int 5"),
+    (lambda: query_request("q", filters=[("lang", "en")]), "filters must be a dict {key: value or [values]}, got list"),
+    (lambda: Doc(7, "seven").to_pb(), "document id must be a string, got int 7: pass str(7)"),
+    (lambda: Doc("d", 3.5).to_pb(), "document text must be a string, got float 3.5"),
+    (lambda: Doc("d", "t", title=["x"]).to_pb(), "document title must be a string, got list ['x']"),
+])
+def test_wrong_types_are_type_errors_naming_the_field(make, words):
+    """Were protobuf's 'bad argument type for built-in operation' (no field named) or, for a list
+    of filters, an AttributeError ('list' object has no attribute 'items')."""
+    with pytest.raises(TypeError) as ei:
+        make()
+    assert words in str(ei.value)
+    assert query_request(None).question == "" and Doc("d", b"bytes").to_pb().text == "bytes"

@@ -80,3 +80,20 @@ def test_a_taken_port_refuses_the_start_before_the_data_dir_is_written(tmp_path,
         with pytest.raises(RuntimeError, match="is not available"):
             startup.preflight(cfg)
     assert not (tmp_path / "d").exists()  # no oprag.json, no .lock
+
+
+def test_a_data_dir_that_is_a_file_or_cannot_be_made_or_holds_a_bad_record_says_so(tmp_path):
+    """Were bare OS/JSON errors: 'oprag: [Errno 17] File exists: ...', '[Errno 2] No such file or
+    directory: ...', 'Expecting value: line 1 column 1 (char 0)'."""
+    f = tmp_path / "corpus.jsonl"
+    f.write_text("{}\n")
+    with pytest.raises(RuntimeError, match=r"--data-dir .*corpus.jsonl is a file, not a directory"):
+        startup.check_data_dir(ServerConfig(data_dir=f, shards=2), 384, "minilm")
+    with pytest.raises(RuntimeError, match=r"--data-dir .*corpus.jsonl/sub cannot be created \(Not a directory\)"):
+        startup.check_data_dir(ServerConfig(data_dir=f / "sub", shards=2), 384, "minilm")
+    d = tmp_path / "d"
+    d.mkdir()
+    for bad in ("", "[1, 2]", "\xff"):
+        (d / "oprag.json").write_text(bad, encoding="latin-1")
+        with pytest.raises(RuntimeError, match=r"oprag.json is not the layout record OpRAG writes"):
+            startup.check_data_dir(ServerConfig(data_dir=d, shards=2), 384, "minilm")

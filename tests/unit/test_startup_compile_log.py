@@ -5,8 +5,11 @@ server says so before it starts, with an estimate, and after, with the time take
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -37,15 +40,41 @@ def test_uncached_kernels_finds_the_modules_numba_has_not_compiled(tmp_path):
     _nbi(pkg / "index" / "__pycache__", "kernels", 2000)  # in-tree cache, newer than the source
     _nbi(pkg / "index" / "__pycache__", "kernels_scan", 500)  # older than the source: stale
     _nbi(pkg / "operators" / "__pycache__", "term_ids", 2000)  # another module's folder
-    user = tmp_path / "numba-cache"  # NUMBA_CACHE_DIR: under the source folder's absolute path
-    _nbi(user / str((pkg / "index").resolve()).lstrip(os.sep), "term_ids", 2000)
+    user = tmp_path / "numba-cache"  # NUMBA_CACHE_DIR: under <folder>_<sha1 of its absolute path>
+    _nbi(user / _subpath(pkg / "index"), "term_ids", 2000)
     cold, _ = startup.uncached_kernels(pkg, env)
     assert sorted(p.name for p in cold) == ["kernels_scan.py", "term_ids.py", "union.py"]
     cold, _ = startup.uncached_kernels(pkg, {**env, "NUMBA_CACHE_DIR": str(user)})  # numba then looks only there
     assert sorted(p.name for p in cold) == ["kernels.py", "kernels_scan.py", "union.py"]
-    _nbi(tmp_path / "nocache" / "numba" / str((pkg / "operators").resolve()).lstrip(os.sep), "union", 2000)
+    _nbi(tmp_path / "nocache" / "numba" / _subpath(pkg / "operators"), "union", 2000)
     cold, _ = startup.uncached_kernels(pkg, env)  # the user-wide cache (a read-only install)
     assert sorted(p.name for p in cold) == ["kernels_scan.py", "term_ids.py"]
+
+
+def _subpath(folder):
+    """numba's folder for a source folder under a cache root (numba.core.caching)."""
+    folder = os.path.abspath(folder)
+    return f"{os.path.basename(folder)}_{hashlib.sha1(folder.encode()).hexdigest()}"
+
+
+@pytest.mark.parametrize("where", ["NUMBA_CACHE_DIR", "in-tree"])
+def test_a_module_numba_really_cached_counts_as_cached(tmp_path, where):
+    """Against numba itself: a kernel module compiled once (cache=True) in a subprocess is not
+    reported as cold afterwards. With NUMBA_CACHE_DIR set every start said 'compiling search
+    kernels, first start only' (the check looked under the folder's absolute path, numba writes
+    under <folder>_<sha1>)."""
+    pkg = tmp_path / "pkg"
+    (pkg / "index").mkdir(parents=True)
+    (pkg / "index" / "term_ids.py").write_text(
+        "from numba import njit\n\n@njit(cache=True)\ndef f(x):\n    return x + 1\n")
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")
+    if where == "NUMBA_CACHE_DIR":
+        env["NUMBA_CACHE_DIR"] = str(tmp_path / "numba-cache")
+    assert [p.name for p in startup.uncached_kernels(pkg, env)[0]] == ["term_ids.py"]
+    subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); import term_ids; term_ids.f(1)",
+                    str(pkg / "index")], env=env, check=True, timeout=120)
+    assert startup.uncached_kernels(pkg, env) == ([], 1)
 
 
 def test_the_real_package_lists_its_kernel_modules():

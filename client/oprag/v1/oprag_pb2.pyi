@@ -499,7 +499,7 @@ class ShardStats(_message.Message):
     def __init__(self, shard: _Optional[int] = ..., documents: _Optional[int] = ..., chunks: _Optional[int] = ..., memory_records: _Optional[int] = ..., applied_seq: _Optional[int] = ..., postings_bytes: _Optional[int] = ..., terms_bytes: _Optional[int] = ..., vectors_bytes: _Optional[int] = ..., ann_bytes: _Optional[int] = ..., chunks_bytes: _Optional[int] = ..., ann_pending: _Optional[int] = ..., merge_pending: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("documents", "chunks", "memory_records", "seq", "shards", "embedder", "generator")
+    __slots__ = ("documents", "chunks", "memory_records", "seq", "shards", "embedder", "generator", "missing_shards")
     DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_RECORDS_FIELD_NUMBER: _ClassVar[int]
@@ -507,6 +507,7 @@ class StatsResponse(_message.Message):
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     EMBEDDER_FIELD_NUMBER: _ClassVar[int]
     GENERATOR_FIELD_NUMBER: _ClassVar[int]
+    MISSING_SHARDS_FIELD_NUMBER: _ClassVar[int]
     documents: int
     chunks: int
     memory_records: int
@@ -514,4 +515,5 @@ class StatsResponse(_message.Message):
     shards: _containers.RepeatedCompositeFieldContainer[ShardStats]
     embedder: str
     generator: str
-    def __init__(self, documents: _Optional[int] = ..., chunks: _Optional[int] = ..., memory_records: _Optional[int] = ..., seq: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardStats, _Mapping]]] = ..., embedder: _Optional[str] = ..., generator: _Optional[str] = ...) -> None: ...
+    missing_shards: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, documents: _Optional[int] = ..., chunks: _Optional[int] = ..., memory_records: _Optional[int] = ..., seq: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardStats, _Mapping]]] = ..., embedder: _Optional[str] = ..., generator: _Optional[str] = ..., missing_shards: _Optional[_Iterable[int]] = ...) -> None: ...

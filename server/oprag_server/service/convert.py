@@ -390,5 +390,5 @@ def stats_response(st: dict) -> oprag_pb2.StatsResponse:
                                      merge_pending=int(s.get("merge_pending", 0)),
                                      **{f: int(s.get("bytes", {}).get(c, 0)) for f, c in BYTE_FIELDS.items()})
                 for s in st["shards"]],
-        embedder=st["embedder"], generator=st["generator"],
+        embedder=st["embedder"], generator=st["generator"], missing_shards=st.get("missing_shards", []),
     )
