@@ -131,7 +131,8 @@ class ThreadTransport(ShardTransport):
         replayed = state.load(committed)
         warm_s = state.search.warm()  # compiled kernels ready before the first query (as worker.run)
         if warm_s > 1.0:
-            print(f"shard {self.shard_id}: search kernels ready in {warm_s:.1f} s (compiled, or loaded from numba's cache)",
+            print(f"shard {self.shard_id}: search kernels ready in {warm_s:.1f} s "
+                  "(compiled, or loaded from numba's cache)",
                   file=sys.stderr)
         ready = state.stats(StatsRequest(lexical=True))
         ready.replayed = replayed
