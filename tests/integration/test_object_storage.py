@@ -84,6 +84,7 @@ def _doc(i: int, tag: str) -> Doc:
                metadata={"tag": tag})
 
 
+@pytest.mark.slow  # ~23 s of replica / object-storage restarts: in `make test-all`, out of the 10-minute default suite
 def test_a_shard_whose_node_is_lost_comes_back_from_object_storage(tmp_path):
     bucket = tmp_path / "bucket"
     uri = (bucket / "oprag").as_uri()

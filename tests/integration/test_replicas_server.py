@@ -50,6 +50,7 @@ def _snapshot(c: OpRAGClient) -> list[list[tuple[str, float]]]:
             for q in QUERIES]
 
 
+@pytest.mark.slow  # ~20 s of replica / object-storage restarts: in `make test-all`, out of the 10-minute default suite
 def test_replica_killed_under_load_fails_nothing_and_catches_up(tmp_path):
     srv = ServerProcess(tmp_path, free_port(), free_port(), "--generator", "none", "--shards", "2",
                         "--replicas", "2").start()
