@@ -21,6 +21,7 @@ settling time until both are 0, ``settle_wait_s``).
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 
@@ -80,6 +81,7 @@ def main(argv=None) -> dict:
                 lat: dict[str, list[float]] = {m: [] for m in modes}
                 tim: dict[str, list[float]] = {}
                 t0, pending = time.strftime("%H:%M:%S"), _pending(c)
+                cpu0 = _tree_cpu(srv)
                 slow = []  # hybrid queries over SLOW_MS: when (to line up with the server log) and how long
                 for text, v in zip(texts, vecs):
                     for mode in modes:
@@ -89,7 +91,10 @@ def main(argv=None) -> dict:
                 row = {"label": label, "t0": t0, "t1": time.strftime("%H:%M:%S"), **pending,
                        "hybrid_p50_ms": round(percentile(lat["hybrid"], 50), 2),
                        "hybrid_p95_ms": round(percentile(lat["hybrid"], 95), 2),
-                       "server_timings_p50_ms": {k: round(percentile(x, 50), 2) for k, x in tim.items()}}
+                       "server_timings_p50_ms": {k: round(percentile(x, 50), 2) for k, x in tim.items()},
+                       # the server process tree's CPU (frontend + shards) per request of the pass
+                       "server_cpu_ms_per_request": round((_tree_cpu(srv) - cpu0) * 1e3 / sum(map(len, lat.values())), 2),
+                       "load": round(os.getloadavg()[0], 2)}
                 if slow:
                     row["slow"] = slow
                 if "full_hybrid" in lat:
@@ -105,6 +110,14 @@ def main(argv=None) -> dict:
 
 #: a hybrid query slower than this is listed with its end time in its pass's row (``slow``)
 SLOW_MS = 250.0
+
+
+def _tree_cpu(srv) -> float:
+    """User + system CPU seconds of the server process and its children (shards) so far."""
+    import psutil
+
+    root = psutil.Process(srv.proc.pid)
+    return sum(p.cpu_times().user + p.cpu_times().system for p in (root, *root.children(recursive=True)))
 
 
 def _pending(c) -> dict:
