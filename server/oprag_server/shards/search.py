@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from .. import records
-from ..index.bm25.listed_top import listed_top
+from ..index.bm25.listed_top import listed_top, scores_at
 from ..index.dense_low import LowSeeds
 from ..index.fusion import refine_top, top_k_order
 from .chunks import ChunkStore
@@ -190,6 +190,7 @@ class Searcher(ExactMixin):
         _kernels_refine().warm()
         kernels_band.warm()
         listed_top(st.postings, ["\x00"], np.ones(1), 1.0, 1.5, 0.75, 1)  # the segment's term bounds
+        scores_at(st.postings, ["\x00"], np.ones(1), 1.0, 1.5, 0.75, st.dense.slots[:1])  # exact mode's BM25
         if st.dense.params.kind == "hnsw" and st.dense.ann is not None:
             self._low.candidates(st.dense.ann, np.zeros((0, st.dim), np.float32))  # build the seeds
         if len(st.dense) and st.dense.params.kind == "flat":
