@@ -75,3 +75,25 @@ def test_scores_at_edges():
         lt.scores_at(ix, ["a"], np.ones(1), -1.0, 1.5, 0.75, at)
     ix.remove(0)
     assert lt.scores_at(ix, ["a", "b"], np.ones(2), 2.0, 1.5, 0.75, at)[1] == 0.0  # a deleted chunk: 0.0
+
+
+@pytest.mark.parametrize("make,seed", [(_zipf, 5), (_stop_words, 6), (_ties, 7)])
+def test_listed_top_scored_candidates_equal_score(make, seed, monkeypatch):
+    """The dense candidates' BM25 from the top-m pass equals ``PostingsIndex.score`` bit for bit
+    (with and without a filter); the pruned paths return None (the caller scores them)."""
+    rng = np.random.default_rng(seed)
+    docs = make(rng, 900)
+    ix = _index(rng, docs, 899, 60, 50)
+    live = np.array([s for s in range(len(docs)) if ix.has_slot(s)], np.int64)
+    for q in range(30):
+        terms = [f"t{j}" for j in rng.integers(0, 300, int(rng.integers(1, 7)))] + ["t0"] * (q % 2)
+        idf = rng.uniform(0.0, 6.0, len(terms))
+        k1, b, avgdl, m = float(rng.uniform(0.5, 2)), float(rng.uniform(0, 1)), float(rng.uniform(3, 25)), int(rng.integers(1, 60))
+        cand = rng.permutation(live)[: int(rng.integers(0, 300))]
+        allowed = np.sort(rng.choice(live, 400, replace=False)) if q % 3 == 0 else None
+        s, sc, listed, at = lt.listed_top_scored(ix, terms, idf, avgdl, k1, b, m, allowed, cand)
+        assert (s.tobytes(), sc.tobytes(), listed) == tuple(
+            (x.tobytes() if hasattr(x, "tobytes") else x) for x in lt.listed_top(ix, terms, idf, avgdl, k1, b, m, allowed))
+        assert at.tobytes() == ix.score(cand, terms, idf, avgdl, k1, b).tobytes(), (seed, q)
+    monkeypatch.setattr(lt, "_FULL_BELOW", 0)  # the pruned paths: no candidate scores
+    assert lt.listed_top_scored(ix, ["t0", "t1"], np.ones(2), 8.0, 1.5, 0.75, 5, None, live[:3])[3] is None
