@@ -1,5 +1,5 @@
 """MaxScore BM25 top-m (index/kernels_topm.py) against the kernel that reads every list
-(index/kernels.py ``bm25_listed_top``, itself tested against ``PostingsIndex.score_all``): the
+(index/kernels_exact.py ``bm25_listed_top``, itself tested against ``PostingsIndex.score_all``): the
 same top-m by (score desc, id asc), bit-identical scores, and a cut that does happen on
 Zipf-distributed text."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from oprag_server.index import kernels
+from oprag_server.index import kernels_exact
 from oprag_server.index.bm25 import listed_top as lt
 from oprag_server.index.bm25.merging import _SEG
 from oprag_server.index.bm25.postings import PostingsIndex
@@ -92,6 +92,7 @@ def test_kernel_cut_reads_fewer_lists_and_resets_scratch():
     assert cut and listed > 5
     assert not acc.any() and not seen.any()
     assert not np.isnan(mt[tids]).any() and np.isnan(mt).sum() == v - 3  # bounds of the query's terms only
-    fs, fsc, _ = kernels.bm25_listed_top(ix._where, _SEG, ix._doc_len, tids, idf, seg.offsets, seg.slots, seg.tf,
-                                         np.zeros(4, np.int64), e, np.zeros(0), e, True, 5, 20.0, 1.5, 0.75)
+    fs, fsc, _, _ = kernels_exact.bm25_listed_top(ix._where, _SEG, ix._doc_len, tids, idf, seg.offsets, seg.slots,
+                                                  seg.tf, np.zeros(4, np.int64), e, np.zeros(0), e, True, 5, 20.0, 1.5,
+                                                  0.75, e)
     assert sorted(zip(sc.tolist(), s.tolist())) == sorted(zip(fsc.tolist(), fs.tolist()))

@@ -2,8 +2,8 @@
 
 One query's dense candidates (:func:`dense_step`: from approximate float32 scores of the rows,
 the exact top-n by canonical score, and the canonical minimum over a fixed sample), the BM25 of
-candidate chunks from a CSR postings segment (:func:`bm25_segment`), a shard's BM25 top-m
-(:func:`bm25_listed_top`, the values of ``PostingsIndex.score_all``) and the 2-D k-skyband
+candidate chunks from a CSR postings segment (:func:`bm25_segment`; a shard's full BM25 top-m is
+:func:`.kernels_exact.bm25_listed_top`) and the 2-D k-skyband
 (:func:`skyband`). The numpy implementations stay the reference each kernel is tested against
 (``tests/unit/test_kernels.py``):
 
@@ -280,68 +280,6 @@ def bm25_segment(s, where, seg_code, doc_len, tids, idf, offsets, pslots, ptf, a
 
 
 @njit(**_JIT)
-def bm25_listed_top(where, seg_code, doc_len, tids, idf, offsets, pslots, ptf, d_off, d_slots, d_tf, allowed,
-                    every, m, avgdl, k1, b):
-    """BM25 of every chunk holding a query term, the listed ones (score != 0) of the allowed
-    chunks, and those that can be in their top-m: the scores of
-    :meth:`.bm25.postings.PostingsIndex.score_all` bit for bit (per chunk one addition per query
-    position ``i``, in query order, from 0.0, of ``idf[i] * (tf * (k1 + 1) / (tf + k1 * (1 - b +
-    b * doc_len / avgdl)))``, the operations of its numpy expression).
-
-    :param tids: int64[T] segment term id per query position (-1: none); ``offsets``,
-        ``pslots``, ``ptf``: the CSR segment (live postings: ``where[slot] == seg_code``).
-    :param d_off: int64[T+1], ``d_slots`` int64[P], ``d_tf`` float64[P]: per query position the
-        live postings of the delta layers (a chunk is in the segment or in one layer).
-    :param allowed: int64[A] sorted allowed slots (read unless ``every``).
-    :returns: ``(slots int64[C], scores float64[C], listed)``: every listed allowed chunk whose
-        score is >= the m-th largest (C >= min(m, listed); ties are the caller's, by chunk id),
-        and how many listed allowed chunks there are.
-    """
-    cap = doc_len.size
-    acc = np.zeros(cap, np.float64)
-    seen = np.zeros(cap, np.uint8)
-    touched = np.empty(d_slots.size + (offsets[-1] if offsets.size else 0), np.int64)
-    nt = 0
-    one_b, k1p = 1.0 - b, k1 + 1.0
-    for i in range(tids.size):
-        w, t = idf[i], tids[i]
-        for layer in range(2):
-            lo, hi = (offsets[t], offsets[t + 1]) if layer == 0 and t >= 0 else (0, 0)
-            if layer == 1:
-                lo, hi = d_off[i], d_off[i + 1]
-            for p in range(lo, hi):
-                if layer == 0:
-                    x = np.int64(pslots[p])
-                    if where[x] != seg_code:
-                        continue
-                    tf = np.float64(ptf[p])
-                else:
-                    x, tf = d_slots[p], d_tf[p]
-                norm = k1 * (one_b + b * doc_len[x] / avgdl)
-                acc[x] += w * (tf * k1p / (tf + norm))
-                if seen[x] == 0:
-                    seen[x] = 1
-                    touched[nt] = x
-                    nt += 1
-    keep = np.empty(nt, np.int64)
-    c = 0
-    for j in range(nt):
-        x = touched[j]
-        if acc[x] != 0.0:
-            if not every:
-                pos = np.searchsorted(allowed, x)
-                if pos >= allowed.size or allowed[pos] != x:
-                    continue
-            keep[c] = x
-            c += 1
-    keep, sc = keep[:c], acc[keep[:c]]
-    if c <= m:
-        return keep, sc, c
-    sel = np.flatnonzero(sc >= _kth_largest(sc, m))
-    return keep[sel], sc[sel], c
-
-
-@njit(**_JIT)
 def skyband(d, lx, k):
     """The 2-D k-skyband of float64[M] ``d``, ``lx`` as :func:`.fusion.skyband_reference`:
     ``(positions int64 ascending, True)``, or ``(empty, False)`` when a score is not finite
@@ -389,10 +327,8 @@ def warm(d: int = 8) -> float:
     rows = np.arange(4, dtype=np.int64)
     dense_step(vecs, rows, True, vecs @ q, q, 1e-6, 2, rows)
     s = np.arange(3, dtype=np.int64)
-    for ro, (where, doc_len, off, ps, tf) in postings_variants():
+    for _, (where, doc_len, off, ps, tf) in postings_variants():
         bm25_segment(s, where, 1, doc_len, np.zeros(1, np.int64), np.ones(1), off, ps, tf, 1.0, 1.5, 0.75,
                      np.zeros(1, np.int64), np.ones((1, 3), np.uint8), 3)
-        bm25_listed_top(where, 1, doc_len, np.zeros(1, np.int64), np.ones(1), off, ps, tf, np.zeros(2, np.int64),
-                        s, doc_len, s, ro, 2, 1.0, 1.5, 0.75)
     skyband(np.arange(3.0), np.arange(3.0), 1)
     return time.perf_counter() - t0

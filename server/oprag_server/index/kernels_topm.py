@@ -1,6 +1,6 @@
 """A shard's BM25 top-m with MaxScore pruning (Turtle & Flood 1995, "Query evaluation:
 strategies and optimizations", the max-score method): the same result as
-:func:`.kernels.bm25_listed_top` for an unfiltered query whose idf are all >= 0, without
+:func:`.kernels_exact.bm25_listed_top` for an unfiltered query whose idf are all >= 0, without
 reading the postings of the query's common terms in full.
 
 Each query position ``i`` has an upper bound ``ub[i]`` on one chunk's BM25 contribution:
@@ -12,7 +12,7 @@ read, a chunk in none of the lists read scores at most ``R``; once ``R < theta``
 can reach the top-m, so the remaining lists are only probed (binary search) for the chunks
 whose partial score plus ``R`` reaches ``theta``. Every candidate's score is then computed again
 from scratch in query-term order, the operations of ``PostingsIndex.score_all`` (rank_bm25's
-values), so the scores returned are bit-for-bit those of :func:`.kernels.bm25_listed_top`.
+values), so the scores returned are bit-for-bit those of :func:`.kernels_exact.bm25_listed_top`.
 
 The ``listed`` count (chunks with a non-zero score) is exact when every list was read. After a
 cut it is the largest of the chunks seen, the longest list's live postings and ``m + 1``: "the
@@ -129,7 +129,7 @@ def _probe(i, w, t, x, offsets, pslots, ptf, d_off, d_slots, d_tf, where, seg_co
 @njit(**_JIT)
 def bm25_top_pruned(where, seg_code, doc_len, tids, idf, offsets, pslots, ptf, d_off, d_slots, d_tf,
                     seg_maxtf, seg_mindl, seg_df, m, avgdl, k1, b, acc, seen):
-    """:func:`.kernels.bm25_listed_top` of an unfiltered query with every ``idf >= 0`` (module
+    """:func:`.kernels_exact.bm25_listed_top` of an unfiltered query with every ``idf >= 0`` (module
     docstring). Arguments as there, plus the per-term bounds ``seg_maxtf``, ``seg_mindl``
     (float64[V], NaN until :func:`_term_bounds` fills them), ``seg_df`` (live postings per
     segment term) and the scratch ``acc`` float64[S] / ``seen`` uint8[S] (zero on entry and

@@ -1,7 +1,7 @@
 """A shard's BM25 top-m when some query terms are in a large part of the segment (rank_bm25's
 idf floor gives every term with df > N/2 the same positive weight, ~1.8 on SciFact + WikiText,
 so "the", "of", "in" can no longer be left unread by MaxScore, :mod:`.kernels_topm`): the same
-result as :func:`.kernels.bm25_listed_top` for an unfiltered query whose idf are all >= 0.
+result as :func:`.kernels_exact.bm25_listed_top` for an unfiltered query whose idf are all >= 0.
 
 Layout: a *wide* term (``df >= span / WIDE_DIV`` in the segment, max tf <= 255) gets a dense
 ``uint8[span]`` row of its term frequencies by slot (0 where absent), built from its postings

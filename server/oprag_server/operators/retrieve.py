@@ -40,7 +40,7 @@ from ..shards.pool import ShardPool
 from ..shards.protocol import (ExactListsRequest, ExactMinmaxRequest, FetchReply, FetchRequest, Op, QueryBatch,
                                SearchReply, SearchRequest)
 from . import union
-from .hybrid import _Cand, _Cols, _rank_lists, _ranks, Widening, bounded, merge_union  # noqa: F401 (re-exported)
+from .hybrid import _Cand, _Cols, _rank_lists, _ranks, _UnionIds, Widening, bounded, merge_union  # noqa: F401 (re-exported)
 
 
 def _fuse_cols(c: _Cols, d_order: np.ndarray, l_order: np.ndarray, spec: RetrieveSpec,
@@ -58,6 +58,13 @@ def _fuse_cols(c: _Cols, d_order: np.ndarray, l_order: np.ndarray, spec: Retriev
                              lexical_range=lexical_range or minmax_params(c.lexical),
                              dense_weight=spec.dense_weight, lexical_weight=spec.lexical_weight)
     return [c.cand(i, float(scores[i]), int(drank[i]), int(lrank[i])) for i in top_k_order(scores, c.ids, spec.top_k)]
+
+
+def _scores_ids(lists: list, side: str) -> tuple[np.ndarray, _UnionIds]:
+    """float64[M] scores (``side``: ``"dense"`` or ``"lexical"``) of the shards' lists in order,
+    and their chunk ids read on demand (:class:`.hybrid._UnionIds`: no object array built)."""
+    sc = [np.asarray(getattr(c, side), dtype=np.float64) for c in lists]
+    return (np.concatenate(sc) if sc else np.zeros(0)), _UnionIds([(c.chunk_ids, None) for c in lists])
 
 
 def _rank_of(score: float, cid: str, scores: np.ndarray, ids: list[str], n: int, lexical: bool) -> int:
@@ -296,12 +303,14 @@ class Retriever:
                                 lexical_range=(min(p.lexical_min[j] for p in parts),
                                                max(p.lexical_max[j] for p in parts)),
                                 dense_weight=spec.dense_weight, lexical_weight=spec.lexical_weight)
-            dl = _Cols.of([(s, rep.dense_lists[j]) for s, rep in replies.items()])
-            ll = _Cols.of([(s, rep.lexical_lists[j]) for s, rep in replies.items()])
+            # the lists' scores only; their ids are read for ties with a hit (_rank_of)
+            dls, lls = [rep.dense_lists[j] for rep in replies.values()], [rep.lexical_lists[j] for rep in replies.values()]
+            d_sc, d_ids = _scores_ids(dls, "dense")
+            l_sc, l_ids = _scores_ids(lls, "lexical")
             out.append([
                 band.cand(i, float(fused[i]),
-                          _rank_of(band.dense[i], band.ids[i], dl.dense, dl.ids, spec.candidates, False),
-                          _rank_of(band.lexical[i], band.ids[i], ll.lexical, ll.ids, spec.candidates, True))
+                          _rank_of(band.dense[i], band.ids[i], d_sc, d_ids, spec.candidates, False),
+                          _rank_of(band.lexical[i], band.ids[i], l_sc, l_ids, spec.candidates, True))
                 for i in top_k_order(fused, band.ids, spec.top_k)
             ])
         return out, searched, time.perf_counter() - t, missing

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import numpy as np
 
 from .. import records
+from ..index.bm25.listed_top import scores_at
 from ..index.fusion import fuse_minmax, lexical_listed, lexical_span_bound, refine_top, top_k_order
 from .protocol import (Candidates, ExactListsReply, ExactListsRequest, ExactMinmaxReply, ExactMinmaxRequest,
                        QueryBatch)
@@ -41,6 +42,8 @@ class ExactMixin:
     """The exact-mode operations of a shard's searcher."""
 
     _ranks: tuple[int, np.ndarray] = (-1, np.zeros(0, np.int64))
+    _order: tuple = (-1, np.zeros(0, np.int64), np.zeros(0, np.int64))  # (store version, order, sorted slots)
+    _every_row = np.zeros(0, np.int64)
 
     def _exact_scores(self, qb: QueryBatch) -> list[tuple]:
         """Every eligible chunk's dense and BM25 score, per query.
@@ -54,22 +57,33 @@ class ExactMixin:
         q = records.as_query_matrix(qb.q, st.dim)
         filters = qb.filters or [None] * q.shape[0]
         row_slots = st.dense.slots
-        order = np.argsort(row_slots, kind="stable")
-        sorted_slots = row_slots[order]
         dense_all = st.dense.score_all(q)
         out = []
         for i in range(q.shape[0]):
             allowed = st.allowed(filters[i])
-            lslots, lex = st.postings.score_all(qb.terms[i], qb.idf[i], qb.avgdl, qb.k1, qb.b)
-            lexical = np.zeros(len(row_slots), dtype=np.float64)
-            if lslots.size:
-                lexical[order[np.searchsorted(sorted_slots, lslots)]] = lex
+            # BM25 of every row's chunk in row order (score_all's values; compiled: listed_top.scores_at)
+            lexical = scores_at(st.postings, qb.terms[i], qb.idf[i], qb.avgdl, qb.k1, qb.b, row_slots)
             if allowed is None:
-                rows = np.arange(len(row_slots), dtype=np.int64)
-            else:
-                rows = order[np.searchsorted(sorted_slots, allowed)] if allowed.size else np.zeros(0, np.int64)
+                out.append((self._all_rows(row_slots.size), dense_all[i].astype(np.float64), lexical, q[i]))
+                continue
+            order, sorted_slots = self._slot_order(row_slots)
+            rows = order[np.searchsorted(sorted_slots, allowed)] if allowed.size else np.zeros(0, np.int64)
             out.append((rows, dense_all[i][rows].astype(np.float64), lexical[rows], q[i]))
         return out
+
+    def _all_rows(self, n: int) -> np.ndarray:
+        """int64[n]: 0 .. n-1, the dense index's rows (kept until n changes)."""
+        if self._every_row.size != n:
+            self._every_row = np.arange(n, dtype=np.int64)
+        return self._every_row
+
+    def _slot_order(self, row_slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(order, sorted slots)`` of int64[R] ``row_slots`` (the dense index's, stable), kept
+        until the next write."""
+        if self._order[0] != self.store.version or self._order[1].size != row_slots.size:
+            order = np.argsort(row_slots, kind="stable")
+            self._order = (self.store.version, order, row_slots[order])
+        return self._order[1], self._order[2]
 
     def _dense_exact(self, q: np.ndarray, rows: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
         """positions int64[S] into ``rows`` -> their canonical dense scores float64[S]."""

@@ -17,12 +17,14 @@ outrank one kept.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import time
 
 import numpy as np
 
 from .. import records
-from ..index.bm25.listed_top import listed_top
+from ..index.bm25.listed_top import listed_top, listed_top_scored
 from ..index.dense_low import LowSeeds
 from ..index.fusion import refine_top, top_k_order
 from .chunks import ChunkStore
@@ -33,33 +35,15 @@ from .protocol import Candidates, FetchReply, FetchRequest, QueryBatch, SearchRe
 _NO_ROWS = np.zeros(0, np.int64)
 
 
-def _kernels():
-    """:mod:`..index.kernels`, imported on first use: numba costs ~170 MB resident per process,
-    and the frontend imports this module (the shard process entry point) without searching."""
-    from ..index import kernels  # noqa: PLC0415
-
-    return kernels
-
-
-def _kernels_scan():
-    """:mod:`..index.kernels_scan` (numba: imported on first use, as :func:`_kernels`)."""
-    from ..index import kernels_scan  # noqa: PLC0415
-
-    return kernels_scan
+def _index_module(name: str):
+    """``..index.<name>`` (a numba module), imported on first use: numba costs ~170 MB resident
+    per process, and the frontend imports this module (the shard process entry point) without
+    searching."""
+    return importlib.import_module(f"..index.{name}", __package__)
 
 
-def _kernels_low():
-    """:mod:`..index.kernels_low` (numba: imported on first use, as :func:`_kernels`)."""
-    from ..index import kernels_low  # noqa: PLC0415
-
-    return kernels_low
-
-
-def _kernels_refine():
-    """:mod:`..index.kernels_refine` (numba: imported on first use, as :func:`_kernels`)."""
-    from ..index import kernels_refine  # noqa: PLC0415
-
-    return kernels_refine
+_kernels, _kernels_scan, _kernels_low, _kernels_refine = (
+    functools.partial(_index_module, m) for m in ("kernels", "kernels_scan", "kernels_low", "kernels_refine"))
 
 
 class Searcher(ExactMixin):
@@ -111,13 +95,16 @@ class Searcher(ExactMixin):
                 est = self._dense_min_estimate(q).tolist()
                 lows = [est[i] if low is None else low for i, low in enumerate(lows)]
             dense_min = lows
+            # the BM25 list first: a pass over every posting also gives the candidates' BM25
+            tops_l = [self._lexical_top(q[i], qb, i, allowed[i], int(req.m), tops[i][0])
+                      for i in range(B)] if req.mode == "hybrid" and req.m > 0 else None
             for i in range(B):
                 slots, dense = tops[i]
-                lex = st.postings.score(slots, qb.terms[i], qb.idf[i], qb.avgdl, qb.k1, qb.b)
+                lex = tops_l[i][2] if tops_l is not None and tops_l[i][2] is not None else \
+                    st.postings.score(slots, qb.terms[i], qb.idf[i], qb.avgdl, qb.k1, qb.b)
                 cands.append(Candidates(slots, st.ids(slots), dense, lex))
-            if req.mode == "hybrid" and req.m > 0:
-                tops_l = [self._lexical_top(q[i], qb, i, allowed[i], int(req.m)) for i in range(B)]
-                lexical, listed = [c for c, _ in tops_l], [k for _, k in tops_l]
+            if tops_l is not None:
+                lexical, listed = [c for c, _, _ in tops_l], [k for _, k, _ in tops_l]
         elif req.mode == "lexical":
             dense_min = [np.inf] * B
             for i in range(B):
@@ -145,20 +132,24 @@ class Searcher(ExactMixin):
                            lexical, listed)
 
     def _lexical_top(self, q: np.ndarray, qb: QueryBatch, i: int, allowed: np.ndarray | None,
-                     m: int) -> tuple[Candidates, int]:
+                     m: int, cand: np.ndarray) -> tuple[Candidates, int, np.ndarray | None]:
         """Query ``i``'s exact BM25 top-m over the allowed live chunks whose BM25 score is not 0
         (the lexical ranked list, :func:`.fusion.lexical_listed`), by (score desc, chunk id asc),
         each with its canonical dense score; and how many such chunks there are (the list is
         complete when that is <= m). BM25 visits only the query terms' postings, compiled
         (:func:`.bm25.listed_top.listed_top`: ``PostingsIndex.score_all``'s values, rank_bm25's).
 
-        :returns: ``(Candidates, listed)``."""
+        With it, the BM25 of the dense candidates' slots int64[C] ``cand`` when the pass read every
+        posting of the query (:func:`.bm25.listed_top.listed_top_scored`; None otherwise).
+
+        :returns: ``(Candidates, listed, float64[C] | None)``."""
         st = self.store
-        slots, lex, listed = listed_top(st.postings, qb.terms[i], qb.idf[i], qb.avgdl, qb.k1, qb.b, m, allowed)
+        slots, lex, listed, cand_lex = listed_top_scored(st.postings, qb.terms[i], qb.idf[i], qb.avgdl, qb.k1, qb.b,
+                                                         m, allowed, cand)
         # ids are read only for ties (the slot-indexed id array of the store)
         order = _kernels_refine().rank_top(lex, st._slot_ids, m, rows=slots)  # noqa: SLF001
         top = slots[order]
-        return Candidates(top, st.ids(top), self._canonical(q, st.dense.rows(top)), lex[order]), listed
+        return Candidates(top, st.ids(top), self._canonical(q, st.dense.rows(top)), lex[order]), listed, cand_lex
 
     @staticmethod
     def _skyband_slots(c: Candidates, lex: Candidates | None, k: int, cone=None) -> np.ndarray:
@@ -179,10 +170,11 @@ class Searcher(ExactMixin):
         that the first query is not slow. :returns: seconds taken."""
         t = _kernels().warm()
         st, t0 = self.store, time.perf_counter()
-        from ..index import kernels_band, kernels_carry, kernels_cone, kernels_topm, kernels_wide  # noqa: PLC0415
+        from ..index import kernels_band, kernels_carry, kernels_cone, kernels_exact, kernels_topm, kernels_wide  # noqa: PLC0415
 
         _kernels_low().warm()
         kernels_topm.warm()
+        kernels_exact.warm()
         kernels_wide.warm()
         _kernels_scan().warm()
         kernels_cone.warm()

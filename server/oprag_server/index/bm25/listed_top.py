@@ -1,5 +1,5 @@
 """A shard's exact BM25 top-m over its allowed chunks (dense-first hybrid's BM25 list,
-:meth:`oprag_server.shards.search.Searcher.search`): compiled (:func:`..kernels.bm25_listed_top`)
+:meth:`oprag_server.shards.search.Searcher.search`): compiled (:func:`..kernels_exact.bm25_listed_top`)
 over the query terms' postings only (the CSR segment with its live mask, and the delta layers),
 with the numpy path, :meth:`.postings.PostingsIndex.score_all`, as the reference it is tested
 against (``tests/unit/test_kernels.py``)."""
@@ -16,6 +16,7 @@ from .okapi import check_avgdl, check_query
 from .postings import PostingsIndex
 
 _EMPTY = (np.zeros(0, np.int64), np.zeros(0, np.float64), 0)
+_NO_SLOTS = np.zeros(0, np.int64)
 
 
 def listed_top(ix: PostingsIndex, terms: Sequence[str], idf: np.ndarray, avgdl: float, k1: float, b: float,
@@ -30,14 +31,44 @@ def listed_top(ix: PostingsIndex, terms: Sequence[str], idf: np.ndarray, avgdl: 
         ties by chunk id, :func:`..fusion.top_k_order`).
     :raises ValueError: ``len(idf) != len(terms)``; ``avgdl`` negative/NaN/inf; ``m`` < 1.
     """
-    from .. import kernels  # noqa: PLC0415 - numba only in processes that score
+    return listed_top_scored(ix, terms, idf, avgdl, k1, b, m, allowed)[:3]
+
+
+def listed_top_scored(ix: PostingsIndex, terms: Sequence[str], idf: np.ndarray, avgdl: float, k1: float, b: float,
+                      m: int, allowed: np.ndarray | None = None, at: np.ndarray | None = None) -> tuple:
+    """:func:`listed_top`, plus the BM25 score of each slot of int64[C] ``at`` (live chunks, any
+    order) when the pass read every posting of the query (:func:`..kernels_exact.bm25_listed_top`:
+    the same accumulator, so :meth:`.postings.PostingsIndex.score`'s values bit for bit; 0.0 for a
+    chunk holding no query term); None when a pruned path ran (large corpora: the caller scores
+    ``at`` itself).
+
+    :returns: ``(slots, scores, listed, at_scores float64[C] | None)``.
+    """
+    from .. import kernels_exact  # noqa: PLC0415 - numba only in processes that score
 
     idf = check_query(terms, idf)
     if m < 1:
         raise ValueError(f"m must be >= 1, got {m}")
+    at = _NO_SLOTS if at is None else np.ascontiguousarray(at, dtype=np.int64)
     if not check_avgdl(avgdl) or not terms:
-        return _EMPTY
-    seg, seg_df, vocab = ix._seg, ix._seg_df, ix._seg.vocab  # noqa: SLF001 - the index's own package
+        return (*_EMPTY, np.zeros(at.size, np.float64))
+    seg, seg_df = ix._seg, ix._seg_df  # noqa: SLF001 - the index's own package
+    tids, d_off, ds, dt = _query_arrays(ix, terms)
+    every = allowed is None
+    if every and bool(np.all(idf >= 0.0)) and _PRUNE and _postings(seg, tids) + ds.size >= _FULL_BELOW:
+        return (*_pruned(ix, seg, seg_df, tids, idf, d_off, ds, dt, m, avgdl, k1, b), None)
+    al = _NO_SLOTS if every else np.ascontiguousarray(allowed, dtype=np.int64)
+    slots, scores, listed, at_scores = kernels_exact.bm25_listed_top(
+        ix._where, _SEG, ix._doc_len, tids, idf, seg.offsets, seg.slots, seg.tf,  # noqa: SLF001
+        d_off, ds, dt, al, every, int(m), float(avgdl), float(k1), float(b), at)
+    return slots, scores, int(listed), at_scores
+
+
+def _query_arrays(ix: PostingsIndex, terms: Sequence[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The compiled BM25 kernels' view of a query: ``(tids int64[T], d_off int64[T+1], d_slots
+    int64[Q], d_tf float64[Q])``: per query position its segment term id (-1: absent or no live
+    posting) and the live postings of the delta layers (ascending slots per position)."""
+    seg_df, vocab = ix._seg_df, ix._seg.vocab  # noqa: SLF001 - the index's own package
     tids = np.array([-1 if t is None or not seg_df[t] else t for t in map(vocab.get, terms)], np.int64)
     d_slots, d_tf, d_off = [], [], [0]
     for t in terms:
@@ -53,13 +84,27 @@ def listed_top(ix: PostingsIndex, terms: Sequence[str], idf: np.ndarray, avgdl: 
         d_off.append(sum(map(len, d_slots)))
     ds = np.concatenate(d_slots).astype(np.int64, copy=False) if d_slots else np.zeros(0, np.int64)
     dt = np.concatenate(d_tf).astype(np.float64, copy=False) if d_tf else np.zeros(0, np.float64)
-    every = allowed is None
-    if every and bool(np.all(idf >= 0.0)) and _PRUNE and _postings(seg, tids) + ds.size >= _FULL_BELOW:
-        return _pruned(ix, seg, seg_df, tids, idf, np.asarray(d_off, np.int64), ds, dt, m, avgdl, k1, b)
-    al = np.zeros(0, np.int64) if every else np.ascontiguousarray(allowed, dtype=np.int64)
-    return kernels.bm25_listed_top(ix._where, _SEG, ix._doc_len, tids, idf, seg.offsets, seg.slots, seg.tf,  # noqa: SLF001
-                                   np.asarray(d_off, np.int64), ds, dt, al, every, int(m), float(avgdl),
-                                   float(k1), float(b))
+    return tids, np.asarray(d_off, np.int64), ds, dt
+
+
+def scores_at(ix: PostingsIndex, terms: Sequence[str], idf: np.ndarray, avgdl: float, k1: float, b: float,
+              at: np.ndarray) -> np.ndarray:
+    """float64[A]: :meth:`.postings.PostingsIndex.score_all`'s score of each slot of int64[A]
+    ``at`` (bit for bit; 0.0 where it returns none), compiled (:func:`..kernels_exact.bm25_at`).
+    Exact mode's BM25 of every chunk, read in the dense index's row order.
+
+    :raises ValueError: ``len(idf) != len(terms)``; ``avgdl`` negative/NaN/inf.
+    """
+    from ..kernels_exact import bm25_at  # noqa: PLC0415 - numba only in processes that score
+
+    idf = check_query(terms, idf)
+    at = np.ascontiguousarray(at, dtype=np.int64)
+    if not check_avgdl(avgdl) or not terms or not at.size:
+        return np.zeros(at.size, np.float64)
+    tids, d_off, ds, dt = _query_arrays(ix, terms)
+    seg = ix._seg  # noqa: SLF001
+    return bm25_at(ix._where, _SEG, ix._doc_len, tids, idf, seg.offsets, seg.slots, seg.tf,  # noqa: SLF001
+                   d_off, ds, dt, at, float(avgdl), float(k1), float(b))
 
 
 #: the MaxScore path (:mod:`..kernels_topm`) for unfiltered queries; False: always read every list
