@@ -20,6 +20,7 @@ PATH) in turn, ``--rounds`` times (ABAB), each on a fresh copy of the data dir::
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import threading
@@ -126,7 +127,12 @@ def run_once(a, tree: Path, base: Path, Q: np.ndarray, texts: list[str], snap: d
     wins = windows(lines)
     during = [ms for t, ms in lat if any(s <= t + ms / 1000 and t <= e for _, s, e in wins)]
     outside = [ms for t, ms in lat if not any(s <= t + ms / 1000 and t <= e for _, s, e in wins)]
-    return {"tree": str(tree), "queries": _stats([ms for _, ms in lat]), "during_snapshot": _stats(during),
+    t0 = lat[0][0] if lat else 0.0
+    slowest = sorted(lat, key=lambda x: -x[1])[:5]
+    return {"tree": str(tree), "load_after": os.getloadavg()[0],
+            "slowest": [(round(t - t0, 2), round(ms, 1)) for t, ms in slowest],
+            "windows": [(sh, round(s - t0, 2), round(e - t0, 2)) for sh, s, e in wins],
+            "queries": _stats([ms for _, ms in lat]), "during_snapshot": _stats(during),
             "outside_snapshot": _stats(outside), "snapshots_s": [round(e - s, 2) for _, s, e in wins],
             "ingest_calls": len(ing), "ingest_max_ms": round(max(ing), 1) if ing else None,
             "ingest_p50_ms": round(percentile(ing, 50), 1) if ing else None}
@@ -158,8 +164,9 @@ def main(argv=None) -> int:
     result: dict = {"machine": machine_info(), "size": a.size, "dense_index": a.dense_index, "runs": []}
     for rnd in range(a.rounds):
         for name, tree in trees:
+            load = os.getloadavg()[0]
             res = run_once(a, tree, base, Q, texts, snap)
-            res.update(name=name, round=rnd)
+            res.update(name=name, round=rnd, load_before=load)
             log(res)
             result["runs"].append(res)
     shutil.rmtree(OUT / "snapstall-run", ignore_errors=True)

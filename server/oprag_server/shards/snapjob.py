@@ -62,6 +62,8 @@ class SnapshotJob:
         self._out: tuple[Path, int] | None = None
         self._error: BaseException | None = None
         self.merge_s = self.write_s = 0.0
+        self.loop_s = time.perf_counter() - self.t0  # time taken from the request loop (start and steps)
+        self.sync = False  # wait(): all of it in the caller's thread
 
     def _write(self) -> None:
         t = time.perf_counter()
@@ -76,6 +78,13 @@ class SnapshotJob:
 
         :raises Exception: what the merge or the write raised (the job is over then).
         """
+        t = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.loop_s += time.perf_counter() - t
+
+    def _step(self) -> SnapshotReply | None:
         if self._thread is None:
             p = self.store.postings
             if p.merging:
@@ -98,15 +107,18 @@ class SnapshotJob:
             raise self._error
         assert self._out is not None
         snap, n = self._out
+        t = time.perf_counter()
         snapshots.adopt(snap, self.store)
         if self.log is not None:
-            total = time.perf_counter() - self.t0
-            self.log(f"snapshot written in {total:.2f} s (BM25 merge {self.merge_s:.2f} s, files {self.write_s:.2f} s)")
+            total, loop = time.perf_counter() - self.t0, self.loop_s + time.perf_counter() - t
+            self.log(f"snapshot written in {total:.2f} s (BM25 merge {self.merge_s:.2f} s, files {self.write_s:.2f} s"
+                     + (")" if self.sync else f"; {loop * 1e3:.0f} ms of it on the request loop)"))
         return SnapshotReply(written=True, chunks=n)
 
     def wait(self) -> SnapshotReply:
         """Finish in this thread (a merge under way is waited for): the reply. :raises Exception:
         as :meth:`step`."""
+        self.sync = True
         self.store.postings.wait_merge()
         while True:
             out = self.step()
