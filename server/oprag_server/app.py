@@ -221,7 +221,7 @@ class Runtime:
 
         :raises StorageUnavailable: this server lost the storage's owner lease (the pool refuses:
             it must not replace the new owner's snapshot)."""
-        async with self.lock.read():  # excludes commits; queries go on
+        async with self.commits.gate:  # excludes commits; queries go on (CommitProtocol.gate)
             await self.pool.broadcast(Op.SNAPSHOT, SnapshotRequest())
             self.commits.reset_log()
         self._dirty = False

@@ -47,6 +47,10 @@ class CommitProtocol:
         self.pool = pool
         self.stats = stats
         self.lock = lock
+        # held by a commit before the write lock and by a snapshot (app.Runtime.snapshot) for its
+        # whole time: a snapshot excludes commits without holding the read side, behind which a
+        # waiting commit would block every new query until the snapshot is done
+        self.gate = asyncio.Lock()
         self.seq = 0
         self.applied_seq = 0
         self.log: WriteAheadLog | None = None
@@ -123,7 +127,7 @@ class CommitProtocol:
         """
         if self.lease is not None and self.lease.fenced:
             raise StorageUnavailable(self.lease.fenced)
-        async with self.lock.write():
+        async with self.gate, self.lock.write():
             seq = self.next_seq()
             try:
                 await self.pool.broadcast(Op.PREPARE, PrepareRequest(txn, seq, kind, list(doc_ids or [])))

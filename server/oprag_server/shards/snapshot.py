@@ -49,7 +49,19 @@ def write(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions,
     """Write chunks (with vectors) and memory into a new snapshot directory under ``d``, switch
     ``CURRENT`` to it, then drop older snapshots and the log records the snapshot now covers
     (records of transactions still in flight stay). With ``storage`` the snapshot is then
-    published there (:meth:`.storage.ShardStorage.publish`) before this returns."""
+    published there (:meth:`.storage.ShardStorage.publish`) before this returns. In the caller's
+    thread from start to end (:class:`.snapjob.SnapshotJob` writes beside the shard's loop)."""
+    from .snapjob import SnapshotJob  # noqa: PLC0415
+
+    return SnapshotJob(d, store, memory, txns, storage).wait()
+
+
+def write_files(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions,
+                storage: ShardStorage | None = None) -> tuple[Path, int]:
+    """The files of :func:`write`, from ``CURRENT``'s switch to the log's reset and the
+    publication: ``(snapshot directory, chunks)``. Reads the store and the memory records
+    only (any thread, while nothing writes to them and the BM25 postings are merged:
+    :meth:`.snapjob.SnapshotJob.step`)."""
     snap = d / f"snap-{store.applied_seq:012d}-{time.time_ns()}"
     snap.mkdir()
     one = store.dense.one_copy  # HNSW: the vectors are saved once, in dense.faiss
@@ -58,7 +70,7 @@ def write(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions,
     rows = []
     fsync_write_with(snap / "chunks.arrow", lambda f: rows.append(records.write_ipc(f, [store.batch(vectors=not one)])))
     fsync_write(snap / "memory.json", json.dumps(memory.to_json()).encode())
-    for p in store.postings.save(snap / "postings"):
+    for p in _save_postings(store.postings, snap / "postings"):
         _fsync_file(p)
     _fsync_file(snap / "postings")
     if store.dense.ann_state(with_bytes=False) is not None:
@@ -69,7 +81,7 @@ def write(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions,
             fsync_write_with(snap / "dense_tail.npy", lambda f: np.save(f, tail))
         ann = store.dense.ann_state(with_bytes=False)
         buf = io.BytesIO()
-        np.savez(buf, ann_slot=ann["ann_slot"], live_slots=np.asarray(sorted(store.chunks), dtype=np.int64),
+        np.savez(buf, ann_slot=ann["ann_slot"], live_slots=store.fields.slots(),
                  trained_at=ann["trained_at"], kind=ann["kind"])  # the batch holds the chunks in slot order
         fsync_write(snap / "dense.npz", buf.getvalue())
     meta = {"format_version": 4 if (snap / "dense_tail.npy").exists() else FORMAT_VERSION,
@@ -77,11 +89,6 @@ def write(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions,
             "next_slot": store.next_slot, "chunks": rows[0], "analyzer": {"stem": store.analyzer.stem}}
     fsync_write(snap / "meta.json", json.dumps(meta).encode())
     fsync_write(d / "CURRENT", snap.name.encode())
-    # the stored fields are now served from the file just written (memory-mapped): what the
-    # batches since the last snapshot held in memory is freed
-    table, mapped = map_chunks(snap / "chunks.arrow")
-    store.fields.adopt(table, store.fields.slots())
-    mapped.madvise(mmap.MADV_DONTNEED)
     for old in d.glob("snap-*"):
         if old.name != snap.name:
             shutil.rmtree(old, ignore_errors=True)
@@ -89,10 +96,26 @@ def write(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions,
         txns.wal.reset(txns.in_flight())
     if storage is not None and isinstance(txns.wal, MirroredLog):
         storage.publish(snap, txns.wal)
-    n = rows[0]
+    return snap, rows[0]
+
+
+def _save_postings(p: PostingsIndex, d: Path) -> list[Path]:
+    """:meth:`PostingsIndex.save` without its merge (the caller merged: the segment holds
+    exactly the live chunks), reading the index only."""
+    seg = p.segment
+    files = seg.renumbered().save(d)
+    np.save(d / "doc_len.npy", p._doc_len[seg.doc_slots.astype(np.int64)].astype(np.int64))  # noqa: SLF001
+    return [*files, d / "doc_len.npy"]
+
+
+def adopt(snap: Path, store: ChunkStore) -> None:
+    """Serve the stored fields from the snapshot just written (memory-mapped): what the batches
+    since the last snapshot held in memory is freed (the shard's thread: fetches read them)."""
+    table, mapped = map_chunks(snap / "chunks.arrow")
+    store.fields.adopt(table, store.fields.slots())
+    mapped.madvise(mmap.MADV_DONTNEED)
     del table
     release_memory()
-    return SnapshotReply(written=True, chunks=n)
 
 
 def release_memory() -> None:

@@ -18,6 +18,7 @@ from .chunks import ChunkStore
 from .memory import MemoryStore
 from .protocol import TYPES, Op, ShutdownReply, ShutdownRequest, SnapshotReply, StatsReply, StatsRequest, UnknownOp
 from .search import Searcher
+from .snapjob import SnapshotJob
 from .storage import ShardStorage
 from .txn import Transactions
 
@@ -69,13 +70,18 @@ class ShardState:
         return d
 
     def snapshot(self, req: Any = None) -> SnapshotReply:
-        """Write a snapshot (see :func:`.snapshot.write`); nothing in a memory-only shard."""
+        """Write a snapshot (see :func:`.snapshot.write`) in this thread; nothing in a
+        memory-only shard."""
+        job = self.snapshot_begin()
+        return SnapshotReply(written=False) if job is None else job.wait()
+
+    def snapshot_begin(self) -> SnapshotJob | None:
+        """Start a snapshot written beside the request loop (:class:`.snapjob.SnapshotJob`: the
+        caller steps it between requests and answers only :data:`READS` meanwhile); None for a
+        memory-only shard."""
         if self.data_dir is None:
-            return SnapshotReply(written=False)
-        t = time.perf_counter()
-        out = snapshots.write(self._dir(), self.store, self.memory, self.txns, self.storage)
-        self.note(f"snapshot written in {time.perf_counter() - t:.2f} s")
-        return out
+            return None
+        return SnapshotJob(self._dir(), self.store, self.memory, self.txns, self.storage, log=self.note)
 
     def load(self, committed: set[str] | None = None) -> int:
         """Load the snapshot and replay committed log records (see :func:`.snapshot.load`).
@@ -158,6 +164,10 @@ class ShardState:
 
 
 Handler = Callable[[Any], Any]
+
+#: ops that change nothing a snapshot reads (or a snapshot's cut: a memory lookup): a shard answers
+#: them while it writes a snapshot (:mod:`.snapjob`) and holds every other op until it is written
+READS = frozenset({Op.SEARCH, Op.EXACT_MINMAX, Op.EXACT_LISTS, Op.FETCH, Op.REUSE, Op.MEMORY_LOOKUP, Op.STATS})
 
 
 def op_table(state: ShardState) -> dict[Op, Handler]:

@@ -4,7 +4,12 @@ memory records of the sessions routed to it (a :class:`~oprag_server.shards.stat
 Spawned by :class:`~oprag_server.shards.transport.PipeTransport`. It answers requests
 ``(request_id, Op, request)`` with ``(request_id, ok, reply or error text)`` (types in
 :mod:`oprag_server.shards.protocol`), one at a time, so every operation is atomic with respect
-to queries. Between requests it does deferred work in small steps
+to queries; except a snapshot (:attr:`Op.SNAPSHOT`), written beside the loop
+(:mod:`.snapjob`): meanwhile the loop answers read ops (:data:`.state.READS`) and holds every
+other request, in order, until the snapshot's reply is sent. A read may then be answered before
+a write sent ahead of it whose reply has not come: the frontend never depends on that order (a
+query and a commit's apply exclude each other by the frontend's lock, staged batches are not
+read, a memory write is awaited before anything that reads it). Between requests it does deferred work in small steps
 (:meth:`~oprag_server.shards.state.ShardState.background_step`: HNSW inserts an ingest left for
 later), looking for a request after each step. The first message is READY: ``(0, True, StatsReply)`` with the full BM25
 statistics, or ``(0, False, error)``.
@@ -14,6 +19,7 @@ This module imports neither torch nor grpc: shard processes stay small.
 
 from __future__ import annotations
 
+import collections
 import os
 import pickle
 import signal
@@ -23,8 +29,8 @@ from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 from ..index.objstore import StorageWriteError
-from .protocol import Op, StatsRequest
-from .state import ShardState, dispatch, op_table
+from .protocol import Op, SnapshotRequest, StatsRequest
+from .state import READS, ShardState, dispatch, op_table
 
 
 def frame_head(n: int) -> bytes:
@@ -137,28 +143,92 @@ def run(shard_id: int, conn, dim: int, data_dir: str | None, stem: bool, committ
         return
     table = op_table(state)
     busy = state.store.dense.pending > 0  # deferred work waits (HNSW inserts a replay left)
+    job = None  # (request id, SnapshotJob): a snapshot being written beside this loop (.snapjob)
+    held: collections.deque = collections.deque()  # requests that wait for it, in order
     while True:
-        if not conn.poll(0):  # nothing asked
-            wait = state.idle_wait()  # idle maintenance (BM25 merges once writes are quiet)
-            if wait == 0.0:
-                state.idle_step()
+        if job is not None:
+            done = _step(conn, job)
+            if not done:  # answer reads meanwhile; every other request waits for it, in order
+                if not conn.poll(SNAPSHOT_POLL_S):
+                    continue
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    _finish(conn, job)
+                    break
+                if msg[1] not in READS:  # (a read may pass a held write: see the module docstring)
+                    held.append(msg)
+                    continue
+                _answer(conn, table, *msg)
                 continue
-            if busy:  # do some of the deferred work, then look again
-                busy = state.background_step()
-                continue
-            if wait is not None and not conn.poll(wait):
-                continue
-        try:
-            req_id, op, req = conn.recv()
-        except (EOFError, OSError):
-            break
-        try:
-            conn.send((req_id, True, dispatch(table, op, req)))
-        except Exception as exc:  # noqa: BLE001 - never let a bad request kill the shard
-            if not isinstance(exc, StorageWriteError):  # (that one: the frontend logs it, once per change)
-                traceback.print_exc()  # to the service log; the client gets the message only
-            conn.send((req_id, False, f"{type(exc).__name__}: {exc}"))
+            job = None
+        if held:
+            req_id, op, req = held.popleft()
+        else:
+            if not conn.poll(0):  # nothing asked
+                wait = state.idle_wait()  # idle maintenance (BM25 merges once writes are quiet)
+                if wait == 0.0:
+                    state.idle_step()
+                    continue
+                if busy:  # do some of the deferred work, then look again
+                    busy = state.background_step()
+                    continue
+                if wait is not None and not conn.poll(wait):
+                    continue
+            try:
+                req_id, op, req = conn.recv()
+            except (EOFError, OSError):
+                break
+        if op is Op.SNAPSHOT and type(req) is SnapshotRequest and state.data_dir is not None:
+            try:
+                job = (req_id, state.snapshot_begin())
+            except Exception as exc:  # noqa: BLE001 - answered as any failed request
+                _fail(conn, req_id, exc)
+            continue
+        _answer(conn, table, req_id, op, req)
         if op is Op.SHUTDOWN:
             break
         state.note()  # (a write-time merge started or installed: logged with its time)
         busy = state.store.dense.pending > 0 and not state.txns.prepared
+
+
+#: how long the loop waits for a request while a snapshot is written beside it before it looks
+#: whether the snapshot is done (the SNAPSHOT reply comes at most this much later)
+SNAPSHOT_POLL_S = 0.005
+
+
+def _answer(conn, table, req_id, op, req) -> None:
+    """Answer one request (its error when it fails: never let a bad request kill the shard)."""
+    try:
+        conn.send((req_id, True, dispatch(table, op, req)))
+    except Exception as exc:  # noqa: BLE001
+        _fail(conn, req_id, exc)
+
+
+def _fail(conn, req_id, exc: Exception) -> None:
+    if not isinstance(exc, StorageWriteError):  # (that one: the frontend logs it, once per change)
+        traceback.print_exc()  # to the service log; the client gets the message only
+    conn.send((req_id, False, f"{type(exc).__name__}: {exc}"))
+
+
+def _step(conn, job) -> bool:
+    """Advance the snapshot ``job`` ``(request id, SnapshotJob)``; answer it once done (its
+    error if it failed). :returns: whether it is over."""
+    req_id, j = job
+    try:
+        out = j.step()
+    except Exception as exc:  # noqa: BLE001
+        _fail(conn, req_id, exc)
+        return True
+    if out is None:
+        return False
+    conn.send((req_id, True, out))
+    return True
+
+
+def _finish(conn, job) -> None:
+    """The frontend hung up during a snapshot: let it end as it would have (its reply unsent)."""
+    try:
+        job[1].wait()
+    except Exception:  # noqa: BLE001 - nobody to tell; the previous snapshot and the log stay
+        traceback.print_exc()

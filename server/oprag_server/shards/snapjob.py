@@ -1,0 +1,128 @@
+"""A shard's snapshot written beside its request loop, so that queries keep being answered
+while it is written (issue 13, snap14: at 1M chunks a snapshot takes 7-20 s, and a shard that
+wrote it inside its one request loop left every query that reached it waiting that long).
+
+The loop (:mod:`.worker`) starts a :class:`SnapshotJob` on :attr:`.protocol.Op.SNAPSHOT` and
+calls :meth:`SnapshotJob.step` between requests until it returns the reply. Meanwhile it answers
+the read ops (:data:`.state.READS`: they change nothing a snapshot reads) and holds every other
+request, in order, until the reply is sent; it does no deferred HNSW insert and no idle BM25
+merge either. The snapshot is therefore the one the shard would have written at the
+request's place in its order, with nothing else to interleave with:
+
+1. (the shard's thread, at the start) a pending HNSW structure settled, the BM25 delta's merge
+   started in the background (the write needs one
+   segment holding exactly the live chunks, :meth:`..index.bm25.PostingsIndex.save`);
+2. (the shard's thread, between requests) the merge installed once its thread is done; then a
+   writer thread starts on :func:`.snapshot.write_files`, which only reads the store and the
+   memory records (Arrow, numpy, FAISS and file I/O leave the GIL for most of it) and does everything through the
+   ``CURRENT`` switch, the log's reset and the publication to ``--storage-uri``;
+3. (the shard's thread, once the writer is done) the stored fields adopted from the new file
+   (:func:`.snapshot.adopt`), and the reply.
+
+Durability is that of :func:`.snapshot.write`, which this is: files, then ``CURRENT``, then the
+log's reset; a crash before ``CURRENT`` switches leaves the previous snapshot live and the log
+whole. A SNAPSHOT is answered only once all of it is done.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from . import snapshot as snapshots
+from .chunks import ChunkStore
+from .memory import MemoryStore
+from .protocol import SnapshotReply
+from .storage import ShardStorage
+from .txn import Transactions
+
+
+class SnapshotJob:
+    """One snapshot of ``store``, ``memory`` and ``txns``' log under ``d`` (see the module
+    docstring). Created, stepped and waited for on the shard's thread only.
+
+    :param log: called with a line once the snapshot is written (times of its parts).
+    """
+
+    def __init__(self, d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions,
+                 storage: ShardStorage | None = None, log: Callable[[str], None] | None = None) -> None:
+        self.d, self.store, self.memory, self.txns, self.storage, self.log = d, store, memory, txns, storage, log
+        self.t0 = time.perf_counter()
+        dense = store.dense
+        if getattr(dense, "_pending", None) is not None:  # (an HNSW structure a load left pending)
+            dense.compact_ann()
+        p = store.postings
+        self._merges = 0  # background merges started by this job
+        if not p.merging:
+            p.merge(background=True)  # (a merge already under way is waited for instead)
+            self._merges = 1
+        self._thread: threading.Thread | None = None
+        self._out: tuple[Path, int] | None = None
+        self._error: BaseException | None = None
+        self.merge_s = self.write_s = 0.0
+        self.loop_s = time.perf_counter() - self.t0  # time taken from the request loop (start and steps)
+        self.sync = False  # wait(): all of it in the caller's thread
+
+    def _write(self) -> None:
+        t = time.perf_counter()
+        try:
+            self._out = snapshots.write_files(self.d, self.store, self.memory, self.txns, self.storage)
+        except BaseException as exc:  # noqa: BLE001 - raised by step() in the shard's thread
+            self._error = exc
+        self.write_s = time.perf_counter() - t
+
+    def step(self) -> SnapshotReply | None:
+        """Advance without waiting: the reply once the snapshot is written, else None.
+
+        :raises Exception: what the merge or the write raised (the job is over then).
+        """
+        t = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.loop_s += time.perf_counter() - t
+
+    def _step(self) -> SnapshotReply | None:
+        if self._thread is None:
+            p = self.store.postings
+            if p.merging:
+                if p._pending[0].is_alive():  # noqa: SLF001
+                    return None
+                p.poll_merge(raise_errors=False)  # install it (a failed one left its delta: merged below)
+                if self._merges < 2:  # (an idle merge was under way: fold what was written meanwhile)
+                    self._merges += 1
+                    p.merge(background=True)
+                    if p.merging:
+                        return None
+            p.merge()  # a check when nothing is left to fold; in this thread what a failed merge left
+            self.merge_s = time.perf_counter() - self.t0
+            self._thread = threading.Thread(target=self._write, name="oprag-snapshot", daemon=True)
+            self._thread.start()
+            return None
+        if self._thread.is_alive():
+            return None
+        if self._error is not None:
+            raise self._error
+        assert self._out is not None
+        snap, n = self._out
+        t = time.perf_counter()
+        snapshots.adopt(snap, self.store)
+        if self.log is not None:
+            total, loop = time.perf_counter() - self.t0, self.loop_s + time.perf_counter() - t
+            self.log(f"snapshot written in {total:.2f} s (BM25 merge {self.merge_s:.2f} s, files {self.write_s:.2f} s"
+                     + (")" if self.sync else f"; {loop * 1e3:.0f} ms of it on the request loop)"))
+        return SnapshotReply(written=True, chunks=n)
+
+    def wait(self) -> SnapshotReply:
+        """Finish in this thread (a merge under way is waited for): the reply. :raises Exception:
+        as :meth:`step`."""
+        self.sync = True
+        self.store.postings.wait_merge()
+        while True:
+            out = self.step()
+            if out is not None:
+                return out
+            if self._thread is not None:
+                self._thread.join()
