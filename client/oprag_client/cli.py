@@ -115,12 +115,12 @@ def cmd_query(a) -> int:
     if a.json:
         out = {"answer": answer, "hits": [_hit_json(h) for h in r.hits], "timings_ms": dict(r.timings_ms),
                "request_id": r.request_id, "memory_context": r.memory_context, "memory_used": r.memory_used,
-               "resolved_query": r.resolved_query}
+               "resolved_query": r.resolved_query, "missing_shards": list(r.retrieval.missing_shards)}
         if answer is not None:
             out["sources"] = [{"number": s.number, "chunk_id": s.chunk_id, "doc_id": s.doc_id, "title": s.title,
                                "truncated": s.truncated} for s in r.sources]
         print(json.dumps(out, ensure_ascii=False))
-        return 0
+        return _partial(r)
     if r.memory_context:
         print(f"(memory: {r.memory_context})")
     if answer is not None and getattr(r, "finish_reason", "") == "no_generator":
@@ -136,7 +136,16 @@ def cmd_query(a) -> int:
         for i, h in enumerate(r.hits, 1):
             snippet = " ".join(h.text.split())[:160]
             print(f"{i:>2}. {h.score:.4f}  {h.chunk_id}  [{h.title}]  {snippet}")
-    return 0
+    return _partial(r)
+
+
+def _partial(r) -> int:
+    """1, said on stderr, when shards did not answer (``retrieval.partial``): the hits then leave
+    out the documents those shards hold (README: never a silently incomplete result); else 0."""
+    if not (r.retrieval.partial or r.retrieval.missing_shards):
+        return 0
+    return _fail(f"shard(s) {', '.join(map(str, r.retrieval.missing_shards)) or '?'} did not answer (down, being "
+                 "restarted): these results leave out the documents they hold; ask again shortly")
 
 
 def cmd_clear_session(a) -> int:
