@@ -273,6 +273,10 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. `oprag stats | head`
         sys.stderr.close()
         return 0
+    except ValueError as exc:  # an argument the client refuses before sending (a traceback before)
+        hint = (" (the command line holds bytes that are not UTF-8: use a UTF-8 locale or re-encode the argument)"
+                if "surrogate" in str(exc) else "")
+        return _fail(f"{exc}{hint}", 2)
 
 
 COMMANDS = {

@@ -44,6 +44,14 @@ def test_cli_unauthenticated_points_to_token_flag_and_env(capsys):
     (["stats", "--timeout", "-1"], "--timeout: must be a number of seconds above 0, got -1"),
     (["query", "--timeout", "nan", "q"], "--timeout: must be a number of seconds above 0, got nan"),
     (["ingest", "--docs-per-stream", "0", "x.jsonl"], "--docs-per-stream: must be >= 1, got 0"),
+    # trial14: argparse said "invalid _count value: 'abc'" (a function's name); gRPC read port
+    # 99999 as 34463 and an http:// URL as a host name ("Misformatted domain name")
+    (["query", "--top-k", "abc", "q"], "--top-k: must be an integer >= 0, got 'abc'"),
+    (["ingest", "--docs-per-stream", "1.5", "x.jsonl"], "--docs-per-stream: must be an integer >= 1, got '1.5'"),
+    (["stats", "--timeout", "soon"], "--timeout: must be a number of seconds above 0, got soon"),
+    (["stats", "--server", "127.0.0.1:99999"], "--server: the port must be in 1-65535, got 99999"),
+    (["stats", "--server", "http://127.0.0.1:50051"], "--server: give HOST:PORT without http://"),
+    (["stats", "--server", ""], "--server: give HOST:PORT"),
 ])
 def test_cli_refuses_counts_and_deadlines_out_of_range_before_sending(tmp_path, capsys, argv, words):
     """A negative --limit evaluated all but the last N queries and a --timeout of 0 or less failed
@@ -57,3 +65,25 @@ def test_cli_refuses_counts_and_deadlines_out_of_range_before_sending(tmp_path, 
                  argv[:-1] + ["--server", "127.0.0.1:1", argv[-1]])
     assert ei.value.code == 2
     assert words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["query", "lob\udcedster"], "question has an unpaired surrogate"),
+    (["delete", "a\udcff"], "doc_ids[0] has an unpaired surrogate"),
+    (["clear-session", "a\udcff"], "session_id has an unpaired surrogate"),
+    (["query", "--session", "a\udcff", "q"], "session_id has an unpaired surrogate"),
+])
+def test_cli_arguments_that_are_not_utf8_are_an_error_message_not_a_traceback(capsys, argv, words):
+    """trial14: bytes that are not UTF-8 on the command line (Python reads them as lone surrogates)
+    raised the client's ValueError out of main(): a traceback."""
+    assert cli.main(argv[:1] + ["--server", "127.0.0.1:1"] + argv[1:]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("oprag: ") and words in err and "not UTF-8" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("flag", ["--tls-ca", "--tls-cert", "--tls-key"])
+def test_cli_tls_file_that_cannot_be_read_is_named(tmp_path, capsys, flag):
+    """trial14: a missing --tls-ca was a FileNotFoundError traceback."""
+    missing = tmp_path / "none.pem"
+    assert cli.main(["stats", "--server", "127.0.0.1:1", flag, str(missing)]) == 2
+    assert f"oprag: cannot read {flag} {missing}: no such file" in capsys.readouterr().err
