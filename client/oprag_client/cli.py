@@ -74,7 +74,7 @@ def _parser(plugins: dict) -> argparse.ArgumentParser:
     eb.add_argument("--queries", type=Path, required=True)
     eb.add_argument("--qrels", type=Path, required=True)
     eb.add_argument("--mode", choices=list(MODES), default="hybrid")
-    eb.add_argument("--top-k", type=_count, default=100, help="documents retrieved per query (at least 100)")
+    eb.add_argument("--top-k", type=_top_docs, default=100, help="documents retrieved per query (at least 100)")
     eb.add_argument("--candidates", type=_count, default=0,
                     help="chunk window N (0 = server default); hybrid mode groups documents from it")
     eb.add_argument("--concurrency", type=_positive, default=1)
@@ -208,7 +208,7 @@ def cmd_eval(a) -> int:
         judged = judged[: a.limit]
     if not judged:
         return _fail("no judged query of the qrels is in the queries file")
-    top_k = max(a.top_k, 100)
+    top_k = a.top_k
 
     def one(c, qid):  # document-level retrieval: the top documents by their best chunk (MaxP)
         t = time.perf_counter()
@@ -231,6 +231,14 @@ def cmd_eval(a) -> int:
         "p95_ms": round(percentile(lat, 95), 3),
     }))
     return 0
+
+
+def _top_docs(text: str) -> int:
+    """``eval --top-k``: at least 100 (a smaller value was silently raised to 100)."""
+    v = _count(text)
+    if v < 100:
+        raise argparse.ArgumentTypeError(f"must be at least 100 (Recall@100 ranks the top 100 documents), got {v}")
+    return v
 
 
 def cmd_health(a) -> int:
