@@ -13,11 +13,14 @@ _INT64 = (-(2**63), 2**63 - 1)
 
 
 def metadata_value(key: str, v: Any) -> oprag_pb2.MetadataValue:
-    """The wire ``MetadataValue`` of a typed metadata value (README: typed metadata).
+    """The wire ``MetadataValue`` of a typed metadata value (README: typed metadata); a numpy
+    scalar counts as its Python value (``np.int64(3)`` is the integer 3).
 
     :raises ValueError: a type other than str/int/float/bool, an integer outside signed 64-bit,
         NaN or infinity (the message names the key).
     """
+    if type(v).__module__ == "numpy" and getattr(v, "ndim", None) == 0:
+        v = v.item()  # a numpy scalar (np.int64, np.float32, np.bool_, np.str_): its Python value
     if isinstance(v, bool):
         return oprag_pb2.MetadataValue(bool_value=v)
     if isinstance(v, int):
@@ -30,7 +33,9 @@ def metadata_value(key: str, v: Any) -> oprag_pb2.MetadataValue:
         return oprag_pb2.MetadataValue(float_value=v)
     if isinstance(v, str):
         return oprag_pb2.MetadataValue(string_value=v)
-    raise ValueError(f"metadata {key!r} is a {type(v).__name__}: values must be string, integer, float or boolean")
+    name = type(v).__name__
+    what = "None" if v is None else f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+    raise ValueError(f"metadata {key!r} is {what}: values must be string, integer, float or boolean")
 
 
 def metadata_of(pb: Any) -> dict[str, MetadataValue]:
