@@ -94,7 +94,8 @@ def exception_response(exc: Exception, method: str) -> JSONResponse:
     headers = None
     if isinstance(exc, Overloaded):
         headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))}
-    return error_response(status, msg, type_, code=code.name.lower(), headers=headers)
+    param = api.error_param(msg, method) if code == grpc.StatusCode.INVALID_ARGUMENT else None
+    return error_response(status, msg, type_, param=param, code=code.name.lower(), headers=headers)
 
 
 class Guard:

@@ -18,6 +18,7 @@ import base64
 import dataclasses
 import difflib
 import json
+import re
 from typing import Annotated, Any, Literal
 
 import numpy as np
@@ -185,6 +186,30 @@ def _fields_at(model: Any, path: list) -> list[str]:
         ann = getattr(f, "annotation", None)
         model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
     return list(getattr(model, "model_fields", {}))
+
+
+#: the retrieval knobs: top-level fields of /v1/retrieve, under "oprag" in a chat request
+_KNOBS = {"mode", "top_k", "candidates", "filters", "fusion", "session_id", "disable_memory", "include_trace"}
+_FIELD = re.compile(r"(?:metadata filter '(?P<key>.*?)'|(?P<filters>a metadata filter|\d+ metadata filters)"
+                    r"|(?P<f>[a-z_]+(?:\.[a-z_]+)*(?:\[-?\d+\])?) (?:must|is|has|needs|contains) "
+                    r"|the (?P<q>question) needs)")
+
+
+def error_param(message: str, path: str) -> str | None:
+    """OpenAI's ``param`` of an INVALID_ARGUMENT raised by the shared validation (its message
+    starts with the field's wire name): the request's own path to the field, e.g. ``top_k`` on
+    /v1/retrieve and ``oprag.top_k`` in a chat request; the question is ``query`` or ``messages``."""
+    m = _FIELD.match(message)
+    if m is None:
+        return None
+    field = (f"filters.{m['key']}" if m["key"] is not None else "filters" if m["filters"] else m["f"] or m["q"])
+    root = re.split(r"[.\[]", field)[0]
+    chat = path.endswith("/chat/completions")
+    if root == "question":
+        return "messages" if chat else "query" if path.endswith("/retrieve") else None
+    if root in _KNOBS:
+        return f"oprag.{field}" if chat else field
+    return field if root in {"input", "dimensions", "max_tokens", "max_completion_tokens", "messages"} else None
 
 
 def validation_message(errors: list[dict], body: Any, model: Any = None) -> tuple[str | None, str]:
