@@ -94,7 +94,7 @@ def _json_lines(path: Path, id_key: str, what: str) -> Iterator[Doc]:
         type (file and line named).
     """
     with open(path, encoding="utf-8-sig") as f:
-        for n, line in enumerate(f, 1):
+        for n, line in _lines(f, path):
             if not line.strip():
                 continue
             try:
@@ -111,6 +111,20 @@ def _json_lines(path: Path, id_key: str, what: str) -> Iterator[Doc]:
                 raise ValueError(f"{path}:{n}: expected {what} with {id_key} and text ({exc})") from exc
             except ValueError as exc:  # a metadata value of no metadata type
                 raise ValueError(f"{path}:{n}: {exc}") from exc
+
+
+def _lines(f, path: Path) -> Iterator[tuple[int, str]]:
+    """``(n, line)`` of a text file.
+
+    :raises ValueError: the file is not UTF-8 (a Parquet or Arrow file read as JSON lines said
+        only "'utf-8' codec can't decode byte 0x88 in position 92", naming no file)."""
+    n = 0
+    try:
+        for n, line in enumerate(f, 1):
+            yield n, line
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}:{n + 1}: not UTF-8 text ({exc.reason}): JSON lines are UTF-8 text; for a "
+                         "Parquet or Arrow file use --format parquet or --format arrow") from None
 
 
 def _check_types(obj: dict, id_key: str) -> None:
@@ -179,7 +193,12 @@ def load_wikitext(paths: list[Path]) -> Iterator[Doc]:
     `` (2)``, `` (3)``...; not ``#n``, which reads like a chunk number)."""
     for p in paths:
         seen: dict[str, int] = {}
-        for title, body in wikitext_articles(p.read_text(encoding="utf-8")):
+        try:
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{p}: not UTF-8 text ({exc.reason} at byte {exc.start}): --format wikitext reads "
+                             "the raw WikiText-2 text files") from None
+        for title, body in wikitext_articles(text):
             if not body.strip():
                 continue
             seen[title] = seen.get(title, 0) + 1
@@ -210,7 +229,10 @@ def load_parquet(paths: list[Path], vector_column: str | None = None) -> Iterato
     """
     pq = _pyarrow("parquet")
     for f in _files(paths, (".parquet", ".pq")):
-        pf = pq.ParquetFile(f)
+        try:
+            pf = pq.ParquetFile(f)
+        except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError; it named no file
+            raise ValueError(f"{f}: not a Parquet file ({exc})") from exc
         yield from columnar_docs(f, pf.schema_arrow, lambda cols=None, pf=pf: pf.iter_batches(4096, columns=cols),
                                  vector_column)
 
