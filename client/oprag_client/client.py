@@ -8,6 +8,7 @@ with the server's status code and message.
 
 from __future__ import annotations
 
+import numbers
 import sys
 from collections.abc import AsyncIterable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -158,7 +159,11 @@ def query_request(question: str, *, top_k: int = 0, mode: str = "hybrid", sessio
     """
     for name, v in dict(top_k=top_k, max_new_tokens=max_new_tokens, candidates=candidates, rrf_k=rrf_k, nprobe=nprobe,
                         chunks_per_document=chunks_per_document, ef_search=ef_search, min_seq=min_seq).items():
-        if isinstance(v, int) and v not in range(hi := 2**64 if name == "min_seq" else 2**32):
+        if v is None:  # unset: the server's default, as 0
+            continue
+        if not isinstance(v, numbers.Integral):  # protobuf said "'str' object cannot be interpreted as an integer"
+            raise TypeError(f"{name} must be an integer (0 = the server's default), got {type(v).__name__} {v!r}")
+        if int(v) not in range(hi := 2**64 if name == "min_seq" else 2**32):
             raise ValueError(f"{name} must be between 0 and {hi - 1} (0 = the server's default), got {v}")
     for name, v in (("question", question), ("session_id", session_id)):
         if v is not None and not isinstance(v, (str, bytes)):

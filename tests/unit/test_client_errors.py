@@ -17,6 +17,22 @@ def test_a_count_out_of_range_names_the_field_and_the_range(field, value):
     assert query_request("q", **{field: 0}) is not None
 
 
+@pytest.mark.parametrize("field, value", [("top_k", "3"), ("candidates", 2.5), ("min_seq", "5"), ("nprobe", [1])])
+def test_a_count_that_is_not_an_integer_names_the_field(field, value):
+    """trial14: protobuf's "'str' object cannot be interpreted as an integer" named no field."""
+    with pytest.raises(TypeError) as ei:
+        query_request("q", **{field: value})
+    assert str(ei.value).startswith(f"{field} must be an integer (0 = the server's default), got {type(value).__name__}")
+
+
+def test_numpy_integer_counts_are_accepted_and_range_checked():
+    import numpy as np
+
+    assert query_request("q", top_k=np.int64(3)).top_k == 3 and query_request("q", top_k=None).top_k == 0
+    with pytest.raises(ValueError, match="^top_k must be between 0 and"):
+        query_request("q", top_k=np.int64(-1))
+
+
 class _Err(grpc.RpcError):
     def __init__(self, code, details):
         self._c, self._d = code, details
