@@ -43,12 +43,14 @@ def _parser(plugins: dict) -> argparse.ArgumentParser:
 
     q = sub.add_parser("query", help="ask a question")
     _add_server(q)
-    q.add_argument("--top-k", type=_count, default=0)
+    q.add_argument("--top-k", type=_count, default=0, help="hits to return (0 = the server's default, 5; at most 100)")
     q.add_argument("--mode", choices=list(MODES), default="hybrid")
     q.add_argument("--session", default="", help="session id: follow-up questions use this session's earlier turns")
     q.add_argument("--no-memory", action="store_true", help="with --session: do not use or record memory")
-    q.add_argument("--max-new-tokens", type=_count, default=0)
-    q.add_argument("--candidates", type=_count, default=0)
+    q.add_argument("--max-new-tokens", type=_count, default=0,
+                   help="answer length in tokens (0 = the server's default, 64; at most 512)")
+    q.add_argument("--candidates", type=_count, default=0,
+                   help="dense-first window N (0 = the server's default, 256; at most 4096)")
     q.add_argument("--no-generate", action="store_true", help="retrieve only")
     q.add_argument("--json", action="store_true")
     q.add_argument("question", nargs="+")

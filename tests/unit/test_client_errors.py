@@ -1,5 +1,7 @@
 """Client-side errors a new user meets name what to change."""
 
+import re
+
 import grpc
 import pytest
 
@@ -104,3 +106,14 @@ def test_cli_tls_file_that_cannot_be_read_is_named(tmp_path, capsys, flag):
     missing = tmp_path / "none.pem"
     assert cli.main(["stats", "--server", "127.0.0.1:1", flag, str(missing)]) == 2
     assert f"oprag: cannot read {flag} {missing}: no such file" in capsys.readouterr().err
+
+
+def test_cli_query_help_says_what_0_means(capsys):
+    """trial14: `oprag query --help` listed --top-k, --candidates and --max-new-tokens without a
+    word; 0 (their default) means the server's default, which only the HTTP section said."""
+    with pytest.raises(SystemExit):
+        cli.main(["query", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for flag, default in (("--top-k", "5"), ("--candidates", "256"), ("--max-new-tokens", "64")):
+        meta = flag[2:].upper().replace("-", "_")
+        assert re.search(rf"{flag} {meta} [^(]*\(0 = the server's default, {default};", out), (flag, out)
