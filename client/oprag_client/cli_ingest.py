@@ -47,7 +47,7 @@ def cmd_ingest(a) -> int:
     totals = {"documents": 0, "chunks": 0, "replaced": 0, "reused": 0, "rejected": [], "chunks_split": 0, "seq": 0}
     t0 = time.perf_counter()
     bar = tqdm(unit="doc", disable=a.no_progress, file=sys.stderr, dynamic_ncols=True)
-    sent, n = 0, 0  # documents of the input in the committed streams (a rejection's index is its position)
+    sent, done = 0, 0  # documents of the input in the committed streams (a rejection's index is its position), streams
     try:
         with _client(a) as c:
             for n, batch in enumerate(_batches(docs, max(1, a.docs_per_stream)), 1):
@@ -62,16 +62,17 @@ def cmd_ingest(a) -> int:
                 totals["reused"] += r.chunks_reused
                 totals["seq"] = r.seq
                 totals["rejected"] += [{"index": offset + x.index, "id": x.id, "reason": x.reason} for x in r.rejected]
+                done = n  # a loader error while the next stream is read fails that one, not this one
                 bar.update(len(batch))
                 el = time.perf_counter() - t0
                 bar.set_postfix(chunks=totals["chunks"], chunks_per_s=f"{totals['chunks'] / el:.1f}")
     except grpc.RpcError as exc:
         bar.close()
-        _committed_before_failure(n, sent, totals["seq"])
+        _committed_before_failure(done + 1, sent, totals["seq"])
         return _rpc_error(exc)
     except (ValueError, TypeError, FileNotFoundError, OSError, ImportError) as exc:
         bar.close()
-        _committed_before_failure(n, sent, totals["seq"])
+        _committed_before_failure(done + 1, sent, totals["seq"])
         return _fail(str(exc))
     bar.close()
     el = time.perf_counter() - t0
