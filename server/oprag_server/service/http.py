@@ -50,7 +50,7 @@ _HTTP = {
 }
 #: HTTP status -> the gRPC code name counted in ``oprag_requests_total{code}``.
 _CODE_NAME = {200: "OK", 400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 405: "UNIMPLEMENTED",
-              413: "RESOURCE_EXHAUSTED", 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE"}
+              413: "RESOURCE_EXHAUSTED", 429: "RESOURCE_EXHAUSTED", 499: "CANCELLED", 503: "UNAVAILABLE"}
 ALIAS = "oprag"  # a chat model id that always names the configured generator
 
 
@@ -171,6 +171,31 @@ class _TooLarge(Exception):
     pass
 
 
+class _ClientGone(Exception):
+    """The client closed the connection before a non-streamed reply (499, counted CANCELLED)."""
+
+
+async def _unless_gone(request: Request, aw: Any) -> Any:
+    """``await aw``, cancelled when the client disconnects first, as gRPC cancels a call whose
+    client went away (a non-streamed chat generated every token for nobody, counted OK).
+
+    :raises _ClientGone: the client disconnected first."""
+    async def gone() -> None:  # the body was read: the next message is the disconnect
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work, watch = asyncio.ensure_future(aw), asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (work, watch):
+            t.cancel()  # no-op when done
+        await asyncio.gather(work, watch, return_exceptions=True)
+    if work.cancelled():
+        raise _ClientGone()
+    return work.result()
+
+
 def _sse(obj: Any) -> bytes:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
 
@@ -193,6 +218,10 @@ def build_app(rt: Any) -> FastAPI:
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
+
+    @app.exception_handler(_ClientGone)
+    async def _gone(request: Request, exc: _ClientGone) -> JSONResponse:  # nobody reads it: for the metrics
+        return error_response(499, "the client closed the connection", code="cancelled")
 
     async def _mapped(request: Request, exc: Exception) -> JSONResponse:
         return exception_response(exc, f"HTTP {request.url.path}")
@@ -278,7 +307,7 @@ def build_app(rt: Any) -> FastAPI:
         head = {"id": f"chatcmpl-{job.request_id}", "created": int(time.time()), "model": body.model}
         trace = body.oprag.include_trace
         if not body.stream:
-            job = await rt.query.submit(job)
+            job = await _unless_gone(request, rt.query.submit(job))
             msg = {"role": "assistant", "content": job.answer if rt.generator is not None else ""}
             return fits({**head, "object": "chat.completion", "usage": api.usage(job), "oprag": api.extension(job, include_trace=trace),
                          "choices": [{"index": 0, "message": msg, "finish_reason": api.finish_reason(job), "logprobs": None}]}, job)
