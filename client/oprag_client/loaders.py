@@ -128,13 +128,20 @@ def _lines(f, path: Path) -> Iterator[tuple[int, str]]:
 
 
 def _check_types(obj: dict, id_key: str) -> None:
-    """:raises TypeError: id not a string or integer, text/title not strings (null title allowed)."""
+    """:raises TypeError: id not a string or integer, text/title not strings (null title allowed).
+    :raises ValueError: ``chunks`` not a list of ``{"text", "vector"}`` objects."""
     if id_key in obj and (isinstance(obj[id_key], bool) or not isinstance(obj[id_key], (str, int))):
         raise TypeError(f"{id_key} must be a string or an integer, got {type(obj[id_key]).__name__}")
     if "text" in obj and obj["text"] is not None and not isinstance(obj["text"], str):
         raise TypeError(f"text must be a string, got {type(obj['text']).__name__}")
     if obj.get("title") is not None and not isinstance(obj["title"], str):
         raise TypeError(f"title must be a string, got {type(obj['title']).__name__}")
+    chunks = obj.get("chunks")  # a ValueError: "expected ... id and text ('vector')" misled
+    if chunks and not isinstance(chunks, list):
+        raise ValueError(f'chunks must be a list of {{"text", "vector"}} objects, got {json.dumps(chunks)[:80]}')
+    for i, c in enumerate(chunks or []):
+        if not isinstance(c, dict) or not isinstance(c.get("text"), str) or not isinstance(c.get("vector"), list):
+            raise ValueError(f'chunks[{i}] must be an object {{"text": "...", "vector": [numbers]}}, got {json.dumps(c)[:80]}')
 
 
 def load_jsonl(paths: list[Path]) -> Iterator[Doc]:
