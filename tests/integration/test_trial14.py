@@ -60,3 +60,12 @@ def test_more_rejections_than_a_reply_holds_are_summed_up_in_a_last_entry(server
     assert last.index == len(listed) + 1 and last.id == ""
     assert f"this and {n - len(listed) - 1} more rejected documents after it are not listed" in last.reason
     assert c.stats().documents >= 2
+
+
+def test_an_id_sent_twice_whose_last_version_is_rejected_keeps_the_earlier_one(server):
+    """README (ingest semantics), as the trial found it: the last version that is not rejected counts."""
+    c = server.client
+    r = c.ingest([Doc("twice", chunks=[("good first version nebulaword", _vec(3))]), Doc("twice", " ")])
+    assert r.documents_written == 1 and [(x.index, x.id) for x in r.rejected] == [(1, "twice")]
+    hits = c.retrieve("nebulaword", mode="lexical", top_k=3, min_seq=r.seq).hits
+    assert [(h.doc_id, h.text) for h in hits] == [("twice", "good first version nebulaword")]
