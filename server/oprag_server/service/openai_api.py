@@ -322,7 +322,9 @@ def extension(job: QueryJob, *, include_trace: bool, first: bool = True, last: b
         p = job.payload
         out["sources"] = [dataclasses.asdict(s) for s in (p.sources if p else [])]
         out["hits"] = hit_dicts(job)
-        out["retrieval"] = dataclasses.asdict(job.info) if job.info is not None else None
+        # partial, as gRPC's RetrievalInfo says it (README: never a silently incomplete result)
+        out["retrieval"] = ({**dataclasses.asdict(job.info), "partial": bool(job.info.missing_shards)}
+                            if job.info is not None else None)
         out["memory_context"] = job.memory.memory_text if job.memory else ""
     if last:
         # OpenAI's finish_reason has no value for "this server has no generator"; OpRAG's own
