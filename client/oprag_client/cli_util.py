@@ -42,6 +42,8 @@ def _client(a, **kw) -> OpRAGClient:
     for flag, path in (("--tls-ca", a.tls_ca), ("--tls-cert", a.client_cert), ("--tls-key", a.client_key)):
         if path is not None and not os.access(path, os.R_OK):
             raise ValueError(f"cannot read {flag} {path}: {'no such file' if not Path(path).exists() else 'permission denied'}")
+        if path is not None and b"-----BEGIN " not in Path(path).read_bytes()[:1 << 20]:  # gRPC: "security handshaker"
+            raise ValueError(f"{flag} {path} is not a PEM file (no '-----BEGIN ...' line)")
     return OpRAGClient(a.server, timeout=a.timeout, token=a.token, tls_ca=a.tls_ca, tls_cert=a.client_cert,
                        tls_key=a.client_key, **kw)
 
@@ -83,7 +85,19 @@ def _fail(msg: str, code: int = 1) -> int:
     return code
 
 
+#: what to change, by the words of gRPC's connection errors (which say only what failed)
+_HINTS = (("Connection refused", "no server listens there: start one (oprag serve), or give its address with "
+                                 "--server HOST:PORT or OPRAG_SERVER"),
+          ("WRONG_VERSION_NUMBER", "the server does not use TLS: drop --tls-ca, --tls-cert and --tls-key"),
+          ("Socket closed", "if the server uses TLS, pass --tls-ca with the CA certificate that signed its certificate"),
+          ("Hostname Verification", "the server's certificate does not name this host: give --server the name or "
+                                    "IP address its certificate holds"))
+
+
 def _rpc_error(exc: grpc.RpcError) -> int:
+    details = exc.details() or ""
     hint = (" (give the server's token with --token TOKEN or the OPRAG_TOKEN environment variable)"
             if exc.code() == grpc.StatusCode.UNAUTHENTICATED else "")
-    return _fail(f"{exc.code().name}: {exc.details()}{hint}")
+    if exc.code() == grpc.StatusCode.UNAVAILABLE:
+        hint = next((f" ({h})" for words, h in _HINTS if words in details), "")
+    return _fail(f"{exc.code().name}: {details}{hint}")

@@ -117,3 +117,28 @@ def test_cli_query_help_says_what_0_means(capsys):
     for flag, default in (("--top-k", "5"), ("--candidates", "256"), ("--max-new-tokens", "64")):
         meta = flag[2:].upper().replace("-", "_")
         assert re.search(rf"{flag} {meta} [^(]*\(0 = the server's default, {default};", out), (flag, out)
+
+
+@pytest.mark.parametrize("details, hint", [
+    ("failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: Failed to connect to remote host: "
+     "Connection refused", "no server listens there: start one (oprag serve), or give its address with --server"),
+    ("failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:50625: Socket closed",
+     "if the server uses TLS, pass --tls-ca"),
+    ("... Tls handshake failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: error:100000f7:SSL routines:OPENSSL_internal:"
+     "WRONG_VERSION_NUMBER", "the server does not use TLS: drop --tls-ca"),
+    ("... Custom verification check failed with error: UNAUTHENTICATED: Hostname Verification Check failed.",
+     "the server's certificate does not name this host"),
+])
+def test_cli_connection_errors_say_what_to_change(capsys, details, hint):
+    """trial14: gRPC's connection errors say what failed, not what to change (the words are
+    those of grpcio 1.85 against a stopped server, a TLS server without --tls-ca, a plain-text
+    server with --tls-ca, and a certificate for another host name)."""
+    assert cli._rpc_error(_Err(grpc.StatusCode.UNAVAILABLE, details)) == 1
+    assert f"({hint}" in capsys.readouterr().err
+
+
+def test_cli_tls_file_that_is_not_pem_is_named(tmp_path, capsys):
+    bad = tmp_path / "ca.pem"
+    bad.write_text("garbage\n")
+    assert cli.main(["stats", "--server", "127.0.0.1:1", "--tls-ca", str(bad)]) == 2
+    assert f"oprag: --tls-ca {bad} is not a PEM file" in capsys.readouterr().err
