@@ -98,6 +98,6 @@ def _rpc_error(exc: grpc.RpcError) -> int:
     details = exc.details() or ""
     hint = (" (give the server's token with --token TOKEN or the OPRAG_TOKEN environment variable)"
             if exc.code() == grpc.StatusCode.UNAUTHENTICATED else "")
-    if exc.code() == grpc.StatusCode.UNAVAILABLE:
+    if exc.code() == grpc.StatusCode.UNAVAILABLE and "failed to connect" in details:  # not a call cut short
         hint = next((f" ({h})" for words, h in _HINTS if words in details), "")
     return _fail(f"{exc.code().name}: {details}{hint}")

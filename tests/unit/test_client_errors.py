@@ -124,9 +124,9 @@ def test_cli_query_help_says_what_0_means(capsys):
      "Connection refused", "no server listens there: start one (oprag serve), or give its address with --server"),
     ("failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:50625: Socket closed",
      "if the server uses TLS, pass --tls-ca"),
-    ("... Tls handshake failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: error:100000f7:SSL routines:OPENSSL_internal:"
+    ("failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:50624: Tls handshake failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: error:100000f7:SSL routines:OPENSSL_internal:"
      "WRONG_VERSION_NUMBER", "the server does not use TLS: drop --tls-ca"),
-    ("... Custom verification check failed with error: UNAUTHENTICATED: Hostname Verification Check failed.",
+    ("failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:50625: Custom verification check failed with error: UNAUTHENTICATED: Hostname Verification Check failed.",
      "the server's certificate does not name this host"),
 ])
 def test_cli_connection_errors_say_what_to_change(capsys, details, hint):
@@ -135,6 +135,12 @@ def test_cli_connection_errors_say_what_to_change(capsys, details, hint):
     server with --tls-ca, and a certificate for another host name)."""
     assert cli._rpc_error(_Err(grpc.StatusCode.UNAVAILABLE, details)) == 1
     assert f"({hint}" in capsys.readouterr().err
+
+
+def test_cli_a_call_cut_short_gets_no_connection_hint(capsys):
+    # the server killed during an ingest: its socket closed, but no TLS setting is at fault
+    cli._rpc_error(_Err(grpc.StatusCode.UNAVAILABLE, "Stream removed (Socket closed)"))
+    assert capsys.readouterr().err == "oprag: UNAVAILABLE: Stream removed (Socket closed)\n"
 
 
 def test_cli_tls_file_that_is_not_pem_is_named(tmp_path, capsys):
