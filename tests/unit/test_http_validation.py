@@ -86,3 +86,34 @@ def test_a_value_the_shared_validation_refuses_names_its_param(path, body, param
     status, out = _post(path, json.dumps(body).encode(), b"application/json")
     assert status == 400 and out["error"]["code"] == "invalid_argument", out
     assert out["error"]["param"] == param and out["error"]["message"].startswith(message), out
+
+
+@pytest.mark.parametrize("method, path, status, code", [("POST", "/v1/nope", 404, "not_found"),
+                                                         ("POST", "/v1/models", 405, "method_not_allowed"),
+                                                         ("GET", "/v1/retrieve", 405, "method_not_allowed")])
+def test_an_unknown_path_or_method_names_it_and_the_endpoints(method, path, status, code):
+    """trial14: these said only "Not Found" / "Method Not Allowed" (code null for 405)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from oprag_server.config import ServerConfig
+    from oprag_server.service.http import Guard, build_app
+    from oprag_server.service.metrics import Metrics
+
+    rt = SimpleNamespace(cfg=ServerConfig(), encoder=SimpleNamespace(name="enc", dim=4), generator=None)
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+             "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"",
+             "headers": [(b"host", b"x"), (b"content-type", b"application/json"), (b"content-length", b"2")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000)}
+    out = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def send(msg):
+        out.append(msg)
+
+    asyncio.run(Guard(build_app(rt), tokens=set(), max_body=1 << 20, metrics=Metrics())(scope, receive, send))
+    body = json.loads(b"".join(m.get("body", b"") for m in out if m["type"] == "http.response.body"))["error"]
+    assert out[0]["status"] == status and body["code"] == code, body
+    assert f"{method} {path}; the endpoints are POST /v1/chat/completions" in body["message"], body

@@ -36,6 +36,8 @@ from . import convert
 from . import openai_api as api
 from .convert import InvalidArgument
 from .interceptors import status_for
+from .disconnect import ClientGone as _ClientGone
+from .disconnect import unless_gone as _unless_gone
 from .stream import job_events
 from .tracing import CARRIER, carrier_of
 
@@ -52,6 +54,8 @@ _HTTP = {
 _CODE_NAME = {200: "OK", 400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 405: "UNIMPLEMENTED",
               413: "RESOURCE_EXHAUSTED", 429: "RESOURCE_EXHAUSTED", 499: "CANCELLED", 503: "UNAVAILABLE"}
 ALIAS = "oprag"  # a chat model id that always names the configured generator
+_ENDPOINTS = ("the endpoints are POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id}, POST /v1/embeddings "
+           "and POST /v1/retrieve")
 
 
 #: the request model of each POST route (validation messages list its fields)
@@ -171,31 +175,6 @@ class _TooLarge(Exception):
     pass
 
 
-class _ClientGone(Exception):
-    """The client closed the connection before a non-streamed reply (499, counted CANCELLED)."""
-
-
-async def _unless_gone(request: Request, aw: Any) -> Any:
-    """``await aw``, cancelled when the client disconnects first, as gRPC cancels a call whose
-    client went away (a non-streamed chat generated every token for nobody, counted OK).
-
-    :raises _ClientGone: the client disconnected first."""
-    async def gone() -> None:  # the body was read: the next message is the disconnect
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    work, watch = asyncio.ensure_future(aw), asyncio.ensure_future(gone())
-    try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in (work, watch):
-            t.cancel()  # no-op when done
-        await asyncio.gather(work, watch, return_exceptions=True)
-    if work.cancelled():
-        raise _ClientGone()
-    return work.result()
-
-
 def _sse(obj: Any) -> bytes:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
 
@@ -216,8 +195,10 @@ def build_app(rt: Any) -> FastAPI:
         return error_response(400, msg, param=param, code="invalid_value")
 
     @app.exception_handler(HTTPException)
-    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:  # an unknown path or method: say which exist
+        what = f": {request.method} {request.url.path[:200]}; {_ENDPOINTS}" if exc.status_code in (404, 405) else ""
+        return error_response(exc.status_code, f"{exc.detail}{what}",
+                              code={404: "not_found", 405: "method_not_allowed"}.get(exc.status_code))
 
     @app.exception_handler(_ClientGone)
     async def _gone(request: Request, exc: _ClientGone) -> JSONResponse:  # nobody reads it: for the metrics
