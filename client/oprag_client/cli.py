@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -17,43 +16,9 @@ from pathlib import Path
 
 import grpc
 
-from .client import MODES, OpRAGClient
-
-
-def _add_server(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--server", default=os.environ.get("OPRAG_SERVER", "127.0.0.1:50051"), help="HOST:PORT")
-    p.add_argument("--timeout", type=_seconds, default=None, help="per-RPC deadline in seconds (> 0)")
-    p.add_argument("--token", default=os.environ.get("OPRAG_TOKEN"), help="bearer token (or OPRAG_TOKEN)")
-    p.add_argument("--tls-ca", type=Path, default=None, help="connect with TLS, trusting this CA (PEM)")
-    p.add_argument("--tls-cert", dest="client_cert", type=Path, default=None, help="client certificate (PEM)")
-    p.add_argument("--tls-key", dest="client_key", type=Path, default=None, help="client private key (PEM)")
-
-
-def _client(a, **kw) -> OpRAGClient:
-    return OpRAGClient(a.server, timeout=a.timeout, token=a.token, tls_ca=a.tls_ca, tls_cert=a.client_cert,
-                       tls_key=a.client_key, **kw)
-
-
-def _count(text: str) -> int:
-    v = int(text)
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
-
-
-def _positive(text: str) -> int:
-    v = int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
-def _seconds(text: str) -> float:
-    """A deadline: a finite number of seconds above 0 (0 or less expired before the call was sent)."""
-    v = float(text)
-    if not (0 < v < float("inf")):
-        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, got {text}")
-    return v
+from .cli_ingest import cmd_ingest
+from .cli_util import _add_server, _client, _count, _fail, _positive, _rpc_error, _seconds  # noqa: F401
+from .client import MODES
 
 
 def _parser(plugins: dict) -> argparse.ArgumentParser:
@@ -78,12 +43,14 @@ def _parser(plugins: dict) -> argparse.ArgumentParser:
 
     q = sub.add_parser("query", help="ask a question")
     _add_server(q)
-    q.add_argument("--top-k", type=_count, default=0)
+    q.add_argument("--top-k", type=_count, default=0, help="hits to return (0 = the server's default, 5; at most 100)")
     q.add_argument("--mode", choices=list(MODES), default="hybrid")
     q.add_argument("--session", default="", help="session id: follow-up questions use this session's earlier turns")
     q.add_argument("--no-memory", action="store_true", help="with --session: do not use or record memory")
-    q.add_argument("--max-new-tokens", type=_count, default=0)
-    q.add_argument("--candidates", type=_count, default=0)
+    q.add_argument("--max-new-tokens", type=_count, default=0,
+                   help="answer length in tokens (0 = the server's default, 64; at most 512)")
+    q.add_argument("--candidates", type=_count, default=0,
+                   help="dense-first window N (0 = the server's default, 256; at most 4096)")
     q.add_argument("--no-generate", action="store_true", help="retrieve only")
     q.add_argument("--json", action="store_true")
     q.add_argument("question", nargs="+")
@@ -109,7 +76,7 @@ def _parser(plugins: dict) -> argparse.ArgumentParser:
     eb.add_argument("--queries", type=Path, required=True)
     eb.add_argument("--qrels", type=Path, required=True)
     eb.add_argument("--mode", choices=list(MODES), default="hybrid")
-    eb.add_argument("--top-k", type=_count, default=100, help="documents retrieved per query (at least 100)")
+    eb.add_argument("--top-k", type=_top_docs, default=100, help="documents retrieved per query (at least 100)")
     eb.add_argument("--candidates", type=_count, default=0,
                     help="chunk window N (0 = server default); hybrid mode groups documents from it")
     eb.add_argument("--concurrency", type=_positive, default=1)
@@ -118,103 +85,6 @@ def _parser(plugins: dict) -> argparse.ArgumentParser:
     h = sub.add_parser("health", help="grpc.health.v1 status")
     _add_server(h)
     return ap
-
-
-def _fail(msg: str, code: int = 1) -> int:
-    print(f"oprag: {msg}", file=sys.stderr)
-    return code
-
-
-def _rpc_error(exc: grpc.RpcError) -> int:
-    hint = (" (give the server's token with --token TOKEN or the OPRAG_TOKEN environment variable)"
-            if exc.code() == grpc.StatusCode.UNAUTHENTICATED else "")
-    return _fail(f"{exc.code().name}: {exc.details()}{hint}")
-
-
-def _batches(it, n):
-    batch = []
-    for x in it:
-        batch.append(x)
-        if len(batch) >= n:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
-
-
-def _committed_before_failure(n: int, sent: int, seq: int) -> None:
-    """Say what a failed ``oprag ingest`` stored: the streams before stream ``n`` committed (``sent``
-    documents of the input), stream ``n`` stored nothing (an ingest stream is all-or-nothing)."""
-    if n > 1:
-        done = "stream 1 was" if n == 2 else f"streams 1-{n - 1} were"
-        print(f"oprag: {done} committed (the first {sent} documents of the input, seq {seq}); stream {n} "
-              f"(its document 0 is input document #{sent}) and the rest stored nothing", file=sys.stderr)
-
-
-def cmd_ingest(a) -> int:
-    from tqdm import tqdm
-
-    from .loaders import LOADERS
-
-    missing = [str(p) for p in a.paths if not Path(p).exists()]
-    if missing:
-        return _fail(f"no such file or directory: {', '.join(missing)}")
-    if a.vector_column is not None and a.format not in ("parquet", "arrow"):
-        return _fail(f"--vector-column is for --format parquet or arrow, not {a.format}")
-    docs = LOADERS[a.format](a.paths, a.vector_column) if a.format in ("parquet", "arrow") else LOADERS[a.format](a.paths)
-    totals = {"documents": 0, "chunks": 0, "replaced": 0, "reused": 0, "rejected": [], "chunks_split": 0, "seq": 0}
-    t0 = time.perf_counter()
-    bar = tqdm(unit="doc", disable=a.no_progress, file=sys.stderr, dynamic_ncols=True)
-    sent, n = 0, 0  # documents of the input in the committed streams (a rejection's index is its position)
-    try:
-        with _client(a) as c:
-            for n, batch in enumerate(_batches(docs, max(1, a.docs_per_stream)), 1):
-                # the bar advances when a stream commits; say what is in flight meanwhile
-                bar.set_postfix_str(f"stream {n}: {len(batch)} documents sent, embedding and committing")
-                r = c.ingest(batch)
-                offset, sent = sent, sent + len(batch)
-                totals["documents"] += r.documents_written
-                totals["chunks"] += r.chunks_written
-                totals["replaced"] += r.documents_replaced
-                totals["chunks_split"] += r.chunks_split
-                totals["reused"] += r.chunks_reused
-                totals["seq"] = r.seq
-                totals["rejected"] += [{"index": offset + x.index, "id": x.id, "reason": x.reason} for x in r.rejected]
-                bar.update(len(batch))
-                el = time.perf_counter() - t0
-                bar.set_postfix(chunks=totals["chunks"], chunks_per_s=f"{totals['chunks'] / el:.1f}")
-    except grpc.RpcError as exc:
-        bar.close()
-        _committed_before_failure(n, sent, totals["seq"])
-        return _rpc_error(exc)
-    except (ValueError, TypeError, FileNotFoundError, OSError, ImportError) as exc:
-        bar.close()
-        _committed_before_failure(n, sent, totals["seq"])
-        return _fail(str(exc))
-    bar.close()
-    el = time.perf_counter() - t0
-    if totals["documents"] == 0 and not totals["rejected"]:
-        return _fail(f"no documents found in {' '.join(map(str, a.paths))} with --format {a.format}")
-    summary = {
-        "documents": totals["documents"],
-        "chunks": totals["chunks"],
-        "replaced": totals["replaced"],
-        "chunks_split": totals["chunks_split"],
-        "chunks_reused": totals["reused"],
-        "rejected": totals["rejected"],
-        "elapsed_s": round(el, 3),
-        "documents_per_s": round(totals["documents"] / el, 2) if el else 0.0,
-        "chunks_per_s": round(totals["chunks"] / el, 2) if el else 0.0,
-        "seq": totals["seq"],
-    }
-    for r in totals["rejected"]:
-        print(f"rejected #{r['index']} {r['id']!r}: {r['reason']}", file=sys.stderr)
-    if a.json:
-        print(json.dumps(summary))
-    else:
-        print(f"ingested {summary['documents']} documents, {summary['chunks']} chunks in {el:.1f} s "
-              f"({summary['chunks_per_s']} chunks/s); {len(summary['rejected'])} rejected")
-    return 0
 
 
 def _hit_json(h) -> dict:
@@ -247,12 +117,12 @@ def cmd_query(a) -> int:
     if a.json:
         out = {"answer": answer, "hits": [_hit_json(h) for h in r.hits], "timings_ms": dict(r.timings_ms),
                "request_id": r.request_id, "memory_context": r.memory_context, "memory_used": r.memory_used,
-               "resolved_query": r.resolved_query}
+               "resolved_query": r.resolved_query, "missing_shards": list(r.retrieval.missing_shards)}
         if answer is not None:
             out["sources"] = [{"number": s.number, "chunk_id": s.chunk_id, "doc_id": s.doc_id, "title": s.title,
                                "truncated": s.truncated} for s in r.sources]
         print(json.dumps(out, ensure_ascii=False))
-        return 0
+        return _partial(r)
     if r.memory_context:
         print(f"(memory: {r.memory_context})")
     if answer is not None and getattr(r, "finish_reason", "") == "no_generator":
@@ -268,7 +138,16 @@ def cmd_query(a) -> int:
         for i, h in enumerate(r.hits, 1):
             snippet = " ".join(h.text.split())[:160]
             print(f"{i:>2}. {h.score:.4f}  {h.chunk_id}  [{h.title}]  {snippet}")
-    return 0
+    return _partial(r)
+
+
+def _partial(r) -> int:
+    """1, said on stderr, when shards did not answer (``retrieval.partial``): the hits then leave
+    out the documents those shards hold (README: never a silently incomplete result); else 0."""
+    if not (r.retrieval.partial or r.retrieval.missing_shards):
+        return 0
+    return _fail(f"shard(s) {', '.join(map(str, r.retrieval.missing_shards)) or '?'} did not answer (down, being "
+                 "restarted): these results leave out the documents they hold; ask again shortly")
 
 
 def cmd_clear_session(a) -> int:
@@ -331,7 +210,7 @@ def cmd_eval(a) -> int:
         judged = judged[: a.limit]
     if not judged:
         return _fail("no judged query of the qrels is in the queries file")
-    top_k = max(a.top_k, 100)
+    top_k = a.top_k
 
     def one(c, qid):  # document-level retrieval: the top documents by their best chunk (MaxP)
         t = time.perf_counter()
@@ -354,6 +233,14 @@ def cmd_eval(a) -> int:
         "p95_ms": round(percentile(lat, 95), 3),
     }))
     return 0
+
+
+def _top_docs(text: str) -> int:
+    """``eval --top-k``: at least 100 (a smaller value was silently raised to 100)."""
+    v = _count(text)
+    if v < 100:
+        raise argparse.ArgumentTypeError(f"must be at least 100 (Recall@100 ranks the top 100 documents), got {v}")
+    return v
 
 
 def cmd_health(a) -> int:
@@ -396,6 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. `oprag stats | head`
         sys.stderr.close()
         return 0
+    except ValueError as exc:  # an argument the client refuses before sending (a traceback before)
+        hint = (" (the command line holds bytes that are not UTF-8: use a UTF-8 locale or re-encode the argument)"
+                if "surrogate" in str(exc) else "")
+        return _fail(f"{exc}{hint}", 2)
 
 
 COMMANDS = {

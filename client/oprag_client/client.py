@@ -8,7 +8,7 @@ with the server's status code and message.
 
 from __future__ import annotations
 
-import math
+import numbers
 import sys
 from collections.abc import AsyncIterable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from oprag.v1 import oprag_pb2, oprag_pb2_grpc
 
 from .inputs import bad_text, clear_session_request, delete_request, names_bad_text
+from .metadata import MetadataValue, metadata_of, metadata_value  # noqa: F401 - re-exported
 from .retry import NO_RETRY, RetryPolicy, acall, call
 from .vectors import floats as _floats
 from .vectors import pack as _pack
@@ -31,42 +32,6 @@ MODES = {
     "lexical": oprag_pb2.LEXICAL,
     "full_hybrid": oprag_pb2.FULL_HYBRID,
 }
-
-
-MetadataValue = str | int | float | bool
-_INT64 = (-(2**63), 2**63 - 1)
-
-
-def metadata_value(key: str, v: Any) -> oprag_pb2.MetadataValue:
-    """The wire ``MetadataValue`` of a typed metadata value (README: typed metadata).
-
-    :raises ValueError: a type other than str/int/float/bool, an integer outside signed 64-bit,
-        NaN or infinity (the message names the key).
-    """
-    if isinstance(v, bool):
-        return oprag_pb2.MetadataValue(bool_value=v)
-    if isinstance(v, int):
-        if not _INT64[0] <= v <= _INT64[1]:
-            raise ValueError(f"metadata {key!r}: integer {v} is outside signed 64-bit; send it as a string")
-        return oprag_pb2.MetadataValue(int_value=v)
-    if isinstance(v, float):
-        if not math.isfinite(v):
-            raise ValueError(f"metadata {key!r}: {v} is not a finite number; send a finite float or a string")
-        return oprag_pb2.MetadataValue(float_value=v)
-    if isinstance(v, str):
-        return oprag_pb2.MetadataValue(string_value=v)
-    raise ValueError(f"metadata {key!r} is a {type(v).__name__}: values must be string, integer, float or boolean")
-
-
-def metadata_of(pb: Any) -> dict[str, MetadataValue]:
-    """Typed metadata of a wire ``Hit`` or ``Document``: its ``typed_metadata`` over its string
-    ``metadata`` (a server that predates typed metadata sends strings only)."""
-    out: dict[str, MetadataValue] = dict(pb.metadata)
-    for k, mv in pb.typed_metadata.items():
-        kind = mv.WhichOneof("kind")
-        if kind is not None:
-            out[k] = getattr(mv, kind)
-    return out
 
 
 @dataclass
@@ -194,7 +159,11 @@ def query_request(question: str, *, top_k: int = 0, mode: str = "hybrid", sessio
     """
     for name, v in dict(top_k=top_k, max_new_tokens=max_new_tokens, candidates=candidates, rrf_k=rrf_k, nprobe=nprobe,
                         chunks_per_document=chunks_per_document, ef_search=ef_search, min_seq=min_seq).items():
-        if isinstance(v, int) and v not in range(hi := 2**64 if name == "min_seq" else 2**32):
+        if v is None:  # unset: the server's default, as 0
+            continue
+        if not isinstance(v, numbers.Integral):  # protobuf said "'str' object cannot be interpreted as an integer"
+            raise TypeError(f"{name} must be an integer (0 = the server's default), got {type(v).__name__} {v!r}")
+        if int(v) not in range(hi := 2**64 if name == "min_seq" else 2**32):
             raise ValueError(f"{name} must be between 0 and {hi - 1} (0 = the server's default), got {v}")
     for name, v in (("question", question), ("session_id", session_id)):
         if v is not None and not isinstance(v, (str, bytes)):

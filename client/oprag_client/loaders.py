@@ -94,7 +94,7 @@ def _json_lines(path: Path, id_key: str, what: str) -> Iterator[Doc]:
         type (file and line named).
     """
     with open(path, encoding="utf-8-sig") as f:
-        for n, line in enumerate(f, 1):
+        for n, line in _lines(f, path):
             if not line.strip():
                 continue
             try:
@@ -113,14 +113,35 @@ def _json_lines(path: Path, id_key: str, what: str) -> Iterator[Doc]:
                 raise ValueError(f"{path}:{n}: {exc}") from exc
 
 
+def _lines(f, path: Path) -> Iterator[tuple[int, str]]:
+    """``(n, line)`` of a text file.
+
+    :raises ValueError: the file is not UTF-8 (a Parquet or Arrow file read as JSON lines said
+        only "'utf-8' codec can't decode byte 0x88 in position 92", naming no file)."""
+    n = 0
+    try:
+        for n, line in enumerate(f, 1):
+            yield n, line
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}:{n + 1}: not UTF-8 text ({exc.reason}): JSON lines are UTF-8 text; for a "
+                         "Parquet or Arrow file use --format parquet or --format arrow") from None
+
+
 def _check_types(obj: dict, id_key: str) -> None:
-    """:raises TypeError: id not a string or integer, text/title not strings (null title allowed)."""
+    """:raises TypeError: id not a string or integer, text/title not strings (null title allowed).
+    :raises ValueError: ``chunks`` not a list of ``{"text", "vector"}`` objects."""
     if id_key in obj and (isinstance(obj[id_key], bool) or not isinstance(obj[id_key], (str, int))):
         raise TypeError(f"{id_key} must be a string or an integer, got {type(obj[id_key]).__name__}")
     if "text" in obj and obj["text"] is not None and not isinstance(obj["text"], str):
         raise TypeError(f"text must be a string, got {type(obj['text']).__name__}")
     if obj.get("title") is not None and not isinstance(obj["title"], str):
         raise TypeError(f"title must be a string, got {type(obj['title']).__name__}")
+    chunks = obj.get("chunks")  # a ValueError: "expected ... id and text ('vector')" misled
+    if chunks and not isinstance(chunks, list):
+        raise ValueError(f'chunks must be a list of {{"text", "vector"}} objects, got {json.dumps(chunks)[:80]}')
+    for i, c in enumerate(chunks or []):
+        if not isinstance(c, dict) or not isinstance(c.get("text"), str) or not isinstance(c.get("vector"), list):
+            raise ValueError(f'chunks[{i}] must be an object {{"text": "...", "vector": [numbers]}}, got {json.dumps(c)[:80]}')
 
 
 def load_jsonl(paths: list[Path]) -> Iterator[Doc]:
@@ -179,7 +200,12 @@ def load_wikitext(paths: list[Path]) -> Iterator[Doc]:
     `` (2)``, `` (3)``...; not ``#n``, which reads like a chunk number)."""
     for p in paths:
         seen: dict[str, int] = {}
-        for title, body in wikitext_articles(p.read_text(encoding="utf-8")):
+        try:
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{p}: not UTF-8 text ({exc.reason} at byte {exc.start}): --format wikitext reads "
+                             "the raw WikiText-2 text files") from None
+        for title, body in wikitext_articles(text):
             if not body.strip():
                 continue
             seen[title] = seen.get(title, 0) + 1
@@ -210,7 +236,10 @@ def load_parquet(paths: list[Path], vector_column: str | None = None) -> Iterato
     """
     pq = _pyarrow("parquet")
     for f in _files(paths, (".parquet", ".pq")):
-        pf = pq.ParquetFile(f)
+        try:
+            pf = pq.ParquetFile(f)
+        except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError; it named no file
+            raise ValueError(f"{f}: not a Parquet file ({exc})") from exc
         yield from columnar_docs(f, pf.schema_arrow, lambda cols=None, pf=pf: pf.iter_batches(4096, columns=cols),
                                  vector_column)
 

@@ -14,7 +14,9 @@ from oprag_server.service.metrics import Metrics
 
 
 def _post(path: str, body: bytes, content_type: bytes | None) -> tuple[int, dict]:
-    rt = SimpleNamespace(cfg=ServerConfig(), encoder=SimpleNamespace(name="enc", dim=4), generator=None)
+    # query.submit is never called: the requests here fail validation, which runs first
+    rt = SimpleNamespace(cfg=ServerConfig(), encoder=SimpleNamespace(name="enc", dim=4), generator=None,
+                         query=SimpleNamespace(submit=None))
     guard = Guard(build_app(rt), tokens=set(), max_body=1 << 20, metrics=Metrics())
     headers = [(b"host", b"x"), (b"content-length", str(len(body)).encode())]
     if content_type is not None:

@@ -59,3 +59,61 @@ def test_a_lone_surrogate_shown_in_a_message_is_escaped(path, body):
     # (found by test_http_fuzz: the message quoted the value, and the error body could not be encoded: a 500)
     status, out = _post(path, json.dumps(body).encode(), b"application/json")
     assert status == 400 and "\\ud800" in out["error"]["message"], out
+
+
+@pytest.mark.parametrize("path, body, param, message", [
+    ("/v1/retrieve", {"query": "q", "fusion": {"dense_weight": -1}}, "fusion.dense_weight", "fusion.dense_weight must be"),
+    ("/v1/retrieve", {"query": "q", "top_k": 1000}, "top_k", "top_k must be in [1, 100], got 1000"),
+    ("/v1/retrieve", {"query": "q", "candidates": 100000}, "candidates", "candidates must be in"),
+    ("/v1/retrieve", {"query": " \u200b"}, "query", "question is empty"),
+    ("/v1/retrieve", {"query": "q" * 5000}, "query", "question has 5000 characters"),
+    ("/v1/retrieve", {"query": "q", "session_id": "s" * 300}, "session_id", "session_id is longer than 256 bytes"),
+    ("/v1/retrieve", {"query": "q", "filters": {"lang": []}}, "filters.lang", "metadata filter 'lang' needs"),
+    ("/v1/retrieve", {"query": "q", "filters": {"": "x"}}, "filters", "a metadata filter has an empty key"),
+    ("/v1/chat/completions", {"model": "oprag", "messages": MSG, "oprag": {"top_k": 1000}}, "oprag.top_k", "top_k must be"),
+    ("/v1/chat/completions", {"model": "oprag", "messages": MSG, "oprag": {"fusion": {"lexical_weight": 1e7}}},
+     "oprag.fusion.lexical_weight", "fusion.lexical_weight must be"),
+    ("/v1/chat/completions", {"model": "oprag", "messages": [{"role": "user", "content": ""}]}, "messages", "question is empty"),
+    ("/v1/chat/completions", {"model": "oprag", "messages": [{"role": "assistant", "content": "a"}]}, "messages[-1]",
+     "messages[-1] has role 'assistant'"),
+    ("/v1/embeddings", {"model": "enc", "input": []}, "input", "input has 0 items"),
+    ("/v1/embeddings", {"model": "enc", "input": ["a", " "]}, "input[1]", "input[1] must be non-empty"),
+    ("/v1/embeddings", {"model": "enc", "input": "a", "dimensions": 3}, "dimensions", "dimensions must be 4"),
+])
+def test_a_value_the_shared_validation_refuses_names_its_param(path, body, param, message):
+    """trial14: errors raised past the request's shape (by the validation gRPC shares) had
+    ``param: null``: the message named the field, OpenAI's ``param`` did not."""
+    status, out = _post(path, json.dumps(body).encode(), b"application/json")
+    assert status == 400 and out["error"]["code"] == "invalid_argument", out
+    assert out["error"]["param"] == param and out["error"]["message"].startswith(message), out
+
+
+@pytest.mark.parametrize("method, path, status, code", [("POST", "/v1/nope", 404, "not_found"),
+                                                         ("POST", "/v1/models", 405, "method_not_allowed"),
+                                                         ("GET", "/v1/retrieve", 405, "method_not_allowed")])
+def test_an_unknown_path_or_method_names_it_and_the_endpoints(method, path, status, code):
+    """trial14: these said only "Not Found" / "Method Not Allowed" (code null for 405)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from oprag_server.config import ServerConfig
+    from oprag_server.service.http import Guard, build_app
+    from oprag_server.service.metrics import Metrics
+
+    rt = SimpleNamespace(cfg=ServerConfig(), encoder=SimpleNamespace(name="enc", dim=4), generator=None)
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+             "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"",
+             "headers": [(b"host", b"x"), (b"content-type", b"application/json"), (b"content-length", b"2")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000)}
+    out = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def send(msg):
+        out.append(msg)
+
+    asyncio.run(Guard(build_app(rt), tokens=set(), max_body=1 << 20, metrics=Metrics())(scope, receive, send))
+    body = json.loads(b"".join(m.get("body", b"") for m in out if m["type"] == "http.response.body"))["error"]
+    assert out[0]["status"] == status and body["code"] == code, body
+    assert f"{method} {path}; the endpoints are POST /v1/chat/completions" in body["message"], body

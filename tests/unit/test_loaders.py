@@ -260,3 +260,45 @@ def test_cli_ingest_vector_column_missing_fails_before_connecting(tmp_path, caps
     assert rc != 0 and "no column 'emb'" in err and "vector" in err
     assert cli.main(["ingest", "--server", "127.0.0.1:1", "--vector-column", "emb", str(p)]) != 0
     assert "--vector-column is for --format parquet or arrow" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "beir", "wikitext", "parquet"])
+def test_a_file_of_another_format_is_named_with_what_to_use(tmp_path, fmt):
+    """trial14: a Parquet file given as --format jsonl said only "'utf-8' codec can't decode byte
+    0x88 in position 92: invalid start byte", and a JSON-lines file given as --format parquet
+    "Parquet magic bytes not found in footer": neither named the file."""
+    pytest.importorskip("pyarrow")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from oprag_client.loaders import LOADERS
+
+    pq.write_table(pa.table({"id": ["a"], "text": ["x"], "n": [2**40 + 0x88]}), tmp_path / "d.parquet")
+    (tmp_path / "d.jsonl").write_text('{"id": "a", "text": "x"}\n')
+    f = tmp_path / ("d.jsonl" if fmt == "parquet" else "d.parquet")
+    with pytest.raises(ValueError) as ei:
+        list(LOADERS[fmt]([f]))
+    msg = str(ei.value)
+    assert msg.startswith(f"{f}") and ("not a Parquet file" if fmt == "parquet" else "not UTF-8 text") in msg
+    if fmt in ("jsonl", "beir"):
+        assert "--format parquet" in msg
+
+
+@pytest.mark.parametrize("chunks, words", [
+    ([{"text": "a"}], 'chunks[0] must be an object {"text": "...", "vector": [numbers]}, got {"text": "a"}'),
+    ([{"text": "a", "vector": [0.1]}, {"vector": [0.2]}], 'chunks[1] must be an object'),
+    ([["a", [0.1]]], 'chunks[0] must be an object {"text": "...", "vector": [numbers]}, got ["a", [0.1]]'),
+    ("abc", 'chunks must be a list of {"text", "vector"} objects, got "abc"'),
+])
+def test_jsonl_chunks_of_the_wrong_shape_say_what_a_chunk_is(tmp_path, chunks, words):
+    """trial14: these said "expected a JSON object with id and text ('vector')" (or "list indices
+    must be integers"), though id and text were not the problem."""
+    import json as _json
+
+    from oprag_client.loaders import load_jsonl
+
+    (tmp_path / "c.jsonl").write_text(_json.dumps({"id": "c", "chunks": chunks}) + "\n")
+    with pytest.raises(ValueError) as ei:
+        list(load_jsonl([tmp_path / "c.jsonl"]))
+    assert str(ei.value).startswith(f"{tmp_path / 'c.jsonl'}:1: {words}"), str(ei.value)
+    assert "id and text" not in str(ei.value)

@@ -66,3 +66,17 @@ def test_filters_take_a_single_value_or_a_list():
     assert a == b and len(a) == 2 and all(len(f.typed_values) == 1 for f in a)
     with pytest.raises(ValidationError):
         RetrieveRequest.model_validate({"query": "q", "filters": {"lang": {"nested": 1}}})
+
+
+@pytest.mark.parametrize("missing", [[], [1]])
+def test_http_retrieval_says_partial_as_grpc_does(missing):
+    """trial14: with a shard down, /v1/retrieve and the chat extension had missing_shards but no
+    ``partial``, which the README promises (gRPC's RetrievalInfo.partial)."""
+    from oprag_server.domain import RetrievalInfo
+    from oprag_server.service import openai_api as api
+
+    job = _job("stop")
+    job.info = RetrievalInfo(mode="hybrid", fusion="weighted_minmax", dense_weight=0.5, lexical_weight=0.5, rrf_k=0,
+                             candidates=256, missing_shards=missing)
+    r = api.extension(job, include_trace=False)["retrieval"]
+    assert r["partial"] is bool(missing) and r["missing_shards"] == missing

@@ -195,3 +195,29 @@ def test_snapshot_with_string_metadata_still_loads_and_stays_strings(tmp_path):
     assert new.store.allowed([("published", (True,))]).tolist() == []
     assert new.store.allowed([("n", (1,))]).tolist() == [] and new.store.allowed([("n", ("1",))]).tolist() == [0]
     assert md.loads(new.store.chunks[0].metadata) == {"n": "1", "published": "true"}
+
+
+def test_numpy_scalars_are_their_python_values_in_doc_metadata_and_filters():
+    """trial14: ``np.int64(3)`` (what pandas and numpy hand out) was refused as
+    "metadata 'n' is a int64", and ``np.bool_(True)`` as "is a bool: values must be ... boolean"."""
+    import numpy as np
+
+    from oprag_client.client import query_request
+
+    pb = Doc("a", "t", metadata={"i": np.int64(3), "f": np.float32(2.5), "b": np.bool_(True), "s": np.str_("x"),
+                                 "u": np.uint8(7)}).to_pb()
+    assert md.of_document(_wire(pb)) == {"i": 3, "f": 2.5, "b": True, "s": "x", "u": 7}
+    assert pb.typed_metadata["b"].WhichOneof("kind") == "bool_value"
+    req = query_request("q", filters={"year": np.int64(2001), "tag": [np.bool_(False), np.float64(1.5)]})
+    got = {f.key: [getattr(v, v.WhichOneof("kind")) for v in f.typed_values] for f in req.filters}
+    assert got == {"year": [2001], "tag": [False, 1.5]}
+    with pytest.raises(ValueError, match=r"^metadata 'n': integer 18446744073709551615 is outside signed 64-bit"):
+        Doc("a", "t", metadata={"n": np.uint64(2**64 - 1)}).to_pb()
+
+
+@pytest.mark.parametrize("value, words", [(None, "is None:"), (object(), "is an object:"), (b"x", "is a bytes:")])
+def test_a_refused_type_is_named_in_plain_words(value, words):
+    from oprag_client.client import query_request
+
+    with pytest.raises(ValueError, match=f"^metadata 'k' {words} values must be string, integer, float or boolean$"):
+        query_request("q", filters={"k": value})

@@ -20,6 +20,7 @@ from ..config import LimitsConfig, ServerConfig
 from ..domain import DEFAULT_RRF_K, MODES, RetrieveSpec
 from ..engine.job import QueryJob
 from ..index.analyzer import has_visible_content
+from .ingest_reply import ingest_response  # noqa: F401 - convert's proto <-> domain API
 
 #: Wire retrieval mode -> domain mode name (UNSPECIFIED means the default, hybrid).
 MODE_NAMES = {
@@ -361,16 +362,6 @@ def done_event(job: QueryJob, *, include_trace: bool) -> oprag_pb2.QueryEvent:
         completion_tokens=job.completion_tokens, finish_reason=job.finish_reason, ttft_ms=job.ttft_ms,
         trace=trace(job, include_trace),
     ))
-
-
-def ingest_response(res: Any) -> oprag_pb2.IngestResponse:
-    """``IngestResponse`` from an :class:`~oprag_server.engine.ingest.IngestResult`."""
-    return oprag_pb2.IngestResponse(
-        documents_written=res.documents_written, chunks_written=res.chunks_written,
-        documents_replaced=res.documents_replaced,
-        rejected=[oprag_pb2.RejectedDocument(index=i, id=d, reason=r) for i, d, r in res.rejected],
-        chunks_split=res.chunks_split, chunks_reused=res.chunks_reused, seq=res.seq, elapsed_ms=res.elapsed_ms,
-    )
 
 
 _SHARD_FIELDS = ("shard", "documents", "chunks", "memory_records", "applied_seq")

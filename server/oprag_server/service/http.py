@@ -36,6 +36,8 @@ from . import convert
 from . import openai_api as api
 from .convert import InvalidArgument
 from .interceptors import status_for
+from .disconnect import ClientGone as _ClientGone
+from .disconnect import unless_gone as _unless_gone
 from .stream import job_events
 from .tracing import CARRIER, carrier_of
 
@@ -50,8 +52,10 @@ _HTTP = {
 }
 #: HTTP status -> the gRPC code name counted in ``oprag_requests_total{code}``.
 _CODE_NAME = {200: "OK", 400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 405: "UNIMPLEMENTED",
-              413: "RESOURCE_EXHAUSTED", 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE"}
+              413: "RESOURCE_EXHAUSTED", 429: "RESOURCE_EXHAUSTED", 499: "CANCELLED", 503: "UNAVAILABLE"}
 ALIAS = "oprag"  # a chat model id that always names the configured generator
+_ENDPOINTS = ("the endpoints are POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id}, POST /v1/embeddings "
+           "and POST /v1/retrieve")
 
 
 #: the request model of each POST route (validation messages list its fields)
@@ -94,7 +98,8 @@ def exception_response(exc: Exception, method: str) -> JSONResponse:
     headers = None
     if isinstance(exc, Overloaded):
         headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))}
-    return error_response(status, msg, type_, code=code.name.lower(), headers=headers)
+    param = api.error_param(msg, method) if code == grpc.StatusCode.INVALID_ARGUMENT else None
+    return error_response(status, msg, type_, param=param, code=code.name.lower(), headers=headers)
 
 
 class Guard:
@@ -190,8 +195,14 @@ def build_app(rt: Any) -> FastAPI:
         return error_response(400, msg, param=param, code="invalid_value")
 
     @app.exception_handler(HTTPException)
-    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:  # an unknown path or method: say which exist
+        what = f": {request.method} {request.url.path[:200]}; {_ENDPOINTS}" if exc.status_code in (404, 405) else ""
+        return error_response(exc.status_code, f"{exc.detail}{what}",
+                              code={404: "not_found", 405: "method_not_allowed"}.get(exc.status_code))
+
+    @app.exception_handler(_ClientGone)
+    async def _gone(request: Request, exc: _ClientGone) -> JSONResponse:  # nobody reads it: for the metrics
+        return error_response(499, "the client closed the connection", code="cancelled")
 
     async def _mapped(request: Request, exc: Exception) -> JSONResponse:
         return exception_response(exc, f"HTTP {request.url.path}")
@@ -277,7 +288,7 @@ def build_app(rt: Any) -> FastAPI:
         head = {"id": f"chatcmpl-{job.request_id}", "created": int(time.time()), "model": body.model}
         trace = body.oprag.include_trace
         if not body.stream:
-            job = await rt.query.submit(job)
+            job = await _unless_gone(request, rt.query.submit(job))
             msg = {"role": "assistant", "content": job.answer if rt.generator is not None else ""}
             return fits({**head, "object": "chat.completion", "usage": api.usage(job), "oprag": api.extension(job, include_trace=trace),
                          "choices": [{"index": 0, "message": msg, "finish_reason": api.finish_reason(job), "logprobs": None}]}, job)

@@ -18,6 +18,7 @@ import base64
 import dataclasses
 import difflib
 import json
+import re
 from typing import Annotated, Any, Literal
 
 import numpy as np
@@ -187,6 +188,30 @@ def _fields_at(model: Any, path: list) -> list[str]:
     return list(getattr(model, "model_fields", {}))
 
 
+#: the retrieval knobs: top-level fields of /v1/retrieve, under "oprag" in a chat request
+_KNOBS = {"mode", "top_k", "candidates", "filters", "fusion", "session_id", "disable_memory", "include_trace"}
+_FIELD = re.compile(r"(?:metadata filter '(?P<key>.*?)'|(?P<filters>a metadata filter|\d+ metadata filters)"
+                    r"|(?P<f>[a-z_]+(?:\.[a-z_]+)*(?:\[-?\d+\])?) (?:must|is|has|needs|contains) "
+                    r"|the (?P<q>question) needs)")
+
+
+def error_param(message: str, path: str) -> str | None:
+    """OpenAI's ``param`` of an INVALID_ARGUMENT raised by the shared validation (its message
+    starts with the field's wire name): the request's own path to the field, e.g. ``top_k`` on
+    /v1/retrieve and ``oprag.top_k`` in a chat request; the question is ``query`` or ``messages``."""
+    m = _FIELD.match(message)
+    if m is None:
+        return None
+    field = (f"filters.{m['key']}" if m["key"] is not None else "filters" if m["filters"] else m["f"] or m["q"])
+    root = re.split(r"[.\[]", field)[0]
+    chat = path.endswith("/chat/completions")
+    if root == "question":
+        return "messages" if chat else "query" if path.endswith("/retrieve") else None
+    if root in _KNOBS:
+        return f"oprag.{field}" if chat else field
+    return field if root in {"input", "dimensions", "max_tokens", "max_completion_tokens", "messages"} else None
+
+
 def validation_message(errors: list[dict], body: Any, model: Any = None) -> tuple[str | None, str]:
     """As :func:`_message`, with lone surrogates (JSON ``\\ud800`` escapes in a key or value) escaped:
     the error body must encode as UTF-8."""
@@ -297,7 +322,9 @@ def extension(job: QueryJob, *, include_trace: bool, first: bool = True, last: b
         p = job.payload
         out["sources"] = [dataclasses.asdict(s) for s in (p.sources if p else [])]
         out["hits"] = hit_dicts(job)
-        out["retrieval"] = dataclasses.asdict(job.info) if job.info is not None else None
+        # partial, as gRPC's RetrievalInfo says it (README: never a silently incomplete result)
+        out["retrieval"] = ({**dataclasses.asdict(job.info), "partial": bool(job.info.missing_shards)}
+                            if job.info is not None else None)
         out["memory_context"] = job.memory.memory_text if job.memory else ""
     if last:
         # OpenAI's finish_reason has no value for "this server has no generator"; OpRAG's own

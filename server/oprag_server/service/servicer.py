@@ -85,7 +85,7 @@ class OpRAGServicer(oprag_pb2_grpc.OpRAGServicer):
     async def Ingest(self, request_iterator, context):
         res = await self.rt.ingest.run(request_iterator)
         self.rt.mark_dirty()
-        return convert.ingest_response(res)
+        return convert.ingest_response(res, self.cfg.limits)
 
     async def Delete(self, request, context):
         docs, chunks, seq = await self.rt.delete(convert.delete_ids(request, self.cfg.limits))

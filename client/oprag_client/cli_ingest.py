@@ -1,0 +1,100 @@
+"""``oprag ingest``: files -> loaders -> Ingest streams of ``--docs-per-stream`` documents, with a
+progress bar and a summary (README: "oprag ingest")."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+from .cli_util import _client, _fail, _rpc_error
+
+
+def _batches(it, n):
+    batch = []
+    for x in it:
+        batch.append(x)
+        if len(batch) >= n:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _committed_before_failure(n: int, sent: int, seq: int) -> None:
+    """Say what a failed ``oprag ingest`` stored: the streams before stream ``n`` committed (``sent``
+    documents of the input), stream ``n`` stored nothing (an ingest stream is all-or-nothing)."""
+    if n > 1:
+        done = "stream 1 was" if n == 2 else f"streams 1-{n - 1} were"
+        print(f"oprag: {done} committed (the first {sent} documents of the input, seq {seq}); stream {n} "
+              f"(its document 0 is input document #{sent}) and the rest stored nothing", file=sys.stderr)
+
+
+def cmd_ingest(a) -> int:
+    from tqdm import tqdm
+
+    from .loaders import LOADERS
+
+    missing = [str(p) for p in a.paths if not Path(p).exists()]
+    if missing:
+        return _fail(f"no such file or directory: {', '.join(missing)}")
+    if a.vector_column is not None and a.format not in ("parquet", "arrow"):
+        return _fail(f"--vector-column is for --format parquet or arrow, not {a.format}")
+    docs = LOADERS[a.format](a.paths, a.vector_column) if a.format in ("parquet", "arrow") else LOADERS[a.format](a.paths)
+    totals = {"documents": 0, "chunks": 0, "replaced": 0, "reused": 0, "rejected": [], "chunks_split": 0, "seq": 0}
+    t0 = time.perf_counter()
+    bar = tqdm(unit="doc", disable=a.no_progress, file=sys.stderr, dynamic_ncols=True)
+    sent, done = 0, 0  # documents of the input in the committed streams (a rejection's index is its position), streams
+    try:
+        with _client(a) as c:
+            for n, batch in enumerate(_batches(docs, max(1, a.docs_per_stream)), 1):
+                # the bar advances when a stream commits; say what is in flight meanwhile
+                bar.set_postfix_str(f"stream {n}: {len(batch)} documents sent, embedding and committing")
+                r = c.ingest(batch)
+                offset, sent = sent, sent + len(batch)
+                totals["documents"] += r.documents_written
+                totals["chunks"] += r.chunks_written
+                totals["replaced"] += r.documents_replaced
+                totals["chunks_split"] += r.chunks_split
+                totals["reused"] += r.chunks_reused
+                totals["seq"] = r.seq
+                totals["rejected"] += [{"index": offset + x.index, "id": x.id, "reason": x.reason} for x in r.rejected]
+                done = n  # a loader error while the next stream is read fails that one, not this one
+                bar.update(len(batch))
+                el = time.perf_counter() - t0
+                bar.set_postfix(chunks=totals["chunks"], chunks_per_s=f"{totals['chunks'] / el:.1f}")
+    except grpc.RpcError as exc:
+        bar.close()
+        _committed_before_failure(done + 1, sent, totals["seq"])
+        return _rpc_error(exc)
+    except (ValueError, TypeError, FileNotFoundError, OSError, ImportError) as exc:
+        bar.close()
+        _committed_before_failure(done + 1, sent, totals["seq"])
+        return _fail(str(exc))
+    bar.close()
+    el = time.perf_counter() - t0
+    if totals["documents"] == 0 and not totals["rejected"]:
+        return _fail(f"no documents found in {' '.join(map(str, a.paths))} with --format {a.format}")
+    summary = {
+        "documents": totals["documents"],
+        "chunks": totals["chunks"],
+        "replaced": totals["replaced"],
+        "chunks_split": totals["chunks_split"],
+        "chunks_reused": totals["reused"],
+        "rejected": totals["rejected"],
+        "elapsed_s": round(el, 3),
+        "documents_per_s": round(totals["documents"] / el, 2) if el else 0.0,
+        "chunks_per_s": round(totals["chunks"] / el, 2) if el else 0.0,
+        "seq": totals["seq"],
+    }
+    for r in totals["rejected"]:
+        print(f"rejected #{r['index']} {r['id']!r}: {r['reason']}", file=sys.stderr)
+    if a.json:
+        print(json.dumps(summary))
+    else:
+        print(f"ingested {summary['documents']} documents, {summary['chunks']} chunks in {el:.1f} s "
+              f"({summary['chunks_per_s']} chunks/s); {len(summary['rejected'])} rejected")
+    return 0

@@ -1,0 +1,103 @@
+"""Shared pieces of the ``oprag`` commands: the connection options every command takes, number
+options that argparse checks, and how errors are printed (``oprag: ...`` on stderr, exit status)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from pathlib import Path
+
+import grpc
+
+from .client import OpRAGClient
+
+
+def _add_server(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--server", type=_target, default=os.environ.get("OPRAG_SERVER", "127.0.0.1:50051"),
+                   help="HOST:PORT (or $OPRAG_SERVER)")
+    p.add_argument("--timeout", type=_seconds, default=None, help="per-RPC deadline in seconds (> 0)")
+    p.add_argument("--token", default=os.environ.get("OPRAG_TOKEN"), help="bearer token (or OPRAG_TOKEN)")
+    p.add_argument("--tls-ca", type=Path, default=None, help="connect with TLS, trusting this CA (PEM)")
+    p.add_argument("--tls-cert", dest="client_cert", type=Path, default=None, help="client certificate (PEM)")
+    p.add_argument("--tls-key", dest="client_key", type=Path, default=None, help="client private key (PEM)")
+
+
+def _target(text: str) -> str:
+    """``--server``: a gRPC target, ``HOST:PORT`` (gRPC would read port 99999 as 34463, its value
+    modulo 65536, and an ``http://`` URL as a host name that does not resolve)."""
+    scheme = re.match(r"(https?|grpcs?)://", text)
+    if scheme:
+        raise argparse.ArgumentTypeError(f"give HOST:PORT without {scheme.group(0)}, e.g. 127.0.0.1:50051, got {text!r}")
+    m = re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[^:/\[\]]*):(\d+)", text)
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"give HOST:PORT, e.g. 127.0.0.1:50051, got {text!r}")
+    if m and not 1 <= int(m.group(2)) <= 65535:
+        raise argparse.ArgumentTypeError(f"the port must be in 1-65535, got {m.group(2)} in {text!r}")
+    return text
+
+
+def _client(a, **kw) -> OpRAGClient:
+    for flag, path in (("--tls-ca", a.tls_ca), ("--tls-cert", a.client_cert), ("--tls-key", a.client_key)):
+        if path is not None and not os.access(path, os.R_OK):
+            raise ValueError(f"cannot read {flag} {path}: {'no such file' if not Path(path).exists() else 'permission denied'}")
+        if path is not None and b"-----BEGIN " not in Path(path).read_bytes()[:1 << 20]:  # gRPC: "security handshaker"
+            raise ValueError(f"{flag} {path} is not a PEM file (no '-----BEGIN ...' line)")
+    return OpRAGClient(a.server, timeout=a.timeout, token=a.token, tls_ca=a.tls_ca, tls_cert=a.client_cert,
+                       tls_key=a.client_key, **kw)
+
+
+def _int(text: str, what: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+
+
+def _count(text: str) -> int:
+    v = _int(text, "an integer >= 0")
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def _positive(text: str) -> int:
+    v = _int(text, "an integer >= 1")
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _seconds(text: str) -> float:
+    """A deadline: a finite number of seconds above 0 (0 or less expired before the call was sent)."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not (0 < v < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, got {text}")
+    return v
+
+
+def _fail(msg: str, code: int = 1) -> int:
+    print(f"oprag: {msg}", file=sys.stderr)
+    return code
+
+
+#: what to change, by the words of gRPC's connection errors (which say only what failed)
+_HINTS = (("Connection refused", "no server listens there: start one (oprag serve), or give its address with "
+                                 "--server HOST:PORT or OPRAG_SERVER"),
+          ("WRONG_VERSION_NUMBER", "the server does not use TLS: drop --tls-ca, --tls-cert and --tls-key"),
+          ("Socket closed", "if the server uses TLS, pass --tls-ca with the CA certificate that signed its certificate"),
+          ("Hostname Verification", "the server's certificate does not name this host: give --server the name or "
+                                    "IP address its certificate holds"))
+
+
+def _rpc_error(exc: grpc.RpcError) -> int:
+    details = exc.details() or ""
+    hint = (" (give the server's token with --token TOKEN or the OPRAG_TOKEN environment variable)"
+            if exc.code() == grpc.StatusCode.UNAUTHENTICATED else "")
+    if exc.code() == grpc.StatusCode.UNAVAILABLE and "failed to connect" in details:  # not a call cut short
+        hint = next((f" ({h})" for words, h in _HINTS if words in details), "")
+    return _fail(f"{exc.code().name}: {details}{hint}")

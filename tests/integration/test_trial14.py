@@ -1,0 +1,71 @@
+"""What the new-user trial of issue 14 found at a real server's doors (1 shard, no generator,
+HTTP on). An ingest reply over the message limit: the stream committed, then gRPC failed the
+reply on the way out (RESOURCE_EXHAUSTED "Sent message larger than max", a traceback in the
+server log), so the client read a stored stream as failed. The reply now stays under the limit."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+import requests
+
+from oprag_client.client import Doc, OpRAGClient
+from oprag_client.testing import ServerProcess, free_port
+
+pytestmark = pytest.mark.integration
+LIMIT = 32 * 1024 * 1024  # the server's default message limit (LimitsConfig.max_message_bytes)
+MAX_ID = 512  # LimitsConfig.max_doc_id_bytes
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    http_port = free_port()
+    srv = ServerProcess.on_free_ports(tmp_path_factory.mktemp("trial14") / "data", "--generator", "none",
+                                      "--shards", "1", "--http-port", str(http_port))
+    srv.start()
+    srv.url = f"http://127.0.0.1:{http_port}/v1"
+    with OpRAGClient(srv.target, timeout=120) as c:
+        srv.client = c
+        yield srv
+    srv.stop()
+
+
+def _vec(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(384).astype(np.float32)
+
+
+def test_long_rejected_ids_do_not_make_a_committed_streams_reply_unsendable(server):
+    c = server.client
+    docs = [Doc("echo-valid", chunks=[("a valid document beside forty huge ids", _vec(1))])]
+    docs += [Doc(f"{i}" + "x" * 1_000_000, "an id of a megabyte") for i in range(40)]  # 40 MB of ids
+    r = c.ingest(docs)  # was RESOURCE_EXHAUSTED, with echo-valid stored
+    assert r.documents_written == 1 and len(r.rejected) == 40
+    for n, rj in enumerate(r.rejected):
+        assert rj.index == n + 1 and "longer than 512 bytes" in rj.reason
+        assert rj.id.startswith(f"{n}xxx") and rj.id.endswith("\u2026") and len(rj.id.encode()) <= MAX_ID + 3
+    assert [h.doc_id for h in c.retrieve("valid document beside", mode="lexical", top_k=1).hits] == ["echo-valid"]
+
+
+def test_more_rejections_than_a_reply_holds_are_summed_up_in_a_last_entry(server):
+    c = server.client
+    n = 60_000  # 511-byte ids and empty texts: ~37 MB of rejections, over the 32 MiB limit
+    docs = [Doc("summary-valid", chunks=[("the one valid document among sixty thousand", _vec(2))])]
+    docs += [Doc(f"{i:06d}" + "y" * 505, " ") for i in range(n)]
+    r = c.ingest(docs)
+    assert r.documents_written == 1 and r.ByteSize() <= LIMIT
+    listed, last = r.rejected[:-1], r.rejected[-1]
+    assert 40_000 < len(listed) < n and all("text is empty" in x.reason for x in listed)
+    assert [x.index for x in listed] == list(range(1, len(listed) + 1))
+    assert last.index == len(listed) + 1 and last.id == ""
+    assert f"this and {n - len(listed) - 1} more rejected documents after it are not listed" in last.reason
+    assert c.stats().documents >= 2
+
+
+def test_an_id_sent_twice_whose_last_version_is_rejected_keeps_the_earlier_one(server):
+    """README (ingest semantics), as the trial found it: the last version that is not rejected counts."""
+    c = server.client
+    r = c.ingest([Doc("twice", chunks=[("good first version nebulaword", _vec(3))]), Doc("twice", " ")])
+    assert r.documents_written == 1 and [(x.index, x.id) for x in r.rejected] == [(1, "twice")]
+    hits = c.retrieve("nebulaword", mode="lexical", top_k=3, min_seq=r.seq).hits
+    assert [(h.doc_id, h.text) for h in hits] == [("twice", "good first version nebulaword")]

@@ -1,0 +1,74 @@
+"""What ``oprag ingest`` says it stored when it stops part-way (README: "When a stream fails,
+the command says which streams were committed before it"). No server: a stand-in client
+commits every stream it is given."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import pytest
+
+from oprag.v1 import oprag_pb2
+from oprag_client import cli, cli_ingest
+
+
+class _Stub:
+    def __init__(self, fail_at: int | None = None):
+        self.streams, self.fail_at = [], fail_at
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def ingest(self, docs):
+        if len(self.streams) + 1 == self.fail_at:
+            raise _Unavailable()
+        self.streams.append([d.id for d in docs])
+        return oprag_pb2.IngestResponse(documents_written=len(docs), chunks_written=len(docs), seq=len(self.streams))
+
+
+class _Unavailable(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return "shard 1 is down"
+
+
+def _file(tmp_path, good: int, bad_line: bool):
+    f = tmp_path / "d.jsonl"
+    lines = [json.dumps({"id": f"d{i}", "text": f"doc {i}"}) for i in range(good)]
+    f.write_text("\n".join(lines + (["{broken", json.dumps({"id": "after", "text": "x"})] if bad_line else [])) + "\n")
+    return f
+
+
+def test_a_bad_line_after_full_streams_says_every_one_of_them_was_committed(tmp_path, monkeypatch, capsys):
+    """trial14: 10 good lines, then a broken one, 3 documents per stream: streams 1-3 (9 documents)
+    committed and the broken line stopped the 4th while it was read; the command said "streams 1-2
+    were committed ...; stream 3 ... and the rest stored nothing"."""
+    stub = _Stub()
+    monkeypatch.setattr(cli_ingest, "_client", lambda a: stub)
+    argv = ["ingest", "--server", "127.0.0.1:1", "--format", "jsonl", "--docs-per-stream", "3", "--no-progress"]
+    assert cli.main(argv + [str(_file(tmp_path, 10, True))]) == 1
+    err = capsys.readouterr().err
+    assert len(stub.streams) == 3
+    assert ("streams 1-3 were committed (the first 9 documents of the input, seq 3); stream 4 (its document 0 is "
+            "input document #9) and the rest stored nothing") in err, err
+    assert "d.jsonl:11:" in err
+
+
+@pytest.mark.parametrize("fail_at, words", [
+    (1, None),
+    (2, "stream 1 was committed (the first 3 documents of the input, seq 1); stream 2 (its document 0 is input document #3)"),
+    (3, "streams 1-2 were committed (the first 6 documents of the input, seq 2); stream 3 (its document 0 is input document #6)"),
+])
+def test_a_stream_the_server_fails_is_named_and_the_ones_before_it_committed(tmp_path, monkeypatch, capsys, fail_at, words):
+    monkeypatch.setattr(cli_ingest, "_client", lambda a: _Stub(fail_at))
+    argv = ["ingest", "--server", "127.0.0.1:1", "--format", "jsonl", "--docs-per-stream", "3", "--no-progress"]
+    assert cli.main(argv + [str(_file(tmp_path, 10, False))]) == 1
+    err = capsys.readouterr().err
+    assert "UNAVAILABLE: shard 1 is down" in err
+    assert (words in err) if words else "committed" not in err, err

@@ -1,0 +1,59 @@
+"""What ``oprag query`` prints when the server answered from some shards only (trial14): the
+README promises "never a silently incomplete result", and the gRPC reply says so
+(``retrieval.partial``, ``missing_shards``), but the CLI printed the hits with exit status 0 and
+its ``--json`` had no field for it. No server: a stand-in client returns the reply."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from oprag.v1 import oprag_pb2
+from oprag_client import cli
+
+
+class _Stub:
+    def __init__(self, reply):
+        self.reply = reply
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def retrieve(self, question, **kw):
+        return self.reply
+
+    def query(self, question, **kw):
+        return self.reply
+
+
+def _reply(cls, missing):
+    r = cls(hits=[oprag_pb2.Hit(chunk_id="a#0", doc_id="a", text="kept", score=1.0)])
+    r.retrieval.partial = bool(missing)
+    r.retrieval.missing_shards.extend(missing)
+    return r
+
+
+@pytest.mark.parametrize("generate", [False, True])
+@pytest.mark.parametrize("as_json", [False, True])
+def test_a_partial_result_says_which_shards_are_missing_and_exits_1(monkeypatch, capsys, generate, as_json):
+    cls = oprag_pb2.QueryResponse if generate else oprag_pb2.RetrieveResponse
+    monkeypatch.setattr(cli, "_client", lambda a: _Stub(_reply(cls, [1])))
+    argv = ["query", "--server", "127.0.0.1:1"] + (["--json"] if as_json else []) + ([] if generate else ["--no-generate"])
+    assert cli.main(argv + ["lobster"]) == 1
+    out, err = capsys.readouterr()
+    assert "shard(s) 1 did not answer" in err and "leave out" in err
+    if as_json:
+        assert json.loads(out)["missing_shards"] == [1]
+    else:
+        assert "kept" in out or "Sources" in out
+
+
+def test_a_complete_result_exits_0_and_json_has_no_missing_shards(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "_client", lambda a: _Stub(_reply(oprag_pb2.RetrieveResponse, [])))
+    assert cli.main(["query", "--server", "127.0.0.1:1", "--json", "--no-generate", "lobster"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["missing_shards"] == [] and err == ""
