@@ -82,6 +82,7 @@ def main(argv=None) -> dict:
                 tim: dict[str, list[float]] = {}
                 t0, pending = time.strftime("%H:%M:%S"), _pending(c)
                 cpu0 = _tree_cpu(srv)
+                nreq = len(texts) * len(modes)
                 slow = []  # hybrid queries over SLOW_MS: when (to line up with the server log) and how long
                 for text, v in zip(texts, vecs):
                     for mode in modes:
@@ -93,7 +94,9 @@ def main(argv=None) -> dict:
                        "hybrid_p95_ms": round(percentile(lat["hybrid"], 95), 2),
                        "server_timings_p50_ms": {k: round(percentile(x, 50), 2) for k, x in tim.items()},
                        # the server process tree's CPU (frontend + shards) per request of the pass
-                       "server_cpu_ms_per_request": round((_tree_cpu(srv) - cpu0) * 1e3 / sum(map(len, lat.values())), 2),
+                       "server_cpu_ms_per_request": round((sum(cpu1 := _tree_cpu(srv)) - sum(cpu0)) * 1e3 / nreq, 2),
+                       # frontend first, then its children (shards, by pid)
+                       "process_cpu_ms_per_request": [round((b - a) * 1e3 / nreq, 2) for a, b in zip(cpu0, cpu1)],
                        "load": round(os.getloadavg()[0], 2)}
                 if slow:
                     row["slow"] = slow
@@ -112,12 +115,13 @@ def main(argv=None) -> dict:
 SLOW_MS = 250.0
 
 
-def _tree_cpu(srv) -> float:
-    """User + system CPU seconds of the server process and its children (shards) so far."""
+def _tree_cpu(srv) -> list[float]:
+    """User + system CPU seconds so far of the server process, then of its children (shards) by pid."""
     import psutil
 
     root = psutil.Process(srv.proc.pid)
-    return sum(p.cpu_times().user + p.cpu_times().system for p in (root, *root.children(recursive=True)))
+    procs = [root, *sorted(root.children(recursive=True), key=lambda p: p.pid)]
+    return [p.cpu_times().user + p.cpu_times().system for p in procs]
 
 
 def _pending(c) -> dict:
