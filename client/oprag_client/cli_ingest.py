@@ -97,4 +97,6 @@ def cmd_ingest(a) -> int:
     else:
         print(f"ingested {summary['documents']} documents, {summary['chunks']} chunks in {el:.1f} s "
               f"({summary['chunks_per_s']} chunks/s); {len(summary['rejected'])} rejected")
+    if totals["documents"] == 0:  # every document rejected: nothing stored is a failure (some rejected: not)
+        return _fail(f"nothing stored: all {len(totals['rejected'])} documents were rejected (reasons above)")
     return 0

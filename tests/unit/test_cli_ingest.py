@@ -72,3 +72,27 @@ def test_a_stream_the_server_fails_is_named_and_the_ones_before_it_committed(tmp
     err = capsys.readouterr().err
     assert "UNAVAILABLE: shard 1 is down" in err
     assert (words in err) if words else "committed" not in err, err
+
+
+class _Rejecting(_Stub):
+    """Rejects the documents whose id starts with ``bad``."""
+
+    def ingest(self, docs):
+        self.streams.append([d.id for d in docs])
+        rej = [oprag_pb2.RejectedDocument(index=i, id=d.id, reason="text is empty") for i, d in enumerate(docs)
+               if d.id.startswith("bad")]
+        ok = len(docs) - len(rej)
+        return oprag_pb2.IngestResponse(documents_written=ok, chunks_written=ok, seq=len(self.streams), rejected=rej)
+
+
+@pytest.mark.parametrize("ids,code", [(["bad1", "bad2", "bad3"], 1), (["bad1", "ok1", "bad2"], 0)])
+def test_every_document_rejected_exits_1(ids, code, tmp_path, monkeypatch, capsys):
+    """trial14: an ingest that stored nothing because every document was rejected exited 0; some
+    rejected documents alone still exit 0 (each is listed on stderr either way)."""
+    f = tmp_path / "d.jsonl"
+    f.write_text("\n".join(json.dumps({"id": i, "text": f"doc {i}"}) for i in ids) + "\n")
+    monkeypatch.setattr(cli_ingest, "_client", lambda a: _Rejecting())
+    assert cli.main(["ingest", "--server", "127.0.0.1:1", "--format", "jsonl", "--no-progress", str(f)]) == code
+    err = capsys.readouterr().err
+    assert err.count("rejected #") == sum(i.startswith("bad") for i in ids)
+    assert ("nothing stored: all 3 documents were rejected" in err) == (code == 1)
