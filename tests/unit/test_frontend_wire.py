@@ -149,3 +149,32 @@ def test_a_retrieve_response_built_in_place_equals_the_old_one():
     old = oprag_pb2.RetrieveResponse(hits=_old_hits(hits), timings_ms=job.timings_ms, request_id="r1",
                                      **convert._memory_fields(job), retrieval=None, documents=[])
     assert new == old and new.SerializeToString(deterministic=True) == old.SerializeToString(deterministic=True)
+
+
+def test_a_checked_reply_is_serialised_once_and_its_bytes_pass_the_serializer():
+    """``_fits`` returns the reply's bytes (the size check serialised it: upb's ``ByteSize``
+    serialises the whole message), and the status interceptor's serializer passes bytes through:
+    the same bytes on the wire as serialising the message, one serialisation fewer."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from oprag.v1 import oprag_pb2
+    from oprag_server.config import ServerConfig
+    from oprag_server.service.convert import InvalidArgument
+    from oprag_server.service.interceptors import passing_bytes
+    from oprag_server.service.servicer import OpRAGServicer
+
+    msg = oprag_pb2.RetrieveResponse(hits=[oprag_pb2.Hit(chunk_id=f"c{i}", text="x" * 900, score=1.0 / (i + 1))
+                                           for i in range(10)], timings_ms={"retrieve": 1.5}, request_id="r")
+    sv = OpRAGServicer.__new__(OpRAGServicer)
+    sv.cfg = ServerConfig()
+    raw = sv._fits(msg, SimpleNamespace(top_k=10))
+    assert type(raw) is bytes and raw == msg.SerializeToString()
+    ser = passing_bytes(oprag_pb2.RetrieveResponse.SerializeToString)
+    assert ser(raw) is raw and ser(msg) == raw and passing_bytes(None) is None
+    assert oprag_pb2.RetrieveResponse.FromString(raw) == msg
+    sv.cfg = SimpleNamespace(limits=SimpleNamespace(max_message_bytes=len(raw) - 1),
+                             retrieval=SimpleNamespace(default_top_k=10))
+    with pytest.raises(InvalidArgument, match=f"would be {len(raw)} bytes"):
+        sv._fits(msg, SimpleNamespace(top_k=10))

@@ -186,3 +186,16 @@ def test_row_fields_equal_the_columns_of_compact_and_plain_replies():
             assert row_fields(f, k) == tuple(c[k] for c in cols)
     for k in (2, 0, 1):  # any order, before and after a column read
         assert row_fields(packed, k) == tuple(c[k] for c in cols)
+
+
+def test_strided_columns_pack_as_their_contiguous_copies():
+    """The compact form joins the columns' buffers: a strided view (every other row of a larger
+    array) packs the same values as its contiguous copy."""
+    rng = np.random.default_rng(7)
+    big = rng.standard_normal((2, 40))
+    slots = np.arange(80, dtype=np.int64)[::2]
+    c = Candidates(slots, [f"d{i}" for i in range(40)], big[0], big[:, 0].repeat(20))
+    c.dense = big.T[:, 1].copy()[::-1]  # a negative stride
+    back = _rt(c)
+    for name in ("slots", "dense", "lexical"):
+        assert getattr(back, name).tobytes() == np.ascontiguousarray(getattr(c, name)).tobytes(), name

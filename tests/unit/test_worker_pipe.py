@@ -81,3 +81,12 @@ def test_something_without_a_descriptor_is_used_as_it_is():
             raise OSError("no descriptor")
     q = Q()
     assert Pipe.of(q) is q
+
+
+def test_a_reply_is_pickled_with_protocol_5():
+    """Replies are pickled with the highest protocol (5: bytearrays as themselves, what the
+    compact Candidates buffers are), not Connection.send's default (4 on Python 3.11)."""
+    front, shard = _pair()
+    shard.send((3, True, bytearray(b"abc")))
+    raw = front.recv_bytes()
+    assert raw[:2] == b"\x80\x05" and pickle.loads(raw) == (3, True, bytearray(b"abc"))

@@ -81,6 +81,19 @@ def lenient(deserializer):
     return decode
 
 
+def passing_bytes(serializer):
+    """``serializer`` (message -> bytes) that returns a ``bytes`` response as it is: a handler
+    that serialised its reply already (to check its size, ``OpRAGServicer._fits``) returns the
+    bytes, and they are not serialised twice."""
+    if serializer is None:
+        return None
+
+    def encode(msg) -> bytes:
+        return msg if type(msg) is bytes else serializer(msg)
+
+    return encode
+
+
 def checked(request: Any, method: str) -> Any:
     """:returns: ``request``. :raises InvalidArgument: it is :class:`Undecodable`."""
     if isinstance(request, Undecodable):
@@ -145,7 +158,7 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
 
     def _wrap(self, handler, method: str):
         kw = {"request_deserializer": lenient(handler.request_deserializer),
-              "response_serializer": handler.response_serializer}
+              "response_serializer": passing_bytes(handler.response_serializer)}
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(self._unary(handler.unary_unary, method, False), **kw)
         if handler.stream_unary:

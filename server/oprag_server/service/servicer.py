@@ -42,17 +42,21 @@ class OpRAGServicer(oprag_pb2_grpc.OpRAGServicer):
                 await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                     f"sequence number {request.min_seq} was not applied before the deadline")
 
-    def _fits(self, msg, request):
-        """``msg``, or :class:`InvalidArgument` when it would exceed the server's message limit
-        (``--max-message-bytes``): gRPC would fail it on the way out after the work was done, as
-        RESOURCE_EXHAUSTED, which says nothing of the cause and which clients retry."""
-        n = msg.ByteSize()
+    def _fits(self, msg, request) -> bytes:
+        """``msg`` serialised, or :class:`InvalidArgument` when it would exceed the server's
+        message limit (``--max-message-bytes``): gRPC would fail it on the way out after the work
+        was done, as RESOURCE_EXHAUSTED, which says nothing of the cause and which clients retry.
+        The bytes are what the handler returns: the status interceptor's serializers pass bytes
+        through (:func:`.interceptors.passing_bytes`), so the reply is serialised once (upb's
+        ``ByteSize`` serialises the whole message too)."""
+        raw = msg.SerializeToString()
+        n = len(raw)
         limit = self.cfg.limits.max_message_bytes
         if n > limit:
             raise InvalidArgument(f"the reply would be {n} bytes, over the server's {limit}-byte message limit "
                                   f"(top_k {request.top_k or self.cfg.retrieval.default_top_k}): ask for fewer hits "
                                   "(top_k, chunks_per_document) or drop include_trace")
-        return msg
+        return raw
 
     async def Query(self, request, context):
         job = self._job(request, generate=True)

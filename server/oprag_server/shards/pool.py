@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from .gather import Gather
 from .protocol import Op, ShutdownRequest, StatsReply
 from .replicas import ReplicaSet
 from .transport import PipeTransport, ShardError, ShardTransport, StorageUnavailable
@@ -151,7 +152,14 @@ class ShardPool:
         self._guard(op)
         targets = list(range(self.n)) if shards is None else shards
         per = request if isinstance(request, list) else [request] * len(targets)
-        futs = [self.clients[s].call(op, r) for s, r in zip(targets, per)]
+        clients = [self.clients[s] for s in targets]
+        if len(clients) > 1 and all(getattr(c, "joins", False) for c in clients):
+            # the replies resolve one Gather: this task wakes once, when the last is in
+            g = Gather(asyncio.get_running_loop(), len(clients))
+            for k, (c, r) in enumerate(zip(clients, per)):
+                c.call(op, r, into=g.slot(k))
+            return self._sorted(targets, await g.future)
+        futs = [c.call(op, r) for c, r in zip(clients, per)]
         if len(futs) == 1:  # one shard (e.g. a single session's memory): no gather wrapper
             try:
                 outs = [await futs[0]]
@@ -166,6 +174,12 @@ class ShardPool:
                     outs.append(exc)
         else:  # gather starts a call that is a coroutine (a replica set's read) before awaiting any
             outs = await asyncio.gather(*futs, return_exceptions=True)
+        return self._sorted(targets, outs)
+
+    @staticmethod
+    def _sorted(targets: list[int], outs: list[Any]) -> tuple[dict[int, Any], list[int]]:
+        """``({shard: reply}, missing shards)`` of the outcomes of a call to ``targets``: a
+        :class:`ShardError` is a missing shard, another exception is raised."""
         got, missing = {}, []
         for s, o in zip(targets, outs):
             if isinstance(o, BaseException):

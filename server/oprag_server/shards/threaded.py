@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from ..index.objstore import StorageWriteError
+from .gather import Slot
 from .protocol import Op, StatsReply, StatsRequest
 from .state import ShardState, dispatch, op_table
 from .transport import ShardError, ShardTransport
@@ -164,9 +165,15 @@ class ThreadTransport(ShardTransport):
                 traceback.print_exc()
             return False, f"{type(exc).__name__}: {exc}"
 
-    def call(self, op: Op, request: Any) -> asyncio.Future:
+    #: answers into a :class:`~.gather.Slot` (``call(..., into=slot)``): see :meth:`ShardPool.gather_partial`
+    joins = True
+
+    def call(self, op: Op, request: Any, into: Slot | None = None) -> asyncio.Future | Slot:
+        """Send one request; the outcome resolves a new future, or ``into`` (a slot of a
+        :class:`~.gather.Gather`, set from the shard's thread: the group's last shard alone
+        wakes the loop)."""
         loop = self.loop = self.loop or asyncio.get_running_loop()
-        fut = loop.create_future()
+        fut = loop.create_future() if into is None else into
         if not self._alive or self._exec is None:
             fut.set_exception(ShardError(f"shard {self.shard_id} is not running"))
             return fut
@@ -178,31 +185,42 @@ class ThreadTransport(ShardTransport):
             fut.set_exception(ShardError(f"shard {self.shard_id} is not running: {exc}"))
             return fut
         self._pending.add(fut)
+        if into is not None:
+            into.group.held.append((self._pending, into))
         cf.add_done_callback(lambda f: self._done(fut, f))
         return fut
 
-    def _done(self, fut: asyncio.Future, cf: Future) -> None:
-        """(On the shard's thread) hand the outcome to the loop."""
+    def _done(self, fut: asyncio.Future | Slot, cf: Future) -> None:
+        """(On the shard's thread) hand the outcome to the loop; a slot's outcome is set here,
+        and only the last of its group posts to the loop."""
         loop = self.loop
         if loop is None or loop.is_closed():
             return
         try:
+            if type(fut) is Slot:
+                if fut.group.put(fut.k, self._outcome(cf)):
+                    loop.call_soon_threadsafe(fut.group.finish)
+                return
             loop.call_soon_threadsafe(self._resolve, fut, cf)
         except RuntimeError:  # the loop closed meanwhile
             pass
+
+    def _outcome(self, cf: Future) -> Any:
+        """The reply of a finished call, or the :class:`ShardError` it failed with."""
+        if cf.cancelled():
+            return ShardError(f"shard {self.shard_id} is not running")
+        ok, res = cf.result()
+        return res if ok else ShardError(f"shard {self.shard_id}: {res}")
 
     def _resolve(self, fut: asyncio.Future, cf: Future) -> None:
         self._pending.discard(fut)
         if fut.done():
             return
-        if cf.cancelled():
-            fut.set_exception(ShardError(f"shard {self.shard_id} is not running"))
-            return
-        ok, res = cf.result()
-        if ok:
-            fut.set_result(res)
+        out = self._outcome(cf)
+        if isinstance(out, ShardError):
+            fut.set_exception(out)
         else:
-            fut.set_exception(ShardError(f"shard {self.shard_id}: {res}"))
+            fut.set_result(out)
 
     def is_alive(self) -> bool:
         return self._alive

@@ -120,7 +120,8 @@ def _shared_frame(op: Op, request: Any, to: Any) -> tuple[int, bytes]:
     return req_id, frame
 
 
-def _resolve(fut: asyncio.Future, ok: bool, res: Any, shard_id: int) -> None:
+def _resolve(fut: Any, ok: bool, res: Any, shard_id: int) -> None:
+    """Resolve ``fut`` (a future, or a :class:`~.gather.Slot`) with a reply or its error."""
     if fut.done():
         return
     if ok:
@@ -310,9 +311,16 @@ class PipeTransport(ShardTransport):
             self._wq.popleft()
         self.loop.remove_writer(self._fd)
 
-    def call(self, op: Op, request: Any) -> asyncio.Future:
-        loop = self.loop or asyncio.get_running_loop()
-        fut = loop.create_future()
+    #: answers into a :class:`~.gather.Slot` (``call(..., into=slot)``): see :meth:`ShardPool.gather_partial`
+    joins = True
+
+    def call(self, op: Op, request: Any, into: Any = None) -> asyncio.Future:
+        """Send one request; its reply resolves a new future, or ``into`` (a slot of a
+        :class:`~.gather.Gather`: its awaiter wakes once for the whole group)."""
+        if into is None:
+            fut = (self.loop or asyncio.get_running_loop()).create_future()
+        else:
+            fut = into
         if not self._alive:
             fut.set_exception(ShardError(f"shard {self.shard_id} is not running"))
             return fut

@@ -1,0 +1,76 @@
+"""The replies of one request sent to several shards, resolved together: the awaiting task wakes
+once, when the last reply is in, instead of once per reply.
+
+A :class:`Gather` holds one :class:`Slot` per shard; a transport answers into a slot where it
+would resolve its own future (a slot has the three methods its resolvers use: ``done``,
+``set_result``, ``set_exception``). A pipe transport answers on the event loop's thread, so the
+last slot set resolves :attr:`Gather.future` there. A thread transport answers from the shard's
+thread (:meth:`Gather.put`): only the last of the group's shards hands over to the loop
+(``call_soon_threadsafe``: one self-pipe write and one loop wake-up per request instead of one
+per shard; the hand-offs were 80-260 us each served, bench/RESULTS.md fe13).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+_UNSET = object()
+
+
+class Gather:
+    """``n`` outcomes (a reply, or the exception of a failed call) in shard order;
+    :attr:`future` resolves to their list once every slot is set."""
+
+    __slots__ = ("loop", "outs", "left", "future", "held", "_lock")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, n: int) -> None:
+        self.loop, self.outs, self.left = loop, [_UNSET] * n, n
+        self.future: asyncio.Future = loop.create_future()
+        self.held: list[tuple[set, Slot]] = []  # (a transport's set of pending calls, the slot in it)
+        self._lock = threading.Lock()
+
+    def slot(self, k: int) -> "Slot":
+        return Slot(self, k)
+
+    def put(self, k: int, value: Any) -> bool:
+        """(Any thread) set outcome ``k`` unless it is set already; True when this was the last
+        one (the caller then runs :meth:`finish` on the loop)."""
+        with self._lock:
+            if self.outs[k] is not _UNSET:
+                return False
+            self.outs[k] = value
+            self.left -= 1
+            return self.left == 0
+
+    def is_set(self, k: int) -> bool:
+        return self.outs[k] is not _UNSET
+
+    def finish(self) -> None:
+        """(On the loop) drop the slots from the transports' pending sets that hold them, and
+        resolve :attr:`future` (unless its awaiter was cancelled meanwhile)."""
+        for pending, slot in self.held:
+            pending.discard(slot)
+        self.held = []
+        if not self.future.done():
+            self.future.set_result(self.outs)
+
+
+class Slot:
+    """One shard's outcome in a :class:`Gather`, set like an ``asyncio.Future`` on the loop."""
+
+    __slots__ = ("group", "k")
+
+    def __init__(self, group: Gather, k: int) -> None:
+        self.group, self.k = group, k
+
+    def done(self) -> bool:
+        return self.group.is_set(self.k)
+
+    def set_result(self, value: Any) -> None:
+        if self.group.put(self.k, value):
+            self.group.finish()
+
+    def set_exception(self, exc: BaseException) -> None:
+        self.set_result(exc)
