@@ -151,7 +151,7 @@ def _reference_path(monkeypatch, searcher):
     monkeypatch.setattr(kernels_carry, "skyband", skyband_reference)
     monkeypatch.setattr(search_mod, "listed_top", listed_top_reference)
     # the BM25 list by numpy; no candidate scores from it: the candidates through the patched score
-    monkeypatch.setattr(search_mod, "listed_top_scored", lambda *a, **kw: (*listed_top_reference(*a[:8]), None))
+    monkeypatch.setattr(search_mod, "listed_top_scored", lambda *a, **kw: (*listed_top_reference(*a[:8]), a[9]()))
 
 
 def _key(rep):

@@ -95,5 +95,14 @@ def test_listed_top_scored_candidates_equal_score(make, seed, monkeypatch):
         assert (s.tobytes(), sc.tobytes(), listed) == tuple(
             (x.tobytes() if hasattr(x, "tobytes") else x) for x in lt.listed_top(ix, terms, idf, avgdl, k1, b, m, allowed))
         assert at.tobytes() == ix.score(cand, terms, idf, avgdl, k1, b).tobytes(), (seed, q)
-    monkeypatch.setattr(lt, "_FULL_BELOW", 0)  # the pruned paths: no candidate scores
+    calls = []
+    assert lt.listed_top_scored(ix, ["t0"], np.ones(1), 8.0, 1.5, 0.75, 5, None, live[:3], lambda: calls.append(1))[3] \
+        is not None and not calls  # the full pass: its own scores, the fallback not called
+    monkeypatch.setattr(lt, "_FULL_BELOW", 0)  # the pruned paths: no candidate scores of their own
     assert lt.listed_top_scored(ix, ["t0", "t1"], np.ones(2), 8.0, 1.5, 0.75, 5, None, live[:3])[3] is None
+    order = []
+    real = lt._pruned
+    monkeypatch.setattr(lt, "_pruned", lambda *a: order.append("pass") or real(*a))
+    got = lt.listed_top_scored(ix, ["t0", "t1"], np.ones(2), 8.0, 1.5, 0.75, 5, None, live[:3],
+                               lambda: order.append("score") or np.arange(3.0))
+    assert got[3].tolist() == [0.0, 1.0, 2.0] and order == ["score", "pass"]  # scored while their postings are warm

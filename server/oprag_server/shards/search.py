@@ -96,12 +96,13 @@ class Searcher(ExactMixin):
                 lows = [est[i] if low is None else low for i, low in enumerate(lows)]
             dense_min = lows
             # the BM25 list first: a pass over every posting also gives the candidates' BM25
-            tops_l = [self._lexical_top(q[i], qb, i, allowed[i], int(req.m), tops[i][0])
+            score = [functools.partial(st.postings.score, tops[i][0], qb.terms[i], qb.idf[i], qb.avgdl, qb.k1, qb.b)
+                     for i in range(B)]
+            tops_l = [self._lexical_top(q[i], qb, i, allowed[i], int(req.m), tops[i][0], score[i])
                       for i in range(B)] if req.mode == "hybrid" and req.m > 0 else None
             for i in range(B):
                 slots, dense = tops[i]
-                lex = tops_l[i][2] if tops_l is not None and tops_l[i][2] is not None else \
-                    st.postings.score(slots, qb.terms[i], qb.idf[i], qb.avgdl, qb.k1, qb.b)
+                lex = tops_l[i][2] if tops_l is not None else score[i]()
                 cands.append(Candidates(slots, st.ids(slots), dense, lex))
             if tops_l is not None:
                 lexical, listed = [c for c, _, _ in tops_l], [k for _, k, _ in tops_l]
@@ -132,20 +133,21 @@ class Searcher(ExactMixin):
                            lexical, listed)
 
     def _lexical_top(self, q: np.ndarray, qb: QueryBatch, i: int, allowed: np.ndarray | None,
-                     m: int, cand: np.ndarray) -> tuple[Candidates, int, np.ndarray | None]:
+                     m: int, cand: np.ndarray, score_cand) -> tuple[Candidates, int, np.ndarray]:
         """Query ``i``'s exact BM25 top-m over the allowed live chunks whose BM25 score is not 0
         (the lexical ranked list, :func:`.fusion.lexical_listed`), by (score desc, chunk id asc),
         each with its canonical dense score; and how many such chunks there are (the list is
         complete when that is <= m). BM25 visits only the query terms' postings, compiled
         (:func:`.bm25.listed_top.listed_top`: ``PostingsIndex.score_all``'s values, rank_bm25's).
 
-        With it, the BM25 of the dense candidates' slots int64[C] ``cand`` when the pass read every
-        posting of the query (:func:`.bm25.listed_top.listed_top_scored`; None otherwise).
+        With it, the BM25 of the dense candidates' slots int64[C] ``cand``: from the pass when it
+        read every posting of the query, else ``score_cand()`` before a pruned pass
+        (:func:`.bm25.listed_top.listed_top_scored`).
 
-        :returns: ``(Candidates, listed, float64[C] | None)``."""
+        :returns: ``(Candidates, listed, float64[C])``."""
         st = self.store
         slots, lex, listed, cand_lex = listed_top_scored(st.postings, qb.terms[i], qb.idf[i], qb.avgdl, qb.k1, qb.b,
-                                                         m, allowed, cand)
+                                                         m, allowed, cand, score_cand)
         # ids are read only for ties (the slot-indexed id array of the store)
         order = _kernels_refine().rank_top(lex, st._slot_ids, m, rows=slots)  # noqa: SLF001
         top = slots[order]

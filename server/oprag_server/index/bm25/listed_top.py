@@ -7,7 +7,7 @@ against (``tests/unit/test_kernels.py``)."""
 from __future__ import annotations
 
 import threading
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -35,12 +35,15 @@ def listed_top(ix: PostingsIndex, terms: Sequence[str], idf: np.ndarray, avgdl: 
 
 
 def listed_top_scored(ix: PostingsIndex, terms: Sequence[str], idf: np.ndarray, avgdl: float, k1: float, b: float,
-                      m: int, allowed: np.ndarray | None = None, at: np.ndarray | None = None) -> tuple:
+                      m: int, allowed: np.ndarray | None = None, at: np.ndarray | None = None,
+                      score_at: Callable[[], np.ndarray] | None = None) -> tuple:
     """:func:`listed_top`, plus the BM25 score of each slot of int64[C] ``at`` (live chunks, any
-    order) when the pass read every posting of the query (:func:`..kernels_exact.bm25_listed_top`:
-    the same accumulator, so :meth:`.postings.PostingsIndex.score`'s values bit for bit; 0.0 for a
-    chunk holding no query term); None when a pruned path ran (large corpora: the caller scores
-    ``at`` itself).
+    order): from the pass itself when it reads every posting of the query
+    (:func:`..kernels_exact.bm25_listed_top`: the same accumulator, so
+    :meth:`.postings.PostingsIndex.score`'s values bit for bit; 0.0 for a chunk holding no query
+    term); else (a pruned path: large shards) ``score_at()``, called *before* the pruned pass
+    (which streams megabytes: the candidates' postings are read while still warm), or None
+    without it.
 
     :returns: ``(slots, scores, listed, at_scores float64[C] | None)``.
     """
@@ -56,7 +59,8 @@ def listed_top_scored(ix: PostingsIndex, terms: Sequence[str], idf: np.ndarray, 
     tids, d_off, ds, dt = _query_arrays(ix, terms)
     every = allowed is None
     if every and bool(np.all(idf >= 0.0)) and _PRUNE and _postings(seg, tids) + ds.size >= _FULL_BELOW:
-        return (*_pruned(ix, seg, seg_df, tids, idf, d_off, ds, dt, m, avgdl, k1, b), None)
+        at_scores = score_at() if score_at is not None else None
+        return (*_pruned(ix, seg, seg_df, tids, idf, d_off, ds, dt, m, avgdl, k1, b), at_scores)
     al = _NO_SLOTS if every else np.ascontiguousarray(allowed, dtype=np.int64)
     slots, scores, listed, at_scores = kernels_exact.bm25_listed_top(
         ix._where, _SEG, ix._doc_len, tids, idf, seg.offsets, seg.slots, seg.tf,  # noqa: SLF001
