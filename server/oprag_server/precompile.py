@@ -1,0 +1,46 @@
+"""Compile every numba kernel into numba's on-disk cache ahead of the first start:
+``python -m oprag_server.precompile`` (``make install`` runs it). Otherwise the first server
+start compiles them in its shard processes (~95 s on a 2-core machine, logged as "compiling
+search kernels, first start only"), and so does the first test that starts a server.
+
+Each kernel module (:data:`.startup.JIT_MODULES`) has a ``warm()`` that compiles, or loads from
+the cache, the signatures a shard or the frontend passes (writable and read-only arrays). The
+cache is where a server started from this installation looks (:func:`.startup.uncached_kernels`);
+an upgrade that changes a module's source makes it stale, and the next start (or this command)
+compiles that module again.
+
+Exit status: 0 when every kernel module is cached afterwards, 1 otherwise (the start still works:
+it compiles what is missing).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import time
+from pathlib import Path
+
+from .startup import JIT_MODULES, uncached_kernels
+
+
+def kernel_modules(package: Path | None = None) -> list[str]:
+    """Dotted names (``oprag_server.index.kernels``, ...) of the files :data:`.startup.JIT_MODULES` matches."""
+    package = package or Path(__file__).resolve().parent
+    files = sorted(p for pattern in JIT_MODULES for p in package.glob(pattern))
+    return [".".join((__package__, *p.relative_to(package).with_suffix("").parts)) for p in files]
+
+
+def main() -> int:
+    t0 = time.perf_counter()
+    for name in kernel_modules():
+        t = time.perf_counter()
+        importlib.import_module(name).warm()
+        print(f"{name}: {time.perf_counter() - t:.1f} s", flush=True)
+    cold, total = uncached_kernels()
+    print(f"numba kernels: {total - len(cold)} of {total} modules cached in {time.perf_counter() - t0:.1f} s"
+          + (f"; not cached: {', '.join(p.name for p in cold)}" if cold else ""), flush=True)
+    return 1 if cold else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
