@@ -1,7 +1,7 @@
 """Exact hybrid on a shard (``full_hybrid``): every eligible chunk scored, in one round for both
 fusions: min-max (:meth:`ExactMixin.exact_minmax`: score ranges, rank lists and the chunks that
 can be in the top-k whatever the corpus-wide ranges) and rank fusion (:meth:`ExactMixin.exact_lists`).
-A mixin of :class:`.search.Searcher`, which provides ``store``, ``_canonical`` and ``_fields``."""
+A mixin of :class:`.search.Searcher`, which provides ``store``, ``_canonical``, ``_every`` and ``_fields``."""
 
 from __future__ import annotations
 
@@ -43,7 +43,6 @@ class ExactMixin:
 
     _ranks: tuple[int, np.ndarray] = (-1, np.zeros(0, np.int64))
     _order: tuple = (-1, np.zeros(0, np.int64), np.zeros(0, np.int64))  # (store version, order, sorted slots)
-    _every_row = np.zeros(0, np.int64)
 
     def _exact_scores(self, qb: QueryBatch) -> list[tuple]:
         """Every eligible chunk's dense and BM25 score, per query.
@@ -64,18 +63,12 @@ class ExactMixin:
             # BM25 of every row's chunk in row order (score_all's values; compiled: listed_top.scores_at)
             lexical = scores_at(st.postings, qb.terms[i], qb.idf[i], qb.avgdl, qb.k1, qb.b, row_slots)
             if allowed is None:
-                out.append((self._all_rows(row_slots.size), dense_all[i].astype(np.float64), lexical, q[i]))
+                out.append((self._every(row_slots.size), dense_all[i].astype(np.float64), lexical, q[i]))
                 continue
             order, sorted_slots = self._slot_order(row_slots)
             rows = order[np.searchsorted(sorted_slots, allowed)] if allowed.size else np.zeros(0, np.int64)
             out.append((rows, dense_all[i][rows].astype(np.float64), lexical[rows], q[i]))
         return out
-
-    def _all_rows(self, n: int) -> np.ndarray:
-        """int64[n]: 0 .. n-1, the dense index's rows (kept until n changes)."""
-        if self._every_row.size != n:
-            self._every_row = np.arange(n, dtype=np.int64)
-        return self._every_row
 
     def _slot_order(self, row_slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(order, sorted slots)`` of int64[R] ``row_slots`` (the dense index's, stable), kept

@@ -70,7 +70,7 @@ def write_files(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transacti
     rows = []
     fsync_write_with(snap / "chunks.arrow", lambda f: rows.append(records.write_ipc(f, [store.batch(vectors=not one)])))
     fsync_write(snap / "memory.json", json.dumps(memory.to_json()).encode())
-    for p in _save_postings(store.postings, snap / "postings"):
+    for p in store.postings.save(snap / "postings", merge=False):  # (merged by the caller: SnapshotJob)
         _fsync_file(p)
     _fsync_file(snap / "postings")
     if store.dense.ann_state(with_bytes=False) is not None:
@@ -97,15 +97,6 @@ def write_files(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transacti
     if storage is not None and isinstance(txns.wal, MirroredLog):
         storage.publish(snap, txns.wal)
     return snap, rows[0]
-
-
-def _save_postings(p: PostingsIndex, d: Path) -> list[Path]:
-    """:meth:`PostingsIndex.save` without its merge (the caller merged: the segment holds
-    exactly the live chunks), reading the index only."""
-    seg = p.segment
-    files = seg.renumbered().save(d)
-    np.save(d / "doc_len.npy", p._doc_len[seg.doc_slots.astype(np.int64)].astype(np.int64))  # noqa: SLF001
-    return [*files, d / "doc_len.npy"]
 
 
 def adopt(snap: Path, store: ChunkStore) -> None:

@@ -259,11 +259,11 @@ class PostingsIndex(MergeMixin):
         """The current immutable segment (the delta is not in it until :meth:`merge`)."""
         return self._seg
 
-    def save(self, d: Path) -> list[Path]:
-        """Merge, then write the segment under ``d`` with slots renumbered ``0..n-1`` in slot
-        order (what a snapshot load assigns), and the chunk lengths as ``doc_len.npy``.
-        :returns: the files written (the caller makes them durable)."""
-        self.merge()
+    def save(self, d: Path, merge: bool = True) -> list[Path]:
+        """Merge (``merge`` False: the caller did, only reads), write the segment under ``d``, slots renumbered
+        ``0..n-1`` (a load's), and the lengths as ``doc_len.npy``. :returns: the files (the caller fsyncs them)."""
+        if merge:
+            self.merge()
         files = self._seg.renumbered().save(d)
         np.save(d / "doc_len.npy", self._doc_len[self._seg.doc_slots.astype(np.int64)].astype(np.int64))
         return [*files, d / "doc_len.npy"]
