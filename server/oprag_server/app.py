@@ -83,10 +83,11 @@ class Runtime:
         check_data_dir(self.cfg, self.encoder.dim, self.encoder.name)
         committed = self.commits.open_log(self.cfg.data_dir / "commits.log", self.cfg.storage_uri)
         ready = self.pool.start(loop, committed=committed)
-        if self.cfg.storage_uri is not None:  # (raises: close() then writes no snapshot over the loss)
-            self._recovery_failed = True
-            self.commits.check_recovered({r.shard: r.applied_seq for r in ready})
-            self._recovery_failed = False
+        # every shard must hold what the commit log holds, local --data-dir too (a shard log that lost
+        # records started silently without acknowledged writes); raises: close() writes no snapshot
+        self._recovery_failed = True
+        self.commits.check_recovered({r.shard: r.applied_seq for r in ready})
+        self._recovery_failed = False
         self.corpus_stats.replace_with(CorpusStats.merge_full([r.lexical for r in ready]))
         self.commits.recover(r.applied_seq for r in ready)
         self.replayed = sum(r.replayed for r in ready)
@@ -182,7 +183,7 @@ class Runtime:
     async def restart_shard(self, i: int) -> None:
         """Respawn shard ``i`` and re-sum the corpus-global BM25 statistics."""
         await restart_shard(self.pool, i, committed=self.commits.committed_txns, lock=self.lock, stats=self.corpus_stats,
-                            check=self.commits.check_recovered if self.cfg.storage_uri else None)
+                            check=self.commits.check_recovered)
 
     async def stats(self) -> dict:
         """Corpus and shard statistics of the shards that answer (a dead shard is left out of the

@@ -1,0 +1,74 @@
+"""What the new-user trial of issue 15 found at a real server's doors.
+
+A shard whose data directory filled up: the write that hit the full disk failed, and its partial
+record stayed in the shard's write-ahead log; the writes acknowledged after space came back were
+appended behind it, and a restart (which cuts a log at its first torn record) dropped them and
+served without them, silently. The start now checks every shard against the commit log with a
+local --data-dir too (as with --storage-uri): acknowledged writes are served, or the start is
+refused naming the shard. The disk is made full with the shard
+process's RLIMIT_FSIZE (EFBIG on a write past the limit; Python ignores SIGXFSZ), lowered and
+raised again from outside with prlimit(2).
+"""
+
+from __future__ import annotations
+
+import re
+import resource
+
+import grpc
+import numpy as np
+import pytest
+
+from oprag_client.client import Doc, OpRAGClient
+from oprag_client.testing import ServerProcess
+
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(not hasattr(resource, "prlimit"), reason="needs prlimit(2) (Linux)")]
+
+
+def _docs(prefix: str, n: int, words: int, seed: int) -> list[Doc]:
+    vecs = np.random.default_rng(seed).standard_normal((n, 384)).astype(np.float32)
+    return [Doc(f"{prefix}{i}", f"{prefix} marker{prefix}x{i} " + "padding " * words, vector=vecs[i])
+            for i in range(n)]
+
+
+def _shard_pid(srv: ServerProcess) -> int:
+    pids = [int(m.group(1)) for line in srv.lines if (m := re.search(r"shard 0: process pid (\d+)", line))]
+    assert pids, "the server did not log its shard's pid"
+    return pids[-1]
+
+
+def _present(c: OpRAGClient, doc_id: str, prefix: str) -> bool:
+    hits = c.retrieve(f"marker{prefix}x{doc_id[len(prefix):]}", mode="lexical", top_k=1).hits
+    return bool(hits) and hits[0].doc_id == doc_id
+
+
+def test_writes_acknowledged_after_a_full_disk_are_served_after_a_restart_or_the_start_refuses(tmp_path):
+    srv = ServerProcess.on_free_ports(tmp_path / "data", "--generator", "none", "--shards", "1")
+    srv.start()
+    try:
+        with OpRAGClient(srv.target, timeout=120) as c:
+            c.ingest(_docs("before", 20, 20, 1))
+            pid = _shard_pid(srv)
+            wal = tmp_path / "data" / "shard-0" / "wal.log"
+            _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+            resource.prlimit(pid, resource.RLIMIT_FSIZE, (wal.stat().st_size + 64 * 1024, hard))  # the disk fills
+            with pytest.raises(grpc.RpcError) as e:
+                c.ingest(_docs("full", 200, 200, 2))  # ~400 KB of log record: cut short at 64 KB
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            resource.prlimit(pid, resource.RLIMIT_FSIZE, (hard, hard))  # space is back
+            after = _docs("after", 10, 5, 3)
+            c.ingest(after)  # acknowledged
+            assert all(_present(c, d.id, "after") for d in after)
+        srv.kill9()
+        try:
+            srv.start()
+        except RuntimeError as exc:  # refused, naming the loss: acceptable, never a silent one
+            assert "recovered up to sequence" in str(exc) and "commit log" in str(exc), str(exc)
+            return
+        with OpRAGClient(srv.target, timeout=120) as c:
+            lost = [d.id for d in after if not _present(c, d.id, "after")]
+            assert not lost, f"acknowledged documents lost after the restart: {lost}"
+            assert all(_present(c, f"before{i}", "before") for i in range(20))
+    finally:
+        srv.stop()
