@@ -5,7 +5,8 @@ record stayed in the shard's write-ahead log; the writes acknowledged after spac
 appended behind it, and a restart (which cuts a log at its first torn record) dropped them and
 served without them, silently. The start now checks every shard against the commit log with a
 local --data-dir too (as with --storage-uri): acknowledged writes are served, or the start is
-refused naming the shard. The disk is made full with the shard
+refused naming the shard. The failed write's message said the shard was "being restarted"; it
+now says that its data directory could not be written. The disk is made full with the shard
 process's RLIMIT_FSIZE (EFBIG on a write past the limit; Python ignores SIGXFSZ), lowered and
 raised again from outside with prlimit(2).
 """
@@ -56,6 +57,8 @@ def test_writes_acknowledged_after_a_full_disk_are_served_after_a_restart_or_the
             with pytest.raises(grpc.RpcError) as e:
                 c.ingest(_docs("full", 200, 200, 2))  # ~400 KB of log record: cut short at 64 KB
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            msg = e.value.details()
+            assert "could not write to its data directory" in msg and "being restarted" not in msg, msg
             resource.prlimit(pid, resource.RLIMIT_FSIZE, (hard, hard))  # space is back
             after = _docs("after", 10, 5, 3)
             c.ingest(after)  # acknowledged
