@@ -13,15 +13,19 @@ raised again from outside with prlimit(2).
 
 from __future__ import annotations
 
+import json
 import re
 import resource
+import socket
+import time
 
 import grpc
 import numpy as np
 import pytest
+import requests
 
 from oprag_client.client import Doc, OpRAGClient
-from oprag_client.testing import ServerProcess
+from oprag_client.testing import ServerProcess, free_port
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(not hasattr(resource, "prlimit"), reason="needs prlimit(2) (Linux)")]
@@ -73,5 +77,47 @@ def test_writes_acknowledged_after_a_full_disk_are_served_after_a_restart_or_the
             lost = [d.id for d in after if not _present(c, d.id, "after")]
             assert not lost, f"acknowledged documents lost after the restart: {lost}"
             assert all(_present(c, f"before{i}", "before") for i in range(20))
+    finally:
+        srv.stop()
+
+
+def _chat_counts(metrics_port: int) -> dict[str, float]:
+    text = requests.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+    pat = r'^oprag_requests_total\{code="(\w+)",method="HTTP /v1/chat/completions"\} (\S+)$'
+    return {code: float(n) for code, n in re.findall(pat, text, re.M)}
+
+
+def test_a_streamed_chat_reply_the_client_left_is_counted_cancelled_not_ok(tmp_path):
+    """A client that closes the connection in the middle of ``stream: true`` stopped the
+    generation, but the request was counted ``OK``; a cancelled gRPC QueryStream counts
+    ``CANCELLED``, and so does this one now. A stream read to its end stays ``OK``."""
+    http_port = free_port()
+    srv = ServerProcess.on_free_ports(tmp_path / "data", "--shards", "1", "--http-port", str(http_port))
+    srv.start()
+    try:
+        with OpRAGClient(srv.target, timeout=120) as c:
+            c.ingest(_docs("lobster", 3, 5, 4))
+        body = json.dumps({"model": "oprag", "stream": True, "max_tokens": 200,
+                           "messages": [{"role": "user", "content": "Tell me everything about lobsters."}]}).encode()
+        with socket.create_connection(("127.0.0.1", http_port), timeout=60) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            got = b""
+            while got.count(b"data:") < 3:  # the sources chunk and two pieces of text: generating
+                piece = s.recv(65536)
+                assert piece, got
+                got += piece
+        deadline = time.monotonic() + 60
+        while _chat_counts(srv.metrics_port).get("CANCELLED", 0) < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _chat_counts(srv.metrics_port) == {"CANCELLED": 1.0}
+        r = requests.post(f"http://127.0.0.1:{http_port}/v1/chat/completions", stream=True, timeout=120,
+                          json={"model": "oprag", "stream": True, "max_tokens": 4,
+                                "messages": [{"role": "user", "content": "lobster?"}]})
+        assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+        deadline = time.monotonic() + 30
+        while _chat_counts(srv.metrics_port).get("OK", 0) < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _chat_counts(srv.metrics_port) == {"CANCELLED": 1.0, "OK": 1.0}
     finally:
         srv.stop()

@@ -131,7 +131,9 @@ class Guard:
             # every POST body is JSON: read it as such whatever its type (curl -d says form-urlencoded)
             scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
                      + [(b"content-type", b"application/json")]}
-        t0, status, started = time.perf_counter(), [500], [False]
+        t0, status, started, ended = time.perf_counter(), [500], [False], [False]
+        outcome: dict[str, str] = {}  # "code": a streamed reply's error event (sse() in build_app)
+        scope = {**scope, "oprag.outcome": outcome}
         if self.tracing:  # W3C traceparent -> the query's trace (service/tracing.py)
             CARRIER.set((f"HTTP {scope['path']}", carrier_of(scope["headers"])))
         try:
@@ -155,6 +157,8 @@ class Guard:
             if msg["type"] == "http.response.start":
                 status[0], started[0] = msg["status"], True
             await send(msg)
+            if msg["type"] == "http.response.body" and not msg.get("more_body", False):
+                ended[0] = True
 
         try:
             await self.app(scope, limited_receive, observed_send)
@@ -167,7 +171,10 @@ class Guard:
                 await exception_response(exc, scope["path"])(scope, receive, observed_send)
         finally:
             method = _metric_method(scope["path"])
-            self.metrics.requests.labels(method=method, code=_CODE_NAME.get(status[0], "INTERNAL")).inc()
+            code = outcome.get("code") or _CODE_NAME.get(status[0], "INTERNAL")
+            if started[0] and not ended[0] and status[0] < 400:
+                code = "CANCELLED"  # the client left during a streamed reply (as a cancelled QueryStream)
+            self.metrics.requests.labels(method=method, code=code).inc()
             self.metrics.request_seconds.labels(method=method).observe(time.perf_counter() - t0)
 
 
@@ -332,7 +339,9 @@ def build_app(rt: Any) -> FastAPI:
             except StopAsyncIteration:
                 return
             except Exception as exc:  # noqa: BLE001 - after the 200 header: an error event ends the stream
-                yield _sse(json.loads(exception_response(exc, "HTTP /v1/chat/completions").body))
+                err = exception_response(exc, "HTTP /v1/chat/completions")
+                request.scope.get("oprag.outcome", {})["code"] = _CODE_NAME.get(err.status_code, "INTERNAL")
+                yield _sse(json.loads(err.body))
             finally:
                 await events.aclose()
 
