@@ -311,6 +311,30 @@ class OpRAGClient:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
 
 
+class StreamCall:
+    """An asyncio ``QueryStream`` call (``AsyncOpRAGClient.query_stream``): the grpc.aio call's
+    methods (``cancel``, ``code``, ``read``, ...), and ``async for`` over it cancels the call
+    when the loop stops early (``break``, an exception). grpc.aio's own iterator and its call
+    hold each other, so a stream left by ``break`` went on generating on the server, for nobody
+    and ahead of other queries, until a garbage collection found the pair (trial15)."""
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._call, name)
+
+    def __aiter__(self):
+        return self._events()
+
+    async def _events(self):
+        try:
+            async for event in self._call:
+                yield event
+        finally:
+            self._call.cancel()  # a no-op once the stream ended
+
+
 class AsyncOpRAGClient:
     """asyncio client (grpc.aio). Use ``async with`` or await :meth:`close`."""
 
@@ -350,8 +374,10 @@ class AsyncOpRAGClient:
         return await acall(self.retry, lambda: self.stub.Query(query_request(question, **kw), timeout=timeout or self.timeout, metadata=self.md))
 
     def query_stream(self, question: str, *, timeout: float | None = None, **kw):
-        """Async-iterate QueryEvents: ``sources``, then ``text`` pieces, then ``done``."""
-        return self.stub.QueryStream(query_request(question, **kw), timeout=timeout or self.timeout, metadata=self.md)
+        """Async-iterate QueryEvents: ``sources``, then ``text`` pieces, then ``done`` (a
+        :class:`StreamCall`: leaving the loop early cancels the query)."""
+        return StreamCall(self.stub.QueryStream(query_request(question, **kw), timeout=timeout or self.timeout,
+                                                metadata=self.md))
 
     async def retrieve(self, question: str, *, timeout: float | None = None, **kw):
         kw.pop("max_new_tokens", None)

@@ -13,6 +13,8 @@ raised again from outside with prlimit(2).
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import json
 import re
 import resource
@@ -24,7 +26,7 @@ import numpy as np
 import pytest
 import requests
 
-from oprag_client.client import Doc, OpRAGClient
+from oprag_client.client import AsyncOpRAGClient, Doc, OpRAGClient
 from oprag_client.testing import ServerProcess, free_port
 
 pytestmark = [pytest.mark.integration,
@@ -81,43 +83,80 @@ def test_writes_acknowledged_after_a_full_disk_are_served_after_a_restart_or_the
         srv.stop()
 
 
-def _chat_counts(metrics_port: int) -> dict[str, float]:
+@pytest.fixture(scope="module")
+def gen_server(tmp_path_factory):
+    """1 shard, the builtin generator, HTTP on; a few documents."""
+    http_port = free_port()
+    srv = ServerProcess.on_free_ports(tmp_path_factory.mktemp("trial15") / "data", "--shards", "1",
+                                      "--http-port", str(http_port))
+    srv.start()
+    srv.http_port = http_port
+    with OpRAGClient(srv.target, timeout=120) as c:
+        c.ingest(_docs("lobster", 3, 5, 4))
+    yield srv
+    srv.stop()
+
+
+def _counts(metrics_port: int, method: str) -> dict[str, float]:
     text = requests.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
-    pat = r'^oprag_requests_total\{code="(\w+)",method="HTTP /v1/chat/completions"\} (\S+)$'
+    pat = r'^oprag_requests_total\{code="(\w+)",method="' + re.escape(method) + r'"\} (\S+)$'
     return {code: float(n) for code, n in re.findall(pat, text, re.M)}
 
 
-def test_a_streamed_chat_reply_the_client_left_is_counted_cancelled_not_ok(tmp_path):
+def _wait_for(fn, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while not (got := fn()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return got
+
+
+def test_a_streamed_chat_reply_the_client_left_is_counted_cancelled_not_ok(gen_server):
     """A client that closes the connection in the middle of ``stream: true`` stopped the
     generation, but the request was counted ``OK``; a cancelled gRPC QueryStream counts
     ``CANCELLED``, and so does this one now. A stream read to its end stays ``OK``."""
-    http_port = free_port()
-    srv = ServerProcess.on_free_ports(tmp_path / "data", "--shards", "1", "--http-port", str(http_port))
-    srv.start()
+    srv, http_port = gen_server, gen_server.http_port
+    chat = lambda: _counts(srv.metrics_port, "HTTP /v1/chat/completions")  # noqa: E731
+    body = json.dumps({"model": "oprag", "stream": True, "max_tokens": 200,
+                       "messages": [{"role": "user", "content": "Tell me everything about lobsters."}]}).encode()
+    with socket.create_connection(("127.0.0.1", http_port), timeout=60) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        got = b""
+        while got.count(b"data:") < 3:  # the sources chunk and two pieces of text: generating
+            piece = s.recv(65536)
+            assert piece, got
+            got += piece
+    _wait_for(lambda: chat().get("CANCELLED"))
+    assert chat() == {"CANCELLED": 1.0}
+    r = requests.post(f"http://127.0.0.1:{http_port}/v1/chat/completions", stream=True, timeout=120,
+                      json={"model": "oprag", "stream": True, "max_tokens": 4,
+                            "messages": [{"role": "user", "content": "lobster?"}]})
+    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+    _wait_for(lambda: chat().get("OK"))
+    assert chat() == {"CANCELLED": 1.0, "OK": 1.0}
+
+
+def test_an_async_query_stream_left_by_break_is_cancelled_on_the_server(gen_server):
+    """``async for`` over ``AsyncOpRAGClient.query_stream`` left by ``break``: the server went
+    on generating every token for nobody (counted OK at the end), since grpc.aio's iterator and
+    call form a cycle only a garbage collection frees; the sync client's iterator cancelled at
+    once. The async one now cancels too (garbage collection off here: the fix must not need it)."""
+    streams = lambda: _counts(gen_server.metrics_port, "QueryStream")  # noqa: E731
+    before = streams()
+
+    async def leave_early() -> None:
+        async with AsyncOpRAGClient(gen_server.target, timeout=120) as c:
+            async for ev in c.query_stream("Tell me everything about lobsters.", max_new_tokens=400):
+                if ev.WhichOneof("event") == "text":
+                    break
+            got = await asyncio.to_thread(_wait_for, lambda: streams() != before, 20.0)
+            assert got and streams().get("CANCELLED", 0) == before.get("CANCELLED", 0) + 1, (before, streams())
+            call = c.query_stream("lobster?", max_new_tokens=2)  # read to the end: the call's methods still work
+            kinds = [ev.WhichOneof("event") async for ev in call]
+            assert kinds[0] == "sources" and kinds[-1] == "done" and await call.code() == grpc.StatusCode.OK
+
+    gc.disable()
     try:
-        with OpRAGClient(srv.target, timeout=120) as c:
-            c.ingest(_docs("lobster", 3, 5, 4))
-        body = json.dumps({"model": "oprag", "stream": True, "max_tokens": 200,
-                           "messages": [{"role": "user", "content": "Tell me everything about lobsters."}]}).encode()
-        with socket.create_connection(("127.0.0.1", http_port), timeout=60) as s:
-            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      b"Content-Length: %d\r\n\r\n" % len(body) + body)
-            got = b""
-            while got.count(b"data:") < 3:  # the sources chunk and two pieces of text: generating
-                piece = s.recv(65536)
-                assert piece, got
-                got += piece
-        deadline = time.monotonic() + 60
-        while _chat_counts(srv.metrics_port).get("CANCELLED", 0) < 1 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert _chat_counts(srv.metrics_port) == {"CANCELLED": 1.0}
-        r = requests.post(f"http://127.0.0.1:{http_port}/v1/chat/completions", stream=True, timeout=120,
-                          json={"model": "oprag", "stream": True, "max_tokens": 4,
-                                "messages": [{"role": "user", "content": "lobster?"}]})
-        assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
-        deadline = time.monotonic() + 30
-        while _chat_counts(srv.metrics_port).get("OK", 0) < 1 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert _chat_counts(srv.metrics_port) == {"CANCELLED": 1.0, "OK": 1.0}
+        asyncio.run(leave_early())
     finally:
-        srv.stop()
+        gc.enable()
