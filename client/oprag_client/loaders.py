@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .client import Doc, metadata_value
+from .vectors import column_matrix
 
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".text"}
 _WIKI_TITLE = re.compile(r"^ = ([^=].*?) = $")
@@ -344,7 +345,10 @@ def columnar_docs(path: Path, schema, batches, vector_column: str | None = None)
     row, cur, done = 0, None, set()
     for b in batches():
         cols = {n: b.column(n) for n in b.schema.names}
-        vecs, valid = (_matrix(cols[vector_column], np, pa, pc) if has_vec else (None, None))
+        try:
+            vecs, valid = (column_matrix(cols[vector_column], np, pa, pc, row) if has_vec else (None, None))
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
         text = cols["text"].to_pylist()
         title = cols["title"].to_pylist() if "title" in cols else [None] * b.num_rows
         meta = cols["metadata"].to_pylist() if "metadata" in cols else [None] * b.num_rows
@@ -378,19 +382,6 @@ def columnar_docs(path: Path, schema, batches, vector_column: str | None = None)
         row += b.num_rows
     if cur is not None:
         yield cur
-
-
-def _matrix(col, np, pa, pc):
-    """``(float32[R, D] rows, bool[R] valid)`` of a list column of one width (null rows: zeros)."""
-    if isinstance(col, pa.ChunkedArray):
-        col = col.combine_chunks()
-    valid = ~col.is_null().to_numpy(zero_copy_only=False)
-    flat = pc.list_flatten(col).to_numpy(zero_copy_only=False).astype(np.float32)
-    n = int(valid.sum())
-    d = flat.size // n if n else 0
-    out = np.zeros((len(col), d), np.float32)
-    out[valid] = flat.reshape(n, d)
-    return out, valid
 
 
 LOADERS = {"text": load_text, "jsonl": load_jsonl, "beir": load_beir, "wikitext": load_wikitext,

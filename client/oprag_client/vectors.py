@@ -87,3 +87,27 @@ def pack(doc: Any) -> tuple[bytes, int] | None:
                          "numbers: pass a float array")
     m = np.ascontiguousarray(np.stack(rows) if len(rows) > 1 else rows[0][None, :], dtype="<f4")
     return m.tobytes(), int(m.shape[1])
+
+
+def column_matrix(col, np, pa, pc, row0: int = 0):
+    """``(float32[R, D] rows, bool[R] valid)`` of a list column of one width (null rows: zeros).
+    :raises ValueError: naming the row (``row0`` + index) of a null element (it read as NaN) or
+        of an empty vector (it read as "no vector": embedded by the server, silently)."""
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks()
+    valid = ~col.is_null().to_numpy(zero_copy_only=False)
+    values = pc.list_flatten(col)
+    if values.null_count:
+        ends = np.cumsum(pc.list_value_length(col).fill_null(0).to_numpy(zero_copy_only=False))
+        first = int(np.flatnonzero(values.is_null().to_numpy(zero_copy_only=False))[0])
+        raise ValueError(f"row {row0 + int(np.searchsorted(ends, first, side='right'))}: the vector holds a null: "
+                         "every element must be a number (a null vector, not a null element, means 'embed this one')")
+    flat = values.to_numpy(zero_copy_only=False).astype(np.float32)
+    n = int(valid.sum())
+    d = flat.size // n if n else 0
+    if n and not d:
+        raise ValueError(f"row {row0 + int(np.flatnonzero(valid)[0])}: the vector is empty: give its numbers, "
+                         "or a null vector to have the server embed the text")
+    out = np.zeros((len(col), d), np.float32)
+    out[valid] = flat.reshape(n, d)
+    return out, valid
