@@ -103,6 +103,8 @@ def _json_lines(path: Path, id_key: str, what: str) -> Iterator[Doc]:
                 if not isinstance(obj, dict):
                     raise TypeError(f"a line must be a JSON object, got {type(obj).__name__}")
                 _check_types(obj, id_key)
+                if obj.get("vector") == []:  # Doc reads [] as no vector: the server would embed the text
+                    raise ValueError(f"{path}:{n}: vector is empty: give its numbers, or leave it out to embed the text")
                 chunks = obj.get("chunks")
                 yield Doc(id=str(obj[id_key]), text=obj["text"] if not chunks else obj.get("text") or "",
                           title=obj.get("title") or "", metadata=_metadata(obj.get("metadata")),

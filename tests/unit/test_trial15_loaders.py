@@ -48,3 +48,11 @@ def test_null_vectors_and_full_ones_still_load(tmp_path):
         assert np.array_equal(np.asarray(d.vector, np.float32), np.asarray(want, np.float32))
     fixed = list(load_parquet([_write(tmp_path, rows, pa.list_(pa.float32(), 4))]))  # fixed-size, a null row
     assert fixed[1].vector is None and np.array_equal(np.asarray(fixed[2].vector), np.asarray(rows[2], np.float32))
+
+
+def test_an_empty_jsonl_vector_is_refused_naming_file_and_line(tmp_path):
+    from oprag_client.loaders import load_jsonl
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"id": "a", "text": "t", "vector": [0.5, 0.5]}\n{"id": "b", "text": "t", "vector": []}\n')
+    with pytest.raises(ValueError, match=r"d\.jsonl:2: vector is empty"):
+        list(load_jsonl([p]))
