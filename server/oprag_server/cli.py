@@ -180,6 +180,24 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
     return ServerConfig(**top)
 
 
+def check_hosts(cfg: ServerConfig) -> None:
+    """Before anything loads: ``--host`` / ``--metrics-host`` must be addresses of this machine (the
+    port check said "port ... is not available ...: choose another port" for a bad host).
+
+    :raises ValueError: naming the flag and what the system said."""
+    import socket
+
+    for flag, host in (("--host", cfg.host), ("--metrics-host", cfg.metrics_host)):
+        if not host:
+            continue
+        try:
+            with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind((host, 0))
+        except OSError as exc:
+            raise ValueError(f"{flag} {host} is not an address of this machine ({exc.strerror or exc}): give one "
+                             "of its addresses, e.g. 127.0.0.1, or 0.0.0.0 for all") from None
+
+
 async def _serve(cfg: ServerConfig) -> None:
     """:func:`.app.serve` on the running loop, whose class is logged (``--event-loop``)."""
     import asyncio
@@ -204,6 +222,7 @@ def main(argv: list[str] | None = None, prog: str = "oprag serve") -> int:
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = config_from_args(a)
+        check_hosts(cfg)
         if cfg.event_loop == "uvloop":
             try:
                 import uvloop

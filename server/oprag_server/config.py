@@ -378,6 +378,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.shards <= 64:
             raise ValueError(f"shards must be in [1, 64], got {self.shards}")
+        if not self.shutdown_grace_s >= 0:
+            raise ValueError(f"shutdown grace must be >= 0 seconds, got {self.shutdown_grace_s}")
         if not 1 <= self.replicas <= 8:
             raise ValueError(f"replicas must be in [1, 8], got {self.replicas}")
         if self.shard_workers not in ("process", "thread"):

@@ -1,0 +1,27 @@
+"""``oprag serve`` flags the new-user trial of issue 15 tried: a --host that is not an address of
+this machine was reported as the port's fault ("gRPC port (--port) 999.1.1.1:50170 is not available
+(Name or service not known): choose another port"), after the models had loaded; it is now named
+before anything loads. A negative --shutdown-grace was accepted ("shutting down (grace -1 s)")."""
+
+from __future__ import annotations
+
+import pytest
+
+from oprag_server.cli import main
+from oprag_server.config import ServerConfig
+
+
+@pytest.mark.parametrize("flag,host", [("--host", "999.1.1.1"), ("--host", "nohost.invalid"),
+                                       ("--metrics-host", "nohost.invalid"), ("--host", "192.0.2.1")])
+def test_a_host_that_is_not_local_is_named_as_the_host_not_the_port(flag, host, capsys, tmp_path):
+    assert main([flag, host, "--port", "0", "--metrics-port", "0", "--data-dir", str(tmp_path / "d"),
+                 "--generator", "none"]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag} {host} is not an address of this machine" in err and "choose another port" not in err, err
+    assert not (tmp_path / "d").exists()  # refused before anything was created
+
+
+def test_a_negative_shutdown_grace_is_refused(capsys, tmp_path):
+    assert main(["--shutdown-grace", "-1", "--data-dir", str(tmp_path / "d")]) == 2
+    assert "shutdown grace must be >= 0 seconds, got -1.0" in capsys.readouterr().err
+    assert ServerConfig(shutdown_grace_s=0).shutdown_grace_s == 0
