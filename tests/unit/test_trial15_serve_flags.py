@@ -25,3 +25,14 @@ def test_a_negative_shutdown_grace_is_refused(capsys, tmp_path):
     assert main(["--shutdown-grace", "-1", "--data-dir", str(tmp_path / "d")]) == 2
     assert "shutdown grace must be >= 0 seconds, got -1.0" in capsys.readouterr().err
     assert ServerConfig(shutdown_grace_s=0).shutdown_grace_s == 0
+
+
+def test_a_token_holding_a_hash_stays_whole_and_its_prefix_is_no_token(tmp_path, monkeypatch):
+    """--tokens-file cut every line at its first "#": the token ``abc#def`` became ``abc``, so
+    ``abc`` was let in and ``abc#def`` itself refused. A comment now starts a line or follows a blank."""
+    from oprag_server.service.auth import load_tokens
+
+    monkeypatch.delenv("OPRAG_TOKENS", raising=False)
+    p = tmp_path / "tokens"
+    p.write_text("# the tokens\nabc#def\n  second  # the second one\n\t#indented comment\r\nthird\r\n")
+    assert load_tokens(p) == {"abc#def", "second", "third"}

@@ -1,7 +1,7 @@
 """Bearer-token authentication as a grpc.aio server interceptor, and TLS credentials.
 
 Clients send ``authorization: Bearer <token>`` metadata. Tokens come from a file (one per
-line, ``#`` comments) and/or the ``OPRAG_TOKENS`` environment variable (comma-separated). The
+line; ``#`` starts a comment at the start of a line or after a blank) and/or the ``OPRAG_TOKENS`` environment variable (comma-separated). The
 standard health service stays open so that orchestrators can probe without a token.
 """
 
@@ -9,19 +9,23 @@ from __future__ import annotations
 
 import hmac
 import os
+import re
 from pathlib import Path
 
 import grpc
 
 OPEN_METHODS_PREFIX = ("/grpc.health.v1.Health/",)
+_COMMENT = re.compile(r"\s+#")
 
 
 def load_tokens(path: Path | None, env: str = "OPRAG_TOKENS") -> set[str]:
     """Tokens from ``path`` and the environment. :raises ValueError: a token file with no token."""
     tokens = {t.strip() for t in os.environ.get(env, "").split(",") if t.strip()}
     if path is not None:
-        lines = [ln.split("#", 1)[0].strip() for ln in Path(path).read_text().splitlines()]
-        found = {ln for ln in lines if ln}
+        # a comment is a line starting with "#" or "#" after a blank: a token holding "#" stays whole
+        # (it was cut there, so "abc#def" let the shorter token "abc" in and refused "abc#def" itself)
+        lines = [_COMMENT.split(ln.strip(), 1)[0].strip() for ln in Path(path).read_text().splitlines()]
+        found = {ln for ln in lines if ln and not ln.startswith("#")}
         if not found:
             raise ValueError(f"{path}: no token in the file")
         tokens |= found
