@@ -64,25 +64,24 @@ def load_text(paths: list[Path]) -> Iterator[Doc]:
     """
     seen: dict[str, Path] = {}
 
-    def check(doc_id: str, f: Path) -> None:
+    def check(doc_id: str, f: Path) -> bool:  # False: this very file was given already (read once)
         if doc_id in seen:
+            if seen[doc_id].resolve() == f.resolve():
+                return False
             raise ValueError(f"{f} and {seen[doc_id]} both get the document id {doc_id!r}; "
                              "ingest them from their common parent folder (ids are relative paths) "
                              "or in separate calls")
         seen[doc_id] = f
+        return True
 
     for p in paths:
         if p.is_dir():
             files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES)
             for f in files:
-                text = _read_text(f)
-                if text is not None:
-                    check(str(f.relative_to(p)), f)
+                if check(str(f.relative_to(p)), f) and (text := _read_text(f)) is not None:
                     yield Doc(id=str(f.relative_to(p)), title=f.stem, text=text)
         elif p.is_file():
-            text = _read_text(p)
-            if text is not None:
-                check(p.name, p)
+            if check(p.name, p) and (text := _read_text(p)) is not None:
                 yield Doc(id=p.name, title=p.stem, text=text)
         else:
             raise FileNotFoundError(f"{p}: no such file or directory")

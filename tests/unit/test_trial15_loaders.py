@@ -56,3 +56,21 @@ def test_an_empty_jsonl_vector_is_refused_naming_file_and_line(tmp_path):
     p.write_text('{"id": "a", "text": "t", "vector": [0.5, 0.5]}\n{"id": "b", "text": "t", "vector": []}\n')
     with pytest.raises(ValueError, match=r"d\.jsonl:2: vector is empty"):
         list(load_jsonl([p]))
+
+
+def test_the_same_text_file_given_twice_is_read_once_not_refused(tmp_path):
+    """``oprag ingest --format text notes/a.txt notes/a.txt`` (or ``notes notes``, or a folder and
+    a file in it at its top) was refused: "notes/a.txt and notes/a.txt both get the document id"."""
+    from oprag_client.loaders import load_text
+    d = tmp_path / "notes"
+    d.mkdir()
+    (d / "a.txt").write_text("alpha")
+    (d / "b.md").write_text("beta")
+    assert [x.id for x in load_text([d / "a.txt", d / "a.txt"])] == ["a.txt"]
+    assert [x.id for x in load_text([d, d])] == ["a.txt", "b.md"]
+    assert [x.id for x in load_text([d, d / "a.txt"])] == ["a.txt", "b.md"]
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "a.txt").write_text("another alpha")
+    with pytest.raises(ValueError, match="both get the document id 'a.txt'"):
+        list(load_text([d, other]))
