@@ -83,8 +83,7 @@ class Runtime:
         check_data_dir(self.cfg, self.encoder.dim, self.encoder.name)
         committed = self.commits.open_log(self.cfg.data_dir / "commits.log", self.cfg.storage_uri)
         ready = self.pool.start(loop, committed=committed)
-        # every shard must hold what the commit log holds, local --data-dir too (a shard log that lost
-        # records started silently without acknowledged writes); raises: close() writes no snapshot
+        # every shard holds the commit log's writes, local --data-dir too (raises: close() writes no snapshot)
         self._recovery_failed = True
         self.commits.check_recovered({r.shard: r.applied_seq for r in ready})
         self._recovery_failed = False
