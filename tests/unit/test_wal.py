@@ -74,3 +74,119 @@ def test_fsync_write_with_streams_the_file_and_leaves_nothing_on_failure(tmp_pat
         fsync_write_with(p, fail)
     assert p.read_bytes()[:1000] == b"\x00" * 1000  # the old file stays; no temporary is left
     assert sorted(x.name for x in p.parent.iterdir()) == ["f.bin"]
+
+
+# --- an append that fails while the process lives (issue 13 follow-up, trial15's finding #1) ---
+
+_FULL_DISK = r"""
+import errno, os, resource, signal, sys
+from pathlib import Path
+from oprag_server.index.wal import WriteAheadLog
+p = Path(sys.argv[1]); extra, big = int(sys.argv[2]), int(sys.argv[3])
+w = WriteAheadLog(p); w.open(); w.append({"seq": 1, "x": "a" * 100})
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file-size limit stands in for a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (p.stat().st_size + extra, resource.RLIM_INFINITY))
+try:
+    w.append({"seq": 2, "x": "b" * big})  # fails: not acknowledged
+    print("appended")
+except OSError as exc:
+    print("refused", errno.errorcode.get(exc.errno))
+resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+w.append({"seq": 3, "x": "c"})  # the disk has room again: acknowledged
+w.close()
+print([r["seq"] for r in WriteAheadLog(p).open()])
+"""
+
+
+def _full_disk(tmp_path, extra: int, big: int) -> list[str]:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", _FULL_DISK, str(tmp_path / "wal.log"), str(extra), str(big)],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.splitlines()
+
+
+def test_failed_append_leaves_nothing_before_later_acknowledged_records(tmp_path):
+    """Part of a record is written before the disk fills: the bytes are cut back, so the record
+    appended once the disk has room is read back (a torn record in front of it hid it)."""
+    assert _full_disk(tmp_path, 50, 1000) == ["refused EFBIG", "[1, 3]"]
+
+
+def test_failed_append_of_a_record_that_fits_nothing(tmp_path):
+    """Not a byte fits: nothing is written, and the later record follows the first."""
+    assert _full_disk(tmp_path, 0, 1000) == ["refused EFBIG", "[1, 3]"]
+
+
+def test_failed_fsync_cuts_the_record_back(tmp_path, monkeypatch):
+    """The write succeeds but fsync fails (EIO): the record is not durable, so it is removed
+    and the caller gets the error; the log goes on."""
+    import errno
+    import os
+
+    from oprag_server.index import wal as wal_mod
+
+    p = tmp_path / "wal.log"
+    w = WriteAheadLog(p)
+    w.open()
+    w.append({"seq": 1})
+    size = p.stat().st_size
+    real, calls = os.fsync, []
+
+    def failing(fd):
+        calls.append(fd)
+        if len(calls) == 1:
+            raise OSError(errno.EIO, "fsync failed")
+        return real(fd)
+
+    monkeypatch.setattr(wal_mod.os, "fsync", failing)
+    try:
+        w.append({"seq": 2})
+    except OSError as exc:
+        assert exc.errno == errno.EIO
+    else:
+        raise AssertionError("the failed fsync was not reported")
+    monkeypatch.setattr(wal_mod.os, "fsync", real)
+    assert p.stat().st_size == size
+    w.append({"seq": 3})
+    w.close()
+    assert [r["seq"] for r in WriteAheadLog(p).open()] == [1, 3]
+
+
+def test_a_log_that_cannot_undo_a_failed_append_refuses_appends_until_reopened(tmp_path, monkeypatch):
+    import errno
+
+    import pytest
+
+    from oprag_server.index import wal as wal_mod
+
+    p = tmp_path / "wal.log"
+    w = WriteAheadLog(p)
+    w.open()
+    w.append({"seq": 1})
+
+    real_write = wal_mod.os.write
+
+    def torn(fd, data):  # 7 bytes reach the file, then the disk is full
+        real_write(fd, bytes(data)[:7])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def no_truncate(fd, n):
+        raise OSError(errno.EIO, "ftruncate failed")
+
+    monkeypatch.setattr(wal_mod.os, "write", torn)
+    monkeypatch.setattr(wal_mod.os, "ftruncate", no_truncate)
+    with pytest.raises(OSError, match="No space"):
+        w.append({"seq": 2})
+    monkeypatch.undo()
+    with pytest.raises(OSError, match="refuses appends") as info:
+        w.append({"seq": 3})
+    assert info.value.errno == errno.EIO
+    w2 = WriteAheadLog(p)
+    assert [r["seq"] for r in w2.open()] == [1]  # the reopen drops the 7 torn bytes
+    w2.append({"seq": 3})
+    w2.close()
+    assert [r["seq"] for r in read_records(p)[0]] == [1, 3]

@@ -3,11 +3,15 @@
 Record framing: ``u32 length | u32 crc32(payload) | payload`` (little endian); the payload is a
 pickled dict. :meth:`WriteAheadLog.append` returns only after ``fsync``. Reading stops at the
 first torn or corrupt record (a crash mid-append) and :meth:`WriteAheadLog.open` truncates the
-file there, so a partial write never corrupts what was durable before it.
+file there, so a partial write never corrupts what was durable before it. An append that fails
+while the process lives (a full disk, an I/O error) cuts the file back to where it was before
+raising: otherwise its torn bytes would sit in front of the records acknowledged after the disk
+has room again, and the next :meth:`~WriteAheadLog.open` would drop those with it.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import struct
@@ -99,7 +103,7 @@ class WriteAheadLog:
                 f.truncate(good)
                 f.flush()
                 os.fsync(f.fileno())
-        self._f = open(self.path, "ab")
+        self._f = open(self.path, "ab", buffering=0)  # (unbuffered: append_framed writes with os.write)
         _fsync_dir(self.path.parent)
         return records
 
@@ -108,10 +112,30 @@ class WriteAheadLog:
         self.append_framed(encode_record(record))
 
     def append_framed(self, data: bytes) -> None:
-        """Append records already framed by :func:`encode_record` durably."""
-        self._f.write(data)
-        self._f.flush()
-        os.fsync(self._f.fileno())
+        """Append records already framed by :func:`encode_record` durably (written and fsync'ed).
+
+        :raises OSError: the write or the fsync failed (ENOSPC, EIO, EFBIG, ...). The file is then
+            cut back to its length before the call, so nothing of ``data`` stays in it; if even
+            that fails, the log refuses every later append (EIO) until it is opened again, which
+            drops a torn tail."""
+        if self._f is None:
+            raise OSError(errno.EIO, f"write-ahead log {self.path} refuses appends: an earlier failed append could "
+                                     "not be undone (restart the server: its start drops the torn record)")
+        fd = self._f.fileno()
+        start = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        except BaseException:
+            try:
+                os.ftruncate(fd, start)
+                os.fsync(fd)
+            except OSError:
+                self._f.close()
+                self._f = None
+            raise
 
     def reset(self, keep: list[dict[str, Any]] | None = None) -> None:
         """Atomically replace the log with ``keep`` (default: empty): temp file, fsync, rename."""
@@ -125,7 +149,7 @@ class WriteAheadLog:
             self._f.close()
         os.replace(tmp, self.path)
         _fsync_dir(self.path.parent)
-        self._f = open(self.path, "ab")
+        self._f = open(self.path, "ab", buffering=0)
 
     def close(self) -> None:
         if self._f is not None:
