@@ -278,7 +278,7 @@ def main(argv=None) -> dict:
     srv = Marked.on_free_ports(a.data_dir, "--generator", "none", "--shards", str(a.shards), "--dense-index",
                                a.dense_index, "--monitor-fraction", "0", log_path=OUT / "served-marks.log",
                                env={**os.environ, _ENV: stem}, cwd=REPO).start(300)
-    client = []
+    client, replies = [], []
     try:
         with OpRAGClient(srv.target, timeout=600) as c:
             for p in range(a.passes):
@@ -288,11 +288,16 @@ def main(argv=None) -> dict:
                 for text, v in zip(texts, vecs):
                     req = query_request(text, top_k=10, mode="hybrid", query_vector=v.tolist())
                     t = pc()
-                    c.stub.Retrieve(req)
+                    r = c.stub.Retrieve(req)
                     client.append((t, pc()))
+                    if p == a.passes - 1:
+                        replies.append(r)
                 log(f"pass {p} done, load {os.getloadavg()[0]:.2f}")
     finally:
         srv.stop()
+    hits = [[(h.chunk_id, h.score, h.dense_score, h.lexical_score, h.dense_rank, h.lexical_rank, h.doc_id, h.text)
+             for h in r.hits] + [(r.retrieval.certified, r.retrieval.widen_rounds)] for r in replies]
+    (a.out / "hits.json").write_text(json.dumps(hits))  # the last pass's replies (old vs new: equal)
     fe = _read(stem + ".frontend")[n0:]
     shards = {}
     for s in range(a.shards):
