@@ -16,7 +16,11 @@ one clock for client, frontend and shards):
 
 No server code is changed: the marks are wrappers installed in the server process (and, by
 name, in the spawned shards). ``--passes`` passes over the queries; all but the first are reported
-(medians of each part per request, us).
+(median, p10, p90 and mean of each part per request, us). The last pass's hits (ids, scores, ranks,
+fields, ``certified``, ``widen_rounds``) go to ``<out>/hits.json``, to compare two trees' replies;
+``OPRAG_BENCH_MARKS_DUMP=1`` also keeps every search reply's pickle (``<out>/marks.shard<i>.bodies``)
+for in-process replays. With ``PYTHONPATH=<old>/server:<old>/client:<this tree>`` the server run
+is the old tree's (the marks wrap functions both have).
 
     python -m bench.served_marks --data-dir bench/out/d1m --dense-index hnsw --queries 100 --passes 2 --json
 """
