@@ -110,8 +110,26 @@ async def _main(a) -> dict:
     sends: list[tuple[int, str, float, float]] = []  # (shard, op, sent, resolved)
     orig_call = transport.PipeTransport.call
 
-    def call(self, op, req):
+    class _Stamped:  # a Gather slot that notes when its reply resolved it (the pool sends into slots)
+        __slots__ = ("slot", "rec")
+
+        def __init__(self, slot, rec):
+            self.slot, self.rec = slot, rec
+
+        def done(self):
+            return self.slot.done()
+
+        def set_result(self, value):
+            sends.append((*self.rec, time.perf_counter()))
+            self.slot.set_result(value)
+
+        def set_exception(self, exc):
+            self.set_result(exc)
+
+    def call(self, op, req, into=None):
         t = time.perf_counter()
+        if into is not None:
+            return orig_call(self, op, req, _Stamped(into, (self.shard_id, op.value, t)))
         fut = orig_call(self, op, req)
         fut.add_done_callback(lambda f, s=self.shard_id: sends.append((s, op.value, t, time.perf_counter())))
         return fut

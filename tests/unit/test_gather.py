@@ -122,3 +122,61 @@ def test_a_cancelled_awaiter_leaves_the_late_replies_harmless():
         assert not missing and sorted(got) == [0, 1]
 
     asyncio.run(go())
+
+
+class _Proc:
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+
+class _Spy:
+    """A joining transport over a real process (its pid): records the scheduling policy of
+    every process of the broadcast when its call is made, and answers at once."""
+
+    joins, _alive = True, True
+
+    def __init__(self, pid: int, watch: list) -> None:
+        self.proc, self.watch, self.seen = _Proc(pid), watch, []
+
+    def call(self, op, request, into=None):
+        import os
+        self.seen.append([os.sched_getscheduler(p) for p in self.watch])
+        into.set_result("ok")
+        return into
+
+
+def test_a_broadcast_holds_the_first_shards_wake_up_preemption_until_its_last_write():
+    """gather_partial switches every shard process but the last written to SCHED_BATCH for the
+    writes (a woken batch task does not preempt the writer) and back to SCHED_OTHER after; a
+    process that is not SCHED_OTHER (here SCHED_IDLE) is left as it is."""
+    import os
+    import subprocess
+    import sys
+
+    from oprag_server.shards import gather
+
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(4)]
+    try:
+        pids = [p.pid for p in procs]
+        os.sched_setscheduler(pids[3], os.SCHED_IDLE, os.sched_param(0))
+        spies = [_Spy(p, pids) for p in pids]
+        pool = ShardPool.__new__(ShardPool)
+        pool.n, pool.clients, pool.fenced = 4, spies, False
+        pool._guard = lambda op: None
+        got, missing = asyncio.run(pool.gather_partial(Op.STATS, StatsRequest(), shards=[0, 1, 3, 2]))
+        assert got == {0: "ok", 1: "ok", 2: "ok", 3: "ok"} and not missing
+        B, O, I = os.SCHED_BATCH, os.SCHED_OTHER, os.SCHED_IDLE
+        # written in the order 0, 1, 3, 2: 0 and 1 held (batch) through every write; 2, the last, not
+        for s in (0, 1, 3, 2):
+            assert spies[s].seen == [[B, B, O, I]], s
+        assert [os.sched_getscheduler(p) for p in pids] == [O, O, O, I]  # released after the writes
+        gather.HOLD = False
+        try:
+            asyncio.run(pool.gather_partial(Op.STATS, StatsRequest()))
+        finally:
+            gather.HOLD = True
+        assert spies[0].seen[-1] == [O, O, O, I]  # switched off: nothing held
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

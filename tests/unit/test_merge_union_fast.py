@@ -143,6 +143,41 @@ def test_a_wrong_tie_break_fails():
         hybrid._hit_ranks = orig
 
 
+def test_only_the_tied_side_is_ranked_by_id():
+    """BM25 ties with distinct dense scores (at 1M: chunks with the same terms and length): the
+    dense ranks are the kernel's, only the BM25 side goes through the id tie-break, and both
+    equal the reference's; with dense ties too, both sides do."""
+    rng = np.random.default_rng(11)
+    orig, sides = hybrid._hit_ranks, []
+
+    def spy(vals, ids, rows, n, lexical):
+        sides.append(lexical)
+        return orig(vals, ids, rows, n, lexical)
+
+    hybrid._hit_ranks = spy
+    try:
+        seen = {(True,): 0, (False, True): 0}
+        for _ in range(200):
+            replies = _random_replies(rng, 2, 1)
+            for rep in replies.values():  # distinct dense scores: no dense tie anywhere
+                for c in (rep.candidates[0], rep.lexical[0]):
+                    c.dense[:] = c.dense + rng.random(len(c.dense)) * 1e-6
+            spec = RetrieveSpec(mode="hybrid", top_k=10, candidates=256)
+            sides.clear()
+            assert _key(merge_union(replies, 0, spec)) == _key(merge_union_reference(replies, 0, spec))
+            assert sides in ([], [True])
+            seen[(True,)] += sides == [True]
+        for _ in range(100):
+            replies = _random_replies(rng, 2, 0)
+            spec = RetrieveSpec(mode="hybrid", top_k=10, candidates=256)
+            sides.clear()
+            assert _key(merge_union(replies, 0, spec)) == _key(merge_union_reference(replies, 0, spec))
+            seen[(False, True)] += sides == [False, True]
+        assert seen[(True,)] >= 10 and seen[(False, True)] >= 5, seen
+    finally:
+        hybrid._hit_ranks = orig
+
+
 @pytest.mark.parametrize("family", ["clustered", "adversarial"])
 def test_equals_the_reference_on_real_shards(family):
     from tests.unit import test_threshold_bound as tb

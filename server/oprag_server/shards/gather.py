@@ -13,10 +13,55 @@ per shard; the hand-offs were 80-260 us each served, bench/RESULTS.md fe13).
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from typing import Any
 
 _UNSET = object()
+
+#: set ``OPRAG_FANOUT_HOLD=0`` to send a broadcast without :func:`hold_wakeups` (A/B benches)
+HOLD = os.environ.get("OPRAG_FANOUT_HOLD", "1") != "0"
+_BATCH, _OTHER = getattr(os, "SCHED_BATCH", None), getattr(os, "SCHED_OTHER", None)
+_NO_HOLD: set[int] = set()  # pids whose policy cannot be (or is not ours to be) changed
+
+
+def hold_wakeups(clients: list) -> list[int]:
+    """Before a broadcast's writes: the shard processes of ``clients`` (all but the last
+    written) switched from ``SCHED_OTHER`` to ``SCHED_BATCH``; :func:`release` switches them
+    back after the last write. A batch task woken by a write does not preempt the writer (the
+    kernel's wake-up preemption skips batch and idle wakees), so on a machine with no idle core
+    the frontend finishes the broadcast before the first shard takes its core; without it the
+    first shard woken on the frontend's core ran its whole search before the second shard's
+    request was written (the two searches in series: bench/RESULTS.md, fe14 / fe15). Only
+    process shards (a pipe transport with its process); a pid whose policy is not
+    ``SCHED_OTHER`` or cannot be changed is left alone from then on. :returns: the pids held."""
+    if not HOLD or _BATCH is None:
+        return []
+    held = []
+    for c in clients[:-1]:
+        proc = getattr(c, "proc", None)
+        pid = getattr(proc, "pid", None)
+        if pid is None or pid in _NO_HOLD or not getattr(c, "_alive", False):
+            continue
+        try:
+            if os.sched_getscheduler(pid) != _OTHER:
+                _NO_HOLD.add(pid)
+                continue
+            os.sched_setscheduler(pid, _BATCH, os.sched_param(0))
+        except OSError:
+            _NO_HOLD.add(pid)
+            continue
+        held.append(pid)
+    return held
+
+
+def release(held: list[int]) -> None:
+    """Switch the pids :func:`hold_wakeups` held back to ``SCHED_OTHER``."""
+    for pid in held:
+        try:
+            os.sched_setscheduler(pid, _OTHER, os.sched_param(0))
+        except OSError:
+            _NO_HOLD.add(pid)
 
 
 class Gather:

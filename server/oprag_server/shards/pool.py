@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .gather import Gather
+from .gather import Gather, hold_wakeups, release
 from .protocol import Op, ShutdownRequest, StatsReply
 from .replicas import ReplicaSet
 from .transport import PipeTransport, ShardError, ShardTransport, StorageUnavailable
@@ -156,8 +156,12 @@ class ShardPool:
         if len(clients) > 1 and all(getattr(c, "joins", False) for c in clients):
             # the replies resolve one Gather: this task wakes once, when the last is in
             g = Gather(asyncio.get_running_loop(), len(clients))
-            for k, (c, r) in enumerate(zip(clients, per)):
-                c.call(op, r, into=g.slot(k))
+            held = hold_wakeups(clients)  # no shard woken here takes the frontend's core before the last write
+            try:
+                for k, (c, r) in enumerate(zip(clients, per)):
+                    c.call(op, r, into=g.slot(k))
+            finally:
+                release(held)
             return self._sorted(targets, await g.future)
         futs = [c.call(op, r) for c, r in zip(clients, per)]
         if len(futs) == 1:  # one shard (e.g. a single session's memory): no gather wrapper
