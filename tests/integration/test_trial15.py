@@ -45,6 +45,19 @@ def _shard_pid(srv: ServerProcess) -> int:
     return pids[-1]
 
 
+def _health(srv: ServerProcess, service: str) -> str:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(srv.target) as ch:
+        st = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(st)
+
+
+def _ingest_health(srv: ServerProcess) -> str:
+    """The write path's health name (supervision.INGEST_HEALTH): NOT_SERVING while writes fail."""
+    return _health(srv, "oprag.v1.OpRAG.Ingest")
+
+
 def _present(c: OpRAGClient, doc_id: str, prefix: str) -> bool:
     hits = c.retrieve(f"marker{prefix}x{doc_id[len(prefix):]}", mode="lexical", top_k=1).hits
     return bool(hits) and hits[0].doc_id == doc_id
@@ -65,10 +78,13 @@ def test_writes_acknowledged_after_a_full_disk_are_served_after_a_restart(tmp_pa
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
             msg = e.value.details()
             assert "could not write to its data directory" in msg and "being restarted" not in msg, msg
+            assert _wait_for(lambda: _ingest_health(srv) == "NOT_SERVING", 10), _ingest_health(srv)
+            assert _health(srv, "") == "SERVING"  # reads go on
             resource.prlimit(pid, resource.RLIMIT_FSIZE, (hard, hard))  # space is back
             after = _docs("after", 10, 5, 3)
             c.ingest(after)  # acknowledged
             assert all(_present(c, d.id, "after") for d in after)
+            assert _wait_for(lambda: _ingest_health(srv) == "SERVING", 10), _ingest_health(srv)
         srv.kill9()
         srv.start()  # the failed append was cut back (index/wal.py): nothing torn hides the later ones
         with OpRAGClient(srv.target, timeout=120) as c:

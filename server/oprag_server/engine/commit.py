@@ -22,6 +22,7 @@ import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
+from ..disk_errors import disk_error
 from ..index.bm25 import CorpusStats
 from ..index.objstore import MirroredLog, ObjectStore, open_mirrored
 from ..index.wal import WriteAheadLog
@@ -138,7 +139,7 @@ class CommitProtocol:
                 self._storage_failed(exc)
                 raise
             if self.write_error is not None:
-                log.warning("object storage writes succeed again")
+                log.warning("writes succeed again (after: %s)", self.write_error)
                 self.write_error = None
             replies = await self.pool.broadcast(Op.APPLY, ApplyRequest(txn))
             for r in replies:
@@ -149,10 +150,20 @@ class CommitProtocol:
         return seq, replies
 
     def _storage_failed(self, exc: Exception) -> None:
-        """:raises StorageUnavailable: ``exc`` is a failed storage write (logged when the failure
-        is new: once per change, not per request)."""
+        """Record a failed write to the storage or to a local data directory in
+        :attr:`write_error` (the Ingest health name turns NOT_SERVING until a commit succeeds;
+        logged when the failure is new: once per change, not per request).
+
+        :raises StorageUnavailable: ``exc`` is a failed object storage write. A full or failing
+            local data directory (:func:`..disk_errors.disk_error`) is recorded and ``exc`` is
+            left to the caller (its message already says what to do)."""
         msg = str(exc)
         if WRITE_FAILED not in msg:
+            why = disk_error(exc)
+            if why is not None:
+                if self.write_error is None:
+                    log.error("a data directory could not be written (%s): %s (writes fail until it can be)", why, msg)
+                self.write_error = f"a data directory could not be written ({why}): {msg}"
             return
         msg = msg[msg.index(WRITE_FAILED):]
         if self.write_error is None:

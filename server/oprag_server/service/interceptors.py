@@ -17,14 +17,13 @@ the handler reaches that message, so an Ingest stream aborts and stores nothing.
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
-import re
 import time
 from typing import Any
 
 import grpc
 
+from ..disk_errors import disk_error
 from ..engine.ingest import IngestError
 from ..engine.query import Overloaded, QueryRejected
 from ..models.protocols import EngineRejected, EngineTimeout, EngineUnavailable
@@ -60,19 +59,11 @@ def status_for(exc: Exception, method: str) -> tuple[grpc.StatusCode, str, tuple
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}", ()
 
 
-# a shard's own write to its --data-dir failed (the shard is up: it is not being restarted)
-_DISK_ERRNOS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exhausted",
-                errno.EFBIG: "a file reached the size limit", errno.EROFS: "the file system is read-only",
-                errno.EIO: "an I/O error"}
-_ERRNO_RE = re.compile(r"\bOSError: \[Errno (\d+)\]")
-
-
 def shard_error_message(exc: ShardError) -> str:
     """The UNAVAILABLE message for a :class:`ShardError`: a shard that could not write to its data
     directory (disk full, quota, read-only, I/O error; the shard answered) says so and what to do;
     anything else is a shard that is down or being restarted."""
-    m = _ERRNO_RE.search(str(exc))
-    why = _DISK_ERRNOS.get(int(m.group(1))) if m else None
+    why = disk_error(exc)
     if why is not None:
         return (f"a shard could not write to its data directory ({why}): {exc}; the write was not acknowledged: "
                 "free space on the --data-dir volume (or repair it), then retry")
