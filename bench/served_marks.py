@@ -60,14 +60,7 @@ def _shard_run(*args, **kw):
     def send(self, obj):
         body = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         t = pc()
-        parts = [memoryview(worker.frame_head(len(body))), memoryview(body).cast("B")]
-        while parts:
-            done = os.writev(self.fd, parts)
-            while parts and done >= len(parts[0]):
-                done -= len(parts[0])
-                parts.pop(0)
-            if parts and done:
-                parts[0] = parts[0][done:]
+        worker.writev_all(self.fd, [memoryview(worker.frame_head(len(body))), memoryview(body).cast("B")])
         if cur:
             cur["pickled"], cur["sent"], cur["bytes"] = t, pc(), len(body)
             if dump is not None and cur["op"] == "search":  # the reply, for an in-process replay

@@ -38,6 +38,18 @@ def frame_head(n: int) -> bytes:
     return n.to_bytes(4, "big", signed=True) if n <= 0x7FFFFFFF else b"\xff\xff\xff\xff" + n.to_bytes(8, "big")
 
 
+def writev_all(fd: int, parts: list[memoryview]) -> None:
+    """Write every byte of ``parts`` (byte views, emptied) to ``fd`` with as few ``writev``
+    calls as the descriptor takes (one when it has room). :raises OSError: as ``os.writev``."""
+    while parts:
+        done = os.writev(fd, parts)
+        while parts and done >= len(parts[0]):
+            done -= len(parts[0])
+            parts.pop(0)
+        if parts and done:
+            parts[0] = parts[0][done:]
+
+
 class Pipe:
     """The shard's end of the pipe, framed as :class:`multiprocessing.connection.Connection`
     frames (a 4-byte big-endian length, or -1 and an 8-byte one, then the pickle), read and
@@ -103,15 +115,7 @@ class Pipe:
         # protocol 5 (Connection.send's ForkingPickler uses the default, 4 on Python 3.11, whose bytearrays
         # reduce to bytearray(bytes) calls): a hybrid reply -8 us to pickle here, -4 us to unpickle on the frontend
         body = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        n = len(body)
-        parts = [memoryview(frame_head(n)), memoryview(body).cast("B")]
-        while parts:
-            done = os.writev(self.fd, parts)
-            while parts and done >= len(parts[0]):
-                done -= len(parts[0])
-                parts.pop(0)
-            if parts and done:
-                parts[0] = parts[0][done:]
+        writev_all(self.fd, [memoryview(frame_head(len(body))), memoryview(body).cast("B")])
 
 
 def run(shard_id: int, conn, dim: int, data_dir: str | None, stem: bool, committed: set[str] | None = None,
