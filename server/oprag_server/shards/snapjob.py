@@ -39,6 +39,10 @@ from .storage import ShardStorage
 from .txn import Transactions
 
 
+class ShardGone(Exception):
+    """Raised by :meth:`SnapshotJob.drive`'s ``on_shard`` when the shard's thread has stopped."""
+
+
 class SnapshotJob:
     """One snapshot of ``store``, ``memory`` and ``txns``' log under ``d`` (see the module
     docstring). Created, stepped and waited for on the shard's thread only.
@@ -114,6 +118,35 @@ class SnapshotJob:
             self.log(f"snapshot written in {total:.2f} s (BM25 merge {self.merge_s:.2f} s, files {self.write_s:.2f} s"
                      + (")" if self.sync else f"; {loop * 1e3:.0f} ms of it on the request loop)"))
         return SnapshotReply(written=True, chunks=n)
+
+    def blocker(self) -> threading.Thread | None:
+        """(The shard's thread) the thread whose end the next :meth:`step` waits for: the BM25
+        merge's, then the writer's; None when a step has work now."""
+        if self._thread is not None:
+            return self._thread if self._thread.is_alive() else None
+        p = self.store.postings
+        pending = p._pending if p.merging else None  # noqa: SLF001
+        return pending[0] if pending and pending[0].is_alive() else None
+
+    def drive(self, on_shard: Callable[[Callable[[], object]], object]) -> SnapshotReply:
+        """Finish from a helper thread for a shard served by an executor (thread shards,
+        :mod:`.threaded`): every step runs on the shard's thread (``on_shard(fn)`` runs ``fn``
+        there, between its requests, and returns what it returned, raising what it raised), and
+        this thread waits for the merge's and the writer's ends in between. Should ``on_shard``
+        raise :class:`ShardGone` (the shard's thread has stopped), the rest runs in this thread.
+
+        :raises Exception: as :meth:`step`."""
+        while True:
+            try:
+                out, t = on_shard(lambda: (self.step(), self.blocker()))
+            except ShardGone:
+                return self.wait()
+            if out is not None:
+                return out  # type: ignore[return-value]
+            if t is not None:
+                t.join()  # type: ignore[union-attr]
+            else:
+                time.sleep(0.001)
 
     def wait(self) -> SnapshotReply:
         """Finish in this thread (a merge under way is waited for): the reply. :raises Exception:
