@@ -15,6 +15,8 @@ times, the ingest calls' max latency.
 PATH) in turn, ``--rounds`` times (ABAB), each on a fresh copy of the data dir::
 
     python -m bench.snapshot_stall --size 100000 --trees new=.,base=/work/wt/snap14-base --json
+
+``--shard-workers thread`` serves the shards on threads of the server (snap15).
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ from ._common import (DEFAULT_SHARED, OUT, emit_json, hotpath_queries, log, mach
 _SNAP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) shard (\d+): snapshot written in ([\d.]+) s")
 
 
-def _args(a, kind: str) -> list[str]:
-    return ["--generator", "none", "--shards", str(a.shards), "--dense-index", kind, "--monitor-fraction", "0"]
+def _args(a, kind: str, workers: str = "process") -> list[str]:
+    return ["--generator", "none", "--shards", str(a.shards), "--dense-index", kind, "--monitor-fraction", "0",
+            "--shard-workers", workers]
 
 
 def build(a, snap: dict, data: Path) -> None:
@@ -87,7 +90,7 @@ def run_once(a, tree: Path, base: Path, Q: np.ndarray, texts: list[str], snap: d
     shutil.rmtree(data, ignore_errors=True)
     shutil.copytree(base, data)
     env = {"PYTHONPATH": f"{tree}/server:{tree}/client:{tree}"}
-    srv = ServerProcess.on_free_ports(data, *_args(a, a.dense_index), log_path=OUT / "snapstall-server.log", env=env,
+    srv = ServerProcess.on_free_ports(data, *_args(a, a.dense_index, a.shard_workers), log_path=OUT / "snapstall-server.log", env=env,
                                       cwd=tree).start(600)
     lat: list[tuple[float, float]] = []  # (start epoch s, ms)
     ing: list[float] = []
@@ -146,6 +149,8 @@ def main(argv=None) -> int:
     ap.add_argument("--size", type=int, default=100_000)
     ap.add_argument("--dense-index", default="hnsw")
     ap.add_argument("--shards", type=int, default=2)
+    ap.add_argument("--shard-workers", default="process", choices=("process", "thread"),
+                    help="the served shards: processes or threads of the server (the build uses processes)")
     ap.add_argument("--data", type=Path, default=None, help="the base data dir (built when it has no snapshot)")
     ap.add_argument("--trees", default="new=.", help="name=PATH,...: server trees to compare")
     ap.add_argument("--rounds", type=int, default=1)
@@ -161,7 +166,8 @@ def main(argv=None) -> int:
         build(a, snap, base)
     Q, texts = hotpath_queries(snap, a.queries)
     trees = [(n, Path(p).resolve()) for n, p in (x.split("=", 1) for x in a.trees.split(","))]
-    result: dict = {"machine": machine_info(), "size": a.size, "dense_index": a.dense_index, "runs": []}
+    result: dict = {"machine": machine_info(), "size": a.size, "dense_index": a.dense_index,
+                    "shard_workers": a.shard_workers, "runs": []}
     for rnd in range(a.rounds):
         for name, tree in trees:
             load = os.getloadavg()[0]
