@@ -19,6 +19,12 @@ request's place in its order, with nothing else to interleave with:
 3. (the shard's thread, once the writer is done) the stored fields adopted from the new file
    (:func:`.snapshot.adopt`), and the reply.
 
+Thread shards (:mod:`.threaded`) run the same job: a helper thread steps it on the shard's thread
+(:meth:`SnapshotJob.drive`) and waits for the merge and the writer in between (:meth:`SnapshotJob.blocker`),
+while the transport answers reads and holds every other request; in-process shards
+(:mod:`.inprocess`) step it on the event loop. Ray actors (:mod:`.ray_transport`) and a SHUTDOWN's
+snapshot still write it in one go (:meth:`SnapshotJob.wait`).
+
 Durability is that of :func:`.snapshot.write`, which this is: files, then ``CURRENT``, then the
 log's reset; a crash before ``CURRENT`` switches leaves the previous snapshot live and the log
 whole. A SNAPSHOT is answered only once all of it is done.

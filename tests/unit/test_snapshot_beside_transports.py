@@ -1,8 +1,9 @@
-"""Thread shards (``--shard-workers thread``) write their snapshot beside the shard's thread, as
-shard processes do (issue 13, snap15; test_snapshot_beside.py is the process loop's test): reads
-sent while a (deliberately held) snapshot is written are answered before it is done; every
-other request waits for it, in order; a server killed (SIGKILL) while a thread shard writes one
-keeps the previous snapshot live and the log whole; a shard killed meanwhile ends it first."""
+"""Thread shards (``--shard-workers thread``) and in-process shards write their snapshot beside
+the calls, as shard processes do (issue 13, snap15; test_snapshot_beside.py is the process
+loop's test): reads sent while a (deliberately held) snapshot is written are answered before it
+is done; every other request waits for it, in order; a server killed (SIGKILL) while a thread
+shard writes one keeps the previous snapshot live and the log whole; a shard killed meanwhile
+ends it first."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from test_snapshot_beside import D, _batch, _search, _seed
 
 from oprag_server import records
 from oprag_server.shards import snapshot as snapshots
+from oprag_server.shards.inprocess import InProcessTransport
 from oprag_server.shards.protocol import (ApplyRequest, FetchRequest, MemoryLookupRequest, Op, PrepareRequest,
                                           PromoteRequest, SnapshotRequest, StageRequest, StatsRequest)
 from oprag_server.shards.state import ShardState
@@ -87,6 +89,39 @@ def test_reads_are_answered_while_a_thread_shard_writes_its_snapshot(tmp_path, m
     assert lookup.turns == [[]]  # (the promote waits for the snapshot)
     assert order[4:] == [1, 5] and snap.written and snap.chunks == 200
     assert [x.question for x in after.turns[0]] == ["q?"]
+
+
+def test_reads_are_answered_while_an_in_process_shard_writes_its_snapshot(tmp_path, monkeypatch):
+    _seed(tmp_path)
+    released = _hold(monkeypatch)
+    st = ShardState(0, D, tmp_path)
+    st.load(set())
+    st.search.warm()
+    t = InProcessTransport.of(st, copy=True)
+    order: list[int] = []
+
+    async def go():
+        calls = [(1, Op.SNAPSHOT, SnapshotRequest()), (2, Op.STATS, StatsRequest()), (3, Op.SEARCH, _search()),
+                 (4, Op.PROMOTE, _promote()), (5, Op.MEMORY_LOOKUP, MemoryLookupRequest(["s"], 4))]
+        futs = []
+        for i, op, req in calls:
+            futs.append(asyncio.ensure_future(t.call(op, req)))
+            futs[-1].add_done_callback(lambda _, i=i: order.append(i))
+        stats, search, lookup = await asyncio.wait_for(asyncio.gather(futs[1], futs[2], futs[4]), HOLD_S / 2)
+        await asyncio.sleep(0.2)
+        assert not futs[0].done() and not futs[3].done()
+        released.set()
+        snap, _ = await asyncio.wait_for(asyncio.gather(futs[0], futs[3]), 30)
+        return stats, search, lookup, snap, await t.call(Op.MEMORY_LOOKUP, MemoryLookupRequest(["s"], 4))
+
+    try:
+        stats, search, lookup, snap, after = asyncio.run(go())
+    finally:
+        released.set()
+    # (the promote runs once the snapshot is written; their two replies may come in either order)
+    assert sorted(order[:3]) == [2, 3, 5] and sorted(order[3:]) == [1, 4], order
+    assert stats.chunks == 200 and len(search.candidates[0].slots) == 5 and lookup.turns == [[]]
+    assert snap.written and snap.chunks == 200 and [x.question for x in after.turns[0]] == ["q?"]
 
 
 def test_writes_and_a_second_snapshot_wait_in_order(tmp_path, monkeypatch):
