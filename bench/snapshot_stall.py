@@ -35,7 +35,7 @@ import numpy as np
 from ._common import (DEFAULT_SHARED, OUT, emit_json, hotpath_queries, log, machine_info, percentile, read_snapshot,
                       start_server)
 
-_SNAP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) shard (\d+): snapshot written in ([\d.]+) s")
+_SNAP = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) shard (\d+): snapshot written in ([\d.]+) s")
 
 
 def _args(a, kind: str, workers: str = "process") -> list[str]:
@@ -65,9 +65,8 @@ def build(a, snap: dict, data: Path) -> None:
 def windows(lines: list[str]) -> list[tuple[int, float, float]]:
     """``(shard, start, end)`` (epoch seconds) of every snapshot the server's output reports."""
     out = []
-    for line in lines:
-        m = _SNAP.match(line)
-        if m:
+    for line in lines:  # (two shard threads' lines may share one: snap15's thread shards)
+        for m in _SNAP.finditer(line):
             end = time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000
             out.append((int(m.group(3)), end - float(m.group(4)), end))
     return out
