@@ -73,6 +73,7 @@ class SnapshotJob:
         self._error: BaseException | None = None
         self.merge_s = self.write_s = 0.0
         self.loop_s = time.perf_counter() - self.t0  # time taken from the request loop (start and steps)
+        self.start_s = self.loop_s  # of it: settling HNSW, starting the merge
         self.sync = False  # wait(): all of it in the caller's thread
 
     def _write(self) -> None:
@@ -118,11 +119,14 @@ class SnapshotJob:
         assert self._out is not None
         snap, n = self._out
         t = time.perf_counter()
-        snapshots.adopt(snap, self.store)
+        trim_s = snapshots.adopt(snap, self.store)
         if self.log is not None:
-            total, loop = time.perf_counter() - self.t0, self.loop_s + time.perf_counter() - t
+            adopt_s = time.perf_counter() - t
+            total, loop = time.perf_counter() - self.t0, self.loop_s + adopt_s
             self.log(f"snapshot written in {total:.2f} s (BM25 merge {self.merge_s:.2f} s, files {self.write_s:.2f} s"
-                     + (")" if self.sync else f"; {loop * 1e3:.0f} ms of it on the request loop)"))
+                     + (")" if self.sync else f"; {loop * 1e3:.0f} ms of it on the request loop: start "
+                        f"{self.start_s * 1e3:.0f}, merge install {(self.loop_s - self.start_s) * 1e3:.0f}, adopt "
+                        f"{(adopt_s - trim_s) * 1e3:.0f}, malloc_trim {trim_s * 1e3:.0f})"))
         return SnapshotReply(written=True, chunks=n)
 
     def blocker(self) -> threading.Thread | None:

@@ -99,14 +99,18 @@ def write_files(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transacti
     return snap, rows[0]
 
 
-def adopt(snap: Path, store: ChunkStore) -> None:
+def adopt(snap: Path, store: ChunkStore) -> float:
     """Serve the stored fields from the snapshot just written (memory-mapped): what the batches
-    since the last snapshot held in memory is freed (the shard's thread: fetches read them)."""
+    since the last snapshot held in memory is freed (the shard's thread: fetches read them).
+
+    :returns: seconds of it spent handing memory back (:func:`release_memory`)."""
     table, mapped = map_chunks(snap / "chunks.arrow")
     store.fields.adopt(table, store.fields.slots())
     mapped.madvise(mmap.MADV_DONTNEED)
     del table
+    t = time.perf_counter()
     release_memory()
+    return time.perf_counter() - t
 
 
 def release_memory() -> None:
