@@ -236,3 +236,29 @@ def test_a_server_killed_while_a_thread_shard_writes_a_snapshot_keeps_everything
     assert len(again.store.chunks) == 260 and all(f"d{i}" in again.store.doc_slots for i in range(260))
     again.snapshot()  # and the restarted shard's next snapshot replaces the half-written one
     assert len(list((tmp_path / "shard-0").glob("snap-*"))) == 1
+
+
+def test_the_fields_a_snapshot_replaces_are_freed_off_the_shards_thread(tmp_path):
+    """Dropping the parts the stored fields served before (at 1M: the previous snapshot's mapping,
+    150-260 ms to unmap) is left to a thread of its own: the snapshot is answered meanwhile."""
+    _seed(tmp_path)
+    st = ShardState(0, D, tmp_path)
+    st.load(set())
+    started, release, where = threading.Event(), threading.Event(), []
+
+    class Held(list):
+        def clear(self):
+            where.append(threading.current_thread().name)
+            started.set()
+            release.wait(HOLD_S)
+            super().clear()
+
+    st.store.fields._parts = Held(st.store.fields._parts)
+    t0 = time.perf_counter()
+    try:
+        reply = st.snapshot()
+        took = time.perf_counter() - t0
+        assert started.wait(HOLD_S / 2)  # (before: the old parts were dropped by the shard's thread itself)
+    finally:
+        release.set()
+    assert reply.written and took < HOLD_S / 2 and where == ["oprag-snapshot-drop"]
