@@ -15,6 +15,8 @@ times, the ingest calls' max latency.
 PATH) in turn, ``--rounds`` times (ABAB), each on a fresh copy of the data dir::
 
     python -m bench.snapshot_stall --size 100000 --trees new=.,base=/work/wt/snap14-base --json
+
+``--shard-workers thread`` serves the shards on threads of the server (snap15).
 """
 
 from __future__ import annotations
@@ -33,11 +35,12 @@ import numpy as np
 from ._common import (DEFAULT_SHARED, OUT, emit_json, hotpath_queries, log, machine_info, percentile, read_snapshot,
                       start_server)
 
-_SNAP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) shard (\d+): snapshot written in ([\d.]+) s")
+_SNAP = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) shard (\d+): snapshot written in ([\d.]+) s")
 
 
-def _args(a, kind: str) -> list[str]:
-    return ["--generator", "none", "--shards", str(a.shards), "--dense-index", kind, "--monitor-fraction", "0"]
+def _args(a, kind: str, workers: str = "process") -> list[str]:
+    return ["--generator", "none", "--shards", str(a.shards), "--dense-index", kind, "--monitor-fraction", "0",
+            "--shard-workers", workers]
 
 
 def build(a, snap: dict, data: Path) -> None:
@@ -62,9 +65,8 @@ def build(a, snap: dict, data: Path) -> None:
 def windows(lines: list[str]) -> list[tuple[int, float, float]]:
     """``(shard, start, end)`` (epoch seconds) of every snapshot the server's output reports."""
     out = []
-    for line in lines:
-        m = _SNAP.match(line)
-        if m:
+    for line in lines:  # (two shard threads' lines may share one: snap15's thread shards)
+        for m in _SNAP.finditer(line):
             end = time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000
             out.append((int(m.group(3)), end - float(m.group(4)), end))
     return out
@@ -87,7 +89,7 @@ def run_once(a, tree: Path, base: Path, Q: np.ndarray, texts: list[str], snap: d
     shutil.rmtree(data, ignore_errors=True)
     shutil.copytree(base, data)
     env = {"PYTHONPATH": f"{tree}/server:{tree}/client:{tree}"}
-    srv = ServerProcess.on_free_ports(data, *_args(a, a.dense_index), log_path=OUT / "snapstall-server.log", env=env,
+    srv = ServerProcess.on_free_ports(data, *_args(a, a.dense_index, a.shard_workers), log_path=OUT / "snapstall-server.log", env=env,
                                       cwd=tree).start(600)
     lat: list[tuple[float, float]] = []  # (start epoch s, ms)
     ing: list[float] = []
@@ -146,6 +148,8 @@ def main(argv=None) -> int:
     ap.add_argument("--size", type=int, default=100_000)
     ap.add_argument("--dense-index", default="hnsw")
     ap.add_argument("--shards", type=int, default=2)
+    ap.add_argument("--shard-workers", default="process", choices=("process", "thread"),
+                    help="the served shards: processes or threads of the server (the build uses processes)")
     ap.add_argument("--data", type=Path, default=None, help="the base data dir (built when it has no snapshot)")
     ap.add_argument("--trees", default="new=.", help="name=PATH,...: server trees to compare")
     ap.add_argument("--rounds", type=int, default=1)
@@ -161,7 +165,8 @@ def main(argv=None) -> int:
         build(a, snap, base)
     Q, texts = hotpath_queries(snap, a.queries)
     trees = [(n, Path(p).resolve()) for n, p in (x.split("=", 1) for x in a.trees.split(","))]
-    result: dict = {"machine": machine_info(), "size": a.size, "dense_index": a.dense_index, "runs": []}
+    result: dict = {"machine": machine_info(), "size": a.size, "dense_index": a.dense_index,
+                    "shard_workers": a.shard_workers, "runs": []}
     for rnd in range(a.rounds):
         for name, tree in trees:
             load = os.getloadavg()[0]

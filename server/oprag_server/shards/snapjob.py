@@ -17,7 +17,14 @@ request's place in its order, with nothing else to interleave with:
    memory records (Arrow, numpy, FAISS and file I/O leave the GIL for most of it) and does everything through the
    ``CURRENT`` switch, the log's reset and the publication to ``--storage-uri``;
 3. (the shard's thread, once the writer is done) the stored fields adopted from the new file
-   (:func:`.snapshot.adopt`), and the reply.
+   (:func:`.snapshot.adopt`), and the reply; the parts they replace are freed by a thread of
+   their own (a 1M shard's previous mapping took 150-260 ms to unmap: snap15).
+
+Thread shards (:mod:`.threaded`) run the same job: a helper thread steps it on the shard's thread
+(:meth:`SnapshotJob.drive`) and waits for the merge and the writer in between (:meth:`SnapshotJob.blocker`),
+while the transport answers reads and holds every other request; in-process shards
+(:mod:`.inprocess`) step it on the event loop. Ray actors (:mod:`.ray_transport`) and a SHUTDOWN's
+snapshot still write it in one go (:meth:`SnapshotJob.wait`).
 
 Durability is that of :func:`.snapshot.write`, which this is: files, then ``CURRENT``, then the
 log's reset; a crash before ``CURRENT`` switches leaves the previous snapshot live and the log
@@ -37,6 +44,16 @@ from .memory import MemoryStore
 from .protocol import SnapshotReply
 from .storage import ShardStorage
 from .txn import Transactions
+
+
+def _drop(parts: list) -> None:
+    """(A thread of its own) the stored fields' former parts freed, then the memory handed back."""
+    parts.clear()
+    snapshots.release_memory()
+
+
+class ShardGone(Exception):
+    """Raised by :meth:`SnapshotJob.drive`'s ``on_shard`` when the shard's thread has stopped."""
 
 
 class SnapshotJob:
@@ -63,6 +80,7 @@ class SnapshotJob:
         self._error: BaseException | None = None
         self.merge_s = self.write_s = 0.0
         self.loop_s = time.perf_counter() - self.t0  # time taken from the request loop (start and steps)
+        self.start_s = self.loop_s  # of it: settling HNSW, starting the merge
         self.sync = False  # wait(): all of it in the caller's thread
 
     def _write(self) -> None:
@@ -108,12 +126,46 @@ class SnapshotJob:
         assert self._out is not None
         snap, n = self._out
         t = time.perf_counter()
-        snapshots.adopt(snap, self.store)
+        old = snapshots.adopt(snap, self.store)
+        threading.Thread(target=_drop, args=(old,), name="oprag-snapshot-drop", daemon=True).start()
+        del old  # (dropped there: the previous mapping's munmap leaves the GIL, not this thread's time)
         if self.log is not None:
-            total, loop = time.perf_counter() - self.t0, self.loop_s + time.perf_counter() - t
+            adopt_s = time.perf_counter() - t
+            total, loop = time.perf_counter() - self.t0, self.loop_s + adopt_s
             self.log(f"snapshot written in {total:.2f} s (BM25 merge {self.merge_s:.2f} s, files {self.write_s:.2f} s"
-                     + (")" if self.sync else f"; {loop * 1e3:.0f} ms of it on the request loop)"))
+                     + (")" if self.sync else f"; {loop * 1e3:.0f} ms of it on the request loop: start "
+                        f"{self.start_s * 1e3:.0f}, merge install {(self.loop_s - self.start_s) * 1e3:.0f}, adopt "
+                        f"{adopt_s * 1e3:.0f})"))
         return SnapshotReply(written=True, chunks=n)
+
+    def blocker(self) -> threading.Thread | None:
+        """(The shard's thread) the thread whose end the next :meth:`step` waits for: the BM25
+        merge's, then the writer's; None when a step has work now."""
+        if self._thread is not None:
+            return self._thread if self._thread.is_alive() else None
+        p = self.store.postings
+        pending = p._pending if p.merging else None  # noqa: SLF001
+        return pending[0] if pending and pending[0].is_alive() else None
+
+    def drive(self, on_shard: Callable[[Callable[[], object]], object]) -> SnapshotReply:
+        """Finish from a helper thread for a shard served by an executor (thread shards,
+        :mod:`.threaded`): every step runs on the shard's thread (``on_shard(fn)`` runs ``fn``
+        there, between its requests, and returns what it returned, raising what it raised), and
+        this thread waits for the merge's and the writer's ends in between. Should ``on_shard``
+        raise :class:`ShardGone` (the shard's thread has stopped), the rest runs in this thread.
+
+        :raises Exception: as :meth:`step`."""
+        while True:
+            try:
+                out, t = on_shard(lambda: (self.step(), self.blocker()))
+            except ShardGone:
+                return self.wait()
+            if out is not None:
+                return out  # type: ignore[return-value]
+            if t is not None:
+                t.join()  # type: ignore[union-attr]
+            else:
+                time.sleep(0.001)
 
     def wait(self) -> SnapshotReply:
         """Finish in this thread (a merge under way is waited for): the reply. :raises Exception:

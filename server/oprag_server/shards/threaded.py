@@ -17,6 +17,12 @@ Query requests (search, the exact rounds, fetch) and their replies are passed as
 no pickling: a reply is read-only to the frontend. Every other request and reply goes through
 a pickle round trip, so writes see exactly what a pipe would deliver.
 
+A snapshot (:attr:`~.protocol.Op.SNAPSHOT`) is written beside the shard's thread, as a shard
+process writes it (:mod:`.snapjob`): its steps run on the shard's thread between requests, a
+helper thread waits for the BM25 merge and the writer thread in between, and meanwhile the read
+ops (:data:`.state.READS`) are served as they come while every other request is held, in order,
+until the SNAPSHOT is answered (a query no longer waits for the whole snapshot; snap15).
+
 Failure semantics differ from processes: a thread cannot be killed. :meth:`ThreadTransport.kill`
 marks the shard down (pending calls fail with :class:`~.transport.ShardError`) and waits for
 the operation in progress to end before a replacement loads the snapshot and log; a fault
@@ -33,15 +39,16 @@ import pickle
 import sys
 import threading
 import traceback
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
 from ..index.objstore import StorageWriteError
 from .gather import Slot
-from .protocol import Op, StatsReply, StatsRequest
-from .state import ShardState, dispatch, op_table
+from .protocol import Op, SnapshotReply, StatsReply, StatsRequest
+from .snapjob import ShardGone
+from .state import READS, ShardState, dispatch, op_table
 from .transport import ShardError, ShardTransport
 
 log = logging.getLogger("oprag")
@@ -111,6 +118,9 @@ class ThreadTransport(ShardTransport):
         self._table: dict | None = None
         self._alive = False
         self._pending: set[asyncio.Future] = set()
+        self._gate = threading.Lock()  # guards _held, _driver
+        self._held: list[tuple] | None = None  # while a snapshot is written: the requests it holds, in order
+        self._driver: threading.Thread | None = None  # the helper thread of the snapshot being written
 
     @classmethod
     def of(cls, state: ShardState) -> "ThreadTransport":
@@ -179,16 +189,88 @@ class ThreadTransport(ShardTransport):
             return fut
         if op is Op.SHUTDOWN:
             self._alive = False  # nothing after it is served (a shard process exits)
-        try:
-            cf = self._exec.submit(self._run, op, request)
-        except RuntimeError as exc:  # executor shut down
-            fut.set_exception(ShardError(f"shard {self.shard_id} is not running: {exc}"))
-            return fut
+        with self._gate:
+            if self._held is not None and op not in READS:  # a snapshot is being written: after it
+                self._held.append((op, request, fut))
+            else:
+                try:
+                    self._submit(op, request, fut)
+                except RuntimeError as exc:  # executor shut down
+                    fut.set_exception(ShardError(f"shard {self.shard_id} is not running: {exc}"))
+                    return fut
         self._pending.add(fut)
         if into is not None:
             into.group.held.append((self._pending, into))
-        cf.add_done_callback(lambda f: self._done(fut, f))
         return fut
+
+    def _submit(self, op: Op, request: Any, fut: asyncio.Future | Slot) -> None:
+        """(Under ``_gate``) queue one request on the shard's thread; a SNAPSHOT starts one
+        written beside it (:meth:`_snapshot`). :raises RuntimeError: the executor is shut down."""
+        assert self._exec is not None
+        if op is Op.SNAPSHOT:
+            cf = self._snapshot(request)
+        else:
+            cf = self._exec.submit(self._run, op, request)
+        cf.add_done_callback(lambda f: self._done(fut, f))
+
+    def _snapshot(self, request: Any) -> Future:
+        """(Under ``_gate``) start a snapshot after the requests queued before it: a helper
+        thread steps it on the shard's thread (:meth:`.snapjob.SnapshotJob.drive`); from now
+        until its outcome is set, :meth:`call` holds every request but reads."""
+        assert self._exec is not None and self.state is not None
+        state, cf = self.state, Future()
+        first = self._exec.submit(state.snapshot_begin)  # (raises RuntimeError when shut down)
+        self._held = []
+        self._driver = threading.Thread(target=self._drive, args=(first, cf),
+                                        name=f"oprag-snapshot-{self.shard_id}", daemon=True)
+        self._driver.start()
+        return cf
+
+    def _drive(self, first: Future, cf: Future) -> None:
+        """(The helper thread) the snapshot to its end, its outcome, then the held requests."""
+        try:
+            try:
+                job = first.result()
+            except CancelledError as exc:  # killed before it began
+                raise ShardError("the shard stopped before its snapshot began") from exc
+            reply = SnapshotReply(written=False) if job is None else job.drive(self._on_shard)
+            out: tuple[bool, Any] = (True, pickle.loads(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)))
+        except Exception as exc:  # noqa: BLE001 - answered as any failed request
+            if not isinstance(exc, StorageWriteError):
+                traceback.print_exc()
+            out = (False, f"{type(exc).__name__}: {exc}")
+        cf.set_result(out)
+        self._release()
+
+    def _on_shard(self, fn):
+        """Run ``fn`` on the shard's thread, after the requests queued before it; its result.
+        :raises ShardGone: the shard's thread has stopped (then none of it runs any more)."""
+        assert self._exec is not None
+        try:
+            f = self._exec.submit(fn)
+        except RuntimeError as exc:  # shut down (kill, close)
+            gone: BaseException = exc
+        else:
+            try:
+                return f.result()
+            except CancelledError as exc:  # dropped by kill
+                gone = exc
+        self._exec.shutdown(wait=True)  # (nothing of the shard's runs any more after this)
+        raise ShardGone from gone
+
+    def _release(self) -> None:
+        """(The helper thread, the snapshot answered) queue the held requests in order, up to
+        the next SNAPSHOT (which starts and holds the rest)."""
+        with self._gate:
+            held, self._held, self._driver = self._held or [], None, None
+            for i, (op, request, fut) in enumerate(held):
+                try:
+                    self._submit(op, request, fut)
+                except RuntimeError:  # shut down meanwhile: kill/close failed or drop them
+                    return
+                if op is Op.SNAPSHOT:
+                    self._held = held[i + 1:]
+                    return
 
     def _done(self, fut: asyncio.Future | Slot, cf: Future) -> None:
         """(On the shard's thread) hand the outcome to the loop; a slot's outcome is set here,
@@ -233,6 +315,14 @@ class ThreadTransport(ShardTransport):
         self._on_loop(self._fail_pending)
         if self._exec is not None:
             self._exec.shutdown(wait=True, cancel_futures=True)
+        self._join_driver()
+
+    def _join_driver(self) -> None:
+        """Wait for a snapshot being written to end (its writer resets the shard's log)."""
+        with self._gate:
+            d = self._driver
+        if d is not None and d is not threading.current_thread():
+            d.join()
 
     def _fail_pending(self) -> None:
         pending, self._pending = self._pending, set()
@@ -262,3 +352,4 @@ class ThreadTransport(ShardTransport):
         self._alive = False
         if self._exec is not None:
             self._exec.shutdown(wait=True, cancel_futures=False)
+        self._join_driver()
