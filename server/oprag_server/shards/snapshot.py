@@ -64,6 +64,30 @@ def write_files(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transacti
     :meth:`.snapjob.SnapshotJob.step`)."""
     snap = d / f"snap-{store.applied_seq:012d}-{time.time_ns()}"
     snap.mkdir()
+    try:
+        rows = _write_snapshot_files(snap, store, memory)
+    except BaseException:  # (a full disk): no half-written directory left behind, every failed try
+        shutil.rmtree(snap, ignore_errors=True)
+        raise
+    fsync_write(d / "CURRENT", snap.name.encode())
+    sweep(d, snap.name)
+    if txns.wal is not None:
+        txns.wal.reset(txns.in_flight())
+    if storage is not None and isinstance(txns.wal, MirroredLog):
+        storage.publish(snap, txns.wal)
+    return snap, rows
+
+
+def sweep(d: Path, keep: str | None) -> None:
+    """Remove the ``snap-*`` directories under ``d`` other than ``keep`` (the live one): older
+    snapshots, and one a crash or a failed write left before ``CURRENT`` named it."""
+    for old in d.glob("snap-*"):
+        if old.name != keep:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_snapshot_files(snap: Path, store: ChunkStore, memory: MemoryStore) -> int:
+    """Every file of snapshot directory ``snap`` (fsync'ed), ``meta.json`` last. :returns: chunks."""
     one = store.dense.one_copy  # HNSW: the vectors are saved once, in dense.faiss
     # one record batch (reads take from one chunk), streamed to the file: its serialised copies
     # (BufferOutputStream, to_pybytes) doubled the snapshot's memory peak (issue 13)
@@ -88,15 +112,7 @@ def write_files(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transacti
             "applied_seq": store.applied_seq, "dim": store.dim,
             "next_slot": store.next_slot, "chunks": rows[0], "analyzer": {"stem": store.analyzer.stem}}
     fsync_write(snap / "meta.json", json.dumps(meta).encode())
-    fsync_write(d / "CURRENT", snap.name.encode())
-    for old in d.glob("snap-*"):
-        if old.name != snap.name:
-            shutil.rmtree(old, ignore_errors=True)
-    if txns.wal is not None:
-        txns.wal.reset(txns.in_flight())
-    if storage is not None and isinstance(txns.wal, MirroredLog):
-        storage.publish(snap, txns.wal)
-    return snap, rows[0]
+    return rows[0]
 
 
 def adopt(snap: Path, store: ChunkStore) -> list:
@@ -220,6 +236,7 @@ def load(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions, co
     wal = storage.open_log(d) if storage is not None else WriteAheadLog(d / "wal.log")
     cur = d / "CURRENT"
     snap = d / cur.read_text().strip() if cur.exists() else (d if (d / "meta.json").exists() else None)
+    sweep(d, snap.name if snap is not None and snap != d else None)  # what a failed or cut-off snapshot left
     if snap is not None:  # (a snapshot written directly into the shard directory: first layout)
         meta = json.loads((snap / "meta.json").read_text())
         if meta.get("format_version") not in READABLE_FORMATS:
