@@ -40,9 +40,11 @@ async def restart_shard(pool: Any, i: int, *, committed: set[str] | Callable[[],
         under the write lock, i.e. after a commit in progress logged its commit point or failed
         (a transaction prepared on the lost shard and logged just after a plain read would not
         be replayed).
-    :param check: ``check({i: applied_seq})`` raises when the shard came back without writes
-        it must hold (:meth:`~.engine.commit.CommitProtocol.check_recovered`): it is then
-        stopped again (left down: partial results, retried with back-off).
+    :param check: ``check({i: applied_seq}, committed)`` raises when the shard came back without
+        the transactions ``committed`` it was given to replay
+        (:meth:`~.engine.commit.CommitProtocol.check_recovered`; commits that went on during the
+        restart do not count): it is then stopped again (left down: partial results, retried
+        with back-off).
     :raises ShardError | RuntimeError: the shard did not come back.
     """
     loop = asyncio.get_running_loop()
@@ -52,7 +54,7 @@ async def restart_shard(pool: Any, i: int, *, committed: set[str] | Callable[[],
     ready = await loop.run_in_executor(None, pool.restart, i, loop, committed)
     if check is not None:
         try:
-            check({i: ready.applied_seq})
+            check({i: ready.applied_seq}, committed)
         except Exception:
             pool.clients[i].kill()
             raise

@@ -228,6 +228,14 @@ def test_a_shard_missing_tail_records_the_commit_log_holds_is_refused(tmp_path, 
                                            r"holds committed transactions up to 1"):
         cp.check_recovered(got)
     cp.check_recovered({0: 1, 1: 1})
+    # a restart while commits go on: shard 1 was given {t1} to replay; t2, committed meanwhile
+    # (a replica catching up gets it from its backlog), does not make it "behind"
+    cp.log.append({"txn": "t2", "seq": 2})
+    cp.check_recovered({1: 1}, committed={"t1"})
+    with pytest.raises(RuntimeError, match="shard 1 recovered up to sequence 1"):
+        cp.check_recovered({1: 1})
+    with pytest.raises(RuntimeError, match="shard 1 recovered up to sequence 0"):
+        cp.check_recovered({1: 0}, committed={"t1"})
 
 
 def test_a_restarted_shard_that_lost_records_is_stopped_again():
@@ -237,7 +245,7 @@ def test_a_restarted_shard_that_lost_records_is_stopped_again():
     client = types.SimpleNamespace(kill=lambda: killed.append(1))
     pool = types.SimpleNamespace(restart=lambda i, loop, c: types.SimpleNamespace(applied_seq=0), clients=[client])
 
-    def check(applied):
+    def check(applied, committed):
         raise RuntimeError(f"behind: {applied}")
 
     with pytest.raises(RuntimeError, match=r"behind: \{0: 0\}"):

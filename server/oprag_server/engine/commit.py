@@ -82,14 +82,18 @@ class CommitProtocol:
         """Transaction ids in the commit log now (for a shard that restarts)."""
         return {r["txn"] for r in self.log} if self.log is not None else set()
 
-    def check_recovered(self, applied: dict[int, int]) -> None:
+    def check_recovered(self, applied: dict[int, int], committed: set[str] | None = None) -> None:
         """Check that every shard recovered every transaction the commit log holds (each shard
         prepares and applies every transaction, so its ``applied_seq`` after replay reaches the
         log's highest sequence number; one below it lost log records).
 
         :param applied: shard id -> its ``applied_seq`` after loading.
+        :param committed: the transactions the shards were given to replay (a restart while
+            commits go on: only those count; a replica catching up has the later ones too).
+            None: every transaction of the log (a start: nothing commits meanwhile).
         :raises RuntimeError: naming the shards behind, their sequence number and the log's."""
-        want = max([r["seq"] for r in self.log] + [0]) if self.log is not None else 0
+        want = max([r["seq"] for r in self.log if committed is None or r["txn"] in committed] + [0]) \
+            if self.log is not None else 0
         behind = {i: s for i, s in sorted(applied.items()) if s < want}
         if behind:
             where = f" ({self.log.store.uri})" if isinstance(self.log, MirroredLog) else ""
