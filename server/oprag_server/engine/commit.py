@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..disk_errors import disk_error
+from ..index.disk_errors import disk_error
 from ..index.bm25 import CorpusStats
 from ..index.objstore import MirroredLog, ObjectStore, open_mirrored
 from ..index.wal import WriteAheadLog
@@ -159,7 +159,7 @@ class CommitProtocol:
         logged when the failure is new: once per change, not per request).
 
         :raises StorageUnavailable: ``exc`` is a failed object storage write. A full or failing
-            local data directory (:func:`..disk_errors.disk_error`) is recorded and ``exc`` is
+            local data directory (:func:`..index.disk_errors.disk_error`) is recorded and ``exc`` is
             left to the caller (its message already says what to do)."""
         msg = str(exc)
         if WRITE_FAILED not in msg:

@@ -23,7 +23,7 @@ from typing import Any
 
 import grpc
 
-from ..disk_errors import disk_error
+from ..index.disk_errors import disk_error
 from ..engine.ingest import IngestError
 from ..engine.query import Overloaded, QueryRejected
 from ..models.protocols import EngineRejected, EngineTimeout, EngineUnavailable

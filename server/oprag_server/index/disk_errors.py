@@ -1,6 +1,6 @@
 """Which failures are a data directory that cannot be written (a full disk, an exhausted quota, a
 read-only file system, an I/O error), whether raised here (an ``OSError``) or reported by a shard
-process (its error text ends in ``OSError: [Errno N] ...``, see :mod:`.shards.worker`)."""
+process (its error text ends in ``OSError: [Errno N] ...``, see :mod:`..shards.worker`)."""
 
 from __future__ import annotations
 
