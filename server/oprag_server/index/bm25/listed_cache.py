@@ -18,6 +18,7 @@ chunks) and the query's term arrays.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict
 
 import numpy as np
@@ -41,12 +42,15 @@ class ListedCache:
 
     @staticmethod
     def generation(ix, version) -> tuple:
-        """What a cached list is valid for: the write counter and the index's layers (held by
-        reference, so that an identity is never reused while compared)."""
-        return (version, ix._seg, ix._delta, getattr(ix, "_frozen", None))  # noqa: SLF001
+        """What a cached list is valid for: the write counter, the index's segment (a weak
+        reference: a replaced segment is not kept alive by the cache, and a dead reference never
+        equals a live one) and its delta layers' identities (they change with the counter, or
+        with a merge's start, which also leaves scores as they were)."""
+        return (version, weakref.ref(ix._seg), id(ix._delta), id(getattr(ix, "_frozen", None)))  # noqa: SLF001
 
     def _check(self, gen: tuple) -> None:
-        if len(gen) != len(self.gen) or any(a is not b for a, b in zip(gen[1:], self.gen[1:])) or gen[0] != self.gen[0]:
+        if len(gen) != len(self.gen) or gen[0] != self.gen[0] or gen[1]() is None or gen[1]() is not self.gen[1]() \
+                or gen[2:] != self.gen[2:]:
             self.entries.clear()
             self.gen = gen
 

@@ -274,32 +274,38 @@ def _pruned(ix: PostingsIndex, seg, seg_df, tids, idf, d_off, ds, dt, m, avgdl, 
 
 def _wide_kept(ix, w, cache, tids, idf, d_off, ds, dt, is_wide, row, m, avgdl, k1, b, sc):
     """The wide path in steps (:mod:`..kernels_wide_keep`), what the pass left kept in the
-    shard's cache: :func:`..kernels_wide.bm25_top_wide`'s result."""
+    shard's cache (no segment array: those are the index's when it is used again):
+    :func:`..kernels_wide.bm25_top_wide`'s result."""
     from ..kernels_wide_keep import wide_finish, wide_pass  # noqa: PLC0415
 
     seg, where, doc_len, m = w.seg, ix._where, ix._doc_len, int(m)  # noqa: SLF001
     q = (tids, idf, seg.offsets, seg.slots, seg.tf, d_off, ds, dt, is_wide, row, w.rows, w.span)
     cx, cv, listed, mx, past = wide_pass(where, _SEG, doc_len, w.seg_len, *q, m, float(avgdl), float(k1),
                                          float(b), sc.acc32, sc.seen)
-    cache[0].put(cache[1], cache[2], (m, cx, cv, int(listed), mx, int(past), q, w.seg_len))
+    cache[0].put(cache[1], cache[2], (m, cx, cv, int(listed), mx, int(past), tids, d_off, ds, dt, is_wide, row))
     slots, scores = wide_finish(cx, cv, m, where, _SEG, doc_len, *q, float(avgdl), float(k1), float(b))
     return slots, scores, int(listed)
 
 
 def _from_kept(ix, e, m, idf, avgdl, k1, b):
-    """``(slots, scores, listed)`` of the top-m from a kept entry (:func:`_wide_kept`), or None
-    when the entry cannot give it (fewer than m blocks hold a non-zero score)."""
+    """``(slots, scores, listed)`` of the top-m from a kept entry (:func:`_wide_kept`) of this
+    index's current segment, or None when it cannot give it (fewer than m blocks hold a
+    non-zero score, or the shard's wide rows are not the segment's)."""
     from ..kernels_wide_keep import wide_finish, wide_rescan  # noqa: PLC0415
 
-    m0, cx, cv, listed, mx, past, q, seg_len = e
+    m0, cx, cv, listed, mx, past, tids, d_off, ds, dt, is_wide, row = e
+    sc, seg = ix.__dict__.get("_topm_scratch"), ix._seg  # noqa: SLF001
+    w = sc.wide if sc is not None else None
+    if w is None or w.seg is not seg:
+        return None
     where, doc_len, m = ix._where, ix._doc_len, int(m)  # noqa: SLF001
-    q = (q[0], idf, *q[2:])
+    q = (tids, idf, seg.offsets, seg.slots, seg.tf, d_off, ds, dt, is_wide, row, w.rows, w.span)
     if m > m0:
         pos = mx[mx > 0.0]
         if pos.size < m:
             return None
         low = float(np.partition(pos, pos.size - m)[pos.size - m])  # the m-th largest block maximum
-        cx, cv = wide_rescan(mx, low, cx, cv, past, where, _SEG, doc_len, seg_len, *q, float(avgdl), float(k1),
+        cx, cv = wide_rescan(mx, low, cx, cv, past, where, _SEG, doc_len, w.seg_len, *q, float(avgdl), float(k1),
                              float(b))
     slots, scores = wide_finish(cx, cv, m, where, _SEG, doc_len, *q, float(avgdl), float(k1), float(b))
     return slots, scores, listed
