@@ -147,7 +147,7 @@ class Searcher(ExactMixin):
         :returns: ``(Candidates, listed, float64[C])``."""
         st = self.store
         slots, lex, listed, cand_lex = listed_top_scored(st.postings, qb.terms[i], qb.idf[i], qb.avgdl, qb.k1, qb.b,
-                                                         m, allowed, cand, score_cand)
+                                                         m, allowed, cand, score_cand, st.version)
         # ids are read only for ties (the slot-indexed id array of the store)
         order = _kernels_refine().rank_top(lex, st._slot_ids, m, rows=slots)  # noqa: SLF001
         top = slots[order]
@@ -172,12 +172,14 @@ class Searcher(ExactMixin):
         that the first query is not slow. :returns: seconds taken."""
         t = _kernels().warm()
         st, t0 = self.store, time.perf_counter()
-        from ..index import kernels_band, kernels_carry, kernels_cone, kernels_exact, kernels_topm, kernels_wide  # noqa: PLC0415
+        from ..index import (kernels_band, kernels_carry, kernels_cone, kernels_exact, kernels_topm,  # noqa: PLC0415
+                             kernels_wide, kernels_wide_keep)
 
         _kernels_low().warm()
         kernels_topm.warm()
         kernels_exact.warm()
         kernels_wide.warm()
+        kernels_wide_keep.warm()
         _kernels_scan().warm()
         kernels_cone.warm()
         kernels_carry.warm()

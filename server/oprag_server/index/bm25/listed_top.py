@@ -11,6 +11,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from . import listed_cache
 from .merging import _SEG
 from .okapi import check_avgdl, check_query
 from .postings import PostingsIndex
@@ -36,7 +37,7 @@ def listed_top(ix: PostingsIndex, terms: Sequence[str], idf: np.ndarray, avgdl: 
 
 def listed_top_scored(ix: PostingsIndex, terms: Sequence[str], idf: np.ndarray, avgdl: float, k1: float, b: float,
                       m: int, allowed: np.ndarray | None = None, at: np.ndarray | None = None,
-                      score_at: Callable[[], np.ndarray] | None = None) -> tuple:
+                      score_at: Callable[[], np.ndarray] | None = None, cache_version: int | None = None) -> tuple:
     """:func:`listed_top`, plus the BM25 score of each slot of int64[C] ``at`` (live chunks, any
     order): from the pass itself when it reads every posting of the query
     (:func:`..kernels_exact.bm25_listed_top`: the same accumulator, so
@@ -45,6 +46,12 @@ def listed_top_scored(ix: PostingsIndex, terms: Sequence[str], idf: np.ndarray, 
     (which streams megabytes: the candidates' postings are read while still warm), or None
     without it.
 
+    :param cache_version: the caller's write counter (``ChunkStore.version``): an unfiltered
+        query on the wide path then keeps what its pass left (:mod:`.listed_cache`), and a
+        later call for the same query (a widening round: a larger m) is answered from it,
+        with the same result, re-passing only the blocks that can hold its top-m
+        (:mod:`..kernels_wide_keep`), while neither the counter nor the index's layers change.
+        None: nothing kept or looked up.
     :returns: ``(slots, scores, listed, at_scores float64[C] | None)``.
     """
     from .. import kernels_exact  # noqa: PLC0415 - numba only in processes that score
@@ -56,11 +63,20 @@ def listed_top_scored(ix: PostingsIndex, terms: Sequence[str], idf: np.ndarray, 
     if not check_avgdl(avgdl) or not terms:
         return (*_EMPTY, np.zeros(at.size, np.float64))
     seg, seg_df = ix._seg, ix._seg_df  # noqa: SLF001 - the index's own package
-    tids, d_off, ds, dt = _query_arrays(ix, terms)
     every = allowed is None
+    cache = None
+    if every and cache_version is not None and _CACHE and _PRUNE and bool(np.all(idf >= 0.0)):
+        lc = listed_cache.of(ix)
+        cache = (lc, lc.generation(ix, cache_version), lc.key(terms, idf, avgdl, k1, b))
+        e = lc.get(cache[1], cache[2])
+        got = _from_kept(ix, e, m, idf, avgdl, k1, b) if e is not None else None
+        if got is not None:  # a widening round
+            at_scores = score_at() if score_at is not None else None
+            return (*got, at_scores)
+    tids, d_off, ds, dt = _query_arrays(ix, terms)
     if every and bool(np.all(idf >= 0.0)) and _PRUNE and _postings(seg, tids) + ds.size >= _FULL_BELOW:
         at_scores = score_at() if score_at is not None else None
-        return (*_pruned(ix, seg, seg_df, tids, idf, d_off, ds, dt, m, avgdl, k1, b), at_scores)
+        return (*_pruned(ix, seg, seg_df, tids, idf, d_off, ds, dt, m, avgdl, k1, b, cache), at_scores)
     al = _NO_SLOTS if every else np.ascontiguousarray(allowed, dtype=np.int64)
     slots, scores, listed, at_scores = kernels_exact.bm25_listed_top(
         ix._where, _SEG, ix._doc_len, tids, idf, seg.offsets, seg.slots, seg.tf,  # noqa: SLF001
@@ -117,6 +133,8 @@ _PRUNE = True
 #: paths' fixed costs (term bounds, rows, rescoring) exceed what they save (at 5K chunks per shard
 #: 0.19 ms full vs 0.39 wide / 0.47 MaxScore p50 for SciFact queries; bench/RESULTS.md)
 _FULL_BELOW = 65536
+#: keep the wide path's candidates for widening rounds (:mod:`.listed_cache`); False: never
+_CACHE = True
 
 
 def _postings(seg, tids: np.ndarray) -> int:
@@ -218,14 +236,14 @@ def wide_rows(ix: PostingsIndex, tids: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return r, w.rows, w.span
 
 
-def _pruned(ix: PostingsIndex, seg, seg_df, tids, idf, d_off, ds, dt, m, avgdl, k1, b):
+def _pruned(ix: PostingsIndex, seg, seg_df, tids, idf, d_off, ds, dt, m, avgdl, k1, b, cache=None):
     from .. import kernels_topm, kernels_wide  # noqa: PLC0415
 
     sc = ix.__dict__.get("_topm_scratch")
     if sc is None:
         sc = ix.__dict__.setdefault("_topm_scratch", _Scratch())
     if not sc.lock.acquire(blocking=False):  # another thread is scoring on this shard: a fresh scratch
-        sc = _Scratch()
+        sc, cache = _Scratch(), None  # (its rows are not the shard's: nothing kept)
         sc.lock.acquire()
     try:
         where, doc_len = ix._where, ix._doc_len  # noqa: SLF001
@@ -240,6 +258,8 @@ def _pruned(ix: PostingsIndex, seg, seg_df, tids, idf, d_off, ds, dt, m, avgdl, 
             w = sc.wide
             is_wide, row, n_wide = w.positions(tids)
             if n_wide * _WIDE_GAIN >= w.span and w.span <= min(where.size, doc_len.size):
+                if cache is not None and w.span:
+                    return _wide_kept(ix, w, cache, tids, idf, d_off, ds, dt, is_wide, row, m, avgdl, k1, b, sc)
                 slots, scores, listed = kernels_wide.bm25_top_wide(
                     where, _SEG, doc_len, w.seg_len, tids, idf, seg.offsets, seg.slots, seg.tf, d_off, ds, dt, is_wide,
                     row, w.rows, w.span, int(m), float(avgdl), float(k1), float(b), sc.acc32, sc.seen)
@@ -250,6 +270,45 @@ def _pruned(ix: PostingsIndex, seg, seg_df, tids, idf, d_off, ds, dt, m, avgdl, 
         return slots, scores, int(listed)
     finally:
         sc.lock.release()
+
+
+def _wide_kept(ix, w, cache, tids, idf, d_off, ds, dt, is_wide, row, m, avgdl, k1, b, sc):
+    """The wide path in steps (:mod:`..kernels_wide_keep`), what the pass left kept in the
+    shard's cache (no segment array: those are the index's when it is used again):
+    :func:`..kernels_wide.bm25_top_wide`'s result."""
+    from ..kernels_wide_keep import wide_finish, wide_pass  # noqa: PLC0415
+
+    seg, where, doc_len, m = w.seg, ix._where, ix._doc_len, int(m)  # noqa: SLF001
+    q = (tids, idf, seg.offsets, seg.slots, seg.tf, d_off, ds, dt, is_wide, row, w.rows, w.span)
+    cx, cv, listed, mx, past = wide_pass(where, _SEG, doc_len, w.seg_len, *q, m, float(avgdl), float(k1),
+                                         float(b), sc.acc32, sc.seen)
+    cache[0].put(cache[1], cache[2], (m, cx, cv, int(listed), mx, int(past), tids, d_off, ds, dt, is_wide, row))
+    slots, scores = wide_finish(cx, cv, m, where, _SEG, doc_len, *q, float(avgdl), float(k1), float(b))
+    return slots, scores, int(listed)
+
+
+def _from_kept(ix, e, m, idf, avgdl, k1, b):
+    """``(slots, scores, listed)`` of the top-m from a kept entry (:func:`_wide_kept`) of this
+    index's current segment, or None when it cannot give it (fewer than m blocks hold a
+    non-zero score, or the shard's wide rows are not the segment's)."""
+    from ..kernels_wide_keep import wide_finish, wide_rescan  # noqa: PLC0415
+
+    m0, cx, cv, listed, mx, past, tids, d_off, ds, dt, is_wide, row = e
+    sc, seg = ix.__dict__.get("_topm_scratch"), ix._seg  # noqa: SLF001
+    w = sc.wide if sc is not None else None
+    if w is None or w.seg is not seg:
+        return None
+    where, doc_len, m = ix._where, ix._doc_len, int(m)  # noqa: SLF001
+    q = (tids, idf, seg.offsets, seg.slots, seg.tf, d_off, ds, dt, is_wide, row, w.rows, w.span)
+    if m > m0:
+        pos = mx[mx > 0.0]
+        if pos.size < m:
+            return None
+        low = float(np.partition(pos, pos.size - m)[pos.size - m])  # the m-th largest block maximum
+        cx, cv = wide_rescan(mx, low, cx, cv, past, where, _SEG, doc_len, w.seg_len, *q, float(avgdl), float(k1),
+                             float(b))
+    slots, scores = wide_finish(cx, cv, m, where, _SEG, doc_len, *q, float(avgdl), float(k1), float(b))
+    return slots, scores, listed
 
 
 def listed_top_reference(ix: PostingsIndex, terms: Sequence[str], idf: np.ndarray, avgdl: float, k1: float,
