@@ -39,7 +39,6 @@ import numpy as np
 from numba import njit
 
 from .kernels import _JIT, _kth_largest
-from .kernels_topm import _f, _probe
 from .warm_inputs import postings_variants
 
 #: a term is wide when its segment list holds at least span / WIDE_DIV postings
@@ -142,7 +141,6 @@ def _compact(bx, bv, nb, m, thr):
     return c, thr
 
 
-@njit(**_JIT)
 def bm25_top_wide(where, seg_code, doc_len, seg_len, tids, idf, offsets, pslots, ptf, d_off, d_slots, d_tf,
                   is_wide, wide_row, rows, span, m, avgdl, k1, b, acc, seen):
     """The BM25 top-m of an unfiltered query with every ``idf >= 0`` (module docstring).
@@ -155,128 +153,18 @@ def bm25_top_wide(where, seg_code, doc_len, seg_len, tids, idf, offsets, pslots,
 
     :returns: ``(slots int64[C], scores float64[C], listed)``: every chunk with a non-zero
         score at least the m-th largest (C >= min(m, listed)), and the exact listed count.
+
+    The pass is :func:`.kernels_wide_keep.wide_pass` (steps 1-3; the block maxima it also notes
+    are for a widening round, unused here) and the exact rescoring
+    :func:`.kernels_wide_keep.wide_finish` (step 4): one compiled copy of each step.
     """
-    n_pos = tids.size
-    one_b, k1p = 1.0 - b, k1 + 1.0
-    a0, a1 = k1 * one_b, k1 * b / avgdl
-    k1p32, a032, a132 = np.float32(k1p), np.float32(a0), np.float32(a1)
-    total = 0
-    nw = 0
-    for i in range(n_pos):
-        total += d_off[i + 1] - d_off[i]
-        nw += is_wide[i]
-    wide_pos, wrow = np.empty(nw, np.int64), np.empty(nw, np.int64)
-    # (1) cursors into the narrow lists' segment postings and every term's delta postings (both
-    # ascending by slot): the pass below adds each block's share to a block-sized scratch
-    c = 0
-    cur_s, end_s = np.empty(n_pos, np.int64), np.empty(n_pos, np.int64)
-    cur_d = d_off[:n_pos].copy()
-    w32n = np.empty(n_pos, np.float32)
-    for i in range(n_pos):
-        t = tids[i]
-        if is_wide[i]:
-            wide_pos[c], wrow[c] = i, wide_row[i]
-            c += 1
-        cur_s[i], end_s[i] = (offsets[t], offsets[t + 1]) if t >= 0 and not is_wide[i] else (0, 0)
-        w32n[i] = np.float32(idf[i])
-    # (2) the pass over the slots below span, block by block: the block's partial scores (the
-    # narrow postings with the pass's float32 operations and the segment length copy, the delta
-    # postings with score_all's), then the wide sums (float32) plus those; the threshold rises to
-    # the m-th largest kept approximation whenever the buffer fills
-    thr = 0.0
-    cap = max(8 * m, 4096)
-    bx, bv = np.empty(cap, np.int64), np.empty(cap, np.float64)
-    nb = 0
-    lim = 4 * m
-    listed = 0
-    w32 = w32n[wide_pos]
-    s = np.empty(_BLOCK, np.float32)
-    nrm = np.empty(_BLOCK, np.float32)
-    la = np.zeros(_BLOCK, np.float32)
-    bq = np.empty(_BLOCK + 1, np.int64)
-    for base in range(0, span, _BLOCK):
-        n = min(_BLOCK, span - base)
-        for i in range(n_pos):
-            cur_s[i] = _narrow(cur_s[i], end_s[i], base + n, base, pslots, ptf, where, seg_code, seg_len, w32n[i],
-                               k1p32, a032, a132, la)
-            p = cur_d[i]
-            while p < d_off[i + 1] and d_slots[p] < base + n:
-                x = d_slots[p]
-                la[x - base] += _f(idf[i], d_tf[p], doc_len[x], avgdl, k1, b, one_b, k1p)
-                p += 1
-            cur_d[i] = p
-        thr32 = np.float32(thr * (1.0 - 1e-7))  # rounded to float32 (<= 6e-8 up): still <= thr
-        cnt, k = _block(rows, base, wrow, w32, k1p32, seg_len[base:base + n], where[base:base + n], la[:n], seg_code,
-                        a0, a1, thr32, s[:n], nrm[:n], bq)
-        listed += cnt
-        for j in range(k):  # appended (the hot loops are in _block: no array reassigned there)
-            q = bq[j]
-            if s[q] < thr:
-                continue
-            if nb == bx.size:
-                nb, thr = _compact(bx, bv, nb, m, thr)
-                if nb * 2 > bx.size:  # ties at the threshold: grow
-                    bx2, bv2 = np.empty(bx.size * 2, np.int64), np.empty(bx.size * 2, np.float64)
-                    bx2[:nb], bv2[:nb] = bx[:nb], bv[:nb]
-                    bx, bv = bx2, bv2
-            bx[nb], bv[nb] = base + q, np.float64(s[q])
-            nb += 1
-        if nb >= lim:  # keep the threshold near the m-th largest so far: most blocks then pick nothing
-            nb, thr = _compact(bx, bv, nb, m, thr)
-            lim = max(4 * m, 2 * nb)
-    # the delta postings past span (chunks added since the segment) into ``acc``, those chunks noted
-    past = np.empty(total, np.int64)
-    npast = 0
-    for i in range(n_pos):
-        for p in range(cur_d[i], d_off[i + 1]):
-            x = d_slots[p]
-            acc[x] += _f(idf[i], d_tf[p], doc_len[x], avgdl, k1, b, one_b, k1p)
-            if seen[x] == 0:
-                seen[x] = 1
-                past[npast] = x
-                npast += 1
-    # (3) candidates: the kept chunks and the delta chunks past span
-    nc = nb
-    for j in range(npast):
-        nc += acc[past[j]] != 0.0
-    cx, cv = np.empty(nc, np.int64), np.empty(nc, np.float64)
-    c = 0
-    for j in range(nb):
-        cx[c], cv[c] = bx[j], bv[j]
-        c += 1
-    for j in range(npast):
-        x = past[j]
-        if acc[x] != 0.0:
-            cx[c], cv[c] = x, np.float64(acc[x])
-            c += 1
-        acc[x], seen[x] = 0.0, 0
-    listed += c - nb
-    if c > m:
-        th = _kth_largest(cv, m) * (1.0 - _APPROX)
-        keep = np.flatnonzero(cv >= th)
-        cx = cx[keep]
-    ex = np.zeros(cx.size, np.float64)
-    for i in range(n_pos):
-        for j in range(cx.size):
-            x = cx[j]
-            if is_wide[i]:  # the row holds the segment posting's tf (a binary search of a long list costs ~20 misses)
-                tf = rows[wide_row[i], x] if x < span and where[x] == seg_code else 0
-                if tf > 0:
-                    ex[j] += _f(idf[i], np.float64(tf), doc_len[x], avgdl, k1, b, one_b, k1p)
-                    continue
-                v, hit = _probe(i, idf[i], -1, x, offsets, pslots, ptf, d_off, d_slots, d_tf, where, seg_code,
-                                doc_len, avgdl, k1, b)
-            else:
-                v, hit = _probe(i, idf[i], tids[i], x, offsets, pslots, ptf, d_off, d_slots, d_tf, where, seg_code,
-                                doc_len, avgdl, k1, b)
-            if hit:
-                ex[j] += v
-    keep = np.flatnonzero(ex != 0.0)
-    cx, ex = cx[keep], ex[keep]
-    if cx.size <= m:
-        return cx, ex, listed
-    sel = np.flatnonzero(ex >= _kth_largest(ex, m))
-    return cx[sel], ex[sel], listed
+    from .kernels_wide_keep import wide_finish, wide_pass  # noqa: PLC0415 - it imports this module's block steps
+
+    cx, cv, listed, _, _ = wide_pass(where, seg_code, doc_len, seg_len, tids, idf, offsets, pslots, ptf, d_off,
+                                     d_slots, d_tf, is_wide, wide_row, rows, span, m, avgdl, k1, b, acc, seen)
+    slots, scores = wide_finish(cx, cv, m, where, seg_code, doc_len, tids, idf, offsets, pslots, ptf, d_off, d_slots,
+                                d_tf, is_wide, wide_row, rows, span, avgdl, k1, b)
+    return slots, scores, listed
 
 
 def warm() -> None:
