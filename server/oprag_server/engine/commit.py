@@ -22,8 +22,8 @@ import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..index.disk_errors import disk_error
 from ..index.bm25 import CorpusStats
+from ..index.disk_errors import disk_error
 from ..index.objstore import MirroredLog, ObjectStore, open_mirrored
 from ..index.wal import WriteAheadLog
 from ..shards.pool import ShardPool
