@@ -161,20 +161,32 @@ def test_a_shard_killed_while_it_writes_a_snapshot_keeps_everything_acknowledged
         assert front.poll(30)
         rid, ok, stats = front.recv()
         assert (rid, ok, stats.chunks) == (5, True, 260)  # answered while the snapshot is written
-        deadline = time.monotonic() + 30  # the new snapshot's files are there, CURRENT not switched
-        while not any((p / "meta.json").exists() for p in (tmp_path / "shard-0").glob("snap-*") if p.name != live):
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.join(10)
+        _kill_once_written(proc, tmp_path, live)
     finally:
         if proc.is_alive():
             proc.kill()
+    _assert_recovered(tmp_path, live)
+
+
+def _kill_once_written(proc, tmp_path, live: str) -> None:
+    """SIGKILL ``proc`` once the new snapshot's files are in shard 0's directory (``CURRENT``,
+    still naming ``live``, not switched yet)."""
+    deadline = time.monotonic() + 30
+    while not any((p / "meta.json").exists() for p in (tmp_path / "shard-0").glob("snap-*") if p.name != live):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(10)
+
+
+def _assert_recovered(tmp_path, live: str) -> None:
+    """After such a kill: the previous snapshot is live, the log replays the acknowledged
+    transaction t1 (chunks 200..259), and the restarted shard's next snapshot replaces the
+    half-written one."""
     assert (tmp_path / "shard-0" / "CURRENT").read_text() == live  # the previous snapshot is live
     again = ShardState(0, D, tmp_path)
     assert again.load({"t1"}) >= 1  # the log replays the acknowledged transaction
     assert len(again.store.chunks) == 260 and all(f"d{i}" in again.store.doc_slots for i in range(260))
-    # and the next snapshot of the restarted shard replaces the half-written one
     again.snapshot()
     assert len(list((tmp_path / "shard-0").glob("snap-*"))) == 1
 

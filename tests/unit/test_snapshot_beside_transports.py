@@ -10,13 +10,12 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import os
-import signal
 import threading
 import time
 
 import numpy as np
 import pytest
-from test_snapshot_beside import D, _batch, _search, _seed
+from test_snapshot_beside import D, _assert_recovered, _batch, _kill_once_written, _search, _seed
 
 from oprag_server import records
 from oprag_server.shards import snapshot as snapshots
@@ -221,21 +220,11 @@ def test_a_server_killed_while_a_thread_shard_writes_a_snapshot_keeps_everything
     try:
         assert front.poll(60) and front.recv() == "acknowledged"
         assert front.poll(30) and front.recv() == 260  # answered while the snapshot is written
-        deadline = time.monotonic() + 30  # the new snapshot's files are there, CURRENT not switched
-        while not any((p / "meta.json").exists() for p in (tmp_path / "shard-0").glob("snap-*") if p.name != live):
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.join(10)
+        _kill_once_written(proc, tmp_path, live)
     finally:
         if proc.is_alive():
             proc.kill()
-    assert (tmp_path / "shard-0" / "CURRENT").read_text() == live  # the previous snapshot is live
-    again = ShardState(0, D, tmp_path)
-    assert again.load({"t1"}) >= 1  # the log replays the acknowledged transaction
-    assert len(again.store.chunks) == 260 and all(f"d{i}" in again.store.doc_slots for i in range(260))
-    again.snapshot()  # and the restarted shard's next snapshot replaces the half-written one
-    assert len(list((tmp_path / "shard-0").glob("snap-*"))) == 1
+    _assert_recovered(tmp_path, live)
 
 
 def test_the_fields_a_snapshot_replaces_are_freed_off_the_shards_thread(tmp_path):

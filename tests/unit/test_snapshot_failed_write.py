@@ -6,27 +6,13 @@ restarts)."""
 from __future__ import annotations
 
 import errno
-import hashlib
 
-import numpy as np
 import pyarrow as pa
 import pytest
+from test_snapshot_beside import D, _batch
 
-from oprag_server import records
 from oprag_server.shards import snapshot as snapshots
 from oprag_server.shards.state import ShardState
-
-D = 8
-
-
-def _batch(lo: int, hi: int):
-    texts = [f"chunk {i} harbour topic {i % 3}" for i in range(lo, hi)]
-    v = np.random.default_rng(lo).standard_normal((hi - lo, D)).astype(np.float32)
-    return records.make_chunk_batch(
-        chunk_ids=[f"d{i}#0" for i in range(lo, hi)], doc_ids=[f"d{i}" for i in range(lo, hi)],
-        titles=[""] * (hi - lo), texts=texts, metadata=[{}] * (hi - lo), ordinals=[0] * (hi - lo),
-        generations=[1] * (hi - lo), content_hashes=[hashlib.sha256(t.encode()).hexdigest() for t in texts],
-        vectors=v / np.linalg.norm(v, axis=1, keepdims=True))
 
 
 def _snaps(d) -> list[str]:
