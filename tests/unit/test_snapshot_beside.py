@@ -129,8 +129,9 @@ def test_reads_are_answered_while_the_snapshot_is_written_and_writes_wait_in_ord
     assert [t.question for t in replies[7][1].turns[0]] == ["q?"]
 
 
-def _kill_mid_snapshot(tmp_path, conn_child):
-    """(A forked child) serve the shard; its snapshot stops before ``CURRENT`` switches."""
+def _stall_before_current() -> None:
+    """(In a forked child) every snapshot from now on stops before ``CURRENT`` switches, until
+    the process is killed."""
     real = snapshots.fsync_write
 
     def never(path, data):
@@ -139,6 +140,11 @@ def _kill_mid_snapshot(tmp_path, conn_child):
         return real(path, data)
 
     snapshots.fsync_write = never
+
+
+def _kill_mid_snapshot(tmp_path, conn_child):
+    """(A forked child) serve the shard; its snapshot stops before ``CURRENT`` switches."""
+    _stall_before_current()
     worker.run(0, conn_child, D, str(tmp_path), False, set())
 
 

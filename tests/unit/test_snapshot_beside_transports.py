@@ -15,7 +15,8 @@ import time
 
 import numpy as np
 import pytest
-from test_snapshot_beside import D, _assert_recovered, _batch, _kill_once_written, _search, _seed
+from test_snapshot_beside import (D, _assert_recovered, _batch, _kill_once_written, _search, _seed,
+                                 _stall_before_current)
 
 from oprag_server import records
 from oprag_server.shards import snapshot as snapshots
@@ -186,14 +187,7 @@ def test_a_thread_shard_killed_while_it_writes_a_snapshot_ends_it_first(tmp_path
 def _serve_then_die(tmp_path, conn) -> None:
     """(A forked child: the server) a thread shard with an acknowledged transaction in its log;
     its snapshot stops before ``CURRENT`` switches; STATS answered meanwhile; then SIGKILLed."""
-    real = snapshots.fsync_write
-
-    def never(path, data):
-        if path.name == "CURRENT":
-            time.sleep(3600)  # killed here
-        return real(path, data)
-
-    snapshots.fsync_write = never
+    _stall_before_current()
     t = ThreadTransport.of(ShardState(0, D, tmp_path))
     t.state.load(set())
 
