@@ -22,7 +22,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1 \
     TOKENIZERS_PARALLELISM=false \
-    OPRAG_CACHE_DIR=/var/cache/oprag
+    OPRAG_CACHE_DIR=/var/cache/oprag \
+    NUMBA_CACHE_DIR=/var/cache/oprag/numba
 
 # libgomp1: OpenMP runtime used by faiss-cpu / torch CPU kernels.
 RUN apt-get update \
@@ -54,6 +55,10 @@ WORKDIR /home/oprag
 # loads the converted weights in ~0.2 s at startup instead of converting (~20 s) on every start.
 RUN python -c "from oprag_server.models.generator import HFGenerator; HFGenerator('smollm2', device='cpu').warm_up()" \
     && ls "${OPRAG_CACHE_DIR}/models"
+# Compile the numba search kernels into $NUMBA_CACHE_DIR now, as `make install` does, so the first
+# start does not spend ~95 s compiling them in its shard processes. numba keys its cache by CPU: on
+# a host whose CPU differs from the build machine's, the first start compiles what does not match.
+RUN python -m oprag_server.precompile
 
 VOLUME /data
 # 50051: gRPC (OpRAG API, grpc.health.v1, reflection); 9464: Prometheus /metrics.
