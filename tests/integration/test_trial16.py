@@ -1,0 +1,76 @@
+"""What the new-user trial of issue 16 found at a real server's doors (generator off).
+
+A hybrid request whose dense window held nothing (an empty store, or a filter that matches no
+chunk) with RRF fusion, or grouped by document, failed with INTERNAL ("IndexError: list index
+out of range"; HTTP 500) -- and so did every other request batched with it: one client's filter
+that matched nothing failed other clients' valid queries."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import numpy as np
+import pytest
+import requests
+
+from oprag_client.client import AsyncOpRAGClient, Doc, OpRAGClient
+from oprag_client.testing import ServerProcess, free_port
+
+pytestmark = pytest.mark.integration
+
+NOTHING = {"nomatch": "x"}  # a filter no chunk matches
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    http = free_port()
+    srv = ServerProcess(tmp_path_factory.mktemp("trial16"), free_port(), free_port(), "--generator", "none",
+                        "--http-port", str(http))
+    srv.http_port = http
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def _empty_window_requests(c: OpRAGClient) -> dict:
+    return {
+        "rrf": c.retrieve("lighthouse keeper", fusion="rrf"),
+        "rrf, filter": c.retrieve("lighthouse keeper", fusion="rrf", filters=NOTHING),
+        "grouped": c.retrieve("lighthouse keeper", group_by_document=True),
+        "grouped, filter": c.retrieve("lighthouse keeper", group_by_document=True, filters=NOTHING),
+        "grouped rrf, filter": c.retrieve("lighthouse keeper", group_by_document=True, fusion="rrf", filters=NOTHING),
+    }
+
+
+def test_an_empty_window_is_an_empty_answer_not_internal(server, client):
+    for name, r in _empty_window_requests(client).items():  # the store is empty
+        assert not r.hits and not r.documents, name
+    vecs = np.random.default_rng(0).standard_normal((3, 384)).astype(np.float32)
+    client.ingest([Doc(f"d{i}", f"the lighthouse keeper number {i}", vector=vecs[i]) for i in range(3)])
+    for name, r in _empty_window_requests(client).items():
+        if "filter" in name:
+            assert not r.hits and not r.documents, name
+        else:
+            assert {h.doc_id for h in r.hits} == {"d0", "d1", "d2"}, name
+    got = requests.post(f"http://127.0.0.1:{server.http_port}/v1/retrieve", timeout=60,
+                        json={"query": "lighthouse", "filters": NOTHING, "fusion": {"method": "rrf"}})
+    assert got.status_code == 200 and got.json()["hits"] == [], got.text
+
+
+def test_a_request_with_an_empty_window_fails_no_request_batched_with_it(server, client):
+    client.ingest([Doc("k", "the keeper of the lighthouse", vector=np.ones(384, np.float32))])
+
+    async def go():
+        async with AsyncOpRAGClient(server.target) as c:
+            async def one(**kw):
+                try:
+                    return len((await c.retrieve("lighthouse keeper", fusion="rrf", **kw)).hits)
+                except grpc.RpcError as e:
+                    return e.code().name
+
+            for _ in range(3):  # (batched together: --max-batch 8, --max-wait-ms 4)
+                got = await asyncio.gather(*[one() for _ in range(5)], one(filters=NOTHING), *[one() for _ in range(5)])
+                assert got[5] == 0 and all(n == 4 for n in got[:5] + got[6:]), got
+
+    asyncio.run(go())
