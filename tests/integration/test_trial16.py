@@ -3,19 +3,24 @@
 A hybrid request whose dense window held nothing (an empty store, or a filter that matches no
 chunk) with RRF fusion, or grouped by document, failed with INTERNAL ("IndexError: list index
 out of range"; HTTP 500) -- and so did every other request batched with it: one client's filter
-that matched nothing failed other clients' valid queries."""
+that matched nothing failed other clients' valid queries. A request whose deadline passed was
+counted CANCELLED in ``oprag_requests_total``."""
 
 from __future__ import annotations
 
 import asyncio
+import re
+import threading
+import time
 
 import grpc
 import numpy as np
 import pytest
 import requests
 
+from oprag.v1 import oprag_pb2, oprag_pb2_grpc
 from oprag_client.client import AsyncOpRAGClient, Doc, OpRAGClient
-from oprag_client.testing import ServerProcess, free_port
+from oprag_client.testing import ServerProcess, free_port, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -74,3 +79,34 @@ def test_a_request_with_an_empty_window_fails_no_request_batched_with_it(server,
                 assert got[5] == 0 and all(n == 4 for n in got[:5] + got[6:]), got
 
     asyncio.run(go())
+
+
+def _requests(server, method: str, code: str) -> float:
+    body = requests.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).text
+    m = re.search(rf'^oprag_requests_total{{code="{code}",method="{method}"}} (\S+)$', body, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_a_request_past_its_deadline_is_counted_deadline_exceeded_not_cancelled(server):
+    """A request whose deadline passed was counted ``code="CANCELLED"``, though its client was
+    told DEADLINE_EXCEEDED; CANCELLED stays for a client that cancels."""
+    stub = oprag_pb2_grpc.OpRAGStub(grpc.insecure_channel(server.target))
+    hold = threading.Event()
+
+    def stream():  # one message, then nothing until the test lets go (no final message)
+        yield oprag_pb2.IngestRequest(documents=[oprag_pb2.Document(id="late", text="never final")])
+        hold.wait(30)
+
+    before = {c: _requests(server, "Ingest", c) for c in ("DEADLINE_EXCEEDED", "CANCELLED")}
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Ingest(stream(), timeout=0.5)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert wait_until(lambda: _requests(server, "Ingest", "DEADLINE_EXCEEDED") == before["DEADLINE_EXCEEDED"] + 1)
+    hold.set()
+    hold.clear()
+    call = stub.Ingest.future(stream())
+    time.sleep(0.5)
+    call.cancel()
+    hold.set()
+    assert wait_until(lambda: _requests(server, "Ingest", "CANCELLED") == before["CANCELLED"] + 1)
+    assert _requests(server, "Ingest", "DEADLINE_EXCEEDED") == before["DEADLINE_EXCEEDED"] + 1
