@@ -4,12 +4,14 @@ A hybrid request whose dense window held nothing (an empty store, or a filter th
 chunk) with RRF fusion, or grouped by document, failed with INTERNAL ("IndexError: list index
 out of range"; HTTP 500) -- and so did every other request batched with it: one client's filter
 that matched nothing failed other clients' valid queries. A request whose deadline passed was
-counted CANCELLED in ``oprag_requests_total``."""
+counted CANCELLED in ``oprag_requests_total``. Stats reported a failed write's sequence number.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import re
+import resource
 import threading
 import time
 
@@ -110,3 +112,26 @@ def test_a_request_past_its_deadline_is_counted_deadline_exceeded_not_cancelled(
     hold.set()
     assert wait_until(lambda: _requests(server, "Ingest", "CANCELLED") == before["CANCELLED"] + 1)
     assert _requests(server, "Ingest", "DEADLINE_EXCEEDED") == before["DEADLINE_EXCEEDED"] + 1
+
+
+def test_stats_seq_is_the_last_applied_write_not_a_failed_ones_number(server, client):
+    """A write that fails at the commit (here a shard's full disk: RLIMIT_FSIZE, as in
+    test_trial15) takes a sequence number. Stats reported it as the service's ``seq``: a
+    read-your-writes request with ``min_seq`` of it waited until its deadline (nothing applies
+    a failed write), and a restart issued the number again (Stats went backwards)."""
+    vec = np.ones(384, np.float32)
+    acked = client.ingest([Doc("s1", "a write that is acknowledged", vector=vec)]).seq
+    pids = [int(m.group(1)) for line in server.lines if (m := re.search(r"shard 0: process pid (\d+)", line))]
+    wal = server.data_dir / "shard-0" / "wal.log"
+    _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.prlimit(pids[-1], resource.RLIMIT_FSIZE, (wal.stat().st_size + 1024, hard))  # the disk fills
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            client.ingest([Doc("s2", "a write that fails " + "padding " * 2000, vector=vec)])
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        resource.prlimit(pids[-1], resource.RLIMIT_FSIZE, (hard, hard))
+    seq = client.stats().seq
+    assert seq == acked
+    r = client.retrieve("acknowledged", min_seq=seq, timeout=5)  # (before: DEADLINE_EXCEEDED)
+    assert "s1" in {h.doc_id for h in r.hits}
