@@ -192,9 +192,7 @@ class Runtime:
             "shards": [{"shard", "documents", "chunks", "memory_records", "applied_seq", "bytes", "ann_pending", "merge_pending"}, ...]}``
             (``bytes``: ``{component: bytes}``, :meth:`.shards.chunks.ChunkStore.nbytes`)
             with shards in id order; ``generator`` is ``"none"`` without a generator; ``seq`` the
-            last sequence number every shard applied (a number taken by a write that then failed
-            is not one: a ``min_seq`` read of it waited for the next write, and a restart, which
-            does not know it, issued it again; trial16).
+            last sequence number every shard applied (not one a failed write took: trial16).
         """
         got, missing = await self.pool.gather_partial(Op.STATS, StatsRequest())
         shards = [{"shard": r.shard, "documents": r.documents, "chunks": r.chunks,

@@ -37,7 +37,7 @@ from ..operators.memory import Memory, context_vector, fuse_session, session_row
 from ..operators.retrieve import Retriever
 from .dispatch import EngineDispatch
 from .errors import Overloaded, QueryRejected
-from .job import QueryJob
+from .job import QueryJob, isolated
 from .monitor import PruningMonitor
 from .rwlock import RWLock
 from .scheduler import (CONTEXT, EMBED, GENERATE, MEMORY, PREP_INFLIGHT, PROMOTE, RETRIEVE, BatchPolicy, batch_steps,
@@ -191,7 +191,7 @@ class QueryEngine:
 
     async def _prep_batch(self, batch: list[QueryJob], batch_id: int) -> None:
         try:
-            await self._prep_isolated(batch, batch_id)
+            await isolated(lambda b: self._prep(b, batch_id), self._fail, batch, _alive)
             gen = [j for j in batch if _alive(j) and j.runs(GENERATE)]
             rest = [j for j in batch if j not in gen]
             await self._run(rest, answer=True)  # retrieval only: promotion, then the reply
@@ -217,26 +217,6 @@ class QueryEngine:
             await self._gen_queue.put((gen, done))
             if not self.cfg.overlap:
                 await done
-
-    async def _prep_isolated(self, batch: list[QueryJob], batch_id: int) -> None:
-        """:meth:`_prep` of the batch; when it fails and holds several requests, each one is
-        prepared again alone, so that a request the prep cannot serve fails by itself, not the
-        requests batched with it (trial16: one client's hybrid RRF request whose filter matched
-        nothing failed every request in its batch with INTERNAL). The prep only reads (memory
-        lookup, embedding, retrieval, the prompt): running it again changes nothing stored."""
-        try:
-            await self._prep(batch, batch_id)
-        except Exception:  # noqa: BLE001 - retried one by one below
-            if sum(1 for j in batch if _alive(j)) < 2:
-                raise
-            log.exception("query batch failed in prep; its requests are prepared again one by one")
-            for j in batch:
-                if not _alive(j):
-                    continue
-                try:
-                    await self._prep([j], batch_id)
-                except Exception as exc:  # noqa: BLE001 - this request's own failure
-                    self._fail(j, exc)
 
     async def _prep(self, batch: list[QueryJob], batch_id: int) -> None:
         t0 = time.perf_counter()
