@@ -191,7 +191,8 @@ class Runtime:
         :returns: ``{"documents", "chunks", "memory_records", "seq", "embedder", "generator", "missing_shards",
             "shards": [{"shard", "documents", "chunks", "memory_records", "applied_seq", "bytes", "ann_pending", "merge_pending"}, ...]}``
             (``bytes``: ``{component: bytes}``, :meth:`.shards.chunks.ChunkStore.nbytes`)
-            with shards in id order; ``generator`` is ``"none"`` without a generator.
+            with shards in id order; ``generator`` is ``"none"`` without a generator; ``seq`` the
+            last sequence number every shard applied (not one a failed write took: trial16).
         """
         got, missing = await self.pool.gather_partial(Op.STATS, StatsRequest())
         shards = [{"shard": r.shard, "documents": r.documents, "chunks": r.chunks,
@@ -200,7 +201,7 @@ class Runtime:
                   for _, r in sorted(got.items())]
         return {
             **{k: sum(s[k] for s in shards) for k in ("documents", "chunks", "memory_records")},
-            "seq": self.seq, "shards": shards, "missing_shards": sorted(missing), "embedder": self.encoder.name,
+            "seq": self.applied_seq, "shards": shards, "missing_shards": sorted(missing), "embedder": self.encoder.name,
             "generator": self.generator.name if self.generator is not None else "none",
         }
 

@@ -36,6 +36,10 @@ log = logging.getLogger("oprag")
 WRITE_FAILED = "object storage write failed"
 
 
+class _CallerLeft(Exception):
+    """(:meth:`CommitProtocol._commit`) the caller was cancelled before the commit point."""
+
+
 class CommitProtocol:
     """Two-phase commit over ``pool``; ``stats`` (the frontend's corpus-global BM25 statistics)
     take every applied delta; ``lock`` is the index lock (write side held per commit).
@@ -124,20 +128,54 @@ class CommitProtocol:
     async def commit(self, txn: str, kind: str, doc_ids: list[str] | None = None) -> tuple[int, list[ApplyReply]]:
         """Commit transaction ``txn`` on every shard (steps 1-3 above), under the write lock.
 
+        A caller cancelled meanwhile (a client that left or whose deadline passed) does not cut
+        the commit short: it runs in a task of its own, which aborts the transaction when the
+        caller left before the commit point (step 2) and otherwise applies it on every shard, as
+        recovery would, before the cancellation is raised here. (Cut short, a commit logged its
+        record from the executor thread while the shards were told to abort, and the write
+        appeared only after a restart; or the shards applied it and the frontend's BM25
+        statistics and ``applied_seq`` missed it: trial16.)
+
         :param kind: ``"upsert"`` (the batches each shard staged under ``txn``) or ``"delete"``.
         :returns: the transaction's sequence number and every shard's apply reply.
         :raises ShardError: a shard failed before the commit point (the transaction is aborted).
         :raises StorageUnavailable: this server lost the storage's owner lease, or a write to
             the storage failed (aborted; the message says which).
+        :raises asyncio.CancelledError: the caller was cancelled (the transaction was then
+            aborted or committed whole, as above).
         """
         if self.lease is not None and self.lease.fenced:
             raise StorageUnavailable(self.lease.fenced)
+        left = asyncio.Event()  # set when the caller is cancelled
+        task = asyncio.ensure_future(self._commit(txn, kind, doc_ids, left))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.done() and task.cancelled():
+                raise
+            left.set()
+            while not task.done():  # the commit goes on to its end, whatever the caller's further cancels
+                try:
+                    await asyncio.shield(task)
+                except BaseException:  # noqa: BLE001 - its outcome was for the caller, who left
+                    pass
+            raise
+
+    async def _commit(self, txn: str, kind: str, doc_ids: list[str] | None,
+                      left: asyncio.Event) -> tuple[int, list[ApplyReply]]:
         async with self.gate, self.lock.write():
+            if left.is_set():  # (it left while the commit waited for the lock: nothing was done)
+                raise asyncio.CancelledError
             seq = self.next_seq()
             try:
                 await self.pool.broadcast(Op.PREPARE, PrepareRequest(txn, seq, kind, list(doc_ids or [])))
+                if left.is_set():  # the caller left before the commit point: nothing is committed
+                    raise _CallerLeft
                 if self.log is not None:
                     await asyncio.get_running_loop().run_in_executor(None, self.log.append, {"txn": txn, "seq": seq})
+            except _CallerLeft:
+                await self.pool.gather_partial(Op.ABORT, AbortRequest(txn))
+                raise asyncio.CancelledError from None
             except Exception as exc:
                 await self.pool.gather_partial(Op.ABORT, AbortRequest(txn))
                 self._storage_failed(exc)

@@ -22,6 +22,7 @@ documents it sent) has arrived and every stage has finished is the stream commit
 shard under the index write lock, with a new sequence number; the frontend's corpus-global
 BM25 statistics move in the same step. A stream that is cancelled, fails or ends without the
 final message is aborted: the shards drop what they staged and the index is exactly as before.
+One cancelled once its commit has begun is committed or aborted whole (:meth:`.commit.CommitProtocol.commit`).
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ A :class:`QueryJob` holds three groups of fields:
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -110,3 +112,26 @@ class QueryJob:
     def trace(self) -> list[dict]:
         """The executed plan: per step ``{op, domain, batch_id, queue_ms, run_ms}``."""
         return [asdict(r) for r in self.stages]
+
+
+async def isolated(run: Callable[[list[QueryJob]], Awaitable[None]], fail: Callable[[QueryJob, BaseException], None],
+                   jobs: list[QueryJob], alive: Callable[[QueryJob], bool]) -> None:
+    """``run(jobs)``; when it fails with two or more of ``jobs`` ``alive``, ``run([j])`` again for
+    each of them alone, and ``fail(j, exc)`` for one that fails alone: a request that a batch
+    step cannot serve fails by itself, not the requests batched with it (trial16: a hybrid RRF
+    request whose filter matched nothing failed its whole batch with INTERNAL). Only for steps
+    that change nothing stored (the prep: memory lookup, embedding, retrieval, the prompt).
+
+    :raises Exception: what ``run(jobs)`` raised, when fewer than two jobs were alive."""
+    try:
+        await run(jobs)
+    except Exception:  # noqa: BLE001 - retried one by one below
+        if sum(1 for j in jobs if alive(j)) < 2:
+            raise
+        logging.getLogger("oprag").exception("query batch failed in prep; its requests are prepared again one by one")
+        for j in jobs:
+            if alive(j):
+                try:
+                    await run([j])
+                except Exception as exc:  # noqa: BLE001 - this request's own failure
+                    fail(j, exc)

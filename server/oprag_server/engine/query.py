@@ -37,7 +37,7 @@ from ..operators.memory import Memory, context_vector, fuse_session, session_row
 from ..operators.retrieve import Retriever
 from .dispatch import EngineDispatch
 from .errors import Overloaded, QueryRejected
-from .job import QueryJob
+from .job import QueryJob, isolated
 from .monitor import PruningMonitor
 from .rwlock import RWLock
 from .scheduler import (CONTEXT, EMBED, GENERATE, MEMORY, PREP_INFLIGHT, PROMOTE, RETRIEVE, BatchPolicy, batch_steps,
@@ -191,7 +191,7 @@ class QueryEngine:
 
     async def _prep_batch(self, batch: list[QueryJob], batch_id: int) -> None:
         try:
-            await self._prep(batch, batch_id)
+            await isolated(lambda b: self._prep(b, batch_id), self._fail, batch, _alive)
             gen = [j for j in batch if _alive(j) and j.runs(GENERATE)]
             rest = [j for j in batch if j not in gen]
             await self._run(rest, answer=True)  # retrieval only: promotion, then the reply

@@ -252,8 +252,8 @@ class Retriever:
         if spec.mode == "hybrid":  # rrf: the global dense top-N, BM25 of those, fused
             allc = _Cols.of([(s, rep.candidates[j]) for s, rep in replies.items()])
             win = allc.take(top_k_order(allc.dense, allc.ids, spec.candidates))
-            if not len(win.ids):
-                return []
+            if not len(win.ids):  # (nothing eligible: an empty store, a filter that matches nothing)
+                return [], None
             d_order, l_order = _rank_lists(win, spec.candidates)
             return _fuse_cols(win, d_order, l_order, spec, *Retriever._dense_first_ranges(replies, j, win)), None
         # one retriever: rank by its score; ranks in both lists are reported over the top-k

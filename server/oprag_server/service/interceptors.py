@@ -120,6 +120,15 @@ async def _checked_stream(requests, method: str):
         yield checked(r, method)
 
 
+def _expired(context: Any) -> bool:
+    """Whether the RPC's deadline has passed (False without one)."""
+    try:
+        left = context.time_remaining()
+    except Exception:  # noqa: BLE001 - a context without the call (tests), or one already torn down
+        return False
+    return left is not None and left <= 0
+
+
 class _Call:
     """One observed RPC: its method label, start time and final status code."""
 
@@ -134,7 +143,9 @@ class _Call:
             self.code = self.context.code() or grpc.StatusCode.UNKNOWN
             raise exc
         if isinstance(exc, asyncio.CancelledError) or not isinstance(exc, Exception):  # also GeneratorExit
-            self.code = grpc.StatusCode.CANCELLED
+            # the client left, or its deadline passed (what the client is told then: trial16
+            # found every expired request counted CANCELLED)
+            self.code = grpc.StatusCode.DEADLINE_EXCEEDED if _expired(self.context) else grpc.StatusCode.CANCELLED
             raise exc
         self.code, msg, trailers = status_for(exc, self.method)
         if trailers:

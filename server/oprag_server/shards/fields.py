@@ -210,23 +210,32 @@ class StoredFields:
         """
         if table.num_rows != slots.size or slots.size != self._live:
             raise ValueError(f"{table.num_rows} rows for {slots.size} slots ({self._live} live)")
-        self._parts = [table.select(list(FIELDS))]
+        self._set_parts([table.select(list(FIELDS))])
         self._part[slots] = 0
         self._row[slots] = np.arange(slots.size, dtype=np.int32)
         self._rows = self._live
+
+    def _set_parts(self, parts: list[pa.Table]) -> None:
+        """Replace the parts, and forget the string readers cached for the former ones: a reader
+        holds its part's buffers, and a former snapshot's part is a mapping of a file the next
+        snapshot deletes (trial16: up to 64 such readers kept their deleted ``chunks.arrow``
+        files open, mapped and on the disk, one more per snapshot until the cache filled)."""
+        self._parts = parts
+        self._cols.clear()
 
     def maybe_compact(self) -> None:
         """Rewrite the parts as one, live rows only, once dead rows are half the live ones and
         at least 1,024 (so dead rows never hold more than ~half again the live fields; each
         rewrite is paid for by as many removals), or drop them all when nothing is live."""
         if not self._live:
-            self._parts, self._rows = [], 0
+            self._set_parts([])
+            self._rows = 0
             return
         if self._rows - self._live < max(self._live // 2, 1024):
             return
         slots = self.slots()
         table = self.table(slots)
-        self._parts = [table]
+        self._set_parts([table])
         self._part[slots] = 0
         self._row[slots] = np.arange(slots.size, dtype=np.int32)
         self._rows = self._live

@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 
+from . import listed_cache
 from .delta import Delta
 from .segment import merge
 
@@ -191,6 +192,7 @@ class MergeMixin:
         if dead_terms is not None and dead_terms.size:
             seg_df -= np.bincount(dead_terms, minlength=seg_df.size).astype(np.int32)
         self._seg, self._seg_df, self._frozen = new, seg_df, None
+        listed_cache.drop(self)  # (its caches hold the former segment)
         self._seg_dead = 0 if dead_terms is None else int(dead_terms.size)
         self.merges += 1
         self.last_merge_s = build_s

@@ -1,0 +1,42 @@
+"""A request the prep cannot serve fails alone, not the requests batched with it (trial16: a
+hybrid RRF request whose filter matched nothing raised inside the batch's retrieval, and every
+request of the batch was answered INTERNAL)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from test_scheduler import FakeGenerator, FakeRetriever, _engine, _job
+
+
+class PickyRetriever(FakeRetriever):
+    """Fails any batch holding the question "bad"."""
+
+    async def retrieve(self, vecs, texts, specs):
+        await asyncio.sleep(0.02)  # (so that requests queue behind the one in flight and batch)
+        if "bad" in texts:
+            self.batches.append(list(texts))
+            raise IndexError("list index out of range")
+        return await super().retrieve(vecs, texts, specs)
+
+
+@pytest.mark.parametrize("generate", [False, True])
+def test_one_failing_request_fails_alone(generate):
+    async def run():
+        ret = PickyRetriever()
+        eng = _engine(FakeGenerator(0.01), ret, max_batch=8)
+        eng.start()
+        names = [f"q{i}" for i in range(4)] + ["bad"] + [f"q{i}" for i in range(4, 8)]
+        got = await asyncio.gather(*[eng.submit(_job(n, generate=generate)) for n in names], return_exceptions=True)
+        await eng.stop()
+        return names, got, ret
+
+    names, got, ret = asyncio.run(run())
+    assert isinstance(got[4], IndexError)
+    for n, j in zip(names, got):
+        if n != "bad":
+            assert not isinstance(j, BaseException), (n, j)
+            assert j.hits[0].doc_id == n and (j.answer == n if generate else j.answer == "")
+    assert any("bad" in b and len(b) > 1 for b in ret.batches), ret.batches  # batched with others first

@@ -1,0 +1,131 @@
+"""A commit whose caller is cancelled (the client left, or its deadline passed) is either
+aborted whole or committed whole (trial16). Before, the cancellation cut the commit wherever it
+was: during the commit log's append the record was still written by the executor thread while
+the shards were told to abort (the write was invisible, then appeared after a restart); during
+the shards' apply the frontend's corpus-global BM25 statistics and ``applied_seq`` missed it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+from oprag_server.shards.protocol import Op
+
+from test_commit import _protocol, _shard_stats, _stage
+
+
+def _hold(cp, op: Op, shard: int = 0) -> asyncio.Event:
+    """Hold ``op`` on one shard until the returned event is set."""
+    gate = asyncio.Event()
+    client = cp.pool.clients[shard]
+    real_call = client.call
+
+    async def held(o, req):
+        if o is op:
+            await gate.wait()
+        return await real_call(o, req)
+
+    client.call = held
+    return gate
+
+
+def _docs(cp) -> set[str]:
+    return {d for c in cp.pool.clients for d in c.state.store.doc_slots}
+
+
+async def _cancel_while_held(cp, op: Op, txn: str):
+    await _stage(cp, txn, {"a": ["alpha beta"], "b": ["gamma"], "c": ["delta alpha"]})
+    gate = _hold(cp, op)
+    task = asyncio.create_task(cp.commit(txn, "upsert"))
+    for _ in range(200):
+        await asyncio.sleep(0)
+    task.cancel()
+    await asyncio.sleep(0.05)
+    assert not task.done()  # the caller's cancellation waits for the commit's end
+    gate.set()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    else:
+        raise AssertionError("the cancellation was not raised")
+
+
+def test_cancelled_during_apply_commits_whole_and_the_statistics_follow(tmp_path):
+    async def go():
+        cp = _protocol()
+        committed = cp.open_log(tmp_path / "commits.log")
+        assert not committed
+        await _cancel_while_held(cp, Op.APPLY, "t1")
+        assert _docs(cp) == {"a", "b", "c"}
+        assert cp.stats == _shard_stats(cp) and cp.stats.n_docs == 3
+        assert cp.applied_seq == cp.seq == 1
+        assert cp.committed_txns() == {"t1"}
+        await cp.wait_applied(1, timeout=0)
+        await _stage(cp, "t2", {"d": ["epsilon"]})
+        assert (await cp.commit("t2", "upsert"))[0] == 2 and cp.stats == _shard_stats(cp)
+
+    asyncio.run(go())
+
+
+def test_cancelled_during_the_commit_log_append_commits_whole(tmp_path):
+    async def go():
+        cp = _protocol()
+        cp.open_log(tmp_path / "commits.log")
+        appending, real_append = threading.Event(), cp.log.append
+
+        def slow_append(rec):
+            appending.set()
+            time.sleep(0.3)
+            real_append(rec)
+
+        cp.log.append = slow_append
+        await _stage(cp, "t1", {"a": ["alpha beta"], "b": ["gamma"]})
+        task = asyncio.create_task(cp.commit("t1", "upsert"))
+        while not appending.is_set():
+            await asyncio.sleep(0.005)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        # logged, so recovery would replay it: it is applied now as well (before: aborted on the shards)
+        assert cp.committed_txns() == {"t1"}
+        assert _docs(cp) == {"a", "b"} and cp.stats == _shard_stats(cp) and cp.applied_seq == 1
+
+    asyncio.run(go())
+
+
+def test_cancelled_before_the_commit_point_stores_nothing(tmp_path):
+    async def go():
+        cp = _protocol()
+        cp.open_log(tmp_path / "commits.log")
+        await _cancel_while_held(cp, Op.PREPARE, "t1")
+        assert _docs(cp) == set() and cp.committed_txns() == set() and cp.stats.n_docs == 0
+        for c in cp.pool.clients:  # aborted on every shard: nothing left prepared or staged
+            assert not c.state.txns.prepared and not c.state.txns.staged
+        await _stage(cp, "t2", {"d": ["epsilon"]})
+        seq, _ = await cp.commit("t2", "upsert")
+        assert _docs(cp) == {"d"} and cp.applied_seq == seq and cp.stats == _shard_stats(cp)
+
+    asyncio.run(go())
+
+
+def test_cancelled_while_waiting_for_the_write_lock_takes_no_sequence_number():
+    async def go():
+        cp = _protocol()
+        await cp.gate.acquire()  # (a snapshot holds it)
+        await _stage(cp, "t1", {"a": ["alpha"]})
+        task = asyncio.create_task(cp.commit("t1", "upsert"))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        await asyncio.sleep(0.01)
+        cp.gate.release()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        assert cp.seq == 0 and _docs(cp) == set()
+
+    asyncio.run(go())
