@@ -205,3 +205,18 @@ def test_equals_the_reference_on_real_shards(family):
         return checked
 
     assert asyncio.run(run()) == 108
+
+
+@pytest.mark.parametrize("order", [(1.0, 0.0, -0.0), (1.0, -0.0, 0.0)])
+def test_a_union_with_both_signs_of_zero_takes_numpys_ranges(order):
+    """The compiled ranges (``union_cols``) are a scalar loop; numpy's min / max may pick the other
+    zero when a column holds 0.0 and -0.0, and the fused score of a (-0.0, -0.0) hit then has the
+    other sign (on the wire: -0.0 is sent, 0.0 is not). Such a union takes numpy's ranges."""
+    d = np.asarray(order, np.float64)
+    ids = ["c0", "c1", "c2"]
+    slots = np.arange(3, dtype=np.int64)
+    lc = Candidates(np.zeros(0, np.int64), [], np.zeros(0), np.zeros(0))
+    rep = SearchReply([Candidates(slots, ids, d, d.copy())], [3], [0.5], lexical=[lc], listed=[3])
+    spec = RetrieveSpec(mode="hybrid", top_k=3, candidates=3, dense_weight=1.0, lexical_weight=1.0)
+    assert _key(merge_union({0: rep}, 0, spec)) == _key(merge_union_reference({0: rep}, 0, spec))  # (fails with
+    # the scalar loop's ranges in both orders)

@@ -35,7 +35,7 @@ def _lists(rng, n_slots, nan):
     x = np.concatenate([both, rng.integers(0, n_slots, m - len(both))]).astype(np.int64)
     x = np.unique(x)  # (a shard's list has distinct slots)
     rng.shuffle(x)
-    b, c, y, z = (rng.choice([0.0, 0.5, -1.0, 2.0], k) if rng.random() < 0.3 else rng.standard_normal(k)
+    b, c, y, z = (rng.choice([0.0, -0.0, 0.5, -1.0, 2.0], k) if rng.random() < 0.3 else rng.standard_normal(k)
                   for k in (len(a), len(a), len(x), len(x)))
     if nan and len(b):
         b[rng.integers(0, len(b))] = np.nan
@@ -59,6 +59,14 @@ def test_union_cols_equals_the_python_loop(n_shards):
         assert [got[4][off[k]:off[k + 1]].tolist() for k in range(n_shards)] == [e.tolist() for e in ref[4]]
         np.testing.assert_array_equal(got[6], np.asarray(ref[5]))
         np.testing.assert_array_equal(got[7], np.asarray(ref[6]))
+        both = [bool((c == 0).any() and np.signbit(c[c == 0]).any() and not np.signbit(c[c == 0]).all())
+                for c in (ref[2], ref[3])]
+        assert got[9] == (not any(both))  # numpy's ranges bit for bit unless a column holds both signs of zero
+        if ref[2].size and got[9]:
+            want = np.asarray([ref[2].min(), ref[2].max(), ref[3].min(), ref[3].max()])
+            assert got[8].tobytes() == want.tobytes() or np.isnan(want).any() and np.array_equal(got[8], want, equal_nan=True)
+        elif not ref[2].size:
+            assert np.isnan(got[8]).all()
 
 
 def test_not_in_keeps_order_and_duplicates_of_the_dense_side():
@@ -83,9 +91,14 @@ def test_fuse_rank_is_fuse_top_then_hit_ranks():
             d[0] = np.nan
         args = (d, lx, -1.0, 2.0, -0.5, 3.0, 0.6, 0.4, int(rng.integers(1, 12)))
         n = int(rng.integers(1, 40))
-        s, top, strict, dr, okd, lr, okl = fuse_rank(*args, n)
+        nb = int(rng.integers(0, 4))
+        bd, bl = rng.choice([0.1, 0.5, -0.3, np.inf, np.nan], nb, p=[.3, .3, .3, .05, .05]), rng.standard_normal(nb)
+        s, top, strict, dr, okd, lr, okl, ub, finite = fuse_rank(*args, n, bd, bl)
         s0, top0, strict0 = fuse_top(*args)
         assert s.tobytes() == s0.tobytes() and strict == strict0
+        fin = bool(np.isfinite(bd).all() and np.isfinite(bl).all())
+        want = -np.inf if not nb else float(fuse_top(bd, bl, *args[2:8], 0)[0].max()) if fin else np.inf
+        assert finite == fin and (ub == want or np.isnan(ub) and np.isnan(want))
         if strict:
             seen_strict += 1
             assert top.tolist() == top0.tolist()

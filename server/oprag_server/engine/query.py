@@ -35,13 +35,14 @@ from ..operators.context import build_context
 from ..operators.group import retrieve_documents
 from ..operators.memory import Memory, context_vector, fuse_session, session_rows
 from ..operators.retrieve import Retriever
+from .direct import LONE, DirectPath
 from .dispatch import EngineDispatch
 from .errors import Overloaded, QueryRejected
 from .job import QueryJob, isolated
 from .monitor import PruningMonitor
 from .rwlock import RWLock
-from .scheduler import (CONTEXT, EMBED, GENERATE, MEMORY, PREP_INFLIGHT, PROMOTE, RETRIEVE, BatchPolicy, batch_steps,
-                        compile_plan, split_plan)
+from .scheduler import (CONTEXT, EMBED, GENERATE, MEMORY, PREP_INFLIGHT, PROMOTE, RETRIEVE, BatchPolicy, PlanStep,
+                        batch_steps, compile_plan, split_plan)
 
 __all__ = ["Overloaded", "QueryEngine", "QueryJob", "QueryRejected"]
 
@@ -53,7 +54,7 @@ def _alive(j: QueryJob) -> bool:
     return not j.cancelled and not (j.future is not None and j.future.done())
 
 
-class QueryEngine:
+class QueryEngine(DirectPath):
     """Admission, batching and plan execution of queries (see the module docstring)."""
 
     def __init__(self, *, monitor_fraction: float = 0.0, monitor_max_inflight: int = 2, generator: Any | None,
@@ -113,10 +114,12 @@ class QueryEngine:
             if est * 1000 > self.cfg.max_queue_delay_ms:
                 self.metrics.rejected_overload.labels(queue="query_latency").inc()
                 raise Overloaded("query", retry_after_s=est)
-        job.future = asyncio.get_running_loop().create_future()
         job.plan = compile_plan(memory=bool(job.session_id and job.use_memory),
                                 generate=job.generate and self.generator is not None,
                                 embed=job.query_vector is None)
+        if job.plan is LONE and job.events is None and self._direct(job):
+            return await self._lone(job)
+        job.future = asyncio.get_running_loop().create_future()
         self._inflight += 1
         direct = self._direct(job)
         if not direct:
@@ -138,17 +141,6 @@ class QueryEngine:
                 self._busy = False
                 if self._waiting:
                     self._arrived.set()
-
-    def _direct(self, job: QueryJob) -> bool:
-        """Whether ``job`` runs in its caller's task: it does not generate and the prep loop
-        would take it alone at once (nothing waits or is prepared, the generator is idle, one
-        prep batch at a time). Same steps and results; fewer event-loop hand-offs."""
-        if (self._waiting or self._preparing or self._busy or job.runs(GENERATE)
-                or (self.dispatch is not None and self.cfg.overlap)
-                or not self.policy.decide(1, 0.0, downstream_busy=self._generating > 0).take):
-            return False
-        self._busy, self._batch_ids, self._preparing = True, self._batch_ids + 1, 1
-        return True
 
     # ------------------------------------------------------------------ prep
     async def _next_batch(self) -> list[QueryJob]:
@@ -218,13 +210,17 @@ class QueryEngine:
             if not self.cfg.overlap:
                 await done
 
-    async def _prep(self, batch: list[QueryJob], batch_id: int) -> None:
+    def _queued(self, batch: list[QueryJob], batch_id: int) -> None:
+        """A prep batch starts: its size, and each request's batch id and queue time."""
         t0 = time.perf_counter()
         self.metrics.batch_size.labels(stage="prep").observe(len(batch))
         for j in batch:
             j.batch_id = batch_id
             j.timings_ms["queue"] = (t0 - j.enqueued) * 1000
             self.metrics.stage_seconds.labels(stage="queue").observe(t0 - j.enqueued)
+
+    async def _prep(self, batch: list[QueryJob], batch_id: int) -> None:
+        self._queued(batch, batch_id)
         live = [j for j in batch if not j.cancelled]
         await self._run(live, answer=False)
         for j in live:
@@ -237,16 +233,19 @@ class QueryEngine:
         per request in ``oprag_stage_seconds{stage=<op>}`` (its count = requests that ran it)."""
         for step in batch_steps([split_plan(j.plan)[answer] for j in jobs]):
             todo = [j for j in jobs if step in j.plan and _alive(j)]
-            if not todo:
-                continue
-            t = time.perf_counter()
-            run_s = await self._operators[step.op](todo)
-            end = time.perf_counter()
-            run_s = end - t if run_s is None else run_s
-            hist = self.metrics.stage_seconds.labels(stage=step.op)
-            for j in todo:  # one observation per request (a batch's run time, seen by each of them)
-                hist.observe(run_s)
-                j.record(step, end, run_s)
+            if todo:
+                await self._step(step, todo)
+
+    async def _step(self, step: PlanStep, todo: list[QueryJob]) -> None:
+        """Run one step over ``todo``; recorded on each request and in ``oprag_stage_seconds``."""
+        t = time.perf_counter()
+        run_s = await self._operators[step.op](todo)
+        end = time.perf_counter()
+        run_s = end - t if run_s is None else run_s
+        hist = self.metrics.stage_seconds.labels(stage=step.op)
+        for j in todo:  # one observation per request (a batch's run time, seen by each of them)
+            hist.observe(run_s)
+            j.record(step, end, run_s)
 
     # ------------------------------------------------------------------ operators
     async def _memory(self, jobs: list[QueryJob]) -> None:

@@ -185,7 +185,7 @@ def merge_union(replies: dict[int, SearchReply], j: int, spec: RetrieveSpec) -> 
     cd = [rep.candidates[j] for _, rep in reps]
     cl = [rep.lexical[j] for _, rep in reps]
     ls = tuple(np.ascontiguousarray(c.slots, dtype=i8) for c in cl)
-    shard, slot, dense, lexical, extra, off, dmn, lmn = union_cols(
+    shard, slot, dense, lexical, extra, off, dmn, lmn, rng, exact = union_cols(
         np.asarray([s for s, _ in reps], dtype=i8), tuple(np.ascontiguousarray(c.slots, dtype=i8) for c in cd),
         tuple(np.ascontiguousarray(c.dense, dtype=f8) for c in cd),
         tuple(np.ascontiguousarray(c.lexical, dtype=f8) for c in cd), ls,
@@ -210,26 +210,23 @@ def merge_union(replies: dict[int, SearchReply], j: int, spec: RetrieveSpec) -> 
     u = _Cols(shard, slot, _UnionIds(ids), dense, lexical)
     if not len(u.ids):
         return [], not bounds, "" if not bounds else "both"
-    dr = (min(float(u.dense.min()), *dmins), float(u.dense.max()))
-    lr = (min(float(u.lexical.min()), 0.0 if unlisted else np.inf), max(float(u.lexical.max()), 0.0 if unlisted else -np.inf))
+    rng = rng.tolist() if exact else [u.dense.min(), u.dense.max(), u.lexical.min(), u.lexical.max()]  # (numpy's)
+    dr = (min(float(rng[0]), *dmins), float(rng[1]))
+    lr = (min(float(rng[2]), 0.0 if unlisted else np.inf), max(float(rng[3]), 0.0 if unlisted else -np.inf))
     w = {"dense_range": dr, "lexical_range": lr, "dense_weight": spec.dense_weight,
          "lexical_weight": spec.lexical_weight}
-    # compiled: scores, top-k and (below) ranks; the numpy path with ids where ties or NaNs need it
-    scores, top, strict, drank, ok_d, lrank, ok_l = fuse_rank(
+    bt = np.array([[d for d, _ in bounds], [lb for _, lb in bounds]], dtype=np.float64).reshape(2, -1)  # (rows: C order)
+    # compiled: scores, top-k, (below) ranks and the bound ``ub`` (fuse_top's scores are fuse_minmax's bit for
+    # bit); the numpy path with ids where ties or NaNs need it
+    scores, top, strict, drank, ok_d, lrank, ok_l, ub, finite = fuse_rank(
         u.dense, u.lexical, float(dr[0]), float(dr[1]), float(lr[0]), float(lr[1]), float(spec.dense_weight),
-        float(spec.lexical_weight), int(spec.top_k), int(spec.candidates))
+        float(spec.lexical_weight), int(spec.top_k), int(spec.candidates), bt[0], bt[1])
     top = top.tolist() if strict else top_k_order(scores, u.ids, spec.top_k)
     certified, sides = True, ""
     if bounds:
-        b = np.asarray(bounds, dtype=np.float64)
-        finite = np.isfinite(b).all()
-        # fuse_top's scores are fuse_minmax's bit for bit (one compiled call instead of ~10)
-        ub = float(kernels_merge.fuse_top(np.ascontiguousarray(b[:, 0]), np.ascontiguousarray(b[:, 1]), float(dr[0]),
-                                          float(dr[1]), float(lr[0]), float(lr[1]), float(spec.dense_weight),
-                                          float(spec.lexical_weight), 0)[0].max()) if finite else np.inf
         certified = finite and len(top) >= spec.top_k and float(scores[top[-1]]) > ub
         if not certified:
-            sides = _sides(b, float(scores[top[-1]]) if finite and len(top) >= spec.top_k else None, w)
+            sides = _sides(bt.T, float(scores[top[-1]]) if finite and len(top) >= spec.top_k else None, w)
     rows = np.asarray(top, dtype=np.int64)
     if not strict:  # (the kernel ranked the strict top-k only)
         drank, ok_d = kernels_merge.hit_ranks(u.dense, rows, int(spec.candidates), False)

@@ -5,7 +5,11 @@ order: the dense list, then the BM25 list's chunks that are not in it, :func:`no
 columns, with the minimum and maximum of each score column and each shard's list minima. The
 merge did this with ~15 numpy calls and a Python ``set`` per shard and query (~100-300 us on the
 frontend's event loop); this is one call, with the same values in the same order. Minima and
-maxima follow numpy's ``min`` / ``max`` (NaN when any value is NaN)."""
+maxima follow numpy's ``min`` / ``max`` (NaN when any value is NaN); where numpy's choice of a
+zero's sign is not defined by the values (a column holding both 0.0 and -0.0) the union's ranges
+are flagged and the caller takes numpy's. :func:`fuse_rank` also bounds the unseen rows (the
+threshold bound of :mod:`.hybrid`) in the same call. Served, each native call costs 10-40 us
+(caches emptied by the shards between requests, bench/RESULTS.md fast16), so fewer calls pay."""
 
 from __future__ import annotations
 
@@ -56,13 +60,29 @@ def _lo_hi(a):
 
 
 @njit(cache=True, nogil=True)
+def _signed_zeros(a):
+    """Whether float64[:] ``a`` holds both 0.0 and -0.0 (numpy's min / max may then return
+    either sign of zero: no scalar loop is sure to agree)."""
+    pos = neg = False
+    for i in range(a.size):
+        if a[i] == 0.0:
+            if np.signbit(a[i]):
+                neg = True
+            else:
+                pos = True
+    return pos and neg
+
+
+@njit(cache=True, nogil=True)
 def union_cols(shards, ds, dd, dl, ls, ld, ll):
     """The union of S shards' lists (tuples of S arrays each: dense-list slots ``ds``, dense
     ``dd`` and BM25 ``dl`` scores; BM25-list slots ``ls``, scores ``ld``, ``ll``; ``shards``
     int64[S] their shard ids). :returns: ``(shard, slot, dense, lexical)`` of the union,
     ``extra`` (per shard, the positions of its BM25 list's chunks not in its dense list, back to
-    back) with ``offsets`` int64[S + 1] into it, and per shard ``dmin`` (its dense list's
-    minimum, NaN when empty) and ``lmin`` (its BM25 list's, NaN when empty)."""
+    back) with ``offsets`` int64[S + 1] into it, per shard ``dmin`` (its dense list's
+    minimum, NaN when empty), ``lmin`` (its BM25 list's, NaN when empty), ``ranges`` float64[4]
+    (the union's dense min, max, BM25 min, max as numpy's; NaN when empty) and whether they are
+    numpy's bit for bit (False: a column holds both signs of zero, :func:`_signed_zeros`)."""
     S = len(ds)
     offsets = np.zeros(S + 1, np.int64)
     parts = []
@@ -96,22 +116,49 @@ def union_cols(shards, ds, dd, dl, ls, ld, ll):
             dmin[s] = _lo_hi(dd[s])[0]
         if ll[s].size:
             lmin[s] = _lo_hi(ll[s])[0]
-    return shard, slot, dense, lexical, extra, offsets, dmin, lmin
+    ranges = np.full(4, np.nan)
+    exact = True
+    if m:
+        ranges[0], ranges[1] = _lo_hi(dense)
+        ranges[2], ranges[3] = _lo_hi(lexical)
+        exact = not (_signed_zeros(dense) or _signed_zeros(lexical))
+    return shard, slot, dense, lexical, extra, offsets, dmin, lmin, ranges, exact
 
 
 @njit(cache=True, nogil=True)
-def fuse_rank(d, lx, dlo, dhi, llo, lhi, dw, lw, k, n):
+def fuse_rank(d, lx, dlo, dhi, llo, lhi, dw, lw, k, n, bd, bl):
     """:func:`..index.kernels_merge.fuse_top` and, when its top-k is strict, the two
     :func:`..index.kernels_merge.hit_ranks` of those rows (dense, then BM25), in one call:
-    ``(scores, top, strict, dense ranks, dense exact, BM25 ranks, BM25 exact)`` (the ranks are
-    empty and not exact when the top-k is not strict: the caller orders it with ids first)."""
+    ``(scores, top, strict, dense ranks, dense exact, BM25 ranks, BM25 exact, ub, finite)`` (the
+    ranks are empty and not exact when the top-k is not strict: the caller orders it with ids
+    first). ``ub`` is the threshold bound of the shards' bounds float64[S'] ``bd`` (N-th dense
+    score), ``bl`` (BM25 bound): the largest fused score of them as numpy's ``max`` (NaN when one
+    is NaN); inf and ``finite`` False when a bound is not finite; -inf when there is none."""
+    ub = -np.inf
+    finite = True
+    if bd.size:
+        for i in range(bd.size):
+            if not (np.isfinite(bd[i]) and np.isfinite(bl[i])):
+                finite = False
+        if finite:
+            bs = fuse_top(bd, bl, dlo, dhi, llo, lhi, dw, lw, 0)[0]
+            ub = bs[0]
+            for i in range(1, bs.size):
+                x = bs[i]
+                if x != x or ub != ub:
+                    ub = np.nan
+                    break
+                if x > ub:
+                    ub = x
+        else:
+            ub = np.inf
     scores, top, strict = fuse_top(d, lx, dlo, dhi, llo, lhi, dw, lw, k)
     if not strict:
         z = np.zeros(0, np.int64)
-        return scores, top, False, z, False, z, False
+        return scores, top, False, z, False, z, False, ub, finite
     dr, ok_d = hit_ranks(d, top, n, False)
     lr, ok_l = hit_ranks(lx, top, n, True)
-    return scores, top, True, dr, ok_d, lr, ok_l
+    return scores, top, True, dr, ok_d, lr, ok_l, ub, finite
 
 
 def warm() -> None:
@@ -119,7 +166,7 @@ def warm() -> None:
     z = np.zeros(1, np.int64)
     not_in(z, z)
     f = np.zeros(2, np.float64)
-    fuse_rank(f, f, 0.0, 1.0, 0.0, 1.0, 0.5, 0.5, 1, 1)
+    fuse_rank(f, f, 0.0, 1.0, 0.0, 1.0, 0.5, 0.5, 1, 1, f, f)
     for n in (1, 2):
         warm_shards(n)
 
