@@ -1,6 +1,6 @@
 """Probe (issue 13, inst16): what installing a finished BM25 background merge costs the shard's
 request loop at a large shard. In process, single shard, postings only: the ``postings``
-directory of a ``bench.scale`` snapshot is loaded into memory (``PostingsIndex.load``, no map),
+directory of a ``bench.scale`` snapshot is loaded into memory (no map; ``--mmap``: mapped, as a shard's after a restart),
 optionally tiled ``--tile`` times (copy k of every chunk at slot ``k * D + slot``: the same
 vocabulary, ``--tile`` times the chunks and postings) to reach ~500K chunks per shard from the
 100K corpus. Per round: ``--delta`` chunks are added (each a copy of a random segment chunk's
@@ -38,11 +38,11 @@ import numpy as np
 from ._common import DEFAULT_SHARED, load_queries_qrels
 
 
-def _tiled(ix_mod, d: Path, tile: int):
+def _tiled(ix_mod, d: Path, tile: int, mmap: bool = False):
     from oprag_server.index.bm25.merging import _SEG
     from oprag_server.index.bm25.segment import Segment
 
-    seg = Segment.load(d, mmap=False)
+    seg = Segment.load(d, mmap=mmap and tile == 1)
     doc_len = np.load(d / "doc_len.npy")
     D, P, T = seg.doc_slots.size, seg.slots.size, len(seg.terms)
     if tile > 1:
@@ -85,6 +85,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--remove", type=int, default=200)
     ap.add_argument("--queries", type=int, default=100)
     ap.add_argument("--shared", type=Path, default=DEFAULT_SHARED)
+    ap.add_argument("--mmap", action="store_true", help="(--tile 1) the segment mapped from the files, as after a "
+                    "restart: the first install replaces a mapped segment")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     from oprag_server.index import bm25 as ix_mod
@@ -94,7 +96,7 @@ def main(argv=None) -> dict:
     from . import _internals
 
     t = time.perf_counter()
-    ix = _tiled(ix_mod, a.postings, a.tile)
+    ix = _tiled(ix_mod, a.postings, a.tile, a.mmap)
     ix.MERGE_DIV = 10**9
     print(f"built {len(ix)} chunks, {ix.segment.n_postings} postings, {len(ix.segment.terms)} terms "
           f"in {time.perf_counter() - t:.1f} s", flush=True)
@@ -132,6 +134,10 @@ def main(argv=None) -> dict:
             top = np.sort(rv[rv != 0.0])[::-1][:64]
             assert np.array_equal(np.sort(v)[::-1][: top.size], top), "top-64 differs from score_all's"
 
+    from oprag_server.index import kernels_delta, kernels_exact, kernels_topm, kernels_wide, kernels_wide_keep
+
+    for k in (kernels_delta, kernels_exact, kernels_topm, kernels_wide, kernels_wide_keep):  # as a shard's warm-up:
+        k.warm()  # writable and read-only arrays (a merged segment's are writable, a mapped one's read-only)
     qpass()
     qpass()
     next_slot = [len(ix._live)]

@@ -24,13 +24,18 @@ _NONE, _SEG, _FROZEN, _DELTA = 0, 1, 2, 3
 def _drop(parts: list) -> None:
     """Free ``parts``, what an install replaced (a previous segment: a 1M shard's is ~700 MB,
     possibly a file map; a frozen delta: a dict entry per chunk; the top-m's rows), on a thread of
-    its own: the install only queues them (starting a thread would wait for it to run)."""
+    its own (:func:`_dropper`, started with the merge: the install only queues them)."""
+    _drop_thread()
+    _DROPS.put(parts)
+
+
+def _drop_thread() -> None:
+    """Start the thread of :func:`_drop` unless it runs (a forked process has none)."""
+    global _DROPPER
     with _DROP_LOCK:
-        global _DROPPER
         if _DROPPER is None or not _DROPPER.is_alive():
             _DROPPER = threading.Thread(target=_dropper, name="bm25-drop", daemon=True)
             _DROPPER.start()
-    _DROPS.put(parts)
 
 
 def _dropper() -> None:
@@ -208,6 +213,7 @@ class MergeMixin:
             pending[2] = time.perf_counter() - t0
 
         if background:
+            _drop_thread()  # (now, not at the install: starting a thread waits until it runs)
             pending[0] = threading.Thread(target=build, name="bm25-merge", daemon=True)
             self._pending = pending
             pending[0].start()
