@@ -37,14 +37,16 @@ from ._common import (DEFAULT_SHARED, OUT, emit_json, hotpath_queries, log, mach
 
 _SNAP = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) shard (\d+): snapshot written in ([\d.]+) s")
 #: a snapshot's share of the shard's request loop (snap15's log line) and an idle merge's install
-_LOOP = re.compile(r"ms of it on the request loop: start (\d+), merge install (\d+), adopt (\d+)")
+_LOOP = re.compile(r"ms of it on the request loop: start (\d+), merge install (\d+), adopt (\d+)"
+                   r"(?:; of the merge install: (\d+) polls (\d+), longest other step ([\d.]+))?")
 _SWAP = re.compile(r"BM25 merge installed: build ([\d.]+) s, swap ([\d.]+) ms")
 
 
 def loop_shares(lines: list[str]) -> dict:
-    """Per snapshot ``[start, merge install, adopt]`` ms on the shards' request loops, and the
-    install ("swap") ms of every BM25 merge a shard logged (idle merges; inst16)."""
-    snaps = [[int(x) for x in m.groups()] for line in lines for m in _LOOP.finditer(line)]
+    """Per snapshot ``[start, merge install, adopt]`` ms on the shards' request loops (and, where
+    the shard logs them, ``polls`` (count), their ms and the longest other step's ms before the
+    writer starts: the install's), and the install ("swap") ms of every BM25 merge a shard logged."""
+    snaps = [[float(x) for x in m.groups() if x is not None] for line in lines for m in _LOOP.finditer(line)]
     swaps = [float(m.group(2)) for line in lines for m in _SWAP.finditer(line)]
     return {"snapshot_loop_ms": snaps, "merge_swap_ms": swaps}
 
