@@ -18,26 +18,16 @@ from oprag_server.index.bm25 import listed_top as lt
 from oprag_server.index.bm25 import merging
 from oprag_server.index.bm25.postings import PostingsIndex
 from oprag_server.index.bm25.segment import Segment
+from test_bm25_background_merge import gate  # noqa: F401 - the fixture: the merge thread waits for it
 from test_topm_pruned import _full
 from test_topm_wide import _stop_words
 
 QUERIES = [["t0", "t1", "t2", "t77"], ["t3", "t0", "t500"], ["t1", "t9", "t9", "t1400"], ["t2", "nope", "t40"]]
 
 
-@pytest.fixture
-def gate(monkeypatch):
-    """The merge thread waits until the test sets the returned event."""
-    ev = threading.Event()
-    real = merging.merge
-
-    def gated(*a, **k):
-        if threading.current_thread() is not threading.main_thread():
-            assert ev.wait(10)
-        return real(*a, **k)
-
-    monkeypatch.setattr(merging, "merge", gated)
+@pytest.fixture(autouse=True)
+def _pruned_paths(monkeypatch):
     monkeypatch.setattr(lt, "_FULL_BELOW", 0)  # small corpora: the pruned paths all the same
-    return ev
 
 
 def _idf(ix, terms):
