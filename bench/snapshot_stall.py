@@ -36,6 +36,19 @@ from ._common import (DEFAULT_SHARED, OUT, emit_json, hotpath_queries, log, mach
                       start_server)
 
 _SNAP = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) shard (\d+): snapshot written in ([\d.]+) s")
+#: a snapshot's share of the shard's request loop (snap15's log line) and an idle merge's install
+_LOOP = re.compile(r"ms of it on the request loop: start (\d+), merge install (\d+), adopt (\d+)"
+                   r"(?:; of the merge install: (\d+) polls (\d+), longest other step ([\d.]+))?")
+_SWAP = re.compile(r"BM25 merge installed: build ([\d.]+) s, swap ([\d.]+) ms")
+
+
+def loop_shares(lines: list[str]) -> dict:
+    """Per snapshot ``[start, merge install, adopt]`` ms on the shards' request loops (and, where
+    the shard logs them, ``polls`` (count), their ms and the longest other step's ms before the
+    writer starts: the install's), and the install ("swap") ms of every BM25 merge a shard logged."""
+    snaps = [[float(x) for x in m.groups() if x is not None] for line in lines for m in _LOOP.finditer(line)]
+    swaps = [float(m.group(2)) for line in lines for m in _SWAP.finditer(line)]
+    return {"snapshot_loop_ms": snaps, "merge_swap_ms": swaps}
 
 
 def _args(a, kind: str, workers: str = "process") -> list[str]:
@@ -137,7 +150,7 @@ def run_once(a, tree: Path, base: Path, Q: np.ndarray, texts: list[str], snap: d
             "queries": _stats([ms for _, ms in lat]), "during_snapshot": _stats(during),
             "outside_snapshot": _stats(outside), "snapshots_s": [round(e - s, 2) for _, s, e in wins],
             "ingest_calls": len(ing), "ingest_max_ms": round(max(ing), 1) if ing else None,
-            "ingest_p50_ms": round(percentile(ing, 50), 1) if ing else None}
+            "ingest_p50_ms": round(percentile(ing, 50), 1) if ing else None, **loop_shares(lines)}
 
 
 def main(argv=None) -> int:

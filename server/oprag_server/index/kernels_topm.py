@@ -265,5 +265,7 @@ def warm() -> None:
     s = np.arange(3, dtype=np.int64)
     for _, (where, doc_len, off, ps, tf) in postings_variants():
         mt, md = np.full(1, np.nan), np.full(1, np.nan)
+        _term_bounds(0, off, ps, tf, where, 1, doc_len, mt, md)  # (called alone by a merge's thread: listed_top.successor)
+        mt[:], md[:] = np.nan, np.nan
         bm25_top_pruned(where, 1, doc_len, np.zeros(1, np.int64), np.ones(1), off, ps, tf, np.zeros(2, np.int64),
                         s, doc_len, mt, md, np.ones(1, np.int32), 2, 1.0, 1.5, 0.75, np.zeros(3), np.zeros(3, np.uint8))

@@ -81,6 +81,9 @@ class SnapshotJob:
         self.merge_s = self.write_s = 0.0
         self.loop_s = time.perf_counter() - self.t0  # time taken from the request loop (start and steps)
         self.start_s = self.loop_s  # of it: settling HNSW, starting the merge
+        # of the steps before the writer starts: those that found the merge still running (their count and
+        # time: GIL waits beside the merge's thread, mostly), and the longest step (the install's)
+        self.polls, self.polls_s, self.longest_s = 0, 0.0, 0.0
         self.sync = False  # wait(): all of it in the caller's thread
 
     def _write(self) -> None:
@@ -96,17 +99,23 @@ class SnapshotJob:
 
         :raises Exception: what the merge or the write raised (the job is over then).
         """
-        t = time.perf_counter()
+        t, polls, merging = time.perf_counter(), self.polls, self._thread is None
         try:
             return self._step()
         finally:
-            self.loop_s += time.perf_counter() - t
+            dt = time.perf_counter() - t
+            self.loop_s += dt
+            if self.polls != polls:
+                self.polls_s += dt
+            elif merging:
+                self.longest_s = max(self.longest_s, dt)
 
     def _step(self) -> SnapshotReply | None:
         if self._thread is None:
             p = self.store.postings
             if p.merging:
                 if p._pending[0].is_alive():  # noqa: SLF001
+                    self.polls += 1
                     return None
                 p.poll_merge(raise_errors=False)  # install it (a failed one left its delta: merged below)
                 if self._merges < 2:  # (an idle merge was under way: fold what was written meanwhile)
@@ -135,7 +144,8 @@ class SnapshotJob:
             self.log(f"snapshot written in {total:.2f} s (BM25 merge {self.merge_s:.2f} s, files {self.write_s:.2f} s"
                      + (")" if self.sync else f"; {loop * 1e3:.0f} ms of it on the request loop: start "
                         f"{self.start_s * 1e3:.0f}, merge install {(self.loop_s - self.start_s) * 1e3:.0f}, adopt "
-                        f"{adopt_s * 1e3:.0f})"))
+                        f"{adopt_s * 1e3:.0f}; of the merge install: {self.polls} polls {self.polls_s * 1e3:.0f}, "
+                        f"longest other step {self.longest_s * 1e3:.1f})"))
         return SnapshotReply(written=True, chunks=n)
 
     def blocker(self) -> threading.Thread | None:

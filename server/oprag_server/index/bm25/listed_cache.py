@@ -79,23 +79,19 @@ class ListedCache:
         return sum(a.nbytes for e in list(self.entries.values()) for a in e if isinstance(a, np.ndarray))
 
 
-def drop(ix) -> None:
-    """Forget what the index's caches hold of its former segment (a merge replaced it): the
-    entries (the query's term arrays are views of its postings) and the BM25 top-m scratch's
-    term bounds and wide rows (:class:`.listed_top._Scratch`, which hold the segment itself).
-    A segment loaded from a snapshot is a mapping of its files, which the next snapshot
-    deletes: they stayed mapped, open and on the disk until the next query on the pruned path
-    (trial16). A scratch in use by a scorer (its lock held) is left to it."""
+def take(ix) -> list:
+    """(The install of a merge) the index's cached entries, removed: they are views of the former
+    segment's postings, and a segment loaded from a snapshot is a mapping of its files, which the
+    next snapshot deletes; kept, they held those files open, mapped and on the disk (trial16).
+    :returns: the entries, for the caller to free off the request loop. (The top-m scratch's
+    term bounds and wide rows are switched to the new segment's by :func:`.listed_top.adopt`.)"""
     c = ix.__dict__.get("_listed_cache")
-    if c is not None:
-        with c.lock:
-            c.entries.clear()
-    sc = ix.__dict__.get("_topm_scratch")
-    if sc is not None and sc.lock.acquire(blocking=False):
-        try:
-            sc.seg = sc.bounds = sc.wide = None
-        finally:
-            sc.lock.release()
+    if c is None:
+        return []
+    with c.lock:
+        out = list(c.entries.values())
+        c.entries.clear()
+    return out
 
 
 def of(ix) -> ListedCache:

@@ -223,6 +223,59 @@ class _Wide:
 _NO_ROWS = np.zeros((1, 1), np.uint8)
 
 
+def successor(ix: PostingsIndex, seg, live: np.ndarray, doc_len: np.ndarray) -> tuple:
+    """(The merge's thread, :mod:`.merging`) what :func:`_pruned` keeps per segment, built for the
+    merged segment ``seg`` before its install instead of by the first queries after it: the term
+    bounds and the wide rows of the terms whose bounds or rows the current segment's scratch holds
+    (matched by term string; the others are built on first use, as before).
+
+    :param live: bool ``[>= span]``: the chunks of ``seg`` (the bounds' minimum length is over
+        them; a chunk removed meanwhile can only lower it, so it stays a bound).
+    :param doc_len: float64 ``[>= span]``, the index's lengths (a live segment chunk's is fixed).
+    :returns: ``(seg, bounds | None, _Wide | None)`` for :func:`adopt`.
+    """
+    from .. import kernels_topm  # noqa: PLC0415
+
+    sc = ix.__dict__.get("_topm_scratch")
+    old = sc.seg if sc is not None else None
+    if old is None:
+        return seg, None, None
+    bounds, wide, vocab = sc.bounds, sc.wide, seg.vocab
+
+    def new_ids(old_ids: np.ndarray) -> np.ndarray:
+        ids = [vocab.get(old.terms[i]) for i in old_ids.tolist()]
+        return np.array([i for i in ids if i is not None], np.int64)
+
+    nb = None
+    if bounds is not None:
+        v = max(seg.offsets.size - 1, 0)
+        nb = (np.full(v, np.nan), np.full(v, np.nan))
+        codes = np.where(live, np.int8(_SEG), np.int8(0))
+        for t in new_ids(np.flatnonzero(~np.isnan(bounds[0]))).tolist():
+            kernels_topm._term_bounds(t, seg.offsets, seg.slots, seg.tf, codes, _SEG, doc_len, nb[0], nb[1])  # noqa: SLF001
+    nw = None
+    if wide is not None and wide.seg is old and seg.doc_slots.size:
+        nw = _Wide(seg, doc_len)
+        nw.positions(new_ids(np.flatnonzero(wide.row_of >= 0)[np.flatnonzero(wide.state != 0)]))
+    return seg, nb, nw
+
+
+def adopt(ix: PostingsIndex, top: tuple) -> list:
+    """(The install, on the index's thread) the scratch switched to :func:`successor`'s parts for
+    the index's new segment. :returns: the parts they replace (the caller frees them elsewhere);
+    none when another thread is scoring with the scratch (its next query rebuilds them, as before)."""
+    sc = ix.__dict__.get("_topm_scratch")
+    seg, bounds, wide = top
+    if sc is None or seg is not ix._seg or not sc.lock.acquire(blocking=False):  # noqa: SLF001
+        return []
+    try:
+        old = [sc.seg, sc.bounds, sc.wide]
+        sc.seg, sc.bounds, sc.wide = seg, bounds, wide
+        return old
+    finally:
+        sc.lock.release()
+
+
 def wide_rows(ix: PostingsIndex, tids: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
     """``(rowmap int64[T], rows uint8[R, span], span)`` for :func:`..kernels.bm25_segment`: per
     query position the built wide row of its segment term (-1: none) in this shard's scratch,

@@ -8,6 +8,7 @@ meanwhile.
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 
@@ -19,6 +20,40 @@ from .segment import merge
 
 #: where a slot's live postings are (``PostingsIndex._where``, int8 per slot)
 _NONE, _SEG, _FROZEN, _DELTA = 0, 1, 2, 3
+
+
+def _drop(parts: list) -> None:
+    """Free ``parts``, what an install replaced (a previous segment: a 1M shard's is ~700 MB,
+    possibly a file map; a frozen delta: a dict entry per chunk; the top-m's rows), on a thread of
+    its own (:func:`_dropper`, started with the merge: the install only queues them)."""
+    _drop_thread()
+    _DROPS.put(parts)
+
+
+def _drop_thread() -> None:
+    """Start the thread of :func:`_drop` unless it runs (a forked process has none)."""
+    global _DROPPER
+    with _DROP_LOCK:
+        if _DROPPER is None or not _DROPPER.is_alive():
+            _DROPPER = threading.Thread(target=_dropper, name="bm25-drop", daemon=True)
+            _DROPPER.start()
+
+
+def _dropper() -> None:
+    while True:
+        parts = _DROPS.get()
+        while parts:
+            p = parts.pop()
+            if isinstance(p, Delta):  # entry by entry: the request loop gets the GIL back in between
+                while p.docs:
+                    p.docs.popitem()
+            del p
+        del parts
+
+
+_DROPS: queue.SimpleQueue = queue.SimpleQueue()
+_DROP_LOCK = threading.Lock()
+_DROPPER: threading.Thread | None = None
 
 
 class MergeMixin:
@@ -142,29 +177,44 @@ class MergeMixin:
             self._finish()
 
     def _start_merge(self, background: bool) -> None:
+        """Freeze the delta and build the merged segment from an immutable view (in a thread with
+        ``background``). The request loop's part is O(capacity) memory at most (the layer codes
+        turned and copied); the thread computes the masks, the frozen chunks, the new segment's
+        per-term counts and what the BM25 top-m keeps per segment (:func:`.listed_top.successor`),
+        so that :meth:`_finish` is O(changes made during the merge)."""
         frozen = self._delta
         self._delta = Delta()
         self._frozen = frozen
         frozen._cache.clear()
         where = self._where
         where[where == _DELTA] = _FROZEN
-        seg_live = where == _SEG
-        frz_live = where == _FROZEN
-        d_doc_slots = np.fromiter(sorted(frozen.docs), np.int64, count=len(frozen.docs))
-        seg, d_terms = self._seg, list(frozen.terms)
-        pending: list = [None, None, 0.0]
+        view = where.copy()  # (the layer codes at the start: where keeps changing meanwhile)
+        self._gone = []  # segment and frozen chunks removed while the merge runs (PostingsIndex.remove)
+        seg, d_terms, doc_len = self._seg, list(frozen.terms), self._doc_len
+        pending: list = [None, None, 0.0, None]
 
         def build() -> None:
+            from .listed_top import successor  # noqa: PLC0415 - it imports this package
+
             t0 = time.perf_counter()
             try:
+                seg_live, frz_live = view == _SEG, view == _FROZEN
+                d_doc_slots = np.flatnonzero(frz_live)  # == sorted(frozen.docs) at the start
                 key, tf = frozen.consolidated()
                 m = frz_live[key & 0xFFFFFFFF]
-                pending[1] = merge(seg, seg_live, d_terms, key[m], tf[m], d_doc_slots)
+                new = merge(seg, seg_live, d_terms, key[m], tf[m], d_doc_slots)
+                try:  # (a cache: should it fail, the first queries after the install build it, as before)
+                    top = successor(self, new, seg_live | frz_live, doc_len)
+                except Exception:  # noqa: BLE001
+                    top = (new, None, None)
+                pending[3] = (new.df(), d_doc_slots, top)
+                pending[1] = new
             except BaseException as e:  # re-raised by _finish in the owner's thread
                 pending[1] = e
             pending[2] = time.perf_counter() - t0
 
         if background:
+            _drop_thread()  # (now, not at the install: starting a thread waits until it runs)
             pending[0] = threading.Thread(target=build, name="bm25-merge", daemon=True)
             self._pending = pending
             pending[0].start()
@@ -174,26 +224,34 @@ class MergeMixin:
             self._finish()
 
     def _finish(self) -> None:
-        """Install the merged segment: chunks removed (or re-added elsewhere) since the merge
-        started are dead in it."""
+        """Install the merged segment, on the owner's thread: O(the frozen chunks + the chunks
+        removed during the merge), not O(segment). Chunks removed (or re-added elsewhere) since
+        the merge started are dead in it. What the install replaces (the previous segment, the
+        frozen delta, the top-m's per-segment parts) is freed by a thread of its own."""
         t0 = time.perf_counter()
-        _, new, build_s = self._pending
+        _, new, build_s, prepared = self._pending
         self._pending = None
+        gone, self._gone = self._gone, []
         if isinstance(new, BaseException):
             # keep serving from the frozen delta: fold it back into the current one's layer
             self._frozen_back()
             raise new
-        ns = new.doc_slots.astype(np.int64)
-        cur = self._where[ns]
-        still = (cur == _SEG) | (cur == _FROZEN)
-        self._where[ns[still]] = _SEG
-        seg_df = new.df()
-        dead_terms = new.doc_terms[np.repeat(~still, np.diff(new.doc_off))] if not still.all() else None
-        if dead_terms is not None and dead_terms.size:
-            seg_df -= np.bincount(dead_terms, minlength=seg_df.size).astype(np.int32)
-        self._seg, self._seg_df, self._frozen = new, seg_df, None
-        listed_cache.drop(self)  # (its caches hold the former segment)
-        self._seg_dead = 0 if dead_terms is None else int(dead_terms.size)
+        seg_df, frozen_slots, top = prepared
+        fs = frozen_slots[self._where[frozen_slots] == _FROZEN]  # (the others were removed meanwhile)
+        self._where[fs] = _SEG
+        dead = 0
+        if gone:  # their postings in the new segment are dead
+            n = np.bincount(new.rows_of(np.asarray(gone, np.int64)))
+            seg_df[: n.size] -= n.astype(seg_df.dtype)
+            dead = int(n.sum())
+        old = [self._seg, self._seg_df, self._frozen]
+        self._seg, self._seg_df, self._frozen, self._seg_dead = new, seg_df, None, dead
+        from .listed_top import adopt  # noqa: PLC0415 - it imports this package
+
+        old += adopt(self, top)
+        old += listed_cache.take(self)  # (the widening cache's entries are views of the former segment)
+        _drop(old)
+        del old
         self.merges += 1
         self.last_merge_s = build_s
         self.last_swap_s = time.perf_counter() - t0

@@ -62,7 +62,8 @@ class PostingsIndex(MergeMixin):
         self._seg_dead = 0  # dead postings in the segment
         self._delta = Delta()
         self._frozen: Delta | None = None  # the delta a background merge is folding in
-        self._pending: list | None = None  # [thread, result segment | exception, build s]
+        self._pending: list | None = None  # [thread, result segment | exception, build s, install's parts]
+        self._gone: list[int] = []  # segment and frozen chunks removed since a merge started (merging.py)
         # per slot: where its live postings are (_NONE, _SEG, _FROZEN, _DELTA)
         self._where = np.zeros(0, dtype=np.int8)
         self._doc_len = np.zeros(0, dtype=np.float64)
@@ -78,10 +79,6 @@ class PostingsIndex(MergeMixin):
         self.last_merge_s = 0.0  # build time of the last merge (background or not)
         self.last_swap_s = 0.0  # time the caller's thread spent installing it
         self.last_merge_error: Exception | None = None  # of a background merge that failed
-
-    @property
-    def _seg_live(self) -> np.ndarray:
-        return self._where == _SEG
 
     def _grow(self, slot: int) -> None:
         cap = len(self._live)
@@ -177,10 +174,11 @@ class PostingsIndex(MergeMixin):
             layer = self._delta if w == _DELTA else self._frozen
             tids = layer.remove(slot)
             terms = layer.terms
+        if w != _DELTA and self._pending is not None:  # in the segment being built: dead there
+            self._gone.append(slot)
         d_df = self._d_df
         self._d_removed = True
-        for i in tids.tolist():
-            t = terms[i]
+        for t in map(terms.__getitem__, tids.tolist()):
             d_df[t] = d_df.get(t, 0) - 1
         n_tok = int(self._doc_len[slot])
         self._doc_len[slot] = 0.0

@@ -69,10 +69,24 @@ class Segment:
 
     def doc_term_ids(self, slot: int) -> np.ndarray | None:
         """int32 term ids of chunk ``slot``, or None when the segment does not hold it."""
-        d = int(np.searchsorted(self.doc_slots, slot))
+        if not 0 <= slot <= MAX_SLOT:
+            return None
+        # (an int32 needle: a Python int makes numpy cast all of doc_slots, ~0.4 ms at 500K chunks)
+        d = int(np.searchsorted(self.doc_slots, np.int32(slot)))
         if d >= self.doc_slots.size or int(self.doc_slots[d]) != slot:
             return None
         return self.doc_terms[int(self.doc_off[d]):int(self.doc_off[d + 1])]
+
+    def rows_of(self, slots: np.ndarray) -> np.ndarray:
+        """int32 ``[sum of their term counts]``: the term ids of chunks ``slots`` (int64 ``[K]``,
+        each held here), one chunk's after another. O(K + their terms), not O(segment).
+
+        :raises ValueError: a slot the segment does not hold."""
+        d = np.searchsorted(self.doc_slots, slots.astype(np.int32))
+        if slots.size and (int(d.max()) >= self.doc_slots.size or not np.array_equal(self.doc_slots[d], slots)):
+            raise ValueError("rows_of: a slot the segment does not hold")
+        lo, n = self.doc_off[d], self.doc_off[d + 1] - self.doc_off[d]
+        return self.doc_terms[np.repeat(lo - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))]
 
     def renumbered(self) -> "Segment":
         """The same postings with chunk ``doc_slots[i]`` moved to slot ``i`` (the order a
