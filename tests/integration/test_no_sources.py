@@ -118,10 +118,15 @@ def test_a_mixed_batch_generates_only_the_requests_with_sources(server):
     assert _metric(server, "oprag_stage_seconds_count", stage="generate") == before + 3
 
 
-def test_every_document_deleted_nothing_generated(server, client):
+def test_every_document_deleted_nothing_generated(server, client, capsys):
     seq = client.delete(["lighthouse"]).seq
     assert _refused(client.query(QUESTION, top_k=1, min_seq=seq))
     assert _refused(list(client.query_stream(QUESTION))[-1].done)
+    from oprag_client import cli
+
+    assert cli.main(["query", "--server", server.target, QUESTION]) == 0
+    out = capsys.readouterr().out
+    assert "(no answer: nothing retrieved to answer from" in out and "Sources:" not in out, out
 
 
 @pytest.fixture(scope="module")
