@@ -40,6 +40,16 @@ class _CallerLeft(Exception):
     """(:meth:`CommitProtocol._commit`) the caller was cancelled before the commit point."""
 
 
+class CommittedAfterLeave(asyncio.CancelledError):
+    """(:meth:`CommitProtocol.commit`) the caller was cancelled after the commit point: the
+    transaction is committed whole, ``result`` is its ``(seq, apply replies)``; the cancellation
+    goes on (a ``CancelledError``)."""
+
+    def __init__(self, result: tuple[int, list[ApplyReply]]) -> None:
+        super().__init__("cancelled after the commit point: committed")
+        self.result = result
+
+
 class CommitProtocol:
     """Two-phase commit over ``pool``; ``stats`` (the frontend's corpus-global BM25 statistics)
     take every applied delta; ``lock`` is the index lock (write side held per commit).
@@ -142,7 +152,8 @@ class CommitProtocol:
         :raises StorageUnavailable: this server lost the storage's owner lease, or a write to
             the storage failed (aborted; the message says which).
         :raises asyncio.CancelledError: the caller was cancelled (the transaction was then
-            aborted or committed whole, as above).
+            aborted or committed whole, as above; committed: :class:`CommittedAfterLeave`, which
+            carries the sequence number and the replies).
         """
         if self.lease is not None and self.lease.fenced:
             raise StorageUnavailable(self.lease.fenced)
@@ -159,6 +170,8 @@ class CommitProtocol:
                     await asyncio.shield(task)
                 except BaseException:  # noqa: BLE001 - its outcome was for the caller, who left
                     pass
+            if not task.cancelled() and task.exception() is None:
+                raise CommittedAfterLeave(task.result()) from None
             raise
 
     async def _commit(self, txn: str, kind: str, doc_ids: list[str] | None,
