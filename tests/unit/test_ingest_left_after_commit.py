@@ -1,7 +1,8 @@
 """An ingest stream whose client left after the commit point is stored whole (trial16) and is
 counted as stored: in ``oprag_documents_ingested_total`` and ``oprag_chunks_ingested_total``,
 not in ``oprag_ingest_streams_aborted_total`` (before this it was counted aborted, and its
-documents and chunks nowhere). A stream cancelled before the commit point stays an aborted one."""
+documents and chunks nowhere), and it marks the shards dirty for the snapshot loop (before, the
+next snapshot waited for another write). A stream cancelled before the commit point stays an aborted one."""
 
 from __future__ import annotations
 
@@ -48,6 +49,8 @@ async def _cancel_at(op: Op):
         return await real_call(o, req)
 
     client.call = held
+    cp.on_apply = lambda: applied.append(cp.seq)  # (Runtime: mark_dirty, for the snapshot loop)
+    applied: list[int] = []
     task = asyncio.create_task(p.run(messages()))
     await asyncio.wait_for(reached.wait(), 30)
     task.cancel()  # the client left (its deadline passed) while the shards prepare / apply
@@ -55,6 +58,7 @@ async def _cancel_at(op: Op):
     gate.set()
     with pytest.raises(asyncio.CancelledError):
         await task
+    assert applied == ([1] if op is Op.APPLY else [])
     return m, _docs(cp), cp
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from ..index.bm25 import CorpusStats
@@ -52,14 +52,17 @@ class CommittedAfterLeave(asyncio.CancelledError):
 
 class CommitProtocol:
     """Two-phase commit over ``pool``; ``stats`` (the frontend's corpus-global BM25 statistics)
-    take every applied delta; ``lock`` is the index lock (write side held per commit).
+    take every applied delta; ``lock`` is the index lock (write side held per commit);
+    ``on_apply()`` is called once each committed transaction is applied on every shard.
 
     Attributes: ``seq`` the last issued sequence number; ``applied_seq`` the last one every
     shard applied; ``log`` the commit log (None until :meth:`open_log`: nothing is logged).
     """
 
-    def __init__(self, pool: ShardPool, stats: CorpusStats, lock: RWLock) -> None:
+    def __init__(self, pool: ShardPool, stats: CorpusStats, lock: RWLock,
+                 on_apply: Callable[[], None] | None = None) -> None:
         self.pool = pool
+        self.on_apply = on_apply  # called once each committed transaction is applied (Runtime: mark_dirty)
         self.stats = stats
         self.lock = lock
         # held by a commit before the write lock and by a snapshot (app.Runtime.snapshot) for its
@@ -200,6 +203,8 @@ class CommitProtocol:
             for r in replies:
                 self.stats.apply_delta(*r.delta)
             self.applied_seq = max(self.applied_seq, seq)
+            if self.on_apply is not None:  # (also when the caller left after the commit point)
+                self.on_apply()
         async with self._applied:  # wake wait_applied callers
             self._applied.notify_all()
         return seq, replies
