@@ -11,21 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 import urllib.request
-from pathlib import Path
 
 import pytest
 import requests
 
 from oprag_client.client import AsyncOpRAGClient, Doc, OpRAGClient
-from oprag_client.testing import ServerProcess, free_port, wait_until
+from oprag_client.testing import ServerProcess, free_port
+from standin_process import standin_engine
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[2]
 QUESTION = "In what year was the Varnholm Lighthouse completed?"
 LIGHTHOUSE = Doc("lighthouse", title="Varnholm Lighthouse", metadata={"topic": "history"}, text=(
     "The Varnholm Lighthouse stands on a granite skerry at the mouth of the fjord. It was completed in 1887 "
@@ -133,25 +129,8 @@ def test_every_document_deleted_nothing_generated(server, client, capsys):
 def standin():
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.Popen([sys.executable, "-m", "bench.standin_engine", "--port", str(port)], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    root = f"http://127.0.0.1:{port}"
-
-    def up():
-        try:
-            urllib.request.urlopen(root + "/health", timeout=1).read()
-            return True
-        except OSError:
-            return False
-
-    try:
-        assert wait_until(up, 30), "stand-in did not start"
+    with standin_engine() as root:
         yield root
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def test_answer_without_sources_generate_keeps_the_former_behaviour(tmp_path, standin):
