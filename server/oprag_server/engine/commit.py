@@ -53,16 +53,17 @@ class CommittedAfterLeave(asyncio.CancelledError):
 class CommitProtocol:
     """Two-phase commit over ``pool``; ``stats`` (the frontend's corpus-global BM25 statistics)
     take every applied delta; ``lock`` is the index lock (write side held per commit);
-    ``on_apply()`` is called once each committed transaction is applied on every shard.
+    ``on_left_committed()`` is called for a transaction committed after its caller was cancelled
+    (the caller, who would have done what follows a commit, is gone; Runtime: ``mark_dirty``).
 
     Attributes: ``seq`` the last issued sequence number; ``applied_seq`` the last one every
     shard applied; ``log`` the commit log (None until :meth:`open_log`: nothing is logged).
     """
 
     def __init__(self, pool: ShardPool, stats: CorpusStats, lock: RWLock,
-                 on_apply: Callable[[], None] | None = None) -> None:
+                 on_left_committed: Callable[[], None] | None = None) -> None:
         self.pool = pool
-        self.on_apply = on_apply  # called once each committed transaction is applied (Runtime: mark_dirty)
+        self.on_left_committed = on_left_committed
         self.stats = stats
         self.lock = lock
         # held by a commit before the write lock and by a snapshot (app.Runtime.snapshot) for its
@@ -174,6 +175,8 @@ class CommitProtocol:
                 except BaseException:  # noqa: BLE001 - its outcome was for the caller, who left
                     pass
             if not task.cancelled() and task.exception() is None:
+                if self.on_left_committed is not None:
+                    self.on_left_committed()
                 raise CommittedAfterLeave(task.result()) from None
             raise
 
@@ -203,8 +206,6 @@ class CommitProtocol:
             for r in replies:
                 self.stats.apply_delta(*r.delta)
             self.applied_seq = max(self.applied_seq, seq)
-            if self.on_apply is not None:  # (also when the caller left after the commit point)
-                self.on_apply()
         async with self._applied:  # wake wait_applied callers
             self._applied.notify_all()
         return seq, replies
