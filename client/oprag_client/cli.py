@@ -128,6 +128,10 @@ def cmd_query(a) -> int:
     if answer is not None and getattr(r, "finish_reason", "") == "no_generator":
         print("(no answer: the server runs without a generator, --generator none; the hits follow)")
         answer = None
+    elif answer is not None and getattr(r, "finish_reason", "") == "no_sources":
+        print("(no answer: nothing retrieved to answer from -- the store is empty or no document matches; "
+              "the server answers only from sources)")
+        answer = None
     if answer is not None:
         print(answer.strip() or "(empty answer)")
         print()

@@ -92,6 +92,10 @@ _OPTIONS: tuple[tuple[str, str, str, str], ...] = (
     ("--upsert-batch", "ingest", "upsert_batch", "chunks per coalesced bulk write to a shard"),
     ("--context-tokens", "generate", "context_tokens", "prompt + answer tokens (prompt budget = this minus max_new_tokens)"),
     ("--max-new-tokens", "generate", "default_max_new_tokens", "default new tokens per answer"),
+    ("--answer-without-sources", "generate", "answer_without_sources",
+     "'refuse': a query whose prompt has no sources (empty store, nothing retrieved, a filter matching nothing) "
+     "is not generated: empty answer, finish_reason 'no_sources'; 'generate': the generator answers without "
+     "evidence (the former behaviour)"),
     ("--memory-condense", "memory", "condense",
      "with an engine generator (openai, transformers-serve): one short generation rewrites a session's follow-up "
      "into a standalone question, which becomes its session-context retrieval row"),

@@ -50,8 +50,7 @@ DENSE_INDEX_KINDS = ("flat", "hnsw", "ivf")
 
 @dataclass(frozen=True)
 class DenseConfig:
-    """The dense index of every shard (:mod:`oprag_server.index.ann`): build parameters and
-    per-request defaults.
+    """The dense index of every shard (:mod:`oprag_server.index.ann`): build parameters and per-request defaults.
 
     :param kind: ``flat`` (exact scan), ``hnsw`` or ``ivf``.
     :param hnsw_m: HNSW graph degree M. :param ef_construction: HNSW build beam width.
@@ -186,6 +185,7 @@ class GenerateConfig:
     continuous_batching: bool = False
     engine_start_timeout_s: float = 300.0
     io_thread: bool = True
+    answer_without_sources: str = "refuse"  # or "generate": a prompt with no sources is generated (engine.grounding)
 
     @property
     def engine(self) -> bool:
@@ -201,6 +201,8 @@ class GenerateConfig:
             raise ValueError(f"max new tokens must be in [1, {self.max_new_tokens_limit}], got {self.default_max_new_tokens}")
         if self.context_tokens < 128:
             raise ValueError(f"context tokens must be >= 128, got {self.context_tokens}")
+        if self.answer_without_sources not in ("refuse", "generate"):
+            raise ValueError(f"answer without sources must be 'refuse' or 'generate', got {self.answer_without_sources!r}")
 
 
 @dataclass(frozen=True)

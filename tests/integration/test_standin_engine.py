@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from bench.standin_engine import Params, estimate_prompt_tokens, filler_tokens
-from oprag_client.testing import free_port, wait_until
+from oprag_client.testing import wait_until
+from standin_process import standin_engine
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -42,26 +43,9 @@ def test_timing_model_and_prompt_estimate():
 
 @pytest.fixture(scope="module")
 def standin():
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.Popen([sys.executable, "-m", "bench.standin_engine", "--port", str(port), "--decode-base-ms",
-                             str(A_MS), "--decode-per-seq-ms", str(B_MS), "--prefill-ms-per-token", str(C_MS)],
-                            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    root = f"http://127.0.0.1:{port}"
-
-    def up():
-        try:
-            urllib.request.urlopen(root + "/health", timeout=1).read()
-            return True
-        except OSError:
-            return False
-
-    try:
-        assert wait_until(up, 30), "stand-in did not start"
+    with standin_engine("--decode-base-ms", str(A_MS), "--decode-per-seq-ms", str(B_MS),
+                        "--prefill-ms-per-token", str(C_MS)) as root:
         yield root
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def stats(root: str) -> dict:

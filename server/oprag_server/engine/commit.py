@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from ..index.bm25 import CorpusStats
@@ -40,16 +40,30 @@ class _CallerLeft(Exception):
     """(:meth:`CommitProtocol._commit`) the caller was cancelled before the commit point."""
 
 
+class CommittedAfterLeave(asyncio.CancelledError):
+    """(:meth:`CommitProtocol.commit`) the caller was cancelled after the commit point: the
+    transaction is committed whole, ``result`` is its ``(seq, apply replies)``; the cancellation
+    goes on (a ``CancelledError``)."""
+
+    def __init__(self, result: tuple[int, list[ApplyReply]]) -> None:
+        super().__init__("cancelled after the commit point: committed")
+        self.result = result
+
+
 class CommitProtocol:
     """Two-phase commit over ``pool``; ``stats`` (the frontend's corpus-global BM25 statistics)
-    take every applied delta; ``lock`` is the index lock (write side held per commit).
+    take every applied delta; ``lock`` is the index lock (write side held per commit);
+    ``on_left_committed()`` is called for a transaction committed after its caller was cancelled
+    (the caller, who would have done what follows a commit, is gone; Runtime: ``mark_dirty``).
 
     Attributes: ``seq`` the last issued sequence number; ``applied_seq`` the last one every
     shard applied; ``log`` the commit log (None until :meth:`open_log`: nothing is logged).
     """
 
-    def __init__(self, pool: ShardPool, stats: CorpusStats, lock: RWLock) -> None:
+    def __init__(self, pool: ShardPool, stats: CorpusStats, lock: RWLock,
+                 on_left_committed: Callable[[], None] | None = None) -> None:
         self.pool = pool
+        self.on_left_committed = on_left_committed
         self.stats = stats
         self.lock = lock
         # held by a commit before the write lock and by a snapshot (app.Runtime.snapshot) for its
@@ -142,7 +156,8 @@ class CommitProtocol:
         :raises StorageUnavailable: this server lost the storage's owner lease, or a write to
             the storage failed (aborted; the message says which).
         :raises asyncio.CancelledError: the caller was cancelled (the transaction was then
-            aborted or committed whole, as above).
+            aborted or committed whole, as above; committed: :class:`CommittedAfterLeave`, which
+            carries the sequence number and the replies).
         """
         if self.lease is not None and self.lease.fenced:
             raise StorageUnavailable(self.lease.fenced)
@@ -159,6 +174,10 @@ class CommitProtocol:
                     await asyncio.shield(task)
                 except BaseException:  # noqa: BLE001 - its outcome was for the caller, who left
                     pass
+            if not task.cancelled() and task.exception() is None:
+                if self.on_left_committed is not None:
+                    self.on_left_committed()
+                raise CommittedAfterLeave(task.result()) from None
             raise
 
     async def _commit(self, txn: str, kind: str, doc_ids: list[str] | None,

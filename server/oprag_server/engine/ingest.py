@@ -22,7 +22,8 @@ documents it sent) has arrived and every stage has finished is the stream commit
 shard under the index write lock, with a new sequence number; the frontend's corpus-global
 BM25 statistics move in the same step. A stream that is cancelled, fails or ends without the
 final message is aborted: the shards drop what they staged and the index is exactly as before.
-One cancelled once its commit has begun is committed or aborted whole (:meth:`.commit.CommitProtocol.commit`).
+One cancelled once its commit has begun is committed or aborted whole (:meth:`.commit.CommitProtocol.commit`);
+committed, it is counted as stored, not aborted (:mod:`.ingest_commit`).
 """
 
 from __future__ import annotations
@@ -42,8 +43,10 @@ from .. import records
 from ..config import ChunkingConfig, IngestConfig, LimitsConfig
 from ..operators.chunking import Chunker
 from ..shards.pool import ShardPool
-from ..shards.protocol import AbortRequest, ApplyReply, Op, ReuseRequest, StageRequest
+from ..shards.protocol import Op, ReuseRequest, StageRequest
+from .commit import CommittedAfterLeave
 from .documents import IngestError, supplied_vectors, supplied_vectors_many, validate_document  # noqa: F401
+from .ingest_commit import abort_stream, commit_stream
 
 _END = object()
 #: distinct chunk texts per stream whose vector the embed stage remembers for later repeats
@@ -127,27 +130,12 @@ class IngestPipeline:
         txn = uuid.uuid4().hex
         try:
             res = await self._pipeline(messages, txn)
+        except CommittedAfterLeave:  # the client left after the commit point: stored and counted
+            raise  # as such (:func:`.ingest_commit.commit_stream`), not aborted
         except BaseException:
-            self.metrics.streams_aborted.inc()
-            await asyncio.shield(self._abort(txn))
+            await asyncio.shield(abort_stream(self.pool, txn, self.metrics))
             raise
         return res
-
-    async def _abort(self, txn: str) -> None:
-        try:  # a shard that is down has nothing staged any more: it is left out
-            await self.pool.gather_partial(Op.ABORT, AbortRequest(txn))
-        except Exception:  # noqa: BLE001 - the stream's own error is the one to report
-            pass
-
-    async def _commit_all(self, txn: str, res: IngestResult) -> None:
-        seq, replies = await self.commit(txn, "upsert")
-        replies: list[ApplyReply]
-        res.seq = seq
-        res.documents_written = sum(len(o.doc_ids) for o in replies)
-        res.documents_replaced = sum(o.replaced_docs for o in replies)
-        res.chunks_written = sum(o.added for o in replies)
-        self.metrics.documents_ingested.inc(res.documents_written)
-        self.metrics.chunks_ingested.inc(res.chunks_written)
 
     async def _pipeline(self, messages: AsyncIterator[Any], txn: str) -> IngestResult:
         t0 = time.perf_counter()
@@ -309,7 +297,7 @@ class IngestPipeline:
                 "the stream ended without its final message (final=true with sent_documents); nothing was stored"
             )
         t = time.perf_counter()
-        await self._commit_all(txn, res)
+        await commit_stream(self.commit, txn, res, self.metrics)
         busy["upsert"] += time.perf_counter() - t
         res.elapsed_ms = (time.perf_counter() - t0) * 1000
         # embed (per forward pass, in the embed worker) and upsert (per staged batch) are observed

@@ -6,7 +6,7 @@ Two long-lived tasks joined by a bounded queue (capacity 1):
 
 * the *prep* loop asks :class:`BatchPolicy` when to close a batch, then runs the prep steps of
   the batch's plans (:func:`split_plan`), one operator function per step; requests that do not
-  generate run their remaining steps (memory promotion) right away and are answered;
+  generate (retrieval only, or no sources: :mod:`.grounding`) run their rest (promotion) at once;
 * the *generate* loop hands prepared batches to the persistent generator worker (one thread
   that owns the model), then runs the remaining steps (promotion) and answers the requests.
 
@@ -38,6 +38,7 @@ from ..operators.retrieve import Retriever
 from .direct import LONE, DirectPath
 from .dispatch import EngineDispatch
 from .errors import Overloaded, QueryRejected
+from .grounding import without_sources
 from .job import QueryJob, isolated
 from .monitor import PruningMonitor
 from .rwlock import RWLock
@@ -298,6 +299,7 @@ class QueryEngine(DirectPath):
             except ValueError as exc:  # this request only: the rest of the batch goes on
                 self._fail(j, QueryRejected(str(exc)))
                 continue
+            without_sources(j, self.gen_cfg.answer_without_sources, self.metrics)  # no sources: no generate
             if self.dispatch is not None and self.cfg.overlap and j.runs(GENERATE):  # to the engine now,
                 self.dispatch.handoff(j)  # not when the whole batch is prepared
 
@@ -347,8 +349,7 @@ class QueryEngine(DirectPath):
         t = time.perf_counter()
         for j in jobs:
             self.metrics.stage_seconds.labels(stage="generate_queue").observe(t - j.last_end)
-        prompts = [j.payload.prompt for j in jobs]
-        max_new = [j.max_new_tokens for j in jobs]
+        prompts, max_new = [j.payload.prompt for j in jobs], [j.max_new_tokens for j in jobs]
 
         def emit(row: int, delta: str) -> None:  # generator thread -> event loop
             loop.call_soon_threadsafe(self._on_text, jobs[row], delta)
@@ -364,9 +365,7 @@ class QueryEngine(DirectPath):
             self.metrics.tokens_per_second.set(toks / dt)
         self._gen_time_ewma = 0.8 * self._gen_time_ewma + 0.2 * dt
         for j, r in zip(jobs, results):
-            j.answer = r.text
-            j.completion_tokens = r.completion_tokens
-            j.finish_reason = r.finish_reason
+            j.answer, j.completion_tokens, j.finish_reason = r.text, r.completion_tokens, r.finish_reason
             self.metrics.generated_tokens.inc(r.completion_tokens)
         return dt
 
@@ -378,7 +377,7 @@ class QueryEngine(DirectPath):
             job.events.put_nowait(("text", delta))
 
     async def _promote(self, jobs: list[QueryJob]) -> None:
-        """Write each answered turn into its session's memory (best effort: a shard down never fails it)."""
+        """Write each turn into its session's memory, "" as an unanswered one's answer (best effort)."""
         outs = await asyncio.gather(
             *[self.memory.promote(j.session_id, j.question, j.answer, j.hits, j.resolved_vector, j.resolved_query or j.question)
               for j in jobs],

@@ -85,6 +85,10 @@ class Metrics:
             "oprag_overload_rejections_total", "Requests refused with RESOURCE_EXHAUSTED", ["queue"], registry=r
         )
         self.generated_tokens = Counter("oprag_generated_tokens_total", "Tokens generated", registry=r)
+        self.answers_without_sources = Counter(
+            "oprag_answers_without_sources_total", "Query requests whose prompt had no sources: refused (not "
+            "generated, finish_reason no_sources) or generated (--answer-without-sources generate)", ["action"],
+            registry=r)
         self.chunks = Gauge("oprag_chunks", "Live chunks in the index", registry=r)
         self.documents = Gauge("oprag_documents", "Live documents in the index", registry=r)
         self.memory_records = Gauge("oprag_memory_records", "Conversational memory records held by the shards",

@@ -327,8 +327,8 @@ def extension(job: QueryJob, *, include_trace: bool, first: bool = True, last: b
                             if job.info is not None else None)
         out["memory_context"] = job.memory.memory_text if job.memory else ""
     if last:
-        # OpenAI's finish_reason has no value for "this server has no generator"; OpRAG's own
-        # reason (stop, length, no_generator, ...) is here
+        # OpenAI's finish_reason has no value for "this server has no generator" or "no sources,
+        # not generated"; OpRAG's own reason (stop, length, no_generator, no_sources) is here
         out["finish_reason"] = job.finish_reason or "stop"
         out["timings_ms"] = dict(job.timings_ms)
         out["ttft_ms"] = job.ttft_ms
@@ -338,8 +338,8 @@ def extension(job: QueryJob, *, include_trace: bool, first: bool = True, last: b
 
 
 def finish_reason(job: QueryJob) -> str:
-    """OpenAI's ``stop`` or ``length`` (the exact reason, e.g. ``no_generator``, is in the
-    ``oprag`` extension's ``finish_reason``)."""
+    """OpenAI's ``stop`` or ``length`` (the exact reason, e.g. ``no_generator`` or ``no_sources``
+    with an empty ``content``, is in the ``oprag`` extension's ``finish_reason``)."""
     return "length" if job.finish_reason == "length" else "stop"
 
 
