@@ -281,6 +281,25 @@ def query_vectors(texts: list[str], cache: str = ""):
     return vecs
 
 
+def probe_shard(a):
+    """``(shard_plane(), ShardState)`` for an in-process probe of shard ``a.shard`` of
+    ``a.data_dir`` (:func:`._common.shard_probe_args`): BLAS and FAISS on one thread as in a shard
+    process, the shard loaded from its snapshot and its kernels warmed (delta_cost, widen_probe)."""
+    one_thread()
+    sp = shard_plane()
+    st = shard_state(a.data_dir, a.shard, a.dense_index)
+    st.search.warm()
+    return sp, st
+
+
+def shard_avgdl(ix) -> float:
+    """One shard's average BM25 document length (``PostingsIndex`` ``ix``): the ``avgdl`` its
+    probes score with (delta_cost, shard_parts, topm_probe, widen_probe)."""
+    import numpy as np
+
+    return float(np.asarray(ix._doc_len).sum() / max(len(ix), 1))  # noqa: SLF001
+
+
 def shard_idf(ix):
     """``(terms -> float64[T] idf, average idf)``: rank_bm25's Okapi idf with one shard's
     document frequencies (``PostingsIndex`` ``ix``, merged), a negative idf floored at 0.25 x the

@@ -40,14 +40,11 @@ def main(argv=None) -> dict:
     from .scale import derived
     from .shard_parts import _queries
 
-    _internals.one_thread()
-    sp = _internals.shard_plane()
-    st = _internals.shard_state(a.data_dir, a.shard, a.dense_index)
-    st.search.warm()
+    sp, st = _internals.probe_shard(a)
     ix = st.store.postings
     ix.MERGE_DIV = 10**9  # this bench merges when it says so
     qs = _queries(a, st)
-    avgdl = float(np.asarray(ix._doc_len).sum() / max(len(ix), 1))  # noqa: SLF001
+    avgdl = _internals.shard_avgdl(ix)
     cands = []
     for v, terms, idf in qs:
         rep = st.search.search(sp.protocol.SearchRequest(sp.protocol.QueryBatch(v[None], [terms], [idf], avgdl, 1.5,

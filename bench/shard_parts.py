@@ -128,7 +128,7 @@ def main(argv=None) -> dict:
             "store": st.store}
     for obj, name, label in PARTS:
         timer.wrap(objs[obj], name, label)
-    avgdl = float(np.asarray(st.store.postings._doc_len).sum() / max(len(st.store.postings), 1))  # noqa: SLF001
+    avgdl = _internals.shard_avgdl(st.store.postings)
     out = {"chunks": len(st.store.dense), "queries": len(qs), "n": a.n, "runs": [], "machine": machine_info()}
     for ef in [int(x) for x in a.ef_search.split(",")]:
         for m in [int(x) for x in a.m.split(",")]:

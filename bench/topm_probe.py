@@ -20,7 +20,6 @@ import json
 import time
 from pathlib import Path
 
-import numpy as np
 
 from . import _internals
 from ._common import DEFAULT_SHARED, emit_json, log, machine_info, percentile, scifact_dir
@@ -43,7 +42,7 @@ def main(argv=None) -> dict:
     with open(scifact_dir(a.shared) / "queries.jsonl") as f:
         texts = [json.loads(line)["text"] for line in f][: a.queries]
     n = len(ix)
-    avgdl = float(np.asarray(ix._doc_len).sum() / max(n, 1))  # noqa: SLF001 - this shard's average length
+    avgdl = _internals.shard_avgdl(ix)
     query_idf, avg_idf = _internals.shard_idf(ix)
     queries = []
     for text in texts:

@@ -36,16 +36,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--dump", default="", help="pickle the widening replies' BM25 lists here (old vs new)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    _internals.one_thread()
-    sp = _internals.shard_plane()
-    st = _internals.shard_state(a.data_dir, a.shard, a.dense_index)
-    st.search.warm()
+    sp, st = _internals.probe_shard(a)
     judged, _ = load_queries_qrels(a.shared, "train")
     texts = list(judged.values())[: a.queries]
     vecs = _internals.query_vectors(texts, a.vectors)
     an, ix = _internals.analyzer(), st.store.postings
     query_idf, _ = _internals.shard_idf(ix)
-    avgdl = float(np.asarray(ix._doc_len).sum() / max(len(ix), 1))  # noqa: SLF001
+    avgdl = _internals.shard_avgdl(ix)
     P = sp.protocol
 
     def req(v, terms, n, m):
