@@ -30,6 +30,9 @@ from typing import Any
 #: Name of the attention implementation registered by :func:`register_rowwise` (CPU default
 #: of :class:`oprag_server.models.generator.HFGenerator`).
 ROWWISE_ATTENTION = "oprag_rowwise"
+#: Name of the bidirectional, right-padded variant registered by :func:`register_rowwise` (CPU
+#: float32 default of :class:`oprag_server.models.encoder.TransformersEncoder`).
+ROWWISE_ENCODER_ATTENTION = "oprag_rowwise_encoder"
 #: Row alignment that keeps the CPU (MKL sgemm) linear layers batch-invariant.
 ROW_ALIGN = 4
 
@@ -87,9 +90,76 @@ def rowwise_attention(
     return out, None
 
 
+def rowwise_encoder_attention(
+    module: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    attention_mask: Any,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    oprag_lens: list[int] | None = None,
+    **kwargs: Any,
+) -> tuple[Any, None]:
+    """Bidirectional (encoder) attention computed one batch row at a time on that row's real tokens.
+
+    ``query``/``key``/``value``: ``[B, H, T, d]``, rows right-padded; ``oprag_lens[r]``: number
+    of real tokens of row ``r`` (``None``: every row is ``T`` long). Row ``r`` runs
+    ``scaled_dot_product_attention`` (no mask) on its first ``oprag_lens[r]`` positions only, so
+    its inputs and shapes do not depend on the padding width nor on the other rows. Returns
+    ``([B, T, H, d], None)``; outputs at padded positions are 0.
+    """
+    import torch.nn.functional as F
+
+    bsz, heads, width, head_dim = query.shape
+    lens = oprag_lens if oprag_lens is not None else [width] * bsz
+    out = query.new_zeros((bsz, width, heads, head_dim))
+    for r in range(bsz):
+        n = lens[r]
+        o = F.scaled_dot_product_attention(
+            query[r : r + 1, :, :n, :].contiguous(), key[r : r + 1, :, :n, :].contiguous(),
+            value[r : r + 1, :, :n, :].contiguous(), scale=scaling)
+        out[r, :n] = o[0].transpose(0, 1)
+    return out, None
+
+
+#: ``mkl_cbwr_set`` / ``mkl_cbwr_get`` flags (``mkl_service.h``).
+_MKL_CBWR_ALL, _MKL_CBWR_AUTO, _MKL_CBWR_STRICT = -1, 2, 0x10000
+
+
+def mkl_strict_cnr() -> bool:
+    """Whether Intel MKL in PyTorch's CPU library runs in strict CNR mode, turning it on if possible.
+
+    In strict conditional-numerical-reproducibility mode an MKL sgemm gives a row of the output
+    the same bits whatever the row count M and the thread count (measured for the MiniLM
+    layers, M = 1..4096, 1 and 2 threads; Intel documents the thread-count part). MKL fixes the
+    mode at its first call: ``import oprag_server`` sets ``MKL_CBWR=AUTO,STRICT`` for that, and
+    this function tries ``mkl_cbwr_set`` in case MKL has not been called yet. Linux/macOS
+    builds that export ``mkl_serv_cbwr_get`` only; anything else returns False (imports torch).
+    """
+    import ctypes
+    import os
+
+    import torch
+
+    lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    for name in ("libtorch_cpu.so", "libtorch_cpu.dylib"):
+        try:
+            lib = ctypes.CDLL(os.path.join(lib_dir, name))
+            get, set_ = lib.mkl_serv_cbwr_get, lib.mkl_serv_cbwr_set
+        except (OSError, AttributeError):
+            continue
+        if not get(_MKL_CBWR_ALL) & _MKL_CBWR_STRICT:
+            set_(_MKL_CBWR_AUTO | _MKL_CBWR_STRICT)  # fails (< 0) once MKL has run
+        return bool(get(_MKL_CBWR_ALL) & _MKL_CBWR_STRICT)
+    return False
+
+
 def register_rowwise() -> None:
-    """Register :func:`rowwise_attention` with ``transformers`` as :data:`ROWWISE_ATTENTION`
+    """Register :func:`rowwise_attention` as :data:`ROWWISE_ATTENTION` and
+    :func:`rowwise_encoder_attention` as :data:`ROWWISE_ENCODER_ATTENTION` with ``transformers``
     (idempotent; imports ``transformers``)."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(ROWWISE_ATTENTION, rowwise_attention)
+    AttentionInterface.register(ROWWISE_ENCODER_ATTENTION, rowwise_encoder_attention)
