@@ -64,7 +64,8 @@ class Runtime:
         self.corpus_stats = CorpusStats()
         self.analyzer = Analyzer(stem=cfg.bm25.stem)
         self.lock = RWLock()
-        self.commits = CommitProtocol(self.pool, self.corpus_stats, self.lock, on_left_committed=self.mark_dirty)
+        self.commits = CommitProtocol(self.pool, self.corpus_stats, self.lock, on_left_committed=self.mark_dirty,
+                                      metrics=self.metrics)
         self._last_gen = 0
         self._dirty = False
         self.embed_executor = ThreadPoolExecutor(1, thread_name_prefix="oprag-embed")
