@@ -212,8 +212,12 @@ class QueryEngine(DirectPath):
                 await done
 
     def _queued(self, batch: list[QueryJob], batch_id: int) -> None:
-        """A prep batch starts: its size, and each request's batch id and queue time."""
+        """A prep batch starts: its size, and each request's batch id and queue time (once: not
+        again when the request is prepared again alone, :func:`~.job.isolated`)."""
         t0 = time.perf_counter()
+        batch = [j for j in batch if "queue" not in j.timings_ms]
+        if not batch:
+            return
         self.metrics.batch_size.labels(stage="prep").observe(len(batch))
         for j in batch:
             j.batch_id = batch_id
@@ -245,6 +249,8 @@ class QueryEngine(DirectPath):
         run_s = end - t if run_s is None else run_s
         hist = self.metrics.stage_seconds.labels(stage=step.op)
         for j in todo:  # one observation per request (a batch's run time, seen by each of them)
+            if j.recorded(step.op):  # ran again alone after its batch failed: recorded at its first run
+                continue
             hist.observe(run_s)
             j.record(step, end, run_s)
 
@@ -279,14 +285,16 @@ class QueryEngine(DirectPath):
             hits, times, infos, docs = await retrieve_documents(self.retriever.retrieve, vecs, texts, specs)
         fusion_hist = self.metrics.stage_seconds.labels(stage="fusion")
         for j, h, info, d in zip(jobs, hits, infos, docs):
-            fusion_hist.observe(times["fusion"])
             j.hits, j.info, j.documents = h, info, d
+            if j.recorded("retrieve"):  # ran again alone after its batch failed: recorded once
+                continue
+            fusion_hist.observe(times["fusion"])
             # ``fusion`` is part of ``retrieve``; ``rerank`` is its old name, kept on the wire
             j.timings_ms["fusion"] = j.timings_ms["rerank"] = times["fusion"] * 1000
         for j, h in zip(ctx, hits[len(jobs):]):
             j.hits = fuse_session(j.hits, h, j.spec.top_k, j.memory, j.question, self.retriever.analyzer.tokens,
                                   lambda ts: self.retriever.stats.query_idf(ts, self.retriever.bm25.epsilon))
-        self.monitor.sample(jobs)
+        self.monitor.sample([j for j in jobs if not j.recorded("retrieve")])
         return times["retrieve"]
 
     async def _context(self, jobs: list[QueryJob]) -> None:
