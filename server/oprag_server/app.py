@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import signal
-import sys
 import time
 from importlib import import_module
 from concurrent.futures import ThreadPoolExecutor
@@ -38,7 +35,8 @@ from .service.servicer import OpRAGServicer
 from .shards.pool import ShardPool
 from .startup import (acquire_storage, announce_ready, check_data_dir, check_security, check_storage, preflight,
                       warm_beside)
-from .supervision import INGEST_HEALTH, QUERY_HEALTH, SERVING, EngineHealth, ShardSupervisor, keep_lease, restart_shard
+from .supervision import (INGEST_HEALTH, QUERY_HEALTH, SERVING, EngineHealth, ShardSupervisor, keep_lease, on_signals,
+                          restart_shard)
 from .shards.protocol import ApplyReply, Op, SnapshotRequest, StatsRequest
 
 log = logging.getLogger("oprag")
@@ -325,24 +323,6 @@ def build_server(cfg: ServerConfig, rt: Runtime) -> tuple[grpc.aio.Server, healt
     return server, health_servicer, bound
 
 
-def stop_now(sig: signal.Signals) -> None:
-    """A second SIGTERM/SIGINT during the graceful shutdown: end the process at once (status
-    128 + the signal's number), without the drain or the final snapshot. Nothing acknowledged
-    is lost: a write is acknowledged after its records are fsync'ed in the write-ahead logs, and
-    the next start replays them. Shard processes end when their pipe closes (a snapshot being
-    written is finished first, :func:`.shards.worker.run`); a managed engine has
-    ``PR_SET_PDEATHSIG``."""
-    log.warning("second %s during the shutdown: stopping now (acknowledged writes are in the "
-                "write-ahead logs; the next start replays them)", signal.Signals(sig).name)
-    logging.shutdown()  # flush the log handlers
-    for f in (sys.stdout, sys.stderr):
-        try:
-            f.flush()
-        except Exception:  # noqa: BLE001
-            pass
-    os._exit(128 + int(sig))
-
-
 async def serve(cfg: ServerConfig, *, encoder: Any = None, generator: Any = None, stop_event: asyncio.Event | None = None,
                 models_loaded: bool = False) -> None:
     """Run the service until SIGTERM/SIGINT (or ``stop_event``). Models are loaded from ``cfg``
@@ -395,11 +375,7 @@ async def serve(cfg: ServerConfig, *, encoder: Any = None, generator: Any = None
     await health_servicer.set(INGEST_HEALTH, SERVING)
 
     stop = stop_event or asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):  # not the main thread
-            pass
+    on_signals(loop, stop.set)  # (a second SIGTERM/SIGINT during the shutdown: supervision.stop_now)
     watcher = asyncio.create_task(supervisor.run(stop))
     if getattr(generator, "is_engine", False):  # Query follows the engine; Retrieve does not
         engine_watch = asyncio.create_task(EngineHealth(generator, health_servicer).run(stop))
@@ -408,11 +384,6 @@ async def serve(cfg: ServerConfig, *, encoder: Any = None, generator: Any = None
     announce_ready(cfg.host, bound)
     await stop.wait()
     log.info("shutting down (grace %.0f s; a second SIGTERM/SIGINT stops at once)", cfg.shutdown_grace_s)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, stop_now, sig)
-        except (NotImplementedError, RuntimeError):  # not the main thread
-            pass
     watcher.cancel()
     if getattr(generator, "is_engine", False):
         engine_watch.cancel()

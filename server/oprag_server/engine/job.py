@@ -101,6 +101,16 @@ class QueryJob:
         the retrieval, else the question's (what its memory record stores)."""
         return self.context_vector if self.resolved_query and self.context_vector is not None else self.vector
 
+    def queued(self, batch_id: int, t0: float) -> bool:
+        """Its prep batch ``batch_id`` starts at ``t0`` (perf_counter seconds): note the batch id
+        and ``timings_ms["queue"]``. :returns: False (nothing noted) when it was noted before (a
+        request prepared again alone after its batch failed, :func:`isolated`)."""
+        if "queue" in self.timings_ms:
+            return False
+        self.batch_id = batch_id
+        self.timings_ms["queue"] = (t0 - self.enqueued) * 1000
+        return True
+
     def recorded(self, op: str) -> bool:
         """Whether a step of operator ``op`` was recorded for this job already (a request whose
         prep batch failed is prepared again alone, :func:`isolated`: its steps are recorded once,
