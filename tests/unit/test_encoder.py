@@ -119,7 +119,7 @@ MATES = ["hi", "a b", "capital", "one two three four five six seven eight nine t
 def test_query_vector_bit_identical_alone_or_batched(encoder) -> None:
     """A question's vector has the same bytes alone and in batches of 2, 3, 5, 8, 13 with
     shorter and longer questions, wherever it sits in the batch (CPU float32 default path)."""
-    assert encoder.attn_implementation == "oprag_rowwise_encoder" and encoder.batch_invariant
+    assert encoder.attn_implementation == "oprag_rowwise" and encoder.batch_invariant
     alone = encoder.encode([QUESTION], truncate=True)[0].tobytes()
     rng = random.Random(3)
     for n in (2, 3, 5, 8, 13):

@@ -6,7 +6,7 @@ normalisation -- and reproduces ``SentenceTransformer(path).encode(texts,
 normalize_embeddings=True)`` to within 1e-5 (max abs diff) for texts within ``max_tokens``.
 On CPU in float32 without ``compile`` (the default there) a text's vector is bit-identical
 whatever else is in its batch (``batch_invariant`` is True): attention runs row by row on each
-text's real tokens (:func:`~oprag_server.models.rowwise_attention.rowwise_encoder_attention`),
+text's real tokens (:func:`~oprag_server.models.rowwise_attention.rowwise_attention`),
 pooling and normalisation are done per row on the real tokens, and MKL runs in strict CNR mode
 (:func:`~oprag_server.models.rowwise_attention.mkl_strict_cnr`; without it a linear layer's row
 depends on the GEMM's row count M = rows * width: measured, every M < 16 differs from M >= 16,
@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from .rowwise_attention import ROWWISE_ENCODER_ATTENTION, mkl_strict_cnr, register_rowwise
+from .rowwise_attention import ROWWISE_ATTENTION, mkl_strict_cnr, register_rowwise
 
 _log = logging.getLogger(__name__)
 
@@ -105,11 +105,11 @@ class TransformersEncoder:
         (``attn_implementation="sdpa"``). Pooling and normalisation are done in float32 and the
         returned vectors are float32 whatever the dtype; bfloat16 vectors differ from float32 ones
         by bfloat16 rounding (about 3 significant digits, cosine to the float32 vector > 0.999).
-    :param attn_implementation: ``None`` (default): :data:`ROWWISE_ENCODER_ATTENTION` (batch-
+    :param attn_implementation: ``None`` (default): :data:`ROWWISE_ATTENTION` (batch-
         invariant, see the module docstring) on CPU in float32 without ``compile``, else
-        ``"sdpa"``; or force ``"sdpa"`` / ``"eager"`` / ``"oprag_rowwise_encoder"``.
+        ``"sdpa"``; or force ``"sdpa"`` / ``"eager"`` / ``"oprag_rowwise"``.
     :raises ValueError: bad model name/path, ``batch_size <= 0``, ``max_tokens`` out of range,
-        ``"oprag_rowwise_encoder"`` together with ``compile``.
+        ``"oprag_rowwise"`` together with ``compile``.
 
     Attributes: ``name`` (str), ``dim`` (int, 384 for MiniLM), ``max_tokens`` (int),
     ``device`` (str, resolved at warm-up), ``batch_size`` (int), ``attn_implementation`` (str,
@@ -129,8 +129,8 @@ class TransformersEncoder:
         dtype: str = "auto",
         attn_implementation: str | None = None,
     ) -> None:
-        if attn_implementation == ROWWISE_ENCODER_ATTENTION and compile:
-            raise ValueError(f"attn_implementation={ROWWISE_ENCODER_ATTENTION!r} cannot be compiled "
+        if attn_implementation == ROWWISE_ATTENTION and compile:
+            raise ValueError(f"attn_implementation={ROWWISE_ATTENTION!r} cannot be compiled "
                              "(per-row loop); drop compile or choose 'sdpa'")
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -202,15 +202,15 @@ class TransformersEncoder:
             attn = self._attn_override
             if attn is None:
                 rowwise = device == "cpu" and dtype == "float32" and not self.compile
-                attn = ROWWISE_ENCODER_ATTENTION if rowwise else "sdpa"
-            if attn == ROWWISE_ENCODER_ATTENTION:
+                attn = ROWWISE_ATTENTION if rowwise else "sdpa"
+            if attn == ROWWISE_ATTENTION:
                 register_rowwise()
             model = AutoModel.from_pretrained(str(self.path), dtype=getattr(torch, dtype),
                                               attn_implementation=attn)
             self.dtype = dtype
             self.attn_implementation = attn
-            self.batch_invariant = attn == ROWWISE_ENCODER_ATTENTION and mkl_strict_cnr()
-            if attn == ROWWISE_ENCODER_ATTENTION and not self.batch_invariant:
+            self.batch_invariant = attn == ROWWISE_ATTENTION and mkl_strict_cnr()
+            if attn == ROWWISE_ATTENTION and not self.batch_invariant:
                 _log.warning("MKL strict CNR mode is off (MKL_CBWR=%r, or MKL was used before "
                              "oprag_server was imported): query vectors may depend on their "
                              "batch mates by ~1e-7", os.environ.get("MKL_CBWR"))
@@ -349,7 +349,7 @@ class TransformersEncoder:
                 )
         order = sorted(range(len(ids)), key=lambda i: len(ids[i]), reverse=True)
         model = self._model
-        rowwise = self.attn_implementation == ROWWISE_ENCODER_ATTENTION
+        rowwise = self.attn_implementation == ROWWISE_ATTENTION
         padded = 0
         with torch.inference_mode():
             for b in range(0, len(order), self.batch_size):

@@ -30,9 +30,6 @@ from typing import Any
 #: Name of the attention implementation registered by :func:`register_rowwise` (CPU default
 #: of :class:`oprag_server.models.generator.HFGenerator`).
 ROWWISE_ATTENTION = "oprag_rowwise"
-#: Name of the bidirectional, right-padded variant registered by :func:`register_rowwise` (CPU
-#: float32 default of :class:`oprag_server.models.encoder.TransformersEncoder`).
-ROWWISE_ENCODER_ATTENTION = "oprag_rowwise_encoder"
 #: Row alignment that keeps the CPU (MKL sgemm) linear layers batch-invariant.
 ROW_ALIGN = 4
 
@@ -46,9 +43,15 @@ def rowwise_attention(
     scaling: float | None = None,
     dropout: float = 0.0,
     oprag_pads: list[int] | None = None,
+    oprag_lens: list[int] | None = None,
     **kwargs: Any,
 ) -> tuple[Any, None]:
     """Attention computed one batch row at a time on that row's *unpadded* keys.
+
+    With ``oprag_lens`` (the encoder, :class:`oprag_server.models.encoder.TransformersEncoder`):
+    rows are right-padded, ``oprag_lens[r]`` real tokens each, attention is bidirectional, and
+    row ``r`` runs SDPA (no mask) on its first ``oprag_lens[r]`` positions only, so its inputs and
+    shapes do not depend on the padding width nor on the other rows.
 
     ``query``: ``[B, H, q, d]``; ``key``/``value``: ``[B, Hkv, kv, d]`` (cache included);
     ``oprag_pads[r]``: number of left-padding key positions of row ``r`` (``-1``: dummy row,
@@ -60,6 +63,8 @@ def rowwise_attention(
     import torch
     import torch.nn.functional as F
 
+    if oprag_lens is not None:
+        return _encoder_rows(query, key, value, scaling, oprag_lens)
     bsz, heads, q_len, head_dim = query.shape
     kv_len = key.shape[2]
     n_rep = getattr(module, "num_key_value_groups", 1)
@@ -90,29 +95,12 @@ def rowwise_attention(
     return out, None
 
 
-def rowwise_encoder_attention(
-    module: Any,
-    query: Any,
-    key: Any,
-    value: Any,
-    attention_mask: Any,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    oprag_lens: list[int] | None = None,
-    **kwargs: Any,
-) -> tuple[Any, None]:
-    """Bidirectional (encoder) attention computed one batch row at a time on that row's real tokens.
-
-    ``query``/``key``/``value``: ``[B, H, T, d]``, rows right-padded; ``oprag_lens[r]``: number
-    of real tokens of row ``r`` (``None``: every row is ``T`` long). Row ``r`` runs
-    ``scaled_dot_product_attention`` (no mask) on its first ``oprag_lens[r]`` positions only, so
-    its inputs and shapes do not depend on the padding width nor on the other rows. Returns
-    ``([B, T, H, d], None)``; outputs at padded positions are 0.
-    """
+def _encoder_rows(query: Any, key: Any, value: Any, scaling: float | None, lens: list[int]) -> tuple[Any, None]:
+    """(:func:`rowwise_attention` with ``oprag_lens``) bidirectional attention of right-padded rows,
+    row ``r`` on its first ``lens[r]`` positions only, no mask: ``([B, T, H, d], None)``, 0 at padding."""
     import torch.nn.functional as F
 
     bsz, heads, width, head_dim = query.shape
-    lens = oprag_lens if oprag_lens is not None else [width] * bsz
     out = query.new_zeros((bsz, width, heads, head_dim))
     for r in range(bsz):
         n = lens[r]
@@ -156,10 +144,8 @@ def mkl_strict_cnr() -> bool:
 
 
 def register_rowwise() -> None:
-    """Register :func:`rowwise_attention` as :data:`ROWWISE_ATTENTION` and
-    :func:`rowwise_encoder_attention` as :data:`ROWWISE_ENCODER_ATTENTION` with ``transformers``
+    """Register :func:`rowwise_attention` with ``transformers`` as :data:`ROWWISE_ATTENTION`
     (idempotent; imports ``transformers``)."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(ROWWISE_ATTENTION, rowwise_attention)
-    AttentionInterface.register(ROWWISE_ENCODER_ATTENTION, rowwise_encoder_attention)
