@@ -377,7 +377,7 @@ class TransformersEncoder:
                     hidden = model(**kwargs).last_hidden_state.float()  # [b, T, dim]
                     for r, i in enumerate(idx):  # mean and norm over the row's real tokens only
                         v = hidden[r, : lens[r]].sum(dim=0) / lens[r]
-                        out[i] = torch.nn.functional.normalize(v, p=2, dim=0).numpy()
+                        out[i] = torch.nn.functional.normalize(v, p=2, dim=0).cpu().numpy()
                     continue
                 hidden = model(**kwargs).last_hidden_state.float()  # [b, T, dim]
                 m = mask.unsqueeze(-1).to(hidden.dtype)
