@@ -14,6 +14,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # SmolLM2 batch took 19-26 s instead of 2-4 s (load ~5). Sleeping waits keep the tests' time
 # independent of the machine's load. Set before torch is imported; servers the tests start inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# MKL strict reproducibility, as `import oprag_server` sets it (the CPU encoder's batch invariance
+# needs it before MKL's first call): here too, in case a test module calls torch before importing it.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 # One converted-model cache for the whole test session (GGUF conversion takes ~20 s once).
 os.environ.setdefault("OPRAG_CACHE_DIR", str(Path(tempfile.gettempdir()) / "oprag-test-cache"))
 

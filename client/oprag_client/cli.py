@@ -117,7 +117,9 @@ def cmd_query(a) -> int:
     if a.json:
         out = {"answer": answer, "hits": [_hit_json(h) for h in r.hits], "timings_ms": dict(r.timings_ms),
                "request_id": r.request_id, "memory_context": r.memory_context, "memory_used": r.memory_used,
-               "resolved_query": r.resolved_query, "missing_shards": list(r.retrieval.missing_shards)}
+               "resolved_query": r.resolved_query, "missing_shards": list(r.retrieval.missing_shards),
+               # why the answer ended: "stop", "length", "no_sources", "no_generator"; None: --no-generate
+               "finish_reason": r.finish_reason if answer is not None else None}
         if answer is not None:
             out["sources"] = [{"number": s.number, "chunk_id": s.chunk_id, "doc_id": s.doc_id, "title": s.title,
                                "truncated": s.truncated} for s in r.sources]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import time
 from importlib import import_module
 from concurrent.futures import ThreadPoolExecutor
@@ -36,7 +35,8 @@ from .service.servicer import OpRAGServicer
 from .shards.pool import ShardPool
 from .startup import (acquire_storage, announce_ready, check_data_dir, check_security, check_storage, preflight,
                       warm_beside)
-from .supervision import INGEST_HEALTH, QUERY_HEALTH, SERVING, EngineHealth, ShardSupervisor, keep_lease, restart_shard
+from .supervision import (INGEST_HEALTH, QUERY_HEALTH, SERVING, EngineHealth, ShardSupervisor, keep_lease, on_signals,
+                          restart_shard)
 from .shards.protocol import ApplyReply, Op, SnapshotRequest, StatsRequest
 
 log = logging.getLogger("oprag")
@@ -64,7 +64,8 @@ class Runtime:
         self.corpus_stats = CorpusStats()
         self.analyzer = Analyzer(stem=cfg.bm25.stem)
         self.lock = RWLock()
-        self.commits = CommitProtocol(self.pool, self.corpus_stats, self.lock, on_left_committed=self.mark_dirty)
+        self.commits = CommitProtocol(self.pool, self.corpus_stats, self.lock, on_left_committed=self.mark_dirty,
+                                      metrics=self.metrics)
         self._last_gen = 0
         self._dirty = False
         self.embed_executor = ThreadPoolExecutor(1, thread_name_prefix="oprag-embed")
@@ -374,11 +375,7 @@ async def serve(cfg: ServerConfig, *, encoder: Any = None, generator: Any = None
     await health_servicer.set(INGEST_HEALTH, SERVING)
 
     stop = stop_event or asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):  # not the main thread
-            pass
+    on_signals(loop, stop.set)  # (a second SIGTERM/SIGINT during the shutdown: supervision.stop_now)
     watcher = asyncio.create_task(supervisor.run(stop))
     if getattr(generator, "is_engine", False):  # Query follows the engine; Retrieve does not
         engine_watch = asyncio.create_task(EngineHealth(generator, health_servicer).run(stop))
@@ -386,7 +383,7 @@ async def serve(cfg: ServerConfig, *, encoder: Any = None, generator: Any = None
              cfg.host, bound, cfg.metrics_port, cfg.http_port or "off", cfg.shards, rt.corpus_stats.n_docs, time.perf_counter() - t0)
     announce_ready(cfg.host, bound)
     await stop.wait()
-    log.info("shutting down (grace %.0f s)", cfg.shutdown_grace_s)
+    log.info("shutting down (grace %.0f s; a second SIGTERM/SIGINT stops at once)", cfg.shutdown_grace_s)
     watcher.cancel()
     if getattr(generator, "is_engine", False):
         engine_watch.cancel()

@@ -5,12 +5,18 @@ statistics are re-summed from every shard; health returns to SERVING when all sh
 Engine health (:class:`EngineHealth`): with an inference-engine generator, the health name
 ``oprag.v1.OpRAG.Query`` (:data:`QUERY_HEALTH`) follows the engine -- NOT_SERVING while it is
 down (Retrieve and the server as a whole stay SERVING).
+
+Signals (:func:`on_signals`): the first SIGTERM/SIGINT starts the graceful shutdown, a second
+one during it ends the process at once (:func:`stop_now`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
+import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -23,6 +29,41 @@ from .shards.protocol import Op, StatsRequest
 log = logging.getLogger("oprag")
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def on_signals(loop: asyncio.AbstractEventLoop, first: Callable[[], None]) -> None:
+    """SIGTERM/SIGINT call ``first()`` (the server's graceful shutdown: drain, final snapshot);
+    a second one during it calls :func:`stop_now`. Nothing is installed off the main thread."""
+    seen: list[int] = []
+
+    def handler(sig: int) -> None:
+        if seen:
+            stop_now(sig)
+        seen.append(sig)
+        first()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, handler, sig)
+        except (NotImplementedError, RuntimeError):  # not the main thread
+            pass
+
+
+def stop_now(sig: int) -> None:
+    """End the process at once, status 128 + ``sig``, without the drain or the final snapshot
+    (a second SIGTERM/SIGINT during the graceful shutdown). Nothing acknowledged is lost: a
+    write is acknowledged after its records are fsync'ed in the write-ahead logs, and the next
+    start replays them. Shard processes end when their pipe closes (a snapshot being written is
+    finished first: :func:`.shards.worker.run`); a managed engine has ``PR_SET_PDEATHSIG``."""
+    log.warning("second %s during the shutdown: stopping now (acknowledged writes are in the "
+                "write-ahead logs; the next start replays them)", signal.Signals(sig).name)
+    logging.shutdown()  # flush the log handlers
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except Exception:  # noqa: BLE001 - nothing to report to any more
+            pass
+    os._exit(128 + int(sig))
 
 
 def dead_shards(pool: Any) -> list[int]:

@@ -57,3 +57,16 @@ def test_a_complete_result_exits_0_and_json_has_no_missing_shards(monkeypatch, c
     assert cli.main(["query", "--server", "127.0.0.1:1", "--json", "--no-generate", "lobster"]) == 0
     out, err = capsys.readouterr()
     assert json.loads(out)["missing_shards"] == [] and err == ""
+
+
+@pytest.mark.parametrize("reason", ["stop", "length", "no_sources", "no_generator"])
+def test_query_json_has_the_finish_reason_of_the_reply(monkeypatch, capsys, reason):
+    """``oprag query --json`` says why the answer ended, as the gRPC reply does (trial of issue 17)."""
+    r = _reply(oprag_pb2.QueryResponse, [])
+    r.finish_reason = reason
+    monkeypatch.setattr(cli, "_client", lambda a: _Stub(r))
+    assert cli.main(["query", "--server", "127.0.0.1:1", "--json", "lobster"]) == 0
+    assert json.loads(capsys.readouterr().out)["finish_reason"] == reason
+    monkeypatch.setattr(cli, "_client", lambda a: _Stub(_reply(oprag_pb2.RetrieveResponse, [])))
+    assert cli.main(["query", "--server", "127.0.0.1:1", "--json", "--no-generate", "lobster"]) == 0
+    assert json.loads(capsys.readouterr().out)["finish_reason"] is None  # nothing was generated

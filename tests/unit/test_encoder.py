@@ -110,6 +110,39 @@ def test_batch_independence(encoder) -> None:
             assert diff <= 1e-6, (i, trial, diff)
 
 
+QUESTION = "What is the capital of France and why is it there?"
+MATES = ["hi", "a b", "capital", "one two three four five six seven eight nine ten eleven",
+         "why is the sky blue on a clear day", LONG[:400], LONG, "x " * 60, TEXTS[3],
+         "Paris France capital city history of the Seine", "z", LONG[:120], "two words"]
+
+
+def test_query_vector_bit_identical_alone_or_batched(encoder) -> None:
+    """A question's vector has the same bytes alone and in batches of 2, 3, 5, 8, 13 with
+    shorter and longer questions, wherever it sits in the batch (CPU float32 default path)."""
+    assert encoder.attn_implementation == "oprag_rowwise" and encoder.batch_invariant
+    alone = encoder.encode([QUESTION], truncate=True)[0].tobytes()
+    rng = random.Random(3)
+    for n in (2, 3, 5, 8, 13):
+        for trial in range(3):
+            batch = rng.sample(MATES, k=n - 1)
+            pos = rng.randint(0, n - 1)
+            batch.insert(pos, QUESTION)
+            got = encoder.encode(batch, truncate=True)[pos]
+            assert got.tobytes() == alone, (n, trial, float(np.abs(got - np.frombuffer(alone, np.float32)).max()))
+
+
+def test_chunk_vectors_bit_identical_alone_or_batched(encoder) -> None:
+    """Ingest path (token ids): a chunk's vector does not depend on its batch mates, so re-ingesting
+    a document gives the same stored vectors; also across batch_size cuts."""
+    ids = encoder.tokenize(MATES + [QUESTION])
+    alone = [encoder.encode_tokenized([x])[0].tobytes() for x in ids]
+    for order in (list(range(len(ids))), list(reversed(range(len(ids))))):
+        got = encoder.encode_tokenized([ids[i] for i in order])
+        assert [got[k].tobytes() for k in range(len(order))] == [alone[i] for i in order]
+    small = TransformersEncoder("minilm", device="cpu", batch_size=3)
+    assert [v.tobytes() for v in small.encode_tokenized(ids)] == alone
+
+
 def test_order_restored_across_buckets(encoder) -> None:
     small = TransformersEncoder("minilm", device="cpu", batch_size=2)
     texts = [LONG, "one", LONG[:200], "two words", TEXTS[3], LONG[:50], "z"]

@@ -114,6 +114,28 @@ def test_stream_unary_cancelled_is_counted_as_cancelled():
     assert count(ic, "Ingest", "CANCELLED") == 1
 
 
+@pytest.mark.parametrize("remaining,code", [
+    (None, "CANCELLED"),  # no deadline: the client cancelled
+    (30.0, "CANCELLED"),  # far from its deadline: the client cancelled
+    (0.0, "DEADLINE_EXCEEDED"),
+    (0.012, "DEADLINE_EXCEEDED"),  # the client's timer fired first (it started when the call was sent)
+])
+def test_a_stream_cancelled_at_its_deadline_is_counted_deadline_exceeded(remaining, code):
+    """Issue 17 trial: 59 of 101 ingest streams whose deadline passed were counted CANCELLED: the
+    client's cancellation arrived 0.5-53 ms before the server's own deadline."""
+    async def ingest(it, ctx):
+        raise asyncio.CancelledError
+
+    class Timed(Context):
+        def time_remaining(self):
+            return remaining
+
+    ic, h = wrap(grpc.stream_unary_rpc_method_handler(ingest), f"/{SVC}/Ingest")
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(h.stream_unary(iter(()), Timed()))
+    assert count(ic, "Ingest", code) == 1
+
+
 def test_other_services_pass_through():
     handler = grpc.unary_unary_rpc_method_handler(lambda r, c: r)
     _, h = wrap(handler, "/grpc.health.v1.Health/Check")

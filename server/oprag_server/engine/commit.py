@@ -10,8 +10,10 @@ Every write (an ingest stream, a delete) is one transaction with one sequence nu
 All three steps run under the index write lock, so queries see a write completely or not at
 all. A crash before 2 leaves no trace after recovery (shards replay only logged transactions);
 after 2, recovery replays it. A failure before 2 aborts the transaction on every shard that is
-up. Sequence numbers only grow: after a restart they continue from the highest one any shard
-applied or the commit log holds.
+up and, unless its commit record's append had begun, gives its sequence number back (the next
+transaction takes it: shards replay only committed transaction ids, so an aborted prepare record
+with the same number is skipped), so committed transactions are numbered without gaps. Committed sequence numbers only grow: after a
+restart they continue from the highest one any shard applied or the commit log holds.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import logging
 import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 from ..index.bm25 import CorpusStats
 from ..index.disk_errors import disk_error
@@ -55,14 +58,19 @@ class CommitProtocol:
     take every applied delta; ``lock`` is the index lock (write side held per commit);
     ``on_left_committed()`` is called for a transaction committed after its caller was cancelled
     (the caller, who would have done what follows a commit, is gone; Runtime: ``mark_dirty``).
+    ``metrics`` (:class:`~..service.metrics.Metrics`, optional): a write whose caller was
+    cancelled (deadline passed, client left) counts in ``oprag_writes_after_caller_left_total``
+    by kind (``upsert``, ``delete``) and outcome (``applied``: committed whole; ``aborted``:
+    nothing stored), since the caller's status (DEADLINE_EXCEEDED, CANCELLED) does not say which.
 
     Attributes: ``seq`` the last issued sequence number; ``applied_seq`` the last one every
     shard applied; ``log`` the commit log (None until :meth:`open_log`: nothing is logged).
     """
 
     def __init__(self, pool: ShardPool, stats: CorpusStats, lock: RWLock,
-                 on_left_committed: Callable[[], None] | None = None) -> None:
+                 on_left_committed: Callable[[], None] | None = None, metrics: Any = None) -> None:
         self.pool = pool
+        self.metrics = metrics
         self.on_left_committed = on_left_committed
         self.stats = stats
         self.lock = lock
@@ -167,6 +175,7 @@ class CommitProtocol:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
             if task.done() and task.cancelled():
+                self._count_left(kind, "aborted")
                 raise
             left.set()
             while not task.done():  # the commit goes on to its end, whatever the caller's further cancels
@@ -175,10 +184,16 @@ class CommitProtocol:
                 except BaseException:  # noqa: BLE001 - its outcome was for the caller, who left
                     pass
             if not task.cancelled() and task.exception() is None:
+                self._count_left(kind, "applied")
                 if self.on_left_committed is not None:
                     self.on_left_committed()
                 raise CommittedAfterLeave(task.result()) from None
+            self._count_left(kind, "aborted")
             raise
+
+    def _count_left(self, kind: str, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.writes_after_caller_left.labels(kind=kind, outcome=outcome).inc()
 
     async def _commit(self, txn: str, kind: str, doc_ids: list[str] | None,
                       left: asyncio.Event) -> tuple[int, list[ApplyReply]]:
@@ -186,17 +201,22 @@ class CommitProtocol:
             if left.is_set():  # (it left while the commit waited for the lock: nothing was done)
                 raise asyncio.CancelledError
             seq = self.next_seq()
+            appending = False  # the commit record's append began (it may be in the log: keep the number)
             try:
                 await self.pool.broadcast(Op.PREPARE, PrepareRequest(txn, seq, kind, list(doc_ids or [])))
                 if left.is_set():  # the caller left before the commit point: nothing is committed
                     raise _CallerLeft
                 if self.log is not None:
+                    appending = True
                     await asyncio.get_running_loop().run_in_executor(None, self.log.append, {"txn": txn, "seq": seq})
             except _CallerLeft:
                 await self.pool.gather_partial(Op.ABORT, AbortRequest(txn))
+                self._give_back(seq)
                 raise asyncio.CancelledError from None
             except Exception as exc:
                 await self.pool.gather_partial(Op.ABORT, AbortRequest(txn))
+                if not appending:
+                    self._give_back(seq)
                 self._storage_failed(exc)
                 raise
             if self.write_error is not None:
@@ -209,6 +229,12 @@ class CommitProtocol:
         async with self._applied:  # wake wait_applied callers
             self._applied.notify_all()
         return seq, replies
+
+    def _give_back(self, seq: int) -> None:
+        """An aborted transaction's number is issued again (under the gate and the write lock no
+        other number was issued since; shards replay by committed transaction id, not by number)."""
+        if self.seq == seq:
+            self.seq = seq - 1
 
     def _storage_failed(self, exc: Exception) -> None:
         """Record a failed write to the storage or to a local data directory in

@@ -101,6 +101,22 @@ class QueryJob:
         the retrieval, else the question's (what its memory record stores)."""
         return self.context_vector if self.resolved_query and self.context_vector is not None else self.vector
 
+    def queued(self, batch_id: int, t0: float) -> bool:
+        """Its prep batch ``batch_id`` starts at ``t0`` (perf_counter seconds): note the batch id
+        and ``timings_ms["queue"]``. :returns: False (nothing noted) when it was noted before (a
+        request prepared again alone after its batch failed, :func:`isolated`)."""
+        if "queue" in self.timings_ms:
+            return False
+        self.batch_id = batch_id
+        self.timings_ms["queue"] = (t0 - self.enqueued) * 1000
+        return True
+
+    def recorded(self, op: str) -> bool:
+        """Whether a step of operator ``op`` was recorded for this job already (a request whose
+        prep batch failed is prepared again alone, :func:`isolated`: its steps are recorded once,
+        at their first run)."""
+        return any(s.op == op for s in self.stages)
+
     def record(self, step: PlanStep, end: float, run_s: float) -> None:
         """Note that ``step`` ran for this job for ``run_s`` seconds, ending at ``end``
         (perf_counter seconds): one trace entry and the ``timings_ms[step.op]`` key."""
@@ -121,6 +137,8 @@ async def isolated(run: Callable[[list[QueryJob]], Awaitable[None]], fail: Calla
     step cannot serve fails by itself, not the requests batched with it (trial16: a hybrid RRF
     request whose filter matched nothing failed its whole batch with INTERNAL). Only for steps
     that change nothing stored (the prep: memory lookup, embedding, retrieval, the prompt).
+    ``run`` records a request's queue time and steps once (:meth:`QueryJob.recorded`): the
+    second run's time shows as the queue time of the request's next new step.
 
     :raises Exception: what ``run(jobs)`` raised, when fewer than two jobs were alive."""
     try:

@@ -212,12 +212,12 @@ class QueryEngine(DirectPath):
                 await done
 
     def _queued(self, batch: list[QueryJob], batch_id: int) -> None:
-        """A prep batch starts: its size, and each request's batch id and queue time."""
+        """A prep batch starts: its size, each new request's batch id and queue time (QueryJob.queued)."""
         t0 = time.perf_counter()
-        self.metrics.batch_size.labels(stage="prep").observe(len(batch))
-        for j in batch:
-            j.batch_id = batch_id
-            j.timings_ms["queue"] = (t0 - j.enqueued) * 1000
+        new = [j for j in batch if j.queued(batch_id, t0)]  # (not a request prepared again alone)
+        if new:
+            self.metrics.batch_size.labels(stage="prep").observe(len(new))
+        for j in new:
             self.metrics.stage_seconds.labels(stage="queue").observe(t0 - j.enqueued)
 
     async def _prep(self, batch: list[QueryJob], batch_id: int) -> None:
@@ -244,8 +244,8 @@ class QueryEngine(DirectPath):
         end = time.perf_counter()
         run_s = end - t if run_s is None else run_s
         hist = self.metrics.stage_seconds.labels(stage=step.op)
-        for j in todo:  # one observation per request (a batch's run time, seen by each of them)
-            hist.observe(run_s)
+        for j in (j for j in todo if not j.recorded(step.op)):  # (once: QueryJob.recorded)
+            hist.observe(run_s)  # one observation per request (a batch's run time, seen by each of them)
             j.record(step, end, run_s)
 
     # ------------------------------------------------------------------ operators
@@ -279,14 +279,14 @@ class QueryEngine(DirectPath):
             hits, times, infos, docs = await retrieve_documents(self.retriever.retrieve, vecs, texts, specs)
         fusion_hist = self.metrics.stage_seconds.labels(stage="fusion")
         for j, h, info, d in zip(jobs, hits, infos, docs):
-            fusion_hist.observe(times["fusion"])
             j.hits, j.info, j.documents = h, info, d
-            # ``fusion`` is part of ``retrieve``; ``rerank`` is its old name, kept on the wire
-            j.timings_ms["fusion"] = j.timings_ms["rerank"] = times["fusion"] * 1000
+            if not j.recorded("retrieve"):  # (once: QueryJob.recorded) ``fusion`` is part of ``retrieve``;
+                fusion_hist.observe(times["fusion"])  # ``rerank`` is its old name, kept on the wire
+                j.timings_ms["fusion"] = j.timings_ms["rerank"] = times["fusion"] * 1000
         for j, h in zip(ctx, hits[len(jobs):]):
             j.hits = fuse_session(j.hits, h, j.spec.top_k, j.memory, j.question, self.retriever.analyzer.tokens,
                                   lambda ts: self.retriever.stats.query_idf(ts, self.retriever.bm25.epsilon))
-        self.monitor.sample(jobs)
+        self.monitor.sample([j for j in jobs if not j.recorded("retrieve")])
         return times["retrieve"]
 
     async def _context(self, jobs: list[QueryJob]) -> None:

