@@ -46,11 +46,6 @@ class BM25Config:
 
 
 DENSE_INDEX_KINDS = ("flat", "hnsw", "ivf")
-#: Bounds of the HNSW graph degree M. FAISS's ``IndexHNSWFlat`` draws a node's level with
-#: ``1 / ln(M)``: M = 1 divides by zero and the first insert crashes the process (SIGSEGV, found by
-#: trial17); above 512 a vector's level-0 links alone (2M int32) outweigh a 384-wide float32 vector
-#: 5x over, a typo rather than a setting.
-HNSW_M_MIN, HNSW_M_MAX = 2, 512
 
 
 @dataclass(frozen=True)
@@ -58,8 +53,7 @@ class DenseConfig:
     """The dense index of every shard (:mod:`oprag_server.index.ann`): build parameters and per-request defaults.
 
     :param kind: ``flat`` (exact scan), ``hnsw`` or ``ivf``.
-    :param hnsw_m: HNSW graph degree M, in [HNSW_M_MIN, HNSW_M_MAX] = [2, 512].
-    :param ef_construction: HNSW build beam width.
+    :param hnsw_m: HNSW graph degree M in [2, 512]. :param ef_construction: HNSW build beam width.
     :param ef_search: default HNSW search beam width (raised to the number of results asked).
     :param nprobe: default IVF lists visited per query.
     :param train_min: vectors a shard holds before its IVF is trained (exact search before).
@@ -94,13 +88,9 @@ class DenseConfig:
             raise ValueError(f"dense index must be one of {', '.join(DENSE_INDEX_KINDS)}, got {self.kind!r}")
         if self.ann_tail < 0:
             raise ValueError(f"ann_tail must be >= 0, got {self.ann_tail}")
-        for name in ("ef_construction", "ef_search", "nprobe", "train_min"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not HNSW_M_MIN <= self.hnsw_m <= HNSW_M_MAX:
-            raise ValueError(f"hnsw_m (--hnsw-m) must be in [{HNSW_M_MIN}, {HNSW_M_MAX}], got {self.hnsw_m}: "
-                             f"FAISS's HNSW needs M >= 2 (M 1 crashes the shard process at its first insert), "
-                             f"and a vector's graph links take 8*M bytes (the default, 32, suits MiniLM)")
+        for name in ("hnsw_m", "ef_construction", "ef_search", "nprobe", "train_min"):  # (FAISS: M 1 segfaults)
+            if getattr(self, name) < 1 or name == "hnsw_m" and not 2 <= self.hnsw_m <= 512:
+                raise ValueError(f"{name} must be {'in [2, 512]' if name == 'hnsw_m' else '>= 1'}, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)

@@ -12,13 +12,41 @@ from oprag_server.config import DenseConfig
 def test_hnsw_m_out_of_range_is_refused_at_start(m, capsys):
     """--hnsw-m 1 used to start, and the first ingest crashed the shard process (FAISS divides by
     ln(M) = 0: SIGSEGV), the ingest failing UNAVAILABLE; 100,000 started too (800 KB of links
-    per vector). Both are start-up errors now, exit status 2, naming the option and the range."""
-    with pytest.raises(ValueError, match=r"hnsw_m \(--hnsw-m\) must be in \[2, 512\]"):
+    per vector). Both are start-up errors now, exit status 2, naming the range."""
+    with pytest.raises(ValueError, match=r"hnsw_m must be in \[2, 512\], got "):
         DenseConfig(kind="hnsw", hnsw_m=m)
     assert cli.main(["--dense-index", "hnsw", "--hnsw-m", str(m)]) == 2
-    assert "--hnsw-m" in capsys.readouterr().err
+    assert f"hnsw_m must be in [2, 512], got {m}" in capsys.readouterr().err
 
 
 def test_hnsw_m_bounds_are_usable():
     assert DenseConfig(kind="hnsw", hnsw_m=2).hnsw_m == 2
     assert DenseConfig(kind="hnsw", hnsw_m=512).hnsw_m == 512
+
+
+def test_parquet_metadata_that_is_not_json_says_what_the_column_must_hold(tmp_path):
+    """Said only "row 0: Expecting value: line 1 column 1 (char 0)"."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    from oprag_client.loaders import LOADERS
+
+    f = tmp_path / "m.parquet"
+    pq.write_table(pa.table({"id": ["a"], "text": ["t"], "metadata": ["lang=en"]}), f)
+    with pytest.raises(ValueError) as ei:
+        list(LOADERS["parquet"]([f]))
+    msg = str(ei.value)
+    assert msg.startswith(f"{f}: row 0: metadata is not JSON (Expecting value at character 0 of 'lang=en')"), msg
+    assert "must hold a JSON object" in msg
+
+
+def test_a_binary_text_column_says_to_write_strings(tmp_path):
+    """Said "row 0: text must be a string, got bytes" (bytes that need not even be UTF-8)."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    from oprag_client.loaders import LOADERS
+
+    f = tmp_path / "b.parquet"
+    pq.write_table(pa.table({"id": ["a"], "text": pa.array([b"caf\xe9"], pa.binary())}), f)
+    with pytest.raises(ValueError) as ei:
+        list(LOADERS["parquet"]([f]))
+    assert str(ei.value).startswith(f"{f}: row 0: text is bytes (a binary column): write the text column as UTF-8"), str(ei.value)

@@ -274,7 +274,7 @@ def query_request(question: str, opts: RetrievalOptions, max_new_tokens: int = 0
         question=question, top_k=opts.top_k, mode=_WIRE_MODE[opts.mode], session_id=opts.session_id,
         candidates=opts.candidates, disable_memory=opts.disable_memory, include_trace=opts.include_trace,
         generation=oprag_pb2.GenerationOptions(max_new_tokens=max_new_tokens),
-        filters=[oprag_pb2.MetadataFilter(key=k, typed_values=[metadata_value(x, k)
+        filters=[oprag_pb2.MetadataFilter(key=k, typed_values=[metadata_value(x, k, "metadata filter")
                                                                for x in (v if isinstance(v, list) else [v])])
                  for k, v in opts.filters.items()],
         fusion=oprag_pb2.FusionOptions(

@@ -1,0 +1,64 @@
+"""What the new-user trial 17 found at a real server's doors (generator off): error messages that
+named the wrong thing. A filter value that is NaN or infinite said "metadata filter metadata 'g':
+..." over gRPC, and over HTTP came back with ``param`` null; a document whose chunks lack a
+vector said "a vector has 0 values; the index holds vectors of width 384", naming no chunk."""
+
+from __future__ import annotations
+
+import math
+
+import grpc
+import pytest
+import requests
+
+from oprag.v1 import oprag_pb2, oprag_pb2_grpc
+from oprag_client.testing import ServerProcess, free_port
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    http = free_port()
+    srv = ServerProcess(tmp_path_factory.mktemp("trial17"), free_port(), free_port(), "--generator", "none",
+                        "--http-port", str(http))
+    srv.http_port = http
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    with grpc.insecure_channel(server.target) as ch:
+        yield oprag_pb2_grpc.OpRAGStub(ch)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_a_non_finite_filter_value_names_the_filter_once(stub, value):
+    req = oprag_pb2.QueryRequest(question="lighthouse", filters=[oprag_pb2.MetadataFilter(
+        key="g", typed_values=[oprag_pb2.MetadataValue(float_value=value)])])
+    with pytest.raises(grpc.RpcError) as ei:
+        stub.Retrieve(req, timeout=30)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert ei.value.details().startswith(f"metadata filter 'g': {value} is not a finite number"), ei.value.details()
+
+
+def test_a_non_finite_filter_value_over_http_names_its_param(server):
+    # 1e400 is JSON for a number Python reads as infinity
+    got = requests.post(f"http://127.0.0.1:{server.http_port}/v1/retrieve", timeout=30,
+                        data='{"query": "lighthouse", "filters": {"g": 1e400}}', headers={"content-type": "application/json"})
+    assert got.status_code == 400, got.text
+    err = got.json()["error"]
+    assert err["param"] == "filters.g" and err["message"].startswith("metadata filter 'g': inf is not a finite number"), err
+
+
+def test_a_chunk_without_a_vector_is_named(stub, server):
+    doc = oprag_pb2.Document(id="c", chunks=[oprag_pb2.ChunkVector(text="one", vector=[0.1] * 384),
+                                             oprag_pb2.ChunkVector(text="two")])
+    with pytest.raises(grpc.RpcError) as ei:
+        stub.Ingest(iter([oprag_pb2.IngestRequest(documents=[doc], final=True, sent_documents=1)]), timeout=60)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert ei.value.details().startswith("document 0 ('c'): chunk 1 has no vector: "), ei.value.details()
+    assert ei.value.details().endswith("nothing was stored")
+    assert stub.Stats(oprag_pb2.StatsRequest(), timeout=30).documents == 0
