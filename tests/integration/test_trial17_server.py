@@ -62,3 +62,40 @@ def test_a_chunk_without_a_vector_is_named(stub, server):
     assert ei.value.details().startswith("document 0 ('c'): chunk 1 has no vector: "), ei.value.details()
     assert ei.value.details().endswith("nothing was stored")
     assert stub.Stats(oprag_pb2.StatsRequest(), timeout=30).documents == 0
+
+
+@pytest.fixture(scope="module")
+def hnsw_server(tmp_path_factory):
+    http = free_port()
+    srv = ServerProcess(tmp_path_factory.mktemp("trial17h"), free_port(), free_port(), "--generator", "none",
+                        "--http-port", str(http), "--dense-index", "hnsw", "--ann-tail", "0")
+    srv.http_port = http
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def test_http_retrieve_takes_the_ann_knobs_as_grpc_does(hnsw_server):
+    """/v1/retrieve refused ef_search and nprobe ("unknown field 'ef_search'"): an HNSW or IVF
+    server's per-request knobs were gRPC-only, though the README promises the same hits as
+    Retrieve for the same settings."""
+    import numpy as np
+
+    from oprag_client.client import Doc, OpRAGClient
+
+    vecs = np.random.default_rng(17).standard_normal((40, 384)).astype(np.float32)
+    url = f"http://127.0.0.1:{hnsw_server.http_port}/v1/retrieve"
+    with OpRAGClient(hnsw_server.target) as c:
+        c.ingest([Doc(f"d{i}", f"beacon number {i}", vector=vecs[i]) for i in range(40)])
+        for knobs in ({"ef_search": 7}, {"ef_search": 0}, {"nprobe": 3}):
+            want = c.retrieve("beacon", mode="dense", top_k=3, **knobs)
+            got = requests.post(url, timeout=30, json={"query": "beacon", "mode": "dense", "top_k": 3, **knobs})
+            assert got.status_code == 200, got.text
+            body = got.json()
+            assert [(h["doc_id"], h["score"]) for h in body["hits"]] == [(h.doc_id, h.score) for h in want.hits]
+            assert body["retrieval"]["dense_index"] == "hnsw"
+            assert body["retrieval"]["ef_search"] == want.retrieval.ef_search
+        assert c.retrieve("beacon", mode="dense", top_k=3, ef_search=7).retrieval.ef_search < 512  # the knob was used
+    bad = requests.post(url, timeout=30, json={"query": "beacon", "nprobe": 70000})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "nprobe", bad.text
+    assert "nprobe must be in [0, 65536], got 70000" in bad.json()["error"]["message"]
