@@ -50,3 +50,20 @@ def test_a_binary_text_column_says_to_write_strings(tmp_path):
     with pytest.raises(ValueError) as ei:
         list(LOADERS["parquet"]([f]))
     assert str(ei.value).startswith(f"{f}: row 0: text is bytes (a binary column): write the text column as UTF-8"), str(ei.value)
+
+
+def test_client_help_gives_the_defaults():
+    """`oprag ingest --help` and `oprag query --help` named no default for --format (text),
+    --docs-per-stream (256), --mode (hybrid) or --timeout, and left --no-progress, --json and the
+    positional arguments unexplained."""
+    from oprag_client import cli as ccli
+
+    parser = ccli._parser({})
+    sub = next(a for a in parser._actions if a.dest == "cmd").choices
+    ingest = " ".join(sub["ingest"].format_help().split())
+    query = " ".join(sub["query"].format_help().split())
+    for words in ("input format (default: text", "(default: 256)", "--no-progress no progress bar",
+                  "paths files or folders to read", "default: none, 5 for health"):
+        assert words in ingest, words
+    for words in ("(default: hybrid", "--json print the reply as one JSON object", "question the question"):
+        assert words in query, words
