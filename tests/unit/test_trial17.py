@@ -67,3 +67,17 @@ def test_client_help_gives_the_defaults():
         assert words in ingest, words
     for words in ("(default: hybrid", "--json print the reply as one JSON object", "question the question"):
         assert words in query, words
+
+
+def test_a_qrels_score_that_is_not_a_number_names_file_and_line(tmp_path):
+    """`oprag eval beir` said "cannot read queries/qrels: could not convert string to float: 'abc'"."""
+    from oprag_client.evaluate import load_qrels
+
+    f = tmp_path / "q.tsv"
+    f.write_text("query-id\tcorpus-id\tscore\n1\td1\t1\n2\td2\tabc\n")
+    with pytest.raises(ValueError) as ei:
+        load_qrels(f)
+    assert str(ei.value).startswith(f"{f}:3: score 'abc' is not a number"), str(ei.value)
+    f.write_text("1\td1\t1\n2\td2\tx\n")  # no header line
+    with pytest.raises(ValueError, match=f"{f}:2: score 'x' is not a number"):
+        load_qrels(f)
