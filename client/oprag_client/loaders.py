@@ -143,13 +143,15 @@ def _lines(f, path: Path) -> Iterator[tuple[int, str]]:
 
 def _check_types(obj: dict, id_key: str) -> None:
     """:raises TypeError: id not a string or integer, text/title not strings (null title allowed).
-    :raises ValueError: ``chunks`` not a list of ``{"text", "vector"}`` objects."""
+    :raises ValueError: ``vector`` not a list, ``chunks`` not a list of ``{"text", "vector"}`` objects."""
     if id_key in obj and (isinstance(obj[id_key], bool) or not isinstance(obj[id_key], (str, int))):
         raise TypeError(f"{id_key} must be a string or an integer, got {type(obj[id_key]).__name__}")
     if "text" in obj and obj["text"] is not None and not isinstance(obj["text"], str):
         raise TypeError(f"text must be a string, got {type(obj['text']).__name__}")
     if obj.get("title") is not None and not isinstance(obj["title"], str):
         raise TypeError(f"title must be a string, got {type(obj['title']).__name__}")
+    if obj.get("vector") is not None and not isinstance(obj["vector"], list):  # (was named at send time, no line)
+        raise ValueError(f"vector must be a list of numbers, got {json.dumps(obj['vector'])[:80]}")
     chunks = obj.get("chunks")  # a ValueError: "expected ... id and text ('vector')" misled
     if chunks and not isinstance(chunks, list):
         raise ValueError(f'chunks must be a list of {{"text", "vector"}} objects, got {json.dumps(chunks)[:80]}')

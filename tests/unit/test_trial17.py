@@ -81,3 +81,15 @@ def test_a_qrels_score_that_is_not_a_number_names_file_and_line(tmp_path):
     f.write_text("1\td1\t1\n2\td2\tx\n")  # no header line
     with pytest.raises(ValueError, match=f"{f}:2: score 'x' is not a number"):
         load_qrels(f)
+
+
+@pytest.mark.parametrize("vector", ['"0.1 0.2"', "{\"a\": 1}", "3"])
+def test_a_jsonl_vector_that_is_not_a_list_names_file_and_line(tmp_path, vector):
+    """Said "document 'j7': vector is a str: ..." only when the stream was sent, naming no line."""
+    from oprag_client.loaders import load_jsonl
+
+    f = tmp_path / "v.jsonl"
+    f.write_text('{"id": "ok", "text": "fine"}\n{"id": "j7", "text": "x", "vector": ' + vector + "}\n")
+    with pytest.raises(ValueError) as ei:
+        list(load_jsonl([f]))
+    assert str(ei.value).startswith(f"{f}:2: vector must be a list of numbers, got "), str(ei.value)
