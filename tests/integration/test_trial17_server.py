@@ -17,13 +17,19 @@ from oprag_client.testing import ServerProcess, free_port
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def _started(tmp_path_factory, *options: str) -> ServerProcess:
+    """A started server without a generator, its HTTP API on ``srv.http_port``."""
     http = free_port()
-    srv = ServerProcess(tmp_path_factory.mktemp("trial17"), free_port(), free_port(), "--generator", "none",
-                        "--http-port", str(http))
+    srv = ServerProcess.on_free_ports(tmp_path_factory.mktemp("trial17"), "--generator", "none", "--http-port", str(http),
+                                      *options)
     srv.http_port = http
     srv.start()
+    return srv
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = _started(tmp_path_factory)
     yield srv
     srv.stop()
 
@@ -66,11 +72,7 @@ def test_a_chunk_without_a_vector_is_named(stub, server):
 
 @pytest.fixture(scope="module")
 def hnsw_server(tmp_path_factory):
-    http = free_port()
-    srv = ServerProcess(tmp_path_factory.mktemp("trial17h"), free_port(), free_port(), "--generator", "none",
-                        "--http-port", str(http), "--dense-index", "hnsw", "--ann-tail", "0")
-    srv.http_port = http
-    srv.start()
+    srv = _started(tmp_path_factory, "--dense-index", "hnsw", "--ann-tail", "0")
     yield srv
     srv.stop()
 
