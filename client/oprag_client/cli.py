@@ -31,20 +31,22 @@ def _parser(plugins: dict) -> argparse.ArgumentParser:
     i = sub.add_parser("ingest", help="stream documents into the service")
     _add_server(i)
     i.add_argument("--format", choices=["text", "jsonl", "beir", "wikitext", "parquet", "arrow"], default="text",
-                   help="parquet / arrow: columns id, text, title?, metadata?, vector? (or chunk rows with "
-                        "doc_id); needs pyarrow (pip install 'oprag-client[arrow]')")
+                   help="input format (default: text: .txt/.md/.rst files of FILE|DIR, id = relative path); jsonl: "
+                        "{id, text, title?, metadata?, vector?} lines; parquet / arrow: columns id, text, title?, "
+                        "metadata?, vector? (or chunk rows with doc_id); needs pyarrow (pip install 'oprag-client[arrow]')")
     i.add_argument("--vector-column", default=None,
                    help="parquet / arrow: the column of precomputed vectors, which the file must then have "
                         "(default: 'vector' when the file has it)")
-    i.add_argument("--docs-per-stream", type=_positive, default=256, help="documents per Ingest stream")
+    i.add_argument("--docs-per-stream", type=_positive, default=256, help="documents per Ingest stream, each committed all-or-nothing (default: 256)")
     i.add_argument("--json", action="store_true", help="print a JSON summary object last")
-    i.add_argument("--no-progress", action="store_true")
-    i.add_argument("paths", nargs="+", type=Path)
+    i.add_argument("--no-progress", action="store_true", help="no progress bar")
+    i.add_argument("paths", nargs="+", type=Path, help="files or folders to read")
 
     q = sub.add_parser("query", help="ask a question")
     _add_server(q)
     q.add_argument("--top-k", type=_count, default=0, help="hits to return (0 = the server's default, 5; at most 100)")
-    q.add_argument("--mode", choices=list(MODES), default="hybrid")
+    q.add_argument("--mode", choices=list(MODES), default="hybrid",
+                   help="retrieval mode (default: hybrid, dense-first; full_hybrid scores every chunk)")
     q.add_argument("--session", default="", help="session id: follow-up questions use this session's earlier turns")
     q.add_argument("--no-memory", action="store_true", help="with --session: do not use or record memory")
     q.add_argument("--max-new-tokens", type=_count, default=0,
@@ -52,8 +54,8 @@ def _parser(plugins: dict) -> argparse.ArgumentParser:
     q.add_argument("--candidates", type=_count, default=0,
                    help="dense-first window N (0 = the server's default, 256; at most 4096)")
     q.add_argument("--no-generate", action="store_true", help="retrieve only")
-    q.add_argument("--json", action="store_true")
-    q.add_argument("question", nargs="+")
+    q.add_argument("--json", action="store_true", help="print the reply as one JSON object (README: oprag query --json)")
+    q.add_argument("question", nargs="+", help="the question (several words need no quotes)")
 
     cs = sub.add_parser("clear-session", help="drop a session's memory records")
     _add_server(cs)

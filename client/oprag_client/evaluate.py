@@ -33,10 +33,13 @@ def load_queries(path: Path) -> dict[str, str]:
 
 
 def load_qrels(path: Path) -> dict[str, dict[str, int]]:
-    """BEIR qrels TSV (header ``query-id corpus-id score``, any line ending) -> {qid: {docid: rel}}."""
+    """BEIR qrels TSV (header ``query-id corpus-id score``, any line ending) -> {qid: {docid: rel}}.
+
+    :raises ValueError: a score that is not a number (the message names the file and line).
+    """
     out: dict[str, dict[str, int]] = {}
     with open(path, encoding="utf-8", newline="") as f:
-        rows = csv.reader(f, delimiter="\t")
+        rows = reader = csv.reader(f, delimiter="\t")
         header = next(rows, None)
         if header is None:
             return out
@@ -45,7 +48,12 @@ def load_qrels(path: Path) -> dict[str, dict[str, int]]:
         for row in rows:
             if len(row) < 3 or not row[0].strip():
                 continue
-            out.setdefault(row[0].strip(), {})[row[1].strip()] = int(float(row[2]))
+            try:
+                rel = int(float(row[2]))
+            except ValueError:  # (said only "could not convert string to float: 'abc'")
+                raise ValueError(f"{path}:{reader.line_num}: score {row[2]!r} is not a number: a qrels line is "
+                                 "query-id, corpus-id and an integer score, separated by tabs") from None
+            out.setdefault(row[0].strip(), {})[row[1].strip()] = rel
     return out
 
 

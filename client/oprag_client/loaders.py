@@ -20,6 +20,18 @@ _WIKI_TITLE = re.compile(r"^ = ([^=].*?) = $")
 _WIKI_DETOK = [(" @-@ ", "-"), (" @,@ ", ","), (" @.@ ", ".")]
 
 
+def _metadata_json(s: str):
+    """A ``metadata`` column's string as the JSON value it holds.
+
+    :raises ValueError: not JSON (the message says what the column must hold; json's own
+        "Expecting value: line 1 column 1 (char 0)" named neither the column nor the fix)."""
+    try:
+        return json.loads(s)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"metadata is not JSON ({exc.msg} at character {exc.pos} of {s[:40]!r}): a metadata "
+                         'string must hold a JSON object, e.g. {"lang": "en"} (or use a struct column)') from None
+
+
 def _metadata(m) -> dict:
     """A JSON ``metadata`` object as typed metadata (README: typed metadata): strings, integers,
     floats and booleans keep their JSON type, null drops the key.
@@ -131,13 +143,15 @@ def _lines(f, path: Path) -> Iterator[tuple[int, str]]:
 
 def _check_types(obj: dict, id_key: str) -> None:
     """:raises TypeError: id not a string or integer, text/title not strings (null title allowed).
-    :raises ValueError: ``chunks`` not a list of ``{"text", "vector"}`` objects."""
+    :raises ValueError: ``vector`` not a list, ``chunks`` not a list of ``{"text", "vector"}`` objects."""
     if id_key in obj and (isinstance(obj[id_key], bool) or not isinstance(obj[id_key], (str, int))):
         raise TypeError(f"{id_key} must be a string or an integer, got {type(obj[id_key]).__name__}")
     if "text" in obj and obj["text"] is not None and not isinstance(obj["text"], str):
         raise TypeError(f"text must be a string, got {type(obj['text']).__name__}")
     if obj.get("title") is not None and not isinstance(obj["title"], str):
         raise TypeError(f"title must be a string, got {type(obj['title']).__name__}")
+    if obj.get("vector") is not None and not isinstance(obj["vector"], list):  # (was named at send time, no line)
+        raise ValueError(f"vector must be a list of numbers, got {json.dumps(obj['vector'])[:80]}")
     chunks = obj.get("chunks")  # a ValueError: "expected ... id and text ('vector')" misled
     if chunks and not isinstance(chunks, list):
         raise ValueError(f'chunks must be a list of {{"text", "vector"}} objects, got {json.dumps(chunks)[:80]}')
@@ -359,9 +373,12 @@ def columnar_docs(path: Path, schema, batches, vector_column: str | None = None)
             try:
                 if ids[i] is None or isinstance(ids[i], (bytes, float)):
                     raise ValueError(f"{'doc_id' if chunk_rows else 'id'} must be a string or an integer, got {ids[i]!r}")
+                if isinstance(text[i], bytes):  # a binary column: its bytes need not be UTF-8
+                    raise ValueError("text is bytes (a binary column): write the text column as UTF-8 "
+                                     "strings (pyarrow.string()), decoding the bytes with their encoding")
                 if text[i] is not None and not isinstance(text[i], str):
                     raise ValueError(f"text must be a string, got {type(text[i]).__name__}")
-                m = json.loads(meta[i]) if isinstance(meta[i], str) else meta[i]
+                m = _metadata_json(meta[i]) if isinstance(meta[i], str) else meta[i]
                 if not chunk_rows:
                     yield Doc(id=str(ids[i]), text=text[i] or "", title=title[i] or "", metadata=_metadata(m),
                               vector=vecs[i] if has_vec and valid[i] else None)

@@ -65,7 +65,7 @@ _OPTIONS: tuple[tuple[str, str, str, str], ...] = (
     ("--candidates", "retrieval", "candidates", "dense candidates N of dense-first hybrid"),
     ("--dense-index", "dense", "kind", "dense index of each shard: flat (exact scan), hnsw or ivf (approximate "
      "candidates; scores stay exact; full_hybrid always scans every chunk)"),
-    ("--hnsw-m", "dense", "hnsw_m", "HNSW graph degree M"),
+    ("--hnsw-m", "dense", "hnsw_m", "HNSW graph degree M, 2 to 512"),
     ("--ef-construction", "dense", "ef_construction", "HNSW build beam width"),
     ("--ef-search", "dense", "ef_search", "default HNSW search beam (a request's ef_search overrides it)"),
     ("--nprobe", "dense", "nprobe", "default IVF lists visited per query (a request's nprobe overrides it)"),

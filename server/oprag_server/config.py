@@ -53,7 +53,7 @@ class DenseConfig:
     """The dense index of every shard (:mod:`oprag_server.index.ann`): build parameters and per-request defaults.
 
     :param kind: ``flat`` (exact scan), ``hnsw`` or ``ivf``.
-    :param hnsw_m: HNSW graph degree M. :param ef_construction: HNSW build beam width.
+    :param hnsw_m: HNSW graph degree M in [2, 512]. :param ef_construction: HNSW build beam width.
     :param ef_search: default HNSW search beam width (raised to the number of results asked).
     :param nprobe: default IVF lists visited per query.
     :param train_min: vectors a shard holds before its IVF is trained (exact search before).
@@ -88,9 +88,9 @@ class DenseConfig:
             raise ValueError(f"dense index must be one of {', '.join(DENSE_INDEX_KINDS)}, got {self.kind!r}")
         if self.ann_tail < 0:
             raise ValueError(f"ann_tail must be >= 0, got {self.ann_tail}")
-        for name in ("hnsw_m", "ef_construction", "ef_search", "nprobe", "train_min"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("hnsw_m", "ef_construction", "ef_search", "nprobe", "train_min"):  # (FAISS: M 1 segfaults)
+            if getattr(self, name) < 1 or name == "hnsw_m" and not 2 <= self.hnsw_m <= 512:
+                raise ValueError(f"{name} must be {'in [2, 512]' if name == 'hnsw_m' else '>= 1'}, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)

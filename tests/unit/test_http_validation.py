@@ -20,7 +20,7 @@ MSG = [{"role": "user", "content": "q"}]
 @pytest.mark.parametrize("path, body, param, message", [
     ("/v1/retrieve", {"query": "q", "topk": 5}, "topk",
      "unknown field 'topk': did you mean 'top_k'? the fields here are mode, top_k, candidates, filters, fusion, "
-     "session_id, disable_memory, include_trace, query"),
+     "session_id, disable_memory, include_trace, ef_search, nprobe, query"),
     ("/v1/retrieve", {"qury": "q"}, "qury", "unknown field 'qury': did you mean 'query'?"),
     ("/v1/retrieve", {"query": "q", "top_k": 1.5}, "top_k", "top_k must be an integer, got 1.5"),
     ("/v1/retrieve", {"query": "q", "top_k": -1}, "top_k", "top_k must be at least 0, got -1"),

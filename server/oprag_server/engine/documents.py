@@ -66,7 +66,8 @@ def supplied_vectors(n: int, doc: Any, dim: int) -> list[tuple[str, np.ndarray]]
     The vectors come as repeated floats (``vector`` / ``ChunkVector.vector``) or packed
     (``vectors_f32`` + ``vector_dim``: one ``np.frombuffer``, :func:`records.packed_rows`).
 
-    :raises IngestError: a vector of another width than the index's, NaN/infinity, all zeros;
+    :raises IngestError: a vector of another width than the index's, NaN/infinity, all zeros, a chunk
+        without a vector;
         packed bytes of the wrong length or a ``vector_dim`` other than the index's; both forms
         in one document.
     """
@@ -82,6 +83,11 @@ def supplied_vectors(n: int, doc: Any, dim: int) -> list[tuple[str, np.ndarray]]
                 raise ValueError("vectors_f32 and repeated float vectors in one document: send one form")
             vecs = records.packed_rows(packed, len(rows), pdim, dim)
         else:
+            empty = next((i for i, r in enumerate(rows) if not len(r)), None) if chunks else None
+            if empty is not None:  # ("a vector has 0 values; the index holds vectors of width 384" named no chunk)
+                raise ValueError(f"chunk {empty} has no vector: every chunk of a document brings its vector "
+                                 "(or send them all packed in vectors_f32), or send the text without chunks "
+                                 "to have it chunked and embedded")
             vecs = records.unit_rows(rows, dim, what="a vector")
     except ValueError as exc:
         raise IngestError(f"document {n} ({doc.id!r}): {exc}; nothing was stored") from exc

@@ -160,7 +160,7 @@ def filters(fs: Any) -> tuple[tuple[str, tuple[md.Value, ...]], ...]:
             try:
                 values.append(md.check_value(f.key, v))
             except ValueError as exc:
-                raise InvalidArgument(f"metadata filter {exc}") from exc
+                raise InvalidArgument("metadata filter" + str(exc).removeprefix("metadata")) from exc
         out.append((f.key, tuple(values)))
     return tuple(out)
 
@@ -274,16 +274,16 @@ def _metadata_bytes(m: dict) -> bytes:
     return b
 
 
-def metadata_value(v: md.Value, key: str = "") -> oprag_pb2.MetadataValue:
-    """The wire ``MetadataValue`` of one typed metadata value.
+def metadata_value(v: md.Value, key: str = "", what: str = "metadata") -> oprag_pb2.MetadataValue:
+    """The wire ``MetadataValue`` of one typed metadata value (a filter's: ``what`` ``"metadata filter"``).
 
     :raises InvalidArgument: not a str/int/float/bool, an integer outside signed 64-bit, NaN
-        or infinity (:func:`..metadata.check_value`).
+        or infinity (:func:`..metadata.check_value`); the message starts ``{what} 'key': ``.
     """
     try:
         return oprag_pb2.MetadataValue(**md.wire_kind(md.check_value(key, v)))
     except ValueError as exc:
-        raise InvalidArgument(str(exc)) from exc
+        raise InvalidArgument(what + str(exc).removeprefix("metadata")) from exc
 
 
 def documents(job: QueryJob) -> list[oprag_pb2.DocumentHit]:

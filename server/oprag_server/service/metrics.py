@@ -101,7 +101,7 @@ class Metrics:
         self.shard_bytes = Gauge(
             "oprag_shard_bytes", "Bytes a shard holds by component (postings, terms, vectors, ann, chunks; "
             "estimates, see ShardStats)", ["shard", "component"], registry=r)
-        self.shards_up = Gauge("oprag_shards_up", "Shard processes alive", registry=r)
+        self.shards_up = Gauge("oprag_shards_up", "Shards serving (with --replicas: with a live replica)", registry=r)
         self.shard_restarts = Counter("oprag_shard_restarts_total", "Shard processes restarted after dying",
                                       registry=r)
         self.pruning_recall = Histogram(

@@ -5,7 +5,7 @@ same validation (:func:`oprag_server.service.convert.query_job`) as the gRPC RPC
 Extension fields (README: "OpenAI-compatible HTTP API"):
 
 * request ``oprag``: :class:`RetrievalOptions` (mode, top_k, candidates, filters, fusion,
-  session_id, disable_memory, include_trace), sent by the ``openai`` package as
+  session_id, disable_memory, include_trace, ef_search, nprobe), sent by the ``openai`` package as
   ``extra_body={"oprag": {...}}``;
 * response ``oprag``: ``{"request_id", "sources", "hits", "retrieval", "memory_context",
   "timings_ms", "ttft_ms"[, "trace"]}``; in a stream, on the first chunk (sources, hits,
@@ -83,6 +83,9 @@ class RetrievalOptions(_Own):
     session_id: Str = ""
     disable_memory: StrictBool = False
     include_trace: StrictBool = False
+    # HNSW beam / IVF lists of a server started with --dense-index hnsw|ivf (the gRPC bounds, [0, 65536])
+    ef_search: StrictInt = Field(0, ge=0, le=_U32)
+    nprobe: StrictInt = Field(0, ge=0, le=_U32)
 
 
 class TextPart(_Strict):
@@ -189,7 +192,8 @@ def _fields_at(model: Any, path: list) -> list[str]:
 
 
 #: the retrieval knobs: top-level fields of /v1/retrieve, under "oprag" in a chat request
-_KNOBS = {"mode", "top_k", "candidates", "filters", "fusion", "session_id", "disable_memory", "include_trace"}
+_KNOBS = {"mode", "top_k", "candidates", "filters", "fusion", "session_id", "disable_memory", "include_trace",
+          "ef_search", "nprobe"}
 _FIELD = re.compile(r"(?:metadata filter '(?P<key>.*?)'|(?P<filters>a metadata filter|\d+ metadata filters)"
                     r"|(?P<f>[a-z_]+(?:\.[a-z_]+)*(?:\[-?\d+\])?) (?:must|is|has|needs|contains) "
                     r"|the (?P<q>question) needs)")
@@ -273,8 +277,8 @@ def query_request(question: str, opts: RetrievalOptions, max_new_tokens: int = 0
     return oprag_pb2.QueryRequest(
         question=question, top_k=opts.top_k, mode=_WIRE_MODE[opts.mode], session_id=opts.session_id,
         candidates=opts.candidates, disable_memory=opts.disable_memory, include_trace=opts.include_trace,
-        generation=oprag_pb2.GenerationOptions(max_new_tokens=max_new_tokens),
-        filters=[oprag_pb2.MetadataFilter(key=k, typed_values=[metadata_value(x, k)
+        ef_search=opts.ef_search, nprobe=opts.nprobe, generation=oprag_pb2.GenerationOptions(max_new_tokens=max_new_tokens),
+        filters=[oprag_pb2.MetadataFilter(key=k, typed_values=[metadata_value(x, k, "metadata filter")
                                                                for x in (v if isinstance(v, list) else [v])])
                  for k, v in opts.filters.items()],
         fusion=oprag_pb2.FusionOptions(
