@@ -8,7 +8,10 @@ process of the tree is read from ``/proc/<pid>/status`` (``RssAnon``, ``RssFile`
 bytes) and ``/proc/<pid>/smaps``: file-backed resident bytes per file name (snapshot files by
 base name), anonymous resident bytes in mappings of >= 64 MiB (by size) and in the rest, plus the
 shards' ``Stats`` bytes by component. Each pass row also has client p50 (ms) and the server
-tree's CPU ms per request.
+tree's CPU ms per request; ``hits_sha256`` digests every reply's hits (ids and scores, in order)
+to compare two trees' replies. ``--ingest N`` first adds N derived chunks and waits for the
+shards' periodic snapshot of them (phase ``after_snapshot``: the state of a server that ingested,
+as ``bench.scale`` measures it).
 
     python -m bench.rss_probe --data-dir bench/out/d1m --phases hybrid,full_hybrid,interleaved --json
 """
@@ -16,13 +19,14 @@ tree's CPU ms per request.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import re
 import time
 from collections import defaultdict
 from pathlib import Path
 
-from ._common import DEFAULT_SHARED, OUT, emit_json, load_queries_qrels, log, percentile, start_server
+from ._common import DEFAULT_SHARED, OUT, emit_json, load_queries_qrels, log, percentile, served_args, start_server
 
 _BIG = 64 << 20  # an anonymous mapping this large is reported on its own
 
@@ -101,10 +105,7 @@ def _snapshots_after(path: Path, mark: int, shards: int, limit_s: float = 600.0)
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--data-dir", type=Path, required=True)
-    ap.add_argument("--dense-index", default="hnsw")
-    ap.add_argument("--shards", type=int, default=2)
-    ap.add_argument("--queries", type=int, default=100)
+    served_args(ap)
     ap.add_argument("--phases", default="hybrid,full_hybrid,interleaved")
     ap.add_argument("--shared", type=Path, default=DEFAULT_SHARED)
     ap.add_argument("--ingest", type=int, default=0,
@@ -113,6 +114,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--source", type=Path, default=Path("bench/out/retrieval-data"),
                     help="bench.retrieval data dir --ingest derives from")
     ap.add_argument("--vectors", default=str(OUT / "rss-probe-queries.npy"), help="query vector cache (.npy)")
+    ap.add_argument("--lock", default="", help="a file to flock around the query passes (shared machine)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     from oprag_client.client import OpRAGClient, query_request
@@ -138,6 +140,12 @@ def main(argv=None) -> dict:
                 _settled(c)
                 out["snapshot_wait_s"] = round(_snapshots_after(log_path, mark, a.shards), 1)
                 out["phases"].append(snapshot(srv.proc.pid, "after_snapshot", c))
+            lock = open(a.lock, "a") if a.lock else None
+            if lock is not None:
+                import fcntl
+
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            digest = hashlib.sha256()  # every reply's hits (chunk id, scores) in order: old vs new trees
             for ph in a.phases.split(","):
                 modes = ("hybrid", "full_hybrid") if ph == "interleaved" else (ph,)
                 lat: dict[str, list[float]] = {m: [] for m in modes}
@@ -145,14 +153,19 @@ def main(argv=None) -> dict:
                 for text, v in zip(texts, vecs):
                     for mode in modes:
                         t = time.perf_counter()
-                        c.stub.Retrieve(query_request(text, top_k=10, mode=mode, query_vector=v.tolist()))
+                        r = c.stub.Retrieve(query_request(text, top_k=10, mode=mode, query_vector=v.tolist()))
                         lat[mode].append((time.perf_counter() - t) * 1e3)
+                        digest.update(repr([(h.chunk_id, h.score, h.dense_score, h.lexical_score)
+                                            for h in r.hits]).encode())
                 row = snapshot(srv.proc.pid, ph, c)
                 row["p50_ms"] = {m: round(percentile(x, 50), 2) for m, x in lat.items()}
                 row["cpu_ms_per_request"] = round((tree_cpu(srv.proc.pid) - cpu0) * 1e3 / (len(texts) * len(modes)), 2)
                 row["load"] = round(os.getloadavg()[0], 2)
                 log(f"  p50 {row['p50_ms']} cpu/req {row['cpu_ms_per_request']} ms load {row['load']}")
                 out["phases"].append(row)
+            out["hits_sha256"] = digest.hexdigest()
+            if lock is not None:
+                lock.close()
     finally:
         srv.stop()
     if a.json:
