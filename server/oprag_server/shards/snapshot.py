@@ -129,7 +129,8 @@ def adopt(snap: Path, store: ChunkStore) -> list:
     mapped.madvise(mmap.MADV_DONTNEED)
     # the BM25 segment too, from the postings just written (its anonymous copy: ~700 MB resident
     # per 1M-chunk shard, as a restart's map holds only the pages read; issue 13, mem17)
-    return [*old, *store.postings.adopt_files(snap / "postings")]
+    old.extend(store.postings.adopt_files(snap / "postings"))
+    return old
 
 
 def release_memory() -> None:
