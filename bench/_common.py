@@ -104,6 +104,15 @@ def shard_probe_args(ap, *, queries: int, shards: bool = False) -> None:
     ap.add_argument("--vectors", default="", help="cache file of the query vectors (.npy)")
 
 
+def served_args(ap, *, queries: int = 100) -> None:
+    """The options every bench that serves a built data dir over gRPC shares (served_marks,
+    served_trace, rss_probe): the data dir, its dense index, the shard count, the query count."""
+    ap.add_argument("--data-dir", type=Path, required=True)
+    ap.add_argument("--dense-index", default="hnsw")
+    ap.add_argument("--shards", type=int, default=2)
+    ap.add_argument("--queries", type=int, default=queries)
+
+
 def percentile(values: Sequence[float], p: float) -> float:
     """THE percentile of every benchmark: nearest rank (``oprag_client.evaluate.percentile``).
 

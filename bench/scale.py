@@ -30,7 +30,9 @@ Recall@10 of hybrid vs full_hybrid, the share of hybrid queries whose top-k the 
 certified and that were widened (0 for a server without it), SciFact nDCG@10 (documents ranked by their best chunk),
 RSS of the server process tree (sampled every 0.5 s on a thread: the high-water mark during
 ingest and queries, ``rss_peak_bytes``; after the queries; and after the restart, without what
-ingest left allocated), the shards' bytes by component (``Stats``) in total and per chunk,
+ingest left allocated; after the queries and after the restart also its anonymous part,
+``rss_anon_bytes`` / ``rss_anon_after_restart_bytes``, without the clean pages of the mapped
+snapshot files, :func:`tree_rss_anon`), the shards' bytes by component (``Stats``) in total and per chunk,
 snapshot bytes, restart-to-READY seconds, and the seconds spent deriving the corpus and in the
 whole size. Derived chunks are generated one stream at a time as the ingest consumes them. The
 figures so far are rewritten to ``--out`` (default ``bench/out/scale.json``) after every step and
@@ -122,6 +124,16 @@ def _tree_sum(pid: int, of) -> float:
 def tree_rss(pid: int) -> int:
     """RSS bytes of process ``pid`` and all its descendants (0 once it is gone)."""
     return int(_tree_sum(pid, lambda q: q.memory_info().rss))
+
+
+def tree_rss_anon(pid: int) -> int:
+    """Anonymous resident bytes (``RssAnon``: RSS less the file-backed and shared pages, psutil's
+    ``rss - shared`` on Linux) of process ``pid`` and all its descendants. The file-backed part
+    of the RSS is mostly the snapshot files the shards map read-only (stored fields, BM25
+    postings): clean page cache the kernel drops under memory pressure and maps again when read,
+    so a fetch's fault-around makes it grow with the pages queries happened to touch, not with
+    what the server holds (issue 13, mem17)."""
+    return int(_tree_sum(pid, lambda q: (lambda m: m.rss - m.shared)(q.memory_info())))
 
 
 def tree_cpu(pid: int) -> float:
@@ -287,7 +299,7 @@ def run_size(a, size: int, kind: str, snap: dict, q, save) -> dict:
             for text, v, _ in qs:
                 lat["interleaved"].append(ask(text, v, "hybrid")[1])
                 ask(text, v, "full_hybrid")
-            rss = tree_rss(srv.proc.pid)
+            rss, rss_anon = tree_rss(srv.proc.pid), tree_rss_anon(srv.proc.pid)
         recall = [len(set(h) & set(f)) / max(1, len(f)) for h, f in zip(tops["hybrid"], tops["full_hybrid"])]
         res.update({"retrieve_p50_ms": round(percentile(lat["hybrid"], 50), 2),
                     "retrieve_p95_ms": round(percentile(lat["hybrid"], 95), 2),
@@ -298,7 +310,7 @@ def run_size(a, size: int, kind: str, snap: dict, q, save) -> dict:
                     "ndcg10_scifact": round(float(np.mean(ndcg)), 4),
                     "hybrid_certified_share": round(float(np.mean([c for c, _ in bound])), 4),
                     "hybrid_widened_share": round(float(np.mean([w > 0 for _, w in bound])), 4),
-                    "rss_bytes": rss, "bytes_per_chunk": round(rss / max(chunks, 1)),
+                    "rss_bytes": rss, "rss_anon_bytes": rss_anon, "bytes_per_chunk": round(rss / max(chunks, 1)),
                     "rss_peak_bytes": peak.peak, "rss_peak_by_process": peak.peak_by, "step": "restart"})
         save(res)
         peak.watch(0)
@@ -316,7 +328,8 @@ def run_size(a, size: int, kind: str, snap: dict, q, save) -> dict:
             c.stub.Retrieve(query_request(q["texts"][0], top_k=10, query_vector=q["vecs"][0].tolist()))
         time.sleep(1.0)  # one more RSS sample after the first query
         # served from the snapshot: no ingest buffers
-        res.update(rss_after_restart_bytes=tree_rss(srv.proc.pid), rss_peak_restart_bytes=peak.peak,
+        res.update(rss_after_restart_bytes=tree_rss(srv.proc.pid), rss_anon_after_restart_bytes=tree_rss_anon(srv.proc.pid),
+                   rss_peak_restart_bytes=peak.peak,
                    rss_after_restart_by_process=rss_by_process(srv.proc.pid),
                    shard_bytes_by_component=comp,
                    shard_bytes_per_chunk={k.removesuffix("_bytes"): round(v / max(chunks, 1)) for k, v in comp.items()},

@@ -244,11 +244,10 @@ def summarise(client: list[tuple[float, float]], fe: list[dict], shards: dict[in
 
 
 def main(argv=None) -> dict:
+    from ._common import served_args  # noqa: PLC0415
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--data-dir", type=Path, required=True)
-    ap.add_argument("--dense-index", default="hnsw")
-    ap.add_argument("--shards", type=int, default=2)
-    ap.add_argument("--queries", type=int, default=100)
+    served_args(ap)
     ap.add_argument("--passes", type=int, default=2, help="every pass after the first is reported")
     ap.add_argument("--out", type=Path, default=Path("bench/out/marks"))
     ap.add_argument("--shared", type=Path, default=None)

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from . import _internals
-from ._common import DEFAULT_SHARED, emit_json, load_queries_qrels, log, machine_info, percentile
+from ._common import DEFAULT_SHARED, emit_json, load_queries_qrels, log, machine_info, percentile, served_args
 
 _ENV = "OPRAG_BENCH_SHARD_TRACE"
 
@@ -233,10 +233,7 @@ def _summarise(a, per_q, shard_rows, solo, widen) -> dict:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--data-dir", type=Path, required=True)
-    ap.add_argument("--dense-index", default="hnsw")
-    ap.add_argument("--shards", type=int, default=2)
-    ap.add_argument("--queries", type=int, default=100)
+    served_args(ap)
     ap.add_argument("--passes", type=int, default=2, help="the last is reported (the first warms the rows)")
     ap.add_argument("--solo", action="store_true", help="also each shard alone")
     ap.add_argument("--shared", type=Path, default=DEFAULT_SHARED)

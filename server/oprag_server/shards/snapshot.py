@@ -116,8 +116,9 @@ def _write_snapshot_files(snap: Path, store: ChunkStore, memory: MemoryStore) ->
 
 
 def adopt(snap: Path, store: ChunkStore) -> list:
-    """Serve the stored fields from the snapshot just written (memory-mapped), on the shard's
-    thread (fetches read them).
+    """Serve the stored fields and the BM25 segment from the snapshot just written
+    (memory-mapped: :meth:`..index.bm25.PostingsIndex.adopt_files`), on the shard's thread
+    (fetches and queries read them).
 
     :returns: the parts served so far (the batches since the last snapshot, the previous
         snapshot's mapping), for the caller to drop, then :func:`release_memory` (dropping a 1M
@@ -126,6 +127,9 @@ def adopt(snap: Path, store: ChunkStore) -> list:
     table, mapped = map_chunks(snap / "chunks.arrow")
     store.fields.adopt(table, store.fields.slots())
     mapped.madvise(mmap.MADV_DONTNEED)
+    # the BM25 segment too, from the postings just written (its anonymous copy: ~700 MB resident
+    # per 1M-chunk shard, as a restart's map holds only the pages read; issue 13, mem17)
+    old.extend(store.postings.adopt_files(snap / "postings"))
     return old
 
 

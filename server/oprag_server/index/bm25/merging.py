@@ -11,6 +11,8 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
+from pathlib import Path
 
 import numpy as np
 
@@ -255,6 +257,42 @@ class MergeMixin:
         self.merges += 1
         self.last_merge_s = build_s
         self.last_swap_s = time.perf_counter() - t0
+
+    #: (weak reference to the segment, directory) of the last :meth:`_save_segment` that wrote the
+    #: segment as it is (not renumbered), for :meth:`adopt_files`; None: none
+    _saved: tuple | None = None
+
+    def _save_segment(self, d: Path) -> list[Path]:
+        """Write the segment under ``d``, slots renumbered ``0..n-1`` (a load's). :returns: the files."""
+        seg = self._seg
+        out = seg.renumbered()
+        files = out.save(d)
+        self._saved = (weakref.ref(seg), Path(d)) if out is seg else None
+        return files
+
+    def adopt_files(self, d: Path) -> list:
+        """Serve the segment from the files :meth:`save` just wrote under ``d``, memory-mapped
+        read-only (as a snapshot's load does), instead of its copy in anonymous memory: only the
+        pages queries read are then resident, and the kernel may drop them again (clean page
+        cache), where the copy kept every posting resident (a 1M-chunk shard's segment is ~700 MB,
+        of which a pass of 100 queries read ~160 MB: issue 13, mem17).
+
+        Done only when those files hold this segment as it is now: written by the last
+        :meth:`save` (chunks at slots ``0..D-1``: not renumbered) with no merge since. The
+        :class:`~.segment.Segment` object stays (:meth:`~.segment.Segment.map_files`: the same
+        values, shapes and dtypes): scores are unchanged and the caches keyed by it (the top-m's
+        term bounds and wide rows, which hold no view of its arrays) stay valid; the widening
+        cache (:mod:`.listed_cache`), whose entries are views of the former arrays, is emptied.
+        The index's own thread, while no merge runs.
+
+        :returns: what was replaced (the former arrays, the cache's entries), for the caller to
+            free off the request loop; empty when nothing was adopted.
+        """
+        saved, self._saved = self._saved, None
+        if saved is None or saved[0]() is not self._seg or saved[1] != Path(d) or self.merging:
+            return []
+        old = self._seg.map_files(Path(d))
+        return [] if old is None else [*old, *listed_cache.take(self)]
 
     def _frozen_back(self) -> None:
         frozen = self._frozen

@@ -242,7 +242,8 @@ class PostingsIndex(MergeMixin):
         """Bytes held: ``postings`` (segment and per-slot arrays, the BM25 top-m's scratch and
         wide-term rows, the delta at an estimated 100 bytes per posting) and ``terms``
         (:meth:`.segment.Segment.nbytes`, plus the delta's dict
-        and term strings); docs/architecture.md "Memory accounting"."""
+        and term strings); docs/architecture.md "Memory accounting". A memory-mapped segment
+        (:meth:`load`, :meth:`adopt_files`) counts in full, though only the pages read are resident."""
         arrays, terms = self._seg.nbytes()
         per_slot = self._doc_len.nbytes + self._live.nbytes + self._where.nbytes + self._seg_df.nbytes
         sc = self.__dict__.get("_topm_scratch")  # the BM25 top-m's scratch and built wide rows (listed_top)
@@ -262,7 +263,7 @@ class PostingsIndex(MergeMixin):
         ``0..n-1`` (a load's), and the lengths as ``doc_len.npy``. :returns: the files (the caller fsyncs them)."""
         if merge:
             self.merge()
-        files = self._seg.renumbered().save(d)
+        files = self._save_segment(d)
         np.save(d / "doc_len.npy", self._doc_len[self._seg.doc_slots.astype(np.int64)].astype(np.int64))
         return [*files, d / "doc_len.npy"]
 

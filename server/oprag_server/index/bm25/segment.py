@@ -140,6 +140,23 @@ class Segment:
         seg.check()
         return seg
 
+    def map_files(self, d: Path) -> list[np.ndarray] | None:
+        """Swap every array for a read-only memory map of its file under ``d`` (written by
+        :meth:`save` from this segment: same values), when each file's shape and dtype match.
+
+        :returns: the former arrays (the caller frees them), or None (nothing changed: a file
+            missing, unreadable or of another shape or dtype)."""
+        try:
+            maps = {n: np.load(d / f"{n}.npy", mmap_mode="r").view(np.ndarray) for n in _ARRAYS}
+        except (OSError, ValueError):
+            return None
+        if any(maps[n].shape != getattr(self, n).shape or maps[n].dtype != getattr(self, n).dtype for n in _ARRAYS):
+            return None
+        old = [getattr(self, n) for n in _ARRAYS]
+        for n in _ARRAYS:
+            setattr(self, n, maps[n])
+        return old
+
     def check(self) -> None:
         """:raises ValueError: shapes or offsets do not fit together."""
         T, P, D = len(self.terms), self.slots.size, self.doc_slots.size
