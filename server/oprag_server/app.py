@@ -234,14 +234,17 @@ class Runtime:
         await self.snapshot()
         log.warning("re-established --storage-uri %s from a full snapshot", self.cfg.storage_uri)
 
-    async def _snapshot_loop(self, interval_s: float = 30.0, max_share: float = 0.1) -> None:
+    async def _snapshot_loop(self, interval_s: float = 30.0, max_share: float = 0.1, unsaved: int = 64 << 20) -> None:
         # at most max_share of the time (a snapshot blocks commits, 10-20 s at 1M chunks; 0.2 took ~17% of a 1M
-        # ingest's wall, ingest8); the log replayed after a crash is then up to 9x a snapshot's time; failing: the
+        # ingest's wall, ingest8); the log replayed after a crash is then up to 9x a snapshot's time; also when no
+        # write came but a shard holds >= `unsaved` bytes of BM25 segment only in memory (an idle merge's: the
+        # snapshot maps it from its files, ~0.7 GB per 1M-chunk shard, mem17 follow-up); failing: the
         failing, wait = None, interval_s  # last failure's text, logged once per change
         while True:
             await asyncio.sleep(wait)
             t, wait = time.perf_counter(), interval_s
-            if self._dirty and not (self.commits.lease is not None and self.commits.lease.fenced):
+            if (self._dirty or (self.cfg.data_dir is not None and await self.pool.unsaved_bytes() >= unsaved)) \
+                    and not (self.commits.lease is not None and self.commits.lease.fenced):
                 try:
                     await self.snapshot()
                     wait = max(interval_s, (time.perf_counter() - t) * (1 / max_share - 1))

@@ -87,3 +87,29 @@ def test_a_segment_written_renumbered_stays_in_memory(tmp_path):
     assert _mapped_from(st.store.postings.segment.slots) is None
     assert _replies(st) == before
     st.txns.wal.close()
+
+
+def test_stats_report_the_segment_bytes_no_snapshot_holds(tmp_path):
+    """``StatsReply.segment_unsaved`` (``PostingsIndex.unsaved_nbytes``): a segment a merge built
+    since the last snapshot counts in full; 0 once a snapshot wrote it (mapped, or kept in memory
+    when its files are renumbered) and after a restart's load (mapped), so the frontend's snapshot
+    loop takes one snapshot per merge, not one per period."""
+    st = ShardState(0, D, tmp_path)
+    st.load(set())
+    st.store.upsert(pa.Table.from_batches([_batch(0, 800)]), 1)
+    st.store.postings.merge()
+    built = st.store.postings.segment.nbytes()[0]
+    assert built > 0 and st.stats().segment_unsaved == built
+    st.snapshot()
+    assert st.stats().segment_unsaved == 0
+    st.store.delete(["d3"], 2)
+    st.store.upsert(pa.Table.from_batches([_batch(800, 900)]), 3)
+    st.store.postings.merge()  # renumbered in its files at the next snapshot: kept in memory
+    assert st.stats().segment_unsaved == st.store.postings.segment.nbytes()[0] > 0
+    st.snapshot()
+    assert _mapped_from(st.store.postings.segment.slots) is None and st.stats().segment_unsaved == 0
+    st.txns.wal.close()
+    again = ShardState(0, D, tmp_path)
+    again.load(set())
+    assert again.stats().segment_unsaved == 0
+    again.txns.wal.close()

@@ -62,6 +62,8 @@ def test_periodic_snapshots_take_at_most_a_tenth_of_the_time(monkeypatch):
 
     class Fake:
         _dirty, commits = True, type("C", (), {"lease": None})()
+        cfg = type("Cfg", (), {"data_dir": "d"})()
+        pool = type("P", (), {"unsaved_bytes": staticmethod(lambda: _zero())})()
 
         async def snapshot(self):
             clock[0] += next(took)
@@ -78,3 +80,41 @@ def test_periodic_snapshots_take_at_most_a_tenth_of_the_time(monkeypatch):
     with pytest.raises(asyncio.CancelledError):
         asyncio.run(app.Runtime._snapshot_loop(Fake()))
     assert waits == [30.0, 30.0, 90.0, 450.0, 30.0]  # 2 s -> 30 (the floor), 10 s -> 90, 50 s -> 450; then clean
+
+
+async def _zero() -> int:
+    return 0
+
+
+@pytest.mark.parametrize("data_dir,unsaved,taken", [("d", 64 << 20, 1), ("d", (64 << 20) - 1, 0), (None, 1 << 40, 0)])
+def test_a_segment_only_in_memory_is_snapshotted_without_a_write(monkeypatch, data_dir, unsaved, taken):
+    """``Runtime._snapshot_loop`` with nothing written since the last snapshot: a shard holding
+    >= 64 MiB of BM25 segment only in anonymous memory (an idle merge's, after an ingest) gets a
+    snapshot, which then serves that segment from its files (mem17 follow-up); less, or a server
+    without a data directory, none."""
+    import asyncio
+
+    from oprag_server import app
+
+    snaps, waits = [], []
+
+    async def unsaved_bytes():
+        return unsaved if not snaps else 0
+
+    class Fake:
+        _dirty, commits = False, type("C", (), {"lease": None})()
+        cfg = type("Cfg", (), {"data_dir": data_dir})()
+        pool = type("P", (), {"unsaved_bytes": staticmethod(unsaved_bytes)})()
+
+        async def snapshot(self):
+            snaps.append(1)
+
+    async def sleep(s):
+        waits.append(s)
+        if len(waits) == 3:
+            raise asyncio.CancelledError
+
+    monkeypatch.setattr(app.asyncio, "sleep", sleep)
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(app.Runtime._snapshot_loop(Fake()))
+    assert len(snaps) == taken

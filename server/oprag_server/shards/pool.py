@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .gather import Gather, hold_wakeups, release
-from .protocol import Op, ShutdownRequest, StatsReply
+from .protocol import Op, ShutdownRequest, StatsReply, StatsRequest
 from .replicas import ReplicaSet
 from .transport import PipeTransport, ShardError, ShardTransport, StorageUnavailable
 
@@ -141,6 +141,15 @@ class ShardPool:
         self._guard(op)
         per = request if isinstance(request, list) else [request] * self.n
         return list(await asyncio.gather(*[c.call(op, r) for c, r in zip(self.clients, per)]))
+
+    async def unsaved_bytes(self) -> int:
+        """The most BM25 segment bytes one shard holds in anonymous memory that no snapshot
+        holds (:attr:`.protocol.StatsReply.segment_unsaved`; a shard that does not answer counts 0)."""
+        try:
+            got, _ = await self.gather_partial(Op.STATS, StatsRequest())
+        except Exception:  # noqa: BLE001 - asked by the snapshot loop, which must go on
+            return 0
+        return max((int(getattr(r, "segment_unsaved", 0)) for r in got.values()), default=0)
 
     async def gather_partial(self, op: Op, request: Any,
                              shards: list[int] | None = None) -> tuple[dict[int, Any], list[int]]:

@@ -332,6 +332,7 @@ class StatsReply:
     nbytes: dict | None = None
     ann_pending: int = 0  # HNSW vectors searchable but not in the graph yet (deferred inserts)
     merge_pending: int = 0  # BM25 delta postings a merge folds or an idle merge will (PostingsIndex.merge_pending)
+    segment_unsaved: int = 0  # bytes of BM25 segment in anonymous memory no snapshot holds (unsaved_nbytes)
 
 
 @message

@@ -54,6 +54,7 @@ class ShardState:
         return StatsReply(shard=self.shard_id, documents=len(st.doc_slots), chunks=len(st.chunks),
                           memory_records=len(self.memory), applied_seq=st.applied_seq, nbytes=self._nbytes(),
                           ann_pending=st.dense.pending, merge_pending=st.postings.merge_pending(),
+                          segment_unsaved=st.postings.unsaved_nbytes(),
                           lexical=st.postings.full_stats() if req is not None and req.lexical else None)
 
     def _nbytes(self) -> dict[str, int]:

@@ -261,6 +261,8 @@ class MergeMixin:
     #: (weak reference to the segment, directory) of the last :meth:`_save_segment` that wrote the
     #: segment as it is (not renumbered), for :meth:`adopt_files`; None: none
     _saved: tuple | None = None
+    #: weak reference to the segment the last :meth:`_save_segment` wrote (renumbered or not)
+    _written: weakref.ref | None = None
 
     def _save_segment(self, d: Path) -> list[Path]:
         """Write the segment under ``d``, slots renumbered ``0..n-1`` (a load's). :returns: the files."""
@@ -268,7 +270,18 @@ class MergeMixin:
         out = seg.renumbered()
         files = out.save(d)
         self._saved = (weakref.ref(seg), Path(d)) if out is seg else None
+        self._written = weakref.ref(seg)
         return files
+
+    def unsaved_nbytes(self) -> int:
+        """Bytes of the segment held in anonymous memory that no snapshot holds: a segment a
+        merge built since the last :meth:`save` (an idle merge after an ingest: ~700 MB per
+        1M-chunk shard). 0 for a segment the last save wrote (mapped by :meth:`adopt_files`, or
+        renumbered in its files and so kept) or one mapped from its files (a load). The frontend
+        takes a snapshot when a shard reports enough (``Runtime._snapshot_loop``), after which
+        :meth:`adopt_files` serves it from the files."""
+        seg, w = self._seg, self._written
+        return 0 if w is not None and w() is seg else seg.unmapped_nbytes()
 
     def adopt_files(self, d: Path) -> list:
         """Serve the segment from the files :meth:`save` just wrote under ``d``, memory-mapped

@@ -20,6 +20,7 @@ read-only memory map (:meth:`Segment.load` with ``mmap=True``); nothing here wri
 from __future__ import annotations
 
 import json
+import mmap
 import sys
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -102,6 +103,11 @@ class Segment:
     def nbytes(self) -> tuple[int, int]:
         """``(array bytes, term dictionary bytes)``; see :attr:`terms_nbytes`."""
         return sum(int(getattr(self, n).nbytes) for n in _ARRAYS), self.terms_nbytes
+
+    def unmapped_nbytes(self) -> int:
+        """Bytes of the arrays held in anonymous memory: every array but a read-only map of a
+        file (:meth:`load`, :meth:`map_files`), whose pages the kernel may drop again."""
+        return sum(int(a.nbytes) for a in (getattr(self, n) for n in _ARRAYS) if not _mapped(a))
 
     @cached_property
     def terms_nbytes(self) -> int:
@@ -313,3 +319,12 @@ def _interleave(n: int, dest: np.ndarray, old: np.ndarray, new: np.ndarray, dtyp
     out[~taken] = old
     out[dest] = new
     return out
+
+
+def _mapped(a: np.ndarray) -> bool:
+    """Whether ``a`` is (a view of) a memory map of a file."""
+    while a is not None:
+        if isinstance(a, mmap.mmap):
+            return True
+        a = getattr(a, "base", None)
+    return False
