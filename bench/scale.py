@@ -32,7 +32,9 @@ RSS of the server process tree (sampled every 0.5 s on a thread: the high-water 
 ingest and queries, ``rss_peak_bytes``; after the queries; and after the restart, without what
 ingest left allocated; after the queries and after the restart also its anonymous part,
 ``rss_anon_bytes`` / ``rss_anon_after_restart_bytes``, without the clean pages of the mapped
-snapshot files, :func:`tree_rss_anon`), the shards' bytes by component (``Stats``) in total and per chunk,
+snapshot files, :func:`tree_rss_anon`; and once settled after the queries, ``rss_settled_bytes`` /
+``rss_anon_settled_bytes``: no merge pending and no merged segment held only in memory, the
+snapshot that maps it written, ``settled_after_passes_s`` later), the shards' bytes by component (``Stats``) in total and per chunk,
 snapshot bytes, restart-to-READY seconds, and the seconds spent deriving the corpus and in the
 whole size. Derived chunks are generated one stream at a time as the ingest consumes them. The
 figures so far are rewritten to ``--out`` (default ``bench/out/scale.json``) after every step and
@@ -204,11 +206,15 @@ def _caught_up(c, poll_s: float = 0.2) -> float:
     return time.perf_counter() - t
 
 
-def _settled(c, poll_s: float = 0.5, limit_s: float = 900.0) -> float:
+def _settled(c, poll_s: float = 0.5, limit_s: float = 900.0, unsaved: bool = False) -> float:
     """Seconds until no shard has a BM25 merge pending (``ShardStats.merge_pending``, 0 at once
-    for a server without the field) nor deferred HNSW inserts (at most ``limit_s``)."""
+    for a server without the field) nor deferred HNSW inserts (at most ``limit_s``); with
+    ``unsaved`` also until none holds the 64 MiB of merged segment only in memory that make the
+    server take a snapshot (``segment_unsaved_bytes``: the snapshot then maps it), i.e. the
+    state a served corpus stays in once writes stopped."""
     t = time.perf_counter()
-    while any(getattr(s, "merge_pending", 0) or getattr(s, "ann_pending", 0) for s in c.stats().shards):
+    while any(getattr(s, "merge_pending", 0) or getattr(s, "ann_pending", 0)
+              or (unsaved and getattr(s, "segment_unsaved_bytes", 0) >= 64 << 20) for s in c.stats().shards):
         if time.perf_counter() - t > limit_s:
             break
         time.sleep(poll_s)
@@ -300,6 +306,12 @@ def run_size(a, size: int, kind: str, snap: dict, q, save) -> dict:
                 lat["interleaved"].append(ask(text, v, "hybrid")[1])
                 ask(text, v, "full_hybrid")
             rss, rss_anon = tree_rss(srv.proc.pid), tree_rss_anon(srv.proc.pid)
+            # the state it stays in: no merge pending, no merged segment only in memory (a snapshot
+            # running when the passes ended holds old and new parts: rss_bytes then reads 2-4 GB more)
+            settle_s = _settled(c, unsaved=True, limit_s=600.0)
+            time.sleep(2.0)  # (the replaced arrays are freed on the shards' drop threads)
+            res.update(rss_settled_bytes=tree_rss(srv.proc.pid), rss_anon_settled_bytes=tree_rss_anon(srv.proc.pid),
+                       settled_after_passes_s=round(settle_s, 1))
         recall = [len(set(h) & set(f)) / max(1, len(f)) for h, f in zip(tops["hybrid"], tops["full_hybrid"])]
         res.update({"retrieve_p50_ms": round(percentile(lat["hybrid"], 50), 2),
                     "retrieve_p95_ms": round(percentile(lat["hybrid"], 95), 2),

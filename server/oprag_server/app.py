@@ -198,7 +198,7 @@ class Runtime:
         got, missing = await self.pool.gather_partial(Op.STATS, StatsRequest())
         shards = [{"shard": r.shard, "documents": r.documents, "chunks": r.chunks,
                    "memory_records": r.memory_records, "applied_seq": r.applied_seq, "bytes": r.nbytes or {}, "ann_pending": getattr(r, "ann_pending", 0),
-                   "merge_pending": getattr(r, "merge_pending", 0)}
+                   "merge_pending": getattr(r, "merge_pending", 0), "segment_unsaved": getattr(r, "segment_unsaved", 0)}
                   for _, r in sorted(got.items())]
         return {
             **{k: sum(s[k] for s in shards) for k in ("documents", "chunks", "memory_records")},
