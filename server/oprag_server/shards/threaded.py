@@ -153,7 +153,6 @@ class ThreadTransport(ShardTransport):
         ready = state.stats(StatsRequest(lexical=True))
         ready.replayed = replayed
         self.state, self._table = state, op_table(state)
-        self._exec.submit(self._idle)  # (queued after this load: HNSW inserts a replay left)
         return ready
 
     def ready(self, loop: asyncio.AbstractEventLoop, timeout_s: float) -> StatsReply:
@@ -165,6 +164,7 @@ class ThreadTransport(ShardTransport):
         except Exception as exc:  # noqa: BLE001 - as a shard process reports a failed start
             raise ShardError(f"shard {self.shard_id} failed to start: {type(exc).__name__}: {exc}") from exc
         self.loop, self._alive = loop, True
+        self._kick()  # (HNSW inserts a replay left)
         return res
 
     def _run(self, op: Op, request: Any) -> tuple[bool, Any]:
