@@ -198,25 +198,24 @@ class ThreadTransport(ShardTransport):
                 pass
 
     def _idle(self) -> None:
-        """(On the shard's thread) one step of a shard process's idle work between requests
-        (:func:`.worker.run`), unless a request waits or a snapshot is being written: a BM25 merge
-        due now (:meth:`~.state.ShardState.idle_step`), else deferred HNSW inserts
-        (:meth:`~.state.ShardState.background_step`); again while work is left, or when the quiet
-        time before a merge ends (one timer)."""
+        """(On the shard's thread) one step of a shard process's idle work (:func:`.worker.run`) unless a request
+        waits or a snapshot is being written: a BM25 merge due now, else deferred HNSW inserts; again while work is
+        left, or when a merge's quiet time ends (one loop timer). A failure is logged; the next request retries."""
         with self._gate:
             self._idle_queued = False
             if self._queued or self._held is not None or self.state is None:
                 return  # (the request's end, or the snapshot's release, kicks again)
-        state, wait = self.state, self.state.idle_wait()
-        if wait == 0.0 or (state.store.dense.pending and not state.txns.prepared):
-            state.idle_step() if wait == 0.0 else state.background_step()
-            self._kick()
-        elif wait is not None and self.loop is not None and not self._timer:
-            self._timer = True
-            try:
+        state = self.state
+        try:
+            wait = state.idle_wait()
+            if wait == 0.0 or (state.store.dense.pending and not state.txns.prepared):
+                state.idle_step() if wait == 0.0 else state.background_step()
+                self._kick()
+            elif wait is not None and self.loop is not None and not self._timer and not self.loop.is_closed():
+                self._timer = True
                 self.loop.call_soon_threadsafe(self.loop.call_later, wait, self._kick, True)
-            except RuntimeError:  # the loop closed
-                self._timer = False
+        except Exception:  # noqa: BLE001 - never let idle work stop the shard's thread
+            traceback.print_exc()
 
     #: answers into a :class:`~.gather.Slot` (``call(..., into=slot)``): see :meth:`ShardPool.gather_partial`
     joins = True
