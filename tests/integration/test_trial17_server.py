@@ -101,3 +101,31 @@ def test_http_retrieve_takes_the_ann_knobs_as_grpc_does(hnsw_server):
     bad = requests.post(url, timeout=30, json={"query": "beacon", "nprobe": 70000})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "nprobe", bad.text
     assert "nprobe must be in [0, 65536], got 70000" in bad.json()["error"]["message"]
+
+
+def test_thread_shards_do_their_idle_work(tmp_path_factory):
+    """With --shard-workers thread nothing ran a shard's idle work: ingested HNSW vectors stayed in
+    the exactly scanned tail for good (``ann_pending`` 300 a minute later; up to --ann-tail, 131,072
+    by default, per shard) and no idle BM25 merge ran (``merge_pending`` stayed), where a shard
+    process inserts them between requests and merges once writes are quiet for 5 s."""
+    import numpy as np
+
+    from oprag_client.client import Doc, OpRAGClient
+    from oprag_client.testing import wait_until
+
+    srv = _started(tmp_path_factory, "--shard-workers", "thread", "--dense-index", "hnsw")
+    try:
+        vecs = np.random.default_rng(7).standard_normal((600, 384)).astype(np.float32)
+        with OpRAGClient(srv.target, timeout=120) as c:
+            c.ingest([Doc(f"d{i}", f"harbour light number {i}", vector=vecs[i]) for i in range(600)])
+            first = c.retrieve("harbour", query_vector=vecs[5].tolist(), mode="dense", top_k=3)
+
+            def settled():
+                shards = c.stats().shards
+                return all(s.ann_pending == 0 and s.merge_pending == 0 for s in shards)
+
+            assert wait_until(settled, timeout=60, interval=0.5), [(s.ann_pending, s.merge_pending) for s in c.stats().shards]
+            again = c.retrieve("harbour", query_vector=vecs[5].tolist(), mode="dense", top_k=3)
+            assert [(h.doc_id, h.score) for h in again.hits] == [(h.doc_id, h.score) for h in first.hits]
+    finally:
+        srv.stop()

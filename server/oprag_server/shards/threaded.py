@@ -23,6 +23,9 @@ helper thread waits for the BM25 merge and the writer thread in between, and mea
 ops (:data:`.state.READS`) are served as they come while every other request is held, in order,
 until the SNAPSHOT is answered (a query no longer waits for the whole snapshot; snap15).
 
+Between requests the shard's thread does a shard process's idle work (:meth:`ThreadTransport._idle`;
+trial17 found it missing: deferred HNSW inserts stayed outside the graph, idle BM25 merges never ran).
+
 Failure semantics differ from processes: a thread cannot be killed. :meth:`ThreadTransport.kill`
 marks the shard down (pending calls fail with :class:`~.transport.ShardError`) and waits for
 the operation in progress to end before a replacement loads the snapshot and log; a fault
@@ -121,6 +124,8 @@ class ThreadTransport(ShardTransport):
         self._gate = threading.Lock()  # guards _held, _driver
         self._held: list[tuple] | None = None  # while a snapshot is written: the requests it holds, in order
         self._driver: threading.Thread | None = None  # the helper thread of the snapshot being written
+        self._queued = 0  # requests submitted and not yet started (idle work waits for none); under _gate
+        self._idle_queued = self._timer = False  # an idle step queued on the shard's thread; a timer set
 
     @classmethod
     def of(cls, state: ShardState) -> "ThreadTransport":
@@ -159,10 +164,13 @@ class ThreadTransport(ShardTransport):
         except Exception as exc:  # noqa: BLE001 - as a shard process reports a failed start
             raise ShardError(f"shard {self.shard_id} failed to start: {type(exc).__name__}: {exc}") from exc
         self.loop, self._alive = loop, True
+        self._kick()  # (HNSW inserts a replay left)
         return res
 
     def _run(self, op: Op, request: Any) -> tuple[bool, Any]:
-        """(On the shard's thread) one operation: ``(True, reply)`` or ``(False, error text)``."""
+        """(On the shard's thread) one operation: ``(True, reply)`` or ``(False, error text)``; then :meth:`_kick`."""
+        with self._gate:
+            self._queued -= 1
         try:
             if op not in ZERO_COPY:
                 request = pickle.loads(pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL))
@@ -174,6 +182,40 @@ class ThreadTransport(ShardTransport):
             if not isinstance(exc, StorageWriteError):
                 traceback.print_exc()
             return False, f"{type(exc).__name__}: {exc}"
+        finally:
+            self._kick()
+
+    def _kick(self, timer: bool = False) -> None:
+        """Queue one :meth:`_idle` on the shard's thread unless one is queued (``timer``: the timer fired)."""
+        with self._gate:
+            self._timer = self._timer and not timer
+            if self._idle_queued or not self._alive or self._exec is None:
+                return
+            try:
+                self._exec.submit(self._idle)
+                self._idle_queued = True
+            except RuntimeError:  # shut down
+                pass
+
+    def _idle(self) -> None:
+        """(On the shard's thread) one step of a shard process's idle work (:func:`.worker.run`) unless a request
+        waits or a snapshot is being written: a BM25 merge due now, else deferred HNSW inserts; again while work is
+        left, or when a merge's quiet time ends (one loop timer). A failure is logged; the next request retries."""
+        with self._gate:
+            self._idle_queued = False
+            if self._queued or self._held is not None or self.state is None:
+                return  # (the request's end, or the snapshot's release, kicks again)
+        state = self.state
+        try:
+            wait = state.idle_wait()
+            if wait == 0.0 or (state.store.dense.pending and not state.txns.prepared):
+                state.idle_step() if wait == 0.0 else state.background_step()
+                self._kick()
+            elif wait is not None and self.loop is not None and not self._timer and not self.loop.is_closed():
+                self._timer = True
+                self.loop.call_soon_threadsafe(self.loop.call_later, wait, self._kick, True)
+        except Exception:  # noqa: BLE001 - never let idle work stop the shard's thread
+            traceback.print_exc()
 
     #: answers into a :class:`~.gather.Slot` (``call(..., into=slot)``): see :meth:`ShardPool.gather_partial`
     joins = True
@@ -211,6 +253,7 @@ class ThreadTransport(ShardTransport):
             cf = self._snapshot(request)
         else:
             cf = self._exec.submit(self._run, op, request)
+            self._queued += 1
         cf.add_done_callback(lambda f: self._done(fut, f))
 
     def _snapshot(self, request: Any) -> Future:
@@ -241,6 +284,7 @@ class ThreadTransport(ShardTransport):
             out = (False, f"{type(exc).__name__}: {exc}")
         cf.set_result(out)
         self._release()
+        self._kick()  # (idle work waited for the snapshot)
 
     def _on_shard(self, fn):
         """Run ``fn`` on the shard's thread, after the requests queued before it; its result.
