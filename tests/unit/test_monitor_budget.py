@@ -34,11 +34,13 @@ class _SlowExact:
     """A retriever whose exact re-run takes ``cost`` seconds and returns the hits it was given."""
 
     def __init__(self, cost):
-        self.cost, self.calls = cost, 0
+        self.cost, self.calls, self.longest = cost, 0, 0.0
 
     async def retrieve(self, vecs, texts, specs):
         self.calls += 1
+        t = time.monotonic()
         await asyncio.sleep(self.cost)
+        self.longest = max(self.longest, time.monotonic() - t)  # (a loaded machine's sleep runs over)
         return [[SimpleNamespace(chunk_id="a")] for _ in specs], {}, []
 
 
@@ -64,10 +66,11 @@ def test_reruns_stop_when_they_exceed_the_time_budget():
             mon.sample([_job()])
             await asyncio.sleep(0.01)  # a query every 10 ms
         await asyncio.gather(*mon.tasks)
-        return ex.calls, metrics.pruning_checks_skipped.n, mon
+        return ex.calls, metrics.pruning_checks_skipped.n, mon, ex.longest
 
-    calls, skipped, mon = asyncio.run(run(0.05))  # each re-run costs 5 queries: far over 2%
-    assert calls >= 1 and skipped > calls
-    assert mon._spent <= PruningMonitor.BUDGET * 0.6 + 0.05 + 1e-3  # at most one re-run past the budget
-    calls_cheap, _, _ = asyncio.run(run(0.0))  # free re-runs: every sample checked
+    calls, skipped, mon, longest = asyncio.run(run(0.05))  # each re-run costs 5 queries: far over 2%
+    # the first re-run (>= 50 ms) is already past 2% of the 0.6 s: no second one
+    assert calls == 1 and skipped > calls
+    assert mon._spent <= PruningMonitor.BUDGET * 0.6 + longest + 1e-3  # at most one re-run past the budget
+    calls_cheap, _, _, _ = asyncio.run(run(0.0))  # free re-runs: every sample checked
     assert calls_cheap > 20 * calls
