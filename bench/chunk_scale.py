@@ -18,6 +18,11 @@ whatever ``oprag_server`` that path holds, so an old checkout can be timed side 
 
 Prints one line per (kind, size): seconds, characters per second, chunks; ``--json`` adds one
 JSON line at the end. ``--check`` also verifies the module docstring's invariants on each result.
+
+``--serve-chars N`` instead ingests one ``para`` document of N characters (one paragraph, with a
+unique marker word every ~2,000 characters) into a real server (``--generator none``) with a
+600 s deadline, and checks that it is acknowledged with as many chunks as the chunker gives and
+that a lexical search for each of 40 sampled markers finds the chunk holding it.
 """
 
 from __future__ import annotations
@@ -85,6 +90,46 @@ def check(chunker, text: str, spans) -> None:
     assert not text[pos:].strip()
 
 
+def serve(n: int) -> dict:
+    """End-to-end: one ``n``-character single-paragraph document through a real server."""
+    import tempfile
+
+    from oprag_client.client import Doc, OpRAGClient
+    from oprag_server.models.encoder import resolve_encoder_path
+    from oprag_server.operators.chunking import Chunker
+
+    from ._common import start_server
+
+    words = make_text("para", n).split(" ")
+    step = max(1, len(words) // (n // 2000))
+    markers = {}
+    for k, i in enumerate(range(0, len(words), step)):
+        words[i] = markers[i] = f"zqx{k:05d}marker"
+    text = " ".join(words)
+    expect = Chunker.for_model(resolve_encoder_path("minilm"), 256, 256).chunks(text)
+    with tempfile.TemporaryDirectory() as d:
+        srv = start_server(Path(d), "--generator", "none")
+        try:
+            with OpRAGClient(srv.target, timeout=600) as c:
+                t0 = time.perf_counter()
+                r = c.ingest([Doc("big", text)], timeout=600)
+                took = time.perf_counter() - t0
+                rng = random.Random(1)
+                sample = rng.sample(sorted(markers.values()), min(40, len(markers)))
+                found = 0
+                for m in sample:
+                    hits = c.retrieve(m, top_k=3, mode="lexical").hits
+                    found += any(m in h.text.split() for h in hits)
+        finally:
+            srv.stop()
+    out = {"chars": len(text), "bytes": len(text.encode()), "ingest_s": round(took, 1),
+           "chunks_written": r.chunks_written, "chunks_expected": len(expect), "chunks_split": r.chunks_split,
+           "markers_found": found, "markers_sampled": len(sample)}
+    print(out, file=sys.stderr)
+    assert r.documents_written == 1 and r.chunks_written == len(expect) and found == len(sample), out
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="65536,262144,1048576")
@@ -93,7 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--serve-chars", type=int, default=0, help="end-to-end through a real server instead")
     a = ap.parse_args(argv)
+    if a.serve_chars:
+        out = serve(a.serve_chars)
+        if a.json:
+            print(json.dumps({"bench": "chunk_scale.serve", **out}))
+        return 0
     from oprag_server.models.encoder import resolve_encoder_path
     from oprag_server.operators import chunking
 
