@@ -345,7 +345,7 @@ def test_should_stop_between_windows(minilm):
 
 def test_cjk_without_punctuation_is_linear(minilm):
     """CJK without spaces or punctuation was quadratic (base: 4.6 s at 64 K, 93 s at 256 K
-    characters, about 37 s at 200 K, on a 2-core machine); windowed it runs at ~45 K characters/s
+    characters, ~35 s at 200 K extrapolated, on a 2-core machine); windowed it runs at ~45 K characters/s
     (4.5 s here, a bound of 15 s CPU leaves room for a loaded machine)."""
     _, chunker = minilm
     text = _text("cjk0", 200_000)
