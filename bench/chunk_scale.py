@@ -37,9 +37,8 @@ import time
 from pathlib import Path
 
 # the project's shared/ folder beside the repository (or beside its worktree folder); OPRAG_WIKITEXT overrides
-WIKI = Path(os.environ.get("OPRAG_WIKITEXT") or next(
-    (p for p in (Path(__file__).resolve().parents[k] / "shared" / "data" / "wikitext-2" / "valid.txt" for k in (1, 2, 3))
-     if p.exists()), "valid.txt"))
+_CANDIDATES = [Path(__file__).resolve().parents[k] / "shared" / "data" / "wikitext-2" / "valid.txt" for k in (1, 2, 3)]
+WIKI = Path(os.environ.get("OPRAG_WIKITEXT") or next((p for p in _CANDIDATES if p.exists()), "valid.txt"))
 KINDS = ("para", "wiki1", "paras", "wiki", "word", "cjk", "cjk0")
 
 
