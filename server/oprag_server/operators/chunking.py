@@ -32,7 +32,8 @@ this project's 2-core machine, MiniLM at 256 tokens: CJK without spaces or punct
 :data:`WINDOW_CHARS` characters, each ending at the strongest boundary in its last half -- a
 paragraph break (``"\n\n"``), else a line break, else a sentence end (``.!?`` before whitespace,
 or ``。！？｡．``), else whitespace, else a grapheme cluster boundary (the splitter's own, found
-on the window's last 1,024 characters) -- and each window is chunked by the same splitter, its
+on the window's last 1,024 characters; a single cluster longer than 256 code points is cut between
+code points, as the splitter cuts it too) -- and each window is chunked by the same splitter, its
 spans offset. Texts up to the threshold get exactly the chunks of one call. Every guarantee above
 holds for windowed texts too (a window edge is a chunk edge, and the windows cover the text), but
 chunk boundaries near a window's edge can differ from what one unwindowed call would give (a
