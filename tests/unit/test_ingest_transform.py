@@ -67,7 +67,7 @@ def test_safety_net_splits_what_still_does_not_fit(encoder):
     """Should the chunker ever return a piece over the window, it is split, counted, not truncated."""
     p = _pipeline(encoder)
     long = " ".join(str(i % 10) for i in range(600))
-    p.chunker = SimpleNamespace(chunks=lambda text: [text])  # a chunker that does not cut
+    p.chunker = SimpleNamespace(chunks=lambda text, should_stop=None: [text])  # a chunker that does not cut
     res = IngestResult()
     chunks = p._transform([_Doc(0, "digits", "", long, {}, 1)], res)
     assert res.chunks_split == len(chunks) > 1 and p.metrics.chunks_split._value.get() == res.chunks_split
@@ -100,3 +100,50 @@ def test_title_over_its_limit_is_rejected_with_what_to_change():
     for title in ("t" * (lim.max_title_bytes + 1), "\U0001f993" * (lim.max_title_bytes // 4 + 1)):
         reason = validate_document(_doc("body", title=title), lim)
         assert reason is not None and f"the limit is {lim.max_title_bytes}" in reason and "shorten the title" in reason
+
+
+def test_a_cancelled_stream_stops_chunking_its_large_document_between_windows(encoder):
+    """A stream cancelled (client gone, deadline passed) while a large document is being chunked:
+    the chunking thread stops at its next window instead of running to the end unseen (the base
+    chunked 400 K characters of CJK without punctuation for minutes after the cancel)."""
+    import asyncio
+    import random
+    import threading
+
+    from oprag_client.client import Doc, ingest_messages
+
+    rng = random.Random(5)
+    text = "".join(chr(rng.randint(0x4E00, 0x9FFF)) for _ in range(400_000))
+    p = _pipeline(encoder)
+    real, windows, done = p.chunker.spans, [], threading.Event()
+
+    def spy(t, should_stop=None):
+        def counted() -> bool:
+            windows.append(1)
+            return bool(should_stop and should_stop())
+        try:
+            return real(t, counted)
+        finally:
+            done.set()
+
+    p.chunker.spans = spy
+
+    async def go() -> bool:
+        async def messages():
+            for msg in ingest_messages([Doc("big", text)]):
+                yield msg
+            await asyncio.sleep(3600)  # the client neither ends nor leaves: it is cancelled below
+
+        task = asyncio.create_task(p._pipeline(messages(), "t"))
+        for _ in range(3000):
+            if len(windows) >= 2 or done.is_set():
+                break
+            await asyncio.sleep(0.01)
+        task.cancel()
+        stopped = await asyncio.to_thread(done.wait, 10)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return stopped
+
+    assert asyncio.run(go())  # stopped within 10 s (a window takes ~0.4 s; the whole text ~9 s)
+    assert len(windows) < 20

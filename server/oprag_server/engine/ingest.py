@@ -30,9 +30,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,6 +150,9 @@ class IngestPipeline:
         q_vecs: asyncio.Queue = asyncio.Queue(depth)
         busy = {"load": 0.0, "transform": 0.0, "embed": 0.0, "upsert": 0.0}
         loop = asyncio.get_running_loop()
+        # set when the stream fails or is cancelled (deadline, client gone): a chunking thread then
+        # stops at its next window (Chunker.spans) instead of finishing a large document unseen
+        stop = threading.Event()
 
         async def load() -> None:
             nonlocal final_seen
@@ -200,7 +204,7 @@ class IngestPipeline:
                 if all(d.supplied for d in docs):  # hashes only (~2 us a chunk): no thread hop
                     chunks = self._transform(docs, res)
                 else:
-                    chunks = await loop.run_in_executor(None, self._transform, docs, res)
+                    chunks = await loop.run_in_executor(None, self._transform, docs, res, stop.is_set)
                 await self._reuse_vectors(chunks, res)
                 busy["transform"] += time.perf_counter() - t
                 if chunks:
@@ -279,15 +283,16 @@ class IngestPipeline:
                 await asyncio.gather(*[f for held in flying.values() for f in held], return_exceptions=True)
 
         stages = (load, transform, embed, upsert)
-        if self.cfg.barriers:
-            for stage in stages:
-                await stage()
-            tasks = []
-        else:
-            tasks = [asyncio.create_task(c()) for c in stages]
+        tasks = []
         try:
+            if self.cfg.barriers:
+                for stage in stages:
+                    await stage()
+            else:
+                tasks = [asyncio.create_task(c()) for c in stages]
             await asyncio.gather(*tasks)
         except BaseException:
+            stop.set()
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -305,8 +310,10 @@ class IngestPipeline:
         self.metrics.stage_seconds.labels(stage="transform").observe(busy["transform"])
         return res
 
-    def _transform(self, docs: list[_Doc], res: IngestResult) -> list[_Chunk]:
-        """Chunk and tokenise (runs in a CPU thread).
+    def _transform(self, docs: list[_Doc], res: IngestResult,
+                   should_stop: Callable[[], bool] | None = None) -> list[_Chunk]:
+        """Chunk and tokenise (runs in a CPU thread; ``should_stop`` as :meth:`Chunker.spans`:
+        a large document's chunking stops between windows, raising ``ChunkingStopped``).
 
         The chunker already keeps every chunk within the embedder's window; a chunk that still
         tokenises longer (not expected: the chunker counts with the same tokenizer) is split at
@@ -314,7 +321,7 @@ class IngestPipeline:
         """
         out: list[_Chunk] = [_Chunk(d, o, text, [], hashlib.sha256(text.encode()).hexdigest(), v)
                              for d in docs if d.supplied for o, (text, v) in enumerate(d.supplied)]
-        pieces = [(d, p) for d in docs if not d.supplied for p in self.chunker.chunks(d.text)]
+        pieces = [(d, p) for d in docs if not d.supplied for p in self.chunker.chunks(d.text, should_stop)]
         if not pieces:
             return out
         ids = self.encoder.tokenize([p for _, p in pieces])
