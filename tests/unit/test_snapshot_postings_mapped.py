@@ -100,6 +100,8 @@ def test_stats_report_the_segment_bytes_no_snapshot_holds(tmp_path):
     st.store.postings.merge()
     built = st.store.postings.segment.nbytes()[0]
     assert built > 0 and st.stats().segment_unsaved == built
+    st.store.postings.save(tmp_path / "written-not-adopted", merge=False)  # a snapshot still being written
+    assert st.stats().segment_unsaved == built
     st.snapshot()
     assert st.stats().segment_unsaved == 0
     st.store.delete(["d3"], 2)

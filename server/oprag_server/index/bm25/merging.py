@@ -261,8 +261,10 @@ class MergeMixin:
     #: (weak reference to the segment, directory) of the last :meth:`_save_segment` that wrote the
     #: segment as it is (not renumbered), for :meth:`adopt_files`; None: none
     _saved: tuple | None = None
-    #: weak reference to the segment the last :meth:`_save_segment` wrote (renumbered or not)
+    #: weak reference to the segment the last complete snapshot holds (renumbered or not): the
+    #: one the last :meth:`_save_segment` wrote (``_writing``), once :meth:`adopt_files` is called
     _written: weakref.ref | None = None
+    _writing: weakref.ref | None = None
 
     def _save_segment(self, d: Path) -> list[Path]:
         """Write the segment under ``d``, slots renumbered ``0..n-1`` (a load's). :returns: the files."""
@@ -270,14 +272,15 @@ class MergeMixin:
         out = seg.renumbered()
         files = out.save(d)
         self._saved = (weakref.ref(seg), Path(d)) if out is seg else None
-        self._written = weakref.ref(seg)
+        self._writing = weakref.ref(seg)
         return files
 
     def unsaved_nbytes(self) -> int:
         """Bytes of the segment held in anonymous memory that no snapshot holds: a segment a
         merge built since the last :meth:`save` (an idle merge after an ingest: ~700 MB per
         1M-chunk shard). 0 for a segment the last save wrote (mapped by :meth:`adopt_files`, or
-        renumbered in its files and so kept) or one mapped from its files (a load). The frontend
+        renumbered in its files and so kept) once that snapshot is complete (:meth:`adopt_files`;
+        not while it is written, when the shard holds the most), or one mapped from its files (a load). The frontend
         takes a snapshot when a shard reports enough (``Runtime._snapshot_loop``), after which
         :meth:`adopt_files` serves it from the files."""
         seg, w = self._seg, self._written
@@ -302,6 +305,7 @@ class MergeMixin:
             free off the request loop; empty when nothing was adopted.
         """
         saved, self._saved = self._saved, None
+        self._written, self._writing = self._writing, None  # (the snapshot is complete: it holds that segment)
         if saved is None or saved[0]() is not self._seg or saved[1] != Path(d) or self.merging:
             return []
         old = self._seg.map_files(Path(d))
