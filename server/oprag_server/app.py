@@ -64,7 +64,7 @@ class Runtime:
         self.corpus_stats = CorpusStats()
         self.analyzer = Analyzer(stem=cfg.bm25.stem)
         self.lock = RWLock()
-        self.commits = CommitProtocol(self.pool, self.corpus_stats, self.lock, on_left_committed=self.mark_dirty,
+        self.commits = CommitProtocol(self.pool, self.corpus_stats, self.lock, on_apply=self.mark_dirty,
                                       metrics=self.metrics)
         self._last_gen = 0
         self._dirty = False
@@ -207,16 +207,13 @@ class Runtime:
         }
 
     async def commit(self, txn: str, kind: str, doc_ids: list[str] | None = None) -> tuple[int, list[ApplyReply]]:
-        """Two-phase commit on every shard (see :meth:`CommitProtocol.commit`)."""
-        res = await self.commits.commit(txn, kind, doc_ids)
-        self.mark_dirty()
-        return res
+        """Two-phase commit on every shard (see :meth:`CommitProtocol.commit`; it marks the shards
+        dirty for the snapshot loop, also when the caller left after the commit point)."""
+        return await self.commits.commit(txn, kind, doc_ids)
 
     async def delete(self, doc_ids: list[str]) -> tuple[int, int, int]:
         """:returns: ``(documents deleted, chunks deleted, sequence number)``."""
-        res = await self.commits.delete(doc_ids)
-        self.mark_dirty()
-        return res
+        return await self.commits.delete(doc_ids)
 
     async def snapshot(self) -> None:
         """Snapshot every shard; then the commit log is no longer needed for recovery.

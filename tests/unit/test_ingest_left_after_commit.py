@@ -49,7 +49,7 @@ async def _cancel_at(op: Op):
         return await real_call(o, req)
 
     client.call = held
-    cp.on_left_committed = lambda: applied.append(cp.seq)  # (Runtime: mark_dirty, for the snapshot loop)
+    cp.on_apply = lambda: applied.append(cp.seq)  # (Runtime: mark_dirty, for the snapshot loop)
     applied: list[int] = []
     task = asyncio.create_task(p.run(messages()))
     await asyncio.wait_for(reached.wait(), 30)

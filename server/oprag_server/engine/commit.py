@@ -56,8 +56,8 @@ class CommittedAfterLeave(asyncio.CancelledError):
 class CommitProtocol:
     """Two-phase commit over ``pool``; ``stats`` (the frontend's corpus-global BM25 statistics)
     take every applied delta; ``lock`` is the index lock (write side held per commit);
-    ``on_left_committed()`` is called for a transaction committed after its caller was cancelled
-    (the caller, who would have done what follows a commit, is gone; Runtime: ``mark_dirty``).
+    ``on_apply()`` is called once each committed transaction is applied on every shard, also when
+    its caller left after the commit point (Runtime: ``mark_dirty``, for the snapshot loop).
     ``metrics`` (:class:`~..service.metrics.Metrics`, optional): a write whose caller was
     cancelled (deadline passed, client left) counts in ``oprag_writes_after_caller_left_total``
     by kind (``upsert``, ``delete``) and outcome (``applied``: committed whole; ``aborted``:
@@ -68,10 +68,10 @@ class CommitProtocol:
     """
 
     def __init__(self, pool: ShardPool, stats: CorpusStats, lock: RWLock,
-                 on_left_committed: Callable[[], None] | None = None, metrics: Any = None) -> None:
+                 on_apply: Callable[[], None] | None = None, metrics: Any = None) -> None:
         self.pool = pool
         self.metrics = metrics
-        self.on_left_committed = on_left_committed
+        self.on_apply = on_apply
         self.stats = stats
         self.lock = lock
         # held by a commit before the write lock and by a snapshot (app.Runtime.snapshot) for its
@@ -185,8 +185,6 @@ class CommitProtocol:
                     pass
             if not task.cancelled() and task.exception() is None:
                 self._count_left(kind, "applied")
-                if self.on_left_committed is not None:
-                    self.on_left_committed()
                 raise CommittedAfterLeave(task.result()) from None
             self._count_left(kind, "aborted")
             raise
@@ -226,6 +224,8 @@ class CommitProtocol:
             for r in replies:
                 self.stats.apply_delta(*r.delta)
             self.applied_seq = max(self.applied_seq, seq)
+            if self.on_apply is not None:  # (also when the caller left after the commit point)
+                self.on_apply()
         async with self._applied:  # wake wait_applied callers
             self._applied.notify_all()
         return seq, replies
