@@ -258,21 +258,18 @@ class MergeMixin:
         self.last_merge_s = build_s
         self.last_swap_s = time.perf_counter() - t0
 
-    #: (weak reference to the segment, directory) of the last :meth:`_save_segment` that wrote the
-    #: segment as it is (not renumbered), for :meth:`adopt_files`; None: none
+    #: (weak reference to the segment, directory, whether written as it is: not renumbered) of the
+    #: last :meth:`_save_segment`, until the snapshot is complete (:meth:`adopt_files`); None: none
     _saved: tuple | None = None
-    #: weak reference to the segment the last complete snapshot holds (renumbered or not): the
-    #: one the last :meth:`_save_segment` wrote (``_writing``), once :meth:`adopt_files` is called
+    #: weak reference to the segment the last complete snapshot holds (renumbered or not)
     _written: weakref.ref | None = None
-    _writing: weakref.ref | None = None
 
     def _save_segment(self, d: Path) -> list[Path]:
         """Write the segment under ``d``, slots renumbered ``0..n-1`` (a load's). :returns: the files."""
         seg = self._seg
         out = seg.renumbered()
         files = out.save(d)
-        self._saved = (weakref.ref(seg), Path(d)) if out is seg else None
-        self._writing = weakref.ref(seg)
+        self._saved = (weakref.ref(seg), Path(d), out is seg)
         return files
 
     def unsaved_nbytes(self) -> int:
@@ -305,8 +302,8 @@ class MergeMixin:
             free off the request loop; empty when nothing was adopted.
         """
         saved, self._saved = self._saved, None
-        self._written, self._writing = self._writing, None  # (the snapshot is complete: it holds that segment)
-        if saved is None or saved[0]() is not self._seg or saved[1] != Path(d) or self.merging:
+        self._written = saved and saved[0]  # (the snapshot is complete: it holds that segment)
+        if not saved or not saved[2] or saved[0]() is not self._seg or saved[1] != Path(d) or self.merging:
             return []
         old = self._seg.map_files(Path(d))
         return [] if old is None else [*old, *listed_cache.take(self)]
