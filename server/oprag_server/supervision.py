@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
-import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -25,6 +23,7 @@ from grpc_health.v1 import health_pb2
 
 from .index.bm25 import CorpusStats
 from .shards.protocol import Op, StatsRequest
+from .shards.worker import exit_now
 
 log = logging.getLogger("oprag")
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -58,12 +57,7 @@ def stop_now(sig: int) -> None:
     log.warning("second %s during the shutdown: stopping now (acknowledged writes are in the "
                 "write-ahead logs; the next start replays them)", signal.Signals(sig).name)
     logging.shutdown()  # flush the log handlers
-    for f in (sys.stdout, sys.stderr):
-        try:
-            f.flush()
-        except Exception:  # noqa: BLE001 - nothing to report to any more
-            pass
-    os._exit(128 + int(sig))
+    exit_now(128 + int(sig))
 
 
 def dead_shards(pool: Any) -> list[int]:

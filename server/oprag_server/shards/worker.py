@@ -207,12 +207,19 @@ def run(shard_id: int, conn, dim: int, data_dir: str | None, stem: bool, committ
 
 def _gone() -> None:
     """The frontend hung up (the pipe closed) between requests: end the process now (see :func:`run`)."""
+    exit_now(0)
+
+
+def exit_now(status: int) -> None:
+    """Flush stdout and stderr, then end the process at once with ``status`` (``os._exit``: no
+    interpreter teardown; a shard whose frontend left, or the server's second stop signal,
+    :func:`oprag_server.supervision.stop_now`)."""
     for f in (sys.stdout, sys.stderr):
         try:
             f.flush()
         except Exception:  # noqa: BLE001 - nothing to report to any more
             pass
-    os._exit(0)
+    os._exit(status)
 
 
 #: how long the loop waits for a request while a snapshot is written beside it before it looks
