@@ -3,8 +3,9 @@ the hits equal a brute-force exact min-max over every eligible chunk (canonical 
 BM25 checked against rank_bm25 0.2.2 ``BM25Okapi``): same ids, fused scores, dense and BM25
 scores and reported ranks, with ties broken by chunk id. Two corpus generators (Zipf vocabulary;
 duplicated and nearly duplicated chunks), random weights (zeros included), filters and k; the
-approximate dense scores are also perturbed within their error bound. Mutants of the band (k - 1,
-ids ranked the wrong way, the error bound ignored) make the same comparison fail."""
+approximate dense scores are also perturbed within their error bound (BLAS and the flat index's int8
+scan, which exact mode reads). Mutants of the band (k - 1, ids ranked the wrong way, the error bound
+ignored, the canonical second pass left out) make the same comparison fail."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from test_retrieval import DIM, VOCAB
 from test_retrieval_ops import Corpus
 
 from oprag_server import records
-from oprag_server.index import kernels_band
+from oprag_server.index import kernels_band, kernels_scan
 from oprag_server.index.analyzer import Analyzer
 from oprag_server.index.dense import DenseIndex, fixed_order_dot
 from oprag_server.index.fusion import fuse_minmax
@@ -152,6 +153,79 @@ def test_one_round_stays_exact_when_approximate_scores_err(noise):
     assert _mismatches(**NOISY) == 0
 
 
+@pytest.fixture
+def i8_noise(monkeypatch):
+    """The flat index's int8 scan scores (what exact mode ranks by) moved by up to 45% of each
+    row's error bound, and a count of the scans (exact mode must read them, not a BLAS product)."""
+    orig, rng, calls = kernels_scan.Int8Rows.scores, np.random.default_rng(11), []
+
+    def scores(self, q, rows):
+        out = orig(self, q, rows)
+        calls.append(out.size)
+        bound = np.minimum(self.row_scale(q) * self.rb + 1e-12, self.error(q))  # (per row, as exact mode uses)
+        bound = bound if rows is None else bound[rows]
+        return (out + rng.uniform(-0.45, 0.45, out.shape) * bound).astype(np.float32)
+
+    monkeypatch.setattr(kernels_scan.Int8Rows, "scores", scores)
+    return calls
+
+
+def test_one_round_stays_exact_when_int8_scores_err(i8_noise):
+    assert _mismatches(**NOISY) == 0
+    assert len(i8_noise) > 0  # (exact mode and the hybrid scan read the int8 copy)
+
+
+def test_exact_mode_reads_the_int8_copy(i8_noise, monkeypatch):
+    def no_blas(self, queries):
+        raise AssertionError("full_hybrid over a flat index took the float32 product")
+
+    monkeypatch.setattr(DenseIndex, "score_all", no_blas)
+    assert _mismatches(range(2)) == 0
+    assert len(i8_noise) > 0
+
+
+def test_ignoring_the_int8_error_bound_fails(i8_noise, monkeypatch):
+    _mutant(monkeypatch, no_err=True)
+    assert _mismatches(**NOISY) > 0
+
+
+def test_leaving_out_the_canonical_second_pass_fails(i8_noise, monkeypatch):
+    """The second pass over the first's superset (which only makes the reply smaller) must rank by
+    the canonical scores: passing it the approximate ones with margin 0 fails."""
+    orig_band = kernels_band.band
+    seen = {}
+
+    def band(p1, p2, r, k, e2=0.0, tol=np.inf):
+        if e2 > 0.0:
+            seen["approx"] = np.asarray(p1, np.float64)
+            seen["pos"] = orig_band(p1, p2, r, k, e2, tol)
+            return seen["pos"]
+        if "pos" in seen and len(p1) == seen["pos"].size:  # the second pass: feed it the approximations
+            p1 = seen.pop("approx")[seen.pop("pos")]
+        return orig_band(p1, p2, r, k, e2, tol)
+
+    monkeypatch.setattr(kernels_band, "band", band)
+    assert _mismatches(**NOISY) > 0
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_band_of_the_kept_with_exact_scores_equals_the_band_of_all(seed):
+    """Exact mode's two passes: the band from approximate scores (within ``err``) keeps a
+    superset; the band over those with the exact scores keeps exactly what a band over every
+    chunk with the exact scores keeps (the relation is transitive)."""
+    rng = np.random.default_rng(1000 + seed)
+    n, k = int(rng.integers(1, 3000)), int(rng.integers(1, 20))
+    p1 = np.round(rng.normal(size=n), int(rng.integers(1, 4)))
+    p2 = np.where(rng.random(n) < rng.uniform(0.0, 0.9), 0.0, np.round(rng.gamma(2.0, size=n), int(rng.integers(0, 3))))
+    r = rng.permutation(n)
+    tol = [np.inf, 0.0, 0.05][seed % 3]
+    err = [1e-3, 1e-2, 0.2][seed % 3]
+    approx = p1 + rng.uniform(-err, err, n)
+    first = kernels_band.band(approx, p2, r, k, 2.000001 * err + 1e-12, tol)
+    second = first[kernels_band.band(p1[first], p2[first], r[first], k, 0.0, tol)]
+    assert second.tolist() == kernels_band.band(p1, p2, r, k, 0.0, tol).tolist()
+
+
 def _mutant(monkeypatch, **how):
     orig = kernels_band.band
 
@@ -227,3 +301,35 @@ def _margin_violations(scale: float, n: int = 20000) -> int:
 def test_a_bm25_gap_above_the_margin_fuses_strictly_higher():
     assert _margin_violations(1.0) == 0
     assert _margin_violations(1e-3) > 0  # a thousand times smaller is not enough
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_refine_top_with_per_element_bounds_equals_the_exact_ranking(seed):
+    """``refine_top`` with one bound per element (exact mode over the int8 scan) ranks as a full
+    sort of the exact scores (desc, id asc), ties and near-ties included, and scores only a
+    shortlist; bounds half as large as the real errors make it fail."""
+    from oprag_server.index.fusion import refine_top
+
+    rng = np.random.default_rng(500 + seed)
+    m, k = int(rng.integers(1, 2000)), int(rng.integers(1, 300))
+    exact = np.round(rng.normal(size=m), int(rng.integers(1, 4)))
+    bound = rng.uniform(0.0, 0.05, m) * (rng.random(m) < 0.9)
+    approx = exact + rng.uniform(-1.0, 1.0, m) * bound
+    ids = [f"c{i:05d}" for i in rng.permutation(m)]
+    seen = []
+    pos, ex = refine_top(approx, bound, lambda p: (seen.append(p.size), exact[p])[1], ids, k)
+    want = sorted(range(m), key=lambda i: (-exact[i], ids[i]))[:k]
+    assert pos.tolist() == want and ex.tolist() == exact[want].tolist()
+    assert sum(seen) <= m
+    if seed < 10:  # too small a bound: the same comparison can fail
+        bad = 0
+        for s in range(20):
+            r = np.random.default_rng(s)
+            e = r.normal(size=300)
+            b = r.uniform(0.0, 0.5, 300)
+            a = e + r.choice([-1.0, 1.0], 300) * b
+            p, _ = refine_top(a, b / 2, lambda p: e[p], list(range(300)), 10)
+            bad += p.tolist() != sorted(range(300), key=lambda i: (-e[i], i))[:10]
+        assert bad > 0
+    with pytest.raises(ValueError):
+        refine_top(approx, bound, lambda p: exact[p], ids, k, complete=False)

@@ -138,7 +138,8 @@ def refine_top(approx: np.ndarray, err: float, exact: Callable[[np.ndarray], np.
                *, complete: bool = True) -> tuple[np.ndarray, np.ndarray] | None:
     """Top-k by *exact* score (desc, chunk id asc) computing the exact score of a shortlist only.
 
-    :param approx: float[M] approximate scores, each within ``err`` of its exact score.
+    :param approx: float[M] approximate scores, each within ``err`` of its exact score (a float,
+        or float64[M]: one bound per element; then ``complete`` must be True, ValueError otherwise).
     :param exact: positions int64[S] -> float64[S] exact scores.
     :param chunk_ids: M chunk ids (list or object array) for the tie-break.
     :param complete: False when ``approx`` is only the top of a longer list (scores sorted
@@ -149,16 +150,25 @@ def refine_top(approx: np.ndarray, err: float, exact: Callable[[np.ndarray], np.
     Exact: with ``t`` the k-th largest approximate score, the k elements at or above ``t`` have
     exact scores >= ``t - err``, while any element with approximate score < ``t - 2 err`` has an
     exact score < ``t - err``: it cannot be in the top-k, so only the rest is scored exactly.
+    Per-element bounds: the same argument with ``t - err`` replaced by the k-th largest lower
+    bound ``approx_i - err_i``, and an element left out when ``approx_i + err_i`` is below it.
     """
     m = int(np.asarray(approx).size)
     kk = min(int(k), m)
     if kk <= 0:
         return np.zeros(0, np.int64), np.zeros(0, np.float64)
     a = np.asarray(approx, dtype=np.float64)
-    t = float(np.partition(a, m - kk)[m - kk])
-    if not complete and not a[-1] < t - 2.0 * err:
-        return None
-    short = np.flatnonzero(a >= t - 2.0 * err)
+    if np.ndim(err):  # per-element bounds: keep what can reach the k-th largest lower bound
+        if not complete:
+            raise ValueError("refine_top: per-element bounds need the complete list")
+        e = np.asarray(err, dtype=np.float64)
+        lam = float(np.partition(a - e, m - kk)[m - kk])
+        short = np.flatnonzero(a + e >= lam)
+    else:
+        t = float(np.partition(a, m - kk)[m - kk])
+        if not complete and not a[-1] < t - 2.0 * err:
+            return None
+        short = np.flatnonzero(a >= t - 2.0 * err)
     ex = np.asarray(exact(short), dtype=np.float64)
     order = np.asarray(top_k_order(ex, _Take(chunk_ids, short), kk), dtype=np.int64)
     return short[order], ex[order]
