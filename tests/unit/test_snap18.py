@@ -1,6 +1,7 @@
 """A shard snapshot's ``chunks.arrow`` is written as record batches of bounded size, each built,
 written and dropped (issue 13, snap18: one batch of every row was a ~0.85 GB copy of a 1M-chunk
-shard's texts at the snapshot's memory peak), and served back as one part per batch; a snapshot
+shard's texts at the snapshot's memory peak), and served back from the mapped file (one part, a chunk
+per batch, read from the Arrow buffers of every chunk); a snapshot
 whose stored fields did not change since the last one (the merge-only snapshot of an unsaved BM25
 segment) links the previous file instead of writing it. Round trips with deletes and replaces, a
 restart, a kill in the middle of the write, and the link surviving the sweep of its first
@@ -62,10 +63,10 @@ def test_a_multi_batch_snapshot_round_trips_with_deletes_replaces_and_a_restart(
     snap = d / (d / "CURRENT").read_text().strip()
     sizes = [b.num_rows for b in pa.ipc.open_stream(pa.memory_map(str(snap / "chunks.arrow")))]
     assert sizes == [64, 64, 64, 64, 14]  # bounded batches, slot order
-    assert len(st.store.fields._parts) == 5  # served as one part per batch
+    assert len(st.store.fields._parts) == 1 and st.store.fields._parts[0].column("text").num_chunks == 5
     assert _by_id(st) == want and _fetch_all(st) == fetched
     slots = st.store.fields.slots()
-    assert st.store.fields.hit_utf8(slots[[200, 3, 130, 64, 0]]) is not None  # rows of four parts, one reply
+    assert st.store.fields.hit_utf8(slots[[200, 3, 130, 64, 0]]) is not None  # rows of four batches, from the buffers
     # more writes on the mapped parts, a second snapshot, then a restart from it
     st.store.delete(["d0", "d299"], 500)
     st.store.upsert(pa.Table.from_batches([_batch(300, 330)]), 501)
@@ -74,7 +75,7 @@ def test_a_multi_batch_snapshot_round_trips_with_deletes_replaces_and_a_restart(
     st.txns.wal.close()
     again = ShardState(0, D, tmp_path)
     again.load(set())
-    assert _by_id(again) == want and len(again.store.fields._parts) == 5
+    assert _by_id(again) == want and again.store.fields._parts[0].column("text").num_chunks == 5
     assert _fetch_all(again) == _fetch_all(st)
 
 

@@ -4,8 +4,8 @@ Each applied batch adds a *part*: its fields columns (``chunk_id``, ``doc_id``, 
 ``text``, ``metadata``, ``ordinal``, ``generation``, ``content_hash``) copied out of the message
 (``take``: fresh buffers, so the message and its vectors are freed), or the columns of a
 snapshot's memory-mapped ``chunks.arrow`` as they are (file-backed pages: resident only once
-read; one part per record batch of the file: a snapshot writes batches of bounded size). A slot
-maps to ``(part, row)``; a removed slot maps to nothing and its row stays in its
+read; a snapshot writes it as record batches of bounded size, read as one part whose columns
+have a chunk per batch, :class:`.strcols.StrColumn`). A slot maps to ``(part, row)``; a removed slot maps to nothing and its row stays in its
 part until :meth:`StoredFields.maybe_compact` rewrites the parts (once dead rows are half the
 live ones). Fields are read for the final hits only (:meth:`StoredFields.records`), a few ``take``
 calls per request.
@@ -59,8 +59,7 @@ class StoredFields:
         """Store rows ``rows`` of ``table`` (schema :func:`..records.chunk_schema`, the vector
         column ignored) under ``slots`` (int, ascending, new).
 
-        :param copy: False keeps the table's buffers (a memory-mapped snapshot file: one part per
-            record batch); True copies the rows out (``take``), so nothing else of the table stays alive.
+        :param copy: False keeps the table's buffers (a memory-mapped snapshot file); True copies the rows out (``take``), so nothing else of the table stays alive.
         """
         if not slots:
             return
@@ -76,21 +75,11 @@ class StoredFields:
             self._gen = np.concatenate([self._gen, np.zeros(cap - self._gen.size, np.uint64)])
         s = np.asarray(slots, dtype=np.int64)
         self._gen[s] = part.column("generation").to_numpy()
-        self._put(part if copy else _batches(part), s)
+        self._part[s] = len(self._parts)
+        self._row[s] = np.arange(len(slots), dtype=np.int32)
+        self._parts.append(part)
         self._live += len(slots)
         self._rows += len(slots)
-
-    def _put(self, parts, s: np.ndarray) -> None:
-        """Append ``parts`` (a table, or one-chunk tables), their rows in order for slots ``s``."""
-        if isinstance(parts, pa.Table):
-            parts = [parts]
-        at = 0
-        for part in parts:
-            n = part.num_rows
-            self._part[s[at: at + n]] = len(self._parts)
-            self._row[s[at: at + n]] = np.arange(n, dtype=np.int32)
-            self._parts.append(part)
-            at += n
 
     def generation(self, slot: int) -> int:
         return int(self._gen[slot])
@@ -217,15 +206,16 @@ class StoredFields:
 
     def adopt(self, table: pa.Table, slots: np.ndarray) -> None:
         """Serve the live ``slots`` (int64[n], ascending) from ``table``, row i for slot i:
-        a snapshot just written, memory-mapped (one part per record batch); the parts held so
+        a snapshot just written, memory-mapped (one part); the parts held so
         far are dropped.
 
         :raises ValueError: the row count differs from the live slots'.
         """
         if table.num_rows != slots.size or slots.size != self._live:
             raise ValueError(f"{table.num_rows} rows for {slots.size} slots ({self._live} live)")
-        self._set_parts([])
-        self._put(_batches(table.select(list(FIELDS))), slots)
+        self._set_parts([table.select(list(FIELDS))])
+        self._part[slots] = 0
+        self._row[slots] = np.arange(slots.size, dtype=np.int32)
         self._rows = self._live
 
     def mapped(self, path, m, reusable: bool) -> None:
@@ -307,11 +297,6 @@ class StoredFields:
 
 
 _HIT = ("doc_id", "title", "text", "metadata")
-
-
-def _batches(t: pa.Table) -> list[pa.Table]:
-    """``t`` as one-chunk tables, one per record batch (zero-copy)."""
-    return [pa.Table.from_batches([b]) for b in t.to_batches() if b.num_rows] or [t]
 
 
 def _rows_of(part: pa.Table, rows: np.ndarray) -> pa.Table:
