@@ -5,10 +5,10 @@ Each applied batch adds a *part*: its fields columns (``chunk_id``, ``doc_id``, 
 (``take``: fresh buffers, so the message and its vectors are freed), or the columns of a
 snapshot's memory-mapped ``chunks.arrow`` as they are (file-backed pages: resident only once
 read; a snapshot writes it as record batches of bounded size, read as one part whose columns
-have a chunk per batch, :class:`.strcols.StrColumn`). A slot maps to ``(part, row)``; a removed slot maps to nothing and its row stays in its
-part until :meth:`StoredFields.maybe_compact` rewrites the parts (once dead rows are half the
-live ones). Fields are read for the final hits only (:meth:`StoredFields.records`), a few ``take``
-calls per request.
+have a chunk per batch, :class:`.strcols.StrColumn`). A slot maps to ``(part, row)``; a removed
+slot maps to nothing and its row stays in its part until :meth:`StoredFields.maybe_compact`
+rewrites the parts (once dead rows are half the live ones). Fields are read for the final hits
+only (:meth:`StoredFields.records`), a few ``take`` calls per request.
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ class StoredFields:
         """Store rows ``rows`` of ``table`` (schema :func:`..records.chunk_schema`, the vector
         column ignored) under ``slots`` (int, ascending, new).
 
-        :param copy: False keeps the table's buffers (a memory-mapped snapshot file); True copies the rows out (``take``), so nothing else of the table stays alive.
+        :param copy: False keeps the table's buffers (a memory-mapped snapshot file); True
+            copies the rows out (``take``), so nothing else of the table stays alive.
         """
         if not slots:
             return
@@ -74,9 +75,9 @@ class StoredFields:
             self._row = np.concatenate([self._row, np.zeros(cap - self._row.size, np.int32)])
             self._gen = np.concatenate([self._gen, np.zeros(cap - self._gen.size, np.uint64)])
         s = np.asarray(slots, dtype=np.int64)
-        self._gen[s] = part.column("generation").to_numpy()
         self._part[s] = len(self._parts)
         self._row[s] = np.arange(len(slots), dtype=np.int32)
+        self._gen[s] = part.column("generation").to_numpy()
         self._parts.append(part)
         self._live += len(slots)
         self._rows += len(slots)
@@ -153,8 +154,9 @@ class StoredFields:
         if int(parts.min()) < 0:
             return None
         groups = _groups(parts)
-        pieces: list[list] = [[] for _ in _HIT]
-        lens: list[list] = [[] for _ in _HIT]
+        one = len(groups) == 1  # (then every column appends to the same two lists)
+        pieces: list[list] = [[]] * len(_HIT) if one else [[] for _ in _HIT]
+        lens: list[list] = [[]] * len(_HIT) if one else [[] for _ in _HIT]
         for pos, p in groups:
             cols = self._readers(p, _HIT)
             if cols is None or cols[0].valid is not None or cols[2].valid is not None:
@@ -162,6 +164,8 @@ class StoredFields:
             rows = self._row[s if pos is None else s[pos]].astype(np.int64)
             for k, (c, none) in enumerate(zip(cols, (b"", b"", b"", b"{}"))):
                 c.utf8(rows, none, pieces[k], lens[k])
+        if one:
+            return b"".join(pieces[0]), lens[0]
         return (b"".join([x for v in pieces for x in _in_order(v, groups)]),
                 [x for v in lens for x in _in_order(v, groups)])
 

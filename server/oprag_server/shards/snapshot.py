@@ -12,6 +12,9 @@ are saved once, in ``dense.faiss`` (the graph's own storage), and ``chunks.arrow
 when the shard has some): ``dense_tail.npy``, the HNSW vectors acknowledged but not inserted into
 the graph yet (deferred inserts, :mod:`..index.ann`), loaded back as such. Every file is written atomically (temporary file, fsync, rename, fsync of
 the directory); ``CURRENT`` switches last, so a crash leaves the previous snapshot live.
+``chunks.arrow`` is an Arrow IPC stream of record batches of at most
+:data:`.chunks.BATCH_ROWS` rows (one batch before snap18: every format reads both), or a hard
+link to the previous snapshot's file when the stored fields did not change (:func:`_link_chunks`).
 With ``--storage-uri`` every log record and snapshot is also on object storage (:mod:`.storage`).
 """
 
