@@ -217,3 +217,38 @@ def test_a_shard_killed_in_the_middle_of_the_chunks_file_keeps_everything_acknow
         if proc.is_alive():
             proc.kill()
     _assert_recovered(tmp_path, live)
+
+
+def test_the_pool_snapshots_one_shard_at_a_time_and_stops_at_a_failure():
+    """The frontend's snapshot asks the shards one after another (each 1M-chunk shard's snapshot
+    starts with a BM25 merge of ~1.8 GB transient memory; all at once made the tree's peak)."""
+    import asyncio
+
+    from oprag_server.shards.pool import ShardPool
+    from oprag_server.shards.transport import ShardError
+
+    state = {"now": 0, "most": 0, "asked": []}
+
+    class Client:
+        def __init__(self, i, fail=False):
+            self.i, self.fail = i, fail
+
+        async def call(self, op, req):
+            assert op is Op.SNAPSHOT
+            state["asked"].append(self.i)
+            state["now"] += 1
+            state["most"] = max(state["most"], state["now"])
+            await asyncio.sleep(0.01)
+            state["now"] -= 1
+            if self.fail:
+                raise ShardError("disk full")
+
+    pool = ShardPool.__new__(ShardPool)
+    pool.n, pool.clients, pool.fenced = 3, [Client(0), Client(1), Client(2)], lambda: None
+    asyncio.run(pool.snapshot())
+    assert state["most"] == 1 and state["asked"] == [0, 1, 2]
+    state["asked"].clear()
+    pool.clients[1].fail = True
+    with pytest.raises(ShardError):
+        asyncio.run(pool.snapshot())
+    assert state["asked"] == [0, 1]  # shard 2 not asked after shard 1 failed
