@@ -20,6 +20,7 @@ import pytest
 from test_snapshot_beside import D, _assert_recovered, _batch, _seed
 
 from oprag_server import records
+from oprag_server.config import DenseConfig
 from oprag_server.shards import chunks as chunkstore
 from oprag_server.shards import snapshot as snapshots
 from oprag_server.shards import worker
@@ -97,8 +98,10 @@ def test_a_mapped_snapshot_is_written_out_in_slices_without_a_copy(tmp_path, mon
     assert most < 1_000_000  # 6 MB of texts, none copied
 
 
-def test_a_snapshot_without_field_changes_links_the_file_and_the_sweep_keeps_it(tmp_path):
-    st = ShardState(0, D, tmp_path)
+@pytest.mark.parametrize("kind", ["flat", "hnsw"])  # (hnsw: chunks.arrow without its vector column)
+def test_a_snapshot_without_field_changes_links_the_file_and_the_sweep_keeps_it(tmp_path, kind):
+    dense = DenseConfig(kind=kind)
+    st = ShardState(0, D, tmp_path, dense=dense)
     st.load(set())
     _ingest(st)
     want = _by_id(st)
@@ -114,7 +117,7 @@ def test_a_snapshot_without_field_changes_links_the_file_and_the_sweep_keeps_it(
     assert f.stat().st_ino == ino and f.stat().st_nlink == 1  # the same file, alive after the sweep
     assert _by_id(st) == want
     st.txns.wal.close()
-    again = ShardState(0, D, tmp_path)
+    again = ShardState(0, D, tmp_path, dense=dense)
     again.load(set())
     assert _by_id(again) == want
     snapshots.write(d, again.store, again.memory, again.txns)  # a restart's fields are the file's rows too
