@@ -17,14 +17,13 @@ import time
 import numpy as np
 import pyarrow as pa
 import pytest
-from test_snapshot_beside import D, _assert_recovered, _batch, _seed
+from test_snapshot_beside import D, _ack_t1, _assert_recovered, _batch, _seed
 
-from oprag_server import records
 from oprag_server.config import DenseConfig
 from oprag_server.shards import chunks as chunkstore
 from oprag_server.shards import snapshot as snapshots
 from oprag_server.shards import worker
-from oprag_server.shards.protocol import ApplyRequest, FetchRequest, Op, PrepareRequest, SnapshotRequest, StageRequest
+from oprag_server.shards.protocol import FetchRequest, Op, SnapshotRequest
 from oprag_server.shards.state import ShardState
 
 
@@ -204,11 +203,7 @@ def test_a_shard_killed_in_the_middle_of_the_chunks_file_keeps_everything_acknow
     proc = mp.get_context("fork").Process(target=_serve_stalled, args=(tmp_path, back, marker), daemon=True)
     proc.start()
     try:
-        assert front.poll(60) and front.recv()[1]
-        front.send((1, Op.STAGE, StageRequest("t1", records.to_ipc(_batch(200, 260)))))
-        front.send((2, Op.PREPARE, PrepareRequest("t1", 2, "upsert")))
-        front.send((3, Op.APPLY, ApplyRequest("t1")))
-        assert [front.recv()[1] for _ in range(3)] == [True] * 3
+        _ack_t1(front)
         front.send((4, Op.SNAPSHOT, SnapshotRequest()))
         deadline = time.monotonic() + 30
         while not os.path.exists(marker):

@@ -156,12 +156,7 @@ def test_a_shard_killed_while_it_writes_a_snapshot_keeps_everything_acknowledged
     proc = mp.get_context("fork").Process(target=_kill_mid_snapshot, args=(tmp_path, back), daemon=True)
     proc.start()
     try:
-        assert front.poll(60) and front.recv()[1]
-        # an acknowledged transaction after the snapshot: chunks 200..259, in the log only
-        front.send((1, Op.STAGE, StageRequest("t1", records.to_ipc(_batch(200, 260)))))
-        front.send((2, Op.PREPARE, PrepareRequest("t1", 2, "upsert")))
-        front.send((3, Op.APPLY, ApplyRequest("t1")))
-        assert [front.recv()[1] for _ in range(3)] == [True] * 3
+        _ack_t1(front)
         front.send((4, Op.SNAPSHOT, SnapshotRequest()))
         front.send((5, Op.STATS, StatsRequest()))
         assert front.poll(30)
@@ -172,6 +167,16 @@ def test_a_shard_killed_while_it_writes_a_snapshot_keeps_everything_acknowledged
         if proc.is_alive():
             proc.kill()
     _assert_recovered(tmp_path, live)
+
+
+def _ack_t1(front) -> None:
+    """Once the shard served on ``front`` is ready: an acknowledged transaction t1 after its
+    snapshot (chunks 200..259, in the log only)."""
+    assert front.poll(60) and front.recv()[1]
+    front.send((1, Op.STAGE, StageRequest("t1", records.to_ipc(_batch(200, 260)))))
+    front.send((2, Op.PREPARE, PrepareRequest("t1", 2, "upsert")))
+    front.send((3, Op.APPLY, ApplyRequest("t1")))
+    assert [front.recv()[1] for _ in range(3)] == [True] * 3
 
 
 def _kill_once_written(proc, tmp_path, live: str) -> None:
@@ -218,6 +223,9 @@ def test_a_commit_waiting_for_a_snapshot_does_not_hold_queries_back():
                     await written.wait()
                 order.append(op.value)
                 return []
+
+            async def snapshot(self):  # (ShardPool.snapshot: one shard at a time)
+                await self.broadcast(Op.SNAPSHOT, SnapshotRequest())
 
         rt = type("Rt", (), {})()
         rt.lock, rt.pool, rt._dirty = RWLock(), Pool(), True
