@@ -78,17 +78,29 @@ def _serve(tmp_path, client) -> None:
         raise errors[0]
 
 
-def test_reads_are_answered_while_the_snapshot_is_written_and_writes_wait_in_order(tmp_path, monkeypatch):
-    _seed(tmp_path)
-    released = threading.Event()
-    real = snapshots.fsync_write_with
+def _hold(monkeypatch) -> threading.Event:
+    """Hold the snapshot's chunks file until the returned event is set (at most HOLD_S): its
+    write, or its link when the stored fields did not change since the loaded snapshot."""
+    released, real, link = threading.Event(), snapshots.fsync_write_with, snapshots._link_chunks
 
-    def slow(path, write):  # the snapshot's chunks file: held until the queries were answered
+    def slow(path, write):
         if path.name == "chunks.arrow":
             released.wait(HOLD_S)
         return real(path, write)
 
+    def slow_link(store, dst):
+        if store.fields.source is not None:
+            released.wait(HOLD_S)
+        return link(store, dst)
+
     monkeypatch.setattr(snapshots, "fsync_write_with", slow)
+    monkeypatch.setattr(snapshots, "_link_chunks", slow_link)
+    return released
+
+
+def test_reads_are_answered_while_the_snapshot_is_written_and_writes_wait_in_order(tmp_path, monkeypatch):
+    _seed(tmp_path)
+    released = _hold(monkeypatch)  # the snapshot's chunks file: held until the queries were answered
     order: list[int] = []
     replies: dict[int, tuple] = {}
 
