@@ -19,7 +19,6 @@ from test_snapshot_beside import (D, _assert_recovered, _batch, _hold, _kill_onc
                                  _stall_before_current)
 
 from oprag_server import records
-from oprag_server.shards import snapshot as snapshots
 from oprag_server.shards.inprocess import InProcessTransport
 from oprag_server.shards.protocol import (ApplyRequest, FetchRequest, MemoryLookupRequest, Op, PrepareRequest,
                                           PromoteRequest, SnapshotRequest, StageRequest, StatsRequest)
