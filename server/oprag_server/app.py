@@ -37,7 +37,7 @@ from .startup import (acquire_storage, announce_ready, check_data_dir, check_sec
                       warm_beside)
 from .supervision import (INGEST_HEALTH, QUERY_HEALTH, SERVING, EngineHealth, ShardSupervisor, keep_lease, on_signals,
                           restart_shard)
-from .shards.protocol import ApplyReply, Op, SnapshotRequest, StatsRequest
+from .shards.protocol import ApplyReply, Op, StatsRequest
 
 log = logging.getLogger("oprag")
 SERVICE_NAME = oprag_pb2.DESCRIPTOR.services_by_name["OpRAG"].full_name
@@ -221,7 +221,7 @@ class Runtime:
         :raises StorageUnavailable: this server lost the storage's owner lease (the pool refuses:
             it must not replace the new owner's snapshot)."""
         async with self.commits.gate:  # excludes commits; queries go on (CommitProtocol.gate)
-            await self.pool.broadcast(Op.SNAPSHOT, SnapshotRequest())
+            await self.pool.snapshot()  # (one shard at a time: ShardPool.SNAPSHOTS_AT_ONCE)
             self.commits.reset_log()
         self._dirty = False
 

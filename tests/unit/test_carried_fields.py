@@ -14,6 +14,7 @@ import pyarrow as pa
 from oprag_server import records
 from oprag_server.shards.carried import CarriedFields
 from oprag_server.shards.fields import FIELDS, StoredFields
+from oprag_server.shards.strcols import StrColumn
 from oprag_server.shards.protocol import FetchReply, FetchRequest
 from oprag_server.shards.state import ShardState
 
@@ -60,7 +61,7 @@ def test_carried_fields_equal_the_fetched_ones_and_pickle_to_the_same_bytes(tmp_
         assert b == pickle.dumps((1, True, plain), protocol=pickle.HIGHEST_PROTOCOL)
         back = pickle.loads(b)[2]
         assert type(back) is FetchReply and _cols(back) == _cols(plain)
-    assert carried == 4  # all but the one spanning two parts came from the bytes
+    assert carried == 5  # every one came from the bytes, also the one spanning two parts (read part by part)
 
 
 def test_hit_utf8_reads_nulls_and_empties_as_hit_fields_does():
@@ -93,14 +94,20 @@ def test_hit_utf8_refuses_what_it_cannot_read_from_one_buffer():
     st.store.upsert(_table(50), 1)
     st.store.upsert(_table(50, gen=2, prefix="e"), 2)
     f = st.store.fields
-    assert f.hit_utf8(np.array([0, 60], np.int64)) is None  # two parts
+    blob, lens = f.hit_utf8(np.array([60, 0, 61], np.int64))  # two parts: read part by part, in order
+    at = np.cumsum([0, *lens])
+    _, d, ti, x, m = f.hit_fields([60, 0, 61])
+    assert [blob[at[k]:at[k + 1]].decode() for k in range(len(lens))] == d + ti + x + m
     assert f.hit_utf8(np.array([0, 10_000], np.int64)) is None  # not stored
     assert f.hit_utf8(np.array([-1], np.int64)) is None
     assert f.hit_utf8(np.zeros(0, np.int64)) is None
     chunked = pa.concat_tables([_table(3).select(list(FIELDS)), _table(3, prefix="z").select(list(FIELDS))])
     g = StoredFields()
-    g.add(chunked, list(range(6)), list(range(6)), copy=False)
-    assert g.hit_utf8(np.array([1, 4], np.int64)) is None  # a column of two chunks
+    g.add(chunked, list(range(6)), list(range(6)), copy=False)  # a mapped file of two record batches
+    blob, lens = g.hit_utf8(np.array([4, 1, 5], np.int64))  # a column of two chunks: read from both buffers
+    at = np.cumsum([0, *lens])
+    assert [blob[at[k]:at[k + 1]].decode() for k in range(len(lens))] == sum(g.hit_fields([4, 1, 5])[1:], [])
+    assert StrColumn.of(chunked.column("text")).starts.tolist() == [0, 3]
     nul = StoredFields()
     t = _table(3).select(list(FIELDS))
     t = t.set_column(t.schema.get_field_index("text"), "text", pa.array(["a", None, "c"], pa.string()))

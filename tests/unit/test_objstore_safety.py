@@ -269,7 +269,7 @@ def test_a_fenced_pool_refuses_every_storage_write_but_serves_reads():
 
     async def run():
         assert await pool.broadcast(Op.STATS, StatsRequest()) == [Op.STATS, Op.STATS]
-        for coro in (lambda: pool.broadcast(Op.SNAPSHOT, SnapshotRequest()),
+        for coro in (lambda: pool.broadcast(Op.SNAPSHOT, SnapshotRequest()), pool.snapshot,
                      lambda: pool.gather_partial(Op.PROMOTE, None, shards=[0]),
                      lambda: pool.scatter(Op.MEMORY_CLEAR, ["s"], lambda s: 0, lambda xs: None)):
             with pytest.raises(StorageUnavailable, match="no longer owns"):

@@ -78,17 +78,29 @@ def _serve(tmp_path, client) -> None:
         raise errors[0]
 
 
-def test_reads_are_answered_while_the_snapshot_is_written_and_writes_wait_in_order(tmp_path, monkeypatch):
-    _seed(tmp_path)
-    released = threading.Event()
-    real = snapshots.fsync_write_with
+def _hold(monkeypatch) -> threading.Event:
+    """Hold the snapshot's chunks file until the returned event is set (at most HOLD_S): its
+    write, or its link when the stored fields did not change since the loaded snapshot."""
+    released, real, link = threading.Event(), snapshots.fsync_write_with, snapshots._link_chunks
 
-    def slow(path, write):  # the snapshot's chunks file: held until the queries were answered
+    def slow(path, write):
         if path.name == "chunks.arrow":
             released.wait(HOLD_S)
         return real(path, write)
 
+    def slow_link(store, dst):
+        if store.fields.source is not None:
+            released.wait(HOLD_S)
+        return link(store, dst)
+
     monkeypatch.setattr(snapshots, "fsync_write_with", slow)
+    monkeypatch.setattr(snapshots, "_link_chunks", slow_link)
+    return released
+
+
+def test_reads_are_answered_while_the_snapshot_is_written_and_writes_wait_in_order(tmp_path, monkeypatch):
+    _seed(tmp_path)
+    released = _hold(monkeypatch)  # the snapshot's chunks file: held until the queries were answered
     order: list[int] = []
     replies: dict[int, tuple] = {}
 
@@ -156,12 +168,7 @@ def test_a_shard_killed_while_it_writes_a_snapshot_keeps_everything_acknowledged
     proc = mp.get_context("fork").Process(target=_kill_mid_snapshot, args=(tmp_path, back), daemon=True)
     proc.start()
     try:
-        assert front.poll(60) and front.recv()[1]
-        # an acknowledged transaction after the snapshot: chunks 200..259, in the log only
-        front.send((1, Op.STAGE, StageRequest("t1", records.to_ipc(_batch(200, 260)))))
-        front.send((2, Op.PREPARE, PrepareRequest("t1", 2, "upsert")))
-        front.send((3, Op.APPLY, ApplyRequest("t1")))
-        assert [front.recv()[1] for _ in range(3)] == [True] * 3
+        _ack_t1(front)
         front.send((4, Op.SNAPSHOT, SnapshotRequest()))
         front.send((5, Op.STATS, StatsRequest()))
         assert front.poll(30)
@@ -172,6 +179,16 @@ def test_a_shard_killed_while_it_writes_a_snapshot_keeps_everything_acknowledged
         if proc.is_alive():
             proc.kill()
     _assert_recovered(tmp_path, live)
+
+
+def _ack_t1(front) -> None:
+    """Once the shard served on ``front`` is ready: an acknowledged transaction t1 after its
+    snapshot (chunks 200..259, in the log only)."""
+    assert front.poll(60) and front.recv()[1]
+    front.send((1, Op.STAGE, StageRequest("t1", records.to_ipc(_batch(200, 260)))))
+    front.send((2, Op.PREPARE, PrepareRequest("t1", 2, "upsert")))
+    front.send((3, Op.APPLY, ApplyRequest("t1")))
+    assert [front.recv()[1] for _ in range(3)] == [True] * 3
 
 
 def _kill_once_written(proc, tmp_path, live: str) -> None:
@@ -218,6 +235,9 @@ def test_a_commit_waiting_for_a_snapshot_does_not_hold_queries_back():
                     await written.wait()
                 order.append(op.value)
                 return []
+
+            async def snapshot(self):  # (ShardPool.snapshot: one shard at a time)
+                await self.broadcast(Op.SNAPSHOT, SnapshotRequest())
 
         rt = type("Rt", (), {})()
         rt.lock, rt.pool, rt._dirty = RWLock(), Pool(), True

@@ -15,11 +15,10 @@ import time
 
 import numpy as np
 import pytest
-from test_snapshot_beside import (D, _assert_recovered, _batch, _kill_once_written, _search, _seed,
+from test_snapshot_beside import (D, _assert_recovered, _batch, _hold, _kill_once_written, _search, _seed,
                                  _stall_before_current)
 
 from oprag_server import records
-from oprag_server.shards import snapshot as snapshots
 from oprag_server.shards.inprocess import InProcessTransport
 from oprag_server.shards.protocol import (ApplyRequest, FetchRequest, MemoryLookupRequest, Op, PrepareRequest,
                                           PromoteRequest, SnapshotRequest, StageRequest, StatsRequest)
@@ -28,19 +27,6 @@ from oprag_server.shards.threaded import ThreadTransport
 from oprag_server.shards.transport import ShardError
 
 HOLD_S = 8.0  # how long the held snapshot waits for the test to release it before it goes on
-
-
-def _hold(monkeypatch) -> threading.Event:
-    """Hold the snapshot's chunks file until the returned event is set (at most HOLD_S)."""
-    released, real = threading.Event(), snapshots.fsync_write_with
-
-    def slow(path, write):
-        if path.name == "chunks.arrow":
-            released.wait(HOLD_S)
-        return real(path, write)
-
-    monkeypatch.setattr(snapshots, "fsync_write_with", slow)
-    return released
 
 
 def _shard(tmp_path) -> ThreadTransport:

@@ -4,10 +4,11 @@ Each applied batch adds a *part*: its fields columns (``chunk_id``, ``doc_id``, 
 ``text``, ``metadata``, ``ordinal``, ``generation``, ``content_hash``) copied out of the message
 (``take``: fresh buffers, so the message and its vectors are freed), or the columns of a
 snapshot's memory-mapped ``chunks.arrow`` as they are (file-backed pages: resident only once
-read). A slot maps to ``(part, row)``; a removed slot maps to nothing and its row stays in its
-part until :meth:`StoredFields.maybe_compact` rewrites the parts (once dead rows are half the
-live ones). Fields are read for the final hits only (:meth:`StoredFields.records`), a few ``take``
-calls per request.
+read; a snapshot writes it as record batches of bounded size, read as one part whose columns
+have a chunk per batch, :class:`.strcols.StrColumn`). A slot maps to ``(part, row)``; a removed
+slot maps to nothing and its row stays in its part until :meth:`StoredFields.maybe_compact`
+rewrites the parts (once dead rows are half the live ones). Fields are read for the final hits
+only (:meth:`StoredFields.records`), a few ``take`` calls per request.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+
+from .strcols import StrColumn, groups as _groups, in_order as _in_order
 
 FIELDS = ("chunk_id", "doc_id", "title", "text", "metadata", "ordinal", "generation", "content_hash")
 
@@ -44,6 +47,10 @@ class StoredFields:
         self._live = 0
         self._rows = 0  # rows held in parts, dead ones included
         self._cols: dict[tuple, tuple] = {}  # (id(part), names) -> (part, string column readers)
+        #: the snapshot file (Path) the fields are exactly the rows of, nothing stored or removed
+        #: since (the next snapshot may link it instead of writing it: :meth:`mapped`), or None
+        self.source = None
+        self._maps: list = []  # mmaps the parts view (their pages dropped from RSS: release_mapped)
 
     def __len__(self) -> int:
         return self._live
@@ -57,6 +64,7 @@ class StoredFields:
         """
         if not slots:
             return
+        self.source = None
         part = table.select(list(FIELDS))
         if copy or len(rows) != table.num_rows:
             part = part.take(pa.array(rows, type=pa.int64()))
@@ -107,24 +115,25 @@ class StoredFields:
         ``to_pydict`` for the ~20 rows a search reply carries), else through :meth:`_gather`."""
         if not s.size:
             return {n: [] for n in names}
-        parts = self._part[s]
-        p = int(parts[0])
-        if parts[-1] != p or not (parts == p).all():
-            return self._gather(s, names)
-        cols = self._readers(p, names)
-        if cols is None:
-            return self._gather(s, names)
-        rows = self._row[s].astype(np.int64)
-        return {n: c(rows) for n, c in zip(names, cols)}
+        groups = _groups(self._part[s])
+        got: list[list] = [[] for _ in names]
+        for pos, p in groups:
+            cols = self._readers(p, names)
+            if cols is None:
+                return self._gather(s, names)
+            rows = self._row[s if pos is None else s[pos]].astype(np.int64)
+            for k, c in enumerate(cols):
+                got[k] += c(rows)
+        return {n: _in_order(v, groups) for n, v in zip(names, got)}
 
-    def _readers(self, p: int, names: tuple[str, ...]) -> "list[_StrColumn] | None":
+    def _readers(self, p: int, names: tuple[str, ...]) -> "list[StrColumn] | None":
         """Readers of part ``p``'s columns ``names`` (cached with the part), None when one is
         not a plain string array."""
         part = self._parts[p]
         hit = self._cols.get((id(part), names))
         if hit is not None and hit[0] is part:
             return hit[1]
-        cols = [_StrColumn.of(part.column(n)) for n in names]
+        cols = [StrColumn.of(part.column(n)) for n in names]
         out = None if any(c is None for c in cols) else cols
         if len(self._cols) > 64:
             self._cols.clear()
@@ -136,33 +145,29 @@ class StoredFields:
         (doc_id, title, text, metadata) back to back, column-major, and each string's byte
         length (the compact pickled form of a ``FetchReply``, :func:`.packed.reduce_fetch`,
         without decoding the strings and encoding them again); None when a slot is not stored,
-        the rows span parts, or a column is not a plain string array or has a null doc_id /
-        text (the caller takes :meth:`hit_fields`)."""
+        a column is not a plain string array or has a null doc_id / text (the caller takes
+        :meth:`hit_fields`). Rows of several parts are read part by part, then put in order."""
         s = np.asarray(slots, dtype=np.int64).reshape(-1)
         if not s.size or int(s.min()) < 0 or int(s.max()) >= self._part.size:
             return None
         parts = self._part[s]
-        p = int(parts[0])
-        if p < 0 or not (parts == p).all():
+        if int(parts.min()) < 0:
             return None
-        cols = self._readers(p, _HIT)
-        if cols is None or cols[0].valid is not None or cols[2].valid is not None:
-            return None
-        rows = self._row[s].astype(np.int64)
-        pieces: list = []
-        lens: list[int] = []
-        for c, none in zip(cols, (b"", b"", b"", b"{}")):
-            a, b = c.off[rows], c.off[rows + 1]
-            data, valid = c.data, c.valid
-            if valid is None and (none == b"" or bool((b > a).all())):
-                pieces += [data[i:j] for i, j in zip(a.tolist(), b.tolist())]
-                lens += (b - a).tolist()
-            else:  # a null or empty title / metadata reads as "" / "{}" (hit_fields)
-                for i, j, r in zip(a.tolist(), b.tolist(), rows.tolist()):
-                    x = data[i:j] if (valid is None or valid[r]) and j > i else none
-                    pieces.append(x)
-                    lens.append(len(x))
-        return b"".join(pieces), lens
+        groups = _groups(parts)
+        one = len(groups) == 1  # (then every column appends to the same two lists)
+        pieces: list[list] = [[]] * len(_HIT) if one else [[] for _ in _HIT]
+        lens: list[list] = [[]] * len(_HIT) if one else [[] for _ in _HIT]
+        for pos, p in groups:
+            cols = self._readers(p, _HIT)
+            if cols is None or cols[0].valid is not None or cols[2].valid is not None:
+                return None
+            rows = self._row[s if pos is None else s[pos]].astype(np.int64)
+            for k, (c, none) in enumerate(zip(cols, (b"", b"", b"", b"{}"))):
+                c.utf8(rows, none, pieces[k], lens[k])
+        if one:
+            return b"".join(pieces[0]), lens[0]
+        return (b"".join([x for v in pieces for x in _in_order(v, groups)]),
+                [x for v in lens for x in _in_order(v, groups)])
 
     def hit_fields(self, slots) -> tuple[list[bool], list[str], list[str], list[str], list[str]]:
         """What a hit carries of each slot (a sequence of ints): ``(found, doc_ids, titles, texts,
@@ -198,13 +203,15 @@ class StoredFields:
         """Remove live slots; returns their records (what the maps need to forget them)."""
         recs = self.records(slots)
         s = np.asarray(slots, dtype=np.int64)
+        self.source = None
         self._part[s] = -1
         self._live -= len(slots)
         return [r for r in recs if r is not None]
 
     def adopt(self, table: pa.Table, slots: np.ndarray) -> None:
         """Serve the live ``slots`` (int64[n], ascending) from ``table``, row i for slot i:
-        a snapshot just written, memory-mapped; the parts held so far are dropped.
+        a snapshot just written, memory-mapped (one part); the parts held so
+        far are dropped.
 
         :raises ValueError: the row count differs from the live slots'.
         """
@@ -215,6 +222,23 @@ class StoredFields:
         self._row[slots] = np.arange(slots.size, dtype=np.int32)
         self._rows = self._live
 
+    def mapped(self, path, m, reusable: bool) -> None:
+        """Parts were just taken from snapshot file ``path`` mapped as mmap ``m``; ``reusable``: they
+        are exactly its rows in slot order (:attr:`source` = ``path`` until the next write)."""
+        self._maps.append(m)
+        self.source = path if reusable else None
+
+    def release_mapped(self) -> None:
+        """Drop the pages of the memory-mapped snapshot files read so far from this process's
+        RSS (clean page-cache pages, read back when needed: a snapshot's writer reading them all)."""
+        import mmap  # noqa: PLC0415
+
+        for m in self._maps:
+            try:
+                m.madvise(mmap.MADV_DONTNEED)
+            except (ValueError, OSError):  # (closed)
+                pass
+
     def _set_parts(self, parts: list[pa.Table]) -> None:
         """Replace the parts, and forget the string readers cached for the former ones: a reader
         holds its part's buffers, and a former snapshot's part is a mapping of a file the next
@@ -222,6 +246,7 @@ class StoredFields:
         files open, mapped and on the disk, one more per snapshot until the cache filled)."""
         self._parts = parts
         self._cols.clear()
+        self._maps, self.source = [], None
 
     def maybe_compact(self) -> None:
         """Rewrite the parts as one, live rows only, once dead rows are half the live ones and
@@ -276,38 +301,6 @@ class StoredFields:
 
 
 _HIT = ("doc_id", "title", "text", "metadata")
-
-
-class _StrColumn:
-    """Rows of a one-chunk Arrow ``string`` / ``large_string`` column decoded from its buffers
-    (offsets and UTF-8 bytes, nulls as None): the values ``take(...).to_pydict()`` gives."""
-
-    __slots__ = ("off", "data", "valid")
-
-    def __init__(self, off: np.ndarray, data: memoryview, valid: list | None) -> None:
-        self.off, self.data, self.valid = off, data, valid
-
-    @classmethod
-    def of(cls, col: pa.ChunkedArray) -> "_StrColumn | None":
-        if col.num_chunks != 1 or col.type not in (pa.string(), pa.large_string()):
-            return None
-        arr = col.chunk(0)
-        _, offs, data = arr.buffers()
-        if offs is None:
-            return None
-        dt = np.int32 if col.type == pa.string() else np.int64
-        off = np.frombuffer(offs, dtype=dt)[arr.offset: arr.offset + len(arr) + 1]
-        valid = arr.is_valid().to_numpy(zero_copy_only=False).tolist() if arr.null_count else None
-        return cls(off, memoryview(data) if data is not None else memoryview(b""), valid)
-
-    def __call__(self, rows: np.ndarray) -> list:
-        """The values of rows int64[M]."""
-        data, valid = self.data, self.valid
-        a, b = self.off[rows].tolist(), self.off[rows + 1].tolist()
-        out = [str(data[i:j], "utf-8") for i, j in zip(a, b)]
-        if valid is not None:
-            out = [v if valid[r] else None for v, r in zip(out, rows.tolist())]
-        return out
 
 
 def _rows_of(part: pa.Table, rows: np.ndarray) -> pa.Table:

@@ -12,6 +12,9 @@ are saved once, in ``dense.faiss`` (the graph's own storage), and ``chunks.arrow
 when the shard has some): ``dense_tail.npy``, the HNSW vectors acknowledged but not inserted into
 the graph yet (deferred inserts, :mod:`..index.ann`), loaded back as such. Every file is written atomically (temporary file, fsync, rename, fsync of
 the directory); ``CURRENT`` switches last, so a crash leaves the previous snapshot live.
+``chunks.arrow`` is an Arrow IPC stream of record batches of at most
+:data:`.chunks.BATCH_ROWS` rows (one batch before snap18: every format reads both), or a hard
+link to the previous snapshot's file when the stored fields did not change (:func:`_link_chunks`).
 With ``--storage-uri`` every log record and snapshot is also on object storage (:mod:`.storage`).
 """
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 import io
 import json
 import mmap
+import os
 import shutil
 import time
 from pathlib import Path
@@ -89,10 +93,10 @@ def sweep(d: Path, keep: str | None) -> None:
 def _write_snapshot_files(snap: Path, store: ChunkStore, memory: MemoryStore) -> int:
     """Every file of snapshot directory ``snap`` (fsync'ed), ``meta.json`` last. :returns: chunks."""
     one = store.dense.one_copy  # HNSW: the vectors are saved once, in dense.faiss
-    # one record batch (reads take from one chunk), streamed to the file: its serialised copies
-    # (BufferOutputStream, to_pybytes) doubled the snapshot's memory peak (issue 13)
-    rows = []
-    fsync_write_with(snap / "chunks.arrow", lambda f: rows.append(records.write_ipc(f, [store.batch(vectors=not one)])))
+    rows = [len(store.fields)] if _link_chunks(store, snap / "chunks.arrow") else []
+    if not rows:  # record batches of <= BATCH_ROWS rows, each built, streamed to the file and dropped (issue 13:
+        # one batch of every row was a ~0.85 GB copy per 1M-chunk shard, at the snapshot's memory peak)
+        fsync_write_with(snap / "chunks.arrow", lambda f: rows.append(records.write_ipc(f, store.batches(vectors=not one))))
     fsync_write(snap / "memory.json", json.dumps(memory.to_json()).encode())
     for p in store.postings.save(snap / "postings", merge=False):  # (merged by the caller: SnapshotJob)
         _fsync_file(p)
@@ -115,6 +119,37 @@ def _write_snapshot_files(snap: Path, store: ChunkStore, memory: MemoryStore) ->
     return rows[0]
 
 
+def _link_chunks(store: ChunkStore, dst: Path) -> bool:
+    """Give ``dst`` the stored fields' file when they are exactly the rows of a snapshot's
+    ``chunks.arrow`` (nothing stored or removed since: :attr:`.fields.StoredFields.source`, set
+    only for a file of the schema this store writes), as a hard link (the inode lives on when
+    :func:`sweep` deletes the former directory), else a copy; False (written anew by the
+    caller) when there is no such file or neither works. The file is never written in place."""
+    src = store.fields.source
+    if src is None:
+        return False
+    try:
+        os.link(src, dst)
+    except OSError:  # (a file system without hard links) a copy: no memory of the process's
+        try:
+            shutil.copyfile(src, dst)
+            with open(dst, "rb") as fh:
+                os.fsync(fh.fileno())
+        except OSError:
+            dst.unlink(missing_ok=True)
+            return False
+    return True
+
+
+def _mapped(store: ChunkStore, path: Path, table, mapped) -> None:
+    """Tell the stored fields they now serve ``path`` (mapped as ``mapped``, read as ``table``),
+    reusable by the next snapshot when the file's columns are the ones this store writes."""
+    want = records.chunk_schema(store.dim)
+    if store.dense.one_copy:
+        want = want.remove(want.get_field_index("vector"))
+    store.fields.mapped(path, mapped, table.schema.equals(want) and table.num_rows == len(store.fields))
+
+
 def adopt(snap: Path, store: ChunkStore) -> list:
     """Serve the stored fields and the BM25 segment from the snapshot just written
     (memory-mapped: :meth:`..index.bm25.PostingsIndex.adopt_files`), on the shard's thread
@@ -126,6 +161,7 @@ def adopt(snap: Path, store: ChunkStore) -> list:
     old = store.fields._parts  # noqa: SLF001 - adopt replaces the list: the old one is only ours then
     table, mapped = map_chunks(snap / "chunks.arrow")
     store.fields.adopt(table, store.fields.slots())
+    _mapped(store, snap / "chunks.arrow", table, mapped)
     mapped.madvise(mmap.MADV_DONTNEED)
     # the BM25 segment too, from the postings just written (its anonymous copy: ~700 MB resident
     # per 1M-chunk shard, as a restart's map holds only the pages read; issue 13, mem17)
@@ -248,11 +284,13 @@ def load(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions, co
         if meta.get("dim") != store.dim:
             raise RuntimeError(f"{snap}: vectors have width {meta.get('dim')}, the embedder produces {store.dim}")
         table, mapped = map_chunks(snap / "chunks.arrow")
+        file = table  # (as read: without the vectors _with_vectors adds)
         if "vector" not in table.column_names and not store.dense.one_copy:
             table = _with_vectors(snap, table, store.dim)  # written with HNSW, read by another kind
         postings = _load_postings(snap, meta, store, table.num_rows)
         if table.num_rows:
             store.upsert(table, 0, index_ann=False, index_lexical=postings is None, copy_fields=False)
+            _mapped(store, snap / "chunks.arrow", file, mapped)
         mapped.madvise(mmap.MADV_DONTNEED)  # what the load read (vectors copied out, ids) leaves RSS
         if postings is not None:
             store.postings = postings
