@@ -1,19 +1,29 @@
-"""``POST /v1/retrieve`` with ``group_by_document`` / ``chunks_per_document`` on a real server: the
-same documents, order, scores and per-document chunks as the gRPC ``Retrieve`` with the same
-settings, in every mode, and the same validation (the message gRPC gives, as a 400 naming the
-field). Before small18 the HTTP endpoint refused both fields as unknown."""
+"""small18's checks on one real server (2 shards, one replica each, HTTP on):
+
+* ``POST /v1/retrieve`` with ``group_by_document`` / ``chunks_per_document``: the same documents,
+  order, scores and per-document chunks as the gRPC ``Retrieve`` with the same settings, in every
+  mode, and the same validation (the message gRPC gives, as a 400 naming the field). Before
+  small18 the HTTP endpoint refused both fields as unknown.
+* ``oprag_shard_replica_up`` without ``--replicas``: replica 0 of each shard
+  (test_small18_replica_up.py has ``--replicas 2`` and a killed replica).
+"""
 
 from __future__ import annotations
 
 import json
+import sys
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
 from oprag_client.testing import ServerProcess, free_port
 
 from oprag_client.client import Doc, OpRAGClient
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_small18_replica_up import _until  # noqa: E402
 
 pytestmark = pytest.mark.integration
 TOPICS = {
@@ -113,3 +123,7 @@ def test_grouped_http_validation_is_grpcs(server, body, param):
 def test_grouped_http_types_are_checked(server, body, want):
     status, h = _post(server, {"query": "harbour", **body})
     assert status == 400 and h["error"]["message"].startswith(want), h
+
+
+def test_single_replica_reports_replica_zero(server):
+    assert _until(server, {(0, 0): 1.0, (1, 0): 1.0}) == 2
