@@ -6,12 +6,19 @@
   small18 the HTTP endpoint refused both fields as unknown.
 * ``oprag_shard_replica_up`` without ``--replicas``: replica 0 of each shard
   (test_small18_replica_up.py has ``--replicas 2`` and a killed replica).
+* Session memory writes (a recorded turn, ``ClearSession``) are snapshotted by the periodic
+  snapshot (``--snapshot-interval-s 1`` here) like committed writes, and ``oprag_memory_records``
+  follows them. Before small18 they marked nothing: a server that only answered session queries
+  never snapshotted them (its write-ahead logs grew, a restart replayed them all) and the gauge
+  kept the value of the last ingest.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -47,7 +54,7 @@ QUESTIONS = ["harbour high water tide", "ferry in winter", "lighthouse keeper lo
 def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("small18-http")
     srv = ServerProcess(d / "data", free_port(), free_port(), "--shards", "2", "--generator", "none",
-                        "--chunk-size", "24", "--http-port", str(free_port()))
+                        "--chunk-size", "24", "--http-port", str(free_port()), "--snapshot-interval-s", "1")
     srv.http_port = int(srv.extra[srv.extra.index("--http-port") + 1])
     srv.start()
     try:
@@ -127,3 +134,40 @@ def test_grouped_http_types_are_checked(server, body, want):
 
 def test_single_replica_reports_replica_zero(server):
     assert _until(server, {(0, 0): 1.0, (1, 0): 1.0}) == 2
+
+
+def _logs(server) -> dict[str, tuple[str, int]]:
+    """``{shard directory: (CURRENT snapshot, write-ahead log bytes)}``."""
+    return {d.name: ((d / "CURRENT").read_text().strip() if (d / "CURRENT").exists() else "", (d / "wal.log").stat().st_size)
+            for d in sorted(server.data_dir.glob("shard-*"))}
+
+
+def _wait(what, timeout: float = 60.0):
+    t, got = time.monotonic(), None
+    while time.monotonic() - t < timeout:
+        got = what()
+        if got:
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"not reached in {timeout} s")
+
+
+def _memory_gauge(server) -> float:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+    return float(re.search(r"^oprag_memory_records (\S+)$", body, re.M).group(1))
+
+
+def test_memory_writes_are_snapshotted_and_counted(server):
+    c = server.grpc
+    before = _wait(lambda: (lambda g: g if all(n == 0 for _, n in g.values()) else None)(_logs(server)))  # all saved
+    for q in QUESTIONS:
+        c.retrieve(q, session_id="small18-memory", top_k=2)  # each records a turn (the shard's log, fsync)
+    assert c.stats().memory_records == len(QUESTIONS)
+    # the next rounds of the snapshot loop save them: every log empty again, the session's shard on a new snapshot
+    after = _wait(lambda: (lambda g: g if all(n == 0 for _, n in g.values()) and g != before else None)(_logs(server)), 30)
+    assert sum(after[k][0] != before[k][0] for k in after) >= 1
+    _wait(lambda: _memory_gauge(server) == len(QUESTIONS), 30)
+    # a ClearSession too
+    assert c.clear_session("small18-memory").records_removed == len(QUESTIONS)
+    _wait(lambda: (lambda g: g if all(n == 0 for _, n in g.values()) and g != after else None)(_logs(server)), 30)
+    _wait(lambda: _memory_gauge(server) == 0, 30)
