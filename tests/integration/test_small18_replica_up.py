@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from oprag_client.client import Doc, OpRAGClient
-from oprag_client.testing import ServerProcess, free_port
+from oprag_client.client import OpRAGClient
+from oprag_client.testing import ServerProcess
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_replicas_server import _replicas  # noqa: E402
+from test_replicas_server import _replicas, start_replicated  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -48,16 +48,11 @@ def _until(srv: ServerProcess, want: dict[tuple[int, int], float], timeout: floa
 
 
 def test_replica_gauge_follows_a_killed_replica(tmp_path):
-    srv = ServerProcess(tmp_path, free_port(), free_port(), "--generator", "none", "--shards", "2",
-                        "--replicas", "2").start()
-    data = srv.data_dir.resolve()
+    srv, data, pids = start_replicated(tmp_path, 8)
     try:
         with OpRAGClient(srv.target, timeout=60) as c:
-            c.ingest([Doc(f"d{i}", f"Tide tables for harbour {i} list high water times.") for i in range(8)])
             every = {(s, r): 1.0 for s in range(2) for r in range(2)}
             assert _until(srv, every) == 2
-            pids = _replicas(srv.proc.pid, data)
-            assert len(pids) == 4, pids
             os.kill(pids[(1, 1)], signal.SIGKILL)
             # down: 0 for that replica alone, and the shard still counts as up (its sibling serves)
             assert _until(srv, {**every, (1, 1): 0.0}, timeout=30) == 2
