@@ -248,6 +248,7 @@ class Runtime:
                 failing = None
 
     async def close(self) -> None:
+        self.gauges.cancel()
         for t in self._bg:
             t.cancel()
         await asyncio.gather(*self._bg, return_exceptions=True)

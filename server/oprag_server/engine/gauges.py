@@ -34,6 +34,11 @@ class IndexGauges:
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run())
 
+    def cancel(self) -> None:
+        """Stop a pending refresh (the server is closing)."""
+        if self._task is not None:
+            self._task.cancel()
+
     async def _run(self) -> None:
         while self._stale:
             self._stale = False
