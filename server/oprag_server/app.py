@@ -20,6 +20,7 @@ from oprag.v1 import oprag_pb2, oprag_pb2_grpc
 from .config import ServerConfig
 from .engine.commit import CommitProtocol
 from .engine.embedder import EmbedWorker
+from .engine.gauges import IndexGauges
 from .engine.ingest import IngestPipeline
 from .engine.query import QueryEngine
 from .engine.ray_embed import start_embed_pool
@@ -68,6 +69,7 @@ class Runtime:
                                       metrics=self.metrics)
         self._last_gen = 0
         self._dirty = False
+        self.gauges = IndexGauges(self.pool, self.metrics)
         self.embed_executor = ThreadPoolExecutor(1, thread_name_prefix="oprag-embed")
         self._bg: list[asyncio.Task] = []
         self.replayed = 0
@@ -105,7 +107,8 @@ class Runtime:
         self.embedder.start()
         self.retriever = Retriever(self.pool, self.corpus_stats, self.analyzer, self.cfg.bm25, self.cfg.retrieval)
         self.retriever.on_widen = self._on_widen
-        self.memory = Memory(self.pool, self.cfg.memory, rewriter=self.generator if self.cfg.memory.condense else None)
+        self.memory = Memory(self.pool, self.cfg.memory, rewriter=self.generator if self.cfg.memory.condense else None,
+                             on_write=self.mark_dirty)
         self.query = QueryEngine(
             monitor_fraction=self.cfg.retrieval.monitor_fraction,
             monitor_max_inflight=self.cfg.retrieval.monitor_max_inflight,
@@ -133,10 +136,10 @@ class Runtime:
         if self.tracing is not None:  # each finished query -> one trace of its executed steps
             self.query.submit = self.tracing.wrap(self.query.submit)
         self.query.start()
-        self._bg.append(asyncio.create_task(self._snapshot_loop()))
+        self._bg.append(asyncio.create_task(self._snapshot_loop(self.cfg.snapshot_interval_s)))
         if self.commits.lease is not None:
             self._bg.append(asyncio.create_task(keep_lease(self.commits.lease, self._reestablish, asyncio.Event())))
-        await self.refresh_gauges()
+        await self.gauges.refresh()
 
     def _on_widen(self, widened: int, uncertified: int) -> None:
         """Count a dense-first batch's widened and uncertified queries (most batches have none:
@@ -165,20 +168,10 @@ class Runtime:
         return self._last_gen
 
     def mark_dirty(self) -> None:
+        """The shards changed (a committed transaction, a memory write): snapshot them on the
+        snapshot loop's next round, refresh the index gauges (coalesced: :mod:`.engine.gauges`)."""
         self._dirty = True
-        asyncio.get_running_loop().create_task(self.refresh_gauges())
-
-    async def refresh_gauges(self) -> None:
-        try:
-            st = await self.pool.broadcast(Op.STATS, StatsRequest())
-        except Exception:  # noqa: BLE001 - gauges are best effort
-            return
-        self.metrics.chunks.set(sum(s.chunks for s in st))
-        self.metrics.documents.set(sum(s.documents for s in st))
-        self.metrics.memory_records.set(sum(s.memory_records for s in st))
-        for s in st:
-            for component, n in (s.nbytes or {}).items():
-                self.metrics.shard_bytes.labels(shard=str(s.shard), component=component).set(n)
+        self.gauges.stale()
 
     async def restart_shard(self, i: int) -> None:
         """Respawn shard ``i`` and re-sum the corpus-global BM25 statistics."""
@@ -255,6 +248,7 @@ class Runtime:
                 failing = None
 
     async def close(self) -> None:
+        self.gauges.cancel()
         for t in self._bg:
             t.cancel()
         await asyncio.gather(*self._bg, return_exceptions=True)

@@ -123,6 +123,9 @@ _OPTIONS: tuple[tuple[str, str, str, str], ...] = (
      "'auto': one embedding actor per GPU the Ray cluster reports (encoder on cuda, bfloat16), CPU actors when "
      "there is none; 0 = CPU actors only; N = N actors with one GPU each"),
     ("--shutdown-grace", "", "shutdown_grace_s", "seconds SIGTERM waits for in-flight requests"),
+    ("--snapshot-interval-s", "", "snapshot_interval_s",
+     "seconds between checks of the periodic snapshot (taken when a write came since the last one; at least 9x "
+     "the last snapshot's time apart)"),
 )
 _PATH_FIELDS = {"data_dir", "tls_cert", "tls_key", "tls_client_ca", "tokens_file", "api_key_file"}
 

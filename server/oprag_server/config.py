@@ -234,11 +234,8 @@ class BatchConfig:
 
 @dataclass(frozen=True)
 class IngestConfig:
-    """Ingest pipeline: bounded queues between Load -> Transform -> Embed -> Upsert.
-
-    :param upsert_batch: chunks per coalesced bulk commit to one shard.
-    :param queue_depth: capacity (items) of each inter-stage queue.
-    """
+    """Ingest pipeline: bounded queues between Load -> Transform -> Embed -> Upsert. ``upsert_batch``:
+    chunks per coalesced bulk commit to one shard; ``queue_depth``: capacity (items) of each inter-stage queue."""
 
     upsert_batch: int = 512
     queue_depth: int = 8
@@ -376,12 +373,15 @@ class ServerConfig:
     security: SecurityConfig = field(default_factory=SecurityConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     shutdown_grace_s: float = 10.0
+    snapshot_interval_s: float = 30.0  # the periodic snapshot's check, at least (app.Runtime._snapshot_loop)
 
     def __post_init__(self) -> None:
         if not 1 <= self.shards <= 64:
             raise ValueError(f"shards must be in [1, 64], got {self.shards}")
         if not self.shutdown_grace_s >= 0:
             raise ValueError(f"shutdown grace must be >= 0 seconds, got {self.shutdown_grace_s}")
+        if not self.snapshot_interval_s > 0:
+            raise ValueError(f"snapshot interval must be > 0 seconds, got {self.snapshot_interval_s}")
         if not 1 <= self.replicas <= 8:
             raise ValueError(f"replicas must be in [1, 8], got {self.replicas}")
         if self.shard_workers not in ("process", "thread"):

@@ -104,7 +104,7 @@ class ShardSupervisor:
     :param restart: ``await restart(i)`` brings shard ``i`` back (e.g. ``Runtime.restart_shard``).
     :param health: a ``grpc_health`` aio ``HealthServicer`` (or anything with ``async set(name, status)``).
     :param names: the health service names to set ("" for the whole server, and the service).
-    :param metrics: sets ``shards_up``, counts ``shard_restarts``, observes ``stage_seconds{stage="shard_recovery"}``.
+    :param metrics: sets ``shards_up`` and ``shard_replica_up``, counts ``shard_restarts``, observes ``stage_seconds{stage="shard_recovery"}``.
     """
 
     def __init__(self, pool: Any, restart: Callable[[int], Awaitable[None]], health: Any, names: Sequence[str],
@@ -127,6 +127,8 @@ class ShardSupervisor:
         """
         dead = dead_shards(self.pool)
         self.metrics.shards_up.set(self.pool.n - len(dead))
+        for i, r, up in getattr(self.pool, "replicas_up", list)():
+            self.metrics.shard_replica_up.labels(shard=str(i), replica=str(r)).set(1 if up else 0)
         await self.set_health(not dead and not self.fenced())  # fenced: lost the storage's owner lease
         ok = not self.write_error() and not self.fenced()
         if ok != self._writes_ok:  # writes alone: the ingest path's health name (reads go on)

@@ -77,7 +77,8 @@ embeddings = mutated(st.fixed_dictionaries(
     {"model": st.sampled_from([EMBED, EMBED, "oprag", "text-embedding-3-small"]),
      "input": text | st.lists(text, max_size=4) | st.lists(st.integers(), max_size=4)},
     optional=EMB), ["model", "input", *EMB])
-retrieve = mutated(st.fixed_dictionaries({"query": text}, optional=OPTS), ["query", *OPTS])
+GROUP = {"group_by_document": st.booleans(), "chunks_per_document": st.integers(0, 50) | st.integers(-1, 2**32 + 1)}
+retrieve = mutated(st.fixed_dictionaries({"query": text}, optional={**OPTS, **GROUP}), ["query", *OPTS, *GROUP])
 SHAPES = {"/v1/chat/completions": chat, "/v1/embeddings": embeddings, "/v1/retrieve": retrieve}
 
 

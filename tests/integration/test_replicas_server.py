@@ -45,6 +45,22 @@ def _serving(data_dir: Path, server_pid: int, shard: int, replica: int, old_pid:
     return pid is not None and pid != old_pid and not (d / "STALE").exists()
 
 
+def start_replicated(tmp_path: Path, docs: int) -> tuple[ServerProcess, Path, dict[tuple[int, int], int]]:
+    """A started ``--shards 2 --replicas 2`` server (no generator) on ``tmp_path`` holding ``docs``
+    documents ``base<i>``: the server, its data directory (resolved) and :func:`_replicas`."""
+    srv = ServerProcess(tmp_path, free_port(), free_port(), "--generator", "none", "--shards", "2",
+                        "--replicas", "2").start()
+    try:
+        with OpRAGClient(srv.target, timeout=60) as c:
+            c.ingest([Doc(f"base{i}", f"Tide tables for harbour {i} list high water times.") for i in range(docs)])
+        pids = _replicas(srv.proc.pid, srv.data_dir.resolve())
+        assert len(pids) == 4, pids
+    except BaseException:
+        srv.stop()
+        raise
+    return srv, srv.data_dir.resolve(), pids
+
+
 def _snapshot(c: OpRAGClient) -> list[list[tuple[str, float]]]:
     return [[(h.chunk_id, round(h.score, 5)) for h in c.retrieve(q, mode="full_hybrid", top_k=10).hits]
             for q in QUERIES]
@@ -52,14 +68,9 @@ def _snapshot(c: OpRAGClient) -> list[list[tuple[str, float]]]:
 
 @pytest.mark.slow  # ~20 s of replica / object-storage restarts: in `make test-all`, out of the 10-minute default suite
 def test_replica_killed_under_load_fails_nothing_and_catches_up(tmp_path):
-    srv = ServerProcess(tmp_path, free_port(), free_port(), "--generator", "none", "--shards", "2",
-                        "--replicas", "2").start()
-    data = srv.data_dir.resolve()
+    srv, data, pids = start_replicated(tmp_path, 20)
     try:
         with OpRAGClient(srv.target, timeout=30) as c:
-            c.ingest([Doc(f"base{i}", f"Tide tables for harbour {i} list high water times.") for i in range(20)])
-            pids = _replicas(srv.proc.pid, data)
-            assert len(pids) == 4, pids
             acked, errors, partial, stop = [], [], [], threading.Event()
 
             def writer():

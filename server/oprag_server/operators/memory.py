@@ -315,17 +315,16 @@ def condensed_text(text: str, limit: int = 400) -> str:
 
 class Memory:
     def __init__(self, pool: ShardPool, cfg: MemoryConfig, analyzer: Analyzer | None = None,
-                 rewriter=None) -> None:
+                 rewriter=None, on_write=lambda: None) -> None:
         """``rewriter``: an engine generator (``is_engine``, :class:`~oprag_server.models.protocols`
         ``stream``/``chat_messages``) that condenses follow-ups (``cfg.condense``), or None.
+        ``on_write()``: called after each memory write a shard applied (Runtime: ``mark_dirty``).
 
         :raises ValueError: ``rewriter`` is not an engine."""
         if rewriter is not None and not getattr(rewriter, "is_engine", False):
             raise ValueError("--memory-condense needs an engine generator (--generator openai or transformers-serve)")
-        self.pool = pool
-        self.cfg = cfg
-        self.analyzer = analyzer or Analyzer()
-        self.rewriter = rewriter
+        self.pool, self.cfg, self.on_write = pool, cfg, on_write
+        self.analyzer, self.rewriter = analyzer or Analyzer(), rewriter
 
     async def lookup(self, questions: list[str], session_ids: list[str]) -> list[MemoryContext]:
         """The session context of a batch of questions from their sessions' recent turns.
@@ -392,8 +391,10 @@ class Memory:
                              ttl_s=self.cfg.ttl_s, resolved=resolved, doc_ids=list(dict.fromkeys(h.doc_id for h in hits)),
                              terms=salient_terms(self.analyzer, resolved, hits))
         await self.pool.call(self.pool.owner(session_id), Op.PROMOTE, req)
+        self.on_write()  # in the shard's write-ahead log: for the snapshot loop
 
     async def clear(self, session_id: str) -> int:
         """Drop a session's records. :returns: records removed."""
         res = await self.pool.call(self.pool.owner(session_id), Op.MEMORY_CLEAR, MemoryClearRequest(session_id))
+        self.on_write()
         return int(res.removed)

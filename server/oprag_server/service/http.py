@@ -261,7 +261,7 @@ def build_app(rt: Any) -> FastAPI:
         job = await rt.query.submit(job_for(body.query, body, generate=False))
         ext = api.extension(job, include_trace=body.include_trace)
         ext.pop("sources")
-        return fits({"object": "retrieval", **ext}, job)
+        return fits({"object": "retrieval", **ext, "documents": api.document_dicts(job)}, job)
 
     @app.post("/v1/embeddings")
     async def embeddings(body: api.EmbeddingsRequest) -> dict:

@@ -102,6 +102,9 @@ class Metrics:
             "oprag_shard_bytes", "Bytes a shard holds by component (postings, terms, vectors, ann, chunks; "
             "estimates, see ShardStats)", ["shard", "component"], registry=r)
         self.shards_up = Gauge("oprag_shards_up", "Shards serving (with --replicas: with a live replica)", registry=r)
+        self.shard_replica_up = Gauge(
+            "oprag_shard_replica_up", "1 while replica `replica` of shard `shard` serves (its process or Ray actor "
+            "alive and caught up), else 0; replica 0 only without --replicas", ["shard", "replica"], registry=r)
         self.shard_restarts = Counter("oprag_shard_restarts_total", "Shard processes restarted after dying",
                                       registry=r)
         self.pruning_recall = Histogram(

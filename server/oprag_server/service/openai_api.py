@@ -6,7 +6,8 @@ Extension fields (README: "OpenAI-compatible HTTP API"):
 
 * request ``oprag``: :class:`RetrievalOptions` (mode, top_k, candidates, filters, fusion,
   session_id, disable_memory, include_trace, ef_search, nprobe), sent by the ``openai`` package as
-  ``extra_body={"oprag": {...}}``;
+  ``extra_body={"oprag": {...}}``; ``/v1/retrieve`` takes them flat, plus ``group_by_document`` and
+  ``chunks_per_document`` (:class:`RetrieveRequest`; its reply adds ``documents``);
 * response ``oprag``: ``{"request_id", "sources", "hits", "retrieval", "memory_context",
   "timings_ms", "ttft_ms"[, "trace"]}``; in a stream, on the first chunk (sources, hits,
   retrieval, memory context) and on the last one (timings, trace).
@@ -124,9 +125,13 @@ class ChatRequest(_Strict):
 
 
 class RetrieveRequest(RetrievalOptions):
-    """``POST /v1/retrieve``: a question and the retrieval knobs (flat)."""
+    """``POST /v1/retrieve``: a question and the retrieval knobs (flat), plus document-level
+    retrieval (``group_by_document``, ``chunks_per_document``: ``QueryRequest``'s fields, the same
+    validation in :func:`~oprag_server.service.convert.chunks_per_document`)."""
 
     query: Str
+    group_by_document: StrictBool = False
+    chunks_per_document: StrictInt = Field(0, ge=0, le=_U32)
 
 
 class EmbeddingsRequest(_Strict):
@@ -193,9 +198,9 @@ def _fields_at(model: Any, path: list) -> list[str]:
 
 #: the retrieval knobs: top-level fields of /v1/retrieve, under "oprag" in a chat request
 _KNOBS = {"mode", "top_k", "candidates", "filters", "fusion", "session_id", "disable_memory", "include_trace",
-          "ef_search", "nprobe"}
+          "ef_search", "nprobe", "group_by_document", "chunks_per_document"}
 _FIELD = re.compile(r"(?:metadata filter '(?P<key>.*?)'|(?P<filters>a metadata filter|\d+ metadata filters)"
-                    r"|(?P<f>[a-z_]+(?:\.[a-z_]+)*(?:\[-?\d+\])?) (?:must|is|has|needs|contains) "
+                    r"|(?:top_k x )?(?P<f>[a-z_]+(?:\.[a-z_]+)*(?:\[-?\d+\])?) (?:must|is|has|needs|contains) "
                     r"|the (?P<q>question) needs)")
 
 
@@ -277,7 +282,8 @@ def query_request(question: str, opts: RetrievalOptions, max_new_tokens: int = 0
     return oprag_pb2.QueryRequest(
         question=question, top_k=opts.top_k, mode=_WIRE_MODE[opts.mode], session_id=opts.session_id,
         candidates=opts.candidates, disable_memory=opts.disable_memory, include_trace=opts.include_trace,
-        ef_search=opts.ef_search, nprobe=opts.nprobe, generation=oprag_pb2.GenerationOptions(max_new_tokens=max_new_tokens),
+        ef_search=opts.ef_search, nprobe=opts.nprobe, group_by_document=getattr(opts, "group_by_document", False),
+        chunks_per_document=getattr(opts, "chunks_per_document", 0), generation=oprag_pb2.GenerationOptions(max_new_tokens=max_new_tokens),
         filters=[oprag_pb2.MetadataFilter(key=k, typed_values=[metadata_value(x, k, "metadata filter")
                                                                for x in (v if isinstance(v, list) else [v])])
                  for k, v in opts.filters.items()],
@@ -317,6 +323,12 @@ def max_new_tokens(req: ChatRequest) -> int:
 def hit_dicts(job: QueryJob) -> list[dict]:
     """The job's hits in rank order (the fields of the wire ``Hit``)."""
     return [dataclasses.asdict(h) for h in job.hits]
+
+
+def document_dicts(job: QueryJob) -> list[dict]:
+    """The job's ranked documents (the fields of the wire ``DocumentHit``: ``doc_id``, ``title``,
+    ``score``, ``hits``); [] for a chunk-level request."""
+    return [dataclasses.asdict(d) for d in job.documents or ()]
 
 
 def extension(job: QueryJob, *, include_trace: bool, first: bool = True, last: bool = True) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from .stream import job_events
 class OpRAGServicer(oprag_pb2_grpc.OpRAGServicer):
     """The ``oprag.v1.OpRAG`` service over a runtime (``app.Runtime`` or a test double) that has
     ``cfg``, ``encoder``, ``generator``, ``query``, ``ingest``, ``memory``, ``wait_applied``,
-    ``mark_dirty``, ``delete`` and ``stats``."""
+    ``delete`` and ``stats``."""
 
     def __init__(self, runtime: Any) -> None:
         self.rt = runtime
@@ -87,9 +87,8 @@ class OpRAGServicer(oprag_pb2_grpc.OpRAGServicer):
         return self._fits(convert.retrieve_response(job, include_trace=request.include_trace), request)
 
     async def Ingest(self, request_iterator, context):
-        res = await self.rt.ingest.run(request_iterator)
-        self.rt.mark_dirty()
-        return convert.ingest_response(res, self.cfg.limits)
+        # (a committed stream marked the shards dirty already: CommitProtocol.on_apply)
+        return convert.ingest_response(await self.rt.ingest.run(request_iterator), self.cfg.limits)
 
     async def Delete(self, request, context):
         docs, chunks, seq = await self.rt.delete(convert.delete_ids(request, self.cfg.limits))

@@ -113,6 +113,11 @@ class ShardPool:
         """Shards that serve with a replica down (for supervision: revive the replica)."""
         return [c.shard_id for c in self.clients if getattr(c, "degraded", bool)()]
 
+    def replicas_up(self) -> list[tuple[int, int, bool]]:
+        """``(shard, replica, serving)`` of every replica (replica 0 alone without ``--replicas``)."""
+        return [(c.shard_id, r, up) for c in self.clients
+                for r, up in enumerate(c.replicas_up() if hasattr(c, "replicas_up") else [c.is_alive()])]
+
     def down_shards(self) -> list[int]:
         """Shards known to be down (for supervision)."""
         return [c.shard_id for c in self.clients if not c.is_alive()]

@@ -123,6 +123,10 @@ class ReplicaSet(ShardTransport):
     def is_alive(self) -> bool:
         return any(self.serving[r] and self.reps[r].is_alive() for r in range(self.r))
 
+    def replicas_up(self) -> list[bool]:
+        """Per replica: it serves reads (alive and caught up; a replica catching up is not)."""
+        return [self.serving[r] and self.reps[r].is_alive() for r in range(self.r)]
+
     def degraded(self) -> bool:
         """Some replica is down while the shard serves (the supervisor revives it)."""
         return self.is_alive() and any(not (self.serving[r] and self.reps[r].is_alive()) and r not in self.backlog
