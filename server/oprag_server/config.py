@@ -238,12 +238,18 @@ class IngestConfig:
 
     :param upsert_batch: chunks per coalesced bulk commit to one shard.
     :param queue_depth: capacity (items) of each inter-stage queue.
+    :raises ValueError: a size below 1 (``--upsert-batch 0`` failed every ingest with INTERNAL).
     """
 
     upsert_batch: int = 512
     queue_depth: int = 8
     max_concurrent_streams: int = 4
     barriers: bool = False  # baseline: each stage finishes before the next starts
+
+    def __post_init__(self) -> None:
+        if min(self.upsert_batch, self.queue_depth, self.max_concurrent_streams) < 1:
+            raise ValueError(f"upsert batch, ingest queue depth and concurrent streams must be >= 1, got "
+                             f"{self.upsert_batch}, {self.queue_depth}, {self.max_concurrent_streams}")
 
 
 @dataclass(frozen=True)
