@@ -27,7 +27,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from ..index.objstore import StorageWriteError
+from ..index.disk_errors import print_failure
 from .protocol import Op, SnapshotRequest, StatsRequest
 from .state import READS, ShardState, dispatch, op_table
 
@@ -236,8 +236,7 @@ def _answer(conn, table, req_id, op, req) -> None:
 
 
 def _fail(conn, req_id, exc: Exception) -> None:
-    if not isinstance(exc, StorageWriteError):  # (that one: the frontend logs it, once per change)
-        traceback.print_exc()  # to the service log; the client gets the message only
+    print_failure(exc)  # to the service log (not a disk error again: the frontend logs those); the client gets the message
     conn.send((req_id, False, f"{type(exc).__name__}: {exc}"))
 
 

@@ -1,0 +1,63 @@
+"""Findings of trial18 at a real server's doors (a new user filling the data directory, ...).
+
+The disk is made full with the shard process's RLIMIT_FSIZE (EFBIG on a write past the limit),
+lowered and raised again from outside with prlimit(2), as in test_trial15.
+"""
+
+from __future__ import annotations
+
+import re
+import resource
+
+import grpc
+import numpy as np
+import pytest
+
+from oprag_client.client import Doc, OpRAGClient
+from oprag_client.testing import ServerProcess
+
+pytestmark = [pytest.mark.integration]
+
+
+def _docs(prefix: str, n: int, words: int, seed: int) -> list[Doc]:
+    vecs = np.random.default_rng(seed).standard_normal((n, 384)).astype(np.float32)
+    return [Doc(f"{prefix}{i}", f"{prefix} marker{prefix}x{i} " + "padding " * words, vector=vecs[i])
+            for i in range(n)]
+
+
+def _shard_pid(srv: ServerProcess) -> int:
+    pids = [int(m.group(1)) for line in srv.lines if (m := re.search(r"shard 0: process pid (\d+)", line))]
+    assert pids, "the server did not log its shard's pid"
+    return pids[-1]
+
+
+@pytest.mark.skipif(not hasattr(resource, "prlimit"), reason="needs prlimit(2) (Linux)")
+def test_a_full_disk_prints_one_shard_traceback_not_one_per_failed_write(tmp_path):
+    """Each write refused by a full disk (and each periodic snapshot, every 30 s) made the shard
+    print its traceback, two chained ones of ~20 lines, to the service log -- whose volume may be
+    the full one -- while the frontend logs the condition once per change. The shard now prints a
+    disk error's traceback once per kind (again after 10 minutes)."""
+    srv = ServerProcess.on_free_ports(tmp_path / "data", "--generator", "none", "--shards", "1")
+    srv.start()
+    try:
+        with OpRAGClient(srv.target, timeout=120) as c:
+            c.ingest(_docs("before", 5, 5, 1))
+            pid = _shard_pid(srv)
+            wal = tmp_path / "data" / "shard-0" / "wal.log"
+            _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+            resource.prlimit(pid, resource.RLIMIT_FSIZE, (wal.stat().st_size + 1024, hard))  # the disk fills
+            start = len(srv.lines)
+            for i in range(4):
+                with pytest.raises(grpc.RpcError) as e:
+                    c.ingest(_docs(f"full{i}x", 20, 50, 2 + i))
+                assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert "could not write to its data directory" in e.value.details(), e.value.details()
+            resource.prlimit(pid, resource.RLIMIT_FSIZE, (hard, hard))  # space is back
+            c.ingest(_docs("after", 3, 5, 9))
+            assert c.stats().documents == 8
+        log = srv.lines[start:]
+        tracebacks = [line for line in log if line.startswith("Traceback")]
+        assert len(tracebacks) == 1, "".join(log[-80:])
+        assert sum("ERROR oprag: a data directory could not be written" in line for line in log) == 1, "".join(log[-80:])  # the frontend's line
+    finally:
+        srv.stop()
