@@ -61,3 +61,28 @@ def test_a_full_disk_prints_one_shard_traceback_not_one_per_failed_write(tmp_pat
         assert sum("ERROR oprag: a data directory could not be written" in line for line in log) == 1, "".join(log[-80:])  # the frontend's line
     finally:
         srv.stop()
+
+
+def test_sigterm_stops_in_well_under_the_shard_teardown_time_and_keeps_every_document(tmp_path):
+    """After its final snapshot each shard process answered SHUTDOWN and then tore its
+    interpreter down (numba, FAISS, Arrow: seconds of native teardown), while the frontend joined
+    the processes one by one: SIGTERM of an idle 2-shard server took 3.5 s, 7.2 s with 2 replicas
+    (load ~5). A shard now ends with os._exit once it answered, as it does when its frontend left:
+    0.45 s and 0.84 s. Nothing is lost: the restart serves every document."""
+    import time
+
+    srv = ServerProcess.on_free_ports(tmp_path / "data", "--generator", "none", "--shards", "2", "--replicas", "2")
+    srv.start()
+    try:
+        with OpRAGClient(srv.target, timeout=120) as c:
+            c.ingest(_docs("kept", 30, 5, 4))
+        t = time.monotonic()
+        assert srv.stop() == 0
+        took = time.monotonic() - t
+        assert took < 3.0, f"SIGTERM took {took:.1f} s"
+        srv.start()
+        with OpRAGClient(srv.target, timeout=120) as c:
+            assert c.stats().documents == 30
+            assert c.retrieve("markerkeptx7", mode="lexical", top_k=1).hits[0].doc_id == "kept7"
+    finally:
+        srv.stop()
