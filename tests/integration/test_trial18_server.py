@@ -86,3 +86,30 @@ def test_sigterm_stops_in_well_under_the_shard_teardown_time_and_keeps_every_doc
             assert c.retrieve("markerkeptx7", mode="lexical", top_k=1).hits[0].doc_id == "kept7"
     finally:
         srv.stop()
+
+
+def test_embeddings_refuse_invisible_only_input_as_a_question_is_refused(tmp_path):
+    """POST /v1/embeddings checked its inputs with str.strip(), so "\\u200b\\u2060" (zero-width
+    space, word joiner: invisible, not whitespace) was embedded, while the same text as a
+    question is INVALID_ARGUMENT on every query path (README: an empty question is nothing but
+    whitespace and invisible characters). Now a 400 naming the input."""
+    import requests
+
+    from oprag_client.testing import free_port
+
+    port = free_port()
+    srv = ServerProcess.on_free_ports(tmp_path / "data", "--generator", "none", "--shards", "1", "--http-port", str(port))
+    srv.start()
+    try:
+        url = f"http://127.0.0.1:{port}/v1"
+        for text in ("\u200b\u2060", " \u00ad\n"):
+            r = requests.post(f"{url}/embeddings", json={"model": "minilm", "input": ["fine", text]}, timeout=60)
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["message"].startswith("input[1] must have visible text"), err
+            r = requests.post(f"{url}/retrieve", json={"query": text}, timeout=60)
+            assert r.status_code == 400 and "question is empty" in r.json()["error"]["message"], r.text
+        r = requests.post(f"{url}/embeddings", json={"model": "minilm", "input": "Gesamt\u00adkonzept"}, timeout=60)
+        assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 384, r.text
+    finally:
+        srv.stop()
