@@ -113,3 +113,34 @@ def test_embeddings_refuse_invisible_only_input_as_a_question_is_refused(tmp_pat
         assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 384, r.text
     finally:
         srv.stop()
+
+
+def test_an_id_sent_twice_in_a_stream_keeps_its_last_version_when_the_versions_take_different_paths(tmp_path):
+    """README: "A document id sent twice in one stream keeps its last version". The shard kept
+    the version whose rows came last in the staged batch, and a chunk whose vector is reused
+    (its text is stored already) or supplied by the client goes to the shard at once, ahead of
+    earlier chunks still being embedded: the stream [d: "first ...", d: "second ..."] stored
+    "first ..." whenever "second ..."'s text was already in the corpus. The shard now keeps the
+    highest generation (the frontend numbers a stream's documents in order)."""
+    srv = ServerProcess.on_free_ports(tmp_path / "data", "--generator", "none", "--shards", "1")
+    srv.start()
+    try:
+        with OpRAGClient(srv.target, timeout=120) as c:
+            def stored(doc_id: str) -> list[str]:
+                hits = c.retrieve("zebuword yakword ownword", mode="lexical", top_k=20).hits
+                return [h.text for h in hits if h.doc_id == doc_id]
+
+            c.ingest([Doc("other", "second version yakword")])  # its text's vector is now reusable
+            r = c.ingest([Doc("d", "first version zebuword"), Doc("d", "second version yakword")])
+            assert r.documents_written == 1  # ("other"'s vector reused: not counted, README)
+            assert stored("d") == ["second version yakword"]
+            vec = np.random.default_rng(7).standard_normal(384).astype(np.float32)
+            c.ingest([Doc("e", "first version zebuword embedded"), Doc("e", "second version ownword", vector=vec)])
+            assert stored("e") == ["second version ownword"]
+            assert c.stats().documents == 3
+        srv.kill9()
+        srv.start()  # the write-ahead log replays to the same versions
+        with OpRAGClient(srv.target, timeout=120) as c:
+            assert stored("d") == ["second version yakword"] and stored("e") == ["second version ownword"]
+    finally:
+        srv.stop()
