@@ -6,7 +6,6 @@ lowered and raised again from outside with prlimit(2), as in test_trial15.
 
 from __future__ import annotations
 
-import re
 import resource
 
 import grpc
@@ -15,20 +14,9 @@ import pytest
 
 from oprag_client.client import Doc, OpRAGClient
 from oprag_client.testing import ServerProcess
+from test_trial15 import _docs, _shard_pid  # (tests/integration is on sys.path: pytest's rootdir-relative import)
 
 pytestmark = [pytest.mark.integration]
-
-
-def _docs(prefix: str, n: int, words: int, seed: int) -> list[Doc]:
-    vecs = np.random.default_rng(seed).standard_normal((n, 384)).astype(np.float32)
-    return [Doc(f"{prefix}{i}", f"{prefix} marker{prefix}x{i} " + "padding " * words, vector=vecs[i])
-            for i in range(n)]
-
-
-def _shard_pid(srv: ServerProcess) -> int:
-    pids = [int(m.group(1)) for line in srv.lines if (m := re.search(r"shard 0: process pid (\d+)", line))]
-    assert pids, "the server did not log its shard's pid"
-    return pids[-1]
 
 
 @pytest.mark.skipif(not hasattr(resource, "prlimit"), reason="needs prlimit(2) (Linux)")
