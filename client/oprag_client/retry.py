@@ -1,8 +1,9 @@
 """Retry with backoff for unary RPCs, the usual gRPC client convention: retry ``UNAVAILABLE`` and
 ``RESOURCE_EXHAUSTED`` only, waiting the server's ``retry-after-ms`` trailer when it sent one
 (plus a random share of up to as much again, so that clients refused together do not all come
-back together and be refused together again), else an exponential backoff with full jitter (``uniform(0, min(max_backoff_s, initial_backoff_s *
-multiplier**attempt))``, the AWS "full jitter" scheme). Streaming calls (Ingest, QueryStream)
+back together and be refused together again), else an exponential backoff with full jitter
+(``uniform(0, min(max_backoff_s, initial_backoff_s * multiplier**attempt))``, the AWS "full
+jitter" scheme). Streaming calls (Ingest, QueryStream)
 are never retried: their request stream cannot be replayed.
 """
 

@@ -238,7 +238,7 @@ def _answer(conn, table, req_id, op, req) -> None:
 
 
 def _fail(conn, req_id, exc: Exception) -> None:
-    print_failure(exc)  # to the service log (not a disk error again: the frontend logs those); the client gets the message
+    print_failure(exc)  # to the service log (a disk error once: the frontend logs those); the caller gets the message
     conn.send((req_id, False, f"{type(exc).__name__}: {exc}"))
 
 
