@@ -128,9 +128,7 @@ def run(shard_id: int, conn, dim: int, data_dir: str | None, stem: bool, committ
     read or poll (between requests; a snapshot being written is finished first, :func:`_finish`),
     and the process then ends at once with :func:`os._exit` instead of tearing the interpreter
     down (freeing a large shard's objects took 2-4 s, during which a restarted frontend's new
-    shard could start beside it); so it does once it answered :attr:`Op.SHUTDOWN` (the teardown
-    made a server's SIGTERM wait 3.5 s with 2 shards, 6-9 s with 2-3 shards x 2 replicas, the
-    frontend joining each process in turn). Nothing acknowledged is cut: a write is acknowledged after its
+    shard could start beside it); so does the process after :attr:`Op.SHUTDOWN` (:func:`main`). Nothing acknowledged is cut: a write is acknowledged after its
     prepare record is fsync'ed in the write-ahead log, and every file (snapshot, ``CURRENT``, the
     log's reset) is written to a temporary name and renamed."""
     # the frontend decides when shards stop (a group SIGINT/SIGTERM must not kill them first)
@@ -201,10 +199,19 @@ def run(shard_id: int, conn, dim: int, data_dir: str | None, stem: bool, committ
                 _fail(conn, req_id, exc)
             continue
         _answer(conn, table, req_id, op, req)
-        if op is Op.SHUTDOWN:  # answered (its snapshot written): no teardown, as when the frontend left
-            exit_now(0)
+        if op is Op.SHUTDOWN:
+            break
         state.note()  # (a write-time merge started or installed: logged with its time)
         busy = state.store.dense.pending > 0 and not state.txns.prepared
+
+
+def main(*args) -> None:
+    """A shard process's entry point: :func:`run` (which returns once it answered SHUTDOWN, its
+    snapshot written), then :func:`exit_now`: the interpreter teardown made a server's SIGTERM
+    wait 3.5 s with 2 shards, 6-9 s with 2-3 shards x 2 replicas (the frontend joins each process
+    in turn). Tests call :func:`run` in their own process, which must go on."""
+    run(*args)
+    exit_now(0)
 
 
 def _gone() -> None:
