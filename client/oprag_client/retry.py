@@ -1,7 +1,9 @@
 """Retry with backoff for unary RPCs, the usual gRPC client convention: retry ``UNAVAILABLE`` and
-``RESOURCE_EXHAUSTED`` only, waiting the server's ``retry-after-ms`` trailer when it sent one,
-else an exponential backoff with full jitter (``uniform(0, min(max_backoff_s, initial_backoff_s *
-multiplier**attempt))``, the AWS "full jitter" scheme). Streaming calls (Ingest, QueryStream)
+``RESOURCE_EXHAUSTED`` only, waiting the server's ``retry-after-ms`` trailer when it sent one
+(plus a random share of up to as much again, so that clients refused together do not all come
+back together and be refused together again), else an exponential backoff with full jitter
+(``uniform(0, min(max_backoff_s, initial_backoff_s * multiplier**attempt))``, the AWS "full
+jitter" scheme). Streaming calls (Ingest, QueryStream)
 are never retried: their request stream cannot be replayed.
 """
 
@@ -38,9 +40,10 @@ class RetryPolicy:
         for key, value in trailers or ():
             if key == "retry-after-ms":
                 try:
-                    return min(self.max_backoff_s, int(value) / 1000)
+                    after = int(value) / 1000
                 except ValueError:
                     break
+                return min(self.max_backoff_s, after + random.uniform(0, after))
         return random.uniform(0, min(self.max_backoff_s, self.initial_backoff_s * self.multiplier**attempt))
 
 

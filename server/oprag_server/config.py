@@ -1,7 +1,6 @@
 """Configuration: one frozen dataclass per subsystem, composed into :class:`ServerConfig`.
 
-Every limit the service enforces lives here so that the CLI, the servicer and the tests read
-the same numbers.
+Every limit the service enforces lives here so that the CLI, the servicer and the tests read the same numbers.
 """
 
 from __future__ import annotations
@@ -376,14 +375,15 @@ class ServerConfig:
     snapshot_interval_s: float = 30.0  # the periodic snapshot's check, at least (app.Runtime._snapshot_loop)
 
     def __post_init__(self) -> None:
-        if not 1 <= self.shards <= 64:
-            raise ValueError(f"shards must be in [1, 64], got {self.shards}")
+        for name, n, most in (("shards", self.shards, 64), ("replicas", self.replicas, 8)):
+            if not 1 <= n <= most:
+                raise ValueError(f"{name} must be in [1, {most}], got {n}")
         if not self.shutdown_grace_s >= 0:
             raise ValueError(f"shutdown grace must be >= 0 seconds, got {self.shutdown_grace_s}")
         if not self.snapshot_interval_s > 0:
             raise ValueError(f"snapshot interval must be > 0 seconds, got {self.snapshot_interval_s}")
-        if not 1 <= self.replicas <= 8:
-            raise ValueError(f"replicas must be in [1, 8], got {self.replicas}")
+        if self.ingest.upsert_batch < 1:  # (--upsert-batch 0 started, then every ingest failed with INTERNAL)
+            raise ValueError(f"upsert batch must be >= 1, got {self.ingest.upsert_batch}")
         if self.shard_workers not in ("process", "thread"):
             raise ValueError(f"shard workers must be 'process' or 'thread', got {self.shard_workers!r}")
         if self.event_loop not in ("asyncio", "uvloop"):

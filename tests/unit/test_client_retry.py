@@ -36,7 +36,7 @@ def test_retries_unavailable_and_exhausted_honouring_retry_after():
     slept = []
     fn = _flaky([Err(grpc.StatusCode.RESOURCE_EXHAUSTED, (("retry-after-ms", "250"),)), Err(grpc.StatusCode.UNAVAILABLE)])
     assert call(RetryPolicy(max_attempts=3, initial_backoff_s=0.1), fn, sleep=slept.append) == "ok"
-    assert slept[0] == 0.25 and 0 <= slept[1] <= 0.2  # second: jittered backoff 0.1 * 2**1
+    assert 0.25 <= slept[0] <= 0.5 and 0 <= slept[1] <= 0.2  # retry-after plus jitter; then backoff 0.1 * 2**1
 
 
 def test_other_codes_and_spent_attempts_raise():

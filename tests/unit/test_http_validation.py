@@ -77,7 +77,7 @@ def test_a_lone_surrogate_shown_in_a_message_is_escaped(path, body):
     ("/v1/chat/completions", {"model": "oprag", "messages": [{"role": "assistant", "content": "a"}]}, "messages[-1]",
      "messages[-1] has role 'assistant'"),
     ("/v1/embeddings", {"model": "enc", "input": []}, "input", "input has 0 items"),
-    ("/v1/embeddings", {"model": "enc", "input": ["a", " "]}, "input[1]", "input[1] must be non-empty"),
+    ("/v1/embeddings", {"model": "enc", "input": ["a", " "]}, "input[1]", "input[1] must have visible text"),
     ("/v1/embeddings", {"model": "enc", "input": "a", "dimensions": 3}, "dimensions", "dimensions must be 4"),
 ])
 def test_a_value_the_shared_validation_refuses_names_its_param(path, body, param, message):

@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException
 from ..config import ServerConfig
 from ..engine.ingest import IngestError
 from ..engine.query import Overloaded, QueryRejected
+from ..index.analyzer import has_visible_content
 from ..shards.pool import ShardError
 from . import convert
 from . import openai_api as api
@@ -271,8 +272,9 @@ def build_app(rt: Any) -> FastAPI:
         if not 1 <= len(texts) <= api.MAX_EMBED_INPUTS:
             raise InvalidArgument(f"input has {len(texts)} items; send between 1 and {api.MAX_EMBED_INPUTS}")
         for i, t in enumerate(texts):
-            if not t.strip() or len(t) > cfg.limits.max_question_chars:
-                raise InvalidArgument(f"input[{i}] must be non-empty and at most {cfg.limits.max_question_chars} characters")
+            if not has_visible_content(t) or len(t) > cfg.limits.max_question_chars:  # (as a question)
+                raise InvalidArgument(f"input[{i}] must have visible text (not only whitespace or invisible characters) "
+                                      f"and at most {cfg.limits.max_question_chars} characters")
         if body.dimensions is not None and body.dimensions != rt.encoder.dim:
             raise InvalidArgument(f"dimensions must be {rt.encoder.dim} (the embedder's width), got {body.dimensions}")
         vecs = await rt.embedder.embed_queries(texts)

@@ -89,8 +89,10 @@ class ChunkStore:
         ``tokens``: :meth:`analyse` of ``table`` when the caller has it (analysed at staging).
         A document whose stored generation differs from the batch's generation is replaced:
         its old chunks leave the dense index and the postings first. When the batch holds
-        several versions of one document (the same id sent twice), the last version wins and
-        the earlier ones are never indexed.
+        several versions of one document (the same id sent twice), the last version sent wins
+        (the highest generation: the frontend numbers a stream's documents in order) and the
+        earlier ones are never indexed, wherever their rows are (chunks with reused or supplied
+        vectors reach the shard before earlier chunks still being embedded).
         """
         # Python objects only for what the maps need (titles and texts are analysed from Arrow)
         cols = {name: table.column(name).to_pylist() for name in ("chunk_id", "doc_id", "generation", "content_hash",
@@ -101,7 +103,8 @@ class ChunkStore:
         vecs = records.vectors_of(table) if "vector" in table.column_names else None
         last_gen: dict[str, int] = {}
         for doc_id, g in zip(cols["doc_id"], cols["generation"]):
-            last_gen[doc_id] = int(g)
+            if int(g) > last_gen.get(doc_id, -1):
+                last_gen[doc_id] = int(g)
         keep_rows = [i for i, (d, g) in enumerate(zip(cols["doc_id"], cols["generation"])) if int(g) == last_gen[d]]
         if len(keep_rows) != len(cols["doc_id"]):
             cols = {k: [v[i] for i in keep_rows] for k, v in cols.items()}

@@ -47,7 +47,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
-from ..index.objstore import StorageWriteError
+from ..index.disk_errors import print_failure
 from .gather import Slot
 from .protocol import Op, SnapshotReply, StatsReply, StatsRequest
 from .snapjob import ShardGone
@@ -179,8 +179,7 @@ class ThreadTransport(ShardTransport):
                 reply = pickle.loads(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
             return True, reply
         except Exception as exc:  # noqa: BLE001 - never let a bad request stop the shard
-            if not isinstance(exc, StorageWriteError):
-                traceback.print_exc()
+            print_failure(exc)
             return False, f"{type(exc).__name__}: {exc}"
         finally:
             self._kick()
@@ -279,8 +278,7 @@ class ThreadTransport(ShardTransport):
             reply = SnapshotReply(written=False) if job is None else job.drive(self._on_shard)
             out: tuple[bool, Any] = (True, pickle.loads(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)))
         except Exception as exc:  # noqa: BLE001 - answered as any failed request
-            if not isinstance(exc, StorageWriteError):
-                traceback.print_exc()
+            print_failure(exc)
             out = (False, f"{type(exc).__name__}: {exc}")
         cf.set_result(out)
         self._release()

@@ -159,7 +159,7 @@ class PipeTransport(ShardTransport):
         try:
             parent, child = ctx.Pipe(duplex=True)
             self.proc = ctx.Process(
-                target=worker.run,
+                target=worker.main,
                 args=(self.shard_id, child, self.dim, str(self.data_dir) if self.data_dir else None, self.stem,
                       committed or set(), self.dense, self.storage),
                 name=f"oprag-shard-{self.shard_id}",

@@ -1,0 +1,45 @@
+"""Findings of trial18 (a new user probing start-up options, a full data directory and the CLI)."""
+
+from __future__ import annotations
+
+import pytest
+
+from oprag_server import cli
+from oprag_server.config import IngestConfig, ServerConfig
+
+
+@pytest.mark.parametrize("n", [0, -1])
+def test_upsert_batch_below_one_is_refused_at_start(n, capsys):
+    """--upsert-batch 0 used to start, and then every ingest failed with INTERNAL ("ValueError:
+    need at least one array to stack": the upsert stage sent empty batches); now a start-up error,
+    exit status 2, naming the option's value."""
+    with pytest.raises(ValueError, match=r"upsert batch must be >= 1, got "):
+        ServerConfig(ingest=IngestConfig(upsert_batch=n))
+    assert cli.main(["--upsert-batch", str(n)]) == 2
+    assert f"upsert batch must be >= 1, got {n}" in capsys.readouterr().err
+
+
+def test_upsert_batch_of_one_is_usable():
+    assert ServerConfig(ingest=IngestConfig(upsert_batch=1)).ingest.upsert_batch == 1
+
+
+def test_retry_after_trailer_is_jittered_so_refused_clients_do_not_return_together():
+    """RetryPolicy waited exactly the server's retry-after-ms: clients refused by a full queue
+    at the same moment all came back at the same moment and were refused again (6 threads on
+    --queue-capacity 1: 5 of 6 gave up after 6 attempts). The wait is now the trailer's value
+    plus a random share of up to as much again (README: Python client retries)."""
+    import grpc
+
+    from oprag_client.retry import RetryPolicy
+
+    class Full(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.RESOURCE_EXHAUSTED
+
+        def trailing_metadata(self):
+            return (("retry-after-ms", "500"),)
+
+    waits = [RetryPolicy(max_attempts=6).delay(Full(), 0) for _ in range(200)]
+    assert all(0.5 <= w <= 1.0 for w in waits), (min(waits), max(waits))
+    assert max(waits) - min(waits) > 0.2, (min(waits), max(waits))
+    assert RetryPolicy(max_attempts=6, max_backoff_s=0.6).delay(Full(), 0) <= 0.6  # still capped
