@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..index.bm25.merge_gate import MergeGate
 from . import snapshot as snapshots
 from .chunks import ChunkStore
 from .memory import MemoryStore
@@ -41,6 +42,9 @@ class ShardState:
         self.dim = dim
         self.data_dir = data_dir
         self.store = ChunkStore(dim, stem=stem, dense=dense)
+        # one BM25 merge build at a time among the shards on this data directory (merge_gate)
+        self.merge_gate = MergeGate.at(data_dir) if data_dir is not None else None
+        self.store.postings.gate = self.merge_gate
         self.search = Searcher(self.store)
         self.memory = MemoryStore()
         self.txns = Transactions(self.store)
@@ -91,7 +95,9 @@ class ShardState:
         """
         if self.data_dir is None:
             return 0
-        return snapshots.load(self._dir(), self.store, self.memory, self.txns, committed, self.storage)
+        n = snapshots.load(self._dir(), self.store, self.memory, self.txns, committed, self.storage)
+        self.store.postings.gate = self.merge_gate  # (the load's index replaced the first one)
+        return n
 
     #: deferred HNSW inserts per background step: ~40-60 ms at efConstruction 80 (a request that
     #: arrives meanwhile waits at most that long; FAISS's add costs O(graph size) per call besides
@@ -128,7 +134,7 @@ class ShardState:
         now = time.monotonic()
         if self._quiet[0] != self.store.version:
             self._quiet = (self.store.version, now)
-        return max(0.0, self._quiet[1] + self.IDLE_QUIET_S - now)
+        return max(0.0, self._quiet[1] + self.IDLE_QUIET_S - now, p.gate_retry_at - now)
 
     def idle_step(self) -> None:
         """Idle maintenance: install a finished background merge; start one in the background

@@ -67,6 +67,12 @@ class MergeMixin:
     #: shard's BM25 part of a query 1.4-2.4 ms more (+40-70%), 12-25% ~4.2 ms; a merge at 1M is
     #: ~2-3 s of one core, the work the next periodic snapshot would do in the foreground anyway
     IDLE_DIV = 64
+    #: :class:`.merge_gate.MergeGate` held for each merge's build (set by the shard that owns the
+    #: index; None: no coordination): a background merge the gate refuses is not started, and
+    #: none is tried again before ``gate_retry_at`` (``time.monotonic()``), GATE_RETRY_S later
+    gate = None
+    gate_retry_at = 0.0
+    GATE_RETRY_S = 0.5
 
     def _layers(self) -> list[Delta]:
         return [self._delta] if self._frozen is None else [self._frozen, self._delta]
@@ -125,12 +131,11 @@ class MergeMixin:
 
         :returns: True if it merged or started a merge."""
         self.poll_merge(raise_errors=False)
-        if self._pending is not None:
+        if self._pending is not None or (background and time.monotonic() < self.gate_retry_at):
             return False
         p = self._seg.n_postings
         if self._delta.n >= max(self.MERGE_MIN, p // self.MERGE_DIV) or self._seg_dead >= max(self.MERGE_MIN, p // 4):
-            self._start_merge(background)
-            return True
+            return self._start_merge(background)
         return False
 
     def idle_merge_due(self) -> bool:
@@ -178,12 +183,19 @@ class MergeMixin:
             self._pending[0].join()
             self._finish()
 
-    def _start_merge(self, background: bool) -> None:
+    def _start_merge(self, background: bool) -> bool:
         """Freeze the delta and build the merged segment from an immutable view (in a thread with
         ``background``). The request loop's part is O(capacity) memory at most (the layer codes
         turned and copied); the thread computes the masks, the frozen chunks, the new segment's
         per-term counts and what the BM25 top-m keeps per segment (:func:`.listed_top.successor`),
-        so that :meth:`_finish` is O(changes made during the merge)."""
+        so that :meth:`_finish` is O(changes made during the merge).
+
+        The build holds :attr:`gate` (when set): a foreground merge waits for it, a background
+        one is not started while another shard's merge holds it (:returns: False then)."""
+        gate = self.gate
+        if gate is not None and not gate.acquire(blocking=not background):
+            self.gate_retry_at = time.monotonic() + self.GATE_RETRY_S
+            return False
         frozen = self._delta
         self._delta = Delta()
         self._frozen = frozen
@@ -213,17 +225,26 @@ class MergeMixin:
                 pending[1] = new
             except BaseException as e:  # re-raised by _finish in the owner's thread
                 pending[1] = e
+            finally:
+                if gate is not None:
+                    gate.release()
             pending[2] = time.perf_counter() - t0
 
         if background:
             _drop_thread()  # (now, not at the install: starting a thread waits until it runs)
             pending[0] = threading.Thread(target=build, name="bm25-merge", daemon=True)
             self._pending = pending
-            pending[0].start()
+            try:
+                pending[0].start()
+            except BaseException:  # (no thread will release it)
+                if gate is not None:
+                    gate.release()
+                raise
         else:
             build()
             self._pending = pending
             self._finish()
+        return True
 
     def _finish(self) -> None:
         """Install the merged segment, on the owner's thread: O(the frozen chunks + the chunks

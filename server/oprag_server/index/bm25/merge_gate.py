@@ -1,0 +1,74 @@
+"""One BM25 merge build at a time across the shards of one machine.
+
+Issue 13 (snap18, 1M chunks, 2 process shards): a 1M-chunk shard's merge holds ~2.3 GB of transient
+memory for ~15 s (the new segment, the frozen delta's int64 temporaries, the previous segment's
+pages read); the shards receive the same writes, so their write-time, idle and snapshot merges
+started together and the process tree's peak was two merges at once (8.45 GB against a target of
+8 GiB). A :class:`MergeGate` is held for the build of one merge: a thread lock (shards on threads
+of one process share the gate object, :meth:`MergeGate.at`) and an ``flock`` of one file in the
+data directory (shard processes and replicas of one server). The kernel releases the ``flock``
+when a process dies, so a killed shard never holds the others' merges.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import threading
+from pathlib import Path
+
+__all__ = ["MergeGate"]
+
+#: the lock file's name in the server's data directory (beside the ``shard-<i>`` directories)
+LOCK_NAME = ".bm25-merge.lock"
+
+
+class MergeGate:
+    """A machine-wide lock for one BM25 merge build (module docstring). Not reentrant."""
+
+    _gates: dict[str, "MergeGate"] = {}
+    _gates_lock = threading.Lock()
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        self._fd: int | None = None
+        self._flocked = False
+
+    @classmethod
+    def at(cls, data_dir: Path) -> "MergeGate":
+        """The process's one gate for ``data_dir`` (its file :data:`LOCK_NAME`), so that shards on
+        threads of one process exclude each other too (an ``flock`` does not between the threads
+        that share its file descriptor)."""
+        key = str(Path(data_dir).resolve() / LOCK_NAME)
+        with cls._gates_lock:
+            return cls._gates.setdefault(key, cls(Path(key)))
+
+    def acquire(self, blocking: bool) -> bool:
+        """Take the gate; without ``blocking`` return False at once when another merge holds it.
+        Where the file cannot be locked (a read-only or lock-less file system: ``OSError`` other
+        than "would block"), the gate holds within this process only: merges are never refused
+        for want of a lock file."""
+        if not self._lock.acquire(blocking):
+            return False
+        try:
+            if self._fd is None:
+                self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fcntl.flock(self._fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+            self._flocked = True
+        except BlockingIOError:
+            self._lock.release()
+            return False
+        except OSError:
+            self._flocked = False
+        return True
+
+    def release(self) -> None:
+        """Give the gate back (the thread that took it, or the merge thread it was handed to)."""
+        if self._flocked:
+            self._flocked = False
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+            except OSError:
+                pass
+        self._lock.release()
