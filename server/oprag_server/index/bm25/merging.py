@@ -216,7 +216,11 @@ class MergeMixin:
                 d_doc_slots = np.flatnonzero(frz_live)  # == sorted(frozen.docs) at the start
                 key, tf = frozen.consolidated()
                 m = frz_live[key & 0xFFFFFFFF]
-                new = merge(seg, seg_live, d_terms, key[m], tf[m], d_doc_slots)
+                if not m.all():  # (rebound: the unfiltered arrays are not kept through the merge)
+                    key, tf = key[m], tf[m]
+                m = None
+                new = merge(seg, seg_live, d_terms, key, tf, d_doc_slots)
+                key = tf = None
                 try:  # (a cache: should it fail, the first queries after the install build it, as before)
                     top = successor(self, new, seg_live | frz_live, doc_len)
                 except Exception:  # noqa: BLE001

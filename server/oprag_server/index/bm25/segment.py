@@ -213,19 +213,23 @@ def merge(seg: Segment, seg_live: np.ndarray, d_terms: list[str], d_key: np.ndar
     d_doc_slots = np.asarray(d_doc_slots, dtype=np.int64)
     if d_doc_slots.size and (d_doc_slots.min() < 0 or d_doc_slots.max() > MAX_SLOT):
         raise ValueError(f"postings slots must lie in [0, {MAX_SLOT}]")
-    # delta term ids -> new term ids (one look-up per distinct delta term)
+    # delta term ids -> new term ids (one look-up per distinct delta term). The delta's per-posting
+    # arrays are int32 where the values fit (term ids, slots <= MAX_SLOT, positions) and each is
+    # dropped once used: at 1M chunks a shard's merge held ~1.1 GB of int64 temporaries for a
+    # delta of ~10M postings beside the new segment (issue 13, 1M tree peak)
     d_key = np.asarray(d_key, np.int64)
-    dtid = d_key >> 32
-    ds = d_key & 0xFFFFFFFF
     # keys strictly ascending (as documented: what a delta gives): grouped by delta term id, slots
     # ascending within a group, no pair twice; the sorts below then take linear shortcuts
     strict = bool(np.all(d_key[1:] > d_key[:-1]))
+    dtid = (d_key >> 32).astype(np.int32)
+    ds = (d_key & 0xFFFFFFFF).astype(np.int32)
+    d_key = None  # (the caller's array lives on; this frame's reference goes)
     if strict:
         gstart = np.flatnonzero(np.diff(dtid, prepend=-1))  # first posting of each delta term
         gids = dtid[gstart]  # == np.unique(dtid)
     else:
         gids = np.unique(dtid)
-    remap = np.zeros(len(d_terms), np.int64)
+    remap = np.zeros(len(d_terms), np.int32)
     for i in gids.tolist():
         t = d_terms[i]
         j = vocab.get(t)
@@ -234,8 +238,10 @@ def merge(seg: Segment, seg_live: np.ndarray, d_terms: list[str], d_key: np.ndar
             terms.append(t)
         remap[i] = j
     dt = remap[dtid]
-    dtf = np.asarray(d_tf, np.int64)
-    d_pos = _positions(d_doc_slots, ds)  # each posting's chunk, as a position in d_doc_slots
+    dtf = np.asarray(d_tf)
+    if dtf.dtype.kind not in "iu":
+        dtf = dtf.astype(np.int64)
+    d_pos = _positions(d_doc_slots, ds).astype(np.int32)  # each posting's chunk, as a position in d_doc_slots
     d_doc_len = np.bincount(d_pos, minlength=d_doc_slots.size).astype(np.int64)
     if strict:
         # order by (new term id, slot) = the delta terms' groups in new-id order (a sort of the
@@ -243,16 +249,24 @@ def merge(seg: Segment, seg_live: np.ndarray, d_terms: list[str], d_key: np.ndar
         glen = np.diff(np.append(gstart, dtid.size))
         go = np.argsort(remap[gids])
         glen_o = glen[go]
-        order = np.repeat(gstart[go] - (np.cumsum(glen_o) - glen_o), glen_o) + np.arange(dtid.size)
+        order = np.repeat(gstart[go] - (np.cumsum(glen_o) - glen_o), glen_o)
+        order += np.arange(dtid.size)
+        dtid = None
         # chunk order for the forward index (np.lexsort((dt, ds))): a stable sort of the
         # (term, slot)-ordered postings by chunk position (radix sort when it fits in 16 bits)
         p = d_pos[order]
-        by_doc = order[np.argsort(p.astype(np.uint16) if d_doc_slots.size < 65536 else p, kind="stable")]
+        d_pos = None
+        by_doc = np.argsort(p.astype(np.uint16) if d_doc_slots.size < 65536 else p, kind="stable")
+        p = None
+        by_doc = order[by_doc]
     else:
+        dtid = d_pos = None
         by_doc = np.lexsort((dt, ds))
         order = np.lexsort((ds, dt))
     d_doc_terms_by_doc = dt[by_doc]
+    by_doc = None
     dt, ds, dtf = dt[order], ds[order], dtf[order]
+    order = None
     T = len(terms)
     new_counts = np.zeros(T, np.int64)
     new_counts[: kept.sum()] = old_counts[kept]
@@ -267,8 +281,10 @@ def merge(seg: Segment, seg_live: np.ndarray, d_terms: list[str], d_key: np.ndar
         before_old = old_cum[dt + 1]  # every old posting of the term has a smaller slot
     else:
         o_tid = np.repeat(np.arange(T, dtype=np.int64), new_counts)
-        before_old = np.searchsorted((o_tid << 32) | o_slots.astype(np.int64), (dt << 32) | ds)
+        before_old = np.searchsorted((o_tid << 32) | o_slots.astype(np.int64),
+                                     (dt.astype(np.int64) << 32) | ds.astype(np.int64))
     dest = before_old + np.arange(dt.size)
+    before_old = None
     P = int(offsets[-1])
     tf_dtype = np.uint16 if (not dtf.size or dtf.max() <= 65535) and o_tf.dtype == np.uint16 else np.uint32
     slots = _interleave(P, dest, o_slots, ds, np.int32)
@@ -316,7 +332,8 @@ def _interleave(n: int, dest: np.ndarray, old: np.ndarray, new: np.ndarray, dtyp
         return out
     taken = np.zeros(n, dtype=bool)
     taken[dest] = True
-    out[~taken] = old
+    np.logical_not(taken, out=taken)  # (in place: no second mask of n bytes)
+    out[taken] = old
     out[dest] = new
     return out
 
