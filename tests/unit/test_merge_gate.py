@@ -152,5 +152,8 @@ def test_shards_on_one_data_dir_share_the_gate_and_back_off(tmp_path, held_build
     s1.idle_step()
     s1.store.postings.wait_merge()
     assert s0.stats().merge_pending == s1.stats().merge_pending == 0
-    s0.load()  # a load replaces the index: the new one keeps the gate
-    assert s0.store.postings.gate is s0.merge_gate
+    s0.snapshot()
+    restarted = ShardState(0, D, tmp_path)
+    first = restarted.store.postings
+    restarted.load()  # the snapshot's postings replace the first index: the new one keeps the gate
+    assert restarted.store.postings is not first and restarted.store.postings.gate is restarted.merge_gate

@@ -83,17 +83,23 @@ class ExactMixin:
         :meth:`~..index.dense.DenseIndex.score_error`, ~1e-4). A larger bound only widens what
         is scored canonically: the results are the same."""
         dense = self.store.dense
-        i8 = None
-        if self.int8_scan and dense.params.kind == "flat" and len(dense) and np.isfinite(q).all():
-            if self._i8 is None:
-                from ..index import kernels_scan  # noqa: PLC0415 - numba, on first use (search._index_module)
-
-                self._i8 = kernels_scan.Int8Rows()
-            i8 = self._i8.of(dense.vectors, self.store.version)
+        i8 = self._int8_rows() if dense.params.kind == "flat" and len(dense) and np.isfinite(q).all() else None
         if i8 is None:
             return [(d, dense.score_error(q[i])) for i, d in enumerate(dense.score_all(q))]
         return [(i8.scores(q[i], None), np.minimum(i8.row_scale(q[i]) * i8.rb + 1e-12, i8.error(q[i])))
                 for i in range(q.shape[0])]
+
+    def _int8_rows(self):
+        """The flat index's int8 copy (:class:`..index.kernels_scan.Int8Rows`, rebuilt after a
+        write; also the hybrid scan's, :meth:`.search.Searcher._kernel_tops`), or None without
+        ``int8_scan``."""
+        if not self.int8_scan:
+            return None
+        if self._i8 is None:
+            from ..index import kernels_scan  # noqa: PLC0415 - numba, on first use (search._index_module)
+
+            self._i8 = kernels_scan.Int8Rows()
+        return self._i8.of(self.store.dense.vectors, self.store.version)
 
     def _slot_order(self, row_slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(order, sorted slots)`` of int64[R] ``row_slots`` (the dense index's, stable), kept

@@ -207,9 +207,7 @@ class Searcher(ExactMixin):
             index."""
         dense, kernels = self.store.dense, _kernels()
         vecs, row_slot = dense.vectors, dense.slots
-        if self.int8_scan and self._i8 is None:
-            self._i8 = _kernels_scan().Int8Rows()
-        i8 = self._i8.of(vecs, self.store.version) if self.int8_scan else None
+        i8 = self._int8_rows()
         out, lows = [], []
         for i in range(q.shape[0]):
             qi, every = q[i], allowed[i] is None

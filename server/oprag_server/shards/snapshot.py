@@ -293,6 +293,7 @@ def load(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions, co
             _mapped(store, snap / "chunks.arrow", file, mapped)
         mapped.madvise(mmap.MADV_DONTNEED)  # what the load read (vectors copied out, ids) leaves RSS
         if postings is not None:
+            postings.gate = store.postings.gate  # (the merge gate the shard gave the index it replaces)
             store.postings = postings
         _load_ann(snap, store)
         store.applied_seq = int(meta.get("applied_seq", 0))

@@ -95,9 +95,7 @@ class ShardState:
         """
         if self.data_dir is None:
             return 0
-        n = snapshots.load(self._dir(), self.store, self.memory, self.txns, committed, self.storage)
-        self.store.postings.gate = self.merge_gate  # (the load's index replaced the first one)
-        return n
+        return snapshots.load(self._dir(), self.store, self.memory, self.txns, committed, self.storage)
 
     #: deferred HNSW inserts per background step: ~40-60 ms at efConstruction 80 (a request that
     #: arrives meanwhile waits at most that long; FAISS's add costs O(graph size) per call besides
