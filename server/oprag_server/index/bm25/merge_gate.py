@@ -13,7 +13,9 @@ when a process dies, so a killed shard never holds the others' merges.
 from __future__ import annotations
 
 import fcntl
+import itertools
 import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -21,6 +23,9 @@ __all__ = ["MergeGate"]
 
 #: the lock file's name in the server's data directory (beside the ``shard-<i>`` directories)
 LOCK_NAME = ".bm25-merge.lock"
+#: the directory, beside the lock file, of merged segments moved out of memory
+#: (:meth:`MergeGate.spill_dir`, :meth:`..segment.Segment.spill`): ``<pid>-<n>`` per segment
+SPILL_NAME = ".bm25-spill"
 
 
 class MergeGate:
@@ -34,6 +39,8 @@ class MergeGate:
         self._lock = threading.Lock()
         self._fd: int | None = None
         self._flocked = False
+        self._spills = itertools.count()
+        self._swept = False
 
     @classmethod
     def at(cls, data_dir: Path) -> "MergeGate":
@@ -72,3 +79,40 @@ class MergeGate:
             except OSError:
                 pass
         self._lock.release()
+
+    def spill_dir(self) -> Path:
+        """A new directory name for one merged segment's files (:meth:`..segment.Segment.spill`),
+        ``<data dir>/.bm25-spill/<pid>-<n>`` (not created). The first call of a process removes
+        the directories of processes that are gone (a killed shard's: nothing deletes them at
+        its exit); a live process's are left alone."""
+        root = self.path.parent / SPILL_NAME
+        if not self._swept:
+            self._swept = True
+            sweep_spills(root)
+        return root / f"{os.getpid()}-{next(self._spills)}"
+
+
+def sweep_spills(root: Path) -> int:
+    """Remove the spill directories under ``root`` whose process (the ``<pid>`` of
+    ``<pid>-<n>``) no longer runs. :returns: how many were removed."""
+    n = 0
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return 0
+    for e in entries:
+        pid = e.name.split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(e, ignore_errors=True)
+            n += 1
+    return n
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # (EPERM: someone else's process)
+        return True
+    return True

@@ -73,6 +73,14 @@ class MergeMixin:
     gate = None
     gate_retry_at = 0.0
     GATE_RETRY_S = 0.5
+    #: merged segments moved out of memory (:attr:`SPILL_MIN_BYTES`)
+    spills = 0
+    #: a background merge under a gate moves a new segment of at least this many array bytes
+    #: out of anonymous memory before it gives the gate back (:meth:`.segment.Segment.spill`
+    #: into :meth:`.merge_gate.MergeGate.spill_dir`), so that the next shard's merge does not
+    #: run beside it (issue 13: a 1M-chunk shard's is ~700 MB; 10K chunks' ~5 MB stay). A
+    #: foreground merge (a snapshot's) does not: the snapshot writes and maps the segment next.
+    SPILL_MIN_BYTES = 64 << 20
 
     def _layers(self) -> list[Delta]:
         return [self._delta] if self._frozen is None else [self._frozen, self._delta]
@@ -225,6 +233,9 @@ class MergeMixin:
                     top = successor(self, new, seg_live | frz_live, doc_len)
                 except Exception:  # noqa: BLE001
                     top = (new, None, None)
+                if (background and gate is not None and new.unmapped_nbytes() >= self.SPILL_MIN_BYTES
+                        and new.spill(gate.spill_dir())):
+                    self.spills += 1
                 pending[3] = (new.df(), d_doc_slots, top)
                 pending[1] = new
             except BaseException as e:  # re-raised by _finish in the owner's thread

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import json
 import mmap
+import shutil
 import sys
+import weakref
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -161,7 +163,38 @@ class Segment:
         old = [getattr(self, n) for n in _ARRAYS]
         for n in _ARRAYS:
             setattr(self, n, maps[n])
+        spilled = self.__dict__.pop("_spilled", None)
+        if spilled is not None:  # (the spill's files are not served any more: gone now)
+            spilled()
         return old
+
+    def spill(self, d: Path) -> bool:
+        """Move the arrays out of anonymous memory: write them under ``d`` (:meth:`save`) and
+        serve them from read-only maps of those files (:meth:`map_files`); values, shapes and
+        dtypes are unchanged. ``d`` (a directory of its own, not a snapshot) is removed when this
+        segment is freed or serves another copy of its files (:meth:`map_files`: a snapshot's).
+        No fsync: the files are a cache of memory, never read after a restart.
+
+        Issue 13: a merge builds the new segment in anonymous memory (~700 MB per 1M-chunk
+        shard), where it stayed until the next snapshot mapped its copy; the shards merge one
+        after another (:mod:`.merge_gate`), so each shard's merged segment stayed resident
+        through the next shard's merge, the process tree's peak.
+
+        :returns: True if spilled; False (arrays kept as they were, ``d`` removed) when a file
+            could not be written or mapped back (``OSError``: a full disk, a read-only one).
+        """
+        d = Path(d)
+        try:
+            self.save(d)
+            old = self.map_files(d)
+        except OSError:
+            old = None
+        if old is None:
+            shutil.rmtree(d, ignore_errors=True)
+            return False
+        del old
+        self.__dict__["_spilled"] = weakref.finalize(self, shutil.rmtree, str(d), True)
+        return True
 
     def check(self) -> None:
         """:raises ValueError: shapes or offsets do not fit together."""
