@@ -120,17 +120,20 @@ class ReplicaSet(ShardTransport):
         self._stale(r, True)
         self.reps[r].kill()
 
+    def _up(self, r: int) -> bool:
+        return self.serving[r] and self.reps[r].is_alive()
+
     def is_alive(self) -> bool:
-        return any(self.serving[r] and self.reps[r].is_alive() for r in range(self.r))
+        return any(map(self._up, range(self.r)))
 
     def replicas_up(self) -> list[bool]:
         """Per replica: it serves reads (alive and caught up; a replica catching up is not)."""
-        return [self.serving[r] and self.reps[r].is_alive() for r in range(self.r)]
+        return [self._up(r) for r in range(self.r)]
 
     def degraded(self) -> bool:
         """Some replica is down while the shard serves (the supervisor revives it)."""
-        return self.is_alive() and any(not (self.serving[r] and self.reps[r].is_alive()) and r not in self.backlog
-                                       for r in range(self.r))
+        up = self.replicas_up()
+        return any(up) and any(not u and r not in self.backlog for r, u in enumerate(up))
 
     def kill(self) -> None:
         for r in range(self.r):
@@ -159,7 +162,7 @@ class ReplicaSet(ShardTransport):
     async def _read(self, op: Op, request: Any) -> Any:
         tried: set[int] = set()
         while True:
-            ok = [r for r in range(self.r) if self.serving[r] and r not in tried and self.reps[r].is_alive()]
+            ok = [r for r in range(self.r) if r not in tried and self._up(r)]
             if not ok:
                 raise ShardError(f"shard {self.shard_id}: no replica is serving")
             self._rr += 1  # ties (e.g. one request at a time) rotate over the replicas
@@ -216,12 +219,12 @@ class ReplicaSet(ShardTransport):
             return self.ready(loop, timeout_s)
         failed = []
         for r in range(self.r):
-            if r not in self.backlog and not (self.serving[r] and self.reps[r].is_alive()):
+            if r not in self.backlog and not self._up(r):
                 try:
                     asyncio.run_coroutine_threadsafe(self.catch_up(r, committed, timeout_s), loop).result()
                 except Exception as exc:  # noqa: BLE001 - the others still try; raised below
                     failed.append(f"replica {r}: {type(exc).__name__}: {exc}")
-        up = [r for r in range(self.r) if self.serving[r] and self.reps[r].is_alive()]
+        up = [r for r in range(self.r) if self._up(r)]
         if failed or not up:  # the supervisor retries on its next round
             raise ShardError(f"shard {self.shard_id}: {'; '.join(failed) or 'no replica serving'}")
         src = up[0]
