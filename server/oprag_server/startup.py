@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from .config import ServerConfig
+from .config import ChunkingConfig, ServerConfig
 
 #: Version of the data directory layout, written to ``<data_dir>/oprag.json``.
 DATA_FORMAT = 1
@@ -28,7 +28,8 @@ log = logging.getLogger("oprag")
 
 
 def preflight(cfg: ServerConfig) -> tuple[Any, Any | None]:
-    """Find the models (not loaded yet), check the gRPC, metrics and HTTP ports, then check and
+    """Find the models (not loaded yet), check the chunk size against the embedder's special
+    tokens (:func:`check_chunk_size`) and the gRPC, metrics and HTTP ports, then check and
     lock the data directory (a start refused for a taken port writes nothing there).
 
     :returns: the (not yet warmed up) encoder and generator (None for ``--generator none``).
@@ -39,6 +40,7 @@ def preflight(cfg: ServerConfig) -> tuple[Any, Any | None]:
 
     encoder = TransformersEncoder(cfg.embed.model, device=cfg.embed.device, batch_size=cfg.embed.batch_size,
                                   max_tokens=cfg.embed.max_tokens, compile=cfg.embed.compile)
+    check_chunk_size(cfg.chunking.size, encoder)
     generator = load_backend(cfg.generate)
     # the storage first, writing nothing: a refused start leaves no oprag.json in an empty --data-dir
     check_storage(cfg.storage_uri, cfg.shards, encoder.dim, record=False)
@@ -54,6 +56,28 @@ def preflight(cfg: ServerConfig) -> tuple[Any, Any | None]:
     lock_data_dir(cfg.data_dir)
     note_compile()  # before the shards start: they compile the kernels
     return encoder, generator
+
+
+def check_chunk_size(size: int, encoder: Any) -> None:
+    """``--chunk-size`` must leave room for text next to the special tokens the embedder adds to
+    every chunk (MiniLM: 2, ``[CLS]`` and ``[SEP]``), counted with the ``tokenizer.json`` of its
+    model directory (the tokenizers library alone, ~50 ms: transformers loads with the warm-up,
+    beside the shards' start). Without that file the ingest pipeline's chunker checks it.
+
+    :param size: the chunk size in tokens, special tokens included.
+    :param encoder: a ``TransformersEncoder`` (its model directory ``path``; an encoder without
+        one, e.g. a test's fake, is not checked here).
+    :raises ValueError: naming the option and the smallest size that leaves room.
+    """
+    path = getattr(encoder, "path", None)
+    if path is None or not (path / "tokenizer.json").is_file():
+        return
+    from tokenizers import Tokenizer
+
+    special = Tokenizer.from_file(str(path / "tokenizer.json")).num_special_tokens_to_add(False)
+    if size <= special:
+        raise ValueError(f"--chunk-size {size} leaves no room for text next to the {special} special tokens the "
+                         f"embedder adds to each chunk: use --chunk-size {special + 1} or more (default {ChunkingConfig.size})")
 
 
 def lock_data_dir(d: Path) -> IO:

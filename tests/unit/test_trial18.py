@@ -61,3 +61,21 @@ def test_memory_condense_without_an_engine_generator_is_refused_at_start(generat
     assert f"got --generator {generator}" in err, err
     assert ServerConfig(generate=GenerateConfig(model="transformers-serve"), memory=MemoryConfig(condense=True))
     assert ServerConfig(generate=GenerateConfig(model=generator)).memory.condense is False  # (the default)
+
+
+def test_a_chunk_size_without_room_for_text_is_refused_before_the_data_directory_is_written(tmp_path, capsys):
+    """--chunk-size 1 (or 2: MiniLM adds [CLS] and [SEP] to every chunk) was refused only when the
+    ingest pipeline built its chunker, after the shard processes had started; the failed start
+    then left oprag.json and the shards' snapshots in the data directory. Now the start-up check
+    (startup.preflight, with the embedder's tokenizer) refuses it first: exit status 2, the
+    message names the option and the smallest size that works, nothing is written."""
+    from oprag_client.testing import free_port
+
+    data = tmp_path / "data"
+    for size in (1, 2):
+        assert cli.main(["--chunk-size", str(size), "--generator", "none", "--shards", "1", "--data-dir", str(data),
+                         "--port", "0", "--metrics-port", str(free_port())]) == 2
+        err = capsys.readouterr().err
+        assert (f"--chunk-size {size} leaves no room for text next to the 2 special tokens the embedder adds to each "
+                "chunk: use --chunk-size 3 or more") in err, err
+        assert not data.exists()
