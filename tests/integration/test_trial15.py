@@ -39,9 +39,14 @@ def _docs(prefix: str, n: int, words: int, seed: int) -> list[Doc]:
             for i in range(n)]
 
 
-def _shard_pid(srv: ServerProcess) -> int:
-    pids = [int(m.group(1)) for line in srv.lines if (m := re.search(r"shard 0: process pid (\d+)", line))]
-    assert pids, "the server did not log its shard's pid"
+def _shard_pid(srv: ServerProcess, shard: int = 0, replica: int | None = None) -> int:
+    """The pid of the latest process of ``shard`` the server logged (``shard i: process pid P``;
+    ``shard i replica r: process pid P`` with ``--replicas`` above 1): of its ``replica``, or of
+    any replica (None)."""
+    pids = [int(m.group(2)) for line in srv.lines
+            if (m := re.search(rf"shard {shard}(?: replica (\d+))?: process pid (\d+)", line))
+            and replica in (None, int(m.group(1) or 0))]
+    assert pids, f"the server did not log the pid of shard {shard} (replica {replica})"
     return pids[-1]
 
 

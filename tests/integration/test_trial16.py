@@ -23,6 +23,7 @@ import requests
 from oprag.v1 import oprag_pb2, oprag_pb2_grpc
 from oprag_client.client import AsyncOpRAGClient, Doc, OpRAGClient
 from oprag_client.testing import ServerProcess, free_port, wait_until
+from test_trial15 import _shard_pid  # (tests/integration is on sys.path: pytest's rootdir-relative import)
 
 pytestmark = pytest.mark.integration
 
@@ -121,16 +122,16 @@ def test_stats_seq_is_the_last_applied_write_not_a_failed_ones_number(server, cl
     a failed write), and a restart issued the number again (Stats went backwards)."""
     vec = np.ones(384, np.float32)
     acked = client.ingest([Doc("s1", "a write that is acknowledged", vector=vec)]).seq
-    pids = [int(m.group(1)) for line in server.lines if (m := re.search(r"shard 0: process pid (\d+)", line))]
+    pid = _shard_pid(server)
     wal = server.data_dir / "shard-0" / "wal.log"
     _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.prlimit(pids[-1], resource.RLIMIT_FSIZE, (wal.stat().st_size + 1024, hard))  # the disk fills
+    resource.prlimit(pid, resource.RLIMIT_FSIZE, (wal.stat().st_size + 1024, hard))  # the disk fills
     try:
         with pytest.raises(grpc.RpcError) as e:
             client.ingest([Doc("s2", "a write that fails " + "padding " * 2000, vector=vec)])
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
-        resource.prlimit(pids[-1], resource.RLIMIT_FSIZE, (hard, hard))
+        resource.prlimit(pid, resource.RLIMIT_FSIZE, (hard, hard))
     seq = client.stats().seq
     assert seq == acked
     r = client.retrieve("acknowledged", min_seq=seq, timeout=5)  # (before: DEADLINE_EXCEEDED)

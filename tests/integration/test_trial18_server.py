@@ -15,6 +15,7 @@ import pytest
 from oprag_client.client import Doc, OpRAGClient
 from oprag_client.testing import ServerProcess
 from test_trial15 import _docs, _shard_pid  # (tests/integration is on sys.path: pytest's rootdir-relative import)
+from test_replicas_server import _replicas
 
 pytestmark = [pytest.mark.integration]
 
@@ -132,5 +133,22 @@ def test_an_id_sent_twice_in_a_stream_keeps_its_last_version_when_the_versions_t
         srv.start()  # the write-ahead log replays to the same versions
         with OpRAGClient(srv.target, timeout=120) as c:
             assert stored("d") == ["second version yakword"] and stored("e") == ["second version ownword"]
+    finally:
+        srv.stop()
+
+
+def test_the_log_names_the_replica_of_each_shard_process(tmp_path):
+    """With --replicas 2 the server logged ``shard 0: process pid P`` once per replica, the same
+    words twice: which process held which replica could not be told (the test helpers took the
+    last line). The line now names the replica when a shard has several (``shard 0 replica 1:
+    process pid P``), the process that holds that replica's write-ahead log."""
+    srv = ServerProcess.on_free_ports(tmp_path / "data", "--generator", "none", "--shards", "1", "--replicas", "2")
+    srv.start()
+    try:
+        with OpRAGClient(srv.target, timeout=120) as c:
+            c.ingest(_docs("r", 2, 5, 3))  # (each replica's write-ahead log is open now)
+        held = _replicas(srv.proc.pid, srv.data_dir.resolve())
+        assert {r: _shard_pid(srv, replica=r) for r in (0, 1)} == {0: held[(0, 0)], 1: held[(0, 1)]}, held
+        assert not [line for line in srv.lines if "shard 0: process pid" in line]
     finally:
         srv.stop()

@@ -69,7 +69,7 @@ class ReplicaSet(ShardTransport):
 
     def _make(self, r: int) -> ShardTransport:
         t = self.factory(self.shard_id, self.dim, replica_dir(self.data_dir, r), self.stem)
-        t.dense, t.replica, t.storage = self.dense, r, replica_uri(self.storage, r)
+        t.dense, t.replica, t.replicas, t.storage = self.dense, r, self.r, replica_uri(self.storage, r)
         return t
 
     def _stale(self, r: int, on: bool) -> None:

@@ -54,6 +54,12 @@ class ShardTransport(abc.ABC):
     dense: Any = None
     storage: str | None = None
     replica: int = 0  # which of the shard's replicas (set by a ReplicaSet before start)
+    replicas: int = 1  # how many its shard has (likewise)
+
+    @property
+    def who(self) -> str:
+        """``shard i``, or ``shard i replica r`` when its shard has several replicas (log lines)."""
+        return f"shard {self.shard_id}" + (f" replica {self.replica}" if self.replicas > 1 else "")
 
     def __init__(self, shard_id: int, dim: int, data_dir: Path | None, stem: bool = False) -> None:
         self.shard_id = shard_id
@@ -166,7 +172,7 @@ class PipeTransport(ShardTransport):
                 daemon=True,
             )
             self.proc.start()
-            log.info("shard %d: process pid %d", self.shard_id, self.proc.pid)  # (which process is which shard)
+            log.info("%s: process pid %d", self.who, self.proc.pid)  # (which process is which shard)
             child.close()
             self.conn = parent
         finally:
