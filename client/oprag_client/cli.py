@@ -193,8 +193,9 @@ def cmd_stats(a) -> int:
         "seq": r.seq,
         "embedder": r.embedder,
         "generator": r.generator,
-        "shards": [{"shard": s.shard, "documents": s.documents, "chunks": s.chunks,
-                    "memory_records": s.memory_records, "applied_seq": s.applied_seq} for s in r.shards],
+        # every ShardStats field under its proto name: counts, applied_seq, the memory estimates in
+        # bytes (postings_bytes ... chunks_bytes), ann_pending, merge_pending, segment_unsaved_bytes
+        "shards": [{f.name: getattr(s, f.name) for f in s.DESCRIPTOR.fields} for s in r.shards],
         "missing_shards": list(r.missing_shards),
     }
     print(json.dumps(out, indent=None if a.json else 2))

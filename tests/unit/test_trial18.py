@@ -79,3 +79,37 @@ def test_a_chunk_size_without_room_for_text_is_refused_before_the_data_directory
         assert (f"--chunk-size {size} leaves no room for text next to the 2 special tokens the embedder adds to each "
                 "chunk: use --chunk-size 3 or more") in err, err
         assert not data.exists()
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_oprag_stats_prints_every_shard_field_of_the_reply(monkeypatch, capsys, as_json):
+    """``oprag stats`` printed documents, chunks, memory records and applied_seq per shard; the
+    Stats reply's ann_pending, merge_pending, segment_unsaved_bytes and the memory estimates
+    (postings_bytes ... chunks_bytes) were left out. Every field of ShardStats is printed now,
+    under its proto name, as plain and as --json output. No server: a stand-in client answers."""
+    import json
+
+    from oprag.v1 import oprag_pb2
+    from oprag_client import cli as client_cli
+
+    fields = [f.name for f in oprag_pb2.ShardStats.DESCRIPTOR.fields]
+    assert {"ann_pending", "merge_pending", "segment_unsaved_bytes", "postings_bytes", "chunks_bytes"} <= set(fields)
+    reply = oprag_pb2.StatsResponse(documents=3, chunks=9, seq=4, embedder="minilm", generator="none", shards=[
+        oprag_pb2.ShardStats(**{name: 100 * s + i + 1 for i, name in enumerate(fields) if name != "shard"}, shard=s)
+        for s in range(2)])
+
+    class Stub:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def stats(self):
+            return reply
+
+    monkeypatch.setattr(client_cli, "_client", lambda a: Stub())
+    assert client_cli.main(["stats", "--server", "127.0.0.1:1"] + (["--json"] if as_json else [])) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["shards"] == [{name: getattr(s, name) for name in fields} for s in reply.shards]
+    assert (out["documents"], out["chunks"], out["seq"], out["missing_shards"]) == (3, 9, 4, [])
