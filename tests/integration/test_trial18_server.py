@@ -7,6 +7,7 @@ lowered and raised again from outside with prlimit(2), as in test_trial15.
 from __future__ import annotations
 
 import resource
+import time
 
 import grpc
 import numpy as np
@@ -137,18 +138,59 @@ def test_an_id_sent_twice_in_a_stream_keeps_its_last_version_when_the_versions_t
         srv.stop()
 
 
-def test_the_log_names_the_replica_of_each_shard_process(tmp_path):
-    """With --replicas 2 the server logged ``shard 0: process pid P`` once per replica, the same
-    words twice: which process held which replica could not be told (the test helpers took the
-    last line). The line now names the replica when a shard has several (``shard 0 replica 1:
-    process pid P``), the process that holds that replica's write-ahead log."""
-    srv = ServerProcess.on_free_ports(tmp_path / "data", "--generator", "none", "--shards", "1", "--replicas", "2")
+
+@pytest.fixture(scope="module")
+def small_queue_replicas(tmp_path_factory):
+    """One server for the checks below (neither restarts it): no generator, one shard held by 2
+    replicas, a query queue of 1; two documents ``r0``, ``r1``."""
+    srv = ServerProcess.on_free_ports(tmp_path_factory.mktemp("t18") / "data", "--generator", "none", "--shards", "1",
+                                      "--replicas", "2", "--queue-capacity", "1")
     srv.start()
     try:
         with OpRAGClient(srv.target, timeout=120) as c:
             c.ingest(_docs("r", 2, 5, 3))  # (each replica's write-ahead log is open now)
-        held = _replicas(srv.proc.pid, srv.data_dir.resolve())
-        assert {r: _shard_pid(srv, replica=r) for r in (0, 1)} == {0: held[(0, 0)], 1: held[(0, 1)]}, held
-        assert not [line for line in srv.lines if "shard 0: process pid" in line]
+        yield srv
     finally:
         srv.stop()
+
+
+def test_the_log_names_the_replica_of_each_shard_process(small_queue_replicas):
+    """With --replicas 2 the server logged ``shard 0: process pid P`` once per replica, the same
+    words twice: which process held which replica could not be told (the test helpers took the
+    last line). The line now names the replica when a shard has several (``shard 0 replica 1:
+    process pid P``), the process that holds that replica's write-ahead log."""
+    srv = small_queue_replicas
+    held = _replicas(srv.proc.pid, srv.data_dir.resolve())
+    assert {r: _shard_pid(srv, replica=r) for r in (0, 1)} == {0: held[(0, 0)], 1: held[(0, 1)]}, held
+    assert not [line for line in srv.lines if "shard 0: process pid" in line]
+
+
+def test_a_full_queue_of_retrieves_hints_a_retrieval_s_time_not_a_generation_s(small_queue_replicas):
+    """The trial's repro: --generator none --queue-capacity 1, 6 concurrent Retrieve clients (no
+    retry): every refusal carried ``retry-after-ms: 500``, the generation-batch EWMA's start value
+    (never updated without a generator), for Retrieves of tens of ms. The hint now follows the
+    retrieval's service time (engine/admission.py): at least 50 ms, at most the slowest answer seen."""
+    import threading
+
+    srv, hints, took, lock = small_queue_replicas, [], [], threading.Lock()
+
+    def client(k: int) -> None:
+        with OpRAGClient(srv.target, timeout=60) as c:
+            for i in range(12):
+                t = time.perf_counter()
+                try:
+                    c.retrieve(f"markerrx{(k + i) % 2} padding", top_k=2)
+                    with lock:
+                        took.append((time.perf_counter() - t) * 1000)
+                except grpc.RpcError as e:
+                    assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e
+                    with lock:
+                        hints.extend(int(v) for key, v in e.trailing_metadata() if key == "retry-after-ms")
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert hints and took, (hints, took)
+    assert all(50 <= h <= max(50, max(took)) for h in hints), (sorted(hints)[-5:], sorted(took)[-5:])

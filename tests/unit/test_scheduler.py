@@ -239,7 +239,7 @@ def test_latency_admission_refuses_when_estimated_delay_exceeds_budget():
         gen, ret = FakeGenerator(0.2), FakeRetriever()
         eng = _engine(gen, ret, capacity=100, max_batch=2)
         eng.cfg = BatchConfig(max_batch=2, max_wait_ms=2.0, queue_capacity=100, max_queue_delay_ms=300.0)
-        eng._gen_time_ewma = 0.2
+        eng.generate_s = 0.2
         eng.start()
         tasks = [asyncio.create_task(eng.submit(_job(f"q{i}"))) for i in range(4)]
         await asyncio.sleep(0.01)

@@ -113,3 +113,49 @@ def test_oprag_stats_prints_every_shard_field_of_the_reply(monkeypatch, capsys, 
     out = json.loads(capsys.readouterr().out)
     assert out["shards"] == [{name: getattr(s, name) for name in fields} for s in reply.shards]
     assert (out["documents"], out["chunks"], out["seq"], out["missing_shards"]) == (3, 9, 4, [])
+
+
+def test_a_full_query_queue_hints_the_service_time_of_the_requests_that_leave_it_first():
+    """A full query queue refused with ``retry_after_s = max(0.05, generation batch EWMA)``: 0.5 s
+    at start, never updated without the builtin generator (--generator none), also when every
+    admitted request only retrieves (~20 ms): refused Retrieve clients waited 25x too long. The
+    hint is now the recent service time of the kind of request that frees a slot first:
+    retrieval-only while one is admitted, else generating; within [0.05, 30] s. The query
+    engine with the fakes of test_scheduler (no models, no shards)."""
+    import asyncio
+
+    from oprag_server.engine.query import Overloaded
+    from test_scheduler import FakeGenerator, FakeRetriever, _engine, _job  # (tests/unit is on sys.path)
+
+    class SlowRetriever(FakeRetriever):
+        async def retrieve(self, vecs, texts, specs):
+            await asyncio.sleep(0.1)
+            return await super().retrieve(vecs, texts, specs)
+
+    async def refused(eng, job) -> float:
+        with pytest.raises(Overloaded) as e:
+            await eng.submit(job)
+        return e.value.retry_after_s
+
+    async def run():
+        eng = _engine(FakeGenerator(0.3), SlowRetriever(), capacity=2, max_batch=1)
+        eng.start()
+        for i in range(8):  # the retrieval EWMA learns ~0.1 s
+            await eng.submit(_job(f"r{i}", generate=False))
+        full = [asyncio.create_task(eng.submit(_job(f"f{i}", generate=False))) for i in range(2)]
+        await asyncio.sleep(0.02)
+        hints = [await refused(eng, _job("late", generate=False)), await refused(eng, _job("late gen"))]
+        await asyncio.gather(*full)
+        full = [asyncio.create_task(eng.submit(_job(f"g{i}"))) for i in range(2)]  # generating ones only
+        await asyncio.sleep(0.02)
+        hints.append(await refused(eng, _job("late", generate=False)))
+        await asyncio.gather(*full)
+        await eng.stop()
+        eng.generate_s = 1000.0  # (nothing admitted now: a generation's time is the hint, capped)
+        hints.append(eng.retry_after_s())
+        return hints
+
+    retrieving, retrieving_gen, generating, capped = asyncio.run(run())
+    assert 0.08 <= retrieving <= 0.2 and retrieving_gen == retrieving, (retrieving, retrieving_gen)
+    assert generating >= 0.3, generating  # a generation batch: 0.5 at start, 0.3 s per batch since
+    assert capped == 30.0

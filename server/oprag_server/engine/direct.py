@@ -20,7 +20,7 @@ LONE = compile_plan(memory=False, generate=False, embed=False)
 
 class DirectPath:
     """Mixed into ``QueryEngine`` (its state: ``_waiting``, ``_preparing``, ``_busy``,
-    ``_batch_ids``, ``_inflight``, ``_arrived``, ``policy``, ``dispatch``; its steps:
+    ``_batch_ids``, ``_inflight``, ``_retrieving``, ``_arrived``, ``policy``, ``dispatch``; its steps:
     ``_queued``, ``_step``, ``_finish``)."""
 
     def _direct(self, job: QueryJob) -> bool:
@@ -39,7 +39,7 @@ class DirectPath:
         does for it as a batch of one (the same step, metrics, timings, log line and errors),
         without its future, the walk of both phases' plans and the empty answer phase; the
         caller (``submit``) has admitted it. :returns: ``job``, answered."""
-        self._inflight += 1
+        self._inflight, self._retrieving = self._inflight + 1, self._retrieving + 1
         try:
             try:
                 self._queued([job], self._batch_ids)
@@ -59,7 +59,7 @@ class DirectPath:
                 self.dispatch.cancel(job)
             raise
         finally:
-            self._inflight -= 1
+            self._inflight, self._retrieving = self._inflight - 1, self._retrieving - 1
             self._busy = False
             if self._waiting:  # requests that came meanwhile form the next batch
                 self._arrived.set()

@@ -18,7 +18,7 @@ With ``overlap=False`` the prep loop waits for each batch's generation before fo
 (the baseline; with an engine, all of the batch goes once prepared and the next prep starts once
 all of it has left; with overlap each request goes as soon as its prompt exists, and up to
 ``PREP_INFLIGHT`` prep batches run at once). More than ``queue_capacity`` unfinished queries
-raise :class:`Overloaded`.
+raise :class:`Overloaded` (:mod:`.admission`, also for the hint a refusal carries).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from ..operators.context import build_context
 from ..operators.group import retrieve_documents
 from ..operators.memory import Memory, context_vector, fuse_session, session_rows
 from ..operators.retrieve import Retriever
+from .admission import RETRY_MIN_S, Admission
 from .direct import LONE, DirectPath
 from .dispatch import EngineDispatch
 from .errors import Overloaded, QueryRejected
@@ -55,7 +56,7 @@ def _alive(j: QueryJob) -> bool:
     return not j.cancelled and not (j.future is not None and j.future.done())
 
 
-class QueryEngine(DirectPath):
+class QueryEngine(DirectPath, Admission):
     """Admission, batching and plan execution of queries (see the module docstring)."""
 
     def __init__(self, *, monitor_fraction: float = 0.0, monitor_max_inflight: int = 2, generator: Any | None,
@@ -70,7 +71,8 @@ class QueryEngine(DirectPath):
         self._gen_queue: asyncio.Queue = asyncio.Queue(maxsize=1)
         self._inflight = self._batch_ids = 0
         self._prep_tasks: set[asyncio.Task] = set()
-        self._tasks, self._gen_time_ewma = [], 0.5  # the two loops; recent generation batch time (s)
+        self._tasks = []  # the two loops
+        self.generate_s, self.retrieve_s, self._retrieving = 0.5, RETRY_MIN_S, 0  # Admission's (s, s, count)
         self._generating = 0  # batches handed to the generator and not finished
         self._preparing, self._busy = 0, False  # requests being prepared; one runs in its caller's task (_direct)
         self.monitor = PruningMonitor(retriever, lock, metrics, monitor_fraction, monitor_max_inflight)
@@ -97,31 +99,18 @@ class QueryEngine(DirectPath):
 
     inflight = property(lambda self: self._inflight)
 
-    def estimated_delay_s(self) -> float:
-        """Queueing delay a new query would see: batches ahead of it x recent batch time (s);
-        with an engine backend :meth:`EngineDispatch.estimated_delay_s`."""
-        if self.dispatch is not None:
-            return self.dispatch.estimated_delay_s(len(self._waiting) + self._preparing)
-        batches_ahead = self._inflight // self.cfg.max_batch
-        return batches_ahead * self._gen_time_ewma
-
     async def submit(self, job: QueryJob) -> QueryJob:
-        """Admit, batch and run one query. :raises Overloaded: too many unfinished queries."""
-        if self._inflight >= self.cfg.queue_capacity:
-            self.metrics.rejected_overload.labels(queue="query").inc()
-            raise Overloaded("query", retry_after_s=max(0.05, self._gen_time_ewma))
-        if self.cfg.max_queue_delay_ms > 0 and job.generate:
-            est = self.estimated_delay_s()
-            if est * 1000 > self.cfg.max_queue_delay_ms:
-                self.metrics.rejected_overload.labels(queue="query_latency").inc()
-                raise Overloaded("query", retry_after_s=est)
+        """Admit (:meth:`Admission._admit`), batch and run one query. :raises Overloaded: too many
+        unfinished queries, or too long a wait (``max_queue_delay_ms``)."""
+        self._admit(job)
         job.plan = compile_plan(memory=bool(job.session_id and job.use_memory),
                                 generate=job.generate and self.generator is not None,
                                 embed=job.query_vector is None)
         if job.plan is LONE and job.events is None and self._direct(job):
             return await self._lone(job)
         job.future = asyncio.get_running_loop().create_future()
-        self._inflight += 1
+        plain = not job.runs(GENERATE)  # (retrieval only: frees its slot soon, Admission.retry_after_s)
+        self._inflight, self._retrieving = self._inflight + 1, self._retrieving + plain
         direct = self._direct(job)
         if not direct:
             self._waiting.append(job)
@@ -137,7 +126,7 @@ class QueryEngine(DirectPath):
                 self.dispatch.cancel(job)
             raise
         finally:
-            self._inflight -= 1
+            self._inflight, self._retrieving = self._inflight - 1, self._retrieving - plain
             if direct:  # requests that came meanwhile form the next batch (with none, the prep loop sleeps on)
                 self._busy = False
                 if self._waiting:
@@ -363,7 +352,7 @@ class QueryEngine(DirectPath):
         toks = sum(r.completion_tokens for r in results)
         if dt > 0:
             self.metrics.tokens_per_second.set(toks / dt)
-        self._gen_time_ewma = 0.8 * self._gen_time_ewma + 0.2 * dt
+        self._generated(dt)
         for j, r in zip(jobs, results):
             j.answer, j.completion_tokens, j.finish_reason = r.text, r.completion_tokens, r.finish_reason
             self.metrics.generated_tokens.inc(r.completion_tokens)
@@ -390,6 +379,7 @@ class QueryEngine(DirectPath):
     # ------------------------------------------------------------------ completion
     def _finish(self, j: QueryJob) -> None:
         j.timings_ms["total"] = (time.perf_counter() - j.enqueued) * 1000
+        self._served(j)
         if j.future is not None and not j.future.done():
             j.future.set_result(j)
 
