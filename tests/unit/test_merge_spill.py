@@ -158,7 +158,7 @@ def _stats(p, q):
     return s.query_idf(q, 0.25), s.avgdl, 1.5, 0.75
 
 
-def test_the_first_spill_of_a_process_sweeps_dead_processes_directories(tmp_path):
+def test_a_starting_shard_sweeps_dead_processes_spill_directories(tmp_path):
     root = tmp_path / SPILL_NAME
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -167,10 +167,10 @@ def test_the_first_spill_of_a_process_sweeps_dead_processes_directories(tmp_path
         for name in (f"{dead.pid}-0", f"{dead.pid}-3", f"{alive.pid}-1", f"{os.getpid()}-99", "notapid"):
             (root / name).mkdir(parents=True)
             (root / name / "slots.npy").write_bytes(b"x")
-        gate = MergeGate(tmp_path / "lock")  # (a fresh gate: MergeGate.at keeps one per directory)
+        gate = ShardState(0, D, tmp_path).merge_gate  # (a shard's start creates its gate)
+        assert sorted(p.name for p in root.iterdir()) == sorted([f"{alive.pid}-1", f"{os.getpid()}-99", "notapid"])
         d = gate.spill_dir()
         assert d.parent == root and d.name.startswith(f"{os.getpid()}-") and not d.exists()
-        assert sorted(p.name for p in root.iterdir()) == sorted([f"{alive.pid}-1", f"{os.getpid()}-99", "notapid"])
         assert gate.spill_dir() != d  # one name per segment
         assert sweep_spills(root) == 0
     finally:

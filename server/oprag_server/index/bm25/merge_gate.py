@@ -40,7 +40,8 @@ class MergeGate:
         self._fd: int | None = None
         self._flocked = False
         self._spills = itertools.count()
-        self._swept = False
+        # a shard that starts (a restart too) removes what dead processes left (spill_dir)
+        sweep_spills(self.path.parent / SPILL_NAME)
 
     @classmethod
     def at(cls, data_dir: Path) -> "MergeGate":
@@ -82,14 +83,10 @@ class MergeGate:
 
     def spill_dir(self) -> Path:
         """A new directory name for one merged segment's files (:meth:`..segment.Segment.spill`),
-        ``<data dir>/.bm25-spill/<pid>-<n>`` (not created). The first call of a process removes
-        the directories of processes that are gone (a killed shard's: nothing deletes them at
-        its exit); a live process's are left alone."""
-        root = self.path.parent / SPILL_NAME
-        if not self._swept:
-            self._swept = True
-            sweep_spills(root)
-        return root / f"{os.getpid()}-{next(self._spills)}"
+        ``<data dir>/.bm25-spill/<pid>-<n>`` (not created). A gate's creation (a shard's start)
+        removes the directories of processes that are gone (a killed or stopped shard's: a
+        segment's files go when it is freed, which an exit does not do); a live process's stay."""
+        return self.path.parent / SPILL_NAME / f"{os.getpid()}-{next(self._spills)}"
 
 
 def sweep_spills(root: Path) -> int:
