@@ -214,9 +214,16 @@ class Runtime:
         :raises StorageUnavailable: this server lost the storage's owner lease (the pool refuses:
             it must not replace the new owner's snapshot)."""
         async with self.commits.gate:  # excludes commits; queries go on (CommitProtocol.gate)
-            await self.pool.snapshot()  # (one shard at a time: ShardPool.SNAPSHOTS_AT_ONCE)
+            # cleared before, not after: a memory write (a recorded turn, a ClearSession) is not
+            # excluded by the gate, and one a shard applies after its snapshot's cut marks the
+            # shards dirty again for the next round (cleared after, it waited for the next write)
+            self._dirty = False
+            try:
+                await self.pool.snapshot()  # (one shard at a time: ShardPool.SNAPSHOTS_AT_ONCE)
+            except BaseException:
+                self._dirty = True
+                raise
             self.commits.reset_log()
-        self._dirty = False
 
     async def _reestablish(self) -> None:
         """The storage lost its objects while serving: record the layout, snapshot every shard."""
