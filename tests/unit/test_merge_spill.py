@@ -126,7 +126,7 @@ def test_a_spill_that_cannot_write_keeps_the_segment_in_memory(tmp_path, spill_a
     check([ix], live, ["common", "w9", "t3"])
 
 
-def test_a_snapshot_serves_its_own_copy_and_the_spill_goes(tmp_path, spill_all, monkeypatch):
+def test_a_snapshot_serves_its_own_copy_and_the_spill_goes(tmp_path, spill_all, monkeypatch, capsys):
     monkeypatch.setattr(ShardState, "IDLE_QUIET_S", 0.0)
     st = ShardState(0, D, tmp_path)
     toks = _upsert(st, 0, 80, 1)
@@ -138,6 +138,8 @@ def test_a_snapshot_serves_its_own_copy_and_the_spill_goes(tmp_path, spill_all, 
         st.idle_step()  # the idle merge
     assert p.merging
     p.wait_merge()
+    st.note()
+    assert "served from a file map (.bm25-spill)" in capsys.readouterr().err.splitlines()[-1]  # the shard's log
     assert p.spills >= 1 and p.unsaved_nbytes() == 0 and p.segment.unmapped_nbytes() == 0
     assert _eventually(lambda: len(_spills(tmp_path)) == 1), _spills(tmp_path)  # (an earlier one's gone)
     before = p.score_all(["topic1", "chunk3"], *_stats(p, ["topic1", "chunk3"]))

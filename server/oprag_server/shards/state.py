@@ -49,7 +49,7 @@ class ShardState:
         self.memory = MemoryStore()
         self.txns = Transactions(self.store)
         self._quiet = (-1, 0.0)  # (store version, when idle_wait first saw it): the quiet time
-        self._logged = (False, 0)  # (merging, merges) at the last note
+        self._logged = (False, 0, 0)  # (merging, merges, spills) at the last note
 
     def stats(self, req: StatsRequest | None = None) -> StatsReply:
         """Counts; with ``req.lexical`` also the full BM25 statistics ``(N, total length, df)``
@@ -149,15 +149,16 @@ class ShardState:
     def note(self, msg: str | None = None) -> None:
         """Log (stderr, the service log) ``msg`` and the merges that started or were installed
         since the last call, with a wall-clock timestamp (issue 13, settle11: what overlaps queries)."""
-        p, (was, n) = self.store.postings, self._logged
+        p, (was, n, spills) = self.store.postings, self._logged
         lines = [msg] if msg else []
         if p.merges != n:
             lines.append(f"BM25 merge installed: build {p.last_merge_s:.2f} s, swap {p.last_swap_s * 1e3:.1f} ms, "
-                         f"segment {p.segment.n_postings} postings, delta {p._delta.n}")  # noqa: SLF001
+                         f"segment {p.segment.n_postings} postings, delta {p._delta.n}"  # noqa: SLF001
+                         + (", served from a file map (.bm25-spill)" if p.spills != spills else ""))
         if p.merging and (not was or p.merges != n):
             lines.append(f"BM25 merge started: {p._frozen.n if p._frozen is not None else 0} delta postings into a "  # noqa: SLF001
                          f"segment of {p.segment.n_postings}")
-        self._logged = (p.merging, p.merges)
+        self._logged = (p.merging, p.merges, p.spills)
         for line in lines:
             t = time.time()
             print(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(t))},{int(t * 1000) % 1000:03d} "
