@@ -11,6 +11,11 @@ EXTRAS ?= dev
 # adds server options and keeps that port, e.g. `make serve SERVE_ARGS="--shards 4"`.
 HTTP_PORT ?= 8000
 SERVE_ARGS ?=
+# pytest-xdist workers of `make test`/`test-all`/`test-fast` (a test module stays on one worker: its
+# server fixture starts once); 2 halved the suite's time on the project's 2-core machines (12:57 ->
+# 6:02, bench/RESULTS.md). TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
+TEST_PAR := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
@@ -39,13 +44,13 @@ serve: install
 	$(VENV)/bin/oprag serve --http-port $(HTTP_PORT) $(SERVE_ARGS)
 
 test: install
-	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests
+	$(PY) -m pytest -q -p no:cacheprovider $(TEST_PAR) -m "not slow" tests
 
 test-all: install
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider $(TEST_PAR) tests
 
 test-fast: install
-	$(PY) -m pytest -q -p no:cacheprovider -m "not integration" tests
+	$(PY) -m pytest -q -p no:cacheprovider $(TEST_PAR) -m "not integration" tests
 
 proto: install
 	$(PY) -m grpc_tools.protoc -I proto --python_out=client --pyi_out=client --grpc_python_out=client proto/oprag/v1/oprag.proto
