@@ -145,6 +145,41 @@ def test_embeddings_float_and_base64(oai):
     assert abs(float(np.linalg.norm(v)) - 1) < 1e-4
 
 
+def test_embeddings_equal_sentence_transformers_and_a_bulk_request_does_not_hold_queries(oai, server):
+    """/v1/embeddings runs on the ingest embedding path (trial20: one request of 2048 long inputs held
+    every query's embedding for ~3 min on the query path): its vectors still equal
+    sentence-transformers' (the reference, truncation included), and a Retrieve sent while a bulk
+    request embeds is answered long before it ends."""
+    import threading
+    import time
+
+    import numpy as np
+    import sentence_transformers as st
+    from oprag_server.models.encoder import resolve_encoder_path
+
+    name = oai.models.list().data[-1].id
+    texts = ["honey bees", "a lighthouse keeper's log", "lobster " * 400]  # (the last is truncated to 256 tokens)
+    got = np.asarray([d.embedding for d in oai.embeddings.create(model=name, input=texts).data], np.float32)
+    ref = st.SentenceTransformer(str(resolve_encoder_path("minilm")), device="cpu").encode(texts)
+    np.testing.assert_allclose(got, ref, atol=1e-5)
+    bulk = [f"lobster {i} " + "the ocean floor holds many creatures " * 40 for i in range(160)]
+    done: dict = {}
+
+    def big():
+        t = time.perf_counter()
+        done["n"] = len(oai.embeddings.create(model=name, input=bulk).data)
+        done["s"] = time.perf_counter() - t
+    th = threading.Thread(target=big)
+    th.start()
+    time.sleep(1.0)
+    t = time.perf_counter()
+    server.grpc.retrieve("lobster diet", top_k=1, mode="dense")
+    q = time.perf_counter() - t
+    th.join(300)
+    assert done.get("n") == 160
+    assert q < 0.5 * (done["s"] - 1.0), (q, done["s"])  # not behind the whole bulk request
+
+
 def _err(exc_info) -> dict:
     body = exc_info.value.response.json()
     assert set(body["error"]) == {"message", "type", "param", "code"}
