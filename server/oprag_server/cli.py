@@ -167,7 +167,8 @@ def build_parser(prog: str = "oprag serve") -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for flag, section, name, help_ in _OPTIONS:
         _add_option(p, flag, section, name, help_)
-    p.add_argument("--log-level", default="INFO", help="logging level of the server")
+    p.add_argument("--log-level", default="INFO", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+                   help="logging level of the server (case-insensitive)")
     return p
 
 

@@ -102,6 +102,7 @@ class EngineDispatch:
         self.in_engine = 0  # requests streaming from the engine now
         self.waiting = 0  # prepared requests waiting for a slot
         self.request_s_ewma = 2.0  # seconds one request spends in the engine (start value)
+        self._timed = 0  # requests timed into request_s_ewma
         self._tasks: dict[int, asyncio.Task] = {}
         self._started: dict[int, tuple[concurrent.futures.Future | asyncio.Task, asyncio.Future]] = {}
         self._cancelled_at: dict[int, float] = {}
@@ -244,7 +245,9 @@ class EngineDispatch:
         if done.done():
             return
         if err is None:
-            self.request_s_ewma = 0.8 * self.request_s_ewma + 0.2 * dt
+            # (the first request's time replaces the start value: an EWMA from it crept up for many requests)
+            self.request_s_ewma = dt if not self._timed else 0.8 * self.request_s_ewma + 0.2 * dt
+            self._timed += 1
             done.set_result((pieces, usage, dt))
         elif isinstance(err, Exception):
             done.set_exception(err)
