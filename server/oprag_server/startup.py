@@ -49,6 +49,7 @@ def preflight(cfg: ServerConfig) -> tuple[Any, Any | None]:
         from .index.objstore import ObjectStore
 
         OwnerLease(ObjectStore.from_uri(cfg.storage_uri)).acquire(check_only=True)
+    check_security_files(cfg)
     check_port(cfg.host, cfg.port, "gRPC port (--port)")
     check_port(cfg.metrics_host or cfg.host, cfg.metrics_port, "metrics port (--metrics-port)")
     check_port(cfg.host, cfg.http_port, "HTTP port (--http-port)")
@@ -215,6 +216,41 @@ def check_security(cfg: ServerConfig, tokens: set[str]) -> None:
         raise RuntimeError("a token is required but none was given: use --tokens-file or OPRAG_TOKENS")
     if (sec.tls_cert is None) != (sec.tls_key is None):
         raise RuntimeError("TLS needs both --tls-cert and --tls-key")
+
+
+def check_security_files(cfg: ServerConfig) -> None:
+    """Read ``--tokens-file`` and the TLS files before anything starts (trial20: a missing or
+    unreadable file was found after the shards had started and written to the data directory,
+    as a bare ``[Errno 2]``, and a certificate that is not PEM as "Failed to bind to address").
+    The TLS pair is loaded as a server's (``ssl.SSLContext.load_cert_chain``: the key must match
+    the certificate), ``--tls-client-ca`` as CA certificates (``load_verify_locations``).
+
+    :raises RuntimeError: naming the option, the file and what is wrong with it."""
+    import ssl  # noqa: PLC0415
+
+    from .service.auth import load_tokens  # noqa: PLC0415
+
+    sec = cfg.security
+    try:
+        tokens = load_tokens(sec.tokens_file)
+    except OSError as exc:
+        raise RuntimeError(f"--tokens-file {sec.tokens_file}: {exc.strerror or exc}") from exc
+    except ValueError as exc:
+        raise RuntimeError(f"--tokens-file {exc}: put one token per line") from exc
+    check_security(cfg, tokens)
+    if sec.tls_cert is None:
+        return
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    for opt, load in (("--tls-cert/--tls-key", lambda: ctx.load_cert_chain(sec.tls_cert, sec.tls_key)),
+                      ("--tls-client-ca", lambda: sec.tls_client_ca is None or ctx.load_verify_locations(sec.tls_client_ca))):
+        try:
+            load()
+        except (OSError, ssl.SSLError) as exc:  # (SSLError is an OSError: a bad PEM, a key of another certificate)
+            what = exc.strerror if isinstance(exc, OSError) and exc.strerror and not isinstance(exc, ssl.SSLError) \
+                else f"not a PEM certificate and matching private key ({exc})" if opt != "--tls-client-ca" \
+                else f"not PEM CA certificates ({exc})"
+            files = f"{sec.tls_cert}, {sec.tls_key}" if opt != "--tls-client-ca" else str(sec.tls_client_ca)
+            raise RuntimeError(f"{opt} {files}: {what}") from exc
 
 
 def announce_ready(host: str, port: int) -> None:

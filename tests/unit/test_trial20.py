@@ -54,3 +54,21 @@ def test_the_first_engine_request_time_replaces_the_start_value():
 
     start, after = asyncio.run(run())
     assert start == 2.0 and 0.55 <= after <= 1.2, after  # (an EWMA from 2.0 gave 1.72)
+
+
+@pytest.mark.parametrize("opts, says", [
+    (["--tokens-file", "{d}/none"], "--tokens-file {d}/none: No such file or directory"),
+    (["--tokens-file", "{d}/comment"], "--tokens-file {d}/comment: no token in the file: put one token per line"),
+    (["--tls-cert", "{d}/none", "--tls-key", "{d}/none"], "--tls-cert/--tls-key {d}/none, {d}/none: No such file or directory"),
+    (["--tls-cert", "{d}/bad.pem", "--tls-key", "{d}/bad.pem"], "--tls-cert/--tls-key {d}/bad.pem, {d}/bad.pem: not a PEM certificate"),
+])
+def test_token_and_tls_files_are_read_before_anything_starts(opts, says, tmp_path, capsys):
+    """trial20: a missing, empty or non-PEM --tokens-file / --tls-* file was found after the shards
+    had started and written to --data-dir, as a bare [Errno 2] or "Failed to bind to address"."""
+    (tmp_path / "comment").write_text("# only a comment\n")
+    (tmp_path / "bad.pem").write_text("garbage\n")
+    data = tmp_path / "data"
+    argv = [o.format(d=tmp_path) for o in opts] + ["--data-dir", str(data), "--generator", "none", "--port", "0"]
+    assert cli.main(argv) == 2
+    assert says.format(d=tmp_path) in capsys.readouterr().err
+    assert not data.exists() or not any(data.iterdir())  # nothing written
