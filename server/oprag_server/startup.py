@@ -241,16 +241,18 @@ def check_security_files(cfg: ServerConfig) -> None:
     if sec.tls_cert is None:
         return
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    for opt, load in (("--tls-cert/--tls-key", lambda: ctx.load_cert_chain(sec.tls_cert, sec.tls_key)),
-                      ("--tls-client-ca", lambda: sec.tls_client_ca is None or ctx.load_verify_locations(sec.tls_client_ca))):
+    checks = [("--tls-cert/--tls-key", f"{sec.tls_cert}, {sec.tls_key}", "a PEM certificate and matching private key",
+               lambda: ctx.load_cert_chain(sec.tls_cert, sec.tls_key))]
+    if sec.tls_client_ca is not None:
+        checks.append(("--tls-client-ca", str(sec.tls_client_ca), "PEM CA certificates",
+                       lambda: ctx.load_verify_locations(sec.tls_client_ca)))
+    for opt, files, want, load in checks:
         try:
             load()
-        except (OSError, ssl.SSLError) as exc:  # (SSLError is an OSError: a bad PEM, a key of another certificate)
-            what = exc.strerror if isinstance(exc, OSError) and exc.strerror and not isinstance(exc, ssl.SSLError) \
-                else f"not a PEM certificate and matching private key ({exc})" if opt != "--tls-client-ca" \
-                else f"not PEM CA certificates ({exc})"
-            files = f"{sec.tls_cert}, {sec.tls_key}" if opt != "--tls-client-ca" else str(sec.tls_client_ca)
-            raise RuntimeError(f"{opt} {files}: {what}") from exc
+        except ssl.SSLError as exc:  # (before OSError, its base: a bad PEM, a key of another certificate)
+            raise RuntimeError(f"{opt} {files}: not {want} ({exc})") from exc
+        except OSError as exc:
+            raise RuntimeError(f"{opt} {files}: {exc.strerror or exc}") from exc
 
 
 def announce_ready(host: str, port: int) -> None:

@@ -24,6 +24,13 @@ RETRY_MIN_S, RETRY_MAX_S = 0.05, 30.0
 EWMA_WEIGHT = 0.2
 
 
+def ewma(old: float, sample: float, n: int) -> float:
+    """The service-time average after ``sample`` (seconds), ``n`` samples taken before it: the
+    first replaces the start value (trial20: an average from 0.5 s crept 0.5 -> 1.4 -> 2.2 s
+    while each batch took 5.2 s), later ones weigh :data:`EWMA_WEIGHT`."""
+    return sample if n == 0 else old + EWMA_WEIGHT * (sample - old)
+
+
 class Admission:
     """Mixed into ``QueryEngine`` (its state: ``cfg``, ``metrics``, ``dispatch``, ``_inflight``,
     ``_waiting``, ``_preparing``; it sets this mixin's: ``retrieve_s`` (EWMA of a retrieval-only
@@ -63,8 +70,7 @@ class Admission:
             s = self.generate_s
         return min(RETRY_MAX_S, max(RETRY_MIN_S, s))
 
-    #: samples taken into ``retrieve_s`` / ``generate_s``: the first replaces the start value
-    #: (trial20: an EWMA from 0.5 s crept 0.5 -> 1.4 -> 2.2 s while each batch took 5.2 s)
+    #: samples taken into ``retrieve_s`` / ``generate_s`` (:func:`ewma`)
     _retrieve_n = _generate_n = 0
 
     def _served(self, job: QueryJob) -> None:
@@ -72,10 +78,10 @@ class Admission:
         prep batch started (``timings_ms["queue"]``) adds its time since then to ``retrieve_s``."""
         if "queue" in job.timings_ms and not job.runs(GENERATE):
             dt = (job.timings_ms["total"] - job.timings_ms["queue"]) / 1000
-            self.retrieve_s += (EWMA_WEIGHT if self._retrieve_n else 1.0) * (dt - self.retrieve_s)
+            self.retrieve_s = ewma(self.retrieve_s, dt, self._retrieve_n)
             self._retrieve_n += 1
 
     def _generated(self, dt: float) -> None:
         """A builtin generation batch took ``dt`` seconds: into ``generate_s``."""
-        self.generate_s += (EWMA_WEIGHT if self._generate_n else 1.0) * (dt - self.generate_s)
+        self.generate_s = ewma(self.generate_s, dt, self._generate_n)
         self._generate_n += 1

@@ -40,6 +40,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ..models.protocols import EngineUsage
+from .admission import ewma
 
 log = logging.getLogger(__name__)
 
@@ -245,8 +246,7 @@ class EngineDispatch:
         if done.done():
             return
         if err is None:
-            # (the first request's time replaces the start value: an EWMA from it crept up for many requests)
-            self.request_s_ewma = dt if not self._timed else 0.8 * self.request_s_ewma + 0.2 * dt
+            self.request_s_ewma = ewma(self.request_s_ewma, dt, self._timed)
             self._timed += 1
             done.set_result((pieces, usage, dt))
         elif isinstance(err, Exception):
