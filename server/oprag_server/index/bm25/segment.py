@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .files import file_ids, link_same
+
 _ARRAYS = ("offsets", "slots", "tf", "doc_slots", "doc_off", "doc_terms")
 #: largest slot a segment can hold (slots are stored as int32)
 MAX_SLOT = np.iinfo(np.int32).max
@@ -122,16 +124,22 @@ class Segment:
     # ------------------------------------------------------------------ files
     def save(self, d: Path) -> list[Path]:
         """Write every array as ``<name>.npy`` and the terms as ``terms.json`` under ``d``
-        (the caller makes them durable). :returns: the files written."""
+        (the caller makes them durable); a file the arrays map (a load, :meth:`map_files`,
+        :meth:`spill`) as a hard link to it while that path names the same file (:mod:`.files`:
+        ~0.74 GB not written again per 1M-chunk shard after a spilled merge). A file already at
+        a destination is unlinked, never truncated (it may be linked elsewhere). :returns: the files."""
         d.mkdir(parents=True, exist_ok=True)
+        src = self.__dict__.get("_source")
         out = []
-        for n in _ARRAYS:
-            p = d / f"{n}.npy"
-            np.save(p, np.ascontiguousarray(getattr(self, n)))
+        for n in (*_ARRAYS, "terms"):
+            p = d / (f"{n}.npy" if n != "terms" else "terms.json")
+            p.unlink(missing_ok=True)
+            if src is None or not link_same(src, p.name, p):
+                if n == "terms":  # \u escapes: any str survives
+                    p.write_text(json.dumps(self.terms), encoding="ascii")
+                else:
+                    np.save(p, np.ascontiguousarray(getattr(self, n)))
             out.append(p)
-        p = d / "terms.json"
-        p.write_text(json.dumps(self.terms), encoding="ascii")  # \u escapes: any str survives
-        out.append(p)
         return out
 
     @classmethod
@@ -146,6 +154,8 @@ class Segment:
         terms = json.loads((d / "terms.json").read_text(encoding="ascii"))
         seg = cls(terms, **arrs)
         seg.check()
+        if mmap:
+            seg._note_source(d)
         return seg
 
     def map_files(self, d: Path) -> list[np.ndarray] | None:
@@ -163,6 +173,7 @@ class Segment:
         old = [getattr(self, n) for n in _ARRAYS]
         for n in _ARRAYS:
             setattr(self, n, maps[n])
+        self._note_source(d)
         spilled = self.__dict__.pop("_spilled", None)
         if spilled is not None:  # (the spill's files are not served any more: gone now)
             spilled()
@@ -195,6 +206,14 @@ class Segment:
         del old
         self.__dict__["_spilled"] = weakref.finalize(self, shutil.rmtree, str(d), True)
         return True
+
+    def _note_source(self, d: Path) -> None:
+        """Remember the files under ``d`` that the arrays map (for :meth:`save`'s links)."""
+        src = file_ids(d, [f"{n}.npy" for n in _ARRAYS] + ["terms.json"])
+        if src is None:
+            self.__dict__.pop("_source", None)
+        else:
+            self.__dict__["_source"] = src
 
     def check(self) -> None:
         """:raises ValueError: shapes or offsets do not fit together."""

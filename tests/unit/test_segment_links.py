@@ -1,0 +1,147 @@
+"""A snapshot gives the BM25 segment's files as hard links to the files the segment serves from
+a map (index/bm25/files.py, ``Segment.save``): a spilled merge's files or the previous
+snapshot's, when each path still names the file that was mapped; otherwise it writes them.
+A destination is never truncated in place (it may be another directory's link). Real shards,
+real files; scores against rank_bm25 0.2.2 (``check`` of test_bm25_segments)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from oprag_server.index import bm25 as B
+from oprag_server.index.bm25 import files
+from oprag_server.index.bm25.segment import _ARRAYS, Segment
+from oprag_server.shards.state import ShardState
+
+from test_bm25_idle_merge import _upsert
+from test_bm25_segments import check
+from test_merge_spill import _eventually, _spills
+
+D = 8
+NAMES = [f"{n}.npy" for n in _ARRAYS] + ["terms.json"]
+
+
+def _ids(d: Path) -> dict[str, int]:
+    return {n: os.stat(d / n).st_ino for n in NAMES}
+
+
+def _postings_dir(root: Path) -> Path:
+    [snap] = [p for p in root.rglob("snap-*") if p.is_dir()]
+    return snap / "postings"
+
+
+def _arrays(seg: Segment) -> list[np.ndarray]:
+    return [np.array(getattr(seg, n)) for n in _ARRAYS]
+
+
+def _segment(tmp_path: Path, n: int = 40) -> Segment:
+    ix = B.PostingsIndex()
+    ix.add_batch(list(range(n)), [[f"w{s}", "common", f"t{s % 3}"] for s in range(n)])
+    ix.merge()
+    return ix.segment
+
+
+@pytest.fixture
+def spill_all(monkeypatch):
+    monkeypatch.setattr(B.PostingsIndex, "MERGE_MIN", 4)
+    monkeypatch.setattr(B.PostingsIndex, "SPILL_MIN_BYTES", 0)
+    monkeypatch.setattr(ShardState, "IDLE_QUIET_S", 0.0)
+
+
+def test_a_snapshot_links_the_spilled_segment_and_a_restart_reads_it(tmp_path, spill_all):
+    st = ShardState(0, D, tmp_path)
+    toks = _upsert(st, 0, 80, 1)
+    st.store.postings.merge()
+    toks.update(_upsert(st, 80, 100, 2))
+    p = st.store.postings
+    if not p.merging:
+        assert st.idle_wait() == 0.0
+        st.idle_step()
+    p.wait_merge()
+    assert p.spills >= 1 and p.segment.unmapped_nbytes() == 0
+    assert _eventually(lambda: len(_spills(tmp_path)) == 1)
+    [spill] = (tmp_path / ".bm25-spill").iterdir()
+    spilled = _ids(spill)
+    st.snapshot()
+    got = _postings_dir(tmp_path)
+    assert _ids(got) == spilled  # the same files, not a second copy
+    assert _eventually(lambda: _spills(tmp_path) == [])  # the spill's names go; the files stay
+    assert os.stat(got / "slots.npy").st_nlink == 1
+    restarted = ShardState(0, D, tmp_path)
+    restarted.load()
+    check([restarted.store.postings], {s: (t, 0) for s, t in toks.items()}, ["topic1", "chunk3", "the"])
+
+
+def test_a_loaded_unchanged_segment_is_linked_by_the_next_snapshot(tmp_path):
+    st = ShardState(0, D, tmp_path)
+    toks = _upsert(st, 0, 50, 1)
+    st.snapshot()
+    first = _ids(_postings_dir(tmp_path))
+    st2 = ShardState(0, D, tmp_path)
+    st2.load()
+    st2.store.postings.merge()  # (nothing to fold: the loaded segment stays)
+    st2.snapshot()  # the old snapshot is swept after this one is live
+    d = _postings_dir(tmp_path)
+    assert _ids(d) == first
+    st3 = ShardState(0, D, tmp_path)
+    st3.load()
+    check([st3.store.postings], {s: (t, 0) for s, t in toks.items()}, ["topic2", "chunk7", "the"])
+    # a write changes the segment at the next snapshot's merge: its files are written anew
+    toks.update(_upsert(st3, 50, 60, 2))
+    st3.snapshot()
+    d = _postings_dir(tmp_path)
+    assert set(_ids(d).values()).isdisjoint(first.values())
+    st4 = ShardState(0, D, tmp_path)
+    st4.load()
+    check([st4.store.postings], {s: (t, 0) for s, t in toks.items()}, ["topic2", "chunk57", "the"])
+
+
+def test_a_replaced_source_file_is_written_not_linked(tmp_path):
+    seg = _segment(tmp_path)
+    seg.save(tmp_path / "a")
+    m = Segment.load(tmp_path / "a")
+    want = _arrays(m)
+    # another file now at one source path (same bytes, another inode): not the mapped file
+    (tmp_path / "a" / "tf.npy").rename(tmp_path / "tf.old")
+    np.save(tmp_path / "a" / "tf.npy", np.zeros(3, np.uint16))
+    m.save(tmp_path / "b")
+    ids_a, ids_b = _ids(tmp_path / "a"), _ids(tmp_path / "b")
+    assert ids_b["tf.npy"] != ids_a["tf.npy"] and ids_b["slots.npy"] == ids_a["slots.npy"]
+    for x, y in zip(want, _arrays(Segment.load(tmp_path / "b"))):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_no_links_means_copies_and_a_destination_is_never_truncated(tmp_path, monkeypatch):
+    seg = _segment(tmp_path)
+    seg.save(tmp_path / "a")
+    m = Segment.load(tmp_path / "a")
+    before = {n: (tmp_path / "a" / n).read_bytes() for n in NAMES}
+    m.save(tmp_path / "b")  # links
+    assert _ids(tmp_path / "b") == _ids(tmp_path / "a")
+    # another segment saved over "b" (a directory holding links to "a"): "a" keeps its bytes
+    other = _segment(tmp_path, 7)
+    other.save(tmp_path / "b")
+    assert {n: (tmp_path / "a" / n).read_bytes() for n in NAMES} == before
+    for x, y in zip(_arrays(other), _arrays(Segment.load(tmp_path / "b"))):
+        np.testing.assert_array_equal(x, y)
+    # a file system without hard links: every file written, the same values
+    monkeypatch.setattr(files.os, "link", lambda *a: (_ for _ in ()).throw(OSError(1, "no links")))
+    m.save(tmp_path / "c")
+    assert set(_ids(tmp_path / "c").values()).isdisjoint(_ids(tmp_path / "a").values())
+    for x, y in zip(_arrays(m), _arrays(Segment.load(tmp_path / "c"))):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_only_a_mapped_segment_links(tmp_path):
+    seg = _segment(tmp_path)
+    assert "_source" not in seg.__dict__
+    seg.save(tmp_path / "x")
+    copy = Segment.load(tmp_path / "x", mmap=False)  # read into memory: nothing to link to
+    assert "_source" not in copy.__dict__
+    copy.save(tmp_path / "y")
+    assert set(_ids(tmp_path / "y").values()).isdisjoint(_ids(tmp_path / "x").values())
+    assert Segment.load(tmp_path / "x").__dict__["_source"][0] == tmp_path / "x"
