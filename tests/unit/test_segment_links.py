@@ -145,3 +145,36 @@ def test_only_a_mapped_segment_links(tmp_path):
     copy.save(tmp_path / "y")
     assert set(_ids(tmp_path / "y").values()).isdisjoint(_ids(tmp_path / "x").values())
     assert Segment.load(tmp_path / "x").__dict__["_source"][0] == tmp_path / "x"
+
+
+def test_an_exit_right_after_a_snapshot_waits_for_the_memory_drop(tmp_path):
+    """The previous mapping is freed on a thread of its own (snapjob ``_drop``); a daemon thread
+    inside Arrow's destructor at the interpreter's exit aborted the process (exit 134, seen right
+    after a snapshot that linked its files). The exit now waits for it: its last step runs."""
+    import subprocess
+    import sys
+    import textwrap
+
+    marker = tmp_path / "dropped"
+    code = textwrap.dedent(f"""
+        import sys, time
+        sys.path[:0] = {[str(Path(__file__).parent)]!r}
+        from oprag_server.shards import snapjob
+        from oprag_server.shards.state import ShardState
+        from test_bm25_idle_merge import _upsert
+        real = snapjob._drop
+        def slow(parts):
+            time.sleep(0.5)
+            real(parts)
+            open({str(marker)!r}, "w").close()
+        snapjob._drop = slow
+        from pathlib import Path
+        st = ShardState(0, 8, Path({str(tmp_path / "data")!r}))
+        _upsert(st, 0, 30, 1)
+        st.snapshot()
+        _upsert(st, 30, 40, 2)
+        st.snapshot()
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert marker.exists()

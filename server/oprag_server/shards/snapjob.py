@@ -136,7 +136,11 @@ class SnapshotJob:
         snap, n = self._out
         t = time.perf_counter()
         old = snapshots.adopt(snap, self.store)
-        threading.Thread(target=_drop, args=(old,), name="oprag-snapshot-drop", daemon=True).start()
+        # not a daemon: an exit waits for it. A daemon thread freeing the former Arrow mapping when the
+        # interpreter finalises is ended inside Arrow's C++ destructor (pthread_exit as it takes the GIL
+        # back after munmap): std::terminate, exit status 134 (a thread-shard server stopped right after
+        # a snapshot; seen in a probe that exits after one)
+        threading.Thread(target=_drop, args=(old,), name="oprag-snapshot-drop").start()
         del old  # (dropped there: the previous mapping's munmap leaves the GIL, not this thread's time)
         if self.log is not None:
             adopt_s = time.perf_counter() - t
