@@ -95,10 +95,15 @@ _HINTS = (("Connection refused", "no server listens there: start one (oprag serv
                                     "IP address its certificate holds"))
 
 
-def _rpc_error(exc: grpc.RpcError) -> int:
+def _rpc_message(exc: grpc.RpcError) -> str:
+    """``CODE: details (what to change)`` of a failed call, as :func:`_rpc_error` prints it."""
     details = exc.details() or ""
     hint = (" (give the server's token with --token TOKEN or the OPRAG_TOKEN environment variable)"
             if exc.code() == grpc.StatusCode.UNAUTHENTICATED else "")
     if exc.code() == grpc.StatusCode.UNAVAILABLE and "failed to connect" in details:  # not a call cut short
         hint = next((f" ({h})" for words, h in _HINTS if words in details), "")
-    return _fail(f"{exc.code().name}: {details}{hint}")
+    return f"{exc.code().name}: {details}{hint}"
+
+
+def _rpc_error(exc: grpc.RpcError) -> int:
+    return _fail(_rpc_message(exc))

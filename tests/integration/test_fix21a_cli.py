@@ -1,0 +1,87 @@
+"""Findings of trial21 at the ``oprag`` command line, against a real server (2 shards, no
+generator): ``ingest --json`` printed nothing when a stream failed; ``--timeout`` failures said
+nothing about what was stored."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+from oprag_client.client import OpRAGClient
+from oprag_client.testing import ServerProcess, oprag_cli
+
+pytestmark = [pytest.mark.integration]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = ServerProcess.on_free_ports(tmp_path_factory.mktemp("fix21a-data"), "--generator", "none", "--shards", "2")
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def _oprag(server, *args, timeout=120):
+    return subprocess.run([*oprag_cli(), *args, "--server", server.target], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _vec(seed, d=384):
+    return np.random.default_rng(seed).standard_normal(d).astype(np.float32).tolist()
+
+
+def test_ingest_json_prints_what_was_committed_when_a_stream_fails(server, tmp_path):
+    """Stream 2 holds a vector of the wrong width: the server refuses that stream (nothing of it
+    stored) after stream 1 committed. Before: stderr only, no JSON at all."""
+    rows = [{"id": f"j{i}", "text": f"json summary document {i}", "vector": _vec(i, 3 if i == 3 else 384)}
+            for i in range(6)]
+    out = _oprag(server, "ingest", "--format", "jsonl", "--json", "--no-progress", "--docs-per-stream", "2",
+                 _jsonl(tmp_path / "w.jsonl", rows))
+    assert out.returncode == 1, out.stderr
+    res = json.loads(out.stdout)
+    assert (res["documents"], res["chunks"]) == (2, 2)
+    assert [(s["stream"], s["first_index"], s["documents_sent"], s["documents_written"]) for s in res["streams"]] \
+        == [(1, 0, 2, 2)]
+    assert res["seq"] == res["streams"][0]["seq"] > 0
+    err = res["error"]
+    assert (err["stream"], err["first_index"], err["code"], err["stored"]) == (2, 2, "INVALID_ARGUMENT", False)
+    assert err["message"].startswith("INVALID_ARGUMENT: document 1 ('j3'): a vector has 3 values"), err
+    assert "stream 1 was committed (the first 2 documents of the input" in out.stderr, out.stderr
+    with OpRAGClient(server.target, timeout=60) as c:
+        hits = c.retrieve("json summary document", mode="lexical", top_k=10).hits
+    assert sorted({h.doc_id for h in hits}) == ["j0", "j1"]
+
+
+def test_ingest_json_names_an_input_error_after_committed_streams(server, tmp_path):
+    f = tmp_path / "bad.jsonl"
+    f.write_text("".join(json.dumps({"id": f"k{i}", "text": f"input error document {i}", "vector": _vec(i)}) + "\n"
+                         for i in range(3)) + "{broken\n")
+    out = _oprag(server, "ingest", "--format", "jsonl", "--json", "--no-progress", "--docs-per-stream", "2", str(f))
+    assert out.returncode == 1, out.stderr
+    res = json.loads(out.stdout)
+    assert res["documents"] == 2 and len(res["streams"]) == 1
+    assert (res["error"]["stream"], res["error"]["code"], res["error"]["stored"]) == (2, None, False)
+    assert res["error"]["message"].startswith(f"{f}:4: expected a JSON object"), res["error"]
+
+
+def test_ingest_timeout_says_what_was_stored(server, tmp_path):
+    """``--timeout 0.01``: said only "DEADLINE_EXCEEDED: Deadline Exceeded"; a stream whose
+    deadline passed may have been committed (README: ingest semantics), so it says so."""
+    rows = [{"id": f"t{i}", "text": f"timeout document {i}"} for i in range(4)]
+    out = _oprag(server, "ingest", "--format", "jsonl", "--json", "--no-progress", "--timeout", "0.01",
+                 _jsonl(tmp_path / "t.jsonl", rows))
+    assert out.returncode == 1, out.stderr
+    assert ("oprag: no stream was committed; stream 1 (its document 0 is input document #0) ended DEADLINE_EXCEEDED "
+            "before the server answered: it is stored whole or not at all") in out.stderr, out.stderr
+    assert "--timeout 0.01 s is each stream's deadline" in out.stderr
+    res = json.loads(out.stdout)
+    assert res["streams"] == [] and res["error"]["code"] == "DEADLINE_EXCEEDED" and res["error"]["stored"] is None
