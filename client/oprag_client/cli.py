@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 
 from .cli_ingest import cmd_ingest
-from .cli_util import _add_server, _client, _count, _fail, _positive, _rpc_error, _seconds  # noqa: F401
+from .cli_util import _add_server, _client, _count, _fail, _positive, _rpc_error, _seconds, _stdout_closed_ok  # noqa: F401
 from .client import MODES
 
 
@@ -288,10 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(SERVER_MISSING, 2)
     a = _parser(plugins).parse_args(argv)
     try:
-        return COMMANDS[a.cmd](a)
-    except BrokenPipeError:  # e.g. `oprag stats | head`
-        sys.stderr.close()
-        return 0
+        with _stdout_closed_ok():  # `oprag stats | head -c 10`: the exit status is still the command's
+            return COMMANDS[a.cmd](a)
     except ValueError as exc:  # an argument the client refuses before sending (a traceback before)
         hint = (" (the command line holds bytes that are not UTF-8: use a UTF-8 locale or re-encode the argument)"
                 if "surrogate" in str(exc) else "")

@@ -4,9 +4,11 @@ options that argparse checks, and how errors are printed (``oprag: ...`` on stde
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -107,3 +109,50 @@ def _rpc_message(exc: grpc.RpcError) -> str:
 
 def _rpc_error(exc: grpc.RpcError) -> int:
     return _fail(_rpc_message(exc))
+
+
+class _ClosedOk:
+    """``sys.stdout`` while a command runs: once the reader has gone (``oprag stats | head -c 10``:
+    a write or flush raises ``BrokenPipeError``), the rest of the output goes to /dev/null, so
+    the command runs to its end and exits with the status of what it found (a shard down: 1)
+    instead of 0 (the error was caught at the top) or 120 with "Exception ignored ... BrokenPipeError"
+    (the interpreter's last flush)."""
+
+    def __init__(self, out) -> None:
+        self._out = out
+
+    def write(self, s: str) -> int:
+        try:
+            return self._out.write(s)
+        except BrokenPipeError:
+            self._drop()
+            return len(s)
+
+    def flush(self) -> None:
+        try:
+            self._out.flush()
+        except BrokenPipeError:
+            self._drop()
+
+    def _drop(self) -> None:
+        try:  # the file descriptor itself, so that no later flush (the interpreter's last) fails
+            fd = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(fd, self._out.fileno())
+            os.close(fd)
+        except (OSError, ValueError, AttributeError):  # no descriptor (a test's capture): nothing to flush later
+            pass
+
+    def __getattr__(self, name: str):
+        return getattr(self._out, name)
+
+
+@contextlib.contextmanager
+def _stdout_closed_ok() -> Iterator[_ClosedOk]:
+    """Run a command with :class:`_ClosedOk` as ``sys.stdout`` (flushed at the end, inside)."""
+    real = sys.stdout
+    sys.stdout = out = _ClosedOk(real)
+    try:
+        yield out
+    finally:
+        out.flush()
+        sys.stdout = real

@@ -1,18 +1,21 @@
 """Findings of trial21 at the ``oprag`` command line, against a real server (2 shards, no
 generator): ``ingest --json`` printed nothing when a stream failed; ``--timeout`` failures said
-nothing about what was stored."""
+nothing about what was stored; ``stats --json | head -c 10`` exited 0 (or 120, with "Exception
+ignored ... BrokenPipeError") while a shard was down."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 
 import numpy as np
 import pytest
 
 from oprag_client.client import OpRAGClient
-from oprag_client.testing import ServerProcess, oprag_cli
+from oprag_client.testing import ServerProcess, oprag_cli, wait_until
+from test_trial15 import _shard_pid  # (tests/integration is on sys.path: pytest's rootdir-relative import)
 
 pytestmark = [pytest.mark.integration]
 
@@ -85,3 +88,42 @@ def test_ingest_timeout_says_what_was_stored(server, tmp_path):
     assert "--timeout 0.01 s is each stream's deadline" in out.stderr
     res = json.loads(out.stdout)
     assert res["streams"] == [] and res["error"]["code"] == "DEADLINE_EXCEEDED" and res["error"]["stored"] is None
+
+
+def _closed_stdout(server, *args, unbuffered: bool):
+    """``oprag ARGS`` writing into a pipe whose reader has gone (``| head -c 10`` after its 10 bytes)."""
+    r, w = os.pipe()
+    os.close(r)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    if unbuffered:  # each write goes out at once (the error comes from print), else at the last flush
+        env["PYTHONUNBUFFERED"] = "1"
+    try:
+        return subprocess.run([*oprag_cli(), *args, "--server", server.target], stdout=w,
+                              stderr=subprocess.PIPE, text=True, env=env, timeout=120)
+    finally:
+        os.close(w)
+
+
+def test_stats_with_stdout_closed_exits_with_the_state_it_reports(server):
+    """Last: takes shard 0 down (killed; its restarted process stopped before it is ready)."""
+    old = _shard_pid(server, 0)
+    os.kill(old, signal.SIGKILL)
+    assert wait_until(lambda: _shard_pid(server, 0) != old, 60, 0.02), "shard 0 was not restarted"
+    new = _shard_pid(server, 0)
+    os.kill(new, signal.SIGSTOP)
+    try:
+        with OpRAGClient(server.target, timeout=60) as c:
+            assert wait_until(lambda: list(c.stats().missing_shards) == [0], 30)
+        for args in (("stats", "--json"), ("stats",), ("query", "--no-generate", "--mode", "lexical", "evalword1")):
+            for unbuffered in (True, False):
+                out = _closed_stdout(server, *args, unbuffered=unbuffered)
+                assert "shard(s) 0 did not answer" in out.stderr, (args, out.stderr)
+                assert out.returncode == 1, (args, unbuffered, out.returncode, out.stderr)
+                assert "Traceback" not in out.stderr and "Exception ignored" not in out.stderr, out.stderr
+    finally:
+        os.kill(new, signal.SIGCONT)
+    with OpRAGClient(server.target, timeout=60) as c:
+        assert wait_until(lambda: not c.stats().missing_shards, 120), "shard 0 did not come back"
+    for unbuffered in (True, False):  # every shard up: 0, and no "Exception ignored" (it exited 120)
+        out = _closed_stdout(server, "stats", "--json", unbuffered=unbuffered)
+        assert out.returncode == 0 and not out.stderr, (unbuffered, out.returncode, out.stderr)
