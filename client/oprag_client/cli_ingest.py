@@ -47,6 +47,26 @@ def _committed_before_failure(n: int, sent: int, seq: int, code: str | None = No
     print(f"oprag: {done}; {failed}", file=sys.stderr)
 
 
+#: what --format jsonl / wikitext read, files only (a folder was "[Errno 21] Is a directory"), and an example name
+_FILES = {"jsonl": ("JSON-lines files", "*.jsonl"), "wikitext": ("WikiText files", "valid.txt")}
+
+
+def _not_a_file(paths: list[Path], fmt: str) -> str | None:
+    """The message for a folder given where ``--format fmt`` reads a file (a ``beir`` folder must
+    hold ``corpus.jsonl``), else None."""
+    for p in map(Path, paths):
+        if not p.is_dir():
+            continue
+        if fmt in _FILES:
+            what, example = _FILES[fmt]
+            return (f"{p} is a folder: --format {fmt} reads {what}; give the file(s) in it, e.g. {p / example} "
+                    "(--format text, parquet and arrow read folders)")
+        if fmt == "beir" and not (p / "corpus.jsonl").is_file():
+            return (f"{p} is a folder without corpus.jsonl: --format beir reads a BEIR corpus.jsonl, or a folder "
+                    "holding one; give the corpus file")
+    return None
+
+
 def cmd_ingest(a) -> int:
     """``oprag ingest``. With ``--json`` one JSON object on stdout, also when a stream fails
     (README: "oprag ingest"): the totals of the committed streams, ``streams`` (one entry per
@@ -58,6 +78,9 @@ def cmd_ingest(a) -> int:
     missing = [str(p) for p in a.paths if not Path(p).exists()]
     if missing:
         return _fail(f"no such file or directory: {', '.join(missing)}")
+    wrong = _not_a_file(a.paths, a.format)
+    if wrong:
+        return _fail(wrong)
     if a.vector_column is not None and a.format not in ("parquet", "arrow"):
         return _fail(f"--vector-column is for --format parquet or arrow, not {a.format}")
     docs = LOADERS[a.format](a.paths, a.vector_column) if a.format in ("parquet", "arrow") else LOADERS[a.format](a.paths)

@@ -41,8 +41,13 @@ def _target(text: str) -> str:
     return text
 
 
+_PEM = {"--tls-ca": "CA certificate", "--tls-cert": "client certificate", "--tls-key": "client private key"}
+
+
 def _client(a, **kw) -> OpRAGClient:
     for flag, path in (("--tls-ca", a.tls_ca), ("--tls-cert", a.client_cert), ("--tls-key", a.client_key)):
+        if path is not None and Path(path).is_dir():  # (was a traceback: IsADirectoryError)
+            raise ValueError(f"{flag} {path} is a folder: give the {_PEM[flag]} file (PEM)")
         if path is not None and not os.access(path, os.R_OK):
             raise ValueError(f"cannot read {flag} {path}: {'no such file' if not Path(path).exists() else 'permission denied'}")
         if path is not None and b"-----BEGIN " not in Path(path).read_bytes()[:1 << 20]:  # gRPC: "security handshaker"
@@ -93,6 +98,8 @@ _HINTS = (("Connection refused", "no server listens there: start one (oprag serv
                                  "--server HOST:PORT or OPRAG_SERVER"),
           ("WRONG_VERSION_NUMBER", "the server does not use TLS: drop --tls-ca, --tls-cert and --tls-key"),
           ("Socket closed", "if the server uses TLS, pass --tls-ca with the CA certificate that signed its certificate"),
+          ("Failed parsing HTTP/2", "something other than a gRPC server answers there (an HTTP port, such as "
+                                    "the server's metrics or HTTP API port?): give --server the gRPC port"),
           ("Hostname Verification", "the server's certificate does not name this host: give --server the name or "
                                     "IP address its certificate holds"))
 
@@ -100,6 +107,10 @@ _HINTS = (("Connection refused", "no server listens there: start one (oprag serv
 def _rpc_message(exc: grpc.RpcError) -> str:
     """``CODE: details (what to change)`` of a failed call, as :func:`_rpc_error` prints it."""
     details = exc.details() or ""
+    m = re.fullmatch(r"errors resolving (\S+): \[.*: ([^:\]]+)\]", details.strip())
+    if exc.code() == grpc.StatusCode.UNAVAILABLE and m:  # gRPC named the address twice
+        return (f"UNAVAILABLE: cannot resolve the host name of {m.group(1)} ({m.group(2).strip()}): give --server "
+                "the server's host name or IP address, HOST:PORT, or set OPRAG_SERVER")
     hint = (" (give the server's token with --token TOKEN or the OPRAG_TOKEN environment variable)"
             if exc.code() == grpc.StatusCode.UNAUTHENTICATED else "")
     if exc.code() == grpc.StatusCode.UNAVAILABLE and "failed to connect" in details:  # not a call cut short

@@ -1,7 +1,9 @@
 """Findings of trial21 at the ``oprag`` command line, against a real server (2 shards, no
 generator): ``ingest --json`` printed nothing when a stream failed; ``--timeout`` failures said
 nothing about what was stored; ``stats --json | head -c 10`` exited 0 (or 120, with "Exception
-ignored ... BrokenPipeError") while a shard was down."""
+ignored ... BrokenPipeError") while a shard was down; ``eval beir`` said nothing when the service
+lacked most of the judged documents; a folder where a file is expected was a raw ``[Errno 21]``
+(or a traceback); an unresolvable ``--server`` named its address twice."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ import subprocess
 import numpy as np
 import pytest
 
-from oprag_client.client import OpRAGClient
+from oprag_client import cli
+from oprag_client.client import Doc, OpRAGClient
 from oprag_client.testing import ServerProcess, oprag_cli, wait_until
 from test_trial15 import _shard_pid  # (tests/integration is on sys.path: pytest's rootdir-relative import)
 
@@ -88,6 +91,60 @@ def test_ingest_timeout_says_what_was_stored(server, tmp_path):
     assert "--timeout 0.01 s is each stream's deadline" in out.stderr
     res = json.loads(out.stdout)
     assert res["streams"] == [] and res["error"]["code"] == "DEADLINE_EXCEEDED" and res["error"]["stored"] is None
+
+
+def test_eval_beir_warns_when_the_service_lacks_most_judged_documents(server, tmp_path):
+    n = 10
+    corpus = [Doc(f"e{i}", f"evalword{i} appears in this judged document", vector=np.asarray(_vec(100 + i),
+                                                                                             np.float32))
+              for i in range(n)]
+    queries = _jsonl(tmp_path / "queries.jsonl", [{"_id": f"q{i}", "text": f"evalword{i}"} for i in range(n)])
+    (tmp_path / "qrels.tsv").write_text("query-id\tcorpus-id\tscore\n" + "".join(f"q{i}\te{i}\t1\n" for i in range(n)))
+    args = ("eval", "beir", "--queries", queries, "--qrels", str(tmp_path / "qrels.tsv"), "--mode", "lexical")
+    with OpRAGClient(server.target, timeout=60) as c:
+        c.ingest(corpus[:3])
+        out = _oprag(server, *args)
+        assert out.returncode == 0, out.stderr
+        res = json.loads(out.stdout)
+        assert (res["judged_docs"], res["judged_docs_retrieved"], res["recall@100"]) == (n, 3, 0.3)
+        assert res["warning"].startswith("only 3 of the 10 relevant documents of the qrels (30%) were retrieved"), res
+        assert "oprag: warning: only 3 of the 10 relevant documents" in out.stderr
+        c.ingest(corpus[3:])
+        out = _oprag(server, *args)
+    res = json.loads(out.stdout)
+    assert (res["judged_docs"], res["judged_docs_retrieved"]) == (n, n) and "warning" not in res, res
+    assert "warning" not in out.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["ingest", "--format", "jsonl", "{d}"], "{d} is a folder: --format jsonl reads JSON-lines files; give the file(s) in "
+                                             "it, e.g. {d}/*.jsonl"),
+    (["ingest", "--format", "wikitext", "{d}"], "{d} is a folder: --format wikitext reads WikiText files"),
+    (["ingest", "--format", "beir", "{d}"], "{d} is a folder without corpus.jsonl: --format beir reads a BEIR "
+                                            "corpus.jsonl, or a folder holding one"),
+    (["eval", "beir", "--queries", "{d}", "--qrels", "{d}/q.tsv"], "--queries {d} is a folder: give the BEIR "
+                                                                   "queries file (queries.jsonl)"),
+    (["eval", "beir", "--queries", "{d}/q.jsonl", "--qrels", "{d}"], "--qrels {d} is a folder: give a BEIR qrels file"),
+    (["stats", "--tls-ca", "{d}"], "--tls-ca {d} is a folder: give the CA certificate file (PEM)"),
+])
+def test_a_folder_where_a_file_is_expected_names_the_option(tmp_path, capsys, argv, message):
+    """Said "[Errno 21] Is a directory: '...'" (with "cannot read queries/qrels: " for eval);
+    ``--tls-ca FOLDER`` was a traceback."""
+    d = str(tmp_path)
+    (tmp_path / "q.tsv").write_text("q1\td1\t1\n")
+    (tmp_path / "q.jsonl").write_text('{"_id": "q1", "text": "x"}\n')
+    code = cli.main([a.format(d=d) for a in argv] + ["--server", "127.0.0.1:1"])
+    err = capsys.readouterr().err
+    assert code != 0 and f"oprag: {message.format(d=d)}" in err, err
+    assert "Errno" not in err and "Traceback" not in err
+
+
+def test_an_unresolvable_server_is_named_once():
+    out = subprocess.run([*oprag_cli(), "stats", "--server", "nosuchhost.invalid:50051", "--timeout", "20"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert out.stderr.count("nosuchhost.invalid:50051") == 1, out.stderr
+    assert "give --server the server's host name or IP address" in out.stderr, out.stderr
 
 
 def _closed_stdout(server, *args, unbuffered: bool):
