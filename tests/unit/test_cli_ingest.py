@@ -96,3 +96,17 @@ def test_every_document_rejected_exits_1(ids, code, tmp_path, monkeypatch, capsy
     err = capsys.readouterr().err
     assert err.count("rejected #") == sum(i.startswith("bad") for i in ids)
     assert ("nothing stored: all 3 documents were rejected" in err) == (code == 1)
+
+
+def test_an_input_error_before_any_stream_was_sent_says_only_the_error(tmp_path, monkeypatch, capsys):
+    """(trial21: the 'no stream was committed' line is for streams the server failed.)"""
+    stub = _Stub()
+    monkeypatch.setattr(cli_ingest, "_client", lambda a: stub)
+    f = tmp_path / "d.jsonl"
+    f.write_text("{broken\n")
+    assert cli.main(["ingest", "--server", "127.0.0.1:1", "--format", "jsonl", "--no-progress", "--json", str(f)]) == 1
+    out = capsys.readouterr()
+    assert out.err.startswith(f"oprag: {f}:1: expected a JSON object") and "committed" not in out.err, out.err
+    assert json.loads(out.out)["error"] == {"stream": 1, "first_index": 0, "code": None, "stored": False,
+                                            "message": out.err[len("oprag: "):].strip()}
+    assert stub.streams == []
