@@ -72,17 +72,15 @@ def test_two_real_widths_name_the_first_row_of_each(tmp_path):
         next(load_parquet([p]))
 
 
-def test_an_empty_jsonl_vector_names_file_and_line_once(tmp_path):
+@pytest.mark.parametrize("lines, message", [
+    (['{"id": "a", "text": "t", "vector": [0.5, 0.5]}', '{"id": "b", "text": "t", "vector": []}'],
+     "2: vector is empty: give its numbers, or leave it out to embed the text"),  # (named file:line twice)
+    (['{"id": "a", "chunks": [{"text": "x", "vector": [0.5]}, {"text": "y", "vector": []}]}'],
+     "1: chunks[1] vector is empty: give its numbers (a precomputed chunk needs its vector)"),  # (no file:line)
+])
+def test_an_empty_jsonl_vector_names_file_and_line_once(tmp_path, lines, message):
     p = tmp_path / "d.jsonl"
-    p.write_text('{"id": "a", "text": "t", "vector": [0.5, 0.5]}\n{"id": "b", "text": "t", "vector": []}\n')
+    p.write_text("\n".join(lines) + "\n")
     with pytest.raises(ValueError) as e:
         list(load_jsonl([p]))
-    assert str(e.value) == f"{p}:2: vector is empty: give its numbers, or leave it out to embed the text"
-
-
-def test_an_empty_jsonl_chunk_vector_names_file_line_and_chunk(tmp_path):
-    p = tmp_path / "d.jsonl"
-    p.write_text('{"id": "a", "chunks": [{"text": "x", "vector": [0.5]}, {"text": "y", "vector": []}]}\n')
-    with pytest.raises(ValueError) as e:
-        list(load_jsonl([p]))
-    assert str(e.value) == f"{p}:1: chunks[1] vector is empty: give its numbers (a precomputed chunk needs its vector)"
+    assert str(e.value) == f"{p}:{message}"
