@@ -114,8 +114,9 @@ def cmd_ingest(a) -> int:
     except grpc.RpcError as exc:
         error = {"code": exc.code().name, "message": _rpc_message(exc)}
         if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and a.timeout:
-            error["message"] += (f" (--timeout {a.timeout:g} s is each stream's deadline: its {a.docs_per_stream} "
-                                 "documents are embedded and committed within it; give a larger --timeout, or none)")
+            error["message"] += (f" (--timeout {a.timeout:g} s is each stream's deadline: its documents (up to "
+                                 f"--docs-per-stream {a.docs_per_stream}) are embedded and committed within it; "
+                                 "give a larger --timeout, or none)")
     except (ValueError, TypeError, FileNotFoundError, OSError, ImportError) as exc:
         error = {"code": None, "message": str(exc)}  # the input (or a local file) could not be read
     bar.close()
@@ -137,7 +138,7 @@ def cmd_ingest(a) -> int:
     }
     for r in totals["rejected"]:
         print(f"rejected #{r['index']} {r['id']!r}: {r['reason']}", file=sys.stderr)
-    if error is not None:  # the committed streams stay stored; the failed one and the rest stored nothing
+    if error is not None:  # the committed streams stay stored; the failed one: nothing, or unknown (UNKNOWN_OUTCOME)
         if streams or error["code"]:  # (an input error before any stream was sent: the error says it all)
             _committed_before_failure(len(streams) + 1, sent, totals["seq"], error["code"])
         _fail(error["message"])
