@@ -10,14 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 
+from .cli_eval import cmd_eval
 from .cli_ingest import cmd_ingest
-from .cli_util import _add_server, _client, _count, _fail, _positive, _rpc_error, _seconds  # noqa: F401
+from .cli_util import _add_server, _client, _count, _fail, _positive, _rpc_error, _seconds, _stdout_closed_ok  # noqa: F401
 from .client import MODES
 
 
@@ -206,44 +205,6 @@ def cmd_stats(a) -> int:
     return 0
 
 
-def cmd_eval(a) -> int:
-    from .evaluate import doc_ranking, load_qrels, load_queries, metrics, percentile
-
-    try:
-        queries = load_queries(a.queries)
-        qrels = load_qrels(a.qrels)
-    except (OSError, ValueError, KeyError) as exc:
-        return _fail(f"cannot read queries/qrels: {exc}")
-    judged = [qid for qid in qrels if qid in queries and any(r > 0 for r in qrels[qid].values())]
-    if a.limit:
-        judged = judged[: a.limit]
-    if not judged:
-        return _fail("no judged query of the qrels is in the queries file")
-    top_k = a.top_k
-
-    def one(c, qid):  # document-level retrieval: the top documents by their best chunk (MaxP)
-        t = time.perf_counter()
-        r = c.retrieve(queries[qid], top_k=top_k, mode=a.mode, candidates=a.candidates, group_by_document=True)
-        return qid, [d.doc_id for d in r.documents], (time.perf_counter() - t) * 1000
-
-    try:
-        with _client(a) as c, ThreadPoolExecutor(max(1, a.concurrency)) as ex:
-            results = list(ex.map(lambda q: one(c, q), judged))
-    except grpc.RpcError as exc:
-        return _rpc_error(exc)
-    per = [metrics(doc_ranking(docs), qrels[qid]) for qid, docs, _ in results]
-    lat = [ms for _, _, ms in results]
-    n = len(results)
-    print(json.dumps({
-        **{m: round(sum(p[m] for p in per) / n, 5) for m in ("ndcg@10", "recall@100", "mrr@10")},
-        "n": n,
-        "mode": a.mode,
-        "p50_ms": round(percentile(lat, 50), 3),
-        "p95_ms": round(percentile(lat, 95), 3),
-    }))
-    return 0
-
-
 def _top_docs(text: str) -> int:
     """``eval --top-k``: at least 100 (a smaller value was silently raised to 100)."""
     v = _count(text)
@@ -288,10 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(SERVER_MISSING, 2)
     a = _parser(plugins).parse_args(argv)
     try:
-        return COMMANDS[a.cmd](a)
-    except BrokenPipeError:  # e.g. `oprag stats | head`
-        sys.stderr.close()
-        return 0
+        with _stdout_closed_ok():  # `oprag stats | head -c 10`: the exit status is still the command's
+            return COMMANDS[a.cmd](a)
     except ValueError as exc:  # an argument the client refuses before sending (a traceback before)
         hint = (" (the command line holds bytes that are not UTF-8: use a UTF-8 locale or re-encode the argument)"
                 if "surrogate" in str(exc) else "")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import grpc
 
-from .cli_util import _client, _fail, _rpc_error
+from .cli_util import _client, _fail, _rpc_message
 
 
 def _batches(it, n):
@@ -24,16 +24,53 @@ def _batches(it, n):
         yield batch
 
 
-def _committed_before_failure(n: int, sent: int, seq: int) -> None:
+#: a failed stream whose outcome the client cannot know: its deadline passed (or it was cancelled)
+#: perhaps after its final message, while the server committed it (README: "Ingest semantics")
+UNKNOWN_OUTCOME = ("DEADLINE_EXCEEDED", "CANCELLED")
+
+
+def _committed_before_failure(n: int, sent: int, seq: int, code: str | None = None) -> None:
     """Say what a failed ``oprag ingest`` stored: the streams before stream ``n`` committed (``sent``
-    documents of the input), stream ``n`` stored nothing (an ingest stream is all-or-nothing)."""
+    documents of the input), stream ``n`` stored nothing (an ingest stream is all-or-nothing) --
+    or, failed with a status of :data:`UNKNOWN_OUTCOME` (``code``), stored whole or nothing."""
     if n > 1:
         done = "stream 1 was" if n == 2 else f"streams 1-{n - 1} were"
-        print(f"oprag: {done} committed (the first {sent} documents of the input, seq {seq}); stream {n} "
-              f"(its document 0 is input document #{sent}) and the rest stored nothing", file=sys.stderr)
+        done = f"{done} committed (the first {sent} documents of the input, seq {seq})"
+    else:
+        done = "no stream was committed"
+    failed = f"stream {n} (its document 0 is input document #{sent})"
+    if code in UNKNOWN_OUTCOME:
+        failed += (f" ended {code} before the server answered: it is stored whole or not at all (read it "
+                   "back, or send it again: re-ingesting an id replaces it); the rest stored nothing")
+    else:
+        failed += " and the rest stored nothing"
+    print(f"oprag: {done}; {failed}", file=sys.stderr)
+
+
+#: what --format jsonl / wikitext read, files only (a folder was "[Errno 21] Is a directory"), and an example name
+_FILES = {"jsonl": ("JSON-lines files", "*.jsonl"), "wikitext": ("WikiText files", "valid.txt")}
+
+
+def _not_a_file(paths: list[Path], fmt: str) -> str | None:
+    """The message for a folder given where ``--format fmt`` reads a file (a ``beir`` folder must
+    hold ``corpus.jsonl``), else None."""
+    for p in map(Path, paths):
+        if not p.is_dir():
+            continue
+        if fmt in _FILES:
+            what, example = _FILES[fmt]
+            return (f"{p} is a folder: --format {fmt} reads {what}; give the file(s) in it, e.g. {p / example} "
+                    "(--format text, parquet and arrow read folders)")
+        if fmt == "beir" and not (p / "corpus.jsonl").is_file():
+            return (f"{p} is a folder without corpus.jsonl: --format beir reads a BEIR corpus.jsonl, or a folder "
+                    "holding one; give the corpus file")
+    return None
 
 
 def cmd_ingest(a) -> int:
+    """``oprag ingest``. With ``--json`` one JSON object on stdout, also when a stream fails
+    (README: "oprag ingest"): the totals of the committed streams, ``streams`` (one entry per
+    committed stream) and, on a failure, ``error`` (the stream that failed and why); exit 1 then."""
     from tqdm import tqdm
 
     from .loaders import LOADERS
@@ -41,13 +78,18 @@ def cmd_ingest(a) -> int:
     missing = [str(p) for p in a.paths if not Path(p).exists()]
     if missing:
         return _fail(f"no such file or directory: {', '.join(missing)}")
+    wrong = _not_a_file(a.paths, a.format)
+    if wrong:
+        return _fail(wrong)
     if a.vector_column is not None and a.format not in ("parquet", "arrow"):
         return _fail(f"--vector-column is for --format parquet or arrow, not {a.format}")
     docs = LOADERS[a.format](a.paths, a.vector_column) if a.format in ("parquet", "arrow") else LOADERS[a.format](a.paths)
     totals = {"documents": 0, "chunks": 0, "replaced": 0, "reused": 0, "rejected": [], "chunks_split": 0, "seq": 0}
+    streams: list[dict] = []  # one per committed stream (its acknowledgement)
+    error = None
     t0 = time.perf_counter()
     bar = tqdm(unit="doc", disable=a.no_progress, file=sys.stderr, dynamic_ncols=True)
-    sent, done = 0, 0  # documents of the input in the committed streams (a rejection's index is its position), streams
+    sent = 0  # documents of the input in the committed streams (a rejection's index is its position)
     try:
         with _client(a) as c:
             for n, batch in enumerate(_batches(docs, max(1, a.docs_per_stream)), 1):
@@ -62,21 +104,24 @@ def cmd_ingest(a) -> int:
                 totals["reused"] += r.chunks_reused
                 totals["seq"] = r.seq
                 totals["rejected"] += [{"index": offset + x.index, "id": x.id, "reason": x.reason} for x in r.rejected]
-                done = n  # a loader error while the next stream is read fails that one, not this one
+                # a loader error while the next stream is read fails that one, not this one
+                streams.append({"stream": n, "first_index": offset, "documents_sent": len(batch),
+                                "documents_written": r.documents_written, "chunks_written": r.chunks_written,
+                                "rejected": len(r.rejected), "seq": r.seq})
                 bar.update(len(batch))
                 el = time.perf_counter() - t0
                 bar.set_postfix(chunks=totals["chunks"], chunks_per_s=f"{totals['chunks'] / el:.1f}")
     except grpc.RpcError as exc:
-        bar.close()
-        _committed_before_failure(done + 1, sent, totals["seq"])
-        return _rpc_error(exc)
+        error = {"code": exc.code().name, "message": _rpc_message(exc)}
+        if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and a.timeout:
+            error["message"] += (f" (--timeout {a.timeout:g} s is each stream's deadline: its documents (up to "
+                                 f"--docs-per-stream {a.docs_per_stream}) are embedded and committed within it; "
+                                 "give a larger --timeout, or none)")
     except (ValueError, TypeError, FileNotFoundError, OSError, ImportError) as exc:
-        bar.close()
-        _committed_before_failure(done + 1, sent, totals["seq"])
-        return _fail(str(exc))
+        error = {"code": None, "message": str(exc)}  # the input (or a local file) could not be read
     bar.close()
     el = time.perf_counter() - t0
-    if totals["documents"] == 0 and not totals["rejected"]:
+    if error is None and totals["documents"] == 0 and not totals["rejected"]:
         return _fail(f"no documents found in {' '.join(map(str, a.paths))} with --format {a.format}")
     summary = {
         "documents": totals["documents"],
@@ -89,9 +134,19 @@ def cmd_ingest(a) -> int:
         "documents_per_s": round(totals["documents"] / el, 2) if el else 0.0,
         "chunks_per_s": round(totals["chunks"] / el, 2) if el else 0.0,
         "seq": totals["seq"],
+        "streams": streams,
     }
     for r in totals["rejected"]:
         print(f"rejected #{r['index']} {r['id']!r}: {r['reason']}", file=sys.stderr)
+    if error is not None:  # the committed streams stay stored; the failed one: nothing, or unknown (UNKNOWN_OUTCOME)
+        if streams or error["code"]:  # (an input error before any stream was sent: the error says it all)
+            _committed_before_failure(len(streams) + 1, sent, totals["seq"], error["code"])
+        _fail(error["message"])
+        if a.json:  # stored: false, or null when unknown
+            stored = None if error["code"] in UNKNOWN_OUTCOME else False
+            print(json.dumps({**summary, "error": {"stream": len(streams) + 1, "first_index": sent, **error,
+                                                   "stored": stored}}))
+        return 1
     if a.json:
         print(json.dumps(summary))
     else:

@@ -4,9 +4,11 @@ options that argparse checks, and how errors are printed (``oprag: ...`` on stde
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -39,8 +41,13 @@ def _target(text: str) -> str:
     return text
 
 
+_PEM = {"--tls-ca": "CA certificate", "--tls-cert": "client certificate", "--tls-key": "client private key"}
+
+
 def _client(a, **kw) -> OpRAGClient:
     for flag, path in (("--tls-ca", a.tls_ca), ("--tls-cert", a.client_cert), ("--tls-key", a.client_key)):
+        if path is not None and Path(path).is_dir():  # (was a traceback: IsADirectoryError)
+            raise ValueError(f"{flag} {path} is a folder: give the {_PEM[flag]} file (PEM)")
         if path is not None and not os.access(path, os.R_OK):
             raise ValueError(f"cannot read {flag} {path}: {'no such file' if not Path(path).exists() else 'permission denied'}")
         if path is not None and b"-----BEGIN " not in Path(path).read_bytes()[:1 << 20]:  # gRPC: "security handshaker"
@@ -91,14 +98,72 @@ _HINTS = (("Connection refused", "no server listens there: start one (oprag serv
                                  "--server HOST:PORT or OPRAG_SERVER"),
           ("WRONG_VERSION_NUMBER", "the server does not use TLS: drop --tls-ca, --tls-cert and --tls-key"),
           ("Socket closed", "if the server uses TLS, pass --tls-ca with the CA certificate that signed its certificate"),
+          ("Failed parsing HTTP/2", "something other than a gRPC server answers there (an HTTP port, such as "
+                                    "the server's metrics or HTTP API port?): give --server the gRPC port"),
           ("Hostname Verification", "the server's certificate does not name this host: give --server the name or "
                                     "IP address its certificate holds"))
 
 
-def _rpc_error(exc: grpc.RpcError) -> int:
+def _rpc_message(exc: grpc.RpcError) -> str:
+    """``CODE: details (what to change)`` of a failed call, as :func:`_rpc_error` prints it."""
     details = exc.details() or ""
+    m = re.fullmatch(r"errors resolving (\S+): \[.*: ([^:\]]+)\]", details.strip())
+    if exc.code() == grpc.StatusCode.UNAVAILABLE and m:  # gRPC named the address twice
+        return (f"UNAVAILABLE: cannot resolve the host name of {m.group(1)} ({m.group(2).strip()}): give --server "
+                "the server's host name or IP address, HOST:PORT, or set OPRAG_SERVER")
     hint = (" (give the server's token with --token TOKEN or the OPRAG_TOKEN environment variable)"
             if exc.code() == grpc.StatusCode.UNAUTHENTICATED else "")
     if exc.code() == grpc.StatusCode.UNAVAILABLE and "failed to connect" in details:  # not a call cut short
         hint = next((f" ({h})" for words, h in _HINTS if words in details), "")
-    return _fail(f"{exc.code().name}: {details}{hint}")
+    return f"{exc.code().name}: {details}{hint}"
+
+
+def _rpc_error(exc: grpc.RpcError) -> int:
+    return _fail(_rpc_message(exc))
+
+
+class _ClosedOk:
+    """``sys.stdout`` while a command runs: once the reader has gone (``oprag stats | head -c 10``:
+    a write or flush raises ``BrokenPipeError``), the rest of the output goes to /dev/null, so
+    the command runs to its end and exits with the status of what it found (a shard down: 1)
+    instead of 0 (the error was caught at the top) or 120 with "Exception ignored ... BrokenPipeError"
+    (the interpreter's last flush)."""
+
+    def __init__(self, out) -> None:
+        self._out = out
+
+    def write(self, s: str) -> int:
+        try:
+            return self._out.write(s)
+        except BrokenPipeError:
+            self._drop()
+            return len(s)
+
+    def flush(self) -> None:
+        try:
+            self._out.flush()
+        except BrokenPipeError:
+            self._drop()
+
+    def _drop(self) -> None:
+        try:  # the file descriptor itself, so that no later flush (the interpreter's last) fails
+            fd = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(fd, self._out.fileno())
+            os.close(fd)
+        except (OSError, ValueError, AttributeError):  # no descriptor (a test's capture): nothing to flush later
+            pass
+
+    def __getattr__(self, name: str):
+        return getattr(self._out, name)
+
+
+@contextlib.contextmanager
+def _stdout_closed_ok() -> Iterator[_ClosedOk]:
+    """Run a command with :class:`_ClosedOk` as ``sys.stdout`` (flushed at the end, inside)."""
+    real = sys.stdout
+    sys.stdout = out = _ClosedOk(real)
+    try:
+        yield out
+    finally:
+        out.flush()
+        sys.stdout = real

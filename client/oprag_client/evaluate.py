@@ -22,13 +22,20 @@ from pathlib import Path
 
 
 def load_queries(path: Path) -> dict[str, str]:
-    """BEIR queries.jsonl -> {query id: text}."""
+    """BEIR queries.jsonl -> {query id: text}.
+
+    :raises ValueError: a line that is not a JSON object with ``_id`` and ``text`` (file and
+        line named; a missing ``_id`` was a bare KeyError, printed as ``'_id'``)."""
     out = {}
     with open(path, encoding="utf-8") as f:
-        for line in f:
+        for n, line in enumerate(f, 1):
             if line.strip():
-                obj = json.loads(line)
-                out[str(obj["_id"])] = obj["text"]
+                try:
+                    obj = json.loads(line)
+                    out[str(obj["_id"])] = obj["text"]
+                except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                    why = f"no {exc} field" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
+                    raise ValueError(f'{path}:{n}: a BEIR queries line is a JSON object {{"_id", "text"}} ({why})') from None
     return out
 
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .client import Doc, metadata_value
-from .vectors import column_matrix
+from .vectors import check_widths, column_matrix
 
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".text"}
 _WIKI_TITLE = re.compile(r"^ = ([^=].*?) = $")
@@ -115,7 +115,7 @@ def _json_lines(path: Path, id_key: str, what: str) -> Iterator[Doc]:
                     raise TypeError(f"a line must be a JSON object, got {type(obj).__name__}")
                 _check_types(obj, id_key)
                 if obj.get("vector") == []:  # Doc reads [] as no vector: the server would embed the text
-                    raise ValueError(f"{path}:{n}: vector is empty: give its numbers, or leave it out to embed the text")
+                    raise ValueError("vector is empty: give its numbers, or leave it out to embed the text")
                 chunks = obj.get("chunks")
                 yield Doc(id=str(obj[id_key]), text=obj["text"] if not chunks else obj.get("text") or "",
                           title=obj.get("title") or "", metadata=_metadata(obj.get("metadata")),
@@ -158,6 +158,8 @@ def _check_types(obj: dict, id_key: str) -> None:
     for i, c in enumerate(chunks or []):
         if not isinstance(c, dict) or not isinstance(c.get("text"), str) or not isinstance(c.get("vector"), list):
             raise ValueError(f'chunks[{i}] must be an object {{"text": "...", "vector": [numbers]}}, got {json.dumps(c)[:80]}')
+        if not c["vector"]:  # (was refused at send time as "document 'a': chunks[0] vector is empty", no line)
+            raise ValueError(f"chunks[{i}] vector is empty: give its numbers (a precomputed chunk needs its vector)")
 
 
 def load_jsonl(paths: list[Path]) -> Iterator[Doc]:
@@ -322,8 +324,8 @@ def columnar_docs(path: Path, schema, batches, vector_column: str | None = None)
     :param batches: ``batches(columns=None)`` -> iterator of ``pyarrow.RecordBatch`` (read
         twice when the vector widths must be checked first).
     :raises ValueError: (file and row named) a missing column, a vector column that is not a
-        list of numbers, two widths in the file -- checked before the first document is yielded
-        -- or, found as the rows are read, a bad id, text or metadata, a null vector in chunk
+        list of numbers, two widths or an empty vector in the file -- checked before the first
+        document is yielded -- or, found as the rows are read, a bad id, text or metadata, a null vector in chunk
         rows, a document's rows not contiguous.
     """
     import numpy as np  # noqa: PLC0415
@@ -344,19 +346,10 @@ def columnar_docs(path: Path, schema, batches, vector_column: str | None = None)
                 or not (pa.types.is_floating(vt.value_type) or pa.types.is_integer(vt.value_type)):
             raise ValueError(f"{path}: column {vector_column!r} must hold lists of numbers, got {vt}")
         if not pa.types.is_fixed_size_list(vt):  # one width for the whole file, before sending any
-            widths: set[int] = set()
-            row = 0
-            for b in batches([vector_column]):
-                col = b.column(0)
-                lens = pc.list_value_length(col)
-                if chunk_rows and col.null_count:
-                    raise ValueError(f"{path}: row {row + int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])}:"
-                                     f" chunk rows need a vector")
-                widths |= set(np.unique(lens.drop_null().to_numpy()).tolist())
-                row += b.num_rows
-            if len(widths) > 1:
-                raise ValueError(f"{path}: column {vector_column!r} holds vectors of {len(widths)} widths "
-                                 f"({', '.join(map(str, sorted(widths)[:5]))}): one width per file")
+            try:
+                check_widths(batches([vector_column]), vector_column, chunk_rows, np, pc)
+            except ValueError as exc:
+                raise ValueError(f"{path}: {exc}") from None
     row, cur, done = 0, None, set()
     for b in batches():
         cols = {n: b.column(n) for n in b.schema.names}

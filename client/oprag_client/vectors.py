@@ -111,3 +111,38 @@ def column_matrix(col, np, pa, pc, row0: int = 0):
     out = np.zeros((len(col), d), np.float32)
     out[valid] = flat.reshape(n, d)
     return out, valid
+
+
+def check_widths(batches, column: str, chunk_rows: bool, np, pc) -> None:
+    """Check a list column of vectors, read as ``batches`` (record batches of that one column),
+    before any row is sent (``column`` names it in messages): one width for the whole file, no empty vector, and in chunk rows
+    (``chunk_rows``) no null vector.
+
+    :raises ValueError: naming the first offending rows (0-based, counted across batches) and
+        what to change: an empty vector (on the wire it reads as "no vector", so the server would
+        embed that row's text; it was reported as "2 widths (0, 384)"), a null vector in chunk
+        rows, or vectors of more than one width (each width with the first row that has it)."""
+    first: dict[int, int] = {}  # width -> first row of that width
+    empty: list[int] = []
+    n_empty = row = 0
+    for b in batches:
+        col = b.column(0)
+        lens = pc.list_value_length(col).fill_null(-1).to_numpy(zero_copy_only=False)
+        if chunk_rows and col.null_count:
+            raise ValueError(f"row {row + int(np.flatnonzero(lens < 0)[0])}: chunk rows need a vector")
+        zero = np.flatnonzero(lens == 0)
+        n_empty += len(zero)
+        empty += (row + zero[: 5 - len(empty)]).tolist()
+        for w in np.unique(lens[lens > 0]).tolist():
+            first.setdefault(w, row + int(np.flatnonzero(lens == w)[0]))
+        row += b.num_rows
+    if empty:
+        more = f" and {n_empty - len(empty)} more" if n_empty > len(empty) else ""
+        it = "their" if n_empty > 1 else "its"
+        fix = (f"give {it} numbers (chunk rows need a vector)" if chunk_rows else
+               f"give {it} numbers, or a null vector to have the server embed the text")
+        raise ValueError(f"row{'s' if n_empty > 1 else ''} {', '.join(map(str, empty))}{more}: the vector is empty: {fix}")
+    if len(first) > 1:
+        ws = sorted(first.items(), key=lambda x: x[1])
+        raise ValueError(f"column {column!r} holds vectors of {len(first)} widths ("
+                         + ", ".join(f"{w} from row {r}" for w, r in ws[:5]) + "): one width per file")

@@ -19,7 +19,7 @@ class ChunkingConfig:
     :param size: largest chunk in the embedder's tokens, special tokens included (default 256,
         MiniLM's whole window; a larger value is lowered to the window). Chunks end at paragraph,
         sentence or word boundaries, so they average below it: on WikiText-2 (valid) 256 gives
-        1,355 chunks of 190 tokens on average (median 201), about the granularity of the former
+        1,356 chunks of 190 tokens on average (median 201), about the granularity of the former
         900-character chunks (1,256 chunks, 206 tokens on average, 51 of them over the window).
     :param overlap: tokens consecutive chunks may share, at most (0 <= overlap < size).
     """

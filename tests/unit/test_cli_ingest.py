@@ -61,7 +61,7 @@ def test_a_bad_line_after_full_streams_says_every_one_of_them_was_committed(tmp_
 
 
 @pytest.mark.parametrize("fail_at, words", [
-    (1, None),
+    (1, "no stream was committed; stream 1 (its document 0 is input document #0) and the rest stored nothing"),
     (2, "stream 1 was committed (the first 3 documents of the input, seq 1); stream 2 (its document 0 is input document #3)"),
     (3, "streams 1-2 were committed (the first 6 documents of the input, seq 2); stream 3 (its document 0 is input document #6)"),
 ])
@@ -71,7 +71,7 @@ def test_a_stream_the_server_fails_is_named_and_the_ones_before_it_committed(tmp
     assert cli.main(argv + [str(_file(tmp_path, 10, False))]) == 1
     err = capsys.readouterr().err
     assert "UNAVAILABLE: shard 1 is down" in err
-    assert (words in err) if words else "committed" not in err, err
+    assert words in err, err
 
 
 class _Rejecting(_Stub):
@@ -96,3 +96,17 @@ def test_every_document_rejected_exits_1(ids, code, tmp_path, monkeypatch, capsy
     err = capsys.readouterr().err
     assert err.count("rejected #") == sum(i.startswith("bad") for i in ids)
     assert ("nothing stored: all 3 documents were rejected" in err) == (code == 1)
+
+
+def test_an_input_error_before_any_stream_was_sent_says_only_the_error(tmp_path, monkeypatch, capsys):
+    """(trial21: the 'no stream was committed' line is for streams the server failed.)"""
+    stub = _Stub()
+    monkeypatch.setattr(cli_ingest, "_client", lambda a: stub)
+    f = tmp_path / "d.jsonl"
+    f.write_text("{broken\n")
+    assert cli.main(["ingest", "--server", "127.0.0.1:1", "--format", "jsonl", "--no-progress", "--json", str(f)]) == 1
+    out = capsys.readouterr()
+    assert out.err.startswith(f"oprag: {f}:1: expected a JSON object") and "committed" not in out.err, out.err
+    assert json.loads(out.out)["error"] == {"stream": 1, "first_index": 0, "code": None, "stored": False,
+                                            "message": out.err[len("oprag: "):].strip()}
+    assert stub.streams == []
