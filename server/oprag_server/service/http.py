@@ -204,6 +204,9 @@ def build_app(rt: Any) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:  # an unknown path or method: say which exist
+        if exc.status_code == 400 and isinstance(bad := exc.__cause__, UnicodeDecodeError):  # (FastAPI: "error parsing")
+            return error_response(400, f"the body is not valid UTF-8 (byte offset {bad.start}: {bad.reason}): send "
+                                  "a JSON object encoded as UTF-8 (Content-Type: application/json)", code="invalid_json")
         what = f": {request.method} {request.url.path[:200]}; {_ENDPOINTS}" if exc.status_code in (404, 405) else ""
         return error_response(exc.status_code, f"{exc.detail}{what}",
                               code={404: "not_found", 405: "method_not_allowed"}.get(exc.status_code))

@@ -116,8 +116,9 @@ class ChatRequest(_Strict):
     messages: list[Message] = Field(min_length=1)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    max_tokens: StrictInt | None = Field(None, ge=0, le=_U32)
-    max_completion_tokens: StrictInt | None = Field(None, ge=0, le=_U32)
+    # >= 1, as OpenAI's (0 is no answer length; leave the field out, or null, for the server default)
+    max_tokens: StrictInt | None = Field(None, ge=1, le=_U32)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1, le=_U32)
     temperature: StrictFloat | StrictInt | None = Field(None, ge=0, le=2)
     n: StrictInt = Field(1, ge=1, le=1)
     user: Str | None = None
@@ -315,7 +316,7 @@ def conversation(req: ChatRequest) -> tuple[str, MemoryContext | None]:
 
 
 def max_new_tokens(req: ChatRequest) -> int:
-    """``max_completion_tokens``, else ``max_tokens``, else 0 (the server default)."""
+    """``max_completion_tokens``, else ``max_tokens`` (each >= 1 when given), else 0 (the server default)."""
     return req.max_completion_tokens if req.max_completion_tokens is not None else (req.max_tokens or 0)
 
 
