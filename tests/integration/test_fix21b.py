@@ -65,6 +65,14 @@ def test_invalid_utf8_body_is_a_400_naming_utf8_and_the_byte_offset(server):
         assert err["code"] == "invalid_json"
 
 
+def test_retrieve_reply_has_no_generation_fields(server):
+    r = _post(server, "/retrieve", {"query": "harbour high water", "top_k": 3, "include_trace": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert not {"finish_reason", "ttft_ms", "sources"} & set(body), sorted(body)
+    assert {"object", "request_id", "hits", "retrieval", "memory_context", "timings_ms", "trace", "documents"} <= set(body)
+
+
 def test_max_tokens_must_be_at_least_one(server):
     user = [{"role": "user", "content": "When was the lighthouse completed?"}]
     for field in ("max_tokens", "max_completion_tokens"):
@@ -73,6 +81,49 @@ def test_max_tokens_must_be_at_least_one(server):
             assert err["param"] == field and f"{field} must be at least 1, got {n}" in err["message"], err
     for extra in ({}, {"max_tokens": None}, {"max_tokens": 1}):  # absent or null: the server's default
         assert _post(server, "/chat/completions", {"model": "oprag", "messages": user, **extra}).status_code == 200
+
+
+def test_retrieve_min_seq(server):
+    r = _post(server, "/retrieve", {"query": "harbour high water", "min_seq": server.seq})
+    assert r.status_code == 200 and r.json()["hits"], r.text
+    err = _error(_post(server, "/retrieve", {"query": "harbour", "min_seq": server.seq + 1000}))
+    assert f"sequence number {server.seq + 1000} was never issued" in err["message"], err  # gRPC's message
+    with pytest.raises(grpc.RpcError) as ei:
+        server.grpc.retrieve("harbour", min_seq=server.seq + 1000)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and ei.value.details() == err["message"]
+    for bad, want in ((-1, "min_seq must be at least 0"), ("3", "min_seq must be an integer"),
+                      (2**64, "min_seq must be at most")):
+        err = _error(_post(server, "/retrieve", {"query": "harbour", "min_seq": bad}))
+        assert want in err["message"] and err["param"] == "min_seq", err
+
+
+def test_retrieve_query_vector(server):
+    models = requests.get(server.url + "/models", timeout=30).json()["data"]
+    emb = _post(server, "/embeddings", {"model": models[-1]["id"], "input": "honey bees dancing"}).json()["data"][0]["embedding"]
+    # the vector, not the query text, is what is searched (dense: the text says lighthouse)
+    r = _post(server, "/retrieve", {"query": "lighthouse", "mode": "dense", "top_k": 3, "query_vector": emb})
+    assert r.status_code == 200, r.text
+    hits = [h["chunk_id"] for h in r.json()["hits"]]
+    assert r.json()["hits"][0]["doc_id"] == "bees"
+    g = server.grpc.retrieve("lighthouse", mode="dense", top_k=3, query_vector=emb)
+    assert hits == [h.chunk_id for h in g.hits]  # as gRPC with the same vector
+    dim = len(emb)
+    cases = [([0.1, 0.2, 0.3], f"query_vector has 3 values; the embedder produces {dim}"),
+             ([], "query_vector: it is empty"), ([0.0] * dim, "query_vector is all zeros"),
+             ([float("nan")] + [0.1] * (dim - 1), "query_vector contains NaN or infinity"),
+             ([10**400] + [0.1] * (dim - 1), "query_vector contains NaN or infinity"),  # not a 500 (float overflow)
+             ([0.1, "x"], "query_vector[1] must be a number"), ([True] * dim, "query_vector[0] must be a number"),
+             ("0.1,0.2", "query_vector must be a list")]
+    for vec, want in cases:
+        err = _error(_post(server, "/retrieve", {"query": "bees", "query_vector": vec}))
+        assert want in err["message"] and err["param"] and err["param"].startswith("query_vector"), (vec[:3], err)
+    with pytest.raises(grpc.RpcError) as ei:  # the same message as gRPC's
+        server.grpc.retrieve("bees", query_vector=[0.1, 0.2, 0.3])
+    assert ei.value.details() == f"query_vector has 3 values; the embedder produces {dim}"
+    assert _post(server, "/retrieve", {"query": "bees", "query_vector": None}).status_code == 200  # null: embed the query
+    err = _error(_post(server, "/chat/completions", {"model": "oprag", "messages": [{"role": "user", "content": "x"}],
+                                                     "oprag": {"query_vector": emb}}))
+    assert "unknown field 'oprag.query_vector'" in err["message"]  # /v1/retrieve only
 
 
 def _metrics(server) -> dict[str, float]:
