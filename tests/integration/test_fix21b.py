@@ -135,3 +135,34 @@ def _shard_pids(server_pid: int) -> list[int]:
     kids = psutil.Process(server_pid).children()
     return [p.pid for p in kids if "spawn_main" in " ".join(p.cmdline()) and "resource_tracker" not in " ".join(p.cmdline())]
 
+
+def test_index_gauges_leave_a_down_shard_out_and_count_it_again(server):
+    """Run last in this module (it kills a shard). While a shard is down, ``oprag_documents`` and
+    ``oprag_chunks`` are the other shard's (as Stats) and the down shard's ``oprag_shard_bytes``
+    series are gone; after its restart they are the totals again and its series are back."""
+    st = server.grpc.stats()
+    per = {s.shard: s for s in st.shards}
+    assert per[0].documents and per[1].documents
+    m = _metrics(server)
+    assert m["oprag_documents"] == st.documents and m['oprag_shard_bytes{component="chunks",shard="0"}'] > 0
+    pids = _shard_pids(server.proc.pid)
+    assert len(pids) == 2
+    os.kill(pids[0], signal.SIGKILL)
+    down = None  # the shard killed (the one whose oprag_shard_replica_up turns 0)
+    seen_partial = False
+    deadline = time.time() + 90
+    while time.time() < deadline:
+        m = _metrics(server)
+        if m["oprag_shards_up"] == 1:
+            down = next(i for i in (0, 1) if m[f'oprag_shard_replica_up{{replica="0",shard="{i}"}}'] == 0)
+            left = [k for k in m if k.startswith("oprag_shard_bytes{") and f'shard="{down}"' in k]
+            if (m["oprag_documents"], m["oprag_chunks"]) == (per[1 - down].documents, per[1 - down].chunks) and not left:
+                seen_partial = True
+        elif down is not None and m["oprag_shards_up"] == 2 and m["oprag_documents"] == st.documents \
+                and f'oprag_shard_bytes{{component="chunks",shard="{down}"}}' in m:
+            break
+        time.sleep(0.005)
+    else:
+        pytest.fail(f"the shard was not seen down, or the gauges did not come back after its restart: {m}")
+    assert seen_partial, "the index gauges kept the down shard's counts and series"
+    assert m["oprag_chunks"] == st.chunks and m[f'oprag_shard_replica_up{{replica="0",shard="{down}"}}'] == 1
