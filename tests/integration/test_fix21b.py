@@ -126,6 +126,24 @@ def test_retrieve_query_vector(server):
     assert "unknown field 'oprag.query_vector'" in err["message"]  # /v1/retrieve only
 
 
+def test_health_check_with_an_undecodable_request_is_invalid_argument(server):
+    with grpc.insecure_channel(server.target) as ch:
+        for raw in (b"\x0a\x02\xff\xfe", b"\xff\xff\xff", b"\x0a\x10ab"):  # bad UTF-8, bad tag, truncated
+            with pytest.raises(grpc.RpcError) as ei:
+                ch.unary_unary("/grpc.health.v1.Health/Check")(raw, timeout=10)
+            assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, ei.value
+            assert "could not be parsed" in ei.value.details() and "grpc.health.v1" in ei.value.details()
+            with pytest.raises(grpc.RpcError) as ei:
+                next(iter(ch.unary_stream("/grpc.health.v1.Health/Watch")(raw, timeout=10)))
+            assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, ei.value
+        ok = health_pb2.HealthCheckRequest(service="").SerializeToString()
+        assert health_pb2.HealthCheckResponse.FromString(ch.unary_unary("/grpc.health.v1.Health/Check")(ok, timeout=10)).status \
+            == health_pb2.HealthCheckResponse.SERVING
+        first = next(iter(ch.unary_stream("/grpc.health.v1.Health/Watch")(ok, timeout=10)))
+        assert health_pb2.HealthCheckResponse.FromString(first).status == health_pb2.HealthCheckResponse.SERVING
+    assert server.grpc.health() == "SERVING"
+
+
 def _metrics(server) -> dict[str, float]:
     text = requests.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).text
     return {m[1]: float(m[2]) for m in re.finditer(r"^(oprag_[a-z_]+(?:\{[^}]*\})?) (\S+)$", text, re.M)}
