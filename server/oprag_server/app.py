@@ -370,7 +370,7 @@ async def serve(cfg: ServerConfig, *, encoder: Any = None, generator: Any = None
         raise
     supervisor = ShardSupervisor(rt.pool, rt.restart_shard, health_servicer, ("", SERVICE_NAME), rt.metrics,
                                  fenced=lambda: rt.commits.lease is not None and rt.commits.lease.fenced,
-                                 write_error=lambda: rt.commits.write_error)
+                                 write_error=lambda: rt.commits.write_error, changed=rt.gauges.stale)
     await supervisor.set_health(True)
     await health_servicer.set(QUERY_HEALTH, SERVING)
     await health_servicer.set(INGEST_HEALTH, SERVING)

@@ -105,15 +105,19 @@ class ShardSupervisor:
     :param health: a ``grpc_health`` aio ``HealthServicer`` (or anything with ``async set(name, status)``).
     :param names: the health service names to set ("" for the whole server, and the service).
     :param metrics: sets ``shards_up`` and ``shard_replica_up``, counts ``shard_restarts``, observes ``stage_seconds{stage="shard_recovery"}``.
+    :param changed: called when the set of dead shards changes (a shard went down or is back),
+        e.g. ``IndexGauges.stale``: the index gauges then leave out, or count again, that shard.
     """
 
     def __init__(self, pool: Any, restart: Callable[[int], Awaitable[None]], health: Any, names: Sequence[str],
                  metrics: Any, interval_s: float = 0.25, fenced: Callable[[], Any] = lambda: None,
-                 backoff: tuple[float, float] = (1.0, 30.0), write_error: Callable[[], Any] = lambda: None) -> None:
+                 backoff: tuple[float, float] = (1.0, 30.0), write_error: Callable[[], Any] = lambda: None,
+                 changed: Callable[[], Any] = lambda: None) -> None:
         self.pool, self.restart, self.health, self.names = pool, restart, health, tuple(names)
         self.metrics, self.interval_s, self.fenced, self.backoff = metrics, interval_s, fenced, backoff
         self.write_error, self._writes_ok = write_error, True  # (serve() publishes SERVING first)
         self._failures: dict[int, tuple[int, float]] = {}  # shard -> (failed restarts in a row, next try at)
+        self.changed, self._dead = changed, frozenset[int]()  # the dead shards of the last round
 
     async def set_health(self, serving: bool) -> None:
         for name in self.names:
@@ -127,6 +131,9 @@ class ShardSupervisor:
         """
         dead = dead_shards(self.pool)
         self.metrics.shards_up.set(self.pool.n - len(dead))
+        if frozenset(dead) != self._dead:
+            self._dead = frozenset(dead)
+            self.changed()
         for i, r, up in getattr(self.pool, "replicas_up", list)():
             self.metrics.shard_replica_up.labels(shard=str(i), replica=str(r)).set(1 if up else 0)
         await self.set_health(not dead and not self.fenced())  # fenced: lost the storage's owner lease

@@ -77,7 +77,11 @@ embeddings = mutated(st.fixed_dictionaries(
     {"model": st.sampled_from([EMBED, EMBED, "oprag", "text-embedding-3-small"]),
      "input": text | st.lists(text, max_size=4) | st.lists(st.integers(), max_size=4)},
     optional=EMB), ["model", "input", *EMB])
-GROUP = {"group_by_document": st.booleans(), "chunks_per_document": st.integers(0, 50) | st.integers(-1, 2**32 + 1)}
+GROUP = {"group_by_document": st.booleans(), "chunks_per_document": st.integers(0, 50) | st.integers(-1, 2**32 + 1),
+         # (seq 1: the baseline ingest; larger ones were never issued)
+         "min_seq": st.integers(0, 3) | st.integers(-1, 2**64 + 1),
+         "query_vector": st.lists(number, max_size=4) | st.lists(st.floats(-1, 1) | number, min_size=384, max_size=384)
+         | st.sampled_from([[10**400] * 384, [0] * 384, [-1e39] + [0.5] * 383])}
 retrieve = mutated(st.fixed_dictionaries({"query": text}, optional={**OPTS, **GROUP}), ["query", *OPTS, *GROUP])
 SHAPES = {"/v1/chat/completions": chat, "/v1/embeddings": embeddings, "/v1/retrieve": retrieve}
 

@@ -18,11 +18,11 @@ class _Pool:
     def __init__(self) -> None:
         self.records, self.calls = 0, 0
 
-    async def broadcast(self, op, req):
+    async def gather_partial(self, op, req):
         self.calls += 1
         seen = self.records
         await asyncio.sleep(0.01)
-        return [types.SimpleNamespace(shard=0, chunks=1, documents=1, memory_records=seen, nbytes={"chunks": 8})]
+        return {0: types.SimpleNamespace(shard=0, chunks=1, documents=1, memory_records=seen, nbytes={"chunks": 8})}, []
 
 
 def test_a_burst_of_writes_costs_a_few_broadcasts_and_ends_current(monkeypatch):

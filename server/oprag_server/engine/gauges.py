@@ -1,5 +1,6 @@
 """The index gauges (``oprag_chunks``, ``oprag_documents``, ``oprag_memory_records``,
-``oprag_shard_bytes``), read from the shards' STATS after writes, off the request path.
+``oprag_shard_bytes``), read from the shards' STATS after writes and when a shard goes down or
+comes back, off the request path.
 
 Writes come from committed transactions (an ingest stream, a delete) and from session memory
 (a turn promoted by each query with a ``session_id``, a cleared session): one STATS broadcast
@@ -17,7 +18,7 @@ from ..shards.protocol import Op, StatsRequest
 
 
 class IndexGauges:
-    """:param pool: a :class:`~..shards.pool.ShardPool` (``broadcast``).
+    """:param pool: a :class:`~..shards.pool.ShardPool` (``gather_partial``).
     :param metrics: :class:`~..service.metrics.Metrics` (``chunks``, ``documents``,
         ``memory_records``, ``shard_bytes``)."""
 
@@ -27,6 +28,7 @@ class IndexGauges:
         self.pool, self.metrics = pool, metrics
         self._stale = False
         self._task: asyncio.Task | None = None
+        self._bytes_series: dict[int, set[str]] = {}  # shard -> its oprag_shard_bytes components
 
     def stale(self) -> None:
         """The shards changed: refresh soon (a task on the running loop; coalesced, see the module)."""
@@ -46,14 +48,27 @@ class IndexGauges:
             await asyncio.sleep(self.min_gap_s)
 
     async def refresh(self) -> None:
-        """One STATS broadcast into the gauges (best effort: a shard down leaves them as they are)."""
+        """One STATS round into the gauges (best effort: an error leaves them as they are).
+
+        The totals (``oprag_chunks``, ``oprag_documents``, ``oprag_memory_records``) are those of
+        the shards that answer, as the Stats RPC's; a shard that is down is left out of them and
+        its ``oprag_shard_bytes`` series are removed (no stale sample) until it answers again
+        (``oprag_shards_up``, ``oprag_shard_replica_up`` say which: the supervisor refreshes the
+        gauges when a shard goes down and when it is back, :meth:`stale`).
+        """
         try:
-            st = await self.pool.broadcast(Op.STATS, StatsRequest())
+            got, missing = await self.pool.gather_partial(Op.STATS, StatsRequest())
         except Exception:  # noqa: BLE001 - gauges are best effort
             return
+        st = list(got.values())
         self.metrics.chunks.set(sum(s.chunks for s in st))
         self.metrics.documents.set(sum(s.documents for s in st))
         self.metrics.memory_records.set(sum(s.memory_records for s in st))
-        for s in st:
+        for i, s in got.items():
+            parts = self._bytes_series.setdefault(i, set())
             for component, n in (s.nbytes or {}).items():
-                self.metrics.shard_bytes.labels(shard=str(s.shard), component=component).set(n)
+                self.metrics.shard_bytes.labels(shard=str(i), component=component).set(n)
+                parts.add(component)
+        for i in missing:
+            for component in self._bytes_series.pop(i, ()):
+                self.metrics.shard_bytes.remove(str(i), component)

@@ -37,6 +37,7 @@ from . import convert
 from . import openai_api as api
 from .convert import InvalidArgument
 from .interceptors import status_for
+from .servicer import read_your_writes
 from .disconnect import ClientGone as _ClientGone
 from .disconnect import unless_gone as _unless_gone
 from .stream import job_events
@@ -204,6 +205,9 @@ def build_app(rt: Any) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:  # an unknown path or method: say which exist
+        if exc.status_code == 400 and isinstance(bad := exc.__cause__, UnicodeDecodeError):  # (FastAPI: "error parsing")
+            return error_response(400, f"the body is not valid UTF-8 (byte offset {bad.start}: {bad.reason}): send "
+                                  "a JSON object encoded as UTF-8 (Content-Type: application/json)", code="invalid_json")
         what = f": {request.method} {request.url.path[:200]}; {_ENDPOINTS}" if exc.status_code in (404, 405) else ""
         return error_response(exc.status_code, f"{exc.detail}{what}",
                               code={404: "not_found", 405: "method_not_allowed"}.get(exc.status_code))
@@ -258,10 +262,15 @@ def build_app(rt: Any) -> FastAPI:
                                   f"message limit (top_k {job.spec.top_k}): ask for fewer hits (top_k) or drop include_trace")
 
     @app.post("/v1/retrieve")
-    async def retrieve(body: api.RetrieveRequest) -> Any:
-        job = await rt.query.submit(job_for(body.query, body, generate=False))
-        ext = api.extension(job, include_trace=body.include_trace)
-        ext.pop("sources")
+    async def retrieve(body: api.RetrieveRequest, request: Request) -> Any:
+        job = job_for(body.query, body, generate=False)
+
+        async def run() -> Any:  # min_seq as on gRPC, with no deadline: a client that leaves ends the wait
+            await read_your_writes(rt, body.min_seq, None)
+            return await rt.query.submit(job)
+        job = await _unless_gone(request, run())
+        ext = {k: v for k, v in api.extension(job, include_trace=body.include_trace).items()  # (nothing generated)
+               if k not in ("sources", "finish_reason", "ttft_ms")}
         return fits({"object": "retrieval", **ext, "documents": api.document_dicts(job)}, job)
 
     @app.post("/v1/embeddings")

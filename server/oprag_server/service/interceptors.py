@@ -2,7 +2,7 @@
 records per-RPC metrics (``oprag_requests_total{method,code}``, ``oprag_request_seconds{method}``).
 
 Covers unary and streaming handlers alike; methods of other services (health, reflection) pass
-through untouched.
+through uncounted, and untouched but for the health service's undecodable requests (below).
 
 Undecodable requests: grpc deserialises a request before the handler runs, and a deserializer
 that raises ends the call with ``UNKNOWN`` (unary request) or, for a request stream, fails
@@ -11,12 +11,16 @@ raises: a message that does not parse (for example a string field that is not va
 becomes an :class:`Undecodable` value, and the wrapped handler raises
 :class:`~oprag_server.service.convert.InvalidArgument` for it, where it is answered
 ``INVALID_ARGUMENT`` and counted like any other failure. In a request stream it is raised when
-the handler reaches that message, so an Ingest stream aborts and stores nothing.
+the handler reaches that message, so an Ingest stream aborts and stores nothing. The standard
+health service (``grpc.health.v1.Health``: Check, Watch) gets the same deserializer, and an
+undecodable request is answered ``INVALID_ARGUMENT`` there too (it was grpc's ``UNKNOWN``), not
+counted in the metrics.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from typing import Any
@@ -106,12 +110,12 @@ def passing_bytes(serializer):
     return encode
 
 
-def checked(request: Any, method: str) -> Any:
+def checked(request: Any, method: str, package: str = "oprag.v1") -> Any:
     """:returns: ``request``. :raises InvalidArgument: it is :class:`Undecodable`."""
     if isinstance(request, Undecodable):
         raise InvalidArgument(f"the {method} request could not be parsed ({request.error}): it is truncated or "
                               "corrupt, another message type, or has a string that is not valid UTF-8; send the "
-                              f"serialised oprag.v1 request message of {method}")
+                              f"serialised {package} request message of {method}")
     return request
 
 
@@ -166,6 +170,30 @@ class _Call:
         metrics.request_seconds.labels(method=self.method).observe(time.perf_counter() - self.t)
 
 
+#: services of others whose undecodable requests are answered INVALID_ARGUMENT (:func:`decode_checked`)
+DECODE_CHECKED = ("/grpc.health.v1.Health/",)
+
+
+def decode_checked(handler, method: str, package: str):
+    """``handler`` (unary request, coroutine: health's Check and Watch) with :func:`lenient`'s
+    deserializer, aborting ``INVALID_ARGUMENT`` (:func:`checked`'s message) for an undecodable
+    request; any other handler as it is."""
+    fn = handler.unary_unary or handler.unary_stream
+    if handler.request_streaming or not inspect.iscoroutinefunction(fn):
+        return handler
+
+    async def run(request, context):
+        try:
+            request = checked(request, method, package)
+        except InvalidArgument as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return await fn(request, context)
+
+    make = grpc.unary_unary_rpc_method_handler if handler.unary_unary else grpc.unary_stream_rpc_method_handler
+    return make(run, request_deserializer=lenient(handler.request_deserializer),
+                response_serializer=handler.response_serializer)
+
+
 class StatusInterceptor(grpc.aio.ServerInterceptor):
     """Wraps the handlers of ``service`` (full name, e.g. ``oprag.v1.OpRAG``).
 
@@ -179,12 +207,14 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
-        if handler is None or not details.method.startswith(self.prefix):
+        ours = details.method.startswith(self.prefix)
+        if handler is None or not (ours or details.method.startswith(DECODE_CHECKED)):
             return handler
         got = self._wrapped.get(details.method)
         if got is not None and got[0] is handler:  # the service's handlers are built once: wrap each once
             return got[1]
-        wrapped = self._wrap(handler, details.method[len(self.prefix):])
+        name = details.method.rsplit("/", 1)[-1]
+        wrapped = self._wrap(handler, name) if ours else decode_checked(handler, name, "grpc.health.v1")
         self._wrapped[details.method] = (handler, wrapped)
         return wrapped
 

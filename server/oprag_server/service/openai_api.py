@@ -6,11 +6,12 @@ Extension fields (README: "OpenAI-compatible HTTP API"):
 
 * request ``oprag``: :class:`RetrievalOptions` (mode, top_k, candidates, filters, fusion,
   session_id, disable_memory, include_trace, ef_search, nprobe), sent by the ``openai`` package as
-  ``extra_body={"oprag": {...}}``; ``/v1/retrieve`` takes them flat, plus ``group_by_document`` and
-  ``chunks_per_document`` (:class:`RetrieveRequest`; its reply adds ``documents``);
+  ``extra_body={"oprag": {...}}``; ``/v1/retrieve`` takes them flat, plus ``group_by_document``,
+  ``chunks_per_document``, ``query_vector`` and ``min_seq`` (:class:`RetrieveRequest`; its reply
+  is the extension without ``sources``, ``finish_reason`` and ``ttft_ms``, plus ``documents``);
 * response ``oprag``: ``{"request_id", "sources", "hits", "retrieval", "memory_context",
-  "timings_ms", "ttft_ms"[, "trace"]}``; in a stream, on the first chunk (sources, hits,
-  retrieval, memory context) and on the last one (timings, trace).
+  "finish_reason", "timings_ms", "ttft_ms"[, "trace"]}``; in a stream, on the first chunk
+  (sources, hits, retrieval, memory context) and on the last one (finish reason, timings, trace).
 """
 
 from __future__ import annotations
@@ -45,6 +46,23 @@ def _utf8(s: str) -> str:
     except UnicodeEncodeError as exc:
         raise ValueError(f"the string has an unpaired surrogate {s[exc.start]!r} at {exc.start}: send valid Unicode") from None
     return s
+
+
+def _float(x: float | int) -> float:
+    """A JSON number as a float; an integer too large for one is infinite (refused as NaN and
+    infinity are, by :func:`~oprag_server.service.convert.query_vector`), not an OverflowError."""
+    try:
+        return float(x)
+    except OverflowError:
+        return float("inf") if x > 0 else float("-inf")
+
+
+def _some(v: list[float]) -> list[float]:
+    """A ``query_vector`` that has values (``[]`` on gRPC is no vector: here it is refused)."""
+    if not v:
+        raise ValueError("it is empty: send the query embedding (as many values as the embedder's vectors), or "
+                         "leave query_vector out to have the query embedded")
+    return v
 
 
 #: a string of the request: strictly a JSON string, valid Unicode (no lone surrogates)
@@ -116,8 +134,9 @@ class ChatRequest(_Strict):
     messages: list[Message] = Field(min_length=1)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    max_tokens: StrictInt | None = Field(None, ge=0, le=_U32)
-    max_completion_tokens: StrictInt | None = Field(None, ge=0, le=_U32)
+    # >= 1, as OpenAI's (0 is no answer length; leave the field out, or null, for the server default)
+    max_tokens: StrictInt | None = Field(None, ge=1, le=_U32)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1, le=_U32)
     temperature: StrictFloat | StrictInt | None = Field(None, ge=0, le=2)
     n: StrictInt = Field(1, ge=1, le=1)
     user: Str | None = None
@@ -132,6 +151,10 @@ class RetrieveRequest(RetrievalOptions):
     query: Str
     group_by_document: StrictBool = False
     chunks_per_document: StrictInt = Field(0, ge=0, le=_U32)
+    # QueryRequest's: the question's embedding (the server then does not embed it; the checks of
+    # convert.query_vector) and read-your-writes (wait until that ingest/delete seq is applied)
+    query_vector: Annotated[list[Annotated[StrictFloat | StrictInt, AfterValidator(_float)]], AfterValidator(_some)] | None = None
+    min_seq: StrictInt = Field(0, ge=0, le=2**64 - 1)
 
 
 class EmbeddingsRequest(_Strict):
@@ -198,7 +221,7 @@ def _fields_at(model: Any, path: list) -> list[str]:
 
 #: the retrieval knobs: top-level fields of /v1/retrieve, under "oprag" in a chat request
 _KNOBS = {"mode", "top_k", "candidates", "filters", "fusion", "session_id", "disable_memory", "include_trace",
-          "ef_search", "nprobe", "group_by_document", "chunks_per_document"}
+          "ef_search", "nprobe", "group_by_document", "chunks_per_document", "query_vector"}
 _FIELD = re.compile(r"(?:metadata filter '(?P<key>.*?)'|(?P<filters>a metadata filter|\d+ metadata filters)"
                     r"|(?:top_k x )?(?P<f>[a-z_]+(?:\.[a-z_]+)*(?:\[-?\d+\])?) (?:must|is|has|needs|contains) "
                     r"|the (?P<q>question) needs)")
@@ -283,7 +306,8 @@ def query_request(question: str, opts: RetrievalOptions, max_new_tokens: int = 0
         question=question, top_k=opts.top_k, mode=_WIRE_MODE[opts.mode], session_id=opts.session_id,
         candidates=opts.candidates, disable_memory=opts.disable_memory, include_trace=opts.include_trace,
         ef_search=opts.ef_search, nprobe=opts.nprobe, group_by_document=getattr(opts, "group_by_document", False),
-        chunks_per_document=getattr(opts, "chunks_per_document", 0), generation=oprag_pb2.GenerationOptions(max_new_tokens=max_new_tokens),
+        chunks_per_document=getattr(opts, "chunks_per_document", 0), query_vector=getattr(opts, "query_vector", None),
+        generation=oprag_pb2.GenerationOptions(max_new_tokens=max_new_tokens),
         filters=[oprag_pb2.MetadataFilter(key=k, typed_values=[metadata_value(x, k, "metadata filter")
                                                                for x in (v if isinstance(v, list) else [v])])
                  for k, v in opts.filters.items()],
@@ -315,7 +339,7 @@ def conversation(req: ChatRequest) -> tuple[str, MemoryContext | None]:
 
 
 def max_new_tokens(req: ChatRequest) -> int:
-    """``max_completion_tokens``, else ``max_tokens``, else 0 (the server default)."""
+    """``max_completion_tokens``, else ``max_tokens`` (each >= 1 when given), else 0 (the server default)."""
     return req.max_completion_tokens if req.max_completion_tokens is not None else (req.max_tokens or 0)
 
 

@@ -18,6 +18,19 @@ from .convert import InvalidArgument
 from .stream import job_events
 
 
+async def read_your_writes(rt: Any, min_seq: int, timeout: float | None) -> None:
+    """Wait until ``min_seq`` is applied on every shard (0 = do not wait): a request's ``min_seq``
+    (gRPC ``QueryRequest``, HTTP ``/v1/retrieve``).
+
+    :raises InvalidArgument: ``min_seq`` was never issued.
+    :raises asyncio.TimeoutError: not applied within ``timeout`` seconds (None: no limit)."""
+    if min_seq:
+        try:
+            await rt.wait_applied(min_seq, timeout)
+        except LookupError as exc:
+            raise InvalidArgument(str(exc)) from exc
+
+
 class OpRAGServicer(oprag_pb2_grpc.OpRAGServicer):
     """The ``oprag.v1.OpRAG`` service over a runtime (``app.Runtime`` or a test double) that has
     ``cfg``, ``encoder``, ``generator``, ``query``, ``ingest``, ``memory``, ``wait_applied``,
@@ -33,14 +46,11 @@ class OpRAGServicer(oprag_pb2_grpc.OpRAGServicer):
 
     async def _read_your_writes(self, request, context) -> None:
         """Wait until ``request.min_seq`` is applied on every shard (0 = do not wait)."""
-        if request.min_seq:
-            try:
-                await self.rt.wait_applied(request.min_seq, context.time_remaining())
-            except LookupError as exc:
-                raise InvalidArgument(str(exc)) from exc
-            except asyncio.TimeoutError:
-                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                    f"sequence number {request.min_seq} was not applied before the deadline")
+        try:
+            await read_your_writes(self.rt, request.min_seq, context.time_remaining())
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"sequence number {request.min_seq} was not applied before the deadline")
 
     def _fits(self, msg, request) -> bytes:
         """``msg`` serialised, or :class:`InvalidArgument` when it would exceed the server's

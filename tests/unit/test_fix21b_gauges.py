@@ -1,0 +1,76 @@
+"""The index gauges while a shard is down (engine/gauges.py, supervision.py), over fake shards:
+the totals are the answering shards', the down shard's ``oprag_shard_bytes`` series are removed
+and come back with it, and the supervisor asks for a refresh when the dead shards change."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from oprag_server.engine.gauges import IndexGauges
+from oprag_server.service.metrics import Metrics
+from oprag_server.supervision import ShardSupervisor
+
+
+class _Pool:
+    n = 2
+
+    def __init__(self) -> None:
+        self.down: set[int] = set()
+
+    def down_shards(self) -> list[int]:
+        return sorted(self.down)
+
+    async def gather_partial(self, op, req):
+        got = {i: SimpleNamespace(shard=i, documents=10 + i, chunks=20 + i, memory_records=i,
+                                  nbytes={"chunks": 100 + i, "vectors": 200 + i}) for i in range(2) if i not in self.down}
+        return got, sorted(self.down)
+
+
+def _bytes(metrics: Metrics) -> dict[tuple[str, str], float]:
+    return {(s.labels["shard"], s.labels["component"]): s.value
+            for m in metrics.shard_bytes.collect() for s in m.samples}
+
+
+def test_a_down_shard_leaves_the_totals_and_its_series_go_until_it_is_back():
+    pool, metrics = _Pool(), Metrics()
+    g = IndexGauges(pool, metrics)
+
+    async def go():
+        await g.refresh()
+        assert (metrics.documents._value.get(), metrics.chunks._value.get()) == (21, 41)  # noqa: SLF001
+        assert set(_bytes(metrics)) == {("0", "chunks"), ("0", "vectors"), ("1", "chunks"), ("1", "vectors")}
+        pool.down = {0}
+        await g.refresh()
+        assert (metrics.documents._value.get(), metrics.chunks._value.get(), metrics.memory_records._value.get()) \
+            == (11, 21, 1)  # noqa: SLF001
+        assert _bytes(metrics) == {("1", "chunks"): 101, ("1", "vectors"): 201}
+        pool.down = set()
+        await g.refresh()
+        assert metrics.documents._value.get() == 21 and len(_bytes(metrics)) == 4  # noqa: SLF001
+
+    asyncio.run(go())
+
+
+def test_the_supervisor_asks_for_a_refresh_when_the_dead_shards_change():
+    pool, changes = _Pool(), []
+
+    async def restart(i):  # a restart that fails: the shard stays down
+        raise RuntimeError("no")
+
+    async def set_(name, status):
+        pass
+
+    sup = ShardSupervisor(pool, restart, SimpleNamespace(set=set_), ("",), Metrics(), backoff=(60.0, 60.0),
+                          changed=lambda: changes.append(pool.down_shards()))
+
+    async def go():
+        await sup.check()
+        pool.down = {1}
+        await sup.check()
+        await sup.check()  # still down: no second refresh
+        pool.down = set()
+        await sup.check()
+
+    asyncio.run(go())
+    assert changes == [[1], []]
