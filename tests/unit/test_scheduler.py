@@ -105,7 +105,7 @@ class FakeMemory:
     async def lookup(self, questions, sessions):
         return [MemoryContext(q, "", 0) for q in questions]
 
-    async def promote(self, session_id, question, answer, *a):
+    async def promote(self, session_id, question, answer, *a, **kw):
         self.promoted.append((session_id, question, answer))
 
 

@@ -71,6 +71,7 @@ class QueryJob:
 
     # ---------------------------------------------------------------- timing and trace
     enqueued: float = field(default_factory=time.perf_counter)  # admission, perf_counter seconds
+    started: float = field(default_factory=time.time)  # arrival, time.time() s (a later ClearSession drops its turn)
     timings_ms: dict[str, float] = field(default_factory=dict)  # wire timings_ms (README: timings)
     ttft_ms: float = 0.0  # admission to first generated token
     stages: list[StageRecord] = field(default_factory=list)  # executed steps, in order

@@ -366,10 +366,11 @@ class QueryEngine(DirectPath, Admission):
             job.events.put_nowait(("text", delta))
 
     async def _promote(self, jobs: list[QueryJob]) -> None:
-        """Write each turn into its session's memory, "" as an unanswered one's answer (best effort)."""
+        """Write each turn into its session's memory, "" as an unanswered one's answer (best effort;
+        not when its session was cleared after the request arrived)."""
         outs = await asyncio.gather(
-            *[self.memory.promote(j.session_id, j.question, j.answer, j.hits, j.resolved_vector, j.resolved_query or j.question)
-              for j in jobs],
+            *[self.memory.promote(j.session_id, j.question, j.answer, j.hits, j.resolved_vector, j.resolved_query or j.question,
+                                  started=j.started) for j in jobs],
             return_exceptions=True,
         )
         for o in outs:

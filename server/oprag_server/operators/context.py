@@ -10,6 +10,11 @@ prompt (the same for every request), then the session's memory (grows turn by tu
 part unchanged), then the sources in rank order, then the question -- rendered with the
 generator's chat template. Two requests share the engine's cached prefix up to their first
 difference.
+
+The question has priority over the memory: the memory (an earlier question, which may be long)
+takes at most ``1 / MEMORY_SHARE`` of the prompt budget and never more than the question leaves;
+a longer one is cut at a token boundary and ends in ``...`` (:func:`fit_memory`). Only a
+question that does not fit by itself is refused.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ SYSTEM_PROMPT = (
     "You are a helpful assistant. Answer the question using only the numbered sources. "
     "Cite the sources you use like [1]. If the sources do not contain the answer, say that you do not know."
 )
+MEMORY_SHARE = 4  # the session's memory takes at most a quarter of the prompt budget (the sources keep room)
 
 
 def _source_block(n: int, hit: Hit, text: str) -> str:
@@ -31,6 +37,28 @@ def _source_block(n: int, hit: Hit, text: str) -> str:
 def _user(blocks: list[str], question: str, memory: str) -> str:
     mem = f"Earlier in this conversation:\n{memory}\n\n" if memory else ""
     return f"{mem}Sources:\n\n{''.join(blocks)}Question: {question}"
+
+
+def fit_memory(model: Generator, question: str, memory: str, room: int) -> str:
+    """``memory`` cut (at a token boundary, then ``" ..."``) so that it adds at most ``room``
+    tokens to the prompt of ``question`` with no sources; "" when not even a few tokens fit.
+    Token counts are the model's (``count_tokens`` of the rendered chat prompt)."""
+    if not memory:
+        return ""
+
+    def cost(m: str) -> int:
+        return model.count_tokens(model.chat_prompt(SYSTEM_PROMPT, _user([], question, m)))
+
+    limit = cost("") + room
+    if cost(memory) <= limit:
+        return memory
+    n = room - (cost("...") - cost(""))  # tokens left for the text itself after the wrapper
+    while n > 0:
+        cut = model.truncate_to_tokens(memory, n).rstrip()
+        if cut and cost(cut + " ...") <= limit:
+            return cut + " ..."
+        n -= max(1, n // 8)
+    return ""
 
 
 def build_context(
@@ -44,12 +72,15 @@ def build_context(
 ) -> ContextPayload:
     """Build the prompt under ``min(budget_tokens, model.max_context) - max_new_tokens`` tokens:
     ``budget_tokens`` (``--context-tokens``) holds the prompt and the answer together.
+    ``memory_text`` (the session's earlier turn) is cut to what the question leaves, at most
+    ``budget // MEMORY_SHARE`` tokens (:func:`fit_memory`); ``messages`` hold what was placed.
 
-    :raises ValueError: the question alone does not fit the budget.
+    :raises ValueError: the question alone (system prompt and chat template included, no
+        memory) does not fit the budget.
     """
     window = min(int(budget_tokens), int(model.max_context))
     budget = window - int(max_new_tokens)
-    base = model.chat_prompt(SYSTEM_PROMPT, _user([], question, memory_text))
+    base = model.chat_prompt(SYSTEM_PROMPT, _user([], question, ""))
     used = model.count_tokens(base)
     if used > budget:
         raise ValueError(
@@ -57,6 +88,9 @@ def build_context(
             f"but the prompt budget is {budget} (context tokens {window} minus max_new_tokens "
             f"{int(max_new_tokens)}): shorten the question or lower max_new_tokens"
         )
+    if memory_text:
+        memory_text = fit_memory(model, question, memory_text, min(budget - used, budget // MEMORY_SHARE))
+        used = model.count_tokens(model.chat_prompt(SYSTEM_PROMPT, _user([], question, memory_text)))
     blocks: list[str] = []
     sources: list[SourceRef] = []
     margin = 4  # tokenisation across block boundaries may differ by a token or two

@@ -29,6 +29,7 @@ import collections
 import dataclasses
 import logging
 import math
+import time
 
 import numpy as np
 
@@ -379,22 +380,21 @@ class Memory:
                              session_vector=session_vector(turns))
 
     async def promote(self, session_id: str, question: str, answer: str, hits: list[Hit], vector: np.ndarray,
-                      resolved: str = "") -> None:
+                      resolved: str = "", started: float = 0.0) -> None:
         """Write one turn record to the session's shard (bounded by ``max_turns_per_session``):
         the question, what it resolved to (``resolved``, default the question) and its subject
-        from the ranked ``hits`` it was answered with."""
+        from the ranked ``hits`` it was answered with; dropped when the session was cleared after ``started`` (time.time() s)."""
         resolved = resolved or question
         req = PromoteRequest(session_id=session_id, question=question, summary=summarise(answer, self.cfg.summary_chars),
-                             chunk_ids=[h.chunk_id for h in hits], titles=[h.title for h in hits],
-                             vector=np.asarray(vector, dtype=np.float32).reshape(-1),
+                             chunk_ids=[h.chunk_id for h in hits], titles=[h.title for h in hits], vector=np.asarray(vector, dtype=np.float32).reshape(-1),
                              max_turns=self.cfg.max_turns_per_session, max_total=self.cfg.max_records_total,
                              ttl_s=self.cfg.ttl_s, resolved=resolved, doc_ids=list(dict.fromkeys(h.doc_id for h in hits)),
-                             terms=salient_terms(self.analyzer, resolved, hits))
+                             terms=salient_terms(self.analyzer, resolved, hits), started=float(started))
         await self.pool.call(self.pool.owner(session_id), Op.PROMOTE, req)
         self.on_write()  # in the shard's write-ahead log: for the snapshot loop
 
     async def clear(self, session_id: str) -> int:
-        """Drop a session's records. :returns: records removed."""
-        res = await self.pool.call(self.pool.owner(session_id), Op.MEMORY_CLEAR, MemoryClearRequest(session_id))
+        """Drop a session's records; turns of requests that arrived before are not recorded. :returns: records removed."""
+        res = await self.pool.call(self.pool.owner(session_id), Op.MEMORY_CLEAR, MemoryClearRequest(session_id, time.time()))
         self.on_write()
         return int(res.removed)

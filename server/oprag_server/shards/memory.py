@@ -10,11 +10,18 @@ idle expiry, evaluated at the logged time ``now``), and a clear -- is appended a
 comes back. :meth:`MemoryStore.replay` re-applies the log's memory records, in log order, over
 the snapshot (whose ``memory.json`` holds everything before the log was last reset).
 Log records: ``{"kind": "memory_promote", "req": {PromoteRequest fields}, "now": float}`` and
-``{"kind": "memory_clear", "session_id": str}``.
+``{"kind": "memory_clear", "session_id": str, "at": float}``.
+
+A clear sticks: the store keeps, per cleared session, when the clear was asked (``cleared``,
+the frontend's clock, as is each turn's ``started``), and a turn whose request started before
+that is not recorded (a Query in flight during a ClearSession). The marks are in the log and in
+the snapshot (``memory.json`` items ``{"session_id", "cleared"}``), so they hold after a shard
+restart; a mark older than :data:`CLEAR_MARK_S` is dropped (no request runs that long).
 """
 
 from __future__ import annotations
 
+import collections
 import time
 from dataclasses import dataclass, field, fields
 from typing import Iterable
@@ -47,6 +54,7 @@ class MemoryRecord:
 
 
 MEMORY_KINDS = ("memory_promote", "memory_clear")
+CLEAR_MARK_S = 3600.0  # how long a clear mark is kept (s): longer than any request runs
 
 
 class MemoryStore:
@@ -54,6 +62,8 @@ class MemoryStore:
 
     def __init__(self) -> None:
         self.sessions: dict[str, list[MemoryRecord]] = {}
+        # session_id -> when its last clear was asked (frontend time.time() s), oldest first
+        self.cleared: collections.OrderedDict[str, float] = collections.OrderedDict()
         self.wal: WriteAheadLog | None = None  # attached by the shard's load; None: not logged
 
     def _log(self, rec: dict) -> None:
@@ -67,7 +77,11 @@ class MemoryStore:
     def promote(self, req: PromoteRequest) -> PromoteReply:
         """Log, then append one turn record; enforce the per-session turn bound, drop sessions
         idle for longer than ``ttl_s`` and, past ``max_total`` records on this shard, the least
-        recently active sessions' oldest records (never the writing session's)."""
+        recently active sessions' oldest records (never the writing session's). A turn whose
+        request started (``req.started``) before the session's last clear is not recorded
+        (``records`` -1)."""
+        if req.started and req.started <= self.cleared.get(req.session_id, 0.0):
+            return PromoteReply(records=-1)
         now = time.time()
         self._log({"kind": "memory_promote", "req": {f.name: getattr(req, f.name) for f in fields(req)}, "now": now})
         return self._promote(req, now)
@@ -109,9 +123,18 @@ class MemoryStore:
         return MemoryLookupReply(out)
 
     def clear(self, req: MemoryClearRequest) -> MemoryClearReply:
-        """Log, then drop the session's records. :returns: records removed."""
-        self._log({"kind": "memory_clear", "session_id": req.session_id})
-        return MemoryClearReply(removed=len(self.sessions.pop(req.session_id, [])))
+        """Log, then drop the session's records and mark the clear (turns of requests that
+        started before it are not recorded). :returns: records removed."""
+        at = float(req.at or time.time())
+        self._log({"kind": "memory_clear", "session_id": req.session_id, "at": at})
+        return MemoryClearReply(removed=self._clear(req.session_id, at))
+
+    def _clear(self, session_id: str, at: float) -> int:
+        """:meth:`clear` without logging; marks older than :data:`CLEAR_MARK_S` are dropped."""
+        self.cleared[session_id] = max(at, self.cleared.pop(session_id, 0.0))  # (kept in time order)
+        while self.cleared and next(iter(self.cleared.values())) < at - CLEAR_MARK_S:
+            self.cleared.popitem(last=False)
+        return len(self.sessions.pop(session_id, []))
 
     def replay(self, wal: WriteAheadLog, records: Iterable[dict] | None = None) -> int:
         """Re-apply the memory records of ``wal`` (``records``: its intact records when already
@@ -122,7 +145,7 @@ class MemoryStore:
             if kind == "memory_promote":
                 self._promote(PromoteRequest(**rec["req"]), float(rec["now"]))
             elif kind == "memory_clear":
-                self.sessions.pop(rec["session_id"], None)
+                self._clear(rec["session_id"], float(rec.get("at", 0.0)))
             else:
                 continue
             n += 1
@@ -135,11 +158,15 @@ class MemoryStore:
         return [{"session_id": r.session_id, "turn": r.turn, "question": r.question, "summary": r.summary,
                  "chunk_ids": r.chunk_ids, "titles": r.titles, "vector": r.vector.tolist(), "created": r.created,
                  "resolved": r.resolved, "doc_ids": r.doc_ids, "terms": r.terms}
-                for v in self.sessions.values() for r in v]
+                for v in self.sessions.values() for r in v] + [
+                {"session_id": s, "cleared": t} for s, t in self.cleared.items()]
 
     def load_json(self, items: list[dict]) -> None:
-        """Append records written by :meth:`to_json` (oldest first per session)."""
+        """Append records written by :meth:`to_json` (oldest first per session), and its clear marks."""
         for m in items:
+            if "cleared" in m:  # (a mark, written in time order; the session's later records stay)
+                self.cleared[m["session_id"]] = float(m["cleared"])
+                continue
             self.sessions.setdefault(m["session_id"], []).append(
                 MemoryRecord(session_id=m["session_id"], turn=m["turn"], question=m["question"], summary=m["summary"],
                              chunk_ids=m["chunk_ids"], titles=m["titles"],

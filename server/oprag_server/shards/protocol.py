@@ -267,6 +267,7 @@ class PromoteRequest:
     resolved: str = ""  # the retrieval text the turn was answered with (memory-resolved)
     doc_ids: list[str] = field(default_factory=list)  # the turn's subject: its sources' documents
     terms: list[str] = field(default_factory=list)  # salient analysed terms of the turn's subject
+    started: float = 0.0  # when its request arrived (frontend time.time() s; 0: unknown, always recorded)
 
 
 @message
@@ -304,6 +305,7 @@ class MemoryLookupReply:
 @message
 class MemoryClearRequest:
     session_id: str
+    at: float = 0.0  # when the clear was asked (frontend time.time() s; 0: the shard's clock)
 
 
 @message
