@@ -103,7 +103,7 @@ def check_json_chunks(chunks: Any) -> None:
         sent is shown cut to 80 characters and never as a whole vector."""
     want = '{"text": "...", "vector": [numbers]}'
     if not isinstance(chunks, list):
-        raise ValueError(f"chunks must be a list of {want} objects, got {json.dumps(chunks)[:80]}")
+        raise ValueError(f'chunks must be a list of {{"text", "vector"}} objects, got {json.dumps(chunks)[:80]}')
     if not chunks:
         raise ValueError(f'chunks is empty: give at least one {want} object, or leave "chunks" out to have '
                          'the "text" chunked and embedded by the server')
