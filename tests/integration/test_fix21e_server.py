@@ -1,5 +1,5 @@
-"""New-user trial 21 (branch fix21e), over a real server (1 shard process, HTTP port, no
-generator): a vector value beyond float32's range arrives as infinity and is now refused with a
+"""New-user trial 21 (branch fix21e), over a real server (test_fix21b's: 2 shard processes, HTTP
+port, no generator): a vector value beyond float32's range arrives as infinity and is now refused with a
 message that says so; out-of-range knobs say that 0 means the default, and over HTTP a value
 beyond uint32 gets the same message as one just over the bound; ``GET /v1/models/`` (a trailing
 slash) was a 307 with an empty body; the metrics a real scrape exports are the README table's."""
@@ -8,46 +8,33 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import grpc
 import pytest
 import requests
 
-from oprag_client.client import Doc, OpRAGClient
-from oprag_client.testing import ServerProcess, free_port
+from oprag_client.client import Doc
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_fix21b import server  # noqa: E402,F401 - the same real server (2 shards, HTTP, no generator)
 
 pytestmark = pytest.mark.integration
+DIM = 384  # MiniLM, the default embedder
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
 HINT = "float32 holds at most about 3.4e38 in magnitude: a larger value arrives as infinity"
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    d = tmp_path_factory.mktemp("fix21e")
-    http_port = free_port()
-    srv = ServerProcess(d / "data", free_port(), free_port(), "--generator", "none", "--shards", "1",
-                        "--http-port", str(http_port)).start()
-    srv.url = f"http://127.0.0.1:{http_port}/v1"
-    try:
-        with OpRAGClient(srv.target, timeout=60) as c:
-            c.ingest([Doc("kites", "Box kites fly on steady winds.", title="Kites")])
-            srv.grpc = c
-            srv.dim = len(c.embed(["x"])[0]) if hasattr(c, "embed") else 384
-            yield srv
-    finally:
-        srv.stop()
 
 
 def test_a_vector_value_beyond_float32_is_refused_saying_it_overflowed(server):
     """1e39 is finite, but the wire's float32 makes it infinity: the message said only "contains
     NaN or infinity", which the sender of 1e39 could not recognise."""
     with pytest.raises(grpc.RpcError) as ei:
-        server.grpc.ingest([Doc("huge", "a", vector=[1e39] * server.dim)])
+        server.grpc.ingest([Doc("huge", "a", vector=[1e39] * DIM)])
     assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "contains NaN or infinity" in ei.value.details() and HINT in ei.value.details(), ei.value.details()
     with pytest.raises(grpc.RpcError) as ei:
-        server.grpc.retrieve("kites", query_vector=[1e39] * server.dim)
+        server.grpc.retrieve("bees", query_vector=[1e39] * DIM)
     assert ei.value.details() == f"query_vector contains NaN or infinity ({HINT})"
 
 
@@ -55,9 +42,9 @@ def test_grpc_range_messages_say_zero_is_the_default(server):
     for kw, want in ((dict(top_k=101), "top_k must be in [1, 100] (0 = the default), got 101"),
                      (dict(candidates=5000), "candidates must be in [1, 4096] (0 = the default), got 5000")):
         with pytest.raises(grpc.RpcError) as ei:
-            server.grpc.retrieve("kites", **kw)
+            server.grpc.retrieve("bees", **kw)
         assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and ei.value.details() == want
-    assert server.grpc.retrieve("kites", top_k=0).hits  # 0: the default, as the message says
+    assert server.grpc.retrieve("bees", top_k=0).hits  # 0: the default, as the message says
 
 
 def _post(server, path: str, body: dict) -> requests.Response:
@@ -71,7 +58,7 @@ def _post(server, path: str, body: dict) -> requests.Response:
 def test_http_knob_beyond_uint32_gets_the_message_of_one_just_over_the_bound(server, field, big, small, rng):
     """oprag.top_k 1e12 said "must be at most 4294967295" (the wire type's bound), 101 "[1, 100]"."""
     for v in (small, big):
-        r = _post(server, "/retrieve", {"query": "kites", field: v})
+        r = _post(server, "/retrieve", {"query": "bees", field: v})
         assert r.status_code == 400, r.text
         assert r.json()["error"]["message"] == f"{field} must be in {rng}, got {v}" and r.json()["error"]["param"] == field
         r = _post(server, "/chat/completions", {"model": "oprag", "messages": [{"role": "user", "content": "x"}],
