@@ -17,13 +17,15 @@ def floats(v, field: str = "query_vector", *, empty_ok: bool = False) -> list[fl
     ``tolist`` (the same values as ``float(x)`` of each element, ~2.5x faster for 384 values); a
     list as it is (tuple: as a list) once protobuf accepted it; any other iterable as ``float(x)``
     of each element. Real numbers only, as protobuf: a string such as ``"0.1"`` is refused, not
-    parsed.
+    parsed; so is a bool array, or a list or tuple whose first or last element is a boolean
+    (protobuf would send True as 1.0; only the ends are looked at, to keep the check O(1)).
 
     :param field: how messages name the vector (e.g. ``document 'd1' vector``).
     :param empty_ok: accept an empty sequence (else a ValueError: on the wire an empty vector
         reads as "no vector", so ``query_vector=[]`` would silently embed the question).
     :raises ValueError: an array that is not one-dimensional (a matrix, a 0-d scalar), an empty
-        vector (unless ``empty_ok``), an element that is not a number (the message names it)."""
+        vector (unless ``empty_ok``), an element that is not a number, a boolean at either end
+        (the message names the element)."""
     if v is None:
         return []
     if getattr(v, "ndim", 1) != 1:
@@ -40,8 +42,8 @@ def floats(v, field: str = "query_vector", *, empty_ok: bool = False) -> list[fl
     elif type(v) is list or type(v) is tuple:  # protobuf's own check (its float(x) of each real number)
         try:
             oprag_pb2.ChunkVector(vector=v)  # ~7 us for 384 values; the list is then sent as it is
-            if bool in set(map(type, v)):  # protobuf takes True as 1.0
-                raise TypeError
+            if v and (type(v[0]) is bool or type(v[-1]) is bool):  # protobuf takes True as 1.0 (a full scan
+                raise TypeError  # would cost as much as protobuf's check: a list of bools, not one stray bool)
         except (TypeError, ValueError, OverflowError):
             raise ValueError(_bad_element(v, field)) from None
         out = v if type(v) is list else list(v)
