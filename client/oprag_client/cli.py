@@ -77,7 +77,7 @@ def _parser(plugins: dict) -> argparse.ArgumentParser:
     eb.add_argument("--queries", type=Path, required=True)
     eb.add_argument("--qrels", type=Path, required=True)
     eb.add_argument("--mode", choices=list(MODES), default="hybrid")
-    eb.add_argument("--top-k", type=_top_docs, default=100, help="documents retrieved per query (at least 100)")
+    eb.add_argument("--top-k", type=_top_docs, default=100, help="documents retrieved per query: 100 (Recall@100 needs the top 100; the server returns at most 100)")
     eb.add_argument("--candidates", type=_count, default=0,
                     help="chunk window N (0 = server default); hybrid mode groups documents from it")
     eb.add_argument("--concurrency", type=_positive, default=1)
@@ -206,10 +206,13 @@ def cmd_stats(a) -> int:
 
 
 def _top_docs(text: str) -> int:
-    """``eval --top-k``: at least 100 (a smaller value was silently raised to 100)."""
+    """``eval --top-k``: 100 (a smaller value was silently raised to 100; a larger one failed every
+    query with the server's INVALID_ARGUMENT "top_k must be in [1, 100]")."""
     v = _count(text)
     if v < 100:
         raise argparse.ArgumentTypeError(f"must be at least 100 (Recall@100 ranks the top 100 documents), got {v}")
+    if v > 100:
+        raise argparse.ArgumentTypeError(f"must be at most 100 (the server's top_k limit), got {v}")
     return v
 
 

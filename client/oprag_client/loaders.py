@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .client import Doc, metadata_value
-from .vectors import check_widths, column_matrix
+from .vectors import check_json_chunks, check_json_vector, check_widths, column_matrix
 
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".text"}
 _WIKI_TITLE = re.compile(r"^ = ([^=].*?) = $")
@@ -143,7 +143,8 @@ def _lines(f, path: Path) -> Iterator[tuple[int, str]]:
 
 def _check_types(obj: dict, id_key: str) -> None:
     """:raises TypeError: id not a string or integer, text/title not strings (null title allowed).
-    :raises ValueError: ``vector`` not a list, ``chunks`` not a list of ``{"text", "vector"}`` objects."""
+    :raises ValueError: ``vector`` not a list of finite float32-range numbers (a boolean is not one),
+        ``chunks`` not a non-empty list of ``{"text", "vector"}`` objects (:func:`vectors.check_json_chunks`)."""
     if id_key in obj and (isinstance(obj[id_key], bool) or not isinstance(obj[id_key], (str, int))):
         raise TypeError(f"{id_key} must be a string or an integer, got {type(obj[id_key]).__name__}")
     if "text" in obj and obj["text"] is not None and not isinstance(obj["text"], str):
@@ -152,14 +153,10 @@ def _check_types(obj: dict, id_key: str) -> None:
         raise TypeError(f"title must be a string, got {type(obj['title']).__name__}")
     if obj.get("vector") is not None and not isinstance(obj["vector"], list):  # (was named at send time, no line)
         raise ValueError(f"vector must be a list of numbers, got {json.dumps(obj['vector'])[:80]}")
-    chunks = obj.get("chunks")  # a ValueError: "expected ... id and text ('vector')" misled
-    if chunks and not isinstance(chunks, list):
-        raise ValueError(f'chunks must be a list of {{"text", "vector"}} objects, got {json.dumps(chunks)[:80]}')
-    for i, c in enumerate(chunks or []):
-        if not isinstance(c, dict) or not isinstance(c.get("text"), str) or not isinstance(c.get("vector"), list):
-            raise ValueError(f'chunks[{i}] must be an object {{"text": "...", "vector": [numbers]}}, got {json.dumps(c)[:80]}')
-        if not c["vector"]:  # (was refused at send time as "document 'a': chunks[0] vector is empty", no line)
-            raise ValueError(f"chunks[{i}] vector is empty: give its numbers (a precomputed chunk needs its vector)")
+    if obj.get("vector"):
+        check_json_vector(obj["vector"])
+    if "chunks" in obj and obj["chunks"] is not None:  # a ValueError: "expected ... id and text ('vector')" misled
+        check_json_chunks(obj["chunks"])
 
 
 def load_jsonl(paths: list[Path]) -> Iterator[Doc]:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from array import array
 from typing import Any
 
 from oprag.v1 import oprag_pb2
+
+F32_OVERFLOW = 3.4028235677973366e38  # (2 - 2**-24) * 2**127: a float at least this large becomes float32 infinity
 
 
 def floats(v, field: str = "query_vector", *, empty_ok: bool = False) -> list[float]:
@@ -14,13 +17,15 @@ def floats(v, field: str = "query_vector", *, empty_ok: bool = False) -> list[fl
     ``tolist`` (the same values as ``float(x)`` of each element, ~2.5x faster for 384 values); a
     list as it is (tuple: as a list) once protobuf accepted it; any other iterable as ``float(x)``
     of each element. Real numbers only, as protobuf: a string such as ``"0.1"`` is refused, not
-    parsed.
+    parsed; so is a bool array, or a list or tuple whose first or last element is a boolean
+    (protobuf would send True as 1.0; only the ends are looked at, to keep the check O(1)).
 
     :param field: how messages name the vector (e.g. ``document 'd1' vector``).
     :param empty_ok: accept an empty sequence (else a ValueError: on the wire an empty vector
         reads as "no vector", so ``query_vector=[]`` would silently embed the question).
     :raises ValueError: an array that is not one-dimensional (a matrix, a 0-d scalar), an empty
-        vector (unless ``empty_ok``), an element that is not a number (the message names it)."""
+        vector (unless ``empty_ok``), an element that is not a number, a boolean at either end
+        (the message names the element)."""
     if v is None:
         return []
     if getattr(v, "ndim", 1) != 1:
@@ -30,13 +35,15 @@ def floats(v, field: str = "query_vector", *, empty_ok: bool = False) -> list[fl
         raise ValueError(f"{field} is a {type(v).__name__}: pass a sequence of floats, e.g. [0.12, -0.03, ...]")
     dt = getattr(v, "dtype", None)
     kind = getattr(dt, "kind", "")
-    if dt is not None and kind not in "biufO":  # numpy parses a '<U3' array of "0.1" strings: refuse it
+    if dt is not None and kind not in "iufO":  # numpy parses a '<U3' array of "0.1" strings: refuse it (and bools)
         raise ValueError(f"{field} has dtype {dt}, not numbers: pass a float array or a sequence of floats")
     if kind == "f" and getattr(v, "ndim", 0) == 1:
         out = v.tolist()
     elif type(v) is list or type(v) is tuple:  # protobuf's own check (its float(x) of each real number)
         try:
             oprag_pb2.ChunkVector(vector=v)  # ~7 us for 384 values; the list is then sent as it is
+            if v and (type(v[0]) is bool or type(v[-1]) is bool):  # protobuf takes True as 1.0 (a full scan
+                raise TypeError  # would cost as much as protobuf's check: a list of bools, not one stray bool)
         except (TypeError, ValueError, OverflowError):
             raise ValueError(_bad_element(v, field)) from None
         out = v if type(v) is list else list(v)
@@ -55,11 +62,65 @@ def floats(v, field: str = "query_vector", *, empty_ok: bool = False) -> list[fl
 def _bad_element(v, field: str) -> str:
     for i, x in enumerate(v):
         try:
+            if isinstance(x, bool) or getattr(getattr(x, "dtype", None), "kind", "") == "b":
+                raise TypeError
             array("d", [x])
         except (TypeError, ValueError, OverflowError):
             return (f"{field}[{i}] is {x!r} ({type(x).__name__}), not a number: pass floats, e.g. [0.12, -0.03, ...]"
                     + (" (convert strings with float() first)" if isinstance(x, str) else ""))
     return f"{field} holds a value that is not a number: pass floats"
+
+
+def check_json_vector(v: list, field: str = "vector") -> None:
+    """A vector read from JSON (a list): every element a finite number that float32 can hold.
+
+    :raises ValueError: naming ``field``, the index and the value (never the whole vector): a
+        boolean (``true`` would be sent as 1.0), a string, null, a list or object, NaN or infinity,
+        or a finite number beyond float32's range (about 3.4e38 in magnitude: it would arrive as
+        infinity and be refused as such)."""
+    if set(map(type, v)) <= {float, int} and all(-F32_OVERFLOW < x < F32_OVERFLOW for x in v):  # NaN: False
+        return
+    for i, x in enumerate(v):
+        if isinstance(x, bool) or x is None:
+            raise ValueError(f"{field}[{i}] is {json.dumps(x)}, not a number: vector elements must be numbers")
+        if isinstance(x, str):
+            raise ValueError(f"{field}[{i}] is the string {json.dumps(x)[:40]}, not a number: write numbers without quotes")
+        if not isinstance(x, (int, float)):
+            raise ValueError(f"{field}[{i}] is a JSON {'object' if isinstance(x, dict) else 'array'}, not a number: "
+                             "a vector is a flat list of numbers")
+        if x != x or x in (float("inf"), float("-inf")):
+            raise ValueError(f"{field}[{i}] is {json.dumps(x)}: vector elements must be finite numbers")
+        if not -F32_OVERFLOW < x < F32_OVERFLOW:
+            big = isinstance(x, int) and abs(x).bit_length() > 1000  # (no float can show it)
+            shown = f"an integer of ~{int(abs(x).bit_length() * 0.30103)} digits" if big else f"{float(x):g}"
+            raise ValueError(f"{field}[{i}] is {shown}, which overflows float32 (the largest magnitude is about "
+                             "3.4e38): scale the vector (the server L2-normalises it anyway)")
+
+
+def check_json_chunks(chunks: Any) -> None:
+    """The ``chunks`` field of a JSON line: a non-empty list of ``{"text": str, "vector": [numbers]}``.
+
+    :raises ValueError: naming the chunk and what is wrong (an empty list, a missing or mistyped
+        ``text`` or ``vector``, an empty vector, a bad element as :func:`check_json_vector`); what was
+        sent is shown cut to 80 characters and never as a whole vector."""
+    want = '{"text": "...", "vector": [numbers]}'
+    if not isinstance(chunks, list):
+        raise ValueError(f'chunks must be a list of {{"text", "vector"}} objects, got {json.dumps(chunks)[:80]}')
+    if not chunks:
+        raise ValueError(f'chunks is empty: give at least one {want} object, or leave "chunks" out to have '
+                         'the "text" chunked and embedded by the server')
+    for i, c in enumerate(chunks):
+        if not isinstance(c, dict):
+            raise ValueError(f"chunks[{i}] must be an object {want}, got {json.dumps(c)[:80]}")
+        for key, typ, name in (("text", str, "a string"), ("vector", list, "a list of numbers")):
+            if key not in c:
+                raise ValueError(f'chunks[{i}] has no "{key}" (its keys: {", ".join(map(json.dumps, c))[:80]}): '
+                                 f"each chunk is an object {want}")
+            if not isinstance(c[key], typ):
+                raise ValueError(f"chunks[{i}] {key} must be {name}, got {json.dumps(c[key])[:80]}")
+        if not c["vector"]:  # (was refused at send time as "document 'a': chunks[0] vector is empty", no line)
+            raise ValueError(f"chunks[{i}] vector is empty: give its numbers (a precomputed chunk needs its vector)")
+        check_json_vector(c["vector"], f"chunks[{i}] vector")
 
 
 def pack(doc: Any) -> tuple[bytes, int] | None:
@@ -81,7 +142,7 @@ def pack(doc: Any) -> tuple[bytes, int] | None:
         return None
     if any(v.ndim != 1 for v in rows) or len({v.shape[0] for v in rows}) != 1:
         raise ValueError(f"document {doc.id!r}: vectors must be 1-D arrays of one width")
-    bad = next((v.dtype for v in rows if v.dtype.kind not in "biuf"), None)
+    bad = next((v.dtype for v in rows if v.dtype.kind not in "iuf"), None)
     if bad is not None:  # a '<U3' array of "0.1" strings would be parsed by astype: refuse it as floats() does
         raise ValueError(f"document {doc.id!r}: {'chunk vectors' if doc.chunks else 'vector'} has dtype {bad}, not "
                          "numbers: pass a float array")

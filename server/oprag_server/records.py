@@ -146,6 +146,9 @@ def as_query_matrix(x, dim: int | None = None) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.float32)
 
 
+F32_HINT = " (float32 holds at most about 3.4e38 in magnitude: a larger value arrives as infinity)"
+
+
 def unit_rows(rows, dim: int, what: str = "vector") -> np.ndarray:
     """Client-given embeddings as unit-norm float32[M, dim] (one row per input sequence).
 
@@ -170,7 +173,7 @@ def unit_matrix(v: np.ndarray, what: str = "vector") -> np.ndarray:
     v = np.array(v, dtype=np.float64)  # (a copy, divided in place below: the same floats, fewer temporaries)
     scale = np.abs(v).max(axis=1, initial=0.0)  # NaN and infinity propagate into the row max
     if not np.isfinite(scale).all():
-        raise ValueError(f"{what} contains NaN or infinity")
+        raise ValueError(f"{what} contains NaN or infinity{F32_HINT}")
     if (scale == 0.0).any():
         raise ValueError(f"{what} is all zeros")
     v /= scale[:, None]

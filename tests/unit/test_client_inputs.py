@@ -82,7 +82,9 @@ def test_string_arrays_are_refused_not_parsed():
 
 
 def test_numbers_still_convert_as_before():
-    assert list(query_request("q", query_vector=[1, 0.5, np.float32(0.25), True]).query_vector) == [1.0, 0.5, 0.25, 1.0]
+    assert list(query_request("q", query_vector=[1, 0.5, np.float32(0.25)]).query_vector) == [1.0, 0.5, 0.25]
+    with pytest.raises(ValueError, match=r"query_vector\[3\] is True \(bool\), not a number"):  # fix21e: not sent as 1.0
+        query_request("q", query_vector=[1, 0.5, np.float32(0.25), True])
     pb = Doc("d1", "t", vector=(1, 2.5)).to_pb()
     assert list(pb.vector) == [1.0, 2.5]
     assert list(Doc("d1", "t", vector=[]).to_pb().vector) == []  # a document's empty vector: embedded as before

@@ -79,9 +79,9 @@ LIM, R, G = CFG.limits, CFG.retrieval, CFG.generate
     ({"question": "\u00ad\ufeff\u200b"}, "question is empty: send a non-empty question"),
     ({"question": "x" * (LIM.max_question_chars + 1)},
      f"question has {LIM.max_question_chars + 1} characters; the limit is {LIM.max_question_chars}: shorten it"),
-    ({"top_k": R.max_top_k + 1}, f"top_k must be in [1, {R.max_top_k}], got {R.max_top_k + 1}"),
+    ({"top_k": R.max_top_k + 1}, f"top_k must be in [1, {R.max_top_k}] (0 = the default), got {R.max_top_k + 1}"),
     ({"mode": 9}, "unknown retrieval mode 9: use HYBRID (1), DENSE (2), LEXICAL (3) or FULL_HYBRID (4)"),
-    ({"candidates": R.max_candidates + 1}, f"candidates must be in [1, {R.max_candidates}], got {R.max_candidates + 1}"),
+    ({"candidates": R.max_candidates + 1}, f"candidates must be in [1, {R.max_candidates}] (0 = the default), got {R.max_candidates + 1}"),
     ({"session_id": "s" * (LIM.max_session_id_bytes + 1)},
      f"session_id is longer than {LIM.max_session_id_bytes} bytes"),
     ({"fusion": oprag_pb2.FusionOptions(method=7)}, "unknown fusion method 7: use WEIGHTED_MINMAX (1) or RRF (2)"),
@@ -96,10 +96,11 @@ LIM, R, G = CFG.limits, CFG.retrieval, CFG.generate
     ({"filters": [oprag_pb2.MetadataFilter(key="k", values=["v"] * 1025)]},
      "metadata filter 'k' needs between 1 and 1024 values"),
     ({"query_vector": [1.0, 2.0]}, f"query_vector has 2 values; the embedder produces {DIM}"),
-    ({"query_vector": [1.0, float("inf"), 0.0, 0.0]}, "query_vector contains NaN or infinity"),
+    ({"query_vector": [1.0, float("inf"), 0.0, 0.0]}, "query_vector contains NaN or infinity (float32 holds at most "
+     "about 3.4e38 in magnitude: a larger value arrives as infinity)"),
     ({"query_vector": [0.0] * DIM}, "query_vector is all zeros: send the query embedding"),
     ({"generation": oprag_pb2.GenerationOptions(max_new_tokens=G.max_new_tokens_limit + 1)},
-     f"max_new_tokens must be in [1, {G.max_new_tokens_limit}], got {G.max_new_tokens_limit + 1}"),
+     f"max_new_tokens must be in [1, {G.max_new_tokens_limit}] (0 = the default), got {G.max_new_tokens_limit + 1}"),
 ])
 def test_validation_messages(fields, msg):
     with pytest.raises(InvalidArgument) as e:

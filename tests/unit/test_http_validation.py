@@ -63,7 +63,7 @@ def test_a_lone_surrogate_shown_in_a_message_is_escaped(path, body):
 
 @pytest.mark.parametrize("path, body, param, message", [
     ("/v1/retrieve", {"query": "q", "fusion": {"dense_weight": -1}}, "fusion.dense_weight", "fusion.dense_weight must be"),
-    ("/v1/retrieve", {"query": "q", "top_k": 1000}, "top_k", "top_k must be in [1, 100], got 1000"),
+    ("/v1/retrieve", {"query": "q", "top_k": 1000}, "top_k", "top_k must be in [1, 100] (0 = the default), got 1000"),
     ("/v1/retrieve", {"query": "q", "candidates": 100000}, "candidates", "candidates must be in"),
     ("/v1/retrieve", {"query": " \u200b"}, "query", "question is empty"),
     ("/v1/retrieve", {"query": "q" * 5000}, "query", "question has 5000 characters"),

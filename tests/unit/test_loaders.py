@@ -285,8 +285,8 @@ def test_a_file_of_another_format_is_named_with_what_to_use(tmp_path, fmt):
 
 
 @pytest.mark.parametrize("chunks, words", [
-    ([{"text": "a"}], 'chunks[0] must be an object {"text": "...", "vector": [numbers]}, got {"text": "a"}'),
-    ([{"text": "a", "vector": [0.1]}, {"vector": [0.2]}], 'chunks[1] must be an object'),
+    ([{"text": "a"}], 'chunks[0] has no "vector" (its keys: "text"): each chunk is an object {"text": "...", "vector": [numbers]}'),
+    ([{"text": "a", "vector": [0.1]}, {"vector": [0.2]}], 'chunks[1] has no "text"'),
     ([["a", [0.1]]], 'chunks[0] must be an object {"text": "...", "vector": [numbers]}, got ["a", [0.1]]'),
     ("abc", 'chunks must be a list of {"text", "vector"} objects, got "abc"'),
 ])

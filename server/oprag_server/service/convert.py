@@ -16,10 +16,11 @@ import numpy as np
 from oprag.v1 import oprag_pb2
 
 from .. import metadata as md
-from ..config import LimitsConfig, ServerConfig
+from ..config import LimitsConfig, RetrievalConfig, ServerConfig
 from ..domain import DEFAULT_RRF_K, MODES, RetrieveSpec
 from ..engine.job import QueryJob
 from ..index.analyzer import has_visible_content
+from ..records import F32_HINT
 from .ingest_reply import ingest_response  # noqa: F401 - convert's proto <-> domain API
 
 #: Wire retrieval mode -> domain mode name (UNSPECIFIED means the default, hybrid).
@@ -64,18 +65,18 @@ def query_job(req: Any, cfg: ServerConfig, *, dim: int, generate: bool, can_gene
         raise InvalidArgument(f"question has {len(q)} characters; the limit is {lim.max_question_chars}: shorten it")
     top_k = req.top_k or rcfg.default_top_k
     if not 1 <= top_k <= rcfg.max_top_k:
-        raise InvalidArgument(f"top_k must be in [1, {rcfg.max_top_k}], got {req.top_k}")
+        raise InvalidArgument(range_error("top_k", req.top_k, rcfg))
     if req.mode not in MODE_NAMES:
         raise InvalidArgument(f"unknown retrieval mode {req.mode}: use HYBRID (1), DENSE (2), LEXICAL (3) or FULL_HYBRID (4)")
     cand = req.candidates or rcfg.candidates
     if not 1 <= cand <= rcfg.max_candidates:
-        raise InvalidArgument(f"candidates must be in [1, {rcfg.max_candidates}], got {req.candidates}")
+        raise InvalidArgument(range_error("candidates", req.candidates, rcfg))
     check_session_id(req.session_id, lim)
     method, wd, wl, rrf_k = fusion(req.fusion, default_weights=(rcfg.dense_weight, rcfg.lexical_weight))
     per_doc = chunks_per_document(req, top_k, rcfg.max_candidates)
     for name in ("ef_search", "nprobe"):
         if getattr(req, name, 0) > 65536:
-            raise InvalidArgument(f"{name} must be in [0, 65536], got {getattr(req, name)}")
+            raise InvalidArgument(range_error(name, getattr(req, name)))
     spec = RetrieveSpec(mode=MODE_NAMES[req.mode], top_k=top_k, candidates=max(cand, top_k), dense_weight=wd,
                         lexical_weight=wl, fusion=method, rrf_k=rrf_k, filters=filters(req.filters),
                         group_by_document=req.group_by_document, chunks_per_document=per_doc,
@@ -86,11 +87,19 @@ def query_job(req: Any, cfg: ServerConfig, *, dim: int, generate: bool, can_gene
         max_new = req.generation.max_new_tokens or gcfg.default_max_new_tokens
         if not 1 <= max_new <= gcfg.max_new_tokens_limit:
             raise InvalidArgument(
-                f"max_new_tokens must be in [1, {gcfg.max_new_tokens_limit}], got {req.generation.max_new_tokens}"
+                f"max_new_tokens must be in [1, {gcfg.max_new_tokens_limit}] (0 = the default), got {req.generation.max_new_tokens}"
             )
     return QueryJob(question=q, spec=spec, query_vector=qvec, session_id=req.session_id,
                     use_memory=not req.disable_memory, generate=generate and can_generate, max_new_tokens=max_new,
                     request_id=request_id(), finish_reason=NO_GENERATOR if generate and not can_generate else "")
+
+
+def range_error(name: str, got: Any, rcfg: Any = RetrievalConfig) -> str:
+    """The message of a retrieval knob out of range: ``top_k`` and ``candidates`` in [1, the
+    bound of ``rcfg``] or 0 (the default; ``rcfg``: the server's config, else the defaults),
+    ``ef_search`` and ``nprobe`` in [0, 65536]; HTTP says the same for a value beyond uint32."""
+    most = {"top_k": rcfg.max_top_k, "candidates": rcfg.max_candidates}.get(name)
+    return f"{name} must be in [1, {most}] (0 = the default), got {got}" if most else f"{name} must be in [0, 65536], got {got}"
 
 
 def chunks_per_document(req: Any, top_k: int, max_chunks: int) -> int:
@@ -179,7 +188,7 @@ def query_vector(values: Any, dim: int) -> np.ndarray | None:
         raise InvalidArgument(f"query_vector has {v.shape[0]} values; the embedder produces {dim}")
     scale = float(np.abs(v).max())  # NaN when any value is NaN, inf when one is infinite
     if not math.isfinite(scale):
-        raise InvalidArgument("query_vector contains NaN or infinity")
+        raise InvalidArgument(f"query_vector contains NaN or infinity{F32_HINT}")
     if scale == 0.0:
         raise InvalidArgument("query_vector is all zeros: send the query embedding")
     v /= scale

@@ -227,9 +227,9 @@ def build_app(rt: Any) -> FastAPI:
     def chat_models() -> list[str]:
         return [rt.generator.name] if rt.generator is not None else []
 
-    def model_card(name: str) -> dict:
-        return {"id": name, "object": "model", "created": 0, "owned_by": "oprag"}
+    model_card = lambda name: {"id": name, "object": "model", "created": 0, "owned_by": "oprag"}  # noqa: E731
 
+    @app.get("/v1/models/")  # (it was a 307 to /v1/models with an empty body)
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [model_card(m) for m in [*chat_models(), rt.encoder.name]]}

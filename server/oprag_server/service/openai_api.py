@@ -30,7 +30,7 @@ from oprag.v1 import oprag_pb2
 
 from ..domain import MemoryContext
 from ..engine.job import QueryJob
-from .convert import MODE_NAMES, InvalidArgument, metadata_value
+from .convert import MODE_NAMES, InvalidArgument, metadata_value, range_error
 
 _U32 = 2**32 - 1
 _WIRE_MODE = {name: wire for wire, name in MODE_NAMES.items() if wire != oprag_pb2.RETRIEVAL_MODE_UNSPECIFIED}
@@ -288,6 +288,8 @@ def _message(errors: list[dict], body: Any, model: Any = None) -> tuple[str | No
         return param, f"{what} must be one of {ctx.get('expected')}, got {got}"
     bounds = {"greater_than_equal": ("at least", "ge"), "less_than_equal": ("at most", "le"),
               "greater_than": ("more than", "gt"), "less_than": ("less than", "lt")}
+    if t == "less_than_equal" and ctx.get("le") == _U32 and path[-1:] in (["top_k"], ["candidates"], ["ef_search"], ["nprobe"]):
+        return param, range_error(path[-1], got)  # the server's message for 101 (not the wire type's bound)
     if t in bounds:
         return param, f"{what} must be {bounds[t][0]} {ctx.get(bounds[t][1])}, got {got}"
     if t == "too_short":
