@@ -87,7 +87,7 @@ def _hit_json(h: dict) -> tuple:
 @pytest.mark.parametrize("opts", [
     {"mode": "hybrid", "top_k": 3},
     {"mode": "dense", "top_k": 4, "chunks_per_document": 2},
-    {"mode": "lexical", "top_k": 2, "chunks_per_document": 3},
+    {"mode": "lexical", "top_k": 2, "chunks_per_document": 2},  # (LEXICAL: chunks of BM25 score > 0 only)
     {"mode": "full_hybrid", "top_k": 5, "chunks_per_document": 2},
     {"mode": "full_hybrid", "top_k": 3, "chunks_per_document": 2, "fusion": {"method": "rrf", "rrf_k": 10}},
 ])
