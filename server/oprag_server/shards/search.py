@@ -110,9 +110,10 @@ class Searcher(ExactMixin):
             dense_min = [np.inf] * B
             for i in range(B):
                 slots, lex = st.postings.score_all(qb.terms[i], qb.idf[i], qb.avgdl, qb.k1, qb.b)
+                keep = lex != 0.0  # the BM25 list only (README: lexical ranks): idf-0 terms score 0
                 if allowed[i] is not None:
-                    keep = np.isin(slots, allowed[i], assume_unique=True)
-                    slots, lex = slots[keep], lex[keep]
+                    keep &= np.isin(slots, allowed[i], assume_unique=True)
+                slots, lex = slots[keep], lex[keep]
                 cids = st.ids(slots)
                 order = top_k_order(lex, cids, n)
                 slots = slots[order]
