@@ -3,7 +3,14 @@
 The left-padded batch is prefilled with an attention mask and ``position_ids = cumsum(mask) -
 1``, then one token per step is decoded with the KV cache (``transformers.DynamicCache``). Rows
 stop independently (EOS, their own budget, or cancellation) and finished rows are dropped from
-the batch (``cache.batch_select_indices``). With the row-wise attention every forward's row
+the batch (``cache.batch_select_indices``).
+
+The prefill runs in chunks of at most :data:`PREFILL_CHUNK` token columns, counted from the
+right (the prompts' common end), so a row's chunk boundaries depend only on its own length;
+before each chunk after the first, ``should_stop`` is polled and cancelled rows leave the batch:
+a request whose caller went away (deadline, cancel) stops costing prefill after at most one
+chunk, and a batch whose rows are all cancelled ends there (trial21: six queries past their
+2 s deadline held the generator for a 67 s prefill). With the row-wise attention every forward's row
 count is a multiple of :data:`~oprag_server.models.rowwise_attention.ROW_ALIGN`, which makes a
 row's logits bit-identical batched or alone (see :mod:`oprag_server.models.rowwise_attention`).
 
@@ -16,6 +23,10 @@ from typing import Any
 
 from .protocols import GenerationResult, OnToken, ShouldStop
 from .rowwise_attention import ROW_ALIGN
+
+#: Token columns per prefill forward (a multiple of ROW_ALIGN); ``should_stop`` is polled between
+#: chunks. A prompt of at most this many tokens is prefilled in one forward as before.
+PREFILL_CHUNK = 128
 
 
 class StreamDetokenizer:
@@ -89,7 +100,8 @@ def greedy_decode(
     :param rowwise: the model uses :func:`~oprag_server.models.rowwise_attention.rowwise_attention`
         (pass per-row pad counts, align every forward's row count to ``ROW_ALIGN``).
     :param on_token: ``on_token(row, text_delta)``, called from this thread as text grows.
-    :param should_stop: ``should_stop(row)``, polled before every step for unfinished rows.
+    :param should_stop: ``should_stop(row)``, polled for unfinished rows before the prefill,
+        before each later prefill chunk (:data:`PREFILL_CHUNK`) and before every step.
     :returns: one :class:`~oprag_server.models.protocols.GenerationResult` per prompt, in order.
     """
     import torch
@@ -143,17 +155,34 @@ def greedy_decode(
     cache = DynamicCache(config=model.config)
     extra: dict[str, Any] = {cache_kwarg: cache}
     eos = eos_token_ids
+    # prefill spans [s, e), right-aligned: the last ends at width, each is <= PREFILL_CHUNK wide
+    ends = list(range(width, 0, -PREFILL_CHUNK))[::-1]
+    spans = list(zip([0, *ends[:-1]], ends))
     with torch.inference_mode():
-        if rowwise:
-            extra["oprag_pads"] = pads
-        out = model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=position_ids,
-            use_cache=True,
-            logits_to_keep=align,  # lm_head rows = B * align: keeps its GEMM batch-invariant
-            **extra,
-        )
+        for s, e in spans:
+            if s > 0 and should_stop is not None:  # cancelled rows leave before the next chunk
+                keep = []
+                for r, i in enumerate(rows):
+                    if should_stop(i):
+                        finish(i, "cancelled")
+                    else:
+                        keep.append(r)
+                if not keep:
+                    return results
+                if len(keep) < len(rows):
+                    sel_t = torch.tensor(keep, dtype=torch.long, device=dev)
+                    cache.batch_select_indices(sel_t)
+                    input_ids, mask, position_ids = input_ids[sel_t], mask[sel_t], position_ids[sel_t]
+                    next_pos = next_pos[sel_t]
+                    pads, rows = [pads[r] for r in keep], [rows[r] for r in keep]
+            if rowwise:
+                extra["oprag_pads"] = pads
+            part = dict(input_ids=input_ids[:, s:e], attention_mask=mask[:, :e], position_ids=position_ids[:, s:e],
+                        use_cache=True, **extra)
+            if e < width:  # no logits needed: the decoder alone (the same hidden states and cache)
+                model.get_decoder()(**part)
+            else:  # lm_head rows = B * align: keeps its GEMM batch-invariant
+                out = model(**part, logits_to_keep=align)
         batch = len(rows)  # rows in the cache: real rows first, then dummies
         while True:
             toks = out.logits[:, -1, :].argmax(dim=-1).tolist()  # [batch]
