@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from oprag_server.index.bm25.delta import Delta
-from oprag_server.index.bm25.segment import _ARRAYS, Segment, merge
+from oprag_server.index.bm25.seg_merge import merge
+from oprag_server.index.bm25.segment import _ARRAYS, Segment
 
 
 def _delta(rng, slots, vocab_size):

@@ -110,7 +110,7 @@ def test_a_small_segment_or_a_foreground_merge_stays_in_memory(tmp_path, monkeyp
 
 
 def test_a_spill_that_cannot_write_keeps_the_segment_in_memory(tmp_path, spill_all, monkeypatch):
-    def full(self, d):
+    def full(self, d, parked=()):
         d.mkdir(parents=True, exist_ok=True)
         (d / "offsets.npy").write_bytes(b"partial")
         raise OSError(28, "No space left on device")

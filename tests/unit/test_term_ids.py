@@ -323,7 +323,7 @@ def test_merged_runs_equal_a_stable_argsort():
 def test_merge_positions_equal_searchsorted():
     """segment._positions (the merge's chunk position of each delta posting): a table over a
     dense slot range, the binary search over a sparse one; both equal np.searchsorted."""
-    from oprag_server.index.bm25.segment import _positions
+    from oprag_server.index.bm25.seg_merge import _positions
 
     rng = np.random.default_rng(9)
     for n, spread in ((1, 1), (500, 1), (500, 3), (300, 10_000), (2000, 2)):

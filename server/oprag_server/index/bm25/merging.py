@@ -9,6 +9,7 @@ meanwhile.
 from __future__ import annotations
 
 import queue
+import shutil
 import threading
 import time
 import weakref
@@ -18,7 +19,9 @@ import numpy as np
 
 from . import listed_cache
 from .delta import Delta
-from .segment import merge
+from .seg_merge import merge
+
+_POSTING_BYTES = 10  # a segment's bytes per posting (int32 slot, uint16 tf, int32 forward term id)
 
 #: where a slot's live postings are (``PostingsIndex._where``, int8 per slot)
 _NONE, _SEG, _FROZEN, _DELTA = 0, 1, 2, 3
@@ -227,15 +230,25 @@ class MergeMixin:
                 if not m.all():  # (rebound: the unfiltered arrays are not kept through the merge)
                     key, tf = key[m], tf[m]
                 m = None
-                new = merge(seg, seg_live, d_terms, key, tf, d_doc_slots)
+                # a large background merge writes its posting arrays into the spill directory as
+                # it builds them (segment.merge's out_dir): not all held in memory at once
+                out = (gate.spill_dir() if background and gate is not None
+                       and (seg.slots.size + key.size) * _POSTING_BYTES >= self.SPILL_MIN_BYTES else None)
+                try:
+                    new = merge(seg, seg_live, d_terms, key, tf, d_doc_slots, out_dir=out)
+                except BaseException:
+                    if out is not None:
+                        shutil.rmtree(out, ignore_errors=True)
+                    raise
                 key = tf = None
                 try:  # (a cache: should it fail, the first queries after the install build it, as before)
                     top = successor(self, new, seg_live | frz_live, doc_len)
                 except Exception:  # noqa: BLE001
                     top = (new, None, None)
-                if (background and gate is not None and new.unmapped_nbytes() >= self.SPILL_MIN_BYTES
-                        and new.spill(gate.spill_dir())):
-                    self.spills += 1
+                if out is not None or (background and gate is not None
+                                       and new.unmapped_nbytes() >= self.SPILL_MIN_BYTES):
+                    if new.spill(out if out is not None else gate.spill_dir()):
+                        self.spills += 1
                 pending[3] = (new.df(), d_doc_slots, top)
                 pending[1] = new
             except BaseException as e:  # re-raised by _finish in the owner's thread
