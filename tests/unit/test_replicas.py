@@ -137,3 +137,40 @@ def test_exact_hybrid_is_one_read_that_a_sibling_answers_when_its_replica_dies(t
         assert got.eligible == want.eligible == [3] and pool.degraded_shards() == [0]
 
     asyncio.run(main())
+
+
+def test_a_shutdown_during_a_revival_marks_no_up_to_date_replica_stale(tmp_path):
+    """trial22: a SIGTERM while a dead replica was being caught up let the revival go on to the
+    sibling the shutdown had just stopped, mark it down (``STALE``) too, and the next start was
+    refused: "no replica came up with current data"."""
+    import threading
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        pool, cp = await _pool(tmp_path)
+        rs = pool.clients[0]
+        await _write(pool, cp, "t1", ["a"])
+        rs.reps[0].kill()
+        await _write(pool, cp, "t2", ["b"])  # acknowledged by replica 1 alone
+        copying, go = threading.Event(), threading.Event()
+        real = rs._copy  # noqa: SLF001
+
+        def slow_copy(src, dst):  # the revival is under way when the shutdown comes
+            copying.set()
+            assert go.wait(20)
+            real(src, dst)
+
+        rs._copy = slow_copy  # noqa: SLF001
+        revival = loop.run_in_executor(None, pool.restart, 0, loop, cp.committed_txns())
+        assert await loop.run_in_executor(None, copying.wait, 20)
+        await pool.shutdown(snapshot=True)  # as the server's SIGTERM does
+        go.set()
+        with pytest.raises(ShardError, match="stopping"):
+            await revival
+        assert not (tmp_path / "replica-1" / "shard-0" / "STALE").exists()  # it holds every write
+        assert (tmp_path / "shard-0" / "STALE").exists()  # replica 0 missed t2: still marked
+        pool2 = ShardPool(1, DIM, tmp_path, transport=InProcessTransport, replicas=2)
+        st = pool2.start(loop, committed=cp.committed_txns())
+        assert st[0].documents == 2 and pool2.clients[0].serving == [False, True]
+
+    asyncio.run(main())

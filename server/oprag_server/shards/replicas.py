@@ -66,6 +66,7 @@ class ReplicaSet(ShardTransport):
         self.loop: asyncio.AbstractEventLoop | None = None
         self._snap = asyncio.Lock()
         self._rr = 0
+        self._closing = False  # a SHUTDOWN was sent or the set closed: no replica is revived any more
 
     def _make(self, r: int) -> ShardTransport:
         t = self.factory(self.shard_id, self.dim, replica_dir(self.data_dir, r), self.stem)
@@ -141,11 +142,14 @@ class ReplicaSet(ShardTransport):
             self.reps[r].kill()
 
     def close(self) -> None:
+        self._closing = True
         for t in self.reps:
             t.close()
 
     # ------------------------------------------------------------------ calls
     def call(self, op: Op, request: Any):
+        if op == Op.SHUTDOWN:  # (the server stops: a replica it stops is not "down", trial22)
+            self._closing = True
         return self._write(op, request) if op in WRITES else self._read(op, request)
 
     def _one(self, r: int, op: Op, request: Any) -> asyncio.Future:
@@ -208,8 +212,13 @@ class ReplicaSet(ShardTransport):
     def revive(self, loop: asyncio.AbstractEventLoop, committed: set[str] | None, timeout_s: float) -> StatsReply:
         """Bring back every replica that is down (blocking; run it in an executor, the set's
         loop keeps running). With no replica serving, every replica restarts from its own
-        directory (:meth:`ready`). :returns: a serving replica's stats. :raises ShardError:
-        nothing came back."""
+        directory (:meth:`ready`). Once the set is stopping (a SHUTDOWN sent, or closed) no
+        replica is revived or marked down: the replicas the shutdown stops hold every
+        acknowledged write (trial22: a SIGTERM during a revival marked every replica ``STALE``
+        and the next start was refused). :returns: a serving replica's stats. :raises ShardError:
+        nothing came back, or the set is stopping."""
+        if self._closing:
+            raise ShardError(f"shard {self.shard_id}: stopping, no replica revived")
         if not self.is_alive():
             for r in range(self.r):
                 self.reps[r].kill()
@@ -219,6 +228,8 @@ class ReplicaSet(ShardTransport):
             return self.ready(loop, timeout_s)
         failed = []
         for r in range(self.r):
+            if self._closing:
+                raise ShardError(f"shard {self.shard_id}: stopping, no replica revived")
             if r not in self.backlog and not self._up(r):
                 try:
                     asyncio.run_coroutine_threadsafe(self.catch_up(r, committed, timeout_s), loop).result()
@@ -240,6 +251,8 @@ class ReplicaSet(ShardTransport):
         directory, or the sibling or the new replica failed."""
         if self.data_dir is None:
             raise ShardError(f"shard {self.shard_id}: a memory-only replica cannot catch up")
+        if self._closing:
+            raise ShardError(f"shard {self.shard_id}: stopping, replica {r} not caught up")
         self._down(r, "catching up")
         src = min((s for s in range(self.r) if s != r and self.serving[s] and self.reps[s].is_alive()),
                   key=lambda s: self.outstanding[s])
@@ -254,6 +267,9 @@ class ReplicaSet(ShardTransport):
                 self.backlog.pop(r, None)
                 raise
         await loop.run_in_executor(None, self.reps[r].close)  # (killed: at once) its threads, its channel
+        if self._closing:  # (no new replica process after the shutdown: it stays STALE, behind)
+            self.backlog.pop(r, None)
+            raise ShardError(f"shard {self.shard_id}: stopping, replica {r} not caught up")
         new = self._make(r)
         self.reps[r] = new
         try:
