@@ -1,7 +1,9 @@
-"""OpenAI-style 400 errors of the HTTP API (:mod:`.http`): a request that failed pydantic validation
-(:func:`validation_message`: the field's path, what it must be, what was sent) and OpenAI's
-``param`` of an ``INVALID_ARGUMENT`` raised by the shared gRPC validation (:func:`error_param`).
-The request shapes are :mod:`.openai_api`'s."""
+"""OpenAI-style errors of the HTTP API (:mod:`.http`): the message of a request that failed pydantic
+validation (:func:`validation_message`: the field's path, what it must be, what was sent), OpenAI's
+``param`` of an ``INVALID_ARGUMENT`` raised by the shared gRPC validation (:func:`error_param`), and
+the error replies ``{"error": {"message", "type", "param", "code"}}`` of an exception
+(:func:`exception_response`: the gRPC status mapping turned into HTTP). The request shapes are
+:mod:`.openai_api`'s."""
 
 from __future__ import annotations
 
