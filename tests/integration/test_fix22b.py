@@ -1,5 +1,5 @@
-"""New-user trial 22 (branch fix22b), over a real server (2 shard processes, HTTP port, no
-generator): the chat endpoint takes ``min_seq`` and ``query_vector`` in its ``oprag`` extension,
+"""New-user trial 22 (branch fix22b), over a real server (test_fix21b's: 2 shard processes, HTTP
+port, no generator): the chat endpoint takes ``min_seq`` and ``query_vector`` in its ``oprag`` extension,
 as ``/v1/retrieve`` takes them (the same checks, messages and effect)."""
 
 from __future__ import annotations
@@ -9,19 +9,9 @@ import json
 import pytest
 import requests
 
-from oprag_client.client import Doc
-from server_fixtures import http_server  # (tests/integration is on sys.path: pytest's rootdir-relative import)
+from test_fix21b import server  # noqa: F401 - the same real server (tests/integration is on sys.path)
 
 pytestmark = pytest.mark.integration
-DOCS = [Doc(f"tide{i}", f"Tide tables for harbour {i} list the high water times of each day.", title=f"Harbour {i}")
-        for i in range(6)] + [
-    Doc("bees", "Honey bee foragers tell their nestmates where food is by dancing on the comb.", title="Bees"),
-    Doc("lighthouse", "The Varnholm Lighthouse stands on a granite skerry; it was completed in 1874.", title="Lighthouse")]
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    yield from http_server(tmp_path_factory, "fix22b", "--generator", "none", "--shards", "2", docs=DOCS)
 
 
 def _post(server, path: str, body: dict) -> requests.Response:
