@@ -6,7 +6,6 @@ tests/integration/test_fix22b_reconnect.py."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 
@@ -15,6 +14,7 @@ import pytest
 
 from oprag_client.channel import RECONNECT_OPTIONS, channel_options
 from oprag_client.client import AsyncOpRAGClient, OpRAGClient
+from oprag_client.testing import ConnectAttempts
 
 
 def test_channel_options_reconnect_fast_and_the_caller_wins():
@@ -27,30 +27,6 @@ def test_channel_options_reconnect_fast_and_the_caller_wins():
         got = channel_options(1024, over)
         assert dict(got)["grpc.max_reconnect_backoff_ms"] == 120_000 and dict(got)["grpc.enable_retries"] == 0
         assert len(got) == len({k for k, _ in got})  # one value per argument
-
-
-class _Attempts:
-    """A TCP listener that accepts and closes every connection, noting when (monotonic s): each
-    is one connection attempt of a client, as a port with no server refuses them."""
-
-    def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.target = f"127.0.0.1:{self.sock.getsockname()[1]}"
-        self.times: list[float] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.times.append(time.monotonic())
-            conn.close()
-
-    def gaps(self) -> list[float]:
-        self.sock.close()
-        return [round(b - a, 2) for a, b in zip(self.times, self.times[1:])]
 
 
 def _poll_sync(target: str, seconds: float, **kw) -> None:
@@ -76,7 +52,7 @@ def test_a_client_that_keeps_calling_a_down_server_tries_to_connect_about_every_
     2.6, 4.1, 6.6 s... apart while calls kept failing, so a server back after ~10 s waited up to
     ~7 s more; the clients' channels now try at most ~1 s apart, and a caller's
     ``channel_options`` reach the channel (gRPC's defaults again)."""
-    fast_sync, fast_async, slow = _Attempts(), _Attempts(), _Attempts()
+    fast_sync, fast_async, slow = ConnectAttempts(), ConnectAttempts(), ConnectAttempts()
     seconds = 7.5
     runs = [threading.Thread(target=_poll_sync, args=(fast_sync.target, seconds)),
             threading.Thread(target=lambda: asyncio.run(_poll_async(fast_async.target, seconds))),
@@ -87,6 +63,8 @@ def test_a_client_that_keeps_calling_a_down_server_tries_to_connect_about_every_
         t.start()
     for t in runs:
         t.join(60)
+    for a in (fast_sync, fast_async, slow):
+        a.close()
     for name, a in (("sync", fast_sync), ("async", fast_async)):
         gaps = a.gaps()
         assert len(gaps) >= 5 and max(gaps) < 2.0, (name, gaps)
