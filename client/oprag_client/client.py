@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from oprag.v1 import oprag_pb2, oprag_pb2_grpc
 
+from .channel import open_channel
 from .inputs import bad_text, clear_session_request, delete_request, names_bad_text
 from .metadata import MetadataValue, metadata_of, metadata_value  # noqa: F401 - re-exported
 from .retry import NO_RETRY, RetryPolicy, acall, call
@@ -200,50 +201,23 @@ def query_request(question: str, *, top_k: int = 0, mode: str = "hybrid", sessio
     )
 
 
-def _options(max_message_bytes: int) -> list[tuple[str, int]]:
-    return [
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
-    ]
-
-
-def _credentials(token: str | None, tls_ca, tls_cert, tls_key) -> grpc.ChannelCredentials | None:
-    """Channel credentials for TLS (trusting ``tls_ca``; optional client certificate) and/or a
-    bearer token. A token without TLS is sent in plain text (for loopback use)."""
-    from pathlib import Path
-
-    if tls_ca is None and tls_cert is None and token is None:
-        return None
-    if tls_ca is None and tls_cert is None:
-        return None  # token only: sent as call metadata on the plain-text channel
-    ssl = grpc.ssl_channel_credentials(
-        root_certificates=Path(tls_ca).read_bytes() if tls_ca else None,
-        private_key=Path(tls_key).read_bytes() if tls_key else None,
-        certificate_chain=Path(tls_cert).read_bytes() if tls_cert else None,
-    )
-    if token is None:
-        return ssl
-    return grpc.composite_channel_credentials(ssl, grpc.access_token_call_credentials(token))
-
-
 class OpRAGClient:
     """Blocking client. Use as a context manager or call :meth:`close`."""
 
     def __init__(self, target: str = "127.0.0.1:50051", *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  timeout: float | None = None, token: str | None = None, tls_ca=None, tls_cert=None,
-                 tls_key=None, retry: RetryPolicy = NO_RETRY) -> None:
+                 tls_key=None, retry: RetryPolicy = NO_RETRY, channel_options=None) -> None:
         """:param retry: retry of the unary RPCs (query, retrieve, delete, clear_session, stats) on
-            UNAVAILABLE / RESOURCE_EXHAUSTED (:mod:`oprag_client.retry`); none by default."""
+            UNAVAILABLE / RESOURCE_EXHAUSTED (:mod:`oprag_client.retry`); none by default.
+        :param channel_options: gRPC channel arguments (a mapping or ``(name, value)`` pairs) over
+            this client's (:func:`oprag_client.channel.channel_options`: a restarted server is
+            reconnected to within about a second, :data:`~oprag_client.channel.RECONNECT_OPTIONS`)."""
         self.retry = retry
         self.max_message_bytes = max_message_bytes
         self.timeout = timeout
-        creds = _credentials(token, tls_ca, tls_cert, tls_key)
-        if creds is not None:
-            self.channel = grpc.secure_channel(target, creds, options=_options(max_message_bytes))
-        else:
-            self.channel = grpc.insecure_channel(target, options=_options(max_message_bytes))
-        # call credentials need TLS; on a plain-text channel the token travels as metadata
-        self.md = (("authorization", f"Bearer {token}"),) if token and creds is None else None
+        self.channel, self.md = open_channel(target, aio=False, max_message_bytes=max_message_bytes,
+                                             options=channel_options, token=token, tls_ca=tls_ca,
+                                             tls_cert=tls_cert, tls_key=tls_key)
         self.stub = oprag_pb2_grpc.OpRAGStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
 
@@ -340,18 +314,14 @@ class AsyncOpRAGClient:
 
     def __init__(self, target: str = "127.0.0.1:50051", *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  timeout: float | None = None, token: str | None = None, tls_ca=None, tls_cert=None,
-                 tls_key=None, retry: RetryPolicy = NO_RETRY) -> None:
-        """:param retry: retry of the unary RPCs (query, retrieve, delete, clear_session, stats) on
-            UNAVAILABLE / RESOURCE_EXHAUSTED (:mod:`oprag_client.retry`); none by default."""
+                 tls_key=None, retry: RetryPolicy = NO_RETRY, channel_options=None) -> None:
+        """:param retry: and ``channel_options``: as :class:`OpRAGClient`'s."""
         self.retry = retry
         self.max_message_bytes = max_message_bytes
         self.timeout = timeout
-        creds = _credentials(token, tls_ca, tls_cert, tls_key)
-        if creds is not None:
-            self.channel = grpc.aio.secure_channel(target, creds, options=_options(max_message_bytes))
-        else:
-            self.channel = grpc.aio.insecure_channel(target, options=_options(max_message_bytes))
-        self.md = (("authorization", f"Bearer {token}"),) if token and creds is None else None
+        self.channel, self.md = open_channel(target, aio=True, max_message_bytes=max_message_bytes,
+                                             options=channel_options, token=token, tls_ca=tls_ca,
+                                             tls_cert=tls_cert, tls_key=tls_key)
         self.stub = oprag_pb2_grpc.OpRAGStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
 

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-__all__ = ["READY_PREFIX", "OtlpSink", "ServerProcess", "free_port", "oprag_cli", "wait_until"]
+__all__ = ["READY_PREFIX", "ConnectAttempts", "OtlpSink", "ServerProcess", "free_port", "oprag_cli", "wait_until"]
 
 READY_PREFIX = "OPRAG READY"
 _KEEP_LINES = 2000  # output lines kept in memory (the log file, when given, keeps all)
@@ -275,3 +275,42 @@ class OtlpSink:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class ConnectAttempts:
+    """A TCP listener on ``127.0.0.1:port`` (0: a free one) that accepts and at once closes every
+    connection, noting when: each is one connection attempt of a gRPC client, which fails as it
+    would against a port with nothing listening (the attempts a client makes while its server is
+    down, and its back-off between them, become visible).
+
+    Use as a context manager or call :meth:`close`; :attr:`target` is ``host:port``.
+    :raises OSError: the port cannot be bound.
+    """
+
+    def __init__(self, port: int = 0) -> None:
+        self.sock = socket.create_server(("127.0.0.1", port))  # (SO_REUSEADDR: a port a server just left)
+        self.target = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.times: list[float] = []  # time.monotonic() of each accepted connection
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed
+                return
+            self.times.append(time.monotonic())
+            conn.close()
+
+    def gaps(self) -> list[float]:
+        """Seconds between consecutive attempts (rounded to 10 ms)."""
+        return [round(b - a, 2) for a, b in zip(self.times, self.times[1:])]
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> ConnectAttempts:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -11,8 +11,8 @@ import grpc
 import pytest
 import requests
 
-from oprag_client.client import Doc, OpRAGClient
-from oprag_client.testing import ServerProcess, free_port
+from oprag_client.client import Doc
+from server_fixtures import http_server  # (tests/integration is on sys.path: pytest's rootdir-relative import)
 
 pytestmark = pytest.mark.integration
 DOCS = [Doc("lobster", "The European lobster Homarus gammarus lives on rocky sea floors of the north-east Atlantic. "
@@ -27,17 +27,7 @@ def _cjk(n: int, seed: int = 0) -> str:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    d = tmp_path_factory.mktemp("fix21c")
-    http_port = free_port()
-    srv = ServerProcess(d / "data", free_port(), free_port(), "--shards", "2", "--max-new-tokens", "4",
-                        "--http-port", str(http_port)).start()
-    srv.url = f"http://127.0.0.1:{http_port}/v1"
-    try:
-        with OpRAGClient(srv.target, timeout=300) as c:
-            c.ingest(DOCS)
-            yield srv
-    finally:
-        srv.stop()
+    yield from http_server(tmp_path_factory, "fix21c", "--shards", "2", "--max-new-tokens", "4", docs=DOCS, timeout=300)
 
 
 def _chat(server, body: dict) -> requests.Response:

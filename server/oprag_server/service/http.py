@@ -4,7 +4,7 @@ and exception mapping as the gRPC RPCs.
 
 Endpoints: ``POST /v1/chat/completions`` (``stream`` as server-sent events), ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``POST /v1/embeddings``, ``POST /v1/retrieve``. Request and response
-shapes: :mod:`oprag_server.service.openai_api`. Every error is OpenAI's
+shapes: :mod:`oprag_server.service.openai_api`; error replies: :mod:`.openai_errors`. Every error is OpenAI's
 ``{"error": {"message", "type", "param", "code"}}`` with status 400 (bad input), 401 (token),
 404 (unknown model or path), 405, 413 (body over ``limits.max_message_bytes``), 429 (overloaded;
 ``Retry-After`` in whole seconds), 503 (a shard is down), 500 (a server bug only).
@@ -16,11 +16,9 @@ import asyncio
 import contextlib
 import hmac
 import json
-import math
 import time
 from typing import Any
 
-import grpc
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
@@ -36,22 +34,13 @@ from ..shards.pool import ShardError
 from . import convert
 from . import openai_api as api
 from .convert import InvalidArgument
-from .interceptors import status_for
+from .openai_errors import NotFound, error_response, exception_response, validation_message
 from .servicer import read_your_writes
 from .disconnect import ClientGone as _ClientGone
 from .disconnect import unless_gone as _unless_gone
 from .stream import job_events
 from .tracing import CARRIER, carrier_of
 
-#: gRPC status of an exception (interceptors.status_for) -> HTTP status and OpenAI error type.
-_HTTP = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.UNAUTHENTICATED: (401, "invalid_request_error"),
-    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    grpc.StatusCode.UNAVAILABLE: (503, "server_error"),
-    grpc.StatusCode.INTERNAL: (500, "server_error"),
-}
 #: HTTP status -> the gRPC code name counted in ``oprag_requests_total{code}``.
 _CODE_NAME = {200: "OK", 400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 405: "UNIMPLEMENTED",
               413: "RESOURCE_EXHAUSTED", 429: "RESOURCE_EXHAUSTED", 499: "CANCELLED", 503: "UNAVAILABLE"}
@@ -74,34 +63,6 @@ def _metric_method(path: str) -> str:
         if path == route or (route == "/v1/models" and path.startswith("/v1/models/") and path.count("/") == 3):
             return f"HTTP {route}"
     return "HTTP other"
-
-
-class NotFound(LookupError):
-    """An unknown model id (-> 404, code ``model_not_found``)."""
-
-
-def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
-    """OpenAI's error object."""
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                   code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
-
-
-def exception_response(exc: Exception, method: str) -> JSONResponse:
-    """The HTTP error of an exception a handler raised: the gRPC mapping
-    (:func:`~oprag_server.service.interceptors.status_for`) turned into HTTP."""
-    if isinstance(exc, NotFound):
-        return error_response(404, str(exc), param="model", code="model_not_found")
-    code, msg, _ = status_for(exc, method)
-    status, type_ = _HTTP.get(code, (500, "server_error"))
-    headers = None
-    if isinstance(exc, Overloaded):
-        headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))}
-    param = api.error_param(msg, method) if code == grpc.StatusCode.INVALID_ARGUMENT else None
-    return error_response(status, msg, type_, param=param, code=code.name.lower(), headers=headers)
 
 
 class Guard:
@@ -200,7 +161,7 @@ def build_app(rt: Any) -> FastAPI:
         if errs and errs[0].get("type") == "json_invalid":
             return error_response(400, f"the body is not valid JSON ({errs[0].get('msg')}): send a JSON object "
                                   "(Content-Type: application/json)", code="invalid_json")
-        param, msg = api.validation_message(errs, exc.body, _MODELS.get(request.url.path))
+        param, msg = validation_message(errs, exc.body, _MODELS.get(request.url.path))
         return error_response(400, msg, param=param, code="invalid_value")
 
     @app.exception_handler(HTTPException)
@@ -261,14 +222,18 @@ def build_app(rt: Any) -> FastAPI:
             raise InvalidArgument(f"the reply would be {n} bytes of JSON, over the server's {limit}-byte "
                                   f"message limit (top_k {job.spec.top_k}): ask for fewer hits (top_k) or drop include_trace")
 
+    async def applied(request: Request, min_seq: int) -> None:
+        """Wait until ``min_seq`` is applied on every shard (read-your-writes, as gRPC's
+        :func:`~.servicer.read_your_writes`, with no deadline: a client that leaves ends the wait).
+        :raises InvalidArgument: ``min_seq`` was never issued. :raises ClientGone: the client left."""
+        if min_seq:
+            await _unless_gone(request, read_your_writes(rt, min_seq, None))
+
     @app.post("/v1/retrieve")
     async def retrieve(body: api.RetrieveRequest, request: Request) -> Any:
         job = job_for(body.query, body, generate=False)
-
-        async def run() -> Any:  # min_seq as on gRPC, with no deadline: a client that leaves ends the wait
-            await read_your_writes(rt, body.min_seq, None)
-            return await rt.query.submit(job)
-        job = await _unless_gone(request, run())
+        await applied(request, body.min_seq)
+        job = await _unless_gone(request, rt.query.submit(job))
         ext = {k: v for k, v in api.extension(job, include_trace=body.include_trace).items()  # (nothing generated)
                if k not in ("sources", "finish_reason", "ttft_ms")}
         return fits({"object": "retrieval", **ext, "documents": api.document_dicts(job)}, job)
@@ -307,6 +272,7 @@ def build_app(rt: Any) -> FastAPI:
         job = job_for(question, body.oprag, max_new=max_new, generate=True)
         if memory is not None:
             job.memory = memory  # the plan has no memory step: the conversation is the memory
+        await applied(request, body.oprag.min_seq)  # (after the checks, as gRPC's Query)
         head = {"id": f"chatcmpl-{job.request_id}", "created": int(time.time()), "model": body.model}
         trace = body.oprag.include_trace
         if not body.stream:

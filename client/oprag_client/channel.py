@@ -1,0 +1,63 @@
+"""The gRPC channel of :class:`~oprag_client.client.OpRAGClient` and
+:class:`~oprag_client.client.AsyncOpRAGClient`: message size limits, connection back-off,
+credentials (TLS, bearer token)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+#: Connection back-off (gRPC core channel arguments, doc/connection-backoff.md). gRPC's defaults
+#: (first retry after 1 s, x1.6 per failed attempt up to 120 s) left a client ~10 s behind a server
+#: restarted on the same address; here a failed connection is tried again after 0.25 s, then at
+#: most every 1 s (+-20% jitter), so a restarted server is reached within about a second of
+#: listening. ``grpc.min_reconnect_backoff_ms`` is the time one connection attempt may take
+#: (gRPC's MIN_CONNECT_TIMEOUT, default 20 s): 5 s, so an attempt whose packets were dropped
+#: (a host coming back) is started again sooner, with room for a TLS handshake over a slow link.
+RECONNECT_OPTIONS: dict[str, int] = {
+    "grpc.initial_reconnect_backoff_ms": 250,
+    "grpc.max_reconnect_backoff_ms": 1000,
+    "grpc.min_reconnect_backoff_ms": 5000,
+}
+
+
+def channel_options(max_message_bytes: int,
+                    overrides: Mapping[str, Any] | Iterable[tuple[str, Any]] | None = None) -> list[tuple[str, Any]]:
+    """The channel arguments: the message size limit both ways, :data:`RECONNECT_OPTIONS`, then
+    ``overrides`` (gRPC channel arguments, a mapping or ``(name, value)`` pairs), which win."""
+    opts: dict[str, Any] = {"grpc.max_receive_message_length": max_message_bytes,
+                            "grpc.max_send_message_length": max_message_bytes, **RECONNECT_OPTIONS}
+    opts.update(dict(overrides.items() if isinstance(overrides, Mapping) else overrides or ()))
+    return list(opts.items())
+
+
+def credentials(token: str | None, tls_ca, tls_cert, tls_key) -> grpc.ChannelCredentials | None:
+    """Channel credentials for TLS (trusting ``tls_ca``; optional client certificate) and/or a
+    bearer token (None: a plain-text channel). A token without TLS is sent in plain text (for
+    loopback use), as call metadata. :raises OSError: a certificate or key file cannot be read."""
+    if tls_ca is None and tls_cert is None:
+        return None  # no TLS (a token alone is sent as call metadata on the plain-text channel)
+    ssl = grpc.ssl_channel_credentials(
+        root_certificates=Path(tls_ca).read_bytes() if tls_ca else None,
+        private_key=Path(tls_key).read_bytes() if tls_key else None,
+        certificate_chain=Path(tls_cert).read_bytes() if tls_cert else None,
+    )
+    if token is None:
+        return ssl
+    return grpc.composite_channel_credentials(ssl, grpc.access_token_call_credentials(token))
+
+
+def open_channel(target: str, *, aio: bool, max_message_bytes: int, options=None, token: str | None = None,
+                 tls_ca=None, tls_cert=None, tls_key=None) -> tuple[Any, tuple[tuple[str, str], ...] | None]:
+    """A channel to ``target`` (``grpc.aio`` when ``aio``) with :func:`channel_options` and
+    :func:`credentials`. :returns: ``(channel, metadata)``: the call metadata that carries the
+    token on a plain-text channel (None otherwise: TLS call credentials carry it)."""
+    creds = credentials(token, tls_ca, tls_cert, tls_key)
+    opts = channel_options(max_message_bytes, options)
+    mod = grpc.aio if aio else grpc
+    if creds is not None:
+        return mod.secure_channel(target, creds, options=opts), None
+    return mod.insecure_channel(target, options=opts), ((("authorization", f"Bearer {token}"),) if token else None)
