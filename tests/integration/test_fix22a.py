@@ -77,7 +77,7 @@ def test_start_up_steps_are_logged_per_shard_in_order_with_sizes_and_times(serve
         sh = rf"shard {s}: "
         a, m = _index(lines, sh + r"loading snapshot (snap-\S+): (\d+) chunks$")
         snap, n = m[1], int(m[2])
-        b, m = _index(lines, sh + rf"converting the dense index to hnsw: {n} rows \(the snapshot holds a flat index\)$")
+        b, m = _index(lines, sh + rf"converting the dense index to hnsw: {n} rows \(the snapshot's index is flat\)$")
         c, m = _index(lines, sh + rf"converted the dense index to hnsw: {n} rows in (\d+\.\d) s$")
         d, m = _index(lines, sh + rf"snapshot {re.escape(snap)} loaded: {n} chunks in (\d+\.\d) s$")
         e, m = _index(lines, sh + r"replaying the write-ahead log: (\d+) bytes$")

@@ -62,3 +62,40 @@ def test_known_label_combinations_exist_before_any_use():
     assert sum(n == "oprag_requests_total" for n, _ in got) == 7 * 7 + 5 * 8
     # an unknown service name exports nothing for it (and does not fail)
     StatusInterceptor(Metrics(), "no.such.Service")
+
+
+# ------------------------------------------------------------------ start-up steps in the log
+@pytest.mark.parametrize("was, now, lines", [
+    ("flat", "hnsw", ["loading snapshot {snap}: 300 chunks",
+                      "converting the dense index to hnsw: 300 rows (the snapshot's index is flat)",
+                      "converted the dense index to hnsw: 300 rows in", "snapshot {snap} loaded: 300 chunks in"]),
+    ("hnsw", "ivf", ["loading snapshot {snap}: 300 chunks",
+                     "reading 300 vectors out of the snapshot's hnsw index (the dense index is now ivf)",
+                     "read 300 vectors out of the snapshot's hnsw index in",
+                     "converting the dense index to ivf: 300 rows (the snapshot's index is hnsw)",
+                     "converted the dense index to ivf: 300 rows in", "snapshot {snap} loaded: 300 chunks in"]),
+    ("hnsw", "flat", ["loading snapshot {snap}: 300 chunks",
+                      "reading 300 vectors out of the snapshot's hnsw index (the dense index is now flat)",
+                      "read 300 vectors out of the snapshot's hnsw index in", "snapshot {snap} loaded: 300 chunks in"]),
+    ("hnsw", "hnsw", ["loading snapshot {snap}: 300 chunks", "snapshot {snap} loaded: 300 chunks in"]),
+])
+def test_a_shard_logs_its_snapshot_load_conversion_and_replay(tmp_path, capsys, was, now, lines):
+    import pyarrow as pa
+    from test_snapshot_beside import D, _batch
+
+    from oprag_server.config import DenseConfig
+    from oprag_server.shards.state import ShardState
+
+    st = ShardState(0, D, tmp_path, dense=DenseConfig(kind=was, train_min=64))
+    assert st.load(set()) == 0
+    st.store.upsert(pa.Table.from_batches([_batch(0, 300)]), 1)
+    st.snapshot()
+    st.txns.wal.close()
+    snap = (tmp_path / "shard-0" / "CURRENT").read_text().strip()
+    capsys.readouterr()
+    back = ShardState(0, D, tmp_path, dense=DenseConfig(kind=now, train_min=64))
+    back.load(set())
+    got = [ln.split(" shard 0: ", 1)[1] for ln in capsys.readouterr().err.splitlines()]
+    assert len(got) == len(lines) and all(g.startswith(w.format(snap=snap)) for g, w in zip(got, lines)), got
+    assert all(g.endswith(" s") for g in got[1::2] if " in " in g)
+    assert len(back.store.dense.slots) == 300

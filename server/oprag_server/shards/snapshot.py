@@ -231,9 +231,9 @@ def _load_ann(snap: Path, store: ChunkStore, say: Say = None) -> None:
                     return
         except (OSError, ValueError, KeyError, RuntimeError):
             pass  # rebuilt below
-    kind, n = store.dense.params.kind, len(store.dense)
-    step = _Step(say, f"converting the dense index to {kind}: {n} rows (the snapshot holds "
-                      + (f"a {was} index)" if was != kind else f"a {kind} structure it cannot use)"), n > 0)
+    kind, n = store.dense.params.kind, int(store.dense.slots.size)
+    why = f"the snapshot's index is {was}" if was != kind else f"the snapshot's {kind} structure cannot be used"
+    step = _Step(say, f"converting the dense index to {kind}: {n} rows ({why})", n > 0)
     store.dense.compact_ann()
     step.done(f"converted the dense index to {kind}: {n} rows")
 
@@ -316,8 +316,8 @@ def load(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions, co
         loading = _Step(say, f"loading snapshot {snap.name}: {table.num_rows} chunks")
         file = table  # (as read: without the vectors _with_vectors adds)
         if "vector" not in table.column_names and not store.dense.one_copy:
-            step = _Step(say, f"converting the dense index to {store.dense.params.kind}: {table.num_rows} rows "
-                              "(the snapshot holds an hnsw index: its vectors are read out of it)", table.num_rows > 0)
+            step = _Step(say, f"reading {table.num_rows} vectors out of the snapshot's hnsw index (the dense index "
+                              f"is now {store.dense.params.kind})", table.num_rows > 0)
             table = _with_vectors(snap, table, store.dim)  # written with HNSW, read by another kind
             step.done(f"read {table.num_rows} vectors out of the snapshot's hnsw index")
         postings = _load_postings(snap, meta, store, table.num_rows)
