@@ -83,7 +83,8 @@ LIM, R, G = CFG.limits, CFG.retrieval, CFG.generate
     ({"mode": 9}, "unknown retrieval mode 9: use HYBRID (1), DENSE (2), LEXICAL (3) or FULL_HYBRID (4)"),
     ({"candidates": R.max_candidates + 1}, f"candidates must be in [1, {R.max_candidates}] (0 = the default), got {R.max_candidates + 1}"),
     ({"session_id": "s" * (LIM.max_session_id_bytes + 1)},
-     f"session_id is longer than {LIM.max_session_id_bytes} bytes"),
+     f"session_id is longer than {LIM.max_session_id_bytes} bytes: a session id is 1 to {LIM.max_session_id_bytes} "
+     "bytes of UTF-8 with no control characters (U+0000-U+001F, U+007F-U+009F) and no leading or trailing whitespace"),
     ({"fusion": oprag_pb2.FusionOptions(method=7)}, "unknown fusion method 7: use WEIGHTED_MINMAX (1) or RRF (2)"),
     ({"fusion": oprag_pb2.FusionOptions(dense_weight=float("nan"))}, "fusion.dense_weight must be a number in [0, 1e6], got nan"),
     ({"fusion": oprag_pb2.FusionOptions(lexical_weight=-1.0)}, "fusion.lexical_weight must be a number in [0, 1e6], got -1.0"),
@@ -136,7 +137,7 @@ def test_query_vector_is_unit_norm_float32_without_overflow():
 
 def test_session_and_delete_ids():
     assert convert.check_session_id("", LIM) == ""
-    with pytest.raises(InvalidArgument, match="^session_id is empty: name the session to clear$"):
+    with pytest.raises(InvalidArgument, match=r"^session_id is empty: name the session to clear \(a session id is 1 to 256 bytes"):
         convert.check_session_id("", LIM, required=True)
     assert convert.delete_ids(oprag_pb2.DeleteRequest(doc_ids=["a", "b"]), LIM) == ["a", "b"]
     for ids, msg in (([], "doc_ids is empty: name at least one document id"),

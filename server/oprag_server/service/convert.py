@@ -21,6 +21,7 @@ from ..domain import DEFAULT_RRF_K, MODES, RetrieveSpec
 from ..engine.job import QueryJob
 from ..index.analyzer import has_visible_content
 from ..records import F32_HINT
+from . import session_ids
 from .ingest_reply import ingest_response  # noqa: F401 - convert's proto <-> domain API
 
 #: Wire retrieval mode -> domain mode name (UNSPECIFIED means the default, hybrid).
@@ -205,12 +206,12 @@ def request_id() -> str:
 
 
 def check_session_id(session_id: str, limits: LimitsConfig, *, required: bool = False) -> str:
-    """:returns: ``session_id``. :raises InvalidArgument: empty (when ``required``) or longer
-    than ``limits.max_session_id_bytes`` UTF-8 bytes."""
-    if required and not session_id:
-        raise InvalidArgument("session_id is empty: name the session to clear")
-    if len(session_id.encode()) > limits.max_session_id_bytes:
-        raise InvalidArgument(f"session_id is longer than {limits.max_session_id_bytes} bytes")
+    """:returns: ``session_id``. :raises InvalidArgument: not a session id (:mod:`.session_ids`:
+    control characters, leading or trailing whitespace, over ``limits.max_session_id_bytes``
+    UTF-8 bytes) or empty when ``required``."""
+    why = session_ids.problem(session_id, limits.max_session_id_bytes, required=required)
+    if why is not None:
+        raise InvalidArgument(why)
     return session_id
 
 

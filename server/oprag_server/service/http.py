@@ -34,6 +34,9 @@ from ..shards.pool import ShardError
 from . import convert
 from . import openai_api as api
 from .convert import InvalidArgument
+from .http_labels import CODE_NAME as _CODE_NAME
+from .http_labels import init_labels
+from .http_labels import metric_method as _metric_method
 from .openai_errors import NotFound, error_response, exception_response, validation_message
 from .servicer import read_your_writes
 from .disconnect import ClientGone as _ClientGone
@@ -41,9 +44,6 @@ from .disconnect import unless_gone as _unless_gone
 from .stream import job_events
 from .tracing import CARRIER, carrier_of
 
-#: HTTP status -> the gRPC code name counted in ``oprag_requests_total{code}``.
-_CODE_NAME = {200: "OK", 400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 405: "UNIMPLEMENTED",
-              413: "RESOURCE_EXHAUSTED", 429: "RESOURCE_EXHAUSTED", 499: "CANCELLED", 503: "UNAVAILABLE"}
 ALIAS = "oprag"  # a chat model id that always names the configured generator
 _ENDPOINTS = ("the endpoints are POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id}, POST /v1/embeddings "
            "and POST /v1/retrieve")
@@ -52,17 +52,6 @@ _ENDPOINTS = ("the endpoints are POST /v1/chat/completions, GET /v1/models, GET 
 #: the request model of each POST route (validation messages list its fields)
 _MODELS = {"/v1/retrieve": api.RetrieveRequest, "/v1/chat/completions": api.ChatRequest,
            "/v1/embeddings": api.EmbeddingsRequest}
-#: the API's routes by metric label; any other path counts as "HTTP other" (a bounded label set)
-_ROUTES = ("/v1/chat/completions", "/v1/embeddings", "/v1/retrieve", "/v1/models")
-
-
-def _metric_method(path: str) -> str:
-    """``HTTP <route>`` for the API's routes (``/v1/models/{id}`` counts as ``/v1/models``),
-    ``HTTP other`` for every other path, so a client cannot grow the metric's label set."""
-    for route in _ROUTES:
-        if path == route or (route == "/v1/models" and path.startswith("/v1/models/") and path.count("/") == 3):
-            return f"HTTP {route}"
-    return "HTTP other"
 
 
 class Guard:
@@ -72,6 +61,7 @@ class Guard:
     def __init__(self, app: Any, *, tokens: set[str], max_body: int, metrics: Any, tracing: bool = False) -> None:
         self.app, self.max_body, self.metrics, self.tracing = app, max_body, metrics, tracing
         self.tokens = [t.encode() for t in tokens]
+        init_labels(metrics, tokens=bool(tokens))  # every route x code exported as 0 from the start
 
     def _authorized(self, headers: dict[bytes, bytes]) -> bool:
         if not self.tokens:

@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 import grpc
+from google.protobuf import descriptor_pool
 
 from ..index.disk_errors import disk_error
 from ..engine.ingest import IngestError
@@ -34,6 +35,7 @@ from ..models.protocols import EngineRejected, EngineTimeout, EngineUnavailable
 from ..shards.pool import ShardError
 from ..shards.transport import StorageUnavailable
 from .convert import InvalidArgument
+from .metrics import GRPC_CODES
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +204,11 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, metrics: Any, service: str) -> None:
         self.metrics = metrics
+        try:  # every method of the service exported from the start, with the codes it answers with
+            methods = [m.name for m in descriptor_pool.Default().FindServiceByName(service).methods]
+        except KeyError:  # (a service whose descriptor was not imported: its series appear as used)
+            methods = []
+        metrics.init_requests(methods, GRPC_CODES)
         self.prefix = f"/{service}/"
         self._wrapped: dict[str, tuple[Any, Any]] = {}  # method path -> (its handler, the wrapped one)
 

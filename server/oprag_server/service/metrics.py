@@ -14,6 +14,20 @@ from ..engine.scheduler import QUERY_OPERATORS
 # ``retrieve``), ``queue`` (admission to batch start) and ``generate_queue`` (prep end to generation
 # start). Ingest: ``transform``, ``embed`` (per forward pass), ``upsert``. Start-up: ``shard_recovery``.
 STAGES = ("queue", "generate_queue", *(s.op for s in QUERY_OPERATORS), "fusion", "transform", "upsert")
+#: the codes ``oprag_requests_total`` is exported with from the start (0) for every gRPC method of
+#: the service (what :func:`.interceptors.status_for` and a caller leaving give); any other code
+#: appears at its first use
+GRPC_CODES = ("OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED", "CANCELLED", "UNAVAILABLE", "INTERNAL")
+#: the values of the other labels known in advance, exported as 0 from the start (README: Metrics)
+KNOWN_LABELS = {
+    "queue_depth": [{"queue": q} for q in ("query", "embed_ingest")],
+    "rejected_overload": [{"queue": q} for q in ("query", "query_latency")],
+    "generator_seconds": [{"state": s} for s in ("busy", "idle")],
+    "embed_tokens": [{"kind": k} for k in ("real", "padded")],
+    "answers_without_sources": [{"action": a} for a in ("refused", "generated")],
+    "engine_tokens": [{"kind": k} for k in ("prompt", "cached", "completion")],
+    "writes_after_caller_left": [{"kind": k, "outcome": o} for k in ("upsert", "delete") for o in ("applied", "aborted")],
+}
 _LAT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -135,10 +149,20 @@ class Metrics:
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0), registry=r)
         for s in STAGES:
             self.stage_seconds.labels(stage=s)
+        for name, combos in KNOWN_LABELS.items():  # (children created: exported as 0 before any use)
+            for labels in combos:
+                getattr(self, name).labels(**labels)
         # the per-request ones (hot path); shard_bytes is not among them (its children are replaced)
         for m in (self.stage_seconds, self.request_seconds, self.requests, self.queue_depth, self.batch_size,
                   self.rejected_overload, self.generator_seconds):
             _memo_labels(m)
+
+    def init_requests(self, methods, codes) -> None:
+        """Export ``oprag_requests_total{method, code}`` as 0 for every ``method`` x ``code``
+        (strings) from now on, instead of from its first request."""
+        for m in methods:
+            for c in codes:
+                self.requests.labels(method=m, code=c)
 
     def serve(self, port: int, host: str) -> None:
         """Start the ``/metrics`` HTTP endpoint (a daemon thread)."""

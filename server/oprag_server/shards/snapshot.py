@@ -26,6 +26,7 @@ import mmap
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -184,16 +185,37 @@ def release_memory() -> None:
         pass
 
 
-def _load_ann(snap: Path, store: ChunkStore) -> None:
+#: a line for the service log (:meth:`.state.ShardState.say`), or None: nothing is logged
+Say = Callable[[str], None] | None
+
+
+class _Step:
+    """A long start-up step: ``say(start)`` now (when ``loud``), ``say("<end> in <s> s")`` at :meth:`done`."""
+
+    def __init__(self, say: Say, start: str, loud: bool = True) -> None:
+        self.say = say if loud else None
+        self.t = time.perf_counter()
+        if self.say is not None:
+            self.say(start)
+
+    def done(self, end: str) -> None:
+        if self.say is not None:
+            self.say(f"{end} in {time.perf_counter() - self.t:.1f} s")
+
+
+def _load_ann(snap: Path, store: ChunkStore, say: Say = None) -> None:
     """Adopt the snapshot's approximate dense structure, or build one from the vectors (no
-    such file, another index kind, unreadable). Slots were renumbered by the load: the snapshot
+    such file, another index kind, unreadable): a conversion, logged with ``say`` before and
+    after (it takes minutes for 10^4-10^5 HNSW rows). Slots were renumbered by the load: the snapshot
     held its live chunks in slot order, and they now hold slots 0..n-1 in that order."""
     f, m = snap / "dense.faiss", snap / "dense.npz"
-    if store.dense.ann_state() is None:
+    if store.dense.ann_state(with_bytes=False) is None:
         return
+    was = "flat"  # (what a snapshot without the structure's files held)
     if f.exists() and m.exists():
         try:
             meta = np.load(m)
+            was = str(meta["kind"])
             live = np.asarray(meta["live_slots"], dtype=np.int64)
             now = np.sort(store.dense.slots)
             if live.size == now.size:
@@ -209,7 +231,11 @@ def _load_ann(snap: Path, store: ChunkStore) -> None:
                     return
         except (OSError, ValueError, KeyError, RuntimeError):
             pass  # rebuilt below
+    kind, n = store.dense.params.kind, int(store.dense.slots.size)
+    why = f"the snapshot's index is {was}" if was != kind else f"the snapshot's {kind} structure cannot be used"
+    step = _Step(say, f"converting the dense index to {kind}: {n} rows ({why})", n > 0)
     store.dense.compact_ann()
+    step.done(f"converted the dense index to {kind}: {n} rows")
 
 
 def _tail(snap: Path) -> np.ndarray | None:
@@ -262,7 +288,7 @@ def _load_postings(snap: Path, meta: dict, store: ChunkStore, rows: int) -> Post
 
 
 def load(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions, committed: set[str] | None,
-         storage: ShardStorage | None = None) -> int:
+         storage: ShardStorage | None = None, say: Say = None) -> int:
     """Load the current snapshot under ``d`` if any, then replay the write-ahead log: memory
     records in log order (:meth:`.memory.MemoryStore.replay`) and records of committed transactions (``committed`` txn ids, from the frontend's commit log) with a
     sequence number above the snapshot's are applied in order; others are ignored.
@@ -270,6 +296,9 @@ def load(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions, co
     :returns: number of log records replayed (transactions and memory records).
     With ``storage``, ``d`` is first brought to the storage's current snapshot and log
     (:meth:`.storage.ShardStorage.open_log`; a new node's empty directory downloads them).
+
+    ``say`` (a line for the service log) is told when each long step starts and ends, with its
+    size and time: the snapshot's load, a dense index conversion (:func:`_load_ann`), the log's replay.
 
     :raises RuntimeError: the snapshot's format version or vector width differ.
     """
@@ -284,9 +313,13 @@ def load(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions, co
         if meta.get("dim") != store.dim:
             raise RuntimeError(f"{snap}: vectors have width {meta.get('dim')}, the embedder produces {store.dim}")
         table, mapped = map_chunks(snap / "chunks.arrow")
+        loading = _Step(say, f"loading snapshot {snap.name}: {table.num_rows} chunks")
         file = table  # (as read: without the vectors _with_vectors adds)
         if "vector" not in table.column_names and not store.dense.one_copy:
+            step = _Step(say, f"reading {table.num_rows} vectors out of the snapshot's hnsw index (the dense index "
+                              f"is now {store.dense.params.kind})", table.num_rows > 0)
             table = _with_vectors(snap, table, store.dim)  # written with HNSW, read by another kind
+            step.done(f"read {table.num_rows} vectors out of the snapshot's hnsw index")
         postings = _load_postings(snap, meta, store, table.num_rows)
         if table.num_rows:
             store.upsert(table, 0, index_ann=False, index_lexical=postings is None, copy_fields=False)
@@ -295,12 +328,16 @@ def load(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions, co
         if postings is not None:
             postings.gate = store.postings.gate  # (the merge gate the shard gave the index it replaces)
             store.postings = postings
-        _load_ann(snap, store)
+        _load_ann(snap, store, say)
         store.applied_seq = int(meta.get("applied_seq", 0))
         store.next_slot = max(store.next_slot, int(meta.get("next_slot", 0)))
         memory.load_json(json.loads((snap / "memory.json").read_text()))
+        loading.done(f"snapshot {snap.name} loaded: {table.num_rows} chunks")
+    size = wal.path.stat().st_size if wal.path.exists() else 0
+    replaying = _Step(say, f"replaying the write-ahead log: {size} bytes", size > 0)
     replayed = txns.replay(wal, committed)
     replayed += memory.replay(wal)
+    replaying.done(f"write-ahead log replayed: {replayed} records applied")
     store.postings.drain_delta()
     release_memory()  # what the load's temporaries left in the allocators (a file of several batches
     return replayed   # has its vector column combined once for a flat index's copy)

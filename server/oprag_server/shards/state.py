@@ -89,13 +89,14 @@ class ShardState:
         return SnapshotJob(self._dir(), self.store, self.memory, self.txns, self.storage, log=self.note)
 
     def load(self, committed: set[str] | None = None) -> int:
-        """Load the snapshot and replay committed log records (see :func:`.snapshot.load`).
+        """Load the snapshot and replay committed log records (see :func:`.snapshot.load`), each
+        long step logged when it starts and ends (:meth:`say`).
 
         :returns: log records replayed. :raises RuntimeError: incompatible snapshot.
         """
         if self.data_dir is None:
             return 0
-        return snapshots.load(self._dir(), self.store, self.memory, self.txns, committed, self.storage)
+        return snapshots.load(self._dir(), self.store, self.memory, self.txns, committed, self.storage, say=self.say)
 
     #: deferred HNSW inserts per background step: ~40-60 ms at efConstruction 80 (a request that
     #: arrives meanwhile waits at most that long; FAISS's add costs O(graph size) per call besides
@@ -160,9 +161,14 @@ class ShardState:
                          f"segment of {p.segment.n_postings}")
         self._logged = (p.merging, p.merges, p.spills)
         for line in lines:
-            t = time.time()
-            print(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(t))},{int(t * 1000) % 1000:03d} "
-                  f"shard {self.shard_id}: {line}", file=sys.stderr, flush=True)
+            self.say(line)
+
+    def say(self, line: str) -> None:
+        """Write ``line`` to the service log (stderr: the shard process's is the server's) as
+        ``<local time>,<ms> shard <i>: <line>``."""
+        t = time.time()
+        print(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(t))},{int(t * 1000) % 1000:03d} "
+              f"shard {self.shard_id}: {line}", file=sys.stderr, flush=True)
 
     def shutdown(self, req: ShutdownRequest) -> ShutdownReply:
         """Snapshot when asked; the run loop exits after replying."""

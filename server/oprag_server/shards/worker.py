@@ -146,8 +146,7 @@ def run(shard_id: int, conn, dim: int, data_dir: str | None, stem: bool, committ
         replayed = state.load(committed)
         warm_s = state.search.warm()  # compiled kernels ready before the first query
         if warm_s > 1.0:
-            print(f"shard {shard_id}: search kernels ready in {warm_s:.1f} s (compiled, or loaded from numba's cache)",
-                  file=sys.stderr)
+            state.say(f"search kernels ready in {warm_s:.1f} s (compiled, or loaded from numba's cache)")
         ready = state.stats(StatsRequest(lexical=True))
         ready.replayed = replayed
         conn.send((0, True, ready))
