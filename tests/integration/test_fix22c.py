@@ -1,0 +1,112 @@
+"""fix22c over one real server (``--tokens-file``, ``--http-port``, no generator): trial22's
+findings 2, 3 and 4.
+
+* 2: HTTP ``/v1/retrieve`` and the chat extension set ``memory_context`` whenever the session or
+  conversation had an earlier turn; gRPC only when memory changed the retrieval. Both now use
+  :func:`oprag_server.service.convert.memory_fields`, and HTTP replies carry ``memory_used`` and
+  ``resolved_query`` too.
+* 3: a stream whose deadline passed after its final message arrived, while its documents were
+  still embedded (before the two-phase commit), was not counted in
+  ``oprag_writes_after_caller_left_total{kind=upsert,outcome=aborted}``.
+* 4: a bearer token with a trailing newline (a file, a Kubernetes secret) failed as gRPC's
+  ``INTERNAL: Invalid metadata`` with C-core log lines; clients now strip it, and refuse a token
+  with a control character inside with a message naming ``--token``/``OPRAG_TOKEN``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import re
+import subprocess
+import urllib.request
+
+import grpc
+import pytest
+
+from oprag_client.client import AsyncOpRAGClient, Doc, OpRAGClient
+from oprag_client.testing import ServerProcess, free_port, oprag_cli, wait_until
+
+pytestmark = pytest.mark.integration
+TOKEN = "fix22c-token"
+DOCS = [
+    Doc("lighthouse", title="Varnholm Lighthouse", text=(
+        "The Varnholm Lighthouse stands on a granite skerry at the mouth of the Varn fjord. It was completed in "
+        "1874 after four summers of work, and its lantern was designed by the engineer Ingrid Solberg.")),
+    Doc("bees", title="Honey bee dances", text=(
+        "Honey bee foragers tell their nestmates where food is by dancing on the comb. The angle of the waggle "
+        "run encodes the direction of the flowers relative to the sun; its duration encodes the distance.")),
+    Doc("sourdough", title="Sourdough starter", text=(
+        "A sourdough starter is a culture of wild yeast and lactic acid bacteria kept in flour and water. Bakers "
+        "feed it every day by discarding part of it and adding fresh flour and water.")),
+]
+FIRST = "Tell me about honey bee dances."
+UNRELATED = "How often do bakers feed a sourdough starter with flour and water?"  # the session adds nothing
+FOLLOW_UP = "Why do they do it?"  # only the earlier turn says who "they" are
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fix22c")
+    (d / "tokens").write_text(TOKEN + "\n")
+    srv = ServerProcess(d / "data", free_port(), free_port(), "--shards", "1", "--generator", "none",
+                        "--tokens-file", str(d / "tokens"), "--http-port", str(free_port()))
+    srv.http_port = int(srv.extra[srv.extra.index("--http-port") + 1])
+    srv.start()
+    with OpRAGClient(srv.target, timeout=120, token=TOKEN) as c:
+        c.ingest(DOCS)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with OpRAGClient(server.target, timeout=120, token=TOKEN) as c:
+        yield c
+
+
+def _post(server, path: str, body: dict) -> dict:
+    req = urllib.request.Request(f"http://127.0.0.1:{server.http_port}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.load(r)
+
+
+MEMORY = ("memory_context", "memory_used", "resolved_query")
+
+
+# ------------------------------------------------------------------------------ finding 2
+@pytest.mark.parametrize("second, changed", [(UNRELATED, False), (FOLLOW_UP, True)])
+def test_http_retrieve_memory_fields_are_grpcs(server, client, second, changed):
+    tag = f"{random.random()}"
+    client.retrieve(FIRST, session_id=f"g-{tag}", top_k=2)
+    _post(server, "/v1/retrieve", {"query": FIRST, "session_id": f"h-{tag}", "top_k": 2})
+    g = client.retrieve(second, session_id=f"g-{tag}", top_k=2)
+    h = _post(server, "/v1/retrieve", {"query": second, "session_id": f"h-{tag}", "top_k": 2})
+    assert g.memory_used is changed, (g.memory_used, g.memory_context)  # (the case this test means)
+    assert {k: h.get(k) for k in MEMORY} == {k: getattr(g, k) for k in MEMORY}  # (before: no memory_used)
+    assert [x["chunk_id"] for x in h["hits"]] == [x.chunk_id for x in g.hits]
+    if not changed:  # before: "Previous question: Tell me about honey bee dances. (sources: ...)"
+        assert h["memory_context"] == "" and h["resolved_query"] == ""
+    else:
+        assert "honey bee dances" in h["memory_context"] and h["resolved_query"]
+
+
+def test_chat_conversation_memory_shown_only_when_it_changed_the_retrieval(server):
+    def chat(*questions: str) -> dict:
+        msgs = []
+        for q in questions[:-1]:
+            msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": "ok"}]
+        body = {"model": "oprag", "messages": [*msgs, {"role": "user", "content": questions[-1]}],
+                "oprag": {"top_k": 2}}
+        return _post(server, "/v1/chat/completions", body)["oprag"]
+
+    alone, after = chat(UNRELATED), chat(FIRST, UNRELATED)
+    assert [x["chunk_id"] for x in after["hits"]] == [x["chunk_id"] for x in alone["hits"]]
+    # before: memory_context "Previous question: Tell me about honey bee dances." and no memory_used
+    assert {k: after[k] for k in MEMORY} == {"memory_context": "", "memory_used": False, "resolved_query": ""}
+    follow = chat(FIRST, FOLLOW_UP)
+    assert follow["memory_used"] and follow["memory_context"] == f"Previous question: {FIRST}"
+    assert FIRST in follow["resolved_query"] and follow["hits"][0]["doc_id"] == "bees"
