@@ -110,3 +110,32 @@ def test_chat_conversation_memory_shown_only_when_it_changed_the_retrieval(serve
     follow = chat(FIRST, FOLLOW_UP)
     assert follow["memory_used"] and follow["memory_context"] == f"Previous question: {FIRST}"
     assert FIRST in follow["resolved_query"] and follow["hits"][0]["doc_id"] == "bees"
+
+
+# ------------------------------------------------------------------------------ finding 4
+def test_token_with_trailing_newline_is_stripped(server):
+    with OpRAGClient(server.target, timeout=60, token=TOKEN + "\n") as c:  # before: INTERNAL: Invalid metadata
+        assert c.stats().documents >= len(DOCS)
+
+    async def run() -> int:
+        async with AsyncOpRAGClient(server.target, timeout=60, token=f"  {TOKEN}\r\n") as c:
+            return (await c.stats()).documents
+
+    assert asyncio.run(run()) >= len(DOCS)
+    env = {**os.environ, "OPRAG_TOKEN": TOKEN + "\n"}
+    p = subprocess.run([*oprag_cli(), "stats", "--server", server.target, "--json"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and json.loads(p.stdout)["documents"] >= len(DOCS), p.stderr
+    assert p.stderr == ""
+
+
+def test_token_with_a_control_character_inside_is_refused_clearly(server):
+    with pytest.raises(ValueError, match=r"control character, '\\n', at position 5"):
+        OpRAGClient(server.target, token="fix22\nc-token")
+    for how in (["--token", "fix22\tc-token"], []):
+        env = {**os.environ, "OPRAG_TOKEN": "fix22\nc-token"}
+        p = subprocess.run([*oprag_cli(), "stats", "--server", server.target, *how], env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2, (p.returncode, p.stderr)
+        assert p.stderr.startswith("oprag: the bearer token (--token or OPRAG_TOKEN) holds a control character")
+        assert "Invalid metadata" not in p.stderr and len(p.stderr.splitlines()) == 1, p.stderr  # no C-core lines
