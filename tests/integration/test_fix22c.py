@@ -139,3 +139,40 @@ def test_token_with_a_control_character_inside_is_refused_clearly(server):
         assert p.returncode == 2, (p.returncode, p.stderr)
         assert p.stderr.startswith("oprag: the bearer token (--token or OPRAG_TOKEN) holds a control character")
         assert "Invalid metadata" not in p.stderr and len(p.stderr.splitlines()) == 1, p.stderr  # no C-core lines
+
+
+# ------------------------------------------------------------------------------ finding 3
+def _left_counters(server) -> tuple[float, float]:
+    """``oprag_writes_after_caller_left_total{kind="upsert",outcome="aborted"}`` and
+    ``oprag_ingest_streams_aborted_total`` (0 when the series does not exist yet)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=30).read().decode()
+    left = re.search(r'^oprag_writes_after_caller_left_total\{kind="upsert",outcome="aborted"\} (\S+)$', text, re.M)
+    aborted = re.search(r"^oprag_ingest_streams_aborted_total (\S+)$", text, re.M)
+    return float(left.group(1)) if left else 0.0, float(aborted.group(1)) if aborted else 0.0
+
+
+def _long_docs(n: int, words: int, seed: int) -> list[Doc]:
+    """``n`` documents of ``words`` made-up words each: many chunks to embed, few bytes to send."""
+    rnd = random.Random(seed)
+    syll = ["ka", "lo", "mir", "tes", "vun", "dra", "pel", "os", "qui", "zen", "bar", "fo"]
+    vocab = ["".join(rnd.choice(syll) for _ in range(rnd.randint(2, 4))) for _ in range(2000)]
+    return [Doc(f"long-{seed}-{i}", " ".join(rnd.choice(vocab) for _ in range(words)) + ".") for i in range(n)]
+
+
+def test_deadline_while_the_final_stream_is_embedded_counts_as_caller_left(server, client):
+    """30 documents in one message (the final one): the server reads it at once (its load queue
+    holds 32 documents), then spends seconds chunking and embedding them before the commit; the
+    1.5 s deadline passes in between. The stream stores nothing and is counted both as aborted and
+    as a write whose caller left (before: aborted only)."""
+    for words in (3000, 12000, 48000):  # until the embedding outlasts the deadline (a fast machine)
+        docs_before, (left0, aborted0) = client.stats().documents, _left_counters(server)
+        try:
+            client.ingest(_long_docs(30, words, words), timeout=1.5)
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.DEADLINE_EXCEEDED, e
+            break
+    else:
+        pytest.skip("every stream was embedded and committed within 1.5 s")
+    assert wait_until(lambda: _left_counters(server)[1] == aborted0 + 1, timeout=60)
+    assert _left_counters(server) == (left0 + 1, aborted0 + 1)
+    assert client.stats().documents == docs_before
