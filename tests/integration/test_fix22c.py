@@ -28,20 +28,10 @@ import pytest
 
 from oprag_client.client import AsyncOpRAGClient, Doc, OpRAGClient
 from oprag_client.testing import ServerProcess, free_port, oprag_cli, wait_until
+from test_http import DOCS  # (tests/integration is on sys.path: pytest's rootdir-relative import)
 
 pytestmark = pytest.mark.integration
 TOKEN = "fix22c-token"
-DOCS = [
-    Doc("lighthouse", title="Varnholm Lighthouse", text=(
-        "The Varnholm Lighthouse stands on a granite skerry at the mouth of the Varn fjord. It was completed in "
-        "1874 after four summers of work, and its lantern was designed by the engineer Ingrid Solberg.")),
-    Doc("bees", title="Honey bee dances", text=(
-        "Honey bee foragers tell their nestmates where food is by dancing on the comb. The angle of the waggle "
-        "run encodes the direction of the flowers relative to the sun; its duration encodes the distance.")),
-    Doc("sourdough", title="Sourdough starter", text=(
-        "A sourdough starter is a culture of wild yeast and lactic acid bacteria kept in flour and water. Bakers "
-        "feed it every day by discarding part of it and adding fresh flour and water.")),
-]
 FIRST = "Tell me about honey bee dances."
 UNRELATED = "How often do bakers feed a sourdough starter with flour and water?"  # the session adds nothing
 FOLLOW_UP = "Why do they do it?"  # only the earlier turn says who "they" are
