@@ -27,7 +27,8 @@ import grpc
 import pytest
 
 from oprag_client.client import AsyncOpRAGClient, Doc, OpRAGClient
-from oprag_client.testing import ServerProcess, free_port, oprag_cli, wait_until
+from oprag_client.testing import oprag_cli, wait_until
+from server_fixtures import http_server
 from test_http import DOCS  # (tests/integration is on sys.path: pytest's rootdir-relative import)
 
 pytestmark = pytest.mark.integration
@@ -39,26 +40,19 @@ FOLLOW_UP = "Why do they do it?"  # only the earlier turn says who "they" are
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    d = tmp_path_factory.mktemp("fix22c")
-    (d / "tokens").write_text(TOKEN + "\n")
-    srv = ServerProcess(d / "data", free_port(), free_port(), "--shards", "1", "--generator", "none",
-                        "--tokens-file", str(d / "tokens"), "--http-port", str(free_port()))
-    srv.http_port = int(srv.extra[srv.extra.index("--http-port") + 1])
-    srv.start()
-    with OpRAGClient(srv.target, timeout=120, token=TOKEN) as c:
-        c.ingest(DOCS)
-    yield srv
-    srv.stop()
+    tokens = tmp_path_factory.mktemp("fix22c-tokens") / "tokens"
+    tokens.write_text(TOKEN + "\n")
+    yield from http_server(tmp_path_factory, "fix22c", "--shards", "1", "--generator", "none", "--tokens-file",
+                           str(tokens), docs=DOCS, timeout=120, token=TOKEN)
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    with OpRAGClient(server.target, timeout=120, token=TOKEN) as c:
-        yield c
+    return server.grpc
 
 
 def _post(server, path: str, body: dict) -> dict:
-    req = urllib.request.Request(f"http://127.0.0.1:{server.http_port}{path}", data=json.dumps(body).encode(),
+    req = urllib.request.Request(f"{server.url}{path}", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"})
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.load(r)
@@ -72,9 +66,9 @@ MEMORY = ("memory_context", "memory_used", "resolved_query")
 def test_http_retrieve_memory_fields_are_grpcs(server, client, second, changed):
     tag = f"{random.random()}"
     client.retrieve(FIRST, session_id=f"g-{tag}", top_k=2)
-    _post(server, "/v1/retrieve", {"query": FIRST, "session_id": f"h-{tag}", "top_k": 2})
+    _post(server, "/retrieve", {"query": FIRST, "session_id": f"h-{tag}", "top_k": 2})
     g = client.retrieve(second, session_id=f"g-{tag}", top_k=2)
-    h = _post(server, "/v1/retrieve", {"query": second, "session_id": f"h-{tag}", "top_k": 2})
+    h = _post(server, "/retrieve", {"query": second, "session_id": f"h-{tag}", "top_k": 2})
     assert g.memory_used is changed, (g.memory_used, g.memory_context)  # (the case this test means)
     assert {k: h.get(k) for k in MEMORY} == {k: getattr(g, k) for k in MEMORY}  # (before: no memory_used)
     assert [x["chunk_id"] for x in h["hits"]] == [x.chunk_id for x in g.hits]
@@ -91,7 +85,7 @@ def test_chat_conversation_memory_shown_only_when_it_changed_the_retrieval(serve
             msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": "ok"}]
         body = {"model": "oprag", "messages": [*msgs, {"role": "user", "content": questions[-1]}],
                 "oprag": {"top_k": 2}}
-        return _post(server, "/v1/chat/completions", body)["oprag"]
+        return _post(server, "/chat/completions", body)["oprag"]
 
     alone, after = chat(UNRELATED), chat(FIRST, UNRELATED)
     assert [x["chunk_id"] for x in after["hits"]] == [x["chunk_id"] for x in alone["hits"]]
