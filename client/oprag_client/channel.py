@@ -34,6 +34,26 @@ def channel_options(max_message_bytes: int,
     return list(opts.items())
 
 
+def bearer_token(token: str | None, name: str = "token=") -> str | None:
+    """The bearer token as it is sent: surrounding whitespace stripped (a token read from a file or
+    a Kubernetes secret ends in a newline; the server strips the lines of its ``--tokens-file`` the
+    same way); None when ``token`` is None or nothing is left.
+
+    :param name: how the caller gave the token, for the message (``--token or OPRAG_TOKEN`` in the CLI).
+    :raises ValueError: the token holds a character that a gRPC header cannot carry: a control
+        character (a newline or tab inside it) or one outside printable ASCII (gRPC refused it as
+        ``INTERNAL: Invalid metadata``, after C-core log lines)."""
+    if token is None:
+        return None
+    token = token.strip()
+    bad = next((i for i, ch in enumerate(token) if not " " <= ch <= "~"), None)
+    if bad is not None:
+        kind = "a control character" if token[bad].isascii() else "a character outside printable ASCII"
+        raise ValueError(f"the bearer token ({name}) holds {kind}, {token[bad]!r}, at position {bad}: a token is "
+                         "one line of printable ASCII; check the file or variable it was read from")
+    return token or None
+
+
 def credentials(token: str | None, tls_ca, tls_cert, tls_key) -> grpc.ChannelCredentials | None:
     """Channel credentials for TLS (trusting ``tls_ca``; optional client certificate) and/or a
     bearer token (None: a plain-text channel). A token without TLS is sent in plain text (for
@@ -54,7 +74,9 @@ def open_channel(target: str, *, aio: bool, max_message_bytes: int, options=None
                  tls_ca=None, tls_cert=None, tls_key=None) -> tuple[Any, tuple[tuple[str, str], ...] | None]:
     """A channel to ``target`` (``grpc.aio`` when ``aio``) with :func:`channel_options` and
     :func:`credentials`. :returns: ``(channel, metadata)``: the call metadata that carries the
-    token on a plain-text channel (None otherwise: TLS call credentials carry it)."""
+    token on a plain-text channel (None otherwise: TLS call credentials carry it).
+    :raises ValueError: a token gRPC cannot send (:func:`bearer_token`)."""
+    token = bearer_token(token)
     creds = credentials(token, tls_ca, tls_cert, tls_key)
     opts = channel_options(max_message_bytes, options)
     mod = grpc.aio if aio else grpc

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import grpc
 
+from .channel import bearer_token
 from .client import OpRAGClient
 
 
@@ -52,7 +53,8 @@ def _client(a, **kw) -> OpRAGClient:
             raise ValueError(f"cannot read {flag} {path}: {'no such file' if not Path(path).exists() else 'permission denied'}")
         if path is not None and b"-----BEGIN " not in Path(path).read_bytes()[:1 << 20]:  # gRPC: "security handshaker"
             raise ValueError(f"{flag} {path} is not a PEM file (no '-----BEGIN ...' line)")
-    return OpRAGClient(a.server, timeout=a.timeout, token=a.token, tls_ca=a.tls_ca, tls_cert=a.client_cert,
+    token = bearer_token(a.token, "--token or OPRAG_TOKEN")  # (a file's newline: gRPC's "Invalid metadata")
+    return OpRAGClient(a.server, timeout=a.timeout, token=token, tls_ca=a.tls_ca, tls_cert=a.client_cert,
                        tls_key=a.client_key, **kw)
 
 

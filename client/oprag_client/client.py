@@ -211,7 +211,9 @@ class OpRAGClient:
             UNAVAILABLE / RESOURCE_EXHAUSTED (:mod:`oprag_client.retry`); none by default.
         :param channel_options: gRPC channel arguments (a mapping or ``(name, value)`` pairs) over
             this client's (:func:`oprag_client.channel.channel_options`: a restarted server is
-            reconnected to within about a second, :data:`~oprag_client.channel.RECONNECT_OPTIONS`)."""
+            reconnected to within about a second, :data:`~oprag_client.channel.RECONNECT_OPTIONS`).
+        :param token: bearer token; surrounding whitespace (a file's trailing newline) is dropped.
+        :raises ValueError: a token with a control or non-ASCII character inside (:func:`~oprag_client.channel.bearer_token`)."""
         self.retry = retry
         self.max_message_bytes = max_message_bytes
         self.timeout = timeout

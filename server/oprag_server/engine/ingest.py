@@ -23,7 +23,9 @@ shard under the index write lock, with a new sequence number; the frontend's cor
 BM25 statistics move in the same step. A stream that is cancelled, fails or ends without the
 final message is aborted: the shards drop what they staged and the index is exactly as before.
 One cancelled once its commit has begun is committed or aborted whole (:meth:`.commit.CommitProtocol.commit`);
-committed, it is counted as stored, not aborted (:mod:`.ingest_commit`).
+committed, it is counted as stored, not aborted (:mod:`.ingest_commit`). A caller cancelled after
+its final message arrived, before the commit began (its last documents still being embedded), is
+aborted and counted in ``oprag_writes_after_caller_left_total`` too (:func:`.ingest_commit.abort_stream`).
 """
 
 from __future__ import annotations
@@ -129,19 +131,20 @@ class IngestPipeline:
 
     async def _run(self, messages: AsyncIterator[Any]) -> IngestResult:
         txn = uuid.uuid4().hex
+        phase = {"final": False, "commit": False}  # the final message arrived; the commit began
         try:
-            res = await self._pipeline(messages, txn)
+            res = await self._pipeline(messages, txn, phase)
         except CommittedAfterLeave:  # the client left after the commit point: stored and counted
             raise  # as such (:func:`.ingest_commit.commit_stream`), not aborted
-        except BaseException:
-            await asyncio.shield(abort_stream(self.pool, txn, self.metrics))
+        except BaseException as exc:  # (a cancelled commit counted itself: CommitProtocol.commit)
+            left = isinstance(exc, asyncio.CancelledError) and phase["final"] and not phase["commit"]
+            await asyncio.shield(abort_stream(self.pool, txn, self.metrics, caller_left=left))
             raise
         return res
 
-    async def _pipeline(self, messages: AsyncIterator[Any], txn: str) -> IngestResult:
-        t0 = time.perf_counter()
+    async def _pipeline(self, messages: AsyncIterator[Any], txn: str, phase: dict[str, bool] | None = None) -> IngestResult:
+        t0, phase = time.perf_counter(), {"final": False, "commit": False} if phase is None else phase
         res = IngestResult()
-        final_seen = False
         # bounded queues give backpressure; the barrier baseline runs each stage to completion
         # before the next starts, so its queues must hold everything
         depth = 0 if self.cfg.barriers else self.cfg.queue_depth
@@ -155,11 +158,13 @@ class IngestPipeline:
         stop = threading.Event()
 
         async def load() -> None:
-            nonlocal final_seen
             n = 0
             size = 0
             try:
                 async for msg in messages:
+                    if phase["final"]:
+                        raise IngestError("a message arrived after the final message; nothing was stored")
+                    phase["final"] = msg.final  # (from here a caller that leaves cannot know the outcome)
                     size += msg.ByteSize()
                     if n + len(msg.documents) > self.limits.max_stream_documents or size > self.limits.max_stream_bytes:
                         raise IngestError(
@@ -177,15 +182,11 @@ class IngestPipeline:
                             await q_docs.put(_Doc(n, doc.id, doc.title, doc.text, md.of_document(doc),
                                                   self.next_generation(), next(vecs)))
                         n += 1
-                    if final_seen:
-                        raise IngestError("a message arrived after the final message; nothing was stored")
-                    if msg.final:
-                        if msg.sent_documents != n:
-                            raise IngestError(
-                                f"final message says {msg.sent_documents} documents were sent, but {n} arrived; "
-                                "nothing was stored"
-                            )
-                        final_seen = True
+                    if msg.final and msg.sent_documents != n:
+                        raise IngestError(
+                            f"final message says {msg.sent_documents} documents were sent, but {n} arrived; "
+                            "nothing was stored"
+                        )
             finally:
                 await q_docs.put(_END)
 
@@ -297,11 +298,12 @@ class IngestPipeline:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
-        if not final_seen:
+        if not phase["final"]:
             raise IngestError(
                 "the stream ended without its final message (final=true with sent_documents); nothing was stored"
             )
         t = time.perf_counter()
+        phase["commit"] = True
         await commit_stream(self.commit, txn, res, self.metrics)
         busy["upsert"] += time.perf_counter() - t
         res.elapsed_ms = (time.perf_counter() - t0) * 1000

@@ -324,8 +324,8 @@ def _memory_text(job: QueryJob) -> str:
     return job.memory.memory_text if job.memory and job.memory.used else ""
 
 
-def _memory_fields(job: QueryJob) -> dict:
-    """``memory_context``, ``memory_used`` and ``resolved_query`` of a response."""
+def memory_fields(job: QueryJob) -> dict:
+    """``memory_context``, ``memory_used`` and ``resolved_query`` of a response (gRPC and HTTP)."""
     return {"memory_context": _memory_text(job), "memory_used": bool(job.memory and job.memory.used),
             "resolved_query": job.resolved_query}
 
@@ -341,14 +341,14 @@ def query_response(job: QueryJob, *, include_trace: bool, has_generator: bool) -
         answer=job.answer if has_generator else "", hits=hits(job), timings_ms=job.timings_ms,
         request_id=job.request_id, sources=sources(job), prompt_tokens=_prompt_tokens(job),
         completion_tokens=job.completion_tokens,
-        finish_reason=job.finish_reason, **_memory_fields(job),
+        finish_reason=job.finish_reason, **memory_fields(job),
         retrieval=info(job), trace=trace(job, include_trace), ttft_ms=job.ttft_ms, documents=documents(job),
     )
 
 
 def retrieve_response(job: QueryJob, *, include_trace: bool) -> oprag_pb2.RetrieveResponse:
     """``RetrieveResponse`` of a finished retrieval-only job."""
-    resp = oprag_pb2.RetrieveResponse(timings_ms=job.timings_ms, request_id=job.request_id, **_memory_fields(job),
+    resp = oprag_pb2.RetrieveResponse(timings_ms=job.timings_ms, request_id=job.request_id, **memory_fields(job),
                                       retrieval=info(job), trace=trace(job, include_trace), documents=documents(job))
     _hits(job.hits, resp.hits)
     return resp
@@ -361,7 +361,7 @@ def stream_event(kind: str, val: Any) -> oprag_pb2.QueryEvent:
         return oprag_pb2.QueryEvent(text=val)
     return oprag_pb2.QueryEvent(sources=oprag_pb2.SourcesEvent(
         request_id=val.request_id, hits=hits(val), sources=sources(val), retrieval=info(val),
-        **_memory_fields(val), documents=documents(val),
+        **memory_fields(val), documents=documents(val),
     ))
 
 

@@ -93,7 +93,8 @@ class Metrics:
         )
         self.writes_after_caller_left = Counter(
             "oprag_writes_after_caller_left_total", "Writes (kind: upsert = an ingest stream, delete = a Delete) "
-            "whose caller was cancelled or whose deadline passed while they committed, by outcome: applied (committed "
+            "whose caller was cancelled or whose deadline passed while they committed (an ingest stream: from the arrival "
+            "of its final message on), by outcome: applied (committed "
             "whole, though the caller saw DEADLINE_EXCEEDED or CANCELLED) or aborted (nothing stored)",
             ["kind", "outcome"], registry=r)
         self.embed_tokens = Counter(

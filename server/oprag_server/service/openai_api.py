@@ -9,9 +9,9 @@ Extension fields (README: "OpenAI-compatible HTTP API"):
   ``openai`` package as ``extra_body={"oprag": {...}}``; ``/v1/retrieve`` takes them flat, plus
   ``group_by_document`` and ``chunks_per_document`` (:class:`RetrieveRequest`; its reply is the
   extension without ``sources``, ``finish_reason`` and ``ttft_ms``, plus ``documents``);
-* response ``oprag``: ``{"request_id", "sources", "hits", "retrieval", "memory_context",
-  "finish_reason", "timings_ms", "ttft_ms"[, "trace"]}``; in a stream, on the first chunk
-  (sources, hits, retrieval, memory context) and on the last one (finish reason, timings, trace).
+* response ``oprag``: ``{"request_id", "sources", "hits", "retrieval", "memory_context", "memory_used",
+  "resolved_query", "finish_reason", "timings_ms", "ttft_ms"[, "trace"]}``; in a stream, on the first
+  chunk (sources, hits, retrieval, memory fields) and on the last one (finish reason, timings, trace).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from oprag.v1 import oprag_pb2
 
 from ..domain import MemoryContext
 from ..engine.job import QueryJob
-from .convert import MODE_NAMES, InvalidArgument, metadata_value
+from .convert import MODE_NAMES, InvalidArgument, memory_fields, metadata_value
 from .openai_errors import U32 as _U32
 
 _WIRE_MODE = {name: wire for wire, name in MODE_NAMES.items() if wire != oprag_pb2.RETRIEVAL_MODE_UNSPECIFIED}
@@ -242,7 +242,7 @@ def extension(job: QueryJob, *, include_trace: bool, first: bool = True, last: b
         # partial, as gRPC's RetrievalInfo says it (README: never a silently incomplete result)
         out["retrieval"] = ({**dataclasses.asdict(job.info), "partial": bool(job.info.missing_shards)}
                             if job.info is not None else None)
-        out["memory_context"] = job.memory.memory_text if job.memory else ""
+        out.update(memory_fields(job))  # gRPC's rule: memory_context only when memory changed the retrieval
     if last:
         # OpenAI's finish_reason has no value for "this server has no generator" or "no sources,
         # not generated"; OpRAG's own reason (stop, length, no_generator, no_sources) is here
