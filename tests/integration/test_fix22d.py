@@ -78,3 +78,9 @@ def test_ingest_wikitext_says_it_skips_the_text_before_the_first_heading(server,
             "articles, each starting with a ' = Title = ' line between blank lines)") in r.stderr, r.stderr
     hits = server.grpc.retrieve("okapi giraffid", mode="lexical", min_seq=json.loads(r.stdout)["seq"]).hits
     assert [h.doc_id for h in hits] == ["mini:Okapi"]
+
+
+def test_query_no_generate_with_zero_hits_says_so(server):
+    """It printed nothing at all (exit 0)."""
+    r = _oprag(server, "query", "--no-generate", "--mode", "lexical", "zzyzxqv")
+    assert r.returncode == 0 and r.stdout == "(no hits: the store is empty or no document matches)\n", (r.stdout, r.stderr)
