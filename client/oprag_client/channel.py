@@ -4,6 +4,7 @@ credentials (TLS, bearer token)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -54,16 +55,49 @@ def bearer_token(token: str | None, name: str = "token=") -> str | None:
     return token or None
 
 
+#: what each file must hold: a CERTIFICATE block, or a PRIVATE KEY block (RSA, EC, PKCS#8, encrypted)
+_BLOCK = {"certificate": re.compile(rb"-----BEGIN CERTIFICATE-----"),
+          "private key": re.compile(rb"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----")}
+
+
+def pem_problem(data: bytes, kind: str) -> str | None:
+    """Why ``data`` is not a PEM file holding a ``kind`` (``"certificate"`` or ``"private key"``),
+    as the end of a sentence about the file; ``None`` when it is one. (gRPC answers a CA file that
+    holds no certificate, e.g. the private key swapped with it, only with ``UNAVAILABLE: ... Failed
+    to create security handshaker`` when it connects, trial22.)"""
+    first = re.search(rb"-----BEGIN ([A-Z0-9 ]{1,40})-----", data)
+    if first is None:
+        return "is not a PEM file (no '-----BEGIN ...' line)"
+    if _BLOCK[kind].search(data) is None:
+        return (f"holds no {kind} (its PEM block is '{first.group(1).decode()}'; were the certificate and the "
+                "private key files swapped?)")
+    return None
+
+
+def read_pem(path, kind: str, name: str) -> bytes:
+    """The bytes of the PEM file ``path``.
+
+    :raises ValueError: it does not hold a ``kind`` (:func:`pem_problem`); the message starts with
+        ``name`` (the parameter or option) and the path.
+    :raises OSError: it cannot be read.
+    """
+    data = Path(path).read_bytes()
+    if (why := pem_problem(data, kind)) is not None:
+        raise ValueError(f"{name} {path} {why}")
+    return data
+
+
 def credentials(token: str | None, tls_ca, tls_cert, tls_key) -> grpc.ChannelCredentials | None:
     """Channel credentials for TLS (trusting ``tls_ca``; optional client certificate) and/or a
     bearer token (None: a plain-text channel). A token without TLS is sent in plain text (for
-    loopback use), as call metadata. :raises OSError: a certificate or key file cannot be read."""
+    loopback use), as call metadata. :raises OSError: a certificate or key file cannot be read.
+    :raises ValueError: a file does not hold what it should (:func:`read_pem`)."""
     if tls_ca is None and tls_cert is None:
         return None  # no TLS (a token alone is sent as call metadata on the plain-text channel)
     ssl = grpc.ssl_channel_credentials(
-        root_certificates=Path(tls_ca).read_bytes() if tls_ca else None,
-        private_key=Path(tls_key).read_bytes() if tls_key else None,
-        certificate_chain=Path(tls_cert).read_bytes() if tls_cert else None,
+        root_certificates=read_pem(tls_ca, "certificate", "tls_ca") if tls_ca else None,
+        private_key=read_pem(tls_key, "private key", "tls_key") if tls_key else None,
+        certificate_chain=read_pem(tls_cert, "certificate", "tls_cert") if tls_cert else None,
     )
     if token is None:
         return ssl

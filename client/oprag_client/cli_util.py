@@ -13,7 +13,7 @@ from pathlib import Path
 
 import grpc
 
-from .channel import bearer_token
+from .channel import bearer_token, pem_problem
 from .client import OpRAGClient
 
 
@@ -30,7 +30,8 @@ def _add_server(p: argparse.ArgumentParser) -> None:
 
 def _target(text: str) -> str:
     """``--server``: a gRPC target, ``HOST:PORT`` (gRPC would read port 99999 as 34463, its value
-    modulo 65536, and an ``http://`` URL as a host name that does not resolve)."""
+    modulo 65536, an ``http://`` URL as a host name that does not resolve, and a host without a
+    port as port 443)."""
     scheme = re.match(r"(https?|grpcs?)://", text)
     if scheme:
         raise argparse.ArgumentTypeError(f"give HOST:PORT without {scheme.group(0)}, e.g. 127.0.0.1:50051, got {text!r}")
@@ -39,10 +40,14 @@ def _target(text: str) -> str:
         raise argparse.ArgumentTypeError(f"give HOST:PORT, e.g. 127.0.0.1:50051, got {text!r}")
     if m and not 1 <= int(m.group(2)) <= 65535:
         raise argparse.ArgumentTypeError(f"the port must be in 1-65535, got {m.group(2)} in {text!r}")
+    if re.fullmatch(r"\[[0-9A-Fa-f:.]+\]|[^:/\[\]]+", text.strip()):  # (gRPC dialled port 443, trial22)
+        raise argparse.ArgumentTypeError(f"the port is missing: give HOST:PORT, e.g. {text.strip()}:50051 (the "
+                                         f"server's default port), got {text!r}")
     return text
 
 
 _PEM = {"--tls-ca": "CA certificate", "--tls-cert": "client certificate", "--tls-key": "client private key"}
+_KIND = {"--tls-ca": "certificate", "--tls-cert": "certificate", "--tls-key": "private key"}
 
 
 def _client(a, **kw) -> OpRAGClient:
@@ -51,8 +56,8 @@ def _client(a, **kw) -> OpRAGClient:
             raise ValueError(f"{flag} {path} is a folder: give the {_PEM[flag]} file (PEM)")
         if path is not None and not os.access(path, os.R_OK):
             raise ValueError(f"cannot read {flag} {path}: {'no such file' if not Path(path).exists() else 'permission denied'}")
-        if path is not None and b"-----BEGIN " not in Path(path).read_bytes()[:1 << 20]:  # gRPC: "security handshaker"
-            raise ValueError(f"{flag} {path} is not a PEM file (no '-----BEGIN ...' line)")
+        if path is not None and (why := pem_problem(Path(path).read_bytes(), _KIND[flag])):  # gRPC: "security handshaker"
+            raise ValueError(f"{flag} {path} {why}")
     token = bearer_token(a.token, "--token or OPRAG_TOKEN")  # (a file's newline: gRPC's "Invalid metadata")
     return OpRAGClient(a.server, timeout=a.timeout, token=token, tls_ca=a.tls_ca, tls_cert=a.client_cert,
                        tls_key=a.client_key, **kw)

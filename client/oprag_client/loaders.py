@@ -14,10 +14,9 @@ from pathlib import Path
 
 from .client import Doc, metadata_value
 from .vectors import check_json_chunks, check_json_vector, check_widths, column_matrix
+from .wikitext import load_wikitext, wikitext_articles, wikitext_detok  # noqa: F401 - re-exported
 
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".text"}
-_WIKI_TITLE = re.compile(r"^ = ([^=].*?) = $")
-_WIKI_DETOK = [(" @-@ ", "-"), (" @,@ ", ","), (" @.@ ", ".")]
 
 
 def _metadata_json(s: str):
@@ -66,8 +65,8 @@ def _read_text(f: Path) -> str | None:
 
 def load_text(paths: list[Path]) -> Iterator[Doc]:
     """Plain UTF-8 text files (a directory is searched recursively for .txt/.md/.rst files).
-    The id is the path relative to the given directory (or the file name); the title is the file
-    stem. A leading UTF-8 byte-order mark is dropped. Binary and non-UTF-8 files are skipped with
+    The id is the path relative to the given directory (or the file name; ``stdin`` for
+    ``/dev/stdin``, which is read as a file, as is any pipe); the title is the file stem. A leading UTF-8 byte-order mark is dropped. Binary and non-UTF-8 files are skipped with
     a warning.
 
     :raises ValueError: two of the given paths yield the same id (e.g. ``a/x.txt`` and
@@ -92,7 +91,7 @@ def load_text(paths: list[Path]) -> Iterator[Doc]:
             for f in files:
                 if check(str(f.relative_to(p)), f) and (text := _read_text(f)) is not None:
                     yield Doc(id=str(f.relative_to(p)), title=f.stem, text=text)
-        elif p.is_file():
+        elif p.exists():  # a file, or a pipe or character device (/dev/stdin, <(...)) read as one
             if check(p.name, p) and (text := _read_text(p)) is not None:
                 yield Doc(id=p.name, title=p.stem, text=text)
         else:
@@ -175,57 +174,6 @@ def load_beir(paths: list[Path]) -> Iterator[Doc]:
     corpus.jsonl)."""
     for p in paths:
         yield from _json_lines(p / "corpus.jsonl" if p.is_dir() else p, "_id", "a BEIR corpus line")
-
-
-def wikitext_articles(text: str) -> Iterator[tuple[str, str]]:
-    """Split WikiText into ``(title, body)`` per article.
-
-    An article heading is a line `` = Title = `` (one ``=`` on each side) with a blank line (or
-    the start / end of the file) right before and right after it, as WikiText writes them. A
-    line of that shape inside a paragraph block, such as the formula line
-    `` = 1 <unk> / s and a nominal <unk> k = ``, is body text. Section headings
-    (`` = = Section = = ``) stay in the body. Title and body are detokenised alike
-    (:func:`wikitext_detok`). Text before the first heading is skipped.
-    """
-    lines = text.splitlines()
-    title, body = None, []
-    for i, line in enumerate(lines):
-        m = _WIKI_TITLE.match(line)
-        if m and (i == 0 or not lines[i - 1].strip()) and (i + 1 == len(lines) or not lines[i + 1].strip()):
-            if title is not None:
-                yield title, wikitext_detok("\n".join(body))
-            title, body = wikitext_detok(m.group(1).strip()), []
-        elif title is not None and line.strip():
-            body.append(line.strip())
-    if title is not None:
-        yield title, wikitext_detok("\n".join(body))
-
-
-def wikitext_detok(s: str) -> str:
-    """Join WikiText's split number and hyphen tokens: `` @-@ `` -> ``-``, `` @,@ `` -> ``,``,
-    `` @.@ `` -> ``.`` (``"M @-@ 82"`` -> ``"M-82"``, ``"1 @,@ 000"`` -> ``"1,000"``). Other
-    tokens, ``<unk>`` included, are kept as they are."""
-    for a, b in _WIKI_DETOK:
-        s = s.replace(a, b)
-    return s
-
-
-def load_wikitext(paths: list[Path]) -> Iterator[Doc]:
-    """One document per WikiText article; id ``<file stem>:<title>`` (a repeated title gets
-    `` (2)``, `` (3)``...; not ``#n``, which reads like a chunk number)."""
-    for p in paths:
-        seen: dict[str, int] = {}
-        try:
-            text = p.read_text(encoding="utf-8")
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"{p}: not UTF-8 text ({exc.reason} at byte {exc.start}): --format wikitext reads "
-                             "the raw WikiText-2 text files") from None
-        for title, body in wikitext_articles(text):
-            if not body.strip():
-                continue
-            seen[title] = seen.get(title, 0) + 1
-            suffix = f" ({seen[title]})" if seen[title] > 1 else ""
-            yield Doc(id=f"{p.stem}:{title}{suffix}", title=title, text=body, metadata={"source": p.name})
 
 
 def _files(paths: list[Path], suffixes: tuple[str, ...]) -> list[Path]:

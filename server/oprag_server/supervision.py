@@ -148,8 +148,9 @@ class ShardSupervisor:
             n, at = self._failures.get(i, (0, 0.0))
             if time.monotonic() < at:
                 continue  # backing off after failed restarts
-            if not n:
-                log.error("shard %d is down; restarting it" if i in dead else "shard %d: a replica is down; reviving it", i)
+            if not n:  # a replica down while its shard serves: a warning (the cause, when not planned, was an error)
+                log.log(logging.ERROR if i in dead else logging.WARNING,
+                        "shard %d is down; restarting it" if i in dead else "shard %d: a replica is down; reviving it", i)
             t = time.perf_counter()
             try:
                 await self.restart(i)

@@ -65,7 +65,8 @@ def test_cli_unauthenticated_points_to_token_flag_and_env(capsys):
     # trial14: argparse said "invalid _count value: 'abc'" (a function's name); gRPC read port
     # 99999 as 34463 and an http:// URL as a host name ("Misformatted domain name")
     (["query", "--top-k", "abc", "q"], "--top-k: must be an integer >= 0, got 'abc'"),
-    (["eval", "beir", "--top-k", "10"], "--top-k: must be at least 100 (Recall@100 ranks the top 100 documents), got 10"),
+    (["eval", "beir", "--top-k", "10"], "--top-k: must be 100, the only value (Recall@100 ranks the top 100 documents"),
+    (["eval", "beir", "--top-k", "101"], "the server returns at most 100), got 101"),
     (["ingest", "--docs-per-stream", "1.5", "x.jsonl"], "--docs-per-stream: must be an integer >= 1, got '1.5'"),
     (["stats", "--timeout", "soon"], "--timeout: must be a number of seconds above 0, got soon"),
     (["stats", "--server", "127.0.0.1:99999"], "--server: the port must be in 1-65535, got 99999"),

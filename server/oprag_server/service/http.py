@@ -37,6 +37,7 @@ from .convert import InvalidArgument
 from .http_labels import CODE_NAME as _CODE_NAME
 from .http_labels import init_labels
 from .http_labels import metric_method as _metric_method
+from .http_body import BadBody, JSONRoute
 from .openai_errors import NotFound, error_response, exception_response, validation_message
 from .servicer import read_your_writes
 from .disconnect import ClientGone as _ClientGone
@@ -144,21 +145,19 @@ def build_app(rt: Any) -> FastAPI:
     ``generator``, ``query``, ``embedder``); auth and size limits are :class:`Guard`'s."""
     cfg: ServerConfig = rt.cfg
     app = FastAPI(title="OpRAG", docs_url=None, redoc_url=None, openapi_url=None)
+    app.router.route_class = JSONRoute  # bodies parsed as strict UTF-8 JSON (http_body)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errs = list(exc.errors())
-        if errs and errs[0].get("type") == "json_invalid":
-            return error_response(400, f"the body is not valid JSON ({errs[0].get('msg')}): send a JSON object "
-                                  "(Content-Type: application/json)", code="invalid_json")
-        param, msg = validation_message(errs, exc.body, _MODELS.get(request.url.path))
+        param, msg = validation_message(list(exc.errors()), exc.body, _MODELS.get(request.url.path))
         return error_response(400, msg, param=param, code="invalid_value")
+
+    @app.exception_handler(BadBody)  # not UTF-8, not JSON, nested too deeply (http_body.JSONRoute)
+    async def _bad_body(request: Request, exc: BadBody) -> JSONResponse:
+        return error_response(400, str(exc), code="invalid_json")
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:  # an unknown path or method: say which exist
-        if exc.status_code == 400 and isinstance(bad := exc.__cause__, UnicodeDecodeError):  # (FastAPI: "error parsing")
-            return error_response(400, f"the body is not valid UTF-8 (byte offset {bad.start}: {bad.reason}): send "
-                                  "a JSON object encoded as UTF-8 (Content-Type: application/json)", code="invalid_json")
         what = f": {request.method} {request.url.path[:200]}; {_ENDPOINTS}" if exc.status_code in (404, 405) else ""
         return error_response(exc.status_code, f"{exc.detail}{what}",
                               code={404: "not_found", 405: "method_not_allowed"}.get(exc.status_code))

@@ -109,12 +109,15 @@ class ReplicaSet(ShardTransport):
         for r in range(self.r):
             ok = r in fresh and fresh[r].applied_seq == fresh[best].applied_seq
             self.live[r] = self.serving[r] = ok
-            if not ok:
-                self._down(r, "behind its siblings at start")
+            if not ok:  # planned (e.g. a first start with more replicas): a warning, not an error (trial22)
+                log.warning("shard %d replica %d is behind its siblings at start (applied seq %s, theirs %d): it "
+                            "catches up from them before it serves", self.shard_id, r,
+                            fresh[r].applied_seq if r in fresh else "unknown", fresh[best].applied_seq)
+                self._down(r, "behind its siblings at start", quiet=True)
         return fresh[best]
 
-    def _down(self, r: int, why: str) -> None:
-        if self.live[r] or r in self.backlog or self.reps[r].is_alive():
+    def _down(self, r: int, why: str, quiet: bool = False) -> None:
+        if not quiet and (self.live[r] or r in self.backlog or self.reps[r].is_alive()):
             log.error("shard %d replica %d is down: %s", self.shard_id, r, why)
         self.live[r] = self.serving[r] = False
         self.backlog.pop(r, None)
