@@ -147,7 +147,7 @@ def test_a_retrieve_response_built_in_place_equals_the_old_one():
                           documents=[], memory=None, resolved_query="", trace=[], trace_spans=[])
     new = convert.retrieve_response(job, include_trace=False)
     old = oprag_pb2.RetrieveResponse(hits=_old_hits(hits), timings_ms=job.timings_ms, request_id="r1",
-                                     **convert._memory_fields(job), retrieval=None, documents=[])
+                                     **convert.memory_fields(job), retrieval=None, documents=[])
     assert new == old and new.SerializeToString(deterministic=True) == old.SerializeToString(deterministic=True)
 
 
