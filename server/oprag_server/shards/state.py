@@ -167,8 +167,12 @@ class ShardState:
         """Write ``line`` to the service log (stderr: the shard process's is the server's) as
         ``<local time>,<ms> shard <i>: <line>``."""
         t = time.time()
-        print(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(t))},{int(t * 1000) % 1000:03d} "
-              f"shard {self.shard_id}: {line}", file=sys.stderr, flush=True)
+        # one write of the whole line, newline included: print() writes the text and the newline
+        # separately, and two shard processes sharing the server's stderr then interleaved their
+        # lines ("...: 5 chunks2026-12-03 ... shard 1: ...", found by test_fix22a under load)
+        sys.stderr.write(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(t))},{int(t * 1000) % 1000:03d} "
+                         f"shard {self.shard_id}: {line}\n")
+        sys.stderr.flush()
 
     def shutdown(self, req: ShutdownRequest) -> ShutdownReply:
         """Snapshot when asked; the run loop exits after replying."""
