@@ -231,8 +231,9 @@ class MergeMixin:
                     key, tf = key[m], tf[m]
                 m = None
                 # a large background merge writes its posting arrays into the spill directory as
-                # it builds them (segment.merge's out_dir): not all held in memory at once
-                out = (gate.spill_dir() if background and gate is not None
+                # it builds them (seg_merge.merge's out_dir): not all held in memory at once
+                spills = background and gate is not None
+                out = (gate.spill_dir() if spills
                        and (seg.slots.size + key.size) * _POSTING_BYTES >= self.SPILL_MIN_BYTES else None)
                 try:
                     new = merge(seg, seg_live, d_terms, key, tf, d_doc_slots, out_dir=out)
@@ -245,8 +246,7 @@ class MergeMixin:
                     top = successor(self, new, seg_live | frz_live, doc_len)
                 except Exception:  # noqa: BLE001
                     top = (new, None, None)
-                if out is not None or (background and gate is not None
-                                       and new.unmapped_nbytes() >= self.SPILL_MIN_BYTES):
+                if out is not None or (spills and new.unmapped_nbytes() >= self.SPILL_MIN_BYTES):
                     if new.spill(out if out is not None else gate.spill_dir()):
                         self.spills += 1
                 pending[3] = (new.df(), d_doc_slots, top)
