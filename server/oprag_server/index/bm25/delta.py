@@ -22,6 +22,16 @@ _SHIFT = np.int64(32)
 _LOW = np.int64(0xFFFFFFFF)
 
 
+def intern(vocab: dict[str, int], terms: list[str], t: str) -> int:
+    """The id of term ``t`` in ``vocab`` (term -> id, ids ``0..len(terms)-1`` with ``terms`` their
+    strings), added as the next id when new."""
+    tid = vocab.get(t)
+    if tid is None:
+        tid = vocab[t] = len(terms)
+        terms.append(t)
+    return tid
+
+
 class Delta:
     """Chunks added since the last merge.
 
@@ -79,12 +89,7 @@ class Delta:
         if (tids < 0).any():
             vocab, terms = self.vocab, self.terms
             for g in first_missing(g2d, gids).tolist():  # in order of first occurrence
-                t = table.term(g)
-                tid = vocab.get(t)
-                if tid is None:
-                    tid = vocab[t] = len(terms)
-                    terms.append(t)
-                g2d[g] = tid
+                g2d[g] = intern(vocab, terms, table.term(g))
             tids = g2d[gids]
         return self._add_tids(slots, tids, np.asarray(lens, np.int64))
 

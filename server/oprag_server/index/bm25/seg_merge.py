@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .delta import intern
 from .segment import MAX_SLOT, Segment
 
 
@@ -76,12 +77,7 @@ def merge(seg: Segment, seg_live: np.ndarray, d_terms: list[str], d_key: np.ndar
         gids = np.unique(dtid)
     remap = np.zeros(len(d_terms), np.int32)
     for i in gids.tolist():
-        t = d_terms[i]
-        j = vocab.get(t)
-        if j is None:
-            j = vocab[t] = len(terms)
-            terms.append(t)
-        remap[i] = j
+        remap[i] = intern(vocab, terms, d_terms[i])
     dt = remap[dtid]
     dtf = np.asarray(d_tf)
     if dtf.dtype.kind not in "iu":
