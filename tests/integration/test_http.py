@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import re
 import subprocess
 import urllib.request
@@ -242,6 +243,21 @@ def test_curl_sse_framing_and_raw_bodies(base_url, tmp_path):
     assert code == 413 and json.loads(out)["error"]["code"] == "body_too_large"
     code, out = _curl(f"{base_url}/nowhere")
     assert code == 404 and "error" in json.loads(out)
+
+
+def test_chat_with_a_long_earlier_message_is_not_slowed_by_it(base_url, tmp_path):
+    """trial23 #1: the earlier user message that becomes the chat's memory row is cut to the
+    question limit before it is embedded and BM25-scored; uncut, a 1 MB one took 10 s (7 s of
+    tokenising) on this machine at load 1, and held every other request behind it."""
+    long = " ".join(f"w{i % 50_000}" for i in range(400_000))  # ~2.8 MB
+    path = tmp_path / "long.json"
+    path.write_text(json.dumps({"model": "oprag", "max_tokens": 1, "messages": [
+        {"role": "user", "content": long}, {"role": "user", "content": QUESTION}]}))
+    t = time.perf_counter()
+    code, out = _curl(f"{base_url}/chat/completions", "--data-binary", f"@{path}")
+    took = time.perf_counter() - t
+    assert code == 200 and json.loads(out)["choices"][0]["message"]["content"] is not None
+    assert took < 15.0, f"{took:.1f} s"
 
 
 def test_dashboard_metrics_exist(server, oai):

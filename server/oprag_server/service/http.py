@@ -253,7 +253,7 @@ def build_app(rt: Any) -> FastAPI:
     async def chat(body: api.ChatRequest, request: Request) -> Any:
         if body.model not in [*chat_models(), ALIAS]:
             raise NotFound(f"the model {body.model!r} does not exist: use {', '.join([*chat_models(), ALIAS])}")
-        question, memory = api.conversation(body)
+        question, memory = api.conversation(body, cfg.limits.max_question_chars)
         max_new, limit = api.max_new_tokens(body), cfg.generate.max_new_tokens_limit
         if max_new > limit:  # name the HTTP field, not the gRPC one
             field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"

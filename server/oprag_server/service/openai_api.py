@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import re
 from typing import Annotated, Any, Literal
 
 import numpy as np
@@ -194,12 +195,15 @@ def query_request(question: str, opts: RetrievalOptions, max_new_tokens: int = 0
     )
 
 
-def conversation(req: ChatRequest) -> tuple[str, MemoryContext | None]:
+def conversation(req: ChatRequest, max_chars: int) -> tuple[str, MemoryContext | None]:
     """The question (the last message, which must be the user's) and, when the conversation has
     earlier user turns and no ``oprag.session_id`` is given, the memory context they make: the
-    previous user question is shown as memory and is the session context of a second retrieval
-    row, fused with the question's own list as the memory operator does with stored turns
-    (README: memory).
+    previous user question (whitespace runs as one space, cut to ``max_chars`` characters, the
+    question limit, as a stored session's questions are bounded by it) is shown as memory and is
+    the session context of a second retrieval row, fused with the question's own list as the
+    memory operator does with stored turns (README: memory). Uncut, one pasted document in an
+    earlier message was embedded and BM25-scored whole on the shared query path (trial23: a 10 MB
+    message held every other request for minutes).
 
     :raises InvalidArgument: the last message is not a user message.
     """
@@ -210,9 +214,24 @@ def conversation(req: ChatRequest) -> tuple[str, MemoryContext | None]:
     earlier = [m.text() for m in req.messages[:-1] if m.role == "user" and m.text().strip()]
     if not earlier or req.oprag.session_id or req.oprag.disable_memory:
         return question, None
-    prev = " ".join(earlier[-1].split())
+    prev = _words_upto(earlier[-1], max_chars)
     return question, MemoryContext(question, f"Previous question: {prev}", len(earlier),
                                    context_text=f"{question} {prev}")
+
+
+def _words_upto(text: str, max_chars: int) -> str:
+    """``" ".join(text.split())`` cut to at most ``max_chars`` characters (at a word boundary when
+    one is in reach, else mid-word), reading only as much of ``text`` as that needs."""
+    out, n = [], -1
+    for m in re.finditer(r"\S+", text):
+        w = m.group()
+        if n + 1 + len(w) > max_chars:
+            if not out:
+                out.append(w[:max_chars])
+            break
+        out.append(w)
+        n += 1 + len(w)
+    return " ".join(out)
 
 
 def max_new_tokens(req: ChatRequest) -> int:
