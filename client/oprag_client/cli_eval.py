@@ -43,9 +43,10 @@ def judged_found(qrels: dict[str, dict[str, int]], qids: list[str], rankings: li
 
 
 def cmd_eval(a) -> int:
-    """``oprag eval beir``: prints one JSON object (metrics, ``n``, latency percentiles,
-    ``judged_docs`` and ``judged_docs_retrieved``, ``warning`` when few of those were
-    retrieved); exit 1 on a failed call or unreadable input."""
+    """``oprag eval beir``: prints one JSON object (metrics: ``ndcg@10``, ``recall@<--top-k>``
+    (``recall@100`` by default), ``mrr@10``; ``n``, latency percentiles, ``judged_docs`` and
+    ``judged_docs_retrieved``, ``warning`` when few of those were retrieved); exit 1 on a failed
+    call or unreadable input."""
     from .evaluate import doc_ranking, load_qrels, load_queries, metrics, percentile
 
     queries = _read("--queries", a.queries, load_queries, "the BEIR queries file (queries.jsonl)")
@@ -71,12 +72,12 @@ def cmd_eval(a) -> int:
             results = list(ex.map(lambda q: one(c, q), judged))
     except grpc.RpcError as exc:
         return _rpc_error(exc)
-    per = [metrics(doc_ranking(docs), qrels[qid]) for qid, docs, _ in results]
+    per = [metrics(doc_ranking(docs), qrels[qid], top_k) for qid, docs, _ in results]
     lat = [ms for _, _, ms in results]
     n = len(results)
     found, total = judged_found(qrels, judged, [docs for _, docs, _ in results])
     out = {
-        **{m: round(sum(p[m] for p in per) / n, 5) for m in ("ndcg@10", "recall@100", "mrr@10")},
+        **{m: round(sum(p[m] for p in per) / n, 5) for m in per[0]},  # ndcg@10, recall@<top-k>, mrr@10
         "n": n,
         "mode": a.mode,
         "p50_ms": round(percentile(lat, 50), 3),

@@ -1,7 +1,7 @@
 """Retrieval evaluation on BEIR-format queries and qrels (``oprag eval beir``).
 
 Documents, not chunks, are judged. The evaluator asks the server for document-level retrieval
-(``group_by_document``): the top 100 documents, each scored by its best chunk (MaxP: Dai &
+(``group_by_document``): the top 100 documents (``--top-k``), each scored by its best chunk (MaxP: Dai &
 Callan, SIGIR 2019), ranked by that score, ties by ascending doc id. Metrics over that document
 ranking follow the TREC definitions used by BEIR (pytrec_eval):
 
@@ -69,9 +69,9 @@ def doc_ranking(doc_ids: list[str]) -> list[str]:
     return list(dict.fromkeys(doc_ids))
 
 
-def metrics(ranked: list[str], rels: dict[str, int]) -> dict[str, float]:
-    """``{"ndcg@10", "recall@100", "mrr@10"}`` of one query's document ranking (best first)."""
-    return {"ndcg@10": ndcg_at_k(ranked, rels, 10), "recall@100": recall_at_k(ranked, rels, 100),
+def metrics(ranked: list[str], rels: dict[str, int], recall_k: int = 100) -> dict[str, float]:
+    """``{"ndcg@10", "recall@<recall_k>", "mrr@10"}`` of one query's document ranking (best first)."""
+    return {"ndcg@10": ndcg_at_k(ranked, rels, 10), f"recall@{recall_k}": recall_at_k(ranked, rels, recall_k),
             "mrr@10": mrr_at_k(ranked, rels, 10)}
 
 

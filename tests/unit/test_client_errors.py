@@ -65,7 +65,7 @@ def test_cli_unauthenticated_points_to_token_flag_and_env(capsys):
     # trial14: argparse said "invalid _count value: 'abc'" (a function's name); gRPC read port
     # 99999 as 34463 and an http:// URL as a host name ("Misformatted domain name")
     (["query", "--top-k", "abc", "q"], "--top-k: must be an integer >= 0, got 'abc'"),
-    (["eval", "beir", "--top-k", "10"], "--top-k: must be 100, the only value (Recall@100 ranks the top 100 documents"),
+    (["eval", "beir", "--top-k", "9"], "--top-k: must be in [10, 100] (nDCG@10 and MRR@10 rank the top 10 documents"),
     (["eval", "beir", "--top-k", "101"], "the server returns at most 100), got 101"),
     (["ingest", "--docs-per-stream", "1.5", "x.jsonl"], "--docs-per-stream: must be an integer >= 1, got '1.5'"),
     (["stats", "--timeout", "soon"], "--timeout: must be a number of seconds above 0, got soon"),

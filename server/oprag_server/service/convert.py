@@ -205,11 +205,11 @@ def request_id() -> str:
     return b.hex()
 
 
-def check_session_id(session_id: str, limits: LimitsConfig, *, required: bool = False) -> str:
+def check_session_id(session_id: str, limits: LimitsConfig, *, required: bool = False, existing: bool = False) -> str:
     """:returns: ``session_id``. :raises InvalidArgument: not a session id (:mod:`.session_ids`:
-    control characters, leading or trailing whitespace, over ``limits.max_session_id_bytes``
-    UTF-8 bytes) or empty when ``required``."""
-    why = session_ids.problem(session_id, limits.max_session_id_bytes, required=required)
+    control characters, leading or trailing whitespace -- not checked when ``existing`` --, over
+    ``limits.max_session_id_bytes`` UTF-8 bytes) or empty when ``required``."""
+    why = session_ids.problem(session_id, limits.max_session_id_bytes, required=required, existing=existing)
     if why is not None:
         raise InvalidArgument(why)
     return session_id

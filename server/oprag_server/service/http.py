@@ -177,16 +177,19 @@ def build_app(rt: Any) -> FastAPI:
     def chat_models() -> list[str]:
         return [rt.generator.name] if rt.generator is not None else []
 
+    def listed() -> list[str]:  # the generator, its alias, the embedder: what GET /v1/models/{id} knows too
+        return list(dict.fromkeys([*chat_models(), *([ALIAS] if rt.generator is not None else []), rt.encoder.name]))
+
     model_card = lambda name: {"id": name, "object": "model", "created": 0, "owned_by": "oprag"}  # noqa: E731
 
     @app.get("/v1/models/")  # (it was a 307 to /v1/models with an empty body)
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [model_card(m) for m in [*chat_models(), rt.encoder.name]]}
+        return {"object": "list", "data": [model_card(m) for m in listed()]}
 
     @app.get("/v1/models/{model_id}")
     async def model(model_id: str) -> dict:
-        if model_id not in [*chat_models(), rt.encoder.name, ALIAS]:
+        if model_id not in listed():  # (the alias was 200 on a --generator none server, unlisted: trial22)
             raise NotFound(f"the model {model_id!r} does not exist: GET /v1/models lists them")
         return model_card(model_id)
 

@@ -22,7 +22,8 @@ import re
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
+                      model_validator)
 
 from oprag.v1 import oprag_pb2
 
@@ -72,13 +73,29 @@ QueryVector = Annotated[list[Annotated[StrictFloat | StrictInt, AfterValidator(_
 MinSeq = Annotated[StrictInt, Field(ge=0, le=2**64 - 1)]
 
 
-class _Strict(BaseModel):
+class _Wire(BaseModel):
+    """Every request shape of the HTTP API: a JSON ``null`` for an optional field (one with a
+    default) means the field is absent, i.e. its default -- clients that serialise unset fields as
+    null (pydantic ``Optional``, many SDKs) get the same reply as clients that leave them out
+    (trial22: ``"top_k": null`` was a 400, ``"max_tokens": null`` the default). A required field
+    sent as null keeps its type error ("query must be a string, got null")."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or None not in data.values():
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
+
+
+class _Strict(_Wire):
     # unknown OpenAI fields (tools, top_p, seed, ...) are accepted and ignored, as most
     # OpenAI-compatible servers do; the types of known fields are checked strictly
     model_config = ConfigDict(extra="ignore")
 
 
-class _Own(BaseModel):
+class _Own(_Wire):
     # OpRAG's own shapes (/v1/retrieve, the "oprag" extension, its fusion): an unknown field is a
     # typo ("topk") that would silently fall back to a default, so it is refused, named
     model_config = ConfigDict(extra="forbid")

@@ -105,7 +105,8 @@ class OpRAGServicer(oprag_pb2_grpc.OpRAGServicer):
         return oprag_pb2.DeleteResponse(documents_deleted=docs, chunks_deleted=chunks, seq=seq)
 
     async def ClearSession(self, request, context):
-        sid = convert.check_session_id(request.session_id, self.cfg.limits, required=True)
+        # any stored id: one written before the characters rule can be cleared (session_ids)
+        sid = convert.check_session_id(request.session_id, self.cfg.limits, required=True, existing=True)
         return oprag_pb2.ClearSessionResponse(records_removed=await self.rt.memory.clear(sid))
 
     async def Stats(self, request, context):
