@@ -21,7 +21,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -31,17 +30,10 @@ from oprag.v1 import oprag_pb2
 from oprag_client.client import Doc, OpRAGClient
 from oprag_client.testing import ServerProcess, free_port
 
+from test_repl22_shutdown import _wait_line
+
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _wait_line(srv: ServerProcess, text: str, timeout: float = 60.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if any(text in line for line in list(srv.lines)):
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def _pid(srv: ServerProcess, shard: int) -> int:

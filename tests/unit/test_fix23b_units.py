@@ -20,7 +20,6 @@ import pytest
 
 from oprag_server.config import DenseConfig
 from oprag_server.shards.transport import ShardError, StorageUnavailable
-from oprag_server.supervision import final_snapshot
 
 
 class _Pool:
@@ -43,6 +42,8 @@ def _snap(pool: _Pool, calls: list, fail: BaseException | None = None):
 
 
 def _final(pool, snapshot, caplog) -> list[logging.LogRecord]:
+    from oprag_server.supervision import final_snapshot
+
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="oprag"):
         asyncio.run(final_snapshot(pool, snapshot))

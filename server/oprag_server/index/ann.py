@@ -39,15 +39,13 @@ two, at most 65,536 and at most n / 39, on at most 64 vectors per list) on the v
 trained again, and every vector re-added, each time the shard has grown 8x since the last
 training (the lists stay balanced as the corpus grows), and on compaction.
 
-FAISS's rule (``faiss/Clustering.cpp``, ``Clustering::train_encoded``, which ``IndexIVF::train``
-runs on its quantizer): fewer training points than lists is an error; fewer than
-``min_points_per_centroid`` (39 by default, ``ClusteringParameters``) per list prints ``WARNING
-clustering <n> points to <k> centroids: please provide at least <39 k> training points`` on
-stderr (the service log) and trains anyway; more than ``max_points_per_centroid`` (256) per list
-are subsampled. So nothing is trained on fewer than :data:`IVF_TRAIN_FLOOR` (39) vectors: the
-serve CLI refuses an ``--ivf-train-min`` below it, and an index built with a lower ``train_min``
-(a :class:`DenseConfig` made in code) waits for 39 (exact search meanwhile); ``nlist <= n // 39``
-and the sample of at least 64 points per list keep every training at >= 39 points per list.
+FAISS's rule (``faiss/Clustering.cpp``, ``Clustering::train_encoded``, run by ``IndexIVF::train``):
+fewer training points than lists is an error; fewer than ``min_points_per_centroid`` (39 by
+default, ``ClusteringParameters``) per list prints ``WARNING clustering <n> points to <k> centroids:
+please provide at least <39 k> training points`` on stderr (the service log) and trains anyway;
+over ``max_points_per_centroid`` (256) a list, it subsamples. So no IVF trains on fewer than
+:data:`IVF_TRAIN_FLOOR` (39) vectors (the serve CLI refuses a lower ``--ivf-train-min``; one made in
+code waits for 39), and ``nlist <= n // 39`` keeps every training at >= 39 points per list.
 """
 
 from __future__ import annotations
@@ -56,8 +54,7 @@ import numpy as np
 
 from ..config import DenseConfig
 
-#: the fewest vectors an IVF is trained on: FAISS's k-means wants 39 training points per list
-#: (``ClusteringParameters.min_points_per_centroid``) and an IVF has at least one
+#: the fewest vectors an IVF trains on: FAISS's k-means wants 39 points a list (module docstring)
 IVF_TRAIN_FLOOR = 39
 
 
