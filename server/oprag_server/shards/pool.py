@@ -176,7 +176,7 @@ class ShardPool:
         """:attr:`Op.SNAPSHOT` to every shard but those in ``skip``, :attr:`SNAPSHOTS_AT_ONCE` at
         a time, in shard order. :raises ShardError: a shard failed (the shards after it are not asked)."""
         self._guard(Op.SNAPSHOT)
-        k, ask = max(1, self.SNAPSHOTS_AT_ONCE), [c for c in self.clients if c.shard_id not in skip]
+        k, ask = max(1, self.SNAPSHOTS_AT_ONCE), [c for i, c in enumerate(self.clients) if i not in skip]
         for i in range(0, len(ask), k):
             await asyncio.gather(*[c.call(Op.SNAPSHOT, SnapshotRequest()) for c in ask[i: i + k]])
 
