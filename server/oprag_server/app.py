@@ -36,8 +36,8 @@ from .service.servicer import OpRAGServicer
 from .shards.pool import ShardPool
 from .startup import (acquire_storage, announce_ready, check_data_dir, check_security, check_storage, preflight,
                       warm_beside)
-from .supervision import (INGEST_HEALTH, QUERY_HEALTH, SERVING, EngineHealth, ShardSupervisor, keep_lease, on_signals,
-                          restart_shard)
+from .supervision import (INGEST_HEALTH, QUERY_HEALTH, SERVING, EngineHealth, ShardSupervisor, final_snapshot,
+                          keep_lease, on_signals, restart_shard)
 from .shards.protocol import ApplyReply, Op, StatsRequest
 
 log = logging.getLogger("oprag")
@@ -208,8 +208,9 @@ class Runtime:
         """:returns: ``(documents deleted, chunks deleted, sequence number)``."""
         return await self.commits.delete(doc_ids)
 
-    async def snapshot(self) -> None:
-        """Snapshot every shard; then the commit log is no longer needed for recovery.
+    async def snapshot(self, skip: tuple[int, ...] = ()) -> None:
+        """Snapshot every shard but those in ``skip`` (shards that are down); after a full one the
+        commit log is no longer needed for recovery (it is kept when a shard was skipped).
 
         :raises StorageUnavailable: this server lost the storage's owner lease (the pool refuses:
             it must not replace the new owner's snapshot)."""
@@ -219,11 +220,12 @@ class Runtime:
             # shards dirty again for the next round (cleared after, it waited for the next write)
             self._dirty = False
             try:
-                await self.pool.snapshot()  # (one shard at a time: ShardPool.SNAPSHOTS_AT_ONCE)
+                await (self.pool.snapshot(skip) if skip else self.pool.snapshot())  # (ShardPool.SNAPSHOTS_AT_ONCE at a time)
             except BaseException:
                 self._dirty = True
                 raise
-            self.commits.reset_log()
+            if not skip:
+                self.commits.reset_log()
 
     async def _reestablish(self) -> None:
         """The storage lost its objects while serving: record the layout, snapshot every shard."""
@@ -264,11 +266,8 @@ class Runtime:
             await self.embedder.stop()
         elif getattr(self.generator, "is_engine", False):  # started, but the engine never ran
             await self.generator.aclose()
-        try:
-            if not getattr(self, "_recovery_failed", False):
-                await self.snapshot()
-        except Exception:  # noqa: BLE001 - the write-ahead logs still hold everything
-            log.exception("final snapshot failed")
+        if not getattr(self, "_recovery_failed", False):
+            await final_snapshot(self.pool, self.snapshot)
         if self.embed_pool is not None:
             self.embed_pool.close()
         await self.pool.shutdown(snapshot=False)

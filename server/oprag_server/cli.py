@@ -69,7 +69,7 @@ _OPTIONS: tuple[tuple[str, str, str, str], ...] = (
     ("--ef-construction", "dense", "ef_construction", "HNSW build beam width"),
     ("--ef-search", "dense", "ef_search", "default HNSW search beam (a request's ef_search overrides it)"),
     ("--nprobe", "dense", "nprobe", "default IVF lists visited per query (a request's nprobe overrides it)"),
-    ("--ivf-train-min", "dense", "train_min", "vectors a shard holds before its IVF is trained (exact before)"),
+    ("--ivf-train-min", "dense", "train_min", "vectors a shard holds before its IVF is trained (exact before; at least 39)"),
     ("--ann-tail", "dense", "ann_tail", "HNSW: acknowledged vectors a shard may hold outside the graph (found by an "
      "exact scan meanwhile; inserted between requests); past it an ingest inserts them itself. 0: at every ingest"),
     ("--lexical-candidates", "retrieval", "lexical_candidates",
@@ -186,7 +186,13 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
         (sections.setdefault(section, {}) if section else top)[name] = value
     for section, kw in sections.items():
         top[section] = _field("", section).default_factory(**kw)
-    return ServerConfig(**top)
+    cfg = ServerConfig(**top)
+    from .index.ann import IVF_TRAIN_FLOOR  # noqa: PLC0415
+
+    if cfg.dense.train_min < IVF_TRAIN_FLOOR:  # (below it FAISS printed a warning at every training: index.ann)
+        raise ValueError(f"--ivf-train-min must be at least {IVF_TRAIN_FLOOR}, got {cfg.dense.train_min}: FAISS's k-means "
+                         f"wants {IVF_TRAIN_FLOOR} training vectors per IVF list (a shard searches exactly until then)")
+    return cfg
 
 
 def check_hosts(cfg: ServerConfig) -> None:

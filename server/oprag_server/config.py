@@ -55,7 +55,7 @@ class DenseConfig:
     :param hnsw_m: HNSW graph degree M in [2, 512]. :param ef_construction: HNSW build beam width.
     :param ef_search: default HNSW search beam width (raised to the number of results asked).
     :param nprobe: default IVF lists visited per query.
-    :param train_min: vectors a shard holds before its IVF is trained (exact search before).
+    :param train_min: vectors a shard holds before its IVF is trained (exact search before; at least 39: index.ann).
     :param ann_tail: HNSW: vectors an ingest may leave outside the graph (searched by an exact
         scan meanwhile, inserted by the shard between requests); past it an apply inserts the
         oldest itself. 0: every apply inserts its vectors before it answers.

@@ -321,17 +321,28 @@ async def warm_beside(encoder: Any, generator: Any | None, start: Any) -> None:
     """Warm up the encoder, then the generator, off the event loop while ``start`` (the shard
     processes' start) runs: a warm-up is mostly importing transformers' model modules (~5 s on 2
     cores). Awaits both to the end, then raises the first failure, so that ``serve``'s clean-up
-    never meets a half-started shard pool. After a :func:`note_compile` that logged a compile,
-    logs the time taken (from that line)."""
+    never meets a half-started shard pool. Logs each model's warm-up as it starts and ends and
+    the shards' start as it ends, with seconds (trial22: ~4 s of warm-up without a line); after a
+    :func:`note_compile` that logged a compile, the time taken (from that line)."""
     t0 = _COMPILING.pop() if _COMPILING else None
 
     async def warm() -> None:
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, encoder.warm_up)
-        if generator is not None:
-            await loop.run_in_executor(None, generator.warm_up)
+        for what, model in (("embedder", encoder), ("generator", generator)):
+            if model is not None:
+                t = time.perf_counter()
+                log.info("%s %s: warming up beside the shards' start (imports torch and transformers, reads the weights)",
+                         what, getattr(model, "name", "?"))
+                await loop.run_in_executor(None, model.warm_up)
+                log.info("%s %s: ready in %.1f s", what, getattr(model, "name", "?"), time.perf_counter() - t)
 
-    results = await asyncio.gather(warm(), start, return_exceptions=True)
+    async def shards() -> Any:
+        t = time.perf_counter()
+        out = await start
+        log.info("every shard is ready after %.1f s (snapshots loaded, write-ahead logs replayed)", time.perf_counter() - t)
+        return out
+
+    results = await asyncio.gather(warm(), shards(), return_exceptions=True)
     if t0 is not None and not any(isinstance(r, BaseException) for r in results):
         log.info("search kernels compiled and models warmed up in %.1f s (the shards'; the frontend's merge "
                  "kernels follow, a few seconds)", time.perf_counter() - t0)

@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2
 
 from .index.bm25 import CorpusStats
 from .shards.protocol import Op, StatsRequest
+from .shards.transport import ShardError, StorageUnavailable
 from .shards.worker import exit_now
 
 log = logging.getLogger("oprag")
@@ -96,6 +97,34 @@ async def restart_shard(pool: Any, i: int, *, committed: set[str] | Callable[[],
     async with lock.write():
         st = await pool.broadcast(Op.STATS, StatsRequest(lexical=True))
         stats.replace_with(CorpusStats.merge_full([s.lexical for s in st]))
+
+
+async def final_snapshot(pool: Any, snapshot: Callable[..., Awaitable[None]]) -> None:
+    """The shutdown's snapshot (``Runtime.close``): ``await snapshot(skip=down)`` of every shard
+    but those down now (dead, or their restart was under way when the stop came). A shard that is
+    not running is not snapshotted, and that is no failure: its write-ahead log (and the commit
+    log, kept) is replayed on the next start, so one WARNING line names it, without a traceback
+    (trial22: an ERROR with the ``ShardError`` traceback). Any other failure, or a shard that
+    fails while running, is logged as an ERROR with its traceback. Never raises (``Exception``).
+
+    :param pool: the :class:`~.shards.pool.ShardPool` (``down_shards()``).
+    :param snapshot: ``Runtime.snapshot`` (its ``skip``: shard ids not asked)."""
+    down = tuple(pool.down_shards())
+    try:
+        await snapshot(skip=down) if down else await snapshot()
+    except ShardError as exc:
+        now = tuple(pool.down_shards())  # a shard that died during the snapshot: not snapshotted either
+        if set(now) <= set(down) or isinstance(exc, StorageUnavailable):
+            log.exception("final snapshot failed")
+            return
+        down = now
+    except Exception:  # noqa: BLE001 - the write-ahead logs still hold everything
+        log.exception("final snapshot failed")
+        return
+    if down:
+        who = f"shard{'s' if len(down) > 1 else ''} {', '.join(map(str, down))}"
+        log.warning("final snapshot: %s not snapshotted (not running: down or restarting); the write-ahead log of %s "
+                    "will be replayed on the next start", who, who)
 
 
 class ShardSupervisor:

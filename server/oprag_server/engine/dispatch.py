@@ -110,6 +110,8 @@ class EngineDispatch:
         self._io = EngineIO() if io_thread else None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._probes: list[Any] = []
+        for loop in ("frontend", "engine") if io_thread else ("frontend",):  # exported (0) before the probes start
+            metrics.event_loop_lag_seconds.labels(loop=loop)
 
     @property
     def active(self) -> int:

@@ -38,6 +38,14 @@ they accumulate; the IVF is then trained (k-means, ``nlist = sqrt(n)`` rounded t
 two, at most 65,536 and at most n / 39, on at most 64 vectors per list) on the vectors held at that moment. It is
 trained again, and every vector re-added, each time the shard has grown 8x since the last
 training (the lists stay balanced as the corpus grows), and on compaction.
+
+FAISS's rule (``faiss/Clustering.cpp``, ``Clustering::train_encoded``, run by ``IndexIVF::train``):
+fewer training points than lists is an error; fewer than ``min_points_per_centroid`` (39 by
+default, ``ClusteringParameters``) per list prints ``WARNING clustering <n> points to <k> centroids:
+please provide at least <39 k> training points`` on stderr (the service log) and trains anyway;
+over ``max_points_per_centroid`` (256) a list, it subsamples. So no IVF trains on fewer than
+:data:`IVF_TRAIN_FLOOR` (39) vectors (the serve CLI refuses a lower ``--ivf-train-min``; one made in
+code waits for 39), and ``nlist <= n // 39`` keeps every training at >= 39 points per list.
 """
 
 from __future__ import annotations
@@ -45,6 +53,10 @@ from __future__ import annotations
 import numpy as np
 
 from ..config import DenseConfig
+
+#: the fewest vectors an IVF trains on: FAISS's k-means wants 39 points a list (module docstring)
+IVF_TRAIN_FLOOR = 39
+
 
 def _faiss():
     import faiss  # noqa: PLC0415 - a declared dependency; imported where used
@@ -84,13 +96,18 @@ class AnnIndex:
         faiss = _faiss()
         n = train.shape[0]
         nlist = int(min(65536, max(16, 2 ** round(np.log2(np.sqrt(n))))))
-        nlist = min(nlist, max(1, n // 39))  # FAISS asks for >= 39 training points per list
+        nlist = min(nlist, max(1, n // IVF_TRAIN_FLOOR))  # FAISS asks for >= 39 training points per list
         quantizer = faiss.IndexFlatIP(self.dim)
         idx = faiss.IndexIVFFlat(quantizer, self.dim, nlist, faiss.METRIC_INNER_PRODUCT)
         step = max(1, n // (64 * nlist))
         idx.train(np.ascontiguousarray(train[::step]))
         self.trained_at = n
         return idx
+
+    @property
+    def train_min(self) -> int:
+        """Vectors held before the IVF is trained: ``params.train_min``, at least :data:`IVF_TRAIN_FLOOR`."""
+        return max(self.params.train_min, IVF_TRAIN_FLOOR)
 
     @property
     def live(self) -> int:
@@ -104,7 +121,7 @@ class AnnIndex:
         """
         if self.params.kind == "ivf":
             total = all_live[0].size
-            if self._index is None and total < self.params.train_min:
+            if self._index is None and total < self.train_min:
                 self._append_ids(slots)  # not trained yet: searched exactly by the caller
                 return
             if self._index is None or total >= 8 * self.trained_at:
@@ -227,7 +244,7 @@ class AnnIndex:
             self._tail, self._tail_at, self._tail_n = np.zeros((0, self.dim), dtype=np.float32), 0, 0
             return
         vecs = np.ascontiguousarray(vectors, dtype=np.float32)
-        if slots.size >= self.params.train_min:
+        if slots.size >= self.train_min:
             self._index = self._new_ivf(vecs)
             self._index.add_with_ids(vecs, np.arange(slots.size, dtype=np.int64))
         else:

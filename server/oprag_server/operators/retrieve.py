@@ -25,6 +25,7 @@ frequencies and average length over all shards).
 from __future__ import annotations
 
 import json
+import logging
 import time
 
 import numpy as np
@@ -41,6 +42,8 @@ from ..shards.protocol import (ExactListsRequest, ExactMinmaxRequest, FetchReply
                                SearchReply, SearchRequest)
 from . import union
 from .hybrid import _Cand, _Cols, _rank_lists, _ranks, _UnionIds, Widening, bounded, merge_union  # noqa: F401 (re-exported)
+
+log = logging.getLogger("oprag")
 
 
 def _fuse_cols(c: _Cols, d_order: np.ndarray, l_order: np.ndarray, spec: RetrieveSpec,
@@ -157,8 +160,10 @@ class Retriever:
         self.dense_index = pool.dense.kind if getattr(pool, "dense", None) else "flat"
         #: called with (widened, uncertified) query counts of each dense-first batch (metrics)
         self.on_widen = None
+        t = time.perf_counter()
         kernels_merge.warm()  # the compiled merge core (numba's cache), before the first query
         union.warm()
+        log.info("frontend merge kernels ready in %.1f s (compiled, or loaded from numba's cache)", time.perf_counter() - t)
 
     @staticmethod
     def info(spec: RetrieveSpec, searched: int = 0) -> RetrievalInfo:

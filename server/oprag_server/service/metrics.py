@@ -27,6 +27,10 @@ KNOWN_LABELS = {
     "answers_without_sources": [{"action": a} for a in ("refused", "generated")],
     "engine_tokens": [{"kind": k} for k in ("prompt", "cached", "completion")],
     "writes_after_caller_left": [{"kind": k, "outcome": o} for k in ("upsert", "delete") for o in ("applied", "aborted")],
+    # labelled histograms (0 count, 0 sum, every bucket 0); oprag_stage_seconds: STAGES and shard_recovery;
+    # oprag_request_seconds: with oprag_requests_total (init_requests); the event-loop lag: the engine dispatcher's
+    "batch_size": [{"stage": s} for s in ("prep", "generate", "embed_ingest")],
+    "stage_seconds": [{"stage": s} for s in (*STAGES, "shard_recovery")],
 }
 _LAT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -148,8 +152,6 @@ class Metrics:
             "oprag_event_loop_lag_seconds", "How late a 20 ms timer fires on an event loop (frontend: gRPC, prep; "
             "engine: the engine's HTTP streams): how long ready work waits for the loop", ["loop"],
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0), registry=r)
-        for s in STAGES:
-            self.stage_seconds.labels(stage=s)
         for name, combos in KNOWN_LABELS.items():  # (children created: exported as 0 before any use)
             for labels in combos:
                 getattr(self, name).labels(**labels)
@@ -160,8 +162,10 @@ class Metrics:
 
     def init_requests(self, methods, codes) -> None:
         """Export ``oprag_requests_total{method, code}`` as 0 for every ``method`` x ``code``
-        (strings) from now on, instead of from its first request."""
+        (strings), and ``oprag_request_seconds{method}`` with a 0 count for every ``method``,
+        from now on, instead of from its first request."""
         for m in methods:
+            self.request_seconds.labels(method=m)
             for c in codes:
                 self.requests.labels(method=m, code=c)
 

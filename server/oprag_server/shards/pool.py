@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -65,6 +66,10 @@ class ShardPool:
         self.stem = stem
         self.transport = transport
         self.clients: list[ShardTransport] = []
+        # shards being restarted (restart, in an executor thread) and whether shutdown began: a restart that
+        # ended after the shutdown left a process nobody stopped, and the frontend's exit waited for it forever
+        self._starting: dict[int, ShardTransport] = {}
+        self.closed, self._lock = False, threading.Lock()
 
     def start(self, loop: asyncio.AbstractEventLoop, timeout_s: float = START_TIMEOUT_S,
               committed: set[str] | None = None) -> list[StatsReply]:
@@ -99,10 +104,24 @@ class ShardPool:
         self.clients[i].kill()
         new = self._make(i)
         new.dense, new.storage = self.dense, self.storage
-        new.start(committed)
-        res = new.ready(loop, timeout_s)
-        self.clients[i] = new
-        return res
+        with self._lock:  # (a shutdown that began kills it: shutdown)
+            if self.closed:
+                raise ShardError(f"shard {i} is not restarted: the server is shutting down")
+            self._starting[i] = new
+        try:
+            new.start(committed)
+            if self.closed:  # (a shutdown's kill that came before the process existed)
+                new.kill()
+            res = new.ready(loop, timeout_s)
+            with self._lock:
+                if not self.closed:
+                    self.clients[i] = new
+                    return res
+        finally:
+            self._starting.pop(i, None)
+        # the shutdown came during the start: nobody would stop this process (it held the frontend's exit)
+        new.kill()
+        raise ShardError(f"shard {i} is not restarted: the server is shutting down")
 
     def _make(self, i: int) -> ShardTransport:
         if self.replicas > 1:
@@ -153,13 +172,13 @@ class ShardPool:
     #: the CPU anyway, so one at a time takes about as long)
     SNAPSHOTS_AT_ONCE = 1
 
-    async def snapshot(self) -> None:
-        """:attr:`Op.SNAPSHOT` to every shard, :attr:`SNAPSHOTS_AT_ONCE` at a time, in shard order.
-        :raises ShardError: a shard failed (the shards after it are not asked)."""
+    async def snapshot(self, skip: Sequence[int] = ()) -> None:
+        """:attr:`Op.SNAPSHOT` to every shard but those in ``skip``, :attr:`SNAPSHOTS_AT_ONCE` at
+        a time, in shard order. :raises ShardError: a shard failed (the shards after it are not asked)."""
         self._guard(Op.SNAPSHOT)
-        k = max(1, self.SNAPSHOTS_AT_ONCE)
-        for i in range(0, self.n, k):
-            await asyncio.gather(*[c.call(Op.SNAPSHOT, SnapshotRequest()) for c in self.clients[i: i + k]])
+        k, ask = max(1, self.SNAPSHOTS_AT_ONCE), [c for i, c in enumerate(self.clients) if i not in skip]
+        for i in range(0, len(ask), k):
+            await asyncio.gather(*[c.call(Op.SNAPSHOT, SnapshotRequest()) for c in ask[i: i + k]])
 
     async def unsaved_bytes(self) -> int:
         """The most BM25 segment bytes one shard holds in anonymous memory that no snapshot
@@ -255,7 +274,13 @@ class ShardPool:
         return {s: (by[s], rep) for s, rep in got.items()}, missing
 
     async def shutdown(self, snapshot: bool = True, timeout_s: float = 60.0) -> None:
-        """Ask every shard to (snapshot and) exit; kill any that does not within ``timeout_s``."""
+        """Ask every shard to (snapshot and) exit; kill any that does not within ``timeout_s``,
+        and any being restarted (:meth:`restart` then raises; none starts after this)."""
+        with self._lock:
+            self.closed, starting = True, list(self._starting.values())
+        for c in starting:
+            with contextlib.suppress(Exception):
+                c.kill()
         futs = [c.call(Op.SHUTDOWN, ShutdownRequest(snapshot)) for c in self.clients if c.is_alive()]
         if futs:
             try:

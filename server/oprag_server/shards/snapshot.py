@@ -302,7 +302,7 @@ def load(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions, co
 
     :raises RuntimeError: the snapshot's format version or vector width differ.
     """
-    wal = storage.open_log(d) if storage is not None else WriteAheadLog(d / "wal.log")
+    wal = storage.open_log(d, say=say) if storage is not None else WriteAheadLog(d / "wal.log")
     cur = d / "CURRENT"
     snap = d / cur.read_text().strip() if cur.exists() else (d if (d / "meta.json").exists() else None)
     sweep(d, snap.name if snap is not None and snap != d else None)  # what a failed or cut-off snapshot left

@@ -30,6 +30,8 @@ import json
 import logging
 import os
 import shutil
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from ..index.objstore import MirroredLog, ObjectStore, read_log_objects, record_key
@@ -62,9 +64,11 @@ class ShardStorage:
         return None if data is None else json.loads(data)
 
     # ------------------------------------------------------------------ start
-    def open_log(self, d: Path) -> MirroredLog:
+    def open_log(self, d: Path, say: Callable[[str], None] | None = None) -> MirroredLog:
         """Make the local directory ``d`` hold the storage's current snapshot and log, then
-        return the shard's log (its appends go to storage too)."""
+        return the shard's log (its appends go to storage too). ``say`` (a line for the service
+        log, :meth:`.state.ShardState.say`) is told when a snapshot download starts (source,
+        objects) and ends (bytes, seconds)."""
         cur = self.current()
         if cur is None:
             if not self.store.list():
@@ -82,7 +86,7 @@ class ShardStorage:
                 shutil.rmtree(old, ignore_errors=True)
             local.unlink(missing_ok=True)
             if name is not None:
-                self._download(name, d)
+                self._download(name, d, say)
                 fsync_write(local, name.encode())
                 self.downloaded = True
         records, nxt = read_log_objects(self.wal, first)
@@ -91,20 +95,27 @@ class ShardStorage:
         log.close()
         return MirroredLog(d / "wal.log", self.wal, nxt, first)
 
-    def _download(self, name: str, d: Path) -> None:
+    def _download(self, name: str, d: Path, say: Callable[[str], None] | None = None) -> None:
         part = d / f"{name}.part"
         shutil.rmtree(part, ignore_errors=True)
-        pre = f"snap/{name}/"
+        pre, t, nbytes = f"snap/{name}/", time.perf_counter(), 0
         keys = self.store.list(pre)
         if f"{pre}meta.json" not in keys:
             raise RuntimeError(f"{self.store.uri}/CURRENT names snapshot {name}, which is not in the store (no "
                                f"{pre}meta.json at {self.store.uri}): the shard cannot be loaded; restore the "
                                "snapshot's objects or point CURRENT at one that exists")
+        scheme = self.store.uri.partition("://")[0] if "://" in self.store.uri else ""  # (the path: no query string's
+        src = f"{scheme}://{self.store.root}/{pre}" if scheme else f"{self.store.root}/{pre}"  # keys or user in a log)
+        if say is not None:
+            say(f"downloading snapshot {name} from {src}: {len(keys)} objects")
         for key, data in zip(keys, self.store.get_many(keys)):
             if data is None:
                 raise RuntimeError(f"{self.store.uri}/{key} vanished while the snapshot was read")
             fsync_write(part / key[len(pre):], data)
+            nbytes += len(data)
         os.replace(part, d / name)
+        if say is not None:
+            say(f"downloaded snapshot {name} from {src}: {nbytes} bytes in {time.perf_counter() - t:.1f} s")
 
     def _seed(self, d: Path) -> None:
         """Upload the shard ``d`` holds (snapshot and log) to an empty storage prefix."""

@@ -39,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import pickle
-import sys
 import threading
 import traceback
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
@@ -53,6 +52,7 @@ from .protocol import Op, SnapshotReply, StatsReply, StatsRequest
 from .snapjob import ShardGone
 from .state import READS, ShardState, dispatch, op_table
 from .transport import ShardError, ShardTransport
+from .worker import warm_line
 
 log = logging.getLogger("oprag")
 
@@ -145,11 +145,7 @@ class ThreadTransport(ShardTransport):
         state = ShardState(self.shard_id, self.dim, self.data_dir, stem=self.stem, dense=self.dense,
                            storage=self.storage)
         replayed = state.load(committed)
-        warm_s = state.search.warm()  # compiled kernels ready before the first query (as worker.run)
-        if warm_s > 1.0:
-            print(f"shard {self.shard_id}: search kernels ready in {warm_s:.1f} s "
-                  "(compiled, or loaded from numba's cache)",
-                  file=sys.stderr)
+        state.say(warm_line(state.search.warm(), None))  # compiled kernels ready before the first query (as worker.run)
         ready = state.stats(StatsRequest(lexical=True))
         ready.replayed = replayed
         self.state, self._table = state, op_table(state)

@@ -143,10 +143,9 @@ def run(shard_id: int, conn, dim: int, data_dir: str | None, stem: bool, committ
         pass
     try:
         state = ShardState(shard_id, dim, Path(data_dir) if data_dir else None, stem=stem, dense=dense, storage=storage)
+        state.say(started_line(process_age()))
         replayed = state.load(committed)
-        warm_s = state.search.warm()  # compiled kernels ready before the first query
-        if warm_s > 1.0:
-            state.say(f"search kernels ready in {warm_s:.1f} s (compiled, or loaded from numba's cache)")
+        state.say(warm_line(state.search.warm(), process_age()))  # compiled kernels ready before the first query
         ready = state.stats(StatsRequest(lexical=True))
         ready.replayed = replayed
         conn.send((0, True, ready))
@@ -202,6 +201,33 @@ def run(shard_id: int, conn, dim: int, data_dir: str | None, stem: bool, committ
             break
         state.note()  # (a write-time merge started or installed: logged with its time)
         busy = state.store.dense.pending > 0 and not state.txns.prepared
+
+
+def process_age() -> float | None:
+    """Seconds since this process started (Linux: ``/proc/self/stat``'s start time in clock ticks
+    after boot against ``/proc/uptime``, 10 ms resolution), or None where that cannot be read."""
+    try:
+        with open("/proc/self/stat", "rb") as f:  # (fields after the parenthesised name: 3 = state, ..., 22 = starttime)
+            ticks = int(f.read().rsplit(b")", 1)[1].split()[19])
+        with open("/proc/uptime", "rb") as f:
+            return max(0.0, float(f.read().split()[0]) - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def started_line(age: float | None) -> str:
+    """The shard's first log line, once its modules are imported (before the snapshot's load):
+    on a loaded machine the interpreter's start and the imports took 4-7 s after the frontend
+    logged the process's pid, without a line. :param age: :func:`process_age`."""
+    took = f" in {age:.1f} s" if age is not None else ""
+    return f"process started{took} (Python, numpy, FAISS, numba and the shard's modules imported); loading its data"
+
+
+def warm_line(warm_s: float, age: float | None) -> str:
+    """The shard's line before READY: the search kernels' warm-up (:meth:`.search.Searcher.warm`,
+    seconds ``warm_s``) and, with ``age`` (:func:`process_age`), the seconds since the process started."""
+    total = f"; ready {age:.1f} s after the process started" if age is not None else ""
+    return f"search kernels ready in {warm_s:.1f} s (compiled, or loaded from numba's cache){total}"
 
 
 def main(*args) -> None:
