@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from oprag_client.client import Doc, OpRAGClient
-from oprag_client.testing import ServerProcess
+from oprag_client.testing import ServerProcess, free_port
 from test_trial15 import _docs, _shard_pid  # (tests/integration is on sys.path: pytest's rootdir-relative import)
 from test_replicas_server import _replicas
 
@@ -79,34 +79,6 @@ def test_sigterm_stops_in_well_under_the_shard_teardown_time_and_keeps_every_doc
         srv.stop()
 
 
-def test_embeddings_refuse_invisible_only_input_as_a_question_is_refused(tmp_path):
-    """POST /v1/embeddings checked its inputs with str.strip(), so "\\u200b\\u2060" (zero-width
-    space, word joiner: invisible, not whitespace) was embedded, while the same text as a
-    question is INVALID_ARGUMENT on every query path (README: an empty question is nothing but
-    whitespace and invisible characters). Now a 400 naming the input."""
-    import requests
-
-    from oprag_client.testing import free_port
-
-    port = free_port()
-    srv = ServerProcess.on_free_ports(tmp_path / "data", "--generator", "none", "--shards", "1",
-                                      "--http-port", str(port))
-    srv.start()
-    try:
-        url = f"http://127.0.0.1:{port}/v1"
-        for text in ("\u200b\u2060", " \u00ad\n"):
-            r = requests.post(f"{url}/embeddings", json={"model": "minilm", "input": ["fine", text]}, timeout=60)
-            assert r.status_code == 400, r.text
-            err = r.json()["error"]
-            assert err["message"].startswith("input[1] must have visible text"), err
-            r = requests.post(f"{url}/retrieve", json={"query": text}, timeout=60)
-            assert r.status_code == 400 and "question is empty" in r.json()["error"]["message"], r.text
-        r = requests.post(f"{url}/embeddings", json={"model": "minilm", "input": "Gesamt\u00adkonzept"}, timeout=60)
-        assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 384, r.text
-    finally:
-        srv.stop()
-
-
 def test_an_id_sent_twice_in_a_stream_keeps_its_last_version_when_the_versions_take_different_paths(tmp_path):
     """README: "A document id sent twice in one stream keeps its last version". The shard kept
     the version whose rows came last in the staged batch, and a chunk whose vector is reused
@@ -142,10 +114,12 @@ def test_an_id_sent_twice_in_a_stream_keeps_its_last_version_when_the_versions_t
 @pytest.fixture(scope="module")
 def small_queue_replicas(tmp_path_factory):
     """One server for the checks below (neither restarts it): no generator, one shard held by 2
-    replicas, a query queue of 1; two documents ``r0``, ``r1``."""
+    replicas, a query queue of 1, an HTTP port (``srv.url``); two documents ``r0``, ``r1``."""
+    http_port = free_port()
     srv = ServerProcess.on_free_ports(tmp_path_factory.mktemp("t18") / "data", "--generator", "none", "--shards", "1",
-                                      "--replicas", "2", "--queue-capacity", "1")
+                                      "--replicas", "2", "--queue-capacity", "1", "--http-port", str(http_port))
     srv.start()
+    srv.url = f"http://127.0.0.1:{http_port}/v1"
     try:
         with OpRAGClient(srv.target, timeout=120) as c:
             c.ingest(_docs("r", 2, 5, 3))  # (each replica's write-ahead log is open now)
@@ -194,3 +168,23 @@ def test_a_full_queue_of_retrieves_hints_a_retrieval_s_time_not_a_generation_s(s
         t.join()
     assert hints and took, (hints, took)
     assert all(50 <= h <= max(50, max(took)) for h in hints), (sorted(hints)[-5:], sorted(took)[-5:])
+
+
+def test_embeddings_refuse_invisible_only_input_as_a_question_is_refused(small_queue_replicas):
+    """POST /v1/embeddings checked its inputs with str.strip(), so "\\u200b\\u2060" (zero-width
+    space, word joiner: invisible, not whitespace) was embedded, while the same text as a
+    question is INVALID_ARGUMENT on every query path (README: an empty question is nothing but
+    whitespace and invisible characters). Now a 400 naming the input. (On the module's server,
+    last: its requests are sequential, so the queue of 1 refuses none of them.)"""
+    import requests
+
+    url = small_queue_replicas.url
+    for text in ("\u200b\u2060", " \u00ad\n"):
+        r = requests.post(f"{url}/embeddings", json={"model": "minilm", "input": ["fine", text]}, timeout=60)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["message"].startswith("input[1] must have visible text"), err
+        r = requests.post(f"{url}/retrieve", json={"query": text}, timeout=60)
+        assert r.status_code == 400 and "question is empty" in r.json()["error"]["message"], r.text
+    r = requests.post(f"{url}/embeddings", json={"model": "minilm", "input": "Gesamt\u00adkonzept"}, timeout=60)
+    assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 384, r.text
