@@ -104,12 +104,41 @@ def credentials(token: str | None, tls_ca, tls_cert, tls_key) -> grpc.ChannelCre
     return grpc.composite_channel_credentials(ssl, grpc.access_token_call_credentials(token))
 
 
+def target_problem(target: str) -> str | None:
+    """Why ``target`` is not a gRPC target to dial, as a sentence; ``None`` when it is one.
+    ``HOST:PORT`` (``[v6]:PORT`` too) must carry both a host and a port in 1-65535: gRPC dials
+    port 443 for a host without a port (or with an empty one, ``HOST:``), reads port 99999 as
+    34463 (modulo 65536) and an ``http://`` URL as a host name that does not resolve (trial22/23).
+    Targets with a gRPC scheme (``unix:/path``, ``dns:///HOST:PORT``, ``ipv4:ADDR:PORT``) are left
+    to gRPC."""
+    scheme = re.match(r"(https?|grpcs?)://", target)
+    if scheme:
+        return f"give HOST:PORT without {scheme.group(0)}, e.g. 127.0.0.1:50051, got {target!r}"
+    if not target.strip():
+        return f"give HOST:PORT, e.g. 127.0.0.1:50051, got {target!r}"
+    m = re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[^:/\[\]]*)(?::(\d*))?", target.strip())
+    if m is None:
+        return None  # a gRPC scheme (unix:, dns:, ipv4:, ...) or a name gRPC itself reports on
+    host, port = m.group(1), m.group(2)
+    if not host:
+        return f"the host is missing: give HOST:PORT, e.g. 127.0.0.1:{port or 50051}, got {target!r}"
+    if not port:  # (gRPC dialled port 443, trial22 / trial23)
+        return (f"the port is missing: give HOST:PORT, e.g. {host}:50051 (the server's default port), "
+                f"got {target!r}")
+    if not 1 <= int(port) <= 65535:
+        return f"the port must be in 1-65535, got {port} in {target!r}"
+    return None
+
+
 def open_channel(target: str, *, aio: bool, max_message_bytes: int, options=None, token: str | None = None,
                  tls_ca=None, tls_cert=None, tls_key=None) -> tuple[Any, tuple[tuple[str, str], ...] | None]:
     """A channel to ``target`` (``grpc.aio`` when ``aio``) with :func:`channel_options` and
     :func:`credentials`. :returns: ``(channel, metadata)``: the call metadata that carries the
     token on a plain-text channel (None otherwise: TLS call credentials carry it).
-    :raises ValueError: a token gRPC cannot send (:func:`bearer_token`)."""
+    :raises ValueError: a token gRPC cannot send (:func:`bearer_token`); a target without a host
+        or a port (:func:`target_problem`)."""
+    if (why := target_problem(target)) is not None:
+        raise ValueError(f"target {why}")
     token = bearer_token(token)
     creds = credentials(token, tls_ca, tls_cert, tls_key)
     opts = channel_options(max_message_bytes, options)

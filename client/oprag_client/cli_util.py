@@ -13,7 +13,7 @@ from pathlib import Path
 
 import grpc
 
-from .channel import bearer_token, pem_problem
+from .channel import bearer_token, pem_problem, target_problem
 from .client import OpRAGClient
 
 
@@ -29,20 +29,9 @@ def _add_server(p: argparse.ArgumentParser) -> None:
 
 
 def _target(text: str) -> str:
-    """``--server``: a gRPC target, ``HOST:PORT`` (gRPC would read port 99999 as 34463, its value
-    modulo 65536, an ``http://`` URL as a host name that does not resolve, and a host without a
-    port as port 443)."""
-    scheme = re.match(r"(https?|grpcs?)://", text)
-    if scheme:
-        raise argparse.ArgumentTypeError(f"give HOST:PORT without {scheme.group(0)}, e.g. 127.0.0.1:50051, got {text!r}")
-    m = re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[^:/\[\]]*):(\d+)", text)
-    if not text.strip():
-        raise argparse.ArgumentTypeError(f"give HOST:PORT, e.g. 127.0.0.1:50051, got {text!r}")
-    if m and not 1 <= int(m.group(2)) <= 65535:
-        raise argparse.ArgumentTypeError(f"the port must be in 1-65535, got {m.group(2)} in {text!r}")
-    if re.fullmatch(r"\[[0-9A-Fa-f:.]+\]|[^:/\[\]]+", text.strip()):  # (gRPC dialled port 443, trial22)
-        raise argparse.ArgumentTypeError(f"the port is missing: give HOST:PORT, e.g. {text.strip()}:50051 (the "
-                                         f"server's default port), got {text!r}")
+    """``--server``: a gRPC target, ``HOST:PORT`` (:func:`~oprag_client.channel.target_problem`)."""
+    if (why := target_problem(text)) is not None:
+        raise argparse.ArgumentTypeError(why)
     return text
 
 

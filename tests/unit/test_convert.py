@@ -141,7 +141,8 @@ def test_session_and_delete_ids():
         convert.check_session_id("", LIM, required=True)
     assert convert.delete_ids(oprag_pb2.DeleteRequest(doc_ids=["a", "b"]), LIM) == ["a", "b"]
     for ids, msg in (([], "doc_ids is empty: name at least one document id"),
-                     (["a", ""], "doc_ids contains an empty id: every id must be non-empty")):
+                     (["a", ""], "doc_ids contains an empty or all-whitespace id: every id must have a non-space character"),
+                     (["a", " \t "], "doc_ids contains an empty or all-whitespace id: every id must have a non-space character")):
         with pytest.raises(InvalidArgument) as e:
             convert.delete_ids(oprag_pb2.DeleteRequest(doc_ids=ids), LIM)
         assert str(e.value) == msg

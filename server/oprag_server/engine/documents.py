@@ -30,6 +30,8 @@ def validate_document(doc: Any, limits: LimitsConfig) -> str | None:
     chunks = list(getattr(doc, "chunks", ()))
     if not doc.id:
         return "id is empty: give every document a non-empty id"
+    if not doc.id.strip():  # (a blank CSV/Parquet cell, trial23; an id with other characters is kept as it is)
+        return "id is only whitespace: give every document an id with a character other than whitespace"
     if len(doc.id.encode()) > limits.max_doc_id_bytes:
         return f"id is longer than {limits.max_doc_id_bytes} bytes: use a shorter id"
     if "\x00" in doc.id:

@@ -35,6 +35,7 @@ MODE_NAMES = {
 assert set(MODE_NAMES.values()) == set(MODES)
 MAX_FILTERS = 16
 MAX_FILTER_VALUES = 1024
+MAX_FILTER_KEY_BYTES = 1024  # (UTF-8; a 100 KB key was accepted and echoed in messages, trial23)
 MAX_FUSION_WEIGHT = 1e6
 MAX_RRF_K = 100_000
 #: ``finish_reason`` of a Query/QueryStream answered by a server without a generator.
@@ -148,8 +149,8 @@ def filters(fs: Any) -> tuple[tuple[str, tuple[md.Value, ...]], ...]:
     """``((key, (value, ...)), ...)`` from repeated ``MetadataFilter`` messages: its string
     ``values`` then its ``typed_values`` (str, int, float or bool; README: typed metadata).
 
-    :raises InvalidArgument: more than 16 filters, an empty key, no values or more than 1024, a
-        null (no kind set), NaN or infinite typed value.
+    :raises InvalidArgument: more than 16 filters, an empty key or one over 1024 bytes of UTF-8, no
+        values or more than 1024, a null (no kind set), NaN or infinite typed value.
     """
     if len(fs) > MAX_FILTERS:
         raise InvalidArgument(f"{len(fs)} metadata filters; the limit is {MAX_FILTERS}")
@@ -157,6 +158,9 @@ def filters(fs: Any) -> tuple[tuple[str, tuple[md.Value, ...]], ...]:
     for f in fs:
         if not f.key:
             raise InvalidArgument("a metadata filter has an empty key: name the metadata key to match")
+        if (kb := len(f.key.encode("utf-8", "surrogatepass"))) > MAX_FILTER_KEY_BYTES:
+            raise InvalidArgument(f"a metadata filter key is {kb} bytes of UTF-8; the limit is {MAX_FILTER_KEY_BYTES} "
+                                  f"(key starting {f.key[:40]!r}): name the metadata key to match")
         typed = getattr(f, "typed_values", ())
         n = len(f.values) + len(typed)
         if not n or n > MAX_FILTER_VALUES:
@@ -218,13 +222,13 @@ def check_session_id(session_id: str, limits: LimitsConfig, *, required: bool = 
 def delete_ids(req: Any, limits: LimitsConfig) -> list[str]:
     """The document ids of a ``DeleteRequest``.
 
-    :raises InvalidArgument: no id, an empty id, more than ``limits.max_delete_ids`` ids.
+    :raises InvalidArgument: no id, an empty or all-whitespace id, more than ``limits.max_delete_ids`` ids.
     """
     ids = list(req.doc_ids)
     if not ids:
         raise InvalidArgument("doc_ids is empty: name at least one document id")
-    if any(not i for i in ids):
-        raise InvalidArgument("doc_ids contains an empty id: every id must be non-empty")
+    if any(not i.strip() for i in ids):  # (all-whitespace too: no document can have it, trial23)
+        raise InvalidArgument("doc_ids contains an empty or all-whitespace id: every id must have a non-space character")
     if len(ids) > limits.max_delete_ids:
         raise InvalidArgument(f"{len(ids)} ids; the limit per Delete is {limits.max_delete_ids}")
     return ids

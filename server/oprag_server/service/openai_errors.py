@@ -76,7 +76,7 @@ def _fields_at(model: Any, path: list) -> list[str]:
 
 #: the retrieval knobs: top-level fields of /v1/retrieve, under "oprag" in a chat request
 _KNOBS = {"mode", "top_k", "candidates", "filters", "fusion", "session_id", "disable_memory", "include_trace",
-          "ef_search", "nprobe", "group_by_document", "chunks_per_document", "query_vector"}
+          "ef_search", "nprobe", "group_by_document", "chunks_per_document", "query_vector", "min_seq"}
 _FIELD = re.compile(r"(?:metadata filter '(?P<key>.*?)'|(?P<filters>a metadata filter|\d+ metadata filters)"
                     r"|(?:top_k x )?(?P<f>[a-z_]+(?:\.[a-z_]+)*(?:\[-?\d+\])?) (?:must|is|has|needs|contains|starts|ends) "
                     r"|the (?P<q>question) needs)")

@@ -28,7 +28,7 @@ async def read_your_writes(rt: Any, min_seq: int, timeout: float | None) -> None
         try:
             await rt.wait_applied(min_seq, timeout)
         except LookupError as exc:
-            raise InvalidArgument(str(exc)) from exc
+            raise InvalidArgument(f"min_seq is too large: {exc}; give a number a write returned") from exc
 
 
 class OpRAGServicer(oprag_pb2_grpc.OpRAGServicer):
