@@ -86,7 +86,7 @@ def test_start_up_steps_are_logged_per_shard_in_order_with_sizes_and_times(serve
         assert a < b < c < d < e < f, "".join(lines)
         total, replayed = total + n, replayed + int(m[1])
         # each line has the service log's timestamp
-        assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} shard", lines[a]), lines[a]
+        assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO shard", lines[a]), lines[a]
     assert total == len(FIRST)  # one chunk each, split between the shards
     g, m = _index(lines, r"recovered (\d+) write-ahead log records")
     ready = next(i for i, ln in enumerate(lines) if ln.startswith("OPRAG READY"))

@@ -165,13 +165,14 @@ class ShardState:
 
     def say(self, line: str) -> None:
         """Write ``line`` to the service log (stderr: the shard process's is the server's) as
-        ``<local time>,<ms> shard <i>: <line>``."""
+        ``<local time>,<ms> INFO shard <i>: <line>`` (the frontend's lines are ``<local time>,<ms>
+        <LEVEL> oprag: ...``; every shard line is informational, and a level lets log filters keep them)."""
         t = time.time()
         # one write of the whole line, newline included: print() writes the text and the newline
         # separately, and two shard processes sharing the server's stderr then interleaved their
         # lines ("...: 5 chunks2026-12-03 ... shard 1: ...", found by test_fix22a under load)
         sys.stderr.write(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(t))},{int(t * 1000) % 1000:03d} "
-                         f"shard {self.shard_id}: {line}\n")
+                         f"INFO shard {self.shard_id}: {line}\n")
         sys.stderr.flush()
 
     def shutdown(self, req: ShutdownRequest) -> ShutdownReply:
