@@ -220,7 +220,7 @@ class Runtime:
             # shards dirty again for the next round (cleared after, it waited for the next write)
             self._dirty = False
             try:
-                await (self.pool.snapshot(skip) if skip else self.pool.snapshot())  # (ShardPool.SNAPSHOTS_AT_ONCE at a time)
+                await self.pool.snapshot(skip)  # (ShardPool.SNAPSHOTS_AT_ONCE at a time)
             except BaseException:
                 self._dirty = True
                 raise

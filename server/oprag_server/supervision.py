@@ -111,7 +111,7 @@ async def final_snapshot(pool: Any, snapshot: Callable[..., Awaitable[None]]) ->
     :param snapshot: ``Runtime.snapshot`` (its ``skip``: shard ids not asked)."""
     down = tuple(pool.down_shards())
     try:
-        await snapshot(skip=down) if down else await snapshot()
+        await snapshot(skip=down)
     except ShardError as exc:
         now = tuple(pool.down_shards())  # a shard that died during the snapshot: not snapshotted either
         if set(now) <= set(down) or isinstance(exc, StorageUnavailable):

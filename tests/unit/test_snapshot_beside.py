@@ -236,7 +236,7 @@ def test_a_commit_waiting_for_a_snapshot_does_not_hold_queries_back():
                 order.append(op.value)
                 return []
 
-            async def snapshot(self):  # (ShardPool.snapshot: one shard at a time)
+            async def snapshot(self, skip=()):  # (ShardPool.snapshot: one shard at a time)
                 await self.broadcast(Op.SNAPSHOT, SnapshotRequest())
 
         rt = type("Rt", (), {})()

@@ -19,7 +19,7 @@ def _runtime(during):
     rt = types.SimpleNamespace(_dirty=False, gauges=types.SimpleNamespace(stale=lambda: None), resets=0)
     rt.mark_dirty = lambda: Runtime.mark_dirty(rt)
 
-    async def snapshot():
+    async def snapshot(skip=()):
         await asyncio.sleep(0)
         during(rt)
         await asyncio.sleep(0)
