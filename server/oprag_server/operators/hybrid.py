@@ -191,7 +191,7 @@ def merge_union(replies: dict[int, SearchReply], j: int, spec: RetrieveSpec) -> 
         tuple(np.ascontiguousarray(c.lexical, dtype=f8) for c in cd), ls,
         tuple(np.ascontiguousarray(c.dense, dtype=f8) for c in cl),
         tuple(np.ascontiguousarray(c.lexical, dtype=f8) for c in cl))
-    ids, bounds, unlisted, dmins = [], [], False, []
+    ids, bounds, unlisted, dmins, lmins = [], [], False, [], []
     off = off.tolist()
     for k, (s, rep) in enumerate(reps):
         ids += ((cd[k].chunk_ids, None), (cl[k].chunk_ids, extra[off[k]:off[k + 1]]))
@@ -200,6 +200,8 @@ def merge_union(replies: dict[int, SearchReply], j: int, spec: RetrieveSpec) -> 
             continue
         dmins.append(rep.dense_min[j])
         unlisted |= listed < eligible  # some chunk scores BM25 exactly 0
+        if rep.lexical_min is not None:  # (every eligible chunk may hold a query term: exact mode's minimum)
+            lmins.append(float(rep.lexical_min[j]))
         if nd >= eligible:  # the dense list is the whole shard
             continue
         if not nd:
@@ -212,7 +214,7 @@ def merge_union(replies: dict[int, SearchReply], j: int, spec: RetrieveSpec) -> 
         return [], not bounds, "" if not bounds else "both"
     rng = rng.tolist() if exact else [u.dense.min(), u.dense.max(), u.lexical.min(), u.lexical.max()]  # (numpy's)
     dr = (min(float(rng[0]), *dmins), float(rng[1]))
-    lr = (min(float(rng[2]), 0.0 if unlisted else np.inf), max(float(rng[3]), 0.0 if unlisted else -np.inf))
+    lr = (min(float(rng[2]), 0.0 if unlisted else np.inf, *lmins), max(float(rng[3]), 0.0 if unlisted else -np.inf))
     w = {"dense_range": dr, "lexical_range": lr, "dense_weight": spec.dense_weight,
          "lexical_weight": spec.lexical_weight}
     bt = np.array([[d for d, _ in bounds], [lb for _, lb in bounds]], dtype=np.float64).reshape(2, -1)  # (rows: C order)
@@ -351,9 +353,11 @@ class Widening:
         for s, rep in replies.items():
             old, oj = kept[s]
             c = rep.candidates[jj] if dense else old.candidates[oj]
-            lx, n_l = (rep.lexical[jj], rep.listed[jj]) if lex else (old.lexical[oj], old.listed[oj])
+            src, k = (rep, jj) if lex else (old, oj)
+            lx, n_l = src.lexical[k], src.listed[k]
+            lmin = [src.lexical_min[k]] if src.lexical_min is not None else None
             dmin = min(rep.dense_min[jj], old.dense_min[oj])
-            out[s] = SearchReply([c], [rep.eligible[jj]], [dmin], rep.dense_index, rep.knobs, None, [lx], [n_l])
+            out[s] = SearchReply([c], [rep.eligible[jj]], [dmin], rep.dense_index, rep.knobs, None, [lx], [n_l], lmin)
         self.kept[j] = {s: (rep, 0) for s, rep in out.items()}
         return out, 0
 

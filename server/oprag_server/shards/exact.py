@@ -44,6 +44,23 @@ class ExactMixin:
     _ranks: tuple[int, np.ndarray] = (-1, np.zeros(0, np.int64))
     _order: tuple = (-1, np.zeros(0, np.int64), np.zeros(0, np.int64))  # (store version, order, sorted slots)
 
+    def _lexical_min(self, qb: QueryBatch, i: int, allowed: np.ndarray | None, eligible: int, listed: int,
+                     lst: Candidates) -> float:
+        """The lowest BM25 score over query ``i``'s eligible chunks of this shard, as exact mode
+        takes it for its normalisation (:meth:`.exact.ExactMixin.exact_minmax`): 0.0 when some
+        eligible chunk scores 0 (``listed < eligible``; also when none is eligible); the BM25
+        list's lowest when the list holds every listed chunk; else -- every eligible chunk holds a
+        query term and the list is shorter: a small filtered set of chunks that all contain
+        "the", say -- every eligible chunk scored (:func:`..index.bm25.listed_top.scores_at`, the
+        values of ``PostingsIndex.score_all``)."""
+        if eligible <= 0 or listed < eligible:
+            return 0.0
+        if len(lst.slots) >= listed:
+            return float(np.min(lst.lexical)) if len(lst.slots) else 0.0
+        st = self.store
+        slots = st.dense.slots if allowed is None else allowed
+        return float(scores_at(st.postings, qb.terms[i], qb.idf[i], qb.avgdl, qb.k1, qb.b, slots).min())
+
     def _exact_scores(self, qb: QueryBatch) -> list[tuple]:
         """Every eligible chunk's dense and BM25 score, per query.
 

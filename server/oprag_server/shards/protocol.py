@@ -115,7 +115,10 @@ class SearchReply:
     ``dense_min[i]`` the dense minimum estimated from a fixed vector sample (+inf when not
     computed: lexical mode or an empty shard; exact over the eligible rows with a flat index).
     Per-query scalars are lists (B is small). ``m`` > 0: ``lexical[i]`` the BM25 top-m of the
-    eligible chunks with a BM25 score != 0 (ties: chunk id) and ``listed[i]`` how many there are."""
+    eligible chunks with a BM25 score != 0 (ties: chunk id) and ``listed[i]`` how many there are;
+    ``lexical_min[i]`` the lowest BM25 score over the eligible chunks (exact mode's lexical minimum:
+    0.0 when some eligible chunk scores 0), which the frontend cannot know from the list when every
+    eligible chunk holds a query term and the list is shorter than them."""
 
     candidates: list[Candidates]
     eligible: list[int]
@@ -125,6 +128,7 @@ class SearchReply:
     fields: list[FetchReply] | None = None  # fetch_k > 0: per query, fields of some candidates
     lexical: list[Candidates] | None = None
     listed: list[int] | None = None
+    lexical_min: list[float] | None = None
 
 
 @message

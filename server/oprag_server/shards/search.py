@@ -76,7 +76,7 @@ class Searcher(ExactMixin):
         allowed = [st.allowed(f) for f in (qb.filters or [None] * B)]
         eligible = [len(st.dense) if a is None else int(a.size) for a in allowed]
         cands: list[Candidates] = []
-        lexical = listed = None
+        lexical = listed = lexical_min = None
         if req.mode in ("hybrid", "dense"):
             st.dense.last_knobs = {}
             if n == 0:  # a widening round for the BM25 list alone (operators/hybrid.py): no dense search
@@ -106,6 +106,7 @@ class Searcher(ExactMixin):
                 cands.append(Candidates(slots, st.ids(slots), dense, lex))
             if tops_l is not None:
                 lexical, listed = [c for c, _, _ in tops_l], [k for _, k, _ in tops_l]
+                lexical_min = [self._lexical_min(qb, i, allowed[i], eligible[i], listed[i], lexical[i]) for i in range(B)]
         elif req.mode == "lexical":
             dense_min = [np.inf] * B
             for i in range(B):
@@ -131,7 +132,8 @@ class Searcher(ExactMixin):
                                                        w[i] and (w[i], dense_min[i], qb.idf[i], qb.k1)))
                       for i, c in enumerate(cands)]
         return SearchReply(cands, eligible, dense_min, st.dense.params.kind, st.dense.last_knobs or None, fields,
-                           lexical, listed)
+                           lexical, listed, lexical_min)
+
 
     def _lexical_top(self, q: np.ndarray, qb: QueryBatch, i: int, allowed: np.ndarray | None,
                      m: int, cand: np.ndarray, score_cand) -> tuple[Candidates, int, np.ndarray]:
