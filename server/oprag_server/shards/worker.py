@@ -262,16 +262,28 @@ SNAPSHOT_POLL_S = 0.005
 
 
 def _answer(conn, table, req_id, op, req) -> None:
-    """Answer one request (its error when it fails: never let a bad request kill the shard)."""
+    """Answer one request (its error when it fails: never let a bad request kill the shard). A
+    frontend that is gone (killed while the shard worked: the pipe is broken) ends the process
+    quietly, as between requests (:func:`_gone`), instead of two tracebacks in the log."""
     try:
-        conn.send((req_id, True, dispatch(table, op, req)))
+        reply = dispatch(table, op, req)
     except Exception as exc:  # noqa: BLE001
+        _fail(conn, req_id, exc)
+        return
+    try:
+        conn.send((req_id, True, reply))
+    except (BrokenPipeError, ConnectionResetError):
+        _gone()
+    except Exception as exc:  # noqa: BLE001 - a reply that cannot be sent (pickling): its error instead
         _fail(conn, req_id, exc)
 
 
 def _fail(conn, req_id, exc: Exception) -> None:
     print_failure(exc)  # to the service log (a disk error once: the frontend logs those); the caller gets the message
-    conn.send((req_id, False, f"{type(exc).__name__}: {exc}"))
+    try:
+        conn.send((req_id, False, f"{type(exc).__name__}: {exc}"))
+    except (BrokenPipeError, ConnectionResetError):
+        _gone()
 
 
 def _step(conn, job) -> bool:
@@ -285,7 +297,10 @@ def _step(conn, job) -> bool:
         return True
     if out is None:
         return False
-    conn.send((req_id, True, out))
+    try:
+        conn.send((req_id, True, out))
+    except (BrokenPipeError, ConnectionResetError):  # the frontend left meanwhile: the snapshot is written
+        _gone()
     return True
 
 
