@@ -29,9 +29,10 @@ keeps the last union's top-k and reports ``certified`` false.
 Ranges (chosen to equal exact mode's): dense ``[min(union, each shard's minimum), union max]``
 where a flat shard's minimum is exact over its eligible rows (so ranges, fused scores and the
 certified top-k equal ``full_hybrid``'s bit for bit) and an HNSW / IVF shard's is the lowest
-score its index finds (:meth:`..shards.search.Searcher._ann_lows`: never below the exact one); BM25 ``[min, max]`` of the union and 0 when some eligible chunk has no
-listed score, which is exact except for negative BM25 scores (negative idf floor) below a
-truncated BM25 list. With HNSW / IVF the dense list is approximate, so the bound is a heuristic
+score its index finds (:meth:`..shards.search.Searcher._ann_lows`: never below the exact one); BM25 ``[min, max]`` of the union and each shard's
+``lexical_min`` (0 when some eligible chunk has no listed score; the lowest score of its eligible
+chunks when every one holds a query term: :meth:`..shards.exact.ExactMixin._lexical_min`), which
+is exact except for negative BM25 scores (negative idf floor) below a truncated BM25 list. With HNSW / IVF the dense list is approximate, so the bound is a heuristic
 there (an ANN miss above the N-th score is not covered). Rank fusion (rrf) and requests grouped
 by document keep the dense window of N, fused over that window (no bound; rrf's analogue would be
 ``w_d / (k + N + 1) + w_l / (k + M + 1)`` with ranks over the whole lists, not built).
