@@ -77,6 +77,7 @@ LIM, R, G = CFG.limits, CFG.retrieval, CFG.generate
     ({"question": "  \n"}, "question is empty: send a non-empty question"),
     ({"question": "\u200b"}, "question is empty: send a non-empty question"),  # only invisible characters
     ({"question": "\u00ad\ufeff\u200b"}, "question is empty: send a non-empty question"),
+    ({"question": "\x00\x01\x02"}, "question is empty: send a non-empty question"),  # only control characters
     ({"question": "x" * (LIM.max_question_chars + 1)},
      f"question has {LIM.max_question_chars + 1} characters; the limit is {LIM.max_question_chars}: shorten it"),
     ({"top_k": R.max_top_k + 1}, f"top_k must be in [1, {R.max_top_k}] (0 = the default), got {R.max_top_k + 1}"),
