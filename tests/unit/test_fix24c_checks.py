@@ -47,3 +47,30 @@ def test_an_unknown_option_of_a_subcommand_shows_that_subcommands_usage(argv, us
     assert err.startswith(usage), err
     prog = usage.removeprefix("usage: ").strip()  # "oprag query"
     assert err.rstrip().splitlines()[-1] == f"{prog}: error: unrecognized arguments: --bogus", err
+
+
+def test_a_folder_s_dangling_link_and_fifo_are_skipped_with_a_message(tmp_path, capsys):
+    """trial24: ``oprag ingest --format text <folder>`` skipped a dangling symbolic link and a FIFO
+    silently, while a non-UTF-8 file is skipped with a message."""
+    import os
+
+    from oprag_client.loaders import load_parquet, load_text
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "good.txt").write_text("zebra crossing")
+    (tmp_path / "a" / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    os.symlink(tmp_path / "nonexistent", tmp_path / "a" / "dangling.txt")
+    os.mkfifo(tmp_path / "a" / "fifo.txt")
+    os.symlink(tmp_path / "a" / "good.txt", tmp_path / "a" / "link.md")  # a link to a file is read
+    (tmp_path / "a" / "dir.txt").mkdir()  # a folder named like a text file: walked, not a file
+    os.mkfifo(tmp_path / "a" / "fifo.log")  # not a text suffix: not looked at
+    docs = list(load_text([tmp_path]))
+    assert [d.id for d in docs] == ["a/good.txt", "a/link.md"]
+    err = capsys.readouterr().err.splitlines()
+    assert sorted(err) == sorted([
+        f"oprag: skipping {tmp_path}/a/dangling.txt: a symbolic link to {tmp_path}/nonexistent, which does not exist",
+        f"oprag: skipping {tmp_path}/a/fifo.txt: a FIFO, not a regular file",
+        f"oprag: skipping {tmp_path}/a/latin1.txt: not UTF-8"]), err
+    os.mkfifo(tmp_path / "a" / "p.parquet")  # the parquet / arrow folder walk says so too
+    assert list(load_parquet([tmp_path / "a"])) == []
+    assert capsys.readouterr().err == f"oprag: skipping {tmp_path}/a/p.parquet: a FIFO, not a regular file\n"
