@@ -36,10 +36,7 @@ assert set(MODE_NAMES.values()) == set(MODES)
 MAX_FILTERS = 16
 MAX_FILTER_VALUES = 1024
 MAX_FILTER_KEY_BYTES = 1024  # (UTF-8; a 100 KB key was accepted and echoed in messages, trial23)
-MAX_FUSION_WEIGHT = 1e6
-#: The smallest non-zero fusion weight: below it (1e-320, a denormal) every fused score underflows
-#: to 0 and the order falls back to chunk ids (trial24).
-MIN_FUSION_WEIGHT = 1e-12
+MAX_FUSION_WEIGHT, MIN_FUSION_WEIGHT = 1e6, 1e-12  # (non-zero min: 1e-320 made every fused score 0, trial24)
 MAX_RRF_K = 100_000
 #: ``finish_reason`` of a Query/QueryStream answered by a server without a generator.
 NO_GENERATOR = "no_generator"
@@ -131,8 +128,7 @@ def fusion(f: Any, *, default_weights: tuple[float, float]) -> tuple[str, float,
     Method ``"minmax"`` (UNSPECIFIED, WEIGHTED_MINMAX) or ``"rrf"``; both weights 0 means
     ``default_weights``; rrf_k 0 means :data:`~oprag_server.domain.DEFAULT_RRF_K`.
 
-    :raises InvalidArgument: unknown method, a weight that is not 0 or a finite number in
-        [1e-12, 1e6] (:data:`MIN_FUSION_WEIGHT`, :data:`MAX_FUSION_WEIGHT`), rrf_k > 100000.
+    :raises InvalidArgument: unknown method, a weight neither 0 nor in [1e-12, 1e6], rrf_k > 100000.
     """
     if f.method not in (oprag_pb2.FUSION_UNSPECIFIED, oprag_pb2.WEIGHTED_MINMAX, oprag_pb2.RRF):
         raise InvalidArgument(f"unknown fusion method {f.method}: use WEIGHTED_MINMAX (1) or RRF (2)")
