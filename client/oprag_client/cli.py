@@ -20,9 +20,21 @@ from .cli_util import _add_server, _client, _count, _fail, _positive, _rpc_error
 from .client import MODES
 
 
+class _SubcommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: an unknown option is reported with this subcommand's usage (exit
+    status 2). argparse passes a subparser's leftovers up to the top-level parser, which printed
+    ``usage: oprag [-h] {...}`` for ``oprag query --bogus cells`` (trial24)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        ns, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return ns, extras
+
+
 def _parser(plugins: dict) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="oprag", description="OpRAG: multi-stage RAG runtime over gRPC")
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_SubcommandParser)
 
     for name in sorted(set(plugins) - set(COMMANDS)):
         sub.add_parser(name, help=f"see `oprag {name} --help`", add_help=False)

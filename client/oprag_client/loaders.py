@@ -8,6 +8,7 @@ The columnar formats (:func:`load_parquet`, :func:`load_arrow`) need ``pyarrow``
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -63,11 +64,37 @@ def _read_text(f: Path) -> str | None:
         return None
 
 
+def _folder_files(p: Path, suffixes: tuple[str, ...]) -> list[Path]:
+    """Files with one of ``suffixes`` under folder ``p`` (recursive, sorted). An entry with such a
+    name that is not a readable file (a dangling symbolic link, a FIFO, a socket, a device) is
+    skipped with a message on stderr, as a non-UTF-8 text file is (it was skipped silently)."""
+    import stat
+    import sys
+
+    out = []
+    for f in sorted(p.rglob("*")):
+        if f.suffix.lower() not in suffixes or f.is_dir():
+            continue
+        if f.is_file():
+            out.append(f)
+        elif f.is_symlink() and not f.exists():
+            print(f"oprag: skipping {f}: a symbolic link to {os.readlink(f)}, which does not exist", file=sys.stderr)
+        else:
+            try:
+                mode = f.stat().st_mode
+                kind = ("a FIFO, " if stat.S_ISFIFO(mode) else "a socket, " if stat.S_ISSOCK(mode)
+                        else "a device, " if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "")
+            except OSError as exc:  # (a symbolic link loop, no permission)
+                kind = f"{exc.strerror}: "
+            print(f"oprag: skipping {f}: {kind}not a regular file", file=sys.stderr)
+    return out
+
+
 def load_text(paths: list[Path]) -> Iterator[Doc]:
     """Plain UTF-8 text files (a directory is searched recursively for .txt/.md/.rst files).
     The id is the path relative to the given directory (or the file name; ``stdin`` for
-    ``/dev/stdin``, which is read as a file, as is any pipe); the title is the file stem. A leading UTF-8 byte-order mark is dropped. Binary and non-UTF-8 files are skipped with
-    a warning.
+    ``/dev/stdin``, which is read as a file, as is any pipe); the title is the file stem. A leading UTF-8 byte-order mark is dropped. Binary and non-UTF-8 files, and in a folder
+    dangling symbolic links, FIFOs, sockets and devices, are skipped with a warning.
 
     :raises ValueError: two of the given paths yield the same id (e.g. ``a/x.txt`` and
         ``b/x.txt`` given as folders ``a`` and ``b``): one would silently replace the other, so
@@ -87,8 +114,7 @@ def load_text(paths: list[Path]) -> Iterator[Doc]:
 
     for p in paths:
         if p.is_dir():
-            files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES)
-            for f in files:
+            for f in _folder_files(p, TEXT_SUFFIXES):
                 if check(str(f.relative_to(p)), f) and (text := _read_text(f)) is not None:
                     yield Doc(id=str(f.relative_to(p)), title=f.stem, text=text)
         elif p.exists():  # a file, or a pipe or character device (/dev/stdin, <(...)) read as one
@@ -181,7 +207,7 @@ def _files(paths: list[Path], suffixes: tuple[str, ...]) -> list[Path]:
     out = []
     for p in paths:
         if p.is_dir():
-            out += sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in suffixes)
+            out += _folder_files(p, suffixes)
         elif p.is_file():
             out.append(p)
         else:

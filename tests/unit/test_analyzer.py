@@ -216,9 +216,10 @@ def test_every_ignorable_is_removed_everywhere_in_the_pipeline():
 def test_strip_ignorable_and_visible_content():
     assert strip_ignorable("Gesamt\u00adkonzept\ufe0f") == "Gesamtkonzept"
     assert strip_ignorable("plain ascii") == "plain ascii"
-    for empty in ("", " \n\t", "\u200b", "\u200b\u2060", "\u00ad\ufeff\u200b", "\U000e0041\ufe0f \u180e"):
+    for empty in ("", " \n\t", "\u200b", "\u200b\u2060", "\u00ad\ufeff\u200b", "\U000e0041\ufe0f \u180e",
+                  "\x00\x01\x02", "\x7f\x1b \x00", "\x85\x9f\u200b\x00"):  # control characters (Cc) too
         assert not has_visible_content(empty), ascii(empty)
-    for visible in ("a", "...", "\u200ba", "\u0600", "\U0001f600"):
+    for visible in ("a", "...", "\u200ba", "\u0600", "\U0001f600", "\x00a", "\x01~", "\x9f\xa1"):
         assert has_visible_content(visible), ascii(visible)
 
 
@@ -262,15 +263,17 @@ def test_property_ignorable_insertions_change_nothing(docs, query, data):
 
 def test_visible_content_stops_early_but_means_strip_then_strip():
     """``has_visible_content`` (an early-exit scan) equals its definition
-    ``bool(strip_ignorable(text).strip())`` on every code point alone, and on random mixes of
-    whitespace, ignorables and visible characters (ASCII and not)."""
+    ``bool(strip_ignorable(text)`` less control characters ``.strip())`` on every code point
+    alone, and on random mixes of whitespace, control characters, ignorables and visible
+    characters (ASCII and not)."""
     import random
 
-    ref = lambda t: bool(strip_ignorable(t).strip())  # noqa: E731
+    ref = lambda t: bool("".join(c for c in strip_ignorable(t) if unicodedata.category(c) != "Cc").strip())  # noqa: E731
     for c in map(chr, range(0x110000)):
         assert has_visible_content(c) == ref(c), hex(ord(c))
     spaces = [c for c in map(chr, range(0x3001)) if c.isspace()]
-    pool = spaces + [chr(x) for x in sorted(DEFAULT_IGNORABLE)[:300]] + list("ab.é字") + ["\uffa0", "\u3164"]
+    pool = (spaces + [chr(x) for x in sorted(DEFAULT_IGNORABLE)[:300]] + list("ab.é字") + ["\uffa0", "\u3164"]
+            + list("\x00\x01\x1b\x7f\x85\x9f"))
     rng = random.Random(13)
     seen = set()
     for _ in range(50_000):

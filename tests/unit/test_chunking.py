@@ -28,6 +28,12 @@ from oprag_server.operators.chunking import (CHARS_PER_TOKEN_CAP, WINDOW_CHARS, 
 WIKITEXT = pathlib.Path(os.environ.get("OPRAG_WIKITEXT") or pathlib.Path(__file__).resolve().parents[3]
                         / "shared" / "data" / "wikitext-2" / "valid.txt")
 _WS = re.compile(r"\s+")
+_CC = re.compile(r"[\x00-\x1f\x7f-\x9f]")  # control characters (Unicode Cc): no content, as whitespace
+
+
+def _blank(t: str) -> bool:
+    """Nothing but whitespace, control characters and Default_Ignorable code points."""
+    return not _CC.sub("", strip_ignorable(t)).strip()
 
 
 @pytest.fixture(scope="module")
@@ -55,13 +61,13 @@ def check_guarantees(chunker: Chunker, text: str) -> list[str]:
     for start, c in spans:
         assert text[start : start + len(c)] == c  # a substring: no code point split or changed
         if chunker.overlap == 0:
-            # only whitespace (or a dropped piece of nothing but invisible characters) between chunks
-            assert start >= pos and not strip_ignorable(text[pos:start]).strip()
+            # only whitespace (or a dropped piece of nothing but control or invisible characters) between chunks
+            assert start >= pos and _blank(text[pos:start])
             pos = start + len(c)
     if chunker.overlap == 0:
-        assert not strip_ignorable(text[pos:]).strip()
-        # join == input modulo the whitespace between chunks and invisible-only pieces (README)
-        assert strip_ignorable(_WS.sub("", "".join(pieces))) == strip_ignorable(_WS.sub("", text))
+        assert _blank(text[pos:])
+        # join == input modulo the whitespace between chunks and control/invisible-only pieces (README)
+        assert _CC.sub("", strip_ignorable(_WS.sub("", "".join(pieces)))) == _CC.sub("", strip_ignorable(_WS.sub("", text)))
     return pieces
 
 

@@ -77,6 +77,7 @@ LIM, R, G = CFG.limits, CFG.retrieval, CFG.generate
     ({"question": "  \n"}, "question is empty: send a non-empty question"),
     ({"question": "\u200b"}, "question is empty: send a non-empty question"),  # only invisible characters
     ({"question": "\u00ad\ufeff\u200b"}, "question is empty: send a non-empty question"),
+    ({"question": "\x00\x01\x02"}, "question is empty: send a non-empty question"),  # only control characters
     ({"question": "x" * (LIM.max_question_chars + 1)},
      f"question has {LIM.max_question_chars + 1} characters; the limit is {LIM.max_question_chars}: shorten it"),
     ({"top_k": R.max_top_k + 1}, f"top_k must be in [1, {R.max_top_k}] (0 = the default), got {R.max_top_k + 1}"),
@@ -86,9 +87,12 @@ LIM, R, G = CFG.limits, CFG.retrieval, CFG.generate
      f"session_id is longer than {LIM.max_session_id_bytes} bytes: a session id is 1 to {LIM.max_session_id_bytes} "
      "bytes of UTF-8 with no control characters (U+0000-U+001F, U+007F-U+009F) and no leading or trailing whitespace"),
     ({"fusion": oprag_pb2.FusionOptions(method=7)}, "unknown fusion method 7: use WEIGHTED_MINMAX (1) or RRF (2)"),
-    ({"fusion": oprag_pb2.FusionOptions(dense_weight=float("nan"))}, "fusion.dense_weight must be a number in [0, 1e6], got nan"),
-    ({"fusion": oprag_pb2.FusionOptions(lexical_weight=-1.0)}, "fusion.lexical_weight must be a number in [0, 1e6], got -1.0"),
-    ({"fusion": oprag_pb2.FusionOptions(dense_weight=2e6)}, "fusion.dense_weight must be a number in [0, 1e6], got 2000000.0"),
+    ({"fusion": oprag_pb2.FusionOptions(dense_weight=float("nan"))}, "fusion.dense_weight must be 0 or a number in [1e-12, 1e6], got nan"),
+    ({"fusion": oprag_pb2.FusionOptions(lexical_weight=-1.0)}, "fusion.lexical_weight must be 0 or a number in [1e-12, 1e6], got -1.0"),
+    ({"fusion": oprag_pb2.FusionOptions(dense_weight=2e6)}, "fusion.dense_weight must be 0 or a number in [1e-12, 1e6], got 2000000.0"),
+    ({"fusion": oprag_pb2.FusionOptions(dense_weight=1e-320)}, "fusion.dense_weight must be 0 or a number in [1e-12, 1e6], got 1e-320"),
+    ({"fusion": oprag_pb2.FusionOptions(lexical_weight=9e-13, dense_weight=1.0)},
+     "fusion.lexical_weight must be 0 or a number in [1e-12, 1e6], got 9e-13"),
     ({"fusion": oprag_pb2.FusionOptions(rrf_k=100_001)}, "fusion.rrf_k must be <= 100000, got 100001"),
     ({"filters": [oprag_pb2.MetadataFilter(key="k", values=["v"])] * 17}, "17 metadata filters; the limit is 16"),
     ({"filters": [oprag_pb2.MetadataFilter(key="", values=["v"])]},
@@ -121,6 +125,9 @@ def test_fusion_mapping():
                           default_weights=dflt) == ("minmax", 2.0, 0.0, 60)
     assert convert.fusion(oprag_pb2.FusionOptions(method=oprag_pb2.RRF, rrf_k=10, lexical_weight=1.0),
                           default_weights=dflt) == ("rrf", 0.0, 1.0, 10)
+    # the ends of the range (trial24: 1e-320 was accepted and every fused score was 0)
+    assert convert.fusion(oprag_pb2.FusionOptions(dense_weight=1e-12, lexical_weight=1e6),
+                          default_weights=dflt) == ("minmax", 1e-12, 1e6, 60)
 
 
 def test_filters():

@@ -23,9 +23,9 @@ def validate_document(doc: Any, limits: LimitsConfig) -> str | None:
     """Reason a document cannot be stored, or None. ``doc`` has id, title, text, metadata
     (and optionally typed_metadata).
 
-    A text with no visible character (only whitespace and Unicode Default_Ignorable code
-    points such as U+200B, U+00AD, U+FEFF; :func:`~oprag_server.index.analyzer.has_visible_content`)
-    is empty.
+    A text with no visible character (only whitespace, control characters such as U+0000, and
+    Unicode Default_Ignorable code points such as U+200B, U+00AD, U+FEFF;
+    :func:`~oprag_server.index.analyzer.has_visible_content`) is empty.
     """
     chunks = list(getattr(doc, "chunks", ()))
     if not doc.id:
@@ -40,9 +40,9 @@ def validate_document(doc: Any, limits: LimitsConfig) -> str | None:
         if doc.text or len(getattr(doc, "vector", ())):
             return "a document with chunks carries its text and vectors in them: leave text and vector empty"
         if not all(has_visible_content(c.text) for c in chunks):
-            return "a chunk's text is empty (nothing but whitespace or invisible characters)"
-    elif not has_visible_content(doc.text):  # "", whitespace, or only Default_Ignorable code points
-        return "text is empty (nothing but whitespace or invisible characters): send the document's text"
+            return "a chunk's text is empty (nothing but whitespace, control or invisible characters)"
+    elif not has_visible_content(doc.text):  # "", whitespace, or only control / Default_Ignorable code points
+        return "text is empty (nothing but whitespace, control or invisible characters): send the document's text"
     tsize = len(doc.title.encode())
     if tsize > limits.max_title_bytes:
         return (f"title is {tsize} bytes; the limit is {limits.max_title_bytes} (it is stored and returned with every "

@@ -186,21 +186,27 @@ def strip_ignorable(text: str) -> str:
 
 
 def has_visible_content(text: str) -> bool:
-    r"""True when ``text`` has a character that is neither whitespace nor default-ignorable.
+    r"""True when ``text`` has a character that is neither whitespace, nor a control character
+    (Unicode category Cc: U+0000-U+001F, U+007F-U+009F), nor default-ignorable.
 
-    ``"\u200B"``, ``"\u200B\u2060"``, ``"\u00AD\uFEFF\u200B \n"`` and ``""`` are not
-    content; ``"..."`` is (punctuation is visible even though it yields no BM25 token).
-    Used to reject empty questions and documents. Stops at the first visible character
+    ``"\u200B"``, ``"\u200B\u2060"``, ``"\u00AD\uFEFF\u200B \n"``, ``"\x00\x01\x02"`` and
+    ``""`` are not content; ``"..."`` is (punctuation is visible even though it yields no BM25
+    token). Used to reject empty questions and documents. Stops at the first visible character
     (usually the first one), instead of stripping the whole text (``str.strip`` removes exactly
-    the characters ``str.isspace`` accepts, so this is ``bool(strip_ignorable(text).strip())``).
+    the characters ``str.isspace`` accepts, so this is
+    ``bool(strip_ignorable(text).translate(<Cc removed>).strip())``).
     """
     if text.isascii():
-        return not text.isspace() and bool(text)
+        return _ASCII_VISIBLE_RE.search(text) is not None
     ignorable = DEFAULT_IGNORABLE
     for c in text:
-        if not c.isspace() and ord(c) not in ignorable:
+        o = ord(c)
+        if not c.isspace() and o not in ignorable and not (o < 0x20 or 0x7F <= o <= 0x9F):
             return True
     return False
+
+
+_ASCII_VISIBLE_RE = re.compile(r"[\x21-\x7e]")  # ASCII that is neither whitespace nor a control character
 
 
 _MARK_CPS = _mark_cps()

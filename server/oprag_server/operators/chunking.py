@@ -20,8 +20,8 @@ truncated before embedding. Without a tokenizer sizes are Unicode code points.
 Whitespace (documented, tested): chunks are trimmed (``chunk == chunk.strip()``), so ``"".join(chunks)`` equals the input
 with the whitespace between chunks removed; every chunk is a substring of the input, and with
 ``overlap == 0`` the text between two consecutive chunks (and before the first / after the last)
-is whitespace only. A piece with no visible character (only whitespace and Unicode
-Default_Ignorable code points, :func:`~oprag_server.index.analyzer.has_visible_content`) is not
+is whitespace only. A piece with no visible character (only whitespace, control characters and
+Unicode Default_Ignorable code points, :func:`~oprag_server.index.analyzer.has_visible_content`) is not
 a chunk. No chunk is empty.
 
 Large documents (windows): the splitter's time grows faster than a text's length (measured on

@@ -36,7 +36,7 @@ assert set(MODE_NAMES.values()) == set(MODES)
 MAX_FILTERS = 16
 MAX_FILTER_VALUES = 1024
 MAX_FILTER_KEY_BYTES = 1024  # (UTF-8; a 100 KB key was accepted and echoed in messages, trial23)
-MAX_FUSION_WEIGHT = 1e6
+MAX_FUSION_WEIGHT, MIN_FUSION_WEIGHT = 1e6, 1e-12  # (non-zero min: 1e-320 made every fused score 0, trial24)
 MAX_RRF_K = 100_000
 #: ``finish_reason`` of a Query/QueryStream answered by a server without a generator.
 NO_GENERATOR = "no_generator"
@@ -128,15 +128,15 @@ def fusion(f: Any, *, default_weights: tuple[float, float]) -> tuple[str, float,
     Method ``"minmax"`` (UNSPECIFIED, WEIGHTED_MINMAX) or ``"rrf"``; both weights 0 means
     ``default_weights``; rrf_k 0 means :data:`~oprag_server.domain.DEFAULT_RRF_K`.
 
-    :raises InvalidArgument: unknown method, a weight not finite or outside [0, 1e6], rrf_k > 100000.
+    :raises InvalidArgument: unknown method, a weight neither 0 nor in [1e-12, 1e6], rrf_k > 100000.
     """
     if f.method not in (oprag_pb2.FUSION_UNSPECIFIED, oprag_pb2.WEIGHTED_MINMAX, oprag_pb2.RRF):
         raise InvalidArgument(f"unknown fusion method {f.method}: use WEIGHTED_MINMAX (1) or RRF (2)")
     method = "rrf" if f.method == oprag_pb2.RRF else "minmax"
     wd, wl = f.dense_weight, f.lexical_weight
     for name, w in (("dense_weight", wd), ("lexical_weight", wl)):
-        if not math.isfinite(w) or not 0 <= w <= MAX_FUSION_WEIGHT:
-            raise InvalidArgument(f"fusion.{name} must be a number in [0, 1e6], got {w}")
+        if w != 0 and not (math.isfinite(w) and MIN_FUSION_WEIGHT <= w <= MAX_FUSION_WEIGHT):
+            raise InvalidArgument(f"fusion.{name} must be 0 or a number in [1e-12, 1e6], got {w}")
     if wd == 0 and wl == 0:
         wd, wl = default_weights
     rrf_k = f.rrf_k or DEFAULT_RRF_K
