@@ -22,7 +22,9 @@ def chunk_schema(dim: int) -> pa.Schema:
     ``metadata`` (JSON object of typed values: string, integer, float, boolean;
     :mod:`.metadata`; batches written before typed metadata hold strings only), ``ordinal`` int32 (position in the
     document), ``generation`` uint64 (write sequence of the document version), ``content_hash``
-    (hex sha256 of the chunk text), ``vector`` fixed_size_list<float32>[dim] (L2-normalised).
+    (64 characters: a prefix saying whose vector it is, the embedder's ``"e<8 hex>:"`` or the
+    client's ``"u:"``, then hex sha256 of the chunk text cut to fit; a bare 64-hex sha256 in chunks
+    stored before session 24: :func:`.engine.documents.content_hash`), ``vector`` fixed_size_list<float32>[dim] (L2-normalised).
     """
     return pa.schema(
         [

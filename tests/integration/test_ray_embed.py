@@ -9,7 +9,6 @@ Skipped without the 'ray' extra; about 40 s on 2 cores at load average 2.5, 50 s
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 
 import numpy as np
@@ -20,6 +19,7 @@ ray = pytest.importorskip("ray", reason="the Ray tests need the 'ray' extra: pip
 from oprag.v1 import oprag_pb2  # noqa: E402
 from oprag_server.app import Runtime  # noqa: E402
 from oprag_server.config import RayConfig, ServerConfig  # noqa: E402
+from oprag_server.engine.documents import content_hash, embedded_prefix  # noqa: E402
 from oprag_server.engine.ray_embed import RayEmbedPool  # noqa: E402
 from oprag_server.models.encoder import TransformersEncoder  # noqa: E402
 from oprag_server.shards.protocol import Op, ReuseRequest  # noqa: E402
@@ -73,7 +73,7 @@ async def _ingest_and_compare(tmp_path) -> None:
         for s in range(cfg.shards):
             ids = [d.id for d in docs if rt.pool.owner(d.id) == s]
             stored.update((await rt.pool.call(s, Op.REUSE, ReuseRequest(ids))).vectors)
-        got = np.stack([stored[d][hashlib.sha256(c.encode()).hexdigest()] for d, c in chunks])
+        got = np.stack([stored[d][content_hash(c, embedded_prefix(encoder.name))] for d, c in chunks])
         assert got.dtype == np.float32 and got.shape == want.shape
         assert float(np.abs(got - want).max()) <= 1e-6
     finally:

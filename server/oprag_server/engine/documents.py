@@ -1,9 +1,11 @@
 """What the ingest stream's Load stage checks in each document: the reasons a document is
-rejected (:func:`validate_document`) and the vectors a document brings (:func:`supplied_vectors`).
+rejected (:func:`validate_document`), the vectors a document brings (:func:`supplied_vectors`),
+and the content hash a chunk is stored under (:func:`embedded_prefix`, :data:`SUPPLIED_PREFIX`).
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import numpy as np
@@ -12,6 +14,30 @@ from .. import metadata as md
 from .. import records
 from ..config import LimitsConfig
 from ..index.analyzer import has_visible_content
+
+
+#: content-hash prefix of a chunk whose vector its client supplied (``Document.vector``/``chunks``):
+#: no chunk the server embeds ever looks such a hash up, so a supplied vector (another model's, a
+#: random test vector) is never reused for another chunk with that text (trial24)
+SUPPLIED_PREFIX = "u:"
+
+
+def embedded_prefix(embedder: str) -> str:
+    """Content-hash prefix of the chunks the server's embedder named ``embedder`` embedded:
+    ``"e" + 8 hex digits of sha256(name) + ":"``. Ingest reuses the stored vector of a chunk only
+    when its content hash, prefix included, is the new chunk's (same text, embedded by the same
+    model). Chunks stored before the prefixes existed (a bare 64-hex sha256: supplied or embedded,
+    by whichever model, nobody knows) match no new hash: they are embedded again when their
+    document is re-ingested, never reused."""
+    return "e" + hashlib.sha256(embedder.encode()).hexdigest()[:8] + ":"
+
+
+def content_hash(text: str, prefix: str) -> str:
+    """``prefix`` (:func:`embedded_prefix` or :data:`SUPPLIED_PREFIX`) + the hex sha256 of ``text``
+    (UTF-8) cut to 64 characters in all (54 hex digits after an embedder's prefix, 216 bits): the
+    shards hold as many bytes per chunk as with the bare hashes before. A bare hash (64 hex digits,
+    no ``:``) never equals a prefixed one."""
+    return prefix + hashlib.sha256(text.encode()).hexdigest()[: 64 - len(prefix)]
 
 
 class IngestError(ValueError):

@@ -6,7 +6,8 @@ queues (backpressure: a slow stage stalls the ones before it, nothing buffers wi
   embedder's tokens so that every chunk fits its window (:mod:`..operators.chunking`; never
   truncation), tokenisation on CPU ahead of the model, and content hashes: a chunk whose text
   is unchanged from the stored version of its document reuses its vector, and so does a chunk
-  whose text any stored chunk already has (identical text, identical vector: README).
+  whose text any stored chunk already has (identical text, identical vector: README), when
+  that vector is this embedder's (the hash's prefix: :func:`.documents.embedded_prefix`).
 * Embed: batches the remaining chunks across documents, grouped by token length; a text that
   occurs again in the stream takes the vector its first occurrence got. A document that brings
   its own vectors (``Document.vector``: one chunk, the whole text; ``Document.chunks``: its
@@ -31,7 +32,6 @@ aborted and counted in ``oprag_writes_after_caller_left_total`` too (:func:`.ing
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import threading
 import time
 import uuid
@@ -48,6 +48,7 @@ from ..operators.chunking import Chunker
 from ..shards.pool import ShardPool
 from ..shards.protocol import Op, ReuseRequest, StageRequest
 from .commit import CommittedAfterLeave
+from .documents import SUPPLIED_PREFIX, content_hash, embedded_prefix
 from .documents import IngestError, supplied_vectors, supplied_vectors_many, validate_document  # noqa: F401
 from .ingest_commit import abort_stream, commit_stream
 
@@ -119,6 +120,7 @@ class IngestPipeline:
         self.metrics = metrics
         self.next_generation = next_generation
         self.embed_batch = embed_batch
+        self.hash_prefix = embedded_prefix(encoder.name)  # (the stored vectors this model made)
         self.streams = asyncio.Semaphore(cfg.max_concurrent_streams)
 
     async def run(self, messages: AsyncIterator[Any]) -> IngestResult:
@@ -321,7 +323,7 @@ class IngestPipeline:
         tokenises longer (not expected: the chunker counts with the same tokenizer) is split at
         token boundaries and counted in ``chunks_split``, never truncated.
         """
-        out: list[_Chunk] = [_Chunk(d, o, text, [], hashlib.sha256(text.encode()).hexdigest(), v)
+        out: list[_Chunk] = [_Chunk(d, o, text, [], content_hash(text, SUPPLIED_PREFIX), v)
                              for d in docs if d.supplied for o, (text, v) in enumerate(d.supplied)]
         pieces = [(d, p) for d in docs if not d.supplied for p in self.chunker.chunks(d.text, should_stop)]
         if not pieces:
@@ -338,13 +340,14 @@ class IngestPipeline:
             for text, t in parts:
                 o = ordinals.get(d.index, 0)
                 ordinals[d.index] = o + 1
-                out.append(_Chunk(d, o, text, t, hashlib.sha256(text.encode()).hexdigest()))
+                out.append(_Chunk(d, o, text, t, content_hash(text, self.hash_prefix)))
         return out
 
     async def _reuse_vectors(self, chunks: list[_Chunk], res: IngestResult) -> None:
         """Give chunks whose text is unchanged from the stored document their stored vector
         (counted in ``chunks_reused``), and chunks whose text another stored chunk has that
-        chunk's vector (the lowest shard's; not counted): identical text, identical vector."""
+        chunk's vector (the lowest shard's; not counted): identical text, identical vector. Only
+        vectors this embedder made match (the hashes carry its prefix; supplied ones another)."""
         chunks = [c for c in chunks if c.vector is None]  # brought their own vectors
         if not chunks:
             return
@@ -368,7 +371,6 @@ class IngestPipeline:
                 self.metrics.chunks_reused.inc()
             elif c.content_hash in same_text:
                 c.vector = same_text[c.content_hash]
-
 
     def _stage(self, shard: int, part: list[tuple[_Chunk, np.ndarray]], txn: str, busy: dict) -> asyncio.Future:
         """Send one staged batch to ``shard`` (returned at once: the future of its reply; the
