@@ -32,7 +32,8 @@ UNKNOWN_OUTCOME = ("DEADLINE_EXCEEDED", "CANCELLED")
 def _committed_before_failure(n: int, sent: int, seq: int, code: str | None = None) -> None:
     """Say what a failed ``oprag ingest`` stored: the streams before stream ``n`` committed (``sent``
     documents of the input), stream ``n`` stored nothing (an ingest stream is all-or-nothing) --
-    or, failed with a status of :data:`UNKNOWN_OUTCOME` (``code``), stored whole or nothing."""
+    or, failed with a status of :data:`UNKNOWN_OUTCOME` (``code``), stored whole or nothing; RESOURCE_EXHAUSTED:
+    the server refused it before it started (no ingest slot came free): it stored nothing, retry later."""
     if n > 1:
         done = "stream 1 was" if n == 2 else f"streams 1-{n - 1} were"
         done = f"{done} committed (the first {sent} documents of the input, seq {seq})"
@@ -42,6 +43,9 @@ def _committed_before_failure(n: int, sent: int, seq: int, code: str | None = No
     if code in UNKNOWN_OUTCOME:
         failed += (f" ended {code} before the server answered: it is stored whole or not at all (read it "
                    "back, or send it again: re-ingesting an id replaces it); the rest stored nothing")
+    elif code == "RESOURCE_EXHAUSTED":  # (the server's ingest slots were all taken: README "Ingest streams")
+        failed += (" was refused before the server started it: it and the rest stored nothing; retry later (the "
+                   "streams already committed may be sent again: re-ingesting an id replaces it)")
     else:
         failed += " and the rest stored nothing"
     print(f"oprag: {done}; {failed}", file=sys.stderr)

@@ -90,6 +90,14 @@ _OPTIONS: tuple[tuple[str, str, str, str], ...] = (
     ("--no-overlap", "batch", "overlap", "run the stages of a batch strictly in sequence"),
     ("--ingest-barriers", "ingest", "barriers", "baseline: each ingest stage finishes before the next starts"),
     ("--upsert-batch", "ingest", "upsert_batch", "chunks per coalesced bulk write to a shard"),
+    ("--max-ingest-streams", "ingest", "max_concurrent_streams",
+     "Ingest streams run at once (each holds a slot from its first message to its commit); further ones wait"),
+    ("--ingest-slot-wait-s", "ingest", "slot_wait_s",
+     "seconds a further Ingest stream waits for a slot (at most until shortly before its deadline), then it is "
+     "refused RESOURCE_EXHAUSTED, nothing stored; 0: refused at once"),
+    ("--ingest-idle-s", "ingest", "idle_s",
+     "an Ingest stream that sends no message for this many seconds is aborted (ABORTED, nothing of it stored) and "
+     "frees its slot; 0: no limit"),
     ("--context-tokens", "generate", "context_tokens", "prompt + answer tokens (prompt budget = this minus max_new_tokens)"),
     ("--max-new-tokens", "generate", "default_max_new_tokens", "default new tokens per answer"),
     ("--answer-without-sources", "generate", "answer_without_sources",

@@ -105,12 +105,10 @@ class RetrievalConfig:
     max_candidates: int = 4096
     dense_weight: float = 0.5
     lexical_weight: float = 0.5
-    # Pruning-loss monitor: this fraction of live dense-first queries is re-run in exact mode
-    # off the request path; their Recall@k against exact mode is exported to Prometheus.
+    # pruning-loss monitor: this share of dense-first queries is re-run in exact mode off the request path (Recall@k)
     monitor_fraction: float = 0.05
     monitor_max_inflight: int = 2
-    # Dense-first hybrid (min-max): each shard's exact BM25 top-M joins its dense top-N, and the
-    # threshold bound certifies the fused top-k or widens N and M (operators/hybrid.py).
+    # dense-first hybrid: each shard's BM25 top-M joins its dense top-N; the bound certifies or widens (operators/hybrid.py)
     lexical_candidates: int = 0  # M of the first round; 0: max(4 * top_k, 64)
     widen_rounds: int = 3  # rounds of N, M x 4 at most (0: never widen)
 
@@ -210,15 +208,12 @@ class BatchConfig:
     max_wait_ms: float = 4.0
     queue_capacity: int = 256
     overlap: bool = True
-    # Admission by latency: refuse a query when the estimated queueing delay (waiting batches x
-    # recent batch time) exceeds this many ms, so admitted queries keep their latency. 0 = off.
+    # refuse a query when the estimated queueing delay (waiting batches x recent batch time) exceeds this (ms); 0 = off
     max_queue_delay_ms: float = 0.0
-    # While queries are active, ingest embedding runs in batches of about this many ms, which
-    # bounds how long a query embedding can wait behind ingest.
+    # while queries are active, ingest embedding runs in batches of about this many ms (a query embedding's wait)
     ingest_embed_slice_ms: float = 50.0
-    # Query embeddings run on their own thread at once, beside an ingest batch in flight (which
-    # keeps its full size). False: they wait for that batch, and ingest batches shrink to
-    # ``ingest_embed_slice_ms`` while queries are active. bench/RESULTS.md (ingest) has the A/B.
+    # query embeddings run on their own thread at once, beside an ingest batch in flight (full size). False: they wait
+    # for it, and ingest batches shrink to ``ingest_embed_slice_ms`` while queries are active (bench/RESULTS.md, ingest)
     embed_query_thread: bool = True
 
     def __post_init__(self) -> None:
@@ -230,13 +225,22 @@ class BatchConfig:
 
 @dataclass(frozen=True)
 class IngestConfig:
-    """Ingest pipeline: bounded queues between Load -> Transform -> Embed -> Upsert. ``upsert_batch``:
-    chunks per coalesced bulk commit to one shard; ``queue_depth``: capacity (items) of each inter-stage queue."""
+    """Ingest pipeline: bounded queues (``queue_depth`` items) between Load -> Transform -> Embed -> Upsert; ``upsert_batch``:
+    chunks per bulk commit to one shard. ``max_concurrent_streams`` run at once; another waits up to ``slot_wait_s``
+    seconds for a slot, then fails RESOURCE_EXHAUSTED; one that sends nothing for ``idle_s`` s is aborted (0: never)."""
 
     upsert_batch: int = 512
     queue_depth: int = 8
     max_concurrent_streams: int = 4
+    slot_wait_s: float = 30.0
+    idle_s: float = 300.0
     barriers: bool = False  # baseline: each stage finishes before the next starts
+
+    def __post_init__(self) -> None:  # (--upsert-batch 0 started, then every ingest failed with INTERNAL)
+        for name, v, least in (("upsert batch", self.upsert_batch, 1), ("max ingest streams", self.max_concurrent_streams, 1),
+                               ("ingest slot wait (s)", self.slot_wait_s, 0), ("ingest idle limit (s)", self.idle_s, 0)):
+            if not v >= least:
+                raise ValueError(f"{name} must be >= {least}, got {v}")
 
 
 @dataclass(frozen=True)
@@ -346,13 +350,11 @@ class ServerConfig:
     http_port: int = 0  # OpenAI-compatible HTTP API (service/http.py); 0 = off
     otlp_endpoint: str | None = None  # OpenTelemetry traces over OTLP/gRPC (service/tracing.py); None = off
     data_dir: Path = Path("./oprag-data")
-    # shard snapshots and logs also as objects (s3://, gs://, file:///; shards/storage.py); None = data_dir only
-    storage_uri: str | None = None
+    storage_uri: str | None = None  # snapshots and logs also as objects (s3://, gs://, file:///: shards/storage.py)
     storage_takeover: bool = False  # take the storage's owner lease from a live server (index/lease.py)
     shards: int = 2
     replicas: int = 1  # processes (or Ray actors) per shard, see shards/replicas.py
-    # where shards run: "process" (one process each, shards/transport.py) or "thread" (threads of
-    # the frontend process, shards/threaded.py: no pickling or pipes; small deployments)
+    # "process" (one process per shard, shards/transport.py) or "thread" (frontend threads, shards/threaded.py)
     shard_workers: str = "process"
     # the frontend's event loop: "asyncio" (the standard library's) or "uvloop" (extra 'uvloop')
     event_loop: str = "asyncio"
@@ -379,8 +381,6 @@ class ServerConfig:
             raise ValueError(f"shutdown grace must be >= 0 seconds, got {self.shutdown_grace_s}")
         if not self.snapshot_interval_s > 0:
             raise ValueError(f"snapshot interval must be > 0 seconds, got {self.snapshot_interval_s}")
-        if self.ingest.upsert_batch < 1:  # (--upsert-batch 0 started, then every ingest failed with INTERNAL)
-            raise ValueError(f"upsert batch must be >= 1, got {self.ingest.upsert_batch}")
         if self.memory.condense and not self.generate.engine:  # (with none it did nothing: no rewriter)
             raise ValueError("--memory-condense needs an engine generator (--generator openai or transformers-serve), "
                              f"got --generator {self.generate.model}")

@@ -121,7 +121,7 @@ def test_a_fresh_server_exports_its_known_labelled_series_as_zero(server):
     want = {
         "oprag_writes_after_caller_left_total": [(("kind", k), ("outcome", o)) for k in ("delete", "upsert")
                                                   for o in ("aborted", "applied")],
-        "oprag_overload_rejections_total": [(("queue", "query"),), (("queue", "query_latency"),)],
+        "oprag_overload_rejections_total": [(("queue", "ingest"),), (("queue", "query"),), (("queue", "query_latency"),)],
         "oprag_generator_seconds_total": [(("state", "busy"),), (("state", "idle"),)],
         "oprag_embed_tokens_total": [(("kind", "padded"),), (("kind", "real"),)],
         "oprag_answers_without_sources_total": [(("action", "generated"),), (("action", "refused"),)],

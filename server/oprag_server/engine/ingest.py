@@ -51,6 +51,7 @@ from .commit import CommittedAfterLeave
 from .documents import SUPPLIED_PREFIX, content_hash, embedded_prefix
 from .documents import IngestError, supplied_vectors, supplied_vectors_many, validate_document  # noqa: F401
 from .ingest_commit import abort_stream, commit_stream
+from .ingest_slots import StreamSlots, idle_limited
 
 _END = object()
 #: distinct chunk texts per stream whose vector the embed stage remembers for later repeats
@@ -121,14 +122,16 @@ class IngestPipeline:
         self.next_generation = next_generation
         self.embed_batch = embed_batch
         self.hash_prefix = embedded_prefix(encoder.name)  # (the stored vectors this model made)
-        self.streams = asyncio.Semaphore(cfg.max_concurrent_streams)
+        self.streams = StreamSlots(cfg, metrics)  # (and cfg.idle_s: :mod:`.ingest_slots`)
 
-    async def run(self, messages: AsyncIterator[Any]) -> IngestResult:
-        """Consume an ingest stream (messages with ``documents``, ``final``, ``sent_documents``).
+    async def run(self, messages: AsyncIterator[Any], time_left: float | None = None) -> IngestResult:
+        """Consume an ingest stream (messages with ``documents``, ``final``, ``sent_documents``) in one of
+        the ``max_concurrent_streams`` slots; ``time_left``: seconds to the caller's deadline (None: none).
 
         :raises IngestError: the final message's count differs from what arrived.
+        :raises IngestBusy | IngestIdle: no slot came free in time / the client sent nothing for ``idle_s``.
         """
-        async with self.streams:
+        async with self.streams.held(time_left):
             return await self._run(messages)
 
     async def _run(self, messages: AsyncIterator[Any]) -> IngestResult:
@@ -163,7 +166,7 @@ class IngestPipeline:
             n = 0
             size = 0
             try:
-                async for msg in messages:
+                async for msg in idle_limited(messages, self.cfg.idle_s):
                     if phase["final"]:
                         raise IngestError("a message arrived after the final message; nothing was stored")
                     phase["final"] = msg.final  # (from here a caller that leaves cannot know the outcome)

@@ -30,6 +30,7 @@ from google.protobuf import descriptor_pool
 
 from ..index.disk_errors import disk_error
 from ..engine.ingest import IngestError
+from ..engine.ingest_slots import IngestIdle
 from ..engine.query import Overloaded, QueryRejected
 from ..models.protocols import EngineRejected, EngineTimeout, EngineUnavailable
 from ..shards.pool import ShardError
@@ -44,7 +45,8 @@ def status_for(exc: Exception, method: str) -> tuple[grpc.StatusCode, str, tuple
     """gRPC status code, details message and trailing metadata for an exception a handler raised.
 
     ``InvalidArgument``, ``IngestError``, ``QueryRejected`` -> INVALID_ARGUMENT;
-    ``Overloaded`` -> RESOURCE_EXHAUSTED with trailer ``retry-after-ms`` (integer milliseconds);
+    ``Overloaded`` (also ``IngestBusy``: no ingest slot) -> RESOURCE_EXHAUSTED with trailer ``retry-after-ms``
+    (integer milliseconds); ``IngestIdle`` (the client sent nothing for ``--ingest-idle-s``) -> ABORTED;
     ``ShardError`` -> UNAVAILABLE (``StorageUnavailable``: its own message); ``EngineUnavailable`` (inference engine down or overloaded) ->
     UNAVAILABLE with ``retry-after-ms``; ``EngineTimeout`` -> DEADLINE_EXCEEDED;
     ``EngineRejected`` -> INVALID_ARGUMENT; anything else -> INTERNAL (logged with its traceback).
@@ -53,6 +55,8 @@ def status_for(exc: Exception, method: str) -> tuple[grpc.StatusCode, str, tuple
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc), ()
     if isinstance(exc, Overloaded):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), (("retry-after-ms", str(int(exc.retry_after_s * 1000))),)
+    if isinstance(exc, IngestIdle):
+        return grpc.StatusCode.ABORTED, str(exc), ()
     if isinstance(exc, EngineUnavailable):
         return grpc.StatusCode.UNAVAILABLE, str(exc), (("retry-after-ms", str(int(exc.retry_after_s * 1000))),)
     if isinstance(exc, EngineTimeout):

@@ -21,7 +21,7 @@ GRPC_CODES = ("OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED
 #: the values of the other labels known in advance, exported as 0 from the start (README: Metrics)
 KNOWN_LABELS = {
     "queue_depth": [{"queue": q} for q in ("query", "embed_ingest")],
-    "rejected_overload": [{"queue": q} for q in ("query", "query_latency")],
+    "rejected_overload": [{"queue": q} for q in ("query", "query_latency", "ingest")],
     "generator_seconds": [{"state": s} for s in ("busy", "idle")],
     "embed_tokens": [{"kind": k} for k in ("real", "padded")],
     "answers_without_sources": [{"action": a} for a in ("refused", "generated")],

@@ -98,7 +98,9 @@ class OpRAGServicer(oprag_pb2_grpc.OpRAGServicer):
 
     async def Ingest(self, request_iterator, context):
         # (a committed stream marked the shards dirty already: CommitProtocol.on_apply)
-        return convert.ingest_response(await self.rt.ingest.run(request_iterator), self.cfg.limits)
+        # (a stream that waits for a slot is refused shortly before its deadline: engine.ingest_slots)
+        left = context.time_remaining() if context is not None else None
+        return convert.ingest_response(await self.rt.ingest.run(request_iterator, left), self.cfg.limits)
 
     async def Delete(self, request, context):
         docs, chunks, seq = await self.rt.delete(convert.delete_ids(request, self.cfg.limits))
