@@ -48,8 +48,8 @@ from ..operators.chunking import Chunker
 from ..shards.pool import ShardPool
 from ..shards.protocol import Op, ReuseRequest, StageRequest
 from .commit import CommittedAfterLeave
-from .documents import SUPPLIED_PREFIX, content_hash, embedded_prefix
-from .documents import IngestError, supplied_vectors, supplied_vectors_many, validate_document  # noqa: F401
+from .documents import (SUPPLIED_PREFIX, IngestError, content_hash, embedded_prefix, supplied_vectors,  # noqa: F401
+                        supplied_vectors_many, validate_document)
 from .ingest_commit import abort_stream, commit_stream
 from .ingest_slots import StreamSlots, idle_limited
 
@@ -127,10 +127,8 @@ class IngestPipeline:
     async def run(self, messages: AsyncIterator[Any], time_left: float | None = None) -> IngestResult:
         """Consume an ingest stream (messages with ``documents``, ``final``, ``sent_documents``) in one of
         the ``max_concurrent_streams`` slots; ``time_left``: seconds to the caller's deadline (None: none).
-
-        :raises IngestError: the final message's count differs from what arrived.
-        :raises IngestBusy | IngestIdle: no slot came free in time / the client sent nothing for ``idle_s``.
-        """
+        :raises IngestError: the final message's count differs from what arrived. :raises IngestBusy |
+        IngestIdle: no slot came free in time / the client sent nothing for ``idle_s``."""
         async with self.streams.held(time_left):
             return await self._run(messages)
 
