@@ -134,7 +134,6 @@ class Searcher(ExactMixin):
         return SearchReply(cands, eligible, dense_min, st.dense.params.kind, st.dense.last_knobs or None, fields,
                            lexical, listed, lexical_min)
 
-
     def _lexical_top(self, q: np.ndarray, qb: QueryBatch, i: int, allowed: np.ndarray | None,
                      m: int, cand: np.ndarray, score_cand) -> tuple[Candidates, int, np.ndarray]:
         """Query ``i``'s exact BM25 top-m over the allowed live chunks whose BM25 score is not 0
