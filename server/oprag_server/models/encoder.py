@@ -118,6 +118,11 @@ class TransformersEncoder:
     """
 
     BUCKETS = (32, 64, 128, 192, 256)  # token widths of the compiled (fixed-shape) path
+    #: a row-wise batch of fewer token rows (texts x width) is padded to this many: MKL's sgemm
+    #: gives a row other bits when the matrix has 1-3 rows, strict CNR mode or not, on some CPUs
+    #: (AMD EPYC with AVX-512, 2026-12: a 3-token text alone, "[CLS] hi [SEP]", embedded to other
+    #: bits than in any batch); padding tokens are masked and attention skips them
+    MIN_GEMM_ROWS = 8
 
     def __init__(
         self,
@@ -359,6 +364,8 @@ class TransformersEncoder:
                 if self.compile:  # fixed shapes: one compiled graph per bucket width
                     width = next(b for b in self.BUCKETS + (self.max_tokens,) if b >= width)
                     rows = self.batch_size
+                elif rowwise and rows * width < self.MIN_GEMM_ROWS:  # padding: see MIN_GEMM_ROWS
+                    width = -(-self.MIN_GEMM_ROWS // rows)
                 padded += width * rows
                 input_ids = torch.full((rows, width), self._pad_id, dtype=torch.long)
                 mask = torch.zeros((rows, width), dtype=torch.long)
