@@ -20,3 +20,11 @@ os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 # One converted-model cache for the whole test session (GGUF conversion takes ~20 s once).
 os.environ.setdefault("OPRAG_CACHE_DIR", str(Path(tempfile.gettempdir()) / "oprag-test-cache"))
 
+
+# Test servers forked from a process that has imported torch and transformers once (about 5 s
+# less per start; tests/server_zygote.py). OPRAG_TEST_FORK=0: plain subprocesses.
+from oprag_client.testing import ServerProcess  # noqa: E402
+
+from tests import server_zygote  # noqa: E402
+
+ServerProcess.launcher = staticmethod(server_zygote.launcher)

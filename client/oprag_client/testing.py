@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 __all__ = ["READY_PREFIX", "ConnectAttempts", "OtlpSink", "ServerProcess", "free_port", "oprag_cli", "wait_until"]
 
@@ -70,6 +71,12 @@ class ServerProcess:
     directory): that is a restart. ``stop`` is idempotent and safe in ``finally``; the object is
     also a context manager (start on enter, stop on exit).
     """
+
+    #: ``launcher(argv, env, cwd)`` -> an object with ``subprocess.Popen``'s ``pid``, ``stdout``
+    #: (text, stdout and stderr together), ``poll``, ``wait``, ``returncode``, ``send_signal`` and
+    #: ``kill``, started in a new session; or None to use ``subprocess.Popen``. The test suite
+    #: sets it to fork servers from a pre-imported process (``tests/server_zygote.py``).
+    launcher: Callable[[list[str], dict[str, str], str | None], Any] | None = None
 
     def __init__(self, data_dir: Path | str, port: int | None = None, metrics_port: int | None = None,
                  *extra: str, log_path: Path | str | None = None, env: Mapping[str, str] | None = None,
@@ -123,7 +130,8 @@ class ServerProcess:
         env = {**os.environ, **self.env}
         env.setdefault("HF_HUB_OFFLINE", "1")
         t0 = time.time()
-        self.proc = subprocess.Popen(
+        launched = type(self).launcher(self.command(), env, self.cwd) if type(self).launcher else None
+        self.proc = launched or subprocess.Popen(
             self.command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=self.cwd,
             start_new_session=True,  # its own process group: kill9() takes the shard processes too
         )
