@@ -11,10 +11,11 @@ its whole start-up: shards are still fresh interpreters (``spawn``), models are 
 warmed, data directories replayed. Only the import of modules already in ``sys.modules`` is saved.
 
 :func:`launcher` is what ``tests/conftest.py`` installs as
-:attr:`oprag_client.testing.ServerProcess.launcher`: it forks when the command is
-``python -m oprag_server ...`` of this interpreter and the environment agrees with the zygote's on
-every variable read at import time (``OMP_*``, ``MKL_*``, ``PYTHON*`` ...), else it returns None
-and the server is started with ``subprocess.Popen`` as before. ``OPRAG_TEST_FORK=0`` turns it off.
+:attr:`oprag_client.testing.ServerProcess.launcher`: when the command is ``python -m oprag_server
+...`` of this interpreter it forks the server from the zygote started with the same variables read
+at import time (``OMP_*``, ``MKL_*``, ``PYTHON*`` ...: one zygote per such environment, at most
+two kept), else it returns None and the server is started with ``subprocess.Popen`` as before.
+``OPRAG_TEST_FORK=0`` turns it off.
 
 The returned :class:`ForkedProcess` has the parts of ``subprocess.Popen`` that the tests use
 (``pid``, ``stdout``, ``poll``, ``wait``, ``returncode``, ``send_signal``, ``terminate``,
@@ -226,25 +227,25 @@ def _alive(pid: int) -> bool:
 
 
 class Zygote:
-    """The zygote process of this test process (started on first use, ended with it)."""
+    """A zygote process of this test process for one import-time environment (see
+    :func:`launcher`), started with the environment ``env``; it ends when this process does."""
 
-    def __init__(self) -> None:
+    def __init__(self, env: dict[str, str]) -> None:
         import tempfile
 
         self._dir = tempfile.mkdtemp(prefix="oprag-zygote-")
         self.path = os.path.join(self._dir, "sock")
-        self.env = dict(os.environ)
         self.proc = subprocess.Popen([sys.executable, __file__, self.path], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=self.env)
+                                     stdout=subprocess.PIPE, text=True, env=env)
         line = self.proc.stdout.readline()
         if line.strip() != "READY":
             self.proc.kill()
             raise RuntimeError(f"the test zygote did not start (printed {line!r})")
-        self._lock = threading.Lock()
 
-    def ok(self, argv: list[str], env: dict[str, str]) -> bool:
-        return (self.proc.poll() is None and argv[:3] == [sys.executable, "-m", "oprag_server"]
-                and _import_env(env) == _import_env(self.env))
+    def close(self) -> None:
+        """End the zygote (its servers keep running; their exit statuses are no longer reported)."""
+        self.proc.stdin.close()
+        self.proc.wait(30)
 
     def fork(self, argv: list[str], env: dict[str, str], cwd: str | None) -> ForkedProcess:
         r, w = os.pipe()
@@ -268,22 +269,26 @@ class Zygote:
         return ForkedProcess(pid, conn, os.fdopen(r, "r"))
 
 
-_zygote: Zygote | None = None
+#: zygotes by import-time environment; a test process mostly needs one (a few tests start servers
+#: with other thread settings, and importing the server's kernels sets NUMBA_CACHE_DIR)
+_zygotes: dict[tuple, Zygote] = {}
+_MAX_ZYGOTES = 2
 _zygote_lock = threading.Lock()
 
 
 def launcher(argv: list[str], env: dict[str, str], cwd: str | None) -> ForkedProcess | None:
-    """:attr:`oprag_client.testing.ServerProcess.launcher`: fork ``argv`` from the zygote when it
-    can (see the module docstring), else None (the caller uses ``subprocess.Popen``)."""
-    global _zygote
-    if os.environ.get("OPRAG_TEST_FORK", "1") == "0":
+    """:attr:`oprag_client.testing.ServerProcess.launcher`: fork ``argv`` from the zygote of
+    ``env``'s import-time variables (started on first use) when ``argv`` is ``python -m
+    oprag_server ...`` of this interpreter; else None (the caller uses ``subprocess.Popen``)."""
+    if os.environ.get("OPRAG_TEST_FORK", "1") == "0" or argv[:3] != [sys.executable, "-m", "oprag_server"]:
         return None
+    key = tuple(sorted(_import_env(env).items()))
     with _zygote_lock:
-        if _zygote is None or _zygote.proc.poll() is not None:
-            _zygote = Zygote()
-        z = _zygote
-    if not z.ok(argv, env):
-        return None
+        z = _zygotes.get(key)
+        if z is None or z.proc.poll() is not None:
+            while len(_zygotes) >= _MAX_ZYGOTES:
+                _zygotes.pop(next(iter(_zygotes))).close()
+            z = _zygotes[key] = Zygote(env)
     return z.fork(argv, env, cwd)
 
 

@@ -16,16 +16,23 @@ def _argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "oprag_server", *args]
 
 
-def test_a_different_import_time_environment_or_command_is_not_forked() -> None:
+def test_a_start_is_forked_from_the_zygote_of_its_import_time_environment(tmp_path) -> None:
     env = dict(os.environ)
     assert server_zygote.launcher(["python", "-c", "pass"], env, None) is None
-    env["OMP_NUM_THREADS"] = str(int(env.get("OMP_NUM_THREADS", "1")) + 7)
-    assert server_zygote.launcher(_argv("--help"), env, None) is None
+    other = {**env, "OMP_NUM_THREADS": str(int(env.get("OMP_NUM_THREADS", "1")) + 7)}
+    zygotes = []
+    for e in (env, other):
+        forked = server_zygote.launcher(_argv("--help"), e, str(tmp_path))
+        assert forked.wait(60) == 0
+        z = server_zygote._zygotes[tuple(sorted(server_zygote._import_env(e).items()))]  # noqa: SLF001
+        zygotes.append(z.proc.pid)
+        assert z.proc.poll() is None
+    assert zygotes[0] != zygotes[1]  # the other OMP_NUM_THREADS got a zygote of its own
 
 
 def test_a_forked_server_exits_and_prints_as_a_subprocess_does(tmp_path) -> None:
     env = dict(os.environ)
-    for args in (("--no-such-option",), ("--help",)):
+    for args in (("--no-such-option",), ("--help",), ("--data-dir", str(tmp_path / "f"), "--shards", "0")):
         forked = server_zygote.launcher(_argv(*args), env, str(tmp_path))
         assert isinstance(forked, server_zygote.ForkedProcess)
         out_f, rc_f = forked.stdout.read(), forked.wait(60)
