@@ -21,7 +21,7 @@ def _add_server(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server", type=_target, default=os.environ.get("OPRAG_SERVER", "127.0.0.1:50051"),
                    help="HOST:PORT (or $OPRAG_SERVER)")
     p.add_argument("--timeout", type=_seconds, default=None,
-                   help="per-RPC deadline in seconds (> 0; default: none, 5 for health)")
+                   help="per-RPC deadline in seconds (finite, > 0; default: none, 5 for health)")
     p.add_argument("--token", default=os.environ.get("OPRAG_TOKEN"), help="bearer token (or OPRAG_TOKEN)")
     p.add_argument("--tls-ca", type=Path, default=None, help="connect with TLS, trusting this CA (PEM)")
     p.add_argument("--tls-cert", dest="client_cert", type=Path, default=None, help="client certificate (PEM)")
@@ -80,7 +80,7 @@ def _seconds(text: str) -> float:
     except ValueError:
         v = float("nan")
     if not (0 < v < float("inf")):
-        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, got {text}")
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds above 0, got {text}")
     return v
 
 

@@ -39,28 +39,61 @@ def load_queries(path: Path) -> dict[str, str]:
     return out
 
 
-def load_qrels(path: Path) -> dict[str, dict[str, int]]:
-    """BEIR qrels TSV (header ``query-id corpus-id score``, any line ending) -> {qid: {docid: rel}}.
+#: what every qrels error message ends with: the format asked for
+_QRELS_LINE = "a qrels line is query-id, corpus-id and an integer score, separated by tabs"
 
-    :raises ValueError: a score that is not a number (the message names the file and line).
+
+def _qrels_shape(row: list[str]) -> str:
+    """Why a qrels row of other than 3 tab-separated fields is not one, and what to change."""
+    words = " ".join(row).split()
+    if len(words) == 4 and words[1] == "Q0":  # TREC: query-id Q0 doc-id relevance
+        sep = "tab" if len(row) == 4 else "space"
+        return (f"this looks like TREC qrels ({sep}-separated query-id, Q0, doc-id, score): {_QRELS_LINE}; drop "
+                "the Q0 column (e.g. awk '{print $1 \"\\t\" $3 \"\\t\" $4}')")
+    if len(row) == 1 and row[0].lstrip().startswith(("{", "[")):
+        return f"this looks like JSON, not a qrels TSV (e.g. BEIR's qrels/test.tsv): {_QRELS_LINE}"
+    if len(row) == 1 and len(words) == 3:
+        return f"this line is separated by spaces: {_QRELS_LINE}, not spaces"
+    fields = "1 tab-separated field" if len(row) == 1 else f"{len(row)} tab-separated fields"
+    return f"{fields}, not 3: {_QRELS_LINE}"
+
+
+def load_qrels(path: Path) -> dict[str, dict[str, int]]:
+    """BEIR qrels TSV (optional header ``query-id corpus-id score``, any line ending) -> {qid: {docid: rel}}.
+
+    Blank lines are skipped; every other line is exactly 3 tab-separated fields.
+
+    :raises ValueError: a line of other than 3 tab-separated fields (a space-separated file, TREC
+        qrels with their ``Q0`` column, a JSON line), an empty id, or a score that is not a finite number;
+        the message names the file and line. (Such lines were skipped or misread: a space-separated
+        file ended in "no judged query of the qrels is in the queries file", and TREC's ``Q0`` was
+        read as the doc id.)
     """
     out: dict[str, dict[str, int]] = {}
     with open(path, encoding="utf-8", newline="") as f:
-        rows = reader = csv.reader(f, delimiter="\t")
-        header = next(rows, None)
-        if header is None:
-            return out
-        if not header or header[0].strip().lower() not in ("query-id", "query_id", "qid"):
-            rows = iter([header, *rows])
-        for row in rows:
-            if len(row) < 3 or not row[0].strip():
+        reader = csv.reader(f, delimiter="\t")
+        first = True
+        for row in reader:
+            if not any(field.strip() for field in row):
                 continue
+            where = f"{path}:{reader.line_num}"
+            if first:
+                first = False
+                if row[0].strip().lower() in ("query-id", "query_id", "qid"):
+                    continue  # BEIR's header line
+            if len(row) != 3:
+                raise ValueError(f"{where}: {_qrels_shape(row)}")
+            qid, doc, score = (field.strip() for field in row)
+            if not qid or not doc:
+                raise ValueError(f"{where}: empty {'query-id' if not qid else 'corpus-id'}: {_QRELS_LINE}")
             try:
-                rel = int(float(row[2]))
+                value = float(score)
             except ValueError:  # (said only "could not convert string to float: 'abc'")
-                raise ValueError(f"{path}:{reader.line_num}: score {row[2]!r} is not a number: a qrels line is "
-                                 "query-id, corpus-id and an integer score, separated by tabs") from None
-            out.setdefault(row[0].strip(), {})[row[1].strip()] = rel
+                raise ValueError(f"{where}: score {row[2]!r} is not a number: {_QRELS_LINE}") from None
+            if not math.isfinite(value):  # (int(inf) raised OverflowError: a traceback)
+                raise ValueError(f"{where}: score {row[2]!r} is not a finite number: {_QRELS_LINE}")
+            rel = int(value)
+            out.setdefault(qid, {})[doc] = rel
     return out
 
 

@@ -96,6 +96,9 @@ class RetrievalInfo:
     lexical_weight: float
     rrf_k: int
     candidates: int
+    # the live chunks eligible for the query (not deleted, passing the filters), summed over the
+    # shards that answered: not how many were scored, as an approximate index (hnsw, ivf) scores
+    # only some of them (see ef_search / nprobe); operators/group.py bounds its window by it
     chunks_searched: int = 0
     missing_shards: list[int] = field(default_factory=list)  # non-empty = partial result
     dense_index: str = ""  # flat | hnsw | ivf ("" = not reported)

@@ -58,9 +58,12 @@ def test_cli_unauthenticated_points_to_token_flag_and_env(capsys):
     (["eval", "beir", "--limit", "-1"], "--limit: must be >= 0, got -1"),  # judged[:-1]: all but the last, silently
     (["eval", "beir", "--concurrency", "0"], "--concurrency: must be >= 1, got 0"),
     (["eval", "beir", "--candidates", "-3"], "--candidates: must be >= 0, got -3"),
-    (["query", "--timeout", "0", "q"], "--timeout: must be a number of seconds above 0, got 0"),  # was DEADLINE_EXCEEDED
-    (["stats", "--timeout", "-1"], "--timeout: must be a number of seconds above 0, got -1"),
-    (["query", "--timeout", "nan", "q"], "--timeout: must be a number of seconds above 0, got nan"),
+    (["query", "--timeout", "0", "q"], "--timeout: must be a finite number of seconds above 0, got 0"),  # was DEADLINE_EXCEEDED
+    (["stats", "--timeout", "-1"], "--timeout: must be a finite number of seconds above 0, got -1"),
+    (["query", "--timeout", "nan", "q"], "--timeout: must be a finite number of seconds above 0, got nan"),
+    # fix25: "must be a number of seconds above 0, got inf" (infinity is above 0)
+    (["query", "--timeout", "inf", "q"], "--timeout: must be a finite number of seconds above 0, got inf"),
+    (["eval", "beir", "--timeout", "Infinity"], "--timeout: must be a finite number of seconds above 0, got Infinity"),
     (["ingest", "--docs-per-stream", "0", "x.jsonl"], "--docs-per-stream: must be >= 1, got 0"),
     # trial14: argparse said "invalid _count value: 'abc'" (a function's name); gRPC read port
     # 99999 as 34463 and an http:// URL as a host name ("Misformatted domain name")
@@ -68,7 +71,7 @@ def test_cli_unauthenticated_points_to_token_flag_and_env(capsys):
     (["eval", "beir", "--top-k", "9"], "--top-k: must be in [10, 100] (nDCG@10 and MRR@10 rank the top 10 documents"),
     (["eval", "beir", "--top-k", "101"], "the server returns at most 100), got 101"),
     (["ingest", "--docs-per-stream", "1.5", "x.jsonl"], "--docs-per-stream: must be an integer >= 1, got '1.5'"),
-    (["stats", "--timeout", "soon"], "--timeout: must be a number of seconds above 0, got soon"),
+    (["stats", "--timeout", "soon"], "--timeout: must be a finite number of seconds above 0, got soon"),
     (["stats", "--server", "127.0.0.1:99999"], "--server: the port must be in 1-65535, got 99999"),
     (["stats", "--server", "http://127.0.0.1:50051"], "--server: give HOST:PORT without http://"),
     (["stats", "--server", ""], "--server: give HOST:PORT"),
