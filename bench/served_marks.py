@@ -74,6 +74,14 @@ def _shard_run(*args, **kw):
     return worker.run(*args, **kw)
 
 
+def _shard_main(*args) -> None:
+    """``worker.main`` (the spawned shard's target) with :func:`_shard_run` in place of ``worker.run``."""
+    from oprag_server.shards import worker  # noqa: PLC0415
+
+    _shard_run(*args)
+    worker.exit_now(0)
+
+
 def _install() -> None:
     """Frontend marks (in the server process, before it starts)."""
     from oprag_server.operators import retrieve as rmod  # noqa: PLC0415
@@ -81,7 +89,7 @@ def _install() -> None:
     from oprag_server.shards import pool as pool_mod  # noqa: PLC0415
     from oprag_server.shards import transport, worker  # noqa: PLC0415
 
-    worker.run = _shard_run  # pickled by name for the spawned shards
+    worker.main = _shard_main  # the shard processes' target, pickled by name for the spawned shards
     out = open(f"{os.environ[_ENV]}.frontend", "a", buffering=1, encoding="utf-8")  # noqa: SIM115
     cur: dict = {}
 
