@@ -18,34 +18,31 @@ Ids: each added vector gets the next *ANN id* (0, 1, 2, ... in insertion order);
   excludes dead ids inside FAISS (``IDSelectorNot(IDSelectorBatch(dead))``), so a deleted chunk
   is never returned and a query still gets k live results. :meth:`AnnIndex.needs_compaction`
   is true once a quarter of the graph is dead; the owner then rebuilds it from the live vectors
-  (:meth:`DenseIndex.compact_ann`: on snapshot, or on a write that crosses the threshold).
+  (:meth:`DenseIndex.compact_ann`: on snapshot, or on a write that crosses the threshold). A
+  search that ran into a group of identical vectors searches again (:mod:`.ann_escape`).
 * IVF removes ids from its inverted lists at once.
 
-Deferred HNSW inserts (:meth:`AnnIndex.defer`, issue 13): an ingest may register vectors
-without inserting them into the graph. They get their ANN ids at once (the next ones, in
-order) and wait in a *tail* (float32 rows, ids ``[ntotal, ann_slot.size)``) until
-:meth:`AnnIndex.insert_pending` puts them into the graph in id order (the shard does it
-between requests, and an add past its tail bound does it at once). Every read covers the tail:
-:meth:`AnnIndex.gather` and :meth:`AnnIndex.matvec` read its rows, and :meth:`AnnIndex.search`
-adds an exact scan of its live rows to the graph's candidates (a tail row found that way has
-its exact score, so a query sees every vector added, indexed or not). Serialising the
-structure (:meth:`AnnIndex.to_bytes`) inserts the whole tail first and a rebuild absorbs it; a
-snapshot writes the graph (:meth:`AnnIndex.write`) and the tail's rows (:meth:`AnnIndex.tail`)
-apart, and :meth:`AnnIndex.load` takes both back.
+Deferred HNSW inserts (:meth:`AnnIndex.defer`, issue 13): an ingest may register vectors without inserting them into
+the graph. They get their ANN ids at once (the next ones, in order) and wait in a *tail* (float32 rows, ids ``[ntotal,
+ann_slot.size)``) until :meth:`AnnIndex.insert_pending` puts them into the graph in id order (the shard does it
+between requests, and an add past its tail bound does it at once). Every read covers the tail: :meth:`AnnIndex.gather`
+and :meth:`AnnIndex.matvec` read its rows, and :meth:`AnnIndex.search` adds an exact scan of its live rows to the
+graph's candidates (a tail row found that way has its exact score, so a query sees every vector added, indexed or
+not). Serialising the structure (:meth:`AnnIndex.to_bytes`) inserts the whole tail first and a rebuild absorbs it; a
+snapshot writes the graph (:meth:`AnnIndex.write`) and the tail's rows (:meth:`AnnIndex.tail`) apart, and
+:meth:`AnnIndex.load` takes both back.
 
-IVF training: the first ``train_min`` vectors of a shard are searched exactly (flat) while
-they accumulate; the IVF is then trained (k-means, ``nlist = sqrt(n)`` rounded to a power of
-two, at most 65,536 and at most n / 39, on at most 64 vectors per list) on the vectors held at that moment. It is
-trained again, and every vector re-added, each time the shard has grown 8x since the last
-training (the lists stay balanced as the corpus grows), and on compaction.
+IVF training: the first ``train_min`` vectors of a shard are searched exactly (flat) while they accumulate; the IVF is
+then trained (k-means, ``nlist = sqrt(n)`` rounded to a power of two, at most 65,536 and at most n / 39, on at most 64
+vectors per list) on the vectors held at that moment. It is trained again, and every vector re-added, each time the
+shard has grown 8x since the last training (the lists stay balanced as the corpus grows), and on compaction.
 
-FAISS's rule (``faiss/Clustering.cpp``, ``Clustering::train_encoded``, run by ``IndexIVF::train``):
-fewer training points than lists is an error; fewer than ``min_points_per_centroid`` (39 by
-default, ``ClusteringParameters``) per list prints ``WARNING clustering <n> points to <k> centroids:
-please provide at least <39 k> training points`` on stderr (the service log) and trains anyway;
-over ``max_points_per_centroid`` (256) a list, it subsamples. So no IVF trains on fewer than
-:data:`IVF_TRAIN_FLOOR` (39) vectors (the serve CLI refuses a lower ``--ivf-train-min``; one made in
-code waits for 39), and ``nlist <= n // 39`` keeps every training at >= 39 points per list.
+FAISS's rule (``faiss/Clustering.cpp``, ``Clustering::train_encoded``, run by ``IndexIVF::train``): fewer training
+points than lists is an error; fewer than ``min_points_per_centroid`` (39 by default, ``ClusteringParameters``) per
+list prints ``WARNING clustering <n> points to <k> centroids: please provide at least <39 k> training points`` on
+stderr (the service log) and trains anyway; over ``max_points_per_centroid`` (256) a list, it subsamples. So no IVF
+trains on fewer than :data:`IVF_TRAIN_FLOOR` (39) vectors (the serve CLI refuses a lower ``--ivf-train-min``; one made
+in code waits for 39), and ``nlist <= n // 39`` keeps every training at >= 39 points per list.
 """
 
 from __future__ import annotations
@@ -53,6 +50,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..config import DenseConfig
+from .ann_escape import escape
 
 #: the fewest vectors an IVF trains on: FAISS's k-means wants 39 points a list (module docstring)
 IVF_TRAIN_FLOOR = 39
@@ -272,8 +270,10 @@ class AnnIndex:
         q = np.ascontiguousarray(q, dtype=np.float32)
         if self.pending and not self._index.ntotal:
             scores, ids = np.full((q.shape[0], 0), -np.inf, np.float32), np.zeros((q.shape[0], 0), np.int64)
-        else:
+        else:  # (HNSW: a search that ran into a group of identical vectors searches again: ann_escape)
             scores, ids = self._index.search(q, int(k), params=params)
+            if self.params.kind == "hnsw":
+                scores, ids = escape(self._index, self.storage(), lambda i: self.ann_slot[i] >= 0, q, int(k), params, scores, ids)
         if self.pending:
             scores, ids = self._with_tail(q, int(k), scores, ids)
         slots = np.where(ids >= 0, self.ann_slot[np.maximum(ids, 0)], -1)

@@ -1,0 +1,42 @@
+"""trial26: an HNSW server whose corpus holds many identical chunks (boilerplate) returned `DENSE`
+top-10s made only of the boilerplate, whatever ``ef_search`` (index/ann_escape.py). A real server
+with the HNSW index, supplied vectors (150 clustered documents, then 300 copies of one
+boilerplate document with one vector), hits checked by score against the exact inner products."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from oprag_client.client import Doc, OpRAGClient
+from oprag_client.testing import ServerProcess
+
+pytestmark = pytest.mark.integration
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    return (x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(np.float32)
+
+
+def test_dense_hits_are_not_trapped_in_boilerplate(tmp_path) -> None:
+    rng = np.random.default_rng(26)
+    centers = _unit(rng.standard_normal((10, 384)))
+    real = _unit(centers[rng.integers(0, 10, 150)] + 0.15 * rng.standard_normal((150, 384)))
+    boiler = _unit(rng.standard_normal(384))
+    queries = _unit(real[:30] + 0.25 * rng.standard_normal((30, 384)))
+    vecs = np.concatenate([real, np.repeat(boiler[None], 300, axis=0)]).astype(np.float64)
+    srv = ServerProcess.on_free_ports(tmp_path / "d", "--generator", "none", "--dense-index", "hnsw",
+                                      "--ann-tail", "0").start()
+    try:
+        with OpRAGClient(srv.target) as c:
+            c.ingest([Doc(f"r{i:03d}", f"paper {i} on topic {i % 10}", vector=real[i]) for i in range(150)])
+            c.ingest([Doc(f"b{i:03d}", "This site uses cookies. Accept to continue.", vector=boiler) for i in range(300)])
+            got = []
+            for q in queries:
+                for ef in (0, 4096):  # the default beam and a wide one: neither escaped the group before
+                    hits = c.retrieve("topic", mode="dense", top_k=10, query_vector=q.tolist(), ef_search=ef).hits
+                    kth = np.sort(vecs @ q.astype(np.float64))[-10]
+                    got.append(sum(h.score >= kth - 1e-6 for h in hits) / 10)
+    finally:
+        srv.stop()
+    assert np.mean(got) >= 0.95, np.mean(got)

@@ -1,0 +1,104 @@
+"""HNSW searches that run into a group of identical vectors (trial26, index/ann_escape.py), on
+real FAISS graphs: copies of one vector fill each other's neighbour lists, and a search that
+enters the group cannot leave it whatever its beam. Recall is counted by score (the exact k-th
+score): copies tie, so which of them a list holds is not the point here (the shard's refine
+step breaks ties by chunk id)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from oprag_server.config import DenseConfig
+from oprag_server.index import ann_escape
+from oprag_server.index.ann import AnnIndex
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    return (x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(np.float32)
+
+
+def _corpus(layout: str, copies: int, groups: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """150 clustered vectors and ``groups`` distinct vectors repeated ``copies`` times each,
+    in the given insertion order; 40 queries near the clustered vectors."""
+    rng = np.random.default_rng(seed)
+    centers = _unit(rng.standard_normal((10, 384)))
+    real = _unit(centers[rng.integers(0, 10, 150)] + 0.15 * rng.standard_normal((150, 384)))
+    dup = np.repeat(_unit(rng.standard_normal((groups, 384))), copies, axis=0)
+    vecs = np.concatenate([real, dup]) if layout == "copies_last" else np.concatenate([dup, real])
+    return vecs, _unit(real[:40] + 0.25 * rng.standard_normal((40, 384)))
+
+
+def _recall_by_score(ann: AnnIndex, vecs: np.ndarray, q: np.ndarray, fetch: int, k: int = 10) -> float:
+    exact = q @ vecs.T
+    kth = np.sort(exact, axis=1)[:, -k]
+    slots, _, _ = ann.search(q, fetch, 512)
+    got = []
+    for j, row in enumerate(slots):
+        row = row[row >= 0]
+        best = np.sort(exact[j][row])[::-1][:k]  # the shard ranks what the ANN found by score
+        got.append(float((best >= kth[j] - 1e-6).sum()) / k)
+    return float(np.mean(got))
+
+
+def _ann(vecs: np.ndarray) -> AnnIndex:
+    ann = AnnIndex(384, DenseConfig(kind="hnsw"))
+    slots = np.arange(len(vecs), dtype=np.int64)
+    ann.add(slots, vecs, (slots, vecs))
+    return ann
+
+
+@pytest.mark.parametrize("layout,copies,groups", [("copies_last", 300, 1), ("copies_first", 300, 1)])
+def test_search_leaves_a_group_of_copies(layout: str, copies: int, groups: int) -> None:
+    """Without the second search these lose 13-29% of the top-10 (measured: 0.71, 0.87; both 1.0 with
+    it). Not covered: copies that outnumber the other vectors ~10:1, in one group or many, also
+    damage the graph's links between the other vectors at build time (100 x 20 copies: 0.90-0.94
+    with it, 0.16 without; 1,500 x 1 added last: 0.55-0.61), which no search repairs
+    (index/ann_escape.py)."""
+    recs = []
+    for seed in range(3):
+        vecs, q = _corpus(layout, copies, groups, seed)
+        recs.append(_recall_by_score(_ann(vecs), vecs, q, fetch=320))
+    assert np.mean(recs) >= 0.95, recs
+
+
+def test_no_copies_no_second_search(monkeypatch) -> None:
+    """A corpus without copies never triggers the second search (and its results are FAISS's)."""
+    calls = []
+    orig = ann_escape.tied_rows
+    monkeypatch.setattr(ann_escape, "tied_rows", lambda s, i: calls.append(r := orig(s, i)) or r)
+    rng = np.random.default_rng(5)
+    vecs = _unit(rng.standard_normal((600, 384)))
+    ann = _ann(vecs)
+    q = _unit(rng.standard_normal((20, 384)))
+    slots, scores, _ = ann.search(q, 50, 512)
+    assert calls and all(r.size == 0 for r in calls)
+    raw_s, raw_i = ann._index.search(q, 50, params=ann._hnsw_params(512))  # noqa: SLF001
+    np.testing.assert_array_equal(slots, raw_i)
+    np.testing.assert_array_equal(scores, raw_s)
+
+
+def test_deleted_copies_stay_out() -> None:
+    """The second search keeps excluding dead ids (the first search's selector)."""
+    vecs, q = _corpus("copies_first", 300, 1, 0)
+    ann = _ann(vecs)
+    dead = np.arange(300, 450, 2, dtype=np.int64)  # half of the clustered vectors
+    ann.remove(dead)
+    slots, _, _ = ann.search(q, 320, 512)
+    assert not np.isin(slots, dead).any()
+    live = np.setdiff1d(np.arange(len(vecs)), dead)
+    exact = q @ vecs[live].T
+    kth = np.sort(exact, axis=1)[:, -10]
+    full = q @ vecs.T
+    rec = [float((np.sort(full[j][r[r >= 0]])[::-1][:10] >= kth[j] - 1e-6).sum()) / 10 for j, r in enumerate(slots)]
+    assert np.mean(rec) >= 0.95, rec
+
+
+def test_tied_rows() -> None:
+    s = np.linspace(1.0, 0.0, 40, dtype=np.float32)[None].repeat(3, 0)
+    i = np.arange(40)[None].repeat(3, 0)
+    s[1, 5:5 + ann_escape.TIES] = s[1, 5]  # one score TIES times
+    s[2, 5:5 + ann_escape.TIES - 1] = s[2, 5]  # one fewer: not a group
+    np.testing.assert_array_equal(ann_escape.tied_rows(s, i), [1])
+    i[1, 6:] = -1  # padding does not count
+    assert ann_escape.tied_rows(s, i).size == 0
