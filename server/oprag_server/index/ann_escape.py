@@ -25,7 +25,7 @@ What it does not repair: the copies also weaken the graph's links between the *o
 while it is built (a new vector's neighbours are found by a search that can be trapped too, and
 a copy can take the place of a vector's other neighbours), so with copies that outnumber the
 rest about 10:1, in one group or many, some of the other vectors stay poorly linked (synthetic
-tests: 0.55-0.94 of the top-10 by score, 0.16-0.33 without this). Nor does it make the tied copies a search returns the ones with the lowest chunk
+tests: 0.55-0.94 of the top-10 by score, 0.05-0.33 without this). Nor does it make the tied copies a search returns the ones with the lowest chunk
 ids. The design that would: copies of a linked vector kept in the storage without graph links
 (their ANN ids and rows unchanged, so every exact read stays as it is) and each returned
 vector expanded into its live copies.
