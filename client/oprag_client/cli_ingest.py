@@ -143,8 +143,8 @@ def cmd_ingest(a) -> int:
     for r in totals["rejected"]:
         print(f"rejected #{r['index']} {r['id']!r}: {r['reason']}", file=sys.stderr)
     if error is not None:  # the committed streams stay stored; the failed one: nothing, or unknown (UNKNOWN_OUTCOME)
-        if streams or error["code"]:  # (an input error before any stream was sent: the error says it all)
-            _committed_before_failure(len(streams) + 1, sent, totals["seq"], error["code"])
+        # also for an input error in stream 1 (said only the error, and not whether anything was stored: trial26)
+        _committed_before_failure(len(streams) + 1, sent, totals["seq"], error["code"])
         _fail(error["message"])
         if a.json:  # stored: false, or null when unknown
             stored = None if error["code"] in UNKNOWN_OUTCOME else False

@@ -23,6 +23,7 @@ from .channel import open_channel
 from .inputs import bad_text, clear_session_request, delete_request, names_bad_text
 from .metadata import MetadataValue, metadata_of, metadata_value  # noqa: F401 - re-exported
 from .retry import NO_RETRY, RetryPolicy, acall, call
+from .streams import StreamCall, SyncStreamCall
 from .vectors import floats as _floats
 from .vectors import pack as _pack
 
@@ -262,9 +263,16 @@ class OpRAGClient:
     def query(self, question: str, *, timeout: float | None = None, **kw) -> oprag_pb2.QueryResponse:
         return call(self.retry, lambda: self.stub.Query(query_request(question, **kw), timeout=timeout or self.timeout, metadata=self.md))
 
-    def query_stream(self, question: str, *, timeout: float | None = None, **kw):
-        """Iterate QueryEvents: ``sources`` first, then ``text`` pieces, then ``done``."""
-        return self.stub.QueryStream(query_request(question, **kw), timeout=timeout or self.timeout, metadata=self.md)
+    def query_stream(self, question: str, *, timeout: float | None = None, **kw) -> SyncStreamCall:
+        """Iterate QueryEvents: ``sources`` first, then ``text`` pieces, then ``done`` (a
+        :class:`~oprag_client.streams.SyncStreamCall`: leaving a ``for`` loop over it early, its
+        ``close()`` or the end of ``with c.query_stream(...) as call:`` cancels the query).
+
+        :raises ValueError | TypeError: a bad argument (:func:`query_request`).
+        :raises grpc.RpcError: while iterating: the server's status (``CANCELLED`` after a cancel).
+        """
+        return SyncStreamCall(self.stub.QueryStream(query_request(question, **kw), timeout=timeout or self.timeout,
+                                                    metadata=self.md))
 
     def retrieve(self, question: str, *, timeout: float | None = None, **kw) -> oprag_pb2.RetrieveResponse:
         kw.pop("max_new_tokens", None)
@@ -285,30 +293,6 @@ class OpRAGClient:
         """``"SERVING"``, ``"NOT_SERVING"``, ... of the standard grpc.health.v1 service."""
         r = self.health_stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
-
-
-class StreamCall:
-    """An asyncio ``QueryStream`` call (``AsyncOpRAGClient.query_stream``): the grpc.aio call's
-    methods (``cancel``, ``code``, ``read``, ...), and ``async for`` over it cancels the call
-    when the loop stops early (``break``, an exception). grpc.aio's own iterator and its call
-    hold each other, so a stream left by ``break`` went on generating on the server, for nobody
-    and ahead of other queries, until a garbage collection found the pair (trial15)."""
-
-    def __init__(self, call: Any) -> None:
-        self._call = call
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._call, name)
-
-    def __aiter__(self):
-        return self._events()
-
-    async def _events(self):
-        try:
-            async for event in self._call:
-                yield event
-        finally:
-            self._call.cancel()  # a no-op once the stream ended
 
 
 class AsyncOpRAGClient:

@@ -64,8 +64,8 @@ def load_qrels(path: Path) -> dict[str, dict[str, int]]:
     Blank lines are skipped; every other line is exactly 3 tab-separated fields.
 
     :raises ValueError: a line of other than 3 tab-separated fields (a space-separated file, TREC
-        qrels with their ``Q0`` column, a JSON line), an empty id, or a score that is not a finite number;
-        the message names the file and line. (Such lines were skipped or misread: a space-separated
+        qrels with their ``Q0`` column, a JSON line), an empty id, or a score that is not an integer
+        (``1.5``, ``inf``, ``x``; ``2.0`` reads as 2); the message names the file and line. (Such lines were skipped or misread: a space-separated
         file ended in "no judged query of the qrels is in the queries file", and TREC's ``Q0`` was
         read as the doc id.)
     """
@@ -92,6 +92,9 @@ def load_qrels(path: Path) -> dict[str, dict[str, int]]:
                 raise ValueError(f"{where}: score {row[2]!r} is not a number: {_QRELS_LINE}") from None
             if not math.isfinite(value):  # (int(inf) raised OverflowError: a traceback)
                 raise ValueError(f"{where}: score {row[2]!r} is not a finite number: {_QRELS_LINE}")
+            if not value.is_integer():  # (1.5 was cut to 1 silently)
+                raise ValueError(f"{where}: score {row[2]!r} is not an integer: {_QRELS_LINE} (relevance grades "
+                                 "0, 1, 2, ...; map fractional scores to such grades)")
             rel = int(value)
             out.setdefault(qid, {})[doc] = rel
     return out

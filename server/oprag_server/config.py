@@ -16,12 +16,11 @@ from .domain import DEFAULT_CANDIDATES
 class ChunkingConfig:
     """Chunking on natural boundaries in the embedder's tokens (:class:`oprag_server.operators.chunking.Chunker`).
 
-    :param size: largest chunk in the embedder's tokens, special tokens included (default 256,
-        MiniLM's whole window; a larger value is lowered to the window). Chunks end at paragraph,
-        sentence or word boundaries, so they average below it: on WikiText-2 (valid) 256 gives
-        1,356 chunks of 190 tokens on average (median 201), about the granularity of the former
-        900-character chunks (1,256 chunks, 206 tokens on average, 51 of them over the window).
+    :param size: largest chunk in the embedder's tokens, special tokens included (default 256, MiniLM's whole
+        window; a larger value is lowered to the window). Chunks end at paragraph, sentence or word boundaries,
+        so they average below it: 256 gives 1,356 chunks of 190 tokens on WikiText-2 (valid), like 900 characters.
     :param overlap: tokens consecutive chunks may share, at most (0 <= overlap < size).
+    :raises ValueError: ``size`` below 1 or ``overlap`` outside ``[0, size)`` (naming the serve options).
     """
 
     size: int = 256
@@ -29,9 +28,10 @@ class ChunkingConfig:
 
     def __post_init__(self) -> None:
         if self.size <= 0:
-            raise ValueError(f"chunk size must be > 0, got {self.size}")
-        if not 0 <= self.overlap < self.size:
-            raise ValueError(f"chunk overlap must be in [0, size), got {self.overlap}")
+            raise ValueError(f"--chunk-size must be at least 1, got {self.size}")
+        if not 0 <= self.overlap < self.size:  # (was "chunk overlap must be in [0, size), got 300": trial26)
+            raise ValueError(f"--chunk-overlap {self.overlap} must be at least 0 and below --chunk-size {self.size}: "
+                             "give a smaller --chunk-overlap or a larger --chunk-size")
 
 
 @dataclass(frozen=True)

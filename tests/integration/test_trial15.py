@@ -199,3 +199,50 @@ def test_an_async_query_stream_left_by_break_is_cancelled_on_the_server(gen_serv
         asyncio.run(leave_early())
     finally:
         gc.enable()
+
+
+def test_a_held_sync_query_stream_left_by_break_or_closed_is_cancelled_on_the_server(gen_server):
+    """trial26 #1: ``OpRAGClient.query_stream`` returned grpc's call, which cancels only when a
+    garbage collection frees it; a loop left by ``break`` while the caller still held the call
+    (``it = c.query_stream(...)``; ``for i, ev in enumerate(it)``) went on generating all 512
+    tokens on the server, and the next query waited ~80 s. The call the client returns now
+    cancels when the loop ends, on ``close()`` and at the end of a ``with`` block (garbage
+    collection off here: the fix must not need it)."""
+    streams = lambda: _counts(gen_server.metrics_port, "QueryStream")  # noqa: E731
+
+    def cancelled_after(leave) -> None:
+        before = streams()
+        held = leave()  # the call stays referenced until the check is done
+        got = _wait_for(lambda: streams().get("CANCELLED", 0) > before.get("CANCELLED", 0), 20.0)
+        assert got and streams().get("CANCELLED", 0) == before.get("CANCELLED", 0) + 1, (before, streams(), held)
+
+    gc.disable()
+    try:
+        with OpRAGClient(gen_server.target, timeout=120) as c:
+            def by_break():
+                it = c.query_stream("Tell me everything about lobsters.", max_new_tokens=400)
+                for i, _ev in enumerate(it):
+                    if i == 2:
+                        break
+                return it
+            cancelled_after(by_break)
+
+            def by_close():
+                it = c.query_stream("Tell me everything about lobsters.", max_new_tokens=400)
+                assert next(it).WhichOneof("event") == "sources" and next(it).WhichOneof("event") == "text"
+                it.close()
+                return it
+            cancelled_after(by_close)
+
+            def by_with():
+                with c.query_stream("Tell me everything about lobsters.", max_new_tokens=400) as it:
+                    assert next(it).WhichOneof("event") == "sources" and next(it).WhichOneof("event") == "text"
+                return it
+            cancelled_after(by_with)
+
+            call = c.query_stream("lobster?", max_new_tokens=2)  # read to the end: not cancelled, methods work
+            kinds = [ev.WhichOneof("event") for ev in call]
+            call.close()  # after the end: nothing to cancel
+            assert kinds[0] == "sources" and kinds[-1] == "done" and call.code() == grpc.StatusCode.OK
+    finally:
+        gc.enable()

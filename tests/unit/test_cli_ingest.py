@@ -98,15 +98,31 @@ def test_every_document_rejected_exits_1(ids, code, tmp_path, monkeypatch, capsy
     assert ("nothing stored: all 3 documents were rejected" in err) == (code == 1)
 
 
-def test_an_input_error_before_any_stream_was_sent_says_only_the_error(tmp_path, monkeypatch, capsys):
-    """(trial21: the 'no stream was committed' line is for streams the server failed.)"""
+NONE_COMMITTED = "oprag: no stream was committed; stream 1 (its document 0 is input document #0) and the rest stored nothing\n"
+
+
+@pytest.mark.parametrize("lines, line, words", [
+    (["{broken"], 1, "expected a JSON object"),
+    # trial26: a valid line 1, then an integer metadata value outside signed 64-bit
+    ([json.dumps({"id": "m1", "text": "one", "metadata": {"n": 3}}),
+      json.dumps({"id": "m2", "text": "two", "metadata": {"n": 2**63}})], 2, "metadata 'n': integer"),
+])
+def test_an_input_error_before_any_stream_was_sent_says_no_stream_was_committed(tmp_path, monkeypatch, capsys,
+                                                                                 lines, line, words):
+    """trial26 #3: an input error in stream 1 printed only the error, not whether anything was
+    stored (README: the command says which streams were committed); now as for a later stream:
+    "no stream was committed ...", then the error."""
     stub = _Stub()
     monkeypatch.setattr(cli_ingest, "_client", lambda a: stub)
     f = tmp_path / "d.jsonl"
-    f.write_text("{broken\n")
-    assert cli.main(["ingest", "--server", "127.0.0.1:1", "--format", "jsonl", "--no-progress", "--json", str(f)]) == 1
+    f.write_text("\n".join(lines) + "\n")
+    argv = ["ingest", "--server", "127.0.0.1:1", "--format", "jsonl", "--no-progress"]
+    assert cli.main(argv + [str(f)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(NONE_COMMITTED + f"oprag: {f}:{line}: {words}"), err
+    assert cli.main(argv + ["--json", str(f)]) == 1
     out = capsys.readouterr()
-    assert out.err.startswith(f"oprag: {f}:1: expected a JSON object") and "committed" not in out.err, out.err
+    assert out.err.startswith(NONE_COMMITTED), out.err
     assert json.loads(out.out)["error"] == {"stream": 1, "first_index": 0, "code": None, "stored": False,
-                                            "message": out.err[len("oprag: "):].strip()}
+                                            "message": out.err[len(NONE_COMMITTED) + len("oprag: "):].strip()}
     assert stub.streams == []

@@ -65,3 +65,17 @@ def test_eval_exits_1_naming_the_line_as_for_a_bad_queries_line(tmp_path, capsys
     queries.write_text('{"text": "q"}\n')
     assert cli.main(argv) == 1
     assert capsys.readouterr().err.startswith(f"oprag: --queries: {queries}:1: ")
+
+
+def test_a_fractional_score_is_an_error_naming_file_and_line(tmp_path, capsys):
+    """trial26 #2: ``0\\t31715818\\t1.5`` was read as relevance 1, silently, though the README says
+    the score is an integer and any other line is an error naming the file and line."""
+    f = tmp_path / "q_float.tsv"
+    f.write_text("query-id\tcorpus-id\tscore\n0\t31715818\t1\n0\t31715819\t1.5\n")
+    with pytest.raises(ValueError) as ei:
+        load_qrels(f)
+    assert str(ei.value).startswith(f"{f}:3: score '1.5' is not an integer: {TAIL} (relevance grades"), str(ei.value)
+    queries = tmp_path / "queries.jsonl"
+    queries.write_text('{"_id": "0", "text": "q"}\n')
+    assert cli.main(["eval", "beir", "--server", "127.0.0.1:1", "--queries", str(queries), "--qrels", str(f)]) == 1
+    assert capsys.readouterr().err.startswith(f"oprag: --qrels: {f}:3: score '1.5' is not an integer")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 from oprag_server import cli
 from oprag_server.config import ServerConfig
 
@@ -50,7 +52,21 @@ def test_no_default_literal_is_repeated_in_the_cli():
 
 def test_a_bad_value_fails_with_status_2(capsys):
     assert cli.main(["--chunk-size", "0"]) == 2
-    assert "chunk size must be > 0" in capsys.readouterr().err
+    assert "--chunk-size must be at least 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--chunk-overlap", "300"], "--chunk-overlap 300 must be at least 0 and below --chunk-size 256: "
+                                 "give a smaller --chunk-overlap or a larger --chunk-size"),
+    (["--chunk-size", "100", "--chunk-overlap", "100"], "--chunk-overlap 100 must be at least 0 and below --chunk-size 100"),
+    (["--chunk-overlap", "-1"], "--chunk-overlap -1 must be at least 0"),
+])
+def test_a_chunk_overlap_out_of_range_names_both_options_and_their_values(capsys, argv, words):
+    """trial26 #4: ``--chunk-overlap 300`` said "chunk overlap must be in [0, size), got 300",
+    naming neither option nor the size it must stay below."""
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"oprag: {words}") and err.count("\n") == 1, err
 
 
 def test_replicas_reach_the_config_and_are_bounded(capsys):
