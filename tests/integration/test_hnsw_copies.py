@@ -1,7 +1,8 @@
 """trial26: an HNSW server whose corpus holds many identical chunks (boilerplate) returned `DENSE`
-top-10s made only of the boilerplate, whatever ``ef_search`` (index/ann_escape.py). A real server
-with the HNSW index, supplied vectors (150 clustered documents, then 300 copies of one
-boilerplate document with one vector), hits checked by score against the exact inner products."""
+top-10s made only of the boilerplate, whatever ``ef_search`` (index/ann_copies.py,
+index/ann_escape.py). A real server with the HNSW index, supplied vectors (150 clustered
+documents, then 300 copies of one boilerplate document with one vector): hits checked by score
+against the exact inner products, and tied copies against exact mode's order (chunk id)."""
 
 from __future__ import annotations
 
@@ -30,13 +31,24 @@ def test_dense_hits_are_not_trapped_in_boilerplate(tmp_path) -> None:
     try:
         with OpRAGClient(srv.target) as c:
             c.ingest([Doc(f"r{i:03d}", f"paper {i} on topic {i % 10}", vector=real[i]) for i in range(150)])
-            c.ingest([Doc(f"b{i:03d}", "This site uses cookies. Accept to continue.", vector=boiler) for i in range(300)])
+            order = rng.permutation(300)  # (not in id order: the lowest ids are not the first inserted)
+            c.ingest([Doc(f"b{i:03d}", "This site uses cookies. Accept to continue.", vector=boiler) for i in order])
             got = []
             for q in queries:
                 for ef in (0, 4096):  # the default beam and a wide one: neither escaped the group before
                     hits = c.retrieve("topic", mode="dense", top_k=10, query_vector=q.tolist(), ef_search=ef).hits
                     kth = np.sort(vecs @ q.astype(np.float64))[-10]
                     got.append(sum(h.score >= kth - 1e-6 for h in hits) / 10)
+            # the boilerplate's own vector: ten of its 300 tied copies, the ones exact mode ranks first
+            want = c.retrieve("cookies", mode="full_hybrid", dense_weight=1.0, lexical_weight=0.0, top_k=10,
+                              query_vector=boiler.tolist()).hits
+            hits = c.retrieve("cookies", mode="dense", top_k=10, query_vector=boiler.tolist()).hits
+            assert [h.chunk_id for h in hits] == [h.chunk_id for h in want]
+            c.delete([h.doc_id for h in want[:3]])  # the first three gone: the next three copies come up
+            want = c.retrieve("cookies", mode="full_hybrid", dense_weight=1.0, lexical_weight=0.0, top_k=10,
+                              query_vector=boiler.tolist()).hits
+            hits = c.retrieve("cookies", mode="dense", top_k=10, query_vector=boiler.tolist()).hits
+            assert [h.chunk_id for h in hits] == [h.chunk_id for h in want]
     finally:
         srv.stop()
     assert np.mean(got) >= 0.95, np.mean(got)

@@ -14,12 +14,13 @@ whatever the index type, and exact mode (``full_hybrid``) never uses it.
 Ids: each added vector gets the next *ANN id* (0, 1, 2, ... in insertion order);
 ``ann_slot[ann_id]`` is its chunk slot, or -1 once removed. Removal:
 
-* HNSW cannot delete: a removed vector stays in the graph, marked dead, and every search
-  excludes dead ids inside FAISS (``IDSelectorNot(IDSelectorBatch(dead))``), so a deleted chunk
-  is never returned and a query still gets k live results. :meth:`AnnIndex.needs_compaction`
-  is true once a quarter of the graph is dead; the owner then rebuilds it from the live vectors
-  (:meth:`DenseIndex.compact_ann`: on snapshot, or on a write that crosses the threshold). A
-  search that ran into a group of identical vectors searches again (:mod:`.ann_escape`).
+* HNSW cannot delete: a removed vector stays in the graph, marked dead, and every search excludes dead ids inside
+  FAISS (``IDSelectorNot(IDSelectorBatch(dead))``), so a deleted chunk is never returned and a query still gets k live
+  results. :meth:`AnnIndex.needs_compaction` is true once a quarter of the graph is dead; the owner then rebuilds it
+  from the live vectors (:meth:`DenseIndex.compact_ann`: on snapshot, or on a write that crosses the threshold).
+  Identical vectors: a copy of a linked vector is stored unlinked and searches return it beside that vector
+  (:mod:`.ann_copies`); a search that ran into a group of linked copies (a graph built before) searches again
+  (:mod:`.ann_escape`).
 * IVF removes ids from its inverted lists at once.
 
 Deferred HNSW inserts (:meth:`AnnIndex.defer`, issue 13): an ingest may register vectors without inserting them into
@@ -50,6 +51,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..config import DenseConfig
+from .ann_copies import Copies
 from .ann_escape import escape
 
 #: the fewest vectors an IVF trains on: FAISS's k-means wants 39 points a list (module docstring)
@@ -77,6 +79,7 @@ class AnnIndex:
         self.trained_at = 0  # vectors held when the IVF was last trained (0: not trained)
         self._index = None
         self._selector = None  # (dead count, selector) for HNSW searches
+        self._copies = Copies()  # HNSW: identical vectors kept unlinked (ann_copies)
         # HNSW: deferred vectors of ANN ids [ntotal, ann_slot.size) are _tail[_tail_at:_tail_n]
         self._tail = np.zeros((0, self.dim), dtype=np.float32)
         self._tail_at = self._tail_n = 0
@@ -132,7 +135,7 @@ class AnnIndex:
         if self.params.kind == "ivf":
             self._index.add_with_ids(np.ascontiguousarray(vectors, dtype=np.float32), ids)
         else:
-            self._index.add(np.ascontiguousarray(vectors, dtype=np.float32))
+            self._copies.add(self._index, vectors)
 
     @property
     def pending(self) -> int:
@@ -169,7 +172,7 @@ class AnnIndex:
         n = self.pending if n is None else min(int(n), self.pending)
         if n <= 0:
             return 0
-        self._index.add(np.ascontiguousarray(self._tail[self._tail_at:self._tail_at + n]))
+        self._copies.add(self._index, self._tail[self._tail_at:self._tail_at + n])
         self._tail_at += n
         if self._tail_at == self._tail_n:  # empty: give the buffer back
             self._tail, self._tail_at, self._tail_n = np.zeros((0, self.dim), dtype=np.float32), 0, 0
@@ -235,10 +238,10 @@ class AnnIndex:
         slots = np.asarray(slots, dtype=np.int64)
         self.ann_slot, self.dead, self._selector = slots.copy(), 0, None
         if self.params.kind == "hnsw":
-            index = self._new_hnsw()  # the old one stays alive meanwhile: ``vectors`` may read it
+            index, copies = self._new_hnsw(), Copies()  # the old one stays alive meanwhile: ``vectors`` may read it
             for a in range(0, slots.size, 65536):
-                index.add(np.ascontiguousarray(vectors[a:a + 65536], dtype=np.float32))
-            self._index = index  # (the deferred rows were among ``vectors``)
+                copies.add(index, vectors[a:a + 65536])
+            self._index, self._copies = index, copies  # (the deferred rows were among ``vectors``)
             self._tail, self._tail_at, self._tail_n = np.zeros((0, self.dim), dtype=np.float32), 0, 0
             return
         vecs = np.ascontiguousarray(vectors, dtype=np.float32)
@@ -276,6 +279,7 @@ class AnnIndex:
                 scores, ids = escape(self._index, self.storage(), lambda i: self.ann_slot[i] >= 0, q, int(k), params, scores, ids)
         if self.pending:
             scores, ids = self._with_tail(q, int(k), scores, ids)
+        scores, ids = self._copies.expand(scores, ids, self.ann_slot)  # (HNSW: each vector's copies)
         slots = np.where(ids >= 0, self.ann_slot[np.maximum(ids, 0)], -1)
         return slots, np.where(slots >= 0, scores, -np.inf).astype(np.float32), knob
 
@@ -285,7 +289,7 @@ class AnnIndex:
         params = faiss.SearchParametersHNSW(efSearch=int(ef))
         if self.dead:
             if self._selector is None or self._selector[0] != self.dead:
-                dead_ids = np.flatnonzero(self.ann_slot < 0).astype(np.int64)
+                dead_ids = self._copies.navigable(np.flatnonzero(self.ann_slot < 0).astype(np.int64), self.ann_slot)
                 batch = faiss.IDSelectorBatch(dead_ids)
                 self._selector = (self.dead, faiss.IDSelectorNot(batch), batch)
             params.sel = self._selector[1]
@@ -371,30 +375,5 @@ class AnnIndex:
         self.trained_at, self._selector = int(trained_at), None
         if self.params.kind == "hnsw" and self._index is None:
             self._index = self._new_hnsw()
+        self._copies = Copies.of_index(self._index) if self.params.kind == "hnsw" else Copies()
 
-
-def read_vectors(path, ann_slot: np.ndarray, slots: np.ndarray, tail: np.ndarray | None = None) -> np.ndarray:
-    """float32[M, D]: the vectors of ``slots`` (int64[M], each live in ``ann_slot``) out of an
-    HNSW structure file (:meth:`AnnIndex.write`) and its deferred rows ``tail`` (ANN ids after the
-    file's): what a shard whose index kind changed needs from a snapshot written with HNSW,
-    whose vectors are only there.
-
-    :raises ValueError: not an HNSW file, or a slot not in ``ann_slot``.
-    """
-    faiss = _faiss()
-    index = faiss.read_index(str(path))
-    if not hasattr(index, "hnsw"):
-        raise ValueError(f"{path}: not an HNSW structure")
-    ann_slot = np.asarray(ann_slot, dtype=np.int64)
-    live = np.flatnonzero(ann_slot >= 0)
-    order = np.argsort(ann_slot[live], kind="stable")
-    by_slot = ann_slot[live][order]
-    slots = np.asarray(slots, dtype=np.int64)
-    pos = np.clip(np.searchsorted(by_slot, slots), 0, max(by_slot.size - 1, 0))
-    if slots.size and (not by_slot.size or (by_slot[pos] != slots).any()):
-        raise ValueError(f"{path}: a slot has no vector in the structure")
-    flat = faiss.downcast_index(index.storage)
-    st = faiss.rev_swig_ptr(flat.get_xb(), int(index.ntotal) * index.d).reshape(-1, index.d)
-    if tail is not None and len(tail):
-        st = np.concatenate([st, np.asarray(tail, dtype=np.float32)])
-    return st[live[order][pos]]  # a gather: a copy, made while the index is alive

@@ -1,15 +1,16 @@
 """HNSW searches that ran into a group of identical vectors (trial26): a second bottom-layer
-search from entries outside the group.
+search from entries outside the group. Since :mod:`.ann_copies` keeps copies out of the links,
+only a graph built before it (read back from an older snapshot, until its next compaction) has
+such groups; this covers its searches.
 
-Why: FAISS builds an HNSW node's neighbour list from its nearest vectors, and copies of one
-vector are each other's nearest (inner product 1 with each other, the largest there is), so
-once a vector has more copies than a list has room (2M = 64 at the bottom layer with M 32), the
-copies' lists hold only copies. A search whose greedy descent enters the group (likely when the
-copies are many: the graph's entry point is often one of them) can never leave it, whatever its
-``ef_search``: trial26 found `DENSE` top-10s made only of 300 boilerplate documents, Recall@10
-0.87 over 33 queries (0.43 with 1,588 identical chunks of one document), where the flat index
-gave 1.0; a corpus with repeated boilerplate or paragraphs is common. The same text always has
-the same vector here (the content hash reuses it), so such groups are exact copies.
+Why a group traps: FAISS builds an HNSW node's neighbour list from its nearest vectors, and
+copies of one vector are each other's nearest (inner product 1 with each other, the largest
+there is), so once a vector has more copies than a list has room (2M = 64 at the bottom layer
+with M 32), the copies' lists hold only copies. A search whose greedy descent enters the group
+(likely when the copies are many: the graph's entry point is often one of them) can never leave
+it, whatever its ``ef_search``: trial26 found `DENSE` top-10s made only of 300 boilerplate
+documents, Recall@10 0.87 over 33 queries (0.43 with 1,588 identical chunks of one document),
+where the flat index gave 1.0.
 
 The symptom is in the result: a group's copies score exactly alike (the same float32 inner
 product), so a returned list that holds one score :data:`TIES` or more times ran into one. For
@@ -21,14 +22,11 @@ score (an id once, its larger score; dead ids are excluded by the same selector)
 pay one vectorised check of their returned scores (0 of 300 SciFact queries at 1M, shard 0 of
 `bench.scale`'s corpus, fired it).
 
-What it does not repair: the copies also weaken the graph's links between the *other* vectors
-while it is built (a new vector's neighbours are found by a search that can be trapped too, and
-a copy can take the place of a vector's other neighbours), so with copies that outnumber the
-rest about 10:1, in one group or many, some of the other vectors stay poorly linked (synthetic
-tests: 0.55-0.94 of the top-10 by score, 0.05-0.33 without this). Nor does it make the tied copies a search returns the ones with the lowest chunk
-ids. The design that would: copies of a linked vector kept in the storage without graph links
-(their ANN ids and rows unchanged, so every exact read stays as it is) and each returned
-vector expanded into its live copies.
+What it does not repair: linked copies also weaken the graph's links between the *other*
+vectors while it is built, so with copies that outnumber the rest about 10:1 some of the other
+vectors stay poorly linked (synthetic tests: 0.55-0.94 of the top-10 by score, 0.05-0.33
+without this); nor does it return the tied copies with the lowest chunk ids. A compaction
+(which re-adds the live vectors through :mod:`.ann_copies`) repairs both.
 """
 
 from __future__ import annotations

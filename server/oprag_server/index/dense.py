@@ -322,8 +322,8 @@ class DenseIndex(GraphRows):
         :param queries: float32[B, D] (other float dtypes, strided views and Arrow lists are
             accepted and converted, see :func:`as_query_matrix`).
         :param k: requested hits per query (>= 1); fewer come back when the shard holds fewer.
-        :returns: per query, ``slots`` int64[k'] and ``scores`` float32[k'], descending, with
-            k' = min(k, len(self)); FAISS's -1 placeholders never appear.
+        :returns: per query, ``slots`` int64[k'] and ``scores`` float32[k'], descending, k' = min(k, len(self)),
+            or more with HNSW when a vector found has live copies (:mod:`.ann_copies`); no FAISS -1 placeholders.
         """
         q = as_query_matrix(queries, self.dim)
         if self._pending is not None:

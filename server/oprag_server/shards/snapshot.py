@@ -263,7 +263,7 @@ def _with_vectors(snap: Path, table, dim: int):
     """
     import pyarrow as pa  # noqa: PLC0415
 
-    from ..index.ann import read_vectors  # noqa: PLC0415
+    from ..index.ann_read import read_vectors  # noqa: PLC0415
 
     try:
         m = np.load(snap / "dense.npz")
