@@ -315,6 +315,13 @@ class ConnectAttempts:
         return [round(b - a, 2) for a, b in zip(self.times, self.times[1:])]
 
     def close(self) -> None:
+        """Stop listening. ``shutdown`` first: a thread blocked in ``accept`` keeps a closed socket
+        listening on Linux until a connection comes (the port then refused a server started at once
+        with "Address already in use"); ``shutdown`` wakes it and releases the port now."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # not listening any more (closed already)
+            pass
         self.sock.close()
 
     def __enter__(self) -> ConnectAttempts:
