@@ -166,3 +166,19 @@ def test_copies_of_vectors_read_back_are_unlinked() -> None:
     assert back._copies.of == {7: list(range(len(vecs), len(vecs) + 100))}  # noqa: SLF001
     got = back.search(vecs[7:8], 5, 64)[0][0]
     assert {7, *slots.tolist()} <= set(got.tolist())
+
+
+def test_a_copy_added_after_its_vector_was_deleted_is_found() -> None:
+    """The deleted vector stays in the graph and leads searches to a copy added later (the dead-id
+    selector is rebuilt when ids are added, not only when more die)."""
+    vecs, _ = _corpus("copies_last", 0, 1, 3)
+    ann = _ann(vecs)
+    q = vecs[4:5].copy()
+    assert ann.search(q, 3, 64)[0][0][0] == 4
+    ann.remove(np.array([4]))
+    assert 4 not in ann.search(q, 3, 64)[0][0]  # (the selector is built here, with 4 dead)
+    new = np.array([len(vecs)], np.int64)
+    ann.add(new, vecs[4:5], (new, vecs[4:5]))
+    assert ann._copies.of == {4: [len(vecs)]}  # noqa: SLF001
+    got = ann.search(q, 3, 64)[0][0]
+    assert got[0] == len(vecs) and 4 not in got

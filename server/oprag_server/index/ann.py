@@ -78,7 +78,7 @@ class AnnIndex:
         self.dead = 0
         self.trained_at = 0  # vectors held when the IVF was last trained (0: not trained)
         self._index = None
-        self._selector = None  # (dead count, selector) for HNSW searches
+        self._selector = None  # ((dead count, ids), selector) for HNSW searches (an add may give a dead one a copy)
         self._copies = Copies()  # HNSW: identical vectors kept unlinked (ann_copies)
         # HNSW: deferred vectors of ANN ids [ntotal, ann_slot.size) are _tail[_tail_at:_tail_n]
         self._tail = np.zeros((0, self.dim), dtype=np.float32)
@@ -288,10 +288,10 @@ class AnnIndex:
         faiss = _faiss()
         params = faiss.SearchParametersHNSW(efSearch=int(ef))
         if self.dead:
-            if self._selector is None or self._selector[0] != self.dead:
+            if self._selector is None or self._selector[0] != (self.dead, self.ann_slot.size):
                 dead_ids = self._copies.navigable(np.flatnonzero(self.ann_slot < 0).astype(np.int64), self.ann_slot)
                 batch = faiss.IDSelectorBatch(dead_ids)
-                self._selector = (self.dead, faiss.IDSelectorNot(batch), batch)
+                self._selector = ((self.dead, self.ann_slot.size), faiss.IDSelectorNot(batch), batch)
             params.sel = self._selector[1]
         return params
 
