@@ -182,3 +182,14 @@ def test_a_copy_added_after_its_vector_was_deleted_is_found() -> None:
     assert ann._copies.of == {4: [len(vecs)]}  # noqa: SLF001
     got = ann.search(q, 3, 64)[0][0]
     assert got[0] == len(vecs) and 4 not in got
+
+
+def test_a_graph_of_one_vector_and_its_copies_reads_back() -> None:
+    """Its only linked vector has no neighbour (nothing else is linked): it is still the node the
+    copies belong to after a save and load (it used to be taken for an unlinked copy)."""
+    v = _unit(np.random.default_rng(4).standard_normal((1, 384)))
+    ann = _ann(np.repeat(v, 20, axis=0))
+    back = AnnIndex(384, DenseConfig(kind="hnsw"))
+    back.load(ann.to_bytes(), ann.ann_slot, 0)
+    assert back._copies.of == {0: list(range(1, 20))}  # noqa: SLF001
+    assert sorted(back.search(v, 5, 64)[0][0].tolist()) == list(range(20))

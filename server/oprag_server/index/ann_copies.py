@@ -94,22 +94,24 @@ class Copies:
     def of_index(cls, index) -> Copies:
         """The bookkeeping of a graph read back (module docstring): its unlinked nodes are those
         whose first bottom-layer slot is -1 (FAISS fills a list from its start, and a linked node
-        of a graph of two or more has a neighbour). Without one, the hashes of the linked nodes
-        are taken at the first :meth:`add` instead (a restart does not hash every vector).
-
-        :raises ValueError: an unlinked node whose vector no linked node holds."""
+        of a graph of two or more has a neighbour), but for the entry point (alone: no neighbour). Without one, the hashes of the linked nodes
+        are taken at the first :meth:`add` instead (a restart does not hash every vector). A node
+        without links whose vector no linked node holds stays a node of its own (never seen)."""
         out, n = cls(), int(index.ntotal)
         h = index.hnsw
         nb = _faiss().rev_swig_ptr(h.neighbors.data(), h.neighbors.size()) if n else None
         off = _faiss().rev_swig_ptr(h.offsets.data(), h.offsets.size()).view(np.int64) if n else None
         unlinked = np.flatnonzero(nb[off[:n]] < 0) if n > 1 else np.zeros(0, np.int64)
+        unlinked = unlinked[unlinked != int(h.entry_point)]  # (a graph of one linked vector: no neighbours)
         if unlinked.size:
             out._hash_linked(index, unlinked)
             st = cls._storage(index)
             for j in unlinked.tolist():
-                node = out._node.get(hash(st[j].tobytes()))
+                key = hash(st[j].tobytes())
+                node = out._node.get(key)
                 if node is None or not np.array_equal(st[node].view(np.uint32), st[j].view(np.uint32)):
-                    raise ValueError(f"HNSW node {j} has no links and no linked node holds its vector")
+                    out._node.setdefault(key, j)  # no linked node holds it: a node FAISS left alone, kept as one
+                    continue
                 out.of.setdefault(node, []).append(j)
         out._unhashed = None if unlinked.size else n  # linked nodes [0, n) not hashed yet
         out._mark(n)
