@@ -52,3 +52,21 @@ def test_dense_hits_are_not_trapped_in_boilerplate(tmp_path) -> None:
     finally:
         srv.stop()
     assert np.mean(got) >= 0.95, np.mean(got)
+
+
+def test_a_shard_of_copies_only_restarts(tmp_path) -> None:
+    """A shard whose chunks all share one text (one linked vector, the rest copies) is saved and
+    served again after a restart, every copy still found."""
+    v = _unit(np.random.default_rng(7).standard_normal(384))
+    srv = ServerProcess.on_free_ports(tmp_path / "d", "--generator", "none", "--dense-index", "hnsw", "--shards", "1",
+                                      "--ann-tail", "0").start()
+    try:
+        with OpRAGClient(srv.target) as c:
+            c.ingest([Doc(f"c{i:02d}", "Cookie notice.", vector=v) for i in range(20)])
+        srv.stop()
+        srv.start()
+        with OpRAGClient(srv.target) as c:
+            hits = c.retrieve("cookie", mode="dense", top_k=20, query_vector=v.tolist()).hits
+            assert sorted(h.doc_id for h in hits) == [f"c{i:02d}" for i in range(20)]
+    finally:
+        srv.stop()
