@@ -51,7 +51,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..config import DenseConfig
-from .ann_copies import Copies
+from .ann_copies import Copies, hnsw_storage
 from .ann_escape import escape
 
 #: the fewest vectors an IVF trains on: FAISS's k-means wants 39 points a list (module docstring)
@@ -276,7 +276,7 @@ class AnnIndex:
         else:  # (HNSW: a search that ran into a group of identical vectors searches again: ann_escape)
             scores, ids = self._index.search(q, int(k), params=params)
             if self.params.kind == "hnsw":
-                scores, ids = escape(self._index, self.storage(), lambda i: self.ann_slot[i] >= 0, q, int(k), params, scores, ids)
+                scores, ids = escape(self._index, lambda i: self.ann_slot[i] >= 0, q, int(k), params, scores, ids)
         if self.pending:
             scores, ids = self._with_tail(q, int(k), scores, ids)
         scores, ids = self._copies.expand(scores, ids, self.ann_slot)  # (HNSW: each vector's copies)
@@ -319,12 +319,7 @@ class AnnIndex:
         """
         if self.params.kind != "hnsw":
             raise ValueError("only an HNSW index stores its vectors by id")
-        n = int(self._index.ntotal)
-        if n == 0:
-            return np.zeros((0, self.dim), np.float32)
-        faiss = _faiss()
-        flat = faiss.downcast_index(self._index.storage)
-        return faiss.rev_swig_ptr(flat.get_xb(), n * self.dim).reshape(n, self.dim)
+        return hnsw_storage(self._index)
 
     def graph_nbytes(self) -> int:
         """Bytes of the structure besides the stored vectors (HNSW: links, offsets, levels,

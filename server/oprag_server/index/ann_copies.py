@@ -11,7 +11,7 @@ and dropped from the expanded result.
 
 Bookkeeping: ``key -> node`` over the linked nodes (``key``: Python's hash of the row's bytes;
 a match is confirmed on the bytes) and ``node -> copies``; rebuilt from the graph at load (an
-unlinked node is one whose bottom-layer list is empty, in a graph of more than one node). A
+unlinked node is one whose bottom-layer list is empty, but for the graph's entry point). A
 graph saved before this kept its linked copies; they are linked as before (the second search of
 :mod:`.ann_escape` covers them) until the next rebuild (compaction) folds them.
 """
@@ -27,6 +27,25 @@ def _faiss():
     return faiss
 
 
+def hnsw_storage(index) -> np.ndarray:
+    """float32[A, D]: an ``IndexHNSWFlat``'s stored vectors by id, a zero-copy view of FAISS's
+    memory (valid until the index changes)."""
+    n = int(index.ntotal)
+    if n == 0:
+        return np.zeros((0, index.d), np.float32)
+    flat = _faiss().downcast_index(index.storage)
+    return _faiss().rev_swig_ptr(flat.get_xb(), n * index.d).reshape(n, index.d)
+
+
+def level0(index) -> tuple[np.ndarray, np.ndarray, int]:
+    """``(neighbours int32[*], offsets int64[A + 1], width)``: zero-copy views of FAISS's HNSW
+    neighbour lists (valid until the graph changes) and the level-0 list width (2 M)."""
+    faiss, h = _faiss(), index.hnsw
+    nbr = faiss.rev_swig_ptr(h.neighbors.data(), h.neighbors.size())
+    off = faiss.rev_swig_ptr(h.offsets.data(), h.offsets.size()).view(np.int64)
+    return nbr, off, int(h.cum_nneighbor_per_level.at(1) - h.cum_nneighbor_per_level.at(0))
+
+
 class Copies:
     """The copies of one ``IndexHNSWFlat`` (module docstring). Not thread-safe."""
 
@@ -34,26 +53,18 @@ class Copies:
         self._node: dict[int, int] = {}  # hash of a linked node's bytes -> its ANN id
         self.of: dict[int, list[int]] = {}  # linked node -> its copies' ANN ids, in id order
         self._has = np.zeros(0, bool)  # by ANN id: a linked node with copies
-        self._unhashed = None  # a graph read back without copies: its nodes [0, n) not hashed yet
-
-    @staticmethod
-    def _storage(index) -> np.ndarray:
-        n = int(index.ntotal)
-        if n == 0:
-            return np.zeros((0, index.d), np.float32)
-        flat = _faiss().downcast_index(index.storage)
-        return _faiss().rev_swig_ptr(flat.get_xb(), n * index.d).reshape(n, index.d)
+        self._unhashed = False  # a graph read back without copies: its linked nodes not hashed yet
 
     def add(self, index, x: np.ndarray) -> None:
         """Append float32[M, D] ``x`` to ``index`` (the next ANN ids, in order): linked as FAISS's
         ``add`` does, except the copies of a vector already linked (or earlier in ``x``), which
         are appended unlinked."""
         x = np.ascontiguousarray(x, dtype=np.float32)
-        if self._unhashed is not None:
+        if self._unhashed:
             self._hash_linked(index, np.zeros(0, np.int64))
-            self._unhashed = None
+            self._unhashed = False
         first, m = int(index.ntotal), x.shape[0]
-        st = self._storage(index)
+        st = hnsw_storage(index)
         rep = np.full(m, -1, np.int64)
         for j in range(m):
             key = hash(x[j].tobytes())
@@ -94,18 +105,19 @@ class Copies:
     def of_index(cls, index) -> Copies:
         """The bookkeeping of a graph read back (module docstring): its unlinked nodes are those
         whose first bottom-layer slot is -1 (FAISS fills a list from its start, and a linked node
-        of a graph of two or more has a neighbour), but for the entry point (alone: no neighbour). Without one, the hashes of the linked nodes
-        are taken at the first :meth:`add` instead (a restart does not hash every vector). A node
-        without links whose vector no linked node holds stays a node of its own (never seen)."""
+        of a graph of two or more has a neighbour), but for the entry point (alone: no neighbour).
+        Without one, the hashes of the linked nodes are taken at the first :meth:`add` instead (a
+        restart does not hash every vector). A node without links whose vector no linked node
+        holds stays a node of its own (never seen)."""
         out, n = cls(), int(index.ntotal)
-        h = index.hnsw
-        nb = _faiss().rev_swig_ptr(h.neighbors.data(), h.neighbors.size()) if n else None
-        off = _faiss().rev_swig_ptr(h.offsets.data(), h.offsets.size()).view(np.int64) if n else None
-        unlinked = np.flatnonzero(nb[off[:n]] < 0) if n > 1 else np.zeros(0, np.int64)
-        unlinked = unlinked[unlinked != int(h.entry_point)]  # (a graph of one linked vector: no neighbours)
+        unlinked = np.zeros(0, np.int64)
+        if n > 1:
+            nb, off, _ = level0(index)
+            unlinked = np.flatnonzero(nb[off[:n]] < 0)
+            unlinked = unlinked[unlinked != int(index.hnsw.entry_point)]  # (a graph of one linked vector: no neighbours)
         if unlinked.size:
             out._hash_linked(index, unlinked)
-            st = cls._storage(index)
+            st = hnsw_storage(index)
             for j in unlinked.tolist():
                 key = hash(st[j].tobytes())
                 node = out._node.get(key)
@@ -113,13 +125,13 @@ class Copies:
                     out._node.setdefault(key, j)  # no linked node holds it: a node FAISS left alone, kept as one
                     continue
                 out.of.setdefault(node, []).append(j)
-        out._unhashed = None if unlinked.size else n  # linked nodes [0, n) not hashed yet
+        out._unhashed = not unlinked.size
         out._mark(n)
         return out
 
     def _hash_linked(self, index, unlinked: np.ndarray) -> None:
         """``key -> node`` of the graph's linked nodes (those not in int64 ``unlinked``)."""
-        st, skip = self._storage(index), set(unlinked.tolist())
+        st, skip = hnsw_storage(index), set(unlinked.tolist())
         for j in range(st.shape[0]):
             if j not in skip:
                 self._node.setdefault(hash(st[j].tobytes()), j)

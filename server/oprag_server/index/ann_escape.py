@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .ann_copies import hnsw_storage
+
 #: a returned list that holds one score this many times or more ran into a group of copies
 TIES = 8
 #: graph vectors sampled (strided over ANN ids) for the escape's entries, and entries taken
@@ -64,18 +66,19 @@ def _entries(sc: np.ndarray, sample: np.ndarray, avoid: np.ndarray) -> tuple[np.
     return ent, dist
 
 
-def escape(index, storage: np.ndarray, live_ids, q: np.ndarray, k: int, params,
+def escape(index, live_ids, q: np.ndarray, k: int, params,
            scores: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """FAISS's HNSW result ``(scores float32[B, k], ids int64[B, k])`` for float32[B, D] ``q``,
     with the rows that ran into a group of copies (:func:`tied_rows`) searched again from
-    entries outside it and merged (module docstring). ``index``: the ``IndexHNSWFlat``;
-    ``storage``: its vectors by id (float32[A, D]); ``live_ids(ids) -> bool[...]``: which ids
+    entries outside it and merged (module docstring). ``index``: the ``IndexHNSWFlat`` (its
+    stored vectors are read only when a row needs the second search); ``live_ids(ids) -> bool[...]``: which ids
     are live; ``params``: the first search's ``SearchParametersHNSW`` (beam, dead-id selector).
     :returns: the same shapes, each row sorted by score (-1 ids, -inf scores padding)."""
     rows = tied_rows(scores, ids)
-    n = storage.shape[0]
-    if not rows.size or n == 0:
+    if not rows.size or not index.ntotal:
         return scores, ids
+    storage = hnsw_storage(index)
+    n = storage.shape[0]
     import faiss  # noqa: PLC0415 - a declared dependency; imported where used
 
     sample = np.arange(0, n, max(1, -(-n // SAMPLE)), dtype=np.int64)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .ann import _faiss
+from .ann_copies import hnsw_storage
 
 
 def read_vectors(path, ann_slot: np.ndarray, slots: np.ndarray, tail: np.ndarray | None = None) -> np.ndarray:
@@ -27,8 +28,7 @@ def read_vectors(path, ann_slot: np.ndarray, slots: np.ndarray, tail: np.ndarray
     pos = np.clip(np.searchsorted(by_slot, slots), 0, max(by_slot.size - 1, 0))
     if slots.size and (not by_slot.size or (by_slot[pos] != slots).any()):
         raise ValueError(f"{path}: a slot has no vector in the structure")
-    flat = faiss.downcast_index(index.storage)
-    st = faiss.rev_swig_ptr(flat.get_xb(), int(index.ntotal) * index.d).reshape(-1, index.d)
+    st = hnsw_storage(index)
     if tail is not None and len(tail):
         st = np.concatenate([st, np.asarray(tail, dtype=np.float32)])
     return st[live[order][pos]]  # a gather: a copy, made while the index is alive

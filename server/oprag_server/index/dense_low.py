@@ -33,6 +33,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import hugepages, kernels_low, kernels_scan
+from .ann_copies import level0 as _level0
 
 
 def _faiss():
@@ -105,15 +106,6 @@ class Int8Graph:
 
     def nbytes(self) -> int:
         return int(self.codes.nbytes + self.scale.nbytes + self.stamp.nbytes)
-
-
-def _level0(index) -> tuple[np.ndarray, np.ndarray, int]:
-    """``(neighbours int32[*], offsets int64[A + 1], width)``: zero-copy views of FAISS's HNSW
-    neighbour lists (valid until the graph changes) and the level-0 list width (2 M)."""
-    faiss, h = _faiss(), index.hnsw
-    nbr = faiss.rev_swig_ptr(h.neighbors.data(), h.neighbors.size())
-    off = faiss.rev_swig_ptr(h.offsets.data(), h.offsets.size()).view(np.int64)
-    return nbr, off, int(h.cum_nneighbor_per_level.at(1) - h.cum_nneighbor_per_level.at(0))
 
 
 def huge_pages(ann, collapse: bool) -> bool:
