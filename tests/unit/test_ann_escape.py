@@ -193,3 +193,66 @@ def test_a_graph_of_one_vector_and_its_copies_reads_back() -> None:
     back.load(ann.to_bytes(), ann.ann_slot, 0)
     assert back._copies.of == {0: list(range(1, 20))}  # noqa: SLF001
     assert sorted(back.search(v, 5, 64)[0][0].tolist()) == list(range(20))
+
+
+def test_row_keys_tell_rows_apart_and_match_copies() -> None:
+    """Equal rows get equal keys; rows one bit apart (a sign, a last mantissa bit, any word) do not;
+    the key of a row does not depend on the rows around it (blocks)."""
+    from oprag_server.index import ann_copies
+
+    x = _unit(np.random.default_rng(5).standard_normal((64, 384)))
+    k = ann_copies.row_keys(x)
+    assert k.dtype == np.uint64 and np.unique(k).size == 64
+    np.testing.assert_array_equal(ann_copies.row_keys(np.repeat(x[3:4], 5, axis=0)), np.full(5, k[3]))
+    w = np.repeat(x[:1], 384 * 3, axis=0).view(np.uint32)
+    for i in range(384):  # each word: its sign bit, its lowest bit, both
+        w[3 * i, i] ^= 1 << 31
+        w[3 * i + 1, i] ^= 1
+        w[3 * i + 2, i] ^= (1 << 31) | 1
+    kw = ann_copies.row_keys(w.view(np.float32))
+    assert np.unique(np.r_[kw, k[0]]).size == 384 * 3 + 1
+    big = np.repeat(x, 300, axis=0)  # 19,200 rows: ten blocks
+    np.testing.assert_array_equal(ann_copies.row_keys(big), np.repeat(k, 300))
+
+
+def test_copies_across_many_adds_and_folds(monkeypatch) -> None:
+    """Copies of vectors linked many adds before (folded into the sorted keys) and in the same add
+    are unlinked; the bookkeeping read back equals the one built."""
+    from oprag_server.index import ann_copies
+
+    monkeypatch.setattr(ann_copies.Copies, "FOLD_MIN", 16)  # fold every few adds
+    rng = np.random.default_rng(6)
+    base = _unit(rng.standard_normal((200, 384)))
+    order = rng.integers(0, 200, 900)  # 200 distinct vectors, each seen ~4.5 times, in random order
+    order[:200] = np.arange(200)  # (each appears first in the first 200: their linked node is that row)
+    rng.shuffle(order[200:])
+    vecs = base[order]
+    ann = AnnIndex(384, DenseConfig(kind="hnsw"))
+    for a in range(0, 900, 37):  # 25 adds
+        s = np.arange(a, min(a + 37, 900), dtype=np.int64)
+        ann.add(s, vecs[s], (s, vecs[s]))
+    want: dict[int, list[int]] = {}
+    for j in range(200, 900):
+        want.setdefault(int(order[j]), []).append(j)
+    assert ann._copies.of == want  # noqa: SLF001
+    back = AnnIndex(384, DenseConfig(kind="hnsw"))
+    back.load(ann.to_bytes(), ann.ann_slot, 0)
+    assert back._copies.of == want  # noqa: SLF001
+    more = np.arange(900, 910, dtype=np.int64)
+    back.add(more, base[:10], (more, base[:10]))  # copies of nodes registered at load
+    assert all(back._copies.of[i][-1] == 900 + i for i in range(10))  # noqa: SLF001
+    got = back.search(base[5:6], 8, 64)[0][0]
+    assert {5, 905} <= set(got.tolist())
+
+
+def test_colliding_keys_are_told_apart_by_bytes(monkeypatch) -> None:
+    """With every key equal (a forced collision), a row that only shares the key is linked as a
+    node of its own and copies are still found by their bytes."""
+    from oprag_server.index import ann_copies
+
+    monkeypatch.setattr(ann_copies, "row_keys", lambda x: np.zeros(x.shape[0], np.uint64))
+    v = _unit(np.random.default_rng(7).standard_normal((3, 384)))
+    vecs = np.concatenate([v[:1], v[1:2], v[:1], v[2:3], v[:1]])
+    ann = _ann(vecs)
+    assert ann._copies.of == {0: [2, 4]}  # noqa: SLF001
+    assert ann.search(v[1:2], 1, 64)[0][0][0] == 1 and ann.search(v[2:3], 1, 64)[0][0][0] == 3
