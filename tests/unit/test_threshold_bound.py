@@ -260,3 +260,47 @@ def test_one_sided_widening_rounds_stay_exact(family, seed, either, monkeypatch)
             assert infos[0].certified, (i, wd)
             assert _key(hits[0]) == _key(hits[1]), (i, wd)
     assert any(n == 0 for n, _ in asked) and any(m == 0 for _, m in asked), asked
+
+
+def _with_copies(rng, copies: int):
+    """The clustered corpus plus ``copies`` documents of one text and one vector (boilerplate):
+    every copy ties every other in both scores."""
+    docs = clustered(rng, 120)
+    v = _unit(rng.normal(size=DIM))
+    docs += [(f"zz{i:04d}", 0, "w390 w391 w001 w002", v, i % 3) for i in rng.permutation(copies).tolist()]
+    return docs, v
+
+
+@pytest.mark.parametrize("seed", [21, 22])
+def test_a_tie_group_larger_than_the_lists_stops_widening(seed, monkeypatch):
+    """Queries near a group of 120 copies (~60 a shard; N = 8 and M = 4 grow to 32 and 16 in the
+    first round) or sharing its words: where the bound fails by a tie only and a round changes no
+    top-k the query stops, uncertified, with exact mode's top-k (scores included): the lists hold
+    the group's lowest chunk ids. With the rule off, the rounds go on until the lists hold the
+    whole group and certify the same top-k."""
+    rng = np.random.default_rng(seed)
+    docs, v = _with_copies(rng, 120)
+    shards, stats = _build(docs, 2)
+    near = _unit(v + 0.05 * rng.normal(size=(8, DIM)))
+    far = _unit(np.stack([d[3] for d in docs[:40]])[rng.integers(40, size=8)] + 0.3 * rng.normal(size=(8, DIM)))
+    texts = ["w390 w001", "w391", "w001 w002 w003", "w390 w391 w392", "w005", "w002", "w390", "w001"]
+    seen = {}
+    for stop in (True, False):
+        monkeypatch.setattr("oprag_server.operators.hybrid.Widening.STOP_ON_TIE", stop)
+        r = _retriever(shards, stats, lexical_candidates=4)
+        for name, qv in (("near", near), ("far", far)):
+            specs = [RetrieveSpec(mode="hybrid", top_k=5, candidates=8, dense_weight=wd, lexical_weight=1 - wd)
+                     for wd in (0.5, 0.8)]
+            specs += [RetrieveSpec(mode="full_hybrid", top_k=5, candidates=8, dense_weight=s.dense_weight,
+                                   lexical_weight=s.lexical_weight) for s in list(specs)]
+            for i in range(8):
+                hits, _, infos = _run(r, np.repeat(qv[i:i + 1], 4, axis=0), [texts[i]] * 4, specs)
+                for j in range(2):
+                    assert _key(hits[j]) == _key(hits[j + 2]), (stop, name, i, j)
+                    seen.setdefault((stop, name), []).append((infos[j].certified, infos[j].widen_rounds))
+    on = seen[(True, "near")] + seen[(True, "far")]
+    off = seen[(False, "near")] + seen[(False, "far")]
+    assert all(c for c, _ in off)  # with the rule off the rounds go on until the lists hold the group
+    stopped = [r for c, r in on if not c]
+    assert stopped and max(stopped) < 3  # stopped before the rounds ran out, the top-k exact mode's
+    assert sum(r for _, r in on) < sum(r for _, r in off)

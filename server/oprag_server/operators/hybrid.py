@@ -24,7 +24,9 @@ bound failed (:func:`_sides`: the BM25 list alone when 0 in place of ``l(s)`` wo
 the dense minimum in place of ``d_N(s)`` would not, or when either would, in the first round,
 :data:`EITHER`; the dense list alone in the converse case; else both); a one-sided round's
 lists are joined with the other list kept from the earlier round. A query still uncertified
-keeps the last union's top-k and reports ``certified`` false.
+keeps the last union's top-k and reports ``certified`` false; so does, at once, a query whose
+bound fails only by a tie (the k-th fused score equal to the bound) in a round that changed
+no hit of its top-k (:attr:`Widening.STOP_ON_TIE`: a tie group larger than the lists).
 
 Ranges (chosen to equal exact mode's): dense ``[min(union, each shard's minimum), union max]``
 where a flat shard's minimum is exact over its eligible rows (so ranges, fused scores and the
@@ -176,12 +178,13 @@ def merge_union(replies: dict[int, SearchReply], j: int, spec: RetrieveSpec) -> 
     whole union (:func:`_rank_lists`), which a NaN score still does.
 
     :param replies: shard -> reply of a hybrid search with ``m`` > 0 (``lexical``, ``listed`` set).
-    :returns: ``(top-k candidates, certified, sides)``: ``sides`` (:func:`_sides`) is ``""``
-        when certified, else ``"dense"``, ``"lexical"``, ``"either"`` or ``"both"``.
+    :returns: ``(top-k candidates, certified, sides, tie)``: ``sides`` (:func:`_sides`) is ``""``
+        when certified, else ``"dense"``, ``"lexical"``, ``"either"`` or ``"both"``; ``tie``: not
+        certified only because the k-th fused score *equals* the bound (:class:`Widening`).
     """
     reps = list(replies.items())
     if not reps:
-        return [], True, ""
+        return [], True, "", False
     i8, f8 = np.int64, np.float64
     cd = [rep.candidates[j] for _, rep in reps]
     cl = [rep.lexical[j] for _, rep in reps]
@@ -212,7 +215,7 @@ def merge_union(replies: dict[int, SearchReply], j: int, spec: RetrieveSpec) -> 
         bounds.append((float(dmn[k]), lb))
     u = _Cols(shard, slot, _UnionIds(ids), dense, lexical)
     if not len(u.ids):
-        return [], not bounds, "" if not bounds else "both"
+        return [], not bounds, "" if not bounds else "both", False
     rng = rng.tolist() if exact else [u.dense.min(), u.dense.max(), u.lexical.min(), u.lexical.max()]  # (numpy's)
     dr = (min(float(rng[0]), *dmins), float(rng[1]))
     lr = (min(float(rng[2]), 0.0 if unlisted else np.inf, *lmins), max(float(rng[3]), 0.0 if unlisted else -np.inf))
@@ -225,11 +228,12 @@ def merge_union(replies: dict[int, SearchReply], j: int, spec: RetrieveSpec) -> 
         u.dense, u.lexical, float(dr[0]), float(dr[1]), float(lr[0]), float(lr[1]), float(spec.dense_weight),
         float(spec.lexical_weight), int(spec.top_k), int(spec.candidates), bt[0], bt[1])
     top = top.tolist() if strict else top_k_order(scores, u.ids, spec.top_k)
-    certified, sides = True, ""
+    certified, sides, tie = True, "", False
     if bounds:
         certified = finite and len(top) >= spec.top_k and float(scores[top[-1]]) > ub
         if not certified:
             sides = _sides(bt.T, float(scores[top[-1]]) if finite and len(top) >= spec.top_k else None, w)
+            tie = finite and len(top) >= spec.top_k and float(scores[top[-1]]) == ub
     rows = np.asarray(top, dtype=np.int64)
     if not strict:  # (the kernel ranked the strict top-k only)
         drank, ok_d = kernels_merge.hit_ranks(u.dense, rows, int(spec.candidates), False)
@@ -248,7 +252,7 @@ def merge_union(replies: dict[int, SearchReply], j: int, spec: RetrieveSpec) -> 
             lrank = _hit_ranks(u.lexical, u.ids, top, spec.candidates, True)
     cols = (u.shard[rows].tolist(), u.slot[rows].tolist(), [u.ids[i] for i in top], u.dense[rows].tolist(),
             u.lexical[rows].tolist(), scores[rows].tolist(), drank.tolist(), lrank.tolist())  # (u.cand's values)
-    return [_Cand(*c) for c in zip(*cols)], certified, sides
+    return [_Cand(*c) for c in zip(*cols)], certified, sides, tie
 
 
 def _hit_ranks(vals: np.ndarray, ids: np.ndarray, rows: list[int], n: int, lexical: bool) -> np.ndarray:
@@ -318,6 +322,13 @@ class Widening:
     #: N and M grow by this factor per round
     FACTOR = 4
 
+    #: A query whose bound fails only by a tie (the k-th fused score equals the bound: inside a
+    #: group of chunks with equal scores, e.g. one boilerplate text in thousands of documents,
+    #: larger than the lists) in a widening round that left its top-k unchanged stops widening: the lists break ties by chunk id, so a chunk outside them that ties the k-th hit
+    #: comes after the chunks listed, and wider lists keep returning the same top-k (a 20,000-copy
+    #: group widened 3 times for ~240 ms, bench/RESULTS.md, session 27). It stays uncertified.
+    STOP_ON_TIE = True
+
     def __init__(self, cfg: RetrievalConfig, specs: list[RetrieveSpec], bound: bool) -> None:
         """:param specs: the group's specs; :param bound: dense-first mode (else no BM25 lists)."""
         self.specs, self.cap = specs, cfg.widen_rounds
@@ -327,6 +338,8 @@ class Widening:
         self.rounds, self.round_of = 0, [0] * len(specs)
         self.nf, self.mf = [1] * len(specs), [1] * len(specs)  # N and M factors reached per query
         self.kept: list[dict | None] = [None] * len(specs)  # per query: shard -> (reply, index) of its lists
+        self.last: list[list | None] = [None] * len(specs)  # per query: the last round's top-k
+        self.stuck = [False] * len(specs)  # per query: a round failed by a tie with the round before's top-k (STOP_ON_TIE)
         self._asked: dict[int, tuple[bool, bool]] = {}  # query -> (dense, BM25) asked this time
 
     def merge(self, merge_certified, replies: dict, jj: int, j: int) -> list:
@@ -339,6 +352,9 @@ class Widening:
         got = merge_certified(replies, jj, self.specs[j])
         top, self.state[j] = got[0], got[1]
         self.sides[j] = got[2] if len(got) > 2 else "both"
+        last, self.last[j] = self.last[j], top
+        self.stuck[j] = (self.STOP_ON_TIE and len(got) > 3 and bool(got[3]) and last is not None
+                         and [(c.shard, c.slot) for c in top] == [(c.shard, c.slot) for c in last])
         return top
 
     def _join(self, replies: dict, jj: int, j: int) -> tuple[dict, int]:
@@ -367,7 +383,8 @@ class Widening:
         or has no bound, or its rounds are spent. Each query asks for N times its dense factor
         (0 when its dense list does not grow) and M times its BM25 factor (0 likewise), each
         factor ``FACTOR`` times the last when it grows; queries asking the same go together."""
-        todo = [j for j, c in enumerate(self.state) if c is False and self.round_of[j] < self.cap] if self.m else []
+        todo = [j for j, c in enumerate(self.state)
+                if c is False and self.round_of[j] < self.cap and not self.stuck[j]] if self.m else []
         if not todo:
             return None
         want = {}
