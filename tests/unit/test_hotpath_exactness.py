@@ -31,6 +31,44 @@ def test_rank_and_top_k_equal_one_sort_on_score_then_id(seed):
     assert top_k_order(scores, ids[::-1], 5, rows) == _reference(scores, ids)[:5]
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_long_tied_runs_equal_one_sort(seed):
+    """Runs of thousands of equal scores (identical chunks) crossing the k-th position, ids as a
+    list, an object array or through row maps (read in one take), repeated ids kept stable."""
+    rng = np.random.default_rng(100 + seed)
+    n = int(rng.integers(200, 3000))
+    scores = rng.choice([0.1, 0.5, 0.7], n, p=[0.2, 0.7, 0.1])
+    ids = [f"c{x:05d}" for x in rng.permutation(n).tolist()] if seed % 2 else \
+        [f"d{x}" for x in rng.integers(0, n // 3, n).tolist()]  # repeated ids: stable by position
+    want = _reference(scores, ids)
+    for k in (1, 10, 65, 300, n // 2, n):
+        assert top_k_order(scores, ids, k) == want[:k]
+        assert top_k_order(scores, np.asarray(ids, dtype=object), k) == want[:k]
+        rows = rng.permutation(n)
+        back = np.empty(n, object)
+        back[rows] = ids
+        assert top_k_order(scores, back, k, rows) == want[:k]
+    assert rank_order(scores, ids) == want
+
+
+def test_hit_ranks_with_long_ties_equal_the_sorted_lists():
+    """``hybrid._hit_ranks`` (ranks of the top-k among the union, ties by id then position) equals
+    the positions in the sorted lists, with thousands of tied scores."""
+    from oprag_server.operators.hybrid import _Cols, _hit_ranks, _rank_lists, _ranks, _UnionIds
+
+    rng = np.random.default_rng(7)
+    n = 2500
+    dense = rng.choice([0.2, 0.4, 0.4000001], n)
+    lexical = rng.choice([0.0, 1.5, 3.0], n)
+    ids = [f"c{x:05d}" for x in rng.integers(0, n // 2, n).tolist()]  # (repeats: then by position)
+    u = _Cols(np.zeros(n, np.int64), np.arange(n), _UnionIds([(ids[:1000], None), (ids[1000:], None)]), dense, lexical)
+    top = rng.choice(n, 30, replace=False).tolist()
+    for cap in (10, 256, n):
+        d_order, l_order = _rank_lists(u, cap)
+        np.testing.assert_array_equal(_hit_ranks(dense, u.ids, top, cap, False), _ranks(n, d_order)[top])
+        np.testing.assert_array_equal(_hit_ranks(lexical, u.ids, top, cap, True), _ranks(n, l_order)[top])
+
+
 def test_no_ties_never_reads_an_id():
     class Boom(list):
         def __getitem__(self, i):

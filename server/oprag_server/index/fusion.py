@@ -16,6 +16,8 @@ scores exactly 0 and is not in the list; neither is one whose query terms all ha
 
 from __future__ import annotations
 
+import heapq
+
 from collections.abc import Callable
 
 import numpy as np
@@ -79,8 +81,21 @@ def rank_order(scores: np.ndarray, chunk_ids, rows=None) -> list[int]:
     return _order(scores, chunk_ids if rows is None else _Take(chunk_ids, rows)).tolist()
 
 
-def _order(scores, ids) -> np.ndarray:
-    """:func:`rank_order` as int64[M]."""
+def _ids_of(ids, idx: list[int]) -> list:
+    """``[ids[i] for i in idx]`` in one numpy take where ``ids`` is an array or a chain of
+    :class:`_Take` over one (a tied run of thousands of identical chunks: no per-id Python call)."""
+    rows = np.asarray(idx, dtype=np.int64)
+    base = ids
+    while isinstance(base, _Take):
+        rows, base = np.asarray(base.rows, dtype=np.int64)[rows], base.ids
+    if isinstance(base, np.ndarray):
+        return base[rows].tolist()
+    return [ids[i] for i in idx]
+
+
+def _order(scores, ids, limit: int | None = None) -> np.ndarray:
+    """:func:`rank_order` as int64[M]; with ``limit`` only its first ``limit`` positions are
+    ordered (ties past them are left as they are: :func:`top_k_order` keeps k)."""
     a = np.asarray(scores, dtype=np.float64)
     order = np.argsort(-a, kind="stable")
     ranked = a[order]
@@ -97,7 +112,14 @@ def _order(scores, ids) -> np.ndarray:
     end = np.ones(tied.size, bool)
     end[:-1] = start[1:]
     for s, e in zip(tied[start].tolist(), (tied[end] + 2).tolist()):
-        out[s:e] = sorted(out[s:e], key=ids.__getitem__)  # out[s:e] is ascending: stable as before
+        if limit is not None and s >= limit:
+            break  # (runs in position order: the rest lie past the limit)
+        run = out[s:e]
+        key = _ids_of(ids, run).__getitem__
+        if limit is not None and e > limit and e - s > 64:  # the first limit - s of a long run, by id
+            out[s:limit] = [run[j] for j in heapq.nsmallest(limit - s, range(e - s), key=key)]
+        else:
+            out[s:e] = [run[j] for j in sorted(range(e - s), key=key)]  # run is ascending: stable as before
     return np.asarray(out, dtype=np.int64)
 
 
@@ -131,7 +153,7 @@ def top_k_order(scores: np.ndarray, chunk_ids, k: int, rows=None) -> list[int]:
     part = np.argpartition(-scores, k - 1)[:k]
     kth = scores[part].min()
     cand = np.nonzero(scores >= kth)[0]
-    return cand[_order(scores[cand], _Take(chunk_ids, cand))[:k]].tolist()
+    return cand[_order(scores[cand], _Take(chunk_ids, cand), k)[:k]].tolist()
 
 
 def refine_top(approx: np.ndarray, err: float, exact: Callable[[np.ndarray], np.ndarray], chunk_ids, k: int,

@@ -275,9 +275,10 @@ def _hit_ranks(vals: np.ndarray, ids: np.ndarray, rows: list[int], n: int, lexic
     tied &= ahead < n
     if lexical:
         tied &= v != 0.0  # not listed: rank 0 whatever its ties
-    for q in np.flatnonzero(tied).tolist():  # ties: by id, then position
-        me, p = ids[r[q]], int(r[q])
-        ahead[q] += sum(1 for t in np.flatnonzero(eq[q]).tolist() if ids[t] < me or (t < p and ids[t] == me))
+    for q in np.flatnonzero(tied).tolist():  # ties: by id, then position (the tied ids read in one take)
+        me, p, t = ids[r[q]], int(r[q]), np.flatnonzero(eq[q])
+        tid = np.asarray(ids[t], dtype=object)
+        ahead[q] += int(((tid < me) | ((t < p) & (tid == me))).sum())
     out = np.where(ahead < n, ahead + 1, 0)
     if lexical:
         out[v == 0.0] = 0
