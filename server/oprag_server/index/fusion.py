@@ -114,12 +114,15 @@ def _order(scores, ids, limit: int | None = None) -> np.ndarray:
     for s, e in zip(tied[start].tolist(), (tied[end] + 2).tolist()):
         if limit is not None and s >= limit:
             break  # (runs in position order: the rest lie past the limit)
+        if e - s <= 32:  # (a short run: one id at a time, no array take)
+            out[s:e] = sorted(out[s:e], key=ids.__getitem__)  # out[s:e] is ascending: stable as before
+            continue
         run = out[s:e]
         key = _ids_of(ids, run).__getitem__
-        if limit is not None and e > limit and e - s > 64:  # the first limit - s of a long run, by id
+        if limit is not None and e > limit:  # the first limit - s of a long run, by id
             out[s:limit] = [run[j] for j in heapq.nsmallest(limit - s, range(e - s), key=key)]
         else:
-            out[s:e] = [run[j] for j in sorted(range(e - s), key=key)]  # run is ascending: stable as before
+            out[s:e] = [run[j] for j in sorted(range(e - s), key=key)]
     return np.asarray(out, dtype=np.int64)
 
 

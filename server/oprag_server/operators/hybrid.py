@@ -275,9 +275,12 @@ def _hit_ranks(vals: np.ndarray, ids: np.ndarray, rows: list[int], n: int, lexic
     tied &= ahead < n
     if lexical:
         tied &= v != 0.0  # not listed: rank 0 whatever its ties
-    for q in np.flatnonzero(tied).tolist():  # ties: by id, then position (the tied ids read in one take)
+    for q in np.flatnonzero(tied).tolist():  # ties: by id, then position
         me, p, t = ids[r[q]], int(r[q]), np.flatnonzero(eq[q])
-        tid = np.asarray(ids[t], dtype=object)
+        if t.size <= 32:  # (a few: one id at a time; a _UnionIds builds every id for an array take)
+            ahead[q] += sum(1 for x in t.tolist() if ids[x] < me or (x < p and ids[x] == me))
+            continue
+        tid = np.asarray(ids[t], dtype=object)  # (thousands, identical chunks: in one take)
         ahead[q] += int(((tid < me) | ((t < p) & (tid == me))).sum())
     out = np.where(ahead < n, ahead + 1, 0)
     if lexical:
