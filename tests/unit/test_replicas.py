@@ -121,6 +121,30 @@ def test_a_stale_replica_does_not_serve_after_a_restart(tmp_path):
     asyncio.run(main())
 
 
+def test_a_replica_found_gone_by_a_read_is_marked_stale_at_the_next_write(tmp_path):
+    """trial27: a replica that died holds every write acknowledged so far; it is marked STALE only
+    before the first write acknowledged without it. Both replicas of the shard found gone by reads,
+    no write between: neither is STALE, and a restart serves both."""
+    async def main():
+        pool, cp = await _pool(tmp_path)
+        rs = pool.clients[0]
+        await _write(pool, cp, "t1", ["a"])
+        stale = [tmp_path / "shard-0" / "STALE", tmp_path / "replica-1" / "shard-0" / "STALE"]
+        rs.reps[0].kill()
+        rs._down(0, "failed a read", behind=False)  # noqa: SLF001 - what a read that found it gone does
+        assert rs.serving == [False, True] and not stale[0].exists()
+        await _write(pool, cp, "t2", ["b"])  # acknowledged without replica 0: marked first
+        assert stale[0].exists() and not stale[1].exists()
+        rs.reps[1].kill()
+        rs._down(1, "failed a read", behind=False)  # noqa: SLF001
+        assert not stale[1].exists()  # replica 1 holds every acknowledged write
+        pool2 = ShardPool(1, DIM, tmp_path, transport=InProcessTransport, replicas=2)
+        st = pool2.start(asyncio.get_running_loop(), committed=cp.committed_txns())
+        assert st[0].documents == 2 and pool2.clients[0].serving == [False, True]
+
+    asyncio.run(main())
+
+
 def test_exact_hybrid_is_one_read_that_a_sibling_answers_when_its_replica_dies(tmp_path):
     from oprag_server.shards.protocol import ExactMinmaxRequest, QueryBatch
 

@@ -6,7 +6,11 @@ commit protocol and every operator are unchanged. Rules:
 * **Writes** (stage, prepare, apply, abort, memory writes, snapshot) go to every *live*
   replica. A write succeeds when at least one replica succeeded; a replica that failed a write
   another one completed is marked down (killed, ``STALE`` file in its directory) and no longer
-  serves. When every replica fails, the shard fails the call (:class:`ShardError`) as a single
+  serves. A replica that went down otherwise (its process died, a read found it gone) holds
+  every write acknowledged so far: it is marked ``STALE`` only before the first write
+  acknowledged without it (trial27: marked at once, a shard whose two replicas died one after
+  the other, no write between, had both marked and never came back, not even after a restart,
+  though the second one held every acknowledged write). When every replica fails, the shard fails the call (:class:`ShardError`) as a single
   shard does. So a write is acknowledged when every live replica committed it, and at least one
   replica of every shard did.
 * **Reads** go to the serving replica with the fewest outstanding requests (ties rotate); a read
@@ -67,6 +71,7 @@ class ReplicaSet(ShardTransport):
         self._snap = asyncio.Lock()
         self._rr = 0
         self._closing = False  # a SHUTDOWN was sent or the set closed: no replica is revived any more
+        self._marked: set[int] = set()  # replicas marked STALE by this set (those behind: see _down)
 
     def _make(self, r: int) -> ShardTransport:
         t = self.factory(self.shard_id, self.dim, replica_dir(self.data_dir, r), self.stem)
@@ -74,6 +79,7 @@ class ReplicaSet(ShardTransport):
         return t
 
     def _stale(self, r: int, on: bool) -> None:
+        (self._marked.add if on else self._marked.discard)(r)
         d = replica_dir(self.data_dir, r)
         if d is None:
             return
@@ -116,12 +122,16 @@ class ReplicaSet(ShardTransport):
                 self._down(r, "behind its siblings at start", quiet=True)
         return fresh[best]
 
-    def _down(self, r: int, why: str, quiet: bool = False) -> None:
+    def _down(self, r: int, why: str, quiet: bool = False, behind: bool = True) -> None:
+        """Replica ``r`` stops serving and is killed; ``behind``: it missed (or is about to miss)
+        an acknowledged write, so it is marked ``STALE`` now; otherwise at the first write
+        acknowledged without it (:meth:`_send_all`)."""
         if not quiet and (self.live[r] or r in self.backlog or self.reps[r].is_alive()):
             log.error("shard %d replica %d is down: %s", self.shard_id, r, why)
         self.live[r] = self.serving[r] = False
         self.backlog.pop(r, None)
-        self._stale(r, True)
+        if behind:
+            self._stale(r, True)
         self.reps[r].kill()
 
     def _up(self, r: int) -> bool:
@@ -179,7 +189,7 @@ class ReplicaSet(ShardTransport):
             except ShardError:
                 if self.reps[r].is_alive():
                     raise  # the shard's own answer (e.g. a bad request): the same on every replica
-                self._down(r, "failed a read")
+                self._down(r, "failed a read", behind=False)  # (a read changes nothing: not behind yet)
                 tried.add(r)
 
     async def _write(self, op: Op, request: Any) -> Any:
@@ -209,6 +219,10 @@ class ReplicaSet(ShardTransport):
         for r, o in zip(targets, outs):
             if isinstance(o, BaseException):
                 self._down(r, f"failed {op.value} that a sibling completed: {o}")
+        if len(self._marked) < self.r:  # a replica down since an earlier write misses this one: mark it first
+            for r in range(self.r):
+                if not self.live[r] and r not in self._marked:
+                    self._stale(r, True)
         return good[0]
 
     # ------------------------------------------------------------------ catch-up
