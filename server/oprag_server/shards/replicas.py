@@ -113,7 +113,7 @@ class ReplicaSet(ShardTransport):
             seqs = ", ".join(f"replica {r} applied seq {got[r].applied_seq}" for r in sorted(got)) or "none started"
             raise ShardError(
                 f"shard {self.shard_id}: no replica came up with current data (every one is marked STALE: {seqs}). "
-                "A server before trial27's fix marked a replica STALE as soon as it died; if the replicas all died "
+                "Older OpRAG versions marked a replica STALE as soon as it died; if the replicas all died "
                 "with no write acknowledged after, the one with the highest applied seq holds every acknowledged "
                 f"write: delete the STALE file in its shard-{self.shard_id} directory and start again")
         best = max(fresh, key=lambda r: fresh[r].applied_seq)
