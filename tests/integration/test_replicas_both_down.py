@@ -20,10 +20,13 @@ from test_replicas_server import _replicas  # (tests/integration is on sys.path:
 pytestmark = pytest.mark.integration
 
 
-def _all_back(c: OpRAGClient, want: int) -> bool:
+def _all_back(c: OpRAGClient, want: int | None) -> bool:
+    """Every shard serves (no partial reply, health SERVING) and, unless None, ``want`` documents."""
     try:
-        r = c.retrieve("lobster kites", mode="lexical", top_k=50, timeout=5)
-        return not r.retrieval.partial and c.stats(timeout=5).documents == want and len(r.hits) == want
+        r = c.retrieve("lobster kites", mode="lexical", top_k=100, timeout=5)
+        n = c.stats(timeout=5).documents
+        return (not r.retrieval.partial and c.health() == "SERVING" and (want is None or n == want)
+                and len(r.hits) == n)
     except Exception:  # noqa: BLE001 - down while the shard restarts
         return False
 
@@ -45,7 +48,21 @@ def test_a_shard_whose_replicas_both_died_comes_back(tmp_path):
                     except Exception:  # noqa: BLE001 - partial or unavailable while both are down
                         pass
 
-            threads = [threading.Thread(target=reader) for _ in range(2)]
+            acked, tried = [], []
+
+            def writer():  # writes too: one acknowledged without replica 0 marks it (it is behind)
+                n = 0
+                while not stop.is_set() and n < 60:  # (every document fits one top_k of 100)
+                    n += 1
+                    tried.append(f"w{n}")
+                    try:
+                        c.ingest([Doc(f"w{n}", f"Lobster kites write {n}.")], timeout=5)
+                        acked.append(f"w{n}")
+                    except Exception:  # noqa: BLE001 - unavailable while both are down
+                        pass
+                    time.sleep(0.03)
+
+            threads = [threading.Thread(target=reader) for _ in range(2)] + [threading.Thread(target=writer)]
             for t in threads:
                 t.start()
             try:
@@ -59,16 +76,21 @@ def test_a_shard_whose_replicas_both_died_comes_back(tmp_path):
                 for t in threads:
                     t.join(30)
             deadline = time.time() + 90
-            while not _all_back(c, 10):
+            while not _all_back(c, None):
                 assert time.time() < deadline, "the shard did not come back"
                 time.sleep(0.5)
+            have = c.stats().documents
+            assert 10 + len(acked) <= have <= 10 + len(tried)
+            ids = {h.doc_id for h in c.retrieve("lobster kites", mode="lexical", top_k=100).hits}
+            assert set(acked) <= ids  # every acknowledged write is served
             c.ingest([Doc("d10", "One more lobster.")])
-            assert _all_back(c, 11)
+            assert _all_back(c, have + 1)
+            want = have + 1
         srv.stop()
         srv.start()
         with OpRAGClient(srv.target, timeout=60) as c:
             deadline = time.time() + 60
-            while not _all_back(c, 11):
+            while not _all_back(c, want):
                 assert time.time() < deadline, "not every document served after the restart"
                 time.sleep(0.5)
     finally:

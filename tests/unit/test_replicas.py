@@ -138,6 +138,9 @@ def test_a_replica_found_gone_by_a_read_is_marked_stale_at_the_next_write(tmp_pa
         rs.reps[1].kill()
         rs._down(1, "failed a read", behind=False)  # noqa: SLF001
         assert not stale[1].exists()  # replica 1 holds every acknowledged write
+        with pytest.raises(ShardError, match="no serving sibling"):  # (a revival's round: nothing to copy from)
+            await rs.catch_up(1, cp.committed_txns(), 30)
+        assert not stale[1].exists()  # ... and it did not mark the replica it could not catch up
         pool2 = ShardPool(1, DIM, tmp_path, transport=InProcessTransport, replicas=2)
         st = pool2.start(asyncio.get_running_loop(), committed=cp.committed_txns())
         assert st[0].documents == 2 and pool2.clients[0].serving == [False, True]

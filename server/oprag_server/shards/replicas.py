@@ -275,9 +275,11 @@ class ReplicaSet(ShardTransport):
             raise ShardError(f"shard {self.shard_id}: a memory-only replica cannot catch up")
         if self._closing:
             raise ShardError(f"shard {self.shard_id}: stopping, replica {r} not caught up")
+        srcs = [s for s in range(self.r) if s != r and self.serving[s] and self.reps[s].is_alive()]
+        if not srcs:  # (before marking it: the shard may come back from this replica's own directory)
+            raise ShardError(f"shard {self.shard_id}: no serving sibling to catch replica {r} up from")
         self._down(r, "catching up")
-        src = min((s for s in range(self.r) if s != r and self.serving[s] and self.reps[s].is_alive()),
-                  key=lambda s: self.outstanding[s])
+        src = min(srcs, key=lambda s: self.outstanding[s])
         loop = asyncio.get_running_loop()
         async with self._snap:
             snap = self._one(src, Op.SNAPSHOT, SnapshotRequest())  # sent now, the cut: later writes go to the backlog
