@@ -193,6 +193,13 @@ def test_bad_input_gets_openai_errors(oai, base_url):
     with pytest.raises(openai.NotFoundError) as ei:
         oai.chat.completions.create(model="gpt-4o", messages=user)
     assert _err(ei)["code"] == "model_not_found"
+    emb = [x.id for x in oai.models.list().data if x.id != m and x.id != "oprag"][0]  # (listed: trial27)
+    with pytest.raises(openai.NotFoundError) as ei:
+        oai.chat.completions.create(model=emb, messages=user)
+    assert "embedding model" in _err(ei)["message"] and "/v1/embeddings" in _err(ei)["message"]
+    with pytest.raises(openai.NotFoundError) as ei:
+        oai.embeddings.create(model=m, input="x")
+    assert "is a chat model" in _err(ei)["message"]
     with pytest.raises(openai.AuthenticationError) as ei:
         openai.OpenAI(base_url=base_url, api_key="wrong", max_retries=0).models.list()
     assert ei.value.status_code == 401 and _err(ei)["code"] == "invalid_api_key"

@@ -233,7 +233,8 @@ def build_app(rt: Any) -> FastAPI:
     @app.post("/v1/embeddings")
     async def embeddings(body: api.EmbeddingsRequest) -> dict:
         if body.model != rt.encoder.name:
-            raise NotFound(f"the embedding model {body.model!r} does not exist; this server embeds with {rt.encoder.name!r}")
+            what = "is a chat model, not an embedding model" if body.model in [*chat_models(), ALIAS] else "does not exist"
+            raise NotFound(f"the embedding model {body.model!r} {what}; this server embeds with {rt.encoder.name!r}")
         texts = [body.input] if isinstance(body.input, str) else body.input
         if not 1 <= len(texts) <= api.MAX_EMBED_INPUTS:
             raise InvalidArgument(f"input has {len(texts)} items; send between 1 and {api.MAX_EMBED_INPUTS}")
@@ -255,7 +256,11 @@ def build_app(rt: Any) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(body: api.ChatRequest, request: Request) -> Any:
         if body.model not in [*chat_models(), ALIAS]:
-            raise NotFound(f"the model {body.model!r} does not exist: use {', '.join([*chat_models(), ALIAS])}")
+            use = ", ".join([*chat_models(), ALIAS])
+            if body.model == rt.encoder.name:  # (listed by /v1/models: it exists, it only embeds; trial27)
+                raise NotFound(f"{body.model!r} is this server's embedding model (POST /v1/embeddings), not a chat "
+                               f"model: use {use}")
+            raise NotFound(f"the model {body.model!r} does not exist: use {use}")
         question, memory = api.conversation(body, cfg.limits.max_question_chars)
         max_new, limit = api.max_new_tokens(body), cfg.generate.max_new_tokens_limit
         if max_new > limit:  # name the HTTP field, not the gRPC one
