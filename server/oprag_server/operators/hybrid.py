@@ -291,9 +291,10 @@ class Widening:
 
     #: A query whose bound fails only by a tie (the k-th fused score equals the bound: inside a
     #: group of chunks with equal scores, e.g. one boilerplate text in thousands of documents,
-    #: larger than the lists) in a widening round that left its top-k unchanged stops widening: the lists break ties by chunk id, so a chunk outside them that ties the k-th hit
-    #: comes after the chunks listed, and wider lists keep returning the same top-k (a 20,000-copy
-    #: group widened 3 times for ~240 ms, bench/RESULTS.md, session 27). It stays uncertified.
+    #: larger than the lists) in a widening round that left its top-k unchanged stops widening:
+    #: the lists break ties by chunk id, so a chunk outside them that ties the k-th hit comes
+    #: after the chunks listed, and wider lists keep returning the same top-k (a 20,000-copy
+    #: group widened 3 times for ~240-370 ms, bench/RESULTS.md, session 27). It stays uncertified.
     STOP_ON_TIE = True
 
     def __init__(self, cfg: RetrievalConfig, specs: list[RetrieveSpec], bound: bool) -> None:
@@ -306,7 +307,7 @@ class Widening:
         self.nf, self.mf = [1] * len(specs), [1] * len(specs)  # N and M factors reached per query
         self.kept: list[dict | None] = [None] * len(specs)  # per query: shard -> (reply, index) of its lists
         self.last: list[list | None] = [None] * len(specs)  # per query: the last round's top-k
-        self.stuck = [False] * len(specs)  # per query: a round failed by a tie with the round before's top-k (STOP_ON_TIE)
+        self.stuck = [False] * len(specs)  # per query: a tie, and the round before's top-k (STOP_ON_TIE)
         self._asked: dict[int, tuple[bool, bool]] = {}  # query -> (dense, BM25) asked this time
 
     def merge(self, merge_certified, replies: dict, jj: int, j: int) -> list:

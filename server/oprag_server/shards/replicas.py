@@ -10,9 +10,9 @@ commit protocol and every operator are unchanged. Rules:
   every write acknowledged so far: it is marked ``STALE`` only before the first write
   acknowledged without it (trial27: marked at once, a shard whose two replicas died one after
   the other, no write between, had both marked and never came back, not even after a restart,
-  though the second one held every acknowledged write). When every replica fails, the shard fails the call (:class:`ShardError`) as a single
-  shard does. So a write is acknowledged when every live replica committed it, and at least one
-  replica of every shard did.
+  though the second one held every acknowledged write). When every replica fails, the shard
+  fails the call (:class:`ShardError`) as a single shard does. So a write is acknowledged when
+  every live replica committed it, and at least one replica of every shard did.
 * **Reads** go to the serving replica with the fewest outstanding requests (ties rotate); a read
   that fails because its replica went down is retried on another one (reads change nothing).
 * **Catch-up.** A replica that comes back never serves before it holds every acknowledged write:
