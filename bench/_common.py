@@ -331,3 +331,49 @@ def hotpath_queries(snap: dict, n: int, seed: int = 0) -> tuple:
     Q = snap["vectors"][rows] + 0.05 * rng.standard_normal((n, snap["vectors"].shape[1])).astype(np.float32)
     Q /= np.linalg.norm(Q, axis=1, keepdims=True)
     return Q, [snap["text"][r][:200] for r in rows]
+
+
+#: the query generators of :func:`probe_texts` (``--query-source``)
+QUERY_SOURCES = ("scifact", "wikitext", "scifact-sentences", "terms")
+
+
+def probe_texts(source: str, n: int, shared: Path = DEFAULT_SHARED, seed: int = 0) -> list[str]:
+    """``n`` query texts built by one of several rules, so that a quality figure measured with
+    them does not rest on one query set (the vectors are the texts' MiniLM vectors, as a user's):
+
+    * ``scifact``: the first ``n`` judged SciFact train queries (what the benches send);
+    * ``wikitext``: sentences of WikiText-2 ``valid.txt`` (split at `` . ``, 8-40 tokens, no
+      heading), a seeded sample: real corpus text, so the query's own chunk and the derived
+      chunks that reuse its sentences (``bench.scale``) compete near the top;
+    * ``scifact-sentences``: sentences of SciFact abstracts (split at ``. ``, 8-40 words), a
+      seeded sample;
+    * ``terms``: 2-4 words of the corpora's vocabulary (lower-cased alphabetic tokens of 4+
+      letters that occur in 3 to 2,000 paragraphs or abstracts), drawn uniformly: keyword
+      queries whose BM25 side the dense side does not mirror.
+
+    :raises ValueError: an unknown ``source``.
+    """
+    import json
+    import random
+    import re
+
+    if source == "scifact":
+        judged, _ = load_queries_qrels(shared, "train")
+        return list(judged.values())[:n]
+    rng = random.Random(seed)
+    wiki = [ln.strip() for ln in (Path(shared) / "data" / "wikitext-2" / "valid.txt").read_text("utf-8").splitlines()
+            if ln.strip() and not ln.strip().startswith("=")]
+    abstracts = [json.loads(ln)["text"] for ln in (scifact_dir(shared) / "corpus.jsonl").read_text("utf-8").splitlines()
+                 if ln.strip()]
+    if source in ("wikitext", "scifact-sentences"):
+        paras, sep = (wiki, " . ") if source == "wikitext" else (abstracts, ". ")
+        sents = [s.strip() for p in paras for s in p.split(sep) if 8 <= len(s.split()) <= 40]
+        return rng.sample(sents, min(n, len(sents)))
+    if source == "terms":
+        df: dict[str, int] = {}
+        for p in wiki + abstracts:
+            for w in set(re.findall(r"[a-z]{4,}", p.lower())):
+                df[w] = df.get(w, 0) + 1
+        vocab = sorted(w for w, c in df.items() if 3 <= c <= 2000)
+        return [" ".join(rng.sample(vocab, rng.randint(2, 4))) for _ in range(n)]
+    raise ValueError(f"unknown query source {source!r}: use one of {', '.join(QUERY_SOURCES)}")

@@ -1,15 +1,18 @@
 """Dense-first hybrid vs exact ``full_hybrid`` by ANN knob, in process (issue 13): every shard of
 a data dir that ``bench.scale`` left is loaded read-only from its snapshot, the frontend's
 ``Retriever`` runs over them in this process (``bench._internals.in_process_retriever``: the
-same merge, threshold bound and widening as a server, no transport), and SciFact train
-queries (MiniLM vectors) are retrieved in hybrid and full_hybrid mode, top_k 10.
+same merge, threshold bound and widening as a server, no transport), and queries (MiniLM
+vectors) are retrieved in hybrid and full_hybrid mode, top_k 10: SciFact train queries, or
+those of the other generators of :func:`bench._common.probe_texts` (``--query-source``: WikiText
+and SciFact sentences, keyword queries), so the recall figure does not rest on one query set.
 
-Per (``ef_search``, N): Recall@10 of hybrid vs full_hybrid, how often the dense minimum the
+Per (query source, ``ef_search``, N): Recall@10 of hybrid vs full_hybrid, how often the dense minimum the
 shards reported equals exact mode's, the shares certified and widened, the one-sided widening
 rounds, and the thread CPU ms of one hybrid Retrieve (all shards searched one after the other
 on this thread: the sum of the shards' work plus the merge, not a served latency).
 
     python -m bench.hybrid_probe --data-dir bench/out/scale-1000000-hnsw --ef-search 512,256 --n 256,128 --json
+    python -m bench.hybrid_probe --data-dir bench/out/scale-1000000-hnsw --query-source scifact,wikitext,terms --json
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from . import _internals
-from ._common import emit_json, load_queries_qrels, log, machine_info, percentile, shard_probe_args
+from ._common import QUERY_SOURCES, emit_json, log, machine_info, percentile, probe_texts, shard_probe_args
 
 
 def main(argv=None) -> dict:
@@ -32,12 +35,17 @@ def main(argv=None) -> dict:
     ap.add_argument("--ef-search", default="0", help="comma-separated (0: the index default)")
     ap.add_argument("--n", default="256", help="comma-separated dense-first windows N (candidates)")
     ap.add_argument("--either", default="", help="comma-separated hybrid.EITHER values to compare (a tree with it)")
+    ap.add_argument("--query-source", default="scifact",
+                    help=f"comma-separated query generators ({', '.join(QUERY_SOURCES)}; bench._common.probe_texts)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     _internals.one_thread()
-    judged, _ = load_queries_qrels(a.shared, "train")
-    texts = list(judged.values())[: a.queries]
-    vecs = _internals.query_vectors(texts, a.vectors)
+    sources = a.query_source.split(",")
+    queries = {}
+    for src in sources:
+        texts = probe_texts(src, a.queries, a.shared)
+        cache = a.vectors if src == "scifact" else ""  # (the cache file holds the SciFact queries' vectors)
+        queries[src] = (texts, _internals.query_vectors(texts, cache))
     t0 = time.perf_counter()
     r, Spec, states = _internals.in_process_retriever(a.data_dir, a.shards, a.dense_index)
     for st in states:
@@ -54,27 +62,31 @@ def main(argv=None) -> dict:
             asked.append((got[1].n, got[1].m))
         return got
     wid.next_round = spy
-    exact = []
-    for v, text in zip(vecs, texts):
-        hits, _, _ = asyncio.run(r.retrieve(v[None], [text], [Spec(mode="full_hybrid", top_k=10)]))
-        exact.append({h.chunk_id for h in hits[0]})
-    out = {"chunks": sum(len(s.store.dense) for s in states), "queries": len(texts), "runs": [],
+    exact = {}
+    for src, (texts, vecs) in queries.items():
+        exact[src] = []
+        for v, text in zip(vecs, texts):
+            hits, _, _ = asyncio.run(r.retrieve(v[None], [text], [Spec(mode="full_hybrid", top_k=10)]))
+            exact[src].append({h.chunk_id for h in hits[0]})
+    out = {"chunks": sum(len(s.store.dense) for s in states), "queries": a.queries, "runs": [],
            "machine": machine_info()}
-    grid = [(ef, n, e) for ef in a.ef_search.split(",") for n in a.n.split(",") for e in (a.either.split(",") if a.either else [""])]
-    for ef, n, either in [(int(ef), int(n), e) for ef, n, e in grid]:
+    grid = [(src, ef, n, e) for src in sources for ef in a.ef_search.split(",") for n in a.n.split(",")
+            for e in (a.either.split(",") if a.either else [""])]
+    for src, ef, n, either in [(src, int(ef), int(n), e) for src, ef, n, e in grid]:
+        texts, vecs = queries[src]
         if either:
             hyb.EITHER = either
         spec = Spec(mode="hybrid", top_k=10, candidates=n, ef_search=ef)
         asked.clear()
         rec, cpu, cert, widened = [], [], [], []
-        for v, text, want in zip(vecs, texts, exact):
+        for v, text, want in zip(vecs, texts, exact[src]):
             t = time.thread_time_ns()
             hits, _, infos = asyncio.run(r.retrieve(v[None], [text], [spec]))
             cpu.append((time.thread_time_ns() - t) / 1e6)
             rec.append(len(want & {h.chunk_id for h in hits[0]}) / max(1, len(want)))
             cert.append(infos[0].certified)
             widened.append(infos[0].widen_rounds > 0)
-        run = {"ef_search": ef, "n": n, "either": either, "recall10_vs_exact": round(float(np.mean(rec)), 4),
+        run = {"query_source": src, "queries": len(texts), "ef_search": ef, "n": n, "either": either, "recall10_vs_exact": round(float(np.mean(rec)), 4),
                "certified_share": round(float(np.mean(cert)), 4), "widened_share": round(float(np.mean(widened)), 4),
                "rounds_both": sum(1 for x, y in asked if x and y), "rounds_bm25_only": sum(1 for x, _ in asked if not x),
                "rounds_dense_only": sum(1 for _, y in asked if not y),
