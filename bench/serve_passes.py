@@ -1,9 +1,11 @@
 """Retrieve latency on a data dir that is already built (for example ``bench.scale``'s 1M one),
 one mode per pass: the server is started on a copy-free ``--data-dir`` (it is written to only
-by the snapshot at stop), SciFact train queries are sent with their MiniLM vectors, c = 1, and
-each pass reports client p50/p95 and the server's ``timings_ms`` medians. The last pass
-interleaves hybrid with full_hybrid per query, as ``bench.scale`` does, to show what the exact
-mode's full scans do to the next hybrid query's caches.
+by the snapshot at stop), SciFact train queries (or another generator's, ``--query-source``:
+:func:`bench._common.probe_texts`) are sent with their MiniLM vectors, c = 1, and each pass
+reports client p50/p95 and the server's ``timings_ms`` medians. The last pass interleaves
+hybrid with full_hybrid per query, as ``bench.scale`` does, to show what the exact mode's full
+scans do to the next hybrid query's caches; it also gives the served hybrid hits' Recall@10 vs
+the exact ones.
 
     python -m bench.serve_passes --data-dir bench/out/scale-1000000-hnsw --dense-index hnsw --json
 
@@ -26,7 +28,7 @@ import time
 from pathlib import Path
 
 from . import _internals
-from ._common import DEFAULT_SHARED, OUT, emit_json, load_queries_qrels, log, machine_info, percentile, start_server
+from ._common import DEFAULT_SHARED, OUT, QUERY_SOURCES, emit_json, log, machine_info, percentile, probe_texts, start_server
 
 
 def main(argv=None) -> dict:
@@ -34,7 +36,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--data-dir", type=Path, required=True, help="a built data dir (served, then snapshotted at stop)")
     ap.add_argument("--dense-index", default="hnsw")
     ap.add_argument("--shards", type=int, default=2)
-    ap.add_argument("--queries", type=int, default=100, help="first N judged SciFact train queries")
+    ap.add_argument("--queries", type=int, default=100, help="first N judged SciFact train queries (or N of --query-source)")
+    ap.add_argument("--query-source", default="scifact", choices=QUERY_SOURCES,
+                    help="query generator (bench._common.probe_texts): SciFact queries, WikiText / SciFact sentences, keywords")
     ap.add_argument("--passes", type=int, default=3, help="hybrid-only passes (the first is reported as warm-up)")
     ap.add_argument("--shared", type=Path, default=DEFAULT_SHARED)
     ap.add_argument("--server-arg", action="append", default=[], help="extra server argument (repeatable)")
@@ -48,19 +52,19 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     from oprag_client.client import OpRAGClient, query_request
 
-    judged, _ = load_queries_qrels(a.shared, "train")
-    texts = [judged[x] for x in list(judged)[: a.queries]]
+    texts = probe_texts(a.query_source, a.queries, a.shared)
     vecs = _internals.encoder("minilm", device="cpu").encode(texts, truncate=True)
-    out: dict = {"data_dir": str(a.data_dir), "queries": len(texts), "passes": [], "machine": machine_info()}
+    out: dict = {"data_dir": str(a.data_dir), "query_source": a.query_source, "queries": len(texts), "passes": [], "machine": machine_info()}
     srv = start_server(a.data_dir, "--generator", "none", "--shards", str(a.shards), "--dense-index", a.dense_index,
                        "--monitor-fraction", "0", *a.server_arg, log_path=OUT / "serve-passes.log")
     try:
         with OpRAGClient(srv.target, timeout=600) as c:
-            def one(text, v, mode, tim):
+            def one(text, v, mode, tim, ids):
                 t = time.perf_counter()
                 r = c.stub.Retrieve(query_request(text, top_k=10, mode=mode, query_vector=v.tolist()))
                 for k, x in r.timings_ms.items():
                     tim.setdefault(k, []).append(x)
+                ids.append({h.chunk_id for h in r.hits})
                 return (time.perf_counter() - t) * 1e3
 
             plans = [("warmup" if p == 0 else f"pass{p}", ("hybrid",)) for p in range(a.passes)]
@@ -79,6 +83,7 @@ def main(argv=None) -> dict:
                     log(str(out["ingest"]))
                     continue
                 lat: dict[str, list[float]] = {m: [] for m in modes}
+                got: dict[str, list[set]] = {m: [] for m in modes}
                 tim: dict[str, list[float]] = {}
                 t0, pending = time.strftime("%H:%M:%S"), _pending(c)
                 cpu0 = _tree_cpu(srv)
@@ -86,7 +91,7 @@ def main(argv=None) -> dict:
                 slow = []  # hybrid queries over SLOW_MS: when (to line up with the server log) and how long
                 for text, v in zip(texts, vecs):
                     for mode in modes:
-                        lat[mode].append(one(text, v, mode, tim if mode == "hybrid" else {}))
+                        lat[mode].append(one(text, v, mode, tim if mode == "hybrid" else {}, got[mode]))
                         if mode == "hybrid" and lat[mode][-1] > SLOW_MS:
                             slow.append((time.strftime("%H:%M:%S"), round(lat[mode][-1])))
                 row = {"label": label, "t0": t0, "t1": time.strftime("%H:%M:%S"), **pending,
@@ -102,6 +107,9 @@ def main(argv=None) -> dict:
                     row["slow"] = slow
                 if "full_hybrid" in lat:
                     row["full_p50_ms"] = round(percentile(lat["full_hybrid"], 50), 2)
+                    # Recall@10 of the served hybrid hits vs the served exact ones, per query
+                    row["recall10_vs_exact"] = round(sum(len(h & e) / max(1, len(e)) for h, e in
+                                                         zip(got["hybrid"], got["full_hybrid"])) / max(1, len(texts)), 4)
                 out["passes"].append(row)
                 log(str(row))
     finally:
