@@ -220,3 +220,30 @@ def test_logits_bit_identical_batched_vs_single(gen, prompts) -> None:
         assert len(single) == len(batched) == 3
         for step in range(3):
             assert torch.equal(single[step][0], batched[step][row]), (i, step)
+
+
+def test_the_source_cut_to_the_room_left_is_placed_with_the_real_tokenizer(gen) -> None:
+    """trial28: with SmolLM2's tokenizer a source cut to fit tokenised one token longer than its
+    header and text apart, so it was dropped: long questions got no source at all (``no_sources``)
+    with 120-150 prompt tokens free. Every question length here leaves room for a cut source."""
+    from oprag_server.domain import Hit
+    from oprag_server.operators.context import build_context
+
+    text = ("The European lobster, Homarus gammarus, is a species of clawed lobster from the eastern Atlantic "
+            "Ocean, Mediterranean Sea and parts of the Black Sea. It is closely related to the American lobster. "
+            "It may grow to a length of 60 cm and a mass of 6 kilograms, and bears a conspicuous pair of claws. ") * 4
+    hits = [Hit(chunk_id=f"c{i}#0", doc_id=f"c{i}", title=f"Homarus gammarus {i}", text=text, score=1.0,
+                dense_score=0.5, lexical_score=1.0, shard=0) for i in range(3)]
+    placed = []
+    for words in range(100, 400, 23):
+        q = "lobster " * words
+        p = build_context(q, hits, gen, budget_tokens=1024, max_new_tokens=512)
+        assert p.prompt_tokens <= 512
+        assert p.sources, f"{words}-word question: no source placed with {512 - p.prompt_tokens} tokens free"
+        free = 512 - p.prompt_tokens
+        if p.sources[-1].truncated:
+            assert free < 12  # the room is used
+        else:  # too little room left for a cut source: its header and 16 tokens of text, a margin of 4
+            assert free < gen.count_tokens(f"[{len(p.sources) + 1}] Homarus gammarus 0\n\n\n") + 16 + 4
+        placed.append(len(p.sources))
+    assert placed == sorted(placed, reverse=True)  # a longer question leaves no more sources

@@ -106,7 +106,7 @@ def build_context(
             continue
         header = _source_block(n, hit, "")
         text_room = room - model.count_tokens(header)
-        if text_room >= 16:
+        while text_room >= 16:  # the cut text, header included, may tokenise a token or two longer
             cut = model.truncate_to_tokens(hit.text.strip(), text_room)
             block = _source_block(n, hit, cut)
             cost = model.count_tokens(block)
@@ -114,6 +114,8 @@ def build_context(
                 blocks.append(block)
                 used += cost
                 sources.append(SourceRef(n, hit.chunk_id, hit.doc_id, hit.title, cost, True))
+                break
+            text_room -= cost - room  # cut again by what it went over
         break
     prompt = model.chat_prompt(SYSTEM_PROMPT, _user(blocks, question, memory_text))
     total = model.count_tokens(prompt)
