@@ -40,10 +40,16 @@ def check_value(key: str, v: Any) -> Value | None:
     raise ValueError(f"metadata {key!r} is a {type(v).__name__}: values must be string, integer, float or boolean")
 
 
+#: the longest metadata key, in bytes of UTF-8: the filter key limit (``service.convert.MAX_FILTER_KEY_BYTES``),
+#: so that every stored key can be filtered on (trial28b: a 5,000-byte key was stored, then no filter could name it)
+MAX_KEY_BYTES = 1024
+
+
 def normalise(m: Mapping[str, Any] | None) -> dict[str, Value]:
     """Checked copy of a metadata mapping with the ``None`` values dropped.
 
-    :raises ValueError: a key that is not a string or is empty, or a bad value (:func:`check_value`).
+    :raises ValueError: a key that is not a string, is empty or is over :data:`MAX_KEY_BYTES`, or a bad value
+        (:func:`check_value`).
     """
     out: dict[str, Value] = {}
     for k, v in (m or {}).items():
@@ -51,6 +57,9 @@ def normalise(m: Mapping[str, Any] | None) -> dict[str, Value]:
             raise ValueError(f"metadata key {k!r} is not a string")
         if not k:
             raise ValueError("a metadata key is empty: name every metadata key (a filter cannot match an empty key)")
+        if (kb := len(k.encode("utf-8", "surrogatepass"))) > MAX_KEY_BYTES:
+            raise ValueError(f"metadata key starting {k[:40]!r} is {kb} bytes of UTF-8; the limit is {MAX_KEY_BYTES} "
+                             "(a filter key's: no filter could name it): shorten the key")
         cv = check_value(k, v)
         if cv is not None:
             out[k] = cv

@@ -117,6 +117,19 @@ def test_an_empty_metadata_key_rejects_the_document_like_an_empty_filter_key():
         convert.filters(_wire(query_request("q", filters={"": "v"})).filters)
 
 
+def test_a_metadata_key_no_filter_could_name_rejects_the_document():
+    lim = LimitsConfig()
+    ok, long = "k" * 1024, "k" * 1025
+    assert validate_document(_wire(oprag_pb2.Document(id="mk", text="t", metadata={ok: "v"})), lim) is None
+    convert.filters(_wire(query_request("q", filters={ok: "v"})).filters)  # the longest key stored is filterable
+    for doc in (oprag_pb2.Document(id="mk", text="t", metadata={long: "v"}),
+                oprag_pb2.Document(id="mk", text="t", typed_metadata={"é" * 513: oprag_pb2.MetadataValue(int_value=1)})):
+        reason = validate_document(_wire(doc), lim)
+        assert reason is not None and "bytes of UTF-8; the limit is 1024" in reason and "shorten the key" in reason
+    with pytest.raises(convert.InvalidArgument, match="1025 bytes of UTF-8; the limit is 1024"):
+        convert.filters(_wire(query_request("q", filters={long: "v"})).filters)
+
+
 def test_filter_values_are_checked():
     with pytest.raises(convert.InvalidArgument, match="has a null value"):
         convert.filters([oprag_pb2.MetadataFilter(key="k", typed_values=[oprag_pb2.MetadataValue()])])
