@@ -123,6 +123,8 @@ def cmd_ingest(a) -> int:
                                  "give a larger --timeout, or none)")
     except (ValueError, TypeError, FileNotFoundError, OSError, ImportError) as exc:
         error = {"code": None, "message": str(exc)}  # the input (or a local file) could not be read
+    except KeyboardInterrupt:  # Ctrl-C: the stream in flight is cancelled (the channel closed); say what was stored
+        error = {"code": "CANCELLED", "message": "interrupted (Ctrl-C)"}  # (was a traceback and no summary: trial28b)
     bar.close()
     el = time.perf_counter() - t0
     if error is None and totals["documents"] == 0 and not totals["rejected"]:
@@ -150,7 +152,7 @@ def cmd_ingest(a) -> int:
             stored = None if error["code"] in UNKNOWN_OUTCOME else False
             print(json.dumps({**summary, "error": {"stream": len(streams) + 1, "first_index": sent, **error,
                                                    "stored": stored}}))
-        return 1
+        return 130 if error["message"] == "interrupted (Ctrl-C)" else 1
     if a.json:
         print(json.dumps(summary))
     else:

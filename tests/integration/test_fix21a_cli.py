@@ -184,3 +184,33 @@ def test_stats_with_stdout_closed_exits_with_the_state_it_reports(server):
     for unbuffered in (True, False):  # every shard up: 0, and no "Exception ignored" (it exited 120)
         out = _closed_stdout(server, "stats", "--json", unbuffered=unbuffered)
         assert out.returncode == 0 and not out.stderr, (unbuffered, out.returncode, out.stderr)
+
+
+def test_ctrl_c_during_a_multi_stream_ingest_says_what_was_committed(server, tmp_path):
+    """trial28b #1: SIGINT during ``oprag ingest`` printed a KeyboardInterrupt traceback from inside
+    gRPC and no summary, so the user could not tell which streams to send again. Texts the server
+    embeds (so the streams take a while); SIGINT once the first stream is stored."""
+    rows = [{"id": f"cc{i}", "text": f"interrupted ingest document {i} about rivers, harbours and keeps " * 6}
+            for i in range(2000)]
+    path = _jsonl(tmp_path / "cc.jsonl", rows)
+    with OpRAGClient(server.target) as c:
+        before = c.stats().documents
+        proc = subprocess.Popen([*oprag_cli(), "ingest", "--format", "jsonl", "--json", "--no-progress",
+                                 "--docs-per-stream", "40", path, "--server", server.target],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            first = wait_until(lambda: c.stats().documents >= before + 40, timeout=120)
+        finally:
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=60)
+        stored = c.stats().documents - before
+    assert first, "the first stream was never stored"
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    res = json.loads(out)
+    assert res["error"]["code"] == "CANCELLED" and res["error"]["message"] == "interrupted (Ctrl-C)"
+    assert res["error"]["stored"] is None and res["error"]["first_index"] == 40 * len(res["streams"])
+    committed = sum(s["documents_written"] for s in res["streams"])
+    assert committed >= 40 and committed < 2000
+    assert stored in (committed, committed + 40)  # the cancelled stream: whole or nothing
+    assert "committed (the first" in err and "interrupted (Ctrl-C)" in err
