@@ -348,13 +348,16 @@ def columnar_docs(path: Path, schema, batches, vector_column: str | None = None)
                               vector=vecs[i] if has_vec and valid[i] else None)
                     continue
                 if not valid[i]:
-                    raise ValueError("chunk rows need a vector")
+                    raise ValueError("chunk rows need a vector: give this row its chunk's vector (a file without "
+                                     "a doc_id column is read one document per row, and a null vector there has "
+                                     "the server embed the text)")
                 did = str(ids[i])
                 if cur is not None and cur.id == did:
                     cur.chunks.append((text[i] or "", vecs[i]))
                     continue
                 if did in done:
-                    raise ValueError(f"the rows of document {did!r} are not contiguous")
+                    raise ValueError(f"the rows of document {did!r} are not contiguous: sort or group the rows by "
+                                     "doc_id (a document's chunks, in order, one after the other)")
                 if cur is not None:
                     done.add(cur.id)
                     yield cur

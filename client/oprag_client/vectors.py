@@ -205,7 +205,9 @@ def check_widths(batches, column: str, chunk_rows: bool, np, pc) -> None:
         col = b.column(0)
         lens = pc.list_value_length(col).fill_null(-1).to_numpy(zero_copy_only=False)
         if chunk_rows and col.null_count:
-            raise ValueError(f"row {row + int(np.flatnonzero(lens < 0)[0])}: chunk rows need a vector")
+            raise ValueError(f"row {row + int(np.flatnonzero(lens < 0)[0])}: chunk rows need a vector: give this "
+                             "row its chunk's vector (a file without a doc_id column is read one document per row, and a null vector "
+                             "there has the server embed the text)")
         zero = np.flatnonzero(lens == 0)
         n_empty += len(zero)
         empty += (row + zero[: 5 - len(empty)]).tolist()

@@ -205,8 +205,8 @@ def test_columnar_chunk_rows_group_by_doc_id(tmp_path):
 @pytest.mark.parametrize("table, message", [
     ("widths", "2 widths"),
     ("no_text", "no column 'text'"),
-    ("null_chunk_vector", "row 1: chunk rows need a vector"),
-    ("split_doc", "row 2: the rows of document 'a' are not contiguous"),
+    ("null_chunk_vector", "row 1: chunk rows need a vector: give this row its chunk's vector"),
+    ("split_doc", "row 2: the rows of document 'a' are not contiguous: sort or group the rows by doc_id"),
     ("strings", "must hold lists of numbers"),
     ("bad_metadata", "row 0"),
 ])

@@ -30,7 +30,8 @@ def test_unit_rows_normalises_and_scales():
 
 
 @pytest.mark.parametrize("row, msg", [([1.0] * (D - 1), "width 8"), ([np.nan] + [1.0] * (D - 1), "NaN"),
-                                      ([np.inf] + [1.0] * (D - 1), "NaN or infinity"), ([0.0] * D, "all zeros")])
+                                      ([np.inf] + [1.0] * (D - 1), "NaN or infinity"),
+                                      ([0.0] * D, "all zeros .*: send the chunk.s embedding, or leave the vector out")])
 def test_unit_rows_rejects(row, msg):
     with pytest.raises(ValueError, match=msg):
         records.unit_rows([row], D)
