@@ -169,7 +169,8 @@ def _lines(f, path: Path) -> Iterator[tuple[int, str]]:
 def _check_types(obj: dict, id_key: str) -> None:
     """:raises TypeError: id not a string or integer, text/title not strings (null title allowed).
     :raises ValueError: ``vector`` not a list of finite float32-range numbers (a boolean is not one),
-        ``chunks`` not a non-empty list of ``{"text", "vector"}`` objects (:func:`vectors.check_json_chunks`)."""
+        ``chunks`` not a non-empty list of ``{"text", "vector"}`` objects (:func:`vectors.check_json_chunks`)
+        or given with a ``text`` or ``vector`` of the document's own."""
     if id_key in obj and (isinstance(obj[id_key], bool) or not isinstance(obj[id_key], (str, int))):
         raise TypeError(f"{id_key} must be a string or an integer, got {type(obj[id_key]).__name__}")
     if "text" in obj and obj["text"] is not None and not isinstance(obj["text"], str):
@@ -182,6 +183,9 @@ def _check_types(obj: dict, id_key: str) -> None:
         check_json_vector(obj["vector"])
     if "chunks" in obj and obj["chunks"] is not None:  # a ValueError: "expected ... id and text ('vector')" misled
         check_json_chunks(obj["chunks"])
+        if obj.get("text") or obj.get("vector"):  # (the server rejected it, after the stream's other documents: trial28b)
+            raise ValueError("a document with chunks carries its text and vectors in them: leave out its "
+                             f"{' and '.join(k for k in ('text', 'vector') if obj.get(k))}")
 
 
 def load_jsonl(paths: list[Path]) -> Iterator[Doc]:

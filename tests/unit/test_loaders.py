@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 
 import pytest
 
 from oprag_client.evaluate import doc_ranking, mrr_at_k, ndcg_at_k, recall_at_k
-from oprag_client.loaders import load_text, load_wikitext, wikitext_articles, wikitext_detok
+from oprag_client.loaders import load_jsonl, load_text, load_wikitext, wikitext_articles, wikitext_detok
 
 
 def test_text_loader_skips_binary_and_non_utf8(tmp_path, capsys):
@@ -302,3 +303,15 @@ def test_jsonl_chunks_of_the_wrong_shape_say_what_a_chunk_is(tmp_path, chunks, w
         list(load_jsonl([tmp_path / "c.jsonl"]))
     assert str(ei.value).startswith(f"{tmp_path / 'c.jsonl'}:1: {words}"), str(ei.value)
     assert "id and text" not in str(ei.value)
+
+
+def test_a_jsonl_line_with_chunks_and_its_own_text_or_vector_names_the_line(tmp_path):
+    """trial28b #3: the loader passed it on and the server rejected the document after the
+    stream's other documents were stored; now the file's line is named before anything is sent."""
+    rows = [{"id": "ok", "chunks": [{"text": "c", "vector": [1.0, 0.0]}]},
+            {"id": "both", "text": "t", "vector": [0.0, 1.0], "chunks": [{"text": "c", "vector": [1.0, 0.0]}]}]
+    p = tmp_path / "mixed.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match=re.escape("mixed.jsonl:2: a document with chunks carries its text and vectors "
+                                                   "in them: leave out its text and vector")):
+        list(load_jsonl([p]))
