@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from array import array
 from typing import Any
@@ -167,8 +168,9 @@ def pack(doc: Any) -> tuple[bytes, int] | None:
 
 def column_matrix(col, np, pa, pc, row0: int = 0):
     """``(float32[R, D] rows, bool[R] valid)`` of a list column of one width (null rows: zeros).
-    :raises ValueError: naming the row (``row0`` + index) of a null element (it read as NaN) or
-        of an empty vector (it read as "no vector": embedded by the server, silently)."""
+    :raises ValueError: naming the row (``row0`` + index) of a null element (it read as NaN), of a
+        NaN, infinite or beyond-float32 element (the server named only the wire field), or of an
+        empty vector (it read as "no vector": embedded by the server, silently)."""
     if isinstance(col, pa.ChunkedArray):
         col = col.combine_chunks()
     valid = ~col.is_null().to_numpy(zero_copy_only=False)
@@ -178,7 +180,19 @@ def column_matrix(col, np, pa, pc, row0: int = 0):
         first = int(np.flatnonzero(values.is_null().to_numpy(zero_copy_only=False))[0])
         raise ValueError(f"row {row0 + int(np.searchsorted(ends, first, side='right'))}: the vector holds a null: "
                          "every element must be a number (a null vector, not a null element, means 'embed this one')")
-    flat = values.to_numpy(zero_copy_only=False).astype(np.float32)
+    raw = values.to_numpy(zero_copy_only=False)
+    if raw.dtype.kind == "f":  # NaN, infinity or a float64 outside float32's range (it would cast to infinity)
+        with np.errstate(invalid="ignore"):
+            bad = np.flatnonzero(~(np.abs(raw) < np.float64(F32_OVERFLOW)))  # (a float64 bound: no cast to float32)
+        if bad.size:
+            ends = np.cumsum(pc.list_value_length(col).fill_null(0).to_numpy(zero_copy_only=False))
+            r = int(np.searchsorted(ends, bad[0], side="right"))
+            j = int(bad[0] - (ends[r - 1] if r else 0))
+            v = float(raw[bad[0]])
+            what = "NaN" if v != v else f"{v:g}" + ("" if math.isinf(v) else " (outside float32's range)")
+            raise ValueError(f"row {row0 + r}: vector[{j}] is {what}: every element must be a finite number "
+                             "within float32's range (about +-3.4e38)")
+    flat = raw.astype(np.float32)
     n = int(valid.sum())
     d = flat.size // n if n else 0
     if n and not d:
@@ -206,8 +220,8 @@ def check_widths(batches, column: str, chunk_rows: bool, np, pc) -> None:
         lens = pc.list_value_length(col).fill_null(-1).to_numpy(zero_copy_only=False)
         if chunk_rows and col.null_count:
             raise ValueError(f"row {row + int(np.flatnonzero(lens < 0)[0])}: chunk rows need a vector: give this "
-                             "row its chunk's vector (a file without a doc_id column is read one document per row, and a null vector "
-                             "there has the server embed the text)")
+                             "row its chunk's vector (a file without a doc_id column is read one document per "
+                             "row, and a null vector there has the server embed the text)")
         zero = np.flatnonzero(lens == 0)
         n_empty += len(zero)
         empty += (row + zero[: 5 - len(empty)]).tolist()

@@ -209,6 +209,9 @@ def test_columnar_chunk_rows_group_by_doc_id(tmp_path):
     ("null_chunk_vector", "row 1: chunk rows need a vector: give this row its chunk's vector"),
     ("split_doc", "row 2: the rows of document 'a' are not contiguous: sort or group the rows by doc_id"),
     ("strings", "must hold lists of numbers"),
+    ("nan", "row 1: vector[1] is NaN: every element must be a finite number"),
+    ("inf_chunk_rows", "row 2: vector[0] is -inf: every element must be a finite number"),
+    ("big", "row 0: vector[0] is 1e+39 (outside float32's range)"),
     ("bad_metadata", "row 0"),
 ])
 def test_columnar_errors_name_the_file_and_row(tmp_path, table, message):
@@ -222,6 +225,9 @@ def test_columnar_errors_name_the_file_and_row(tmp_path, table, message):
         "null_chunk_vector": dict(doc_id=["a", "a"], text=["x", "y"], vector=pa.array([[1.0], None])),
         "split_doc": dict(doc_id=["a", "b", "a"], text=["x", "y", "z"], vector=[[1.0], [1.0], [1.0]]),
         "strings": dict(id=["a"], text=["x"], vector=[["1"]]),
+        "nan": dict(id=["a", "b"], text=["x", "y"], vector=[[1.0, 2.0], [1.0, math.nan]]),
+        "inf_chunk_rows": dict(doc_id=["a", "a", "b"], text=["x", "y", "z"], vector=[[1.0], [2.0], [-math.inf]]),
+        "big": dict(id=["a"], text=["x"], vector=pa.array([[1e39, 1.0]], pa.list_(pa.float64()))),
         "bad_metadata": dict(id=["a"], text=["x"], metadata=["[1, 2]"]),
     }
     p = _write(tmp_path, _table(**tables[table]), "parquet")
