@@ -4,6 +4,7 @@ progress bar and a summary (README: "oprag ingest")."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -117,6 +118,10 @@ def cmd_ingest(a) -> int:
                 bar.set_postfix(chunks=totals["chunks"], chunks_per_s=f"{totals['chunks'] / el:.1f}")
     except grpc.RpcError as exc:
         error = {"code": exc.code().name, "message": _rpc_message(exc)}
+        at = re.match(r"(?:[A-Z_]+: )?document (\d+) \(", error["message"])  # its position in the failed stream
+        if at:  # (the server counts from the stream's first document: say which input document that is, trial28b)
+            error["message"] += f" (document {at.group(1)} of stream {len(streams) + 1} is input document " \
+                                f"#{sent + int(at.group(1))})"
         if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and a.timeout:
             error["message"] += (f" (--timeout {a.timeout:g} s is each stream's deadline: its documents (up to "
                                  f"--docs-per-stream {a.docs_per_stream}) are embedded and committed within it; "

@@ -61,6 +61,7 @@ def test_ingest_json_prints_what_was_committed_when_a_stream_fails(server, tmp_p
     err = res["error"]
     assert (err["stream"], err["first_index"], err["code"], err["stored"]) == (2, 2, "INVALID_ARGUMENT", False)
     assert err["message"].startswith("INVALID_ARGUMENT: document 1 ('j3'): a vector has 3 values"), err
+    assert err["message"].endswith("(document 1 of stream 2 is input document #3)"), err
     assert "stream 1 was committed (the first 2 documents of the input" in out.stderr, out.stderr
     with OpRAGClient(server.target, timeout=60) as c:
         hits = c.retrieve("json summary document", mode="lexical", top_k=10).hits
