@@ -91,7 +91,7 @@ def cmd_ingest(a) -> int:
     docs = LOADERS[a.format](a.paths, a.vector_column) if a.format in ("parquet", "arrow") else LOADERS[a.format](a.paths)
     totals = {"documents": 0, "chunks": 0, "replaced": 0, "reused": 0, "rejected": [], "chunks_split": 0, "seq": 0}
     streams: list[dict] = []  # one per committed stream (its acknowledgement)
-    error = None
+    error, interrupted = None, False
     t0 = time.perf_counter()
     bar = tqdm(unit="doc", disable=a.no_progress, file=sys.stderr, dynamic_ncols=True)
     sent = 0  # documents of the input in the committed streams (a rejection's index is its position)
@@ -128,8 +128,9 @@ def cmd_ingest(a) -> int:
                                  "give a larger --timeout, or none)")
     except (ValueError, TypeError, FileNotFoundError, OSError, ImportError) as exc:
         error = {"code": None, "message": str(exc)}  # the input (or a local file) could not be read
-    except KeyboardInterrupt:  # Ctrl-C: the stream in flight is cancelled (the channel closed); say what was stored
-        error = {"code": "CANCELLED", "message": "interrupted (Ctrl-C)"}  # (was a traceback and no summary: trial28b)
+    except KeyboardInterrupt:  # Ctrl-C: the stream in flight is cancelled (the channel closed); say what was
+        # stored (was a traceback and no summary: trial28b)
+        error, interrupted = {"code": "CANCELLED", "message": "interrupted (Ctrl-C)"}, True
     bar.close()
     el = time.perf_counter() - t0
     if error is None and totals["documents"] == 0 and not totals["rejected"]:
@@ -157,7 +158,7 @@ def cmd_ingest(a) -> int:
             stored = None if error["code"] in UNKNOWN_OUTCOME else False
             print(json.dumps({**summary, "error": {"stream": len(streams) + 1, "first_index": sent, **error,
                                                    "stored": stored}}))
-        return 130 if error["message"] == "interrupted (Ctrl-C)" else 1
+        return 130 if interrupted else 1
     if a.json:
         print(json.dumps(summary))
     else:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import sys
 from array import array
 from typing import Any
@@ -175,23 +174,26 @@ def column_matrix(col, np, pa, pc, row0: int = 0):
         col = col.combine_chunks()
     valid = ~col.is_null().to_numpy(zero_copy_only=False)
     values = pc.list_flatten(col)
-    if values.null_count:
+
+    def row_of(i: int) -> tuple[int, int, int]:  # (row, its first and end positions) of flattened element i
         ends = np.cumsum(pc.list_value_length(col).fill_null(0).to_numpy(zero_copy_only=False))
-        first = int(np.flatnonzero(values.is_null().to_numpy(zero_copy_only=False))[0])
-        raise ValueError(f"row {row0 + int(np.searchsorted(ends, first, side='right'))}: the vector holds a null: "
+        r = int(np.searchsorted(ends, i, side="right"))
+        return r, int(ends[r - 1]) if r else 0, int(ends[r])
+
+    if values.null_count:
+        r, _, _ = row_of(int(np.flatnonzero(values.is_null().to_numpy(zero_copy_only=False))[0]))
+        raise ValueError(f"row {row0 + r}: the vector holds a null: "
                          "every element must be a number (a null vector, not a null element, means 'embed this one')")
     raw = values.to_numpy(zero_copy_only=False)
     if raw.dtype.kind == "f":  # NaN, infinity or a float64 outside float32's range (it would cast to infinity)
         with np.errstate(invalid="ignore"):
             bad = np.flatnonzero(~(np.abs(raw) < np.float64(F32_OVERFLOW)))  # (a float64 bound: no cast to float32)
-        if bad.size:
-            ends = np.cumsum(pc.list_value_length(col).fill_null(0).to_numpy(zero_copy_only=False))
-            r = int(np.searchsorted(ends, bad[0], side="right"))
-            j = int(bad[0] - (ends[r - 1] if r else 0))
-            v = float(raw[bad[0]])
-            what = "NaN" if v != v else f"{v:g}" + ("" if math.isinf(v) else " (outside float32's range)")
-            raise ValueError(f"row {row0 + r}: vector[{j}] is {what}: every element must be a finite number "
-                             "within float32's range (about +-3.4e38)")
+        if bad.size:  # the row's vector through the JSON lines check: the same messages as a JSONL file's
+            r, start, end = row_of(int(bad[0]))
+            try:
+                check_json_vector(raw[start:end].tolist())
+            except ValueError as exc:
+                raise ValueError(f"row {row0 + r}: {exc}") from None
     flat = raw.astype(np.float32)
     n = int(valid.sum())
     d = flat.size // n if n else 0

@@ -209,9 +209,9 @@ def test_columnar_chunk_rows_group_by_doc_id(tmp_path):
     ("null_chunk_vector", "row 1: chunk rows need a vector: give this row its chunk's vector"),
     ("split_doc", "row 2: the rows of document 'a' are not contiguous: sort or group the rows by doc_id"),
     ("strings", "must hold lists of numbers"),
-    ("nan", "row 1: vector[1] is NaN: every element must be a finite number"),
-    ("inf_chunk_rows", "row 2: vector[0] is -inf: every element must be a finite number"),
-    ("big", "row 0: vector[0] is 1e+39 (outside float32's range)"),
+    ("nan", "row 1: vector[1] is NaN: vector elements must be finite numbers"),
+    ("inf_chunk_rows", "row 2: vector[0] is -Infinity: vector elements must be finite numbers"),
+    ("big", "row 0: vector[0] is 1e+39, which overflows float32"),
     ("bad_metadata", "row 0"),
 ])
 def test_columnar_errors_name_the_file_and_row(tmp_path, table, message):
