@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 
 from oprag.v1 import oprag_pb2, oprag_pb2_grpc
 
+from . import cpu_latency
 from .config import ServerConfig
 from .engine.commit import CommitProtocol
 from .engine.embedder import EmbedWorker
@@ -60,6 +61,7 @@ class Runtime:
         self.encoder = encoder
         self.generator = generator
         self.metrics = Metrics()
+        self.cpu_latency = None  # a held --cpu-latency-us request (cpu_latency.CpuLatencyRequest)
         self.pool = ShardPool(cfg.shards, encoder.dim, cfg.data_dir, stem=cfg.bm25.stem, dense=cfg.dense,
                               replicas=cfg.replicas, storage=cfg.storage_uri, **_placement(cfg))
         self.corpus_stats = CorpusStats()
@@ -281,6 +283,8 @@ class Runtime:
             self.embed_query_executor.shutdown(wait=False, cancel_futures=True)
         if self.tracing is not None:
             self.tracing.shutdown()  # flushes the spans not yet exported
+        if self.cpu_latency is not None:
+            self.cpu_latency.close()
 
 
 def grpc_options(cfg: ServerConfig) -> list[tuple[str, int]]:
@@ -336,6 +340,11 @@ async def serve(cfg: ServerConfig, *, encoder: Any = None, generator: Any = None
     if not models_loaded:  # start-up checks (models found, ports, data dir); warm-up below
         encoder, generator = preflight(cfg)
     rt = Runtime(cfg, encoder, generator)
+    # --cpu-latency-us: held from before the shards start to rt.close (a refusal stops the start here)
+    rt.cpu_latency = cpu_latency.hold(cfg.cpu_latency_us)
+    if rt.cpu_latency is not None:  # read at each scrape (another process may hold a lower one); -1 once released
+        held = rt.cpu_latency
+        rt.metrics.cpu_latency_qos.set_function(lambda: -1 if held.effective() is None else held.effective())
     if cfg.otlp_endpoint:
         from .service.tracing import Tracing
 

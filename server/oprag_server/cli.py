@@ -44,6 +44,10 @@ _OPTIONS: tuple[tuple[str, str, str, str], ...] = (
     ("--event-loop", "", "event_loop",
      "the frontend's event loop: 'asyncio' (the standard library's) or 'uvloop' (libuv, extra 'uvloop': the same "
      "replies, ~0.3 ms less frontend CPU per Retrieve in bench/RESULTS.md)"),
+    ("--cpu-latency-us", "", "cpu_latency_us",
+     "hold a Linux CPU latency QoS request of this many microseconds while serving (/dev/cpu_dma_latency; needs "
+     "root or write access to it): idle CPUs then wake within it (0: they poll instead of halting), which cut the "
+     "12K-chunk Retrieve p50 on a 2-CPU VM in bench/RESULTS.md; idle CPUs spin meanwhile, machine-wide. -1 = off"),
     ("--embedder", "embed", "model", "'minilm' or a local encoder directory"),
     ("--generator", "generate", "model",
      "'smollm2' (= 'builtin'), a local HF causal LM directory, 'none', 'openai' (an OpenAI-compatible engine), "

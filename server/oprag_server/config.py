@@ -358,6 +358,8 @@ class ServerConfig:
     shard_workers: str = "process"
     # the frontend's event loop: "asyncio" (the standard library's) or "uvloop" (extra 'uvloop')
     event_loop: str = "asyncio"
+    # a CPU latency QoS request held while serving, microseconds (cpu_latency.py); -1 = off
+    cpu_latency_us: int = -1
     chunking: ChunkingConfig = field(default_factory=ChunkingConfig)
     bm25: BM25Config = field(default_factory=BM25Config)
     retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
@@ -388,6 +390,8 @@ class ServerConfig:
             raise ValueError(f"shard workers must be 'process' or 'thread', got {self.shard_workers!r}")
         if self.event_loop not in ("asyncio", "uvloop"):
             raise ValueError(f"event loop must be 'asyncio' or 'uvloop', got {self.event_loop!r}")
+        if self.cpu_latency_us != -1 and not 0 <= self.cpu_latency_us <= 2_000_000_000:
+            raise ValueError(f"--cpu-latency-us must be -1 (off) or in [0, 2000000000] microseconds, got {self.cpu_latency_us}")
         if self.shard_workers == "thread" and (self.replicas > 1 or self.ray.address is not None):
             raise ValueError("--shard-workers thread serves each shard once in this process: "
                              "it takes neither --replicas above 1 nor --ray-address")

@@ -114,6 +114,10 @@ class Metrics:
             "generated, finish_reason no_sources) or generated (--answer-without-sources generate)", ["action"],
             registry=r)
         self.chunks = Gauge("oprag_chunks", "Live chunks in the index", registry=r)
+        self.cpu_latency_qos = Gauge(
+            "oprag_cpu_latency_qos_us", "The machine's effective CPU latency QoS target in microseconds while this "
+            "server holds a request (--cpu-latency-us); -1 when it holds none", registry=r)
+        self.cpu_latency_qos.set(-1)
         self.documents = Gauge("oprag_documents", "Live documents in the index", registry=r)
         self.memory_records = Gauge("oprag_memory_records", "Conversational memory records held by the shards",
                                     registry=r)

@@ -1,0 +1,52 @@
+"""``--cpu-latency-us`` (:mod:`oprag_server.cpu_latency`): the request written as the kernel's
+interface reads it (a native 32-bit integer, held while the file is open), read back, released;
+refusals say what to change. The device is a temporary file here; the served test with the real
+``/dev/cpu_dma_latency`` is ``tests/integration/test_cpu_latency_server.py``."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from oprag_server import cpu_latency
+from oprag_server.cli import build_parser, config_from_args, main
+
+
+def test_request_written_as_a_native_int32_read_back_and_released(tmp_path):
+    dev = tmp_path / "qos"
+    dev.write_bytes(struct.pack("=i", 2_000_000_000))
+    req = cpu_latency.hold(55, str(dev))
+    try:
+        assert dev.read_bytes()[:4] == struct.pack("=i", 55)
+        assert req.effective() == 55
+    finally:
+        req.close()
+    assert req.fd is None and req.effective() is None
+    req.close()  # idempotent
+
+
+def test_off_holds_nothing(tmp_path):
+    assert cpu_latency.hold(-1, str(tmp_path / "absent")) is None
+
+
+@pytest.mark.parametrize("us", [-2, 2_000_000_001])
+def test_out_of_range_is_refused(us):
+    with pytest.raises(ValueError, match="must be -1 .off. or in"):
+        cpu_latency.CpuLatencyRequest(us)
+    with pytest.raises(ValueError, match="--cpu-latency-us must be -1"):
+        config_from_args(build_parser().parse_args(["--cpu-latency-us", str(us)]))
+
+
+def test_a_device_that_cannot_be_opened_names_it_and_the_way_out(tmp_path):
+    with pytest.raises(RuntimeError) as e:
+        cpu_latency.hold(0, str(tmp_path / "no-such-device"))
+    msg = str(e.value)
+    assert "no-such-device" in msg and "--cpu-latency-us at -1" in msg
+
+
+def test_cli_default_is_off_and_a_bad_value_exits_2(capsys):
+    assert config_from_args(build_parser().parse_args([])).cpu_latency_us == -1
+    assert config_from_args(build_parser().parse_args(["--cpu-latency-us", "0"])).cpu_latency_us == 0
+    assert main(["--cpu-latency-us", "-7", "--generator", "none"]) == 2
+    assert "--cpu-latency-us must be -1 (off)" in capsys.readouterr().err
