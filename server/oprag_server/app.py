@@ -61,7 +61,6 @@ class Runtime:
         self.encoder = encoder
         self.generator = generator
         self.metrics = Metrics()
-        self.cpu_latency = None  # a held --cpu-latency-us request (cpu_latency.CpuLatencyRequest)
         self.pool = ShardPool(cfg.shards, encoder.dim, cfg.data_dir, stem=cfg.bm25.stem, dense=cfg.dense,
                               replicas=cfg.replicas, storage=cfg.storage_uri, **_placement(cfg))
         self.corpus_stats = CorpusStats()
@@ -283,8 +282,7 @@ class Runtime:
             self.embed_query_executor.shutdown(wait=False, cancel_futures=True)
         if self.tracing is not None:
             self.tracing.shutdown()  # flushes the spans not yet exported
-        if self.cpu_latency is not None:
-            self.cpu_latency.close()
+        cpu_latency.release(getattr(self, "cpu_latency", None))  # --cpu-latency-us (held in serve)
 
 
 def grpc_options(cfg: ServerConfig) -> list[tuple[str, int]]:
@@ -340,11 +338,7 @@ async def serve(cfg: ServerConfig, *, encoder: Any = None, generator: Any = None
     if not models_loaded:  # start-up checks (models found, ports, data dir); warm-up below
         encoder, generator = preflight(cfg)
     rt = Runtime(cfg, encoder, generator)
-    # --cpu-latency-us: held from before the shards start to rt.close (a refusal stops the start here)
-    rt.cpu_latency = cpu_latency.hold(cfg.cpu_latency_us)
-    if rt.cpu_latency is not None:  # read at each scrape (another process may hold a lower one); -1 once released
-        held = rt.cpu_latency
-        rt.metrics.cpu_latency_qos.set_function(lambda: -1 if held.effective() is None else held.effective())
+    rt.cpu_latency = cpu_latency.hold(cfg.cpu_latency_us, gauge=rt.metrics.cpu_latency_qos)  # a refusal stops here
     if cfg.otlp_endpoint:
         from .service.tracing import Tracing
 

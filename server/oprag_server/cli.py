@@ -199,6 +199,10 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
     for section, kw in sections.items():
         top[section] = _field("", section).default_factory(**kw)
     cfg = ServerConfig(**top)
+    if cfg.cpu_latency_us != -1:  # its range (ValueError); app.serve checks it again when it holds the request
+        from .cpu_latency import CpuLatencyRequest  # noqa: PLC0415
+
+        CpuLatencyRequest(cfg.cpu_latency_us)
     from .index.ann import IVF_TRAIN_FLOOR  # noqa: PLC0415
 
     if cfg.dense.train_min < IVF_TRAIN_FLOOR:  # (below it FAISS printed a warning at every training: index.ann)

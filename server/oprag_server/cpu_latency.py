@@ -93,10 +93,21 @@ class CpuLatencyRequest:
         self.close()
 
 
-def hold(us: int, device: str = DEVICE) -> CpuLatencyRequest | None:
-    """:class:`CpuLatencyRequest` ``us`` opened, or None for ``us == -1`` (off).
+def hold(us: int, device: str = DEVICE, gauge=None) -> CpuLatencyRequest | None:
+    """:class:`CpuLatencyRequest` ``us`` opened, or None for ``us == -1`` (off). ``gauge``: a
+    prometheus_client ``Gauge`` that then reads :meth:`CpuLatencyRequest.effective` at each scrape
+    (another process may hold a lower request), -1 once released.
 
     :raises ValueError | RuntimeError: as :class:`CpuLatencyRequest`."""
     if int(us) == -1:
         return None
-    return CpuLatencyRequest(us, device).open()
+    req = CpuLatencyRequest(us, device).open()
+    if gauge is not None:
+        gauge.set_function(lambda: -1 if req.effective() is None else req.effective())
+    return req
+
+
+def release(req: CpuLatencyRequest | None) -> None:
+    """Close ``req`` when there is one (the server's shutdown)."""
+    if req is not None:
+        req.close()

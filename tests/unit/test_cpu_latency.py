@@ -50,3 +50,19 @@ def test_cli_default_is_off_and_a_bad_value_exits_2(capsys):
     assert config_from_args(build_parser().parse_args(["--cpu-latency-us", "0"])).cpu_latency_us == 0
     assert main(["--cpu-latency-us", "-7", "--generator", "none"]) == 2
     assert "--cpu-latency-us must be -1 (off)" in capsys.readouterr().err
+
+
+def test_gauge_reads_the_effective_target_at_each_scrape(tmp_path):
+    from prometheus_client import CollectorRegistry, Gauge
+
+    dev = tmp_path / "qos"
+    dev.write_bytes(struct.pack("=i", 2_000_000_000))
+    reg = CollectorRegistry()
+    g = Gauge("qos_us", "test", registry=reg)
+    req = cpu_latency.hold(7, str(dev), gauge=g)
+    assert reg.get_sample_value("qos_us") == 7
+    dev.write_bytes(struct.pack("=i", 3))  # (another process's lower request, as the device would read)
+    assert reg.get_sample_value("qos_us") == 3
+    cpu_latency.release(req)
+    assert reg.get_sample_value("qos_us") == -1
+    cpu_latency.release(None)
