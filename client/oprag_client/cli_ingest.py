@@ -162,7 +162,8 @@ def cmd_ingest(a) -> int:
     if a.json:
         print(json.dumps(summary))
     else:
-        print(f"ingested {summary['documents']} documents, {summary['chunks']} chunks in {el:.1f} s "
+        replaced = f" ({summary['replaced']} of them replaced documents with the same id)" if summary.get("replaced") else ""
+        print(f"ingested {summary['documents']} documents{replaced}, {summary['chunks']} chunks in {el:.1f} s "
               f"({summary['chunks_per_s']} chunks/s); {len(summary['rejected'])} rejected")
     if totals["documents"] == 0:  # every document rejected: nothing stored is a failure (some rejected: not)
         return _fail(f"nothing stored: all {len(totals['rejected'])} documents were rejected (reasons above)")

@@ -338,7 +338,6 @@ async def serve(cfg: ServerConfig, *, encoder: Any = None, generator: Any = None
     if not models_loaded:  # start-up checks (models found, ports, data dir); warm-up below
         encoder, generator = preflight(cfg)
     rt = Runtime(cfg, encoder, generator)
-    rt.cpu_latency = cpu_latency.hold(cfg.cpu_latency_us, gauge=rt.metrics.cpu_latency_qos)  # a refusal stops here
     if cfg.otlp_endpoint:
         from .service.tracing import Tracing
 
@@ -359,6 +358,7 @@ async def serve(cfg: ServerConfig, *, encoder: Any = None, generator: Any = None
             from .service.http import start_http
 
             http, http_task = await start_http(cfg, rt, load_tokens(cfg.security.tokens_file))
+        rt.cpu_latency = cpu_latency.hold(cfg.cpu_latency_us, gauge=rt.metrics.cpu_latency_qos)  # checked in preflight
     except BaseException:
         try:
             if http is not None:

@@ -10,6 +10,9 @@ ends when it is closed; Documentation/power/pm_qos_interface.rst) keeps every CP
 whose exit latency is at most N: with 0 an idle CPU polls instead of halting. This is what
 tuned's ``latency-performance`` profile does (``force_latency``).
 
+The server checks the device at start-up, before it writes anything (:func:`check`), and holds
+the request from when it starts serving (just before ``OPRAG READY``) until it stops.
+
 Cost: idle CPUs spin while the request is held (the guest still counts the time as idle; the
 host sees busy virtual CPUs, and a laptop draws more power). It changes the whole machine's idle
 policy, not only this process's, for as long as the server runs, so it is off by default.
@@ -20,6 +23,7 @@ and without the request held, rounds alternated.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import struct
@@ -36,27 +40,20 @@ class CpuLatencyRequest:
     """A held CPU latency QoS request of ``us`` microseconds (module docstring).
 
     :param us: int, 0 to :data:`MAX_US` microseconds (0: idle CPUs poll).
-    :param device: the QoS device (tests point it elsewhere).
+    :param device: the QoS device (None: :data:`DEVICE`; tests point it elsewhere).
     :raises ValueError: ``us`` out of range.
     :raises RuntimeError: from :meth:`open`: the device cannot be opened or written, with what to
         change (permissions, a container's device list, or leaving the option off).
     """
 
-    def __init__(self, us: int, device: str = DEVICE) -> None:
+    def __init__(self, us: int, device: str | None = None) -> None:
         if not 0 <= int(us) <= MAX_US:
             raise ValueError(f"--cpu-latency-us must be -1 (off) or in [0, {MAX_US}] microseconds, got {us}")
-        self.us, self.device, self.fd = int(us), device, None
+        self.us, self.device, self.fd = int(us), device or DEVICE, None
 
     def open(self) -> "CpuLatencyRequest":
         """Open the device and write the request (held until :meth:`close`)."""
-        try:
-            fd = os.open(self.device, os.O_RDWR)
-        except OSError as exc:
-            hint = ("run the server as root or give its user write access to it (docker: --device "
-                    f"{DEVICE}; Kubernetes: a privileged container)" if exc.errno in (1, 13) else
-                    "this needs Linux with CPU latency QoS (CONFIG_CPU_IDLE)")
-            raise RuntimeError(f"--cpu-latency-us {self.us}: cannot open {self.device} ({exc.strerror}): {hint}; "
-                               "or leave --cpu-latency-us at -1 (off)") from None
+        fd = _open(self.us, self.device)
         try:
             os.write(fd, struct.pack("=i", self.us))
         except OSError as exc:
@@ -93,7 +90,35 @@ class CpuLatencyRequest:
         self.close()
 
 
-def hold(us: int, device: str = DEVICE, gauge=None) -> CpuLatencyRequest | None:
+def _open(us: int, device: str) -> int:
+    """A writable descriptor of the QoS device. :raises RuntimeError: what to change."""
+    try:
+        return os.open(device, os.O_RDWR)
+    except OSError as exc:
+        if exc.errno == errno.ENOENT:
+            hint = (f"no such device: in a container pass it in (docker: --device {DEVICE} --user 0), else this "
+                    "kernel has no CPU latency QoS (CONFIG_CPU_IDLE)")
+        elif exc.errno in (errno.EACCES, errno.EPERM):
+            hint = ("the device is root's: run the server as root or give its user write access (docker: --device "
+                    f"{DEVICE} --user 0; Kubernetes: privileged: true and runAsUser: 0), or hold the request on the "
+                    "host instead (tuned-adm profile latency-performance; deploy/README.md)")
+        else:
+            hint = "see deploy/README.md, 'Low-latency hosts'"
+        raise RuntimeError(f"--cpu-latency-us {us}: cannot open {device} ({exc.strerror}): {hint}; or leave "
+                           "--cpu-latency-us at -1 (off)") from None
+
+
+def check(us: int, device: str | None = None) -> None:
+    """Start-up check, before anything is written (:func:`..startup.preflight`): ``us`` in range
+    and the device writable by this process (opened and closed again; nothing requested).
+
+    :raises ValueError | RuntimeError: as :class:`CpuLatencyRequest`."""
+    if int(us) != -1:
+        req = CpuLatencyRequest(us, device)
+        os.close(_open(req.us, req.device))
+
+
+def hold(us: int, device: str | None = None, gauge=None) -> CpuLatencyRequest | None:
     """:class:`CpuLatencyRequest` ``us`` opened, or None for ``us == -1`` (off). ``gauge``: a
     prometheus_client ``Gauge`` that then reads :meth:`CpuLatencyRequest.effective` at each scrape
     (another process may hold a lower request), -1 once released.

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from . import cpu_latency
 from .config import ChunkingConfig, ServerConfig
 
 #: Version of the data directory layout, written to ``<data_dir>/oprag.json``.
@@ -29,8 +30,9 @@ log = logging.getLogger("oprag")
 
 def preflight(cfg: ServerConfig) -> tuple[Any, Any | None]:
     """Find the models (not loaded yet), check the chunk size against the embedder's special
-    tokens (:func:`check_chunk_size`) and the gRPC, metrics and HTTP ports, then check and
-    lock the data directory (a start refused for a taken port writes nothing there).
+    tokens (:func:`check_chunk_size`), the ``--cpu-latency-us`` device and the gRPC, metrics and
+    HTTP ports, then check and lock the data directory (a start refused for a taken port or an
+    unwritable QoS device writes nothing there).
 
     :returns: the (not yet warmed up) encoder and generator (None for ``--generator none``).
     :raises RuntimeError | ValueError: with a message that says what to change.
@@ -50,6 +52,7 @@ def preflight(cfg: ServerConfig) -> tuple[Any, Any | None]:
 
         OwnerLease(ObjectStore.from_uri(cfg.storage_uri)).acquire(check_only=True)
     check_security_files(cfg)
+    cpu_latency.check(cfg.cpu_latency_us)  # the QoS device writable (held once serving: app.serve)
     check_port(cfg.host, cfg.port, "gRPC port (--port)")
     check_port(cfg.metrics_host or cfg.host, cfg.metrics_port, "metrics port (--metrics-port)")
     check_port(cfg.host, cfg.http_port, "HTTP port (--http-port)")

@@ -215,3 +215,15 @@ def test_ctrl_c_during_a_multi_stream_ingest_says_what_was_committed(server, tmp
     assert committed >= 40 and committed < 2000
     assert stored in (committed, committed + 40)  # the cancelled stream: whole or nothing
     assert "committed (the first" in err and "interrupted (Ctrl-C)" in err
+
+
+def test_ingest_summary_says_how_many_replaced_a_document(server, tmp_path):
+    """trial29 #6: a second ingest under the same ids (two pipes both named ``stdin``) replaced
+    the first silently: the human summary said only "ingested 2 documents"."""
+    rows = [{"id": f"rep{i}", "text": f"replacement check {i}", "vector": _vec(100 + i)} for i in range(2)]
+    first = _oprag(server, "ingest", "--format", "jsonl", "--no-progress", _jsonl(tmp_path / "a.jsonl", rows))
+    assert first.returncode == 0, first.stderr
+    assert "replaced" not in first.stdout, first.stdout
+    again = _oprag(server, "ingest", "--format", "jsonl", "--no-progress", _jsonl(tmp_path / "b.jsonl", rows[:1]))
+    assert again.returncode == 0, again.stderr
+    assert "ingested 1 documents (1 of them replaced documents with the same id)" in again.stdout, again.stdout

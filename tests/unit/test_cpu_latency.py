@@ -66,3 +66,32 @@ def test_gauge_reads_the_effective_target_at_each_scrape(tmp_path):
     cpu_latency.release(req)
     assert reg.get_sample_value("qos_us") == -1
     cpu_latency.release(None)
+
+
+def test_messages_name_the_container_way_in(tmp_path):
+    with pytest.raises(RuntimeError, match=r"no such device: in a container pass it in \(docker: --device /dev/cpu_dma_latency --user 0\)"):
+        cpu_latency.check(0, str(tmp_path / "absent"))
+    ro = tmp_path / "ro"
+    ro.write_bytes(b"\0\0\0\0")
+    ro.chmod(0o400)
+    import os
+
+    if os.access(ro, os.W_OK):  # root writes anyway: the permission branch is not reachable here
+        pytest.skip("running as root")
+    with pytest.raises(RuntimeError, match="runAsUser: 0"):  # pragma: no cover - non-root runs only
+        cpu_latency.check(0, str(ro))
+
+
+def test_a_refused_device_stops_preflight_before_the_data_dir_is_written(tmp_path, monkeypatch):
+    """trial29 #1: the refusal came after preflight had created the data dir and its oprag.json,
+    which then pinned --shards for a directory that never held a corpus."""
+    from oprag_server.startup import preflight
+
+    monkeypatch.setattr(cpu_latency, "DEVICE", str(tmp_path / "absent-device"))
+    data = tmp_path / "data"
+    cfg = config_from_args(build_parser().parse_args(
+        ["--generator", "none", "--data-dir", str(data), "--port", "0", "--metrics-port", "0", "--cpu-latency-us", "0"]))
+    with pytest.raises(RuntimeError, match="absent-device"):
+        preflight(cfg)
+    assert not data.exists()
+    cpu_latency.check(-1)  # off: nothing opened, nothing raised

@@ -74,3 +74,11 @@ def test_a_folder_s_dangling_link_and_fifo_are_skipped_with_a_message(tmp_path, 
     os.mkfifo(tmp_path / "a" / "p.parquet")  # the parquet / arrow folder walk says so too
     assert list(load_parquet([tmp_path / "a"])) == []
     assert capsys.readouterr().err == f"oprag: skipping {tmp_path}/a/p.parquet: a FIFO, not a regular file\n"
+
+
+def test_oversized_metadata_says_what_to_do():
+    """trial29 #7: the reason said only "metadata is N bytes; the limit is 16384"."""
+    doc = oprag_pb2.Document(id="d", text="zebra", metadata={"k": "v" * (LIM.max_metadata_bytes + 10)})
+    reason = validate_document(doc, LIM)
+    assert reason.startswith(f"metadata is {LIM.max_metadata_bytes + 11} bytes (keys and values); the limit is "
+                             f"{LIM.max_metadata_bytes}: shorten or drop values"), reason

@@ -81,10 +81,11 @@ def validate_document(doc: Any, limits: LimitsConfig) -> str | None:
     except ValueError as exc:
         return str(exc)
     if len(meta) > limits.max_metadata_entries:
-        return f"metadata has {len(meta)} entries; the limit is {limits.max_metadata_entries}"
+        return f"metadata has {len(meta)} entries; the limit is {limits.max_metadata_entries}: drop or merge entries"
     msize = md.size_bytes(meta)
     if msize > limits.max_metadata_bytes:
-        return f"metadata is {msize} bytes; the limit is {limits.max_metadata_bytes}"
+        return (f"metadata is {msize} bytes (keys and values); the limit is {limits.max_metadata_bytes}: shorten or drop "
+                "values (put long text in the document's text)")
     return None
 
 
