@@ -165,6 +165,7 @@ def machine_info() -> dict:
                     break
     except OSError:  # pragma: no cover
         pass
+    info.update(idle_policy())
     from importlib import metadata
 
     for dist in ("torch", "faiss-cpu", "numpy", "grpcio", "rank-bm25", "transformers", "pyarrow",
@@ -174,6 +175,34 @@ def machine_info() -> dict:
         except metadata.PackageNotFoundError:
             pass
     return info
+
+
+def idle_policy() -> dict:
+    """How this machine's idle CPUs wake (session 29: it moves a 12K Retrieve's p50 by ~10%):
+    ``cpuidle_driver`` and ``guest_halt_poll_ns`` (KVM guests' haltpoll; 0: an idle vCPU halts at
+    once) from sysfs, and ``cpu_latency_target_us``, the effective CPU latency QoS target
+    (``/dev/cpu_dma_latency``: 0 while some process, e.g. ``oprag serve --cpu-latency-us 0``,
+    holds a 0 us request; 2e9 = none); each left out where it cannot be read."""
+    import struct
+
+    out: dict = {}
+    for key, path in (("cpuidle_driver", "/sys/devices/system/cpu/cpuidle/current_driver"),
+                      ("guest_halt_poll_ns", "/sys/module/haltpoll/parameters/guest_halt_poll_ns")):
+        try:
+            with open(path) as f:
+                v = f.read().strip()
+            out[key] = int(v) if v.isdigit() else v
+        except OSError:
+            pass
+    try:
+        fd = os.open("/dev/cpu_dma_latency", os.O_RDONLY)
+        try:
+            out["cpu_latency_target_us"] = struct.unpack("=i", os.read(fd, 4))[0]
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+    return out
 
 
 # ------------------------------------------------------------------------------ server
