@@ -90,10 +90,12 @@ def _query_arrays(ix: PostingsIndex, terms: Sequence[str]) -> tuple[np.ndarray, 
     posting) and the live postings of the delta layers (ascending slots per position)."""
     seg_df, vocab = ix._seg_df, ix._seg.vocab  # noqa: SLF001 - the index's own package
     tids = np.array([-1 if t is None or not seg_df[t] else t for t in map(vocab.get, terms)], np.int64)
+    layers = [(layer, code) for layer, code in ix._delta_layers() if layer.n]  # noqa: SLF001 - live postings only
+    if not layers:  # (a loaded snapshot, a merge just installed: ~30 us less per shard search, session 29)
+        return tids, np.zeros(len(terms) + 1, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float64)
     d_slots, d_tf, d_off = [], [], [0]
     for t in terms:
-        got = [a for layer, code in ix._delta_layers()  # noqa: SLF001
-               if (a := layer.arrays(t, ix._where, code)) is not None]  # noqa: SLF001
+        got = [a for layer, code in layers if (a := layer.arrays(t, ix._where, code)) is not None]  # noqa: SLF001
         if len(got) > 1:  # ascending slots per position (the MaxScore path searches them)
             s_, f_ = np.concatenate([a[0] for a in got]), np.concatenate([a[1] for a in got])
             o = np.argsort(s_, kind="stable")
