@@ -16,6 +16,7 @@ import pytest
 
 from oprag_client.client import Doc, OpRAGClient
 from oprag_client.testing import ServerProcess
+from oprag_server import cpu_latency
 from oprag_server.cpu_latency import DEVICE
 
 pytestmark = pytest.mark.integration
@@ -62,3 +63,21 @@ def test_without_the_flag_the_gauge_says_none_held(tmp_path):
         assert _gauge(srv.metrics_port) == -1
     finally:
         srv.stop()
+
+
+@pytest.mark.skipif(not os.access(DEVICE, os.W_OK), reason=f"{DEVICE} not writable here")
+def test_bench_machine_info_records_the_effective_target():
+    """The benchmarks' ``machine_info`` says under which idle policy a figure was measured. (Here, not
+    in tests/unit: the device is machine-wide, and this file's tests run one after another on one
+    xdist worker, so no other test holds a request meanwhile.)"""
+    from bench._common import idle_policy
+
+    before = idle_policy().get("cpu_latency_target_us")
+    if before == 0:
+        pytest.skip("another process already holds a 0 us request")
+    req = cpu_latency.hold(0)
+    try:
+        assert idle_policy()["cpu_latency_target_us"] == 0
+    finally:
+        req.close()
+    assert idle_policy()["cpu_latency_target_us"] == before
