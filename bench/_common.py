@@ -183,8 +183,6 @@ def idle_policy() -> dict:
     once) from sysfs, and ``cpu_latency_target_us``, the effective CPU latency QoS target
     (``/dev/cpu_dma_latency``: 0 while some process, e.g. ``oprag serve --cpu-latency-us 0``,
     holds a 0 us request; 2e9 = none); each left out where it cannot be read."""
-    import struct
-
     out: dict = {}
     for key, path in (("cpuidle_driver", "/sys/devices/system/cpu/cpuidle/current_driver"),
                       ("guest_halt_poll_ns", "/sys/module/haltpoll/parameters/guest_halt_poll_ns")):
@@ -194,14 +192,10 @@ def idle_policy() -> dict:
             out[key] = int(v) if v.isdigit() else v
         except OSError:
             pass
-    try:
-        fd = os.open("/dev/cpu_dma_latency", os.O_RDONLY)
-        try:
-            out["cpu_latency_target_us"] = struct.unpack("=i", os.read(fd, 4))[0]
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
+    from oprag_server.cpu_latency import read_target
+
+    if (target := read_target()) is not None:
+        out["cpu_latency_target_us"] = target
     return out
 
 

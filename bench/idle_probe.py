@@ -71,15 +71,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    fd = None
-    if a.qos:
-        fd = os.open("/dev/cpu_dma_latency", os.O_WRONLY)
-        os.write(fd, struct.pack("=i", 0))
+    from oprag_server.cpu_latency import hold, release
+
+    req = hold(0 if a.qos else -1)
     try:
         rows = [run(bool(w), float(g), a.n) for w in (0, 1) for g in a.gaps.split(",")]
     finally:
-        if fd is not None:
-            os.close(fd)
+        release(req)
     for r in rows:
         print(("qos " if a.qos else "") + " ".join(f"{k}={v}" for k, v in r.items()), flush=True)
     out = {"qos": a.qos, "rows": rows, "load": round(os.getloadavg()[0], 2), "machine": machine_info()}

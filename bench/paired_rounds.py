@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import struct
 import time
 from pathlib import Path
 
@@ -45,6 +44,7 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     from oprag_client.client import OpRAGClient, query_request
     from oprag_client.testing import ServerProcess
+    from oprag_server.cpu_latency import hold, release
 
     total = a.rounds * a.per
     if a.scifact:
@@ -75,10 +75,7 @@ def main(argv=None) -> dict:
         for rd in range(a.rounds):
             part = reqs[rd * a.per:(rd + 1) * a.per]
             for i in (range(len(arms)) if rd % 2 == 0 else reversed(range(len(arms)))):
-                fd = None
-                if arms[i][2] == "1":
-                    fd = os.open("/dev/cpu_dma_latency", os.O_WRONLY)
-                    os.write(fd, struct.pack("=i", 0))
+                req = hold(0 if arms[i][2] == "1" else -1)
                 lat, sv = [], []
                 try:
                     for r in part:
@@ -87,8 +84,7 @@ def main(argv=None) -> dict:
                         lat.append((time.perf_counter() - t) * 1000)
                         sv.append(rep.timings_ms.get("retrieve", 0.0))
                 finally:
-                    if fd is not None:
-                        os.close(fd)
+                    release(req)
                 p50[a.arm[i]].append(percentile(lat, 50))
                 ret[a.arm[i]].append(percentile(sv, 50))
             log(f"round {rd}: " + " ".join(f"{p50[x][-1]:.2f}" for x in a.arm) + f" (load {os.getloadavg()[0]:.2f})")

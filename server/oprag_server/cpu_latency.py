@@ -128,8 +128,28 @@ def hold(us: int, device: str | None = None, gauge=None) -> CpuLatencyRequest | 
         return None
     req = CpuLatencyRequest(us, device).open()
     if gauge is not None:
-        gauge.set_function(lambda: -1 if req.effective() is None else req.effective())
+        def value() -> int:
+            e = req.effective()
+            return -1 if e is None else e
+        gauge.set_function(value)
     return req
+
+
+def read_target(device: str | None = None) -> int | None:
+    """The machine's effective CPU latency target in microseconds (2e9: no request held), read
+    from a fresh read-only descriptor of the device (nothing requested); None when it cannot be
+    read (no device, not permitted)."""
+    try:
+        fd = os.open(device or DEVICE, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        raw = os.read(fd, 4)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return struct.unpack("=i", raw)[0] if len(raw) == 4 else None
 
 
 def release(req: CpuLatencyRequest | None) -> None:

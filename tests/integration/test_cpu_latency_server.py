@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import struct
 import urllib.request
 
 import numpy as np
@@ -23,11 +22,7 @@ pytestmark = pytest.mark.integration
 
 
 def _target() -> int:
-    fd = os.open(DEVICE, os.O_RDONLY)
-    try:
-        return struct.unpack("=i", os.read(fd, 4))[0]
-    finally:
-        os.close(fd)
+    return cpu_latency.read_target()
 
 
 def _gauge(port: int) -> float:

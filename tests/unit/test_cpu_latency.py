@@ -96,3 +96,10 @@ def test_a_refused_device_stops_preflight_before_the_data_dir_is_written(tmp_pat
     assert not data.exists()
     cpu_latency.check(-1)  # off: nothing opened, nothing raised
 
+
+
+def test_read_target_reads_the_device_and_says_none_without_one(tmp_path):
+    dev = tmp_path / "qos"
+    dev.write_bytes(struct.pack("=i", 123))
+    assert cpu_latency.read_target(str(dev)) == 123
+    assert cpu_latency.read_target(str(tmp_path / "absent")) is None
