@@ -30,6 +30,22 @@ import numpy as np
 from ._common import DEFAULT_SHARED, emit_json, hotpath_queries, log, machine_info, percentile, probe_texts, read_snapshot
 
 
+def scifact_queries(shared: Path, path: Path | None) -> tuple[list[str], np.ndarray]:
+    """The 809 SciFact train query texts and their MiniLM vectors float32[809, 384]: from the
+    ``.npz`` ``path`` (keys ``texts``, ``vectors``) when it exists, else computed (``../shared``
+    and the embedder) and saved there when ``path`` is given."""
+    if path is not None and path.exists():
+        z = np.load(path)
+        return [str(t) for t in z["texts"]], z["vectors"].astype(np.float32)
+    from . import _internals
+
+    texts = probe_texts("scifact", 809, shared)
+    Q = _internals.query_vectors(texts, "")
+    if path is not None:
+        np.savez(path, texts=np.array(texts), vectors=Q)
+    return texts, Q
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data-dir", type=Path, required=True)
@@ -39,6 +55,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--mode", default="hybrid")
     ap.add_argument("--scifact", action="store_true", help="SciFact train queries instead of perturbed chunks")
     ap.add_argument("--shared", type=Path, default=DEFAULT_SHARED)
+    ap.add_argument("--queries-file", type=Path, default=None,
+                    help="with --scifact: an .npz of the query texts and vectors, read when it exists (no "
+                         "../shared or embedder needed), else written there (for a machine without them)")
     ap.add_argument("--work", type=Path, default=Path("bench/out/paired"), help="where the data dir copies go")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
@@ -48,10 +67,7 @@ def main(argv=None) -> dict:
 
     total = a.rounds * a.per
     if a.scifact:
-        from . import _internals
-
-        texts = probe_texts("scifact", 809, a.shared)
-        Q = _internals.query_vectors(texts, "")
+        texts, Q = scifact_queries(a.shared, a.queries_file)
         reps = total // len(texts) + 1
         texts, Q = (texts * reps)[:total], np.concatenate([Q] * reps)[:total]
     else:

@@ -97,7 +97,7 @@ def test_a_bound_too_small_changes_the_result(monkeypatch):
     sh = _shard(rng, "random", 400, 64, 200)
     reqs = [SearchRequest(QueryBatch(_vectors(rng, "random", 1, 64), [["alpha"]], [np.ones(1)], 5.5, 1.5, 0.75),
                           "dense", n, fetch_k=0) for n in (1, 3, 10, 30) for _ in range(10)]
-    monkeypatch.setattr(kernels_scan.Int8Rows, "error", lambda self, q: 0.0)
+    monkeypatch.setattr(kernels_scan.Int8Rows, "error", lambda self, q, qn=None: 0.0)
     a, b = _both(sh, reqs)
     assert a != b
 

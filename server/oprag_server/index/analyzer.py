@@ -41,7 +41,7 @@ length of that list is the BM25 document length ``|D|`` (unit: tokens).
 
 Fast paths: pure-ASCII text skips normalisation (NFKC and casefold are the identity /
 ``str.lower`` on ASCII) and uses an ASCII-only precompiled regex; normalised text without CJK,
-combining marks or astral characters is split by one ``findall`` of ``[^\W_]+`` (the same
+combining marks or astral characters is split by one ``findall`` of ``[^\\W_]+`` (the same
 tokens as step 2 there), and the default-ignorable removal is skipped when a BMP-bitmap check
 finds no candidate. Both give exactly the general path's tokens
 (tests/unit/test_analyzer_fast_path.py: every code point, mixed random text, stemmed or not).

@@ -285,8 +285,12 @@ def skyband(d, lx, k):
     ``(positions int64 ascending, True)``, or ``(empty, False)`` when a score is not finite
     (the caller uses the reference). The elements beaten by fewer than ``k`` others (``q``
     beats a listed ``p``, ``lx[p] != 0``, when it is listed and higher on both scores; an
-    unlisted one when ``d[q] > d[p]`` and ``lx[q] > 0``), visited by dense score descending,
-    each against the ones before it, stopping at ``k`` beaters."""
+    unlisted one when ``d[q] > d[p]`` and ``lx[q] > 0``).
+
+    Visited by dense score descending, a group of equal dense scores at a time, with a min-heap
+    of the ``k`` largest nonzero BM25 scores of the groups before: ``p`` has ``k`` beaters
+    exactly when the heap is full and its least value exceeds ``p``'s threshold (``lx[p]``, 0
+    for an unlisted ``p``). O(M log M) for the sort, O(M log k) after it."""
     m = d.size
     for i in range(m):
         if not (np.isfinite(d[i]) and np.isfinite(lx[i])):
@@ -295,21 +299,44 @@ def skyband(d, lx, k):
         return np.zeros(0, np.int64), True
     if m <= k:
         return np.arange(m), True
-    order = _argsort_desc(d, np.arange(m))
-    ds, ls = d[order], lx[order]  # contiguous, by dense score descending
+    order = np.argsort(d)[::-1]  # (the order within a group of equal scores does not matter)
     keep = np.zeros(m, np.bool_)
-    for a in range(m):
-        dp, lp = ds[a], ls[a]
-        thr = lp if lp != 0.0 else 0.0  # unlisted: beaten by a higher dense score with lx > 0
-        beaten = 0
-        for c0 in range(0, a, 64):  # branch-free blocks (vectorised), stopping at k beaters
-            blk = 0
-            for c in range(c0, min(a, c0 + 64)):
-                blk += (ds[c] > dp) & (ls[c] > thr) & (ls[c] != 0.0)
-            beaten += blk
-            if beaten >= k:
-                break
-        keep[order[a]] = beaten < k
+    heap = np.empty(k, np.float64)  # min-heap: the k largest nonzero BM25 scores seen so far
+    hn = 0
+    a = 0
+    while a < m:
+        b = a + 1
+        while b < m and d[order[b]] == d[order[a]]:  # (beaters need a strictly higher dense score)
+            b += 1
+        for i in range(a, b):
+            p = order[i]
+            thr = lx[p] if lx[p] != 0.0 else 0.0
+            keep[p] = not (hn == k and heap[0] > thr)
+        for i in range(a, b):
+            v = lx[order[i]]
+            if v == 0.0:
+                continue
+            if hn < k:  # sift up
+                j = hn
+                hn += 1
+                while j > 0 and heap[(j - 1) >> 1] > v:
+                    heap[j] = heap[(j - 1) >> 1]
+                    j = (j - 1) >> 1
+                heap[j] = v
+            elif v > heap[0]:  # replace the least, sift down
+                j = 0
+                while True:
+                    c = 2 * j + 1
+                    if c >= k:
+                        break
+                    if c + 1 < k and heap[c + 1] < heap[c]:
+                        c += 1
+                    if heap[c] >= v:
+                        break
+                    heap[j] = heap[c]
+                    j = c
+                heap[j] = v
+        a = b
     return np.flatnonzero(keep), True
 
 

@@ -116,10 +116,18 @@ def row_bounds(vecs, codes, scale, out):
     return out
 
 
-def error_bound(e: float, c: float, d: int, q: np.ndarray) -> float:
+def query_norm(q: np.ndarray) -> float:
+    """``|q|``: the L2 norm of float32[D] ``q`` in float64, as every bound of this module and
+    :func:`.kernels_refine.fast_error` takes it (computed once per query by a caller that needs
+    several of them)."""
+    return float(np.linalg.norm(np.asarray(q, dtype=np.float64)))
+
+
+def error_bound(e: float, c: float, d: int, q: np.ndarray, qn: float | None = None) -> float:
     """Bound of ``|scan score - canonical score|`` for every row (module docstring), given
-    ``(E, C)`` of :func:`quantize`, the width D and the float32[D] query ``q``."""
-    qn = float(np.linalg.norm(np.asarray(q, dtype=np.float64)))
+    ``(E, C)`` of :func:`quantize`, the width D and the float32[D] query ``q`` (``qn``: its
+    :func:`query_norm`, when the caller has it)."""
+    qn = query_norm(q) if qn is None else qn
     g32 = (d + 1) * _U32 / (1.0 - (d + 1) * _U32)
     g64 = max(d, 1) * _U64 / (1.0 - max(d, 1) * _U64)
     return 2.0 * (e + g32 * c + g64 * (c + e)) * qn * (1.0 + 1e-6) + 1e-12
@@ -165,14 +173,15 @@ class Int8Rows:
             return scan(self.codes, self.scale, q, np.empty(self.codes.shape[0], np.float32))
         return scan_rows(self.codes, self.scale, rows, q, np.empty(rows.size, np.float32))
 
-    def row_scale(self, q: np.ndarray) -> float:
+    def row_scale(self, q: np.ndarray, qn: float | None = None) -> float:
         """The factor ``f`` of this query's per-row bounds: row r's scan score is within
-        ``f rb[r] + 1e-12`` of its canonical one (``2 |q|`` with :func:`error_bound`'s margin)."""
-        return 2.0 * float(np.linalg.norm(np.asarray(q, dtype=np.float64))) * (1.0 + 1e-6)
+        ``f rb[r] + 1e-12`` of its canonical one (``2 |q|`` with :func:`error_bound`'s margin;
+        ``qn``: :func:`query_norm` of ``q`` when the caller has it)."""
+        return 2.0 * (query_norm(q) if qn is None else qn) * (1.0 + 1e-6)
 
-    def error(self, q: np.ndarray) -> float:
-        """:func:`error_bound` for ``q``."""
-        return error_bound(self.e, self.c, self.codes.shape[1], q)
+    def error(self, q: np.ndarray, qn: float | None = None) -> float:
+        """:func:`error_bound` for ``q`` (``qn``: its :func:`query_norm`, when known)."""
+        return error_bound(self.e, self.c, self.codes.shape[1], q, qn)
 
 
 def warm() -> None:

@@ -36,14 +36,22 @@ _NO_ROWS = np.zeros(0, np.int64)
 
 
 def _index_module(name: str):
-    """``..index.<name>`` (a numba module), imported on first use: numba costs ~170 MB resident
-    per process, and the frontend imports this module (the shard process entry point) without
-    searching."""
-    return importlib.import_module(f"..index.{name}", __package__)
+    """A function returning ``..index.<name>`` (a numba module), imported on its first call:
+    numba costs ~170 MB resident per process, and the frontend imports this module (the shard
+    process entry point) without searching. The module is kept after that call (an
+    ``importlib`` lookup per use cost ~10 us of a shard search)."""
+    got: list = []
+
+    def module():
+        if not got:
+            got.append(importlib.import_module(f"..index.{name}", __package__))
+        return got[0]
+
+    return module
 
 
 _kernels, _kernels_scan, _kernels_low, _kernels_refine = (
-    functools.partial(_index_module, m) for m in ("kernels", "kernels_scan", "kernels_low", "kernels_refine"))
+    _index_module(m) for m in ("kernels", "kernels_scan", "kernels_low", "kernels_refine"))
 
 
 class Searcher(ExactMixin):
@@ -216,12 +224,13 @@ class Searcher(ExactMixin):
             rows = _NO_ROWS if every else dense.rows(allowed[i])
             # unfiltered: the kernel also takes the minimum (its sample argument: every row)
             if i8 is not None and np.isfinite(qi).all():  # a quarter of the bytes read (kernels_scan)
-                approx, err = i8.scores(qi, None if every else rows), i8.error(qi)
+                qn = _kernels_scan().query_norm(qi)  # |q|, once for the three bounds below
+                approx, err = i8.scores(qi, None if every else rows), i8.error(qi, qn)
                 sample = self._every(approx.size) if every else _NO_ROWS
                 kr = _kernels_refine()
                 short, ex, order, ties, low, status = kr.dense_step_fast(
-                    vecs, rows, every, approx, qi, err, n, sample, kr.fast_error(i8.c + i8.e, vecs.shape[1], qi),
-                    i8.rb, i8.row_scale(qi))
+                    vecs, rows, every, approx, qi, err, n, sample, kr.fast_error(i8.c + i8.e, vecs.shape[1], qi, qn),
+                    i8.rb, i8.row_scale(qi, qn))
             else:
                 approx, err = (vecs if every else vecs[rows]) @ qi, dense.score_error(qi)
                 sample = self._every(approx.size) if every else _NO_ROWS

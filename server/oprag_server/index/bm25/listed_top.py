@@ -64,17 +64,18 @@ def listed_top_scored(ix: PostingsIndex, terms: Sequence[str], idf: np.ndarray, 
         return (*_EMPTY, np.zeros(at.size, np.float64))
     seg, seg_df = ix._seg, ix._seg_df  # noqa: SLF001 - the index's own package
     every = allowed is None
-    cache = None
-    if every and cache_version is not None and _CACHE and _PRUNE and bool(np.all(idf >= 0.0)):
-        lc = listed_cache.of(ix)
-        cache = (lc, lc.generation(ix, cache_version), lc.key(terms, idf, avgdl, k1, b))
-        e = lc.get(cache[1], cache[2])
-        got = _from_kept(ix, e, m, idf, avgdl, k1, b) if e is not None else None
-        if got is not None:  # a widening round
-            at_scores = score_at() if score_at is not None else None
-            return (*got, at_scores)
     tids, d_off, ds, dt = _query_arrays(ix, terms)
-    if every and bool(np.all(idf >= 0.0)) and _PRUNE and _postings(seg, tids) + ds.size >= _FULL_BELOW:
+    # (only the pruned path keeps lists, so only it looks one up: a query below _FULL_BELOW has none)
+    if every and _PRUNE and _postings(seg, tids) + ds.size >= _FULL_BELOW and bool(np.all(idf >= 0.0)):
+        cache = None
+        if cache_version is not None and _CACHE:
+            lc = listed_cache.of(ix)
+            cache = (lc, lc.generation(ix, cache_version), lc.key(terms, idf, avgdl, k1, b))
+            e = lc.get(cache[1], cache[2])
+            got = _from_kept(ix, e, m, idf, avgdl, k1, b) if e is not None else None
+            if got is not None:  # a widening round
+                at_scores = score_at() if score_at is not None else None
+                return (*got, at_scores)
         at_scores = score_at() if score_at is not None else None
         return (*_pruned(ix, seg, seg_df, tids, idf, d_off, ds, dt, m, avgdl, k1, b, cache), at_scores)
     al = _NO_SLOTS if every else np.ascontiguousarray(allowed, dtype=np.int64)
