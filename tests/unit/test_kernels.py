@@ -17,7 +17,7 @@ import pytest
 from oprag_server import records
 from oprag_server.index import kernels, kernels_low
 from oprag_server.index.bm25 import listed_top as listed_top_mod
-from oprag_server.index.bm25.listed_top import listed_top, listed_top_reference
+from oprag_server.index.bm25.listed_top import listed_top, listed_top_reference, listed_top_scored
 from oprag_server.index.bm25.merging import _SEG
 from oprag_server.index.fusion import top_k_order
 from oprag_server.index.dense import fixed_order_dot
@@ -226,6 +226,12 @@ def test_bm25_top_m_kernel_is_score_all(seed, monkeypatch):
         assert all(ref[x] == y for x, y in zip(s.tolist(), sc.tolist()))  # score_all's values, bit for bit
         got = [(int(s[i]), sc[i].tobytes()) for i in top_k_order(sc, ids, m, rows=s)]
         assert got == [(int(rs[i]), rsc[i].tobytes()) for i in top_k_order(rsc, ids, m, rows=rs)]
+        # with a write counter: the per-chunk factors (bm25_norms) kept on the index, the same bits
+        at = rng.choice(live, 30)
+        for _ in range(2):  # computed, then reused
+            s2, sc2, listed2, at2 = listed_top_scored(ix, t, idf, avgdl, k1, b, m, allowed, at=at, cache_version=5)
+            assert listed2 == listed and s2.tolist() == s.tolist() and sc2.tobytes() == sc.tobytes()
+            assert at2.tobytes() == ix.score(at, t, idf, avgdl, k1, b).tobytes()
     with pytest.raises(ValueError):
         listed_top(ix, ["alpha"], np.ones(1), 3.0, 1.5, 0.75, 0)
 
