@@ -243,7 +243,8 @@ def run_size(a, size: int, kind: str, snap: dict, q, save) -> dict:
     timing = {"derive_s": 0.0}
     data = OUT / f"scale-{size}-{kind}"
     shutil.rmtree(data, ignore_errors=True)
-    args = ["--generator", "none", "--shards", str(a.shards), "--dense-index", kind, "--monitor-fraction", "0"]
+    args = ["--generator", "none", "--shards", str(a.shards), "--dense-index", kind, "--monitor-fraction", "0",
+            *a.server_arg]
     peak = RssPeak()
     srv = start_server(data, *args, log_path=OUT / "scale-server.log")
     try:
@@ -373,6 +374,8 @@ def main(argv=None) -> int:
     ap.add_argument("--log-every", type=int, default=100_000, help="log and save progress every N chunks ingested")
     ap.add_argument("--out", type=Path, default=OUT / "scale.json",
                     help="JSON file rewritten after every step (a partial run leaves its figures)")
+    ap.add_argument("--server-arg", action="append", default=[],
+                    help="extra `oprag serve` argument (repeatable; e.g. --server-arg=--cpu-latency-us --server-arg=0)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     require("psutil", what="the RSS measurement")
