@@ -5,19 +5,19 @@
 # bench (client, frontend, shards) held to 2 of its CPUs (taskset), so that the two differ only
 # by how many cores the processes of one Retrieve share.
 #
-#   BASE=<commit> bench/device_12k.sh prep   # also that commit's tree, as .devkit/base: every arm
+#   BASE=<commit> bench/device/hotpath_12k.sh prep   # also that commit's tree, as .devkit/base: every arm
 #                              # then runs both trees side by side (base first)
-#   bench/device_12k.sh prep   # here: .devkit/ (git-ignored): cp312 wheels of what the other
+#   bench/device/hotpath_12k.sh prep   # here: .devkit/ (git-ignored): cp312 wheels of what the other
 #                              # machine lacks, the data dir (xz), the SciFact queries with their
 #                              # MiniLM vectors, the embedder's config and tokenizer (no weights)
-#   bench/device_12k.sh run    # there (the device tool, carry .devkit): results under $OUT
+#   bench/device/hotpath_12k.sh run    # there (the device tool, carry .devkit): results under $OUT
 #
 # The server there loads an encoder of MiniLM's shape with random weights (the weights do not
 # travel; every query carries its vector, so the encoder never embeds a query). Needs root there
 # only to install the wheels into the interpreter's environment. SKIP_INSTALL=1 PY=.venv/bin/python
-# bench/device_12k.sh run rehearses it here.
+# bench/device/hotpath_12k.sh run rehearses it here.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 KIT=.devkit
 PY=${PY:-python3}
 DATA=${DATA:-bench/out/retrieval-data}
