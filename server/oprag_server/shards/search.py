@@ -35,23 +35,16 @@ from .protocol import Candidates, FetchReply, FetchRequest, QueryBatch, SearchRe
 _NO_ROWS = np.zeros(0, np.int64)
 
 
+@functools.cache
 def _index_module(name: str):
-    """A function returning ``..index.<name>`` (a numba module), imported on its first call:
-    numba costs ~170 MB resident per process, and the frontend imports this module (the shard
-    process entry point) without searching. The module is kept after that call (an
-    ``importlib`` lookup per use cost ~10 us of a shard search)."""
-    got: list = []
-
-    def module():
-        if not got:
-            got.append(importlib.import_module(f"..index.{name}", __package__))
-        return got[0]
-
-    return module
+    """``..index.<name>`` (a numba module), imported on first use and kept (an ``importlib``
+    lookup per use cost ~10 us of a search): numba costs ~170 MB resident per process, and the
+    frontend imports this module (the shard process entry point) without searching."""
+    return importlib.import_module(f"..index.{name}", __package__)
 
 
 _kernels, _kernels_scan, _kernels_low, _kernels_refine = (
-    _index_module(m) for m in ("kernels", "kernels_scan", "kernels_low", "kernels_refine"))
+    functools.partial(_index_module, m) for m in ("kernels", "kernels_scan", "kernels_low", "kernels_refine"))
 
 
 class Searcher(ExactMixin):

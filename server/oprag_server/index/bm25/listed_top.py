@@ -90,12 +90,10 @@ _NO_F = np.zeros(0, np.float64)
 
 
 def _norms(ix: PostingsIndex, avgdl: float, k1: float, b: float, version: int | None) -> tuple[np.ndarray, np.ndarray]:
-    """The per-chunk BM25 factors (:func:`..kernels_exact.bm25_norms`) of the index's chunk
-    lengths under ``avgdl``, ``k1``, ``b``, kept on the index until the caller's write counter
-    ``version`` (``ChunkStore.version``: every write that changes a length moves it), the
-    parameters or the length array change; two empty arrays (computed per posting) without a
-    counter. The full pass then does no division for a term that occurs once in a chunk and one
-    instead of two otherwise (~15K postings per SciFact query on a 5K-chunk shard)."""
+    """The per-chunk BM25 factors (:func:`..kernels_exact.bm25_norms`) under ``avgdl``, ``k1``,
+    ``b``, kept on the index until the write counter ``version`` (``ChunkStore.version``: moved by
+    every write), the parameters or the length array change; two empty arrays (computed per
+    posting) without a counter. The pass then does one division per posting or none (tf = 1)."""
     if version is None:
         return _NO_F, _NO_F
     from .. import kernels_exact  # noqa: PLC0415 - numba only in processes that score
