@@ -6,8 +6,9 @@ search kernels, first start only"), and so does the first test that starts a ser
 Each kernel module (:data:`.startup.JIT_MODULES`) has a ``warm()`` that compiles, or loads from
 the cache, the signatures a shard or the frontend passes (writable and read-only arrays). The
 cache is where a server started from this installation looks (:func:`.startup.uncached_kernels`);
-an upgrade that changes a module's source makes it stale, and the next start (or this command)
-compiles that module again.
+an upgrade that changes a kernel module's source makes the cache of every kernel module stale (a
+kernel compiled in holds the other modules' functions it calls), and the next start (or this
+command) deletes those caches and compiles again.
 
 Exit status: 0 when every kernel module is cached afterwards, 1 otherwise (the start still works:
 it compiles what is missing).
@@ -32,6 +33,7 @@ def kernel_modules(package: Path | None = None) -> list[str]:
 
 def main() -> int:
     t0 = time.perf_counter()
+    uncached_kernels(drop=True)  # caches older than any kernel source: compiled anew below
     for name in kernel_modules():
         t = time.perf_counter()
         importlib.import_module(name).warm()

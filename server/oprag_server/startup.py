@@ -8,6 +8,7 @@ which option to change; the server CLI prints it and exits with status 2.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -276,14 +277,21 @@ JIT_MODULES = ("index/kernels*.py", "index/term_ids.py", "operators/union.py")
 COMPILE_ESTIMATE_S = 95
 
 
-def uncached_kernels(package: Path | None = None, env: dict | None = None) -> tuple[list[Path], int]:
+def uncached_kernels(package: Path | None = None, env: dict | None = None, drop: bool = False
+                     ) -> tuple[list[Path], int]:
     """``(modules whose kernels numba has not cached, all kernel modules)``: a module counts as
     cached when an index file of it (``<module>.<function>-<line>.pyXY.nbi``) at least as new as
-    its source is where numba keeps it: under ``$NUMBA_CACHE_DIR`` when set (only there; the
-    kernel modules set it under the temp dir when their folder is not writable, see
-    index/kernels.py), else in its ``__pycache__`` or the user-wide cache (``~/.cache/numba``);
-    under a cache root numba names the folder ``<source folder name>_<sha1 of its absolute
-    path>`` (``numba.core.caching._CacheLocator.get_suitable_cache_subpath``)."""
+    the newest kernel module's source is where numba keeps it: under ``$NUMBA_CACHE_DIR`` when
+    set (only there; the kernel modules set it under the temp dir when their folder is not
+    writable, see index/kernels.py), else in its ``__pycache__`` or the user-wide cache
+    (``~/.cache/numba``); under a cache root numba names the folder ``<source folder name>_<sha1
+    of its absolute path>`` (``numba.core.caching._CacheLocator.get_suitable_cache_subpath``).
+
+    Any kernel source, not only its own: numba checks a cached function against its own file
+    only, so ``kernels_carry.carry_band`` kept the ``kernels.skyband`` it was compiled with
+    after ``kernels.py`` changed (numba's documented limit). With ``drop`` the cache files
+    (``.nbi``, ``.nbc``) of every module found cold are deleted, so that numba compiles it anew
+    (what a start does before its shards warm the kernels, and ``precompile``)."""
     package = package or Path(os.path.abspath(__file__)).parent  # the path numba hashes (not symlink-resolved)
     env = os.environ if env is None else env
     sources = sorted(p for pattern in JIT_MODULES for p in package.glob(pattern))
@@ -291,14 +299,18 @@ def uncached_kernels(package: Path | None = None, env: dict | None = None) -> tu
     if not user and not os.access(package / "index", os.W_OK):  # as index/kernels.py sets it
         user = os.path.join(tempfile.gettempdir(), f"oprag-numba-{os.getuid()}")
     root = Path(user) if user else Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "numba"
+    latest = max((src.stat().st_mtime for src in sources), default=0.0)
     cold = []
     for src in sources:
         dirs = [] if user else [src.parent / "__pycache__"]
         folder = os.path.dirname(os.path.abspath(src))
         dirs.append(root / f"{os.path.basename(folder)}_{hashlib.sha1(folder.encode()).hexdigest()}")
         newest = max((f.stat().st_mtime for d in dirs if d.is_dir() for f in d.glob(f"{src.stem}.*.nbi")), default=None)
-        if newest is None or newest < src.stat().st_mtime:
+        if newest is None or newest < latest:
             cold.append(src)
+            for f in (f for d in dirs if drop and d.is_dir() for ext in ("nbi", "nbc") for f in d.glob(f"{src.stem}.*.{ext}")):
+                with contextlib.suppress(OSError):  # (another start deleted it, or a read-only cache)
+                    f.unlink()
     return cold, len(sources)
 
 
@@ -310,7 +322,7 @@ def note_compile() -> bool:
     install or an upgrade, :func:`uncached_kernels`), with an estimate: the start is otherwise
     silent for a minute or two. :func:`warm_beside` then logs the time taken.
     :returns: whether they will be compiled."""
-    cold, total = uncached_kernels()
+    cold, total = uncached_kernels(drop=True)  # (stale caches dropped: the shards compile those anew)
     if not cold:
         return False
     est = max(10, round(COMPILE_ESTIMATE_S * len(cold) / max(total, 1) / 5) * 5)

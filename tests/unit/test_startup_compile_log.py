@@ -51,6 +51,55 @@ def test_uncached_kernels_finds_the_modules_numba_has_not_compiled(tmp_path):
     assert sorted(p.name for p in cold) == ["kernels_scan.py", "term_ids.py"]
 
 
+def test_a_kernel_source_newer_than_a_cache_makes_it_stale_and_drop_deletes_it(tmp_path):
+    """numba checks a cached function against its own file only: a change to kernels.py must also
+    retire the caches of the modules that call into it (kernels_carry's carry_band kept the old
+    kernels.skyband compiled in). Every module cached before the newest kernel source is cold, and
+    ``drop`` deletes its index and data files (and nothing else)."""
+    pkg, env = _tree(tmp_path), {"XDG_CACHE_HOME": str(tmp_path / "nocache")}
+    cache = pkg / "index" / "__pycache__"
+    for stem in ("kernels", "kernels_scan", "term_ids"):
+        _nbi(cache, stem, 2000)
+        (cache / f"{stem}.fn-12.py311.1.nbc").write_bytes(b"x")
+    _nbi(pkg / "operators" / "__pycache__", "union", 2000)
+    (cache / "other.fn-3.py311.nbi").write_bytes(b"")
+    assert startup.uncached_kernels(pkg, env)[0] == []
+    os.utime(pkg / "index" / "kernels.py", (3000, 3000))  # kernels.py edited after every cache was written
+    cold, _ = startup.uncached_kernels(pkg, env, drop=True)
+    assert sorted(p.name for p in cold) == ["kernels.py", "kernels_scan.py", "term_ids.py", "union.py"]
+    assert sorted(f.name for f in cache.iterdir()) == ["other.fn-3.py311.nbi"]
+    assert not list((pkg / "operators" / "__pycache__").iterdir())
+
+
+def test_a_changed_callee_in_another_module_is_compiled_again(tmp_path):
+    """Against numba itself: kernels_b.g (cached) calls kernels_a.f; after kernels_a.py changes,
+    numba alone would load g with the old f compiled in; after ``uncached_kernels(drop=True)`` (what
+    a start and ``precompile`` do) g gives the new f's result."""
+    pkg = tmp_path / "pkg"
+    (pkg / "index").mkdir(parents=True)
+    a, b = pkg / "index" / "kernels_a.py", pkg / "index" / "kernels_b.py"
+    a.write_text("from numba import njit\n\n@njit(cache=True)\ndef f(x):\n    return x + 1\n")
+    b.write_text("from numba import njit\nfrom kernels_a import f\n\n@njit(cache=True)\ndef g(x):\n    return f(x) * 10\n")
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")
+
+    def g(x):
+        out = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); import kernels_b; "
+                              "print(kernels_b.g(int(sys.argv[2])))", str(pkg / "index"), str(x)],
+                             env=env, check=True, timeout=120, capture_output=True, text=True)
+        return int(out.stdout.split()[-1])
+
+    assert g(1) == 20
+    for f in [a, b, *(pkg / "index" / "__pycache__").iterdir()]:  # all of it written a minute ago
+        t = f.stat().st_mtime - 60
+        os.utime(f, (t, t))
+    a.write_text(a.read_text().replace("x + 1", "x + 2"))  # (now: newer than every cache file)
+    assert [p.name for p in startup.uncached_kernels(pkg, env)[0]] == ["kernels_a.py", "kernels_b.py"]
+    startup.uncached_kernels(pkg, env, drop=True)
+    assert g(1) == 30  # (without the drop: 20, kernels_b's cache still holding the old f)
+    assert startup.uncached_kernels(pkg, env) == ([], 2)
+
+
 def _subpath(folder):
     """numba's folder for a source folder under a cache root (numba.core.caching)."""
     folder = os.path.abspath(folder)
@@ -117,7 +166,7 @@ def _start(caplog, cold: int, total: int = 4, fail: bool = False):
 
 
 def test_a_cold_start_logs_a_line_before_the_compile_and_one_after_with_the_time(caplog, monkeypatch):
-    monkeypatch.setattr(startup, "uncached_kernels", lambda: ([object()] * 13, 13))
+    monkeypatch.setattr(startup, "uncached_kernels", lambda **kw: ([object()] * 13, 13))
     before, lines = _start(caplog, 13)
     assert before == ["compiling search kernels, first start only, ~95 s (13 of 13 kernel modules not in numba's "
                       "cache; cached for the next start)"]
@@ -128,7 +177,7 @@ def test_a_cold_start_logs_a_line_before_the_compile_and_one_after_with_the_time
 
 @pytest.mark.parametrize("cold, want", [(0, None), (1, "~10 s"), (6, "~45 s")])
 def test_a_cached_start_is_silent_and_a_partial_one_estimates_less(caplog, monkeypatch, cold, want):
-    monkeypatch.setattr(startup, "uncached_kernels", lambda: ([object()] * cold, 13))
+    monkeypatch.setattr(startup, "uncached_kernels", lambda **kw: ([object()] * cold, 13))
     _, lines = _start(caplog, cold)
     if want is None:
         assert lines == []
@@ -137,6 +186,6 @@ def test_a_cached_start_is_silent_and_a_partial_one_estimates_less(caplog, monke
 
 
 def test_a_failed_start_logs_no_time(caplog, monkeypatch):
-    monkeypatch.setattr(startup, "uncached_kernels", lambda: ([object()] * 13, 13))
+    monkeypatch.setattr(startup, "uncached_kernels", lambda **kw: ([object()] * 13, 13))
     _, lines = _start(caplog, 13, fail=True)
     assert len(lines) == 1 and lines[0].startswith("compiling search kernels")
