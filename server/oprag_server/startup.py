@@ -308,7 +308,7 @@ def uncached_kernels(package: Path | None = None, env: dict | None = None, drop:
         newest = max((f.stat().st_mtime for d in dirs if d.is_dir() for f in d.glob(f"{src.stem}.*.nbi")), default=None)
         if newest is None or newest < latest:
             cold.append(src)
-            for f in (f for d in dirs if drop and d.is_dir() for ext in ("nbi", "nbc") for f in d.glob(f"{src.stem}.*.{ext}")):
+            for f in (f for d in dirs if drop and d.is_dir() for f in d.glob(f"{src.stem}.*.nb[ic]")):
                 with contextlib.suppress(OSError):  # (another start deleted it, or a read-only cache)
                     f.unlink()
     return cold, len(sources)

@@ -28,6 +28,7 @@ import numpy as np
 from . import kernels
 from .fusion import top_k_order
 from .kernels import NOT_FINITE, OK, _argsort_desc, _canonical, _kth_largest, _sample_low
+from .kernels_scan import query_norm
 from numba import njit  # noqa: E402
 
 _U64 = 2.0 ** -53
@@ -49,7 +50,7 @@ def _fast_dots(vecs, rows, all_rows, short, q64, out):
 def fast_error(vmax: float, d: int, q: np.ndarray, qn: float | None = None) -> float:
     """``err2`` (module docstring) for float32[D] ``q`` and row norms <= ``vmax`` (``qn``: ``|q|``
     in float64, :func:`.kernels_scan.query_norm`, when the caller has it)."""
-    qn = float(np.linalg.norm(np.asarray(q, dtype=np.float64))) if qn is None else qn
+    qn = query_norm(q) if qn is None else qn
     g64 = max(d, 1) * _U64 / (1.0 - max(d, 1) * _U64)
     return 2.0 * (2.0 * g64 * vmax * qn) * (1.0 + 1e-6) + 1e-15
 
