@@ -69,6 +69,23 @@ def test_selection_and_stable_order_match_numpy(seed):
     assert kernels._argsort_desc(keys, idx).tolist() == idx[np.argsort(-keys[idx], kind="stable")].tolist()
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_argsort_desc_is_the_stable_order_and_the_merge_sort(seed):
+    """numba's merge sort of the negated keys (the fast path), the bottom-up merge it replaced
+    (NaN keys) and numpy's stable argsort agree: ties in ``idx`` order, integer keys, any idx."""
+    rng = np.random.default_rng(100 + seed)
+    m = int(rng.integers(0, 700))
+    keys = rng.choice([0.0, -0.0, 1.0, 2.5], m) if seed % 2 else np.round(rng.normal(size=m), 1)
+    idx = rng.permutation(m)[: int(rng.integers(0, m + 1))].astype(np.int64)
+    want = idx[np.argsort(-keys[idx], kind="stable")].tolist()
+    assert kernels._argsort_desc(keys, idx).tolist() == want == kernels._merge_desc(keys, idx).tolist()
+    ik = rng.integers(0, 50, m).astype(np.int64)
+    assert kernels._argsort_desc(ik, idx).tolist() == idx[np.argsort(-ik[idx], kind="stable")].tolist()
+    if m:
+        keys[rng.integers(m)] = np.nan  # the merge: a NaN key never moves ahead of another
+        assert kernels._argsort_desc(keys, idx).tolist() == kernels._merge_desc(keys, idx).tolist()
+
+
 @pytest.mark.parametrize("seed", range(30))
 def test_skyband_kernel_is_the_reference(seed):
     rng = np.random.default_rng(seed)

@@ -119,26 +119,43 @@ def dense_step_fast(vecs, rows, all_rows, approx, q, err, n, sample, err2, rb, r
 
 
 def warm(d: int = 8) -> None:
-    """Compile (or load from the cache) :func:`dense_step_fast` for the types a shard passes."""
+    """Compile (or load from the cache) :func:`dense_step_fast` and :func:`_rank_order` for the types a
+    shard passes."""
     vecs = np.full((4, d), 1.0 / np.sqrt(d), np.float32)
     q = vecs[0].copy()
     rows = np.arange(4, dtype=np.int64)
     rb = np.full(4, 1e-7)
     dense_step_fast(vecs, rows, True, vecs @ q, q, 1e-6, 2, rows, 1e-12, rb, 2.0)
     dense_step_fast(vecs, rows, False, vecs @ q, q, 1e-6, 2, rows[:0], 1e-12, rb[:0], 2.0)
+    _rank_order(np.array([2.0, 1.0, 0.5]), 2)
     _ = kernels
+
+
+@njit(cache=True, nogil=True)
+def _rank_order(s, kk):
+    """``(order, ok)``: the first ``kk`` (1 <= kk <= size) positions of float64 ``s`` by score
+    descending in a stable sort (``np.argsort(-s, kind="stable")[:kk]``), and whether no score is
+    NaN and no two of the first ``kk + 1`` are equal (then that is the order by (score desc,
+    chunk id asc) whatever the ids)."""
+    for i in range(s.size):
+        if s[i] != s[i]:
+            return np.zeros(0, np.int64), False
+    o = np.argsort(-s, kind="mergesort")
+    for j in range(1, min(kk + 1, s.size)):
+        if s[o[j]] == s[o[j - 1]]:
+            return o[:kk], False
+    return o[:kk], True
 
 
 def rank_top(scores: np.ndarray, chunk_ids, m: int, rows=None) -> np.ndarray:
     """:func:`.fusion.top_k_order` (indices of the top-m by score desc, chunk id asc; ``rows``
-    as there) as int64, reading no chunk id when no two scores among the top-m and the first
-    one after it are equal (then the stable descending order is that order); else
-    ``top_k_order`` itself."""
-    s = np.asarray(scores, dtype=np.float64)
+    as there) as int64, reading no chunk id when no score is NaN and no two scores among the
+    top-m and the first one after it are equal (then the stable descending order is that order:
+    :func:`_rank_order`, compiled); else ``top_k_order`` itself."""
+    s = np.ascontiguousarray(scores, dtype=np.float64)
     kk = min(int(m), s.size)
     if kk > 0:
-        o = np.argsort(-s, kind="stable")
-        edge = s[o[:kk + 1]]
-        if not np.isnan(edge).any() and not (edge[1:] == edge[:-1]).any():
-            return o[:kk].astype(np.int64, copy=False)
+        o, ok = _rank_order(s, kk)
+        if ok:
+            return o
     return np.asarray(top_k_order(s, chunk_ids, m, rows=rows), np.int64)
