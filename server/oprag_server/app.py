@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from importlib import import_module
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -34,7 +33,7 @@ from .service.auth import TokenAuthInterceptor, load_tokens, server_credentials
 from .service.interceptors import StatusInterceptor
 from .service.metrics import Metrics
 from .service.servicer import OpRAGServicer
-from .shards.pool import ShardPool
+from .shards.pool import ShardPool, placement
 from .startup import (acquire_storage, announce_ready, check_data_dir, check_security, check_storage, preflight,
                       warm_beside)
 from .supervision import (INGEST_HEALTH, QUERY_HEALTH, SERVING, EngineHealth, ShardSupervisor, final_snapshot,
@@ -43,14 +42,6 @@ from .shards.protocol import ApplyReply, Op, StatsRequest
 
 log = logging.getLogger("oprag")
 SERVICE_NAME = oprag_pb2.DESCRIPTOR.services_by_name["OpRAG"].full_name
-
-
-def _placement(cfg: ServerConfig) -> dict:
-    """``{"transport": RayPlacement | ThreadTransport}`` (``--ray-address`` | ``--shard-workers thread``) or ``{}``."""
-    if cfg.ray.address is None:
-        return {"transport": import_module(".shards.threaded", __package__).ThreadTransport} if cfg.shard_workers == "thread" else {}
-    return {"transport": import_module(".shards.ray_transport", __package__).RayPlacement(cfg.ray, cfg.shards,
-                                                                                          cfg.replicas)}
 
 
 class Runtime:
@@ -62,7 +53,7 @@ class Runtime:
         self.generator = generator
         self.metrics = Metrics()
         self.pool = ShardPool(cfg.shards, encoder.dim, cfg.data_dir, stem=cfg.bm25.stem, dense=cfg.dense,
-                              replicas=cfg.replicas, storage=cfg.storage_uri, **_placement(cfg))
+                              replicas=cfg.replicas, storage=cfg.storage_uri, **placement(cfg))
         self.corpus_stats = CorpusStats()
         self.analyzer = Analyzer(stem=cfg.bm25.stem)
         self.lock = RWLock()

@@ -40,7 +40,9 @@ _OPTIONS: tuple[tuple[str, str, str, str], ...] = (
     ("--shard-workers", "", "shard_workers",
      "'process': each shard in a process of its own (a shard that dies is restarted alone); 'thread': shards "
      "on threads of the server process (no pickling or pipes: lower latency for small deployments; a shard "
-     "fault ends the whole server; no --replicas or --ray-address)"),
+     "fault ends the whole server; no --replicas or --ray-address); 'inline': shard 0 in the server process, "
+     "its one-query searches run on the request's own thread while the other shards' processes search theirs "
+     "(the lowest c = 1 latency of small deployments in bench/RESULTS.md; as 'thread' for faults)"),
     ("--event-loop", "", "event_loop",
      "the frontend's event loop: 'asyncio' (the standard library's) or 'uvloop' (libuv, extra 'uvloop': the same "
      "replies, ~0.3 ms less frontend CPU per Retrieve in bench/RESULTS.md)"),

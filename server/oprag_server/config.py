@@ -354,7 +354,7 @@ class ServerConfig:
     storage_takeover: bool = False  # take the storage's owner lease from a live server (index/lease.py)
     shards: int = 2
     replicas: int = 1  # processes (or Ray actors) per shard, see shards/replicas.py
-    # "process" (one process per shard, shards/transport.py) or "thread" (frontend threads, shards/threaded.py)
+    # "process" (a process per shard, shards/transport.py), "thread" (shards/threaded.py) or "inline" (shards/inline.py)
     shard_workers: str = "process"
     event_loop: str = "asyncio"  # the frontend's event loop: "asyncio" (standard library) or "uvloop" (extra)
     cpu_latency_us: int = -1  # a CPU latency QoS request held while serving, us (cpu_latency.py); -1 = off
@@ -384,12 +384,12 @@ class ServerConfig:
         if self.memory.condense and not self.generate.engine:  # (with none it did nothing: no rewriter)
             raise ValueError("--memory-condense needs an engine generator (--generator openai or transformers-serve), "
                              f"got --generator {self.generate.model}")
-        if self.shard_workers not in ("process", "thread"):
-            raise ValueError(f"shard workers must be 'process' or 'thread', got {self.shard_workers!r}")
+        if self.shard_workers not in ("process", "thread", "inline"):
+            raise ValueError(f"shard workers must be 'process', 'thread' or 'inline', got {self.shard_workers!r}")
         if self.event_loop not in ("asyncio", "uvloop"):
             raise ValueError(f"event loop must be 'asyncio' or 'uvloop', got {self.event_loop!r}")
-        if self.shard_workers == "thread" and (self.replicas > 1 or self.ray.address is not None):
-            raise ValueError("--shard-workers thread serves each shard once in this process: "
+        if self.shard_workers != "process" and (self.replicas > 1 or self.ray.address is not None):
+            raise ValueError(f"--shard-workers {self.shard_workers} serves shards in this process: "
                              "it takes neither --replicas above 1 nor --ray-address")
         for name, port in (("port", self.port), ("metrics port", self.metrics_port), ("HTTP port", self.http_port)):
             if not 0 <= port <= 65535:

@@ -26,14 +26,14 @@ def test_bad_values_are_refused(kw):
 
 
 def test_default_path_needs_no_ray():
-    code = ("import sys; from oprag_server.app import _placement, Runtime; from oprag_server.config import ServerConfig;"
+    code = ("import sys; from oprag_server.shards.pool import placement as _placement; from oprag_server.app import Runtime; from oprag_server.config import ServerConfig;"
             "assert _placement(ServerConfig()) == {}; import oprag_server.shards.ray_transport;"
             "assert 'ray' not in sys.modules, 'ray imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_ray_address_selects_the_ray_placement():
-    from oprag_server.app import _placement
+    from oprag_server.shards.pool import placement as _placement
     from oprag_server.shards.ray_transport import RayPlacement
 
     p = _placement(ServerConfig(ray=RayConfig(address="local"), shards=3))["transport"]

@@ -10,6 +10,7 @@ process and every run. The pool talks only to :class:`~.transport.ShardTransport
 from __future__ import annotations
 
 import asyncio
+import importlib
 import contextlib
 import hashlib
 import logging
@@ -38,6 +39,19 @@ def route(key: str, n_shards: int) -> int:
     """Shard index of a routing key: ``blake2b(key, 8 bytes) mod n_shards`` (stable)."""
     h = hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest()
     return int.from_bytes(h, "little") % n_shards
+
+
+def placement(cfg: Any) -> dict:
+    """``ShardPool`` keyword arguments for a ``ServerConfig``: ``{"transport": RayPlacement |
+    ThreadTransport | first_inline}`` (``--ray-address`` | ``--shard-workers thread | inline``)
+    or ``{}`` (a process per shard)."""
+    if cfg.ray.address is not None:
+        from .ray_transport import RayPlacement  # noqa: PLC0415 - Ray only when asked for
+
+        return {"transport": RayPlacement(cfg.ray, cfg.shards, cfg.replicas)}
+    mod, name = {"thread": (".threaded", "ThreadTransport"), "inline": (".inline", "first_inline")}.get(
+        cfg.shard_workers, (None, None))
+    return {"transport": getattr(importlib.import_module(mod, __package__), name)} if mod else {}
 
 
 class ShardPool:
@@ -203,10 +217,13 @@ class ShardPool:
         if len(clients) > 1 and all(getattr(c, "joins", False) for c in clients):
             # the replies resolve one Gather: this task wakes once, when the last is in
             g = Gather(asyncio.get_running_loop(), len(clients))
-            held = hold_wakeups(clients)  # no shard woken here takes the frontend's core before the last write
+            # a shard served on this thread (--shard-workers inline) last: the others search meanwhile
+            ks = sorted(range(len(clients)), key=lambda k: getattr(clients[k], "inline", False))
+            # no shard woken here takes the frontend's core before the last write (or the inline search) ends
+            held = hold_wakeups([clients[k] for k in ks])
             try:
-                for k, (c, r) in enumerate(zip(clients, per)):
-                    c.call(op, r, into=g.slot(k))
+                for k in ks:
+                    clients[k].call(op, per[k], into=g.slot(k))
             finally:
                 release(held)
             return self._sorted(targets, await g.future)

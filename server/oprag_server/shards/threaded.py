@@ -1,30 +1,25 @@
-"""Shards on threads of the frontend process (``--shard-workers thread``): for small
-deployments, where a shard's query work (~1 ms) is of the order of what a process boundary
-costs (pickling the request and the ~45 KB reply, two pipe wake-ups, three processes taking
-turns on a few cores).
+"""Shards on threads of the frontend process (``--shard-workers thread``; shard 0 of ``inline``,
+:mod:`.inline`): for small deployments, where a shard's query work (~1 ms) is of the order of what
+a process boundary costs (pickling the request and reply, two pipe wake-ups, three processes
+taking turns on a few cores).
 
 Each shard is the same :class:`~.state.ShardState` and op table a shard process runs, served by
 one thread of its own: requests run one at a time in the order they were sent, exactly as a
 shard process reads its pipe, so every operation stays atomic with respect to queries and
 writes keep today's durability (the same write-ahead log code: a write is acknowledged after
 the shard's log record is on disk) and ordering. The shards' threads run in parallel with each
-other and with the event loop wherever the work leaves the GIL: the compiled candidate kernels
-(numba, ``nogil``), the BLAS scan and FAISS. The shard's BLAS runs on one thread (as in a
-shard process: ``threadpoolctl`` limits numpy's OpenBLAS in this process), and the kernels are
-warmed before READY (:meth:`~.search.Searcher.warm`), as a shard process does.
-
-Query requests (search, the exact rounds, fetch) and their replies are passed as objects, with
-no pickling: a reply is read-only to the frontend. Every other request and reply goes through
-a pickle round trip, so writes see exactly what a pipe would deliver.
+other and with the event loop wherever the work leaves the GIL (numba ``nogil`` kernels, BLAS,
+FAISS). BLAS runs on one thread (``threadpoolctl``), and the kernels are warmed before READY
+(:meth:`~.search.Searcher.warm`), as in a shard process. Query requests (search, the exact
+rounds, fetch) and their replies are passed as objects (a reply is read-only to the frontend);
+every other request and reply goes through a pickle round trip, as through a pipe.
 
 A snapshot (:attr:`~.protocol.Op.SNAPSHOT`) is written beside the shard's thread, as a shard
 process writes it (:mod:`.snapjob`): its steps run on the shard's thread between requests, a
 helper thread waits for the BM25 merge and the writer thread in between, and meanwhile the read
 ops (:data:`.state.READS`) are served as they come while every other request is held, in order,
-until the SNAPSHOT is answered (a query no longer waits for the whole snapshot; snap15).
-
-Between requests the shard's thread does a shard process's idle work (:meth:`ThreadTransport._idle`;
-trial17 found it missing: deferred HNSW inserts stayed outside the graph, idle BM25 merges never ran).
+until the SNAPSHOT is answered. Between requests the shard's thread does a shard process's idle
+work (:meth:`ThreadTransport._idle`: deferred HNSW inserts, idle BM25 merges; trial17).
 
 Failure semantics differ from processes: a thread cannot be killed. :meth:`ThreadTransport.kill`
 marks the shard down (pending calls fail with :class:`~.transport.ShardError`) and waits for
@@ -63,10 +58,9 @@ _limited: list[Any] = []  # the threadpoolctl limiter, kept alive (process-wide,
 
 
 def one_blas_thread() -> None:
-    """Limit numpy's OpenBLAS (not torch's libraries) and FAISS's OpenMP in this process to one
-    thread, as a shard process runs them: two shards scanning at once on two cores must not
-    each start a second BLAS thread (oversubscribed, a multi-threaded matrix-vector product
-    was 30x slower here than a single-threaded one)."""
+    """Limit numpy's OpenBLAS (not torch's) and FAISS's OpenMP in this process to one thread, as in a shard
+    process: two shards scanning at once on two cores must not each start a second BLAS thread
+    (oversubscribed, a multi-threaded matrix-vector product was 30x slower than a single-threaded one)."""
     with _limits_set:
         if _limited:
             return
@@ -126,6 +120,7 @@ class ThreadTransport(ShardTransport):
         self._driver: threading.Thread | None = None  # the helper thread of the snapshot being written
         self._queued = 0  # requests submitted and not yet started (idle work waits for none); under _gate
         self._idle_queued = self._timer = False  # an idle step queued on the shard's thread; a timer set
+        self._busy = threading.Lock()  # held while the state is used: by the thread's work, or a read run inline
 
     @classmethod
     def of(cls, state: ShardState) -> "ThreadTransport":
@@ -165,20 +160,21 @@ class ThreadTransport(ShardTransport):
 
     def _run(self, op: Op, request: Any) -> tuple[bool, Any]:
         """(On the shard's thread) one operation: ``(True, reply)`` or ``(False, error text)``; then :meth:`_kick`."""
-        with self._gate:
-            self._queued -= 1
-        try:
-            if op not in ZERO_COPY:
-                request = pickle.loads(pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL))
-            reply = dispatch(self._table, op, request)
-            if op not in ZERO_COPY:
-                reply = pickle.loads(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
-            return True, reply
-        except Exception as exc:  # noqa: BLE001 - never let a bad request stop the shard
-            print_failure(exc)
-            return False, f"{type(exc).__name__}: {exc}"
-        finally:
-            self._kick()
+        with self._busy:  # (the count drops only once this holds it: no inline read can overtake the request)
+            with self._gate:
+                self._queued -= 1
+            try:
+                if op not in ZERO_COPY:
+                    request = pickle.loads(pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL))
+                reply = dispatch(self._table, op, request)
+                if op not in ZERO_COPY:
+                    reply = pickle.loads(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+                return True, reply
+            except Exception as exc:  # noqa: BLE001 - never let a bad request stop the shard
+                print_failure(exc)
+                return False, f"{type(exc).__name__}: {exc}"
+            finally:
+                self._kick()
 
     def _kick(self, timer: bool = False) -> None:
         """Queue one :meth:`_idle` on the shard's thread unless one is queued (``timer``: the timer fired)."""
@@ -200,17 +196,18 @@ class ThreadTransport(ShardTransport):
             self._idle_queued = False
             if self._queued or self._held is not None or self.state is None:
                 return  # (the request's end, or the snapshot's release, kicks again)
-        state = self.state
-        try:
-            wait = state.idle_wait()
-            if wait == 0.0 or (state.store.dense.pending and not state.txns.prepared):
-                state.idle_step() if wait == 0.0 else state.background_step()
-                self._kick()
-            elif wait is not None and self.loop is not None and not self._timer and not self.loop.is_closed():
-                self._timer = True
-                self.loop.call_soon_threadsafe(self.loop.call_later, wait, self._kick, True)
-        except Exception:  # noqa: BLE001 - never let idle work stop the shard's thread
-            traceback.print_exc()
+        with self._busy:
+            state = self.state
+            try:
+                wait = state.idle_wait()
+                if wait == 0.0 or (state.store.dense.pending and not state.txns.prepared):
+                    state.idle_step() if wait == 0.0 else state.background_step()
+                    self._kick()
+                elif wait is not None and self.loop is not None and not self._timer and not self.loop.is_closed():
+                    self._timer = True
+                    self.loop.call_soon_threadsafe(self.loop.call_later, wait, self._kick, True)
+            except Exception:  # noqa: BLE001 - never let idle work stop the shard's thread
+                traceback.print_exc()
 
     #: answers into a :class:`~.gather.Slot` (``call(..., into=slot)``): see :meth:`ShardPool.gather_partial`
     joins = True
@@ -226,6 +223,8 @@ class ThreadTransport(ShardTransport):
             return fut
         if op is Op.SHUTDOWN:
             self._alive = False  # nothing after it is served (a shard process exits)
+        elif self._inline(op, request, fut):  # (.inline.InlineTransport: a read served here and now)
+            return fut
         with self._gate:
             if self._held is not None and op not in READS:  # a snapshot is being written: after it
                 self._held.append((op, request, fut))
@@ -239,6 +238,9 @@ class ThreadTransport(ShardTransport):
         if into is not None:
             into.group.held.append((self._pending, into))
         return fut
+
+    def _inline(self, op: Op, request: Any, fut: asyncio.Future | Slot) -> bool:  # (.inline.InlineTransport: True)
+        return False  # (serve ``request`` on the caller's thread instead, setting ``fut``)
 
     def _submit(self, op: Op, request: Any, fut: asyncio.Future | Slot) -> None:
         """(Under ``_gate``) queue one request on the shard's thread; a SNAPSHOT starts one
@@ -257,7 +259,7 @@ class ThreadTransport(ShardTransport):
         until its outcome is set, :meth:`call` holds every request but reads."""
         assert self._exec is not None and self.state is not None
         state, cf = self.state, Future()
-        first = self._exec.submit(state.snapshot_begin)  # (raises RuntimeError when shut down)
+        first = self._exec.submit(self._excl, state.snapshot_begin)  # (raises RuntimeError when shut down)
         self._held = []
         self._driver = threading.Thread(target=self._drive, args=(first, cf),
                                         name=f"oprag-snapshot-{self.shard_id}", daemon=True)
@@ -285,7 +287,7 @@ class ThreadTransport(ShardTransport):
         :raises ShardGone: the shard's thread has stopped (then none of it runs any more)."""
         assert self._exec is not None
         try:
-            f = self._exec.submit(fn)
+            f = self._exec.submit(self._excl, fn)
         except RuntimeError as exc:  # shut down (kill, close)
             gone: BaseException = exc
         else:
@@ -295,6 +297,10 @@ class ThreadTransport(ShardTransport):
                 gone = exc
         self._exec.shutdown(wait=True)  # (nothing of the shard's runs any more after this)
         raise ShardGone from gone
+
+    def _excl(self, fn):  # (on the shard's thread) fn() holding the state: no inline read meanwhile
+        with self._busy:
+            return fn()
 
     def _release(self) -> None:
         """(The helper thread, the snapshot answered) queue the held requests in order, up to
@@ -391,3 +397,4 @@ class ThreadTransport(ShardTransport):
         if self._exec is not None:
             self._exec.shutdown(wait=True, cancel_futures=False)
         self._join_driver()
+
