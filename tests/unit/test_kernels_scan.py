@@ -50,6 +50,57 @@ def test_the_bound_holds_for_every_row(kind, d):
             assert err < 0.05 * float(np.linalg.norm(q))  # tight enough to shortlist few rows
 
 
+
+@pytest.mark.parametrize("d", [1, 5, 384, 1024, 20000])
+def test_the_integer_scan_sums_exactly_and_cannot_overflow(d):
+    """scan_int's sums are the exact integer dot products of the codes with the query rounded to
+    16-bit integers (numpy in int64), even at the largest magnitudes (every code +-127, every query
+    value at the bound Q); its scores are those sums times ``scale * t`` rounded as documented."""
+    rng = np.random.default_rng(d)
+    v = rng.normal(size=(40, d)).astype(np.float32)
+    v[0] = 1.0  # codes all 127
+    v[1] = -1.0  # codes all -127
+    rows = kernels_scan.Int8Rows().of(v, 0)
+    for q in (np.ones(d, np.float32), -np.ones(d, np.float32), rng.normal(size=d).astype(np.float32),
+              np.zeros(d, np.float32), np.eye(1, d, d // 2, dtype=np.float32)[0] * 3e-20):
+        k = np.empty(d, np.int16)
+        t = kernels_scan._query_int(q, k)
+        qm = kernels_scan._qmax(d)
+        assert qm * 127 * d < 2 ** 31 and np.abs(k.astype(np.int64)).max() <= qm
+        exact = rows.codes.astype(np.int64) @ k.astype(np.int64)
+        assert np.abs(exact).max() < 2 ** 31
+        want = (exact.astype(np.float64) * (rows.scale.astype(np.float64) * t)).astype(np.float32)
+        got = rows.scores(q, None)
+        assert np.array_equal(got, want)
+        assert np.array_equal(rows.scores(q, np.array([1, 0, 7], np.int64)), want[[1, 0, 7]])
+        if np.abs(q).max() > 0 and d > 1:
+            assert abs(int(np.abs(k).max())) == qm  # the largest query value maps to Q
+        assert np.all(np.abs(got.astype(np.float64) - fixed_order_dot(v, q)) <= rows.error(q))
+
+
+@pytest.mark.parametrize("d", [3, 384, 1024])
+def test_the_bound_holds_for_spiky_and_tiny_queries(d):
+    """Queries whose rounding to integers loses most (one large value and tiny others, values
+    just below half a step, huge and subnormal scales): every row's scan error stays within both
+    its own bound and the global one."""
+    rng = np.random.default_rng(d + 5)
+    v = _family(rng, "scaled", 300, d)
+    v[2], v[3] = 1.0 / np.sqrt(d), -1.0 / np.sqrt(d)  # rows aligned with a rounding that errs alike everywhere
+    rows = kernels_scan.Int8Rows().of(v, 0)
+    spike = rng.normal(size=d) * 1e-6
+    spike[0] = 10.0
+    qm = kernels_scan._qmax(d)
+    half = np.full(d, 0.49999 / qm)  # every value a hair under half a step of the largest
+    half[0] = 1.0
+    for q in (spike, -spike, half, half * 1e30, half * 1e-35, rng.normal(size=d) * 1e-38):
+        q = q.astype(np.float32)
+        if not np.isfinite(q).all():
+            continue
+        err = np.abs(rows.scores(q, None).astype(np.float64) - fixed_order_dot(v, q))
+        assert np.all(err <= rows.error(q))
+        per_row = rows.row_scale(q) * rows.rb + 1e-12
+        assert np.all(err <= per_row), (err - per_row).max()
+
 def _requests(rng, d, m):
     q = _vectors(rng, "random", 4, d)
     terms = [list(rng.choice(WORDS, 3)) for _ in range(4)]
