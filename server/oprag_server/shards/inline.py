@@ -77,7 +77,9 @@ class InlineTransport(ThreadTransport):
             fut.set_exception(out)
         else:
             fut.set_result(out)  # (a Slot: the group's last outcome resolves the gather)
-        self._kick()  # the shard's idle work after a request, as its thread does
+        # (no idle step queued after it, unlike a request the thread runs: a read changes nothing, and idle
+        # work never waited for it, as an idle step only skips while a request is queued; the wake-up of
+        # the shard's thread and its GIL hand-offs would land on this request's merge)
         return True
 
 
