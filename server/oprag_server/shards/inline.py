@@ -12,13 +12,15 @@ interpreter).
 
 Shard 0 is the same :class:`~.state.ShardState` on a :class:`~.threaded.ThreadTransport`: writes,
 snapshots, idle work (BM25 merges, deferred HNSW inserts) and batched searches still run on its
-thread, in the order sent, with the durability of thread shards. A read (:data:`.threaded.ZERO_COPY`:
-search, exact-mode rounds, fetch) of at most :attr:`InlineTransport.INLINE_QUERIES` queries runs
-inline only when nothing is queued for the shard and its thread is not working on the state
+thread, in the order sent, with the durability of thread shards. A search or fetch
+(:data:`INLINE_OPS`) of at most :attr:`InlineTransport.INLINE_QUERIES` queries runs inline only
+when nothing is queued for the shard and its thread is not working on the state
 (:attr:`~.threaded.ThreadTransport._busy`, taken by the thread before a queued request leaves
 the count, so an inline read never overtakes a request sent before it); otherwise it is queued
 like any other. A batch of several queries (the scheduler's, under load) goes to the thread, so
-that the loop stays free for the other requests meanwhile.
+that the loop stays free for the other requests meanwhile, and so do exact mode's rounds
+(``full_hybrid`` and the pruning monitor's sampled re-runs: a pass over every chunk, ~100 ms
+at a million).
 
 Trade-offs, as thread shards: a native fault in shard 0 ends the server (the other shards are
 restarted alone, as processes); no ``--replicas`` or ``--ray-address``. While shard 0 is
@@ -36,8 +38,12 @@ from ..index.disk_errors import print_failure
 from .gather import Slot
 from .protocol import Op
 from .state import dispatch
-from .threaded import ZERO_COPY, ThreadTransport
+from .threaded import ThreadTransport
 from .transport import PipeTransport, ShardError, ShardTransport
+
+
+#: the reads that may run on the loop (a subset of :data:`.threaded.ZERO_COPY`: no exact-mode round)
+INLINE_OPS = frozenset({Op.SEARCH, Op.FETCH})
 
 
 def queries(request: Any) -> int:
@@ -60,7 +66,7 @@ class InlineTransport(ThreadTransport):
         :attr:`INLINE_QUERIES` queries now, on this thread, when nothing is queued for the shard
         and its thread holds no work on the state; its outcome set on ``fut`` as the thread's
         would be. False: the caller queues it."""
-        if op not in ZERO_COPY or queries(request) > self.INLINE_QUERIES or not self._busy.acquire(blocking=False):
+        if op not in INLINE_OPS or queries(request) > self.INLINE_QUERIES or not self._busy.acquire(blocking=False):
             return False
         try:
             with self._gate:
