@@ -10,9 +10,9 @@ process and every run. The pool talks only to :class:`~.transport.ShardTransport
 from __future__ import annotations
 
 import asyncio
-import importlib
 import contextlib
 import hashlib
+import importlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
