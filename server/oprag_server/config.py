@@ -354,8 +354,7 @@ class ServerConfig:
     storage_takeover: bool = False  # take the storage's owner lease from a live server (index/lease.py)
     shards: int = 2
     replicas: int = 1  # processes (or Ray actors) per shard, see shards/replicas.py
-    # "process" (a process per shard, shards/transport.py), "thread" (shards/threaded.py) or "inline" (shards/inline.py)
-    shard_workers: str = "process"
+    shard_workers: str = "process"  # a process per shard (shards/transport.py), "thread" or "inline" (shards/inline.py)
     event_loop: str = "asyncio"  # the frontend's event loop: "asyncio" (standard library) or "uvloop" (extra)
     cpu_latency_us: int = -1  # a CPU latency QoS request held while serving, us (cpu_latency.py); -1 = off
     chunking: ChunkingConfig = field(default_factory=ChunkingConfig)
@@ -389,8 +388,9 @@ class ServerConfig:
         if self.event_loop not in ("asyncio", "uvloop"):
             raise ValueError(f"event loop must be 'asyncio' or 'uvloop', got {self.event_loop!r}")
         if self.shard_workers != "process" and (self.replicas > 1 or self.ray.address is not None):
-            raise ValueError(f"--shard-workers {self.shard_workers} serves shards in this process: "
-                             "it takes neither --replicas above 1 nor --ray-address")
+            which = "shard 0" if self.shard_workers == "inline" else "every shard"
+            raise ValueError(f"--shard-workers {self.shard_workers} serves {which} in the server process: it takes "
+                             "neither --replicas above 1 nor --ray-address")
         for name, port in (("port", self.port), ("metrics port", self.metrics_port), ("HTTP port", self.http_port)):
             if not 0 <= port <= 65535:
                 raise ValueError(f"{name} must be in [0, 65535], got {port}")

@@ -359,3 +359,34 @@ def test_property_random_updates(ops, query):
             assert abs(got_all[slot] - ref[i]) <= TOL
         else:
             assert ref[i] == 0.0
+
+
+def test_average_idf_does_not_depend_on_the_order_terms_came_in():
+    """trial31: a term deleted and added again moved to the end of ``df`` and changed the last bit of
+    ``average_idf`` (so of every floored idf and the BM25 scores of common terms) between two servers
+    holding the same documents. Equal statistics, the same bits, in any order; rank_bm25's value."""
+    rng = np.random.default_rng(31)
+    words = np.array([f"w{i}" for i in range(4000)])
+    p = 1.0 / np.arange(1, 4001) ** 0.8  # Zipf-like: document frequencies from 1 to most documents
+    docs = [list(rng.choice(words, size=int(rng.integers(1, 60)), p=p / p.sum())) for _ in range(1500)]
+    bm = BM25Okapi(docs)
+    df: dict[str, int] = {}
+    for d in docs:
+        for t in set(d):
+            df[t] = df.get(t, 0) + 1
+    n, total = len(docs), sum(map(len, docs))
+    items = list(df.items())
+    got = set()
+    for _ in range(6):
+        rng.shuffle(items)
+        got.add(B.CorpusStats(n, total, dict(items)).average_idf)
+    assert len(got) == 1
+    assert got.pop() == pytest.approx(bm.average_idf, abs=1e-12)
+    # the trial's sequence: delete and re-add a term (dict order changes, the statistics do not)
+    st_ = B.CorpusStats(n, total, dict(df))
+    before = st_.average_idf
+    t0 = next(iter(df))
+    st_.apply_delta(0, 0, {t0: -df[t0]})
+    st_.apply_delta(0, 0, {t0: df[t0]})
+    assert list(st_.df)[-1] == t0
+    assert st_.average_idf == before

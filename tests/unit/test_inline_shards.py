@@ -149,7 +149,7 @@ def test_placement_and_config():
     assert type(first_inline(0, DIM, None)) is InlineTransport and type(first_inline(1, DIM, None)) is PipeTransport
     assert placement(ServerConfig(shard_workers="thread"))["transport"] is ThreadTransport
     assert placement(ServerConfig()) == {}
-    with pytest.raises(ValueError, match="--shard-workers inline serves shards in this process"):
+    with pytest.raises(ValueError, match="--shard-workers inline serves shard 0 in the server process"):
         ServerConfig(shard_workers="inline", replicas=2)
     with pytest.raises(ValueError, match="'process', 'thread' or 'inline'"):
         ServerConfig(shard_workers="fiber")
