@@ -304,3 +304,30 @@ def test_a_tie_group_larger_than_the_lists_stops_widening(seed, monkeypatch):
     stopped = [r for c, r in on if not c]
     assert stopped and max(stopped) < 3  # stopped before the rounds ran out, the top-k exact mode's
     assert sum(r for _, r in on) < sum(r for _, r in off)
+
+
+@pytest.mark.parametrize("seed", [7, 8])
+def test_a_query_batched_with_a_larger_top_k_answers_as_alone(seed):
+    """trial31: a top_k 5 query batched with a top_k 20 one was merged with (and reported) the batch's
+    BM25 list length, 80, instead of its own 64. Each query of a mixed batch now answers exactly as
+    it does alone: hits, scores, ranks, lexical_candidates, certified, widen_rounds."""
+    rng = np.random.default_rng(seed)
+    docs = clustered(rng)
+    shards, stats = _build(docs, 2)
+    r = _retriever(shards, stats)
+    qv = _unit(np.stack([d[3] for d in docs])[rng.integers(len(docs), size=8)] + 0.3 * rng.normal(size=(8, DIM)))
+    texts = [_zipf_text(rng, int(rng.integers(2, 6))) for _ in range(8)]
+    specs = [RetrieveSpec(mode="hybrid", top_k=k, candidates=n) for k, n in ((5, 16), (20, 16), (3, 8), (40, 64))]
+    cut = 0
+    for i in range(0, 8, 2):
+        q, t = np.repeat(qv[i:i + 2], 2, axis=0), [texts[i], texts[i + 1]] * 2
+        hits, _, infos = _run(r, q, t, specs)
+        for j, sp in enumerate(specs):
+            h1, _, i1 = _run(r, q[j:j + 1], [t[j]], [sp])
+            full = lambda hs: [(h.chunk_id, h.score, h.dense_score, h.lexical_score, h.dense_rank, h.lexical_rank)
+                               for h in hs]  # noqa: E731
+            assert full(hits[j]) == full(h1[0]), (i, j)
+            assert (infos[j].lexical_candidates, infos[j].certified, infos[j].widen_rounds) == \
+                (i1[0].lexical_candidates, i1[0].certified, i1[0].widen_rounds), (i, j)
+            cut += infos[j].lexical_candidates < 4 * 40
+    assert cut  # (queries whose own M was below the batch's)

@@ -301,6 +301,7 @@ class Widening:
         """:param specs: the group's specs; :param bound: dense-first mode (else no BM25 lists)."""
         self.specs, self.cap = specs, cfg.widen_rounds
         self.m = max((lexical_candidates(cfg, s) for s in specs if bounded(s)), default=0) if bound else 0
+        self.own = [lexical_candidates(cfg, s) if bounded(s) else self.m for s in specs]  # each query's own M
         self.state: list[bool | None] = [None] * len(specs)
         self.sides = [""] * len(specs)
         self.rounds, self.round_of = 0, [0] * len(specs)
@@ -328,18 +329,25 @@ class Widening:
     def _join(self, replies: dict, jj: int, j: int) -> tuple[dict, int]:
         """``(replies, index)`` to merge for query ``j``: this round's as they are when both
         lists were asked, else per shard a one-query reply of this round's lists where asked
-        and the kept ones elsewhere. Keeps the result's lists (references, no copies)."""
+        and the kept ones elsewhere. Keeps the result's lists (references, no copies). A BM25
+        list longer than the query's own M (times its factor: a query of a larger top_k in the
+        same batch asked for more) is cut to it: a list ranked by (score desc, chunk id asc)
+        cut is the shorter list, so merge, bound and reply equal the query's alone (trial31)."""
         dense, lex = self._asked.pop(j, (True, True))
-        kept = self.kept[j]
+        kept, m = self.kept[j], self.own[j] * self.mf[j]
         if (dense and lex) or kept is None or any(s not in kept for s in replies):
-            self.kept[j] = {s: (rep, jj) for s, rep in replies.items()}
-            return replies, jj
+            self.kept[j] = kept = {s: (rep, jj) for s, rep in replies.items()}
+            if all(len(rep.lexical[jj].slots) <= m for rep in replies.values()):
+                return replies, jj
+            dense = lex = True  # (every list this round's: one-query replies with the BM25 lists cut)
         out = {}
         for s, rep in replies.items():
             old, oj = kept[s]
             c = rep.candidates[jj] if dense else old.candidates[oj]
             src, k = (rep, jj) if lex else (old, oj)
             lx, n_l = src.lexical[k], src.listed[k]
+            if len(lx.slots) > m:
+                lx = Candidates(lx.slots[:m], lx.chunk_ids[:m], lx.dense[:m], lx.lexical[:m])
             lmin = [src.lexical_min[k]] if src.lexical_min is not None else None
             dmin = min(rep.dense_min[jj], old.dense_min[oj])
             out[s] = SearchReply([c], [rep.eligible[jj]], [dmin], rep.dense_index, rep.knobs, None, [lx], [n_l], lmin)
@@ -381,5 +389,5 @@ class Widening:
     def report(self, j: int, info: RetrievalInfo) -> None:
         """Set ``lexical_candidates``, ``certified`` and ``widen_rounds`` of group query ``j``."""
         if self.state[j] is not None:
-            info.lexical_candidates = self.m * self.mf[j]
+            info.lexical_candidates = self.own[j] * self.mf[j]
             info.certified, info.widen_rounds = bool(self.state[j]), self.round_of[j]
