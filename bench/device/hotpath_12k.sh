@@ -11,6 +11,8 @@
 #                              # machine lacks, the data dir (xz), the SciFact queries with their
 #                              # MiniLM vectors, the embedder's config and tokenizer (no weights)
 #   bench/device/hotpath_12k.sh run    # there (the device tool, carry .devkit): results under $OUT
+#   MODE=inline bench/device/hotpath_12k.sh run   # there: process shards vs --shard-workers inline (and with
+#                              # uvloop), on every CPU and on 2 of them (no base tree)
 #
 # The server there loads an encoder of MiniLM's shape with random weights (the weights do not
 # travel; every query carries its vector, so the encoder never embeds a query). Needs root there
@@ -78,6 +80,17 @@ BertModel(BertConfig.from_pretrained(sys.argv[1])).save_pretrained(sys.argv[1])"
     "$PY" -m oprag_server.precompile > "$OUT/precompile.txt" 2>&1 || true
     echo "precompile $((SECONDS - t0)) s" >> "$OUT/machine.txt"
     local E="--embedder $W/enc" Q="--scifact --queries-file $KIT/scifact.npz"
+    if [ "${MODE:-}" = inline ]; then  # session 31: shard 0 searched by the server itself
+        local arms=(--arm ".|$E|0" --arm ".|$E --shard-workers inline|0" --arm ".|$E --shard-workers inline --event-loop uvloop|0")
+        "$PY" -m bench.paired_rounds --data-dir "$W/data" --work "$W/paired" $Q --rounds "$ROUNDS" --json "${arms[@]}" \
+            > "$OUT/inline_all_cpus.json" 2> "$OUT/inline_all_cpus.err" || true
+        taskset -c 0,1 "$PY" -m bench.paired_rounds --data-dir "$W/data" --work "$W/paired" $Q --rounds "$ROUNDS" --json \
+            "${arms[@]}" > "$OUT/inline_two_cpus.json" 2> "$OUT/inline_two_cpus.err" || true
+        echo "total $((SECONDS - t0)) s" >> "$OUT/machine.txt"
+        tail -n 4 "$OUT"/*.err
+        cat "$OUT/machine.txt"
+        return
+    fi
     if [ -d "$KIT/base" ]; then  # the two trees side by side, every CPU and 2 of them
         "$PY" -m bench.paired_rounds --data-dir "$W/data" --work "$W/paired" $Q --rounds "$ROUNDS" --json \
             --arm "$KIT/base|$E|0" --arm ".|$E|0" > "$OUT/ab_all_cpus.json" 2> "$OUT/ab_all_cpus.err" || true
