@@ -337,7 +337,8 @@ class Widening:
         kept, m = self.kept[j], self.own[j] * self.mf[j]
         if (dense and lex) or kept is None or any(s not in kept for s in replies):
             self.kept[j] = kept = {s: (rep, jj) for s, rep in replies.items()}
-            if all(len(rep.lexical[jj].slots) <= m for rep in replies.values()):
+            if any(rep.lexical is None for rep in replies.values()) or \
+                    all(len(rep.lexical[jj].slots) <= m for rep in replies.values()):
                 return replies, jj
             dense = lex = True  # (every list this round's: one-query replies with the BM25 lists cut)
         out = {}
