@@ -107,19 +107,6 @@ def scan(codes, scale, q, out):
     return out
 
 
-@njit(cache=True, nogil=True, fastmath={"reassoc", "contract", "nsz"})
-def scan_rows(codes, scale, rows, q, out):
-    """:func:`scan` of the rows int64[M] only (``out`` float32[M])."""
-    d = codes.shape[1]
-    for i in range(rows.size):
-        r = rows[i]
-        acc = np.float32(0.0)
-        for j in range(d):
-            acc += np.float32(codes[r, j]) * q[j]
-        out[i] = acc * scale[r]
-    return out
-
-
 @njit(**_JIT)
 def _query_int(q, k):
     """Fill int16[D] ``k`` with the query rounded to integers (module docstring); :returns: ``t``."""

@@ -103,7 +103,10 @@ class ExactMixin:
         i8 = self._int8_rows() if dense.params.kind == "flat" and len(dense) and np.isfinite(q).all() else None
         if i8 is None:
             return [(d, dense.score_error(q[i])) for i, d in enumerate(dense.score_all(q))]
-        return [(i8.scores(q[i], None), np.minimum(i8.row_scale(q[i]) * i8.rb + 1e-12, i8.error(q[i])))
+        from ..index.kernels_scan import query_norm  # noqa: PLC0415 - numba, loaded already (_int8_rows)
+
+        qn = [query_norm(q[i]) for i in range(q.shape[0])]  # |q|, once for both bounds
+        return [(i8.scores(q[i], None), np.minimum(i8.row_scale(q[i], qn[i]) * i8.rb + 1e-12, i8.error(q[i], qn[i])))
                 for i in range(q.shape[0])]
 
     def _int8_rows(self):
