@@ -11,8 +11,10 @@ one clock for client, frontend and shards):
   exit: the read and unpickle of its frames), each ``gather_partial`` (start, resolved), the
   fetches (``_materialise``), the engine's return, the response built, the bytes ready; the
   loop thread's CPU over the handler;
-* shards (one line per op): receive, dispatch end, thread CPU of the dispatch, reply pickled,
-  reply written, reply bytes.
+* shards (one line per op): the read of the request (asked, done), receive, dispatch end, thread CPU
+  of the dispatch, reply pickled, reply written, reply bytes; a FIELDS request right behind a
+  search (``--shard-workers inline``: shards/gather.py) is reported as its own parts;
+* ``--shard-workers inline`` (``--server-args``): shard 0's search on the loop (start, end).
 
 No server code is changed: the marks are wrappers installed in the server process (and, by
 name, in the spawned shards). ``--passes`` passes over the queries; all but the first are reported
@@ -46,11 +48,13 @@ def _shard_run(*args, **kw):
     from oprag_server.shards import worker  # noqa: PLC0415
 
     out = open(f"{os.environ[_ENV]}.shard{args[0]}", "a", buffering=1, encoding="utf-8")  # noqa: SIM115
-    inner, cur = worker.dispatch, {}
+    inner, cur, stamp = worker.dispatch, {}, {}
     dump = open(f"{os.environ[_ENV]}.shard{args[0]}.bodies", "ab") if os.environ.get(_ENV + "_DUMP") else None  # noqa: SIM115
 
     def dispatch(table, op, req):
         cur.clear()
+        cur.update(stamp)  # (the read of this request: r0 when the loop asked for it, r1 when it had it)
+        stamp.clear()
         cur["op"], cur["recv"], c0 = op.value, pc(), time.thread_time()
         try:
             return inner(table, op, req)
@@ -69,6 +73,15 @@ def _shard_run(*args, **kw):
             out.write(json.dumps(cur) + "\n")
             cur.clear()
 
+    orig_recv = worker.Pipe.recv
+
+    def recv(self):
+        stamp["r0"] = pc()
+        out = orig_recv(self)
+        stamp["r1"] = pc()
+        return out
+
+    worker.Pipe.recv = recv
     worker.dispatch = dispatch
     worker.Pipe.send = send
     return worker.run(*args, **kw)
@@ -157,6 +170,18 @@ def _install() -> None:
                 cur["reads"].append((self.shard_id, t, pc()))
 
     transport.PipeTransport.call, transport.PipeTransport._on_readable = call, on_readable
+    from oprag_server.shards import inline  # noqa: PLC0415
+
+    orig_inline = inline.InlineTransport._inline
+
+    def run_inline(self, op, request, fut):  # --shard-workers inline: shard 0 searched on the loop
+        t = pc()
+        ran = orig_inline(self, op, request, fut)
+        if ran and "calls" in cur:
+            cur.setdefault("inline", []).append((self.shard_id, op.value, t, pc()))
+        return ran
+
+    inline.InlineTransport._inline = run_inline
 
 
 def _serve(argv: list[str]) -> None:
@@ -214,6 +239,11 @@ def summarise(client: list[tuple[float, float]], fe: list[dict], shards: dict[in
                 add(f"s{sh}_fe_wake", rd[-1][1] - r["sent"])
                 add(f"s{sh}_read_unpickle", sum(x[2] - x[1] for x in rd))
                 add(f"s{sh}_reads", len(rd) / 1e6)
+        for sh, op, t, t_end in f.get("inline", []):
+            if op == "search" and g0 <= t <= g1:
+                add(f"s{sh}_inline_start", t - g0)
+                add(f"s{sh}_inline_search", t_end - t)
+                add(f"s{sh}_inline_end_to_resolved", g1 - t_end)
         add("slowest_dispatch_wall", slow[3]["end"] - slow[3]["recv"])
         add("slowest_send_to_end", slow[3]["end"] - g0)
         add("start_skew", abs(r1[0][3]["recv"] - r1[-1][3]["recv"]))
@@ -260,6 +290,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", type=Path, default=Path("bench/out/marks"))
     ap.add_argument("--shared", type=Path, default=None)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--server-args", default="", help="more `oprag serve` options, e.g. '--shard-workers inline'")
+    ap.add_argument("--qos", action="store_true", help="the client holds a CPU latency QoS request of 0 us")
     a = ap.parse_args(argv)
     from oprag_client.client import OpRAGClient, query_request  # noqa: PLC0415
     from oprag_client.testing import ServerProcess  # noqa: PLC0415
@@ -280,9 +312,12 @@ def main(argv=None) -> dict:
             return [sys.executable, "-m", "bench.served_marks", "--serve", *super().command()[3:]]
 
     srv = Marked.on_free_ports(a.data_dir, "--generator", "none", "--shards", str(a.shards), "--dense-index",
-                               a.dense_index, "--monitor-fraction", "0", log_path=OUT / "served-marks.log",
+                               a.dense_index, "--monitor-fraction", "0", *a.server_args.split(), log_path=OUT / "served-marks.log",
                                env={**os.environ, _ENV: stem}, cwd=REPO).start(300)
     client, replies = [], []
+    from oprag_server.cpu_latency import hold, release  # noqa: PLC0415
+
+    qos = hold(0 if a.qos else -1)
     try:
         with OpRAGClient(srv.target, timeout=600) as c:
             for p in range(a.passes):
@@ -298,6 +333,7 @@ def main(argv=None) -> dict:
                         replies.append(r)
                 log(f"pass {p} done, load {os.getloadavg()[0]:.2f}")
     finally:
+        release(qos)
         srv.stop()
     hits = [[(h.chunk_id, h.score, h.dense_score, h.lexical_score, h.dense_rank, h.lexical_rank, h.doc_id, h.text)
              for h in r.hits] + [(r.retrieval.certified, r.retrieval.widen_rounds)] for r in replies]
@@ -305,11 +341,25 @@ def main(argv=None) -> dict:
     fe = _read(stem + ".frontend")[n0:]
     shards = {}
     for s in range(a.shards):
+        if not os.path.exists(f"{stem}.shard{s}"):  # a shard searched in the server (inline)
+            continue
         rows = [r for r in _read(f"{stem}.shard{s}") if r["op"] == "search"]
         n = sum(1 for f in fe for x in f["calls"] if x[0] == s and x[1] == "search")
         shards[s] = rows[len(rows) - n:]
     res = {"data_dir": str(a.data_dir), "queries": len(texts), "machine": machine_info(),
            "load": os.getloadavg()[0], "parts_us": summarise(client, fe, shards)}
+    for s in range(a.shards):  # a FIELDS request sent right behind a search (shards/gather.py fields_later)
+        rows = _read(f"{stem}.shard{s}") if os.path.exists(f"{stem}.shard{s}") else []
+        pairs = [(x, y) for x, y in zip(rows, rows[1:]) if x["op"] == "search" and y["op"] == "fields"]
+        pairs = pairs[-len(shards.get(s, [])):] if shards.get(s) else []
+        for k, vals in ((f"s{s}_fields_dispatch_wall", [y["end"] - y["recv"] for _, y in pairs]),
+                        (f"s{s}_search_sent_to_fields_dispatch", [y["recv"] - x["sent"] for x, y in pairs]),
+                        (f"s{s}_fields_reply_kb", [y["bytes"] / 1e9 for _, y in pairs])):
+            if vals:
+                a_ = np.asarray(vals) * 1e6
+                res["parts_us"][k] = {"p50": round(float(np.median(a_)), 1), "p10": round(float(np.percentile(a_, 10)), 1),
+                                      "p90": round(float(np.percentile(a_, 90)), 1), "mean": round(float(a_.mean()), 1),
+                                      "n": len(a_)}
     for k, v in res["parts_us"].items():
         log(f"{k:28s} p50 {v['p50']:9.1f}  p10 {v['p10']:9.1f}  p90 {v['p90']:9.1f}  mean {v['mean']:9.1f}  n {v['n']}")
     if a.json:

@@ -37,6 +37,7 @@ SAMPLES = {
     P.Op.EXACT_LISTS: (P.ExactListsRequest(_batch(), 20), P.ExactListsReply([3], [_cands()], [_cands()])),
     P.Op.FETCH: (P.FetchRequest([1, 2]),
                  P.FetchReply([True, False], ["d", ""], ["t", ""], ["x", ""], ["{}", ""])),
+    P.Op.FIELDS: (P.FieldsRequest(3), P.FieldsReply([P.FetchReply([True], ["d"], ["t"], ["x"], ["{}"]), None])),
     P.Op.REUSE: (P.ReuseRequest(["d"]), P.ReuseReply({"d": {"h": np.ones(DIM, np.float32)}})),
     P.Op.STAGE: (P.StageRequest("t1", b"\x00ipc"), P.StageReply(5)),
     P.Op.PREPARE: (P.PrepareRequest("t1", 3, "delete", ["d"]), P.PrepareReply()),

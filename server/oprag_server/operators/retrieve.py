@@ -37,7 +37,7 @@ from ..index.analyzer import Analyzer
 from ..index.bm25 import CorpusStats
 from ..index.fusion import fuse_minmax, lexical_listed, minmax_params, top_k_order
 from ..shards.packed import row_fields
-from ..shards.pool import ShardPool
+from ..shards.pool import ShardError, ShardPool
 from ..shards.protocol import (ExactListsRequest, ExactMinmaxRequest, FetchReply, FetchRequest, Op, QueryBatch,
                                SearchReply, SearchRequest)
 from . import union
@@ -113,14 +113,26 @@ class _Carried:
     with ``slots``), looked up by ``(shard, slot)`` when a hit needs them: no index is built over
     the ~40 carried per query and shard, of which a top-k uses a few."""
 
-    __slots__ = ("by",)
+    __slots__ = ("by", "later")
 
     def __init__(self) -> None:
         self.by: dict[int, list[FetchReply]] = {}
+        self.later: list = []  # (shard, awaitable FieldsReply): fields sent behind a reply (ShardPool.gather_partial)
 
     def add(self, replies: dict) -> None:
         for s, rep in replies.items():
             self.by.setdefault(s, []).extend(f for f in getattr(rep, "fields", None) or () if f.slots)
+
+    async def arrived(self) -> None:
+        """Add the fields of the FIELDS replies sent behind the search replies (a failed or empty
+        one adds nothing: the hits it would have held are fetched)."""
+        later, self.later = self.later, []
+        for s, fut in later:
+            try:
+                rep = await fut
+            except ShardError:
+                continue
+            self.by.setdefault(s, []).extend(f for f in rep.fields or () if f.slots)
 
     def get(self, key: tuple[int, int]) -> tuple[FetchReply, int] | None:
         """``(reply, position)`` of the fields of slot ``key[1]`` of shard ``key[0]``, or None."""
@@ -211,7 +223,7 @@ class Retriever:
                                     max(sp.nprobe for sp in gspecs), max(sp.top_k for sp in gspecs), wid.m,
                                     [(sp.dense_weight, sp.lexical_weight) if wid.m and bounded(sp) else None
                                      for sp in gspecs] if mode == "hybrid" else None)
-                replies, missing = await self.pool.gather_partial(Op.SEARCH, req)
+                replies, missing = await self.pool.gather_partial(Op.SEARCH, req, fields_into=fetched.later)
                 t = time.perf_counter()
                 fetched.add(replies)
                 merged = [wid.merge(self._merge_certified, replies, j, j) for j in range(len(idx))]
@@ -237,6 +249,7 @@ class Retriever:
                 infos[i].missing_shards = sorted(missing)
                 infos[i].dense_index = self.dense_index
                 infos[i].ef_search, infos[i].nprobe = knobs.get("ef_search", 0), knobs.get("nprobe", 0)
+        await fetched.arrived()
         hits, lost = await self._materialise(results, fetched)
         for i, lost_i in enumerate(lost):
             if lost_i:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .gather import Gather, hold_wakeups, release
+from .gather import Gather, fields_later, hold_wakeups, release
 from .protocol import Op, ShutdownRequest, SnapshotRequest, StatsReply, StatsRequest
 from .replicas import ReplicaSet
 from .transport import PipeTransport, ShardError, ShardTransport, StorageUnavailable
@@ -52,6 +52,13 @@ def placement(cfg: Any) -> dict:
     mod, name = {"thread": (".threaded", "ThreadTransport"), "inline": (".inline", "first_inline")}.get(
         cfg.shard_workers, (None, None))
     return {"transport": getattr(importlib.import_module(mod, __package__), name)} if mod else {}
+
+
+def _quiet(fut: asyncio.Future) -> asyncio.Future:
+    """``fut`` with its exception marked as retrieved when it fails (a FIELDS reply nobody awaits
+    when the request failed before its hits were materialised logs nothing)."""
+    fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return fut
 
 
 class ShardPool:
@@ -203,17 +210,23 @@ class ShardPool:
             return 0
         return max((int(getattr(r, "segment_unsaved", 0)) for r in got.values()), default=0)
 
-    async def gather_partial(self, op: Op, request: Any,
-                             shards: list[int] | None = None) -> tuple[dict[int, Any], list[int]]:
+    async def gather_partial(self, op: Op, request: Any, shards: list[int] | None = None,
+                             fields_into: list | None = None) -> tuple[dict[int, Any], list[int]]:
         """Like :meth:`broadcast` (to ``shards``, default all) but tolerant.
+
+        ``fields_into`` (a list; a SEARCH with ``fetch_k`` > 0): the shards behind a process
+        boundary (``defers_fields``) get the request with ``fields_later`` set and, right behind
+        it, the FIELDS request that gets the fields its reply leaves out (computed while the
+        frontend merges the replies); ``(shard, awaitable FieldsReply)`` of each is appended.
 
         :returns: ``({shard: reply}, missing shards)``: a shard that is down or fails is missing.
         :raises StorageUnavailable: a write while :attr:`fenced`.
         """
         self._guard(op)
         targets = list(range(self.n)) if shards is None else shards
-        per = request if isinstance(request, list) else [request] * len(targets)
+        per = list(request) if isinstance(request, list) else [request] * len(targets)
         clients = [self.clients[s] for s in targets]
+        later = fields_later(op, per, clients, fields_into)
         if len(clients) > 1 and all(getattr(c, "joins", False) for c in clients):
             # the replies resolve one Gather: this task wakes once, when the last is in
             g = Gather(asyncio.get_running_loop(), len(clients))
@@ -224,10 +237,16 @@ class ShardPool:
             try:
                 for k in ks:
                     clients[k].call(op, per[k], into=g.slot(k))
+                    if later[k] is not None:
+                        fields_into.append((targets[k], _quiet(clients[k].call(Op.FIELDS, later[k]))))
             finally:
                 release(held)
             return self._sorted(targets, await g.future)
-        futs = [c.call(op, r) for c, r in zip(clients, per)]
+        futs = []
+        for k, c in enumerate(clients):
+            futs.append(c.call(op, per[k]))
+            if later[k] is not None:
+                fields_into.append((targets[k], _quiet(c.call(Op.FIELDS, later[k]))))
         if len(futs) == 1:  # one shard (e.g. a single session's memory): no gather wrapper
             try:
                 outs = [await futs[0]]

@@ -1,12 +1,11 @@
-"""The shard protocol: every operation a frontend can ask of a shard, with one typed request and
-one typed reply per operation. Both sides import this module (the shard worker and the
-frontend: ``operators/retrieve.py``, ``operators/memory.py``, ``engine/ingest.py``,
-``engine/commit.py``), so a field is named in one place.
+"""The shard protocol: every operation a frontend can ask of a shard, with one typed request and one typed
+reply per operation. Both sides import this module (the shard worker and the frontend: ``operators/retrieve.py``,
+``operators/memory.py``, ``engine/ingest.py``, ``engine/commit.py``), so a field is named in one place.
 
-A transport carries ``(request_id, Op, request)`` to a shard and ``(request_id, ok, reply or
-error text)`` back (see :mod:`oprag_server.shards.transport`). Every type is a ``slots``
-dataclass and pickles as its fields, except ``Candidates`` and ``FetchReply``: one buffer and
-joined strings (:mod:`.packed`). Scores are float64, slots int64, vectors float32. Imports numpy only.
+A transport carries ``(request_id, Op, request)`` to a shard and ``(request_id, ok, reply or error text)`` back
+(see :mod:`oprag_server.shards.transport`). Every type is a ``slots`` dataclass and pickles as its fields, except
+``Candidates`` and ``FetchReply``: one buffer and joined strings (:mod:`.packed`). Scores are float64, slots
+int64, vectors float32. Imports numpy only.
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ class Op(enum.Enum):
     EXACT_MINMAX = "exact_minmax"  # exact min-max hybrid: ranges, rank lists, the chunks that can be top-k
     EXACT_LISTS = "exact_lists"  # exact rank fusion: local dense and BM25 top-n lists, one round
     FETCH = "fetch"  # stored fields of hit slots
+    FIELDS = "fields"  # the fields a SEARCH sent with ``fields_later`` left out (asked right behind it)
     REUSE = "reuse"  # stored vectors of documents by content hash (re-ingest embeds only changes)
     STAGE = "stage"  # hold a bulk batch of an ingest stream
     PREPARE = "prepare"  # two-phase commit, phase 1: write-ahead log (fsync), do not apply
@@ -75,6 +75,16 @@ class Candidates:
 
 # ---------------------------------------------------------------------------- search
 @message
+class FieldsRequest:  # the fields of the SEARCH sent with ``fields_later`` = ``token`` (Op.FIELDS)
+    token: int
+
+
+@message
+class FieldsReply:  # per query the FetchReply that search's reply would have had; None: not held (fetch)
+    fields: list | None
+
+
+@message
 class FetchRequest:
     slots: list[int]  # M slots (a list: M is top-k sized, and a list pickles faster than an array)
 
@@ -93,11 +103,11 @@ class FetchReply:
 
 @message
 class SearchRequest:
-    """``mode`` in {"hybrid", "dense", "lexical"}; ``n`` local candidates per query;
-    ``fetch_k`` > 0: the reply carries the fields of the candidates that can be in a top-k
-    (:func:`~oprag_server.index.fusion.skyband`): usually no FETCH round trip follows;
-    ``m`` > 0 (hybrid): also the exact BM25 top-m (the threshold bound, operators/retrieve.py);
-    ``weights``: per query ``(dense, lexical)`` of its min-max fusion or None (fewer fields carried)."""
+    """``mode`` in {"hybrid", "dense", "lexical"}; ``n`` local candidates per query; ``fetch_k`` > 0: the reply carries
+    the fields of the candidates that can be in a top-k (:func:`~oprag_server.index.fusion.skyband`): usually no FETCH
+    round trip follows; ``m`` > 0 (hybrid): also the exact BM25 top-m (the threshold bound, operators/retrieve.py);
+    ``weights``: per query ``(dense, lexical)`` of its min-max fusion or None (fewer fields carried); ``fields_later``
+    > 0: no fields in the reply; the FIELDS request with this token gets them."""
 
     batch: QueryBatch
     mode: str
@@ -107,18 +117,18 @@ class SearchRequest:
     fetch_k: int = 0
     m: int = 0
     weights: list | None = None
+    fields_later: int = 0
 
 
 @message
 class SearchReply:
-    """Per query i: ``candidates[i]``; ``eligible[i]`` chunks eligible on this shard;
-    ``dense_min[i]`` the dense minimum estimated from a fixed vector sample (+inf when not
-    computed: lexical mode or an empty shard; exact over the eligible rows with a flat index).
-    Per-query scalars are lists (B is small). ``m`` > 0: ``lexical[i]`` the BM25 top-m of the
-    eligible chunks with a BM25 score != 0 (ties: chunk id) and ``listed[i]`` how many there are;
-    ``lexical_min[i]`` the lowest BM25 score over the eligible chunks (exact mode's lexical minimum:
-    0.0 when some eligible chunk scores 0), which the frontend cannot know from the list when every
-    eligible chunk holds a query term and the list is shorter than them."""
+    """Per query i: ``candidates[i]``; ``eligible[i]`` chunks eligible on this shard; ``dense_min[i]`` the dense
+    minimum estimated from a fixed vector sample (+inf when not computed: lexical mode or an empty shard; exact over
+    the eligible rows with a flat index). Per-query scalars are lists (B is small). ``m`` > 0: ``lexical[i]`` the
+    BM25 top-m of the eligible chunks with a BM25 score != 0 (ties: chunk id) and ``listed[i]`` how many there are;
+    ``lexical_min[i]`` the lowest BM25 score over the eligible chunks (exact mode's lexical minimum: 0.0 when some
+    eligible chunk scores 0), which the frontend cannot know from the list when every eligible chunk holds a query
+    term and the list is shorter than them."""
 
     candidates: list[Candidates]
     eligible: list[int]
@@ -144,11 +154,11 @@ class ExactMinmaxRequest:
 
 @message
 class ExactMinmaxReply:
-    """Per query (lists of length B): chunks ``eligible``; the local score ranges ``dense_min``,
-    ``dense_max`` (canonical), ``lexical_min``, ``lexical_max`` (0.0 when none eligible);
-    ``band``: every local chunk that can be in the top-k whatever the corpus-wide ranges, with
-    canonical dense scores (``ExactMixin._band``); the local top-n dense and BM25 (!= 0 only)
-    lists (for ranks); ``fields``: stored fields of the band's top-k fused with the local ranges."""
+    """Per query (lists of length B): chunks ``eligible``; the local score ranges ``dense_min``, ``dense_max``
+    (canonical), ``lexical_min``, ``lexical_max`` (0.0 when none eligible); ``band``: every local chunk that can be
+    in the top-k whatever the corpus-wide ranges, with canonical dense scores (``ExactMixin._band``); the local
+    top-n dense and BM25 (!= 0 only) lists (for ranks); ``fields``: stored fields of the band's top-k fused with the
+    local ranges."""
 
     eligible: list[int]
     dense_min: list[float]
@@ -342,7 +352,7 @@ class StatsReply:
 
 
 @message
-class SnapshotRequest:
+class SnapshotRequest:  # (no field)
     pass
 
 
@@ -368,6 +378,7 @@ TYPES: dict[Op, tuple[type, type]] = {
     Op.EXACT_MINMAX: (ExactMinmaxRequest, ExactMinmaxReply),
     Op.EXACT_LISTS: (ExactListsRequest, ExactListsReply),
     Op.FETCH: (FetchRequest, FetchReply),
+    Op.FIELDS: (FieldsRequest, FieldsReply),
     Op.REUSE: (ReuseRequest, ReuseReply),
     Op.STAGE: (StageRequest, StageReply),
     Op.PREPARE: (PrepareRequest, PrepareReply),

@@ -28,9 +28,9 @@ from ..index.bm25.listed_top import listed_top, listed_top_scored
 from ..index.dense_low import LowSeeds
 from ..index.fusion import refine_top, top_k_order
 from .chunks import ChunkStore
-from .carried import CarriedFields
+from .carried import FieldsMixin, Later
 from .exact import ExactMixin
-from .protocol import Candidates, FetchReply, FetchRequest, QueryBatch, SearchReply, SearchRequest
+from .protocol import Candidates, QueryBatch, SearchReply, SearchRequest
 
 _NO_ROWS = np.zeros(0, np.int64)
 
@@ -47,8 +47,8 @@ _kernels, _kernels_scan, _kernels_low, _kernels_refine = (
     functools.partial(_index_module, m) for m in ("kernels", "kernels_scan", "kernels_low", "kernels_refine"))
 
 
-class Searcher(ExactMixin):
-    """Read side of one shard (exact mode: :class:`.exact.ExactMixin`)."""
+class Searcher(ExactMixin, FieldsMixin):
+    """Read side of one shard (exact mode: :class:`.exact.ExactMixin`; stored fields: :class:`.carried.FieldsMixin`)."""
 
     #: vectors sampled (strided) to estimate the corpus-wide dense minimum
     SAMPLE = 512
@@ -63,6 +63,7 @@ class Searcher(ExactMixin):
         self._rows_n = _NO_ROWS
         self._dmin: tuple[int, dict[bytes, float]] = (-1, {})  # (store version, query bytes -> estimate)
         self._low = LowSeeds()  # HNSW: seeds of the dense-minimum search
+        self._later: Later | None = None  # the last search sent with fields_later (its fields not sent yet)
 
     # ------------------------------------------------------------------ candidates
     def search(self, req: SearchRequest) -> SearchReply:
@@ -124,14 +125,12 @@ class Searcher(ExactMixin):
         else:
             raise ValueError(f"unknown search mode {req.mode!r}")
         fields = None
-        if req.fetch_k > 0:  # the hits' fields now, so that no FETCH round trip follows
-            k = int(req.fetch_k)
-            # one score ranks (candidates come ranked by it): its top-k; hybrid: the k-skyband
-            w = req.weights or [None] * B
-            fields = [self._fields(c.slots[:k] if req.mode != "hybrid" else
-                                   self._skyband_slots(c, lexical[i] if lexical else None, k,
-                                                       w[i] and (w[i], dense_min[i], qb.idf[i], qb.k1)))
-                      for i, c in enumerate(cands)]
+        if req.fetch_k > 0:  # the hits' fields now (or in the FIELDS reply right behind), so that no FETCH follows
+            later = Later(req, cands, lexical, dense_min, st.version)
+            if req.fields_later:
+                self._later = later
+            else:
+                fields = later.fields(self)
         return SearchReply(cands, eligible, dense_min, st.dense.params.kind, st.dense.last_knobs or None, fields,
                            lexical, listed, lexical_min)
 
@@ -378,20 +377,3 @@ class Searcher(ExactMixin):
                 near = rows[approx[j] <= low[j] + 2.0 * dense.score_error(q[i])]
                 memo[keys[i]] = float(self._canonical(q[i], near).min())
         return np.array([memo[key] for key in keys], np.float64)
-
-    # ------------------------------------------------------------------ fetch
-    def fetch(self, req: FetchRequest) -> FetchReply:
-        """Stored fields of the given slots (``found`` False for a slot deleted meanwhile)."""
-        found, doc_ids, titles, texts, metadata = self.store.fields.hit_fields(req.slots)
-        return FetchReply(found=found, doc_ids=doc_ids, titles=titles, texts=texts, metadata=metadata)
-
-    def _fields(self, slots: np.ndarray) -> FetchReply:
-        """:meth:`fetch` of live slots int64[M], with ``slots`` set (carried by a search reply):
-        from the stored UTF-8 bytes as they are where it can (:class:`CarriedFields`)."""
-        raw = self.store.fields.hit_utf8(slots)
-        if raw is None:
-            rep = self.fetch(FetchRequest(slots.tolist()))
-            rep.slots = slots.tolist()
-            return rep
-        return CarriedFields.of(slots.tolist(), *raw)
-

@@ -184,7 +184,8 @@ Handler = Callable[[Any], Any]
 
 #: ops that change nothing a snapshot reads (or a snapshot's cut: a memory lookup): a shard answers
 #: them while it writes a snapshot (:mod:`.snapjob`) and holds every other op until it is written
-READS = frozenset({Op.SEARCH, Op.EXACT_MINMAX, Op.EXACT_LISTS, Op.FETCH, Op.REUSE, Op.MEMORY_LOOKUP, Op.STATS})
+READS = frozenset({Op.SEARCH, Op.EXACT_MINMAX, Op.EXACT_LISTS, Op.FETCH, Op.FIELDS, Op.REUSE, Op.MEMORY_LOOKUP,
+                   Op.STATS})
 
 
 def op_table(state: ShardState) -> dict[Op, Handler]:
@@ -194,6 +195,7 @@ def op_table(state: ShardState) -> dict[Op, Handler]:
         Op.EXACT_MINMAX: state.search.exact_minmax,
         Op.EXACT_LISTS: state.search.exact_lists,
         Op.FETCH: state.search.fetch,
+        Op.FIELDS: state.search.fields_later,
         Op.REUSE: state.store.reuse,
         Op.STAGE: state.txns.stage,
         Op.PREPARE: state.txns.prepare,

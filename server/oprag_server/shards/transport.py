@@ -319,6 +319,8 @@ class PipeTransport(ShardTransport):
 
     #: answers into a :class:`~.gather.Slot` (``call(..., into=slot)``): see :meth:`ShardPool.gather_partial`
     joins = True
+    #: a SEARCH's fields may come in a FIELDS reply right behind it (:func:`.gather.fields_later`)
+    defers_fields = True
 
     def call(self, op: Op, request: Any, into: Any = None) -> asyncio.Future:
         """Send one request; its reply resolves a new future, or ``into`` (a slot of a
