@@ -344,14 +344,28 @@ def run_size(a, size: int, kind: str, snap: dict, q, save) -> dict:
                 for k in ("postings_bytes", "terms_bytes", "vectors_bytes", "ann_bytes", "chunks_bytes"):
                     comp[k] = comp.get(k, 0) + int(getattr(sh, k, 0))
             c.stub.Retrieve(query_request(q["texts"][0], top_k=10, query_vector=q["vecs"][0].tolist()))
-        time.sleep(1.0)  # one more RSS sample after the first query
+            time.sleep(1.0)  # one more RSS sample after the first query
+            rss_first = tree_rss(srv.proc.pid)
+            # the same hybrid pass as before the restart (the served state loaded from the snapshot
+            # instead of built by the ingest)
+            qs = list(zip(q["texts"], q["vecs"]))
+            for text, v in qs[:WARMUP]:
+                c.stub.Retrieve(query_request(text, top_k=10, mode="hybrid", query_vector=v.tolist()))
+            lat_r = []
+            for text, v in qs:
+                req = query_request(text, top_k=10, mode="hybrid", query_vector=v.tolist())
+                t = time.perf_counter()
+                c.stub.Retrieve(req)
+                lat_r.append((time.perf_counter() - t) * 1000)
+            res.update(retrieve_p50_after_restart_ms=round(percentile(lat_r, 50), 2),
+                       retrieve_p95_after_restart_ms=round(percentile(lat_r, 95), 2))
         # served from the snapshot: no ingest buffers
-        res.update(rss_after_restart_bytes=tree_rss(srv.proc.pid), rss_anon_after_restart_bytes=tree_rss_anon(srv.proc.pid),
+        res.update(rss_after_restart_bytes=rss_first, rss_anon_after_restart_bytes=tree_rss_anon(srv.proc.pid),
                    rss_peak_restart_bytes=peak.peak,
                    rss_after_restart_by_process=rss_by_process(srv.proc.pid),
                    shard_bytes_by_component=comp,
                    shard_bytes_per_chunk={k.removesuffix("_bytes"): round(v / max(chunks, 1)) for k, v in comp.items()},
-                   rss_after_restart_per_chunk=round(tree_rss(srv.proc.pid) / max(chunks, 1)), step="done")
+                   rss_after_restart_per_chunk=round(rss_first / max(chunks, 1)), step="done")
     finally:
         peak.close()
         srv.stop()
