@@ -10,6 +10,7 @@ import pickle
 
 import numpy as np
 import pyarrow as pa
+import pytest
 
 from oprag_server import records
 from oprag_server.shards.carried import CarriedFields
@@ -114,3 +115,29 @@ def test_hit_utf8_refuses_what_it_cannot_read_from_one_buffer():
     nul.add(t, [0, 1, 2], [0, 1, 2], copy=False)
     assert nul.hit_utf8(np.array([0], np.int64)) is None  # a null text: hit_fields' own path
     assert nul.hit_fields([1])[3] == [None]  # (what the plain path carries there)
+
+
+@pytest.mark.parametrize("kind", [pa.string(), pa.large_string()])
+def test_hit_utf8_of_plain_columns_in_one_compiled_gather_equals_hit_fields(kind):
+    """Every column one array without nulls (int32 or int64 offsets, a sliced part, empty values):
+    the compiled gather (``kernels_fields``) gives the bytes hit_fields' strings have."""
+    n = 9
+    cols = {"chunk_id": [f"c{i}" for i in range(n)], "doc_id": [f"d\u00fc{i}" for i in range(n)],
+            "title": ["", "t", "\u00fc" * 3, "", "x" * 70, "y", "", "z", "w"],
+            "text": ["a", "\u00e9" * 9, "", "b", "c" * 300, "", "d", "e", "\u4e2d\u6587"],
+            "metadata": ["", "{}", '{"a": 1}', "", '{"b": "\u00fc"}', "", "{}", '{"c": [1]}', ""],
+            "ordinal": list(range(n)), "generation": [1] * n, "content_hash": ["h"] * n}
+    table = pa.table({k: pa.array(v, pa.int32() if k == "ordinal" else pa.uint64() if k == "generation" else kind)
+                      for k, v in cols.items()})
+    from oprag_server.shards.fields import _HIT
+    for t in (table, table.slice(3)):
+        f = StoredFields()
+        f.add(t.select(list(FIELDS)), list(range(t.num_rows)), list(range(t.num_rows)), copy=False)
+        assert all(c.plain() for c in f._readers(0, _HIT))  # (the compiled path)
+        for slots in ([0], list(range(t.num_rows)), [t.num_rows - 1, 0, 2, 2]):
+            _, d, ti, x, m = f.hit_fields(slots)
+            blob, lens = f.hit_utf8(np.asarray(slots, np.int64))
+            at = np.cumsum([0, *lens])
+            assert [blob[at[k]:at[k + 1]].decode() for k in range(len(lens))] == d + ti + x + m
+            assert "" not in m and len(lens) == 4 * len(slots)
+        assert f.hit_utf8(np.array([0, t.num_rows], np.int64)) is None

@@ -13,6 +13,8 @@ only (:meth:`StoredFields.records`), a few ``take`` calls per request.
 
 from __future__ import annotations
 
+import functools
+import importlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -20,6 +22,12 @@ import numpy as np
 import pyarrow as pa
 
 from .strcols import StrColumn, groups as _groups, in_order as _in_order
+
+
+@functools.cache
+def _kernels_fields():
+    """:mod:`..index.kernels_fields` (numba), imported on first use: the frontend reads stored fields too."""
+    return importlib.import_module("..index.kernels_fields", __package__)
 
 FIELDS = ("chunk_id", "doc_id", "title", "text", "metadata", "ordinal", "generation", "content_hash")
 
@@ -148,11 +156,16 @@ class StoredFields:
         a column is not a plain string array or has a null doc_id / text (the caller takes
         :meth:`hit_fields`). Rows of several parts are read part by part, then put in order."""
         s = np.asarray(slots, dtype=np.int64).reshape(-1)
-        if not s.size or int(s.min()) < 0 or int(s.max()) >= self._part.size:
+        if not s.size:
             return None
+        kf = _kernels_fields()  # compiled: rows of one part with plain columns (the usual case)
+        p, rows = kf.one_part(s, self._part, self._row)
+        if p == -2:  # out of range or not stored
+            return None
+        if p >= 0 and (cols := self._readers(p, _HIT)) is not None and all(c.plain() for c in cols):
+            out, lens = kf.gather4(rows, *(x for c in cols for x in (c.off, c.u8())), kf.META_NONE)
+            return out.tobytes(), lens.tolist()
         parts = self._part[s]
-        if int(parts.min()) < 0:
-            return None
         groups = _groups(parts)
         one = len(groups) == 1  # (then every column appends to the same two lists)
         pieces: list[list] = [[]] * len(_HIT) if one else [[] for _ in _HIT]

@@ -174,8 +174,8 @@ class Searcher(ExactMixin, FieldsMixin):
         that the first query is not slow. :returns: seconds taken."""
         t = _kernels().warm()
         st, t0 = self.store, time.perf_counter()
-        from ..index import (kernels_band, kernels_carry, kernels_cone, kernels_exact, kernels_topm,  # noqa: PLC0415
-                             kernels_wide, kernels_wide_keep)
+        from ..index import (kernels_band, kernels_carry, kernels_cone, kernels_exact, kernels_fields,  # noqa: PLC0415
+                             kernels_topm, kernels_wide, kernels_wide_keep)
 
         _kernels_low().warm()
         kernels_topm.warm()
@@ -187,6 +187,7 @@ class Searcher(ExactMixin, FieldsMixin):
         kernels_carry.warm()
         _kernels_refine().warm()
         kernels_band.warm()
+        kernels_fields.warm()
         listed_top(st.postings, ["\x00"], np.ones(1), 1.0, 1.5, 0.75, 1)  # the segment's term bounds
         if st.dense.params.kind == "hnsw" and st.dense.ann is not None:
             self._low.candidates(st.dense.ann, np.zeros((0, st.dim), np.float32))  # build the seeds

@@ -16,11 +16,22 @@ class StrColumn:
     row ``r`` of chunk ``k`` (``starts``: each chunk's first row) reads ``off[r + k]``,
     ``off[r + k + 1]`` of that chunk's bytes."""
 
-    __slots__ = ("off", "data", "valid", "starts", "datas")
+    __slots__ = ("off", "data", "valid", "starts", "datas", "_u8")
 
     def __init__(self, off: np.ndarray, data: memoryview, valid: list | None, starts: np.ndarray | None = None,
                  datas: list | None = None) -> None:
         self.off, self.data, self.valid, self.starts, self.datas = off, data, valid, starts, datas
+        self._u8: np.ndarray | None = None
+
+    def plain(self) -> bool:
+        """One Arrow array (one chunk) without nulls: :meth:`u8` and :attr:`off` index every value."""
+        return self.starts is None and self.valid is None
+
+    def u8(self) -> np.ndarray:
+        """The UTF-8 bytes of a :meth:`plain` column as uint8[B] (a read-only view, kept)."""
+        if self._u8 is None:
+            self._u8 = np.frombuffer(self.data, np.uint8)
+        return self._u8
 
     @classmethod
     def of(cls, col: pa.ChunkedArray) -> "StrColumn | None":
