@@ -390,3 +390,21 @@ def test_average_idf_does_not_depend_on_the_order_terms_came_in():
     st_.apply_delta(0, 0, {t0: df[t0]})
     assert list(st_.df)[-1] == t0
     assert st_.average_idf == before
+
+
+def test_an_average_idf_of_exactly_zero_floors_common_terms_to_zero():
+    """Five chunks sharing six terms and a sixth holding one new word: six idfs log(1.5/5.5) and six
+    log(5.5/1.5), whose exact sum is 0. The exact sum gives 0.0, so the floored idf of a term in
+    more than half the chunks is 0 and those chunks are in no BM25 list (README "Lexical ranks");
+    rank_bm25's running sum leaves -3.7e-17 (within 1e-12, as every average here). CI found the
+    served case (tests/integration/test_fuzz.py, session 32)."""
+    docs = [f"baseline document {i} about orchards and pears".split() for i in range(5)] + [["zebra"]]
+    df: dict[str, int] = {}
+    for d in docs:
+        for t in set(d):
+            df[t] = df.get(t, 0) + 1
+    stats = B.CorpusStats(len(docs), sum(map(len, docs)), df)
+    bm = BM25Okapi(docs)
+    assert stats.average_idf == 0.0 and bm.average_idf == pytest.approx(0.0, abs=1e-12) and bm.average_idf != 0.0
+    assert stats.query_idf(["orchards", "pears", "zebra"]).tolist()[:2] == [0.0, 0.0]
+    assert stats.query_idf(["zebra"])[0] == pytest.approx(bm.idf["zebra"], abs=1e-12) and bm.idf["zebra"] > 0
