@@ -121,7 +121,10 @@ class _Carried:
 
     def add(self, replies: dict) -> None:
         for s, rep in replies.items():
-            self.by.setdefault(s, []).extend(f for f in getattr(rep, "fields", None) or () if f.slots)
+            self._keep(s, getattr(rep, "fields", None))
+
+    def _keep(self, shard: int, fields: list[FetchReply] | None) -> None:
+        self.by.setdefault(shard, []).extend(f for f in fields or () if f.slots)
 
     async def arrived(self) -> None:
         """Add the fields of the FIELDS replies sent behind the search replies (a failed or empty
@@ -132,7 +135,7 @@ class _Carried:
                 rep = await fut
             except ShardError:
                 continue
-            self.by.setdefault(s, []).extend(f for f in rep.fields or () if f.slots)
+            self._keep(s, rep.fields)
 
     def get(self, key: tuple[int, int]) -> tuple[FetchReply, int] | None:
         """``(reply, position)`` of the fields of slot ``key[1]`` of shard ``key[0]``, or None."""

@@ -78,4 +78,3 @@ class FieldsMixin:
             rep.slots = slots.tolist()
             return rep
         return CarriedFields.of(slots.tolist(), *raw)
-

@@ -54,11 +54,14 @@ def placement(cfg: Any) -> dict:
     return {"transport": getattr(importlib.import_module(mod, __package__), name)} if mod else {}
 
 
-def _quiet(fut: asyncio.Future) -> asyncio.Future:
-    """``fut`` with its exception marked as retrieved when it fails (a FIELDS reply nobody awaits
-    when the request failed before its hits were materialised logs nothing)."""
-    fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-    return fut
+def _behind(into: list, shard: int, client: Any, req: Any) -> None:
+    """Send ``client`` the FIELDS request ``req`` (None: nothing) right behind its SEARCH and append
+    ``(shard, future)`` to ``into``; the future's exception is marked as retrieved when it fails (a
+    FIELDS reply nobody awaits when the request failed before its hits were materialised logs nothing)."""
+    if req is not None:
+        fut = client.call(Op.FIELDS, req)
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+        into.append((shard, fut))
 
 
 class ShardPool:
@@ -237,16 +240,14 @@ class ShardPool:
             try:
                 for k in ks:
                     clients[k].call(op, per[k], into=g.slot(k))
-                    if later[k] is not None:
-                        fields_into.append((targets[k], _quiet(clients[k].call(Op.FIELDS, later[k]))))
+                    _behind(fields_into, targets[k], clients[k], later[k])
             finally:
                 release(held)
             return self._sorted(targets, await g.future)
         futs = []
         for k, c in enumerate(clients):
             futs.append(c.call(op, per[k]))
-            if later[k] is not None:
-                fields_into.append((targets[k], _quiet(c.call(Op.FIELDS, later[k]))))
+            _behind(fields_into, targets[k], c, later[k])
         if len(futs) == 1:  # one shard (e.g. a single session's memory): no gather wrapper
             try:
                 outs = [await futs[0]]
