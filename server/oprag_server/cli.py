@@ -68,7 +68,11 @@ _OPTIONS: tuple[tuple[str, str, str, str], ...] = (
     ("--embed-compile", "embed", "compile", "run the embedder through torch.compile with fixed bucket shapes"),
     ("--chunk-size", "chunking", "size", "largest chunk in embedder tokens incl. special tokens (capped at its window)"),
     ("--chunk-overlap", "chunking", "overlap", "tokens consecutive chunks may share, at most"),
-    ("--candidates", "retrieval", "candidates", "dense candidates N of dense-first hybrid"),
+    ("--candidates", "retrieval", "candidates", "retrieval window N: the dense list of rrf and of grouped "
+     "requests, and the window of each hit's dense/lexical rank"),
+    ("--hybrid-candidates", "retrieval", "hybrid_candidates",
+     "first-round dense top-N of a min-max hybrid request that leaves candidates 0: max(this, 4 * top_k); the bound "
+     "certifies its top-k whatever N and widens x4 when it cannot (0: --candidates)"),
     ("--dense-index", "dense", "kind", "dense index of each shard: flat (exact scan), hnsw or ivf (approximate "
      "candidates; scores stay exact; full_hybrid always scans every chunk)"),
     ("--hnsw-m", "dense", "hnsw_m", "HNSW graph degree M, 2 to 512"),

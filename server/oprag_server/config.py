@@ -94,9 +94,9 @@ class DenseConfig:
 class RetrievalConfig:
     """Retrieval defaults and bounds.
 
-    :param candidates: dense top-N fed to BM25 in dense-first hybrid mode.
-    :param dense_weight: weight of the min-max normalised dense score in the fused score.
-    :param lexical_weight: weight of the min-max normalised BM25 score.
+    :param candidates: the window N (rrf's and grouped requests' dense list; hits' rank window);
+        ``hybrid_candidates``: min-max hybrid's first-round N (``operators.hybrid.first_candidates``).
+    :param dense_weight, lexical_weight: weights of the min-max normalised dense and BM25 scores.
     """
 
     default_top_k: int = 5
@@ -105,12 +105,12 @@ class RetrievalConfig:
     max_candidates: int = 4096
     dense_weight: float = 0.5
     lexical_weight: float = 0.5
-    # pruning-loss monitor: this share of dense-first queries is re-run in exact mode off the request path (Recall@k)
-    monitor_fraction: float = 0.05
+    monitor_fraction: float = 0.05  # this share of dense-first queries is re-run in exact mode off the path (Recall@k)
     monitor_max_inflight: int = 2
     # dense-first hybrid: each shard's BM25 top-M joins its dense top-N; the bound certifies or widens (operators/hybrid.py)
     lexical_candidates: int = 0  # M of the first round; 0: max(4 * top_k, 64)
     widen_rounds: int = 3  # rounds of N, M x 4 at most (0: never widen)
+    hybrid_candidates: int = 64  # N of a min-max hybrid request's first round when it leaves candidates 0 (0: candidates)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.monitor_fraction <= 1.0:
@@ -119,8 +119,8 @@ class RetrievalConfig:
             raise ValueError(f"candidates must be in [1, {self.max_candidates}], got {self.candidates}")
         if not 1 <= self.default_top_k <= self.max_top_k:
             raise ValueError(f"default_top_k must be in [1, {self.max_top_k}], got {self.default_top_k}")
-        if self.lexical_candidates < 0 or self.widen_rounds < 0:
-            raise ValueError("lexical_candidates and widen_rounds must be >= 0")
+        if min(self.lexical_candidates, self.widen_rounds, self.hybrid_candidates) < 0:
+            raise ValueError("lexical_candidates, hybrid_candidates and widen_rounds must be >= 0")
         if self.dense_weight < 0 or self.lexical_weight < 0 or self.dense_weight + self.lexical_weight == 0:
             raise ValueError("fusion weights must be >= 0 and not both 0")
 

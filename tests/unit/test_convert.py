@@ -27,7 +27,8 @@ def job(*, generate=True, can_generate=True, **fields):
 def test_defaults_come_from_the_config():
     j = job()
     r, g = CFG.retrieval, CFG.generate
-    assert j.spec == RetrieveSpec(mode="hybrid", top_k=r.default_top_k, candidates=r.candidates,
+    assert j.spec == RetrieveSpec(mode="hybrid", top_k=r.default_top_k,
+                                  candidates=max(r.hybrid_candidates, 4 * r.default_top_k),
                                   dense_weight=r.dense_weight, lexical_weight=r.lexical_weight, fusion="minmax",
                                   rrf_k=60, filters=())
     assert j.max_new_tokens == g.default_max_new_tokens and j.generate and j.use_memory

@@ -95,8 +95,7 @@ class _Cols:
 
     def take(self, idx) -> "_Cols":
         idx = np.asarray(idx, dtype=np.int64)
-        return _Cols(self.shard[idx], self.slot[idx], self.ids[idx], self.dense[idx],
-                     self.lexical[idx])
+        return _Cols(self.shard[idx], self.slot[idx], self.ids[idx], self.dense[idx], self.lexical[idx])
 
     def cand(self, i: int, score: float, dense_rank: int, lexical_rank: int) -> _Cand:
         return _Cand(int(self.shard[i]), int(self.slot[i]), self.ids[i], float(self.dense[i]), float(self.lexical[i]),
@@ -126,9 +125,16 @@ def bounded(spec: RetrieveSpec) -> bool:
 
 
 def lexical_candidates(cfg: RetrievalConfig, spec: RetrieveSpec) -> int:
-    """M, the BM25 list length per shard in the first round: ``cfg.lexical_candidates``, or
-    when that is 0, ``max(4 * top_k, 64)``."""
+    """M, the BM25 list length per shard in the first round: ``cfg.lexical_candidates`` or (0) ``max(4 * top_k, 64)``."""
     return cfg.lexical_candidates or max(4 * spec.top_k, 64)
+
+
+def first_candidates(cfg: RetrievalConfig, mode: str, method: str, grouped: bool, top_k: int) -> int:
+    """N of a request with ``candidates`` 0: min-max ``hybrid`` not grouped: ``max(hybrid_candidates,
+    4 * top_k)`` (the bound certifies a top-k whatever N, or widens N); else ``candidates``."""
+    if mode == "hybrid" and method == "minmax" and not grouped and cfg.hybrid_candidates:
+        return min(max(cfg.hybrid_candidates, 4 * top_k), cfg.max_candidates)
+    return cfg.candidates
 
 
 def merge_union(replies: dict[int, SearchReply], j: int, spec: RetrieveSpec) -> tuple[list[_Cand], bool, str]:

@@ -20,6 +20,7 @@ from ..config import LimitsConfig, RetrievalConfig, ServerConfig
 from ..domain import DEFAULT_RRF_K, MODES, RetrieveSpec
 from ..engine.job import QueryJob
 from ..index.analyzer import has_visible_content
+from ..operators.hybrid import first_candidates
 from ..records import F32_HINT
 from . import session_ids
 from .ingest_reply import ingest_response  # noqa: F401 - convert's proto <-> domain API
@@ -53,9 +54,8 @@ def query_job(req: Any, cfg: ServerConfig, *, dim: int, generate: bool, can_gene
     :param dim: the embedder's output width D (a ``query_vector`` must have D values).
     :param generate: the RPC generates an answer (Query, QueryStream; not Retrieve).
     :param can_generate: the server has a generator (``--generator none`` has not).
-    :raises InvalidArgument: empty or too long question, top_k / candidates / max_new_tokens out
-        of range, unknown mode or fusion, bad weights, rrf_k, filters, session id, query vector
-        or chunks_per_document.
+    :raises InvalidArgument: empty or too long question, top_k / candidates / max_new_tokens out of range,
+        unknown mode or fusion, bad weights, rrf_k, filters, session id, query vector or chunks_per_document.
 
     A generating RPC on a server without a generator gets ``finish_reason`` :data:`NO_GENERATOR`.
     """
@@ -70,11 +70,11 @@ def query_job(req: Any, cfg: ServerConfig, *, dim: int, generate: bool, can_gene
         raise InvalidArgument(range_error("top_k", req.top_k, rcfg))
     if req.mode not in MODE_NAMES:
         raise InvalidArgument(f"unknown retrieval mode {req.mode}: use HYBRID (1), DENSE (2), LEXICAL (3) or FULL_HYBRID (4)")
-    cand = req.candidates or rcfg.candidates
+    method, wd, wl, rrf_k = fusion(req.fusion, default_weights=(rcfg.dense_weight, rcfg.lexical_weight))
+    cand = req.candidates or first_candidates(rcfg, MODE_NAMES[req.mode], method, req.group_by_document, top_k)
     if not 1 <= cand <= rcfg.max_candidates:
         raise InvalidArgument(range_error("candidates", req.candidates, rcfg))
     check_session_id(req.session_id, lim)
-    method, wd, wl, rrf_k = fusion(req.fusion, default_weights=(rcfg.dense_weight, rcfg.lexical_weight))
     per_doc = chunks_per_document(req, top_k, rcfg.max_candidates)
     for name in ("ef_search", "nprobe"):
         if getattr(req, name, 0) > 65536:
