@@ -66,3 +66,51 @@ def test_default_hybrid_first_round_equals_wider_and_exact(tmp_path, build):
             assert rrf.retrieval.candidates == 256
     finally:
         srv.stop()
+
+
+def test_negative_bm25_scores_below_a_short_list_keep_the_certified_top_k_exact(tmp_path):
+    """trial33: every word in ~80% of the documents makes rank_bm25's idf floor negative, so a
+    chunk holding the query term scores below one without it; the lowest scores sat below the
+    shards' truncated BM25 lists and the BM25 range's minimum was taken too high (certified top-k
+    != FULL_HYBRID's for 10 of 40 requests at N 64). Each shard now reports its exact minimum."""
+    rng = np.random.default_rng(0)
+    docs = []
+    for i in range(700):
+        ws = [w for w in ("alpha", "beta", "gamma") if rng.random() < 0.8] or ["alpha"]
+        docs.append(Doc(f"n{i}", " ".join(ws * int(rng.integers(1, 4))), vector=rng.standard_normal(D).astype(np.float32)))
+    srv = ServerProcess.on_free_ports(tmp_path, "--generator", "none", "--shards", "2").start()
+    try:
+        with OpRAGClient(srv.target, timeout=120) as c:
+            c.ingest(docs)
+            checked = negative = 0
+            for d in [x for x in docs if "gamma" in x.text][:12]:
+                for k in (1, 5):
+                    a = c.retrieve("gamma", top_k=k, query_vector=d.vector.tolist())
+                    x = c.retrieve("gamma", top_k=k, mode="full_hybrid", query_vector=d.vector.tolist())
+                    assert a.retrieval.certified
+                    assert _key(a) == _key(x), (d.id, k)
+                    negative += any(h.lexical_score < 0 for h in x.hits)
+                    checked += 1
+            assert checked == 24 and negative > 0  # the case is there: negative BM25 scores among the hits
+    finally:
+        srv.stop()
+
+
+def test_dense_weight_zero_ties_widen_to_full_hybrid_order(tmp_path):
+    """trial33: with dense weight 0 and a question no chunk holds, every chunk fuses to 0; the
+    dense list holds the chunks by dense score, not by id, so stopping on the tie left a top-k
+    of higher ids. Such a query keeps widening, as N 256 did, to FULL_HYBRID's order."""
+    rng = np.random.default_rng(5)
+    same = rng.standard_normal(D).astype(np.float32)
+    docs = [Doc(f"d{i:04d}", f"text {i % 7}", vector=(same if i >= 300 else rng.standard_normal(D).astype(np.float32)))
+            for i in range(900)]
+    srv = ServerProcess.on_free_ports(tmp_path, "--generator", "none", "--shards", "1").start()
+    try:
+        with OpRAGClient(srv.target, timeout=120) as c:
+            c.ingest(docs)
+            kw = dict(top_k=33, dense_weight=0.0, lexical_weight=1.0, query_vector=same.tolist())
+            a = c.retrieve("zzz", **kw)
+            x = c.retrieve("zzz", mode="full_hybrid", **kw)
+            assert [h.chunk_id for h in a.hits] == [h.chunk_id for h in x.hits] == [f"d{i:04d}#0" for i in range(33)]
+    finally:
+        srv.stop()

@@ -32,9 +32,8 @@ Ranges (chosen to equal exact mode's): dense ``[min(union, each shard's minimum)
 where a flat shard's minimum is exact over its eligible rows (so ranges, fused scores and the
 certified top-k equal ``full_hybrid``'s bit for bit) and an HNSW / IVF shard's is the lowest
 score its index finds (:meth:`..shards.search.Searcher._ann_lows`: never below the exact one); BM25 ``[min, max]`` of the union and each shard's
-``lexical_min`` (0 when some eligible chunk has no listed score; the lowest score of its eligible
-chunks when every one holds a query term: :meth:`..shards.exact.ExactMixin._lexical_min`), which
-is exact except for negative BM25 scores (negative idf floor) below a truncated BM25 list. With HNSW / IVF the dense list is approximate, so the bound is a heuristic
+``lexical_min`` (the lowest BM25 score of its eligible chunks, 0 for one with no query term, exact also
+with negative scores: :meth:`..shards.exact.ExactMixin._lexical_min`). With HNSW / IVF the dense list is approximate, so the bound is a heuristic
 there (an ANN miss above the N-th score is not covered). Rank fusion (rrf) and requests grouped
 by document keep the dense window of N, fused over that window (no bound; rrf's analogue would be
 ``w_d / (k + N + 1) + w_l / (k + M + 1)`` with ranks over the whole lists, not built).
@@ -301,6 +300,7 @@ class Widening:
     #: the lists break ties by chunk id, so a chunk outside them that ties the k-th hit comes
     #: after the chunks listed, and wider lists keep returning the same top-k (a 20,000-copy
     #: group widened 3 times for ~240-370 ms, bench/RESULTS.md, session 27). It stays uncertified.
+    #: Not with dense weight 0: chunks with no query term then tie at 0 whatever their dense score (trial33).
     STOP_ON_TIE = True
 
     def __init__(self, cfg: RetrievalConfig, specs: list[RetrieveSpec], bound: bool) -> None:
@@ -328,8 +328,8 @@ class Widening:
         top, self.state[j] = got[0], got[1]
         self.sides[j] = got[2] if len(got) > 2 else "both"
         last, self.last[j] = self.last[j], top
-        self.stuck[j] = (self.STOP_ON_TIE and len(got) > 3 and bool(got[3]) and last is not None
-                         and [(c.shard, c.slot) for c in top] == [(c.shard, c.slot) for c in last])
+        self.stuck[j] = (self.STOP_ON_TIE and self.specs[j].dense_weight > 0 and len(got) > 3 and bool(got[3])
+                         and last is not None and [(c.shard, c.slot) for c in top] == [(c.shard, c.slot) for c in last])
         return top
 
     def _join(self, replies: dict, jj: int, j: int) -> tuple[dict, int]:

@@ -47,16 +47,20 @@ class ExactMixin:
     def _lexical_min(self, qb: QueryBatch, i: int, allowed: np.ndarray | None, eligible: int, listed: int,
                      lst: Candidates) -> float:
         """The lowest BM25 score over query ``i``'s eligible chunks of this shard, as exact mode
-        takes it for its normalisation (:meth:`.exact.ExactMixin.exact_minmax`): 0.0 when some
-        eligible chunk scores 0 (``listed < eligible``; also when none is eligible); the BM25
-        list's lowest when the list holds every listed chunk; else -- every eligible chunk holds a
-        query term and the list is shorter: a small filtered set of chunks that all contain
-        "the", say -- every eligible chunk scored (:func:`..index.bm25.listed_top.scores_at`, the
-        values of ``PostingsIndex.score_all``)."""
-        if eligible <= 0 or listed < eligible:
+        takes it for its normalisation (:meth:`.exact.ExactMixin.exact_minmax`): 0.0 when none is
+        eligible, or when some eligible chunk scores 0 (``listed < eligible``) and no query term
+        has a negative idf (rank_bm25's floor ``epsilon * average idf`` is negative when the
+        average is: every score is then <= 0); the BM25 list's lowest (and 0 when some chunk is
+        unlisted) when the list holds every listed chunk; else -- a negative idf below a truncated
+        list (trial33: a certified top-k that was not ``full_hybrid``'s), or every eligible chunk
+        holds a query term and the list is shorter: a small filtered set of chunks that all
+        contain "the", say -- every eligible chunk scored (:func:`..index.bm25.listed_top.scores_at`,
+        the values of ``PostingsIndex.score_all``; an unlisted chunk scores 0)."""
+        if eligible <= 0 or listed < eligible and not (np.asarray(qb.idf[i]) < 0.0).any():
             return 0.0
         if len(lst.slots) >= listed:
-            return float(np.min(lst.lexical)) if len(lst.slots) else 0.0
+            low = float(np.min(lst.lexical)) if len(lst.slots) else 0.0
+            return min(low, 0.0) if listed < eligible else low
         st = self.store
         slots = st.dense.slots if allowed is None else allowed
         return float(scores_at(st.postings, qb.terms[i], qb.idf[i], qb.avgdl, qb.k1, qb.b, slots).min())
