@@ -93,9 +93,8 @@ class DenseConfig:
 @dataclass(frozen=True)
 class RetrievalConfig:
     """Retrieval defaults and bounds.
-
-    :param candidates: the window N (rrf's and grouped requests' dense list; hits' rank window);
-        ``hybrid_candidates``: min-max hybrid's first-round N (``operators.hybrid.first_candidates``).
+    :param candidates: the window N (rrf's / grouped requests' dense list; hits' rank window); ``hybrid_candidates``:
+        min-max hybrid's first-round N (``operators.hybrid.first_candidates``).
     :param dense_weight, lexical_weight: weights of the min-max normalised dense and BM25 scores.
     """
 
@@ -119,8 +118,9 @@ class RetrievalConfig:
             raise ValueError(f"candidates must be in [1, {self.max_candidates}], got {self.candidates}")
         if not 1 <= self.default_top_k <= self.max_top_k:
             raise ValueError(f"default_top_k must be in [1, {self.max_top_k}], got {self.default_top_k}")
-        if min(self.lexical_candidates, self.widen_rounds, self.hybrid_candidates) < 0:
-            raise ValueError("lexical_candidates, hybrid_candidates and widen_rounds must be >= 0")
+        for name in ("lexical_candidates", "hybrid_candidates", "widen_rounds"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (--{name.replace('_', '-')}), got {getattr(self, name)}")
         if self.dense_weight < 0 or self.lexical_weight < 0 or self.dense_weight + self.lexical_weight == 0:
             raise ValueError("fusion weights must be >= 0 and not both 0")
 

@@ -34,7 +34,7 @@ def test_the_knob_and_its_bounds():
     assert first_candidates(r, "hybrid", "minmax", False, 10) == 200  # 0: --candidates
     r = RetrievalConfig(hybrid_candidates=5000)
     assert first_candidates(r, "hybrid", "minmax", False, 10) == r.max_candidates
-    with pytest.raises(ValueError, match="hybrid_candidates"):
+    with pytest.raises(ValueError, match=r"hybrid_candidates must be >= 0 \(--hybrid-candidates\), got -1"):
         RetrievalConfig(hybrid_candidates=-1)
     cfg = ServerConfig(retrieval=RetrievalConfig(hybrid_candidates=16))
     assert _job(cfg, top_k=2).spec.candidates == 16
