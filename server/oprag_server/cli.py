@@ -71,7 +71,7 @@ _OPTIONS: tuple[tuple[str, str, str, str], ...] = (
     ("--candidates", "retrieval", "candidates", "retrieval window N: the dense list of rrf and of grouped "
      "requests, and the window of each hit's dense/lexical rank"),
     ("--hybrid-candidates", "retrieval", "hybrid_candidates",
-     "first-round dense top-N of a min-max hybrid request that leaves candidates 0: max(this, 4 * top_k); the bound "
+     "flat index: first-round dense top-N of a min-max hybrid request that leaves candidates 0: max(this, 4 * top_k); the bound "
      "certifies its top-k whatever N and widens x4 when it cannot (0: --candidates)"),
     ("--dense-index", "dense", "kind", "dense index of each shard: flat (exact scan), hnsw or ivf (approximate "
      "candidates; scores stay exact; full_hybrid always scans every chunk)"),

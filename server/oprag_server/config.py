@@ -109,7 +109,7 @@ class RetrievalConfig:
     # dense-first hybrid: each shard's BM25 top-M joins its dense top-N; the bound certifies or widens (operators/hybrid.py)
     lexical_candidates: int = 0  # M of the first round; 0: max(4 * top_k, 64)
     widen_rounds: int = 3  # rounds of N, M x 4 at most (0: never widen)
-    hybrid_candidates: int = 64  # N of a min-max hybrid request's first round when it leaves candidates 0 (0: candidates)
+    hybrid_candidates: int = 64  # flat: N of a min-max hybrid request's first round with candidates 0 (0: candidates)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.monitor_fraction <= 1.0:

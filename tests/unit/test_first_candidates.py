@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from oprag.v1 import oprag_pb2
-from oprag_server.config import RetrievalConfig, ServerConfig
+from oprag_server.config import DenseConfig, RetrievalConfig, ServerConfig
 from oprag_server.operators.hybrid import first_candidates
 from oprag_server.service.convert import InvalidArgument, query_job
 
@@ -31,12 +31,21 @@ def test_min_max_hybrid_starts_small_and_others_keep_the_window():
 
 def test_the_knob_and_its_bounds():
     r = RetrievalConfig(hybrid_candidates=0, candidates=200)
-    assert first_candidates(r, "hybrid", "minmax", False, 10) == 200  # 0: --candidates
+    assert first_candidates(r, "hybrid", "minmax", False, 10, "flat") == 200  # 0: --candidates
     r = RetrievalConfig(hybrid_candidates=5000)
-    assert first_candidates(r, "hybrid", "minmax", False, 10) == r.max_candidates
+    assert first_candidates(r, "hybrid", "minmax", False, 10, "flat") == r.max_candidates
     with pytest.raises(ValueError, match=r"hybrid_candidates must be >= 0 \(--hybrid-candidates\), got -1"):
         RetrievalConfig(hybrid_candidates=-1)
     cfg = ServerConfig(retrieval=RetrievalConfig(hybrid_candidates=16))
     assert _job(cfg, top_k=2).spec.candidates == 16
     with pytest.raises(InvalidArgument, match="candidates"):
         _job(candidates=5000)
+
+
+def test_an_ann_index_keeps_the_window():
+    """HNSW / IVF: the beam finds ef_search rows whatever N, and shorter lists widen more at scale
+    (1M: 25% vs 8% of SciFact queries; bench/RESULTS.md, session 33): N stays --candidates."""
+    for kind in ("hnsw", "ivf"):
+        cfg = ServerConfig(dense=DenseConfig(kind=kind))
+        assert _job(cfg, top_k=10).spec.candidates == 256
+        assert first_candidates(RetrievalConfig(), "hybrid", "minmax", False, 10, kind) == 256

@@ -128,10 +128,10 @@ def lexical_candidates(cfg: RetrievalConfig, spec: RetrieveSpec) -> int:
     return cfg.lexical_candidates or max(4 * spec.top_k, 64)
 
 
-def first_candidates(cfg: RetrievalConfig, mode: str, method: str, grouped: bool, top_k: int) -> int:
-    """N of a request with ``candidates`` 0: min-max ``hybrid`` not grouped: ``max(hybrid_candidates,
-    4 * top_k)`` (the bound certifies a top-k whatever N, or widens N); else ``candidates``."""
-    if mode == "hybrid" and method == "minmax" and not grouped and cfg.hybrid_candidates:
+def first_candidates(cfg: RetrievalConfig, mode: str, method: str, grouped: bool, top_k: int, dense: str) -> int:
+    """``candidates`` 0: min-max ``hybrid``, not grouped, ``dense`` flat: ``max(hybrid_candidates, 4 * top_k)`` (the bound
+    certifies whatever N, else widens; HNSW / IVF beams find ``ef_search`` rows whatever N); else ``candidates``."""
+    if mode == "hybrid" and method == "minmax" and not grouped and cfg.hybrid_candidates and dense == "flat":
         return min(max(cfg.hybrid_candidates, 4 * top_k), cfg.max_candidates)
     return cfg.candidates
 

@@ -71,7 +71,7 @@ def query_job(req: Any, cfg: ServerConfig, *, dim: int, generate: bool, can_gene
     if req.mode not in MODE_NAMES:
         raise InvalidArgument(f"unknown retrieval mode {req.mode}: use HYBRID (1), DENSE (2), LEXICAL (3) or FULL_HYBRID (4)")
     method, wd, wl, rrf_k = fusion(req.fusion, default_weights=(rcfg.dense_weight, rcfg.lexical_weight))
-    cand = req.candidates or first_candidates(rcfg, MODE_NAMES[req.mode], method, req.group_by_document, top_k)
+    cand = req.candidates or first_candidates(rcfg, MODE_NAMES[req.mode], method, req.group_by_document, top_k, cfg.dense.kind)
     if not 1 <= cand <= rcfg.max_candidates:
         raise InvalidArgument(range_error("candidates", req.candidates, rcfg))
     check_session_id(req.session_id, lim)
