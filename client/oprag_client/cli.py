@@ -64,7 +64,7 @@ def _parser(plugins: dict) -> argparse.ArgumentParser:
                    help="answer length in tokens (0 = the server's default, 64; at most 512)")
     q.add_argument("--candidates", type=_count, default=0,
                    help="dense-first window N (0 = the server's default, 256; max(64, 4 x top-k) for min-max "
-                        "hybrid on a flat index; at most 4096)")
+                        "hybrid on a flat index; a server's --candidates / --hybrid-candidates change them; at most 4096)")
     q.add_argument("--no-generate", action="store_true", help="retrieve only")
     q.add_argument("--json", action="store_true", help="print the reply as one JSON object (README: oprag query --json)")
     q.add_argument("question", nargs="+", help="the question (several words need no quotes)")

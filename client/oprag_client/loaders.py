@@ -98,7 +98,8 @@ def load_text(paths: list[Path]) -> Iterator[Doc]:
 
     :raises ValueError: two of the given paths yield the same id (e.g. ``a/x.txt`` and
         ``b/x.txt`` given as folders ``a`` and ``b``): one would silently replace the other, so
-        ingest them in separate calls or from their common parent folder.
+        ingest them from their common parent folder (in separate calls the second would replace
+        the first as well: same id).
     """
     seen: dict[str, Path] = {}
 
@@ -107,8 +108,8 @@ def load_text(paths: list[Path]) -> Iterator[Doc]:
             if seen[doc_id].resolve() == f.resolve():
                 return False
             raise ValueError(f"{f} and {seen[doc_id]} both get the document id {doc_id!r}; "
-                             "ingest them from their common parent folder (ids are relative paths) "
-                             "or in separate calls")
+                             "ingest them from their common parent folder (ids are relative paths); "
+                             "separate calls would not help: the second would replace the first")
         seen[doc_id] = f
         return True
 

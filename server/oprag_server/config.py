@@ -93,8 +93,7 @@ class DenseConfig:
 @dataclass(frozen=True)
 class RetrievalConfig:
     """Retrieval defaults and bounds.
-    :param candidates: the window N (rrf's / grouped requests' dense list; hits' rank window); ``hybrid_candidates``:
-        min-max hybrid's first-round N (``operators.hybrid.first_candidates``).
+    :param candidates: the window N (rrf's / grouped dense list; hits' rank window); ``hybrid_candidates``: flat min-max hybrid's first N.
     :param dense_weight, lexical_weight: weights of the min-max normalised dense and BM25 scores.
     """
 
@@ -118,9 +117,10 @@ class RetrievalConfig:
             raise ValueError(f"candidates must be in [1, {self.max_candidates}], got {self.candidates}")
         if not 1 <= self.default_top_k <= self.max_top_k:
             raise ValueError(f"default_top_k must be in [1, {self.max_top_k}], got {self.default_top_k}")
-        for name in ("lexical_candidates", "hybrid_candidates", "widen_rounds"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0 (--{name.replace('_', '-')}), got {getattr(self, name)}")
+        for name, most in (("lexical_candidates", self.max_candidates), ("hybrid_candidates", self.max_candidates),
+                           ("widen_rounds", 1 << 30)):
+            if not 0 <= getattr(self, name) <= most:
+                raise ValueError(f"{name} must be in [0, {most}] (--{name.replace('_', '-')}), got {getattr(self, name)}")
         if self.dense_weight < 0 or self.lexical_weight < 0 or self.dense_weight + self.lexical_weight == 0:
             raise ValueError("fusion weights must be >= 0 and not both 0")
 

@@ -32,9 +32,12 @@ def test_min_max_hybrid_starts_small_and_others_keep_the_window():
 def test_the_knob_and_its_bounds():
     r = RetrievalConfig(hybrid_candidates=0, candidates=200)
     assert first_candidates(r, "hybrid", "minmax", False, 10, "flat") == 200  # 0: --candidates
-    r = RetrievalConfig(hybrid_candidates=5000)
+    for name in ("hybrid_candidates", "lexical_candidates"):  # refused like --candidates, not clamped (trial33b)
+        with pytest.raises(ValueError, match=rf"{name} must be in \[0, 4096\] \(--{name.replace('_', '-')}\), got 5000"):
+            RetrievalConfig(**{name: 5000})
+    r = RetrievalConfig(hybrid_candidates=4096)
     assert first_candidates(r, "hybrid", "minmax", False, 10, "flat") == r.max_candidates
-    with pytest.raises(ValueError, match=r"hybrid_candidates must be >= 0 \(--hybrid-candidates\), got -1"):
+    with pytest.raises(ValueError, match=r"hybrid_candidates must be in \[0, 4096\] \(--hybrid-candidates\), got -1"):
         RetrievalConfig(hybrid_candidates=-1)
     cfg = ServerConfig(retrieval=RetrievalConfig(hybrid_candidates=16))
     assert _job(cfg, top_k=2).spec.candidates == 16
