@@ -66,7 +66,10 @@ def _parser(plugins: dict) -> argparse.ArgumentParser:
                    help="dense-first window N (0 = the server's default, 256; max(64, 4 x top-k) for min-max "
                         "hybrid on a flat index; a server's --candidates / --hybrid-candidates change them; at most 4096)")
     q.add_argument("--no-generate", action="store_true", help="retrieve only")
-    q.add_argument("--json", action="store_true", help="print the reply as one JSON object (README: oprag query --json)")
+    q.add_argument("--json", action="store_true",
+                   help="print the reply as one JSON object: answer, hits (with dense_rank / lexical_rank), "
+                        "retrieval (what the server did: mode, fusion, candidates, certified, ...) and more "
+                        "(README: oprag query --json)")
     q.add_argument("question", nargs="+", help="the question (several words need no quotes)")
 
     cs = sub.add_parser("clear-session", help="drop a session's memory records")
@@ -112,7 +115,20 @@ def _hit_json(h) -> dict:
         "dense_score": h.dense_score,
         "lexical_score": h.lexical_score,
         "shard": h.shard,
+        # 1-based ranks in the retrieval window's dense and lexical lists; 0: not in that list
+        "dense_rank": h.dense_rank,
+        "lexical_rank": h.lexical_rank,
     }
+
+
+def _retrieval_json(r) -> dict | None:
+    """The reply's ``retrieval`` (RetrievalInfo: what the retrieve operator did) with every field
+    under its proto name, defaults included (repeated fields as lists); None when the reply has none."""
+    if not r.HasField("retrieval"):
+        return None
+    info = r.retrieval
+    return {f.name: list(getattr(info, f.name)) if f.is_repeated else getattr(info, f.name)
+            for f in info.DESCRIPTOR.fields}
 
 
 def cmd_query(a) -> int:
@@ -132,7 +148,8 @@ def cmd_query(a) -> int:
     if a.json:
         out = {"answer": answer, "hits": [_hit_json(h) for h in r.hits], "timings_ms": dict(r.timings_ms),
                "request_id": r.request_id, "memory_context": r.memory_context, "memory_used": r.memory_used,
-               "resolved_query": r.resolved_query, "missing_shards": list(r.retrieval.missing_shards),
+               "resolved_query": r.resolved_query, "retrieval": _retrieval_json(r),
+               "missing_shards": list(r.retrieval.missing_shards),  # (also in retrieval; kept for older readers)
                # why the answer ended: "stop", "length", "no_sources", "no_generator"; None: --no-generate
                "finish_reason": r.finish_reason if answer is not None else None}
         if answer is not None:

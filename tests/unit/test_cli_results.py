@@ -70,3 +70,25 @@ def test_query_json_has_the_finish_reason_of_the_reply(monkeypatch, capsys, reas
     monkeypatch.setattr(cli, "_client", lambda a: _Stub(_reply(oprag_pb2.RetrieveResponse, [])))
     assert cli.main(["query", "--server", "127.0.0.1:1", "--json", "--no-generate", "lobster"]) == 0
     assert json.loads(capsys.readouterr().out)["finish_reason"] is None  # nothing was generated
+
+
+def test_query_json_has_the_retrieval_info_and_the_hit_ranks(monkeypatch, capsys):
+    """``retrieval``: every RetrievalInfo field under its proto name (uint64 as a number, not
+    MessageToDict's string); null when the reply has none. Hits carry dense_rank / lexical_rank."""
+    r = _reply(oprag_pb2.RetrieveResponse, [])
+    r.hits[0].dense_rank, r.hits[0].lexical_rank = 3, 0
+    r.retrieval.MergeFrom(oprag_pb2.RetrievalInfo(mode="hybrid", fusion="rrf", rrf_k=60, candidates=256,
+                                                  chunks_searched=2**40))
+    monkeypatch.setattr(cli, "_client", lambda a: _Stub(r))
+    assert cli.main(["query", "--server", "127.0.0.1:1", "--json", "--no-generate", "lobster"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert list(out["retrieval"]) == [f.name for f in oprag_pb2.RetrievalInfo.DESCRIPTOR.fields]
+    assert out["retrieval"] == {
+        "mode": "hybrid", "fusion": "rrf", "dense_weight": 0.0, "lexical_weight": 0.0, "rrf_k": 60, "candidates": 256,
+        "chunks_searched": 2**40, "partial": False, "missing_shards": [], "dense_index": "", "ef_search": 0,
+        "nprobe": 0, "lexical_candidates": 0, "certified": False, "widen_rounds": 0}
+    assert (out["hits"][0]["dense_rank"], out["hits"][0]["lexical_rank"]) == (3, 0)
+    monkeypatch.setattr(cli, "_client", lambda a: _Stub(oprag_pb2.RetrieveResponse()))
+    assert cli.main(["query", "--server", "127.0.0.1:1", "--json", "--no-generate", "lobster"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["retrieval"] is None and out["missing_shards"] == [] and out["hits"] == []
