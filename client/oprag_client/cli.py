@@ -16,8 +16,9 @@ import grpc
 
 from .cli_eval import cmd_eval
 from .cli_ingest import cmd_ingest
-from .cli_util import _add_server, _client, _count, _fail, _positive, _rpc_error, _seconds, _stdout_closed_ok  # noqa: F401
-from .client import MODES
+from .cli_util import (_add_server, _client, _count, _fail, _positive, _rpc_error, _seconds,  # noqa: F401
+                       _stdout_closed_ok, _weight)
+from .client import FUSIONS, MODES
 
 
 class _SubcommandParser(argparse.ArgumentParser):
@@ -65,6 +66,18 @@ def _parser(plugins: dict) -> argparse.ArgumentParser:
     q.add_argument("--candidates", type=_count, default=0,
                    help="dense-first window N (0 = the server's default, 256; max(64, 4 x top-k) for min-max "
                         "hybrid on a flat index; a server's --candidates / --hybrid-candidates change them; at most 4096)")
+    q.add_argument("--fusion", choices=list(FUSIONS), default=None,
+                   help="how --mode hybrid / full_hybrid combine the dense and the lexical ranking: minmax "
+                        "(weighted min-max of the scores, WEIGHTED_MINMAX: the server's default) or rrf "
+                        "(reciprocal rank fusion, RRF)")
+    q.add_argument("--dense-weight", type=_weight, default=0.0, metavar="W",
+                   help="weight of the dense list in the fusion (both weights 0 = the server's defaults, 0.5 "
+                        "and 0.5; one given alone leaves the other 0: that list then counts for nothing; "
+                        "each 0 or in [1e-12, 1e6])")
+    q.add_argument("--lexical-weight", type=_weight, default=0.0, metavar="W",
+                   help="weight of the lexical (BM25) list in the fusion, as --dense-weight")
+    q.add_argument("--rrf-k", type=_count, default=0, metavar="K",
+                   help="with --fusion rrf: the RRF constant k (0 = the server's default, 60; at most 100000)")
     q.add_argument("--no-generate", action="store_true", help="retrieve only")
     q.add_argument("--json", action="store_true",
                    help="print the reply as one JSON object: answer, hits (with dense_rank / lexical_rank), "
@@ -131,12 +144,31 @@ def _retrieval_json(r) -> dict | None:
             for f in info.DESCRIPTOR.fields}
 
 
+def _fusion_kw(a) -> dict:
+    """The fusion keywords of ``oprag query``'s options (none when no fusion option was given).
+
+    :raises ValueError: a fusion option with ``--mode dense`` or ``lexical`` (which rank one list:
+        the server would ignore it), ``--rrf-k`` without ``--fusion rrf``.
+    """
+    given = [flag for flag, v in (("--fusion", a.fusion), ("--dense-weight", a.dense_weight),
+                                  ("--lexical-weight", a.lexical_weight), ("--rrf-k", a.rrf_k)) if v]
+    if given and a.mode not in ("hybrid", "full_hybrid"):
+        raise ValueError(f"{', '.join(given)}: fusion applies to --mode hybrid and full_hybrid only "
+                         f"(--mode {a.mode} ranks one list)")
+    if a.rrf_k and a.fusion != "rrf":
+        raise ValueError("--rrf-k needs --fusion rrf (min-max fusion has no k)")
+    if not given:
+        return {}
+    return dict(fusion=a.fusion or "minmax", dense_weight=a.dense_weight, lexical_weight=a.lexical_weight,
+                rrf_k=a.rrf_k)
+
+
 def cmd_query(a) -> int:
     question = " ".join(a.question)
+    kw = dict(top_k=a.top_k, mode=a.mode, session_id=a.session, candidates=a.candidates,
+              disable_memory=a.no_memory, **_fusion_kw(a))
     try:
         with _client(a) as c:
-            kw = dict(top_k=a.top_k, mode=a.mode, session_id=a.session, candidates=a.candidates,
-                      disable_memory=a.no_memory)
             if a.no_generate:
                 r = c.retrieve(question, **kw)
                 answer = None

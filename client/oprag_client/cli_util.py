@@ -84,6 +84,17 @@ def _seconds(text: str) -> float:
     return v
 
 
+def _weight(text: str) -> float:
+    """A fusion weight: a finite number >= 0 (the server checks its range: 0 or [1e-12, 1e6])."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not (0 <= v < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return v
+
+
 def _fail(msg: str, code: int = 1) -> int:
     print(f"oprag: {msg}", file=sys.stderr)
     return code
