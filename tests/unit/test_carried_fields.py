@@ -34,9 +34,9 @@ def _table(n: int, gen: int = 1, prefix: str = "d", text=lambda i: f"text number
 
 
 def _plain(st: ShardState, slots: list[int]) -> FetchReply:
-    rep = st.search.fetch(FetchRequest(slots))
-    rep.slots = slots
-    return rep
+    """The decoded fields (``StoredFields.hit_fields``: the reference the bytes are read against)."""
+    found, doc_ids, titles, texts, metadata = st.store.fields.hit_fields(slots)
+    return FetchReply(found, doc_ids, titles, texts, metadata, slots)
 
 
 def _cols(rep) -> tuple:
@@ -141,3 +141,21 @@ def test_hit_utf8_of_plain_columns_in_one_compiled_gather_equals_hit_fields(kind
             assert [blob[at[k]:at[k + 1]].decode() for k in range(len(lens))] == d + ti + x + m
             assert "" not in m and len(lens) == 4 * len(slots)
         assert f.hit_utf8(np.array([0, t.num_rows], np.int64)) is None
+
+
+def test_fetch_reads_the_stored_bytes_when_every_slot_is_live_and_decodes_otherwise():
+    """FETCH (``FieldsMixin.fetch``: the frontend's fetch of hits whose fields no reply carried, and
+    ``--shard-workers inline``'s fields after the merge) from the stored UTF-8 bytes: the same
+    values as the decoded path, over two parts; a slot deleted meanwhile is ``found`` False."""
+    st = ShardState(0, D, None)
+    st.store.upsert(_table(120, text=lambda i: f"t\u00e9xt {i} " + "\U0001f600" * (i % 3)), 1)
+    st.store.upsert(_table(80, gen=2, prefix="e"), 2)
+    live = st.store.fields.slots()
+    for slots in (live[:5].tolist(), [int(live[-1]), int(live[3]), int(live[130])]):
+        rep = st.search.fetch(FetchRequest(slots))
+        assert isinstance(rep, CarriedFields) and _cols(rep)[:5] == _cols(_plain(st, slots))[:5]
+    gone = int(live[4])
+    st.store.delete([st.store.fields.hit_fields([gone])[1][0]], 3)
+    rep = st.search.fetch(FetchRequest([int(live[0]), gone]))
+    assert not isinstance(rep, CarriedFields) and list(rep.found) == [True, False]
+    assert list(rep.doc_ids) == [_plain(st, [int(live[0])]).doc_ids[0], ""]

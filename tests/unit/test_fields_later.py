@@ -89,6 +89,16 @@ def test_the_pool_defers_only_for_process_shards_beside_an_inline_one():
         assert fields_later(op, per, clients, into) == [None, None] and per[1] is r
 
 
+def _inline_beside_process(rng):
+    """``(states, stats, pool)``: two shards of 60 chunks, shard 0 inline, shard 1 on its thread posing
+    as a process shard (``defers_fields``: its requests are served in order, as a process's are)."""
+    states, stats = _build(_corpus(rng, 60))
+    pool = ShardPool(len(states), DIM, None, transport=first_inline)
+    pool.clients = [InlineTransport.of(states[0]), ThreadTransport.of(states[1])]
+    pool.clients[1].defers_fields = True
+    return states, stats, pool
+
+
 @pytest.mark.parametrize("mode", ["hybrid", "dense", "lexical"])
 def test_a_retrieve_with_fields_behind_the_reply_answers_as_before_without_a_fetch(mode):
     """Shard 0 inline, shard 1 on its thread posing as a process shard (``defers_fields``: its
@@ -96,10 +106,7 @@ def test_a_retrieve_with_fields_behind_the_reply_answers_as_before_without_a_fet
     FETCH follows, and every field of every hit equals the hits of shards behind a pickling
     boundary (which carry the fields in the reply)."""
     rng = np.random.default_rng(23)
-    states, stats = _build(_corpus(rng, 60))
-    pool = ShardPool(len(states), DIM, None, transport=first_inline)
-    pool.clients = [InlineTransport.of(states[0]), ThreadTransport.of(states[1])]
-    pool.clients[1].defers_fields = True
+    states, stats, pool = _inline_beside_process(rng)
     log: list = []
     for op in (Op.SEARCH, Op.FIELDS, Op.FETCH):
         _where(pool.clients[1], op, log)
@@ -119,3 +126,46 @@ def test_a_retrieve_with_fields_behind_the_reply_answers_as_before_without_a_fet
     for a, b, ops in got:
         assert a == b and a
         assert ops[:2] == [Op.SEARCH, Op.FIELDS] and Op.FETCH not in ops, ops
+
+
+def test_the_inline_shard_searches_one_query_without_fields_and_fetches_its_hits_after_the_merge():
+    """Shard 0 inline: a one-query SEARCH goes to it with ``fetch_k`` 0 (no k-skyband's fields while
+    the frontend waits on it), then one FETCH of exactly its hits in the merged top-k, both on the
+    loop; the hits equal those of shards behind a pickling boundary. A batch of two keeps its fields."""
+    one = dataclasses.replace(_request(np.ones(DIM, np.float32), b=1), weights=[(0.5, 0.5)])
+    per, clients = [one] * 2, [_Client(inline=True), _Client(True)]
+    fields_later(Op.SEARCH, per, clients, [])
+    assert per[0].fetch_k == 0 and one.fetch_k == 3
+    assert all(getattr(per[0], f.name) is getattr(one, f.name) for f in dataclasses.fields(one) if f.name != "fetch_k")
+    assert per[1].fetch_k == 3 and per[1].fields_later > 0
+    two = [_request(np.ones(DIM, np.float32), b=2)] * 2
+    fields_later(Op.SEARCH, two, clients, [])
+    assert two[0].fetch_k == 3 and two[0].fields_later == 0
+    rng = np.random.default_rng(24)
+    states, stats, pool = _inline_beside_process(rng)
+    seen: list = []
+    for op in (Op.SEARCH, Op.FETCH):
+        real = pool.clients[0]._table[op]
+        pool.clients[0]._table[op] = lambda req, real=real, op=op: seen.append((op, req)) or real(req)
+    ours, copied = _retriever(pool, stats), _retriever(in_process_pool(states, copy=True), stats)
+    spec = [RetrieveSpecs("hybrid")]
+
+    async def go():
+        out = []
+        for text, qv in _queries(rng, 8):
+            seen.clear()
+            a = (await ours.retrieve(qv[None, :], [text], spec))[0][0]
+            out.append((a, (await copied.retrieve(qv[None, :], [text], spec))[0][0], list(seen)))
+        return out
+
+    fetched = 0
+    for a, b, ops in asyncio.run(go()):
+        assert a == b and a
+        assert ops[0][0] is Op.SEARCH and ops[0][1].fetch_k == 0, ops
+        fetches = [r for o, r in ops if o is Op.FETCH]
+        assert len(fetches) == (1 if any(h.shard == 0 for h in a) else 0), ops
+        if fetches:
+            fetched += 1
+            got = states[0].store.ids(np.asarray(fetches[0].slots, np.int64))
+            assert sorted(got) == sorted(h.chunk_id for h in a if h.shard == 0)
+    assert fetched

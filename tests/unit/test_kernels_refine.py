@@ -141,3 +141,30 @@ def test_per_row_bounds_too_small_change_the_result():
         a, b, kk = _both(v, q, 100, np.zeros(0, np.int64), True, rf=i8.row_scale(q) / 100)
         differ += _top(a, kk)[:2] != _top(b, kk)[:2]
     assert differ > 0
+
+
+@pytest.mark.parametrize("kind", ["random", "dups", "clustered", "cancel"])
+@pytest.mark.parametrize("d", [3, 384])
+def test_flat_top_one_is_the_steps_it_fuses(kind, d):
+    """``flat_top_one`` (|q|, the integer scan, the three bounds and ``dense_step_fast`` in one
+    call) returns what the steps give one by one (Int8Rows.scores / error / row_scale, fast_error):
+    the same exact top-n, canonical scores, ties flag and minimum; a NaN or infinite query is
+    refused with QUERY_NOT_FINITE."""
+    rng = np.random.default_rng(d + 7)
+    m = 600
+    v = _vecs(rng, kind, m, d)
+    i8 = kernels_scan.Int8Rows().of(v, 0)
+    every = np.arange(m, dtype=np.int64)
+    for trial in range(10):
+        q = v[rng.integers(m)] + 0.05 * rng.normal(size=d).astype(np.float32) if trial % 2 else rng.normal(size=d)
+        q = np.ascontiguousarray(q, np.float32)
+        for n in (1, 10, 64, m + 3):
+            _, b, kk = _both(v, q, n, np.zeros(0, np.int64), True)
+            f = kernels_refine.flat_top_one(v, i8.codes, i8.scale, i8.rb, i8.e, i8.c, q, n, every)
+            assert _top(f, kk) == _top(b, kk), (kind, d, n, trial)
+            assert f[0].tolist() == b[0].tolist()  # the same rows passed both filters
+    for bad in (np.nan, np.inf, -np.inf):
+        q = np.ascontiguousarray(v[0].copy())
+        q[d // 2] = bad
+        assert kernels_refine.flat_top_one(v, i8.codes, i8.scale, i8.rb, i8.e, i8.c, q, 5, every)[5] == \
+            kernels_refine.QUERY_NOT_FINITE

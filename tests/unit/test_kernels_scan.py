@@ -12,7 +12,7 @@ import pyarrow as pa
 import pytest
 
 from oprag_server import records
-from oprag_server.index import kernels_scan
+from oprag_server.index import kernels_refine, kernels_scan
 from oprag_server.index.dense import fixed_order_dot
 from oprag_server.shards.protocol import QueryBatch, SearchRequest
 from tests.unit.test_kernels import WORDS, _key, _shard, _vectors
@@ -149,6 +149,9 @@ def test_a_bound_too_small_changes_the_result(monkeypatch):
     reqs = [SearchRequest(QueryBatch(_vectors(rng, "random", 1, 64), [["alpha"]], [np.ones(1)], 5.5, 1.5, 0.75),
                           "dense", n, fetch_k=0) for n in (1, 3, 10, 30) for _ in range(10)]
     monkeypatch.setattr(kernels_scan.Int8Rows, "error", lambda self, q, qn=None: 0.0)
+    fused = kernels_refine.flat_top_one  # (an unfiltered query's steps in one call: its bounds from E and C)
+    monkeypatch.setattr(kernels_refine, "flat_top_one", lambda v, codes, scale, rb, e, c, *a: fused(
+        v, codes, scale, rb * 0.0, 0.0, 0.0, *a))
     a, b = _both(sh, reqs)
     assert a != b
 

@@ -28,7 +28,7 @@ import numpy as np
 from . import kernels
 from .fusion import top_k_order
 from .kernels import NOT_FINITE, OK, _argsort_desc, _canonical, _kth_largest, _sample_low
-from .kernels_scan import query_norm
+from .kernels_scan import _rounding, query_norm, scan_int
 from numba import njit  # noqa: E402
 
 _U64 = 2.0 ** -53
@@ -118,6 +118,38 @@ def dense_step_fast(vecs, rows, all_rows, approx, q, err, n, sample, err2, rb, r
     return short, exact, order, ties, low, OK
 
 
+#: :func:`flat_top_one`'s status for a query with a NaN or infinite value (the caller's numpy path reports it)
+QUERY_NOT_FINITE = -1
+
+
+@njit(cache=True, nogil=True)
+def flat_top_one(vecs, codes, scale, rb, e, c, q, n, sample):
+    """One unfiltered query's :func:`dense_step_fast` over every row of a flat index from its int8
+    copy (``codes`` int8[N, D], ``scale`` float32[N], per-row bounds ``rb`` float64[N] and the
+    ``(E, C)`` of :class:`.kernels_scan.Int8Rows`), in one call: ``|q|``, the integer scan
+    (:func:`.kernels_scan.scan_int`), its bound (``Int8Rows.error``), the second filter's
+    (:func:`fast_error`) and the per-row factor (``Int8Rows.row_scale``), each the same formula as
+    the Python step it replaces (the Python glue of those steps was ~12% of a 5K-chunk shard's
+    hybrid search; bench/RESULTS.md, session 34). ``sample``: int64[N] 0 .. N-1 (the minimum over
+    every row). :returns: ``dense_step_fast``'s tuple, or status :data:`QUERY_NOT_FINITE` (the rest
+    empty) when ``q`` is not finite."""
+    d = q.size
+    qn2 = 0.0
+    for j in range(d):
+        x = np.float64(q[j])
+        qn2 += x * x
+    if not np.isfinite(qn2):
+        return np.zeros(0, np.int64), np.zeros(0, np.float64), np.zeros(0, np.int64), False, np.inf, QUERY_NOT_FINITE
+    qn = np.sqrt(qn2)
+    approx = scan_int(codes, scale, q, np.empty(codes.shape[0], np.float32))
+    g32 = _rounding(d)
+    g64 = max(d, 1) * _U64 / (1.0 - max(d, 1) * _U64)
+    err = 2.0 * (e + g32 * c + g64 * (c + e)) * qn * (1.0 + 1e-6) + 1e-12
+    err2 = 2.0 * (2.0 * g64 * (c + e) * qn) * (1.0 + 1e-6) + 1e-15
+    return dense_step_fast(vecs, np.zeros(0, np.int64), True, approx, q, err, n, sample, err2, rb,
+                           2.0 * qn * (1.0 + 1e-6))
+
+
 def warm(d: int = 8) -> None:
     """Compile (or load from the cache) :func:`dense_step_fast` and :func:`_rank_order` for the types a
     shard passes."""
@@ -128,6 +160,8 @@ def warm(d: int = 8) -> None:
     dense_step_fast(vecs, rows, True, vecs @ q, q, 1e-6, 2, rows, 1e-12, rb, 2.0)
     dense_step_fast(vecs, rows, False, vecs @ q, q, 1e-6, 2, rows[:0], 1e-12, rb[:0], 2.0)
     _rank_order(np.array([2.0, 1.0, 0.5]), 2)
+    codes, scale = np.ones((4, d), np.int8), np.full(4, 0.01, np.float32)
+    flat_top_one(vecs, codes, scale, rb, 1e-3, 1.0, q, 2, rows)
     _ = kernels
 
 

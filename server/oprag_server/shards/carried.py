@@ -58,7 +58,11 @@ class FieldsMixin:
     ``self._later``: the last search sent with ``fields_later``)."""
 
     def fetch(self, req: FetchRequest) -> FetchReply:
-        """Stored fields of the given slots (``found`` False for a slot deleted meanwhile)."""
+        """Stored fields of the given slots (``found`` False for a slot deleted meanwhile): from
+        the stored UTF-8 bytes (:meth:`_fields`) when every slot is live, else decoded."""
+        raw = self.store.fields.hit_utf8(np.asarray(req.slots, np.int64)) if len(req.slots) else None
+        if raw is not None:
+            return CarriedFields.of(list(req.slots), *raw)
         found, doc_ids, titles, texts, metadata = self.store.fields.hit_fields(req.slots)
         return FetchReply(found=found, doc_ids=doc_ids, titles=titles, texts=texts, metadata=metadata)
 

@@ -216,29 +216,35 @@ class Searcher(ExactMixin, FieldsMixin):
             qi, every = q[i], allowed[i] is None
             rows = _NO_ROWS if every else dense.rows(allowed[i])
             # unfiltered: the kernel also takes the minimum (its sample argument: every row)
-            if i8 is not None and np.isfinite(qi).all():  # a quarter of the bytes read (kernels_scan)
+            kr, m = _kernels_refine(), vecs.shape[0] if every else rows.size
+            status = kr.QUERY_NOT_FINITE
+            if i8 is not None and every:  # the int8 steps below in one call (kernels_refine.flat_top_one)
+                short, ex, order, ties, low, status = kr.flat_top_one(vecs, i8.codes, i8.scale, i8.rb, i8.e, i8.c, qi,
+                                                                      n, self._every(m))
+            if status != kr.QUERY_NOT_FINITE:
+                pass
+            elif i8 is not None and np.isfinite(qi).all():  # a quarter of the bytes read (kernels_scan)
                 qn = _kernels_scan().query_norm(qi)  # |q|, once for the three bounds below
                 approx, err = i8.scores(qi, None if every else rows), i8.error(qi, qn)
-                sample = self._every(approx.size) if every else _NO_ROWS
-                kr = _kernels_refine()
+                sample = self._every(m) if every else _NO_ROWS
                 short, ex, order, ties, low, status = kr.dense_step_fast(
                     vecs, rows, every, approx, qi, err, n, sample, kr.fast_error(i8.c + i8.e, vecs.shape[1], qi, qn),
                     i8.rb, i8.row_scale(qi, qn))
             else:
                 approx, err = (vecs if every else vecs[rows]) @ qi, dense.score_error(qi)
-                sample = self._every(approx.size) if every else _NO_ROWS
+                sample = self._every(m) if every else _NO_ROWS
                 short, ex, order, ties, low, status = kernels.dense_step(vecs, rows, every, approx, qi, err, n, sample)
             if status != kernels.OK:
                 out.append(self._dense_tops(q, [i], n)[i] if every else self._dense_top(qi, n, allowed[i]))
                 lows.append(None)
                 continue
-            if every or not approx.size:
+            if every or not m:
                 lows.append(float(low))
             else:
                 near = np.flatnonzero(approx <= np.float64(approx.min()) + 2.0 * err)
                 lows.append(float(self._canonical(qi, rows[near]).min()))
             r = short if every else rows[short]
-            kk = min(n, approx.size)
+            kk = min(n, m)
             order = np.asarray(top_k_order(ex, self.store.row_ids(), kk, rows=r), np.int64) if ties else order[:kk]
             out.append((row_slot[r[order]], ex[order]))
         return out, lows
