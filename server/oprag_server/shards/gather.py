@@ -88,13 +88,6 @@ def fields_later(op: Op, per: list, clients: list, into: list | None) -> list:
     late = {}
     for k, c in enumerate(clients):
         req = per[k]
-        if getattr(c, "inline", False) and getattr(req, "fetch_k", 0) > 0 and len(req.batch.q) == 1:
-            # the inline shard's hits' fields are read after the merge (a FETCH of the few in the top-k, on
-            # this thread: no pipe, no hand-off) instead of its whole k-skyband's (~16 rows) during the
-            # search: its search 0.70x in a loop, less CPU per request; the served p50 unchanged (0.99-1.01x:
-            # the process shard's reply is then what the frontend waits for; bench/RESULTS.md, session 34)
-            per[k] = dataclasses.replace(req, fetch_k=0)
-            continue
         if getattr(c, "defers_fields", False) and getattr(req, "fetch_k", 0) > 0 and not req.fields_later:
             if id(req) not in late:
                 tok = next(_tokens)
