@@ -19,6 +19,7 @@ from .cli_ingest import cmd_ingest
 from .cli_util import (_add_server, _client, _count, _fail, _positive, _rpc_error, _seconds,  # noqa: F401
                        _stdout_closed_ok, _weight)
 from .client import FUSIONS, MODES
+from .metadata import metadata_of
 
 
 class _SubcommandParser(argparse.ArgumentParser):
@@ -131,6 +132,7 @@ def _hit_json(h) -> dict:
         # 1-based ranks in the retrieval window's dense and lexical lists; 0: not in that list
         "dense_rank": h.dense_rank,
         "lexical_rank": h.lexical_rank,
+        "metadata": metadata_of(h),  # typed: integers, floats and booleans as JSON numbers and booleans
     }
 
 

@@ -31,11 +31,15 @@ def server(tmp_path_factory):
     srv.start()
     docs = [Doc(f"d{i}", (f"the lobster lives in a rocky{' habitat' if i % 10 == 0 else ''}, note {i}" if i % 5 == 0
                           else f"a kite flies over the sea on a windy day, note {i}"),
-                title=f"doc {i}", vector=np.asarray(_vec(1000 + i), np.float32)) for i in range(N_DOCS)]
+                title=f"doc {i}", vector=np.asarray(_vec(1000 + i), np.float32), metadata=_meta(i)) for i in range(N_DOCS)]
     with OpRAGClient(srv.target, timeout=120) as c:
         assert c.ingest(docs).documents_written == N_DOCS
     yield srv
     srv.stop()
+
+
+def _meta(i: int) -> dict:
+    return {"n": i, "even": i % 2 == 0, "tag": f"t{i}", "w": i / 4}
 
 
 def _query(server, *args):
@@ -121,3 +125,12 @@ def test_a_bad_fusion_option_is_a_clean_error(server, args, code, message):
     assert out.returncode == code, (out.returncode, out.stderr)
     assert message in out.stderr, out.stderr
     assert "Traceback" not in out.stderr and out.stdout == ""
+
+
+def test_each_hit_carries_its_typed_metadata(server):
+    """The hits' metadata in JSON types (integers, booleans, floats, strings), as ingested."""
+    hits = _query(server, "--top-k", "8")["hits"]
+    assert hits
+    for h in hits:
+        want = _meta(int(h["doc_id"][1:]))
+        assert h["metadata"] == want and all(type(h["metadata"][k]) is type(v) for k, v in want.items())
