@@ -132,7 +132,8 @@ def _hit_json(h) -> dict:
         # 1-based ranks in the retrieval window's dense and lexical lists; 0: not in that list
         "dense_rank": h.dense_rank,
         "lexical_rank": h.lexical_rank,
-        "metadata": metadata_of(h),  # typed: integers, floats and booleans as JSON numbers and booleans
+        # typed (integers, floats and booleans as JSON numbers and booleans), keys sorted: the wire's maps have no order
+        "metadata": dict(sorted(metadata_of(h).items())),
     }
 
 

@@ -257,6 +257,9 @@ def main(argv: list[str] | None = None, prog: str = "oprag serve") -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # (faiss logs each CPU-feature build it tries and lacks, "No module named 'faiss.swigfaiss_avx512'", at INFO:
+    # harmless, but read as an error in a server log, trial34)
+    logging.getLogger("faiss.loader").setLevel(max(logging.WARNING, logging.getLogger().level))
     try:
         cfg = config_from_args(a)
         check_hosts(cfg)

@@ -177,7 +177,8 @@ def unit_matrix(v: np.ndarray, what: str = "vector") -> np.ndarray:
     if not np.isfinite(scale).all():
         raise ValueError(f"{what} contains NaN or infinity{F32_HINT}")
     if (scale == 0.0).any():
-        raise ValueError(f"{what} is all zeros (it has no direction to compare by inner product): send the chunk's "
+        raise ValueError(f"{what} is all zeros (it has no direction to compare by inner product; float32 rounds "
+                         "magnitudes below about 1.4e-45 to 0, scale tiny values up): send the chunk's "
                          "embedding, or leave the vector out to have the server embed the text")
     v /= scale[:, None]
     # the sum of squares as np.linalg.norm(v, axis=1) computes it (same floats), without its overhead

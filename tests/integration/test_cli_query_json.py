@@ -134,3 +134,17 @@ def test_each_hit_carries_its_typed_metadata(server):
     for h in hits:
         want = _meta(int(h["doc_id"][1:]))
         assert h["metadata"] == want and all(type(h["metadata"][k]) is type(v) for k, v in want.items())
+        assert list(h["metadata"]) == sorted(want)  # the same output for the same reply (maps have no order)
+
+
+@pytest.mark.parametrize("mode", ["dense", "lexical"])
+def test_retrieval_says_no_fusion_ran_in_a_one_list_mode(server, mode):
+    """DENSE / LEXICAL rank one list: ``retrieval`` reports fusion none with weights and rrf_k 0
+    (they read 0.5 / 0.5 before, as if a fusion had run: trial34), also when the Python client
+    sends fusion settings there (accepted and ignored, README)."""
+    info = _query(server, "--mode", mode)["retrieval"]
+    assert (info["mode"], info["fusion"], info["dense_weight"], info["lexical_weight"], info["rrf_k"]) == \
+        (mode, "none", 0.0, 0.0, 0)
+    with OpRAGClient(server.target) as c:
+        r = c.retrieve(QUESTION, mode=mode, fusion="rrf", dense_weight=0.2, lexical_weight=0.8, rrf_k=7)
+    assert (r.retrieval.fusion, r.retrieval.dense_weight, r.retrieval.lexical_weight, r.retrieval.rrf_k) == ("none", 0, 0, 0)

@@ -104,7 +104,10 @@ LIM, R, G = CFG.limits, CFG.retrieval, CFG.generate
     ({"query_vector": [1.0, 2.0]}, f"query_vector has 2 values; the embedder produces {DIM}"),
     ({"query_vector": [1.0, float("inf"), 0.0, 0.0]}, "query_vector contains NaN or infinity (float32 holds at most "
      "about 3.4e38 in magnitude: a larger value arrives as infinity)"),
-    ({"query_vector": [0.0] * DIM}, "query_vector is all zeros: send the query embedding"),
+    ({"query_vector": [0.0] * DIM}, "query_vector is all zeros: send the query embedding (float32 rounds magnitudes "
+     "below about 1.4e-45 to 0)"),
+    ({"query_vector": [1e-46] * DIM}, "query_vector is all zeros: send the query embedding (float32 rounds magnitudes "
+     "below about 1.4e-45 to 0)"),
     ({"generation": oprag_pb2.GenerationOptions(max_new_tokens=G.max_new_tokens_limit + 1)},
      f"max_new_tokens must be in [1, {G.max_new_tokens_limit}] (0 = the default), got {G.max_new_tokens_limit + 1}"),
 ])

@@ -183,8 +183,9 @@ class Retriever:
     @staticmethod
     def info(spec: RetrieveSpec, searched: int = 0) -> RetrievalInfo:
         fusion = spec.fusion if spec.mode in FUSED_MODES else "none"
-        return RetrievalInfo(spec.mode, "weighted_minmax" if fusion == "minmax" else fusion, spec.dense_weight,
-                             spec.lexical_weight, spec.rrf_k if fusion == "rrf" else 0, spec.candidates, searched)
+        w = (spec.dense_weight, spec.lexical_weight) if fusion != "none" else (0.0, 0.0)  # (none ran: one list)
+        return RetrievalInfo(spec.mode, "weighted_minmax" if fusion == "minmax" else fusion, *w,
+                             spec.rrf_k if fusion == "rrf" else 0, spec.candidates, searched)
 
     async def retrieve(
         self, qvecs: np.ndarray, texts: list[str], specs: list[RetrieveSpec]

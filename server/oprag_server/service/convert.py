@@ -195,7 +195,7 @@ def query_vector(values: Any, dim: int) -> np.ndarray | None:
     if not math.isfinite(scale):
         raise InvalidArgument(f"query_vector contains NaN or infinity{F32_HINT}")
     if scale == 0.0:
-        raise InvalidArgument("query_vector is all zeros: send the query embedding")
+        raise InvalidArgument("query_vector is all zeros: send the query embedding (float32 rounds magnitudes below about 1.4e-45 to 0)")
     v /= scale
     v /= math.sqrt(v.dot(v))  # (np.linalg.norm of a 1-D float64 array: sqrt of its dot with itself)
     return v.astype(np.float32)
