@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -125,12 +126,17 @@ def load_text(paths: list[Path]) -> Iterator[Doc]:
             raise FileNotFoundError(f"{p}: no such file or directory")
 
 
+#: the fields ``--format jsonl`` reads (any other is ignored, with a warning on stderr once per name and file)
+JSONL_FIELDS = frozenset({"id", "text", "title", "metadata", "vector", "chunks"})
+
+
 def _json_lines(path: Path, id_key: str, what: str) -> Iterator[Doc]:
     """Documents of one JSON-lines file whose id is under ``id_key``.
 
     :raises ValueError: a line is not JSON, lacks the id or text, or has a field of the wrong
         type (file and line named).
     """
+    told: set[str] = set()  # (jsonl) field names already warned about
     with open(path, encoding="utf-8-sig") as f:
         for n, line in _lines(f, path):
             if not line.strip():
@@ -140,6 +146,10 @@ def _json_lines(path: Path, id_key: str, what: str) -> Iterator[Doc]:
                 if not isinstance(obj, dict):
                     raise TypeError(f"a line must be a JSON object, got {type(obj).__name__}")
                 _check_types(obj, id_key)
+                if id_key == "id" and (new := sorted(obj.keys() - JSONL_FIELDS - told)):  # (a typo was silent: trial34)
+                    told.update(new)
+                    print(f"oprag: {path}:{n}: ignoring field(s) {', '.join(map(repr, new))}: a line's fields are "
+                          f"{', '.join(sorted(JSONL_FIELDS))}", file=sys.stderr)
                 if obj.get("vector") == []:  # Doc reads [] as no vector: the server would embed the text
                     raise ValueError("vector is empty: give its numbers, or leave it out to embed the text")
                 chunks = obj.get("chunks")

@@ -321,3 +321,20 @@ def test_a_jsonl_line_with_chunks_and_its_own_text_or_vector_names_the_line(tmp_
     with pytest.raises(ValueError, match=re.escape("mixed.jsonl:2: a document with chunks carries its text and vectors "
                                                    "in them: leave out its text and vector")):
         list(load_jsonl([p]))
+
+
+def test_jsonl_names_a_field_it_ignores_once_per_file(tmp_path, capsys):
+    """A misspelt field ("titel") was dropped without a word (trial34): it is still ignored (the
+    document loads), with one line on stderr per unknown name and file; BEIR's extra fields stay quiet."""
+    p = tmp_path / "t.jsonl"
+    p.write_text('{"id": "a", "text": "x", "titel": "T"}\n{"id": "b", "text": "y", "titel": "U", "url": "u"}\n'
+                 '{"id": "c", "text": "z", "title": "ok"}\n', encoding="utf-8")
+    docs = list(load_jsonl([p]))
+    assert [(d.id, d.title) for d in docs] == [("a", ""), ("b", ""), ("c", "ok")]
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"oprag: {p}:1: ignoring field(s) 'titel': a line's fields are chunks, id, metadata, text, title, vector",
+                   f"oprag: {p}:2: ignoring field(s) 'url': a line's fields are chunks, id, metadata, text, title, vector"]
+    from oprag_client.loaders import load_beir
+
+    (tmp_path / "corpus.jsonl").write_text('{"_id": "d", "title": "", "text": "w", "extra": 1}\n', encoding="utf-8")
+    assert [d.id for d in load_beir([tmp_path / "corpus.jsonl"])] == ["d"] and not capsys.readouterr().err
