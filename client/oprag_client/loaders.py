@@ -130,13 +130,14 @@ def load_text(paths: list[Path]) -> Iterator[Doc]:
 JSONL_FIELDS = frozenset({"id", "text", "title", "metadata", "vector", "chunks"})
 
 
-def _json_lines(path: Path, id_key: str, what: str) -> Iterator[Doc]:
-    """Documents of one JSON-lines file whose id is under ``id_key``.
+def _json_lines(path: Path, id_key: str, what: str, known: frozenset[str] | None = None) -> Iterator[Doc]:
+    """Documents of one JSON-lines file whose id is under ``id_key``; with ``known``, any other
+    field is named on stderr, once per name (it is ignored).
 
     :raises ValueError: a line is not JSON, lacks the id or text, or has a field of the wrong
         type (file and line named).
     """
-    told: set[str] = set()  # (jsonl) field names already warned about
+    told: set[str] = set()  # field names already warned about
     with open(path, encoding="utf-8-sig") as f:
         for n, line in _lines(f, path):
             if not line.strip():
@@ -146,10 +147,10 @@ def _json_lines(path: Path, id_key: str, what: str) -> Iterator[Doc]:
                 if not isinstance(obj, dict):
                     raise TypeError(f"a line must be a JSON object, got {type(obj).__name__}")
                 _check_types(obj, id_key)
-                if id_key == "id" and (new := sorted(obj.keys() - JSONL_FIELDS - told)):  # (a typo was silent: trial34)
+                if known is not None and (new := sorted(obj.keys() - known - told)):  # (a typo was silent: trial34)
                     told.update(new)
                     print(f"oprag: {path}:{n}: ignoring field(s) {', '.join(map(repr, new))}: a line's fields are "
-                          f"{', '.join(sorted(JSONL_FIELDS))}", file=sys.stderr)
+                          f"{', '.join(sorted(known))}", file=sys.stderr)
                 if obj.get("vector") == []:  # Doc reads [] as no vector: the server would embed the text
                     raise ValueError("vector is empty: give its numbers, or leave it out to embed the text")
                 chunks = obj.get("chunks")
@@ -207,7 +208,7 @@ def load_jsonl(paths: list[Path]) -> Iterator[Doc]:
     :raises ValueError: a line is not JSON or lacks id/text (the message names file and line).
     """
     for p in paths:
-        yield from _json_lines(p, "id", "a JSON object")
+        yield from _json_lines(p, "id", "a JSON object", JSONL_FIELDS)
 
 
 def load_beir(paths: list[Path]) -> Iterator[Doc]:

@@ -28,10 +28,8 @@ import numpy as np
 from . import kernels
 from .fusion import top_k_order
 from .kernels import NOT_FINITE, OK, _argsort_desc, _canonical, _kth_largest, _sample_low
-from .kernels_scan import _rounding, query_norm, scan_int
+from .kernels_scan import gamma64, query_norm, row_factor, scan_bound, scan_int
 from numba import njit  # noqa: E402
-
-_U64 = 2.0 ** -53
 
 
 @njit(cache=True, nogil=True, fastmath={"reassoc", "contract", "nsz"})
@@ -47,12 +45,16 @@ def _fast_dots(vecs, rows, all_rows, short, q64, out):
     return out
 
 
+@njit(cache=True, nogil=True)
+def fast_bound(vmax, d, qn):
+    """:func:`fast_error` from ``|q|`` (``qn``): also what :func:`flat_top_one` uses."""
+    return 2.0 * (2.0 * gamma64(d) * vmax * qn) * (1.0 + 1e-6) + 1e-15
+
+
 def fast_error(vmax: float, d: int, q: np.ndarray, qn: float | None = None) -> float:
     """``err2`` (module docstring) for float32[D] ``q`` and row norms <= ``vmax`` (``qn``: ``|q|``
     in float64, :func:`.kernels_scan.query_norm`, when the caller has it)."""
-    qn = query_norm(q) if qn is None else qn
-    g64 = max(d, 1) * _U64 / (1.0 - max(d, 1) * _U64)
-    return 2.0 * (2.0 * g64 * vmax * qn) * (1.0 + 1e-6) + 1e-15
+    return fast_bound(float(vmax), int(d), query_norm(q) if qn is None else float(qn))
 
 
 @njit(cache=True, nogil=True)
@@ -128,8 +130,8 @@ def flat_top_one(vecs, codes, scale, rb, e, c, q, n, sample):
     copy (``codes`` int8[N, D], ``scale`` float32[N], per-row bounds ``rb`` float64[N] and the
     ``(E, C)`` of :class:`.kernels_scan.Int8Rows`), in one call: ``|q|``, the integer scan
     (:func:`.kernels_scan.scan_int`), its bound (``Int8Rows.error``), the second filter's
-    (:func:`fast_error`) and the per-row factor (``Int8Rows.row_scale``), each the same formula as
-    the Python step it replaces (the Python glue of those steps was ~12% of a 5K-chunk shard's
+    (:func:`fast_error`) and the per-row factor (``Int8Rows.row_scale``), through the compiled
+    formulas those steps call (the Python glue of those steps was ~12% of a 5K-chunk shard's
     hybrid search; bench/RESULTS.md, session 34). ``sample``: int64[N] 0 .. N-1 (the minimum over
     every row). :returns: ``dense_step_fast``'s tuple, or status :data:`QUERY_NOT_FINITE` (the rest
     empty) when ``q`` is not finite."""
@@ -142,12 +144,8 @@ def flat_top_one(vecs, codes, scale, rb, e, c, q, n, sample):
         return np.zeros(0, np.int64), np.zeros(0, np.float64), np.zeros(0, np.int64), False, np.inf, QUERY_NOT_FINITE
     qn = np.sqrt(qn2)
     approx = scan_int(codes, scale, q, np.empty(codes.shape[0], np.float32))
-    g32 = _rounding(d)
-    g64 = max(d, 1) * _U64 / (1.0 - max(d, 1) * _U64)
-    err = 2.0 * (e + g32 * c + g64 * (c + e)) * qn * (1.0 + 1e-6) + 1e-12
-    err2 = 2.0 * (2.0 * g64 * (c + e) * qn) * (1.0 + 1e-6) + 1e-15
-    return dense_step_fast(vecs, np.zeros(0, np.int64), True, approx, q, err, n, sample, err2, rb,
-                           2.0 * qn * (1.0 + 1e-6))
+    return dense_step_fast(vecs, np.zeros(0, np.int64), True, approx, q, scan_bound(e, c, d, qn), n, sample,
+                           fast_bound(c + e, d, qn), rb, row_factor(qn))
 
 
 def warm(d: int = 8) -> None:

@@ -169,7 +169,7 @@ def row_bounds(vecs, codes, scale, out):
     as :func:`error_bound` does every row's (``Int8Rows.row_errors``)."""
     n, d = vecs.shape
     g32 = _rounding(d)
-    g64 = max(d, 1) * _U64 / (1.0 - max(d, 1) * _U64)
+    g64 = gamma64(d)
     for r in range(n):
         s = np.float64(scale[r])
         e2, c2 = 0.0, 0.0
@@ -191,14 +191,29 @@ def query_norm(q: np.ndarray) -> float:
     return float(np.linalg.norm(np.asarray(q, dtype=np.float64)))
 
 
+@njit(**_JIT)
+def gamma64(d):
+    """``gamma_D`` of float64 sums of D terms, ``D u / (1 - D u)`` (u = 2^-53; D at least 1)."""
+    return max(d, 1) * _U64 / (1.0 - max(d, 1) * _U64)
+
+
+@njit(**_JIT)
+def scan_bound(e, c, d, qn):
+    """:func:`error_bound` from ``|q|`` (``qn``): also what :func:`.kernels_refine.flat_top_one` uses."""
+    return 2.0 * (e + _rounding(d) * c + gamma64(d) * (c + e)) * qn * (1.0 + 1e-6) + 1e-12
+
+
+@njit(**_JIT)
+def row_factor(qn):
+    """:meth:`Int8Rows.row_scale` from ``|q|`` (``qn``): ``2 |q|`` with :func:`error_bound`'s margin."""
+    return 2.0 * qn * (1.0 + 1e-6)
+
+
 def error_bound(e: float, c: float, d: int, q: np.ndarray, qn: float | None = None) -> float:
     """Bound of ``|scan score - canonical score|`` for every row (module docstring), given
     ``(E, C)`` of :func:`quantize`, the width D and the float32[D] query ``q`` (``qn``: its
     :func:`query_norm`, when the caller has it)."""
-    qn = query_norm(q) if qn is None else qn
-    g32 = _rounding(d)
-    g64 = max(d, 1) * _U64 / (1.0 - max(d, 1) * _U64)
-    return 2.0 * (e + g32 * c + g64 * (c + e)) * qn * (1.0 + 1e-6) + 1e-12
+    return scan_bound(float(e), float(c), int(d), query_norm(q) if qn is None else float(qn))
 
 
 class Int8Rows:
@@ -246,7 +261,7 @@ class Int8Rows:
         """The factor ``f`` of this query's per-row bounds: row r's scan score is within
         ``f rb[r] + 1e-12`` of its canonical one (``2 |q|`` with :func:`error_bound`'s margin;
         ``qn``: :func:`query_norm` of ``q`` when the caller has it)."""
-        return 2.0 * (query_norm(q) if qn is None else qn) * (1.0 + 1e-6)
+        return row_factor(query_norm(q) if qn is None else float(qn))
 
     def error(self, q: np.ndarray, qn: float | None = None) -> float:
         """:func:`error_bound` for ``q`` (``qn``: its :func:`query_norm`, when known)."""
@@ -260,3 +275,4 @@ def warm() -> None:
     r.scores(v[0].copy(), None)
     r.scores(v[0].copy(), np.arange(2, dtype=np.int64))
     row_bounds(v, r.codes, r.scale, np.empty(4, np.float64))
+    r.error(v[0].copy()), r.row_scale(v[0].copy())  # (the bounds' compiled formulas)

@@ -217,12 +217,11 @@ class Searcher(ExactMixin, FieldsMixin):
             rows = _NO_ROWS if every else dense.rows(allowed[i])
             # unfiltered: the kernel also takes the minimum (its sample argument: every row)
             kr, m = _kernels_refine(), vecs.shape[0] if every else rows.size
-            status = kr.QUERY_NOT_FINITE
-            if i8 is not None and every:  # the int8 steps below in one call (kernels_refine.flat_top_one)
-                short, ex, order, ties, low, status = kr.flat_top_one(vecs, i8.codes, i8.scale, i8.rb, i8.e, i8.c, qi,
-                                                                      n, self._every(m))
-            if status != kr.QUERY_NOT_FINITE:
-                pass
+            # the int8 steps below in one call (kernels_refine.flat_top_one); a query not finite takes the numpy path
+            fused = kr.flat_top_one(vecs, i8.codes, i8.scale, i8.rb, i8.e, i8.c, qi, n, self._every(m)) \
+                if i8 is not None and every else None
+            if fused is not None and fused[5] != kr.QUERY_NOT_FINITE:
+                short, ex, order, ties, low, status = fused
             elif i8 is not None and np.isfinite(qi).all():  # a quarter of the bytes read (kernels_scan)
                 qn = _kernels_scan().query_norm(qi)  # |q|, once for the three bounds below
                 approx, err = i8.scores(qi, None if every else rows), i8.error(qi, qn)
