@@ -118,8 +118,23 @@ def zygote_main() -> None:
     sel.register(lst, selectors.EVENT_READ, "accept")
     sel.register(r_wake, selectors.EVENT_READ, "child")
     sel.register(sys.stdin.fileno(), selectors.EVENT_READ, "parent")
-    children: dict[int, socket.socket] = {}
     print("READY", flush=True)
+    zygote = os.getpid()
+    try:
+        _serve_forks(sel, lst, r_wake, w_wake)
+    finally:  # the socket and the directory the test process made for it go with the zygote
+        if os.getpid() != zygote:  # a forked child never gets here (_child ends in os._exit)
+            os._exit(1)
+        lst.close()
+        for leftover in (lambda: os.unlink(path), lambda: os.rmdir(os.path.dirname(path))):
+            try:
+                leftover()
+            except OSError:
+                pass
+
+
+def _serve_forks(sel, lst, r_wake, w_wake) -> None:
+    children: dict[int, socket.socket] = {}
     while True:
         for key, _ in sel.select():
             if key.data == "parent":

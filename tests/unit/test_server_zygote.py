@@ -48,3 +48,14 @@ def test_a_signal_reaches_the_forked_server_in_its_own_session(tmp_path) -> None
     assert os.getpgid(forked.pid) == forked.pid  # setsid: killpg takes its shard processes too
     os.killpg(forked.pid, signal.SIGKILL)
     assert forked.wait(60) == -signal.SIGKILL
+
+
+def test_a_zygote_that_ends_removes_its_socket_and_directory(tmp_path) -> None:
+    z = server_zygote.Zygote(dict(os.environ))
+    d = os.path.dirname(z.path)
+    assert os.path.exists(z.path)
+    forked = z.fork(_argv("--help"), dict(os.environ), str(tmp_path))
+    assert forked.wait(60) == 0  # the forked child's exit does not remove them
+    assert os.path.exists(z.path)
+    z.close()  # as when the test process ends: the zygote's stdin closes
+    assert not os.path.exists(d)
