@@ -166,7 +166,18 @@ def _fusion_kw(a) -> dict:
                 rrf_k=a.rrf_k)
 
 
+def _unused_options(a) -> None:
+    """:raises ValueError: an ``oprag query`` option that would do nothing: ``--max-new-tokens``
+    with ``--no-generate`` (nothing is generated), ``--no-memory`` without ``--session`` (memory
+    is kept per session: without one there is none to use or record)."""
+    if a.no_generate and a.max_new_tokens:
+        raise ValueError("--max-new-tokens: --no-generate generates no answer (drop one of the two)")
+    if a.no_memory and not a.session:
+        raise ValueError("--no-memory needs --session (memory is kept per session; a query without one uses none)")
+
+
 def cmd_query(a) -> int:
+    _unused_options(a)
     question = " ".join(a.question)
     kw = dict(top_k=a.top_k, mode=a.mode, session_id=a.session, candidates=a.candidates,
               disable_memory=a.no_memory, **_fusion_kw(a))

@@ -116,6 +116,8 @@ def test_query_rpc_json_has_retrieval_too(server):
     (("--mode", "lexical", "--dense-weight", "1"), 2, "oprag: --dense-weight: fusion applies to --mode hybrid"),
     (("--rrf-k", "10"), 2, "oprag: --rrf-k needs --fusion rrf"),
     (("--fusion", "rrf", "--rrf-k", str(2**32)), 2, "oprag: rrf_k must be between 0 and 4294967295"),
+    (("--max-new-tokens", "32"), 2, "oprag: --max-new-tokens: --no-generate generates no answer"),
+    (("--no-memory",), 2, "oprag: --no-memory needs --session"),
     (("--dense-weight", "1e7"), 1,
      "oprag: INVALID_ARGUMENT: fusion.dense_weight must be 0 or a number in [1e-12, 1e6], got 10000000.0"),
     (("--fusion", "rrf", "--rrf-k", "100001"), 1, "oprag: INVALID_ARGUMENT: fusion.rrf_k must be <= 100000, got 100001"),
