@@ -357,7 +357,7 @@ def hotpath_queries(snap: dict, n: int, seed: int = 0) -> tuple:
 
 
 #: the query generators of :func:`probe_texts` (``--query-source``)
-QUERY_SOURCES = ("scifact", "wikitext", "scifact-sentences", "terms")
+QUERY_SOURCES = ("scifact", "wikitext", "scifact-sentences", "terms", "term", "passages")
 
 
 def probe_texts(source: str, n: int, shared: Path = DEFAULT_SHARED, seed: int = 0) -> list[str]:
@@ -372,7 +372,11 @@ def probe_texts(source: str, n: int, shared: Path = DEFAULT_SHARED, seed: int = 
       seeded sample;
     * ``terms``: 2-4 words of the corpora's vocabulary (lower-cased alphabetic tokens of 4+
       letters that occur in 3 to 2,000 paragraphs or abstracts), drawn uniformly: keyword
-      queries whose BM25 side the dense side does not mirror.
+      queries whose BM25 side the dense side does not mirror;
+    * ``term``: one such word: the dense side's vector of a lone word is furthest from any chunk's;
+    * ``passages``: 60-200 words: a run of consecutive sentences of one WikiText paragraph or
+      SciFact abstract, its words shuffled within each sentence (long queries, real vocabulary,
+      no verbatim copy of a chunk).
 
     :raises ValueError: an unknown ``source``.
     """
@@ -392,11 +396,28 @@ def probe_texts(source: str, n: int, shared: Path = DEFAULT_SHARED, seed: int = 
         paras, sep = (wiki, " . ") if source == "wikitext" else (abstracts, ". ")
         sents = [s.strip() for p in paras for s in p.split(sep) if 8 <= len(s.split()) <= 40]
         return rng.sample(sents, min(n, len(sents)))
-    if source == "terms":
+    if source in ("terms", "term"):
         df: dict[str, int] = {}
         for p in wiki + abstracts:
             for w in set(re.findall(r"[a-z]{4,}", p.lower())):
                 df[w] = df.get(w, 0) + 1
         vocab = sorted(w for w, c in df.items() if 3 <= c <= 2000)
-        return [" ".join(rng.sample(vocab, rng.randint(2, 4))) for _ in range(n)]
+        lo, hi = (2, 4) if source == "terms" else (1, 1)
+        return [" ".join(rng.sample(vocab, rng.randint(lo, hi))) for _ in range(n)]
+    if source == "passages":
+        out = []
+        paras = [(p, " . ") for p in wiki] + [(p, ". ") for p in abstracts]
+        while len(out) < n:
+            p, sep = paras[rng.randrange(len(paras))]
+            sents = [s.split() for s in p.split(sep) if s.strip()]
+            start, words, picked = rng.randrange(len(sents)), 0, []
+            for s in sents[start:]:
+                rng.shuffle(s)
+                picked.append(" ".join(s))
+                words += len(s)
+                if words >= 60:
+                    break
+            if 60 <= words <= 200:
+                out.append(" . ".join(picked))
+        return out
     raise ValueError(f"unknown query source {source!r}: use one of {', '.join(QUERY_SOURCES)}")

@@ -105,10 +105,35 @@ def _install() -> None:
     worker.main = _shard_main  # the shard processes' target, pickled by name for the spawned shards
     out = open(f"{os.environ[_ENV]}.frontend", "a", buffering=1, encoding="utf-8")  # noqa: SIM115
     cur: dict = {}
+    pre: dict = {}  # the gRPC layers' marks of the call before the servicer's entry
+    from oprag_server.service import interceptors  # noqa: PLC0415
+
+    orig_icpt, orig_lenient = interceptors.StatusInterceptor.intercept_service, interceptors.lenient
+
+    async def intercept_service(self, continuation, details):
+        pre.clear()
+        pre["i0"] = pc()
+        return await orig_icpt(self, continuation, details)
+
+    def lenient(deserializer):
+        inner = orig_lenient(deserializer)
+        if inner is None:
+            return None
+
+        def decode(raw):
+            pre["d0"] = pc()
+            try:
+                return inner(raw)
+            finally:
+                pre["d1"] = pc()
+
+        return decode
+
+    interceptors.StatusInterceptor.intercept_service, interceptors.lenient = intercept_service, lenient
 
     async def Retrieve(self, request, context):  # noqa: N802 - the servicer's, with marks
         cur.clear()
-        cur.update(t0=pc(), cpu0=time.thread_time(), calls=[], reads=[], gathers=[])
+        cur.update(t0=pc(), cpu0=time.thread_time(), calls=[], reads=[], gathers=[], **pre)
         job = self._job(request, generate=False)
         cur["job"] = pc()
         await self._read_your_writes(request, context)
@@ -208,6 +233,11 @@ def summarise(client: list[tuple[float, float]], fe: list[dict], shards: dict[in
         searches = [g for g in f["gathers"] if g[0] == "search"]
         add("client", cr - cs)
         add("grpc_in", f["t0"] - cs)
+        if "i0" in f and "d1" in f:  # grpc_in's parts: to the interceptor, the decode, to the servicer
+            add("grpc_in_to_interceptor", f["i0"] - cs)
+            add("grpc_in_interceptor_to_decode", f["d0"] - f["i0"])
+            add("grpc_in_decode", f["d1"] - f["d0"])
+            add("grpc_in_decode_to_servicer", f["t0"] - f["d1"])
         add("query_job", f["job"] - f["t0"])
         add("engine_before", f["r0"] - f["job"])
         add("retrieve", f["r1"] - f["r0"])
