@@ -357,7 +357,7 @@ def hotpath_queries(snap: dict, n: int, seed: int = 0) -> tuple:
 
 
 #: the query generators of :func:`probe_texts` (``--query-source``)
-QUERY_SOURCES = ("scifact", "wikitext", "scifact-sentences", "terms", "term", "passages")
+QUERY_SOURCES = ("scifact", "wikitext", "scifact-sentences", "terms", "term", "passages", "nonwords")
 
 
 def probe_texts(source: str, n: int, shared: Path = DEFAULT_SHARED, seed: int = 0) -> list[str]:
@@ -376,7 +376,9 @@ def probe_texts(source: str, n: int, shared: Path = DEFAULT_SHARED, seed: int = 
     * ``term``: one such word: the dense side's vector of a lone word is furthest from any chunk's;
     * ``passages``: 60-200 words: a run of consecutive sentences of one WikiText paragraph or
       SciFact abstract, its words shuffled within each sentence (long queries, real vocabulary,
-      no verbatim copy of a chunk).
+      no verbatim copy of a chunk);
+    * ``nonwords``: 1-3 strings of 3-10 random letters: no chunk holds a query term (the BM25 list
+      is empty), and the vector sits far from every chunk's (the hardest case for an ANN).
 
     :raises ValueError: an unknown ``source``.
     """
@@ -404,6 +406,10 @@ def probe_texts(source: str, n: int, shared: Path = DEFAULT_SHARED, seed: int = 
         vocab = sorted(w for w, c in df.items() if 3 <= c <= 2000)
         lo, hi = (2, 4) if source == "terms" else (1, 1)
         return [" ".join(rng.sample(vocab, rng.randint(lo, hi))) for _ in range(n)]
+    if source == "nonwords":
+        abc = "abcdefghijklmnopqrstuvwxyz"
+        return [" ".join("".join(rng.choice(abc) for _ in range(rng.randint(3, 10))) for _ in range(rng.randint(1, 3)))
+                for _ in range(n)]
     if source == "passages":
         out = []
         paras = [(p, " . ") for p in wiki] + [(p, ". ") for p in abstracts]
