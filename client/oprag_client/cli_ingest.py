@@ -30,20 +30,38 @@ def _batches(it, n):
 UNKNOWN_OUTCOME = ("DEADLINE_EXCEEDED", "CANCELLED")
 
 
-def _committed_before_failure(n: int, sent: int, seq: int, code: str | None = None) -> None:
+def outcome_unknown(exc: grpc.RpcError) -> bool:
+    """Whether the stream that failed with ``exc`` may have been committed: a status of
+    :data:`UNKNOWN_OUTCOME`, or ``UNAVAILABLE`` once gRPC had the stream's final message (the
+    connection lost or the server gone while it committed: trial35 found a stream reported
+    "stored nothing" that a kill -9 during its commit had stored) unless the connection was never
+    made ("failed to connect"). Any other status is the server's refusal: nothing stored."""
+    code = exc.code().name
+    if code in UNKNOWN_OUTCOME:
+        return True
+    return (code == "UNAVAILABLE" and "failed to connect" not in (exc.details() or "")
+            and getattr(exc, "final_message_sent", True))
+
+
+def _committed_before_failure(n: int, sent: int, seq: int, code: str | None = None, unknown: bool | None = None) -> None:
     """Say what a failed ``oprag ingest`` stored: the streams before stream ``n`` committed (``sent``
     documents of the input), stream ``n`` stored nothing (an ingest stream is all-or-nothing) --
-    or, failed with a status of :data:`UNKNOWN_OUTCOME` (``code``), stored whole or nothing; RESOURCE_EXHAUSTED:
-    the server refused it before it started (no ingest slot came free): it stored nothing, retry later."""
+    or, when its outcome is ``unknown`` (:func:`outcome_unknown`; None: ``code`` is in
+    :data:`UNKNOWN_OUTCOME`), stored whole or nothing; RESOURCE_EXHAUSTED: the server refused it
+    before it started (no ingest slot came free): it stored nothing, retry later."""
+    if unknown is None:
+        unknown = code in UNKNOWN_OUTCOME
     if n > 1:
         done = "stream 1 was" if n == 2 else f"streams 1-{n - 1} were"
         done = f"{done} committed (the first {sent} documents of the input, seq {seq})"
     else:
         done = "no stream was committed"
     failed = f"stream {n} (its document 0 is input document #{sent})"
-    if code in UNKNOWN_OUTCOME:
-        failed += (f" ended {code} before the server answered: it is stored whole or not at all (read it "
-                   "back, or send it again: re-ingesting an id replaces it); the rest stored nothing")
+    if unknown:
+        how = (" after its final message was sent (the connection was lost, or the server failed while it "
+               "committed)" if code == "UNAVAILABLE" else " before the server answered")
+        failed += (f" ended {code}{how}: it is stored whole or not at all (read it back, or send it again: "
+                   "re-ingesting an id replaces it); the rest stored nothing")
     elif code == "RESOURCE_EXHAUSTED":  # (the server's ingest slots were all taken: README "Ingest streams")
         failed += (" was refused before the server started it: it and the rest stored nothing; retry later (the "
                    "streams already committed may be sent again: re-ingesting an id replaces it)")
@@ -91,7 +109,7 @@ def cmd_ingest(a) -> int:
     docs = LOADERS[a.format](a.paths, a.vector_column) if a.format in ("parquet", "arrow") else LOADERS[a.format](a.paths)
     totals = {"documents": 0, "chunks": 0, "replaced": 0, "reused": 0, "rejected": [], "chunks_split": 0, "seq": 0}
     streams: list[dict] = []  # one per committed stream (its acknowledgement)
-    error, interrupted = None, False
+    error, interrupted, unknown = None, False, None
     t0 = time.perf_counter()
     bar = tqdm(unit="doc", disable=a.no_progress, file=sys.stderr, dynamic_ncols=True)
     sent = 0  # documents of the input in the committed streams (a rejection's index is its position)
@@ -117,7 +135,7 @@ def cmd_ingest(a) -> int:
                 el = time.perf_counter() - t0
                 bar.set_postfix(chunks=totals["chunks"], chunks_per_s=f"{totals['chunks'] / el:.1f}")
     except grpc.RpcError as exc:
-        error = {"code": exc.code().name, "message": _rpc_message(exc)}
+        error, unknown = {"code": exc.code().name, "message": _rpc_message(exc)}, outcome_unknown(exc)
         at = re.match(r"(?:[A-Z_]+: )?document (\d+) \(", error["message"])  # its position in the failed stream
         if at:  # (the server counts from the stream's first document: say which input document that is, trial28b)
             error["message"] += f" (document {at.group(1)} of stream {len(streams) + 1} is input document " \
@@ -152,10 +170,12 @@ def cmd_ingest(a) -> int:
         print(f"rejected #{r['index']} {r['id']!r}: {r['reason']}", file=sys.stderr)
     if error is not None:  # the committed streams stay stored; the failed one: nothing, or unknown (UNKNOWN_OUTCOME)
         # also for an input error in stream 1 (said only the error, and not whether anything was stored: trial26)
-        _committed_before_failure(len(streams) + 1, sent, totals["seq"], error["code"])
+        if unknown is None:  # (not a gRPC status: an input error, or Ctrl-C)
+            unknown = error["code"] in UNKNOWN_OUTCOME
+        _committed_before_failure(len(streams) + 1, sent, totals["seq"], error["code"], unknown)
         _fail(error["message"])
         if a.json:  # stored: false, or null when unknown
-            stored = None if error["code"] in UNKNOWN_OUTCOME else False
+            stored = None if unknown else False
             print(json.dumps({**summary, "error": {"stream": len(streams) + 1, "first_index": sent, **error,
                                                    "stored": stored}}))
         return 130 if interrupted else 1

@@ -242,22 +242,33 @@ class OpRAGClient:
 
         :raises ValueError | TypeError: a document is too large or of the wrong type (nothing is
             stored: the stream ends without its final message).
-        :raises grpc.RpcError: the server's status.
+        :raises grpc.RpcError: the server's status, or the transport's. Its attribute
+            ``final_message_sent`` says whether gRPC had taken the stream's final message: if not,
+            the server cannot have committed the stream (README: "Ingest semantics"); if so, a call
+            cut short (the connection lost, a deadline) may have been committed whole.
         """
         failed: list[BaseException] = []
+        final: list[bool] = []
 
         def messages():
             try:
-                yield from ingest_messages(docs, self.max_message_bytes)
+                for m in ingest_messages(docs, self.max_message_bytes):
+                    if m.final:  # handed to gRPC now: the server may receive it and commit
+                        final.append(True)
+                    yield m
             except Exception as exc:  # noqa: BLE001 - re-raised below with its own type
                 failed.append(exc)
                 raise
 
         try:
             return self.stub.Ingest(messages(), timeout=timeout or self.timeout, metadata=self.md)
-        except grpc.RpcError:
+        except grpc.RpcError as exc:
             if failed:
                 raise failed[0] from None
+            try:
+                exc.final_message_sent = bool(final)
+            except AttributeError:  # (an error type without attributes: callers then assume it was sent)
+                pass
             raise
 
     def query(self, question: str, *, timeout: float | None = None, **kw) -> oprag_pb2.QueryResponse:

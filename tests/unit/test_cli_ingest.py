@@ -31,6 +31,8 @@ class _Stub:
 
 
 class _Unavailable(grpc.RpcError):
+    final_message_sent = False  # (OpRAGClient.ingest's mark: the stream's final message was not sent)
+
     def code(self):
         return grpc.StatusCode.UNAVAILABLE
 
@@ -72,6 +74,35 @@ def test_a_stream_the_server_fails_is_named_and_the_ones_before_it_committed(tmp
     err = capsys.readouterr().err
     assert "UNAVAILABLE: shard 1 is down" in err
     assert words in err, err
+
+
+class _CutAfterFinal(_Unavailable):
+    final_message_sent = True
+
+    def details(self):
+        return "Socket closed"
+
+
+@pytest.mark.parametrize("error, stored, words", [
+    (_Unavailable, False, "stream 1 (its document 0 is input document #0) and the rest stored nothing"),
+    (_CutAfterFinal, None, "stream 1 (its document 0 is input document #0) ended UNAVAILABLE after its final message "
+                           "was sent (the connection was lost, or the server failed while it committed): it is stored "
+                           "whole or not at all"),
+])
+def test_a_stream_cut_short_after_its_final_message_may_be_stored(tmp_path, monkeypatch, capsys, error, stored, words):
+    """trial35: a server killed (kill -9) while it committed a stream: the CLI said the stream
+    "stored nothing" (and ``stored: false``), but the stream had been committed. Once gRPC had
+    the final message, a lost connection leaves the outcome unknown; before it, nothing."""
+    class _Stub1(_Stub):
+        def ingest(self, docs):
+            raise error()
+
+    monkeypatch.setattr(cli_ingest, "_client", lambda a: _Stub1())
+    argv = ["ingest", "--server", "127.0.0.1:1", "--format", "jsonl", "--no-progress", "--json"]
+    assert cli.main(argv + [str(_file(tmp_path, 2, False))]) == 1
+    out = capsys.readouterr()
+    assert words in out.err, out.err
+    assert json.loads(out.out)["error"]["stored"] is stored
 
 
 class _Rejecting(_Stub):
