@@ -338,3 +338,18 @@ def test_jsonl_names_a_field_it_ignores_once_per_file(tmp_path, capsys):
 
     (tmp_path / "corpus.jsonl").write_text('{"_id": "d", "title": "", "text": "w", "extra": 1}\n', encoding="utf-8")
     assert [d.id for d in load_beir([tmp_path / "corpus.jsonl"])] == ["d"] and not capsys.readouterr().err
+
+
+@pytest.mark.parametrize("row, words", [
+    ({"id": "m1", "txt": "hello", "titel": "x"}, "no 'text' field (the line's fields: 'id', 'txt', 'titel')"),
+    ({"text": "hello"}, "no 'id' field (the line's fields: 'text')"),
+    ({}, "no 'id' and no 'text' field (the line's fields: none)"),
+])
+def test_a_jsonl_line_without_id_or_text_names_what_it_lacks_and_what_it_has(tmp_path, row, words):
+    """trial35: a misspelt field said "expected a JSON object with id and text ('text')" (the
+    bare KeyError), not that ``text`` was missing nor which fields the line had."""
+    p = tmp_path / "m.jsonl"
+    p.write_text(json.dumps({"id": "ok", "text": "fine"}) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(ValueError) as ei:
+        list(load_jsonl([p]))
+    assert str(ei.value) == f"{p}:2: {words}", str(ei.value)
