@@ -43,8 +43,9 @@ def _parser(plugins: dict) -> argparse.ArgumentParser:
 
     i = sub.add_parser("ingest", help="stream documents into the service")
     _add_server(i)
-    i.add_argument("--format", choices=["text", "jsonl", "beir", "wikitext", "parquet", "arrow"], default="text",
-                   help="input format (default: text: .txt/.md/.rst files of FILE|DIR, id = relative path); jsonl: "
+    i.add_argument("--format", choices=["text", "jsonl", "beir", "wikitext", "parquet", "arrow"], default=None,
+                   help="input format (default: text: .txt/.md/.rst files of FILE|DIR, id = relative path; a .jsonl, "
+                        ".parquet or .arrow file given without --format is refused); jsonl: "
                         "{id, text, title?, metadata?, vector?} lines; parquet / arrow: columns id, text, title?, "
                         "metadata?, vector? (or chunk rows with doc_id); needs pyarrow (pip install 'oprag-client[arrow]')")
     i.add_argument("--vector-column", default=None,

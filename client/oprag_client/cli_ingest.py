@@ -70,6 +70,9 @@ def _committed_before_failure(n: int, sent: int, seq: int, code: str | None = No
     print(f"oprag: {done}; {failed}", file=sys.stderr)
 
 
+#: file name suffixes that --format text (the default) would store as text, and the format they hold
+_SUFFIX_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".arrow": "arrow", ".feather": "arrow"}
+
 #: what --format jsonl / wikitext read, files only (a folder was "[Errno 21] Is a directory"), and an example name
 _FILES = {"jsonl": ("JSON-lines files", "*.jsonl"), "wikitext": ("WikiText files", "valid.txt")}
 
@@ -101,6 +104,14 @@ def cmd_ingest(a) -> int:
     missing = [str(p) for p in a.paths if not Path(p).exists()]
     if missing:
         return _fail(f"no such file or directory: {', '.join(missing)}")
+    if a.format is None:  # (the default, text, stored a .jsonl file as one text document: trial35)
+        other = [(p, _SUFFIX_FORMATS[Path(p).suffix.lower()]) for p in a.paths
+                 if Path(p).is_file() and Path(p).suffix.lower() in _SUFFIX_FORMATS]
+        if other:
+            p, fmt = other[0]
+            return _fail(f"{p} looks like --format {fmt} input, and without --format it would be stored as one text "
+                         f"document: give --format {fmt} (or --format text to store it as text)", 2)
+        a.format = "text"
     wrong = _not_a_file(a.paths, a.format)
     if wrong:
         return _fail(wrong)

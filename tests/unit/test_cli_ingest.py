@@ -157,3 +157,22 @@ def test_an_input_error_before_any_stream_was_sent_says_no_stream_was_committed(
     assert json.loads(out.out)["error"] == {"stream": 1, "first_index": 0, "code": None, "stored": False,
                                             "message": out.err[len(NONE_COMMITTED) + len("oprag: "):].strip()}
     assert stub.streams == []
+
+
+@pytest.mark.parametrize("name, fmt", [("d.jsonl", "jsonl"), ("D.NDJSON", "jsonl"), ("t.parquet", "parquet"),
+                                       ("t.arrow", "arrow")])
+def test_a_jsonl_parquet_or_arrow_file_without_format_is_refused_not_stored_as_text(tmp_path, monkeypatch, capsys,
+                                                                                     name, fmt):
+    """trial35: ``oprag ingest ok.jsonl`` (no --format: text) stored the raw JSON as one text
+    document, exit 0. Now it is refused before anything is sent; --format text still stores it."""
+    stub = _Stub()
+    monkeypatch.setattr(cli_ingest, "_client", lambda a: stub)
+    f = tmp_path / name
+    f.write_text(json.dumps({"id": "a", "text": "hello"}) + "\n")
+    assert cli.main(["ingest", "--server", "127.0.0.1:1", "--no-progress", str(f)]) == 2
+    assert (f"{f} looks like --format {fmt} input, and without --format it would be stored as one text document: "
+            f"give --format {fmt}") in capsys.readouterr().err
+    assert stub.streams == []
+    if fmt == "jsonl" and name.endswith(".jsonl"):
+        assert cli.main(["ingest", "--server", "127.0.0.1:1", "--no-progress", "--format", "text", str(f)]) == 0
+        assert stub.streams == [[name]]
