@@ -78,7 +78,7 @@ def _parser(plugins: dict) -> argparse.ArgumentParser:
                         "each 0 or in [1e-12, 1e6])")
     q.add_argument("--lexical-weight", type=_weight, default=0.0, metavar="W",
                    help="weight of the lexical (BM25) list in the fusion, as --dense-weight")
-    q.add_argument("--rrf-k", type=_count, default=0, metavar="K",
+    q.add_argument("--rrf-k", type=_rrf_k, default=0, metavar="K",
                    help="with --fusion rrf: the RRF constant k (0 = the server's default, 60; at most 100000)")
     q.add_argument("--no-generate", action="store_true", help="retrieve only")
     q.add_argument("--json", action="store_true",
@@ -170,11 +170,15 @@ def _fusion_kw(a) -> dict:
 def _unused_options(a) -> None:
     """:raises ValueError: an ``oprag query`` option that would do nothing: ``--max-new-tokens``
     with ``--no-generate`` (nothing is generated), ``--no-memory`` without ``--session`` (memory
-    is kept per session: without one there is none to use or record)."""
+    is kept per session: without one there is none to use or record), ``--candidates`` with
+    ``--mode dense`` or ``lexical`` (shards return the top-k of the one list)."""
     if a.no_generate and a.max_new_tokens:
         raise ValueError("--max-new-tokens: --no-generate generates no answer (drop one of the two)")
     if a.no_memory and not a.session:
         raise ValueError("--no-memory needs --session (memory is kept per session; a query without one uses none)")
+    if a.candidates and a.mode in ("dense", "lexical"):  # (accepted and echoed, hits unchanged: trial35)
+        raise ValueError(f"--candidates: the window N applies to --mode hybrid and full_hybrid only (--mode {a.mode} "
+                         "ranks one list: its top-k)")
 
 
 def cmd_query(a) -> int:
@@ -283,6 +287,20 @@ def cmd_stats(a) -> int:
               "the totals count the other shards only", file=sys.stderr)
         return 1
     return 0
+
+
+#: the server's largest RRF constant (oprag_server.service.convert.MAX_RRF_K; a fixed limit, not a flag)
+MAX_RRF_K = 100_000
+
+
+def _rrf_k(text: str) -> int:
+    """``query --rrf-k``: in [0, :data:`MAX_RRF_K`] (above it the server refused with
+    INVALID_ARGUMENT, and above 2^32 the client said "rrf_k must be between 0 and 4294967295":
+    two limits for one option, trial35)."""
+    v = _count(text)
+    if v > MAX_RRF_K:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_RRF_K}, got {v}")
+    return v
 
 
 def _top_docs(text: str) -> int:
