@@ -180,7 +180,7 @@ def query_request(question: str, *, top_k: int = 0, mode: str = "hybrid", sessio
     for k, v in (filters or {}).items():
         vals = list(v) if isinstance(v, (list, tuple, set, frozenset)) else [v]
         flt.append(oprag_pb2.MetadataFilter(key=k, values=[x for x in vals if isinstance(x, str)],
-                                            typed_values=[metadata_value(k, x) for x in vals if not isinstance(x, str)]))
+                                            typed_values=[metadata_value(k, x, "metadata filter") for x in vals if not isinstance(x, str)]))
     return oprag_pb2.QueryRequest(
         filters=flt,
         fusion=oprag_pb2.FusionOptions(method=FUSIONS[fusion], dense_weight=dense_weight,

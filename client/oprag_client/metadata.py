@@ -12,10 +12,12 @@ MetadataValue = str | int | float | bool
 _INT64 = (-(2**63), 2**63 - 1)
 
 
-def metadata_value(key: str, v: Any) -> oprag_pb2.MetadataValue:
+def metadata_value(key: str, v: Any, kind: str = "metadata") -> oprag_pb2.MetadataValue:
     """The wire ``MetadataValue`` of a typed metadata value (README: typed metadata); a numpy
     scalar counts as its Python value (``np.int64(3)`` is the integer 3).
 
+    :param kind: what the messages call the key: ``metadata``, or ``metadata filter`` for a
+        query's filter value (the server's word).
     :raises ValueError: a type other than str/int/float/bool, an integer outside signed 64-bit,
         NaN or infinity (the message names the key).
     """
@@ -25,17 +27,17 @@ def metadata_value(key: str, v: Any) -> oprag_pb2.MetadataValue:
         return oprag_pb2.MetadataValue(bool_value=v)
     if isinstance(v, int):
         if not _INT64[0] <= v <= _INT64[1]:
-            raise ValueError(f"metadata {key!r}: integer {v} is outside signed 64-bit; send it as a string")
+            raise ValueError(f"{kind} {key!r}: integer {v} is outside signed 64-bit; send it as a string")
         return oprag_pb2.MetadataValue(int_value=v)
     if isinstance(v, float):
         if not math.isfinite(v):
-            raise ValueError(f"metadata {key!r}: {v} is not a finite number; send a finite float or a string")
+            raise ValueError(f"{kind} {key!r}: {v} is not a finite number; send a finite float or a string")
         return oprag_pb2.MetadataValue(float_value=v)
     if isinstance(v, str):
         return oprag_pb2.MetadataValue(string_value=v)
     name = type(v).__name__
     what = "None" if v is None else f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
-    raise ValueError(f"metadata {key!r} is {what}: values must be string, integer, float or boolean")
+    raise ValueError(f"{kind} {key!r} is {what}: values must be string, integer, float or boolean")
 
 
 def metadata_of(pb: Any) -> dict[str, MetadataValue]:

@@ -232,5 +232,17 @@ def test_numpy_scalars_are_their_python_values_in_doc_metadata_and_filters():
 def test_a_refused_type_is_named_in_plain_words(value, words):
     from oprag_client.client import query_request
 
-    with pytest.raises(ValueError, match=f"^metadata 'k' {words} values must be string, integer, float or boolean$"):
+    with pytest.raises(ValueError, match=f"^metadata filter 'k' {words} values must be string, integer, float or boolean$"):
         query_request("q", filters={"k": value})
+
+
+@pytest.mark.parametrize("value, words", [(None, "metadata filter 'topic' is None: values must be string, integer"),
+                                          (math.inf, "metadata filter 'topic': inf is not a finite number")])
+def test_a_bad_filter_value_is_called_a_filter(value, words):
+    """trial35: ``retrieve("x", filters={"topic": None})`` said "metadata 'topic' is None", as if
+    a document's metadata were wrong; the server calls it a metadata filter."""
+    from oprag_client.client import query_request
+
+    with pytest.raises(ValueError) as ei:
+        query_request("q", filters={"topic": value})
+    assert str(ei.value).startswith(words), str(ei.value)
