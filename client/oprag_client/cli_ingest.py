@@ -14,6 +14,23 @@ import grpc
 from .cli_util import _client, _fail, _rpc_message
 
 
+def _fitting(numbered, max_message_bytes: int, rejected: list[dict]):
+    """The ``(input position, document)`` pairs of ``numbered`` that fit in one Ingest message;
+    each that does not is added to ``rejected`` (as the server's rejections: index, id, reason)
+    instead of failing its whole stream (trial35: a 40 MB document stopped the stream, a 9 MB one
+    was the server's per-document rejection)."""
+    from .client import oversized
+
+    for i, d in numbered:
+        size = oversized(d, max_message_bytes)
+        if size is None:
+            yield i, d
+            continue
+        did = d.id if hasattr(d, "id") else d.get("id", "") if isinstance(d, dict) else ""
+        rejected.append({"index": i, "id": did, "reason": f"document is {size} bytes, over the {max_message_bytes}-byte "
+                         "gRPC message limit: not sent (split it into smaller documents)"})
+
+
 def _batches(it, n):
     batch = []
     for x in it:
@@ -43,7 +60,8 @@ def outcome_unknown(exc: grpc.RpcError) -> bool:
             and getattr(exc, "final_message_sent", True))
 
 
-def _committed_before_failure(n: int, sent: int, seq: int, code: str | None = None, unknown: bool | None = None) -> None:
+def _committed_before_failure(n: int, sent: int, seq: int, code: str | None = None, unknown: bool | None = None,
+                              first: int | None = None) -> None:
     """Say what a failed ``oprag ingest`` stored: the streams before stream ``n`` committed (``sent``
     documents of the input), stream ``n`` stored nothing (an ingest stream is all-or-nothing) --
     or, when its outcome is ``unknown`` (:func:`outcome_unknown`; None: ``code`` is in
@@ -56,7 +74,7 @@ def _committed_before_failure(n: int, sent: int, seq: int, code: str | None = No
         done = f"{done} committed (the first {sent} documents of the input, seq {seq})"
     else:
         done = "no stream was committed"
-    failed = f"stream {n} (its document 0 is input document #{sent})"
+    failed = f"stream {n} (its document 0 is input document #{sent if first is None else first})"
     if unknown:
         how = (" after its final message was sent (the connection was lost, or the server failed while it "
                "committed)" if code == "UNAVAILABLE" else " before the server answered")
@@ -124,25 +142,29 @@ def cmd_ingest(a) -> int:
     t0 = time.perf_counter()
     bar = tqdm(unit="doc", disable=a.no_progress, file=sys.stderr, dynamic_ncols=True)
     sent = 0  # documents of the input in the committed streams (a rejection's index is its position)
+    nxt = 0  # the input position of the first document of the stream in flight
     try:
         with _client(a) as c:
-            for n, batch in enumerate(_batches(docs, max(1, a.docs_per_stream)), 1):
+            fit = _fitting(enumerate(docs), c.max_message_bytes, totals["rejected"])
+            for n, batch in enumerate(_batches(fit, max(1, a.docs_per_stream)), 1):
                 # the bar advances when a stream commits; say what is in flight meanwhile
                 bar.set_postfix_str(f"stream {n}: {len(batch)} documents sent, embedding and committing")
-                r = c.ingest(batch)
-                offset, sent = sent, sent + len(batch)
+                nxt = batch[0][0]
+                r = c.ingest([d for _, d in batch])
+                offset, sent = nxt, batch[-1][0] + 1
                 totals["documents"] += r.documents_written
                 totals["chunks"] += r.chunks_written
                 totals["replaced"] += r.documents_replaced
                 totals["chunks_split"] += r.chunks_split
                 totals["reused"] += r.chunks_reused
                 totals["seq"] = r.seq
-                totals["rejected"] += [{"index": offset + x.index, "id": x.id, "reason": x.reason} for x in r.rejected]
+                totals["rejected"] += [{"index": batch[x.index][0], "id": x.id, "reason": x.reason} for x in r.rejected]
                 # a loader error while the next stream is read fails that one, not this one
                 streams.append({"stream": n, "first_index": offset, "documents_sent": len(batch),
                                 "documents_written": r.documents_written, "chunks_written": r.chunks_written,
                                 "rejected": len(r.rejected), "seq": r.seq})
                 bar.update(len(batch))
+                nxt = sent
                 el = time.perf_counter() - t0
                 bar.set_postfix(chunks=totals["chunks"], chunks_per_s=f"{totals['chunks'] / el:.1f}")
     except grpc.RpcError as exc:
@@ -150,7 +172,7 @@ def cmd_ingest(a) -> int:
         at = re.match(r"(?:[A-Z_]+: )?document (\d+) \(", error["message"])  # its position in the failed stream
         if at:  # (the server counts from the stream's first document: say which input document that is, trial28b)
             error["message"] += f" (document {at.group(1)} of stream {len(streams) + 1} is input document " \
-                                f"#{sent + int(at.group(1))})"
+                                f"#{nxt + int(at.group(1))})"
         if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and a.timeout:
             error["message"] += (f" (--timeout {a.timeout:g} s is each stream's deadline: its documents (up to "
                                  f"--docs-per-stream {a.docs_per_stream}) are embedded and committed within it; "
@@ -183,11 +205,11 @@ def cmd_ingest(a) -> int:
         # also for an input error in stream 1 (said only the error, and not whether anything was stored: trial26)
         if unknown is None:  # (not a gRPC status: an input error, or Ctrl-C)
             unknown = error["code"] in UNKNOWN_OUTCOME
-        _committed_before_failure(len(streams) + 1, sent, totals["seq"], error["code"], unknown)
+        _committed_before_failure(len(streams) + 1, sent, totals["seq"], error["code"], unknown, nxt)
         _fail(error["message"])
         if a.json:  # stored: false, or null when unknown
             stored = None if unknown else False
-            print(json.dumps({**summary, "error": {"stream": len(streams) + 1, "first_index": sent, **error,
+            print(json.dumps({**summary, "error": {"stream": len(streams) + 1, "first_index": nxt, **error,
                                                    "stored": stored}}))
         return 130 if interrupted else 1
     if a.json:

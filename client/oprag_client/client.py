@@ -103,6 +103,18 @@ def _as_pb(d: Any) -> oprag_pb2.Document:
     raise TypeError(f"cannot ingest {type(d).__name__}: pass Doc, oprag_pb2.Document or a dict with id and text")
 
 
+def message_budget(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> int:
+    """Bytes of documents one IngestRequest may carry (:func:`ingest_messages`: room for framing)."""
+    return int(max_message_bytes * 0.9) - 1024
+
+
+def oversized(d: Any, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> int | None:
+    """The serialised size in bytes of document ``d`` when it cannot fit in one IngestRequest
+    (:func:`ingest_messages` would refuse the stream), else None."""
+    n = _as_pb(d).ByteSize() + 8
+    return n if n > message_budget(max_message_bytes) else None
+
+
 def ingest_messages(docs: Iterable[Any], max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                     max_docs_per_message: int = 64) -> Iterator[oprag_pb2.IngestRequest]:
     """Pack documents into IngestRequest messages each under ``max_message_bytes`` (with room
@@ -110,7 +122,7 @@ def ingest_messages(docs: Iterable[Any], max_message_bytes: int = DEFAULT_MAX_ME
 
     :raises ValueError: a single document is larger than the message limit.
     """
-    budget = int(max_message_bytes * 0.9) - 1024
+    budget = message_budget(max_message_bytes)
     batch: list[oprag_pb2.Document] = []
     size = 0
     sent = 0

@@ -14,6 +14,8 @@ from oprag_client import cli, cli_ingest
 
 
 class _Stub:
+    max_message_bytes = 32 << 20  # (OpRAGClient's default)
+
     def __init__(self, fail_at: int | None = None):
         self.streams, self.fail_at = [], fail_at
 
@@ -176,3 +178,26 @@ def test_a_jsonl_parquet_or_arrow_file_without_format_is_refused_not_stored_as_t
     if fmt == "jsonl" and name.endswith(".jsonl"):
         assert cli.main(["ingest", "--server", "127.0.0.1:1", "--no-progress", "--format", "text", str(f)]) == 0
         assert stub.streams == [[name]]
+
+
+def test_a_document_too_large_for_a_message_is_rejected_alone(tmp_path, monkeypatch, capsys):
+    """trial35: a 40 MB document (over the 32 MiB gRPC message limit) failed its whole stream
+    client-side, so the small documents beside it were not stored; a 9 MB one (over the
+    server's 8 MiB document limit) was the server's rejection of that document alone. Now both
+    are per-document rejections, with the input position of each."""
+    stub = _Stub()
+    stub.max_message_bytes = 1 << 16  # (a 64 KiB limit stands for 32 MiB)
+    monkeypatch.setattr(cli_ingest, "_client", lambda a: stub)
+    f = tmp_path / "d.jsonl"
+    rows = [{"id": "a", "text": "small"}, {"id": "big", "text": "x" * 70_000}, {"id": "b", "text": "small"},
+            {"id": "c", "text": "small"}]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = ["ingest", "--server", "127.0.0.1:1", "--format", "jsonl", "--no-progress", "--json", "--docs-per-stream", "2"]
+    assert cli.main(argv + [str(f)]) == 0
+    out = capsys.readouterr()
+    res = json.loads(out.out)
+    assert stub.streams == [["a", "b"], ["c"]]
+    assert [(r["index"], r["id"]) for r in res["rejected"]] == [(1, "big")]
+    assert "over the 65536-byte gRPC message limit: not sent" in res["rejected"][0]["reason"]
+    assert [(s["first_index"], s["documents_sent"]) for s in res["streams"]] == [(0, 2), (3, 1)]
+    assert "rejected #1 'big'" in out.err

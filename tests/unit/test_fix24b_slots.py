@@ -133,6 +133,8 @@ class _Busy(grpc.RpcError):
 
 
 class _Client:
+    max_message_bytes = 32 << 20  # (OpRAGClient's default)
+
     def __enter__(self):
         return self
 

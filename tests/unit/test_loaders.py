@@ -266,6 +266,9 @@ def test_cli_ingest_vector_column_missing_fails_before_connecting(tmp_path, caps
     err = capsys.readouterr().err
     assert rc != 0 and "no column 'emb'" in err and "vector" in err
     assert cli.main(["ingest", "--server", "127.0.0.1:1", "--vector-column", "emb", str(p)]) != 0
+    assert "looks like --format parquet input" in capsys.readouterr().err  # (no --format: trial35)
+    (tmp_path / "t.txt").write_text("x")
+    assert cli.main(["ingest", "--server", "127.0.0.1:1", "--vector-column", "emb", str(tmp_path / "t.txt")]) != 0
     assert "--vector-column is for --format parquet or arrow" in capsys.readouterr().err
 
 
