@@ -27,6 +27,7 @@ from .. import records
 from ..index.bm25.listed_top import listed_top, listed_top_scored
 from ..index.dense_low import LowSeeds
 from ..index.fusion import refine_top, top_k_order
+from . import ann_check
 from .chunks import ChunkStore
 from .carried import FieldsMixin, Later
 from .exact import ExactMixin
@@ -64,6 +65,7 @@ class Searcher(ExactMixin, FieldsMixin):
         self._dmin: tuple[int, dict[bytes, float]] = (-1, {})  # (store version, query bytes -> estimate)
         self._low = LowSeeds()  # HNSW: seeds of the dense-minimum search
         self._later: Later | None = None  # the last search sent with fields_later (its fields not sent yet)
+        self._check: ann_check.SampleCheck | None = None  # HNSW: the sample a dense list is checked against
 
     # ------------------------------------------------------------------ candidates
     def search(self, req: SearchRequest) -> SearchReply:
@@ -88,7 +90,9 @@ class Searcher(ExactMixin, FieldsMixin):
             else:
                 plain = [i for i, a in enumerate(allowed) if a is None]
                 faiss_res = self._dense_tops(q, plain, n, req.ef_search, req.nprobe) if plain else {}
+                knobs = st.dense.last_knobs  # the widest beam a check asked for (reported, not the minimum's)
                 lows = self._ann_lows(q, plain, req.ef_search, req.nprobe)
+                st.dense.last_knobs = knobs or st.dense.last_knobs
                 tops = [faiss_res.get(i) for i in range(B)]
                 for i in range(B):
                     if tops[i] is None:
@@ -276,12 +280,13 @@ class Searcher(ExactMixin, FieldsMixin):
         return None if r is None else (slots[r[0]], r[1])
 
     def _dense_tops(self, q: np.ndarray, which: list[int], n: int, ef_search: int = 0,
-                    nprobe: int = 0) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+                    nprobe: int = 0, check: bool = True) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """Unfiltered top-n of the queries ``which`` of float32[B, D] ``q``: one FAISS call for a
         few more than n, refined by canonical score; a query whose cut is too close to the last
         fetched score is asked again with four times as many (rare). With an approximate index
         (HNSW ``ef_search``, IVF ``nprobe``) the candidates are what it finds; their scores are
-        still canonical."""
+        still canonical. HNSW, with ``check``: a list that a sampled chunk proves incomplete is
+        searched again with a wider beam (:mod:`.ann_check`)."""
         total = len(self.store.dense)
         fetch = min(total, n + max(16, n // 4))
         out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -295,6 +300,10 @@ class Searcher(ExactMixin, FieldsMixin):
                 else:
                     out[i] = got
             which, fetch = again, min(total, fetch * 4)
+        if check and self.store.dense.params.kind == "hnsw" and out:
+            if self._check is None:
+                self._check = ann_check.SampleCheck()
+            ann_check.widened(self, self._check, q, out, n, ef_search, nprobe)
         return out
 
     def _dense_top(self, q: np.ndarray, n: int, allowed: np.ndarray, low: bool = False):

@@ -1,0 +1,99 @@
+"""A check of an approximate dense top-n against a fixed sample of the shard's chunks, and a wider
+search when it fails (issue 13: HNSW on queries far from every chunk).
+
+Why: an HNSW walk finds the exact top-n of a query near the corpus (Recall@10 0.996 for
+SciFact questions at 1M chunks, ``ef_search`` 512), but a query whose vector sits far from
+every chunk (a few keywords, strings of letters no chunk holds) lands where the graph's links
+lead nowhere in particular: dense Recall@10 0.63-0.75 at ``ef_search`` 512 on bench.scale's 1M
+corpus, 0.99 at 8,192 (bench/RESULTS.md, session 35). A larger beam for every query would cost
+each of them 4-16x; this module finds the queries that need it.
+
+The check (:meth:`SampleCheck.misses`) is a proof, not an estimate: the list holds the best
+chunks the walk found, by canonical score; let ``cut`` be its :data:`TOP`-th score. If its first
+:data:`TOP` places were the exact top-:data:`TOP`, every chunk scoring above ``cut`` would be
+among them. So a chunk of a fixed strided sample of the shard (:data:`SAMPLE` chunks) that
+scores above ``cut`` and is not in the list shows that the walk missed at least that chunk.
+Scores are screened on an int8 copy of the sample (:class:`..index.kernels_scan.Int8Rows`, with
+its error bound) and the few that may be above ``cut`` are scored canonically
+(``DenseIndex.exact_slots``). A list that passes may still miss chunks outside the sample (~3% of
+a 500K-vector shard): the check catches walks that went astray, whose ``cut`` sits far below the
+exact one (many sampled chunks above it), not every single miss.
+
+A query that fails is searched again with ``ef_search`` x :data:`FACTOR`, at most up to
+:data:`MAX_EF` (rounds counted in ``RetrievalInfo.ef_search``: the largest beam used).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+#: chunks in the strided sample a list is checked against (int8 copies: D bytes each, 6.3 MB a
+#: shard at D 384); a shard smaller than this is checked against every chunk
+SAMPLE = 16384
+#: a failed list's next beam is this many times the last one
+FACTOR = 4
+#: the check covers the list's first TOP places (its cut is the TOP-th score): a walk that went
+#: astray misses chunks there, while a good walk's misses sit near the end of a long list (HNSW's
+#: recall of the exact top-256 is ~0.96 at 500K vectors, of the top 10 0.996); checking all 256
+#: widened about half the keyword queries' lists for misses that do not reach a fused top-k
+TOP = 64
+#: the largest beam a check asks for (the request's own ``ef_search`` may be larger: it is kept)
+MAX_EF = 8192
+#: the sample is drawn again when the shard's chunk count moved by more than this share since
+#: (not at every write: under ingest each query would pay the gather); a stale sample only
+#: catches fewer misses, as a flagged chunk is scored from its live vector, or skipped if gone
+REDRAW = 1 / 16
+
+
+class SampleCheck:
+    """The int8 copy of a fixed strided sample of a shard's chunks (by slot)."""
+
+    def __init__(self) -> None:
+        from ..index.kernels_scan import Int8Rows  # noqa: PLC0415 - numba only in processes that search
+
+        self._i8 = Int8Rows()
+        self._n = -1  # the shard's chunk count when the sample was drawn (-1: never)
+        self._ok = False  # the sample's int8 copy exists (none for a sample that is not finite)
+        self._slots = np.zeros(0, np.int64)
+
+    def _current(self, dense) -> bool:
+        n = len(dense)
+        if self._n < 0 or abs(n - self._n) > REDRAW * self._n:
+            rows = np.arange(0, n, max(1, -(-n // SAMPLE)), dtype=np.int64)
+            self._slots = np.asarray(dense.slots[rows], np.int64)
+            vecs = np.ascontiguousarray(dense.vectors_of(self._slots), dtype=np.float32)
+            self._ok = rows.size > 0 and self._i8.of(vecs, n) is not None
+            self._n = n
+        return self._ok
+
+    def misses(self, searcher, q: np.ndarray, slots: np.ndarray, scores: np.ndarray) -> bool:
+        """Whether a sampled live chunk outside ``slots`` int64[n] scores canonically above the
+        list's :data:`TOP`-th score (``scores`` float64[n], descending) for float32[D] ``q``: the
+        list then provably misses a chunk of the exact top-:data:`TOP`. False for an empty list
+        or shard."""
+        dense = searcher.store.dense
+        if slots.size == 0 or len(dense) == 0 or not self._current(dense):
+            return False
+        cut = float(scores[min(slots.size, TOP) - 1])
+        approx = self._i8.scores(q, None)
+        near = np.flatnonzero(approx > cut - self._i8.error(q))
+        if near.size == 0:
+            return False
+        cand = self._slots[near]
+        cand = cand[~np.isin(cand, slots)]
+        cand = cand[dense._rows_of(cand) >= 0]  # noqa: SLF001 - live ones only (the sample can be older)
+        return bool(cand.size) and bool((dense.exact_slots(q, cand) > cut).any())
+
+
+def widened(searcher, check: SampleCheck, q: np.ndarray, out: dict, n: int, ef_search: int, nprobe: int) -> None:
+    """Search the queries of ``out`` (query index -> ``(slots, canonical scores)``, HNSW tops of
+    float32[B, D] ``q``) whose list :meth:`SampleCheck.misses` shows incomplete again, with a beam
+    :data:`FACTOR` times wider each round, up to :data:`MAX_EF`; their entries are replaced."""
+    dense = searcher.store.dense
+    ef = max(int(ef_search or dense.params.ef_search), n, dense.last_knobs.get("ef_search", 0))  # the beam just used
+    bad = [i for i, (s, sc) in out.items() if check.misses(searcher, q[i], s, sc)]
+    while bad and ef < MAX_EF:
+        ef = min(ef * FACTOR, MAX_EF)
+        got = searcher._dense_tops(q, bad, n, ef, nprobe, check=False)  # noqa: SLF001
+        out.update(got)
+        bad = [i for i in bad if check.misses(searcher, q[i], *got[i])]

@@ -1,0 +1,105 @@
+"""The sample check of an HNSW dense list and the wider search it asks for (shards/ann_check.py).
+
+A sparse graph (M 4, efConstruction 16) over clustered vectors, searched with a narrow beam for
+queries far from every cluster, misses most of the exact top-10 (recall ~0.2): the walks go astray
+as they do for keyword and nonword queries on the 1M bench corpus. What must hold: the check never
+calls an exact list incomplete, a list it calls incomplete really misses a chunk of the exact top,
+the widened lists recover most of the exact top, the beam used is reported, and a query near the
+corpus is not widened. Two ways of making the queries: random directions, and sums of far-apart
+chunks (between clusters).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from oprag_server.config import DenseConfig
+from oprag_server.index.dense import fixed_order_dot
+from oprag_server.shards import ann_check
+from oprag_server.shards.protocol import QueryBatch, SearchRequest
+from oprag_server.shards.state import ShardState
+
+from tests.unit.test_dense_low import DIM, _shard, _unit, clustered
+
+N = 10
+
+
+@pytest.fixture(scope="module")
+def sparse():
+    rng = np.random.default_rng(0)
+    vecs = clustered(rng, 20000)
+    sh = ShardState(0, DIM, None, dense=DenseConfig(kind="hnsw", hnsw_m=4, ef_construction=16, ann_tail=0))
+    _shard(vecs, sh=sh)
+    return sh, vecs
+
+
+def _queries(how, vecs, rng, n=60):
+    if how == "random":
+        return _unit(rng.normal(size=(n, DIM)))
+    a, b = vecs[rng.integers(len(vecs), size=n)], vecs[rng.integers(len(vecs), size=n)]
+    return _unit(a + b)
+
+
+def _exact_top(sh, x, k):
+    d = sh.store.dense
+    return d.slots[np.argsort(-fixed_order_dot(d.vectors, x), kind="stable")[:k]]
+
+
+def _recall(sh, qv, out):
+    return float(np.mean([len(set(_exact_top(sh, qv[i], N).tolist()) & set(s[:N].tolist())) / N
+                          for i, (s, _) in out.items()]))
+
+
+@pytest.mark.parametrize("how", ["random", "between"])
+def test_widened_lists_recover_the_exact_top(sparse, how):
+    sh, vecs = sparse
+    qv = _queries(how, vecs, np.random.default_rng(1 if how == "random" else 2))
+    which = list(range(len(qv)))
+    plain = sh.search._dense_tops(qv, which, N, N, 0, check=False)
+    checked = sh.search._dense_tops(qv, which, N, N, 0, check=True)
+    r0, r1 = _recall(sh, qv, plain), _recall(sh, qv, checked)
+    assert r0 < 0.7, r0  # the walks really go astray here (else this test shows nothing)
+    assert r1 >= 0.85 and r1 >= r0 + 0.2, (r0, r1)
+    for i, (s, sc) in checked.items():  # still canonical scores, descending, no duplicates
+        assert np.array_equal(sc, np.sort(sc)[::-1]) and len(set(s.tolist())) == s.size
+        assert np.array_equal(sc, sh.store.dense.exact_slots(qv[i], s))
+
+
+def test_check_is_sound(sparse):
+    """An exact list is never flagged; a flagged list misses a chunk of the exact top-TOP."""
+    sh, vecs = sparse
+    check = ann_check.SampleCheck()
+    qv = _queries("random", vecs, np.random.default_rng(3), 40)
+    plain = sh.search._dense_tops(qv, list(range(len(qv))), N, N, 0, check=False)
+    flagged = 0
+    for i, (s, sc) in plain.items():
+        ex = _exact_top(sh, qv[i], s.size)
+        assert not check.misses(sh.search, qv[i], ex, sh.store.dense.exact_slots(qv[i], ex))
+        if check.misses(sh.search, qv[i], s, sc):
+            flagged += 1
+            top = set(_exact_top(sh, qv[i], min(s.size, ann_check.TOP)).tolist())
+            assert not top <= set(s.tolist())
+    assert flagged >= len(qv) // 4, flagged  # astray walks are caught, not only some
+
+
+def _knobs(sh, qv, ef=N):
+    req = SearchRequest(QueryBatch(qv, [["w"]] * len(qv), [np.ones(1)] * len(qv), 1.0, 1.5, 0.75),
+                        "dense", N, ef, 0, 0, 4)
+    return sh.search.search(req).knobs
+
+
+def test_beam_used_is_reported(sparse):
+    sh, vecs = sparse
+    far = _queries("random", vecs, np.random.default_rng(4), 8)
+    assert _knobs(sh, far)["ef_search"] >= (N + 16) * ann_check.FACTOR  # a widened beam, not the first (n + 16)
+
+
+def test_near_queries_on_a_good_graph_are_not_widened():
+    rng = np.random.default_rng(5)
+    vecs = clustered(rng, 5000)
+    sh = _shard(vecs, ann_tail=0)  # M 16, efConstruction 40
+    near = _unit(vecs[rng.integers(5000, size=30)] + 0.05 * rng.normal(size=(30, DIM)))
+    ef = sh.store.dense.params.ef_search  # the default beam
+    for i in range(0, 30, 5):
+        assert _knobs(sh, near[i:i + 5], 0)["ef_search"] == ef  # not widened
