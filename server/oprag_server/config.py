@@ -59,6 +59,9 @@ class DenseConfig:
     :param ann_tail: HNSW: vectors an ingest may leave outside the graph (searched by an exact
         scan meanwhile, inserted by the shard between requests); past it an apply inserts the
         oldest itself. 0: every apply inserts its vectors before it answers.
+    :param ann_check: HNSW: chunks of the strided sample a dense list is checked against; a list
+        it proves incomplete is searched again with a wider beam (:mod:`oprag_server.shards.ann_check`).
+        0: no check.
 
     HNSW defaults (issue 13, ``bench/hnsw_params.py``, bench/RESULTS.md): one shard of MiniLM vectors (real + derived
     as ``bench/scale.py`` makes them), M 32, recall of the exact top-256 (the dense-first window) at ef_search 256 /
@@ -79,12 +82,14 @@ class DenseConfig:
     nprobe: int = 32
     train_min: int = 4096
     ann_tail: int = 131072
+    ann_check: int = 16384
 
     def __post_init__(self) -> None:
         if self.kind not in DENSE_INDEX_KINDS:
             raise ValueError(f"dense index must be one of {', '.join(DENSE_INDEX_KINDS)}, got {self.kind!r}")
-        if self.ann_tail < 0:
-            raise ValueError(f"ann_tail must be >= 0, got {self.ann_tail}")
+        for name in ("ann_tail", "ann_check"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("hnsw_m", "ef_construction", "ef_search", "nprobe", "train_min"):  # (FAISS: M 1 segfaults)
             if getattr(self, name) < 1 or name == "hnsw_m" and not 2 <= self.hnsw_m <= 512:
                 raise ValueError(f"{name} must be {'in [2, 512]' if name == 'hnsw_m' else '>= 1'}, got {getattr(self, name)}")

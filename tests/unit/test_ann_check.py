@@ -103,3 +103,21 @@ def test_near_queries_on_a_good_graph_are_not_widened():
     ef = sh.store.dense.params.ef_search  # the default beam
     for i in range(0, 30, 5):
         assert _knobs(sh, near[i:i + 5], 0)["ef_search"] == ef  # not widened
+
+
+def test_sample_size_is_the_servers_knob(sparse):
+    """``--ann-check`` 0 turns the check off (the walks' own lists come back); a sample larger
+    than the int8 scan's whole-shard cap (32,768 rows) still checks."""
+    sh, vecs = sparse
+    qv = _queries("random", vecs, np.random.default_rng(6), 20)
+    which = list(range(len(qv)))
+    plain = sh.search._dense_tops(qv, which, N, N, 0, check=False)
+    off = _shard(vecs, sh=ShardState(0, DIM, None, dense=DenseConfig(kind="hnsw", hnsw_m=4, ef_construction=16,
+                                                                     ann_tail=0, ann_check=0)))
+    got, walks = off.search._dense_tops(qv, which, N, N, 0), off.search._dense_tops(qv, which, N, N, 0, check=False)
+    assert all(np.array_equal(got[i][0], walks[i][0]) for i in which)
+    assert off.search._check is None
+    big = ann_check.SampleCheck(40000)
+    assert any(big.misses(sh.search, qv[i], *plain[i]) for i in which)
+    with pytest.raises(ValueError, match="ann_check must be >= 0"):
+        DenseConfig(kind="hnsw", ann_check=-1)

@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import numpy as np
 
-#: chunks in the strided sample a list is checked against (int8 copies: D bytes each, 6.3 MB a
-#: shard at D 384); a shard smaller than this is checked against every chunk
+#: chunks in the strided sample a list is checked against by default (``DenseConfig.ann_check``,
+#: ``--ann-check``; int8 copies: D bytes each, 6.3 MB a shard at D 384); a shard smaller than this
+#: is checked against every chunk
 SAMPLE = 16384
 #: a failed list's next beam is this many times the last one
 FACTOR = 4
@@ -48,10 +49,12 @@ REDRAW = 1 / 16
 class SampleCheck:
     """The int8 copy of a fixed strided sample of a shard's chunks (by slot)."""
 
-    def __init__(self) -> None:
+    def __init__(self, sample: int = SAMPLE) -> None:
         from ..index.kernels_scan import Int8Rows  # noqa: PLC0415 - numba only in processes that search
 
+        self.sample = int(sample)
         self._i8 = Int8Rows()
+        self._i8.MAX_ROWS = max(Int8Rows.MAX_ROWS, self.sample)  # (its cap is for whole flat shards)
         self._n = -1  # the shard's chunk count when the sample was drawn (-1: never)
         self._ok = False  # the sample's int8 copy exists (none for a sample that is not finite)
         self._slots = np.zeros(0, np.int64)
@@ -59,7 +62,7 @@ class SampleCheck:
     def _current(self, dense) -> bool:
         n = len(dense)
         if self._n < 0 or abs(n - self._n) > REDRAW * self._n:
-            rows = np.arange(0, n, max(1, -(-n // SAMPLE)), dtype=np.int64)
+            rows = np.arange(0, n, max(1, -(-n // self.sample)), dtype=np.int64)
             self._slots = np.asarray(dense.slots[rows], np.int64)
             vecs = np.ascontiguousarray(dense.vectors_of(self._slots), dtype=np.float32)
             self._ok = rows.size > 0 and self._i8.of(vecs, n) is not None

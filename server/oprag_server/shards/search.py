@@ -300,9 +300,9 @@ class Searcher(ExactMixin, FieldsMixin):
                 else:
                     out[i] = got
             which, fetch = again, min(total, fetch * 4)
-        if check and self.store.dense.params.kind == "hnsw" and out:
+        if check and self.store.dense.params.kind == "hnsw" and self.store.dense.params.ann_check and out:
             if self._check is None:
-                self._check = ann_check.SampleCheck()
+                self._check = ann_check.SampleCheck(self.store.dense.params.ann_check)
             ann_check.widened(self, self._check, q, out, n, ef_search, nprobe)
         return out
 
