@@ -96,18 +96,19 @@ def bm25_top_m(data_dir, dense_kind: str):
     return listed_top, st
 
 
-def shard_state(data_dir, i: int, dense_kind: str):
+def shard_state(data_dir, i: int, dense_kind: str, **dense):
     """Shard ``i`` of ``data_dir`` as a ``ShardState`` loaded from its snapshot in this process,
-    its log not replayed (``bench.shard_parts``: one shard's search, part by part)."""
+    its log not replayed (``bench.shard_parts``: one shard's search, part by part); ``dense``:
+    other ``DenseConfig`` fields (``ann_check``...)."""
     from oprag_server.config import DenseConfig
     from oprag_server.shards.state import ShardState
 
-    st = ShardState(i, 384, data_dir, dense=DenseConfig(kind=dense_kind))
+    st = ShardState(i, 384, data_dir, dense=DenseConfig(kind=dense_kind, **dense))
     st.load(None)
     return st
 
 
-def in_process_retriever(data_dir, n_shards: int, dense_kind: str, **cfg):
+def in_process_retriever(data_dir, n_shards: int, dense_kind: str, dense: dict | None = None, **cfg):
     """``(Retriever, RetrieveSpec, states)``: the frontend's retriever over every shard of
     ``data_dir`` loaded in this process from its snapshot (log not replayed), corpus statistics
     summed from the shards as a starting server does, ``RetrievalConfig(**cfg)``
@@ -118,7 +119,7 @@ def in_process_retriever(data_dir, n_shards: int, dense_kind: str, **cfg):
     from oprag_server.operators.retrieve import Retriever, RetrieveSpec
     from oprag_server.shards.inprocess import in_process_pool
 
-    states = [shard_state(data_dir, i, dense_kind) for i in range(n_shards)]
+    states = [shard_state(data_dir, i, dense_kind, **(dense or {})) for i in range(n_shards)]
     stats = CorpusStats.merge_full([s.store.postings.full_stats() for s in states])
     return (Retriever(in_process_pool(states), stats, Analyzer(), BM25Config(), RetrievalConfig(**cfg)),
             RetrieveSpec, states)

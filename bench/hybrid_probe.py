@@ -37,6 +37,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--either", default="", help="comma-separated hybrid.EITHER values to compare (a tree with it)")
     ap.add_argument("--query-source", default="scifact",
                     help=f"comma-separated query generators ({', '.join(QUERY_SOURCES)}; bench._common.probe_texts)")
+    ap.add_argument("--ann-check", type=int, default=None,
+                    help="the server's --ann-check (HNSW list check sample; 0: off; default: the server's)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     _internals.one_thread()
@@ -47,7 +49,8 @@ def main(argv=None) -> dict:
         cache = a.vectors if src == "scifact" else ""  # (the cache file holds the SciFact queries' vectors)
         queries[src] = (texts, _internals.query_vectors(texts, cache))
     t0 = time.perf_counter()
-    r, Spec, states = _internals.in_process_retriever(a.data_dir, a.shards, a.dense_index)
+    dense = {} if a.ann_check is None else {"ann_check": a.ann_check}
+    r, Spec, states = _internals.in_process_retriever(a.data_dir, a.shards, a.dense_index, dense)
     for st in states:
         st.search.warm()
     log(f"loaded {a.shards} shards ({sum(len(s.store.dense) for s in states)} chunks) in {time.perf_counter() - t0:.1f} s")
