@@ -1,7 +1,5 @@
-"""Configuration: one frozen dataclass per subsystem, composed into :class:`ServerConfig`.
-
-Every limit the service enforces lives here so that the CLI, the servicer and the tests read the same numbers.
-"""
+"""Configuration: one frozen dataclass per subsystem, composed into :class:`ServerConfig`; every limit the service
+enforces lives here so that the CLI, the servicer and the tests read the same numbers."""
 
 from __future__ import annotations
 
@@ -59,9 +57,7 @@ class DenseConfig:
     :param ann_tail: HNSW: vectors an ingest may leave outside the graph (searched by an exact
         scan meanwhile, inserted by the shard between requests); past it an apply inserts the
         oldest itself. 0: every apply inserts its vectors before it answers.
-    :param ann_check: HNSW: chunks of the strided sample a dense list is checked against; a list
-        it proves incomplete is searched again with a wider beam (:mod:`oprag_server.shards.ann_check`).
-        0: no check.
+    :param ann_check: HNSW: sampled chunks a dense list is checked against (0: none; :mod:`..shards.ann_check`).
 
     HNSW defaults (issue 13, ``bench/hnsw_params.py``, bench/RESULTS.md): one shard of MiniLM vectors (real + derived
     as ``bench/scale.py`` makes them), M 32, recall of the exact top-256 (the dense-first window) at ef_search 256 /
@@ -87,12 +83,10 @@ class DenseConfig:
     def __post_init__(self) -> None:
         if self.kind not in DENSE_INDEX_KINDS:
             raise ValueError(f"dense index must be one of {', '.join(DENSE_INDEX_KINDS)}, got {self.kind!r}")
-        for name in ("ann_tail", "ann_check"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("hnsw_m", "ef_construction", "ef_search", "nprobe", "train_min"):  # (FAISS: M 1 segfaults)
-            if getattr(self, name) < 1 or name == "hnsw_m" and not 2 <= self.hnsw_m <= 512:
-                raise ValueError(f"{name} must be {'in [2, 512]' if name == 'hnsw_m' else '>= 1'}, got {getattr(self, name)}")
+        for name in ("ann_tail", "ann_check", "hnsw_m", "ef_construction", "ef_search", "nprobe", "train_min"):  # (FAISS: M 1 segfaults)
+            low = 0 if name.startswith("ann_") else 1
+            if getattr(self, name) < low or name == "hnsw_m" and not 2 <= self.hnsw_m <= 512:
+                raise ValueError(f"{name} must be {'in [2, 512]' if name == 'hnsw_m' else f'>= {low}'}, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
