@@ -121,3 +121,54 @@ def test_sample_size_is_the_servers_knob(sparse):
     assert any(big.misses(sh.search, qv[i], *plain[i]) for i in which)
     with pytest.raises(ValueError, match="ann_check must be >= 0"):
         DenseConfig(kind="hnsw", ann_check=-1)
+
+
+@pytest.mark.parametrize("how", ["random", "between"])
+def test_a_graph_no_beam_covers_gets_the_exact_top(how):
+    """M 2 / efConstruction 4 (trial36: such a graph missed the exact #1 at ef_search 8192, 9x the
+    shard): a list still proven short at the widest beam is the exact one. A shard below the
+    sample size is checked against every chunk, so each list's top is then exact."""
+    rng = np.random.default_rng(7)
+    vecs = clustered(rng, 3000)
+    sh = _shard(vecs, sh=ShardState(0, DIM, None, dense=DenseConfig(kind="hnsw", hnsw_m=2, ef_construction=4,
+                                                                    ann_tail=0)))
+    qv = _queries(how, vecs, rng, 40)
+    which = list(range(len(qv)))
+    assert _recall(sh, qv, sh.search._dense_tops(qv, which, N, 0, 0, check=False)) < 1.0  # the walks miss
+    got = sh.search._dense_tops(qv, which, N, 0, 0)
+    for i in which:
+        assert np.array_equal(got[i][0][:N], _exact_top(sh, qv[i], N))
+
+
+def test_a_batch_mates_knobs_do_not_change_a_querys_hits():
+    """trial36: queries of one batch shared the largest ef_search of the batch (another client's
+    knob changed the hits); on an approximate index only queries with equal knobs and windows
+    share a search now, and a lexical search reports no beam."""
+    import asyncio
+
+    from oprag_server.config import BM25Config, RetrievalConfig
+    from oprag_server.index.analyzer import Analyzer
+    from oprag_server.index.bm25 import CorpusStats
+    from oprag_server.operators.retrieve import Retriever, RetrieveSpec
+    from oprag_server.shards.inprocess import in_process_pool
+
+    rng = np.random.default_rng(8)
+    vecs = clustered(rng, 4000)
+    cfg = DenseConfig(kind="hnsw", hnsw_m=2, ef_construction=4, ann_tail=0, ann_check=0)  # walks that miss
+    st = _shard(vecs, sh=ShardState(0, DIM, None, dense=cfg))
+    r = Retriever(in_process_pool([st]), CorpusStats.merge_full([st.store.postings.full_stats()]), Analyzer(),
+                  BM25Config(), RetrievalConfig())
+    qv = _queries("random", vecs, rng, 6)
+    plain, wide = RetrieveSpec(mode="dense", top_k=10), RetrieveSpec(mode="dense", top_k=10, ef_search=4000)
+
+    def ids(q, specs):
+        hits, _, infos = asyncio.run(r.retrieve(q, ["w"] * len(specs), specs))
+        return [[h.chunk_id for h in hs] for hs in hits], [i.ef_search for i in infos]
+
+    alone = [ids(qv[i:i + 1], [plain]) for i in range(6)]
+    mixed, efs = ids(qv, [wide if i % 2 else plain for i in range(6)])
+    for i in range(0, 6, 2):
+        assert mixed[i] == alone[i][0][0] and efs[i] == alone[i][1][0]
+    assert all(efs[i] == 4000 for i in range(1, 6, 2))
+    _, lex = ids(qv[:1], [RetrieveSpec(mode="lexical", top_k=10)])
+    assert lex == [0]

@@ -141,3 +141,22 @@ def test_hnsw_default_build_parameters_are_used_and_beat_a_narrow_build():
         assert idx._ann._index.hnsw.efConstruction == efc
         got[efc] = _recall(idx, flat, q, 50)
     assert got[80] >= 0.8 and got[16] < 0.75
+
+
+def test_a_graph_built_with_other_parameters_is_kept_and_said(tmp_path):
+    """trial36: a restart with new --hnsw-m / --ef-construction kept the saved graph silently."""
+    st = ShardState(0, D, tmp_path, dense=DenseConfig(kind="hnsw", hnsw_m=8, ef_construction=20))
+    st.load(set())
+    V = _clustered(300, seed=9)
+    texts = [f"chunk {i}" for i in range(300)]
+    st.store.upsert(pa.Table.from_batches([records.make_chunk_batch(
+        chunk_ids=[f"d{i}#0" for i in range(300)], doc_ids=[f"d{i}" for i in range(300)], titles=[""] * 300,
+        texts=texts, metadata=[{}] * 300, ordinals=[0] * 300, generations=[1] * 300,
+        content_hashes=[hashlib.sha256(t.encode()).hexdigest() for t in texts], vectors=V)]), 1)
+    st.snapshot()
+    for cfg, warned in ((DenseConfig(kind="hnsw"), True), (DenseConfig(kind="hnsw", hnsw_m=8, ef_construction=20), False)):
+        again, lines = ShardState(0, D, tmp_path, dense=cfg), []
+        again.say = lines.append
+        again.load(set())
+        said = [x for x in lines if "--hnsw-m 8 --ef-construction 20, not 32 / 80" in x]
+        assert bool(said) == warned, lines

@@ -194,8 +194,7 @@ class Retriever:
 
         :param qvecs: float32[B, D] L2-normalised query vectors.
         :param texts: B query texts (analysed for BM25).
-        :param specs: B per-query specs; queries sharing a mode and fusion are searched as one
-            matrix (one message per shard).
+        :param specs: B per-query specs; queries sharing a mode and fusion (HNSW / IVF: and knobs) are one matrix.
         :returns: B ranked hit lists (at most ``top_k`` each; fewer when fewer chunks are
             eligible), timings in seconds (``retrieve``: all of it; ``fusion``: the frontend part
             of it, BM25 statistics, global merge and fusion), and B
@@ -209,10 +208,11 @@ class Retriever:
         results: list[list[_Cand]] = [[] for _ in specs]
         infos = [self.info(s) for s in specs]
         fetched = _Carried()  # the fields the replies carried
-        groups: dict[tuple[str, str], list[int]] = {}
-        for i, s in enumerate(specs):
-            groups.setdefault((s.mode, s.fusion if s.mode == "full_hybrid" else ""), []).append(i)
-        for (mode, fusion), idx in groups.items():
+        groups: dict[tuple, list[int]] = {}
+        for i, s in enumerate(specs):  # (HNSW / IVF find what their knobs and window let them: equal ones share a search)
+            key, knobs = (s.mode, s.fusion if s.mode == "full_hybrid" else ""), (s.ef_search, s.nprobe, s.candidates, s.top_k)
+            groups.setdefault(key if self.dense_index == "flat" else key + knobs, []).append(i)
+        for (mode, fusion, *_), idx in groups.items():
             q = np.ascontiguousarray(qvecs[idx], dtype=np.float32)
             batch = QueryBatch(q, [terms[i] for i in idx], [idf[i] for i in idx], avgdl, self.bm25.k1, self.bm25.b,
                                [list(specs[i].filters) for i in idx] if any(specs[i].filters for i in idx) else None)

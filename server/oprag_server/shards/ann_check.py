@@ -20,7 +20,9 @@ a 500K-vector shard): the check catches walks that went astray, whose ``cut`` si
 exact one (many sampled chunks above it), not every single miss.
 
 A query that fails is searched again with ``ef_search`` x :data:`FACTOR`, at most up to
-:data:`MAX_EF` (rounds counted in ``RetrievalInfo.ef_search``: the largest beam used).
+:data:`MAX_EF` (``RetrievalInfo.ef_search`` reports the largest beam used); one that still fails
+at that beam, or at a beam as large as the shard, gets the shard's exact dense top-n (a scan of
+every chunk: a graph its walks cannot cover, e.g. one built with a tiny M).
 """
 
 from __future__ import annotations
@@ -91,12 +93,17 @@ class SampleCheck:
 def widened(searcher, check: SampleCheck, q: np.ndarray, out: dict, n: int, ef_search: int, nprobe: int) -> None:
     """Search the queries of ``out`` (query index -> ``(slots, canonical scores)``, HNSW tops of
     float32[B, D] ``q``) whose list :meth:`SampleCheck.misses` shows incomplete again, with a beam
-    :data:`FACTOR` times wider each round, up to :data:`MAX_EF`; their entries are replaced."""
+    :data:`FACTOR` times wider each round, up to :data:`MAX_EF`, then exactly; their entries are
+    replaced."""
     dense = searcher.store.dense
     ef = max(int(ef_search or dense.params.ef_search), n, dense.last_knobs.get("ef_search", 0))  # the beam just used
     bad = [i for i, (s, sc) in out.items() if check.misses(searcher, q[i], s, sc)]
-    while bad and ef < MAX_EF:
+    while bad and ef < min(MAX_EF, len(dense)):
         ef = min(ef * FACTOR, MAX_EF)
         got = searcher._dense_tops(q, bad, n, ef, nprobe, check=False)  # noqa: SLF001
         out.update(got)
         bad = [i for i in bad if check.misses(searcher, q[i], *got[i])]
+    if bad:  # still provably short at the widest beam (or one as large as the shard): a graph its walks
+        live = dense.slots  # cannot cover (a sparse or disconnected one, trial36): the exact top-n
+        for i in bad:
+            out[i] = searcher._dense_top(q[i], n, live)  # noqa: SLF001

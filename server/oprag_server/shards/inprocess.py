@@ -128,6 +128,7 @@ class InProcessTransport(ShardTransport):
 def in_process_pool(states: list[ShardState], copy: bool = False) -> ShardPool:
     """A started :class:`ShardPool` over shard states built by the caller (shard ``i`` is
     ``states[i]``)."""
-    pool = ShardPool(len(states), states[0].dim, states[0].data_dir, transport=InProcessTransport)
+    pool = ShardPool(len(states), states[0].dim, states[0].data_dir, transport=InProcessTransport,
+                     dense=states[0].store.dense.params)  # (the Retriever reads the index kind from it)
     pool.clients = [InProcessTransport.of(s, copy=copy) for s in states]
     return pool

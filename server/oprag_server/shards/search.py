@@ -81,8 +81,8 @@ class Searcher(ExactMixin, FieldsMixin):
         eligible = [len(st.dense) if a is None else int(a.size) for a in allowed]
         cands: list[Candidates] = []
         lexical = listed = lexical_min = None
+        st.dense.last_knobs = {}  # (lexical: no dense search, no knob)
         if req.mode in ("hybrid", "dense"):
-            st.dense.last_knobs = {}
             if n == 0:  # a widening round for the BM25 list alone (operators/hybrid.py): no dense search
                 tops, lows = [(_NO_ROWS, np.zeros(0, np.float64))] * B, [np.inf] * B
             elif st.dense.params.kind == "flat":  # compiled: every row scanned, the exact top-n

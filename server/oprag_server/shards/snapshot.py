@@ -228,7 +228,7 @@ def _load_ann(snap: Path, store: ChunkStore, say: Say = None) -> None:
                 state = {"kind": str(meta["kind"]), "faiss": f, "ann_slot": meta["ann_slot"],
                          "trained_at": int(meta["trained_at"]), "tail": _tail(snap)}
                 if store.dense.load_ann(state, remap):
-                    return
+                    return _built_with(store, say)
         except (OSError, ValueError, KeyError, RuntimeError):
             pass  # rebuilt below
     kind, n = store.dense.params.kind, int(store.dense.slots.size)
@@ -236,6 +236,20 @@ def _load_ann(snap: Path, store: ChunkStore, say: Say = None) -> None:
     step = _Step(say, f"converting the dense index to {kind}: {n} rows ({why})", n > 0)
     store.dense.compact_ann()
     step.done(f"converted the dense index to {kind}: {n} rows")
+
+
+def _built_with(store: ChunkStore, say: Say) -> None:
+    """Say so when the adopted HNSW graph was built with other ``--hnsw-m`` / ``--ef-construction``
+    than this start's (trial36: a restart with new values silently kept the old graph)."""
+    ix = getattr(store.dense.ann, "_index", None)
+    p = store.dense.params
+    if say is None or p.kind != "hnsw" or not hasattr(ix, "hnsw"):
+        return
+    m, efc = int(ix.hnsw.nb_neighbors(1)), int(ix.hnsw.efConstruction)
+    if (m, efc) != (p.hnsw_m, p.ef_construction):
+        say(f"WARNING: the saved HNSW graph was built with --hnsw-m {m} --ef-construction {efc}, not {p.hnsw_m} / "
+            f"{p.ef_construction}: it is kept (new chunks join it with its own M) until a compaction rebuilds it; to "
+            "rebuild it now, start once with --dense-index flat, then again with hnsw")
 
 
 def _tail(snap: Path) -> np.ndarray | None:
