@@ -80,6 +80,10 @@ def _parser(plugins: dict) -> argparse.ArgumentParser:
                    help="weight of the lexical (BM25) list in the fusion, as --dense-weight")
     q.add_argument("--rrf-k", type=_rrf_k, default=0, metavar="K",
                    help="with --fusion rrf: the RRF constant k (0 = the server's default, 60; at most 100000)")
+    q.add_argument("--ef-search", type=_knob, default=0, metavar="EF",
+                   help="HNSW search beam of a server started with --dense-index hnsw (0 = its default; at most 65536)")
+    q.add_argument("--nprobe", type=_knob, default=0,
+                   help="IVF lists visited, for a server started with --dense-index ivf (0 = its default; at most 65536)")
     q.add_argument("--no-generate", action="store_true", help="retrieve only")
     q.add_argument("--json", action="store_true",
                    help="print the reply as one JSON object: answer, hits (with dense_rank / lexical_rank), "
@@ -185,7 +189,7 @@ def cmd_query(a) -> int:
     _unused_options(a)
     question = " ".join(a.question)
     kw = dict(top_k=a.top_k, mode=a.mode, session_id=a.session, candidates=a.candidates,
-              disable_memory=a.no_memory, **_fusion_kw(a))
+              disable_memory=a.no_memory, ef_search=a.ef_search, nprobe=a.nprobe, **_fusion_kw(a))
     try:
         with _client(a) as c:
             if a.no_generate:
@@ -291,6 +295,18 @@ def cmd_stats(a) -> int:
 
 #: the server's largest RRF constant (oprag_server.service.convert.MAX_RRF_K; a fixed limit, not a flag)
 MAX_RRF_K = 100_000
+
+
+#: the server's largest ef_search / nprobe (oprag_server.service.convert; fixed limits, not flags)
+MAX_KNOB = 65536
+
+
+def _knob(text: str) -> int:
+    """``query --ef-search`` / ``--nprobe``: in [0, :data:`MAX_KNOB`]."""
+    v = _count(text)
+    if v > MAX_KNOB:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_KNOB}, got {v}")
+    return v
 
 
 def _rrf_k(text: str) -> int:

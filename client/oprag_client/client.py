@@ -177,7 +177,7 @@ def query_request(question: str, *, top_k: int = 0, mode: str = "hybrid", sessio
             continue
         if not isinstance(v, numbers.Integral):  # protobuf said "'str' object cannot be interpreted as an integer"
             raise TypeError(f"{name} must be an integer (0 = the server's default), got {type(v).__name__} {v!r}")
-        if int(v) not in range(hi := 2**64 if name == "min_seq" else 2**32):
+        if int(v) not in range(hi := 2**64 if name == "min_seq" else 65537 if name in ("ef_search", "nprobe") else 2**32):
             raise ValueError(f"{name} must be between 0 and {hi - 1} (0 = the server's default), got {v}")
     for name, v in (("question", question), ("session_id", session_id)):
         if v is not None and not isinstance(v, (str, bytes)):

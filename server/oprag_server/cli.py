@@ -205,7 +205,12 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
         section, name = dest.split(".", 1)
         (sections.setdefault(section, {}) if section else top)[name] = value
     for section, kw in sections.items():
-        top[section] = _field("", section).default_factory(**kw)
+        try:
+            top[section] = _field("", section).default_factory(**kw)
+        except ValueError as exc:  # the dataclass names its field: name the option too
+            msg = str(exc)
+            flag = next((f for f, sec, name, _ in _OPTIONS if sec == section and msg.startswith(f"{name} ")), None)
+            raise ValueError(msg if flag is None or flag in msg else f"{flag}: {msg}") from None
     cfg = ServerConfig(**top)
     if cfg.cpu_latency_us != -1:  # its range (ValueError); app.serve checks it again when it holds the request
         from .cpu_latency import CpuLatencyRequest  # noqa: PLC0415

@@ -68,6 +68,8 @@ def test_cli_unauthenticated_points_to_token_flag_and_env(capsys):
     # trial14: argparse said "invalid _count value: 'abc'" (a function's name); gRPC read port
     # 99999 as 34463 and an http:// URL as a host name ("Misformatted domain name")
     (["query", "--top-k", "abc", "q"], "--top-k: must be an integer >= 0, got 'abc'"),
+    (["query", "--ef-search", "65537", "q"], "--ef-search: must be at most 65536, got 65537"),  # trial36: no such option
+    (["query", "--nprobe", "-1", "q"], "--nprobe: must be >= 0, got -1"),
     (["eval", "beir", "--top-k", "9"], "--top-k: must be in [10, 100] (nDCG@10 and MRR@10 rank the top 10 documents"),
     (["eval", "beir", "--top-k", "101"], "the server returns at most 100), got 101"),
     (["ingest", "--docs-per-stream", "1.5", "x.jsonl"], "--docs-per-stream: must be an integer >= 1, got '1.5'"),
@@ -152,3 +154,15 @@ def test_cli_tls_file_that_is_not_pem_is_named(tmp_path, capsys):
     bad.write_text("garbage\n")
     assert cli.main(["stats", "--server", "127.0.0.1:1", "--tls-ca", str(bad)]) == 2
     assert f"oprag: --tls-ca {bad} is not a PEM file" in capsys.readouterr().err
+
+
+def test_the_clients_beam_bound_is_the_servers():
+    """trial36: the client said ef_search 'must be between 0 and 4294967295' and let 65537 through
+    to the server's INVALID_ARGUMENT ([0, 65536])."""
+    from oprag_client.client import query_request
+    from oprag_server.service.convert import MAX_KNOB
+
+    assert query_request("q", ef_search=MAX_KNOB, nprobe=MAX_KNOB).ef_search == MAX_KNOB
+    for name in ("ef_search", "nprobe"):
+        with pytest.raises(ValueError, match=f"{name} must be between 0 and {MAX_KNOB}"):
+            query_request("q", **{name: MAX_KNOB + 1})

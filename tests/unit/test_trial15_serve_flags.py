@@ -36,3 +36,13 @@ def test_a_token_holding_a_hash_stays_whole_and_its_prefix_is_no_token(tmp_path,
     p = tmp_path / "tokens"
     p.write_text("# the tokens\nabc#def\n  second  # the second one\n\t#indented comment\r\nthird\r\n")
     assert load_tokens(p) == {"abc#def", "second", "third"}
+
+
+@pytest.mark.parametrize("flag,value", [("--ann-check", "-1"), ("--hnsw-m", "1"), ("--ef-search", "0"),
+                                        ("--ann-tail", "-2"), ("--nprobe", "0")])
+def test_a_dense_index_value_out_of_range_names_its_option(flag, value, capsys, tmp_path):
+    """trial36: 'ann_check must be >= 0' named the config field, not the option to change."""
+    assert main([flag, value, "--dense-index", "hnsw", "--data-dir", str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag}: " in err and f"got {value}" in err, err
+    assert not (tmp_path / "d").exists()

@@ -1,9 +1,7 @@
 """Wire <-> domain conversion and request validation: the one place that reads ``oprag.v1``
 messages and builds them. Pure functions; no server, runtime or event loop needed.
 
-Every validation failure raises :class:`InvalidArgument` (the status interceptor maps it to
-``INVALID_ARGUMENT`` with the message as the details) and says what to change.
-"""
+Every validation failure raises :class:`InvalidArgument` (``INVALID_ARGUMENT``) and says what to change."""
 
 from __future__ import annotations
 
@@ -39,6 +37,7 @@ MAX_FILTER_VALUES = 1024
 MAX_FILTER_KEY_BYTES = md.MAX_KEY_BYTES  # (UTF-8; a 100 KB key was accepted and echoed in messages, trial23)
 MAX_FUSION_WEIGHT, MIN_FUSION_WEIGHT = 1e6, 1e-12  # (non-zero min: 1e-320 made every fused score 0, trial24)
 MAX_RRF_K = 100_000
+MAX_KNOB = 65536  #: the largest ef_search / nprobe a request may give (oprag_client.cli.MAX_KNOB is the same)
 #: ``finish_reason`` of a Query/QueryStream answered by a server without a generator.
 NO_GENERATOR = "no_generator"
 
@@ -77,7 +76,7 @@ def query_job(req: Any, cfg: ServerConfig, *, dim: int, generate: bool, can_gene
     check_session_id(req.session_id, lim)
     per_doc = chunks_per_document(req, top_k, rcfg.max_candidates)
     for name in ("ef_search", "nprobe"):
-        if getattr(req, name, 0) > 65536:
+        if getattr(req, name, 0) > MAX_KNOB:
             raise InvalidArgument(range_error(name, getattr(req, name)))
     spec = RetrieveSpec(mode=MODE_NAMES[req.mode], top_k=top_k, candidates=max(cand, top_k), dense_weight=wd,
                         lexical_weight=wl, fusion=method, rrf_k=rrf_k, filters=filters(req.filters),
@@ -101,7 +100,7 @@ def range_error(name: str, got: Any, rcfg: Any = RetrievalConfig) -> str:
     bound of ``rcfg``] or 0 (the default; ``rcfg``: the server's config, else the defaults),
     ``ef_search`` and ``nprobe`` in [0, 65536]; HTTP says the same for a value beyond uint32."""
     most = {"top_k": rcfg.max_top_k, "candidates": rcfg.max_candidates}.get(name)
-    return f"{name} must be in [1, {most}] (0 = the default), got {got}" if most else f"{name} must be in [0, 65536], got {got}"
+    return f"{name} must be in [1, {most}] (0 = the default), got {got}" if most else f"{name} must be in [0, {MAX_KNOB}], got {got}"
 
 
 def chunks_per_document(req: Any, top_k: int, max_chunks: int) -> int:
