@@ -130,3 +130,15 @@ def test_seeds_follow_adds_deletes_and_compaction():
     _shard(cone(rng, 2500)[0], start=10000, sh=sh)
     _mins(sh, qv)
     assert sh.search._low._built_at == 4500
+
+
+def test_a_small_shard_builds_its_seeds_without_faiss_warnings(capfd):
+    """trial36: a shard of 20 vectors printed FAISS's 'please provide at least 39 training
+    points' on stderr (outside the log format); its minimum is still the exact one."""
+    rng = np.random.default_rng(11)
+    vecs = clustered(rng, 20)
+    sh = _shard(vecs, ann_tail=0)
+    sh.search.warm()
+    qv = _unit(rng.normal(size=(5, DIM)))
+    assert _mins(sh, qv) == _exact(sh, qv)
+    assert "training points" not in capfd.readouterr().err

@@ -161,9 +161,13 @@ class LowSeeds:
             return
         p = int(min(self.PROBES, max(1, a // 64)))
         train = np.ascontiguousarray(st[:: max(1, a // (64 * p))], dtype=np.float32)
-        km = faiss.Kmeans(ann.dim, p, niter=10, seed=1, spherical=True, max_points_per_centroid=64)
-        km.train(train)
-        probes = km.centroids / np.maximum(np.linalg.norm(km.centroids, axis=1, keepdims=True), 1e-12)
+        if train.shape[0] < 39 * p:  # (FAISS's k-means warns below 39 points a centroid on stderr, trial36):
+            cents = train.mean(axis=0, keepdims=True)  # one centroid, the points' mean (what it converges to)
+        else:
+            km = faiss.Kmeans(ann.dim, p, niter=10, seed=1, spherical=True, max_points_per_centroid=64)
+            km.train(train)
+            cents = km.centroids
+        probes = cents / np.maximum(np.linalg.norm(cents, axis=1, keepdims=True), 1e-12)
         probes = np.ascontiguousarray(probes, dtype=np.float32)
         t = min(self.PER_PROBE, a)
         # per probe, the t lowest scores: blocks of rows times the probes (one BLAS product each),

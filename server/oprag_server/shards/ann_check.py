@@ -104,6 +104,6 @@ def widened(searcher, check: SampleCheck, q: np.ndarray, out: dict, n: int, ef_s
         out.update(got)
         bad = [i for i in bad if check.misses(searcher, q[i], *got[i])]
     if bad:  # still provably short at the widest beam (or one as large as the shard): a graph its walks
-        live = dense.slots  # cannot cover (a sparse or disconnected one, trial36): the exact top-n
-        for i in bad:
-            out[i] = searcher._dense_top(q[i], n, live)  # noqa: SLF001
+        live, approx = dense.slots, dense.score_all(q[bad])  # cannot cover (trial36): the exact top-n, from
+        for j, i in enumerate(bad):  # one matrix product over the stored vectors (no gather), refined canonically
+            out[i] = searcher._refine(q[i], live, approx[j], n)  # noqa: SLF001
