@@ -11,7 +11,8 @@ from pathlib import Path
 
 import grpc
 
-from .cli_util import _client, _fail, _rpc_message
+from .cli_util import _client, _rpc_message
+from .cli_util import _fail as _say_fail
 
 
 def _fitting(numbered, max_message_bytes: int, rejected: list[dict]):
@@ -119,6 +120,12 @@ def cmd_ingest(a) -> int:
 
     from .loaders import LOADERS
 
+    def _fail(msg: str, code: int = 1) -> int:  # with --json also one object on stdout, nothing sent (trial36)
+        if a.json:
+            print(json.dumps({"documents": 0, "chunks": 0, "rejected": [], "streams": [], "error": {
+                "stream": 0, "first_index": 0, "code": None, "message": msg, "stored": False}}))
+        return _say_fail(msg, code)
+
     missing = [str(p) for p in a.paths if not Path(p).exists()]
     if missing:
         return _fail(f"no such file or directory: {', '.join(missing)}")
@@ -206,7 +213,7 @@ def cmd_ingest(a) -> int:
         if unknown is None:  # (not a gRPC status: an input error, or Ctrl-C)
             unknown = error["code"] in UNKNOWN_OUTCOME
         _committed_before_failure(len(streams) + 1, sent, totals["seq"], error["code"], unknown, nxt)
-        _fail(error["message"])
+        _say_fail(error["message"])
         if a.json:  # stored: false, or null when unknown
             stored = None if unknown else False
             print(json.dumps({**summary, "error": {"stream": len(streams) + 1, "first_index": nxt, **error,
@@ -219,5 +226,5 @@ def cmd_ingest(a) -> int:
         print(f"ingested {summary['documents']} documents{replaced}, {summary['chunks']} chunks in {el:.1f} s "
               f"({summary['chunks_per_s']} chunks/s); {len(summary['rejected'])} rejected")
     if totals["documents"] == 0:  # every document rejected: nothing stored is a failure (some rejected: not)
-        return _fail(f"nothing stored: all {len(totals['rejected'])} documents were rejected (reasons above)")
+        return _say_fail(f"nothing stored: all {len(totals['rejected'])} documents were rejected (reasons above)")
     return 0

@@ -166,3 +166,17 @@ def test_the_clients_beam_bound_is_the_servers():
     for name in ("ef_search", "nprobe"):
         with pytest.raises(ValueError, match=f"{name} must be between 0 and {MAX_KNOB}"):
             query_request("q", **{name: MAX_KNOB + 1})
+
+
+def test_ingest_json_refused_before_sending_prints_one_object(tmp_path, capsys):
+    """trial36: `oprag ingest --json` on a missing path printed no JSON (a script read nothing)."""
+    import json
+
+    missing = str(tmp_path / "nosuch.jsonl")
+    assert cli.main(["ingest", "--server", "127.0.0.1:1", "--format", "jsonl", "--json", missing]) == 1
+    out, err = capsys.readouterr()
+    got = json.loads(out)
+    assert got["documents"] == 0 and got["error"]["stored"] is False and missing in got["error"]["message"]
+    assert "no such file or directory" in err
+    assert cli.main(["ingest", "--server", "127.0.0.1:1", "--format", "jsonl", missing]) == 1
+    assert capsys.readouterr().out == ""  # without --json: the message alone, on stderr
