@@ -18,7 +18,7 @@ from .cli_eval import cmd_eval
 from .cli_ingest import cmd_ingest
 from .cli_util import (_add_server, _client, _count, _fail, _positive, _rpc_error, _seconds,  # noqa: F401
                        _stdout_closed_ok, _weight)
-from .client import FUSIONS, MODES
+from .client import FUSIONS, MAX_KNOB, MODES
 from .metadata import metadata_of
 
 
@@ -297,26 +297,19 @@ def cmd_stats(a) -> int:
 MAX_RRF_K = 100_000
 
 
-#: the server's largest ef_search / nprobe (oprag_server.service.convert; fixed limits, not flags)
-MAX_KNOB = 65536
+def _count_at_most(most: int):
+    """An argparse type: :func:`_count` in [0, ``most``], the server's fixed limit of the option
+    (``--rrf-k``: above it the server refused with INVALID_ARGUMENT, and above 2^32 the client said
+    "rrf_k must be between 0 and 4294967295": two limits for one option, trial35)."""
+    def parse(text: str) -> int:
+        v = _count(text)
+        if v > most:
+            raise argparse.ArgumentTypeError(f"must be at most {most}, got {v}")
+        return v
+    return parse
 
 
-def _knob(text: str) -> int:
-    """``query --ef-search`` / ``--nprobe``: in [0, :data:`MAX_KNOB`]."""
-    v = _count(text)
-    if v > MAX_KNOB:
-        raise argparse.ArgumentTypeError(f"must be at most {MAX_KNOB}, got {v}")
-    return v
-
-
-def _rrf_k(text: str) -> int:
-    """``query --rrf-k``: in [0, :data:`MAX_RRF_K`] (above it the server refused with
-    INVALID_ARGUMENT, and above 2^32 the client said "rrf_k must be between 0 and 4294967295":
-    two limits for one option, trial35)."""
-    v = _count(text)
-    if v > MAX_RRF_K:
-        raise argparse.ArgumentTypeError(f"must be at most {MAX_RRF_K}, got {v}")
-    return v
+_rrf_k, _knob = _count_at_most(MAX_RRF_K), _count_at_most(MAX_KNOB)
 
 
 def _top_docs(text: str) -> int:

@@ -11,24 +11,24 @@ from pathlib import Path
 
 import grpc
 
-from .cli_util import _client, _rpc_message
-from .cli_util import _fail as _say_fail
+from .cli_util import _client, _fail, _rpc_message
 
 
 def _fitting(numbered, max_message_bytes: int, rejected: list[dict]):
-    """The ``(input position, document)`` pairs of ``numbered`` that fit in one Ingest message;
-    each that does not is added to ``rejected`` (as the server's rejections: index, id, reason)
-    instead of failing its whole stream (trial35: a 40 MB document stopped the stream, a 9 MB one
-    was the server's per-document rejection)."""
-    from .client import oversized
+    """The ``(input position, wire Document)`` pairs of ``numbered`` that fit in one Ingest message
+    (each converted once here: the client sends the converted one as it is); each that does not is
+    added to ``rejected`` (as the server's rejections: index, id, reason) instead of failing its
+    whole stream (trial35: a 40 MB document stopped the stream, a 9 MB one was the server's
+    per-document rejection)."""
+    from .client import _as_pb, oversized
 
     for i, d in numbered:
-        size = oversized(d, max_message_bytes)
+        pb = _as_pb(d)
+        size = oversized(pb, max_message_bytes)
         if size is None:
-            yield i, d
+            yield i, pb
             continue
-        did = d.id if hasattr(d, "id") else d.get("id", "") if isinstance(d, dict) else ""
-        rejected.append({"index": i, "id": did, "reason": f"document is {size} bytes, over the {max_message_bytes}-byte "
+        rejected.append({"index": i, "id": pb.id, "reason": f"document is {size} bytes, over the {max_message_bytes}-byte "
                          "gRPC message limit: not sent (split it into smaller documents)"})
 
 
@@ -120,28 +120,28 @@ def cmd_ingest(a) -> int:
 
     from .loaders import LOADERS
 
-    def _fail(msg: str, code: int = 1) -> int:  # with --json also one object on stdout, nothing sent (trial36)
+    def refuse(msg: str, code: int = 1) -> int:  # nothing sent; with --json also one object on stdout (trial36)
         if a.json:
             print(json.dumps({"documents": 0, "chunks": 0, "rejected": [], "streams": [], "error": {
                 "stream": 0, "first_index": 0, "code": None, "message": msg, "stored": False}}))
-        return _say_fail(msg, code)
+        return _fail(msg, code)
 
     missing = [str(p) for p in a.paths if not Path(p).exists()]
     if missing:
-        return _fail(f"no such file or directory: {', '.join(missing)}")
+        return refuse(f"no such file or directory: {', '.join(missing)}")
     if a.format is None:  # (the default, text, stored a .jsonl file as one text document: trial35)
         other = [(p, _SUFFIX_FORMATS[Path(p).suffix.lower()]) for p in a.paths
                  if Path(p).is_file() and Path(p).suffix.lower() in _SUFFIX_FORMATS]
         if other:
             p, fmt = other[0]
-            return _fail(f"{p} looks like --format {fmt} input, and without --format it would be stored as one text "
+            return refuse(f"{p} looks like --format {fmt} input, and without --format it would be stored as one text "
                          f"document: give --format {fmt} (or --format text to store it as text)", 2)
         a.format = "text"
     wrong = _not_a_file(a.paths, a.format)
     if wrong:
-        return _fail(wrong)
+        return refuse(wrong)
     if a.vector_column is not None and a.format not in ("parquet", "arrow"):
-        return _fail(f"--vector-column is for --format parquet or arrow, not {a.format}")
+        return refuse(f"--vector-column is for --format parquet or arrow, not {a.format}")
     docs = LOADERS[a.format](a.paths, a.vector_column) if a.format in ("parquet", "arrow") else LOADERS[a.format](a.paths)
     totals = {"documents": 0, "chunks": 0, "replaced": 0, "reused": 0, "rejected": [], "chunks_split": 0, "seq": 0}
     streams: list[dict] = []  # one per committed stream (its acknowledgement)
@@ -192,7 +192,7 @@ def cmd_ingest(a) -> int:
     bar.close()
     el = time.perf_counter() - t0
     if error is None and totals["documents"] == 0 and not totals["rejected"]:
-        return _fail(f"no documents found in {' '.join(map(str, a.paths))} with --format {a.format}")
+        return refuse(f"no documents found in {' '.join(map(str, a.paths))} with --format {a.format}")
     summary = {
         "documents": totals["documents"],
         "chunks": totals["chunks"],
@@ -213,7 +213,7 @@ def cmd_ingest(a) -> int:
         if unknown is None:  # (not a gRPC status: an input error, or Ctrl-C)
             unknown = error["code"] in UNKNOWN_OUTCOME
         _committed_before_failure(len(streams) + 1, sent, totals["seq"], error["code"], unknown, nxt)
-        _say_fail(error["message"])
+        _fail(error["message"])
         if a.json:  # stored: false, or null when unknown
             stored = None if unknown else False
             print(json.dumps({**summary, "error": {"stream": len(streams) + 1, "first_index": nxt, **error,
@@ -226,5 +226,5 @@ def cmd_ingest(a) -> int:
         print(f"ingested {summary['documents']} documents{replaced}, {summary['chunks']} chunks in {el:.1f} s "
               f"({summary['chunks_per_s']} chunks/s); {len(summary['rejected'])} rejected")
     if totals["documents"] == 0:  # every document rejected: nothing stored is a failure (some rejected: not)
-        return _say_fail(f"nothing stored: all {len(totals['rejected'])} documents were rejected (reasons above)")
+        return _fail(f"nothing stored: all {len(totals['rejected'])} documents were rejected (reasons above)")
     return 0

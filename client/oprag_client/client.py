@@ -103,6 +103,10 @@ def _as_pb(d: Any) -> oprag_pb2.Document:
     raise TypeError(f"cannot ingest {type(d).__name__}: pass Doc, oprag_pb2.Document or a dict with id and text")
 
 
+#: the server's largest ef_search / nprobe (oprag_server.service.convert.MAX_KNOB; fixed limits, not flags)
+MAX_KNOB = 65536
+
+
 def message_budget(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> int:
     """Bytes of documents one IngestRequest may carry (:func:`ingest_messages`: room for framing)."""
     return int(max_message_bytes * 0.9) - 1024
@@ -177,7 +181,7 @@ def query_request(question: str, *, top_k: int = 0, mode: str = "hybrid", sessio
             continue
         if not isinstance(v, numbers.Integral):  # protobuf said "'str' object cannot be interpreted as an integer"
             raise TypeError(f"{name} must be an integer (0 = the server's default), got {type(v).__name__} {v!r}")
-        if int(v) not in range(hi := 2**64 if name == "min_seq" else 65537 if name in ("ef_search", "nprobe") else 2**32):
+        if int(v) not in range(hi := 2**64 if name == "min_seq" else MAX_KNOB + 1 if name in ("ef_search", "nprobe") else 2**32):
             raise ValueError(f"{name} must be between 0 and {hi - 1} (0 = the server's default), got {v}")
     for name, v in (("question", question), ("session_id", session_id)):
         if v is not None and not isinstance(v, (str, bytes)):

@@ -155,7 +155,8 @@ def test_retrieval_says_no_fusion_ran_in_a_one_list_mode(server, mode):
 
 
 def test_the_clis_rrf_k_limit_is_the_servers():
-    from oprag_client.cli import MAX_KNOB, MAX_RRF_K
+    from oprag_client.cli import MAX_RRF_K
+    from oprag_client.client import MAX_KNOB
     from oprag_server.service.convert import MAX_KNOB as SERVER_MAX_KNOB
     from oprag_server.service.convert import MAX_RRF_K as SERVER_MAX_RRF_K
 

@@ -210,8 +210,8 @@ class Retriever:
         fetched = _Carried()  # the fields the replies carried
         groups: dict[tuple, list[int]] = {}
         for i, s in enumerate(specs):  # (HNSW / IVF find what their knobs and window let them: equal ones share a search)
-            key, knobs = (s.mode, s.fusion if s.mode == "full_hybrid" else ""), (s.ef_search, s.nprobe, s.candidates, s.top_k)
-            groups.setdefault(key if self.dense_index == "flat" else key + knobs, []).append(i)
+            key = (s.mode, s.fusion) if s.mode == "full_hybrid" else (s.mode, "", s.ef_search, s.nprobe, s.candidates, s.top_k)
+            groups.setdefault(key[:2] if self.dense_index == "flat" else key, []).append(i)
         for (mode, fusion, *_), idx in groups.items():
             q = np.ascontiguousarray(qvecs[idx], dtype=np.float32)
             batch = QueryBatch(q, [terms[i] for i in idx], [idf[i] for i in idx], avgdl, self.bm25.k1, self.bm25.b,

@@ -37,7 +37,7 @@ MAX_FILTER_VALUES = 1024
 MAX_FILTER_KEY_BYTES = md.MAX_KEY_BYTES  # (UTF-8; a 100 KB key was accepted and echoed in messages, trial23)
 MAX_FUSION_WEIGHT, MIN_FUSION_WEIGHT = 1e6, 1e-12  # (non-zero min: 1e-320 made every fused score 0, trial24)
 MAX_RRF_K = 100_000
-MAX_KNOB = 65536  #: the largest ef_search / nprobe a request may give (oprag_client.cli.MAX_KNOB is the same)
+MAX_KNOB = 65536  #: the largest ef_search / nprobe a request may give (oprag_client.client.MAX_KNOB is the same)
 #: ``finish_reason`` of a Query/QueryStream answered by a server without a generator.
 NO_GENERATOR = "no_generator"
 
