@@ -194,8 +194,9 @@ def packed_rows(data: bytes, rows: int, dim: int, index_dim: int, what: str = "v
     :raises ValueError: ``dim != index_dim`` (or 0), ``len(data) != rows * dim * 4``, NaN or
         infinity, an all-zero row.
     """
-    if dim != index_dim:
-        raise ValueError(f"{what}: vector_dim is {dim}; the index holds vectors of width {index_dim}")
+    if dim != index_dim:  # (worded as unit_rows': a Parquet / Arrow user never wrote the wire field)
+        raise ValueError(f"a vector has {dim} values ({what} with vector_dim {dim}); the index holds vectors of "
+                         f"width {index_dim}")
     if len(data) != rows * dim * 4:
         raise ValueError(f"{what} is {len(data)} bytes; {rows} row(s) of {dim} float32 values take {rows * dim * 4}")
     return unit_matrix(np.frombuffer(data, dtype="<f4").reshape(rows, dim), what)

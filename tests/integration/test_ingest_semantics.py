@@ -289,4 +289,5 @@ def test_cli_ingests_parquet_with_vectors_and_rejects_a_wrong_width(server, clie
     bad = subprocess.run([*cli, str(tmp_path / "narrow.parquet")], capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0
     assert "INVALID_ARGUMENT" in bad.stderr and "384" in bad.stderr and "8" in bad.stderr, bad.stderr
+    assert "a vector has 8 values" in bad.stderr, bad.stderr  # trial36 #12: worded as the user's column, not the wire field
     assert (client.stats().chunks, client.stats().documents) == (after.chunks, after.documents)  # nothing stored
