@@ -160,3 +160,46 @@ def test_a_graph_built_with_other_parameters_is_kept_and_said(tmp_path):
         again.load(set())
         said = [x for x in lines if "--hnsw-m 8 --ef-construction 20, not 32 / 80" in x]
         assert bool(said) == warned, lines
+
+
+def test_ivf_lists_hold_8bit_codes_and_the_float32_copy_ranks_them():
+    """Session 37: the IVF's lists hold D-byte codes (not a second float32 copy), and what a
+    search returns is ranked by the float32 copy: its scores are the float32 inner products of
+    the returned slots, descending, and its top-10 equals the exact one at nprobe = every list."""
+    import faiss
+
+    V = _clustered(3000, seed=5)
+    idx = DenseIndex(D, DenseConfig(kind="ivf", nprobe=4, train_min=1000))
+    idx.add(np.arange(3000, dtype=np.int64), V)
+    assert isinstance(idx.ann._index, faiss.IndexIVFScalarQuantizer) and idx.ann._index.code_size == D
+    q = _clustered(20, seed=6)
+    got, sc = idx.search(q, 10)
+    for i in range(20):
+        np.testing.assert_allclose(sc[i], V[got[i]] @ q[i], rtol=0, atol=1e-6)  # float32 products, not 8-bit ones
+        assert np.all(np.diff(sc[i]) <= 0)
+    every, _ = idx.search(q, 10, nprobe=idx.ann.nlist)
+    flat = DenseIndex(D)
+    flat.add(np.arange(3000, dtype=np.int64), V)
+    want, _ = flat.search(q, 10)
+    assert [g.tolist() for g in every] == [w.tolist() for w in want]
+
+
+def test_an_ivfflat_snapshot_still_loads_and_searches(tmp_path):
+    """A data dir saved before session 37 holds ``IndexIVFFlat`` lists: it loads as it is (no
+    retraining) and gives the same hits as the lists built now."""
+    import faiss
+
+    st = _state("ivf", tmp_path)
+    ann = st.store.dense.ann
+    old = faiss.IndexIVFFlat(faiss.IndexFlatIP(D), D, ann._index.nlist, faiss.METRIC_INNER_PRODUCT)
+    old.train(st.store.dense.vectors)  # the same vectors, in ANN-id order (one add of 600)
+    old.add_with_ids(st.store.dense.vectors, np.arange(ann.ann_slot.size, dtype=np.int64))
+    ann._index = old
+    q = _clustered(8, seed=7)
+    _, before = _search(st, q)
+    st.snapshot()
+    again = ShardState(0, D, tmp_path, dense=DenseConfig(kind="ivf", train_min=200))
+    again.load(set())
+    assert isinstance(again.store.dense.ann._index, faiss.IndexIVFFlat)
+    assert again.store.dense.ann.nbytes() >= 600 * (4 * D + 8)
+    assert _search(again, q)[1] == before

@@ -5,7 +5,13 @@ L2-normalised float32 vectors as :class:`~oprag_server.index.dense.DenseIndex` (
 One copy with HNSW: ``IndexHNSWFlat`` keeps the vectors in its flat storage, in ANN-id order;
 :meth:`AnnIndex.storage` is a zero-copy numpy view of it, and the dense index reads its exact
 scores from there instead of keeping a second float32 copy. IVF keeps its vectors in its
-inverted lists (by list, not by id), so the dense index keeps its own copy besides.
+inverted lists (by list, not by id), so the dense index keeps its own float32 copy besides; the lists
+hold 8-bit codes (``IndexIVFScalarQuantizer``, ``QT_8bit``: D bytes a vector, a quarter of
+``IndexIVFFlat``'s float32 lists; 1.2 GB less at 1M chunks of width 384) and only pick candidates:
+:meth:`DenseIndex.search` asks for more than it needs and keeps the best by the float32 copy
+(issue 13: IVFFlat at 1M held every vector twice, RSS 8.3 GiB, and read 4x the bytes a probed list
+needs; bench/RESULTS.md, session 37). A snapshot written with ``IndexIVFFlat`` lists loads and
+searches as before until its next training.
 
 The ANN structure only *picks candidates*; every score a shard returns is still canonical
 (:func:`~oprag_server.index.dense.fixed_order_dot`), so identical content scores identically
@@ -99,7 +105,8 @@ class AnnIndex:
         nlist = int(min(65536, max(16, 2 ** round(np.log2(np.sqrt(n))))))
         nlist = min(nlist, max(1, n // IVF_TRAIN_FLOOR))  # FAISS asks for >= 39 training points per list
         quantizer = faiss.IndexFlatIP(self.dim)
-        idx = faiss.IndexIVFFlat(quantizer, self.dim, nlist, faiss.METRIC_INNER_PRODUCT)
+        idx = faiss.IndexIVFScalarQuantizer(quantizer, self.dim, nlist, faiss.ScalarQuantizer.QT_8bit,
+                                            faiss.METRIC_INNER_PRODUCT)
         step = max(1, n // (64 * nlist))
         idx.train(np.ascontiguousarray(train[::step]))
         self.trained_at = n
@@ -213,15 +220,16 @@ class AnnIndex:
     def nbytes(self) -> int:
         """Estimated bytes of the structure: HNSW ``n * (4*D + 4*(2*M + 1) + 12)`` (stored
         vectors; level-0 links 2M int32 plus the upper levels' ~M/(M-1) expected; offsets and
-        levels), IVF ``n * (4*D + 8) + nlist * 4*D`` (list codes and ids, centroids); plus the
-        8-byte id map. From FAISS's ``IndexHNSWFlat`` / ``IndexIVFFlat`` layouts."""
+        levels), IVF ``n * (code + 8) + nlist * 4*D`` (list codes of ``code`` bytes, D with 8-bit
+        codes, 4*D in an ``IndexIVFFlat`` loaded from an older snapshot, and ids; centroids); plus
+        the 8-byte id map. From FAISS's ``IndexHNSWFlat`` / ``IndexIVFScalarQuantizer`` layouts."""
         n, d = (int(self._index.ntotal) if self._index is not None else 0), self.dim
         if self._index is None:
             body = 0
         elif self.params.kind == "hnsw":
             body = n * (4 * d + 4 * (2 * self.params.hnsw_m + 1) + 12)
         else:
-            body = n * (4 * d + 8) + int(self._index.nlist) * 4 * d
+            body = n * (int(self._index.code_size) + 8) + int(self._index.nlist) * 4 * d
         return body + int(self.ann_slot.nbytes)
 
     def needs_compaction(self) -> bool:
@@ -256,6 +264,12 @@ class AnnIndex:
     def ready(self) -> bool:
         """False while an IVF is untrained (the caller searches exactly)."""
         return self._index is not None
+
+    @property
+    def nlist(self) -> int:
+        """An IVF's inverted lists (``nprobe`` at this visits every one: an exhaustive search);
+        0 for HNSW or an IVF not trained yet."""
+        return int(self._index.nlist) if self.params.kind == "ivf" and self._index is not None else 0
 
     def search(self, q: np.ndarray, k: int, ef_search: int = 0, nprobe: int = 0) -> tuple[np.ndarray, np.ndarray, int]:
         """Approximate top-k of float32[B, D] ``q`` among live vectors.

@@ -1,26 +1,25 @@
 """Dense partition of one shard: a FAISS inner-product index over L2-normalised float32 vectors.
 
-Chunks are identified by an int64 *slot* (unique within the shard, never reused). One float32
-copy of the vectors serves everything:
+Chunks are identified by an int64 *slot* (unique within the shard, never reused). One float32 copy of the vectors
+serves everything:
 
-* flat and IVF: a compact copy of the live vectors here (flat top-k searches run FAISS's
-  brute-force ``faiss.knn`` inner-product kernel over it, the same kernel and scores as an
-  ``IndexFlatIP`` holding a second copy); an IVF keeps its inverted lists besides.
-* HNSW: the vectors ``IndexHNSWFlat`` stores for its graph, by ANN id (dead ones included until
-  compaction), read through a zero-copy view (:meth:`.ann.AnnIndex.storage`); the live rows are
-  the live ANN ids in ascending order. Exact scoring, canonical scores and snapshots read them
-  there: no second copy.
+* flat and IVF: a compact copy of the live vectors here (flat top-k searches run FAISS's brute-force ``faiss.knn``
+  inner-product kernel over it, the same kernel and scores as an ``IndexFlatIP`` holding a second copy); an IVF
+  keeps its inverted lists (8-bit codes, :mod:`.ann`) besides.
+* HNSW: the vectors ``IndexHNSWFlat`` stores for its graph, by ANN id (dead ones included until compaction), read
+  through a zero-copy view (:meth:`.ann.AnnIndex.storage`); the live rows are the live ANN ids in ascending order.
+  Exact scoring, canonical scores and snapshots read them there: no second copy.
 
 Two kinds of scores (README: identical content, identical score):
 
-* *approximate*: float32 BLAS / FAISS inner products (``search``, ``score_all``,
-  ``score_slots``). Fast, but the float32 accumulation order depends on the kernel (matrix-vector
-  or matrix-matrix), the batch and the row's position, so the same vector can score differently
-  in the last bits. They are within :meth:`DenseIndex.score_error` of the canonical score.
-* *canonical*: :func:`fixed_order_dot` (``exact_rows``, ``exact_slots``): the float32 products
-  taken exactly in float64 and summed in a fixed pairwise order that depends only on D, so a
-  vector's score with a query is a pure function of the two. Every score a shard returns is
-  canonical; approximate scores only choose the candidates to compute it for.
+* *approximate*: float32 BLAS / FAISS inner products (``search``, ``score_all``, ``score_slots``). Fast, but the
+  float32 accumulation order depends on the kernel (matrix-vector or matrix-matrix), the batch and the row's
+  position, so the same vector can score differently in the last bits. They are within
+  :meth:`DenseIndex.score_error` of the canonical score.
+* *canonical*: :func:`fixed_order_dot` (``exact_rows``, ``exact_slots``): the float32 products taken exactly in
+  float64 and summed in a fixed pairwise order that depends only on D, so a vector's score with a query is a pure
+  function of the two. Every score a shard returns is canonical; approximate scores only choose the candidates to
+  compute it for.
 """
 
 from __future__ import annotations
@@ -30,6 +29,7 @@ import numpy as np
 from ..records import as_query_matrix
 from ..config import DenseConfig
 from .ann import AnnIndex
+from .ann_rescore import rescored
 from .graph_rows import GraphRows
 
 #: unit roundoff of float32 (2^-24)
@@ -68,8 +68,8 @@ def _faiss():
 
 
 class DenseIndex(GraphRows):
-    """Inner-product index with removals: exact (flat) or approximate candidate search
-    (:mod:`.ann`: HNSW, IVF) over an exact float32 copy of the live vectors.
+    """Inner-product index with removals: exact (flat) or approximate candidate search (:mod:`.ann`: HNSW, IVF)
+    over an exact float32 copy of the live vectors.
 
     :param dim: vector width D. :param params: index kind and knobs (default: flat).
     """
@@ -78,8 +78,7 @@ class DenseIndex(GraphRows):
         _faiss()  # fail early, with the install hint, when FAISS is missing
         self.dim = int(dim)
         self.params = params or DenseConfig()
-        # flat: FAISS's brute-force kernel scans the copy below; hnsw / ivf: the ANN structure
-        # picks the candidates
+        # flat: FAISS's brute-force kernel scans the copy below; hnsw / ivf: the ANN structure picks the candidates
         self._ann = AnnIndex(self.dim, self.params) if self.params.kind != "flat" else None
         self.last_knobs: dict[str, int] = {}  # ef_search / nprobe used by the last search
         self._vecs = np.zeros((0, self.dim), dtype=np.float32)  # compact rows, capacity >= n
@@ -92,8 +91,8 @@ class DenseIndex(GraphRows):
         # HNSW: the vectors live in the graph's storage; _slot_row maps slot -> ANN id there
         self._one = self.params.kind == "hnsw"
         self._live_cache: tuple[int, np.ndarray, np.ndarray] | None = None  # (version, ann ids, slots)
-        # HNSW, added with ann=False (snapshot load) until load_ann / compact_ann: (slots, vectors
-        # or None when they come with the saved structure)
+        # HNSW, added with ann=False (snapshot load) until load_ann / compact_ann: (slots, vectors or None when they
+        # come with the saved structure)
         self._pending: list[tuple[np.ndarray, np.ndarray | None]] | None = None
 
     def __len__(self) -> int:
@@ -315,12 +314,12 @@ class DenseIndex(GraphRows):
         return self._sample[1], self._sample[2]
 
     def search(self, queries, k: int, ef_search: int = 0, nprobe: int = 0) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """Top-k by inner product: exact (flat, or an IVF not trained yet) or approximate (HNSW
-        with beam ``ef_search``, IVF visiting ``nprobe`` lists; 0 = the index's default). The
-        values used are left in :attr:`last_knobs`.
+        """Top-k by inner product: exact (flat, or an IVF not trained yet) or approximate (HNSW with beam
+        ``ef_search``, IVF visiting ``nprobe`` lists; 0 = the index's default). The values used are left in
+        :attr:`last_knobs`.
 
-        :param queries: float32[B, D] (other float dtypes, strided views and Arrow lists are
-            accepted and converted, see :func:`as_query_matrix`).
+        :param queries: float32[B, D] (other float dtypes, strided views and Arrow lists are accepted and converted,
+            see :func:`as_query_matrix`).
         :param k: requested hits per query (>= 1); fewer come back when the shard holds fewer.
         :returns: per query, ``slots`` int64[k'] and ``scores`` float32[k'], descending, k' = min(k, len(self)),
             or more with HNSW when a vector found has live copies (:mod:`.ann_copies`); no FAISS -1 placeholders.
@@ -330,13 +329,14 @@ class DenseIndex(GraphRows):
             self.compact_ann()
         kk = min(int(k), self._n)
         if kk <= 0:
-            empty_s = np.zeros(0, dtype=np.int64)
-            empty_f = np.zeros(0, dtype=np.float32)
-            return [empty_s] * q.shape[0], [empty_f] * q.shape[0]
+            return [np.zeros(0, dtype=np.int64)] * q.shape[0], [np.zeros(0, dtype=np.float32)] * q.shape[0]
         self.last_knobs = {}
         if self._ann is not None and self._ann.ready:
-            ids, scores, knob = self._ann.search(q, kk, ef_search, nprobe)
-            self.last_knobs = {"ef_search" if self.params.kind == "hnsw" else "nprobe": knob}
+            ivf = self.params.kind == "ivf"  # its 8-bit codes pick candidates, the float32 copy ranks them (ann.py)
+            fetch = min(self._n, kk + max(32, kk // 2)) if ivf else kk
+            ids, scores, knob = self._ann.search(q, fetch, ef_search, nprobe)
+            ids, scores = rescored(self._vecs, self._rows_of, q, ids, kk) if ivf else (ids, scores)
+            self.last_knobs = {"nprobe" if ivf else "ef_search": knob}
         elif self._ann is not None:  # IVF before training: an exact scan of the copy
             allv = self.score_all(q)
             ids = np.empty((q.shape[0], kk), np.int64)
