@@ -82,8 +82,9 @@ _OPTIONS: tuple[tuple[str, str, str, str], ...] = (
     ("--ivf-train-min", "dense", "train_min", "vectors a shard holds before its IVF is trained (exact before; at least 39)"),
     ("--ann-tail", "dense", "ann_tail", "HNSW: acknowledged vectors a shard may hold outside the graph (found by an "
      "exact scan meanwhile; inserted between requests); past it an ingest inserts them itself. 0: at every ingest"),
-    ("--ann-check", "dense", "ann_check", "HNSW: sampled chunks per shard a dense list is checked against; a list "
-     "that one of them proves incomplete is searched again with a 4x beam, up to 8192 (0: no check)"),
+    ("--ann-check", "dense", "ann_check", "HNSW / IVF: sampled chunks per shard a dense list is checked against; a "
+     "list that one of them proves incomplete is searched again with a 4x beam (up to 8192) or 4x the lists "
+     "(up to all), then exactly (0: no check)"),
     ("--lexical-candidates", "retrieval", "lexical_candidates",
      "BM25 top-M per shard beside the dense top-N in dense-first hybrid (0: max(4 * top_k, 64))"),
     ("--widen-rounds", "retrieval", "widen_rounds",

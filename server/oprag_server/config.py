@@ -57,7 +57,7 @@ class DenseConfig:
     :param ann_tail: HNSW: vectors an ingest may leave outside the graph (searched by an exact
         scan meanwhile, inserted by the shard between requests); past it an apply inserts the
         oldest itself. 0: every apply inserts its vectors before it answers.
-    :param ann_check: HNSW: sampled chunks a dense list is checked against (0: none; :mod:`..shards.ann_check`).
+    :param ann_check: HNSW / IVF: sampled chunks a dense list is checked against (0: none; :mod:`..shards.ann_check`).
 
     HNSW defaults (issue 13, ``bench/hnsw_params.py``, bench/RESULTS.md): one shard of MiniLM vectors (real + derived
     as ``bench/scale.py`` makes them), M 32, recall of the exact top-256 (the dense-first window) at ef_search 256 /

@@ -172,3 +172,54 @@ def test_a_batch_mates_knobs_do_not_change_a_querys_hits():
     assert all(efs[i] == 4000 for i in range(1, 6, 2))
     _, lex = ids(qv[:1], [RetrieveSpec(mode="lexical", top_k=10)])
     assert lex == [0]
+
+
+@pytest.fixture(scope="module")
+def coarse_ivf():
+    """An IVF over the clustered vectors visiting 1 of its lists per query by default: a query far
+    from every cluster has its exact top-10 spread over lists whose centroids it does not rank
+    first, as a keyword or nonword query at 1M chunks."""
+    rng = np.random.default_rng(10)
+    vecs = clustered(rng, 20000)
+    sh = _shard(vecs, sh=ShardState(0, DIM, None, dense=DenseConfig(kind="ivf", nprobe=1, train_min=2000)))
+    assert sh.store.dense.ann.nlist >= 64
+    return sh, vecs
+
+
+@pytest.mark.parametrize("how", ["random", "between"])
+def test_ivf_lists_proven_short_visit_more_lists(coarse_ivf, how):
+    sh, vecs = coarse_ivf
+    qv = _queries(how, vecs, np.random.default_rng(11 if how == "random" else 12))
+    which = list(range(len(qv)))
+    plain = sh.search._dense_tops(qv, which, N, 0, 0, check=False)
+    checked = sh.search._dense_tops(qv, which, N, 0, 0, check=True)
+    r0, r1 = _recall(sh, qv, plain), _recall(sh, qv, checked)
+    assert r0 < 0.8, r0  # one list misses much of the exact top here (else this test shows nothing)
+    assert r1 >= 0.95 and r1 >= r0 + 0.15, (r0, r1)
+    for i, (s, sc) in checked.items():
+        assert np.array_equal(sc, np.sort(sc)[::-1]) and len(set(s.tolist())) == s.size
+        assert np.array_equal(sc, sh.store.dense.exact_slots(qv[i], s))
+
+
+def test_ivf_check_is_sound_and_reports_the_lists_used(coarse_ivf):
+    sh, vecs = coarse_ivf
+    check = ann_check.SampleCheck()
+    qv = _queries("random", vecs, np.random.default_rng(13), 30)
+    for i, x in enumerate(qv):  # an exact list is never flagged
+        ex = _exact_top(sh, x, 40)
+        assert not check.misses(sh.search, x, ex, sh.store.dense.exact_slots(x, ex))
+    req = SearchRequest(QueryBatch(qv[:6], [["w"]] * 6, [np.ones(1)] * 6, 1.0, 1.5, 0.75), "dense", N, 0, 0, 0, 4)
+    used = sh.search.search(req).knobs["nprobe"]
+    assert ann_check.FACTOR <= used <= sh.store.dense.ann.nlist  # more lists than the default 1, at most all
+
+
+def test_an_untrained_ivf_is_exact_and_not_checked():
+    rng = np.random.default_rng(14)
+    vecs = clustered(rng, 500)
+    sh = _shard(vecs, sh=ShardState(0, DIM, None, dense=DenseConfig(kind="ivf", nprobe=1, train_min=4096)))
+    assert sh.store.dense.ann.nlist == 0
+    qv = _queries("random", vecs, rng, 10)
+    got = sh.search._dense_tops(qv, list(range(10)), N, 0, 0)
+    for i in range(10):
+        assert np.array_equal(got[i][0], _exact_top(sh, qv[i], N))
+    assert sh.search._check is None or sh.search._check._n < 0  # the sample was never drawn

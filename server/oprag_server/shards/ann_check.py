@@ -1,5 +1,5 @@
 """A check of an approximate dense top-n against a fixed sample of the shard's chunks, and a wider
-search when it fails (issue 13: HNSW on queries far from every chunk).
+search when it fails (issue 13: HNSW and IVF on queries far from every chunk).
 
 Why: an HNSW walk finds the exact top-n of a query near the corpus (Recall@10 0.996 for
 SciFact questions at 1M chunks, ``ef_search`` 512), but a query whose vector sits far from
@@ -23,6 +23,13 @@ A query that fails is searched again with ``ef_search`` x :data:`FACTOR`, at mos
 :data:`MAX_EF` (``RetrievalInfo.ef_search`` reports the largest beam used); one that still fails
 at that beam, or at a beam as large as the shard, gets the shard's exact dense top-n (a scan of
 every chunk: a graph its walks cannot cover, e.g. one built with a tiny M).
+
+IVF (session 37) fails the same way: a far query ranks the centroids of the lists holding its exact
+top-10 no higher than many others, and ``nprobe`` lists miss them. A list proven short is searched
+again with ``nprobe`` x :data:`FACTOR`, up to every list (every list's 8-bit codes scanned, the
+best re-ranked by the float32 copy: ``DenseIndex.search``), then, still proven short, exactly as above;
+``RetrievalInfo.nprobe`` reports the most lists used. An IVF not trained yet is searched exactly and
+not checked.
 """
 
 from __future__ import annotations
@@ -91,19 +98,29 @@ class SampleCheck:
 
 
 def widened(searcher, check: SampleCheck, q: np.ndarray, out: dict, n: int, ef_search: int, nprobe: int) -> None:
-    """Search the queries of ``out`` (query index -> ``(slots, canonical scores)``, HNSW tops of
-    float32[B, D] ``q``) whose list :meth:`SampleCheck.misses` shows incomplete again, with a beam
-    :data:`FACTOR` times wider each round, up to :data:`MAX_EF`, then exactly; their entries are
-    replaced."""
+    """Search the queries of ``out`` (query index -> ``(slots, canonical scores)``, approximate
+    tops of float32[B, D] ``q``) whose list :meth:`SampleCheck.misses` shows incomplete again,
+    with the index's knob :data:`FACTOR` times larger each round (HNSW: the beam ``ef_search``,
+    up to :data:`MAX_EF`; IVF: ``nprobe``, up to every list, an exhaustive search), then
+    exactly; their entries are replaced. An IVF not trained yet searched exactly: nothing to do."""
     dense = searcher.store.dense
-    ef = max(int(ef_search or dense.params.ef_search), n, dense.last_knobs.get("ef_search", 0))  # the beam just used
+    if dense.params.kind == "hnsw":
+        name, knob, cap = "ef_search", max(int(ef_search or dense.params.ef_search), n), min(MAX_EF, len(dense))
+    else:
+        ann = dense.ann
+        name, cap = "nprobe", ann.nlist if ann is not None else 0
+        if not cap:
+            return
+        knob = min(int(nprobe or dense.params.nprobe), cap)
+    knob = max(knob, dense.last_knobs.get(name, 0))  # the knob just used
     bad = [i for i, (s, sc) in out.items() if check.misses(searcher, q[i], s, sc)]
-    while bad and ef < min(MAX_EF, len(dense)):
-        ef = min(ef * FACTOR, MAX_EF)
-        got = searcher._dense_tops(q, bad, n, ef, nprobe, check=False)  # noqa: SLF001
+    while bad and knob < cap:
+        knob = min(knob * FACTOR, cap if name == "nprobe" else MAX_EF)
+        ef, probe = (knob, nprobe) if name == "ef_search" else (ef_search, knob)
+        got = searcher._dense_tops(q, bad, n, ef, probe, check=False)  # noqa: SLF001
         out.update(got)
         bad = [i for i in bad if check.misses(searcher, q[i], *got[i])]
-    if bad:  # still provably short at the widest beam (or one as large as the shard): a graph its walks
+    if bad:  # still provably short at the widest knob (or one covering the shard): a graph its walks
         live, approx = dense.slots, dense.score_all(q[bad])  # cannot cover (trial36): the exact top-n, from
         for j, i in enumerate(bad):  # one matrix product over the stored vectors (no gather), refined canonically
             out[i] = searcher._refine(q[i], live, approx[j], n)  # noqa: SLF001

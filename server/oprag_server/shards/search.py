@@ -65,7 +65,7 @@ class Searcher(ExactMixin, FieldsMixin):
         self._dmin: tuple[int, dict[bytes, float]] = (-1, {})  # (store version, query bytes -> estimate)
         self._low = LowSeeds()  # HNSW: seeds of the dense-minimum search
         self._later: Later | None = None  # the last search sent with fields_later (its fields not sent yet)
-        self._check: ann_check.SampleCheck | None = None  # HNSW: the sample a dense list is checked against
+        self._check: ann_check.SampleCheck | None = None  # HNSW / IVF: the sample a dense list is checked against
 
     # ------------------------------------------------------------------ candidates
     def search(self, req: SearchRequest) -> SearchReply:
@@ -285,8 +285,8 @@ class Searcher(ExactMixin, FieldsMixin):
         few more than n, refined by canonical score; a query whose cut is too close to the last
         fetched score is asked again with four times as many (rare). With an approximate index
         (HNSW ``ef_search``, IVF ``nprobe``) the candidates are what it finds; their scores are
-        still canonical. HNSW, with ``check``: a list that a sampled chunk proves incomplete is
-        searched again with a wider beam (:mod:`.ann_check`)."""
+        still canonical. With ``check``: a list that a sampled chunk proves incomplete is searched
+        again with a wider beam or more lists (:mod:`.ann_check`)."""
         total = len(self.store.dense)
         fetch = min(total, n + max(16, n // 4))
         out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -300,7 +300,7 @@ class Searcher(ExactMixin, FieldsMixin):
                 else:
                     out[i] = got
             which, fetch = again, min(total, fetch * 4)
-        if check and self.store.dense.params.kind == "hnsw" and self.store.dense.params.ann_check and out:
+        if check and self.store.dense.params.kind != "flat" and self.store.dense.params.ann_check and out:
             if self._check is None:
                 self._check = ann_check.SampleCheck(self.store.dense.params.ann_check)
             ann_check.widened(self, self._check, q, out, n, ef_search, nprobe)
