@@ -30,6 +30,7 @@ from ..records import as_query_matrix
 from ..config import DenseConfig
 from .ann import AnnIndex
 from .ann_rescore import rescored
+from .slot_sample import slot_sample
 from .graph_rows import GraphRows
 
 #: unit roundoff of float32 (2^-24)
@@ -306,10 +307,10 @@ class DenseIndex(GraphRows):
         return self._vecs[self.rows(slots)]
 
     def sample(self, max_rows: int) -> tuple[np.ndarray, np.ndarray]:
-        """A fixed strided sample of at most ``max_rows`` rows: ``(rows int64[S], vectors
-        float32[S, D])``, cached until the next add or remove."""
+        """A fixed sample of min(``max_rows``, n) rows, by slot order (:mod:`.slot_sample`): ``(rows int64[S],
+        vectors float32[S, D])``, cached until the next add or remove."""
         if self._sample is None or self._sample[0] != self._version:
-            rows = np.arange(0, self._n, max(1, -(-self._n // max_rows)), dtype=np.int64)
+            rows = slot_sample(self.slots, max_rows)
             self._sample = (self._version, rows, np.ascontiguousarray(self._gather(rows)))
         return self._sample[1], self._sample[2]
 
@@ -333,8 +334,8 @@ class DenseIndex(GraphRows):
         self.last_knobs = {}
         if self._ann is not None and self._ann.ready:
             ivf = self.params.kind == "ivf"  # its 8-bit codes pick candidates, the float32 copy ranks them (ann.py)
-            fetch = min(self._n, kk + max(32, kk // 2)) if ivf else kk
-            ids, scores, knob = self._ann.search(q, fetch, ef_search, nprobe)
+            ids, scores, knob = self._ann.search(q, min(self._n, kk + max(32, kk // 2)) if ivf else kk, ef_search,
+                                                 nprobe)
             ids, scores = rescored(self._vecs, self._rows_of, q, ids, kk) if ivf else (ids, scores)
             self.last_knobs = {"nprobe" if ivf else "ef_search": knob}
         elif self._ann is not None:  # IVF before training: an exact scan of the copy
@@ -374,8 +375,7 @@ class DenseIndex(GraphRows):
 
     def score_slots(self, query: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """float32[M]: approximate inner product of one query float32[D] with the given live slots."""
-        v = self.vectors_of(slots)
-        return v @ np.asarray(query, dtype=np.float32).reshape(-1)
+        return self.vectors_of(slots) @ np.asarray(query, dtype=np.float32).reshape(-1)
 
     def exact_rows(self, query: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """float64[M]: canonical inner products (:func:`fixed_order_dot`) of one query float32[D]

@@ -11,7 +11,7 @@ each of them 4-16x; this module finds the queries that need it.
 The check (:meth:`SampleCheck.misses`) is a proof, not an estimate: the list holds the best
 chunks the walk found, by canonical score; let ``cut`` be its :data:`TOP`-th score. If its first
 :data:`TOP` places were the exact top-:data:`TOP`, every chunk scoring above ``cut`` would be
-among them. So a chunk of a fixed strided sample of the shard (:data:`SAMPLE` chunks) that
+among them. So a chunk of a fixed sample of the shard (:data:`SAMPLE` chunks, evenly spaced by slot) that
 scores above ``cut`` and is not in the list shows that the walk missed at least that chunk.
 Scores are screened on an int8 copy of the sample (:class:`..index.kernels_scan.Int8Rows`, with
 its error bound) and the few that may be above ``cut`` are scored canonically
@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import numpy as np
 
-#: chunks in the strided sample a list is checked against by default (``DenseConfig.ann_check``,
+#: chunks in the sample a list is checked against by default (``DenseConfig.ann_check``,
 #: ``--ann-check``; int8 copies: D bytes each, 6.3 MB a shard at D 384); a shard smaller than this
 #: is checked against every chunk
 SAMPLE = 16384
@@ -56,7 +56,7 @@ REDRAW = 1 / 16
 
 
 class SampleCheck:
-    """The int8 copy of a fixed strided sample of a shard's chunks (by slot)."""
+    """The int8 copy of a fixed sample of a shard's chunks, evenly spaced by slot (:mod:`..index.slot_sample`)."""
 
     def __init__(self, sample: int = SAMPLE) -> None:
         from ..index.kernels_scan import Int8Rows  # noqa: PLC0415 - numba only in processes that search
@@ -71,10 +71,12 @@ class SampleCheck:
     def _current(self, dense) -> bool:
         n = len(dense)
         if self._n < 0 or abs(n - self._n) > REDRAW * self._n:
-            rows = np.arange(0, n, max(1, -(-n // self.sample)), dtype=np.int64)
-            self._slots = np.asarray(dense.slots[rows], np.int64)
+            from ..index.slot_sample import slot_sample  # noqa: PLC0415 - (by slot order: the same after a restart)
+
+            live = dense.slots
+            self._slots = np.asarray(live[slot_sample(live, self.sample)], np.int64)
             vecs = np.ascontiguousarray(dense.vectors_of(self._slots), dtype=np.float32)
-            self._ok = rows.size > 0 and self._i8.of(vecs, n) is not None
+            self._ok = self._slots.size > 0 and self._i8.of(vecs, n) is not None
             self._n = n
         return self._ok
 

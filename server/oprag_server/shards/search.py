@@ -51,7 +51,7 @@ _kernels, _kernels_scan, _kernels_low, _kernels_refine = (
 class Searcher(ExactMixin, FieldsMixin):
     """Read side of one shard (exact mode: :class:`.exact.ExactMixin`; stored fields: :class:`.carried.FieldsMixin`)."""
 
-    #: vectors sampled (strided) to estimate the corpus-wide dense minimum
+    #: vectors sampled (evenly by slot) to estimate the corpus-wide dense minimum
     SAMPLE = 512
 
     #: approximate scores of a flat index from its int8 copy (:mod:`..index.kernels_scan`);
@@ -370,7 +370,7 @@ class Searcher(ExactMixin, FieldsMixin):
         return float(_kernels_low().canonical_rows(np.ascontiguousarray(tail), near, q).min())
 
     def _dense_min_estimate(self, q: np.ndarray) -> np.ndarray:
-        """float64[B]: the lowest canonical inner product of each query with a fixed strided
+        """float64[B]: the lowest canonical inner product of each query with a fixed (by slot)
         sample of at most :attr:`SAMPLE` of this shard's vectors (all of them when the shard is
         smaller): a cheap estimate of the corpus-wide dense minimum that dense-first fusion
         normalises with. Kept per query vector until the next write (a repeated query costs a
