@@ -205,6 +205,12 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
             continue
         section, name = dest.split(".", 1)
         (sections.setdefault(section, {}) if section else top)[name] = value
+    from .index.ann import IVF_TRAIN_FLOOR  # noqa: PLC0415
+
+    train_min = sections.get("dense", {}).get("train_min")  # (before the dataclass's own ">= 1": trial37 #6)
+    if train_min is not None and train_min < IVF_TRAIN_FLOOR:  # (below it FAISS printed a warning at every training)
+        raise ValueError(f"--ivf-train-min must be at least {IVF_TRAIN_FLOOR}, got {train_min}: FAISS's k-means "
+                         f"wants {IVF_TRAIN_FLOOR} training vectors per IVF list (a shard searches exactly until then)")
     for section, kw in sections.items():
         try:
             top[section] = _field("", section).default_factory(**kw)
@@ -217,11 +223,6 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
         from .cpu_latency import CpuLatencyRequest  # noqa: PLC0415
 
         CpuLatencyRequest(cfg.cpu_latency_us)
-    from .index.ann import IVF_TRAIN_FLOOR  # noqa: PLC0415
-
-    if cfg.dense.train_min < IVF_TRAIN_FLOOR:  # (below it FAISS printed a warning at every training: index.ann)
-        raise ValueError(f"--ivf-train-min must be at least {IVF_TRAIN_FLOOR}, got {cfg.dense.train_min}: FAISS's k-means "
-                         f"wants {IVF_TRAIN_FLOOR} training vectors per IVF list (a shard searches exactly until then)")
     return cfg
 
 

@@ -242,3 +242,12 @@ def test_labelled_histograms_are_exported_with_zero_counts_from_the_start():
     assert counts["oprag_stage_seconds"] == {(("stage", s),): 0.0 for s in (*STAGES, "shard_recovery")}
     assert counts["oprag_batch_size"] == {(("stage", s),): 0.0 for s in ("prep", "generate", "embed_ingest")}
     assert counts["oprag_request_seconds"] == {(("method", "Retrieve"),): 0.0, (("method", "HTTP /v1/retrieve"),): 0.0}
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "38"])
+def test_every_ivf_train_min_below_39_gets_the_floor_message(value):
+    """trial37 #6: 0 and -5 got the dataclass's "train_min must be >= 1" (a bound itself refused)."""
+    from oprag_server.cli import build_parser, config_from_args
+
+    with pytest.raises(ValueError, match=f"--ivf-train-min must be at least 39, got {value}: FAISS"):
+        config_from_args(build_parser().parse_args(["--ivf-train-min", value]))
