@@ -174,6 +174,9 @@ def unit_matrix(v: np.ndarray, what: str = "vector") -> np.ndarray:
     """
     v = np.array(v, dtype=np.float64)  # (a copy, divided in place below: the same floats, fewer temporaries)
     scale = np.abs(v).max(axis=1, initial=0.0)  # NaN and infinity propagate into the row max
+    bad = np.flatnonzero(~np.isfinite(scale) | (scale == 0.0))
+    if bad.size and v.shape[0] > 1:  # which row (trial37 #5: a chunk's NaN was not placed)
+        what = f"{what} of chunk {int(bad[0])}"
     if not np.isfinite(scale).all():
         raise ValueError(f"{what} contains NaN or infinity{F32_HINT}")
     if (scale == 0.0).any():
@@ -199,4 +202,4 @@ def packed_rows(data: bytes, rows: int, dim: int, index_dim: int, what: str = "v
                          f"width {index_dim}")
     if len(data) != rows * dim * 4:
         raise ValueError(f"{what} is {len(data)} bytes; {rows} row(s) of {dim} float32 values take {rows * dim * 4}")
-    return unit_matrix(np.frombuffer(data, dtype="<f4").reshape(rows, dim), what)
+    return unit_matrix(np.frombuffer(data, dtype="<f4").reshape(rows, dim), f"a vector ({what})")

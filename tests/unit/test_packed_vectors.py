@@ -96,3 +96,14 @@ def test_one_matrix_per_message_gives_each_document_its_own_unit_vectors():
     with pytest.raises(IngestError, match=r"document 142 \('z'\).*all zeros"):
         supplied_vectors_many(bad, D)
     assert supplied_vectors_many([], D) == []
+
+
+def test_a_nan_in_one_chunk_names_that_chunk_not_the_wire_field_alone():
+    """trial37 #5: "vectors_f32 contains NaN or infinity" named a field the Python user never wrote,
+    and not which chunk."""
+    rows = V[:3].astype("<f4").copy()
+    rows[1, 2] = np.nan
+    with pytest.raises(IngestError, match=r"document 4 .*a vector \(vectors_f32\) of chunk 1 contains NaN"):
+        supplied_vectors(4, _doc(rows.tobytes(), D, chunks=3), D)
+    with pytest.raises(IngestError, match=r"document 4 .*a vector \(vectors_f32\) contains NaN"):
+        supplied_vectors(4, _doc(np.full(D, np.inf, "<f4").tobytes(), D), D)
