@@ -4,7 +4,6 @@ progress bar and a summary (README: "oprag ingest")."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 import time
@@ -151,32 +150,30 @@ def cmd_ingest(a) -> int:
     bar = tqdm(unit="doc", disable=a.no_progress, file=sys.stderr, dynamic_ncols=True)
     sent = 0  # documents of the input in the committed streams (a rejection's index is its position)
     nxt = 0  # the input position of the first document of the stream in flight
-    c = None
     try:
-        c = _client(a)
-        # (closed below, not by a with block: not after Ctrl-C)
-        fit = _fitting(enumerate(docs), c.max_message_bytes, totals["rejected"])
-        for n, batch in enumerate(_batches(fit, max(1, a.docs_per_stream)), 1):
-            # the bar advances when a stream commits; say what is in flight meanwhile
-            bar.set_postfix_str(f"stream {n}: {len(batch)} documents sent, embedding and committing")
-            nxt = batch[0][0]
-            r = c.ingest([d for _, d in batch])
-            offset, sent = nxt, batch[-1][0] + 1
-            totals["documents"] += r.documents_written
-            totals["chunks"] += r.chunks_written
-            totals["replaced"] += r.documents_replaced
-            totals["chunks_split"] += r.chunks_split
-            totals["reused"] += r.chunks_reused
-            totals["seq"] = r.seq
-            totals["rejected"] += [{"index": batch[x.index][0], "id": x.id, "reason": x.reason} for x in r.rejected]
-            # a loader error while the next stream is read fails that one, not this one
-            streams.append({"stream": n, "first_index": offset, "documents_sent": len(batch),
-                            "documents_written": r.documents_written, "chunks_written": r.chunks_written,
-                            "rejected": len(r.rejected), "seq": r.seq})
-            bar.update(len(batch))
-            nxt = sent
-            el = time.perf_counter() - t0
-            bar.set_postfix(chunks=totals["chunks"], chunks_per_s=f"{totals['chunks'] / el:.1f}")
+        with _client(a) as c:
+            fit = _fitting(enumerate(docs), c.max_message_bytes, totals["rejected"])
+            for n, batch in enumerate(_batches(fit, max(1, a.docs_per_stream)), 1):
+                # the bar advances when a stream commits; say what is in flight meanwhile
+                bar.set_postfix_str(f"stream {n}: {len(batch)} documents sent, embedding and committing")
+                nxt = batch[0][0]
+                r = c.ingest([d for _, d in batch])
+                offset, sent = nxt, batch[-1][0] + 1
+                totals["documents"] += r.documents_written
+                totals["chunks"] += r.chunks_written
+                totals["replaced"] += r.documents_replaced
+                totals["chunks_split"] += r.chunks_split
+                totals["reused"] += r.chunks_reused
+                totals["seq"] = r.seq
+                totals["rejected"] += [{"index": batch[x.index][0], "id": x.id, "reason": x.reason} for x in r.rejected]
+                # a loader error while the next stream is read fails that one, not this one
+                streams.append({"stream": n, "first_index": offset, "documents_sent": len(batch),
+                                "documents_written": r.documents_written, "chunks_written": r.chunks_written,
+                                "rejected": len(r.rejected), "seq": r.seq})
+                bar.update(len(batch))
+                nxt = sent
+                el = time.perf_counter() - t0
+                bar.set_postfix(chunks=totals["chunks"], chunks_per_s=f"{totals['chunks'] / el:.1f}")
     except grpc.RpcError as exc:
         error, unknown = {"code": exc.code().name, "message": _rpc_message(exc)}, outcome_unknown(exc)
         at = re.match(r"(?:[A-Z_]+: )?document (\d+) \(", error["message"])  # its position in the failed stream
@@ -189,11 +186,9 @@ def cmd_ingest(a) -> int:
                                  "give a larger --timeout, or none)")
     except (ValueError, TypeError, FileNotFoundError, OSError, ImportError) as exc:
         error = {"code": None, "message": str(exc)}  # the input (or a local file) could not be read
-    except KeyboardInterrupt:  # Ctrl-C: the stream in flight is cancelled (the process ends); say what was
+    except KeyboardInterrupt:  # Ctrl-C: the stream in flight is cancelled (the channel closed); say what was
         # stored (was a traceback and no summary: trial28b)
         error, interrupted = {"code": "CANCELLED", "message": "interrupted (Ctrl-C)"}, True
-    if c is not None and not interrupted:
-        c.close()
     bar.close()
     el = time.perf_counter() - t0
     if error is None and totals["documents"] == 0 and not totals["rejected"]:
@@ -223,11 +218,7 @@ def cmd_ingest(a) -> int:
             stored = None if unknown else False
             print(json.dumps({**summary, "error": {"stream": len(streams) + 1, "first_index": nxt, **error,
                                                    "stored": stored}}))
-        if interrupted:  # end now: closing a channel whose blocking call a signal interrupted can hang in gRPC
-            sys.stdout.flush()  # (grpc/grpc#19973, #20026; a CI run saw this CLI alive 60 s after SIGINT, nothing
-            sys.stderr.flush()  # printed); the server sees the connection go and drops the stream in flight
-            os._exit(130)
-        return 1
+        return 130 if interrupted else 1
     if a.json:
         print(json.dumps(summary))
     else:
