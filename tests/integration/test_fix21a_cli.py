@@ -193,9 +193,10 @@ def test_ctrl_c_during_a_multi_stream_ingest_says_what_was_committed(server, tmp
     embeds (so the streams take a while); SIGINT once the second stream is stored. Streams go one
     after another, so the second one's commit means the client holds the first one's acknowledgement
     (SIGINT right after the first commit could land before its reply arrived: CI failure at 0f44066).
-    On a machine loaded by other work besides CI (session 37) the whole ingest once finished before a
-    Stats call got through (exit 0): said as such below. (10,000 documents instead once left the CLI
-    still running 60 s after the SIGINT there, not reproduced in 7 runs under load: kept at 2,000.)"""
+    The CLI is started with SIGINT's default disposition (a test run started in the background by a
+    shell without job control inherits SIGINT ignored). Session 37's clean-clone CI runs, all started
+    that way, failed this test three times as if the SIGINT did nothing (every stream stored, exit 0;
+    with 10,000 documents, still running after 60 s); not reproduced outside the full suite."""
     rows = [{"id": f"cc{i}", "text": f"interrupted ingest document {i} about rivers, harbours and keeps " * 6}
             for i in range(2000)]
     path = _jsonl(tmp_path / "cc.jsonl", rows)
@@ -203,7 +204,8 @@ def test_ctrl_c_during_a_multi_stream_ingest_says_what_was_committed(server, tmp
         before = c.stats().documents
         proc = subprocess.Popen([*oprag_cli(), "ingest", "--format", "jsonl", "--json", "--no-progress",
                                  "--docs-per-stream", "40", path, "--server", server.target],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
             first = wait_until(lambda: c.stats().documents >= before + 80, timeout=120)
         finally:
