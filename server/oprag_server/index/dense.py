@@ -30,7 +30,7 @@ from ..records import as_query_matrix
 from ..config import DenseConfig
 from .ann import AnnIndex
 from .ann_rescore import rescored
-from .slot_sample import slot_sample
+from .slot_sample import sample_slots
 from .graph_rows import GraphRows
 
 #: unit roundoff of float32 (2^-24)
@@ -310,7 +310,7 @@ class DenseIndex(GraphRows):
         """A fixed sample of min(``max_rows``, n) rows, by slot order (:mod:`.slot_sample`): ``(rows int64[S],
         vectors float32[S, D])``, cached until the next add or remove."""
         if self._sample is None or self._sample[0] != self._version:
-            rows = slot_sample(self.slots, max_rows)
+            rows = self.rows(sample_slots(self, max_rows))
             self._sample = (self._version, rows, np.ascontiguousarray(self._gather(rows)))
         return self._sample[1], self._sample[2]
 

@@ -1,4 +1,4 @@
-"""A fixed sample of a shard's live rows chosen by slot order (trial37 #1): a strided sample by row
+"""A fixed sample of a shard's live chunks chosen by slot order (trial37 #1): a strided sample by row
 position changed when a restart reloaded the rows in another order (removals move the last row
 into the hole; a load puts them in slot order), and with it the IVF dense minimum and the ANN list
 check, so a restart changed some approximate answers. Slots keep their order across a restart
@@ -10,11 +10,11 @@ from __future__ import annotations
 import numpy as np
 
 
-def slot_sample(slots: np.ndarray, k: int) -> np.ndarray:
-    """int64[min(k, n)]: the rows (positions in int64[n] ``slots``) of ``min(k, n)`` chunks evenly
-    spaced over the live slots sorted ascending (every row when ``k >= n``), ascending by slot."""
-    n = int(slots.size)
-    order = np.argsort(slots, kind="stable")
-    if k >= n:
-        return order.astype(np.int64, copy=False)
-    return order[(np.arange(k, dtype=np.int64) * n) // max(k, 1)].astype(np.int64, copy=False)
+def sample_slots(dense, k: int) -> np.ndarray:
+    """int64[min(k, n)]: the slots of ``min(k, n)`` of the live chunks of :class:`.dense.DenseIndex`
+    ``dense``, evenly spaced over its live slots in ascending order (every one when ``k >= n``),
+    ascending. The live slots come in order from its slot -> row map (one vectorised scan, no
+    sort: rows after removals are out of slot order, and sorting them took ~22 ms at 500K)."""
+    live = np.flatnonzero(dense._slot_row >= 0) if dense._pending is None else np.sort(dense.slots)  # noqa: SLF001
+    n = int(live.size)
+    return live if k >= n else live[(np.arange(k, dtype=np.int64) * n) // max(k, 1)]

@@ -56,7 +56,7 @@ REDRAW = 1 / 16
 
 
 class SampleCheck:
-    """The int8 copy of a fixed sample of a shard's chunks, evenly spaced by slot (:mod:`..index.slot_sample`)."""
+    """The int8 copy of a fixed sample of a shard's chunks, evenly spaced by slot (:func:`..index.slot_sample.sample_slots`)."""
 
     def __init__(self, sample: int = SAMPLE) -> None:
         from ..index.kernels_scan import Int8Rows  # noqa: PLC0415 - numba only in processes that search
@@ -71,10 +71,9 @@ class SampleCheck:
     def _current(self, dense) -> bool:
         n = len(dense)
         if self._n < 0 or abs(n - self._n) > REDRAW * self._n:
-            from ..index.slot_sample import slot_sample  # noqa: PLC0415 - (by slot order: the same after a restart)
+            from ..index.slot_sample import sample_slots  # noqa: PLC0415 - (by slot order: the same after a restart)
 
-            live = dense.slots
-            self._slots = np.asarray(live[slot_sample(live, self.sample)], np.int64)
+            self._slots = sample_slots(dense, self.sample)
             vecs = np.ascontiguousarray(dense.vectors_of(self._slots), dtype=np.float32)
             self._ok = self._slots.size > 0 and self._i8.of(vecs, n) is not None
             self._n = n
