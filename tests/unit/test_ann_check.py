@@ -51,19 +51,25 @@ def _recall(sh, qv, out):
                           for i, (s, _) in out.items()]))
 
 
+def _recall_without_and_with_check(sh, qv, ef):
+    """Recall@N of the dense lists without and with the check; the checked lists still hold
+    canonical scores, descending, no duplicates."""
+    which = list(range(len(qv)))
+    plain = sh.search._dense_tops(qv, which, N, ef, 0, check=False)
+    checked = sh.search._dense_tops(qv, which, N, ef, 0, check=True)
+    for i, (s, sc) in checked.items():
+        assert np.array_equal(sc, np.sort(sc)[::-1]) and len(set(s.tolist())) == s.size
+        assert np.array_equal(sc, sh.store.dense.exact_slots(qv[i], s))
+    return _recall(sh, qv, plain), _recall(sh, qv, checked)
+
+
 @pytest.mark.parametrize("how", ["random", "between"])
 def test_widened_lists_recover_the_exact_top(sparse, how):
     sh, vecs = sparse
     qv = _queries(how, vecs, np.random.default_rng(1 if how == "random" else 2))
-    which = list(range(len(qv)))
-    plain = sh.search._dense_tops(qv, which, N, N, 0, check=False)
-    checked = sh.search._dense_tops(qv, which, N, N, 0, check=True)
-    r0, r1 = _recall(sh, qv, plain), _recall(sh, qv, checked)
+    r0, r1 = _recall_without_and_with_check(sh, qv, N)
     assert r0 < 0.7, r0  # the walks really go astray here (else this test shows nothing)
     assert r1 >= 0.85 and r1 >= r0 + 0.2, (r0, r1)
-    for i, (s, sc) in checked.items():  # still canonical scores, descending, no duplicates
-        assert np.array_equal(sc, np.sort(sc)[::-1]) and len(set(s.tolist())) == s.size
-        assert np.array_equal(sc, sh.store.dense.exact_slots(qv[i], s))
 
 
 def test_check_is_sound(sparse):
@@ -190,15 +196,9 @@ def coarse_ivf():
 def test_ivf_lists_proven_short_visit_more_lists(coarse_ivf, how):
     sh, vecs = coarse_ivf
     qv = _queries(how, vecs, np.random.default_rng(11 if how == "random" else 12))
-    which = list(range(len(qv)))
-    plain = sh.search._dense_tops(qv, which, N, 0, 0, check=False)
-    checked = sh.search._dense_tops(qv, which, N, 0, 0, check=True)
-    r0, r1 = _recall(sh, qv, plain), _recall(sh, qv, checked)
+    r0, r1 = _recall_without_and_with_check(sh, qv, 0)
     assert r0 < 0.8, r0  # one list misses much of the exact top here (else this test shows nothing)
     assert r1 >= 0.95 and r1 >= r0 + 0.15, (r0, r1)
-    for i, (s, sc) in checked.items():
-        assert np.array_equal(sc, np.sort(sc)[::-1]) and len(set(s.tolist())) == s.size
-        assert np.array_equal(sc, sh.store.dense.exact_slots(qv[i], s))
 
 
 def test_ivf_check_is_sound_and_reports_the_lists_used(coarse_ivf):
