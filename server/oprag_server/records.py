@@ -174,9 +174,10 @@ def unit_matrix(v: np.ndarray, what: str = "vector") -> np.ndarray:
     """
     v = np.array(v, dtype=np.float64)  # (a copy, divided in place below: the same floats, fewer temporaries)
     scale = np.abs(v).max(axis=1, initial=0.0)  # NaN and infinity propagate into the row max
-    bad = np.flatnonzero(~np.isfinite(scale) | (scale == 0.0))
-    if bad.size and v.shape[0] > 1:  # which row (trial37 #5: a chunk's NaN was not placed)
-        what = f"{what} of chunk {int(bad[0])}"
+    for bad in (~np.isfinite(scale), scale == 0.0):  # NaN / infinity first, then all zeros
+        if bad.any():  # (with several rows, the first such one: trial37 #5, a chunk's NaN was not placed)
+            what = f"{what} of chunk {int(np.argmax(bad))}" if v.shape[0] > 1 else what
+            break
     if not np.isfinite(scale).all():
         raise ValueError(f"{what} contains NaN or infinity{F32_HINT}")
     if (scale == 0.0).any():

@@ -102,7 +102,7 @@ def test_a_nan_in_one_chunk_names_that_chunk_not_the_wire_field_alone():
     """trial37 #5: "vectors_f32 contains NaN or infinity" named a field the Python user never wrote,
     and not which chunk."""
     rows = V[:3].astype("<f4").copy()
-    rows[1, 2] = np.nan
+    rows[0], rows[1, 2] = 0.0, np.nan  # (chunk 0 all zeros: the NaN one is named, as the error is the NaN)
     with pytest.raises(IngestError, match=r"document 4 .*a vector \(vectors_f32\) of chunk 1 contains NaN"):
         supplied_vectors(4, _doc(rows.tobytes(), D, chunks=3), D)
     with pytest.raises(IngestError, match=r"document 4 .*a vector \(vectors_f32\) contains NaN"):
