@@ -6,7 +6,7 @@ vectors) are retrieved in hybrid and full_hybrid mode, top_k 10: SciFact train q
 those of the other generators of :func:`bench._common.probe_texts` (``--query-source``: WikiText
 and SciFact sentences, keyword queries), so the recall figure does not rest on one query set.
 
-Per (query source, ``ef_search``, N): Recall@10 of hybrid vs full_hybrid, how often the dense minimum the
+Per (query source, ``ef_search`` / ``nprobe``, N): Recall@10 of hybrid vs full_hybrid, how often the dense minimum the
 shards reported equals exact mode's, the shares certified and widened, the one-sided widening
 rounds, and the thread CPU ms of one hybrid Retrieve (all shards searched one after the other
 on this thread: the sum of the shards' work plus the merge, not a served latency).
@@ -33,6 +33,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     shard_probe_args(ap, queries=100, shards=True)
     ap.add_argument("--ef-search", default="0", help="comma-separated (0: the index default)")
+    ap.add_argument("--nprobe", default="0", help="comma-separated IVF lists probed (0: the index default)")
     ap.add_argument("--n", default="256", help="comma-separated dense-first windows N (candidates)")
     ap.add_argument("--either", default="", help="comma-separated hybrid.EITHER values to compare (a tree with it)")
     ap.add_argument("--query-source", default="scifact",
@@ -73,13 +74,13 @@ def main(argv=None) -> dict:
             exact[src].append({h.chunk_id for h in hits[0]})
     out = {"chunks": sum(len(s.store.dense) for s in states), "queries": a.queries, "runs": [],
            "machine": machine_info()}
-    grid = [(src, ef, n, e) for src in sources for ef in a.ef_search.split(",") for n in a.n.split(",")
-            for e in (a.either.split(",") if a.either else [""])]
-    for src, ef, n, either in [(src, int(ef), int(n), e) for src, ef, n, e in grid]:
+    grid = [(src, ef, n, e, p) for src in sources for ef in a.ef_search.split(",") for n in a.n.split(",")
+            for e in (a.either.split(",") if a.either else [""]) for p in a.nprobe.split(",")]
+    for src, ef, n, either, nprobe in [(src, int(ef), int(n), e, int(p)) for src, ef, n, e, p in grid]:
         texts, vecs = queries[src]
         if either:
             hyb.EITHER = either
-        spec = Spec(mode="hybrid", top_k=10, candidates=n, ef_search=ef)
+        spec = Spec(mode="hybrid", top_k=10, candidates=n, ef_search=ef, nprobe=nprobe)
         asked.clear()
         rec, cpu, cert, widened = [], [], [], []
         for v, text, want in zip(vecs, texts, exact[src]):
@@ -89,7 +90,7 @@ def main(argv=None) -> dict:
             rec.append(len(want & {h.chunk_id for h in hits[0]}) / max(1, len(want)))
             cert.append(infos[0].certified)
             widened.append(infos[0].widen_rounds > 0)
-        run = {"query_source": src, "queries": len(texts), "ef_search": ef, "n": n, "either": either, "recall10_vs_exact": round(float(np.mean(rec)), 4),
+        run = {"query_source": src, "queries": len(texts), "ef_search": ef, "nprobe": nprobe, "n": n, "either": either, "recall10_vs_exact": round(float(np.mean(rec)), 4),
                "certified_share": round(float(np.mean(cert)), 4), "widened_share": round(float(np.mean(widened)), 4),
                "rounds_both": sum(1 for x, y in asked if x and y), "rounds_bm25_only": sum(1 for x, _ in asked if not x),
                "rounds_dense_only": sum(1 for _, y in asked if not y),
