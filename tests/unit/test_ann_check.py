@@ -223,3 +223,19 @@ def test_an_untrained_ivf_is_exact_and_not_checked():
     for i in range(10):
         assert np.array_equal(got[i][0], _exact_top(sh, qv[i], N))
     assert sh.search._check is None or sh.search._check._n < 0  # the sample was never drawn
+
+
+def test_an_ivf_training_is_logged_once_with_its_lists_and_vectors(capsys):
+    """trial37 #8: a shard says when it trains (or retrains) its IVF, since the write waits for it."""
+    from oprag_server.shards.protocol import Op
+    from oprag_server.shards.state import op_table
+
+    sh = _shard(clustered(np.random.default_rng(15), 400),
+                sh=ShardState(0, DIM, None, dense=DenseConfig(kind="ivf", train_min=200)))
+    assert op_table(sh)[Op.APPLY] == sh.apply  # every applied write reports its trainings
+    capsys.readouterr()
+    sh.say_trainings()
+    err = capsys.readouterr().err
+    assert f"INFO shard 0: IVF trained: {sh.store.dense.ann.nlist} lists on 400 vectors in " in err, err
+    sh.say_trainings()
+    assert "IVF trained" not in capsys.readouterr().err

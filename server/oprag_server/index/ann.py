@@ -59,6 +59,8 @@ in code waits for 39), and ``nlist <= n // 39`` keeps every training at >= 39 po
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from ..config import DenseConfig
@@ -90,6 +92,7 @@ class AnnIndex:
         self.ann_slot = np.zeros(0, dtype=np.int64)  # ann id -> slot, -1 when dead
         self.dead = 0
         self.trained_at = 0  # vectors held when the IVF was last trained (0: not trained)
+        self.trainings: list[tuple[int, int, float]] = []  # (vectors, lists, seconds) of each IVF (re)training, until taken
         self._index = None
         self._selector = None  # ((dead count, ids), selector) for HNSW searches (an add may give a dead one a copy)
         self._copies = Copies()  # HNSW: identical vectors kept unlinked (ann_copies)
@@ -261,8 +264,10 @@ class AnnIndex:
             return
         vecs = np.ascontiguousarray(vectors, dtype=np.float32)
         if slots.size >= self.train_min:
+            t0 = time.perf_counter()
             self._index = self._new_ivf(vecs)
             self._index.add_with_ids(vecs, np.arange(slots.size, dtype=np.int64))
+            self.trainings.append((int(slots.size), int(self._index.nlist), time.perf_counter() - t0))
         else:
             self._index, self.trained_at = None, 0
 

@@ -96,7 +96,26 @@ class ShardState:
         """
         if self.data_dir is None:
             return 0
-        return snapshots.load(self._dir(), self.store, self.memory, self.txns, committed, self.storage, say=self.say)
+        try:
+            return snapshots.load(self._dir(), self.store, self.memory, self.txns, committed, self.storage, say=self.say)
+        finally:
+            self.say_trainings()  # (a replay may train)
+
+    def apply(self, req):
+        """:attr:`Op.APPLY` (:meth:`.txn.Transactions.apply`), then :meth:`say_trainings`."""
+        try:
+            return self.txns.apply(req)
+        finally:
+            self.say_trainings()
+
+    def say_trainings(self) -> None:
+        """Log each IVF (re)training since the last call: its lists, vectors and time (the write waited for it)."""
+        ann = self.store.dense.ann
+        for n, lists, secs in ann.trainings if ann is not None else ():
+            self.say(f"IVF trained: {lists} lists on {n} vectors in {secs:.1f} s (k-means on one core, then every "
+                     "vector re-added; the write that crossed the size waited for it)")
+        if ann is not None:
+            ann.trainings.clear()
 
     #: deferred HNSW inserts per background step: ~40-60 ms at efConstruction 80 (a request that
     #: arrives meanwhile waits at most that long; FAISS's add costs O(graph size) per call besides
@@ -199,7 +218,7 @@ def op_table(state: ShardState) -> dict[Op, Handler]:
         Op.REUSE: state.store.reuse,
         Op.STAGE: state.txns.stage,
         Op.PREPARE: state.txns.prepare,
-        Op.APPLY: state.txns.apply,
+        Op.APPLY: state.apply,
         Op.ABORT: state.txns.abort,
         Op.PROMOTE: state.memory.promote,
         Op.MEMORY_LOOKUP: state.memory.lookup,
