@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from .config import ServerConfig
+from .config import DenseConfig, ServerConfig
 
 # (flag, section ("" = ServerConfig itself), field, help); the type comes from the default.
 _OPTIONS: tuple[tuple[str, str, str, str], ...] = (
@@ -193,6 +194,11 @@ def build_parser(prog: str = "oprag serve") -> argparse.ArgumentParser:
     return p
 
 
+#: the --dense-index kinds each index option applies to
+ANN_OPTIONS = {"hnsw_m": ("hnsw",), "ef_construction": ("hnsw",), "ef_search": ("hnsw",), "ann_tail": ("hnsw",),
+               "nprobe": ("ivf",), "train_min": ("ivf",), "ann_check": ("hnsw", "ivf")}
+
+
 def config_from_args(a: argparse.Namespace) -> ServerConfig:
     """:class:`ServerConfig` from parsed options: fields without an option keep their defaults.
 
@@ -219,6 +225,11 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
             flag = next((f for f, sec, name, _ in _OPTIONS if sec == section and msg.startswith(f"{name} ")), None)
             raise ValueError(msg if flag is None or flag in msg else f"{flag}: {msg}") from None
     cfg = ServerConfig(**top)
+    unused = [(f, name) for f, sec, name, _ in _OPTIONS if sec == "dense" and name in ANN_OPTIONS  # trial37 #7
+              and getattr(cfg.dense, name) != getattr(DenseConfig, name) and cfg.dense.kind not in ANN_OPTIONS[name]]
+    if unused:
+        logging.getLogger("oprag").warning("not used with --dense-index %s: %s", cfg.dense.kind, "; ".join(
+            f"{f} (applies to {' / '.join(ANN_OPTIONS[name])})" for f, name in unused))
     if cfg.cpu_latency_us != -1:  # its range (ValueError); app.serve checks it again when it holds the request
         from .cpu_latency import CpuLatencyRequest  # noqa: PLC0415
 

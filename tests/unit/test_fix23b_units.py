@@ -144,6 +144,24 @@ def test_serve_refuses_an_ivf_train_min_below_39_naming_the_flag_and_why():
     assert config_from_args(build_parser().parse_args(["--dense-index", "ivf", "--ivf-train-min", "39"])).dense.train_min == 39
 
 
+
+@pytest.mark.parametrize("argv, said", [
+    (["--nprobe", "5", "--ann-check", "7"], "not used with --dense-index flat: --nprobe (applies to ivf); --ann-check "
+                                            "(applies to hnsw / ivf)"),
+    (["--dense-index", "ivf", "--nprobe", "5", "--ef-search", "9"], "not used with --dense-index ivf: --ef-search "
+                                                                    "(applies to hnsw)"),
+    (["--dense-index", "hnsw", "--ef-search", "9", "--ann-check", "5"], None),
+    ([], None)])
+def test_serve_warns_of_index_options_the_chosen_index_does_not_use(caplog, argv, said):
+    """trial37 #7: ``--nprobe`` with ``flat`` was accepted silently (started anyway: switching index kinds keeps a script)."""
+    from oprag_server.cli import build_parser, config_from_args
+
+    with caplog.at_level("WARNING", logger="oprag"):
+        config_from_args(build_parser().parse_args(argv))
+    got = [r.getMessage() for r in caplog.records if r.name == "oprag"]
+    assert got == ([said] if said else []), got
+
+
 def _unit(n: int, d: int, seed: int) -> np.ndarray:
     v = np.random.default_rng(seed).standard_normal((n, d)).astype(np.float32)
     return v / np.linalg.norm(v, axis=1, keepdims=True)
