@@ -4,11 +4,12 @@ on its own copy of ``--data-dir``) and short rounds of ``--per`` queries alterna
 Reported per arm: the median, min and max of the rounds' p50 (ms), the server's ``retrieve`` p50,
 and each arm's median ratio to the first arm's round p50 (c = 1, top_k 10, query vector supplied).
 
-An arm is ``TREE|SERVER ARGS|QOS``: a source tree, extra ``oprag serve`` arguments, and ``1`` to
+An arm is ``TREE|SERVER ARGS|QOS[|DATA DIR]``: a source tree, extra ``oprag serve`` arguments, ``1`` to
 have this client hold a CPU latency QoS request of 0 us (``/dev/cpu_dma_latency``, what ``oprag
 serve --cpu-latency-us 0`` holds; root) during that arm's rounds only. The request is
 machine-wide, so arms that differ by it must use this client-held form, not the server flag (a
-server holding it would speed up every arm's rounds).
+server holding it would speed up every arm's rounds), and optionally the arm's own data dir instead of
+``--data-dir`` (two index builds of one corpus).
 
 Queries: ``bench.hotpath``'s (stored chunk vectors + noise, the chunk's first 200 characters as
 text), or with ``--scifact`` the 809 judged SciFact train queries with their MiniLM vectors.
@@ -73,15 +74,15 @@ def main(argv=None) -> dict:
     else:
         Q, texts = hotpath_queries(read_snapshot(a.data_dir), total)
     reqs = [query_request(t, top_k=10, mode=a.mode, query_vector=q.tolist()) for t, q in zip(texts, Q)]
-    arms = [tuple(x.split("|")) for x in a.arm]
+    arms = [tuple((x.split("|") + [""])[:4]) for x in a.arm]
     srvs, clients = [], []
     p50 = {x: [] for x in a.arm}
     ret = {x: [] for x in a.arm}
     try:
-        for i, (tree, args, _) in enumerate(arms):
+        for i, (tree, args, _, data) in enumerate(arms):
             d = a.work / f"arm{i}"
             shutil.rmtree(d, ignore_errors=True)
-            shutil.copytree(a.data_dir, d)
+            shutil.copytree(Path(data) if data else a.data_dir, d)
             env = {"PYTHONPATH": f"{tree}/server:{tree}/client:{tree}"}
             srvs.append(ServerProcess.on_free_ports(d, "--generator", "none", "--shards", "2", *args.split(), env=env).start())
             clients.append(OpRAGClient(srvs[-1].target).__enter__())
