@@ -269,3 +269,18 @@ def test_every_ivf_train_min_below_39_gets_the_floor_message(value):
 
     with pytest.raises(ValueError, match=f"--ivf-train-min must be at least 39, got {value}: FAISS"):
         config_from_args(build_parser().parse_args(["--ivf-train-min", value]))
+
+
+def test_ivf_lists_are_2_sqrt_n_up_to_1024_and_never_more_than_the_sqrt_rule_past_it():
+    """Session 38: 2 sqrt(n) lists (faster and closer at a fixed nprobe), but no k-means larger than the old rule's
+    (the power of two nearest sqrt(n)) once that reaches 1,024 lists: the write that crosses a training size waits for it."""
+    from oprag_server.index.ivf_lists import IVF_FINE_LISTS, IVF_TRAIN_FLOOR, ivf_lists
+
+    def sqrt_rule(n):
+        return min(int(min(65536, max(16, 2 ** round(np.log2(np.sqrt(n)))))), max(1, n // IVF_TRAIN_FLOOR))
+
+    assert [ivf_lists(n) for n in (39, 4096, 32768, 262144, 500000, 2_000_000, 4_000_000)] == [1, 105, 256, 1024, 1024, 1024, 2048]
+    for n in np.unique(np.geomspace(39, 10 ** 10, 400).astype(np.int64)):
+        got, old = ivf_lists(int(n)), sqrt_rule(int(n))
+        assert old <= got <= max(old, min(2 * old, IVF_FINE_LISTS), min(16, n // IVF_TRAIN_FLOOR)), (n, got, old)
+        assert got <= n // IVF_TRAIN_FLOOR and (got & (got - 1) == 0 or got == n // IVF_TRAIN_FLOOR), (n, got)

@@ -40,21 +40,8 @@ snapshot writes the graph (:meth:`AnnIndex.write`) and the tail's rows (:meth:`A
 :meth:`AnnIndex.load` takes both back.
 
 IVF training: the first ``train_min`` vectors of a shard are searched exactly (flat) while they accumulate; the IVF is
-then trained (k-means, ``nlist = 2 sqrt(n)`` rounded to a power of two, at most 65,536 and at most n / 39, on at most 64
-vectors per list) on the vectors held at that moment. Why 2 sqrt(n), not sqrt(n) (bench/RESULTS.md, session 38: shard 0
-of the 1M bench, 499,212 MiniLM vectors, 300 SciFact query vectors, one core, caches swept before each search, the
-default ``nprobe`` 32): 512 lists 1.26 ms a search, 0.924 of the exact top-10 among the 8-bit top-384; 1,024 lists
-0.90-0.95 ms, 0.963; 2,048 lists 0.72-0.80 ms, 0.975-0.985. Finer lists are both faster (fewer codes a probe) and
-closer, but k-means' cost grows with lists x points (1.7 / 6.4 / 15-29 s to train at these sizes, during which the
-shard's apply waits): 2 sqrt(n) is the middle. It is trained again, and every vector re-added, each time the
-shard has grown 8x since the last training (the lists stay balanced as the corpus grows), and on compaction.
-
-FAISS's rule (``faiss/Clustering.cpp``, ``Clustering::train_encoded``, run by ``IndexIVF::train``): fewer training
-points than lists is an error; fewer than ``min_points_per_centroid`` (39 by default, ``ClusteringParameters``) per
-list prints ``WARNING clustering <n> points to <k> centroids: please provide at least <39 k> training points`` on
-stderr (the service log) and trains anyway; over ``max_points_per_centroid`` (256) a list, it subsamples. So no IVF
-trains on fewer than :data:`IVF_TRAIN_FLOOR` (39) vectors (the serve CLI refuses a lower ``--ivf-train-min``; one made
-in code waits for 39), and ``nlist <= n // 39`` keeps every training at >= 39 points per list.
+then trained on the vectors held at that moment (k-means on at most 64 a list, :func:`.ivf_lists.ivf_lists` lists), and
+again, every vector re-added, each time the shard has grown 8x (the lists stay balanced) and on compaction.
 """
 
 from __future__ import annotations
@@ -67,10 +54,7 @@ from ..config import DenseConfig
 from .ann_copies import Copies, hnsw_storage
 from .ann_escape import escape
 
-#: the fewest vectors an IVF trains on: FAISS's k-means wants 39 points a list (module docstring)
-#: IVF lists per sqrt(vectors) at training (module docstring)
-IVF_LISTS_PER_SQRT = 2
-IVF_TRAIN_FLOOR = 39
+from .ivf_lists import IVF_TRAIN_FLOOR, ivf_lists  # noqa: F401 - IVF_TRAIN_FLOOR re-exported (cli, tests)
 
 
 def _faiss():
@@ -112,8 +96,7 @@ class AnnIndex:
     def _new_ivf(self, train: np.ndarray):
         faiss = _faiss()
         n = train.shape[0]
-        nlist = int(min(65536, max(16, 2 ** round(np.log2(IVF_LISTS_PER_SQRT * np.sqrt(n))))))
-        nlist = min(nlist, max(1, n // IVF_TRAIN_FLOOR))  # FAISS asks for >= 39 training points per list
+        nlist = ivf_lists(n)
         quantizer = faiss.IndexFlatIP(self.dim)
         idx = faiss.IndexIVFScalarQuantizer(quantizer, self.dim, nlist, faiss.ScalarQuantizer.QT_8bit,
                                             faiss.METRIC_INNER_PRODUCT)
