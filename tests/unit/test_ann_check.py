@@ -239,3 +239,34 @@ def test_an_ivf_training_is_logged_once_with_its_lists_and_vectors(capsys):
     assert f"INFO shard 0: IVF trained: {sh.store.dense.ann.nlist} lists on 400 vectors in " in err, err
     sh.say_trainings()
     assert "IVF trained" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["ivf", "hnsw"])
+@pytest.mark.parametrize("sample", [16384, 2000])
+def test_a_list_missing_a_chunk_written_after_the_draw_is_proven_short(kind, sample):
+    """trial38 #1: an IVF trained on old content ranked new, different content badly, and the check's sample, drawn
+    before the new chunks came and redrawn only after 1/16 growth, never held them: a list of new chunks missing the
+    best of them had its cut above every old chunk, so nothing flagged it (dense Recall@10 0.63 for questions about
+    the new content). The chunks written since the draw are sampled at the draw's density as they come."""
+    rng = np.random.default_rng(16)
+    dense = (DenseConfig(kind="ivf", nprobe=4, train_min=2000) if kind == "ivf"
+             else DenseConfig(kind="hnsw", hnsw_m=4, ef_construction=16, ann_tail=0))
+    sh = _shard(clustered(rng, 8000), sh=ShardState(0, DIM, None, dense=dense))
+    check = ann_check.SampleCheck(sample)
+    q0 = _queries("random", None, rng, 1)[0]
+    top0 = _exact_top(sh, q0, 64)
+    assert not check.misses(sh.search, q0, top0, sh.store.dense.exact_slots(q0, top0))  # drawn now: old chunks only
+    a = _unit(rng.normal(size=DIM))  # 400 new chunks about one new direction: +5%, no redraw
+    _shard(_unit(a + 0.15 * rng.normal(size=(400, DIM))), start=8000, sh=sh)
+    hits = 0
+    for j in range(20):
+        q = _unit(a + 0.1 * rng.normal(size=DIM))
+        ex = _exact_top(sh, q, 65)
+        assert (ex >= 8000).all()  # the exact top-65 is new content: the cut sits above every old chunk
+        short = np.concatenate([ex[:j % 10], ex[j % 10 + 1:]])  # one of the exact top-10 missed
+        flagged = check.misses(sh.search, q, short, sh.store.dense.exact_slots(q, short))
+        assert flagged == (sample > 8400 or ex[j % 10] in set(check._new.tolist())), j  # (1 in 4 sampled at 2000)
+        hits += flagged
+        assert not check.misses(sh.search, q, ex[:64], sh.store.dense.exact_slots(q, ex[:64]))  # sound
+    assert hits >= (20 if sample > 8400 else 2), hits
+    assert check._n == 8000 and check._new.size == (400 if sample > 8400 else -(-400 * sample // 8000))

@@ -10,11 +10,24 @@ from __future__ import annotations
 import numpy as np
 
 
+def live_slots(dense, start: int = 0) -> np.ndarray:
+    """int64: the live slots ``>= start`` of :class:`.dense.DenseIndex` ``dense``, ascending. They come in order from
+    its slot -> row map (one vectorised scan, no sort: rows after removals are out of slot order, and sorting them
+    took ~22 ms at 500K); a shard still loading its HNSW structure sorts its slots."""
+    if dense._pending is not None:  # noqa: SLF001
+        live = np.sort(dense.slots)
+        return live[live >= start]
+    return np.flatnonzero(dense._slot_row[start:] >= 0) + start  # noqa: SLF001
+
+
+def strided(live: np.ndarray, k: int) -> np.ndarray:
+    """``min(k, n)`` of the n ascending slots ``live``, evenly spaced (every one when ``k >= n``), ascending."""
+    n = int(live.size)
+    return live if k >= n else live[(np.arange(max(k, 0), dtype=np.int64) * n) // max(k, 1)]
+
+
 def sample_slots(dense, k: int) -> np.ndarray:
     """int64[min(k, n)]: the slots of ``min(k, n)`` of the live chunks of :class:`.dense.DenseIndex`
     ``dense``, evenly spaced over its live slots in ascending order (every one when ``k >= n``),
-    ascending. The live slots come in order from its slot -> row map (one vectorised scan, no
-    sort: rows after removals are out of slot order, and sorting them took ~22 ms at 500K)."""
-    live = np.flatnonzero(dense._slot_row >= 0) if dense._pending is None else np.sort(dense.slots)  # noqa: SLF001
-    n = int(live.size)
-    return live if k >= n else live[(np.arange(k, dtype=np.int64) * n) // max(k, 1)]
+    ascending (:func:`live_slots`, :func:`strided`)."""
+    return strided(live_slots(dense), k)

@@ -50,8 +50,10 @@ TOP = 64
 #: the largest beam a check asks for (the request's own ``ef_search`` may be larger: it is kept)
 MAX_EF = 8192
 #: the sample is drawn again when the shard's chunk count moved by more than this share since
-#: (not at every write: under ingest each query would pay the gather); a stale sample only
-#: catches fewer misses, as a flagged chunk is scored from its live vector, or skipped if gone
+#: (not at every write: under ingest each query would pay the gather of the whole sample); meanwhile
+#: the chunks written since the draw are sampled at the draw's density (every one when the shard had
+#: at most ``sample``) as they come (trial38: a sample of the old chunks alone never checked the new
+#: ones, where a stale IVF training misses most); a removed chunk is skipped when flagged
 REDRAW = 1 / 16
 
 
@@ -67,17 +69,30 @@ class SampleCheck:
         self._n = -1  # the shard's chunk count when the sample was drawn (-1: never)
         self._ok = False  # the sample's int8 copy exists (none for a sample that is not finite)
         self._slots = np.zeros(0, np.int64)
+        self._top, self._of = 0, 1  # slots >= _top came after the draw; the draw took 1 in _of of the live chunks
+        self._new_i8, self._new, self._seen = Int8Rows(), np.zeros(0, np.int64), -1  # their sample, at store version _seen
+        self._new_i8.MAX_ROWS = self._i8.MAX_ROWS
 
     def _current(self, dense) -> bool:
+        from ..index.slot_sample import live_slots, strided  # noqa: PLC0415 - (by slot order: the same after a restart)
+
         n = len(dense)
         if self._n < 0 or abs(n - self._n) > REDRAW * self._n:
-            from ..index.slot_sample import sample_slots  # noqa: PLC0415 - (by slot order: the same after a restart)
-
-            self._slots = sample_slots(dense, self.sample)
+            live = live_slots(dense)
+            self._slots = strided(live, self.sample)
             vecs = np.ascontiguousarray(dense.vectors_of(self._slots), dtype=np.float32)
             self._ok = self._slots.size > 0 and self._i8.of(vecs, n) is not None
-            self._n = n
-        return self._ok
+            self._n, self._top, self._seen = n, int(live[-1]) + 1 if live.size else 0, -1
+            self._of = max(1.0, live.size / max(self.sample, 1))
+        version = dense._version  # noqa: SLF001 - (grows at every add and remove)
+        if version != self._seen:  # the chunks written since the draw, sampled at its density
+            fresh = live_slots(dense, self._top)
+            self._new = strided(fresh, int(np.ceil(fresh.size / self._of)))
+            vecs = np.ascontiguousarray(dense.vectors_of(self._new), dtype=np.float32)
+            if self._new.size and self._new_i8.of(vecs, version) is None:
+                self._new = self._new[:0]  # (not finite: as the draw's, unchecked)
+            self._seen = version
+        return self._ok or self._new.size > 0
 
     def misses(self, searcher, q: np.ndarray, slots: np.ndarray, scores: np.ndarray) -> bool:
         """Whether a sampled live chunk outside ``slots`` int64[n] scores canonically above the
@@ -88,11 +103,11 @@ class SampleCheck:
         if slots.size == 0 or len(dense) == 0 or not self._current(dense):
             return False
         cut = float(scores[min(slots.size, TOP) - 1])
-        approx = self._i8.scores(q, None)
-        near = np.flatnonzero(approx > cut - self._i8.error(q))
-        if near.size == 0:
+        cand = [s[np.flatnonzero(i8.scores(q, None) > cut - i8.error(q))]
+                for s, i8, ok in ((self._slots, self._i8, self._ok), (self._new, self._new_i8, self._new.size > 0)) if ok]
+        cand = np.concatenate(cand) if cand else np.zeros(0, np.int64)
+        if cand.size == 0:
             return False
-        cand = self._slots[near]
         cand = cand[~np.isin(cand, slots)]
         cand = cand[dense._rows_of(cand) >= 0]  # noqa: SLF001 - live ones only (the sample can be older)
         return bool(cand.size) and bool((dense.exact_slots(q, cand) > cut).any())
