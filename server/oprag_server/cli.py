@@ -222,7 +222,8 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
             top[section] = _field("", section).default_factory(**kw)
         except ValueError as exc:  # the dataclass names its field: name the option too
             msg = str(exc)
-            flag = next((f for f, sec, name, _ in _OPTIONS if sec == section and msg.startswith(f"{name} ")), None)
+            flag = next((f for f, sec, name, _ in _OPTIONS if sec == section and (msg.startswith(f"{name} ") or msg.startswith(
+                f"{f[2:].replace('-', ' ')} "))), None)  # (the field's name, or the flag's words: "dense index must ...")
             raise ValueError(msg if flag is None or flag in msg else f"{flag}: {msg}") from None
     cfg = ServerConfig(**top)
     unused = [(f, name) for f, sec, name, _ in _OPTIONS if sec == "dense" and name in ANN_OPTIONS  # trial37 #7

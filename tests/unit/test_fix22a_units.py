@@ -73,10 +73,16 @@ def test_known_label_combinations_exist_before_any_use():
                      "reading 300 vectors out of the snapshot's hnsw index (the dense index is now ivf)",
                      "read 300 vectors out of the snapshot's hnsw index in",
                      "converting the dense index to ivf: 300 rows (the snapshot's index is hnsw)",
-                     "converted the dense index to ivf: 300 rows in", "snapshot {snap} loaded: 300 chunks in"]),
+                     "converted the dense index to ivf: 300 rows in", "snapshot {snap} loaded: 300 chunks in",
+                     "IVF trained: 7 lists on 300 vectors in"]),  # (trial38 #6: "at start", not "the write ...")
     ("hnsw", "flat", ["loading snapshot {snap}: 300 chunks",
                       "reading 300 vectors out of the snapshot's hnsw index (the dense index is now flat)",
-                      "read 300 vectors out of the snapshot's hnsw index in", "snapshot {snap} loaded: 300 chunks in"]),
+                      "read 300 vectors out of the snapshot's hnsw index in",
+                      "the snapshot's hnsw search structure is not used: --dense-index flat scans every vector (the next snapshot drops it)",
+                      "snapshot {snap} loaded: 300 chunks in"]),
+    ("ivf", "flat", ["loading snapshot {snap}: 300 chunks",  # (trial38 #6: said nothing)
+                     "the snapshot's ivf search structure is not used: --dense-index flat scans every vector (the next snapshot drops it)",
+                     "snapshot {snap} loaded: 300 chunks in"]),
     ("hnsw", "hnsw", ["loading snapshot {snap}: 300 chunks", "snapshot {snap} loaded: 300 chunks in"]),
 ])
 def test_a_shard_logs_its_snapshot_load_conversion_and_replay(tmp_path, capsys, was, now, lines):
@@ -98,4 +104,5 @@ def test_a_shard_logs_its_snapshot_load_conversion_and_replay(tmp_path, capsys, 
     got = [ln.split(" shard 0: ", 1)[1] for ln in capsys.readouterr().err.splitlines()]
     assert len(got) == len(lines) and all(g.startswith(w.format(snap=snap)) for g, w in zip(got, lines)), got
     assert all(g.endswith(" s") for g in got[1::2] if " in " in g)
+    assert all(g.endswith("vector re-added; at start, before serving)") for g in got if g.startswith("IVF trained"))
     assert len(back.store.dense.slots) == 300

@@ -284,3 +284,21 @@ def test_ivf_lists_are_2_sqrt_n_up_to_1024_and_never_more_than_the_sqrt_rule_pas
         got, old = ivf_lists(int(n)), sqrt_rule(int(n))
         assert old <= got <= max(old, min(2 * old, IVF_FINE_LISTS), min(16, n // IVF_TRAIN_FLOOR)), (n, got, old)
         assert got <= n // IVF_TRAIN_FLOOR and (got & (got - 1) == 0 or got == n // IVF_TRAIN_FLOOR), (n, got)
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--dense-index", "hnsw", "--ef-search", "70000"], "--ef-search: ef_search must be in [1, 65536], got 70000"),
+    (["--dense-index", "ivf", "--nprobe", "65537"], "--nprobe: nprobe must be in [1, 65536], got 65537"),
+    (["--nprobe", "0"], "--nprobe: nprobe must be in [1, 65536], got 0"),
+    (["--dense-index", "IVF"], "--dense-index: dense index must be one of flat, hnsw, ivf, got 'IVF'")])
+def test_serve_bounds_its_default_knobs_as_a_request_is_bounded_and_names_every_flag(argv, said):
+    """trial38 #2: `serve --ef-search 70000` started although a request's 65537 is refused; #4: `--dense-index IVF`
+    was the one message that did not name its flag."""
+    from oprag_server.cli import build_parser, config_from_args
+    from oprag_server.service.convert import MAX_KNOB
+
+    assert MAX_KNOB == 65536  # the request's bound, which the serve options now share
+    with pytest.raises(ValueError) as exc:
+        config_from_args(build_parser().parse_args(argv))
+    assert str(exc.value) == said
+    assert config_from_args(build_parser().parse_args(["--dense-index", "hnsw", "--ef-search", "65536"])).dense.ef_search == 65536

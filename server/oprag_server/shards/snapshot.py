@@ -209,7 +209,13 @@ def _load_ann(snap: Path, store: ChunkStore, say: Say = None) -> None:
     after (it takes minutes for 10^4-10^5 HNSW rows). Slots were renumbered by the load: the snapshot
     held its live chunks in slot order, and they now hold slots 0..n-1 in that order."""
     f, m = snap / "dense.faiss", snap / "dense.npz"
-    if store.dense.ann_state(with_bytes=False) is None:
+    if store.dense.ann_state(with_bytes=False) is None:  # flat now: a saved structure is not used (trial38 #6)
+        try:
+            was = str(np.load(m)["kind"]) if say is not None and m.exists() else "flat"
+        except (OSError, ValueError, KeyError):
+            was = "flat"
+        if was != "flat":
+            say(f"the snapshot's {was} search structure is not used: --dense-index flat scans every vector (the next snapshot drops it)")
         return
     was = "flat"  # (what a snapshot without the structure's files held)
     if f.exists() and m.exists():

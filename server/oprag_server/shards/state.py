@@ -99,7 +99,7 @@ class ShardState:
         try:
             return snapshots.load(self._dir(), self.store, self.memory, self.txns, committed, self.storage, say=self.say)
         finally:
-            self.say_trainings()  # (a replay may train)
+            self.say_trainings("at start, before serving")  # (a conversion or a replay may train)
 
     def apply(self, req):
         """:attr:`Op.APPLY` (:meth:`.txn.Transactions.apply`), then :meth:`say_trainings`."""
@@ -108,12 +108,12 @@ class ShardState:
         finally:
             self.say_trainings()
 
-    def say_trainings(self) -> None:
-        """Log each IVF (re)training since the last call: its lists, vectors and time (the write waited for it)."""
+    def say_trainings(self, when: str = "the write that crossed the size waited for it") -> None:
+        """Log each IVF (re)training since the last call: its lists, vectors and time, and ``when``."""
         ann = self.store.dense.ann
         for n, lists, secs in ann.trainings if ann is not None else ():
             self.say(f"IVF trained: {lists} lists on {n} vectors in {secs:.1f} s (k-means on one core, then every "
-                     "vector re-added; the write that crossed the size waited for it)")
+                     f"vector re-added; {when})")
         if ann is not None:
             ann.trainings.clear()
 
