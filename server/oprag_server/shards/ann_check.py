@@ -141,11 +141,8 @@ def lowered(searcher, q: np.ndarray, plain: list[int], out: list) -> list:
     for i in plain:
         for s, i8, live in parts:
             if live.any():  # (the chunks within twice the int8 error of the lowest live int8 score hold the lowest)
-                approx, err = check.scores(i8, q[i]), i8.error(q[i])
-                lo = float(approx[live].min())
-                if out[i] is not None and lo - err >= out[i]:  # no sampled chunk can score below it
-                    continue
-                near = s[live & (approx <= lo + 2.0 * err)]
+                approx = check.scores(i8, q[i])
+                near = s[live & (approx <= approx[live].min() + 2.0 * i8.error(q[i]))]
                 low = float(dense.exact_slots(q[i], near).min())
                 out[i] = low if out[i] is None else min(out[i], low)
     return out
