@@ -98,7 +98,6 @@ class SampleCheck:
             self._of = max(1.0, live.size / max(self.sample, 1))
         version = dense._version  # noqa: SLF001 - (grows at every add and remove)
         if version != self._seen:  # the chunks written since the draw, sampled at its density
-            self._live = dense._rows_of(self._slots) >= 0  # noqa: SLF001 - (which sampled chunks are still live)
             fresh = live_slots(dense, self._top)
             self._new = strided(fresh, int(np.ceil(fresh.size / self._of)))
             vecs = np.ascontiguousarray(dense.vectors_of(self._new), dtype=np.float32)
@@ -136,8 +135,8 @@ def lowered(searcher, q: np.ndarray, plain: list[int], out: list) -> list:
     dense = searcher.store.dense
     if check is None or len(dense) == 0 or not check._current(dense):  # noqa: SLF001
         return out
-    parts = [(s, i8, live) for s, i8, live, ok in ((check._slots, check._i8, check._live, check._ok),  # noqa: SLF001
-             (check._new, check._new_i8, np.ones(check._new.size, bool), check._new.size > 0)) if ok]  # noqa: SLF001
+    parts = [(s, i8, dense._rows_of(s) >= 0) for s, i8, ok in ((check._slots, check._i8, check._ok),  # noqa: SLF001
+             (check._new, check._new_i8, check._new.size > 0)) if ok]  # noqa: SLF001
     for i in plain:
         for s, i8, live in parts:
             if live.any():  # (the chunks within twice the int8 error of the lowest live int8 score hold the lowest)
