@@ -72,18 +72,6 @@ class SampleCheck:
         self._top, self._of = 0, 1  # slots >= _top came after the draw; the draw took 1 in _of of the live chunks
         self._new_i8, self._new, self._seen = Int8Rows(), np.zeros(0, np.int64), -1  # their sample, at store version _seen
         self._new_i8.MAX_ROWS = self._i8.MAX_ROWS
-        self._memo: dict = {}  # (int8 copy's key, query bytes) -> its int8 scores: a list check, then the minimum
-
-    def scores(self, i8, q: np.ndarray) -> np.ndarray:
-        """float32[S]: ``i8``'s int8 scores of float32[D] ``q``, kept for the last few queries (the list check and
-        the dense minimum (:func:`lowered`) scan the same sample for the same query: 6.3 MB of codes at 16,384)."""
-        key = (i8.key, q.tobytes())
-        got = self._memo.get(key)
-        if got is None:
-            if len(self._memo) >= 16:
-                self._memo.clear()
-            got = self._memo[key] = i8.scores(q, None)
-        return got
 
     def _current(self, dense) -> bool:
         from ..index.slot_sample import live_slots, strided  # noqa: PLC0415 - (by slot order: the same after a restart)
@@ -115,7 +103,7 @@ class SampleCheck:
         if slots.size == 0 or len(dense) == 0 or not self._current(dense):
             return False
         cut = float(scores[min(slots.size, TOP) - 1])
-        cand = [s[np.flatnonzero(self.scores(i8, q) > cut - i8.error(q))]
+        cand = [s[np.flatnonzero(i8.scores(q, None) > cut - i8.error(q))]
                 for s, i8, ok in ((self._slots, self._i8, self._ok), (self._new, self._new_i8, self._new.size > 0)) if ok]
         cand = np.concatenate(cand) if cand else np.zeros(0, np.int64)
         if cand.size == 0:
@@ -140,7 +128,7 @@ def lowered(searcher, q: np.ndarray, plain: list[int], out: list) -> list:
     for i in plain:
         for s, i8, live in parts:
             if live.any():  # (the chunks within twice the int8 error of the lowest live int8 score hold the lowest)
-                approx = check.scores(i8, q[i])
+                approx = i8.scores(q[i], None)
                 near = s[live & (approx <= approx[live].min() + 2.0 * i8.error(q[i]))]
                 low = float(dense.exact_slots(q[i], near).min())
                 out[i] = low if out[i] is None else min(out[i], low)
