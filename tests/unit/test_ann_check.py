@@ -270,21 +270,3 @@ def test_a_list_missing_a_chunk_written_after_the_draw_is_proven_short(kind, sam
         assert not check.misses(sh.search, q, ex[:64], sh.store.dense.exact_slots(q, ex[:64]))  # sound
     assert hits >= (20 if sample > 8400 else 2), hits
     assert check._n == 8000 and check._new.size == (400 if sample > 8400 else -(-400 * sample // 8000))
-
-
-@pytest.mark.parametrize("kind", ["ivf", "hnsw"])
-def test_the_dense_minimum_of_an_approximate_shard_smaller_than_the_sample_is_exact(kind):
-    """trial38b: an IVF's ``-q`` search (and the 512-chunk estimate) missed the minimum in content the training
-    predates, and a min-max hybrid reply was certified with 5 of the exact top-10. The minimum now also comes from the
-    check's sample: every live chunk of a shard smaller than it, so the exact minimum there."""
-    rng = np.random.default_rng(20)
-    dense = (DenseConfig(kind="ivf", nprobe=1, train_min=1000) if kind == "ivf"
-             else DenseConfig(kind="hnsw", hnsw_m=4, ef_construction=16, ann_tail=0))
-    sh = _shard(clustered(rng, 6000), sh=ShardState(0, DIM, None, dense=dense))
-    sh.store.delete([f"d{i:05d}" for i in range(0, 6000, 7)], 2)  # (dead sampled chunks are skipped)
-    qv = _queries("random", None, rng, 40)
-    sh.search._dense_tops(qv, list(range(40)), N, 0, 0)  # (the check's sample drawn, as a search does first)
-    lows = sh.search._ann_lows(qv, list(range(40)), 0, 0)
-    d = sh.store.dense
-    exact = [float(d.exact_slots(x, d.slots).min()) for x in qv]
-    assert lows == exact

@@ -113,28 +113,6 @@ class SampleCheck:
         return bool(cand.size) and bool((dense.exact_slots(q, cand) > cut).any())
 
 
-def lowered(searcher, q: np.ndarray, plain: list[int], out: list) -> list:
-    """The dense minima ``out`` (per query of float32[B, D] ``q``; None: none found) of the queries ``plain`` of an
-    approximate index lowered to the lowest canonical score among the check's sampled live chunks (trial38b: an IVF's
-    ``-q`` search ranked content its training predates badly and missed the minimum, so a min-max hybrid reply was
-    certified with 5 of the exact top-10). Each is a real chunk's score, never below the exact minimum; for a shard
-    smaller than the sample, the exact minimum. ``out`` as it is without a check (``--ann-check 0``)."""
-    check = searcher._check  # noqa: SLF001
-    dense = searcher.store.dense
-    if check is None or len(dense) == 0 or not check._current(dense):  # noqa: SLF001
-        return out
-    parts = [(s, i8, dense._rows_of(s) >= 0) for s, i8, ok in ((check._slots, check._i8, check._ok),  # noqa: SLF001
-             (check._new, check._new_i8, check._new.size > 0)) if ok]  # noqa: SLF001
-    for i in plain:
-        for s, i8, live in parts:
-            if live.any():  # (the chunks within twice the int8 error of the lowest live int8 score hold the lowest)
-                approx = i8.scores(q[i], None)
-                near = s[live & (approx <= approx[live].min() + 2.0 * i8.error(q[i]))]
-                low = float(dense.exact_slots(q[i], near).min())
-                out[i] = low if out[i] is None else min(out[i], low)
-    return out
-
-
 def widened(searcher, check: SampleCheck, q: np.ndarray, out: dict, n: int, ef_search: int, nprobe: int) -> None:
     """Search the queries of ``out`` (query index -> ``(slots, canonical scores)``, approximate
     tops of float32[B, D] ``q``) whose list :meth:`SampleCheck.misses` shows incomplete again,
