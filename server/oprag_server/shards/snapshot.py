@@ -210,10 +210,13 @@ def _load_ann(snap: Path, store: ChunkStore, say: Say = None) -> None:
     held its live chunks in slot order, and they now hold slots 0..n-1 in that order."""
     f, m = snap / "dense.faiss", snap / "dense.npz"
     if store.dense.ann_state(with_bytes=False) is None:  # flat now: a saved structure is not used (trial38 #6)
-        try:
-            was = str(np.load(m)["kind"]) if say is not None and m.exists() else "flat"
-        except (OSError, ValueError, KeyError):
-            was = "flat"
+        was = "flat"
+        if say is not None and m.exists():
+            try:
+                with np.load(m) as meta:  # (closed at once: only its kind is read)
+                    was = str(meta["kind"])
+            except (OSError, ValueError, KeyError):
+                pass
         if was != "flat":
             say(f"the snapshot's {was} search structure is not used: --dense-index flat scans every vector (the next snapshot drops it)")
         return
