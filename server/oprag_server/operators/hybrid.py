@@ -14,7 +14,11 @@ non-decreasing in both scores (weights >= 0, IEEE rounding is monotone), so a ch
 in neither of s's lists scores at most ``UB_s = w_d * norm(d_N(s)) + w_l * norm(l(s))`` where
 ``d_N(s)`` is s's N-th dense score and ``l(s)`` is 0 when s's BM25 list is complete (every
 other chunk scores exactly 0) else ``max(l_M(s), 0)`` (the M-th BM25 score, or 0 for a chunk
-with no query term). A shard whose dense list is complete has no chunk outside it. When the
+with no query term). The BM25 list is ordered by (BM25 desc, dense desc, chunk id asc)
+(:mod:`..index.lexical_list`): on an HNSW / IVF shard whose list's last BM25 score is shared by
+unlisted chunks (``tied``), ``d_N(s)`` is raised to the last listed chunk's dense score, above
+every unlisted member of that tie (which the approximate dense list need not hold: trial38b).
+A shard whose dense list is complete has no chunk outside it. When the
 k-th fused score of the union is strictly above ``max_s UB_s`` (or no shard has an outside
 chunk), no chunk outside the union can enter the top-k nor tie into it: the top-k is
 *certified* equal to fusing every chunk with the same ranges. Otherwise the uncertified
@@ -54,7 +58,7 @@ from ..index import kernels_merge
 from ..index.fusion import fuse_minmax, lexical_listed, top_k_order
 from ..shards.protocol import Candidates, QueryBatch, SearchReply, SearchRequest
 from .union import fuse_rank, union_cols
-from .union_ids import _objects, _UnionIds  # noqa: F401 (re-exported)
+from .union_ids import _hit_ranks, _objects, _UnionIds  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -180,7 +184,10 @@ def merge_union(replies: dict[int, SearchReply], j: int, spec: RetrieveSpec) -> 
             bounds.append((np.inf, np.inf))  # nothing to bound with (an ANN found nothing)
             continue
         lb = 0.0 if nl >= listed else max(float(lmn[k]) if nl else float(np.asarray(cl[k].lexical).min()), 0.0)
-        bounds.append((float(dmn[k]), lb))
+        db = float(dmn[k])
+        if rep.tied is not None and rep.tied[j] and nl and rep.dense_index != "flat":
+            db = max(db, float(cl[k].dense[-1]))  # an unlisted chunk of the BM25 tie: at most the last one's dense
+        bounds.append((db, lb))
     u = _Cols(shard, slot, _UnionIds(ids), dense, lexical)
     if not len(u.ids):
         return [], not bounds, "" if not bounds else "both", False
@@ -221,39 +228,6 @@ def merge_union(replies: dict[int, SearchReply], j: int, spec: RetrieveSpec) -> 
     cols = (u.shard[rows].tolist(), u.slot[rows].tolist(), [u.ids[i] for i in top], u.dense[rows].tolist(),
             u.lexical[rows].tolist(), scores[rows].tolist(), drank.tolist(), lrank.tolist())  # (u.cand's values)
     return [_Cand(*c) for c in zip(*cols)], certified, sides, tie
-
-
-def _hit_ranks(vals: np.ndarray, ids: np.ndarray, rows: list[int], n: int, lexical: bool) -> np.ndarray:
-    """int64[len(rows)]: the 1-based rank of each of ``rows`` in the top-n of float64[M] ``vals``
-    ordered by (score desc, chunk id asc, position asc), 0 outside it; with ``lexical`` over the
-    listed scores only (:func:`~oprag_server.index.fusion.lexical_listed`; 0 for a row not
-    listed). The position of row r in :func:`_rank_lists`'s order is the number of elements
-    ahead of it in that total order: the larger scores (listed ones for ``lexical``), plus the
-    equal scores with a smaller id (or the same id earlier). Needs no NaN in ``vals``."""
-    r = np.asarray(rows, dtype=np.int64)
-    if not r.size:
-        return np.zeros(0, np.int64)
-    v = vals[r]
-    gt = vals[None, :] > v[:, None]
-    if lexical:
-        gt &= (vals != 0.0)[None, :]
-    ahead = gt.sum(axis=1)
-    eq = vals[None, :] == v[:, None]
-    tied = eq.sum(axis=1) > 1
-    tied &= ahead < n
-    if lexical:
-        tied &= v != 0.0  # not listed: rank 0 whatever its ties
-    for q in np.flatnonzero(tied).tolist():  # ties: by id, then position
-        me, p, t = ids[r[q]], int(r[q]), np.flatnonzero(eq[q])
-        if t.size <= 32:  # (a few: one id at a time; a _UnionIds builds every id for an array take)
-            ahead[q] += sum(1 for x in t.tolist() if ids[x] < me or (x < p and ids[x] == me))
-            continue
-        tid = np.asarray(ids[t], dtype=object)  # (thousands, identical chunks: in one take)
-        ahead[q] += int(((tid < me) | ((t < p) & (tid == me))).sum())
-    out = np.where(ahead < n, ahead + 1, 0)
-    if lexical:
-        out[v == 0.0] = 0
-    return out.astype(np.int64)
 
 
 def _sides(b: np.ndarray, kth: float | None, w: dict) -> str:
@@ -297,7 +271,7 @@ class Widening:
     #: A query whose bound fails only by a tie (the k-th fused score equals the bound: inside a
     #: group of chunks with equal scores, e.g. one boilerplate text in thousands of documents,
     #: larger than the lists) in a widening round that left its top-k unchanged stops widening:
-    #: the lists break ties by chunk id, so a chunk outside them that ties the k-th hit comes
+    #: the lists break ties by dense score and chunk id, so a chunk outside them that ties the k-th hit comes
     #: after the chunks listed, and wider lists keep returning the same top-k (a 20,000-copy
     #: group widened 3 times for ~240-370 ms, bench/RESULTS.md, session 27). It stays uncertified.
     #: Not with dense weight 0: chunks with no query term then tie at 0 whatever their dense score (trial33).
@@ -337,8 +311,9 @@ class Widening:
         lists were asked, else per shard a one-query reply of this round's lists where asked
         and the kept ones elsewhere. Keeps the result's lists (references, no copies). A BM25
         list longer than the query's own M (times its factor: a query of a larger top_k in the
-        same batch asked for more) is cut to it: a list ranked by (score desc, chunk id asc)
-        cut is the shorter list, so merge, bound and reply equal the query's alone (trial31)."""
+        same batch asked for more) is cut to it: a list ranked by score desc, then a fixed order,
+        cut is the shorter list, so merge, bound and reply equal the query's alone (trial31; the
+        order is (score desc, dense desc, chunk id asc) since trial38b, still prefix-closed)."""
         dense, lex = self._asked.pop(j, (True, True))
         kept, m = self.kept[j], self.own[j] * self.mf[j]
         if (dense and lex) or kept is None or any(s not in kept for s in replies):
@@ -353,11 +328,14 @@ class Widening:
             c = rep.candidates[jj] if dense else old.candidates[oj]
             src, k = (rep, jj) if lex else (old, oj)
             lx, n_l = src.lexical[k], src.listed[k]
+            tied = [bool(src.tied[k])] if src.tied is not None else None
             if len(lx.slots) > m:
+                tied = [bool(lx.lexical[m] == lx.lexical[m - 1])]  # (a prefix is the query's own list)
                 lx = Candidates(lx.slots[:m], lx.chunk_ids[:m], lx.dense[:m], lx.lexical[:m])
             lmin = [src.lexical_min[k]] if src.lexical_min is not None else None
             dmin = min(rep.dense_min[jj], old.dense_min[oj])
-            out[s] = SearchReply([c], [rep.eligible[jj]], [dmin], rep.dense_index, rep.knobs, None, [lx], [n_l], lmin)
+            out[s] = SearchReply([c], [rep.eligible[jj]], [dmin], rep.dense_index, rep.knobs, None, [lx], [n_l], lmin,
+                                 tied)
         self.kept[j] = {s: (rep, 0) for s, rep in out.items()}
         return out, 0
 

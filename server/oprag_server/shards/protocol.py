@@ -125,7 +125,8 @@ class SearchReply:
     """Per query i: ``candidates[i]``; ``eligible[i]`` chunks eligible on this shard; ``dense_min[i]`` the dense
     minimum estimated from a fixed vector sample (+inf when not computed: lexical mode or an empty shard; exact over
     the eligible rows with a flat index). Per-query scalars are lists (B is small). ``m`` > 0: ``lexical[i]`` the
-    BM25 top-m of the eligible chunks with a BM25 score != 0 (ties: chunk id) and ``listed[i]`` how many there are;
+    BM25 top-m of the eligible chunks with a BM25 score != 0 by (BM25 desc, canonical dense desc, chunk id asc),
+    ``listed[i]`` how many there are and ``tied[i]`` whether unlisted chunks share the list's last BM25 score;
     ``lexical_min[i]`` the lowest BM25 score over the eligible chunks (exact mode's lexical minimum: 0.0 when some
     eligible chunk scores 0), which the frontend cannot know from the list when every eligible chunk holds a query
     term and the list is shorter than them."""
@@ -139,6 +140,7 @@ class SearchReply:
     lexical: list[Candidates] | None = None
     listed: list[int] | None = None
     lexical_min: list[float] | None = None
+    tied: list[bool] | None = None
 
 
 @message

@@ -27,6 +27,7 @@ from .. import records
 from ..index.bm25.listed_top import listed_top, listed_top_scored
 from ..index.dense_low import LowSeeds
 from ..index.fusion import refine_top, top_k_order
+from ..index.lexical_list import order_lexical_list
 from . import ann_check
 from .chunks import ChunkStore
 from .carried import FieldsMixin, Later
@@ -80,7 +81,7 @@ class Searcher(ExactMixin, FieldsMixin):
         allowed = [st.allowed(f) for f in (qb.filters or [None] * B)]
         eligible = [len(st.dense) if a is None else int(a.size) for a in allowed]
         cands: list[Candidates] = []
-        lexical = listed = lexical_min = None
+        lexical = listed = lexical_min = tied = None
         st.dense.last_knobs = {}  # (lexical: no dense search, no knob)
         if req.mode in ("hybrid", "dense"):
             if n == 0:  # a widening round for the BM25 list alone (operators/hybrid.py): no dense search
@@ -111,7 +112,7 @@ class Searcher(ExactMixin, FieldsMixin):
                 lex = tops_l[i][2] if tops_l is not None else score[i]()
                 cands.append(Candidates(slots, st.ids(slots), dense, lex))
             if tops_l is not None:
-                lexical, listed = [c for c, _, _ in tops_l], [k for _, k, _ in tops_l]
+                lexical, listed, tied = [t[0] for t in tops_l], [t[1] for t in tops_l], [t[3] for t in tops_l]
                 lexical_min = [self._lexical_min(qb, i, allowed[i], eligible[i], listed[i], lexical[i]) for i in range(B)]
         elif req.mode == "lexical":
             dense_min = [np.inf] * B
@@ -136,13 +137,12 @@ class Searcher(ExactMixin, FieldsMixin):
             else:
                 fields = later.fields(self)
         return SearchReply(cands, eligible, dense_min, st.dense.params.kind, st.dense.last_knobs or None, fields,
-                           lexical, listed, lexical_min)
+                           lexical, listed, lexical_min, tied)
 
     def _lexical_top(self, q: np.ndarray, qb: QueryBatch, i: int, allowed: np.ndarray | None,
-                     m: int, cand: np.ndarray, score_cand) -> tuple[Candidates, int, np.ndarray]:
+                     m: int, cand: np.ndarray, score_cand) -> tuple[Candidates, int, np.ndarray, bool]:
         """Query ``i``'s exact BM25 top-m over the allowed live chunks whose BM25 score is not 0
-        (the lexical ranked list, :func:`.fusion.lexical_listed`), by (score desc, chunk id asc),
-        each with its canonical dense score; and how many such chunks there are (the list is
+        (the lexical ranked list, :func:`.fusion.lexical_listed`), each with its canonical dense score; and how many such chunks there are (the list is
         complete when that is <= m). BM25 visits only the query terms' postings, compiled
         (:func:`.bm25.listed_top.listed_top`: ``PostingsIndex.score_all``'s values, rank_bm25's).
 
@@ -150,14 +150,19 @@ class Searcher(ExactMixin, FieldsMixin):
         read every posting of the query, else ``score_cand()`` before a pruned pass
         (:func:`.bm25.listed_top.listed_top_scored`).
 
-        :returns: ``(Candidates, listed, float64[C])``."""
+        Ordered by (BM25 desc, canonical dense desc, chunk id asc): a tie at the list's last score
+        lists its members with the highest dense scores (:func:`..index.lexical_list.order_lexical_list`).
+
+        :returns: ``(Candidates, listed, float64[C], tied)``."""
         st = self.store
         slots, lex, listed, cand_lex = listed_top_scored(st.postings, qb.terms[i], qb.idf[i], qb.avgdl, qb.k1, qb.b,
                                                          m, allowed, cand, score_cand, st.version)
         # ids are read only for ties (the slot-indexed id array of the store)
         order = _kernels_refine().rank_top(lex, st._slot_ids, m, rows=slots)  # noqa: SLF001
+        order, dense, tied = order_lexical_list(lex, order, lambda p: self._canonical(q, st.dense.rows(slots[p])),
+                                                lambda p: st._slot_ids[int(slots[p])])  # noqa: SLF001
         top = slots[order]
-        return Candidates(top, st.ids(top), self._canonical(q, st.dense.rows(top)), lex[order]), listed, cand_lex
+        return Candidates(top, st.ids(top), dense, lex[order]), listed, cand_lex, tied
 
     @staticmethod
     def _skyband_slots(c: Candidates, lex: Candidates | None, k: int, cone=None) -> np.ndarray:
