@@ -112,6 +112,27 @@ def _not_a_file(paths: list[Path], fmt: str) -> str | None:
     return None
 
 
+#: the totals of an ingest before its first stream
+_TOTALS0 = {"documents": 0, "chunks": 0, "replaced": 0, "reused": 0, "rejected": (), "chunks_split": 0, "seq": 0}
+
+
+def _summary(totals: dict, streams: list, el: float) -> dict:
+    """``oprag ingest --json``'s object (README), from the totals of the committed streams."""
+    return {
+        "documents": totals["documents"],
+        "chunks": totals["chunks"],
+        "replaced": totals["replaced"],
+        "chunks_split": totals["chunks_split"],
+        "chunks_reused": totals["reused"],
+        "rejected": list(totals["rejected"]),
+        "elapsed_s": round(el, 3),
+        "documents_per_s": round(totals["documents"] / el, 2) if el else 0.0,
+        "chunks_per_s": round(totals["chunks"] / el, 2) if el else 0.0,
+        "seq": totals["seq"],
+        "streams": streams,
+    }
+
+
 def cmd_ingest(a) -> int:
     """``oprag ingest``. With ``--json`` one JSON object on stdout, also when a stream fails
     (README: "oprag ingest"): the totals of the committed streams, ``streams`` (one entry per
@@ -120,9 +141,9 @@ def cmd_ingest(a) -> int:
 
     from .loaders import LOADERS
 
-    def refuse(msg: str, code: int = 1) -> int:  # nothing sent; with --json also one object on stdout (trial36)
-        if a.json:
-            print(json.dumps({"documents": 0, "chunks": 0, "rejected": [], "streams": [], "error": {
+    def refuse(msg: str, code: int = 1) -> int:  # nothing sent; with --json also one object on stdout (trial36),
+        if a.json:  # with the keys of every other summary (trial38b)
+            print(json.dumps({**_summary(_TOTALS0, [], 0.0), "error": {
                 "stream": 0, "first_index": 0, "code": None, "message": msg, "stored": False}}))
         return _fail(msg, code)
 
@@ -143,7 +164,7 @@ def cmd_ingest(a) -> int:
     if a.vector_column is not None and a.format not in ("parquet", "arrow"):
         return refuse(f"--vector-column is for --format parquet or arrow, not {a.format}")
     docs = LOADERS[a.format](a.paths, a.vector_column) if a.format in ("parquet", "arrow") else LOADERS[a.format](a.paths)
-    totals = {"documents": 0, "chunks": 0, "replaced": 0, "reused": 0, "rejected": [], "chunks_split": 0, "seq": 0}
+    totals = {**_TOTALS0, "rejected": []}
     streams: list[dict] = []  # one per committed stream (its acknowledgement)
     error, interrupted, unknown = None, False, None
     t0 = time.perf_counter()
@@ -193,19 +214,7 @@ def cmd_ingest(a) -> int:
     el = time.perf_counter() - t0
     if error is None and totals["documents"] == 0 and not totals["rejected"]:
         return refuse(f"no documents found in {' '.join(map(str, a.paths))} with --format {a.format}")
-    summary = {
-        "documents": totals["documents"],
-        "chunks": totals["chunks"],
-        "replaced": totals["replaced"],
-        "chunks_split": totals["chunks_split"],
-        "chunks_reused": totals["reused"],
-        "rejected": totals["rejected"],
-        "elapsed_s": round(el, 3),
-        "documents_per_s": round(totals["documents"] / el, 2) if el else 0.0,
-        "chunks_per_s": round(totals["chunks"] / el, 2) if el else 0.0,
-        "seq": totals["seq"],
-        "streams": streams,
-    }
+    summary = _summary(totals, streams, el)
     for r in totals["rejected"]:
         print(f"rejected #{r['index']} {r['id']!r}: {r['reason']}", file=sys.stderr)
     if error is not None:  # the committed streams stay stored; the failed one: nothing, or unknown (UNKNOWN_OUTCOME)

@@ -131,7 +131,8 @@ class Runtime:
         self._bg.append(asyncio.create_task(self._snapshot_loop(self.cfg.snapshot_interval_s)))
         if self.commits.lease is not None:
             self._bg.append(asyncio.create_task(keep_lease(self.commits.lease, self._reestablish, asyncio.Event())))
-        await self.gauges.refresh()
+        if await self.gauges.refresh():  # (a start that left background work: follow it)
+            self.gauges.stale()
 
     def _on_widen(self, widened: int, uncertified: int) -> None:
         """Count a dense-first batch's widened and uncertified queries (most batches have none:

@@ -221,10 +221,10 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
         try:
             top[section] = _field("", section).default_factory(**kw)
         except ValueError as exc:  # the dataclass names its field: name the option too
-            msg = str(exc)
-            flag = next((f for f, sec, name, _ in _OPTIONS if sec == section and (msg.startswith(f"{name} ") or msg.startswith(
-                f"{f[2:].replace('-', ' ')} "))), None)  # (the field's name, or the flag's words: "dense index must ...")
-            raise ValueError(msg if flag is None or flag in msg else f"{flag}: {msg}") from None
+            msg = str(exc)  # (the field's name, or the flag's words: "dense index must ..."): said as the flag, as
+            hit = next(((f, w) for f, sec, name, _ in _OPTIONS if sec == section for w in (name, f[2:].replace("-", " "))
+                        if msg.startswith(f"{w} ")), None)  # "--chunk-size must be at least 1" (trial38b #6)
+            raise ValueError(msg if hit is None or hit[0] in msg else hit[0] + msg[len(hit[1]):]) from None
     cfg = ServerConfig(**top)
     unused = [(f, name) for f, sec, name, _ in _OPTIONS if sec == "dense" and name in ANN_OPTIONS  # trial37 #7
               and getattr(cfg.dense, name) != getattr(DenseConfig, name) and cfg.dense.kind not in ANN_OPTIONS[name]]

@@ -201,3 +201,18 @@ def test_a_document_too_large_for_a_message_is_rejected_alone(tmp_path, monkeypa
     assert "over the 65536-byte gRPC message limit: not sent" in res["rejected"][0]["reason"]
     assert [(s["first_index"], s["documents_sent"]) for s in res["streams"]] == [(0, 2), (3, 1)]
     assert "rejected #1 'big'" in out.err
+
+
+def test_a_refused_ingest_prints_every_key_of_a_summary(tmp_path, monkeypatch, capsys):
+    """trial38b: ``oprag ingest --json`` on a missing path printed documents, chunks, rejected,
+    streams and error only; a script reading ``chunks_per_s`` or ``seq`` failed on it. A refusal now
+    has every key a committed ingest's object has, plus ``error``."""
+    monkeypatch.setattr(cli_ingest, "_client", lambda a: _Rejecting())
+    argv = ["ingest", "--server", "127.0.0.1:1", "--format", "jsonl", "--no-progress", "--json"]
+    assert cli.main(argv + [str(_file(tmp_path, 2, False))]) == 0
+    ok = json.loads(capsys.readouterr().out)
+    assert cli.main(argv + [str(tmp_path / "missing.jsonl")]) == 1
+    refused = json.loads(capsys.readouterr().out)
+    assert set(refused) == set(ok) | {"error"}
+    assert (refused["documents"], refused["chunks"], refused["seq"], refused["streams"]) == (0, 0, 0, [])
+    assert refused["error"]["stored"] is False and "missing.jsonl" in refused["error"]["message"]

@@ -74,3 +74,37 @@ def test_the_supervisor_asks_for_a_refresh_when_the_dead_shards_change():
 
     asyncio.run(go())
     assert changes == [[1], []]
+
+
+def test_background_work_pending_is_followed_until_it_is_done():
+    """trial38b #2: a shard's bytes move without a write (HNSW inserts of deferred vectors, a BM25
+    merge); while a refresh sees either pending, another follows, and they stop once none is."""
+    class _Busy(_Pool):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls, self.pending = 0, [3, 1, 0]
+
+        async def gather_partial(self, op, req):
+            got, missing = await super().gather_partial(op, req)
+            left = self.pending[min(self.calls, len(self.pending) - 1)]
+            for i, s in got.items():
+                s.ann_pending, s.merge_pending = left if i == 0 else 0, 0
+                s.nbytes = {"vectors": 1000 - 100 * left}
+            self.calls += 1
+            return got, missing
+
+    pool, metrics = _Busy(), Metrics()
+    g = IndexGauges(pool, metrics)
+    g.min_gap_s, g.pending_gap_s = 0.01, 0.02
+
+    async def go():
+        g.stale()
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if g._task.done():  # noqa: SLF001
+                break
+        assert g._task.done()  # noqa: SLF001 - the refreshes stopped
+
+    asyncio.run(go())
+    assert pool.calls == 3  # pending 3, 1, then none
+    assert _bytes(metrics)[("0", "vectors")] == 1000

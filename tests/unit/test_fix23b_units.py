@@ -287,10 +287,10 @@ def test_ivf_lists_are_2_sqrt_n_up_to_1024_and_never_more_than_the_sqrt_rule_pas
 
 
 @pytest.mark.parametrize("argv, said", [
-    (["--dense-index", "hnsw", "--ef-search", "70000"], "--ef-search: ef_search must be in [1, 65536], got 70000"),
-    (["--dense-index", "ivf", "--nprobe", "65537"], "--nprobe: nprobe must be in [1, 65536], got 65537"),
-    (["--nprobe", "0"], "--nprobe: nprobe must be in [1, 65536], got 0"),
-    (["--dense-index", "IVF"], "--dense-index: dense index must be one of flat, hnsw, ivf, got 'IVF'")])
+    (["--dense-index", "hnsw", "--ef-search", "70000"], "--ef-search must be in [1, 65536], got 70000"),
+    (["--dense-index", "ivf", "--nprobe", "65537"], "--nprobe must be in [1, 65536], got 65537"),
+    (["--nprobe", "0"], "--nprobe must be in [1, 65536], got 0"),
+    (["--dense-index", "IVF"], "--dense-index must be one of flat, hnsw, ivf, got 'IVF'")])
 def test_serve_bounds_its_default_knobs_as_a_request_is_bounded_and_names_every_flag(argv, said):
     """trial38 #2: `serve --ef-search 70000` started although a request's 65537 is refused; #4: `--dense-index IVF`
     was the one message that did not name its flag."""
