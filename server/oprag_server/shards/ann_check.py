@@ -73,7 +73,7 @@ class SampleCheck:
         self._new_i8, self._new, self._seen = Int8Rows(), np.zeros(0, np.int64), -1  # their sample, at store version _seen
         self._new_i8.MAX_ROWS = self._i8.MAX_ROWS
 
-    def _current(self, dense) -> bool:
+    def _current(self, dense, end: int | None = None) -> bool:
         from ..index.slot_sample import live_slots, strided  # noqa: PLC0415 - (by slot order: the same after a restart)
 
         n = len(dense)
@@ -86,7 +86,7 @@ class SampleCheck:
             self._of = max(1.0, live.size / max(self.sample, 1))
         version = dense._version  # noqa: SLF001 - (grows at every add and remove)
         if version != self._seen:  # the chunks written since the draw, sampled at its density
-            fresh = live_slots(dense, self._top)
+            fresh = live_slots(dense, self._top, end)  # (end: the store's next slot, not the map's capacity)
             self._new = strided(fresh, int(np.ceil(fresh.size / self._of)))
             vecs = np.ascontiguousarray(dense.vectors_of(self._new), dtype=np.float32)
             if self._new.size and self._new_i8.of(vecs, version) is None:
@@ -100,7 +100,7 @@ class SampleCheck:
         list then provably misses a chunk of the exact top-:data:`TOP`. False for an empty list
         or shard."""
         dense = searcher.store.dense
-        if slots.size == 0 or len(dense) == 0 or not self._current(dense):
+        if slots.size == 0 or len(dense) == 0 or not self._current(dense, getattr(searcher.store, "next_slot", None)):
             return False
         cut = float(scores[min(slots.size, TOP) - 1])
         cand = [s[np.flatnonzero(i8.scores(q, None) > cut - i8.error(q))]
