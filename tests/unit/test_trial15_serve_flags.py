@@ -44,5 +44,5 @@ def test_a_dense_index_value_out_of_range_names_its_option(flag, value, capsys, 
     """trial36: 'ann_check must be >= 0' named the config field, not the option to change."""
     assert main([flag, value, "--dense-index", "hnsw", "--data-dir", str(tmp_path / "d")]) == 2
     err = capsys.readouterr().err
-    assert f"{flag}: " in err and f"got {value}" in err, err
+    assert f"{flag} must be " in err and f"got {value}" in err, err  # (the flag in place of the field: trial38b)
     assert not (tmp_path / "d").exists()

@@ -16,7 +16,7 @@ def test_hnsw_m_out_of_range_is_refused_at_start(m, capsys):
     with pytest.raises(ValueError, match=r"hnsw_m must be in \[2, 512\], got "):
         DenseConfig(kind="hnsw", hnsw_m=m)
     assert cli.main(["--dense-index", "hnsw", "--hnsw-m", str(m)]) == 2
-    assert f"hnsw_m must be in [2, 512], got {m}" in capsys.readouterr().err
+    assert f"--hnsw-m must be in [2, 512], got {m}" in capsys.readouterr().err
 
 
 def test_hnsw_m_bounds_are_usable():

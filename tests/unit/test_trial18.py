@@ -16,7 +16,7 @@ def test_upsert_batch_below_one_is_refused_at_start(n, capsys):
     with pytest.raises(ValueError, match=r"upsert batch must be >= 1, got "):
         ServerConfig(ingest=IngestConfig(upsert_batch=n))
     assert cli.main(["--upsert-batch", str(n)]) == 2
-    assert f"upsert batch must be >= 1, got {n}" in capsys.readouterr().err
+    assert f"--upsert-batch must be >= 1, got {n}" in capsys.readouterr().err
 
 
 def test_upsert_batch_of_one_is_usable():

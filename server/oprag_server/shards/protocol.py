@@ -122,14 +122,12 @@ class SearchRequest:
 
 @message
 class SearchReply:
-    """Per query i: ``candidates[i]``; ``eligible[i]`` chunks eligible on this shard; ``dense_min[i]`` the dense
-    minimum estimated from a fixed vector sample (+inf when not computed: lexical mode or an empty shard; exact over
-    the eligible rows with a flat index). Per-query scalars are lists (B is small). ``m`` > 0: ``lexical[i]`` the
-    BM25 top-m of the eligible chunks with a BM25 score != 0 by (BM25 desc, canonical dense desc, chunk id asc),
-    ``listed[i]`` how many there are and ``tied[i]`` whether unlisted chunks share the list's last BM25 score;
-    ``lexical_min[i]`` the lowest BM25 score over the eligible chunks (exact mode's lexical minimum: 0.0 when some
-    eligible chunk scores 0), which the frontend cannot know from the list when every eligible chunk holds a query
-    term and the list is shorter than them."""
+    """Per query i: ``candidates[i]``; ``eligible[i]`` chunks eligible here; ``dense_min[i]`` the dense minimum
+    estimated from a fixed vector sample (+inf when not computed: lexical mode or an empty shard; exact over the
+    eligible rows with a flat index). Per-query scalars are lists. ``m`` > 0: ``lexical[i]`` the BM25 top-m of the
+    eligible chunks with a BM25 score != 0 by (BM25 desc, canonical dense desc, chunk id asc), ``listed[i]`` how
+    many there are, ``tied[i]`` whether unlisted ones share the list's last score; ``lexical_min[i]`` the lowest
+    BM25 score of the eligible chunks (0.0 when some scores 0: exact mode's; not known from a shorter list)."""
 
     candidates: list[Candidates]
     eligible: list[int]
