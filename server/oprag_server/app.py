@@ -131,8 +131,8 @@ class Runtime:
         self._bg.append(asyncio.create_task(self._snapshot_loop(self.cfg.snapshot_interval_s)))
         if self.commits.lease is not None:
             self._bg.append(asyncio.create_task(keep_lease(self.commits.lease, self._reestablish, asyncio.Event())))
-        if await self.gauges.refresh():  # (a start that left background work: follow it)
-            self.gauges.stale()
+        await self.gauges.refresh()
+        self.gauges.stale()  # (what a start leaves to do between requests: followed, engine/gauges.py)
 
     def _on_widen(self, widened: int, uncertified: int) -> None:
         """Count a dense-first batch's widened and uncertified queries (most batches have none:
@@ -219,6 +219,7 @@ class Runtime:
                 raise
             if not skip:
                 self.commits.reset_log()
+        self.gauges.stale()  # (a snapshot maps merged segments: other bytes, engine/gauges.py)
 
     async def _reestablish(self) -> None:
         """The storage lost its objects while serving: record the layout, snapshot every shard."""

@@ -95,7 +95,7 @@ def test_background_work_pending_is_followed_until_it_is_done():
 
     pool, metrics = _Busy(), Metrics()
     g = IndexGauges(pool, metrics)
-    g.min_gap_s, g.pending_gap_s = 0.01, 0.02
+    g.min_gap_s, g.follow_s, g.settle_s = 0.01, 0.02, 0.0
 
     async def go():
         g.stale()
@@ -106,5 +106,39 @@ def test_background_work_pending_is_followed_until_it_is_done():
         assert g._task.done()  # noqa: SLF001 - the refreshes stopped
 
     asyncio.run(go())
-    assert pool.calls == 3  # pending 3, 1, then none
+    assert pool.calls == 4  # pending 3, 1, then none: one more finds the same bytes
     assert _bytes(metrics)[("0", "vectors")] == 1000
+
+
+def test_bytes_that_move_with_nothing_pending_are_followed_for_the_settling_time():
+    """trial39: an idle merge (after 5 s without writes) and a snapshot change a shard's bytes while
+    no refresh saw any work pending; the refreshes go on for ``settle_s`` after the last write,
+    then stop once the bytes stay put."""
+    class _Idle(_Pool):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = 0
+
+        async def gather_partial(self, op, req):
+            got, missing = await super().gather_partial(op, req)
+            self.calls += 1
+            for s in got.values():
+                s.ann_pending = s.merge_pending = 0
+                s.nbytes = {"postings": 500 if self.calls >= 5 else 900}  # (the idle merge lands late)
+            return got, missing
+
+    pool, metrics = _Idle(), Metrics()
+    g = IndexGauges(pool, metrics)
+    g.min_gap_s, g.follow_s, g.settle_s = 0.01, 0.02, 0.12
+
+    async def go():
+        g.stale()
+        for _ in range(300):
+            await asyncio.sleep(0.01)
+            if g._task.done():  # noqa: SLF001
+                break
+        assert g._task.done()  # noqa: SLF001 - they stopped
+
+    asyncio.run(go())
+    assert _bytes(metrics)[("0", "postings")] == 500
+    assert pool.calls >= 6

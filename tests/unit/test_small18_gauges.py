@@ -27,6 +27,8 @@ class _Pool:
 
 def test_a_burst_of_writes_costs_a_few_broadcasts_and_ends_current(monkeypatch):
     monkeypatch.setattr(IndexGauges, "min_gap_s", 0.05)
+    monkeypatch.setattr(IndexGauges, "settle_s", 0.1)  # (the refreshes that follow background work: a few more)
+    monkeypatch.setattr(IndexGauges, "follow_s", 0.05)
     pool, metrics = _Pool(), Metrics()
     g = IndexGauges(pool, metrics)
 

@@ -9,9 +9,12 @@ broadcast at a time, at most one every :attr:`IndexGauges.min_gap_s` seconds, an
 it when a write came meanwhile (the gauges never stay behind the last write).
 
 Work a shard does between requests changes its bytes without a write: HNSW inserts of deferred
-vectors (``ann_pending``), BM25 merges (``merge_pending``). While a refresh finds either pending, another follows
-:attr:`IndexGauges.pending_gap_s` later, until none is (trial38b: ``oprag_shard_bytes`` stayed up to
-2.5x off the Stats RPC after an ingest's background work, until the next write).
+vectors (``ann_pending``), BM25 merges (``merge_pending``; an idle merge starts only after writes
+have been quiet for 5 s, reported as pending by no refresh before it), the snapshot that maps a
+merged segment. So refreshes go on every :attr:`IndexGauges.follow_s` seconds for
+:attr:`IndexGauges.settle_s` after the last write or snapshot, and past that while a shard reports
+work pending or a refresh still finds other bytes than the one before (trial38b, trial39:
+``oprag_shard_bytes`` stayed up to 2.5x off the Stats RPC after an ingest, until the next write).
 """
 
 from __future__ import annotations
@@ -28,18 +31,23 @@ class IndexGauges:
         ``memory_records``, ``shard_bytes``)."""
 
     min_gap_s = 0.25
-    #: seconds between refreshes while a shard reports background work pending (module docstring)
-    pending_gap_s = 2.0
+    #: seconds between the refreshes that follow a write's background work (module docstring)
+    follow_s = 2.0
+    #: seconds after the last write or snapshot during which they go on whatever they find
+    settle_s = 15.0
 
     def __init__(self, pool: Any, metrics: Any) -> None:
         self.pool, self.metrics = pool, metrics
         self._stale = False
+        self._since = 0.0  # loop time of the last stale()
+        self._seen: dict | None = None  # the bytes the last refresh found
         self._task: asyncio.Task | None = None
         self._bytes_series: dict[int, set[str]] = {}  # shard -> its oprag_shard_bytes components
 
     def stale(self) -> None:
         """The shards changed: refresh soon (a task on the running loop; coalesced, see the module)."""
         self._stale = True
+        self._since = asyncio.get_running_loop().time()
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run())
 
@@ -51,15 +59,17 @@ class IndexGauges:
     async def _run(self) -> None:
         while self._stale:
             self._stale = False
-            pending = await self.refresh()
+            moving = await self.refresh()
             await asyncio.sleep(self.min_gap_s)
-            if pending and not self._stale:
-                await asyncio.sleep(max(self.pending_gap_s - self.min_gap_s, 0.0))
-                self._stale = True
+            loop = asyncio.get_running_loop()
+            if not self._stale and (moving or loop.time() - self._since < self.settle_s):
+                await asyncio.sleep(max(self.follow_s - self.min_gap_s, 0.0))
+                self._stale = True  # (not stale(): the settling window stays the last write's)
 
     async def refresh(self) -> bool:
         """One STATS round into the gauges (best effort: an error leaves them as they are);
-        returns whether a shard that answered has background work pending (module docstring).
+        returns whether the shards are still moving: one reports background work pending, or the
+        bytes differ from the last refresh's (module docstring).
 
         The totals (``oprag_chunks``, ``oprag_documents``, ``oprag_memory_records``) are those of
         the shards that answer, as the Stats RPC's; a shard that is down is left out of them and
@@ -83,4 +93,6 @@ class IndexGauges:
         for i in missing:
             for component in self._bytes_series.pop(i, ()):
                 self.metrics.shard_bytes.remove(str(i), component)
-        return any(getattr(s, "ann_pending", 0) or getattr(s, "merge_pending", 0) for s in st)
+        seen = {i: dict(s.nbytes or {}) for i, s in got.items()}
+        changed, self._seen = seen != self._seen, seen
+        return changed or any(getattr(s, "ann_pending", 0) or getattr(s, "merge_pending", 0) for s in st)
