@@ -219,7 +219,6 @@ class Runtime:
                 raise
             if not skip:
                 self.commits.reset_log()
-        self.gauges.stale()  # (a snapshot maps merged segments: other bytes, engine/gauges.py)
 
     async def _reestablish(self) -> None:
         """The storage lost its objects while serving: record the layout, snapshot every shard."""
@@ -240,6 +239,7 @@ class Runtime:
                     and not (self.commits.lease is not None and self.commits.lease.fenced):
                 try:
                     await self.snapshot()
+                    self.gauges.stale()  # (a snapshot maps merged segments: other bytes, engine/gauges.py)
                     wait = max(interval_s, (time.perf_counter() - t) * (1 / max_share - 1))
                 except Exception as exc:  # noqa: BLE001
                     if str(exc) != failing:

@@ -79,7 +79,8 @@ def test_hnsw_compacts_after_many_deletes():
 
 
 def _state(kind: str, data_dir, n: int = 600) -> ShardState:
-    st = ShardState(0, D, data_dir, dense=DenseConfig(kind=kind, train_min=200))
+    # (ann_check 0: a shard the check's sample holds whole is ranked from it, not by its index: ann_check.whole_tops)
+    st = ShardState(0, D, data_dir, dense=DenseConfig(kind=kind, train_min=200, ann_check=0))
     st.load(set())
     V = _clustered(n, seed=3)
     texts = [f"chunk {i} about topic {i % 7}" for i in range(n)]
@@ -113,7 +114,7 @@ def test_snapshot_keeps_the_structure_and_scores_stay_canonical(kind, tmp_path):
     st.snapshot()
     saved = (tmp_path / "shard-0").glob("snap-*/dense.faiss")
     assert next(saved).stat().st_size > 0
-    again = ShardState(0, D, tmp_path, dense=DenseConfig(kind=kind, train_min=200))
+    again = ShardState(0, D, tmp_path, dense=DenseConfig(kind=kind, train_min=200, ann_check=0))
     calls = []
     again.store.dense.compact_ann = lambda: calls.append(1)  # a rebuild would be a failure here
     again.load(set())

@@ -46,7 +46,8 @@ def _shard(vecs, start=0, sh=None, ann_tail=DenseConfig.ann_tail):
     """A shard holding ``vecs``; with the default ``ann_tail`` an upsert leaves its vectors in the
     tail outside the graph (the seeds' minimum then comes with the tail's exact one)."""
     sh = sh or ShardState(0, DIM, None, dense=DenseConfig(kind="hnsw", hnsw_m=16, ef_construction=40,
-                                                           ann_tail=ann_tail))
+                                                           ann_tail=ann_tail, ann_check=0))  # (a check sample
+    # holding every chunk gives the exact minimum instead: the seeds are for shards larger than it)
     n = len(vecs)
     ids = [f"d{start + i:05d}" for i in range(n)]
     batch = records.make_chunk_batch(

@@ -64,6 +64,7 @@ def test_periodic_snapshots_take_at_most_a_tenth_of_the_time(monkeypatch):
         _dirty, commits = True, type("C", (), {"lease": None})()
         cfg = type("Cfg", (), {"data_dir": "d"})()
         pool = type("P", (), {"unsaved_bytes": staticmethod(lambda: _zero())})()
+        gauges = type("G", (), {"stale": staticmethod(lambda: None)})()  # (refreshed after each snapshot)
 
         async def snapshot(self):
             clock[0] += next(took)
@@ -105,6 +106,7 @@ def test_a_segment_only_in_memory_is_snapshotted_without_a_write(monkeypatch, da
         _dirty, commits = False, type("C", (), {"lease": None})()
         cfg = type("Cfg", (), {"data_dir": data_dir})()
         pool = type("P", (), {"unsaved_bytes": staticmethod(unsaved_bytes)})()
+        gauges = type("G", (), {"stale": staticmethod(lambda: None)})()
 
         async def snapshot(self):
             snaps.append(1)

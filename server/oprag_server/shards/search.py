@@ -286,12 +286,13 @@ class Searcher(ExactMixin, FieldsMixin):
 
     def _dense_tops(self, q: np.ndarray, which: list[int], n: int, ef_search: int = 0,
                     nprobe: int = 0, check: bool = True) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        """Unfiltered top-n of the queries ``which`` of float32[B, D] ``q``: one FAISS call for a
-        few more than n, refined by canonical score; a query whose cut is too close to the last
-        fetched score is asked again with four times as many (rare). With an approximate index
-        (HNSW ``ef_search``, IVF ``nprobe``) the candidates are what it finds; their scores are
-        still canonical. With ``check``: a list that a sampled chunk proves incomplete is searched
-        again with a wider beam or more lists (:mod:`.ann_check`)."""
+        """Unfiltered top-n of the queries ``which`` of float32[B, D] ``q``: one FAISS call for a few more than n,
+        refined by canonical score; a query whose cut is too close to the last fetched score is asked again with four
+        times as many (rare). With an approximate index (HNSW ``ef_search``, IVF ``nprobe``) the candidates are what it
+        finds, scored canonically; with ``check`` a list a sampled chunk proves incomplete is searched again with a
+        wider beam or more lists, and a shard the sample holds whole is ranked exactly from it (:mod:`.ann_check`)."""
+        if check and (got := ann_check.whole_tops(self, q, which, n)) is not None:  # (a sample holding every chunk)
+            return got
         total = len(self.store.dense)
         fetch = min(total, n + max(16, n // 4))
         out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -331,14 +332,14 @@ class Searcher(ExactMixin, FieldsMixin):
         extreme seeds and the chunks a bottom-layer search for ``-q`` from the lowest seeds keeps
         (:class:`..index.dense_low.LowSeeds`, over an int8 copy of the vectors; only those within
         twice its error bound of the lowest int8 score are scored canonically; None when no
-        vector is live). IVF: the lower of
-        the sample estimate (:meth:`_dense_min_estimate`) and the canonical score of the chunk
-        the index finds nearest to ``-q`` (the inner-product minimum is the maximum of ``-q``:
-        one more ANN search, k = 1). All are scores of real chunks, so the result is never
-        below the exact minimum; with an exact search it is the exact minimum. None elsewhere."""
+        vector is live). IVF: the lower of the sample estimate (:meth:`_dense_min_estimate`) and the canonical score
+        of the chunk the index finds nearest to ``-q`` (the maximum of ``-q``: one more ANN search, k = 1). All are
+        scores of real chunks, never below the exact minimum. A shard whose list check's sample holds every chunk:
+        the exact minimum (:meth:`.ann_check.SampleCheck.lows`). None elsewhere."""
         out: list = [None] * q.shape[0]
-        if not plain:
-            return out
+        exact = self._check.lows(self, q, plain) if plain and self._check is not None else None
+        if exact is not None or not plain:  # (a check's sample holding every chunk: the exact minimum, ann_check.py)
+            return [dict(zip(plain, exact or ())).get(i) for i in range(q.shape[0])]
         dense = self.store.dense
         if dense.params.kind == "hnsw" and dense.ann is not None:  # from the seeds (index/dense_low.py)
             ann, qp = dense.ann, q[plain]
