@@ -15,8 +15,8 @@ from pathlib import Path
 import grpc
 
 from .cli_eval import cmd_eval
-from .cli_ingest import cmd_ingest
-from .cli_util import (_add_server, _client, _count, _fail, _positive, _rpc_error, _seconds,  # noqa: F401
+from .cli_ingest import cmd_ingest, refused_json
+from .cli_util import (_add_server, _client, _count, _fail, _json_error, _positive, _rpc_error, _seconds,  # noqa: F401
                        _stdout_closed_ok, _weight)
 from .client import FUSIONS, MAX_KNOB, MODES
 from .metadata import metadata_of
@@ -27,11 +27,22 @@ class _SubcommandParser(argparse.ArgumentParser):
     status 2). argparse passes a subparser's leftovers up to the top-level parser, which printed
     ``usage: oprag [-h] {...}`` for ``oprag query --bogus cells`` (trial24)."""
 
+    #: the object a ``--json`` invocation prints on stdout when its arguments are refused (message -> dict)
+    json_error = staticmethod(lambda msg: {"error": {"code": "USAGE", "message": msg}})
+
     def parse_known_args(self, args=None, namespace=None):
+        self._json = args is not None and "--json" in args
         ns, extras = super().parse_known_args(args, namespace)
         if extras:
             self.error(f"unrecognized arguments: {' '.join(extras)}")
         return ns, extras
+
+    def error(self, message: str):
+        """Usage and message on stderr, exit status 2; with ``--json`` also one JSON object on stdout (trial39:
+        ``oprag ingest --json --format bogus`` printed none, while a refused path printed the summary)."""
+        if getattr(self, "_json", False):
+            print(json.dumps(self.json_error(message)))
+        super().error(message)
 
 
 def _parser(plugins: dict) -> argparse.ArgumentParser:
@@ -42,6 +53,7 @@ def _parser(plugins: dict) -> argparse.ArgumentParser:
         sub.add_parser(name, help=f"see `oprag {name} --help`", add_help=False)
 
     i = sub.add_parser("ingest", help="stream documents into the service")
+    i.json_error = refused_json  # (the summary's keys, as a refused path prints them)
     _add_server(i)
     i.add_argument("--format", choices=["text", "jsonl", "beir", "wikitext", "parquet", "arrow"], default=None,
                    help="input format (default: text: .txt/.md/.rst files of FILE|DIR, id = relative path; a .jsonl, "
@@ -199,7 +211,7 @@ def cmd_query(a) -> int:
                 r = c.query(question, max_new_tokens=a.max_new_tokens, **kw)
                 answer = r.answer
     except grpc.RpcError as exc:
-        return _rpc_error(exc)
+        return _rpc_error(exc, a)
     if a.json:
         out = {"answer": answer, "hits": [_hit_json(h) for h in r.hits], "timings_ms": dict(r.timings_ms),
                "request_id": r.request_id, "memory_context": r.memory_context, "memory_used": r.memory_used,
@@ -207,9 +219,9 @@ def cmd_query(a) -> int:
                "missing_shards": list(r.retrieval.missing_shards),  # (also in retrieval; kept for older readers)
                # why the answer ended: "stop", "length", "no_sources", "no_generator"; None: --no-generate
                "finish_reason": r.finish_reason if answer is not None else None}
-        if answer is not None:
-            out["sources"] = [{"number": s.number, "chunk_id": s.chunk_id, "doc_id": s.doc_id, "title": s.title,
-                               "truncated": s.truncated} for s in r.sources]
+        out["sources"] = None if answer is None else [  # (None with --no-generate, as finish_reason: trial39)
+            {"number": s.number, "chunk_id": s.chunk_id, "doc_id": s.doc_id, "title": s.title,
+             "truncated": s.truncated} for s in r.sources]
         print(json.dumps(out, ensure_ascii=False))
         return _partial(r)
     if r.memory_context:
@@ -250,7 +262,7 @@ def cmd_clear_session(a) -> int:
         with _client(a) as c:
             r = c.clear_session(a.session)
     except grpc.RpcError as exc:
-        return _rpc_error(exc)
+        return _rpc_error(exc, a)
     removed = r.records_removed
     print(json.dumps({"records_removed": removed}) if a.json else f"removed {removed} memory records")
     return 0
@@ -261,7 +273,7 @@ def cmd_delete(a) -> int:
         with _client(a) as c:
             r = c.delete(a.doc_ids)
     except grpc.RpcError as exc:
-        return _rpc_error(exc)
+        return _rpc_error(exc, a)
     out = {"documents_deleted": r.documents_deleted, "chunks_deleted": r.chunks_deleted, "seq": r.seq}
     print(json.dumps(out) if a.json else f"deleted {r.documents_deleted} documents ({r.chunks_deleted} chunks)")
     return 0
@@ -272,7 +284,7 @@ def cmd_stats(a) -> int:
         with _client(a) as c:
             r = c.stats()
     except grpc.RpcError as exc:
-        return _rpc_error(exc)
+        return _rpc_error(exc, a)
     out = {
         "documents": r.documents,
         "chunks": r.chunks,
@@ -330,7 +342,7 @@ def cmd_health(a) -> int:
         with _client(a) as c:
             status = c.health(timeout=a.timeout or 5.0)
     except grpc.RpcError as exc:
-        return _rpc_error(exc)
+        return _rpc_error(exc, a)
     print(status)
     return 0 if status == "SERVING" else 1
 
@@ -366,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # an argument the client refuses before sending (a traceback before)
         hint = (" (the command line holds bytes that are not UTF-8: use a UTF-8 locale or re-encode the argument)"
                 if "surrogate" in str(exc) else "")
+        if getattr(a, "json", False):
+            _json_error("USAGE", f"{exc}{hint}")
         return _fail(f"{exc}{hint}", 2)
 
 

@@ -71,7 +71,7 @@ def cmd_eval(a) -> int:
         with _client(a) as c, ThreadPoolExecutor(max(1, a.concurrency)) as ex:
             results = list(ex.map(lambda q: one(c, q), judged))
     except grpc.RpcError as exc:
-        return _rpc_error(exc)
+        return _rpc_error(exc, a)
     per = [metrics(doc_ranking(docs), qrels[qid], top_k) for qid, docs, _ in results]
     lat = [ms for _, _, ms in results]
     n = len(results)

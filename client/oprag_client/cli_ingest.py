@@ -133,6 +133,13 @@ def _summary(totals: dict, streams: list, el: float) -> dict:
     }
 
 
+def refused_json(msg: str) -> dict:
+    """``oprag ingest --json``'s object for an ingest refused before anything was sent: every key of a summary (zeros)
+    and ``error`` (``stored`` false)."""
+    return {**_summary(_TOTALS0, [], 0.0), "error": {"stream": 0, "first_index": 0, "code": None, "message": msg,
+                                                      "stored": False}}
+
+
 def cmd_ingest(a) -> int:
     """``oprag ingest``. With ``--json`` one JSON object on stdout, also when a stream fails
     (README: "oprag ingest"): the totals of the committed streams, ``streams`` (one entry per
@@ -143,8 +150,7 @@ def cmd_ingest(a) -> int:
 
     def refuse(msg: str, code: int = 1) -> int:  # nothing sent; with --json also one object on stdout (trial36),
         if a.json:  # with the keys of every other summary (trial38b)
-            print(json.dumps({**_summary(_TOTALS0, [], 0.0), "error": {
-                "stream": 0, "first_index": 0, "code": None, "message": msg, "stored": False}}))
+            print(json.dumps(refused_json(msg)))
         return _fail(msg, code)
 
     missing = [str(p) for p in a.paths if not Path(p).exists()]

@@ -125,8 +125,20 @@ def _rpc_message(exc: grpc.RpcError) -> str:
     return f"{exc.code().name}: {details}{hint}"
 
 
-def _rpc_error(exc: grpc.RpcError) -> int:
-    return _fail(_rpc_message(exc))
+def _rpc_error(exc: grpc.RpcError, a=None) -> int:
+    """Exit status 1 with the call's error on stderr; with ``--json`` (``a.json``) also one JSON object on stdout,
+    ``{"error": {"code", "message"}}`` (trial39: ``oprag query --json`` printed nothing when the call failed)."""
+    msg = _rpc_message(exc)
+    if getattr(a, "json", False):
+        _json_error(exc.code().name, msg)
+    return _fail(msg)
+
+
+def _json_error(code: str | None, message: str) -> None:
+    """``{"error": {"code": code, "message": message}}`` on stdout (a ``--json`` command that fails)."""
+    import json  # noqa: PLC0415
+
+    print(json.dumps({"error": {"code": code, "message": message}}))
 
 
 class _ClosedOk:
