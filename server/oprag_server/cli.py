@@ -217,15 +217,17 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
     if train_min is not None and train_min < IVF_TRAIN_FLOOR:  # (below it FAISS printed a warning at every training)
         raise ValueError(f"--ivf-train-min must be at least {IVF_TRAIN_FLOOR}, got {train_min}: FAISS's k-means "
                          f"wants {IVF_TRAIN_FLOOR} training vectors per IVF list (a shard searches exactly until then)")
-    for section, kw in sections.items():
+    for section, kw in [*sections.items(), ("", None)]:  # (each section's dataclass, then ServerConfig itself)
         try:
-            top[section] = _field("", section).default_factory(**kw)
-        except ValueError as exc:  # the dataclass names its field: name the option too
+            if section:
+                top[section] = _field("", section).default_factory(**kw)
+            else:
+                cfg = ServerConfig(**top)
+        except ValueError as exc:  # the dataclass names its field: name the option instead
             msg = str(exc)  # (the field's name, or the flag's words: "dense index must ..."): said as the flag, as
             hit = next(((f, w) for f, sec, name, _ in _OPTIONS if sec == section for w in (name, f[2:].replace("-", " "))
-                        if msg.startswith(f"{w} ")), None)  # "--chunk-size must be at least 1" (trial38b #6)
-            raise ValueError(msg if hit is None or hit[0] in msg else hit[0] + msg[len(hit[1]):]) from None
-    cfg = ServerConfig(**top)
+                        if msg.startswith(f"{w} ")), None)  # "--chunk-size must be at least 1" (trial38b #6, trial39)
+            raise ValueError(msg if hit is None else hit[0] + msg[len(hit[1]):].replace(f" ({hit[0]})", "")) from None
     unused = [(f, name) for f, sec, name, _ in _OPTIONS if sec == "dense" and name in ANN_OPTIONS  # trial37 #7
               and getattr(cfg.dense, name) != getattr(DenseConfig, name) and cfg.dense.kind not in ANN_OPTIONS[name]]
     if unused:

@@ -117,7 +117,7 @@ class RetrievalConfig:
         if not 1 <= self.default_top_k <= self.max_top_k:
             raise ValueError(f"default_top_k must be in [1, {self.max_top_k}], got {self.default_top_k}")
         for name, most in (("lexical_candidates", self.max_candidates), ("hybrid_candidates", self.max_candidates),
-                           ("widen_rounds", 1 << 30)):
+                           ("widen_rounds", 16)):  # (each round asks 4x the lists: 4^16 exceeds any shard)
             if not 0 <= getattr(self, name) <= most:
                 raise ValueError(f"{name} must be in [0, {most}] (--{name.replace('_', '-')}), got {getattr(self, name)}")
         if self.dense_weight < 0 or self.lexical_weight < 0 or self.dense_weight + self.lexical_weight == 0:

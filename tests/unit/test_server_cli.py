@@ -73,3 +73,18 @@ def test_replicas_reach_the_config_and_are_bounded(capsys):
     assert cfg().replicas == 1 and cfg("--replicas", "2").replicas == 2
     assert cli.main(["--replicas", "0"]) == 2
     assert "replicas must be in [1, 8]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--shards", "0"], "--shards must be in [1, 64], got 0"),
+    (["--port", "70000"], "--port must be in [0, 65535], got 70000"),
+    (["--widen-rounds", "17"], "--widen-rounds must be in [0, 16], got 17"),
+    (["--candidates", "0"], "--candidates must be in [1, 4096], got 0"),
+])
+def test_a_server_wide_option_out_of_range_is_named_as_its_flag(argv, words, capsys, tmp_path):
+    """trial39 #6: "shards must be in [1, 64]" named the config field, "widen_rounds must be in [0, 1073741824]
+    (--widen-rounds)" both and a meaningless bound; every refusal now names the flag as --chunk-size's does."""
+    assert cli.main([*argv, "--data-dir", str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "_" not in err.split(" got ")[0], err  # (no config field name)
+    assert not (tmp_path / "d").exists()

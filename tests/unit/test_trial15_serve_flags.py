@@ -23,7 +23,7 @@ def test_a_host_that_is_not_local_is_named_as_the_host_not_the_port(flag, host, 
 
 def test_a_negative_shutdown_grace_is_refused(capsys, tmp_path):
     assert main(["--shutdown-grace", "-1", "--data-dir", str(tmp_path / "d")]) == 2
-    assert "shutdown grace must be >= 0 seconds, got -1.0" in capsys.readouterr().err
+    assert "--shutdown-grace must be >= 0 seconds, got -1.0" in capsys.readouterr().err
     assert ServerConfig(shutdown_grace_s=0).shutdown_grace_s == 0
 
 
