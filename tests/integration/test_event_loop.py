@@ -47,7 +47,7 @@ def test_uvloop_frontend_serves_ingest_retrieve_and_stats(tmp_path):
 
 
 def test_unknown_event_loop_is_refused():
-    with pytest.raises(ValueError, match="event loop must be 'asyncio' or 'uvloop'"):
+    with pytest.raises(ValueError, match="--event-loop must be 'asyncio' or 'uvloop'"):
         config_from_args(build_parser().parse_args(["--event-loop", "trio"]))
     assert config_from_args(build_parser().parse_args([])).event_loop == "asyncio"
     assert config_from_args(build_parser().parse_args(["--event-loop", "uvloop"])).event_loop == "uvloop"

@@ -142,3 +142,30 @@ def test_bytes_that_move_with_nothing_pending_are_followed_for_the_settling_time
     asyncio.run(go())
     assert _bytes(metrics)[("0", "postings")] == 500
     assert pool.calls >= 6
+
+
+def test_a_write_during_a_follow_up_wait_is_refreshed_at_once():
+    """The follow-up refreshes wait ``follow_s`` between them; a write meanwhile does not wait for that
+    (the CI saw ``oprag_documents`` 0 a second after an ingest, the refresh queued behind a 2 s wait)."""
+    pool, metrics = _Pool(), Metrics()
+    g = IndexGauges(pool, metrics)
+    g.min_gap_s, g.follow_s, g.settle_s = 0.01, 5.0, 10.0
+    calls = []
+    real = pool.gather_partial
+
+    async def counted(op, req):
+        calls.append(asyncio.get_running_loop().time())
+        return await real(op, req)
+
+    pool.gather_partial = counted
+
+    async def go():
+        g.stale()
+        await asyncio.sleep(0.2)  # the first refresh done, the follow-up waiting 5 s
+        assert len(calls) == 1
+        g.stale()
+        await asyncio.sleep(0.2)
+        assert len(calls) == 2  # refreshed at once
+        g.cancel()
+
+    asyncio.run(go())

@@ -41,6 +41,7 @@ class IndexGauges:
         self._stale = False
         self._since = 0.0  # loop time of the last stale()
         self._seen: dict | None = None  # the bytes the last refresh found
+        self._wake: asyncio.Event | None = None  # set by stale() while a follow-up refresh waits
         self._task: asyncio.Task | None = None
         self._bytes_series: dict[int, set[str]] = {}  # shard -> its oprag_shard_bytes components
 
@@ -48,6 +49,8 @@ class IndexGauges:
         """The shards changed: refresh soon (a task on the running loop; coalesced, see the module)."""
         self._stale = True
         self._since = asyncio.get_running_loop().time()
+        if self._wake is not None:  # (a write during a follow-up's wait: refresh now, not at its end)
+            self._wake.set()
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run())
 
@@ -63,7 +66,12 @@ class IndexGauges:
             await asyncio.sleep(self.min_gap_s)
             loop = asyncio.get_running_loop()
             if not self._stale and (moving or loop.time() - self._since < self.settle_s):
-                await asyncio.sleep(max(self.follow_s - self.min_gap_s, 0.0))
+                self._wake = asyncio.Event()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), max(self.follow_s - self.min_gap_s, 0.0))
+                except TimeoutError:
+                    pass
+                self._wake = None
                 self._stale = True  # (not stale(): the settling window stays the last write's)
 
     async def refresh(self) -> bool:
