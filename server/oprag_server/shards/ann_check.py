@@ -72,7 +72,7 @@ class SampleCheck:
         self._top, self._of = 0, 1  # slots >= _top came after the draw; the draw took 1 in _of of the live chunks
         self._new_i8, self._new, self._seen = Int8Rows(), np.zeros(0, np.int64), -1  # their sample, at store version _seen
         self._new_i8.MAX_ROWS = self._i8.MAX_ROWS
-        self._memo: dict = {}  # (int8 copy's key, query bytes) -> its int8 scores: a list check, then the minimum
+        self._memo: dict = {}  # (which int8 copy, query bytes) -> its int8 scores: a list check, then the minimum
         self._live = (-1, np.zeros(0, bool))  # (store version, which drawn chunks are live)
 
     def whole(self) -> bool:
@@ -83,7 +83,7 @@ class SampleCheck:
     def _scores(self, i8, q: np.ndarray) -> np.ndarray:
         """float32[S]: ``i8``'s int8 scores of float32[D] ``q``, kept for the last few queries (a list check and then
         the dense minimum, :meth:`lows`, scan the same sample for the same query)."""
-        key = (i8.key, q.tobytes())
+        key = (id(i8), q.tobytes())  # (cleared whenever either copy is made again: _current)
         got = self._memo.get(key)
         if got is None:
             if len(self._memo) >= 16:
@@ -101,6 +101,7 @@ class SampleCheck:
             vecs = np.ascontiguousarray(dense.vectors_of(self._slots), dtype=np.float32)
             self._ok = self._slots.size > 0 and self._i8.of(vecs, n) is not None
             self._n, self._top, self._seen = n, int(live[-1]) + 1 if live.size else 0, -1
+            self._memo.clear()
             self._of = max(1.0, live.size / max(self.sample, 1))
         version = dense._version  # noqa: SLF001 - (grows at every add and remove)
         if version != self._seen:  # the chunks written since the draw, sampled at its density
@@ -110,6 +111,7 @@ class SampleCheck:
             if self._new.size and self._new_i8.of(vecs, version) is None:
                 self._new = self._new[:0]  # (not finite: as the draw's, unchecked)
             self._seen = version
+            self._memo.clear()
         return self._ok or self._new.size > 0
 
     def misses(self, searcher, q: np.ndarray, slots: np.ndarray, scores: np.ndarray) -> bool:
@@ -129,7 +131,6 @@ class SampleCheck:
         cand = cand[~np.isin(cand, slots)]
         cand = cand[dense._rows_of(cand) >= 0]  # noqa: SLF001 - live ones only (the sample can be older)
         return bool(cand.size) and bool((dense.exact_slots(q, cand) > cut).any())
-
 
     def _whole_parts(self, searcher) -> list | None:
         """``[(slots, int8 copy, live mask)]`` of the draw and the chunks written since, when the sample holds every
