@@ -109,3 +109,32 @@ def _fill(sh, rows, seq=1):
         generations=[seq] * len(rows), content_hashes=[hashlib.sha256(r[0].encode()).hexdigest() for r in rows],
         vectors=np.stack([r[2] for r in rows]))
     sh.store.upsert(pa.Table.from_batches([batch]), seq)
+
+
+@pytest.mark.parametrize("kind", ["hnsw", "ivf"])
+def test_a_shard_deletes_bring_down_to_the_sample_size_is_drawn_whole_again(kind):
+    """trial39b: a shard drawn at 516 chunks with a 500-chunk sample (1 in 1.03), then brought to 500 by deletes
+    (under 1/16: no new draw), kept its partial sample and answered from its index, approximately, although it now
+    held no more than ``--ann-check`` chunks. It is drawn again whole and ranked exactly."""
+    from oprag_server.config import DenseConfig
+    from oprag_server.index.dense import fixed_order_dot
+    from oprag_server.shards.state import ShardState
+
+    rng = np.random.default_rng(8)
+    docs, centre = background_tie(rng, n=504)
+    built = {k: ShardState(0, DIM, None, dense=DenseConfig(kind=k, hnsw_m=8, train_min=100, ann_check=500))
+             for k in (kind, "flat")}
+    for sh in built.values():
+        _fill(sh, docs)  # 516 chunks
+    qv = _unit(rng.normal(size=(6, DIM)))
+    built[kind].search._dense_tops(qv, list(range(6)), 20)
+    assert not built[kind].search._check.whole()
+    for sh in built.values():
+        sh.store.delete([d for d, *_ in docs[:16]], 2)  # 500 chunks: less than 1/16 fewer
+    got = built[kind].search._dense_tops(qv, list(range(6)), 20)
+    assert built[kind].search._check.whole()
+    want = built["flat"].search._dense_tops(qv, list(range(6)), 20)
+    for i in range(6):
+        assert list(built[kind].store.ids(got[i][0])) == list(built["flat"].store.ids(want[i][0]))
+    V = built["flat"].store.dense.vectors
+    assert built[kind].search._ann_lows(qv, list(range(6)), 0, 0) == [float(fixed_order_dot(V, x).min()) for x in qv]

@@ -95,7 +95,8 @@ class SampleCheck:
         from ..index.slot_sample import live_slots, strided  # noqa: PLC0415 - (by slot order: the same after a restart)
 
         n = len(dense)
-        if self._n < 0 or abs(n - self._n) > REDRAW * self._n:
+        if self._n < 0 or abs(n - self._n) > REDRAW * self._n or (n <= self.sample and self._of > 1.0):  # (a shard
+            # that deletes brought down to the sample's size is drawn whole again: trial39b)
             live = live_slots(dense)
             self._slots = strided(live, self.sample)
             vecs = np.ascontiguousarray(dense.vectors_of(self._slots), dtype=np.float32)
