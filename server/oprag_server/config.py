@@ -216,8 +216,9 @@ class BatchConfig:
     embed_query_thread: bool = True
 
     def __post_init__(self) -> None:
-        if self.max_batch < 1 or self.queue_capacity < 1:
-            raise ValueError(f"max batch and queue capacity must be >= 1, got {self.max_batch}, {self.queue_capacity}")
+        for name in ("max_batch", "queue_capacity"):  # (one message each: the serve CLI names its flag, trial39b)
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_wait_ms < 0 or self.max_queue_delay_ms < 0 or self.ingest_embed_slice_ms <= 0:
             raise ValueError("batch wait, queue delay and ingest slice times must be >= 0 (slice > 0)")
 
@@ -378,7 +379,7 @@ class ServerConfig:
         if not self.shutdown_grace_s >= 0:
             raise ValueError(f"shutdown grace must be >= 0 seconds, got {self.shutdown_grace_s}")
         if not self.snapshot_interval_s > 0:
-            raise ValueError(f"snapshot interval must be > 0 seconds, got {self.snapshot_interval_s}")
+            raise ValueError(f"snapshot_interval_s must be > 0 seconds, got {self.snapshot_interval_s}")
         if self.memory.condense and not self.generate.engine:  # (with none it did nothing: no rewriter)
             raise ValueError("--memory-condense needs an engine generator (--generator openai or transformers-serve), "
                              f"got --generator {self.generate.model}")

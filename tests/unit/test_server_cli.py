@@ -80,6 +80,9 @@ def test_replicas_reach_the_config_and_are_bounded(capsys):
     (["--port", "70000"], "--port must be in [0, 65535], got 70000"),
     (["--widen-rounds", "17"], "--widen-rounds must be in [0, 16], got 17"),
     (["--candidates", "0"], "--candidates must be in [1, 4096], got 0"),
+    (["--snapshot-interval-s", "-1"], "--snapshot-interval-s must be > 0 seconds, got -1.0"),
+    (["--max-batch", "0"], "--max-batch must be >= 1, got 0"),
+    (["--queue-capacity", "0"], "--queue-capacity must be >= 1, got 0"),
 ])
 def test_a_server_wide_option_out_of_range_is_named_as_its_flag(argv, words, capsys, tmp_path):
     """trial39 #6: "shards must be in [1, 64]" named the config field, "widen_rounds must be in [0, 1073741824]

@@ -48,4 +48,4 @@ def test_snapshot_interval_flag(capsys, tmp_path):
     assert config_from_args(build_parser().parse_args(["--snapshot-interval-s", "0.5"])).snapshot_interval_s == 0.5
     assert config_from_args(build_parser().parse_args([])).snapshot_interval_s == 30.0
     assert main(["--snapshot-interval-s", "0", "--data-dir", str(tmp_path / "d")]) == 2
-    assert "snapshot interval must be > 0 seconds, got 0.0" in capsys.readouterr().err
+    assert "--snapshot-interval-s must be > 0 seconds, got 0.0" in capsys.readouterr().err
