@@ -56,6 +56,7 @@ def test_a_shard_the_sample_holds_whole_answers_as_exact_mode(kind, knob, family
         for k in (10, 50):
             specs = [RetrieveSpec(mode="hybrid", top_k=k, **knob), RetrieveSpec(mode="full_hybrid", top_k=k)]
             hits, _, infos = asyncio.run(r.retrieve(np.stack([qv, qv]), [t, t], specs))
+            assert (infos[0].ef_search, infos[0].nprobe) == (0, 0)  # (no index searched: the README's sign of it)
             if infos[0].certified:
                 certified += 1
                 assert _key(hits[0]) == _key(hits[1]), (kind, knob, family, i, k)

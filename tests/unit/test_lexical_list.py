@@ -155,6 +155,7 @@ def test_hybrid_equals_exact_mode_through_a_large_bm25_tie(kind, family, text):
                                   lexical_weight=1 - wd),
                      RetrieveSpec(mode="full_hybrid", top_k=10, candidates=128, dense_weight=wd, lexical_weight=1 - wd)]
             hits, _, infos = asyncio.run(r.retrieve(np.stack([x, x]), [text] * 2, specs))
+            assert kind == "flat" or max(infos[0].ef_search, infos[0].nprobe) > 0  # (an index searched: reported)
             if infos[0].certified:
                 certified += 1
                 # (HNSW / IVF: the dense range's minimum is the lowest the index finds, so fused scores may
