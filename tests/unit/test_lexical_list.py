@@ -84,6 +84,33 @@ def test_order_equals_a_sort_of_every_candidate(draw, seed):
             assert not (dense2[rest] > d[-1]).any()
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_a_large_tie_screened_by_approximate_scores_gives_the_same_list(seed, monkeypatch):
+    """A tie larger than ``SCREEN`` is first screened by approximate dense scores within a bound (a flat shard's
+    int8 copy); only the members that can be among the best are scored canonically: the list is the same."""
+    from oprag_server.index import lexical_list
+
+    monkeypatch.setattr(lexical_list, "SCREEN", 4)
+    rng = np.random.default_rng(seed)
+    for _ in range(30):
+        c = int(rng.integers(10, 80))
+        m = int(rng.integers(1, c))
+        ids = [f"c{i:03d}" for i in rng.permutation(c).tolist()]
+        lex = rng.integers(1, 3, size=c).astype(np.float64)
+        dense = rng.normal(size=c).round(2)
+        err = 0.05
+        noisy = dense + rng.uniform(-err, err, size=c)
+        top = _rank_top(lex, ids, m)
+        keep = np.flatnonzero(lex >= lex[top[-1]])
+        lex2, dense2, noisy2, ids2 = lex[keep], dense[keep], noisy[keep], [ids[i] for i in keep]
+        top2 = _rank_top(lex2, ids2, m)
+        scored = []
+        got, d, tied = order_lexical_list(lex2, top2, lambda p: (scored.append(len(p)), dense2[p])[1],
+                                          lambda p: ids2[p], lambda p: (noisy2[p], err))
+        assert [ids2[p] for p in got] == [ids2[p] for p in _reference(lex2, dense2, ids2, m)]
+        np.testing.assert_array_equal(d, dense2[got])
+
+
 # ---------------------------------------------------------------- served: real shards, FAISS indexes
 
 def background_tie(rng, n=1600):
@@ -165,8 +192,9 @@ def test_hybrid_equals_exact_mode_through_a_large_bm25_tie(kind, family, text):
     assert certified >= 12, certified
 
 
+@pytest.mark.parametrize("kind", ["ivf", "flat"])
 @pytest.mark.parametrize("pruned", [False, True])
-def test_shard_list_is_the_reference_order_on_both_bm25_paths(pruned, monkeypatch):
+def test_shard_list_is_the_reference_order_on_both_bm25_paths(pruned, kind, monkeypatch):
     """The shard's BM25 list for a query whose cut falls in a tie of ~800: the first m by (exact
     BM25 desc, canonical dense desc, chunk id asc) over every chunk with the query's terms, on the
     path that reads every posting and on the pruned (MaxScore) pass; a wider request's list
@@ -178,9 +206,12 @@ def test_shard_list_is_the_reference_order_on_both_bm25_paths(pruned, monkeypatc
 
     if pruned:
         monkeypatch.setattr(listed_top, "_FULL_BELOW", 0)
+    from oprag_server.index import lexical_list
+
+    monkeypatch.setattr(lexical_list, "SCREEN", 64)  # (flat: the tie of ~1,600 screened by the int8 copy first)
     rng = np.random.default_rng(9)
     docs, centre = background_tie(rng)
-    shards, stats = _build(docs, 1, "ivf")
+    shards, stats = _build(docs, 1, kind)
     st = shards[0].store
     terms = Analyzer().tokens("synthetic vector")
     idf, avgdl = stats.query_idf(terms), stats.avgdl

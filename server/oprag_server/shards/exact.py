@@ -113,6 +113,13 @@ class ExactMixin:
         return [(i8.scores(q[i], None), np.minimum(i8.row_scale(q[i], qn[i]) * i8.rb + 1e-12, i8.error(q[i], qn[i])))
                 for i in range(q.shape[0])]
 
+    def _approx_at(self, q: np.ndarray, slots: np.ndarray):
+        """None, or for a flat shard with its int8 copy: positions p -> ``(float32 approximate dense scores of
+        float32[D] q with slots[p], their bound)`` (:func:`..index.lexical_list.order_lexical_list`'s screen)."""
+        dense = self.store.dense
+        i8 = self._int8_rows() if dense.params.kind == "flat" and len(dense) and np.isfinite(q).all() else None
+        return None if i8 is None else (lambda p: (i8.scores(q, dense.rows(slots[p])), i8.error(q)))
+
     def _int8_rows(self):
         """The flat index's int8 copy (:class:`..index.kernels_scan.Int8Rows`, rebuilt after a
         write; also the hybrid scan's, :meth:`.search.Searcher._kernel_tops`), or None without

@@ -160,7 +160,7 @@ class Searcher(ExactMixin, FieldsMixin):
         # ids are read only for ties (the slot-indexed id array of the store)
         order = _kernels_refine().rank_top(lex, st._slot_ids, m, rows=slots)  # noqa: SLF001
         order, dense, tied = order_lexical_list(lex, order, lambda p: self._canonical(q, st.dense.rows(slots[p])),
-                                                lambda p: st._slot_ids[int(slots[p])])  # noqa: SLF001
+                                                lambda p: st._slot_ids[int(slots[p])], self._approx_at(q, slots))  # noqa: SLF001
         top = slots[order]
         return Candidates(top, st.ids(top), dense, lex[order]), listed, cand_lex, tied
 
