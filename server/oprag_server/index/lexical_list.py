@@ -36,8 +36,8 @@ def order_lexical_list(lex: np.ndarray, top: np.ndarray, dense_at: Callable[[np.
     :param dense_at: positions int64[P] -> float64[P] canonical dense scores.
     :param id_at: position -> chunk id (read only to order chunks equal in both scores).
     :param approx_at: None, or positions int64[P] -> ``(float[P] approximate dense scores, bound)`` each within
-        ``bound`` of its canonical score: a tie of more than :data:`SCREEN` members is screened with it first (the
-        argument of :func:`.fusion.refine_top`; the same list).
+        ``bound`` of its canonical score (or None: none to give): a tie of more than :data:`SCREEN` members is
+        screened with it first (the argument of :func:`.fusion.refine_top`; the same list).
     :returns: ``(positions int64[m'], dense float64[m'], tied)``: the list ordered by (BM25 desc,
         dense desc, chunk id asc), its dense scores, and whether candidates beyond it share its
         last BM25 score (the list's last chunk then has the lowest dense score of the tie's listed
@@ -53,10 +53,10 @@ def order_lexical_list(lex: np.ndarray, top: np.ndarray, dense_at: Callable[[np.
     if tied:  # the tie's members with the highest dense scores, ties by chunk id
         tie = np.flatnonzero(lex == cut)
         keep, need = top[~in_list], int(np.count_nonzero(in_list))
-        if approx_at is not None and tie.size > SCREEN:  # (outside: canonical below the need-th best's, strictly)
-            a, err = approx_at(tie)
-            a = np.asarray(a, np.float64)
-            tie = tie[a >= float(np.partition(a, a.size - need)[a.size - need]) - 2.0 * float(err)]
+        got = approx_at(tie) if approx_at is not None and tie.size > SCREEN else None
+        if got is not None:  # (outside the screen: canonical below the need-th best's, strictly)
+            a, err = np.asarray(got[0], np.float64), float(got[1])
+            tie = tie[a >= float(np.partition(a, a.size - need)[a.size - need]) - 2.0 * err]
         dt = dense_at(tie)
         o = np.argsort(-dt, kind="stable")
         thr = dt[o[need - 1]]

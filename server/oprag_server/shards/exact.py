@@ -114,11 +114,14 @@ class ExactMixin:
                 for i in range(q.shape[0])]
 
     def _approx_at(self, q: np.ndarray, slots: np.ndarray):
-        """None, or for a flat shard with its int8 copy: positions p -> ``(float32 approximate dense scores of
-        float32[D] q with slots[p], their bound)`` (:func:`..index.lexical_list.order_lexical_list`'s screen)."""
-        dense = self.store.dense
-        i8 = self._int8_rows() if dense.params.kind == "flat" and len(dense) and np.isfinite(q).all() else None
-        return None if i8 is None else (lambda p: (i8.scores(q, dense.rows(slots[p])), i8.error(q)))
+        """Positions p -> ``(float32 approximate dense scores of float32[D] q with slots[p], their bound)`` from a
+        flat shard's int8 copy, or None without one (:func:`..index.lexical_list.order_lexical_list`'s screen; looked
+        up only when a large tie asks)."""
+        def at(p):
+            dense = self.store.dense
+            i8 = self._int8_rows() if dense.params.kind == "flat" and len(dense) and np.isfinite(q).all() else None
+            return None if i8 is None else (i8.scores(q, dense.rows(slots[p])), i8.error(q))
+        return at
 
     def _int8_rows(self):
         """The flat index's int8 copy (:class:`..index.kernels_scan.Int8Rows`, rebuilt after a
