@@ -76,36 +76,47 @@ def test_the_supervisor_asks_for_a_refresh_when_the_dead_shards_change():
     assert changes == [[1], []]
 
 
-def test_background_work_pending_is_followed_until_it_is_done():
-    """trial38b #2: a shard's bytes move without a write (HNSW inserts of deferred vectors, a BM25
-    merge); while a refresh sees either pending, another follows, and they stop once none is."""
-    class _Busy(_Pool):
-        def __init__(self) -> None:
-            super().__init__()
-            self.calls, self.pending = 0, [3, 1, 0]
+class _Scripted(_Pool):
+    """The fake shards, each STATS reply then shaped by ``shape(call number from 0, shard, reply)``."""
 
-        async def gather_partial(self, op, req):
-            got, missing = await super().gather_partial(op, req)
-            left = self.pending[min(self.calls, len(self.pending) - 1)]
-            for i, s in got.items():
-                s.ann_pending, s.merge_pending = left if i == 0 else 0, 0
-                s.nbytes = {"vectors": 1000 - 100 * left}
-            self.calls += 1
-            return got, missing
+    def __init__(self, shape) -> None:
+        super().__init__()
+        self.calls, self.shape = 0, shape
 
-    pool, metrics = _Busy(), Metrics()
-    g = IndexGauges(pool, metrics)
-    g.min_gap_s, g.follow_s, g.settle_s = 0.01, 0.02, 0.0
+    async def gather_partial(self, op, req):
+        got, missing = await super().gather_partial(op, req)
+        for i, s in got.items():
+            s.ann_pending = s.merge_pending = 0
+            self.shape(self.calls, i, s)
+        self.calls += 1
+        return got, missing
 
+
+def _until_quiet(g: IndexGauges, polls: int) -> None:
+    """Mark the gauges stale and wait (``polls`` x 10 ms at most) until their refreshes stop; they must."""
     async def go():
         g.stale()
-        for _ in range(200):
+        for _ in range(polls):
             await asyncio.sleep(0.01)
             if g._task.done():  # noqa: SLF001
                 break
         assert g._task.done()  # noqa: SLF001 - the refreshes stopped
 
     asyncio.run(go())
+
+
+def test_background_work_pending_is_followed_until_it_is_done():
+    """trial38b #2: a shard's bytes move without a write (HNSW inserts of deferred vectors, a BM25
+    merge); while a refresh sees either pending, another follows, and they stop once none is."""
+    def busy(call, i, s):
+        left = [3, 1, 0][min(call, 2)]
+        s.ann_pending = left if i == 0 else 0
+        s.nbytes = {"vectors": 1000 - 100 * left}
+
+    pool, metrics = _Scripted(busy), Metrics()
+    g = IndexGauges(pool, metrics)
+    g.min_gap_s, g.follow_s, g.settle_s = 0.01, 0.02, 0.0
+    _until_quiet(g, 200)
     assert pool.calls == 4  # pending 3, 1, then none: one more finds the same bytes
     assert _bytes(metrics)[("0", "vectors")] == 1000
 
@@ -114,32 +125,13 @@ def test_bytes_that_move_with_nothing_pending_are_followed_for_the_settling_time
     """trial39: an idle merge (after 5 s without writes) and a snapshot change a shard's bytes while
     no refresh saw any work pending; the refreshes go on for ``settle_s`` after the last write,
     then stop once the bytes stay put."""
-    class _Idle(_Pool):
-        def __init__(self) -> None:
-            super().__init__()
-            self.calls = 0
+    def idle(call, i, s):
+        s.nbytes = {"postings": 500 if call >= 4 else 900}  # (the idle merge lands late)
 
-        async def gather_partial(self, op, req):
-            got, missing = await super().gather_partial(op, req)
-            self.calls += 1
-            for s in got.values():
-                s.ann_pending = s.merge_pending = 0
-                s.nbytes = {"postings": 500 if self.calls >= 5 else 900}  # (the idle merge lands late)
-            return got, missing
-
-    pool, metrics = _Idle(), Metrics()
+    pool, metrics = _Scripted(idle), Metrics()
     g = IndexGauges(pool, metrics)
     g.min_gap_s, g.follow_s, g.settle_s = 0.01, 0.02, 0.12
-
-    async def go():
-        g.stale()
-        for _ in range(300):
-            await asyncio.sleep(0.01)
-            if g._task.done():  # noqa: SLF001
-                break
-        assert g._task.done()  # noqa: SLF001 - they stopped
-
-    asyncio.run(go())
+    _until_quiet(g, 300)
     assert _bytes(metrics)[("0", "postings")] == 500
     assert pool.calls >= 6
 
