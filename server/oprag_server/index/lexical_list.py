@@ -57,15 +57,18 @@ def order_lexical_list(lex: np.ndarray, top: np.ndarray, dense_at: Callable[[np.
         if got is not None:  # (outside the screen: canonical below the need-th best's, strictly)
             a, err = np.asarray(got[0], np.float64), float(got[1])
             tie = tie[a >= float(np.partition(a, a.size - need)[a.size - need]) - 2.0 * err]
-        dt = dense_at(tie)
+        dt = np.asarray(dense_at(tie), np.float64)
         o = np.argsort(-dt, kind="stable")
         thr = dt[o[need - 1]]
         nan = thr != thr  # (NaN dense scores order last: every other member is chosen, then NaNs by id)
-        sure, eq = (tie[dt == dt], tie[dt != dt]) if nan else (tie[dt > thr], tie[dt == thr])
-        eq = np.asarray(sorted(eq.tolist(), key=id_at)[: need - sure.size], np.int64)
+        sure, eq = (np.flatnonzero(dt == dt), np.flatnonzero(dt != dt)) if nan else \
+            (np.flatnonzero(dt > thr), np.flatnonzero(dt == thr))  # (indices into tie)
+        eq = np.asarray(sorted(eq.tolist(), key=lambda j: id_at(int(tie[j])))[: need - sure.size], np.int64)
         chosen = np.concatenate([sure, eq])
-        pos = np.concatenate([keep, chosen])
-    d = np.asarray(dense_at(pos), np.float64)
+        pos = np.concatenate([keep, tie[chosen]])
+        d = np.concatenate([np.asarray(dense_at(keep), np.float64), dt[chosen]])  # (the tie's: scored above)
+    else:
+        d = np.asarray(dense_at(pos), np.float64)
     ls = lex[pos]
     if not tied and not np.any(ls[1:] == ls[:-1]):  # no equal BM25: the (score desc, id asc) order stands
         return pos, d, False

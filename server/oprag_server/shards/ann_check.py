@@ -141,8 +141,8 @@ class SampleCheck:
             return None
         if self._live[0] != dense._version:  # noqa: SLF001 - which drawn chunks are still live, once a write
             self._live = (dense._version, dense._rows_of(self._slots) >= 0)  # noqa: SLF001
-        return [(sl, i8, live) for sl, i8, live, ok in ((self._slots, self._i8, self._live[1], self._ok),
-                (self._new, self._new_i8, dense._rows_of(self._new) >= 0, self._new.size > 0)) if ok]  # noqa: SLF001
+        return [(sl, i8, live) for sl, i8, live, ok in ((self._slots, self._i8, self._live[1], self._ok),  # (the new part:
+                (self._new, self._new_i8, np.ones(self._new.size, bool), self._new.size > 0)) if ok]  # live, _current)
 
     def tops(self, searcher, q: np.ndarray, which: list[int], n: int) -> dict | None:
         """The exact top-n ``{i: (slots int64[n'], canonical float64[n'])}`` (ties: chunk id) of the queries ``which``
