@@ -41,7 +41,9 @@ snapshot writes the graph (:meth:`AnnIndex.write`) and the tail's rows (:meth:`A
 
 IVF training: the first ``train_min`` vectors of a shard are searched exactly (flat) while they accumulate; the IVF is
 then trained on the vectors held at that moment (k-means on at most 64 a list, :func:`.ivf_lists.ivf_lists` lists), and
-again, every vector re-added, each time the shard has grown 8x (the lists stay balanced) and on compaction.
+again, every vector re-added, each time the shard has grown 8x (the lists stay balanced) and on compaction; a
+retraining of at least :data:`.ivf_build.BACKGROUND_MIN` vectors runs in a thread while the old lists serve
+(:mod:`.ivf_build`).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from ..config import DenseConfig
 from .ann_copies import Copies, hnsw_storage
 from .ann_escape import escape
 
+from .ivf_build import BACKGROUND_MIN, CATCH_UP, IvfBuild, IvfBuilds, new_ivf
 from .ivf_lists import IVF_TRAIN_FLOOR, ivf_lists  # noqa: F401 - IVF_TRAIN_FLOOR re-exported (cli, tests)
 
 
@@ -63,7 +66,7 @@ def _faiss():
     return faiss
 
 
-class AnnIndex:
+class AnnIndex(IvfBuilds):
     """HNSW or IVF over ANN ids (see the module docstring). Not thread-safe.
 
     :param dim: vector width D. :param params: :class:`DenseConfig` (kind ``hnsw`` or ``ivf``).
@@ -76,8 +79,11 @@ class AnnIndex:
         self.ann_slot = np.zeros(0, dtype=np.int64)  # ann id -> slot, -1 when dead
         self.dead = 0
         self.trained_at = 0  # vectors held when the IVF was last trained (0: not trained)
-        self.trainings: list[tuple[int, int, float]] = []  # (vectors, lists, seconds) of each IVF (re)training, until taken
+        # (vectors, lists, seconds, how: None = in the write) of each IVF (re)training, until taken (the shard logs them)
+        self.trainings: list[tuple[int, int, float, str | None]] = []
         self._index = None
+        self._build: IvfBuild | None = None  # an IVF retraining under way (ivf_build)
+        self.source = None  # IVF: the dense index's locked gather, which a background retraining reads
         self._selector = None  # ((dead count, ids), selector) for HNSW searches (an add may give a dead one a copy)
         self._copies = Copies()  # HNSW: identical vectors kept unlinked (ann_copies)
         # HNSW: deferred vectors of ANN ids [ntotal, ann_slot.size) are _tail[_tail_at:_tail_n]
@@ -91,18 +97,6 @@ class AnnIndex:
         faiss = _faiss()
         idx = faiss.IndexHNSWFlat(self.dim, self.params.hnsw_m, faiss.METRIC_INNER_PRODUCT)
         idx.hnsw.efConstruction = self.params.ef_construction
-        return idx
-
-    def _new_ivf(self, train: np.ndarray):
-        faiss = _faiss()
-        n = train.shape[0]
-        nlist = ivf_lists(n)
-        quantizer = faiss.IndexFlatIP(self.dim)
-        idx = faiss.IndexIVFScalarQuantizer(quantizer, self.dim, nlist, faiss.ScalarQuantizer.QT_8bit,
-                                            faiss.METRIC_INNER_PRODUCT)
-        step = max(1, n // (64 * nlist))
-        idx.train(np.ascontiguousarray(train[::step]))
-        self.trained_at = n
         return idx
 
     @property
@@ -125,9 +119,15 @@ class AnnIndex:
             if self._index is None and total < self.train_min:
                 self._append_ids(slots)  # not trained yet: searched exactly by the caller
                 return
-            if self._index is None or total >= 8 * self.trained_at:
-                self.rebuild(*all_live)
+            b = self._build
+            if b is not None and (b.done or total >= CATCH_UP * b.trained_at):
+                self.install(*all_live)  # (this add's vectors are among those written since the trigger)
                 return
+            if self._index is None or (b is None and total >= 8 * self.trained_at):
+                if self._index is None or total < BACKGROUND_MIN or self.source is None:
+                    self.rebuild(*all_live)
+                    return
+                self._build = IvfBuild(self.dim, all_live[0], all_live[1], self.source)  # then added to the old lists
         self.insert_pending()  # (ids stay in insertion order)
         first = self.ann_slot.size
         self._append_ids(slots)
@@ -223,7 +223,7 @@ class AnnIndex:
             body = n * (4 * d + 4 * (2 * self.params.hnsw_m + 1) + 12)
         else:
             body = n * (int(self._index.code_size) + 8) + int(self._index.nlist) * 4 * d
-        return body + int(self.ann_slot.nbytes)
+        return body + int(self.ann_slot.nbytes) + (self._build.nbytes() if self._build is not None else 0)
 
     def needs_compaction(self) -> bool:
         """True once a quarter of an HNSW graph is dead (IVF removes at once: never)."""
@@ -245,12 +245,13 @@ class AnnIndex:
             self._index, self._copies = index, copies  # (the deferred rows were among ``vectors``)
             self._tail, self._tail_at, self._tail_n = np.zeros((0, self.dim), dtype=np.float32), 0, 0
             return
+        self.cancel_build()
         vecs = np.ascontiguousarray(vectors, dtype=np.float32)
         if slots.size >= self.train_min:
             t0 = time.perf_counter()
-            self._index = self._new_ivf(vecs)
+            self._index, self.trained_at = new_ivf(self.dim, slots.size, vecs), int(slots.size)
             self._index.add_with_ids(vecs, np.arange(slots.size, dtype=np.int64))
-            self.trainings.append((int(slots.size), int(self._index.nlist), time.perf_counter() - t0))
+            self.trainings.append((int(slots.size), int(self._index.nlist), time.perf_counter() - t0, None))
         else:
             self._index, self.trained_at = None, 0
 
@@ -359,6 +360,7 @@ class AnnIndex:
         :raises ValueError: the structure's vector count plus the tail's differs from ``ann_slot``'s.
         """
         faiss = _faiss()
+        self.cancel_build()
         if hasattr(data, "stat") and data.stat().st_size == 0:  # an untrained IVF's empty file
             data = b""
         if isinstance(data, (bytes, bytearray, memoryview)):

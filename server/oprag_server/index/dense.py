@@ -24,6 +24,8 @@ Two kinds of scores (README: identical content, identical score):
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from ..records import as_query_matrix
@@ -32,6 +34,7 @@ from .ann import AnnIndex
 from .ann_rescore import rescored
 from .slot_sample import sample_slots
 from .graph_rows import GraphRows
+from .ivf_rows import IvfRows
 
 #: unit roundoff of float32 (2^-24)
 _U32 = 2.0**-24
@@ -40,12 +43,11 @@ _U32 = 2.0**-24
 def fixed_order_dot(vectors: np.ndarray, query: np.ndarray) -> np.ndarray:
     """Canonical inner products: float64[M] of float32[M, D] ``vectors`` with float32[D] ``query``.
 
-    Each float32 x float32 product is exact in float64 (48 significant bits <= 53); the D
-    products of a row are then added pairwise in a fixed order (columns ``[0, h)`` += columns
-    ``[w-h, w)``, ``h = w // 2``, until one column is left), element-wise, so a row's result
-    depends only on that row and the query: not on M, the row's position or any BLAS kernel.
-    The products are laid out transposed (D x M, C order) so that each pairwise step adds two
-    contiguous blocks; the additions, and so the results, are the same as column-wise.
+    Each float32 x float32 product is exact in float64 (48 significant bits <= 53); the D products of a row are then
+    added pairwise in a fixed order (columns ``[0, h)`` += columns ``[w-h, w)``, ``h = w // 2``, until one column is
+    left), element-wise, so a row's result depends only on that row and the query: not on M, the row's position or any
+    BLAS kernel. The products are laid out transposed (D x M, C order) so that each pairwise step adds two contiguous
+    blocks; the additions, and so the results, are the same as column-wise.
     """
     v = np.asarray(vectors, dtype=np.float32)
     m, w = v.shape
@@ -68,7 +70,7 @@ def _faiss():
     return faiss
 
 
-class DenseIndex(GraphRows):
+class DenseIndex(GraphRows, IvfRows):
     """Inner-product index with removals: exact (flat) or approximate candidate search (:mod:`.ann`: HNSW, IVF)
     over an exact float32 copy of the live vectors.
 
@@ -81,6 +83,9 @@ class DenseIndex(GraphRows):
         self.params = params or DenseConfig()
         # flat: FAISS's brute-force kernel scans the copy below; hnsw / ivf: the ANN structure picks the candidates
         self._ann = AnnIndex(self.dim, self.params) if self.params.kind != "flat" else None
+        self._mut = threading.Lock()  # held while the flat / IVF copy's rows change (ivf_rows)
+        if self.params.kind == "ivf":
+            self._ann.source = self._locked_rows
         self.last_knobs: dict[str, int] = {}  # ef_search / nprobe used by the last search
         self._vecs = np.zeros((0, self.dim), dtype=np.float32)  # compact rows, capacity >= n
         self._row_slot = np.zeros(0, dtype=np.int64)
@@ -127,10 +132,9 @@ class DenseIndex(GraphRows):
         return self._vecs[: self._n]
 
     def add(self, slots: np.ndarray, vectors: np.ndarray, ann: bool = True, defer: bool = False) -> None:
-        """Add vectors (``ann=False``: not to the approximate structure, which the caller then
-        loads with :meth:`load_ann` or rebuilds with :meth:`compact_ann`). ``defer=True`` with
-        HNSW: searchable at once, but inserted into the graph later (:meth:`insert_pending`, or
-        here once more than ``params.ann_tail`` wait; :mod:`.ann`).
+        """Add vectors (``ann=False``: not to the approximate structure, which the caller then loads with
+        :meth:`load_ann` or rebuilds with :meth:`compact_ann`). ``defer=True`` with HNSW: searchable at once, but
+        inserted into the graph later (:meth:`insert_pending`, or here once more than ``params.ann_tail`` wait).
 
         :param slots: int64[M], not already present.
         :param vectors: float32[M, D], L2-normalised.
@@ -154,18 +158,18 @@ class DenseIndex(GraphRows):
             self._add_one(slots, vecs, ann, defer and self.params.ann_tail > 0)
             return
         need = self._n + len(slots)
-        if need > self._vecs.shape[0]:
-            cap = max(need, 2 * self._vecs.shape[0], 1024)
-            grown = np.zeros((cap, self.dim), dtype=np.float32)
-            grown[: self._n] = self._vecs[: self._n]
-            self._vecs = grown
-            rs = np.zeros(cap, dtype=np.int64)
-            rs[: self._n] = self._row_slot[: self._n]
-            self._row_slot = rs
-        self._vecs[self._n : need] = vecs
-        self._row_slot[self._n : need] = slots
-        self._slot_row[slots] = np.arange(self._n, need, dtype=np.int64)
-        self._n = need
+        with self._mut:
+            if need > self._vecs.shape[0]:
+                cap = max(need, 2 * self._vecs.shape[0], 1024)
+                grown = np.zeros((cap, self.dim), dtype=np.float32)
+                grown[: self._n] = self._vecs[: self._n]
+                rs = np.zeros(cap, dtype=np.int64)
+                rs[: self._n] = self._row_slot[: self._n]
+                self._vecs, self._row_slot = grown, rs
+            self._vecs[self._n : need] = vecs
+            self._row_slot[self._n : need] = slots
+            self._slot_row[slots] = np.arange(self._n, need, dtype=np.int64)
+            self._n = need
         self._version += 1
         self._max_norm = max(self._max_norm, float(np.sqrt(np.einsum("ij,ij->i", vecs, vecs, dtype=np.float64).max())))
         if self._ann is not None and ann:
@@ -189,25 +193,24 @@ class DenseIndex(GraphRows):
             return self._remove_one(np.asarray(slots, dtype=np.int64))
         if self._ann is not None:
             self._ann.remove(np.asarray(slots, dtype=np.int64))
-        for s in slots:
-            row = int(self._slot_row[s])
-            self._slot_row[s] = -1
-            last = self._n - 1
-            if row != last:
-                moved = int(self._row_slot[last])
-                self._vecs[row] = self._vecs[last]
-                self._row_slot[row] = moved
-                self._slot_row[moved] = row
-            self._n -= 1
+        with self._mut:
+            for s in slots:
+                row, last = int(self._slot_row[s]), self._n - 1
+                self._slot_row[s] = -1
+                if row != last:
+                    moved = int(self._row_slot[last])
+                    self._vecs[row] = self._vecs[last]
+                    self._row_slot[row] = moved
+                    self._slot_row[moved] = row
+                self._n -= 1
         self._version += 1
         if self._ann is not None and self._ann.needs_compaction():
             self.compact_ann()
         return len(slots)
 
     def nbytes(self) -> dict[str, int]:
-        """Bytes held: ``vectors`` (the float32 copy at its capacity and the slot/row maps; a
-        flat index holds nothing else) and ``ann`` (the approximate structure,
-        :meth:`.ann.AnnIndex.nbytes`; 0 for flat)."""
+        """Bytes held: ``vectors`` (the float32 copy at its capacity and the slot/row maps; a flat index holds nothing
+        else) and ``ann`` (the approximate structure, :meth:`.ann.AnnIndex.nbytes`; 0 for flat)."""
         own = self._vecs.nbytes + self._row_slot.nbytes + self._slot_row.nbytes
         if self._one:  # the graph's stored vectors are the copy; the graph itself is "ann"
             cache = self._live_cache
@@ -251,8 +254,8 @@ class DenseIndex(GraphRows):
         return out
 
     def write_ann(self, path) -> None:
-        """Write the approximate structure to ``path`` straight from FAISS (no serialised copy
-        in memory; an empty file while an IVF is untrained). Not fsynced."""
+        """Write the approximate structure to ``path`` straight from FAISS (no serialised copy in memory; an empty file
+        while an IVF is untrained). Not fsynced."""
         if self._pending is not None:
             self.compact_ann()
         if self._ann is not None and self._ann.ready:
@@ -357,10 +360,7 @@ class DenseIndex(GraphRows):
         return out_ids, out_scores
 
     def score_all(self, queries) -> np.ndarray:
-        """Inner product of every live vector with every query.
-
-        :returns: float32[B, n] in row order (see :attr:`slots`).
-        """
+        """Inner product of every live vector with every query. :returns: float32[B, n] in row order (:attr:`slots`)."""
         q = as_query_matrix(queries, self.dim)
         if not self._n:
             return np.zeros((q.shape[0], 0), np.float32)

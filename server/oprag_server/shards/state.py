@@ -109,11 +109,12 @@ class ShardState:
             self.say_trainings()
 
     def say_trainings(self, when: str = "the write that crossed the size waited for it") -> None:
-        """Log each IVF (re)training since the last call: its lists, vectors and time, and ``when``."""
+        """Log each IVF (re)training since the last call: its lists, vectors and time, and ``when`` (for one in the
+        write; one in the background says so)."""
         ann = self.store.dense.ann
-        for n, lists, secs in ann.trainings if ann is not None else ():
-            self.say(f"IVF trained: {lists} lists on {n} vectors in {secs:.1f} s (k-means on one core, then every "
-                     f"vector re-added; {when})")
+        for n, lists, secs, how in ann.trainings if ann is not None else ():
+            what = "k-means on one core, then every vector re-added"
+            self.say(f"IVF trained: {lists} lists on {n} vectors in {secs:.1f} s ({what}; {how or when})")
         if ann is not None:
             ann.trainings.clear()
 
@@ -144,6 +145,13 @@ class ShardState:
         now); None when there is none (also while deferred HNSW inserts wait: they go first, so
         the two do not compete for the CPU with the queries at once; and while a prepared
         transaction waits for its apply). A write (a new store version) restarts the quiet time."""
+        built = None if self.txns.prepared else self.store.dense.ann_building
+        if built:  # a background IVF retraining is done (ivf_build): installed between requests
+            return 0.0
+        wait = self._merge_wait()
+        return wait if built is None else min(self.MERGE_POLL_S, self.MERGE_POLL_S if wait is None else wait)
+
+    def _merge_wait(self) -> float | None:
         p = self.store.postings
         if p.merging:
             return 0.0 if not p._pending[0].is_alive() else self.MERGE_POLL_S  # noqa: SLF001
@@ -159,6 +167,10 @@ class ShardState:
         (:meth:`..index.bm25.PostingsIndex.merge`) once no write came for :attr:`IDLE_QUIET_S`
         and :meth:`..index.bm25.PostingsIndex.idle_merge_due` (none while a prepared transaction
         waits for its apply). Queries and writes go on meanwhile, as during a write-time merge."""
+        if self.store.dense.ann_building and not self.txns.prepared:
+            self.store.dense.install_ann()
+            self.say_trainings()
+            return
         p = self.store.postings
         if p.merging:
             p.poll_merge(raise_errors=False)
@@ -195,7 +207,9 @@ class ShardState:
         sys.stderr.flush()
 
     def shutdown(self, req: ShutdownRequest) -> ShutdownReply:
-        """Snapshot when asked; the run loop exits after replying."""
+        """Snapshot when asked; the run loop exits after replying (a background IVF retraining is dropped)."""
+        if self.store.dense.ann is not None:
+            self.store.dense.ann.cancel_build()
         return ShutdownReply(self.snapshot() if req.snapshot else None)
 
 

@@ -1,0 +1,185 @@
+"""IVF training, and retraining in the background while the shard serves (issue 13).
+
+An IVF shard retrains each time it has grown 8x since its last training (:class:`.ann.AnnIndex`: the lists stay
+balanced). Done inside the write that crossed the size, a retraining held every request to the shard for its whole
+k-means and re-add: at 262K vectors and 1,024 lists 3.8 s of k-means and 2.3 s of adding the vectors on one core
+(bench/RESULTS.md, sessions 38 and 40), and 2 sqrt(n) lists at 2M vectors ~28 s of k-means alone.
+
+From :data:`BACKGROUND_MIN` vectors on, a retraining is an :class:`IvfBuild` instead:
+
+1. (the shard's thread, in the write that crossed the size) the *trigger*: the live slots in row order (the new
+   structure's ANN ids 0..n-1) and a strided sample of their vectors (at most 64 a list, as a synchronous training
+   takes) are copied, and a thread starts. The write then adds its vectors to the current structure, which keeps
+   answering every search until the install.
+2. (the build's thread; FAISS leaves the GIL) k-means on the sample (:func:`new_ivf`), then every trigger slot still
+   live is encoded into the new lists, in blocks of :data:`FILL_BLOCK` read from the shard's float32 copy under the
+   dense index's lock (a remove there moves rows: the lock keeps a block consistent).
+3. (the shard's thread, between requests or at the next write once the thread is done; a write that finds the shard
+   grown 2x past the trigger waits for it) the *install* (:func:`finish`): ids whose slot was removed since are
+   dropped from the new lists, the chunks written since the trigger are added after them, and the new structure
+   replaces the old one at once. Its contents are then exactly the live vectors, as a synchronous retraining's.
+
+Between trigger and install a search sees the old lists plus every write (the old structure takes the writes); which
+search runs before the install depends on timing, as with HNSW's deferred inserts, while every score stays canonical
+and a certified top-k is the exact one whatever structure picked the candidates. A snapshot writes the structure that
+serves; a restart during a build loses the build and the first write after the restart starts it again.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+
+from .ivf_lists import ivf_lists
+
+#: retrainings of at least this many vectors run in the background (smaller ones take < ~1 s: in the write, as before)
+BACKGROUND_MIN = 50_000
+#: vectors encoded per locked read of the shard's copy (~12 MB of float32 at D 384: a few ms under the lock)
+FILL_BLOCK = 8192
+#: a write that finds the shard this many times the trigger's size waits for the build
+CATCH_UP = 2
+
+
+def _faiss():
+    import faiss  # noqa: PLC0415 - a declared dependency; imported where used
+
+    return faiss
+
+
+def new_ivf(dim: int, n: int, vectors: np.ndarray):
+    """A trained, empty FAISS ``IndexIVFScalarQuantizer`` (8-bit codes, inner product) for ``n`` vectors:
+    :func:`.ivf_lists.ivf_lists` lists, k-means on ``vectors[::step]`` (at most 64 points a list).
+
+    :param vectors: float32[n, D], or already the sample (then ``n`` is the size it was drawn from and the stride is
+        applied only when it still holds more than 64 a list).
+    """
+    faiss = _faiss()
+    nlist = ivf_lists(n)
+    quantizer = faiss.IndexFlatIP(dim)
+    idx = faiss.IndexIVFScalarQuantizer(quantizer, dim, nlist, faiss.ScalarQuantizer.QT_8bit, faiss.METRIC_INNER_PRODUCT)
+    step = max(1, vectors.shape[0] // (64 * nlist))
+    idx.train(np.ascontiguousarray(vectors[::step], dtype=np.float32))
+    return idx
+
+
+class IvfBuild:
+    """One background retraining (module docstring).
+
+    :param dim: D. :param slots: int64[n], the live slots at the trigger, in row order (new ANN ids 0..n-1).
+    :param vectors: float32[n, D], their vectors (only the sample is copied, here, on the caller's thread).
+    :param gather: ``gather(slots int64[M]) -> (live bool[M], float32[live.sum(), D])``: called on the build's
+        thread; reads the shard's current copy consistently (the dense index's lock).
+    """
+
+    def __init__(self, dim: int, slots: np.ndarray, vectors: np.ndarray,
+                 gather: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]) -> None:
+        self.dim, self.slots = int(dim), np.array(slots, dtype=np.int64)
+        self.trained_at = int(self.slots.size)
+        self.added = np.zeros(self.trained_at, dtype=bool)  # ids encoded into the new lists
+        self.index = None  # set once trained and filled
+        self.error: BaseException | None = None
+        self.cancelled = False
+        self.seconds = 0.0  # the thread's time (k-means and fill)
+        self.started = time.perf_counter()
+        step = max(1, self.trained_at // (64 * ivf_lists(self.trained_at)))
+        sample = np.array(vectors[::step], dtype=np.float32)  # (a copy: the shard's rows move under removes)
+        self._gather = gather
+        # not a daemon: an exit waits for FAISS to return (a daemon thread ended inside C++ aborts the process)
+        self.thread = threading.Thread(target=self._run, args=(sample,), name="oprag-ivf-build")
+        self.thread.start()
+
+    def _run(self, sample: np.ndarray) -> None:
+        t0 = time.perf_counter()
+        try:
+            idx = new_ivf(self.dim, self.trained_at, sample)
+            del sample
+            for a in range(0, self.trained_at, FILL_BLOCK):
+                if self.cancelled:
+                    return
+                live, vecs = self._gather(self.slots[a:a + FILL_BLOCK])
+                ids = np.flatnonzero(live).astype(np.int64) + a
+                if ids.size:
+                    idx.add_with_ids(np.ascontiguousarray(vecs, dtype=np.float32), ids)
+                    self.added[ids] = True
+            self.index = idx
+        except BaseException as exc:  # noqa: BLE001 - reported by finish(): the install retrains in the write
+            self.error = exc
+        finally:
+            self.seconds = time.perf_counter() - t0
+
+    @property
+    def done(self) -> bool:
+        """True once the thread has ended (built, failed or cancelled)."""
+        return not self.thread.is_alive()
+
+    def cancel(self) -> None:
+        """Stop at the next block (the structure it was building is dropped; k-means runs to its end)."""
+        self.cancelled = True
+
+    def nbytes(self) -> int:
+        """Bytes of the lists filled so far (code + 8-byte id a vector) and the centroids."""
+        return int(self.added.sum()) * (self.dim + 8) + ivf_lists(self.trained_at) * 4 * self.dim
+
+
+def finish(build: IvfBuild, live_slots: np.ndarray, live_vectors: np.ndarray):
+    """(The shard's thread) wait for ``build`` and make its structure hold exactly the live vectors.
+
+    :param live_slots: int64[m], the shard's live slots now (row order). :param live_vectors: float32[m, D], theirs.
+    :returns: ``(index, ann_slot int64[A], dead)``, ids of removed chunks ``-1`` in ``ann_slot``; None when the build
+        failed or was cancelled (the caller retrains synchronously).
+    """
+    build.thread.join()
+    if build.index is None:
+        return None
+    idx, live_slots = build.index, np.asarray(live_slots, dtype=np.int64)
+    keep = build.added & np.isin(build.slots, live_slots)  # (slots are never reused: a live one kept its vector)
+    gone = np.flatnonzero(build.added & ~keep).astype(np.int64)
+    if gone.size:
+        idx.remove_ids(_faiss().IDSelectorBatch(gone))
+    ann_slot = np.where(keep, build.slots, -1)
+    new = np.flatnonzero(~np.isin(live_slots, ann_slot[keep]))  # written since the trigger (or missed: none)
+    if new.size:
+        ids = np.arange(ann_slot.size, ann_slot.size + new.size, dtype=np.int64)
+        idx.add_with_ids(np.ascontiguousarray(live_vectors[new], dtype=np.float32), ids)
+        ann_slot = np.concatenate([ann_slot, live_slots[new]])
+    return idx, ann_slot, int((ann_slot < 0).sum())
+
+
+class IvfBuilds:
+    """The background retraining half of :class:`.ann.AnnIndex` (a mixin: it uses its ``_build``, ``_index``,
+    ``ann_slot``, ``dead``, ``trained_at``, ``trainings`` and ``rebuild``)."""
+
+    @property
+    def building(self) -> bool | None:
+        """None: no IVF retraining under way; False: one is running; True: one is done, to :meth:`install`."""
+        return None if self._build is None else self._build.done
+
+    def install(self, slots: np.ndarray, vectors) -> bool:
+        """Put a background retraining in place (waiting for its thread), made to hold exactly the live ``slots``
+        int64[n] / ``vectors`` float32[n, D] (:func:`.ivf_build.finish`); a failed one retrains here instead.
+        :returns: whether one was under way."""
+        b, self._build = self._build, None
+        if b is None:
+            return False
+        out = finish(b, slots, vectors)
+        if out is None:  # failed: retrained the old way, which the shard's log line says
+            self.rebuild(slots, vectors)
+            if self.trainings:
+                n, lists, secs, _ = self.trainings[-1]
+                self.trainings[-1] = (n, lists, secs, f"the background retraining failed ({b.error!r}); the write waited")
+            return True
+        self._index, self.ann_slot, self.dead = out
+        self.trained_at = b.trained_at
+        self.trainings.append((b.trained_at, int(self._index.nlist), b.seconds,
+                               f"in the background while the shard served, installed "
+                               f"{time.perf_counter() - b.started:.1f} s after the write that crossed the size"))
+        return True
+
+    def cancel_build(self) -> None:
+        """Drop a background retraining (a rebuild or a load replaces the structure it would replace)."""
+        if self._build is not None:
+            self._build.cancel()
+            self._build = None

@@ -1,0 +1,33 @@
+"""The background IVF retraining's side of :class:`~oprag_server.index.dense.DenseIndex` (issue 13, :mod:`.ivf_build`):
+the locked read of the float32 copy that the build's thread encodes from, and the install between requests."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class IvfRows:
+    """A mixin of :class:`~oprag_server.index.dense.DenseIndex` (it uses ``_ann``, ``_mut``, ``_vecs``, ``_rows_of``,
+    ``slots`` and ``vectors``). Every change of the flat / IVF copy's rows holds ``_mut`` (a remove moves the last row
+    into the removed one's place), so a read under it is consistent."""
+
+    def _locked_rows(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(The build's thread) ``(live bool[M], float32[live.sum(), D])`` of int64[M] ``slots`` now: a copy."""
+        with self._mut:
+            rows = self._rows_of(np.asarray(slots, dtype=np.int64))
+            live = rows >= 0
+            return live, self._vecs[rows[live]]
+
+    @property
+    def ann_building(self) -> bool | None:
+        """None: no background IVF retraining; False: one is running; True: one is done (:meth:`install_ann` it)."""
+        return None if self._ann is None else self._ann.building
+
+    def install_ann(self) -> bool:
+        """Put a background IVF retraining in place (waits for its thread: call it once :attr:`ann_building` is
+        True, or to settle). :returns: whether one was under way."""
+        if self._ann is None or self._ann.building is None:
+            return False
+        self._ann.install(self.slots, self.vectors)
+        self._version += 1  # (the structure that picks candidates changed: what is cached by version is redone)
+        return True
