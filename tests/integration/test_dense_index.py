@@ -20,7 +20,10 @@ def test_hnsw_server_round_trip(tmp_path):
     rng = np.random.default_rng(3)
     V = rng.standard_normal((300, 384))
     docs = [Doc(f"h{i}", f"note {i} on topic {i % 5}", vector=V[i].tolist()) for i in range(300)]
-    srv = ServerProcess.on_free_ports(tmp_path, "--generator", "none", "--shards", "2", "--dense-index", "hnsw")
+    # --ann-check 0: a shard of at most --ann-check chunks ranks its dense list exactly from the check's sample
+    # (ef_search 0 in the reply); the graph is what this test is about
+    srv = ServerProcess.on_free_ports(tmp_path, "--generator", "none", "--shards", "2", "--dense-index", "hnsw",
+                                      "--ann-check", "0")
     srv.start()
     try:
         with OpRAGClient(srv.target, timeout=120) as c:
