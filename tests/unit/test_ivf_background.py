@@ -119,7 +119,7 @@ def test_a_failed_build_retrains_in_the_write(monkeypatch):
     def broken(slots):
         raise MemoryError("no room for the block")
 
-    dense.ann.source = broken
+    dense.ann.source = (broken, dense.ann.source[1])
     dense.add(np.arange(600, 5000), x[600:5000])
     _until_built(dense)
     dense.add(np.arange(5000, 5010), x[5000:5010])  # the next write installs: the failure retrains here

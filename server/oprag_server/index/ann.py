@@ -83,7 +83,7 @@ class AnnIndex(IvfBuilds):
         self.trainings: list[tuple[int, int, float, str | None]] = []
         self._index = None
         self._build: IvfBuild | None = None  # an IVF retraining under way (ivf_build)
-        self.source = None  # IVF: the dense index's locked gather, which a background retraining reads
+        self.source = None  # IVF: the dense index's locked reads (gather, live slots) a background retraining makes
         self._selector = None  # ((dead count, ids), selector) for HNSW searches (an add may give a dead one a copy)
         self._copies = Copies()  # HNSW: identical vectors kept unlinked (ann_copies)
         # HNSW: deferred vectors of ANN ids [ntotal, ann_slot.size) are _tail[_tail_at:_tail_n]
@@ -127,7 +127,7 @@ class AnnIndex(IvfBuilds):
                 if self._index is None or total < BACKGROUND_MIN or self.source is None:
                     self.rebuild(*all_live)
                     return
-                self._build = IvfBuild(self.dim, all_live[0], all_live[1], self.source)  # then added to the old lists
+                self._build = IvfBuild(self.dim, all_live[0], self.source)  # then added to the old lists
         self.insert_pending()  # (ids stay in insertion order)
         first = self.ann_slot.size
         self._append_ids(slots)

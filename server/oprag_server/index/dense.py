@@ -85,7 +85,7 @@ class DenseIndex(GraphRows, IvfRows):
         self._ann = AnnIndex(self.dim, self.params) if self.params.kind != "flat" else None
         self._mut = threading.Lock()  # held while the flat / IVF copy's rows change (ivf_rows)
         if self.params.kind == "ivf":
-            self._ann.source = self._locked_rows
+            self._ann.source = (self._locked_rows, self._locked_slots)
         self.last_knobs: dict[str, int] = {}  # ef_search / nprobe used by the last search
         self._vecs = np.zeros((0, self.dim), dtype=np.float32)  # compact rows, capacity >= n
         self._row_slot = np.zeros(0, dtype=np.int64)

@@ -8,15 +8,16 @@ k-means and re-add: at 262K vectors and 1,024 lists 3.8 s of k-means and 2.3 s o
 From :data:`BACKGROUND_MIN` vectors on, a retraining is an :class:`IvfBuild` instead:
 
 1. (the shard's thread, in the write that crossed the size) the *trigger*: the live slots in row order (the new
-   structure's ANN ids 0..n-1) and a strided sample of their vectors (at most 64 a list, as a synchronous training
-   takes) are copied, and a thread starts. The write then adds its vectors to the current structure, which keeps
-   answering every search until the install.
-2. (the build's thread; FAISS leaves the GIL) k-means on the sample (:func:`new_ivf`), then every trigger slot still
+   structure's ANN ids 0..n-1) are copied, and a thread starts. The write then adds its vectors to the current
+   structure, which keeps answering every search until the install.
+2. (the build's thread; FAISS leaves the GIL) a strided sample of those slots' vectors read (at most 64 a list, as a
+   synchronous training takes; the ones still live), k-means on it (:func:`new_ivf`), then every trigger slot still
    live is encoded into the new lists, in blocks of :data:`FILL_BLOCK` read from the shard's float32 copy under the
-   dense index's lock (a remove there moves rows: the lock keeps a block consistent).
+   dense index's lock (a remove there moves rows: the lock keeps a block consistent); then the chunks written since,
+   in rounds while there are many (:data:`CATCH_UP_ROUNDS`).
 3. (the shard's thread, between requests or at the next write once the thread is done; a write that finds the shard
    grown 2x past the trigger waits for it) the *install* (:func:`finish`): ids whose slot was removed since are
-   dropped from the new lists, the chunks written since the trigger are added after them, and the new structure
+   dropped from the new lists, the chunks written since the thread's last round are added after them, and the new structure
    replaces the old one at once. Its contents are then exactly the live vectors, as a synchronous retraining's.
 
 Between trigger and install a search sees the old lists plus every write (the old structure takes the writes); which
@@ -35,12 +36,16 @@ import numpy as np
 
 from .ivf_lists import ivf_lists
 
-#: retrainings of at least this many vectors run in the background (smaller ones take < ~1 s: in the write, as before)
-BACKGROUND_MIN = 50_000
+#: retrainings of at least this many vectors run in the background (at 40,000 vectors, 512 lists: 2.1 s of k-means;
+#: at ~5,000, 128 lists: 0.08 s, in the write as before)
+BACKGROUND_MIN = 16_384
 #: vectors encoded per locked read of the shard's copy (~12 MB of float32 at D 384: a few ms under the lock)
 FILL_BLOCK = 8192
 #: a write that finds the shard this many times the trigger's size waits for the build
 CATCH_UP = 2
+#: after the trigger's slots, the build's thread encodes the chunks written meanwhile, again while a round finds at
+#: least FILL_BLOCK of them (at most this many rounds): the install then adds only the last few on the shard's thread
+CATCH_UP_ROUNDS = 4
 
 
 def _faiss():
@@ -69,13 +74,12 @@ class IvfBuild:
     """One background retraining (module docstring).
 
     :param dim: D. :param slots: int64[n], the live slots at the trigger, in row order (new ANN ids 0..n-1).
-    :param vectors: float32[n, D], their vectors (only the sample is copied, here, on the caller's thread).
-    :param gather: ``gather(slots int64[M]) -> (live bool[M], float32[live.sum(), D])``: called on the build's
-        thread; reads the shard's current copy consistently (the dense index's lock).
+    :param source: ``(gather, live_slots)``, called on the build's thread, each reading the shard's current copy
+        consistently (the dense index's lock): ``gather(slots int64[M]) -> (live bool[M], float32[live.sum(), D])``,
+        ``live_slots() -> int64[m]`` (a copy).
     """
 
-    def __init__(self, dim: int, slots: np.ndarray, vectors: np.ndarray,
-                 gather: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]) -> None:
+    def __init__(self, dim: int, slots: np.ndarray, source: tuple[Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]], Callable[[], np.ndarray]]) -> None:
         self.dim, self.slots = int(dim), np.array(slots, dtype=np.int64)
         self.trained_at = int(self.slots.size)
         self.added = np.zeros(self.trained_at, dtype=bool)  # ids encoded into the new lists
@@ -84,31 +88,45 @@ class IvfBuild:
         self.cancelled = False
         self.seconds = 0.0  # the thread's time (k-means and fill)
         self.started = time.perf_counter()
-        step = max(1, self.trained_at // (64 * ivf_lists(self.trained_at)))
-        sample = np.array(vectors[::step], dtype=np.float32)  # (a copy: the shard's rows move under removes)
-        self._gather = gather
+        self._gather, self._live_slots = source
         # not a daemon: an exit waits for FAISS to return (a daemon thread ended inside C++ aborts the process)
-        self.thread = threading.Thread(target=self._run, args=(sample,), name="oprag-ivf-build")
+        self.thread = threading.Thread(target=self._run, name="oprag-ivf-build")
         self.thread.start()
 
-    def _run(self, sample: np.ndarray) -> None:
+    def _run(self) -> None:
         t0 = time.perf_counter()
         try:
+            step = max(1, self.trained_at // (64 * ivf_lists(self.trained_at)))
+            sample = np.concatenate([self._gather(self.slots[::step][a:a + FILL_BLOCK])[1]
+                                     for a in range(0, self.slots[::step].size, FILL_BLOCK)])  # (those still live)
             idx = new_ivf(self.dim, self.trained_at, sample)
             del sample
-            for a in range(0, self.trained_at, FILL_BLOCK):
-                if self.cancelled:
-                    return
-                live, vecs = self._gather(self.slots[a:a + FILL_BLOCK])
-                ids = np.flatnonzero(live).astype(np.int64) + a
-                if ids.size:
-                    idx.add_with_ids(np.ascontiguousarray(vecs, dtype=np.float32), ids)
-                    self.added[ids] = True
-            self.index = idx
+            self._fill(idx, 0)
+            for _ in range(CATCH_UP_ROUNDS):  # then what was written meanwhile, while that is much
+                known = self.slots.size
+                now = self._live_slots()
+                new = now[~np.isin(now, self.slots)]
+                if new.size < FILL_BLOCK or self.cancelled:
+                    break
+                self.slots = np.concatenate([self.slots, new])
+                self.added = np.concatenate([self.added, np.zeros(new.size, dtype=bool)])
+                self._fill(idx, known)
+            self.index = idx if not self.cancelled else None
         except BaseException as exc:  # noqa: BLE001 - reported by finish(): the install retrains in the write
             self.error = exc
         finally:
             self.seconds = time.perf_counter() - t0
+
+    def _fill(self, idx, start: int) -> None:
+        """Encode the still-live ``slots[start:]`` into ``idx`` (ids = their positions), a locked read a block."""
+        for a in range(start, self.slots.size, FILL_BLOCK):
+            if self.cancelled:
+                return
+            live, vecs = self._gather(self.slots[a:a + FILL_BLOCK])
+            ids = np.flatnonzero(live).astype(np.int64) + a
+            if ids.size:
+                idx.add_with_ids(np.ascontiguousarray(vecs, dtype=np.float32), ids)
+                self.added[ids] = True
 
     @property
     def done(self) -> bool:

@@ -7,7 +7,7 @@ import numpy as np
 
 
 class IvfRows:
-    """A mixin of :class:`~oprag_server.index.dense.DenseIndex` (it uses ``_ann``, ``_mut``, ``_vecs``, ``_rows_of``,
+    """A mixin of :class:`~oprag_server.index.dense.DenseIndex` (it uses ``_ann``, ``_mut``, ``_vecs``, ``_row_slot``, ``_n``, ``_rows_of``,
     ``slots`` and ``vectors``). Every change of the flat / IVF copy's rows holds ``_mut`` (a remove moves the last row
     into the removed one's place), so a read under it is consistent."""
 
@@ -17,6 +17,11 @@ class IvfRows:
             rows = self._rows_of(np.asarray(slots, dtype=np.int64))
             live = rows >= 0
             return live, self._vecs[rows[live]]
+
+    def _locked_slots(self) -> np.ndarray:
+        """(The build's thread) int64[n]: the live slots now, in row order (a copy)."""
+        with self._mut:
+            return self._row_slot[: self._n].copy()
 
     @property
     def ann_building(self) -> bool | None:
