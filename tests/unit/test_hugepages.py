@@ -105,3 +105,24 @@ def test_small_buffers_and_empty_index_are_left_alone():
     assert not hugepages.advise(np.zeros((64, 64), np.float32)[:, ::2])  # not contiguous
     ann = AnnIndex(8, DenseConfig(kind="hnsw", hnsw_m=8, ef_construction=40))
     assert not huge_pages(ann, collapse=True)
+
+
+@pytest.mark.parametrize("rows", [3, 40_000])
+def test_grown_copies_the_rows_and_zeroes_the_rest(monkeypatch, rows):
+    """hugepages.grown (a shard's float32 copy growing): the rows at the start, zeros after, dtype kept; from
+    GROW_QUIET bytes on the numpy switch is back on afterwards and the pages are folded into huge ones by a thread."""
+    import threading
+
+    monkeypatch.setattr(hugepages, "GROW_QUIET", 8 << 20)
+    src = np.random.default_rng(rows).standard_normal((rows, 96)).astype(np.float32)
+    out = hugepages.grown(src, 2 * rows + 5)
+    for t in [t for t in threading.enumerate() if t.name == "oprag-hugepages"]:
+        t.join()
+    assert out.shape == (2 * rows + 5, 96) and out.dtype == np.float32 and out.flags.c_contiguous
+    assert np.array_equal(out[:rows], src) and not out[rows:].any()
+    assert hugepages._numpy_asks(True)  # (left as it was: on)
+    if src.nbytes >= 8 << 20 and _thp_mode() in ("always", "madvise"):
+        kb, flagged = _smaps(out)
+        assert flagged  # asked for: MADV_HUGEPAGE on the mapping
+        if not kb:
+            pytest.skip("the kernel could not collapse the pages now")

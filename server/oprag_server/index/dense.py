@@ -33,6 +33,7 @@ from ..config import DenseConfig
 from .ann import AnnIndex
 from .ann_rescore import rescored
 from .slot_sample import sample_slots
+from . import hugepages
 from .graph_rows import GraphRows
 from .ivf_rows import IvfRows
 
@@ -161,8 +162,7 @@ class DenseIndex(GraphRows, IvfRows):
         with self._mut:
             if need > self._vecs.shape[0]:
                 cap = max(need, 2 * self._vecs.shape[0], 1024)
-                grown = np.zeros((cap, self.dim), dtype=np.float32)
-                grown[: self._n] = self._vecs[: self._n]
+                grown = hugepages.grown(self._vecs[: self._n], cap)  # (no huge page compaction in this write)
                 rs = np.zeros(cap, dtype=np.int64)
                 rs[: self._n] = self._row_slot[: self._n]
                 self._vecs, self._row_slot = grown, rs
