@@ -30,12 +30,13 @@ def _unit(x):
     return (x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(np.float32)
 
 
-def _vectors(how: str, n: int, seed: int) -> np.ndarray:
+def _vectors(how: str, n: int, seed: int, d: int = D) -> np.ndarray:
+    """float32[n, d] unit vectors: isotropic Gaussian, or 40 clusters."""
     rng = np.random.default_rng(seed)
     if how == "gauss":
-        return _unit(rng.standard_normal((n, D)))
-    centres = _unit(rng.standard_normal((40, D)))
-    return _unit(centres[rng.integers(40, size=n)] + 0.3 * rng.standard_normal((n, D)))
+        return _unit(rng.standard_normal((n, d)))
+    centres = _unit(rng.standard_normal((40, d)))
+    return _unit(centres[rng.integers(40, size=n)] + 0.3 * rng.standard_normal((n, d)))
 
 
 @pytest.fixture(autouse=True)
@@ -45,6 +46,7 @@ def _small_builds(monkeypatch):
 
 
 def _until_built(dense: DenseIndex, timeout: float = 60.0) -> None:
+    """Wait until a background retraining / compaction's thread has ended."""
     t = time.monotonic()
     while dense.ann_building is False:
         assert time.monotonic() - t < timeout, "the background build never finished"

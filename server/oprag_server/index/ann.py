@@ -48,15 +48,18 @@ retraining of at least :data:`.ivf_build.BACKGROUND_MIN` vectors runs in a threa
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
 
 from ..config import DenseConfig
 from .ann_copies import Copies, hnsw_storage
+from .ann_persist import AnnPersist
 from .ann_escape import escape
 
-from .ivf_build import BACKGROUND_MIN, CATCH_UP, IvfBuild, IvfBuilds, new_ivf
+from .hnsw_build import GraphBuild
+from .ivf_build import BACKGROUND_MIN, CATCH_UP, IvfBuild, IvfBuilds, locked, new_ivf
 from .ivf_lists import IVF_TRAIN_FLOOR, ivf_lists  # noqa: F401 - IVF_TRAIN_FLOOR re-exported (cli, tests)
 
 
@@ -66,7 +69,7 @@ def _faiss():
     return faiss
 
 
-class AnnIndex(IvfBuilds):
+class AnnIndex(IvfBuilds, AnnPersist):
     """HNSW or IVF over ANN ids (see the module docstring). Not thread-safe.
 
     :param dim: vector width D. :param params: :class:`DenseConfig` (kind ``hnsw`` or ``ivf``).
@@ -82,7 +85,8 @@ class AnnIndex(IvfBuilds):
         # (vectors, lists, seconds, how: None = in the write) of each IVF (re)training, until taken (the shard logs them)
         self.trainings: list[tuple[int, int, float, str | None]] = []
         self._index = None
-        self._build: IvfBuild | None = None  # an IVF retraining under way (ivf_build)
+        self._build: IvfBuild | GraphBuild | None = None  # an IVF retraining / HNSW compaction under way
+        self._mut = threading.RLock()  # held by every change of the structure, and by the build's reads of it
         self.source = None  # IVF: the dense index's locked reads (gather, live slots) a background retraining makes
         self._selector = None  # ((dead count, ids), selector) for HNSW searches (an add may give a dead one a copy)
         self._copies = Copies()  # HNSW: identical vectors kept unlinked (ann_copies)
@@ -108,6 +112,7 @@ class AnnIndex(IvfBuilds):
     def live(self) -> int:
         return int(self.ann_slot.size - self.dead)
 
+    @locked
     def add(self, slots: np.ndarray, vectors: np.ndarray, all_live: tuple[np.ndarray, np.ndarray]) -> None:
         """Add float32[M, D] ``vectors`` of int64[M] ``slots``.
 
@@ -150,6 +155,7 @@ class AnnIndex(IvfBuilds):
         until the next add, defer, insert or load)."""
         return self._tail_rows()
 
+    @locked
     def defer(self, slots: np.ndarray, vectors: np.ndarray) -> None:
         """HNSW: give float32[M, D] ``vectors`` of int64[M] ``slots`` the next ANN ids without
         inserting them (see the module docstring); IVF: :meth:`add` at once."""
@@ -166,6 +172,7 @@ class AnnIndex(IvfBuilds):
         self._tail_n += m
         self._append_ids(slots)
 
+    @locked
     def insert_pending(self, n: int | None = None) -> int:
         """Insert the oldest ``n`` (None: all) deferred vectors into the HNSW graph, in ANN-id
         order. :returns: how many were inserted."""
@@ -191,6 +198,16 @@ class AnnIndex(IvfBuilds):
         out[~old] = self._tail_rows()[ids[~old] - n]
         return out
 
+    def locked_gather(self, ids: np.ndarray) -> np.ndarray:
+        """(A build's thread) :meth:`gather` under the structure's lock."""
+        with self._mut:
+            return self.gather(ids)
+
+    def locked_ids_since(self, known: int) -> tuple[np.ndarray, int]:
+        """(A build's thread) ``(live ANN ids >= known int64[M], ids held)`` under the structure's lock."""
+        with self._mut:
+            return np.flatnonzero(self.ann_slot[known:] >= 0).astype(np.int64) + known, int(self.ann_slot.size)
+
     def matvec(self, q: np.ndarray) -> np.ndarray:
         """float32[A]: inner products of one float32[D] query with every stored vector by ANN id
         (graph and deferred, dead ones included)."""
@@ -200,6 +217,7 @@ class AnnIndex(IvfBuilds):
     def _append_ids(self, slots: np.ndarray) -> None:
         self.ann_slot = np.concatenate([self.ann_slot, np.asarray(slots, dtype=np.int64)])
 
+    @locked
     def remove(self, slots: np.ndarray) -> None:
         """Mark the given slots dead (IVF: also drop them from the lists)."""
         ids = np.flatnonzero(np.isin(self.ann_slot, np.asarray(slots, dtype=np.int64)))
@@ -229,6 +247,7 @@ class AnnIndex(IvfBuilds):
         """True once a quarter of an HNSW graph is dead (IVF removes at once: never)."""
         return self.params.kind == "hnsw" and self.dead * 4 > max(self.ann_slot.size, 1)
 
+    @locked
     def rebuild(self, slots: np.ndarray, vectors) -> None:
         """A fresh structure over exactly these live vectors (compaction; IVF: retraining).
 
@@ -236,6 +255,7 @@ class AnnIndex(IvfBuilds):
             (HNSW adds them in blocks of 65,536: a lazy gather from the old structure's storage
             then never holds a third full copy).
         """
+        self.cancel_build()
         slots = np.asarray(slots, dtype=np.int64)
         self.ann_slot, self.dead, self._selector = slots.copy(), 0, None
         if self.params.kind == "hnsw":
@@ -245,7 +265,6 @@ class AnnIndex(IvfBuilds):
             self._index, self._copies = index, copies  # (the deferred rows were among ``vectors``)
             self._tail, self._tail_at, self._tail_n = np.zeros((0, self.dim), dtype=np.float32), 0, 0
             return
-        self.cancel_build()
         vecs = np.ascontiguousarray(vectors, dtype=np.float32)
         if slots.size >= self.train_min:
             t0 = time.perf_counter()
@@ -338,48 +357,3 @@ class AnnIndex(IvfBuilds):
             n = int(self._index.ntotal) if self._index is not None else 0
             return n * (4 * (2 * self.params.hnsw_m + 1) + 12) + int(self.ann_slot.nbytes)
         return self.nbytes()
-
-    # ------------------------------------------------------------------ persistence
-    def to_bytes(self) -> bytes:
-        """The FAISS structure (``faiss.serialize_index``); empty while an IVF is untrained."""
-        self.insert_pending()
-        return b"" if self._index is None else _faiss().serialize_index(self._index).tobytes()
-
-    def write(self, path) -> None:
-        """Write the FAISS structure (with HNSW's stored vectors) to ``path`` (not fsynced);
-        nothing is written while an IVF is untrained. Deferred vectors are not in it (:meth:`tail`)."""
-        if self._index is not None:
-            _faiss().write_index(self._index, str(path))
-
-    def load(self, data, ann_slot: np.ndarray, trained_at: int, tail: np.ndarray | None = None) -> None:
-        """Restore :meth:`to_bytes` output (``bytes``), a file :meth:`write` wrote (a path: read
-        straight into FAISS's memory, no intermediate copy) or an index FAISS already read, with
-        its ``ann_slot`` map (slots already remapped), and HNSW's deferred vectors float32[P, D]
-        (``tail``: what :meth:`tail` held; their ANN ids follow the graph's).
-
-        :raises ValueError: the structure's vector count plus the tail's differs from ``ann_slot``'s.
-        """
-        faiss = _faiss()
-        self.cancel_build()
-        if hasattr(data, "stat") and data.stat().st_size == 0:  # an untrained IVF's empty file
-            data = b""
-        if isinstance(data, (bytes, bytearray, memoryview)):
-            index = faiss.deserialize_index(np.frombuffer(data, dtype=np.uint8)) if len(data) else None
-        elif data is None or hasattr(data, "ntotal"):
-            index = data
-        else:
-            index = faiss.read_index(str(data))
-        p = 0 if tail is None else int(tail.shape[0])
-        if self.params.kind == "hnsw" and index is not None and int(index.ntotal) + p != int(np.asarray(ann_slot).size):
-            raise ValueError(f"the saved structure holds {index.ntotal} vectors and {p} deferred ones, its id map "
-                             f"{np.asarray(ann_slot).size}")
-        self._index = index
-        self._tail = np.zeros((0, self.dim), dtype=np.float32) if not p else np.asarray(tail, dtype=np.float32)
-        self._tail_at, self._tail_n = 0, p
-        self.ann_slot = np.asarray(ann_slot, dtype=np.int64).copy()
-        self.dead = int((self.ann_slot < 0).sum())
-        self.trained_at, self._selector = int(trained_at), None
-        if self.params.kind == "hnsw" and self._index is None:
-            self._index = self._new_hnsw()
-        self._copies = Copies.of_index(self._index) if self.params.kind == "hnsw" else Copies()
-

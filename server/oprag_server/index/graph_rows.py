@@ -79,6 +79,8 @@ class GraphRows:
         """HNSW: append to the graph (its storage is the one copy), or stage until load_ann;
         ``defer``: to the graph's tail of deferred inserts (:mod:`.ann`), inserting the oldest
         at once past ``params.ann_tail`` waiting."""
+        if self._ann.building:  # a background compaction is done: in place first (hnsw_build)
+            self.install_ann()
         self._n += slots.size
         self._version += 1
         self._max_norm = max(self._max_norm, float(np.sqrt(np.einsum("ij,ij->i", vecs, vecs, dtype=np.float64).max())))
@@ -94,12 +96,15 @@ class GraphRows:
         self._slot_row[slots] = np.arange(first, first + slots.size, dtype=np.int64)
 
     def _remove_one(self, slots: np.ndarray) -> int:
-        """HNSW: mark live slots int64[M] dead in the graph (compacted past a quarter dead)."""
+        """HNSW: mark live slots int64[M] dead in the graph (compacted past a quarter dead: in the background from
+        :data:`.hnsw_build.BACKGROUND_MIN` live vectors, :mod:`.hnsw_build`)."""
+        if self._ann.building:
+            self.install_ann()
         self._ann.remove(slots)
         self._slot_row[slots] = -1
         self._n -= len(slots)
         self._version += 1
-        if self._ann.needs_compaction():
+        if self._ann.needs_compaction() and not self._ann.compact_later():
             self.compact_ann()
         return len(slots)
 

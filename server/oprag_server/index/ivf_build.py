@@ -28,12 +28,14 @@ serves; a restart during a build loses the build and the first write after the r
 
 from __future__ import annotations
 
-import threading
+import functools
 import time
 from typing import Callable
 
 import numpy as np
 
+from . import hnsw_build
+from .hnsw_build import GraphBuild, ThreadBuild, finish_graph
 from .ivf_lists import ivf_lists
 
 #: retrainings of at least this many vectors run in the background (at 40,000 vectors, 512 lists: 2.1 s of k-means;
@@ -54,6 +56,16 @@ def _faiss():
     return faiss
 
 
+def locked(method):
+    """A method of :class:`.ann.AnnIndex` that changes the structure: run holding its ``_mut`` (a build's thread
+    reads the structure under it)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self._mut:
+            return method(self, *args, **kwargs)
+    return run
+
+
 def new_ivf(dim: int, n: int, vectors: np.ndarray):
     """A trained, empty FAISS ``IndexIVFScalarQuantizer`` (8-bit codes, inner product) for ``n`` vectors:
     :func:`.ivf_lists.ivf_lists` lists, k-means on ``vectors[::step]`` (at most 64 points a list).
@@ -70,7 +82,7 @@ def new_ivf(dim: int, n: int, vectors: np.ndarray):
     return idx
 
 
-class IvfBuild:
+class IvfBuild(ThreadBuild):
     """One background retraining (module docstring).
 
     :param dim: D. :param slots: int64[n], the live slots at the trigger, in row order (new ANN ids 0..n-1).
@@ -79,18 +91,14 @@ class IvfBuild:
         ``live_slots() -> int64[m]`` (a copy).
     """
 
-    def __init__(self, dim: int, slots: np.ndarray, source: tuple[Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]], Callable[[], np.ndarray]]) -> None:
+    def __init__(self, dim: int, slots: np.ndarray,
+                 source: tuple[Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]], Callable[[], np.ndarray]]) -> None:
+        super().__init__()
         self.dim, self.slots = int(dim), np.array(slots, dtype=np.int64)
         self.trained_at = int(self.slots.size)
         self.added = np.zeros(self.trained_at, dtype=bool)  # ids encoded into the new lists
         self.index = None  # set once trained and filled
-        self.error: BaseException | None = None
-        self.cancelled = False
-        self.seconds = 0.0  # the thread's time (k-means and fill)
-        self.started = time.perf_counter()
         self._gather, self._live_slots = source
-        # not a daemon: an exit waits for FAISS to return (a daemon thread ended inside C++ aborts the process)
-        self.thread = threading.Thread(target=self._run, name="oprag-ivf-build")
         self.thread.start()
 
     def _run(self) -> None:
@@ -128,15 +136,6 @@ class IvfBuild:
                 idx.add_with_ids(np.ascontiguousarray(vecs, dtype=np.float32), ids)
                 self.added[ids] = True
 
-    @property
-    def done(self) -> bool:
-        """True once the thread has ended (built, failed or cancelled)."""
-        return not self.thread.is_alive()
-
-    def cancel(self) -> None:
-        """Stop at the next block (the structure it was building is dropped; k-means runs to its end)."""
-        self.cancelled = True
-
     def nbytes(self) -> int:
         """Bytes of the lists filled so far (code + 8-byte id a vector) and the centroids."""
         return int(self.added.sum()) * (self.dim + 8) + ivf_lists(self.trained_at) * 4 * self.dim
@@ -167,14 +166,32 @@ def finish(build: IvfBuild, live_slots: np.ndarray, live_vectors: np.ndarray):
 
 
 class IvfBuilds:
-    """The background retraining half of :class:`.ann.AnnIndex` (a mixin: it uses its ``_build``, ``_index``,
-    ``ann_slot``, ``dead``, ``trained_at``, ``trainings`` and ``rebuild``)."""
+    """The background half of :class:`.ann.AnnIndex`, IVF retraining and HNSW compaction (a mixin: it uses its
+    ``_build``, ``_mut``, ``_index``, ``ann_slot``, ``dead``, ``trained_at``, ``trainings`` and ``rebuild``)."""
 
     @property
     def building(self) -> bool | None:
-        """None: no IVF retraining under way; False: one is running; True: one is done, to :meth:`install`."""
+        """None: no IVF retraining or HNSW compaction under way; False: one is running; True: one is done, to
+        :meth:`install` (IVF) / :meth:`install_graph` (HNSW)."""
         return None if self._build is None else self._build.done
 
+    def compact_later(self) -> bool:
+        """HNSW past a quarter dead: start a background compaction (:mod:`.hnsw_build`) unless one runs; False (none
+        started) below :data:`.hnsw_build.BACKGROUND_MIN` live vectors, where the caller compacts at once."""
+        if self._build is None and self.live < hnsw_build.BACKGROUND_MIN:
+            return False
+        if self._build is None:
+            self._build = GraphBuild(self)
+        return True
+
+    @locked
+    def install_graph(self) -> np.ndarray | None:
+        """HNSW: put a background compaction's graph in place (:func:`.hnsw_build.finish_graph`: old ANN id int64[A]
+        of each new id), None when none was under way or it failed (the caller compacts at once)."""
+        b, self._build = self._build, None
+        return None if b is None else finish_graph(self, b)
+
+    @locked
     def install(self, slots: np.ndarray, vectors) -> bool:
         """Put a background retraining in place (waiting for its thread), made to hold exactly the live ``slots``
         int64[n] / ``vectors`` float32[n, D] (:func:`.ivf_build.finish`); a failed one retrains here instead.

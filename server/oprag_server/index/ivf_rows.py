@@ -1,5 +1,6 @@
-"""The background IVF retraining's side of :class:`~oprag_server.index.dense.DenseIndex` (issue 13, :mod:`.ivf_build`):
-the locked read of the float32 copy that the build's thread encodes from, and the install between requests."""
+"""The background builds' side of :class:`~oprag_server.index.dense.DenseIndex` (issue 13): the locked reads of the
+float32 copy that an IVF retraining's thread encodes from (:mod:`.ivf_build`), and the install between requests of a
+retraining or an HNSW compaction (:mod:`.hnsw_build`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import numpy as np
 
 
 class IvfRows:
-    """A mixin of :class:`~oprag_server.index.dense.DenseIndex` (it uses ``_ann``, ``_mut``, ``_vecs``, ``_row_slot``, ``_n``, ``_rows_of``,
+    """A mixin of :class:`~oprag_server.index.dense.DenseIndex` (it uses ``_ann``, ``_one``, ``_slot_row``, ``_compact_one``, ``_mut``, ``_vecs``, ``_row_slot``, ``_n``, ``_rows_of``,
     ``slots`` and ``vectors``). Every change of the flat / IVF copy's rows holds ``_mut`` (a remove moves the last row
     into the removed one's place), so a read under it is consistent."""
 
@@ -29,10 +30,18 @@ class IvfRows:
         return None if self._ann is None else self._ann.building
 
     def install_ann(self) -> bool:
-        """Put a background IVF retraining in place (waits for its thread: call it once :attr:`ann_building` is
-        True, or to settle). :returns: whether one was under way."""
+        """Put a background IVF retraining or HNSW compaction in place (waits for its thread: call it once
+        :attr:`ann_building` is True, or to settle); HNSW rows are renumbered to the new graph's ids (a failed
+        compaction compacts here instead). :returns: whether one was under way."""
         if self._ann is None or self._ann.building is None:
             return False
-        self._ann.install(self.slots, self.vectors)
+        if self._one:
+            if self._ann.install_graph() is None:
+                self._compact_one()
+            else:
+                live = np.flatnonzero(self._ann.ann_slot >= 0)
+                self._slot_row[self._ann.ann_slot[live]] = live
+        else:
+            self._ann.install(self.slots, self.vectors)
         self._version += 1  # (the structure that picks candidates changed: what is cached by version is redone)
         return True

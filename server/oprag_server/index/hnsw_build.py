@@ -1,0 +1,128 @@
+"""HNSW compaction in the background while the shard serves (issue 13: "an index type that cannot remove vectors
+filters dead ids and compacts in the background").
+
+HNSW cannot delete: a removed vector stays in the graph, marked dead and filtered from every search, until a quarter
+of the graph is dead; then the graph is rebuilt from the live vectors (:meth:`.ann.AnnIndex.needs_compaction`). Done in
+the remove that crossed the quarter, that rebuild held every request to the shard for as long as inserting every live
+vector takes (FAISS's HNSW add on one core: ~4,000 vectors a second at M 32, efConstruction 80, D 384, so a shard of
+400K live vectors ~100 s). From :data:`BACKGROUND_MIN` live vectors on it is a :class:`GraphBuild` instead:
+
+1. (the shard's thread, in the remove) the live ANN ids and their slots are copied and a thread starts; the old graph
+   keeps answering every search and taking every write (its dead ones filtered as before).
+2. (the build's thread; FAISS leaves the GIL during its adds) a new graph gets those vectors, read from the old
+   graph's storage and deferred tail a block at a time under the structure's lock (a write there may move FAISS's
+   storage), in ANN-id order; then, in rounds while there are many, the vectors added since.
+3. (the shard's thread, between requests or at the next write once the thread is done) the install
+   (:func:`finish_graph`): the last few vectors added since are inserted, the ids removed meanwhile marked dead, and
+   the new graph replaces the old one (its deferred tail included: the new graph holds every vector), the dense
+   index renumbering its rows.
+
+Memory: the new graph's storage is a second copy of the live vectors while it is built, as the synchronous rebuild's
+was while it ran. A snapshot saves the graph that serves; a restart during a build loses it, and the next remove
+starts it again. Searches before the install use the old graph, after it the new one (canonical scores either way).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+from .ann_copies import Copies
+
+#: compactions of at least this many live vectors run in the background (a smaller one takes < ~4 s in the write)
+BACKGROUND_MIN = 16_384
+#: vectors read from the old graph per locked read
+BLOCK = 4096
+#: after the trigger's vectors, the thread inserts those added since in rounds while a round finds at least this many
+ROUND_MIN = 256
+#: at most this many rounds
+ROUNDS = 8
+
+
+class ThreadBuild:
+    """A structure built by a thread of its own (this compaction, :class:`.ivf_build.IvfBuild`): ``_run`` is the
+    thread's work, which checks :attr:`cancelled` between blocks and leaves its timing in :attr:`seconds`."""
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+        self.cancelled = False
+        self.seconds = 0.0
+        self.started = time.perf_counter()
+        # not a daemon: an exit waits for FAISS to return (a daemon thread ended inside C++ aborts the process)
+        self.thread = threading.Thread(target=self._run, name=f"oprag-{type(self).__name__}")
+
+    def _run(self) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    @property
+    def done(self) -> bool:
+        """True once the thread has ended (built, failed or cancelled)."""
+        return not self.thread.is_alive()
+
+    def cancel(self) -> None:
+        """Stop at the next block (what it built is dropped)."""
+        self.cancelled = True
+
+
+class GraphBuild(ThreadBuild):
+    """One background compaction of ``ann`` (an HNSW :class:`.ann.AnnIndex`; module docstring)."""
+
+    def __init__(self, ann) -> None:
+        super().__init__()
+        self.ann = ann
+        self.ids = np.flatnonzero(ann.ann_slot >= 0).astype(np.int64)  # old ANN ids -> new ids 0..n-1
+        self.known = int(ann.ann_slot.size)  # old ids below this are among ``ids`` or were dead at the trigger
+        self.index = self.copies = None
+        self.thread.start()
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            index, copies = self.ann._new_hnsw(), Copies()  # noqa: SLF001
+            self._fill(index, copies, self.ids)
+            for _ in range(ROUNDS):
+                new, end = self.ann.locked_ids_since(self.known)
+                if new.size < ROUND_MIN or self.cancelled:
+                    break
+                self._fill(index, copies, new)
+                self.ids, self.known = np.concatenate([self.ids, new]), end
+            if not self.cancelled:
+                self.index, self.copies = index, copies
+        except BaseException as exc:  # noqa: BLE001 - finish_graph() then compacts in the write
+            self.error = exc
+        finally:
+            self.seconds = time.perf_counter() - t0
+
+    def _fill(self, index, copies: Copies, ids: np.ndarray) -> None:
+        for a in range(0, ids.size, BLOCK):
+            if self.cancelled:
+                return
+            copies.add(index, self.ann.locked_gather(ids[a:a + BLOCK]))
+
+    def nbytes(self) -> int:
+        """(Estimated) bytes of the graph built so far: as :meth:`.ann.AnnIndex.nbytes`'s HNSW term."""
+        n = int(self.index.ntotal) if self.index is not None else 0
+        return n * (4 * self.ann.dim + 4 * (2 * self.ann.params.hnsw_m + 1) + 12)
+
+
+def finish_graph(ann, build: GraphBuild) -> np.ndarray | None:
+    """(The shard's thread, ``ann``'s lock held) wait for ``build``, insert what was added since its last round, and
+    put its graph in place of ``ann``'s: ``ann_slot`` with the ids removed meanwhile dead, no deferred tail.
+
+    :returns: int64[A] old ANN id of each new id (the caller renumbers its rows); None when the build failed or was
+        cancelled (nothing changed: the caller compacts synchronously).
+    """
+    build.thread.join()
+    if build.index is None:
+        return None
+    rest = np.flatnonzero(ann.ann_slot[build.known:] >= 0).astype(np.int64) + build.known
+    if rest.size:
+        build.copies.add(build.index, ann.gather(rest))
+    old = np.concatenate([build.ids, rest])
+    ann._index, ann._copies = build.index, build.copies  # noqa: SLF001
+    ann.ann_slot = ann.ann_slot[old].copy()  # (-1 where removed since the trigger)
+    ann.dead, ann._selector = int((ann.ann_slot < 0).sum()), None  # noqa: SLF001
+    ann._tail, ann._tail_at, ann._tail_n = np.zeros((0, ann.dim), dtype=np.float32), 0, 0  # noqa: SLF001
+    return old

@@ -1,0 +1,125 @@
+"""HNSW compaction in the background (index/hnsw_build.py, issue 13: "compacts in the background"): once a quarter of
+the graph is dead the shard builds a new graph of the live vectors in a thread while the old one keeps serving and
+taking writes (direct and deferred inserts, removes); after the install the new graph stores exactly the live
+vectors, each under an id the dense index maps its slot to, no deleted chunk is ever returned, the rows read back the
+same vectors; the shard installs a finished build between requests; a failed build compacts in the write; a
+snapshot taken mid-build restarts into a working shard. Real FAISS and threads; the threshold is lowered so that
+small graphs use the background path. Vectors from two generators (isotropic Gaussian, clustered)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from oprag_server.config import DenseConfig
+from oprag_server.index import hnsw_build
+from oprag_server.index.dense import DenseIndex
+from oprag_server.shards.state import ShardState
+from tests.unit.test_ivf_background import _table, _until_built
+from tests.unit.test_ivf_background import _vectors as vectors
+
+D = 24
+
+
+def _vectors(how: str, n: int, seed: int) -> np.ndarray:
+    return vectors(how, n, seed, D)
+
+
+@pytest.fixture(autouse=True)
+def _small_builds(monkeypatch):
+    monkeypatch.setattr(hnsw_build, "BACKGROUND_MIN", 500)
+    monkeypatch.setattr(hnsw_build, "BLOCK", 128)  # many locked reads: writes interleave with the build
+    monkeypatch.setattr(hnsw_build, "ROUND_MIN", 16)
+
+
+def _cfg(tail: int = 0) -> DenseConfig:
+    return DenseConfig(kind="hnsw", hnsw_m=8, ef_construction=40, ann_tail=tail)
+
+
+def _check(dense: DenseIndex, x: np.ndarray) -> None:
+    """The graph stores exactly the live vectors (by the dense index's own map), rows read them back, nothing else
+    is live, no tail is left."""
+    ann = dense.ann
+    live_ids = np.flatnonzero(ann.ann_slot >= 0)
+    slots = ann.ann_slot[live_ids]
+    assert sorted(slots.tolist()) == sorted(dense.slots.tolist()) and len(dense) == slots.size
+    assert np.array_equal(ann.storage()[live_ids], x[slots])  # (float32 flat storage: bit for bit)
+    assert np.array_equal(dense.vectors_of(slots), x[slots])
+    assert np.array_equal(dense.vectors, x[dense.slots])
+    assert ann.pending == 0 and ann.dead == int((ann.ann_slot < 0).sum())
+
+
+@pytest.mark.parametrize("how", ["gauss", "clustered"])
+@pytest.mark.parametrize("tail", [0, 64])
+@pytest.mark.parametrize("rounds", [True, False])  # False: what came since the trigger is inserted at the install
+def test_writes_during_a_compaction_are_all_in_the_new_graph(how, tail, rounds, monkeypatch):
+    if not rounds:
+        monkeypatch.setattr(hnsw_build, "ROUND_MIN", 1 << 40)
+    x = _vectors(how, 8000, 1)
+    dense = DenseIndex(D, _cfg(tail))
+    dense.add(np.arange(3000), x[:3000], defer=tail > 0)
+    dense.insert_pending()
+    dense.remove(np.arange(0, 3000, 3))  # a third dead: compaction in the background
+    assert dense.ann_building is not None and dense.ann.dead == 1000
+    rng, nxt, removed = np.random.default_rng(2), 3000, list(range(0, 3000, 3))
+    while dense.ann_building is False and nxt < 8000:
+        gone = rng.choice(dense.slots, 5, replace=False)
+        dense.remove(gone)
+        removed += gone.tolist()
+        dense.add(np.arange(nxt, nxt + 20), x[nxt:nxt + 20], defer=tail > 0)
+        dense.insert_pending(8)
+        nxt += 20
+        hits, _ = dense.search(x[nxt - 20:nxt], 1, ef_search=200)  # the old graph (or its tail) has the new ones
+        assert np.mean([int(h[0]) == s for h, s in zip(hits, range(nxt - 20, nxt))]) >= 0.9
+    assert nxt > 3000  # writes came during the build (the last one may have installed it)
+    _until_built(dense)
+    dense.install_ann()
+    assert dense.ann_building is None
+    _check(dense, x)
+    assert dense.ann.dead <= len(removed) - 1000  # (only those removed since the trigger can be dead)
+    hits, _ = dense.search(x[removed], 10, ef_search=200)
+    assert not set(np.concatenate(hits).tolist()) & set(removed)
+    live = dense.slots[:300]
+    hits, _ = dense.search(x[live], 1, ef_search=200)
+    assert np.mean([int(h[0]) == s for h, s in zip(hits, live)]) >= 0.95
+
+
+def test_a_failed_compaction_compacts_in_the_write(monkeypatch):
+    x = _vectors("clustered", 3000, 3)
+    dense = DenseIndex(D, _cfg())
+    dense.add(np.arange(3000), x)
+
+    def broken(ids):
+        raise MemoryError("no room for the graph")
+
+    monkeypatch.setattr(dense.ann, "locked_gather", broken)
+    dense.remove(np.arange(0, 3000, 3))
+    _until_built(dense)
+    assert dense.ann._build.error is not None  # noqa: SLF001
+    dense.remove(np.arange(1, 30, 3))  # the next write installs: the failure compacts here, then removes 10
+    assert dense.ann_building is None and dense.ann.dead == 10 and dense.ann.ann_slot.size == 2000
+    _check(dense, x)
+
+
+def test_the_shard_installs_a_finished_compaction_between_requests_and_restarts_mid_build(tmp_path):
+    x = _vectors("gauss", 3000, 5)
+    sh = ShardState(0, D, tmp_path, dense=_cfg())
+    sh.load(set())
+    sh.store.upsert(_table(x, 0), 1)
+    sh.store.delete([f"d{i}" for i in range(0, 3000, 3)], 2)
+    dense = sh.store.dense
+    assert dense.ann_building is not None
+    sh.snapshot()  # mid-build (or just after): the graph that serves is saved
+    _until_built(dense)
+    assert sh.idle_wait() == 0.0
+    sh.idle_step()
+    # (the deletes go one chunk at a time: the build started at the first quarter, the rest are dead in the new one)
+    assert dense.ann_building is None and dense.ann.live == 2000 and dense.ann.dead < 300
+    stored = x[[int(c[1:].split("#")[0]) for c in sh.store.fields.column(dense.slots, "chunk_id")]]
+    assert np.array_equal(dense.vectors, stored)
+    sh.txns.wal.close()
+    back = ShardState(0, D, tmp_path, dense=_cfg())
+    back.load(set())
+    assert len(back.store.dense) == 2000
+    ids = back.store.fields.column(back.store.dense.slots, "chunk_id")
+    assert sorted(ids) == sorted(f"d{i}#0" for i in range(3000) if i % 3)
