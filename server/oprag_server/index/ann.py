@@ -70,7 +70,8 @@ def _faiss():
 
 
 class AnnIndex(IvfBuilds, AnnPersist):
-    """HNSW or IVF over ANN ids (see the module docstring). Not thread-safe.
+    """HNSW or IVF over ANN ids (see the module docstring). Changed on one thread only; a background build's thread
+    (:mod:`.ivf_build`, :mod:`.hnsw_build`) reads it under ``_mut``, which every change holds.
 
     :param dim: vector width D. :param params: :class:`DenseConfig` (kind ``hnsw`` or ``ivf``).
     """

@@ -74,13 +74,14 @@ class GraphBuild(ThreadBuild):
         self.ann = ann
         self.ids = np.flatnonzero(ann.ann_slot >= 0).astype(np.int64)  # old ANN ids -> new ids 0..n-1
         self.known = int(ann.ann_slot.size)  # old ids below this are among ``ids`` or were dead at the trigger
-        self.index = self.copies = None
+        self.index = self.copies = self._growing = None
         self.thread.start()
 
     def _run(self) -> None:
         t0 = time.perf_counter()
         try:
             index, copies = self.ann._new_hnsw(), Copies()  # noqa: SLF001
+            self._growing = index  # (what nbytes() counts meanwhile)
             self._fill(index, copies, self.ids)
             for _ in range(ROUNDS):
                 new, end = self.ann.locked_ids_since(self.known)
@@ -103,7 +104,8 @@ class GraphBuild(ThreadBuild):
 
     def nbytes(self) -> int:
         """(Estimated) bytes of the graph built so far: as :meth:`.ann.AnnIndex.nbytes`'s HNSW term."""
-        n = int(self.index.ntotal) if self.index is not None else 0
+        g = self._growing
+        n = int(g.ntotal) if g is not None else 0
         return n * (4 * self.ann.dim + 4 * (2 * self.ann.params.hnsw_m + 1) + 12)
 
 
