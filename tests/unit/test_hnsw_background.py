@@ -8,6 +8,8 @@ small graphs use the background path. Vectors from two generators (isotropic Gau
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -123,3 +125,74 @@ def test_the_shard_installs_a_finished_compaction_between_requests_and_restarts_
     assert len(back.store.dense) == 2000
     ids = back.store.fields.column(back.store.dense.slots, "chunk_id")
     assert sorted(ids) == sorted(f"d{i}#0" for i in range(3000) if i % 3)
+
+
+def test_a_shard_process_loop_answers_searches_during_a_compaction_and_installs_it_when_idle(tmp_path, monkeypatch):
+    """The shard's own request loop (worker.run, over a real pipe): a delete past a quarter returns at once, searches
+    sent right after are answered while the build runs (never returning a deleted chunk), and with no further request
+    the loop installs the finished graph by itself (Stats' ann bytes: the old graph's and the one being built, then
+    the new graph's alone, below the old one's)."""
+    import multiprocessing as mp
+    import signal
+    import threading
+
+    from oprag_server.shards import worker
+    from oprag_server.shards.protocol import (ApplyRequest, Op, PrepareRequest, QueryBatch, SearchRequest,
+                                              ShutdownRequest, StatsRequest)
+
+    monkeypatch.setattr(hnsw_build, "BLOCK", 64)  # a slower build, so that searches meet it
+    x = _vectors("clustered", 4000, 7)
+    seed = ShardState(0, D, tmp_path, dense=_cfg())
+    seed.load(set())
+    seed.store.upsert(_table(x, 0), 1)
+    seed.snapshot()
+    seed.txns.wal.close()
+    gone = [f"d{i}" for i in range(0, 4000, 3)]
+    front, back = mp.get_context("spawn").Pipe(duplex=True)
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    out: dict = {}
+
+    def client():
+        try:
+            assert front.recv()[1]  # READY
+            front.send((0, Op.STATS, StatsRequest()))
+            before = front.recv()[2].nbytes["ann"]  # the graph of 4,000
+            t = time.perf_counter()
+            front.send((1, Op.PREPARE, PrepareRequest("t1", 2, "delete", gone)))
+            front.send((2, Op.APPLY, ApplyRequest("t1")))
+            assert front.recv()[1] and front.recv()[1]
+            out["delete_s"] = time.perf_counter() - t
+            hits = []
+            for i in range(40):
+                q = QueryBatch(x[i:i + 1], [["topic"]], [np.ones(1)], 5.0, 1.5, 0.75)
+                front.send((10 + i, Op.SEARCH, SearchRequest(q, mode="dense", n=10)))
+                _, ok, rep = front.recv()
+                assert ok, rep
+                hits += rep.candidates[0].slots.tolist()
+            out["hits"] = hits
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:  # no request but Stats: the loop's idle step installs it
+                front.send((99, Op.STATS, StatsRequest()))
+                _, ok, st = front.recv()
+                out["ann"] = (before, st.nbytes["ann"])
+                if st.nbytes["ann"] < 0.9 * before:  # the new graph alone (2,667 live, those removed since dead)
+                    break
+                time.sleep(0.2)
+            front.send((100, Op.SHUTDOWN, ShutdownRequest(snapshot=False)))
+            front.recv()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            out["error"] = exc
+            front.close()
+
+    t = threading.Thread(target=client)
+    t.start()
+    try:
+        worker.run(0, back, D, str(tmp_path), False, set(), dense=_cfg())
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+        t.join(60)
+    assert "error" not in out, out.get("error")
+    assert out["delete_s"] < 2.0, out
+    assert not set(out["hits"]) & set(range(0, 4000, 3)), "a deleted chunk was returned"
+    assert out["ann"][1] < 0.9 * out["ann"][0], out["ann"]

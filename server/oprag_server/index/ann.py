@@ -353,8 +353,10 @@ class AnnIndex(IvfBuilds, AnnPersist):
 
     def graph_nbytes(self) -> int:
         """Bytes of the structure besides the stored vectors (HNSW: links, offsets, levels,
-        ``n * (4*(2*M + 1) + 12)``; IVF: all of :meth:`nbytes`) plus the 8-byte id map."""
+        ``n * (4*(2*M + 1) + 12)``; IVF: all of :meth:`nbytes`) plus the 8-byte id map, and all of a compaction's
+        graph being built (its vectors too)."""
         if self.params.kind == "hnsw":
             n = int(self._index.ntotal) if self._index is not None else 0
-            return n * (4 * (2 * self.params.hnsw_m + 1) + 12) + int(self.ann_slot.nbytes)
+            extra = self._build.nbytes() if self._build is not None else 0
+            return n * (4 * (2 * self.params.hnsw_m + 1) + 12) + int(self.ann_slot.nbytes) + extra
         return self.nbytes()

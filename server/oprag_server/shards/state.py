@@ -146,7 +146,7 @@ class ShardState:
         the two do not compete for the CPU with the queries at once; and while a prepared
         transaction waits for its apply). A write (a new store version) restarts the quiet time."""
         built = None if self.txns.prepared else self.store.dense.ann_building
-        if built:  # a background IVF retraining is done (ivf_build): installed between requests
+        if built:  # a background IVF retraining or HNSW compaction is done: installed between requests
             return 0.0
         wait = self._merge_wait()
         return wait if built is None else min(self.MERGE_POLL_S, self.MERGE_POLL_S if wait is None else wait)
