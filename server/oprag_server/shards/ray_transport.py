@@ -44,9 +44,8 @@ def _dumps(obj: Any) -> bytes:
 
 
 class ShardActor:
-    """The body of a shard actor. The constructor holds no data (Ray re-runs it on a restart);
-    :meth:`load` builds the shard from storage. Each construction has a fresh ``incarnation``
-    id, so the frontend can tell a restarted actor from the one it loaded."""
+    """The body of a shard actor. The constructor holds no data (Ray re-runs it on a restart); :meth:`load` builds
+    the shard from storage. Each construction has a fresh ``incarnation`` id: a restarted actor is told apart."""
 
     def __init__(self, shard_id: int, dim: int, data_dir: str | None, stem: bool, dense: Any = None,
                  storage: str | None = None) -> None:
@@ -88,6 +87,7 @@ class ShardActor:
             if self.state is None:
                 return False, "shard actor restarted and not loaded yet"
             try:
+                self.state.install_finished()  # (no idle loop: a finished background build first)
                 return True, dispatch(self.table, op, req)
             except Exception as exc:  # noqa: BLE001 - a bad request never kills the shard
                 return False, f"{type(exc).__name__}: {exc}"

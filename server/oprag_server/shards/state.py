@@ -167,9 +167,7 @@ class ShardState:
         (:meth:`..index.bm25.PostingsIndex.merge`) once no write came for :attr:`IDLE_QUIET_S`
         and :meth:`..index.bm25.PostingsIndex.idle_merge_due` (none while a prepared transaction
         waits for its apply). Queries and writes go on meanwhile, as during a write-time merge."""
-        if self.store.dense.ann_building and not self.txns.prepared:
-            self.store.dense.install_ann()
-            self.say_trainings()
+        if self.install_finished():
             return
         p = self.store.postings
         if p.merging:
@@ -177,6 +175,16 @@ class ShardState:
         elif self.idle_wait() == 0.0:
             p.merge(background=True)
         self.note()
+
+    def install_finished(self) -> bool:
+        """Put a finished background IVF retraining or HNSW compaction in place (:meth:`.dense.DenseIndex.install_ann`;
+        not while a prepared transaction waits for its apply): :returns: whether one was. Between requests only (a
+        shard process's idle step; a Ray actor before each call, its snapshot being written in one call)."""
+        if not self.store.dense.ann_building or self.txns.prepared:
+            return False
+        self.store.dense.install_ann()
+        self.say_trainings()
+        return True
 
     def note(self, msg: str | None = None) -> None:
         """Log (stderr, the service log) ``msg`` and the merges that started or were installed
