@@ -200,7 +200,7 @@ def cmd_ingest(a) -> int:
                 bar.update(len(batch))
                 nxt = sent
                 el = time.perf_counter() - t0
-                bar.set_postfix(chunks=totals["chunks"], chunks_per_s=f"{totals['chunks'] / el:.1f}")
+                bar.set_postfix(chunks=str(totals["chunks"]), chunks_per_s=f"{totals['chunks'] / el:.1f}")
     except grpc.RpcError as exc:
         error, unknown = {"code": exc.code().name, "message": _rpc_message(exc)}, outcome_unknown(exc)
         at = re.match(r"(?:[A-Z_]+: )?document (\d+) \(", error["message"])  # its position in the failed stream

@@ -100,10 +100,12 @@ def test_a_failed_compaction_compacts_in_the_write(monkeypatch):
     assert dense.ann._build.error is not None  # noqa: SLF001
     dense.remove(np.arange(1, 30, 3))  # the next write installs: the failure compacts here, then removes 10
     assert dense.ann_building is None and dense.ann.dead == 10 and dense.ann.ann_slot.size == 2000
+    (n, dropped, _, how), = dense.ann.compactions
+    assert (n, dropped) == (2000, 1000) and "failed (MemoryError('no room for the graph'))" in how
     _check(dense, x)
 
 
-def test_the_shard_installs_a_finished_compaction_between_requests_and_restarts_mid_build(tmp_path):
+def test_the_shard_installs_a_finished_compaction_between_requests_and_restarts_mid_build(tmp_path, capsys):
     x = _vectors("gauss", 3000, 5)
     sh = ShardState(0, D, tmp_path, dense=_cfg())
     sh.load(set())
@@ -114,9 +116,12 @@ def test_the_shard_installs_a_finished_compaction_between_requests_and_restarts_
     sh.snapshot()  # mid-build (or just after): the graph that serves is saved
     _until_built(dense)
     assert sh.idle_wait() == 0.0
+    capsys.readouterr()
     sh.idle_step()
     # (the deletes go one chunk at a time: the build started at the first quarter, the rest are dead in the new one)
     assert dense.ann_building is None and dense.ann.live == 2000 and dense.ann.dead < 300
+    err = capsys.readouterr().err  # (trial40: a compaction left no trace in the log)
+    assert "INFO shard 0: HNSW graph compacted: 2000 live vectors in a new graph, " in err and "in the background" in err
     stored = x[[int(c[1:].split("#")[0]) for c in sh.store.fields.column(dense.slots, "chunk_id")]]
     assert np.array_equal(dense.vectors, stored)
     sh.txns.wal.close()

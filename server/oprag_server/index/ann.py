@@ -85,6 +85,8 @@ class AnnIndex(IvfBuilds, AnnPersist):
         self.trained_at = 0  # vectors held when the IVF was last trained (0: not trained)
         # (vectors, lists, seconds, how: None = in the write) of each IVF (re)training, until taken (the shard logs them)
         self.trainings: list[tuple[int, int, float, str | None]] = []
+        # (live vectors, dead ones dropped, seconds, how: None = in the delete) of each HNSW compaction, until taken
+        self.compactions: list[tuple[int, int, float, str | None]] = []
         self._index = None
         self._build: IvfBuild | GraphBuild | None = None  # an IVF retraining / HNSW compaction under way
         self._mut = threading.RLock()  # held by every change of the structure, and by the build's reads of it

@@ -12,6 +12,8 @@ held twice.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 
@@ -105,7 +107,9 @@ class GraphRows:
         self._n -= len(slots)
         self._version += 1
         if self._ann.needs_compaction() and not self._ann.compact_later():
+            t, dead = time.perf_counter(), self._ann.dead
             self.compact_ann()
+            self._ann.compactions.append((len(self), dead, time.perf_counter() - t, None))
         return len(slots)
 
     def _compact_one(self) -> None:

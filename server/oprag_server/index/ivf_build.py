@@ -14,7 +14,7 @@ From :data:`BACKGROUND_MIN` vectors on, a retraining is an :class:`IvfBuild` ins
    synchronous training takes; the ones still live), k-means on it (:func:`new_ivf`), then every trigger slot still
    live is encoded into the new lists, in blocks of :data:`FILL_BLOCK` read from the shard's float32 copy under the
    dense index's lock (a remove there moves rows: the lock keeps a block consistent); then the chunks written since,
-   in rounds while there are many (:data:`CATCH_UP_ROUNDS`).
+   in rounds while a round finds at least :data:`FILL_BLOCK` of them.
 3. (the shard's thread, between requests or at the next write once the thread is done; a write that finds the shard
    grown 2x past the trigger waits for it) the *install* (:func:`finish`): ids whose slot was removed since are
    dropped from the new lists, the chunks written since the thread's last round are added after them, and the new structure
@@ -45,9 +45,6 @@ BACKGROUND_MIN = 16_384
 FILL_BLOCK = 8192
 #: a write that finds the shard this many times the trigger's size waits for the build
 CATCH_UP = 2
-#: after the trigger's slots, the build's thread encodes the chunks written meanwhile, again while a round finds at
-#: least FILL_BLOCK of them (at most this many rounds): the install then adds only the last few on the shard's thread
-CATCH_UP_ROUNDS = 4
 
 
 def _faiss():
@@ -110,7 +107,7 @@ class IvfBuild(ThreadBuild):
             idx = new_ivf(self.dim, self.trained_at, sample)
             del sample
             self._fill(idx, 0)
-            for _ in range(CATCH_UP_ROUNDS):  # then what was written meanwhile, while that is much
+            while True:  # then what was written meanwhile, while that is much
                 known = self.slots.size
                 now = self._live_slots()
                 new = now[~np.isin(now, self.slots)]
@@ -184,12 +181,16 @@ class IvfBuilds:
             self._build = GraphBuild(self)
         return True
 
-    @locked
     def install_graph(self) -> np.ndarray | None:
         """HNSW: put a background compaction's graph in place (:func:`.hnsw_build.finish_graph`: old ANN id int64[A]
-        of each new id), None when none was under way or it failed (the caller compacts at once)."""
+        of each new id), None when none was under way or it failed (the caller compacts at once). Waits for the
+        thread first, without the lock (its reads take it)."""
         b, self._build = self._build, None
-        return None if b is None else finish_graph(self, b)
+        if b is None:
+            return None
+        b.thread.join()
+        with self._mut:
+            return finish_graph(self, b)
 
     @locked
     def install(self, slots: np.ndarray, vectors) -> bool:

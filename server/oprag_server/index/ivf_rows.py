@@ -4,6 +4,8 @@ retraining or an HNSW compaction (:mod:`.hnsw_build`)."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 
@@ -36,8 +38,12 @@ class IvfRows:
         if self._ann is None or self._ann.building is None:
             return False
         if self._one:
+            err = getattr(self._ann._build, "error", None)  # noqa: SLF001
             if self._ann.install_graph() is None:
+                t, dead = time.perf_counter(), self._ann.dead
                 self._compact_one()
+                self._ann.compactions.append((len(self), dead, time.perf_counter() - t,
+                                              f"the background compaction failed ({err!r}); this write waited"))
             else:
                 live = np.flatnonzero(self._ann.ann_slot >= 0)
                 self._slot_row[self._ann.ann_slot[live]] = live

@@ -110,13 +110,17 @@ class ShardState:
 
     def say_trainings(self, when: str = "the write that crossed the size waited for it") -> None:
         """Log each IVF (re)training since the last call: its lists, vectors and time, and ``when`` (for one in the
-        write; one in the background says so)."""
+        write; one in the background says so); and each HNSW compaction."""
         ann = self.store.dense.ann
         for n, lists, secs, how in ann.trainings if ann is not None else ():
             what = "k-means on one core, then every vector re-added"
             self.say(f"IVF trained: {lists} lists on {n} vectors in {secs:.1f} s ({what}; {how or when})")
+        for n, dropped, secs, how in ann.compactions if ann is not None else ():
+            self.say(f"HNSW graph compacted: {n} live vectors in a new graph, {dropped} deleted ones dropped, in "
+                     f"{secs:.1f} s ({how or 'the delete that crossed a quarter dead waited for it'})")
         if ann is not None:
             ann.trainings.clear()
+            ann.compactions.clear()
 
     #: deferred HNSW inserts per background step: ~40-60 ms at efConstruction 80 (a request that
     #: arrives meanwhile waits at most that long; FAISS's add costs O(graph size) per call besides
