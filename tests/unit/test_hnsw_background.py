@@ -15,6 +15,7 @@ import pytest
 
 from oprag_server.config import DenseConfig
 from oprag_server.index import hnsw_build
+from oprag_server.index.ann import AnnIndex
 from oprag_server.index.dense import DenseIndex
 from oprag_server.shards.state import ShardState
 from tests.unit.test_ivf_background import _table, _until_built
@@ -32,6 +33,13 @@ def _small_builds(monkeypatch):
     monkeypatch.setattr(hnsw_build, "BACKGROUND_MIN", 500)
     monkeypatch.setattr(hnsw_build, "BLOCK", 128)  # many locked reads: writes interleave with the build
     monkeypatch.setattr(hnsw_build, "ROUND_MIN", 16)
+    real = AnnIndex.locked_gather
+
+    def slow(self, ids):  # a small graph would be built before the test's first write: 5 ms more a block
+        time.sleep(0.005)
+        return real(self, ids)
+
+    monkeypatch.setattr(AnnIndex, "locked_gather", slow)
 
 
 def _cfg(tail: int = 0) -> DenseConfig:
@@ -40,7 +48,8 @@ def _cfg(tail: int = 0) -> DenseConfig:
 
 def _check(dense: DenseIndex, x: np.ndarray) -> None:
     """The graph stores exactly the live vectors (by the dense index's own map), rows read them back, nothing else
-    is live, no tail is left."""
+    is live (the vectors deferred after an install inserted first)."""
+    dense.insert_pending()
     ann = dense.ann
     live_ids = np.flatnonzero(ann.ann_slot >= 0)
     slots = ann.ann_slot[live_ids]
@@ -64,7 +73,7 @@ def test_writes_during_a_compaction_are_all_in_the_new_graph(how, tail, rounds, 
     dense.remove(np.arange(0, 3000, 3))  # a third dead: compaction in the background
     assert dense.ann_building is not None and dense.ann.dead == 1000
     rng, nxt, removed = np.random.default_rng(2), 3000, list(range(0, 3000, 3))
-    while dense.ann_building is False and nxt < 8000:
+    while dense.ann_building is False and nxt + 20 <= 8000:
         gone = rng.choice(dense.slots, 5, replace=False)
         dense.remove(gone)
         removed += gone.tolist()

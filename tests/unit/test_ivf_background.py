@@ -43,6 +43,13 @@ def _vectors(how: str, n: int, seed: int, d: int = D) -> np.ndarray:
 def _small_builds(monkeypatch):
     monkeypatch.setattr(ann_mod, "BACKGROUND_MIN", 1000)
     monkeypatch.setattr(ivf_build, "FILL_BLOCK", 256)  # many locked reads: removes interleave with the fill
+    real = ivf_build.new_ivf
+
+    def slow(*args):  # a k-means of a few ms would end before the test's first write: 0.2 s more, as a large one
+        time.sleep(0.2)
+        return real(*args)
+
+    monkeypatch.setattr(ivf_build, "new_ivf", slow)
 
 
 def _until_built(dense: DenseIndex, timeout: float = 60.0) -> None:
@@ -83,7 +90,7 @@ def test_writes_during_the_build_are_all_in_the_installed_lists(how):
     dense.add(np.arange(600, 5000), x[600:5000])  # crosses 8 x 600: a background build
     assert dense.ann_building is not None and dense.ann.trained_at == 600
     rng, nxt, removed = np.random.default_rng(2), 5000, []
-    while dense.ann_building is False and nxt < 9000:
+    while dense.ann_building is False and nxt + 15 <= 9000:
         gone = rng.choice(dense.slots, 20, replace=False)
         dense.remove(gone)
         removed += gone.tolist()
