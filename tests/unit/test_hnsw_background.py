@@ -42,8 +42,8 @@ def _small_builds(monkeypatch):
     monkeypatch.setattr(AnnIndex, "locked_gather", slow)
 
 
-def _cfg(tail: int = 0) -> DenseConfig:
-    return DenseConfig(kind="hnsw", hnsw_m=8, ef_construction=40, ann_tail=tail)
+def _cfg(tail: int = 0, check: int = DenseConfig.ann_check) -> DenseConfig:
+    return DenseConfig(kind="hnsw", hnsw_m=8, ef_construction=40, ann_tail=tail, ann_check=check)
 
 
 def _check(dense: DenseIndex, x: np.ndarray) -> None:
@@ -114,9 +114,13 @@ def test_a_failed_compaction_compacts_in_the_write(monkeypatch):
     _check(dense, x)
 
 
-def test_the_shard_installs_a_finished_compaction_between_requests_and_restarts_mid_build(tmp_path, capsys):
+def test_the_shard_installs_a_finished_compaction_between_requests_and_restarts_mid_build(tmp_path, capsys,
+                                                                                         monkeypatch):
+    from oprag_server.index.dense_low import LowSeeds
+    from oprag_server.shards.protocol import QueryBatch, SearchRequest
+
     x = _vectors("gauss", 3000, 5)
-    sh = ShardState(0, D, tmp_path, dense=_cfg())
+    sh = ShardState(0, D, tmp_path, dense=_cfg(check=0))  # (no check: a shard under it takes its minimum from there)
     sh.load(set())
     sh.store.upsert(_table(x, 0), 1)
     sh.store.delete([f"d{i}" for i in range(0, 3000, 3)], 2)
@@ -131,6 +135,14 @@ def test_the_shard_installs_a_finished_compaction_between_requests_and_restarts_
     assert dense.ann_building is None and dense.ann.live == 2000 and dense.ann.dead < 300
     err = capsys.readouterr().err  # (trial40: a compaction left no trace in the log)
     assert "INFO shard 0: HNSW graph compacted: 2000 live vectors in a new graph, " in err and "in the background" in err
+    # the new graph's dense-minimum seeds came built by the compaction's thread: the next query does not build them
+    builds = []
+    real = LowSeeds._build
+    monkeypatch.setattr(LowSeeds, "_build", lambda self, ann: (builds.append(1), real(self, ann))[1])
+    q = QueryBatch(x[1:2], [["topic"]], [np.ones(1)], 5.0, 1.5, 0.75)
+    rep = sh.search.search(SearchRequest(q, mode="hybrid", n=10))
+    assert builds == [] and sh.search._low._index is dense.ann._index, builds  # noqa: SLF001
+    assert not set(rep.candidates[0].slots.tolist()) & set(range(0, 3000, 3))
     stored = x[[int(c[1:].split("#")[0]) for c in sh.store.fields.column(dense.slots, "chunk_id")]]
     assert np.array_equal(dense.vectors, stored)
     sh.txns.wal.close()

@@ -90,6 +90,7 @@ class AnnIndex(IvfBuilds, AnnPersist):
         self._index = None
         self._build: IvfBuild | GraphBuild | None = None  # an IVF retraining / HNSW compaction under way
         self._mut = threading.RLock()  # held by every change of the structure, and by the build's reads of it
+        self.seeds = None  # HNSW: a compaction's dense-minimum seeds for its graph, until the searcher takes them
         self.source = None  # IVF: the dense index's locked reads (gather, live slots) a background retraining makes
         self._selector = None  # ((dead count, ids), selector) for HNSW searches (an add may give a dead one a copy)
         self._copies = Copies()  # HNSW: identical vectors kept unlinked (ann_copies)

@@ -29,7 +29,7 @@ import time
 
 import numpy as np
 
-from .ann_copies import Copies
+from .ann_copies import Copies, hnsw_storage
 
 #: compactions of at least this many live vectors run in the background (a smaller one takes < ~4 s in the write)
 BACKGROUND_MIN = 16_384
@@ -74,7 +74,7 @@ class GraphBuild(ThreadBuild):
         self.ann = ann
         self.ids = np.flatnonzero(ann.ann_slot >= 0).astype(np.int64)  # old ANN ids -> new ids 0..n-1
         self.known = int(ann.ann_slot.size)  # old ids below this are among ``ids`` or were dead at the trigger
-        self.index = self.copies = self._growing = None
+        self.index = self.copies = self._growing = self.seeds = None
         self.thread.start()
 
     def _run(self) -> None:
@@ -90,6 +90,7 @@ class GraphBuild(ThreadBuild):
                 self._fill(index, copies, new)
                 self.ids, self.known = np.concatenate([self.ids, new]), end
             if not self.cancelled:
+                self.seeds = _seeds_of(index, self.ann.dim)
                 self.index, self.copies = index, copies
         except BaseException as exc:  # noqa: BLE001 - finish_graph() then compacts in the write
             self.error = exc
@@ -107,6 +108,26 @@ class GraphBuild(ThreadBuild):
         g = self._growing
         n = int(g.ntotal) if g is not None else 0
         return n * (4 * self.ann.dim + 4 * (2 * self.ann.params.hnsw_m + 1) + 12)
+
+
+class _Graph:
+    """What :meth:`.dense_low.LowSeeds._build` reads of an index: its FAISS graph, stored vectors and width."""
+
+    def __init__(self, index, dim: int) -> None:
+        self._index, self.dim = index, dim
+
+    def storage(self) -> np.ndarray:
+        return hnsw_storage(self._index)
+
+
+def _seeds_of(index, dim: int):
+    """(The build's thread) the dense-minimum seeds of the new graph (:class:`.dense_low.LowSeeds`), built here: built
+    by the first query after the install they took that query 2.35 s at 100K vectors (session 40)."""
+    from .dense_low import LowSeeds  # noqa: PLC0415 - (numba kernels: imported where used)
+
+    seeds = LowSeeds()
+    seeds._build(_Graph(index, dim))  # noqa: SLF001
+    return seeds
 
 
 def finish_graph(ann, build: GraphBuild) -> np.ndarray | None:
@@ -129,4 +150,5 @@ def finish_graph(ann, build: GraphBuild) -> np.ndarray | None:
     ann.compactions.append((ann.live, was_dead - ann.dead, build.seconds, "in the background while the shard served, "
                             f"installed {time.perf_counter() - build.started:.1f} s after the delete that crossed it"))
     ann._tail, ann._tail_at, ann._tail_n = np.zeros((0, ann.dim), dtype=np.float32), 0, 0  # noqa: SLF001
+    ann.seeds = build.seeds  # (the shard's searcher adopts them: shards/search.py, _ann_lows)
     return old

@@ -327,12 +327,11 @@ class Searcher(ExactMixin, FieldsMixin):
         return top, float(self._canonical(q, dense.rows(near)).min())
 
     def _ann_lows(self, q: np.ndarray, plain: list[int], ef_search: int, nprobe: int) -> list:
-        """Per query of float32[B, D] ``q``: for the unfiltered ones (``plain``), the dense
-        minimum for an approximate index. HNSW: the lowest canonical score among the shard's
-        extreme seeds and the chunks a bottom-layer search for ``-q`` from the lowest seeds keeps
-        (:class:`..index.dense_low.LowSeeds`, over an int8 copy of the vectors; only those within
-        twice its error bound of the lowest int8 score are scored canonically; None when no
-        vector is live). IVF: the lower of the sample estimate (:meth:`_dense_min_estimate`) and the canonical score
+        """Per query of float32[B, D] ``q``: for the unfiltered ones (``plain``), the dense minimum for an approximate
+        index. HNSW: the lowest canonical score among the shard's extreme seeds and the chunks a bottom-layer search for
+        ``-q`` from the lowest seeds keeps (:class:`..index.dense_low.LowSeeds`, over an int8 copy of the vectors; only
+        those within twice its error bound of the lowest int8 score are scored canonically; None when no vector is
+        live). IVF: the lower of the sample estimate (:meth:`_dense_min_estimate`) and the canonical score
         of the chunk the index finds nearest to ``-q`` (the maximum of ``-q``: one more ANN search, k = 1). All are
         scores of real chunks, never below the exact minimum. A shard whose list check's sample holds every chunk:
         the exact minimum (:meth:`.ann_check.SampleCheck.lows`). None elsewhere."""
@@ -343,6 +342,7 @@ class Searcher(ExactMixin, FieldsMixin):
         dense = self.store.dense
         if dense.params.kind == "hnsw" and dense.ann is not None:  # from the seeds (index/dense_low.py)
             ann, qp = dense.ann, q[plain]
+            self._low, ann.seeds = (self._low if ann.seeds is None else ann.seeds), None  # (a compaction's: hnsw_build)
             cands = self._low.candidates(ann, qp, ef_search)
             st = ann.storage()
             for j, i in enumerate(plain):
