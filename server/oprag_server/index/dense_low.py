@@ -30,6 +30,8 @@ Memory: the int8 copy is ``D + 8`` bytes per vector (~196 MB per 500K-vector sha
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from . import hugepages, kernels_low, kernels_scan
@@ -125,6 +127,9 @@ class LowSeeds:
     #: probe directions, lowest vectors kept per probe, search entries; the beam is the
     #: request's ef_search / BEAM_DIV, at least MIN_BEAM; rows per block of the build
     PROBES, PER_PROBE, ENTRIES, BEAM_DIV, MIN_BEAM, BLOCK = 256, 16, 16, 16, 16, 32768
+    #: from this many vectors the probes of a graph grown 2x are made by a thread (refresh_seeds): the query that found
+    #: the graph grown built them, 0.57-0.66 s at 17K vectors and 2.35 s at 100K (bench/RESULTS.md, session 40)
+    REFRESH_MIN = 16_384
     #: the walk on the int8 copy of the graph (:func:`.kernels_low.low_search`); False: FAISS's
     #: ``search_level_0`` in float32 from the same entries, no copy of the graph
     INT8_WALK = True
@@ -141,6 +146,7 @@ class LowSeeds:
         self._thresh = np.zeros(0, np.float32)  # per probe: the PER_PROBE-th lowest score at build
         self._g = Int8Graph()
         self._l0 = None  # (index, ntotal, graph arrays): _graph's, kept while the graph is unchanged
+        self._next = None  # a refresh_seeds job under way (the graph grew 2x)
 
     def _set_ids(self, ids: np.ndarray, st: np.ndarray) -> None:
         """The seeds: ANN ids and their int8 rows (quantised alone: their own error constants)."""
@@ -186,9 +192,18 @@ class LowSeeds:
 
     def _update(self, ann) -> None:
         a = int(ann._index.ntotal)  # noqa: SLF001
-        if ann._index is not self._index or a < self._seen or a >= 2 * max(self._built_at, 8):  # noqa: SLF001
+        if ann._index is not self._index or a < self._seen:  # noqa: SLF001 - (a new graph: built here)
+            self._next = None
             self._build(ann)
             return
+        if a >= 2 * max(self._built_at, 8):  # grown 2x: new probes, made beside the queries (refresh_seeds)
+            if self._next is None and (a < self.REFRESH_MIN or not hasattr(ann, "_mut")):
+                self._build(ann)
+                return
+            if self._next is None:
+                self._next = refresh_seeds(self, ann, a)
+            elif not self._next.thread.is_alive():
+                self._adopt(self._next)
         if a > self._seen:  # new vectors: quantised; those extreme for some probe join the seeds
             st = ann.storage()
             huge_pages(ann, collapse=False)  # an add may have moved the buffers
@@ -198,6 +213,17 @@ class LowSeeds:
             if low.any():
                 self._set_ids(np.concatenate([self._ids, self._seen + np.flatnonzero(low)]), st)
             self._seen = a
+
+    def _adopt(self, job) -> None:
+        """Take a finished :func:`refresh_seeds` job's probes and seeds; the vectors added since it read the graph are
+        tested against the new probes by the next :meth:`_update` (``_seen`` goes back to its size)."""
+        self._next = None
+        if job.out is None:  # (failed: the next doubling tries again)
+            self._built_at = job.a
+            return
+        self._probes, self._thresh, ids, codes, scale, se = job.out
+        self._ids, self._codes, self._scale, self._se = ids, codes, scale, se
+        self._built_at, self._seen = job.a, min(self._seen, job.a)
 
     def candidates(self, ann, q: np.ndarray, ef: int = 0) -> list[np.ndarray]:
         """Per query of float32[B, D] ``q``: ANN ids int64[C] of live vectors among which the
@@ -256,3 +282,67 @@ class LowSeeds:
         thresholds."""
         return int(self._g.nbytes() + self._ids.nbytes + self._codes.nbytes + self._scale.nbytes
                    + self._probes.nbytes + self._thresh.nbytes)
+
+
+class _Refresh:
+    """A :func:`refresh_seeds` job: its thread, the graph size ``a`` it covers and its result ``out`` (None until
+    done, or when it failed or the graph was replaced meanwhile)."""
+
+    def __init__(self, a: int) -> None:
+        self.a, self.out = a, None
+        self.thread: threading.Thread | None = None  # (started by refresh_seeds; not a daemon: an exit waits for it)
+
+
+def refresh_seeds(seeds: LowSeeds, ann, a: int) -> _Refresh:
+    """New probes, thresholds and seeds for the first ``a`` vectors of ``ann``'s graph, made by a thread while the
+    shard serves with the old ones (:meth:`LowSeeds._update` adopts them once done). The graph's storage may move
+    when the shard inserts, so every read of it is a copy taken under ``ann._mut`` (which every insert holds), a block
+    of :data:`REFRESH_BLOCK` rows at a time; the products and k-means run outside it. Same rules as
+    :meth:`LowSeeds._build` (the int8 copy of the graph is kept: the graph is the same, only grown)."""
+    job, index = _Refresh(a), ann._index  # noqa: SLF001
+
+    def rows(sel) -> np.ndarray | None:
+        with ann._mut:  # noqa: SLF001
+            return None if ann._index is not index else np.array(ann.storage()[sel])  # noqa: SLF001
+
+    def run() -> None:
+        try:
+            p = int(min(seeds.PROBES, max(1, a // 64)))
+            train = rows(slice(0, a, max(1, a // (64 * p))))
+            if train is None:
+                return
+            km = _faiss().Kmeans(ann.dim, p, niter=10, seed=1, spherical=True, max_points_per_centroid=64)
+            km.train(np.ascontiguousarray(train, dtype=np.float32))
+            cents = km.centroids
+            probes = np.ascontiguousarray(cents / np.maximum(np.linalg.norm(cents, axis=1, keepdims=True), 1e-12),
+                                          dtype=np.float32)
+            t = min(seeds.PER_PROBE, a)
+            best_s, best_i = np.full((p, t), np.inf, np.float32), np.full((p, t), -1, np.int64)
+            for lo in range(0, a, REFRESH_BLOCK):
+                blk = rows(slice(lo, min(lo + REFRESH_BLOCK, a)))
+                if blk is None:
+                    return
+                sc = probes @ blk.T
+                k = min(t, sc.shape[1])
+                part = np.argpartition(sc, k - 1, axis=1)[:, :k] if k < sc.shape[1] else np.tile(np.arange(k), (p, 1))
+                cs = np.concatenate([best_s, np.take_along_axis(sc, part, 1)], axis=1)
+                ci = np.concatenate([best_i, part + lo], axis=1)
+                keep = np.argpartition(cs, t - 1, axis=1)[:, :t]
+                best_s, best_i = np.take_along_axis(cs, keep, 1), np.take_along_axis(ci, keep, 1)
+            ids = np.unique(best_i[best_i >= 0]).astype(np.int64)
+            vecs = rows(ids)
+            if vecs is None:
+                return
+            codes, scale = np.empty((ids.size, ann.dim), np.int8), np.empty(ids.size, np.float32)
+            se = kernels_scan.quantize(np.ascontiguousarray(vecs), codes, scale)
+            job.out = (probes, best_s.max(axis=1), ids, codes, scale, se)
+        except Exception:  # noqa: BLE001 - the old seeds stay; the next doubling tries again
+            job.out = None
+
+    job.thread = threading.Thread(target=run, name="oprag-seeds")
+    job.thread.start()
+    return job
+
+
+#: rows of the graph's storage copied per locked read of :func:`refresh_seeds` (12 MB at D 384)
+REFRESH_BLOCK = 8192
