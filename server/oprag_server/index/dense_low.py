@@ -180,13 +180,7 @@ class LowSeeds:
         # the t lowest of each block joined with the t lowest so far
         best_s, best_i = np.full((p, t), np.inf, np.float32), np.full((p, t), -1, np.int64)
         for lo in range(0, a, self.BLOCK):
-            sc = probes @ st[lo:lo + self.BLOCK].T  # float32[P, rows]
-            k = min(t, sc.shape[1])
-            part = np.argpartition(sc, k - 1, axis=1)[:, :k] if k < sc.shape[1] else np.tile(np.arange(k), (p, 1))
-            cs = np.concatenate([best_s, np.take_along_axis(sc, part, 1)], axis=1)
-            ci = np.concatenate([best_i, part + lo], axis=1)
-            keep = np.argpartition(cs, t - 1, axis=1)[:, :t]
-            best_s, best_i = np.take_along_axis(cs, keep, 1), np.take_along_axis(ci, keep, 1)
+            best_s, best_i = _fold_lowest(best_s, best_i, probes @ st[lo:lo + self.BLOCK].T, lo)
         self._probes, self._thresh = probes, best_s.max(axis=1)
         self._set_ids(np.unique(best_i[best_i >= 0]), st)
 
@@ -284,6 +278,18 @@ class LowSeeds:
                    + self._probes.nbytes + self._thresh.nbytes)
 
 
+def _fold_lowest(best_s: np.ndarray, best_i: np.ndarray, sc: np.ndarray, lo: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per probe, the t lowest scores (float32[P, t]) and their rows (int64[P, t]) so far joined with those of one
+    block of scores float32[P, rows] of rows ``lo...``: the t lowest of both."""
+    p, t = best_s.shape
+    k = min(t, sc.shape[1])
+    part = np.argpartition(sc, k - 1, axis=1)[:, :k] if k < sc.shape[1] else np.tile(np.arange(k), (p, 1))
+    cs = np.concatenate([best_s, np.take_along_axis(sc, part, 1)], axis=1)
+    ci = np.concatenate([best_i, part + lo], axis=1)
+    keep = np.argpartition(cs, t - 1, axis=1)[:, :t]
+    return np.take_along_axis(cs, keep, 1), np.take_along_axis(ci, keep, 1)
+
+
 class _Refresh:
     """A :func:`refresh_seeds` job: its thread, the graph size ``a`` it covers and its result ``out`` (None until
     done, or when it failed or the graph was replaced meanwhile)."""
@@ -322,13 +328,7 @@ def refresh_seeds(seeds: LowSeeds, ann, a: int) -> _Refresh:
                 blk = rows(slice(lo, min(lo + REFRESH_BLOCK, a)))
                 if blk is None:
                     return
-                sc = probes @ blk.T
-                k = min(t, sc.shape[1])
-                part = np.argpartition(sc, k - 1, axis=1)[:, :k] if k < sc.shape[1] else np.tile(np.arange(k), (p, 1))
-                cs = np.concatenate([best_s, np.take_along_axis(sc, part, 1)], axis=1)
-                ci = np.concatenate([best_i, part + lo], axis=1)
-                keep = np.argpartition(cs, t - 1, axis=1)[:, :t]
-                best_s, best_i = np.take_along_axis(cs, keep, 1), np.take_along_axis(ci, keep, 1)
+                best_s, best_i = _fold_lowest(best_s, best_i, probes @ blk.T, lo)
             ids = np.unique(best_i[best_i >= 0]).astype(np.int64)
             vecs = rows(ids)
             if vecs is None:
