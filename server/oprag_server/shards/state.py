@@ -117,7 +117,7 @@ class ShardState:
             self.say(f"IVF trained: {lists} lists on {n} vectors in {secs:.1f} s ({what}; {how or when})")
         for n, dropped, secs, how in ann.compactions if ann is not None else ():
             self.say(f"HNSW graph compacted: {n} live vectors in a new graph, {dropped} deleted ones dropped, in "
-                     f"{secs:.1f} s ({how or 'the delete that crossed a quarter dead waited for it'})")
+                     f"{secs:.1f} s ({how or 'the delete or replacement that crossed a quarter dead waited for it'})")
         if ann is not None:
             ann.trainings.clear()
             ann.compactions.clear()
