@@ -54,9 +54,30 @@ def test_a_graph_grown_2x_gets_new_seeds_from_a_thread(monkeypatch, how):
         assert time.monotonic() - t < 60
     low.candidates(ann, q[:1])  # adopts them
     assert low._next is None and low._built_at == 9000 and builds == []  # noqa: SLF001
+    assert [(a, how) for a, _, how in low.built] == [(4000, "in the query that needed them"),
+                                                     (9000, "by a thread while the old ones served (the graph grew 2x)")]
     got = [_lowest(ann, low, qi) for qi in q]
     assert all(f >= e - 1e-12 for f, e in got)
     fresh = LowSeeds()
     ref = [_lowest(ann, fresh, qi) for qi in q]
     same = np.mean([f == e for f, e in got])
     assert same >= np.mean([f == e for f, e in ref]) - 0.1 and same >= 0.8, (same, ref)
+
+
+def test_the_shard_logs_each_seeds_build(capsys):
+    """trial40b: a 1.7 s query on an idle HNSW server left no line in the log; a seeds build now says when and where."""
+    from oprag_server.shards.protocol import QueryBatch, SearchRequest
+    from oprag_server.shards.state import ShardState
+    from tests.unit.test_ivf_background import _table
+
+    x = _vectors("clustered", 2000, 13, D)
+    sh = ShardState(0, D, None, dense=DenseConfig(kind="hnsw", hnsw_m=8, ef_construction=40, ann_tail=0, ann_check=0))
+    sh.store.upsert(_table(x, 0), 1)
+    capsys.readouterr()
+    sh.search.search(SearchRequest(QueryBatch(x[:1], [["topic"]], [np.ones(1)], 5.0, 1.5, 0.75), mode="hybrid", n=10))
+    sh.note()
+    err = capsys.readouterr().err
+    assert "INFO shard 0: HNSW dense-minimum seeds built for 2000 vectors in " in err, err
+    assert "(in the query that needed them)" in err
+    sh.note()
+    assert "seeds built" not in capsys.readouterr().err  # (once)

@@ -31,6 +31,7 @@ Memory: the int8 copy is ``D + 8`` bytes per vector (~196 MB per 500K-vector sha
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 
@@ -147,6 +148,7 @@ class LowSeeds:
         self._g = Int8Graph()
         self._l0 = None  # (index, ntotal, graph arrays): _graph's, kept while the graph is unchanged
         self._next = None  # a refresh_seeds job under way (the graph grew 2x)
+        self.built: list[tuple[int, float, str]] = []  # (vectors, seconds, where) of each build, until the shard logs it
 
     def _set_ids(self, ids: np.ndarray, st: np.ndarray) -> None:
         """The seeds: ANN ids and their int8 rows (quantised alone: their own error constants)."""
@@ -187,12 +189,15 @@ class LowSeeds:
     def _update(self, ann) -> None:
         a = int(ann._index.ntotal)  # noqa: SLF001
         if ann._index is not self._index or a < self._seen:  # noqa: SLF001 - (a new graph: built here)
-            self._next = None
+            self._next, t = None, time.perf_counter()
             self._build(ann)
+            self.built.append((a, time.perf_counter() - t, "in the query that needed them"))
             return
         if a >= 2 * max(self._built_at, 8):  # grown 2x: new probes, made beside the queries (refresh_seeds)
             if self._next is None and (a < self.REFRESH_MIN or not hasattr(ann, "_mut")):
+                t = time.perf_counter()
                 self._build(ann)
+                self.built.append((a, time.perf_counter() - t, "in the query that found the graph grown 2x"))
                 return
             if self._next is None:
                 self._next = refresh_seeds(self, ann, a)
@@ -215,6 +220,7 @@ class LowSeeds:
         if job.out is None:  # (failed: the next doubling tries again)
             self._built_at = job.a
             return
+        self.built.append((job.a, job.seconds, "by a thread while the old ones served (the graph grew 2x)"))
         self._probes, self._thresh, ids, codes, scale, se = job.out
         self._ids, self._codes, self._scale, self._se = ids, codes, scale, se
         self._built_at, self._seen = job.a, min(self._seen, job.a)
@@ -295,7 +301,7 @@ class _Refresh:
     done, or when it failed or the graph was replaced meanwhile)."""
 
     def __init__(self, a: int) -> None:
-        self.a, self.out = a, None
+        self.a, self.out, self.seconds = a, None, 0.0
         self.thread: threading.Thread | None = None  # (started by refresh_seeds; not a daemon: an exit waits for it)
 
 
@@ -312,6 +318,7 @@ def refresh_seeds(seeds: LowSeeds, ann, a: int) -> _Refresh:
             return None if ann._index is not index else np.array(ann.storage()[sel])  # noqa: SLF001
 
     def run() -> None:
+        t0 = time.perf_counter()
         try:
             p = int(min(seeds.PROBES, max(1, a // 64)))
             train = rows(slice(0, a, max(1, a // (64 * p))))
@@ -338,6 +345,7 @@ def refresh_seeds(seeds: LowSeeds, ann, a: int) -> _Refresh:
             job.out = (probes, best_s.max(axis=1), ids, codes, scale, se)
         except Exception:  # noqa: BLE001 - the old seeds stay; the next doubling tries again
             job.out = None
+        job.seconds = time.perf_counter() - t0
 
     job.thread = threading.Thread(target=run, name="oprag-seeds")
     job.thread.start()
