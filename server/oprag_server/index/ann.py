@@ -58,7 +58,7 @@ from .ann_copies import Copies, hnsw_storage
 from .ann_persist import AnnPersist
 from .ann_escape import escape
 
-from .hnsw_build import GraphBuild
+from .hnsw_build import GraphBuild, graph_bytes
 from .ivf_build import BACKGROUND_MIN, CATCH_UP, IvfBuild, IvfBuilds, locked, new_ivf
 from .ivf_lists import IVF_TRAIN_FLOOR, ivf_lists  # noqa: F401 - IVF_TRAIN_FLOOR re-exported (cli, tests)
 
@@ -242,7 +242,7 @@ class AnnIndex(IvfBuilds, AnnPersist):
         if self._index is None:
             body = 0
         elif self.params.kind == "hnsw":
-            body = n * (4 * d + 4 * (2 * self.params.hnsw_m + 1) + 12)
+            body = graph_bytes(n, self.params.hnsw_m, d)
         else:
             body = n * (int(self._index.code_size) + 8) + int(self._index.nlist) * 4 * d
         return body + int(self.ann_slot.nbytes) + (self._build.nbytes() if self._build is not None else 0)
@@ -361,5 +361,5 @@ class AnnIndex(IvfBuilds, AnnPersist):
         if self.params.kind == "hnsw":
             n = int(self._index.ntotal) if self._index is not None else 0
             extra = self._build.nbytes() if self._build is not None else 0
-            return n * (4 * (2 * self.params.hnsw_m + 1) + 12) + int(self.ann_slot.nbytes) + extra
+            return graph_bytes(n, self.params.hnsw_m) + int(self.ann_slot.nbytes) + extra
         return self.nbytes()

@@ -148,7 +148,7 @@ class LowSeeds:
         self._g = Int8Graph()
         self._l0 = None  # (index, ntotal, graph arrays): _graph's, kept while the graph is unchanged
         self._next = None  # a refresh_seeds job under way (the graph grew 2x)
-        self.built: list[tuple[int, float, str]] = []  # (vectors, seconds, where) of each build, until the shard logs it
+        self.built: list[tuple[int, float, str]] = []  # (vectors, seconds, where) of each build, until logged
 
     def _set_ids(self, ids: np.ndarray, st: np.ndarray) -> None:
         """The seeds: ANN ids and their int8 rows (quantised alone: their own error constants)."""
@@ -157,7 +157,7 @@ class LowSeeds:
         self._se = kernels_scan.quantize(np.ascontiguousarray(st[self._ids]), self._codes, self._scale)
 
     def _build(self, ann) -> None:
-        faiss, st = _faiss(), ann.storage()
+        st = ann.storage()
         a = st.shape[0]
         huge_pages(ann, collapse=True)
         self._index, self._built_at, self._seen = ann._index, a, a  # noqa: SLF001
@@ -168,16 +168,8 @@ class LowSeeds:
             self._probes, self._thresh = np.zeros((0, ann.dim), np.float32), np.zeros(0, np.float32)
             return
         p = int(min(self.PROBES, max(1, a // 64)))
-        train = np.ascontiguousarray(st[:: max(1, a // (64 * p))], dtype=np.float32)
-        if train.shape[0] < 39 * p:  # (FAISS's k-means warns below 39 points a centroid on stderr, trial36):
-            cents = train.mean(axis=0, keepdims=True)  # one centroid, the points' mean (what it converges to)
-        else:
-            km = faiss.Kmeans(ann.dim, p, niter=10, seed=1, spherical=True, max_points_per_centroid=64)
-            km.train(train)
-            cents = km.centroids
-        probes = cents / np.maximum(np.linalg.norm(cents, axis=1, keepdims=True), 1e-12)
-        probes = np.ascontiguousarray(probes, dtype=np.float32)
-        t = min(self.PER_PROBE, a)
+        probes = _probes(st[:: max(1, a // (64 * p))], p)
+        p, t = probes.shape[0], min(self.PER_PROBE, a)
         # per probe, the t lowest scores: blocks of rows times the probes (one BLAS product each),
         # the t lowest of each block joined with the t lowest so far
         best_s, best_i = np.full((p, t), np.inf, np.float32), np.full((p, t), -1, np.int64)
@@ -189,15 +181,12 @@ class LowSeeds:
     def _update(self, ann) -> None:
         a = int(ann._index.ntotal)  # noqa: SLF001
         if ann._index is not self._index or a < self._seen:  # noqa: SLF001 - (a new graph: built here)
-            self._next, t = None, time.perf_counter()
-            self._build(ann)
-            self.built.append((a, time.perf_counter() - t, "in the query that needed them"))
+            self._next = None
+            self._timed_build(ann, a, "in the query that needed them")
             return
         if a >= 2 * max(self._built_at, 8):  # grown 2x: new probes, made beside the queries (refresh_seeds)
             if self._next is None and (a < self.REFRESH_MIN or not hasattr(ann, "_mut")):
-                t = time.perf_counter()
-                self._build(ann)
-                self.built.append((a, time.perf_counter() - t, "in the query that found the graph grown 2x"))
+                self._timed_build(ann, a, "in the query that found the graph grown 2x")
                 return
             if self._next is None:
                 self._next = refresh_seeds(self, ann, a)
@@ -212,6 +201,12 @@ class LowSeeds:
             if low.any():
                 self._set_ids(np.concatenate([self._ids, self._seen + np.flatnonzero(low)]), st)
             self._seen = a
+
+    def _timed_build(self, ann, a: int, where: str) -> None:
+        """:meth:`_build` here, its vectors, time and ``where`` kept in :attr:`built` (the shard logs them)."""
+        t = time.perf_counter()
+        self._build(ann)
+        self.built.append((a, time.perf_counter() - t, where))
 
     def _adopt(self, job) -> None:
         """Take a finished :func:`refresh_seeds` job's probes and seeds; the vectors added since it read the graph are
@@ -284,6 +279,21 @@ class LowSeeds:
                    + self._probes.nbytes + self._thresh.nbytes)
 
 
+def _probes(train: np.ndarray, p: int) -> np.ndarray:
+    """float32[P', D] unit probe directions: the ``p`` spherical k-means centroids of float32[M, D] ``train`` (10
+    iterations, seed 1); one, the points' mean direction, where ``train`` holds fewer than 39 points a centroid (FAISS's
+    k-means warns on stderr below that, trial36; the mean is what it converges to)."""
+    train = np.ascontiguousarray(train, dtype=np.float32)
+    if train.shape[0] < 39 * p:
+        cents = train.mean(axis=0, keepdims=True)
+    else:
+        km = _faiss().Kmeans(train.shape[1], p, niter=10, seed=1, spherical=True, max_points_per_centroid=64)
+        km.train(train)
+        cents = km.centroids
+    unit = cents / np.maximum(np.linalg.norm(cents, axis=1, keepdims=True), 1e-12)
+    return np.ascontiguousarray(unit, dtype=np.float32)
+
+
 def _fold_lowest(best_s: np.ndarray, best_i: np.ndarray, sc: np.ndarray, lo: int) -> tuple[np.ndarray, np.ndarray]:
     """Per probe, the t lowest scores (float32[P, t]) and their rows (int64[P, t]) so far joined with those of one
     block of scores float32[P, rows] of rows ``lo...``: the t lowest of both."""
@@ -324,12 +334,8 @@ def refresh_seeds(seeds: LowSeeds, ann, a: int) -> _Refresh:
             train = rows(slice(0, a, max(1, a // (64 * p))))
             if train is None:
                 return
-            km = _faiss().Kmeans(ann.dim, p, niter=10, seed=1, spherical=True, max_points_per_centroid=64)
-            km.train(np.ascontiguousarray(train, dtype=np.float32))
-            cents = km.centroids
-            probes = np.ascontiguousarray(cents / np.maximum(np.linalg.norm(cents, axis=1, keepdims=True), 1e-12),
-                                          dtype=np.float32)
-            t = min(seeds.PER_PROBE, a)
+            probes = _probes(train, p)
+            p, t = probes.shape[0], min(seeds.PER_PROBE, a)
             best_s, best_i = np.full((p, t), np.inf, np.float32), np.full((p, t), -1, np.int64)
             for lo in range(0, a, REFRESH_BLOCK):
                 blk = rows(slice(lo, min(lo + REFRESH_BLOCK, a)))

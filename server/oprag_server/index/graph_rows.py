@@ -107,10 +107,15 @@ class GraphRows:
         self._n -= len(slots)
         self._version += 1
         if self._ann.needs_compaction() and not self._ann.compact_later():
-            t, dead = time.perf_counter(), self._ann.dead
-            self.compact_ann()
-            self._ann.compactions.append((len(self), dead, time.perf_counter() - t, None))
+            self._compact_logged(None)
         return len(slots)
+
+    def _compact_logged(self, how: str | None) -> None:
+        """HNSW: :meth:`_compact_one` here, kept in the structure's ``compactions`` with ``how`` (None: the write that
+        crossed a quarter dead waited for it), which the shard logs."""
+        t, dead = time.perf_counter(), self._ann.dead
+        self._compact_one()
+        self._ann.compactions.append((len(self), dead, time.perf_counter() - t, how))
 
     def _compact_one(self) -> None:
         """HNSW: a new graph over the staged vectors (snapshot load) or the live stored ones,

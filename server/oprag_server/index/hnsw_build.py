@@ -104,10 +104,16 @@ class GraphBuild(ThreadBuild):
             copies.add(index, self.ann.locked_gather(ids[a:a + BLOCK]))
 
     def nbytes(self) -> int:
-        """(Estimated) bytes of the graph built so far: as :meth:`.ann.AnnIndex.nbytes`'s HNSW term."""
+        """(Estimated) bytes of the graph built so far, its stored vectors included (:func:`graph_bytes`)."""
         g = self._growing
-        n = int(g.ntotal) if g is not None else 0
-        return n * (4 * self.ann.dim + 4 * (2 * self.ann.params.hnsw_m + 1) + 12)
+        return graph_bytes(int(g.ntotal) if g is not None else 0, self.ann.params.hnsw_m, self.ann.dim)
+
+
+def graph_bytes(n: int, m: int, dim: int = 0) -> int:
+    """Estimated bytes of an ``IndexHNSWFlat`` of ``n`` vectors at ``M`` ``m``: ``n * (4*dim + 4*(2*M + 1) + 12)``
+    (stored float32 vectors, ``dim`` 0 to leave them out; level-0 links 2M int32 plus the upper levels' ~M/(M-1)
+    expected; offsets and levels). From FAISS's ``IndexHNSWFlat`` layout."""
+    return n * (4 * dim + 4 * (2 * m + 1) + 12)
 
 
 class _Graph:
@@ -131,13 +137,13 @@ def _seeds_of(index, dim: int):
 
 
 def finish_graph(ann, build: GraphBuild) -> np.ndarray | None:
-    """(The shard's thread, ``ann``'s lock held) wait for ``build``, insert what was added since its last round, and
-    put its graph in place of ``ann``'s: ``ann_slot`` with the ids removed meanwhile dead, no deferred tail.
+    """(The shard's thread, ``ann``'s lock held, ``build``'s thread ended: :meth:`.ivf_build.IvfBuilds.install_graph`
+    joins it before taking the lock its reads take) insert what was added since its last round, and put its graph
+    in place of ``ann``'s: ``ann_slot`` with the ids removed meanwhile dead, no deferred tail.
 
     :returns: int64[A] old ANN id of each new id (the caller renumbers its rows); None when the build failed or was
         cancelled (nothing changed: the caller compacts synchronously).
     """
-    build.thread.join()
     if build.index is None:
         return None
     rest = np.flatnonzero(ann.ann_slot[build.known:] >= 0).astype(np.int64) + build.known

@@ -101,9 +101,9 @@ class IvfBuild(ThreadBuild):
     def _run(self) -> None:
         t0 = time.perf_counter()
         try:
-            step = max(1, self.trained_at // (64 * ivf_lists(self.trained_at)))
-            sample = np.concatenate([self._gather(self.slots[::step][a:a + FILL_BLOCK])[1]
-                                     for a in range(0, self.slots[::step].size, FILL_BLOCK)])  # (those still live)
+            picked = self.slots[::max(1, self.trained_at // (64 * ivf_lists(self.trained_at)))]
+            sample = np.concatenate([self._gather(picked[a:a + FILL_BLOCK])[1]
+                                     for a in range(0, picked.size, FILL_BLOCK)])  # (those still live)
             idx = new_ivf(self.dim, self.trained_at, sample)
             del sample
             self._fill(idx, 0)

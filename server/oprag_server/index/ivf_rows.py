@@ -4,15 +4,14 @@ retraining or an HNSW compaction (:mod:`.hnsw_build`)."""
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 
 class IvfRows:
-    """A mixin of :class:`~oprag_server.index.dense.DenseIndex` (it uses ``_ann``, ``_one``, ``_slot_row``, ``_compact_one``, ``_mut``, ``_vecs``, ``_row_slot``, ``_n``, ``_rows_of``,
-    ``slots`` and ``vectors``). Every change of the flat / IVF copy's rows holds ``_mut`` (a remove moves the last row
-    into the removed one's place), so a read under it is consistent."""
+    """A mixin of :class:`~oprag_server.index.dense.DenseIndex` (it uses ``_ann``, ``_one``, ``_slot_row``,
+    ``_compact_logged``, ``_mut``, ``_vecs``, ``_row_slot``, ``_n``, ``_rows_of``, ``slots`` and ``vectors``). Every
+    change of the flat / IVF copy's rows holds ``_mut`` (a remove moves the last row into the removed one's place), so
+    a read under it is consistent."""
 
     def _locked_rows(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(The build's thread) ``(live bool[M], float32[live.sum(), D])`` of int64[M] ``slots`` now: a copy."""
@@ -40,10 +39,7 @@ class IvfRows:
         if self._one:
             err = getattr(self._ann._build, "error", None)  # noqa: SLF001
             if self._ann.install_graph() is None:
-                t, dead = time.perf_counter(), self._ann.dead
-                self._compact_one()
-                self._ann.compactions.append((len(self), dead, time.perf_counter() - t,
-                                              f"the background compaction failed ({err!r}); this write waited"))
+                self._compact_logged(f"the background compaction failed ({err!r}); this write waited")
             else:
                 live = np.flatnonzero(self._ann.ann_slot >= 0)
                 self._slot_row[self._ann.ann_slot[live]] = live
