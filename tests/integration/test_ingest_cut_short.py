@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import grpc
@@ -68,11 +69,23 @@ def test_the_client_marks_whether_the_final_message_was_sent(stand_in):
     with OpRAGClient(stand_in("exit-at-final"), timeout=60) as c, pytest.raises(grpc.RpcError) as got:
         c.ingest([Doc(id="a", text="one"), Doc(id="b", text="two")])
     assert got.value.code() == grpc.StatusCode.UNAVAILABLE and got.value.final_message_sent is True
-    # ~25 MB in 64-document messages of ~6.4 MB: refused at the first, the rest are never handed over
-    big = [Doc(id=f"d{i}", text="word " * 20_000) for i in range(256)]
-    with OpRAGClient(stand_in("refuse-at-first"), timeout=60) as c, pytest.raises(grpc.RpcError) as got:
-        c.ingest(big)
-    assert got.value.code() == grpc.StatusCode.UNAVAILABLE and got.value.final_message_sent is False
+    # refused at the first message while the client's next documents are not ready yet: gRPC's
+    # sending thread can take the final message only once they are (a stream of large messages
+    # raced here: with loopback flow control windows gRPC may pull all of them before the refusal
+    # arrives, and then the flag rightly says the final message was handed over)
+    release = threading.Event()
+
+    def docs():
+        yield from (Doc(id=f"d{i}", text="word") for i in range(65))  # the 65th hands over the first message
+        release.wait(60)
+        yield from (Doc(id=f"e{i}", text="word") for i in range(200))
+
+    try:
+        with OpRAGClient(stand_in("refuse-at-first"), timeout=60) as c, pytest.raises(grpc.RpcError) as got:
+            c.ingest(docs())
+        assert got.value.code() == grpc.StatusCode.UNAVAILABLE and got.value.final_message_sent is False
+    finally:
+        release.set()
 
 
 def test_oprag_ingest_reports_a_stream_cut_after_its_final_message_as_unknown(stand_in, tmp_path):
