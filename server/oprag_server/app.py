@@ -169,7 +169,7 @@ class Runtime:
     async def restart_shard(self, i: int) -> None:
         """Respawn shard ``i`` and re-sum the corpus-global BM25 statistics."""
         await restart_shard(self.pool, i, committed=self.commits.committed_txns, lock=self.lock, stats=self.corpus_stats,
-                            check=self.commits.check_recovered)
+                            check=self.commits.check_recovered, gate=self.commits.gate)
 
     async def stats(self) -> dict:
         """Corpus and shard statistics of the shards that answer (a dead shard is left out of the

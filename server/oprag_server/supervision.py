@@ -67,15 +67,17 @@ def dead_shards(pool: Any) -> list[int]:
 
 
 async def restart_shard(pool: Any, i: int, *, committed: set[str] | Callable[[], set[str]], lock: Any,
-                        stats: CorpusStats, check: Callable[[dict[int, int]], None] | None = None) -> None:
+                        stats: CorpusStats, check: Callable[[dict[int, int]], None] | None = None,
+                        gate: Any = None) -> None:
     """Respawn shard ``i`` (blocking spawn in the default executor), then, under the index
     write lock, replace ``stats`` with the merge of every shard's lexical statistics.
 
     :param committed: transaction ids in the frontend's commit log (the shard replays those), or
         a function returning them (e.g. ``CommitProtocol.committed_txns``): then it is read
-        under the write lock, i.e. after a commit in progress logged its commit point or failed
-        (a transaction prepared on the lost shard and logged just after a plain read would not
-        be replayed).
+        holding ``gate`` (``CommitProtocol.gate``, which a commit holds from its prepare to its
+        apply; without one, the write lock), i.e. after a commit in progress logged its commit
+        point or failed (a transaction prepared on the lost shard and logged just after a plain
+        read would not be replayed).
     :param check: ``check({i: applied_seq}, committed)`` raises when the shard came back without
         the transactions ``committed`` it was given to replay
         (:meth:`~.engine.commit.CommitProtocol.check_recovered`; commits that went on during the
@@ -85,7 +87,7 @@ async def restart_shard(pool: Any, i: int, *, committed: set[str] | Callable[[],
     """
     loop = asyncio.get_running_loop()
     if callable(committed):
-        async with lock.write():
+        async with gate if gate is not None else lock.write():
             committed = set(committed())
     ready = await loop.run_in_executor(None, pool.restart, i, loop, committed)
     if check is not None:

@@ -134,3 +134,30 @@ def test_a_shard_serving_with_a_replica_down_stays_serving_and_the_replica_is_re
     assert asyncio.run(sup.check()) == [0]
     assert health.calls == [("", SERVING)] and restarted == [0] and metrics.shards_up._value.get() == 2
     assert asyncio.run(sup.check()) == [] and restarted == [0]
+
+
+def test_restart_shard_reads_the_committed_ids_once_a_commit_in_progress_is_done(monkeypatch):
+    """Session 41: commits no longer hold the write lock from their prepare (only for their apply), so the committed
+    ids a restarted shard replays are read holding the commit gate: a commit between its prepare and its commit record
+    is finished (or failed) first, and its transaction is replayed."""
+    pool, log = Pool(2), {"t1"}
+
+    async def broadcast(op, request):
+        return [SimpleNamespace(lexical="s0"), SimpleNamespace(lexical="s1")]
+
+    pool.broadcast = broadcast
+    monkeypatch.setattr(CorpusStats, "merge_full", staticmethod(lambda parts: CorpusStats()))
+
+    async def go():
+        gate = asyncio.Lock()
+        await gate.acquire()  # a commit in progress
+        task = asyncio.create_task(restart_shard(pool, 1, committed=lambda: set(log), lock=RWLock(), stats=CorpusStats(),
+                                                 gate=gate))
+        await asyncio.sleep(0.05)
+        assert pool.restarted == []  # waits for the commit
+        log.add("t2")  # its commit record
+        gate.release()
+        await asyncio.wait_for(task, 5)
+
+    asyncio.run(go())
+    assert pool.restarted == [(1, {"t1", "t2"})]

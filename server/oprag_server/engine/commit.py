@@ -7,8 +7,10 @@ Every write (an ingest stream, a delete) is one transaction with one sequence nu
 2. the frontend appends ``{"txn", "seq"}`` to its commit log (fsync): the commit point;
 3. *apply*: every shard applies it; the corpus-global BM25 statistics take the shards' deltas.
 
-All three steps run under the index write lock, so queries see a write completely or not at
-all. A crash before 2 leaves no trace after recovery (shards replay only logged transactions);
+Commits run one at a time (``gate``); step 3 alone runs under the index write lock, so queries
+see a write completely or not at all without waiting for the fsyncs of steps 1-2, which change
+nothing they read (session 41: a query behind a 500-document replacement's whole commit waited
+~125 ms of its 182 ms p50; ``bench.ingest_queries``). A crash before 2 leaves no trace after recovery (shards replay only logged transactions);
 after 2, recovery replays it. A failure before 2 aborts the transaction on every shard that is
 up and, unless its commit record's append had begun, gives its sequence number back (the next
 transaction takes it: shards replay only committed transaction ids, so an aborted prepare record
@@ -55,7 +57,7 @@ class CommittedAfterLeave(asyncio.CancelledError):
 
 class CommitProtocol:
     """Two-phase commit over ``pool``; ``stats`` (the frontend's corpus-global BM25 statistics)
-    take every applied delta; ``lock`` is the index lock (write side held per commit);
+    take every applied delta; ``lock`` is the index lock (write side held by each commit's apply);
     ``on_apply()`` is called once each committed transaction is applied on every shard, also when
     its caller left after the commit point (Runtime: ``mark_dirty``, for the snapshot loop).
     ``metrics`` (:class:`~..service.metrics.Metrics`, optional): a write whose caller was
@@ -74,9 +76,10 @@ class CommitProtocol:
         self.on_apply = on_apply
         self.stats = stats
         self.lock = lock
-        # held by a commit before the write lock and by a snapshot (app.Runtime.snapshot) for its
-        # whole time: a snapshot excludes commits without holding the read side, behind which a
-        # waiting commit would block every new query until the snapshot is done
+        # held by a commit for its whole time (its apply also holds the write lock), by a shard's restart while it reads
+        # the committed ids (supervision.restart_shard) and by a snapshot (app.Runtime.snapshot) for its whole time: a
+        # snapshot excludes commits without holding the read side, behind which a waiting commit would block every new
+        # query until the snapshot is done
         self.gate = asyncio.Lock()
         self.seq = 0
         self.applied_seq = 0
@@ -148,7 +151,7 @@ class CommitProtocol:
         return self.seq
 
     async def commit(self, txn: str, kind: str, doc_ids: list[str] | None = None) -> tuple[int, list[ApplyReply]]:
-        """Commit transaction ``txn`` on every shard (steps 1-3 above), under the write lock.
+        """Commit transaction ``txn`` on every shard (steps 1-3 above; step 3 under the write lock).
 
         A caller cancelled meanwhile (a client that left or whose deadline passed) does not cut
         the commit short: it runs in a task of its own, which aborts the transaction when the
@@ -195,7 +198,7 @@ class CommitProtocol:
 
     async def _commit(self, txn: str, kind: str, doc_ids: list[str] | None,
                       left: asyncio.Event) -> tuple[int, list[ApplyReply]]:
-        async with self.gate, self.lock.write():
+        async with self.gate:
             if left.is_set():  # (it left while the commit waited for the lock: nothing was done)
                 raise asyncio.CancelledError
             seq = self.next_seq()
@@ -220,10 +223,11 @@ class CommitProtocol:
             if self.write_error is not None:
                 log.warning("writes succeed again (after: %s)", self.write_error)
                 self.write_error = None
-            replies = await self.pool.broadcast(Op.APPLY, ApplyRequest(txn))
-            for r in replies:
-                self.stats.apply_delta(*r.delta)
-            self.applied_seq = max(self.applied_seq, seq)
+            async with self.lock.write():  # what queries read changes here only: the shards' apply and the statistics
+                replies = await self.pool.broadcast(Op.APPLY, ApplyRequest(txn))
+                for r in replies:
+                    self.stats.apply_delta(*r.delta)
+                self.applied_seq = max(self.applied_seq, seq)
             if self.on_apply is not None:  # (also when the caller left after the commit point)
                 self.on_apply()
         async with self._applied:  # wake wait_applied callers
@@ -231,7 +235,7 @@ class CommitProtocol:
         return seq, replies
 
     def _give_back(self, seq: int) -> None:
-        """An aborted transaction's number is issued again (under the gate and the write lock no
+        """An aborted transaction's number is issued again (under the gate no
         other number was issued since; shards replay by committed transaction id, not by number)."""
         if self.seq == seq:
             self.seq = seq - 1

@@ -20,8 +20,8 @@ queues (backpressure: a slow stage stalls the ones before it, nothing buffers wi
 
 A stream is all-or-nothing: only when the client's final message (with the number of
 documents it sent) has arrived and every stage has finished is the stream committed, on every
-shard under the index write lock, with a new sequence number; the frontend's corpus-global
-BM25 statistics move in the same step. A stream that is cancelled, fails or ends without the
+shard, with a new sequence number, and applied under the index write lock; the frontend's
+corpus-global BM25 statistics move in the same step. A stream that is cancelled, fails or ends without the
 final message is aborted: the shards drop what they staged and the index is exactly as before.
 One cancelled once its commit has begun is committed or aborted whole (:meth:`.commit.CommitProtocol.commit`);
 committed, it is counted as stored, not aborted (:mod:`.ingest_commit`). A caller cancelled after
