@@ -140,11 +140,8 @@ class ChunkStore:
 
     def delete(self, doc_ids: list[str], seq: int) -> ApplyReply:
         """Remove documents (ids not stored here are ignored)."""
-        docs = chunks = 0
-        for d in doc_ids:
-            if d in self.doc_slots:
-                docs += 1
-                chunks += self._remove_doc(d)
+        gone = [d for d in dict.fromkeys(doc_ids) if d in self.doc_slots]
+        docs, chunks = len(gone), self._remove_docs(gone)
         self.fields.maybe_compact()
         self.applied_seq = max(self.applied_seq, int(seq))
         if docs:
@@ -178,16 +175,13 @@ class ChunkStore:
         return new_slots
 
     def _add_rows(self, cols: dict) -> tuple[list[int], int, int]:
-        """The maps of rows one by one (documents replaced or extended)."""
-        removed = replaced = 0
+        """The maps of rows one by one (documents replaced or extended): the replaced documents' old chunks leave
+        first, together (one by one, a replacing ingest's apply took ~0.6 ms a document: session 41)."""
+        gen = dict(zip(cols["doc_id"], cols["generation"]))  # (one generation a document: kept above)
+        gone = [d for d, g in gen.items() if d in self.doc_slots and self.doc_generation(d) != int(g)]
+        replaced, removed = len(gone), self._remove_docs(gone)
         new_slots: list[int] = []
-        seen: set[str] = set()  # documents of this batch (one generation each, kept above)
         for i, doc_id in enumerate(cols["doc_id"]):
-            gen = int(cols["generation"][i])
-            if doc_id not in seen and doc_id in self.doc_slots and self.doc_generation(doc_id) != gen:
-                replaced += 1
-                removed += self._remove_doc(doc_id)
-            seen.add(doc_id)
             slot = self.next_slot
             self.next_slot += 1
             held = self.doc_slots.get(doc_id)
@@ -224,8 +218,10 @@ class ChunkStore:
             if len(held) == 1:
                 self.hash_slots[h] = next(iter(held))
 
-    def _remove_doc(self, doc_id: str) -> int:
-        slots = _slots_of(self.doc_slots.pop(doc_id, []))
+    def _remove_docs(self, doc_ids: list[str]) -> int:
+        """Remove every chunk of the stored documents ``doc_ids`` (one dense remove and one fields gather for all).
+        :returns: chunks removed."""
+        slots = [s for d in doc_ids for s in _slots_of(self.doc_slots.pop(d, []))]
         if slots:
             self.dense.remove(np.asarray(slots, dtype=np.int64))
             recs = self.fields.pop(slots)
