@@ -18,10 +18,18 @@ import pytest
 from oprag_server import records
 from oprag_server.config import DenseConfig
 from oprag_server.index.dense import fixed_order_dot
+from oprag_server.index.dense_low import LowSeeds
 from oprag_server.shards.protocol import QueryBatch, SearchRequest
 from oprag_server.shards.state import ShardState
 
 DIM = 32
+
+
+@pytest.fixture(autouse=True)
+def _seeds_in_the_query(monkeypatch):
+    """The seeds built where they are first needed, whatever the graph's size (these tests check what they find;
+    tests/unit/test_seeds_refresh.py checks the thread that makes them from LowSeeds.REFRESH_MIN vectors)."""
+    monkeypatch.setattr(LowSeeds, "REFRESH_MIN", 1 << 62)
 
 
 def _unit(x):

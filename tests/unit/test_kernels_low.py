@@ -26,6 +26,13 @@ from oprag_server.index.dense_low import Int8Graph, LowSeeds, _level0
 DIM = 32
 
 
+@pytest.fixture(autouse=True)
+def _seeds_in_the_query(monkeypatch):
+    """The seeds built where they are first needed, whatever the graph's size (these tests check what they find;
+    tests/unit/test_seeds_refresh.py checks the thread that makes them from LowSeeds.REFRESH_MIN vectors)."""
+    monkeypatch.setattr(LowSeeds, "REFRESH_MIN", 1 << 62)
+
+
 def _ann(vecs, m=8):
     ann = AnnIndex(DIM, DenseConfig(kind="hnsw", hnsw_m=m, ef_construction=40))
     slots = np.arange(len(vecs), dtype=np.int64)

@@ -128,9 +128,9 @@ class LowSeeds:
     #: probe directions, lowest vectors kept per probe, search entries; the beam is the
     #: request's ef_search / BEAM_DIV, at least MIN_BEAM; rows per block of the build
     PROBES, PER_PROBE, ENTRIES, BEAM_DIV, MIN_BEAM, BLOCK = 256, 16, 16, 16, 16, 32768
-    #: from this many vectors the probes of a graph grown 2x are made by a thread (refresh_seeds): the query that found
-    #: the graph grown built them, 0.57-0.66 s at 17K vectors and 2.35 s at 100K (bench/RESULTS.md, session 40)
-    REFRESH_MIN = 16_384
+    #: from this many vectors the seeds of a graph grown 2x, or of a new one, are made by a thread (refresh_seeds): the
+    #: query that found it built them, ~30 us a vector (0.49-0.66 s at 16-17K, 2.35 s at 100K: sessions 40-41)
+    REFRESH_MIN = 1_024
     #: the walk on the int8 copy of the graph (:func:`.kernels_low.low_search`); False: FAISS's
     #: ``search_level_0`` in float32 from the same entries, no copy of the graph
     INT8_WALK = True
@@ -178,14 +178,23 @@ class LowSeeds:
         self._probes, self._thresh = probes, best_s.max(axis=1)
         self._set_ids(np.unique(best_i[best_i >= 0]), st)
 
+    def prepare(self, ann) -> None:
+        """Build the seeds of ``ann``'s graph now unless they are built (the shard's start: no query waits)."""
+        if ann._index is not self._index:  # noqa: SLF001
+            self._next = None
+            self._timed_build(ann, int(ann._index.ntotal), "at start")  # noqa: SLF001
+
     def _update(self, ann) -> None:
         a = int(ann._index.ntotal)  # noqa: SLF001
-        if ann._index is not self._index or a < self._seen:  # noqa: SLF001 - (a new graph: built here)
+        thread = a >= self.REFRESH_MIN and hasattr(ann, "_mut")
+        if ann._index is not self._index or a < self._seen:  # noqa: SLF001 - a new graph
             self._next = None
-            self._timed_build(ann, a, "in the query that needed them")
-            return
+            if not thread:
+                self._timed_build(ann, a, "in the query that needed them")
+                return
+            self._none(ann)  # none until the thread's (candidates() says so: the caller estimates the minimum)
         if a >= 2 * max(self._built_at, 8):  # grown 2x: new probes, made beside the queries (refresh_seeds)
-            if self._next is None and (a < self.REFRESH_MIN or not hasattr(ann, "_mut")):
+            if self._next is None and not thread:
                 self._timed_build(ann, a, "in the query that found the graph grown 2x")
                 return
             if self._next is None:
@@ -202,6 +211,15 @@ class LowSeeds:
                 self._set_ids(np.concatenate([self._ids, self._seen + np.flatnonzero(low)]), st)
             self._seen = a
 
+    def _none(self, ann) -> None:
+        """No seeds (yet) for ``ann``'s graph; its int8 copy made (the walk's, kept when the thread's seeds come)."""
+        st = ann.storage()
+        self._index, self._built_at, self._seen = ann._index, 0, st.shape[0]  # noqa: SLF001
+        self._set_ids(np.zeros(0, np.int64), st)
+        self._probes, self._thresh = np.zeros((0, ann.dim), np.float32), np.zeros(0, np.float32)
+        if self.INT8_WALK:
+            self._g.follow(st, rebuild=True)
+
     def _timed_build(self, ann, a: int, where: str) -> None:
         """:meth:`_build` here, its vectors, time and ``where`` kept in :attr:`built` (the shard logs them)."""
         t = time.perf_counter()
@@ -215,7 +233,8 @@ class LowSeeds:
         if job.out is None:  # (failed: the next doubling tries again)
             self._built_at = job.a
             return
-        self.built.append((job.a, job.seconds, "by a thread while the old ones served (the graph grew 2x)"))
+        self.built.append((job.a, job.seconds, "by a thread while the old ones served (the graph grew 2x)" if self._built_at
+                           else "by a thread while the minimum was estimated (the graph's first seeds)"))
         self._probes, self._thresh, ids, codes, scale, se = job.out
         self._ids, self._codes, self._scale, self._se = ids, codes, scale, se
         self._built_at, self._seen = job.a, min(self._seen, job.a)
@@ -226,7 +245,8 @@ class LowSeeds:
         ``-q`` from the lowest seeds kept whose int8 score is within ``2 * err`` of the lowest
         int8 score among them (the k = 1 argument of ``refine_top``: the int8 scores err by at
         most ``err``, :meth:`Int8Graph.error`). Empty when the index holds no live vector or the
-        query is not finite.
+        query is not finite; None (each query) while no live seed covers a graph that holds live
+        vectors (a thread makes them: the caller estimates the minimum meanwhile).
 
         :param ann: the shard's :class:`.ann.AnnIndex` (HNSW). :param ef: the request's HNSW
             beam (0: the index default); this search's beam is a sixteenth of it, at least 16
@@ -236,7 +256,8 @@ class LowSeeds:
         b, g = q.shape[0], self._g
         live = ann.ann_slot[self._ids] >= 0
         if not b or not live.any():
-            return [np.zeros(0, np.int64)] * b
+            n = int(ann._index.ntotal)  # noqa: SLF001
+            return [None if (ann.ann_slot[:n] >= 0).any() else np.zeros(0, np.int64)] * b
         ids, e = self._ids, min(self.ENTRIES, int(live.sum()))
         beam = max(self.MIN_BEAM, int(ef or ann.params.ef_search) // self.BEAM_DIV)
         nbr, off, width = self._graph(ann) if self.INT8_WALK else (None, None, 0)

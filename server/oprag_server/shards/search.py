@@ -199,7 +199,7 @@ class Searcher(ExactMixin, FieldsMixin):
         kernels_fields.warm()
         listed_top(st.postings, ["\x00"], np.ones(1), 1.0, 1.5, 0.75, 1)  # the segment's term bounds
         if st.dense.params.kind == "hnsw" and st.dense.ann is not None:
-            self._low.candidates(st.dense.ann, np.zeros((0, st.dim), np.float32))  # build the seeds
+            self._low.prepare(st.dense.ann)  # build the seeds
         if len(st.dense) and st.dense.params.kind == "flat":
             slots, _ = self._kernel_tops(st.dense.vectors[:1].copy(), [None], 1)[0][0]
             st.postings.score(slots, [], np.zeros(0), 1.0)
@@ -345,7 +345,7 @@ class Searcher(ExactMixin, FieldsMixin):
             self._low, ann.seeds = (self._low if ann.seeds is None else ann.seeds), None  # (a compaction's: hnsw_build)
             cands = self._low.candidates(ann, qp, ef_search)
             st = ann.storage()
-            for j, i in enumerate(plain):
+            for j, i in filter(lambda ji: cands[ji[0]] is not None, enumerate(plain)):  # (None: no seeds yet: estimated)
                 c = cands[j]
                 out[i] = float(_kernels_low().canonical_rows(st, c, q[i]).min()) if c.size else None
                 low = self._tail_low(ann, q[i], dense.score_error(q[i]))
