@@ -270,3 +270,50 @@ def test_a_list_missing_a_chunk_written_after_the_draw_is_proven_short(kind, sam
         assert not check.misses(sh.search, q, ex[:64], sh.store.dense.exact_slots(q, ex[:64]))  # sound
     assert hits >= (20 if sample > 8400 else 2), hits
     assert check._n == 8000 and check._new.size == (400 if sample > 8400 else -(-400 * sample // 8000))
+
+
+@pytest.mark.parametrize("kind,how", [("hnsw", "random"), ("ivf", "between"), ("hnsw", "between")])
+def test_a_redraw_is_made_by_a_thread_while_the_old_draw_serves(monkeypatch, kind, how):
+    """Session 41: the query that found a shard grown by 1/16 redrew the sample (a gather and int8 copy of all of
+    it: 70-250 ms beside an ingest). Now a thread does; that query and the next are checked against the old draw and
+    the chunks written since (sampled at its density), never gathering the sample; the thread's draw is adopted by
+    the first check after it ends, and the check stays sound (an exact list is never flagged) before and after.
+    A draw whose HNSW ids a compaction renumbered meanwhile is dropped and made again."""
+    rng = np.random.default_rng(41)
+    dense = (DenseConfig(kind="ivf", nprobe=4, train_min=2000) if kind == "ivf"
+             else DenseConfig(kind="hnsw", hnsw_m=8, ef_construction=32, ann_tail=0))
+    vecs = clustered(rng, 6500)
+    sh = _shard(vecs[:4000], sh=ShardState(0, DIM, None, dense=dense))
+    check = ann_check.SampleCheck(1000)
+    qs = _queries(how, vecs, rng, 12)
+
+    def sound(q):
+        ex = _exact_top(sh, q, 64)
+        return not check.misses(sh.search, q, ex, sh.store.dense.exact_slots(q, ex))
+
+    assert sound(qs[0]) and check._n == 4000 and check._job is None  # the first draw: here
+    gate, gathered = __import__("threading").Event(), []
+    real = type(sh.store.dense).locked_vectors
+    monkeypatch.setattr(type(sh.store.dense), "locked_vectors", lambda self, s: (gate.wait(60), real(self, s))[1])
+    real_of = type(sh.store.dense).vectors_of
+    monkeypatch.setattr(type(sh.store.dense), "vectors_of", lambda self, s: (gathered.append(len(s)), real_of(self, s))[1])
+    _shard(vecs[4000:6000], start=4000, sh=sh)  # +50%: a redraw is due
+    assert all(sound(q) for q in qs[1:6])  # checked against the old draw and the new chunks meanwhile
+    assert check._job is not None and check._n == 4000 and max(gathered) < 1000  # (only the new part's few)
+    gate.set()
+    check._job.thread.join(60)
+    assert sound(qs[6]) and check._job is None and check._n == 6000 and check._slots.size == 1000  # adopted
+    assert all(sound(q) for q in qs[7:])
+    if kind == "hnsw":  # a compaction that renumbers the ids while a draw reads them: dropped, drawn again
+        gate.clear()
+        _shard(vecs[6000:6500], start=6000, sh=sh)
+        sound(qs[0])
+        job = check._job
+        assert job is not None
+        sh.store.dense.compact_ann()  # a new graph (new ids) while the thread waits to read
+        gate.set()
+        job.thread.join(60)
+        assert sound(qs[1]) and check._n == 6000 and check._job is not None and check._job is not job
+        check._job.thread.join(60)
+        assert sound(qs[2]) and check._n == 6500 and check._job is None
+        assert all(sound(q) for q in qs)

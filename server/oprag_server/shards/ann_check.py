@@ -34,6 +34,8 @@ not checked.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 #: chunks in the sample a list is checked against by default (``DenseConfig.ann_check``,
@@ -53,7 +55,9 @@ MAX_EF = 8192
 #: (not at every write: under ingest each query would pay the gather of the whole sample); meanwhile
 #: the chunks written since the draw are sampled at the draw's density (every one when the shard had
 #: at most ``sample``) as they come (trial38: a sample of the old chunks alone never checked the new
-#: ones, where a stale IVF training misses most); a removed chunk is skipped when flagged
+#: ones, where a stale IVF training misses most); a removed chunk is skipped when flagged. A redraw
+#: after the first is made by a thread (:class:`_Draw`) while the old draw serves: made by the query
+#: that found the shard grown, it took that query 70-250 ms beside an ingest (session 41)
 REDRAW = 1 / 16
 
 
@@ -74,6 +78,7 @@ class SampleCheck:
         self._new_i8.MAX_ROWS = self._i8.MAX_ROWS
         self._memo: dict = {}  # (which int8 copy, query bytes) -> its int8 scores: a list check, then the minimum
         self._live = (-1, np.zeros(0, bool))  # (store version, which drawn chunks are live)
+        self._job: _Draw | None = None  # a redraw under way in a thread
 
     def whole(self) -> bool:
         """Whether the sample holds every chunk of the shard (drawn from at most ``sample`` live chunks; every chunk
@@ -95,15 +100,20 @@ class SampleCheck:
         from ..index.slot_sample import live_slots, strided  # noqa: PLC0415 - (by slot order: the same after a restart)
 
         n = len(dense)
+        job = self._job
+        if job is not None and not job.thread.is_alive():
+            self._job = None
+            if job.out is not None and job.installs == dense.installs:  # (else ids it read were renumbered: again)
+                self._adopt(*job.out)
         if self._n < 0 or abs(n - self._n) > REDRAW * self._n or (n <= self.sample and self._of > 1.0):  # (a shard
             # that deletes brought down to the sample's size is drawn whole again: trial39b)
-            live = live_slots(dense)
-            self._slots = strided(live, self.sample)
-            vecs = np.ascontiguousarray(dense.vectors_of(self._slots), dtype=np.float32)
-            self._ok = self._slots.size > 0 and self._i8.of(vecs, n) is not None
-            self._n, self._top, self._seen = n, int(live[-1]) + 1 if live.size else 0, -1
-            self._memo.clear()
-            self._of = max(1.0, live.size / max(self.sample, 1))
+            if self._n < 0 or (n <= self.sample and self._of > 1.0) or dense._pending is not None:  # noqa: SLF001
+                self._job = None  # (the first draw, or a shard shrunk back to whole: here)
+                live = live_slots(dense)
+                slots = strided(live, self.sample)
+                self._adopt(n, slots, np.ascontiguousarray(dense.vectors_of(slots), dtype=np.float32), live)
+            elif self._job is None:
+                self._job = _Draw(dense, n, self.sample)
         version = dense._version  # noqa: SLF001 - (grows at every add and remove)
         if version != self._seen:  # the chunks written since the draw, sampled at its density
             fresh = live_slots(dense, self._top, end)  # (end: the store's next slot, not the map's capacity)
@@ -114,6 +124,15 @@ class SampleCheck:
             self._seen = version
             self._memo.clear()
         return self._ok or self._new.size > 0
+
+    def _adopt(self, n: int, slots: np.ndarray, vecs: np.ndarray, live: np.ndarray) -> None:
+        """A draw of ``slots`` (float32 ``vecs``) from the ascending ``live`` slots of a shard of ``n`` chunks."""
+        self._slots = slots
+        self._ok = slots.size > 0 and self._i8.of(vecs, n) is not None
+        self._n, self._top, self._seen = n, int(live[-1]) + 1 if live.size else 0, -1
+        self._memo.clear()
+        self._live = (-1, self._live[1][:0])  # (which drawn chunks are live: asked again)
+        self._of = max(1.0, live.size / max(self.sample, 1))
 
     def misses(self, searcher, q: np.ndarray, slots: np.ndarray, scores: np.ndarray) -> bool:
         """Whether a sampled live chunk outside ``slots`` int64[n] scores canonically above the
@@ -183,6 +202,32 @@ class SampleCheck:
                     low = min(low, float(dense.exact_slots(q[i], near).min()))
             out.append(low if np.isfinite(low) else None)
         return out
+
+
+class _Draw:
+    """A redraw of :class:`SampleCheck` by a thread: the live slots (a racy read: the chunks written after it are the
+    draw's new part, one removed since is skipped when flagged), their vectors read under the rows' lock
+    (:meth:`..index.ivf_rows.IvfRows.locked_vectors`; valid if no HNSW compaction renumbered the ids meanwhile:
+    ``installs``). ``out``: :meth:`SampleCheck._adopt`'s arguments, None until done or when it failed."""
+
+    def __init__(self, dense, n: int, sample: int) -> None:
+        self.installs, self.out = dense.installs, None
+        self.thread = threading.Thread(target=self._run, args=(dense, n, sample), name="oprag-check-draw")
+        self.thread.start()
+
+    def _run(self, dense, n: int, sample: int) -> None:
+        from ..index.slot_sample import live_slots, strided  # noqa: PLC0415
+
+        try:
+            if self.installs % 2:  # (an install under way)
+                return
+            live = live_slots(dense)
+            slots = strided(live, sample)
+            ok, vecs = dense.locked_vectors(slots)
+            if dense.installs == self.installs:
+                self.out = (n, slots[ok], np.ascontiguousarray(vecs, dtype=np.float32), live)
+        except Exception:  # noqa: BLE001 - the old draw serves; the next query that finds it stale tries again
+            self.out = None
 
 
 def whole_tops(searcher, q: np.ndarray, which: list[int], n: int) -> dict | None:
