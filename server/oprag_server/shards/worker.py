@@ -24,6 +24,7 @@ import os
 import pickle
 import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -179,10 +180,10 @@ def run(shard_id: int, conn, dim: int, data_dir: str | None, stem: bool, committ
             if not conn.poll(0):  # nothing asked
                 wait = state.idle_wait()  # idle maintenance (BM25 merges once writes are quiet)
                 if wait == 0.0:
-                    state.idle_step()
+                    _timed(state, "idle maintenance", state.idle_step)
                     continue
                 if busy:  # do some of the deferred work, then look again
-                    busy = state.background_step()
+                    busy = _timed(state, "a background step", state.background_step)
                     continue
                 if wait is not None and not conn.poll(wait):
                     continue
@@ -196,7 +197,7 @@ def run(shard_id: int, conn, dim: int, data_dir: str | None, stem: bool, committ
             except Exception as exc:  # noqa: BLE001 - answered as any failed request
                 _fail(conn, req_id, exc)
             continue
-        _answer(conn, table, req_id, op, req)
+        _timed(state, f"a {op.name} request", _answer, conn, table, req_id, op, req)
         if op is Op.SHUTDOWN:
             break
         state.note()  # (a write-time merge started or installed: logged with its time)
@@ -259,6 +260,21 @@ def exit_now(status: int) -> None:
 #: how long the loop waits for a request while a snapshot is written beside it before it looks
 #: whether the snapshot is done (the SNAPSHOT reply comes at most this much later)
 SNAPSHOT_POLL_S = 0.005
+
+
+#: a step of the request loop that takes longer than this is logged (session 41: 2.7-4.5 s searches during an ingest
+#: left no line to attribute them by)
+SLOW_S = 1.0
+
+
+def _timed(state: ShardState, what: str, fn, *args):
+    """``fn(*args)``; logged (``<what> held the request loop <s> s``) when it took over :data:`SLOW_S`."""
+    t = time.perf_counter()
+    try:
+        return fn(*args)
+    finally:
+        if (dt := time.perf_counter() - t) > SLOW_S:
+            state.say(f"{what} held the request loop {dt:.2f} s")
 
 
 def _answer(conn, table, req_id, op, req) -> None:
