@@ -7,8 +7,7 @@ See :mod:`oprag_server.index.bm25` for the reference computation.
 from __future__ import annotations
 
 import math
-from itertools import repeat
-from operator import add
+from itertools import compress, repeat
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -32,7 +31,7 @@ class CorpusStats:
     Not thread-safe: guard with a lock if updated and queried concurrently.
     """
 
-    __slots__ = ("n_docs", "total_len", "df", "version", "_avg_cache")
+    __slots__ = ("n_docs", "total_len", "df", "version", "_avg_cache", "_hist")
 
     def __init__(
         self, n_docs: int = 0, total_len: int = 0, df: dict[str, int] | None = None
@@ -56,6 +55,21 @@ class CorpusStats:
                 self.df[t] = v
         self.version = 0
         self._avg_cache: tuple[int, float] | None = None
+        self._hist = self._histogram()
+
+    def _histogram(self) -> np.ndarray:
+        """int64[max df + 1]: how many terms have each document frequency (:attr:`average_idf` sums over its
+        distinct values; kept by :meth:`apply_delta` for the terms it changes)."""
+        return np.bincount(np.fromiter(self.df.values(), dtype=np.int64, count=len(self.df)), minlength=1)
+
+    def _moved(self, old: np.ndarray, new: np.ndarray) -> None:
+        """The histogram after terms moved from document frequencies int64[T] ``old`` to ``new`` (0: absent)."""
+        top = int(max(old.max(initial=0), new.max(initial=0))) + 1
+        if top > self._hist.size:
+            self._hist = np.concatenate([self._hist, np.zeros(top - self._hist.size, np.int64)])
+        size = self._hist.size
+        self._hist -= np.bincount(old[old > 0], minlength=size)
+        self._hist += np.bincount(new[new > 0], minlength=size)
 
     @classmethod
     def merge_full(cls, snapshots: Iterable[tuple[int, int, dict[str, int]]]) -> "CorpusStats":
@@ -79,6 +93,7 @@ class CorpusStats:
         self.n_docs, self.total_len, self.df = other.n_docs, other.total_len, dict(other.df)
         self.version += 1
         self._avg_cache = None
+        self._hist = other._hist.copy()
 
     def apply_delta(self, n_delta: int, len_delta: int, df_delta: dict[str, int]) -> None:
         """Add a shard's change set (from :meth:`PostingsIndex.drain_delta`).
@@ -98,26 +113,20 @@ class CorpusStats:
         new_len = self.total_len + len_delta
         if new_n < 0 or new_len < 0:
             raise ValueError("delta makes n_docs or total_len negative")
-        df = self.df
-        if df_delta and min(df_delta.values()) > 0:  # only additions (a bulk load): nothing can
-            get = df.get                             # go negative or reach 0; C-level iteration
-            df.update(zip(df_delta, map(add, map(get, df_delta, repeat(0)), df_delta.values())))
-            self.n_docs, self.total_len = new_n, new_len
-            self.version += 1
-            return
-        updates: list[tuple[str, int]] = []
-        for t, d in df_delta.items():
-            if not d:
-                continue
-            v = df.get(t, 0) + int(d)
-            if v < 0:
-                raise ValueError(f"delta makes df[{t!r}] negative")
-            updates.append((t, v))
-        for t, v in updates:
-            if v:
-                df[t] = v
-            else:
+        df, k = self.df, len(df_delta)
+        # (C-level iteration: old and new counts as arrays; the histogram of counts follows them)
+        old = np.fromiter(map(df.get, df_delta, repeat(0)), dtype=np.int64, count=k)
+        new = old + np.fromiter(df_delta.values(), dtype=np.int64, count=k)
+        if k and new.min() < 0:
+            raise ValueError(f"delta makes df[{list(df_delta)[int(np.argmax(new < 0))]!r}] negative")
+        keep = new > 0
+        if keep.all():  # (only additions, a bulk load: nothing reaches 0)
+            df.update(zip(df_delta, new.tolist()))
+        else:
+            for t in compress(df_delta, ~keep):
                 df.pop(t, None)
+            df.update(zip(compress(df_delta, keep), new[keep].tolist()))
+        self._moved(old, new)
         self.n_docs = new_n
         self.total_len = new_len
         self.version += 1
@@ -143,7 +152,9 @@ class CorpusStats:
         if c is not None and c[0] == self.version:
             return c[1]
         if self.df:
-            counts = np.bincount(np.fromiter(self.df.values(), dtype=np.int64, count=len(self.df)))
+            if int(self._hist.sum()) != len(self.df):  # (df changed elsewhere than apply_delta: counted again)
+                self._hist = self._histogram()
+            counts = self._hist
             f = np.flatnonzero(counts)
             avg = math.fsum((counts[f] * okapi_idf(self.n_docs, f.astype(np.float64))).tolist()) / len(self.df)
         else:
