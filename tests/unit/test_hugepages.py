@@ -73,7 +73,7 @@ def test_seeds_build_collapses_the_graph_it_walks():
     # first in this file: glibc may hand a later test a buffer in memory an earlier one advised
     ann, vecs = _ann(36_000)  # level-0 lists >= 4 MB, so they hold a whole 2 MB page wherever they lie
     low = LowSeeds()
-    low.candidates(ann, np.zeros((0, vecs.shape[1]), np.float32))  # the build, as Searcher.warm
+    low.prepare(ann)  # the build, as Searcher.warm
     st = ann.storage()
     assert _smaps(st)[1] and _smaps(_level0(ann._index)[0])[1]  # noqa: SLF001
     if not _huge_kb(st):

@@ -214,6 +214,7 @@ class LowSeeds:
     def _none(self, ann) -> None:
         """No seeds (yet) for ``ann``'s graph; its int8 copy made (the walk's, kept when the thread's seeds come)."""
         st = ann.storage()
+        huge_pages(ann, collapse=False)  # (advised; the thread's seeds are adopted without a build here)
         self._index, self._built_at, self._seen = ann._index, 0, st.shape[0]  # noqa: SLF001
         self._set_ids(np.zeros(0, np.int64), st)
         self._probes, self._thresh = np.zeros((0, ann.dim), np.float32), np.zeros(0, np.float32)
