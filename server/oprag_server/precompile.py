@@ -4,7 +4,9 @@ start compiles them in its shard processes (~95 s on a 2-core machine, logged as
 search kernels, first start only"), and so does the first test that starts a server.
 
 Each kernel module (:data:`.startup.JIT_MODULES`) has a ``warm()`` that compiles, or loads from
-the cache, the signatures a shard or the frontend passes (writable and read-only arrays). The
+the cache, the signatures a shard or the frontend passes (writable and read-only arrays); then
+:mod:`.warm_workload` runs a shard's paths end to end (staging, every query mode, a snapshot and
+its load) for the signatures those reach beyond them. The
 cache is where a server started from this installation looks (:func:`.startup.uncached_kernels`);
 an upgrade that changes a kernel module's source makes the cache of every kernel module stale (a
 kernel compiled in holds the other modules' functions it calls), and the next start (or this
@@ -21,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from . import warm_workload
 from .startup import JIT_MODULES, uncached_kernels
 
 
@@ -38,6 +41,12 @@ def main() -> int:
         t = time.perf_counter()
         importlib.import_module(name).warm()
         print(f"{name}: {time.perf_counter() - t:.1f} s", flush=True)
+    t = time.perf_counter()
+    try:  # the signatures the served paths reach beyond warm()'s (warm_workload.py): each cost a request 1-7 s
+        warm_workload.run()
+        print(f"a shard's paths (oprag_server.warm_workload): {time.perf_counter() - t:.1f} s", flush=True)
+    except Exception as exc:  # noqa: BLE001 - what it did not compile, the first use does
+        print(f"a shard's paths (oprag_server.warm_workload) failed: {exc!r}", flush=True)
     cold, total = uncached_kernels()
     print(f"numba kernels: {total - len(cold)} of {total} modules cached in {time.perf_counter() - t0:.1f} s"
           + (f"; not cached: {', '.join(p.name for p in cold)}" if cold else ""), flush=True)

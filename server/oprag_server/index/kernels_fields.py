@@ -12,6 +12,8 @@ import numpy as np
 from . import kernels  # noqa: F401 - sets numba's cache directory before the first njit
 from numba import njit  # noqa: E402
 
+from .warm_inputs import read_only  # noqa: E402 - (fields.py passes its columns through it)
+
 #: what an empty metadata value reads as (``StoredFields.hit_fields``: missing metadata is ``"{}"``)
 META_NONE = np.frombuffer(b"{}", np.uint8)
 
@@ -85,5 +87,5 @@ def warm() -> None:
     rows = np.zeros(1, np.int64)
     one_part(rows, np.zeros(1, np.int32), np.zeros(1, np.int32))
     for dt in (np.int32, np.int64):
-        o = np.array([0, 2], dt)
+        o = read_only(np.array([0, 2], dt))
         gather4(rows, o, d, o, d, o, d, o, d, META_NONE)

@@ -31,6 +31,7 @@ import pyarrow.compute as pc
 
 from . import kernels  # noqa: F401 - sets numba's cache directory as the kernels do
 from .analyzer import Analyzer
+from .warm_inputs import read_only
 from numba import njit
 
 _JIT = dict(cache=True, nogil=True)
@@ -302,6 +303,7 @@ class TermTable:
         if R and not self.analyzer.stem:
             t_off, t_data = _column(table, "title")
             x_off, x_data = _column(table, "text")
+            t_data, x_data = read_only(t_data), read_only(x_data)  # (one specialisation of _rows whatever their source)
             cols = (t_data, x_data)
             size = np.diff(t_off) + np.diff(x_off)
             self._room(0, int(size.sum()), int(size.max()))  # the pool: every byte could be a new term's

@@ -163,7 +163,7 @@ class StoredFields:
         if p == -2:  # out of range or not stored
             return None
         if p >= 0 and (cols := self._readers(p, _HIT)) is not None and all(c.plain() for c in cols):
-            out, lens = kf.gather4(rows, *(x for c in cols for x in (c.off, c.u8())), kf.META_NONE)
+            out, lens = kf.gather4(rows, *(kf.read_only(x) for c in cols for x in (c.off, c.u8())), kf.META_NONE)
             return out.tobytes(), lens.tolist()
         parts = self._part[s]
         groups = _groups(parts)
