@@ -110,6 +110,15 @@ class RetrievalInfo:
     certified: bool = False
     widen_rounds: int = 0
 
+    @property
+    def exact(self) -> bool:
+        """The hits are the mode's exact ranking (``RetrievalInfo.exact`` in the proto): every shard answered, and
+        FULL_HYBRID or LEXICAL, or no shard searched an approximate index (``ef_search`` and ``nprobe`` 0) and DENSE,
+        or HYBRID with the bound's ``certified`` (trial41: certified IVF replies differed from FULL_HYBRID's)."""
+        approx = bool(self.ef_search or self.nprobe)
+        return not self.missing_shards and (self.mode in ("full_hybrid", "lexical") or not approx and (
+            self.mode == "dense" or self.mode == "hybrid" and bool(self.certified)))
+
 
 @dataclass
 class MemoryContext:

@@ -261,6 +261,9 @@ def test_dense_first_certified_equals_exact(client, ingested):
             [(h.chunk_id, h.score, h.dense_score, h.lexical_score) for h in exact.hits]
         assert hyb.retrieval.certified and hyb.retrieval.lexical_candidates >= 64
         assert not exact.retrieval.certified and exact.retrieval.lexical_candidates == 0
+        assert hyb.retrieval.exact and exact.retrieval.exact  # (flat: the certified top-k is exact)
+        rrf = client.retrieve(q, top_k=3, candidates=1, fusion="rrf", filters=filters)
+        assert not rrf.retrieval.certified and not rrf.retrieval.exact
 
 
 def test_metrics_endpoint_has_stage_histograms(server, client, ingested):

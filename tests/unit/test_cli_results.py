@@ -86,7 +86,7 @@ def test_query_json_has_the_retrieval_info_and_the_hit_ranks(monkeypatch, capsys
     assert out["retrieval"] == {
         "mode": "hybrid", "fusion": "rrf", "dense_weight": 0.0, "lexical_weight": 0.0, "rrf_k": 60, "candidates": 256,
         "chunks_searched": 2**40, "partial": False, "missing_shards": [], "dense_index": "", "ef_search": 0,
-        "nprobe": 0, "lexical_candidates": 0, "certified": False, "widen_rounds": 0}
+        "nprobe": 0, "lexical_candidates": 0, "certified": False, "widen_rounds": 0, "exact": False}
     assert (out["hits"][0]["dense_rank"], out["hits"][0]["lexical_rank"]) == (3, 0)
     monkeypatch.setattr(cli, "_client", lambda a: _Stub(oprag_pb2.RetrieveResponse()))
     assert cli.main(["query", "--server", "127.0.0.1:1", "--json", "--no-generate", "lobster"]) == 0

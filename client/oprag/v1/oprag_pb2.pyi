@@ -277,7 +277,7 @@ class QueryEvent(_message.Message):
     def __init__(self, sources: _Optional[_Union[SourcesEvent, _Mapping]] = ..., text: _Optional[str] = ..., done: _Optional[_Union[DoneEvent, _Mapping]] = ...) -> None: ...
 
 class RetrievalInfo(_message.Message):
-    __slots__ = ("mode", "fusion", "dense_weight", "lexical_weight", "rrf_k", "candidates", "chunks_searched", "partial", "missing_shards", "dense_index", "ef_search", "nprobe", "lexical_candidates", "certified", "widen_rounds")
+    __slots__ = ("mode", "fusion", "dense_weight", "lexical_weight", "rrf_k", "candidates", "chunks_searched", "partial", "missing_shards", "dense_index", "ef_search", "nprobe", "lexical_candidates", "certified", "widen_rounds", "exact")
     MODE_FIELD_NUMBER: _ClassVar[int]
     FUSION_FIELD_NUMBER: _ClassVar[int]
     DENSE_WEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -293,6 +293,7 @@ class RetrievalInfo(_message.Message):
     LEXICAL_CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     CERTIFIED_FIELD_NUMBER: _ClassVar[int]
     WIDEN_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    EXACT_FIELD_NUMBER: _ClassVar[int]
     mode: str
     fusion: str
     dense_weight: float
@@ -308,7 +309,8 @@ class RetrievalInfo(_message.Message):
     lexical_candidates: int
     certified: bool
     widen_rounds: int
-    def __init__(self, mode: _Optional[str] = ..., fusion: _Optional[str] = ..., dense_weight: _Optional[float] = ..., lexical_weight: _Optional[float] = ..., rrf_k: _Optional[int] = ..., candidates: _Optional[int] = ..., chunks_searched: _Optional[int] = ..., partial: _Optional[bool] = ..., missing_shards: _Optional[_Iterable[int]] = ..., dense_index: _Optional[str] = ..., ef_search: _Optional[int] = ..., nprobe: _Optional[int] = ..., lexical_candidates: _Optional[int] = ..., certified: _Optional[bool] = ..., widen_rounds: _Optional[int] = ...) -> None: ...
+    exact: bool
+    def __init__(self, mode: _Optional[str] = ..., fusion: _Optional[str] = ..., dense_weight: _Optional[float] = ..., lexical_weight: _Optional[float] = ..., rrf_k: _Optional[int] = ..., candidates: _Optional[int] = ..., chunks_searched: _Optional[int] = ..., partial: _Optional[bool] = ..., missing_shards: _Optional[_Iterable[int]] = ..., dense_index: _Optional[str] = ..., ef_search: _Optional[int] = ..., nprobe: _Optional[int] = ..., lexical_candidates: _Optional[int] = ..., certified: _Optional[bool] = ..., widen_rounds: _Optional[int] = ..., exact: _Optional[bool] = ...) -> None: ...
 
 class Hit(_message.Message):
     __slots__ = ("chunk_id", "doc_id", "title", "text", "score", "dense_score", "lexical_score", "shard", "metadata", "dense_rank", "lexical_rank", "typed_metadata")

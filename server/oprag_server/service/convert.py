@@ -244,6 +244,7 @@ def info(job: QueryJob) -> oprag_pb2.RetrievalInfo | None:
         candidates=i.candidates, chunks_searched=i.chunks_searched, partial=bool(i.missing_shards),
         missing_shards=i.missing_shards, dense_index=i.dense_index, ef_search=i.ef_search, nprobe=i.nprobe,
         lexical_candidates=i.lexical_candidates, certified=i.certified, widen_rounds=i.widen_rounds,
+        exact=i.exact,
     )
 
 
