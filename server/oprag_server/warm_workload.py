@@ -14,7 +14,9 @@ new shard (the arrays it maps are read-only), and the same queries again. In-pro
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
+import io
 import tempfile
 from pathlib import Path
 
@@ -125,6 +127,6 @@ async def _one_kind(base: Path, kind: str) -> None:
 
 def run(root: Path | None = None) -> None:
     """The workload (module docstring) under ``root`` (a temporary directory by default)."""
-    with tempfile.TemporaryDirectory(dir=root) as tmp:
+    with tempfile.TemporaryDirectory(dir=root) as tmp, contextlib.redirect_stderr(io.StringIO()):  # (its shards' log)
         for kind in ("flat", "hnsw", "ivf"):
             asyncio.run(_one_kind(Path(tmp) / kind, kind))
