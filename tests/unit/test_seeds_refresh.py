@@ -82,7 +82,7 @@ def test_the_shard_logs_each_seeds_build(capsys):
     sh.search.search(req)  # adopted
     sh.note()
     err = capsys.readouterr().err
-    assert ("INFO shard 0: HNSW dense-minimum seeds built for 2000 vectors in " in err
+    assert ("INFO shard 0: HNSW dense-minimum seeds built for a graph of 2000 vectors (deleted ones included) in " in err
             and "(by a thread while the minimum was estimated (the graph's first seeds))" in err), err
     sh.note()
     assert "seeds built" not in capsys.readouterr().err  # (once)
