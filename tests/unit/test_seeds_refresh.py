@@ -6,7 +6,6 @@ query. Vectors from two generators."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
@@ -76,57 +75,44 @@ def test_the_shard_logs_each_seeds_build(capsys):
     sh = ShardState(0, D, None, dense=DenseConfig(kind="hnsw", hnsw_m=8, ef_construction=40, ann_tail=0, ann_check=0))
     sh.store.upsert(_table(x, 0), 1)
     capsys.readouterr()
-    req = SearchRequest(QueryBatch(x[:1], [["topic"]], [np.ones(1)], 5.0, 1.5, 0.75), mode="hybrid", n=10)
-    sh.search.search(req)  # (a thread builds them: 2,000 >= REFRESH_MIN)
-    sh.search._low._next.thread.join(60)  # noqa: SLF001
-    sh.search.search(req)  # adopted
+    sh.search.search(SearchRequest(QueryBatch(x[:1], [["topic"]], [np.ones(1)], 5.0, 1.5, 0.75), mode="hybrid", n=10))
     sh.note()
     err = capsys.readouterr().err
     assert ("INFO shard 0: HNSW dense-minimum seeds built for a graph of 2000 vectors (deleted ones included) in " in err
-            and "(by a thread while the minimum was estimated (the graph's first seeds))" in err), err
+            and "(in the query that needed them)" in err), err
     sh.note()
     assert "seeds built" not in capsys.readouterr().err  # (once)
 
 
 @pytest.mark.parametrize("how", ["gauss", "clustered"])
-def test_a_new_graph_gets_its_first_seeds_from_a_thread_and_the_minimum_is_estimated_meanwhile(monkeypatch, how):
-    """Session 41: a shard's first seeds, when its graph first passed the size the check's sample covers whole, were
-    built in a query (0.49 s at 16,159 vectors, bench.ingest_queries). From REFRESH_MIN vectors a new graph's seeds come
-    from a thread; until then candidates() says it has none (None) and the shard's minimum is the sample estimate, a
-    real chunk's score, never below the exact minimum. A graph whose seeds are all deleted says so too."""
+def test_a_graph_whose_seeds_are_all_deleted_says_it_has_none(how):
+    """Session 41: a graph holding live vectors but no live seed returned empty candidates, which the shard read as
+    "no vector live" (its minimum then from the tail alone, or none); it says None now, and the shard's minimum is the
+    sample estimate, a real chunk's score never below the exact minimum."""
     from oprag_server.shards.protocol import QueryBatch, SearchRequest
     from oprag_server.shards.state import ShardState
     from tests.unit.test_ivf_background import _table
 
-    monkeypatch.setattr(LowSeeds, "REFRESH_MIN", 1000)
     x = _vectors(how, 3000, 21, D)
     ann = AnnIndex(D, DenseConfig(kind="hnsw", hnsw_m=8, ef_construction=40))
     s = np.arange(3000)
     ann.add(s, x, (s, x))
     low, q = LowSeeds(), _vectors("gauss", 20, 22, D)
-    assert low.candidates(ann, q[:2]) == [None, None] and low._next is not None  # noqa: SLF001
-    low._next.thread.join(60)  # noqa: SLF001
-    c = low.candidates(ann, q[:1])[0]  # adopted
-    assert c is not None and c.size and low._built_at == 3000  # noqa: SLF001
-    assert [w for _, _, w in low.built] == ["by a thread while the minimum was estimated (the graph's first seeds)"]
+    c = low.candidates(ann, q[:1])[0]  # built here: a new graph
+    assert c is not None and c.size and [w for _, _, w in low.built] == ["in the query that needed them"]
     got = [_lowest(ann, low, qi) for qi in q]
     assert all(f >= e - 1e-12 for f, e in got) and np.mean([f == e for f, e in got]) >= 0.8
     ann.remove(low._ids)  # noqa: SLF001 - every seed deleted, the graph still holds live vectors
-    assert low.candidates(ann, q[:1]) == [None]
+    assert low.candidates(ann, q[:2]) == [None, None]
 
-    # served: the shard's dense minimum while the thread runs is the sample estimate, never below the exact one
     sh = ShardState(0, D, None, dense=DenseConfig(kind="hnsw", hnsw_m=8, ef_construction=40, ann_tail=0, ann_check=0))
     sh.store.upsert(_table(x, 0), 1)
-    gate = threading.Event()
-    real = dense_low._probes
-    monkeypatch.setattr(dense_low, "_probes", lambda *a: (gate.wait(60), real(*a))[1])
-    try:
-        res = sh.search.search(SearchRequest(QueryBatch(q[:3], [["topic"]] * 3, [np.ones(1)] * 3, 5.0, 1.5, 0.75),
-                                             mode="hybrid", n=10))
-        assert sh.search._low._next is not None and sh.search._low._built_at == 0  # noqa: SLF001 - still building
-        for i in range(3):
-            exact = float(fixed_order_dot(x, q[i]).min())
-            assert res.dense_min[i] >= exact - 1e-12 and np.isfinite(res.dense_min[i])
-            assert res.dense_min[i] in set(fixed_order_dot(x, q[i]).tolist())  # a real chunk's score
-    finally:
-        gate.set()
+    req = SearchRequest(QueryBatch(q[:3], [["topic"]] * 3, [np.ones(1)] * 3, 5.0, 1.5, 0.75), mode="hybrid", n=10)
+    sh.search.search(req)  # (the seeds built)
+    seeds = sh.search._low._ids  # noqa: SLF001
+    sh.store.delete([f"d{int(sl)}" for sl in sh.store.dense.ann.ann_slot[seeds]], 2)
+    res = sh.search.search(req)
+    live = np.flatnonzero(sh.store.dense.ann.ann_slot >= 0)
+    for i in range(3):
+        scores = fixed_order_dot(sh.store.dense.ann.storage()[live], q[i])
+        assert np.isfinite(res.dense_min[i]) and res.dense_min[i] >= float(scores.min()) - 1e-12

@@ -128,9 +128,12 @@ class LowSeeds:
     #: probe directions, lowest vectors kept per probe, search entries; the beam is the
     #: request's ef_search / BEAM_DIV, at least MIN_BEAM; rows per block of the build
     PROBES, PER_PROBE, ENTRIES, BEAM_DIV, MIN_BEAM, BLOCK = 256, 16, 16, 16, 16, 32768
-    #: from this many vectors the seeds of a graph grown 2x, or of a new one, are made by a thread (refresh_seeds): the
-    #: query that found it built them, ~30 us a vector (0.49-0.66 s at 16-17K, 2.35 s at 100K: sessions 40-41)
-    REFRESH_MIN = 1_024
+    #: from this many vectors the seeds of a graph grown 2x are made by a thread (refresh_seeds): the query that found
+    #: it built them, ~30 us a vector (0.49-0.66 s at 16-17K, 2.35 s at 100K: sessions 40-41). A new graph's first
+    #: seeds are built where first needed (session 41 tried a thread from 1,024 vectors: the hybrid scores then
+    #: depended on whether the thread had finished, the sample estimate serving meanwhile, and a restart's answers
+    #: differed from the run's)
+    REFRESH_MIN = 16_384
     #: the walk on the int8 copy of the graph (:func:`.kernels_low.low_search`); False: FAISS's
     #: ``search_level_0`` in float32 from the same entries, no copy of the graph
     INT8_WALK = True
@@ -187,12 +190,10 @@ class LowSeeds:
     def _update(self, ann) -> None:
         a = int(ann._index.ntotal)  # noqa: SLF001
         thread = a >= self.REFRESH_MIN and hasattr(ann, "_mut")
-        if ann._index is not self._index or a < self._seen:  # noqa: SLF001 - a new graph
+        if ann._index is not self._index or a < self._seen:  # noqa: SLF001 - a new graph: built here
             self._next = None
-            if not thread:
-                self._timed_build(ann, a, "in the query that needed them")
-                return
-            self._none(ann)  # none until the thread's (candidates() says so: the caller estimates the minimum)
+            self._timed_build(ann, a, "in the query that needed them")
+            return
         if a >= 2 * max(self._built_at, 8):  # grown 2x: new probes, made beside the queries (refresh_seeds)
             if self._next is None and not thread:
                 self._timed_build(ann, a, "in the query that found the graph grown 2x")
@@ -211,16 +212,6 @@ class LowSeeds:
                 self._set_ids(np.concatenate([self._ids, self._seen + np.flatnonzero(low)]), st)
             self._seen = a
 
-    def _none(self, ann) -> None:
-        """No seeds (yet) for ``ann``'s graph; its int8 copy made (the walk's, kept when the thread's seeds come)."""
-        st = ann.storage()
-        huge_pages(ann, collapse=False)  # (advised; the thread's seeds are adopted without a build here)
-        self._index, self._built_at, self._seen = ann._index, 0, st.shape[0]  # noqa: SLF001
-        self._set_ids(np.zeros(0, np.int64), st)
-        self._probes, self._thresh = np.zeros((0, ann.dim), np.float32), np.zeros(0, np.float32)
-        if self.INT8_WALK:
-            self._g.follow(st, rebuild=True)
-
     def _timed_build(self, ann, a: int, where: str) -> None:
         """:meth:`_build` here, its vectors, time and ``where`` kept in :attr:`built` (the shard logs them)."""
         t = time.perf_counter()
@@ -234,8 +225,7 @@ class LowSeeds:
         if job.out is None:  # (failed: the next doubling tries again)
             self._built_at = job.a
             return
-        self.built.append((job.a, job.seconds, "by a thread while the old ones served (the graph grew 2x)" if self._built_at
-                           else "by a thread while the minimum was estimated (the graph's first seeds)"))
+        self.built.append((job.a, job.seconds, "by a thread while the old ones served (the graph grew 2x)"))
         self._probes, self._thresh, ids, codes, scale, se = job.out
         self._ids, self._codes, self._scale, self._se = ids, codes, scale, se
         self._built_at, self._seen = job.a, min(self._seen, job.a)
