@@ -118,14 +118,6 @@ class GraphRows:
         self._ann.compactions.append((len(self), dead, time.perf_counter() - t, how))
 
     def _compact_one(self) -> None:
-        """:meth:`_rebuild_one`, counted in ``installs`` (ANN ids renumbered: :meth:`.ivf_rows.IvfRows.locked_vectors`)."""
-        self.installs += 1
-        try:
-            self._rebuild_one()
-        finally:
-            self.installs += 1
-
-    def _rebuild_one(self) -> None:
         """HNSW: a new graph over the staged vectors (snapshot load) or the live stored ones,
         added a block at a time (the old graph's storage, read lazily, is the only other copy).
 

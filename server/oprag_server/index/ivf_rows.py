@@ -20,21 +20,6 @@ class IvfRows:
             live = rows >= 0
             return live, self._vecs[rows[live]]
 
-    #: counts each :meth:`install_ann`'s start and end (odd: one under way): a thread that read HNSW ids through
-    #: ``_slot_row`` (:meth:`locked_vectors`) knows they held if it is even and unchanged around its reads
-    installs = 0
-
-    def locked_vectors(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(A thread) ``(live bool[M], float32[live.sum(), D])`` of int64[M] ``slots`` now: a copy, read under the
-        rows' lock (HNSW: the graph's; the ids it reads are renumbered by a compaction's install: see
-        :attr:`installs`)."""
-        if not self._one:
-            return self._locked_rows(slots)
-        with self._ann._mut:  # noqa: SLF001
-            ids = self._slot_row[np.asarray(slots, dtype=np.int64)]
-            live = ids >= 0
-            return live, self._ann.gather(ids[live])
-
     def _locked_slots(self) -> np.ndarray:
         """(The build's thread) int64[n]: the live slots now, in row order (a copy)."""
         with self._mut:
@@ -51,14 +36,6 @@ class IvfRows:
         compaction compacts here instead). :returns: whether one was under way."""
         if self._ann is None or self._ann.building is None:
             return False
-        self.installs += 1
-        try:
-            self._install_ann()
-        finally:
-            self.installs += 1
-        return True
-
-    def _install_ann(self) -> None:
         if self._one:
             err = getattr(self._ann._build, "error", None)  # noqa: SLF001
             if self._ann.install_graph() is None:
@@ -69,3 +46,4 @@ class IvfRows:
         else:
             self._ann.install(self.slots, self.vectors)
         self._version += 1  # (the structure that picks candidates changed: what is cached by version is redone)
+        return True

@@ -11,7 +11,7 @@ each of them 4-16x; this module finds the queries that need it.
 The check (:meth:`SampleCheck.misses`) is a proof, not an estimate: the list holds the best
 chunks the walk found, by canonical score; let ``cut`` be its :data:`TOP`-th score. If its first
 :data:`TOP` places were the exact top-:data:`TOP`, every chunk scoring above ``cut`` would be
-among them. So a chunk of a fixed sample of the shard (:data:`SAMPLE` chunks, evenly spaced by slot) that
+among them. So a chunk of a fixed sample of the shard (about :data:`SAMPLE` chunks, chosen by a hash of their ids) that
 scores above ``cut`` and is not in the list shows that the walk missed at least that chunk.
 Scores are screened on an int8 copy of the sample (:class:`..index.kernels_scan.Int8Rows`, with
 its error bound) and the few that may be above ``cut`` are scored canonically
@@ -34,8 +34,6 @@ not checked.
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 
 #: chunks in the sample a list is checked against by default (``DenseConfig.ann_check``,
@@ -51,88 +49,174 @@ FACTOR = 4
 TOP = 64
 #: the largest beam a check asks for (the request's own ``ef_search`` may be larger: it is kept)
 MAX_EF = 8192
-#: the sample is drawn again when the shard's chunk count moved by more than this share since
-#: (not at every write: under ingest each query would pay the gather of the whole sample); meanwhile
-#: the chunks written since the draw are sampled at the draw's density (every one when the shard had
-#: at most ``sample``) as they come (trial38: a sample of the old chunks alone never checked the new
-#: ones, where a stale IVF training misses most); a removed chunk is skipped when flagged. A redraw
-#: after the first is made by a thread (:class:`_Draw`) while the old draw serves: made by the query
-#: that found the shard grown, it took that query 70-250 ms beside an ingest (session 41)
-REDRAW = 1 / 16
+#: the sample's share of the shard changes in steps of 2^(1/STEPS) (about 4.4%: :func:`level`), so that the
+#: sample holds between ``sample`` x 2^(-1/STEPS) and ``sample`` chunks (expected) and changes only at a step
+STEPS = 16
+_MIX = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+
+
+def level(n: int, sample: int) -> int:
+    """The sample's level for a shard of ``n`` live chunks: 0 (every chunk) when ``n <= sample``, else the smallest
+    j with ``n`` x 2^(-j/STEPS) <= ``sample``; a chunk is sampled at level j when its :func:`chunk_hashes` value is
+    below :func:`threshold` (j)."""
+    return 0 if n <= sample else int(np.ceil(STEPS * np.log2(n / max(sample, 1))))
+
+
+def threshold(j: int) -> np.uint64 | None:
+    """uint64: the hash value under which a chunk is sampled at level ``j`` >= 1 (a share 2^(-j/STEPS) of all
+    values); None at level 0 (every chunk)."""
+    return None if j <= 0 else np.uint64(min(int(2.0 ** (64 - j / STEPS)), 2**64 - 1))
+
+
+def chunk_hashes(ids) -> np.ndarray:
+    """uint64[M]: a fixed hash of each chunk id (str; None, a removed slot's, hashes to the largest value, never
+    sampled): CRC-32 of its UTF-8 bytes (zlib) through the SplitMix64 finaliser (Steele, Lea and Flood 2014), so
+    that the sampled chunks are the same in every process, run and restart (``hash()`` is salted per process)."""
+    import zlib  # noqa: PLC0415
+
+    x = np.fromiter((zlib.crc32(i.encode()) if i is not None else 2**32 for i in ids), np.uint64, len(ids))
+    gone = x == np.uint64(2**32)
+    with np.errstate(over="ignore"):
+        x = x + _MIX[0]
+        x = (x ^ (x >> np.uint64(30))) * _MIX[1]
+        x = (x ^ (x >> np.uint64(27))) * _MIX[2]
+        x ^= x >> np.uint64(31)
+    x[gone] = np.uint64(2**64 - 1)
+    return x
+
+
+class _Rows:
+    """Int8 rows of sampled slots (:class:`..index.kernels_scan.Int8Rows` over growable buffers): rows are appended
+    (quantised one by one: :func:`..index.kernels_scan.quantize`) and kept by a mask, never gathered again. The
+    scan's error constants E and C are the largest of any row ever held (a bound for every row held now)."""
+
+    def __init__(self) -> None:
+        from ..index.kernels_scan import Int8Rows  # noqa: PLC0415 - numba only in processes that search
+
+        self.i8, self.n = Int8Rows(), 0
+        self._slots = np.zeros(0, np.int64)
+        self._bufs: list[np.ndarray] = []  # codes int8[cap, D], scale float32[cap], rb float64[cap]
+
+    @property
+    def slots(self) -> np.ndarray:
+        return self._slots[: self.n]
+
+    def add(self, slots: np.ndarray, vecs: np.ndarray) -> int:
+        """Append the rows of int64[k] ``slots`` (float32[k, D] ``vecs``). :returns: how many were left out for a
+        vector that is not finite."""
+        from ..index.kernels_scan import quantize, row_bounds  # noqa: PLC0415
+
+        ok = np.isfinite(vecs).all(axis=1)
+        slots, vecs = slots[ok], np.ascontiguousarray(vecs[ok], dtype=np.float32)
+        k, d = vecs.shape
+        if k:
+            codes, scale = np.empty((k, d), np.int8), np.empty(k, np.float32)
+            e, c = quantize(vecs, codes, scale)
+            rb = row_bounds(vecs, codes, scale, np.empty(k, np.float64))
+            if not self._bufs or self.n + k > self._slots.size or self._bufs[0].shape[1] != d:
+                cap = max(2 * (self.n + k), 1024)
+                grown = [np.empty((cap, d), np.int8), np.empty(cap, np.float32), np.empty(cap, np.float64)]
+                for g, b in zip(grown, self._bufs):
+                    g[: self.n] = b[: self.n]
+                slots_ = np.empty(cap, np.int64)
+                slots_[: self.n] = self.slots
+                self._bufs, self._slots = grown, slots_
+            for b, v in zip(self._bufs + [self._slots], (codes, scale, rb, slots)):
+                b[self.n: self.n + k] = v
+            self.n += k
+            self.i8.e, self.i8.c = max(self.i8.e, e), max(self.i8.c, c)
+            self._view()
+        return int((~ok).sum())
+
+    def keep(self, mask: np.ndarray) -> None:
+        """Keep the rows where bool[n] ``mask`` is set, in order."""
+        idx = np.flatnonzero(mask)
+        if idx.size < self.n:
+            for b in self._bufs + [self._slots]:
+                b[: idx.size] = b[idx]
+            self.n = int(idx.size)
+            self._view()
+
+    def _view(self) -> None:
+        self.i8.codes, self.i8.scale, self.i8.rb = (b[: self.n] for b in self._bufs)
 
 
 class SampleCheck:
-    """The int8 copy of a fixed sample of a shard's chunks, evenly spaced by slot (:func:`..index.slot_sample.sample_slots`)."""
+    """The int8 copy of a fixed sample of a shard's live chunks: those whose id's :func:`chunk_hashes` value is below
+    the :func:`threshold` of the shard's :func:`level`. The sample is a function of the live chunks alone, kept by
+    the query path as writes come (no thread, no redraw): a write's new chunks are hashed and the sampled ones'
+    vectors gathered; a shard grown a step keeps the rows under the lower threshold (no gather), one shrunk a step
+    gathers the chunks between the two. So the check's answer to a list does not depend on the order or timing of
+    the writes, nor on a restart (session 42: a redraw by a thread made which draw checked a query a matter of
+    timing, and a draw strided by slot differed by the writes' history)."""
 
     def __init__(self, sample: int = SAMPLE) -> None:
-        from ..index.kernels_scan import Int8Rows  # noqa: PLC0415 - numba only in processes that search
-
         self.sample = int(sample)
-        self._i8 = Int8Rows()
-        self._i8.MAX_ROWS = max(Int8Rows.MAX_ROWS, self.sample)  # (its cap is for whole flat shards)
-        self._n = -1  # the shard's chunk count when the sample was drawn (-1: never)
-        self._ok = False  # the sample's int8 copy exists (none for a sample that is not finite)
-        self._slots = np.zeros(0, np.int64)
-        self._top, self._of = 0, 1  # slots >= _top came after the draw; the draw took 1 in _of of the live chunks
-        self._new_i8, self._new, self._seen = Int8Rows(), np.zeros(0, np.int64), -1  # their sample, at store version _seen
-        self._new_i8.MAX_ROWS = self._i8.MAX_ROWS
-        self._memo: dict = {}  # (which int8 copy, query bytes) -> its int8 scores: a list check, then the minimum
-        self._live = (-1, np.zeros(0, bool))  # (store version, which drawn chunks are live)
-        self._job: _Draw | None = None  # a redraw under way in a thread
+        self._rows = _Rows()
+        self._j = -1  # the sample's level (-1: never made)
+        self._top = 0  # slots below it were considered
+        self._seen = -1  # the store version the rows are current for
+        self._h = np.zeros(0, np.uint64)  # slot -> chunk_hashes of its id, for slots < _h.size
+        self._live = np.zeros(0, bool)  # which rows are live (at _seen)
+        self._bad = 0  # chunks left out for a vector that is not finite
+        self._memo: dict = {}  # query bytes -> its int8 scores: a list check, then the minimum
 
     def whole(self) -> bool:
-        """Whether the sample holds every chunk of the shard (drawn from at most ``sample`` live chunks; every chunk
-        written since is then sampled too): the check then covers the whole list and the minimum is exact."""
-        return self._n >= 0 and self._of <= 1.0
+        """Whether the sample holds every live chunk of the shard (level 0): the check then covers the whole list
+        and the minimum is exact."""
+        return self._j == 0 and not self._bad
 
-    def _scores(self, i8, q: np.ndarray) -> np.ndarray:
-        """float32[S]: ``i8``'s int8 scores of float32[D] ``q``, kept for the last few queries (a list check and then
-        the dense minimum, :meth:`lows`, scan the same sample for the same query)."""
-        key = (id(i8), q.tobytes())  # (cleared whenever either copy is made again: _current)
+    def members(self) -> np.ndarray:
+        """int64: the live sampled slots (after the last check brought the sample up to date)."""
+        return self._rows.slots[self._live]
+
+    def _scores(self, q: np.ndarray) -> np.ndarray:
+        """float32[S]: the int8 scores of float32[D] ``q`` with every row, kept for the last few queries (a list
+        check and then the dense minimum, :meth:`lows`, scan the same sample for the same query)."""
+        key = q.tobytes()  # (cleared whenever the rows change: _current)
         got = self._memo.get(key)
         if got is None:
             if len(self._memo) >= 16:
                 self._memo.clear()
-            got = self._memo[key] = i8.scores(q, None)
+            got = self._memo[key] = self._rows.i8.scores(q, None)
         return got
 
-    def _current(self, dense, end: int | None = None) -> bool:
-        from ..index.slot_sample import live_slots, strided  # noqa: PLC0415 - (by slot order: the same after a restart)
+    def _hashes(self, store, end: int) -> np.ndarray:
+        if self._h.size < end:
+            self._h = np.concatenate([self._h, chunk_hashes(store._slot_ids[self._h.size: end])])  # noqa: SLF001
+        return self._h
 
-        n = len(dense)
-        job = self._job
-        if job is not None and not job.thread.is_alive():
-            self._job = None
-            if job.out is not None and job.installs == dense.installs:  # (else ids it read were renumbered: again)
-                self._adopt(*job.out)
-        if self._n < 0 or abs(n - self._n) > REDRAW * self._n or (n <= self.sample and self._of > 1.0):  # (a shard
-            # that deletes brought down to the sample's size is drawn whole again: trial39b)
-            if self._n < 0 or (n <= self.sample and self._of > 1.0) or dense._pending is not None:  # noqa: SLF001
-                self._job = None  # (the first draw, or a shard shrunk back to whole: here)
-                live = live_slots(dense)
-                slots = strided(live, self.sample)
-                self._adopt(n, slots, np.ascontiguousarray(dense.vectors_of(slots), dtype=np.float32), live)
-            elif self._job is None:
-                self._job = _Draw(dense, n, self.sample)
+    def _take(self, dense, slots: np.ndarray) -> None:
+        if slots.size:
+            self._bad += self._rows.add(slots, np.ascontiguousarray(dense.vectors_of(slots), dtype=np.float32))
+
+    def _current(self, dense, store) -> bool:
+        """Bring the sample up to the store's version. :returns: whether it holds a row."""
+        from ..index.slot_sample import live_slots  # noqa: PLC0415
+
         version = dense._version  # noqa: SLF001 - (grows at every add and remove)
-        if version != self._seen:  # the chunks written since the draw, sampled at its density
-            fresh = live_slots(dense, self._top, end)  # (end: the store's next slot, not the map's capacity)
-            self._new = strided(fresh, int(np.ceil(fresh.size / self._of)))
-            vecs = np.ascontiguousarray(dense.vectors_of(self._new), dtype=np.float32)
-            if self._new.size and self._new_i8.of(vecs, version) is None:
-                self._new = self._new[:0]  # (not finite: as the draw's, unchecked)
-            self._seen = version
-            self._memo.clear()
-        return self._ok or self._new.size > 0
-
-    def _adopt(self, n: int, slots: np.ndarray, vecs: np.ndarray, live: np.ndarray) -> None:
-        """A draw of ``slots`` (float32 ``vecs``) from the ascending ``live`` slots of a shard of ``n`` chunks."""
-        self._slots = slots
-        self._ok = slots.size > 0 and self._i8.of(vecs, n) is not None
-        self._n, self._top, self._seen = n, int(live[-1]) + 1 if live.size else 0, -1
+        if version == self._seen:
+            return self._rows.n > 0
+        end = int(store.next_slot)
+        h, j, rows = self._hashes(store, end), level(len(dense), self.sample), self._rows
+        if self._j >= 0 and j != self._j:  # a step: the chunks considered so far, again
+            if j > self._j:  # (grown: a subset of the rows)
+                t = threshold(j)
+                rows.keep(h[rows.slots] < t)
+            else:  # (shrunk: the live chunks between the two thresholds join)
+                old, lo, hi = live_slots(dense, 0, self._top), threshold(self._j), threshold(j)
+                hv = h[old]
+                self._take(dense, old[(hv >= lo) & ((hv < hi) if hi is not None else True)])
+        self._j, t = j, threshold(j)
+        fresh = live_slots(dense, self._top, end)  # (end: the store's next slot, not the map's capacity)
+        self._take(dense, fresh if t is None else fresh[h[fresh] < t])
+        self._top, self._seen = end, version
+        self._live = dense._rows_of(rows.slots) >= 0  # noqa: SLF001
+        if rows.n - int(self._live.sum()) > rows.n // 8:  # (removed chunks' rows: dropped)
+            rows.keep(self._live)
+            self._live = np.ones(rows.n, bool)
         self._memo.clear()
-        self._live = (-1, self._live[1][:0])  # (which drawn chunks are live: asked again)
-        self._of = max(1.0, live.size / max(self.sample, 1))
+        return rows.n > 0
 
     def misses(self, searcher, q: np.ndarray, slots: np.ndarray, scores: np.ndarray) -> bool:
         """Whether a sampled live chunk outside ``slots`` int64[n] scores canonically above the
@@ -140,28 +224,21 @@ class SampleCheck:
         list then provably misses a chunk of the exact top-:data:`TOP`. False for an empty list
         or shard."""
         dense = searcher.store.dense
-        if slots.size == 0 or len(dense) == 0 or not self._current(dense, getattr(searcher.store, "next_slot", None)):
+        if slots.size == 0 or len(dense) == 0 or not self._current(dense, searcher.store):
             return False
         cut = float(scores[-1] if self.whole() else scores[min(slots.size, TOP) - 1])  # (whole: every place checked)
-        cand = [s[np.flatnonzero(self._scores(i8, q) > cut - i8.error(q))]
-                for s, i8, ok in ((self._slots, self._i8, self._ok), (self._new, self._new_i8, self._new.size > 0)) if ok]
-        cand = np.concatenate(cand) if cand else np.zeros(0, np.int64)
-        if cand.size == 0:
-            return False
+        i8 = self._rows.i8
+        cand = self._rows.slots[self._live & (self._scores(q) > cut - i8.error(q))]
         cand = cand[~np.isin(cand, slots)]
-        cand = cand[dense._rows_of(cand) >= 0]  # noqa: SLF001 - live ones only (the sample can be older)
         return bool(cand.size) and bool((dense.exact_slots(q, cand) > cut).any())
 
-    def _whole_parts(self, searcher) -> list | None:
-        """``[(slots, int8 copy, live mask)]`` of the draw and the chunks written since, when the sample holds every
-        chunk (:meth:`whole`), else None (also for an empty shard)."""
+    def _whole_part(self, searcher) -> tuple | None:
+        """``(slots, int8 copy, live mask)`` of the sample when it holds every chunk (:meth:`whole`), else None
+        (also for an empty shard)."""
         dense = searcher.store.dense
-        if not len(dense) or not self._current(dense, getattr(searcher.store, "next_slot", None)) or not self.whole():
+        if not len(dense) or not self._current(dense, searcher.store) or not self.whole():
             return None
-        if self._live[0] != dense._version:  # noqa: SLF001 - which drawn chunks are still live, once a write
-            self._live = (dense._version, dense._rows_of(self._slots) >= 0)  # noqa: SLF001
-        return [(sl, i8, live) for sl, i8, live, ok in ((self._slots, self._i8, self._live[1], self._ok),  # (the new part:
-                (self._new, self._new_i8, np.ones(self._new.size, bool), self._new.size > 0)) if ok]  # live, _current)
+        return self._rows.slots, self._rows.i8, self._live
 
     def tops(self, searcher, q: np.ndarray, which: list[int], n: int) -> dict | None:
         """The exact top-n ``{i: (slots int64[n'], canonical float64[n'])}`` (ties: chunk id) of the queries ``which``
@@ -170,16 +247,17 @@ class SampleCheck:
         keyword query, checked place by place, widened to the exact scan and doubled the CPU)."""
         from ..index.fusion import _Take, refine_top  # noqa: PLC0415
 
-        parts = self._whole_parts(searcher)
-        if parts is None:
+        part = self._whole_part(searcher)
+        if part is None:
             return None
         dense, ids = searcher.store.dense, searcher.store._slot_ids  # noqa: SLF001 - slot-indexed ids, for ties
-        sl = np.concatenate([p[0][p[2]] for p in parts])
+        sl, i8, live = part
+        sl = sl[live]
         out = {}
         for i in which:
-            approx = np.concatenate([self._scores(i8, q[i])[live] for _, i8, live in parts]).astype(np.float64)
-            err = max(float(i8.error(q[i])) for _, i8, _ in parts)
-            pos, ex = refine_top(approx, err, lambda p, qi=q[i]: dense.exact_slots(qi, sl[p]), _Take(ids, sl), n)
+            approx = self._scores(q[i])[live].astype(np.float64)
+            pos, ex = refine_top(approx, float(i8.error(q[i])), lambda p, qi=q[i]: dense.exact_slots(qi, sl[p]),
+                                 _Take(ids, sl), n)
             out[i] = (sl[pos], ex)
         return out
 
@@ -189,45 +267,19 @@ class SampleCheck:
         the chunks within twice the int8 error of the lowest int8 score are scored canonically (trial39: an HNSW's
         ``-q`` walk on a 1,850-chunk shard missed the minimum and a certified reply's fused scores differed from
         exact mode's)."""
-        dense, parts = searcher.store.dense, self._whole_parts(searcher)
-        if parts is None:
+        dense, part = searcher.store.dense, self._whole_part(searcher)
+        if part is None:
             return None
+        sl, i8, live = part
         out = []
         for i in plain:
             low = np.inf
-            for sl, i8, live in parts:
-                if live.any():
-                    approx, err = self._scores(i8, q[i]), i8.error(q[i])
-                    near = sl[live & (approx <= float(approx[live].min()) + 2.0 * err)]
-                    low = min(low, float(dense.exact_slots(q[i], near).min()))
+            if live.any():
+                approx, err = self._scores(q[i]), i8.error(q[i])
+                near = sl[live & (approx <= float(approx[live].min()) + 2.0 * err)]
+                low = float(dense.exact_slots(q[i], near).min())
             out.append(low if np.isfinite(low) else None)
         return out
-
-
-class _Draw:
-    """A redraw of :class:`SampleCheck` by a thread: the live slots (a racy read: the chunks written after it are the
-    draw's new part, one removed since is skipped when flagged), their vectors read under the rows' lock
-    (:meth:`..index.ivf_rows.IvfRows.locked_vectors`; valid if no HNSW compaction renumbered the ids meanwhile:
-    ``installs``). ``out``: :meth:`SampleCheck._adopt`'s arguments, None until done or when it failed."""
-
-    def __init__(self, dense, n: int, sample: int) -> None:
-        self.installs, self.out = dense.installs, None
-        self.thread = threading.Thread(target=self._run, args=(dense, n, sample), name="oprag-check-draw")
-        self.thread.start()
-
-    def _run(self, dense, n: int, sample: int) -> None:
-        from ..index.slot_sample import live_slots, strided  # noqa: PLC0415
-
-        try:
-            if self.installs % 2:  # (an install under way)
-                return
-            live = live_slots(dense)
-            slots = strided(live, sample)
-            ok, vecs = dense.locked_vectors(slots)
-            if dense.installs == self.installs:
-                self.out = (n, slots[ok], np.ascontiguousarray(vecs, dtype=np.float32), live)
-        except Exception:  # noqa: BLE001 - the old draw serves; the next query that finds it stale tries again
-            self.out = None
 
 
 def whole_tops(searcher, q: np.ndarray, which: list[int], n: int) -> dict | None:
