@@ -132,8 +132,11 @@ class LowSeeds:
     #: it built them, ~30 us a vector (0.49-0.66 s at 16-17K, 2.35 s at 100K: sessions 40-41). A new graph's first
     #: seeds are built where first needed (session 41 tried a thread from 1,024 vectors: the hybrid scores then
     #: depended on whether the thread had finished, the sample estimate serving meanwhile, and a restart's answers
-    #: differed from the run's)
-    REFRESH_MIN = 16_384
+    #: differed from the run's). 8,192, not 16,384 (session 42): a shard first needs seeds once it holds more than the
+    #: check's sample (16,384 by default; below, the sample gives the exact minimum), when its graph (the newest
+    #: vectors deferred to the tail) may hold fewer than 16,384, and the build stalled that query 0.66 s; the sample
+    #: estimate serves until the thread is done (that window, during an ingest, is timing-dependent)
+    REFRESH_MIN = 8_192
     #: the walk on the int8 copy of the graph (:func:`.kernels_low.low_search`); False: FAISS's
     #: ``search_level_0`` in float32 from the same entries, no copy of the graph
     INT8_WALK = True
