@@ -106,7 +106,7 @@ async def _one_kind(base: Path, kind: str) -> None:
         for sh in shards:
             sh.search.warm()
         pool = in_process_pool(shards, copy=True)
-        cp, retriever = CommitProtocol(pool, stats, RWLock()), None
+        cp = CommitProtocol(pool, stats, RWLock())
         cp.seq = cp.applied_seq = max(sh.store.applied_seq for sh in shards)
         retriever = Retriever(pool, stats, Analyzer(), BM25Config(), RetrievalConfig())
         if not loaded:
