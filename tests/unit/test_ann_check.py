@@ -343,3 +343,33 @@ def test_a_shard_holding_the_same_chunks_by_another_history_samples_the_same_one
         check.misses(sh.search, q, ex, sh.store.dense.exact_slots(q, ex))
         ids.append(sorted(sh.store._slot_ids[check.members()].tolist()))
     assert ids[0] == ids[1] and 600 < len(ids[0]) < 800
+
+
+@pytest.mark.parametrize("kind", ["hnsw", "ivf"])
+def test_a_shard_makes_its_check_sample_at_start_not_in_the_first_query(monkeypatch, tmp_path, kind):
+    """Session 42: a restarted 500K-chunk shard's first checked query hashed every chunk id and gathered the sample's
+    vectors (~0.1-0.2 s). ``Searcher.warm`` (a shard's start, after its load) makes it; the first query gathers
+    nothing, and the sample is the one the run had (the same chunk ids)."""
+    dense = (DenseConfig(kind="ivf", nprobe=4, train_min=1000, ann_check=700) if kind == "ivf"
+             else DenseConfig(kind="hnsw", hnsw_m=8, ef_construction=32, ann_tail=0, ann_check=700))
+    rng = np.random.default_rng(3)
+    vecs = clustered(rng, 4000)
+    sh = ShardState(0, DIM, tmp_path, dense=dense)
+    sh.load(set())
+    _shard(vecs, sh=sh)
+    sh.store.delete([f"d{i:05d}" for i in range(0, 4000, 5)], 9000)
+    q = _queries("random", vecs, rng, 1)[0]
+    sh.search._dense_tops(q[None], [0], N, 0, 0)
+    before = sorted(sh.store._slot_ids[sh.search._check.members()].tolist())
+    sh.snapshot()
+    again = ShardState(0, DIM, tmp_path, dense=dense)
+    again.load(set())
+    again.search.warm()
+    check = again.search._check
+    assert check is not None and sorted(again.store._slot_ids[check.members()].tolist()) == before
+    taken = []
+    real = ann_check.SampleCheck._take
+    monkeypatch.setattr(ann_check.SampleCheck, "_take", lambda self, d, s: (taken.append(len(s)), real(self, d, s))[1])
+    monkeypatch.setattr(ann_check, "chunk_hashes", lambda ids: pytest.fail("hashed in a query"))
+    got = again.search._dense_tops(q[None], [0], N, 0, 0, check=True)
+    assert again.search._check is check and taken == [] and got[0][0].size == N  # (nothing sampled in the query)

@@ -282,6 +282,18 @@ class SampleCheck:
         return out
 
 
+def prepare(searcher) -> None:
+    """Make the searcher's check sample now if its HNSW / IVF index would be checked (a shard's start, ``warm``: at
+    500K chunks the ids' hashes and the gather of 16K vectors take ~0.1-0.2 s, which the first query paid); not while
+    an HNSW structure still loads (its vectors' gather would wait for it)."""
+    d = searcher.store.dense
+    if d.params.kind != "flat" and d.params.ann_check and len(d) and d.ann is not None and d.ann.ready \
+            and d._pending is None:  # noqa: SLF001
+        if searcher._check is None:  # noqa: SLF001
+            searcher._check = SampleCheck(d.params.ann_check)  # noqa: SLF001
+        searcher._check._current(d, searcher.store)  # noqa: SLF001
+
+
 def whole_tops(searcher, q: np.ndarray, which: list[int], n: int) -> dict | None:
     """:meth:`SampleCheck.tops` of an HNSW / IVF shard of at most ``ann_check`` chunks (the searcher's check made on
     first use), else None: the caller searches its index."""

@@ -176,11 +176,10 @@ class Searcher(ExactMixin, FieldsMixin):
         return band_slots(c, lex, k, cone)
 
     def warm(self) -> float:
-        """Compile (or load from numba's cache) the kernels of the candidate step for this
-        shard's own arrays (:func:`.kernels.warm`, then one candidate step and one BM25 scoring
-        of the first chunk; the MaxScore kernel and the segment's term bounds of the BM25 top-m; the
-        HNSW dense-minimum seeds, :class:`..index.dense_low.LowSeeds`), so
-        that the first query is not slow. :returns: seconds taken."""
+        """Compile (or load from numba's cache) the kernels of the candidate step for this shard's own arrays
+        (:func:`.kernels.warm`, then one candidate step and one BM25 scoring of the first chunk; the MaxScore kernel
+        and the segment's term bounds of the BM25 top-m; the HNSW dense-minimum seeds, :class:`..index.dense_low.
+        LowSeeds`; the ANN check's sample), so that the first query is not slow. :returns: seconds taken."""
         t = _kernels().warm()
         st, t0 = self.store, time.perf_counter()
         from ..index import (kernels_band, kernels_carry, kernels_cone, kernels_exact, kernels_fields,  # noqa: PLC0415
@@ -200,6 +199,7 @@ class Searcher(ExactMixin, FieldsMixin):
         listed_top(st.postings, ["\x00"], np.ones(1), 1.0, 1.5, 0.75, 1)  # the segment's term bounds
         if st.dense.params.kind == "hnsw" and st.dense.ann is not None:
             self._low.prepare(st.dense.ann)  # build the seeds
+        ann_check.prepare(self)  # the ANN check's sample
         if len(st.dense) and st.dense.params.kind == "flat":
             slots, _ = self._kernel_tops(st.dense.vectors[:1].copy(), [None], 1)[0][0]
             st.postings.score(slots, [], np.zeros(0), 1.0)
