@@ -129,6 +129,12 @@ def test_http_and_grpc_give_the_same_hits(oai, server):
         assert [x["chunk_id"] for x in h["hits"]] == [x.chunk_id for x in g.hits]
         assert [x["score"] for x in h["hits"]] == pytest.approx([x.score for x in g.hits])
         assert h["retrieval"]["mode"] == g.retrieval.mode
+        # every RetrievalInfo field gRPC sends is in the HTTP object too, with the same value (trial42: `exact` was not)
+        for f in type(g.retrieval).DESCRIPTOR.fields:
+            want = getattr(g.retrieval, f.name)
+            assert f.name in h["retrieval"], f.name
+            if isinstance(want, (bool, int, float, str)):
+                assert h["retrieval"][f.name] == pytest.approx(want), f.name
 
 
 def test_embeddings_float_and_base64(oai):

@@ -275,9 +275,10 @@ def extension(job: QueryJob, *, include_trace: bool, first: bool = True, last: b
         p = job.payload
         out["sources"] = [dataclasses.asdict(s) for s in (p.sources if p else [])]
         out["hits"] = hit_dicts(job)
-        # partial, as gRPC's RetrievalInfo says it (README: never a silently incomplete result)
-        out["retrieval"] = ({**dataclasses.asdict(job.info), "partial": bool(job.info.missing_shards)}
-                            if job.info is not None else None)
+        # partial and exact, as gRPC's RetrievalInfo says them (README: never a silently incomplete result; trial42:
+        # exact, a property, was missing here)
+        out["retrieval"] = ({**dataclasses.asdict(job.info), "partial": bool(job.info.missing_shards),
+                             "exact": job.info.exact} if job.info is not None else None)
         out.update(memory_fields(job))  # gRPC's rule: memory_context only when memory changed the retrieval
     if last:
         # OpenAI's finish_reason has no value for "this server has no generator" or "no sources,
