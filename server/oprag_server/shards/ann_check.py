@@ -261,13 +261,18 @@ class SampleCheck:
             out[i] = (sl[pos], ex)
         return out
 
-    def lows(self, searcher, q: np.ndarray, plain: list[int]) -> list | None:
-        """The exact dense minimum (lowest canonical score of a live chunk) of each query ``plain`` of float32[B, D]
-        ``q``, read from the sample when it holds every chunk (:meth:`whole`; None otherwise, or for an empty shard):
-        the chunks within twice the int8 error of the lowest int8 score are scored canonically (trial39: an HNSW's
-        ``-q`` walk on a 1,850-chunk shard missed the minimum and a certified reply's fused scores differed from
-        exact mode's)."""
-        dense, part = searcher.store.dense, self._whole_part(searcher)
+    def lows(self, searcher, q: np.ndarray, plain: list[int], whole: bool = True) -> list | None:
+        """The lowest canonical score over the sample's live chunks of each query ``plain`` of float32[B, D] ``q`` (None
+        for one with no live chunk within reach): the chunks within twice the int8 error of the lowest int8 score are
+        scored canonically. ``whole``: only when the sample holds every chunk (:meth:`whole`): the exact dense minimum
+        (trial39: an HNSW's ``-q`` walk on a 1,850-chunk shard missed the minimum and a certified reply's fused scores
+        differed from exact mode's); None otherwise. Not ``whole``: an upper bound of the shard's minimum that depends
+        on the live chunks alone (trial42: re-ingesting unchanged documents moved them to new slots, and with them a
+        slot-strided estimate and the fused scores). None for an empty shard or sample."""
+        dense = searcher.store.dense
+        part = self._whole_part(searcher) if whole else (
+            (self._rows.slots, self._rows.i8, self._live) if len(dense) and self._current(dense, searcher.store)
+            else None)
         if part is None:
             return None
         sl, i8, live = part
@@ -277,7 +282,7 @@ class SampleCheck:
             if live.any():
                 approx, err = self._scores(q[i]), i8.error(q[i])
                 near = sl[live & (approx <= float(approx[live].min()) + 2.0 * err)]
-                low = float(dense.exact_slots(q[i], near).min())
+                low = float(dense.exact_slots(q[i], near).min()) if near.size else np.inf
             out.append(low if np.isfinite(low) else None)
         return out
 

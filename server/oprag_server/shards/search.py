@@ -331,32 +331,32 @@ class Searcher(ExactMixin, FieldsMixin):
         index. HNSW: the lowest canonical score among the shard's extreme seeds and the chunks a bottom-layer search for
         ``-q`` from the lowest seeds keeps (:class:`..index.dense_low.LowSeeds`, over an int8 copy of the vectors; only
         those within twice its error bound of the lowest int8 score are scored canonically; None when no vector is
-        live). IVF: the lower of the sample estimate (:meth:`_dense_min_estimate`) and the canonical score
-        of the chunk the index finds nearest to ``-q`` (the maximum of ``-q``: one more ANN search, k = 1). All are
-        scores of real chunks, never below the exact minimum. A shard whose list check's sample holds every chunk:
-        the exact minimum (:meth:`.ann_check.SampleCheck.lows`). None elsewhere."""
+        live), and the check sample's lowest. IVF: the lower of the check sample's lowest (else the estimate,
+        :meth:`_dense_min_estimate`) and the canonical score of the chunk the index finds nearest to ``-q`` (one more
+        ANN search, k = 1). All are scores of real chunks, never below the exact minimum. A shard whose check sample
+        holds every chunk: the exact minimum (:meth:`.ann_check.SampleCheck.lows`). None elsewhere."""
         out: list = [None] * q.shape[0]
         exact = self._check.lows(self, q, plain) if plain and self._check is not None else None
         if exact is not None or not plain:  # (a check's sample holding every chunk: the exact minimum, ann_check.py)
             return [dict(zip(plain, exact or ())).get(i) for i in range(q.shape[0])]
-        dense = self.store.dense
+        dense, got = self.store.dense, self._check.lows(self, q, plain, False) if self._check is not None else None
+        sampled = dict(zip(plain, got or ()))  # the check sample's lowest (its scan kept from the list check)
         if dense.params.kind == "hnsw" and dense.ann is not None:  # from the seeds (index/dense_low.py)
-            ann, qp = dense.ann, q[plain]
+            ann = dense.ann
             self._low, ann.seeds = (self._low if ann.seeds is None else ann.seeds), None  # (a compaction's: hnsw_build)
-            cands = self._low.candidates(ann, qp, ef_search)
-            st = ann.storage()
+            cands, st = self._low.candidates(ann, q[plain], ef_search), ann.storage()
             for j, i in filter(lambda ji: cands[ji[0]] is not None, enumerate(plain)):  # (None: no seeds yet: estimated)
-                c = cands[j]
-                out[i] = float(_kernels_low().canonical_rows(st, c, q[i]).min()) if c.size else None
+                out[i] = float(_kernels_low().canonical_rows(st, cands[j], q[i]).min()) if cands[j].size else None
                 low = self._tail_low(ann, q[i], dense.score_error(q[i]))
                 out[i] = low if out[i] is None else min(out[i], low)
+                out[i] = out[i] if sampled.get(i) is None else min(out[i], sampled[i])
             return out
-        est = self._dense_min_estimate(q[plain])
+        est = None if all(sampled.get(i) is not None for i in plain) else self._dense_min_estimate(q[plain])
         slots, _ = dense.search(-q[plain], 1, ef_search, nprobe)
         for j, i in enumerate(plain):
             s = np.asarray(slots[j], np.int64)
             found = float(self._canonical(q[i], dense.rows(s)).min()) if s.size else np.inf
-            out[i] = min(float(est[j]), found)
+            out[i] = min(float(est[j]) if sampled.get(i) is None else sampled[i], found)
         return out
 
     @staticmethod
