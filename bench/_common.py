@@ -320,6 +320,7 @@ def read_snapshot(data_dir: Path) -> dict:
 
     :returns: ``{"chunk_id", "doc_id", "title", "text": list[str], "vectors": float32[N, D],
         "shard": list[int]}`` in shard order, then the snapshot's row order.
+    :raises ValueError: a snapshot without vectors (one an HNSW server wrote).
     """
     import numpy as np
     import pyarrow as pa
@@ -336,6 +337,9 @@ def read_snapshot(data_dir: Path) -> dict:
         for col in ("chunk_id", "doc_id", "title", "text"):
             out[col] += [x or "" for x in table.column(col).to_pylist()]
         out["shard"] += [shard] * table.num_rows
+        if "vector" not in table.column_names:
+            raise ValueError(f"{f} has no vector column: {data_dir} was last served with --dense-index hnsw, which "
+                             "keeps the vectors in the graph's file; serve it once with --dense-index flat (or ivf)")
         col = table.column("vector").combine_chunks()
         dim = col.type.list_size
         vecs.append(np.asarray(col.flatten().to_numpy(zero_copy_only=False), dtype=np.float32).reshape(-1, dim))

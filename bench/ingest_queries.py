@@ -29,14 +29,20 @@ from ._common import DEFAULT_SHARED, OUT, emit_json, log, machine_info, percenti
 SLOW_MS = 250.0
 
 
-def _writer(c, a, marks: dict) -> None:
-    """The ingest, then the replacement; ``marks``: acknowledged chunks so far, the phase, its timings."""
+def _writer(c, a, snap: dict, marks: dict) -> None:
+    """The ingest, then the replacement; ``marks``: acknowledged chunks so far, the phase, its timings (``error``: what
+    ended it early)."""
+    try:
+        _write(c, a, snap, marks)
+    except BaseException as exc:  # noqa: BLE001 - the query loop stops and main reports it
+        marks["error"] = exc
+
+
+def _write(c, a, snap: dict, marks: dict) -> None:
     from oprag_client.client import Doc
 
-    from ._common import read_snapshot
     from .scale import derived
 
-    snap = read_snapshot(a.source)
     for phase, n, seed in (("first", a.chunks, 29), ("replace", a.replace, 31)):
         t, done = time.perf_counter(), 0
         marks["phase"] = phase
@@ -66,6 +72,9 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     from oprag_client.client import OpRAGClient, query_request
 
+    from ._common import read_snapshot
+
+    snap = read_snapshot(a.source)  # (before the server starts: a source without vectors says so at once)
     texts = probe_texts("scifact", a.queries, a.shared)
     vecs = _internals.encoder("minilm", device="cpu").encode(texts, truncate=True)
     data = OUT / "ingest-queries-data"
@@ -76,11 +85,11 @@ def main(argv=None) -> dict:
     marks: dict = {"acked": 0, "phase": "first"}
     try:
         with OpRAGClient(srv.target, timeout=600) as c, OpRAGClient(srv.target, timeout=600) as w:
-            th = threading.Thread(target=_writer, args=(w, a, marks), daemon=True)
+            th = threading.Thread(target=_writer, args=(w, a, snap, marks), daemon=True)
             t0 = time.perf_counter()
             th.start()
             i = 0
-            while th.is_alive() or time.perf_counter() - marks.get("after_t", time.perf_counter()) < a.after:
+            while "error" not in marks and (th.is_alive() or time.perf_counter() - marks.get("after_t", 0.0) < a.after):
                 ph = marks["phase"]
                 if ph == "first":
                     ph = "first<16K" if marks["acked"] < 16_384 else "first<32K" if marks["acked"] < 32_768 else "first>32K"
@@ -93,6 +102,8 @@ def main(argv=None) -> dict:
             wall = time.perf_counter() - t0
     finally:
         srv.stop()
+    if "error" in marks:
+        raise SystemExit(f"the writer failed: {marks['error']!r}")
     out: dict = {"dense_index": a.dense_index, "chunks": a.chunks, "replace": a.replace, "wall_s": round(wall, 1),
                  "first_chunks_per_s": marks.get("first_chunks_per_s"),
                  "replace_chunks_per_s": marks.get("replace_chunks_per_s"), "phases": {}, "machine": machine_info()}
