@@ -401,3 +401,25 @@ def test_re_ingesting_unchanged_chunks_keeps_the_ivf_dense_minimum(how):
     assert after == before
     exact = [float(fixed_order_dot(sh.store.dense.vectors, x).min()) for x in qv]
     assert all(a >= e for a, e in zip(after, exact))  # (real chunks' scores: never below the exact minimum)
+
+
+def test_without_seeds_the_hnsw_minimum_is_the_tail_s_and_the_sample_s(monkeypatch):
+    """While a graph's seeds are being made by a thread (none cover it yet), the HNSW dense minimum is the lower of the
+    exact minimum over the vectors waiting outside the graph and the check sample's lowest (session 42: it was the
+    512-vector slot-strided estimate, which ignored the tail); never below the exact minimum."""
+    from oprag_server.index.dense_low import LowSeeds
+
+    rng = np.random.default_rng(12)
+    vecs = clustered(rng, 3500)
+    sh = _shard(vecs[:3000], sh=ShardState(0, DIM, None, dense=DenseConfig(kind="hnsw", hnsw_m=8, ann_check=500)))
+    sh.store.dense.ann.insert_pending()
+    _shard(vecs[3000:], start=3000, sh=sh)  # 500 in the tail
+    assert sh.store.dense.ann.pending == 500
+    monkeypatch.setattr(LowSeeds, "candidates", lambda self, ann, q, ef=0: [None] * len(q))
+    qv = _queries("random", vecs, rng, 30)
+    got = _mins(sh, qv)
+    sample = sh.search._check.lows(sh.search, qv, list(range(30)), whole=False)
+    tail = [float(fixed_order_dot(vecs[3000:], x).min()) for x in qv]
+    exact = [float(fixed_order_dot(sh.store.dense.vectors, x).min()) for x in qv]
+    assert got == [min(t, s) for t, s in zip(tail, sample)]
+    assert all(g >= e for g, e in zip(got, exact)) and sum(g == e for g, e in zip(got, exact)) >= 3

@@ -345,11 +345,11 @@ class Searcher(ExactMixin, FieldsMixin):
             ann = dense.ann
             self._low, ann.seeds = (self._low if ann.seeds is None else ann.seeds), None  # (a compaction's: hnsw_build)
             cands, st = self._low.candidates(ann, q[plain], ef_search), ann.storage()
-            for j, i in filter(lambda ji: cands[ji[0]] is not None, enumerate(plain)):  # (None: no seeds yet: estimated)
-                out[i] = float(_kernels_low().canonical_rows(st, cands[j], q[i]).min()) if cands[j].size else None
-                low = self._tail_low(ann, q[i], dense.score_error(q[i]))
-                out[i] = low if out[i] is None else min(out[i], low)
-                out[i] = out[i] if sampled.get(i) is None else min(out[i], sampled[i])
+            for j, i in filter(lambda ji: cands[ji[0]] is not None or ji[1] in sampled, enumerate(plain)):  # (else: no
+                low = min(self._tail_low(ann, q[i], dense.score_error(q[i])), sampled.get(i, np.inf))  # seeds, no sample:
+                c = cands[j] if cands[j] is not None else _NO_ROWS  # estimated by the caller)
+                low = min(low, float(_kernels_low().canonical_rows(st, c, q[i]).min())) if c.size else low
+                out[i] = low if np.isfinite(low) else None
             return out
         est = None if all(sampled.get(i) is not None for i in plain) else self._dense_min_estimate(q[plain])
         slots, _ = dense.search(-q[plain], 1, ef_search, nprobe)
