@@ -199,15 +199,15 @@ class SampleCheck:
             return self._rows.n > 0
         end = int(store.next_slot)
         h, j, rows = self._hashes(store, end), level(len(dense), self.sample), self._rows
+        t = threshold(j)
         if self._j >= 0 and j != self._j:  # a step: the chunks considered so far, again
             if j > self._j:  # (grown: a subset of the rows)
-                t = threshold(j)
                 rows.keep(h[rows.slots] < t)
             else:  # (shrunk: the live chunks between the two thresholds join)
-                old, lo, hi = live_slots(dense, 0, self._top), threshold(self._j), threshold(j)
+                old = live_slots(dense, 0, self._top)
                 hv = h[old]
-                self._take(dense, old[(hv >= lo) & ((hv < hi) if hi is not None else True)])
-        self._j, t = j, threshold(j)
+                self._take(dense, old[(hv >= threshold(self._j)) & ((hv < t) if t is not None else True)])
+        self._j = j
         fresh = live_slots(dense, self._top, end)  # (end: the store's next slot, not the map's capacity)
         self._take(dense, fresh if t is None else fresh[h[fresh] < t])
         self._top, self._seen = end, version
@@ -232,11 +232,11 @@ class SampleCheck:
         cand = cand[~np.isin(cand, slots)]
         return bool(cand.size) and bool((dense.exact_slots(q, cand) > cut).any())
 
-    def _whole_part(self, searcher) -> tuple | None:
-        """``(slots, int8 copy, live mask)`` of the sample when it holds every chunk (:meth:`whole`), else None
-        (also for an empty shard)."""
+    def _part(self, searcher, whole: bool) -> tuple | None:
+        """``(slots, int8 copy, live mask)`` of the sample, brought up to date; None for an empty shard or sample, and
+        with ``whole`` unless it holds every chunk (:meth:`whole`)."""
         dense = searcher.store.dense
-        if not len(dense) or not self._current(dense, searcher.store) or not self.whole():
+        if not len(dense) or not self._current(dense, searcher.store) or whole and not self.whole():
             return None
         return self._rows.slots, self._rows.i8, self._live
 
@@ -247,7 +247,7 @@ class SampleCheck:
         keyword query, checked place by place, widened to the exact scan and doubled the CPU)."""
         from ..index.fusion import _Take, refine_top  # noqa: PLC0415
 
-        part = self._whole_part(searcher)
+        part = self._part(searcher, True)
         if part is None:
             return None
         dense, ids = searcher.store.dense, searcher.store._slot_ids  # noqa: SLF001 - slot-indexed ids, for ties
@@ -269,10 +269,7 @@ class SampleCheck:
         differed from exact mode's); None otherwise. Not ``whole``: an upper bound of the shard's minimum that depends
         on the live chunks alone (trial42: re-ingesting unchanged documents moved them to new slots, and with them a
         slot-strided estimate and the fused scores). None for an empty shard or sample."""
-        dense = searcher.store.dense
-        part = self._whole_part(searcher) if whole else (
-            (self._rows.slots, self._rows.i8, self._live) if len(dense) and self._current(dense, searcher.store)
-            else None)
+        dense, part = searcher.store.dense, self._part(searcher, whole)
         if part is None:
             return None
         sl, i8, live = part
@@ -287,6 +284,13 @@ class SampleCheck:
         return out
 
 
+def check_of(searcher) -> SampleCheck:
+    """The searcher's :class:`SampleCheck` (made on first use, of ``--ann-check`` chunks)."""
+    if searcher._check is None:  # noqa: SLF001
+        searcher._check = SampleCheck(searcher.store.dense.params.ann_check)  # noqa: SLF001
+    return searcher._check  # noqa: SLF001
+
+
 def prepare(searcher) -> None:
     """Make the searcher's check sample now if its HNSW / IVF index would be checked (a shard's start, ``warm``: at
     500K chunks the ids' hashes and the gather of 16K vectors take ~0.1-0.2 s, which the first query paid); not while
@@ -294,9 +298,7 @@ def prepare(searcher) -> None:
     d = searcher.store.dense
     if d.params.kind != "flat" and d.params.ann_check and len(d) and d.ann is not None and d.ann.ready \
             and d._pending is None:  # noqa: SLF001
-        if searcher._check is None:  # noqa: SLF001
-            searcher._check = SampleCheck(d.params.ann_check)  # noqa: SLF001
-        searcher._check._current(d, searcher.store)  # noqa: SLF001
+        check_of(searcher)._current(d, searcher.store)  # noqa: SLF001
 
 
 def whole_tops(searcher, q: np.ndarray, which: list[int], n: int) -> dict | None:
@@ -306,9 +308,7 @@ def whole_tops(searcher, q: np.ndarray, which: list[int], n: int) -> dict | None
     ck = dense.params.ann_check
     if not ck or dense.ann is None or not dense.ann.ready or len(dense) > ck:  # (flat; an IVF not trained: exact)
         return None
-    if searcher._check is None:  # noqa: SLF001
-        searcher._check = SampleCheck(ck)  # noqa: SLF001
-    return searcher._check.tops(searcher, q, which, n)  # noqa: SLF001
+    return check_of(searcher).tops(searcher, q, which, n)
 
 
 def widened(searcher, check: SampleCheck, q: np.ndarray, out: dict, n: int, ef_search: int, nprobe: int) -> None:

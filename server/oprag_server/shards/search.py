@@ -307,9 +307,7 @@ class Searcher(ExactMixin, FieldsMixin):
                     out[i] = got
             which, fetch = again, min(total, fetch * 4)
         if check and self.store.dense.params.kind != "flat" and self.store.dense.params.ann_check and out:
-            if self._check is None:
-                self._check = ann_check.SampleCheck(self.store.dense.params.ann_check)
-            ann_check.widened(self, self._check, q, out, n, ef_search, nprobe)
+            ann_check.widened(self, ann_check.check_of(self), q, out, n, ef_search, nprobe)
         return out
 
     def _dense_top(self, q: np.ndarray, n: int, allowed: np.ndarray, low: bool = False):
@@ -336,11 +334,12 @@ class Searcher(ExactMixin, FieldsMixin):
         ANN search, k = 1). All are scores of real chunks, never below the exact minimum. A shard whose check sample
         holds every chunk: the exact minimum (:meth:`.ann_check.SampleCheck.lows`). None elsewhere."""
         out: list = [None] * q.shape[0]
-        exact = self._check.lows(self, q, plain) if plain and self._check is not None else None
-        if exact is not None or not plain:  # (a check's sample holding every chunk: the exact minimum, ann_check.py)
-            return [dict(zip(plain, exact or ())).get(i) for i in range(q.shape[0])]
-        dense, got = self.store.dense, self._check.lows(self, q, plain, False) if self._check is not None else None
-        sampled = dict(zip(plain, got or ()))  # the check sample's lowest (its scan kept from the list check)
+        # the check sample's lowest per query (its int8 scan kept from the list check)
+        got = self._check.lows(self, q, plain, False) if plain and self._check is not None else None
+        sampled = dict(zip(plain, got or ()))
+        if not plain or got is not None and self._check.whole():  # (a sample of every chunk: the exact minimum)
+            return [sampled.get(i) for i in range(q.shape[0])]
+        dense = self.store.dense
         if dense.params.kind == "hnsw" and dense.ann is not None:  # from the seeds (index/dense_low.py)
             ann = dense.ann
             self._low, ann.seeds = (self._low if ann.seeds is None else ann.seeds), None  # (a compaction's: hnsw_build)
