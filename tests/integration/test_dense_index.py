@@ -3,6 +3,8 @@ deleted chunks never returned, the structure survives a restart, full_hybrid sta
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -10,6 +12,20 @@ from oprag_client.client import Doc, OpRAGClient
 from oprag_client.testing import ServerProcess
 
 pytestmark = pytest.mark.integration
+
+
+@contextlib.contextmanager
+def graph_server(tmp_path):
+    """A started 2-shard HNSW server with ``--ann-check 0`` (a shard of at most --ann-check chunks ranks its dense
+    list exactly from the check's sample, ef_search 0 in the reply; here every unfiltered list comes from the graph),
+    stopped on exit."""
+    srv = ServerProcess.on_free_ports(tmp_path, "--generator", "none", "--shards", "2", "--dense-index", "hnsw",
+                                      "--ann-check", "0")
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
 
 
 # 57 s on this machine since the HNSW defaults changed (efConstruction 80 / ef_search 512, the
@@ -20,12 +36,7 @@ def test_hnsw_server_round_trip(tmp_path):
     rng = np.random.default_rng(3)
     V = rng.standard_normal((300, 384))
     docs = [Doc(f"h{i}", f"note {i} on topic {i % 5}", vector=V[i].tolist()) for i in range(300)]
-    # --ann-check 0: a shard of at most --ann-check chunks ranks its dense list exactly from the check's sample
-    # (ef_search 0 in the reply); the graph is what this test is about
-    srv = ServerProcess.on_free_ports(tmp_path, "--generator", "none", "--shards", "2", "--dense-index", "hnsw",
-                                      "--ann-check", "0")
-    srv.start()
-    try:
+    with graph_server(tmp_path) as srv:  # (the graph is what this test is about)
         with OpRAGClient(srv.target, timeout=120) as c:
             c.ingest(docs)
             c.delete(["h7"])
@@ -42,5 +53,3 @@ def test_hnsw_server_round_trip(tmp_path):
             again = c.retrieve("topic", mode="dense", top_k=1, query_vector=V[42].tolist()).hits[0]
             assert (again.chunk_id, again.dense_score) == (top.chunk_id, top.dense_score)
             assert c.stats().chunks == 299
-    finally:
-        srv.stop()

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from oprag_client.client import Doc, OpRAGClient
-from oprag_client.testing import ServerProcess
+
+from tests.integration.test_dense_index import graph_server
 
 pytestmark = pytest.mark.integration
 
@@ -21,10 +22,7 @@ def test_exact_says_whether_an_index_picked_the_dense_candidates(tmp_path):
     V = rng.standard_normal((240, 384)).astype(np.float32)
     docs = [Doc(f"x{i}", f"note {i} about topic {i % 4} and more", metadata={"grp": i % 3}, vector=V[i].tolist())
             for i in range(240)]
-    srv = ServerProcess.on_free_ports(tmp_path, "--generator", "none", "--shards", "2", "--dense-index", "hnsw",
-                                      "--ann-check", "0")
-    srv.start()
-    try:
+    with graph_server(tmp_path) as srv:
         with OpRAGClient(srv.target, timeout=120) as c:
             c.ingest(docs)
             q = V[5].tolist()
@@ -39,5 +37,3 @@ def test_exact_says_whether_an_index_picked_the_dense_candidates(tmp_path):
             full = c.retrieve("topic 1", mode="full_hybrid", top_k=5, query_vector=q, filters=flt)
             assert fh.retrieval.ef_search == 0 and fh.retrieval.certified and fh.retrieval.exact
             assert [(h.chunk_id, h.score) for h in fh.hits] == [(h.chunk_id, h.score) for h in full.hits]
-    finally:
-        srv.stop()
