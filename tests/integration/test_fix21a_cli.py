@@ -212,7 +212,7 @@ def test_ctrl_c_during_a_multi_stream_ingest_says_what_was_committed(server, tmp
             proc.send_signal(signal.SIGINT)
             out, err = proc.communicate(timeout=60)
         stored = c.stats().documents - before
-    assert first, "the second stream was never stored"
+    assert first, f"the second stream was never stored (CLI exit {proc.returncode}, stderr: {err[-1500:]!r})"
     assert stored < len(rows), "every stream was stored before the SIGINT: nothing was interrupted"
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
