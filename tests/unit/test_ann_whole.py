@@ -139,3 +139,49 @@ def test_a_shard_deletes_bring_down_to_the_sample_size_is_drawn_whole_again(kind
         assert list(built[kind].store.ids(got[i][0])) == list(built["flat"].store.ids(want[i][0]))
     V = built["flat"].store.dense.vectors
     assert built[kind].search._ann_lows(qv, list(range(6)), 0, 0) == [float(fixed_order_dot(V, x).min()) for x in qv]
+
+
+@pytest.mark.parametrize("kind", ["hnsw", "ivf"])
+def test_the_compiled_whole_top_is_the_numpy_one(kind):
+    """A whole sample ranks each query in one compiled call (``SampleCheck._top_fast``: the flat kernel over the
+    sample's int8 scores, canonical scores read from the index's own rows); it must give the numpy path's top-n, scores
+    and tie order, and its exact minimum. Queries three ways (near a cluster, random, opposite the cluster), duplicated
+    vectors (ties broken by chunk id), n from 1 to more than the shard; HNSW with every vector in the graph (with
+    vectors waiting outside it or dead ids the compiled path declines: checked too)."""
+    from oprag_server.config import DenseConfig
+    from oprag_server.index.dense import fixed_order_dot
+    from oprag_server.index.fusion import _Take, refine_top
+    from oprag_server.shards import ann_check
+    from oprag_server.shards.state import ShardState
+
+    rng = np.random.default_rng(21)
+    docs, centre = background_tie(rng, n=700)
+    docs = docs + [(f"dup{i}", docs[i][1], docs[i][2]) for i in range(0, 60, 3)]  # (equal vectors: ties)
+    sh = ShardState(0, DIM, None, dense=DenseConfig(kind=kind, hnsw_m=8, train_min=100))
+    _fill(sh, docs)
+    dense = sh.store.dense
+    dense.insert_pending()
+    qv = _unit(np.concatenate([centre + 0.3 * rng.normal(size=(5, DIM)), rng.normal(size=(5, DIM)),
+                               -centre + 0.4 * rng.normal(size=(5, DIM))]))
+    ck = ann_check.check_of(sh.search)
+    assert ck.tops(sh.search, qv, [0], 10) is not None and ck.whole()
+    ids, (sl, i8, live) = sh.store._slot_ids, ck._part(sh.search, True)
+    sl = sl[live]
+    V = dense.vectors
+    for i, q in enumerate(qv):
+        for n in (1, 10, 64, len(dense) + 5):
+            fast = ck._top_fast(dense, ids, q, n)
+            assert fast is not None, (kind, i, n)
+            pos, ex = refine_top(ck._scores(q)[live].astype(np.float64), float(i8.error(q)),
+                                 lambda p: dense.exact_slots(q, sl[p]), _Take(ids, sl), n)
+            assert list(sh.store.ids(fast[0])) == list(sh.store.ids(sl[pos])), (kind, i, n)
+            np.testing.assert_array_equal(fast[1], ex)
+        assert ck._lows[q.tobytes()] == float(fixed_order_dot(V, q).min())
+    assert ck.lows(sh.search, qv, list(range(len(qv)))) == [float(fixed_order_dot(V, q).min()) for q in qv]
+    sh.store.delete([docs[0][0]], 2)
+    if kind == "hnsw":  # (a dead id: the graph's storage is no view of the rows)
+        assert ck._part(sh.search, True) is not None and ck._top_fast(dense, ids, qv[0], 10) is None
+    got = ck.tops(sh.search, qv, list(range(len(qv))), 10)
+    live_v = dense.vectors
+    for i, q in enumerate(qv):
+        assert got[i][1][0] == float(fixed_order_dot(live_v, q).max())

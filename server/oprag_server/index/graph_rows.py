@@ -31,17 +31,24 @@ class GraphRows:
             self._live_cache = (self._version, ann, self._ann.ann_slot[ann])
         return self._live_cache[1], self._live_cache[2]
 
+    def row_matrix(self) -> np.ndarray | None:
+        """float32[R, D] whose row r is row r's vector, a view (valid until the next add or remove, do not mutate):
+        flat and IVF their float32 copy, HNSW its graph's storage; None with HNSW while vectors are deferred or ids
+        are dead (a view of the rows would then need a copy of every live vector)."""
+        if self._one and (self._ann.pending or self._live()[0].size != int(self._ann._index.ntotal)):  # noqa: SLF001
+            return None
+        return self.vectors
+
     def vectors_for(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(matrix float32[*, D], positions int64[M])`` with ``matrix[positions]`` the vectors of
-        the rows int64[M]: ``(vectors, rows)`` where ``vectors`` is a view; with HNSW while vectors
-        are deferred or ids are dead, where ``vectors`` would copy every live vector (~0.8 GB a
+        the rows int64[M]: ``(vectors, rows)`` where ``vectors`` is a view (:meth:`row_matrix`); with HNSW while
+        vectors are deferred or ids are dead, where ``vectors`` would copy every live vector (~0.8 GB a
         query at 500K a shard: the seconds-long queries during an ingest's catch-up, issue 13
         settle11), only these rows, gathered."""
-        if self._one:
-            live = self._live()[0]
-            if self._ann.pending or live.size != int(self._ann._index.ntotal):  # noqa: SLF001
-                return self._ann.gather(live[rows]), np.arange(rows.size, dtype=np.int64)
-        return self.vectors, rows
+        m = self.row_matrix()
+        if m is None:
+            return self._ann.gather(self._live()[0][rows]), np.arange(rows.size, dtype=np.int64)
+        return m, rows
 
     @property
     def pending(self) -> int:

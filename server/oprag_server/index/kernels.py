@@ -165,21 +165,22 @@ def _merge_desc(keys, idx):
 
 
 @njit(**_JIT)
-def _sample_low(vecs, all_rows, approx, err, sample, q64, buf64):
+def _sample_low(vecs, rows, all_rows, approx, err, sample, q64, buf64):
     """The dense steps' prologue: ``(False, inf)`` when an approximate score is not finite,
-    else ``(True, the sample's canonical minimum)`` (``inf`` without an unfiltered sample):
-    refine_top's argument for k = 1 on the lowest score, every row within ``2 err`` of it."""
+    else ``(True, the sample's canonical minimum)`` (``inf`` with an empty sample):
+    refine_top's argument for k = 1 on the lowest score, every row within ``2 err`` of it.
+    ``sample``: positions of ``approx`` (rows when ``all_rows``, else positions of ``rows``)."""
     for i in range(approx.size):
         if not np.isfinite(approx[i]):
             return False, np.inf
     low = np.inf
-    if all_rows and sample.size:
+    if sample.size:
         lo = np.float64(np.inf)
         for r in sample:
             lo = min(lo, np.float64(approx[r]))
         for r in sample:
             if np.float64(approx[r]) <= lo + 2.0 * err:
-                low = min(low, _canonical(vecs[r], q64, buf64))
+                low = min(low, _canonical(vecs[r if all_rows else rows[r]], q64, buf64))
     return True, low
 
 
@@ -192,8 +193,8 @@ def dense_step(vecs, rows, all_rows, approx, q, err, n, sample):
         approximate scores (one BLAS matrix-vector product: a memory-bound scan this kernel
         would not do faster). :param q: float32[D].
     :param err: bound of ``|approximate - canonical|`` (:meth:`.dense.DenseIndex.score_error`).
-    :param n: candidates wanted. :param sample: int64[S] rows whose lowest canonical score is
-        wanted (only read when ``all_rows``; empty: not wanted, ``inf`` returned).
+    :param n: candidates wanted. :param sample: int64[S] positions of ``approx`` (rows when
+        ``all_rows``) whose lowest canonical score is wanted (empty: not wanted, ``inf`` returned).
     :returns: ``(short int64[P], exact float64[P], order int64[C], ties, low, status)``:
         ``rows`` positions (or rows, when ``all_rows``) of the shortlist (approximate score
         within two ``err`` of the n-th), their canonical scores, and ``order``, the shortlist
@@ -206,7 +207,7 @@ def dense_step(vecs, rows, all_rows, approx, q, err, n, sample):
     q64 = q.astype(np.float64)
     buf64 = np.empty(max(q.size, 1), np.float64)
     empty_i, empty_f = np.zeros(0, np.int64), np.zeros(0, np.float64)
-    finite, low = _sample_low(vecs, all_rows, approx, err, sample, q64, buf64)
+    finite, low = _sample_low(vecs, rows, all_rows, approx, err, sample, q64, buf64)
     if not finite:
         return empty_i, empty_f, empty_i, False, np.inf, NOT_FINITE
     kk = min(n, m)

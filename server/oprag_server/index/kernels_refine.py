@@ -69,7 +69,7 @@ def dense_step_fast(vecs, rows, all_rows, approx, q, err, n, sample, err2, rb, r
     q64 = q.astype(np.float64)
     buf64 = np.empty(max(q.size, 1), np.float64)
     empty_i, empty_f = np.zeros(0, np.int64), np.zeros(0, np.float64)
-    finite, low = _sample_low(vecs, all_rows, approx, err, sample, q64, buf64)
+    finite, low = _sample_low(vecs, rows, all_rows, approx, err, sample, q64, buf64)
     if not finite:
         return empty_i, empty_f, empty_i, False, np.inf, NOT_FINITE
     kk = min(n, m)

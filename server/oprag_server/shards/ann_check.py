@@ -160,6 +160,8 @@ class SampleCheck:
         self._live = np.zeros(0, bool)  # which rows are live (at _seen)
         self._bad = 0  # chunks left out for a vector that is not finite
         self._memo: dict = {}  # query bytes -> its int8 scores: a list check, then the minimum
+        self._lows: dict = {}  # query bytes -> the exact minimum a whole sample's compiled top-n found (tops)
+        self._fast: tuple | None = None  # (rows' key, live row positions, their dense rows, bounds by dense row)
 
     def whole(self) -> bool:
         """Whether the sample holds every live chunk of the shard (level 0): the check then covers the whole list
@@ -216,6 +218,7 @@ class SampleCheck:
             rows.keep(self._live)
             self._live = np.ones(rows.n, bool)
         self._memo.clear()
+        self._lows.clear()
         return rows.n > 0
 
     def misses(self, searcher, q: np.ndarray, slots: np.ndarray, scores: np.ndarray) -> bool:
@@ -244,7 +247,8 @@ class SampleCheck:
         """The exact top-n ``{i: (slots int64[n'], canonical float64[n'])}`` (ties: chunk id) of the queries ``which``
         of float32[B, D] ``q`` from one int8 scan of the sample, when it holds every chunk (:meth:`whole`; else None):
         cheaper than the ANN search and a check of all its places (trial39: at 5K chunks a shard, an HNSW walk for a
-        keyword query, checked place by place, widened to the exact scan and doubled the CPU)."""
+        keyword query, checked place by place, widened to the exact scan and doubled the CPU). Compiled
+        (:meth:`_top_fast`) where the vectors are a view; the exact minimum found on the way is kept for :meth:`lows`."""
         from ..index.fusion import _Take, refine_top  # noqa: PLC0415
 
         part = self._part(searcher, True)
@@ -255,11 +259,52 @@ class SampleCheck:
         sl = sl[live]
         out = {}
         for i in which:
-            approx = self._scores(q[i])[live].astype(np.float64)
-            pos, ex = refine_top(approx, float(i8.error(q[i])), lambda p, qi=q[i]: dense.exact_slots(qi, sl[p]),
-                                 _Take(ids, sl), n)
-            out[i] = (sl[pos], ex)
+            got = self._top_fast(dense, ids, q[i], n)
+            if got is None:
+                approx = self._scores(q[i])[live].astype(np.float64)
+                pos, ex = refine_top(approx, float(i8.error(q[i])), lambda p, qi=q[i]: dense.exact_slots(qi, sl[p]),
+                                     _Take(ids, sl), n)
+                got = (sl[pos], ex)
+            out[i] = got
         return out
+
+    def _top_fast(self, dense, ids, qi: np.ndarray, n: int) -> tuple | None:
+        """:meth:`tops` of one float32[D] query ``qi`` over a whole sample in one compiled call
+        (:func:`..index.kernels_refine.dense_step_fast` on the sample's int8 scores with its per-row bounds, the
+        canonical scores read from the dense index's own rows: the same filters and results as a flat shard's
+        :meth:`.search.Searcher._kernel_tops`); its exact minimum is kept for :meth:`lows`. None (the caller's numpy
+        path) where the dense rows are no view (HNSW with deferred vectors or dead ids) or ``qi`` is not finite."""
+        from ..index import kernels_refine as kr  # noqa: PLC0415
+        from ..index.fusion import top_k_order  # noqa: PLC0415
+        from ..index.kernels_scan import query_norm  # noqa: PLC0415
+
+        mat = dense.row_matrix()
+        if mat is None:
+            return None
+        rows, i8 = self._rows, self._rows.i8
+        key = (self._seen, rows.n, mat.shape[0])
+        if self._fast is None or self._fast[0] != key:
+            at = np.flatnonzero(self._live)
+            drows = dense.rows(rows.slots[at])
+            rb = np.zeros(mat.shape[0], np.float64)
+            rb[drows] = i8.rb[at]
+            self._fast = (key, at, drows, rb, np.arange(at.size, dtype=np.int64))
+        _, at, drows, rb, every = self._fast
+        if not at.size:
+            return None
+        approx = self._scores(qi)
+        approx = approx if at.size == approx.size else approx[at]
+        qn = query_norm(qi)
+        short, ex, order, ties, low, status = kr.dense_step_fast(
+            mat, drows, False, approx, qi, i8.error(qi, qn), n, every, kr.fast_error(i8.c + i8.e, mat.shape[1], qi, qn),
+            rb, i8.row_scale(qi, qn))
+        if status != kr.OK:
+            return None
+        self._lows[qi.tobytes()] = float(low)
+        s = rows.slots[at[short]]
+        kk = min(n, at.size)
+        order = np.asarray(top_k_order(ex, ids, kk, rows=s), np.int64) if ties else order[:kk]
+        return s[order], ex[order]
 
     def lows(self, searcher, q: np.ndarray, plain: list[int], whole: bool = True) -> list | None:
         """The lowest canonical score over the sample's live chunks of each query ``plain`` of float32[B, D] ``q`` (None
@@ -275,8 +320,8 @@ class SampleCheck:
         sl, i8, live = part
         out = []
         for i in plain:
-            low = np.inf
-            if live.any():
+            low = self._lows.get(q[i].tobytes(), np.inf) if self.whole() else np.inf  # (tops found it)
+            if np.isinf(low) and live.any():
                 approx, err = self._scores(q[i]), i8.error(q[i])
                 near = sl[live & (approx <= float(approx[live].min()) + 2.0 * err)]
                 low = float(dense.exact_slots(q[i], near).min()) if near.size else np.inf
