@@ -294,6 +294,34 @@ def test_a_file_of_another_format_is_named_with_what_to_use(tmp_path, fmt):
         assert "--format parquet" in msg
 
 
+@pytest.mark.parametrize("given, written", [("parquet", "arrow file"), ("parquet", "arrow stream"),
+                                           ("arrow", "parquet")])
+def test_a_columnar_file_given_as_the_other_columnar_format_says_which_it_is(tmp_path, given, written):
+    """trial43 #3: an Arrow IPC file given as --format parquet got pyarrow's "Parquet magic bytes not found in
+    footer" with nothing on what to send instead; the file's first bytes name its format."""
+    pytest.importorskip("pyarrow")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from oprag_client.loaders import LOADERS
+
+    t, f = pa.table({"id": ["a"], "text": ["x"]}), tmp_path / "d.bin"
+    if written == "parquet":
+        pq.write_table(t, f)
+    else:
+        with pa.OSFile(str(f), "wb") as sink, (pa.ipc.new_file if written == "arrow file" else pa.ipc.new_stream)(
+                sink, t.schema) as w:
+            w.write_table(t)
+    with pytest.raises(ValueError) as ei:
+        list(LOADERS[given]([f]))
+    want = "use --format parquet" if written == "parquet" else "use --format arrow"
+    assert str(ei.value).startswith(str(f)) and want in str(ei.value), str(ei.value)
+    (tmp_path / "j.bin").write_text('{"id": "a", "text": "x"}\n')  # (no columnar magic: no suggestion)
+    with pytest.raises(ValueError) as ei:
+        list(LOADERS[given]([tmp_path / "j.bin"]))
+    assert "use --format" not in str(ei.value)
+
+
 @pytest.mark.parametrize("chunks, words", [
     ([{"text": "a"}], 'chunks[0] has no "vector" (its keys: "text"): each chunk is an object {"text": "...", "vector": [numbers]}'),
     ([{"text": "a", "vector": [0.1]}, {"vector": [0.2]}], 'chunks[1] has no "text"'),
