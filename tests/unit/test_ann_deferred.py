@@ -179,4 +179,6 @@ def test_canonical_scores_with_deferred_and_dead_rows_read_only_those_rows():
     np.testing.assert_array_equal(st.search._canonical(q, rows), fixed_order_dot(d.vectors[rows], q))
     while st.background_step():
         pass
-    assert d.pending == 0 and d.vectors_for(rows)[0].shape == (rows.size, D)  # the dead id remains
+    mat, pos = d.vectors_for(rows)  # the dead id remains: the graph's storage, read at the rows' ANN ids (no copy)
+    assert d.pending == 0 and mat.shape == (400, D) and np.array_equal(mat[pos], d.vectors[rows])
+    np.testing.assert_array_equal(st.search._canonical(q, rows), fixed_order_dot(d.vectors[rows], q))

@@ -31,24 +31,29 @@ class GraphRows:
             self._live_cache = (self._version, ann, self._ann.ann_slot[ann])
         return self._live_cache[1], self._live_cache[2]
 
-    def row_matrix(self) -> np.ndarray | None:
-        """float32[R, D] whose row r is row r's vector, a view (valid until the next add or remove, do not mutate):
-        flat and IVF their float32 copy, HNSW its graph's storage; None with HNSW while vectors are deferred or ids
-        are dead (a view of the rows would then need a copy of every live vector)."""
-        if self._one and (self._ann.pending or self._live()[0].size != int(self._ann._index.ntotal)):  # noqa: SLF001
-            return None
+    def row_view(self) -> np.ndarray | None:
+        """float32[R, D]: a view holding every live row's vector (valid until the next add or remove, do not
+        mutate): flat and IVF their float32 copy (row r at r), HNSW its graph's storage by ANN id (dead ids
+        included: :meth:`view_rows` says where a row is); None with HNSW while vectors are deferred outside the
+        graph."""
+        if self._one:
+            self._live()  # (a structure a load left pending: settled first, so the view stays valid)
+            return None if self._ann.pending else self._ann.storage()
         return self.vectors
+
+    def view_rows(self, rows: np.ndarray) -> np.ndarray:
+        """int64[M]: where the rows int64[M] sit in :meth:`row_view` (HNSW: their ANN ids)."""
+        return self._live()[0][rows] if self._one else rows
 
     def vectors_for(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(matrix float32[*, D], positions int64[M])`` with ``matrix[positions]`` the vectors of
-        the rows int64[M]: ``(vectors, rows)`` where ``vectors`` is a view (:meth:`row_matrix`); with HNSW while
-        vectors are deferred or ids are dead, where ``vectors`` would copy every live vector (~0.8 GB a
-        query at 500K a shard: the seconds-long queries during an ingest's catch-up, issue 13
-        settle11), only these rows, gathered."""
-        m = self.row_matrix()
+        the rows int64[M]: :meth:`row_view` and :meth:`view_rows`, no copy; with HNSW while vectors are deferred,
+        where a view would need a copy of every live vector (~0.8 GB a query at 500K a shard: the seconds-long
+        queries during an ingest's catch-up, issue 13 settle11), only these rows, gathered."""
+        m = self.row_view()
         if m is None:
             return self._ann.gather(self._live()[0][rows]), np.arange(rows.size, dtype=np.int64)
-        return m, rows
+        return m, self.view_rows(rows)
 
     @property
     def pending(self) -> int:

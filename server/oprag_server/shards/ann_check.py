@@ -273,19 +273,20 @@ class SampleCheck:
         (:func:`..index.kernels_refine.dense_step_fast` on the sample's int8 scores with its per-row bounds, the
         canonical scores read from the dense index's own rows: the same filters and results as a flat shard's
         :meth:`.search.Searcher._kernel_tops`); its exact minimum is kept for :meth:`lows`. None (the caller's numpy
-        path) where the dense rows are no view (HNSW with deferred vectors or dead ids) or ``qi`` is not finite."""
+        path) where the dense rows are no view (HNSW with vectors deferred outside the graph) or ``qi`` is not
+        finite."""
         from ..index import kernels_refine as kr  # noqa: PLC0415
         from ..index.fusion import top_k_order  # noqa: PLC0415
         from ..index.kernels_scan import query_norm  # noqa: PLC0415
 
-        mat = dense.row_matrix()
+        mat = dense.row_view()
         if mat is None:
             return None
         rows, i8 = self._rows, self._rows.i8
         key = (self._seen, rows.n, mat.shape[0])
         if self._fast is None or self._fast[0] != key:
             at = np.flatnonzero(self._live)
-            drows = dense.rows(rows.slots[at])
+            drows = dense.view_rows(dense.rows(rows.slots[at]))
             rb = np.zeros(mat.shape[0], np.float64)
             rb[drows] = i8.rb[at]
             self._fast = (key, at, drows, rb, np.arange(at.size, dtype=np.int64))
