@@ -43,10 +43,11 @@ def _key(r):
     return [(h.chunk_id, h.score, h.dense_score, h.lexical_score) for h in r.hits]
 
 
-@pytest.mark.parametrize("build", [_random_corpus, _topic_corpus])
-def test_default_hybrid_first_round_equals_wider_and_exact(tmp_path, build):
+@pytest.mark.parametrize("build,index", [(_random_corpus, "flat"), (_topic_corpus, "flat"), (_topic_corpus, "hnsw")])
+def test_default_hybrid_first_round_equals_wider_and_exact(tmp_path, build, index):
+    """(HNSW: a corpus of at most shards x --ann-check chunks starts at flat's N too, session 43.)"""
     docs, queries = build(np.random.default_rng(33), 500)
-    srv = ServerProcess.on_free_ports(tmp_path, "--generator", "none", "--shards", "2").start()
+    srv = ServerProcess.on_free_ports(tmp_path, "--generator", "none", "--shards", "2", "--dense-index", index).start()
     try:
         with OpRAGClient(srv.target, timeout=120) as c:
             c.ingest(docs)

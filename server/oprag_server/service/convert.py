@@ -18,7 +18,7 @@ from ..config import LimitsConfig, RetrievalConfig, ServerConfig
 from ..domain import DEFAULT_RRF_K, MODES, RetrieveSpec
 from ..engine.job import QueryJob
 from ..index.analyzer import has_visible_content
-from ..operators.hybrid import first_candidates
+from ..operators.hybrid import exact_dense, first_candidates
 from ..records import F32_HINT
 from . import session_ids
 from .ingest_reply import ingest_response  # noqa: F401 - convert's proto <-> domain API
@@ -47,16 +47,15 @@ class InvalidArgument(ValueError):
 
 
 # ---------------------------------------------------------------------------------- requests
-def query_job(req: Any, cfg: ServerConfig, *, dim: int, generate: bool, can_generate: bool) -> QueryJob:
+def query_job(req: Any, cfg: ServerConfig, *, dim: int, generate: bool, can_generate: bool, chunks: int = 0) -> QueryJob:
     """A validated :class:`QueryJob` from a ``QueryRequest`` (Query, QueryStream, Retrieve).
 
     :param dim: the embedder's output width D (a ``query_vector`` must have D values).
     :param generate: the RPC generates an answer (Query, QueryStream; not Retrieve).
-    :param can_generate: the server has a generator (``--generator none`` has not).
+    :param can_generate: the server has a generator (``--generator none`` has not: a generating RPC then gets
+        ``finish_reason`` :data:`NO_GENERATOR`). :param chunks: the corpus' live chunks (the first N, ``exact_dense``).
     :raises InvalidArgument: empty or too long question, top_k / candidates / max_new_tokens out of range,
         unknown mode or fusion, bad weights, rrf_k, filters, session id, query vector or chunks_per_document.
-
-    A generating RPC on a server without a generator gets ``finish_reason`` :data:`NO_GENERATOR`.
     """
     lim, rcfg, gcfg = cfg.limits, cfg.retrieval, cfg.generate
     q = req.question
@@ -70,7 +69,8 @@ def query_job(req: Any, cfg: ServerConfig, *, dim: int, generate: bool, can_gene
     if req.mode not in MODE_NAMES:
         raise InvalidArgument(f"unknown retrieval mode {req.mode}: use HYBRID (1), DENSE (2), LEXICAL (3) or FULL_HYBRID (4)")
     method, wd, wl, rrf_k = fusion(req.fusion, default_weights=(rcfg.dense_weight, rcfg.lexical_weight))
-    cand = req.candidates or first_candidates(rcfg, MODE_NAMES[req.mode], method, req.group_by_document, top_k, cfg.dense.kind)
+    exact = exact_dense(cfg.dense.kind, cfg.dense.ann_check, cfg.shards, chunks)
+    cand = req.candidates or first_candidates(rcfg, MODE_NAMES[req.mode], method, req.group_by_document, top_k, exact)
     if not 1 <= cand <= rcfg.max_candidates:
         raise InvalidArgument(range_error("candidates", req.candidates, rcfg))
     check_session_id(req.session_id, lim)

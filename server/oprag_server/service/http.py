@@ -196,7 +196,7 @@ def build_app(rt: Any) -> FastAPI:
     def job_for(question: str, opts: api.RetrievalOptions, *, max_new: int = 0, generate: bool):
         req = api.query_request(question, opts, max_new)
         return convert.query_job(req, cfg, dim=rt.encoder.dim, generate=generate,
-                                 can_generate=rt.generator is not None)
+                                 can_generate=rt.generator is not None, chunks=rt.corpus_stats.n_docs)
 
     def fits(obj: dict, job: Any) -> JSONResponse:
         """``obj`` rendered, or InvalidArgument when its JSON exceeds the message limit (as the

@@ -42,7 +42,7 @@ class OpRAGServicer(oprag_pb2_grpc.OpRAGServicer):
 
     def _job(self, request, *, generate: bool):
         return convert.query_job(request, self.cfg, dim=self.rt.encoder.dim, generate=generate,
-                                 can_generate=self.rt.generator is not None)
+                                 can_generate=self.rt.generator is not None, chunks=self.rt.corpus_stats.n_docs)
 
     async def _read_your_writes(self, request, context) -> None:
         """Wait until ``request.min_seq`` is applied on every shard (0 = do not wait)."""
