@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from oprag_server.index.bm25 import CorpusStats
 from oprag_server.config import ServerConfig
 from oprag_server.service.http import Guard, build_app
 from oprag_server.service.metrics import Metrics
@@ -16,6 +17,7 @@ from oprag_server.service.metrics import Metrics
 def _post(path: str, body: bytes, content_type: bytes | None) -> tuple[int, dict]:
     # query.submit is never called: the requests here fail validation, which runs first
     rt = SimpleNamespace(cfg=ServerConfig(), encoder=SimpleNamespace(name="enc", dim=4), generator=None,
+                         corpus_stats=CorpusStats(),
                          query=SimpleNamespace(submit=None))
     guard = Guard(build_app(rt), tokens=set(), max_body=1 << 20, metrics=Metrics())
     headers = [(b"host", b"x"), (b"content-length", str(len(body)).encode())]

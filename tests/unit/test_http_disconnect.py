@@ -10,6 +10,7 @@ import json
 import time
 from types import SimpleNamespace
 
+from oprag_server.index.bm25 import CorpusStats
 from oprag_server.config import ServerConfig
 from oprag_server.service.http import Guard, build_app
 from oprag_server.service.metrics import Metrics
@@ -29,6 +30,7 @@ def _chat(disconnect_after: float | None) -> tuple[int, float, list[str], Metric
         return job
 
     rt = SimpleNamespace(cfg=ServerConfig(), encoder=SimpleNamespace(name="enc", dim=4), generator=None,
+                         corpus_stats=CorpusStats(),
                          query=SimpleNamespace(submit=submit))
     metrics = Metrics()
     guard = Guard(build_app(rt), tokens=set(), max_body=1 << 20, metrics=metrics)

@@ -97,10 +97,12 @@ def test_an_unknown_path_or_method_names_it_and_the_endpoints(method, path, stat
     from types import SimpleNamespace
 
     from oprag_server.config import ServerConfig
+    from oprag_server.index.bm25 import CorpusStats
     from oprag_server.service.http import Guard, build_app
     from oprag_server.service.metrics import Metrics
 
-    rt = SimpleNamespace(cfg=ServerConfig(), encoder=SimpleNamespace(name="enc", dim=4), generator=None)
+    rt = SimpleNamespace(cfg=ServerConfig(), encoder=SimpleNamespace(name="enc", dim=4), generator=None,
+                         corpus_stats=CorpusStats())
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
              "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"",
              "headers": [(b"host", b"x"), (b"content-type", b"application/json"), (b"content-length", b"2")],
