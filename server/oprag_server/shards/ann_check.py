@@ -249,24 +249,22 @@ class SampleCheck:
         cheaper than the ANN search and a check of all its places (trial39: at 5K chunks a shard, an HNSW walk for a
         keyword query, checked place by place, widened to the exact scan and doubled the CPU). Compiled
         (:meth:`_top_fast`) where the vectors are a view; the exact minimum found on the way is kept for :meth:`lows`."""
-        from ..index.fusion import _Take, refine_top  # noqa: PLC0415
-
         part = self._part(searcher, True)
         if part is None:
             return None
         dense, ids = searcher.store.dense, searcher.store._slot_ids  # noqa: SLF001 - slot-indexed ids, for ties
+        return {i: self._top_fast(dense, ids, q[i], n) or self._top_numpy(part, dense, ids, q[i], n) for i in which}
+
+    def _top_numpy(self, part: tuple, dense, ids, qi: np.ndarray, n: int) -> tuple:
+        """:meth:`tops` of one float32[D] query ``qi`` by ``refine_top``, scoring rows canonically one call at a time
+        (where :meth:`_top_fast` declines); ``part``: :meth:`_part`'s."""
+        from ..index.fusion import _Take, refine_top  # noqa: PLC0415
+
         sl, i8, live = part
         sl = sl[live]
-        out = {}
-        for i in which:
-            got = self._top_fast(dense, ids, q[i], n)
-            if got is None:
-                approx = self._scores(q[i])[live].astype(np.float64)
-                pos, ex = refine_top(approx, float(i8.error(q[i])), lambda p, qi=q[i]: dense.exact_slots(qi, sl[p]),
-                                     _Take(ids, sl), n)
-                got = (sl[pos], ex)
-            out[i] = got
-        return out
+        pos, ex = refine_top(self._scores(qi)[live].astype(np.float64), float(i8.error(qi)),
+                             lambda p: dense.exact_slots(qi, sl[p]), _Take(ids, sl), n)
+        return sl[pos], ex
 
     def _top_fast(self, dense, ids, qi: np.ndarray, n: int) -> tuple | None:
         """:meth:`tops` of one float32[D] query ``qi`` over a whole sample in one compiled call
