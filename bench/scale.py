@@ -374,6 +374,56 @@ def run_size(a, size: int, kind: str, snap: dict, q, save) -> dict:
     return res
 
 
+def paired_growth(a, kind: str, sizes: list[int], q) -> dict:
+    """The growth of hybrid Retrieve p50 from the smallest to the largest size, side by side:
+    both sizes' data dirs (what :func:`run_size` left) served at once, each by its own server,
+    and rounds of ``--pair-per`` hybrid queries (the same SciFact queries as the passes, query
+    vectors supplied) alternating between them, the order reversed every other round, so that a
+    slow minute of this shared machine slows both sizes alike. The sequential figure divides
+    two passes run minutes apart (session 44: the same code's 10K p50 read 2.3 ms one hour and
+    4.1 ms the next). ``ratio`` is the median of the per-round ratios of the round p50s.
+
+    :returns: ``{"sizes", "rounds", "per", "small_p50_ms", "large_p50_ms", "ratio", "round_ratios"}``."""
+    from oprag_client.client import OpRAGClient, query_request
+
+    lo, hi = min(sizes), max(sizes)
+    args = ["--generator", "none", "--shards", str(a.shards), "--dense-index", kind, "--monitor-fraction", "0",
+            *a.server_arg]
+    reqs = [query_request(t, top_k=10, mode="hybrid", query_vector=v.tolist()) for t, v in zip(q["texts"], q["vecs"])]
+    for size in (lo, hi):
+        if not (OUT / f"scale-{size}-{kind}").is_dir():
+            raise SystemExit(f"bench.scale: no data dir {OUT / f'scale-{size}-{kind}'}; run the sizes first "
+                             "(without --pair-only)")
+    srvs, clients, p50 = [], [], {lo: [], hi: []}
+    try:
+        for size in (lo, hi):
+            srvs.append(start_server(OUT / f"scale-{size}-{kind}", *args, log_path=OUT / "scale-server.log",
+                                     timeout=1800))
+            clients.append(OpRAGClient(srvs[-1].target).__enter__())
+        for c in clients:
+            for r in reqs[:WARMUP]:
+                c.stub.Retrieve(r)
+        for rd in range(a.pair_rounds):
+            part = [reqs[(rd * a.pair_per + j) % len(reqs)] for j in range(a.pair_per)]
+            for i in ((0, 1) if rd % 2 == 0 else (1, 0)):
+                lat = []
+                for r in part:
+                    t = time.perf_counter()
+                    clients[i].stub.Retrieve(r)
+                    lat.append((time.perf_counter() - t) * 1000)
+                p50[(lo, hi)[i]].append(percentile(lat, 50))
+            log(f"paired {kind} round {rd}: {lo} {p50[lo][-1]:.2f} ms, {hi} {p50[hi][-1]:.2f} ms")
+    finally:
+        for c in clients:
+            c.__exit__(None, None, None)
+        for srv in srvs:
+            srv.stop()
+    ratios = np.array(p50[hi]) / np.array(p50[lo])
+    return {"sizes": [lo, hi], "rounds": a.pair_rounds, "per": a.pair_per,
+            "small_p50_ms": round(float(np.median(p50[lo])), 2), "large_p50_ms": round(float(np.median(p50[hi])), 2),
+            "ratio": round(float(np.median(ratios)), 2), "round_ratios": [round(float(x), 2) for x in ratios]}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--source", type=Path, default=OUT / "retrieval-data",
@@ -390,6 +440,11 @@ def main(argv=None) -> int:
                     help="JSON file rewritten after every step (a partial run leaves its figures)")
     ap.add_argument("--server-arg", action="append", default=[],
                     help="extra `oprag serve` argument (repeatable; e.g. --server-arg=--cpu-latency-us --server-arg=0)")
+    ap.add_argument("--pair-rounds", type=int, default=8,
+                    help="rounds of the side-by-side growth measurement (0: none; see paired_growth)")
+    ap.add_argument("--pair-per", type=int, default=100, help="hybrid queries per size per round")
+    ap.add_argument("--pair-only", action="store_true",
+                    help="only the side-by-side growth, over the data dirs an earlier run left")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     require("psutil", what="the RSS measurement")
@@ -409,18 +464,32 @@ def main(argv=None) -> int:
             tmp.replace(a.out)
         return save
 
+    sizes = [int(s) for s in a.sizes.split(",")]
     for kind in a.dense_index.split(","):
-        for size in [int(s) for s in a.sizes.split(",")]:
+        for size in ([] if a.pair_only else sizes):
             key = f"{size}/{kind}"
             result["sizes"][key] = run_size(a, size, kind, snap, q, save_to(key))
             log(result["sizes"][f"{size}/{kind}"])
         ks = [k for k in result["sizes"] if k.endswith(f"/{kind}")]
+        ten_to_1m = min(sizes) == 10_000 and max(sizes) == 1_000_000
         if len(ks) > 1:
             lo, hi = result["sizes"][ks[0]], result["sizes"][ks[-1]]
-            result[f"p50_growth_{kind}"] = round(hi["retrieve_p50_ms"] / lo["retrieve_p50_ms"], 2)
-            if ks[0].startswith("10000/") and ks[-1].startswith("1000000/"):
-                result.setdefault("p50_growth_10k_to_1m", result[f"p50_growth_{kind}"])
-        save_to(ks[-1])(result["sizes"][ks[-1]])
+            result[f"p50_growth_{kind}_sequential"] = round(hi["retrieve_p50_ms"] / lo["retrieve_p50_ms"], 2)
+            if ten_to_1m:
+                result.setdefault("p50_growth_10k_to_1m_sequential", result[f"p50_growth_{kind}_sequential"])
+        if len(set(sizes)) > 1 and a.pair_rounds > 0:
+            # the growth figure proper: the two sizes served side by side (paired_growth)
+            pg = result[f"p50_growth_{kind}_paired"] = paired_growth(a, kind, sizes, q)
+            result[f"p50_growth_{kind}"] = pg["ratio"]
+            if ten_to_1m:
+                result.setdefault("p50_growth_10k_to_1m", pg["ratio"])
+            log(f"{kind}: p50 growth {min(sizes)} -> {max(sizes)} side by side {pg['ratio']}x "
+                f"({pg['small_p50_ms']} vs {pg['large_p50_ms']} ms)")
+        if ks:
+            save_to(ks[-1])(result["sizes"][ks[-1]])
+        else:
+            a.out.parent.mkdir(parents=True, exist_ok=True)
+            a.out.write_text(json.dumps(result))
     if a.json:
         emit_json(result)
     return 0

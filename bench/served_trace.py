@@ -10,7 +10,7 @@ the frontend's prologue (analyzer, idf), per shard and round the send, the shard
 the end of its ``dispatch`` (wall and thread CPU), the end of its send, the reply resolved on
 the frontend's loop; the frontend's merge, the rounds (widening), the fetches
 (:meth:`Retriever._materialise`), the whole ``retrieve``. The shards' side is recorded by a
-wrapper around their ``dispatch`` (installed in the spawned processes: ``_traced_run``), so no
+wrapper around their ``dispatch`` (installed in the spawned processes: ``_traced_main``), so no
 server code is changed for it. ``--solo`` also times each shard alone (the other idle): the
 same requests sent to one shard at a time, which separates the two shards' contention from
 the rest.
@@ -33,15 +33,18 @@ from . import _internals
 from ._common import DEFAULT_SHARED, emit_json, load_queries_qrels, log, machine_info, percentile, served_args
 
 _ENV = "OPRAG_BENCH_SHARD_TRACE"
+_MAIN = None  # worker.main as imported (a spawned shard's own, unpatched)
 
 
-def _traced_run(*args, **kw):
-    """Shard process entry point: ``worker.run`` with its ``dispatch`` wrapped; one line per
+def _traced_main(*args):
+    """Shard process entry point: ``worker.main`` with its ``dispatch`` wrapped; one line per
     request appended to ``$OPRAG_BENCH_SHARD_TRACE.<shard>``: op, receive time (the wrapper's
     entry), dispatch end, dispatch thread-CPU seconds."""
     from oprag_server.shards import search as search_mod  # noqa: PLC0415
     from oprag_server.shards import worker  # noqa: PLC0415
 
+    global _MAIN  # noqa: PLW0603
+    _MAIN = worker.main
     from .shard_parts import PARTS, _Timer  # noqa: PLC0415
 
     inner = worker.dispatch
@@ -67,7 +70,7 @@ def _traced_run(*args, **kw):
             out.write(f"{op.value} {t0:.6f} {t1:.6f} {c1 - c0:.6f} {parts}\n")
 
     worker.dispatch = dispatch
-    return worker.run(*args, **kw)
+    return _MAIN(*args)
 
 
 def _read(path: str) -> list[tuple[str, float, float, float]]:
@@ -97,7 +100,7 @@ async def _main(a) -> dict:
     for i in range(a.shards):
         Path(f"{trace}.{i}").unlink(missing_ok=True)
     os.environ[_ENV] = trace
-    worker.run = _traced_run  # pickled by name for the spawned shards
+    worker.main = _traced_main  # the process target, pickled by name for the spawned shards
     loop = asyncio.get_running_loop()
     pool = pool_mod.ShardPool(a.shards, vecs.shape[1], a.data_dir, dense=DenseConfig(kind=a.dense_index))
     committed = CommitProtocol(pool, CorpusStats(), None).open_log(a.data_dir / "commits.log")
