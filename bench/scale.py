@@ -383,7 +383,9 @@ def paired_growth(a, kind: str, sizes: list[int], q) -> dict:
     two passes run minutes apart (session 44: the same code's 10K p50 read 2.3 ms one hour and
     4.1 ms the next). ``ratio`` is the median of the per-round ratios of the round p50s.
 
-    :returns: ``{"sizes", "rounds", "per", "small_p50_ms", "large_p50_ms", "ratio", "round_ratios"}``."""
+    :returns: ``{"sizes", "rounds", "per", "small_p50_ms", "large_p50_ms", "ratio", "round_ratios",
+        "server_retrieve_small_p50_ms", "server_retrieve_large_p50_ms"}`` (the last two: the median round p50 of
+        the server's own ``retrieve`` timing, ``QueryReply.timings_ms``, without gRPC and the client)."""
     from oprag_client.client import OpRAGClient, query_request
 
     lo, hi = min(sizes), max(sizes)
@@ -394,7 +396,7 @@ def paired_growth(a, kind: str, sizes: list[int], q) -> dict:
         if not (OUT / f"scale-{size}-{kind}").is_dir():
             raise SystemExit(f"bench.scale: no data dir {OUT / f'scale-{size}-{kind}'}; run the sizes first "
                              "(without --pair-only)")
-    srvs, clients, p50 = [], [], {lo: [], hi: []}
+    srvs, clients, p50, srv_p50 = [], [], {lo: [], hi: []}, {lo: [], hi: []}
     try:
         for size in (lo, hi):
             srvs.append(start_server(OUT / f"scale-{size}-{kind}", *args, log_path=OUT / "scale-server.log",
@@ -406,12 +408,14 @@ def paired_growth(a, kind: str, sizes: list[int], q) -> dict:
         for rd in range(a.pair_rounds):
             part = [reqs[(rd * a.pair_per + j) % len(reqs)] for j in range(a.pair_per)]
             for i in ((0, 1) if rd % 2 == 0 else (1, 0)):
-                lat = []
+                lat, sv = [], []
                 for r in part:
                     t = time.perf_counter()
-                    clients[i].stub.Retrieve(r)
+                    rep = clients[i].stub.Retrieve(r)
                     lat.append((time.perf_counter() - t) * 1000)
+                    sv.append(rep.timings_ms.get("retrieve", 0.0))
                 p50[(lo, hi)[i]].append(percentile(lat, 50))
+                srv_p50[(lo, hi)[i]].append(percentile(sv, 50))
             log(f"paired {kind} round {rd}: {lo} {p50[lo][-1]:.2f} ms, {hi} {p50[hi][-1]:.2f} ms")
     finally:
         for c in clients:
@@ -421,7 +425,9 @@ def paired_growth(a, kind: str, sizes: list[int], q) -> dict:
     ratios = np.array(p50[hi]) / np.array(p50[lo])
     return {"sizes": [lo, hi], "rounds": a.pair_rounds, "per": a.pair_per,
             "small_p50_ms": round(float(np.median(p50[lo])), 2), "large_p50_ms": round(float(np.median(p50[hi])), 2),
-            "ratio": round(float(np.median(ratios)), 2), "round_ratios": [round(float(x), 2) for x in ratios]}
+            "ratio": round(float(np.median(ratios)), 2), "round_ratios": [round(float(x), 2) for x in ratios],
+            "server_retrieve_small_p50_ms": round(float(np.median(srv_p50[lo])), 2),
+            "server_retrieve_large_p50_ms": round(float(np.median(srv_p50[hi])), 2)}
 
 
 def main(argv=None) -> int:
