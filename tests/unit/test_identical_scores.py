@@ -137,6 +137,29 @@ def test_refine_top_equals_exact_ranking_and_asks_for_more_when_the_cut_is_close
     assert refine_top(np.array([3.0, 2.95]), 0.1, lambda p: p, ["a", "b"], 1, complete=False) is None
 
 
+def test_refine_top_ranked_by_the_compiled_rank_top_equals_the_chunk_id_order():
+    """The shard's refine (session 44) ranks its shortlist with ``kernels_refine.rank_top`` over the slot-indexed id
+    array instead of ``top_k_order`` over the ids of every fetched slot: the same positions and scores, ties included
+    (slots whose order differs from their chunk ids' order)."""
+    from oprag_server.index.kernels_refine import rank_top
+
+    rng = np.random.default_rng(44)
+    for trial in range(30):
+        m = int(rng.integers(1, 400))
+        exact = np.round(rng.normal(size=m), int(rng.integers(1, 4)))  # ties at the cut
+        approx = exact + rng.uniform(-1e-3, 1e-3, size=m)
+        slots = rng.permutation(5000)[:m].astype(np.int64)  # fetched slots, in the index's order
+        slot_ids = np.empty(5000, dtype=object)
+        slot_ids[:] = [f"c{(7919 * i) % 5000:05d}" for i in range(5000)]  # ids not in slot order
+        k = int(rng.integers(1, m + 5))
+        want = refine_top(approx, 1e-3, lambda p: exact[p], [slot_ids[s] for s in slots], k)
+        got = refine_top(approx, 1e-3, lambda p: exact[p], None, k,
+                         rank=lambda ex, sh, kk: rank_top(ex, slot_ids, kk, rows=slots[sh]))
+        assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist(), trial
+        order = sorted(range(m), key=lambda i: (-exact[i], slot_ids[slots[i]]))[:k]
+        assert got[0].tolist() == order
+
+
 def _fold_by_columns(v: np.ndarray, q: np.ndarray) -> np.ndarray:
     """The documented order, spelled out on the (M, D) layout."""
     p = v.astype(np.float64) * q.astype(np.float64)

@@ -160,13 +160,15 @@ def top_k_order(scores: np.ndarray, chunk_ids, k: int, rows=None) -> list[int]:
 
 
 def refine_top(approx: np.ndarray, err: float, exact: Callable[[np.ndarray], np.ndarray], chunk_ids, k: int,
-               *, complete: bool = True) -> tuple[np.ndarray, np.ndarray] | None:
+               *, complete: bool = True, rank: Callable | None = None) -> tuple[np.ndarray, np.ndarray] | None:
     """Top-k by *exact* score (desc, chunk id asc) computing the exact score of a shortlist only.
 
     :param approx: float[M] approximate scores, each within ``err`` of its exact score (a float,
         or float64[M]: one bound per element; then ``complete`` must be True, ValueError otherwise).
     :param exact: positions int64[S] -> float64[S] exact scores.
     :param chunk_ids: M chunk ids (list or object array) for the tie-break.
+    :param rank: ``(exact float64[S], shortlist positions int64[S], k) -> order int64[k']``, :func:`top_k_order`'s
+        order of the shortlist (a compiled one: ``kernels_refine.rank_top``); ``chunk_ids`` is then not read.
     :param complete: False when ``approx`` is only the top of a longer list (scores sorted
         descending, e.g. a FAISS top-n): None is then returned when an element outside it could
         still belong to the top-k (ask for more).
@@ -195,7 +197,10 @@ def refine_top(approx: np.ndarray, err: float, exact: Callable[[np.ndarray], np.
             return None
         short = np.flatnonzero(a >= t - 2.0 * err)
     ex = np.asarray(exact(short), dtype=np.float64)
-    order = np.asarray(top_k_order(ex, _Take(chunk_ids, short), kk), dtype=np.int64)
+    if rank is not None:
+        order = np.asarray(rank(ex, short, kk), dtype=np.int64)
+    else:
+        order = np.asarray(top_k_order(ex, _Take(chunk_ids, short), kk), dtype=np.int64)
     return short[order], ex[order]
 
 

@@ -279,9 +279,9 @@ class Searcher(ExactMixin, FieldsMixin):
                 complete: bool = True) -> tuple[np.ndarray, np.ndarray] | None:
         """Top-n of ``slots`` by canonical score (ties: chunk id), from approximate scores
         float[M] (see :func:`refine_top`; None: ``approx`` was a partial list that must grow)."""
-        dense = self.store.dense
-        r = refine_top(approx, dense.score_error(q), lambda pos: self._canonical(q, dense.rows(slots[pos])),
-                       self.store.ids(slots), n, complete=complete)
+        dense, ids = self.store.dense, self.store._slot_ids  # noqa: SLF001 (ranked compiled: no chunk id read)
+        r = refine_top(approx, dense.score_error(q), lambda pos: self._canonical(q, dense.rows(slots[pos])), None, n,
+                       complete=complete, rank=lambda ex, sh, kk: _kernels_refine().rank_top(ex, ids, kk, rows=slots[sh]))
         return None if r is None else (slots[r[0]], r[1])
 
     def _dense_tops(self, q: np.ndarray, which: list[int], n: int, ef_search: int = 0,
