@@ -423,3 +423,35 @@ def test_without_seeds_the_hnsw_minimum_is_the_tail_s_and_the_sample_s(monkeypat
     exact = [float(fixed_order_dot(sh.store.dense.vectors, x).min()) for x in qv]
     assert got == [min(t, s) for t, s in zip(tail, sample)]
     assert all(g >= e for g, e in zip(got, exact)) and sum(g == e for g, e in zip(got, exact)) >= 3
+
+
+@pytest.mark.parametrize("how", ["random", "between", "negated"])
+def test_the_minimum_takes_the_samples_lowest_only_where_it_can_be_lower(how):
+    """Session 44: an HNSW shard above the sample's size scores the sample canonically for its lowest only when the
+    sample's lowest int8 score, less its error, is below the walk's lowest canonical score
+    (:meth:`ann_check.SampleCheck.low_below`). The minimum is still ``min(walk's lowest, sample's lowest)``: equal to
+    that reference for every query, never below the exact minimum, and the sample's lowest wins for some queries
+    (outlier vectors the walk from the seeds misses), so the test sees both branches."""
+    from oprag_server.index.kernels_low import canonical_rows
+    from tests.unit.test_dense_low import cone
+
+    rng = np.random.default_rng(44)
+    vecs, axis = cone(rng, 6000)
+    sh = _shard(vecs, sh=ShardState(0, DIM, None, dense=DenseConfig(kind="hnsw", hnsw_m=4, ef_construction=16,
+                                                                       ann_tail=0, ann_check=1500)))
+    qv = {"random": _unit(rng.normal(size=(40, DIM))), "negated": _unit(-axis[None] + 0.3 * rng.normal(size=(40, DIM))),
+          "between": _queries("between", vecs, rng, 40)}[how]
+    got = _mins(sh, qv)
+    S, dense = sh.search, sh.store.dense
+    check = S._check
+    assert check is not None and not check.whole()
+    live = check.members()
+    sample_wins = 0
+    for x, low in zip(qv, got):
+        cands = S._low.candidates(dense.ann, x[None])[0]
+        walk = float(canonical_rows(dense.ann.storage(), cands, x).min()) if cands.size else np.inf
+        samp = float(dense.exact_slots(x, live).min())
+        assert low == min(walk, samp)
+        assert low >= float(fixed_order_dot(dense.vectors, x).min())
+        sample_wins += samp < walk
+    assert how != "random" or sample_wins > 0, "no query where the sample's lowest is below the walk's"

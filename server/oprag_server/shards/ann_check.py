@@ -331,6 +331,19 @@ class SampleCheck:
         return out
 
 
+    def low_below(self, searcher, qi: np.ndarray, bound: float) -> float | None:
+        """:meth:`lows` of one query float32[D] ``qi`` over a sample not held whole, or ``inf`` when no sampled chunk
+        can score below ``bound`` (the lowest int8 score less its error is not below it: no canonical scoring); None
+        for an empty sample or one with no live chunk."""
+        if (part := self._part(searcher, False)) is None or not part[2].any():
+            return None
+        sl, i8, live = part
+        approx, err = self._scores(qi), i8.error(qi)  # (the list check's scan, kept)
+        lo = float(approx[live].min())
+        near = sl[live & (approx <= lo + 2.0 * err)] if lo - err < bound else sl[:0]
+        return float(searcher.store.dense.exact_slots(qi, near).min()) if near.size else np.inf
+
+
 def check_of(searcher) -> SampleCheck:
     """The searcher's :class:`SampleCheck` (made on first use, of ``--ann-check`` chunks)."""
     if searcher._check is None:  # noqa: SLF001

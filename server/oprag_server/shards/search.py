@@ -327,29 +327,30 @@ class Searcher(ExactMixin, FieldsMixin):
     def _ann_lows(self, q: np.ndarray, plain: list[int], ef_search: int, nprobe: int) -> list:
         """Per query of float32[B, D] ``q``: for the unfiltered ones (``plain``), the dense minimum for an approximate
         index. HNSW: the lowest canonical score among the shard's extreme seeds and the chunks a bottom-layer search for
-        ``-q`` from the lowest seeds keeps (:class:`..index.dense_low.LowSeeds`, over an int8 copy of the vectors; only
-        those within twice its error bound of the lowest int8 score are scored canonically; None when no vector is
-        live), and the check sample's lowest. IVF: the lower of the check sample's lowest (else the estimate,
-        :meth:`_dense_min_estimate`) and the canonical score of the chunk the index finds nearest to ``-q`` (one more
-        ANN search, k = 1). All are scores of real chunks, never below the exact minimum. A shard whose check sample
-        holds every chunk: the exact minimum (:meth:`.ann_check.SampleCheck.lows`). None elsewhere."""
-        out: list = [None] * q.shape[0]
-        # the check sample's lowest per query (its int8 scan kept from the list check)
-        got = self._check.lows(self, q, plain, False) if plain and self._check is not None else None
-        sampled = dict(zip(plain, got or ()))
-        if not plain or got is not None and self._check.whole():  # (a sample of every chunk: the exact minimum)
-            return [sampled.get(i) for i in range(q.shape[0])]
+        ``-q`` from the lowest seeds keeps (:class:`..index.dense_low.LowSeeds`, int8 copy; those within twice its error
+        of the lowest int8 score scored canonically; None when no vector is live), and the check sample's lowest (only
+        where it can be lower). IVF: the lower of the sample's lowest (else :meth:`_dense_min_estimate`) and the
+        canonical score of the chunk the index finds nearest to ``-q`` (k = 1). All are scores of real chunks, never
+        below the exact minimum; a sample of every chunk: the exact minimum (:meth:`.ann_check.SampleCheck.lows`)."""
+        out, check = [None] * q.shape[0], self._check if plain else None
+        whole = check.lows(self, q, plain, True) if check is not None else None  # (a sample of every chunk: exact)
+        if not plain or whole is not None:
+            return [dict(zip(plain, whole or ())).get(i) for i in range(q.shape[0])]
         dense = self.store.dense
         if dense.params.kind == "hnsw" and dense.ann is not None:  # from the seeds (index/dense_low.py)
             ann = dense.ann
             self._low, ann.seeds = (self._low if ann.seeds is None else ann.seeds), None  # (a compaction's: hnsw_build)
             cands, st = self._low.candidates(ann, q[plain], ef_search), ann.storage()
-            for j, i in filter(lambda ji: cands[ji[0]] is not None or ji[1] in sampled, enumerate(plain)):  # (else: no
-                low = min(self._tail_low(ann, q[i], dense.score_error(q[i])), sampled.get(i, np.inf))  # seeds, no sample:
-                c = cands[j] if cands[j] is not None else _NO_ROWS  # estimated by the caller)
-                low = min(low, float(_kernels_low().canonical_rows(st, c, q[i]).min())) if c.size else low
-                out[i] = low if np.isfinite(low) else None
+            for j, i in enumerate(plain):  # the walk's lowest, then the sample's where it can be lower (low_below)
+                c = cands[j] if cands[j] is not None else _NO_ROWS
+                low = min(self._tail_low(ann, q[i], dense.score_error(q[i])),
+                          float(_kernels_low().canonical_rows(st, c, q[i]).min()) if c.size else np.inf)
+                got = check.low_below(self, q[i], low) if check is not None else None
+                if cands[j] is not None or got is not None:  # (else: no seeds, no sample: estimated by the caller)
+                    low = min(low, np.inf if got is None else got)
+                    out[i] = low if np.isfinite(low) else None
             return out
+        sampled = dict(zip(plain, (check.lows(self, q, plain, False) if check is not None else None) or ()))
         est = None if all(sampled.get(i) is not None for i in plain) else self._dense_min_estimate(q[plain])
         slots, _ = dense.search(-q[plain], 1, ef_search, nprobe)
         for j, i in enumerate(plain):
