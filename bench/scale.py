@@ -43,7 +43,14 @@ whole size. Derived chunks are generated one stream at a time as the ingest cons
 figures so far are rewritten to ``--out`` (default ``bench/out/scale.json``) after every step and
 every ``--log-every`` chunks, so a run cut short leaves them.
 
+Growth (``p50_growth_<kind>``, and ``p50_growth_10k_to_1m`` for sizes 10000,...,1000000): the smallest and the
+largest size served side by side once both are built, in ``--pair-rounds`` alternating rounds (:func:`paired_growth`;
+session 44: the same code's 10K p50 read 2.3 ms one hour and 4.1 ms the next, so the quotient of two passes minutes
+apart said more about the machine than about the corpus). The quotient of the two sizes' own passes is kept as
+``p50_growth_<kind>_sequential``; ``--pair-only`` measures the growth again over the data dirs a run left.
+
     python -m bench.scale --source bench/out/retrieval-data --sizes 20000,100000 --json
+    python -m bench.scale --sizes 10000,1000000 --dense-index hnsw --queries 100 --pair-only --pair-rounds 12 --json
     python -m bench.scale --source bench/out/retrieval-data --sizes 1000000 --dense-index hnsw --queries 100 --json
 """
 
