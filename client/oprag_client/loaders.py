@@ -248,7 +248,7 @@ def load_parquet(paths: list[Path], vector_column: str | None = None) -> Iterato
         try:
             pf = pq.ParquetFile(f)
         except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError; it named no file
-            raise ValueError(f"{f}: not a Parquet file ({exc}){_other_format(f)}") from exc
+            raise ValueError(f"{f}: not a Parquet file ({exc}){_other_format(f, 'parquet')}") from exc
         yield from columnar_docs(f, pf.schema_arrow, lambda cols=None, pf=pf: pf.iter_batches(4096, columns=cols),
                                  vector_column)
 
@@ -268,8 +268,8 @@ def load_arrow(paths: list[Path], vector_column: str | None = None) -> Iterator[
         except pa.ArrowInvalid:
             try:
                 return pa.ipc.open_stream(f)
-            except pa.ArrowInvalid as exc:
-                raise ValueError(f"{f}: not an Arrow IPC file or stream ({exc}){_other_format(f)}") from exc
+            except (pa.ArrowInvalid, OSError) as exc:  # (random bytes: an OSError, "negative continuation token")
+                raise ValueError(f"{f}: not an Arrow IPC file or stream ({exc}){_other_format(f, 'arrow')}") from exc
 
     def batches(f: Path):
         def read(cols=None):
@@ -283,20 +283,21 @@ def load_arrow(paths: list[Path], vector_column: str | None = None) -> Iterator[
         yield from columnar_docs(f, reader(f).schema, batches(f), vector_column)
 
 
-def _other_format(f: Path) -> str:
+def _other_format(f: Path, given: str) -> str:
     """``"; it is <kind>: use --format <x>"`` when the file's first bytes are another columnar format's magic (a
     Parquet file starts with ``PAR1``, an Arrow IPC file with ``ARROW1``, an IPC stream with the continuation
-    marker ``0xFFFFFFFF``), else ``""``."""
+    marker ``0xFFFFFFFF``); ``"; it starts as <kind> but is damaged or cut short"`` when that format is the one
+    ``given`` (trial44: a truncated Parquet file was told to use --format parquet); else ``""``."""
     try:
         with open(f, "rb") as fh:
             head = fh.read(6)
     except OSError:
         return ""
-    if head[:4] == b"PAR1":
-        return "; it is a Parquet file: use --format parquet"
-    if head == b"ARROW1" or head[:4] == b"\xff\xff\xff\xff":
-        return "; it is an Arrow IPC file or stream: use --format arrow"
-    return ""
+    kind = "parquet" if head[:4] == b"PAR1" else "arrow" if head == b"ARROW1" or head[:4] == b"\xff\xff\xff\xff" else ""
+    name = {"parquet": "a Parquet file", "arrow": "an Arrow IPC file or stream"}.get(kind)
+    if not kind:
+        return ""
+    return f"; it starts as {name} but is damaged or cut short" if kind == given else f"; it is {name}: use --format {kind}"
 
 
 def _pyarrow(sub: str = ""):

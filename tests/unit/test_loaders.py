@@ -322,6 +322,26 @@ def test_a_columnar_file_given_as_the_other_columnar_format_says_which_it_is(tmp
     assert "use --format" not in str(ei.value)
 
 
+@pytest.mark.parametrize("given, head", [("parquet", b"PAR1"), ("arrow", b"ARROW1"), ("arrow", b"\xff\xff\xff\xff")])
+def test_a_damaged_file_of_the_given_format_is_called_damaged_with_its_name(tmp_path, given, head):
+    """trial44 #8 / #9: a file that starts with the given format's magic but is cut short was told to use that same
+    --format; random bytes given as --format arrow raised pyarrow's OSError without the file's name."""
+    pytest.importorskip("pyarrow")
+    from oprag_client.loaders import LOADERS
+
+    f = tmp_path / "cut.bin"
+    f.write_bytes(head + b" not really" + bytes(range(7, 200)))
+    with pytest.raises(ValueError) as ei:
+        list(LOADERS[given]([f]))
+    msg = str(ei.value)
+    assert msg.startswith(str(f)) and "damaged or cut short" in msg and "use --format" not in msg, msg
+    noise = tmp_path / "noise.bin"
+    noise.write_bytes(bytes((i * 97 + 13) % 256 for i in range(4096)))
+    with pytest.raises(ValueError) as ei:
+        list(LOADERS[given]([noise]))
+    assert str(ei.value).startswith(str(noise)), str(ei.value)
+
+
 @pytest.mark.parametrize("chunks, words", [
     ([{"text": "a"}], 'chunks[0] has no "vector" (its keys: "text"): each chunk is an object {"text": "...", "vector": [numbers]}'),
     ([{"text": "a", "vector": [0.1]}, {"vector": [0.2]}], 'chunks[1] has no "text"'),
