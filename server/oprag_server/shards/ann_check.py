@@ -330,7 +330,6 @@ class SampleCheck:
             out.append(low if np.isfinite(low) else None)
         return out
 
-
     def low_below(self, searcher, qi: np.ndarray, bound: float) -> float | None:
         """:meth:`lows` of one query float32[D] ``qi`` over a sample not held whole, or ``inf`` when no sampled chunk
         can score below ``bound`` (the lowest int8 score less its error is not below it: no canonical scoring); None
