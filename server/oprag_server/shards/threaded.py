@@ -200,7 +200,7 @@ class ThreadTransport(ShardTransport):
             state = self.state
             try:
                 wait = state.idle_wait()
-                if wait == 0.0 or (state.store.dense.pending and not state.txns.prepared):
+                if wait == 0.0 or state.background_due():
                     state.idle_step() if wait == 0.0 else state.background_step()
                     self._kick()
                 elif wait is not None and self.loop is not None and not self._timer and not self.loop.is_closed():

@@ -11,7 +11,7 @@ a write sent ahead of it whose reply has not come: the frontend never depends on
 query and a commit's apply exclude each other by the frontend's lock, staged batches are not
 read, a memory write is awaited before anything that reads it). Between requests it does deferred work in small steps
 (:meth:`~oprag_server.shards.state.ShardState.background_step`: HNSW inserts an ingest left for
-later), looking for a request after each step. The first message is READY: ``(0, True, StatsReply)`` with the full BM25
+later, then a large segment's BM25 wide rows), looking for a request after each step. The first message is READY: ``(0, True, StatsReply)`` with the full BM25
 statistics, or ``(0, False, error)``.
 
 This module imports neither torch nor grpc: shard processes stay small.
@@ -154,7 +154,7 @@ def run(shard_id: int, conn, dim: int, data_dir: str | None, stem: bool, committ
         conn.send((0, False, f"{type(exc).__name__}: {exc}"))
         return
     table = op_table(state)
-    busy = state.store.dense.pending > 0  # deferred work waits (HNSW inserts a replay left)
+    busy = state.background_due()  # deferred work waits (HNSW inserts a replay left, a loaded segment's wide rows)
     job = None  # (request id, SnapshotJob): a snapshot being written beside this loop (.snapjob)
     held: collections.deque = collections.deque()  # requests that wait for it, in order
     while True:
@@ -201,7 +201,7 @@ def run(shard_id: int, conn, dim: int, data_dir: str | None, stem: bool, committ
         if op is Op.SHUTDOWN:
             break
         state.note()  # (a write-time merge started or installed: logged with its time)
-        busy = state.store.dense.pending > 0 and not state.txns.prepared
+        busy = state.background_due()
 
 
 def process_age() -> float | None:
