@@ -87,3 +87,13 @@ def test_a_shards_background_step_builds_the_rows_once_no_insert_waits(monkeypat
         n += 1
     w = sh.store.postings.__dict__["_topm_scratch"].wide
     assert not sh.background_due() and (w.state != 0).all() and n + 1 == w.state.size
+    p = sh.store.postings
+    monkeypatch.setattr(type(p), "MERGE_MIN", 100)  # (65,536 postings: a corpus too large for a unit test)
+    for s, toks in enumerate(_stop_words(rng, 400), start=800):  # a delta an idle merge will fold
+        p.add(s, toks)
+    assert p.idle_merge_due()
+    p.merge()  # a new segment whose rows are unbuilt ...
+    for s, toks in enumerate(_stop_words(rng, 400), start=1200):
+        p.add(s, toks)
+    assert wide_warm.due(p) and p.idle_merge_due()
+    assert not sh.background_due() and not sh.background_step()  # ... left while the next merge is due

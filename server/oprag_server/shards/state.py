@@ -140,13 +140,19 @@ class ShardState:
             return False
         if self.store.dense.pending > 0:
             self.store.dense.insert_pending(self.BACKGROUND_STEP)
-        else:
+        elif self._rows_due():
             wide_warm.step(self.store.postings)
         return self.background_due()
 
     def background_due(self) -> bool:
         """Whether :meth:`background_step` has work now: deferred HNSW inserts, or wide rows to build."""
-        return not self.txns.prepared and (self.store.dense.pending > 0 or wide_warm.due(self.store.postings))
+        return not self.txns.prepared and (self.store.dense.pending > 0 or self._rows_due())
+
+    def _rows_due(self) -> bool:
+        """Wide rows to build, and no merge running or due (its new segment would need them again; a merge builds
+        the rows its old segment had: :func:`..index.bm25.listed_top.successor`)."""
+        p = self.store.postings
+        return wide_warm.due(p) and not p.merging and not p.idle_merge_due()
 
     #: seconds without a write before an idle merge starts (a trickle of writes closer together
     #: than this merges at the write-time rule only, 1/MERGE_DIV)

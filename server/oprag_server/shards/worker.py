@@ -181,6 +181,7 @@ def run(shard_id: int, conn, dim: int, data_dir: str | None, stem: bool, committ
                 wait = state.idle_wait()  # idle maintenance (BM25 merges once writes are quiet)
                 if wait == 0.0:
                     _timed(state, "idle maintenance", state.idle_step)
+                    busy = state.background_due()  # (an installed merge's segment: its wide rows)
                     continue
                 if busy:  # do some of the deferred work, then look again
                     busy = _timed(state, "a background step", state.background_step)
