@@ -294,9 +294,9 @@ def _other_format(f: Path, given: str) -> str:
     except OSError:
         return ""
     kind = "parquet" if head[:4] == b"PAR1" else "arrow" if head == b"ARROW1" or head[:4] == b"\xff\xff\xff\xff" else ""
-    name = {"parquet": "a Parquet file", "arrow": "an Arrow IPC file or stream"}.get(kind)
     if not kind:
         return ""
+    name = {"parquet": "a Parquet file", "arrow": "an Arrow IPC file or stream"}[kind]
     return f"; it starts as {name} but is damaged or cut short" if kind == given else f"; it is {name}: use --format {kind}"
 
 

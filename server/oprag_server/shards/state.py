@@ -133,7 +133,7 @@ class ShardState:
         """Do a little deferred work between requests, unless a prepared transaction waits for its apply (the commit
         is waiting for this shard: it comes first): insert the oldest :attr:`BACKGROUND_STEP` deferred HNSW vectors
         into the graph; once none wait, build one of a large segment's BM25 wide rows (:mod:`..index.bm25.wide_warm`,
-        ~2 ms at 500K chunks).
+        ~1-2 ms at 500K chunks).
 
         :returns: whether deferred work waits that a step may do now (:meth:`background_due`)."""
         if self.txns.prepared:

@@ -11,8 +11,8 @@ a write sent ahead of it whose reply has not come: the frontend never depends on
 query and a commit's apply exclude each other by the frontend's lock, staged batches are not
 read, a memory write is awaited before anything that reads it). Between requests it does deferred work in small steps
 (:meth:`~oprag_server.shards.state.ShardState.background_step`: HNSW inserts an ingest left for
-later, then a large segment's BM25 wide rows), looking for a request after each step. The first message is READY: ``(0, True, StatsReply)`` with the full BM25
-statistics, or ``(0, False, error)``.
+later, then a large segment's BM25 wide rows), looking for a request after each step. The first
+message is READY: ``(0, True, StatsReply)`` with the full BM25 statistics, or ``(0, False, error)``.
 
 This module imports neither torch nor grpc: shard processes stay small.
 """

@@ -27,11 +27,16 @@ from . import listed_top
 MIN_SPAN = 65536
 
 
+def _large(ix):
+    """The index's current segment when it spans at least :data:`MIN_SPAN` slots, else None."""
+    seg = ix._seg  # noqa: SLF001 - the index's own package
+    return seg if seg.doc_slots.size and int(seg.doc_slots[-1]) + 1 >= MIN_SPAN else None
+
+
 def _wide(ix):
     """The index's scratch and its current segment's :class:`.listed_top._Wide` (made as
     ``listed_top._pruned`` makes them), or ``(None, None)`` below :data:`MIN_SPAN`."""
-    seg = ix._seg  # noqa: SLF001 - the index's own package
-    if not seg.doc_slots.size or int(seg.doc_slots[-1]) + 1 < MIN_SPAN:
+    if (seg := _large(ix)) is None:
         return None, None
     sc = ix.__dict__.get("_topm_scratch")
     if sc is None:
@@ -43,8 +48,7 @@ def _wide(ix):
 
 def due(ix) -> bool:
     """Whether the current segment (of at least :data:`MIN_SPAN` slots) has wide rows not built."""
-    seg = ix._seg  # noqa: SLF001
-    if not seg.doc_slots.size or int(seg.doc_slots[-1]) + 1 < MIN_SPAN:
+    if (seg := _large(ix)) is None:
         return False
     sc = ix.__dict__.get("_topm_scratch")
     w = sc.wide if sc is not None else None
