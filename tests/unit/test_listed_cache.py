@@ -51,7 +51,7 @@ def wide_only(monkeypatch):
                                                     (_stop_words, 3, 0, 0), (_zipf, 4, 0, 900)])
 def test_widening_from_the_kept_pass_equals_the_uncached_path(make, seed, deletes, late, wide_only):
     rng = np.random.default_rng(seed)
-    n = 14000  # 55 blocks of 256 slots: rescans for 4m and 16m up to 48
+    n = 14000  # 110 blocks of 128 slots: rescans for 4m and 16m up to 48
     docs = make(rng, n)
     ix = _index(rng, docs, n - 1 - late, deletes, late)
     ids = np.array([f"c{s:05d}" for s in range(n)], dtype=object)

@@ -8,13 +8,15 @@ top-``4m`` after its top-``m``) without a second full pass over the segment
   ``(cand int64[C], approx float64[C], listed, sub_max, past)``: every chunk whose
   approximate score reaches the pass's final threshold, in ascending slot order (then the
   chunks past ``span``), the exact listed count, and the largest approximate score of every
-  :data:`SUB` slots (noting it costs a read of the block's scores, which are in L1);
+  :data:`SUB` slots (noting it costs a read of the block's scores, which are in L1; a block the
+  pass skipped by its bound notes 0 and the bound beside it: ``sub_max[0]`` / ``sub_max[1]``);
 * :func:`wide_finish` is the exact rescoring: the candidates whose approximate score reaches
   the m-th largest one (less the slack) are scored again from 0.0 with
   ``PostingsIndex.score_all``'s operations and their top-m returned;
 * :func:`wide_rescan` gives, for a larger m', a superset of the candidates a pass for m'
   would keep, in the same order, by passing again only the blocks of :data:`SUB` slots whose
-  noted maximum reaches a lower bound of the m'-th largest approximate score.
+  noted maximum (or bound, for a skipped block) reaches a lower bound of the m'-th largest
+  approximate score (the m'-th largest noted maximum).
 
 ``wide_finish(*wide_pass(m)[:2], m)`` is :func:`.kernels_wide.bm25_top_wide`'s ``(slots,
 scores)`` element for element (the same code), and so is ``wide_finish(cand, approx, m'')``
@@ -23,7 +25,8 @@ final threshold, which is at most the m-th largest approximate score times (1 - 
 m'' largest approximate scores and every chunk within the slack of the m''-th are in it, in
 slot order) and ``wide_finish(*wide_rescan(...), m')`` for a larger m' (:func:`wide_rescan`).
 tests/unit/test_listed_cache.py checks all three against the one-step kernel and the numpy
-path. The code is :mod:`.kernels_wide`'s, split after step (3)'s candidates.
+path, tests/unit/test_wide_skip.py the skipping pass against the pass without bounds. The code
+is :mod:`.kernels_wide`'s, split after step (3)'s candidates.
 """
 
 from __future__ import annotations
@@ -33,10 +36,7 @@ from numba import njit
 
 from .kernels import _JIT, _kth_largest
 from .kernels_topm import _f, _probe
-from .kernels_wide import _APPROX, _BLOCK, _block, _compact, _narrow
-
-#: slots per noted maximum of :func:`wide_pass` (a divisor of ``_BLOCK``)
-SUB = 256
+from .kernels_wide import _APPROX, _BLOCK, SUB, _block, _compact, _narrow
 
 
 @njit(**_JIT)
@@ -49,13 +49,84 @@ def _max(bits):
     return v
 
 
+@njit(cache=True, nogil=True, error_model="numpy")
+def _bounds(bmax, bratio, wrow, w32, a0, a1, k1p, slack):
+    """float64[G]: per block g of :data:`SUB` slots an upper bound of the wide terms' float32 sum
+    (:func:`.kernels_wide._block`) at any slot of it. rank_bm25's term is
+    ``w tf (k1 + 1) / (tf + k1 (1 - b) + k1 b dl / avgdl) = w (k1 + 1) / (1 + a0 / tf + a1 dl / tf)``;
+    with ``T = bmax[r, g]`` the row's largest tf in the block and ``Q = bratio[r, g]`` its largest
+    tf / dl there (:func:`.kernels_wide.fill_row`), every slot's term is at most
+    ``w (k1 + 1) / (1 + a0 / T + a1 / Q)`` (0 when T is 0); times ``slack`` (> 1) for the float32
+    rounding of the pass."""
+    ub = np.zeros(bmax.shape[1])
+    for j in range(wrow.size):
+        w, r = np.float64(w32[j]) * k1p, wrow[j]
+        tm, qm = bmax[r], bratio[r]
+        for g in range(ub.size):  # (branch-free: T = 0 adds w / (1 + a0 * 1e30 + ...), ~0, an upper bound of 0)
+            t = max(np.float64(tm[g]), 1e-30)
+            ub[g] += w / (1.0 + a0 / t + a1 / max(np.float64(qm[g]), 1e-30))
+    for g in range(ub.size):
+        ub[g] *= slack
+    return ub
+
+
+@njit(**_JIT)
+def _count(rows, base, wrow, wh, la, seg_code, u):
+    """Slots ``base`` on of a run of skipped blocks: their non-zero scores (as
+    :func:`.kernels_wide._block` counts them: a segment chunk holding a wide term of weight > 0
+    in ``wrow``, or a partial score ``la`` > 0), ``la`` zeroed; ``u`` uint8 scratch of ``la.size``."""
+    n = la.size
+    u[:n] = 0
+    for j in range(wrow.size):
+        row = rows[wrow[j], base:base + n]
+        for q in range(n):
+            u[q] |= row[q]
+    cnt = 0
+    for q in range(n):
+        cnt += np.int32(((u[q] != 0) & (wh[q] == seg_code)) | (la[q] > np.float32(0.0)))
+        la[q] = np.float32(0.0)
+    return cnt
+
+
+@njit(**_JIT)
+def _keep(bx, bv, nb, thr, m, base, s, bq, k):
+    """Append the chunks ``bq[:k]`` (scores ``s``, slot ``base`` at 0) reaching ``thr`` to the
+    buffer ``bx`` / ``bv`` of ``nb`` entries (compacted, :func:`.kernels_wide._compact`, or grown
+    when full). :returns: ``(bx, bv, nb, thr)``."""
+    for j in range(k):
+        q = bq[j]
+        if s[q] < thr:
+            continue
+        if nb == bx.size:
+            nb, thr = _compact(bx, bv, nb, m, thr)
+            if nb * 2 > bx.size:
+                bx2, bv2 = np.empty(bx.size * 2, np.int64), np.empty(bx.size * 2, np.float64)
+                bx2[:nb], bv2[:nb] = bx[:nb], bv[:nb]
+                bx, bv = bx2, bv2
+        bx[nb], bv[nb] = base + q, np.float64(s[q])
+        nb += 1
+    return bx, bv, nb, thr
+
+
 @njit(**_JIT)
 def wide_pass(where, seg_code, doc_len, seg_len, tids, idf, offsets, pslots, ptf, d_off, d_slots, d_tf,
-              is_wide, wide_row, rows, span, m, avgdl, k1, b, acc, seen):
+              is_wide, wide_row, rows, span, m, avgdl, k1, b, acc, seen, bmax, bratio, thr0):
     """Steps (1)-(3) of :func:`.kernels_wide.bm25_top_wide` (module docstring), noting the
-    largest approximate score of every :data:`SUB` slots. :returns: ``(cand int64[C], approx
-    float64[C], listed, sub_max float32[ceil(span / SUB)], past)``: the last ``past``
-    candidates are the delta chunks past ``span``."""
+    largest approximate score of every :data:`SUB` slots.
+
+    ``thr0``: a lower bound of the m-th largest approximate score (0.0: none), the threshold the
+    pass starts from (:func:`..bm25.listed_top.listed_top_scored` takes the m-th largest exact
+    BM25 score of the dense candidates, less the slack). Block bounds (``bmax`` uint8 and
+    ``bratio`` float32 [R, ceil(span / SUB)], :func:`.kernels_wide.fill_row`; zero columns:
+    none): a block whose upper bound (:func:`_bounds` plus its largest partial score, the narrow
+    and delta terms' exact float32 sums) is below the threshold is not scored, since none of its
+    chunks can be kept. Its non-zero scores are still counted (:func:`_count`: ``listed`` stays
+    exact), its noted maximum is 0 and its upper bound is noted beside it.
+
+    :returns: ``(cand int64[C], approx float64[C], listed, sub_max float32[2, G], past)``: the
+        candidates in ascending slot order (then the delta chunks past ``span``, the last
+        ``past``); ``sub_max[0]`` the noted maxima (a lower bound of each block's largest
+        approximate score), ``sub_max[1]`` an upper bound of it (equal where the block was scored)."""
     n_pos = tids.size
     one_b, k1p = 1.0 - b, k1 + 1.0
     a0, a1 = k1 * one_b, k1 * b / avgdl
@@ -77,19 +148,30 @@ def wide_pass(where, seg_code, doc_len, seg_len, tids, idf, offsets, pslots, ptf
             c += 1
         cur_s[i], end_s[i] = (offsets[t], offsets[t + 1]) if t >= 0 and not is_wide[i] else (0, 0)
         w32n[i] = np.float32(idf[i])
-    mx = np.zeros((span + SUB - 1) // SUB, np.int32)  # float32 bit patterns
-    thr = 0.0
+    nsub = (span + SUB - 1) // SUB
+    mx = np.zeros((2, nsub), np.int32)  # float32 bit patterns
+    mxf = mx.view(np.float32)
+    thr = max(thr0, 0.0)
     cap = max(8 * m, 4096)
     bx, bv = np.empty(cap, np.int64), np.empty(cap, np.float64)
     nb = 0
     lim = 4 * m
     listed = 0
     w32 = w32n[wide_pos]
+    skip = bmax.shape[1] == nsub and nsub > 0
+    ub = _bounds(bmax, bratio, wrow, w32, a0, a1, k1p, 1.0 + 1e-6 * (nw + 8)) if skip else np.zeros(nsub)
+    wpos = wrow[w32 > np.float32(0.0)]  # (a weight-0 term scores 0: not counted)
+    u = np.empty(_BLOCK, np.uint8)
     s = np.empty(_BLOCK, np.float32)
     bits = s.view(np.int32)
     nrm = np.empty(_BLOCK, np.float32)
     la = np.zeros(_BLOCK, np.float32)
+    lai = la.view(np.int32)
+    one = np.zeros(1, np.int32)
+    onef = one.view(np.float32)
     bq = np.empty(_BLOCK + 1, np.int64)
+    off = np.empty(_BLOCK // SUB + 1, np.int64)  # a block's sub-blocks: off[h] its h-th's first slot
+    skp = np.zeros(_BLOCK // SUB, np.bool_)
     for base in range(0, span, _BLOCK):
         n = min(_BLOCK, span - base)
         for i in range(n_pos):
@@ -101,28 +183,42 @@ def wide_pass(where, seg_code, doc_len, seg_len, tids, idf, offsets, pslots, ptf
                 la[x - base] += _f(idf[i], d_tf[p], doc_len[x], avgdl, k1, b, one_b, k1p)
                 p += 1
             cur_d[i] = p
+        g0 = base // SUB
+        ns = (n + SUB - 1) // SUB
         thr32 = np.float32(thr * (1.0 - 1e-7))
-        cnt, k = _block(rows, base, wrow, w32, k1p32, seg_len[base:base + n], where[base:base + n], la[:n], seg_code,
-                        a0, a1, thr32, s[:n], nrm[:n], bq)
-        listed += cnt
-        for g in range(base // SUB, (base + n + SUB - 1) // SUB):  # (_BLOCK is a multiple of SUB)
-            lo = g * SUB - base
-            mx[g] = _max(bits[lo:min(lo + SUB, n)])
-        for j in range(k):
-            q = bq[j]
-            if s[q] < thr:
-                continue
-            if nb == bx.size:
-                nb, thr = _compact(bx, bv, nb, m, thr)
-                if nb * 2 > bx.size:
-                    bx2, bv2 = np.empty(bx.size * 2, np.int64), np.empty(bx.size * 2, np.float64)
-                    bx2[:nb], bv2[:nb] = bx[:nb], bv[:nb]
-                    bx, bv = bx2, bv2
-            bx[nb], bv[nb] = base + q, np.float64(s[q])
-            nb += 1
+        for h in range(ns):
+            off[h] = h * SUB
+            skp[h] = False
+            if skip and thr > 0.0:  # (la >= 0: the integer maximum of its bit patterns vectorises)
+                one[0] = _max(lai[h * SUB:min(h * SUB + SUB, n)])
+                bound = ub[g0 + h] + np.float64(onef[0]) * (1.0 + 1e-6)
+                if bound < np.float64(thr32):  # no chunk of the sub-block reaches the threshold
+                    skp[h] = True
+                    mxf[1, g0 + h] = np.float32(bound * (1.0 + 1e-6))
+        off[ns] = n
+        h = 0
+        while h < ns:  # runs of scored and of skipped sub-blocks
+            e = h + 1
+            while e < ns and skp[e] == skp[h]:
+                e += 1
+            lo, hi = off[h], off[e]
+            if skp[h]:
+                listed += _count(rows, base + lo, wpos, where[base + lo:base + hi], la[lo:hi], seg_code, u)
+            else:
+                cnt, k = _block(rows, base + lo, wrow, w32, k1p32, seg_len[base + lo:base + hi],
+                                where[base + lo:base + hi], la[lo:hi], seg_code, a0, a1, thr32, s[lo:hi], nrm[lo:hi],
+                                bq)
+                listed += cnt
+                for g in range(h, e):
+                    mx[0, g0 + g] = _max(bits[off[g]:off[g + 1]])
+                    mx[1, g0 + g] = mx[0, g0 + g]
+                bx, bv, nb, thr = _keep(bx, bv, nb, thr, m, base + lo, s[lo:hi], bq, k)
+            h = e
         if nb >= lim:
             nb, thr = _compact(bx, bv, nb, m, thr)
             lim = max(4 * m, 2 * nb)
+    o = np.argsort(bx[:nb])  # ascending slots
+    bx[:nb], bv[:nb] = bx[:nb][o], bv[:nb][o]
     past = np.empty(total, np.int64)
     npast = 0
     for i in range(n_pos):
@@ -271,6 +367,7 @@ def warm() -> None:
                 np.ones(1, np.bool_), np.zeros(1, np.int64), rows, 3)
         dl = doc_len.astype(np.uint16)
         cx, cv, _, mx, past = wide_pass(where, 1, doc_len, dl, *args, 2, 1.0, 1.5, 0.75,
-                                        np.zeros(3, np.float32), np.zeros(3, np.uint8))
+                                        np.zeros(3, np.float32), np.zeros(3, np.uint8), np.ones((1, 1), np.uint8),
+                                        np.ones((1, 1), np.float32), 0.0)
         wide_finish(cx, cv, 2, where, 1, doc_len, *args, 1.0, 1.5, 0.75)
-        wide_rescan(mx, 0.5, cx, cv, past, where, 1, doc_len, dl, *args, 1.0, 1.5, 0.75)
+        wide_rescan(mx[1], 0.5, cx, cv, past, where, 1, doc_len, dl, *args, 1.0, 1.5, 0.75)

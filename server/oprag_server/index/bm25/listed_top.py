@@ -15,6 +15,7 @@ from . import listed_cache
 from .merging import _SEG
 from .okapi import check_avgdl, check_query
 from .postings import PostingsIndex
+from .wide_rows import WideRows as _Wide, bounds as _bounds, start as _start
 
 _EMPTY = (np.zeros(0, np.int64), np.zeros(0, np.float64), 0)
 _NO_SLOTS = np.zeros(0, np.int64)
@@ -44,7 +45,8 @@ def listed_top_scored(ix: PostingsIndex, terms: Sequence[str], idf: np.ndarray, 
     :meth:`.postings.PostingsIndex.score`'s values bit for bit; 0.0 for a chunk holding no query
     term); else (a pruned path: large shards) ``score_at()``, called *before* the pruned pass
     (which streams megabytes: the candidates' postings are read while still warm), or None
-    without it.
+    without it. ``at`` must then hold distinct live chunks: on the wide path the m-th largest
+    of their scores is the pass's starting threshold (:func:`.wide_rows.start`).
 
     :param cache_version: the caller's write counter (``ChunkStore.version``): an unfiltered
         query on the wide path then keeps what its pass left (:mod:`.listed_cache`), and a
@@ -77,7 +79,8 @@ def listed_top_scored(ix: PostingsIndex, terms: Sequence[str], idf: np.ndarray, 
                 at_scores = score_at() if score_at is not None else None
                 return (*got, at_scores)
         at_scores = score_at() if score_at is not None else None
-        return (*_pruned(ix, seg, seg_df, tids, idf, d_off, ds, dt, m, avgdl, k1, b, cache), at_scores)
+        thr0 = _start(at_scores, m)
+        return (*_pruned(ix, seg, seg_df, tids, idf, d_off, ds, dt, m, avgdl, k1, b, cache, thr0), at_scores)
     al = _NO_SLOTS if every else np.ascontiguousarray(allowed, dtype=np.int64)
     norm, t1 = _norms(ix, avgdl, k1, b, cache_version)
     slots, scores, listed, at_scores = kernels_exact.bm25_listed_top_pre(
@@ -192,7 +195,7 @@ class _Scratch:
         n = self.acc.nbytes + self.seen.nbytes + self.acc32.nbytes
         n += sum(a.nbytes for a in self.bounds) if self.bounds is not None else 0
         w = self.wide
-        return n + (int((w.state == 1).sum()) * w.span + w.seg_len.nbytes if w is not None else 0)
+        return n + (w.nbytes() if w is not None else 0)
 
     def fit(self, cap: int) -> None:
         if self.acc.size < cap:
@@ -201,53 +204,7 @@ class _Scratch:
             self.acc32 = np.zeros(cap, np.float32)  # the wide path's partial scores (approximate)
 
 
-class _Wide:
-    """One segment's dense tf rows of its wide terms (:mod:`..kernels_wide`): ``row_of[t]`` is
-    term t's row (-1: not wide), ``state[r]`` 0 unbuilt / 1 built / 2 unusable (a tf > 255)."""
-
-    def __init__(self, seg, doc_len) -> None:
-        from .. import kernels_wide  # noqa: PLC0415
-
-        self.seg = seg
-        self.span = int(seg.doc_slots[-1]) + 1 if seg.doc_slots.size else 0
-        lens = np.diff(np.asarray(seg.offsets, np.int64))
-        ids = np.flatnonzero(lens >= max(self.span // kernels_wide.WIDE_DIV, 1))
-        self.row_of = np.full(lens.size, -1, np.int64)
-        self.row_of[ids] = np.arange(ids.size)
-        self.rows = np.zeros((ids.size, self.span), np.uint8)  # calloc'd: untouched rows cost nothing
-        self.state = np.zeros(ids.size, np.int8)
-        # the segment chunks' lengths (fixed while they are in it): uint16 when every one is an
-        # integer below 65,536 (a quarter of the bytes the pass streams), else float32
-        dl = np.asarray(doc_len[: self.span])
-        small = bool(dl.size == 0 or (dl.max() < 65536 and np.array_equal(dl, np.floor(dl))))
-        self.seg_len = dl.astype(np.uint16) if small else dl.astype(np.float32)
-
-    def lookup(self, tids: np.ndarray) -> np.ndarray:
-        """int64[P]: the row of each query position's segment term (-1: not wide, or no term)."""
-        r = np.full(tids.size, -1, np.int64)
-        on = (tids >= 0) & (tids < self.row_of.size)
-        r[on] = self.row_of[tids[on]]
-        return r
-
-    def positions(self, tids: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
-        """``(is_wide bool[P], row int64[P], wide postings)`` of a query, building rows first used."""
-        from .. import kernels_wide  # noqa: PLC0415
-
-        row = self.lookup(tids)
-        for i in np.flatnonzero(row >= 0).tolist():
-            r = int(row[i])
-            if self.state[r] == 0:
-                ok = kernels_wide.fill_row(self.rows, r, int(tids[i]), self.seg.offsets, self.seg.slots, self.seg.tf)
-                self.state[r] = 1 if ok else 2
-        is_wide = row >= 0
-        is_wide[is_wide] = self.state[row[is_wide]] == 1
-        t = tids[is_wide]
-        return is_wide, row, int((self.seg.offsets[t + 1] - self.seg.offsets[t]).sum())
-
-
 _NO_ROWS = np.zeros((1, 1), np.uint8)
-
-
 def successor(ix: PostingsIndex, seg, live: np.ndarray, doc_len: np.ndarray) -> tuple:
     """(The merge's thread, :mod:`.merging`) what :func:`_pruned` keeps per segment, built for the
     merged segment ``seg`` before its install instead of by the first queries after it: the term
@@ -314,7 +271,7 @@ def wide_rows(ix: PostingsIndex, tids: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return r, w.rows, w.span
 
 
-def _pruned(ix: PostingsIndex, seg, seg_df, tids, idf, d_off, ds, dt, m, avgdl, k1, b, cache=None):
+def _pruned(ix: PostingsIndex, seg, seg_df, tids, idf, d_off, ds, dt, m, avgdl, k1, b, cache=None, thr0=0.0):
     from .. import kernels_topm, kernels_wide  # noqa: PLC0415
 
     sc = ix.__dict__.get("_topm_scratch")
@@ -337,10 +294,10 @@ def _pruned(ix: PostingsIndex, seg, seg_df, tids, idf, d_off, ds, dt, m, avgdl, 
             is_wide, row, n_wide = w.positions(tids)
             if n_wide * _WIDE_GAIN >= w.span and w.span <= min(where.size, doc_len.size):
                 if cache is not None and w.span:
-                    return _wide_kept(ix, w, cache, tids, idf, d_off, ds, dt, is_wide, row, m, avgdl, k1, b, sc)
+                    return _wide_kept(ix, w, cache, tids, idf, d_off, ds, dt, is_wide, row, m, avgdl, k1, b, sc, thr0)
                 slots, scores, listed = kernels_wide.bm25_top_wide(
                     where, _SEG, doc_len, w.seg_len, tids, idf, seg.offsets, seg.slots, seg.tf, d_off, ds, dt, is_wide,
-                    row, w.rows, w.span, int(m), float(avgdl), float(k1), float(b), sc.acc32, sc.seen)
+                    row, w.rows, w.span, int(m), float(avgdl), float(k1), float(b), sc.acc32, sc.seen, *_bounds(w), thr0)
                 return slots, scores, int(listed)
         slots, scores, listed, _ = kernels_topm.bm25_top_pruned(
             where, _SEG, doc_len, tids, idf, seg.offsets, seg.slots, seg.tf, d_off, ds, dt, sc.bounds[0],
@@ -350,7 +307,7 @@ def _pruned(ix: PostingsIndex, seg, seg_df, tids, idf, d_off, ds, dt, m, avgdl, 
         sc.lock.release()
 
 
-def _wide_kept(ix, w, cache, tids, idf, d_off, ds, dt, is_wide, row, m, avgdl, k1, b, sc):
+def _wide_kept(ix, w, cache, tids, idf, d_off, ds, dt, is_wide, row, m, avgdl, k1, b, sc, thr0=0.0):
     """The wide path in steps (:mod:`..kernels_wide_keep`), what the pass left kept in the
     shard's cache (no segment array: those are the index's when it is used again):
     :func:`..kernels_wide.bm25_top_wide`'s result."""
@@ -359,7 +316,7 @@ def _wide_kept(ix, w, cache, tids, idf, d_off, ds, dt, is_wide, row, m, avgdl, k
     seg, where, doc_len, m = w.seg, ix._where, ix._doc_len, int(m)  # noqa: SLF001
     q = (tids, idf, seg.offsets, seg.slots, seg.tf, d_off, ds, dt, is_wide, row, w.rows, w.span)
     cx, cv, listed, mx, past = wide_pass(where, _SEG, doc_len, w.seg_len, *q, m, float(avgdl), float(k1),
-                                         float(b), sc.acc32, sc.seen)
+                                         float(b), sc.acc32, sc.seen, *_bounds(w), thr0)
     cache[0].put(cache[1], cache[2], (m, cx, cv, int(listed), mx, int(past), tids, d_off, ds, dt, is_wide, row))
     slots, scores = wide_finish(cx, cv, m, where, _SEG, doc_len, *q, float(avgdl), float(k1), float(b))
     return slots, scores, int(listed)
@@ -378,12 +335,12 @@ def _from_kept(ix, e, m, idf, avgdl, k1, b):
         return None
     where, doc_len, m = ix._where, ix._doc_len, int(m)  # noqa: SLF001
     q = (tids, idf, seg.offsets, seg.slots, seg.tf, d_off, ds, dt, is_wide, row, w.rows, w.span)
-    if m > m0:
-        pos = mx[mx > 0.0]
+    if m > m0:  # (mx[0]: each block's noted maximum, a lower bound; mx[1] an upper bound)
+        pos = mx[0][mx[0] > 0.0]
         if pos.size < m:
             return None
         low = float(np.partition(pos, pos.size - m)[pos.size - m])  # the m-th largest block maximum
-        cx, cv = wide_rescan(mx, low, cx, cv, past, where, _SEG, doc_len, w.seg_len, *q, float(avgdl), float(k1),
+        cx, cv = wide_rescan(mx[1], low, cx, cv, past, where, _SEG, doc_len, w.seg_len, *q, float(avgdl), float(k1),
                              float(b))
     slots, scores = wide_finish(cx, cv, m, where, _SEG, doc_len, *q, float(avgdl), float(k1), float(b))
     return slots, scores, listed

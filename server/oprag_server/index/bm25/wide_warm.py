@@ -2,7 +2,7 @@
 that first use them.
 
 A wide term (:mod:`..kernels_wide`: segment df >= span / 16) is read by the top-M pass from a dense
-``uint8[span]`` row of its term frequencies, which :class:`.listed_top._Wide` builds the first time
+``uint8[span]`` row of its term frequencies, which :class:`.wide_rows.WideRows` builds the first time
 a query uses the term (``fill_row``, ~2 ms at 500K chunks a shard) and keeps until the segment is
 replaced (a merge builds the rows the old segment had for the new one: :func:`.listed_top.successor`).
 After a restart every row starts unbuilt, so the first few hundred queries each paid for one or
@@ -34,7 +34,7 @@ def _large(ix):
 
 
 def _wide(ix):
-    """The index's scratch and its current segment's :class:`.listed_top._Wide` (made as
+    """The index's scratch and its current segment's :class:`.wide_rows.WideRows` (made as
     ``listed_top._pruned`` makes them), or ``(None, None)`` below :data:`MIN_SPAN`."""
     if (seg := _large(ix)) is None:
         return None, None
@@ -74,7 +74,8 @@ def step(ix, rows: int = 1) -> bool:
         seg = w.seg
         df = seg.offsets[terms[todo] + 1] - seg.offsets[terms[todo]]
         for r in todo[np.argsort(-df, kind="stable")][:rows].tolist():
-            ok = kernels_wide.fill_row(w.rows, r, int(terms[r]), seg.offsets, seg.slots, seg.tf)
+            ok = kernels_wide.fill_row(w.rows, w.bmax, w.bratio, r, int(terms[r]), seg.offsets, seg.slots, seg.tf,
+                                       w.seg_len)
             w.state[r] = 1 if ok else 2
         return bool((w.state == 0).any())
     finally:
