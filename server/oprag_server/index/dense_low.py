@@ -35,7 +35,7 @@ import time
 
 import numpy as np
 
-from . import hugepages, kernels_low, kernels_scan
+from . import hugepages, kernels_low, kernels_scan, low_seeds_state
 from .ann_copies import level0 as _level0
 
 
@@ -185,7 +185,8 @@ class LowSeeds:
         self._set_ids(np.unique(best_i[best_i >= 0]), st)
 
     def prepare(self, ann) -> None:
-        """Build the seeds of ``ann``'s graph now unless they are built (the shard's start: no query waits)."""
+        """Build the seeds of ``ann``'s graph now unless they are built (the shard's start: no query waits), or
+        restore those its snapshot kept (:mod:`.low_seeds_state`)."""
         if ann._index is not self._index:  # noqa: SLF001
             self._next = None
             self._timed_build(ann, int(ann._index.ntotal), "at start")  # noqa: SLF001
@@ -214,12 +215,32 @@ class LowSeeds:
             if low.any():
                 self._set_ids(np.concatenate([self._ids, self._seen + np.flatnonzero(low)]), st)
             self._seen = a
+        low_seeds_state.mark(self, ann)  # (a tuple: what a snapshot's writer thread reads whole)
 
     def _timed_build(self, ann, a: int, where: str) -> None:
-        """:meth:`_build` here, its vectors, time and ``where`` kept in :attr:`built` (the shard logs them)."""
+        """:meth:`_build` here (or the snapshot's seeds restored: :meth:`_restore`), its vectors, time and ``where``
+        kept in :attr:`built` (the shard logs them)."""
         t = time.perf_counter()
-        self._build(ann)
+        if not self._restore(ann):
+            self._build(ann)
+        else:
+            where = "from the snapshot"
         self.built.append((a, time.perf_counter() - t, where))
+        low_seeds_state.mark(self, ann)
+
+    def _restore(self, ann) -> bool:
+        """Take the seeds ``ann``'s snapshot kept for its graph (:func:`.low_seeds_state.take`) when they fit it; the
+        int8 copy is made anew (the same rows and bounds)."""
+        if (saved := low_seeds_state.take(ann)) is None:
+            return False
+        st = ann.storage()
+        huge_pages(ann, collapse=True)
+        if self.INT8_WALK:
+            self._g.follow(st, rebuild=True)
+        self._probes, self._thresh, ids, self._built_at, self._seen = saved
+        self._index = ann._index  # noqa: SLF001
+        self._set_ids(ids, st)
+        return True
 
     def _adopt(self, job) -> None:
         """Take a finished :func:`refresh_seeds` job's probes and seeds; the vectors added since it read the graph are

@@ -10,7 +10,9 @@ re-analysing the texts (and written anew by the next snapshot). Format 3: with H
 are saved once, in ``dense.faiss`` (the graph's own storage), and ``chunks.arrow`` has no
 ``vector`` column; a shard of another index kind reads them out of that file. Format 4 (only
 when the shard has some): ``dense_tail.npy``, the HNSW vectors acknowledged but not inserted into
-the graph yet (deferred inserts, :mod:`..index.ann`), loaded back as such. Every file is written atomically (temporary file, fsync, rename, fsync of
+the graph yet (deferred inserts, :mod:`..index.ann`), loaded back as such. With HNSW, ``dense_seeds.npz`` (when the
+shard has built them): the dense minimum's seeds, restored at start (:mod:`..index.low_seeds_state`; optional, an
+older snapshot's shard builds them anew). Every file is written atomically (temporary file, fsync, rename, fsync of
 the directory); ``CURRENT`` switches last, so a crash leaves the previous snapshot live.
 ``chunks.arrow`` is an Arrow IPC stream of record batches of at most
 :data:`.chunks.BATCH_ROWS` rows (one batch before snap18: every format reads both), or a hard
@@ -32,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import records
+from ..index import low_seeds_state
 from ..index.bm25 import PostingsIndex
 from ..index.objstore import MirroredLog
 from ..index.wal import WriteAheadLog, fsync_write, fsync_write_with
@@ -113,6 +116,8 @@ def _write_snapshot_files(snap: Path, store: ChunkStore, memory: MemoryStore) ->
         np.savez(buf, ann_slot=ann["ann_slot"], live_slots=store.fields.slots(),
                  trained_at=ann["trained_at"], kind=ann["kind"])  # the batch holds the chunks in slot order
         fsync_write(snap / "dense.npz", buf.getvalue())
+        if (seeds := low_seeds_state.encode(store.dense.ann)) is not None:  # HNSW: the dense minimum's seeds
+            fsync_write(snap / low_seeds_state.NAME, seeds)
     meta = {"format_version": 4 if (snap / "dense_tail.npy").exists() else FORMAT_VERSION,
             "applied_seq": store.applied_seq, "dim": store.dim,
             "next_slot": store.next_slot, "chunks": rows[0], "analyzer": {"stem": store.analyzer.stem}}
@@ -237,6 +242,7 @@ def _load_ann(snap: Path, store: ChunkStore, say: Say = None) -> None:
                 state = {"kind": str(meta["kind"]), "faiss": f, "ann_slot": meta["ann_slot"],
                          "trained_at": int(meta["trained_at"]), "tail": _tail(snap)}
                 if store.dense.load_ann(state, remap):
+                    low_seeds_state.stash(store.dense.ann, snap / low_seeds_state.NAME)
                     return _built_with(store, say)
         except (OSError, ValueError, KeyError, RuntimeError):
             pass  # rebuilt below

@@ -1,0 +1,77 @@
+"""The HNSW dense-minimum seeds (:class:`.dense_low.LowSeeds`) kept in a snapshot
+(``dense_seeds.npz``) and restored at load, so that a restart searches from the seeds the shard
+had, not from seeds built anew over the whole graph (trial45: after 15K writes, a restart changed
+66-82 of 1,610 ``HYBRID`` replies through the dense minimum, an estimate whose value depends on
+the seeds).
+
+A running shard's seeds depend on its history: built where first needed, rebuilt as the graph
+doubles, extended by the vectors added since (each tested against the probes). Their state is
+``(probes float32[P, D], thresholds float32[P], ids int64[S], built_at, seen)`` for one FAISS
+index: :func:`mark` keeps it on the :class:`.ann.AnnIndex` as one tuple, replaced whole at every
+change, so a snapshot's writer thread reads it whole while the shard answers queries (a snapshot
+holds every write and graph insert until it is done, so the graph it writes is the one the tuple
+was made for, or the tuple is older and the restored seeds extend it as the shard would have).
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+
+NAME = "dense_seeds.npz"
+
+
+def mark(seeds, ann) -> None:
+    """Keep ``seeds``' state for a snapshot (:func:`encode`) on ``ann``, whose graph they serve."""
+    ann.low_seeds_state = (seeds._index, seeds._probes, seeds._thresh, seeds._ids, seeds._built_at,  # noqa: SLF001
+                           seeds._seen)  # noqa: SLF001
+
+
+def encode(ann) -> bytes | None:
+    """``dense_seeds.npz``'s bytes for the graph of ``ann`` (None: no HNSW graph, or no seeds built for it)."""
+    index = getattr(ann, "_index", None)
+    got = getattr(ann, "low_seeds_state", None)
+    if index is None or got is None or got[0] is not index or got[5] > int(index.ntotal):
+        return None
+    _, probes, thresh, ids, built_at, seen = got
+    buf = io.BytesIO()
+    np.savez(buf, probes=probes, thresh=thresh, ids=ids, built_at=np.int64(built_at), seen=np.int64(seen))
+    return buf.getvalue()
+
+
+def decode(path: Path) -> tuple | None:
+    """``(probes, thresholds, ids, built_at, seen)`` from a :func:`encode` file; None when absent or unreadable."""
+    if not path.exists():
+        return None
+    try:
+        with np.load(path) as z:
+            return (np.ascontiguousarray(z["probes"], np.float32), np.ascontiguousarray(z["thresh"], np.float32),
+                    np.ascontiguousarray(z["ids"], np.int64), int(z["built_at"]), int(z["seen"]))
+    except (OSError, ValueError, KeyError, EOFError):
+        return None
+
+
+def stash(ann, path: Path) -> None:
+    """(A snapshot's load, right after ``ann``'s graph was) keep the seeds of ``path`` for the graph just loaded:
+    :meth:`.dense_low.LowSeeds.prepare` takes them while it is still that graph (not one a compaction made since)."""
+    saved = decode(path)
+    ann.saved_seeds = None if saved is None else (ann._index, saved)  # noqa: SLF001
+
+
+def take(ann) -> tuple | None:
+    """The seeds :func:`stash` kept for ``ann``'s current graph, once (None: none, another graph, or unfit)."""
+    got, ann.saved_seeds = getattr(ann, "saved_seeds", None), None
+    if got is None or got[0] is not ann._index or not valid(got[1], ann):  # noqa: SLF001
+        return None
+    return got[1]
+
+
+def valid(saved: tuple, ann) -> bool:
+    """Whether a :func:`decode` state fits ``ann``'s graph: its dimension, seeds among the ``seen``
+    first vectors, ``built_at <= seen <= ntotal``."""
+    probes, thresh, ids, built_at, seen = saved
+    a = int(ann._index.ntotal)  # noqa: SLF001
+    return (probes.ndim == 2 and probes.shape[1] == ann.dim and thresh.shape == (probes.shape[0],) and ids.ndim == 1
+            and 0 <= built_at <= seen <= a and (ids.size == 0 or (int(ids.min()) >= 0 and int(ids.max()) < seen)))
