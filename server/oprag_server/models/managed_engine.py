@@ -43,13 +43,14 @@ def transformers_cli() -> str | None:
     return str(cand) if cand.is_file() else shutil.which("transformers")
 
 
-def _die_with_parent() -> None:  # runs in the child before exec (Linux): SIGTERM when we die
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+#: ``python -c`` program that runs ``argv[1:]`` (PATH lookup) with SIGTERM as its parent-death signal (Linux
+#: ``PR_SET_PDEATHSIG``: the engine ends with the server; exec keeps it). Not a ``preexec_fn``: that makes subprocess
+#: fork() instead of vfork(), and the server's gRPC then restarts its poller in the child, which can meet the epoll fd
+#: ``close_fds`` closed and abort before the exec (grpc/grpc#43157; seen as a CLI exit -6 in a test, session 45)
+WITH_PDEATHSIG = ("import ctypes, os, signal, sys\n"
+                  "try:\n    ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, signal.SIGTERM)\n"
+                  "except (OSError, AttributeError):\n    pass\n"
+                  "os.execvp(sys.argv[1], sys.argv[1:])")
 
 
 def _free_port() -> int:
@@ -112,8 +113,8 @@ class ManagedEngine:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         try:
-            self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True, preexec_fn=_die_with_parent)
+            self.proc = subprocess.Popen([sys.executable, "-c", WITH_PDEATHSIG, *self.command()], stdout=out,
+                                         stderr=subprocess.STDOUT, env=env, start_new_session=True)
         finally:
             if out is not subprocess.DEVNULL:
                 out.close()
