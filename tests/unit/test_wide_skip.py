@@ -62,7 +62,7 @@ def _pass(ix, w, terms, idf, m, avgdl, k1, b, bounds, thr0, keep_narrow=True):
         d_off, ds, dt = np.zeros(len(terms) + 1, np.int64), ds[:0], dt[:0]
     cap = ix._doc_len.size  # noqa: SLF001
     q = (tids, idf, seg.offsets, seg.slots, seg.tf, d_off, ds, dt, is_wide, row, w.rows, w.span)
-    bmax, bratio = (w.bmax, w.bratio) if bounds else wide_rows._NO_BOUNDS  # noqa: SLF001
+    bmax, bratio = (w.bmax, w.bratio) if bounds else kernels_wide._NO_BOUNDS  # noqa: SLF001
     cx, cv, listed, mx, _ = kk.wide_pass(ix._where, lt._SEG, ix._doc_len, w.seg_len, *q, m, avgdl, k1, b,  # noqa: SLF001
                                          np.zeros(cap, np.float32), np.zeros(cap, np.uint8), bmax, bratio, thr0)
     got = kk.wide_finish(cx, cv, m, ix._where, lt._SEG, ix._doc_len, *q, avgdl, k1, b)  # noqa: SLF001

@@ -162,13 +162,18 @@ class LowSeeds:
         self._codes, self._scale = np.empty((ids.size, st.shape[1]), np.int8), np.empty(ids.size, np.float32)
         self._se = kernels_scan.quantize(np.ascontiguousarray(st[self._ids]), self._codes, self._scale)
 
-    def _build(self, ann) -> None:
+    def _new_graph(self, ann) -> np.ndarray:
+        """(Seeds for a graph not seen yet) its storage float32[A, D], huge pages folded, the int8 copy made anew."""
         st = ann.storage()
-        a = st.shape[0]
         huge_pages(ann, collapse=True)
-        self._index, self._built_at, self._seen = ann._index, a, a  # noqa: SLF001
         if self.INT8_WALK:
             self._g.follow(st, rebuild=True)
+        return st
+
+    def _build(self, ann) -> None:
+        st = self._new_graph(ann)
+        a = st.shape[0]
+        self._index, self._built_at, self._seen = ann._index, a, a  # noqa: SLF001
         if a == 0:
             self._set_ids(np.zeros(0, np.int64), st)
             self._probes, self._thresh = np.zeros((0, ann.dim), np.float32), np.zeros(0, np.float32)
@@ -233,10 +238,7 @@ class LowSeeds:
         int8 copy is made anew (the same rows and bounds)."""
         if (saved := low_seeds_state.take(ann)) is None:
             return False
-        st = ann.storage()
-        huge_pages(ann, collapse=True)
-        if self.INT8_WALK:
-            self._g.follow(st, rebuild=True)
+        st = self._new_graph(ann)
         self._probes, self._thresh, ids, self._built_at, self._seen = saved
         self._index = ann._index  # noqa: SLF001
         self._set_ids(ids, st)

@@ -170,8 +170,7 @@ def wide_pass(where, seg_code, doc_len, seg_len, tids, idf, offsets, pslots, ptf
     one = np.zeros(1, np.int32)
     onef = one.view(np.float32)
     bq = np.empty(_BLOCK + 1, np.int64)
-    off = np.empty(_BLOCK // SUB + 1, np.int64)  # a block's sub-blocks: off[h] its h-th's first slot
-    skp = np.zeros(_BLOCK // SUB, np.bool_)
+    skp = np.zeros(_BLOCK // SUB, np.bool_)  # a block's sub-blocks of SUB slots skipped
     for base in range(0, span, _BLOCK):
         n = min(_BLOCK, span - base)
         for i in range(n_pos):
@@ -187,7 +186,6 @@ def wide_pass(where, seg_code, doc_len, seg_len, tids, idf, offsets, pslots, ptf
         ns = (n + SUB - 1) // SUB
         thr32 = np.float32(thr * (1.0 - 1e-7))
         for h in range(ns):
-            off[h] = h * SUB
             skp[h] = False
             if skip and thr > 0.0:  # (la >= 0: the integer maximum of its bit patterns vectorises)
                 one[0] = _max(lai[h * SUB:min(h * SUB + SUB, n)])
@@ -195,13 +193,12 @@ def wide_pass(where, seg_code, doc_len, seg_len, tids, idf, offsets, pslots, ptf
                 if bound < np.float64(thr32):  # no chunk of the sub-block reaches the threshold
                     skp[h] = True
                     mxf[1, g0 + h] = np.float32(bound * (1.0 + 1e-6))
-        off[ns] = n
         h = 0
         while h < ns:  # runs of scored and of skipped sub-blocks
             e = h + 1
             while e < ns and skp[e] == skp[h]:
                 e += 1
-            lo, hi = off[h], off[e]
+            lo, hi = h * SUB, min(e * SUB, n)
             if skp[h]:
                 listed += _count(rows, base + lo, wpos, where[base + lo:base + hi], la[lo:hi], seg_code, u)
             else:
@@ -210,7 +207,7 @@ def wide_pass(where, seg_code, doc_len, seg_len, tids, idf, offsets, pslots, ptf
                                 bq)
                 listed += cnt
                 for g in range(h, e):
-                    mx[0, g0 + g] = _max(bits[off[g]:off[g + 1]])
+                    mx[0, g0 + g] = _max(bits[g * SUB:min(g * SUB + SUB, n)])
                     mx[1, g0 + g] = mx[0, g0 + g]
                 bx, bv, nb, thr = _keep(bx, bv, nb, thr, m, base + lo, s[lo:hi], bq, k)
             h = e

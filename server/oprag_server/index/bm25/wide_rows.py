@@ -9,7 +9,6 @@ import numpy as np
 
 #: the wide pass skips the blocks whose upper bound is below its threshold; False: it scores every block
 SKIP = True
-_NO_BOUNDS = (np.zeros((0, 0), np.uint8), np.zeros((0, 0), np.float32))
 
 
 class WideRows:
@@ -67,7 +66,11 @@ class WideRows:
 
 def bounds(w: WideRows) -> tuple[np.ndarray, np.ndarray]:
     """``(bmax, bratio)`` of :func:`..kernels_wide_keep.wide_pass` for ``w``'s rows (none: ``SKIP`` False)."""
-    return (w.bmax, w.bratio) if SKIP else _NO_BOUNDS
+    if SKIP:
+        return w.bmax, w.bratio
+    from ..kernels_wide import _NO_BOUNDS  # noqa: PLC0415 - numba only in processes that score
+
+    return _NO_BOUNDS
 
 
 def start(at_scores: np.ndarray | None, m: int) -> float:
