@@ -79,6 +79,9 @@ _OPTIONS: tuple[tuple[str, str, str, str], ...] = (
     ("--hnsw-m", "dense", "hnsw_m", "HNSW graph degree M, 2 to 512"),
     ("--ef-construction", "dense", "ef_construction", "HNSW build beam width"),
     ("--ef-search", "dense", "ef_search", "default HNSW search beam (a request's ef_search overrides it)"),
+    ("--hybrid-ef-search", "dense", "hybrid_ef_search", "HNSW beam of a hybrid request that leaves ef_search 0, on a "
+     "shard where a query term occurs, when below --ef-search (0: --ef-search; a shard where no query term occurs "
+     "keeps --ef-search)"),
     ("--nprobe", "dense", "nprobe", "default IVF lists visited per query (a request's nprobe overrides it)"),
     ("--ivf-train-min", "dense", "train_min", "vectors a shard holds before its IVF is trained (exact before; at least 39)"),
     ("--ann-tail", "dense", "ann_tail", "HNSW: acknowledged vectors a shard may hold outside the graph (found by an "
@@ -195,8 +198,8 @@ def build_parser(prog: str = "oprag serve") -> argparse.ArgumentParser:
 
 
 #: the --dense-index kinds each index option applies to
-ANN_OPTIONS = {"hnsw_m": ("hnsw",), "ef_construction": ("hnsw",), "ef_search": ("hnsw",), "ann_tail": ("hnsw",),
-               "nprobe": ("ivf",), "train_min": ("ivf",), "ann_check": ("hnsw", "ivf")}
+ANN_OPTIONS = {"hnsw_m": ("hnsw",), "ef_construction": ("hnsw",), "ef_search": ("hnsw",), "hybrid_ef_search": ("hnsw",),
+               "ann_tail": ("hnsw",), "nprobe": ("ivf",), "train_min": ("ivf",), "ann_check": ("hnsw", "ivf")}
 
 
 def config_from_args(a: argparse.Namespace) -> ServerConfig:

@@ -52,6 +52,8 @@ class DenseConfig:
     :param kind: ``flat`` (exact scan), ``hnsw`` or ``ivf``.
     :param hnsw_m: HNSW graph degree M in [2, 512]. :param ef_construction: HNSW build beam width.
     :param ef_search: default HNSW search beam width (raised to the number of results asked).
+    :param hybrid_ef_search: HNSW: the beam of a ``hybrid`` request that leaves ``ef_search`` 0 on a shard where a
+        query term occurs, when below ``ef_search`` (0: ``ef_search``; :mod:`.shards.beams`).
     :param nprobe: default IVF lists visited per query.
     :param train_min: vectors a shard holds before its IVF is trained (exact search before; at least 39: index.ann).
     :param ann_tail: HNSW: vectors an ingest may leave outside the graph (searched by an exact
@@ -60,21 +62,22 @@ class DenseConfig:
     :param ann_check: HNSW / IVF: sampled chunks a dense list is checked against (0: none; :mod:`..shards.ann_check`).
 
     HNSW defaults (issue 13, ``bench/hnsw_params.py``, bench/RESULTS.md): one shard of MiniLM vectors (real + derived
-    as ``bench/scale.py`` makes them), M 32, recall of the exact top-256 (the dense-first window) at ef_search 256 /
-    384 / 512: efConstruction 200 (the former default) 0.971 / 0.990 / 0.995 at 100K vectors, building 1,500 vectors/s
-    on one core; efConstruction 80: 0.955 / 0.979 / 0.990 at 100K and 0.948 / 0.972 / 0.983 at 200K, building 3,950 /
-    3,600 per s; efConstruction 40: 0.988 at 100K but 0.979 at 200K (ef_search 512). M 16 stays below 0.96 at
-    ef_search 256 whatever efConstruction. At 500K vectors per shard (the 1M bench), ef_search 512: efConstruction 40
-    / 48 / 56 / 80 give 0.944 / 0.956 / 0.9645 / 0.9643 (ingest8, bench/RESULTS.md), but the build's CPU time is the
-    same at 56 and 80 (200K vectors, 1,000 a batch: 48.1 / 51.2 s vs 50.2 / 47.1 s alternating): FAISS's insert cost
-    here is the neighbour-list upkeep of M 32, not the beam, so efConstruction stays 80 with ef_search 512 (~1-1.5 ms
-    a query on one core; M 24 at 500K: 0.83). A larger shard needs a larger ef_search.
+    as ``bench/scale.py`` makes them), M 32, recall of the exact top-256 (the dense-first window) at ef_search 256 / 384 /
+    512: efConstruction 200 (the former default) 0.971 / 0.990 / 0.995 at 100K vectors, building 1,500 vectors/s on one
+    core; efConstruction 80: 0.955 / 0.979 / 0.990 at 100K and 0.948 / 0.972 / 0.983 at 200K, building 3,950 / 3,600 per
+    s; efConstruction 40: 0.988 at 100K but 0.979 at 200K (ef_search 512). M 16 stays below 0.96 at ef_search 256
+    whatever efConstruction. At 500K vectors per shard (the 1M bench), ef_search 512: efConstruction 40 / 48 / 56 / 80
+    give 0.944 / 0.956 / 0.9645 / 0.9643 (ingest8, bench/RESULTS.md), but the build's CPU time is the same at 56 and 80
+    (200K vectors, 1,000 a batch: 48.1 / 51.2 s vs 50.2 / 47.1 s alternating): FAISS's insert cost here is the
+    neighbour-list upkeep of M 32, not the beam, so efConstruction stays 80 with ef_search 512 (~1-1.5 ms a query on
+    one core; M 24 at 500K: 0.83). A larger shard needs a larger ef_search.
     """
 
     kind: str = "flat"
     hnsw_m: int = 32
     ef_construction: int = 80
     ef_search: int = 512
+    hybrid_ef_search: int = 320
     nprobe: int = 32
     train_min: int = 4096
     ann_tail: int = 131072
@@ -83,8 +86,8 @@ class DenseConfig:
     def __post_init__(self) -> None:
         if self.kind not in DENSE_INDEX_KINDS:
             raise ValueError(f"dense index must be one of {', '.join(DENSE_INDEX_KINDS)}, got {self.kind!r}")
-        for name in ("ann_tail", "ann_check", "hnsw_m", "ef_construction", "ef_search", "nprobe", "train_min"):  # (FAISS: M 1 segfaults)
-            low, high = {"hnsw_m": (2, 512), "ef_search": (1, 65536), "nprobe": (1, 65536)}.get(name, (0 if name.startswith("ann_") else 1, None))
+        for name in ("ann_tail", "ann_check", "hnsw_m", "ef_construction", "ef_search", "hybrid_ef_search", "nprobe", "train_min"):  # (FAISS: M 1 segfaults)
+            low, high = {"hnsw_m": (2, 512), "ef_search": (1, 65536), "hybrid_ef_search": (0, 65536), "nprobe": (1, 65536)}.get(name, (0 if name.startswith("ann_") else 1, None))
             if not low <= getattr(self, name) <= (high or getattr(self, name)):  # (a request's ef_search / nprobe: at most 65536)
                 raise ValueError(f"{name} must be {f'in [{low}, {high}]' if high else f'>= {low}'}, got {getattr(self, name)}")
 
@@ -110,12 +113,9 @@ class RetrievalConfig:
     hybrid_candidates: int = 64  # flat: N of a min-max hybrid request's first round with candidates 0 (0: candidates)
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.monitor_fraction <= 1.0:
-            raise ValueError(f"monitor_fraction must be in [0, 1], got {self.monitor_fraction}")
-        if not 1 <= self.candidates <= self.max_candidates:
-            raise ValueError(f"candidates must be in [1, {self.max_candidates}], got {self.candidates}")
-        if not 1 <= self.default_top_k <= self.max_top_k:
-            raise ValueError(f"default_top_k must be in [1, {self.max_top_k}], got {self.default_top_k}")
+        for name, low, high in (("monitor_fraction", 0, 1), ("candidates", 1, self.max_candidates), ("default_top_k", 1, self.max_top_k)):
+            if not low <= getattr(self, name) <= high:
+                raise ValueError(f"{name} must be in [{low}, {high}], got {getattr(self, name)}")
         for name, most in (("lexical_candidates", self.max_candidates), ("hybrid_candidates", self.max_candidates),
                            ("widen_rounds", 16)):  # (each round asks 4x the lists: 4^16 exceeds any shard)
             if not 0 <= getattr(self, name) <= most:

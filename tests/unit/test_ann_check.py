@@ -448,7 +448,7 @@ def test_the_minimum_takes_the_samples_lowest_only_where_it_can_be_lower(how):
     live = check.members()
     sample_wins = 0
     for x, low in zip(qv, got):
-        cands = S._low.candidates(dense.ann, x[None])[0]
+        cands = S._low.candidates(dense.ann, x[None], dense.params.hybrid_ef_search)[0]  # (the hybrid beam: "w" occurs)
         walk = float(canonical_rows(dense.ann.storage(), cands, x).min()) if cands.size else np.inf
         samp = float(dense.exact_slots(x, live).min())
         assert low == min(walk, samp)

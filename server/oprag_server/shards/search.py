@@ -28,7 +28,7 @@ from ..index.bm25.listed_top import listed_top, listed_top_scored
 from ..index.dense_low import LowSeeds
 from ..index.fusion import refine_top, top_k_order
 from ..index.lexical_list import order_lexical_list
-from . import ann_check
+from . import ann_check, beams
 from .chunks import ChunkStore
 from .carried import FieldsMixin, Later
 from .exact import ExactMixin
@@ -39,9 +39,8 @@ _NO_ROWS = np.zeros(0, np.int64)
 
 @functools.cache
 def _index_module(name: str):
-    """``..index.<name>`` (a numba module), imported on first use and kept (an ``importlib``
-    lookup per use cost ~10 us of a search): numba costs ~170 MB resident per process, and the
-    frontend imports this module (the shard process entry point) without searching."""
+    """``..index.<name>`` (a numba module), imported on first use and kept (an ``importlib`` lookup per use cost ~10 us
+    of a search): numba costs ~170 MB per process; the frontend imports this module (the shard entry) without searching."""
     return importlib.import_module(f"..index.{name}", __package__)
 
 
@@ -52,8 +51,7 @@ _kernels, _kernels_scan, _kernels_low, _kernels_refine = (
 class Searcher(ExactMixin, FieldsMixin):
     """Read side of one shard (exact mode: :class:`.exact.ExactMixin`; stored fields: :class:`.carried.FieldsMixin`)."""
 
-    #: vectors sampled (evenly by slot) to estimate the corpus-wide dense minimum
-    SAMPLE = 512
+    SAMPLE = 512  #: vectors sampled (evenly by slot) to estimate the corpus-wide dense minimum
 
     #: approximate scores of a flat index from its int8 copy (:mod:`..index.kernels_scan`);
     #: False: the float32 BLAS scan (the same results, tested)
@@ -90,9 +88,11 @@ class Searcher(ExactMixin, FieldsMixin):
                 tops, lows = self._kernel_tops(q, allowed, n)
             else:
                 plain = [i for i, a in enumerate(allowed) if a is None]
-                faiss_res = self._dense_tops(q, plain, n, req.ef_search, req.nprobe) if plain else {}
-                knobs = st.dense.last_knobs  # the widest beam a check asked for (reported, not the minimum's)
-                lows = self._ann_lows(q, plain, req.ef_search, req.nprobe)
+                faiss_res, lows, knobs = {}, [None] * B, {}
+                for ef, which in beams.of(st, req, plain).items():
+                    faiss_res |= self._dense_tops(q, which, n, ef, req.nprobe)
+                    knobs, got = beams.widest(knobs, st.dense.last_knobs), self._ann_lows(q, which, ef, req.nprobe)
+                    lows = [got[i] if i in which else low for i, low in enumerate(lows)]  # (knobs: not the minimum's)
                 st.dense.last_knobs = knobs or st.dense.last_knobs
                 tops = [faiss_res.get(i) for i in range(B)]
                 for i in range(B):
