@@ -293,7 +293,7 @@ def cmd_stats(a) -> int:
         "embedder": r.embedder,
         "generator": r.generator,
         # every ShardStats field under its proto name: counts, applied_seq, the memory estimates in
-        # bytes (postings_bytes ... chunks_bytes), ann_pending, merge_pending, segment_unsaved_bytes
+        # bytes (postings_bytes ... chunks_bytes), ann_pending, merge_pending, segment_unsaved_bytes, seeds_pending
         "shards": [{f.name: getattr(s, f.name) for f in s.DESCRIPTOR.fields} for s in r.shards],
         "missing_shards": list(r.missing_shards),
     }

@@ -176,7 +176,7 @@ class Runtime:
         totals and ``shards``, and listed in ``missing_shards``).
 
         :returns: ``{"documents", "chunks", "memory_records", "seq", "embedder", "generator", "missing_shards",
-            "shards": [{"shard", "documents", "chunks", "memory_records", "applied_seq", "bytes", "ann_pending", "merge_pending"}, ...]}``
+            "shards": [{"shard", "documents", "chunks", "memory_records", "applied_seq", "bytes", "ann_pending", "merge_pending", "segment_unsaved", "seeds_pending"}, ...]}``
             (``bytes``: ``{component: bytes}``, :meth:`.shards.chunks.ChunkStore.nbytes`)
             with shards in id order; ``generator`` is ``"none"`` without a generator; ``seq`` the
             last sequence number every shard applied (not one a failed write took: trial16).
@@ -184,7 +184,8 @@ class Runtime:
         got, missing = await self.pool.gather_partial(Op.STATS, StatsRequest())
         shards = [{"shard": r.shard, "documents": r.documents, "chunks": r.chunks,
                    "memory_records": r.memory_records, "applied_seq": r.applied_seq, "bytes": r.nbytes or {}, "ann_pending": getattr(r, "ann_pending", 0),
-                   "merge_pending": getattr(r, "merge_pending", 0), "segment_unsaved": getattr(r, "segment_unsaved", 0)}
+                   "merge_pending": getattr(r, "merge_pending", 0), "segment_unsaved": getattr(r, "segment_unsaved", 0),
+                   "seeds_pending": getattr(r, "seeds_pending", 0)}
                   for _, r in sorted(got.items())]
         return {
             **{k: sum(s[k] for s in shards) for k in ("documents", "chunks", "memory_records")},

@@ -473,7 +473,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ShardStats(_message.Message):
-    __slots__ = ("shard", "documents", "chunks", "memory_records", "applied_seq", "postings_bytes", "terms_bytes", "vectors_bytes", "ann_bytes", "chunks_bytes", "ann_pending", "merge_pending", "segment_unsaved_bytes")
+    __slots__ = ("shard", "documents", "chunks", "memory_records", "applied_seq", "postings_bytes", "terms_bytes", "vectors_bytes", "ann_bytes", "chunks_bytes", "ann_pending", "merge_pending", "segment_unsaved_bytes", "seeds_pending")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
@@ -487,6 +487,7 @@ class ShardStats(_message.Message):
     ANN_PENDING_FIELD_NUMBER: _ClassVar[int]
     MERGE_PENDING_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_UNSAVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SEEDS_PENDING_FIELD_NUMBER: _ClassVar[int]
     shard: int
     documents: int
     chunks: int
@@ -500,7 +501,8 @@ class ShardStats(_message.Message):
     ann_pending: int
     merge_pending: int
     segment_unsaved_bytes: int
-    def __init__(self, shard: _Optional[int] = ..., documents: _Optional[int] = ..., chunks: _Optional[int] = ..., memory_records: _Optional[int] = ..., applied_seq: _Optional[int] = ..., postings_bytes: _Optional[int] = ..., terms_bytes: _Optional[int] = ..., vectors_bytes: _Optional[int] = ..., ann_bytes: _Optional[int] = ..., chunks_bytes: _Optional[int] = ..., ann_pending: _Optional[int] = ..., merge_pending: _Optional[int] = ..., segment_unsaved_bytes: _Optional[int] = ...) -> None: ...
+    seeds_pending: int
+    def __init__(self, shard: _Optional[int] = ..., documents: _Optional[int] = ..., chunks: _Optional[int] = ..., memory_records: _Optional[int] = ..., applied_seq: _Optional[int] = ..., postings_bytes: _Optional[int] = ..., terms_bytes: _Optional[int] = ..., vectors_bytes: _Optional[int] = ..., ann_bytes: _Optional[int] = ..., chunks_bytes: _Optional[int] = ..., ann_pending: _Optional[int] = ..., merge_pending: _Optional[int] = ..., segment_unsaved_bytes: _Optional[int] = ..., seeds_pending: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("documents", "chunks", "memory_records", "seq", "shards", "embedder", "generator", "missing_shards")

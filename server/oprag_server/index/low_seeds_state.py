@@ -75,3 +75,31 @@ def valid(saved: tuple, ann) -> bool:
     a = int(ann._index.ntotal)  # noqa: SLF001
     return (probes.ndim == 2 and probes.shape[1] == ann.dim and thresh.shape == (probes.shape[0],) and ids.ndim == 1
             and 0 <= built_at <= seen <= a and (ids.size == 0 or (int(ids.min()) >= 0 and int(ids.max()) < seen)))
+
+
+def pending(seeds) -> int:
+    """Vectors of the graph a thread is making new seeds for (:func:`.dense_low.refresh_seeds`, the graph grew 2x),
+    until the shard takes them (:func:`adopt_done`, or the next query); 0 when none. While it is not 0, a HYBRID
+    request's fused scores may still move a little once they are taken (``Stats``' ``seeds_pending``)."""
+    job = getattr(seeds, "_next", None)
+    return int(job.a) if job is not None else 0
+
+
+def done(seeds) -> bool:
+    """Whether a :func:`pending` job has finished, so that :func:`adopt_done` would take its seeds."""
+    job = getattr(seeds, "_next", None)
+    return job is not None and job.thread is not None and not job.thread.is_alive()
+
+
+def adopt_done(seeds, ann) -> bool:
+    """(Between requests) take the seeds of a finished :func:`pending` job for ``ann``'s graph, as the next query's
+    update would (``LowSeeds._adopt``), so that the shard settles without a query; a job for a graph since replaced
+    is dropped (the next query that needs seeds makes them, as before). :returns: whether a job was taken or dropped."""
+    if not done(seeds):
+        return False
+    if ann is not None and ann._index is seeds._index:  # noqa: SLF001
+        seeds._adopt(seeds._next)  # noqa: SLF001
+        mark(seeds, ann)
+    else:
+        seeds._next = None  # noqa: SLF001
+    return True

@@ -388,12 +388,12 @@ def stats_response(st: dict) -> oprag_pb2.StatsResponse:
     """``StatsResponse`` from ``Runtime.stats()``: a dict with ``documents``, ``chunks``,
     ``memory_records``, ``seq``, ``embedder``, ``generator`` and ``shards`` (one dict per
     answering shard with ``shard``, ``documents``, ``chunks``, ``memory_records``, ``applied_seq``
-    and ``bytes``, ``{component: bytes}``, see :data:`BYTE_FIELDS`; optional ``ann_pending``, ``merge_pending`` and ``segment_unsaved``)."""
+    and ``bytes``, ``{component: bytes}``, see :data:`BYTE_FIELDS`; optional ``ann_pending``, ``merge_pending``, ``segment_unsaved`` and ``seeds_pending``)."""
     return oprag_pb2.StatsResponse(
         documents=st["documents"], chunks=st["chunks"], memory_records=st["memory_records"], seq=st["seq"],
         shards=[oprag_pb2.ShardStats(**{k: s[k] for k in _SHARD_FIELDS}, ann_pending=int(s.get("ann_pending", 0)),
                                      merge_pending=int(s.get("merge_pending", 0)),
-                                     segment_unsaved_bytes=int(s.get("segment_unsaved", 0)),
+                                     segment_unsaved_bytes=int(s.get("segment_unsaved", 0)), seeds_pending=int(s.get("seeds_pending", 0)),
                                      **{f: int(s.get("bytes", {}).get(c, 0)) for f, c in BYTE_FIELDS.items()})
                 for s in st["shards"]],
         embedder=st["embedder"], generator=st["generator"], missing_shards=st.get("missing_shards", []),

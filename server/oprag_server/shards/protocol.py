@@ -143,8 +143,7 @@ class SearchReply:
 
 @message
 class ExactMinmaxRequest:
-    """Exact min-max hybrid (one round): per query ``k[i]`` results and the fusion's
-    ``weights[i] = (dense, lexical)``; ``n``-long rank lists."""
+    """Exact min-max hybrid (one round): per query ``k[i]`` results, the fusion's ``weights[i]``; ``n``-long rank lists."""
 
     batch: QueryBatch
     k: list[int]
@@ -189,8 +188,8 @@ class ExactListsReply:
 # ---------------------------------------------------------------------------- writes
 @message
 class ReuseRequest:
-    """Stored vectors of the documents ``doc_ids`` (this shard owns them), and of any chunk
-    here whose content hash is in ``content_hashes`` (identical text, identical vector)."""
+    """Stored vectors of the documents ``doc_ids`` (this shard owns them), and of any chunk here whose content hash is
+    in ``content_hashes`` (identical text, identical vector)."""
 
     doc_ids: list[str]
     content_hashes: list[str] = field(default_factory=list)
@@ -349,6 +348,7 @@ class StatsReply:
     ann_pending: int = 0  # HNSW vectors searchable but not in the graph yet (deferred inserts)
     merge_pending: int = 0  # BM25 delta postings a merge folds or an idle merge will (PostingsIndex.merge_pending)
     segment_unsaved: int = 0  # bytes of BM25 segment in anonymous memory no snapshot holds (unsaved_nbytes)
+    seeds_pending: int = 0  # HNSW vectors a thread is making dense-minimum seeds for (low_seeds_state.pending)
 
 
 @message

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..index import low_seeds_state
 from ..index.bm25 import wide_warm
 from ..index.bm25.merge_gate import MergeGate
 from . import snapshot as snapshots
@@ -59,6 +60,7 @@ class ShardState:
         return StatsReply(shard=self.shard_id, documents=len(st.doc_slots), chunks=len(st.chunks),
                           memory_records=len(self.memory), applied_seq=st.applied_seq, nbytes=self._nbytes(),
                           ann_pending=st.dense.pending, merge_pending=st.postings.merge_pending(),
+                          seeds_pending=low_seeds_state.pending(self.search._low),  # noqa: SLF001
                           segment_unsaved=st.postings.unsaved_nbytes(),
                           lexical=st.postings.full_stats() if req is not None and req.lexical else None)
 
@@ -166,10 +168,14 @@ class ShardState:
         the two do not compete for the CPU with the queries at once; and while a prepared
         transaction waits for its apply). A write (a new store version) restarts the quiet time."""
         built = None if self.txns.prepared else self.store.dense.ann_building
-        if built:  # a background IVF retraining or HNSW compaction is done: installed between requests
+        low = self.search._low  # noqa: SLF001 - the dense minimum's seeds (a thread may be making new ones)
+        seeds = None if self.txns.prepared or not low_seeds_state.pending(low) else low_seeds_state.done(low)
+        if built or seeds:  # a background IVF retraining, HNSW compaction or seeds' build is done: installed between requests
             return 0.0
         wait = self._merge_wait()
-        return wait if built is None else min(self.MERGE_POLL_S, self.MERGE_POLL_S if wait is None else wait)
+        if built is None and seeds is None:
+            return wait
+        return min(self.MERGE_POLL_S, self.MERGE_POLL_S if wait is None else wait)
 
     def _merge_wait(self) -> float | None:
         p = self.store.postings
@@ -197,10 +203,16 @@ class ShardState:
         self.note()
 
     def install_finished(self) -> bool:
-        """Put a finished background IVF retraining or HNSW compaction in place (:meth:`.dense.DenseIndex.install_ann`;
-        not while a prepared transaction waits for its apply): :returns: whether one was. Between requests only (a
+        """Put a finished background IVF retraining or HNSW compaction in place (:meth:`.dense.DenseIndex.install_ann`),
+        or take the dense minimum's seeds a thread made (:func:`..index.low_seeds_state.adopt_done`); not while a
+        prepared transaction waits for its apply: :returns: whether one was. Between requests only (a
         shard process's idle step; a Ray actor before each call, its snapshot being written in one call)."""
-        if not self.store.dense.ann_building or self.txns.prepared:
+        if self.txns.prepared:
+            return False
+        if low_seeds_state.adopt_done(self.search._low, self.store.dense.ann):  # noqa: SLF001
+            self.note()  # (logs the seeds' build)
+            return True
+        if not self.store.dense.ann_building:
             return False
         self.store.dense.install_ann()
         self.say_trainings()
