@@ -127,8 +127,8 @@ def test_snapshot_keeps_the_structure_and_scores_stay_canonical(kind, tmp_path):
 def test_hnsw_default_build_parameters_are_used_and_beat_a_narrow_build():
     """The defaults (M 32, efConstruction 80, ef_search 512, config.DenseConfig) are what the FAISS
     graph is built with; on hard clustered vectors (32-wide, much noise) the default build finds
-    >= 0.8 of the exact top-50 where efConstruction 16 stays below 0.75 (measured at 56: 0.84 vs
-    0.69; efConstruction 4: 0.37)."""
+    >= 0.9 of the exact top-50 and efConstruction 16 at least 0.1 less (measured at 56: 0.84 vs
+    0.69 with FAISS's random levels; with levels by ANN id, session 46: 0.977 vs 0.778)."""
     cfg = DenseConfig(kind="hnsw")
     assert (cfg.hnsw_m, cfg.ef_construction, cfg.ef_search) == (32, 80, 512)
     V, q = _clustered(20000, seed=5), _clustered(40, seed=6)
@@ -141,7 +141,7 @@ def test_hnsw_default_build_parameters_are_used_and_beat_a_narrow_build():
             idx.add(part, V[part])
         assert idx._ann._index.hnsw.efConstruction == efc
         got[efc] = _recall(idx, flat, q, 50)
-    assert got[80] >= 0.8 and got[16] < 0.75
+    assert got[80] >= 0.9 and got[16] < got[80] - 0.1
 
 
 def test_a_graph_built_with_other_parameters_is_kept_and_said(tmp_path):

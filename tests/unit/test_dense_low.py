@@ -56,14 +56,18 @@ def _shard(vecs, start=0, sh=None, ann_tail=DenseConfig.ann_tail):
     sh = sh or ShardState(0, DIM, None, dense=DenseConfig(kind="hnsw", hnsw_m=16, ef_construction=40,
                                                            ann_tail=ann_tail, ann_check=0))  # (a check sample
     # holding every chunk gives the exact minimum instead: the seeds are for shards larger than it)
+    sh.store.upsert(pa.Table.from_batches([_batch(vecs, start)]), 1 + start)
+    return sh
+
+
+def _batch(vecs, start=0):
+    """One-chunk documents d<start>... (text "w") with the vectors ``vecs``, as a chunk batch."""
     n = len(vecs)
     ids = [f"d{start + i:05d}" for i in range(n)]
-    batch = records.make_chunk_batch(
+    return records.make_chunk_batch(
         chunk_ids=[f"{d}#0" for d in ids], doc_ids=ids, titles=[""] * n, texts=["w"] * n, metadata=[{}] * n,
         ordinals=[0] * n, generations=[1] * n, content_hashes=[hashlib.sha256(d.encode()).hexdigest() for d in ids],
         vectors=vecs)
-    sh.store.upsert(pa.Table.from_batches([batch]), 1 + start)
-    return sh
 
 
 def _mins(sh, qv, ef=0):

@@ -29,6 +29,33 @@ def _faiss():
     return faiss
 
 
+_MIX = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+
+
+def preset_levels(index, start: int, n: int) -> None:
+    """Give the ``n`` vectors about to be added to HNSW ``index`` (ANN ids ``start...``) their graph levels, a function
+    of each id alone, so that FAISS's ``add`` (which takes levels already set: ``hnsw.levels`` holding ``ntotal``
+    entries) builds the same graph from the same vectors in the same order whatever happened before: FAISS draws
+    them from the index's random generator, which a saved index does not keep, so after a restart a log replay or
+    a later ingest linked the same vectors differently (a restored shard answered other dense minima; session 46).
+    The distribution is FAISS's (``HNSW::random_level`` over ``assign_probas``), with the uniform variate of id ``i``
+    from the SplitMix64 finaliser of ``i`` (Steele, Lea and Flood 2014)."""
+    h = index.hnsw
+    probas = _faiss().vector_to_array(h.assign_probas)
+    x = np.arange(start, start + n, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        x = x + _MIX[0]
+        x = (x ^ (x >> np.uint64(30))) * _MIX[1]
+        x = (x ^ (x >> np.uint64(27))) * _MIX[2]
+        x ^= x >> np.uint64(31)
+    u = (x >> np.uint64(11)).astype(np.float64) * 2.0 ** -53  # [0, 1)
+    level = np.minimum(np.searchsorted(np.cumsum(probas), u, side="right"), max(probas.size - 1, 0))
+    old = int(h.levels.size())
+    h.levels.resize(old + n)
+    if n:  # (a view of the vector's buffer after the resize; FAISS keeps a node's level + 1)
+        _faiss().rev_swig_ptr(h.levels.data(), old + n)[old:] = level + 1
+
+
 def hnsw_storage(index) -> np.ndarray:
     """float32[A, D]: an ``IndexHNSWFlat``'s stored vectors by id, a zero-copy view of FAISS's
     memory (valid until the index changes)."""
@@ -133,6 +160,7 @@ class Copies:
         runs = np.flatnonzero(np.diff(np.r_[-2, (rep >= 0).astype(np.int64), -2]) != 0)
         for a, b in zip(runs[:-1], runs[1:]):
             if rep[a] < 0:
+                preset_levels(index, first + int(a), int(b - a))
                 index.add(x[a:b])
             else:
                 self._unlinked(index, x[a:b])
