@@ -187,7 +187,8 @@ def _unused_options(a) -> None:
     """:raises ValueError: an ``oprag query`` option that would do nothing: ``--max-new-tokens``
     with ``--no-generate`` (nothing is generated), ``--no-memory`` without ``--session`` (memory
     is kept per session: without one there is none to use or record), ``--candidates`` with
-    ``--mode dense`` or ``lexical`` (shards return the top-k of the one list)."""
+    ``--mode dense`` or ``lexical`` (shards return the top-k of the one list), ``--ef-search`` / ``--nprobe`` with
+    ``--mode lexical`` or ``full_hybrid`` (no approximate index is searched)."""
     if a.no_generate and a.max_new_tokens:
         raise ValueError("--max-new-tokens: --no-generate generates no answer (drop one of the two)")
     if a.no_memory and not a.session:
@@ -195,6 +196,10 @@ def _unused_options(a) -> None:
     if a.candidates and a.mode in ("dense", "lexical"):  # (accepted and echoed, hits unchanged: trial35)
         raise ValueError(f"--candidates: the window N applies to --mode hybrid and full_hybrid only (--mode {a.mode} "
                          "ranks one list: its top-k)")
+    for flag, value in (("--ef-search", a.ef_search), ("--nprobe", a.nprobe)):  # (trial46 #6)
+        if value and a.mode in ("lexical", "full_hybrid"):
+            raise ValueError(f"{flag}: the approximate dense search's knob applies to --mode hybrid and dense only "
+                             f"(--mode {a.mode} searches no approximate index)")
 
 
 def cmd_query(a) -> int:

@@ -236,6 +236,11 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
     if unused:
         logging.getLogger("oprag").warning("not used with --dense-index %s: %s", cfg.dense.kind, "; ".join(
             f"{f} (applies to {' / '.join(ANN_OPTIONS[name])})" for f, name in unused))
+    d = cfg.dense
+    if d.kind == "hnsw" and d.hybrid_ef_search >= d.ef_search and d.hybrid_ef_search != DenseConfig.hybrid_ef_search:
+        # (trial46 #3: a value given and ignored, silently)
+        logging.getLogger("oprag").warning("--hybrid-ef-search %d is not below --ef-search %d: hybrid requests search "
+                                           "with --ef-search (%d)", d.hybrid_ef_search, d.ef_search, d.ef_search)
     if cfg.cpu_latency_us != -1:  # its range (ValueError); app.serve checks it again when it holds the request
         from .cpu_latency import CpuLatencyRequest  # noqa: PLC0415
 

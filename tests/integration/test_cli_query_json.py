@@ -121,6 +121,9 @@ def test_query_rpc_json_has_retrieval_too(server):
     (("--no-memory",), 2, "oprag: --no-memory needs --session"),
     (("--mode", "lexical", "--candidates", "1000"), 2,
      "oprag: --candidates: the window N applies to --mode hybrid and full_hybrid only (--mode lexical ranks one list"),
+    (("--mode", "lexical", "--ef-search", "400"), 2,
+     "oprag: --ef-search: the approximate dense search's knob applies to --mode hybrid and dense only (--mode lexical"),
+    (("--mode", "full_hybrid", "--nprobe", "8"), 2, "oprag: --nprobe: the approximate dense search's knob applies"),
     (("--dense-weight", "1e7"), 1,
      "oprag: INVALID_ARGUMENT: fusion.dense_weight must be 0 or a number in [1e-12, 1e6], got 10000000.0"),
 ])

@@ -151,6 +151,11 @@ def test_serve_refuses_an_ivf_train_min_below_39_naming_the_flag_and_why():
     (["--dense-index", "ivf", "--nprobe", "5", "--ef-search", "9"], "not used with --dense-index ivf: --ef-search "
                                                                     "(applies to hnsw)"),
     (["--dense-index", "hnsw", "--ef-search", "9", "--ann-check", "5"], None),
+    (["--dense-index", "hnsw", "--hybrid-ef-search", "1000"], "--hybrid-ef-search 1000 is not below --ef-search 512: "
+                                                              "hybrid requests search with --ef-search (512)"),
+    (["--dense-index", "hnsw", "--hybrid-ef-search", "1000", "--ef-search", "2000"], None),
+    (["--dense-index", "flat", "--hybrid-ef-search", "100"], "not used with --dense-index flat: --hybrid-ef-search "
+                                                             "(applies to hnsw)"),
     ([], None)])
 def test_serve_warns_of_index_options_the_chosen_index_does_not_use(caplog, argv, said):
     """trial37 #7: ``--nprobe`` with ``flat`` was accepted silently (started anyway: switching index kinds keeps a script)."""

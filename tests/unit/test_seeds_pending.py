@@ -34,9 +34,9 @@ def gate(monkeypatch):
     return ev
 
 
-def _grown(seed):
-    """A shard whose seeds were built at 800 vectors (in a query), then grown to 1,700 (2x) and queried: the
-    thread for the new seeds has started."""
+def _grown(seed, query=True):
+    """A shard whose seeds were built at 800 vectors (in a query), then grown to 1,700 (2x) and, with ``query``,
+    queried: the thread for the new seeds has started."""
     rng = np.random.default_rng(seed)
     vecs, a = cone(rng, 1700)
     qv = np.concatenate([_unit(a + 0.3 * rng.normal(size=(30, DIM))), _unit(rng.normal(size=(30, DIM)))])
@@ -44,7 +44,8 @@ def _grown(seed):
     _shard(vecs[:800], sh=sh)
     _mins(sh, qv[:2])
     _shard(vecs[800:], start=800, sh=sh)
-    _mins(sh, qv[:2])  # (sees the graph grown 2x: starts the thread)
+    if query:
+        _mins(sh, qv[:2])  # (sees the graph grown 2x: starts the thread)
     return sh, qv
 
 
@@ -67,6 +68,27 @@ def test_pending_while_the_thread_runs_then_taken_between_requests(gate):
     twin.search._low._next.thread.join(30)  # noqa: SLF001
     assert _mins(sh, qv) == _mins(twin, qv)
     assert twin.stats().seeds_pending == 0
+
+
+def test_a_doubled_graph_is_pending_and_started_with_no_query(gate):
+    """trial46 #1: the graph had doubled but no query had come, and ``seeds_pending`` read 0 while the next replies
+    would still change. It reads the graph's size as soon as the shard holds it, and the idle step starts the
+    thread; the seeds then equal those of a twin whose query started it."""
+    sh, qv = _grown(3, query=False)
+    low, ann = sh.search._low, sh.store.dense.ann  # noqa: SLF001
+    assert low._next is None and sh.stats().seeds_pending == 1700  # noqa: SLF001
+    assert sh.idle_wait() == 0.0
+    sh.idle_step()  # (starts the thread)
+    assert low._next is not None and sh.stats().seeds_pending == 1700  # noqa: SLF001
+    assert 0 < sh.idle_wait() <= sh.MERGE_POLL_S
+    gate.set()
+    low._next.thread.join(30)  # noqa: SLF001
+    sh.idle_step()
+    assert sh.stats().seeds_pending == 0 and low._built_at == 1700  # noqa: SLF001
+    assert sh.idle_wait() is None or sh.idle_wait() > 0.0
+    twin, _ = _grown(3)
+    twin.search._low._next.thread.join(30)  # noqa: SLF001
+    assert _mins(sh, qv) == _mins(twin, qv) and not low_seeds_state.due(low, ann)
 
 
 def test_a_job_for_a_replaced_graph_is_dropped(gate):

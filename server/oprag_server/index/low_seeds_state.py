@@ -77,18 +77,40 @@ def valid(saved: tuple, ann) -> bool:
             and 0 <= built_at <= seen <= a and (ids.size == 0 or (int(ids.min()) >= 0 and int(ids.max()) < seen)))
 
 
-def pending(seeds) -> int:
+def due(seeds, ann) -> bool:
+    """Whether the next query would start a thread making new seeds for ``ann``'s graph (it grew 2x since the
+    seeds were built, from ``LowSeeds.REFRESH_MIN`` vectors; none under way): :func:`start_due` starts it between
+    requests instead (trial46 #1: until a query came, ``seeds_pending`` read 0 on a graph that had doubled)."""
+    if ann is None or getattr(seeds, "_next", None) is not None or ann._index is not seeds._index:  # noqa: SLF001
+        return False
+    a = int(ann._index.ntotal)  # noqa: SLF001
+    return a >= seeds.REFRESH_MIN and hasattr(ann, "_mut") and a >= 2 * max(seeds._built_at, 8)  # noqa: SLF001
+
+
+def pending(seeds, ann=None) -> int:
     """Vectors of the graph a thread is making new seeds for (:func:`.dense_low.refresh_seeds`, the graph grew 2x),
-    until the shard takes them (:func:`adopt_done`, or the next query); 0 when none. While it is not 0, a HYBRID
-    request's fused scores may still move a little once they are taken (``Stats``' ``seeds_pending``)."""
+    or, with ``ann``, would start making them for (:func:`due`), until the shard takes them (:func:`adopt_done`, or
+    the next query); 0 when none. While it is not 0, a HYBRID request's fused scores may still move a little once
+    they are taken (``Stats``' ``seeds_pending``)."""
     job = getattr(seeds, "_next", None)
-    return int(job.a) if job is not None else 0
+    if job is not None:
+        return int(job.a)
+    return int(ann._index.ntotal) if due(seeds, ann) else 0  # noqa: SLF001
 
 
 def done(seeds) -> bool:
     """Whether a :func:`pending` job has finished, so that :func:`adopt_done` would take its seeds."""
     job = getattr(seeds, "_next", None)
     return job is not None and job.thread is not None and not job.thread.is_alive()
+
+
+def start_due(seeds, ann) -> bool:
+    """(Between requests) what the next query's update would do first (``LowSeeds._update``): the new vectors
+    tested against the probes and, the graph having doubled, the thread started. :returns: whether it was due."""
+    if not due(seeds, ann):
+        return False
+    seeds._update(ann)  # noqa: SLF001
+    return True
 
 
 def adopt_done(seeds, ann) -> bool:

@@ -60,7 +60,7 @@ class ShardState:
         return StatsReply(shard=self.shard_id, documents=len(st.doc_slots), chunks=len(st.chunks),
                           memory_records=len(self.memory), applied_seq=st.applied_seq, nbytes=self._nbytes(),
                           ann_pending=st.dense.pending, merge_pending=st.postings.merge_pending(),
-                          seeds_pending=low_seeds_state.pending(self.search._low),  # noqa: SLF001
+                          seeds_pending=low_seeds_state.pending(self.search._low, st.dense.ann),  # noqa: SLF001
                           segment_unsaved=st.postings.unsaved_nbytes(),
                           lexical=st.postings.full_stats() if req is not None and req.lexical else None)
 
@@ -168,8 +168,9 @@ class ShardState:
         the two do not compete for the CPU with the queries at once; and while a prepared
         transaction waits for its apply). A write (a new store version) restarts the quiet time."""
         built = None if self.txns.prepared else self.store.dense.ann_building
-        low = self.search._low  # noqa: SLF001 - the dense minimum's seeds (a thread may be making new ones)
-        seeds = None if self.txns.prepared or not low_seeds_state.pending(low) else low_seeds_state.done(low)
+        low, ann = self.search._low, self.store.dense.ann  # noqa: SLF001 - the dense minimum's seeds
+        seeds = None if self.txns.prepared or not low_seeds_state.pending(low, ann) else \
+            low_seeds_state.done(low) or low_seeds_state.due(low, ann)  # (False: a thread is making them)
         if built or seeds:  # a background IVF retraining, HNSW compaction or seeds' build is done: installed between requests
             return 0.0
         wait = self._merge_wait()
@@ -209,7 +210,8 @@ class ShardState:
         shard process's idle step; a Ray actor before each call, its snapshot being written in one call)."""
         if self.txns.prepared:
             return False
-        if low_seeds_state.adopt_done(self.search._low, self.store.dense.ann):  # noqa: SLF001
+        low, ann = self.search._low, self.store.dense.ann  # noqa: SLF001
+        if low_seeds_state.adopt_done(low, ann) or low_seeds_state.start_due(low, ann):
             self.note()  # (logs the seeds' build)
             return True
         if not self.store.dense.ann_building:
