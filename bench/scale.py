@@ -218,12 +218,13 @@ def _caught_up(c, poll_s: float = 0.2) -> float:
 
 def _settled(c, poll_s: float = 0.5, limit_s: float = 900.0, unsaved: bool = False) -> float:
     """Seconds until no shard has a BM25 merge pending (``ShardStats.merge_pending``, 0 at once
-    for a server without the field) nor deferred HNSW inserts (at most ``limit_s``); with
+    for a server without the field) nor deferred HNSW inserts nor new dense-minimum seeds being made
+    (``seeds_pending``, since session 46; at most ``limit_s``); with
     ``unsaved`` also until none holds the 64 MiB of merged segment only in memory that make the
     server take a snapshot (``segment_unsaved_bytes``: the snapshot then maps it), i.e. the
     state a served corpus stays in once writes stopped."""
     t = time.perf_counter()
-    while any(getattr(s, "merge_pending", 0) or getattr(s, "ann_pending", 0)
+    while any(getattr(s, "merge_pending", 0) or getattr(s, "ann_pending", 0) or getattr(s, "seeds_pending", 0)
               or (unsaved and getattr(s, "segment_unsaved_bytes", 0) >= 64 << 20) for s in c.stats().shards):
         if time.perf_counter() - t > limit_s:
             break

@@ -73,10 +73,15 @@ def test_pending_while_the_thread_runs_then_taken_between_requests(gate):
 def test_a_doubled_graph_is_pending_and_started_with_no_query(gate):
     """trial46 #1: the graph had doubled but no query had come, and ``seeds_pending`` read 0 while the next replies
     would still change. It reads the graph's size as soon as the shard holds it, and the idle step starts the
-    thread; the seeds then equal those of a twin whose query started it."""
+    thread once writes have been quiet for ``IDLE_QUIET_S`` (not between the batches of a bulk ingest); the seeds
+    then equal those of a twin whose query started it."""
     sh, qv = _grown(3, query=False)
     low, ann = sh.search._low, sh.store.dense.ann  # noqa: SLF001
     assert low._next is None and sh.stats().seeds_pending == 1700  # noqa: SLF001
+    assert sh.IDLE_QUIET_S - 1.0 < sh.idle_wait() <= sh.IDLE_QUIET_S  # (writes just came: a bulk ingest goes on first)
+    sh.idle_step()
+    assert low._next is None  # noqa: SLF001
+    sh.IDLE_QUIET_S = 0.0  # (as if writes had been quiet that long)
     assert sh.idle_wait() == 0.0
     sh.idle_step()  # (starts the thread)
     assert low._next is not None and sh.stats().seeds_pending == 1700  # noqa: SLF001

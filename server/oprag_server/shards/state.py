@@ -168,15 +168,32 @@ class ShardState:
         the two do not compete for the CPU with the queries at once; and while a prepared
         transaction waits for its apply). A write (a new store version) restarts the quiet time."""
         built = None if self.txns.prepared else self.store.dense.ann_building
-        low, ann = self.search._low, self.store.dense.ann  # noqa: SLF001 - the dense minimum's seeds
-        seeds = None if self.txns.prepared or not low_seeds_state.pending(low, ann) else \
-            low_seeds_state.done(low) or low_seeds_state.due(low, ann)  # (False: a thread is making them)
-        if built or seeds:  # a background IVF retraining, HNSW compaction or seeds' build is done: installed between requests
+        if built:  # a background IVF retraining or HNSW compaction is done: installed between requests
             return 0.0
+        seeds = self._seeds_wait()
         wait = self._merge_wait()
-        if built is None and seeds is None:
-            return wait
-        return min(self.MERGE_POLL_S, self.MERGE_POLL_S if wait is None else wait)
+        if seeds is not None:
+            wait = seeds if wait is None else min(wait, seeds)
+        return wait if built is None else min(self.MERGE_POLL_S, self.MERGE_POLL_S if wait is None else wait)
+
+    def _seeds_wait(self) -> float | None:
+        """The dense minimum's seeds (:mod:`..index.low_seeds_state`): 0 when a thread made new ones (taken now) or
+        the graph doubled and writes have been quiet for :attr:`IDLE_QUIET_S` (the thread started now: not during a
+        bulk ingest, whose every doubling would rebuild them); the seconds until then; the poll interval while the
+        thread runs; None when none is due, a prepared transaction waits or deferred HNSW inserts do (they go first)."""
+        low, ann = self.search._low, self.store.dense.ann  # noqa: SLF001
+        if self.txns.prepared or self.store.dense.pending or not low_seeds_state.pending(low, ann):
+            return None
+        if low_seeds_state.done(low):
+            return 0.0
+        return self._quiet_left() if low_seeds_state.due(low, ann) else self.MERGE_POLL_S
+
+    def _quiet_left(self) -> float:
+        """Seconds until writes will have been quiet for :attr:`IDLE_QUIET_S` (a write restarts the quiet time)."""
+        now = time.monotonic()
+        if self._quiet[0] != self.store.version:
+            self._quiet = (self.store.version, now)
+        return max(0.0, self._quiet[1] + self.IDLE_QUIET_S - now)
 
     def _merge_wait(self) -> float | None:
         p = self.store.postings
@@ -184,10 +201,7 @@ class ShardState:
             return 0.0 if not p._pending[0].is_alive() else self.MERGE_POLL_S  # noqa: SLF001
         if not p.idle_merge_due() or self.store.dense.pending or self.txns.prepared:
             return None  # (the HNSW catch-up first, one at a time; a prepared transaction's apply first)
-        now = time.monotonic()
-        if self._quiet[0] != self.store.version:
-            self._quiet = (self.store.version, now)
-        return max(0.0, self._quiet[1] + self.IDLE_QUIET_S - now, p.gate_retry_at - now)
+        return max(self._quiet_left(), p.gate_retry_at - time.monotonic())
 
     def idle_step(self) -> None:
         """Idle maintenance: install a finished background merge; start one in the background
@@ -211,7 +225,7 @@ class ShardState:
         if self.txns.prepared:
             return False
         low, ann = self.search._low, self.store.dense.ann  # noqa: SLF001
-        if low_seeds_state.adopt_done(low, ann) or low_seeds_state.start_due(low, ann):
+        if low_seeds_state.adopt_done(low, ann) or (self._quiet_left() == 0.0 and low_seeds_state.start_due(low, ann)):
             self.note()  # (logs the seeds' build)
             return True
         if not self.store.dense.ann_building:
