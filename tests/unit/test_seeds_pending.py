@@ -117,3 +117,17 @@ def test_the_stats_reply_carries_it():
     r = stats_response({"documents": 1, "chunks": 1, "memory_records": 0, "seq": 1, "embedder": "e", "generator": "none",
                         "shards": [shard, {**shard, "shard": 1, "seeds_pending": 0}]})
     assert [s.seeds_pending for s in r.shards] == [1700, 0]
+
+
+@pytest.mark.parametrize("dense", [DenseConfig(kind="flat"), DenseConfig(kind="ivf", train_min=4096),
+                                   DenseConfig(kind="hnsw", ann_check=0)])
+def test_no_seeds_no_pending_on_any_index(dense):
+    """A flat shard, an IVF not trained yet (no FAISS index: the CI of 15abafa found ``Stats`` failing there, so
+    the shard's start failed) and an HNSW shard whose seeds were never built report 0 and have nothing to do."""
+    sh = ShardState(0, DIM, None, dense=dense)
+    for n in (0, 300):
+        if n:
+            _shard(_unit(np.random.default_rng(4).normal(size=(n, DIM))), sh=sh)
+        assert sh.stats().seeds_pending == 0
+        assert not low_seeds_state.due(sh.search._low, sh.store.dense.ann)  # noqa: SLF001
+        assert not sh.install_finished()

@@ -81,7 +81,8 @@ def due(seeds, ann) -> bool:
     """Whether the next query would start a thread making new seeds for ``ann``'s graph (it grew 2x since the
     seeds were built, from ``LowSeeds.REFRESH_MIN`` vectors; none under way): :func:`start_due` starts it between
     requests instead (trial46 #1: until a query came, ``seeds_pending`` read 0 on a graph that had doubled)."""
-    if ann is None or getattr(seeds, "_next", None) is not None or ann._index is not seeds._index:  # noqa: SLF001
+    index = getattr(ann, "_index", None)  # (None: no ANN, or an IVF not trained yet)
+    if index is None or getattr(seeds, "_next", None) is not None or index is not seeds._index:  # noqa: SLF001
         return False
     a = int(ann._index.ntotal)  # noqa: SLF001
     return a >= seeds.REFRESH_MIN and hasattr(ann, "_mut") and a >= 2 * max(seeds._built_at, 8)  # noqa: SLF001
@@ -119,7 +120,7 @@ def adopt_done(seeds, ann) -> bool:
     is dropped (the next query that needs seeds makes them, as before). :returns: whether a job was taken or dropped."""
     if not done(seeds):
         return False
-    if ann is not None and ann._index is seeds._index:  # noqa: SLF001
+    if getattr(ann, "_index", None) is not None and ann._index is seeds._index:  # noqa: SLF001
         seeds._adopt(seeds._next)  # noqa: SLF001
         mark(seeds, ann)
     else:
