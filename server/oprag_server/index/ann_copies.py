@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from .slot_sample import splitmix64
+
 
 def _faiss():
     import faiss  # noqa: PLC0415 - a declared dependency; imported where used
 
     return faiss
-
-
-_MIX = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
 
 
 def preset_levels(index, start: int, n: int) -> None:
@@ -39,15 +38,10 @@ def preset_levels(index, start: int, n: int) -> None:
     them from the index's random generator, which a saved index does not keep, so after a restart a log replay or
     a later ingest linked the same vectors differently (a restored shard answered other dense minima; session 46).
     The distribution is FAISS's (``HNSW::random_level`` over ``assign_probas``), with the uniform variate of id ``i``
-    from the SplitMix64 finaliser of ``i`` (Steele, Lea and Flood 2014)."""
+    from the SplitMix64 finaliser of ``i`` (:func:`.slot_sample.splitmix64`)."""
     h = index.hnsw
     probas = _faiss().vector_to_array(h.assign_probas)
-    x = np.arange(start, start + n, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        x = x + _MIX[0]
-        x = (x ^ (x >> np.uint64(30))) * _MIX[1]
-        x = (x ^ (x >> np.uint64(27))) * _MIX[2]
-        x ^= x >> np.uint64(31)
+    x = splitmix64(np.arange(start, start + n, dtype=np.uint64))
     u = (x >> np.uint64(11)).astype(np.float64) * 2.0 ** -53  # [0, 1)
     level = np.minimum(np.searchsorted(np.cumsum(probas), u, side="right"), max(probas.size - 1, 0))
     old = int(h.levels.size())

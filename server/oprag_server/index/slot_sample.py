@@ -33,3 +33,18 @@ def sample_slots(dense, k: int) -> np.ndarray:
     ``dense``, evenly spaced over its live slots in ascending order (every one when ``k >= n``),
     ascending (:func:`live_slots`, :func:`strided`)."""
     return strided(live_slots(dense), k)
+
+
+_MIX = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+
+
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    """uint64[M]: the SplitMix64 finaliser of each uint64 of ``x`` (its increment, then its mix; Steele, Lea and
+    Flood 2014): a fixed function, so the same values in every process, run and restart (``hash()`` is salted per
+    process). The check sample's chunk hashes (:func:`..shards.ann_check.chunk_hashes`) and the HNSW levels by id
+    (:func:`.ann_copies.preset_levels`)."""
+    with np.errstate(over="ignore"):
+        x = np.asarray(x, np.uint64) + _MIX[0]
+        x = (x ^ (x >> np.uint64(30))) * _MIX[1]
+        x = (x ^ (x >> np.uint64(27))) * _MIX[2]
+        return x ^ (x >> np.uint64(31))

@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..index.slot_sample import splitmix64
+
 #: chunks in the sample a list is checked against by default (``DenseConfig.ann_check``,
 #: ``--ann-check``; int8 copies: D bytes each, 6.3 MB a shard at D 384); a shard smaller than this
 #: is checked against every chunk
@@ -52,7 +54,6 @@ MAX_EF = 8192
 #: the sample's share of the shard changes in steps of 2^(1/STEPS) (about 4.4%: :func:`level`), so that the
 #: sample holds between ``sample`` x 2^(-1/STEPS) and ``sample`` chunks (expected) and changes only at a step
 STEPS = 16
-_MIX = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
 
 
 def level(n: int, sample: int) -> int:
@@ -70,17 +71,13 @@ def threshold(j: int) -> np.uint64 | None:
 
 def chunk_hashes(ids) -> np.ndarray:
     """uint64[M]: a fixed hash of each chunk id (str; None, a removed slot's, hashes to the largest value, never
-    sampled): CRC-32 of its UTF-8 bytes (zlib) through the SplitMix64 finaliser (Steele, Lea and Flood 2014), so
-    that the sampled chunks are the same in every process, run and restart (``hash()`` is salted per process)."""
+    sampled): CRC-32 of its UTF-8 bytes (zlib) through the SplitMix64 finaliser (:func:`..index.slot_sample.
+    splitmix64`), so that the sampled chunks are the same in every process, run and restart (``hash()`` is salted)."""
     import zlib  # noqa: PLC0415
 
     x = np.fromiter((zlib.crc32(i.encode()) if i is not None else 2**32 for i in ids), np.uint64, len(ids))
     gone = x == np.uint64(2**32)
-    with np.errstate(over="ignore"):
-        x = x + _MIX[0]
-        x = (x ^ (x >> np.uint64(30))) * _MIX[1]
-        x = (x ^ (x >> np.uint64(27))) * _MIX[2]
-        x ^= x >> np.uint64(31)
+    x = splitmix64(x)
     x[gone] = np.uint64(2**64 - 1)
     return x
 
