@@ -225,7 +225,7 @@ class ShardState:
         if self.txns.prepared:
             return False
         low, ann = self.search._low, self.store.dense.ann  # noqa: SLF001
-        if low_seeds_state.adopt_done(low, ann) or (self._quiet_left() == 0.0 and low_seeds_state.start_due(low, ann)):
+        if low_seeds_state.adopt_done(low, ann) or (self._seeds_wait() == 0.0 and low_seeds_state.start_due(low, ann)):
             self.note()  # (logs the seeds' build)
             return True
         if not self.store.dense.ann_building:
