@@ -89,6 +89,8 @@ _OPTIONS: tuple[tuple[str, str, str, str], ...] = (
     ("--ann-check", "dense", "ann_check", "HNSW / IVF: sampled chunks per shard a dense list is checked against; a "
      "list that one of them proves incomplete is searched again with a 4x beam (up to 8192) or 4x the lists "
      "(up to all), then exactly (0: no check)"),
+    ("--hnsw-layout-min", "dense", "layout_min", "HNSW: vectors a shard's graph holds before its nodes are renumbered "
+     "for memory locality, between requests once writes are quiet, again each time the graph doubled (0: never)"),
     ("--lexical-candidates", "retrieval", "lexical_candidates",
      "BM25 top-M per shard beside the dense top-N in dense-first hybrid (0: max(4 * top_k, 64))"),
     ("--widen-rounds", "retrieval", "widen_rounds",
@@ -199,7 +201,7 @@ def build_parser(prog: str = "oprag serve") -> argparse.ArgumentParser:
 
 #: the --dense-index kinds each index option applies to
 ANN_OPTIONS = {"hnsw_m": ("hnsw",), "ef_construction": ("hnsw",), "ef_search": ("hnsw",), "hybrid_ef_search": ("hnsw",),
-               "ann_tail": ("hnsw",), "nprobe": ("ivf",), "train_min": ("ivf",), "ann_check": ("hnsw", "ivf")}
+               "ann_tail": ("hnsw",), "layout_min": ("hnsw",), "nprobe": ("ivf",), "train_min": ("ivf",), "ann_check": ("hnsw", "ivf")}
 
 
 def config_from_args(a: argparse.Namespace) -> ServerConfig:

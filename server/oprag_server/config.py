@@ -60,6 +60,7 @@ class DenseConfig:
         scan meanwhile, inserted by the shard between requests); past it an apply inserts the
         oldest itself. 0: every apply inserts its vectors before it answers.
     :param ann_check: HNSW / IVF: sampled chunks a dense list is checked against (0: none; :mod:`..shards.ann_check`).
+    :param layout_min: HNSW: vectors a graph holds before its nodes are renumbered for locality (0: never; :mod:`.index.graph_layout`).
 
     HNSW defaults (issue 13, ``bench/hnsw_params.py``, bench/RESULTS.md): one shard of MiniLM vectors (real + derived
     as ``bench/scale.py`` makes them), M 32, recall of the exact top-256 (the dense-first window) at ef_search 256 / 384 /
@@ -67,10 +68,8 @@ class DenseConfig:
     core; efConstruction 80: 0.955 / 0.979 / 0.990 at 100K and 0.948 / 0.972 / 0.983 at 200K, building 3,950 / 3,600 per
     s; efConstruction 40: 0.988 at 100K but 0.979 at 200K (ef_search 512). M 16 stays below 0.96 at ef_search 256
     whatever efConstruction. At 500K vectors per shard (the 1M bench), ef_search 512: efConstruction 40 / 48 / 56 / 80
-    give 0.944 / 0.956 / 0.9645 / 0.9643 (ingest8, bench/RESULTS.md), but the build's CPU time is the same at 56 and 80
-    (200K vectors, 1,000 a batch: 48.1 / 51.2 s vs 50.2 / 47.1 s alternating): FAISS's insert cost here is the
-    neighbour-list upkeep of M 32, not the beam, so efConstruction stays 80 with ef_search 512 (~1-1.5 ms a query on
-    one core; M 24 at 500K: 0.83). A larger shard needs a larger ef_search.
+    give 0.944 / 0.956 / 0.9645 / 0.9643 (ingest8, bench/RESULTS.md) for the same build CPU time at 56 and 80 (FAISS's
+    insert cost is M 32's list upkeep, not the beam), so efConstruction stays 80 (M 24 at 500K: 0.83).
     """
 
     kind: str = "flat"
@@ -82,12 +81,13 @@ class DenseConfig:
     train_min: int = 4096
     ann_tail: int = 131072
     ann_check: int = 16384
+    layout_min: int = 65536
 
     def __post_init__(self) -> None:
         if self.kind not in DENSE_INDEX_KINDS:
             raise ValueError(f"dense index must be one of {', '.join(DENSE_INDEX_KINDS)}, got {self.kind!r}")
-        for name in ("ann_tail", "ann_check", "hnsw_m", "ef_construction", "ef_search", "hybrid_ef_search", "nprobe", "train_min"):  # (FAISS: M 1 segfaults)
-            low, high = {"hnsw_m": (2, 512), "ef_search": (1, 65536), "hybrid_ef_search": (0, 65536), "nprobe": (1, 65536)}.get(name, (0 if name.startswith("ann_") else 1, None))
+        for name in ("ann_tail", "ann_check", "layout_min", "hnsw_m", "ef_construction", "ef_search", "hybrid_ef_search", "nprobe", "train_min"):  # (FAISS: M 1 segfaults)
+            low, high = {"hnsw_m": (2, 512), "ef_search": (1, 65536), "hybrid_ef_search": (0, 65536), "nprobe": (1, 65536)}.get(name, (0 if name.startswith(("ann_", "layout")) else 1, None))
             if not low <= getattr(self, name) <= (high or getattr(self, name)):  # (a request's ef_search / nprobe: at most 65536)
                 raise ValueError(f"{name} must be {f'in [{low}, {high}]' if high else f'>= {low}'}, got {getattr(self, name)}")
 

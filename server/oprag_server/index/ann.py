@@ -87,6 +87,10 @@ class AnnIndex(IvfBuilds, AnnPersist):
         self.trainings: list[tuple[int, int, float, str | None]] = []
         # (live vectors, dead ones dropped, seconds, how: None = in the delete) of each HNSW compaction, until taken
         self.compactions: list[tuple[int, int, float, str | None]] = []
+        # HNSW: the graph's size at its last renumbering for locality (:mod:`.graph_layout`; kept in the snapshot), and
+        # (vectors, seconds) of each renumbering, until taken (the shard logs them)
+        self.laid_at = 0
+        self.layouts: list[tuple[int, float]] = []
         self._index = None
         self._build: IvfBuild | GraphBuild | None = None  # an IVF retraining / HNSW compaction under way
         self._mut = threading.RLock()  # held by every change of the structure, and by the build's reads of it

@@ -262,3 +262,15 @@ class Copies:
         for r, (a, b) in enumerate(zip(rows_s, rows_i)):
             s_out[r, :len(a)], i_out[r, :len(b)] = a, b
         return s_out, i_out
+
+    def relabel(self, perm: np.ndarray, inv: np.ndarray) -> None:
+        """The graph's nodes renumbered (:mod:`.graph_layout`): new id ``i`` is old id ``perm[i]`` (int64[A]),
+        ``inv`` its inverse; the keys stay, every id is mapped (a node's copies kept in id order)."""
+        self._kid = inv[self._kid]
+        self._recent = {k: int(inv[v]) for k, v in self._recent.items()}
+        self.of = {int(inv[node]): sorted(int(inv[c]) for c in cs) for node, cs in self.of.items()}
+        if self._has.size == perm.size:
+            self._has = self._has[perm]
+        else:
+            self._has = np.zeros(0, bool)
+            self._mark(perm.size)

@@ -32,8 +32,8 @@ from ..records import as_query_matrix
 from ..config import DenseConfig
 from .ann import AnnIndex
 from .ann_rescore import rescored
-from .slot_sample import sample_slots
 from . import hugepages
+from .slot_sample import sample_slots
 from .graph_rows import GraphRows
 from .ivf_rows import IvfRows
 
@@ -244,11 +244,11 @@ class DenseIndex(GraphRows, IvfRows):
         return self._one
 
     def ann_state(self, with_bytes: bool = True) -> dict | None:
-        """What a snapshot keeps of the approximate structure (None for flat): ``{"kind",
-        "faiss": bytes (only ``with_bytes``), "ann_slot": int64[A], "trained_at"}``."""
-        if self._ann is None:
+        """What a snapshot keeps of the approximate structure (None for flat): ``{"kind", "faiss": bytes (only
+        ``with_bytes``), "ann_slot": int64[A], "trained_at", "laid_at"}``."""
+        if (a := self._ann) is None:
             return None
-        out = {"kind": self.params.kind, "ann_slot": self._ann.ann_slot, "trained_at": self._ann.trained_at}
+        out = {"kind": self.params.kind, "ann_slot": a.ann_slot, "trained_at": a.trained_at, "laid_at": a.laid_at}
         if with_bytes:
             out["faiss"] = self._ann.to_bytes()
         return out

@@ -35,7 +35,7 @@ import time
 
 import numpy as np
 
-from . import hugepages, kernels_low, kernels_scan, low_seeds_state
+from . import graph_layout, hugepages, kernels_low, kernels_scan, low_seeds_state
 from .ann_copies import level0 as _level0
 
 
@@ -179,7 +179,7 @@ class LowSeeds:
             self._probes, self._thresh = np.zeros((0, ann.dim), np.float32), np.zeros(0, np.float32)
             return
         p = int(min(self.PROBES, max(1, a // 64)))
-        probes = _probes(st[:: max(1, a // (64 * p))], p)
+        probes = _probes(st[graph_layout.sample_ids(ann, a, max(1, a // (64 * p)))], p)
         p, t = probes.shape[0], min(self.PER_PROBE, a)
         # per probe, the t lowest scores: blocks of rows times the probes (one BLAS product each),
         # the t lowest of each block joined with the t lowest so far
@@ -359,7 +359,8 @@ def refresh_seeds(seeds: LowSeeds, ann, a: int) -> _Refresh:
     when the shard inserts, so every read of it is a copy taken under ``ann._mut`` (which every insert holds), a block
     of :data:`REFRESH_BLOCK` rows at a time; the products and k-means run outside it. Same rules as
     :meth:`LowSeeds._build` (the int8 copy of the graph is kept: the graph is the same, only grown)."""
-    job, index = _Refresh(a), ann._index  # noqa: SLF001
+    job, index, p = _Refresh(a), ann._index, int(min(seeds.PROBES, max(1, a // 64)))  # noqa: SLF001
+    sample = graph_layout.sample_ids(ann, a, max(1, a // (64 * p)))  # (the id -> slot map read on this thread)
 
     def rows(sel) -> np.ndarray | None:
         with ann._mut:  # noqa: SLF001
@@ -368,13 +369,12 @@ def refresh_seeds(seeds: LowSeeds, ann, a: int) -> _Refresh:
     def run() -> None:
         t0 = time.perf_counter()
         try:
-            p = int(min(seeds.PROBES, max(1, a // 64)))
-            train = rows(slice(0, a, max(1, a // (64 * p))))
+            train = rows(sample)
             if train is None:
                 return
             probes = _probes(train, p)
-            p, t = probes.shape[0], min(seeds.PER_PROBE, a)
-            best_s, best_i = np.full((p, t), np.inf, np.float32), np.full((p, t), -1, np.int64)
+            q, t = probes.shape[0], min(seeds.PER_PROBE, a)
+            best_s, best_i = np.full((q, t), np.inf, np.float32), np.full((q, t), -1, np.int64)
             for lo in range(0, a, REFRESH_BLOCK):
                 blk = rows(slice(lo, min(lo + REFRESH_BLOCK, a)))
                 if blk is None:

@@ -16,6 +16,8 @@ import time
 
 import numpy as np
 
+from . import graph_layout
+
 
 class GraphRows:
     """The HNSW half of :class:`~oprag_server.index.dense.DenseIndex` (a mixin: it uses the
@@ -147,6 +149,21 @@ class GraphRows:
         self._slot_row[slots] = np.arange(slots.size, dtype=np.int64)
         self._version += 1
 
+    def layout_due(self, seeds=None) -> bool:
+        """HNSW: whether :meth:`lay_out_ann` would renumber the graph now (:func:`.graph_layout.due`)."""
+        return self._one and self._pending is None and graph_layout.due(self._ann, seeds)
+
+    def lay_out_ann(self, seeds=None) -> bool:
+        """HNSW: renumber the graph's nodes for locality when due (:func:`.graph_layout.lay_out`, with the dense
+        minimum's ``seeds``), and the rows with them (row order is ANN id order). :returns: whether it did."""
+        if not self.layout_due(seeds) or graph_layout.lay_out(self._ann, seeds) is None:
+            return False
+        live = np.flatnonzero(self._ann.ann_slot >= 0)
+        self._slot_row[self._ann.ann_slot[live]] = live
+        self._live_cache = None
+        self._version += 1
+        return True
+
     def _load_one(self, state: dict, ann_slot: np.ndarray) -> bool:
         """HNSW: adopt a saved graph (``state["faiss"]``, with its deferred vectors
         ``state["tail"]`` when it had some) whose live slots (``ann_slot``, already remapped) are
@@ -157,6 +174,7 @@ class GraphRows:
         if not np.array_equal(np.sort(ann_slot[live]), staged):
             return False
         self._ann.load(state["faiss"], ann_slot, int(state.get("trained_at", 0)), state.get("tail"))
+        self._ann.laid_at = int(state.get("laid_at", 0))
         self._pending = None
         self._slot_row[ann_slot[live]] = live
         for a in range(0, live.size, 65536):

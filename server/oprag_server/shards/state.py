@@ -170,10 +170,10 @@ class ShardState:
         built = None if self.txns.prepared else self.store.dense.ann_building
         if built:  # a background IVF retraining or HNSW compaction is done: installed between requests
             return 0.0
-        seeds = self._seeds_wait()
         wait = self._merge_wait()
-        if seeds is not None:
-            wait = seeds if wait is None else min(wait, seeds)
+        for other in (self._seeds_wait(), self._layout_wait()):
+            if other is not None:
+                wait = other if wait is None else min(wait, other)
         return wait if built is None else min(self.MERGE_POLL_S, self.MERGE_POLL_S if wait is None else wait)
 
     def _seeds_wait(self) -> float | None:
@@ -187,6 +187,14 @@ class ShardState:
         if low_seeds_state.done(low):
             return 0.0
         return self._quiet_left() if low_seeds_state.due(low, ann) else self.MERGE_POLL_S
+
+    def _layout_wait(self) -> float | None:
+        """The HNSW graph's renumbering for locality (:mod:`..index.graph_layout`): the seconds until writes will have
+        been quiet for :attr:`IDLE_QUIET_S` when it is due (0: now); None when not due or a prepared transaction
+        waits."""
+        if self.txns.prepared or not self.store.dense.layout_due(self.search._low):  # noqa: SLF001
+            return None
+        return self._quiet_left()
 
     def _quiet_left(self) -> float:
         """Seconds until writes will have been quiet for :attr:`IDLE_QUIET_S` (a write restarts the quiet time)."""
@@ -225,6 +233,9 @@ class ShardState:
         if self.txns.prepared:
             return False
         low, ann = self.search._low, self.store.dense.ann  # noqa: SLF001
+        if self._layout_wait() == 0.0 and self.store.dense.lay_out_ann(low):  # (before new seeds: they would wait)
+            self.say("HNSW graph renumbered for locality: %d vectors in %.2f s" % ann.layouts.pop())
+            return True
         if low_seeds_state.adopt_done(low, ann) or (self._seeds_wait() == 0.0 and low_seeds_state.start_due(low, ann)):
             self.note()  # (logs the seeds' build)
             return True
