@@ -122,3 +122,23 @@ def test_permute_rows_and_order():
     order = graph_layout.bfs_order(dense.ann._index)  # noqa: SLF001
     assert np.array_equal(np.sort(order), np.arange(2050)) and order[0] == dense.ann._index.hnsw.entry_point  # noqa: SLF001
     assert set(order[-50:].tolist()) >= set(range(2000, 2050)) - {int(dense.ann._index.hnsw.entry_point)}  # noqa: SLF001
+
+
+def test_any_given_order_answers_as_before():
+    x = _data(2500, 6)
+    dense, twin = _index(100_000), _index(0)  # (not due by size: an order given renumbers whenever free)
+    for d in (dense, twin):
+        _fill(d, x, 0)
+    seeds = LowSeeds()
+    seeds.prepare(dense.ann)
+    q = np.random.default_rng(7).standard_normal((20, D)).astype(np.float32)
+    before, low = _searches(dense, q), _minima(dense, seeds, q)
+    assert not dense.lay_out_ann(seeds)
+    with pytest.raises(ValueError, match="every ANN id"):
+        dense.lay_out_ann(seeds, order=np.arange(2549))
+    order = np.random.default_rng(8).permutation(2550)
+    assert dense.lay_out_ann(seeds, order=order)
+    assert np.array_equal(dense.ann.ann_slot, twin.ann.ann_slot[order])
+    assert _searches(dense, q) == before and _minima(dense, seeds, q) == low
+    assert dense.lay_out_ann(seeds, order=np.argsort(dense.ann.ann_slot))  # back to insertion order
+    assert np.array_equal(dense.ann.ann_slot, twin.ann.ann_slot) and _searches(dense, q) == before

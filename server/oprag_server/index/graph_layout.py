@@ -72,29 +72,40 @@ def sample_ids(ann, a: int, step: int) -> np.ndarray:
     return live[np.argsort(slots[live], kind="stable")][::step]
 
 
-def due(ann, seeds=None) -> bool:
-    """Whether :func:`lay_out` would renumber HNSW ``ann``'s graph now (module docstring; the caller checks the quiet
-    time): at least ``ann.params.layout_min`` vectors (0: never) and twice ``ann.laid_at``, no deferred vector, no background
-    compaction, and no thread of ``seeds`` (the shard's :class:`.dense_low.LowSeeds`) reading the graph."""
+def free(ann, seeds=None) -> bool:
+    """Whether HNSW ``ann``'s graph may be renumbered now: no deferred vector, no background compaction, and no thread
+    of ``seeds`` (the shard's :class:`.dense_low.LowSeeds`) reading the graph (their ids would go stale)."""
     index = getattr(ann, "_index", None)
     if ann.params.kind != "hnsw" or index is None or ann.pending or ann._build is not None:  # noqa: SLF001
         return False
-    if seeds is not None and getattr(seeds, "_next", None) is not None:
+    return seeds is None or getattr(seeds, "_next", None) is None
+
+
+def due(ann, seeds=None) -> bool:
+    """Whether :func:`lay_out` would renumber HNSW ``ann``'s graph now (module docstring; the caller checks the quiet
+    time): :func:`free`, at least ``ann.params.layout_min`` vectors (0: never) and twice ``ann.laid_at``."""
+    if not free(ann, seeds):
         return False
-    n = int(index.ntotal)
-    low = int(ann.params.layout_min)
+    n, low = int(ann._index.ntotal), int(ann.params.layout_min)  # noqa: SLF001
     return low > 0 and n >= low and n >= 2 * ann.laid_at
 
 
-def lay_out(ann, seeds=None) -> np.ndarray | None:
+def lay_out(ann, seeds=None, order: np.ndarray | None = None) -> np.ndarray | None:
     """Renumber HNSW ``ann``'s graph in :func:`bfs_order` (module docstring), with ``seeds`` (the shard's
     :class:`.dense_low.LowSeeds`, or None) built for it. The caller renumbers what it keys by ANN id itself
     (:meth:`.graph_rows.GraphRows.lay_out_ann`: the dense rows).
 
+    :param order: int64[A], a permutation of the ids (new id ``i`` gets old id ``order[i]``) to apply instead of
+        :func:`bfs_order`, whenever :func:`free` (``bench/graph_layout.py`` compares orders with it).
     :returns: int64[A] the old id of each new id; None when not :func:`due` (nothing changed).
+    :raises ValueError: ``order`` is not a permutation of the graph's ids.
     """
-    if not due(ann, seeds):
+    if not (due(ann, seeds) if order is None else free(ann, seeds)):
         return None
+    if order is not None:
+        order = np.ascontiguousarray(order, np.int64)
+        if not np.array_equal(np.sort(order), np.arange(int(ann._index.ntotal))):  # noqa: SLF001
+            raise ValueError("order must hold every ANN id of the graph once")
     t0 = time.perf_counter()
     with ann._mut:  # noqa: SLF001
         index = ann._index  # noqa: SLF001
@@ -102,7 +113,7 @@ def lay_out(ann, seeds=None) -> np.ndarray | None:
         mine = seeds is not None and seeds._index is index  # noqa: SLF001
         if mine and seeds.INT8_WALK and seeds._g.n:  # noqa: SLF001 - quantise rows not copied yet, in the old order
             seeds._g.follow(hnsw_storage(index), rebuild=False)  # noqa: SLF001
-        perm = bfs_order(index)
+        perm = bfs_order(index) if order is None else order
         inv = np.empty(n, np.int64)
         inv[perm] = np.arange(n, dtype=np.int64)
         index.hnsw.permute_entries(_faiss().swig_ptr(perm))  # levels, offsets, neighbour lists, entry point

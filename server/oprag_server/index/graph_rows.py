@@ -153,10 +153,12 @@ class GraphRows:
         """HNSW: whether :meth:`lay_out_ann` would renumber the graph now (:func:`.graph_layout.due`)."""
         return self._one and self._pending is None and graph_layout.due(self._ann, seeds)
 
-    def lay_out_ann(self, seeds=None) -> bool:
+    def lay_out_ann(self, seeds=None, order: np.ndarray | None = None) -> bool:
         """HNSW: renumber the graph's nodes for locality when due (:func:`.graph_layout.lay_out`, with the dense
-        minimum's ``seeds``), and the rows with them (row order is ANN id order). :returns: whether it did."""
-        if not self.layout_due(seeds) or graph_layout.lay_out(self._ann, seeds) is None:
+        minimum's ``seeds``; in ``order`` when given), and the rows with them (row order is ANN id order).
+        :returns: whether it did."""
+        ok = self._one and self._pending is None and (order is not None or self.layout_due(seeds))
+        if not ok or graph_layout.lay_out(self._ann, seeds, order) is None:
             return False
         live = np.flatnonzero(self._ann.ann_slot >= 0)
         self._slot_row[self._ann.ann_slot[live]] = live
