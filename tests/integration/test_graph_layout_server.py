@@ -21,7 +21,8 @@ LINE = "HNSW graph renumbered for locality"
 
 def _replies(c, V, words) -> list:
     out = []
-    for i, mode in ((3, "hybrid"), (40, "dense"), (41, "hybrid"), (900, "dense"), (1234, "hybrid"), (2500, "hybrid")):
+    for i, mode in ((3, "hybrid"), (40, "dense"), (41, "hybrid"), (900, "dense"), (1234, "hybrid"), (2500, "hybrid"),
+                    (5, "full_hybrid"), (77, "lexical"), (1500, "full_hybrid")):  # (full_hybrid: trial47 #1)
         r = c.retrieve(words[i % len(words)], mode=mode, top_k=10, query_vector=V[i].tolist())
         out.append([(h.chunk_id, round(h.score, 9)) for h in r.hits])
     return out

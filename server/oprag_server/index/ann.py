@@ -265,7 +265,7 @@ class AnnIndex(IvfBuilds, AnnPersist):
         """
         self.cancel_build()
         slots = np.asarray(slots, dtype=np.int64)
-        self.ann_slot, self.dead, self._selector = slots.copy(), 0, None
+        self.ann_slot, self.dead, self._selector, self.laid_at = slots.copy(), 0, None, 0
         if self.params.kind == "hnsw":
             index, copies = self._new_hnsw(), Copies()  # the old one stays alive meanwhile: ``vectors`` may read it
             for a in range(0, slots.size, 65536):

@@ -145,6 +145,8 @@ class GraphRows:
             self._ann.rebuild(slots, _Chain([v for _, v in pend]))
         else:
             live, slots = self._live()
+            by = np.argsort(slots, kind="stable")  # slot order, whatever the ids' (trial47 #2: .graph_layout)
+            live, slots = live[by], slots[by]
             self._ann.rebuild(slots, _Rows(self._ann, live))
         self._slot_row[slots] = np.arange(slots.size, dtype=np.int64)
         self._version += 1

@@ -73,7 +73,8 @@ class GraphBuild(ThreadBuild):
     def __init__(self, ann) -> None:
         super().__init__()
         self.ann = ann
-        self.ids = np.flatnonzero(ann.ann_slot >= 0).astype(np.int64)  # old ANN ids -> new ids 0..n-1
+        live = np.flatnonzero(ann.ann_slot >= 0).astype(np.int64)  # old ANN ids -> new ids 0..n-1, in slot order
+        self.ids = live[np.argsort(ann.ann_slot[live], kind="stable")]  # (whatever the ids' order: .graph_layout)
         self.known = int(ann.ann_slot.size)  # old ids below this are among ``ids`` or were dead at the trigger
         self.index = self.copies = self._growing = self.seeds = None
         self.thread.start()
@@ -153,7 +154,7 @@ def finish_graph(ann, build: GraphBuild) -> np.ndarray | None:
     old, was_dead = np.concatenate([build.ids, rest]), ann.dead
     ann._index, ann._copies = build.index, build.copies  # noqa: SLF001
     ann.ann_slot = ann.ann_slot[old].copy()  # (-1 where removed since the trigger)
-    ann.dead, ann._selector = int((ann.ann_slot < 0).sum()), None  # noqa: SLF001
+    ann.dead, ann._selector, ann.laid_at = int((ann.ann_slot < 0).sum()), None, 0  # noqa: SLF001
     ann.compactions.append((ann.live, was_dead - ann.dead, build.seconds, "in the background while the shard served, "
                             f"installed {time.perf_counter() - build.started:.1f} s after the delete or replacement "
                             "that crossed a quarter dead"))

@@ -282,6 +282,22 @@ class ChunkStore:
                 break
         return np.asarray(sorted(result or ()), dtype=np.int64)
 
+    def lay_out(self, seeds=None) -> bool:
+        """HNSW: renumber the dense graph for locality when due (:meth:`..index.graph_rows.GraphRows.lay_out_ann`),
+        then :meth:`rows_moved`. :returns: whether it did."""
+        if not self.dense.lay_out_ann(seeds):
+            return False
+        self.rows_moved()
+        return True
+
+    def rows_moved(self) -> None:
+        """The dense index's rows were put in another order (a renumbering for locality; a background compaction's
+        install, which adds the live vectors in slot order): drop what follows that order, as a write does (the
+        chunk ids by row; the exact scan's caches, keyed by :attr:`version`: trial47 #1, ``FULL_HYBRID`` named its
+        hits by other rows' chunk ids)."""
+        self._row_ids_cache = None
+        self.version += 1
+
     def row_ids(self) -> np.ndarray:
         """Chunk ids aligned with the dense index's rows (object array, cached until a write)."""
         if self._row_ids_cache is None or len(self._row_ids_cache) != len(self.dense):

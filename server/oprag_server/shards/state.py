@@ -233,7 +233,7 @@ class ShardState:
         if self.txns.prepared:
             return False
         low, ann = self.search._low, self.store.dense.ann  # noqa: SLF001
-        if self._layout_wait() == 0.0 and self.store.dense.lay_out_ann(low):  # (before new seeds: they would wait)
+        if self._layout_wait() == 0.0 and self.store.lay_out(low):  # (before new seeds: they would wait)
             self.say("HNSW graph renumbered for locality: %d vectors in %.2f s" % ann.layouts.pop())
             return True
         if low_seeds_state.adopt_done(low, ann) or (self._seeds_wait() == 0.0 and low_seeds_state.start_due(low, ann)):
@@ -242,6 +242,7 @@ class ShardState:
         if not self.store.dense.ann_building:
             return False
         self.store.dense.install_ann()
+        self.store.rows_moved()
         self.say_trainings()
         return True
 
