@@ -31,11 +31,13 @@ class AnnPersist:
             _faiss().write_index(self._index, str(path))
 
     @locked
-    def load(self, data, ann_slot: np.ndarray, trained_at: int, tail: np.ndarray | None = None) -> None:
+    def load(self, data, ann_slot: np.ndarray, trained_at: int, tail: np.ndarray | None = None,
+             groups: np.ndarray | None = None) -> None:
         """Restore :meth:`to_bytes` output (``bytes``), a file :meth:`write` wrote (a path: read
         straight into FAISS's memory, no intermediate copy) or an index FAISS already read, with
         its ``ann_slot`` map (slots already remapped), and HNSW's deferred vectors float32[P, D]
-        (``tail``: what :meth:`tail` held; their ANN ids follow the graph's).
+        (``tail``: what :meth:`tail` held; their ANN ids follow the graph's), with where each write's vectors
+        start in it (``groups``: :meth:`tail_groups`; None: one write).
 
         :raises ValueError: the structure's vector count plus the tail's differs from ``ann_slot``'s.
         """
@@ -56,6 +58,8 @@ class AnnPersist:
         self._index = index
         self._tail = np.zeros((0, self.dim), dtype=np.float32) if not p else np.asarray(tail, dtype=np.float32)
         self._tail_at, self._tail_n = 0, p
+        at = int(index.ntotal) if index is not None else 0
+        self._groups = [at + int(g) for g in (groups if groups is not None and len(groups) else [0])] if p else []
         self.ann_slot = np.asarray(ann_slot, dtype=np.int64).copy()
         self.dead = int((self.ann_slot < 0).sum())
         self.trained_at, self._selector = int(trained_at), None

@@ -69,6 +69,13 @@ class GraphRows:
             return 0
         return self._ann.insert_pending(n)
 
+    def deferred_groups(self) -> np.ndarray:
+        """int64[G]: where each write's vectors start in :meth:`deferred_vectors` (:meth:`.ann.AnnIndex.tail_groups`;
+        empty when none are deferred)."""
+        if not self._one or self._pending is not None:
+            return np.zeros(0, np.int64)
+        return self._ann.tail_groups()
+
     def deferred_vectors(self) -> np.ndarray:
         """float32[P, D]: HNSW vectors added with ``defer`` and not in the graph yet, in ANN-id
         order after the graph's (what a snapshot saves beside the graph; empty otherwise; a view)."""
@@ -177,7 +184,8 @@ class GraphRows:
         live = np.flatnonzero(ann_slot >= 0)
         if not np.array_equal(np.sort(ann_slot[live]), staged):
             return False
-        self._ann.load(state["faiss"], ann_slot, int(state.get("trained_at", 0)), state.get("tail"))
+        self._ann.load(state["faiss"], ann_slot, int(state.get("trained_at", 0)), state.get("tail"),
+                       state.get("tail_groups"))
         self._ann.laid_at = int(state.get("laid_at", 0))
         self._pending = None
         self._slot_row[ann_slot[live]] = live

@@ -158,6 +158,6 @@ def finish_graph(ann, build: GraphBuild) -> np.ndarray | None:
     ann.compactions.append((ann.live, was_dead - ann.dead, build.seconds, "in the background while the shard served, "
                             f"installed {time.perf_counter() - build.started:.1f} s after the delete or replacement "
                             "that crossed a quarter dead"))
-    ann._tail, ann._tail_at, ann._tail_n = np.zeros((0, ann.dim), dtype=np.float32), 0, 0  # noqa: SLF001
+    ann._tail, ann._tail_at, ann._tail_n, ann._groups = np.zeros((0, ann.dim), dtype=np.float32), 0, 0, []  # noqa: SLF001
     ann.seeds = build.seeds  # (the shard's searcher adopts them: shards/search.py, _ann_lows)
     return old

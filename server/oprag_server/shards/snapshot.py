@@ -112,9 +112,9 @@ def _write_snapshot_files(snap: Path, store: ChunkStore, memory: MemoryStore) ->
         if tail.shape[0]:
             fsync_write_with(snap / "dense_tail.npy", lambda f: np.save(f, tail))
         ann = store.dense.ann_state(with_bytes=False)
-        buf = io.BytesIO()
+        buf = io.BytesIO()  # (the batch holds the chunks in slot order)
         np.savez(buf, ann_slot=ann["ann_slot"], live_slots=store.fields.slots(), trained_at=ann["trained_at"],
-                 kind=ann["kind"], laid_at=ann["laid_at"])  # the batch holds the chunks in slot order
+                 kind=ann["kind"], laid_at=ann["laid_at"], tail_groups=store.dense.deferred_groups())
         fsync_write(snap / "dense.npz", buf.getvalue())
         if (seeds := low_seeds_state.encode(store.dense.ann)) is not None:  # HNSW: the dense minimum's seeds
             fsync_write(snap / low_seeds_state.NAME, seeds)
@@ -241,7 +241,8 @@ def _load_ann(snap: Path, store: ChunkStore, say: Say = None) -> None:
 
                 state = {"kind": str(meta["kind"]), "faiss": f, "ann_slot": meta["ann_slot"],
                          "trained_at": int(meta["trained_at"]), "tail": _tail(snap),
-                         "laid_at": int(meta["laid_at"]) if "laid_at" in meta.files else 0}
+                         "laid_at": int(meta["laid_at"]) if "laid_at" in meta.files else 0,
+                         "tail_groups": meta["tail_groups"] if "tail_groups" in meta.files else None}
                 if store.dense.load_ann(state, remap):
                     low_seeds_state.stash(store.dense.ann, snap / low_seeds_state.NAME)
                     return _built_with(store, say)
