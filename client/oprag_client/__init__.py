@@ -11,3 +11,7 @@ def __getattr__(name: str):
 
         return getattr(client, name)
     raise AttributeError(f"module 'oprag_client' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_CLIENT})

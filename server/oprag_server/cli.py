@@ -90,7 +90,8 @@ _OPTIONS: tuple[tuple[str, str, str, str], ...] = (
      "list that one of them proves incomplete is searched again with a 4x beam (up to 8192) or 4x the lists "
      "(up to all), then exactly (0: no check)"),
     ("--hnsw-layout-min", "dense", "layout_min", "HNSW: vectors a shard's graph holds before its nodes are renumbered "
-     "for memory locality, between requests once writes are quiet, again each time the graph doubled (0: never)"),
+     "for memory locality, between requests once writes are quiet, again each time the graph doubled and after a "
+     "compaction (0: never)"),
     ("--lexical-candidates", "retrieval", "lexical_candidates",
      "BM25 top-M per shard beside the dense top-N in dense-first hybrid (0: max(4 * top_k, 64))"),
     ("--widen-rounds", "retrieval", "widen_rounds",

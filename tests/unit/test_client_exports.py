@@ -11,6 +11,7 @@ def test_top_level_names_are_the_client_modules():
 
     from oprag_client import AsyncOpRAGClient, Doc, OpRAGClient, query_request  # noqa: F401
 
+    assert set(oprag_client.__all__) <= set(dir(oprag_client))  # (tab completion; trial47b #3)
     assert OpRAGClient is client.OpRAGClient and Doc is client.Doc and query_request is client.query_request
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         oprag_client.Nope  # noqa: B018
