@@ -36,6 +36,7 @@ import numpy as np
 from . import hugepages, kernels_layout
 from .ann_copies import hnsw_storage, level0
 
+
 def _faiss():
     import faiss  # noqa: PLC0415 - a declared dependency; imported where used
 
