@@ -150,3 +150,11 @@ def test_any_given_order_answers_as_before():
     assert _searches(dense, q) == before and _minima(dense, seeds, q) == low
     assert dense.lay_out_ann(seeds, order=np.argsort(dense.ann.ann_slot))  # back to insertion order
     assert np.array_equal(dense.ann.ann_slot, twin.ann.ann_slot) and _searches(dense, q) == before
+
+
+def test_not_while_a_compactions_seeds_wait():
+    dense = _index(1000)
+    _fill(dense, _data(1500, 9), 0)
+    assert graph_layout.free(dense.ann) and dense.layout_due()
+    dense.ann.seeds = LowSeeds()  # (a compaction's, not taken yet: their ids would go stale)
+    assert not graph_layout.free(dense.ann) and not dense.lay_out_ann()

@@ -79,6 +79,8 @@ def free(ann, seeds=None) -> bool:
     index = getattr(ann, "_index", None)
     if ann.params.kind != "hnsw" or index is None or ann.pending or ann._build is not None:  # noqa: SLF001
         return False
+    if getattr(ann, "seeds", None) is not None:  # (a compaction's seeds not taken yet: their ids would go stale)
+        return False
     return seeds is None or getattr(seeds, "_next", None) is None
 
 

@@ -114,6 +114,21 @@ def start_due(seeds, ann) -> bool:
     return True
 
 
+def take_built(seeds, ann):
+    """(Between requests) the seeds a background compaction's thread built for its new graph (``ann.seeds``), in place
+    of ``seeds`` and kept for the snapshot (:func:`mark`), or ``seeds`` when there are none. Taken by the next query
+    before this, a snapshot taken with no query between kept no seeds for the new graph, and a restart built others
+    over the final graph (trial47c: HYBRID scores moved after a restart)."""
+    built = getattr(ann, "seeds", None)
+    if built is None:
+        return seeds
+    ann.seeds = None
+    if getattr(ann, "_index", None) is built._index:  # noqa: SLF001
+        mark(built, ann)
+        return built
+    return seeds
+
+
 def adopt_done(seeds, ann) -> bool:
     """(Between requests) take the seeds of a finished :func:`pending` job for ``ann``'s graph, as the next query's
     update would (``LowSeeds._adopt``), so that the shard settles without a query; a job for a graph since replaced

@@ -170,6 +170,8 @@ class ShardState:
         built = None if self.txns.prepared else self.store.dense.ann_building
         if built:  # a background IVF retraining or HNSW compaction is done: installed between requests
             return 0.0
+        if not self.txns.prepared and getattr(self.store.dense.ann, "seeds", None) is not None:
+            return 0.0  # (a compaction's seeds: taken between requests)
         wait = self._merge_wait()
         for other in (self._seeds_wait(), self._layout_wait()):
             if other is not None:
@@ -233,6 +235,9 @@ class ShardState:
         if self.txns.prepared:
             return False
         low, ann = self.search._low, self.store.dense.ann  # noqa: SLF001
+        if ann is not None and ann.seeds is not None:  # a compaction's seeds (installed here or in a write)
+            self.search._low = low_seeds_state.take_built(low, ann)  # noqa: SLF001
+            return True
         if self._layout_wait() == 0.0 and self.store.lay_out(low):  # (before new seeds: they would wait)
             self.say("HNSW graph renumbered for locality: %d vectors in %.2f s" % ann.layouts.pop())
             return True
