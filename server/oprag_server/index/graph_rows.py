@@ -166,14 +166,18 @@ class GraphRows:
         """HNSW: renumber the graph's nodes for locality when due (:func:`.graph_layout.lay_out`, with the dense
         minimum's ``seeds``; in ``order`` when given), and the rows with them (row order is ANN id order).
         :returns: whether it did."""
-        ok = self._one and self._pending is None and (order is not None or self.layout_due(seeds))
-        if not ok or graph_layout.lay_out(self._ann, seeds, order) is None:
-            return False
-        live = np.flatnonzero(self._ann.ann_slot >= 0)
-        self._slot_row[self._ann.ann_slot[live]] = live
+        if not self._one or self._pending is not None or graph_layout.lay_out(self._ann, seeds, order) is None:
+            return False  # (lay_out checks that it is due, or free with an ``order``)
+        self._rows_from_ids()
         self._live_cache = None
         self._version += 1
         return True
+
+    def _rows_from_ids(self) -> None:
+        """HNSW: each live slot's row is its ANN id again, after the graph's ids changed (a renumbering; a background
+        compaction's install)."""
+        live = np.flatnonzero(self._ann.ann_slot >= 0)
+        self._slot_row[self._ann.ann_slot[live]] = live
 
     def _load_one(self, state: dict, ann_slot: np.ndarray) -> bool:
         """HNSW: adopt a saved graph (``state["faiss"]``, with its deferred vectors

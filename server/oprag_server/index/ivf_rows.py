@@ -41,8 +41,7 @@ class IvfRows:
             if self._ann.install_graph() is None:
                 self._compact_logged(f"the background compaction failed ({err!r}); this write waited")
             else:
-                live = np.flatnonzero(self._ann.ann_slot >= 0)
-                self._slot_row[self._ann.ann_slot[live]] = live
+                self._rows_from_ids()
         else:
             self._ann.install(self.slots, self.vectors)
         self._version += 1  # (the structure that picks candidates changed: what is cached by version is redone)
