@@ -22,7 +22,7 @@ import numpy as np
 
 from . import _internals
 from ._common import emit_json, log, machine_info, percentile, shard_probe_args
-from .shard_parts import _queries
+from .shard_parts import _queries, _request
 
 
 def _order(name: str, ann) -> np.ndarray:
@@ -105,8 +105,7 @@ def main(argv=None) -> dict:
     log(f"loaded shard {a.shard} ({len(st.store.dense)} chunks) in {time.perf_counter() - t0:.1f} s")
     qs = _queries(a, st)
     avgdl = _internals.shard_avgdl(st.store.postings)
-    reqs = {mode: [sp.protocol.SearchRequest(sp.protocol.QueryBatch(v[None], [t], [i], avgdl, 1.5, 0.75, None), mode,
-                                             256, 0, 0, 10, 64) for v, t, i in qs] for mode in ("hybrid", "dense")}
+    reqs = {mode: [_request(sp, q, avgdl, mode) for q in qs] for mode in ("hybrid", "dense")}
     names = a.orders.split(",")
     if "insertion" not in names:
         names.insert(0, "insertion")

@@ -88,6 +88,15 @@ def _queries(a, st) -> list[tuple]:
     return out
 
 
+def _request(sp, q: tuple, avgdl: float, mode: str = "hybrid", n: int = 256, ef: int = 0, m: int = 64):
+    """The one-query SEARCH a frontend sends a shard for ``q`` (vector, terms, idf) of :func:`_queries`: BM25 k1 1.5,
+    b 0.75, the shard's ``avgdl``, top_k 10; ``n`` dense candidates, ``ef`` the HNSW beam (0: the default), ``m`` the
+    BM25 list."""
+    v, terms, idf = q
+    return sp.protocol.SearchRequest(sp.protocol.QueryBatch(v[None], [terms], [idf], avgdl, 1.5, 0.75, None), mode, n,
+                                     ef, 0, 10, m)
+
+
 def _exact(st, q: np.ndarray, n: int) -> tuple[float, set]:
     """The exact canonical dense minimum over the shard's live vectors and the exact top-n slots."""
     dense = st.store.dense
@@ -132,8 +141,7 @@ def main(argv=None) -> dict:
     out = {"chunks": len(st.store.dense), "queries": len(qs), "n": a.n, "runs": [], "machine": machine_info()}
     for ef in [int(x) for x in a.ef_search.split(",")]:
         for m in [int(x) for x in a.m.split(",")]:
-            reqs = [sp.protocol.SearchRequest(sp.protocol.QueryBatch(v[None], [terms], [idf], avgdl, 1.5, 0.75, None),
-                                              "hybrid", a.n, ef, 0, 10, m) for v, terms, idf in qs]
+            reqs = [_request(sp, q, avgdl, "hybrid", a.n, ef, m) for q in qs]
             for r in (reqs if a.warm_pass else reqs[:10]):
                 st.search.search(r)
             timer.acc.clear()
