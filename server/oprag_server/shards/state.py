@@ -247,7 +247,8 @@ class ShardState:
         if not self.store.dense.ann_building:
             return False
         self.store.dense.install_ann()
-        self.store.rows_moved()
+        if self.store.dense.one_copy:  # (HNSW: the compaction's graph renumbered the rows; an IVF's keep theirs)
+            self.store.rows_moved()
         self.say_trainings()
         return True
 
