@@ -26,6 +26,7 @@ from .retry import NO_RETRY, RetryPolicy, acall, call
 from .streams import StreamCall, SyncStreamCall
 from .vectors import floats as _floats
 from .vectors import pack as _pack
+from .vectors import _CHUNK_FIX, _DOC_FIX
 
 DEFAULT_MAX_MESSAGE_BYTES = 32 * 1024 * 1024
 MODES = {
@@ -79,6 +80,12 @@ class Doc:
                 plain[k] = v
             elif v is not None:
                 typed[k] = metadata_value(k, v)
+        if self.chunks is not None and not len(self.chunks):  # (None: the server chunks the text)
+            raise ValueError(f"document {self.id!r}: chunks is empty: give at least one (text, vector) pair, or leave "
+                             "chunks None to have the server chunk and embed the text")
+        for i, (_, v) in enumerate(self.chunks or ()):
+            if v is None:  # (the server refuses a chunk without a vector: say so before sending)
+                raise ValueError(f"document {self.id!r}: chunks[{i}] vector is None: {_CHUNK_FIX}")
         packed = _pack(self)
         if packed is not None:
             return oprag_pb2.Document(
@@ -87,8 +94,9 @@ class Doc:
                 vectors_f32=packed[0], vector_dim=packed[1])
         return oprag_pb2.Document(
             id=self.id, title=self.title, text=self.text, metadata=plain, typed_metadata=typed,
-            vector=_floats(self.vector, f"document {self.id!r}: vector", empty_ok=True),
-            chunks=[oprag_pb2.ChunkVector(text=t, vector=_floats(v, f"document {self.id!r}: chunks[{i}] vector"))
+            vector=_floats(self.vector, f"document {self.id!r}: vector", empty_fix=_DOC_FIX),
+            chunks=[oprag_pb2.ChunkVector(text=t, vector=_floats(v, f"document {self.id!r}: chunks[{i}] vector",
+                                                                 empty_fix=_CHUNK_FIX))
                     for i, (t, v) in enumerate(self.chunks or ())])
 
 
@@ -99,7 +107,8 @@ def _as_pb(d: Any) -> oprag_pb2.Document:
         return d.to_pb()
     if isinstance(d, Mapping):
         return Doc(str(d["id"]), d.get("text") or "", d.get("title") or "", dict(d.get("metadata") or {}),
-                   d.get("vector"), [(c["text"], c["vector"]) for c in d["chunks"]] if d.get("chunks") else None).to_pb()
+                   d.get("vector"), [(c["text"], c["vector"]) for c in d["chunks"]] if d.get("chunks") is not None else None
+                   ).to_pb()
     raise TypeError(f"cannot ingest {type(d).__name__}: pass Doc, oprag_pb2.Document or a dict with id and text")
 
 

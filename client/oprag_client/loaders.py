@@ -217,7 +217,8 @@ def load_jsonl(paths: list[Path]) -> Iterator[Doc]:
 
 def load_beir(paths: list[Path]) -> Iterator[Doc]:
     """BEIR ``corpus.jsonl``: ``{"_id", "title", "text", "metadata"}`` (a directory means its
-    corpus.jsonl)."""
+    corpus.jsonl); a line may also carry ``"vector"`` or ``"chunks"``, read and checked as
+    :func:`load_jsonl` reads them (the same line reader)."""
     for p in paths:
         yield from _json_lines(p / "corpus.jsonl" if p.is_dir() else p, "_id", "a BEIR corpus line")
 

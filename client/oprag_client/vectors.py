@@ -12,7 +12,8 @@ from oprag.v1 import oprag_pb2
 F32_OVERFLOW = 3.4028235677973366e38  # (2 - 2**-24) * 2**127: a float at least this large becomes float32 infinity
 
 
-def floats(v, field: str = "query_vector", *, empty_ok: bool = False) -> list[float]:
+def floats(v, field: str = "query_vector", *, empty_ok: bool = False,
+           empty_fix: str = "pass the embedding (D floats), or None to let the server embed the text") -> list[float]:
     """A vector as a list protobuf takes (``[]`` for None): a 1-D float numpy array through
     ``tolist`` (the same values as ``float(x)`` of each element, ~2.5x faster for 384 values); a
     list as it is (tuple: as a list); any other iterable as ``float(x)`` of each element. Real
@@ -25,6 +26,7 @@ def floats(v, field: str = "query_vector", *, empty_ok: bool = False) -> list[fl
     :param field: how messages name the vector (e.g. ``document 'd1' vector``).
     :param empty_ok: accept an empty sequence (else a ValueError: on the wire an empty vector
         reads as "no vector", so ``query_vector=[]`` would silently embed the question).
+    :param empty_fix: what the empty-vector message tells the caller to do instead.
     :raises ValueError: an array that is not one-dimensional (a matrix, a 0-d scalar), an empty
         vector (unless ``empty_ok``), an element that is not a number or is a boolean (the
         message names the first such element)."""
@@ -61,11 +63,15 @@ def floats(v, field: str = "query_vector", *, empty_ok: bool = False) -> list[fl
         except (TypeError, ValueError, OverflowError):
             raise ValueError(_bad_element(v, field)) from None
     if not out and not empty_ok:
-        raise ValueError(f"{field} is empty: pass the embedding (D floats), or None to let the server embed the text")
+        raise ValueError(f"{field} is empty: {empty_fix}")
     return out
 
 
 _FLOAT = frozenset({float})
+#: what to do instead of an empty document vector / chunk vector (Doc.to_pb, pack)
+_DOC_FIX = "pass its embedding (D floats), or leave vector None to have the server embed the text"
+_CHUNK_FIX = ("a precomputed chunk needs its embedding (D floats); to have the server chunk and embed a text, "
+              "pass text= and leave chunks None")
 
 
 def _booleans(kinds: set[type]) -> bool:
@@ -157,6 +163,9 @@ def pack(doc: Any) -> tuple[bytes, int] | None:
         return None
     if any(v.ndim != 1 for v in rows) or len({v.shape[0] for v in rows}) != 1:
         raise ValueError(f"document {doc.id!r}: vectors must be 1-D arrays of one width")
+    if not rows[0].shape[0]:  # (on the wire width 0 reads as "no vector": the server would embed the text)
+        raise ValueError(f"document {doc.id!r}: {'chunk vectors are' if doc.chunks else 'vector is'} empty: "
+                         + (_CHUNK_FIX if doc.chunks else _DOC_FIX))
     bad = next((v.dtype for v in rows if v.dtype.kind not in "iuf"), None)
     if bad is not None:  # a '<U3' array of "0.1" strings would be parsed by astype: refuse it as floats() does
         raise ValueError(f"document {doc.id!r}: {'chunk vectors' if doc.chunks else 'vector'} has dtype {bad}, not "

@@ -198,6 +198,9 @@ def packed_rows(data: bytes, rows: int, dim: int, index_dim: int, what: str = "v
     :raises ValueError: ``dim != index_dim`` (or 0), ``len(data) != rows * dim * 4``, NaN or
         infinity, an all-zero row.
     """
+    if dim == 0 and data:  # (trial48 #6: the packed bytes came without their width)
+        raise ValueError(f"{what} holds {len(data)} bytes but vector_dim is 0: set vector_dim to the vectors' width "
+                         f"({index_dim} for this index)")
     if dim != index_dim:  # (worded as unit_rows': a Parquet / Arrow user never wrote the wire field)
         raise ValueError(f"a vector has {dim} values ({what} with vector_dim {dim}); the index holds vectors of "
                          f"width {index_dim}")

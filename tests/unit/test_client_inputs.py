@@ -87,7 +87,7 @@ def test_numbers_still_convert_as_before():
         query_request("q", query_vector=[1, 0.5, np.float32(0.25), True])
     pb = Doc("d1", "t", vector=(1, 2.5)).to_pb()
     assert list(pb.vector) == [1.0, 2.5]
-    assert list(Doc("d1", "t", vector=[]).to_pb().vector) == []  # a document's empty vector: embedded as before
+    assert list(Doc("d1", "t").to_pb().vector) == []  # no vector: the server embeds the text
     pb = Doc("d1", chunks=[("a", np.array([1, 2], np.int32)), ("b", np.array([3, 4], np.int32))]).to_pb()
     assert pb.vector_dim == 2 and np.frombuffer(pb.vectors_f32, "<f4").tolist() == [1, 2, 3, 4]
 
@@ -107,3 +107,30 @@ def test_wrong_types_are_type_errors_naming_the_field(make, words):
         make()
     assert words in str(ei.value)
     assert query_request(None).question == "" and Doc("d", b"bytes").to_pb().text == "bytes"
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda: Doc("e1", "t", vector=[]), "document 'e1': vector is empty: pass its embedding (D floats), or leave vector None"),
+    (lambda: Doc("e1", "t", vector=()), "document 'e1': vector is empty: pass its embedding"),
+    (lambda: Doc("e1", "t", vector=np.array([], np.float32)), "document 'e1': vector is empty: pass its embedding"),
+    (lambda: Doc("e2", "t", chunks=[]), "document 'e2': chunks is empty: give at least one (text, vector) pair"),
+    (lambda: Doc("e3", chunks=[("a", [0.5, 0.5]), ("b", [])]), "document 'e3': chunks[1] vector is empty: a precomputed chunk needs"),
+    (lambda: Doc("e3", chunks=[("a", np.array([], np.float32))]), "document 'e3': chunk vectors are empty: a precomputed chunk"),
+    (lambda: Doc("e4", chunks=[("a", None)]), "document 'e4': chunks[0] vector is None: a precomputed chunk needs its embedding"),
+])
+def test_an_empty_document_or_chunk_vector_is_refused_before_sending(make, words):
+    """trial46 #11 / trial48 #3: on the wire an empty vector (or chunks=[]) reads as "no vector", so the server
+    embedded the text with its own model, silently mixing it into a bring-your-own-vectors corpus (the CLI's JSON
+    lines and Parquet inputs refuse the same); trial48 #4: the chunk message no longer advises None, which the server
+    refuses for a chunk."""
+    with pytest.raises(ValueError) as e:
+        make().to_pb()
+    assert str(e.value).startswith(words), str(e.value)
+    assert "None to let the server" not in str(e.value) or "chunk" not in str(e.value)
+
+
+def test_a_mapping_with_empty_chunks_is_refused_like_a_doc():
+    from oprag_client.client import _as_pb
+    with pytest.raises(ValueError, match="chunks is empty"):
+        _as_pb({"id": "m", "text": "t", "chunks": []})
+    assert _as_pb({"id": "m", "text": "t"}).text == "t"

@@ -52,7 +52,8 @@ def _doc(data: bytes, dim: int, chunks=0, **kw) -> oprag_pb2.Document:
     (_doc(V[:2].astype("<f4").tobytes(), D), "64 bytes"),  # two rows for a one-chunk document
     (_doc(V[:2].astype("<f4").tobytes(), D, chunks=3), "3 row"),  # fewer rows than chunks
     (_doc(V[0].astype("<f4").tobytes(), D // 2, chunks=2), "a vector has 4 values .*width 8"),  # right bytes, wrong width
-    (_doc(V[0].astype("<f4").tobytes(), 0), "a vector has 0 values"),
+    (_doc(V[0].astype("<f4").tobytes(), 0),  # trial48 #6: the message says what to set
+     r"vectors_f32 holds 32 bytes but vector_dim is 0: set vector_dim to the vectors. width \(8 for this index\)"),
     (_doc(b"", D), "0 bytes"),
     (_doc(V[0].astype("<f4").tobytes(), D, vector=[1.0] * D), "one form"),
     (_doc(np.full(D, np.nan, "<f4").tobytes(), D), "NaN"),
