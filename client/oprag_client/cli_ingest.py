@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 
 from .cli_util import _client, _fail, _rpc_message
+from .retry import nothing_stored
 
 
 def _fitting(numbered, max_message_bytes: int, rejected: list[dict]):
@@ -53,7 +54,10 @@ def outcome_unknown(exc: grpc.RpcError) -> bool:
     :data:`UNKNOWN_OUTCOME`, or ``UNAVAILABLE`` once gRPC had the stream's final message (the
     connection lost or the server gone while it committed: trial35 found a stream reported
     "stored nothing" that a kill -9 during its commit had stored) unless the connection was never
-    made ("failed to connect"). Any other status is the server's refusal: nothing stored."""
+    made ("failed to connect"). Any other status is the server's refusal: nothing stored. A status with
+    the server's trailer ``oprag-stored: none`` (:func:`.retry.nothing_stored`) stored nothing, whatever its code."""
+    if nothing_stored(exc):
+        return False
     code = exc.code().name
     if code in UNKNOWN_OUTCOME:
         return True

@@ -22,7 +22,7 @@ from oprag.v1 import oprag_pb2, oprag_pb2_grpc
 from .channel import open_channel
 from .inputs import bad_text, clear_session_request, delete_request, names_bad_text
 from .metadata import MetadataValue, metadata_of, metadata_value  # noqa: F401 - re-exported
-from .retry import NO_RETRY, RetryPolicy, acall, call
+from .retry import NO_RETRY, RetryPolicy, acall, call, nothing_stored
 from .streams import StreamCall, SyncStreamCall
 from .vectors import floats as _floats
 from .vectors import pack as _pack
@@ -270,7 +270,8 @@ class OpRAGClient:
         :raises grpc.RpcError: the server's status, or the transport's. Its attribute
             ``final_message_sent`` says whether gRPC had taken the stream's final message: if not,
             the server cannot have committed the stream (README: "Ingest semantics"); if so, a call
-            cut short (the connection lost, a deadline) may have been committed whole.
+            cut short (the connection lost, a deadline) may have been committed whole -- unless
+            ``nothing_stored`` (:func:`.retry.nothing_stored`: the server's own status said its commit never began).
         """
         failed: list[BaseException] = []
         final: list[bool] = []
@@ -292,6 +293,7 @@ class OpRAGClient:
                 raise failed[0] from None
             try:
                 exc.final_message_sent = bool(final)
+                exc.nothing_stored = nothing_stored(exc)
             except AttributeError:  # (an error type without attributes: callers then assume it was sent)
                 pass
             raise

@@ -76,3 +76,14 @@ async def acall(policy: RetryPolicy, fn: Callable[[], Awaitable[T]]) -> T:
                 raise
             await asyncio.sleep(d)
             attempt += 1
+
+
+def nothing_stored(exc: Any) -> bool:
+    """Whether a failed Ingest call's status carries the server's trailer ``oprag-stored: none``: the stream
+    failed before its commit began, so nothing of it was stored, whatever the status code (an ``UNAVAILABLE``
+    shard refused it; trial48 #18). False without it (a connection lost: the outcome may be unknown)."""
+    try:
+        md = exc.trailing_metadata() or ()
+    except Exception:  # noqa: BLE001 - (an error without trailers: a transport's own)
+        return False
+    return any(k == "oprag-stored" and v == "none" for k, v in md)

@@ -7,9 +7,11 @@ import os
 import signal
 import time
 
+import grpc
 import psutil
 import pytest
 
+from oprag_client.cli_ingest import outcome_unknown
 from oprag_client.client import Doc, OpRAGClient
 from oprag_client.testing import ServerProcess, free_port
 
@@ -30,6 +32,12 @@ def test_killed_shard_is_restarted_and_partial_results_are_flagged(tmp_path):
             pids = _shard_pids(srv.proc.pid)
             assert len(pids) == 2
             os.kill(pids[0], signal.SIGKILL)
+            # trial48 #18: an ingest the dead shard refuses (its final message sent, the commit never begun) says
+            # in its status that nothing was stored: the CLI reported "stored whole or not at all"
+            with pytest.raises(grpc.RpcError) as refused:
+                c.ingest([Doc(f"late{i}", f"Late tide note {i}.") for i in range(20)])
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
+            assert refused.value.nothing_stored is True and not outcome_unknown(refused.value)
             saw_not_serving = saw_stats_missing = False
             deadline = time.time() + 60
             while time.time() < deadline:
@@ -60,7 +68,7 @@ def test_killed_shard_is_restarted_and_partial_results_are_flagged(tmp_path):
             assert saw_stats_missing, "Stats never named the dead shard in missing_shards"
             assert c.health() == "SERVING"
             after = c.stats()
-            assert (after.documents, after.chunks) == (before.documents, before.chunks)
+            assert (after.documents, after.chunks) == (before.documents, before.chunks)  # (nothing "late" stored)
             assert len(c.retrieve("harbour high water", mode="full_hybrid", top_k=20).hits) == 20
     finally:
         srv.stop()

@@ -85,8 +85,18 @@ class _CutAfterFinal(_Unavailable):
         return "Socket closed"
 
 
+class _RefusedAfterFinal(_Unavailable):
+    """trial48 #18: a shard down refused the stream after its final message, before the commit began; the
+    server's status says so in its trailer (``oprag-stored: none``)."""
+    final_message_sent = True
+
+    def trailing_metadata(self):
+        return (("oprag-stored", "none"),)
+
+
 @pytest.mark.parametrize("error, stored, words", [
     (_Unavailable, False, "stream 1 (its document 0 is input document #0) and the rest stored nothing"),
+    (_RefusedAfterFinal, False, "stream 1 (its document 0 is input document #0) and the rest stored nothing"),
     (_CutAfterFinal, None, "stream 1 (its document 0 is input document #0) ended UNAVAILABLE after its final message "
                            "was sent (the connection was lost, or the server failed while it committed): it is stored "
                            "whole or not at all"),

@@ -86,6 +86,27 @@ def test_unary_ok_and_error_are_counted_and_mapped():
     assert count(ic, "Query", "RESOURCE_EXHAUSTED") == 1
 
 
+def test_a_stream_that_failed_before_its_commit_says_nothing_was_stored():
+    """trial48 #18: an Ingest refused (a shard down) after its final message, before the commit began: the status
+    carries the trailer ``oprag-stored: none`` (abort_stream marks the error), so the client knows nothing was
+    stored; an error without the mark (e.g. one during the commit) carries none."""
+    from oprag_server.shards.transport import ShardError
+
+    for marked in (True, False):
+        async def refused(req, ctx):
+            exc = ShardError("shard 1 is not running")
+            if marked:
+                exc.nothing_stored = True
+            raise exc
+
+        ic, h = wrap(grpc.stream_unary_rpc_method_handler(refused), f"/{SVC}/Ingest")
+        ctx = Context()
+        with pytest.raises(Aborted):
+            asyncio.run(h.stream_unary(iter(()), ctx))
+        assert ctx.aborted[0] == grpc.StatusCode.UNAVAILABLE
+        assert (("oprag-stored", "none") in ctx.trailers) is marked
+
+
 def test_streaming_handler_error_after_items():
     async def gen(req, ctx):
         yield "a"

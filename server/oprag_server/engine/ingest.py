@@ -141,7 +141,7 @@ class IngestPipeline:
             raise  # as such (:func:`.ingest_commit.commit_stream`), not aborted
         except BaseException as exc:  # (a cancelled commit counted itself: CommitProtocol.commit)
             left = isinstance(exc, asyncio.CancelledError) and phase["final"] and not phase["commit"]
-            await asyncio.shield(abort_stream(self.pool, txn, self.metrics, caller_left=left))
+            await asyncio.shield(abort_stream(self.pool, txn, self.metrics, left, None if phase["commit"] else exc))
             raise
         return res
 

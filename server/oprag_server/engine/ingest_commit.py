@@ -43,13 +43,22 @@ def _written(res: Any, seq: int, replies: list[ApplyReply], metrics: Any) -> Non
     metrics.chunks_ingested.inc(res.chunks_written)
 
 
-async def abort_stream(pool: Any, txn: str, metrics: Any, caller_left: bool = False) -> None:
+async def abort_stream(pool: Any, txn: str, metrics: Any, caller_left: bool = False,
+                       before_commit: BaseException | None = None) -> None:
     """Count the stream as aborted and drop what the shards staged under ``txn`` (a shard that
     is down has nothing staged any more: it is left out; errors are swallowed, the stream's own
     error is the one to report). ``caller_left``: the caller was cancelled (client gone, deadline
     passed) after its final message arrived and before the commit began: it cannot know the
     outcome, so the stream counts in ``oprag_writes_after_caller_left_total{kind=upsert,outcome=aborted}``
-    too, as one cancelled during the commit does (:class:`~.commit.CommitProtocol`)."""
+    too, as one cancelled during the commit does (:class:`~.commit.CommitProtocol`).
+    ``before_commit``: the stream's error when its commit never began (nothing was stored): marked
+    ``nothing_stored``, which the status interceptor sends as the trailer ``oprag-stored: none``
+    (trial48 #18: a client that lost sight of the stream after its final message cannot know)."""
+    if isinstance(before_commit, Exception):
+        try:
+            before_commit.nothing_stored = True
+        except AttributeError:  # (an exception type without attributes: its status says nothing more)
+            pass
     metrics.streams_aborted.inc()
     if caller_left:
         metrics.writes_after_caller_left.labels(kind="upsert", outcome="aborted").inc()

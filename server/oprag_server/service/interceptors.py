@@ -41,6 +41,11 @@ from .metrics import GRPC_CODES
 log = logging.getLogger(__name__)
 
 
+#: the trailer of a failed Ingest stream that stored nothing (the commit never began), whatever its status: a client
+#: that lost sight of the stream after its final message (UNAVAILABLE) otherwise cannot know (trial48 #18)
+STORED_NONE = ("oprag-stored", "none")
+
+
 def status_for(exc: Exception, method: str) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
     """gRPC status code, details message and trailing metadata for an exception a handler raised.
 
@@ -167,6 +172,8 @@ class _Call:
             self.code = grpc.StatusCode.DEADLINE_EXCEEDED if _expired(self.context) else grpc.StatusCode.CANCELLED
             raise exc
         self.code, msg, trailers = status_for(exc, self.method)
+        if getattr(exc, "nothing_stored", False):  # an Ingest stream that failed before its commit began
+            trailers = (*trailers, STORED_NONE)
         if trailers:
             self.context.set_trailing_metadata(trailers)
         await self.context.abort(self.code, msg)
