@@ -32,7 +32,8 @@ only that way until 2026-12-01),
 Recall@10 of hybrid vs full_hybrid, the share of hybrid queries whose top-k the threshold bound
 certified and that were widened (0 for a server without it), SciFact nDCG@10 (documents ranked by their best chunk),
 RSS of the server process tree (sampled every 0.5 s on a thread: the high-water mark during
-ingest and queries, ``rss_peak_bytes``; after the queries; and after the restart, without what
+ingest and queries, ``rss_peak_bytes``, with when it was sampled, ``rss_peak_at``, and its anonymous
+part, ``rss_peak_anon_bytes``; after the queries; and after the restart, without what
 ingest left allocated; after the queries and after the restart also its anonymous part,
 ``rss_anon_bytes`` / ``rss_anon_after_restart_bytes``, without the clean pages of the mapped
 snapshot files, :func:`tree_rss_anon`; and once settled after the queries, ``rss_settled_bytes`` /
@@ -94,23 +95,27 @@ def derived(snap: dict, n: int, sigma: float, seed: int = 13, block: int = 2000)
         yield out, (vec / np.linalg.norm(vec, axis=1, keepdims=True)).astype(np.float32)
 
 
-def rss_by_process(pid: int) -> dict[str, int]:
+def rss_by_process(pid: int, anon: list | None = None) -> dict[str, int]:
     """RSS bytes of ``pid`` (``frontend``) and of its descendants together (``children``: the
-    shard processes)."""
+    shard processes); with ``anon`` (a list), the tree's anonymous resident bytes (as
+    :func:`tree_rss_anon`) appended to it."""
     import psutil
 
     try:
         p = psutil.Process(pid)
         kids = p.children(recursive=True)
-        front = p.memory_info().rss
+        m = p.memory_info()
     except psutil.Error:
         return {}
-    rest = 0
+    front, rest, shared = m.rss, 0, m.shared
     for q in kids:
         try:
-            rest += q.memory_info().rss
+            mq = q.memory_info()
         except psutil.Error:
-            pass
+            continue
+        rest, shared = rest + mq.rss, shared + mq.shared
+    if anon is not None:
+        anon.append(front + rest - shared)
     return {"frontend": front, "children": rest}
 
 
@@ -164,19 +169,24 @@ class RssPeak:
 
         self.pid, self.peak, self.interval = 0, 0, interval
         self.peak_by: dict[str, int] = {}  # frontend / shard processes at the tree's peak
+        # when the peak was sampled and the anonymous part of it (the rest: file-backed pages mapped, e.g.
+        # the snapshot files and a BM25 merge's spill maps, which the kernel can drop; session 48)
+        self.peak_at, self.peak_anon = "", 0
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
         self._t.start()
 
     def watch(self, pid: int) -> None:
-        self.pid, self.peak, self.peak_by = pid, 0, {}
+        self.pid, self.peak, self.peak_by, self.peak_at, self.peak_anon = pid, 0, {}, "", 0
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             if self.pid:
-                by = rss_by_process(self.pid)
+                anon: list[int] = []
+                by = rss_by_process(self.pid, anon)
                 if sum(by.values()) > self.peak:
                     self.peak, self.peak_by = sum(by.values()), by
+                    self.peak_at, self.peak_anon = time.strftime("%H:%M:%S"), anon[0] if anon else 0
 
     def close(self) -> None:
         self._stop.set()
@@ -337,7 +347,8 @@ def run_size(a, size: int, kind: str, snap: dict, q, save) -> dict:
                     "hybrid_certified_share": round(float(np.mean([c for c, _ in bound])), 4),
                     "hybrid_widened_share": round(float(np.mean([w > 0 for _, w in bound])), 4),
                     "rss_bytes": rss, "rss_anon_bytes": rss_anon, "bytes_per_chunk": round(rss / max(chunks, 1)),
-                    "rss_peak_bytes": peak.peak, "rss_peak_by_process": peak.peak_by, "step": "restart"})
+                    "rss_peak_bytes": peak.peak, "rss_peak_by_process": peak.peak_by, "rss_peak_at": peak.peak_at,
+                    "rss_peak_anon_bytes": peak.peak_anon, "step": "restart"})
         save(res)
         peak.watch(0)
         srv.stop(timeout=1800)
