@@ -53,7 +53,7 @@ class InProcessTransport(ShardTransport):
     def ready(self, loop: asyncio.AbstractEventLoop | None = None, timeout_s: float = 0.0) -> StatsReply:
         try:
             self.state = ShardState(self.shard_id, self.dim, self.data_dir, stem=self.stem, dense=self.dense,
-                                    storage=self.storage)
+                                    storage=self.storage, who=self.who)
             replayed = self.state.load(self._committed)
         except Exception as exc:  # noqa: BLE001 - as the pipe transport reports it
             raise ShardError(f"shard {self.shard_id} failed to start: {type(exc).__name__}: {exc}") from exc

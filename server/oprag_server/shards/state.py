@@ -36,11 +36,12 @@ class ShardState:
     """
 
     def __init__(self, shard_id: int, dim: int, data_dir: Path | None, stem: bool = False, dense=None,
-                 storage: str | None = None) -> None:
+                 storage: str | None = None, who: str | None = None) -> None:
         if storage and data_dir is None:
             raise ValueError("a shard on object storage needs a local working directory (data_dir)")
         self.storage = ShardStorage(storage, shard_id) if storage else None
         self.shard_id = shard_id
+        self.who = who or f"shard {shard_id}"  # its log lines' name: ``shard i replica r`` with --replicas (say)
         self.dim = dim
         self.data_dir = data_dir
         self.store = ChunkStore(dim, stem=stem, dense=dense)
@@ -274,14 +275,15 @@ class ShardState:
 
     def say(self, line: str) -> None:
         """Write ``line`` to the service log (stderr: the shard process's is the server's) as
-        ``<local time>,<ms> INFO shard <i>: <line>`` (the frontend's lines are ``<local time>,<ms>
+        ``<local time>,<ms> INFO shard <i>: <line>`` (``shard <i> replica <r>`` when its shard has several
+        replicas: :attr:`who`, trial47b #1) (the frontend's lines are ``<local time>,<ms>
         <LEVEL> oprag: ...``; every shard line is informational, and a level lets log filters keep them)."""
         t = time.time()
         # one write of the whole line, newline included: print() writes the text and the newline
         # separately, and two shard processes sharing the server's stderr then interleaved their
         # lines ("...: 5 chunks2026-12-03 ... shard 1: ...", found by test_fix22a under load)
         sys.stderr.write(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(t))},{int(t * 1000) % 1000:03d} "
-                         f"INFO shard {self.shard_id}: {line}\n")
+                         f"INFO {self.who}: {line}\n")
         sys.stderr.flush()
 
     def shutdown(self, req: ShutdownRequest) -> ShutdownReply:

@@ -138,7 +138,7 @@ class ThreadTransport(ShardTransport):
 
     def _load(self, committed: set[str]) -> StatsReply:
         state = ShardState(self.shard_id, self.dim, self.data_dir, stem=self.stem, dense=self.dense,
-                           storage=self.storage)
+                           storage=self.storage, who=self.who)
         replayed = state.load(committed)
         state.say(warm_line(state.search.warm(), None))  # compiled kernels ready before the first query (as worker.run)
         ready = state.stats(StatsRequest(lexical=True))

@@ -120,7 +120,7 @@ class Pipe:
 
 
 def run(shard_id: int, conn, dim: int, data_dir: str | None, stem: bool, committed: set[str] | None = None,
-        dense=None, storage: str | None = None) -> None:
+        dense=None, storage: str | None = None, who: str | None = None) -> None:
     """Process entry point: load the snapshot, report READY with stats, serve requests until
     :attr:`Op.SHUTDOWN` or the pipe closes. A failing request is answered with its error and
     never stops the loop.
@@ -143,7 +143,8 @@ def run(shard_id: int, conn, dim: int, data_dir: str | None, stem: bool, committ
     except Exception:  # pragma: no cover
         pass
     try:
-        state = ShardState(shard_id, dim, Path(data_dir) if data_dir else None, stem=stem, dense=dense, storage=storage)
+        state = ShardState(shard_id, dim, Path(data_dir) if data_dir else None, stem=stem, dense=dense, storage=storage,
+                           who=who)
         state.say(started_line(process_age()))
         replayed = state.load(committed)
         state.say(warm_line(state.search.warm(), process_age()))  # compiled kernels ready before the first query
