@@ -12,7 +12,7 @@ from oprag.v1 import oprag_pb2
 F32_OVERFLOW = 3.4028235677973366e38  # (2 - 2**-24) * 2**127: a float at least this large becomes float32 infinity
 
 
-def floats(v, field: str = "query_vector", *, empty_ok: bool = False,
+def floats(v, field: str = "query_vector", *,
            empty_fix: str = "pass the embedding (D floats), or None to let the server embed the text") -> list[float]:
     """A vector as a list protobuf takes (``[]`` for None): a 1-D float numpy array through
     ``tolist`` (the same values as ``float(x)`` of each element, ~2.5x faster for 384 values); a
@@ -24,11 +24,10 @@ def floats(v, field: str = "query_vector", *, empty_ok: bool = False,
     of each real number). A numpy float array needs no check per element.
 
     :param field: how messages name the vector (e.g. ``document 'd1' vector``).
-    :param empty_ok: accept an empty sequence (else a ValueError: on the wire an empty vector
-        reads as "no vector", so ``query_vector=[]`` would silently embed the question).
-    :param empty_fix: what the empty-vector message tells the caller to do instead.
+    :param empty_fix: what the empty-vector message tells the caller to do instead (an empty vector is refused:
+        on the wire it reads as "no vector", so ``query_vector=[]`` would silently embed the question).
     :raises ValueError: an array that is not one-dimensional (a matrix, a 0-d scalar), an empty
-        vector (unless ``empty_ok``), an element that is not a number or is a boolean (the
+        vector, an element that is not a number or is a boolean (the
         message names the first such element)."""
     if v is None:
         return []
@@ -62,7 +61,7 @@ def floats(v, field: str = "query_vector", *, empty_ok: bool = False,
             out = array("d", v).tolist()
         except (TypeError, ValueError, OverflowError):
             raise ValueError(_bad_element(v, field)) from None
-    if not out and not empty_ok:
+    if not out:
         raise ValueError(f"{field} is empty: {empty_fix}")
     return out
 
