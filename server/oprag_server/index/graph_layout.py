@@ -61,16 +61,24 @@ def permute_rows(a: np.ndarray, perm: np.ndarray) -> None:
         kernels_layout.permute_rows(two, np.ascontiguousarray(perm, np.int64))
 
 
+def live_by_slot(ann_slot: np.ndarray) -> np.ndarray:
+    """int64[n]: the live ANN ids of ``ann_slot`` (an id -> slot map, < 0 dead), ordered by their slot: the order a
+    compaction adds a graph's vectors in and the probes' sample is drawn from, so that neither depends on how the
+    graph happens to be numbered (a renumbering here; trial47 #2)."""
+    live = np.flatnonzero(ann_slot >= 0)
+    return live[np.argsort(ann_slot[live], kind="stable")]
+
+
 def sample_ids(ann, a: int, step: int) -> np.ndarray:
     """int64: every ``step``-th live ANN id below ``a`` in slot order, a sample of the graph that its numbering does
     not change (the dense minimum's probes are trained on it: a renumbered graph, or a restart that renumbered it at
     another size, gets the same probes); ``0, step, ...`` where ``ann`` has no id -> slot map (a compaction's new
     graph) or no live id below ``a``."""
     slots = getattr(ann, "ann_slot", None)
-    live = np.zeros(0, np.int64) if slots is None else np.flatnonzero(np.asarray(slots[:a]) >= 0)
+    live = np.zeros(0, np.int64) if slots is None else live_by_slot(np.asarray(slots[:a]))
     if not live.size:
         return np.arange(0, a, step, dtype=np.int64)
-    return live[np.argsort(slots[live], kind="stable")][::step]
+    return live[::step]
 
 
 def free(ann, seeds=None) -> bool:

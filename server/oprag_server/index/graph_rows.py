@@ -151,9 +151,8 @@ class GraphRows:
             slots = np.concatenate([s for s, _ in pend]) if pend else np.zeros(0, np.int64)
             self._ann.rebuild(slots, _Chain([v for _, v in pend]))
         else:
-            live, slots = self._live()
-            by = np.argsort(slots, kind="stable")  # slot order, whatever the ids' (trial47 #2: .graph_layout)
-            live, slots = live[by], slots[by]
+            live = graph_layout.live_by_slot(self._ann.ann_slot)  # (slot order, whatever the ids')
+            slots = self._ann.ann_slot[live]
             self._ann.rebuild(slots, _Rows(self._ann, live))
         self._slot_row[slots] = np.arange(slots.size, dtype=np.int64)
         self._version += 1

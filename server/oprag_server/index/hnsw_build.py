@@ -73,8 +73,9 @@ class GraphBuild(ThreadBuild):
     def __init__(self, ann) -> None:
         super().__init__()
         self.ann = ann
-        live = np.flatnonzero(ann.ann_slot >= 0).astype(np.int64)  # old ANN ids -> new ids 0..n-1, in slot order
-        self.ids = live[np.argsort(ann.ann_slot[live], kind="stable")]  # (whatever the ids' order: .graph_layout)
+        from .graph_layout import live_by_slot  # noqa: PLC0415 - (it imports this package's kernels)
+
+        self.ids = live_by_slot(ann.ann_slot).astype(np.int64)  # old ANN ids -> new ids 0..n-1, in slot order
         self.known = int(ann.ann_slot.size)  # old ids below this are among ``ids`` or were dead at the trigger
         self.index = self.copies = self._growing = self.seeds = None
         self.thread.start()
