@@ -62,23 +62,50 @@ def test_parked_arrays_are_maps_of_their_files_and_equal_a_merge_in_memory(tmp_p
     assert parked.unmapped_nbytes() == sum(getattr(parked, n).nbytes for n in _ARRAYS if n not in big)
 
 
-def test_a_park_that_cannot_write_keeps_the_array_in_memory(tmp_path, monkeypatch):
+def test_a_park_without_space_builds_the_array_in_memory(tmp_path, monkeypatch):
+    """The file's space is reserved before the first block: a full disk there (ENOSPC) builds that array in memory."""
     ix, _ = _two_layers(np.random.default_rng(4))
     args = _merge_args(ix)
-    real = np.save
+    real = os.posix_fallocate
+    sizes = []
 
-    def full(p, a, *k, **kw):
-        if str(p).endswith("tf.npy"):
-            open(p, "wb").write(b"partial")
+    def full(fd, off, n):
+        sizes.append(n)
+        if len(sizes) == 2:  # (slots, then tf)
             raise OSError(28, "No space left on device")
-        return real(p, a, *k, **kw)
+        return real(fd, off, n)
 
-    monkeypatch.setattr(seg_merge.np, "save", full)
+    monkeypatch.setattr(seg_merge.os, "posix_fallocate", full)
     got = seg_merge.merge(*args, out_dir=tmp_path / "out")
-    monkeypatch.setattr(seg_merge.np, "save", real)
+    monkeypatch.setattr(seg_merge.os, "posix_fallocate", real)
     want = seg_merge.merge(*args)
+    assert len(sizes) == 3 and sizes[1] == want.tf.nbytes
     assert not _mapped(got.tf) and _mapped(got.slots) and _mapped(got.doc_terms)
-    assert not (tmp_path / "out" / "tf.npy").exists()  # the partial file is removed
+    assert not (tmp_path / "out" / "tf.npy").exists()  # the file is removed
+    for n in _ARRAYS:
+        assert np.array_equal(getattr(got, n), getattr(want, n)), n
+
+
+def test_a_park_whose_write_fails_midway_goes_on_in_memory(tmp_path, monkeypatch):
+    """A block's write that fails (an I/O error after the space was reserved): the blocks written are read back and
+    the rest built in memory, the same values; the file is removed."""
+    ix, _ = _two_layers(np.random.default_rng(4))
+    args = _merge_args(ix)
+    want = seg_merge.merge(*args)
+    monkeypatch.setattr(seg_merge, "BLOCK", 50_000)
+    real, calls = seg_merge._Sink._put, []
+
+    def put(self, buf):
+        calls.append(self.path.name)
+        if self.path.name == "doc_terms.npy" and calls.count("doc_terms.npy") == 3:
+            raise OSError(5, "Input/output error")
+        return real(self, buf)
+
+    monkeypatch.setattr(seg_merge._Sink, "_put", put)
+    got = seg_merge.merge(*args, out_dir=tmp_path / "out")
+    assert calls.count("doc_terms.npy") == 3 and calls.count("slots.npy") == -(-want.slots.size // 50_000)
+    assert not _mapped(got.doc_terms) and _mapped(got.slots) and _mapped(got.tf)
+    assert not (tmp_path / "out" / "doc_terms.npy").exists()
     for n in _ARRAYS:
         assert np.array_equal(getattr(got, n), getattr(want, n)), n
 
@@ -87,8 +114,14 @@ def test_a_background_merge_parks_then_spills_only_the_rest(tmp_path, monkeypatc
     monkeypatch.setattr(B.PostingsIndex, "SPILL_MIN_BYTES", 0)
     ix, live = _two_layers(np.random.default_rng(5), MergeGate.at(tmp_path))
     saved = []
-    real = np.save
+    real, sink = np.save, seg_merge._Sink.__init__
     monkeypatch.setattr(np, "save", lambda p, a, *k, **kw: (saved.append(os.path.basename(p)), real(p, a, *k, **kw))[1])
+
+    def made(self, n, dtype, path):
+        if path is not None:
+            saved.append(path.name)
+        sink(self, n, dtype, path)
+    monkeypatch.setattr(seg_merge._Sink, "__init__", made)
     ix.merge(background=True)
     ix.wait_merge()
     seg = ix.segment

@@ -1,16 +1,29 @@
 """The merge that folds a BM25 delta of recent writes into a new :class:`.segment.Segment` while
 dropping dead postings (the layout: :mod:`.segment`; the thread and the install around it:
 :mod:`.merging`).
+
+The old segment's posting-sized arrays (``slots``, ``tf``, ``doc_terms``) are read in blocks of
+:data:`BLOCK` values (:class:`_Old`) and the new ones are written in blocks (:class:`_Sink`): a
+merge holds O(delta + block) of them in memory, not O(segment). Where the old arrays are
+read-only maps of files (a snapshot's, a spilled merge's), each block's pages are given back to
+the kernel once read (:func:`_release`, ``madvise(MADV_DONTNEED)``): they stay in its page cache,
+out of the shard's resident set (session 49: a 73M-posting merge mapped its whole old segment,
++0.69 GiB of file-backed RSS for its duration, the 1M tree's peak).
 """
 
 from __future__ import annotations
 
+import mmap
+import os
 from pathlib import Path
 
 import numpy as np
 
 from .delta import intern
 from .segment import MAX_SLOT, Segment
+
+#: values of a posting-sized array a merge reads or writes at a time (16 MB of int32)
+BLOCK = 1 << 22
 
 
 def merge(seg: Segment, seg_live: np.ndarray, d_terms: list[str], d_key: np.ndarray, d_tf: np.ndarray,
@@ -26,31 +39,31 @@ def merge(seg: Segment, seg_live: np.ndarray, d_terms: list[str], d_key: np.ndar
     :param d_doc_slots: int64 ``[Dd]`` ascending: every live delta chunk (also those without
         tokens); none of them live in ``seg``.
     :param out_dir: a directory (created) where each of the three posting-sized arrays (``slots``,
-        ``tf``, ``doc_terms``) is written as ``<name>.npy`` as soon as it is built and served
-        from a read-only map of that file from then on (:func:`_park`), so the merge does not
-        hold them in anonymous memory (issue 13: the 1M tree's peak was a merge's new
-        segment beside its temporaries); :meth:`Segment.spill` into the same directory then
-        writes only the rest. An array whose file cannot be written stays in memory.
+        ``tf``, ``doc_terms``) is written as ``<name>.npy`` block by block and served from a
+        read-only map of that file (:class:`_Sink`), so the merge does not hold them in anonymous
+        memory (issue 13: the 1M tree's peak was a merge's new segment beside its temporaries);
+        :meth:`Segment.spill` into the same directory then writes only the rest. An array whose
+        file cannot be written is built in memory.
     :returns: the new segment; a term without live postings leaves the dictionary.
     :raises ValueError: a slot above :data:`MAX_SLOT`.
 
     Cost: O(P + T) numpy work plus one dictionary look-up per delta term (no per-posting
-    Python). Chunks and postings keep ascending slot order (the delta may hold slots below
-    the segment's).
+    Python); memory O(delta + :data:`BLOCK`) besides the outputs, except where a delta chunk's slot
+    is below a live old chunk's (the old slots are then searched whole). Chunks and postings keep
+    ascending slot order (the delta may hold slots below the segment's).
     """
-    # live part of the old segment; the dead chunks' terms (forward index) give each term's
-    # dead postings without a pass over all postings
-    old_counts, o_slots, o_tf = np.diff(seg.offsets), seg.slots, seg.tf
-    o_doc_len = np.diff(seg.doc_off)
-    o_doc_slots, o_doc_terms = seg.doc_slots, seg.doc_terms
+    # live part of the old segment: the dead chunks' terms (forward index) give each term's dead
+    # postings without a pass over all postings; the posting arrays are read in blocks (_Old)
+    old_counts, o_doc_len = np.diff(seg.offsets), np.diff(seg.doc_off)
+    o_doc_slots = seg.doc_slots
     dkeep = seg_live[seg.doc_slots]
+    filt = False  # whether postings of removed chunks are left out as the old arrays are read
     if not dkeep.all():
-        dead_terms = seg.doc_terms[np.repeat(~dkeep, o_doc_len)]
+        dead_terms = seg.rows_of(seg.doc_slots[~dkeep].astype(np.int64))
         if dead_terms.size:
             old_counts = old_counts - np.bincount(dead_terms, minlength=old_counts.size)
-            keep = seg_live[seg.slots]
-            o_slots, o_tf = o_slots[keep], o_tf[keep]
-            o_doc_terms = o_doc_terms[np.repeat(dkeep, o_doc_len)]
+            filt = True
+        dead_terms = None
         o_doc_slots, o_doc_len = o_doc_slots[dkeep], o_doc_len[dkeep]
     kept = old_counts > 0
     all_kept = bool(kept.all())
@@ -118,58 +131,184 @@ def merge(seg: Segment, seg_live: np.ndarray, d_terms: list[str], d_key: np.ndar
     # the delta postings before it
     old_cum = np.zeros(T + 1, np.int64)
     np.cumsum(new_counts, out=old_cum[1:])
-    if not o_slots.size or not ds.size or int(o_slots.max()) < int(ds.min()):
+    if not o_doc_slots.size or not ds.size or int(o_doc_slots[-1]) < int(ds.min()):
         before_old = old_cum[dt + 1]  # every old posting of the term has a smaller slot
-    else:
+    else:  # (a delta chunk below an old one: the old slots whole, as (term, slot) keys)
+        o_sl = seg.slots[seg_live[seg.slots]] if filt else seg.slots
         o_tid = np.repeat(np.arange(T, dtype=np.int64), new_counts)
-        before_old = np.searchsorted((o_tid << 32) | o_slots.astype(np.int64),
+        before_old = np.searchsorted((o_tid << 32) | o_sl.astype(np.int64),
                                      (dt.astype(np.int64) << 32) | ds.astype(np.int64))
+        o_sl = o_tid = None
     dest = before_old + np.arange(dt.size)
     before_old = dt = None
     P = int(offsets[-1])
-    tf_dtype = np.uint16 if (not dtf.size or dtf.max() <= 65535) and o_tf.dtype == np.uint16 else np.uint32
-    slots = _park(out_dir, "slots", _interleave(P, dest, o_slots, ds, np.int32))
+    tf_dtype = np.uint16 if (not dtf.size or dtf.max() <= 65535) and seg.tf.dtype == np.uint16 else np.uint32
+    p_edges = np.append(np.arange(0, seg.slots.size, BLOCK, dtype=np.int64), seg.slots.size)
+    masks: list = []  # per block of the old postings: the live ones (packed bits), read once from slots
+
+    def post_keep(i: int, lo: int, hi: int):
+        if i == len(masks):
+            masks.append(np.packbits(seg_live[seg.slots[lo:hi]]))
+        return np.unpackbits(masks[i], count=hi - lo).view(bool)
+
+    keep = post_keep if filt else None
+    slots = _interleave(P, dest, _Old(seg.slots, p_edges, keep), ds, np.int32, _path(out_dir, "slots"))
     ds = None
-    tf = _park(out_dir, "tf", _interleave(P, dest, o_tf, dtf, tf_dtype))
-    dest = dtf = None
+    tf = _interleave(P, dest, _Old(seg.tf, p_edges, keep), dtf, tf_dtype, _path(out_dir, "tf"))
+    dest = dtf = masks = None
     # forward index: chunks in slot order, old term ids renumbered
-    if not all_kept:
-        old2new = (np.cumsum(kept) - 1).astype(np.int32)  # old term id -> new term id (where kept)
-        o_doc_terms = old2new[o_doc_terms]
+    old2new = None if all_kept else (np.cumsum(kept) - 1).astype(np.int32)  # old term id -> new (where kept)
     ddest = np.searchsorted(o_doc_slots, d_doc_slots) + np.arange(d_doc_slots.size)
     D = o_doc_slots.size + d_doc_slots.size
     doc_slots = _interleave(D, ddest, o_doc_slots, d_doc_slots, np.int32)
     doc_len = _interleave(D, ddest, o_doc_len, np.asarray(d_doc_len, np.int64), np.int64)
     doc_off = np.zeros(D + 1, np.int64)
     np.cumsum(doc_len, out=doc_off[1:])
+    # the old terms in blocks of whole chunks (a removed chunk's terms are left out by chunk)
+    so = seg.doc_off
+    t_edges = np.unique(np.append(so[np.searchsorted(so, np.arange(0, int(so[-1]), BLOCK), "right") - 1], so[-1]))
+
+    def doc_keep(i: int, lo: int, hi: int):
+        d0, d1 = np.searchsorted(so, [lo, hi])
+        return np.repeat(dkeep[d0:d1], np.diff(so[d0:d1 + 1]))
+
+    old_terms = _Old(seg.doc_terms, t_edges, None if dkeep.all() else doc_keep, old2new)
+    d_len = np.asarray(d_doc_len, np.int64)
     if not d_doc_slots.size or not o_doc_slots.size or int(o_doc_slots[-1]) < int(d_doc_slots[0]):
-        doc_terms = np.concatenate([o_doc_terms.astype(np.int32, copy=False), d_doc_terms_by_doc.astype(np.int32)])
+        edest = np.arange(P - d_len.sum(), P)  # (every delta chunk after the old ones)
     else:  # a delta chunk below a segment chunk: place its terms between
-        starts = doc_off[ddest]
-        d_len = np.asarray(d_doc_len, np.int64)
         first = np.repeat(np.cumsum(d_len) - d_len, d_len)
-        edest = np.repeat(starts, d_len) + (np.arange(d_len.sum()) - first)
-        doc_terms = _interleave(P, edest, o_doc_terms, d_doc_terms_by_doc, np.int32)
-    doc_terms = _park(out_dir, "doc_terms", doc_terms)
+        edest = np.repeat(doc_off[ddest], d_len) + (np.arange(d_len.sum()) - first)
+    doc_terms = _interleave(P, edest, old_terms, d_doc_terms_by_doc.astype(np.int32, copy=False), np.int32,
+                            _path(out_dir, "doc_terms"))
     return Segment(terms, offsets, slots, tf, doc_slots, doc_off, doc_terms, vocab)
 
 
-def _park(d: Path | None, name: str, a: np.ndarray) -> np.ndarray:
-    """``a`` written to ``d / <name>.npy`` (:meth:`Segment.save`'s format) and returned as a
-    read-only map of that file (same values, shape and dtype: the anonymous copy is freed when
-    the caller drops ``a``); ``a`` itself when ``d`` is None or the file cannot be written
-    (``OSError``: a full or read-only disk; the partial file is removed)."""
-    if d is None:
-        return a
-    p = Path(d) / f"{name}.npy"
-    try:
-        Path(d).mkdir(parents=True, exist_ok=True)
-        np.save(p, a)
-        m = np.load(p, mmap_mode="r").view(np.ndarray)
-    except (OSError, ValueError):
-        p.unlink(missing_ok=True)
-        return a
-    return m
+def _path(d: Path | None, name: str) -> Path | None:
+    return None if d is None else Path(d) / f"{name}.npy"
+
+
+def _release(a: np.ndarray, lo: int, hi: int) -> None:
+    """Give back the pages of ``a[lo:hi]`` when ``a`` is (a view of) a read-only map of a file: the
+    kernel keeps them in its page cache and maps them again on the next read (``madvise(2)``
+    ``MADV_DONTNEED`` on a shared file mapping drops no data); nothing for any other array (on
+    anonymous memory that call would zero it)."""
+    m = a
+    while m is not None and not isinstance(m, mmap.mmap):
+        m = getattr(m, "base", None)
+    dontneed = getattr(mmap, "MADV_DONTNEED", None)  # (Linux; elsewhere nothing is given back)
+    if m is None or a.flags.writeable or not a.flags.c_contiguous or hi <= lo or dontneed is None:
+        return
+    base = np.frombuffer(m, np.uint8).ctypes.data
+    start, end = a.ctypes.data + lo * a.itemsize - base, a.ctypes.data + hi * a.itemsize - base
+    ps = mmap.PAGESIZE
+    s, e = start // ps * ps, min(len(m), -(-end // ps) * ps)
+    if 0 <= s < e:
+        try:
+            m.madvise(dontneed, s, e - s)
+        except (OSError, ValueError):
+            pass
+
+
+class _Old:
+    """An old posting-sized array read in order in the blocks ``edges`` (int64, from 0 to its size), the values a
+    block's ``keep(i, lo, hi)`` mask leaves out dropped (None: all kept) and, with ``remap``, mapped through it;
+    each block's pages given back once read (:func:`_release`). A plain array (``edges`` None) is read whole."""
+
+    def __init__(self, a: np.ndarray, edges: np.ndarray | None = None, keep=None, remap=None) -> None:
+        self.a, self.keep, self.remap = a, keep, remap
+        self.edges = np.array([0, a.size], np.int64) if edges is None else edges
+        self.block, self.buf, self.at = 0, a[:0], 0
+
+    def take(self, k: int) -> np.ndarray:
+        """The next ``k`` values (fewer at the end): views of the array where nothing is left out or mapped. A
+        block's pages are given back once its last value is taken."""
+        parts = []
+        while k > 0:
+            if self.at == self.buf.size:
+                if self.block + 1 >= self.edges.size:
+                    break
+                i, lo, hi = self.block, int(self.edges[self.block]), int(self.edges[self.block + 1])
+                v = self.a[lo:hi]
+                if self.keep is not None:
+                    v = v[self.keep(i, lo, hi)]
+                self.buf, self.at, self.block = (v if self.remap is None else self.remap[v]), 0, i + 1
+                if not self.buf.size:
+                    _release(self.a, lo, hi)
+                continue
+            n = min(k, self.buf.size - self.at)
+            parts.append(self.buf[self.at: self.at + n])
+            self.at, k = self.at + n, k - n
+            if self.at == self.buf.size:
+                lo, hi = int(self.edges[self.block - 1]), int(self.edges[self.block])
+                if self.keep is None and self.remap is None:
+                    parts[-1] = np.array(parts[-1])  # (a view of pages about to be given back: read now)
+                _release(self.a, lo, hi)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else self.a[:0]
+
+
+class _Sink:
+    """An array of ``n`` values written in order: into the ``.npy`` file ``path`` (:meth:`Segment.save`'s format,
+    its space reserved first) and returned as a read-only map of it, or in memory (no ``path``; a file that
+    cannot be made or written: an ``OSError``, a full or read-only disk; what was written is read back)."""
+
+    def __init__(self, n: int, dtype, path: Path | None) -> None:
+        self.n, self.dtype, self.path, self.i, self.f, self.arr = n, np.dtype(dtype), path, 0, None, None
+        if path is not None:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                self.f = open(path, "wb")
+                np.lib.format.write_array_header_1_0(self.f, {"descr": np.lib.format.dtype_to_descr(self.dtype),
+                                                              "fortran_order": False, "shape": (n,)})
+                self.head = self.f.tell()
+                self.f.flush()
+                if n:
+                    os.posix_fallocate(self.f.fileno(), self.head, n * self.dtype.itemsize)
+            except (OSError, ValueError):
+                self._drop_file()
+        if self.f is None:
+            self.arr = np.empty(n, self.dtype)
+
+    def _drop_file(self) -> None:
+        if self.f is not None:
+            try:
+                self.f.close()
+            except OSError:
+                pass
+        self.f = None
+        self.path.unlink(missing_ok=True)
+
+    def buffer(self, k: int) -> np.ndarray:
+        """Where the next ``k`` values are to be put before :meth:`write`: the array's own slice in memory."""
+        return self.arr[self.i: self.i + k] if self.f is None else np.empty(k, self.dtype)
+
+    def _put(self, buf: np.ndarray) -> None:
+        self.f.write(memoryview(np.ascontiguousarray(buf, self.dtype)).cast("B"))
+
+    def write(self, buf: np.ndarray) -> None:
+        if self.f is not None:
+            try:
+                self._put(buf)
+            except OSError:  # (to memory: the blocks written so far read back)
+                self.f.close()
+                self.arr = np.empty(self.n, self.dtype)
+                self.arr[: self.i] = np.fromfile(self.path, self.dtype, self.i, offset=self.head)
+                self.f = None
+                self.path.unlink(missing_ok=True)
+        if self.f is None and not np.shares_memory(buf, self.arr):
+            self.arr[self.i: self.i + buf.size] = buf
+        self.i += buf.size
+
+    def done(self) -> np.ndarray:
+        if self.f is None:
+            return self.arr
+        try:
+            self.f.close()
+            return np.load(self.path, mmap_mode="r").view(np.ndarray)
+        except (OSError, ValueError):
+            arr = np.fromfile(self.path, self.dtype, self.n, offset=self.head)
+            self.path.unlink(missing_ok=True)
+            return arr
 
 
 def _positions(sorted_slots: np.ndarray, slots: np.ndarray) -> np.ndarray:
@@ -186,15 +325,20 @@ def _positions(sorted_slots: np.ndarray, slots: np.ndarray) -> np.ndarray:
     return table[slots - lo]
 
 
-def _interleave(n: int, dest: np.ndarray, old: np.ndarray, new: np.ndarray, dtype) -> np.ndarray:
-    """An array of ``n`` values: ``new`` at positions ``dest``, ``old`` in order elsewhere."""
-    out = np.empty(n, dtype=dtype)
-    if dest.size == 0:
-        out[:] = old
-        return out
-    taken = np.zeros(n, dtype=bool)
-    taken[dest] = True
-    np.logical_not(taken, out=taken)  # (in place: no second mask of n bytes)
-    out[taken] = old
-    out[dest] = new
-    return out
+def _interleave(n: int, dest: np.ndarray, old, new: np.ndarray, dtype, path: Path | None = None) -> np.ndarray:
+    """An array of ``n`` values: ``new`` at positions ``dest`` (int64, ascending), the values of ``old`` (an array, or
+    an :class:`_Old` read block by block) in order elsewhere; built :data:`BLOCK` values at a time into a
+    :class:`_Sink` (the ``.npy`` file ``path``, mapped back, or memory)."""
+    src = old if isinstance(old, _Old) else _Old(np.asarray(old))
+    out = _Sink(n, dtype, path)
+    for lo in range(0, n, BLOCK):
+        hi = min(n, lo + BLOCK)
+        i0, i1 = np.searchsorted(dest, [lo, hi])
+        buf = out.buffer(hi - lo)
+        at = dest[i0:i1] - lo
+        gap = np.ones(hi - lo, bool)
+        gap[at] = False
+        buf[gap] = src.take(hi - lo - int(i1 - i0))
+        buf[at] = new[i0:i1]
+        out.write(buf)
+    return out.done()
