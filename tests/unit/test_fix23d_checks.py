@@ -39,7 +39,7 @@ def test_an_all_whitespace_document_id_is_refused(doc_id):
         convert.delete_ids(oprag_pb2.DeleteRequest(doc_ids=["a", doc_id]), LIM)
 
 
-@pytest.mark.parametrize("doc_id", [" a", "a b", "b "])
+@pytest.mark.parametrize("doc_id", [" a", "a b", "b ", "nl\nid", "tab\tand\x01"])
 def test_an_id_with_other_characters_is_kept(doc_id):
     assert validate_document(oprag_pb2.Document(id=doc_id, text="zebra"), LIM) is None
     assert convert.delete_ids(oprag_pb2.DeleteRequest(doc_ids=[doc_id]), LIM) == [doc_id]
@@ -54,3 +54,9 @@ def test_a_filter_key_over_1024_bytes_is_refused():
         msg = str(ei.value)
         assert msg.startswith(f"a metadata filter key is {len(key.encode())} bytes of UTF-8; the limit is 1024"), msg
         assert len(msg) < 200 and error_param(msg, "/v1/retrieve") == "filters"
+
+
+def test_an_id_with_nul_is_refused_saying_what_to_change():
+    """trial49 #3: the reason said only that the id held a NUL, not what to do, nor that a newline is kept."""
+    got = validate_document(oprag_pb2.Document(id="nl\nid\x00x", text="zebra"), LIM)
+    assert got == "id contains a NUL character (U+0000): remove it (any other character, control characters included, is kept)"

@@ -61,7 +61,7 @@ def validate_document(doc: Any, limits: LimitsConfig) -> str | None:
     if len(doc.id.encode()) > limits.max_doc_id_bytes:
         return f"id is longer than {limits.max_doc_id_bytes} bytes: use a shorter id"
     if "\x00" in doc.id:
-        return "id contains a NUL character"
+        return "id contains a NUL character (U+0000): remove it (any other character, control characters included, is kept)"
     if chunks:
         if doc.text or len(getattr(doc, "vector", ())):
             return "a document with chunks carries its text and vectors in them: leave text and vector empty"
