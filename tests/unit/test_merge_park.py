@@ -172,3 +172,21 @@ def test_a_parked_merge_holds_less_memory_than_one_in_memory(tmp_path):
     assert mem[0] >= mem[2] and park[0] < 0.3 * park[2], got  # the posting arrays are not kept in memory
     # and the peak is lower by a third of them at least (the ones built before it; measured ~0.43)
     assert park[1] < mem[1] - 0.3 * mem[2], got
+
+
+def test_a_file_system_that_cannot_reserve_space_still_gets_the_files(tmp_path, monkeypatch):
+    """``posix_fallocate`` unsupported (EOPNOTSUPP, some network file systems): the arrays are written without the
+    reservation, not kept in memory."""
+    ix, _ = _two_layers(np.random.default_rng(8))
+    args = _merge_args(ix)
+
+    def unsupported(fd, off, n):
+        raise OSError(95, "Operation not supported")
+
+    monkeypatch.setattr(seg_merge.os, "posix_fallocate", unsupported)
+    got = seg_merge.merge(*args, out_dir=tmp_path / "out")
+    monkeypatch.undo()
+    want = seg_merge.merge(*args)
+    assert _mapped(got.slots) and _mapped(got.tf) and _mapped(got.doc_terms)
+    for n in _ARRAYS:
+        assert np.array_equal(getattr(got, n), getattr(want, n)), n

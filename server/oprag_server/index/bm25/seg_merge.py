@@ -13,6 +13,7 @@ out of the shard's resident set (session 49: a 73M-posting merge mapped its whol
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 from pathlib import Path
@@ -247,6 +248,17 @@ class _Old:
         return parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else self.a[:0]
 
 
+def _reserve(fd: int, offset: int, size: int) -> None:
+    """Reserve ``size`` bytes of the file from ``offset`` (``posix_fallocate``). :raises OSError: no space (ENOSPC,
+    EDQUOT, EFBIG); a file system that cannot reserve (EOPNOTSUPP, EINVAL) is written without it (a write that fails
+    then goes on in memory: :meth:`_Sink.write`)."""
+    try:
+        os.posix_fallocate(fd, offset, size)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise
+
+
 class _Sink:
     """An array of ``n`` values written in order: into the ``.npy`` file ``path`` (:meth:`Segment.save`'s format,
     its space reserved first) and returned as a read-only map of it, or in memory (no ``path``; a file that
@@ -263,7 +275,7 @@ class _Sink:
                 self.head = self.f.tell()
                 self.f.flush()
                 if n:
-                    os.posix_fallocate(self.f.fileno(), self.head, n * self.dtype.itemsize)
+                    _reserve(self.f.fileno(), self.head, n * self.dtype.itemsize)
             except (OSError, ValueError):
                 self._drop_file()
         if self.f is None:
