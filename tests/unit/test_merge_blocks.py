@@ -106,8 +106,15 @@ def test_release_gives_back_a_file_maps_pages_and_keeps_its_values(tmp_path):
     assert before - after >= 24 << 20, (before, after)
     assert np.array_equal(m, a)  # read again from the page cache
     mem = a.copy()
+    mem.flags.writeable = False
     seg_merge._release(mem, 0, mem.size)  # noqa: SLF001 - anonymous memory: left alone (DONTNEED would zero it)
     assert np.array_equal(mem, a)
+    cow = np.load(tmp_path / "a.npy", mmap_mode="c")  # a copy-on-write map, changed, then read-only (review49)
+    cow[:4] = -1
+    ro = cow.view(np.ndarray)
+    ro.flags.writeable = False
+    seg_merge._release(ro, 0, ro.size)  # noqa: SLF001 - left alone: DONTNEED would undo the change
+    assert ro[:4].tolist() == [-1, -1, -1, -1] and np.array_equal(ro[4:], a[4:])
 
 
 def test_a_merge_over_a_mapped_segment_gives_its_pages_back_and_leaves_it_whole(tmp_path):

@@ -14,6 +14,7 @@ out of the shard's resident set (session 49: a 73M-posting merge mapped its whol
 from __future__ import annotations
 
 import errno
+import io
 import mmap
 import os
 from pathlib import Path
@@ -193,13 +194,16 @@ def _release(a: np.ndarray, lo: int, hi: int) -> None:
     """Give back the pages of ``a[lo:hi]`` when ``a`` is (a view of) a read-only map of a file: the
     kernel keeps them in its page cache and maps them again on the next read (``madvise(2)``
     ``MADV_DONTNEED`` on a shared file mapping drops no data); nothing for any other array (on
-    anonymous memory that call would zero it)."""
+    anonymous memory that call would zero it, on a copy-on-write map undo its changes)."""
     m = a
     while m is not None and not isinstance(m, mmap.mmap):
         m = getattr(m, "base", None)
     dontneed = getattr(mmap, "MADV_DONTNEED", None)  # (Linux; elsewhere nothing is given back)
     if m is None or a.flags.writeable or not a.flags.c_contiguous or hi <= lo or dontneed is None:
         return
+    with memoryview(m) as view:  # (an ACCESS_READ map only: a copy-on-write one would lose its changes, review49)
+        if not view.readonly:
+            return
     base = np.frombuffer(m, np.uint8).ctypes.data
     start, end = a.ctypes.data + lo * a.itemsize - base, a.ctypes.data + hi * a.itemsize - base
     ps = mmap.PAGESIZE
@@ -261,65 +265,83 @@ def _reserve(fd: int, offset: int, size: int) -> None:
 
 class _Sink:
     """An array of ``n`` values written in order: into the ``.npy`` file ``path`` (:meth:`Segment.save`'s format,
-    its space reserved first) and returned as a read-only map of it, or in memory (no ``path``; a file that
-    cannot be made or written: an ``OSError``, a full or read-only disk; what was written is read back)."""
+    its space reserved first) and returned as a read-only map of it, or in memory (no ``path``; a file that cannot
+    be made or written: an ``OSError``, a full or read-only disk: the blocks written so far are read back). The file
+    is written through its descriptor, unbuffered, so a block's write has ended, whole or with an error, when
+    :meth:`write` returns (review49: a buffered tail written at ``close`` could fail after the blocks were gone)."""
 
     def __init__(self, n: int, dtype, path: Path | None) -> None:
-        self.n, self.dtype, self.path, self.i, self.f, self.arr = n, np.dtype(dtype), path, 0, None, None
+        self.n, self.dtype, self.path, self.i, self.fd, self.arr = n, np.dtype(dtype), path, 0, None, None
         if path is not None:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                self.f = open(path, "wb")
-                np.lib.format.write_array_header_1_0(self.f, {"descr": np.lib.format.dtype_to_descr(self.dtype),
-                                                              "fortran_order": False, "shape": (n,)})
-                self.head = self.f.tell()
-                self.f.flush()
+                self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                head = io.BytesIO()
+                np.lib.format.write_array_header_1_0(head, {"descr": np.lib.format.dtype_to_descr(self.dtype),
+                                                            "fortran_order": False, "shape": (n,)})
+                self._all(head.getvalue())
+                self.head = head.tell()
                 if n:
-                    _reserve(self.f.fileno(), self.head, n * self.dtype.itemsize)
+                    _reserve(self.fd, self.head, n * self.dtype.itemsize)
             except (OSError, ValueError):
                 self._drop_file()
-        if self.f is None:
+        if self.fd is None:
             self.arr = np.empty(n, self.dtype)
 
     def _drop_file(self) -> None:
-        if self.f is not None:
+        if self.fd is not None:
             try:
-                self.f.close()
+                os.close(self.fd)
             except OSError:
                 pass
-        self.f = None
-        self.path.unlink(missing_ok=True)
+        self.fd = None
+        try:
+            self.path.unlink(missing_ok=True)
+        except OSError:  # (a read-only file system: the directory is the caller's to remove)
+            pass
+
+    def _all(self, data) -> None:
+        """Write every byte of ``data`` (``os.write`` may write part of it)."""
+        view = memoryview(data).cast("B")
+        while view.nbytes:
+            view = view[os.write(self.fd, view):]
 
     def buffer(self, k: int) -> np.ndarray:
         """Where the next ``k`` values are to be put before :meth:`write`: the array's own slice in memory."""
-        return self.arr[self.i: self.i + k] if self.f is None else np.empty(k, self.dtype)
+        return self.arr[self.i: self.i + k] if self.fd is None else np.empty(k, self.dtype)
 
     def _put(self, buf: np.ndarray) -> None:
-        self.f.write(memoryview(np.ascontiguousarray(buf, self.dtype)).cast("B"))
+        self._all(np.ascontiguousarray(buf, self.dtype))
 
     def write(self, buf: np.ndarray) -> None:
-        if self.f is not None:
+        if self.fd is not None:
             try:
                 self._put(buf)
-            except OSError:  # (to memory: the blocks written so far read back)
-                self.f.close()
+            except OSError:  # (to memory: the whole blocks written so far read back, then this one kept)
+                written = self.i
                 self.arr = np.empty(self.n, self.dtype)
-                self.arr[: self.i] = np.fromfile(self.path, self.dtype, self.i, offset=self.head)
-                self.f = None
-                self.path.unlink(missing_ok=True)
-        if self.f is None and not np.shares_memory(buf, self.arr):
+                try:
+                    self.arr[:written] = np.fromfile(self.path, self.dtype, written, offset=self.head)
+                finally:
+                    self._drop_file()
+        if self.fd is None and not np.shares_memory(buf, self.arr):
             self.arr[self.i: self.i + buf.size] = buf
         self.i += buf.size
 
     def done(self) -> np.ndarray:
-        if self.f is None:
+        """The array: a read-only map of the file (an ``OSError`` from closing it, such as a deferred write error,
+        is raised: the merge fails and the old segment keeps serving), or the array in memory."""
+        if self.fd is None:
             return self.arr
+        fd, self.fd = self.fd, None
+        os.close(fd)
         try:
-            self.f.close()
             return np.load(self.path, mmap_mode="r").view(np.ndarray)
-        except (OSError, ValueError):
+        except (OSError, ValueError):  # (cannot be mapped: read whole, every byte having been written)
             arr = np.fromfile(self.path, self.dtype, self.n, offset=self.head)
             self.path.unlink(missing_ok=True)
+            if arr.size != self.n:
+                raise OSError(f"{self.path}: {arr.size} of {self.n} values read back") from None
             return arr
 
 
