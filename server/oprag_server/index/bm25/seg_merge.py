@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from .delta import intern
-from .segment import MAX_SLOT, Segment
+from .segment import MAX_SLOT, Segment, _map_of
 
 #: values of a posting-sized array a merge reads or writes at a time (16 MB of int32)
 BLOCK = 1 << 22
@@ -195,9 +195,7 @@ def _release(a: np.ndarray, lo: int, hi: int) -> None:
     kernel keeps them in its page cache and maps them again on the next read (``madvise(2)``
     ``MADV_DONTNEED`` on a shared file mapping drops no data); nothing for any other array (on
     anonymous memory that call would zero it, on a copy-on-write map undo its changes)."""
-    m = a
-    while m is not None and not isinstance(m, mmap.mmap):
-        m = getattr(m, "base", None)
+    m = _map_of(a)
     dontneed = getattr(mmap, "MADV_DONTNEED", None)  # (Linux; elsewhere nothing is given back)
     if m is None or a.flags.writeable or not a.flags.c_contiguous or hi <= lo or dontneed is None:
         return

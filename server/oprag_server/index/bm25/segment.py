@@ -239,10 +239,13 @@ def _maps(a: np.ndarray, p: Path) -> bool:
         and m.size == a.size and not a.flags.writeable
 
 
+def _map_of(a: np.ndarray) -> mmap.mmap | None:
+    """The memory map of a file that ``a`` is (a view of), found along its ``base`` chain; None for any other array."""
+    while a is not None and not isinstance(a, mmap.mmap):
+        a = getattr(a, "base", None)
+    return a
+
+
 def _mapped(a: np.ndarray) -> bool:
     """Whether ``a`` is (a view of) a memory map of a file."""
-    while a is not None:
-        if isinstance(a, mmap.mmap):
-            return True
-        a = getattr(a, "base", None)
-    return False
+    return _map_of(a) is not None
