@@ -86,22 +86,31 @@ def test_a_park_without_space_builds_the_array_in_memory(tmp_path, monkeypatch):
         assert np.array_equal(getattr(got, n), getattr(want, n)), n
 
 
+def _failing_put(monkeypatch, block: int, name: str, nth: int, error: OSError, part: float = 0.0) -> list:
+    """Blocks of ``block`` values; the ``nth`` block write of the file ``name`` writes ``part`` of its bytes and then
+    raises ``error``. :returns: the file names of every block write, in order."""
+    monkeypatch.setattr(seg_merge, "BLOCK", block)
+    real, calls = seg_merge._Sink._put, []
+
+    def put(self, buf):
+        calls.append(self.path.name)
+        if self.path.name == name and calls.count(name) == nth:
+            b = np.ascontiguousarray(buf, self.dtype).view(np.uint8)
+            os.write(self.fd, b[: int(b.size * part)])
+            raise error
+        return real(self, buf)
+
+    monkeypatch.setattr(seg_merge._Sink, "_put", put)
+    return calls
+
+
 def test_a_park_whose_write_fails_midway_goes_on_in_memory(tmp_path, monkeypatch):
     """A block's write that fails (an I/O error after the space was reserved): the blocks written are read back and
     the rest built in memory, the same values; the file is removed."""
     ix, _ = _two_layers(np.random.default_rng(4))
     args = _merge_args(ix)
     want = seg_merge.merge(*args)
-    monkeypatch.setattr(seg_merge, "BLOCK", 50_000)
-    real, calls = seg_merge._Sink._put, []
-
-    def put(self, buf):
-        calls.append(self.path.name)
-        if self.path.name == "doc_terms.npy" and calls.count("doc_terms.npy") == 3:
-            raise OSError(5, "Input/output error")
-        return real(self, buf)
-
-    monkeypatch.setattr(seg_merge._Sink, "_put", put)
+    calls = _failing_put(monkeypatch, 50_000, "doc_terms.npy", 3, OSError(5, "Input/output error"))
     got = seg_merge.merge(*args, out_dir=tmp_path / "out")
     assert calls.count("doc_terms.npy") == 3 and calls.count("slots.npy") == -(-want.slots.size // 50_000)
     assert not _mapped(got.doc_terms) and _mapped(got.slots) and _mapped(got.tf)
@@ -198,18 +207,7 @@ def test_a_write_that_fails_partway_through_a_block_goes_on_in_memory(tmp_path, 
     ix, _ = _two_layers(np.random.default_rng(9))
     args = _merge_args(ix)
     want = seg_merge.merge(*args)
-    monkeypatch.setattr(seg_merge, "BLOCK", 40_000)
-    real, calls = seg_merge._Sink._put, []
-
-    def put(self, buf):
-        calls.append(self.path.name)
-        if self.path.name == "tf.npy" and calls.count("tf.npy") == 2:
-            b = np.ascontiguousarray(buf, self.dtype).view(np.uint8)
-            os.write(self.fd, b[: b.size // 3])  # a third of the block, then no space
-            raise OSError(28, "No space left on device")
-        return real(self, buf)
-
-    monkeypatch.setattr(seg_merge._Sink, "_put", put)
+    _failing_put(monkeypatch, 40_000, "tf.npy", 2, OSError(28, "No space left on device"), part=1 / 3)
     got = seg_merge.merge(*args, out_dir=tmp_path / "out")
     assert not _mapped(got.tf) and _mapped(got.slots) and not (tmp_path / "out" / "tf.npy").exists()
     for n in _ARRAYS:
