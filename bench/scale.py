@@ -473,7 +473,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     require("psutil", what="the RSS measurement")
-    snap = read_snapshot(a.source)
+    if not a.pair_only and not a.source.is_dir():
+        raise SystemExit(f"bench.scale: no --source data dir {a.source}: run `python -m bench.retrieval --no-langchain "
+                         "--json` first (it leaves bench/out/retrieval-data, the real chunks and vectors the sizes are "
+                         "built from), or pass --source")
+    snap = None if a.pair_only else read_snapshot(a.source)
     judged, qrels = load_queries_qrels(a.shared, "train")
     qids = list(judged)[: a.queries]
     vecs = _internals.encoder("minilm", device="cpu").encode([judged[x] for x in qids], truncate=True)
