@@ -13,8 +13,9 @@ HTTP_PORT ?= 8000
 SERVE_ARGS ?=
 # pytest-xdist workers of `make test`/`test-all`/`test-fast` (a test module stays on one worker: its
 # server fixture starts once); 2 halved the suite's time on the project's 2-core machines (12:57 ->
-# 6:02, bench/RESULTS.md). TEST_WORKERS=0 runs in one process.
-TEST_WORKERS ?= 2
+# 6:02), and 3 took it from 9:50 to 8:22 once it had grown (much of a served test is waiting on its
+# server: bench/RESULTS.md, sessions 20 and 50). TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 3
 TEST_PAR := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
