@@ -455,3 +455,31 @@ def test_the_minimum_takes_the_samples_lowest_only_where_it_can_be_lower(how):
         assert low >= float(fixed_order_dot(dense.vectors, x).min())
         sample_wins += samp < walk
     assert how != "random" or sample_wins > 0, "no query where the sample's lowest is below the walk's"
+
+
+def test_a_beam_that_would_cost_more_than_a_scan_is_not_walked(sparse, monkeypatch):
+    """A list proven short whose next beam x EXACT_BELOW reaches the shard's live vectors gets the
+    exact top-n from a scan at once (session 50, trial46: far-off HYBRID queries on 20K-vector
+    shards walked beams of 2,048 and 8,192, 4-10x FULL_HYBRID's time). The beams walked stay below
+    that; the lists that took the scan are the exact top-n; earlier beams still widen as before."""
+    sh, vecs = sparse
+    dense = sh.store.dense
+    walked = []
+    search = dense.search
+
+    def spy(q, k, ef_search=0, nprobe=0):
+        walked.append(int(ef_search))
+        return search(q, k, ef_search, nprobe)
+
+    monkeypatch.setattr(dense, "search", spy)
+    qv = _queries("random", vecs, np.random.default_rng(11), 30)
+    which = list(range(len(qv)))
+    got = sh.search._dense_tops(qv, which, N, N, 0)
+    widest = max(walked)
+    assert widest * ann_check.EXACT_BELOW < len(dense), (widest, len(dense))  # no beam dearer than a scan
+    assert widest >= (N + 16) * ann_check.FACTOR  # the cheaper wider beams were still walked
+    exact = [i for i in which if np.array_equal(got[i][0], _exact_top(sh, qv[i], got[i][0].size))]
+    assert len(exact) >= len(which) // 2, len(exact)  # astray walks end in the scan's exact lists
+    for i in which:  # every list: canonical scores, descending, and its top-N the exact one's where it went exact
+        s, sc = got[i]
+        assert np.array_equal(sc, dense.exact_slots(qv[i], s)) and np.array_equal(sc, np.sort(sc)[::-1])
