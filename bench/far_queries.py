@@ -110,9 +110,9 @@ def main(argv=None) -> int:
             t = time.perf_counter()
             for s in range(0, a.chunks, 5000):
                 c.ingest([Doc(f"d{i:07d}", texts[i], vector=vecs[i]) for i in range(s, min(a.chunks, s + 5000))])
-            while any(sh.ann_pending or sh.merge_pending for sh in c.stats().shards):
-                time.sleep(0.5)
-            log(f"tree {tree}: {a.chunks} chunks in, graphs built, {time.perf_counter() - t:.1f} s")
+            while any(sh.ann_pending or sh.merge_pending or sh.seeds_pending for sh in c.stats().shards):
+                time.sleep(0.5)  # (graph inserts, BM25 merges and the dense minimum's seeds, all settled)
+            log(f"tree {tree}: {a.chunks} chunks in, graphs and seeds built, {time.perf_counter() - t:.1f} s")
         for c in clients:  # warm-up
             for r in RULES:
                 for t, v in qs[r][:3]:
