@@ -19,17 +19,10 @@ its error bound) and the few that may be above ``cut`` are scored canonically
 a 500K-vector shard): the check catches walks that went astray, whose ``cut`` sits far below the
 exact one (many sampled chunks above it), not every single miss.
 
-A query that fails is searched again with ``ef_search`` x :data:`FACTOR`, at most up to
-:data:`MAX_EF` (``RetrievalInfo.ef_search`` reports the largest beam used); one that still fails
-at that beam, or at a beam as large as the shard, gets the shard's exact dense top-n (a scan of
-every chunk: a graph its walks cannot cover, e.g. one built with a tiny M). A shard whose live
-vectors are fewer than :data:`EXACT_BELOW` times the next beam gets that exact top-n at once instead
-of the wider walk: a beam costs ~4-5 us a unit at 2,048-8,192 (random reads of rows and their
-neighbour lists), a scan ~0.2-0.3 us a vector (streamed), so on a 20K-vector shard the 2,048 and
-8,192 beams took ~8 and ~40 ms where the scan takes ~3-6 ms (session 50; trial46's far-off HYBRID
-queries at 40K chunks took 75-137 ms, FULL_HYBRID 11-24). The exact list is never worse than a
-widened one, and the rule depends only on the beam and the shard's size, so the same inputs take
-the same path.
+A query that fails is searched again with ``ef_search`` x :data:`FACTOR`, up to :data:`MAX_EF`
+(``RetrievalInfo.ef_search`` reports the largest beam used); one still failing there (a graph built
+with a tiny M), or whose next beam x :data:`EXACT_BELOW` reaches the shard's live vectors (a beam
+unit costs ~4-5 us, a scanned vector ~0.2-0.3: session 50), gets the exact top-n from a scan.
 
 IVF (session 37) fails the same way: a far query ranks the centroids of the lists holding its exact
 top-10 no higher than many others, and ``nprobe`` lists miss them. A list proven short is searched
@@ -58,8 +51,7 @@ FACTOR = 4
 TOP = 64
 #: the largest beam a check asks for (the request's own ``ef_search`` may be larger: it is kept)
 MAX_EF = 8192
-#: a failed HNSW list whose next beam times this reaches the shard's live vectors is ranked by an exact scan
-#: instead (what one beam unit costs over one streamed vector, measured on 2 cores; module docstring)
+#: a failed HNSW list whose next beam x this reaches the shard's live vectors is ranked by an exact scan instead
 EXACT_BELOW = 16
 #: the sample's share of the shard changes in steps of 2^(1/STEPS) (about 4.4%: :func:`level`), so that the
 #: sample holds between ``sample`` x 2^(-1/STEPS) and ``sample`` chunks (expected) and changes only at a step
@@ -381,9 +373,8 @@ def widened(searcher, check: SampleCheck, q: np.ndarray, out: dict, n: int, ef_s
     """Search the queries of ``out`` (query index -> ``(slots, canonical scores)``, approximate
     tops of float32[B, D] ``q``) whose list :meth:`SampleCheck.misses` shows incomplete again,
     with the index's knob :data:`FACTOR` times larger each round (HNSW: the beam ``ef_search``,
-    up to :data:`MAX_EF`; IVF: ``nprobe``, up to every list, an exhaustive search), then
-    exactly; exactly at once where the next HNSW beam x :data:`EXACT_BELOW` reaches the shard's
-    live vectors. Their entries are replaced. An IVF not trained yet searched exactly: nothing to do."""
+    up to :data:`MAX_EF` or a beam dearer than a scan, :data:`EXACT_BELOW`; IVF: ``nprobe``, up to every
+    list), then exactly; their entries are replaced. An IVF not trained yet searched exactly: nothing to do."""
     dense = searcher.store.dense
     if dense.params.kind == "hnsw":
         name, knob, cap = "ef_search", max(int(ef_search or dense.params.ef_search), n), min(MAX_EF, len(dense))
@@ -398,13 +389,12 @@ def widened(searcher, check: SampleCheck, q: np.ndarray, out: dict, n: int, ef_s
     while bad and knob < cap:
         knob = min(knob * FACTOR, cap if name == "nprobe" else MAX_EF)
         if name == "ef_search" and knob * EXACT_BELOW >= len(dense):
-            break  # (that beam would cost more than scanning the shard: exactly, below)
+            break  # (that beam costs more than a scan)
         ef, probe = (knob, nprobe) if name == "ef_search" else (ef_search, knob)
         got = searcher._dense_tops(q, bad, n, ef, probe, check=False)  # noqa: SLF001
         out.update(got)
         bad = [i for i in bad if check.misses(searcher, q[i], *got[i])]
-    if bad:  # still provably short at the widest knob (or one covering the shard: a graph its walks cannot cover,
-        # trial36), or the next beam would cost more than a scan (EXACT_BELOW): the exact top-n, from
-        live, approx = dense.slots, dense.score_all(q[bad])
+    if bad:  # still provably short at the widest knob (trial36), or the next beam costs more than a scan: the exact
+        live, approx = dense.slots, dense.score_all(q[bad])  # top-n, from
         for j, i in enumerate(bad):  # one matrix product over the stored vectors (no gather), refined canonically
             out[i] = searcher._refine(q[i], live, approx[j], n)  # noqa: SLF001
