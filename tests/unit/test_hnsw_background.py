@@ -222,3 +222,53 @@ def test_a_shard_process_loop_answers_searches_during_a_compaction_and_installs_
     assert out["delete_s"] < 2.0, out
     assert not set(out["hits"]) & set(range(0, 4000, 3)), "a deleted chunk was returned"
     assert out["ann"][1] < 0.9 * out["ann"][0], out["ann"]
+
+
+@pytest.mark.parametrize("how", ["gauss", "clustered"])
+@pytest.mark.parametrize("background", [True, False])
+def test_a_graph_loaded_past_a_quarter_dead_is_compacted_when_idle(tmp_path, capsys, monkeypatch, how, background):
+    """trial50: a restart during a background compaction loaded the saved graph with its dead nodes (30-40%), and only
+    that shard's next delete started a compaction again (adds did not). Now the shard starts it between requests once
+    writes have been quiet (``IDLE_QUIET_S``, 0 here), in the background from ``BACKGROUND_MIN`` live vectors (else at
+    once); the hits are the same before and after, and no deleted chunk is returned."""
+    from oprag_server.shards.protocol import QueryBatch, SearchRequest
+
+    if not background:
+        monkeypatch.setattr(hnsw_build, "BACKGROUND_MIN", 1 << 30)
+    monkeypatch.setattr(ShardState, "IDLE_QUIET_S", 0.0)
+    x = _vectors(how, 3000, 7)
+    sh = ShardState(0, D, tmp_path, dense=_cfg(check=0))
+    sh.load(set())
+    sh.store.upsert(_table(x, 0), 1)
+    monkeypatch.setattr(AnnIndex, "needs_compaction", lambda self: False)  # (the restart cut it short: none ran)
+    sh.store.delete([f"d{i}" for i in range(0, 3000, 3)], 2)
+    sh.snapshot()
+    sh.txns.wal.close()
+    monkeypatch.undo()  # (needs_compaction back; the threshold and quiet time again)
+    monkeypatch.setattr(hnsw_build, "BACKGROUND_MIN", 500 if background else 1 << 30)
+    monkeypatch.setattr(ShardState, "IDLE_QUIET_S", 0.0)
+    back = ShardState(0, D, tmp_path, dense=_cfg(check=0))
+    back.load(set())
+    dense = back.store.dense
+    assert dense.ann.dead == 1000 and dense.compaction_due()
+    q = QueryBatch(x[1:4], [["topic"]] * 3, [np.ones(1)] * 3, 5.0, 1.5, 0.75)
+
+    def hits():
+        rep = back.search.search(SearchRequest(q, mode="dense", n=10, fetch_k=10))
+        return [back.store.fields.column(c.slots, "chunk_id") for c in rep.candidates]
+
+    before = hits()
+    assert not any(int(c[1:].split("#")[0]) % 3 == 0 for h in before for c in h)
+    capsys.readouterr()
+    for _ in range(400):  # the idle loop: wait as told, step (start it; then install it once built)
+        wait = back.idle_wait()
+        if wait is None:
+            break
+        time.sleep(min(max(wait, 0.01), 0.05))  # (the shard loop waits for a request meanwhile)
+        back.idle_step()
+    assert dense.ann.dead == 0 and dense.ann.live == 2000 and not dense.compaction_due()
+    err = capsys.readouterr().err
+    assert "HNSW graph compacted: 2000 live vectors in a new graph, 1000 deleted ones dropped" in err, err
+    assert "a restart had cut its compaction short" in err and ("in the background" in err) == background
+    assert hits() == before
+    back.txns.wal.close()

@@ -131,6 +131,22 @@ class GraphRows:
             self._compact_logged(None)
         return len(slots)
 
+    def compaction_due(self) -> bool:
+        """HNSW: a quarter of the graph dead and no compaction under way: a graph loaded so from a snapshot (a
+        restart cut its compaction short; the deletes that crossed the quarter are not repeated: trial50)."""
+        return bool(self._one and self._ann is not None and self._ann.building is None and self._ann.needs_compaction())
+
+    def compact_due(self) -> bool:
+        """HNSW: start the compaction :meth:`compaction_due` finds (in the background from
+        :data:`.hnsw_build.BACKGROUND_MIN` live vectors, else here). :returns: whether one was started or done."""
+        if not self.compaction_due():
+            return False
+        from .hnsw_build import GraphBuild  # noqa: PLC0415
+
+        if not self._ann.compact_later(GraphBuild.AT_START):
+            self._compact_logged(GraphBuild.AT_START)
+        return True
+
     def _compact_logged(self, how: str | None) -> None:
         """HNSW: :meth:`_compact_one` here, kept in the structure's ``compactions`` with ``how`` (None: the write that
         crossed a quarter dead waited for it), which the shard logs."""

@@ -70,9 +70,13 @@ class ThreadBuild:
 class GraphBuild(ThreadBuild):
     """One background compaction of ``ann`` (an HNSW :class:`.ann.AnnIndex`; module docstring)."""
 
-    def __init__(self, ann) -> None:
+    #: what started a compaction, as its log line says
+    CROSSED = "the delete or replacement that crossed a quarter dead"
+    AT_START = "a graph loaded past a quarter dead: a restart had cut its compaction short"
+
+    def __init__(self, ann, cause: str = CROSSED) -> None:
         super().__init__()
-        self.ann = ann
+        self.ann, self.cause = ann, cause
         from .graph_layout import live_by_slot  # noqa: PLC0415 - (it imports this package's kernels)
 
         self.ids = live_by_slot(ann.ann_slot).astype(np.int64)  # old ANN ids -> new ids 0..n-1, in slot order
@@ -157,8 +161,7 @@ def finish_graph(ann, build: GraphBuild) -> np.ndarray | None:
     ann.ann_slot = ann.ann_slot[old].copy()  # (-1 where removed since the trigger)
     ann.dead, ann._selector, ann.laid_at = int((ann.ann_slot < 0).sum()), None, 0  # noqa: SLF001
     ann.compactions.append((ann.live, was_dead - ann.dead, build.seconds, "in the background while the shard served, "
-                            f"installed {time.perf_counter() - build.started:.1f} s after the delete or replacement "
-                            "that crossed a quarter dead"))
+                            f"installed {time.perf_counter() - build.started:.1f} s after {build.cause}"))
     ann._tail, ann._tail_at, ann._tail_n, ann._groups = np.zeros((0, ann.dim), dtype=np.float32), 0, 0, []  # noqa: SLF001
     ann.seeds = build.seeds  # (the shard's searcher adopts them: shards/search.py, _ann_lows)
     return old

@@ -172,13 +172,14 @@ class IvfBuilds:
         :meth:`install` (IVF) / :meth:`install_graph` (HNSW)."""
         return None if self._build is None else self._build.done
 
-    def compact_later(self) -> bool:
+    def compact_later(self, cause: str = GraphBuild.CROSSED) -> bool:
         """HNSW past a quarter dead: start a background compaction (:mod:`.hnsw_build`) unless one runs; False (none
-        started) below :data:`.hnsw_build.BACKGROUND_MIN` live vectors, where the caller compacts at once."""
+        started) below :data:`.hnsw_build.BACKGROUND_MIN` live vectors, where the caller compacts at once. ``cause``:
+        what its log line gives as its trigger."""
         if self._build is None and self.live < hnsw_build.BACKGROUND_MIN:
             return False
         if self._build is None:
-            self._build = GraphBuild(self)
+            self._build = GraphBuild(self, cause)
         return True
 
     def install_graph(self) -> np.ndarray | None:

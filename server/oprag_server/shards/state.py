@@ -174,7 +174,7 @@ class ShardState:
         if not self.txns.prepared and getattr(self.store.dense.ann, "seeds", None) is not None:
             return 0.0  # (a compaction's seeds: taken between requests)
         wait = self._merge_wait()
-        for other in (self._seeds_wait(), self._layout_wait()):
+        for other in (self._seeds_wait(), self._layout_wait(), self._compact_wait()):
             if other is not None:
                 wait = other if wait is None else min(wait, other)
         return wait if built is None else min(self.MERGE_POLL_S, self.MERGE_POLL_S if wait is None else wait)
@@ -196,6 +196,14 @@ class ShardState:
         been quiet for :attr:`IDLE_QUIET_S` when it is due (0: now); None when not due or a prepared transaction
         waits."""
         if self.txns.prepared or not self.store.dense.layout_due(self.search._low):  # noqa: SLF001
+            return None
+        return self._quiet_left()
+
+    def _compact_wait(self) -> float | None:
+        """An HNSW compaction due with no delete to start it (:meth:`..index.dense.DenseIndex.compaction_due`: a graph
+        loaded past a quarter dead): the seconds until writes will have been quiet for :attr:`IDLE_QUIET_S` (0:
+        now); None when none is due, a prepared transaction waits or deferred HNSW inserts do (they go first)."""
+        if self.txns.prepared or self.store.dense.pending or not self.store.dense.compaction_due():
             return None
         return self._quiet_left()
 
@@ -244,6 +252,9 @@ class ShardState:
             return True
         if low_seeds_state.adopt_done(low, ann) or (self._seeds_wait() == 0.0 and low_seeds_state.start_due(low, ann)):
             self.note()  # (logs the seeds' build)
+            return True
+        if self._compact_wait() == 0.0 and self.store.dense.compact_due():
+            self.say_trainings()  # (logs one done here at once; a background one when installed)
             return True
         if not self.store.dense.ann_building:
             return False
