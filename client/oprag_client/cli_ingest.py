@@ -21,7 +21,7 @@ def _fitting(numbered, max_message_bytes: int, rejected: list[dict]):
     added to ``rejected`` (as the server's rejections: index, id, reason) instead of failing its
     whole stream (trial35: a 40 MB document stopped the stream, a 9 MB one was the server's
     per-document rejection)."""
-    from .client import _as_pb, oversized
+    from .client import _as_pb, oversized, too_large
 
     for i, d in numbered:
         pb = _as_pb(d)
@@ -29,8 +29,7 @@ def _fitting(numbered, max_message_bytes: int, rejected: list[dict]):
         if size is None:
             yield i, pb
             continue
-        rejected.append({"index": i, "id": pb.id, "reason": f"document is {size} bytes, over the {max_message_bytes}-byte "
-                         "gRPC message limit: not sent (split it into smaller documents)"})
+        rejected.append({"index": i, "id": pb.id, "reason": f"document {too_large(size, max_message_bytes)}"})
 
 
 def _batches(it, n):

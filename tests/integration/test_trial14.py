@@ -69,3 +69,27 @@ def test_an_id_sent_twice_whose_last_version_is_rejected_keeps_the_earlier_one(s
     assert r.documents_written == 1 and [(x.index, x.id) for x in r.rejected] == [(1, "twice")]
     hits = c.retrieve("nebulaword", mode="lexical", top_k=3, min_seq=r.seq).hits
     assert [(h.doc_id, h.text) for h in hits] == [("twice", "good first version nebulaword")]
+
+
+def test_a_document_the_server_takes_is_not_refused_by_the_client(server):
+    """trial50: the client's per-message budget was 90% of the 32 MiB limit less 1 KiB, so a 29-32 MB document the
+    server stores was refused client-side, by a message quoting the 33,554,432-byte limit it was under. Now the budget
+    is the limit less 64 KiB: a 31.5 MB document (20,000 chunks with vectors) is sent and stored whole; one over the
+    budget is refused before anything is sent, by a message naming the budget."""
+    from oprag_client.client import _as_pb, message_budget
+
+    c = server.client
+    rng = np.random.default_rng(50)
+    vecs = rng.standard_normal((20_200, 384)).astype(np.float32)
+    doc = Doc("big50", chunks=[(f"bulk chunk {i} quasarword", vecs[i]) for i in range(len(vecs))])
+    n = _as_pb(doc).ByteSize()
+    assert int(LIMIT * 0.9) - 1024 < n < message_budget(LIMIT) < LIMIT, n
+    r = c.ingest([doc])
+    assert r.documents_written == 1 and r.chunks_written == len(vecs) and not r.rejected
+    over = Doc("over50", chunks=[(f"c{i}", vecs[i % len(vecs)]) for i in range(23_000)])
+    assert _as_pb(over).ByteSize() > message_budget(LIMIT)
+    with pytest.raises(ValueError, match=rf"'over50' is \d+ bytes, over the {message_budget(LIMIT)} bytes one ingest "
+                                         rf"message can carry \(the {LIMIT}-byte gRPC message limit"):
+        c.ingest([over])
+    hits = c.retrieve("quasarword", mode="lexical", top_k=3, min_seq=r.seq).hits
+    assert len(hits) == 3 and all(h.doc_id == "big50" for h in hits)

@@ -208,7 +208,8 @@ def test_a_document_too_large_for_a_message_is_rejected_alone(tmp_path, monkeypa
     res = json.loads(out.out)
     assert stub.streams == [["a", "b"], ["c"]]
     assert [(r["index"], r["id"]) for r in res["rejected"]] == [(1, "big")]
-    assert "over the 65536-byte gRPC message limit: not sent" in res["rejected"][0]["reason"]
+    assert "over the 64512 bytes one ingest message can carry (the 65536-byte gRPC message limit" in \
+        res["rejected"][0]["reason"] and "not sent" in res["rejected"][0]["reason"]
     assert [(s["first_index"], s["documents_sent"]) for s in res["streams"]] == [(0, 2), (3, 1)]
     assert "rejected #1 'big'" in out.err
 
