@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from array import array
+from collections.abc import Mapping
 from typing import Any
 
 from oprag.v1 import oprag_pb2
@@ -36,6 +37,9 @@ def floats(v, field: str = "query_vector", *,
                          "pass one row, e.g. vectors[i]")
     if isinstance(v, (str, bytes)):
         raise ValueError(f"{field} is a {type(v).__name__}: pass a sequence of floats, e.g. [0.12, -0.03, ...]")
+    if isinstance(v, (Mapping, set, frozenset)):  # (iterating a dict gives its keys: trial50)
+        raise ValueError(f"{field} is a {type(v).__name__}, not a sequence of numbers: pass the vector's values in "
+                         "order, e.g. [0.12, -0.03, ...] or a 1-D float array")
     dt = getattr(v, "dtype", None)
     kind = getattr(dt, "kind", "")
     if dt is not None and kind not in "iufO":  # numpy parses a '<U3' array of "0.1" strings: refuse it (and bools)
