@@ -8,6 +8,7 @@ with the server's status code and message.
 
 from __future__ import annotations
 
+import asyncio
 import numbers
 import sys
 from collections.abc import AsyncIterable, Iterable, Iterator, Mapping, Sequence
@@ -140,6 +141,38 @@ def oversized(d: Any, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> int
     (:func:`ingest_messages` would refuse the stream), else None."""
     n = _as_pb(d).ByteSize() + 8
     return n if n > message_budget(max_message_bytes) else None
+
+
+class _Sent:
+    """An Ingest call's request messages (:func:`ingest_messages`), remembering whether the final one was handed to
+    gRPC and the error a document raised while they were made (the sync and the asyncio client)."""
+
+    def __init__(self, docs: Iterable[Any], max_message_bytes: int) -> None:
+        self.docs, self.max_message_bytes = docs, max_message_bytes
+        self.failed: list[BaseException] = []
+        self.final = False
+
+    def messages(self) -> Iterator[oprag_pb2.IngestRequest]:
+        try:
+            for m in ingest_messages(self.docs, self.max_message_bytes):
+                if m.final:  # handed to gRPC now: the server may receive it and commit
+                    self.final = True
+                yield m
+        except Exception as exc:  # noqa: BLE001 - re-raised by explained() with its own type
+            self.failed.append(exc)
+            raise
+
+    def explained(self, exc: BaseException) -> BaseException:
+        """The error to raise for the call's ``exc``: a document's own error, else ``exc`` with
+        ``final_message_sent`` and ``nothing_stored`` (:func:`.retry.nothing_stored`)."""
+        if self.failed:
+            return self.failed[0]
+        try:
+            exc.final_message_sent = self.final
+            exc.nothing_stored = nothing_stored(exc)
+        except AttributeError:  # (an error type without attributes: callers then assume it was sent)
+            pass
+        return exc
 
 
 def ingest_messages(docs: Iterable[Any], max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
@@ -287,30 +320,11 @@ class OpRAGClient:
             cut short (the connection lost, a deadline) may have been committed whole -- unless
             ``nothing_stored`` (:func:`.retry.nothing_stored`: the server's own status said its commit never began).
         """
-        failed: list[BaseException] = []
-        final: list[bool] = []
-
-        def messages():
-            try:
-                for m in ingest_messages(docs, self.max_message_bytes):
-                    if m.final:  # handed to gRPC now: the server may receive it and commit
-                        final.append(True)
-                    yield m
-            except Exception as exc:  # noqa: BLE001 - re-raised below with its own type
-                failed.append(exc)
-                raise
-
+        sent = _Sent(docs, self.max_message_bytes)
         try:
-            return self.stub.Ingest(messages(), timeout=timeout or self.timeout, metadata=self.md)
+            return self.stub.Ingest(sent.messages(), timeout=timeout or self.timeout, metadata=self.md)
         except grpc.RpcError as exc:
-            if failed:
-                raise failed[0] from None
-            try:
-                exc.final_message_sent = bool(final)
-                exc.nothing_stored = nothing_stored(exc)
-            except AttributeError:  # (an error type without attributes: callers then assume it was sent)
-                pass
-            raise
+            raise sent.explained(exc) from None
 
     def query(self, question: str, *, timeout: float | None = None, **kw) -> oprag_pb2.QueryResponse:
         return call(self.retry, lambda: self.stub.Query(query_request(question, **kw), timeout=timeout or self.timeout, metadata=self.md))
@@ -373,10 +387,18 @@ class AsyncOpRAGClient:
         await self.channel.close()
 
     async def ingest(self, docs: Iterable[Any] | AsyncIterable[Any], *, timeout: float | None = None):
+        """:meth:`OpRAGClient.ingest`, awaited: the same errors, the ``grpc.RpcError`` with the same
+        ``final_message_sent`` and ``nothing_stored`` (trial50: it had neither)."""
         if isinstance(docs, AsyncIterable):
             collected = [d async for d in docs]
             docs = collected
-        return await self.stub.Ingest(ingest_messages(docs, self.max_message_bytes), timeout=timeout or self.timeout, metadata=self.md)
+        sent = _Sent(docs, self.max_message_bytes)
+        try:
+            return await self.stub.Ingest(sent.messages(), timeout=timeout or self.timeout, metadata=self.md)
+        except (grpc.RpcError, asyncio.CancelledError) as exc:
+            if isinstance(exc, asyncio.CancelledError) and not sent.failed:
+                raise  # (grpc.aio cancels the call when the request iterator raises: that error instead)
+            raise sent.explained(exc) from None
 
     async def query(self, question: str, *, timeout: float | None = None, **kw):
         return await acall(self.retry, lambda: self.stub.Query(query_request(question, **kw), timeout=timeout or self.timeout, metadata=self.md))

@@ -93,3 +93,32 @@ def test_a_document_the_server_takes_is_not_refused_by_the_client(server):
         c.ingest([over])
     hits = c.retrieve("quasarword", mode="lexical", top_k=3, min_seq=r.seq).hits
     assert len(hits) == 3 and all(h.doc_id == "big50" for h in hits)
+
+
+def test_the_asyncio_client_s_ingest_errors_say_what_the_sync_client_s_say(server):
+    """trial50 #8: ``AsyncOpRAGClient.ingest`` raised the bare ``AioRpcError``, without the ``nothing_stored`` and
+    ``final_message_sent`` the sync client sets (the server sends the same ``oprag-stored: none`` trailer to both).
+    A document the client refuses is the same ``ValueError`` in both, and nothing of its stream is stored."""
+    import asyncio
+
+    from oprag_client.client import AsyncOpRAGClient
+
+    bad = [Doc("fine8", chunks=[("fine", _vec(8))]), Doc("nan8", chunks=[("nan", np.full(384, np.nan, np.float32))])]
+    with pytest.raises(grpc.RpcError) as sync_err:
+        server.client.ingest(bad)
+    too_big = [Doc("small8", "small"), Doc("big8", "x" * (LIMIT + 10))]
+
+    async def run():
+        async with AsyncOpRAGClient(server.target, timeout=60) as ac:
+            with pytest.raises(grpc.RpcError) as err:
+                await ac.ingest(bad)
+            with pytest.raises(ValueError, match="'big8' is .* bytes, over the .* bytes one ingest message can carry"):
+                await ac.ingest(too_big)
+            return err.value
+
+    aerr = asyncio.run(run())
+    assert sync_err.value.code() == aerr.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert sync_err.value.nothing_stored is True and aerr.nothing_stored is True
+    assert sync_err.value.final_message_sent is True and aerr.final_message_sent is True
+    stored = {h.doc_id for h in server.client.retrieve("fine small", mode="lexical", top_k=10).hits}
+    assert not stored & {"fine8", "nan8", "small8", "big8"}, stored
