@@ -244,14 +244,14 @@ def load_parquet(paths: list[Path], vector_column: str | None = None) -> Iterato
         chunk rows (file and row named); checked before the first document is yielded.
     :raises ImportError: pyarrow or numpy missing (``pip install 'oprag-client[arrow]'``).
     """
-    pq = _pyarrow("parquet")
+    pq, seen = _pyarrow("parquet"), {}
     for f in _files(paths, (".parquet", ".pq")):
         try:
             pf = pq.ParquetFile(f)
         except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError; it named no file
             raise ValueError(f"{f}: not a Parquet file ({exc}){_other_format(f, 'parquet')}") from exc
         yield from columnar_docs(f, pf.schema_arrow, lambda cols=None, pf=pf: pf.iter_batches(4096, columns=cols),
-                                 vector_column)
+                                 vector_column, seen)
 
 
 def load_arrow(paths: list[Path], vector_column: str | None = None) -> Iterator[Doc]:
@@ -280,8 +280,9 @@ def load_arrow(paths: list[Path], vector_column: str | None = None) -> Iterator[
                 yield b.select(cols) if cols else b
         return read
 
+    seen: dict = {}
     for f in _files(paths, (".arrow", ".feather", ".arrows", ".ipc")):
-        yield from columnar_docs(f, reader(f).schema, batches(f), vector_column)
+        yield from columnar_docs(f, reader(f).schema, batches(f), vector_column, seen)
 
 
 def _other_format(f: Path, given: str) -> str:
@@ -314,8 +315,11 @@ def _pyarrow(sub: str = ""):
         raise ImportError("reading Parquet / Arrow needs pyarrow and numpy: pip install 'oprag-client[arrow]'") from exc
 
 
-def columnar_docs(path: Path, schema, batches, vector_column: str | None = None) -> Iterator[Doc]:
-    """Documents of one columnar file.
+def columnar_docs(path: Path, schema, batches, vector_column: str | None = None, seen: dict | None = None
+                  ) -> Iterator[Doc]:
+    """Documents of one columnar file. ``seen``: shared by the files of one ingest (``width``, ``path``: the first
+    file with vectors), so a file whose width differs is refused by name before its first row (trial50: the
+    server's refusal named a document of the stream, not the file).
 
     Columns: ``id`` (string or integer), ``text`` (string), optional ``title`` (string),
     ``metadata`` (a JSON object as a string, or a struct: :func:`_metadata` rules) and the
@@ -354,11 +358,19 @@ def columnar_docs(path: Path, schema, batches, vector_column: str | None = None)
         if not (pa.types.is_list(vt) or pa.types.is_large_list(vt) or pa.types.is_fixed_size_list(vt)) \
                 or not (pa.types.is_floating(vt.value_type) or pa.types.is_integer(vt.value_type)):
             raise ValueError(f"{path}: column {vector_column!r} must hold lists of numbers, got {vt}")
-        if not pa.types.is_fixed_size_list(vt):  # one width for the whole file, before sending any
+        width = vt.list_size if pa.types.is_fixed_size_list(vt) else None
+        if width is None:  # one width for the whole file, before sending any
             try:
-                check_widths(batches([vector_column]), vector_column, chunk_rows, np, pc)
+                width = check_widths(batches([vector_column]), vector_column, chunk_rows, np, pc)
             except ValueError as exc:
                 raise ValueError(f"{path}: {exc}") from None
+        if seen is not None and width is not None:
+            seen.setdefault("width", width)
+            seen.setdefault("path", path)
+            if width != seen["width"]:
+                raise ValueError(f"{path}: column {vector_column!r} holds vectors of width {width}, but "
+                                 f"{seen['path']} holds width {seen['width']}: every vector of an ingest needs the "
+                                 "index's one width (embed every file with the same model)")
     row, cur, done = 0, None, set()
     for b in batches():
         cols = {n: b.column(n) for n in b.schema.names}

@@ -217,7 +217,7 @@ def column_matrix(col, np, pa, pc, row0: int = 0):
     return out, valid
 
 
-def check_widths(batches, column: str, chunk_rows: bool, np, pc) -> None:
+def check_widths(batches, column: str, chunk_rows: bool, np, pc) -> int | None:
     """Check a list column of vectors, read as ``batches`` (record batches of that one column),
     before any row is sent (``column`` names it in messages): one width for the whole file, no empty vector, and in chunk rows
     (``chunk_rows``) no null vector.
@@ -225,7 +225,8 @@ def check_widths(batches, column: str, chunk_rows: bool, np, pc) -> None:
     :raises ValueError: naming the first offending rows (0-based, counted across batches) and
         what to change: an empty vector (on the wire it reads as "no vector", so the server would
         embed that row's text; it was reported as "2 widths (0, 384)"), a null vector in chunk
-        rows, or vectors of more than one width (each width with the first row that has it)."""
+        rows, or vectors of more than one width (each width with the first row that has it).
+    :returns: the file's one width (None: no vector in it)."""
     first: dict[int, int] = {}  # width -> first row of that width
     empty: list[int] = []
     n_empty = row = 0
@@ -252,3 +253,4 @@ def check_widths(batches, column: str, chunk_rows: bool, np, pc) -> None:
         ws = sorted(first.items(), key=lambda x: x[1])
         raise ValueError(f"column {column!r} holds vectors of {len(first)} widths ("
                          + ", ".join(f"{w} from row {r}" for w, r in ws[:5]) + "): one width per file")
+    return next(iter(first), None)
