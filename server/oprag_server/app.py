@@ -37,7 +37,7 @@ from .shards.pool import ShardPool, placement
 from .startup import (acquire_storage, announce_ready, check_data_dir, check_security, check_storage, preflight,
                       warm_beside)
 from .supervision import (INGEST_HEALTH, QUERY_HEALTH, SERVING, EngineHealth, ShardSupervisor, final_snapshot,
-                          keep_lease, on_signals, restart_shard)
+                          keep_lease, on_signals, periodic_snapshot_failed, restart_shard)
 from .shards.protocol import ApplyReply, Op, StatsRequest
 
 log = logging.getLogger("oprag")
@@ -85,8 +85,9 @@ class Runtime:
         self.corpus_stats.replace_with(CorpusStats.merge_full([r.lexical for r in ready]))
         self.commits.recover(r.applied_seq for r in ready)
         self.replayed = sum(r.replayed for r in ready)
-        if self.replayed:
+        if self.replayed:  # (saved by the first periodic snapshot: a later start does not replay them again, trial50)
             log.info("recovered %d write-ahead log records", self.replayed)
+            self._dirty = True
         self.metrics.shards_up.set(len(ready))
         self.embed_pool = start_embed_pool(self.cfg, self.encoder, self.metrics)
 
@@ -244,11 +245,11 @@ class Runtime:
                     wait = max(interval_s, (time.perf_counter() - t) * (1 / max_share - 1))
                 except Exception as exc:  # noqa: BLE001
                     if str(exc) != failing:
-                        log.exception("periodic snapshot failed (logged again only when the failure changes)")
+                        periodic_snapshot_failed(self.pool, exc, interval_s)
                     failing = str(exc)
                     continue
                 if failing is not None:
-                    log.warning("periodic snapshots succeed again")
+                    log.info("periodic snapshots succeed again")
                 failing = None
 
     async def close(self) -> None:

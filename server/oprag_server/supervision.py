@@ -129,6 +129,18 @@ async def final_snapshot(pool: Any, snapshot: Callable[..., Awaitable[None]]) ->
                     "will be replayed on the next start", who, who)
 
 
+def periodic_snapshot_failed(pool: Any, exc: BaseException, retry_s: float) -> None:
+    """Log a failed periodic snapshot (``Runtime._snapshot_loop``, once per new failure): one WARNING line when a
+    shard was down or restarting (a ``ShardError`` while a shard is down: expected, retried; its write-ahead log
+    holds its writes; trial50: an ERROR with a traceback each time a shard restarted), else an ERROR with the
+    traceback (a storage failure included)."""
+    if isinstance(exc, ShardError) and not isinstance(exc, StorageUnavailable) and pool.down_shards():
+        log.warning("periodic snapshot not taken: %s (a shard is down or restarting); tried again in %.0f s", exc,
+                    retry_s)
+    else:
+        log.error("periodic snapshot failed (logged again only when the failure changes)", exc_info=exc)
+
+
 class ShardSupervisor:
     """Polls the pool every ``interval_s`` seconds and restarts dead shards.
 
