@@ -161,3 +161,33 @@ def test_a_write_during_a_follow_up_wait_is_refreshed_at_once():
         g.cancel()
 
     asyncio.run(go())
+
+
+def test_background_work_left_is_a_gauge_per_shard_and_goes_with_a_down_shard():
+    """trial50 #9: ``ann_pending``, ``merge_pending`` and ``seeds_pending`` were in Stats only (the README tells
+    clients to wait for them), so a dashboard could not show a shard still settling."""
+    pool, metrics = _Pool(), Metrics()
+    real = pool.gather_partial
+
+    async def with_pending(op, req):
+        got, missing = await real(op, req)
+        for i, s in got.items():
+            s.ann_pending, s.merge_pending, s.seeds_pending = 7 + i, 70_000 * i, 0
+        return got, missing
+
+    pool.gather_partial = with_pending
+    g = IndexGauges(pool, metrics)
+
+    def pending():
+        return {(s.labels["shard"], s.labels["work"]): s.value for m in metrics.shard_pending.collect()
+                for s in m.samples}
+
+    async def go():
+        assert await g.refresh()  # (work pending: still moving)
+        assert pending() == {("0", "ann"): 7, ("0", "merge"): 0, ("0", "seeds"): 0,
+                             ("1", "ann"): 8, ("1", "merge"): 70_000, ("1", "seeds"): 0}
+        pool.down = {1}
+        await g.refresh()
+        assert set(pending()) == {("0", "ann"), ("0", "merge"), ("0", "seeds")}
+
+    asyncio.run(go())

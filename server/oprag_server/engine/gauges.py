@@ -1,5 +1,5 @@
 """The index gauges (``oprag_chunks``, ``oprag_documents``, ``oprag_memory_records``,
-``oprag_shard_bytes``), read from the shards' STATS after writes and when a shard goes down or
+``oprag_shard_bytes``, ``oprag_shard_pending``), read from the shards' STATS after writes and when a shard goes down or
 comes back, off the request path.
 
 Writes come from committed transactions (an ingest stream, a delete) and from session memory
@@ -23,6 +23,10 @@ import asyncio
 from typing import Any
 
 from ..shards.protocol import Op, StatsRequest
+
+
+#: the background work ``oprag_shard_pending`` reports, as ``StatsReply.<work>_pending``
+_PENDING = ("ann", "merge", "seeds")
 
 
 class IndexGauges:
@@ -98,9 +102,16 @@ class IndexGauges:
             for component, n in (s.nbytes or {}).items():
                 self.metrics.shard_bytes.labels(shard=str(i), component=component).set(n)
                 parts.add(component)
+            for work in _PENDING:
+                self.metrics.shard_pending.labels(shard=str(i), work=work).set(getattr(s, f"{work}_pending", 0))
         for i in missing:
             for component in self._bytes_series.pop(i, ()):
                 self.metrics.shard_bytes.remove(str(i), component)
+            for work in _PENDING:
+                try:
+                    self.metrics.shard_pending.remove(str(i), work)
+                except KeyError:  # (never set: the shard was down from the start)
+                    pass
         seen = {i: dict(s.nbytes or {}) for i, s in got.items()}
         changed, self._seen = seen != self._seen, seen
         return changed or any(getattr(s, "ann_pending", 0) or getattr(s, "merge_pending", 0) or getattr(s, "seeds_pending", 0)

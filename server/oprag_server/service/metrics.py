@@ -124,6 +124,10 @@ class Metrics:
         self.shard_bytes = Gauge(
             "oprag_shard_bytes", "Bytes a shard holds by component (postings, terms, vectors, ann, chunks; "
             "estimates, see ShardStats)", ["shard", "component"], registry=r)
+        self.shard_pending = Gauge(
+            "oprag_shard_pending", "Background work a shard has left (work: ann = vectors waiting for their HNSW graph "
+            "insert, merge = BM25 postings a merge will fold, seeds = the graph size whose dense-minimum seeds are due; "
+            "0 when settled: the Stats fields ann_pending, merge_pending, seeds_pending)", ["shard", "work"], registry=r)
         self.shards_up = Gauge("oprag_shards_up", "Shards serving (with --replicas: with a live replica)", registry=r)
         self.shard_replica_up = Gauge(
             "oprag_shard_replica_up", "1 while replica `replica` of shard `shard` serves (its process or Ray actor "
