@@ -149,8 +149,11 @@ def _json_lines(path: Path, id_key: str, what: str, known: frozenset[str] | None
                 _check_types(obj, id_key)
                 lacks = [k for k in (id_key, "text") if k not in obj and not (k == "text" and obj.get("chunks"))]
                 if lacks:  # (was the bare KeyError: "expected ... with id and text ('text')", trial35)
+                    hint = ("; a BEIR corpus line ('_id'): use --format beir" if id_key == "id" and "_id" in obj
+                            else "; a JSON lines file ('id'): use --format jsonl" if id_key == "_id" and "id" in obj
+                            else "")  # (trial50)
                     raise ValueError(f"no {' and no '.join(map(repr, lacks))} field (the line's fields: "
-                                     f"{', '.join(map(repr, obj)) or 'none'})")
+                                     f"{', '.join(map(repr, obj)) or 'none'}){hint}")
                 if known is not None and (new := sorted(obj.keys() - known - told)):  # (a typo was silent: trial34)
                     told.update(new)
                     print(f"oprag: {path}:{n}: ignoring field(s) {', '.join(map(repr, new))}: a line's fields are "

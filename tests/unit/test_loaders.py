@@ -395,6 +395,8 @@ def test_jsonl_names_a_field_it_ignores_once_per_file(tmp_path, capsys):
     ({"id": "m1", "txt": "hello", "titel": "x"}, "no 'text' field (the line's fields: 'id', 'txt', 'titel')"),
     ({"text": "hello"}, "no 'id' field (the line's fields: 'text')"),
     ({}, "no 'id' and no 'text' field (the line's fields: none)"),
+    ({"_id": "b1", "title": "", "text": "w"},  # trial50: a BEIR line under --format jsonl
+     "no 'id' field (the line's fields: '_id', 'title', 'text'); a BEIR corpus line ('_id'): use --format beir"),
 ])
 def test_a_jsonl_line_without_id_or_text_names_what_it_lacks_and_what_it_has(tmp_path, row, words):
     """trial35: a misspelt field said "expected a JSON object with id and text ('text')" (the
