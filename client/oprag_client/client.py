@@ -131,8 +131,10 @@ def message_budget(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> int:
 
 
 def too_large(n: int, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> str:
-    """What a document of ``n`` serialised bytes over :func:`message_budget` is told (the client and the CLI)."""
-    return (f"is {n} bytes, over the {message_budget(max_message_bytes)} bytes one ingest message can carry (the "
+    """What a document over :func:`message_budget` is told (the client and the CLI); ``n``: its serialised bytes
+    plus the 8 its place in the message takes, as :func:`ingest_messages` counts them."""
+    return (f"is {n - 8} bytes ({n} in its message), over the {message_budget(max_message_bytes)} bytes one ingest "
+            f"message can carry (the "
             f"{max_message_bytes}-byte gRPC message limit less its framing): not sent (split it into smaller documents)")
 
 

@@ -79,9 +79,18 @@ async def acall(policy: RetryPolicy, fn: Callable[[], Awaitable[T]]) -> T:
 
 
 def nothing_stored(exc: Any) -> bool:
-    """Whether a failed Ingest call's status carries the server's trailer ``oprag-stored: none``: the stream
-    failed before its commit began, so nothing of it was stored, whatever the status code (an ``UNAVAILABLE``
-    shard refused it; trial48 #18). False without it (a connection lost: the outcome may be unknown)."""
+    """Whether a failed Ingest call provably stored nothing: its status carries the server's trailer
+    ``oprag-stored: none`` (the stream failed before its commit began, whatever the status code: an
+    ``UNAVAILABLE`` shard refused it; trial48 #18), the connection was never made (``UNAVAILABLE``
+    "failed to connect"), or gRPC refused a message over its size limit ("larger than max": the stream
+    cannot commit without it; trial50b). False otherwise (a connection lost: the outcome may be unknown)."""
+    try:
+        code, details = exc.code(), exc.details() or ""
+    except Exception:  # noqa: BLE001 - (an error without a status)
+        return False
+    if (code.name == "UNAVAILABLE" and "failed to connect" in details.lower()) or \
+            (code.name == "RESOURCE_EXHAUSTED" and "larger than max" in details):
+        return True
     try:
         md = exc.trailing_metadata() or ()
     except Exception:  # noqa: BLE001 - (an error without trailers: a transport's own)

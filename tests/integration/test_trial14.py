@@ -88,7 +88,7 @@ def test_a_document_the_server_takes_is_not_refused_by_the_client(server):
     assert r.documents_written == 1 and r.chunks_written == len(vecs) and not r.rejected
     over = Doc("over50", chunks=[(f"c{i}", vecs[i % len(vecs)]) for i in range(23_000)])
     assert _as_pb(over).ByteSize() > message_budget(LIMIT)
-    with pytest.raises(ValueError, match=rf"'over50' is \d+ bytes, over the {message_budget(LIMIT)} bytes one ingest "
+    with pytest.raises(ValueError, match=rf"'over50' is {_as_pb(over).ByteSize()} bytes \(\d+ in its message\), over the {message_budget(LIMIT)} bytes one ingest "
                                          rf"message can carry \(the {LIMIT}-byte gRPC message limit"):
         c.ingest([over])
     hits = c.retrieve("quasarword", mode="lexical", top_k=3, min_seq=r.seq).hits
@@ -112,7 +112,7 @@ def test_the_asyncio_client_s_ingest_errors_say_what_the_sync_client_s_say(serve
         async with AsyncOpRAGClient(server.target, timeout=60) as ac:
             with pytest.raises(grpc.RpcError) as err:
                 await ac.ingest(bad)
-            with pytest.raises(ValueError, match="'big8' is .* bytes, over the .* bytes one ingest message can carry"):
+            with pytest.raises(ValueError, match=r"'big8' is \d+ bytes \(\d+ in its message\), over the \d+ bytes one ingest message can carry"):
                 await ac.ingest(too_big)
             return err.value
 
@@ -122,3 +122,25 @@ def test_the_asyncio_client_s_ingest_errors_say_what_the_sync_client_s_say(serve
     assert sync_err.value.final_message_sent is True and aerr.final_message_sent is True
     stored = {h.doc_id for h in server.client.retrieve("fine small", mode="lexical", top_k=10).hits}
     assert not stored & {"fine8", "nan8", "small8", "big8"}, stored
+
+
+def test_an_ingest_to_no_server_says_nothing_was_stored():
+    """trial50b #5: with no server listening, both clients said ``nothing_stored`` False (the CLI already reported
+    stored false): a connection never made stores nothing."""
+    import asyncio
+
+    from oprag_client.client import AsyncOpRAGClient
+
+    target = f"127.0.0.1:{free_port()}"
+    with OpRAGClient(target, timeout=20) as c, pytest.raises(grpc.RpcError) as sync_err:
+        c.ingest([Doc("nobody", "no server here")])
+
+    async def run():
+        async with AsyncOpRAGClient(target, timeout=20) as ac:
+            with pytest.raises(grpc.RpcError) as err:
+                await ac.ingest([Doc("nobody", "no server here")])
+            return err.value
+
+    aerr = asyncio.run(run())
+    for e in (sync_err.value, aerr):
+        assert e.code() == grpc.StatusCode.UNAVAILABLE and e.nothing_stored is True, (e.code(), e.details())
