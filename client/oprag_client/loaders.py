@@ -372,8 +372,9 @@ def columnar_docs(path: Path, schema, batches, vector_column: str | None = None,
             seen.setdefault("path", path)
             if width != seen["width"]:
                 raise ValueError(f"{path}: column {vector_column!r} holds vectors of width {width}, but "
-                                 f"{seen['path']} holds width {seen['width']}: every vector of an ingest needs the "
-                                 "index's one width (embed every file with the same model)")
+                                 f"{seen['path']} holds width {seen['width']}: the files of one ingest need one width, "
+                                 "the index's, so one of the two does not match it (embed every file with the "
+                                 "index's model)")
     row, cur, done = 0, None, set()
     for b in batches():
         cols = {n: b.column(n) for n in b.schema.names}
