@@ -20,7 +20,8 @@ def test_a_text_of_only_control_whitespace_or_invisible_characters_is_empty(text
 
 def test_a_chunk_of_only_control_characters_is_empty():
     doc = oprag_pb2.Document(id="d", chunks=[oprag_pb2.ChunkVector(text="zebra"), oprag_pb2.ChunkVector(text="\x00\x01")])
-    assert validate_document(doc, LIM) == "a chunk's text is empty (nothing but whitespace, control or invisible characters)"
+    assert validate_document(doc, LIM) == ("chunk 1's text is empty (nothing but whitespace, control or invisible "
+                                           "characters; chunks counted from 0 in the document's order)")  # (trial50b)
 
 
 @pytest.mark.parametrize("text", ["\x00zebra", "a\x01", "\x9f\u00e9"])

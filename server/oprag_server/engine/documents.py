@@ -65,8 +65,10 @@ def validate_document(doc: Any, limits: LimitsConfig) -> str | None:
     if chunks:
         if doc.text or len(getattr(doc, "vector", ())):
             return "a document with chunks carries its text and vectors in them: leave text and vector empty"
-        if not all(has_visible_content(c.text) for c in chunks):
-            return "a chunk's text is empty (nothing but whitespace, control or invisible characters)"
+        bad = next((i for i, c in enumerate(chunks) if not has_visible_content(c.text)), None)
+        if bad is not None:  # (trial50b: which one was not said)
+            return (f"chunk {bad}'s text is empty (nothing but whitespace, control or invisible characters; chunks "
+                    "counted from 0 in the document's order)")
     elif not has_visible_content(doc.text):  # "", whitespace, or only control / Default_Ignorable code points
         return "text is empty (nothing but whitespace, control or invisible characters): send the document's text"
     tsize = len(doc.title.encode())
