@@ -57,7 +57,7 @@ def test_validation_of_documents_with_chunks():
     lim = LimitsConfig()
     assert validate_document(Doc("a", chunks=[("x", [1.0] * D)]).to_pb(), lim) is None
     assert "leave text and vector empty" in validate_document(Doc("a", "also text", chunks=[("x", [1.0] * D)]).to_pb(), lim)
-    assert "chunk's text is empty" in validate_document(Doc("a", chunks=[(" \u200b", [1.0] * D)]).to_pb(), lim)
+    assert "chunk 0's text is empty" in validate_document(Doc("a", chunks=[(" \u200b", [1.0] * D)]).to_pb(), lim)
 
 
 def test_transform_keeps_supplied_chunks_and_embeds_nothing_for_them():
