@@ -52,16 +52,15 @@ def outcome_unknown(exc: grpc.RpcError) -> bool:
     """Whether the stream that failed with ``exc`` may have been committed: a status of
     :data:`UNKNOWN_OUTCOME`, or ``UNAVAILABLE`` once gRPC had the stream's final message (the
     connection lost or the server gone while it committed: trial35 found a stream reported
-    "stored nothing" that a kill -9 during its commit had stored) unless the connection was never
-    made ("failed to connect"). Any other status is the server's refusal: nothing stored. A status with
-    the server's trailer ``oprag-stored: none`` (:func:`.retry.nothing_stored`) stored nothing, whatever its code."""
+    "stored nothing" that a kill -9 during its commit had stored). Any other status is the server's refusal:
+    nothing stored. What :func:`.retry.nothing_stored` finds (the server's trailer ``oprag-stored: none``, a
+    connection never made, gRPC's own size refusal) stored nothing, whatever its code."""
     if nothing_stored(exc):
         return False
     code = exc.code().name
     if code in UNKNOWN_OUTCOME:
         return True
-    return (code == "UNAVAILABLE" and "failed to connect" not in (exc.details() or "")
-            and getattr(exc, "final_message_sent", True))
+    return code == "UNAVAILABLE" and getattr(exc, "final_message_sent", True)
 
 
 def _committed_before_failure(n: int, sent: int, seq: int, code: str | None = None, unknown: bool | None = None,

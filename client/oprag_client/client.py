@@ -85,12 +85,11 @@ class Doc:
             raise ValueError(f"document {self.id!r}: chunks is empty: give at least one (text, vector) pair, or leave "
                              "chunks None to have the server chunk and embed the text")
         for i, c in enumerate(self.chunks or ()):
-            if isinstance(c, (str, bytes, Mapping)) or not hasattr(c, "__len__") or len(c) != 2:  # (trial50: a bare
-                raise ValueError(  # "too many values to unpack" named nothing)
-                    f"document {self.id!r}: chunks[{i}] is a {type(c).__name__}"
-                    + (f" of {len(c)} items" if hasattr(c, "__len__") and not isinstance(c, (str, bytes)) else "")
-                    + ": each chunk is a (text, vector) pair")
-        for i, (_, v) in enumerate(self.chunks or ()):
+            sized = hasattr(c, "__len__") and not isinstance(c, (str, bytes))
+            if not sized or isinstance(c, Mapping) or len(c) != 2:  # (trial50: a bare "too many values to unpack")
+                raise ValueError(f"document {self.id!r}: chunks[{i}] is a {type(c).__name__}"
+                                 + (f" of {len(c)} items" if sized else "") + ": each chunk is a (text, vector) pair")
+            _, v = c
             if v is None:  # (the server refuses a chunk without a vector: say so before sending)
                 raise ValueError(f"document {self.id!r}: chunks[{i}] vector is None: {_CHUNK_FIX}")
         packed = _pack(self)

@@ -114,5 +114,4 @@ class IndexGauges:
                     pass
         seen = {i: dict(s.nbytes or {}) for i, s in got.items()}
         changed, self._seen = seen != self._seen, seen
-        return changed or any(getattr(s, "ann_pending", 0) or getattr(s, "merge_pending", 0) or getattr(s, "seeds_pending", 0)
-                              for s in st)
+        return changed or any(getattr(s, f"{work}_pending", 0) for s in st for work in _PENDING)
