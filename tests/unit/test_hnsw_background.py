@@ -271,4 +271,15 @@ def test_a_graph_loaded_past_a_quarter_dead_is_compacted_when_idle(tmp_path, cap
     assert "HNSW graph compacted: 2000 live vectors in a new graph, 1000 deleted ones dropped" in err, err
     assert "a restart had cut its compaction short" in err and ("in the background" in err) == background
     assert hits() == before
+    # trial50b #9: the compacted graph is `ann` bytes no snapshot holds (the frontend's snapshot loop saves them);
+    # once saved, a restart loads the compacted graph and has nothing to compact
+    unsaved = back.stats().ann_unsaved
+    assert unsaved == back.stats().nbytes["ann"] > 0
+    back.snapshot()
+    assert back.stats().ann_unsaved == 0
     back.txns.wal.close()
+    again = ShardState(0, D, tmp_path, dense=_cfg(check=0))
+    again.load(set())
+    assert again.store.dense.ann.dead == 0 and not again.store.dense.compaction_due()
+    assert again.idle_wait() is None and again.stats().ann_unsaved == 0
+    again.txns.wal.close()

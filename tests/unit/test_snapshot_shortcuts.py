@@ -120,3 +120,34 @@ def test_a_segment_only_in_memory_is_snapshotted_without_a_write(monkeypatch, da
     with pytest.raises(asyncio.CancelledError):
         asyncio.run(app.Runtime._snapshot_loop(Fake()))
     assert len(snaps) == taken
+
+
+def test_the_unsaved_bytes_count_a_dense_index_an_idle_step_changed():
+    """``ShardPool.unsaved_bytes`` (the snapshot loop's test): per shard, BM25 segment bytes only in memory plus the
+    `ann` bytes an idle compaction, renumbering or seeds build changed (``StatsReply.ann_unsaved``, trial50b #9: a
+    finished compaction was never saved, and each restart compacted again); the largest shard's sum, 0 when the
+    shards do not answer."""
+    import asyncio
+
+    from oprag_server.shards.pool import ShardPool
+    from oprag_server.shards.protocol import StatsReply
+
+    def reply(i, seg, ann):
+        return StatsReply(shard=i, documents=1, chunks=1, memory_records=0, applied_seq=0, segment_unsaved=seg,
+                          ann_unsaved=ann)
+
+    async def gather(replies):
+        return {r.shard: r for r in replies}, []
+
+    pool = object.__new__(ShardPool)
+    for replies, want in (([reply(0, 10, 0), reply(1, 0, 40 << 20)], 40 << 20),
+                          ([reply(0, 30 << 20, 40 << 20), reply(1, 50 << 20, 0)], 70 << 20),
+                          ([reply(0, 0, 0)], 0)):
+        pool.gather_partial = lambda op, req, r=replies: gather(r)
+        assert asyncio.run(pool.unsaved_bytes()) == want
+
+    async def down(op, req):
+        raise RuntimeError("no shard answers")
+
+    pool.gather_partial = down
+    assert asyncio.run(pool.unsaved_bytes()) == 0

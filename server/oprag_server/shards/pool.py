@@ -205,13 +205,15 @@ class ShardPool:
             await asyncio.gather(*[c.call(Op.SNAPSHOT, SnapshotRequest()) for c in ask[i: i + k]])
 
     async def unsaved_bytes(self) -> int:
-        """The most BM25 segment bytes one shard holds in anonymous memory that no snapshot
-        holds (:attr:`.protocol.StatsReply.segment_unsaved`; a shard that does not answer counts 0)."""
+        """The most bytes one shard holds that no snapshot holds and a restart would build again: BM25 segment in
+        anonymous memory (:attr:`.protocol.StatsReply.segment_unsaved`) plus a dense index an idle step compacted,
+        renumbered or gave new seeds (``ann_unsaved``); a shard that does not answer counts 0."""
         try:
             got, _ = await self.gather_partial(Op.STATS, StatsRequest())
         except Exception:  # noqa: BLE001 - asked by the snapshot loop, which must go on
             return 0
-        return max((int(getattr(r, "segment_unsaved", 0)) for r in got.values()), default=0)
+        return max((int(getattr(r, "segment_unsaved", 0)) + int(getattr(r, "ann_unsaved", 0)) for r in got.values()),
+                   default=0)
 
     async def gather_partial(self, op: Op, request: Any, shards: list[int] | None = None,
                              fields_into: list | None = None) -> tuple[dict[int, Any], list[int]]:

@@ -47,8 +47,7 @@ class QueryBatch:
     :param q: float32[B, D] L2-normalised query vectors.
     :param terms: B analysed token lists.
     :param idf: B float64[T_i] idf arrays aligned with ``terms`` (corpus-global, from the frontend).
-    :param avgdl: corpus-global average document length (tokens).
-    :param k1: BM25 k1; :param b: BM25 b.
+    :param avgdl: corpus-global average document length (tokens). :param k1: BM25 k1; :param b: BM25 b.
     :param filters: None, or B filter lists of ``(key, values)`` (set membership, all must hold).
     """
 
@@ -349,6 +348,7 @@ class StatsReply:
     merge_pending: int = 0  # BM25 delta postings a merge folds or an idle merge will (PostingsIndex.merge_pending)
     segment_unsaved: int = 0  # bytes of BM25 segment in anonymous memory no snapshot holds (unsaved_nbytes)
     seeds_pending: int = 0  # HNSW vectors a thread is making dense-minimum seeds for (low_seeds_state.pending)
+    ann_unsaved: int = 0  # `ann` bytes an idle step changed (compaction, renumbering, seeds) that no snapshot holds
 
 
 @message

@@ -61,11 +61,14 @@ class SnapshotJob:
     docstring). Created, stepped and waited for on the shard's thread only.
 
     :param log: called with a line once the snapshot is written (times of its parts).
+    :param on_written: called once the snapshot is written and adopted (not when it failed).
     """
 
     def __init__(self, d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions,
-                 storage: ShardStorage | None = None, log: Callable[[str], None] | None = None) -> None:
+                 storage: ShardStorage | None = None, log: Callable[[str], None] | None = None,
+                 on_written: Callable[[], None] | None = None) -> None:
         self.d, self.store, self.memory, self.txns, self.storage, self.log = d, store, memory, txns, storage, log
+        self.on_written = on_written
         self.t0 = time.perf_counter()
         dense = store.dense
         if getattr(dense, "_pending", None) is not None:  # (an HNSW structure a load left pending)
@@ -142,6 +145,8 @@ class SnapshotJob:
         # a snapshot; seen in a probe that exits after one)
         threading.Thread(target=_drop, args=(old,), name="oprag-snapshot-drop").start()
         del old  # (dropped there: the previous mapping's munmap leaves the GIL, not this thread's time)
+        if self.on_written is not None:
+            self.on_written()
         if self.log is not None:
             adopt_s = time.perf_counter() - t
             total, loop = time.perf_counter() - self.t0, self.loop_s + adopt_s

@@ -52,17 +52,20 @@ class ShardState:
         self.memory = MemoryStore()
         self.txns = Transactions(self.store)
         self._quiet = (-1, 0.0)  # (store version, when idle_wait first saw it): the quiet time
+        # (dense index changes installed between requests, the count a written snapshot holds): StatsReply.ann_unsaved
+        self._ann_changes = [0, 0]
         self._logged = (False, 0, 0)  # (merging, merges, spills) at the last note
 
     def stats(self, req: StatsRequest | None = None) -> StatsReply:
         """Counts; with ``req.lexical`` also the full BM25 statistics ``(N, total length, df)``
         (the whole vocabulary: only for rebuilding the frontend's corpus statistics)."""
-        st = self.store
+        st, nbytes = self.store, self._nbytes()
         return StatsReply(shard=self.shard_id, documents=len(st.doc_slots), chunks=len(st.chunks),
-                          memory_records=len(self.memory), applied_seq=st.applied_seq, nbytes=self._nbytes(),
+                          memory_records=len(self.memory), applied_seq=st.applied_seq, nbytes=nbytes,
                           ann_pending=st.dense.pending, merge_pending=st.postings.merge_pending(),
                           seeds_pending=low_seeds_state.pending(self.search._low, st.dense.ann),  # noqa: SLF001
                           segment_unsaved=st.postings.unsaved_nbytes(),
+                          ann_unsaved=nbytes.get("ann", 0) if self._ann_changes[0] != self._ann_changes[1] else 0,
                           lexical=st.postings.full_stats() if req is not None and req.lexical else None)
 
     def _nbytes(self) -> dict[str, int]:
@@ -90,7 +93,9 @@ class ShardState:
         memory-only shard."""
         if self.data_dir is None:
             return None
-        return SnapshotJob(self._dir(), self.store, self.memory, self.txns, self.storage, log=self.note)
+        changes = self._ann_changes[0]  # (none is installed while the job runs: the loop steps it instead)
+        return SnapshotJob(self._dir(), self.store, self.memory, self.txns, self.storage, log=self.note,
+                           on_written=lambda: self._ann_changes.__setitem__(1, changes))
 
     def load(self, committed: set[str] | None = None) -> int:
         """Load the snapshot and replay committed log records (see :func:`.snapshot.load`), each
@@ -240,7 +245,14 @@ class ShardState:
         """Put a finished background IVF retraining or HNSW compaction in place (:meth:`.dense.DenseIndex.install_ann`),
         or take the dense minimum's seeds a thread made (:func:`..index.low_seeds_state.adopt_done`); not while a
         prepared transaction waits for its apply: :returns: whether one was. Between requests only (a
-        shard process's idle step; a Ray actor before each call, its snapshot being written in one call)."""
+        shard process's idle step; a Ray actor before each call, its snapshot being written in one call). Each one
+        counts as an `ann` change no snapshot holds yet (:attr:`.protocol.StatsReply.ann_unsaved`: the frontend's
+        snapshot loop saves it, and a restart does not compact or renumber the graph again)."""
+        done = self._install_finished()
+        self._ann_changes[0] += done
+        return done
+
+    def _install_finished(self) -> bool:
         if self.txns.prepared:
             return False
         low, ann = self.search._low, self.store.dense.ann  # noqa: SLF001
