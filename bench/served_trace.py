@@ -51,9 +51,10 @@ def _traced_main(*args):
     path = f"{os.environ[_ENV]}.{args[0]}"
     out = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
     timer = _Timer()
+    bare = bool(os.environ.get(_ENV + "_BARE"))  # (--bare: no part timers)
 
     def dispatch(table, op, req):
-        if op.value == "search" and not timer.stack and not hasattr(timer, "on"):
+        if op.value == "search" and not timer.stack and not hasattr(timer, "on") and not bare:
             st = table[op].__self__.store  # the Searcher's store: wrap the parts as bench.shard_parts does
             objs = {"search": table[op].__self__, "dense": st.dense, "postings": st.postings, "mod": search_mod,
                     "store": st}
@@ -100,6 +101,8 @@ async def _main(a) -> dict:
     for i in range(a.shards):
         Path(f"{trace}.{i}").unlink(missing_ok=True)
     os.environ[_ENV] = trace
+    if a.bare:
+        os.environ[_ENV + "_BARE"] = "1"
     worker.main = _traced_main  # the process target, pickled by name for the spawned shards
     loop = asyncio.get_running_loop()
     pool = pool_mod.ShardPool(a.shards, vecs.shape[1], a.data_dir, dense=DenseConfig(kind=a.dense_index))
@@ -239,6 +242,8 @@ def main(argv=None) -> dict:
     served_args(ap)
     ap.add_argument("--passes", type=int, default=2, help="the last is reported (the first warms the rows)")
     ap.add_argument("--solo", action="store_true", help="also each shard alone")
+    ap.add_argument("--bare", action="store_true",
+                    help="no part timers in the shards (each costs two clock reads a call): the dispatch times alone")
     ap.add_argument("--shared", type=Path, default=DEFAULT_SHARED)
     ap.add_argument("--out", default="bench/out")
     ap.add_argument("--json", action="store_true")

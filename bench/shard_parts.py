@@ -121,6 +121,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--warm-pass", action="store_true",
                     help="run every query once before the timed pass (as a served pass after the warm-up one: the "
                          "memory-mapped postings / fields pages the queries touch are mapped already)")
+    ap.add_argument("--bare", action="store_true", help="no part timers (the whole search's time alone)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     _internals.one_thread()
@@ -135,7 +136,7 @@ def main(argv=None) -> dict:
     timer = _Timer()
     objs = {"search": st.search, "dense": st.store.dense, "postings": st.store.postings, "mod": sp.search,
             "store": st.store}
-    for obj, name, label in PARTS:
+    for obj, name, label in ([] if a.bare else PARTS):
         timer.wrap(objs[obj], name, label)
     avgdl = _internals.shard_avgdl(st.store.postings)
     out = {"chunks": len(st.store.dense), "queries": len(qs), "n": a.n, "runs": [], "machine": machine_info()}
