@@ -35,7 +35,7 @@ import time
 
 import numpy as np
 
-from . import graph_layout, hugepages, kernels_low, kernels_scan, low_seeds_state
+from . import graph_layout, hugepages, kernels_low, kernels_scan, low_seeds_state, probe_lowest
 from .ann_copies import level0 as _level0
 
 
@@ -181,13 +181,14 @@ class LowSeeds:
         p = int(min(self.PROBES, max(1, a // 64)))
         probes = _probes(st[graph_layout.sample_ids(ann, a, max(1, a // (64 * p)))], p)
         p, t = probes.shape[0], min(self.PER_PROBE, a)
-        # per probe, the t lowest scores: blocks of rows times the probes (one BLAS product each),
-        # the t lowest of each block joined with the t lowest so far
-        best_s, best_i = np.full((p, t), np.inf, np.float32), np.full((p, t), -1, np.int64)
+        # per probe, the t (+ spare) lowest scores: blocks of rows times the probes (one BLAS product each),
+        # the lowest of each block joined with those so far; then the t lowest of them in float64 (probe_lowest.settled)
+        best_s, best_i = probe_lowest.fold_start(p, t, a)
         for lo in range(0, a, self.BLOCK):
-            best_s, best_i = _fold_lowest(best_s, best_i, probes @ st[lo:lo + self.BLOCK].T, lo)
-        self._probes, self._thresh = probes, best_s.max(axis=1)
-        self._set_ids(np.unique(best_i[best_i >= 0]), st)
+            best_s, best_i = probe_lowest.fold_lowest(best_s, best_i, probes @ st[lo:lo + self.BLOCK].T, lo)
+        self._thresh, ids = probe_lowest.settled(probes, best_i, st[np.unique(best_i)], getattr(ann, "ann_slot", None), t)
+        self._probes = probes
+        self._set_ids(ids, st)
 
     def prepare(self, ann) -> None:
         """Build the seeds of ``ann``'s graph now unless they are built (the shard's start: no query waits), or
@@ -332,18 +333,6 @@ def _probes(train: np.ndarray, p: int) -> np.ndarray:
     return np.ascontiguousarray(unit, dtype=np.float32)
 
 
-def _fold_lowest(best_s: np.ndarray, best_i: np.ndarray, sc: np.ndarray, lo: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per probe, the t lowest scores (float32[P, t]) and their rows (int64[P, t]) so far joined with those of one
-    block of scores float32[P, rows] of rows ``lo...``: the t lowest of both."""
-    p, t = best_s.shape
-    k = min(t, sc.shape[1])
-    part = np.argpartition(sc, k - 1, axis=1)[:, :k] if k < sc.shape[1] else np.tile(np.arange(k), (p, 1))
-    cs = np.concatenate([best_s, np.take_along_axis(sc, part, 1)], axis=1)
-    ci = np.concatenate([best_i, part + lo], axis=1)
-    keep = np.argpartition(cs, t - 1, axis=1)[:, :t]
-    return np.take_along_axis(cs, keep, 1), np.take_along_axis(ci, keep, 1)
-
-
 class _Refresh:
     """A :func:`refresh_seeds` job: its thread, the graph size ``a`` it covers and its result ``out`` (None until
     done, or when it failed or the graph was replaced meanwhile)."""
@@ -361,6 +350,8 @@ def refresh_seeds(seeds: LowSeeds, ann, a: int) -> _Refresh:
     :meth:`LowSeeds._build` (the int8 copy of the graph is kept: the graph is the same, only grown)."""
     job, index, p = _Refresh(a), ann._index, int(min(seeds.PROBES, max(1, a // 64)))  # noqa: SLF001
     sample = graph_layout.sample_ids(ann, a, max(1, a // (64 * p)))  # (the id -> slot map read on this thread)
+    slot_map = getattr(ann, "ann_slot", None)
+    slot_map = None if slot_map is None else np.array(slot_map[:a])
 
     def rows(sel) -> np.ndarray | None:
         with ann._mut:  # noqa: SLF001
@@ -373,20 +364,23 @@ def refresh_seeds(seeds: LowSeeds, ann, a: int) -> _Refresh:
             if train is None:
                 return
             probes = _probes(train, p)
-            q, t = probes.shape[0], min(seeds.PER_PROBE, a)
-            best_s, best_i = np.full((q, t), np.inf, np.float32), np.full((q, t), -1, np.int64)
+            t = min(seeds.PER_PROBE, a)
+            best_s, best_i = probe_lowest.fold_start(probes.shape[0], t, a)
             for lo in range(0, a, REFRESH_BLOCK):
                 blk = rows(slice(lo, min(lo + REFRESH_BLOCK, a)))
                 if blk is None:
                     return
-                best_s, best_i = _fold_lowest(best_s, best_i, probes @ blk.T, lo)
-            ids = np.unique(best_i[best_i >= 0]).astype(np.int64)
+                best_s, best_i = probe_lowest.fold_lowest(best_s, best_i, probes @ blk.T, lo)
+            kept = rows(np.unique(best_i))
+            if kept is None:
+                return
+            thresh, ids = probe_lowest.settled(probes, best_i, kept, slot_map, t)
             vecs = rows(ids)
             if vecs is None:
                 return
             codes, scale = np.empty((ids.size, ann.dim), np.int8), np.empty(ids.size, np.float32)
             se = kernels_scan.quantize(np.ascontiguousarray(vecs), codes, scale)
-            job.out = (probes, best_s.max(axis=1), ids, codes, scale, se)
+            job.out = (probes, thresh, ids, codes, scale, se)
         except Exception:  # noqa: BLE001 - the old seeds stay; the next doubling tries again
             job.out = None
         job.seconds = time.perf_counter() - t0
