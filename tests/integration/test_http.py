@@ -258,6 +258,35 @@ def test_curl_sse_framing_and_raw_bodies(base_url, tmp_path):
     assert code == 404 and "error" in json.loads(out)
 
 
+def _counted(server, method: str, code: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+    got = re.search(rf'^oprag_requests_total{{code="{code}",method="{method}"}} (\S+)$', text, re.M)
+    return float(got.group(1)) if got else 0.0
+
+
+def test_a_body_over_the_limit_gets_413_chunked_or_not_and_every_refusal_is_counted(server, base_url, tmp_path):
+    """trial51 #1: a chunked body over 32 MiB (no Content-Length) got a 500 and two ERROR tracebacks: the limit was
+    raised inside the app, which had answered 500 by then. #2: a 413 refused on its Content-Length, and a 401, were
+    not counted in ``oprag_requests_total``. Now the body is read whole before the app runs: 413 either way, counted
+    as RESOURCE_EXHAUSTED, and a 401 as UNAUTHENTICATED; the server goes on answering."""
+    big = tmp_path / "big.json"
+    big.write_text(json.dumps({"model": "oprag", "messages": [{"role": "user", "content": "x" * (33 * 1024 * 1024)}]}))
+    route = "HTTP /v1/chat/completions"
+    before = _counted(server, route, "RESOURCE_EXHAUSTED")
+    for how in ([], ["-H", "Transfer-Encoding: chunked"]):
+        code, out = _curl(f"{base_url}/chat/completions", *how, "--data-binary", f"@{big}")
+        assert code == 413 and json.loads(out)["error"]["code"] == "body_too_large", (how, code, out[:300])
+        assert "the limit is 33554432" in json.loads(out)["error"]["message"]
+    assert _counted(server, route, "RESOURCE_EXHAUSTED") == before + 2
+    before = _counted(server, "HTTP /v1/models", "UNAUTHENTICATED")
+    code = subprocess.run(["curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", f"{base_url}/models"],
+                          capture_output=True, text=True, timeout=60, check=True).stdout
+    assert code == "401" and _counted(server, "HTTP /v1/models", "UNAUTHENTICATED") == before + 1
+    small = json.dumps({"model": "oprag", "max_tokens": 2, "messages": [{"role": "user", "content": QUESTION}]})
+    code, out = _curl(f"{base_url}/chat/completions", "-H", "Transfer-Encoding: chunked", "-d", small)
+    assert code == 200 and json.loads(out)["oprag"]["sources"]  # a chunked body under the limit is read as usual
+
+
 def test_chat_with_a_long_earlier_message_is_not_slowed_by_it(base_url, tmp_path):
     """trial23 #1: the earlier user message that becomes the chat's memory row is cut to the
     question limit before it is embedded and BM25-scored; uncut, a 1 MB one took 10 s (7 s of

@@ -77,10 +77,6 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if not self._authorized(headers):
-            r = error_response(401, "missing or invalid bearer token: send 'Authorization: Bearer <token>'",
-                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-            return await r(scope, receive, send)
         if scope.get("method") == "POST" and b"json" not in headers.get(b"content-type", b"").lower():
             # every POST body is JSON: read it as such whatever its type (curl -d says form-urlencoded)
             scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
@@ -90,22 +86,6 @@ class Guard:
         scope = {**scope, "oprag.outcome": outcome}
         if self.tracing:  # W3C traceparent -> the query's trace (service/tracing.py)
             CARRIER.set((f"HTTP {scope['path']}", carrier_of(scope["headers"])))
-        try:
-            size = int(headers.get(b"content-length", b"0"))
-        except ValueError:
-            size = 0
-        if size > self.max_body:
-            r = error_response(413, f"request body has {size} bytes; the limit is {self.max_body}", code="body_too_large")
-            return await r(scope, receive, send)
-        seen = 0
-
-        async def limited_receive():  # chunked bodies without a length are counted as they come
-            nonlocal seen
-            msg = await receive()
-            seen += len(msg.get("body", b""))
-            if seen > self.max_body:
-                raise _TooLarge()
-            return msg
 
         async def observed_send(msg):
             if msg["type"] == "http.response.start":
@@ -114,12 +94,17 @@ class Guard:
             if msg["type"] == "http.response.body" and not msg.get("more_body", False):
                 ended[0] = True
 
-        try:
-            await self.app(scope, limited_receive, observed_send)
-        except _TooLarge:
-            status[0] = 413
-            r = error_response(413, f"request body is over the limit of {self.max_body} bytes", code="body_too_large")
-            await r(scope, receive, observed_send)
+        try:  # (every answer is counted, a 401 and a 413 too: trial51 #2)
+            if not self._authorized(headers):
+                r = error_response(401, "missing or invalid bearer token: send 'Authorization: Bearer <token>'",
+                                   code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                return await r(scope, receive, observed_send)
+            body = await self._body(headers, receive)
+            if isinstance(body, int):  # over the limit (a Content-Length, or chunks counted as they came)
+                r = error_response(413, f"request body has {'more than ' if body < 0 else ''}{abs(body)} bytes; the limit "
+                                   f"is {self.max_body}: send a smaller body", code="body_too_large")
+                return await r(scope, receive, observed_send)
+            await self.app(scope, _replay(body, receive), observed_send)
         except Exception as exc:  # noqa: BLE001 - a bug, already logged and answered by the app (500)
             if not started[0]:
                 await exception_response(exc, scope["path"])(scope, receive, observed_send)
@@ -131,9 +116,41 @@ class Guard:
             self.metrics.requests.labels(method=method, code=code).inc()
             self.metrics.request_seconds.labels(method=method).observe(time.perf_counter() - t0)
 
+    async def _body(self, headers: dict[bytes, bytes], receive) -> bytes | int:
+        """The whole request body, read before the app runs (trial51 #1: a chunked body raised over the limit inside
+        the app, which had answered 500 by then); over ``max_body``: its ``Content-Length``, or minus the bytes
+        read when the chunks passed the limit."""
+        try:
+            size = int(headers.get(b"content-length", b"0"))
+        except ValueError:
+            size = 0
+        if size > self.max_body:
+            return size
+        parts, seen, more = [], 0, True
+        while more:
+            msg = await receive()
+            if msg["type"] != "http.request":  # (the client left before its body ended: the app sees it next)
+                break
+            parts.append(msg.get("body", b""))
+            seen += len(parts[-1])
+            if seen > self.max_body:
+                return -seen
+            more = msg.get("more_body", False)
+        return b"".join(parts)
 
-class _TooLarge(Exception):
-    pass
+
+def _replay(body: bytes, receive):
+    """An ASGI ``receive`` that gives the app ``body`` as one message, then what ``receive`` gives (a disconnect)."""
+    given = False
+
+    async def replay():
+        nonlocal given
+        if given:
+            return await receive()
+        given = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
 
 
 def _sse(obj: Any) -> bytes:
