@@ -142,6 +142,19 @@ def test_query_stream_sources_then_text_then_done(client, ingested):
     assert [(s.op, s.domain) for s in again.trace.stages] == [(s.op, s.domain) for s in done.trace.stages]
 
 
+def test_a_length_cut_inside_a_character_is_not_shown_as_a_replacement_character(client, ingested):
+    """trial51 #3: an answer cut by ``max_new_tokens`` inside a multibyte character ended in U+FFFD (unary, stream
+    and HTTP alike: the detokenizer's flush decoded the incomplete bytes). Non-ASCII questions, every cut from 1 to
+    10 tokens: no answer and no streamed piece holds U+FFFD, and the pieces join to the answer."""
+    for question in ("Что ест европейский омар?", "🦞🦞 lighthouse?"):
+        for n in range(1, 11):
+            events = list(client.query_stream(question, top_k=2, max_new_tokens=n))
+            pieces = [e.text for e in events if e.WhichOneof("event") == "text"]
+            done = events[-1].done
+            assert "\ufffd" not in done.answer and not any("\ufffd" in p for p in pieces), (question, n, done.answer)
+            assert "".join(pieces) == done.answer
+
+
 def test_client_deadline_is_honoured(server, client, ingested):
     with pytest.raises(grpc.RpcError) as ei:
         client.query("Describe the honey bee waggle dance in detail.", max_new_tokens=200, timeout=0.5)

@@ -34,7 +34,8 @@ class StreamDetokenizer:
 
     Decodes a sliding window of ids (``prefix`` .. end) and returns only the new suffix; a
     suffix ending in U+FFFD (an incomplete UTF-8 sequence of byte-level BPE) is held back
-    until a later token completes it, or until :meth:`flush`. ``text`` is the concatenation of
+    until a later token completes it; :meth:`flush` (the end of the answer) drops what is still incomplete then
+    (a length cut inside a character). ``text`` is the concatenation of
     every returned delta; ``ids`` every pushed id.
     """
 
@@ -53,6 +54,8 @@ class StreamDetokenizer:
     def _advance(self, tok: Any, final: bool) -> str:
         prev = tok.decode(self.ids[self.prefix : self.read], skip_special_tokens=True)
         new = tok.decode(self.ids[self.prefix :], skip_special_tokens=True)
+        if final:  # a character the length cut left incomplete is dropped, not shown as U+FFFD (trial51 #3)
+            new = new.rstrip("\ufffd")
         if len(new) > len(prev) and new.startswith(prev) and (final or not new.endswith("\ufffd")):
             delta = new[len(prev) :]
             self.prefix, self.read = self.read, len(self.ids)
