@@ -258,6 +258,15 @@ def test_curl_sse_framing_and_raw_bodies(base_url, tmp_path):
     assert code == 404 and "error" in json.loads(out)
 
 
+def test_a_streamed_chat_over_the_prompt_budget_gets_400_not_a_200_with_an_error_event(base_url):
+    """trial51 #4: ``stream: true`` with a question over the prompt budget answered HTTP 200, a sources chunk, then an
+    error event and no [DONE]; now it is the 400 the same request without streaming gets."""
+    body = {"model": "oprag", "max_tokens": 8, "messages": [{"role": "user", "content": "龙虾" * 1500}]}
+    for stream in (True, False):
+        code, out = _curl(f"{base_url}/chat/completions", "-d", json.dumps({**body, "stream": stream}))
+        assert code == 400 and "prompt budget" in json.loads(out)["error"]["message"], (stream, code, out[:300])
+
+
 def _counted(server, method: str, code: str) -> float:
     text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
     got = re.search(rf'^oprag_requests_total{{code="{code}",method="{method}"}} (\S+)$', text, re.M)

@@ -155,6 +155,23 @@ def test_a_length_cut_inside_a_character_is_not_shown_as_a_replacement_character
             assert "".join(pieces) == done.answer
 
 
+def test_a_question_over_the_prompt_budget_fails_before_the_stream_starts(client, ingested):
+    """trial51 #4: a question under the character limit but over the prompt budget (CJK: ~3 tokens a character)
+    failed only after QueryStream had sent its sources event (the retrieval done for nothing). The question's tokens
+    do not depend on retrieval: now the stream fails with INVALID_ARGUMENT before any event, as Query does."""
+    question = "龙虾" * 1500  # 3,000 characters, under the 4,096-character limit
+    got = []
+    with pytest.raises(grpc.RpcError) as ei:
+        for e in client.query_stream(question, top_k=2, max_new_tokens=8):
+            got.append(e.WhichOneof("event"))
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt budget" in ei.value.details()
+    assert got == []  # no sources event first
+    with pytest.raises(grpc.RpcError) as ei:
+        client.query(question, top_k=2, max_new_tokens=8)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt budget" in ei.value.details()
+    assert client.retrieve(question, top_k=2).hits is not None  # retrieval alone has no prompt budget
+
+
 def test_client_deadline_is_honoured(server, client, ingested):
     with pytest.raises(grpc.RpcError) as ei:
         client.query("Describe the honey bee waggle dance in detail.", max_new_tokens=200, timeout=0.5)

@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Callable
 
 from ..config import BatchConfig, GenerateConfig
-from ..operators.context import build_context
+from ..operators.context import build_context, question_fits
 from ..operators.group import retrieve_documents
 from ..operators.memory import Memory, context_vector, fuse_session, session_rows
 from ..operators.retrieve import Retriever
@@ -101,7 +101,14 @@ class QueryEngine(DirectPath, Admission):
 
     async def submit(self, job: QueryJob) -> QueryJob:
         """Admit (:meth:`Admission._admit`), batch and run one query. :raises Overloaded: too many
-        unfinished queries, or too long a wait (``max_queue_delay_ms``)."""
+        unfinished queries, or too long a wait (``max_queue_delay_ms``); :raises QueryRejected: the question alone
+        does not fit a generating request's prompt budget (before any work or event)."""
+        if job.generate and self.generator is not None:
+            try:
+                question_fits(job.question, self.generator, budget_tokens=self.gen_cfg.context_tokens,
+                              max_new_tokens=job.max_new_tokens)
+            except ValueError as exc:
+                raise QueryRejected(str(exc)) from exc
         self._admit(job)
         job.plan = compile_plan(memory=bool(job.session_id and job.use_memory),
                                 generate=job.generate and self.generator is not None,

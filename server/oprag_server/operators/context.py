@@ -61,6 +61,23 @@ def fit_memory(model: Generator, question: str, memory: str, room: int) -> str:
     return ""
 
 
+def question_fits(question: str, model: Generator, *, budget_tokens: int, max_new_tokens: int) -> tuple[int, int]:
+    """The prompt budget ``min(budget_tokens, model.max_context) - max_new_tokens`` and the tokens the question
+    alone takes in it (system prompt and chat template included, no memory, no source): checked by the query
+    scheduler before a request starts (a stream then fails before its sources event: trial51 #4) and again by
+    :func:`build_context`. :raises ValueError: the question does not fit."""
+    window = min(int(budget_tokens), int(model.max_context))
+    budget = window - int(max_new_tokens)
+    used = model.count_tokens(model.chat_prompt(SYSTEM_PROMPT, _user([], question, "")))
+    if used > budget:
+        raise ValueError(
+            f"the question needs {used} prompt tokens (system prompt and chat template included) "
+            f"but the prompt budget is {budget} (context tokens {window} minus max_new_tokens "
+            f"{int(max_new_tokens)}): shorten the question or lower max_new_tokens"
+        )
+    return budget, used
+
+
 def build_context(
     question: str,
     hits: list[Hit],
@@ -78,16 +95,7 @@ def build_context(
     :raises ValueError: the question alone (system prompt and chat template included, no
         memory) does not fit the budget.
     """
-    window = min(int(budget_tokens), int(model.max_context))
-    budget = window - int(max_new_tokens)
-    base = model.chat_prompt(SYSTEM_PROMPT, _user([], question, ""))
-    used = model.count_tokens(base)
-    if used > budget:
-        raise ValueError(
-            f"the question needs {used} prompt tokens (system prompt and chat template included) "
-            f"but the prompt budget is {budget} (context tokens {window} minus max_new_tokens "
-            f"{int(max_new_tokens)}): shorten the question or lower max_new_tokens"
-        )
+    budget, used = question_fits(question, model, budget_tokens=budget_tokens, max_new_tokens=max_new_tokens)
     if memory_text:
         memory_text = fit_memory(model, question, memory_text, min(budget - used, budget // MEMORY_SHARE))
         used = model.count_tokens(model.chat_prompt(SYSTEM_PROMPT, _user([], question, memory_text)))
