@@ -180,7 +180,7 @@ class ShardSupervisor:
         for i, r, up in getattr(self.pool, "replicas_up", list)():
             self.metrics.shard_replica_up.labels(shard=str(i), replica=str(r)).set(1 if up else 0)
         await self.set_health(not dead and not self.fenced())  # fenced: lost the storage's owner lease
-        ok = not self.write_error() and not self.fenced()
+        ok = not self.write_error() and not self.fenced() and not dead  # (a write needs every shard: trial51 #5)
         if ok != self._writes_ok:  # writes alone: the ingest path's health name (reads go on)
             await self.health.set(INGEST_HEALTH, SERVING if ok else NOT_SERVING)
             self._writes_ok = ok
@@ -248,7 +248,7 @@ async def keep_lease(lease: Any, on_wiped: Callable[[], Awaitable[None]], stop: 
                 log.exception("re-establishing the storage failed (the next renewal tries again)")
 
 
-#: Health service name of the write path (Ingest, Delete): NOT_SERVING while storage writes fail.
+#: Health service name of the write path (Ingest, Delete): NOT_SERVING while storage writes fail or a shard is down.
 INGEST_HEALTH = "oprag.v1.OpRAG.Ingest"
 #: Health service name of the generating query path (Query, QueryStream).
 QUERY_HEALTH = "oprag.v1.OpRAG.Query"

@@ -38,7 +38,7 @@ def test_killed_shard_is_restarted_and_partial_results_are_flagged(tmp_path):
                 c.ingest([Doc(f"late{i}", f"Late tide note {i}.") for i in range(20)])
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
             assert refused.value.nothing_stored is True and not outcome_unknown(refused.value)
-            saw_not_serving = saw_stats_missing = False
+            saw_not_serving = saw_stats_missing = saw_writes_down = False
             deadline = time.time() + 60
             while time.time() < deadline:
                 try:
@@ -60,13 +60,17 @@ def test_killed_shard_is_restarted_and_partial_results_are_flagged(tmp_path):
                         "Stats counted the answering shards only, without naming the missing one"
                 status = c.health()
                 saw_not_serving |= status == "NOT_SERVING"
+                # trial51 #5: the write path's name said SERVING while every write failed UNAVAILABLE
+                writes = c.health("oprag.v1.OpRAG.Ingest")
+                saw_writes_down |= writes == "NOT_SERVING"
                 if status == "SERVING" and not res.retrieval.partial and len(_shard_pids(srv.proc.pid)) == 2 \
                         and saw_not_serving:
                     break
                 time.sleep(0.05)
             assert saw_not_serving, "health never reported the dead shard"
             assert saw_stats_missing, "Stats never named the dead shard in missing_shards"
-            assert c.health() == "SERVING"
+            assert saw_writes_down, "the Ingest health name never reported the dead shard"
+            assert c.health() == "SERVING" and c.health("oprag.v1.OpRAG.Ingest") == "SERVING"
             after = c.stats()
             assert (after.documents, after.chunks) == (before.documents, before.chunks)  # (nothing "late" stored)
             assert len(c.retrieve("harbour high water", mode="full_hybrid", top_k=20).hits) == 20
