@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -16,8 +17,8 @@ import grpc
 
 from .cli_eval import cmd_eval
 from .cli_ingest import cmd_ingest, refused_json
-from .cli_util import (_add_server, _client, _count, _fail, _json_error, _positive, _rpc_error, _seconds,  # noqa: F401
-                       _stdout_closed_ok, _weight)
+from .cli_util import (INTERRUPTED, _add_server, _client, _count, _fail, _interrupted, _json_error,  # noqa: F401
+                       _positive, _rpc_error, _seconds, _stdout_closed_ok, _weight)
 from .client import FUSIONS, MAX_KNOB, MODES
 from .metadata import metadata_of
 
@@ -105,17 +106,18 @@ def _parser(plugins: dict) -> argparse.ArgumentParser:
 
     cs = sub.add_parser("clear-session", help="drop a session's memory records")
     _add_server(cs)
-    cs.add_argument("--json", action="store_true")
-    cs.add_argument("session")
+    cs.add_argument("--json", action="store_true", help='print {"records_removed": N} as one JSON object')
+    cs.add_argument("session", help="the session id whose memory records to drop (as given to oprag query --session)")
 
     d = sub.add_parser("delete", help="delete documents by id")
     _add_server(d)
-    d.add_argument("--json", action="store_true")
-    d.add_argument("doc_ids", nargs="+")
+    d.add_argument("--json", action="store_true",
+                   help='print {"documents_deleted", "chunks_deleted", "seq"} as one JSON object')
+    d.add_argument("doc_ids", nargs="+", help="ids of the documents to delete, each with all its chunks")
 
     st = sub.add_parser("stats", help="corpus statistics")
     _add_server(st)
-    st.add_argument("--json", action="store_true")
+    st.add_argument("--json", action="store_true", help="print the statistics as one JSON line (default: indented)")
 
     e = sub.add_parser("eval", help="evaluate retrieval")
     esub = e.add_subparsers(dest="suite", required=True)
@@ -131,8 +133,12 @@ def _parser(plugins: dict) -> argparse.ArgumentParser:
     eb.add_argument("--concurrency", type=_positive, default=1)
     eb.add_argument("--limit", type=_count, default=0, help="evaluate only the first N judged queries (0: all)")
 
-    h = sub.add_parser("health", help="grpc.health.v1 status")
+    h = sub.add_parser("health", help="grpc.health.v1 status: SERVING (exit status 0), NOT_SERVING, ... (1)")
     _add_server(h)
+    h.add_argument("--service", default="", metavar="NAME",
+                   help="the health service name to ask for (default: '', the whole server); oprag.v1.OpRAG.Ingest "
+                        "is NOT_SERVING while writes fail or a shard is down, as queries go on")
+    h.add_argument("--json", action="store_true", help='print {"service", "status"} as one JSON object')
     return ap
 
 
@@ -342,13 +348,23 @@ def _top_docs(text: str) -> int:
     return v
 
 
+#: the health service names an OpRAG server sets: the whole server, its service, queries, writes (README: Operations)
+HEALTH_NAMES = ("", "oprag.v1.OpRAG", "oprag.v1.OpRAG.Ingest", "oprag.v1.OpRAG.Query")
+
+
 def cmd_health(a) -> int:
+    """``oprag health [--service NAME] [--json]``: the status (``{"service", "status"}`` with --json); exit 0 when
+    SERVING, else 1."""
     try:
         with _client(a) as c:
-            status = c.health(timeout=a.timeout or 5.0)
+            status = c.health(a.service, timeout=a.timeout or 5.0)
     except grpc.RpcError as exc:
-        return _rpc_error(exc, a)
-    print(status)
+        msg = None
+        if exc.code() == grpc.StatusCode.NOT_FOUND:  # a name the server does not set (gRPC's details are empty)
+            msg = (f"NOT_FOUND: the server has no health service {a.service!r} (an OpRAG server's names: "
+                   f"{', '.join(map(repr, HEALTH_NAMES))})")
+        return _rpc_error(exc, a, msg)
+    print(json.dumps({"service": a.service, "status": status}) if a.json else status)
     return 0 if status == "SERVING" else 1
 
 
@@ -376,16 +392,39 @@ def main(argv: list[str] | None = None) -> int:
         return command(argv[1:])
     if argv and argv[0] == "serve":
         return _fail(SERVER_MISSING, 2)
-    a = _parser(plugins).parse_args(argv)
+    ap = _parser(plugins)
+    if (first := _options_first(argv, set(COMMANDS) | set(plugins))) is not None:
+        cmd, fixed = first
+        msg = f"options go after the command: {fixed}"
+        if "--json" in argv:  # (as the command's own parser prints a refusal)
+            print(json.dumps(refused_json(msg) if cmd == "ingest" else _SubcommandParser.json_error(msg)))
+        ap.error(msg)  # (exit status 2)
+    a = ap.parse_args(argv)
     try:
         with _stdout_closed_ok():  # `oprag stats | head -c 10`: the exit status is still the command's
-            return COMMANDS[a.cmd](a)
+            try:
+                return COMMANDS[a.cmd](a)
+            except KeyboardInterrupt:  # Ctrl-C: no traceback (ingest says what its streams stored itself)
+                return _interrupted(a, refused_json(INTERRUPTED, "CANCELLED", None) if a.cmd == "ingest" else None)
     except ValueError as exc:  # an argument the client refuses before sending (a traceback before)
         hint = (" (the command line holds bytes that are not UTF-8: use a UTF-8 locale or re-encode the argument)"
                 if "surrogate" in str(exc) else "")
         if getattr(a, "json", False):
             _json_error("USAGE", f"{exc}{hint}")
         return _fail(f"{exc}{hint}", 2)
+
+
+def _options_first(argv: list[str], commands: set[str]) -> tuple[str, str] | None:
+    """The command and the command line with the options given before it moved after it (after ``eval``'s suite),
+    when ``argv`` starts with an option and names a command later; else None. ``oprag --server H:P query x`` said
+    "argument cmd: invalid choice: 'H:P'" (trial51): every option belongs to a command."""
+    if not argv or not argv[0].startswith("-") or argv[0] in ("-h", "--help"):
+        return None
+    at = next((i for i, t in enumerate(argv) if t in commands), None)
+    if at is None:
+        return None
+    head = at + 2 if argv[at] == "eval" and at + 1 < len(argv) and not argv[at + 1].startswith("-") else at + 1
+    return argv[at], shlex.join(["oprag", *argv[at:head], *argv[:at], *argv[head:]])
 
 
 COMMANDS = {

@@ -68,8 +68,13 @@ def cmd_eval(a) -> int:
         return qid, [d.doc_id for d in r.documents], (time.perf_counter() - t) * 1000
 
     try:
-        with _client(a) as c, ThreadPoolExecutor(max(1, a.concurrency)) as ex:
-            results = list(ex.map(lambda q: one(c, q), judged))
+        with _client(a) as c:
+            ex = ThreadPoolExecutor(max(1, a.concurrency))
+            try:
+                results = list(ex.map(lambda q: one(c, q), judged))
+            finally:  # the queued queries dropped, and the channel closed before the threads are joined: that
+                # cancels the calls in flight (Ctrl-C waited for them, with no end on a server that did not answer)
+                ex.shutdown(wait=False, cancel_futures=True)
     except grpc.RpcError as exc:
         return _rpc_error(exc, a)
     per = [metrics(doc_ranking(docs), qrels[qid], top_k) for qid, docs, _ in results]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import grpc
 
-from .cli_util import _client, _fail, _rpc_message
+from .cli_util import INTERRUPTED, INTERRUPTED_STATUS, _client, _fail, _rpc_message
 from .retry import nothing_stored
 
 
@@ -135,11 +135,12 @@ def _summary(totals: dict, streams: list, el: float) -> dict:
     }
 
 
-def refused_json(msg: str) -> dict:
-    """``oprag ingest --json``'s object for an ingest refused before anything was sent: every key of a summary (zeros)
-    and ``error`` (``stored`` false)."""
-    return {**_summary(_TOTALS0, [], 0.0), "error": {"stream": 0, "first_index": 0, "code": None, "message": msg,
-                                                      "stored": False}}
+def refused_json(msg: str, code: str | None = "USAGE", stored: bool | None = False) -> dict:
+    """``oprag ingest --json``'s object for an ingest that sent nothing: every key of a summary (zeros) and ``error``
+    (``stream`` 0). ``code`` ``USAGE``: its arguments were refused (exit status 2, as every command's: trial51, was
+    null); None: its input held no document."""
+    return {**_summary(_TOTALS0, [], 0.0), "error": {"stream": 0, "first_index": 0, "code": code, "message": msg,
+                                                      "stored": stored}}
 
 
 def cmd_ingest(a) -> int:
@@ -150,13 +151,14 @@ def cmd_ingest(a) -> int:
 
     from .loaders import LOADERS
 
-    def refuse(msg: str, code: int = 1) -> int:  # nothing sent; with --json also one object on stdout (trial36),
-        if a.json:  # with the keys of every other summary (trial38b)
-            print(json.dumps(refused_json(msg)))
-        return _fail(msg, code)
+    def refuse(msg: str, status: int = 2) -> int:  # nothing sent; with --json also one object on stdout (trial36),
+        if a.json:  # with the keys of every other summary (trial38b); status 2: the arguments (code USAGE)
+            print(json.dumps(refused_json(msg, "USAGE" if status == 2 else None)))
+        return _fail(msg, status)
 
+    # an argument refused (a missing path, a folder or an option the format does not take): USAGE, exit status 2
     missing = [str(p) for p in a.paths if not Path(p).exists()]
-    if missing:
+    if missing:  # (README groups it with a wrong --format; was exit status 1 and code null: trial51)
         return refuse(f"no such file or directory: {', '.join(missing)}")
     if a.format is None:  # (the default, text, stored a .jsonl file as one text document: trial35)
         other = [(p, _SUFFIX_FORMATS[Path(p).suffix.lower()]) for p in a.paths
@@ -164,7 +166,7 @@ def cmd_ingest(a) -> int:
         if other:
             p, fmt = other[0]
             return refuse(f"{p} looks like --format {fmt} input, and without --format it would be stored as one text "
-                         f"document: give --format {fmt} (or --format text to store it as text)", 2)
+                         f"document: give --format {fmt} (or --format text to store it as text)")
         a.format = "text"
     wrong = _not_a_file(a.paths, a.format)
     if wrong:
@@ -217,11 +219,11 @@ def cmd_ingest(a) -> int:
         error = {"code": None, "message": str(exc)}  # the input (or a local file) could not be read
     except KeyboardInterrupt:  # Ctrl-C: the stream in flight is cancelled (the channel closed); say what was
         # stored (was a traceback and no summary: trial28b)
-        error, interrupted = {"code": "CANCELLED", "message": "interrupted (Ctrl-C)"}, True
+        error, interrupted = {"code": "CANCELLED", "message": INTERRUPTED}, True
     bar.close()
     el = time.perf_counter() - t0
     if error is None and totals["documents"] == 0 and not totals["rejected"]:
-        return refuse(f"no documents found in {' '.join(map(str, a.paths))} with --format {a.format}")
+        return refuse(f"no documents found in {' '.join(map(str, a.paths))} with --format {a.format}", 1)
     summary = _summary(totals, streams, el)
     for r in totals["rejected"]:
         print(f"rejected #{r['index']} {r['id']!r}: {r['reason']}", file=sys.stderr)
@@ -235,7 +237,7 @@ def cmd_ingest(a) -> int:
             stored = None if unknown else False
             print(json.dumps({**summary, "error": {"stream": len(streams) + 1, "first_index": nxt, **error,
                                                    "stored": stored}}))
-        return 130 if interrupted else 1
+        return INTERRUPTED_STATUS if interrupted else 1
     if a.json:
         print(json.dumps(summary))
     else:

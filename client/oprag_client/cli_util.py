@@ -125,10 +125,11 @@ def _rpc_message(exc: grpc.RpcError) -> str:
     return f"{exc.code().name}: {details}{hint}"
 
 
-def _rpc_error(exc: grpc.RpcError, a=None) -> int:
-    """Exit status 1 with the call's error on stderr; with ``--json`` (``a.json``) also one JSON object on stdout,
-    ``{"error": {"code", "message"}}`` (trial39: ``oprag query --json`` printed nothing when the call failed)."""
-    msg = _rpc_message(exc)
+def _rpc_error(exc: grpc.RpcError, a=None, msg: str | None = None) -> int:
+    """Exit status 1 with the call's error (``msg``, default :func:`_rpc_message`) on stderr; with ``--json``
+    (``a.json``) also one JSON object on stdout, ``{"error": {"code", "message"}}`` (trial39: ``oprag query --json``
+    printed nothing when the call failed)."""
+    msg = _rpc_message(exc) if msg is None else msg
     if getattr(a, "json", False):
         _json_error(exc.code().name, msg)
     return _fail(msg)
@@ -139,6 +140,26 @@ def _json_error(code: str | None, message: str) -> None:
     import json  # noqa: PLC0415
 
     print(json.dumps({"error": {"code": code, "message": message}}))
+
+
+#: what a command cut short by Ctrl-C (SIGINT) says (``code`` ``CANCELLED`` with ``--json``), and its exit status
+#: (128 + SIGINT, as a shell reports a command the signal ended)
+INTERRUPTED, INTERRUPTED_STATUS = "interrupted (Ctrl-C)", 130
+
+
+def _interrupted(a=None, obj: dict | None = None) -> int:
+    """Ctrl-C: ``oprag: interrupted (Ctrl-C)`` on stderr and exit status 130, with ``--json`` (``a.json``) also one
+    object on stdout, ``obj`` or ``{"error": {"code": "CANCELLED", "message": "interrupted (Ctrl-C)"}}`` (trial51:
+    ``oprag query`` printed a 32-line traceback ending in KeyboardInterrupt, and nothing on stdout with --json).
+    The call in flight is cancelled as the command's client closes its channel, on the way here."""
+    if getattr(a, "json", False):
+        if obj is None:
+            _json_error("CANCELLED", INTERRUPTED)
+        else:
+            import json  # noqa: PLC0415
+
+            print(json.dumps(obj))
+    return _fail(INTERRUPTED, INTERRUPTED_STATUS)
 
 
 class _ClosedOk:

@@ -222,8 +222,48 @@ def test_a_refused_ingest_prints_every_key_of_a_summary(tmp_path, monkeypatch, c
     argv = ["ingest", "--server", "127.0.0.1:1", "--format", "jsonl", "--no-progress", "--json"]
     assert cli.main(argv + [str(_file(tmp_path, 2, False))]) == 0
     ok = json.loads(capsys.readouterr().out)
-    assert cli.main(argv + [str(tmp_path / "missing.jsonl")]) == 1
+    assert cli.main(argv + [str(tmp_path / "missing.jsonl")]) == 2  # (an argument refused: USAGE, trial51)
     refused = json.loads(capsys.readouterr().out)
     assert set(refused) == set(ok) | {"error"}
     assert (refused["documents"], refused["chunks"], refused["seq"], refused["streams"]) == (0, 0, 0, [])
     assert refused["error"]["stored"] is False and "missing.jsonl" in refused["error"]["message"]
+
+
+class _CtrlC(_Stub):
+    """Ctrl-C while stream ``fail_at`` is in flight."""
+
+    def ingest(self, docs):
+        if len(self.streams) + 1 == self.fail_at:
+            raise KeyboardInterrupt
+        return super().ingest(docs)
+
+
+def test_ctrl_c_during_a_stream_says_what_was_committed(tmp_path, monkeypatch, capsys):
+    """README: Ctrl-C cancels the stream in flight and reports as a failed stream (CANCELLED, interrupted (Ctrl-C)),
+    exit status 130; the stream in flight is stored whole or not at all."""
+    monkeypatch.setattr(cli_ingest, "_client", lambda a: _CtrlC(2))
+    argv = ["ingest", "--server", "127.0.0.1:1", "--format", "jsonl", "--docs-per-stream", "3", "--no-progress",
+            "--json"]
+    assert cli.main(argv + [str(_file(tmp_path, 10, False))]) == 130
+    out = capsys.readouterr()
+    assert json.loads(out.out)["error"] == {"stream": 2, "first_index": 3, "code": "CANCELLED",
+                                            "message": "interrupted (Ctrl-C)", "stored": None}
+    assert "stream 1 was committed" in out.err and out.err.endswith("oprag: interrupted (Ctrl-C)\n"), out.err
+
+
+def test_ctrl_c_before_the_first_stream_prints_the_summary_keys(tmp_path, monkeypatch, capsys):
+    """trial51 #1: a Ctrl-C outside the streams' loop (here while the paths are checked) was a traceback; now
+    main's handler reports it, with ingest's keys."""
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_ingest, "_not_a_file", interrupted)
+    argv = ["ingest", "--server", "127.0.0.1:1", "--format", "jsonl", "--no-progress", "--json"]
+    try:
+        got = cli.main(argv + [str(_file(tmp_path, 2, False))])
+    except KeyboardInterrupt:
+        pytest.fail("KeyboardInterrupt escaped (a traceback)")
+    out = capsys.readouterr()
+    assert got == 130 and out.err == "oprag: interrupted (Ctrl-C)\n"
+    obj = json.loads(out.out)
+    assert obj["error"]["code"] == "CANCELLED" and obj["streams"] == [] and "chunks_per_s" in obj

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import socket
 
+import grpc
 import pytest
 
 from oprag_client import cli
@@ -75,3 +76,206 @@ def test_query_json_has_sources_whatever_the_generation(capsys, monkeypatch):
     assert cli.main(["query", "--json", "--no-generate", "q"]) == 0
     obj = _one_object(capsys)
     assert "sources" in obj and obj["sources"] is None and obj["finish_reason"] is None
+
+
+# -- trial51 #1: Ctrl-C (SIGINT) ends every client command as `oprag ingest` does: no traceback, exit status 130,
+# `oprag: interrupted (Ctrl-C)` on stderr, and with --json one object on stdout with code CANCELLED
+
+class _Interrupted:
+    """A client whose every call is cut short by Ctrl-C (KeyboardInterrupt raised where the call blocks)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def __getattr__(self, name):
+        def call(*args, **kw):
+            raise KeyboardInterrupt
+        return call
+
+
+def _run_interrupted(argv) -> int:
+    try:
+        return cli.main(argv)
+    except KeyboardInterrupt:  # (pytest would stop the whole session on it)
+        pytest.fail(f"oprag {' '.join(argv)}: KeyboardInterrupt escaped (a traceback)")
+
+
+@pytest.mark.parametrize("argv", [
+    ["query", "q"], ["query", "--no-generate", "q"], ["stats"], ["delete", "d1"], ["clear-session", "s"], ["health"],
+])
+@pytest.mark.parametrize("as_json", [False, True])
+def test_ctrl_c_ends_a_command_with_status_130_and_one_message(argv, as_json, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "_client", lambda a, **kw: _Interrupted())
+    got = _run_interrupted([argv[0], *(["--json"] if as_json else []), *argv[1:]])
+    out, err = capsys.readouterr()
+    assert got == 130
+    assert err == "oprag: interrupted (Ctrl-C)\n", err
+    if as_json:
+        assert json.loads(out) == {"error": {"code": "CANCELLED", "message": "interrupted (Ctrl-C)"}}
+    else:
+        assert out == ""
+
+
+def test_ctrl_c_during_eval_ends_it_at_once(tmp_path, monkeypatch, capsys):
+    """``oprag eval beir`` runs its queries on a thread pool, which joined its threads before the channel closed: a
+    query in flight on a server that does not answer (closing the channel cancels it) held Ctrl-C up until then."""
+    import signal
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from oprag_client import cli_eval
+
+    n = 40
+    (tmp_path / "q.jsonl").write_text("".join(json.dumps({"_id": f"q{i}", "text": f"w{i}"}) + "\n" for i in range(n)))
+    (tmp_path / "qrels.tsv").write_text("".join(f"q{i}\td{i}\t1\n" for i in range(n)))
+    closed, calls = threading.Event(), []
+
+    class _Hanging:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            closed.set()
+            return False
+
+        def retrieve(self, *args, **kw):
+            calls.append(1)
+            closed.wait(10)  # (a call in flight until the channel closes)
+            return SimpleNamespace(documents=[])
+
+    monkeypatch.setattr(cli_eval, "_client", lambda a: _Hanging())
+    timer = threading.Timer(0.5, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+    t0 = time.perf_counter()
+    timer.start()
+    try:
+        got = _run_interrupted(["eval", "beir", "--queries", str(tmp_path / "q.jsonl"), "--qrels",
+                                str(tmp_path / "qrels.tsv"), "--concurrency", "2"])
+    finally:
+        timer.cancel()
+    took = time.perf_counter() - t0
+    assert got == 130 and took < 5.0, (got, took)
+    assert capsys.readouterr().err == "oprag: interrupted (Ctrl-C)\n"
+    assert len(calls) == 2  # (the queued queries were not started)
+
+
+def test_sigint_on_a_blocked_query_json_prints_the_error_object_not_a_traceback():
+    """The trial's case end to end: ``oprag query --json ...`` waiting on a server that never answers (a socket
+    that accepts and says nothing), then SIGINT: was 32 lines of traceback and nothing on stdout."""
+    import signal
+    import subprocess
+    import time
+
+    from oprag_client.testing import oprag_cli
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(4)
+        target = f"127.0.0.1:{s.getsockname()[1]}"
+        p = subprocess.Popen([*oprag_cli(), "query", "--json", "--server", target, "--max-new-tokens", "200",
+                              "lobster"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        conn = None
+        try:
+            s.settimeout(30)
+            conn, _ = s.accept()  # the client connected: its call is under way
+            time.sleep(0.5)
+            p.send_signal(signal.SIGINT)
+            out, err = p.communicate(timeout=30)
+        finally:
+            p.kill()
+            if conn is not None:
+                conn.close()
+    assert p.returncode == 130, (out, err)
+    assert "Traceback" not in err and err.strip() == "oprag: interrupted (Ctrl-C)", err
+    assert json.loads(out) == {"error": {"code": "CANCELLED", "message": "interrupted (Ctrl-C)"}}
+
+
+# -- trial51 #2: ingest's argument errors are USAGE (exit status 2) as every other command's; an input that could
+# not be read stays null
+
+@pytest.mark.parametrize("argv", [
+    ["--docs-per-stream", "0", "{f}"],
+    ["--format", "foo", "{f}"],
+    ["--bogus", "{f}"],
+    ["{d}/nonexistent"],  # (README: "an input refused before anything is sent (a missing path, a wrong --format)")
+    ["--vector-column", "v", "{f}"],
+    ["--format", "jsonl", "{d}"],
+    ["{d}/x.jsonl"],
+])
+def test_ingest_argument_errors_are_usage_with_status_2(argv, tmp_path, capsys):
+    f = tmp_path / "d.txt"
+    f.write_text("hello")
+    (tmp_path / "x.jsonl").write_text('{"id": "a", "text": "b"}\n')
+    args = ["ingest", "--server", _closed_port(), "--json", "--no-progress",
+            *[x.format(f=f, d=tmp_path) for x in argv]]
+    try:
+        got = cli.main(args)
+    except SystemExit as exc:
+        got = exc.code
+    assert got == 2
+    obj = _one_object(capsys)
+    assert obj["error"]["code"] == "USAGE" and obj["error"]["stream"] == 0 and obj["error"]["stored"] is False, obj
+    assert obj["documents"] == 0 and obj["streams"] == []
+
+
+def test_ingest_of_an_input_that_cannot_be_read_keeps_code_null(tmp_path, capsys):
+    f = tmp_path / "d.jsonl"
+    f.write_text("{broken\n")
+    assert cli.main(["ingest", "--server", _closed_port(), "--json", "--no-progress", "--format", "jsonl", str(f)]) == 1
+    assert _one_object(capsys)["error"]["code"] is None
+
+
+# -- trial51 #4: oprag health --service NAME --json
+
+class _Health:
+    def __init__(self, statuses):
+        self.statuses, self.asked = statuses, []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def health(self, service="", *, timeout=None):
+        self.asked.append(service)
+        if service not in self.statuses:
+            raise _NotFound()
+        return self.statuses[service]
+
+
+class _NotFound(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.NOT_FOUND
+
+    def details(self):
+        return ""
+
+
+@pytest.mark.parametrize("service, status, rc", [("", "SERVING", 0), ("oprag.v1.OpRAG.Ingest", "NOT_SERVING", 1)])
+def test_health_json_names_the_service_and_its_status(service, status, rc, monkeypatch, capsys):
+    stub = _Health({"": "SERVING", "oprag.v1.OpRAG.Ingest": "NOT_SERVING"})
+    monkeypatch.setattr(cli, "_client", lambda a, **kw: stub)
+    argv = ["health", "--json"] + (["--service", service] if service else [])
+    assert cli.main(argv) == rc
+    assert _one_object(capsys) == {"service": service, "status": status}
+    assert cli.main(argv[:1] + argv[2:]) == rc
+    assert capsys.readouterr().out == f"{status}\n"
+    assert stub.asked == [service, service]
+
+
+def test_health_of_an_unknown_service_names_the_known_ones(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "_client", lambda a, **kw: _Health({"": "SERVING"}))
+    assert cli.main(["health", "--json", "--service", "nosuch"]) == 1
+    out, err = capsys.readouterr()
+    obj = json.loads(out)
+    assert obj["error"]["code"] == "NOT_FOUND" and "'nosuch'" in obj["error"]["message"], obj
+    assert "oprag.v1.OpRAG.Ingest" in obj["error"]["message"] and "oprag.v1.OpRAG.Ingest" in err
+
+
+def test_health_json_on_a_server_that_is_not_there_prints_the_error_object(capsys):
+    assert cli.main(["health", "--json", "--server", _closed_port(), "--timeout", "5"]) == 1
+    assert _one_object(capsys)["error"]["code"] == "UNAVAILABLE"

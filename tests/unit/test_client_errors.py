@@ -169,14 +169,16 @@ def test_the_clients_beam_bound_is_the_servers():
 
 
 def test_ingest_json_refused_before_sending_prints_one_object(tmp_path, capsys):
-    """trial36: `oprag ingest --json` on a missing path printed no JSON (a script read nothing)."""
+    """trial36: `oprag ingest --json` on a missing path printed no JSON (a script read nothing). trial51: an
+    argument refused, as a wrong --format: code USAGE and exit status 2 (was null and 1)."""
     import json
 
     missing = str(tmp_path / "nosuch.jsonl")
-    assert cli.main(["ingest", "--server", "127.0.0.1:1", "--format", "jsonl", "--json", missing]) == 1
+    assert cli.main(["ingest", "--server", "127.0.0.1:1", "--format", "jsonl", "--json", missing]) == 2
     out, err = capsys.readouterr()
     got = json.loads(out)
     assert got["documents"] == 0 and got["error"]["stored"] is False and missing in got["error"]["message"]
+    assert got["error"]["code"] == "USAGE"
     assert "no such file or directory" in err
-    assert cli.main(["ingest", "--server", "127.0.0.1:1", "--format", "jsonl", missing]) == 1
+    assert cli.main(["ingest", "--server", "127.0.0.1:1", "--format", "jsonl", missing]) == 2
     assert capsys.readouterr().out == ""  # without --json: the message alone, on stderr
