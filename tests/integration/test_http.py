@@ -220,6 +220,14 @@ def test_bad_input_gets_openai_errors(oai, base_url):
         ({"messages": [{"role": "user", "content": "   "}]}, "question is empty"),
         ({"messages": [{"role": "assistant", "content": "hi"}]}, "last message"),
         ({"messages": [{"role": "user", "content": "x" * 5000}]}, "the limit is 4096"),
+        # trial51 #8: fields this server cannot honour were ignored without a signal (a stop string in the answer)
+        ({"stop": ["lobster"]}, "stop sequences are not supported"),
+        ({"stop": "Observation:"}, "stop"),
+        ({"logprobs": True}, "log probabilities"),
+        ({"logprobs": True, "top_logprobs": 2}, "logprobs"),
+        ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+         "tool calls are not supported"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
     ]
     for kw, want in cases:
         args = {"model": m, "messages": user, **kw}
@@ -228,6 +236,11 @@ def test_bad_input_gets_openai_errors(oai, base_url):
         assert ei.value.status_code == 400 and want in _err(ei)["message"] + str(_err(ei)["param"]), kw
     with pytest.raises(openai.BadRequestError):
         oai.embeddings.create(model=oai.models.list().data[-1].id, input=[])
+    # their "off" values ask for nothing and are accepted (clients that send the defaults)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    r = oai.chat.completions.create(model=m, messages=user, max_tokens=2, stop=[], logprobs=False, tools=tools,
+                                    tool_choice="auto", response_format={"type": "text"})
+    assert r.choices[0].finish_reason in ("stop", "length")
 
 
 def _curl(url: str, *args: str) -> tuple[int, str]:

@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal
 
 import numpy as np
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
-                      model_validator)
+                      ValidationInfo, field_validator, model_validator)
 
 from oprag.v1 import oprag_pb2
 
@@ -154,6 +154,25 @@ class StreamOptions(_Strict):
     include_usage: StrictBool = False
 
 
+#: OpenAI chat fields refused when they ask for something (:meth:`ChatRequest._unsupported`): why, what to do
+_UNSUPPORTED = {
+    "stop": "stop sequences are not supported by this server (an answer ends at max_tokens or the model's end of "
+            "turn): remove stop, or cut the answer at the stop string in the client",
+    "logprobs": "log probabilities are not returned by this server: remove logprobs (or send false)",
+    "top_logprobs": "log probabilities are not returned by this server: remove top_logprobs",
+    "tool_choice": "tool calls are not supported (answers come from the retrieved sources): remove tool_choice, "
+                   "or send \"auto\" or \"none\" (tools are then not called)",
+    "function_call": "function calls are not supported (answers come from the retrieved sources): remove "
+                     "function_call, or send \"auto\" or \"none\"",
+    "response_format": "only {\"type\": \"text\"} is supported (no JSON mode or schema): remove response_format",
+}
+
+
+#: the values of those fields that ask for nothing
+_OFF = {"stop": (None, "", []), "logprobs": (None, False), "top_logprobs": (None, 0), "tool_choice": (None, "none", "auto"),
+        "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"})}
+
+
 class ChatRequest(_Strict):
     """``POST /v1/chat/completions``. ``temperature`` is accepted in [0, 2] and ignored: decoding
     is greedy (as temperature 0). ``n`` must be 1."""
@@ -169,6 +188,21 @@ class ChatRequest(_Strict):
     n: StrictInt = Field(1, ge=1, le=1)
     user: Str | None = None
     oprag: ChatOptions = Field(default_factory=ChatOptions)
+    # OpenAI fields this server cannot honour: refused when they ask for something (their "off" values are
+    # accepted), since an answer that ignored them is not what the client asked for (trial51 #8)
+    stop: Any = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    tool_choice: Any = None
+    function_call: Any = None
+    response_format: Any = None
+
+    @field_validator(*_UNSUPPORTED)
+    @classmethod
+    def _unsupported(cls, v: Any, info: ValidationInfo) -> Any:
+        if v in _OFF[info.field_name]:
+            return v
+        raise ValueError(_UNSUPPORTED[info.field_name])
 
 
 class RetrieveRequest(RetrievalOptions):
