@@ -9,7 +9,7 @@ from oprag_server.index.bm25 import CorpusStats
 from oprag_server.engine.rwlock import RWLock
 from oprag_server.service.metrics import Metrics
 from oprag_server.shards.protocol import Op
-from oprag_server.supervision import NOT_SERVING, SERVING, ShardSupervisor, dead_shards, restart_shard
+from oprag_server.supervision import INGEST_HEALTH, NOT_SERVING, SERVING, ShardSupervisor, dead_shards, restart_shard
 
 
 class Transport:
@@ -64,11 +64,13 @@ def test_a_dead_shard_turns_health_not_serving_and_is_restarted():
     sup = ShardSupervisor(pool, restart, health, ("", "oprag.v1.OpRAG"), metrics)
     pool.clients[1].up = False
     assert asyncio.run(sup.check()) == [1]
-    assert health.calls == [("", NOT_SERVING), ("oprag.v1.OpRAG", NOT_SERVING)] and restarted == [1]
+    # the write path's name too (trial51 #5: a write needs every shard)
+    assert health.calls == [("", NOT_SERVING), ("oprag.v1.OpRAG", NOT_SERVING), (INGEST_HEALTH, NOT_SERVING)]
+    assert restarted == [1]
     assert metrics.shard_restarts._value.get() == 1 and metrics.shards_up._value.get() == 1
     health.calls.clear()
     assert asyncio.run(sup.check()) == []
-    assert health.calls == [("", SERVING), ("oprag.v1.OpRAG", SERVING)]
+    assert health.calls == [("", SERVING), ("oprag.v1.OpRAG", SERVING), (INGEST_HEALTH, SERVING)]
     assert metrics.shards_up._value.get() == 2
 
 
