@@ -232,12 +232,14 @@ class Runtime:
         # at most max_share of the time (a snapshot blocks commits, 10-20 s at 1M chunks; 0.2 took ~17% of a 1M
         # ingest's wall, ingest8); the log replayed after a crash is then up to 9x a snapshot's time; also when no
         # write came but a shard holds >= `unsaved` bytes of BM25 segment only in memory (an idle merge's: the
-        # snapshot maps it from its files, ~0.7 GB per 1M-chunk shard, mem17 follow-up); failing: the
+        # snapshot maps it from its files, ~0.7 GB per 1M-chunk shard, mem17 follow-up) or a dense index an idle step
+        # changed (ShardPool.unsaved); failing: the
         failing, wait = None, interval_s  # last failure's text, logged once per change
         while True:
             await asyncio.sleep(wait)
             t, wait = time.perf_counter(), interval_s
-            if (self._dirty or (self.cfg.data_dir is not None and await self.pool.unsaved_bytes() >= unsaved)) \
+            seg, ann = await self.pool.unsaved() if self.cfg.data_dir is not None and not self._dirty else (0, False)
+            if (self._dirty or seg >= unsaved or ann) \
                     and not (self.commits.lease is not None and self.commits.lease.fenced):
                 try:
                     await self.snapshot()

@@ -63,7 +63,7 @@ def test_periodic_snapshots_take_at_most_a_tenth_of_the_time(monkeypatch):
     class Fake:
         _dirty, commits = True, type("C", (), {"lease": None})()
         cfg = type("Cfg", (), {"data_dir": "d"})()
-        pool = type("P", (), {"unsaved_bytes": staticmethod(lambda: _zero())})()
+        pool = type("P", (), {"unsaved": staticmethod(lambda: _zero())})()
         gauges = type("G", (), {"stale": staticmethod(lambda: None)})()  # (refreshed after each snapshot)
 
         async def snapshot(self):
@@ -83,8 +83,8 @@ def test_periodic_snapshots_take_at_most_a_tenth_of_the_time(monkeypatch):
     assert waits == [30.0, 30.0, 90.0, 450.0, 30.0]  # 2 s -> 30 (the floor), 10 s -> 90, 50 s -> 450; then clean
 
 
-async def _zero() -> int:
-    return 0
+async def _zero() -> tuple[int, bool]:
+    return 0, False
 
 
 @pytest.mark.parametrize("data_dir,unsaved,taken", [("d", 64 << 20, 1), ("d", (64 << 20) - 1, 0), (None, 1 << 40, 0)])
@@ -99,13 +99,13 @@ def test_a_segment_only_in_memory_is_snapshotted_without_a_write(monkeypatch, da
 
     snaps, waits = [], []
 
-    async def unsaved_bytes():
-        return unsaved if not snaps else 0
+    async def unsaved_():
+        return (unsaved if not snaps else 0), False
 
     class Fake:
         _dirty, commits = False, type("C", (), {"lease": None})()
         cfg = type("Cfg", (), {"data_dir": data_dir})()
-        pool = type("P", (), {"unsaved_bytes": staticmethod(unsaved_bytes)})()
+        pool = type("P", (), {"unsaved": staticmethod(unsaved_)})()
         gauges = type("G", (), {"stale": staticmethod(lambda: None)})()
 
         async def snapshot(self):
@@ -122,13 +122,15 @@ def test_a_segment_only_in_memory_is_snapshotted_without_a_write(monkeypatch, da
     assert len(snaps) == taken
 
 
-def test_the_unsaved_bytes_count_a_dense_index_an_idle_step_changed():
-    """``ShardPool.unsaved_bytes`` (the snapshot loop's test): per shard, BM25 segment bytes only in memory plus the
-    `ann` bytes an idle compaction, renumbering or seeds build changed (``StatsReply.ann_unsaved``, trial50b #9: a
-    finished compaction was never saved, and each restart compacted again); the largest shard's sum, 0 when the
-    shards do not answer."""
+def test_a_dense_index_an_idle_step_changed_is_snapshotted_whatever_its_bytes(monkeypatch):
+    """``ShardPool.unsaved`` (the snapshot loop's test): the largest shard's BM25 segment bytes only in memory, and
+    whether any shard's dense index was changed by an idle compaction, renumbering or seeds build since its snapshot
+    (``StatsReply.ann_unsaved`` > 0). trial50b #9: a finished compaction was never saved, and each restart compacted
+    again; trial51b F5: counted as bytes against the 64 MiB threshold, a 45K-vector shard's graph (22 MB) was still
+    not saved. Then ``Runtime._snapshot_loop`` takes a snapshot for such a change with no write, whatever its size."""
     import asyncio
 
+    from oprag_server import app
     from oprag_server.shards.pool import ShardPool
     from oprag_server.shards.protocol import StatsReply
 
@@ -140,14 +142,38 @@ def test_the_unsaved_bytes_count_a_dense_index_an_idle_step_changed():
         return {r.shard: r for r in replies}, []
 
     pool = object.__new__(ShardPool)
-    for replies, want in (([reply(0, 10, 0), reply(1, 0, 40 << 20)], 40 << 20),
-                          ([reply(0, 30 << 20, 40 << 20), reply(1, 50 << 20, 0)], 70 << 20),
-                          ([reply(0, 0, 0)], 0)):
+    for replies, want in (([reply(0, 10, 0), reply(1, 0, 1 << 20)], (10, True)),
+                          ([reply(0, 30 << 20, 0), reply(1, 50 << 20, 0)], (50 << 20, False)),
+                          ([reply(0, 0, 0)], (0, False))):
         pool.gather_partial = lambda op, req, r=replies: gather(r)
-        assert asyncio.run(pool.unsaved_bytes()) == want
+        assert asyncio.run(pool.unsaved()) == want
 
     async def down(op, req):
         raise RuntimeError("no shard answers")
 
     pool.gather_partial = down
-    assert asyncio.run(pool.unsaved_bytes()) == 0
+    assert asyncio.run(pool.unsaved()) == (0, False)
+
+    snaps, waits = [], []
+
+    async def unsaved_():
+        return 0, not snaps  # a small graph changed by an idle step, saved by the first snapshot
+
+    class Fake:
+        _dirty, commits = False, type("C", (), {"lease": None})()
+        cfg = type("Cfg", (), {"data_dir": "d"})()
+        pool = type("P", (), {"unsaved": staticmethod(unsaved_)})()
+        gauges = type("G", (), {"stale": staticmethod(lambda: None)})()
+
+        async def snapshot(self):
+            snaps.append(1)
+
+    async def sleep(s):
+        waits.append(s)
+        if len(waits) == 3:
+            raise asyncio.CancelledError
+
+    monkeypatch.setattr(app.asyncio, "sleep", sleep)
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(app.Runtime._snapshot_loop(Fake()))
+    assert len(snaps) == 1

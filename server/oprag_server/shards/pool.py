@@ -204,16 +204,18 @@ class ShardPool:
         for i in range(0, len(ask), k):
             await asyncio.gather(*[c.call(Op.SNAPSHOT, SnapshotRequest()) for c in ask[i: i + k]])
 
-    async def unsaved_bytes(self) -> int:
-        """The most bytes one shard holds that no snapshot holds and a restart would build again: BM25 segment in
-        anonymous memory (:attr:`.protocol.StatsReply.segment_unsaved`) plus a dense index an idle step compacted,
-        renumbered or gave new seeds (``ann_unsaved``); a shard that does not answer counts 0."""
+    async def unsaved(self) -> tuple[int, bool]:
+        """What no snapshot holds and a restart would build again (the snapshot loop's test): the most BM25 segment
+        bytes one shard holds in anonymous memory (:attr:`.protocol.StatsReply.segment_unsaved`), and whether some
+        shard's dense index was compacted, renumbered or given new seeds by an idle step since its last snapshot
+        (``ann_unsaved``: a rebuild at the next start costs seconds to minutes whatever its bytes, trial51b F5);
+        ``(0, False)`` when the shards do not answer."""
         try:
             got, _ = await self.gather_partial(Op.STATS, StatsRequest())
         except Exception:  # noqa: BLE001 - asked by the snapshot loop, which must go on
-            return 0
-        return max((int(getattr(r, "segment_unsaved", 0)) + int(getattr(r, "ann_unsaved", 0)) for r in got.values()),
-                   default=0)
+            return 0, False
+        return (max((int(getattr(r, "segment_unsaved", 0)) for r in got.values()), default=0),
+                any(int(getattr(r, "ann_unsaved", 0)) > 0 for r in got.values()))
 
     async def gather_partial(self, op: Op, request: Any, shards: list[int] | None = None,
                              fields_into: list | None = None) -> tuple[dict[int, Any], list[int]]:
