@@ -228,6 +228,8 @@ def test_bad_input_gets_openai_errors(oai, base_url):
         ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
          "tool calls are not supported"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"stop": 5}, "stop must be a string or a list"),  # (trial51b F7: a wrong type is a type error)
+        ({"logprobs": "true"}, "logprobs must be a boolean"),
     ]
     for kw, want in cases:
         args = {"model": m, "messages": user, **kw}
@@ -238,7 +240,7 @@ def test_bad_input_gets_openai_errors(oai, base_url):
         oai.embeddings.create(model=oai.models.list().data[-1].id, input=[])
     # their "off" values ask for nothing and are accepted (clients that send the defaults)
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
-    r = oai.chat.completions.create(model=m, messages=user, max_tokens=2, stop=[], logprobs=False, tools=tools,
+    r = oai.chat.completions.create(model=m, messages=user, max_tokens=2, stop=[""], logprobs=False, tools=tools,
                                     tool_choice="auto", response_format={"type": "text"})
     assert r.choices[0].finish_reason in ("stop", "length")
 
@@ -299,6 +301,7 @@ def test_a_body_over_the_limit_gets_413_chunked_or_not_and_every_refusal_is_coun
         code, out = _curl(f"{base_url}/chat/completions", *how, "--data-binary", f"@{big}")
         assert code == 413 and json.loads(out)["error"]["code"] == "body_too_large", (how, code, out[:300])
         assert "the limit is 33554432" in json.loads(out)["error"]["message"]
+        assert ("has more than 33554432 bytes" if how else f"has {big.stat().st_size} bytes") in out  # (trial51b F4)
     assert _counted(server, route, "RESOURCE_EXHAUSTED") == before + 2
     before = _counted(server, "HTTP /v1/models", "UNAUTHENTICATED")
     code = subprocess.run(["curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", f"{base_url}/models"],

@@ -101,8 +101,9 @@ class Guard:
                 return await r(scope, receive, observed_send)
             body = await self._body(headers, receive)
             if isinstance(body, int):  # over the limit (a Content-Length, or chunks counted as they came)
-                r = error_response(413, f"request body has {'more than ' if body < 0 else ''}{abs(body)} bytes; the limit "
-                                   f"is {self.max_body}: send a smaller body", code="body_too_large")
+                size = f"{body} bytes" if body > 0 else f"more than {self.max_body} bytes"  # (chunked: read up to it)
+                r = error_response(413, f"request body has {size}; the limit is {self.max_body}: send a smaller body",
+                                   code="body_too_large")
                 return await r(scope, receive, observed_send)
             await self.app(scope, _replay(body, receive), observed_send)
         except Exception as exc:  # noqa: BLE001 - a bug, already logged and answered by the app (500)
@@ -118,8 +119,8 @@ class Guard:
 
     async def _body(self, headers: dict[bytes, bytes], receive) -> bytes | int:
         """The whole request body, read before the app runs (trial51 #1: a chunked body raised over the limit inside
-        the app, which had answered 500 by then); over ``max_body``: its ``Content-Length``, or minus the bytes
-        read when the chunks passed the limit."""
+        the app, which had answered 500 by then); over ``max_body``: its ``Content-Length``, or -1 when the chunks
+        passed the limit (the rest is not read)."""
         try:
             size = int(headers.get(b"content-length", b"0"))
         except ValueError:
@@ -134,7 +135,7 @@ class Guard:
             parts.append(msg.get("body", b""))
             seen += len(parts[-1])
             if seen > self.max_body:
-                return -seen
+                return -1
             more = msg.get("more_body", False)
         return b"".join(parts)
 

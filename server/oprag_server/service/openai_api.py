@@ -190,18 +190,18 @@ class ChatRequest(_Strict):
     oprag: ChatOptions = Field(default_factory=ChatOptions)
     # OpenAI fields this server cannot honour: refused when they ask for something (their "off" values are
     # accepted), since an answer that ignored them is not what the client asked for (trial51 #8)
-    stop: Any = None
-    logprobs: Any = None
-    top_logprobs: Any = None
-    tool_choice: Any = None
-    function_call: Any = None
-    response_format: Any = None
+    stop: Str | list[Str] | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
+    tool_choice: Str | dict | None = None
+    function_call: Str | dict | None = None
+    response_format: dict | None = None
 
     @field_validator(*_UNSUPPORTED)
     @classmethod
     def _unsupported(cls, v: Any, info: ValidationInfo) -> Any:
-        if v in _OFF[info.field_name]:
-            return v
+        if v in _OFF[info.field_name] or (info.field_name == "stop" and isinstance(v, list) and not any(v)):
+            return v  # (a list of empty stop strings asks for nothing either)
         raise ValueError(_UNSUPPORTED[info.field_name])
 
 
