@@ -15,15 +15,24 @@ from pathlib import Path
 
 import grpc
 
+from .cli_entry import interrupted, plain_sigint, refused_json, settle
 from .cli_eval import cmd_eval
-from .cli_ingest import cmd_ingest, refused_json
+from .cli_ingest import cmd_ingest
 from .cli_util import (INTERRUPTED, _add_server, _client, _count, _fail, _interrupted, _json_error,  # noqa: F401
                        _positive, _rpc_error, _seconds, _stdout_closed_ok, _weight)
 from .client import FUSIONS, MAX_KNOB, MODES
 from .metadata import metadata_of
 
 
-class _SubcommandParser(argparse.ArgumentParser):
+class _Parser(argparse.ArgumentParser):
+    """``oprag``'s parser: a refusal is the command's result (a Ctrl-C while it is said changes nothing)."""
+
+    def error(self, message: str):
+        settle()
+        super().error(message)
+
+
+class _SubcommandParser(_Parser):
     """A subcommand's parser: an unknown option is reported with this subcommand's usage (exit
     status 2). argparse passes a subparser's leftovers up to the top-level parser, which printed
     ``usage: oprag [-h] {...}`` for ``oprag query --bogus cells`` (trial24)."""
@@ -47,8 +56,11 @@ class _SubcommandParser(argparse.ArgumentParser):
 
 
 def _parser(plugins: dict) -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="oprag", description="OpRAG: multi-stage RAG runtime over gRPC")
+    """``oprag``'s parser; ``commands`` (an attribute): its commands' parsers by name, ``eval``'s by suite under
+    ``"eval <suite>"`` (plugin commands: an empty parser, theirs parse their options)."""
+    ap = _Parser(prog="oprag", description="OpRAG: multi-stage RAG runtime over gRPC")
     sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_SubcommandParser)
+    ap.commands = sub.choices
 
     for name in sorted(set(plugins) - set(COMMANDS)):
         sub.add_parser(name, help=f"see `oprag {name} --help`", add_help=False)
@@ -139,6 +151,7 @@ def _parser(plugins: dict) -> argparse.ArgumentParser:
                    help="the health service name to ask for (default: '', the whole server); oprag.v1.OpRAG.Ingest "
                         "is NOT_SERVING while writes fail or a shard is down, as queries go on")
     h.add_argument("--json", action="store_true", help='print {"service", "status"} as one JSON object')
+    ap.commands = {**sub.choices, **{f"eval {name}": p for name, p in esub.choices.items()}}
     return ap
 
 
@@ -382,30 +395,39 @@ def _plugins() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``oprag`` command line (``argv``, default ``sys.argv[1:]``): the exit status. The console script runs it
+    through :func:`oprag_client.cli_entry.main` (Ctrl-C while it starts, and after its result)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     plugins = _plugins()
     if argv and argv[0] in plugins and argv[0] not in COMMANDS:
         try:
             command = plugins[argv[0]].load()
         except ImportError as exc:  # registered, but its distribution is gone or broken
+            if interrupted(exc):  # (or a Ctrl-C cut its import short)
+                raise KeyboardInterrupt from exc
             return _fail(f"{SERVER_MISSING} ({exc})", 2)
-        return command(argv[1:])
+        plain_sigint()  # (the command handles Ctrl-C itself: `oprag serve` shuts down gracefully)
+        status = command(argv[1:])
+        settle()
+        return status
     if argv and argv[0] == "serve":
         return _fail(SERVER_MISSING, 2)
     ap = _parser(plugins)
-    if (first := _options_first(argv, set(COMMANDS) | set(plugins))) is not None:
-        cmd, fixed = first
-        msg = f"options go after the command: {fixed}"
+    if (first := _options_first(argv, ap, plugins)) is not None:
+        cmd, msg = first
         if "--json" in argv:  # (as the command's own parser prints a refusal)
+            settle()
             print(json.dumps(refused_json(msg) if cmd == "ingest" else _SubcommandParser.json_error(msg)))
         ap.error(msg)  # (exit status 2)
     a = ap.parse_args(argv)
     try:
         with _stdout_closed_ok():  # `oprag stats | head -c 10`: the exit status is still the command's
             try:
-                return COMMANDS[a.cmd](a)
+                status = COMMANDS[a.cmd](a)
             except KeyboardInterrupt:  # Ctrl-C: no traceback (ingest says what its streams stored itself)
-                return _interrupted(a, refused_json(INTERRUPTED, "CANCELLED", None) if a.cmd == "ingest" else None)
+                return _interrupted(a, refused_json(INTERRUPTED, "CANCELLED") if a.cmd == "ingest" else None)
+            settle()  # (a Ctrl-C as it ends changes nothing)
+            return status
     except ValueError as exc:  # an argument the client refuses before sending (a traceback before)
         hint = (" (the command line holds bytes that are not UTF-8: use a UTF-8 locale or re-encode the argument)"
                 if "surrogate" in str(exc) else "")
@@ -414,17 +436,74 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"{exc}{hint}", 2)
 
 
-def _options_first(argv: list[str], commands: set[str]) -> tuple[str, str] | None:
-    """The command and the command line with the options given before it moved after it (after ``eval``'s suite),
-    when ``argv`` starts with an option and names a command later; else None. ``oprag --server H:P query x`` said
-    "argument cmd: invalid choice: 'H:P'" (trial51): every option belongs to a command."""
+def _option(parser: argparse.ArgumentParser, token: str) -> argparse.Action | None:
+    """The action of ``parser`` that the option ``token`` names (``--name``, ``--name=value``, or a prefix of one
+    long option, as argparse takes it); None when it names none."""
+    name = token.split("=", 1)[0] if token.startswith("--") else token
+    actions = parser._option_string_actions  # (argparse's table of option strings)
+    if name in actions:
+        return actions[name]
+    if name.startswith("--") and parser.allow_abbrev:
+        hits = {id(a): a for o, a in actions.items() if o.startswith(name)}
+        if len(hits) == 1:
+            return next(iter(hits.values()))
+    return None
+
+
+def _plugin_parser(ep) -> argparse.ArgumentParser | None:
+    """The parser of a plugin command (``serve``), when its module has a ``build_parser()`` beside the command's
+    ``main`` (the server's does); None when it cannot be had."""
+    try:
+        command = ep.load()
+        build = getattr(sys.modules.get(getattr(command, "__module__", ""), None), "build_parser", None)
+        return build() if callable(build) else None
+    except Exception:  # noqa: BLE001  (a broken plugin: its options are not checked here)
+        return None
+
+
+def _options_first(argv: list[str], ap: argparse.ArgumentParser, plugins: dict) -> tuple[str | None, str] | None:
+    """``(command, message)`` when ``argv`` starts with options (every option belongs to a command, trial51:
+    ``oprag --server H:P query x`` said "argument cmd: invalid choice: 'H:P'"); else None. The message gives the
+    command line with those options moved after the command (after ``eval``'s suite) only when that command accepts
+    each of them (trial51b: ``oprag --server 1:2 serve`` suggested ``oprag serve --server 1:2``, which serve has
+    not, and ``oprag -v query x`` suggested ``oprag query -v x``); else it names the options the command has not
+    (unknown to every command, or to this one), or says the command is missing."""
     if not argv or not argv[0].startswith("-") or argv[0] in ("-h", "--help"):
         return None
-    at = next((i for i, t in enumerate(argv) if t in commands), None)
-    if at is None:
-        return None
-    head = at + 2 if argv[at] == "eval" and at + 1 < len(argv) and not argv[at + 1].startswith("-") else at + 1
-    return argv[at], shlex.join(["oprag", *argv[at:head], *argv[:at], *argv[head:]])
+    known = list(ap.commands.values())  # (the client's commands; a plugin's options are checked by its own parser)
+    names = [*COMMANDS, *sorted(set(plugins) - set(COMMANDS))]
+    commands = {*names, "serve"}
+    opts, at = [], 0  # the options before the command (each with its value), and where the command is
+    while at < len(argv) and argv[at].startswith("-") and argv[at] != "--":
+        tok, nxt = argv[at], argv[at + 1] if at + 1 < len(argv) else None
+        actions = [x for p in known if (x := _option(p, tok)) is not None]
+        takes = (any(x.nargs != 0 for x in actions) if actions  # (store_true and help take none)
+                 else nxt is not None and not nxt.startswith("-") and nxt not in commands)  # (unknown: what follows)
+        n = 2 if takes and "=" not in tok and nxt is not None else 1
+        opts.append((tok.split("=", 1)[0] if tok.startswith("--") else tok, bool(actions)))
+        at += n
+    if at >= len(argv) or argv[at] == "--":
+        return None, (f"a command is missing (options go after it): oprag COMMAND {shlex.join(argv)}, COMMAND one "
+                      f"of: {', '.join(names)}")
+    cmd = argv[at]
+    if cmd not in names:
+        if cmd == "serve":
+            return cmd, SERVER_MISSING
+        return cmd, f"argument cmd: invalid choice: {cmd!r} (choose from {', '.join(map(repr, names))})"
+    head, full = at + 1, cmd
+    if cmd == "eval" and at + 1 < len(argv) and f"eval {argv[at + 1]}" in ap.commands:
+        head, full = at + 2, f"eval {argv[at + 1]}"
+    parser = _plugin_parser(plugins[cmd]) if cmd not in COMMANDS else ap.commands.get(full) if full != "eval" else None
+    if parser is None:  # (a plugin whose options cannot be checked here, or eval without its suite)
+        return cmd, f"options go after the command: see oprag {full} --help"
+    unknown = [name for name, k in opts if not k and _option(parser, name) is None]  # (no command's)
+    foreign = [name for name, k in opts if k and _option(parser, name) is None]  # (other commands')
+    if not unknown and not foreign:
+        return cmd, f"options go after the command: {shlex.join(['oprag', *argv[at:head], *argv[:at], *argv[head:]])}"
+    said = [f"{what}{'s' if len(which) > 1 else ''} {', '.join(which)}{where}" for what, which, where in (
+        ("unknown option", unknown, f" before the command {full}"), (f"oprag {full} has no option", foreign, ""))
+        if which]
+    return cmd, f"{'; '.join(said)}: see oprag {full} --help"
 
 
 COMMANDS = {
@@ -438,5 +517,7 @@ COMMANDS = {
 }
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # python -m oprag_client.cli: as the console script, through its entry point
+    from oprag_client.cli_entry import main as _entry
+
+    sys.exit(_entry())

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 
+from .cli_entry import _TOTALS0, _summary, interrupted, refused_json, settle  # noqa: F401  (refused_json: cli)
 from .cli_util import INTERRUPTED, INTERRUPTED_STATUS, _client, _fail, _rpc_message
 from .retry import nothing_stored
 
@@ -114,35 +115,6 @@ def _not_a_file(paths: list[Path], fmt: str) -> str | None:
     return None
 
 
-#: the totals of an ingest before its first stream
-_TOTALS0 = {"documents": 0, "chunks": 0, "replaced": 0, "reused": 0, "rejected": (), "chunks_split": 0, "seq": 0}
-
-
-def _summary(totals: dict, streams: list, el: float) -> dict:
-    """``oprag ingest --json``'s object (README), from the totals of the committed streams."""
-    return {
-        "documents": totals["documents"],
-        "chunks": totals["chunks"],
-        "replaced": totals["replaced"],
-        "chunks_split": totals["chunks_split"],
-        "chunks_reused": totals["reused"],
-        "rejected": list(totals["rejected"]),
-        "elapsed_s": round(el, 3),
-        "documents_per_s": round(totals["documents"] / el, 2) if el else 0.0,
-        "chunks_per_s": round(totals["chunks"] / el, 2) if el else 0.0,
-        "seq": totals["seq"],
-        "streams": streams,
-    }
-
-
-def refused_json(msg: str, code: str | None = "USAGE", stored: bool | None = False) -> dict:
-    """``oprag ingest --json``'s object for an ingest that sent nothing: every key of a summary (zeros) and ``error``
-    (``stream`` 0). ``code`` ``USAGE``: its arguments were refused (exit status 2, as every command's: trial51, was
-    null); None: its input held no document."""
-    return {**_summary(_TOTALS0, [], 0.0), "error": {"stream": 0, "first_index": 0, "code": code, "message": msg,
-                                                      "stored": stored}}
-
-
 def cmd_ingest(a) -> int:
     """``oprag ingest``. With ``--json`` one JSON object on stdout, also when a stream fails
     (README: "oprag ingest"): the totals of the committed streams, ``streams`` (one entry per
@@ -176,7 +148,7 @@ def cmd_ingest(a) -> int:
     docs = LOADERS[a.format](a.paths, a.vector_column) if a.format in ("parquet", "arrow") else LOADERS[a.format](a.paths)
     totals = {**_TOTALS0, "rejected": []}
     streams: list[dict] = []  # one per committed stream (its acknowledgement)
-    error, interrupted, unknown = None, False, None
+    error, cut, unknown = None, False, None
     t0 = time.perf_counter()
     bar = tqdm(unit="doc", disable=a.no_progress, file=sys.stderr, dynamic_ncols=True)
     sent = 0  # documents of the input in the committed streams (a rejection's index is its position)
@@ -215,11 +187,13 @@ def cmd_ingest(a) -> int:
             error["message"] += (f" (--timeout {a.timeout:g} s is each stream's deadline: its documents (up to "
                                  f"--docs-per-stream {a.docs_per_stream}) are embedded and committed within it; "
                                  "give a larger --timeout, or none)")
-    except (ValueError, TypeError, FileNotFoundError, OSError, ImportError) as exc:
-        error = {"code": None, "message": str(exc)}  # the input (or a local file) could not be read
-    except KeyboardInterrupt:  # Ctrl-C: the stream in flight is cancelled (the channel closed); say what was
-        # stored (was a traceback and no summary: trial28b)
-        error, interrupted = {"code": "CANCELLED", "message": INTERRUPTED}, True
+    except (ValueError, TypeError, FileNotFoundError, OSError, ImportError, KeyboardInterrupt) as exc:
+        if interrupted(exc):  # Ctrl-C (or a lazy import it cut short): the stream in flight is cancelled (the channel
+            # closed); say what was stored (was a traceback and no summary: trial28b)
+            error, cut = {"code": "CANCELLED", "message": INTERRUPTED}, True
+        else:
+            error = {"code": None, "message": str(exc)}  # the input (or a local file) could not be read
+    settle()  # (the outcome is known: a Ctrl-C while it is said changes nothing)
     bar.close()
     el = time.perf_counter() - t0
     if error is None and totals["documents"] == 0 and not totals["rejected"]:
@@ -237,7 +211,7 @@ def cmd_ingest(a) -> int:
             stored = None if unknown else False
             print(json.dumps({**summary, "error": {"stream": len(streams) + 1, "first_index": nxt, **error,
                                                    "stored": stored}}))
-        return INTERRUPTED_STATUS if interrupted else 1
+        return INTERRUPTED_STATUS if cut else 1
     if a.json:
         print(json.dumps(summary))
     else:

@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 
 from .channel import bearer_token, pem_problem, target_problem
+from .cli_entry import INTERRUPTED, INTERRUPTED_STATUS, settle
 from .client import OpRAGClient
 
 
@@ -96,6 +97,9 @@ def _weight(text: str) -> float:
 
 
 def _fail(msg: str, code: int = 1) -> int:
+    """``oprag: msg`` on stderr; ``code``, the exit status. The command has its result: a Ctrl-C from now on changes
+    nothing (:func:`~.cli_entry.settle`)."""
+    settle()
     print(f"oprag: {msg}", file=sys.stderr)
     return code
 
@@ -129,6 +133,7 @@ def _rpc_error(exc: grpc.RpcError, a=None, msg: str | None = None) -> int:
     """Exit status 1 with the call's error (``msg``, default :func:`_rpc_message`) on stderr; with ``--json``
     (``a.json``) also one JSON object on stdout, ``{"error": {"code", "message"}}`` (trial39: ``oprag query --json``
     printed nothing when the call failed)."""
+    settle()  # (the call's outcome is known: a Ctrl-C now neither adds a CANCELLED object nor changes the status)
     msg = _rpc_message(exc) if msg is None else msg
     if getattr(a, "json", False):
         _json_error(exc.code().name, msg)
@@ -139,19 +144,17 @@ def _json_error(code: str | None, message: str) -> None:
     """``{"error": {"code": code, "message": message}}`` on stdout (a ``--json`` command that fails)."""
     import json  # noqa: PLC0415
 
+    settle()
     print(json.dumps({"error": {"code": code, "message": message}}))
-
-
-#: what a command cut short by Ctrl-C (SIGINT) says (``code`` ``CANCELLED`` with ``--json``), and its exit status
-#: (128 + SIGINT, as a shell reports a command the signal ended)
-INTERRUPTED, INTERRUPTED_STATUS = "interrupted (Ctrl-C)", 130
 
 
 def _interrupted(a=None, obj: dict | None = None) -> int:
     """Ctrl-C: ``oprag: interrupted (Ctrl-C)`` on stderr and exit status 130, with ``--json`` (``a.json``) also one
     object on stdout, ``obj`` or ``{"error": {"code": "CANCELLED", "message": "interrupted (Ctrl-C)"}}`` (trial51:
     ``oprag query`` printed a 32-line traceback ending in KeyboardInterrupt, and nothing on stdout with --json).
-    The call in flight is cancelled as the command's client closes its channel, on the way here."""
+    The call in flight is cancelled as the command's client closes its channel, on the way here. (A Ctrl-C before
+    the command started, while the interpreter imported it, is :mod:`.cli_entry`'s.)"""
+    settle()  # (a second Ctrl-C while this is said changes nothing)
     if getattr(a, "json", False):
         if obj is None:
             _json_error("CANCELLED", INTERRUPTED)
@@ -167,12 +170,14 @@ class _ClosedOk:
     a write or flush raises ``BrokenPipeError``), the rest of the output goes to /dev/null, so
     the command runs to its end and exits with the status of what it found (a shard down: 1)
     instead of 0 (the error was caught at the top) or 120 with "Exception ignored ... BrokenPipeError"
-    (the interpreter's last flush)."""
+    (the interpreter's last flush). A command writes on stdout once it has its result: from its first write, a
+    Ctrl-C changes neither the output nor the exit status (:func:`~.cli_entry.settle`)."""
 
     def __init__(self, out) -> None:
         self._out = out
 
     def write(self, s: str) -> int:
+        settle()
         try:
             return self._out.write(s)
         except BrokenPipeError:

@@ -39,9 +39,9 @@ def free_port() -> int:
 
 def oprag_cli() -> list[str]:
     """The argv prefix that runs the ``oprag`` command line of this interpreter's environment:
-    the installed console script when present, else ``python -m oprag_client.cli``."""
+    the installed console script when present, else ``python -m oprag_client.cli_entry`` (its entry point)."""
     exe = Path(sys.executable).parent / "oprag"
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "oprag_client.cli"]
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "oprag_client.cli_entry"]
 
 
 def wait_until(pred: Callable[[], bool], timeout: float = 10.0, interval: float = 0.1) -> bool:

@@ -279,3 +279,172 @@ def test_health_of_an_unknown_service_names_the_known_ones(monkeypatch, capsys):
 def test_health_json_on_a_server_that_is_not_there_prints_the_error_object(capsys):
     assert cli.main(["health", "--json", "--server", _closed_port(), "--timeout", "5"]) == 1
     assert _one_object(capsys)["error"]["code"] == "UNAVAILABLE"
+
+
+# -- trial51b F1: Ctrl-C while the command is still starting (the interpreter importing grpc, numpy, the client: 0.3-3 s
+# on a loaded machine) was a traceback ending in KeyboardInterrupt, death by SIGINT, and nothing on stdout with --json:
+# the console script's entry point (oprag_client.cli_entry) is reached before those imports. The child's grpc import is
+# held up here (a sitecustomize on its PYTHONPATH) until the test's SIGINT comes.
+
+_SLOW_GRPC = '''
+import os, sys, time
+
+class _SlowGrpc:
+    done = False
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "grpc" or self.done:
+            return None
+        self.done = True
+        open(os.environ["OPRAG_TEST_MARK"], "w").close()
+        try:
+            time.sleep(60)
+        except KeyboardInterrupt:
+            if os.environ.get("OPRAG_TEST_IMPORT_ERROR"):  # (as grpc's Cython module once said it, trial51b)
+                raise ImportError("Failed to import 'zlib.decompress' - cannot initialise module strings") from None
+            raise
+        return None
+
+sys.meta_path.insert(0, _SlowGrpc())
+'''
+
+
+def _sigint_while_importing_grpc(argv, tmp_path, import_error=False):
+    """``oprag argv`` (the console script), SIGINT while it imports grpc: (exit status, stdout, stderr)."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from oprag_client.testing import oprag_cli
+
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_SLOW_GRPC)
+    mark = tmp_path / "importing-grpc"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), *filter(None, [os.environ.get("PYTHONPATH")])]),
+           "OPRAG_TEST_MARK": str(mark), "OPRAG_TEST_IMPORT_ERROR": "1" if import_error else ""}
+    p = subprocess.Popen([*oprag_cli(), *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        end = time.monotonic() + 60
+        while not mark.exists() and p.poll() is None and time.monotonic() < end:
+            time.sleep(0.02)
+        assert mark.exists(), p.communicate(timeout=30)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    return p.returncode, out, err
+
+
+@pytest.mark.parametrize("argv, import_error", [
+    (["stats", "--json", "--server", "127.0.0.1:1"], False),
+    (["query", "--json", "lobster"], True),  # (the ImportError an interrupted import once raised: was exit status 1)
+])
+def test_ctrl_c_while_the_command_starts_is_the_interrupt(argv, import_error, tmp_path):
+    rc, out, err = _sigint_while_importing_grpc(argv, tmp_path, import_error)
+    assert rc == 130, (rc, out, err)
+    assert err == "oprag: interrupted (Ctrl-C)\n", err  # (no traceback)
+    assert json.loads(out) == {"error": {"code": "CANCELLED", "message": "interrupted (Ctrl-C)"}}
+
+
+def test_ctrl_c_while_ingest_starts_prints_its_summary(tmp_path):
+    f = tmp_path / "d.txt"
+    f.write_text("hello")
+    rc, out, err = _sigint_while_importing_grpc(["ingest", "--json", "--no-progress", str(f)], tmp_path)
+    assert rc == 130 and err == "oprag: interrupted (Ctrl-C)\n", (rc, out, err)
+    obj = json.loads(out)
+    assert {"documents", "chunks", "seq", "streams", "chunks_per_s"} <= set(obj) and obj["streams"] == []
+    assert obj["error"] == {"stream": 0, "first_index": 0, "code": "CANCELLED", "message": "interrupted (Ctrl-C)",
+                            "stored": False}  # (nothing was sent)
+
+
+def test_ctrl_c_while_starting_without_json_prints_nothing_on_stdout(tmp_path):
+    rc, out, err = _sigint_while_importing_grpc(["health"], tmp_path)
+    assert (rc, out, err) == (130, "", "oprag: interrupted (Ctrl-C)\n")
+
+
+# -- trial51b F2: a Ctrl-C once the command has its result changes neither its output nor its exit status (a SIGINT as
+# `oprag stats --json` exited after printing UNAVAILABLE killed it: $? said 130, the output UNAVAILABLE)
+
+@pytest.mark.parametrize("delay", [0.0, 0.05])
+def test_ctrl_c_after_the_result_keeps_the_exit_status(delay):
+    import signal
+    import subprocess
+    import time
+
+    from oprag_client.testing import oprag_cli
+
+    p = subprocess.Popen([*oprag_cli(), "stats", "--json", "--server", _closed_port()], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        first = p.stdout.readline()  # (the command's object: the interpreter then shuts grpc down, ~0.3 s)
+        time.sleep(delay)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 1, (p.returncode, first, out, err)
+    assert out == "" and json.loads(first)["error"]["code"] == "UNAVAILABLE", (first, out)
+    assert "interrupted" not in err and "Traceback" not in err and err.startswith("oprag: UNAVAILABLE"), err
+
+
+@pytest.fixture()
+def entry():
+    """:func:`oprag_client.cli_entry.main` in this process, SIGINT's handler restored after it (it ignores SIGINT once
+    the command returned, for the interpreter's exit)."""
+    import signal
+
+    from oprag_client import cli_entry
+
+    before = signal.getsignal(signal.SIGINT)
+    yield cli_entry.main
+    signal.signal(signal.SIGINT, before)
+
+
+def test_ctrl_c_as_a_command_prints_its_result_adds_no_object(entry, monkeypatch, capsys):
+    """The window inside the command: its object printed, a Ctrl-C before it returned (was a second, CANCELLED object
+    and exit status 130)."""
+    import signal
+
+    def stats(a):
+        print(json.dumps({"error": {"code": "UNAVAILABLE", "message": "m"}}))
+        signal.raise_signal(signal.SIGINT)
+        return 1
+
+    monkeypatch.setitem(cli.COMMANDS, "stats", stats)
+    assert entry(["stats", "--json"]) == 1
+    out, err = capsys.readouterr()
+    assert json.loads(out) == {"error": {"code": "UNAVAILABLE", "message": "m"}} and err == ""
+
+
+def test_ctrl_c_during_a_call_under_the_entry_point(entry, monkeypatch, capsys):
+    """Under the console script's handler a Ctrl-C during the call is reported as before (one object, 130)."""
+    import signal
+
+    def stats(a):
+        signal.raise_signal(signal.SIGINT)
+        raise AssertionError("not interrupted")
+
+    monkeypatch.setitem(cli.COMMANDS, "stats", stats)
+    assert entry(["stats", "--json"]) == 130
+    out, err = capsys.readouterr()
+    assert json.loads(out) == {"error": {"code": "CANCELLED", "message": "interrupted (Ctrl-C)"}}
+    assert err == "oprag: interrupted (Ctrl-C)\n"
+
+
+def test_a_plugin_command_runs_with_pythons_own_sigint_handler(entry, monkeypatch):
+    """``oprag serve`` handles its signals itself (asyncio.run installs its Ctrl-C handling only over Python's own
+    handler): the entry point's handler is not the one it finds."""
+    import signal
+    from types import SimpleNamespace
+
+    seen = []
+
+    def serve(argv):
+        seen.append(signal.getsignal(signal.SIGINT))
+        return 0
+
+    monkeypatch.setattr(cli, "_plugins", lambda: {"serve": SimpleNamespace(load=lambda: serve)})
+    assert entry(["serve", "--port", "1"]) == 0
+    assert seen == [signal.default_int_handler]
