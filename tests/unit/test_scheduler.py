@@ -361,11 +361,12 @@ def test_engine_backend_empty_engine_gets_a_small_first_slice():
     engine while the rest are prepared; slices go on while the engine holds fewer requests than
     wait (4 of 16, 3 of 12, 2 of 9, then all 7 with 9 in the engine). Without the slices all 16
     were one prep batch. Two prep batches run at once (``PREP_INFLIGHT``): the second starts
-    while the first waits for its retrieval (40 ms here, so a loaded machine's
-    late timers do not reorder the two)."""
+    while the first waits for its retrieval (80 ms here, so a loaded machine's
+    late timers do not reorder the two: at 40 ms a clean-clone CI at load 8-10 saw the engine start 21 ms after the
+    last retrieval returned)."""
 
     async def run():
-        gen, ret = FakeEngineGenerator(0.1), TimedRetriever(0.04)
+        gen, ret = FakeEngineGenerator(0.1), TimedRetriever(0.08)
         eng = _engine(gen, ret, max_batch=16)
         eng.start()
         jobs = await asyncio.gather(*[eng.submit(_job(f"q{i}")) for i in range(16)])
