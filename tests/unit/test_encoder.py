@@ -197,6 +197,7 @@ def test_hashing_encoder() -> None:
     assert "".join(pieces) == long_text and max(small.token_lengths(pieces)) <= 10
 
 
+@pytest.mark.slow  # ~45 s a first run (torch.compile, cold inductor cache; each clean clone): in `make test-all`
 def test_compiled_path_matches_eager_and_compiles_at_warm_up():
     """``compile=True``: every bucket is compiled by warm_up; vectors equal the eager ones."""
 
