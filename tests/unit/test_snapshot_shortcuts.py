@@ -93,6 +93,12 @@ def test_a_segment_only_in_memory_is_snapshotted_without_a_write(monkeypatch, da
     >= 64 MiB of BM25 segment only in anonymous memory (an idle merge's, after an ingest) gets a
     snapshot, which then serves that segment from its files (mem17 follow-up); less, or a server
     without a data directory, none."""
+    assert _snapshots_in_3_rounds(monkeypatch, lambda taken: ((unsaved if not taken else 0), False), data_dir) == taken
+
+
+def _snapshots_in_3_rounds(monkeypatch, unsaved, data_dir="d") -> int:
+    """Snapshots ``Runtime._snapshot_loop`` takes in 3 rounds with no write: ``unsaved(snapshots so far)`` is
+    what ``ShardPool.unsaved`` answers."""
     import asyncio
 
     from oprag_server import app
@@ -100,7 +106,7 @@ def test_a_segment_only_in_memory_is_snapshotted_without_a_write(monkeypatch, da
     snaps, waits = [], []
 
     async def unsaved_():
-        return (unsaved if not snaps else 0), False
+        return unsaved(len(snaps))
 
     class Fake:
         _dirty, commits = False, type("C", (), {"lease": None})()
@@ -119,7 +125,7 @@ def test_a_segment_only_in_memory_is_snapshotted_without_a_write(monkeypatch, da
     monkeypatch.setattr(app.asyncio, "sleep", sleep)
     with pytest.raises(asyncio.CancelledError):
         asyncio.run(app.Runtime._snapshot_loop(Fake()))
-    assert len(snaps) == taken
+    return len(snaps)
 
 
 def test_a_dense_index_an_idle_step_changed_is_snapshotted_whatever_its_bytes(monkeypatch):
@@ -130,7 +136,6 @@ def test_a_dense_index_an_idle_step_changed_is_snapshotted_whatever_its_bytes(mo
     not saved. Then ``Runtime._snapshot_loop`` takes a snapshot for such a change with no write, whatever its size."""
     import asyncio
 
-    from oprag_server import app
     from oprag_server.shards.pool import ShardPool
     from oprag_server.shards.protocol import StatsReply
 
@@ -154,26 +159,5 @@ def test_a_dense_index_an_idle_step_changed_is_snapshotted_whatever_its_bytes(mo
     pool.gather_partial = down
     assert asyncio.run(pool.unsaved()) == (0, False)
 
-    snaps, waits = [], []
-
-    async def unsaved_():
-        return 0, not snaps  # a small graph changed by an idle step, saved by the first snapshot
-
-    class Fake:
-        _dirty, commits = False, type("C", (), {"lease": None})()
-        cfg = type("Cfg", (), {"data_dir": "d"})()
-        pool = type("P", (), {"unsaved": staticmethod(unsaved_)})()
-        gauges = type("G", (), {"stale": staticmethod(lambda: None)})()
-
-        async def snapshot(self):
-            snaps.append(1)
-
-    async def sleep(s):
-        waits.append(s)
-        if len(waits) == 3:
-            raise asyncio.CancelledError
-
-    monkeypatch.setattr(app.asyncio, "sleep", sleep)
-    with pytest.raises(asyncio.CancelledError):
-        asyncio.run(app.Runtime._snapshot_loop(Fake()))
-    assert len(snaps) == 1
+    # a small graph changed by an idle step: saved by the first snapshot, none after
+    assert _snapshots_in_3_rounds(monkeypatch, lambda taken: (0, not taken)) == 1
