@@ -60,6 +60,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import re
 import shutil
 import time
@@ -402,9 +403,14 @@ def paired_growth(a, kind: str, sizes: list[int], q) -> dict:
     two passes run minutes apart (session 44: the same code's 10K p50 read 2.3 ms one hour and
     4.1 ms the next). ``ratio`` is the median of the per-round ratios of the round p50s.
 
+    The dirty page cache is written back first (``os.sync``: the sizes' runs leave GBs of snapshot pages behind), and
+    the load average at the start and the end is reported: a pairing on a busy machine slows both sides and moves the
+    quotient (bench/RESULTS.md, session 52).
+
     :returns: ``{"sizes", "rounds", "per", "small_p50_ms", "large_p50_ms", "ratio", "round_ratios",
-        "server_retrieve_small_p50_ms", "server_retrieve_large_p50_ms"}`` (the last two: the median round p50 of
-        the server's own ``retrieve`` timing, ``QueryReply.timings_ms``, without gRPC and the client)."""
+        "server_retrieve_small_p50_ms", "server_retrieve_large_p50_ms", "sync_s", "dirty_kb_after_sync",
+        "loadavg_at_start", "loadavg_at_end"}`` (the server ``retrieve`` figures: the median round p50 of the
+        server's own ``retrieve`` timing, ``QueryReply.timings_ms``, without gRPC and the client)."""
     from oprag_client.client import OpRAGClient, query_request
 
     lo, hi = min(sizes), max(sizes)
@@ -416,6 +422,13 @@ def paired_growth(a, kind: str, sizes: list[int], q) -> dict:
             raise SystemExit(f"bench.scale: no data dir {OUT / f'scale-{size}-{kind}'}; run the sizes first "
                              "(without --pair-only)")
     srvs, clients, p50, srv_p50 = [], [], {lo: [], hi: []}, {lo: [], hi: []}
+    # the steps before leave GBs of snapshot and spill pages to write back (a 1M run's ~5 GB): written back first, not
+    # during the rounds; the load and what was left are reported, since a busy start slows both sizes and moves the
+    # quotient (session 52: the 10K side 50% slower in one pairing, 2.66x against 3.25x a minute later)
+    t_sync = time.perf_counter()
+    os.sync()
+    quiet = {"sync_s": round(time.perf_counter() - t_sync, 2), "dirty_kb_after_sync": _dirty_kb(),
+             "loadavg_at_start": [round(x, 2) for x in os.getloadavg()]}
     try:
         for size in (lo, hi):
             srvs.append(start_server(OUT / f"scale-{size}-{kind}", *args, log_path=OUT / "scale-server.log",
@@ -446,7 +459,17 @@ def paired_growth(a, kind: str, sizes: list[int], q) -> dict:
             "small_p50_ms": round(float(np.median(p50[lo])), 2), "large_p50_ms": round(float(np.median(p50[hi])), 2),
             "ratio": round(float(np.median(ratios)), 2), "round_ratios": [round(float(x), 2) for x in ratios],
             "server_retrieve_small_p50_ms": round(float(np.median(srv_p50[lo])), 2),
-            "server_retrieve_large_p50_ms": round(float(np.median(srv_p50[hi])), 2)}
+            "server_retrieve_large_p50_ms": round(float(np.median(srv_p50[hi])), 2), **quiet,
+            "loadavg_at_end": [round(x, 2) for x in os.getloadavg()]}
+
+
+def _dirty_kb() -> int | None:
+    """The machine's dirty page cache (``Dirty:`` of /proc/meminfo, kB): pages not written back yet; None off Linux."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(ln.split()[1]) for ln in f if ln.startswith("Dirty:"))
+    except (OSError, StopIteration, ValueError):
+        return None
 
 
 def main(argv=None) -> int:
