@@ -167,3 +167,30 @@ def test_a_loaded_snapshot_evicts_the_least_recently_active_session_first(tmp_pa
     assert list(t.memory.sessions) == ["second", "first"] and len(t.memory) == 3
     _promote(t, "third", "q0", max_turns=5, max_total=3)
     assert _search(t, "second") == [] and len(_search(t, "first")) == 2
+
+
+def test_the_snapshot_keeps_the_vectors_in_binary_and_reads_an_older_snapshot_too(tmp_path):
+    """trial52 #1: a record's vector as decimal text was ~8.5 KB of its ~9.2 KB in memory.json."""
+    import json
+
+    rng = np.random.default_rng(7)
+    vecs = {f"s{i}": rng.standard_normal(DIM).astype(np.float32) for i in range(5)}
+    s = ShardState(0, DIM, tmp_path)
+    for sid, v in vecs.items():
+        s.memory.promote(PromoteRequest(sid, "q", "a", [f"{sid}#c"], ["t"], v, max_turns=5))
+    s.snapshot()
+    shard = tmp_path / "shard-0"
+    snap = shard / (shard / "CURRENT").read_text().strip()
+    items = json.loads((snap / "memory.json").read_text())
+    assert all("vector" not in m for m in items) and np.load(snap / "memory_vectors.npy").shape == (5, DIM)
+    t = ShardState(0, DIM, tmp_path)
+    t.load()
+    for sid, v in vecs.items():
+        assert np.array_equal(_search(t, sid)[0].vector, v)  # bit for bit
+    t.txns.wal.close()
+    # a snapshot from before the binary file: vectors inside memory.json
+    (snap / "memory.json").write_text(json.dumps(s.memory.to_json(inline=True)))
+    (snap / "memory_vectors.npy").unlink()
+    u = ShardState(0, DIM, tmp_path)
+    u.load()
+    assert len(u.memory) == 5 and all(np.array_equal(_search(u, k)[0].vector, v) for k, v in vecs.items())

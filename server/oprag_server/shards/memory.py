@@ -171,24 +171,37 @@ class MemoryStore:
         return n
 
     # ------------------------------------------------------------------ persistence
-    def to_json(self) -> list[dict]:
-        """Every record as a JSON-ready dict (vector as a list of floats)."""
+    def to_json(self, inline: bool = False) -> list[dict]:
+        """Every record as a JSON-ready dict, its vector by ``row``: row ``row`` of :meth:`vectors` (a vector as
+        decimal text was ~8.5 KB of a record's ~9.2 at D 384: trial52 #1), or with ``inline`` as a ``vector``
+        list; then the clear marks."""
         return [{"session_id": r.session_id, "turn": r.turn, "question": r.question, "summary": r.summary,
-                 "chunk_ids": r.chunk_ids, "titles": r.titles, "vector": r.vector.tolist(), "created": r.created,
-                 "resolved": r.resolved, "doc_ids": r.doc_ids, "terms": r.terms}
-                for v in self.sessions.values() for r in v] + [
+                 "chunk_ids": r.chunk_ids, "titles": r.titles, "created": r.created, "resolved": r.resolved,
+                 "doc_ids": r.doc_ids, "terms": r.terms, **({"vector": r.vector.tolist()} if inline else {"row": i})}
+                for i, r in enumerate(r for v in self.sessions.values() for r in v)] + [
                 {"session_id": s, "cleared": t} for s, t in self.cleared.items()]
 
-    def load_json(self, items: list[dict]) -> None:
-        """Append records written by :meth:`to_json` (oldest first per session), and its clear marks."""
+    def vectors(self) -> np.ndarray | None:
+        """float32[R, D]: every record's vector, in :meth:`to_json`'s order (float32[0, 0] when there is none);
+        None when the records' vectors differ in length (then :meth:`to_json` with ``inline``)."""
+        rows = [r.vector for v in self.sessions.values() for r in v]
+        if len({x.shape for x in rows}) > 1:
+            return None
+        return np.stack(rows).astype(np.float32, copy=False) if rows else np.zeros((0, 0), np.float32)
+
+    def load_json(self, items: list[dict], vectors: np.ndarray | None = None) -> None:
+        """Append records written by :meth:`to_json` (oldest first per session), and its clear marks. A record's
+        vector is row ``row`` of ``vectors`` (float32[R, D], :meth:`vectors`), or its own ``vector`` list (a
+        snapshot written before the vectors had a file of their own)."""
         for m in items:
             if "cleared" in m:  # (a mark, written in time order; the session's later records stay)
                 self.cleared[m["session_id"]] = float(m["cleared"])
                 continue
+            vec = m["vector"] if "vector" in m else vectors[int(m["row"])]
             self.sessions.setdefault(m["session_id"], []).append(
                 MemoryRecord(session_id=m["session_id"], turn=m["turn"], question=m["question"], summary=m["summary"],
                              chunk_ids=m["chunk_ids"], titles=m["titles"],
-                             vector=np.asarray(m["vector"], dtype=np.float32), created=m["created"],
+                             vector=np.array(vec, dtype=np.float32), created=m["created"],
                              resolved=m.get("resolved", ""), doc_ids=m.get("doc_ids", []), terms=m.get("terms", [])))
             self._total += 1
         # least recently active first (a snapshot lists sessions in that order; an older one in first-turn order)

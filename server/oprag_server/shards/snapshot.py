@@ -1,7 +1,8 @@
 """Snapshots of one shard and loading them back.
 
 Layout under ``<data_dir>/shard-<i>/``: ``snap-<applied_seq>-<ns>/{chunks.arrow, memory.json,
-meta.json}`` (plus ``dense.faiss`` and ``dense.npz`` for an HNSW or IVF dense index: the
+memory_vectors.npy, meta.json}`` (the memory records' vectors in binary; a snapshot without the file has them in
+``memory.json``) (plus ``dense.faiss`` and ``dense.npz`` for an HNSW or IVF dense index: the
 structure as FAISS serialised it and its id map, loaded on start instead of rebuilt), a ``CURRENT`` file naming the live snapshot, and ``wal.log`` (the shard's
 write-ahead log). Format 2 adds ``postings/`` (the BM25 segment as ``.npy`` arrays and
 ``terms.json``, :meth:`PostingsIndex.save`), memory-mapped on load instead of re-analysing
@@ -101,7 +102,10 @@ def _write_snapshot_files(snap: Path, store: ChunkStore, memory: MemoryStore) ->
     if not rows:  # record batches of <= BATCH_ROWS rows, each built, streamed to the file and dropped (issue 13:
         # one batch of every row was a ~0.85 GB copy per 1M-chunk shard, at the snapshot's memory peak)
         fsync_write_with(snap / "chunks.arrow", lambda f: rows.append(records.write_ipc(f, store.batches(vectors=not one))))
-    fsync_write(snap / "memory.json", json.dumps(memory.to_json()).encode())
+    mv = memory.vectors()  # (the memory records' vectors beside memory.json, in binary)
+    fsync_write(snap / "memory.json", json.dumps(memory.to_json(inline=mv is None)).encode())
+    if mv is not None:
+        fsync_write_with(snap / "memory_vectors.npy", lambda f: np.save(f, mv, allow_pickle=False))
     for p in store.postings.save(snap / "postings", merge=False):  # (merged by the caller: SnapshotJob)
         _fsync_file(p)
     _fsync_file(snap / "postings")
@@ -362,7 +366,8 @@ def load(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions, co
         _load_ann(snap, store, say)
         store.applied_seq = int(meta.get("applied_seq", 0))
         store.next_slot = max(store.next_slot, int(meta.get("next_slot", 0)))
-        memory.load_json(json.loads((snap / "memory.json").read_text()))
+        mv = snap / "memory_vectors.npy"  # (absent in a snapshot written before it: vectors inside memory.json)
+        memory.load_json(json.loads((snap / "memory.json").read_text()), np.load(mv) if mv.exists() else None)
         loading.done(f"snapshot {snap.name} loaded: {table.num_rows} chunks")
     size = wal.path.stat().st_size if wal.path.exists() else 0
     replaying = _Step(say, f"replaying the write-ahead log: {size} bytes", size > 0)
