@@ -165,12 +165,13 @@ class _Sent:
 
     def explained(self, exc: BaseException) -> BaseException:
         """The error to raise for the call's ``exc``: a document's own error, else ``exc`` with
-        ``final_message_sent`` and ``nothing_stored`` (:func:`.retry.nothing_stored`)."""
+        ``final_message_sent`` and ``nothing_stored`` (:func:`.retry.nothing_stored`, or the final message never
+        handed to gRPC: the server cannot have begun the commit)."""
         if self.failed:
             return self.failed[0]
         try:
             exc.final_message_sent = self.final
-            exc.nothing_stored = nothing_stored(exc)
+            exc.nothing_stored = nothing_stored(exc) or not self.final  # (no final message: no commit; trial52 #6)
         except AttributeError:  # (an error type without attributes: callers then assume it was sent)
             pass
         return exc
@@ -319,7 +320,8 @@ class OpRAGClient:
             ``final_message_sent`` says whether gRPC had taken the stream's final message: if not,
             the server cannot have committed the stream (README: "Ingest semantics"); if so, a call
             cut short (the connection lost, a deadline) may have been committed whole -- unless
-            ``nothing_stored`` (:func:`.retry.nothing_stored`: the server's own status said its commit never began).
+            ``nothing_stored`` (:func:`.retry.nothing_stored`: the server's own status said its commit never began;
+            also True whenever ``final_message_sent`` is False).
         """
         sent = _Sent(docs, self.max_message_bytes)
         try:

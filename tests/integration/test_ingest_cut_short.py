@@ -69,6 +69,7 @@ def test_the_client_marks_whether_the_final_message_was_sent(stand_in):
     with OpRAGClient(stand_in("exit-at-final"), timeout=60) as c, pytest.raises(grpc.RpcError) as got:
         c.ingest([Doc(id="a", text="one"), Doc(id="b", text="two")])
     assert got.value.code() == grpc.StatusCode.UNAVAILABLE and got.value.final_message_sent is True
+    assert got.value.nothing_stored is False  # (cut after the final message: the outcome is unknown)
     # refused at the first message while the client's next documents are not ready yet: gRPC's
     # sending thread can take the final message only once they are (a stream of large messages
     # raced here: with loopback flow control windows gRPC may pull all of them before the refusal
@@ -84,6 +85,7 @@ def test_the_client_marks_whether_the_final_message_was_sent(stand_in):
         with OpRAGClient(stand_in("refuse-at-first"), timeout=60) as c, pytest.raises(grpc.RpcError) as got:
             c.ingest(docs())
         assert got.value.code() == grpc.StatusCode.UNAVAILABLE and got.value.final_message_sent is False
+        assert got.value.nothing_stored is True  # no final message, no commit (trial52 #6)
     finally:
         release.set()
 
