@@ -172,27 +172,30 @@ class MemoryStore:
 
     # ------------------------------------------------------------------ persistence
     def to_json(self, inline: bool = False) -> list[dict]:
-        """Every record as a JSON-ready dict, its vector by ``row``: row ``row`` of :meth:`vectors` (a vector as
-        decimal text was ~8.5 KB of a record's ~9.2 at D 384: trial52 #1), or with ``inline`` as a ``vector``
-        list; then the clear marks."""
+        """Every record as a JSON-ready dict, its vector by ``row`` (row ``row`` of :meth:`dump`'s array), or with
+        ``inline`` as a ``vector`` list; then the clear marks."""
+        return self._items([r for v in self.sessions.values() for r in v], inline)
+
+    def dump(self) -> tuple[list[dict], np.ndarray | None]:
+        """What a snapshot writes, from one pass over the records: ``(items, vectors)``, :meth:`to_json`'s items
+        and float32[R, D] their vectors by ``row`` (float32[0, 0] when there is none). A vector as decimal text
+        was ~8.5 KB of a record's ~9.2 at D 384 (trial52 #1). When the records' vectors differ in length,
+        ``vectors`` is None and each item holds its own ``vector``."""
+        recs = [r for v in self.sessions.values() for r in v]
+        vecs = None if len({r.vector.shape for r in recs}) > 1 else (
+            np.stack([r.vector for r in recs]).astype(np.float32, copy=False) if recs else np.zeros((0, 0), np.float32))
+        return self._items(recs, vecs is None), vecs
+
+    def _items(self, recs: list[MemoryRecord], inline: bool) -> list[dict]:
         return [{"session_id": r.session_id, "turn": r.turn, "question": r.question, "summary": r.summary,
                  "chunk_ids": r.chunk_ids, "titles": r.titles, "created": r.created, "resolved": r.resolved,
                  "doc_ids": r.doc_ids, "terms": r.terms, **({"vector": r.vector.tolist()} if inline else {"row": i})}
-                for i, r in enumerate(r for v in self.sessions.values() for r in v)] + [
-                {"session_id": s, "cleared": t} for s, t in self.cleared.items()]
-
-    def vectors(self) -> np.ndarray | None:
-        """float32[R, D]: every record's vector, in :meth:`to_json`'s order (float32[0, 0] when there is none);
-        None when the records' vectors differ in length (then :meth:`to_json` with ``inline``)."""
-        rows = [r.vector for v in self.sessions.values() for r in v]
-        if len({x.shape for x in rows}) > 1:
-            return None
-        return np.stack(rows).astype(np.float32, copy=False) if rows else np.zeros((0, 0), np.float32)
+                for i, r in enumerate(recs)] + [{"session_id": s, "cleared": t} for s, t in self.cleared.items()]
 
     def load_json(self, items: list[dict], vectors: np.ndarray | None = None) -> None:
-        """Append records written by :meth:`to_json` (oldest first per session), and its clear marks. A record's
-        vector is row ``row`` of ``vectors`` (float32[R, D], :meth:`vectors`), or its own ``vector`` list (a
-        snapshot written before the vectors had a file of their own)."""
+        """Append records written by :meth:`dump` (oldest first per session), and its clear marks. A record's
+        vector is row ``row`` of ``vectors`` (float32[R, D]), or its own ``vector`` list (a snapshot written
+        before the vectors had a file of their own)."""
         for m in items:
             if "cleared" in m:  # (a mark, written in time order; the session's later records stay)
                 self.cleared[m["session_id"]] = float(m["cleared"])

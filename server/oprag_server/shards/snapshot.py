@@ -102,8 +102,8 @@ def _write_snapshot_files(snap: Path, store: ChunkStore, memory: MemoryStore) ->
     if not rows:  # record batches of <= BATCH_ROWS rows, each built, streamed to the file and dropped (issue 13:
         # one batch of every row was a ~0.85 GB copy per 1M-chunk shard, at the snapshot's memory peak)
         fsync_write_with(snap / "chunks.arrow", lambda f: rows.append(records.write_ipc(f, store.batches(vectors=not one))))
-    mv = memory.vectors()  # (the memory records' vectors beside memory.json, in binary)
-    fsync_write(snap / "memory.json", json.dumps(memory.to_json(inline=mv is None)).encode())
+    items, mv = memory.dump()  # (the memory records' vectors beside memory.json, in binary)
+    fsync_write(snap / "memory.json", json.dumps(items).encode())
     if mv is not None:
         fsync_write_with(snap / "memory_vectors.npy", lambda f: np.save(f, mv, allow_pickle=False))
     for p in store.postings.save(snap / "postings", merge=False):  # (merged by the caller: SnapshotJob)
