@@ -171,26 +171,19 @@ class MemoryStore:
         return n
 
     # ------------------------------------------------------------------ persistence
-    def to_json(self, inline: bool = False) -> list[dict]:
-        """Every record as a JSON-ready dict, its vector by ``row`` (row ``row`` of :meth:`dump`'s array), or with
-        ``inline`` as a ``vector`` list; then the clear marks."""
-        return self._items([r for v in self.sessions.values() for r in v], inline)
-
     def dump(self) -> tuple[list[dict], np.ndarray | None]:
-        """What a snapshot writes, from one pass over the records: ``(items, vectors)``, :meth:`to_json`'s items
-        and float32[R, D] their vectors by ``row`` (float32[0, 0] when there is none). A vector as decimal text
-        was ~8.5 KB of a record's ~9.2 at D 384 (trial52 #1). When the records' vectors differ in length,
-        ``vectors`` is None and each item holds its own ``vector``."""
+        """What a snapshot writes, from one pass over the records: ``(items, vectors)``, every record as a
+        JSON-ready dict with its vector by ``row`` (then the clear marks), and float32[R, D] those vectors
+        (float32[0, 0] when there is none). A vector as decimal text was ~8.5 KB of a record's ~9.2 at D 384
+        (trial52 #1). When the records' vectors differ in length, ``vectors`` is None and each item holds its own
+        ``vector`` list."""
         recs = [r for v in self.sessions.values() for r in v]
         vecs = None if len({r.vector.shape for r in recs}) > 1 else (
             np.stack([r.vector for r in recs]).astype(np.float32, copy=False) if recs else np.zeros((0, 0), np.float32))
-        return self._items(recs, vecs is None), vecs
-
-    def _items(self, recs: list[MemoryRecord], inline: bool) -> list[dict]:
         return [{"session_id": r.session_id, "turn": r.turn, "question": r.question, "summary": r.summary,
                  "chunk_ids": r.chunk_ids, "titles": r.titles, "created": r.created, "resolved": r.resolved,
-                 "doc_ids": r.doc_ids, "terms": r.terms, **({"vector": r.vector.tolist()} if inline else {"row": i})}
-                for i, r in enumerate(recs)] + [{"session_id": s, "cleared": t} for s, t in self.cleared.items()]
+                 "doc_ids": r.doc_ids, "terms": r.terms, **({"vector": r.vector.tolist()} if vecs is None else {"row": i})}
+                for i, r in enumerate(recs)] + [{"session_id": s, "cleared": t} for s, t in self.cleared.items()], vecs
 
     def load_json(self, items: list[dict], vectors: np.ndarray | None = None) -> None:
         """Append records written by :meth:`dump` (oldest first per session), and its clear marks. A record's
