@@ -133,6 +133,13 @@ _OPTIONS: tuple[tuple[str, str, str, str], ...] = (
      "past this the follow-up keeps the default session context (the engine's answer is dropped)"),
     ("--memory-encode-context", "memory", "encode_context",
      "embed the session-context text as a second encoder row instead of reusing the stored turn vectors"),
+    ("--memory-max-turns", "memory", "max_turns_per_session", "turns a session keeps; recording one more drops its oldest"),
+    ("--memory-ttl-s", "memory", "ttl_s",
+     "seconds a session may stay idle (no turn recorded) before its turns are no longer looked up; they are dropped at "
+     "the shard's next recorded turn (0: never)"),
+    ("--memory-max-records", "memory", "max_records_total",
+     "memory records a shard holds at most; past it the least recently active other sessions lose their oldest turns "
+     "first"),
     ("--stem", "bm25", "stem", "English stemming in the BM25 analyzer (snowballstemmer)"),
     ("--tls-cert", "security", "tls_cert", "PEM certificate: serve gRPC over TLS"),
     ("--tls-key", "security", "tls_key", "PEM private key of --tls-cert"),

@@ -62,14 +62,8 @@ class DenseConfig:
     :param ann_check: HNSW / IVF: sampled chunks a dense list is checked against (0: none; :mod:`..shards.ann_check`).
     :param layout_min: HNSW: vectors a graph holds before its nodes are renumbered for locality (0: never; :mod:`.index.graph_layout`).
 
-    HNSW defaults (issue 13, ``bench/hnsw_params.py``, bench/RESULTS.md): one shard of MiniLM vectors (real + derived
-    as ``bench/scale.py`` makes them), M 32, recall of the exact top-256 (the dense-first window) at ef_search 256 / 384 /
-    512: efConstruction 200 (the former default) 0.971 / 0.990 / 0.995 at 100K vectors, building 1,500 vectors/s on one
-    core; efConstruction 80: 0.955 / 0.979 / 0.990 at 100K and 0.948 / 0.972 / 0.983 at 200K, building 3,950 / 3,600 per
-    s; efConstruction 40: 0.988 at 100K but 0.979 at 200K (ef_search 512). M 16 stays below 0.96 at ef_search 256
-    whatever efConstruction. At 500K vectors per shard (the 1M bench), ef_search 512: efConstruction 40 / 48 / 56 / 80
-    give 0.944 / 0.956 / 0.9645 / 0.9643 (ingest8, bench/RESULTS.md) for the same build CPU time at 56 and 80 (FAISS's
-    insert cost is M 32's list upkeep, not the beam), so efConstruction stays 80 (M 24 at 500K: 0.83).
+    HNSW defaults (``bench/hnsw_params.py``, bench/RESULTS.md): M 32 (M 16 < 0.96 recall of the exact top-256 at ef_search
+    256) and efConstruction 80 (0.990 / 0.983 / 0.964 at 100K / 200K / 500K vectors a shard, ef_search 512; 200: 2.6x slower).
     """
 
     kind: str = "flat"
@@ -211,8 +205,7 @@ class BatchConfig:
     max_queue_delay_ms: float = 0.0
     # while queries are active, ingest embedding runs in batches of about this many ms (a query embedding's wait)
     ingest_embed_slice_ms: float = 50.0
-    # query embeddings run on their own thread at once, beside an ingest batch in flight (full size). False: they wait
-    # for it, and ingest batches shrink to ``ingest_embed_slice_ms`` while queries are active (bench/RESULTS.md, ingest)
+    # query embeddings on their own thread, beside an ingest batch in flight; False: they wait for it (bench/RESULTS.md)
     embed_query_thread: bool = True
 
     def __post_init__(self) -> None:
@@ -250,12 +243,19 @@ class MemoryConfig:
     max_turns_per_session: int = 32
     lookup_turns: int = 2
     summary_chars: int = 300
-    ttl_s: float = 24 * 3600.0  # idle time after which a session's records are dropped
+    ttl_s: float = 24 * 3600.0  # idle time after which a session's records are dropped (0: never)
     max_records_total: int = 200_000  # per shard; the least recently active sessions go first
     condense: bool = False  # with an engine generator: rewrite a follow-up into a standalone question
     condense_tokens: int = 48  # new tokens of the condense generation
     condense_timeout_s: float = 10.0  # past it the follow-up keeps the default session context
     encode_context: bool = False  # embed the session-context text (a second encoder row), not the stored turn vectors
+
+    def __post_init__(self) -> None:  # (each bound named by its serve flag; NaN fails too)
+        for flag, v, least in (("--memory-max-turns", self.max_turns_per_session, 1), ("--memory-ttl-s", self.ttl_s, 0),
+                               ("--memory-max-records", self.max_records_total, 1), ("lookup turns", self.lookup_turns, 0),
+                               ("--memory-condense-tokens", self.condense_tokens, 1), ("--memory-condense-timeout-s", self.condense_timeout_s, 1e-3)):
+            if not v >= least:
+                raise ValueError(f"{flag} must be at least {least:g}, got {v}")
 
 
 @dataclass(frozen=True)

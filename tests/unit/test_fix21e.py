@@ -157,6 +157,8 @@ def test_readme_gives_the_memory_retention_numbers_of_the_config_and_the_id_limi
     mc, text = MemoryConfig(), " ".join(README.split())
     assert mc.max_turns_per_session == 32 and mc.ttl_s == 24 * 3600 and mc.max_records_total == 200_000
     assert "a session keeps its last 32 turns" in text and "idle for 24 h" in text
-    assert "at most 200,000 memory records" in text and "no command-line flag" in text
+    assert "at most 200,000 memory records" in text and "(86,400 s; no turn recorded)" in text
+    flags = text.split("Retention, per shard process (", 1)[1].split(")", 1)[0]
+    assert flags == "`--memory-max-turns`, `--memory-ttl-s`, `--memory-max-records`"  # (trial52b: had none)
     rejected = text.split("Rejected documents (", 1)[1].split(") are listed", 1)[0]
     assert f"an id over {LimitsConfig().max_doc_id_bytes} bytes" in rejected
