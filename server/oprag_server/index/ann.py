@@ -48,14 +48,13 @@ retraining of at least :data:`.ivf_build.BACKGROUND_MIN` vectors runs in a threa
 
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
 
 from ..config import DenseConfig
 from .ann_copies import Copies, hnsw_storage
-from .ann_persist import AnnPersist
+from .ann_persist import AnnPersist, ChangeLock
 from .ann_escape import escape
 
 from .hnsw_build import GraphBuild, graph_bytes
@@ -97,7 +96,7 @@ class AnnIndex(IvfBuilds, AnnPersist):
         self.layouts: list[tuple[int, float]] = []
         self._index = None
         self._build: IvfBuild | GraphBuild | None = None  # an IVF retraining / HNSW compaction under way
-        self._mut = threading.RLock()  # held by every change of the structure, and by the build's reads of it
+        self._mut = ChangeLock()  # held by every change of the structure, and by the build's reads of it
         self.seeds = None  # HNSW: a compaction's dense-minimum seeds for its graph, until the searcher takes them
         self.source = None  # IVF: the dense index's locked reads (gather, live slots) a background retraining makes
         self._selector = None  # ((dead count, ids), selector) for HNSW searches (an add may give a dead one a copy)

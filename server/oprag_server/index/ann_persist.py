@@ -1,7 +1,17 @@
 """Saving and restoring :class:`.ann.AnnIndex`'s FAISS structure (a snapshot's ``dense.faiss``), with its id map
-and HNSW's deferred vectors (:mod:`.ann`)."""
+and HNSW's deferred vectors (:mod:`.ann`).
+
+A structure that has not changed since it was written to (or loaded from) a file is saved as a hard link to that
+file (:meth:`AnnPersist.write`): a snapshot that only session turns caused (trial52 #4) wrote every HNSW graph
+again, ~0.9 GB a 500K-vector shard. "Not changed" is read from :class:`ChangeLock`, the lock every change of the
+structure holds (its count of acquisitions), with the FAISS object and its vector count as a second check.
+"""
 
 from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
 
 import numpy as np
 
@@ -15,20 +25,72 @@ def _faiss():
     return faiss
 
 
+class ChangeLock:
+    """A re-entrant lock that counts how often it was taken (:attr:`count`): ``AnnIndex._mut``, held by every change
+    of the structure and by a background build's reads. An unchanged count means an unchanged structure; a read
+    under the lock also moves it, which only costs a file written anew (:meth:`AnnPersist.write`)."""
+
+    def __init__(self) -> None:
+        self._lock, self.count = threading.RLock(), 0
+
+    def __enter__(self) -> "ChangeLock":
+        self._lock.acquire()
+        self.count += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._lock.release()
+
+
+def _file_id(path) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
 class AnnPersist:
     """The persistence half of :class:`.ann.AnnIndex` (a mixin: it uses its ``_index``, ``_tail``, ``ann_slot``,
-    ``params`` and the rest :meth:`load` sets)."""
+    ``params``, ``_mut`` (a :class:`ChangeLock`) and the rest :meth:`load` sets)."""
+
+    #: ``(file, (st_dev, st_ino), mark)``: the file the structure was last written to or loaded from, and its
+    #: :meth:`_mark` then (None: none)
+    _saved: tuple[Path, tuple[int, int], tuple] | None = None
+
+    def _mark(self) -> tuple:
+        """What must be unchanged for the structure to be the one in its saved file: the count of changes (the
+        lock's), the FAISS object and its vector count."""
+        return self._mut.count, id(self._index), int(self._index.ntotal) if self._index is not None else 0
+
+    def _note_saved(self, path) -> None:
+        try:
+            self._saved = (Path(path), _file_id(path), self._mark())
+        except OSError:
+            self._saved = None
 
     def to_bytes(self) -> bytes:
         """The FAISS structure (``faiss.serialize_index``); empty while an IVF is untrained."""
         self.insert_pending()
         return b"" if self._index is None else _faiss().serialize_index(self._index).tobytes()
 
-    def write(self, path) -> None:
-        """Write the FAISS structure (with HNSW's stored vectors) to ``path`` (not fsynced);
-        nothing is written while an IVF is untrained. Deferred vectors are not in it (:meth:`tail`)."""
-        if self._index is not None:
+    def write(self, path) -> bool:
+        """Write the FAISS structure (with HNSW's stored vectors) to ``path`` (absent; not fsynced); nothing is
+        written while an IVF is untrained. Deferred vectors are not in it (:meth:`tail`). When the structure is
+        unchanged since it was written to or loaded from a file that is still there (same device and inode),
+        ``path`` becomes a hard link to that file instead (no file is ever written in place, so the two names
+        keep the same bytes); a file system without hard links gets the file written. :returns: True when linked."""
+        if self._index is None:
+            return False
+        mark, saved = self._mark(), self._saved
+        Path(path).unlink(missing_ok=True)  # (a name there may share its file with another: never truncated)
+        linked = False
+        if saved is not None and saved[2] == mark:
+            try:
+                linked = _file_id(saved[0]) == saved[1] and os.link(saved[0], path) is None
+            except OSError:  # (gone, another file system, no hard links)
+                linked = False
+        if not linked:
             _faiss().write_index(self._index, str(path))
+        self._saved = (Path(path), _file_id(path), mark)  # (the mark from before the write: a change meanwhile shows)
+        return linked
 
     @locked
     def load(self, data, ann_slot: np.ndarray, trained_at: int, tail: np.ndarray | None = None,
@@ -66,4 +128,8 @@ class AnnPersist:
         if self.params.kind == "hnsw" and self._index is None:
             self._index = self._new_hnsw()
         self._copies = Copies.of_index(self._index) if self.params.kind == "hnsw" else Copies()
+        if isinstance(data, (str, os.PathLike)):  # read from this file: a later write may link it
+            self._note_saved(data)
+        else:
+            self._saved = None
 

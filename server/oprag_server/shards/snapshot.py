@@ -17,7 +17,9 @@ older snapshot's shard builds them anew). Every file is written atomically (temp
 the directory); ``CURRENT`` switches last, so a crash leaves the previous snapshot live.
 ``chunks.arrow`` is an Arrow IPC stream of record batches of at most
 :data:`.chunks.BATCH_ROWS` rows (one batch before snap18: every format reads both), or a hard
-link to the previous snapshot's file when the stored fields did not change (:func:`_link_chunks`).
+link to the previous snapshot's file when the stored fields did not change (:func:`_link_chunks`); so are the BM25
+segment's arrays (:meth:`..index.bm25.segment.Segment.save`) and ``dense.faiss`` when the structure did not change
+since it was written or loaded (:meth:`..index.ann_persist.AnnPersist.write`).
 With ``--storage-uri`` every log record and snapshot is also on object storage (:mod:`.storage`).
 """
 
