@@ -90,6 +90,8 @@ def _parser(plugins: dict) -> argparse.ArgumentParser:
     q.add_argument("--no-memory", action="store_true", help="with --session: do not use or record memory")
     q.add_argument("--max-new-tokens", type=_count, default=0,
                    help="answer length in tokens (0 = the server's default, 64; at most 512)")
+    q.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end the answer just before this text (repeat for up to 4; the text is not printed)")
     q.add_argument("--candidates", type=_count, default=0,
                    help="dense-first window N (0 = the server's default, 256; max(64, 4 x top-k) for min-max "
                         "hybrid on a flat index; a server's --candidates / --hybrid-candidates change them; at most 4096)")
@@ -203,13 +205,14 @@ def _fusion_kw(a) -> dict:
 
 
 def _unused_options(a) -> None:
-    """:raises ValueError: an ``oprag query`` option that would do nothing: ``--max-new-tokens``
+    """:raises ValueError: an ``oprag query`` option that would do nothing: ``--max-new-tokens`` or ``--stop``
     with ``--no-generate`` (nothing is generated), ``--no-memory`` without ``--session`` (memory
     is kept per session: without one there is none to use or record), ``--candidates`` with
     ``--mode dense`` or ``lexical`` (shards return the top-k of the one list), ``--ef-search`` / ``--nprobe`` with
     ``--mode lexical`` or ``full_hybrid`` (no approximate index is searched)."""
-    if a.no_generate and a.max_new_tokens:
-        raise ValueError("--max-new-tokens: --no-generate generates no answer (drop one of the two)")
+    for flag, value in (("--max-new-tokens", a.max_new_tokens), ("--stop", a.stop)):
+        if a.no_generate and value:
+            raise ValueError(f"{flag}: --no-generate generates no answer (drop one of the two)")
     if a.no_memory and not a.session:
         raise ValueError("--no-memory needs --session (memory is kept per session; a query without one uses none)")
     if a.candidates and a.mode in ("dense", "lexical"):  # (accepted and echoed, hits unchanged: trial35)
@@ -232,7 +235,7 @@ def cmd_query(a) -> int:
                 r = c.retrieve(question, **kw)
                 answer = None
             else:
-                r = c.query(question, max_new_tokens=a.max_new_tokens, **kw)
+                r = c.query(question, max_new_tokens=a.max_new_tokens, stop=a.stop, **kw)
                 answer = r.answer
     except grpc.RpcError as exc:
         return _rpc_error(exc, a)

@@ -212,7 +212,7 @@ def query_request(question: str, *, top_k: int = 0, mode: str = "hybrid", sessio
                   filters: Mapping[str, MetadataValue | list[MetadataValue]] | None = None,
                   query_vector=None, min_seq: int = 0, include_trace: bool = False,
                   group_by_document: bool = False, chunks_per_document: int = 0, ef_search: int = 0,
-                  nprobe: int = 0) -> oprag_pb2.QueryRequest:
+                  nprobe: int = 0, stop: str | Sequence[str] | None = None) -> oprag_pb2.QueryRequest:
     """Build a QueryRequest (for :meth:`OpRAGClient.query`, ``retrieve``, ``query_stream`` and
     their :class:`AsyncOpRAGClient` twins, which take the same keyword arguments).
 
@@ -230,6 +230,8 @@ def query_request(question: str, *, top_k: int = 0, mode: str = "hybrid", sessio
     :param ef_search: HNSW search beam, :param nprobe: IVF lists visited, for a server started with
         ``--dense-index hnsw`` / ``ivf`` (0 = its default; the response's ``retrieval`` reports
         what was used).
+    :param stop: a stop string or up to 4 (OpenAI's ``stop``): generation ends where the first is complete, the answer
+        is cut just before it (not returned), ``finish_reason`` ``"stop"``; the server checks them (INVALID_ARGUMENT).
     :raises ValueError: unknown ``mode`` / ``fusion``, a bad filter (:func:`metadata_value`), a count out of range,
         a bad ``query_vector``, a text (question, session_id, filter) that is not valid Unicode (the message names it).
     """
@@ -244,6 +246,9 @@ def query_request(question: str, *, top_k: int = 0, mode: str = "hybrid", sessio
     for name, v in (("question", question), ("session_id", session_id)):
         if v is not None and not isinstance(v, (str, bytes)):
             raise TypeError(f"{name} must be a string, got {type(v).__name__} {v!r}")
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if not all(isinstance(x, str) for x in stops):
+        raise TypeError(f"stop must be a string or a list of strings, got {stop!r}")
     if filters is not None and not isinstance(filters, Mapping):
         raise TypeError(f"filters must be a dict {{key: value or [values]}}, got {type(filters).__name__} {filters!r}")
     if mode not in MODES:
@@ -266,7 +271,7 @@ def query_request(question: str, *, top_k: int = 0, mode: str = "hybrid", sessio
         top_k=top_k,
         mode=MODES[mode],
         session_id=session_id,
-        generation=oprag_pb2.GenerationOptions(max_new_tokens=max_new_tokens),
+        generation=oprag_pb2.GenerationOptions(max_new_tokens=max_new_tokens, stop=stops),
         candidates=candidates,
         disable_memory=disable_memory,
         group_by_document=group_by_document,
@@ -344,7 +349,7 @@ class OpRAGClient:
                                                     metadata=self.md))
 
     def retrieve(self, question: str, *, timeout: float | None = None, **kw) -> oprag_pb2.RetrieveResponse:
-        kw.pop("max_new_tokens", None)
+        kw.pop("max_new_tokens", None), kw.pop("stop", None)
         return call(self.retry, lambda: self.stub.Retrieve(query_request(question, **kw), timeout=timeout or self.timeout, metadata=self.md))
 
     def delete(self, doc_ids: Iterable[str], *, timeout: float | None = None) -> oprag_pb2.DeleteResponse:
@@ -413,7 +418,7 @@ class AsyncOpRAGClient:
                                                 metadata=self.md))
 
     async def retrieve(self, question: str, *, timeout: float | None = None, **kw):
-        kw.pop("max_new_tokens", None)
+        kw.pop("max_new_tokens", None), kw.pop("stop", None)
         return await acall(self.retry, lambda: self.stub.Retrieve(query_request(question, **kw), timeout=timeout or self.timeout, metadata=self.md))
 
     async def delete(self, doc_ids: Iterable[str], *, timeout: float | None = None):

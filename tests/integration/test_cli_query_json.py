@@ -118,6 +118,7 @@ def test_query_rpc_json_has_retrieval_too(server):
     (("--fusion", "rrf", "--rrf-k", str(2**32)), 2, "argument --rrf-k: must be at most 100000, got 4294967296"),
     (("--fusion", "rrf", "--rrf-k", "100001"), 2, "argument --rrf-k: must be at most 100000, got 100001"),
     (("--max-new-tokens", "32"), 2, "oprag: --max-new-tokens: --no-generate generates no answer"),
+    (("--stop", "Observation:"), 2, "oprag: --stop: --no-generate generates no answer"),
     (("--no-memory",), 2, "oprag: --no-memory needs --session"),
     (("--mode", "lexical", "--candidates", "1000"), 2,
      "oprag: --candidates: the window N applies to --mode hybrid and full_hybrid only (--mode lexical ranks one list"),
@@ -134,6 +135,15 @@ def test_a_bad_fusion_option_is_a_clean_error(server, args, code, message):
     assert "Traceback" not in out.stderr
     err = json.loads(out.stdout)["error"]  # (one JSON object on stdout also when it fails: trial39 #5)
     assert err["code"] == ("USAGE" if code == 2 else "INVALID_ARGUMENT") and err["message"], err
+
+
+def test_query_stop_strings_reach_the_server_and_its_checks(server):
+    """``--stop`` is GenerationOptions.stop: checked by the server also when it has no generator to cut."""
+    out = _oprag(server, "query", "--json", "--stop", "a", "--stop", "b", QUESTION)
+    assert out.returncode == 0 and json.loads(out.stdout)["finish_reason"] == "no_generator", out.stderr
+    out = _oprag(server, "query", "--json", *[a for i in range(5) for a in ("--stop", f"s{i}")], QUESTION)
+    assert out.returncode == 1 and "stop has 5 strings; at most 4 are allowed" in out.stderr, out.stderr
+    assert json.loads(out.stdout)["error"]["code"] == "INVALID_ARGUMENT"
 
 
 def test_each_hit_carries_its_typed_metadata(server):

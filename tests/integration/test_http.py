@@ -13,6 +13,7 @@ import subprocess
 import urllib.request
 from pathlib import Path
 
+import grpc
 import openai
 import pytest
 from oprag_client.testing import ServerProcess, free_port
@@ -220,9 +221,9 @@ def test_bad_input_gets_openai_errors(oai, base_url):
         ({"messages": [{"role": "user", "content": "   "}]}, "question is empty"),
         ({"messages": [{"role": "assistant", "content": "hi"}]}, "last message"),
         ({"messages": [{"role": "user", "content": "x" * 5000}]}, "the limit is 4096"),
-        # trial51 #8: fields this server cannot honour were ignored without a signal (a stop string in the answer)
-        ({"stop": ["lobster"]}, "stop sequences are not supported"),
-        ({"stop": "Observation:"}, "stop"),
+        # trial51 #8: fields this server cannot honour were ignored without a signal; stop is honoured (session 53)
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop has 5 strings; at most 4 are allowed"),
+        ({"stop": "x" * 300}, "a stop string has 300 characters; the limit is 256"),
         ({"logprobs": True}, "log probabilities"),
         ({"logprobs": True, "top_logprobs": 2}, "logprobs"),
         ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
@@ -243,6 +244,33 @@ def test_bad_input_gets_openai_errors(oai, base_url):
     r = oai.chat.completions.create(model=m, messages=user, max_tokens=2, stop=[""], logprobs=False, tools=tools,
                                     tool_choice="auto", response_format={"type": "text"})
     assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_stop_cuts_the_answer_before_the_stop_string_streamed_or_not(oai, server):
+    """The real model's greedy answer, then the same request with a stop string taken from inside that answer: the
+    answer is the text before its first occurrence, finish_reason "stop"; streamed, the deltas add up to the same text
+    and never carry any part of the stop string (the tail that could start one is held back)."""
+    m, user = _model(oai), [{"role": "user", "content": QUESTION}]
+    full = oai.chat.completions.create(model=m, messages=user, max_tokens=12).choices[0].message.content
+    assert len(full) >= 12, full
+    stop = full[6:9]  # (a piece of a word or across words: a cut inside a token's text)
+    want = full[:full.find(stop)]
+    r = oai.chat.completions.create(model=m, messages=user, max_tokens=12, stop=stop)
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == (want, "stop"), (full, stop)
+    r = oai.chat.completions.create(model=m, messages=user, max_tokens=12, stop=["zzzz-never", "", stop])
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == (want, "stop")
+    chunks = list(oai.chat.completions.create(model=m, messages=user, max_tokens=12, stop=[stop], stream=True))
+    deltas = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    assert "".join(deltas) == want and [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    # a stop string the answer does not contain changes nothing
+    r = oai.chat.completions.create(model=m, messages=user, max_tokens=12, stop="zzzz-never")
+    assert r.choices[0].message.content == full and r.choices[0].finish_reason == "length"
+    # gRPC: GenerationOptions.stop, the same answer; its checks are INVALID_ARGUMENT
+    g = server.grpc.query(QUESTION, max_new_tokens=12, stop=stop)
+    assert (g.answer, g.finish_reason) == (want, "stop")
+    with pytest.raises(grpc.RpcError) as ei:
+        server.grpc.query(QUESTION, max_new_tokens=12, stop=["ok", ""])
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "must not be empty" in ei.value.details()
 
 
 def _curl(url: str, *args: str) -> tuple[int, str]:

@@ -26,7 +26,7 @@ class FakeEngine:
     def __init__(self, reply: str = "", fail: bool = False, delay_s: float = 0.0) -> None:
         self.reply, self.fail, self.delay_s, self.seen = reply, fail, delay_s, []
 
-    async def stream(self, messages, max_new_tokens, usage):
+    async def stream(self, messages, max_new_tokens, usage, stop=()):
         self.seen.append((messages, max_new_tokens))
         if self.fail:
             raise RuntimeError("engine down")

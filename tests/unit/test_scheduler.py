@@ -333,7 +333,7 @@ class FakeEngineGenerator(FakeGenerator):
     def chat_messages(self, system, user):
         return [{"role": "user", "content": user}]
 
-    async def stream(self, messages, max_new_tokens, usage):
+    async def stream(self, messages, max_new_tokens, usage, stop=()):
         t = time.perf_counter()
         await asyncio.sleep(self.delay)
         yield messages[-1]["content"].split("Question: ")[-1]
@@ -453,7 +453,7 @@ class SlowPromptEngine(FakeEngineGenerator):
         self.prompts[user.split("Question: ")[-1]] = time.perf_counter()
         return super().chat_prompt(system, user)
 
-    async def stream(self, messages, max_new_tokens, usage):
+    async def stream(self, messages, max_new_tokens, usage, stop=()):
         self.threads.add(threading.get_ident())
         async for d in super().stream(messages, max_new_tokens, usage):
             yield d

@@ -148,10 +148,12 @@ class MetadataFilter(_message.Message):
     def __init__(self, key: _Optional[str] = ..., values: _Optional[_Iterable[str]] = ..., typed_values: _Optional[_Iterable[_Union[MetadataValue, _Mapping]]] = ...) -> None: ...
 
 class GenerationOptions(_message.Message):
-    __slots__ = ("max_new_tokens",)
+    __slots__ = ("max_new_tokens", "stop")
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
     max_new_tokens: int
-    def __init__(self, max_new_tokens: _Optional[int] = ...) -> None: ...
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class QueryRequest(_message.Message):
     __slots__ = ("question", "top_k", "mode", "session_id", "generation", "candidates", "disable_memory", "filters", "fusion", "query_vector", "min_seq", "include_trace", "group_by_document", "chunks_per_document", "ef_search", "nprobe")

@@ -41,6 +41,7 @@ from typing import Any
 
 from ..models.protocols import EngineUsage
 from .admission import ewma
+from .stops import StopCut
 
 log = logging.getLogger(__name__)
 
@@ -217,14 +218,23 @@ class EngineDispatch:
         """On the engine loop: stream ``job`` into a list of pieces; the result goes to ``done``
         on the frontend's loop after the stream is closed."""
         t = time.perf_counter()
-        usage, pieces, err = EngineUsage(), [], None
+        usage, pieces, err, cut = EngineUsage(), [], None, StopCut(getattr(job, "stop", ()))
         post = self._loop.call_soon_threadsafe if self._io is not None else self._loop.call_soon
-        stream = self.gen.stream(job.payload.messages, job.max_new_tokens, usage)
-        try:
-            async for delta in stream:
-                pieces.append(delta)
+
+        def put(text: str) -> None:
+            if text:
+                pieces.append(text)
                 if len(pieces) == 1 or getattr(job, "events", None) is not None:
-                    post(self.on_text, job, delta)
+                    post(self.on_text, job, text)
+
+        stream = self.gen.stream(job.payload.messages, job.max_new_tokens, usage, stop=cut.stops)
+        try:
+            async for delta in stream:  # (cut here too: an engine may ignore the request's stop strings)
+                put(cut.feed(delta))
+                if cut.hit:
+                    usage.finish_reason = "stop"
+                    break
+            put(cut.flush())
         except BaseException as exc:  # noqa: BLE001 - handed to the frontend's loop below
             err = exc
             if not isinstance(exc, Exception):

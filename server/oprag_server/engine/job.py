@@ -47,6 +47,7 @@ class QueryJob:
     use_memory: bool = True  # False: the request disabled memory (no lookup, no promotion)
     generate: bool = True  # False: retrieval only (Retrieve RPC, or no generator loaded)
     max_new_tokens: int = 64
+    stop: tuple[str, ...] = ()  # the answer ends before the first of these (engine.stops)
     request_id: str = ""
     query_vector: np.ndarray | None = None  # float32[D] given by the client: no embedding
     events: asyncio.Queue | None = None  # QueryStream: ("sources", job) / ("text", str), then the future resolves

@@ -45,6 +45,7 @@ from .monitor import PruningMonitor
 from .rwlock import RWLock
 from .scheduler import (CONTEXT, EMBED, GENERATE, MEMORY, PREP_INFLIGHT, PROMOTE, RETRIEVE, BatchPolicy, PlanStep,
                         batch_steps, compile_plan, split_plan)
+from .stops import StopCuts
 
 __all__ = ["Overloaded", "QueryEngine", "QueryJob", "QueryRejected"]
 
@@ -346,13 +347,11 @@ class QueryEngine(DirectPath, Admission):
         for j in jobs:
             self.metrics.stage_seconds.labels(stage="generate_queue").observe(t - j.last_end)
         prompts, max_new = [j.payload.prompt for j in jobs], [j.max_new_tokens for j in jobs]
-
-        def emit(row: int, delta: str) -> None:  # generator thread -> event loop
-            loop.call_soon_threadsafe(self._on_text, jobs[row], delta)
-
+        cuts = StopCuts([j.stop for j in jobs], lambda row, text: loop.call_soon_threadsafe(self._on_text, jobs[row], text),
+                        lambda row: jobs[row].cancelled)  # (generator thread -> event loop)
         results = await loop.run_in_executor(
             self.gen_executor,
-            lambda: self.generator.generate(prompts, max_new, on_token=emit, should_stop=lambda row: jobs[row].cancelled),
+            lambda: self.generator.generate(prompts, max_new, on_token=cuts.emit, should_stop=cuts.should_stop),
         )
         dt = time.perf_counter() - t
         self.metrics.generator_seconds.labels(state="busy").inc(dt)
@@ -360,8 +359,11 @@ class QueryEngine(DirectPath, Admission):
         if dt > 0:
             self.metrics.tokens_per_second.set(toks / dt)
         self._generated(dt)
-        for j, r in zip(jobs, results):
-            j.answer, j.completion_tokens, j.finish_reason = r.text, r.completion_tokens, r.finish_reason
+        for row, (j, r) in enumerate(zip(jobs, results)):
+            j.answer, j.finish_reason, held = cuts.result(row, r.text, r.finish_reason)
+            if held:  # (after every delta the thread sent: they were queued before the result)
+                self._on_text(j, held)
+            j.completion_tokens = r.completion_tokens
             self.metrics.generated_tokens.inc(r.completion_tokens)
         return dt
 

@@ -232,7 +232,7 @@ class OpenAIGenerator:
                                  f"({'overloaded or down' if code == 429 or code >= 500 else 'misconfigured'})", wait)
 
     async def stream(self, messages: list[dict[str, str]], max_new_tokens: int,
-                     usage: EngineUsage) -> AsyncIterator[str]:
+                     usage: EngineUsage, stop: tuple[str, ...] = ()) -> AsyncIterator[str]:
         """Greedy (temperature 0) chat completion; yields text deltas as the engine sends them.
 
         ``usage`` is filled in as the engine reports it (``prompt_tokens``,
@@ -245,6 +245,8 @@ class OpenAIGenerator:
         got_token = False
         body = {"model": self.model, "messages": messages, "max_tokens": int(max_new_tokens), "temperature": 0.0,
                 "stream": True, "stream_options": {"include_usage": True}}
+        if stop:  # (OpenAI's chat field; the caller also cuts the stream at them)
+            body["stop"] = list(stop)
         for attempt in range(self.retries + 1):
             usage.attempts = attempt + 1
             try:

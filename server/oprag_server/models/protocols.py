@@ -224,8 +224,10 @@ class EngineGenerator(Protocol):
     max_inflight: int
     is_engine: bool
 
-    def stream(self, messages: list[dict[str, str]], max_new_tokens: int, usage: EngineUsage) -> AsyncIterator[str]:
-        """Text deltas as the engine produces them; ``usage`` filled in on the way.
+    def stream(self, messages: list[dict[str, str]], max_new_tokens: int, usage: EngineUsage,
+               stop: tuple[str, ...] = ()) -> AsyncIterator[str]:
+        """Text deltas as the engine produces them; ``usage`` filled in on the way; ``stop``: the request's stop
+        strings, for the engine to end the answer at (the caller cuts the stream at them too: :mod:`..engine.stops`).
 
         :raises EngineUnavailable | EngineTimeout | ValueError: engine down or overloaded,
             too slow, or the request refused.

@@ -17,6 +17,7 @@ from .. import metadata as md
 from ..config import LimitsConfig, RetrievalConfig, ServerConfig
 from ..domain import DEFAULT_RRF_K, MODES, RetrieveSpec
 from ..engine.job import QueryJob
+from ..engine.stops import stop_strings
 from ..index.analyzer import has_visible_content
 from ..operators.hybrid import exact_dense, first_candidates
 from ..records import F32_HINT
@@ -32,8 +33,7 @@ MODE_NAMES = {
     oprag_pb2.FULL_HYBRID: "full_hybrid",
 }
 assert set(MODE_NAMES.values()) == set(MODES)
-MAX_FILTERS = 16
-MAX_FILTER_VALUES = 1024
+MAX_FILTERS, MAX_FILTER_VALUES = 16, 1024
 MAX_FILTER_KEY_BYTES = md.MAX_KEY_BYTES  # (UTF-8; a 100 KB key was accepted and echoed in messages, trial23)
 MAX_FUSION_WEIGHT, MIN_FUSION_WEIGHT = 1e6, 1e-12  # (non-zero min: 1e-320 made every fused score 0, trial24)
 MAX_RRF_K = 100_000
@@ -54,7 +54,7 @@ def query_job(req: Any, cfg: ServerConfig, *, dim: int, generate: bool, can_gene
     :param generate: the RPC generates an answer (Query, QueryStream; not Retrieve).
     :param can_generate: the server has a generator (``--generator none`` has not: a generating RPC then gets
         ``finish_reason`` :data:`NO_GENERATOR`). :param chunks: the corpus' live chunks (the first N, ``exact_dense``).
-    :raises InvalidArgument: empty or too long question, top_k / candidates / max_new_tokens out of range,
+    :raises InvalidArgument: empty or too long question, top_k / candidates / max_new_tokens / stop out of range,
         unknown mode or fusion, bad weights, rrf_k, filters, session id, query vector or chunks_per_document.
     """
     lim, rcfg, gcfg = cfg.limits, cfg.retrieval, cfg.generate
@@ -83,14 +83,14 @@ def query_job(req: Any, cfg: ServerConfig, *, dim: int, generate: bool, can_gene
                         group_by_document=req.group_by_document, chunks_per_document=per_doc,
                         ef_search=getattr(req, "ef_search", 0), nprobe=getattr(req, "nprobe", 0))
     qvec = query_vector(req.query_vector, dim)
-    max_new = 0
+    max_new, stop = 0, ()
     if generate:
         max_new = req.generation.max_new_tokens or gcfg.default_max_new_tokens
         if not 1 <= max_new <= gcfg.max_new_tokens_limit:
             raise InvalidArgument(
-                f"max_new_tokens must be in [1, {gcfg.max_new_tokens_limit}] (0 = the default), got {req.generation.max_new_tokens}"
-            )
-    return QueryJob(question=q, spec=spec, query_vector=qvec, session_id=req.session_id,
+                f"max_new_tokens must be in [1, {gcfg.max_new_tokens_limit}] (0 = the default), got {req.generation.max_new_tokens}")
+        stop = stop_strings(req.generation.stop, InvalidArgument)
+    return QueryJob(question=q, spec=spec, query_vector=qvec, session_id=req.session_id, stop=stop,
                     use_memory=not req.disable_memory, generate=generate and can_generate, max_new_tokens=max_new,
                     request_id=request_id(), finish_reason=NO_GENERATOR if generate and not can_generate else "")
 

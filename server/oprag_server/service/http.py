@@ -211,8 +211,8 @@ def build_app(rt: Any) -> FastAPI:
             raise NotFound(f"the model {model_id!r} does not exist: GET /v1/models lists them")
         return model_card(model_id)
 
-    def job_for(question: str, opts: api.RetrievalOptions, *, max_new: int = 0, generate: bool):
-        req = api.query_request(question, opts, max_new)
+    def job_for(question: str, opts: api.RetrievalOptions, *, max_new: int = 0, generate: bool, stop=None):
+        req = api.query_request(question, opts, max_new, stop)
         return convert.query_job(req, cfg, dim=rt.encoder.dim, generate=generate,
                                  can_generate=rt.generator is not None, chunks=rt.corpus_stats.n_docs)
 
@@ -284,7 +284,7 @@ def build_app(rt: Any) -> FastAPI:
         if max_new > limit:  # name the HTTP field, not the gRPC one
             field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
             raise InvalidArgument(f"{field} must be at most {limit} on this server, got {max_new}")
-        job = job_for(question, body.oprag, max_new=max_new, generate=True)
+        job = job_for(question, body.oprag, max_new=max_new, generate=True, stop=body.stops())
         if memory is not None:
             job.memory = memory  # the plan has no memory step: the conversation is the memory
         await applied(request, body.oprag.min_seq)  # (after the checks, as gRPC's Query)

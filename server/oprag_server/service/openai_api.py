@@ -156,8 +156,6 @@ class StreamOptions(_Strict):
 
 #: OpenAI chat fields refused when they ask for something (:meth:`ChatRequest._unsupported`): why, what to do
 _UNSUPPORTED = {
-    "stop": "stop sequences are not supported by this server (an answer ends at max_tokens or the model's end of "
-            "turn): remove stop, or cut the answer at the stop string in the client",
     "logprobs": "log probabilities are not returned by this server: remove logprobs (or send false)",
     "top_logprobs": "log probabilities are not returned by this server: remove top_logprobs",
     "tool_choice": "tool calls are not supported (answers come from the retrieved sources): remove tool_choice, "
@@ -169,7 +167,7 @@ _UNSUPPORTED = {
 
 
 #: the values of those fields that ask for nothing
-_OFF = {"stop": (None, "", []), "logprobs": (None, False), "top_logprobs": (None, 0), "tool_choice": (None, "none", "auto"),
+_OFF = {"logprobs": (None, False), "top_logprobs": (None, 0), "tool_choice": (None, "none", "auto"),
         "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"})}
 
 
@@ -188,9 +186,9 @@ class ChatRequest(_Strict):
     n: StrictInt = Field(1, ge=1, le=1)
     user: Str | None = None
     oprag: ChatOptions = Field(default_factory=ChatOptions)
+    stop: Str | list[Str] | None = None  # up to 4 stop sequences (engine.stops); "" and empty entries ask for none
     # OpenAI fields this server cannot honour: refused when they ask for something (their "off" values are
     # accepted), since an answer that ignored them is not what the client asked for (trial51 #8)
-    stop: Str | list[Str] | None = None
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
     tool_choice: Str | dict | None = None
@@ -200,9 +198,13 @@ class ChatRequest(_Strict):
     @field_validator(*_UNSUPPORTED)
     @classmethod
     def _unsupported(cls, v: Any, info: ValidationInfo) -> Any:
-        if v in _OFF[info.field_name] or (info.field_name == "stop" and isinstance(v, list) and not any(v)):
-            return v  # (a list of empty stop strings asks for nothing either)
+        if v in _OFF[info.field_name]:
+            return v
         raise ValueError(_UNSUPPORTED[info.field_name])
+
+    def stops(self) -> list[str]:
+        """The request's stop strings, empty ones left out (checked with the gRPC field's rules by the query)."""
+        return [s for s in ([self.stop] if isinstance(self.stop, str) else self.stop or []) if s]
 
 
 class RetrieveRequest(RetrievalOptions):
@@ -229,14 +231,15 @@ class EmbeddingsRequest(_Strict):
 
 
 # ---------------------------------------------------------------------------------- requests
-def query_request(question: str, opts: RetrievalOptions, max_new_tokens: int = 0) -> oprag_pb2.QueryRequest:
+def query_request(question: str, opts: RetrievalOptions, max_new_tokens: int = 0,
+                  stop: list[str] | None = None) -> oprag_pb2.QueryRequest:
     """The ``QueryRequest`` a gRPC client would send for the same question and settings."""
     return oprag_pb2.QueryRequest(
         question=question, top_k=opts.top_k, mode=_WIRE_MODE[opts.mode], session_id=opts.session_id,
         candidates=opts.candidates, disable_memory=opts.disable_memory, include_trace=opts.include_trace,
         ef_search=opts.ef_search, nprobe=opts.nprobe, group_by_document=getattr(opts, "group_by_document", False),
         chunks_per_document=getattr(opts, "chunks_per_document", 0), query_vector=getattr(opts, "query_vector", None),
-        generation=oprag_pb2.GenerationOptions(max_new_tokens=max_new_tokens),
+        generation=oprag_pb2.GenerationOptions(max_new_tokens=max_new_tokens, stop=stop or []),
         filters=[oprag_pb2.MetadataFilter(key=k, typed_values=[metadata_value(x, k, "metadata filter")
                                                                for x in (v if isinstance(v, list) else [v])])
                  for k, v in opts.filters.items()],
