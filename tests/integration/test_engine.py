@@ -128,6 +128,42 @@ def test_answers_equal_the_builtin_generator(server):
         assert usage.prompt_tokens == ref.prompt_tokens == engine.count_tokens(engine.chat_prompt(SYSTEM_PROMPT, u))
 
 
+def test_stop_strings_reach_the_engine_and_cut_the_answer(client, server):
+    """``stop`` goes to transformers serve in the request (its ``stop_strings``) and the stream is cut here too:
+    the answer is the engine's full answer up to where the stop string completes, finish_reason "stop". Checked
+    on the raw engine stream as well, so the engine's own handling of the field is seen, not only our cut."""
+    from oprag_server.models.generator import HFGenerator
+    from oprag_server.models.openai_engine import OpenAIGenerator
+    from oprag_server.models.protocols import EngineUsage
+    from oprag_server.operators.context import SYSTEM_PROMPT
+
+    q = "When was the lighthouse completed?"
+    full = client.query(q, top_k=1, max_new_tokens=12).answer
+    assert len(full) >= 12, full
+    stop = full[5:8]
+    want = full[:full.find(stop)]
+    r = client.query(q, top_k=1, max_new_tokens=12, stop=[stop])
+    assert (r.answer, r.finish_reason) == (want, "stop"), (full, stop)
+    port, _ = engine_proc(server)
+    builtin = HFGenerator("smollm2", device="cpu")
+    engine = OpenAIGenerator(f"http://127.0.0.1:{port}/v1", str(builtin.cached_model_dir()),
+                             tokenizer_dir=builtin.cached_model_dir())
+    user = f"Sources:\n\n[1] {DOCS[0].title}\n{DOCS[0].text}\n\nQuestion: {q}"
+
+    async def raw(stops):
+        usage = EngineUsage()
+        text = "".join([d async for d in engine.stream(engine.chat_messages(SYSTEM_PROMPT, user), 12, usage, stop=stops)])
+        return text, usage.finish_reason
+
+    async def both():
+        out = await raw(()), await raw((stop,))
+        await engine.aclose()
+        return out
+
+    (plain, why_plain), (cut, why_cut) = asyncio.run(both())
+    assert why_plain == "length" and why_cut == "stop" and len(cut) < len(plain), (plain, cut)  # the engine stopped
+
+
 def test_cancelled_stream_frees_its_engine_slot(client, server):
     before = metric(server, "oprag_engine_cancel_release_seconds_count")
     call = client.query_stream("What do honey bee dances tell?", top_k=2, max_new_tokens=64)
