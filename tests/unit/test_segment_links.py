@@ -178,3 +178,33 @@ def test_an_exit_right_after_a_snapshot_waits_for_the_memory_drop(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert marker.exists()
+
+
+def test_a_renumbered_segment_is_linked_by_the_next_snapshot_while_unchanged(tmp_path):
+    """trial53 #5: after a delete the live chunks' slots have gaps, so a snapshot writes the segment renumbered (a
+    copy, not the arrays served). Every later snapshot renumbered and wrote it again, also one only session turns
+    caused; now the renumbered files of the last complete snapshot are linked while the segment is the same."""
+    from oprag_server.shards.protocol import PromoteRequest
+
+    st = ShardState(0, D, tmp_path)
+    st.load(set())
+    toks = _upsert(st, 0, 60, 1)
+    st.store.delete([f"d{i}" for i in range(0, 60, 3)], 2)  # (the snapshot's merge folds them: slots with gaps)
+    st.snapshot()
+    first = _ids(_postings_dir(tmp_path))
+    for sid in ("a", "b"):  # snapshots that only session turns cause
+        st.memory.promote(PromoteRequest(session_id=sid, question="q", summary="s", chunk_ids=[], titles=[],
+                                         vector=np.ones(D, np.float32) / np.sqrt(D), max_turns=4))
+        st.snapshot()
+        assert _ids(_postings_dir(tmp_path)) == first
+    st.txns.wal.close()
+    live = {s: t for s, t in toks.items() if s % 3}
+    again = ShardState(0, D, tmp_path)
+    again.load()  # (a load numbers the live chunks 0..n-1 in slot order)
+    check([again.store.postings], {i: (live[s], 0) for i, s in enumerate(sorted(live))}, ["topic1", "chunk4", "the"])
+    assert len(again.memory) == 2
+    again.snapshot()  # the loaded segment is mapped from those files: linked as it is
+    assert _ids(_postings_dir(tmp_path)) == first
+    again.store.delete(["d1"], 3)  # a write: a new segment, new files
+    again.snapshot()
+    assert set(_ids(_postings_dir(tmp_path)).values()).isdisjoint(first.values())

@@ -316,9 +316,8 @@ class MergeMixin:
     def _save_segment(self, d: Path) -> list[Path]:
         """Write the segment under ``d``, slots renumbered ``0..n-1`` (a load's). :returns: the files."""
         seg = self._seg
-        out = seg.renumbered()
-        files = out.save(d)
-        self._saved = (weakref.ref(seg), Path(d), out is seg)
+        files, as_is = seg.save_renumbered(d)
+        self._saved = (weakref.ref(seg), Path(d), as_is)
         return files
 
     def unsaved_nbytes(self) -> int:
@@ -352,7 +351,12 @@ class MergeMixin:
         """
         saved, self._saved = self._saved, None
         self._written = saved and saved[0]  # (the snapshot is complete: it holds that segment)
-        if not saved or not saved[2] or saved[0]() is not self._seg or saved[1] != Path(d) or self.merging:
+        if not saved or saved[0]() is not self._seg or saved[1] != Path(d):
+            return []
+        if not saved[2]:  # renumbered in its files: linked by the next snapshot while the segment is the same
+            self._seg.note_renumbered(Path(d))
+            return []
+        if self.merging:
             return []
         old = self._seg.map_files(Path(d))
         return [] if old is None else [*old, *listed_cache.take(self)]
