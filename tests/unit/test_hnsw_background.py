@@ -128,11 +128,14 @@ def test_the_shard_installs_a_finished_compaction_between_requests_and_restarts_
     assert dense.ann_building is not None
     sh.snapshot()  # mid-build (or just after): the graph that serves is saved
     _until_built(dense)
+    # not settled until it is installed: Stats counts the build's live vectors in ann_pending (trial53 #6)
+    assert sh.stats().ann_pending == dense.ann.live == 2000
     assert sh.idle_wait() == 0.0
     capsys.readouterr()
     sh.idle_step()
     # (the deletes go one chunk at a time: the build started at the first quarter, the rest are dead in the new one)
     assert dense.ann_building is None and dense.ann.live == 2000 and dense.ann.dead < 300
+    assert sh.stats().ann_pending == 0
     err = capsys.readouterr().err  # (trial40: a compaction left no trace in the log)
     assert "INFO shard 0: HNSW graph compacted: 2000 live vectors in a new graph, " in err and "in the background" in err
     # the new graph's dense-minimum seeds came built by the compaction's thread: the next query does not build them

@@ -136,6 +136,14 @@ class GraphRows:
         restart cut its compaction short; the deletes that crossed the quarter are not repeated: trial50)."""
         return bool(self._one and self._ann is not None and self._ann.building is None and self._ann.needs_compaction())
 
+    @property
+    def rebuild_pending(self) -> int:
+        """Live vectors a background HNSW compaction or IVF retraining is building a new structure of (installed
+        between requests: until then a reply may still move slightly), or that a due compaction will
+        (:meth:`compaction_due`); 0 when none (trial53 #6: ``Stats`` read settled while one ran)."""
+        a = self._ann
+        return a.live if a is not None and (a.building is not None or self.compaction_due()) else 0
+
     def compact_due(self) -> bool:
         """HNSW: start the compaction :meth:`compaction_due` finds (in the background from
         :data:`.hnsw_build.BACKGROUND_MIN` live vectors, else here). :returns: whether one was started or done."""

@@ -344,7 +344,7 @@ class StatsReply:
     lexical: tuple | None = None
     replayed: int = 0
     nbytes: dict | None = None
-    ann_pending: int = 0  # HNSW vectors searchable but not in the graph yet (deferred inserts)
+    ann_pending: int = 0  # HNSW vectors not in the graph yet (deferred inserts), + live ones a background rebuild holds
     merge_pending: int = 0  # BM25 delta postings a merge folds or an idle merge will (PostingsIndex.merge_pending)
     segment_unsaved: int = 0  # bytes of BM25 segment in anonymous memory no snapshot holds (unsaved_nbytes)
     seeds_pending: int = 0  # HNSW vectors a thread is making dense-minimum seeds for (low_seeds_state.pending)

@@ -62,7 +62,7 @@ class ShardState:
         st, nbytes = self.store, self._nbytes()
         return StatsReply(shard=self.shard_id, documents=len(st.doc_slots), chunks=len(st.chunks),
                           memory_records=len(self.memory), applied_seq=st.applied_seq, nbytes=nbytes,
-                          ann_pending=st.dense.pending, merge_pending=st.postings.merge_pending(),
+                          ann_pending=st.dense.pending + st.dense.rebuild_pending, merge_pending=st.postings.merge_pending(),
                           seeds_pending=low_seeds_state.pending(self.search._low, st.dense.ann),  # noqa: SLF001
                           segment_unsaved=st.postings.unsaved_nbytes(),
                           ann_unsaved=nbytes.get("ann", 0) if self._ann_changes[0] != self._ann_changes[1] else 0,
