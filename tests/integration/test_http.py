@@ -223,7 +223,8 @@ def test_bad_input_gets_openai_errors(oai, base_url):
         ({"messages": [{"role": "user", "content": "x" * 5000}]}, "the limit is 4096"),
         # trial51 #8: fields this server cannot honour were ignored without a signal; stop is honoured (session 53)
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop has 5 strings; at most 4 are allowed"),
-        ({"stop": "x" * 300}, "a stop string has 300 characters; the limit is 256"),
+        ({"stop": ["", "", "a", "b", "c"]}, "stop has 5 strings; at most 4 are allowed"),  # (trial53b #3: as sent)
+        ({"stop": "x" * 300}, "stop has a string of 300 characters; the limit is 256"),
         ({"logprobs": True}, "log probabilities"),
         ({"logprobs": True, "top_logprobs": 2}, "logprobs"),
         ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
@@ -237,6 +238,8 @@ def test_bad_input_gets_openai_errors(oai, base_url):
         with pytest.raises(openai.BadRequestError) as ei:
             oai.chat.completions.create(**args)
         assert ei.value.status_code == 400 and want in _err(ei)["message"] + str(_err(ei)["param"]), kw
+        if "stop" in kw:  # (trial53b #2: param was null)
+            assert _err(ei)["param"] == "stop", (kw, _err(ei))
     with pytest.raises(openai.BadRequestError):
         oai.embeddings.create(model=oai.models.list().data[-1].id, input=[])
     # their "off" values ask for nothing and are accepted (clients that send the defaults)
@@ -270,7 +273,7 @@ def test_stop_cuts_the_answer_before_the_stop_string_streamed_or_not(oai, server
     assert (g.answer, g.finish_reason) == (want, "stop")
     with pytest.raises(grpc.RpcError) as ei:
         server.grpc.query(QUESTION, max_new_tokens=12, stop=["ok", ""])
-    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "must not be empty" in ei.value.details()
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "stop must not hold an empty string" in ei.value.details()
 
 
 def _curl(url: str, *args: str) -> tuple[int, str]:

@@ -69,6 +69,21 @@ def test_a_session_past_the_ttl_starts_again_at_its_own_next_turn():
     assert [r.question for r in s.memory.sessions["solo"]] == ["again", "soon"]
 
 
+def test_an_active_session_shows_its_turns_whatever_their_own_age(monkeypatch):
+    """trial53b #5: the TTL is the session's idle time (its last turn), for lookups as for expiry; each turn was
+    filtered by its own age, so an active session's older turns were hidden yet stored and counted."""
+    from oprag_server.shards import memory as mem
+
+    s = ShardState(0, DIM, None)
+    for i, t in enumerate((1000.0, 1008.0, 1016.0)):  # each within 10 s of the one before
+        s.memory._promote(PromoteRequest("act", f"q{i}", "a", [], [], np.ones(DIM, np.float32), max_turns=5,
+                                         ttl_s=10.0), t)
+    monkeypatch.setattr(mem.time, "time", lambda: 1020.0)
+    assert [r.question for r in _search(s, "act", ttl_s=10.0)] == ["q2", "q1", "q0"]  # q0 is 20 s old
+    monkeypatch.setattr(mem.time, "time", lambda: 1027.0)  # idle 11 s: none
+    assert _search(s, "act", ttl_s=10.0) == [] and len(s.memory) == 3
+
+
 def test_the_budget_holds_with_one_session_too():
     """trial53 #2: alone on a shard, a session kept up to its turn bound whatever the budget."""
     s = ShardState(0, DIM, None)

@@ -192,11 +192,13 @@ def test_a_renumbered_segment_is_linked_by_the_next_snapshot_while_unchanged(tmp
     st.store.delete([f"d{i}" for i in range(0, 60, 3)], 2)  # (the snapshot's merge folds them: slots with gaps)
     st.snapshot()
     first = _ids(_postings_dir(tmp_path))
+    lens = os.stat(_postings_dir(tmp_path) / "doc_len.npy").st_ino
     for sid in ("a", "b"):  # snapshots that only session turns cause
         st.memory.promote(PromoteRequest(session_id=sid, question="q", summary="s", chunk_ids=[], titles=[],
                                          vector=np.ones(D, np.float32) / np.sqrt(D), max_turns=4))
         st.snapshot()
         assert _ids(_postings_dir(tmp_path)) == first
+        assert os.stat(_postings_dir(tmp_path) / "doc_len.npy").st_ino == lens  # (trial53b #1: written each time)
     st.txns.wal.close()
     live = {s: t for s, t in toks.items() if s % 3}
     again = ShardState(0, D, tmp_path)

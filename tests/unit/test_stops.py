@@ -81,8 +81,8 @@ def test_request_checks():
     assert stop_strings(["b", "a", "b"]) == ("b", "a")
     assert stop_strings([]) == ()
     for values, words in ((["a"] * 5, "stop has 5 strings; at most 4 are allowed"),
-                          ([""], "must not be empty"),
-                          (["x" * (MAX_STOP_CHARS + 1)], f"the limit is {MAX_STOP_CHARS}")):
+                          ([""], "stop must not hold an empty string"),
+                          (["x" * (MAX_STOP_CHARS + 1)], f"stop has a string of {MAX_STOP_CHARS + 1} characters; the limit is")):
         with pytest.raises(ValueError) as ei:
             stop_strings(values)
         assert words in str(ei.value)

@@ -35,9 +35,9 @@ def stop_strings(values: Sequence[str], error: type[Exception] = ValueError) -> 
     out = tuple(dict.fromkeys(values))
     for s in out:
         if not s:
-            raise error("stop strings must not be empty: remove the empty string")
+            raise error("stop must not hold an empty string: remove it")
         if len(s) > MAX_STOP_CHARS:
-            raise error(f"a stop string has {len(s)} characters; the limit is {MAX_STOP_CHARS}: shorten it")
+            raise error(f"stop has a string of {len(s)} characters; the limit is {MAX_STOP_CHARS}: shorten it")
     return out
 
 

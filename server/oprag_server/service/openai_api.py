@@ -29,6 +29,7 @@ from oprag.v1 import oprag_pb2
 
 from ..domain import MemoryContext
 from ..engine.job import QueryJob
+from ..engine.stops import MAX_STOPS
 from .convert import MODE_NAMES, InvalidArgument, memory_fields, metadata_value
 from .openai_errors import U32 as _U32
 
@@ -203,8 +204,14 @@ class ChatRequest(_Strict):
         raise ValueError(_UNSUPPORTED[info.field_name])
 
     def stops(self) -> list[str]:
-        """The request's stop strings, empty ones left out (checked with the gRPC field's rules by the query)."""
-        return [s for s in ([self.stop] if isinstance(self.stop, str) else self.stop or []) if s]
+        """The request's stop strings, empty ones left out (checked with the gRPC field's rules by the query).
+
+        :raises InvalidArgument: more than :data:`~..engine.stops.MAX_STOPS` entries, empty ones counted (OpenAI's
+            limit is on the list as sent; trial53b #3)."""
+        sent = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if len(sent) > MAX_STOPS:
+            raise InvalidArgument(f"stop has {len(sent)} strings; at most {MAX_STOPS} are allowed: send fewer")
+        return [s for s in sent if s]
 
 
 class RetrieveRequest(RetrievalOptions):

@@ -96,7 +96,7 @@ def error_param(message: str, path: str) -> str | None:
         return "messages" if chat else "query" if path.endswith("/retrieve") else None
     if root in _KNOBS:
         return f"oprag.{field}" if chat else field
-    return field if root in {"input", "dimensions", "max_tokens", "max_completion_tokens", "messages"} else None
+    return field if root in {"input", "dimensions", "max_tokens", "max_completion_tokens", "messages", "stop"} else None
 
 
 def validation_message(errors: list[dict], body: Any, model: Any = None) -> tuple[str | None, str]:

@@ -133,13 +133,16 @@ class MemoryStore:
         return PromoteReply(records=len(recs))
 
     def lookup(self, req: MemoryLookupRequest) -> MemoryLookupReply:
-        """Per session: its most recent ``k`` turns (newest first) within ``ttl_s`` (0 = any age)."""
+        """Per session: its most recent ``k`` turns (newest first); none when its last turn is older than ``ttl_s``
+        (0 = any age): the session is idle past it. The rule is the session's, as its expiry's (trial53b #5: each turn
+        was filtered by its own age, so an active session's older turns were hidden yet stored and counted)."""
         ttl = float(req.ttl_s or 0)
         now = time.time()
         out = []
         for sid in req.session_ids:
-            recs = [r for r in self.sessions.get(sid, []) if not ttl or now - r.created <= ttl]
-            out.append([r.as_turn() for r in recs[-int(req.k):][::-1]])
+            recs = self.sessions.get(sid, [])
+            live = recs and (not ttl or now - recs[-1].created <= ttl)
+            out.append([r.as_turn() for r in recs[-int(req.k):][::-1]] if live else [])
         return MemoryLookupReply(out)
 
     def clear(self, req: MemoryClearRequest) -> MemoryClearReply:

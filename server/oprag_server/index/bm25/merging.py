@@ -19,6 +19,7 @@ import numpy as np
 
 from . import listed_cache
 from .delta import Delta
+from .files import file_ids
 from .seg_merge import merge
 
 _POSTING_BYTES = 10  # a segment's bytes per posting (int32 slot, uint16 tf, int32 forward term id)
@@ -312,6 +313,8 @@ class MergeMixin:
     _saved: tuple | None = None
     #: weak reference to the segment the last complete snapshot holds (renumbered or not)
     _written: weakref.ref | None = None
+    #: (weak reference to that segment, its ``doc_len.npy``'s file ids): linked by the next save while it is the same
+    _doc_len_src: tuple | None = None
 
     def _save_segment(self, d: Path) -> list[Path]:
         """Write the segment under ``d``, slots renumbered ``0..n-1`` (a load's). :returns: the files."""
@@ -353,6 +356,7 @@ class MergeMixin:
         self._written = saved and saved[0]  # (the snapshot is complete: it holds that segment)
         if not saved or saved[0]() is not self._seg or saved[1] != Path(d):
             return []
+        self._doc_len_src = (saved[0], file_ids(Path(d), ["doc_len.npy"]))  # (the lengths of its chunks: fixed)
         if not saved[2]:  # renumbered in its files: linked by the next snapshot while the segment is the same
             self._seg.note_renumbered(Path(d))
             return []

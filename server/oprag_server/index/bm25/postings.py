@@ -13,6 +13,7 @@ from typing import Sequence
 import numpy as np
 
 from .delta import Delta, accumulate
+from .files import link_same
 from .merging import _DELTA, _NONE, _SEG, MergeMixin
 from .okapi import as_slot as _as_slot, check_avgdl, check_query, check_slots
 from .segment import MAX_SLOT, Segment
@@ -92,10 +93,8 @@ class PostingsIndex(MergeMixin):
             setattr(self, name, a)
 
     def add(self, slot: int, tokens: Sequence[str]) -> None:
-        """Index chunk ``slot`` with analysed ``tokens`` (its length is ``len(tokens)``).
-
-        An empty token list is allowed (a live chunk of length 0 that matches nothing,
-        counted in ``N`` and avgdl like rank_bm25's empty documents).
+        """Index chunk ``slot`` with analysed ``tokens`` (its length is ``len(tokens)``). An empty token list is allowed
+        (a live chunk of length 0 that matches nothing, counted in ``N`` and avgdl like rank_bm25's empty documents).
 
         Raises:
             ValueError: ``slot`` outside ``[0, 2**31-1]`` or already live (remove it first).
@@ -239,11 +238,10 @@ class PostingsIndex(MergeMixin):
         return self._n_live, self._total_len, df
 
     def nbytes(self) -> dict[str, int]:
-        """Bytes held: ``postings`` (segment and per-slot arrays, the BM25 top-m's scratch and
-        wide-term rows, the delta at an estimated 100 bytes per posting) and ``terms``
-        (:meth:`.segment.Segment.nbytes`, plus the delta's dict
-        and term strings); docs/architecture.md "Memory accounting". A memory-mapped segment
-        (:meth:`load`, :meth:`adopt_files`) counts in full, though only the pages read are resident."""
+        """Bytes held: ``postings`` (segment and per-slot arrays, the BM25 top-m's scratch and wide-term rows, the
+        delta at an estimated 100 bytes per posting) and ``terms`` (:meth:`.segment.Segment.nbytes`, plus the delta's
+        dict and term strings); docs/architecture.md "Memory accounting". A memory-mapped segment (:meth:`load`,
+        :meth:`adopt_files`) counts in full, though only the pages read are resident."""
         arrays, terms = self._seg.nbytes()
         per_slot = self._doc_len.nbytes + self._live.nbytes + self._where.nbytes + self._seg_df.nbytes
         sc = self.__dict__.get("_topm_scratch")  # the BM25 top-m's scratch and built wide rows (listed_top)
@@ -264,15 +262,16 @@ class PostingsIndex(MergeMixin):
         if merge:
             self.merge()
         files = self._save_segment(d)
-        np.save(d / "doc_len.npy", self._doc_len[self._seg.doc_slots.astype(np.int64)].astype(np.int64))
-        return [*files, d / "doc_len.npy"]
+        src, out = self._doc_len_src, d / "doc_len.npy"
+        out.unlink(missing_ok=True)  # (never written in place: it may be linked elsewhere)
+        if not (src is not None and src[1] is not None and src[0]() is self._seg and link_same(src[1], out.name, out)):
+            np.save(out, self._doc_len[self._seg.doc_slots.astype(np.int64)].astype(np.int64))
+        return [*files, out]
 
     @classmethod
     def load(cls, d: Path, mmap: bool = True) -> "PostingsIndex":
         """An index holding a segment written by :meth:`save` (chunks at slots ``0..n-1``).
-
-        :raises ValueError: inconsistent arrays. :raises OSError: a missing file.
-        """
+        :raises ValueError: inconsistent arrays. :raises OSError: a missing file."""
         seg = Segment.load(d, mmap=mmap)
         doc_len = np.load(d / "doc_len.npy")
         n = int(seg.doc_slots.size)
