@@ -136,10 +136,10 @@ _OPTIONS: tuple[tuple[str, str, str, str], ...] = (
     ("--memory-max-turns", "memory", "max_turns_per_session", "turns a session keeps; recording one more drops its oldest"),
     ("--memory-ttl-s", "memory", "ttl_s",
      "seconds a session may stay idle (no turn recorded) before its turns are no longer looked up; they are dropped at "
-     "the shard's next recorded turn (0: never)"),
+     "the shard's next recorded turn, its own or another session's (0: never; otherwise at least 1)"),
     ("--memory-max-records", "memory", "max_records_total",
      "memory records a shard holds at most; past it the least recently active other sessions lose their oldest turns "
-     "first"),
+     "first, then the writing session its older ones (its new turn stays)"),
     ("--stem", "bm25", "stem", "English stemming in the BM25 analyzer (snowballstemmer)"),
     ("--tls-cert", "security", "tls_cert", "PEM certificate: serve gRPC over TLS"),
     ("--tls-key", "security", "tls_key", "PEM private key of --tls-cert"),
