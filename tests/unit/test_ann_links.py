@@ -11,15 +11,13 @@ whose contents are the changed structure.
 from __future__ import annotations
 
 import numpy as np
-import pyarrow as pa
 import pytest
 from test_snap18 import _by_id, _ingest
-from test_snapshot_beside import D, _batch
+from test_snapshot_beside import D
 
 from oprag_server.config import DenseConfig
 from oprag_server.index import graph_layout
 from oprag_server.index.ann import AnnIndex
-from oprag_server.shards import snapshot as snapshots
 from oprag_server.shards.protocol import PromoteRequest
 from oprag_server.shards.state import ShardState
 
