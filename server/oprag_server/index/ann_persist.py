@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from .ann_copies import Copies
+from .bm25.files import Source, file_ids, link_same
 from .ivf_build import locked
 
 
@@ -42,29 +43,22 @@ class ChangeLock:
         self._lock.release()
 
 
-def _file_id(path) -> tuple[int, int]:
-    st = os.stat(path)
-    return st.st_dev, st.st_ino
-
-
 class AnnPersist:
     """The persistence half of :class:`.ann.AnnIndex` (a mixin: it uses its ``_index``, ``_tail``, ``ann_slot``,
     ``params``, ``_mut`` (a :class:`ChangeLock`) and the rest :meth:`load` sets)."""
 
-    #: ``(file, (st_dev, st_ino), mark)``: the file the structure was last written to or loaded from, and its
-    #: :meth:`_mark` then (None: none)
-    _saved: tuple[Path, tuple[int, int], tuple] | None = None
+    #: ``(mark, file name, its directory's :data:`.bm25.files.Source`)``: the file the structure was last written to
+    #: or loaded from and its :meth:`_mark` then (None: none; a Source of None: the file could not be read)
+    _saved: tuple[tuple, str, Source | None] | None = None
 
     def _mark(self) -> tuple:
         """What must be unchanged for the structure to be the one in its saved file: the count of changes (the
         lock's), the FAISS object and its vector count."""
         return self._mut.count, id(self._index), int(self._index.ntotal) if self._index is not None else 0
 
-    def _note_saved(self, path) -> None:
-        try:
-            self._saved = (Path(path), _file_id(path), self._mark())
-        except OSError:
-            self._saved = None
+    def _note_saved(self, path, mark: tuple) -> None:
+        p = Path(path)
+        self._saved = (mark, p.name, file_ids(p.parent, [p.name]))
 
     def to_bytes(self) -> bytes:
         """The FAISS structure (``faiss.serialize_index``); empty while an IVF is untrained."""
@@ -81,15 +75,11 @@ class AnnPersist:
             return False
         mark, saved = self._mark(), self._saved
         Path(path).unlink(missing_ok=True)  # (a name there may share its file with another: never truncated)
-        linked = False
-        if saved is not None and saved[2] == mark:
-            try:
-                linked = _file_id(saved[0]) == saved[1] and os.link(saved[0], path) is None
-            except OSError:  # (gone, another file system, no hard links)
-                linked = False
+        linked = (saved is not None and saved[0] == mark and saved[2] is not None  # (link_same: False when gone,
+                  and link_same(saved[2], saved[1], Path(path)))                 # replaced or on another device)
         if not linked:
             _faiss().write_index(self._index, str(path))
-        self._saved = (Path(path), _file_id(path), mark)  # (the mark from before the write: a change meanwhile shows)
+        self._note_saved(path, mark)  # (the mark from before the write: a change meanwhile shows)
         return linked
 
     @locked
@@ -129,7 +119,7 @@ class AnnPersist:
             self._index = self._new_hnsw()
         self._copies = Copies.of_index(self._index) if self.params.kind == "hnsw" else Copies()
         if isinstance(data, (str, os.PathLike)):  # read from this file: a later write may link it
-            self._note_saved(data)
+            self._note_saved(data, self._mark())
         else:
             self._saved = None
 
