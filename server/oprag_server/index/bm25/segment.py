@@ -236,19 +236,19 @@ class Segment:
     def note_renumbered(self, d: Path) -> None:
         """Remember that the files under ``d`` hold this segment renumbered (:meth:`save_renumbered` wrote or linked
         them there for a snapshot now complete); they are never written in place, so while they are there they do."""
-        src = file_ids(d, [f"{n}.npy" for n in _ARRAYS] + ["terms.json"])
-        if src is None:
-            self.__dict__.pop("_renumbered", None)
-        else:
-            self.__dict__["_renumbered"] = src
+        self._note_files("_renumbered", d)
 
     def _note_source(self, d: Path) -> None:
         """Remember the files under ``d`` that the arrays map (for :meth:`save`'s links)."""
+        self._note_files("_source", d)
+
+    def _note_files(self, key: str, d: Path) -> None:
+        """Keep the ids of the segment's files under ``d`` as ``key`` (dropped when one cannot be read)."""
         src = file_ids(d, [f"{n}.npy" for n in _ARRAYS] + ["terms.json"])
         if src is None:
-            self.__dict__.pop("_source", None)
+            self.__dict__.pop(key, None)
         else:
-            self.__dict__["_source"] = src
+            self.__dict__[key] = src
 
     def check(self) -> None:
         """:raises ValueError: shapes or offsets do not fit together."""
