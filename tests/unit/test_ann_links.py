@@ -165,5 +165,5 @@ def test_a_loaded_structure_is_linked_until_it_changes(tmp_path):
     other = AnnIndex(D, DenseConfig(kind="hnsw"))
     other.load(tmp_path / "a.faiss", ann.ann_slot.copy(), 0)
     assert other.write(tmp_path / "b.faiss") is True
-    other.load(open(tmp_path / "a.faiss", "rb").read(), ann.ann_slot.copy(), 0)  # from bytes: no file to link
+    other.load(ann.to_bytes(), ann.ann_slot.copy(), 0)  # from bytes: no file to link
     assert other.write(tmp_path / "c.faiss") is False

@@ -1,10 +1,11 @@
 """Saving and restoring :class:`.ann.AnnIndex`'s FAISS structure (a snapshot's ``dense.faiss``), with its id map
 and HNSW's deferred vectors (:mod:`.ann`).
 
-A structure that has not changed since it was written to (or loaded from) a file is saved as a hard link to that
-file (:meth:`AnnPersist.write`): a snapshot that only session turns caused (trial52 #4) wrote every HNSW graph
-again, ~0.9 GB a 500K-vector shard. "Not changed" is read from :class:`ChangeLock`, the lock every change of the
-structure holds (its count of acquisitions), with the FAISS object and its vector count as a second check.
+HNSW's stored vectors are saved beside the graph, in parts that a later write links while they hold the same rows
+(:mod:`.ann_vectors`). A structure that has not changed since it was written to (or loaded from) a file is saved as
+a hard link to that file (:meth:`AnnPersist.write`): a snapshot that only session turns caused (trial52 #4) wrote
+every HNSW graph again, ~0.9 GB a 500K-vector shard. "Not changed" is read from :class:`ChangeLock`, the lock every
+change of the structure holds (its count of acquisitions), with the FAISS object and its vector count as a second check.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .ann_copies import Copies
+from . import ann_vectors
+from .ann_copies import Copies, hnsw_storage
 from .bm25.files import Source, file_ids, link_same
 from .ivf_build import locked
 
@@ -50,6 +52,8 @@ class AnnPersist:
     #: ``(mark, file name, its directory's :data:`.bm25.files.Source`)``: the file the structure was last written to
     #: or loaded from and its :meth:`_mark` then (None: none; a Source of None: the file could not be read)
     _saved: tuple[tuple, str, Source | None] | None = None
+    #: HNSW: the parts list and files of that file's stored vectors (:mod:`.ann_vectors`; None: none)
+    _parts = None
 
     def _mark(self) -> tuple:
         """What must be unchanged for the structure to be the one in its saved file: the count of changes (the
@@ -59,6 +63,7 @@ class AnnPersist:
     def _note_saved(self, path, mark: tuple) -> None:
         p = Path(path)
         self._saved = (mark, p.name, file_ids(p.parent, [p.name]))
+        self._parts = ann_vectors.note(p)
 
     def to_bytes(self) -> bytes:
         """The FAISS structure (``faiss.serialize_index``); empty while an IVF is untrained."""
@@ -66,19 +71,25 @@ class AnnPersist:
         return b"" if self._index is None else _faiss().serialize_index(self._index).tobytes()
 
     def write(self, path) -> bool:
-        """Write the FAISS structure (with HNSW's stored vectors) to ``path`` (absent; not fsynced); nothing is
-        written while an IVF is untrained. Deferred vectors are not in it (:meth:`tail`). When the structure is
-        unchanged since it was written to or loaded from a file that is still there (same device and inode),
-        ``path`` becomes a hard link to that file instead (no file is ever written in place, so the two names
-        keep the same bytes); a file system without hard links gets the file written. :returns: True when linked."""
+        """Write the FAISS structure to ``path`` (absent; not fsynced: :func:`.ann_vectors.files` lists what to sync);
+        nothing is written while an IVF is untrained. Deferred vectors are not in it (:meth:`tail`). HNSW's stored
+        vectors go to parts beside the graph, and the parts of the last write or load that still hold the same rows
+        are linked (:mod:`.ann_vectors`). When the structure is unchanged since it was written to or loaded from a
+        file that is still there (same device and inode), ``path`` becomes a hard link to that file instead (no
+        file is ever written in place, so the two names keep the same bytes); a file system without hard links
+        gets the file written. :returns: True when linked."""
         if self._index is None:
             return False
-        mark, saved = self._mark(), self._saved
-        Path(path).unlink(missing_ok=True)  # (a name there may share its file with another: never truncated)
-        linked = (saved is not None and saved[0] == mark and saved[2] is not None  # (link_same: False when gone,
-                  and link_same(saved[2], saved[1], Path(path)))                 # replaced or on another device)
-        if not linked:
-            _faiss().write_index(self._index, str(path))
+        mark, saved, path = self._mark(), self._saved, Path(path)
+        graph = (saved[2], saved[1]) if saved is not None and saved[0] == mark and saved[2] is not None else None
+        if hasattr(self._index, "hnsw") and (graph is None or self._parts is not None):  # (else: a file with them)
+            linked = ann_vectors.write(self._index, path, hnsw_storage(self._index), self._parts, graph)
+        else:
+            ann_vectors.remove(path)
+            path.unlink(missing_ok=True)  # (a name there may share its file with another: never truncated)
+            linked = graph is not None and link_same(graph[0], graph[1], path)  # (link_same: False when gone,
+            if not linked:                                                      # replaced or on another device)
+                _faiss().write_index(self._index, str(path))
         self._note_saved(path, mark)  # (the mark from before the write: a change meanwhile shows)
         return linked
 
@@ -102,7 +113,7 @@ class AnnPersist:
         elif data is None or hasattr(data, "ntotal"):
             index = data
         else:
-            index = faiss.read_index(str(data))
+            index = ann_vectors.read(data)
         p = 0 if tail is None else int(tail.shape[0])
         if self.params.kind == "hnsw" and index is not None and int(index.ntotal) + p != int(np.asarray(ann_slot).size):
             raise ValueError(f"the saved structure holds {index.ntotal} vectors and {p} deferred ones, its id map "
@@ -121,5 +132,5 @@ class AnnPersist:
         if isinstance(data, (str, os.PathLike)):  # read from this file: a later write may link it
             self._note_saved(data, self._mark())
         else:
-            self._saved = None
+            self._saved = self._parts = None
 

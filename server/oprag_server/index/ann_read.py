@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .ann import _faiss
+from . import ann_vectors
 from .ann_copies import hnsw_storage
 
 
@@ -16,8 +16,7 @@ def read_vectors(path, ann_slot: np.ndarray, slots: np.ndarray, tail: np.ndarray
 
     :raises ValueError: not an HNSW file, or a slot not in ``ann_slot``.
     """
-    faiss = _faiss()
-    index = faiss.read_index(str(path))
+    index = ann_vectors.read(path)
     if not hasattr(index, "hnsw"):
         raise ValueError(f"{path}: not an HNSW structure")
     ann_slot = np.asarray(ann_slot, dtype=np.int64)

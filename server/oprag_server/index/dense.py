@@ -32,7 +32,7 @@ from ..records import as_query_matrix
 from ..config import DenseConfig
 from .ann import AnnIndex
 from .ann_rescore import rescored
-from . import hugepages
+from . import ann_vectors, hugepages
 from .slot_sample import sample_slots
 from .graph_rows import GraphRows
 from .ivf_rows import IvfRows
@@ -80,8 +80,7 @@ class DenseIndex(GraphRows, IvfRows):
 
     def __init__(self, dim: int, params: DenseConfig | None = None) -> None:
         _faiss()  # fail early, with the install hint, when FAISS is missing
-        self.dim = int(dim)
-        self.params = params or DenseConfig()
+        self.dim, self.params = int(dim), params or DenseConfig()
         # flat: FAISS's brute-force kernel scans the copy below; hnsw / ivf: the ANN structure picks the candidates
         self._ann = AnnIndex(self.dim, self.params) if self.params.kind != "flat" else None
         self._mut = threading.Lock()  # held while the flat / IVF copy's rows change (ivf_rows)
@@ -253,15 +252,16 @@ class DenseIndex(GraphRows, IvfRows):
             out["faiss"] = self._ann.to_bytes()
         return out
 
-    def write_ann(self, path) -> None:
+    def write_ann(self, path) -> list:
         """Write the approximate structure to ``path`` straight from FAISS (no serialised copy in memory; an empty file
-        while an IVF is untrained). Not fsynced."""
+        while an IVF is untrained; HNSW's vectors in parts beside it, :mod:`.ann_vectors`). Not fsynced. :returns: its files."""
         if self._pending is not None:
             self.compact_ann()
-        if self._ann is not None and self._ann.ready:
-            self._ann.write(path)
-        else:
+        if self._ann is None or not self._ann.ready:
             open(path, "wb").close()
+            return [path]
+        self._ann.write(path)
+        return ann_vectors.files(path)
 
     def load_ann(self, state: dict, slot_map) -> bool:
         """Adopt a saved structure instead of rebuilding it (vectors added with ``ann=False``).

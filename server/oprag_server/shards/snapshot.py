@@ -11,8 +11,10 @@ re-analysing the texts (and written anew by the next snapshot). Format 3: with H
 are saved once, in ``dense.faiss`` (the graph's own storage), and ``chunks.arrow`` has no
 ``vector`` column; a shard of another index kind reads them out of that file. Format 4 (only
 when the shard has some): ``dense_tail.npy``, the HNSW vectors acknowledged but not inserted into
-the graph yet (deferred inserts, :mod:`..index.ann`), loaded back as such. With HNSW, ``dense_seeds.npz`` (when the
-shard has built them): the dense minimum's seeds, restored at start (:mod:`..index.low_seeds_state`; optional, an
+the graph yet (deferred inserts, :mod:`..index.ann`), loaded back as such. Format 5: with HNSW, ``dense.faiss`` is
+the graph alone and the vectors are in ``dense.faiss.v<start>.npy`` parts listed by ``dense.faiss.vectors.json``,
+which later snapshots link while they hold the same rows (:mod:`..index.ann_vectors`). With HNSW, ``dense_seeds.npz``
+(when the shard has built them): the dense minimum's seeds, restored at start (:mod:`..index.low_seeds_state`; optional, an
 older snapshot's shard builds them anew). Every file is written atomically (temporary file, fsync, rename, fsync of
 the directory); ``CURRENT`` switches last, so a crash leaves the previous snapshot live.
 ``chunks.arrow`` is an Arrow IPC stream of record batches of at most
@@ -37,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import records
-from ..index import low_seeds_state
+from ..index import ann_vectors, low_seeds_state
 from ..index.bm25 import PostingsIndex
 from ..index.objstore import MirroredLog
 from ..index.wal import WriteAheadLog, fsync_write, fsync_write_with
@@ -51,8 +53,9 @@ from .txn import Transactions
 FORMAT_VERSION = 3
 #: formats :func:`load` reads (3: with HNSW, ``chunks.arrow`` has no ``vector`` column, the
 #: vectors are in ``dense.faiss`` only; 4: format 3 plus ``dense_tail.npy``, the HNSW vectors
-#: acknowledged but not inserted into the graph yet, written only when there are some)
-READABLE_FORMATS = (1, 2, 3, 4)
+#: acknowledged but not inserted into the graph yet, written only when there are some; 5: with HNSW,
+#: ``dense.faiss`` holds the graph only and the vectors are in parts beside it, :mod:`..index.ann_vectors`)
+READABLE_FORMATS = (1, 2, 3, 4, 5)
 
 
 def write(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions,
@@ -112,8 +115,8 @@ def _write_snapshot_files(snap: Path, store: ChunkStore, memory: MemoryStore) ->
         _fsync_file(p)
     _fsync_file(snap / "postings")
     if store.dense.ann_state(with_bytes=False) is not None:
-        store.dense.write_ann(snap / "dense.faiss")  # written by FAISS, no serialised copy in memory
-        _fsync_file(snap / "dense.faiss")
+        for p in store.dense.write_ann(snap / "dense.faiss"):  # written by FAISS, no serialised copy in memory
+            _fsync_file(p)
         tail = store.dense.deferred_vectors()  # (ANN ids after the graph's; still deferred on load)
         if tail.shape[0]:
             fsync_write_with(snap / "dense_tail.npy", lambda f: np.save(f, tail))
@@ -124,7 +127,8 @@ def _write_snapshot_files(snap: Path, store: ChunkStore, memory: MemoryStore) ->
         fsync_write(snap / "dense.npz", buf.getvalue())
         if (seeds := low_seeds_state.encode(store.dense.ann)) is not None:  # HNSW: the dense minimum's seeds
             fsync_write(snap / low_seeds_state.NAME, seeds)
-    meta = {"format_version": 4 if (snap / "dense_tail.npy").exists() else FORMAT_VERSION,
+    parts = ann_vectors.sidecar(snap / "dense.faiss").exists()  # (format 5: HNSW vectors beside the graph)
+    meta = {"format_version": 5 if parts else 4 if (snap / "dense_tail.npy").exists() else FORMAT_VERSION,
             "applied_seq": store.applied_seq, "dim": store.dim,
             "next_slot": store.next_slot, "chunks": rows[0], "analyzer": {"stem": store.analyzer.stem}}
     fsync_write(snap / "meta.json", json.dumps(meta).encode())
