@@ -315,8 +315,8 @@ def shard_snapshot_files(data_dir: Path) -> list[tuple[int, Path]]:
 
 
 def read_snapshot(data_dir: Path) -> dict:
-    """Every chunk of every shard's current snapshot (``chunks.arrow``, Arrow IPC stream; see
-    :func:`shard_snapshot_files`).
+    """Every chunk of every shard's current snapshot (``chunks.arrow`` and the files ``meta.json``'s ``chunk_files``
+    lists after it, Arrow IPC streams; see :func:`shard_snapshot_files`).
 
     :returns: ``{"chunk_id", "doc_id", "title", "text": list[str], "vectors": float32[N, D],
         "shard": list[int]}`` in shard order, then the snapshot's row order.
@@ -332,8 +332,13 @@ def read_snapshot(data_dir: Path) -> dict:
         raise FileNotFoundError(f"no shard snapshot (shard-*/[snap-*/]chunks.arrow) under {data_dir}")
     out["files"] = [str(f) for _, f in files]
     for shard, f in files:
-        with pa.OSFile(str(f), "rb") as src:
-            table = pa.ipc.open_stream(src).read_all()
+        meta = f.parent / "meta.json"  # (format 5: chunks.arrow may be followed by more files, listed there)
+        names = [n for n, _ in json.loads(meta.read_text()).get("chunk_files") or []] if meta.exists() else []
+        tables = []
+        for g in [f.parent / n for n in names] or [f]:
+            with pa.OSFile(str(g), "rb") as src:
+                tables.append(pa.ipc.open_stream(src).read_all())
+        table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
         for col in ("chunk_id", "doc_id", "title", "text"):
             out[col] += [x or "" for x in table.column(col).to_pylist()]
         out["shard"] += [shard] * table.num_rows

@@ -21,11 +21,11 @@ t = time.perf_counter()
 st = ShardState(0, 384, d, dense=DenseConfig(kind="hnsw"))
 st.load(set())
 print(f"load {time.perf_counter() - t:.1f} s, chunks {len(st.store.chunks)}", flush=True)
-real_map = S.map_chunks
+real_map = S.chunk_files.map_chunks
 times = {}
 def timed_map(p):
     t = time.perf_counter(); out = real_map(p); times["map+read_all"] = time.perf_counter() - t; return out
-S.map_chunks = timed_map
+S.chunk_files.map_chunks = timed_map
 F = type(st.store.fields)
 real_adopt = F.adopt
 held = []

@@ -179,8 +179,8 @@ def _stall_mid_chunks(marker: str) -> None:
     ``chunks.arrow`` (touching ``marker``), until the process is killed."""
     real = chunkstore.ChunkStore.batches
 
-    def slow(self, vectors=True, rows=None):
-        for i, b in enumerate(real(self, vectors, 16)):
+    def slow(self, vectors=True, rows=None, start=0):
+        for i, b in enumerate(real(self, vectors, 16, start)):
             if i == 2:
                 open(marker, "w").close()
                 time.sleep(3600)  # killed here

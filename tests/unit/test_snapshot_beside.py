@@ -18,6 +18,7 @@ import pyarrow as pa
 import pytest
 
 from oprag_server import records
+from oprag_server.shards import chunk_files
 from oprag_server.shards import snapshot as snapshots
 from oprag_server.shards import worker
 from oprag_server.shards.protocol import (ApplyRequest, FetchRequest, MemoryLookupRequest, Op, PrepareRequest,
@@ -81,20 +82,19 @@ def _serve(tmp_path, client) -> None:
 def _hold(monkeypatch) -> threading.Event:
     """Hold the snapshot's chunks file until the returned event is set (at most HOLD_S): its
     write, or its link when the stored fields did not change since the loaded snapshot."""
-    released, real, link = threading.Event(), snapshots.fsync_write_with, snapshots._link_chunks
+    released, real, link = threading.Event(), chunk_files.fsync_write_with, chunk_files.link
 
     def slow(path, write):
-        if path.name == "chunks.arrow":
+        if path.name.startswith("chunks."):
             released.wait(HOLD_S)
         return real(path, write)
 
-    def slow_link(store, dst):
-        if store.fields.source is not None:
-            released.wait(HOLD_S)
-        return link(store, dst)
+    def slow_link(src, dst):
+        released.wait(HOLD_S)
+        return link(src, dst)
 
-    monkeypatch.setattr(snapshots, "fsync_write_with", slow)
-    monkeypatch.setattr(snapshots, "_link_chunks", slow_link)
+    monkeypatch.setattr(chunk_files, "fsync_write_with", slow)
+    monkeypatch.setattr(chunk_files, "link", slow_link)
     return released
 
 

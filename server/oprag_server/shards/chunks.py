@@ -334,14 +334,15 @@ class ChunkStore:
         column), in slot order; built from the Arrow columns, not per row."""
         return self._block(self.fields.slots(), vectors)
 
-    def batches(self, vectors: bool = True, rows: int | None = None) -> Iterator[pa.RecordBatch]:
+    def batches(self, vectors: bool = True, rows: int | None = None, start: int = 0) -> Iterator[pa.RecordBatch]:
         """:meth:`batch` as record batches of at most ``rows`` (default :data:`BATCH_ROWS`) rows,
         at least one (maybe empty), each built once the previous one was consumed: a snapshot's
         writer streams them to the file and holds one at a time (one batch of every row was a
         ~0.85 GB copy of a 1M-chunk shard's texts). Rows of one mapped part are sliced, not
         copied (:meth:`.fields.StoredFields.table`); after each batch, the pages of the mapped
-        snapshot files it read leave the RSS (:meth:`.fields.StoredFields.release_mapped`)."""
-        slots, rows = self.fields.slots(), rows or BATCH_ROWS
+        snapshot files it read leave the RSS (:meth:`.fields.StoredFields.release_mapped`). ``start``: from the
+        live row of that rank on (the rows after a snapshot's linked files, :mod:`.chunk_files`)."""
+        slots, rows = self.fields.slots()[start:], rows or BATCH_ROWS
         for i in range(0, max(int(slots.size), 1), rows):
             yield self._block(slots[i: i + rows], vectors)
             self.fields.release_mapped()

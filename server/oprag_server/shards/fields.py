@@ -55,9 +55,10 @@ class StoredFields:
         self._live = 0
         self._rows = 0  # rows held in parts, dead ones included
         self._cols: dict[tuple, tuple] = {}  # (id(part), names) -> (part, string column readers)
-        #: the snapshot file (Path) the fields are exactly the rows of, nothing stored or removed
-        #: since (the next snapshot may link it instead of writing it: :meth:`mapped`), or None
-        self.source = None
+        #: ``[(Path, rows)]``: the snapshot files whose rows, in order, are the first live rows in slot order, nothing
+        #: removed since and nothing stored below them (the next snapshot may link them: :mod:`.chunk_files`), or None
+        self.prefix: list | None = None
+        self._hi = -1  # the highest slot stored so far
         self._maps: list = []  # mmaps the parts view (their pages dropped from RSS: release_mapped)
 
     def __len__(self) -> int:
@@ -72,7 +73,9 @@ class StoredFields:
         """
         if not slots:
             return
-        self.source = None
+        if slots[0] <= self._hi:  # (rows below a file's: the files are no longer the first rows)
+            self.prefix = None
+        self._hi = max(self._hi, int(slots[-1]))
         part = table.select(list(FIELDS))
         if copy or len(rows) != table.num_rows:
             part = part.take(pa.array(rows, type=pa.int64()))
@@ -216,7 +219,7 @@ class StoredFields:
         """Remove live slots; returns their records (what the maps need to forget them)."""
         recs = self.records(slots)
         s = np.asarray(slots, dtype=np.int64)
-        self.source = None
+        self.prefix = None
         self._part[s] = -1
         self._live -= len(slots)
         return [r for r in recs if r is not None]
@@ -235,11 +238,11 @@ class StoredFields:
         self._row[slots] = np.arange(slots.size, dtype=np.int32)
         self._rows = self._live
 
-    def mapped(self, path, m, reusable: bool) -> None:
-        """Parts were just taken from snapshot file ``path`` mapped as mmap ``m``; ``reusable``: they
-        are exactly its rows in slot order (:attr:`source` = ``path`` until the next write)."""
-        self._maps.append(m)
-        self.source = path if reusable else None
+    def mapped(self, files: list, maps: list, reusable: bool) -> None:
+        """Parts were just taken from snapshot files ``files`` (``[(Path, rows)]``) mapped as mmaps ``maps``;
+        ``reusable``: they are exactly the live rows in slot order (:attr:`prefix` until a removal)."""
+        self._maps.extend(maps)
+        self.prefix = list(files) if reusable else None
 
     def release_mapped(self) -> None:
         """Drop the pages of the memory-mapped snapshot files read so far from this process's
@@ -259,7 +262,7 @@ class StoredFields:
         files open, mapped and on the disk, one more per snapshot until the cache filled)."""
         self._parts = parts
         self._cols.clear()
-        self._maps, self.source = [], None
+        self._maps, self.prefix = [], None
 
     def maybe_compact(self) -> None:
         """Rewrite the parts as one, live rows only, once dead rows are half the live ones and

@@ -18,9 +18,9 @@ which later snapshots link while they hold the same rows (:mod:`..index.ann_vect
 older snapshot's shard builds them anew). Every file is written atomically (temporary file, fsync, rename, fsync of
 the directory); ``CURRENT`` switches last, so a crash leaves the previous snapshot live.
 ``chunks.arrow`` is an Arrow IPC stream of record batches of at most
-:data:`.chunks.BATCH_ROWS` rows (one batch before snap18: every format reads both), or a hard
-link to the previous snapshot's file when the stored fields did not change (:func:`_link_chunks`); so are the BM25
-segment's arrays (:meth:`..index.bm25.segment.Segment.save`) and ``dense.faiss`` when the structure did not change
+:data:`.chunks.BATCH_ROWS` rows (one batch before snap18: every format reads both); format 5 may follow it with
+``chunks.<start>.arrow`` files, listed in ``meta.json``'s ``chunk_files``, and links the previous snapshot's files
+while the stored fields begin with their rows (:mod:`.chunk_files`); so are the BM25 segment's arrays (:meth:`..index.bm25.segment.Segment.save`) and ``dense.faiss`` when the structure did not change
 since it was written or loaded (:meth:`..index.ann_persist.AnnPersist.write`).
 With ``--storage-uri`` every log record and snapshot is also on object storage (:mod:`.storage`).
 """
@@ -30,7 +30,6 @@ from __future__ import annotations
 import io
 import json
 import mmap
-import os
 import shutil
 import time
 from collections.abc import Callable
@@ -44,6 +43,7 @@ from ..index.bm25 import PostingsIndex
 from ..index.objstore import MirroredLog
 from ..index.wal import WriteAheadLog, fsync_write, fsync_write_with
 from ..index.wal import _fsync_dir as _fsync_file  # (any path: file or directory)
+from . import chunk_files
 from .chunks import ChunkStore
 from .memory import MemoryStore
 from .protocol import SnapshotReply
@@ -103,10 +103,10 @@ def sweep(d: Path, keep: str | None) -> None:
 def _write_snapshot_files(snap: Path, store: ChunkStore, memory: MemoryStore) -> int:
     """Every file of snapshot directory ``snap`` (fsync'ed), ``meta.json`` last. :returns: chunks."""
     one = store.dense.one_copy  # HNSW: the vectors are saved once, in dense.faiss
-    rows = [len(store.fields)] if _link_chunks(store, snap / "chunks.arrow") else []
-    if not rows:  # record batches of <= BATCH_ROWS rows, each built, streamed to the file and dropped (issue 13:
-        # one batch of every row was a ~0.85 GB copy per 1M-chunk shard, at the snapshot's memory peak)
-        fsync_write_with(snap / "chunks.arrow", lambda f: rows.append(records.write_ipc(f, store.batches(vectors=not one))))
+    # record batches of <= BATCH_ROWS rows, each built, streamed to the file and dropped (issue 13: one batch of every
+    # row was a ~0.85 GB copy per 1M-chunk shard, at the snapshot's memory peak); the last snapshot's files linked
+    files = chunk_files.write(snap, store, vectors=not one)
+    rows = [sum(r for _, r in files)]
     items, mv = memory.dump()  # (the memory records' vectors beside memory.json, in binary)
     fsync_write(snap / "memory.json", json.dumps(items).encode())
     if mv is not None:
@@ -127,43 +127,21 @@ def _write_snapshot_files(snap: Path, store: ChunkStore, memory: MemoryStore) ->
         fsync_write(snap / "dense.npz", buf.getvalue())
         if (seeds := low_seeds_state.encode(store.dense.ann)) is not None:  # HNSW: the dense minimum's seeds
             fsync_write(snap / low_seeds_state.NAME, seeds)
-    parts = ann_vectors.sidecar(snap / "dense.faiss").exists()  # (format 5: HNSW vectors beside the graph)
+    parts = ann_vectors.sidecar(snap / "dense.faiss").exists() or len(files) > 1  # (format 5: files in parts)
     meta = {"format_version": 5 if parts else 4 if (snap / "dense_tail.npy").exists() else FORMAT_VERSION,
-            "applied_seq": store.applied_seq, "dim": store.dim,
-            "next_slot": store.next_slot, "chunks": rows[0], "analyzer": {"stem": store.analyzer.stem}}
+            "applied_seq": store.applied_seq, "dim": store.dim, "next_slot": store.next_slot, "chunks": rows[0],
+            "chunk_files": files, "analyzer": {"stem": store.analyzer.stem}}
     fsync_write(snap / "meta.json", json.dumps(meta).encode())
     return rows[0]
 
 
-def _link_chunks(store: ChunkStore, dst: Path) -> bool:
-    """Give ``dst`` the stored fields' file when they are exactly the rows of a snapshot's
-    ``chunks.arrow`` (nothing stored or removed since: :attr:`.fields.StoredFields.source`, set
-    only for a file of the schema this store writes), as a hard link (the inode lives on when
-    :func:`sweep` deletes the former directory), else a copy; False (written anew by the
-    caller) when there is no such file or neither works. The file is never written in place."""
-    src = store.fields.source
-    if src is None:
-        return False
-    try:
-        os.link(src, dst)
-    except OSError:  # (a file system without hard links) a copy: no memory of the process's
-        try:
-            shutil.copyfile(src, dst)
-            with open(dst, "rb") as fh:
-                os.fsync(fh.fileno())
-        except OSError:
-            dst.unlink(missing_ok=True)
-            return False
-    return True
-
-
-def _mapped(store: ChunkStore, path: Path, table, mapped) -> None:
-    """Tell the stored fields they now serve ``path`` (mapped as ``mapped``, read as ``table``),
-    reusable by the next snapshot when the file's columns are the ones this store writes."""
+def _mapped(store: ChunkStore, files: list, table, maps: list) -> None:
+    """Tell the stored fields they now serve ``files`` (``[(path, rows)]``, mapped as ``maps``, read as ``table``),
+    reusable by the next snapshot when the files' columns are the ones this store writes (:mod:`.chunk_files`)."""
     want = records.chunk_schema(store.dim)
     if store.dense.one_copy:
         want = want.remove(want.get_field_index("vector"))
-    store.fields.mapped(path, mapped, table.schema.equals(want) and table.num_rows == len(store.fields))
+    store.fields.mapped(files, maps, table.schema.equals(want) and table.num_rows == len(store.fields))
 
 
 def adopt(snap: Path, store: ChunkStore) -> list:
@@ -175,10 +153,11 @@ def adopt(snap: Path, store: ChunkStore) -> list:
         snapshot's mapping), for the caller to drop, then :func:`release_memory` (dropping a 1M
         shard's previous mapping took 150-260 ms, its munmap without the GIL: snap15)."""
     old = store.fields._parts  # noqa: SLF001 - adopt replaces the list: the old one is only ours then
-    table, mapped = map_chunks(snap / "chunks.arrow")
+    table, maps, files = chunk_files.map_all(chunk_files.listed(snap, json.loads((snap / "meta.json").read_text())))
     store.fields.adopt(table, store.fields.slots())
-    _mapped(store, snap / "chunks.arrow", table, mapped)
-    mapped.madvise(mmap.MADV_DONTNEED)
+    _mapped(store, files, table, maps)
+    for m in maps:
+        m.madvise(mmap.MADV_DONTNEED)
     # the BM25 segment too, from the postings just written (its anonymous copy: ~700 MB resident
     # per 1M-chunk shard, as a restart's map holds only the pages read; issue 13, mem17)
     old.extend(store.postings.adopt_files(snap / "postings"))
@@ -285,17 +264,6 @@ def _tail(snap: Path) -> np.ndarray | None:
     return np.load(p, mmap_mode="r") if p.exists() else None
 
 
-def map_chunks(path: Path):
-    """A snapshot's ``chunks.arrow`` memory-mapped: ``(table, mmap)``, the table's buffers
-    zero-copy views of the file (pages resident only while read; the caller may drop them from
-    its RSS with ``madvise(MADV_DONTNEED)``, they come back from the page cache when read)."""
-    import pyarrow as pa  # noqa: PLC0415
-
-    with open(path, "rb") as fh:
-        mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-    return pa.ipc.open_stream(pa.py_buffer(mapped)).read_all(), mapped
-
-
 def _with_vectors(snap: Path, table, dim: int):
     """``table`` (the snapshot's chunks in slot order, without vectors) with its ``vector``
     column read out of the HNSW structure file, the only place such a snapshot keeps them.
@@ -353,7 +321,7 @@ def load(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions, co
             raise RuntimeError(f"{snap}: snapshot format {meta.get('format_version')} is not one of {READABLE_FORMATS}")
         if meta.get("dim") != store.dim:
             raise RuntimeError(f"{snap}: vectors have width {meta.get('dim')}, the embedder produces {store.dim}")
-        table, mapped = map_chunks(snap / "chunks.arrow")
+        table, maps, files = chunk_files.map_all(chunk_files.listed(snap, meta))
         loading = _Step(say, f"loading snapshot {snap.name}: {table.num_rows} chunks")
         file = table  # (as read: without the vectors _with_vectors adds)
         if "vector" not in table.column_names and not store.dense.one_copy:
@@ -364,8 +332,9 @@ def load(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions, co
         postings = _load_postings(snap, meta, store, table.num_rows)
         if table.num_rows:
             store.upsert(table, 0, index_ann=False, index_lexical=postings is None, copy_fields=False)
-            _mapped(store, snap / "chunks.arrow", file, mapped)
-        mapped.madvise(mmap.MADV_DONTNEED)  # what the load read (vectors copied out, ids) leaves RSS
+            _mapped(store, files, file, maps)
+        for m in maps:  # what the load read (vectors copied out, ids) leaves RSS
+            m.madvise(mmap.MADV_DONTNEED)
         if postings is not None:
             postings.gate = store.postings.gate  # (the merge gate the shard gave the index it replaces)
             store.postings = postings

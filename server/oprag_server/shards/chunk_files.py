@@ -1,0 +1,112 @@
+"""A snapshot's stored fields in one or more Arrow files, the earlier ones linked from the previous snapshot.
+
+A snapshot wrote every chunk's fields again (``chunks.arrow``: 860 MB a 500K-chunk shard, 0.8-2 s) after any write,
+while that shard held every write. Rows added since the last snapshot come after the rows it wrote (new chunks get
+new, higher slots), so the snapshot now links the previous one's files while the stored fields still begin with
+exactly their rows (nothing removed since: :attr:`.fields.StoredFields.prefix`) and writes only the rows after them,
+as a new file:
+
+* ``chunks.arrow``: the live rows ``[0, r0)`` in slot order; ``chunks.<start>.arrow``: rows ``[start, start + r)``;
+* ``meta.json``'s ``chunk_files``: ``[[name, rows], ...]`` in order (absent before format 5: ``chunks.arrow`` alone).
+
+As for the HNSW vectors' parts (:mod:`..index.ann_vectors`), a file is kept only while it holds at least twice the
+rows after it (from the first that does not, the rows are written anew), so a shard has at most log2(n) + 1 files.
+Any removal (a delete or a replacement) makes the next snapshot write every row in one ``chunks.arrow``, renumbered
+as before. A file is never written in place: a link or a new file under a new snapshot directory.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+from pathlib import Path
+
+from .. import records
+from ..index.wal import fsync_write_with
+
+FIRST = "chunks.arrow"
+
+
+def name(start: int) -> str:
+    """The file of the rows from ``start`` on."""
+    return FIRST if start == 0 else f"chunks.{start:012d}.arrow"
+
+
+def listed(snap: Path, meta: dict) -> list[tuple[Path, int]]:
+    """``[(path, rows)]``: a snapshot's chunk files in order (``meta``: its ``meta.json``)."""
+    files = meta.get("chunk_files") or [[FIRST, meta.get("chunks")]]
+    return [(snap / f, None if r is None else int(r)) for f, r in files]
+
+
+def map_chunks(path: Path):
+    """A snapshot's chunk file memory-mapped: ``(table, mmap)``, the table's buffers zero-copy views of the file
+    (pages resident only while read; the caller may drop them from its RSS with ``madvise(MADV_DONTNEED)``, they
+    come back from the page cache when read)."""
+    import pyarrow as pa  # noqa: PLC0415
+
+    with open(path, "rb") as fh:
+        mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    return pa.ipc.open_stream(pa.py_buffer(mapped)).read_all(), mapped
+
+
+def map_all(files: list[tuple[Path, int]]):
+    """``(table, mmaps, files)``: every chunk file mapped (:func:`map_chunks`), their tables one after the other
+    (zero-copy), and ``files`` with each file's row count as read.
+
+    :raises ValueError: a file's row count differs from the one listed."""
+    import pyarrow as pa  # noqa: PLC0415
+
+    tables, maps, out = [], [], []
+    for path, rows in files:
+        t, m = map_chunks(path)
+        if rows is not None and t.num_rows != rows:
+            raise ValueError(f"{path}: {t.num_rows} rows, {rows} listed in meta.json")
+        tables.append(t)
+        maps.append(m)
+        out.append((path, t.num_rows))
+    return (tables[0] if len(tables) == 1 else pa.concat_tables(tables)), maps, out
+
+
+def link(src: Path, dst: Path) -> bool:
+    """``dst`` a hard link to ``src`` (else a copy, fsynced: a file system without hard links); False when neither
+    works (nothing left at ``dst``)."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        try:
+            shutil.copyfile(src, dst)
+            with open(dst, "rb") as fh:
+                os.fsync(fh.fileno())
+        except OSError:
+            dst.unlink(missing_ok=True)
+            return False
+    return True
+
+
+def write(snap: Path, store, vectors: bool) -> list[list]:
+    """The stored fields of ``store`` (a :class:`.chunks.ChunkStore`) as chunk files under ``snap`` (fsynced):
+    the previous snapshot's files linked while the fields begin with their rows, the rows after them in a new
+    file. ``vectors``: with the ``vector`` column (not with HNSW). :returns: ``meta.json``'s ``chunk_files``."""
+    n, prefix = len(store.fields), store.fields.prefix or []
+    keep, at = [], 0
+    for path, rows in prefix:
+        if at + rows > n:
+            break
+        keep.append((path, at, rows))
+        at += rows
+    for j, (_, start, rows) in enumerate(keep):  # each file at least twice the rows after it
+        if rows < 2 * (n - start - rows):
+            keep, at = keep[:j], start
+            break
+    out = []
+    for path, start, rows in keep:
+        if not link(path, snap / name(start)):
+            at = start
+            break
+        out.append([name(start), rows])
+    if at < n or not out:
+        got = []
+        fsync_write_with(snap / name(at), lambda f: got.append(records.write_ipc(f, store.batches(vectors, start=at))))
+        out.append([name(at), got[0]])
+    return out
