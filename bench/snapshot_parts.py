@@ -8,8 +8,8 @@ The shard's current snapshot is hard-linked into a scratch data dir beside it (s
 ``--dense-index hnsw``; then per round: ``--add`` new chunks (stored texts under new ids, each vector a stored one
 plus noise, renormalised) and a snapshot, the two arms alternating (``whole``: the stored fields and the vectors with
 no earlier file to link, so every row is written, as before format 5; ``parts``: as the server does now). Both arms
-pay the same BM25 merge of the new chunks. Reports each snapshot's seconds (the shard's log line: merge, files) and
-the ratio of the arms' median ``files`` times.
+pay the same BM25 merge of the new chunks. Reports each snapshot's seconds (the shard's log line: merge, files), the
+bytes of the files it wrote (not linked from the snapshot before it) and the ratio of the arms' median ``files`` times.
 """
 
 from __future__ import annotations
@@ -24,6 +24,10 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+
+def _current(d: Path) -> Path:
+    return d / (d / "CURRENT").read_text().strip()
 
 
 def main(argv=None) -> dict:
@@ -79,13 +83,14 @@ def main(argv=None) -> dict:
                     st.store.fields.prefix = None
                     st.store.dense.ann._parts = None  # noqa: SLF001
                 del lines[:]
+                before = {p.stat().st_ino for p in _current(d).rglob("*") if p.is_file()}
                 t = time.perf_counter()
                 st.snapshot()
                 wall = time.perf_counter() - t
                 line = next((x for x in lines if "snapshot written" in x), "")
                 m = re.search(r"BM25 merge ([\d.]+) s, files ([\d.]+) s", line)
-                cur = d / (d / "CURRENT").read_text().strip()
-                new = sum(p.stat().st_size for p in cur.rglob("*") if p.is_file() and p.stat().st_nlink == 1)
+                new = sum(p.stat().st_size for p in _current(d).rglob("*")
+                          if p.is_file() and p.stat().st_ino not in before)
                 out[arm].append({"wall_s": round(wall, 2), "merge_s": float(m.group(1)) if m else None,
                                  "files_s": float(m.group(2)) if m else None, "bytes_new": new})
     finally:
