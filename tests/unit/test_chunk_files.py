@@ -18,7 +18,15 @@ from test_snap18 import _by_id, _fetch_all
 from test_snapshot_beside import D, _batch
 
 from oprag_server.config import DenseConfig
+from oprag_server.shards import chunks as chunkstore
+from oprag_server.shards import fields
 from oprag_server.shards.state import ShardState
+
+
+@pytest.fixture(autouse=True)
+def _small_batches(monkeypatch):
+    """Record batches of 64 rows: the shards here hold more than one (a smaller one keeps one file)."""
+    monkeypatch.setattr(chunkstore, "BATCH_ROWS", 64)
 
 
 def _current(tmp_path):
@@ -126,3 +134,14 @@ def test_the_benches_read_every_file(tmp_path):
     assert len(_files(tmp_path)) == 2
     snap = read_snapshot(tmp_path)
     assert snap["chunk_id"] == [f"d{i}#0" for i in range(340)] and snap["vectors"].shape == (340, D)
+
+
+def test_a_shard_of_one_record_batch_keeps_one_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(chunkstore, "BATCH_ROWS", 400)
+    st = _two_files(tmp_path)  # 340 rows: one file, one batch
+    assert _files(tmp_path) == [["chunks.arrow", 340]]
+    f = st.store.fields
+    assert len(f._parts) == 1 and all(c.plain() for c in f._readers(0, fields._HIT))  # (the compiled gather's case)
+    _add(st, 340, 420, 3)
+    st.snapshot()  # 420 rows: more than one batch, so the first file is linked
+    assert [f for f, _ in _files(tmp_path)] == ["chunks.arrow", "chunks.000000000340.arrow"]

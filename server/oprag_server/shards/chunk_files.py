@@ -12,7 +12,8 @@ as a new file:
 As for the HNSW vectors' parts (:mod:`..index.ann_vectors`), a file is kept only while it holds at least twice the
 rows after it (from the first that does not, the rows are written anew), so a shard has at most log2(n) + 1 files.
 Any removal (a delete or a replacement) makes the next snapshot write every row in one ``chunks.arrow``, renumbered
-as before. A file is never written in place: a link or a new file under a new snapshot directory.
+as before, and so does a shard of at most :data:`.chunks.BATCH_ROWS` chunks (one record batch: one file keeps the
+single-batch columns that :meth:`.fields.StoredFields.hit_utf8`'s compiled gather reads). A file is never written in place: a link or a new file under a new snapshot directory.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 
 from .. import records
 from ..index.wal import fsync_write_with
+from . import chunks as chunkstore
 
 FIRST = "chunks.arrow"
 
@@ -88,8 +90,9 @@ def write(snap: Path, store, vectors: bool) -> list[list]:
     """The stored fields of ``store`` (a :class:`.chunks.ChunkStore`) as chunk files under ``snap`` (fsynced):
     the previous snapshot's files linked while the fields begin with their rows, the rows after them in a new
     file. ``vectors``: with the ``vector`` column (not with HNSW). :returns: ``meta.json``'s ``chunk_files``."""
-    n, prefix = len(store.fields), store.fields.prefix or []
-    keep, at = [], 0
+    n, keep, at = len(store.fields), [], 0
+    # (up to one record batch of rows: one file, whose single batch the compiled gather of hit fields reads)
+    prefix = store.fields.prefix or [] if n > chunkstore.BATCH_ROWS else []
     for path, rows in prefix:
         if at + rows > n:
             break
