@@ -90,9 +90,9 @@ def write(snap: Path, store, vectors: bool) -> list[list]:
     """The stored fields of ``store`` (a :class:`.chunks.ChunkStore`) as chunk files under ``snap`` (fsynced):
     the previous snapshot's files linked while the fields begin with their rows, the rows after them in a new
     file. ``vectors``: with the ``vector`` column (not with HNSW). :returns: ``meta.json``'s ``chunk_files``."""
-    n, keep, at = len(store.fields), [], 0
-    # (up to one record batch of rows: one file, whose single batch the compiled gather of hit fields reads)
-    prefix = store.fields.prefix or [] if n > chunkstore.BATCH_ROWS else []
+    n, keep, at, prefix = len(store.fields), [], 0, store.fields.prefix or []
+    if n <= chunkstore.BATCH_ROWS and [r for _, r in prefix] != [n]:  # (up to one record batch of rows: one file,
+        prefix = []                                                  # whose single batch the compiled gather reads)
     for path, rows in prefix:
         if at + rows > n:
             break
