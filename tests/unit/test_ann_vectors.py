@@ -146,11 +146,49 @@ def test_missing_or_short_parts_are_refused(tmp_path):
     part = p.with_name(_parts(p)[0]["name"])
     rows = np.load(part)
     part.unlink()
-    with pytest.raises(OSError):
+    with pytest.raises(ValueError, match=f"{part.name}: cannot be read"):
         ann_vectors.read(p)
     np.save(part, rows[:-1])
     with pytest.raises(ValueError, match="does not hold rows"):
         ann_vectors.read(p)
+    bad = rows.copy()
+    bad.view(np.uint8).reshape(-1)[4001] ^= 0x40  # (a damaged file of the same size: trial54 #1)
+    np.save(part, bad)
+    with pytest.raises(ValueError, match=f"{part.name}: its rows' CRC-32 is"):
+        ann_vectors.read(p)
+    np.save(part, rows)
+    _loads_as(ann, p)
+    ann_vectors.sidecar(p).write_text('{"rows": 300, "dim"')
+    with pytest.raises(ValueError, match="vectors.json: cannot be read"):
+        ann_vectors.read(p)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "no_list"])
+def test_a_damaged_snapshot_stops_the_start_naming_the_file(tmp_path, damage):
+    """trial54 #2, #3: a damaged part or parts list stopped the start with "nothing to rebuild from", after a log
+    line announcing a conversion; a flat shard's conversion named ``dense.faiss``. Both now name the file."""
+    st = ShardState(0, D, tmp_path, dense=DenseConfig(kind="hnsw"))
+    st.load(set())
+    _ingest(st)
+    st.snapshot()
+    st.txns.wal.close()
+    g = _current(tmp_path / "shard-0") / "dense.faiss"
+    part = g.with_name(_parts(g)[0]["name"])
+    rows = np.load(part)
+    if damage == "flip":
+        rows.view(np.uint8).reshape(-1)[1001] ^= 0x40
+        np.save(part, rows)
+        want = f"{part.name}: its rows' CRC-32"
+    elif damage == "truncate":
+        part.write_bytes(part.read_bytes()[:5000])
+        want = f"{part.name}: cannot be read"
+    else:
+        ann_vectors.sidecar(g).unlink()
+        want = "dense.faiss.vectors.json: cannot be read"
+    with pytest.raises(RuntimeError, match="the only copy of the chunks' vectors, cannot be loaded: .*" + want):
+        ShardState(0, D, tmp_path, dense=DenseConfig(kind="hnsw")).load(set())
+    with pytest.raises(RuntimeError, match=want):  # (another kind reads the vectors out of the files: the same file)
+        ShardState(0, D, tmp_path, dense=DenseConfig(kind="flat")).load(set())
 
 
 def test_a_write_snapshot_links_the_vectors_and_a_restart_serves_the_same(tmp_path):

@@ -161,3 +161,36 @@ def test_a_dense_index_an_idle_step_changed_is_snapshotted_whatever_its_bytes(mo
 
     # a small graph changed by an idle step: saved by the first snapshot, none after
     assert _snapshots_in_3_rounds(monkeypatch, lambda taken: (0, not taken)) == 1
+
+
+def test_a_failure_that_differs_only_in_its_numbers_is_logged_once(monkeypatch):
+    """trial54 #4: on a full disk each periodic snapshot failed with other byte counts ("3251328 requested and 1295328
+    written"), and the loop logged the traceback every time; the same failure with other numbers is now logged once,
+    a different one again."""
+    import asyncio
+
+    from oprag_server import app
+
+    errors = iter([OSError(28, f"No space left on device: {n} requested and {n // 3} written") for n in (300, 4096, 77)]
+                  + [OSError(5, "Input/output error")])
+    logged, waits = [], []
+
+    class Fake:
+        _dirty, commits = True, type("C", (), {"lease": None})()
+        cfg = type("Cfg", (), {"data_dir": "d"})()
+        pool = type("P", (), {"unsaved": staticmethod(lambda: _zero())})()
+        gauges = type("G", (), {"stale": staticmethod(lambda: None)})()
+
+        async def snapshot(self):
+            raise next(errors)
+
+    async def sleep(s):
+        waits.append(s)
+        if len(waits) == 5:
+            raise asyncio.CancelledError
+
+    monkeypatch.setattr(app.asyncio, "sleep", sleep)
+    monkeypatch.setattr(app, "periodic_snapshot_failed", lambda pool, exc, interval: logged.append(str(exc)))
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(app.Runtime._snapshot_loop(Fake()))
+    assert [x.split(":")[0] for x in logged] == ["[Errno 28] No space left on device", "[Errno 5] Input/output error"]

@@ -235,8 +235,12 @@ def _load_ann(snap: Path, store: ChunkStore, say: Say = None) -> None:
                 if store.dense.load_ann(state, remap):
                     low_seeds_state.stash(store.dense.ann, snap / low_seeds_state.NAME)
                     return _built_with(store, say)
-        except (OSError, ValueError, KeyError, RuntimeError):
-            pass  # rebuilt below
+        except (OSError, ValueError, KeyError, RuntimeError) as exc:  # rebuilt below, from the chunks' vectors
+            only = json.loads((snap / "meta.json").read_text()).get("format_version", 1) >= 3  # (format 3: only there)
+            if was == "hnsw" and store.dense.one_copy and only:  # (nothing to rebuild from: trial54 #2)
+                raise RuntimeError(f"{snap}: the HNSW structure, the only copy of the chunks' vectors, cannot be "
+                                   f"loaded: {exc}; restore the snapshot directory from a backup (README: "
+                                   "Durability)") from None
     kind, n = store.dense.params.kind, int(store.dense.slots.size)
     why = f"the snapshot's index is {was}" if was != kind else f"the snapshot's {kind} structure cannot be used"
     step = _Step(say, f"converting the dense index to {kind}: {n} rows ({why})", n > 0)
@@ -279,7 +283,8 @@ def _with_vectors(snap: Path, table, dim: int):
         vecs = read_vectors(snap / "dense.faiss", m["ann_slot"], np.asarray(m["live_slots"], dtype=np.int64),
                             _tail(snap))
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
-        raise RuntimeError(f"{snap}: the chunks' vectors are in dense.faiss, which cannot be read: {exc}") from exc
+        raise RuntimeError(f"{snap}: the chunks' vectors are in dense.faiss (and the parts beside it), which cannot be "
+                           f"read: {exc}") from exc
     col = pa.FixedSizeListArray.from_arrays(pa.array(np.ascontiguousarray(vecs, np.float32).reshape(-1)), dim)
     return table.append_column(pa.field("vector", pa.list_(pa.float32(), dim)), col)
 
