@@ -163,7 +163,7 @@ def test_missing_or_short_parts_are_refused(tmp_path):
         ann_vectors.read(p)
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "no_list"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "no_list", "no_graph"])
 def test_a_damaged_snapshot_stops_the_start_naming_the_file(tmp_path, damage):
     """trial54 #2, #3: a damaged part or parts list stopped the start with "nothing to rebuild from", after a log
     line announcing a conversion; a flat shard's conversion named ``dense.faiss``. Both now name the file."""
@@ -182,11 +182,16 @@ def test_a_damaged_snapshot_stops_the_start_naming_the_file(tmp_path, damage):
     elif damage == "truncate":
         part.write_bytes(part.read_bytes()[:5000])
         want = f"{part.name}: cannot be read"
-    else:
+    elif damage == "no_list":
         ann_vectors.sidecar(g).unlink()
         want = "dense.faiss.vectors.json: cannot be read"
+    else:
+        g.unlink()
+        want = "dense.faiss is missing"
     with pytest.raises(RuntimeError, match="the only copy of the chunks' vectors, cannot be loaded: .*" + want):
         ShardState(0, D, tmp_path, dense=DenseConfig(kind="hnsw")).load(set())
+    if damage == "no_graph":  # (FAISS's own words)
+        want = "dense.faiss for reading: No such file"
     with pytest.raises(RuntimeError, match=want):  # (another kind reads the vectors out of the files: the same file)
         ShardState(0, D, tmp_path, dense=DenseConfig(kind="flat")).load(set())
 

@@ -215,10 +215,12 @@ def _load_ann(snap: Path, store: ChunkStore, say: Say = None) -> None:
             say(f"the snapshot's {was} search structure is not used: --dense-index flat scans every vector (the next snapshot drops it)")
         return
     was = "flat"  # (what a snapshot without the structure's files held)
-    if f.exists() and m.exists():
+    if m.exists():
         try:
             meta = np.load(m)
             was = str(meta["kind"])
+            if not f.exists():  # (an IVF's lists rebuild from the chunks' vectors; HNSW's vectors were only there)
+                raise FileNotFoundError(f"{f} is missing")
             live = np.asarray(meta["live_slots"], dtype=np.int64)
             now = np.sort(store.dense.slots)
             if live.size == now.size:
