@@ -333,7 +333,7 @@ def read_snapshot(data_dir: Path) -> dict:
     out["files"] = [str(f) for _, f in files]
     for shard, f in files:
         meta = f.parent / "meta.json"  # (format 5: chunks.arrow may be followed by more files, listed there)
-        names = [n for n, _ in json.loads(meta.read_text()).get("chunk_files") or []] if meta.exists() else []
+        names = [e[0] for e in json.loads(meta.read_text()).get("chunk_files") or []] if meta.exists() else []
         tables = []
         for g in [f.parent / n for n in names] or [f]:
             with pa.OSFile(str(g), "rb") as src:

@@ -35,7 +35,8 @@ def _current(tmp_path):
 
 
 def _files(tmp_path) -> list:
-    return json.loads((_current(tmp_path) / "meta.json").read_text())["chunk_files"]
+    """``meta.json``'s ``chunk_files`` without the CRC-32s: ``[[name, rows], ...]``."""
+    return [f[:2] for f in json.loads((_current(tmp_path) / "meta.json").read_text())["chunk_files"]]
 
 
 def _ino(tmp_path, name: str) -> int:
@@ -116,14 +117,31 @@ def _two_files(tmp_path) -> ShardState:
     return st
 
 
-def test_a_file_whose_rows_disagree_with_meta_is_refused(tmp_path):
-    st = _two_files(tmp_path)
+@pytest.mark.parametrize("damage", ["rows", "listing_cut", "byte", "truncate"])
+def test_a_damaged_file_or_listing_is_refused_naming_it(tmp_path, damage):
+    """trial54b: a listing cut short served a shard without its last file's chunks (#1), a changed byte in a file was
+    served as text (#3), a truncated file was refused without its name (#4)."""
+    _two_files(tmp_path).txns.wal.close()
     meta = _current(tmp_path) / "meta.json"
     m = json.loads(meta.read_text())
-    m["chunk_files"][1][1] = 39
+    second = _current(tmp_path) / m["chunk_files"][1][0]
+    if damage == "rows":  # (both counts edited alike: the file's own count disagrees)
+        m["chunk_files"][1][1], m["chunks"] = 39, 339
+        err, want = ValueError, f"{second.name}: 40 rows, 39 listed in meta.json"
+    elif damage == "listing_cut":
+        m["chunk_files"] = m["chunk_files"][:1]
+        err, want = RuntimeError, "chunk_files hold 300 rows, not the snapshot's 340 chunks"
+    elif damage == "byte":
+        b = bytearray(second.read_bytes())
+        at = b.find(b"chunk 320 lighthouse")
+        b[at + 6] = ord("9")  # (the same length: "chunk 920 ...")
+        second.write_bytes(bytes(b))
+        err, want = ValueError, f"{second.name}: its CRC-32 is"
+    else:
+        second.write_bytes(second.read_bytes()[:3000])
+        err, want = ValueError, f"{second.name}: cannot be read"
     meta.write_text(json.dumps(m))
-    st.txns.wal.close()
-    with pytest.raises(ValueError, match="40 rows, 39 listed in meta.json"):
+    with pytest.raises(err, match=want):
         ShardState(0, D, tmp_path).load(set())
 
 

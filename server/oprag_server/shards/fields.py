@@ -55,7 +55,7 @@ class StoredFields:
         self._live = 0
         self._rows = 0  # rows held in parts, dead ones included
         self._cols: dict[tuple, tuple] = {}  # (id(part), names) -> (part, string column readers)
-        #: ``[(Path, rows)]``: the snapshot files whose rows, in order, are the first live rows in slot order, nothing
+        #: ``[(Path, rows, crc32)]``: the snapshot files whose rows, in order, are the first live rows in slot order, nothing
         #: removed since and nothing stored below them (the next snapshot may link them: :mod:`.chunk_files`), or None
         self.prefix: list | None = None
         self._hi = -1  # the highest slot stored so far
@@ -239,7 +239,7 @@ class StoredFields:
         self._rows = self._live
 
     def mapped(self, files: list, maps: list, reusable: bool) -> None:
-        """Parts were just taken from snapshot files ``files`` (``[(Path, rows)]``) mapped as mmaps ``maps``;
+        """Parts were just taken from snapshot files ``files`` (``[(Path, rows, crc32)]``) mapped as mmaps ``maps``;
         ``reusable``: they are exactly the live rows in slot order (:attr:`prefix` until a removal)."""
         self._maps.extend(maps)
         self.prefix = list(files) if reusable else None

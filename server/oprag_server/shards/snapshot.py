@@ -106,7 +106,7 @@ def _write_snapshot_files(snap: Path, store: ChunkStore, memory: MemoryStore) ->
     # record batches of <= BATCH_ROWS rows, each built, streamed to the file and dropped (issue 13: one batch of every
     # row was a ~0.85 GB copy per 1M-chunk shard, at the snapshot's memory peak); the last snapshot's files linked
     files = chunk_files.write(snap, store, vectors=not one)
-    rows = [sum(r for _, r in files)]
+    rows = [sum(f[1] for f in files)]
     items, mv = memory.dump()  # (the memory records' vectors beside memory.json, in binary)
     fsync_write(snap / "memory.json", json.dumps(items).encode())
     if mv is not None:
@@ -328,7 +328,7 @@ def load(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions, co
             raise RuntimeError(f"{snap}: snapshot format {meta.get('format_version')} is not one of {READABLE_FORMATS}")
         if meta.get("dim") != store.dim:
             raise RuntimeError(f"{snap}: vectors have width {meta.get('dim')}, the embedder produces {store.dim}")
-        table, maps, files = chunk_files.map_all(chunk_files.listed(snap, meta))
+        table, maps, files = chunk_files.map_all(chunk_files.listed(snap, meta), verify=True)
         loading = _Step(say, f"loading snapshot {snap.name}: {table.num_rows} chunks")
         file = table  # (as read: without the vectors _with_vectors adds)
         if "vector" not in table.column_names and not store.dense.one_copy:
