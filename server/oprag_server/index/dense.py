@@ -254,7 +254,7 @@ class DenseIndex(GraphRows, IvfRows):
 
     def write_ann(self, path) -> list:
         """Write the approximate structure to ``path`` straight from FAISS (no serialised copy in memory; an empty file
-        while an IVF is untrained; HNSW's vectors in parts beside it, :mod:`.ann_vectors`). Not fsynced. :returns: its files."""
+        while an IVF is untrained; HNSW's vectors in parts, :mod:`.ann_vectors`). Not fsynced. :returns: its files."""
         if self._pending is not None:
             self.compact_ann()
         if self._ann is None or not self._ann.ready:

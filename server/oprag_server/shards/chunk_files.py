@@ -14,7 +14,8 @@ As for the HNSW vectors' parts (:mod:`..index.ann_vectors`), a file is kept only
 rows after it (from the first that does not, the rows are written anew), so a shard has at most log2(n) + 1 files.
 Any removal (a delete or a replacement) makes the next snapshot write every row in one ``chunks.arrow``, renumbered
 as before, and so does a shard of at most :data:`.chunks.BATCH_ROWS` chunks (one record batch: one file keeps the
-single-batch columns that :meth:`.fields.StoredFields.hit_utf8`'s compiled gather reads). A file is never written in place: a link or a new file under a new snapshot directory.
+single-batch columns that :meth:`.fields.StoredFields.hit_utf8`'s compiled gather reads). A file is never written in
+place: a link or a new file under a new snapshot directory.
 """
 
 from __future__ import annotations

@@ -55,8 +55,9 @@ class StoredFields:
         self._live = 0
         self._rows = 0  # rows held in parts, dead ones included
         self._cols: dict[tuple, tuple] = {}  # (id(part), names) -> (part, string column readers)
-        #: ``[(Path, rows, crc32)]``: the snapshot files whose rows, in order, are the first live rows in slot order, nothing
-        #: removed since and nothing stored below them (the next snapshot may link them: :mod:`.chunk_files`), or None
+        #: ``[(Path, rows, crc32)]``: the snapshot files whose rows, in order, are the first live rows in slot order,
+        #: nothing removed since and nothing stored below them (the next snapshot may link them: :mod:`.chunk_files`),
+        #: or None
         self.prefix: list | None = None
         self._hi = -1  # the highest slot stored so far
         self._maps: list = []  # mmaps the parts view (their pages dropped from RSS: release_mapped)

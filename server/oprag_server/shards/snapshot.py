@@ -13,15 +13,17 @@ are saved once, in ``dense.faiss`` (the graph's own storage), and ``chunks.arrow
 when the shard has some): ``dense_tail.npy``, the HNSW vectors acknowledged but not inserted into
 the graph yet (deferred inserts, :mod:`..index.ann`), loaded back as such. Format 5: with HNSW, ``dense.faiss`` is
 the graph alone and the vectors are in ``dense.faiss.v<start>.npy`` parts listed by ``dense.faiss.vectors.json``,
-which later snapshots link while they hold the same rows (:mod:`..index.ann_vectors`). With HNSW, ``dense_seeds.npz``
-(when the shard has built them): the dense minimum's seeds, restored at start (:mod:`..index.low_seeds_state`; optional, an
-older snapshot's shard builds them anew). Every file is written atomically (temporary file, fsync, rename, fsync of
-the directory); ``CURRENT`` switches last, so a crash leaves the previous snapshot live.
+which later snapshots link while they hold the same rows (:mod:`..index.ann_vectors`). With HNSW,
+``dense_seeds.npz`` (when the shard has built them): the dense minimum's seeds, restored at start
+(:mod:`..index.low_seeds_state`; optional, an older snapshot's shard builds them anew). Every file is written
+atomically (temporary file, fsync, rename, fsync of the directory); ``CURRENT`` switches last, so a crash leaves
+the previous snapshot live.
 ``chunks.arrow`` is an Arrow IPC stream of record batches of at most
 :data:`.chunks.BATCH_ROWS` rows (one batch before snap18: every format reads both); format 5 may follow it with
 ``chunks.<start>.arrow`` files, listed in ``meta.json``'s ``chunk_files``, and links the previous snapshot's files
-while the stored fields begin with their rows (:mod:`.chunk_files`); so are the BM25 segment's arrays (:meth:`..index.bm25.segment.Segment.save`) and ``dense.faiss`` when the structure did not change
-since it was written or loaded (:meth:`..index.ann_persist.AnnPersist.write`).
+while the stored fields begin with their rows (:mod:`.chunk_files`); so are the BM25 segment's arrays
+(:meth:`..index.bm25.segment.Segment.save`) and ``dense.faiss`` when the structure did not change since it was
+written or loaded (:meth:`..index.ann_persist.AnnPersist.write`).
 With ``--storage-uri`` every log record and snapshot is also on object storage (:mod:`.storage`).
 """
 
@@ -54,7 +56,8 @@ FORMAT_VERSION = 3
 #: formats :func:`load` reads (3: with HNSW, ``chunks.arrow`` has no ``vector`` column, the
 #: vectors are in ``dense.faiss`` only; 4: format 3 plus ``dense_tail.npy``, the HNSW vectors
 #: acknowledged but not inserted into the graph yet, written only when there are some; 5: with HNSW,
-#: ``dense.faiss`` holds the graph only and the vectors are in parts beside it, :mod:`..index.ann_vectors`)
+#: ``dense.faiss`` holds the graph only and the vectors are in parts beside it, :mod:`..index.ann_vectors`, and/or
+#: the stored fields are in several files with CRC-32s, ``meta.json``'s ``chunk_files``, :mod:`.chunk_files`)
 READABLE_FORMATS = (1, 2, 3, 4, 5)
 
 
@@ -136,7 +139,7 @@ def _write_snapshot_files(snap: Path, store: ChunkStore, memory: MemoryStore) ->
 
 
 def _mapped(store: ChunkStore, files: list, table, maps: list) -> None:
-    """Tell the stored fields they now serve ``files`` (``[(path, rows)]``, mapped as ``maps``, read as ``table``),
+    """Tell the stored fields they now serve ``files`` (``[(path, rows, crc32)]``, mapped as ``maps``, as ``table``),
     reusable by the next snapshot when the files' columns are the ones this store writes (:mod:`.chunk_files`)."""
     want = records.chunk_schema(store.dim)
     if store.dense.one_copy:
