@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .bm25.files import Source, file_ids, link_same
+from .bm25.files import Source, file_ids, kept, link_same
 
 #: rows copied into FAISS's storage at a time on load (bounds the parts' mapped pages held at once)
 LOAD_BLOCK = 65536
@@ -75,10 +75,8 @@ def write(index, path: Path, storage: np.ndarray, saved: tuple[list[dict], Sourc
             break
         keep.append(p)
         at += r
-    for j, p in enumerate(keep):  # each part holds at least twice the rows after it: the first that does not
-        if int(p["rows"]) < 2 * (n - int(p["start"]) - int(p["rows"])):  # is written anew, with all after it
-            keep, at = keep[:j], int(p["start"])
-            break
+    keep = keep[:kept([int(p["rows"]) for p in keep], n)]  # (each at least twice the rows after it)
+    at = sum(int(p["rows"]) for p in keep)
     parts = []
     for p in keep:
         dst = _part(path, int(p["start"]))

@@ -27,6 +27,7 @@ import zlib
 from pathlib import Path
 
 from .. import records
+from ..index.bm25.files import kept
 from ..index.wal import fsync_write_with
 from . import chunks as chunkstore
 
@@ -127,10 +128,8 @@ def write(snap: Path, store, vectors: bool) -> list[list]:
             break
         keep.append((path, at, rows, crc))
         at += rows
-    for j, (_, start, rows, _) in enumerate(keep):  # each file at least twice the rows after it
-        if rows < 2 * (n - start - rows):
-            keep, at = keep[:j], start
-            break
+    keep = keep[:kept([k[2] for k in keep], n)]  # (each at least twice the rows after it)
+    at = sum(k[2] for k in keep)
     out = []
     for path, start, rows, crc in keep:
         if not link(path, snap / name(start)):

@@ -4,7 +4,8 @@ A segment whose arrays map files (a snapshot's load, a merge's spill) writes the
 by linking those files, when each path still names the file that was mapped (same device and
 inode), instead of writing the same bytes again. The snapshot code never writes a file in place
 (:meth:`~.segment.Segment.save` unlinks a destination first), so a file shared by two
-directories is never truncated under the other one.
+directories is never truncated under the other one. :func:`kept` is the rule by which a snapshot
+stored in parts (the HNSW vectors', the stored fields') keeps the earlier ones linked.
 """
 
 from __future__ import annotations
@@ -37,6 +38,19 @@ def link_same(src: Source, name: str, dst: Path) -> bool:
     except OSError:
         return False
     return True
+
+
+def kept(rows: list[int], n: int) -> int:
+    """How many of a snapshot's leading parts (``rows`` each, in order, the first rows of ``n``) the next one keeps
+    linked: each kept part holds at least twice the rows after it, up to ``n`` (the rows from the first that does not
+    are written anew with the new ones), so there are at most log2(n) + 1 parts and a row is written O(log n) times
+    (:mod:`..ann_vectors`, :mod:`...shards.chunk_files`)."""
+    at = 0
+    for j, r in enumerate(rows):
+        if r < 2 * (n - at - r):
+            return j
+        at += r
+    return len(rows)
 
 
 def _file_id(p: Path) -> tuple[int, int]:
