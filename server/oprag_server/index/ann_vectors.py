@@ -31,7 +31,7 @@ import numpy as np
 
 from .bm25.files import Source, file_ids, kept, link_same
 
-#: rows copied into FAISS's storage at a time on load (bounds the parts' mapped pages held at once)
+#: rows read into FAISS's storage at a time on load (:func:`_read_rows`)
 LOAD_BLOCK = 65536
 
 
@@ -136,18 +136,10 @@ def read(path) -> object:
     dst = faiss.rev_swig_ptr(flat.get_xb(), n * d).reshape(n, d) if n else np.zeros((0, d), np.float32)
     at = 0
     for p in parts:
-        part = Path(path).with_name(p["name"])
-        try:
-            rows = np.load(part, mmap_mode="r", allow_pickle=False)
-        except (OSError, ValueError) as exc:  # (missing, truncated: "mmap length is greater than file size")
-            raise ValueError(f"{part}: cannot be read ({exc})") from None
-        r = int(p["rows"])
-        if int(p["start"]) != at or rows.shape != (r, d) or rows.dtype != np.float32 or at + r > n:
-            raise ValueError(f"{side}: part {p['name']} ({rows.shape}, {rows.dtype}) does not hold rows "
-                             f"[{at}, {at + r}) of {n} x {d} float32")
-        for i in range(0, r, LOAD_BLOCK):
-            dst[at + i:at + min(r, i + LOAD_BLOCK)] = rows[i:i + LOAD_BLOCK]
-        del rows
+        part, r = Path(path).with_name(p["name"]), int(p["rows"])
+        if int(p["start"]) != at or at + r > n:
+            raise ValueError(f"{side}: part {p['name']} does not hold rows [{at}, {at + r}) of {n}")
+        _read_rows(part, dst[at:at + r])
         if (got := crc(dst[at:at + r])) != int(p["crc32"]):  # (a damaged file of the same size: trial54 #1)
             raise ValueError(f"{part}: its rows' CRC-32 is {got}, not the {p['crc32']} {side.name} records: "
                              "the file was damaged after it was written")
@@ -158,6 +150,28 @@ def read(path) -> object:
     index.own_fields = True
     flat.this.disown()
     return index
+
+
+def _read_rows(part: Path, out: np.ndarray) -> None:
+    """Read the ``.npy`` file ``part`` into ``out`` (float32[r, D], C-contiguous) with ``readinto``, ``LOAD_BLOCK``
+    rows at a time: no map of the file, whose touched pages would count in the RSS until it is unmapped (768 MB a
+    500K-vector part, next to the same rows in FAISS's memory, at a start).
+
+    :raises ValueError: the file cannot be read, is cut short, or holds another shape or dtype (named)."""
+    fmt = np.lib.format
+    try:
+        with open(part, "rb") as fh:
+            major, _ = fmt.read_magic(fh)
+            shape, fortran, dtype = (fmt.read_array_header_1_0 if major == 1 else fmt.read_array_header_2_0)(fh)
+            if shape != out.shape or fortran or dtype != np.dtype("<f4"):
+                raise ValueError(f"it does not hold rows of {out.shape} float32: {shape} {dtype}"
+                                 + (" (Fortran order)" if fortran else ""))
+            view, step = memoryview(out.reshape(-1)).cast("B"), LOAD_BLOCK * out.shape[1] * 4
+            for i in range(0, len(view), step):
+                if fh.readinto(view[i:i + step]) != len(view[i:i + step]):
+                    raise ValueError(f"cut short before byte {i + step} of its rows")
+    except (OSError, ValueError) as exc:  # (missing, truncated, not an .npy file)
+        raise ValueError(f"{part}: cannot be read ({exc})") from None
 
 
 def files(path: Path) -> list[Path]:
