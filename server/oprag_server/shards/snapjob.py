@@ -10,8 +10,9 @@ merge either. The snapshot is therefore the one the shard would have written at 
 request's place in its order, with nothing else to interleave with:
 
 1. (the shard's thread, at the start) a pending HNSW structure settled, the BM25 delta's merge
-   started in the background (the write needs one
-   segment holding exactly the live chunks, :meth:`..index.bm25.PostingsIndex.save`);
+   started in the background, unless the delta is small and only holds chunks added after the
+   segment's (:func:`..index.bm25.delta_files.keeps`: it is then written beside the segment, and
+   a 1M shard skips a 0.7-3.0 s merge that held its writes);
 2. (the shard's thread, between requests) the merge installed once its thread is done; then a
    writer thread starts on :func:`.snapshot.write_files`, which only reads the store and the
    memory records (Arrow, numpy, FAISS and file I/O leave the GIL for most of it) and does everything through the
@@ -38,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from ..index.bm25 import delta_files
 from . import snapshot as snapshots
 from .chunks import ChunkStore
 from .memory import MemoryStore
@@ -75,7 +77,7 @@ class SnapshotJob:
             dense.compact_ann()
         p = store.postings
         self._merges = 0  # background merges started by this job
-        if not p.merging:
+        if not p.merging and not delta_files.keeps(p):  # (a small delta is written beside the segment instead)
             p.merge(background=True)  # (a merge already under way is waited for instead)
             self._merges = 1
         self._thread: threading.Thread | None = None
@@ -121,12 +123,13 @@ class SnapshotJob:
                     self.polls += 1
                     return None
                 p.poll_merge(raise_errors=False)  # install it (a failed one left its delta: merged below)
-                if self._merges < 2:  # (an idle merge was under way: fold what was written meanwhile)
-                    self._merges += 1
+                if self._merges < 2 and not delta_files.keeps(p):  # (an idle merge was under way: fold what was
+                    self._merges += 1                               # written meanwhile, unless written beside)
                     p.merge(background=True)
                     if p.merging:
                         return None
-            p.merge()  # a check when nothing is left to fold; in this thread what a failed merge left
+            if not delta_files.keeps(p):
+                p.merge()  # a check when nothing is left to fold; in this thread what a failed merge left
             self.merge_s = time.perf_counter() - self.t0
             self._thread = threading.Thread(target=self._write, name="oprag-snapshot", daemon=True)
             self._thread.start()

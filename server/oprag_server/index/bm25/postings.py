@@ -12,6 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
+from . import delta_files
 from .delta import Delta, accumulate
 from .files import link_same
 from .merging import _DELTA, _NONE, _SEG, MergeMixin
@@ -221,10 +222,7 @@ class PostingsIndex(MergeMixin):
         whose net change is 0; for :meth:`CorpusStats.apply_delta`). Resets the pending delta."""
         # only additions since the last call: every count is positive already
         out = (self._d_n, self._d_len, {t: d for t, d in self._d_df.items() if d} if self._d_removed else self._d_df)
-        self._d_removed = False
-        self._d_n = 0
-        self._d_len = 0
-        self._d_df = {}
+        self._d_removed, self._d_n, self._d_len, self._d_df = False, 0, 0, {}
         return out
 
     def full_stats(self) -> tuple[int, int, dict[str, int]]:
@@ -257,11 +255,12 @@ class PostingsIndex(MergeMixin):
         return self._seg
 
     def save(self, d: Path, merge: bool = True) -> list[Path]:
-        """Merge (``merge`` False: the caller did, only reads), write the segment under ``d``, slots renumbered
-        ``0..n-1`` (a load's), and the lengths as ``doc_len.npy``. :returns: the files (the caller fsyncs them)."""
+        """Merge (``merge`` False: the caller did, or :func:`.delta_files.keeps`), write the segment under ``d`` (slots
+        ``0..s-1``: a load's), its lengths (``doc_len.npy``) and the delta (:func:`.delta_files.write`; ValueError
+        where that refuses it). :returns: the files (the caller fsyncs them)."""
         if merge:
             self.merge()
-        files = self._save_segment(d)
+        files = self._save_segment(d) + delta_files.write(self, d)
         src, out = self._doc_len_src, d / "doc_len.npy"
         out.unlink(missing_ok=True)  # (never written in place: it may be linked elsewhere)
         if not (src is not None and src[1] is not None and src[0]() is self._seg and link_same(src[1], out.name, out)):
@@ -270,7 +269,7 @@ class PostingsIndex(MergeMixin):
 
     @classmethod
     def load(cls, d: Path, mmap: bool = True) -> "PostingsIndex":
-        """An index holding a segment written by :meth:`save` (chunks at slots ``0..n-1``).
+        """An index holding what :meth:`save` wrote (chunks at slots ``0..n-1``, the segment's first).
         :raises ValueError: inconsistent arrays. :raises OSError: a missing file."""
         seg = Segment.load(d, mmap=mmap)
         doc_len = np.load(d / "doc_len.npy")
@@ -283,6 +282,7 @@ class PostingsIndex(MergeMixin):
         ix._live[:n] = True
         ix._where[:n] = _SEG
         ix._doc_len[:n] = doc_len
+        delta_files.restore(ix, d)  # (the chunks added after the segment's, when the snapshot kept its delta)
         return ix
 
     # -- scoring --------------------------------------------------------------------
