@@ -193,7 +193,10 @@ def test_a_damaged_delta_file_is_not_served_the_texts_are_analysed_again(tmp_pat
     with pytest.raises((ValueError, OSError, EOFError, KeyError)):
         B.PostingsIndex.load(p.parent)
     again = ShardState(0, D, tmp_path)
+    said: list[str] = []
+    again.say = said.append
     again.load(set())
+    assert any("delta.npz" in x and "analysed again" in x for x in said), said
     assert len(again.store.postings) == 2030
     assert _replies(again) == before
     again.txns.wal.close()

@@ -32,7 +32,8 @@ def test_idle_merge_due_at_a_sixty_fourth_of_the_segment(monkeypatch):
     for s in range(320, 324):  # 8 postings: under 640 // 64 = 10
         live[s] = ([f"w{s}", "common"], 0)
         ix.add(s, live[s][0])
-    assert not ix.idle_merge_due() and ix.merge_pending() == 0
+    # under 1/64: not due after IDLE_QUIET_S, only after IDLE_SMALL_QUIET_S (at MERGE_MIN: 4 here), and pending
+    assert not ix.idle_merge_due() and ix.idle_merge_due(small=True) and ix.merge_pending() == 8
     live[324] = (["w324", "common"], 0)
     ix.add(324, live[324][0])  # 10 postings: an idle merge is due, the write-time rule (160) is not
     assert ix.idle_merge_due() and ix.merge_pending() == 10 and not ix.maybe_merge()
@@ -118,3 +119,33 @@ def test_the_idle_merge_waits_for_the_hnsw_catch_up(monkeypatch):
     st.idle_step()
     st.store.postings.wait_merge()
     assert st.stats().merge_pending == 0
+
+
+def test_a_delta_under_a_sixty_fourth_merges_after_the_longer_quiet_time(monkeypatch):
+    """A snapshot no longer merges a small delta (``bm25.delta_files``), so a quiet shard folds one of at least
+    MERGE_MIN postings after ``IDLE_SMALL_QUIET_S`` (a 1/64 one after ``IDLE_QUIET_S``, as before): reads return to
+    one segment once writes stop, and a trickle of writes does not rebuild the segment at every pause."""
+    monkeypatch.setattr(B.PostingsIndex, "MERGE_MIN", 4)
+    monkeypatch.setattr(ShardState, "IDLE_QUIET_S", 0.05)
+    monkeypatch.setattr(ShardState, "IDLE_SMALL_QUIET_S", 0.4)
+    st = ShardState(0, D, None)
+    toks = _upsert(st, 0, 200, 1)
+    st.store.postings.merge()
+    p = st.store.postings
+    toks.update(_upsert(st, 200, 202, 2))  # 6 postings: under 600 // 64, at least MERGE_MIN
+    assert not p.idle_merge_due() and p.idle_merge_due(small=True) and st.stats().merge_pending == 6
+    assert 0.3 < st.idle_wait() <= 0.4 + 1e-9  # (not after IDLE_QUIET_S)
+    time.sleep(0.1)
+    st.idle_step()
+    assert not p.merging
+    time.sleep(0.35)
+    assert st.idle_wait() == 0.0
+    st.idle_step()
+    assert p.merging
+    p.wait_merge()
+    assert p.merges == 2 and p._delta.n == 0 and st.stats().merge_pending == 0 and st.idle_wait() is None
+    live = {s: (t, 0) for s, t in toks.items()}
+    for q in (["the", "topic3"], ["chunk201", "topic1"]):
+        check([p], live, q)
+    _upsert(st, 202, 203, 3)  # 3 postings: under MERGE_MIN, never merged while quiet
+    assert not p.idle_merge_due(small=True) and st.idle_wait() is None and st.stats().merge_pending == 0

@@ -294,14 +294,17 @@ def _with_vectors(snap: Path, table, dim: int):
     return table.append_column(pa.field("vector", pa.list_(pa.float32(), dim)), col)
 
 
-def _load_postings(snap: Path, meta: dict, store: ChunkStore, rows: int) -> PostingsIndex | None:
+def _load_postings(snap: Path, meta: dict, store: ChunkStore, rows: int, say: Say = None) -> PostingsIndex | None:
     """The snapshot's BM25 postings, memory-mapped, when it has them for this analyzer and they
-    cover its ``rows`` chunks; None otherwise (the caller re-analyses the texts)."""
+    cover its ``rows`` chunks; None otherwise (the caller re-analyses the texts; ``say`` is told why
+    when its files cannot be read or do not fit together)."""
     if meta.get("analyzer") != {"stem": store.analyzer.stem} or not (snap / "postings").is_dir():
         return None
     try:
         ix = PostingsIndex.load(snap / "postings", mmap=True)
-    except (OSError, ValueError):
+    except (OSError, ValueError) as exc:
+        if say is not None:
+            say(f"the BM25 postings of {snap.name} cannot be used ({exc}): the {rows} stored texts are analysed again")
         return None
     return ix if len(ix) == rows else None
 
@@ -339,7 +342,7 @@ def load(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions, co
                               f"is now {store.dense.params.kind})", table.num_rows > 0)
             table = _with_vectors(snap, table, store.dim)  # written with HNSW, read by another kind
             step.done(f"read {table.num_rows} vectors out of the snapshot's hnsw index")
-        postings = _load_postings(snap, meta, store, table.num_rows)
+        postings = _load_postings(snap, meta, store, table.num_rows, say)
         if table.num_rows:
             store.upsert(table, 0, index_ann=False, index_lexical=postings is None, copy_fields=False)
             _mapped(store, files, file, maps)

@@ -150,22 +150,23 @@ class MergeMixin:
             return self._start_merge(background)
         return False
 
-    def idle_merge_due(self) -> bool:
+    def idle_merge_due(self, small: bool = False) -> bool:
         """True when no merge is under way and the delta holds at least :attr:`MERGE_MIN`
         postings and 1/:attr:`IDLE_DIV` of the segment's (or dead postings reach that share):
         a shard whose writes have gone quiet then merges (:meth:`..shards.state.ShardState.idle_step`),
-        below the write-time rule's 1/:attr:`MERGE_DIV`."""
+        below the write-time rule's 1/:attr:`MERGE_DIV`. With ``small``: :attr:`MERGE_MIN` alone, the
+        rule after a longer quiet time (a snapshot no longer merges a small delta, :mod:`.delta_files`)."""
         if self._pending is not None:
             return False
-        least = max(self.MERGE_MIN, self._seg.n_postings // self.IDLE_DIV)
+        least = self.MERGE_MIN if small else max(self.MERGE_MIN, self._seg.n_postings // self.IDLE_DIV)
         return self._delta.n >= least or self._seg_dead >= least
 
     def merge_pending(self) -> int:
         """Delta postings a merge is folding in (a background merge under way or not installed
-        yet) or that an idle merge will fold (:meth:`idle_merge_due`); 0 when neither."""
+        yet) or that an idle merge will fold (:meth:`idle_merge_due`, ``small`` too); 0 when neither."""
         if self._pending is not None:
             return max(1, (self._frozen.n if self._frozen is not None else 0) + self._delta.n)
-        return max(1, self._delta.n) if self.idle_merge_due() else 0
+        return max(1, self._delta.n) if self.idle_merge_due(small=True) else 0
 
     @property
     def merging(self) -> bool:
