@@ -75,7 +75,8 @@ def test_a_kept_delta_loads_back_and_scores_as_rank_bm25(tmp_path, make):
         check([back], renum, q)
 
 
-def test_a_delta_that_is_not_small_or_follows_a_removal_is_merged_first(tmp_path):
+def test_a_delta_that_is_not_small_or_follows_a_removal_is_merged_first(tmp_path, monkeypatch):
+    monkeypatch.setattr(B.PostingsIndex, "MERGE_MIN", 64)
     rng = np.random.default_rng(3)
 
     def fresh():
@@ -101,8 +102,8 @@ def test_a_delta_that_is_not_small_or_follows_a_removal_is_merged_first(tmp_path
     ix.remove(1001)  # a delta chunk removed
     refused(ix)
     ix = fresh()
-    ix.add_batch(list(range(1000, 1400)), _zipf_docs(rng, 400))  # more than 1/16 of the segment's postings
-    refused(ix)
+    ix.add_batch(list(range(1000, 1400)), _zipf_docs(rng, 400))  # over a quarter of the segment's postings (not
+    refused(ix)                                                    # merged at the write: the gate held it back)
     ix = B.PostingsIndex()
     ix.add_batch([0, 1], [["a"], ["b"]])  # no segment yet
     refused(ix)

@@ -10,9 +10,9 @@ merge either. The snapshot is therefore the one the shard would have written at 
 request's place in its order, with nothing else to interleave with:
 
 1. (the shard's thread, at the start) a pending HNSW structure settled, the BM25 delta's merge
-   started in the background, unless the delta is small and only holds chunks added after the
-   segment's (:func:`..index.bm25.delta_files.keeps`: it is then written beside the segment, and
-   a 1M shard skips a 0.7-3.0 s merge that held its writes);
+   started in the background, unless the delta only holds chunks added after the segment's and
+   none was removed (:func:`..index.bm25.delta_files.keeps`: it is then written beside the segment,
+   and a 1M shard skips a 0.7-3.0 s merge that held its writes);
 2. (the shard's thread, between requests) the merge installed once its thread is done; then a
    writer thread starts on :func:`.snapshot.write_files`, which only reads the store and the
    memory records (Arrow, numpy, FAISS and file I/O leave the GIL for most of it) and does everything through the
@@ -77,7 +77,7 @@ class SnapshotJob:
             dense.compact_ann()
         p = store.postings
         self._merges = 0  # background merges started by this job
-        if not p.merging and not delta_files.keeps(p):  # (a small delta is written beside the segment instead)
+        if not p.merging and not delta_files.keeps(p):  # (else the delta is written beside the segment)
             p.merge(background=True)  # (a merge already under way is waited for instead)
             self._merges = 1
         self._thread: threading.Thread | None = None

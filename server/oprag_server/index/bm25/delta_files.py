@@ -3,8 +3,8 @@
 Before this, every snapshot merged the delta into a new segment first (``PostingsIndex.save``
 needed one segment holding exactly the live chunks). At 1M chunks that merge rewrote a shard's
 ~0.74 GB segment to fold in the few thousand chunks written since the last snapshot: 0.7-3.0 s a
-shard, during which the shard held every write (bench/RESULTS.md, session 54). Now, when the
-delta is small next to the segment and holds only chunks added after every segment chunk, the
+shard, during which the shard held every write (bench/RESULTS.md, sessions 54-55). Now, when
+the delta holds only chunks added after every segment chunk and none was removed, the
 snapshot keeps the segment's files (linked, :mod:`.files`) and writes the delta beside them in
 ``delta.npz``; a load rebuilds the delta from it, and the merge happens later, when its own rules
 (:meth:`.merging.MergeMixin.maybe_merge`, :meth:`~.merging.MergeMixin.idle_merge_due`) say so,
@@ -40,9 +40,6 @@ from .merging import _DELTA, _SEG
 
 #: the file, beside the segment's under the snapshot's ``postings`` directory
 NAME = "delta.npz"
-#: a snapshot keeps the delta when it holds at most 1/KEEP_DIV of the segment's postings (beyond
-#: that it merges, as before: a load then rebuilds at most that many postings in memory)
-KEEP_DIV = 16
 _LOW = np.int64(0xFFFFFFFF)
 
 
@@ -50,12 +47,14 @@ def keeps(ix) -> bool:
     """True when a snapshot of ``ix`` (a :class:`.postings.PostingsIndex`) may write its delta
     beside the segment instead of merging first: no merge under way, no removed chunk whose
     postings are still in the segment or the delta, every delta chunk added after (at a higher
-    slot than) every segment chunk, a non-empty segment and a delta of at most 1/:data:`KEEP_DIV`
-    of its postings. O(capacity) (one count over the per-slot layer codes)."""
+    slot than) every segment chunk, a non-empty segment and a delta the write-time rule has not
+    merged yet (at most ``MERGE_MIN`` postings or 1/``MERGE_DIV`` of the segment's: larger only while
+    the merge gate holds a write-time merge back; a load then rebuilds at most that many postings).
+    O(capacity) (one count over the per-slot layer codes)."""
     seg, delta = ix._seg, ix._delta  # noqa: SLF001 - the index's own state, read
     if ix._pending is not None or ix._frozen is not None or ix._seg_dead or delta.dead:  # noqa: SLF001
         return False
-    if seg.n_postings == 0 or delta.n * KEEP_DIV > seg.n_postings:
+    if seg.n_postings == 0 or delta.n > max(ix.MERGE_MIN, seg.n_postings // ix.MERGE_DIV):
         return False
     if int(np.count_nonzero(ix._where == _SEG)) != seg.doc_slots.size:  # noqa: SLF001 - (a removed empty chunk)
         return False
