@@ -97,7 +97,6 @@ def restore(ix, d: Path) -> None:
         return
     try:
         with np.load(p, allow_pickle=False) as z:
-            old, lens, blob, ends = (np.asarray(z[k]) for k in ("slots", "lens", "terms_utf8", "terms_end"))
             arrays = {n: z[n] for n in z.files}
         old, lens, blob, ends = (np.asarray(arrays[k]) for k in ("slots", "lens", "terms_utf8", "terms_end"))
         runs = [(np.asarray(arrays[f"key{i}"], np.int64), np.asarray(arrays[f"tf{i}"], np.int32))
@@ -117,24 +116,32 @@ def restore(ix, d: Path) -> None:
     terms = [b[a:e].decode("utf-8") for a, e in zip(starts, ends.tolist())]
     delta, df, postings = Delta(), np.zeros(max(T, 64), np.int64), 0
     per_slot: list[np.ndarray] = []
+    dense = bool(m) and int(old[-1]) - int(old[0]) + 1 == m  # (the usual case: the slots have no holes)
     for k, tf in runs:
+        if k.shape != tf.shape or (k.size and (np.any(k[1:] <= k[:-1]) or int(k[-1] >> 32) >= T or tf.min() < 1)):
+            raise ValueError(f"{p}: a run of the delta's keys is out of order, or a term id or tf out of range")
         sl = k & _LOW
-        at = np.searchsorted(old, sl)
-        if (k.shape != tf.shape or (k.size and (np.any(k[1:] <= k[:-1]) or int(k[-1] >> 32) >= T))
-                or np.any(at >= m) or np.any(old[np.minimum(at, max(m - 1, 0))] != sl) or np.any(tf < 1)):
-            raise ValueError(f"{p}: a run of the delta's postings does not fit its chunks and terms")
-        new = (k & ~_LOW) | (at + s)
+        if dense and (not k.size or (int(sl.min()) >= int(old[0]) and int(sl.max()) <= int(old[-1]))):
+            new = k + (s - int(old[0]))  # (the slot bits only: every slot + s - old[0] stays below 2**31)
+        else:
+            at = np.searchsorted(old, sl)
+            if np.any(at >= m) or np.any(old[np.minimum(at, max(m - 1, 0))] != sl):
+                raise ValueError(f"{p}: a posting of the delta names a chunk the file does not list")
+            new = (k & ~_LOW) | (at + s)
+        del sl
         delta.runs.append((new, tf))
-        np.add.at(df, (k >> 32), 1)
+        df[: T] += np.bincount(k >> 32, minlength=T)
         postings += int(k.size)
         per_slot.append(new)
     delta.vocab, delta.terms = {t: i for i, t in enumerate(terms)}, terms
     if len(delta.vocab) != T:
         raise ValueError(f"{p}: the delta's terms repeat")
     keys = np.concatenate(per_slot) if per_slot else np.zeros(0, np.int64)
-    by = np.lexsort((keys >> 32, keys & _LOW))  # per chunk, its term ids ascending
-    ks, kt = (keys & _LOW)[by], (keys >> 32)[by]
-    cut = np.searchsorted(ks, np.arange(s, s + m + 1))
+    lo = (keys & _LOW).astype(np.int32)
+    by = np.argsort(lo, kind="stable")  # per chunk (all in one run), its term ids ascending
+    cut = np.searchsorted(lo[by], np.arange(s, s + m + 1))
+    kt = (keys >> 32)[by]
+    del lo, by, keys
     slots = np.arange(s, s + m, dtype=np.int64)
     delta.docs = {int(sl): kt[a:e] for sl, a, e in zip(slots.tolist(), cut[:-1].tolist(), cut[1:].tolist())}
     delta.df_arr, delta.n = df, postings
