@@ -90,14 +90,24 @@ def test_a_loaded_unchanged_segment_is_linked_by_the_next_snapshot(tmp_path):
     st3 = ShardState(0, D, tmp_path)
     st3.load()
     check([st3.store.postings], {s: (t, 0) for s, t in toks.items()}, ["topic2", "chunk7", "the"])
-    # a write changes the segment at the next snapshot's merge: its files are written anew
+    # a write adds chunks beside the segment: its files stay linked, the new chunks' postings go to delta.npz
     toks.update(_upsert(st3, 50, 60, 2))
     st3.snapshot()
     d = _postings_dir(tmp_path)
-    assert set(_ids(d).values()).isdisjoint(first.values())
+    assert (d / "delta.npz").exists() and all(_ids(d)[n] == first[n] for n in first)
     st4 = ShardState(0, D, tmp_path)
     st4.load()
     check([st4.store.postings], {s: (t, 0) for s, t in toks.items()}, ["topic2", "chunk57", "the"])
+    # a delete changes the segment at the next snapshot's merge: its files are written anew
+    st4.store.delete(["d3"], 3)
+    del toks[3]
+    st4.snapshot()
+    d = _postings_dir(tmp_path)
+    assert not (d / "delta.npz").exists() and set(_ids(d).values()).isdisjoint(first.values())
+    st5 = ShardState(0, D, tmp_path)
+    st5.load()
+    live = {i: (t, 0) for i, t in enumerate(toks[s] for s in sorted(toks))}  # (a load numbers the chunks anew)
+    check([st5.store.postings], live, ["topic2", "chunk57", "the", "chunk3"])
 
 
 def test_a_replaced_source_file_is_written_not_linked(tmp_path):

@@ -302,17 +302,18 @@ class ShardState:
         for line in lines:
             self.say(line)
 
-    def say(self, line: str) -> None:
+    def say(self, line: str, level: str = "INFO") -> None:
         """Write ``line`` to the service log (stderr: the shard process's is the server's) as
         ``<local time>,<ms> INFO shard <i>: <line>`` (``shard <i> replica <r>`` when its shard has several
         replicas: :attr:`who`, trial47b #1) (the frontend's lines are ``<local time>,<ms>
-        <LEVEL> oprag: ...``; every shard line is informational, and a level lets log filters keep them)."""
+        <LEVEL> oprag: ...``; a shard line is INFO, or ``level`` WARNING for damage a start worked around, and a level
+        lets log filters keep them)."""
         t = time.time()
         # one write of the whole line, newline included: print() writes the text and the newline
         # separately, and two shard processes sharing the server's stderr then interleaved their
         # lines ("...: 5 chunks2026-12-03 ... shard 1: ...", found by test_fix22a under load)
         sys.stderr.write(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(t))},{int(t * 1000) % 1000:03d} "
-                         f"INFO {self.who}: {line}\n")
+                         f"{level} {self.who}: {line}\n")
         sys.stderr.flush()
 
     def shutdown(self, req: ShutdownRequest) -> ShutdownReply:

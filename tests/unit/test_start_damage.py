@@ -1,0 +1,77 @@
+"""What a shard's start does with a lost ``CURRENT`` or a damaged ``meta.json`` (trial55 #1, #3) and how it reports
+BM25 postings it cannot use (trial55 #4): it never starts empty over a snapshot it could load, never deletes one, and
+names the file."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+
+from oprag_server.shards.state import ShardState
+
+from test_bm25_delta_files import _answers, _snap
+from test_snapshot_beside import D, _batch
+
+
+def _shard(tmp_path, said=None) -> ShardState:
+    st = ShardState(0, D, tmp_path)
+    if said is not None:
+        st.say = lambda line, level="INFO": said.append((level, line))
+    st.load(set())
+    return st
+
+
+def _seeded(tmp_path):
+    st = _shard(tmp_path)
+    st.store.upsert(pa.Table.from_batches([_batch(0, 300)]), 1)
+    st.snapshot()
+    st.store.upsert(pa.Table.from_batches([_batch(300, 320)]), 2)
+    st.snapshot()
+    before = _answers(st)
+    st.txns.wal.close()
+    return before
+
+
+def test_a_lost_current_loads_the_newest_snapshot_written_whole_and_keeps_it(tmp_path):
+    before = _seeded(tmp_path)
+    snap = _snap(tmp_path)
+    (tmp_path / "shard-0" / "CURRENT").unlink()
+    cut = tmp_path / "shard-0" / "snap-000000000000-1"  # an older, cut-off directory (no meta.json): swept
+    cut.mkdir()
+    said: list = []
+    st = _shard(tmp_path, said)
+    assert len(st.store.postings) == 320 and _answers(st) == before
+    assert any(level == "WARNING" and "CURRENT is missing" in line and snap.name in line for level, line in said), said
+    assert snap.is_dir() and not cut.exists()
+    st.store.upsert(pa.Table.from_batches([_batch(320, 330)]), 3)
+    st.snapshot()  # (CURRENT written again)
+    st.txns.wal.close()
+    again = _shard(tmp_path)
+    assert len(again.store.postings) == 330
+    again.txns.wal.close()
+
+
+def test_a_damaged_meta_json_stops_the_start_naming_it(tmp_path):
+    _seeded(tmp_path)
+    meta = _snap(tmp_path) / "meta.json"
+    meta.write_bytes(meta.read_bytes()[:40])
+    with pytest.raises(RuntimeError, match="meta.json cannot be read"):
+        _shard(tmp_path)
+    assert meta.exists()
+
+
+@pytest.mark.parametrize("gone", ["delta.npz", "postings"])
+def test_postings_a_start_cannot_use_are_named_in_a_warning(tmp_path, gone):
+    before = _seeded(tmp_path)
+    p = _snap(tmp_path) / "postings"
+    assert (p / "delta.npz").exists()
+    if gone == "postings":
+        import shutil
+
+        shutil.rmtree(p)
+    else:
+        (p / gone).unlink()
+    said: list = []
+    st = _shard(tmp_path, said)
+    assert _answers(st) == before
+    assert any(level == "WARNING" and "analysed again" in line for level, line in said), said
