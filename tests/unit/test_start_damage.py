@@ -75,3 +75,26 @@ def test_postings_a_start_cannot_use_are_named_in_a_warning(tmp_path, gone):
     st = _shard(tmp_path, said)
     assert _answers(st) == before
     assert any(level == "WARNING" and "analysed again" in line for level, line in said), said
+
+
+@pytest.mark.parametrize("name", ["offsets.npy", "tf.npy", "doc_len.npy", "terms.json", "slots.npy"])
+def test_a_flipped_byte_in_a_postings_file_is_never_served(tmp_path, name):
+    """trial55 #2: the segment's files have CRC-32s (``postings/crc32.json``); a start that finds one damaged says
+    so, naming it, and analyses the stored texts again: the same answers as before the damage."""
+    import json
+    import zlib
+
+    before = _seeded(tmp_path)
+    p = _snap(tmp_path) / "postings"
+    listed = json.loads((p / "crc32.json").read_text())
+    assert {"offsets.npy", "tf.npy", "doc_len.npy", "terms.json", "slots.npy"} <= set(listed)
+    assert all(zlib.crc32((p / n).read_bytes()) == c for n, c in listed.items())
+    b = bytearray((p / name).read_bytes())
+    b[len(b) // 2] ^= 0x04  # (a byte inside the data, past the .npy header)
+    (p / name).unlink()  # (a file of its own: the loaded CRCs are remembered per inode)
+    (p / name).write_bytes(bytes(b))
+    said: list = []
+    st = _shard(tmp_path, said)
+    assert _answers(st) == before
+    assert any(level == "WARNING" and name in line and "CRC-32" in line for level, line in said), said
+    st.txns.wal.close()

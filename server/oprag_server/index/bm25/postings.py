@@ -12,7 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
-from . import delta_files
+from . import crc_files, delta_files
 from .delta import Delta, accumulate
 from .files import link_same
 from .merging import _DELTA, _NONE, _SEG, MergeMixin
@@ -256,23 +256,23 @@ class PostingsIndex(MergeMixin):
 
     def save(self, d: Path, merge: bool = True) -> list[Path]:
         """Merge (``merge`` False: the caller did, or :func:`.delta_files.keeps`), write the segment under ``d`` (slots
-        ``0..s-1``: a load's), its lengths (``doc_len.npy``) and the delta (:func:`.delta_files.write`; ValueError
-        where that refuses it). :returns: the files (the caller fsyncs them)."""
+        ``0..s-1``: a load's), its lengths (``doc_len.npy``), their CRC-32s (:mod:`.crc_files`) and the delta
+        (:func:`.delta_files.write`; ValueError where that refuses it). :returns: the files (the caller fsyncs them)."""
         if merge:
             self.merge()
-        files = self._save_segment(d) + delta_files.write(self, d)
         src, out = self._doc_len_src, d / "doc_len.npy"
+        files = self._save_segment(d)
         out.unlink(missing_ok=True)  # (never written in place: it may be linked elsewhere)
         if not (src is not None and src[1] is not None and src[0]() is self._seg and link_same(src[1], out.name, out)):
             np.save(out, self._doc_len[self._seg.doc_slots.astype(np.int64)].astype(np.int64))
-        return [*files, out]
+        return crc_files.write(d, [*files, out]) + delta_files.write(self, d)
 
     @classmethod
     def load(cls, d: Path, mmap: bool = True) -> "PostingsIndex":
         """An index holding what :meth:`save` wrote (chunks at slots ``0..n-1``, the segment's first).
         :raises ValueError: inconsistent arrays. :raises OSError: a missing file."""
-        seg = Segment.load(d, mmap=mmap)
-        doc_len = np.load(d / "doc_len.npy")
+        crc_files.check(d)  # (a damaged file raises, named: the caller analyses the stored texts again)
+        seg, doc_len = Segment.load(d, mmap=mmap), np.load(d / "doc_len.npy")
         n = int(seg.doc_slots.size)
         if doc_len.shape != (n,) or (n and int(seg.doc_slots[-1]) != n - 1):
             raise ValueError("postings snapshot: chunk lengths do not match the segment")
