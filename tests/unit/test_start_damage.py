@@ -98,3 +98,24 @@ def test_a_flipped_byte_in_a_postings_file_is_never_served(tmp_path, name):
     assert _answers(st) == before
     assert any(level == "WARNING" and name in line and "CRC-32" in line for level, line in said), said
     st.txns.wal.close()
+
+
+def test_without_current_the_snapshot_is_chosen_by_its_applied_sequence_not_its_name(tmp_path):
+    """trial55b: an older snapshot directory copied in under a newer-looking name must not win."""
+    import shutil
+
+    st = _shard(tmp_path)
+    st.store.upsert(pa.Table.from_batches([_batch(0, 300)]), 1)
+    st.snapshot()
+    old = tmp_path / "old-copy"
+    shutil.copytree(_snap(tmp_path), old)
+    st.store.upsert(pa.Table.from_batches([_batch(300, 320)]), 2)
+    st.snapshot()
+    before = _answers(st)
+    st.txns.wal.close()
+    shutil.copytree(old, tmp_path / "shard-0" / "snap-999999999999-9999999999999999999")
+    shutil.rmtree(old)
+    (tmp_path / "shard-0" / "CURRENT").unlink()
+    again = _shard(tmp_path)
+    assert len(again.store.postings) == 320 and _answers(again) == before
+    again.txns.wal.close()

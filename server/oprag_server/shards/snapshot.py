@@ -49,6 +49,7 @@ from . import chunk_files
 from .chunks import ChunkStore
 from .memory import MemoryStore
 from .protocol import SnapshotReply
+from .snapshot_current import current, warn
 from .storage import ShardStorage
 from .txn import Transactions
 
@@ -294,32 +295,6 @@ def _with_vectors(snap: Path, table, dim: int):
     return table.append_column(pa.field("vector", pa.list_(pa.float32(), dim)), col)
 
 
-def _current(d: Path, say: Say) -> Path | None:
-    """The snapshot directory a start loads: the one ``CURRENT`` names; without ``CURRENT``, ``d`` itself when it holds
-    a ``meta.json`` (the first layout), else the newest ``snap-*`` directory written whole (``meta.json`` is its last
-    file): one a crash left just before ``CURRENT`` named it (its log records are all still in the log, so loading it
-    and replaying them is the same state), or one whose ``CURRENT`` was lost. Without this, a lost ``CURRENT`` started
-    the shard empty and the start's sweep removed its snapshot (trial55). None: no snapshot."""
-    cur = d / "CURRENT"
-    if cur.exists():
-        return d / cur.read_text().strip()
-    if (d / "meta.json").exists():
-        return d
-    whole = sorted(p.name for p in d.glob("snap-*") if (p / "meta.json").is_file())  # (sequence, then time: the name)
-    if whole:
-        _warn(say, f"{cur} is missing: loading {whole[-1]}, the newest snapshot directory written whole")
-    return d / whole[-1] if whole else None
-
-
-def _warn(say: Say, line: str) -> None:
-    """``say(line)`` at level WARNING where ``say`` takes a level (:meth:`.state.ShardState.say`)."""
-    if say is not None:
-        try:
-            say(line, "WARNING")
-        except TypeError:
-            say(line)
-
-
 def _load_postings(snap: Path, meta: dict, store: ChunkStore, rows: int, say: Say = None) -> PostingsIndex | None:
     """The snapshot's BM25 postings, memory-mapped, when it has them for this analyzer and they
     cover its ``rows`` chunks; None otherwise (the caller re-analyses the texts; ``say`` is told why
@@ -333,7 +308,7 @@ def _load_postings(snap: Path, meta: dict, store: ChunkStore, rows: int, say: Sa
     except (OSError, ValueError) as exc:
         why = str(exc)
     if why is not None and rows:
-        _warn(say, f"the BM25 postings of {snap.name} cannot be used ({why}): the {rows} stored texts are analysed again")
+        warn(say, f"the BM25 postings of {snap.name} cannot be used ({why}): the {rows} stored texts are analysed again")
     return None if why is not None else ix
 
 
@@ -353,7 +328,7 @@ def load(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions, co
     :raises RuntimeError: the snapshot's format version or vector width differ.
     """
     wal = storage.open_log(d, say=say) if storage is not None else WriteAheadLog(d / "wal.log")
-    snap = _current(d, say)
+    snap = current(d, say)
     sweep(d, snap.name if snap is not None and snap != d else None)  # what a failed or cut-off snapshot left
     if snap is not None:  # (a snapshot written directly into the shard directory: first layout)
         try:

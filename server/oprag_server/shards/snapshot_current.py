@@ -1,0 +1,45 @@
+"""Which snapshot directory a shard's start loads, and the start's warnings (:mod:`.snapshot`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+#: a line for the service log (:meth:`.state.ShardState.say`), or None: nothing is logged
+Say = Callable[..., None] | None
+
+
+def current(d: Path, say: Say) -> Path | None:
+    """The snapshot directory a start loads: the one ``CURRENT`` names; without ``CURRENT``, ``d`` itself when it holds
+    a ``meta.json`` (the first layout), else the newest ``snap-*`` directory written whole (``meta.json`` is its last
+    file): one a crash left just before ``CURRENT`` named it (its log records are all still in the log, so loading it
+    and replaying them is the same state), or one whose ``CURRENT`` was lost. Without this, a lost ``CURRENT`` started
+    the shard empty and the start's sweep removed its snapshot (trial55). None: no snapshot."""
+    cur = d / "CURRENT"
+    if cur.exists():
+        return d / cur.read_text().strip()
+    if (d / "meta.json").exists():
+        return d
+    whole = sorted((_applied(p), p.name) for p in d.glob("snap-*") if (p / "meta.json").is_file())
+    if whole:
+        warn(say, f"{cur} is missing: loading {whole[-1][1]}, the newest snapshot directory written whole")
+    return d / whole[-1][1] if whole else None
+
+
+def _applied(snap: Path) -> int:
+    """The ``applied_seq`` ``snap/meta.json`` records (-1 when it cannot be read): what orders the snapshot
+    directories, not their names (a directory renamed or copied in keeps its own)."""
+    try:
+        return int(json.loads((snap / "meta.json").read_text()).get("applied_seq", -1))
+    except (OSError, ValueError, AttributeError, TypeError):
+        return -1
+
+
+def warn(say: Say, line: str) -> None:
+    """``say(line)`` at level WARNING where ``say`` takes a level (:meth:`.state.ShardState.say`)."""
+    if say is not None:
+        try:
+            say(line, "WARNING")
+        except TypeError:
+            say(line)
