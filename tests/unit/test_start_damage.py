@@ -119,3 +119,19 @@ def test_without_current_the_snapshot_is_chosen_by_its_applied_sequence_not_its_
     again = _shard(tmp_path)
     assert len(again.store.postings) == 320 and _answers(again) == before
     again.txns.wal.close()
+
+
+@pytest.mark.parametrize("content", ["", "snap-xyz", "snap-0000"])
+def test_a_current_that_names_no_snapshot_is_refused_naming_it_and_nothing_is_removed(tmp_path, content):
+    """trial55b #2: the start swept every other snapshot directory before it found out, deleting the live one."""
+    before = _seeded(tmp_path)
+    snap = _snap(tmp_path)
+    cur = tmp_path / "shard-0" / "CURRENT"
+    cur.write_text(content)
+    with pytest.raises(RuntimeError, match="CURRENT names"):
+        _shard(tmp_path)
+    assert (snap / "meta.json").exists()
+    cur.write_text(snap.name)
+    again = _shard(tmp_path)
+    assert _answers(again) == before
+    again.txns.wal.close()

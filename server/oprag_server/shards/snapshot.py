@@ -329,7 +329,6 @@ def load(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions, co
     """
     wal = storage.open_log(d, say=say) if storage is not None else WriteAheadLog(d / "wal.log")
     snap = current(d, say)
-    sweep(d, snap.name if snap is not None and snap != d else None)  # what a failed or cut-off snapshot left
     if snap is not None:  # (a snapshot written directly into the shard directory: first layout)
         try:
             meta = json.loads((snap / "meta.json").read_text())
@@ -368,6 +367,8 @@ def load(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions, co
     replayed = txns.replay(wal, committed)
     replayed += memory.replay(wal)
     replaying.done(f"write-ahead log replayed: {replayed} records applied")
+    # what a failed or cut-off snapshot left, once this one has loaded (a refused start removes nothing: trial55b)
+    sweep(d, snap.name if snap is not None and snap != d else None)
     store.postings.drain_delta()
     release_memory()  # what the load's temporaries left in the allocators (a file of several batches
     return replayed   # has its vector column combined once for a flat index's copy)

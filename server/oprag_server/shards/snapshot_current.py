@@ -18,7 +18,11 @@ def current(d: Path, say: Say) -> Path | None:
     the shard empty and the start's sweep removed its snapshot (trial55). None: no snapshot."""
     cur = d / "CURRENT"
     if cur.exists():
-        return d / cur.read_text().strip()
+        name = cur.read_bytes().decode("utf-8", "replace").strip()
+        if not name.startswith("snap-") or "/" in name or not (d / name).is_dir():
+            raise RuntimeError(f"{cur} names {name!r}, which is not a snapshot directory here: write the name of the "
+                               f"snapshot directory to load into it (snap-...), or remove it to load the newest whole one")
+        return d / name
     if (d / "meta.json").exists():
         return d
     whole = sorted((_applied(p), p.name) for p in d.glob("snap-*") if (p / "meta.json").is_file())
