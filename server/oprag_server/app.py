@@ -78,9 +78,10 @@ class Runtime:
             self.pool.fenced = lambda: lease.fenced  # no shard writes to the storage once fenced
         check_data_dir(self.cfg, self.encoder.dim, self.encoder.name)
         committed = self.commits.open_log(self.cfg.data_dir / "commits.log", self.cfg.storage_uri)
-        ready = self.pool.start(loop, committed=committed)
-        # every shard holds the commit log's writes, local --data-dir too (raises: close() writes no snapshot)
+        # until every shard holds the commit log's writes, close() writes no snapshot: the snapshot of the shards
+        # that did start emptied the commit log, and a repaired restart lost committed writes (trial55b #1)
         self._recovery_failed = True
+        ready = self.pool.start(loop, committed=committed)
         self.commits.check_recovered({r.shard: r.applied_seq for r in ready})
         self._recovery_failed = False
         self.corpus_stats.replace_with(CorpusStats.merge_full([r.lexical for r in ready]))
