@@ -23,11 +23,10 @@ from __future__ import annotations
 import mmap
 import os
 import shutil
-import zlib
 from pathlib import Path
 
 from .. import records
-from ..index.bm25.files import kept
+from ..index.bm25.files import crc_of, kept
 from ..index.wal import fsync_write_with
 from . import chunks as chunkstore
 
@@ -52,15 +51,6 @@ def listed(snap: Path, meta: dict) -> list[tuple]:
         raise RuntimeError(f"{snap / 'meta.json'}: chunk_files hold {sum(r for _, r, _ in out)} rows, not the "
                            f"snapshot's {meta['chunks']} chunks; restore the snapshot directory from a backup")
     return out
-
-
-def crc_of(path: Path) -> int:
-    """CRC-32 of a file's bytes, read 8 MB at a time."""
-    c = 0
-    with open(path, "rb") as fh:
-        while block := fh.read(8 << 20):
-            c = zlib.crc32(block, c)
-    return c
 
 
 def map_chunks(path: Path):

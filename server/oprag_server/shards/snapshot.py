@@ -301,7 +301,6 @@ def _load_postings(snap: Path, meta: dict, store: ChunkStore, rows: int, say: Sa
     when its files cannot be read or do not fit together)."""
     if meta.get("analyzer") != {"stem": store.analyzer.stem}:
         return None
-    why = None
     try:
         ix = PostingsIndex.load(snap / "postings", mmap=True)
         why = None if len(ix) == rows else f"they hold {len(ix)} chunks"

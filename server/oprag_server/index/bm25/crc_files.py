@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import json
 import os
-import zlib
 from pathlib import Path
+
+from .files import crc_of as _read_crc
 
 NAME = "crc32.json"
 #: (st_dev, st_ino, st_size, st_mtime_ns) -> CRC-32 of that file's bytes
 _KNOWN: dict[tuple[int, int, int, int], int] = {}
-_BLOCK = 8 << 20
 
 
 def _key(p: Path) -> tuple[int, int, int, int]:
@@ -31,15 +31,11 @@ def _key(p: Path) -> tuple[int, int, int, int]:
 
 
 def crc_of(p: Path) -> int:
-    """CRC-32 of file ``p`` (remembered per file identity; read 8 MB at a time otherwise). :raises OSError:"""
+    """CRC-32 of file ``p`` (remembered per file identity; else read, :func:`.files.crc_of`). :raises OSError:"""
     k = _key(p)
     c = _KNOWN.get(k)
     if c is None:
-        c, buf = 0, bytearray(_BLOCK)
-        view = memoryview(buf)
-        with open(p, "rb", buffering=0) as fh:
-            while n := fh.readinto(buf):
-                c = zlib.crc32(view[:n], c)
+        c = _read_crc(p)
         if len(_KNOWN) > 4096:  # (a long-running shard: only the files of its last snapshots matter)
             _KNOWN.clear()
         _KNOWN[k] = c

@@ -114,8 +114,7 @@ def restore(ix, d: Path) -> None:
     b = blob.tobytes()
     starts = np.concatenate([[0], ends[:-1]]).tolist()
     terms = [b[a:e].decode("utf-8") for a, e in zip(starts, ends.tolist())]
-    delta, df, postings = Delta(), np.zeros(max(T, 64), np.int64), 0
-    per_slot: list[np.ndarray] = []
+    delta, df = Delta(), np.zeros(T, np.int64)
     dense = bool(m) and int(old[-1]) - int(old[0]) + 1 == m  # (the usual case: the slots have no holes)
     for k, tf in runs:
         if k.shape != tf.shape or (k.size and (np.any(k[1:] <= k[:-1]) or int(k[-1] >> 32) >= T or tf.min() < 1)):
@@ -130,13 +129,11 @@ def restore(ix, d: Path) -> None:
             new = (k & ~_LOW) | (at + s)
         del sl
         delta.runs.append((new, tf))
-        df[: T] += np.bincount(k >> 32, minlength=T)
-        postings += int(k.size)
-        per_slot.append(new)
+        df += np.bincount(k >> 32, minlength=T)
     delta.vocab, delta.terms = {t: i for i, t in enumerate(terms)}, terms
     if len(delta.vocab) != T:
         raise ValueError(f"{p}: the delta's terms repeat")
-    keys = np.concatenate(per_slot) if per_slot else np.zeros(0, np.int64)
+    keys = np.concatenate([k for k, _ in delta.runs]) if delta.runs else np.zeros(0, np.int64)
     lo = (keys & _LOW).astype(np.int32)
     by = np.argsort(lo, kind="stable")  # per chunk (all in one run), its term ids ascending
     cut = np.searchsorted(lo[by], np.arange(s, s + m + 1))
@@ -144,8 +141,8 @@ def restore(ix, d: Path) -> None:
     del lo, by, keys
     slots = np.arange(s, s + m, dtype=np.int64)
     delta.docs = {int(sl): kt[a:e] for sl, a, e in zip(slots.tolist(), cut[:-1].tolist(), cut[1:].tolist())}
-    delta.df_arr, delta.n = df, postings
-    delta._docs_bytes = 8 * postings + 100 * m  # noqa: SLF001 - as Delta._counted counts them
+    u = np.flatnonzero(df)
+    delta._counted(u, df[u], int(kt.size), m)  # noqa: SLF001 - the df, posting count and bytes an add keeps
     if m:
         ix._grow(s + m - 1)  # noqa: SLF001
     ix._delta = delta  # noqa: SLF001

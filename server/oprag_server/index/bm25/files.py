@@ -11,6 +11,7 @@ stored in parts (the HNSW vectors', the stored fields') keeps the earlier ones l
 from __future__ import annotations
 
 import os
+import zlib
 from pathlib import Path
 
 #: ``(directory, {file name: (st_dev, st_ino)})``
@@ -51,6 +52,17 @@ def kept(rows: list[int], n: int) -> int:
             return j
         at += r
     return len(rows)
+
+
+def crc_of(p: Path) -> int:
+    """CRC-32 (zlib) of file ``p``'s bytes, read 8 MB at a time into one buffer (through the page cache, not a map
+    whose pages would count in the RSS). :raises OSError:"""
+    c, buf = 0, bytearray(8 << 20)
+    view = memoryview(buf)
+    with open(p, "rb", buffering=0) as fh:
+        while n := fh.readinto(buf):
+            c = zlib.crc32(view[:n], c)
+    return c
 
 
 def _file_id(p: Path) -> tuple[int, int]:
