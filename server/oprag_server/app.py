@@ -76,11 +76,11 @@ class Runtime:
         lease = self.commits.lease = acquire_storage(self.cfg, self.encoder.dim)  # before anything local
         if lease is not None:
             self.pool.fenced = lambda: lease.fenced  # no shard writes to the storage once fenced
-        check_data_dir(self.cfg, self.encoder.dim, self.encoder.name)
-        committed = self.commits.open_log(self.cfg.data_dir / "commits.log", self.cfg.storage_uri)
         # until every shard holds the commit log's writes, close() writes no snapshot: the snapshot of the shards
         # that did start emptied the commit log, and a repaired restart lost committed writes (trial55b #1)
         self._recovery_failed = True
+        check_data_dir(self.cfg, self.encoder.dim, self.encoder.name)
+        committed = self.commits.open_log(self.cfg.data_dir / "commits.log", self.cfg.storage_uri)
         ready = self.pool.start(loop, committed=committed)
         self.commits.check_recovered({r.shard: r.applied_seq for r in ready})
         self._recovery_failed = False

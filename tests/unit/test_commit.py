@@ -183,3 +183,43 @@ def test_queries_wait_for_the_apply_only_not_for_the_prepare():
 async def _read_stats(cp: CommitProtocol) -> tuple[int, int]:
     async with cp.lock.read():
         return cp.applied_seq, cp.stats.n_docs
+
+
+def test_a_missing_commit_log_is_refused_only_when_a_shard_log_holds_prepared_transactions(tmp_path):
+    import pytest
+
+    from oprag_server.engine.commit import missing_log
+    from oprag_server.index.wal import WriteAheadLog
+
+    missing_log(tmp_path / "commits.log")  # a new data directory
+    w = WriteAheadLog(tmp_path / "replica-1" / "shard-0" / "wal.log")
+    w.open()
+    w.append({"kind": "turn", "session": "s"})  # memory records alone: nothing a commit log decides
+    w.close()
+    missing_log(tmp_path / "commits.log")
+    w.open()
+    w.append({"txn": "t9", "seq": 9, "kind": "delete", "doc_ids": ["a"]})
+    w.close()
+    with pytest.raises(RuntimeError, match=r"commits\.log is missing, .*replica-1/shard-0/wal\.log \(1\)"):
+        missing_log(tmp_path / "commits.log")
+    (tmp_path / "commits.log").touch()  # the operator's choice to go on without it
+    missing_log(tmp_path / "commits.log")
+
+
+def test_the_base_record_and_the_shards_sequence_numbers_tell_an_older_copy(tmp_path):
+    import pytest
+
+    cp = CommitProtocol(pool=None, stats=None, lock=None)
+    cp.open_log(tmp_path / "commits.log")
+    cp.recover([7, 7])
+    cp.reset_log()  # after a full snapshot at 7
+    cp2 = CommitProtocol(pool=None, stats=None, lock=None)
+    assert cp2.open_log(tmp_path / "commits.log") == {} and cp2.committed_txns() == set()
+    cp2.check_recovered({0: 7, 1: 7})
+    with pytest.raises(RuntimeError, match=r"up to 7 \(every shard's snapshot had reached 7 .*older snapshot"):
+        cp2.check_recovered({0: 5, 1: 5})
+    with pytest.raises(RuntimeError, match="shard 1 recovered up to sequence 8, but another shard recovered up to 9"):
+        cp2.check_recovered({0: 9, 1: 8})
+    cp2.check_recovered({1: 7}, committed=set())  # a restart: one shard, nothing else to compare
+    cp2.recover([7, 7])
+    assert cp2.next_seq() == 8

@@ -210,7 +210,7 @@ def test_a_shard_missing_tail_records_the_commit_log_holds_is_refused(tmp_path, 
     from oprag_server.shards.state import ShardState
 
     cp = CommitProtocol(pool=None, stats=None, lock=None)
-    committed = cp.open_log(tmp_path / "commits.log", uri)
+    committed = set(cp.open_log(tmp_path / "commits.log", uri))
     s0, s1 = (ShardState(i, 4, tmp_path / "a", storage=uri) for i in (0, 1))
     for s in (s0, s1):
         s.load(committed)

@@ -190,3 +190,105 @@ def test_a_log_that_cannot_undo_a_failed_append_refuses_appends_until_reopened(t
     w2.append({"seq": 3})
     w2.close()
     assert [r["seq"] for r in read_records(p)[0]] == [1, 3]
+
+
+# --- damage after the write (trial55b): refused untouched, salvaged on request ---
+
+
+def _log(p, n=6):
+    w = WriteAheadLog(p)
+    w.open()
+    for i in range(n):
+        w.append({"txn": f"t{i}", "seq": i, "blob": bytes(range(256)) * i})  # (0x80 bytes inside: false candidates)
+    w.close()
+
+
+def _offsets(p):
+    import struct
+
+    data, out, pos = p.read_bytes(), [], 0
+    while pos < len(data):
+        out.append(pos)
+        pos += 8 + struct.unpack_from("<I", data, pos)[0]
+    return out
+
+
+def test_damage_before_intact_records_is_refused_and_the_file_left_as_it_is(tmp_path):
+    import pytest
+
+    from oprag_server.index.wal import LogDamaged
+
+    p = tmp_path / "wal.log"
+    _log(p)
+    offs = _offsets(p)
+    data = bytearray(p.read_bytes())
+    data[offs[2] + 20] ^= 0x01  # one bit inside record 2's payload
+    p.write_bytes(bytes(data))
+    with pytest.raises(LogDamaged, match=rf"bytes {offs[2]}-{offs[3]} of {len(data)} are damaged .* 3 intact records"):
+        WriteAheadLog(p).open()
+    assert p.read_bytes() == bytes(data)
+    data[offs[2]: offs[2] + 4] = b"\xff\xff\xff\x7f"  # a length past the end of the file: the same
+    p.write_bytes(bytes(data))
+    with pytest.raises(LogDamaged, match="3 intact records"):
+        WriteAheadLog(p).open()
+
+
+def test_damage_in_the_last_record_is_a_torn_tail_dropped_with_a_warning(tmp_path, caplog):
+    import logging
+
+    p = tmp_path / "wal.log"
+    _log(p)
+    offs = _offsets(p)
+    data = bytearray(p.read_bytes())
+    data[-5] ^= 0x10  # the last record: full length, wrong CRC (a crash whose size reached the disk, its bytes not)
+    p.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="oprag"):
+        assert [r["seq"] for r in WriteAheadLog(p).open()] == [0, 1, 2, 3, 4]
+    assert p.stat().st_size == offs[5] and f"torn tail of {len(data) - offs[5]} bytes" in caplog.text
+
+
+def test_salvage_keeps_every_intact_record_byte_for_byte_and_the_original(tmp_path):
+    from oprag_server.index.wal import parse_spans, salvage
+
+    p = tmp_path / "wal.log"
+    _log(p)
+    offs, clean = _offsets(p), p.read_bytes()
+    data = bytearray(clean)
+    data[offs[1] + 9] ^= 0xFF
+    data[offs[4] + 30] ^= 0xFF
+    p.write_bytes(bytes(data))
+    assert parse_spans(bytes(data))[1] == [(offs[1], offs[2]), (offs[4], offs[5])]
+    kept, spans, orig = salvage(p)
+    assert (kept, orig.read_bytes()) == (4, bytes(data))
+    assert p.read_bytes() == clean[:offs[1]] + clean[offs[2]:offs[4]] + clean[offs[5]:]
+    assert [r["seq"] for r in WriteAheadLog(p).open()] == [0, 2, 3, 5]
+    assert salvage(p)[1:] == ([], None)  # intact now: not changed, no copy
+
+
+def test_random_damage_never_loses_an_intact_record_silently(tmp_path):
+    """Whatever bytes are hit, open() either returns every record before the damage and truncates only a tail with no
+    intact record after it, or refuses and leaves the file; salvage then keeps every record not hit."""
+    import random
+
+    from oprag_server.index.wal import LogDamaged, parse_spans, salvage
+
+    rng = random.Random(7)
+    for trial in range(300):
+        p = tmp_path / f"w{trial}.log"
+        _log(p, n=rng.randint(2, 8))
+        offs, clean = _offsets(p), p.read_bytes()
+        data = bytearray(clean)
+        hit = set()
+        for _ in range(rng.randint(1, 3)):
+            at = rng.randrange(len(data))
+            data[at] ^= rng.randrange(1, 256)
+            hit.add(max(i for i, o in enumerate(offs) if o <= at))
+        p.write_bytes(bytes(data))
+        try:
+            got = [r["seq"] for r in WriteAheadLog(p).open()]
+            assert got == list(range(min(hit))) and set(range(min(hit), len(offs))) <= hit  # nothing intact after
+        except LogDamaged:
+            assert p.read_bytes() == bytes(data)
+            assert [r["seq"] for r in parse_spans(bytes(data))[0]] == [i for i in range(len(offs)) if i not in hit]
+            salvage(p)
+            assert [r["seq"] for r in WriteAheadLog(p).open()] == [i for i in range(len(offs)) if i not in hit]

@@ -30,7 +30,7 @@ from typing import Any
 from ..index.bm25 import CorpusStats
 from ..index.disk_errors import disk_error
 from ..index.objstore import MirroredLog, ObjectStore, open_mirrored
-from ..index.wal import WriteAheadLog
+from ..index.wal import WriteAheadLog, parse_spans
 from ..shards.pool import ShardPool
 from ..shards.protocol import AbortRequest, ApplyReply, ApplyRequest, Op, PrepareRequest
 from ..shards.transport import StorageUnavailable
@@ -39,6 +39,27 @@ from .rwlock import RWLock
 log = logging.getLogger("oprag")
 #: what a shard's (or the commit log's) failed object write says (:class:`~..index.objstore.StorageWriteError`)
 WRITE_FAILED = "object storage write failed"
+
+
+def missing_log(path: Path) -> None:
+    """Refuse a start whose commit log ``path`` is gone while a shard's write-ahead log beside it
+    (``shard-*/wal.log``, replicas' included) holds prepared transactions: without the log, those
+    that were committed would be dropped silently as uncommitted (trial55b). The server never
+    deletes the file (it is replaced atomically). :raises RuntimeError: naming the logs and the
+    way past."""
+    if path.exists():
+        return
+    held = []
+    for wal in sorted(path.parent.glob("**/shard-*/wal.log")):
+        n = sum(1 for r in parse_spans(wal.read_bytes())[0] if r.get("kind") in ("upsert", "delete"))
+        if n:
+            held.append(f"{wal} ({n})")
+    if held:
+        raise RuntimeError(
+            f"{path} is missing, but the shards' write-ahead logs hold prepared transactions: {', '.join(held)}. Which "
+            "of them were committed only the commit log says, so the server does not start without it: restore it "
+            f"from a backup; or, to start without it (the writes acknowledged since the last snapshot are lost), "
+            f"create it empty (`touch {path}`)")
 
 
 class _CallerLeft(Exception):
@@ -90,26 +111,31 @@ class CommitProtocol:
         self.write_error: str | None = None  # the last storage write failure, until a write succeeds
 
     # ------------------------------------------------------------------ recovery
-    def open_log(self, path: Path, storage: str | None = None) -> set[str]:
+    def open_log(self, path: Path, storage: str | None = None) -> dict[str, int]:
         """Open (or create) the commit log. With ``storage`` (``--storage-uri``) every commit
         record is also one object under ``<storage>/commits/``, put before the commit point
         passes, and the local file is rebuilt from those objects first (a frontend on a new
         node with an empty data directory finds every commit; :func:`~..index.objstore.open_mirrored`).
 
-        :returns: the committed transaction ids in it (the shards replay exactly these from
-            their write-ahead logs)."""
+        :returns: ``{transaction id: sequence number}`` of the committed transactions in it (the
+            shards replay exactly these from their write-ahead logs, and a shard refuses to load
+            when one of them is missing between its log's records: :meth:`.txn.Transactions.replay`).
+        :raises LogDamaged: intact records follow a damaged span (the file is left as it is).
+        :raises RuntimeError: the log is missing while a shard's log holds prepared transactions
+            (:func:`missing_log`)."""
         if storage is None:
+            missing_log(path)
             self.log = WriteAheadLog(path)
         else:
             path.parent.mkdir(parents=True, exist_ok=True)
             self.log = open_mirrored(path, ObjectStore.from_uri(storage).sub("commits"))
         logged = self.log.open()
         self._logged_seq = max([r["seq"] for r in logged] + [0])
-        return {r["txn"] for r in logged}
+        return {r["txn"]: int(r["seq"]) for r in logged if r["txn"]}
 
     def committed_txns(self) -> set[str]:
         """Transaction ids in the commit log now (for a shard that restarts)."""
-        return {r["txn"] for r in self.log} if self.log is not None else set()
+        return {r["txn"] for r in self.log if r["txn"]} if self.log is not None else set()
 
     def check_recovered(self, applied: dict[int, int], committed: set[str] | None = None) -> None:
         """Check that every shard recovered every transaction the commit log holds (each shard
@@ -121,16 +147,28 @@ class CommitProtocol:
             commits go on: only those count; a replica catching up has the later ones too).
             None: every transaction of the log (a start: nothing commits meanwhile).
         :raises RuntimeError: naming the shards behind, their sequence number and the log's."""
-        want = max([r["seq"] for r in self.log if committed is None or r["txn"] in committed] + [0]) \
-            if self.log is not None else 0
+        # (the base record, txn "", holds the sequence number every shard's snapshot reached when the log was emptied)
+        recs = list(self.log) if self.log is not None else []
+        want = max([r["seq"] for r in recs if committed is None or not r["txn"] or r["txn"] in committed] + [0])
+        base = max([r["seq"] for r in recs if not r["txn"]] + [0])
         behind = {i: s for i, s in sorted(applied.items()) if s < want}
         if behind:
             where = f" ({self.log.store.uri})" if isinstance(self.log, MirroredLog) else ""
+            older = any(s < base for s in behind.values())
             raise RuntimeError(
                 "; ".join(f"shard {i} recovered up to sequence {s}" for i, s in behind.items())
-                + f", but the commit log{where} holds committed transactions up to {want}: the shard's log records "
-                "of those (prepare records) are missing, so it is not served without them (restore its log "
-                "objects, or restore the storage from a backup)")
+                + f", but the commit log{where} holds committed transactions up to {want}"
+                + (f" (every shard's snapshot had reached {base} when the log was last emptied: an older snapshot or "
+                   "data directory was put in place of the live one)" if older else "")
+                + ": the shard's log records of those (prepare records) are missing, so it is not served without "
+                "them (restore its log objects or the live snapshot, or restore the storage from a backup)")
+        if committed is None and len(set(applied.values())) > 1:  # a start: every shard applied every transaction
+            top = max(applied.values())
+            raise RuntimeError(
+                "; ".join(f"shard {i} recovered up to sequence {s}" for i, s in sorted(applied.items()) if s < top)
+                + f", but another shard recovered up to {top}: every shard prepares and applies every transaction, "
+                "so a shard's data directory was replaced by an older one (a restored backup or snapshot); it is not "
+                "served short: restore the live one, or every shard's directories from the same backup")
 
     def recover(self, shard_applied: Iterable[int]) -> None:
         """Continue numbering after the highest sequence number a shard applied or the commit
@@ -138,9 +176,12 @@ class CommitProtocol:
         self.seq = self.applied_seq = max([*shard_applied, self._logged_seq, 0])
 
     def reset_log(self) -> None:
-        """Empty the commit log (after every shard wrote a snapshot covering it)."""
+        """Empty the commit log (after every shard wrote a snapshot covering it), but for one base
+        record ``{"txn": "", "seq": applied_seq}``: the sequence number the shards' snapshots
+        reached, so a start that finds a shard below it refuses (an older snapshot put in place
+        of the live one, trial55b), where an empty log let it serve short."""
         if self.log is not None:
-            self.log.reset()
+            self.log.reset([{"txn": "", "seq": self.applied_seq, "kind": "base"}])
             if isinstance(self.log, MirroredLog):  # (an id left by a crash here is harmless:
                 self.log.store.delete(self.log.older_keys())  # shards skip records they applied)
 

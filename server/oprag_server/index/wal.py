@@ -2,8 +2,12 @@
 
 Record framing: ``u32 length | u32 crc32(payload) | payload`` (little endian); the payload is a
 pickled dict. :meth:`WriteAheadLog.append` returns only after ``fsync``. Reading stops at the
-first torn or corrupt record (a crash mid-append) and :meth:`WriteAheadLog.open` truncates the
-file there, so a partial write never corrupts what was durable before it. An append that fails
+first torn or corrupt record. When no intact record follows it (a crash mid-append: a torn tail)
+:meth:`WriteAheadLog.open` truncates the file there, with a WARNING, so a partial write never
+corrupts what was durable before it. When intact records follow it, the bytes were damaged after
+they were written (a disk or an operator): :meth:`~WriteAheadLog.open` then raises
+:class:`LogDamaged` and leaves the file as it is, since cutting there would drop acknowledged
+records (trial55b); :func:`salvage` is the operator's way past it. An append that fails
 while the process lives (a full disk, an I/O error) cuts the file back to where it was before
 raising: otherwise its torn bytes would sit in front of the records acknowledged after the disk
 has room again, and the next :meth:`~WriteAheadLog.open` would drop those with it.
@@ -12,6 +16,7 @@ has room again, and the next :meth:`~WriteAheadLog.open` would drop those with i
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import pickle
 import struct
@@ -20,6 +25,22 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterator
 
 _HEAD = struct.Struct("<II")
+log = logging.getLogger("oprag")
+
+
+class LogDamaged(RuntimeError):
+    """(:meth:`WriteAheadLog.open`) intact records follow a damaged span of the log: the file is
+    left as it is. Attributes: ``path``, ``start`` and ``end`` (the damaged bytes ``[start, end)``),
+    ``after`` (the intact records after them)."""
+
+    def __init__(self, path: Path, start: int, end: int, after: int) -> None:
+        self.path, self.start, self.end, self.after = path, start, end, after
+        super().__init__(
+            f"{path}: bytes {start}-{end} of {path.stat().st_size} are damaged (a record whose CRC-32 or framing is "
+            f"wrong) and {after} intact records follow them, so this is not a torn tail from a crash; the log is left "
+            f"as it is. Restore the file from a backup, or run `oprag salvage-log {path}` to keep every intact record "
+            "(the damaged bytes are saved beside it; the records in them are lost, and a start that finds a committed "
+            "write missing still refuses)")
 
 
 def encode_record(record: dict[str, Any]) -> bytes:
@@ -46,6 +67,59 @@ def parse_records(data: bytes) -> tuple[list[dict[str, Any]], int]:
             break
         pos = end
     return out, pos
+
+
+def next_intact(data: bytes, pos: int) -> int | None:
+    """The offset of the first intact record starting after byte ``pos`` of ``data`` (its length
+    fits, its CRC-32 matches, its payload is a pickle of protocol 2-5), or None.
+
+    Cost: one CRC per offset whose next 2 bytes after the header read as a pickle's opcode."""
+    at = pos + 1
+    while True:
+        at = data.find(b"\x80", at + _HEAD.size) - _HEAD.size  # a candidate's payload starts with PROTO (0x80)
+        if at < 0 or at + _HEAD.size + 2 > len(data):
+            return None
+        n, crc = _HEAD.unpack_from(data, at)
+        body = data[at + _HEAD.size: at + _HEAD.size + n]
+        if 2 <= data[at + _HEAD.size + 1] <= 5 and n >= 2 and len(body) == n and zlib.crc32(body) == crc:
+            return at
+        at += 1
+
+
+def parse_spans(data: bytes) -> tuple[list[dict[str, Any]], list[tuple[int, int]]]:
+    """Every intact record of ``data``, skipping damaged spans, and those spans ``[start, end)``
+    (a span at the end runs to ``len(data)``). For :func:`salvage` and :class:`LogDamaged`."""
+    out: list[dict[str, Any]] = []
+    spans: list[tuple[int, int]] = []
+    pos = 0
+    while pos < len(data):
+        recs, good = parse_records(data[pos:])
+        out.extend(recs)
+        pos += good
+        if pos >= len(data):
+            break
+        nxt = next_intact(data, pos)
+        spans.append((pos, len(data) if nxt is None else nxt))
+        if nxt is None:
+            break
+        pos = nxt
+    return out, spans
+
+
+def salvage(path: Path) -> tuple[int, list[tuple[int, int]], Path | None]:
+    """Rewrite the log at ``path`` with every intact record, in order, skipping its damaged spans
+    (the operator's step past :class:`LogDamaged`). The original file is kept as
+    ``<path>.damaged`` first (fsync'ed). :returns: ``(records kept, damaged spans, the kept
+    copy or None when nothing was damaged)``. :raises OSError: reading or writing failed."""
+    data = path.read_bytes()
+    records, spans = parse_spans(data)
+    if not spans:
+        return len(records), [], None
+    keep = path.with_name(path.name + ".damaged")
+    fsync_write(keep, data)
+    cuts = [0, *(x for span in spans for x in span), len(data)]  # the intact records' bytes, unchanged
+    fsync_write(path, b"".join(data[a:b] for a, b in zip(cuts[::2], cuts[1::2])))
+    return len(records), spans, keep
 
 
 def read_records(path: Path) -> tuple[list[dict[str, Any]], int]:
@@ -95,10 +169,18 @@ class WriteAheadLog:
         self._f = None
 
     def open(self) -> list[dict[str, Any]]:
-        """Open for appending; drop a torn tail. :returns: the intact records."""
+        """Open for appending; drop a torn tail (WARNING). :returns: the intact records.
+
+        :raises LogDamaged: intact records follow a damaged span (the file is not changed)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        records, good = read_records(self.path)
-        if self.path.exists() and self.path.stat().st_size != good:
+        data = self.path.read_bytes() if self.path.exists() else b""
+        records, good = parse_records(data)
+        if len(data) != good:
+            nxt = next_intact(data, good)
+            if nxt is not None:
+                raise LogDamaged(self.path, good, nxt, len(parse_spans(data)[0]) - len(records))
+            log.warning("%s: dropped a torn tail of %d bytes at byte %d (a record cut short by a crash while it was "
+                        "written: never acknowledged)", self.path, len(data) - good, good)
             with open(self.path, "r+b") as f:
                 f.truncate(good)
                 f.flush()

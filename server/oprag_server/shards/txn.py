@@ -84,12 +84,28 @@ class Transactions:
             return ApplyReply(delta=self.store.postings.drain_delta())
         return self.store.delete(rec["doc_ids"], rec["seq"])
 
-    def replay(self, wal: WriteAheadLog, committed: set[str] | None) -> int:
+    def replay(self, wal: WriteAheadLog, committed: set[str] | dict[str, int] | None) -> int:
         """Open ``wal`` for appending, then apply, in sequence order, its records of committed
-        transactions newer than the store. :returns: records applied."""
+        transactions newer than the store. :returns: records applied.
+
+        :param committed: the commit log's transaction ids; as ``{txn: seq}`` (a start,
+            :meth:`..engine.commit.CommitProtocol.open_log`) the log is also checked for holes.
+        :raises LogDamaged: intact records follow a damaged span of ``wal`` (left as it is).
+        :raises RuntimeError: a committed transaction newer than the snapshot is missing between
+            the log's records (a salvaged damaged span held it): the shard is not served short.
+            (One missing after the log's last record is the frontend's check: a shard behind.)"""
         self.wal = wal
         replayed = 0
-        for rec in sorted((r for r in wal.open() if r.get("kind") in ("upsert", "delete")), key=lambda r: r["seq"]):
+        ops = sorted((r for r in wal.open() if r.get("kind") in ("upsert", "delete")), key=lambda r: r["seq"])
+        if isinstance(committed, dict):
+            top, have = max((r["seq"] for r in ops), default=0), {r["txn"] for r in ops}
+            lost = sorted(s for t, s in committed.items() if self.store.applied_seq < s < top and t not in have)
+            if lost:
+                raise RuntimeError(
+                    f"{wal.path}: committed transactions {lost[:10]}{' ...' if len(lost) > 10 else ''} ({len(lost)}) "
+                    f"are not in this log, which holds later ones (up to {top}): records were lost (a damaged span "
+                    "that was salvaged), so the shard is not served without them: restore the log from a backup")
+        for rec in ops:
             if rec["seq"] <= self.store.applied_seq or committed is None or rec["txn"] not in committed:
                 continue
             self.apply_record(rec)

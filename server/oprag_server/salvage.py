@@ -1,0 +1,67 @@
+"""``oprag salvage-log PATH...``: the operator's step past a refused start over a damaged log.
+
+A start refuses when intact records follow a damaged span of a write-ahead log (a shard's
+``wal.log``, the frontend's ``commits.log``): :class:`~.index.wal.LogDamaged`, the file left as
+it is. This command rewrites each named log with every intact record, in order, without the
+damaged spans (:func:`~.index.wal.salvage`), and keeps the original beside it as
+``<name>.damaged``. It holds the data directory's lock meanwhile, so it refuses while a server
+runs on it. The records inside a damaged span are lost; the next start still refuses when one of
+them was a committed write that a shard's log lacks (:meth:`.shards.txn.Transactions.replay`,
+:meth:`.engine.commit.CommitProtocol.check_recovered`), and says so.
+
+Exit status: 0 every log was read (salvaged or found intact), 2 a path is missing, not a file,
+in a data directory in use, or could not be rewritten (the reason on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def build_parser(prog: str = "oprag salvage-log") -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description="Rewrite damaged OpRAG write-ahead logs (wal.log, "
+                                 "commits.log) with their intact records; the original is kept as <name>.damaged. "
+                                 "Stop the server first.")
+    ap.add_argument("paths", nargs="+", type=Path, metavar="PATH", help="a log file named in the refusal")
+    return ap
+
+
+def _data_dir(p: Path) -> Path | None:
+    """The nearest directory above ``p`` that a server locks (it holds ``.lock``), or None."""
+    for d in p.resolve().parents:
+        if (d / ".lock").exists():
+            return d
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """:returns: the exit status (module docstring)."""
+    from .index.wal import salvage
+    from .startup import lock_data_dir
+
+    a = build_parser().parse_args(argv)
+    status, locks = 0, {}
+    for p in a.paths:
+        try:
+            if not p.is_file():
+                raise OSError(f"{p}: no such log file")
+            d = _data_dir(p)
+            if d is not None and d not in locks:
+                locks[d] = lock_data_dir(d)  # RuntimeError: a server runs on it
+            kept, spans, orig = salvage(p)
+        except (OSError, RuntimeError) as exc:
+            print(f"oprag salvage-log: {exc}", file=sys.stderr)
+            status = 2
+            continue
+        if not spans:
+            print(f"{p}: intact ({kept} records); not changed")
+            continue
+        lost = sum(e - s for s, e in spans)
+        where = ", ".join(f"{s}-{e}" for s, e in spans)
+        print(f"{p}: kept {kept} intact records; dropped {len(spans)} damaged spans ({lost} bytes at {where}); "
+              f"the original is {orig}")
+    for f in locks.values():
+        f.close()
+    return status
