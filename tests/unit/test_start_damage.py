@@ -135,3 +135,28 @@ def test_a_current_that_names_no_snapshot_is_refused_naming_it_and_nothing_is_re
     again = _shard(tmp_path)
     assert _answers(again) == before
     again.txns.wal.close()
+
+
+def test_a_damaged_memory_json_stops_the_start_naming_it(tmp_path):
+    _seeded(tmp_path)
+    mem = _snap(tmp_path) / "memory.json"
+    mem.write_bytes(b'[{"session_id": ')  # cut short
+    with pytest.raises(RuntimeError, match=r"memory\.json or memory_vectors\.npy beside it cannot be read"):
+        _shard(tmp_path)
+    assert mem.read_bytes() == b'[{"session_id": '
+
+
+@pytest.mark.parametrize("damage", [b"PK\x03\x04garbage", b"", b"\x00" * 64])
+def test_a_damaged_dense_seeds_file_is_rebuilt_not_refused(tmp_path, damage):
+    """``dense_seeds.npz`` is rebuilt by the next warm-up: a damaged one (a zip cut short raised BadZipFile through the
+    load, trial55b) reads as absent."""
+    import numpy as np
+
+    from oprag_server.index import low_seeds_state
+
+    p = tmp_path / low_seeds_state.NAME
+    np.savez(p, probes=np.zeros((2, 4), np.float32), thresh=np.zeros(2, np.float32), ids=np.arange(2),
+             built_at=np.int64(0), seen=np.int64(2))
+    assert low_seeds_state.decode(p) is not None
+    p.write_bytes(p.read_bytes()[:len(p.read_bytes()) // 2] if not damage else damage)
+    assert low_seeds_state.decode(p) is None

@@ -16,11 +16,15 @@ was made for, or the tuple is older and the restored seeds extend it as the shar
 from __future__ import annotations
 
 import io
+import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
 
 NAME = "dense_seeds.npz"
+#: what ``np.load`` of a damaged ``.npz`` / ``.npy`` raises (a cut or flipped zip: BadZipFile, zlib.error, EOFError)
+NPZ_ERRORS = (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, zlib.error)
 
 
 def mark(seeds, ann) -> None:
@@ -49,7 +53,7 @@ def decode(path: Path) -> tuple | None:
         with np.load(path) as z:
             return (np.ascontiguousarray(z["probes"], np.float32), np.ascontiguousarray(z["thresh"], np.float32),
                     np.ascontiguousarray(z["ids"], np.int64), int(z["built_at"]), int(z["seen"]))
-    except (OSError, ValueError, KeyError, EOFError):
+    except NPZ_ERRORS:  # (rebuilt by the next warm-up: never a refusal)
         return None
 
 

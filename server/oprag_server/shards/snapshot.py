@@ -41,6 +41,7 @@ import numpy as np
 
 from .. import records
 from ..index import ann_vectors, low_seeds_state
+from ..index.low_seeds_state import NPZ_ERRORS
 from ..index.bm25 import PostingsIndex
 from ..index.objstore import MirroredLog
 from ..index.wal import WriteAheadLog, fsync_write, fsync_write_with
@@ -213,7 +214,7 @@ def _load_ann(snap: Path, store: ChunkStore, say: Say = None) -> None:
             try:
                 with np.load(m) as meta:  # (closed at once: only its kind is read)
                     was = str(meta["kind"])
-            except (OSError, ValueError, KeyError):
+            except NPZ_ERRORS:
                 pass
         if was != "flat":
             say(f"the snapshot's {was} search structure is not used: --dense-index flat scans every vector (the next snapshot drops it)")
@@ -241,7 +242,7 @@ def _load_ann(snap: Path, store: ChunkStore, say: Say = None) -> None:
                 if store.dense.load_ann(state, remap):
                     low_seeds_state.stash(store.dense.ann, snap / low_seeds_state.NAME)
                     return _built_with(store, say)
-        except (OSError, ValueError, KeyError, RuntimeError) as exc:  # rebuilt below, from the chunks' vectors
+        except (*NPZ_ERRORS, RuntimeError) as exc:  # rebuilt below, from the chunks' vectors
             only = json.loads((snap / "meta.json").read_text()).get("format_version", 1) >= 3  # (format 3: only there)
             if was == "hnsw" and store.dense.one_copy and only:  # (nothing to rebuild from: trial54 #2)
                 raise RuntimeError(f"{snap}: the HNSW structure, the only copy of the chunks' vectors, cannot be "
@@ -288,7 +289,7 @@ def _with_vectors(snap: Path, table, dim: int):
         m = np.load(snap / "dense.npz")
         vecs = read_vectors(snap / "dense.faiss", m["ann_slot"], np.asarray(m["live_slots"], dtype=np.int64),
                             _tail(snap))
-    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+    except (*NPZ_ERRORS, RuntimeError) as exc:
         raise RuntimeError(f"{snap}: the chunks' vectors are in dense.faiss (and the parts beside it), which cannot be "
                            f"read: {exc}") from exc
     col = pa.FixedSizeListArray.from_arrays(pa.array(np.ascontiguousarray(vecs, np.float32).reshape(-1)), dim)
@@ -359,7 +360,13 @@ def load(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions, co
         store.applied_seq = int(meta.get("applied_seq", 0))
         store.next_slot = max(store.next_slot, int(meta.get("next_slot", 0)))
         mv = snap / "memory_vectors.npy"  # (absent in a snapshot written before it: vectors inside memory.json)
-        memory.load_json(json.loads((snap / "memory.json").read_text()), np.load(mv) if mv.exists() else None)
+        try:
+            items = json.loads((snap / "memory.json").read_text())
+            memory.load_json(items, np.load(mv, allow_pickle=False) if mv.exists() else None)
+        except (*NPZ_ERRORS, TypeError, AttributeError, IndexError) as exc:
+            raise RuntimeError(f"{snap / 'memory.json'} or {mv.name} beside it cannot be read ({type(exc).__name__}: "
+                               f"{exc}): the session memory has no other copy; restore the snapshot directory from a "
+                               "backup") from exc
         loading.done(f"snapshot {snap.name} loaded: {table.num_rows} chunks")
     size = wal.path.stat().st_size if wal.path.exists() else 0
     replaying = _Step(say, f"replaying the write-ahead log: {size} bytes", size > 0)
