@@ -140,6 +140,9 @@ def test_a_damaged_file_or_listing_is_refused_naming_it(tmp_path, damage):
     else:
         second.write_bytes(second.read_bytes()[:3000])
         err, want = ValueError, f"{second.name}: cannot be read"
+    from oprag_server.shards.snapshot import meta_crc
+
+    m["crc32"] = meta_crc(m)  # (edited whole: past meta.json's own CRC-32, to the listing's checks)
     meta.write_text(json.dumps(m))
     with pytest.raises(err, match=want):
         ShardState(0, D, tmp_path).load(set())

@@ -160,3 +160,26 @@ def test_a_damaged_dense_seeds_file_is_rebuilt_not_refused(tmp_path, damage):
     assert low_seeds_state.decode(p) is not None
     p.write_bytes(p.read_bytes()[:len(p.read_bytes()) // 2] if not damage else damage)
     assert low_seeds_state.decode(p) is None
+
+
+def test_a_flipped_digit_in_meta_json_is_refused_and_a_missing_crc_list_re_analyses(tmp_path):
+    """``meta.json`` carries a CRC-32 of its fields (a flipped digit of ``applied_seq`` still parses: the shard would
+    skip or replay log records by it), and says the snapshot wrote ``postings/crc32.json``, so a deleted list is not
+    read as a snapshot from before the lists (trial55b)."""
+    import json
+
+    before = _seeded(tmp_path)
+    snap = _snap(tmp_path)
+    meta = snap / "meta.json"
+    m = json.loads(meta.read_text())
+    assert m["postings_crc"] is True and isinstance(m["crc32"], int)
+    good = meta.read_bytes()
+    meta.write_bytes(good.replace(f'"applied_seq": {m["applied_seq"]}'.encode(), b'"applied_seq": 9'))
+    with pytest.raises(RuntimeError, match="meta.json cannot be read .*CRC-32 does not match"):
+        _shard(tmp_path)
+    meta.write_bytes(good)
+    (snap / "postings" / "crc32.json").unlink()
+    said: list = []
+    st = _shard(tmp_path, said)
+    assert _answers(st) == before
+    assert any(level == "WARNING" and "crc32.json is missing" in line for level, line in said), said

@@ -34,6 +34,7 @@ import json
 import mmap
 import shutil
 import time
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -42,7 +43,7 @@ import numpy as np
 from .. import records
 from ..index import ann_vectors, low_seeds_state
 from ..index.low_seeds_state import NPZ_ERRORS
-from ..index.bm25 import PostingsIndex
+from ..index.bm25 import PostingsIndex, crc_files
 from ..index.objstore import MirroredLog
 from ..index.wal import WriteAheadLog, fsync_write, fsync_write_with
 from ..index.wal import _fsync_dir as _fsync_file  # (any path: file or directory)
@@ -135,9 +136,15 @@ def _write_snapshot_files(snap: Path, store: ChunkStore, memory: MemoryStore) ->
     parts = ann_vectors.sidecar(snap / "dense.faiss").exists() or len(files) > 1  # (format 5: files in parts)
     meta = {"format_version": 5 if parts else 4 if (snap / "dense_tail.npy").exists() else FORMAT_VERSION,
             "applied_seq": store.applied_seq, "dim": store.dim, "next_slot": store.next_slot, "chunks": rows[0],
-            "chunk_files": files, "analyzer": {"stem": store.analyzer.stem}}
+            "chunk_files": files, "analyzer": {"stem": store.analyzer.stem}, "postings_crc": True}
+    meta["crc32"] = meta_crc(meta)  # (a flipped digit of applied_seq or next_slot still parses)
     fsync_write(snap / "meta.json", json.dumps(meta).encode())
     return rows[0]
+
+
+def meta_crc(meta: dict) -> int:
+    """CRC-32 of ``meta.json``'s fields but ``crc32`` itself, as canonical JSON (sorted keys)."""
+    return zlib.crc32(json.dumps({k: v for k, v in meta.items() if k != "crc32"}, sort_keys=True).encode())
 
 
 def _mapped(store: ChunkStore, files: list, table, maps: list) -> None:
@@ -303,6 +310,8 @@ def _load_postings(snap: Path, meta: dict, store: ChunkStore, rows: int, say: Sa
     if meta.get("analyzer") != {"stem": store.analyzer.stem}:
         return None
     try:
+        if meta.get("postings_crc") and not (snap / "postings" / crc_files.NAME).exists():
+            raise OSError(f"{snap / 'postings' / crc_files.NAME} is missing (the snapshot wrote one)")
         ix = PostingsIndex.load(snap / "postings", mmap=True)
         why = None if len(ix) == rows else f"they hold {len(ix)} chunks"
     except (OSError, ValueError) as exc:
@@ -332,7 +341,9 @@ def load(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions, co
     if snap is not None:  # (a snapshot written directly into the shard directory: first layout)
         try:
             meta = json.loads((snap / "meta.json").read_text())
-        except (OSError, ValueError) as exc:
+            if "crc32" in meta and meta["crc32"] != meta_crc(meta):  # (snapshots before it have none)
+                raise ValueError("its CRC-32 does not match its fields (the file is damaged)")
+        except (OSError, ValueError, AttributeError, TypeError) as exc:
             raise RuntimeError(f"{snap / 'meta.json'} cannot be read ({exc}): restore the snapshot directory from a "
                                f"backup") from exc
         if meta.get("format_version") not in READABLE_FORMATS:
