@@ -226,11 +226,14 @@ def _load_ann(snap: Path, store: ChunkStore, say: Say = None) -> None:
         if was != "flat":
             say(f"the snapshot's {was} search structure is not used: --dense-index flat scans every vector (the next snapshot drops it)")
         return
-    was = "flat"  # (what a snapshot without the structure's files held)
+    was, failed = "flat", None  # (what a snapshot without the structure's files held)
     if m.exists():
         try:
-            meta = np.load(m)
-            was = str(meta["kind"])
+            try:
+                meta = np.load(m)
+                was = str(meta["kind"])
+            except NPZ_ERRORS as exc:
+                raise ValueError(f"{m.name} cannot be read ({type(exc).__name__}: {exc})") from exc
             if not f.exists():  # (an IVF's lists rebuild from the chunks' vectors; HNSW's vectors were only there)
                 raise FileNotFoundError(f"{f} is missing")
             live = np.asarray(meta["live_slots"], dtype=np.int64)
@@ -250,6 +253,7 @@ def _load_ann(snap: Path, store: ChunkStore, say: Say = None) -> None:
                     low_seeds_state.stash(store.dense.ann, snap / low_seeds_state.NAME)
                     return _built_with(store, say)
         except (*NPZ_ERRORS, RuntimeError) as exc:  # rebuilt below, from the chunks' vectors
+            failed = exc
             only = json.loads((snap / "meta.json").read_text()).get("format_version", 1) >= 3  # (format 3: only there)
             if was == "hnsw" and store.dense.one_copy and only:  # (nothing to rebuild from: trial54 #2)
                 raise RuntimeError(f"{snap}: the HNSW structure, the only copy of the chunks' vectors, cannot be "
@@ -258,7 +262,13 @@ def _load_ann(snap: Path, store: ChunkStore, say: Say = None) -> None:
     kind, n = store.dense.params.kind, int(store.dense.slots.size)
     why = f"the snapshot's index is {was}" if was != kind else f"the snapshot's {kind} structure cannot be used"
     step = _Step(say, f"converting the dense index to {kind}: {n} rows ({why})", n > 0)
-    store.dense.compact_ann()
+    try:
+        store.dense.compact_ann()
+    except RuntimeError as exc:  # (no vectors but the structure's: what stopped its load is the cause)
+        if failed is None:
+            raise
+        raise RuntimeError(f"{snap}: the dense structure, the only copy of the chunks' vectors, cannot be loaded: "
+                           f"{failed}; restore the snapshot directory from a backup (README: Durability)") from exc
     step.done(f"converted the dense index to {kind}: {n} rows")
 
 
@@ -376,8 +386,7 @@ def load(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions, co
             memory.load_json(items, np.load(mv, allow_pickle=False) if mv.exists() else None)
         except (*NPZ_ERRORS, TypeError, AttributeError, IndexError) as exc:
             raise RuntimeError(f"{snap / 'memory.json'} or {mv.name} beside it cannot be read ({type(exc).__name__}: "
-                               f"{exc}): the session memory has no other copy; restore the snapshot directory from a "
-                               "backup") from exc
+                               f"{exc}): the session memory has no other copy; restore the snapshot from a backup") from exc
         loading.done(f"snapshot {snap.name} loaded: {table.num_rows} chunks")
     size = wal.path.stat().st_size if wal.path.exists() else 0
     replaying = _Step(say, f"replaying the write-ahead log: {size} bytes", size > 0)
