@@ -196,11 +196,11 @@ def test_a_log_that_cannot_undo_a_failed_append_refuses_appends_until_reopened(t
 
 
 def _log(p, n=6):
-    w = WriteAheadLog(p)
-    w.open()
-    for i in range(n):
-        w.append({"txn": f"t{i}", "seq": i, "blob": bytes(range(256)) * i})  # (0x80 bytes inside: false candidates)
-    w.close()
+    """A log of ``n`` records as WriteAheadLog.append frames them (written at once: no fsync per record)."""
+    from oprag_server.index.wal import encode_record
+
+    p.parent.mkdir(parents=True, exist_ok=True)  # (0x80 bytes inside the blobs: false candidates for a resync)
+    p.write_bytes(b"".join(encode_record({"txn": f"t{i}", "seq": i, "blob": bytes(range(256)) * i}) for i in range(n)))
 
 
 def _offsets(p):
@@ -292,3 +292,40 @@ def test_random_damage_never_loses_an_intact_record_silently(tmp_path):
             assert [r["seq"] for r in parse_spans(bytes(data))[0]] == [i for i in range(len(offs)) if i not in hit]
             salvage(p)
             assert [r["seq"] for r in WriteAheadLog(p).open()] == [i for i in range(len(offs)) if i not in hit]
+
+
+def test_a_second_salvage_keeps_the_first_original(tmp_path):
+    from oprag_server.index.wal import salvage
+
+    p = tmp_path / "wal.log"
+    _log(p)
+    for k in range(2):
+        offs = _offsets(p)
+        data = bytearray(p.read_bytes())
+        data[offs[1] + 12] ^= 0xFF
+        p.write_bytes(bytes(data))
+        assert salvage(p)[2].name == ["wal.log.damaged", "wal.log.damaged.1"][k]
+        assert (tmp_path / ["wal.log.damaged", "wal.log.damaged.1"][k]).read_bytes() == bytes(data)
+    assert [r["seq"] for r in WriteAheadLog(p).open()] == [0, 3, 4, 5]
+
+
+def test_salvage_log_refuses_a_data_directory_in_use_and_says_what_it_did(tmp_path, capsys):
+    from oprag_server.salvage import main
+    from oprag_server.startup import lock_data_dir
+
+    d = tmp_path / "data"
+    p = d / "shard-0" / "wal.log"
+    _log(p)
+    offs = _offsets(p)
+    data = bytearray(p.read_bytes())
+    data[offs[2] + 10] ^= 0xFF
+    p.write_bytes(bytes(data))
+    held = lock_data_dir(d)  # a server on it
+    assert main([str(p)]) == 2 and "in use by another OpRAG server" in capsys.readouterr().err
+    assert p.read_bytes() == bytes(data)
+    held.close()
+    assert main([str(p), str(d / "nope.log")]) == 2
+    out = capsys.readouterr()
+    assert f"kept 5 intact records; dropped 1 damaged spans ({offs[3] - offs[2]} bytes" in out.out
+    assert "nope.log: no such log file" in out.err
+    assert main([str(p)]) == 0 and "intact (5 records); not changed" in capsys.readouterr().out

@@ -39,8 +39,8 @@ class LogDamaged(RuntimeError):
             f"{path}: bytes {start}-{end} of {path.stat().st_size} are damaged (a record whose CRC-32 or framing is "
             f"wrong) and {after} intact records follow them, so this is not a torn tail from a crash; the log is left "
             f"as it is. Restore the file from a backup, or run `oprag salvage-log {path}` to keep every intact record "
-            "(the damaged bytes are saved beside it; the records in them are lost, and a start that finds a committed "
-            "write missing still refuses)")
+            f"(the original is kept as {path.name}.damaged; the records in the damaged bytes are lost, and a start that "
+            "finds a committed write missing still refuses)")
 
 
 def encode_record(record: dict[str, Any]) -> bytes:
@@ -109,13 +109,15 @@ def parse_spans(data: bytes) -> tuple[list[dict[str, Any]], list[tuple[int, int]
 def salvage(path: Path) -> tuple[int, list[tuple[int, int]], Path | None]:
     """Rewrite the log at ``path`` with every intact record, in order, skipping its damaged spans
     (the operator's step past :class:`LogDamaged`). The original file is kept as
-    ``<path>.damaged`` first (fsync'ed). :returns: ``(records kept, damaged spans, the kept
+    ``<path>.damaged`` first (fsync'ed; ``.damaged.1``, ... when that exists). :returns: ``(records kept, damaged spans, the kept
     copy or None when nothing was damaged)``. :raises OSError: reading or writing failed."""
     data = path.read_bytes()
     records, spans = parse_spans(data)
     if not spans:
         return len(records), [], None
-    keep = path.with_name(path.name + ".damaged")
+    keep, k = path.with_name(path.name + ".damaged"), 1
+    while keep.exists():  # (an earlier salvage's original is never overwritten)
+        keep, k = path.with_name(f"{path.name}.damaged.{k}"), k + 1
     fsync_write(keep, data)
     cuts = [0, *(x for span in spans for x in span), len(data)]  # the intact records' bytes, unchanged
     fsync_write(path, b"".join(data[a:b] for a, b in zip(cuts[::2], cuts[1::2])))

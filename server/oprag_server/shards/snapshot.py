@@ -42,8 +42,8 @@ import numpy as np
 
 from .. import records
 from ..index import ann_vectors, low_seeds_state
-from ..index.low_seeds_state import NPZ_ERRORS
 from ..index.bm25 import PostingsIndex, crc_files
+from ..index.low_seeds_state import NPZ_ERRORS
 from ..index.objstore import MirroredLog
 from ..index.wal import WriteAheadLog, fsync_write, fsync_write_with
 from ..index.wal import _fsync_dir as _fsync_file  # (any path: file or directory)
