@@ -71,17 +71,22 @@ def parse_records(data: bytes) -> tuple[list[dict[str, Any]], int]:
 
 def next_intact(data: bytes, pos: int) -> int | None:
     """The offset of the first intact record starting after byte ``pos`` of ``data`` (its length
-    fits, its CRC-32 matches, its payload is a pickle of protocol 2-5), or None.
+    fits, its payload opens as :func:`encode_record`'s pickles do -- PROTO 4 or 5 then a FRAME
+    that fits -- and its CRC-32 matches), or None.
 
-    Cost: one CRC per offset whose next 2 bytes after the header read as a pickle's opcode."""
+    Cost: a scan for 0x80 bytes; the CRC only of candidates whose header and pickle opening fit (a
+    torn 32 MiB tail of random bytes: ~0.1 s)."""
+    view, end = memoryview(data), len(data)
     at = pos + 1
     while True:
         at = data.find(b"\x80", at + _HEAD.size) - _HEAD.size  # a candidate's payload starts with PROTO (0x80)
-        if at < 0 or at + _HEAD.size + 2 > len(data):
+        if at < 0 or at + _HEAD.size + 11 > end:
             return None
         n, crc = _HEAD.unpack_from(data, at)
-        body = data[at + _HEAD.size: at + _HEAD.size + n]
-        if 2 <= data[at + _HEAD.size + 1] <= 5 and n >= 2 and len(body) == n and zlib.crc32(body) == crc:
+        body = at + _HEAD.size
+        if (data[body + 1] in (4, 5) and data[body + 2] == 0x95 and body + n <= end
+                and int.from_bytes(data[body + 3: body + 11], "little") + 11 <= n
+                and zlib.crc32(view[body: body + n]) == crc):
             return at
         at += 1
 
