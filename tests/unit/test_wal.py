@@ -27,7 +27,7 @@ def test_torn_tail_is_truncated_and_appends_continue(tmp_path):
         f.write(b"\x40\x00\x00\x00\x01\x02")  # a crash in the middle of the next append
     w = WriteAheadLog(p)
     assert [r["txn"] for r in w.open()] == ["a", "b"]
-    assert p.stat().st_size == good
+    assert p.stat().st_size == good + 6  # (cut by the first append: a start refused meanwhile changes nothing)
     w.append({"txn": "c", "seq": 3})
     w.close()
     assert [r["txn"] for r in read_records(p)[0]] == ["a", "b", "c"]
@@ -242,9 +242,22 @@ def test_damage_in_the_last_record_is_a_torn_tail_dropped_with_a_warning(tmp_pat
     data = bytearray(p.read_bytes())
     data[-5] ^= 0x10  # the last record: full length, wrong CRC (a crash whose size reached the disk, its bytes not)
     p.write_bytes(bytes(data))
+    w = WriteAheadLog(p)
     with caplog.at_level(logging.WARNING, logger="oprag"):
-        assert [r["seq"] for r in WriteAheadLog(p).open()] == [0, 1, 2, 3, 4]
-    assert p.stat().st_size == offs[5] and f"torn tail of {len(data) - offs[5]} bytes" in caplog.text
+        assert [r["seq"] for r in w.open()] == [0, 1, 2, 3, 4]
+    assert p.read_bytes() == bytes(data) and f"torn tail of {len(data) - offs[5]} bytes" in caplog.text
+    w.append({"seq": 9})  # the first append cuts the tail, then appends
+    assert [r["seq"] for r in read_records(p)[0]] == [0, 1, 2, 3, 4, 9] and read_records(p)[1] == p.stat().st_size
+    w.close()
+
+
+def test_a_refused_start_neither_cuts_nor_creates_a_log(tmp_path):
+    p = tmp_path / "wal.log"
+    assert WriteAheadLog(p).open() == [] and not p.exists()  # (created by the first append)
+    _log(p)
+    before = p.read_bytes()
+    p.write_bytes(before[:-7])
+    assert len(WriteAheadLog(p).open()) == 5 and p.read_bytes() == before[:-7]
 
 
 def test_salvage_keeps_every_intact_record_byte_for_byte_and_the_original(tmp_path):

@@ -174,27 +174,48 @@ class WriteAheadLog:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._f = None
+        self._ready = False  # opened (open() or reset() ran, and no failed append left bytes it could not cut)
+        self._cut: int | None = None  # a torn tail's start: cut there before the first append
 
     def open(self) -> list[dict[str, Any]]:
-        """Open for appending; drop a torn tail (WARNING). :returns: the intact records.
+        """Read the log for appending. A torn tail is dropped (WARNING), and the file is created or cut
+        only by the first append, so a start refused after this changes nothing (trial56 F4). :returns: the
+        intact records.
 
         :raises LogDamaged: intact records follow a damaged span (the file is not changed)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         data = self.path.read_bytes() if self.path.exists() else b""
         records, good = parse_records(data)
+        self.close()
+        self._cut = None
         if len(data) != good:
             nxt = next_intact(data, good)
             if nxt is not None:
                 raise LogDamaged(self.path, good, nxt, len(parse_spans(data)[0]) - len(records))
-            log.warning("%s: dropped a torn tail of %d bytes at byte %d (a record cut short by a crash while it was "
-                        "written: never acknowledged)", self.path, len(data) - good, good)
-            with open(self.path, "r+b") as f:
-                f.truncate(good)
-                f.flush()
-                os.fsync(f.fileno())
-        self._f = open(self.path, "ab", buffering=0)  # (unbuffered: append_framed writes with os.write)
-        _fsync_dir(self.path.parent)
+            log.warning("%s: a torn tail of %d bytes at byte %d is dropped (a record cut short by a crash while it was "
+                        "written: never acknowledged; cut at the first append)", self.path, len(data) - good, good)
+            self._cut = good
+        self._ready = True
         return records
+
+    def _file(self):
+        """The file opened for appending (created, or its torn tail cut, at the first call).
+        :raises OSError: EIO after a failed append that could not be undone (see :meth:`append_framed`)."""
+        if self._f is None:
+            if not self._ready:
+                raise OSError(errno.EIO, f"write-ahead log {self.path} refuses appends: an earlier failed append "
+                                         "could not be undone (restart the server: its start drops the torn record)")
+            f = open(self.path, "ab", buffering=0)  # (unbuffered: append_framed writes with os.write)
+            try:
+                if self._cut is not None:
+                    os.ftruncate(f.fileno(), self._cut)
+                    os.fsync(f.fileno())
+                _fsync_dir(self.path.parent)
+            except BaseException:
+                f.close()
+                raise
+            self._f, self._cut = f, None
+        return self._f
 
     def append(self, record: dict[str, Any]) -> None:
         """Append one record durably (written and fsync'ed before returning)."""
@@ -207,10 +228,7 @@ class WriteAheadLog:
             cut back to its length before the call, so nothing of ``data`` stays in it; if even
             that fails, the log refuses every later append (EIO) until it is opened again, which
             drops a torn tail."""
-        if self._f is None:
-            raise OSError(errno.EIO, f"write-ahead log {self.path} refuses appends: an earlier failed append could "
-                                     "not be undone (restart the server: its start drops the torn record)")
-        fd = self._f.fileno()
+        fd = self._file().fileno()
         start = os.lseek(fd, 0, os.SEEK_END)
         try:
             view = memoryview(data)
@@ -223,7 +241,7 @@ class WriteAheadLog:
                 os.fsync(fd)
             except OSError:
                 self._f.close()
-                self._f = None
+                self._f, self._ready = None, False
             raise
 
     def reset(self, keep: list[dict[str, Any]] | None = None) -> None:
@@ -234,11 +252,11 @@ class WriteAheadLog:
                 f.write(encode_record(r))
             f.flush()
             os.fsync(f.fileno())
-        if self._f is not None:
-            self._f.close()
+        self.close()
         os.replace(tmp, self.path)
         _fsync_dir(self.path.parent)
-        self._f = open(self.path, "ab", buffering=0)
+        self._ready, self._cut = True, None
+        self._file()
 
     def close(self) -> None:
         if self._f is not None:
