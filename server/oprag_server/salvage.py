@@ -4,7 +4,9 @@ A start refuses when intact records follow a damaged span of a write-ahead log (
 ``wal.log``, the frontend's ``commits.log``): :class:`~.index.wal.LogDamaged`, the file left as
 it is. This command rewrites each named log with every intact record, in order, without the
 damaged spans (:func:`~.index.wal.salvage`), and keeps the original beside it as
-``<name>.damaged``. It holds the data directory's lock meanwhile, so it refuses while a server
+``<name>.damaged``. A ``commits.log`` (also a missing or emptied one) also gets back the commit
+records that the shards' logs beside it prove (:func:`~.engine.commit_repair.salvage_commits`;
+``--with-last`` for the last prepared transaction, which no log can prove). It holds the data directory's lock meanwhile, so it refuses while a server
 runs on it. The records inside a damaged span are lost; the next start still refuses when one of
 them was a committed write that a shard's log lacks (:meth:`.shards.txn.Transactions.replay`,
 :meth:`.engine.commit.CommitProtocol.check_recovered`), and says so.
@@ -25,6 +27,9 @@ def build_parser(prog: str = "oprag salvage-log") -> argparse.ArgumentParser:
                                  "commits.log) with their intact records; the original is kept as <name>.damaged. "
                                  "Stop the server first.")
     ap.add_argument("paths", nargs="+", type=Path, metavar="PATH", help="a log file named in the refusal")
+    ap.add_argument("--with-last", action="store_true",
+                    help="commits.log: also restore the commit record of the last transaction every shard prepared, "
+                         "when no record says whether it was committed")
     return ap
 
 
@@ -38,18 +43,23 @@ def _data_dir(p: Path) -> Path | None:
 
 def main(argv: list[str] | None = None) -> int:
     """:returns: the exit status (module docstring)."""
+    from .engine.commit_repair import salvage_commits
     from .index.wal import salvage
     from .startup import lock_data_dir
 
     a = build_parser().parse_args(argv)
     status, locks = 0, {}
     for p in a.paths:
+        commits = p.name == "commits.log"  # (rebuilt from the shards' logs beside it, also when missing)
         try:
-            if not p.is_file():
+            if not p.is_file() and not (commits and p.parent.is_dir() and not p.exists()):
                 raise OSError(f"{p}: no such log file")
             d = _data_dir(p)
             if d is not None and d not in locks:
                 locks[d] = lock_data_dir(d)  # RuntimeError: a server runs on it
+            if commits:
+                print("\n".join(salvage_commits(p, a.with_last)))
+                continue
             kept, spans, orig = salvage(p)
         except (OSError, RuntimeError) as exc:
             print(f"oprag salvage-log: {exc}", file=sys.stderr)

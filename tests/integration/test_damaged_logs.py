@@ -13,6 +13,7 @@ import pytest
 
 from oprag_client.client import Doc, OpRAGClient
 from oprag_client.testing import ServerProcess
+from oprag_server.index.wal import read_records
 
 ARGS = ("--generator", "none", "--shards", "2", "--snapshot-interval-s", "3600")
 
@@ -74,8 +75,41 @@ def test_a_damaged_or_deleted_commit_log_is_refused_and_the_restored_one_serves_
     with pytest.raises(RuntimeError, match=r"commits\.log is missing, but the shards' write-ahead logs hold prepared"):
         ServerProcess.on_free_ports(d, *ARGS).start()
     assert not log.exists()
-    log.write_bytes(good)
+    assert "restored the commit record of the last prepared transaction" in _salvage(log, "--with-last")
+    assert [r["seq"] for r in read_records(log)[0]] == [1, 2, 3]
     assert _docs(d) == 18
+
+
+def _salvage(*args) -> str:
+    out = subprocess.run([sys.executable, "-c", "import sys; from oprag_server.salvage import main; "
+                          "sys.exit(main(sys.argv[1:]))", *map(str, args)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_lost_commit_records_are_refused_and_salvage_restores_what_the_shard_logs_prove(tmp_path):
+    """trial56 F1-F3: a damaged last commit record was dropped as a crash's torn tail, and an emptied or salvaged
+    commit log served without the writes the shards' logs held prepared."""
+    d = tmp_path / "data"
+    _three_writes(d)
+    log = d / "commits.log"
+    good = log.read_bytes()
+    data = bytearray(good)
+    data[-5] ^= 0x22  # inside the last commit record (sequence 3): written whole, damaged after
+    log.write_bytes(bytes(data))
+    with pytest.raises(RuntimeError, match=r"commits\.log: its last record \(\d+ bytes\) is damaged, and it is the whole "
+                                           r"commit record of transaction \w+ \(sequence 3\)"):
+        ServerProcess.on_free_ports(d, *ARGS).start()
+    assert log.read_bytes() == bytes(data)
+    out = _salvage(log)
+    assert "restored the commit record of the last prepared transaction" in out and log.read_bytes() == good
+    log.write_bytes(b"")  # emptied: the shards prepared 1 and 2 before 3, so their records were lost
+    with pytest.raises(RuntimeError, match=r"wal\.log: this log prepared sequence numbers \[1, 2\] \(2\) before later "
+                                           r"ones \(up to 3\), but the commit log holds no commit record for them"):
+        ServerProcess.on_free_ports(d, *ARGS).start()
+    out = _salvage(log)  # 1 and 2 are proven; 3, the last, is not (a crash may have cut it short): left out, said
+    assert "restored 2 commit records" in out and "left out the last prepared transaction" in out
+    assert _docs(d) == 12
 
 
 def test_an_older_shard_directory_put_back_is_refused(tmp_path):

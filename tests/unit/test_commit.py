@@ -223,3 +223,45 @@ def test_the_base_record_and_the_shards_sequence_numbers_tell_an_older_copy(tmp_
     cp2.check_recovered({1: 7}, committed=set())  # a restart: one shard, nothing else to compare
     cp2.recover([7, 7])
     assert cp2.next_seq() == 8
+
+
+def test_what_the_shard_logs_prove_about_missing_commit_records():
+    from pathlib import Path
+
+    from oprag_server.engine.commit_repair import prove, tail_is
+    from oprag_server.index.wal import encode_record
+
+    a, b = Path("shard-0/wal.log"), Path("shard-1/wal.log")
+    # 5 was aborted (x5) and taken again (y5); 6 was skipped by a failed append; 8 is the last one prepared
+    ops = [("t4", 4), ("x5", 5), ("y5", 5), ("s6", 6), ("t7", 7), ("t8", 8)]
+    logs = {a: ops, b: [o for o in ops if o[0] != "x5"]}  # (x5 failed on shard 1 before its record)
+    recs = [{"txn": "", "seq": 3}, {"txn": "t7", "seq": 7, "skipped": [6]}]
+    p = prove(recs, logs)
+    assert p.restore == {4: "t4", 5: "y5"} and p.last == (8, "t8") and p.unclear == []
+    logs[b] = [("t4", 4), ("z5", 5)]  # the logs disagree on 5: not restored
+    assert prove(recs, logs).unclear == [5]
+    t8, other = "9f" * 16, "9e" * 16  # (uuid4 hex ids, as the server's; another id differs in many bytes)
+    whole = encode_record({"txn": t8, "seq": 8})
+    hit = bytearray(whole)
+    hit[-3] ^= 1
+    hit[20] ^= 0x40
+    assert tail_is(bytes(hit), 8, t8) and not tail_is(whole[:-2], 8, t8) and not tail_is(bytes(hit), 8, other)
+    assert not tail_is(bytes(hit), 9, t8)  # (the stored CRC-32 is that of the record at 8)
+    crc_hit = bytearray(whole)
+    crc_hit[5] ^= 0xFF  # the damage in the stored CRC-32: the payload is the record's
+    assert tail_is(bytes(crc_hit), 8, t8) and not tail_is(bytes(crc_hit), 8, other)
+
+
+def test_a_start_refuses_prepared_numbers_without_commit_records_below_later_ones():
+    import pytest
+
+    from oprag_server.shards.txn import check_against
+
+    ops = [{"txn": t, "seq": n} for t, n in [("t4", 4), ("x5", 5), ("y5", 5), ("s6", 6), ("t7", 7), ("t8", 8)]]
+    committed = {"t4": 4, "y5": 5, "t7": 7, "skipped:6": 6}
+    check_against("wal.log", ops, committed, applied=3)  # 8: the last, in flight at the crash
+    with pytest.raises(RuntimeError, match=r"prepared sequence numbers \[6\] \(1\) before later ones \(up to 8\)"):
+        check_against("wal.log", ops, {k: v for k, v in committed.items() if k != "skipped:6"}, applied=3)
+    with pytest.raises(RuntimeError, match=r"committed transactions \[5\] \(1\) are not in this log"):
+        check_against("wal.log", [o for o in ops if o["txn"] != "y5"], committed, applied=3)
+    check_against("wal.log", ops, {"t7": 7, "skipped:6": 6}, applied=5)  # (numbers the snapshot covers: not asked)

@@ -30,10 +30,11 @@ from typing import Any
 from ..index.bm25 import CorpusStats
 from ..index.disk_errors import disk_error
 from ..index.objstore import MirroredLog, ObjectStore, open_mirrored
-from ..index.wal import WriteAheadLog, parse_spans
+from ..index.wal import WriteAheadLog, fsync_write
 from ..shards.pool import ShardPool
 from ..shards.protocol import AbortRequest, ApplyReply, ApplyRequest, Op, PrepareRequest
 from ..shards.transport import StorageUnavailable
+from .commit_repair import prove, shard_logs, tail_is
 from .rwlock import RWLock
 
 log = logging.getLogger("oprag")
@@ -49,17 +50,29 @@ def missing_log(path: Path) -> None:
     way past."""
     if path.exists():
         return
-    held = []
-    for wal in sorted(path.parent.glob("**/shard-*/wal.log")):
-        n = sum(1 for r in parse_spans(wal.read_bytes())[0] if r.get("kind") in ("upsert", "delete"))
-        if n:
-            held.append(f"{wal} ({n})")
+    held = [f"{wal} ({len(ops)})" for wal, ops in shard_logs(path.parent).items() if ops]
     if held:
         raise RuntimeError(
             f"{path} is missing, but the shards' write-ahead logs hold prepared transactions: {', '.join(held)}. Which "
             "of them were committed only the commit log says, so the server does not start without it: restore it "
-            f"from a backup; or, to start without it (the writes acknowledged since the last snapshot are lost), "
-            f"create it empty (`touch {path}`)")
+            f"from a backup, or run `oprag salvage-log {path}`, which rebuilds it from what the shards' logs prove "
+            "(README: Damaged logs)")
+
+
+def torn_commit(path: Path, logged: list[dict], torn: bytes) -> None:
+    """Refuse a start whose commit log ends in a damaged record that is whole: the commit record of
+    the last transaction every shard prepared, with a few bytes changed (trial56 F1: dropped as a
+    crash's torn tail, it lost an acknowledged write). :raises RuntimeError: naming it."""
+    if not torn:
+        return
+    proof = prove(logged, shard_logs(path.parent))
+    if proof.last is not None and tail_is(torn, *proof.last):
+        seq, txn = proof.last
+        raise RuntimeError(
+            f"{path}: its last record ({len(torn)} bytes) is damaged, and it is the whole commit record of transaction "
+            f"{txn} (sequence {seq}), which every shard prepared: not a record cut short by a crash, so it is not "
+            f"dropped. The file is left as it is: run `oprag salvage-log {path}` to restore the record "
+            "(README: Damaged logs)")
 
 
 class _CallerLeft(Exception):
@@ -106,6 +119,7 @@ class CommitProtocol:
         self.applied_seq = 0
         self.log: WriteAheadLog | None = None
         self._logged_seq = 0
+        self._skipped: list[int] = []  # numbers kept by a failed commit-record append, until a record carries them
         self._applied = asyncio.Condition()
         self.lease = None  # the --storage-uri owner lease (index/lease.py): fenced -> writes refused
         self.write_error: str | None = None  # the last storage write failure, until a write succeeds
@@ -117,9 +131,10 @@ class CommitProtocol:
         passes, and the local file is rebuilt from those objects first (a frontend on a new
         node with an empty data directory finds every commit; :func:`~..index.objstore.open_mirrored`).
 
-        :returns: ``{transaction id: sequence number}`` of the committed transactions in it (the
-            shards replay exactly these from their write-ahead logs, and a shard refuses to load
-            when one of them is missing between its log's records: :meth:`.txn.Transactions.replay`).
+        :returns: ``{transaction id: sequence number}`` of the committed transactions in it, and
+            ``{"skipped:<n>": n}`` for each number a failed commit-record append kept (the shards
+            replay exactly these transactions from their write-ahead logs, and a shard refuses to
+            load when its log and these disagree: :func:`..shards.txn.check_against`).
         :raises LogDamaged: intact records follow a damaged span (the file is left as it is).
         :raises RuntimeError: the log is missing while a shard's log holds prepared transactions
             (:func:`missing_log`)."""
@@ -130,8 +145,14 @@ class CommitProtocol:
             path.parent.mkdir(parents=True, exist_ok=True)
             self.log = open_mirrored(path, ObjectStore.from_uri(storage).sub("commits"))
         logged = self.log.open()
+        if storage is None:
+            torn_commit(path, logged, self.log.torn)
+            if not path.exists():  # (created now, not by the first commit: its absence later means it was deleted)
+                fsync_write(path, b"")
         self._logged_seq = max([r["seq"] for r in logged] + [0])
-        return {r["txn"]: int(r["seq"]) for r in logged if r["txn"]}
+        out = {r["txn"]: int(r["seq"]) for r in logged if r["txn"]}
+        out.update({f"skipped:{n}": int(n) for r in logged for n in r.get("skipped", ())})
+        return out
 
     def committed_txns(self) -> set[str]:
         """Transaction ids in the commit log now (for a shard that restarts)."""
@@ -250,7 +271,9 @@ class CommitProtocol:
                     raise _CallerLeft
                 if self.log is not None:
                     appending = True
-                    await asyncio.get_running_loop().run_in_executor(None, self.log.append, {"txn": txn, "seq": seq})
+                    rec = {"txn": txn, "seq": seq, **({"skipped": list(self._skipped)} if self._skipped else {})}
+                    await asyncio.get_running_loop().run_in_executor(None, self.log.append, rec)
+                    self._skipped.clear()
             except _CallerLeft:
                 await self.pool.gather_partial(Op.ABORT, AbortRequest(txn))
                 self._give_back(seq)
@@ -259,6 +282,8 @@ class CommitProtocol:
                 await self.pool.gather_partial(Op.ABORT, AbortRequest(txn))
                 if not appending:
                     self._give_back(seq)
+                else:  # (kept: its record may be in the log) the next record says so, for a start's check (.txn)
+                    self._skipped.append(seq)
                 self._storage_failed(exc)
                 raise
             if self.write_error is not None:

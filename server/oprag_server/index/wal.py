@@ -176,6 +176,7 @@ class WriteAheadLog:
         self._f = None
         self._ready = False  # opened (open() or reset() ran, and no failed append left bytes it could not cut)
         self._cut: int | None = None  # a torn tail's start: cut there before the first append
+        self.torn = b""  # the torn tail open() found (its bytes, for a caller that can tell what it was)
 
     def open(self) -> list[dict[str, Any]]:
         """Read the log for appending. A torn tail is dropped (WARNING), and the file is created or cut
@@ -187,7 +188,7 @@ class WriteAheadLog:
         data = self.path.read_bytes() if self.path.exists() else b""
         records, good = parse_records(data)
         self.close()
-        self._cut = None
+        self._cut, self.torn = None, data[good:]
         if len(data) != good:
             nxt = next_intact(data, good)
             if nxt is not None:

@@ -240,7 +240,7 @@ class RayTransport(ShardTransport):
     def start(self, committed: set[str] | None) -> None:
         self.actor = self.placement.new_actor(self.shard_id, self.dim, self.data_dir, self.stem, self.dense,
                                               self.replica, self.storage)
-        self._load_ref = self.actor.load.remote(committed or set())
+        self._load_ref = self.actor.load.remote(set() if committed is None else committed)
 
     def ready(self, loop: asyncio.AbstractEventLoop, timeout_s: float) -> StatsReply:
         import ray
@@ -281,7 +281,7 @@ class RayTransport(ShardTransport):
         deadline = time.monotonic() + timeout_s
         while True:  # loading is idempotent (a rebuild from storage), so it may be retried
             try:
-                self._load_ref = self.actor.load.remote(committed or set())
+                self._load_ref = self.actor.load.remote(set() if committed is None else committed)
                 return self.ready(loop, max(1.0, deadline - time.monotonic()))
             except ShardError as exc:
                 cause = exc.__cause__

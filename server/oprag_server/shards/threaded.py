@@ -134,7 +134,7 @@ class ThreadTransport(ShardTransport):
     def start(self, committed: set[str] | None) -> None:
         one_blas_thread()
         self._exec = _executor(self.shard_id)
-        self._starting = self._exec.submit(self._load, committed or set())
+        self._starting = self._exec.submit(self._load, set() if committed is None else committed)
 
     def _load(self, committed: set[str]) -> StatsReply:
         state = ShardState(self.shard_id, self.dim, self.data_dir, stem=self.stem, dense=self.dense,

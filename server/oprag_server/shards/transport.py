@@ -167,7 +167,7 @@ class PipeTransport(ShardTransport):
             self.proc = ctx.Process(
                 target=worker.main,
                 args=(self.shard_id, child, self.dim, str(self.data_dir) if self.data_dir else None, self.stem,
-                      committed or set(), self.dense, self.storage, self.who),
+                      set() if committed is None else committed, self.dense, self.storage, self.who),
                 name=f"oprag-shard-{self.shard_id}",
                 daemon=True,
             )

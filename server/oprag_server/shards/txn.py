@@ -19,6 +19,40 @@ from .protocol import (AbortReply, AbortRequest, ApplyReply, ApplyRequest, Prepa
                        StageRequest)
 
 
+def _few(seqs: list[int]) -> str:
+    return f"{seqs[:10]}{' ...' if len(seqs) > 10 else ''} ({len(seqs)})"
+
+
+def check_against(path, ops: list[dict], committed: dict[str, int], applied: int) -> None:
+    """A start's check of a shard's prepare records ``ops`` (sorted by sequence number) against the
+    commit log's ``committed`` (``{txn: seq}``, skipped numbers included:
+    :meth:`..engine.commit.CommitProtocol.open_log`), above the snapshot's ``applied``.
+
+    Commits run one at a time and every shard prepares every transaction, and a number is
+    committed, given back (its transaction aborted: the next one takes it) or recorded as skipped
+    before the next one is prepared. So below the log's highest prepare record every number it
+    holds has a commit record, and every committed number has its prepare record here.
+
+    :raises RuntimeError: a committed transaction is missing between this log's records (a
+        salvaged damaged span held it); or numbers this log prepared before later ones have no
+        commit record (a damaged, emptied or replaced ``commits.log``, trial56 F2, F3)."""
+    top, have = max((r["seq"] for r in ops), default=0), {r["txn"] for r in ops}
+    lost = sorted(s for t, s in committed.items() if applied < s < top and t not in have and ":" not in t)
+    if lost:
+        raise RuntimeError(
+            f"{path}: committed transactions {_few(lost)} are not in this log, which holds later ones (up to {top}): "
+            "records were lost (a damaged span that was salvaged), so the shard is not served without them: restore "
+            "the log from a backup")
+    numbers = set(committed.values())
+    orphans = sorted({r["seq"] for r in ops if applied < r["seq"] < top and r["seq"] not in numbers})
+    if orphans:
+        raise RuntimeError(
+            f"{path}: this log prepared sequence numbers {_few(orphans)} before later ones (up to {top}), but the commit "
+            "log holds no commit record for them: commits run one at a time, so their records were lost from "
+            "commits.log (damaged, emptied or replaced). Stop here and run `oprag salvage-log <data-dir>/commits.log`: "
+            "it restores the commit records the shards' logs prove (README: Damaged logs)")
+
+
 class Transactions:
     """Staging and two-phase commit over a :class:`ChunkStore`. ``wal`` is None in memory-only
     shards (nothing is logged)."""
@@ -98,13 +132,7 @@ class Transactions:
         replayed = 0
         ops = sorted((r for r in wal.open() if r.get("kind") in ("upsert", "delete")), key=lambda r: r["seq"])
         if isinstance(committed, dict):
-            top, have = max((r["seq"] for r in ops), default=0), {r["txn"] for r in ops}
-            lost = sorted(s for t, s in committed.items() if self.store.applied_seq < s < top and t not in have)
-            if lost:
-                raise RuntimeError(
-                    f"{wal.path}: committed transactions {lost[:10]}{' ...' if len(lost) > 10 else ''} ({len(lost)}) "
-                    f"are not in this log, which holds later ones (up to {top}): records were lost (a damaged span "
-                    "that was salvaged), so the shard is not served without them: restore the log from a backup")
+            check_against(wal.path, ops, committed, self.store.applied_seq)
         for rec in ops:
             if rec["seq"] <= self.store.applied_seq or committed is None or rec["txn"] not in committed:
                 continue
