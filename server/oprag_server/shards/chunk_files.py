@@ -83,7 +83,8 @@ def map_all(files: list[tuple], verify: bool = False):
         # (read, not through the map: its pages would count in the RSS, ~0.86 GB a 1M shard's at its start)
         if verify and crc is not None and (got := crc_of(path)) != crc:  # (trial54b #3: a changed byte was served)
             raise ValueError(f"{path}: its CRC-32 is {got}, not the {crc} meta.json records: the file was damaged "
-                             "after it was written")
+                             "after it was written (the stored chunks have no other copy: restore the snapshot "
+                             "directory from a backup)")
         tables.append(t)
         maps.append(m)
         out.append((path, t.num_rows, crc))
