@@ -30,7 +30,7 @@ from typing import Any
 from ..index.bm25 import CorpusStats
 from ..index.disk_errors import disk_error
 from ..index.objstore import MirroredLog, ObjectStore, open_mirrored
-from ..index.wal import WriteAheadLog, fsync_write
+from ..index.wal import WriteAheadLog
 from ..shards.pool import ShardPool
 from ..shards.protocol import AbortRequest, ApplyReply, ApplyRequest, Op, PrepareRequest
 from ..shards.transport import StorageUnavailable
@@ -147,8 +147,6 @@ class CommitProtocol:
         logged = self.log.open()
         if storage is None:
             torn_commit(path, logged, self.log.torn)
-            if not path.exists():  # (created now, not by the first commit: its absence later means it was deleted)
-                fsync_write(path, b"")
         self._logged_seq = max([r["seq"] for r in logged] + [0])
         out = {r["txn"]: int(r["seq"]) for r in logged if r["txn"]}
         out.update({f"skipped:{n}": int(n) for r in logged for n in r.get("skipped", ())})

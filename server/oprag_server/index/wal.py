@@ -179,8 +179,8 @@ class WriteAheadLog:
         self.torn = b""  # the torn tail open() found (its bytes, for a caller that can tell what it was)
 
     def open(self) -> list[dict[str, Any]]:
-        """Read the log for appending. A torn tail is dropped (WARNING), and the file is created or cut
-        only by the first append, so a start refused after this changes nothing (trial56 F4). :returns: the
+        """Open the log for appending (created when missing). A torn tail is dropped (WARNING) and cut
+        only by the first append, so a start refused after this leaves its bytes (trial56 F4). :returns: the
         intact records.
 
         :raises LogDamaged: intact records follow a damaged span (the file is not changed)."""
@@ -197,6 +197,8 @@ class WriteAheadLog:
                         "written: never acknowledged; cut at the first append)", self.path, len(data) - good, good)
             self._cut = good
         self._ready = True
+        if self._cut is None:  # (an intact log is held open, a missing one created, at once: as before)
+            self._file()
         return records
 
     def _file(self):
