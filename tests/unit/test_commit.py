@@ -265,3 +265,54 @@ def test_a_start_refuses_prepared_numbers_without_commit_records_below_later_one
     with pytest.raises(RuntimeError, match=r"committed transactions \[5\] \(1\) are not in this log"):
         check_against("wal.log", [o for o in ops if o["txn"] != "y5"], committed, applied=3)
     check_against("wal.log", ops, {"t7": 7, "skipped:6": 6}, applied=5)  # (numbers the snapshot covers: not asked)
+
+
+def test_a_failed_commit_record_append_gives_its_number_back_unless_its_bytes_may_be_in_the_log(tmp_path,
+                                                                                               monkeypatch):
+    """trial56b: a full disk failed commit-record appends (ENOSPC, the file cut back), the numbers were kept, and
+    after a crash the shards' logs held prepared numbers below later ones with no commit record: a refused start.
+    Now a number is kept (and written as skipped) only when the append could not be undone, and no transaction is
+    prepared while the log refuses appends."""
+    import errno
+    import os
+
+    from oprag_server.index import wal as wal_mod
+    from oprag_server.shards.txn import check_against
+
+    async def go():
+        pool = ShardPool(2, DIM, tmp_path, transport=InProcessTransport)
+        cp = CommitProtocol(pool, CorpusStats(), RWLock())
+        cp.recover(r.applied_seq for r in pool.start(asyncio.get_running_loop(), committed=cp.open_log(
+            tmp_path / "commits.log")))
+        real_write = os.write
+
+        def full(fd, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        await _stage(cp, "t1", {"a": ["one"]})
+        monkeypatch.setattr(wal_mod.os, "write", lambda fd, data: full(fd, data) if fd == cp.log._f.fileno()
+                            else real_write(fd, data))
+        with pytest.raises(OSError, match="No space"):
+            await cp.commit("t1", "upsert")
+        assert cp.seq == 0 and cp._skipped == []  # cut back: given back
+        monkeypatch.setattr(wal_mod.os, "write", real_write)
+        await _stage(cp, "t2", {"b": ["two"]})
+        assert (await cp.commit("t2", "upsert"))[0] == 1
+        # the cut-back fails too: the number is kept, the log refuses appends, nothing more is prepared
+        await _stage(cp, "t3", {"c": ["three"]})
+        monkeypatch.setattr(wal_mod.os, "write", lambda fd, data: full(fd, data) if fd == cp.log._f.fileno()
+                            else real_write(fd, data))
+        monkeypatch.setattr(wal_mod.os, "ftruncate", lambda fd, n: full(fd, b""))
+        with pytest.raises(OSError):
+            await cp.commit("t3", "upsert")
+        assert cp.seq == 2 and cp._skipped == [2] and not cp.log.usable
+        await _stage(cp, "t4", {"d": ["four"]})
+        with pytest.raises(OSError, match="refuses appends"):
+            await cp.commit("t4", "upsert")
+        assert cp.seq == 2  # (given back: nothing prepared)
+        for c in pool.clients:
+            ops = [r for r in c.state.txns.wal if r.get("kind") in ("upsert", "delete")]
+            assert [(r["txn"], r["seq"]) for r in ops] == [("t1", 1), ("t2", 1), ("t3", 2)]
+            check_against("wal.log", ops, {"t2": 1}, applied=0)  # a start after a crash here: 2 is the top
+
+    asyncio.run(go())

@@ -265,6 +265,8 @@ class CommitProtocol:
             seq = self.next_seq()
             appending = False  # the commit record's append began (it may be in the log: keep the number)
             try:
+                if self.log is not None:  # (a log that takes no record gets no prepare behind it: the shards'
+                    self.log.check()      # logs then prove no number its start could not account for)
                 await self.pool.broadcast(Op.PREPARE, PrepareRequest(txn, seq, kind, list(doc_ids or [])))
                 if left.is_set():  # the caller left before the commit point: nothing is committed
                     raise _CallerLeft
@@ -279,7 +281,7 @@ class CommitProtocol:
                 raise asyncio.CancelledError from None
             except Exception as exc:
                 await self.pool.gather_partial(Op.ABORT, AbortRequest(txn))
-                if not appending:
+                if not (appending and self.log.left):  # (nothing of its record in the log: a full disk's ENOSPC)
                     self._give_back(seq)
                 else:  # (kept: its record may be in the log) the next record says so, for a start's check (.txn)
                     self._skipped.append(seq)

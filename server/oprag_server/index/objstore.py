@@ -291,7 +291,9 @@ class MirroredLog(WriteAheadLog):
         :raises StorageWriteError: the object was not stored (the caller must not acknowledge)."""
         data = encode_record(record)  # pickled once for both copies
         self.append_framed(data)
+        self.left = True  # (the local file holds it from here: a failed put leaves it there)
         self._put(data)
+        self.left = False
 
     def reset(self, keep: list[dict[str, Any]] | None = None) -> None:
         """Replace the local log with ``keep`` and put ``keep`` again at new positions, which

@@ -177,6 +177,7 @@ class WriteAheadLog:
         self._ready = False  # opened (open() or reset() ran, and no failed append left bytes it could not cut)
         self._cut: int | None = None  # a torn tail's start: cut there before the first append
         self.torn = b""  # the torn tail open() found (its bytes, for a caller that can tell what it was)
+        self.left = False  # the last failed append may have left its record in the file (its cut-back failed)
 
     def open(self) -> list[dict[str, Any]]:
         """Open the log for appending (created when missing). A torn tail is dropped (WARNING) and cut
@@ -201,13 +202,23 @@ class WriteAheadLog:
             self._file()
         return records
 
+    @property
+    def usable(self) -> bool:
+        """Whether appends are taken (False after a failed append whose cut-back failed, until the log is
+        opened or reset again)."""
+        return self._ready
+
+    def check(self) -> None:
+        """:raises OSError: EIO while appends are refused (not :attr:`usable`)."""
+        if not self._ready:
+            raise OSError(errno.EIO, f"write-ahead log {self.path} refuses appends: an earlier failed append "
+                                     "could not be undone (restart the server: its start drops the torn record)")
+
     def _file(self):
         """The file opened for appending (created, or its torn tail cut, at the first call).
         :raises OSError: EIO after a failed append that could not be undone (see :meth:`append_framed`)."""
         if self._f is None:
-            if not self._ready:
-                raise OSError(errno.EIO, f"write-ahead log {self.path} refuses appends: an earlier failed append "
-                                         "could not be undone (restart the server: its start drops the torn record)")
+            self.check()
             f = open(self.path, "ab", buffering=0)  # (unbuffered: append_framed writes with os.write)
             try:
                 if self._cut is not None:
@@ -231,6 +242,7 @@ class WriteAheadLog:
             cut back to its length before the call, so nothing of ``data`` stays in it; if even
             that fails, the log refuses every later append (EIO) until it is opened again, which
             drops a torn tail."""
+        self.left = False
         fd = self._file().fileno()
         start = os.lseek(fd, 0, os.SEEK_END)
         try:
@@ -244,7 +256,7 @@ class WriteAheadLog:
                 os.fsync(fd)
             except OSError:
                 self._f.close()
-                self._f, self._ready = None, False
+                self._f, self._ready, self.left = None, False, True
             raise
 
     def reset(self, keep: list[dict[str, Any]] | None = None) -> None:
