@@ -316,3 +316,15 @@ def test_a_failed_commit_record_append_gives_its_number_back_unless_its_bytes_ma
             check_against("wal.log", ops, {"t2": 1}, applied=0)  # a start after a crash here: 2 is the top
 
     asyncio.run(go())
+
+
+def test_a_full_disk_under_the_commit_log_is_unavailable_not_internal():
+    import errno
+
+    import grpc
+
+    from oprag_server.service.interceptors import status_for
+
+    code, msg, _ = status_for(OSError(errno.ENOSPC, "No space left on device"), "Ingest")
+    assert code == grpc.StatusCode.UNAVAILABLE and "commit log" in msg and "the disk is full" in msg
+    assert status_for(OSError(errno.EBADF, "bad"), "Ingest")[0] == grpc.StatusCode.INTERNAL  # (not a disk's state)

@@ -70,6 +70,10 @@ def status_for(exc: Exception, method: str) -> tuple[grpc.StatusCode, str, tuple
         return grpc.StatusCode.UNAVAILABLE, str(exc), ()
     if isinstance(exc, ShardError):
         return grpc.StatusCode.UNAVAILABLE, shard_error_message(exc), ()
+    if isinstance(exc, OSError) and (why := disk_error(exc)) is not None:  # the frontend's own commit log (trial56b)
+        return (grpc.StatusCode.UNAVAILABLE, f"the server could not write its commit log to the data directory ({why}): "
+                f"{exc}; the write was not acknowledged: free space on the --data-dir volume (or repair it), then retry",
+                ())
     log.exception("%s failed", method)
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}", ()
 
