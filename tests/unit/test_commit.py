@@ -235,7 +235,7 @@ def test_what_the_shard_logs_prove_about_missing_commit_records():
     # 5 was aborted (x5) and taken again (y5); 6 was skipped by a failed append; 8 is the last one prepared
     ops = [("t4", 4), ("x5", 5), ("y5", 5), ("s6", 6), ("t7", 7), ("t8", 8)]
     logs = {a: ops, b: [o for o in ops if o[0] != "x5"]}  # (x5 failed on shard 1 before its record)
-    recs = [{"txn": "", "seq": 3}, {"txn": "t7", "seq": 7, "skipped": [6]}]
+    recs = [{"txn": "", "seq": 3, "kind": "base"}, {"txn": "t7", "seq": 7}, {"txn": "", "seq": 7, "kind": "skip", "skipped": [6]}]
     p = prove(recs, logs)
     assert p.restore == {4: "t4", 5: "y5"} and p.last == (8, "t8") and p.unclear == []
     logs[b] = [("t4", 4), ("z5", 5)]  # the logs disagree on 5: not restored
@@ -328,3 +328,49 @@ def test_a_full_disk_under_the_commit_log_is_unavailable_not_internal():
     code, msg, _ = status_for(OSError(errno.ENOSPC, "No space left on device"), "Ingest")
     assert code == grpc.StatusCode.UNAVAILABLE and "commit log" in msg and "the disk is full" in msg
     assert status_for(OSError(errno.EBADF, "bad"), "Ingest")[0] == grpc.StatusCode.INTERNAL  # (not a disk's state)
+
+
+def test_a_kept_number_is_written_as_a_skip_record_before_the_next_prepare(tmp_path, monkeypatch):
+    """A number kept by a failed append whose record may be in the log (a mirrored log's put failed after the local
+    append): a skip record goes to the commit log before any later number is prepared, so a crash right after the
+    next prepare leaves nothing a start would take for a lost commit record (trial56b's window)."""
+    from oprag_server.shards.txn import check_against
+
+    async def go():
+        pool = ShardPool(2, DIM, tmp_path, transport=InProcessTransport)
+        cp = CommitProtocol(pool, CorpusStats(), RWLock())
+        cp.recover(r.applied_seq for r in pool.start(asyncio.get_running_loop(), committed=cp.open_log(
+            tmp_path / "commits.log")))
+        real = cp.log.append
+
+        def put_failed(rec):
+            real(rec)
+            cp.log.left = True
+            raise OSError("object storage write failed: simulated")
+
+        await _stage(cp, "t1", {"a": ["one"]})
+        monkeypatch.setattr(cp.log, "append", put_failed)
+        with pytest.raises(Exception, match="object storage write failed"):  # (StorageUnavailable)
+            await cp.commit("t1", "upsert")
+        monkeypatch.setattr(cp.log, "append", real)
+        assert cp._skipped == [1]
+        await _stage(cp, "t2", {"b": ["two"]})
+        prepared = []
+        orig = cp.pool.broadcast
+
+        async def spy(op, req, *a, **k):  # the skip record is in the log when the next number is prepared
+            if op == Op.PREPARE:
+                prepared.append([r.get("kind") for r in cp.log])
+            return await orig(op, req, *a, **k)
+
+        monkeypatch.setattr(cp.pool, "broadcast", spy)
+        assert (await cp.commit("t2", "upsert"))[0] == 2
+        assert prepared == [[None, "skip"]] and cp._skipped == []
+        committed = CommitProtocol(pool=None, stats=None, lock=None).open_log(tmp_path / "commits.log")
+        assert committed["skipped:1"] == 1
+        for c in pool.clients:
+            ops = [r for r in c.state.txns.wal if r.get("kind") in ("upsert", "delete")]
+            check_against("wal.log", ops + [{"txn": "t3", "seq": 3}], {k: v for k, v in committed.items()
+                                                                      if k != "t1"}, applied=0)
+
+    asyncio.run(go())

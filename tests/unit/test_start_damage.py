@@ -183,3 +183,13 @@ def test_a_flipped_digit_in_meta_json_is_refused_and_a_missing_crc_list_re_analy
     st = _shard(tmp_path, said)
     assert _answers(st) == before
     assert any(level == "WARNING" and "crc32.json is missing" in line for level, line in said), said
+
+
+def test_a_torn_tail_of_the_shard_log_is_a_shard_warning_line(tmp_path):
+    """trial56b F3: the shard process printed it bare (no time, level or shard), so ``grep WARNING`` missed it."""
+    _seeded(tmp_path)
+    wal = tmp_path / "shard-0" / "wal.log"
+    wal.write_bytes(wal.read_bytes() + b"\x40\x00\x00\x00\x01\x02")  # a crash in the middle of an append
+    said: list = []
+    _shard(tmp_path, said).txns.wal.close()
+    assert any(level == "WARNING" and "torn tail of 6 bytes" in line for level, line in said), said

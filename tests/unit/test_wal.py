@@ -233,22 +233,32 @@ def test_damage_before_intact_records_is_refused_and_the_file_left_as_it_is(tmp_
         WriteAheadLog(p).open()
 
 
-def test_damage_in_the_last_record_is_a_torn_tail_dropped_with_a_warning(tmp_path, caplog):
+def test_a_last_record_cut_short_is_a_torn_tail_and_a_whole_damaged_one_is_refused(tmp_path, caplog):
     import logging
+
+    import pytest
+
+    from oprag_server.index.wal import LogDamaged
 
     p = tmp_path / "wal.log"
     _log(p)
     offs = _offsets(p)
-    data = bytearray(p.read_bytes())
-    data[-5] ^= 0x10  # the last record: full length, wrong CRC (a crash whose size reached the disk, its bytes not)
+    clean = p.read_bytes()
+    data = bytearray(clean)
+    data[-5] ^= 0x10  # the last record, whole (its length reaches the end, it ends in STOP): damaged after the write
     p.write_bytes(bytes(data))
-    w = WriteAheadLog(p)
-    with caplog.at_level(logging.WARNING, logger="oprag"):
-        assert [r["seq"] for r in w.open()] == [0, 1, 2, 3, 4]
-    assert p.read_bytes() == bytes(data) and f"torn tail of {len(data) - offs[5]} bytes" in caplog.text
-    w.append({"seq": 9})  # the first append cuts the tail, then appends
-    assert [r["seq"] for r in read_records(p)[0]] == [0, 1, 2, 3, 4, 9] and read_records(p)[1] == p.stat().st_size
-    w.close()
+    with pytest.raises(LogDamaged, match=r"are damaged .* and they are the last record, whole"):
+        WriteAheadLog(p).open()  # (trial56b F2: a session turn dropped as a crash's torn tail)
+    assert p.read_bytes() == bytes(data)
+    for cut in (clean[:-7], clean[:offs[5]] + bytes(len(clean) - offs[5])):  # cut short; its data never written
+        p.write_bytes(cut)
+        w = WriteAheadLog(p)
+        with caplog.at_level(logging.WARNING, logger="oprag"):
+            assert [r["seq"] for r in w.open()] == [0, 1, 2, 3, 4]
+        assert p.read_bytes() == cut and f"torn tail of {len(cut) - offs[5]} bytes" in caplog.text
+        w.append({"seq": 9})  # the first append cuts the tail, then appends
+        assert [r["seq"] for r in read_records(p)[0]] == [0, 1, 2, 3, 4, 9] and read_records(p)[1] == p.stat().st_size
+        w.close()
 
 
 def test_a_refused_start_does_not_cut_a_torn_tail(tmp_path):

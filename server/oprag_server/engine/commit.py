@@ -30,7 +30,7 @@ from typing import Any
 from ..index.bm25 import CorpusStats
 from ..index.disk_errors import disk_error
 from ..index.objstore import MirroredLog, ObjectStore, open_mirrored
-from ..index.wal import WriteAheadLog
+from ..index.wal import LogDamaged, WriteAheadLog, parse_records
 from ..shards.pool import ShardPool
 from ..shards.protocol import AbortRequest, ApplyReply, ApplyRequest, Op, PrepareRequest
 from ..shards.transport import StorageUnavailable
@@ -60,9 +60,9 @@ def missing_log(path: Path) -> None:
 
 
 def torn_commit(path: Path, logged: list[dict], torn: bytes) -> None:
-    """Refuse a start whose commit log ends in a damaged record that is whole: the commit record of
-    the last transaction every shard prepared, with a few bytes changed (trial56 F1: dropped as a
-    crash's torn tail, it lost an acknowledged write). :raises RuntimeError: naming it."""
+    """Name the damaged whole last record of a commit log when it is the commit record of the last
+    transaction every shard prepared, with a few bytes changed (trial56 F1: dropped as a crash's torn
+    tail, it lost an acknowledged write). :raises RuntimeError: naming it."""
     if not torn:
         return
     proof = prove(logged, shard_logs(path.parent))
@@ -119,7 +119,7 @@ class CommitProtocol:
         self.applied_seq = 0
         self.log: WriteAheadLog | None = None
         self._logged_seq = 0
-        self._skipped: list[int] = []  # numbers kept by a failed commit-record append, until a record carries them
+        self._skipped: list[int] = []  # numbers kept by a failed commit-record append, until a skip record holds them
         self._applied = asyncio.Condition()
         self.lease = None  # the --storage-uri owner lease (index/lease.py): fenced -> writes refused
         self.write_error: str | None = None  # the last storage write failure, until a write succeeds
@@ -132,7 +132,7 @@ class CommitProtocol:
         node with an empty data directory finds every commit; :func:`~..index.objstore.open_mirrored`).
 
         :returns: ``{transaction id: sequence number}`` of the committed transactions in it, and
-            ``{"skipped:<n>": n}`` for each number a failed commit-record append kept (the shards
+            ``{"skipped:<n>": n}`` for each number a failed commit-record append kept (skip records; the shards
             replay exactly these transactions from their write-ahead logs, and a shard refuses to
             load when its log and these disagree: :func:`..shards.txn.check_against`).
         :raises LogDamaged: intact records follow a damaged span (the file is left as it is).
@@ -144,8 +144,14 @@ class CommitProtocol:
         else:
             path.parent.mkdir(parents=True, exist_ok=True)
             self.log = open_mirrored(path, ObjectStore.from_uri(storage).sub("commits"))
-        logged = self.log.open()
-        if storage is None:
+        try:
+            logged = self.log.open()
+        except LogDamaged as exc:  # (the last record, whole: say whose commit record it is, when the shards know)
+            if storage is None and not exc.after:
+                data = path.read_bytes()
+                torn_commit(path, parse_records(data)[0], data[exc.start:])
+            raise
+        if storage is None:  # (a torn tail whose length field was hit: still the whole record, by its payload)
             torn_commit(path, logged, self.log.torn)
         self._logged_seq = max([r["seq"] for r in logged] + [0])
         out = {r["txn"]: int(r["seq"]) for r in logged if r["txn"]}
@@ -169,7 +175,7 @@ class CommitProtocol:
         # (the base record, txn "", holds the sequence number every shard's snapshot reached when the log was emptied)
         recs = list(self.log) if self.log is not None else []
         want = max([r["seq"] for r in recs if committed is None or not r["txn"] or r["txn"] in committed] + [0])
-        base = max([r["seq"] for r in recs if not r["txn"]] + [0])
+        base = max([r["seq"] for r in recs if r.get("kind") == "base"] + [0])
         behind = {i: s for i, s in sorted(applied.items()) if s < want}
         if behind:
             where = f" ({self.log.store.uri})" if isinstance(self.log, MirroredLog) else ""
@@ -267,14 +273,16 @@ class CommitProtocol:
             try:
                 if self.log is not None:  # (a log that takes no record gets no prepare behind it: the shards'
                     self.log.check()      # logs then prove no number its start could not account for)
+                    if self._skipped:  # numbers kept by failed appends: recorded before a later number is prepared
+                        await asyncio.get_running_loop().run_in_executor(None, self.log.append, {
+                            "txn": "", "seq": self.applied_seq, "kind": "skip", "skipped": list(self._skipped)})
+                        self._skipped.clear()
                 await self.pool.broadcast(Op.PREPARE, PrepareRequest(txn, seq, kind, list(doc_ids or [])))
                 if left.is_set():  # the caller left before the commit point: nothing is committed
                     raise _CallerLeft
                 if self.log is not None:
                     appending = True
-                    rec = {"txn": txn, "seq": seq, **({"skipped": list(self._skipped)} if self._skipped else {})}
-                    await asyncio.get_running_loop().run_in_executor(None, self.log.append, rec)
-                    self._skipped.clear()
+                    await asyncio.get_running_loop().run_in_executor(None, self.log.append, {"txn": txn, "seq": seq})
             except _CallerLeft:
                 await self.pool.gather_partial(Op.ABORT, AbortRequest(txn))
                 self._give_back(seq)
@@ -283,7 +291,7 @@ class CommitProtocol:
                 await self.pool.gather_partial(Op.ABORT, AbortRequest(txn))
                 if not (appending and self.log.left):  # (nothing of its record in the log: a full disk's ENOSPC)
                     self._give_back(seq)
-                else:  # (kept: its record may be in the log) the next record says so, for a start's check (.txn)
+                else:  # (kept: its record may be in the log) a skip record says so first (above; .txn, .commit_repair)
                     self._skipped.append(seq)
                 self._storage_failed(exc)
                 raise

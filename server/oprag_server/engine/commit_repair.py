@@ -2,8 +2,8 @@
 
 Commits run one at a time, every shard prepares every transaction (a prepare record in its
 ``wal.log``) before the frontend appends the commit record, and a number is committed, given back
-(its transaction aborted: the next one takes it) or recorded as skipped (``"skipped"`` in the
-next commit record) before the next number is prepared. So for every number ``n`` below the
+(its transaction aborted: the next one takes it) or recorded as skipped (a skip record,
+``{"txn": "", "kind": "skip", "skipped": [...]}``, appended before the next number is prepared). So for every number ``n`` below the
 highest one the shards prepared, the transaction committed at ``n`` is the last one every shard
 prepared at ``n``; the highest one may have been committed or cut short by a crash, and only its
 commit record can say which.
@@ -44,7 +44,7 @@ def prove(records: list[dict], logs: dict[Path, list[tuple[str, int]]]) -> Proof
     """The commit records ``records`` (a commit log's, base and skipped numbers included) lack,
     from the shards' prepare records ``logs`` (:func:`shard_logs`)."""
     done = {int(r["seq"]) for r in records} | {int(n) for r in records for n in r.get("skipped", ())}
-    floor = max([int(r["seq"]) for r in records if not r.get("txn")] + [0])  # (the base: snapshots reached it)
+    floor = max([int(r["seq"]) for r in records if r.get("kind") == "base"] + [0])  # (snapshots reached it)
     last_at: dict[int, set[str]] = {}
     for ops in logs.values():
         mine: dict[int, str] = {}
@@ -115,6 +115,6 @@ def salvage_commits(path: Path, with_last: bool = False) -> list[str]:
         fsync_write(keep, data)
         said.append(f"the original is {keep}")
     out = records + [{"txn": t, "seq": n} for n, t in restore.items()]
-    out.sort(key=lambda r: (bool(r.get("txn")), int(r["seq"])))  # (the base record first, then by number)
+    out.sort(key=lambda r: (r.get("kind") != "base", int(r["seq"])))  # (the base record first, then by number)
     fsync_write(path, b"".join(encode_record(r) for r in out))
     return said

@@ -4,8 +4,9 @@ Record framing: ``u32 length | u32 crc32(payload) | payload`` (little endian); t
 pickled dict. :meth:`WriteAheadLog.append` returns only after ``fsync``. Reading stops at the
 first torn or corrupt record. When no intact record follows it (a crash mid-append: a torn tail)
 :meth:`WriteAheadLog.open` truncates the file there, with a WARNING, so a partial write never
-corrupts what was durable before it. When intact records follow it, the bytes were damaged after
-they were written (a disk or an operator): :meth:`~WriteAheadLog.open` then raises
+corrupts what was durable before it. When intact records follow it, or it is the last record and
+whole (:func:`whole_tail`), the bytes were damaged after they were written (a disk or an
+operator): :meth:`~WriteAheadLog.open` then raises
 :class:`LogDamaged` and leaves the file as it is, since cutting there would drop acknowledged
 records (trial55b); :func:`salvage` is the operator's way past it. An append that fails
 while the process lives (a full disk, an I/O error) cuts the file back to where it was before
@@ -35,9 +36,12 @@ class LogDamaged(RuntimeError):
 
     def __init__(self, path: Path, start: int, end: int, after: int) -> None:
         self.path, self.start, self.end, self.after = path, start, end, after
+        what = (f"and {after} intact records follow them" if after else
+                "and they are the last record, whole (its length reaches the end of the file and it ends as a record "
+                "does)")
         super().__init__(
             f"{path}: bytes {start}-{end} of {path.stat().st_size} are damaged (a record whose CRC-32 or framing is "
-            f"wrong) and {after} intact records follow them, so this is not a torn tail from a crash; the log is left "
+            f"wrong) {what}, so this is not a torn tail from a crash; the log is left "
             f"as it is. Restore the file from a backup, or run `oprag salvage-log {path}` to keep every intact record "
             f"(the original is kept as {path.name}.damaged; the records in the damaged bytes are lost, and a start that "
             "finds a committed write missing still refuses)")
@@ -89,6 +93,16 @@ def next_intact(data: bytes, pos: int) -> int | None:
                 and zlib.crc32(view[body: body + n]) == crc):
             return at
         at += 1
+
+
+def whole_tail(data: bytes, pos: int) -> bool:
+    """Whether the bad record at ``pos`` is the last one and whole: its length reaches the end of
+    ``data`` exactly and its payload ends in the pickle's STOP (a record written to its end, then
+    damaged: a crash cuts a record short, or leaves zeros where its data never reached the disk)."""
+    if pos + _HEAD.size > len(data):
+        return False
+    n = _HEAD.unpack_from(data, pos)[0]
+    return n >= 2 and pos + _HEAD.size + n == len(data) and data[-1:] == b"." and any(data[-16:-1])
 
 
 def parse_spans(data: bytes) -> tuple[list[dict[str, Any]], list[tuple[int, int]]]:
@@ -178,6 +192,7 @@ class WriteAheadLog:
         self._cut: int | None = None  # a torn tail's start: cut there before the first append
         self.torn = b""  # the torn tail open() found (its bytes, for a caller that can tell what it was)
         self.left = False  # the last failed append may have left its record in the file (its cut-back failed)
+        self.warn: Callable[[str], None] | None = None  # where open() says what it dropped (default: the "oprag" logger)
 
     def open(self) -> list[dict[str, Any]]:
         """Open the log for appending (created when missing). A torn tail is dropped (WARNING) and cut
@@ -194,8 +209,11 @@ class WriteAheadLog:
             nxt = next_intact(data, good)
             if nxt is not None:
                 raise LogDamaged(self.path, good, nxt, len(parse_spans(data)[0]) - len(records))
-            log.warning("%s: a torn tail of %d bytes at byte %d is dropped (a record cut short by a crash while it was "
-                        "written: never acknowledged; cut at the first append)", self.path, len(data) - good, good)
+            if whole_tail(data, good):
+                raise LogDamaged(self.path, good, len(data), 0)
+            line = (f"{self.path}: a torn tail of {len(data) - good} bytes at byte {good} is dropped (a record cut "
+                    "short by a crash while it was written: never acknowledged; cut at the first append)")
+            log.warning("%s", line) if self.warn is None else self.warn(line)
             self._cut = good
         self._ready = True
         if self._cut is None:  # (an intact log is held open, a missing one created, at once: as before)

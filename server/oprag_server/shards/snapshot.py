@@ -137,8 +137,7 @@ def _write_snapshot_files(snap: Path, store: ChunkStore, memory: MemoryStore) ->
     meta = {"format_version": 5 if parts else 4 if (snap / "dense_tail.npy").exists() else FORMAT_VERSION,
             "applied_seq": store.applied_seq, "dim": store.dim, "next_slot": store.next_slot, "chunks": rows[0],
             "chunk_files": files, "analyzer": {"stem": store.analyzer.stem}, "postings_crc": True}
-    meta["crc32"] = meta_crc(meta)  # (a flipped digit of applied_seq or next_slot still parses)
-    fsync_write(snap / "meta.json", json.dumps(meta).encode())
+    fsync_write(snap / "meta.json", json.dumps({**meta, "crc32": meta_crc(meta)}).encode())  # (a flipped digit parses)
     return rows[0]
 
 
@@ -347,6 +346,7 @@ def load(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions, co
     :raises RuntimeError: the snapshot's format version or vector width differ.
     """
     wal = storage.open_log(d, say=say) if storage is not None else WriteAheadLog(d / "wal.log")
+    wal.warn = lambda line: warn(say, line)  # (a shard's WARNING line: trial56b F3)
     snap = current(d, say)
     if snap is not None:  # (a snapshot written directly into the shard directory: first layout)
         try:

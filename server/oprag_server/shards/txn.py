@@ -30,7 +30,7 @@ def check_against(path, ops: list[dict], committed: dict[str, int], applied: int
 
     Commits run one at a time and every shard prepares every transaction, and a number is
     committed, given back (its transaction aborted: the next one takes it) or recorded as skipped
-    before the next one is prepared. So below the log's highest prepare record every number it
+    (a skip record in the commit log) before the next one is prepared. So below the log's highest prepare record every number it
     holds has a commit record, and every committed number has its prepare record here.
 
     :raises RuntimeError: a committed transaction is missing between this log's records (a
