@@ -292,9 +292,11 @@ class WriteAheadLog:
         self._file()
 
     def close(self) -> None:
+        """Close the file; appends are refused (EIO) until :meth:`open` or :meth:`reset`, as before the lazy cut."""
         if self._f is not None:
             self._f.close()
             self._f = None
+        self._ready = False
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         return iter(read_records(self.path)[0])
