@@ -62,7 +62,17 @@ def test_a_damaged_shard_log_is_refused_untouched_and_salvage_does_not_hide_a_lo
         ServerProcess.on_free_ports(d, *ARGS).start()
 
 
-def test_a_damaged_or_deleted_commit_log_is_refused_and_the_restored_one_serves_every_write(tmp_path):
+def _salvage(*args) -> str:
+    out = subprocess.run([sys.executable, "-c", "import sys; from oprag_server.salvage import main; "
+                          "sys.exit(main(sys.argv[1:]))", *map(str, args)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+
+def test_a_damaged_emptied_or_deleted_commit_log_is_refused_and_salvage_restores_what_the_shard_logs_prove(tmp_path):
+    """trial55b, trial56 F1-F3: a commit log damaged mid-file was cut there, a damaged last record was dropped as a
+    crash's torn tail, and an emptied, deleted or salvaged one served without the writes the shards' logs held."""
     d = tmp_path / "data"
     _three_writes(d)
     log = d / "commits.log"
@@ -71,29 +81,6 @@ def test_a_damaged_or_deleted_commit_log_is_refused_and_the_restored_one_serves_
     with pytest.raises(RuntimeError, match=r"commits\.log: bytes 0-\d+ of \d+ are damaged"):
         ServerProcess.on_free_ports(d, *ARGS).start()
     assert log.read_bytes() == damaged
-    log.unlink()  # (before: an empty log was created and the three writes were dropped as uncommitted)
-    with pytest.raises(RuntimeError, match=r"commits\.log is missing, but the shards' write-ahead logs hold prepared"):
-        ServerProcess.on_free_ports(d, *ARGS).start()
-    assert not log.exists()
-    assert "restored the commit record of the last prepared transaction" in _salvage(log, "--with-last")
-    assert [r["seq"] for r in read_records(log)[0]] == [1, 2, 3]
-    assert _docs(d) == 18
-
-
-def _salvage(*args) -> str:
-    out = subprocess.run([sys.executable, "-c", "import sys; from oprag_server.salvage import main; "
-                          "sys.exit(main(sys.argv[1:]))", *map(str, args)], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    return out.stdout
-
-
-def test_lost_commit_records_are_refused_and_salvage_restores_what_the_shard_logs_prove(tmp_path):
-    """trial56 F1-F3: a damaged last commit record was dropped as a crash's torn tail, and an emptied or salvaged
-    commit log served without the writes the shards' logs held prepared."""
-    d = tmp_path / "data"
-    _three_writes(d)
-    log = d / "commits.log"
-    good = log.read_bytes()
     data = bytearray(good)
     data[-5] ^= 0x22  # inside the last commit record (sequence 3): written whole, damaged after
     log.write_bytes(bytes(data))
@@ -109,9 +96,17 @@ def test_lost_commit_records_are_refused_and_salvage_restores_what_the_shard_log
         ServerProcess.on_free_ports(d, *ARGS).start()
     out = _salvage(log)  # 1 and 2 are proven; 3, the last, is not (a crash may have cut it short): left out, said
     assert "restored 2 commit records" in out and "left out the last prepared transaction" in out
-    assert _docs(d) == 12
+    assert [r["seq"] for r in read_records(log)[0]] == [1, 2]
+    log.unlink()  # (before: an empty log was created and the three writes were dropped as uncommitted)
+    with pytest.raises(RuntimeError, match=r"commits\.log is missing, but the shards' write-ahead logs hold prepared"):
+        ServerProcess.on_free_ports(d, *ARGS).start()
+    assert not log.exists()
+    assert "restored the commit record of the last prepared transaction" in _salvage(log, "--with-last")
+    assert [r["seq"] for r in read_records(log)[0]] == [1, 2, 3]
+    assert _docs(d) == 18
 
 
+@pytest.mark.slow  # (5 starts, ~25 s: in `make test-all`; the rule's unit test, test_commit.py, is in the default suite)
 def test_an_older_shard_directory_put_back_is_refused(tmp_path):
     d, old = tmp_path / "data", tmp_path / "backup"
     srv = ServerProcess.on_free_ports(d, *ARGS).start()
