@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..index.wal import encode_record, fsync_write, parse_spans
+from ..index.wal import encode_record, fsync_write, keep_original, parse_spans
 
 
 def shard_logs(data_dir: Path) -> dict[Path, list[tuple[str, int]]]:
@@ -109,11 +109,7 @@ def salvage_commits(path: Path, with_last: bool = False) -> list[str]:
     if not spans and not restore and path.exists():
         return [f"{path}: intact ({len(records)} records), nothing to restore; not changed"]
     if path.exists():
-        keep, k = path.with_name(path.name + ".damaged"), 1
-        while keep.exists():
-            keep, k = path.with_name(f"{path.name}.damaged.{k}"), k + 1
-        fsync_write(keep, data)
-        said.append(f"the original is {keep}")
+        said.append(f"the original is {keep_original(path, data)}")
     out = records + [{"txn": t, "seq": n} for n, t in restore.items()]
     out.sort(key=lambda r: (r.get("kind") != "base", int(r["seq"])))  # (the base record first, then by number)
     fsync_write(path, b"".join(encode_record(r) for r in out))

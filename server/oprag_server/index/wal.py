@@ -125,6 +125,16 @@ def parse_spans(data: bytes) -> tuple[list[dict[str, Any]], list[tuple[int, int]
     return out, spans
 
 
+def keep_original(path: Path, data: bytes) -> Path:
+    """Write ``data`` (a log's bytes before a salvage rewrites it) to ``<path>.damaged``, or ``.damaged.1``, ... when
+    that exists (an earlier salvage's original is never overwritten); fsync'ed. :returns: its path."""
+    keep, k = path.with_name(path.name + ".damaged"), 1
+    while keep.exists():
+        keep, k = path.with_name(f"{path.name}.damaged.{k}"), k + 1
+    fsync_write(keep, data)
+    return keep
+
+
 def salvage(path: Path) -> tuple[int, list[tuple[int, int]], Path | None]:
     """Rewrite the log at ``path`` with every intact record, in order, skipping its damaged spans
     (the operator's step past :class:`LogDamaged`). The original file is kept as
@@ -134,10 +144,7 @@ def salvage(path: Path) -> tuple[int, list[tuple[int, int]], Path | None]:
     records, spans = parse_spans(data)
     if not spans:
         return len(records), [], None
-    keep, k = path.with_name(path.name + ".damaged"), 1
-    while keep.exists():  # (an earlier salvage's original is never overwritten)
-        keep, k = path.with_name(f"{path.name}.damaged.{k}"), k + 1
-    fsync_write(keep, data)
+    keep = keep_original(path, data)
     cuts = [0, *(x for span in spans for x in span), len(data)]  # the intact records' bytes, unchanged
     fsync_write(path, b"".join(data[a:b] for a, b in zip(cuts[::2], cuts[1::2])))
     return len(records), spans, keep
