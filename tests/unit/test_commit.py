@@ -13,6 +13,7 @@ from oprag_server import records
 from oprag_server.engine.commit import CommitProtocol
 from oprag_server.engine.rwlock import RWLock
 from oprag_server.index.bm25 import CorpusStats
+from oprag_server.index.wal import WriteAheadLog
 from oprag_server.shards.inprocess import InProcessTransport, in_process_pool
 from oprag_server.shards.pool import ShardError, ShardPool
 from oprag_server.shards.protocol import Op, StageRequest
@@ -354,6 +355,8 @@ def test_a_kept_number_is_written_as_a_skip_record_before_the_next_prepare(tmp_p
             await cp.commit("t1", "upsert")
         monkeypatch.setattr(cp.log, "append", real)
         assert cp._skipped == [1]
+        # t1's record is in the file, but t1 was aborted on every shard: a shard restarted now does not replay it
+        assert [r["txn"] for r in cp.log] == ["t1"] and cp.committed_txns() == set()
         await _stage(cp, "t2", {"b": ["two"]})
         prepared = []
         orig = cp.pool.broadcast
@@ -366,11 +369,36 @@ def test_a_kept_number_is_written_as_a_skip_record_before_the_next_prepare(tmp_p
         monkeypatch.setattr(cp.pool, "broadcast", spy)
         assert (await cp.commit("t2", "upsert"))[0] == 2
         assert prepared == [[None, "skip"]] and cp._skipped == []
-        committed = CommitProtocol(pool=None, stats=None, lock=None).open_log(tmp_path / "commits.log")
-        assert committed["skipped:1"] == 1
+        assert cp.committed_txns() == {"t2"}
+        again = CommitProtocol(pool=None, stats=None, lock=None)
+        committed = again.open_log(tmp_path / "commits.log")
+        assert committed == {"t2": 2, "skipped:1": 1}  # (t1's record left in the file is not a commit)
+        again.check_recovered({0: 2, 1: 2})
+        docs = []
         for c in pool.clients:
             ops = [r for r in c.state.txns.wal if r.get("kind") in ("upsert", "delete")]
-            check_against("wal.log", ops + [{"txn": "t3", "seq": 3}], {k: v for k, v in committed.items()
-                                                                      if k != "t1"}, applied=0)
+            assert [(r["txn"], r["seq"]) for r in ops] == [("t1", 1), ("t2", 2)]
+            check_against("wal.log", ops + [{"txn": "t3", "seq": 3}], committed, applied=0)
+            fresh = ShardState(c.state.shard_id, DIM, None)  # a replay of this shard's log applies t2 alone
+            assert fresh.txns.replay(WriteAheadLog(c.state.txns.wal.path), committed) == 1
+            assert fresh.store.applied_seq == 2
+            docs += list(fresh.store.doc_slots)
+        assert docs == ["b"]
 
     asyncio.run(go())
+
+
+def test_a_record_a_failed_append_left_behind_its_skip_record_is_not_a_commit(tmp_path):
+    """A commit record whose append failed after its bytes reached the file (the cut-back failed too), then the skip
+    record of its number, then nothing more committed (the next transaction failed at a shard): the shards never
+    applied number 1 and a start serves them at 0, where counting the left record refused them as behind."""
+    log = WriteAheadLog(tmp_path / "commits.log")
+    log.open()
+    log.append({"txn": "t1", "seq": 1})
+    log.append({"txn": "", "seq": 0, "kind": "skip", "skipped": [1]})
+    log.close()
+    cp = CommitProtocol(pool=None, stats=None, lock=None)
+    assert cp.open_log(tmp_path / "commits.log") == {"skipped:1": 1}
+    cp.check_recovered({0: 0, 1: 0})
+    cp.recover([0, 0])
+    assert cp.next_seq() == 2  # (the kept number is never issued again)

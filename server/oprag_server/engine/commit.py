@@ -42,6 +42,15 @@ log = logging.getLogger("oprag")
 WRITE_FAILED = "object storage write failed"
 
 
+def skipped_in(records: Iterable[dict]) -> set[int]:
+    """Sequence numbers the skip records of a commit log list: each was kept by a commit-record
+    append that failed after its bytes may have reached the log (a failed cut-back, a mirrored
+    log's failed put). Its transaction was aborted on every shard and its client told so, so a
+    record with that number that the failed append left in the file is not a commit (a shard
+    that replayed it would apply a write no other shard holds)."""
+    return {int(n) for r in records for n in r.get("skipped", ())}
+
+
 def missing_log(path: Path) -> None:
     """Refuse a start whose commit log ``path`` is gone while a shard's write-ahead log beside it
     (``shard-*/wal.log``, replicas' included) holds prepared transactions: without the log, those
@@ -154,13 +163,19 @@ class CommitProtocol:
         if storage is None:  # (a torn tail whose length field was hit: still the whole record, by its payload)
             torn_commit(path, logged, self.log.torn)
         self._logged_seq = max([r["seq"] for r in logged] + [0])
-        out = {r["txn"]: int(r["seq"]) for r in logged if r["txn"]}
-        out.update({f"skipped:{n}": int(n) for r in logged for n in r.get("skipped", ())})
+        skipped = skipped_in(logged)
+        out = {r["txn"]: int(r["seq"]) for r in logged if r["txn"] and int(r["seq"]) not in skipped}
+        out.update({f"skipped:{n}": n for n in sorted(skipped)})
         return out
 
     def committed_txns(self) -> set[str]:
-        """Transaction ids in the commit log now (for a shard that restarts)."""
-        return {r["txn"] for r in self.log if r["txn"]} if self.log is not None else set()
+        """Transaction ids committed in the commit log now (for a shard that restarts): not those
+        whose record a failed append left behind (aborted on every shard; :func:`skipped_in`)."""
+        if self.log is None:
+            return set()
+        recs = list(self.log)
+        skipped = skipped_in(recs) | set(self._skipped)
+        return {r["txn"] for r in recs if r["txn"] and int(r["seq"]) not in skipped}
 
     def check_recovered(self, applied: dict[int, int], committed: set[str] | None = None) -> None:
         """Check that every shard recovered every transaction the commit log holds (each shard
@@ -174,6 +189,8 @@ class CommitProtocol:
         :raises RuntimeError: naming the shards behind, their sequence number and the log's."""
         # (the base record, txn "", holds the sequence number every shard's snapshot reached when the log was emptied)
         recs = list(self.log) if self.log is not None else []
+        skipped = skipped_in(recs)
+        recs = [r for r in recs if not r["txn"] or int(r["seq"]) not in skipped]
         want = max([r["seq"] for r in recs if committed is None or not r["txn"] or r["txn"] in committed] + [0])
         base = max([r["seq"] for r in recs if r.get("kind") == "base"] + [0])
         behind = {i: s for i, s in sorted(applied.items()) if s < want}
