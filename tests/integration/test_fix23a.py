@@ -24,6 +24,7 @@ import requests
 
 from oprag_client.client import Doc, OpRAGClient
 from oprag_client.testing import ServerProcess, free_port, oprag_cli
+from oprag_server.shards.snapshot import meta_crc
 from server_fixtures import http_server  # (tests/integration is on sys.path)
 
 pytestmark = pytest.mark.integration
@@ -159,6 +160,10 @@ def test_a_session_stored_under_an_id_the_rule_now_refuses_can_be_cleared(tmp_pa
         items = json.loads(mem.read_text())
         assert sorted(m["session_id"] for m in items) == ["legacy-a", "legacy-a", "legacy-b"]
         mem.write_text(json.dumps([{**m, "session_id": old[m["session_id"]]} for m in items]))
+        meta_file = mem.with_name("meta.json")  # (such a server wrote no memory CRCs either)
+        meta = json.loads(meta_file.read_text())
+        del meta["memory_crc"]
+        meta_file.write_text(json.dumps({**meta, "crc32": meta_crc(meta)}))
         srv.start()
         with OpRAGClient(srv.target, timeout=60) as c:
             assert c.stats().memory_records == 3

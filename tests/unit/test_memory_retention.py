@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -240,6 +241,59 @@ def test_the_snapshot_keeps_the_vectors_in_binary_and_reads_an_older_snapshot_to
            for m in items]
     (snap / "memory.json").write_text(json.dumps(old))
     (snap / "memory_vectors.npy").unlink()
+    _without_memory_crc(snap)  # (written before the CRCs too)
     u = ShardState(0, DIM, tmp_path)
     u.load()
     assert len(u.memory) == 5 and all(np.array_equal(_search(u, k)[0].vector, v) for k, v in vecs.items())
+
+
+def _without_memory_crc(snap):
+    import json
+
+    from oprag_server.shards.snapshot import meta_crc
+
+    meta = json.loads((snap / "meta.json").read_text())
+    meta.pop("memory_crc")
+    meta["crc32"] = meta_crc(meta)
+    (snap / "meta.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("damage", ["a digit of memory.json", "a vector byte", "no vectors file", "an older snapshot"])
+def test_memory_files_that_still_parse_but_were_changed_are_refused_naming_them(tmp_path, damage):
+    """trial56b F5: memory.json and memory_vectors.npy had no CRC, so an edit that still parsed (a timestamp's digit, a
+    vector row's byte) was served. meta.json now keeps each file's CRC-32; a snapshot without them loads unchecked."""
+    import json
+
+    rng = np.random.default_rng(3)
+    s = ShardState(0, DIM, tmp_path)
+    for i in range(4):
+        s.memory.promote(PromoteRequest(f"s{i}", "q", "a", [f"s{i}#c"], ["t"],
+                                        rng.standard_normal(DIM).astype(np.float32), max_turns=5))
+    s.snapshot()
+    shard = tmp_path / "shard-0"
+    snap = shard / (shard / "CURRENT").read_text().strip()
+    assert set(json.loads((snap / "meta.json").read_text())["memory_crc"]) == {"memory.json", "memory_vectors.npy"}
+    mem, vec = snap / "memory.json", snap / "memory_vectors.npy"
+    if damage in ("a digit of memory.json", "an older snapshot"):
+        text = mem.read_text()
+        i = next(i for i, c in enumerate(text) if c.isdigit() and c != "9")
+        mem.write_text(text[:i] + str(int(text[i]) + 1) + text[i + 1:])
+        json.loads(mem.read_text())  # (it still parses)
+        name = "memory.json"
+    elif damage == "a vector byte":
+        data = bytearray(vec.read_bytes())
+        data[-3] ^= 0x10
+        vec.write_bytes(bytes(data))
+        name = "memory_vectors.npy"
+    else:
+        vec.unlink()
+        name = "memory_vectors.npy"
+    if damage == "an older snapshot":
+        _without_memory_crc(snap)
+        t = ShardState(0, DIM, tmp_path)
+        t.load()  # (unchecked, as before)
+        assert len(t.memory) == 4
+        t.txns.wal.close()
+        return
+    with pytest.raises(RuntimeError, match=rf"{name}.*(CRC-32|No such file).*restore the snapshot from a backup"):
+        ShardState(0, DIM, tmp_path).load()

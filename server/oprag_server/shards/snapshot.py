@@ -2,7 +2,7 @@
 
 Layout under ``<data_dir>/shard-<i>/``: ``snap-<applied_seq>-<ns>/{chunks.arrow, memory.json,
 memory_vectors.npy, meta.json}`` (the memory records' vectors in binary; a snapshot without the file has them in
-``memory.json``) (plus ``dense.faiss`` and ``dense.npz`` for an HNSW or IVF dense index: the
+``memory.json``; both files' CRC-32s in ``meta.json``: :mod:`.memory_files`) (plus ``dense.faiss`` and ``dense.npz`` for an HNSW or IVF dense index: the
 structure as FAISS serialised it and its id map, loaded on start instead of rebuilt), a ``CURRENT`` file naming the live snapshot, and ``wal.log`` (the shard's
 write-ahead log). Format 2 adds ``postings/`` (the BM25 segment as ``.npy`` arrays and
 ``terms.json``, :meth:`PostingsIndex.save`), memory-mapped on load instead of re-analysing
@@ -47,7 +47,7 @@ from ..index.low_seeds_state import NPZ_ERRORS
 from ..index.objstore import MirroredLog
 from ..index.wal import WriteAheadLog, fsync_write, fsync_write_with
 from ..index.wal import _fsync_dir as _fsync_file  # (any path: file or directory)
-from . import chunk_files
+from . import chunk_files, memory_files
 from .chunks import ChunkStore
 from .memory import MemoryStore
 from .protocol import SnapshotReply
@@ -113,10 +113,7 @@ def _write_snapshot_files(snap: Path, store: ChunkStore, memory: MemoryStore) ->
     # row was a ~0.85 GB copy per 1M-chunk shard, at the snapshot's memory peak); the last snapshot's files linked
     files = chunk_files.write(snap, store, vectors=not one)
     rows = [sum(f[1] for f in files)]
-    items, mv = memory.dump()  # (the memory records' vectors beside memory.json, in binary)
-    fsync_write(snap / "memory.json", json.dumps(items).encode())
-    if mv is not None:
-        fsync_write_with(snap / "memory_vectors.npy", lambda f: np.save(f, mv, allow_pickle=False))
+    memory_crc = memory_files.write(snap, memory)  # (the records' vectors beside memory.json, in binary)
     for p in store.postings.save(snap / "postings", merge=False):  # (merged by the caller: SnapshotJob)
         _fsync_file(p)
     _fsync_file(snap / "postings")
@@ -136,7 +133,8 @@ def _write_snapshot_files(snap: Path, store: ChunkStore, memory: MemoryStore) ->
     parts = ann_vectors.sidecar(snap / "dense.faiss").exists() or len(files) > 1  # (format 5: files in parts)
     meta = {"format_version": 5 if parts else 4 if (snap / "dense_tail.npy").exists() else FORMAT_VERSION,
             "applied_seq": store.applied_seq, "dim": store.dim, "next_slot": store.next_slot, "chunks": rows[0],
-            "chunk_files": files, "analyzer": {"stem": store.analyzer.stem}, "postings_crc": True}
+            "chunk_files": files, "analyzer": {"stem": store.analyzer.stem}, "postings_crc": True,
+            "memory_crc": memory_crc}
     fsync_write(snap / "meta.json", json.dumps({**meta, "crc32": meta_crc(meta)}).encode())  # (a flipped digit parses)
     return rows[0]
 
@@ -380,13 +378,7 @@ def load(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions, co
         _load_ann(snap, store, say)
         store.applied_seq = int(meta.get("applied_seq", 0))
         store.next_slot = max(store.next_slot, int(meta.get("next_slot", 0)))
-        mv = snap / "memory_vectors.npy"  # (absent in a snapshot written before it: vectors inside memory.json)
-        try:
-            items = json.loads((snap / "memory.json").read_text())
-            memory.load_json(items, np.load(mv, allow_pickle=False) if mv.exists() else None)
-        except (*NPZ_ERRORS, TypeError, AttributeError, IndexError) as exc:
-            raise RuntimeError(f"{snap / 'memory.json'} or {mv.name} beside it cannot be read ({type(exc).__name__}: "
-                               f"{exc}): the session memory has no other copy; restore the snapshot from a backup") from exc
+        memory_files.load(snap, meta, memory)
         loading.done(f"snapshot {snap.name} loaded: {table.num_rows} chunks")
     size = wal.path.stat().st_size if wal.path.exists() else 0
     replaying = _Step(say, f"replaying the write-ahead log: {size} bytes", size > 0)

@@ -1,0 +1,84 @@
+"""A snapshot's session memory: ``memory.json`` and ``memory_vectors.npy``, with their CRC-32s.
+
+``memory.json`` holds the memory records and clear marks (:meth:`.memory.MemoryStore.dump`),
+``memory_vectors.npy`` the records' vectors (float32, one row per record; a snapshot written
+before it has them inside ``memory.json``). Both have no other copy once the write-ahead log is
+reset, so a snapshot's ``meta.json`` keeps a CRC-32 (zlib) of each file's bytes under
+``memory_crc``: an edit or a flipped byte that still parses (a changed digit of a timestamp, a
+vector row) is refused at load with the file's name, where it used to be served (trial56b F5).
+A snapshot without ``memory_crc`` (written before it) loads as before, unchecked.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from ..index.low_seeds_state import NPZ_ERRORS
+from ..index.wal import fsync_write, fsync_write_with
+from .memory import MemoryStore
+
+JSON_NAME = "memory.json"
+VECTORS_NAME = "memory_vectors.npy"
+#: bytes a file's CRC-32 reads at a time
+_BLOCK = 1 << 22
+
+
+class _Crc:
+    """A binary file object's ``write`` that also keeps the CRC-32 of what went through it."""
+
+    def __init__(self, f) -> None:
+        self.f, self.crc = f, 0
+
+    def write(self, data) -> int:
+        self.crc = zlib.crc32(data, self.crc)
+        return self.f.write(data)
+
+
+def write(snap: Path, memory: MemoryStore) -> dict[str, int]:
+    """Write ``memory``'s files into snapshot directory ``snap`` (each fsync'ed, atomically).
+
+    :returns: ``{file name: CRC-32 of its bytes}``, for ``meta.json``'s ``memory_crc``.
+    :raises OSError: a write failed."""
+    items, mv = memory.dump()
+    data = json.dumps(items).encode()
+    fsync_write(snap / JSON_NAME, data)
+    crcs = {JSON_NAME: zlib.crc32(data)}
+    if mv is not None:  # streamed through the CRC (no copy of the vectors in memory)
+        def save(f) -> None:
+            w = _Crc(f)
+            np.save(w, mv, allow_pickle=False)
+            crcs[VECTORS_NAME] = w.crc
+        fsync_write_with(snap / VECTORS_NAME, save)
+    return crcs
+
+
+def _crc_of(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(_BLOCK):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def load(snap: Path, meta: dict, memory: MemoryStore) -> None:
+    """Load the session memory of snapshot directory ``snap`` into ``memory``, checking each file
+    against ``meta["memory_crc"]`` when the snapshot has it.
+
+    :raises RuntimeError: a file is missing, damaged (its CRC-32 differs) or cannot be parsed;
+        the message names it (the memory has no other copy: restore the snapshot from a backup)."""
+    crcs = meta.get("memory_crc") or {}
+    mv = snap / VECTORS_NAME  # (absent in a snapshot written before it: vectors inside memory.json)
+    try:
+        for name, want in crcs.items():
+            if (got := _crc_of(snap / name)) != want:
+                raise ValueError(f"{snap / name}: its CRC-32 {got:#010x} is not the {want:#010x} meta.json holds "
+                                 "(the file is damaged or was edited)")
+        items = json.loads((snap / JSON_NAME).read_text())
+        memory.load_json(items, np.load(mv, allow_pickle=False) if mv.exists() else None)
+    except (*NPZ_ERRORS, TypeError, AttributeError, IndexError) as exc:
+        raise RuntimeError(f"{snap / JSON_NAME} or {mv.name} beside it cannot be read ({type(exc).__name__}: "
+                           f"{exc}): the session memory has no other copy; restore the snapshot from a backup") from exc
