@@ -12,7 +12,7 @@ import pytest
 from oprag_client.client import Doc
 from server_fixtures import http_server  # (tests/integration is on sys.path: pytest's rootdir-relative import)
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # (its rule: a unit test in the default suite)
 
 _WORDS = ("harbour lighthouse keeper storm season critics album church tower river bridge market festival "
           "lobster diet race winner engine railway castle garden poet novel").split()

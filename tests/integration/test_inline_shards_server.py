@@ -14,7 +14,7 @@ import pytest
 from oprag_client.client import Doc, OpRAGClient
 from oprag_client.testing import ServerProcess
 
-pytestmark = [pytest.mark.integration]
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # (its rule: a unit test in the default suite)
 
 WORDS = ("harbour lighthouse keeper storm tide vessel anchor rope gull cliff lantern fog signal wreck "
          "island current sail mast chart compass beacon pier net fisher").split()

@@ -17,7 +17,7 @@ from oprag_client.testing import ServerProcess, free_port
 
 from test_replicas_server import _replicas  # (tests/integration is on sys.path: pytest's rootdir-relative import)
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # (its rule: a unit test in the default suite)
 
 
 def _all_back(c: OpRAGClient, want: int | None) -> bool:

@@ -12,7 +12,7 @@ import pytest
 from oprag_client.client import Doc, OpRAGClient
 from oprag_client.testing import ServerProcess
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # (its rule: a unit test in the default suite)
 
 D = 384
 

@@ -21,7 +21,7 @@ import pytest
 from oprag_client.client import Doc, OpRAGClient
 from oprag_client.testing import ServerProcess, wait_until
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # (its rule: a unit test in the default suite)
 
 D, N, TOPICS, RUN = 384, 6000, 8, 250
 
