@@ -317,7 +317,9 @@ def test_random_damage_never_loses_an_intact_record_silently(tmp_path):
 
 
 def test_a_second_salvage_keeps_the_first_original(tmp_path):
-    from oprag_server.index.wal import salvage
+    import pytest
+
+    from oprag_server.index.wal import LogDamaged, salvage
 
     p = tmp_path / "wal.log"
     _log(p)
@@ -326,6 +328,8 @@ def test_a_second_salvage_keeps_the_first_original(tmp_path):
         data = bytearray(p.read_bytes())
         data[offs[1] + 12] ^= 0xFF
         p.write_bytes(bytes(data))
+        with pytest.raises(LogDamaged, match=["wal.log.damaged;", "wal.log.damaged.1;"][k]):  # (the copy it will make)
+            WriteAheadLog(p).open()
         assert salvage(p)[2].name == ["wal.log.damaged", "wal.log.damaged.1"][k]
         assert (tmp_path / ["wal.log.damaged", "wal.log.damaged.1"][k]).read_bytes() == bytes(data)
     assert [r["seq"] for r in WriteAheadLog(p).open()] == [0, 3, 4, 5]

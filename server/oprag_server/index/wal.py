@@ -43,7 +43,7 @@ class LogDamaged(RuntimeError):
             f"{path}: bytes {start}-{end} of {path.stat().st_size} are damaged (a record whose CRC-32 or framing is "
             f"wrong) {what}, so this is not a torn tail from a crash; the log is left "
             f"as it is. Restore the file from a backup, or run `oprag salvage-log {path}` to keep every intact record "
-            f"(the original is kept as {path.name}.damaged; the records in the damaged bytes are lost, and a start that "
+            f"(the original is kept as {keep_name(path).name}; the records in the damaged bytes are lost, and a start that "
             "finds a committed write missing still refuses)")
 
 
@@ -128,10 +128,16 @@ def parse_spans(data: bytes) -> tuple[list[dict[str, Any]], list[tuple[int, int]
 def keep_original(path: Path, data: bytes) -> Path:
     """Write ``data`` (a log's bytes before a salvage rewrites it) to ``<path>.damaged``, or ``.damaged.1``, ... when
     that exists (an earlier salvage's original is never overwritten); fsync'ed. :returns: its path."""
+    keep = keep_name(path)
+    fsync_write(keep, data)
+    return keep
+
+
+def keep_name(path: Path) -> Path:
+    """``<path>.damaged``, or the first of ``.damaged.1``, ``.damaged.2``, ... that does not exist."""
     keep, k = path.with_name(path.name + ".damaged"), 1
     while keep.exists():
         keep, k = path.with_name(f"{path.name}.damaged.{k}"), k + 1
-    fsync_write(keep, data)
     return keep
 
 
