@@ -11,6 +11,7 @@ structure that was written, that the parts stay few, and that a file of the earl
 from __future__ import annotations
 
 import json
+import zlib
 
 import faiss
 import numpy as np
@@ -70,6 +71,7 @@ def test_appends_link_the_old_rows_and_write_only_the_new_ones(tmp_path):
     _loads_as(ann, b)
     assert ann.write(c) is True  # nothing changed since: every file linked
     assert c.stat().st_ino == b.stat().st_ino and _ino(c, 600) == _ino(b, 600)
+    assert json.loads(ann_vectors.sidecar(c).read_text())["graph_crc32"] == zlib.crc32(c.read_bytes())
     _loads_as(ann, c)
 
 
@@ -163,10 +165,11 @@ def test_missing_or_short_parts_are_refused(tmp_path):
         ann_vectors.read(p)
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "no_list", "no_graph"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "no_list", "no_graph", "graph"])
 def test_a_damaged_snapshot_stops_the_start_naming_the_file(tmp_path, damage):
     """trial54 #2, #3: a damaged part or parts list stopped the start with "nothing to rebuild from", after a log
-    line announcing a conversion; a flat shard's conversion named ``dense.faiss``. Both now name the file."""
+    line announcing a conversion; a flat shard's conversion named ``dense.faiss``. Both now name the file. A byte of
+    the graph file changed (a neighbour id: FAISS still reads it) is caught by the graph's CRC-32 in the parts list."""
     st = ShardState(0, D, tmp_path, dense=DenseConfig(kind="hnsw"))
     st.load(set())
     _ingest(st)
@@ -185,13 +188,25 @@ def test_a_damaged_snapshot_stops_the_start_naming_the_file(tmp_path, damage):
     elif damage == "no_list":
         ann_vectors.sidecar(g).unlink()
         want = "dense.faiss.vectors.json: cannot be read"
+    elif damage == "graph":
+        data = bytearray(g.read_bytes())
+        def in_range(off):  # positions of int32 values that could be neighbour ids, reading from byte ``off``
+            ids = np.frombuffer(bytes(data[off:off + (len(data) - off) // 4 * 4]), np.int32)
+            return np.flatnonzero((ids > 0) & (ids < 200))
+
+        off = max(range(4), key=lambda o: in_range(o).size)  # (the neighbour lists' alignment in the file)
+        hits = in_range(off)
+        data[off + 4 * int(hits[hits.size // 2])] ^= 0x01  # (a neighbour id moved by one: FAISS's own check passes)
+        g.write_bytes(bytes(data))
+        faiss.read_index(str(g), faiss.IO_FLAG_SKIP_STORAGE)  # (FAISS reads it without a word)
+        want = "dense.faiss: its CRC-32 is .* the HNSW graph file was damaged"
     else:
         g.unlink()
         want = "dense.faiss is missing"
     with pytest.raises(RuntimeError, match="the only copy of the chunks' vectors, cannot be loaded: .*" + want):
         ShardState(0, D, tmp_path, dense=DenseConfig(kind="hnsw")).load(set())
-    if damage == "no_graph":  # (FAISS's own words)
-        want = "dense.faiss for reading: No such file"
+    if damage == "no_graph":
+        want = "No such file or directory: .*dense.faiss'"
     with pytest.raises(RuntimeError, match=want):  # (another kind reads the vectors out of the files: the same file)
         ShardState(0, D, tmp_path, dense=DenseConfig(kind="flat")).load(set())
 

@@ -8,7 +8,8 @@ apart from the graph:
 
 * ``<name>``: the graph, written by FAISS without its storage (``IO_FLAG_SKIP_STORAGE``: ~140 MB at 500K vectors);
 * ``<name>.v<start>.npy``: rows ``[start, start + rows)`` of the storage (``np.save``, float32), contiguous from 0;
-* ``<name>.vectors.json``: ``{"rows", "dim", "parts": [{"name", "start", "rows", "crc32"}]}``, written last.
+* ``<name>.vectors.json``: ``{"rows", "dim", "parts": [{"name", "start", "rows", "crc32"}], "graph_crc32"}``,
+  written last (``graph_crc32``: the graph file's bytes, checked before FAISS reads it; absent in older files).
 
 A snapshot links a part of the previous one (:func:`.bm25.files.link_same`: the same device and inode) when the
 storage still holds exactly those rows: same position, same row count and the same CRC-32 (``zlib.crc32`` of the
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .bm25 import crc_files
 from .bm25.files import Source, file_ids, kept, link_same
 
 #: rows read into FAISS's storage at a time on load (:func:`_read_rows`)
@@ -90,7 +92,8 @@ def write(index, path: Path, storage: np.ndarray, saved: tuple[list[dict], Sourc
             np.save(f, storage[at:n], allow_pickle=False)
         parts.append({"name": dst.name, "start": at, "rows": n - at, "crc32": crc(storage[at:n])})
         linked = False
-    sidecar(path).write_text(json.dumps({"rows": n, "dim": int(storage.shape[1]), "parts": parts}))
+    sidecar(path).write_text(json.dumps({"rows": n, "dim": int(storage.shape[1]), "parts": parts,
+                                         "graph_crc32": crc_files.crc_of(path)}))  # (a linked graph: remembered)
     return linked
 
 
@@ -118,10 +121,17 @@ def read(path) -> object:
         missing rows, overlap or do not match the graph's vector count or width (the message names the file).
     :raises OSError: the graph's file cannot be read."""
     faiss = _faiss()
+    side = sidecar(Path(path))
+    try:  # (a graph FAISS still reads but whose bytes changed would be searched, or crash the shard at each start)
+        want = json.loads(side.read_text()).get("graph_crc32") if side.exists() else None
+    except (OSError, ValueError, AttributeError):
+        want = None  # (reported below, once FAISS has read the graph)
+    if want is not None and (got := crc_files.crc_of(Path(path))) != int(want):
+        raise ValueError(f"{path}: its CRC-32 is {got}, not the {want} {side.name} records: the HNSW graph file was "
+                         "damaged after it was written")
     index = faiss.read_index(str(path))
     if not hasattr(index, "hnsw") or index.storage is not None:
         return index
-    side = sidecar(Path(path))
     try:  # (missing, cut short, not this layout)
         meta = json.loads(side.read_text())
         rows_all, dim, parts = int(meta["rows"]), int(meta["dim"]), list(meta["parts"])
