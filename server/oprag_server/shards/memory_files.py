@@ -17,14 +17,13 @@ from pathlib import Path
 
 import numpy as np
 
+from ..index.bm25.files import crc_of
 from ..index.low_seeds_state import NPZ_ERRORS
 from ..index.wal import fsync_write, fsync_write_with
 from .memory import MemoryStore
 
 JSON_NAME = "memory.json"
 VECTORS_NAME = "memory_vectors.npy"
-#: bytes a file's CRC-32 reads at a time
-_BLOCK = 1 << 22
 
 
 class _Crc:
@@ -56,14 +55,6 @@ def write(snap: Path, memory: MemoryStore) -> dict[str, int]:
     return crcs
 
 
-def _crc_of(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while block := f.read(_BLOCK):
-            crc = zlib.crc32(block, crc)
-    return crc
-
-
 def load(snap: Path, meta: dict, memory: MemoryStore) -> None:
     """Load the session memory of snapshot directory ``snap`` into ``memory``, checking each file
     against ``meta["memory_crc"]`` when the snapshot has it.
@@ -74,7 +65,7 @@ def load(snap: Path, meta: dict, memory: MemoryStore) -> None:
     mv = snap / VECTORS_NAME  # (absent in a snapshot written before it: vectors inside memory.json)
     try:
         for name, want in crcs.items():
-            if (got := _crc_of(snap / name)) != want:
+            if (got := crc_of(snap / name)) != want:
                 raise ValueError(f"{snap / name}: its CRC-32 {got:#010x} is not the {want:#010x} meta.json holds "
                                  "(the file is damaged or was edited)")
         items = json.loads((snap / JSON_NAME).read_text())
