@@ -77,10 +77,22 @@ def test_a_snapshot_without_seeds_or_with_unfit_ones_builds_them(tmp_path):
     ann.saved_seeds = (ann._index, (probes, thresh, ids, built_at, seen + 10 ** 6))  # noqa: SLF001
     again.search.warm()
     assert again.search._low.built[-1][2] == "at start"  # noqa: SLF001
-    (snap / low_seeds_state.NAME).unlink()  # an older snapshot: no file
+    good = (snap / low_seeds_state.NAME).read_bytes()
+    (snap / low_seeds_state.NAME).write_bytes(good[:len(good) // 2])  # damaged: built anew, with a WARNING
+    said: list = []
+    damaged = ShardState(0, DIM, tmp_path, dense=CFG)
+    damaged.say = lambda line, level="INFO": said.append((level, line))
+    damaged.load(set())
+    assert damaged.store.dense.ann.saved_seeds is None
+    assert [line for level, line in said if level == "WARNING"] == [
+        f"{snap / low_seeds_state.NAME} cannot be read: the dense minimum's seeds are built anew (HYBRID's fused "
+        "scores may move slightly from those before the restart)"]
+    (snap / low_seeds_state.NAME).unlink()  # an older snapshot: no file (and no warning)
+    said.clear()
     third = ShardState(0, DIM, tmp_path, dense=CFG)
+    third.say = lambda line, level="INFO": said.append((level, line))
     third.load(set())
-    assert third.store.dense.ann.saved_seeds is None
+    assert third.store.dense.ann.saved_seeds is None and not [x for x in said if x[0] == "WARNING"]
     # seeds kept for another graph (a compaction made a new one since the load) are not used
     fourth = ShardState(0, DIM, tmp_path, dense=CFG)
     fourth.load(set())

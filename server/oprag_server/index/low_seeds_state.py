@@ -57,11 +57,13 @@ def decode(path: Path) -> tuple | None:
         return None
 
 
-def stash(ann, path: Path) -> None:
+def stash(ann, path: Path) -> bool:
     """(A snapshot's load, right after ``ann``'s graph was) keep the seeds of ``path`` for the graph just loaded:
-    :meth:`.dense_low.LowSeeds.prepare` takes them while it is still that graph (not one a compaction made since)."""
+    :meth:`.dense_low.LowSeeds.prepare` takes them while it is still that graph (not one a compaction made since).
+    :returns: whether ``path`` was read (False: absent or unreadable)."""
     saved = decode(path)
     ann.saved_seeds = None if saved is None else (ann._index, saved)  # noqa: SLF001
+    return saved is not None
 
 
 def take(ann) -> tuple | None:

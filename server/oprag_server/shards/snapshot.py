@@ -247,7 +247,10 @@ def _load_ann(snap: Path, store: ChunkStore, say: Say = None) -> None:
                          "laid_at": int(meta["laid_at"]) if "laid_at" in meta.files else 0,
                          "tail_groups": meta["tail_groups"] if "tail_groups" in meta.files else None}
                 if store.dense.load_ann(state, remap):
-                    low_seeds_state.stash(store.dense.ann, snap / low_seeds_state.NAME)
+                    seeds = snap / low_seeds_state.NAME
+                    if not low_seeds_state.stash(store.dense.ann, seeds) and seeds.exists():
+                        warn(say, f"{seeds} cannot be read: the dense minimum's seeds are built anew (HYBRID's fused "
+                                  "scores may move slightly from those before the restart)")
                     return _built_with(store, say)
         except (*NPZ_ERRORS, RuntimeError) as exc:  # rebuilt below, from the chunks' vectors
             failed = exc
