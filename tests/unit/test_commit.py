@@ -13,7 +13,7 @@ from oprag_server import records
 from oprag_server.engine.commit import CommitProtocol
 from oprag_server.engine.rwlock import RWLock
 from oprag_server.index.bm25 import CorpusStats
-from oprag_server.index.wal import WriteAheadLog
+from oprag_server.index.wal import WriteAheadLog, encode_record
 from oprag_server.shards.inprocess import InProcessTransport, in_process_pool
 from oprag_server.shards.pool import ShardError, ShardPool
 from oprag_server.shards.protocol import Op, StageRequest
@@ -402,3 +402,38 @@ def test_a_record_a_failed_append_left_behind_its_skip_record_is_not_a_commit(tm
     cp.check_recovered({0: 0, 1: 0})
     cp.recover([0, 0])
     assert cp.next_seq() == 2  # (the kept number is never issued again)
+
+
+def test_a_damaged_length_field_of_the_last_commit_record_is_refused_without_a_torn_tail_warning(tmp_path, caplog):
+    """The last commit record written whole, its length field hit afterwards: it parses as a torn tail, but its payload
+    is the commit record of the transaction every shard prepared, so the start refuses. It used to log "a torn tail
+    ... is dropped" first, a WARNING the refusal then contradicted; a real torn tail still gets it, once."""
+    import logging
+
+    async def write_two():
+        pool = ShardPool(2, DIM, tmp_path, transport=InProcessTransport)
+        cp = CommitProtocol(pool, CorpusStats(), RWLock())
+        cp.recover(r.applied_seq for r in pool.start(asyncio.get_running_loop(), committed=cp.open_log(
+            tmp_path / "commits.log")))
+        for i, txn in enumerate(("t1", "t2")):
+            await _stage(cp, txn, {f"d{i}": ["text"]})
+            await cp.commit(txn, "upsert")
+        cp.log.close()
+        for c in pool.clients:
+            c.state.txns.wal.close()
+
+    asyncio.run(write_two())
+    log = tmp_path / "commits.log"
+    good = log.read_bytes()
+    last = len(good) - len(encode_record({"txn": "t2", "seq": 2}))
+    data = bytearray(good)
+    data[last] ^= 0x40  # the length field: the record now seems to run past the end of the file
+    log.write_bytes(bytes(data))
+    caplog.set_level(logging.WARNING, logger="oprag")
+    with pytest.raises(RuntimeError, match=r"its last record \(\d+ bytes\) is damaged, and it is the whole commit "
+                                           r"record of transaction t2 \(sequence 2\)"):
+        CommitProtocol(pool=None, stats=None, lock=None).open_log(log)
+    assert "torn tail" not in caplog.text and log.read_bytes() == bytes(data)
+    log.write_bytes(good[:-3])  # cut short by a crash: dropped, with its WARNING
+    assert CommitProtocol(pool=None, stats=None, lock=None).open_log(log) == {"t1": 1}
+    assert caplog.text.count("torn tail") == 1

@@ -147,9 +147,11 @@ class CommitProtocol:
         :raises LogDamaged: intact records follow a damaged span (the file is left as it is).
         :raises RuntimeError: the log is missing while a shard's log holds prepared transactions
             (:func:`missing_log`)."""
+        said: list[str] = []  # (a torn tail's WARNING waits for torn_commit: it may be a whole damaged record)
         if storage is None:
             missing_log(path)
             self.log = WriteAheadLog(path)
+            self.log.warn = said.append
         else:
             path.parent.mkdir(parents=True, exist_ok=True)
             self.log = open_mirrored(path, ObjectStore.from_uri(storage).sub("commits"))
@@ -162,6 +164,9 @@ class CommitProtocol:
             raise
         if storage is None:  # (a torn tail whose length field was hit: still the whole record, by its payload)
             torn_commit(path, logged, self.log.torn)
+            self.log.warn = None
+            for line in said:
+                log.warning("%s", line)
         self._logged_seq = max([r["seq"] for r in logged] + [0])
         skipped = skipped_in(logged)
         out = {r["txn"]: int(r["seq"]) for r in logged if r["txn"] and int(r["seq"]) not in skipped}
