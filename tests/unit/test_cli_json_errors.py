@@ -148,6 +148,9 @@ def test_ctrl_c_during_eval_ends_it_at_once(tmp_path, monkeypatch, capsys):
             return SimpleNamespace(documents=[])
 
     monkeypatch.setattr(cli_eval, "_client", lambda a: _Hanging())
+    # (Ctrl-C's default handler, as in a shell: a test module run before this one in the same pytest worker may have
+    # left SIGINT ignored, as a shard worker's loop run in process sets it, and the signal was then lost: 200 s, exit 0)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(0.5, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
     t0 = time.perf_counter()
     timer.start()
@@ -156,6 +159,7 @@ def test_ctrl_c_during_eval_ends_it_at_once(tmp_path, monkeypatch, capsys):
                                 str(tmp_path / "qrels.tsv"), "--concurrency", "2"])
     finally:
         timer.cancel()
+        signal.signal(signal.SIGINT, before)
     took = time.perf_counter() - t0
     assert got == 130 and took < 5.0, (got, took)
     assert capsys.readouterr().err == "oprag: interrupted (Ctrl-C)\n"
