@@ -13,6 +13,10 @@ them was a committed write that a shard's log lacks (:meth:`.shards.txn.Transact
 
 Exit status: 0 every log was read (salvaged or found intact), 2 a path is missing, not a file,
 in a data directory in use, or could not be rewritten (the reason on stderr).
+
+``oprag salvage-memory SHARD_DIR...`` (:func:`memory_main`) is the step past a start refused over a
+shard's damaged session memory (``memory.json``, ``memory_vectors.npy``, which have no other copy):
+the shard starts without the snapshot's session turns, its documents kept (:func:`.shards.memory_files.salvage`).
 """
 
 from __future__ import annotations
@@ -72,6 +76,35 @@ def main(argv: list[str] | None = None) -> int:
         where = ", ".join(f"{s}-{e}" for s, e in spans)
         print(f"{p}: kept {kept} intact records; dropped {len(spans)} damaged spans ({lost} bytes at {where}); "
               f"the original is {orig}")
+    for f in locks.values():
+        f.close()
+    return status
+
+
+def memory_main(argv: list[str] | None = None) -> int:
+    """``oprag salvage-memory SHARD_DIR...``. :returns: 0 each shard's memory loads or was given up,
+    2 a directory has no readable snapshot, is in a data directory in use, or could not be rewritten."""
+    from .shards.memory_files import salvage as salvage_memory
+    from .startup import lock_data_dir
+
+    ap = argparse.ArgumentParser(prog="oprag salvage-memory", description="Start a shard without the session memory "
+                                 "of its snapshot when that cannot be read (memory.json, memory_vectors.npy): the "
+                                 "files are kept as <name>.damaged, the documents are not touched. Stop the server "
+                                 "first.")
+    ap.add_argument("dirs", nargs="+", type=Path, metavar="SHARD_DIR", help="a shard directory (<data-dir>/shard-<i>)")
+    a = ap.parse_args(argv)
+    status, locks = 0, {}
+    for d in a.dirs:
+        try:
+            if not d.is_dir():
+                raise OSError(f"{d}: no such directory")
+            top = _data_dir(d / "x")  # (the data directory above the shard's)
+            if top is not None and top not in locks:
+                locks[top] = lock_data_dir(top)
+            print(salvage_memory(d))
+        except (OSError, RuntimeError) as exc:
+            print(f"oprag salvage-memory: {exc}", file=sys.stderr)
+            status = 2
     for f in locks.values():
         f.close()
     return status

@@ -297,3 +297,42 @@ def test_memory_files_that_still_parse_but_were_changed_are_refused_naming_them(
         return
     with pytest.raises(RuntimeError, match=rf"{name}.*(CRC-32|No such file).*restore the snapshot from a backup"):
         ShardState(0, DIM, tmp_path).load()
+
+
+def test_salvage_memory_starts_a_shard_without_a_damaged_memory_keeping_its_documents(tmp_path, capsys):
+    """A damaged memory.json stops the shard's start, and the session memory has no other copy: `oprag salvage-memory`
+    keeps the files as .damaged, leaves an empty memory in their place, and the shard starts with its documents and
+    the turns its write-ahead log holds after the snapshot."""
+    import pyarrow as pa
+    from test_snapshot_beside import D, _batch
+
+    from oprag_server.salvage import memory_main
+
+    rng = np.random.default_rng(5)
+    s = ShardState(0, D, tmp_path)
+    s.load(set())
+    s.store.upsert(pa.Table.from_batches([_batch(0, 40)]), 1)
+    s.memory.promote(PromoteRequest("s0", "q", "a", ["s0#c"], ["t"], rng.standard_normal(D).astype(np.float32),
+                                    max_turns=5))
+    s.snapshot()
+    s.memory.promote(PromoteRequest("s1", "q", "a", ["s1#c"], ["t"], rng.standard_normal(D).astype(np.float32),
+                                    max_turns=5))  # (after the snapshot: in the write-ahead log only)
+    s.txns.wal.close()
+    shard = tmp_path / "shard-0"
+    snap = shard / (shard / "CURRENT").read_text().strip()
+    text = (snap / "memory.json").read_text()
+    i = text.index('"created": ') + len('"created": ')
+    edited = text[:i] + str((int(text[i]) + 1) % 10) + text[i + 1:]  # (a digit of the turn's time: still parses)
+    (snap / "memory.json").write_text(edited)
+    with pytest.raises(RuntimeError, match=r"run `oprag salvage-memory .*shard-0` to start the shard without it"):
+        ShardState(0, D, tmp_path).load(set())
+    assert memory_main([str(shard)]) == 0
+    out = capsys.readouterr().out
+    assert "the session memory could not be read" in out and "memory.json.damaged, memory_vectors.npy.damaged" in out
+    assert (snap / "memory.json.damaged").read_text() == edited
+    t = ShardState(0, D, tmp_path)
+    t.load(set())
+    assert len(t.store.fields) == 40 and sorted(t.memory.sessions) == ["s1"]
+    t.txns.wal.close()
+    assert memory_main([str(shard)]) == 0 and "loads (memory.json); not changed" in capsys.readouterr().out
+    assert memory_main([str(tmp_path / "nothing")]) == 2 and "no such directory" in capsys.readouterr().err

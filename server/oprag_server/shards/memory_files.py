@@ -72,4 +72,49 @@ def load(snap: Path, meta: dict, memory: MemoryStore) -> None:
         memory.load_json(items, np.load(mv, allow_pickle=False) if mv.exists() else None)
     except (*NPZ_ERRORS, TypeError, AttributeError, IndexError) as exc:
         raise RuntimeError(f"{snap / JSON_NAME} or {mv.name} beside it cannot be read ({type(exc).__name__}: "
-                           f"{exc}): the session memory has no other copy; restore the snapshot from a backup") from exc
+                           f"{exc}): the session memory has no other copy; restore the snapshot from a backup, or run "
+                           f"`oprag salvage-memory {snap.parent}` to start the shard without it (its documents are "
+                           "kept; the session turns in the snapshot are lost)") from exc
+
+
+def salvage(shard_dir: Path) -> str:
+    """Give up the session memory of ``shard_dir``'s current snapshot when it cannot be loaded
+    (:func:`load` raised): its files are kept as ``<name>.damaged`` (``.damaged.1``, ...), an
+    empty ``memory.json`` takes their place, and ``meta.json`` gets its new CRC-32s. The turns
+    the write-ahead log holds after the snapshot still replay on top. The caller holds the data
+    directory's lock (:mod:`..salvage`).
+
+    :returns: what was done, one line. :raises RuntimeError: no snapshot, or ``meta.json``
+        cannot be read. :raises OSError: a file could not be written."""
+    from ..index.wal import keep_name  # noqa: PLC0415
+    from .snapshot import meta_crc  # noqa: PLC0415 - (snapshot imports this module)
+    from .snapshot_current import current  # noqa: PLC0415
+
+    snap = current(shard_dir, None)
+    if snap is None or not (snap / "meta.json").is_file():
+        raise RuntimeError(f"{shard_dir}: no snapshot here (a shard directory holds CURRENT and snap-* directories)")
+    try:
+        meta = json.loads((snap / "meta.json").read_text())
+        if "crc32" in meta and meta["crc32"] != meta_crc(meta):
+            raise ValueError("its CRC-32 does not match its fields")
+    except (OSError, ValueError, AttributeError, TypeError) as exc:
+        raise RuntimeError(f"{snap / 'meta.json'} cannot be read ({exc}): restore the snapshot from a backup") from exc
+    try:
+        load(snap, meta, MemoryStore())
+        return f"{snap}: the session memory loads ({JSON_NAME}); not changed"
+    except RuntimeError as exc:
+        why = str(exc.__cause__ or exc)
+    kept = []
+    for name in (JSON_NAME, VECTORS_NAME):
+        if (snap / name).exists():
+            keep = keep_name(snap / name)
+            (snap / name).rename(keep)
+            kept.append(keep.name)
+    empty = b"[]"
+    fsync_write(snap / JSON_NAME, empty)
+    meta["memory_crc"] = {JSON_NAME: zlib.crc32(empty)}
+    meta.pop("crc32", None)
+    fsync_write(snap / "meta.json", json.dumps({**meta, "crc32": meta_crc(meta)}).encode())
+    return (f"{snap}: the session memory could not be read ({why}); the shard now starts without it (an empty "
+            f"{JSON_NAME}; the turns its write-ahead log holds after this snapshot still replay); kept as "
+            f"{', '.join(kept) or 'nothing (no file was there)'}")
