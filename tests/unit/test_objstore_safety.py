@@ -80,6 +80,40 @@ def test_a_log_object_is_never_overwritten(tmp_path, uri):
     assert [r["session_id"] for r in read_log_objects(store)[0]] == ["a"] and b.pos == 0
 
 
+@pytest.mark.parametrize("how", ["short write", "ENOSPC"])
+def test_a_put_the_full_disk_cut_leaves_no_object_and_the_position_takes_the_next_write(tmp_path, uri, monkeypatch,
+                                                                                         how):
+    """trial57: a full store disk cut a log object's write (a short write, or ENOSPC); the half-written object stayed,
+    so every later write at that position failed "already exists (is another server writing to this storage?)", also
+    once space was freed: writes never came back. A short write was also taken as a whole object."""
+    import errno
+    import os
+
+    from oprag_server.index import objstore
+
+    store = ObjectStore.from_uri(uri).sub("wal")
+    log = MirroredLog(tmp_path / "a.log", store, next_pos=0)
+    log.open()
+    real = os.write
+
+    def full(fd, data):
+        if not os.readlink(f"/proc/self/fd/{fd}").endswith(".rec"):  # (the local log's disk has room)
+            return real(fd, data)
+        if how == "short write":  # the disk takes 10 bytes, then nothing
+            return real(fd, bytes(data[:10])) if len(data) > 10 else (_ for _ in ()).throw(OSError(errno.ENOSPC, "full"))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(objstore.os, "write", full)
+    with pytest.raises(StorageWriteError, match=r"00000000000000000000\.rec: .*(No space|full)"):
+        log.append({"kind": "memory_clear", "session_id": "a"})
+    assert store.get(record_key(0)) is None  # (nothing left at the position)
+    monkeypatch.setattr(objstore.os, "write", real)  # space freed
+    log.open()  # (the local append was cut back; a new open, as a restart)
+    log.append({"kind": "memory_clear", "session_id": "b"})
+    from oprag_server.index.objstore import read_log_objects
+    assert [r["session_id"] for r in read_log_objects(store)[0]] == ["b"]
+
+
 def test_a_storage_write_failure_is_unavailable_with_its_own_message_logged_once(caplog):
     cp = CommitProtocol(pool=None, stats=None, lock=None)
     err = RuntimeError("shard 1: StorageWriteError: object storage write failed: file:///x/wal/1.rec: "

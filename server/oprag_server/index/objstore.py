@@ -105,8 +105,13 @@ class ObjectStore:
                 path = self._local_path(key)
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
                 try:
-                    os.write(fd, data)
+                    view = memoryview(data)
+                    while view:  # (a full disk can take part of a write without an error: a short write)
+                        view = view[os.write(fd, view):]
                     os.fsync(fd)
+                except BaseException:  # (our own object, never acknowledged: its position is free again;
+                    os.unlink(path)    # left there, every later write found it "already exists": trial57)
+                    raise
                 finally:
                     os.close(fd)
                 _fsync(os.path.dirname(path))
