@@ -39,6 +39,7 @@ from .admission import RETRY_MIN_S, Admission
 from .direct import LONE, DirectPath
 from .dispatch import EngineDispatch
 from .errors import Overloaded, QueryRejected
+from .failures import FailureLog
 from .grounding import without_sources
 from .job import QueryJob, isolated
 from .monitor import PruningMonitor
@@ -64,6 +65,7 @@ class QueryEngine(DirectPath, Admission):
                  retriever: Retriever, memory: Memory, lock: RWLock, batch: BatchConfig, gen_cfg: GenerateConfig,
                  embedder: Any, metrics: Any) -> None:
         self.generator, self.retriever, self.memory, self.lock, self.cfg = generator, retriever, memory, lock, batch
+        self._promote_failures = FailureLog("memory promotion")
         self.gen_cfg, self.embedder, self.metrics = gen_cfg, embedder, metrics
         self.policy = BatchPolicy(batch.max_batch, batch.max_wait_ms / 1000.0)
         self.gen_executor = ThreadPoolExecutor(1, thread_name_prefix="oprag-generate")
@@ -382,9 +384,8 @@ class QueryEngine(DirectPath, Admission):
                                   started=j.started) for j in jobs],
             return_exceptions=True,
         )
-        for o in outs:
-            if isinstance(o, Exception):
-                log.warning("memory promotion failed: %s", o)
+        for o in outs:  # (a store refusing writes fails every turn: a few log lines, not one per turn)
+            self._promote_failures.failed(o) if isinstance(o, Exception) else self._promote_failures.ok()
 
     # ------------------------------------------------------------------ completion
     def _finish(self, j: QueryJob) -> None:

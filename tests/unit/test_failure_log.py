@@ -1,0 +1,27 @@
+"""A repeated best-effort failure (a memory promotion while the store refuses writes) logs a few lines, not one per
+request (trial57: 480 WARNINGs in a few minutes)."""
+
+from __future__ import annotations
+
+import logging
+
+from oprag_server.engine import failures
+from oprag_server.engine.failures import FailureLog
+
+
+def test_one_warning_a_period_with_the_count_left_out_and_one_line_when_it_works_again(caplog, monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(failures.time, "monotonic", lambda: now[0])
+    caplog.set_level(logging.INFO, logger="oprag")
+    f = FailureLog("memory promotion", period_s=60.0)
+    for i in range(250):  # 250 failures over 125 s
+        f.failed(OSError(f"disk full {i}"))
+        now[0] += 0.5
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["memory promotion failed: disk full 0", "memory promotion failed: disk full 120 (119 more since "
+                     "the last such line)", "memory promotion failed: disk full 240 (119 more since the last such line)"]
+    f.ok()
+    f.ok()  # (nothing more: it was already working)
+    assert [r.getMessage() for r in caplog.records][3:] == ["memory promotion succeeds again (after 250 failures)"]
+    f.failed(OSError("again"))  # a new failure after a success: logged at once
+    assert caplog.records[-1].getMessage() == "memory promotion failed: again"
