@@ -86,6 +86,9 @@ def shard_error_message(exc: ShardError) -> str:
     if why is not None:
         return (f"a shard could not write to its data directory ({why}): {exc}; the write was not acknowledged: "
                 "free space on the --data-dir volume (or repair it), then retry")
+    if "object storage write failed" in str(exc):  # (a shard's log object: ClearSession, a turn; trial57)
+        return (f"a shard could not write to the --storage-uri object storage: {exc}; the write was not "
+                "acknowledged: make the storage writable again (space, quota, permissions), then retry")
     return f"a shard is unavailable (it is being restarted); retry: {exc}"
 
 
