@@ -7,9 +7,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import shutil
 import types
 
 import grpc
+import numpy as np
 import pytest
 
 from oprag_server.config import ServerConfig
@@ -17,11 +19,12 @@ from oprag_server.engine.commit import CommitProtocol
 from oprag_server.index.lease import LeaseHeld, OwnerLease
 from oprag_server.index.objstore import LogGapError, MirroredLog, ObjectStore, StorageWriteError, record_key
 from oprag_server.service.interceptors import status_for
+from oprag_server.shards.protocol import MemoryClearRequest, PromoteRequest
 from oprag_server.shards.transport import StorageUnavailable
 from oprag_server.startup import acquire_storage, check_storage
 from oprag_server.supervision import ShardSupervisor
 
-from test_objstore import _commit, _state, uri  # noqa: F401 - the fixture
+from test_objstore import DIM, _commit, _state, uri  # noqa: F401 - the fixture
 
 
 def test_a_second_server_is_refused_naming_the_holder_and_a_takeover_fences_the_first(uri):
@@ -357,3 +360,62 @@ def test_the_ingest_health_name_follows_storage_write_failures():
     asyncio.run(run())
     assert [c for c in calls if c[0] == INGEST_HEALTH] == [(INGEST_HEALTH, NOT_SERVING), (INGEST_HEALTH, SERVING)]
     assert ("", NOT_SERVING) not in calls  # reads go on: the server as a whole stays SERVING
+
+
+@pytest.mark.parametrize("where", ["middle", "last"])
+def test_a_log_object_damaged_after_it_was_written_is_refused_and_a_torn_one_skipped(tmp_path, uri, where):
+    """trial57 #2, #3: a flipped byte in a log object (a ClearSession record in the middle; a session turn, the last)
+    read as a torn object and was skipped: the cleared session's turns came back, the turn was dropped. A whole
+    object whose CRC-32 does not match is now refused, naming it; one a crash cut short is still skipped."""
+    committed: set[str] = set()
+    a = _state(tmp_path / "a", uri)
+    _commit(a, "t1", 1, ["d1"], committed)
+    a.memory.promote(PromoteRequest("s", "q", "a", [], [], np.ones(DIM, np.float32), max_turns=5))
+    a.memory.clear(MemoryClearRequest("s", 1e12))
+    _commit(a, "t2", 2, ["d2"], committed)
+    keys = a.storage.wal.list()
+    key = keys[2] if where == "middle" else keys[-1]
+    good = a.storage.wal.get(key)
+    a.txns.wal.close()
+    for damaged, refused in ((good[:len(good) // 2], False), (good[:-1], False),
+                             (good[:-20] + bytes([good[-20] ^ 0x04]) + good[-19:], True),
+                             (bytes([good[0] ^ 0x01]) + good[1:], True)):  # (the length field)
+        (tmp_path / "bucket" / "oprag" / "shard-0" / "wal" / key).write_bytes(damaged)
+        shutil.rmtree(tmp_path / "b", ignore_errors=True)
+        if refused:
+            with pytest.raises(LogGapError, match=rf"wal/{key}: this log object is damaged .*written whole"):
+                _state(tmp_path / "b", uri, set(committed))
+        else:  # torn (a put a crash cut short): skipped, the rest served
+            b = _state(tmp_path / "b", uri, set(committed))
+            assert sorted(b.store.doc_slots) == (["d1", "d2"] if where == "middle" else ["d1"])
+            b.txns.wal.close()
+
+
+def test_a_refused_start_keeps_the_local_snapshot_and_says_how_to_seed_from_it(tmp_path, uri, caplog):
+    """trial57 #4: with the store's CURRENT gone (a wipe, a kill -9 a second later), the refused start had deleted the
+    local snapshot and CURRENT first: the only full copy. Now the store's log is checked before anything local
+    changes; the message names the local snapshot and the way to seed an empty prefix from it. The newest log object
+    deleted from the store is no longer dropped without a word either."""
+    committed: set[str] = set()
+    a = _state(tmp_path / "a", uri)
+    _commit(a, "t1", 1, ["d1"], committed)
+    a.snapshot()
+    _commit(a, "t2", 2, ["d2"], committed)
+    _commit(a, "t3", 3, ["d3"], committed)
+    a.txns.wal.close()
+    shard = tmp_path / "a" / "shard-0"
+    snap = (shard / "CURRENT").read_text().strip()
+    store = a.storage.store
+    store.delete(["CURRENT"])
+    with pytest.raises(LogGapError, match=rf"log objects 0 are missing.*The local {shard} still holds snapshot "
+                                          rf"{snap}, left as it is: .*move the store's prefix aside"):
+        _state(tmp_path / "a", uri, set(committed))
+    assert (shard / "CURRENT").read_text().strip() == snap and (shard / snap / "meta.json").is_file()
+    store.put_atomic("CURRENT", json.dumps({"snapshot": snap, "wal_from": 1}).encode())
+    newest = a.storage.wal.list()[-1]
+    a.storage.wal.delete([newest])  # the last acknowledged write's prepare object lost by the store
+    with caplog.at_level(logging.WARNING, "oprag"):
+        b = _state(tmp_path / "a", uri, set(committed) - {"t3"})
+    assert sorted(b.store.doc_slots) == ["d1", "d2"]
+    assert any("holds 2 intact records, the store" in r.getMessage() and "lost its newest objects" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]

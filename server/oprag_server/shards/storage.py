@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ..index.objstore import MirroredLog, ObjectStore, read_log_objects, record_key
+from ..index.objstore import LogGapError, MirroredLog, ObjectStore, read_log_objects, record_key, warn_local_extra
 from ..index.wal import WriteAheadLog, encode_record, fsync_write
 
 logger = logging.getLogger("oprag")
@@ -78,18 +78,30 @@ class ShardStorage:
         local = d / "CURRENT"
         have = local.read_text().strip() if local.exists() else None
         self.downloaded = False
+        try:  # (before anything local changes: a refused start kept no local snapshot, its only copy: trial57 #4)
+            records, nxt = read_log_objects(self.wal, first)
+        except LogGapError as exc:
+            if have is not None and (d / have / "meta.json").exists() and have != name:
+                raise LogGapError(f"{exc}. The local {d} still holds snapshot {have}, left as it is: if the store "
+                                  "lost what it held, move the store's prefix aside and start again, and an empty "
+                                  "prefix is seeded from the local directory") from None
+            raise
         if name is None or have != name or not (d / name / "meta.json").exists():
             if have is not None and have != name:
                 logger.warning("shard directory %s holds snapshot %s, the storage %s holds %s: replacing the local copy "
                             "with the storage's", d, have, self.store.uri, name or "no snapshot (log only)")
+            if name is not None:
+                if (d / name).exists():  # (a cut-off copy of the store's own snapshot: no meta.json)
+                    shutil.rmtree(d / name)
+                self._download(name, d, say)  # (into a .part directory, renamed when whole)
             for old in d.glob("snap-*"):
-                shutil.rmtree(old, ignore_errors=True)
+                if old.name != name:
+                    shutil.rmtree(old, ignore_errors=True)
             local.unlink(missing_ok=True)
             if name is not None:
-                self._download(name, d, say)
                 fsync_write(local, name.encode())
                 self.downloaded = True
-        records, nxt = read_log_objects(self.wal, first)
+        warn_local_extra(d / "wal.log", records, self.wal)
         log = WriteAheadLog(d / "wal.log")
         log.reset(records)
         log.close()
