@@ -351,8 +351,9 @@ def test_a_kept_number_is_written_as_a_skip_record_before_the_next_prepare(tmp_p
 
         await _stage(cp, "t1", {"a": ["one"]})
         monkeypatch.setattr(cp.log, "append", put_failed)
-        with pytest.raises(Exception, match="object storage write failed"):  # (StorageUnavailable)
+        with pytest.raises(Exception, match="object storage write failed") as failed:  # (StorageUnavailable)
             await cp.commit("t1", "upsert")
+        assert getattr(failed.value, "nothing_stored", False)  # (trailer oprag-stored: none; trial57 #10)
         monkeypatch.setattr(cp.log, "append", real)
         assert cp._skipped == [1]
         # t1's record is in the file, but t1 was aborted on every shard: a shard restarted now does not replay it

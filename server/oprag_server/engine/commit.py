@@ -311,6 +311,10 @@ class CommitProtocol:
                 raise asyncio.CancelledError from None
             except Exception as exc:
                 await self.pool.gather_partial(Op.ABORT, AbortRequest(txn))
+                try:  # (aborted before its commit point, a kept number never committed: the trailer
+                    exc.nothing_stored = True  # oprag-stored: none says so to the client: trial57 #10)
+                except AttributeError:
+                    pass
                 if not (appending and self.log.left):  # (nothing of its record in the log: a full disk's ENOSPC)
                     self._give_back(seq)
                 else:  # (kept: its record may be in the log) a skip record says so first (above; .txn, .commit_repair)
@@ -357,7 +361,9 @@ class CommitProtocol:
         if self.write_error is None:
             log.error("%s (writes are refused with UNAVAILABLE until the storage takes them again)", msg)
         self.write_error = msg
-        raise StorageUnavailable(msg) from exc
+        err = StorageUnavailable(msg)
+        err.nothing_stored = getattr(exc, "nothing_stored", False)
+        raise err from exc
 
     async def delete(self, doc_ids: list[str]) -> tuple[int, int, int]:
         """Delete documents on every shard as one transaction.
