@@ -419,3 +419,20 @@ def test_a_refused_start_keeps_the_local_snapshot_and_says_how_to_seed_from_it(t
     assert sorted(b.store.doc_slots) == ["d1", "d2"]
     assert any("holds 2 intact records, the store" in r.getMessage() and "lost its newest objects" in r.getMessage()
                for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+def test_a_proof_failure_on_a_stored_log_does_not_advise_salvage_log():
+    """trial57 #6-#8: with --storage-uri the refusal said to run `oprag salvage-log <data-dir>/commits.log`, whose
+    result the next start rebuilt from the store again: a loop. It now names the store and the takeover case."""
+    from oprag_server.shards.txn import check_against
+
+    ops = [{"txn": "a", "seq": 1}, {"txn": "b", "seq": 2}, {"txn": "c", "seq": 3}]
+    for committed, want in (({"c": 3}, "prepared sequence numbers"), ({"a": 1, "x": 2, "c": 3}, "committed transactions")):
+        with pytest.raises(RuntimeError, match=want) as local:
+            check_against("d/shard-0/wal.log", ops[:1] + ops[2:] if "x" in committed else ops, committed, 0)
+        with pytest.raises(RuntimeError, match=want) as stored:
+            check_against("d/shard-0/wal.log", ops[:1] + ops[2:] if "x" in committed else ops, committed, 0,
+                          "file:///b/shard-0/wal")
+        assert "salvage-log <data-dir>" not in str(stored.value) and "--storage-takeover" in str(stored.value)
+        assert "file:///b/shard-0/wal" in str(stored.value)
+    assert "oprag salvage-log <data-dir>/commits.log" in str(local.value) or "restore the log" in str(local.value)

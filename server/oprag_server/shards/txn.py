@@ -23,7 +23,15 @@ def _few(seqs: list[int]) -> str:
     return f"{seqs[:10]}{' ...' if len(seqs) > 10 else ''} ({len(seqs)})"
 
 
-def check_against(path, ops: list[dict], committed: dict[str, int], applied: int) -> None:
+#: the advice of :func:`check_against` for a log kept on ``--storage-uri`` (the local files are rebuilt from the store
+#: at every start, so ``salvage-log`` of them cannot help: trial57 #6-#8)
+STORE_ADVICE = ("the log is kept on --storage-uri, whose objects each start rebuilds the local files from (so "
+                "`oprag salvage-log` of a local file does not apply): if another server wrote to the storage after "
+                "this one took it over (--storage-takeover while the old one still ran), stop that server and start "
+                "this one again; otherwise restore the storage's objects from a backup")
+
+
+def check_against(path, ops: list[dict], committed: dict[str, int], applied: int, store: str | None = None) -> None:
     """A start's check of a shard's prepare records ``ops`` (sorted by sequence number) against the
     commit log's ``committed`` (``{txn: seq}``, skipped numbers included:
     :meth:`..engine.commit.CommitProtocol.open_log`), above the snapshot's ``applied``.
@@ -41,16 +49,17 @@ def check_against(path, ops: list[dict], committed: dict[str, int], applied: int
     if lost:
         raise RuntimeError(
             f"{path}: committed transactions {_few(lost)} are not in this log, which holds later ones (up to {top}): "
-            "records were lost (a damaged span that was salvaged), so the shard is not served without them: restore "
-            "the log from a backup")
+            "records were lost (a damaged span that was salvaged), so the shard is not served without them: "
+            + (f"{STORE_ADVICE} ({store})" if store else "restore the log from a backup"))
     numbers = set(committed.values())
     orphans = sorted({r["seq"] for r in ops if applied < r["seq"] < top and r["seq"] not in numbers})
     if orphans:
         raise RuntimeError(
             f"{path}: this log prepared sequence numbers {_few(orphans)} before later ones (up to {top}), but the commit "
             "log holds no commit record for them: commits run one at a time, so their records were lost from "
-            "commits.log (damaged, emptied or replaced). Stop here and run `oprag salvage-log <data-dir>/commits.log`: "
-            "it restores the commit records the shards' logs prove (README: Damaged logs)")
+            + (f"the commit log. Stop here: {STORE_ADVICE} ({store})" if store else
+               "commits.log (damaged, emptied or replaced). Stop here and run `oprag salvage-log "
+               "<data-dir>/commits.log`: it restores the commit records the shards' logs prove (README: Damaged logs)"))
 
 
 class Transactions:
@@ -131,8 +140,9 @@ class Transactions:
         self.wal = wal
         replayed = 0
         ops = sorted((r for r in wal.open() if r.get("kind") in ("upsert", "delete")), key=lambda r: r["seq"])
-        if isinstance(committed, dict):
-            check_against(wal.path, ops, committed, self.store.applied_seq)
+        if isinstance(committed, dict):  # (a log on --storage-uri: advice for the store, not the local file)
+            check_against(wal.path, ops, committed, self.store.applied_seq, getattr(getattr(wal, "store", None), "uri",
+                                                                                    None))
         for rec in ops:
             if rec["seq"] <= self.store.applied_seq or committed is None or rec["txn"] not in committed:
                 continue
