@@ -436,3 +436,16 @@ def test_a_proof_failure_on_a_stored_log_does_not_advise_salvage_log():
         assert "salvage-log <data-dir>" not in str(stored.value) and "--storage-takeover" in str(stored.value)
         assert "file:///b/shard-0/wal" in str(stored.value)
     assert "oprag salvage-log <data-dir>/commits.log" in str(local.value) or "restore the log" in str(local.value)
+
+
+def test_deleting_a_snapshot_s_objects_leaves_no_empty_folders_on_a_local_store(tmp_path, uri):
+    """trial57 #12: a file:// store kept every deleted snapshot's empty snap/<name>/postings/ folders (31 in a run)."""
+    committed: set[str] = set()
+    a = _state(tmp_path / "a", uri)
+    for i in range(3):
+        _commit(a, f"t{i}", i + 1, [f"d{i}"], committed)
+        a.snapshot()
+    shard = tmp_path / "bucket" / "oprag" / "shard-0"
+    assert [p.name for p in (shard / "snap").iterdir()] == [json.loads((shard / "CURRENT").read_text())["snapshot"]]
+    assert (shard / "wal").is_dir()  # (a top folder stays, empty or not)
+    a.txns.wal.close()

@@ -164,12 +164,22 @@ class ObjectStore:
         return sorted(i.path for i in infos if i.type == pafs.FileType.File and ".tmp-" not in i.path.rsplit("/", 1)[-1])
 
     def delete(self, keys: list[str]) -> None:
-        """Delete objects (missing ones are ignored)."""
+        """Delete objects (missing ones are ignored); on a local filesystem also the directories
+        that leaves empty below this store's root (an object store has none: trial57 #12, a deleted
+        snapshot's empty ``snap/<name>/postings/`` directories piled up)."""
         for k in keys:
             try:
                 self.fs.delete_file(k)
             except FileNotFoundError:
                 pass
+        if self.local:  # (never this store's root or its top folders, wal/ snap/ commits/: listed again)
+            for rel in sorted({os.path.dirname(k) for k in keys}, key=len, reverse=True):
+                while rel.count("/") >= 1:
+                    try:
+                        os.rmdir(self._local_path(rel))  # (only when empty)
+                    except OSError:
+                        break
+                    rel = os.path.dirname(rel)
 
     def delete_prefix(self, prefix: str) -> None:
         """Delete every object under ``prefix``."""
