@@ -71,7 +71,6 @@ def test_a_shard_that_dies_during_the_final_snapshot_is_a_warning_too(caplog):
 @pytest.mark.parametrize("down, fail", [
     ([], ShardError("shard 0: OSError: [Errno 28] No space left on device")),  # a running shard failed
     ([1], ShardError("shard 0: OSError: [Errno 28] No space left on device")),  # ... beside one that is down
-    ([0], StorageUnavailable("this server lost the --storage-uri owner lease")),
     ([], RuntimeError("something else")),
 ])
 def test_other_final_snapshot_failures_stay_errors_with_their_traceback(caplog, down, fail):
@@ -307,3 +306,15 @@ def test_serve_bounds_its_default_knobs_as_a_request_is_bounded_and_names_every_
         config_from_args(build_parser().parse_args(argv))
     assert str(exc.value) == said
     assert config_from_args(build_parser().parse_args(["--dense-index", "hnsw", "--ef-search", "65536"])).dense.ef_search == 65536
+
+
+def test_a_final_snapshot_the_storage_refused_is_one_error_line_without_a_traceback(caplog):
+    """trial57 #14: SIGTERM to a fenced server logged its final snapshot's StorageUnavailable with a traceback, after
+    the fencing itself had been logged."""
+    pool, calls = _Pool(down=[0]), []
+    fail = StorageUnavailable("this server lost the --storage-uri owner lease")
+    recs = _final(pool, _snap(pool, calls, fail), caplog)
+    assert [(r.levelname, r.getMessage()) for r in recs] == [
+        ("ERROR", "final snapshot failed: this server lost the --storage-uri owner lease (the logs on the storage hold "
+                  "every acknowledged write)")]
+    assert recs[0].exc_info is None
