@@ -101,7 +101,8 @@ class ShardStorage:
             if name is not None:
                 fsync_write(local, name.encode())
                 self.downloaded = True
-        warn_local_extra(d / "wal.log", records, self.wal)
+        if have == name:  # (the local log goes with the same snapshot: more records there than in the store)
+            warn_local_extra(d / "wal.log", records, self.wal)
         log = WriteAheadLog(d / "wal.log")
         log.reset(records)
         log.close()
