@@ -28,3 +28,28 @@ from oprag_client.testing import ServerProcess  # noqa: E402
 from tests import server_zygote  # noqa: E402
 
 ServerProcess.launcher = staticmethod(server_zygote.launcher)
+
+
+# The modules that took longest in `make test` (per-test times of a 3-worker run, bench/RESULTS.md session 57), run
+# first: pytest-xdist's --dist loadfile hands whole modules to the workers in collection order, so a long module
+# collected last ran alone at the end (the suite sat at 10:00-10:36 with the cores half idle). Longest first is the
+# classic way to shorten such a schedule; every other module keeps its place after them.
+HEAVY_FIRST = (
+    "unit/test_generator.py", "integration/test_engine.py", "integration/test_http.py", "integration/test_service.py",
+    "integration/test_damaged_logs.py", "integration/test_trial18_server.py", "unit/test_chunking.py",
+    "integration/test_hybrid_first_round.py", "integration/test_trial15.py", "integration/test_durability.py",
+    "unit/test_encoder.py", "integration/test_fix21c.py", "integration/test_fix23b.py", "integration/test_security.py",
+    "integration/test_det17.py", "unit/test_fix21d_prefill.py", "integration/test_fix22a.py",
+    "integration/test_fix23a.py", "unit/test_seeds_snapshot.py", "integration/test_refused_start_keeps_logs.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+
+    def key(pair):
+        i, item = pair
+        path = item.nodeid.split("::", 1)[0].removeprefix("tests/")
+        return (rank.get(path, len(rank)), i)
+
+    items[:] = [item for _, item in sorted(enumerate(items), key=key)]
