@@ -266,11 +266,13 @@ def written_whole(data: bytes) -> bool:
     return 11 + int.from_bytes(body[3:11], "little") == len(body) and body[-1:] == b"."
 
 
-def warn_local_extra(path: Any, recs: list[dict], store: ObjectStore) -> None:
-    """Log a WARNING when the local log file ``path`` holds more intact records than the ``recs`` the store's objects
-    hold (the local file is about to be rewritten from the store): either the newest puts failed, and their clients
-    were told that nothing was stored, or the store lost its newest objects (trial57 #1, #2: deleted, they were
-    dropped without a word). Counted from the frames' headers and CRC-32s over a map of the file (no unpickling)."""
+def local_extra(path: Any, recs: list[dict], uri: str) -> tuple[int, str] | None:
+    """``(level, line)`` for the log when the local log file ``path`` holds more intact records than the ``recs`` the
+    store's objects hold (the local file is about to be rewritten from the store), else None. One more is what a
+    crash between the local append and the put leaves, or a put that failed (never acknowledged either way), but
+    also the store losing its newest object: INFO, as the two cannot be told apart. Two or more: the store lost
+    objects, WARNING (trial57 #1, #2: deleted, they were dropped without a word). Counted from the frames' headers
+    and CRC-32s over a map of the file (no unpickling)."""
     import logging  # noqa: PLC0415
     import mmap  # noqa: PLC0415
     import zlib  # noqa: PLC0415
@@ -281,7 +283,7 @@ def warn_local_extra(path: Any, recs: list[dict], store: ObjectStore) -> None:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size == 0:
-                return
+                return None
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
                 n, pos = 0, 0
                 while pos + _HEAD.size <= size:
@@ -291,11 +293,16 @@ def warn_local_extra(path: Any, recs: list[dict], store: ObjectStore) -> None:
                         break
                     n, pos = n + 1, end
     except (OSError, ValueError):
-        return
-    if n > len(recs):
-        logging.getLogger("oprag").warning(
-            "%s holds %d intact records, the store %s %d: the newest puts failed (their clients were told nothing was "
-            "stored) or the store lost its newest objects; the store's log is used", path, n, store.uri, len(recs))
+        return None
+    if n <= len(recs):
+        return None
+    if n == len(recs) + 1:
+        return logging.INFO, (f"{path}: its last record is not in the store {uri} (a crash before its put finished, "
+                              "or a put that failed: never acknowledged; or the store lost its newest object); the "
+                              "store's log is used")
+    return logging.WARNING, (f"{path} holds {n} intact records, the store {uri} {len(recs)}: the store lost its "
+                             f"newest objects (a crash or a failed put leaves one record more at most); the store's "
+                             "log is used")
 
 
 def _ranges(ps: list[int]) -> str:
@@ -316,8 +323,10 @@ def open_mirrored(path: Any, store: ObjectStore) -> "MirroredLog":
     file (moving an existing log onto storage). For a log whose records stay valid until the
     owner deletes them all at once (the frontend's commit log): no snapshot pointer."""
     recs, nxt = read_log_objects(store, None)
-    if nxt:
-        warn_local_extra(path, recs, store)
+    if nxt and (said := local_extra(path, recs, store.uri)) is not None:
+        import logging  # noqa: PLC0415
+
+        logging.getLogger("oprag").log(*said)
     if nxt == 0:
         recs = read_records(path)[0]
         for pos, rec in enumerate(recs):

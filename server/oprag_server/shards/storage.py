@@ -34,8 +34,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ..index.objstore import LogGapError, MirroredLog, ObjectStore, read_log_objects, record_key, warn_local_extra
+from ..index.objstore import LogGapError, MirroredLog, ObjectStore, local_extra, read_log_objects, record_key
 from ..index.wal import WriteAheadLog, encode_record, fsync_write
+from .snapshot_current import warn
 
 logger = logging.getLogger("oprag")
 
@@ -101,8 +102,12 @@ class ShardStorage:
             if name is not None:
                 fsync_write(local, name.encode())
                 self.downloaded = True
-        if have == name:  # (the local log goes with the same snapshot: more records there than in the store)
-            warn_local_extra(d / "wal.log", records, self.wal)
+        if have == name and (said := local_extra(d / "wal.log", records, self.wal.uri)) is not None:
+            level, line = said  # (the local log goes with the same snapshot: more records there than in the store)
+            if say is None:
+                logger.log(level, "%s", line)
+            else:  # (a shard process's lines go through the shard's own log: trial57b A)
+                warn(say, line) if level >= logging.WARNING else say(line)
         log = WriteAheadLog(d / "wal.log")
         log.reset(records)
         log.close()

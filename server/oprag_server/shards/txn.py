@@ -49,15 +49,16 @@ def check_against(path, ops: list[dict], committed: dict[str, int], applied: int
     if lost:
         raise RuntimeError(
             f"{path}: committed transactions {_few(lost)} are not in this log, which holds later ones (up to {top}): "
-            "records were lost (a damaged span that was salvaged), so the shard is not served without them: "
-            + (f"{STORE_ADVICE} ({store})" if store else "restore the log from a backup"))
+            + ("records were lost (a log object missing or cut short), so the shard is not served without them: "
+               f"{STORE_ADVICE} ({store})" if store else "records were lost (a damaged span that was salvaged), so the "
+               "shard is not served without them: restore the log from a backup"))
     numbers = set(committed.values())
     orphans = sorted({r["seq"] for r in ops if applied < r["seq"] < top and r["seq"] not in numbers})
     if orphans:
         raise RuntimeError(
             f"{path}: this log prepared sequence numbers {_few(orphans)} before later ones (up to {top}), but the commit "
             "log holds no commit record for them: commits run one at a time, so their records were lost from "
-            + (f"the commit log. Stop here: {STORE_ADVICE} ({store})" if store else
+            + (f"the commit log (its objects under commits/ of --storage-uri). Stop here: {STORE_ADVICE}" if store else
                "commits.log (damaged, emptied or replaced). Stop here and run `oprag salvage-log "
                "<data-dir>/commits.log`: it restores the commit records the shards' logs prove (README: Damaged logs)"))
 
