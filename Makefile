@@ -14,7 +14,8 @@ SERVE_ARGS ?=
 # pytest-xdist workers of `make test`/`test-all`/`test-fast` (a test module stays on one worker: its
 # server fixture starts once); 2 halved the suite's time on the project's 2-core machines (12:57 ->
 # 6:02), 3 took it from 9:50 to 8:22 once it had grown, and 4 from 10:00 to 9:33 (the suite used under half of
-# the 2 cores: much of a served test is waiting on its server: bench/RESULTS.md, sessions 20, 50 and 57).
+# the 2 cores: much of a served test is waiting on its server), 9:16 with the longest modules collected first
+# (tests/conftest.py; bench/RESULTS.md, sessions 20, 50 and 57).
 # TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 4
 TEST_PAR := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
