@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import signal
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -234,9 +235,10 @@ async def keep_lease(lease: Any, on_wiped: Callable[[], Awaitable[None]], stop: 
         try:
             got = await asyncio.get_running_loop().run_in_executor(None, lease.renew)
         except Exception as exc:  # noqa: BLE001 - the storage refused: try again next round
-            if str(exc) != failing:
+            said = re.sub(r"\.tmp-[0-9a-f]{32}", ".tmp-*", str(exc))  # (each try's temporary name differs: trial57b)
+            if said != failing:
                 log.error("renewing the --storage-uri owner lease failed: %s", exc)
-            failing = str(exc)
+            failing = said
             continue
         failing = None
         if got == "taken":

@@ -457,3 +457,31 @@ def test_deleting_a_snapshot_s_objects_leaves_no_empty_folders_on_a_local_store(
     assert [p.name for p in (shard / "snap").iterdir()] == [json.loads((shard / "CURRENT").read_text())["snapshot"]]
     assert (shard / "wal").is_dir()  # (a top folder stays, empty or not)
     a.txns.wal.close()
+
+
+def test_a_lease_renewal_the_store_keeps_refusing_is_logged_once(caplog):
+    """trial57b: on a read-only store every renewal's error named its own temporary object (owner.tmp-<uuid>), so the
+    once-per-change rule logged an ERROR at every renewal."""
+    import uuid
+
+    from oprag_server.supervision import keep_lease
+
+    stop = asyncio.Event()
+    tries = []
+
+    class Lease:
+        renew_s = 0.005
+
+        def renew(self):
+            tries.append(1)
+            if len(tries) >= 6:
+                stop.set()
+            raise OSError(f"[Errno 30] Read-only file system: '/b/oprag/owner.tmp-{uuid.uuid4().hex}'")
+
+    async def run():
+        await asyncio.wait_for(keep_lease(Lease(), None, stop), 5)
+
+    with caplog.at_level(logging.ERROR, "oprag"):
+        asyncio.run(run())
+    assert len(tries) >= 6
+    assert len([r for r in caplog.records if "renewing the --storage-uri owner lease failed" in r.getMessage()]) == 1
