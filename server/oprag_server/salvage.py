@@ -98,7 +98,7 @@ def memory_main(argv: list[str] | None = None) -> int:
         try:
             if not d.is_dir():
                 raise OSError(f"{d}: no such directory")
-            top = _data_dir(d / "x")  # (the data directory above the shard's)
+            top = _data_dir(d)  # (the data directory above the shard's)
             if top is not None and top not in locks:
                 locks[top] = lock_data_dir(top)
             print(salvage_memory(d))

@@ -11,6 +11,7 @@ import pyarrow as pa
 import pytest
 from test_snapshot_beside import D, _batch
 
+from oprag_server.shards import memory_files, snapshot_current
 from oprag_server.shards import snapshot as snapshots
 from oprag_server.shards.state import ShardState
 
@@ -32,7 +33,8 @@ def test_a_failed_snapshot_leaves_no_directory_and_the_previous_stays_live(tmp_p
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(snapshots, "fsync_write", full)  # memory.json, meta.json: the disk is full
+    for module in (snapshots, memory_files, snapshot_current):  # memory.json, meta.json: the disk is full
+        monkeypatch.setattr(module, "fsync_write", full)
     for _ in range(3):  # three tries (the shard's periodic snapshots)
         with pytest.raises(OSError, match="No space"):
             st.snapshot()

@@ -122,10 +122,12 @@ def read(path) -> object:
     :raises OSError: the graph's file cannot be read."""
     faiss = _faiss()
     side = sidecar(Path(path))
-    try:  # (a graph FAISS still reads but whose bytes changed would be searched, or crash the shard at each start)
-        want = json.loads(side.read_text()).get("graph_crc32") if side.exists() else None
-    except (OSError, ValueError, AttributeError):
-        want = None  # (reported below, once FAISS has read the graph)
+    try:  # (read once: the graph's CRC-32 first, then the parts; an error is reported once FAISS read the graph)
+        meta = json.loads(side.read_text())
+    except (OSError, ValueError) as exc:
+        meta = exc
+    want = meta.get("graph_crc32") if isinstance(meta, dict) else None
+    # (a graph FAISS still reads but whose bytes changed would be searched, or crash the shard at each start)
     if want is not None and (got := crc_files.crc_of(Path(path))) != int(want):
         raise ValueError(f"{path}: its CRC-32 is {got}, not the {want} {side.name} records: the HNSW graph file was "
                          "damaged after it was written")
@@ -133,7 +135,8 @@ def read(path) -> object:
     if not hasattr(index, "hnsw") or index.storage is not None:
         return index
     try:  # (missing, cut short, not this layout)
-        meta = json.loads(side.read_text())
+        if isinstance(meta, Exception):
+            raise meta
         rows_all, dim, parts = int(meta["rows"]), int(meta["dim"]), list(meta["parts"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"{side}: cannot be read ({exc!r})") from None

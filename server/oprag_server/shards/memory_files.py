@@ -19,8 +19,9 @@ import numpy as np
 
 from ..index.bm25.files import crc_of
 from ..index.low_seeds_state import NPZ_ERRORS
-from ..index.wal import fsync_write, fsync_write_with
+from ..index.wal import fsync_write, fsync_write_with, keep_name
 from .memory import MemoryStore
+from .snapshot_current import current, read_meta, write_meta
 
 JSON_NAME = "memory.json"
 VECTORS_NAME = "memory_vectors.npy"
@@ -64,11 +65,12 @@ def load(snap: Path, meta: dict, memory: MemoryStore) -> None:
     crcs = meta.get("memory_crc") or {}
     mv = snap / VECTORS_NAME  # (absent in a snapshot written before it: vectors inside memory.json)
     try:
-        for name, want in crcs.items():
-            if (got := crc_of(snap / name)) != want:
+        data = (snap / JSON_NAME).read_bytes()
+        for name, want in crcs.items():  # (memory.json's from the bytes read: the vectors' streamed from the file)
+            if (got := zlib.crc32(data) if name == JSON_NAME else crc_of(snap / name)) != want:
                 raise ValueError(f"{snap / name}: its CRC-32 {got:#010x} is not the {want:#010x} meta.json holds "
                                  "(the file is damaged or was edited)")
-        items = json.loads((snap / JSON_NAME).read_text())
+        items = json.loads(data)
         memory.load_json(items, np.load(mv, allow_pickle=False) if mv.exists() else None)
     except (*NPZ_ERRORS, TypeError, AttributeError, IndexError) as exc:
         raise RuntimeError(f"{snap / JSON_NAME} or {mv.name} beside it cannot be read ({type(exc).__name__}: "
@@ -87,19 +89,10 @@ def salvage(shard_dir: Path) -> str:
 
     :returns: what was done, one line. :raises RuntimeError: no snapshot, or ``meta.json``
         cannot be read. :raises OSError: a file could not be written."""
-    from ..index.wal import keep_name  # noqa: PLC0415
-    from .snapshot import meta_crc  # noqa: PLC0415 - (snapshot imports this module)
-    from .snapshot_current import current  # noqa: PLC0415
-
     snap = current(shard_dir, None)
     if snap is None or not (snap / "meta.json").is_file():
         raise RuntimeError(f"{shard_dir}: no snapshot here (a shard directory holds CURRENT and snap-* directories)")
-    try:
-        meta = json.loads((snap / "meta.json").read_text())
-        if "crc32" in meta and meta["crc32"] != meta_crc(meta):
-            raise ValueError("its CRC-32 does not match its fields")
-    except (OSError, ValueError, AttributeError, TypeError) as exc:
-        raise RuntimeError(f"{snap / 'meta.json'} cannot be read ({exc}): restore the snapshot from a backup") from exc
+    meta = read_meta(snap)
     try:
         load(snap, meta, MemoryStore())
         return f"{snap}: the session memory loads ({JSON_NAME}); not changed"
@@ -113,9 +106,7 @@ def salvage(shard_dir: Path) -> str:
             kept.append(keep.name)
     empty = b"[]"
     fsync_write(snap / JSON_NAME, empty)
-    meta["memory_crc"] = {JSON_NAME: zlib.crc32(empty)}
-    meta.pop("crc32", None)
-    fsync_write(snap / "meta.json", json.dumps({**meta, "crc32": meta_crc(meta)}).encode())
+    write_meta(snap, {**meta, "memory_crc": {JSON_NAME: zlib.crc32(empty)}})
     return (f"{snap}: the session memory could not be read ({why}); the shard now starts without it (an empty "
             f"{JSON_NAME}; the turns its write-ahead log holds after this snapshot still replay); kept as "
             f"{', '.join(kept) or 'nothing (no file was there)'}")

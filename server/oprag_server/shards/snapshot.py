@@ -34,7 +34,6 @@ import json
 import mmap
 import shutil
 import time
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -51,7 +50,7 @@ from . import chunk_files, memory_files
 from .chunks import ChunkStore
 from .memory import MemoryStore
 from .protocol import SnapshotReply
-from .snapshot_current import current, warn
+from .snapshot_current import current, meta_crc, read_meta, warn, write_meta  # noqa: F401 - meta_crc: re-exported
 from .storage import ShardStorage
 from .txn import Transactions
 
@@ -135,13 +134,8 @@ def _write_snapshot_files(snap: Path, store: ChunkStore, memory: MemoryStore) ->
             "applied_seq": store.applied_seq, "dim": store.dim, "next_slot": store.next_slot, "chunks": rows[0],
             "chunk_files": files, "analyzer": {"stem": store.analyzer.stem}, "postings_crc": True,
             "memory_crc": memory_crc}
-    fsync_write(snap / "meta.json", json.dumps({**meta, "crc32": meta_crc(meta)}).encode())  # (a flipped digit parses)
+    write_meta(snap, meta)
     return rows[0]
-
-
-def meta_crc(meta: dict) -> int:
-    """CRC-32 of ``meta.json``'s fields but ``crc32`` itself, as canonical JSON (sorted keys)."""
-    return zlib.crc32(json.dumps({k: v for k, v in meta.items() if k != "crc32"}, sort_keys=True).encode())
 
 
 def _mapped(store: ChunkStore, files: list, table, maps: list) -> None:
@@ -350,13 +344,7 @@ def load(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions, co
     wal.warn = lambda line: warn(say, line)  # (a shard's WARNING line: trial56b F3)
     snap = current(d, say)
     if snap is not None:  # (a snapshot written directly into the shard directory: first layout)
-        try:
-            meta = json.loads((snap / "meta.json").read_text())
-            if "crc32" in meta and meta["crc32"] != meta_crc(meta):  # (snapshots before it have none)
-                raise ValueError("its CRC-32 does not match its fields (the file is damaged)")
-        except (OSError, ValueError, AttributeError, TypeError) as exc:
-            raise RuntimeError(f"{snap / 'meta.json'} cannot be read ({exc}): restore the snapshot directory from a "
-                               f"backup") from exc
+        meta = read_meta(snap)
         if meta.get("format_version") not in READABLE_FORMATS:
             raise RuntimeError(f"{snap}: snapshot format {meta.get('format_version')} is not one of {READABLE_FORMATS}")
         if meta.get("dim") != store.dim:

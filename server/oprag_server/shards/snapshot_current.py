@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import zlib
 from pathlib import Path
 from typing import Callable
+
+from ..index.wal import fsync_write
 
 #: a line for the service log (:meth:`.state.ShardState.say`), or None: nothing is logged
 Say = Callable[..., None] | None
@@ -47,3 +50,29 @@ def warn(say: Say, line: str) -> None:
             say(line, "WARNING")
         except TypeError:
             say(line)
+
+
+def meta_crc(meta: dict) -> int:
+    """CRC-32 of ``meta.json``'s fields but ``crc32`` itself, as canonical JSON (sorted keys)."""
+    return zlib.crc32(json.dumps({k: v for k, v in meta.items() if k != "crc32"}, sort_keys=True).encode())
+
+
+def read_meta(snap: Path) -> dict:
+    """``snap/meta.json``, its CRC-32 checked when it has one (snapshots before it have none).
+
+    :raises RuntimeError: it cannot be read or parsed, or its CRC-32 does not match (named)."""
+    try:
+        meta = json.loads((snap / "meta.json").read_text())
+        if "crc32" in meta and meta["crc32"] != meta_crc(meta):
+            raise ValueError("its CRC-32 does not match its fields (the file is damaged)")
+    except (OSError, ValueError, AttributeError, TypeError) as exc:
+        raise RuntimeError(f"{snap / 'meta.json'} cannot be read ({exc}): restore the snapshot directory from a "
+                           f"backup") from exc
+    return meta
+
+
+def write_meta(snap: Path, meta: dict) -> None:
+    """Write ``snap/meta.json`` with ``meta``'s fields and their CRC-32 (a flipped digit of a number still parses),
+    fsync'ed, atomically. :raises OSError:"""
+    fields = {k: v for k, v in meta.items() if k != "crc32"}
+    fsync_write(snap / "meta.json", json.dumps({**fields, "crc32": meta_crc(fields)}).encode())
