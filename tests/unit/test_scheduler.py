@@ -385,14 +385,50 @@ def test_engine_backend_overlap_off_prepares_only_with_the_engine_stage_empty(ov
 def test_engine_backend_empty_engine_gets_a_small_first_slice():
     """16 requests at once with the engine empty: a quarter is prepared first and is in the
     engine while the rest are prepared; slices go on while the engine holds fewer requests than
-    wait (4 of 16, 3 of 12, 2 of 9, then all 7 with 9 in the engine). Without the slices all 16
-    were one prep batch. Two prep batches run at once (``PREP_INFLIGHT``): the second starts
-    while the first waits for its retrieval (80 ms here, so a loaded machine's
-    late timers do not reorder the two: at 40 ms a clean-clone CI at load 8-10 saw the engine start 21 ms after the
-    last retrieval returned)."""
+    wait (4 of 16, 3 of 12, 2 of 9, then all 7 with the first two slices in the engine). Without
+    the slices all 16 were one prep batch. Two prep batches run at once (``PREP_INFLIGHT``).
+
+    Both orderings are checked with gates, not clocks (a loaded CI machine's late timers once
+    started the engine 145 ms after the last retrieval returned): the first prep's retrieval
+    returns only once the second prep's has begun, and the last prep's retrieval only once the
+    engine has started a stream; a scheduler without either overlap makes the gate time out."""
+
+    class GatedRetriever(TimedRetriever):
+        def __init__(self, gen):
+            super().__init__(0.08)
+            self.gen, self.second, self.waited, self.sizes = gen, asyncio.Event(), {}, []
+
+        async def retrieve(self, vecs, texts, specs):
+            call = len(self.times)
+            self.times.append(time.perf_counter())
+            self.sizes.append(len(texts))  # in call order (``batches`` is in completion order)
+            if call == 1:
+                self.second.set()
+            gate = {0: self.second, 3: self.gen.started}.get(call)
+            if gate is None:
+                await asyncio.sleep(self.delay)
+            else:
+                try:
+                    await asyncio.wait_for(gate.wait(), 10)
+                    self.waited[call] = True
+                except asyncio.TimeoutError:
+                    self.waited[call] = False
+            self.ends.append(time.perf_counter())
+            return await FakeRetriever.retrieve(self, vecs, texts, specs)
+
+    class StartedGenerator(FakeEngineGenerator):
+        def __init__(self, delay):
+            super().__init__(delay)
+            self.started = asyncio.Event()
+
+        async def stream(self, messages, max_new_tokens, usage, stop=()):
+            self.started.set()
+            async for piece in super().stream(messages, max_new_tokens, usage, stop):
+                yield piece
 
     async def run():
-        gen, ret = FakeEngineGenerator(0.1), TimedRetriever(0.08)
+        gen = StartedGenerator(0.4)  # the first slice is still in the engine when the last prep takes
+        ret = GatedRetriever(gen)
         eng = _engine(gen, ret, max_batch=16)
         eng.start()
         jobs = await asyncio.gather(*[eng.submit(_job(f"q{i}")) for i in range(16)])
@@ -401,10 +437,9 @@ def test_engine_backend_empty_engine_gets_a_small_first_slice():
 
     jobs, gen, ret = asyncio.run(run())
     assert [j.answer for j in jobs] == [f"q{i}" for i in range(16)]
-    assert [len(b) for b in ret.batches] == [4, 3, 2, 7]
-    first_stream = min(s for s, _ in gen.streams)
-    assert first_stream < ret.ends[-1]  # the engine started before the last prep's retrieval returned
-    assert ret.times[1] - ret.times[0] < 0.01  # the second prep began before the first one's retrieval ended
+    assert ret.sizes == [4, 3, 2, 7]
+    assert ret.waited[0], "the second prep did not begin while the first one's retrieval was pending"
+    assert ret.waited[3], "the engine started no stream while the last prep's retrieval was pending"
 
 
 def test_engine_backend_admission_counts_requests_in_prep():
