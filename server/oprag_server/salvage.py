@@ -45,11 +45,20 @@ def _data_dir(p: Path) -> Path | None:
     return None
 
 
+def _lock_above(p: Path, locks: dict) -> None:
+    """Lock the data directory above ``p`` (:func:`_data_dir`) unless ``locks`` holds it already.
+    :raises RuntimeError: a server runs on it."""
+    from .startup import lock_data_dir
+
+    d = _data_dir(p)
+    if d is not None and d not in locks:
+        locks[d] = lock_data_dir(d)
+
+
 def main(argv: list[str] | None = None) -> int:
     """:returns: the exit status (module docstring)."""
     from .engine.commit_repair import salvage_commits
     from .index.wal import salvage
-    from .startup import lock_data_dir
 
     a = build_parser().parse_args(argv)
     status, locks = 0, {}
@@ -58,9 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if not p.is_file() and not (commits and p.parent.is_dir() and not p.exists()):
                 raise OSError(f"{p}: no such log file")
-            d = _data_dir(p)
-            if d is not None and d not in locks:
-                locks[d] = lock_data_dir(d)  # RuntimeError: a server runs on it
+            _lock_above(p, locks)
             if commits:
                 print("\n".join(salvage_commits(p, a.with_last)))
                 continue
@@ -85,7 +92,6 @@ def memory_main(argv: list[str] | None = None) -> int:
     """``oprag salvage-memory SHARD_DIR...``. :returns: 0 each shard's memory loads or was given up,
     2 a directory has no readable snapshot, is in a data directory in use, or could not be rewritten."""
     from .shards.memory_files import salvage as salvage_memory
-    from .startup import lock_data_dir
 
     ap = argparse.ArgumentParser(prog="oprag salvage-memory", description="Start a shard without the session memory "
                                  "of its snapshot when that cannot be read (memory.json, memory_vectors.npy): the "
@@ -98,9 +104,7 @@ def memory_main(argv: list[str] | None = None) -> int:
         try:
             if not d.is_dir():
                 raise OSError(f"{d}: no such directory")
-            top = _data_dir(d)  # (the data directory above the shard's)
-            if top is not None and top not in locks:
-                locks[top] = lock_data_dir(top)
+            _lock_above(d, locks)  # (the data directory above the shard's)
             print(salvage_memory(d))
         except (OSError, RuntimeError) as exc:
             print(f"oprag salvage-memory: {exc}", file=sys.stderr)

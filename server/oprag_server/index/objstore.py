@@ -275,23 +275,15 @@ def local_extra(path: Any, recs: list[dict], uri: str) -> tuple[int, str] | None
     and CRC-32s over a map of the file (no unpickling)."""
     import logging  # noqa: PLC0415
     import mmap  # noqa: PLC0415
-    import zlib  # noqa: PLC0415
 
-    from .wal import _HEAD  # noqa: PLC0415
+    from .wal import frames  # noqa: PLC0415
 
     try:
         with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size == 0:
+            if os.fstat(f.fileno()).st_size == 0:
                 return None
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-                n, pos = 0, 0
-                while pos + _HEAD.size <= size:
-                    ln, crc = _HEAD.unpack_from(m, pos)
-                    end = pos + _HEAD.size + ln
-                    if end > size or zlib.crc32(memoryview(m)[pos + _HEAD.size:end]) != crc:
-                        break
-                    n, pos = n + 1, end
+                n = sum(1 for _ in frames(m))
     except (OSError, ValueError):
         return None
     if n <= len(recs):

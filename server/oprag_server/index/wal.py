@@ -53,20 +53,29 @@ def encode_record(record: dict[str, Any]) -> bytes:
     return _HEAD.pack(len(payload), zlib.crc32(payload)) + payload
 
 
+def frames(data: Any) -> Iterator[tuple[int, int]]:
+    """``(start, end)`` of each intact frame's payload in ``data`` (bytes, a memoryview or a read-only
+    mmap), from the start up to the first frame whose length runs past the end or whose CRC-32 does
+    not match: :func:`encode_record`'s framing, not unpickled."""
+    size, pos = len(data), 0
+    with memoryview(data) as view:  # (released on return or close: an mmap can be closed after)
+        while pos + _HEAD.size <= size:
+            n, crc = _HEAD.unpack_from(data, pos)
+            end = pos + _HEAD.size + n
+            if end > size or zlib.crc32(view[pos + _HEAD.size:end]) != crc:
+                return
+            yield pos + _HEAD.size, end
+            pos = end
+
+
 def parse_records(data: bytes) -> tuple[list[dict[str, Any]], int]:
-    """The intact records framed in ``data`` and the byte offset where the intact prefix ends."""
+    """The intact records framed in ``data`` (:func:`frames`, each one unpickled) and the byte offset
+    where the intact prefix ends."""
     out: list[dict[str, Any]] = []
     pos = 0
-    while pos + _HEAD.size <= len(data):
-        n, crc = _HEAD.unpack_from(data, pos)
-        end = pos + _HEAD.size + n
-        if end > len(data):
-            break
-        payload = data[pos + _HEAD.size : end]
-        if zlib.crc32(payload) != crc:
-            break
+    for start, end in frames(data):
         try:
-            out.append(pickle.loads(payload))
+            out.append(pickle.loads(data[start:end]))
         except Exception:  # noqa: BLE001 - a corrupt record ends the intact prefix
             break
         pos = end
