@@ -264,3 +264,49 @@ def test_the_commit_log_is_mirrored_and_a_new_frontend_finds_every_commit(tmp_pa
         assert [r["seq"] for r in cp2.log] == [2] and len(commits.list()) == 1
 
     asyncio.run(main())
+
+
+def _flip(p) -> None:
+    b = bytearray(p.read_bytes())
+    b[len(b) // 2] ^= 0x40
+    p.write_bytes(bytes(b))
+
+
+@pytest.mark.parametrize("victim", ["memory.json", "chunk file", "meta.json"])
+def test_a_damaged_local_snapshot_is_downloaded_again_from_storage(tmp_path, uri, victim):
+    """A local snapshot file damaged on the node (CRC-32 refused) while the storage holds the same snapshot: the start
+    sets the local copy aside, loads the storage's copy into a fresh shard, then removes the damaged copy."""
+    committed: set[str] = set()
+    a = _state(tmp_path / "n", uri)
+    _commit(a, "t1", 1, ["d1", "d2"], committed)
+    _promote(a, "u1", "q1")
+    a.snapshot()
+    _commit(a, "t2", 2, ["d3"], committed)
+    want = _view(a)
+    shard = tmp_path / "n" / "shard-0"
+    snap = shard / (shard / "CURRENT").read_text().strip()
+    files = {"memory.json": [snap / "memory.json"], "chunk file": sorted(snap.glob("chunks*.arrow")),
+             "meta.json": [snap / "meta.json"]}  # (damaged postings are rebuilt from the texts in place)
+    assert files[victim], sorted(p.name for p in snap.rglob("*"))
+    _flip(files[victim][0])
+    b = _state(tmp_path / "n", uri, set(committed))
+    assert b.storage.downloaded and _view(b) == want
+    assert not (shard / f"damaged-{snap.name}").exists() and (snap / "meta.json").exists()
+
+
+def test_a_damaged_local_snapshot_whose_storage_copy_is_damaged_too_is_left_as_it_was(tmp_path, uri):
+    committed: set[str] = set()
+    a = _state(tmp_path / "n", uri)
+    _commit(a, "t1", 1, ["d1"], committed)
+    _promote(a, "u1", "q1")
+    a.snapshot()
+    shard = tmp_path / "n" / "shard-0"
+    name = (shard / "CURRENT").read_text().strip()
+    _flip(shard / name / "memory.json")
+    stored = tmp_path / "bucket" / "oprag" / "shard-0" / "snap" / name / "memory.json"
+    _flip(stored)
+    local = (shard / name / "memory.json").read_bytes()
+    with pytest.raises(RuntimeError, match="the storage's copy of snapshot .* the local copy is left as it was"):
+        _state(tmp_path / "n", uri, set(committed))
+    assert (shard / name / "memory.json").read_bytes() == local  # the local copy put back, byte for byte
+    assert not (shard / f"damaged-{name}").exists() and (shard / "CURRENT").read_text().strip() == name

@@ -74,8 +74,7 @@ def load(snap: Path, meta: dict, memory: MemoryStore) -> None:
         memory.load_json(items, np.load(mv, allow_pickle=False) if mv.exists() else None)
     except (*NPZ_ERRORS, TypeError, AttributeError, IndexError) as exc:
         raise RuntimeError(f"{snap / JSON_NAME} or {mv.name} beside it cannot be read ({type(exc).__name__}: "
-                           f"{exc}): the session memory has no other copy (with --storage-uri the store's copy of the "
-                           f"snapshot: remove {snap} and the start downloads it); restore the snapshot from a backup, or run "
+                           f"{exc}): the session memory has no other copy; restore the snapshot from a backup, or run "
                            f"`oprag salvage-memory {snap.parent}` to start the shard without it (its documents are "
                            "kept; the session turns in the snapshot are lost)") from exc
 

@@ -51,7 +51,7 @@ from .chunks import ChunkStore
 from .memory import MemoryStore
 from .protocol import SnapshotReply
 from .snapshot_current import current, meta_crc, read_meta, warn, write_meta  # noqa: F401 - meta_crc: re-exported
-from .storage import ShardStorage
+from .storage import ShardStorage, local_copy
 from .txn import Transactions
 
 FORMAT_VERSION = 3
@@ -339,38 +339,41 @@ def load(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions, co
     size and time: the snapshot's load, a dense index conversion (:func:`_load_ann`), the log's replay.
 
     :raises RuntimeError: the snapshot's format version or vector width differ.
+    :raises LocalCopyDamaged: with ``storage``, the local copy of its snapshot cannot be loaded.
     """
     wal = storage.open_log(d, say=say) if storage is not None else WriteAheadLog(d / "wal.log")
     wal.warn = lambda line: warn(say, line)  # (a shard's WARNING line: trial56b F3)
     snap = current(d, say)
     if snap is not None:  # (a snapshot written directly into the shard directory: first layout)
-        meta = read_meta(snap)
+        with local_copy(storage, snap):  # (damaged: the storage's copy is downloaded, ShardStorage.load_again)
+            meta = read_meta(snap)
         if meta.get("format_version") not in READABLE_FORMATS:
             raise RuntimeError(f"{snap}: snapshot format {meta.get('format_version')} is not one of {READABLE_FORMATS}")
         if meta.get("dim") != store.dim:
             raise RuntimeError(f"{snap}: vectors have width {meta.get('dim')}, the embedder produces {store.dim}")
-        table, maps, files = chunk_files.map_all(chunk_files.listed(snap, meta), verify=True)
-        loading = _Step(say, f"loading snapshot {snap.name}: {table.num_rows} chunks")
-        file = table  # (as read: without the vectors _with_vectors adds)
-        if "vector" not in table.column_names and not store.dense.one_copy:
-            step = _Step(say, f"reading {table.num_rows} vectors out of the snapshot's hnsw index (the dense index "
-                              f"is now {store.dense.params.kind})", table.num_rows > 0)
-            table = _with_vectors(snap, table, store.dim)  # written with HNSW, read by another kind
-            step.done(f"read {table.num_rows} vectors out of the snapshot's hnsw index")
-        postings = _load_postings(snap, meta, store, table.num_rows, say)
-        if table.num_rows:
-            store.upsert(table, 0, index_ann=False, index_lexical=postings is None, copy_fields=False)
-            _mapped(store, files, file, maps)
-        for m in maps:  # what the load read (vectors copied out, ids) leaves RSS
-            m.madvise(mmap.MADV_DONTNEED)
-        if postings is not None:
-            postings.gate = store.postings.gate  # (the merge gate the shard gave the index it replaces)
-            store.postings = postings
-        _load_ann(snap, store, say)
-        store.applied_seq = int(meta.get("applied_seq", 0))
-        store.next_slot = max(store.next_slot, int(meta.get("next_slot", 0)))
-        memory_files.load(snap, meta, memory)
-        loading.done(f"snapshot {snap.name} loaded: {table.num_rows} chunks")
+        with local_copy(storage, snap):
+            table, maps, files = chunk_files.map_all(chunk_files.listed(snap, meta), verify=True)
+            loading = _Step(say, f"loading snapshot {snap.name}: {table.num_rows} chunks")
+            file = table  # (as read: without the vectors _with_vectors adds)
+            if "vector" not in table.column_names and not store.dense.one_copy:
+                step = _Step(say, f"reading {table.num_rows} vectors out of the snapshot's hnsw index (the dense index "
+                                  f"is now {store.dense.params.kind})", table.num_rows > 0)
+                table = _with_vectors(snap, table, store.dim)  # written with HNSW, read by another kind
+                step.done(f"read {table.num_rows} vectors out of the snapshot's hnsw index")
+            postings = _load_postings(snap, meta, store, table.num_rows, say)
+            if table.num_rows:
+                store.upsert(table, 0, index_ann=False, index_lexical=postings is None, copy_fields=False)
+                _mapped(store, files, file, maps)
+            for m in maps:  # what the load read (vectors copied out, ids) leaves RSS
+                m.madvise(mmap.MADV_DONTNEED)
+            if postings is not None:
+                postings.gate = store.postings.gate  # (the merge gate the shard gave the index it replaces)
+                store.postings = postings
+            _load_ann(snap, store, say)
+            store.applied_seq = int(meta.get("applied_seq", 0))
+            store.next_slot = max(store.next_slot, int(meta.get("next_slot", 0)))
+            memory_files.load(snap, meta, memory)
+            loading.done(f"snapshot {snap.name} loaded: {table.num_rows} chunks")
     size = wal.path.stat().st_size if wal.path.exists() else 0
     replaying = _Step(say, f"replaying the write-ahead log: {size} bytes", size > 0)
     replayed = txns.replay(wal, committed)

@@ -22,7 +22,7 @@ from .memory import MemoryStore
 from .protocol import TYPES, Op, ShutdownReply, ShutdownRequest, SnapshotReply, StatsReply, StatsRequest, UnknownOp
 from .search import Searcher
 from .snapjob import SnapshotJob
-from .storage import ShardStorage
+from .storage import LocalCopyDamaged, ShardStorage
 from .txn import Transactions
 
 
@@ -44,17 +44,23 @@ class ShardState:
         self.who = who or f"shard {shard_id}"  # its log lines' name: ``shard i replica r`` with --replicas (say)
         self.dim = dim
         self.data_dir = data_dir
-        self.store = ChunkStore(dim, stem=stem, dense=dense)
+        self._store_args = (dim, stem, dense)
         # one BM25 merge build at a time among the shards on this data directory (merge_gate)
         self.merge_gate = MergeGate.at(data_dir) if data_dir is not None else None
-        self.store.postings.gate = self.merge_gate
-        self.search = Searcher(self.store)
-        self.memory = MemoryStore()
-        self.txns = Transactions(self.store)
+        self._fresh()
         self._quiet = (-1, 0.0)  # (store version, when idle_wait first saw it): the quiet time
         # (dense index changes installed between requests, the count a written snapshot holds): StatsReply.ann_unsaved
         self._ann_changes = [0, 0]
         self._logged = (False, 0, 0)  # (merging, merges, spills) at the last note
+
+    def _fresh(self) -> None:
+        """An empty ``store``, ``search``, ``memory`` and ``txns`` (a start loads into them)."""
+        dim, stem, dense = self._store_args
+        self.store = ChunkStore(dim, stem=stem, dense=dense)
+        self.store.postings.gate = self.merge_gate
+        self.search = Searcher(self.store)
+        self.memory = MemoryStore()
+        self.txns = Transactions(self.store)
 
     def stats(self, req: StatsRequest | None = None) -> StatsReply:
         """Counts; with ``req.lexical`` also the full BM25 statistics ``(N, total length, df)``
@@ -105,8 +111,15 @@ class ShardState:
         """
         if self.data_dir is None:
             return 0
-        try:
+        def load() -> int:
             return snapshots.load(self._dir(), self.store, self.memory, self.txns, committed, self.storage, say=self.say)
+
+        try:
+            try:
+                return load()
+            except LocalCopyDamaged as exc:  # (the storage holds the snapshot: downloaded into a fresh shard)
+                assert self.storage is not None
+                return self.storage.load_again(exc, lambda: (self._fresh(), load())[1], self.say)
         finally:
             self.say_trainings("at start, before serving")  # (a conversion or a replay may train)
 

@@ -31,7 +31,8 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..index.objstore import LogGapError, MirroredLog, ObjectStore, local_extra, read_log_objects, record_key
@@ -39,6 +40,28 @@ from ..index.wal import WriteAheadLog, encode_record, fsync_write
 from .snapshot_current import warn
 
 logger = logging.getLogger("oprag")
+
+
+class LocalCopyDamaged(RuntimeError):
+    """(:func:`.snapshot.load`) the local copy of the storage's current snapshot ``snap`` could not
+    be loaded (``__cause__``: the file, and what is wrong with it); the storage holds the same
+    snapshot, so :meth:`ShardStorage.load_again` can download it again."""
+
+    def __init__(self, snap: Path, exc: BaseException) -> None:
+        self.snap = snap
+        super().__init__(str(exc))
+
+
+@contextmanager
+def local_copy(storage: "ShardStorage | None", snap: Path) -> Iterator[None]:
+    """Around the reads of the local snapshot ``snap``: with ``storage`` holding the same snapshot (not just
+    downloaded), a file that cannot be read raises :class:`LocalCopyDamaged` in place of its own error."""
+    try:
+        yield
+    except (ValueError, RuntimeError, OSError) as exc:
+        if storage is None or storage.downloaded:
+            raise
+        raise LocalCopyDamaged(snap, exc) from exc
 
 
 def replica_uri(uri: str | None, r: int) -> str | None:
@@ -112,6 +135,31 @@ class ShardStorage:
         log.reset(records)
         log.close()
         return MirroredLog(d / "wal.log", self.wal, nxt, first)
+
+    def load_again(self, exc: LocalCopyDamaged, load: Callable[[], int], say: Callable[[str], None] | None) -> int:
+        """The start's answer to :class:`LocalCopyDamaged`: the local copy is set aside (``damaged-<name>`` beside
+        it), ``load`` (a fresh shard's :func:`.snapshot.load`) downloads the storage's copy and loads it, and the local
+        copy is removed once that loaded. When it does not (the storage's copy cannot be read either, or the download
+        failed), the local copy is put back as it was and the error raised names both.
+        :returns: what ``load`` returns."""
+        snap = exc.snap
+        aside = snap.with_name(f"damaged-{snap.name}")
+        warn(say, f"the local copy of snapshot {snap.name} cannot be loaded, and the storage {self.store.uri} holds it "
+                  f"too: downloading it again (the local copy is kept as {aside.name} until that loads). What was "
+                  f"wrong: {exc}")
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(snap, aside)
+        try:
+            n = load()
+        except Exception as again:
+            shutil.rmtree(snap, ignore_errors=True)  # (the downloaded copy, if any)
+            os.replace(aside, snap)
+            raise RuntimeError(f"{again} (the storage's copy of snapshot {snap.name}, downloaded because the local copy "
+                               f"could not be loaded either: {exc}; the local copy is left as it was)") from again
+        shutil.rmtree(aside, ignore_errors=True)
+        if say is not None:
+            say(f"snapshot {snap.name} loaded from the storage's copy; the damaged local copy was removed")
+        return n
 
     def _download(self, name: str, d: Path, say: Callable[[str], None] | None = None) -> None:
         part = d / f"{name}.part"
