@@ -191,3 +191,64 @@ def test_a_snapshot_taken_during_a_build_restarts_into_a_working_shard(tmp_path)
     _until_built(dense)
     dense.install_ann()
     _check_holds_exactly_the_live(dense)
+
+
+@pytest.mark.parametrize("how", ["gauss", "clustered"])
+def test_the_centroids_do_not_depend_on_when_the_thread_reads(how, monkeypatch):
+    """The same writes (a trigger, then removes of a third of the chunks) give the same new lists whether the removes
+    land before the build's thread has read anything or after it finished (trial58 #1: a replay after kill -9, whose
+    removes land faster than the first run's, trained other centroids when the thread read the sample itself)."""
+    import threading
+
+    go = threading.Event()
+    real = ivf_build.IvfBuild._run
+
+    def held(self):
+        go.wait(30)
+        real(self)
+
+    monkeypatch.setattr(ivf_build.IvfBuild, "_run", held)
+    x = _vectors(how, 5000, 7)
+    gone = np.random.default_rng(3).choice(5000, 1700, replace=False)
+
+    def run(removes_first: bool):
+        go.clear()
+        dense = DenseIndex(D, DenseConfig(kind="ivf", train_min=500))
+        dense.add(np.arange(600), x[:600])
+        dense.add(np.arange(600, 5000), x[600:5000])  # crosses 8 x 600: a background build, held
+        assert dense.ann_building is False
+        if removes_first:
+            dense.remove(gone)
+            go.set()
+            _until_built(dense)
+        else:
+            go.set()
+            _until_built(dense)
+            dense.remove(gone)
+        dense.install_ann()
+        q = dense.ann._index.quantizer
+        return q.reconstruct_n(0, q.ntotal), dense.search(x[:200], 10, nprobe=4)
+
+    (c1, (h1, s1)), (c2, (h2, s2)) = run(True), run(False)
+    assert np.array_equal(c1, c2)
+    assert all(np.array_equal(a, b) for a, b in zip(h1, h2)) and all(np.array_equal(a, b) for a, b in zip(s1, s2))
+
+
+def test_an_untrained_ivf_restarted_with_a_lower_train_min_is_trained_at_start(tmp_path, capsys):
+    """trial58 #2: 2,000 chunks under ``--ivf-train-min`` 4096 (searched exactly), restarted with 500: trained while
+    loading ("at start, before serving"), not at the next write, and every chunk still found."""
+    x = _vectors("clustered", 2000, 9)
+    sh = ShardState(0, D, tmp_path, dense=DenseConfig(kind="ivf", train_min=4096))
+    sh.load(set())
+    sh.store.upsert(_table(x, 0), 1)
+    assert not sh.store.dense.ann.ready
+    sh.snapshot()
+    sh.shutdown(type("R", (), {"snapshot": False})())
+    sh.txns.wal.close()
+    capsys.readouterr()
+    back = ShardState(0, D, tmp_path, dense=DenseConfig(kind="ivf", train_min=500))
+    back.load(set())
+    dense = back.store.dense
+    assert dense.ann.ready and dense.ann.trained_at == 2000 and dense.ann.nlist == ivf_build.ivf_lists(2000)
+    assert "at start, before serving" in capsys.readouterr().err
+    _check_holds_exactly_the_live(dense)

@@ -58,7 +58,7 @@ from .ann_persist import AnnPersist, ChangeLock
 from .ann_escape import escape
 
 from .hnsw_build import GraphBuild, graph_bytes
-from .ivf_build import BACKGROUND_MIN, CATCH_UP, IvfBuild, IvfBuilds, locked, new_ivf
+from .ivf_build import BACKGROUND_MIN, CATCH_UP, IvfBuild, IvfBuilds, locked, new_ivf, train_sample
 from .ivf_lists import IVF_TRAIN_FLOOR, ivf_lists  # noqa: F401 - IVF_TRAIN_FLOOR re-exported (cli, tests)
 
 #: deferred vectors per FAISS ``add`` (:meth:`AnnIndex.insert_pending`): the shard's step between requests
@@ -144,7 +144,8 @@ class AnnIndex(IvfBuilds, AnnPersist):
                 if self._index is None or total < BACKGROUND_MIN or self.source is None:
                     self.rebuild(*all_live)
                     return
-                self._build = IvfBuild(self.dim, all_live[0], self.source)  # then added to the old lists
+                self._build = IvfBuild(self.dim, all_live[0], train_sample(all_live[1]), self.source)  # (then added
+                # to the old lists; the k-means sample copied now: the same centroids whenever the thread runs)
         self.insert_pending()  # (ids stay in insertion order)
         first = self.ann_slot.size
         self._append_ids(slots)

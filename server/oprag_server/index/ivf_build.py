@@ -10,8 +10,11 @@ From :data:`BACKGROUND_MIN` vectors on, a retraining is an :class:`IvfBuild` ins
 1. (the shard's thread, in the write that crossed the size) the *trigger*: the live slots in row order (the new
    structure's ANN ids 0..n-1) are copied, and a thread starts. The write then adds its vectors to the current
    structure, which keeps answering every search until the install.
-2. (the build's thread; FAISS leaves the GIL) a strided sample of those slots' vectors read (at most 64 a list, as a
-   synchronous training takes; the ones still live), k-means on it (:func:`new_ivf`), then every trigger slot still
+   The k-means sample is copied there too: the trigger's live vectors strided as a synchronous training strides them
+   (at most 64 a list; :func:`train_sample`), so the new centroids depend on the writes up to the trigger alone (read
+   on the thread, the sample held only the picked vectors still live then: a replay after a crash, whose deletes
+   land faster than the first run's, trained other centroids and answered differently: trial58 #1).
+2. (the build's thread; FAISS leaves the GIL) k-means on that sample (:func:`new_ivf`), then every trigger slot still
    live is encoded into the new lists, in blocks of :data:`FILL_BLOCK` read from the shard's float32 copy under the
    dense index's lock (a remove there moves rows: the lock keeps a block consistent); then the chunks written since,
    in rounds while a round finds at least :data:`FILL_BLOCK` of them.
@@ -79,19 +82,26 @@ def new_ivf(dim: int, n: int, vectors: np.ndarray):
     return idx
 
 
+def train_sample(vectors: np.ndarray) -> np.ndarray:
+    """float32[~64 x lists, D], a copy: what :func:`new_ivf` trains on for ``vectors`` (float32[n, D]), the same rows."""
+    step = max(1, vectors.shape[0] // (64 * ivf_lists(vectors.shape[0])))
+    return np.array(vectors[::step], dtype=np.float32, order="C", copy=True)  # (step 1: not a view of the shard's copy)
+
+
 class IvfBuild(ThreadBuild):
     """One background retraining (module docstring).
 
     :param dim: D. :param slots: int64[n], the live slots at the trigger, in row order (new ANN ids 0..n-1).
+    :param sample: float32[m, D], the k-means sample (:func:`train_sample` of the trigger's live vectors).
     :param source: ``(gather, live_slots)``, called on the build's thread, each reading the shard's current copy
         consistently (the dense index's lock): ``gather(slots int64[M]) -> (live bool[M], float32[live.sum(), D])``,
         ``live_slots() -> int64[m]`` (a copy).
     """
 
-    def __init__(self, dim: int, slots: np.ndarray,
+    def __init__(self, dim: int, slots: np.ndarray, sample: np.ndarray,
                  source: tuple[Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]], Callable[[], np.ndarray]]) -> None:
         super().__init__()
-        self.dim, self.slots = int(dim), np.array(slots, dtype=np.int64)
+        self.dim, self.slots, self._sample = int(dim), np.array(slots, dtype=np.int64), sample
         self.trained_at = int(self.slots.size)
         self.added = np.zeros(self.trained_at, dtype=bool)  # ids encoded into the new lists
         self.index = None  # set once trained and filled
@@ -101,11 +111,8 @@ class IvfBuild(ThreadBuild):
     def _run(self) -> None:
         t0 = time.perf_counter()
         try:
-            picked = self.slots[::max(1, self.trained_at // (64 * ivf_lists(self.trained_at)))]
-            sample = np.concatenate([self._gather(picked[a:a + FILL_BLOCK])[1]
-                                     for a in range(0, picked.size, FILL_BLOCK)])  # (those still live)
-            idx = new_ivf(self.dim, self.trained_at, sample)
-            del sample
+            idx = new_ivf(self.dim, self.trained_at, self._sample)
+            self._sample = None
             self._fill(idx, 0)
             while True:  # then what was written meanwhile, while that is much
                 known = self.slots.size

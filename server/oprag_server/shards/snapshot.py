@@ -241,6 +241,8 @@ def _load_ann(snap: Path, store: ChunkStore, say: Say = None) -> None:
                          "laid_at": int(meta["laid_at"]) if "laid_at" in meta.files else 0,
                          "tail_groups": meta["tail_groups"] if "tail_groups" in meta.files else None}
                 if store.dense.load_ann(state, remap):
+                    if not (a := store.dense.ann).ready and a.live >= a.train_min:  # --ivf-train-min lowered (trial58
+                        store.dense.compact_ann()  # #2): trained now, not at the next write (logged as a training)
                     seeds = snap / low_seeds_state.NAME
                     if not low_seeds_state.stash(store.dense.ann, seeds) and seeds.exists():
                         warn(say, f"{seeds} cannot be read: the dense minimum's seeds are built anew (HYBRID's fused "
