@@ -80,7 +80,7 @@ class DenseConfig:
         if self.kind not in DENSE_INDEX_KINDS:
             raise ValueError(f"dense index must be one of {', '.join(DENSE_INDEX_KINDS)}, got {self.kind!r}")
         for name in ("ann_tail", "ann_check", "layout_min", "hnsw_m", "ef_construction", "ef_search", "hybrid_ef_search", "nprobe", "train_min"):  # (FAISS: M 1 segfaults)
-            low, high = {"hnsw_m": (2, 512), "ef_search": (1, 65536), "hybrid_ef_search": (0, 65536), "nprobe": (1, 65536)}.get(name, (0 if name.startswith(("ann_", "layout")) else 1, None))
+            low, high = {"hnsw_m": (2, 512), "ef_construction": (1, 65536), "ef_search": (1, 65536), "hybrid_ef_search": (0, 65536), "nprobe": (1, 65536)}.get(name, (0 if name.startswith(("ann_", "layout")) else 1, None))
             if not low <= getattr(self, name) <= (high or getattr(self, name)):  # (a request's ef_search / nprobe: at most 65536)
                 raise ValueError(f"{name} must be {f'in [{low}, {high}]' if high else f'>= {low}'}, got {getattr(self, name)}")
 

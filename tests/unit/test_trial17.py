@@ -93,3 +93,12 @@ def test_a_jsonl_vector_that_is_not_a_list_names_file_and_line(tmp_path, vector)
     with pytest.raises(ValueError) as ei:
         list(load_jsonl([f]))
     assert str(ei.value).startswith(f"{f}:2: vector must be a list of numbers, got "), str(ei.value)
+
+
+@pytest.mark.parametrize("ef", [0, 65537, 100_000])
+def test_ef_construction_out_of_range_is_refused_at_start(ef, capsys):
+    """trial58 #3: --ef-construction 100000 started (the request's ef_search is capped at 65536, this had no cap)."""
+    with pytest.raises(ValueError, match=r"ef_construction must be in \[1, 65536\], got "):
+        DenseConfig(kind="hnsw", ef_construction=ef)
+    assert cli.main(["--dense-index", "hnsw", "--ef-construction", str(ef)]) == 2
+    assert f"--ef-construction must be in [1, 65536], got {ef}" in capsys.readouterr().err
