@@ -158,7 +158,8 @@ def cmd_ingest(a) -> int:
             fit = _fitting(enumerate(docs), c.max_message_bytes, totals["rejected"])
             for n, batch in enumerate(_batches(fit, max(1, a.docs_per_stream)), 1):
                 # the bar advances when a stream commits; say what is in flight meanwhile
-                bar.set_postfix_str(f"stream {n}: {len(batch)} documents sent, embedding and committing")
+                own = all(len(d.vector) or len(d.chunks) or d.vectors_f32 for _, d in batch)  # (own vectors: none embedded)
+                bar.set_postfix_str(f"stream {n}: {len(batch)} documents sent, {'' if own else 'embedding and '}committing")
                 nxt = batch[0][0]
                 r = c.ingest([d for _, d in batch])
                 offset, sent = nxt, batch[-1][0] + 1
