@@ -310,3 +310,19 @@ def test_a_damaged_local_snapshot_whose_storage_copy_is_damaged_too_is_left_as_i
         _state(tmp_path / "n", uri, set(committed))
     assert (shard / name / "memory.json").read_bytes() == local  # the local copy put back, byte for byte
     assert not (shard / f"damaged-{name}").exists() and (shard / "CURRENT").read_text().strip() == name
+
+
+def test_a_crash_while_the_storage_copy_was_downloaded_leaves_nothing_behind(tmp_path, uri):
+    """kill -9 after the damaged local copy was set aside and before the download loaded: the next start downloads
+    the storage's copy (the local one is missing) and removes the copy set aside once it has loaded."""
+    committed: set[str] = set()
+    a = _state(tmp_path / "n", uri)
+    _commit(a, "t1", 1, ["d1", "d2"], committed)
+    a.snapshot()
+    want = _view(a)
+    shard = tmp_path / "n" / "shard-0"
+    name = (shard / "CURRENT").read_text().strip()
+    (shard / name).rename(shard / f"damaged-{name}")  # where load_again's crash leaves it
+    b = _state(tmp_path / "n", uri, set(committed))
+    assert b.storage.downloaded and _view(b) == want
+    assert sorted(p.name for p in shard.iterdir() if p.is_dir()) == [name]

@@ -99,8 +99,9 @@ def write_files(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transacti
 
 def sweep(d: Path, keep: str | None) -> None:
     """Remove the ``snap-*`` directories under ``d`` other than ``keep`` (the live one): older
-    snapshots, and one a crash or a failed write left before ``CURRENT`` named it."""
-    for old in d.glob("snap-*"):
+    snapshots, and one a crash or a failed write left before ``CURRENT`` named it; and a damaged local copy that a
+    crash left set aside while the storage's copy was downloaded (:meth:`.storage.ShardStorage.load_again`)."""
+    for old in [*d.glob("snap-*"), *d.glob("damaged-snap-*")]:
         if old.name != keep:
             shutil.rmtree(old, ignore_errors=True)
 
