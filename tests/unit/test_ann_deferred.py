@@ -185,3 +185,22 @@ def test_canonical_scores_with_deferred_and_dead_rows_read_only_those_rows():
     mat, pos = d.vectors_for(rows)  # the dead id remains: the graph's storage, read at the rows' ANN ids (no copy)
     assert d.pending == 0 and mat.shape == (400, D) and np.array_equal(mat[pos], d.vectors[rows])
     np.testing.assert_array_equal(st.search._canonical(q, rows), fixed_order_dot(d.vectors[rows], q))
+
+
+def test_damaged_deferred_vectors_stop_the_start_naming_the_file(tmp_path):
+    """trial58b #1: a byte flipped in ``dense_tail.npy`` (the HNSW vectors not yet in the graph, their only copy) was
+    loaded and served without a word; its CRC-32 is in meta.json now."""
+    V = _clustered(400, seed=8)
+    st = ShardState(0, D, tmp_path, dense=DenseConfig(kind="hnsw", hnsw_m=8))
+    st.load(set())
+    _upsert(st, 0, 400, 1, V)
+    assert st.store.dense.pending == 400
+    st.snapshot()
+    snap = next((tmp_path / "shard-0").glob("snap-*"))
+    p = snap / "dense_tail.npy"
+    b = bytearray(p.read_bytes())
+    b[-100] ^= 0x10  # a vector's byte: still a valid .npy file
+    p.write_bytes(bytes(b))
+    for kind in ("hnsw", "flat"):  # (flat reads the tail too, with the graph's vectors)
+        with pytest.raises(RuntimeError, match="dense_tail.npy: its CRC-32 is"):
+            ShardState(0, D, tmp_path, dense=DenseConfig(kind=kind, hnsw_m=8)).load(set())

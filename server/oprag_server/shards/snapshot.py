@@ -114,6 +114,7 @@ def _write_snapshot_files(snap: Path, store: ChunkStore, memory: MemoryStore) ->
     files = chunk_files.write(snap, store, vectors=not one)
     rows = [sum(f[1] for f in files)]
     memory_crc = memory_files.write(snap, memory)  # (the records' vectors beside memory.json, in binary)
+    tail_crc = None
     for p in store.postings.save(snap / "postings", merge=False):  # (merged by the caller: SnapshotJob)
         _fsync_file(p)
     _fsync_file(snap / "postings")
@@ -121,8 +122,9 @@ def _write_snapshot_files(snap: Path, store: ChunkStore, memory: MemoryStore) ->
         for p in store.dense.write_ann(snap / "dense.faiss"):  # written by FAISS, no serialised copy in memory
             _fsync_file(p)
         tail = store.dense.deferred_vectors()  # (ANN ids after the graph's; still deferred on load)
-        if tail.shape[0]:
+        if tail.shape[0]:  # (their only copy, CRC'd in meta.json: trial58b #1 served flipped ones)
             fsync_write_with(snap / "dense_tail.npy", lambda f: np.save(f, tail))
+            tail_crc = crc_files.crc_of(snap / "dense_tail.npy")
         ann = store.dense.ann_state(with_bytes=False)
         buf = io.BytesIO()  # (the batch holds the chunks in slot order)
         np.savez(buf, ann_slot=ann["ann_slot"], live_slots=store.fields.slots(), trained_at=ann["trained_at"],
@@ -134,7 +136,7 @@ def _write_snapshot_files(snap: Path, store: ChunkStore, memory: MemoryStore) ->
     meta = {"format_version": 5 if parts else 4 if (snap / "dense_tail.npy").exists() else FORMAT_VERSION,
             "applied_seq": store.applied_seq, "dim": store.dim, "next_slot": store.next_slot, "chunks": rows[0],
             "chunk_files": files, "analyzer": {"stem": store.analyzer.stem}, "postings_crc": True,
-            "memory_crc": memory_crc}
+            "memory_crc": memory_crc, **({"tail_crc": tail_crc} if tail_crc is not None else {})}
     write_meta(snap, meta)
     return rows[0]
 
@@ -286,7 +288,12 @@ def _built_with(store: ChunkStore, say: Say) -> None:
 def _tail(snap: Path) -> np.ndarray | None:
     """The snapshot's deferred HNSW vectors float32[P, D] (``dense_tail.npy``, memory-mapped), or None."""
     p = snap / "dense_tail.npy"
-    return np.load(p, mmap_mode="r") if p.exists() else None
+    if not p.exists():
+        return None
+    if (want := read_meta(snap).get("tail_crc")) is not None and (got := crc_files.crc_of(p)) != want:
+        raise ValueError(f"{p}: its CRC-32 is {got}, not the {want} meta.json records: the HNSW vectors not yet in the "
+                         "graph were damaged after they were written")
+    return np.load(p, mmap_mode="r")
 
 
 def _with_vectors(snap: Path, table, dim: int):
