@@ -306,7 +306,7 @@ def test_a_damaged_local_snapshot_whose_storage_copy_is_damaged_too_is_left_as_i
     stored = tmp_path / "bucket" / "oprag" / "shard-0" / "snap" / name / "memory.json"
     _flip(stored)
     local = (shard / name / "memory.json").read_bytes()
-    with pytest.raises(RuntimeError, match="the storage's copy of snapshot .* the local copy is left as it was"):
+    with pytest.raises(RuntimeError, match="starting from the storage's copy .* failed too: .* The local copy is left as it"):
         _state(tmp_path / "n", uri, set(committed))
     assert (shard / name / "memory.json").read_bytes() == local  # the local copy put back, byte for byte
     assert not (shard / f"damaged-{name}").exists() and (shard / "CURRENT").read_text().strip() == name
@@ -326,3 +326,21 @@ def test_a_crash_while_the_storage_copy_was_downloaded_leaves_nothing_behind(tmp
     b = _state(tmp_path / "n", uri, set(committed))
     assert b.storage.downloaded and _view(b) == want
     assert sorted(p.name for p in shard.iterdir() if p.is_dir()) == [name]
+
+
+def test_a_damaged_local_snapshot_seeding_an_empty_prefix_is_refused_once(tmp_path, uri):
+    """trial58b #5: an empty prefix is seeded from the local directory; when its snapshot is damaged, the start stops
+    with that file's error, not with a download of the copy it has just uploaded."""
+    committed: set[str] = set()
+    a = _state(tmp_path / "n", uri)
+    _commit(a, "t1", 1, ["d1"], committed)
+    _promote(a, "u1", "q1")
+    a.snapshot()
+    shard = tmp_path / "n" / "shard-0"
+    name = (shard / "CURRENT").read_text().strip()
+    _flip(shard / name / "memory.json")
+    shutil.rmtree(tmp_path / "bucket")
+    with pytest.raises(RuntimeError) as info:
+        _state(tmp_path / "n", uri, set(committed))
+    assert "memory.json" in str(info.value) and "storage's copy" not in str(info.value)
+    assert not (shard / f"damaged-{name}").exists() and (shard / name / "meta.json").exists()

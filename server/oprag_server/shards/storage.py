@@ -59,7 +59,7 @@ def local_copy(storage: "ShardStorage | None", snap: Path) -> Iterator[None]:
     try:
         yield
     except (ValueError, RuntimeError, OSError) as exc:
-        if storage is None or storage.downloaded:
+        if storage is None or storage.downloaded or storage.seeded:  # (seeded: the store's copy is this one)
             raise
         raise LocalCopyDamaged(snap, exc) from exc
 
@@ -81,6 +81,7 @@ class ShardStorage:
         self.store = ObjectStore.from_uri(uri).sub(f"shard-{shard_id}")
         self.wal = self.store.sub("wal")
         self.downloaded = False  # the last open_log fetched the snapshot (for tests and logs)
+        self.seeded = False  # the last open_log uploaded the local directory to an empty prefix
 
     def current(self) -> dict | None:
         """The ``CURRENT`` pointer, or None when there is none yet."""
@@ -97,6 +98,7 @@ class ShardStorage:
         if cur is None:
             if not self.store.list():
                 self._seed(d)
+                self.seeded = True
             cur = self.current() or {"snapshot": None, "wal_from": 0}
         name, first = cur["snapshot"], int(cur["wal_from"])
         local = d / "CURRENT"
@@ -154,8 +156,10 @@ class ShardStorage:
         except Exception as again:
             shutil.rmtree(snap, ignore_errors=True)  # (the downloaded copy, if any)
             os.replace(aside, snap)
-            raise RuntimeError(f"{again} (the storage's copy of snapshot {snap.name}, downloaded because the local copy "
-                               f"could not be loaded either: {exc}; the local copy is left as it was)") from again
+            raise RuntimeError(f"the local copy of snapshot {snap.name} cannot be loaded ({exc}), and starting from the "
+                               f"storage's copy ({self.store.uri}/snap/{snap.name}/, downloaded into {snap}) failed too: "
+                               f"{again}. The local copy is left as it was; free space under {snap.parent} if the "
+                               "download ran out of it, or restore the snapshot from a backup") from again
         shutil.rmtree(aside, ignore_errors=True)
         if say is not None:
             say(f"snapshot {snap.name} loaded from the storage's copy; the damaged local copy was removed")
@@ -174,11 +178,15 @@ class ShardStorage:
         src = f"{scheme}://{self.store.root}/{pre}" if scheme else f"{self.store.root}/{pre}"  # keys or user in a log)
         if say is not None:
             say(f"downloading snapshot {name} from {src}: {len(keys)} objects")
-        for key, data in zip(keys, self.store.get_many(keys)):
-            if data is None:
-                raise RuntimeError(f"{self.store.uri}/{key} vanished while the snapshot was read")
-            fsync_write(part / key[len(pre):], data)
-            nbytes += len(data)
+        try:
+            for key, data in zip(keys, self.store.get_many(keys)):
+                if data is None:
+                    raise RuntimeError(f"{self.store.uri}/{key} vanished while the snapshot was read")
+                fsync_write(part / key[len(pre):], data)
+                nbytes += len(data)
+        except BaseException:
+            shutil.rmtree(part, ignore_errors=True)  # (a full disk left an empty .part: trial58b #4)
+            raise
         os.replace(part, d / name)
         if say is not None:
             say(f"downloaded snapshot {name} from {src}: {nbytes} bytes in {time.perf_counter() - t:.1f} s")
