@@ -47,13 +47,22 @@ def write(snap: Path, memory: MemoryStore) -> dict[str, int]:
     data = json.dumps(items).encode()
     fsync_write(snap / JSON_NAME, data)
     crcs = {JSON_NAME: zlib.crc32(data)}
-    if mv is not None:  # streamed through the CRC (no copy of the vectors in memory)
-        def save(f) -> None:
-            w = _Crc(f)
-            np.save(w, mv, allow_pickle=False)
-            crcs[VECTORS_NAME] = w.crc
-        fsync_write_with(snap / VECTORS_NAME, save)
+    if mv is not None:
+        crcs[VECTORS_NAME] = save_npy(snap / VECTORS_NAME, mv)
     return crcs
+
+
+def save_npy(path: Path, a: np.ndarray) -> int:
+    """``np.save`` of ``a`` into ``path`` (fsync'ed, atomically), streamed through a CRC-32 (no copy of ``a`` in
+    memory, no read-back). :returns: the file's CRC-32. :raises OSError: the write failed."""
+    crc = [0]
+
+    def save(f) -> None:
+        w = _Crc(f)
+        np.save(w, a, allow_pickle=False)
+        crc[0] = w.crc
+    fsync_write_with(path, save)
+    return crc[0]
 
 
 def load(snap: Path, meta: dict, memory: MemoryStore) -> None:

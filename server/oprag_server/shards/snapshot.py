@@ -44,7 +44,7 @@ from ..index import ann_vectors, low_seeds_state
 from ..index.bm25 import PostingsIndex, crc_files
 from ..index.low_seeds_state import NPZ_ERRORS
 from ..index.objstore import MirroredLog
-from ..index.wal import WriteAheadLog, fsync_write, fsync_write_with
+from ..index.wal import WriteAheadLog, fsync_write
 from ..index.wal import _fsync_dir as _fsync_file  # (any path: file or directory)
 from . import chunk_files, memory_files
 from .chunks import ChunkStore
@@ -123,8 +123,7 @@ def _write_snapshot_files(snap: Path, store: ChunkStore, memory: MemoryStore) ->
             _fsync_file(p)
         tail = store.dense.deferred_vectors()  # (ANN ids after the graph's; still deferred on load)
         if tail.shape[0]:  # (their only copy, CRC'd in meta.json: trial58b #1 served flipped ones)
-            fsync_write_with(snap / "dense_tail.npy", lambda f: np.save(f, tail))
-            tail_crc = crc_files.crc_of(snap / "dense_tail.npy")
+            tail_crc = memory_files.save_npy(snap / "dense_tail.npy", tail)
         ann = store.dense.ann_state(with_bytes=False)
         buf = io.BytesIO()  # (the batch holds the chunks in slot order)
         np.savez(buf, ann_slot=ann["ann_slot"], live_slots=store.fields.slots(), trained_at=ann["trained_at"],
