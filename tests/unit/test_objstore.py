@@ -272,19 +272,26 @@ def _flip(p) -> None:
     p.write_bytes(bytes(b))
 
 
+def _snapshotted(tmp_path, uri, docs: list[str]):
+    """A shard under ``tmp_path/n`` on ``uri`` with ``docs`` committed, one session turn and a snapshot:
+    ``(shard state, committed ids, shard directory, snapshot name)``."""
+    committed: set[str] = set()
+    a = _state(tmp_path / "n", uri)
+    _commit(a, "t1", 1, docs, committed)
+    _promote(a, "u1", "q1")
+    a.snapshot()
+    shard = tmp_path / "n" / "shard-0"
+    return a, committed, shard, (shard / "CURRENT").read_text().strip()
+
+
 @pytest.mark.parametrize("victim", ["memory.json", "chunk file", "meta.json"])
 def test_a_damaged_local_snapshot_is_downloaded_again_from_storage(tmp_path, uri, victim):
     """A local snapshot file damaged on the node (CRC-32 refused) while the storage holds the same snapshot: the start
     sets the local copy aside, loads the storage's copy into a fresh shard, then removes the damaged copy."""
-    committed: set[str] = set()
-    a = _state(tmp_path / "n", uri)
-    _commit(a, "t1", 1, ["d1", "d2"], committed)
-    _promote(a, "u1", "q1")
-    a.snapshot()
+    a, committed, shard, name = _snapshotted(tmp_path, uri, ["d1", "d2"])
     _commit(a, "t2", 2, ["d3"], committed)
     want = _view(a)
-    shard = tmp_path / "n" / "shard-0"
-    snap = shard / (shard / "CURRENT").read_text().strip()
+    snap = shard / name
     files = {"memory.json": [snap / "memory.json"], "chunk file": sorted(snap.glob("chunks*.arrow")),
              "meta.json": [snap / "meta.json"]}  # (damaged postings are rebuilt from the texts in place)
     assert files[victim], sorted(p.name for p in snap.rglob("*"))
@@ -295,13 +302,7 @@ def test_a_damaged_local_snapshot_is_downloaded_again_from_storage(tmp_path, uri
 
 
 def test_a_damaged_local_snapshot_whose_storage_copy_is_damaged_too_is_left_as_it_was(tmp_path, uri):
-    committed: set[str] = set()
-    a = _state(tmp_path / "n", uri)
-    _commit(a, "t1", 1, ["d1"], committed)
-    _promote(a, "u1", "q1")
-    a.snapshot()
-    shard = tmp_path / "n" / "shard-0"
-    name = (shard / "CURRENT").read_text().strip()
+    _, committed, shard, name = _snapshotted(tmp_path, uri, ["d1"])
     _flip(shard / name / "memory.json")
     stored = tmp_path / "bucket" / "oprag" / "shard-0" / "snap" / name / "memory.json"
     _flip(stored)
@@ -315,13 +316,8 @@ def test_a_damaged_local_snapshot_whose_storage_copy_is_damaged_too_is_left_as_i
 def test_a_crash_while_the_storage_copy_was_downloaded_leaves_nothing_behind(tmp_path, uri):
     """kill -9 after the damaged local copy was set aside and before the download loaded: the next start downloads
     the storage's copy (the local one is missing) and removes the copy set aside once it has loaded."""
-    committed: set[str] = set()
-    a = _state(tmp_path / "n", uri)
-    _commit(a, "t1", 1, ["d1", "d2"], committed)
-    a.snapshot()
+    a, committed, shard, name = _snapshotted(tmp_path, uri, ["d1", "d2"])
     want = _view(a)
-    shard = tmp_path / "n" / "shard-0"
-    name = (shard / "CURRENT").read_text().strip()
     (shard / name).rename(shard / f"damaged-{name}")  # where load_again's crash leaves it
     b = _state(tmp_path / "n", uri, set(committed))
     assert b.storage.downloaded and _view(b) == want
@@ -331,13 +327,7 @@ def test_a_crash_while_the_storage_copy_was_downloaded_leaves_nothing_behind(tmp
 def test_a_damaged_local_snapshot_seeding_an_empty_prefix_is_refused_once(tmp_path, uri):
     """trial58b #5: an empty prefix is seeded from the local directory; when its snapshot is damaged, the start stops
     with that file's error, not with a download of the copy it has just uploaded."""
-    committed: set[str] = set()
-    a = _state(tmp_path / "n", uri)
-    _commit(a, "t1", 1, ["d1"], committed)
-    _promote(a, "u1", "q1")
-    a.snapshot()
-    shard = tmp_path / "n" / "shard-0"
-    name = (shard / "CURRENT").read_text().strip()
+    _, committed, shard, name = _snapshotted(tmp_path, uri, ["d1"])
     _flip(shard / name / "memory.json")
     shutil.rmtree(tmp_path / "bucket")
     with pytest.raises(RuntimeError) as info:

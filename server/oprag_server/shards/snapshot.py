@@ -202,11 +202,12 @@ class _Step:
             self.say(f"{end} in {time.perf_counter() - self.t:.1f} s")
 
 
-def _load_ann(snap: Path, store: ChunkStore, say: Say = None) -> None:
+def _load_ann(snap: Path, snap_meta: dict, store: ChunkStore, say: Say = None) -> None:
     """Adopt the snapshot's approximate dense structure, or build one from the vectors (no
     such file, another index kind, unreadable): a conversion, logged with ``say`` before and
     after (it takes minutes for 10^4-10^5 HNSW rows). Slots were renumbered by the load: the snapshot
-    held its live chunks in slot order, and they now hold slots 0..n-1 in that order."""
+    held its live chunks in slot order, and they now hold slots 0..n-1 in that order. ``snap_meta``: its
+    ``meta.json``, as :func:`load` read it."""
     f, m = snap / "dense.faiss", snap / "dense.npz"
     if store.dense.ann_state(with_bytes=False) is None:  # flat now: a saved structure is not used (trial38 #6)
         was = "flat"
@@ -239,7 +240,7 @@ def _load_ann(snap: Path, store: ChunkStore, say: Say = None) -> None:
                     return np.where((old >= 0) & (live[pos] == old), now[pos], -1)
 
                 state = {"kind": str(meta["kind"]), "faiss": f, "ann_slot": meta["ann_slot"],
-                         "trained_at": int(meta["trained_at"]), "tail": _tail(snap),
+                         "trained_at": int(meta["trained_at"]), "tail": _tail(snap, snap_meta),
                          "laid_at": int(meta["laid_at"]) if "laid_at" in meta.files else 0,
                          "tail_groups": meta["tail_groups"] if "tail_groups" in meta.files else None}
                 if store.dense.load_ann(state, remap):
@@ -252,7 +253,7 @@ def _load_ann(snap: Path, store: ChunkStore, say: Say = None) -> None:
                     return _built_with(store, say)
         except (*NPZ_ERRORS, RuntimeError) as exc:  # rebuilt below, from the chunks' vectors
             failed = exc
-            only = json.loads((snap / "meta.json").read_text()).get("format_version", 1) >= 3  # (format 3: only there)
+            only = snap_meta.get("format_version", 1) >= 3  # (format 3: only there)
             if was == "hnsw" and store.dense.one_copy and only:  # (nothing to rebuild from: trial54 #2)
                 raise RuntimeError(f"{snap}: the HNSW structure, the only copy of the chunks' vectors, cannot be "
                                    f"loaded: {exc}; restore the snapshot directory from a backup (README: "
@@ -284,18 +285,19 @@ def _built_with(store: ChunkStore, say: Say) -> None:
             "rebuild it now, start once with --dense-index flat, then again with hnsw")
 
 
-def _tail(snap: Path) -> np.ndarray | None:
-    """The snapshot's deferred HNSW vectors float32[P, D] (``dense_tail.npy``, memory-mapped), or None."""
+def _tail(snap: Path, meta: dict) -> np.ndarray | None:
+    """The snapshot's deferred HNSW vectors float32[P, D] (``dense_tail.npy``, memory-mapped), or None; checked
+    against ``meta``'s (``meta.json``'s) ``tail_crc`` when it has one."""
     p = snap / "dense_tail.npy"
     if not p.exists():
         return None
-    if (want := read_meta(snap).get("tail_crc")) is not None and (got := crc_files.crc_of(p)) != want:
+    if (want := meta.get("tail_crc")) is not None and (got := crc_files.crc_of(p)) != want:
         raise ValueError(f"{p}: its CRC-32 is {got}, not the {want} meta.json records: the HNSW vectors not yet in the "
                          "graph were damaged after they were written")
     return np.load(p, mmap_mode="r")
 
 
-def _with_vectors(snap: Path, table, dim: int):
+def _with_vectors(snap: Path, meta: dict, table, dim: int):
     """``table`` (the snapshot's chunks in slot order, without vectors) with its ``vector``
     column read out of the HNSW structure file, the only place such a snapshot keeps them.
 
@@ -308,7 +310,7 @@ def _with_vectors(snap: Path, table, dim: int):
     try:
         m = np.load(snap / "dense.npz")
         vecs = read_vectors(snap / "dense.faiss", m["ann_slot"], np.asarray(m["live_slots"], dtype=np.int64),
-                            _tail(snap))
+                            _tail(snap, meta))
     except (*NPZ_ERRORS, RuntimeError) as exc:
         raise RuntimeError(f"{snap}: the chunks' vectors are in dense.faiss (and the parts beside it), which cannot be "
                            f"read: {exc}") from exc
@@ -367,7 +369,7 @@ def load(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions, co
             if "vector" not in table.column_names and not store.dense.one_copy:
                 step = _Step(say, f"reading {table.num_rows} vectors out of the snapshot's hnsw index (the dense index "
                                   f"is now {store.dense.params.kind})", table.num_rows > 0)
-                table = _with_vectors(snap, table, store.dim)  # written with HNSW, read by another kind
+                table = _with_vectors(snap, meta, table, store.dim)  # written with HNSW, read by another kind
                 step.done(f"read {table.num_rows} vectors out of the snapshot's hnsw index")
             postings = _load_postings(snap, meta, store, table.num_rows, say)
             if table.num_rows:
@@ -378,7 +380,7 @@ def load(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions, co
             if postings is not None:
                 postings.gate = store.postings.gate  # (the merge gate the shard gave the index it replaces)
                 store.postings = postings
-            _load_ann(snap, store, say)
+            _load_ann(snap, meta, store, say)
             store.applied_seq = int(meta.get("applied_seq", 0))
             store.next_slot = max(store.next_slot, int(meta.get("next_slot", 0)))
             memory_files.load(snap, meta, memory)
