@@ -334,3 +334,10 @@ def test_a_damaged_local_snapshot_seeding_an_empty_prefix_is_refused_once(tmp_pa
         _state(tmp_path / "n", uri, set(committed))
     assert "memory.json" in str(info.value) and "storage's copy" not in str(info.value)
     assert not (shard / f"damaged-{name}").exists() and (shard / name / "meta.json").exists()
+    prefix = tmp_path / "bucket" / "oprag" / "shard-0"
+    assert not prefix.exists() or not [p for p in prefix.rglob("*") if p.is_file()]  # nothing uploaded
+    memory = shard / name / "memory.json"
+    _flip(memory)  # (flipped back: the local directory repaired)
+    b = _state(tmp_path / "n", uri, set(committed))
+    assert b.storage.seeded and (prefix / "snap" / name / "memory.json").read_bytes() == memory.read_bytes()
+    assert ShardStorage(uri, 0).current() == {"snapshot": name, "wal_from": 0}

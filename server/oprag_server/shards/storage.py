@@ -18,9 +18,10 @@ with an empty directory needs. Layout under ``<uri>/[replica-r/]shard-<i>/``:
 Starting (:meth:`ShardStorage.open_log`), storage is the authority: the current snapshot is
 downloaded unless the local directory already holds it, and the local log is rewritten from the
 log objects from ``wal_from`` on; then the shard loads as from a local directory. A storage
-prefix holding nothing while the local directory holds a shard is seeded from it (moving an
-existing data directory onto storage). Replicas catching up copy a sibling's current snapshot
-inside the storage (:func:`copy_current`). The frontend's commit log is mirrored beside them
+prefix holding nothing while the local directory holds a shard is seeded from it once its
+snapshot has loaded (moving an existing data directory onto storage; a damaged snapshot is never
+uploaded). Replicas catching up copy a sibling's current snapshot inside the storage
+(:func:`copy_current`). The frontend's commit log is mirrored beside them
 (``<uri>/commits/``, :meth:`oprag_server.engine.commit.CommitProtocol.open_log`).
 """
 
@@ -59,7 +60,7 @@ def local_copy(storage: "ShardStorage | None", snap: Path) -> Iterator[None]:
     try:
         yield
     except (ValueError, RuntimeError, OSError) as exc:
-        if storage is None or storage.downloaded or storage.seeded:  # (seeded: the store's copy is this one)
+        if storage is None or storage.downloaded or storage.seeded:  # (seeded: the store holds no copy yet)
             raise
         raise LocalCopyDamaged(snap, exc) from exc
 
@@ -81,7 +82,8 @@ class ShardStorage:
         self.store = ObjectStore.from_uri(uri).sub(f"shard-{shard_id}")
         self.wal = self.store.sub("wal")
         self.downloaded = False  # the last open_log fetched the snapshot (for tests and logs)
-        self.seeded = False  # the last open_log uploaded the local directory to an empty prefix
+        self.seeded = False  # the last open_log found an empty prefix: the local directory seeds it (seed())
+        self._seed_with: tuple[Path | None, list] | None = None
 
     def current(self) -> dict | None:
         """The ``CURRENT`` pointer, or None when there is none yet."""
@@ -95,11 +97,11 @@ class ShardStorage:
         log, :meth:`.state.ShardState.say`) is told when a snapshot download starts (source,
         objects) and ends (bytes, seconds)."""
         cur = self.current()
+        self.seeded, self._seed_with, self.downloaded = False, None, False
         if cur is None:
-            if not self.store.list():
-                self._seed(d)
-                self.seeded = True
-            cur = self.current() or {"snapshot": None, "wal_from": 0}
+            if not self.store.list():  # (uploaded by seed() once the local snapshot has loaded: trial58b #5)
+                return self._to_seed(d)
+            cur = {"snapshot": None, "wal_from": 0}
         name, first = cur["snapshot"], int(cur["wal_from"])
         local = d / "CURRENT"
         have = local.read_text().strip() if local.exists() else None
@@ -191,18 +193,32 @@ class ShardStorage:
         if say is not None:
             say(f"downloaded snapshot {name} from {src}: {nbytes} bytes in {time.perf_counter() - t:.1f} s")
 
-    def _seed(self, d: Path) -> None:
-        """Upload the shard ``d`` holds (snapshot and log) to an empty storage prefix."""
+    def _to_seed(self, d: Path) -> MirroredLog:
+        """(:meth:`open_log`, an empty prefix) the shard ``d`` holds is its start; :meth:`seed` uploads it."""
         local = d / "CURRENT"
         name = local.read_text().strip() if local.exists() else None
-        if name is not None and (d / name / "meta.json").exists():
-            self._upload(d / name)
-        else:
-            name = None
         records = list(WriteAheadLog(d / "wal.log"))
+        log = WriteAheadLog(d / "wal.log")
+        log.reset(records)
+        log.close()
+        self.seeded = True
+        self._seed_with = (d / name if name and (d / name / "meta.json").exists() else None, records)
+        return MirroredLog(d / "wal.log", self.wal, len(records), 0)
+
+    def seed(self) -> None:
+        """(:func:`.snapshot.load`, once the local snapshot has loaded) upload what :meth:`open_log` found in the
+        local directory for an empty prefix: the snapshot, the log records, then ``CURRENT``. A local snapshot that
+        cannot be loaded is never uploaded, so the prefix stays empty and a repaired directory seeds it later
+        (trial58b #5). Nothing to do when this start did not find an empty prefix."""
+        if self._seed_with is None:
+            return
+        snap, records = self._seed_with
+        if snap is not None:
+            self._upload(snap)
         for pos, rec in enumerate(records):
             self.wal.put(record_key(pos), encode_record(rec))
-        self.store.put_atomic("CURRENT", json.dumps({"snapshot": name, "wal_from": 0}).encode())
+        self.store.put_atomic("CURRENT", json.dumps({"snapshot": snap.name if snap else None, "wal_from": 0}).encode())
+        self._seed_with = None
 
     # ------------------------------------------------------------------ snapshot
     def _upload(self, snap: Path) -> None:
