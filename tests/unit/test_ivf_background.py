@@ -168,36 +168,8 @@ def test_the_shard_installs_a_finished_build_between_requests_and_says_so(capsys
     _check_holds_exactly_the_live(dense)
 
 
-def test_a_snapshot_taken_during_a_build_restarts_into_a_working_shard(tmp_path):
-    x = _vectors("gauss", 6000, 6)
-    sh = ShardState(0, D, tmp_path, dense=DenseConfig(kind="ivf", train_min=500))
-    sh.load(set())
-    sh.store.upsert(_table(x[:600], 0), 1)
-    sh.store.upsert(_table(x[600:5000], 600), 2)
-    assert sh.store.dense.ann_building is not None
-    sh.snapshot()  # (writes the lists that serve: the old ones)
-    sh.shutdown(type("R", (), {"snapshot": False})())
-    assert sh.store.dense.ann_building is None  # dropped
-    sh.txns.wal.close()
-    back = ShardState(0, D, tmp_path, dense=DenseConfig(kind="ivf", train_min=500))
-    back.load(set())
-    dense = back.store.dense
-    assert len(dense) == 5000 and dense.ann.trained_at == 600 and dense.ann_building is None
-    slots = np.sort(dense.slots)
-    hits, _ = dense.search(dense.vectors_of(slots[:50]), 1, nprobe=1 << 20)
-    assert [int(h[0]) for h in hits] == slots[:50].tolist()
-    back.store.upsert(_table(x[5000:5010], 5000), 3)  # the first write after the restart starts the build again
-    assert dense.ann_building is not None
-    _until_built(dense)
-    dense.install_ann()
-    _check_holds_exactly_the_live(dense)
-
-
-@pytest.mark.parametrize("how", ["gauss", "clustered"])
-def test_the_centroids_do_not_depend_on_when_the_thread_reads(how, monkeypatch):
-    """The same writes (a trigger, then removes of a third of the chunks) give the same new lists whether the removes
-    land before the build's thread has read anything or after it finished (trial58 #1: a replay after kill -9, whose
-    removes land faster than the first run's, trained other centroids when the thread read the sample itself)."""
+def _held_builds(monkeypatch):
+    """Background builds wait for the returned event before they start."""
     import threading
 
     go = threading.Event()
@@ -208,6 +180,70 @@ def test_the_centroids_do_not_depend_on_when_the_thread_reads(how, monkeypatch):
         real(self)
 
     monkeypatch.setattr(ivf_build.IvfBuild, "_run", held)
+    return go
+
+
+def _triggered(tmp_path, seed: int) -> ShardState:
+    """A shard trained at 600 vectors, then grown to 5,000 by one write: a background retraining under way."""
+    x = _vectors("gauss", 5000, seed)
+    sh = ShardState(0, D, tmp_path, dense=DenseConfig(kind="ivf", train_min=500))
+    sh.load(set())
+    sh.store.upsert(_table(x[:600], 0), 1)
+    sh.store.upsert(_table(x[600:5000], 600), 2)
+    return sh
+
+
+def test_a_snapshot_taken_during_a_build_waits_for_it_and_saves_its_lists(tmp_path, monkeypatch):
+    """trial58b #2: a snapshot (a SIGINT stop's too) taken while a retraining runs saved the old lists, and the first
+    write after the restart retrained on the vectors live then. Now the job waits for the build (reads go on: its steps
+    return None), installs it and saves the new lists, which the restart loads as they were."""
+    go = _held_builds(monkeypatch)
+    sh = _triggered(tmp_path, 6)
+    dense = sh.store.dense
+    assert dense.ann_building is False
+    sh.store.delete([f"d{i}" for i in range(100, 400)], 3)  # removes between the trigger and the snapshot
+    job = sh.snapshot_begin()
+    assert all(job.step() is None for _ in range(3)) and job.blocker() is dense.ann.build_thread
+    assert dense.ann_building is False and not list((tmp_path / "shard-0").glob("snap-*"))
+    go.set()
+    assert job.wait().written
+    assert dense.ann_building is None and dense.ann.trained_at == 5000
+    q = dense.ann._index.quantizer
+    centroids = q.reconstruct_n(0, q.ntotal)
+    sh.shutdown(type("R", (), {"snapshot": False})())
+    sh.txns.wal.close()
+    back = ShardState(0, D, tmp_path, dense=DenseConfig(kind="ivf", train_min=500))
+    back.load(set())
+    again = back.store.dense
+    assert len(again) == 4700 and again.ann.trained_at == 5000 and again.ann_building is None
+    q2 = again.ann._index.quantizer
+    assert np.array_equal(q2.reconstruct_n(0, q2.ntotal), centroids)
+    slots = np.sort(again.slots)
+    hits, _ = again.search(again.vectors_of(slots[:50]), 1, nprobe=1 << 20)
+    assert [int(h[0]) for h in hits] == slots[:50].tolist()
+    _check_holds_exactly_the_live(again)
+
+
+def test_a_snapshot_with_a_prepared_transaction_does_not_wait_for_a_build(tmp_path, monkeypatch):
+    """Nothing is installed while a prepared transaction waits for its apply: such a snapshot saves the lists that
+    serve, as before (the apply is held behind it)."""
+    go = _held_builds(monkeypatch)
+    sh = _triggered(tmp_path, 8)
+    sh.txns.prepared = {"t": object()}
+    try:
+        assert sh.snapshot().written and sh.store.dense.ann_building is False and sh.store.dense.ann.trained_at == 600
+    finally:
+        sh.txns.prepared = {}
+        go.set()
+    _until_built(sh.store.dense)
+
+
+@pytest.mark.parametrize("how", ["gauss", "clustered"])
+def test_the_centroids_do_not_depend_on_when_the_thread_reads(how, monkeypatch):
+    """The same writes (a trigger, then removes of a third of the chunks) give the same new lists whether the removes
+    land before the build's thread has read anything or after it finished (trial58 #1: a replay after kill -9, whose
+    removes land faster than the first run's, trained other centroids when the thread read the sample itself)."""
+    go = _held_builds(monkeypatch)
     x = _vectors(how, 5000, 7)
     gone = np.random.default_rng(3).choice(5000, 1700, replace=False)
 

@@ -25,8 +25,10 @@ From :data:`BACKGROUND_MIN` vectors on, a retraining is an :class:`IvfBuild` ins
 
 Between trigger and install a search sees the old lists plus every write (the old structure takes the writes); which
 search runs before the install depends on timing, as with HNSW's deferred inserts, while every score stays canonical
-and a certified top-k is the exact one whatever structure picked the candidates. A snapshot writes the structure that
-serves; a restart during a build loses the build and the first write after the restart starts it again.
+and a certified top-k is the exact one whatever structure picked the candidates. A snapshot waits for a build
+under way and writes the new structure (:mod:`..shards.snapjob`, trial58b #2: a snapshot of the old lists made the first
+write after a restart retrain on the vectors live then); a kill -9 during a build loses it, and the replayed write that
+crossed the size starts it again on the same sample.
 """
 
 from __future__ import annotations
@@ -178,6 +180,11 @@ class IvfBuilds:
         """None: no IVF retraining or HNSW compaction under way; False: one is running; True: one is done, to
         :meth:`install` (IVF) / :meth:`install_graph` (HNSW)."""
         return None if self._build is None else self._build.done
+
+    @property
+    def build_thread(self):
+        """The thread of the IVF retraining or HNSW compaction under way or done (``threading.Thread``), None: none."""
+        return None if self._build is None else self._build.thread
 
     def compact_later(self, cause: str = GraphBuild.CROSSED) -> bool:
         """HNSW past a quarter dead: start a background compaction (:mod:`.hnsw_build`) unless one runs; False (none

@@ -13,7 +13,10 @@ request's place in its order, with nothing else to interleave with:
    started in the background, unless the delta only holds chunks added after the segment's and
    none was removed (:func:`..index.bm25.delta_files.keeps`: it is then written beside the segment,
    and a 1M shard skips a 0.7-3.0 s merge that held its writes);
-2. (the shard's thread, between requests) the merge installed once its thread is done; then a
+2. (the shard's thread, between requests) an IVF retraining under way installed once its thread is done
+   (``ivf_done``: the snapshot holds the new lists, as a run that no restart cut would serve; with the old
+   lists saved, the first write after a restart retrained on the vectors live then: trial58b #2); the merge
+   installed once its thread is done; then a
    writer thread starts on :func:`.snapshot.write_files`, which only reads the store and the
    memory records (Arrow, numpy, FAISS and file I/O leave the GIL for most of it) and does everything through the
    ``CURRENT`` switch, the log's reset and the publication to ``--storage-uri``;
@@ -68,9 +71,9 @@ class SnapshotJob:
 
     def __init__(self, d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions,
                  storage: ShardStorage | None = None, log: Callable[[str], None] | None = None,
-                 on_written: Callable[[], None] | None = None) -> None:
+                 on_written: Callable[[], None] | None = None, ivf_done: Callable[[], None] | None = None) -> None:
         self.d, self.store, self.memory, self.txns, self.storage, self.log = d, store, memory, txns, storage, log
-        self.on_written = on_written
+        self.on_written, self.ivf_done = on_written, ivf_done
         self.t0 = time.perf_counter()
         dense = store.dense
         if getattr(dense, "_pending", None) is not None:  # (an HNSW structure a load left pending)
@@ -115,8 +118,22 @@ class SnapshotJob:
             elif merging:
                 self.longest_s = max(self.longest_s, dt)
 
+    def _ivf_build(self) -> threading.Thread | None:
+        """The thread of an IVF retraining this snapshot waits for (module docstring, step 2): none without
+        ``ivf_done``, for HNSW (whose compaction a restart starts again itself) or while a prepared transaction
+        waits for its apply (nothing is installed then)."""
+        dense = self.store.dense
+        if self.ivf_done is None or dense.one_copy or dense.ann_building is None or self.txns.prepared:
+            return None
+        return dense.ann.build_thread
+
     def _step(self) -> SnapshotReply | None:
         if self._thread is None:
+            if (b := self._ivf_build()) is not None:
+                if b.is_alive():
+                    self.polls += 1
+                    return None
+                self.ivf_done()  # type: ignore[misc]
             p = self.store.postings
             if p.merging:
                 if p._pending[0].is_alive():  # noqa: SLF001
@@ -165,6 +182,8 @@ class SnapshotJob:
         merge's, then the writer's; None when a step has work now."""
         if self._thread is not None:
             return self._thread if self._thread.is_alive() else None
+        if (b := self._ivf_build()) is not None:
+            return b if b.is_alive() else None
         p = self.store.postings
         pending = p._pending if p.merging else None  # noqa: SLF001
         return pending[0] if pending and pending[0].is_alive() else None
@@ -198,5 +217,5 @@ class SnapshotJob:
             out = self.step()
             if out is not None:
                 return out
-            if self._thread is not None:
-                self._thread.join()
+            if (t := self.blocker()) is not None:
+                t.join()

@@ -101,7 +101,12 @@ class ShardState:
             return None
         changes = self._ann_changes[0]  # (none is installed while the job runs: the loop steps it instead)
         return SnapshotJob(self._dir(), self.store, self.memory, self.txns, self.storage, log=self.note,
-                           on_written=lambda: self._ann_changes.__setitem__(1, changes))
+                           on_written=lambda: self._ann_changes.__setitem__(1, changes), ivf_done=self._ivf_done)
+
+    def _ivf_done(self) -> None:
+        """(A snapshot job) install the IVF retraining it waited for, logged (not counted as unsaved: it saves it)."""
+        self.store.dense.install_ann()
+        self.say_trainings()
 
     def load(self, committed: set[str] | None = None) -> int:
         """Load the snapshot and replay committed log records (see :func:`.snapshot.load`), each
