@@ -46,7 +46,12 @@ import numpy as np
 from . import kernels  # noqa: F401 - sets numba's cache directory before the first njit
 from numba import njit  # noqa: E402
 
+from .kernels_low import _prefetch  # noqa: E402
+
 _JIT = dict(cache=True, nogil=True)
+#: rows ahead whose cache lines a scan prefetches: a cold 16,384 x 384 scan (the ANN check's sample at 1M chunks)
+#: took 241 us without, 191 with 16 (bench/RESULTS.md, session 59); the hardware prefetcher alone stops at page ends
+AHEAD = 16
 _U32, _U64 = 2.0 ** -24, 2.0 ** -53
 
 
@@ -100,6 +105,9 @@ def scan(codes, scale, q, out):
     D] ``codes`` and float32[D] ``q`` (sum in any order: module docstring)."""
     n, d = codes.shape
     for r in range(n):
+        if r + AHEAD < n:
+            for c in range(0, d, 64):
+                _prefetch(codes, r + AHEAD, c)
         acc = np.float32(0.0)
         for j in range(d):
             acc += np.float32(codes[r, j]) * q[j]
@@ -134,6 +142,10 @@ def _scan_k(codes, scale, rows, all_rows, k, t, out):
     acc = np.empty(out.size, np.int32)
     for i in range(out.size):
         r = i if all_rows else rows[i]
+        if i + AHEAD < out.size:  # (the cache lines of the row AHEAD places on: module constant)
+            ra = i + AHEAD if all_rows else rows[i + AHEAD]
+            for c in range(0, d, 64):
+                _prefetch(codes, ra, c)
         a = np.int32(0)
         for j in range(d):
             a += np.int32(k[j]) * np.int32(codes[r, j])
