@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from oprag_server import records
-from oprag_server.index.objstore import MirroredLog, ObjectStore, read_log_objects, record_key
+from oprag_server.index.objstore import LogGapError, MirroredLog, ObjectStore, read_log_objects, record_key
+from oprag_server.index.wal import WriteAheadLog, encode_record
 from oprag_server.shards.protocol import (ApplyRequest, MemoryClearRequest, MemoryLookupRequest, PrepareRequest,
                                           PromoteRequest, ReuseRequest, StageRequest, StatsRequest)
 from oprag_server.shards.state import ShardState
@@ -341,3 +342,47 @@ def test_a_damaged_local_snapshot_seeding_an_empty_prefix_is_refused_once(tmp_pa
     b = _state(tmp_path / "n", uri, set(committed))
     assert b.storage.seeded and (prefix / "snap" / name / "memory.json").read_bytes() == memory.read_bytes()
     assert ShardStorage(uri, 0).current() == {"snapshot": name, "wal_from": 0}
+
+
+def test_a_seed_cut_short_is_seeded_again_and_the_local_copy_kept(tmp_path, uri, capfd):
+    """trial59 F1: kill -9 while the first start seeded an empty prefix left part of the snapshot there and no
+    CURRENT; the next start took the prefix as the store's ("holds no snapshot") and deleted the local snapshot, the
+    only full copy. A prefix without CURRENT is now seeded again from the local directory, its leftovers deleted."""
+    a, committed, shard, name = _snapshotted(tmp_path, uri, ["d1", "d2"])
+    _commit(a, "t2", 2, ["d3"], committed)  # (a record in the local log after the snapshot)
+    want = _view(a)
+    a.txns.wal.close()
+    prefix = tmp_path / "bucket" / "oprag" / "shard-0"
+    shutil.rmtree(prefix)
+    part = sorted(p for p in (shard / name).rglob("*") if p.is_file())[0]
+    store = ShardStorage(uri, 0).store
+    store.put(f"snap/{name}/{part.relative_to(shard / name).as_posix()}", part.read_bytes()[:5])  # cut short
+    store.put("snap/snap-000000000000-1/meta.json", b"{")  # and an object of no snapshot of this shard
+    first = encode_record(next(iter(WriteAheadLog(shard / "wal.log"))))
+    store.put(f"wal/{record_key(0)}", first)  # the seed's copy of the local log's first record
+    capfd.readouterr()
+    b = _state(tmp_path / "n", uri, set(committed))
+    assert _view(b) == want and b.storage.seeded and (shard / name / "meta.json").exists()
+    assert ShardStorage(uri, 0).current() == {"snapshot": name, "wal_from": 0}
+    assert (prefix / "snap" / name / part.relative_to(shard / name)).read_bytes() == part.read_bytes()
+    assert store.get(f"wal/{record_key(0)}") == first
+    assert not (prefix / "snap" / "snap-000000000000-1").exists()
+    assert "no CURRENT (a seeding start cut short)" in capfd.readouterr().err
+    c = _state(tmp_path / "m", uri, set(committed))  # a new node's empty directory, from the seeded prefix
+    assert c.storage.downloaded and _view(c) == want
+
+
+def test_log_objects_without_current_that_the_local_log_lacks_are_not_deleted(tmp_path, uri):
+    """A prefix without CURRENT whose log objects differ from the local log's records may hold writes the local
+    directory lacks (a prefix that lost its CURRENT, trial57 #4): the start refuses, and both stay as they were."""
+    a, committed, shard, name = _snapshotted(tmp_path, uri, ["d1"])
+    _commit(a, "t2", 2, ["d2"], committed)
+    a.txns.wal.close()
+    prefix = tmp_path / "bucket" / "oprag" / "shard-0"
+    shutil.rmtree(prefix)
+    store = ShardStorage(uri, 0).store
+    store.put(f"wal/{record_key(1)}", b"another writer's record")
+    with pytest.raises(LogGapError, match="still holds snapshot .*, left as it is"):
+        _state(tmp_path / "n", uri, set(committed))
+    assert store.get(f"wal/{record_key(1)}") == b"another writer's record" and store.get("CURRENT") is None
+    assert (shard / name / "meta.json").exists() and (shard / "CURRENT").read_text().strip() == name

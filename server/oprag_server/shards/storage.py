@@ -36,7 +36,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..index.objstore import LogGapError, MirroredLog, ObjectStore, local_extra, read_log_objects, record_key
+from ..index.objstore import (LogGapError, MirroredLog, ObjectStore, local_extra, read_log_objects, record_key,
+                               record_pos)
 from ..index.wal import WriteAheadLog, encode_record, fsync_write
 from .snapshot_current import warn
 
@@ -65,6 +66,15 @@ def local_copy(storage: "ShardStorage | None", snap: Path) -> Iterator[None]:
         raise LocalCopyDamaged(snap, exc) from exc
 
 
+def _holds_shard(d: Path) -> bool:
+    """Whether the local shard directory ``d`` holds anything to seed a prefix from: a current snapshot (whole:
+    its ``meta.json``) or log records."""
+    cur = d / "CURRENT"
+    name = cur.read_text().strip() if cur.exists() else ""
+    wal = d / "wal.log"
+    return bool(name and (d / name / "meta.json").exists()) or (wal.exists() and wal.stat().st_size > 0)
+
+
 def replica_uri(uri: str | None, r: int) -> str | None:
     """Storage URI of replica ``r`` (replica 0: ``uri`` itself; the local layout's ``replica-r``)."""
     if uri is None or r == 0:
@@ -83,7 +93,7 @@ class ShardStorage:
         self.wal = self.store.sub("wal")
         self.downloaded = False  # the last open_log fetched the snapshot (for tests and logs)
         self.seeded = False  # the last open_log found an empty prefix: the local directory seeds it (seed())
-        self._seed_with: tuple[Path | None, list] | None = None
+        self._seed_with: tuple | None = None  # (snapshot | None, log records, say)
 
     def current(self) -> dict | None:
         """The ``CURRENT`` pointer, or None when there is none yet."""
@@ -98,9 +108,15 @@ class ShardStorage:
         objects) and ends (bytes, seconds)."""
         cur = self.current()
         self.seeded, self._seed_with, self.downloaded = False, None, False
-        if cur is None:
-            if not self.store.list():  # (uploaded by seed() once the local snapshot has loaded: trial58b #5)
-                return self._to_seed(d)
+        if cur is None:  # (no CURRENT: nothing here is a shard yet; seed() uploads once the local snapshot loaded)
+            left = self.store.list()
+            if not left or _holds_shard(d) and self._seed_copy(d, left):
+                if left:  # (trial59 F1: taken as the store's, they made the start delete the only full copy)
+                    line = (f"{self.store.uri} holds {len(left)} objects but no CURRENT (a seeding start cut short): "
+                            f"they are deleted and the prefix is seeded again from {d}")
+                    warn(say, line) if say is not None else logger.warning("%s", line)
+                    self.store.delete(left)
+                return self._to_seed(d, say)
             cur = {"snapshot": None, "wal_from": 0}
         name, first = cur["snapshot"], int(cur["wal_from"])
         local = d / "CURRENT"
@@ -193,7 +209,22 @@ class ShardStorage:
         if say is not None:
             say(f"downloaded snapshot {name} from {src}: {nbytes} bytes in {time.perf_counter() - t:.1f} s")
 
-    def _to_seed(self, d: Path) -> MirroredLog:
+    def _seed_copy(self, d: Path, left: list[str]) -> bool:
+        """Whether the objects ``left`` of a prefix without ``CURRENT`` can only be what a seeding start from ``d``
+        put before it was cut short: snapshot files, and log objects equal to ``d``'s own records at their positions.
+        Other log objects may hold writes ``d`` lacks (a prefix that lost its CURRENT: trial57 #4), so the start
+        reads them as the store's and refuses, leaving both as they are."""
+        wal = [k for k in left if k.startswith("wal/")]
+        if not wal:
+            return True
+        local = [encode_record(r) for r in WriteAheadLog(d / "wal.log")]
+        for key in wal:
+            pos = record_pos(key[len("wal/"):])
+            if pos is None or pos >= len(local) or self.store.get(key) != local[pos]:
+                return False
+        return True
+
+    def _to_seed(self, d: Path, say: Callable[[str], None] | None = None) -> MirroredLog:
         """(:meth:`open_log`, an empty prefix) the shard ``d`` holds is its start; :meth:`seed` uploads it."""
         local = d / "CURRENT"
         name = local.read_text().strip() if local.exists() else None
@@ -202,7 +233,7 @@ class ShardStorage:
         log.reset(records)
         log.close()
         self.seeded = True
-        self._seed_with = (d / name if name and (d / name / "meta.json").exists() else None, records)
+        self._seed_with = (d / name if name and (d / name / "meta.json").exists() else None, records, say)
         return MirroredLog(d / "wal.log", self.wal, len(records), 0)
 
     def seed(self) -> None:
@@ -212,19 +243,30 @@ class ShardStorage:
         (trial58b #5). Nothing to do when this start did not find an empty prefix."""
         if self._seed_with is None:
             return
-        snap, records = self._seed_with
-        if snap is not None:
-            self._upload(snap)
+        snap, records, say = self._seed_with
+        t = time.perf_counter()
+        if say is not None:  # (trial59 F4: a stop before "seeded" leaves an unfinished prefix, seeded again next start)
+            say(f"seeding {self.store.uri} from the local directory: snapshot {snap.name if snap else '(none)'} and "
+                f"{len(records)} log records")
+        nbytes = self._upload(snap) if snap is not None else 0
         for pos, rec in enumerate(records):
             self.wal.put(record_key(pos), encode_record(rec))
         self.store.put_atomic("CURRENT", json.dumps({"snapshot": snap.name if snap else None, "wal_from": 0}).encode())
         self._seed_with = None
+        if say is not None:
+            say(f"seeded {self.store.uri}: {nbytes} snapshot bytes and {len(records)} log records in "
+                f"{time.perf_counter() - t:.1f} s")
 
     # ------------------------------------------------------------------ snapshot
-    def _upload(self, snap: Path) -> None:
+    def _upload(self, snap: Path) -> int:
+        """Put the snapshot directory's files under ``snap/<name>/``. :returns: their bytes."""
+        n = 0
         for p in sorted(snap.rglob("*")):
             if p.is_file() and not p.name.endswith(".tmp"):
-                self.store.put(f"snap/{snap.name}/{p.relative_to(snap).as_posix()}", p.read_bytes())
+                data = p.read_bytes()
+                self.store.put(f"snap/{snap.name}/{p.relative_to(snap).as_posix()}", data)
+                n += len(data)
+        return n
 
     def publish(self, snap: Path, log: MirroredLog) -> None:
         """After the snapshot ``snap`` was written locally and ``log`` reset (its kept records
