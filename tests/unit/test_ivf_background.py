@@ -155,6 +155,10 @@ def test_the_shard_installs_a_finished_build_between_requests_and_says_so(capsys
     sh.store.upsert(_table(x[600:5000], 600), 2)
     dense = sh.store.dense
     assert dense.ann_building is not None
+    capsys.readouterr()
+    sh.say_trainings()
+    sh.say_trainings()  # (said once)
+    assert capsys.readouterr().err.count("IVF retraining started in the background on 5000 vectors") == 1
     sh.txns.prepared = {"t": object()}  # a prepared transaction's apply comes first: no install meanwhile
     _until_built(dense)
     assert sh.idle_wait() != 0.0

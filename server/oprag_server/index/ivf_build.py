@@ -186,6 +186,11 @@ class IvfBuilds:
         """The thread of the IVF retraining or HNSW compaction under way or done (``threading.Thread``), None: none."""
         return None if self._build is None else self._build.thread
 
+    @property
+    def retraining(self) -> int | None:
+        """The vectors an IVF retraining under way or done trains on (its trigger's live chunks), None: none."""
+        return self._build.trained_at if isinstance(self._build, IvfBuild) else None
+
     def compact_later(self, cause: str = GraphBuild.CROSSED) -> bool:
         """HNSW past a quarter dead: start a background compaction (:mod:`.hnsw_build`) unless one runs; False (none
         started) below :data:`.hnsw_build.BACKGROUND_MIN` live vectors, where the caller compacts at once. ``cause``:

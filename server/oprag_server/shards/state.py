@@ -135,10 +135,16 @@ class ShardState:
         finally:
             self.say_trainings()
 
+    _announced = None  # the background IVF retraining whose start was logged (its thread)
+
     def say_trainings(self, when: str = "the write that crossed the size waited for it") -> None:
         """Log each IVF (re)training since the last call: its lists, vectors and time, and ``when`` (for one in the
         write; one in the background says so); and each HNSW compaction."""
         ann = self.store.dense.ann
+        if ann is not None and ann.retraining is not None and ann.build_thread is not self._announced:
+            self._announced = ann.build_thread  # (trial59 F4: only its end was logged)
+            self.say(f"IVF retraining started in the background on {ann.retraining} vectors (the shard grew 8x since "
+                     "its last training); the current lists serve until it is installed")
         for n, lists, secs, how in ann.trainings if ann is not None else ():
             what = "k-means on one core, then every vector re-added"
             self.say(f"IVF trained: {lists} lists on {n} vectors in {secs:.1f} s ({what}; {how or when})")
