@@ -28,6 +28,7 @@ from .engine.ray_embed import start_embed_pool
 from .engine.rwlock import RWLock
 from .index.analyzer import Analyzer
 from .index.bm25 import CorpusStats
+from .index.lease import renewing
 from .operators.memory import Memory
 from .operators.retrieve import Retriever
 from .service.auth import TokenAuthInterceptor, load_tokens, server_credentials
@@ -50,8 +51,7 @@ class Runtime:
 
     def __init__(self, cfg: ServerConfig, encoder: Any, generator: Any | None) -> None:
         self.cfg = cfg
-        self.encoder = encoder
-        self.generator = generator
+        self.encoder, self.generator = encoder, generator
         self.metrics = Metrics()
         self.pool = ShardPool(cfg.shards, encoder.dim, cfg.data_dir, stem=cfg.bm25.stem, dense=cfg.dense,
                               replicas=cfg.replicas, storage=cfg.storage_uri, **placement(cfg))
@@ -76,12 +76,12 @@ class Runtime:
         lease = self.commits.lease = acquire_storage(self.cfg, self.encoder.dim)  # before anything local
         if lease is not None:
             self.pool.fenced = lambda: lease.fenced  # no shard writes to the storage once fenced
-        # until every shard holds the commit log's writes, close() writes no snapshot: the snapshot of the shards
-        # that did start emptied the commit log, and a repaired restart lost committed writes (trial55b #1)
-        self._recovery_failed = True
+        self._recovery_failed = True  # (close() writes no snapshot until every shard holds the commit log's writes:
+        # the snapshot of the shards that did start emptied the commit log, a repaired restart lost writes: trial55b #1)
         check_data_dir(self.cfg, self.encoder.dim, self.encoder.name)
-        committed = self.commits.open_log(self.cfg.data_dir / "commits.log", self.cfg.storage_uri)
-        ready = self.pool.start(loop, committed=committed)
+        with renewing(lease):  # (the heartbeat goes on while the shards load, seed or download: trial59 F5)
+            committed = self.commits.open_log(self.cfg.data_dir / "commits.log", self.cfg.storage_uri)
+            ready = self.pool.start(loop, committed=committed)
         self.commits.check_recovered({r.shard: r.applied_seq for r in ready})
         self._recovery_failed = False
         self.corpus_stats.replace_with(CorpusStats.merge_full([r.lexical for r in ready]))

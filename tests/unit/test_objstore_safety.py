@@ -38,6 +38,32 @@ def test_a_second_server_is_refused_naming_the_holder_and_a_takeover_fences_the_
     assert b.renew() == "gone" and b.read()["id"] == b.me["id"]
 
 
+def test_the_lease_is_renewed_while_the_start_blocks(uri):
+    """trial59 F5: the heartbeat was written once at acquire and renewed only once the shards had loaded, so a long
+    start (a seed, a download, a replay) looked like a dead holder's after ttl_s. ``renewing`` renews it from a thread
+    for the block's length, stops with it, and stops renewing once fenced."""
+    import time
+
+    from oprag_server.index.lease import renewing
+
+    a = OwnerLease(ObjectStore.from_uri(uri), renew_s=0.02)
+    a.acquire()
+    first = a.read()["heartbeat"]
+    with renewing(a):
+        time.sleep(0.3)
+        during = a.read()["heartbeat"]
+    after = a.read()["heartbeat"]
+    time.sleep(0.1)
+    assert first < during <= after == a.read()["heartbeat"]  # renewed inside, not after
+    b = OwnerLease(ObjectStore.from_uri(uri))
+    with renewing(a):
+        b.acquire(takeover=True)
+        time.sleep(0.2)
+    assert a.fenced and a.read()["id"] == b.me["id"]  # fenced: renews nothing over the new holder
+    with renewing(None):
+        pass
+
+
 def test_an_expired_lease_is_taken_without_takeover(uri):
     a, b = OwnerLease(ObjectStore.from_uri(uri), ttl_s=0.0), OwnerLease(ObjectStore.from_uri(uri), ttl_s=0.0)
     a.acquire()

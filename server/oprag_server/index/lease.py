@@ -22,8 +22,11 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from .objstore import ObjectStore
 
@@ -118,3 +121,30 @@ class OwnerLease:
         cur = self.read()
         if cur is not None and cur.get("id") == self.me["id"]:
             self.store.delete([KEY])
+
+
+@contextmanager
+def renewing(lease: "OwnerLease | None") -> Iterator[None]:
+    """Renew ``lease`` (None: nothing) every ``renew_s`` seconds from a thread while the block runs: the start's
+    blocking steps (a snapshot seeded, downloaded or loaded, a log replayed: minutes at 1M chunks) left the heartbeat
+    as old as the start, so another server could take a live holder's lease after ``ttl_s`` (trial59 F5 saw "last
+    heartbeat 8 s ago" a second after a seeding start was killed). A renewal the storage refuses is retried."""
+    if lease is None:
+        yield
+        return
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.wait(lease.renew_s) and not lease.fenced:
+            try:
+                lease.renew()
+            except Exception:  # noqa: BLE001, S110 - the storage refused: the next round tries again
+                pass
+
+    t = threading.Thread(target=run, name="oprag-lease-start", daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join()
