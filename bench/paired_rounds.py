@@ -16,6 +16,7 @@ text), or with ``--scifact`` the 809 judged SciFact train queries with their Min
 
     python -m bench.paired_rounds --data-dir bench/out/retrieval-data --arm '.||0' --arm '.||1' --rounds 16
     python -m bench.paired_rounds --data-dir bench/out/retrieval-data --arm '.||1' --arm '.|--shard-workers thread|1'
+    python -m bench.paired_rounds --data-dir bench/out/scale-1000000-hnsw --link --scifact --arm '<old tree>|--dense-index hnsw|0' --arm '.|--dense-index hnsw|0'
 """
 
 from __future__ import annotations
@@ -47,6 +48,20 @@ def scifact_queries(shared: Path, path: Path | None) -> tuple[list[str], np.ndar
     return texts, Q
 
 
+def _copy(src: Path, dst: Path, link: bool) -> None:
+    """``src`` copied to ``dst``; with ``link`` the files inside ``snap-*`` directories hard-linked instead."""
+    if not link:
+        shutil.copytree(src, dst)
+        return
+    for root, _, files in os.walk(src):
+        r = Path(root)
+        out = dst / r.relative_to(src)
+        out.mkdir(parents=True, exist_ok=True)
+        snap = any(part.startswith("snap-") for part in r.relative_to(src).parts)
+        for f in files:
+            (os.link if snap else shutil.copy2)(r / f, out / f)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data-dir", type=Path, required=True)
@@ -60,6 +75,10 @@ def main(argv=None) -> dict:
                     help="with --scifact: an .npz of the query texts and vectors, read when it exists (no "
                          "../shared or embedder needed), else written there (for a machine without them)")
     ap.add_argument("--work", type=Path, default=Path("bench/out/paired"), help="where the data dir copies go")
+    ap.add_argument("--link", action="store_true",
+                    help="hard-link the snapshot files into each arm's copy (one page cache for every arm: two plain "
+                         "copies of a 1M data dir, 5 GB each, thrashed this machine's page cache at 40-68 ms a query); "
+                         "snapshots are never written in place, and the rest (logs, CURRENT) is copied")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     from oprag_client.client import OpRAGClient, query_request
@@ -82,7 +101,7 @@ def main(argv=None) -> dict:
         for i, (tree, args, _, data) in enumerate(arms):
             d = a.work / f"arm{i}"
             shutil.rmtree(d, ignore_errors=True)
-            shutil.copytree(Path(data) if data else a.data_dir, d)
+            _copy(Path(data) if data else a.data_dir, d, a.link)
             env = {"PYTHONPATH": f"{tree}/server:{tree}/client:{tree}"}
             srvs.append(ServerProcess.on_free_ports(d, "--generator", "none", "--shards", "2", *args.split(), env=env).start())
             clients.append(OpRAGClient(srvs[-1].target).__enter__())
