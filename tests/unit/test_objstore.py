@@ -16,7 +16,7 @@ from oprag_server.index.wal import WriteAheadLog, encode_record
 from oprag_server.shards.protocol import (ApplyRequest, MemoryClearRequest, MemoryLookupRequest, PrepareRequest,
                                           PromoteRequest, ReuseRequest, StageRequest, StatsRequest)
 from oprag_server.shards.state import ShardState
-from oprag_server.shards.storage import ShardStorage, copy_current, replica_uri
+from oprag_server.shards.storage import LocalAhead, ShardStorage, copy_current, replica_uri
 from oprag_server.startup import check_storage
 
 DIM = 4
@@ -358,8 +358,10 @@ def test_a_seed_cut_short_is_seeded_again_and_the_local_copy_kept(tmp_path, uri,
     store = ShardStorage(uri, 0).store
     store.put(f"snap/{name}/{part.relative_to(shard / name).as_posix()}", part.read_bytes()[:5])  # cut short
     store.put("snap/snap-000000000000-1/meta.json", b"{")  # and an object of no snapshot of this shard
-    first = encode_record(next(iter(WriteAheadLog(shard / "wal.log"))))
+    records = [encode_record(r) for r in WriteAheadLog(shard / "wal.log")]
+    first = records[0]
     store.put(f"wal/{record_key(0)}", first)  # the seed's copy of the local log's first record
+    store.put(f"wal/{record_key(len(records) - 1)}", records[-1][:7])  # and a put cut short (trial59b F1)
     capfd.readouterr()
     b = _state(tmp_path / "n", uri, set(committed))
     assert _view(b) == want and b.storage.seeded and (shard / name / "meta.json").exists()
@@ -386,3 +388,26 @@ def test_log_objects_without_current_that_the_local_log_lacks_are_not_deleted(tm
         _state(tmp_path / "n", uri, set(committed))
     assert store.get(f"wal/{record_key(1)}") == b"another writer's record" and store.get("CURRENT") is None
     assert (shard / name / "meta.json").exists() and (shard / "CURRENT").read_text().strip() == name
+
+
+def test_a_local_snapshot_newer_than_the_storage_is_never_replaced(tmp_path, uri):
+    """trial59b F3: an empty directory started on the storage after a seeding start was cut short seeded empty shards
+    (CURRENT naming no snapshot); the original directory's next start then replaced its snapshot by that: 5,300
+    acknowledged documents gone, the server READY with 0. A local directory holding writes the storage lacks is now
+    refused before anything local changes, saying how to go on either way."""
+    a, committed, shard, name = _snapshotted(tmp_path, uri, ["d1", "d2"])
+    want = _view(a)
+    a.txns.wal.close()
+    prefix = tmp_path / "bucket" / "oprag" / "shard-0"
+    shutil.rmtree(prefix)
+    e = _state(tmp_path / "empty", uri, set())  # an empty directory seeds the prefix with an empty shard
+    e.txns.wal.close()
+    assert ShardStorage(uri, 0).current() == {"snapshot": None, "wal_from": 0}
+    before = sorted(p.relative_to(shard) for p in shard.rglob("*"))
+    with pytest.raises(LocalAhead, match=rf"holds snapshot {name} and writes up to sequence 1, newer than anything the "
+                                         r"storage .* \(up to 0, snapshot \(none\)\): the local copy is not replaced"):
+        _state(tmp_path / "n", uri, set(committed))
+    assert sorted(p.relative_to(shard) for p in shard.rglob("*")) == before
+    shutil.rmtree(prefix)  # the message's way on: the storage's prefix moved aside
+    b = _state(tmp_path / "n", uri, set(committed))
+    assert b.storage.seeded and _view(b) == want
