@@ -411,3 +411,34 @@ def test_a_local_snapshot_newer_than_the_storage_is_never_replaced(tmp_path, uri
     shutil.rmtree(prefix)  # the message's way on: the storage's prefix moved aside
     b = _state(tmp_path / "n", uri, set(committed))
     assert b.storage.seeded and _view(b) == want
+
+
+def test_a_commit_log_seeding_cut_short_is_seeded_again_from_the_local_file(tmp_path, uri):
+    """trial59b F2: kill -9 while the first start put the local commit log's records into an empty store left part of
+    them there; the next start took the store's part as the log (the local file rewritten from it: 301 -> 149 records)
+    and the shards refused. The seeding now puts a SEEDING object first and deletes it last; a start that finds it
+    seeds the store again from the local file, and one whose file holds nothing (another data directory) refuses."""
+    from oprag_server.index.objstore import SEEDING, open_mirrored
+
+    path = tmp_path / "a" / "commits.log"
+    path.parent.mkdir()
+    log = WriteAheadLog(path)
+    recs = [{"txn": f"t{i}", "seq": i, "kind": "commit"} for i in range(1, 8)]
+    log.reset(recs)
+    log.close()
+    local = path.read_bytes()
+    commits = ObjectStore.from_uri(uri).sub("commits")
+    open_mirrored(path, commits).close()  # a seeding that finished: no marker left
+    assert commits.get(SEEDING) is None and len(commits.list()) == len(recs)
+    commits.delete(commits.list())
+    commits.put(SEEDING, b"")  # the cut-short seeding: the marker, three records, a fourth put cut short
+    for pos in range(3):
+        commits.put(record_key(pos), encode_record(recs[pos]))
+    commits.put(record_key(3), encode_record(recs[3])[:9])
+    with pytest.raises(RuntimeError, match="seeding from another data directory was cut short"):
+        open_mirrored(tmp_path / "empty" / "commits.log", commits)  # a fresh directory: refused, nothing changed
+    assert len(commits.list()) == 5
+    m = open_mirrored(path, commits)
+    m.close()
+    assert path.read_bytes() == local and commits.get(SEEDING) is None
+    assert read_log_objects(commits, None) == (recs, len(recs))
