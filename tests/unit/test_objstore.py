@@ -400,7 +400,10 @@ def test_a_local_snapshot_newer_than_the_storage_is_never_replaced(tmp_path, uri
     a.txns.wal.close()
     prefix = tmp_path / "bucket" / "oprag" / "shard-0"
     shutil.rmtree(prefix)
-    e = _state(tmp_path / "empty", uri, set())  # an empty directory seeds the prefix with an empty shard
+    e = _state(tmp_path / "nothing", uri, set(committed))  # committed transactions: an empty shard is not seeded
+    e.txns.wal.close()
+    assert ShardStorage(uri, 0).current() is None
+    e = _state(tmp_path / "empty", uri, set())  # (none: a new, empty shard is seeded)
     e.txns.wal.close()
     assert ShardStorage(uri, 0).current() == {"snapshot": None, "wal_from": 0}
     before = sorted(p.relative_to(shard) for p in shard.rglob("*"))
@@ -442,3 +445,32 @@ def test_a_commit_log_seeding_cut_short_is_seeded_again_from_the_local_file(tmp_
     m.close()
     assert path.read_bytes() == local and commits.get(SEEDING) is None
     assert read_log_objects(commits, None) == (recs, len(recs))
+
+
+def test_a_store_log_emptied_since_is_not_called_lost(tmp_path, uri):
+    """trial59b F5: a local commit log of 7 records beside a store whose log another start emptied after every shard
+    snapshotted (one base record at the same sequence number) was reported as "the store lost its newest objects".
+    Only a store log that does not reach the file's highest sequence number is."""
+    import logging
+
+    from oprag_server.index.objstore import local_extra
+
+    path = tmp_path / "commits.log"
+    log = WriteAheadLog(path)
+    log.reset([{"txn": f"t{i}", "seq": i, "kind": "commit"} for i in range(1, 8)])
+    log.close()
+    level, line = local_extra(path, [{"txn": "", "seq": 7, "kind": "base"}], uri)
+    assert level == logging.INFO and "emptied since" in line and "lost" not in line
+    level, line = local_extra(path, [{"txn": "t1", "seq": 1, "kind": "commit"}], uri)
+    assert level == logging.WARNING and "the store lost its newest objects" in line
+
+
+def test_a_damaged_storage_copy_downloaded_by_a_new_node_is_named_as_the_storage_s(tmp_path, uri):
+    """trial59b F8: the error named the just-downloaded local file and said the chunks had no other copy, while the
+    storage's object was the damaged one and the original directory held the snapshot whole."""
+    _, committed, shard, name = _snapshotted(tmp_path, uri, ["d1"])
+    _flip(tmp_path / "bucket" / "oprag" / "shard-0" / "snap" / name / "memory.json")
+    with pytest.raises(RuntimeError, match=rf"the storage's copy of snapshot {name}, just downloaded from .*"
+                                           r"cannot be loaded: .*memory.json.* The storage's objects are damaged"):
+        _state(tmp_path / "m", uri, set(committed))
+    assert (shard / name / "meta.json").exists()

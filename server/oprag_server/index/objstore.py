@@ -14,6 +14,7 @@ put as one object (``<pos:020d>.rec``, framed and checksummed as in the log file
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from typing import Any
@@ -271,9 +272,8 @@ def local_extra(path: Any, recs: list[dict], uri: str) -> tuple[int, str] | None
     store's objects hold (the local file is about to be rewritten from the store), else None. One more is what a
     crash between the local append and the put leaves, or a put that failed (never acknowledged either way), but
     also the store losing its newest object: INFO, as the two cannot be told apart. Two or more: the store lost
-    objects, WARNING (trial57 #1, #2: deleted, they were dropped without a word). Counted from the frames' headers
-    and CRC-32s over a map of the file (no unpickling)."""
-    import logging  # noqa: PLC0415
+    objects, WARNING (trial57 #1, #2: deleted, they were dropped without a word), unless the store's records reach
+    the file's highest sequence number (emptied since: INFO). Counted from the frames over a map of the file."""
     import mmap  # noqa: PLC0415
 
     from .wal import frames  # noqa: PLC0415
@@ -292,6 +292,11 @@ def local_extra(path: Any, recs: list[dict], uri: str) -> tuple[int, str] | None
         return logging.INFO, (f"{path}: its last record is not in the store {uri} (a crash before its put finished, "
                               "or a put that failed: never acknowledged; or the store lost its newest object); the "
                               "store's log is used")
+    seqs = [[int(r["seq"]) for r in x if "seq" in r] for x in (read_records(path)[0], recs)]
+    if seqs[1] and max(seqs[1]) >= max(seqs[0], default=0):  # (not behind the file: emptied since, trial59b F5)
+        return logging.INFO, (f"{path} holds {n} records, the store {uri} {len(recs)} reaching sequence number "
+                              f"{max(seqs[1])}: the store's log was emptied since (its shards snapshotted past them); "
+                              "the store's log is used")
     return logging.WARNING, (f"{path} holds {n} intact records, the store {uri} {len(recs)}: the store lost its "
                              f"newest objects (a crash or a failed put leaves one record more at most); the store's "
                              "log is used")
@@ -320,15 +325,9 @@ def open_mirrored(path: Any, store: ObjectStore) -> "MirroredLog":
     deleted last: a start that finds it (a seeding cut short) seeds the store again from the local
     file, not the file from the store's part, and refuses when the file holds nothing (another data
     directory's seeding). For a log whose records stay valid until the owner deletes them all at
-    once (the frontend's commit log): no snapshot pointer.
-
-    :raises RuntimeError: an unfinished seeding and no local records."""
-    import logging  # noqa: PLC0415
-
-    seeding = store.get(SEEDING) is not None  # (a seeding start cut short: trial59b F2)
-    if seeding:
-        recs = read_records(path)[0] if os.path.exists(path) else []
-        if not recs:
+    once (the frontend's commit log): no snapshot pointer. :raises RuntimeError: (that refusal)"""
+    if store.get(SEEDING) is not None:  # (a seeding start cut short: trial59b F2)
+        if not (os.path.exists(path) and read_records(path)[0]):
             raise RuntimeError(f"{store.uri} holds a commit log whose seeding from another data directory was cut "
                                f"short ({SEEDING} is still there), and {path} holds none: start once with the data "
                                "directory it was seeded from (it is seeded again), or move the storage's prefix aside")

@@ -61,7 +61,12 @@ def local_copy(storage: "ShardStorage | None", snap: Path) -> Iterator[None]:
     try:
         yield
     except (ValueError, RuntimeError, OSError) as exc:
-        if storage is None or storage.downloaded or storage.seeded:  # (seeded: the store holds no copy yet)
+        if storage is not None and storage.downloaded:  # (trial59b F8: it named the local file, "no other copy")
+            raise RuntimeError(f"the storage's copy of snapshot {snap.name}, just downloaded from {storage.store.uri}/"
+                               f"snap/{snap.name}/, cannot be loaded: {exc}. The storage's objects are damaged: "
+                               "restore them from a backup, or start once with the data directory that holds this "
+                               "snapshot whole (its next snapshot replaces the storage's copy)") from exc
+        if storage is None or storage.seeded:  # (seeded: the store holds no copy yet)
             raise
         raise LocalCopyDamaged(snap, exc) from exc
 
@@ -138,6 +143,11 @@ class ShardStorage:
                     warn(say, line) if say is not None else logger.warning("%s", line)
                     self.store.delete(left)
                 return self._to_seed(d, say)
+            if not _holds_shard(d):  # (trial59b F4: replayed as a log-only shard, refused later naming another cause)
+                raise RuntimeError(f"{self.store.uri} holds {len(left)} objects but no CURRENT: a start that seeded it "
+                                   f"from another data directory was cut short (or its CURRENT was lost), and {d} holds "
+                                   "nothing. Start once with the data directory that seeded it (it seeds the prefix "
+                                   "again), or move the storage's prefix aside")
             cur = {"snapshot": None, "wal_from": 0}
         name, first = cur["snapshot"], int(cur["wal_from"])
         local = d / "CURRENT"
@@ -154,8 +164,9 @@ class ShardStorage:
         if name is None or have != name or not (d / name / "meta.json").exists():
             if have is not None and have != name:
                 self._check_not_ahead(d, have, name, records)
-                logger.warning("shard directory %s holds snapshot %s, the storage %s holds %s: replacing the local copy "
-                            "with the storage's", d, have, self.store.uri, name or "no snapshot (log only)")
+                line = (f"shard directory {d} holds snapshot {have}, the storage {self.store.uri} holds "
+                        f"{name or 'no snapshot (log only)'}: replacing the local copy with the storage's")
+                warn(say, line) if say is not None else logger.warning("%s", line)  # (trial59b F7: was a bare line)
             if name is not None:
                 if (d / name).exists():  # (a cut-off copy of the store's own snapshot: no meta.json)
                     shutil.rmtree(d / name)
@@ -278,14 +289,19 @@ class ShardStorage:
         self._seed_with = (d / name if name and (d / name / "meta.json").exists() else None, records, say)
         return MirroredLog(d / "wal.log", self.wal, len(records), 0)
 
-    def seed(self) -> None:
+    def seed(self, empty_ok: bool = True) -> None:
         """(:func:`.snapshot.load`, once the local snapshot has loaded) upload what :meth:`open_log` found in the
         local directory for an empty prefix: the snapshot, the log records, then ``CURRENT``. A local snapshot that
         cannot be loaded is never uploaded, so the prefix stays empty and a repaired directory seeds it later
-        (trial58b #5). Nothing to do when this start did not find an empty prefix."""
+        (trial58b #5). Nothing to do when this start did not find an empty prefix, nor for a directory holding nothing
+        when not ``empty_ok`` (the commit log holds transactions: the start is refused next, and an empty shard in the
+        prefix would stand for the directory that does hold them)."""
         if self._seed_with is None:
             return
         snap, records, say = self._seed_with
+        if snap is None and not records and not empty_ok:  # (trial59b F3: an empty directory's start, refused next)
+            self._seed_with = None
+            return
         t = time.perf_counter()
         if say is not None:  # (trial59 F4: a stop before "seeded" leaves an unfinished prefix, seeded again next start)
             say(f"seeding {self.store.uri} from the local directory: snapshot {snap.name if snap else '(none)'} and "

@@ -238,8 +238,23 @@ def main(*args) -> None:
     snapshot written), then :func:`exit_now`: the interpreter teardown made a server's SIGTERM
     wait 3.5 s with 2 shards, 6-9 s with 2-3 shards x 2 replicas (the frontend joins each process
     in turn). Tests call :func:`run` in their own process, which must go on."""
+    _log_lines(args[0], args[8] if len(args) > 8 else None)
     run(*args)
     exit_now(0)
+
+
+def _log_lines(shard_id: int, who: str | None) -> None:
+    """(A shard process) the ``oprag`` logger's WARNINGs and ERRORs (the storage's, :mod:`.storage`) as the shard's
+    own lines, ``<local time>,<ms> <LEVEL> shard <i>: ...`` (:meth:`.state.ShardState.say`): with no handler there
+    they came out bare, no time, level or shard (trial59b F7)."""
+    import logging  # noqa: PLC0415
+
+    h = logging.StreamHandler(sys.stderr)
+    h.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {who or f'shard {shard_id}'}: %(message)s"))
+    lg = logging.getLogger("oprag")
+    lg.addHandler(h)
+    lg.setLevel(logging.WARNING)
+    lg.propagate = False
 
 
 def _gone() -> None:
