@@ -400,10 +400,13 @@ def test_a_local_snapshot_newer_than_the_storage_is_never_replaced(tmp_path, uri
     a.txns.wal.close()
     prefix = tmp_path / "bucket" / "oprag" / "shard-0"
     shutil.rmtree(prefix)
-    e = _state(tmp_path / "nothing", uri, set(committed))  # committed transactions: an empty shard is not seeded
+    commits = ObjectStore.from_uri(uri).sub("commits")  # the frontend's commit log, reset at sequence 1 (trial59c)
+    commits.put(record_key(0), encode_record({"txn": "", "seq": 1, "kind": "base"}))
+    e = _state(tmp_path / "nothing", uri, set())  # the commit log reached 1: an empty shard is not seeded
     e.txns.wal.close()
     assert ShardStorage(uri, 0).current() is None
-    e = _state(tmp_path / "empty", uri, set())  # (none: a new, empty shard is seeded)
+    commits.delete(commits.list())
+    e = _state(tmp_path / "empty", uri, set())  # (a new deployment: the empty shard is seeded)
     e.txns.wal.close()
     assert ShardStorage(uri, 0).current() == {"snapshot": None, "wal_from": 0}
     before = sorted(p.relative_to(shard) for p in shard.rglob("*"))

@@ -386,7 +386,7 @@ def load(d: Path, store: ChunkStore, memory: MemoryStore, txns: Transactions, co
             memory_files.load(snap, meta, memory)
             loading.done(f"snapshot {snap.name} loaded: {table.num_rows} chunks")
     if storage is not None:
-        storage.seed(empty_ok=not committed)  # (an empty prefix: seeded once the local snapshot has loaded)
+        storage.seed()  # (an empty prefix: seeded from the local directory once its snapshot has loaded)
     size = wal.path.stat().st_size if wal.path.exists() else 0
     replaying = _Step(say, f"replaying the write-ahead log: {size} bytes", size > 0)
     replayed = txns.replay(wal, committed)

@@ -115,7 +115,8 @@ class ShardStorage:
     """
 
     def __init__(self, uri: str, shard_id: int) -> None:
-        self.store = ObjectStore.from_uri(uri).sub(f"shard-{shard_id}")
+        self.root = ObjectStore.from_uri(uri)
+        self.store = self.root.sub(f"shard-{shard_id}")
         self.wal = self.store.sub("wal")
         self.downloaded = False  # the last open_log fetched the snapshot (for tests and logs)
         self.seeded = False  # the last open_log found an empty prefix: the local directory seeds it (seed())
@@ -277,6 +278,15 @@ class ShardStorage:
                              f"short, or it was served without --storage-uri since), move the storage's prefix aside and "
                              f"start again: an empty prefix is seeded from it. If the storage is, move {d / have} away")
 
+    def _commits_seq(self) -> int:
+        """The highest sequence number in the storage's commit log (``commits/``, which the frontend opened before
+        the shards: its base record's after a reset too); 1 when it cannot be read (taken as holding writes)."""
+        try:
+            recs = read_log_objects(self.root.sub("commits"), None)[0]
+        except Exception:  # noqa: BLE001 - a damaged or gapped log: the frontend reports it; never seed empty then
+            return 1
+        return max((int(r.get("seq", 0)) for r in recs), default=0)
+
     def _to_seed(self, d: Path, say: Callable[[str], None] | None = None) -> MirroredLog:
         """(:meth:`open_log`, an empty prefix) the shard ``d`` holds is its start; :meth:`seed` uploads it."""
         local = d / "CURRENT"
@@ -289,17 +299,17 @@ class ShardStorage:
         self._seed_with = (d / name if name and (d / name / "meta.json").exists() else None, records, say)
         return MirroredLog(d / "wal.log", self.wal, len(records), 0)
 
-    def seed(self, empty_ok: bool = True) -> None:
+    def seed(self) -> None:
         """(:func:`.snapshot.load`, once the local snapshot has loaded) upload what :meth:`open_log` found in the
         local directory for an empty prefix: the snapshot, the log records, then ``CURRENT``. A local snapshot that
         cannot be loaded is never uploaded, so the prefix stays empty and a repaired directory seeds it later
         (trial58b #5). Nothing to do when this start did not find an empty prefix, nor for a directory holding nothing
-        when not ``empty_ok`` (the commit log holds transactions: the start is refused next, and an empty shard in the
-        prefix would stand for the directory that does hold them)."""
+        while the storage's commit log has reached a sequence number above 0 (the start is refused next, and an empty
+        shard in the prefix would stand for the directory that does hold the writes: trial59b F3, trial59c)."""
         if self._seed_with is None:
             return
         snap, records, say = self._seed_with
-        if snap is None and not records and not empty_ok:  # (trial59b F3: an empty directory's start, refused next)
+        if snap is None and not records and self._commits_seq() > 0:  # (an empty directory's start, refused next)
             self._seed_with = None
             return
         t = time.perf_counter()
