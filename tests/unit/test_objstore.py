@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from oprag_server import records
-from oprag_server.index.objstore import LogGapError, MirroredLog, ObjectStore, read_log_objects, record_key
+from oprag_server.index.objstore import (LocalNewer, LogGapError, MirroredLog, ObjectStore, read_log_objects,
+                                         record_key)
 from oprag_server.index.wal import WriteAheadLog, encode_record
 from oprag_server.shards.protocol import (ApplyRequest, MemoryClearRequest, MemoryLookupRequest, PrepareRequest,
                                           PromoteRequest, ReuseRequest, StageRequest, StatsRequest)
@@ -464,8 +465,28 @@ def test_a_store_log_emptied_since_is_not_called_lost(tmp_path, uri):
     log.close()
     level, line = local_extra(path, [{"txn": "", "seq": 7, "kind": "base"}], uri)
     assert level == logging.INFO and "emptied since" in line and "lost" not in line
-    level, line = local_extra(path, [{"txn": "t1", "seq": 1, "kind": "commit"}], uri)
-    assert level == logging.WARNING and "the store lost its newest objects" in line
+    with pytest.raises(LocalNewer, match=r"holds 7 intact records, the store .* 1 .*the file holds writes the store "
+                                         r"lacks \(it was written without --storage-uri since"):
+        local_extra(path, [{"txn": "t1", "seq": 1, "kind": "commit"}], uri)  # (trial59c N1)
+
+
+def test_a_directory_served_without_the_storage_since_is_not_cut_down_to_it(tmp_path, uri):
+    """trial59c N1: a data directory seeded onto the storage, then served without --storage-uri (300 acknowledged
+    documents in its logs, same snapshot), then started with it again: its logs were cut down to the store's copy and
+    the server was READY without those documents. The start is now refused, nothing changed."""
+    from oprag_server.shards.state import ShardState
+
+    a, committed, shard, name = _snapshotted(tmp_path, uri, ["d1"])
+    a.txns.wal.close()
+    b = ShardState(0, DIM, tmp_path / "n")  # the same directory without --storage-uri
+    b.load(set(committed))
+    _commit(b, "t2", 2, ["d2"], committed)
+    _commit(b, "t3", 3, ["d3"], committed)
+    b.txns.wal.close()
+    local = (shard / "wal.log").read_bytes()
+    with pytest.raises(LocalNewer, match="the file holds writes the store lacks"):
+        _state(tmp_path / "n", uri, set(committed))
+    assert (shard / "wal.log").read_bytes() == local and (shard / "CURRENT").read_text().strip() == name
 
 
 def test_a_damaged_storage_copy_downloaded_by_a_new_node_is_named_as_the_storage_s(tmp_path, uri):

@@ -19,6 +19,7 @@ import os
 import uuid
 from typing import Any
 
+from .log_extra import LocalNewer, local_extra  # noqa: F401 - re-exported (shards.storage)
 from .wal import WriteAheadLog, encode_record, parse_records, read_records
 from .wal import _fsync_dir as _fsync  # (any path: file or directory)
 
@@ -265,41 +266,6 @@ def written_whole(data: bytes) -> bool:
     if len(body) < 12 or body[0] != 0x80 or body[1] not in (4, 5) or body[2] != 0x95:
         return False
     return 11 + int.from_bytes(body[3:11], "little") == len(body) and body[-1:] == b"."
-
-
-def local_extra(path: Any, recs: list[dict], uri: str) -> tuple[int, str] | None:
-    """``(level, line)`` for the log when the local log file ``path`` holds more intact records than the ``recs`` the
-    store's objects hold (the local file is about to be rewritten from the store), else None. One more is what a
-    crash between the local append and the put leaves, or a put that failed (never acknowledged either way), but
-    also the store losing its newest object: INFO, as the two cannot be told apart. Two or more: the store lost
-    objects, WARNING (trial57 #1, #2: deleted, they were dropped without a word), unless the store's records reach
-    the file's highest sequence number (emptied since: INFO). Counted from the frames over a map of the file."""
-    import mmap  # noqa: PLC0415
-
-    from .wal import frames  # noqa: PLC0415
-
-    try:
-        with open(path, "rb") as f:
-            if os.fstat(f.fileno()).st_size == 0:
-                return None
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-                n = sum(1 for _ in frames(m))
-    except (OSError, ValueError):
-        return None
-    if n <= len(recs):
-        return None
-    if n == len(recs) + 1:
-        return logging.INFO, (f"{path}: its last record is not in the store {uri} (a crash before its put finished, "
-                              "or a put that failed: never acknowledged; or the store lost its newest object); the "
-                              "store's log is used")
-    seqs = [[int(r["seq"]) for r in x if "seq" in r] for x in (read_records(path)[0], recs)]
-    if seqs[1] and max(seqs[1]) >= max(seqs[0], default=0):  # (not behind the file: emptied since, trial59b F5)
-        return logging.INFO, (f"{path} holds {n} records, the store {uri} {len(recs)} reaching sequence number "
-                              f"{max(seqs[1])}: the store's log was emptied since (its shards snapshotted past them); "
-                              "the store's log is used")
-    return logging.WARNING, (f"{path} holds {n} intact records, the store {uri} {len(recs)}: the store lost its "
-                             f"newest objects (a crash or a failed put leaves one record more at most); the store's "
-                             "log is used")
 
 
 def _ranges(ps: list[int]) -> str:
