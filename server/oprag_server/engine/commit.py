@@ -208,7 +208,9 @@ class CommitProtocol:
                 + (f" (every shard's snapshot had reached {base} when the log was last emptied: an older snapshot or "
                    "data directory was put in place of the live one)" if older else "")
                 + ": the shard's log records of those (prepare records) are missing, so it is not served without "
-                + ("them (restore its log objects or the live snapshot, or restore the storage from a backup)" if where
+                + ("them (restore its log objects or the live snapshot, or restore the storage from a backup; a shard "
+                   "at 0 on an empty data directory may be one the storage holds nothing for yet, its seeding from "
+                   "another data directory cut short: start once with that directory)" if where
                    else "them (restore its wal.log, or its live snapshot directory, from a backup)"))
         if committed is None and len(set(applied.values())) > 1:  # a start: every shard applied every transaction
             top = max(applied.values())
