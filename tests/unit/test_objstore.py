@@ -498,3 +498,30 @@ def test_a_damaged_storage_copy_downloaded_by_a_new_node_is_named_as_the_storage
                                            r"cannot be loaded: .*memory.json.* The storage's objects are damaged"):
         _state(tmp_path / "m", uri, set(committed))
     assert (shard / name / "meta.json").exists()
+
+
+def test_a_local_log_alone_newer_than_the_storage_is_not_replaced(tmp_path, uri):
+    """The same guards for a shard directory holding no snapshot, only log records the storage lacks (served without
+    --storage-uri since): with the storage naming no snapshot either, two records more refuse (one more is what a
+    crash mid-put leaves); with the storage's snapshot below the log's sequence numbers, any record does. Refused
+    with its log byte for byte as it was."""
+    a = _state(tmp_path / "n", uri)  # seeded: an empty shard, CURRENT naming no snapshot
+    a.txns.wal.close()
+    b = ShardState(0, DIM, tmp_path / "n")  # then served without the storage
+    committed: set[str] = set()
+    b.load(set())
+    _commit(b, "t1", 1, ["d1"], committed)
+    _commit(b, "t2", 2, ["d2"], committed)
+    b.txns.wal.close()
+    shard = tmp_path / "n" / "shard-0"
+    local = (shard / "wal.log").read_bytes()
+    with pytest.raises(LocalNewer, match="the file holds writes the store lacks"):
+        _state(tmp_path / "n", uri, set(committed))
+    assert (shard / "wal.log").read_bytes() == local
+    other = uri.replace("/bucket/", "/bucket2/")
+    s, _, _, name = _snapshotted(tmp_path / "other", other, ["x1"])  # another storage, its snapshot at seq 1
+    s.txns.wal.close()
+    with pytest.raises(LocalAhead, match=rf"holds snapshot \(none\) and writes up to sequence 2, newer than anything "
+                                         rf"the storage .* \(up to 1, snapshot {name}\)"):
+        _state(tmp_path / "n", other, set(committed))
+    assert (shard / "wal.log").read_bytes() == local

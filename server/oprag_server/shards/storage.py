@@ -163,8 +163,9 @@ class ShardStorage:
                                   "prefix is seeded from the local directory") from None
             raise
         if name is None or have != name or not (d / name / "meta.json").exists():
-            if have is not None and have != name:
+            if have != name:
                 self._check_not_ahead(d, have, name, records)
+            if have is not None and have != name:
                 line = (f"shard directory {d} holds snapshot {have}, the storage {self.store.uri} holds "
                         f"{name or 'no snapshot (log only)'}: replacing the local copy with the storage's")
                 warn(say, line) if say is not None else logger.warning("%s", line)  # (trial59b F7: was a bare line)
@@ -259,24 +260,24 @@ class ShardStorage:
                 return False
         return True
 
-    def _check_not_ahead(self, d: Path, have: str, name: str | None, records: list) -> None:
+    def _check_not_ahead(self, d: Path, have: str | None, name: str | None, records: list) -> None:
         """Refuse, before anything local changes, to replace the local snapshot ``have`` by the storage's ``name``
         (None: none) when the local directory holds writes the storage lacks: a sequence number (its snapshot's, or a
         record's in its log) above every one the storage holds (``name``'s and its log ``records``'). A storage that
         took every acknowledged write never is behind its shard's directory; one is after a seeding start cut short,
         an empty directory seeded since in its place, or a directory served without ``--storage-uri`` meanwhile
         (trial59b F1, F3: each deleted the only full copy). :raises LocalAhead:"""
-        if not (d / have / "meta.json").exists():
-            return
-        mine = max([_snap_seq(have)] + _record_seqs(d / "wal.log"))
+        whole = have is not None and (d / have / "meta.json").exists()  # (a log alone counts too)
+        mine = max([_snap_seq(have) if whole else 0] + _record_seqs(d / "wal.log"))
         theirs = max([_snap_seq(name)] + [int(r["seq"]) for r in records if r.get("kind") in _SEQ_KINDS])
         if mine > theirs:
-            raise LocalAhead(f"shard directory {d} holds snapshot {have} and writes up to sequence {mine}, newer than "
-                             f"anything the storage {self.store.uri} holds (up to {theirs}, snapshot "
+            raise LocalAhead(f"shard directory {d} holds snapshot {have or '(none)'} and writes up to sequence {mine}, "
+                             f"newer than anything the storage {self.store.uri} holds (up to {theirs}, snapshot "
                              f"{name or '(none)'}): the local copy is not replaced, and nothing was changed. If the "
                              f"local directory is the one to serve (a start that seeded the storage from it was cut "
                              f"short, or it was served without --storage-uri since), move the storage's prefix aside and "
-                             f"start again: an empty prefix is seeded from it. If the storage is, move {d / have} away")
+                             f"start again: an empty prefix is seeded from it. If the storage is, move "
+                             f"{d / have if whole else d / 'wal.log'} away")
 
     def _commits_seq(self) -> int:
         """The highest sequence number in the storage's commit log (``commits/``, which the frontend opened before
