@@ -264,7 +264,7 @@ class ShardStorage:
         """Refuse, before anything local changes, to replace the local snapshot ``have`` by the storage's ``name``
         (None: none) when the local directory holds writes the storage lacks: a sequence number (its snapshot's, or a
         record's in its log) above every one the storage holds (``name``'s and its log ``records``'). A storage that
-        took every acknowledged write never is behind its shard's directory; one is after a seeding start cut short,
+        took every acknowledged write is never behind its shard's directory; one is after a seeding start cut short,
         an empty directory seeded since in its place, or a directory served without ``--storage-uri`` meanwhile
         (trial59b F1, F3: each deleted the only full copy). :raises LocalAhead:"""
         whole = have is not None and (d / have / "meta.json").exists()  # (a log alone counts too)
