@@ -10,6 +10,12 @@ from typing import Any
 from .wal import read_records
 
 
+def record_seqs(records) -> list[int]:
+    """The sequence numbers of log records (a shard log's upserts and deletes, a commit log's commit and base records;
+    memory records carry none)."""
+    return [int(r["seq"]) for r in records if "seq" in r]
+
+
 class LocalNewer(RuntimeError):
     """(:func:`local_extra`) a local log holds records the store lacks: it is not rewritten from the store."""
 
@@ -39,7 +45,7 @@ def local_extra(path: Any, recs: list[dict], uri: str) -> tuple[int, str] | None
         return logging.INFO, (f"{path}: its last record is not in the store {uri} (a crash before its put finished, "
                               "or a put that failed: never acknowledged; or the store lost its newest object); the "
                               "store's log is used")
-    seqs = [[int(r["seq"]) for r in x if "seq" in r] for x in (read_records(path)[0], recs)]
+    seqs = [record_seqs(read_records(path)[0]), record_seqs(recs)]
     if seqs[1] and max(seqs[1]) >= max(seqs[0], default=0):  # (not behind the file: emptied since, trial59b F5)
         return logging.INFO, (f"{path} holds {n} records, the store {uri} {len(recs)} reaching sequence number "
                               f"{max(seqs[1])}: the store's log was emptied since (its shards snapshotted past them); "

@@ -19,7 +19,7 @@ import os
 import uuid
 from typing import Any
 
-from .log_extra import LocalNewer, local_extra  # noqa: F401 - re-exported (shards.storage)
+from .log_extra import LocalNewer, local_extra, record_seqs  # noqa: F401 - re-exported (shards.storage)
 from .wal import WriteAheadLog, encode_record, parse_records, read_records
 from .wal import _fsync_dir as _fsync  # (any path: file or directory)
 

@@ -37,7 +37,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..index.objstore import (LogGapError, MirroredLog, ObjectStore, local_extra, read_log_objects, record_key,
-                               record_pos)
+                               record_pos, record_seqs)
 from ..index.wal import WriteAheadLog, encode_record, fsync_write
 from .snapshot_current import warn
 
@@ -75,9 +75,6 @@ class LocalAhead(RuntimeError):
     """(:meth:`ShardStorage.open_log`) the local directory holds writes the storage lacks: not replaced by its copy."""
 
 
-_SEQ_KINDS = ("upsert", "delete")  # log records with a sequence number (memory records have none)
-
-
 def _snap_seq(name: str | None) -> int:
     """The applied sequence number a snapshot's name carries (``snap-<seq:012d>-<ns>``); 0 for None or another name."""
     part = name.split("-") if name else []
@@ -87,18 +84,23 @@ def _snap_seq(name: str | None) -> int:
 def _record_seqs(path: Path) -> list[int]:
     """The sequence numbers of the write-ahead log ``path``'s records (none when it cannot be read)."""
     try:
-        return [int(r["seq"]) for r in WriteAheadLog(path) if r.get("kind") in _SEQ_KINDS]
+        return record_seqs(WriteAheadLog(path))
     except Exception:  # noqa: BLE001 - a log that cannot be read here is read (and reported) by the replay
         return []
 
 
-def _holds_shard(d: Path) -> bool:
-    """Whether the local shard directory ``d`` holds anything to seed a prefix from: a current snapshot (whole:
-    its ``meta.json``) or log records."""
+def _whole_snapshot(d: Path) -> str | None:
+    """The snapshot the local shard directory ``d``'s ``CURRENT`` names, when it is whole (its ``meta.json``)."""
     cur = d / "CURRENT"
     name = cur.read_text().strip() if cur.exists() else ""
+    return name if name and (d / name / "meta.json").exists() else None
+
+
+def _holds_shard(d: Path) -> bool:
+    """Whether the local shard directory ``d`` holds anything to seed a prefix from: a whole current snapshot or
+    log records."""
     wal = d / "wal.log"
-    return bool(name and (d / name / "meta.json").exists()) or (wal.exists() and wal.stat().st_size > 0)
+    return _whole_snapshot(d) is not None or (wal.exists() and wal.stat().st_size > 0)
 
 
 def replica_uri(uri: str | None, r: int) -> str | None:
@@ -153,7 +155,6 @@ class ShardStorage:
         name, first = cur["snapshot"], int(cur["wal_from"])
         local = d / "CURRENT"
         have = local.read_text().strip() if local.exists() else None
-        self.downloaded = False
         try:  # (before anything local changes: a refused start kept no local snapshot, its only copy: trial57 #4)
             records, nxt = read_log_objects(self.wal, first)
         except LogGapError as exc:
@@ -267,9 +268,9 @@ class ShardStorage:
         took every acknowledged write is never behind its shard's directory; one is after a seeding start cut short,
         an empty directory seeded since in its place, or a directory served without ``--storage-uri`` meanwhile
         (trial59b F1, F3: each deleted the only full copy). :raises LocalAhead:"""
-        whole = have is not None and (d / have / "meta.json").exists()  # (a log alone counts too)
+        whole = have is not None and _whole_snapshot(d) == have  # (a log alone counts too)
         mine = max([_snap_seq(have) if whole else 0] + _record_seqs(d / "wal.log"))
-        theirs = max([_snap_seq(name)] + [int(r["seq"]) for r in records if r.get("kind") in _SEQ_KINDS])
+        theirs = max([_snap_seq(name)] + record_seqs(records))
         if mine > theirs:
             raise LocalAhead(f"shard directory {d} holds snapshot {have or '(none)'} and writes up to sequence {mine}, "
                              f"newer than anything the storage {self.store.uri} holds (up to {theirs}, snapshot "
@@ -286,18 +287,17 @@ class ShardStorage:
             recs = read_log_objects(self.root.sub("commits"), None)[0]
         except Exception:  # noqa: BLE001 - a damaged or gapped log: the frontend reports it; never seed empty then
             return 1
-        return max((int(r.get("seq", 0)) for r in recs), default=0)
+        return max(record_seqs(recs), default=0)
 
     def _to_seed(self, d: Path, say: Callable[[str], None] | None = None) -> MirroredLog:
         """(:meth:`open_log`, an empty prefix) the shard ``d`` holds is its start; :meth:`seed` uploads it."""
-        local = d / "CURRENT"
-        name = local.read_text().strip() if local.exists() else None
+        name = _whole_snapshot(d)
         records = list(WriteAheadLog(d / "wal.log"))
         log = WriteAheadLog(d / "wal.log")
         log.reset(records)
         log.close()
         self.seeded = True
-        self._seed_with = (d / name if name and (d / name / "meta.json").exists() else None, records, say)
+        self._seed_with = (d / name if name else None, records, say)
         return MirroredLog(d / "wal.log", self.wal, len(records), 0)
 
     def seed(self) -> None:
